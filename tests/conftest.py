@@ -1,0 +1,43 @@
+"""Shared pytest fixtures and the `gpu` marker's skip rule.
+
+Tests run from the repository root (pyproject sets pythonpath = ["."]); nothing is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# GSM8K lives beside the checkout in ../shared/data/gsm8k (never copied into the repository).
+GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", REPO_ROOT.parent / "shared" / "data" / "gsm8k"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing is an install error reported elsewhere
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    if not (GSM8K_DIR / "test.jsonl").exists():
+        pytest.fail(f"GSM8K data not found at {GSM8K_DIR}; set GSM8K_DIR or place ../shared beside the checkout")
+    return GSM8K_DIR
