@@ -312,7 +312,9 @@ def write_random_checkpoint(
         out_dir: created if missing; config.json, generation_config.json, model.safetensors (one file, keys
             sorted) are overwritten, plus tokenizer.json / tokenizer_config.json copied from tokenizer_dir.
         config_overrides: transformers config fields replacing the tiny defaults (TINY_NEMOTRON_H /
-            TINY_QWEN3_NEXT), e.g. {"hidden_size": 64, "layers_block_type": [...]}.
+            TINY_QWEN3_NEXT), e.g. {"hidden_size": 64, "layers_block_type": [...]}. The layer layout may also
+            be given as NemotronH "hybrid_override_pattern" ("M*E-") / "mtp_hybrid_override_pattern", or as
+            Qwen3-Next "num_hidden_layers" with "full_attention_interval" (default 4).
         seed: `torch.manual_seed(seed)` before any init; same seed + same arguments -> same file bytes.
         dtype: on-disk dtype of every tensor except those transformers keeps in float32
             (`_keep_in_fp32_modules_strict`: NemotronH router gate.weight and e_score_correction_bias).
@@ -337,13 +339,28 @@ def write_random_checkpoint(
         tokenizer_dir = Path(tokenizer_dir)
         tokenizer_size = _tokenizer_vocab_size(tokenizer_dir)
         fields["vocab_size"] = tokenizer_size
-    fields.update(config_overrides or {})
+    overrides = dict(config_overrides or {})
+    # A layer layout given in another spelling replaces the default list instead of being silently outvoted
+    # by it (transformers lets an explicit list win over the legacy pattern string / the attention interval).
+    if family == "nemotron_h":
+        for pattern, layers in (
+            ("hybrid_override_pattern", "layers_block_type"),
+            ("mtp_hybrid_override_pattern", "mtp_layers_block_type"),
+        ):
+            if pattern in overrides and layers not in overrides:
+                fields.pop(layers)
+    elif "layer_types" not in overrides and (
+        "num_hidden_layers" in overrides or "full_attention_interval" in overrides
+    ):
+        fields.pop("layer_types")
+        fields.setdefault("full_attention_interval", 4)
+    fields.update(overrides)
     if tokenizer_dir is not None and fields["vocab_size"] < tokenizer_size:
         raise ValueError(
             f"vocab_size={fields['vocab_size']} is smaller than the tokenizer's {tokenizer_size} tokens in "
             f"{tokenizer_dir}; drop the vocab_size override or raise it"
         )
-    if family == "qwen3_next" and "num_hidden_layers" not in (config_overrides or {}):
+    if family == "qwen3_next" and "layer_types" in fields and "num_hidden_layers" not in overrides:
         fields["num_hidden_layers"] = len(fields["layer_types"])
     config = config_cls(**fields)
 

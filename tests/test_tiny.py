@@ -259,3 +259,20 @@ def test_write_random_checkpoint_float32_and_tokenizer_copy(tmp_path, gsm8k_dir)
         )
     with pytest.raises(ValueError, match="unknown family"):
         tiny.write_random_checkpoint(tmp_path / "y", "llama")
+
+
+def test_write_random_checkpoint_layer_layout_spellings(tmp_path):
+    """A legacy pattern or an attention interval in the overrides sets the layout (not the default list)."""
+    small = {k: v for k, v in SMALL["nemotron_h"].items() if k != "layers_block_type"}
+    out = tiny.write_random_checkpoint(
+        tmp_path / "n", "nemotron_h", dict(small, hybrid_override_pattern="EM*")
+    )
+    cfg = _config(out)
+    assert cfg["layers_block_type"] == ["moe", "linear_attention", "full_attention"]
+    assert cfg["hybrid_override_pattern"] == "EM*"
+    assert "backbone.layers.2.mixer.q_proj.weight" in _tensor_meta(out)
+
+    small = {k: v for k, v in SMALL["qwen3_next"].items() if k not in ("layer_types", "num_hidden_layers")}
+    overrides = dict(small, num_hidden_layers=4, full_attention_interval=2)
+    cfg = _config(tiny.write_random_checkpoint(tmp_path / "q", "qwen3_next", overrides))
+    assert cfg["layer_types"] == ["linear_attention", "full_attention"] * 2
