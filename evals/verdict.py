@@ -316,7 +316,7 @@ def check_acceptance(
                     floor,
                     status,
                     "tokens",
-                    f"pass if length >= {floor:.4g} (reference {ref})",
+                    f"pass if length >= {floor:.4f} (reference {ref})",
                     row,
                 )
             )
