@@ -285,3 +285,38 @@ def compare_runs(
         raise ComparisonError("acceptance stats given for one arm only; pass both or neither")
     acceptance = _acceptance_diff(acceptance_a, acceptance_b) if acceptance_a is not None else None
     return Comparison(label_a, label_b, n, results, divergence, acceptance)
+
+
+def compare_run_dirs(
+    dir_a: str | Path,
+    dir_b: str | Path,
+    *,
+    label_a: str | None = None,
+    label_b: str | None = None,
+    id_key: str = "doc_id",
+) -> Comparison:
+    """compare_runs on two run output folders (results.json + samples.jsonl each, docs/results_schema.md).
+
+    Labels default to the folder names. Acceptance is compared when both results.json have a non-null
+    `acceptance` section.
+
+    Raises:
+        ComparisonError: a missing results.json / samples.jsonl, or the errors of compare_runs.
+    """
+    dirs = {"a": Path(dir_a), "b": Path(dir_b)}
+    for name in ("results.json", "samples.jsonl"):
+        for d in dirs.values():
+            if not (d / name).exists():
+                raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
+    results = {k: json.loads((d / "results.json").read_text()) for k, d in dirs.items()}
+    acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
+    both = acc_a is not None and acc_b is not None
+    return compare_runs(
+        load_samples_jsonl(dirs["a"] / "samples.jsonl", id_key=id_key),
+        load_samples_jsonl(dirs["b"] / "samples.jsonl", id_key=id_key),
+        acceptance_a=acc_a if both else None,
+        acceptance_b=acc_b if both else None,
+        label_a=label_a or dirs["a"].name,
+        label_b=label_b or dirs["b"].name,
+        id_key=id_key,
+    )

@@ -399,3 +399,24 @@ def write_report(results: Mapping[str, Any], out_dir: str | Path) -> ReportFiles
     summary = out_dir / SUMMARY_NAME
     summary.write_text(render_markdown(results, plots))
     return ReportFiles(summary=summary, plots=plots)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m evals.report RESULTS_JSON [--out DIR]`: (re)write summary.md and plots for a saved run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m evals.report", description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a results.json written by a run")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: beside results.json)")
+    args = parser.parse_args(argv)
+    if not args.results.exists():
+        parser.error(f"{args.results} does not exist")
+    files = write_report(json.loads(args.results.read_text()), args.out or args.results.parent)
+    print(files.summary)
+    for path in files.plots.values():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from evals.compare import ComparisonError, compare_runs, first_divergence, load_samples_jsonl, mcnemar_exact
+from evals.compare import (
+    ComparisonError,
+    compare_run_dirs,
+    compare_runs,
+    first_divergence,
+    load_samples_jsonl,
+    mcnemar_exact,
+)
 
 
 def test_mcnemar_exact_by_hand():
@@ -132,3 +139,23 @@ def test_load_samples_jsonl(tmp_path):
     path.write_text(json.dumps(a[0]) + "\n" + json.dumps(a[0]) + "\n")
     with pytest.raises(ComparisonError, match="appears twice"):
         load_samples_jsonl(path)
+
+
+def test_compare_run_dirs(tmp_path):
+    a, b = _arms()
+    acceptance = {
+        "rate": 0.8,
+        "length": 3.4,
+        "per_position": [0.9, 0.8, 0.7],
+        "num_accepted_hist": [0, 1, 1, 1, 2],
+    }
+    for name, samples, acc in (("rewind", a, acceptance), ("replay", b, None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in samples) + "\n")
+        (d / "results.json").write_text(json.dumps({"schema_version": 1, "acceptance": acc}))
+    cmp = compare_run_dirs(tmp_path / "rewind", tmp_path / "replay")
+    assert (cmp.label_a, cmp.label_b) == ("rewind", "replay")
+    assert cmp.filters["strict_match"].b_only == 5 and cmp.acceptance is None  # replay has no acceptance
+    with pytest.raises(ComparisonError, match="does not exist"):
+        compare_run_dirs(tmp_path / "rewind", tmp_path / "nowhere")

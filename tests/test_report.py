@@ -164,3 +164,16 @@ def test_comparison_report(tmp_path):
 def test_render_markdown_without_plots():
     md = render_markdown(_results())
     assert "![" not in md and "80.50" in md
+
+
+def test_cli_rewrites_a_saved_run(tmp_path, capsys):
+    from evals.report import main
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results(spec=False)))
+    assert main([str(path), "--out", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == str(tmp_path / "rep" / "summary.md")
+    assert (tmp_path / "rep" / PLOT_ACCURACY).exists() and "80.50" in (
+        tmp_path / "rep" / "summary.md"
+    ).read_text()
