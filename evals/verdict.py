@@ -267,59 +267,25 @@ def check_acceptance(
             else "no reference"
         )
     row = {"reference_row": reference.to_dict()} if reference is not None else {}
+
+    def floor_check(name: str, value: float, unit: str, ref: float | None, floor: float | None, key: str):
+        if not usable or floor is None:
+            why = note if not usable else f"row has no {key}"
+            return Check(name, value, None, None, NO_REFERENCE, unit, why, row)
+        status = PASS if value >= floor else FAIL
+        text = f"pass if {name.split('.')[1]} >= {floor:.4f}" + (
+            f" (reference {ref})" if ref is not None else ""
+        )
+        return Check(name, value, ref, floor, status, unit, text, row)
+
     checks = []
     if rate is not None:
         floor = reference.acceptance_rate_floor if usable else None
-        if floor is None:
-            checks.append(
-                Check(
-                    "acceptance.rate",
-                    rate,
-                    None,
-                    None,
-                    NO_REFERENCE,
-                    "fraction",
-                    note if not usable else "row has no acceptance_rate_floor",
-                    row,
-                )
-            )
-        else:
-            status = PASS if rate >= floor else FAIL
-            checks.append(
-                Check(
-                    "acceptance.rate", rate, None, floor, status, "fraction", f"pass if rate >= {floor}", row
-                )
-            )
+        checks.append(floor_check("acceptance.rate", rate, "fraction", None, floor, "acceptance_rate_floor"))
     if length is not None:
+        ref = reference.acceptance_length_reference if usable else None
         floor = reference.acceptance_length_floor if usable else None
-        if floor is None:
-            checks.append(
-                Check(
-                    "acceptance.length",
-                    length,
-                    None,
-                    None,
-                    NO_REFERENCE,
-                    "tokens",
-                    note if not usable else "row has no acceptance_length",
-                    row,
-                )
-            )
-        else:
-            ref = reference.acceptance_length_reference
-            status = PASS if length >= floor else FAIL
-            checks.append(
-                Check(
-                    "acceptance.length",
-                    length,
-                    ref,
-                    floor,
-                    status,
-                    "tokens",
-                    f"pass if length >= {floor:.4f} (reference {ref})",
-                    row,
-                )
-            )
+        checks.append(floor_check("acceptance.length", length, "tokens", ref, floor, "acceptance_length"))
     return checks
 
 
