@@ -1,0 +1,477 @@
+"""Reference numbers a run is judged against: GSM8K accuracies and MTP acceptance floors.
+
+The data lives in registry/baselines/{gsm8k,acceptance}.yaml (format: registry/baselines/README.md).
+This module loads and validates those files and finds the row that applies to a run; it computes nothing
+(the pass/fail arithmetic is in evals.verdict). Errors are `BaselineError(problem, fix)`, naming the file,
+the key and the allowed values, so the application can print them as user errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASELINES_DIR = REPO_ROOT / "registry" / "baselines"
+GSM8K_BASELINES = BASELINES_DIR / "gsm8k.yaml"
+ACCEPTANCE_BASELINES = BASELINES_DIR / "acceptance.yaml"
+
+SCHEMA_VERSION = 1
+
+# Allowed values of the matching columns. Lookups normalise case and the aliases below first.
+DTYPES = ("bfloat16", "float16", "float32")
+QUANTS = ("none", "fp8", "nvfp4")
+KV_CACHE_QUANTS = ("none", "fp8")
+SPEC_DECS = ("none", "mtp")
+# Which GSM8K number a reference is: lm-eval exact_match under one filter, or the mean of the two filters
+# (TensorRT-LLM's accuracy suite compares the mean of every non-stderr metric of the task).
+METRICS = ("mean", "strict_match", "flexible_extract")
+
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "": "none",
+    "null": "none",
+    "false": "none",
+    "off": "none",
+    "no": "none",
+}
+
+_GSM8K_ROW_KEYS = {
+    "dtype",
+    "quant",
+    "kv_cache_quant",
+    "spec_dec",
+    "accuracy",
+    "num_samples",
+    "measured",
+    "sigma",
+    "alpha",
+    "beta",
+    "note",
+}
+_GSM8K_MODEL_KEYS = {"description", "source", "metric", "rows"}
+_ACC_ROW_KEYS = {"quant", "draft_len", "measured", "acceptance_rate_floor", "acceptance_length", "note"}
+_ACC_LENGTH_KEYS = {"reference", "floor", "rel_tolerance"}
+_ACC_ENTRY_KEYS = {"description", "rows"}
+
+
+class BaselineError(ValueError):
+    """A baseline file is malformed, or no reference row applies to a run.
+
+    Attributes:
+        problem: what is wrong, naming the file and key.
+        fix: what the user can do about it.
+    """
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}\n  fix: {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
+def normalize(value: Any, allowed: tuple[str, ...], what: str) -> str:
+    """Canonical spelling of a matching-column value (case-insensitive, bf16 -> bfloat16, None -> "none").
+
+    Raises:
+        BaselineError: the value is not one of `allowed` after normalisation.
+    """
+    text = "none" if value is None or value is False else str(value).strip().lower()
+    text = _ALIASES.get(text, text)
+    if text not in allowed:
+        raise BaselineError(
+            f"{what} {value!r} is not one of {list(allowed)}",
+            f"use one of {list(allowed)} (aliases: bf16, fp16, fp32; null means none)",
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class GSM8KReference:
+    """One row of gsm8k.yaml.
+
+    accuracy is in percent (0-100) of `metric`; None when `measured` is False (a placeholder that a run
+    reports as "no reference yet"). sigma / alpha / beta are per-row overrides of the hypothesis test's
+    defaults (None: use evals.verdict's defaults).
+    """
+
+    model: str
+    dtype: str
+    quant: str
+    kv_cache_quant: str
+    spec_dec: str
+    accuracy: float | None
+    num_samples: int | None
+    measured: bool
+    metric: str
+    sigma: float | None = None
+    alpha: float | None = None
+    beta: float | None = None
+    source: str = ""
+    note: str = ""
+
+    @property
+    def match_key(self) -> tuple[str, str, str, str]:
+        return (self.dtype, self.quant, self.kv_cache_quant, self.spec_dec)
+
+    def describe(self) -> str:
+        value = f"{self.accuracy:.2f}" if self.measured else "not measured"
+        return (
+            f"dtype={self.dtype} quant={self.quant} kv_cache_quant={self.kv_cache_quant} "
+            f"spec_dec={self.spec_dec}: {value}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AcceptanceReference:
+    """One row of acceptance.yaml: floors for a registry entry at one (quant, draft_len).
+
+    acceptance_rate_floor is a fraction in [0, 1]; acceptance lengths are tokens per request-step in
+    [1, draft_len + 1]. Any of them may be None (no such check). All are None when `measured` is False.
+    """
+
+    entry: str
+    quant: str
+    draft_len: int
+    measured: bool
+    acceptance_rate_floor: float | None = None
+    acceptance_length_reference: float | None = None
+    acceptance_length_floor: float | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        if not self.measured:
+            return f"quant={self.quant} draft_len={self.draft_len}: not measured"
+        return (
+            f"quant={self.quant} draft_len={self.draft_len}: rate floor {self.acceptance_rate_floor}, "
+            f"length ref {self.acceptance_length_reference} floor {self.acceptance_length_floor}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise BaselineError(
+            f"baseline file {path} does not exist",
+            "restore it from git or pass the path of an existing file",
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise BaselineError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from e
+    if not isinstance(data, dict):
+        raise BaselineError(f"{path}: top level must be a mapping", "see registry/baselines/README.md")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BaselineError(
+            f"{path}: schema_version is {version!r}, this code reads {SCHEMA_VERSION}",
+            f"set schema_version: {SCHEMA_VERSION} (and check the format in the README)",
+        )
+    return data
+
+
+def _check_keys(mapping: Any, allowed: set[str], where: str, required: tuple[str, ...] = ()) -> None:
+    if not isinstance(mapping, dict):
+        raise BaselineError(
+            f"{where} must be a mapping, got {type(mapping).__name__}",
+            "see registry/baselines/README.md for the format",
+        )
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise BaselineError(f"{where}: unknown key(s) {unknown}", f"allowed keys are {sorted(allowed)}")
+    missing = [k for k in required if k not in mapping]
+    if missing:
+        raise BaselineError(
+            f"{where}: missing key(s) {missing}", f"add {missing} (required: {list(required)})"
+        )
+
+
+def _number(
+    value: Any, where: str, lo: float, hi: float, *, open_lo: bool = False, open_hi: bool = False
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BaselineError(f"{where} must be a number, got {value!r}", f"write a number in [{lo}, {hi}]")
+    bad = value < lo or value > hi or (open_lo and value == lo) or (open_hi and value == hi)
+    if bad:
+        interval = f"{'(' if open_lo else '['}{lo}, {hi}{')' if open_hi else ']'}"
+        raise BaselineError(f"{where} = {value} is outside {interval}", f"write a number in {interval}")
+    return float(value)
+
+
+def _column(row: dict, key: str, allowed: tuple[str, ...], where: str) -> str:
+    try:
+        return normalize(row[key], allowed, f"{where}.{key}")
+    except BaselineError as e:
+        raise BaselineError(e.problem, f"allowed values of {key} are {list(allowed)}") from None
+
+
+def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8KReference]]:
+    """Load and validate gsm8k.yaml.
+
+    Args:
+        path: the file; default registry/baselines/gsm8k.yaml.
+    Returns:
+        model key -> its rows, in file order.
+    Raises:
+        BaselineError: naming the file, model, row and key of the first problem found (unknown keys, values
+            outside the allowed sets, accuracy outside [0, 100], duplicate match keys, a measured row without
+            accuracy / num_samples, a placeholder row with numbers).
+    """
+    path = Path(path) if path is not None else GSM8K_BASELINES
+    data = _read_yaml(path)
+    _check_keys(data, {"schema_version", "metric", "models"}, str(path), required=("models",))
+    default_metric = normalize(data.get("metric", "mean"), METRICS, f"{path}: metric")
+    models = data["models"]
+    if not isinstance(models, dict) or not models:
+        raise BaselineError(
+            f"{path}: models must be a non-empty mapping of model key -> block",
+            "see registry/baselines/README.md",
+        )
+    out: dict[str, list[GSM8KReference]] = {}
+    for model, block in models.items():
+        where = f"{path}: models.{model}"
+        _check_keys(block, _GSM8K_MODEL_KEYS, where, required=("rows",))
+        metric = normalize(block.get("metric", default_metric), METRICS, f"{where}.metric")
+        rows = block["rows"]
+        if not isinstance(rows, list) or not rows:
+            raise BaselineError(f"{where}.rows must be a non-empty list", "add at least one row")
+        refs: list[GSM8KReference] = []
+        seen: dict[tuple, int] = {}
+        for i, row in enumerate(rows):
+            rw = f"{where}.rows[{i}]"
+            _check_keys(row, _GSM8K_ROW_KEYS, rw, required=("dtype", "quant", "kv_cache_quant", "spec_dec"))
+            measured = row.get("measured", True)
+            if not isinstance(measured, bool):
+                raise BaselineError(
+                    f"{rw}.measured must be true or false, got {measured!r}", "write true or false"
+                )
+            if measured:
+                _check_keys(row, _GSM8K_ROW_KEYS, rw, required=("accuracy", "num_samples"))
+                accuracy = _number(row["accuracy"], f"{rw}.accuracy", 0.0, 100.0)
+                num_samples = row["num_samples"]
+                if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+                    raise BaselineError(
+                        f"{rw}.num_samples must be a positive integer, got {num_samples!r}",
+                        "write the number of GSM8K samples the reference was measured on",
+                    )
+            else:
+                if row.get("accuracy") is not None or row.get("num_samples") is not None:
+                    raise BaselineError(
+                        f"{rw} has measured: false but carries accuracy / num_samples",
+                        "set measured: true when the numbers are real, or remove them",
+                    )
+                accuracy, num_samples = None, None
+            ref = GSM8KReference(
+                model=str(model),
+                dtype=_column(row, "dtype", DTYPES, rw),
+                quant=_column(row, "quant", QUANTS, rw),
+                kv_cache_quant=_column(row, "kv_cache_quant", KV_CACHE_QUANTS, rw),
+                spec_dec=_column(row, "spec_dec", SPEC_DECS, rw),
+                accuracy=accuracy,
+                num_samples=num_samples,
+                measured=measured,
+                metric=metric,
+                sigma=_number(row["sigma"], f"{rw}.sigma", 0.0, 100.0, open_lo=True)
+                if "sigma" in row
+                else None,
+                alpha=_number(row["alpha"], f"{rw}.alpha", 0.0, 1.0, open_lo=True, open_hi=True)
+                if "alpha" in row
+                else None,
+                beta=_number(row["beta"], f"{rw}.beta", 0.0, 1.0, open_lo=True, open_hi=True)
+                if "beta" in row
+                else None,
+                source=str(block.get("source", "")).strip(),
+                note=str(row.get("note", "")),
+            )
+            if ref.match_key in seen:
+                raise BaselineError(
+                    f"{rw} repeats the (dtype, quant, kv_cache_quant, spec_dec) of "
+                    f"rows[{seen[ref.match_key]}]: {ref.match_key}",
+                    "keep one row per combination",
+                )
+            seen[ref.match_key] = i
+            refs.append(ref)
+        out[str(model)] = refs
+    return out
+
+
+def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[AcceptanceReference]]:
+    """Load and validate acceptance.yaml.
+
+    Args:
+        path: the file; default registry/baselines/acceptance.yaml.
+    Returns:
+        registry entry key -> its rows, in file order.
+    Raises:
+        BaselineError: naming the file, entry, row and key of the first problem (unknown keys, a rate floor
+            outside [0, 1], a length outside [1, draft_len + 1], both or neither of floor / rel_tolerance,
+            duplicate (quant, draft_len), a placeholder row with numbers, a measured row with no floor).
+    """
+    path = Path(path) if path is not None else ACCEPTANCE_BASELINES
+    data = _read_yaml(path)
+    _check_keys(data, {"schema_version", "entries"}, str(path), required=("entries",))
+    entries = data["entries"]
+    if not isinstance(entries, dict) or not entries:
+        raise BaselineError(
+            f"{path}: entries must be a non-empty mapping of registry entry -> block",
+            "see registry/baselines/README.md",
+        )
+    out: dict[str, list[AcceptanceReference]] = {}
+    for entry, block in entries.items():
+        where = f"{path}: entries.{entry}"
+        _check_keys(block, _ACC_ENTRY_KEYS, where, required=("rows",))
+        rows = block["rows"]
+        if not isinstance(rows, list) or not rows:
+            raise BaselineError(f"{where}.rows must be a non-empty list", "add a row or remove the entry")
+        refs: list[AcceptanceReference] = []
+        seen: dict[tuple, int] = {}
+        for i, row in enumerate(rows):
+            rw = f"{where}.rows[{i}]"
+            _check_keys(row, _ACC_ROW_KEYS, rw, required=("quant", "draft_len"))
+            quant = _column(row, "quant", QUANTS, rw)
+            k = row["draft_len"]
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise BaselineError(
+                    f"{rw}.draft_len must be an integer >= 1, got {k!r}",
+                    "write the number of drafted tokens per step the numbers were measured at",
+                )
+            measured = row.get("measured", True)
+            if not isinstance(measured, bool):
+                raise BaselineError(
+                    f"{rw}.measured must be true or false, got {measured!r}", "write true or false"
+                )
+            rate_floor = length_ref = length_floor = None
+            if not measured:
+                if "acceptance_rate_floor" in row or "acceptance_length" in row:
+                    raise BaselineError(
+                        f"{rw} has measured: false but carries numbers",
+                        "set measured: true when the numbers are real, or remove them",
+                    )
+            else:
+                if "acceptance_rate_floor" not in row and "acceptance_length" not in row:
+                    raise BaselineError(
+                        f"{rw} has neither acceptance_rate_floor nor acceptance_length",
+                        "add at least one of them, or mark the row measured: false",
+                    )
+                if "acceptance_rate_floor" in row:
+                    rate_floor = _number(
+                        row["acceptance_rate_floor"], f"{rw}.acceptance_rate_floor", 0.0, 1.0
+                    )
+                if "acceptance_length" in row:
+                    lw = f"{rw}.acceptance_length"
+                    length = row["acceptance_length"]
+                    _check_keys(length, _ACC_LENGTH_KEYS, lw, required=("reference",))
+                    length_ref = _number(length["reference"], f"{lw}.reference", 1.0, k + 1.0)
+                    if ("floor" in length) == ("rel_tolerance" in length):
+                        raise BaselineError(
+                            f"{lw} needs exactly one of floor / rel_tolerance",
+                            "give an absolute floor or a relative tolerance (e.g. 0.05), not both",
+                        )
+                    if "floor" in length:
+                        length_floor = _number(length["floor"], f"{lw}.floor", 1.0, length_ref)
+                    else:
+                        tol = _number(length["rel_tolerance"], f"{lw}.rel_tolerance", 0.0, 1.0, open_hi=True)
+                        length_floor = length_ref * (1.0 - tol)
+            ref = AcceptanceReference(
+                entry=str(entry),
+                quant=quant,
+                draft_len=k,
+                measured=measured,
+                acceptance_rate_floor=rate_floor,
+                acceptance_length_reference=length_ref,
+                acceptance_length_floor=length_floor,
+                note=str(row.get("note", "")),
+            )
+            key = (quant, k)
+            if key in seen:
+                raise BaselineError(
+                    f"{rw} repeats the (quant, draft_len) of rows[{seen[key]}]: {key}",
+                    "keep one row per combination",
+                )
+            seen[key] = i
+            refs.append(ref)
+        out[str(entry)] = refs
+    return out
+
+
+_NO_REF_FIX = (
+    "add the row to {file} (measure it, or copy a published number with its source), "
+    "or run with verdict.require_reference=false to report the run without a pass/fail verdict"
+)
+
+
+def find_gsm8k_reference(
+    key: str, dtype: Any, quant: Any, kv_cache_quant: Any, spec_dec: Any, *, path: str | Path | None = None
+) -> GSM8KReference:
+    """The gsm8k.yaml row of model `key` matching (dtype, quant, kv_cache_quant, spec_dec) exactly.
+
+    Values are normalised first (case, bf16 -> bfloat16, None -> "none"). A returned row may be a placeholder
+    (`measured` False): the caller reports "no reference yet" for it.
+
+    Raises:
+        BaselineError: a value outside the allowed sets; an unknown model key (the message lists the known
+            keys); or no row matches (the message lists the model's rows and how to add one).
+    """
+    path = Path(path) if path is not None else GSM8K_BASELINES
+    wanted = (
+        normalize(dtype, DTYPES, "dtype"),
+        normalize(quant, QUANTS, "quant"),
+        normalize(kv_cache_quant, KV_CACHE_QUANTS, "kv_cache_quant"),
+        normalize(spec_dec, SPEC_DECS, "spec_dec"),
+    )
+    models = load_gsm8k_baselines(path)
+    if key not in models:
+        raise BaselineError(
+            f"no GSM8K baselines for model key {key!r} in {path}; known keys: {sorted(models)}",
+            _NO_REF_FIX.format(file=path),
+        )
+    for ref in models[key]:
+        if ref.match_key == wanted:
+            return ref
+    rows = "\n".join(f"    {r.describe()}" for r in models[key])
+    raise BaselineError(
+        f"no GSM8K reference for {key!r} with dtype={wanted[0]} quant={wanted[1]} kv_cache_quant={wanted[2]} "
+        f"spec_dec={wanted[3]} in {path}; its rows are:\n{rows}",
+        _NO_REF_FIX.format(file=path),
+    )
+
+
+def find_acceptance_reference(
+    entry: str, quant: Any, draft_len: int, *, path: str | Path | None = None
+) -> AcceptanceReference:
+    """The acceptance.yaml row of registry entry `entry` at (quant, draft_len).
+
+    Raises:
+        BaselineError: unknown entry (lists the known ones) or no row at that quant / draft length (lists the
+            entry's rows and how to add one).
+    """
+    path = Path(path) if path is not None else ACCEPTANCE_BASELINES
+    q = normalize(quant, QUANTS, "quant")
+    entries = load_acceptance_baselines(path)
+    if entry not in entries:
+        raise BaselineError(
+            f"no acceptance baselines for registry entry {entry!r} in {path}; "
+            f"known entries: {sorted(entries)}",
+            _NO_REF_FIX.format(file=path),
+        )
+    for ref in entries[entry]:
+        if ref.quant == q and ref.draft_len == draft_len:
+            return ref
+    rows = "\n".join(f"    {r.describe()}" for r in entries[entry])
+    raise BaselineError(
+        f"no acceptance reference for {entry!r} at quant={q} draft_len={draft_len} in {path}; "
+        f"its rows are:\n{rows}",
+        _NO_REF_FIX.format(file=path),
+    )

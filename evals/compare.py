@@ -1,0 +1,322 @@
+"""Paired comparison of two runs over the same GSM8K samples (e.g. SSM replay vs rewind).
+
+Both runs answered the same questions, so the comparison is paired: per sample, did the two arms agree on
+correctness, and where did their generated tokens first differ? Accuracy differences are tested with the
+exact McNemar test (two-sided binomial test on the discordant pairs, scipy.stats.binomtest): under "no
+difference" a sample that one arm gets right and the other wrong is equally likely to go either way. Greedy
+replay and rewind should emit identical tokens up to kernel numerics, so the first-divergence positions say
+more than the p-value: a bug shows up as early divergence in many samples. Acceptance statistics are
+aggregates per run (no per-sample pairing), so they are reported as differences, not tested.
+
+Input per-sample records are the lines of samples.jsonl (docs/results_schema.md): an id, a correctness flag
+per filter and the generated token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scipy.stats import binomtest
+
+FILTERS = ("strict_match", "flexible_extract")
+
+
+class ComparisonError(ValueError):
+    """The two runs cannot be compared (different sample sets, missing fields)."""
+
+
+def load_samples_jsonl(path: str | Path, *, id_key: str = "doc_id") -> dict[Any, dict[str, Any]]:
+    """Read samples.jsonl into {sample id: record}.
+
+    Raises:
+        ComparisonError: a line without `id_key`, or an id that appears twice (a resumed run that wrote a
+            sample twice must be de-duplicated by its writer).
+    """
+    out: dict[Any, dict[str, Any]] = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if id_key not in rec:
+                raise ComparisonError(f"{path}:{lineno}: record has no {id_key!r} field")
+            if rec[id_key] in out:
+                raise ComparisonError(f"{path}:{lineno}: sample {rec[id_key]!r} appears twice")
+            out[rec[id_key]] = rec
+    return out
+
+
+def _by_id(samples: Mapping[Any, Mapping] | Iterable[Mapping], id_key: str, arm: str) -> dict[Any, Mapping]:
+    if isinstance(samples, Mapping):
+        return dict(samples)
+    out: dict[Any, Mapping] = {}
+    for rec in samples:
+        if id_key not in rec:
+            raise ComparisonError(f"arm {arm}: a record has no {id_key!r} field (keys: {sorted(rec)})")
+        if rec[id_key] in out:
+            raise ComparisonError(f"arm {arm}: sample {rec[id_key]!r} appears twice")
+        out[rec[id_key]] = rec
+    return out
+
+
+def first_divergence(tokens_a: Sequence[int], tokens_b: Sequence[int]) -> int | None:
+    """Index of the first generated token where the two sequences differ.
+
+    A sequence that is a strict prefix of the other diverges at its length (one arm stopped, the other did
+    not). Identical sequences give None.
+    """
+    for i, (a, b) in enumerate(zip(tokens_a, tokens_b)):
+        if a != b:
+            return i
+    if len(tokens_a) != len(tokens_b):
+        return min(len(tokens_a), len(tokens_b))
+    return None
+
+
+def mcnemar_exact(a_only: int, b_only: int) -> float:
+    """Exact two-sided McNemar p-value: binomtest(a_only, a_only + b_only, 0.5).
+
+    Args:
+        a_only: samples correct in arm A only; b_only: correct in arm B only (the discordant pairs).
+    Returns:
+        p in [0, 1]; 1.0 when there are no discordant pairs (nothing contradicts "no difference").
+    """
+    if a_only < 0 or b_only < 0:
+        raise ValueError(f"discordant counts must be >= 0, got {a_only}, {b_only}")
+    if a_only + b_only == 0:
+        return 1.0
+    return float(binomtest(a_only, a_only + b_only, 0.5, alternative="two-sided").pvalue)
+
+
+@dataclass
+class FilterComparison:
+    """Paired correctness under one lm-eval filter. Accuracies in percent; a_only: right in A, wrong in B."""
+
+    filter: str
+    n: int
+    both_correct: int
+    both_wrong: int
+    a_only: int
+    b_only: int
+    accuracy_a: float
+    accuracy_b: float
+    delta: float  # accuracy_b - accuracy_a, percent points
+    agreement: float  # fraction of samples where both arms are right or both wrong
+    mcnemar_p: float
+
+
+@dataclass
+class DivergenceSummary:
+    """Where generated tokens first differ. Indices count generated tokens (0 = first generated token)."""
+
+    n: int
+    num_identical: int
+    num_diverged: int
+    min_first_divergence: int | None
+    median_first_divergence: float | None
+    per_sample: dict[str, int | None] = field(default_factory=dict)  # sample id (as str) -> index or None
+
+
+@dataclass
+class AcceptanceDiff:
+    """Acceptance of both arms and B - A. Rates are fractions, lengths tokens per request-step.
+
+    per_position_* cover positions 1..K of each arm; the delta covers the positions both arms have.
+    """
+
+    rate_a: float | None
+    rate_b: float | None
+    rate_delta: float | None
+    length_a: float | None
+    length_b: float | None
+    length_delta: float | None
+    per_position_a: list[float]
+    per_position_b: list[float]
+    per_position_delta: list[float]
+    num_accepted_hist_a: list[int]
+    num_accepted_hist_b: list[int]
+    draft_len_a: int
+    draft_len_b: int
+
+
+@dataclass
+class Comparison:
+    """Everything compare_runs finds; to_dict() is the `comparison` section of results.json."""
+
+    label_a: str
+    label_b: str
+    n: int
+    filters: dict[str, FilterComparison]
+    divergence: DivergenceSummary | None
+    acceptance: AcceptanceDiff | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label_a": self.label_a,
+            "label_b": self.label_b,
+            "n": self.n,
+            "filters": {k: asdict(v) for k, v in self.filters.items()},
+            "divergence": asdict(self.divergence) if self.divergence is not None else None,
+            "acceptance": asdict(self.acceptance) if self.acceptance is not None else None,
+        }
+
+
+def _correct(rec: Mapping, key: str, sid: Any, arm: str) -> bool:
+    if key not in rec:
+        raise ComparisonError(f"arm {arm}: sample {sid!r} has no {key!r} field (keys: {sorted(rec)})")
+    v = rec[key]
+    if v in (0, 1) or isinstance(v, bool):  # lm-eval writes exact_match as 0.0 / 1.0
+        return bool(v)
+    raise ComparisonError(f"arm {arm}: sample {sid!r} field {key!r} = {v!r} is not 0/1/true/false")
+
+
+def _acceptance_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> AcceptanceDiff:
+    def sub(x, y):
+        return None if x is None or y is None else y - x
+
+    pa = [float(x) for x in a.get("per_position") or []]
+    pb = [float(x) for x in b.get("per_position") or []]
+    return AcceptanceDiff(
+        rate_a=a.get("rate"),
+        rate_b=b.get("rate"),
+        rate_delta=sub(a.get("rate"), b.get("rate")),
+        length_a=a.get("length"),
+        length_b=b.get("length"),
+        length_delta=sub(a.get("length"), b.get("length")),
+        per_position_a=pa,
+        per_position_b=pb,
+        per_position_delta=[y - x for x, y in zip(pa, pb)],
+        num_accepted_hist_a=[int(x) for x in a.get("num_accepted_hist") or []],
+        num_accepted_hist_b=[int(x) for x in b.get("num_accepted_hist") or []],
+        draft_len_a=int(a.get("draft_len", len(pa))),
+        draft_len_b=int(b.get("draft_len", len(pb))),
+    )
+
+
+def compare_runs(
+    samples_a: Mapping[Any, Mapping] | Iterable[Mapping],
+    samples_b: Mapping[Any, Mapping] | Iterable[Mapping],
+    *,
+    acceptance_a: Mapping[str, Any] | None = None,
+    acceptance_b: Mapping[str, Any] | None = None,
+    label_a: str = "a",
+    label_b: str = "b",
+    id_key: str = "doc_id",
+    token_key: str = "tokens",
+    filters: Sequence[str] = FILTERS,
+) -> Comparison:
+    """Compare two runs sample by sample.
+
+    Args:
+        samples_a, samples_b: {sample id: record} or a list of records carrying `id_key`. A record needs a
+            0/1 (or bool) field per filter and, for the divergence summary, the generated token ids under
+            `token_key` (list[int]; if no record of either arm has it, divergence is None).
+        acceptance_a, acceptance_b: the runs' `acceptance` sections (rate, length, per_position,
+            num_accepted_hist, draft_len); both or neither.
+        label_a, label_b: arm names for reports (e.g. "rewind", "replay").
+    Returns:
+        Comparison; its to_dict() is JSON-serialisable.
+    Raises:
+        ComparisonError: the arms cover different sample ids (the message counts and shows a few of each
+            side's extras), no samples, a missing / non-0/1 correctness field, tokens present in one arm only.
+    """
+    a = _by_id(samples_a, id_key, label_a)
+    b = _by_id(samples_b, id_key, label_b)
+    if set(a) != set(b):
+        only_a, only_b = sorted(set(a) - set(b), key=str), sorted(set(b) - set(a), key=str)
+        raise ComparisonError(
+            f"the runs scored different samples: {len(only_a)} only in {label_a} (e.g. {only_a[:5]}), "
+            f"{len(only_b)} only in {label_b} (e.g. {only_b[:5]}); compare runs with the same limit / data, "
+            "or finish the interrupted run (resume) first"
+        )
+    if not a:
+        raise ComparisonError("both runs are empty: nothing to compare")
+    ids = sorted(a, key=lambda s: (isinstance(s, str), s))
+    n = len(ids)
+
+    results: dict[str, FilterComparison] = {}
+    for key in filters:
+        counts = {(True, True): 0, (False, False): 0, (True, False): 0, (False, True): 0}
+        for sid in ids:
+            counts[(_correct(a[sid], key, sid, label_a), _correct(b[sid], key, sid, label_b))] += 1
+        a_only, b_only = counts[(True, False)], counts[(False, True)]
+        acc_a = 100.0 * (counts[(True, True)] + a_only) / n
+        acc_b = 100.0 * (counts[(True, True)] + b_only) / n
+        results[key] = FilterComparison(
+            filter=key,
+            n=n,
+            both_correct=counts[(True, True)],
+            both_wrong=counts[(False, False)],
+            a_only=a_only,
+            b_only=b_only,
+            accuracy_a=acc_a,
+            accuracy_b=acc_b,
+            delta=acc_b - acc_a,
+            agreement=(n - a_only - b_only) / n,
+            mcnemar_p=mcnemar_exact(a_only, b_only),
+        )
+
+    has_a = [token_key in a[s] for s in ids]
+    has_b = [token_key in b[s] for s in ids]
+    divergence = None
+    if any(has_a) or any(has_b):
+        if not (all(has_a) and all(has_b)):
+            raise ComparisonError(
+                f"generated token ids ({token_key!r}) are missing for {has_a.count(False)} samples of "
+                f"{label_a} and {has_b.count(False)} of {label_b}; both runs must record them"
+            )
+        per_sample = {str(s): first_divergence(a[s][token_key], b[s][token_key]) for s in ids}
+        firsts = [d for d in per_sample.values() if d is not None]
+        divergence = DivergenceSummary(
+            n=n,
+            num_identical=n - len(firsts),
+            num_diverged=len(firsts),
+            min_first_divergence=min(firsts) if firsts else None,
+            median_first_divergence=float(statistics.median(firsts)) if firsts else None,
+            per_sample=per_sample,
+        )
+
+    if (acceptance_a is None) != (acceptance_b is None):
+        raise ComparisonError("acceptance stats given for one arm only; pass both or neither")
+    acceptance = _acceptance_diff(acceptance_a, acceptance_b) if acceptance_a is not None else None
+    return Comparison(label_a, label_b, n, results, divergence, acceptance)
+
+
+def compare_run_dirs(
+    dir_a: str | Path,
+    dir_b: str | Path,
+    *,
+    label_a: str | None = None,
+    label_b: str | None = None,
+    id_key: str = "doc_id",
+) -> Comparison:
+    """compare_runs on two run output folders (results.json + samples.jsonl each, docs/results_schema.md).
+
+    Labels default to the folder names. Acceptance is compared when both results.json have a non-null
+    `acceptance` section.
+
+    Raises:
+        ComparisonError: a missing results.json / samples.jsonl, or the errors of compare_runs.
+    """
+    dirs = {"a": Path(dir_a), "b": Path(dir_b)}
+    for name in ("results.json", "samples.jsonl"):
+        for d in dirs.values():
+            if not (d / name).exists():
+                raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
+    results = {k: json.loads((d / "results.json").read_text()) for k, d in dirs.items()}
+    acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
+    both = acc_a is not None and acc_b is not None
+    return compare_runs(
+        load_samples_jsonl(dirs["a"] / "samples.jsonl", id_key=id_key),
+        load_samples_jsonl(dirs["b"] / "samples.jsonl", id_key=id_key),
+        acceptance_a=acc_a if both else None,
+        acceptance_b=acc_b if both else None,
+        label_a=label_a or dirs["a"].name,
+        label_b=label_b or dirs["b"].name,
+        id_key=id_key,
+    )

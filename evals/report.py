@@ -1,0 +1,422 @@
+"""Readable report of one run: summary.md plus PNG plots, from the results dict (docs/results_schema.md).
+
+Every section is optional: a run without speculative decoding gets no acceptance plots, a run without a
+reference gets no threshold line, a run without a comparison gets one arm per plot. Plots use matplotlib's
+object API on an Agg canvas (no pyplot, no global backend switch), so reports can be written from any
+thread or process without a display.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+RESULTS_SCHEMA_VERSION = 1
+SUMMARY_NAME = "summary.md"
+PLOT_ACCURACY = "gsm8k_accuracy.png"
+PLOT_PER_POSITION = "acceptance_per_position.png"
+PLOT_LENGTH_HIST = "accepted_length_hist.png"
+
+_FILTER_LABELS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}
+
+
+@dataclass
+class ReportFiles:
+    """Paths written by write_report: the Markdown summary and {plot name: PNG path}."""
+
+    summary: Path
+    plots: dict[str, Path] = field(default_factory=dict)
+
+
+def _check_schema(results: Mapping[str, Any]) -> None:
+    version = results.get("schema_version")
+    if version != RESULTS_SCHEMA_VERSION:
+        raise ValueError(
+            f"results schema_version is {version!r}; this report reads {RESULTS_SCHEMA_VERSION} "
+            "(docs/results_schema.md)"
+        )
+
+
+def _gsm8k_check(results: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    verdict = results.get("verdict") or {}
+    for check in verdict.get("checks", []):
+        if str(check.get("name", "")).startswith("gsm8k."):
+            return check
+    return None
+
+
+def _acceptance_arms(results: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """[(label, acceptance dict)] for the plots: both arms of a comparison, else the run's own section."""
+    comparison = results.get("comparison") or {}
+    diff = comparison.get("acceptance")
+    if diff:
+        return [
+            (
+                comparison.get("label_a", "a"),
+                {
+                    "per_position": diff.get("per_position_a") or [],
+                    "num_accepted_hist": diff.get("num_accepted_hist_a") or [],
+                },
+            ),
+            (
+                comparison.get("label_b", "b"),
+                {
+                    "per_position": diff.get("per_position_b") or [],
+                    "num_accepted_hist": diff.get("num_accepted_hist_b") or [],
+                },
+            ),
+        ]
+    acceptance = results.get("acceptance")
+    return [("this run", acceptance)] if acceptance else []
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _grouped_bars(ax, categories: list[str], arms: list[tuple[str, list[float]]]) -> None:
+    width = 0.8 / max(len(arms), 1)
+    for j, (label, values) in enumerate(arms):
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(values))]
+        bars = ax.bar(xs, values, width=width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(categories)), categories)
+
+
+def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
+    """GSM8K accuracy per filter (percent), with the reference and pass threshold as lines and the band
+    between them shaded when the verdict has a GSM8K reference. With a comparison: both arms side by side.
+
+    Returns the PNG path, or None when the results have no gsm8k section.
+    """
+    gsm8k = results.get("gsm8k")
+    if not gsm8k:
+        return None
+    comparison = results.get("comparison") or {}
+    filters = comparison.get("filters") or {}
+    categories = [_FILTER_LABELS.get(k, k) for k in ("strict_match", "flexible_extract")]
+    if filters and all(k in filters for k in ("strict_match", "flexible_extract")):
+        arms = [
+            (
+                comparison.get("label_a", "a"),
+                [filters[k]["accuracy_a"] for k in ("strict_match", "flexible_extract")],
+            ),
+            (
+                comparison.get("label_b", "b"),
+                [filters[k]["accuracy_b"] for k in ("strict_match", "flexible_extract")],
+            ),
+        ]
+    else:
+        arms = [("this run", [100.0 * gsm8k["strict_match"], 100.0 * gsm8k["flexible_extract"]])]
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    _grouped_bars(ax, categories, arms)
+    check = _gsm8k_check(results)
+    shown = [v for _, values in arms for v in values]
+    if check is not None and check.get("reference") is not None:
+        ref, thr = check["reference"], check["threshold"]
+        metric = check.get("details", {}).get("metric", "")
+        ax.axhspan(thr, ref, color="tab:green", alpha=0.12)
+        ax.axhline(ref, color="tab:green", linestyle="-", label=f"reference {ref:.2f} ({metric})")
+        ax.axhline(thr, color="tab:red", linestyle="--", label=f"pass threshold {thr:.2f}")
+        ax.axhline(
+            check["value"], color="black", linestyle=":", label=f"this run, {metric} {check['value']:.2f}"
+        )
+        shown += [ref, thr]
+    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis).
+    ax.set_ylim(max(0.0, min(shown) - 10.0), min(100.0, max(shown) + 5.0))
+    ax.set_ylabel("exact match (%)")
+    ax.set_title(f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    return _save(fig, Path(path))
+
+
+def plot_acceptance_per_position(results: Mapping[str, Any], path: str | Path) -> Path | None:
+    """Fraction of request-steps whose draft i (i = 1..K) was accepted; both arms for a comparison.
+
+    Returns the PNG path, or None without acceptance data (no speculative decoding).
+    """
+    arms = [(label, list(acc.get("per_position") or [])) for label, acc in _acceptance_arms(results)]
+    arms = [(label, values) for label, values in arms if values]
+    if not arms:
+        return None
+    k = max(len(values) for _, values in arms)
+    arms = [(label, values + [0.0] * (k - len(values))) for label, values in arms]
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    _grouped_bars(ax, [str(i) for i in range(1, k + 1)], arms)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acceptance (fraction of request-steps)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("MTP per-position acceptance")
+    ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> Path | None:
+    """Histogram of num_accepted_tokens per request-step (index = tokens committed, 0..K+1), as fractions.
+
+    Returns the PNG path, or None without a histogram.
+    """
+    arms = []
+    for label, acc in _acceptance_arms(results):
+        hist = [int(x) for x in acc.get("num_accepted_hist") or []]
+        total = sum(hist)
+        if total > 0:
+            arms.append((label, [h / total for h in hist]))
+    if not arms:
+        return None
+    size = max(len(values) for _, values in arms)
+    arms = [(label, values + [0.0] * (size - len(values))) for label, values in arms]
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    _grouped_bars(ax, [str(i) for i in range(size)], arms)
+    ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
+    ax.set_ylabel("fraction of request-steps")
+    ax.set_title("Accepted length")
+    ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+# ---------------------------------------------------------------------------------------------- Markdown
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _flatten(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(config, Mapping):
+        out = []
+        for k, v in config.items():
+            out += _flatten(v, f"{prefix}{k}.")
+        return out
+    return [(prefix.rstrip("."), config)]
+
+
+def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
+    word = {"pass": "PASS", "fail": "FAIL", "no_reference": "NO REFERENCE"}.get(verdict.get("status"), "?")
+    lines = [
+        f"**Verdict: {word}**" + ("" if verdict.get("complete", True) else " (some checks had no reference)"),
+        "",
+    ]
+    rows = []
+    for c in verdict.get("checks", []):
+        digits = 2 if c.get("unit") == "percent" else 4
+        status = {"pass": "pass", "fail": "**FAIL**", "no_reference": "no reference"}.get(
+            c.get("status"), "?"
+        )
+        rows.append(
+            [
+                c.get("name"),
+                _fmt(c.get("value"), digits),
+                _fmt(c.get("reference"), digits),
+                _fmt(c.get("threshold"), digits),
+                status,
+                c.get("note", ""),
+            ]
+        )
+    return lines + _table(["check", "value", "reference", "threshold", "result", "note"], rows)
+
+
+def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] | None = None) -> str:
+    """The summary.md text for `results`; `plots` maps plot names to files linked relative to summary.md."""
+    _check_schema(results)
+    plots = plots or {}
+    entry = results.get("entry", "?")
+    out = [f"# {entry}: GSM8K and MTP acceptance", ""]
+    commit = results.get("git_commit")
+    out += [f"- git commit: `{commit or 'unknown'}`" + (" (dirty tree)" if results.get("git_dirty") else "")]
+    out += [f"- results schema: {results['schema_version']}", ""]
+
+    verdict = results.get("verdict")
+    out += ["## Verdict", ""]
+    out += _verdict_lines(verdict) if verdict else ["No verdict was computed for this run.", ""]
+
+    gsm8k = results.get("gsm8k")
+    if gsm8k:
+        out += ["## GSM8K", ""]
+        rows = [[_FILTER_LABELS[k], f"{100.0 * gsm8k[k]:.2f}"] for k in ("strict_match", "flexible_extract")]
+        rows.append(["mean of both", f"{50.0 * (gsm8k['strict_match'] + gsm8k['flexible_extract']):.2f}"])
+        out += _table(["filter", "exact match (%)"], rows)
+        out += [f"Samples scored: {gsm8k.get('n')}", ""]
+        if PLOT_ACCURACY in plots:
+            out += [f"![GSM8K accuracy]({Path(plots[PLOT_ACCURACY]).name})", ""]
+
+    acceptance = results.get("acceptance")
+    out += ["## MTP acceptance", ""]
+    if acceptance:
+        rows = [
+            ["draft length K", _fmt(acceptance.get("draft_len"))],
+            ["acceptance rate (accepted / drafted)", _fmt(acceptance.get("rate"))],
+            ["acceptance length (1 + accepted per request-step)", _fmt(acceptance.get("length"), 3)],
+            ["drafted tokens", _fmt(acceptance.get("drafted"))],
+            ["accepted drafts", _fmt(acceptance.get("accepted"))],
+            ["request-steps", _fmt(acceptance.get("request_steps"))],
+        ]
+        out += _table(["quantity", "value"], rows)
+        per_pos = acceptance.get("per_position") or []
+        if per_pos:
+            out += _table(
+                ["draft position", *[str(i) for i in range(1, len(per_pos) + 1)]],
+                [["acceptance", *[f"{p:.4f}" for p in per_pos]]],
+            )
+    else:
+        out += ["No speculative decoding in this run.", ""]
+    for name, title in (
+        (PLOT_PER_POSITION, "per-position acceptance"),
+        (PLOT_LENGTH_HIST, "accepted length"),
+    ):
+        if name in plots:
+            out += [f"![{title}]({Path(plots[name]).name})", ""]
+
+    memory = results.get("memory")
+    if memory:
+        out += ["## Memory", ""]
+        rows = [[k, f"{int(v):,}", f"{int(v) / 2**20:.2f}"] for k, v in memory.items() if v is not None]
+        out += _table(["buffer", "bytes", "MiB"], rows)
+
+    timings = results.get("timings")
+    if timings:
+        out += ["## Timings", ""]
+        out += _table(["quantity", "value"], [[k, _fmt(v, 3)] for k, v in timings.items()])
+
+    comparison = results.get("comparison")
+    if comparison:
+        out += _comparison_lines(comparison)
+
+    config = results.get("config")
+    if config:
+        out += ["## Resolved configuration", "", "<details><summary>all keys</summary>", ""]
+        out += _table(["key", "value"], [[k, f"`{json.dumps(v)}`"] for k, v in _flatten(config)])
+        out += ["</details>", ""]
+    return "\n".join(out)
+
+
+def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
+    a, b = c.get("label_a", "a"), c.get("label_b", "b")
+    out = [f"## Comparison: {a} (A) vs {b} (B), {c.get('n')} paired samples", ""]
+    rows = []
+    for f in (c.get("filters") or {}).values():
+        rows.append(
+            [
+                _FILTER_LABELS.get(f["filter"], f["filter"]),
+                f"{f['accuracy_a']:.2f}",
+                f"{f['accuracy_b']:.2f}",
+                f"{f['delta']:+.2f}",
+                f["a_only"],
+                f["b_only"],
+                f"{f['agreement']:.4f}",
+                f"{f['mcnemar_p']:.4g}",
+            ]
+        )
+    out += _table(
+        [
+            "filter",
+            f"{a} (%)",
+            f"{b} (%)",
+            "B - A",
+            f"right in {a} only",
+            f"right in {b} only",
+            "agreement",
+            "McNemar exact p",
+        ],
+        rows,
+    )
+    div = c.get("divergence")
+    if div:
+        out += [
+            f"Generated tokens: {div['num_identical']} of {div['n']} samples identical, "
+            f"{div['num_diverged']} diverge; first divergence at token "
+            f"min {_fmt(div['min_first_divergence'])}, median {_fmt(div['median_first_divergence'], 1)}.",
+            "",
+        ]
+    acc = c.get("acceptance")
+    if acc:
+        rows = [
+            ["acceptance rate", _fmt(acc["rate_a"]), _fmt(acc["rate_b"]), _fmt(acc["rate_delta"])],
+            [
+                "acceptance length",
+                _fmt(acc["length_a"], 3),
+                _fmt(acc["length_b"], 3),
+                _fmt(acc["length_delta"], 3),
+            ],
+        ]
+        for i, d in enumerate(acc.get("per_position_delta") or [], 1):
+            rows.append(
+                [
+                    f"position {i}",
+                    _fmt(acc["per_position_a"][i - 1]),
+                    _fmt(acc["per_position_b"][i - 1]),
+                    _fmt(d),
+                ]
+            )
+        out += _table(["quantity", a, b, "B - A"], rows)
+    return out
+
+
+def write_report(results: Mapping[str, Any], out_dir: str | Path) -> ReportFiles:
+    """Write summary.md and the plots that the results support into out_dir (created if missing).
+
+    Returns:
+        ReportFiles with the summary path and {plot name: path} of the PNGs written.
+    Raises:
+        ValueError: results of another schema version.
+    """
+    _check_schema(results)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, Path] = {}
+    for name, fn in (
+        (PLOT_ACCURACY, plot_accuracy),
+        (PLOT_PER_POSITION, plot_acceptance_per_position),
+        (PLOT_LENGTH_HIST, plot_accepted_length_hist),
+    ):
+        written = fn(results, out_dir / name)
+        if written is not None:
+            plots[name] = written
+    summary = out_dir / SUMMARY_NAME
+    summary.write_text(render_markdown(results, plots))
+    return ReportFiles(summary=summary, plots=plots)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m evals.report RESULTS_JSON [--out DIR]`: (re)write summary.md and plots for a saved run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m evals.report", description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a results.json written by a run")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: beside results.json)")
+    args = parser.parse_args(argv)
+    if not args.results.exists():
+        parser.error(f"{args.results} does not exist")
+    files = write_report(json.loads(args.results.read_text()), args.out or args.results.parent)
+    print(files.summary)
+    for path in files.plots.values():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

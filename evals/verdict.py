@@ -1,0 +1,350 @@
+"""Pass/fail verdicts of one run against its baselines: GSM8K accuracy and MTP acceptance floors.
+
+GSM8K uses the one-sided hypothesis test of TensorRT-LLM's accuracy suite
+(tests/integration/defs/accuracy/README.md there): the run's accuracy is a mean of n Bernoulli scores whose
+standard deviation is at most sigma = 50 (percent points), so the difference of two such means has standard
+error scale = sqrt(2 sigma^2 / n). With false-failure rate alpha and missed-regression rate beta,
+
+    threshold = ref + Phi^-1(alpha) * scale           (pass if score >= threshold)
+    theta     = -(Phi^-1(alpha) + Phi^-1(beta)) * scale  (smallest regression caught with prob. 1 - beta)
+
+n is the number of samples the run actually scored. Acceptance checks are plain floors (rate >= floor,
+length >= floor). The module is pure: it reads baselines through evals.baselines and returns data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+from evals.baselines import (
+    AcceptanceReference,
+    BaselineError,
+    GSM8KReference,
+    find_acceptance_reference,
+    find_gsm8k_reference,
+)
+
+DEFAULT_SIGMA = 50.0  # percent points: the largest standard deviation of a 0/100 Bernoulli score
+DEFAULT_ALPHA = 0.05  # probability that a run without regression fails
+DEFAULT_BETA = 0.2  # probability that a regression of theta passes
+
+PASS, FAIL, NO_REFERENCE = "pass", "fail", "no_reference"
+
+_PHI = NormalDist()
+
+
+@dataclass(frozen=True)
+class HypothesisTest:
+    """Threshold arithmetic of one GSM8K check; scores, reference, scale, threshold and theta in percent."""
+
+    reference: float
+    n: int
+    sigma: float
+    alpha: float
+    beta: float
+    scale: float
+    threshold: float
+    theta: float
+
+
+def gsm8k_hypothesis_test(
+    reference: float,
+    n: int,
+    sigma: float = DEFAULT_SIGMA,
+    alpha: float = DEFAULT_ALPHA,
+    beta: float = DEFAULT_BETA,
+) -> HypothesisTest:
+    """Threshold and minimum detectable effect for a reference accuracy and n scored samples.
+
+    Args:
+        reference: reference accuracy in percent (0-100).
+        n: samples the run scored (> 0).
+        sigma: per-sample score standard deviation in percent points (> 0).
+        alpha, beta: error rates in (0, 1).
+    Returns:
+        HypothesisTest with scale = sqrt(2 sigma^2 / n), threshold = reference + Phi^-1(alpha) * scale,
+        theta = -(Phi^-1(alpha) + Phi^-1(beta)) * scale. For n = 1319 and the defaults: threshold =
+        reference - 3.20, theta = 4.84.
+    Raises:
+        ValueError: n <= 0, sigma <= 0, alpha or beta outside (0, 1), reference outside [0, 100].
+    """
+    if not 0.0 <= reference <= 100.0:
+        raise ValueError(f"reference accuracy {reference} is outside [0, 100] (percent)")
+    if n <= 0:
+        raise ValueError(f"n = {n}: the run scored no samples, so there is nothing to test")
+    if sigma <= 0:
+        raise ValueError(f"sigma = {sigma} must be > 0")
+    for name, p in (("alpha", alpha), ("beta", beta)):
+        if not 0.0 < p < 1.0:
+            raise ValueError(f"{name} = {p} must lie in (0, 1)")
+    scale = math.sqrt(2.0 * sigma**2 / n)
+    z_alpha, z_beta = _PHI.inv_cdf(alpha), _PHI.inv_cdf(beta)
+    return HypothesisTest(
+        reference=reference,
+        n=n,
+        sigma=sigma,
+        alpha=alpha,
+        beta=beta,
+        scale=scale,
+        threshold=reference + z_alpha * scale,
+        theta=-(z_alpha + z_beta) * scale,
+    )
+
+
+@dataclass
+class Check:
+    """One verdict line.
+
+    status is "pass", "fail" or "no_reference"; passed is True / False / None accordingly. value,
+    reference and threshold are in the check's unit ("percent" for GSM8K, "fraction" for acceptance
+    rate, "tokens" for acceptance length). details holds the arithmetic (n, sigma, alpha, beta, scale,
+    theta) or the row used.
+    """
+
+    name: str
+    value: float | None
+    reference: float | None
+    threshold: float | None
+    status: str
+    unit: str
+    note: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.status == NO_REFERENCE else self.status == PASS
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+@dataclass
+class Verdict:
+    """All checks of a run.
+
+    passed: False if any check failed; True if at least one check passed and none failed; None if no check had
+    a reference. complete: every check had a reference.
+    """
+
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool | None:
+        results = [c.passed for c in self.checks if c.passed is not None]
+        if not results:
+            return None
+        return all(results)
+
+    @property
+    def status(self) -> str:
+        return {True: PASS, False: FAIL, None: NO_REFERENCE}[self.passed]
+
+    @property
+    def complete(self) -> bool:
+        return all(c.status != NO_REFERENCE for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "status": self.status,
+            "complete": self.complete,
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+
+def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -> float:
+    """The number a GSM8K reference is compared with, in percent.
+
+    Args:
+        strict_match, flexible_extract: lm-eval exact_match fractions in [0, 1] (as in results.json).
+        metric: "mean" (of the two filters, as TensorRT-LLM compares), "strict_match" or "flexible_extract".
+    Raises:
+        ValueError: a fraction outside [0, 1] (a percent passed by mistake) or an unknown metric.
+    """
+    for name, v in (("strict_match", strict_match), ("flexible_extract", flexible_extract)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(
+                f"gsm8k {name} = {v} is not a fraction in [0, 1] (results.json stores fractions)"
+            )
+    if metric == "mean":
+        return 100.0 * (strict_match + flexible_extract) / 2.0
+    if metric == "strict_match":
+        return 100.0 * strict_match
+    if metric == "flexible_extract":
+        return 100.0 * flexible_extract
+    raise ValueError(f"unknown GSM8K metric {metric!r}; expected mean, strict_match or flexible_extract")
+
+
+def check_gsm8k(
+    strict_match: float,
+    flexible_extract: float,
+    n: int,
+    reference: GSM8KReference | None,
+    *,
+    no_reference_note: str = "",
+) -> Check:
+    """GSM8K check of one run against `reference` (None or a placeholder row: status "no_reference").
+
+    Args:
+        strict_match, flexible_extract: the run's exact_match fractions in [0, 1].
+        n: samples scored.
+        reference: the matched gsm8k.yaml row; its metric picks the score, its sigma / alpha / beta override
+            the defaults.
+        no_reference_note: why there is no reference (shown in the report).
+    """
+    metric = reference.metric if reference is not None else "mean"
+    value = gsm8k_score_pct(strict_match, flexible_extract, metric)
+    base = {"metric": metric, "n": n, "strict_match": strict_match, "flexible_extract": flexible_extract}
+    if reference is None or not reference.measured:
+        note = no_reference_note or (
+            f"reference row for {reference.model} ({reference.describe()}) is a placeholder, to be measured"
+            if reference is not None
+            else "no reference"
+        )
+        if reference is not None:
+            base["reference_row"] = reference.to_dict()
+        return Check(f"gsm8k.{metric}", value, None, None, NO_REFERENCE, "percent", note, base)
+    test = gsm8k_hypothesis_test(
+        reference.accuracy,
+        n,
+        sigma=reference.sigma if reference.sigma is not None else DEFAULT_SIGMA,
+        alpha=reference.alpha if reference.alpha is not None else DEFAULT_ALPHA,
+        beta=reference.beta if reference.beta is not None else DEFAULT_BETA,
+    )
+    details = {
+        **base,
+        "sigma": test.sigma,
+        "alpha": test.alpha,
+        "beta": test.beta,
+        "scale": test.scale,
+        "theta": test.theta,
+        "reference_num_samples": reference.num_samples,
+        "reference_row": reference.to_dict(),
+    }
+    status = PASS if value >= test.threshold else FAIL
+    note = (
+        f"one-sided test: pass if score >= ref {test.reference:.2f} - {test.reference - test.threshold:.2f} "
+        f"(n={n}); detects a drop of {test.theta:.2f} points with probability {1 - test.beta:.0%}"
+    )
+    return Check(f"gsm8k.{metric}", value, test.reference, test.threshold, status, "percent", note, details)
+
+
+def check_acceptance(
+    rate: float | None,
+    length: float | None,
+    reference: AcceptanceReference | None,
+    *,
+    no_reference_note: str = "",
+) -> list[Check]:
+    """Acceptance-rate and acceptance-length floors (pass if value >= floor).
+
+    Args:
+        rate: accepted drafts / drafted tokens, in [0, 1] (None: not measured).
+        length: 1 + accepted drafts per request-step, in tokens (None: not measured).
+        reference: the matched acceptance.yaml row, or None / a placeholder (checks get "no_reference").
+    Returns:
+        one Check per number the run has: "acceptance.rate", "acceptance.length". A row without a floor for
+        one of them gives that check status "no_reference".
+    Raises:
+        ValueError: rate outside [0, 1] or length < 1.
+    """
+    if rate is not None and not 0.0 <= rate <= 1.0:
+        raise ValueError(f"acceptance rate {rate} is not a fraction in [0, 1]")
+    if length is not None and length < 1.0:
+        raise ValueError(f"acceptance length {length} < 1: every request-step commits at least one token")
+    usable = reference is not None and reference.measured
+    note = ""
+    if not usable:
+        note = no_reference_note or (
+            f"acceptance row for {reference.entry} ({reference.describe()}) is a placeholder, to be measured"
+            if reference is not None
+            else "no reference"
+        )
+    row = {"reference_row": reference.to_dict()} if reference is not None else {}
+
+    def floor_check(name: str, value: float, unit: str, ref: float | None, floor: float | None, key: str):
+        if not usable or floor is None:
+            why = note if not usable else f"row has no {key}"
+            return Check(name, value, None, None, NO_REFERENCE, unit, why, row)
+        status = PASS if value >= floor else FAIL
+        text = f"pass if {name.split('.')[1]} >= {floor:.4f}" + (
+            f" (reference {ref})" if ref is not None else ""
+        )
+        return Check(name, value, ref, floor, status, unit, text, row)
+
+    checks = []
+    if rate is not None:
+        floor = reference.acceptance_rate_floor if usable else None
+        checks.append(floor_check("acceptance.rate", rate, "fraction", None, floor, "acceptance_rate_floor"))
+    if length is not None:
+        ref = reference.acceptance_length_reference if usable else None
+        floor = reference.acceptance_length_floor if usable else None
+        checks.append(floor_check("acceptance.length", length, "tokens", ref, floor, "acceptance_length"))
+    return checks
+
+
+def evaluate_verdict(
+    results: dict[str, Any],
+    *,
+    model_key: str,
+    entry: str,
+    dtype: Any,
+    quant: Any = "none",
+    kv_cache_quant: Any = "none",
+    spec_dec: Any = "none",
+    draft_len: int = 0,
+    require_reference: bool = True,
+    gsm8k_baselines: str | Path | None = None,
+    acceptance_baselines: str | Path | None = None,
+) -> Verdict:
+    """The verdict of a results dict (docs/results_schema.md) against the baseline files.
+
+    Args:
+        results: needs `gsm8k` {strict_match, flexible_extract, n}; `acceptance` {rate, length, ...} is
+            checked when present, not None, and spec_dec is not "none".
+        model_key: key in gsm8k.yaml (e.g. "super_v3"); entry: registry entry key in acceptance.yaml.
+        dtype, quant, kv_cache_quant, spec_dec: the run's GSM8K matching columns (normalised).
+        draft_len: K, used to find the acceptance row.
+        require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
+        gsm8k_baselines, acceptance_baselines: file overrides (tests).
+    Raises:
+        BaselineError: a missing row with require_reference=True (message lists the rows and the fix).
+        ValueError: malformed results (e.g. percent where a fraction belongs).
+    """
+    gsm8k = results.get("gsm8k")
+    if not isinstance(gsm8k, dict) or not {"strict_match", "flexible_extract", "n"} <= set(gsm8k):
+        raise ValueError("results['gsm8k'] must hold strict_match, flexible_extract and n")
+    checks: list[Check] = []
+    try:
+        ref = find_gsm8k_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, path=gsm8k_baselines)
+        note = ""
+    except BaselineError as e:
+        if require_reference:
+            raise
+        ref, note = None, e.problem
+    checks.append(
+        check_gsm8k(
+            gsm8k["strict_match"], gsm8k["flexible_extract"], int(gsm8k["n"]), ref, no_reference_note=note
+        )
+    )
+
+    acceptance = results.get("acceptance")
+    spec_on = str(spec_dec).strip().lower() not in ("none", "", "false")
+    if acceptance and spec_on:
+        try:
+            aref = find_acceptance_reference(entry, quant, draft_len, path=acceptance_baselines)
+            note = ""
+        except BaselineError as e:
+            if require_reference:
+                raise
+            aref, note = None, e.problem
+        checks.extend(
+            check_acceptance(acceptance.get("rate"), acceptance.get("length"), aref, no_reference_note=note)
+        )
+    return Verdict(checks)

@@ -1,0 +1,174 @@
+"""Loading, validation and row lookup of registry/baselines/*.yaml (evals.baselines)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+
+from evals.baselines import (
+    BaselineError,
+    find_acceptance_reference,
+    find_gsm8k_reference,
+    load_acceptance_baselines,
+    load_gsm8k_baselines,
+)
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_shipped_gsm8k_file_has_the_published_numbers():
+    models = load_gsm8k_baselines()
+    super_v3 = {(r.quant, r.kv_cache_quant, r.spec_dec): r.accuracy for r in models["super_v3"]}
+    assert super_v3[("none", "none", "none")] == 83.74
+    assert super_v3[("fp8", "fp8", "none")] == 82.25
+    assert super_v3[("nvfp4", "fp8", "none")] == 80.85
+    qwen = {(r.quant, r.spec_dec): r.accuracy for r in models["qwen3_next_80b_a3b_instruct"]}
+    assert qwen[("none", "none")] == 92.72
+    assert qwen[("nvfp4", "none")] == 90.86
+    # Greedy MTP emits the non-speculative tokens: every mtp row equals its spec_dec=none twin.
+    for rows in models.values():
+        by_key = {r.match_key: r for r in rows}
+        for (dtype, quant, kv, spec), row in by_key.items():
+            if spec == "mtp" and (dtype, quant, kv, "none") in by_key:
+                assert row.accuracy == by_key[(dtype, quant, kv, "none")].accuracy
+    for key in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"):
+        assert models[key] and all(not r.measured and r.accuracy is None for r in models[key])
+
+
+def test_shipped_acceptance_file():
+    entries = load_acceptance_baselines()
+    ref = find_acceptance_reference("super_v3_mtp", "NVFP4", 3)
+    assert ref.acceptance_rate_floor == 0.45
+    assert ref.acceptance_length_reference == 3.47
+    assert ref.acceptance_length_floor == pytest.approx(3.47 * 0.95)
+    for key in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"):
+        assert all(not r.measured for r in entries[key])
+
+
+def test_lookup_normalises_aliases_and_case():
+    ref = find_gsm8k_reference("super_v3", "BF16", "nvfp4", "FP8", "MTP")
+    assert (ref.accuracy, ref.num_samples, ref.spec_dec, ref.metric) == (80.85, 1319, "mtp", "mean")
+    assert find_gsm8k_reference("super_v3", "bfloat16", None, None, None).accuracy == 83.74
+
+
+def test_unmatched_row_lists_rows_and_fix():
+    with pytest.raises(BaselineError) as err:
+        find_gsm8k_reference("super_v3", "bfloat16", "nvfp4", "none", "mtp")
+    msg = str(err.value)
+    assert "kv_cache_quant=none" in msg and "spec_dec=mtp" in msg
+    assert "quant=nvfp4 kv_cache_quant=fp8 spec_dec=mtp: 80.85" in msg  # the available rows
+    assert "verdict.require_reference=false" in err.value.fix
+
+
+def test_unknown_model_and_entry():
+    with pytest.raises(BaselineError, match="known keys: .*super_v3"):
+        find_gsm8k_reference("no_such_model", "bfloat16", "none", "none", "none")
+    with pytest.raises(BaselineError, match="known entries"):
+        find_acceptance_reference("no_such_entry", "none", 3)
+    with pytest.raises(BaselineError, match="draft_len=5"):
+        find_acceptance_reference("super_v3_mtp", "nvfp4", 5)
+
+
+def test_bad_value_names_allowed_values():
+    with pytest.raises(BaselineError, match=r"quant 'int4' is not one of \['none', 'fp8', 'nvfp4'\]"):
+        find_gsm8k_reference("super_v3", "bfloat16", "int4", "none", "none")
+
+
+BASE_ROW = {
+    "dtype": "bfloat16",
+    "quant": "none",
+    "kv_cache_quant": "none",
+    "spec_dec": "none",
+    "accuracy": 50.0,
+    "num_samples": 100,
+}
+
+
+def _gsm8k_file(tmp_path, *rows, version=1):
+    data = {"schema_version": version, "models": {"m": {"rows": list(rows)}}}
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _drop(row, key):
+    return {k: v for k, v in row.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("row", "pattern"),
+    [
+        (BASE_ROW | {"accuracy": 150}, r"rows\[0\]\.accuracy = 150 is outside \[0.0, 100.0\]"),
+        (BASE_ROW | {"num_samples": 0}, r"num_samples must be a positive integer"),
+        (_drop(BASE_ROW, "num_samples"), r"missing key\(s\) \['num_samples'\]"),
+        (BASE_ROW | {"dtype": "int8"}, r"models\.m\.rows\[0\]\.dtype 'int8' is not one of"),
+        (BASE_ROW | {"spec_dec": "eagle"}, r"spec_dec 'eagle'"),
+        (_drop(BASE_ROW, "accuracy") | {"acc": 50}, r"unknown key\(s\) \['acc'\]"),
+        (_drop(BASE_ROW, "num_samples") | {"measured": False}, r"measured: false but carries"),
+        (BASE_ROW | {"alpha": 1.5}, r"alpha = 1.5 is outside \(0.0, 1.0\)"),
+        (BASE_ROW | {"accuracy": "high"}, r"accuracy must be a number"),
+    ],
+)
+def test_gsm8k_validation_errors(tmp_path, row, pattern):
+    path = _gsm8k_file(tmp_path, row)
+    with pytest.raises(BaselineError, match=pattern) as err:
+        load_gsm8k_baselines(path)
+    assert str(path) in err.value.problem
+
+
+def test_gsm8k_duplicate_rows_and_schema_version(tmp_path):
+    with pytest.raises(BaselineError, match=r"rows\[1\] repeats .* rows\[0\]"):
+        load_gsm8k_baselines(_gsm8k_file(tmp_path, BASE_ROW, BASE_ROW | {"dtype": "bf16", "accuracy": 1}))
+    with pytest.raises(BaselineError, match="schema_version is 0"):
+        load_gsm8k_baselines(_gsm8k_file(tmp_path, BASE_ROW, version=0))
+    with pytest.raises(BaselineError, match="does not exist"):
+        load_gsm8k_baselines(tmp_path / "missing.yaml")
+
+
+def test_gsm8k_row_overrides_are_read(tmp_path):
+    path = _gsm8k_file(tmp_path, BASE_ROW | {"sigma": 40, "beta": 0.1})
+    ref = find_gsm8k_reference("m", "bf16", "none", "none", "none", path=path)
+    assert (ref.sigma, ref.alpha, ref.beta) == (40.0, None, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("row", "pattern"),
+    [
+        (
+            "{quant: none, draft_len: 3, acceptance_rate_floor: 1.2}",
+            r"acceptance_rate_floor = 1.2 is outside",
+        ),
+        ("{quant: none, draft_len: 0, acceptance_rate_floor: 0.5}", r"draft_len must be an integer >= 1"),
+        ("{quant: none, draft_len: 3}", r"neither acceptance_rate_floor nor acceptance_length"),
+        (
+            "{quant: none, draft_len: 3, acceptance_length: {reference: 5.0, floor: 4}}",
+            r"reference = 5.0 is outside \[1.0, 4.0\]",
+        ),
+        (
+            "{quant: none, draft_len: 3, acceptance_length: {reference: 3.0}}",
+            r"exactly one of floor / rel_tol",
+        ),
+        (
+            "{quant: none, draft_len: 3, acceptance_length: {reference: 3, floor: 2, rel_tolerance: 0.1}}",
+            r"exactly one of floor / rel_tol",
+        ),
+        ("{quant: none, draft_len: 3, measured: false, acceptance_rate_floor: 0.4}", r"measured: false but"),
+    ],
+)
+def test_acceptance_validation_errors(tmp_path, row, pattern):
+    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nentries:\n  e:\n    rows:\n      - {row}\n")
+    with pytest.raises(BaselineError, match=pattern):
+        load_acceptance_baselines(path)
+
+
+def test_acceptance_absolute_floor(tmp_path):
+    row = "{quant: fp8, draft_len: 2, acceptance_length: {reference: 2.5, floor: 2.2}}"
+    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nentries:\n  e:\n    rows:\n      - {row}\n")
+    ref = find_acceptance_reference("e", "FP8", 2, path=path)
+    assert (ref.acceptance_rate_floor, ref.acceptance_length_floor) == (None, 2.2)

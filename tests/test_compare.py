@@ -1,0 +1,161 @@
+"""Paired comparison of two runs (evals.compare) on constructed samples with hand-checkable numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals.compare import (
+    ComparisonError,
+    compare_run_dirs,
+    compare_runs,
+    first_divergence,
+    load_samples_jsonl,
+    mcnemar_exact,
+)
+
+
+def test_mcnemar_exact_by_hand():
+    # Exact two-sided binomial on the discordant pairs, p = 0.5, symmetric so p = 2 * P(X <= min):
+    assert mcnemar_exact(0, 5) == pytest.approx(2 * 0.5**5)  # 0.0625
+    assert mcnemar_exact(1, 9) == pytest.approx(2 * (1 + 10) / 2**10)  # 22/1024 = 0.0214844
+    assert mcnemar_exact(1, 5) == pytest.approx(2 * (1 + 6) / 2**6)  # 14/64 = 0.21875
+    assert mcnemar_exact(3, 3) == pytest.approx(1.0)
+    assert mcnemar_exact(0, 0) == 1.0
+    with pytest.raises(ValueError):
+        mcnemar_exact(-1, 2)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([5], [6]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one arm stopped earlier
+    assert first_divergence([], []) is None
+
+
+def _arms():
+    """20 samples. strict_match: 10 both right, 4 both wrong, 1 right in A only, 5 right in B only.
+    flexible_extract: identical in both arms (all right except ids 0..2).
+    Tokens: samples 0..16 identical; 17 diverges at 4, 18 at 7, 19 at 10 (B stops early)."""
+    a, b = [], []
+    pattern = [(1, 1)] * 10 + [(0, 0)] * 4 + [(1, 0)] + [(0, 1)] * 5
+    for i, (ca, cb) in enumerate(pattern):
+        toks = list(range(100 + i, 112 + i))
+        ta, tb = list(toks), list(toks)
+        if i == 17:
+            tb[4] = -1
+        if i == 18:
+            tb[7] = -1
+        if i == 19:
+            tb = tb[:10]
+        flex = i >= 3
+        a.append({"doc_id": i, "strict_match": float(ca), "flexible_extract": flex, "tokens": ta})
+        b.append({"doc_id": i, "strict_match": float(cb), "flexible_extract": flex, "tokens": tb})
+    return a, b
+
+
+def test_compare_runs_counts_pvalue_and_divergence():
+    a, b = _arms()
+    acc_a = {
+        "rate": 0.80,
+        "length": 3.40,
+        "per_position": [0.9, 0.8, 0.7],
+        "num_accepted_hist": [0, 1, 2, 3, 4],
+        "draft_len": 3,
+    }
+    acc_b = {
+        "rate": 0.78,
+        "length": 3.34,
+        "per_position": [0.9, 0.78, 0.66],
+        "num_accepted_hist": [0, 1, 3, 3, 3],
+        "draft_len": 3,
+    }
+    cmp = compare_runs(
+        a, list(reversed(b)), acceptance_a=acc_a, acceptance_b=acc_b, label_a="rewind", label_b="replay"
+    )
+    strict = cmp.filters["strict_match"]
+    assert (strict.both_correct, strict.both_wrong, strict.a_only, strict.b_only) == (10, 4, 1, 5)
+    assert strict.accuracy_a == pytest.approx(100 * 11 / 20)  # 55 %
+    assert strict.accuracy_b == pytest.approx(100 * 15 / 20)  # 75 %
+    assert strict.delta == pytest.approx(20.0)
+    assert strict.agreement == pytest.approx(14 / 20)
+    assert strict.mcnemar_p == pytest.approx(14 / 64)
+    flex = cmp.filters["flexible_extract"]
+    assert (flex.a_only, flex.b_only, flex.agreement, flex.mcnemar_p) == (0, 0, 1.0, 1.0)
+
+    div = cmp.divergence
+    assert (div.n, div.num_identical, div.num_diverged) == (20, 17, 3)
+    assert div.min_first_divergence == 4 and div.median_first_divergence == 7.0
+    assert div.per_sample["17"] == 4 and div.per_sample["19"] == 10 and div.per_sample["0"] is None
+
+    acc = cmp.acceptance
+    assert acc.rate_delta == pytest.approx(-0.02) and acc.length_delta == pytest.approx(-0.06)
+    assert acc.per_position_delta == pytest.approx([0.0, -0.02, -0.04])
+    d = cmp.to_dict()
+    json.dumps(d)
+    assert d["label_b"] == "replay" and d["filters"]["strict_match"]["b_only"] == 5
+
+
+def test_identical_runs():
+    a, _ = _arms()
+    cmp = compare_runs({r["doc_id"]: r for r in a}, a)
+    assert all(f.a_only == f.b_only == 0 and f.mcnemar_p == 1.0 for f in cmp.filters.values())
+    assert cmp.divergence.num_diverged == 0 and cmp.divergence.min_first_divergence is None
+    assert cmp.acceptance is None
+
+
+def test_different_sample_sets_are_an_error():
+    a, b = _arms()
+    with pytest.raises(ComparisonError, match=r"1 only in a \(e.g. \[19\]\), 0 only in b"):
+        compare_runs(a, b[:-1])
+    with pytest.raises(ComparisonError, match="appears twice"):
+        compare_runs(a, b + b[:1])
+    with pytest.raises(ComparisonError, match="empty"):
+        compare_runs([], [])
+
+
+def test_missing_fields_are_errors():
+    a, b = _arms()
+    b_no_tokens = [{k: v for k, v in r.items() if k != "tokens"} for r in b]
+    with pytest.raises(ComparisonError, match="token ids"):
+        compare_runs(a, b_no_tokens)
+    a_no_tokens = [{k: v for k, v in r.items() if k != "tokens"} for r in a]
+    assert compare_runs(a_no_tokens, b_no_tokens).divergence is None
+    b_bad = [dict(r, strict_match=0.5) for r in b]
+    with pytest.raises(ComparisonError, match="not 0/1"):
+        compare_runs(a, b_bad)
+    with pytest.raises(ComparisonError, match="one arm only"):
+        compare_runs(a, b, acceptance_a={"rate": 0.5})
+
+
+def test_load_samples_jsonl(tmp_path):
+    a, _ = _arms()
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in a) + "\n")
+    loaded = load_samples_jsonl(path)
+    assert sorted(loaded) == list(range(20)) and loaded[3]["tokens"] == a[3]["tokens"]
+    path.write_text(json.dumps(a[0]) + "\n" + json.dumps(a[0]) + "\n")
+    with pytest.raises(ComparisonError, match="appears twice"):
+        load_samples_jsonl(path)
+
+
+def test_compare_run_dirs(tmp_path):
+    a, b = _arms()
+    acceptance = {
+        "rate": 0.8,
+        "length": 3.4,
+        "per_position": [0.9, 0.8, 0.7],
+        "num_accepted_hist": [0, 1, 1, 1, 2],
+    }
+    for name, samples, acc in (("rewind", a, acceptance), ("replay", b, None)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in samples) + "\n")
+        (d / "results.json").write_text(json.dumps({"schema_version": 1, "acceptance": acc}))
+    cmp = compare_run_dirs(tmp_path / "rewind", tmp_path / "replay")
+    assert (cmp.label_a, cmp.label_b) == ("rewind", "replay")
+    assert cmp.filters["strict_match"].b_only == 5 and cmp.acceptance is None  # replay has no acceptance
+    with pytest.raises(ComparisonError, match="does not exist"):
+        compare_run_dirs(tmp_path / "rewind", tmp_path / "nowhere")

@@ -1,0 +1,179 @@
+"""summary.md and PNG plots from a results dict (evals.report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from matplotlib.image import imread
+
+from evals.compare import compare_runs
+from evals.report import (
+    PLOT_ACCURACY,
+    PLOT_LENGTH_HIST,
+    PLOT_PER_POSITION,
+    render_markdown,
+    write_report,
+)
+from evals.verdict import evaluate_verdict
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _acceptance(rate, length, per_position, hist):
+    return {
+        "draft_len": 3,
+        "drafted": 3000,
+        "accepted": int(rate * 3000),
+        "request_steps": 1000,
+        "rate": rate,
+        "length": length,
+        "per_position": per_position,
+        "num_accepted_hist": hist,
+    }
+
+
+def _results(spec=True, reference=True):
+    results = {
+        "schema_version": 1,
+        "entry": "super_v3_mtp" if spec else "super_v3",
+        "config": {"model": {"name": "super_v3_mtp", "dtype": "bfloat16"}, "ssm_replay": True, "limit": None},
+        "git_commit": "0123abcd",
+        "gsm8k": {"strict_match": 0.7998, "flexible_extract": 0.8102, "n": 1319},
+        "acceptance": _acceptance(0.82, 3.46, [0.93, 0.83, 0.70], [0, 70, 100, 200, 630]) if spec else None,
+        "memory": {
+            "ssm_state_bytes": 1048576,
+            "conv_state_bytes": 4096,
+            "kv_cache_bytes": 2097152,
+            "spec_buffers_bytes": 0,
+        },
+        "timings": {"prefill_seconds": 12.5, "decode_seconds": 301.25},
+    }
+    kwargs = {
+        "model_key": "super_v3",
+        "entry": results["entry"],
+        "dtype": "bf16",
+        "quant": "nvfp4",
+        "kv_cache_quant": "fp8",
+        "spec_dec": "mtp" if spec else "none",
+        "draft_len": 3,
+    }
+    if not reference:
+        kwargs |= {"dtype": "float32", "require_reference": False}
+    results["verdict"] = evaluate_verdict(results, **kwargs).to_dict()
+    return json.loads(json.dumps(results))  # exactly what results.json would hold
+
+
+def _assert_png(path):
+    assert path.exists() and path.read_bytes()[:8] == PNG_MAGIC
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_full_report(tmp_path):
+    files = write_report(_results(), tmp_path / "out")
+    assert set(files.plots) == {PLOT_ACCURACY, PLOT_PER_POSITION, PLOT_LENGTH_HIST}
+    for path in files.plots.values():
+        _assert_png(path)
+        assert path.parent == tmp_path / "out"
+    md = files.summary.read_text()
+    assert files.summary.name == "summary.md"
+    assert "# super_v3_mtp" in md and "`0123abcd`" in md
+    assert "**Verdict: PASS**" in md
+    assert "| gsm8k.mean | 80.50 | 80.85 | 77.65 | pass |" in md  # mean of 79.98 and 81.02, ref - 3.20
+    assert "| strict-match | 79.98 |" in md and "| flexible-extract | 81.02 |" in md
+    assert "| acceptance.rate | 0.8200 | - | 0.4500 | pass |" in md
+    assert "| acceptance.length | 3.4600 | 3.4700 | 3.2965 | pass |" in md
+    assert "| acceptance | 0.9300 | 0.8300 | 0.7000 |" in md
+    assert "| ssm_state_bytes | 1,048,576 | 1.00 |" in md
+    assert "| decode_seconds | 301.250 |" in md
+    assert "| ssm_replay | `true` |" in md and '| model.dtype | `"bfloat16"` |' in md
+    for name in files.plots:
+        assert f"]({name})" in md
+
+
+def test_failing_run_is_marked(tmp_path):
+    results = _results()
+    results["gsm8k"] |= {"strict_match": 0.70, "flexible_extract": 0.71}
+    results["verdict"] = evaluate_verdict(
+        results,
+        model_key="super_v3",
+        entry="super_v3_mtp",
+        dtype="bf16",
+        quant="nvfp4",
+        kv_cache_quant="fp8",
+        spec_dec="mtp",
+        draft_len=3,
+    ).to_dict()
+    md = write_report(results, tmp_path).summary.read_text()
+    assert "**Verdict: FAIL**" in md and "| gsm8k.mean | 70.50 | 80.85 | 77.65 | **FAIL** |" in md
+
+
+def test_no_spec_decoding_no_reference(tmp_path):
+    files = write_report(_results(spec=False, reference=False), tmp_path)
+    assert set(files.plots) == {PLOT_ACCURACY}
+    _assert_png(files.plots[PLOT_ACCURACY])
+    md = files.summary.read_text()
+    assert "No speculative decoding in this run." in md
+    assert "**Verdict: NO REFERENCE**" in md and "no reference" in md
+    assert PLOT_PER_POSITION not in md
+
+
+def test_minimal_results(tmp_path):
+    files = write_report({"schema_version": 1, "entry": "x"}, tmp_path)
+    assert files.plots == {}
+    md = files.summary.read_text()
+    assert "No verdict was computed" in md and "No speculative decoding" in md
+    with pytest.raises(ValueError, match="schema_version is 2"):
+        write_report({"schema_version": 2}, tmp_path)
+
+
+def test_comparison_report(tmp_path):
+    a = [
+        {"doc_id": i, "strict_match": i % 4 != 0, "flexible_extract": i % 5 != 0, "tokens": [1, 2, 3, i]}
+        for i in range(40)
+    ]
+    b = [
+        dict(r, strict_match=r["strict_match"] or r["doc_id"] < 6, tokens=[1, 2, 9, r["doc_id"]])
+        if r["doc_id"] < 10
+        else r
+        for r in a
+    ]
+    rewind = _acceptance(0.82, 3.46, [0.93, 0.83, 0.70], [0, 70, 100, 200, 630])
+    replay = _acceptance(0.81, 3.43, [0.93, 0.82, 0.68], [0, 72, 101, 205, 622])
+    results = _results()
+    results["acceptance"] = replay
+    results["comparison"] = compare_runs(
+        a, b, acceptance_a=rewind, acceptance_b=replay, label_a="rewind", label_b="replay"
+    ).to_dict()
+    files = write_report(json.loads(json.dumps(results)), tmp_path)
+    assert set(files.plots) == {PLOT_ACCURACY, PLOT_PER_POSITION, PLOT_LENGTH_HIST}
+    for path in files.plots.values():
+        _assert_png(path)
+    md = files.summary.read_text()
+    # strict: ids 0, 4 (i % 4 == 0, < 6) flip to right in replay; 0 right in rewind only.
+    # accuracy rewind 30/40 = 75.00 %, replay 32/40 = 80.00 %; McNemar p = 2 * 0.5^2 = 0.5
+    assert "## Comparison: rewind (A) vs replay (B), 40 paired samples" in md
+    assert "| strict-match | 75.00 | 80.00 | +5.00 | 0 | 2 | 0.9500 | 0.5 |" in md
+    assert "| flexible-extract | 80.00 | 80.00 | +0.00 | 0 | 0 | 1.0000 | 1 |" in md
+    assert "30 of 40 samples identical, 10 diverge; first divergence at token min 2, median 2.0" in md
+    assert "| acceptance rate | 0.8200 | 0.8100 | -0.0100 |" in md
+    assert "| position 3 | 0.7000 | 0.6800 | -0.0200 |" in md
+
+
+def test_render_markdown_without_plots():
+    md = render_markdown(_results())
+    assert "![" not in md and "80.50" in md
+
+
+def test_cli_rewrites_a_saved_run(tmp_path, capsys):
+    from evals.report import main
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results(spec=False)))
+    assert main([str(path), "--out", str(tmp_path / "rep")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[0] == str(tmp_path / "rep" / "summary.md")
+    assert (tmp_path / "rep" / PLOT_ACCURACY).exists() and "80.50" in (
+        tmp_path / "rep" / "summary.md"
+    ).read_text()
