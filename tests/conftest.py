@@ -39,5 +39,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "test.jsonl").exists():
-        pytest.fail(f"GSM8K data not found at {GSM8K_DIR}; set GSM8K_DIR or place ../shared beside the checkout")
+        pytest.fail(
+            f"GSM8K data not found at {GSM8K_DIR}; set GSM8K_DIR or place ../shared beside the checkout"
+        )
     return GSM8K_DIR
