@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
-def train_tiny_tokenizer(gsm8k_dir: Path, out_path: Path, *, num_rows: int = 300, vocab_size: int = 600) -> Path:
+def train_tiny_tokenizer(gsm8k_dir: Path, out_path: Path, *, num_rows: int = 300,
+                         vocab_size: int = 600) -> Path:
     """Train a byte-level BPE on the first `num_rows` rows of train.jsonl and save it as tokenizer.json."""
     rows = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text().splitlines()[:num_rows]]
     tok = Tokenizer(models.BPE())
@@ -33,7 +34,8 @@ def train_tiny_tokenizer(gsm8k_dir: Path, out_path: Path, *, num_rows: int = 300
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator((f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows), trainer)
-    assert (tok.token_to_id("<pad>"), tok.token_to_id("<s>"), tok.token_to_id("</s>")) == (PAD_ID, BOS_ID, EOS_ID)
+    specials = (tok.token_to_id("<pad>"), tok.token_to_id("<s>"), tok.token_to_id("</s>"))
+    assert specials == (PAD_ID, BOS_ID, EOS_ID), specials
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
     tok.save(str(out_path))
     return out_path
