@@ -139,7 +139,7 @@ from evals.gsm8k import evaluate_gsm8k
 tok_path, data_dir, out_dir, limit = sys.argv[1:5]
 complete = answer_policy("alternate", Path(data_dir))
 engine = FakeEngine(Tokenizer.from_file(tok_path), lambda p: complete(last_question(p)), max_batch_size=2,
-                    step_delay=0.01)
+                    step_delay=0.01, hang_after=3)  # slow, then stuck: killed midway on every machine
 evaluate_gsm8k(engine, tok_path, data_dir=data_dir, limit=int(limit), out_dir=out_dir, progress=False)
 """
 
@@ -164,7 +164,7 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(tokenizer_path, gsm8k_d
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     done = len(read_jsonl(gen_file))
-    assert 3 <= done < LIMIT and not (out / "samples.jsonl").exists()  # killed midway, before scoring
+    assert done == 3 and not (out / "samples.jsonl").exists()  # killed midway, before scoring
 
     engine = _engine(tokenizer_path, gsm8k_dir, "alternate")
     res = _run(engine, tokenizer_path, gsm8k_dir, out, resume=True)

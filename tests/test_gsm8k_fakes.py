@@ -94,18 +94,21 @@ class FakeEngine:
 
     complete(prompt_text) -> completion text; its tokens (no special tokens), then EOS if `append_eos`, then
     filler tokens forever are what the "model" emits. `tokens_per_step` tokens are appended per step to
-    every active request (MTP-like); `step_delay` seconds are slept per step. `calls` records the prompt
-    texts of each generate call.
+    every active request (MTP-like); `step_delay` seconds are slept per step; after `hang_after` requests
+    have finished the engine hangs (a long run to be killed). `calls` records the prompt texts of each
+    generate call.
     """
 
     def __init__(self, tokenizer: Tokenizer, complete: Callable[[str], str], *, max_batch_size: int = 3,
-                 tokens_per_step: int = 1, step_delay: float = 0.0, append_eos: bool = False):
+                 tokens_per_step: int = 1, step_delay: float = 0.0, append_eos: bool = False,
+                 hang_after: int | None = None):
         self.tokenizer = tokenizer
         self.complete = complete
         self.max_batch_size = max_batch_size
         self.tokens_per_step = tokens_per_step
         self.step_delay = step_delay
         self.append_eos = append_eos
+        self.hang_after = hang_after
         self.config = SimpleNamespace(eos_token_id=EOS_ID)
         self.calls: list[list[str]] = []
         self.max_new_tokens_seen: list[int] = []
@@ -126,7 +129,7 @@ class FakeEngine:
         generated: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         stats = FakeStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
-        waiting, active = deque(range(len(prompts))), []
+        waiting, active, num_finished = deque(range(len(prompts))), [], 0
         t0 = time.perf_counter()
         while waiting or active:
             while waiting and len(active) < self.max_batch_size:
@@ -153,6 +156,9 @@ class FakeEngine:
                     active.remove(i)
                     if on_finish is not None:
                         on_finish(i, list(generated[i]), reason)
+                    num_finished += 1
+                    if num_finished == self.hang_after:
+                        time.sleep(3600)
         stats.generated_tokens = sum(map(len, generated))
         stats.decode_seconds = time.perf_counter() - t0
         return SimpleNamespace(tokens=generated, finish_reasons=reasons, stats=stats)
