@@ -216,7 +216,8 @@ def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
 
 def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
                    limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-                   out_dir: str | os.PathLike, resume: bool = False, progress: bool = True) -> GSM8KResult:
+                   out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
+                   fingerprint: dict[str, Any] | None = None) -> GSM8KResult:
     """Score `engine` on GSM8K with lm-eval 0.4.13's stock gsm8k task (greedy, both filters).
 
     Args:
@@ -231,6 +232,10 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
             requests not on disk are sent to the engine. False starts both files afresh.
         progress: tqdm bar over requests (resumed ones counted as done).
+        fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
+            beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
+            "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
+            generations.meta.json; resume=True with a different one raises ValueError instead of mixing runs.
 
     samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
     "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
@@ -258,7 +263,9 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         task, source = build_gsm8k_task(resolve_data_source(data_dir))
         task.set_config(key="num_fewshot", value=num_fewshot)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
-        store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume)
+        run_meta = {"engine": type(engine).__qualname__,
+                    "engine_config": repr(getattr(engine, "config", None)), "fingerprint": fingerprint or {}}
+        store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
         results = evaluate(lm=lm, task_dict={"tasks": {TASK_NAME: task}, "groups": {}, "group_map": {}},
                            limit=limit, log_samples=True, bootstrap_iters=0)

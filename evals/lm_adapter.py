@@ -91,17 +91,32 @@ class GenerationStore:
     "engine_finish_reason", "stop_string", "text"}`. A sibling file `<stem>.stats.jsonl` gets one line per
     `engine.generate` call that returned: `{"wall_seconds", "num_requests", "engine_stats"}`.
 
-    resume=False truncates both files; resume=True loads them. A last line cut short by a kill (no trailing
-    newline, or not valid JSON) is dropped with a warning and removed from the file before anything is
-    appended; an invalid line elsewhere is skipped with a warning. Later records of a key win.
+    `<stem>.meta.json` holds `run_meta` (what must match for stored generations to be reused, e.g. the
+    engine's config and options; JSON-serialisable).
+
+    resume=False truncates the files and writes run_meta; resume=True loads them and raises ValueError if the
+    stored run_meta differs from `run_meta`. A last line cut short by a kill (no trailing newline) is dropped
+    with a warning and removed from the file before anything is appended; an unreadable line elsewhere is
+    skipped with a warning. Later records of a key win.
     """
 
-    def __init__(self, path: str | Path, *, resume: bool):
+    def __init__(self, path: str | Path, *, resume: bool, run_meta: dict[str, Any] | None = None):
         self.path = Path(path)
         self.stats_path = self.path.with_name(self.path.stem + ".stats.jsonl")
+        self.meta_path = self.path.with_name(self.path.stem + ".meta.json")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: dict[str, dict[str, Any]] = {}
         self.stats_parts: list[dict[str, Any]] = []
+        run_meta = json.loads(json.dumps(run_meta or {}))  # canonical JSON types, as it will be read back
+        if resume and self.meta_path.exists():
+            stored = json.loads(self.meta_path.read_text(encoding="utf-8"))
+            if stored != run_meta:
+                diff = sorted(k for k in stored.keys() | run_meta.keys() if stored.get(k) != run_meta.get(k))
+                raise ValueError(
+                    f"cannot resume from {self.path}: it was written by a different run (differs in {diff}: "
+                    f"stored {[stored.get(k) for k in diff]}, now {[run_meta.get(k) for k in diff]}); "
+                    "resume with the same engine settings, or use resume=False or another out_dir")
+        self.meta_path.write_text(json.dumps(run_meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         if not resume:
             for p in (self.path, self.stats_path):
                 p.write_text("", encoding="utf-8")

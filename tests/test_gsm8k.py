@@ -204,3 +204,15 @@ def test_no_data_dir_offline_names_the_env_var(tokenizer_path, gsm8k_dir, tmp_pa
     monkeypatch.delenv("GSM8K_DIR", raising=False)
     with pytest.raises(GSM8KDataError, match=r"openai/gsm8k could not be loaded(.|\n)*fix: set GSM8K_DIR="):
         _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, None, tmp_path)
+
+
+def test_resume_refuses_generations_of_another_engine_setting(tokenizer_path, gsm8k_dir, tmp_path):
+    _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, gsm8k_dir, tmp_path, limit=2,
+         fingerprint={"draft_len": 3, "ssm_replay": True})
+    engine = _engine(tokenizer_path, gsm8k_dir, "right")
+    with pytest.raises(ValueError, match=r"different run \(differs in \['fingerprint'\]"):
+        _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=2, resume=True,
+             fingerprint={"draft_len": 3, "ssm_replay": False})
+    res = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=2, resume=True,
+               fingerprint={"draft_len": 3, "ssm_replay": True})
+    assert res.num_resumed == 2 and engine.calls == []
