@@ -64,7 +64,9 @@ class GSM8KResult:
     scores: {"strict_match": float, "flexible_extract": float, "n": int}; accuracies are fractions in [0, 1].
     stats: the engine's GenerationStats fields summed over every `engine.generate` call that returned for
         this out_dir (resumed parts included; a call killed before returning contributes no stats), plus
-        "wall_seconds" (sum of those calls' wall time) and "num_parts" (number of such calls).
+        "wall_seconds" (sum of those calls' wall time), "num_parts" (number of such calls) and
+        "requests_without_stats" (scored requests whose generate call was killed: their tokens and time
+        are missing from the sums; 0 for an uninterrupted run).
     samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
     wall_seconds: wall time of this `evaluate_gsm8k` call (task building, generation, scoring).
     num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
@@ -290,9 +292,12 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     samples_path = out_dir / SAMPLES_FILE
     _write_jsonl_atomic(samples_path, samples)
 
+    stats = merge_stats(store.stats_parts)
+    with_stats = sum(int(p.get("num_requests", 0)) for p in store.stats_parts)
+    stats["requests_without_stats"] = max(0, n - with_stats)
     return GSM8KResult(
         scores=scores,
-        stats=merge_stats(store.stats_parts),
+        stats=stats,
         samples_path=samples_path,
         wall_seconds=time.perf_counter() - t0,
         num_resumed=lm.num_resumed,

@@ -343,8 +343,9 @@ class EngineLM(LM):
             if not ids:
                 raise ValueError(f"request {p.index} encodes to no tokens (empty prompt?)")
             prompts.append(ids)
-        # A stop string of L chars lies within the last L + 8 tokens when each token decodes to >= 1 char;
-        # byte-level pieces of one character may decode to none, so scan twice that window.
+        # Each check decodes the tokens added since the previous check plus `window` tokens before them, so a
+        # stop string straddling two steps is seen. A stop string of L chars spans <= L tokens when every
+        # token decodes to >= 1 char; byte-level pieces of one character may decode to none: 2 L + 8.
         window = 2 * max((len(s) for p in pending for s in p.settings.until), default=0) + 8
 
         def stop_checker(i: int, generated_ids: Sequence[int]) -> bool:

@@ -65,6 +65,7 @@ def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_
     assert len(read_jsonl(tmp_path / "generations.jsonl")) == LIMIT
     assert res.stats["generated_tokens"] == sum(s["num_generated_tokens"] for s in samples)
     assert res.stats["num_parts"] == 1 and res.stats["num_requests"] == LIMIT and res.wall_seconds > 0
+    assert res.stats["requests_without_stats"] == 0 and res.stats["wall_seconds"] > 0
 
 
 @pytest.mark.parametrize("policy, strict, flexible", [
@@ -172,6 +173,7 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(tokenizer_path, gsm8k_d
     assert res.num_resumed == done and res.num_generated == LIMIT - done
     assert res.scores == ref.scores == {"strict_match": 0.5, "flexible_extract": 0.5, "n": LIMIT}
     assert read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
+    assert res.stats["num_parts"] == 1 and res.stats["requests_without_stats"] == done  # killed: no stats
 
 
 def test_data_dir_errors(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):
