@@ -232,7 +232,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         out_dir: created if needed; receives generations.jsonl (+ generations.stats.jsonl), the resume
             file appended as each request finishes, and samples.jsonl, written once scoring is done.
         resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
-            requests not on disk are sent to the engine. False starts both files afresh.
+            requests not on disk are sent to the engine. False starts the generations files afresh.
+            Any samples.jsonl of an earlier run is removed at the start (it appears again when scored).
         progress: tqdm bar over requests (resumed ones counted as done).
         fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
             beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
@@ -260,6 +261,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = out_dir / SAMPLES_FILE
+    samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
         task, source = build_gsm8k_task(resolve_data_source(data_dir))
@@ -289,7 +292,6 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         mean = sum(s["correct"][ours] for s in samples) / max(n, 1)
         if not math.isclose(mean, scores[ours], abs_tol=1e-12):
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
-    samples_path = out_dir / SAMPLES_FILE
     _write_jsonl_atomic(samples_path, samples)
 
     stats = merge_stats(store.stats_parts)
