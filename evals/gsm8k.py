@@ -1,0 +1,342 @@
+"""GSM8K accuracy of our engine through lm-evaluation-harness's stock `gsm8k` task, resumable.
+
+The task is lm-eval's own gsm8k.yaml (version 3.0: 5-shot from train, "Question: ...\\nAnswer:", greedy,
+stop at "Question:", "</s>", "<|im_end|>", filters strict-match and flexible-extract), pointed at local JSON
+files when a data directory is known (BRIEF.md 6). Generation goes through `evals.lm_adapter.EngineLM`, which
+streams every finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the
+rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lm_eval
+import lm_eval.api.task
+from lm_eval.evaluator import evaluate
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, EngineLM, GenerationStore
+
+logger = logging.getLogger(__name__)
+
+TASK_NAME = "gsm8k"
+TASK_VERSION = 3.0  # lm-eval 0.4.13's gsm8k.yaml; a different version is a different benchmark
+FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI)
+DATA_ENV = "GSM8K_DIR"
+HUB_DATASET = "openai/gsm8k"
+FILTERS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}  # our key -> lm-eval's
+GENERATIONS_FILE, SAMPLES_FILE = "generations.jsonl", "samples.jsonl"
+
+# Fields of the engine's GenerationStats that are sums over requests / steps (docs/architecture.md).
+_ADDITIVE_STATS = {
+    "num_requests", "prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "steps",
+    "drafted_tokens", "accepted_drafts", "accepted_per_position", "num_accepted_hist", "request_steps",
+}
+
+
+class GSM8KDataError(RuntimeError):
+    """GSM8K data cannot be found or read. `problem` and `fix` are the two halves of the message."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}\n  fix: {fix}")
+        self.problem, self.fix = problem, fix
+
+
+@dataclasses.dataclass
+class GSM8KResult:
+    """Outcome of `evaluate_gsm8k`.
+
+    scores: {"strict_match": float, "flexible_extract": float, "n": int}; accuracies are fractions in [0, 1].
+    stats: the engine's GenerationStats fields summed over every `engine.generate` call that returned for
+        this out_dir (resumed parts included; a call killed before returning contributes no stats), plus
+        "wall_seconds" (sum of those calls' wall time), "num_parts" (number of such calls) and
+        "requests_without_stats" (scored requests whose generate call was killed: their tokens and time
+        are missing from the sums; 0 for an uninterrupted run).
+    samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
+    wall_seconds: wall time of this `evaluate_gsm8k` call (task building, generation, scoring).
+    num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
+    task: {"task", "version", "num_fewshot", "fewshot_seed", "limit", "max_gen_toks", "lm_eval_version",
+        "data_source"} as actually run.
+    """
+
+    scores: dict[str, float | int]
+    stats: dict[str, Any]
+    samples_path: Path
+    wall_seconds: float
+    num_resumed: int
+    num_generated: int
+    task: dict[str, Any]
+
+
+def resolve_data_source(data_dir: str | os.PathLike | None) -> Path | None:
+    """The GSM8K directory to use: `data_dir`, else $GSM8K_DIR, else None (meaning the hub dataset).
+
+    A directory must hold train.jsonl and test.jsonl (rows {"question", "answer"}).
+    Raises GSM8KDataError naming the missing path and where it came from.
+    """
+    origin = "data_dir"
+    if data_dir is None or str(data_dir) == "":
+        env = os.environ.get(DATA_ENV)
+        if not env:
+            return None
+        data_dir, origin = env, f"${DATA_ENV}"
+    path = Path(data_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) does not exist",
+                             f"point {origin} at a directory holding train.jsonl and test.jsonl, "
+                             "e.g. ../shared/data/gsm8k beside the checkout")
+    missing = [n for n in ("train.jsonl", "test.jsonl") if not (path / n).is_file()]
+    if missing:
+        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) lacks {', '.join(missing)}",
+                             "GSM8K needs both splits as JSONL rows {\"question\", \"answer\"} (few-shot "
+                             "examples come from train); point it at a full copy, e.g. ../shared/data/gsm8k")
+    return path
+
+
+def build_gsm8k_task(data_dir: Path | None) -> tuple[lm_eval.api.task.Task, str]:
+    """lm-eval's stock gsm8k task, reading `data_dir`/{train,test}.jsonl, or the hub dataset when None.
+
+    Returns (task, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded (offline or
+    unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be parsed, and
+    RuntimeError when the installed lm-eval's gsm8k is not version 3.0.
+    """
+    stock_dir = Path(lm_eval.tasks.__file__).parent / "gsm8k"
+    manager = TaskManager(include_path=str(stock_dir), include_defaults=False)
+    entry = manager.task_index.get(TASK_NAME)
+    if entry is None or entry.yaml_path is None:
+        raise RuntimeError(f"lm-eval {lm_eval.__version__} ships no '{TASK_NAME}' task under {stock_dir}; "
+                           "install lm-eval==0.4.13 (pyproject.toml)")
+    config = load_yaml(entry.yaml_path, resolve_func=True)
+    version = (config.get("metadata") or {}).get("version")
+    if version != TASK_VERSION:
+        raise RuntimeError(f"lm-eval {lm_eval.__version__}'s gsm8k task is version {version}, expected "
+                           f"{TASK_VERSION}: scores would not be comparable; install lm-eval==0.4.13")
+    if data_dir is not None:
+        config.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {
+            "train": str(data_dir / "train.jsonl"), "test": str(data_dir / "test.jsonl")}})
+        source = str(data_dir)
+    else:
+        source = f"hub:{HUB_DATASET}"
+    try:
+        task = manager.load([config])["tasks"][TASK_NAME]
+    except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, DatasetGenerationError...
+        if data_dir is None:
+            raise GSM8KDataError(
+                f"no GSM8K directory given (data_dir unset, ${DATA_ENV} unset) and the hub dataset "
+                f"{HUB_DATASET} could not be loaded: {type(err).__name__}: {err}",
+                f"set {DATA_ENV}=/path/to/gsm8k (a directory with train.jsonl and test.jsonl, e.g. "
+                "../shared/data/gsm8k) or pass data_dir; or allow hub access (unset HF_DATASETS_OFFLINE / "
+                "HF_HUB_OFFLINE on a machine with network)") from err
+        raise GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
+                             "each line of train.jsonl / test.jsonl must be a JSON object with "
+                             "\"question\" and \"answer\"") from err
+    return task, source
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    """lm-eval logging at ERROR, datasets at WARNING, their progress bars off; all restored on exit."""
+    import datasets
+
+    levels = {name: logging.getLogger(name).level for name in ("lm_eval", "datasets")}
+    bars = datasets.is_progress_bar_enabled()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # "Overwriting num_fewshot", "Building contexts"...
+    logging.getLogger("datasets").setLevel(logging.WARNING)
+    datasets.disable_progress_bars()
+    try:
+        with mock.patch.object(lm_eval.api.task, "tqdm", partial(tqdm, disable=True)):
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum GenerationStats dicts of several `engine.generate` calls into the stats of the whole run.
+
+    parts: `{"wall_seconds", "num_requests", "engine_stats": dict}` per call. Additive fields (counts,
+    seconds, the per-position / histogram lists, summed element-wise) are summed; other fields are kept
+    when every part agrees, dropped otherwise; acceptance_rate (accepted_drafts / drafted_tokens) and
+    acceptance_length (1 + accepted_drafts / request_steps) are recomputed from the sums where present.
+    """
+    merged: dict[str, Any] = {}
+    disagreeing: set[str] = set()
+    for part in parts:
+        for k, v in (part.get("engine_stats") or {}).items():
+            if k in _ADDITIVE_STATS and isinstance(v, (int, float, list)):
+                if isinstance(v, list):
+                    acc = list(merged.get(k, []))
+                    acc += [0] * (len(v) - len(acc))
+                    merged[k] = [a + b for a, b in zip(acc, v + [0] * (len(acc) - len(v)))]
+                else:
+                    merged[k] = merged.get(k, 0) + v
+            elif k not in merged:
+                merged[k] = v
+            elif merged[k] != v:
+                disagreeing.add(k)
+    for k in disagreeing:
+        del merged[k]
+    if merged.get("drafted_tokens"):
+        merged["acceptance_rate"] = merged.get("accepted_drafts", 0) / merged["drafted_tokens"]
+    if merged.get("request_steps") and "accepted_drafts" in merged:
+        merged["acceptance_length"] = 1 + merged["accepted_drafts"] / merged["request_steps"]
+    merged["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
+    merged["num_parts"] = len(parts)
+    return merged
+
+
+def _target_answer(target: str) -> str:
+    return target.split("####")[-1].strip() if "####" in target else target.strip()
+
+
+def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
+                   limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+                   out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
+                   fingerprint: dict[str, Any] | None = None) -> GSM8KResult:
+    """Score `engine` on GSM8K with lm-eval 0.4.13's stock gsm8k task (greedy, both filters).
+
+    Args:
+        engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
+        tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
+        data_dir: directory with train.jsonl / test.jsonl; None: $GSM8K_DIR, else hub dataset openai/gsm8k.
+        limit: score only the first `limit` test documents (None: all 1319).
+        num_fewshot: few-shot examples from train per prompt (the task's own is 5; lm-eval seed 1234).
+        max_gen_toks: generated-token limit per request (lm-eval's default 256; the task does not set one).
+        out_dir: created if needed; receives generations.jsonl (+ generations.stats.jsonl), the resume
+            file appended as each request finishes, and samples.jsonl, written once scoring is done.
+        resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
+            requests not on disk are sent to the engine. False starts the generations files afresh.
+            Any samples.jsonl of an earlier run is removed at the start (it appears again when scored).
+        progress: tqdm bar over requests (resumed ones counted as done).
+        fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
+            beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
+            "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
+            generations.meta.json; resume=True with a different one raises ValueError instead of mixing runs.
+
+    samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
+    "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
+    at the first stop string), "extracted": {"strict_match", "flexible_extract"} (each filter's answer,
+    "[invalid]" when it finds none), "correct": {"strict_match": bool, "flexible_extract": bool},
+    "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string"}.
+
+    Returns GSM8KResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
+    (lm-eval's task is not gsm8k v3.0 as configured). Mutates nothing but out_dir.
+    """
+    t0 = time.perf_counter()
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    if not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0:
+        raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
+    tokenizer_path = Path(tokenizer_path)
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found: "
+                                "pass the checkpoint's tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = out_dir / SAMPLES_FILE
+    samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
+
+    with _quiet_lm_eval():
+        task, source = build_gsm8k_task(resolve_data_source(data_dir))
+        task.set_config(key="num_fewshot", value=num_fewshot)
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+        run_meta = {"engine": type(engine).__qualname__,
+                    "engine_config": repr(getattr(engine, "config", None)), "fingerprint": fingerprint or {}}
+        store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
+        lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
+        results = evaluate(lm=lm, task_dict={"tasks": {TASK_NAME: task}, "groups": {}, "group_map": {}},
+                           limit=limit, log_samples=True, bootstrap_iters=0)
+
+    run_config = results["configs"][TASK_NAME]
+    if results["versions"][TASK_NAME] != TASK_VERSION or run_config["num_fewshot"] != num_fewshot:
+        raise RuntimeError(f"lm-eval ran gsm8k version {results['versions'][TASK_NAME]} with "
+                           f"{run_config['num_fewshot']} shots; expected {TASK_VERSION} with {num_fewshot}")
+    metrics = results["results"][TASK_NAME]
+    n = int(results["n-samples"][TASK_NAME]["effective"])
+    scores: dict[str, float | int] = {
+        ours: float(metrics[f"exact_match,{theirs}"]) for ours, theirs in FILTERS.items()}
+    scores["n"] = n
+
+    samples = _sample_records(results["samples"][TASK_NAME], lm)
+    if len(samples) != n:
+        raise RuntimeError(f"lm-eval logged {len(samples)} documents for n = {n}")
+    for ours in FILTERS:  # the per-sample verdicts must reproduce lm-eval's aggregate exactly
+        mean = sum(s["correct"][ours] for s in samples) / max(n, 1)
+        if not math.isclose(mean, scores[ours], abs_tol=1e-12):
+            raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
+    _write_jsonl_atomic(samples_path, samples)
+
+    stats = merge_stats(store.stats_parts)
+    with_stats = sum(int(p.get("num_requests", 0)) for p in store.stats_parts)
+    stats["requests_without_stats"] = max(0, n - with_stats)
+    return GSM8KResult(
+        scores=scores,
+        stats=stats,
+        samples_path=samples_path,
+        wall_seconds=time.perf_counter() - t0,
+        num_resumed=lm.num_resumed,
+        num_generated=lm.num_generated,
+        task={"task": TASK_NAME, "version": results["versions"][TASK_NAME], "num_fewshot": num_fewshot,
+              "fewshot_seed": FEWSHOT_SEED, "limit": limit, "max_gen_toks": max_gen_toks,
+              "lm_eval_version": lm_eval.__version__, "data_source": source},
+    )
+
+
+def _sample_records(logged: list[dict[str, Any]], lm: EngineLM) -> list[dict[str, Any]]:
+    """Join lm-eval's per-(document, filter) logged samples with our generation records, one per document."""
+    by_doc: dict[int, dict[str, Any]] = {}
+    for s in logged:
+        filt = next((ours for ours, theirs in FILTERS.items() if theirs == s["filter"]), None)
+        if filt is None:
+            continue
+        doc_id = int(s["doc_id"])
+        if doc_id not in by_doc:
+            (context, gen_kwargs), = s["arguments"]  # gsm8k: one generate_until request per document
+            gen = lm.records[lm.request_key_for(context, gen_kwargs)]
+            by_doc[doc_id] = {
+                "doc_id": doc_id,
+                "prompt_sha256": gen["prompt_sha256"],
+                "request_key": gen["key"],
+                "question": s["doc"]["question"],
+                "target": s["target"],
+                "target_answer": _target_answer(s["target"]),
+                "generated_text": gen["text"],
+                "extracted": {},
+                "correct": {},
+                "num_generated_tokens": gen["num_generated_tokens"],
+                "finish_reason": gen["finish_reason"],
+                "stop_string": gen["stop_string"],
+            }
+        rec = by_doc[doc_id]
+        (extracted,) = s["filtered_resps"]
+        rec["extracted"][filt] = extracted
+        rec["correct"][filt] = bool(s["exact_match"])
+    return [by_doc[k] for k in sorted(by_doc)]

@@ -1,0 +1,397 @@
+"""Our engine as an lm-eval model: `generate_until` over one `engine.generate` call, with resumable results.
+
+lm-eval hands the model text requests `(context, gen_kwargs)`; this adapter tokenizes them with the
+checkpoint's `tokenizers.Tokenizer`, gives every request that is not already on disk to ONE
+`engine.generate` call (the engine batches and schedules them), stops each request at its first `until`
+string through the engine's `stop_checker`, and appends each finished request to a JSONL file
+(`GenerationStore`) from `on_finish`, so a killed run loses nothing and a resumed run does not regenerate
+what is on disk.
+
+Greedy decoding only (the engine's contract); loglikelihood requests are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (fills the built-in registry first: registering before it hides them)
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "hybrid-engine"
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task does not set max_gen_toks (BRIEF.md 6)
+
+# Our finish reasons in records: the EOS / stop token, a task `until` string, or the max_gen_toks limit.
+FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_LENGTH = "stop_token", "stop_string", "length"
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a string's UTF-8 bytes (prompt hashes in records)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON (one tokenizer.json gives one value in any process)."""
+    return sha256_text(tokenizer.to_str())
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """Everything besides the prompt text that decides a greedy generation (part of the resume key).
+
+    until: stop strings (order kept as the task gives them); max_gen_toks: generated-token limit;
+    stop_token_ids: ids that end a request (kept in the engine's output, dropped from the text);
+    tokenizer_sha256: `tokenizer_fingerprint` of the tokenizer that encodes prompts and decodes outputs.
+    """
+
+    until: tuple[str, ...]
+    max_gen_toks: int
+    stop_token_ids: tuple[int, ...]
+    tokenizer_sha256: str
+
+
+def request_key(prompt: str, settings: GenerationSettings) -> str:
+    """Stable resume key: sha256 of the exact prompt text plus the generation settings (JSON, sorted keys)."""
+    payload = {
+        "prompt": prompt,
+        "until": list(settings.until),
+        "max_gen_toks": settings.max_gen_toks,
+        "stop_token_ids": list(settings.stop_token_ids),
+        "tokenizer_sha256": settings.tokenizer_sha256,
+        "decoding": "greedy",
+    }
+    return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
+
+
+def _fsync_append(path: Path, line: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class GenerationStore:
+    """Append-only JSONL of finished generations keyed by `request_key`; the resume file of an evaluation.
+
+    One line per finished request, written (flush + fsync) as the request finishes:
+    `{"key", "prompt_sha256", "generated_ids", "num_generated_tokens", "finish_reason",
+    "engine_finish_reason", "stop_string", "text"}`. A sibling file `<stem>.stats.jsonl` gets one line per
+    `engine.generate` call that returned: `{"wall_seconds", "num_requests", "engine_stats"}`.
+
+    `<stem>.meta.json` holds `run_meta` (what must match for stored generations to be reused, e.g. the
+    engine's config and options; JSON-serialisable).
+
+    resume=False truncates the files and writes run_meta; resume=True loads them and raises ValueError if the
+    stored run_meta differs from `run_meta`. A last line cut short by a kill (no trailing newline) is dropped
+    with a warning and removed from the file before anything is appended; an unreadable line elsewhere is
+    skipped with a warning. Later records of a key win.
+    """
+
+    def __init__(self, path: str | Path, *, resume: bool, run_meta: dict[str, Any] | None = None):
+        self.path = Path(path)
+        self.stats_path = self.path.with_name(self.path.stem + ".stats.jsonl")
+        self.meta_path = self.path.with_name(self.path.stem + ".meta.json")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.records: dict[str, dict[str, Any]] = {}
+        self.stats_parts: list[dict[str, Any]] = []
+        run_meta = json.loads(json.dumps(run_meta or {}))  # canonical JSON types, as it will be read back
+        if resume and self.meta_path.exists():
+            stored = json.loads(self.meta_path.read_text(encoding="utf-8"))
+            if stored != run_meta:
+                diff = sorted(k for k in stored.keys() | run_meta.keys() if stored.get(k) != run_meta.get(k))
+                raise ValueError(
+                    f"cannot resume from {self.path}: it was written by a different run (differs in {diff}: "
+                    f"stored {[stored.get(k) for k in diff]}, now {[run_meta.get(k) for k in diff]}); "
+                    "resume with the same engine settings, or use resume=False or another out_dir")
+        self.meta_path.write_text(json.dumps(run_meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        if not resume:
+            for p in (self.path, self.stats_path):
+                p.write_text("", encoding="utf-8")
+            return
+        self.records = {r["key"]: r for r in self._load(self.path, required=("key", "text"))}
+        self.stats_parts = self._load(self.stats_path, required=("engine_stats",))
+
+    @staticmethod
+    def _load(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1  # a write cut short by a kill: drop it, appends start on a new line
+            logger.warning("%s: dropping an incomplete last line (%d bytes) left by an interrupted write",
+                           path, len(data) - cut)
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+            data = data[:cut]
+        out = []
+        for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                rec = None
+            if not isinstance(rec, dict) or any(k not in rec for k in required):
+                logger.warning("%s:%d: skipping an unreadable record", path, lineno)
+                continue
+            out.append(rec)
+        return out
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Append one finished generation (durable on return) and index it by its key."""
+        _fsync_append(self.path, json.dumps(record, ensure_ascii=False) + "\n")
+        self.records[record["key"]] = record
+
+    def add_stats(self, part: dict[str, Any]) -> None:
+        """Append the stats of one `engine.generate` call that returned (durable on return)."""
+        _fsync_append(self.stats_path, json.dumps(part) + "\n")
+        self.stats_parts.append(part)
+
+
+def stats_to_dict(stats: Any) -> dict[str, Any]:
+    """The engine's GenerationStats as a plain dict: `to_dict()` if it has one, a dataclass, a dict, or {}."""
+    if stats is None:
+        return {}
+    if hasattr(stats, "to_dict"):
+        return dict(stats.to_dict())
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        return dataclasses.asdict(stats)
+    if isinstance(stats, dict):
+        return dict(stats)
+    logger.warning("engine stats of type %s are not a dict, dataclass or to_dict() holder; ignored",
+                   type(stats).__name__)
+    return {}
+
+
+def first_stop(text: str, until: Sequence[str]) -> tuple[int, str | None]:
+    """Index and value of the earliest occurrence of any stop string in `text`; (len(text), None) if none.
+
+    On a tie (two stop strings starting at the same index) the longer one is reported.
+    """
+    best, best_s = len(text), None
+    for s in until:
+        j = text.find(s)
+        if j != -1 and (j < best or (j == best and best_s is not None and len(s) > len(best_s))):
+            best, best_s = j, s
+    return best, best_s
+
+
+@dataclasses.dataclass
+class _Pending:
+    index: int  # position in lm-eval's request list
+    key: str
+    prompt: str
+    settings: GenerationSettings
+    checked_len: int = 0  # generated ids already scanned for stop strings
+
+
+@register_model(MODEL_NAME)
+class EngineLM(LM):
+    """lm-eval model over a `runners.Engine` (greedy; `generate_until` only).
+
+    Args:
+        engine: has `generate(prompts: list[list[int]], max_new_tokens: int, stop_token_ids=None,
+            stop_checker=None, on_finish=None, progress=None)` returning `.tokens`, `.finish_reasons`,
+            `.stats` (docs/architecture.md); `engine.config.eos_token_id` is used when present.
+        tokenizer: the checkpoint's `tokenizers.Tokenizer` (or a path to its tokenizer.json). Prompts are
+            encoded with its post-processor (special tokens such as BOS as the tokenizer.json defines).
+        max_gen_toks: generated-token limit for requests whose gen_kwargs do not set `max_gen_toks`.
+        store: resume file; finished requests are appended to it, and requests found in it are not
+            generated again. None keeps results in memory only.
+        progress: show a tqdm bar (one tick per finished request, resumed ones counted as done).
+
+    After `generate_until`, `self.records` maps each request key of the call to its generation record
+    (see `GenerationStore`), `self.num_resumed` / `self.num_generated` count reused / new requests and
+    `self.stats_parts` holds the call's `{"wall_seconds", "num_requests", "engine_stats"}` (empty when
+    nothing had to be generated).
+    """
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer | str | Path, *,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, store: GenerationStore | None = None,
+                 progress: bool = True):
+        super().__init__()
+        if not isinstance(max_gen_toks, int) or max_gen_toks < 1:
+            raise ValueError(f"max_gen_toks must be a positive int, got {max_gen_toks!r}")
+        self.engine = engine
+        if not isinstance(tokenizer, Tokenizer):
+            tokenizer = Tokenizer.from_file(str(tokenizer))
+        self.tokenizer = tokenizer
+        self.max_gen_toks = max_gen_toks
+        self.store = store
+        self.progress = progress
+        self.tokenizer_sha256 = tokenizer_fingerprint(self.tokenizer)
+        self.stop_token_ids = self._stop_token_ids()
+        self.records: dict[str, dict[str, Any]] = {}
+        self.stats_parts: list[dict[str, Any]] = []
+        self.num_resumed = 0
+        self.num_generated = 0
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(getattr(self.engine, "config", None), "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.token_to_id("</s>")
+        if eos is None:
+            raise ValueError("no EOS id: the engine config has no eos_token_id and the tokenizer has no "
+                             "'</s>'; set eos_token_id in the checkpoint's config.json")
+        return tuple(sorted({int(e) for e in eos})) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    # --- lm-eval API ---------------------------------------------------------------------------------
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False):
+        raise NotImplementedError(
+            f"{MODEL_NAME} implements generate_until only: loglikelihood (multiple-choice / scoring tasks) "
+            "is not supported by the engine's greedy generate API; run generation tasks such as gsm8k")
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False):
+        raise NotImplementedError(
+            f"{MODEL_NAME} implements generate_until only: loglikelihood_rolling (perplexity tasks) is not "
+            "supported by the engine's greedy generate API; run generation tasks such as gsm8k")
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations of `requests` (`.args = (context, gen_kwargs)`), cut at the first stop string.
+
+        gen_kwargs: `until` (str or list of str), `max_gen_toks` (else the model default), `do_sample` /
+        `temperature` (must be greedy), other keys ignored. Raises ValueError on sampling settings.
+        All requests not found in the store go to one `engine.generate` call. Returns texts in request order.
+        """
+        keys: list[str] = []
+        queued: dict[str, _Pending] = {}
+        self.records = {}
+        for idx, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            settings = self._settings(gen_kwargs)
+            key = request_key(context, settings)
+            keys.append(key)
+            if self.store is not None and key in self.store.records:
+                self.records[key] = self.store.records[key]
+            elif key not in queued:  # an identical request twice in one call is generated once
+                queued[key] = _Pending(idx, key, context, settings)
+        pending = list(queued.values())
+        self.num_resumed = len(self.records)
+        self.num_generated = 0
+        self.stats_parts = []
+
+        if pending:
+            show = self.progress and not disable_tqdm
+            with tqdm(total=len(self.records) + len(pending), initial=len(self.records), disable=not show,
+                      desc="generate", unit="req", dynamic_ncols=True) as bar:
+                self._generate(pending, bar)
+        return [self.records[k]["text"] for k in keys]
+
+    def request_key_for(self, context: str, gen_kwargs: dict[str, Any]) -> str:
+        """The resume key this model gives the request `(context, gen_kwargs)` (see `request_key`)."""
+        return request_key(context, self._settings(gen_kwargs))
+
+    # --- internals -------------------------------------------------------------------------------------
+    def _settings(self, gen_kwargs: dict[str, Any]) -> GenerationSettings:
+        if not isinstance(gen_kwargs, dict):
+            raise ValueError(f"gen_kwargs must be a dict, got {type(gen_kwargs).__name__}: {gen_kwargs!r}")
+        if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature") or 0.0) > 0.0:
+            raise ValueError(f"{MODEL_NAME} decodes greedily; got do_sample={gen_kwargs.get('do_sample')!r}, "
+                             f"temperature={gen_kwargs.get('temperature')!r}: "
+                             "set do_sample: false, temperature: 0")
+        until = gen_kwargs.get("until") or []
+        if isinstance(until, str):
+            until = [until]
+        if not all(isinstance(s, str) and s for s in until):
+            raise ValueError(f"`until` must be non-empty strings, got {until!r}")
+        max_gen_toks = gen_kwargs.get("max_gen_toks", self.max_gen_toks)
+        if not isinstance(max_gen_toks, int) or max_gen_toks < 1:
+            raise ValueError(f"max_gen_toks must be a positive int, got {max_gen_toks!r}")
+        return GenerationSettings(tuple(until), max_gen_toks, self.stop_token_ids, self.tokenizer_sha256)
+
+    def _finish(self, p: _Pending, ids: Sequence[int], engine_reason: str) -> dict[str, Any]:
+        ids = [int(t) for t in ids[: p.settings.max_gen_toks]]  # a multi-token step may overshoot the limit
+        body = ids[:-1] if ids and ids[-1] in p.settings.stop_token_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        cut, stop = first_stop(text, p.settings.until)
+        if stop is not None:
+            reason = FINISH_STOP_STRING
+        elif len(body) < len(ids):
+            reason = FINISH_STOP_TOKEN
+        else:
+            reason = FINISH_LENGTH
+        return {
+            "key": p.key,
+            "prompt_sha256": sha256_text(p.prompt),
+            "generated_ids": ids,
+            "num_generated_tokens": len(ids),
+            "finish_reason": reason,
+            "engine_finish_reason": engine_reason,
+            "stop_string": stop,
+            "text": text[:cut],
+        }
+
+    def _generate(self, pending: list[_Pending], bar: tqdm) -> None:
+        prompts = []
+        for p in pending:
+            ids = self.tokenizer.encode(p.prompt).ids
+            if not ids:
+                raise ValueError(f"request {p.index} encodes to no tokens (empty prompt?)")
+            prompts.append(ids)
+        # Each check decodes the tokens added since the previous check plus `window` tokens before them, so a
+        # stop string straddling two steps is seen. A stop string of L chars spans <= L tokens when every
+        # token decodes to >= 1 char; byte-level pieces of one character may decode to none: 2 L + 8.
+        window = 2 * max((len(s) for p in pending for s in p.settings.until), default=0) + 8
+
+        def stop_checker(i: int, generated_ids: Sequence[int]) -> bool:
+            p = pending[i]
+            n = len(generated_ids)
+            if n >= p.settings.max_gen_toks:
+                return True
+            if not p.settings.until:
+                return False
+            start = max(0, p.checked_len - window)
+            p.checked_len = n
+            tail = self.tokenizer.decode(list(generated_ids[start:]), skip_special_tokens=True)
+            return any(s in tail for s in p.settings.until)
+
+        def on_finish(i: int, generated_ids: Sequence[int], finish_reason: str) -> None:
+            p = pending[i]
+            if p.key in self.records:
+                logger.warning("engine reported request %d finished twice; keeping the first result", i)
+                return
+            record = self._finish(p, generated_ids, finish_reason)
+            if self.store is not None:
+                self.store.add(record)
+            self.records[p.key] = record
+            self.num_generated += 1
+            bar.update(1)
+
+        t0 = time.perf_counter()
+        out = self.engine.generate(
+            prompts,
+            max(p.settings.max_gen_toks for p in pending),
+            stop_token_ids=list(self.stop_token_ids),
+            stop_checker=stop_checker,
+            on_finish=on_finish,
+            progress=None,
+        )
+        wall = time.perf_counter() - t0
+        tokens, reasons = list(out.tokens), list(out.finish_reasons)
+        if len(tokens) != len(pending) or len(reasons) != len(pending):
+            raise RuntimeError(f"engine.generate returned {len(tokens)} outputs / {len(reasons)} finish "
+                               f"reasons for {len(pending)} prompts")
+        for i, p in enumerate(pending):
+            if p.key not in self.records:  # the engine skipped on_finish for it: use the return value
+                logger.warning("engine did not call on_finish for request %d; recording its output", i)
+                on_finish(i, tokens[i], reasons[i])
+        part = {"wall_seconds": wall, "num_requests": len(pending), "engine_stats": stats_to_dict(out.stats)}
+        self.stats_parts.append(part)
+        if self.store is not None:
+            self.store.add_stats(part)
+

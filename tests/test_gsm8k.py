@@ -1,0 +1,239 @@
+"""evals.gsm8k.evaluate_gsm8k on real GSM8K questions with a scripted fake engine: exact scores for known
+answers, both filters, lm-eval's stock task settings, data-directory errors, and kill-and-resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from test_gsm8k_fakes import FakeEngine, answer_policy, last_question, read_jsonl, train_tiny_tokenizer
+from tokenizers import Tokenizer
+
+from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, merge_stats
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(gsm8k_dir, tmp_path_factory) -> Path:
+    return train_tiny_tokenizer(gsm8k_dir, tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def _engine(tokenizer_path: Path, gsm8k_dir: Path, policy: str, **kw) -> FakeEngine:
+    complete = answer_policy(policy, gsm8k_dir)
+    return FakeEngine(Tokenizer.from_file(str(tokenizer_path)), lambda p: complete(last_question(p)), **kw)
+
+
+def _run(engine, tokenizer_path, gsm8k_dir, out_dir, **kw):
+    kw.setdefault("limit", LIMIT)
+    kw.setdefault("progress", False)
+    return evaluate_gsm8k(engine, tokenizer_path, data_dir=gsm8k_dir, out_dir=out_dir, **kw)
+
+
+def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))  # data_dir=None falls back to $GSM8K_DIR
+    engine = _engine(tokenizer_path, gsm8k_dir, "right", tokens_per_step=3)
+    res = evaluate_gsm8k(engine, tokenizer_path, data_dir=None, limit=LIMIT, out_dir=tmp_path, progress=True)
+    assert res.scores == {"strict_match": 1.0, "flexible_extract": 1.0, "n": LIMIT}
+    assert f"{LIMIT}/{LIMIT}" in capsys.readouterr().err  # the tqdm bar reached the end
+
+    # lm-eval's stock task as configured: v3.0, 5 shots from train, one generate call for all requests
+    assert res.task["version"] == 3.0 and res.task["num_fewshot"] == 5
+    assert res.task["data_source"] == str(gsm8k_dir.resolve())
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == LIMIT
+    assert all(p.count("Question: ") == 6 and p.endswith("\nAnswer:") for p in engine.calls[0])
+    assert engine.max_new_tokens_seen == [256]  # lm-eval's default max_gen_toks; the task sets none
+
+    samples = read_jsonl(res.samples_path)
+    assert res.samples_path == tmp_path / "samples.jsonl"
+    assert [s["doc_id"] for s in samples] == list(range(LIMIT))
+    test_rows = read_jsonl(gsm8k_dir / "test.jsonl")
+    for s, row in zip(samples, test_rows):
+        assert s["question"] == row["question"] and s["target"] == row["answer"]
+        assert s["generated_text"] == f" {row['answer']}\n\n"  # cut before the next "Question:"
+        assert s["finish_reason"] == "stop_string" and s["stop_string"] == "Question:"
+        assert s["extracted"] == {"strict_match": s["target_answer"], "flexible_extract": s["target_answer"]}
+        assert s["correct"] == {"strict_match": True, "flexible_extract": True}
+        assert len(s["prompt_sha256"]) == 64 and len(s["request_key"]) == 64
+    assert len(read_jsonl(tmp_path / "generations.jsonl")) == LIMIT
+    assert res.stats["generated_tokens"] == sum(s["num_generated_tokens"] for s in samples)
+    assert res.stats["num_parts"] == 1 and res.stats["num_requests"] == LIMIT and res.wall_seconds > 0
+    assert res.stats["requests_without_stats"] == 0 and res.stats["wall_seconds"] > 0
+
+
+@pytest.mark.parametrize("policy, strict, flexible", [
+    ("wrong", 0.0, 0.0),
+    ("no_hash", 0.0, 1.0),  # no "#### N": strict-match finds nothing, flexible-extract takes the last number
+    ("alternate", 0.5, 0.5),
+])
+def test_exact_scores_for_scripted_answers(tokenizer_path, gsm8k_dir, tmp_path, policy, strict, flexible):
+    res = _run(_engine(tokenizer_path, gsm8k_dir, policy), tokenizer_path, gsm8k_dir, tmp_path)
+    assert res.scores == {"strict_match": strict, "flexible_extract": flexible, "n": LIMIT}
+    samples = read_jsonl(res.samples_path)
+    if policy == "no_hash":
+        assert all(s["extracted"]["strict_match"] == "[invalid]" for s in samples)
+        assert all(s["extracted"]["flexible_extract"] == s["target_answer"] + "." for s in samples)
+    if policy == "alternate":
+        assert [s["correct"]["strict_match"] for s in samples] == [i % 2 == 0 for i in range(LIMIT)]
+
+
+def test_num_fewshot_and_max_gen_toks(tokenizer_path, gsm8k_dir, tmp_path):
+    engine = _engine(tokenizer_path, gsm8k_dir, "right")
+    res = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=3, num_fewshot=0, max_gen_toks=10)
+    assert res.task["num_fewshot"] == 0
+    assert all(p.startswith("Question: ") and p.count("Question: ") == 1 for p in engine.calls[0])
+    samples = read_jsonl(res.samples_path)
+    assert all(s["num_generated_tokens"] == 10 and s["finish_reason"] == "length" for s in samples)
+    assert res.scores["strict_match"] == 0.0  # 10 tokens never reach "####"
+
+
+def test_resume_with_everything_on_disk_sends_nothing(tokenizer_path, gsm8k_dir, tmp_path):
+    first = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, tmp_path)
+    samples = read_jsonl(first.samples_path)
+    engine = _engine(tokenizer_path, gsm8k_dir, "right")  # would score 1.0 if it were asked
+    again = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, resume=True)
+    assert engine.calls == [] and again.num_resumed == LIMIT and again.num_generated == 0
+    assert again.scores == first.scores and read_jsonl(again.samples_path) == samples
+    # resume=False starts afresh
+    fresh = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, resume=False)
+    assert fresh.scores["strict_match"] == 1.0 and len(engine.calls) == 1
+
+
+def test_resume_grows_limit_and_merges_stats(tokenizer_path, gsm8k_dir, tmp_path):
+    ref = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, tmp_path / "ref")
+    out = tmp_path / "parts"
+    _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, out, limit=3)
+    engine = _engine(tokenizer_path, gsm8k_dir, "alternate")
+    res = _run(engine, tokenizer_path, gsm8k_dir, out, resume=True)
+    assert len(engine.calls[0]) == LIMIT - 3  # the first documents' prompts did not change with the limit
+    assert res.scores == ref.scores and read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
+    assert res.stats["num_parts"] == 2 and res.stats["num_requests"] == LIMIT
+    assert res.stats["generated_tokens"] == ref.stats["generated_tokens"]
+
+
+def test_resume_tolerates_a_cut_last_line(tokenizer_path, gsm8k_dir, tmp_path):
+    ref = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, tmp_path / "ref")
+    lines = (tmp_path / "ref" / "generations.jsonl").read_text().splitlines(keepends=True)
+    out = tmp_path / "cut"
+    out.mkdir()
+    (out / "generations.jsonl").write_text("".join(lines[:3]) + lines[3][:40])  # a write killed midway
+    engine = _engine(tokenizer_path, gsm8k_dir, "alternate")
+    res = _run(engine, tokenizer_path, gsm8k_dir, out, resume=True)
+    assert len(engine.calls[0]) == LIMIT - 3 and res.num_resumed == 3
+    assert res.scores == ref.scores and read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
+    assert len(read_jsonl(out / "generations.jsonl")) == LIMIT
+
+
+KILLED_RUN = """
+import sys
+from pathlib import Path
+from tokenizers import Tokenizer
+from test_gsm8k_fakes import FakeEngine, answer_policy, last_question
+from evals.gsm8k import evaluate_gsm8k
+tok_path, data_dir, out_dir, limit = sys.argv[1:5]
+complete = answer_policy("alternate", Path(data_dir))
+engine = FakeEngine(Tokenizer.from_file(tok_path), lambda p: complete(last_question(p)), max_batch_size=2,
+                    step_delay=0.01, hang_after=3)  # slow, then stuck: killed midway on every machine
+evaluate_gsm8k(engine, tok_path, data_dir=data_dir, limit=int(limit), out_dir=out_dir, progress=False)
+"""
+
+
+def test_sigkill_midway_then_resume_equals_uninterrupted(tokenizer_path, gsm8k_dir, tmp_path):
+    ref = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, tmp_path / "ref")
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tokenizer_path), str(gsm8k_dir), str(out),
+                             str(LIMIT)], env=env, cwd=REPO_ROOT, stderr=subprocess.PIPE)
+    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 60
+    try:
+        while not (gen_file.exists() and gen_file.read_text().count("\n") >= 3):
+            assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "no generations appeared within 60 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    done = len(read_jsonl(gen_file))
+    assert done == 3 and not (out / "samples.jsonl").exists()  # killed midway, before scoring
+
+    engine = _engine(tokenizer_path, gsm8k_dir, "alternate")
+    res = _run(engine, tokenizer_path, gsm8k_dir, out, resume=True)
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == LIMIT - done  # nothing on disk is redone
+    assert res.num_resumed == done and res.num_generated == LIMIT - done
+    assert res.scores == ref.scores == {"strict_match": 0.5, "flexible_extract": 0.5, "n": LIMIT}
+    assert read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
+    assert res.stats["num_parts"] == 1 and res.stats["requests_without_stats"] == done  # killed: no stats
+
+
+def test_data_dir_errors(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):
+    engine = _engine(tokenizer_path, gsm8k_dir, "right")
+    with pytest.raises(GSM8KDataError, match=r"does not exist.*\n  fix: point data_dir"):
+        _run(engine, tokenizer_path, tmp_path / "missing", tmp_path / "o1")
+
+    only_test = tmp_path / "only_test"
+    only_test.mkdir()
+    (only_test / "test.jsonl").symlink_to(gsm8k_dir / "test.jsonl")
+    with pytest.raises(GSM8KDataError, match="lacks train.jsonl"):
+        _run(engine, tokenizer_path, only_test, tmp_path / "o2")
+
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(GSM8KDataError, match=r"from \$GSM8K_DIR"):
+        _run(engine, tokenizer_path, None, tmp_path / "o3")
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "train.jsonl").write_text("this is not json\n")
+    (broken / "test.jsonl").symlink_to(gsm8k_dir / "test.jsonl")
+    with pytest.raises(GSM8KDataError, match="could not be read"):
+        _run(engine, tokenizer_path, broken, tmp_path / "o4")
+    assert engine.calls == []
+
+
+def test_no_data_dir_offline_names_the_env_var(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):
+    if not datasets.config.HF_DATASETS_OFFLINE:
+        pytest.skip("HF_DATASETS_OFFLINE was not set before datasets was imported; the hub would be tried")
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    with pytest.raises(GSM8KDataError, match=r"openai/gsm8k could not be loaded(.|\n)*fix: set GSM8K_DIR="):
+        _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, None, tmp_path)
+
+
+def test_resume_refuses_generations_of_another_engine_setting(tokenizer_path, gsm8k_dir, tmp_path):
+    _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, gsm8k_dir, tmp_path, limit=2,
+         fingerprint={"draft_len": 3, "ssm_replay": True})
+    engine = _engine(tokenizer_path, gsm8k_dir, "right")
+    with pytest.raises(ValueError, match=r"different run \(differs in \['fingerprint'\]"):
+        _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=2, resume=True,
+             fingerprint={"draft_len": 3, "ssm_replay": False})
+    res = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=2, resume=True,
+               fingerprint={"draft_len": 3, "ssm_replay": True})
+    assert res.num_resumed == 2 and engine.calls == []
+
+
+def test_merge_stats_sums_counts_and_lists_and_recomputes_rates():
+    parts = [
+        {"wall_seconds": 1.0, "num_requests": 2, "engine_stats": {
+            "generated_tokens": 10, "drafted_tokens": 6, "accepted_drafts": 3, "request_steps": 4,
+            "accepted_per_position": [2, 1], "num_accepted_hist": [0, 1, 2, 1], "acceptance_rate": 0.5,
+            "family": "nemotron_h"}},
+        {"wall_seconds": 2.0, "num_requests": 1, "engine_stats": {
+            "generated_tokens": 5, "drafted_tokens": 4, "accepted_drafts": 4, "request_steps": 2,
+            "accepted_per_position": [2, 2], "num_accepted_hist": [0, 0, 0, 2], "acceptance_rate": 1.0,
+            "family": "nemotron_h"}},
+    ]
+    m = merge_stats(parts)
+    assert m["generated_tokens"] == 15 and m["drafted_tokens"] == 10 and m["accepted_drafts"] == 7
+    assert m["accepted_per_position"] == [4, 3] and m["num_accepted_hist"] == [0, 1, 2, 3]
+    assert m["acceptance_rate"] == 0.7 and m["acceptance_length"] == 1 + 7 / 6
+    assert m["family"] == "nemotron_h" and m["wall_seconds"] == 3.0 and m["num_parts"] == 2
+    assert merge_stats([]) == {"wall_seconds": 0.0, "num_parts": 0}

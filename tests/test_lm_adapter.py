@@ -1,0 +1,127 @@
+"""evals.lm_adapter.EngineLM: requests -> one engine.generate call; stop strings, EOS, limits, resume."""
+
+from __future__ import annotations
+
+import json
+
+import lm_eval.api.registry
+import pytest
+from lm_eval.api.instance import Instance
+from test_gsm8k_fakes import EOS_ID, FakeEngine, read_jsonl, train_tiny_tokenizer
+from tokenizers import Tokenizer
+
+from evals.lm_adapter import MODEL_NAME, EngineLM, GenerationStore, first_stop, request_key, sha256_text
+
+GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gsm8k_dir, tmp_path_factory) -> Tokenizer:
+    path = train_tiny_tokenizer(gsm8k_dir, tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def _req(context: str, idx: int = 0, **gen_kwargs) -> Instance:
+    gen_kwargs.setdefault("until", GSM8K_UNTIL)
+    return Instance("generate_until", doc={}, arguments=(context, gen_kwargs), idx=idx,
+                    metadata=("t", idx, 1))
+
+
+def _engine(tokenizer, scripts: dict[str, str], **kw) -> FakeEngine:
+    return FakeEngine(tokenizer, lambda prompt: scripts[prompt], **kw)
+
+
+def test_registered_without_hiding_builtin_models():
+    assert lm_eval.api.registry.get_model(MODEL_NAME) is EngineLM
+    names = set(lm_eval.api.registry.model_registry)
+    assert {"hf", "vllm", "dummy"} <= names  # the built-ins are still registered beside ours
+
+
+def test_loglikelihood_is_not_implemented(tokenizer):
+    lm = EngineLM(_engine(tokenizer, {}), tokenizer)
+    ll = Instance("loglikelihood", doc={}, arguments=("Question: 1+1?\nAnswer:", " 2"), idx=0)
+    with pytest.raises(NotImplementedError, match="generate_until only.*loglikelihood"):
+        lm.loglikelihood([ll])
+    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
+        lm.loglikelihood_rolling([Instance("loglikelihood_rolling", doc={}, arguments=("text",), idx=0)])
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3, 7])
+def test_stop_string_truncates_and_stops_early(tokenizer, tokens_per_step):
+    prompts = {f"Question: q{i}\nAnswer:": f" step {i} #### {i}\n\nQuestion: next one{' la' * 40}"
+               for i in range(5)}
+    engine = _engine(tokenizer, prompts, tokens_per_step=tokens_per_step, max_batch_size=2)
+    lm = EngineLM(engine, tokenizer, progress=False)
+    out = lm.generate_until([_req(p, i) for i, p in enumerate(prompts)])
+    assert out == [f" step {i} #### {i}\n\n" for i in range(5)]
+    assert len(engine.calls) == 1 and engine.calls[0] == list(prompts)  # one call, all requests
+    completion_of = {sha256_text(p): c for p, c in prompts.items()}
+    for rec in lm.records.values():
+        full = len(tokenizer.encode(completion_of[rec["prompt_sha256"]], add_special_tokens=False).ids)
+        assert rec["finish_reason"] == "stop_string" and rec["stop_string"] == "Question:"
+        assert rec["engine_finish_reason"] == "stop_checker"
+        # stopped within one step of the stop string, long before the 40 filler words
+        assert rec["num_generated_tokens"] < full - 30
+
+
+def test_eos_ends_request_and_is_not_in_text(tokenizer):
+    engine = _engine(tokenizer, {"Question: a\nAnswer:": " #### 5"}, append_eos=True)
+    lm = EngineLM(engine, tokenizer, progress=False)
+    assert lm.generate_until([_req("Question: a\nAnswer:", until=["Question:"])]) == [" #### 5"]
+    (rec,) = lm.records.values()
+    assert rec["finish_reason"] == "stop_token" and rec["generated_ids"][-1] == EOS_ID
+    assert rec["num_generated_tokens"] == len(tokenizer.encode(" #### 5", add_special_tokens=False).ids) + 1
+
+
+def test_max_gen_toks_per_request_and_default(tokenizer):
+    long = " la" * 100
+    engine = _engine(tokenizer, {"A:": long, "B:": long, "C:": long}, tokens_per_step=4)
+    lm = EngineLM(engine, tokenizer, max_gen_toks=7, progress=False)
+    lm.generate_until([_req("A:", 0, max_gen_toks=5), _req("B:", 1, max_gen_toks=9), _req("C:", 2)])
+    assert engine.max_new_tokens_seen == [9]  # one call, the largest limit; smaller ones via stop_checker
+    lens = {rec["prompt_sha256"]: rec["num_generated_tokens"] for rec in lm.records.values()}
+    assert [lens[sha256_text(p)] for p in ("A:", "B:", "C:")] == [5, 9, 7]
+    assert all(rec["finish_reason"] == "length" for rec in lm.records.values())
+
+
+def test_sampling_is_rejected(tokenizer):
+    lm = EngineLM(_engine(tokenizer, {}), tokenizer, progress=False)
+    with pytest.raises(ValueError, match="greedily"):
+        lm.generate_until([_req("x", do_sample=True, temperature=0.7)])
+
+
+def test_first_stop_picks_earliest():
+    assert first_stop("ab Question: c </s>", ["</s>", "Question:"]) == (3, "Question:")
+    assert first_stop("no stop here", ["Question:"]) == (12, None)
+
+
+def test_store_resume_skips_done_requests_and_tolerates_cut_last_line(tokenizer, tmp_path):
+    prompts = {f"P{i}:": f" answer {i}\n\nQuestion: more" for i in range(4)}
+    reqs = [_req(p, i) for i, p in enumerate(prompts)]
+    path = tmp_path / "gen.jsonl"
+    first = EngineLM(_engine(tokenizer, prompts), tokenizer, store=GenerationStore(path, resume=False),
+                     progress=False)
+    expected = first.generate_until(reqs)
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 4 and all(json.loads(line)["key"] for line in lines)
+    path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed mid-write of record 3
+
+    engine = _engine(tokenizer, prompts)
+    lm = EngineLM(engine, tokenizer, store=GenerationStore(path, resume=True), progress=False)
+    assert lm.generate_until(reqs) == expected
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == 2  # only the two not fully on disk
+    assert lm.num_resumed == 2 and lm.num_generated == 2
+    assert len(read_jsonl(path)) == 4  # the cut line was dropped, the two new ones appended cleanly
+
+    again = _engine(tokenizer, prompts)
+    lm = EngineLM(again, tokenizer, store=GenerationStore(path, resume=True), progress=False)
+    assert lm.generate_until(reqs) == expected and again.calls == []
+
+
+def test_request_key_depends_on_prompt_and_settings(tokenizer):
+    lm = EngineLM(_engine(tokenizer, {}), tokenizer, progress=False)
+    base = lm.request_key_for("Q:", {"until": ["Question:"]})
+    assert base == request_key("Q:", lm._settings({"until": ["Question:"]}))
+    assert base != lm.request_key_for("Q: ", {"until": ["Question:"]})
+    assert base != lm.request_key_for("Q:", {"until": ["Question:"], "max_gen_toks": 9})
+    assert base != lm.request_key_for("Q:", {"until": ["Question:", "</s>"]})
