@@ -260,3 +260,30 @@ def ours_config(m: GatedDeltaNet):
                            linear_num_value_heads=m.num_v_heads, linear_key_head_dim=m.head_k_dim,
                            linear_value_head_dim=m.head_v_dim, linear_conv_kernel_dim=m.conv_kernel,
                            rms_norm_eps=m.norm.eps)
+
+
+@torch.no_grad()
+def test_rewind_commit_equals_decoding_only_accepted_tokens(layers):
+    """Verify T = 4 tokens, keep the state after num_accepted_tokens (different per row), decode on: the same
+    as never having seen the rejected tokens. The conv window comes from `conv_state_after`."""
+    _, ours = layers
+    torch.manual_seed(8)
+    B, Tv = 3, 4
+    x = torch.randn(B, 9 + Tv + 1, D)
+    pre = ours.prefill(x[:, :9])
+    num_accepted = torch.tensor([1, 4, 2])
+    verify = ours.decode(x[:, 9:9 + Tv], pre.recurrent_state, pre.conv_state, output_intermediate_states=True)
+    rows = torch.arange(B)
+    state = verify.intermediate_states[rows, num_accepted - 1]
+    conv_in = ours.rule_inputs(x[:, 9:9 + Tv], pre.conv_state).conv_in
+    conv = ours.conv_state_after(conv_in, num_accepted)
+    _close(conv, verify.intermediate_conv_states[rows, num_accepted - 1], 0)
+    for i, n in enumerate(num_accepted.tolist()):
+        alone = ours.decode(x[i:i + 1, 9:9 + n], pre.recurrent_state[i:i + 1], pre.conv_state[i:i + 1])
+        _close(state[i:i + 1], alone.recurrent_state, 1e-5)
+        _close(conv[i:i + 1], alone.conv_state, 1e-5)
+        nxt = torch.randn(1, 1, D)
+        _close(ours.decode(nxt, state[i:i + 1], conv[i:i + 1]).y,
+               ours.decode(nxt, alone.recurrent_state, alone.conv_state).y, 1e-5)
+    with pytest.raises(ValueError, match="num_tokens"):
+        ours.conv_state_after(conv_in, torch.tensor([0, 5, 1]))

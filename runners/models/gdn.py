@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "GDNOutput",
+    "GDNRuleInputs",
     "GatedDeltaNet",
     "GatedRMSNorm",
     "chunk_gated_delta_rule",
@@ -289,6 +290,24 @@ class GDNOutput(NamedTuple):
     intermediate_conv_states: Tensor | None = None
 
 
+class GDNRuleInputs(NamedTuple):
+    """Per-token inputs of the gated delta rule for T new tokens (`GatedDeltaNet.rule_inputs`).
+
+    q, k: (B, T, H, K) float32, L2-normalised, not scaled. v: (B, T, HV, V) in x's dtype.
+    g, beta: (B, T, HV) float32 (log decay <= 0, write strength in (0, 1)). z: (B, T, HV, V) output gate.
+    conv_in: (B, C, W - 1 + T) the previous conv window followed by the T new conv inputs; the window after
+        n tokens is conv_in[:, :, n : n + W - 1] (`GatedDeltaNet.conv_state_after`).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    z: Tensor
+    conv_in: Tensor
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next Gated DeltaNet mixer (`model.layers.N.linear_attn.*`), cache-agnostic.
 
@@ -417,6 +436,62 @@ class GatedDeltaNet(nn.Module):
         """Full causal forward from a zero state (no cache): (B, T, D) -> (B, T, D)."""
         return self.prefill(x, lengths).y
 
+    # -- stages (for callers that run the rule with their own kernel, e.g. Triton or replay) ---------------
+
+    def rule_inputs(self, x: Tensor, conv_state: Tensor | None = None) -> GDNRuleInputs:
+        """Projections, causal conv + SiLU, L2 norm, gates: everything before the gated delta rule.
+
+        x: (B, T, D); conv_state: (B, C, W - 1) or None (zeros). Pure function of its inputs (float32 conv
+        math). Returns GDNRuleInputs; q, k are L2-normalised but not scaled (the rule applies K^-0.5).
+        """
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        mixed_qkv, z, b, a = self._project(x)
+        # Causal depthwise conv over [previous W - 1 inputs, T new inputs].
+        if conv_state is None:
+            conv_in = F.pad(mixed_qkv.transpose(1, 2), (self.conv_kernel - 1, 0))  # (B, C, W - 1 + T)
+        else:
+            conv_in = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv.transpose(1, 2)], dim=-1)
+        conv_out = F.silu(F.conv1d(conv_in.float(), self.conv1d.weight.float(), groups=self.conv_dim))
+        q, k, v = conv_out.to(x.dtype).transpose(1, 2).split([H * K, H * K, HV * V], dim=-1)
+        q = l2_normalize(q.reshape(B, T, H, K))
+        k = l2_normalize(k.reshape(B, T, H, K))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return GDNRuleInputs(q, k, v.reshape(B, T, HV, V), g, beta, z, conv_in)
+
+    def output(self, o: Tensor, z: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Everything after the rule: GatedRMSNorm(o, z) per value head, then out_proj.
+
+        o, z: (B, T, HV, V); lengths: (B,) or None. Returns y (B, T, D) in o's dtype, exactly zero at
+        positions >= lengths (even where the padded input held NaN).
+        """
+        B, T = o.shape[:2]
+        y = self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+        if lengths is not None:
+            valid = torch.arange(T, device=y.device)[None, :] < lengths.to(y.device)[:, None]
+            y = torch.where(valid[:, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return y
+
+    def conv_state_after(self, conv_in: Tensor, num_tokens: Tensor | int) -> Tensor:
+        """Conv window after the first `num_tokens` new tokens of each row: conv_in[b, :, n_b : n_b + W - 1].
+
+        conv_in: (B, C, W - 1 + T) from `rule_inputs`; num_tokens: int or (B,) integer tensor in [0, T] (the
+        valid length after a prefill, num_accepted_tokens after a verify). Returns a new (B, C, W - 1) tensor.
+        """
+        B, C, L = conv_in.shape
+        Wm1 = self.conv_kernel - 1
+        if isinstance(num_tokens, int):
+            if not 0 <= num_tokens <= L - Wm1:
+                raise ValueError(f"num_tokens must lie in [0, T={L - Wm1}]; got {num_tokens}")
+            return conv_in[:, :, num_tokens:num_tokens + Wm1].contiguous()
+        n = num_tokens.to(conv_in.device)
+        if n.shape != (B,) or bool((n < 0).any()) or bool((n > L - Wm1).any()):
+            raise ValueError(f"num_tokens must be (B,) = ({B},) with values in [0, T={L - Wm1}]; "
+                             f"got {n.tolist()}")
+        idx = n[:, None] + torch.arange(Wm1, device=conv_in.device)[None, :]  # (B, W - 1)
+        return conv_in.gather(2, idx[:, None, :].expand(B, C, Wm1))
+
     # -- internals -----------------------------------------------------------------------------------------
 
     def _check_state(self, name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
@@ -454,7 +529,6 @@ class GatedDeltaNet(nn.Module):
         self._check_state("conv_state", conv_state, self.conv_state_shape(B))
         if inplace and (recurrent_state is None or conv_state is None):
             raise ValueError("inplace=True needs both recurrent_state and conv_state to write into")
-        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         Wm1 = self.conv_kernel - 1
         if T == 0:  # nothing to do: the state passes through (as a copy unless inplace)
             s = recurrent_state if recurrent_state is not None else x.new_zeros(self.recurrent_state_shape(B),
@@ -465,21 +539,7 @@ class GatedDeltaNet(nn.Module):
             return GDNOutput(x.new_zeros(B, 0, self.hidden_size), s if inplace else s.clone(),
                              c if inplace else c.clone(), empty, empty_c)
 
-        mixed_qkv, z, b, a = self._project(x)
-
-        # Causal depthwise conv over [previous W - 1 inputs, T new inputs]; float32 math.
-        if conv_state is None:
-            conv_in = F.pad(mixed_qkv.transpose(1, 2), (Wm1, 0))  # (B, C, W - 1 + T)
-        else:
-            conv_in = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv.transpose(1, 2)], dim=-1)
-        conv_out = F.silu(F.conv1d(conv_in.float(), self.conv1d.weight.float(), groups=self.conv_dim))
-        q, k, v = conv_out.to(x.dtype).transpose(1, 2).split([H * K, H * K, HV * V], dim=-1)
-        q = l2_normalize(q.reshape(B, T, H, K))
-        k = l2_normalize(k.reshape(B, T, H, K))
-        v = v.reshape(B, T, HV, V)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv_state)
         if chunked:
             o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.chunk_size,
                                                   lengths=lengths)
@@ -488,17 +548,8 @@ class GatedDeltaNet(nn.Module):
             o, new_state, inter = recurrent_gated_delta_rule(
                 q, k, v, g, beta, recurrent_state, lengths=lengths, output_intermediate_states=intermediates
             )
-        y = self.out_proj(self.norm(o, z).reshape(B, T, HV * V))
-        if lengths is not None:  # padded outputs are exactly zero (even where padded x held NaN)
-            valid = torch.arange(T, device=x.device)[None, :] < lengths.to(x.device)[:, None]
-            y = torch.where(valid[:, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-
-        # New conv window: the W - 1 inputs ending at each row's last valid token (conv_in column L + W - 2).
-        if lengths is None:
-            new_conv = conv_in[:, :, T:]
-        else:
-            idx = lengths.to(x.device)[:, None] + torch.arange(Wm1, device=x.device)[None, :]  # (B, W - 1)
-            new_conv = conv_in.gather(2, idx[:, None, :].expand(B, self.conv_dim, Wm1))
+        y = self.output(o, z, lengths)
+        new_conv = self.conv_state_after(conv_in, lengths if lengths is not None else T)
         inter_conv = conv_in.unfold(2, Wm1, 1)[:, :, 1:].transpose(1, 2) if intermediates else None
 
         state_dtype = torch.float32 if recurrent_state is None else recurrent_state.dtype
@@ -509,6 +560,4 @@ class GatedDeltaNet(nn.Module):
             recurrent_state.copy_(new_state)
             conv_state.copy_(new_conv)
             new_state, new_conv = recurrent_state, conv_state
-        else:
-            new_conv = new_conv.contiguous()
         return GDNOutput(y, new_state, new_conv, inter, inter_conv)
