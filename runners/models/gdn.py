@@ -10,9 +10,9 @@ Shape vocabulary: B batch, T tokens per row, H key heads, HV value heads (HV = r
 head j // r), K key head dim, V value head dim, D hidden size, W conv kernel width, C conv channels
 (2 * H * K + HV * V).
 
-Recurrent state layout: (B, HV, V, K), K contiguous (the layout of vLLM / SGLang / FLA kernels that keep the
-state as [V, K] per head). Note that transformers' torch fallback uses (B, HV, K, V): transpose the last two
-dims to convert. Per token t and value head (k_t, q_t already repeated to value heads and L2-normalised):
+Recurrent state layout: (B, HV, V, K), K contiguous (the project's choice, BRIEF section 4: both S k_t and
+S q_t then reduce along contiguous memory). transformers' torch fallback uses (B, HV, K, V): transpose the
+last two dims to convert. Per token t and value head (k_t, q_t repeated to value heads and L2-normalised):
 
     alpha_t = exp(g_t)
     S_t = alpha_t * S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
