@@ -61,14 +61,16 @@ def arch_from_hf_config(config: dict[str, Any], family: Family | str) -> ArchCon
             kinds = list(config["layer_types"])
         else:
             interval = config.get("full_attention_interval", 4)
-            kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+            kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(n_layers)]
         num_mlp = len(config.get("mlp_only_layers") or [])
         return ArchConfig(
             hidden_size=config["hidden_size"],
             vocab_size=config["vocab_size"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config["num_key_value_heads"],
-            attention_head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            attention_head_dim=config.get("head_dim")
+            or config["hidden_size"] // config["num_attention_heads"],
             num_experts=config["num_experts"],
             num_experts_per_tok=config["num_experts_per_tok"],
             num_attention_layers=kinds.count("full_attention"),
@@ -86,7 +88,7 @@ def arch_from_hf_config(config: dict[str, Any], family: Family | str) -> ArchCon
     except KeyError as e:
         raise UserError(
             f"config.json of a {family.value} checkpoint lacks the key {e.args[0]!r}",
-            "use a complete HF config.json for this family, or give the dimensions in the entry's arch: block",
+            "use a complete HF config.json for this family, or give the dimensions in the entry's arch:",
         ) from None
 
 
