@@ -217,15 +217,18 @@ def _arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
     return diff(a, b, "arch.")
 
 
-def resolve(cfg: DictConfig, *, check_checkpoint: bool = True) -> ResolvedRun:
+def resolve(
+    cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint: bool = True, check_runtime: bool = True
+) -> ResolvedRun:
     """Validate a composed config and compute the effective settings of the run.
 
-    check_checkpoint=False skips the checkpoint directory checks (registry validation on machines without the
-    weights). Raises UserError for: a bad registry entry or top-level value, ssm_replay without speculative
+    entry_name: the registry entry (file) composed as `model`; default: Hydra's choice, else model.name.
+    check_checkpoint=False skips the checkpoint directory checks and check_runtime=False the device / engine
+    checks of world_size > 1 (registry validation on machines without the weights or GPUs). Raises UserError for: a bad registry entry or top-level value, ssm_replay without speculative
     decoding, a world_size that cannot shard the model's heads / experts, world_size > 1 where the engine
     cannot run it, a missing / incomplete checkpoint, an entry arch: block that disagrees with config.json.
     """
-    name = hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
+    name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
     if name not in entry_names():
         raise unknown_entry_error(str(name))
     entry = validate_entry(cfg.model, name=name)
@@ -256,7 +259,7 @@ def resolve(cfg: DictConfig, *, check_checkpoint: bool = True) -> ResolvedRun:
     # Checks that need only the entry first, so they hold on machines without the weights.
     if entry.arch is not None:
         check_world_size(entry.arch, world_size, name)
-    if world_size > 1:
+    if world_size > 1 and check_runtime:
         _check_parallel_runtime(world_size, app.runtime.device)
 
     if check_checkpoint:
