@@ -17,8 +17,8 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def cmd_list() -> int:
-    header = ["name", "family", "checkpoint", "dtype", "quant", "spec/draft", "replay", "world size", "baseline"]
-    rows = [header]
+    rows = [["name", "family", "checkpoint", "dtype", "quant", "spec/draft", "replay", "world size",
+             "baseline"]]
     failed = 0
     for report in validate_all():
         if report.resolved is None:

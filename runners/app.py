@@ -218,15 +218,20 @@ def _arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
 
 
 def resolve(
-    cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint: bool = True, check_runtime: bool = True
+    cfg: DictConfig,
+    *,
+    entry_name: str | None = None,
+    check_checkpoint: bool = True,
+    check_runtime: bool = True,
 ) -> ResolvedRun:
     """Validate a composed config and compute the effective settings of the run.
 
     entry_name: the registry entry (file) composed as `model`; default: Hydra's choice, else model.name.
     check_checkpoint=False skips the checkpoint directory checks and check_runtime=False the device / engine
-    checks of world_size > 1 (registry validation on machines without the weights or GPUs). Raises UserError for: a bad registry entry or top-level value, ssm_replay without speculative
-    decoding, a world_size that cannot shard the model's heads / experts, world_size > 1 where the engine
-    cannot run it, a missing / incomplete checkpoint, an entry arch: block that disagrees with config.json.
+    checks of world_size > 1 (registry validation on machines without the weights or GPUs).
+    Raises UserError for: a bad registry entry or top-level value, ssm_replay without speculative decoding,
+    a world_size that cannot shard the model's heads / experts, world_size > 1 where the engine cannot run
+    it, a missing / incomplete checkpoint, an entry arch: block that disagrees with config.json.
     """
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
     if name not in entry_names():
