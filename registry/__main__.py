@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from registry.schema import SpecAlgorithm, entry_names
-from registry.validate import validate_all
+from registry.validate import resolve_all, validate_all
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -20,7 +20,7 @@ def cmd_list() -> int:
     rows = [["name", "family", "checkpoint", "dtype", "quant", "spec/draft", "replay", "world size",
              "baseline"]]
     failed = 0
-    for report in validate_all():
+    for report in resolve_all():
         if report.resolved is None:
             rows.append([report.name, "(invalid: python -m registry validate)"] + [""] * 7)
             failed += 1

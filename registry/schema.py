@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -167,6 +169,58 @@ def unknown_entry_error(name: str) -> UserError:
         f"{hint}choose one of: {', '.join(names)} (python -m registry list), "
         f"or add registry/model/{name}.yaml",
     )
+
+
+_PACKAGE_HEADER = re.compile(r"^\s*#\s*@package", re.MULTILINE)
+
+
+def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, ...] = ()) -> None:
+    """Check the raw file of an entry, and of the entries its defaults list reuses, before Hydra loads it.
+
+    A registry file may hold only schema keys and a `defaults:` list of other entry names and `_self_`.
+    Rejected (UserError naming the file): a `# @package` header (it would let the file write outside the
+    `model` node, e.g. hydra.callbacks, which Hydra instantiates), defaults that name anything but another
+    entry (config groups such as /hydra/...), keys outside the schema, a defaults cycle, a missing base entry.
+    """
+    path = model_dir / f"{name}.yaml"
+    where = _entry_file(name)
+    if not path.is_file():
+        raise unknown_entry_error(name)
+    if name in _seen:
+        raise UserError(f"{where}: defaults form a cycle: {' -> '.join((*_seen, name))}", "remove the cycle")
+    text = path.read_text()
+    if _PACKAGE_HEADER.search(text):
+        raise UserError(
+            f"{where}: a '# @package' directive is not allowed in a registry entry",
+            "remove it; an entry always fills the `model` node",
+        )
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{where}: not valid YAML: {str(e).splitlines()[0]}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: must be a mapping of schema keys", "see registry/schema.py:ModelEntry")
+    allowed = [f.name for f in dataclasses.fields(ModelEntry)]
+    for key in raw:
+        if key != "defaults" and key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"{where}: unknown key '{key}'{hint}", f"allowed keys: {', '.join(allowed)}")
+    defaults = raw.get("defaults") or []
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise UserError(
+            f"{where}: defaults must be a list of entry names (and _self_)",
+            "write `defaults: [<base entry>, _self_]`; config groups cannot be selected from an entry",
+        )
+    for base in defaults:
+        if base == "_self_":
+            continue
+        if base.startswith(("/", "override", ".")) or "@" in base or ":" in base:
+            raise UserError(
+                f"{where}: defaults entry '{base}' is not a registry entry name",
+                "list only other entries of registry/model/ (and _self_)",
+            )
+        check_entry_file(base, model_dir, (*_seen, name))
 
 
 def _entry_file(name: str) -> str:

@@ -1,9 +1,10 @@
 """Registry checks behind `python -m registry list|validate`.
 
-Every entry is composed the way run.py composes it (Hydra compose API on configs/, the entry as group
-`model`), with the entry's own settings and with each ssm_replay in {true, false} and world_size in {1, 4},
-then checked by runners.app.resolve without loading weights. Baseline keys are checked against
-registry/baselines/gsm8k.yaml and acceptance.yaml when those files exist.
+Every entry's raw file is checked (registry.schema.check_entry_file), then the entry is composed the way
+run.py composes it (Hydra compose API on configs/, the entry as group `model`) and checked by
+runners.app.resolve without loading weights, with its own settings (errors) and with each ssm_replay in
+{true, false} and world_size in {1, 4} (combinations the runner would refuse are reported as notes).
+Baseline keys are checked against registry/baselines/gsm8k.yaml and acceptance.yaml when those files exist.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from registry.schema import BASELINES_DIR, EMBEDDED_CHECKPOINTS_DIR, ModelEntry, SpecAlgorithm, entry_names
+from registry.schema import (
+    BASELINES_DIR,
+    EMBEDDED_CHECKPOINTS_DIR,
+    ModelEntry,
+    SpecAlgorithm,
+    check_entry_file,
+    entry_names,
+)
 from runners.app import CONFIG_DIR, ResolvedRun, check_checkpoint_dir, resolve
 from runners.errors import UserError
 
@@ -65,23 +73,24 @@ def validate_one(name: str) -> EntryReport:
     """Check one entry (call inside hydra_context()); problems go to report.errors, refusals to notes."""
     report = EntryReport(name)
     try:
+        check_entry_file(name)
         report.resolved = resolve(compose_entry(name), entry_name=name, check_checkpoint=False,
                                   check_runtime=False)
     except UserError as e:
         report.errors.append(f"{e.problem} -- fix: {e.fix}")
         return report
     entry = report.resolved.entry
+    base = compose_entry(name)
     for ssm_replay in SWEEP_SSM_REPLAY:
         for world_size in SWEEP_WORLD_SIZE:
-            combo = f"ssm_replay={str(ssm_replay).lower()} world_size={world_size}"
+            # ssm_replay and world_size are top-level scalars, not config groups: setting them on the composed
+            # config is what Hydra's override does, without recomposing (tests/test_config.py composes each).
+            cfg = base.copy()
+            cfg.ssm_replay, cfg.world_size = ssm_replay, world_size
             try:
-                cfg = compose_entry(name, combo.split())
-            except UserError as e:
-                report.errors.append(f"{combo}: {e.problem} -- fix: {e.fix}")
-                continue
-            try:  # the overrides are top-level only: a refusal here is a property of the combination
                 resolve(cfg, entry_name=name, check_checkpoint=False, check_runtime=False)
             except UserError as e:
+                combo = f"ssm_replay={str(ssm_replay).lower()} world_size={world_size}"
                 report.notes.append(f"{combo} refused: {e.problem}")
     if entry.embedded:
         ckpt = EMBEDDED_CHECKPOINTS_DIR / entry.checkpoint
@@ -115,3 +124,19 @@ def validate_all(names: list[str] | None = None) -> list[EntryReport]:
     """validate_one for every entry (or the given names)."""
     with hydra_context():
         return [validate_one(n) for n in (names or entry_names())]
+
+
+def resolve_all() -> list[EntryReport]:
+    """Each entry with its own settings only (for `list`): errors but no sweep, baseline or file notes."""
+    reports = []
+    with hydra_context():
+        for name in entry_names():
+            report = EntryReport(name)
+            try:
+                check_entry_file(name)
+                report.resolved = resolve(compose_entry(name), entry_name=name, check_checkpoint=False,
+                                          check_runtime=False)
+            except UserError as e:
+                report.errors.append(f"{e.problem} -- fix: {e.fix}")
+            reports.append(report)
+    return reports

@@ -31,6 +31,7 @@ from registry.schema import (
     DType,
     ModelEntry,
     SpecAlgorithm,
+    check_entry_file,
     entry_names,
     unknown_entry_error,
     validate_entry,
@@ -236,6 +237,7 @@ def resolve(
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
     if name not in entry_names():
         raise unknown_entry_error(str(name))
+    check_entry_file(name)
     entry = validate_entry(cfg.model, name=name)
     app = _validate_app(cfg)
 
@@ -516,6 +518,7 @@ def preflight(overrides: list[str]) -> None:
     except HydraException as e:
         problem = f"cannot parse the overrides: {str(e).strip().splitlines()[0]}"
         raise UserError(problem, "write each override as key=value (python run.py --help)") from None
+    model = default_entry()
     for o in parsed:
         key = o.key_or_group
         if key not in ("model", "eval", "runtime") or o.is_delete() or o.is_sweep_override():
@@ -523,6 +526,9 @@ def preflight(overrides: list[str]) -> None:
         value = o.value()
         if isinstance(value, str):
             _check_group_option(key, value)
+            model = value if key == "model" else model
+    # Before Hydra loads the entry: a registry file must not reach outside the `model` node.
+    check_entry_file(model)
     app_overrides = [s for s, o in zip(overrides, parsed) if not o.key_or_group.startswith("hydra")]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
@@ -530,6 +536,14 @@ def preflight(overrides: list[str]) -> None:
         except HydraException as e:
             raise _composition_error(e, app_overrides) from None
     del cfg
+
+
+def default_entry() -> str:
+    """The registry entry configs/config.yaml selects when no `model=` override is given."""
+    import yaml
+
+    defaults = yaml.safe_load((CONFIG_DIR / "config.yaml").read_text())["defaults"]
+    return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
 
 
 def _check_group_option(group: str, value: str) -> None:
