@@ -263,28 +263,30 @@ def resolve(
             "use runtime=cpu or runtime=gpu",
         )
 
-    # Checks that need only the entry first, so they hold on machines without the weights.
-    if entry.arch is not None:
-        check_world_size(entry.arch, world_size, name)
-    if world_size > 1 and check_runtime:
-        _check_parallel_runtime(world_size, app.runtime.device)
+    def check_sharding(arch: ArchConfig | None) -> None:
+        if arch is not None:
+            check_world_size(arch, world_size, name)
+        if world_size > 1 and check_runtime:
+            _check_parallel_runtime(world_size, app.runtime.device)
 
+    # With an arch: block, check before the checkpoint: it holds on machines without the weights.
+    if entry.arch is not None:
+        check_sharding(entry.arch)
     if check_checkpoint:
         checkpoint_dir, setting = resolve_checkpoint(entry, app.models_root)
     else:
         checkpoint_dir, setting = _resolve_checkpoint_lenient(entry, app.models_root)
     arch = entry.arch
     ckpt_config = checkpoint_dir / "config.json"
-    if ckpt_config.is_file():
-        ckpt_arch = read_checkpoint_arch(checkpoint_dir, entry.family)
-        if arch is not None and (mismatch := _arch_mismatch(arch, ckpt_arch)):
-            raise UserError(
-                f"registry/model/{name}.yaml arch: block disagrees with {ckpt_config}: {'; '.join(mismatch)}",
-                "fix the arch: block (or set arch: null for an embedded checkpoint to read config.json)",
-            )
-        if arch is None:
-            check_world_size(ckpt_arch, world_size, name)
-        arch = ckpt_arch
+    ckpt_arch = read_checkpoint_arch(checkpoint_dir, entry.family) if ckpt_config.is_file() else None
+    if arch is not None and ckpt_arch is not None and (mismatch := _arch_mismatch(arch, ckpt_arch)):
+        raise UserError(
+            f"registry/model/{name}.yaml arch: block disagrees with {ckpt_config}: {'; '.join(mismatch)}",
+            "fix the arch: block (or set arch: null for an embedded checkpoint to read config.json)",
+        )
+    if arch is None:
+        arch = ckpt_arch  # None only while an embedded checkpoint is not built
+        check_sharding(arch)
     if check_checkpoint:
         check_checkpoint_dir(checkpoint_dir, setting)
 
