@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -285,3 +286,34 @@ def test_run_py_prints_user_errors(tmp_path, args, lines):
     assert "Traceback" not in proc.stderr
     for line in lines:
         assert any(got.startswith(line) for got in proc.stderr.splitlines()), (line, proc.stderr)
+
+
+FAKE_SITECUSTOMIZE = '''
+import sys
+sys.path.insert(0, {tests!r})
+import test_app
+from runners import app
+app._engine_class = lambda: test_app.FakeEngine
+def evaluate(engine, tokenizer_path, **kw):
+    from types import SimpleNamespace
+    return SimpleNamespace(scores={{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
+                           stats=test_app.FakeStats(), samples_path=kw["out_dir"] + "/samples.jsonl")
+app._evaluate_fn = lambda: evaluate
+'''
+
+
+def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
+    """The whole Hydra path (run.py -> runners.app.run), with the fakes installed by a sitecustomize."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAKE_SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), f"model.checkpoint={ckpt}",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["model"] == "tiny_nemotron_h_mtp" and results["gsm8k"]["n"] == 1
+    assert "GSM8K strict-match" in proc.stdout and str(run_dir / "results.json") in proc.stdout

@@ -88,3 +88,17 @@ def test_cfg_job_from_another_cwd(tmp_path):
     assert cfg.model.name == "qwen3_next_mtp_ws4" and cfg.model.world_size == 4
     assert cfg.ssm_replay is True and cfg.eval.limit == 3
     assert not list(tmp_path.iterdir())  # --cfg job runs nothing and writes nothing
+
+
+def _code_blocks(markdown: str) -> list[str]:
+    parts = markdown.split("```")
+    return [p.split("\n", 1)[1].strip() for p in parts[1::2]]
+
+
+def test_readme_setup_commands():
+    """The README opens with exactly the two set-up commands; the second is CI's test command (.ci/run)."""
+    blocks = _code_blocks((REPO_ROOT / "README.md").read_text())
+    assert blocks[:2] == ["pip install . && python run.py", 'pip install ".[test]" && python -m pytest']
+    ci = [line.replace(" -q", "") for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith(("pip ", "python "))]
+    assert " && ".join(ci) == blocks[1]
