@@ -162,6 +162,8 @@ def entry_names() -> list[str]:
 def unknown_entry_error(name: str) -> UserError:
     """UserError for a `model=` choice that is not a registry entry, naming the closest entries."""
     names = entry_names()
+    if not name:
+        return UserError("model= names no registry entry", f"choose one of: {', '.join(names)}")
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return UserError(

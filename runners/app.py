@@ -141,11 +141,24 @@ def _validate_app(cfg: DictConfig) -> AppConfig:
             hint = f" (did you mean {close[0]}?)" if close else ""
             return_error = UserError(f"unknown config key '{key}'{hint}", f"use one of: {', '.join(allowed)}")
         else:
-            return_error = UserError(
-                f"bad value for '{key}': {msg}",
-                f"override it with a value of the right type, e.g. {key}=<value> (schema: runners/app.py)",
-            )
+            fix = f"set {key} to {_expected_type(key)} (schema: runners/app.py)"
+            return_error = UserError(f"bad value for '{key}': {msg}", fix)
         raise return_error from None
+
+
+def _expected_type(key: str) -> str:
+    """'true or false', 'an integer or null', ... for a dotted key of AppConfig."""
+    import typing
+
+    cls: Any = AppConfig
+    hint: Any = None
+    for part in key.split("."):
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        cls = hint
+    args = set(typing.get_args(hint)) or {hint}
+    words = {bool: "true or false", int: "an integer", str: "a string", DType: "float32, bfloat16 or float16"}
+    names = [w for t, w in words.items() if t in args]
+    return " or ".join(names + (["null"] if type(None) in args else [])) or "a value of the right type"
 
 
 def resolve_checkpoint(entry: ModelEntry, models_root: str | None) -> tuple[Path, str]:
