@@ -31,6 +31,7 @@ from registry.schema import (
     DType,
     ModelEntry,
     SpecAlgorithm,
+    SSMBackend,
     check_entry_file,
     entry_names,
     unknown_entry_error,
@@ -276,6 +277,12 @@ def resolve(
             "use runtime=cpu or runtime=gpu",
         )
 
+    if app.runtime.device == "cpu" and entry.ssm.backend == SSMBackend.flashinfer:
+        raise UserError(
+            f"entry {name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is cpu",
+            "use runtime=gpu, or model.ssm.backend=triton (the Triton interpreter runs on the CPU)",
+        )
+
     def check_sharding(arch: ArchConfig | None) -> None:
         if arch is not None:
             check_world_size(arch, world_size, name)
@@ -416,8 +423,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = _out_dir(rr.app, rr.entry.name)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    if rr.device == "cpu":
+        # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
+    if rr.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
     torch.manual_seed(rr.app.seed)
     engine = _engine_class().from_pretrained(
         str(rr.checkpoint_dir),

@@ -237,6 +237,7 @@ def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
         ("+model._target_=os.system", "'_target_' is not allowed"),
         ("+model.arch_override=1", "unknown key 'arch_override'"),
         ("runtime.device=tpu", "runtime.device must be cpu or cuda"),
+        ("model.ssm.backend=flashinfer", "ssm.backend=flashinfer, which runs only on CUDA GPUs"),
     ],
 )
 def test_bad_values(fakes, tmp_path, override, problem):
@@ -317,3 +318,10 @@ def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["model"] == "tiny_nemotron_h_mtp" and results["gsm8k"]["n"] == 1
     assert "GSM8K strict-match" in proc.stdout and str(run_dir / "results.json") in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_runtime_without_cuda(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "runtime=gpu"))
+    assert "CUDA is not available" in err.problem and "runtime=cpu" in err.fix
