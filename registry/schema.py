@@ -290,7 +290,7 @@ def _schema_error(e: OmegaConfBaseException, where: str) -> UserError:
         return UserError(f"{where}: required key '{key}' is missing", f"add '{key}' to {where}")
     return UserError(
         f"{where}: bad value for '{key}': {msg}",
-        f"fix '{key}' in {where} (types and allowed values: registry/schema.py)",
+        f"fix '{key}' in {where} (or the override model.{key}); types and allowed values: registry/schema.py",
     )
 
 
