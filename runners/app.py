@@ -1,0 +1,618 @@
+"""The application: a composed Hydra config in, one GSM8K evaluation run and its results.json out.
+
+`run(cfg)` is what run.py and the tests call. It validates the config (registry schema, top-level schema,
+cross-setting rules), resolves the effective settings (top-level ssm_replay / world_size override the
+entry's), checks the checkpoint directory, builds the engine, evaluates GSM8K and writes results.json. Every
+problem the user can fix raises runners.errors.UserError before anything heavy is loaded. The engine and the
+evaluation are imported inside run(), so composing, `--cfg job` and validation work without them (and
+without torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from registry.arch import check_world_size, read_checkpoint_arch
+from registry.schema import (
+    EMBEDDED_CHECKPOINTS_DIR,
+    ArchConfig,
+    DType,
+    ModelEntry,
+    SpecAlgorithm,
+    SSMBackend,
+    check_entry_file,
+    entry_names,
+    unknown_entry_error,
+    validate_entry,
+)
+from runners.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+RESULTS_SCHEMA_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Top-level schema (everything but the `model` node, which registry.schema checks)
+
+
+@dataclass
+class EvalConfig:
+    name: str = "gsm8k"
+    limit: int | None = None
+    num_fewshot: int = 5
+    max_gen_toks: int = 256
+    data_dir: str | None = None
+    batch_size: int | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "cpu"
+    dtype: DType | None = None
+
+
+@dataclass
+class AppConfig:
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    ssm_replay: bool | None = None
+    world_size: int | None = None
+    models_root: str | None = None
+    resume: bool = False
+    seed: int = 0
+    out_dir: str | None = None
+
+
+@dataclass
+class ResolvedRun:
+    """The effective settings of one run, after every default and override is applied."""
+
+    entry: ModelEntry
+    app: AppConfig
+    ssm_replay: bool
+    world_size: int
+    draft_len: int
+    device: str
+    dtype: str  # compute dtype: runtime.dtype, else the entry's
+    max_batch_size: int
+    checkpoint_dir: Path
+    checkpoint_setting: str  # which setting points at checkpoint_dir (for error messages)
+    arch: ArchConfig | None  # None only when an embedded checkpoint is not there yet
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (enums as their values, paths as strings)."""
+        return {
+            "model": _plain(self.entry),
+            "ssm_replay": self.ssm_replay,
+            "world_size": self.world_size,
+            "draft_len": self.draft_len,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_batch_size": self.max_batch_size,
+            "checkpoint_dir": str(self.checkpoint_dir),
+            "arch": _plain(self.arch) if self.arch is not None else None,
+            "eval": _plain(self.app.eval),
+            "seed": self.app.seed,
+            "resume": self.app.resume,
+        }
+
+
+def _plain(obj: Any) -> Any:
+    return OmegaConf.to_container(OmegaConf.structured(obj), enum_to_str=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation and resolution
+
+
+def hydra_choice(group: str) -> str | None:
+    """The option chosen for a config group (e.g. the registry entry name), when Hydra's run is active."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get(group)
+
+
+def _validate_app(cfg: DictConfig) -> AppConfig:
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("model", None)
+    raw.pop("hydra", None)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AppConfig), raw))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        if "not in" in msg and "Key '" in msg:
+            allowed = [f.name for f in dataclasses.fields(AppConfig)]
+            close = difflib.get_close_matches(key.split(".")[-1], allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return_error = UserError(f"unknown config key '{key}'{hint}", f"use one of: {', '.join(allowed)}")
+        else:
+            fix = f"set {key} to {_expected_type(key)} (schema: runners/app.py)"
+            return_error = UserError(f"bad value for '{key}': {msg}", fix)
+        raise return_error from None
+
+
+def _expected_type(key: str) -> str:
+    """'true or false', 'an integer or null', ... for a dotted key of AppConfig."""
+    import typing
+
+    cls: Any = AppConfig
+    hint: Any = None
+    for part in key.split("."):
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        cls = hint
+    args = set(typing.get_args(hint)) or {hint}
+    words = {bool: "true or false", int: "an integer", str: "a string", DType: "float32, bfloat16 or float16"}
+    names = [w for t, w in words.items() if t in args]
+    return " or ".join(names + (["null"] if type(None) in args else [])) or "a value of the right type"
+
+
+def resolve_checkpoint(entry: ModelEntry, models_root: str | None) -> tuple[Path, str]:
+    """(checkpoint directory, the setting that points there) for an entry.
+
+    An absolute `checkpoint` is used as is; a relative one lies under registry/checkpoints/ for embedded
+    entries and under models_root ($LLM_MODELS_ROOT) otherwise. Raises UserError when models_root is needed
+    but unset.
+    """
+    ckpt = Path(os.path.expanduser(entry.checkpoint))
+    if ckpt.is_absolute():
+        return ckpt, "model.checkpoint"
+    if entry.embedded:
+        return EMBEDDED_CHECKPOINTS_DIR / ckpt, "model.checkpoint (relative to registry/checkpoints/)"
+    if not models_root:
+        raise UserError(
+            f"entry {entry.name} needs models_root: its checkpoint '{entry.checkpoint}' is relative to it",
+            "set $LLM_MODELS_ROOT or pass models_root=/path/to/models (the folder that holds "
+            f"{entry.checkpoint}/), or model.checkpoint=/absolute/path",
+        )
+    return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
+
+
+def check_checkpoint_dir(path: Path, setting: str) -> None:
+    """Raise UserError unless `path` is a complete HF checkpoint directory.
+
+    Needs config.json, tokenizer.json and the weights: model.safetensors, or model.safetensors.index.json
+    plus every shard it lists.
+    """
+    if not path.is_dir():
+        raise UserError(
+            f"checkpoint directory {path} does not exist (set by {setting})",
+            "point model.checkpoint at an HF checkpoint directory, or set models_root / $LLM_MODELS_ROOT to "
+            "the folder that holds it (embedded tiny checkpoints: python -m runners.tiny rebuilds them)",
+        )
+    for name in ("config.json", "tokenizer.json"):
+        if not (path / name).is_file():
+            raise UserError(
+                f"checkpoint directory {path} has no {name} (set by {setting})",
+                f"copy the complete checkpoint (with {name}) there, or point model.checkpoint elsewhere",
+            )
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise UserError(
+                f"checkpoint directory {path} is incomplete: {len(missing)} of {len(shards)} weight shards "
+                f"listed in model.safetensors.index.json are missing, e.g. {missing[0]} (set by {setting})",
+                "finish downloading the checkpoint (every shard of the index), or point model.checkpoint "
+                "elsewhere",
+            )
+    elif not (path / "model.safetensors").is_file():
+        raise UserError(
+            f"checkpoint directory {path} has no weights: neither model.safetensors nor "
+            f"model.safetensors.index.json (set by {setting})",
+            "copy the safetensors weights there, or point model.checkpoint elsewhere",
+        )
+
+
+def _arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
+    a, b = _plain(entry_arch), _plain(ckpt_arch)
+
+    def diff(x: Any, y: Any, prefix: str) -> list[str]:
+        if isinstance(x, dict) and isinstance(y, dict):
+            return [d for k in x for d in diff(x[k], y.get(k), f"{prefix}{k}.")]
+        return [] if x == y else [f"{prefix[:-1]}: entry {x}, config.json {y}"]
+
+    return diff(a, b, "arch.")
+
+
+def resolve(
+    cfg: DictConfig,
+    *,
+    entry_name: str | None = None,
+    check_checkpoint: bool = True,
+    check_runtime: bool = True,
+) -> ResolvedRun:
+    """Validate a composed config and compute the effective settings of the run.
+
+    entry_name: the registry entry (file) composed as `model`; default: Hydra's choice, else model.name.
+    check_checkpoint=False skips the checkpoint directory checks and check_runtime=False the device / engine
+    checks of world_size > 1 (registry validation on machines without the weights or GPUs).
+    Raises UserError for: a bad registry entry or top-level value, ssm_replay without speculative decoding,
+    a world_size that cannot shard the model's heads / experts, world_size > 1 where the engine cannot run
+    it, a missing / incomplete checkpoint, an entry arch: block that disagrees with config.json.
+    """
+    name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
+    if name not in entry_names():
+        raise unknown_entry_error(str(name))
+    check_entry_file(name)
+    entry = validate_entry(cfg.model, name=name)
+    app = _validate_app(cfg)
+
+    ssm_replay = entry.ssm.replay if app.ssm_replay is None else app.ssm_replay
+    spec_on = entry.speculative.algorithm != SpecAlgorithm.none and entry.speculative.draft_len > 0
+    if ssm_replay and not spec_on:
+        raise UserError(
+            f"ssm_replay requires speculative decoding, but entry {name} has speculative.algorithm="
+            f"{entry.speculative.algorithm.value}",
+            "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1",
+        )
+    world_size = entry.world_size if app.world_size is None else app.world_size
+    if world_size < 1:
+        raise UserError(f"world_size must be >= 1, got {world_size}", "set world_size=1 (or the GPU count)")
+
+    if app.eval.limit is not None and app.eval.limit < 1:
+        raise UserError(f"eval.limit must be >= 1 or null, got {app.eval.limit}", "set eval.limit=N or null")
+    if app.eval.batch_size is not None and app.eval.batch_size < 1:
+        raise UserError(f"eval.batch_size must be >= 1, got {app.eval.batch_size}", "set eval.batch_size=N")
+    if app.runtime.device not in ("cpu", "cuda") and not app.runtime.device.startswith("cuda:"):
+        raise UserError(
+            f"runtime.device must be cpu or cuda[:N], got {app.runtime.device!r}",
+            "use runtime=cpu or runtime=gpu",
+        )
+
+    if app.runtime.device == "cpu" and entry.ssm.backend == SSMBackend.flashinfer:
+        raise UserError(
+            f"entry {name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is cpu",
+            "use runtime=gpu, or model.ssm.backend=triton (the Triton interpreter runs on the CPU)",
+        )
+
+    def check_sharding(arch: ArchConfig | None) -> None:
+        if arch is not None:
+            check_world_size(arch, world_size, name)
+        if world_size > 1 and check_runtime:
+            _check_parallel_runtime(world_size, app.runtime.device)
+
+    # With an arch: block, check before the checkpoint: it holds on machines without the weights.
+    if entry.arch is not None:
+        check_sharding(entry.arch)
+    if check_checkpoint:
+        checkpoint_dir, setting = resolve_checkpoint(entry, app.models_root)
+    else:
+        checkpoint_dir, setting = _resolve_checkpoint_lenient(entry, app.models_root)
+    arch = entry.arch
+    ckpt_config = checkpoint_dir / "config.json"
+    ckpt_arch = read_checkpoint_arch(checkpoint_dir, entry.family) if ckpt_config.is_file() else None
+    if arch is not None and ckpt_arch is not None and (mismatch := _arch_mismatch(arch, ckpt_arch)):
+        raise UserError(
+            f"registry/model/{name}.yaml arch: block disagrees with {ckpt_config}: {'; '.join(mismatch)}",
+            "fix the arch: block (or set arch: null for an embedded checkpoint to read config.json)",
+        )
+    if arch is None:
+        arch = ckpt_arch  # None only while an embedded checkpoint is not built
+        check_sharding(arch)
+    if check_checkpoint:
+        check_checkpoint_dir(checkpoint_dir, setting)
+
+    return ResolvedRun(
+        entry=entry,
+        app=app,
+        ssm_replay=ssm_replay,
+        world_size=world_size,
+        draft_len=entry.speculative.draft_len if spec_on else 0,
+        device=app.runtime.device,
+        dtype=(app.runtime.dtype or entry.dtype).value,
+        max_batch_size=app.eval.batch_size or entry.max_batch_size,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_setting=setting,
+        arch=arch,
+    )
+
+
+def _resolve_checkpoint_lenient(entry: ModelEntry, models_root: str | None) -> tuple[Path, str]:
+    try:
+        return resolve_checkpoint(entry, models_root)
+    except UserError:  # no models_root on this machine: the path is only informative here
+        return Path("$LLM_MODELS_ROOT") / entry.checkpoint, "models_root / $LLM_MODELS_ROOT"
+
+
+def _check_parallel_runtime(world_size: int, device: str) -> None:
+    if device == "cpu":
+        raise UserError(
+            f"world_size={world_size} on the CPU: the engine runs tensor parallelism only across CUDA GPUs",
+            "use world_size=1 on the CPU, or runtime=gpu on a host with that many GPUs",
+        )
+    engine_cls = _engine_class()
+    import inspect
+
+    if "world_size" not in inspect.signature(engine_cls.from_pretrained).parameters:
+        raise UserError(
+            f"world_size={world_size}: the engine (runners.Engine) does not implement tensor parallelism yet",
+            "run with world_size=1",
+        )
+    import torch
+
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < world_size:
+        raise UserError(
+            f"world_size={world_size} needs {world_size} CUDA GPUs, this host has {num_gpus}",
+            f"run on a host with {world_size} GPUs, or set world_size={max(1, num_gpus)}",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+
+
+def _engine_class():
+    from runners import Engine  # lazy: the engine pulls in torch and the model code
+
+    return Engine
+
+
+def _evaluate_fn():
+    from evals.gsm8k import evaluate_gsm8k  # lazy: lm-eval and datasets
+
+    return evaluate_gsm8k
+
+
+def git_commit(repo: Path = REPO_ROOT) -> str:
+    """HEAD's commit of the checkout ("-dirty" appended when tracked files changed); "unknown" outside git."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo, capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _out_dir(app: AppConfig, entry_name: str) -> Path:
+    if app.out_dir:
+        return Path(app.out_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return REPO_ROOT / "outputs" / entry_name / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    if hasattr(stats, "to_dict"):
+        return dict(stats.to_dict())
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(stats)
+
+
+def _rate(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run one GSM8K evaluation as configured and return the results.json content (also written to disk).
+
+    cfg: a composed config (configs/config.yaml with a registry entry as `model`). Writes results.json and
+    samples.jsonl to cfg.out_dir, else to Hydra's run directory. Raises UserError (before loading anything
+    heavy) for every configuration problem; see resolve().
+    """
+    t0 = time.perf_counter()
+    rr = resolve(cfg)
+    out_dir = _out_dir(rr.app, rr.entry.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    if rr.device == "cpu":
+        # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if rr.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
+    torch.manual_seed(rr.app.seed)
+    engine = _engine_class().from_pretrained(
+        str(rr.checkpoint_dir),
+        device=rr.device,
+        dtype=getattr(torch, rr.dtype),
+        draft_len=rr.draft_len,
+        ssm_replay=rr.ssm_replay,
+        max_batch_size=rr.max_batch_size,
+        max_seq_len=rr.entry.max_seq_len,
+        ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
+    )
+    t_loaded = time.perf_counter()
+    result = _evaluate_fn()(
+        engine,
+        str(rr.checkpoint_dir / "tokenizer.json"),
+        data_dir=rr.app.eval.data_dir,
+        limit=rr.app.eval.limit,
+        num_fewshot=rr.app.eval.num_fewshot,
+        max_gen_toks=rr.app.eval.max_gen_toks,
+        out_dir=str(out_dir),
+        resume=rr.app.resume,
+        progress=sys.stderr.isatty(),
+    )
+    t_end = time.perf_counter()
+
+    stats = _stats_dict(result.stats)
+    prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
+    drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_drafts", 0)
+    request_steps = stats.get("request_steps", 0)
+    results = {
+        "schema_version": RESULTS_SCHEMA_VERSION,
+        "model": rr.entry.name,
+        "config": rr.to_dict(),
+        "composed_config": OmegaConf.to_container(cfg, resolve=True),
+        "git_commit": git_commit(),
+        "gsm8k": {k: result.scores[k] for k in ("strict_match", "flexible_extract", "n")},
+        "speculative": {
+            "draft_len": rr.draft_len,
+            "acceptance_rate": _rate(accepted, drafted),  # accepted drafts / drafted tokens
+            "acceptance_length": (1 + accepted / request_steps) if request_steps else None,
+        },
+        "timings": {
+            "wall_seconds": t_end - t0,
+            "load_seconds": t_loaded - t0,
+            "eval_seconds": t_end - t_loaded,
+            "prefill_tokens_per_s": _rate(stats.get("prompt_tokens", 0), prefill_s),
+            "decode_tokens_per_s": _rate(stats.get("generated_tokens", 0), decode_s),
+        },
+        "generation": stats,
+        "memory": dict(engine.cache_memory()),
+        "samples_path": str(getattr(result, "samples_path", out_dir / "samples.jsonl")),
+    }
+    path = out_dir / "results.json"
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(format_summary(results))
+    print(f"results: {path}")
+    return results
+
+
+def format_summary(results: dict[str, Any]) -> str:
+    """A short human-readable table of a results.json dict."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    def num(x: float | None, unit: str = "") -> str:
+        return "-" if x is None else f"{x:,.1f}{unit}"
+
+    c, g, s, t = results["config"], results["gsm8k"], results["speculative"], results["timings"]
+    mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
+    rows = [
+        ("model", f"{results['model']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
+        ("ssm_replay / world_size", f"{c['ssm_replay']} / {c['world_size']}"),
+        ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
+        ("GSM8K flexible-extract", pct(g["flexible_extract"])),
+        ("draft length K", str(s["draft_len"])),
+        ("acceptance rate", pct(s["acceptance_rate"])),
+        ("acceptance length", num(s["acceptance_length"])),
+        ("prefill", num(t["prefill_tokens_per_s"], " tok/s")),
+        ("decode", num(t["decode_tokens_per_s"], " tok/s")),
+        ("wall time", num(t["wall_seconds"], " s")),
+        ("cache memory", f"{mem / 2**20:,.1f} MiB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hydra-level problems, caught before Hydra composes (run.py)
+
+
+def _group_options(group: str) -> list[str]:
+    if group == "model":
+        return entry_names()
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def preflight(overrides: list[str]) -> None:
+    """Check command-line overrides the way Hydra will, but raise UserError with the fix.
+
+    Hydra reports an unknown group option or key with its own message and exit status 1; run.py calls this
+    first so the user sees which entry / key is wrong and the closest valid names. Composes the config once
+    (without the `hydra.*` overrides) with the compose API. Raises UserError; returns None when Hydra will
+    accept the overrides.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        problem = f"cannot parse the overrides: {str(e).strip().splitlines()[0]}"
+        raise UserError(problem, "write each override as key=value (python run.py --help)") from None
+    model = default_entry()
+    for o in parsed:
+        key = o.key_or_group
+        if key not in ("model", "eval", "runtime") or o.is_delete() or o.is_sweep_override():
+            continue  # sweeps (a,b) are checked by Hydra itself
+        value = o.value()
+        if isinstance(value, str):
+            _check_group_option(key, value)
+            model = value if key == "model" else model
+    # Before Hydra loads the entry: a registry file must not reach outside the `model` node.
+    check_entry_file(model)
+    app_overrides = [s for s, o in zip(overrides, parsed) if not o.key_or_group.startswith("hydra")]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=app_overrides)
+        except HydraException as e:
+            raise _composition_error(e, app_overrides) from None
+    del cfg
+
+
+def default_entry() -> str:
+    """The registry entry configs/config.yaml selects when no `model=` override is given."""
+    import yaml
+
+    defaults = yaml.safe_load((CONFIG_DIR / "config.yaml").read_text())["defaults"]
+    return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
+
+
+def _check_group_option(group: str, value: str) -> None:
+    options = _group_options(group)
+    if value in options:
+        return
+    if group == "model":
+        raise unknown_entry_error(value)
+    close = difflib.get_close_matches(value, options, n=1)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    raise UserError(f"unknown {group} option {group}={value}", f"{hint}choose one of: {', '.join(options)}")
+
+
+def _composition_error(e: Exception, overrides: list[str]) -> UserError:
+    import re
+
+    msg = str(e)
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        parent, _, leaf = key.rpartition(".")
+        if parent == "model":
+            allowed = [f.name for f in dataclasses.fields(ModelEntry)]
+        elif parent:
+            allowed = _known_keys(parent)
+        else:
+            allowed = ["model", "eval", "runtime"] + [f.name for f in dataclasses.fields(AppConfig)
+                                                       if f.name not in ("eval", "runtime")]
+        close = difflib.get_close_matches(leaf, allowed, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        return UserError(
+            f"unknown config key '{key}' in the override '{_find(overrides, key)}'",
+            f"{hint}known keys{' of ' + parent if parent else ''}: {', '.join(allowed)}",
+        )
+    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    return UserError(f"the config does not compose: {first}", "check the overrides (python run.py --help)")
+
+
+def _known_keys(parent: str) -> list[str]:
+    cls = {"eval": EvalConfig, "runtime": RuntimeConfig}.get(parent.split(".")[0])
+    return [f.name for f in dataclasses.fields(cls)] if cls else []
+
+
+def _find(overrides: list[str], key: str) -> str:
+    return next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)

@@ -1,0 +1,327 @@
+"""runners.app.run with fake engine / evaluation, every user error's message, and run.py's error output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from runners import app
+from runners.app import CONFIG_DIR, REPO_ROOT
+from runners.errors import UserError
+
+TINY_NEMOTRON_H_CONFIG = {
+    "model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hybrid_override_pattern": "M*EM", "mamba_num_heads": 8,
+    "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def make_checkpoint(path: Path, *, sharded: bool = False, config: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config or TINY_NEMOTRON_H_CONFIG))
+    (path / "tokenizer.json").write_text("{}")
+    if sharded:
+        weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        for shard in set(weight_map.values()):
+            (path / shard).write_bytes(b"")
+    else:
+        (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+@dataclass
+class FakeStats:
+    num_requests: int = 4
+    prompt_tokens: int = 4000
+    generated_tokens: int = 600
+    prefill_seconds: float = 2.0
+    decode_seconds: float = 3.0
+    steps: int = 200
+    drafted_tokens: int = 600
+    accepted_drafts: int = 300
+    request_steps: int = 200
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class FakeEngine:
+    """Stands in for runners.Engine: records how the application builds it."""
+
+    built: list[tuple[str, dict]] = []
+
+    @classmethod
+    def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, draft_len=0, ssm_replay=False,
+                        **options):
+        cls.built.append((path, dict(device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay,
+                                     **options)))
+        return cls()
+
+    def cache_memory(self):
+        return {"ssm_state_bytes": 2**20, "conv_state_bytes": 1024, "kv_cache_bytes": 2**21,
+                "spec_buffers_bytes": 0}
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Fake Engine and evaluate_gsm8k; returns the list of evaluate calls."""
+    FakeEngine.built = []
+    calls = []
+
+    def fake_evaluate(engine, tokenizer_path, *, data_dir, limit=None, num_fewshot=5, max_gen_toks=256,
+                      out_dir, resume=False, progress=True):
+        calls.append(dict(engine=engine, tokenizer_path=tokenizer_path, data_dir=data_dir, limit=limit,
+                          num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, out_dir=out_dir, resume=resume))
+        samples = Path(out_dir) / "samples.jsonl"
+        samples.write_text('{"doc_id": 0}\n')
+        return SimpleNamespace(scores={"strict_match": 0.25, "flexible_extract": 0.5, "n": 4},
+                               stats=FakeStats(), samples_path=samples)
+
+    monkeypatch.setattr(app, "_engine_class", lambda: FakeEngine)
+    monkeypatch.setattr(app, "_evaluate_fn", lambda: fake_evaluate)
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    return calls
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    cfg = _cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={out}", "ssm_replay=true",
+               "eval.limit=4", "eval.data_dir=/data/gsm8k")
+    results = app.run(cfg)
+
+    (path, kwargs), = FakeEngine.built
+    assert path == str(ckpt)
+    assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
+                          max_seq_len=4096, ssm_state_dtype=torch.float32)
+    (call,) = fakes
+    assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
+    assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
+    assert call["data_dir"] == "/data/gsm8k" and call["out_dir"] == str(out) and call["resume"] is False
+
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(results, default=str))
+    assert results["schema_version"] == 1 and results["model"] == "tiny_nemotron_h_mtp"
+    assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}
+    assert results["config"]["ssm_replay"] is True and results["config"]["world_size"] == 1
+    assert results["config"]["arch"]["mamba"]["d_state"] == 16  # read from the checkpoint's config.json
+    assert results["timings"]["prefill_tokens_per_s"] == pytest.approx(2000.0)
+    assert results["timings"]["decode_tokens_per_s"] == pytest.approx(200.0)
+    assert results["speculative"] == {"draft_len": 3, "acceptance_rate": 0.5, "acceptance_length": 2.5}
+    assert results["generation"]["generated_tokens"] == 600
+    assert results["memory"]["kv_cache_bytes"] == 2**21
+    assert len(results["git_commit"]) >= 40 or results["git_commit"] == "unknown"
+    printed = capsys.readouterr().out
+    assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed and "acceptance rate" in printed
+
+
+def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", sharded=True)
+    cfg = _cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'out'}", "model.speculative.algorithm=none",
+               "model.speculative.draft_len=0", "eval.batch_size=3", "runtime.dtype=bfloat16")
+    results = app.run(cfg)
+    (_, kwargs), = FakeEngine.built
+    assert kwargs["draft_len"] == 0 and kwargs["ssm_replay"] is False
+    assert kwargs["max_batch_size"] == 3 and kwargs["dtype"] == torch.bfloat16
+    assert results["speculative"]["draft_len"] == 0
+
+
+def _error(cfg) -> UserError:
+    with pytest.raises(UserError) as e:
+        app.run(cfg)
+    assert not FakeEngine.built  # every user error is raised before the engine is built
+    return e.value
+
+
+def test_ssm_replay_requires_speculation(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "model.speculative.algorithm=none",
+                      "model.speculative.draft_len=0", "ssm_replay=true"))
+    assert "ssm_replay requires speculative decoding" in err.problem
+    assert "ssm_replay=true" in err.fix
+
+
+def test_world_size_must_divide_heads(fakes):
+    err = _error(_cfg("model=super_v3_mtp", "world_size=3"))
+    assert "world_size=3 does not divide" in err.problem and "attention heads=32" in err.problem
+    assert "[1, 2, 4, 8]" in err.fix
+
+
+def test_world_size_from_checkpoint_config(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")  # 4 attention heads, 8 mamba heads, 4 experts
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=8"))
+    assert "attention heads=4" in err.problem and "experts=4" in err.problem
+
+
+def test_world_size_on_cpu_is_refused(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2"))
+    assert "world_size=2 on the CPU" in err.problem and "world_size=1" in err.fix
+
+
+def test_world_size_needs_engine_support(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2", "runtime=gpu"))
+    assert "does not implement tensor parallelism" in err.problem
+
+
+def test_models_root_needed(fakes):
+    err = _error(_cfg("model=qwen3_next_mtp"))
+    assert "needs models_root" in err.problem
+    assert "$LLM_MODELS_ROOT" in err.fix and "models_root=" in err.fix and "model.checkpoint=" in err.fix
+
+
+@pytest.mark.parametrize(
+    "remove, problem",
+    [
+        (None, "does not exist"),
+        ("config.json", "has no config.json"),
+        ("tokenizer.json", "has no tokenizer.json"),
+        ("model.safetensors", "has no weights"),
+        ("model-00002-of-00002.safetensors", "1 of 2 weight shards"),
+    ],
+)
+def test_incomplete_checkpoint(fakes, tmp_path, remove, problem):
+    sharded = remove is not None and remove.startswith("model-")
+    root = tmp_path / "models"
+    ckpt = root / "Qwen3-Next-80B-A3B-Instruct"
+    if remove is not None:
+        qwen = {"hidden_size": 2048, "vocab_size": 151936, "num_attention_heads": 16,
+                "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
+                "num_hidden_layers": 48,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128}
+        make_checkpoint(ckpt, sharded=sharded, config=qwen)
+        (ckpt / remove).unlink()
+    err = _error(_cfg("model=qwen3_next_mtp", f"models_root={root}"))
+    assert str(ckpt) in err.problem and problem in err.problem
+    assert "models_root / $LLM_MODELS_ROOT" in err.problem  # which setting points there
+
+
+def test_embedded_checkpoint_missing(fakes, tmp_path):
+    err = _error(_cfg("model=tiny_qwen3_next_mtp", "model.checkpoint=not_built_yet"))
+    assert "registry/checkpoints/not_built_yet does not exist" in err.problem
+    assert "python -m runners.tiny" in err.fix
+
+
+def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg("model=super_v3_mtp", f"model.checkpoint={ckpt}"))
+    assert "arch: block disagrees" in err.problem
+    assert "arch.hidden_size: entry 4096, config.json 64" in err.problem
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ("world_size=abc", "bad value for 'world_size'"),
+        ("model.max_batch_size=lots", "bad value for 'max_batch_size'"),
+        ("model.ssm.backend=cuda", "bad value for 'ssm.backend'"),
+        ("eval.limit=0", "eval.limit must be >= 1"),
+        ("+model._target_=os.system", "'_target_' is not allowed"),
+        ("+model.arch_override=1", "unknown key 'arch_override'"),
+        ("runtime.device=tpu", "runtime.device must be cpu or cuda"),
+        ("model.ssm.backend=flashinfer", "ssm.backend=flashinfer, which runs only on CUDA GPUs"),
+    ],
+)
+def test_bad_values(fakes, tmp_path, override, problem):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", override))
+    assert problem in err.problem and err.fix
+
+
+@pytest.mark.parametrize(
+    "overrides, problem, fix",
+    [
+        (["model.foo=1"], "unknown config key 'model.foo'", "known keys of model: name, family"),
+        (["eval.limt=3"], "unknown config key 'eval.limt'", "did you mean eval.limit?"),
+        (["runtime=gpux"], "unknown runtime option runtime=gpux", "did you mean runtime=gpu?"),
+        (["model=qwen3_next"], "unknown registry entry model='qwen3_next'", "qwen3_next_mtp"),
+        (["model=qwen3_next_mtp", "hydra.run.dir=/tmp/x"], None, None),
+    ],
+)
+def test_preflight(overrides, problem, fix):
+    if problem is None:
+        app.preflight(overrides)
+        return
+    with pytest.raises(UserError) as e:
+        app.preflight(overrides)
+    assert problem in e.value.problem and fix in e.value.fix
+
+
+def _run_py(*args, cwd):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, lines",
+    [
+        (["model=super_v3"], ["error: unknown registry entry model='super_v3'",
+                              "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4?"]),
+        (["foo=1"], ["error: unknown config key 'foo' in the override 'foo=1'", "  fix: known keys: model"]),
+        (["model.checkpoint=/nonexistent/ckpt"],
+         ["error: checkpoint directory /nonexistent/ckpt does not exist",
+          "  fix: point model.checkpoint at"]),
+    ],
+)
+def test_run_py_prints_user_errors(tmp_path, args, lines):
+    proc = _run_py(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for line in lines:
+        assert any(got.startswith(line) for got in proc.stderr.splitlines()), (line, proc.stderr)
+
+
+FAKE_SITECUSTOMIZE = '''
+import sys
+sys.path.insert(0, {tests!r})
+import test_app
+from runners import app
+app._engine_class = lambda: test_app.FakeEngine
+def evaluate(engine, tokenizer_path, **kw):
+    from types import SimpleNamespace
+    return SimpleNamespace(scores={{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
+                           stats=test_app.FakeStats(), samples_path=kw["out_dir"] + "/samples.jsonl")
+app._evaluate_fn = lambda: evaluate
+'''
+
+
+def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
+    """The whole Hydra path (run.py -> runners.app.run), with the fakes installed by a sitecustomize."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAKE_SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), f"model.checkpoint={ckpt}",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["model"] == "tiny_nemotron_h_mtp" and results["gsm8k"]["n"] == 1
+    assert "GSM8K strict-match" in proc.stdout and str(run_dir / "results.json") in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_runtime_without_cuda(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "runtime=gpu"))
+    assert "CUDA is not available" in err.problem and "runtime=cpu" in err.fix

@@ -1,0 +1,104 @@
+"""Hydra composition: every registry entry composes with each sweep setting, from any cwd, and --cfg job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from registry.schema import entry_names
+from runners.app import CONFIG_DIR, REPO_ROOT, resolve
+
+ENTRIES = entry_names()
+
+
+def test_entries_exist():
+    expected = {"super_v3_mtp", "super_v3_mtp_ws4", "qwen3_next_mtp", "qwen3_next_mtp_ws4",
+                "tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"}
+    assert expected <= set(ENTRIES)
+
+
+@pytest.fixture(autouse=True)
+def _no_models_root(monkeypatch):
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_entry_composes_with_sweep(name):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        own = resolve(compose("config", overrides=[f"model={name}"]), entry_name=name,
+                      check_checkpoint=False, check_runtime=False)
+        assert own.entry.name == name
+        assert own.ssm_replay == own.entry.ssm.replay and own.world_size == own.entry.world_size
+        for ssm_replay in (True, False):
+            for world_size in (1, 4):
+                cfg = compose("config", overrides=[f"model={name}", f"ssm_replay={ssm_replay}",
+                                                   f"world_size={world_size}"])
+                rr = resolve(cfg, entry_name=name, check_checkpoint=False, check_runtime=False)
+                # Top-level settings override the entry's; the entry itself is unchanged.
+                assert (rr.ssm_replay, rr.world_size) == (ssm_replay, world_size)
+                assert rr.entry.world_size == own.entry.world_size
+
+
+def test_variant_reuses_base_entry():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        base = compose("config", overrides=["model=super_v3_mtp"]).model
+        ws4 = compose("config", overrides=["model=super_v3_mtp_ws4"]).model
+    diff = {k for k in base if base[k] != ws4[k]}
+    assert diff == {"name", "world_size"}
+    assert ws4.world_size == 4
+    # The variant file holds only what differs (composition, not a copy).
+    text = (REPO_ROOT / "registry" / "model" / "super_v3_mtp_ws4.yaml").read_text()
+    assert "arch:" not in text and "super_v3_mtp" in text
+
+
+def test_default_config_and_top_level_overrides():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["eval.limit=7", "model.checkpoint=/abs/ckpt", "ssm_replay=true"])
+    assert cfg.model.name == "tiny_nemotron_h_mtp"
+    assert cfg.eval.limit == 7 and cfg.eval.num_fewshot == 5 and cfg.eval.max_gen_toks == 256
+    assert cfg.runtime.device == "cpu"
+    assert cfg.models_root is None  # ${oc.env:LLM_MODELS_ROOT,null} with the variable unset
+    rr = resolve(cfg, check_checkpoint=False)
+    assert rr.ssm_replay is True and rr.draft_len == 3 and str(rr.checkpoint_dir) == "/abs/ckpt"
+    assert rr.dtype == "float32" and rr.max_batch_size == cfg.model.max_batch_size
+
+
+def test_models_root_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_MODELS_ROOT", str(tmp_path))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=qwen3_next_mtp"])
+    rr = resolve(cfg, check_checkpoint=False)
+    assert rr.checkpoint_dir == tmp_path / "Qwen3-Next-80B-A3B-Instruct"
+
+
+def _run_py(*args, cwd):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cfg_job_from_another_cwd(tmp_path):
+    args = ["model=qwen3_next_mtp_ws4", "ssm_replay=true", "eval.limit=3", "--cfg", "job"]
+    proc = _run_py(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.model.name == "qwen3_next_mtp_ws4" and cfg.model.world_size == 4
+    assert cfg.ssm_replay is True and cfg.eval.limit == 3
+    assert not list(tmp_path.iterdir())  # --cfg job runs nothing and writes nothing
+
+
+def _code_blocks(markdown: str) -> list[str]:
+    parts = markdown.split("```")
+    return [p.split("\n", 1)[1].strip() for p in parts[1::2]]
+
+
+def test_readme_setup_commands():
+    """The README opens with exactly the two set-up commands; the second is CI's test command (.ci/run)."""
+    blocks = _code_blocks((REPO_ROOT / "README.md").read_text())
+    assert blocks[:2] == ["pip install . && python run.py", 'pip install ".[test]" && python -m pytest']
+    ci = [line.replace(" -q", "") for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith(("pip ", "python "))]
+    assert " && ".join(ci) == blocks[1]

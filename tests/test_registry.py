@@ -1,0 +1,212 @@
+"""Registry schema, untrusted-input rules, model dimensions and the `python -m registry` CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+import registry.validate as registry_validate
+from registry.__main__ import main as registry_main
+from registry.arch import arch_from_hf_config, check_world_size, world_size_problems
+from registry.schema import (
+    MODEL_DIR,
+    ArchConfig,
+    Family,
+    check_entry_file,
+    entry_names,
+    unknown_entry_error,
+    validate_entry,
+)
+from runners.app import REPO_ROOT, _plain
+from runners.errors import UserError
+
+SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+def _raw(name: str) -> dict:
+    return yaml.safe_load((MODEL_DIR / f"{name}.yaml").read_text())
+
+
+def _minimal(**extra) -> dict:
+    return {"name": "x", "family": "nemotron_h", "hf_id": None, "checkpoint": "x", "embedded": True, **extra}
+
+
+BASE_ENTRIES = ["super_v3_mtp", "qwen3_next_mtp", "tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"]
+
+
+@pytest.mark.parametrize("name", BASE_ENTRIES)
+def test_base_entries_validate(name):
+    entry = validate_entry(_raw(name), name=name)
+    assert entry.name == name
+    assert entry.speculative.algorithm.value == "mtp" and entry.speculative.draft_len == 3
+    assert entry.ssm.replay is False and entry.ssm.state_dtype.value == "float32"
+
+
+@pytest.mark.parametrize(
+    "bad, problem, fix",
+    [
+        (_minimal(ssm={"replya": True}), "unknown key 'ssm.replya' (did you mean 'replay'?)", "under ssm"),
+        (_minimal(famly="qwen3_next"), "unknown key 'famly' (did you mean 'family'?)", "allowed keys"),
+        (_minimal(family="mamba"), "bad value for 'family'", "registry/schema.py"),
+        (_minimal(max_batch_size="lots"), "bad value for 'max_batch_size'", "max_batch_size"),
+        (_minimal(ssm={"backend": "cuda"}), "bad value for 'ssm.backend'", "ssm.backend"),
+        (_minimal(world_size=0), "world_size must be >= 1", "positive"),
+        (_minimal(speculative={"algorithm": "mtp", "draft_len": 0}), "draft_len=0", "draft_len >= 1"),
+        (_minimal(speculative={"draft_len": 3}), "algorithm is none", "algorithm: mtp"),
+        (_minimal(embedded=False), "arch is null", "arch: block"),
+        ({"name": "x", "family": "nemotron_h", "hf_id": None}, "required key 'checkpoint' is missing", "add"),
+    ],
+)
+def test_schema_errors_name_file_key_and_fix(bad, problem, fix):
+    with pytest.raises(UserError) as e:
+        validate_entry(bad, name="x")
+    assert "registry/model/x.yaml" in e.value.problem
+    assert problem in e.value.problem
+    assert fix in e.value.fix
+
+
+def test_name_must_match_file():
+    with pytest.raises(UserError, match="name is 'super_v3_mtp' but the file is super_v3_mtp_ws4.yaml"):
+        validate_entry(_raw("super_v3_mtp"), name="super_v3_mtp_ws4")
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_target_rejected_and_never_instantiated(where, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = {"_target_": "pathlib.Path.touch", "self": str(marker)}
+    raw = _minimal(**({"_target_": "os.system"} if where == "top" else {"ssm": evil}))
+    with pytest.raises(UserError) as e:
+        validate_entry(OmegaConf.create(raw), name="x")
+    assert "_target_" in e.value.problem and "data" in e.value.problem
+    assert not marker.exists()
+
+
+def test_unknown_entry_names_closest():
+    err = unknown_entry_error("super_v3")
+    assert "model='super_v3'" in err.problem
+    assert "did you mean super_v3_mtp" in err.fix and "tiny_nemotron_h_mtp" in err.fix
+
+
+def _super_hf_config(**overrides) -> dict:
+    cfg = {
+        "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "num_attention_heads": 32,
+        "num_key_value_heads": 2, "head_dim": 128, "hybrid_override_pattern": SUPER_PATTERN,
+        "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+        "n_routed_experts": 512, "num_experts_per_tok": 22,
+    }
+    return {**cfg, **overrides}
+
+
+def test_super_arch_block_matches_released_config_layout():
+    entry = validate_entry(_raw("super_v3_mtp"), name="super_v3_mtp")
+    assert _plain(arch_from_hf_config(_super_hf_config(), Family.nemotron_h)) == _plain(entry.arch)
+    # transformers 5 spells the same layout as a list of block types.
+    kinds = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+    as_list = _super_hf_config(layers_block_type=[kinds[c] for c in SUPER_PATTERN])
+    del as_list["hybrid_override_pattern"]
+    assert _plain(arch_from_hf_config(as_list, "nemotron_h")) == _plain(entry.arch)
+
+
+def test_qwen3_next_arch_block_matches_transformers_config():
+    from transformers import Qwen3NextConfig  # its defaults are Qwen3-Next-80B-A3B's dimensions
+
+    entry = validate_entry(_raw("qwen3_next_mtp"), name="qwen3_next_mtp")
+    assert _plain(arch_from_hf_config(Qwen3NextConfig().to_dict(), "qwen3_next")) == _plain(entry.arch)
+
+
+def test_arch_from_incomplete_config():
+    cfg = _super_hf_config()
+    del cfg["ssm_state_size"]
+    with pytest.raises(UserError, match="lacks the key 'ssm_state_size'"):
+        arch_from_hf_config(cfg, "nemotron_h")
+
+
+def test_world_size_divisibility():
+    arch: ArchConfig = arch_from_hf_config(_super_hf_config(), "nemotron_h")
+    assert world_size_problems(arch, 4) == {}  # 2 KV heads are replicated over 4 ranks
+    assert world_size_problems(arch, 8) == {}
+    with pytest.raises(UserError) as e:
+        check_world_size(arch, 3, "super_v3_mtp")
+    assert "world_size=3 does not divide" in e.value.problem and "mamba heads=128" in e.value.problem
+    assert "[1, 2, 4, 8]" in e.value.fix
+    odd = arch_from_hf_config(_super_hf_config(n_routed_experts=6), "nemotron_h")
+    assert world_size_problems(odd, 4) == {"experts": 6}
+
+
+def test_registry_list(capsys):
+    assert registry_main(["list"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header[:3] == ["name", "family", "checkpoint"] and "baseline" in header
+    for name in entry_names():
+        assert name in out
+    row = next(line for line in out.splitlines() if line.startswith("super_v3_mtp_ws4 "))
+    assert row.split()[1:3] == ["nemotron_h", "NVIDIA-Nemotron-3-Super-120B-A12B-BF16"] and " 4 " in row
+
+
+def test_registry_validate_cli_passes():
+    """CI's registry check: `python -m registry validate` exits 0 on the shipped entries."""
+    proc = subprocess.run([sys.executable, "-m", "registry", "validate"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(entry_names())} registry entries valid" in proc.stdout
+
+
+def test_registry_validate_reports_missing_baseline(monkeypatch, tmp_path, capsys):
+    (tmp_path / "gsm8k.yaml").write_text("super_v3: {}\n")
+    (tmp_path / "acceptance.yaml").write_text("other_model: {}\n")
+    monkeypatch.setattr(registry_validate, "BASELINES_DIR", tmp_path)
+    assert registry_main(["validate", "super_v3_mtp", "qwen3_next_mtp"]) == 1
+    captured = capsys.readouterr()
+    assert "baseline 'super_v3' is not in registry/baselines/acceptance.yaml" in captured.out
+    assert "baseline 'qwen3_next' is not in registry/baselines/gsm8k.yaml" in captured.out
+    assert "2 of 2 registry entries are invalid" in captured.err
+
+
+def test_registry_validate_reports_bad_entry(monkeypatch, capsys):
+    real_compose = registry_validate.compose_entry
+
+    def compose_with_typo(name, overrides=None):
+        cfg = real_compose(name, overrides)
+        OmegaConf.set_struct(cfg, False)
+        cfg.model.spec_decoding = {"draft_len": 3}
+        return cfg
+
+    monkeypatch.setattr(registry_validate, "compose_entry", compose_with_typo)
+    assert registry_main(["validate", "tiny_qwen3_next_mtp"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  tiny_qwen3_next_mtp" in out and "unknown key 'spec_decoding'" in out
+
+
+def test_registry_validate_unknown_name(capsys):
+    assert registry_main(["validate", "nope"]) == 2
+    assert "unknown registry entries" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("# @package _global_\nname: evil\nhydra: {callbacks: {x: {_target_: os.system}}}\n", "@package"),
+        ("defaults:\n  - /hydra/callbacks: log_job_return\nname: evil\n", "defaults must be a list"),
+        ("defaults: [/hydra/callbacks/log_job_return]\nname: evil\n", "is not a registry entry name"),
+        ("defaults: [super_v3_mtp@_global_]\nname: evil\n", "is not a registry entry name"),
+        ("name: evil\nhydra:\n  callbacks: {}\n", "unknown key 'hydra'"),
+        ("defaults: [evil, _self_]\nname: evil\n", "defaults form a cycle"),
+        ("defaults: [no_such_entry]\nname: evil\n", "unknown registry entry model='no_such_entry'"),
+        ("name: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_entry_file_cannot_reach_outside_model_node(tmp_path, text, problem):
+    (tmp_path / "evil.yaml").write_text(text)
+    with pytest.raises(UserError) as e:
+        check_entry_file("evil", tmp_path)
+    assert problem in e.value.problem
+
+
+def test_shipped_entry_files_pass_raw_check():
+    for name in entry_names():
+        check_entry_file(name)
