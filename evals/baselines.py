@@ -313,7 +313,7 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
     Args:
         path: the file; default registry/baselines/acceptance.yaml.
     Returns:
-        registry entry key -> its rows, in file order.
+        model key (the registry entry's `baseline`) -> its rows, in file order.
     Raises:
         BaselineError: naming the file, entry, row and key of the first problem (unknown keys, a rate floor
             outside [0, 1], a length outside [1, draft_len + 1], both or neither of floor / rel_tolerance,
@@ -321,16 +321,16 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
     """
     path = Path(path) if path is not None else ACCEPTANCE_BASELINES
     data = _read_yaml(path)
-    _check_keys(data, {"schema_version", "entries"}, str(path), required=("entries",))
-    entries = data["entries"]
+    _check_keys(data, {"schema_version", "models"}, str(path), required=("models",))
+    entries = data["models"]
     if not isinstance(entries, dict) or not entries:
         raise BaselineError(
-            f"{path}: entries must be a non-empty mapping of registry entry -> block",
+            f"{path}: models must be a non-empty mapping of model key -> block",
             "see registry/baselines/README.md",
         )
     out: dict[str, list[AcceptanceReference]] = {}
     for entry, block in entries.items():
-        where = f"{path}: entries.{entry}"
+        where = f"{path}: models.{entry}"
         _check_keys(block, _ACC_ENTRY_KEYS, where, required=("rows",))
         rows = block["rows"]
         if not isinstance(rows, list) or not rows:
@@ -449,21 +449,22 @@ def find_gsm8k_reference(
 
 
 def find_acceptance_reference(
-    entry: str, quant: Any, draft_len: int, *, path: str | Path | None = None
+    key: str, quant: Any, draft_len: int, *, path: str | Path | None = None
 ) -> AcceptanceReference:
-    """The acceptance.yaml row of registry entry `entry` at (quant, draft_len).
+    """The acceptance.yaml row of model key `key` (a registry entry's `baseline`) at (quant, draft_len).
 
     Raises:
-        BaselineError: unknown entry (lists the known ones) or no row at that quant / draft length (lists the
-            entry's rows and how to add one).
+        BaselineError: unknown model key (lists the known ones) or no row at that quant / draft length
+            (lists the key's rows and how to add one).
     """
     path = Path(path) if path is not None else ACCEPTANCE_BASELINES
     q = normalize(quant, QUANTS, "quant")
     entries = load_acceptance_baselines(path)
+    entry = key
     if entry not in entries:
         raise BaselineError(
-            f"no acceptance baselines for registry entry {entry!r} in {path}; "
-            f"known entries: {sorted(entries)}",
+            f"no acceptance baselines for model key {entry!r} in {path}; "
+            f"known keys: {sorted(entries)}",
             _NO_REF_FIX.format(file=path),
         )
     for ref in entries[entry]:

@@ -308,7 +308,8 @@ def evaluate_verdict(
     Args:
         results: needs `gsm8k` {strict_match, flexible_extract, n}; `acceptance` {rate, length, ...} is
             checked when present, not None, and spec_dec is not "none".
-        model_key: key in gsm8k.yaml (e.g. "super_v3"); entry: registry entry key in acceptance.yaml.
+        model_key: key in gsm8k.yaml and acceptance.yaml (e.g. "super_v3").
+        entry: registry entry name (reported only).
         dtype, quant, kv_cache_quant, spec_dec: the run's GSM8K matching columns (normalised).
         draft_len: K, used to find the acceptance row.
         require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
@@ -338,7 +339,7 @@ def evaluate_verdict(
     spec_on = str(spec_dec).strip().lower() not in ("none", "", "false")
     if acceptance and spec_on:
         try:
-            aref = find_acceptance_reference(entry, quant, draft_len, path=acceptance_baselines)
+            aref = find_acceptance_reference(model_key, quant, draft_len, path=acceptance_baselines)
             note = ""
         except BaselineError as e:
             if require_reference:

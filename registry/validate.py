@@ -4,7 +4,7 @@ Every entry's raw file is checked (registry.schema.check_entry_file), then the e
 run.py composes it (Hydra compose API on configs/, the entry as group `model`) and checked by
 runners.app.resolve without loading weights, with its own settings (errors) and with each ssm_replay in
 {true, false} and world_size in {1, 4} (combinations the runner would refuse are reported as notes).
-Baseline keys are checked against registry/baselines/gsm8k.yaml and acceptance.yaml when those files exist.
+The baseline rows each entry would be judged against must exist in registry/baselines/ (evals.baselines).
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from registry.schema import (
-    BASELINES_DIR,
     EMBEDDED_CHECKPOINTS_DIR,
     ModelEntry,
     SpecAlgorithm,
@@ -50,15 +47,6 @@ def compose_entry(name: str, overrides: list[str] | None = None) -> DictConfig:
             f"registry/model/{name}.yaml does not compose: {str(e).strip().splitlines()[0]}",
             "fix its YAML / defaults list (a variant lists its base entry and _self_ under defaults:)",
         ) from None
-
-
-def baseline_keys(path: Path) -> set[str] | None:
-    """Top-level keys of a baseline file (one per baseline), or None when the file does not exist."""
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    return set(data) if isinstance(data, dict) else set()
 
 
 @dataclass
@@ -106,17 +94,32 @@ def validate_one(name: str) -> EntryReport:
 
 
 def _baseline_problems(entry: ModelEntry) -> list[str]:
+    """The baseline rows a run of this entry would be judged against must exist (placeholders count).
+
+    Uses the same loaders and lookups as the verdict (evals.baselines), so a file error, an unknown key or a
+    missing (dtype, quant, kv_cache_quant, spec_dec) / (quant, draft_len) row is caught in the PR's CI.
+    """
+    from evals.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+
     if entry.baseline is None:
         return []
-    files = ["gsm8k.yaml"] + (["acceptance.yaml"] if entry.speculative.algorithm == SpecAlgorithm.mtp else [])
+    mtp = entry.speculative.algorithm == SpecAlgorithm.mtp
+    lookups = [
+        lambda: find_gsm8k_reference(
+            entry.baseline, entry.dtype.value, entry.quant.value, entry.kv_cache_quant.value,
+            "mtp" if mtp else "none",
+        )
+    ]
+    if mtp:
+        lookups.append(
+            lambda: find_acceptance_reference(entry.baseline, entry.quant.value, entry.speculative.draft_len)
+        )
     problems = []
-    for fname in files:
-        keys = baseline_keys(BASELINES_DIR / fname)
-        if keys is not None and entry.baseline not in keys:
-            problems.append(
-                f"baseline '{entry.baseline}' is not in registry/baselines/{fname} -- fix: add its reference "
-                f"rows there in the same PR, or set `baseline:` to one of {sorted(keys)}"
-            )
+    for lookup in lookups:
+        try:
+            lookup()
+        except BaselineError as e:
+            problems.append(f"{e.problem} -- fix: {e.fix}")
     return problems
 
 

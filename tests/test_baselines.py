@@ -28,7 +28,7 @@ def test_shipped_gsm8k_file_has_the_published_numbers():
     assert super_v3[("none", "none", "none")] == 83.74
     assert super_v3[("fp8", "fp8", "none")] == 82.25
     assert super_v3[("nvfp4", "fp8", "none")] == 80.85
-    qwen = {(r.quant, r.spec_dec): r.accuracy for r in models["qwen3_next_80b_a3b_instruct"]}
+    qwen = {(r.quant, r.spec_dec): r.accuracy for r in models["qwen3_next"]}
     assert qwen[("none", "none")] == 92.72
     assert qwen[("nvfp4", "none")] == 90.86
     # Greedy MTP emits the non-speculative tokens: every mtp row equals its spec_dec=none twin.
@@ -43,7 +43,7 @@ def test_shipped_gsm8k_file_has_the_published_numbers():
 
 def test_shipped_acceptance_file():
     entries = load_acceptance_baselines()
-    ref = find_acceptance_reference("super_v3_mtp", "NVFP4", 3)
+    ref = find_acceptance_reference("super_v3", "NVFP4", 3)
     assert ref.acceptance_rate_floor == 0.45
     assert ref.acceptance_length_reference == 3.47
     assert ref.acceptance_length_floor == pytest.approx(3.47 * 0.95)
@@ -69,10 +69,10 @@ def test_unmatched_row_lists_rows_and_fix():
 def test_unknown_model_and_entry():
     with pytest.raises(BaselineError, match="known keys: .*super_v3"):
         find_gsm8k_reference("no_such_model", "bfloat16", "none", "none", "none")
-    with pytest.raises(BaselineError, match="known entries"):
+    with pytest.raises(BaselineError, match="known keys"):
         find_acceptance_reference("no_such_entry", "none", 3)
     with pytest.raises(BaselineError, match="draft_len=5"):
-        find_acceptance_reference("super_v3_mtp", "nvfp4", 5)
+        find_acceptance_reference("super_v3", "nvfp4", 5)
 
 
 def test_bad_value_names_allowed_values():
@@ -162,13 +162,13 @@ def test_gsm8k_row_overrides_are_read(tmp_path):
     ],
 )
 def test_acceptance_validation_errors(tmp_path, row, pattern):
-    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nentries:\n  e:\n    rows:\n      - {row}\n")
+    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nmodels:\n  e:\n    rows:\n      - {row}\n")
     with pytest.raises(BaselineError, match=pattern):
         load_acceptance_baselines(path)
 
 
 def test_acceptance_absolute_floor(tmp_path):
     row = "{quant: fp8, draft_len: 2, acceptance_length: {reference: 2.5, floor: 2.2}}"
-    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nentries:\n  e:\n    rows:\n      - {row}\n")
+    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nmodels:\n  e:\n    rows:\n      - {row}\n")
     ref = find_acceptance_reference("e", "FP8", 2, path=path)
     assert (ref.acceptance_rate_floor, ref.acceptance_length_floor) == (None, 2.2)

@@ -157,14 +157,27 @@ def test_registry_validate_cli_passes():
 
 
 def test_registry_validate_reports_missing_baseline(monkeypatch, tmp_path, capsys):
-    (tmp_path / "gsm8k.yaml").write_text("super_v3: {}\n")
-    (tmp_path / "acceptance.yaml").write_text("other_model: {}\n")
-    monkeypatch.setattr(registry_validate, "BASELINES_DIR", tmp_path)
+    """An entry whose baseline key or matching row is missing fails validation, naming file, key and rows."""
+    import evals.baselines as baselines
+
+    gsm8k = tmp_path / "gsm8k.yaml"
+    gsm8k.write_text(
+        "schema_version: 1\nmodels:\n  super_v3:\n    rows:\n"
+        "      - {dtype: bfloat16, quant: none, kv_cache_quant: none, spec_dec: mtp, accuracy: 80.0,"
+        " num_samples: 1319}\n"
+    )
+    acceptance = tmp_path / "acceptance.yaml"
+    acceptance.write_text(
+        "schema_version: 1\nmodels:\n  super_v3:\n    rows:\n"
+        "      - {quant: none, draft_len: 5, acceptance_rate_floor: 0.4}\n"
+    )
+    monkeypatch.setattr(baselines, "GSM8K_BASELINES", gsm8k)
+    monkeypatch.setattr(baselines, "ACCEPTANCE_BASELINES", acceptance)
     assert registry_main(["validate", "super_v3_mtp", "qwen3_next_mtp"]) == 1
-    captured = capsys.readouterr()
-    assert "baseline 'super_v3' is not in registry/baselines/acceptance.yaml" in captured.out
-    assert "baseline 'qwen3_next' is not in registry/baselines/gsm8k.yaml" in captured.out
-    assert "2 of 2 registry entries are invalid" in captured.err
+    out = capsys.readouterr()
+    assert "no acceptance reference for 'super_v3' at quant=none draft_len=3" in out.out
+    assert "no GSM8K baselines for model key 'qwen3_next'" in out.out
+    assert "2 of 2 registry entries are invalid" in out.err
 
 
 def test_registry_validate_reports_bad_entry(monkeypatch, capsys):

@@ -102,14 +102,14 @@ def test_gsm8k_check_placeholder_and_missing_reference():
 
 
 def test_acceptance_floors():
-    ref = find_acceptance_reference("super_v3_mtp", "nvfp4", 3)  # rate >= 0.45, length >= 3.47 * 0.95
+    ref = find_acceptance_reference("super_v3", "nvfp4", 3)  # rate >= 0.45, length >= 3.47 * 0.95
     ok = check_acceptance(0.45, 3.2965, ref)
     assert [(c.name, c.status) for c in ok] == [("acceptance.rate", PASS), ("acceptance.length", PASS)]
     bad = check_acceptance(0.4499, 3.29, ref)
     assert [c.status for c in bad] == [FAIL, FAIL]
     assert bad[1].reference == 3.47 and bad[1].threshold == pytest.approx(3.2965)
     # bf16 row has a rate floor only: the length check reports no reference.
-    bf16 = check_acceptance(0.8, 3.4, find_acceptance_reference("super_v3_mtp", "none", 3))
+    bf16 = check_acceptance(0.8, 3.4, find_acceptance_reference("super_v3", "none", 3))
     assert [c.status for c in bf16] == [PASS, NO_REFERENCE]
     placeholder = check_acceptance(0.3, 1.9, find_acceptance_reference("tiny_qwen3_next_mtp", "none", 3))
     assert [c.status for c in placeholder] == [NO_REFERENCE, NO_REFERENCE]
