@@ -70,8 +70,8 @@ def test_qwen3_next_shape_bf16_rewind_and_replay_match_references():
         slot_ids, n = _batch(step)
         o_k = fused_recurrent_gated_delta_rule(q, k, v, g, beta, st["rew_k"], slot_ids, update_state=False,
                                                intermediate_states=inter_k)
-        o_r = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, st["rew_r"], slot_ids, update_state=False,
-                                                   intermediate_states=inter_r)
+        o_r = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, st["rew_r"], slot_ids,
+                                                   update_state=False, intermediate_states=inter_r)
         _close(o_k, o_r, 1.6e-2, f"rewind outputs, step {step}")
         gdn_rewind_commit(st["rew_k"], inter_k, slot_ids, n)
         gdn_rewind_commit_ref(st["rew_r"], inter_r, slot_ids, n)
