@@ -309,3 +309,21 @@ def test_long_run_replay_rewind_and_sequential_agree(impl, steps):
     assert_close(st_rewind, st_seq, 2e-5)
     assert_close(st_replay, st_seq, 2e-5)
     assert not torch.allclose(st_seq, state0, atol=1e-2), "the run must actually have moved the states"
+
+
+def test_bench_script_runs(tmp_path):
+    """The H200 benchmark script end to end on tiny shapes (interpreter on the CPU; times are not checked)."""
+    import json
+
+    from kernels import bench_gdn
+
+    out = tmp_path / "bench.json"
+    tiny = "--batch 2 --T 2 --H 1 --HV 2 --K 16 --V 16 --slots 3".split()
+    res = bench_gdn.main(["--device", DEVICE, *tiny, "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    mem = res["memory_per_layer_bytes"]
+    assert mem["rewind_intermediate_states"] == 2 * 2 * 2 * 16 * 16 * 4  # B T HV V K, fp32
+    # S, 2 buffers, T, (HV V + H K + HV) fp32 values
+    assert mem["replay_history"] == 3 * 2 * 2 * (2 * 16 + 1 * 16 + 2) * 4
+    for name in ("decode_T1_inplace", "rewind_verify", "rewind_commit", "replay_verify_pnat_T"):
+        assert res[name]["us"] > 0 and res[name]["block_v"] in (8, 16, 32, 64)
