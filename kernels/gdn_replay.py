@@ -69,8 +69,13 @@ class GDNReplayHistory:
 
 
 def allocate_replay_metadata(num_slots: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pnat, buf_idx): (S,) int32 zeros each. Zeros mean "nothing to replay" for a fresh or reset slot,
-    and keep a CUDA graph captured before the first fill from reading garbage (BRIEF 5)."""
+    """(pnat, buf_idx): (S,) int32 zeros each, shared by all GDN layers of a model.
+
+    Zeros mean "nothing to replay", and keep a CUDA graph captured before the first fill from reading garbage
+    (BRIEF 5). When a slot is (re)assigned to a new request, set pnat[slot] = 0 together with writing its
+    prefill state; with replay on, every later step of that slot (T = 1 included) must go through
+    gdn_replay_verify + gdn_replay_commit, because the stored state lags the sequence by pnat tokens.
+    """
     return (torch.zeros(num_slots, dtype=torch.int32, device=device),
             torch.zeros(num_slots, dtype=torch.int32, device=device))
 
