@@ -91,8 +91,8 @@ def test_recurrent_verify_and_commit_match_reference(T, dtype):
     slot_ids = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)  # PAD row, slot 0 live
     state0 = torch.randn(S, HV, V, K, device=DEVICE) * 0.3
     st_k, st_r = layer_stacked(state0.clone()), state0.clone()
-    inter_k = torch.full((B, T, HV, V, K), float("nan"), device=DEVICE)
-    inter_r = inter_k.clone()
+    inter_r = torch.full((B, T, HV, V, K), float("nan"), device=DEVICE)
+    inter_k = layer_stacked(inter_r.clone())  # a strided view, NaN until written
     out = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=DEVICE)
 
     # block_v = 16 tiles V = 48 in three programs; 64 covers it in one masked tile.
