@@ -1,0 +1,353 @@
+"""Gated DeltaNet "replay" verify for MTP speculative decoding: fast-forward, verify, record history.
+
+Scope: the replay commit scheme of BRIEF 4 for a Qwen3-Next Gated DeltaNet layer. Instead of T
+intermediate states per row (rewind, kernels/gdn_recurrent.py), each slot keeps its committed state plus the
+history of its last verify, double-buffered, and the number of tokens accepted from it (pnat):
+
+    u_hist (S, 2, TH, HV, V)  solved update vectors u_t = beta_t (v_t - alpha_t S_{t-1} k_t)
+    k_hist (S, 2, TH, H, K)   the L2-normalised keys (per key head)
+    g_hist (S, 2, TH, HV)     cumulative log decay G_t = g_0 + ... + g_t of that verify (fp32)
+    pnat (S,) int32, buf_idx (S,) int32   per slot, shared by all layers; zero-initialised
+
+With the recurrence S_t = alpha_t S_{t-1} + u_t k_t^T (see gdn_recurrent.py) and S_{-1} = S_0 the committed
+state, unrolling gives, exactly and in the [V, K] layout,
+
+    S_t = exp(G_t) S_0 + sum_{j <= t} exp(G_t - G_j) u_j k_j^T,
+
+and u_t depends only on S_0 and tokens <= t, never on which later tokens get accepted. One verify per
+(slot, value head) then does:
+  1. fast-forward by p = pnat[slot] old tokens read from buffer buf_idx[slot]:
+     S <- exp(G_{p-1}) S + (c * U)^T Kh with c_j = exp(G_{p-1} - G_j) for j < p, 0 otherwise: one
+     [V, TP] x [TP, K] tl.dot, the history padded to TP = max(16, next_pow2(TH)) rows; written back to the
+     slot when p > 0 (that is the commit of the previous step).
+  2. the T new tokens by the sequential recurrence (T <= 8: T rank-1 updates in registers are cheaper
+     than a triangular solve and exact), giving o_t and u_t;
+  3. u_t, k_t and G_t of the new tokens go to buffer 1 - buf_idx[slot], so the buffer being read is never
+     written (value heads of one key head share k_hist, written by the first of them).
+gdn_replay_commit then sets pnat[slot] = num_accepted and flips buf_idx[slot], for the rows the kernel
+processed (slot >= 0). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV) values instead of
+T * HV * V * K.
+
+Sources: TensorRT-LLM / FlashInfer "SSM replay" (checkpointing_ssu) for Mamba2; the GDN form of the closed
+form is written out above (BRIEF 4). Interpreter note: the tl.dot operands are always upcast to fp32 (the
+state is accumulated in fp32 and a bf16 history would lose the replay's exactness), so the bf16 tl.dot defect
+of TRITON_INTERPRET=1 cannot arise; the dot uses input_precision="ieee" so the GPU does not round to tf32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._gdn_common import check_gdn_inputs, check_state, key_head_dims, l2norm
+
+
+@dataclass
+class GDNReplayHistory:
+    """Double-buffered per-slot history of one GDN layer's last verify (see the module docstring).
+
+    u: (S, 2, TH, HV, V); k: (S, 2, TH, H, K); g: (S, 2, TH, HV) float32. The last dimension of each must be
+    contiguous; other strides are free (e.g. per-layer views of one allocation).
+    """
+
+    u: torch.Tensor
+    k: torch.Tensor
+    g: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, max_tokens: int, H: int, HV: int, K: int, V: int, *,
+                 device=None, dtype: torch.dtype = torch.float32) -> GDNReplayHistory:
+        """Zero-filled history for T <= max_tokens tokens per verify; u and k in dtype (fp32 recommended)."""
+        z = lambda *shape, dt=dtype: torch.zeros(num_slots, 2, max_tokens, *shape, device=device, dtype=dt)
+        return cls(u=z(HV, V), k=z(H, K), g=z(HV, dt=torch.float32))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.u, self.k, self.g))
+
+
+def allocate_replay_metadata(num_slots: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pnat, buf_idx): (S,) int32 zeros each, shared by all GDN layers of a model.
+
+    Zeros mean "nothing to replay", and keep a CUDA graph captured before the first fill from reading garbage
+    (BRIEF 5). When a slot is (re)assigned to a new request, set pnat[slot] = 0 together with writing its
+    prefill state; with replay on, every later step of that slot (T = 1 included) must go through
+    gdn_replay_verify + gdn_replay_commit, because the stored state lags the sequence by pnat tokens.
+    """
+    return (torch.zeros(num_slots, dtype=torch.int32, device=device),
+            torch.zeros(num_slots, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def _gdn_replay_verify_kernel(
+    q, k, v, g, beta, o, state, slot_ids, pnat, buf_idx, u_hist, k_hist, g_hist,
+    scale,
+    stride_s_slot, stride_s_h, stride_s_v,
+    stride_u_slot, stride_u_buf, stride_u_t, stride_u_h,
+    stride_k_slot, stride_k_buf, stride_k_t, stride_k_h,
+    stride_g_slot, stride_g_buf, stride_g_t,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TH: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    live = slot >= 0  # PAD rows: no cache, history or metadata access; zero outputs
+    slot = tl.maximum(slot, 0)
+    # Clamped so that garbage metadata can never index outside the history.
+    n_old = tl.minimum(tl.maximum(tl.load(pnat + slot), 0), TH)
+    n_old = tl.where(live, n_old, 0)
+    old = (tl.load(buf_idx + slot) & 1).to(tl.int64)
+    new = 1 - old
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, TP)
+    m_k = o_k < K
+    m_v = o_v < V
+    # Predicates folded into block masks through their extents (scalar-bool masks trip the interpreter).
+    m_sl = (o_v[:, None] < tl.where(live, V, 0)) & m_k[None, :]
+    m_ff = (o_v[:, None] < tl.where(n_old > 0, V, 0)) & m_k[None, :]
+    m_t = o_t < n_old
+
+    p_s = state + slot * stride_s_slot + i_hv * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
+    b_s = tl.load(p_s, mask=m_sl, other=0.0).to(tl.float32)
+
+    # 1. fast-forward by the n_old accepted tokens of the previous verify (closed form).
+    b_G = tl.load(g_hist + slot * stride_g_slot + old * stride_g_buf + o_t * stride_g_t + i_hv,
+                  mask=m_t, other=0.0).to(tl.float32)
+    b_Glast = tl.sum(tl.where(o_t == n_old - 1, b_G, 0.0))  # 0 when n_old == 0
+    b_c = tl.where(m_t, tl.exp(b_Glast - b_G), 0.0)
+    p_u = (u_hist + slot * stride_u_slot + old * stride_u_buf + o_t[:, None] * stride_u_t
+           + i_hv * stride_u_h + o_v[None, :])
+    b_U = tl.load(p_u, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32) * b_c[:, None]
+    p_kh = (k_hist + slot * stride_k_slot + old * stride_k_buf + o_t[:, None] * stride_k_t
+            + i_h * stride_k_h + o_k[None, :])
+    b_Kh = tl.load(p_kh, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_s = b_s * tl.exp(b_Glast) + tl.dot(tl.trans(b_U), b_Kh, input_precision="ieee")
+    tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_ff)
+
+    # 2. + 3. the T new tokens, recording u_t, k_t, G_t into the other buffer.
+    write_k = live & (i_v == 0) & (i_hv % (HV // H) == 0)
+    m_kw = o_k < tl.where(write_k, K, 0)
+    m_vw = o_v < tl.where(live, V, 0)
+    b_gnew = tl.zeros([TP], dtype=tl.float32)
+    for t in range(T):
+        i_tok = (i_b * T + t).to(tl.int64)
+        b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + i_tok * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
+        if USE_QK_L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+
+        b_s = b_s * tl.exp(b_g)
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], axis=1))
+        b_s = b_s + b_u[:, None] * b_k[None, :]
+        b_o = tl.where(live, tl.sum(b_s * b_q[None, :], axis=1), 0.0)
+        tl.store(o + (i_tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+        b_gnew = tl.where(o_t == t, b_g, b_gnew)
+        p_un = u_hist + slot * stride_u_slot + new * stride_u_buf + t * stride_u_t + i_hv * stride_u_h + o_v
+        tl.store(p_un, b_u.to(p_un.dtype.element_ty), mask=m_vw)
+        p_kn = k_hist + slot * stride_k_slot + new * stride_k_buf + t * stride_k_t + i_h * stride_k_h + o_k
+        tl.store(p_kn, b_k.to(p_kn.dtype.element_ty), mask=m_kw)
+
+    m_gw = o_t < tl.where(live & (i_v == 0), T, 0)
+    b_Gnew = tl.cumsum(b_gnew, axis=0)
+    tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, b_Gnew, mask=m_gw)
+
+
+def _check_replay_buffers(hist: GDNReplayHistory, pnat, buf_idx, T, H, HV, K, V):
+    S, two, TH = hist.u.shape[:3]
+    expect = {"u": (S, 2, TH, HV, V), "k": (S, 2, TH, H, K), "g": (S, 2, TH, HV)}
+    for name, shape in expect.items():
+        t = getattr(hist, name)
+        if tuple(t.shape) != shape or t.stride(-1) != 1:
+            raise ValueError(f"history.{name} must be {shape} with a contiguous last dim (slots, double buffer, "
+                             f"history tokens, heads, dim); got {tuple(t.shape)} strides {t.stride()}")
+    if hist.g.dtype != torch.float32:
+        raise ValueError(f"history.g (cumulative log decay) must be float32; got {hist.g.dtype}")
+    if T > TH:
+        raise ValueError(f"T={T} tokens exceed the history length TH={TH}; allocate it with max_tokens >= T")
+    for name, t in (("pnat", pnat), ("buf_idx", buf_idx)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < S:
+            raise ValueError(f"{name} must be (S >= {S},) int32 per-slot metadata; got {tuple(t.shape)} {t.dtype}")
+    return TH
+
+
+def gdn_replay_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    history: GDNReplayHistory,
+    slot_ids: torch.Tensor,
+    pnat: torch.Tensor,
+    buf_idx: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    out: torch.Tensor | None = None,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """Replay verify of one GDN layer: commit the previous step's accepted tokens, run T new tokens.
+
+    Args:
+        q, k: (B, T, H, K); v: (B, T, HV, V); g: (B, T, HV) log decay; beta: (B, T, HV) -- as in
+            kernels.gdn_recurrent.fused_recurrent_gated_delta_rule (g, beta computed by the caller).
+        state: (S, HV, V, K) committed state (fp32 recommended), K contiguous, strides free. Mutated: for a
+            live row with pnat[slot] > 0 it becomes the state after the previous verify's accepted tokens.
+        history: GDNReplayHistory of this layer. Reads buffer buf_idx[slot], writes the first T tokens of
+            buffer 1 - buf_idx[slot].
+        slot_ids: (B,) int32, PAD = -1 rows touch no buffer and get zero outputs; slot 0 is live.
+        pnat, buf_idx: (S,) int32 per-slot metadata (shared by all layers), read only here; pnat is clamped
+            to [0, TH] so garbage can never index out of range. Update them with gdn_replay_commit once per
+            step, after every layer's verify.
+        scale, use_qk_l2norm_in_kernel: as in fused_recurrent_gated_delta_rule.
+        out: optional contiguous (B, T, HV, V) output.
+        block_v: rows of S per program (power of two >= 16 for tl.dot); no autotune (in-place kernel).
+
+    Returns:
+        o: (B, T, HV, V), o_t = S_t q_t from the fast-forwarded state.
+
+    Raises:
+        ValueError on inconsistent shapes, a transposed state, T > TH or bad metadata.
+    """
+    B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
+    check_state(state, HV, V, K)
+    TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
+    if out is None:
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    elif out.shape != v.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(v.shape)} tensor; got {tuple(out.shape)}")
+    scale = K**-0.5 if scale is None else scale
+    BK, BV = key_head_dims(K, V, block_v, min_block=16)
+    TP = max(16, triton.next_power_of_2(TH))
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    u, kh, gh = history.u, history.k, history.g
+    _gdn_replay_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, out, state, slot_ids, pnat, buf_idx, u, kh, gh,
+        scale,
+        state.stride(0), state.stride(1), state.stride(2),
+        u.stride(0), u.stride(1), u.stride(2), u.stride(3),
+        kh.stride(0), kh.stride(1), kh.stride(2), kh.stride(3),
+        gh.stride(0), gh.stride(1), gh.stride(2),
+        T=T, H=H, HV=HV, K=K, V=V, TH=TH, TP=TP, BK=BK, BV=BV,
+        USE_QK_L2NORM=use_qk_l2norm_in_kernel,
+        num_warps=4,
+    )
+    return out
+
+
+def gdn_replay_verify_ref(
+    q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
+    out=None, block_v=32,
+):
+    """Plain-PyTorch reference of gdn_replay_verify (same signature, same mutations)."""
+    B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
+    check_state(state, HV, V, K)
+    TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
+    out = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    scale = K**-0.5 if scale is None else scale
+    r = HV // H
+    kn = l2norm(k) if use_qk_l2norm_in_kernel else k.float()  # (B, T, H, K)
+    qf = (l2norm(q) if use_qk_l2norm_in_kernel else q.float()).repeat_interleave(r, dim=2) * scale
+    kf = kn.repeat_interleave(r, dim=2)
+    for b in range(B):
+        slot = int(slot_ids[b])
+        if slot < 0:
+            out[b] = 0
+            continue
+        n_old, old = min(max(int(pnat[slot]), 0), TH), int(buf_idx[slot]) & 1
+        new = 1 - old
+        s = state[slot].float()  # (HV, V, K)
+        if n_old > 0:
+            G = history.g[slot, old, :n_old].float()  # (n_old, HV)
+            c = torch.exp(G[-1] - G)  # (n_old, HV)
+            U = history.u[slot, old, :n_old].float() * c[:, :, None]  # (n_old, HV, V)
+            Kh = history.k[slot, old, :n_old].float().repeat_interleave(r, dim=1)  # (n_old, HV, K)
+            s = s * torch.exp(G[-1])[:, None, None] + torch.einsum("jhv,jhk->hvk", U, Kh)
+            state[slot] = s.to(state.dtype)
+        G_cum = torch.zeros(HV, device=g.device)
+        for t in range(T):
+            s = s * g[b, t].float().exp()[:, None, None]
+            u = beta[b, t].float()[:, None] * (v[b, t].float() - torch.einsum("hvk,hk->hv", s, kf[b, t]))
+            s = s + u[:, :, None] * kf[b, t][:, None, :]
+            out[b, t] = torch.einsum("hvk,hk->hv", s, qf[b, t]).to(out.dtype)
+            G_cum = G_cum + g[b, t].float()
+            history.u[slot, new, t] = u.to(history.u.dtype)
+            history.k[slot, new, t] = kn[b, t].to(history.k.dtype)
+            history.g[slot, new, t] = G_cum
+    return out
+
+
+@triton.jit
+def _replay_commit_kernel(pnat, buf_idx, slot_ids, num_accepted, B, T: tl.constexpr, BB: tl.constexpr):
+    o_b = tl.arange(0, BB)
+    slot = tl.load(slot_ids + o_b, mask=o_b < B, other=-1)
+    live = slot >= 0  # the verify kernel's predicate: exactly the rows whose history it wrote
+    slot = tl.maximum(slot, 0)
+    n = tl.load(num_accepted + o_b, mask=live, other=0)
+    n = tl.minimum(tl.maximum(n, 0), T)
+    tl.store(pnat + slot, n, mask=live)
+    bi = tl.load(buf_idx + slot, mask=live, other=0)
+    tl.store(buf_idx + slot, (bi & 1) ^ 1, mask=live)
+
+
+def gdn_replay_commit(
+    pnat: torch.Tensor, buf_idx: torch.Tensor, slot_ids: torch.Tensor, num_accepted: torch.Tensor, T: int
+) -> None:
+    """Per-step replay bookkeeping, once after all layers' gdn_replay_verify of a step.
+
+    For each row with slot_ids[b] >= 0 (the rows the verify processed): pnat[slot] = num_accepted[b] clamped
+    to [0, T] (0 = accept nothing; the previous step's tokens were already committed by the verify), and
+    buf_idx[slot] flips, making the history just written the one read next. PAD rows change nothing, so a
+    padded slot never advances.
+
+    Args:
+        pnat, buf_idx: (S,) int32 per-slot metadata, mutated in place.
+        slot_ids: (B,) int32 the verify's slot ids (distinct for live rows).
+        num_accepted: (B,) int32 num_accepted_tokens (last accepted token + bonus) of each row.
+        T: tokens per row of this step's verify.
+    """
+    B = slot_ids.shape[0]
+    for name, t in (("slot_ids", slot_ids), ("num_accepted", num_accepted)):
+        if t.shape != (B,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be (B={B},) int32; got {tuple(t.shape)} {t.dtype}")
+    for name, t in (("pnat", pnat), ("buf_idx", buf_idx)):
+        if t.dim() != 1 or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be (S,) int32; got {tuple(t.shape)} {t.dtype}")
+    if B == 0:
+        return
+    _replay_commit_kernel[(1,)](pnat, buf_idx, slot_ids, num_accepted, B, T=T,
+                                BB=triton.next_power_of_2(B))
+
+
+def gdn_replay_commit_ref(pnat, buf_idx, slot_ids, num_accepted, T):
+    """Plain-PyTorch reference of gdn_replay_commit (same signature and mutation)."""
+    for b in range(slot_ids.shape[0]):
+        slot = int(slot_ids[b])
+        if slot >= 0:
+            pnat[slot] = min(max(int(num_accepted[b]), 0), T)
+            buf_idx[slot] = (int(buf_idx[slot]) & 1) ^ 1
+
+
+__all__ = [
+    "GDNReplayHistory",
+    "allocate_replay_metadata",
+    "gdn_replay_commit",
+    "gdn_replay_commit_ref",
+    "gdn_replay_verify",
+    "gdn_replay_verify_ref",
+]
