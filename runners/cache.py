@@ -1,0 +1,152 @@
+"""Per-slot inference caches: Mamba2 conv / SSM state and attention KV, addressed by slot id.
+
+A *slot* is one row of every cache, owned by one request from admission until it finishes. Every buffer has
+``S + 1`` rows: rows ``0 .. S-1`` are the live slots, row ``S`` is a scratch row. The PAD slot id is ``-1``;
+because PyTorch indexes ``-1`` as the last row, a PAD row of a batch reads and writes only the scratch row,
+never a live slot (slot 0 is a live slot). Callers never need to special-case padding rows.
+
+The KV cache is written by position (gpt-fast style): a token at position ``p`` of a request goes to
+``k[slot, p]``; a later write to the same position overwrites it, so rejected speculative tokens need no
+rollback. Recurrent state (conv window, SSM state) has no positions; committing it after a verify step is the
+caller's job (rewind or replay, see BRIEF section 4). Shapes use the project vocabulary: S slots, H mamba
+heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runners.models.config import HybridConfig
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class Mamba2State:
+    """Recurrent state of one Mamba2 layer.
+
+    conv: [S + 1, conv_dim, W - 1], model dtype; the last W - 1 inputs of the causal conv (oldest first).
+    ssm:  [S + 1, H, P, N], ``ssm_state_dtype`` (float32 by default); the SSM state h.
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one attention layer, written by position.
+
+    k, v: [S + 1, max_seq_len, KVH, head_dim], model dtype.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class HybridCache:
+    """All per-slot caches of a model: one entry per cached block, keyed by the block's ``cache_index``.
+
+    Args:
+        config: the model's :class:`HybridConfig`.
+        cache_kinds: ``{cache_index: kind}`` for every block that keeps state ("mamba2" or "attention";
+            the MTP module's blocks take indices after the backbone's).
+        max_batch_size: S, the number of live slots.
+        max_seq_len: positions per slot in the KV cache (prompt + generated tokens).
+        dtype: dtype of conv state and KV cache (the model dtype).
+        ssm_state_dtype: dtype of the SSM state (float32 is the safe default, BRIEF section 5).
+        device: where the buffers live.
+
+    All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
+    """
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        cache_kinds: dict[int, str],
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        ssm_state_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.layers: dict[int, Mamba2State | KVCache] = {}
+        rows = max_batch_size + 1  # + the scratch row that PAD_SLOT_ID (-1) addresses
+        c = config
+        for idx, kind in sorted(cache_kinds.items()):
+            if kind == "mamba2":
+                self.layers[idx] = Mamba2State(
+                    conv=torch.zeros(rows, c.mamba_conv_dim, c.conv_kernel - 1, dtype=dtype, device=device),
+                    ssm=torch.zeros(rows, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
+                                    dtype=ssm_state_dtype, device=device),
+                )
+            elif kind == "attention":
+                shape = (rows, max_seq_len, c.num_key_value_heads, c.head_dim)
+                self.layers[idx] = KVCache(k=torch.zeros(shape, dtype=dtype, device=device),
+                                           v=torch.zeros(shape, dtype=dtype, device=device))
+            else:
+                raise ValueError(f"no cache layout for block kind {kind!r} (cache_index {idx})")
+
+    def __getitem__(self, cache_index: int) -> Mamba2State | KVCache:
+        return self.layers[cache_index]
+
+    def check_slots(self, slot_ids: torch.Tensor) -> None:
+        """Raise ValueError unless every slot id is PAD (-1) or a live slot in [0, S)."""
+        if slot_ids.numel() and (int(slot_ids.min()) < PAD_SLOT_ID or int(slot_ids.max()) >= self.max_batch_size):
+            raise ValueError(f"slot ids {slot_ids.tolist()} out of range: use -1 (PAD) or 0..{self.max_batch_size - 1}")
+
+    def reset(self, slot_ids: torch.Tensor) -> None:
+        """Zero the recurrent state (conv window and SSM state) of ``slot_ids`` [n] (int64) in place.
+
+        Called when a request is admitted to a slot. The KV cache is not cleared: it is written by
+        position and read only up to each request's length. PAD ids (-1) reset only the scratch row.
+        """
+        self.check_slots(slot_ids)
+        for layer in self.layers.values():
+            if isinstance(layer, Mamba2State):
+                layer.conv.index_fill_(0, slot_ids % layer.conv.shape[0], 0)
+                layer.ssm.index_fill_(0, slot_ids % layer.ssm.shape[0], 0)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""
+        out = {"ssm_state_bytes": 0, "conv_state_bytes": 0, "kv_cache_bytes": 0, "spec_buffers_bytes": 0}
+        for layer in self.layers.values():
+            if isinstance(layer, Mamba2State):
+                out["ssm_state_bytes"] += layer.ssm.numel() * layer.ssm.element_size()
+                out["conv_state_bytes"] += layer.conv.numel() * layer.conv.element_size()
+            else:
+                out["kv_cache_bytes"] += 2 * layer.k.numel() * layer.k.element_size()
+        return out
+
+
+@dataclass
+class BatchMeta:
+    """Where the rows of one cached forward go. Tensors are int64 on the model device.
+
+    slot_ids:  [B] cache slot of each row; PAD_SLOT_ID (-1) for a padding row.
+    start_pos: [B] tokens of the request already in the cache (the position of input column 0).
+    lengths:   [B] valid input columns of each row (<= T); columns t >= lengths[b] are right padding and are
+               no-ops: they leave the recurrent state unchanged and write no KV entry of a live slot.
+    all_valid: True when every row uses all T columns (lets layers skip the padding logic; e.g. decode).
+    """
+
+    slot_ids: torch.Tensor
+    start_pos: torch.Tensor
+    lengths: torch.Tensor
+    all_valid: bool = False
+
+    @classmethod
+    def decode(cls, slot_ids: torch.Tensor, start_pos: torch.Tensor, T: int = 1) -> BatchMeta:
+        """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
+        return cls(slot_ids, start_pos, torch.full_like(slot_ids, T), all_valid=True)
+
+    def valid(self, T: int) -> torch.Tensor:
+        """[B, T] bool: column t of row b is a real token."""
+        return torch.arange(T, device=self.lengths.device)[None, :] < self.lengths[:, None]
