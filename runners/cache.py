@@ -84,13 +84,21 @@ class HybridCache:
             if kind == "mamba2":
                 self.layers[idx] = Mamba2State(
                     conv=torch.zeros(rows, c.mamba_conv_dim, c.conv_kernel - 1, dtype=dtype, device=device),
-                    ssm=torch.zeros(rows, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
-                                    dtype=ssm_state_dtype, device=device),
+                    ssm=torch.zeros(
+                        rows,
+                        c.mamba_num_heads,
+                        c.mamba_head_dim,
+                        c.ssm_state_size,
+                        dtype=ssm_state_dtype,
+                        device=device,
+                    ),
                 )
             elif kind == "attention":
                 shape = (rows, max_seq_len, c.num_key_value_heads, c.head_dim)
-                self.layers[idx] = KVCache(k=torch.zeros(shape, dtype=dtype, device=device),
-                                           v=torch.zeros(shape, dtype=dtype, device=device))
+                self.layers[idx] = KVCache(
+                    k=torch.zeros(shape, dtype=dtype, device=device),
+                    v=torch.zeros(shape, dtype=dtype, device=device),
+                )
             else:
                 raise ValueError(f"no cache layout for block kind {kind!r} (cache_index {idx})")
 
@@ -99,8 +107,12 @@ class HybridCache:
 
     def check_slots(self, slot_ids: torch.Tensor) -> None:
         """Raise ValueError unless every slot id is PAD (-1) or a live slot in [0, S)."""
-        if slot_ids.numel() and (int(slot_ids.min()) < PAD_SLOT_ID or int(slot_ids.max()) >= self.max_batch_size):
-            raise ValueError(f"slot ids {slot_ids.tolist()} out of range: use -1 (PAD) or 0..{self.max_batch_size - 1}")
+        if slot_ids.numel() and (
+            int(slot_ids.min()) < PAD_SLOT_ID or int(slot_ids.max()) >= self.max_batch_size
+        ):
+            raise ValueError(
+                f"slot ids {slot_ids.tolist()} out of range: use -1 (PAD) or 0..{self.max_batch_size - 1}"
+            )
 
     def reset(self, slot_ids: torch.Tensor) -> None:
         """Zero the recurrent state (conv window and SSM state) of ``slot_ids`` [n] (int64) in place.

@@ -83,20 +83,33 @@ class Engine:
         draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme.
     """
 
-    def __init__(self, model: HybridLM, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 draft_len: int = 0, ssm_replay: bool = False, max_batch_size: int = 32,
-                 max_seq_len: int = 4096, ssm_state_dtype: torch.dtype | str | None = None,
-                 prefill_chunk_tokens: int = 8192):
+    def __init__(
+        self,
+        model: HybridLM,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        draft_len: int = 0,
+        ssm_replay: bool = False,
+        max_batch_size: int = 32,
+        max_seq_len: int = 4096,
+        ssm_state_dtype: torch.dtype | str | None = None,
+        prefill_chunk_tokens: int = 8192,
+    ):
         config = model.config
         if draft_len < 0:
             raise ValueError(f"draft_len={draft_len} must be >= 0")
         if draft_len > 0 and model.mtp is None:
-            raise ValueError(f"draft_len={draft_len} needs MTP weights, but the checkpoint ({config.source}) has "
-                             "no mtp.* tensors or its config.json declares no MTP layers; set draft_len=0 or "
-                             "use a checkpoint with an MTP module")
+            raise ValueError(
+                f"draft_len={draft_len} needs MTP weights, but the checkpoint ({config.source}) has "
+                "no mtp.* tensors or its config.json declares no MTP layers; set draft_len=0 or "
+                "use a checkpoint with an MTP module"
+            )
         if ssm_replay and draft_len == 0:
-            raise ValueError("ssm_replay=True only applies to speculative decoding; set draft_len > 0 "
-                             "(MTP) or ssm_replay=False")
+            raise ValueError(
+                "ssm_replay=True only applies to speculative decoding; set draft_len > 0 "
+                "(MTP) or ssm_replay=False"
+            )
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self.model, self.config = model, config
@@ -105,14 +118,27 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
-        self.cache = HybridCache(config, model.cache_kinds(include_mtp=draft_len > 0),
-                                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                                 ssm_state_dtype=self.ssm_state_dtype, device=self.device)
+        self.cache = HybridCache(
+            config,
+            model.cache_kinds(include_mtp=draft_len > 0),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            ssm_state_dtype=self.ssm_state_dtype,
+            device=self.device,
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str = torch.float32, draft_len: int = 0, ssm_replay: bool = False,
-                        **options) -> Engine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        draft_len: int = 0,
+        ssm_replay: bool = False,
+        **options,
+    ) -> Engine:
         """Load an HF checkpoint dir and allocate caches.
 
         Args:
@@ -180,8 +206,10 @@ class Engine:
                 max_new_tokens does not fit ``max_seq_len``.
         """
         if self.draft_len > 0:
-            log.warning("draft_len=%d: MTP speculative decoding is not implemented yet; decoding plainly",
-                        self.draft_len)
+            log.warning(
+                "draft_len=%d: MTP speculative decoding is not implemented yet; decoding plainly",
+                self.draft_len,
+            )
         n = len(prompts)
         prompts = [list(map(int, p)) for p in prompts]
         self._check_prompts(prompts, max_new_tokens)
@@ -287,9 +315,13 @@ class Engine:
         for c0 in range(0, T_max, chunk):
             width = min(chunk, T_max - c0)
             row_len = (lengths - c0).clamp(0, width)
-            meta = BatchMeta(slot_ids, torch.full_like(slot_ids, c0), row_len.to(self.device),
-                             all_valid=bool((row_len == width).all()))
-            hidden = self.model(ids[:, c0:c0 + width].to(self.device), self.cache, meta)
+            meta = BatchMeta(
+                slot_ids,
+                torch.full_like(slot_ids, c0),
+                row_len.to(self.device),
+                all_valid=bool((row_len == width).all()),
+            )
+            hidden = self.model(ids[:, c0 : c0 + width].to(self.device), self.cache, meta)
             for b in range(len(prompts)):
                 if c0 < lengths[b] <= c0 + width:  # this chunk holds row b's last prompt token
                     last_hidden[b] = hidden[b, int(lengths[b]) - 1 - c0]
@@ -304,11 +336,15 @@ class Engine:
             if not p:
                 raise ValueError(f"prompt {i} is empty; every request needs at least one token (e.g. BOS)")
             if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} has token ids outside [0, {V}); tokenizer and checkpoint disagree")
+                raise ValueError(
+                    f"prompt {i} has token ids outside [0, {V}); tokenizer and checkpoint disagree"
+                )
             if len(p) + max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                                 f"{len(p) + max_new_tokens} > max_seq_len={self.max_seq_len} positions; raise "
-                                 "max_seq_len or shorten the prompt")
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens} > max_seq_len={self.max_seq_len} positions; raise "
+                    "max_seq_len or shorten the prompt"
+                )
 
     @staticmethod
     def _progress(progress, total: int):
@@ -320,4 +356,3 @@ class Engine:
             bar = tqdm(total=total, desc="generate", unit="req")
             return bar, lambda done: bar.update(1)
         return None, lambda done: None
-

@@ -47,7 +47,9 @@ def read_config(path: str | Path) -> HybridConfig:
     """Parse ``<path>/config.json``; raises CheckpointError (wrapping the config problem)."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found; pass the path of an HF checkpoint dir")
+        raise CheckpointError(
+            f"{path}: checkpoint directory not found; pass the path of an HF checkpoint dir"
+        )
     try:
         return HybridConfig.from_pretrained(path)
     except ConfigError as e:
@@ -67,25 +69,32 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (needs a \"weight_map\" object): {e}; "
-                                  "re-save the checkpoint") from e
+            raise CheckpointError(
+                f'{index}: not a safetensors index (needs a "weight_map" object): {e}; re-save the checkpoint'
+            ) from e
         files = {name: path / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
-                raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing; copy the complete "
-                                      "checkpoint (all shards)")
+                raise CheckpointError(
+                    f"{shard}: shard listed in {INDEX_FILE} is missing; copy the complete "
+                    "checkpoint (all shards)"
+                )
         for shard, names in _group(files).items():
             on_disk = set(_keys(shard))
             absent = set(names) - on_disk
             if absent:
-                raise CheckpointError(f"{shard}: {INDEX_FILE} lists tensors this shard does not hold: "
-                                      f"{_list(absent)}; re-save the checkpoint or fix the index")
+                raise CheckpointError(
+                    f"{shard}: {INDEX_FILE} lists tensors this shard does not hold: "
+                    f"{_list(absent)}; re-save the checkpoint or fix the index"
+                )
         return files
     single = path / SINGLE_FILE
     if single.is_file():
         return {name: single for name in _keys(single)}
-    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; a checkpoint needs its "
-                          "safetensors weights next to config.json")
+    raise CheckpointError(
+        f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; a checkpoint needs its "
+        "safetensors weights next to config.json"
+    )
 
 
 def _group(files: dict[str, Path]) -> dict[Path, list[str]]:
@@ -100,12 +109,19 @@ def _keys(file: Path) -> list[str]:
         with safe_open(str(file), framework="pt") as f:
             return list(f.keys())
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{file}: cannot read safetensors file ({e}); the file is corrupt or truncated, "
-                              "re-download or re-save it") from e
+        raise CheckpointError(
+            f"{file}: cannot read safetensors file ({e}); the file is corrupt or truncated, "
+            "re-download or re-save it"
+        ) from e
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               load_mtp: bool | None = None) -> HybridLM:
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    load_mtp: bool | None = None,
+) -> HybridLM:
     """Build the model of ``<path>/config.json`` and fill it from the checkpoint's safetensors.
 
     Args:
@@ -129,28 +145,41 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     if load_mtp is None:
         load_mtp = has_mtp_layers and bool(mtp_on_disk)
     if load_mtp and not has_mtp_layers:
-        raise CheckpointError(f"{path / 'config.json'}: MTP weights requested but num_nextn_predict_layers is 0; "
-                              "set num_nextn_predict_layers (and mtp_hybrid_override_pattern) in config.json")
+        raise CheckpointError(
+            f"{path / 'config.json'}: MTP weights requested but num_nextn_predict_layers is 0; "
+            "set num_nextn_predict_layers (and mtp_hybrid_override_pattern) in config.json"
+        )
     if load_mtp and not mtp_on_disk:
-        raise CheckpointError(f"{path}: MTP (draft) weights requested but the checkpoint has no mtp.* tensors; "
-                              "use a checkpoint that ships its MTP module or turn speculative decoding off")
+        raise CheckpointError(
+            f"{path}: MTP (draft) weights requested but the checkpoint has no mtp.* tensors; "
+            "use a checkpoint that ships its MTP module or turn speculative decoding off"
+        )
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
     if config.family not in WEIGHT_MAPS:
-        raise CheckpointError(f"{path}: no weight map for family {config.family!r}; known: {sorted(WEIGHT_MAPS)}")
+        raise CheckpointError(
+            f"{path}: no weight map for family {config.family!r}; known: {sorted(WEIGHT_MAPS)}"
+        )
 
     model = HybridLM(config, with_mtp=load_mtp)
     targets = WEIGHT_MAPS[config.family](model)
     unknown = set(files) - set(targets)
     if unknown:
-        hint = (" (mtp.* tensors but config.json declares no MTP layers: set num_nextn_predict_layers)"
-                if unknown & mtp_on_disk and not has_mtp_layers else "")
-        raise CheckpointError(f"{path}: unknown tensors {_list(unknown)}{hint}; the checkpoint does not match "
-                              f"config.json ({config.family}) -- check the layer pattern and sizes")
+        hint = (
+            " (mtp.* tensors but config.json declares no MTP layers: set num_nextn_predict_layers)"
+            if unknown & mtp_on_disk and not has_mtp_layers
+            else ""
+        )
+        raise CheckpointError(
+            f"{path}: unknown tensors {_list(unknown)}{hint}; the checkpoint does not match "
+            f"config.json ({config.family}) -- check the layer pattern and sizes"
+        )
     missing = set(targets) - set(files)
     if missing:
-        raise CheckpointError(f"{path}: missing tensors {_list(missing)}; the checkpoint is incomplete or was "
-                              "saved for a different config.json")
+        raise CheckpointError(
+            f"{path}: missing tensors {_list(missing)}; the checkpoint is incomplete or was "
+            "saved for a different config.json"
+        )
 
     with torch.no_grad():
         for shard, names in _group(files).items():
@@ -162,10 +191,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
                         if shape != tuple(dst.shape):
                             raise CheckpointError(
                                 f"{shard}: tensor {name} has shape {list(shape)}, config.json implies "
-                                f"{list(dst.shape)}; the checkpoint does not match its config.json")
+                                f"{list(dst.shape)}; the checkpoint does not match its config.json"
+                            )
                         dst.copy_(f.get_tensor(name))
             except (SafetensorError, OSError, RuntimeError) as e:
-                raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt, re-save it") from e
+                raise CheckpointError(
+                    f"{shard}: cannot read tensors ({e}); the file is corrupt, re-save it"
+                ) from e
     model.to(device=device)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):

@@ -23,13 +23,29 @@ PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "E": "moe", "
 def tiny_config_kwargs(pattern: str = "M*EM-E", **overrides) -> dict:
     """Awkward tiny sizes that exercise every block kind: n_groups > 1, GQA, a latent MoE, chunked scan."""
     kw = dict(
-        vocab_size=61, hidden_size=40, layers_block_type=[PATTERN_TO_TYPE[c] for c in pattern],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        vocab_size=61,
+        hidden_size=40,
+        layers_block_type=[PATTERN_TO_TYPE[c] for c in pattern],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
         intermediate_size=36,
-        mamba_num_heads=6, mamba_head_dim=10, n_groups=2, ssm_state_size=12, conv_kernel=4, chunk_size=8,
-        n_routed_experts=7, num_experts_per_tok=3, moe_intermediate_size=20,
-        moe_shared_expert_intermediate_size=28, moe_latent_size=24, routed_scaling_factor=2.5,
-        num_nextn_predict_layers=1, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        mamba_num_heads=6,
+        mamba_head_dim=10,
+        n_groups=2,
+        ssm_state_size=12,
+        conv_kernel=4,
+        chunk_size=8,
+        n_routed_experts=7,
+        num_experts_per_tok=3,
+        moe_intermediate_size=20,
+        moe_shared_expert_intermediate_size=28,
+        moe_latent_size=24,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
     )
     kw.update(overrides)
     return kw
@@ -81,10 +97,14 @@ def mtp_tensors(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
         "mtp.layers.1.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
         "mtp.layers.1.final_layernorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
         "mtp.layers.1.mixer.gate.weight": r(hf_config.n_routed_experts, D),
-        "mtp.layers.1.mixer.gate.e_score_correction_bias": 0.1 * torch.randn(hf_config.n_routed_experts,
-                                                                             generator=g),
-        "mtp.layers.1.mixer.shared_experts.up_proj.weight": r(hf_config.moe_shared_expert_intermediate_size, D),
-        "mtp.layers.1.mixer.shared_experts.down_proj.weight": r(D, hf_config.moe_shared_expert_intermediate_size),
+        "mtp.layers.1.mixer.gate.e_score_correction_bias": 0.1
+        * torch.randn(hf_config.n_routed_experts, generator=g),
+        "mtp.layers.1.mixer.shared_experts.up_proj.weight": r(
+            hf_config.moe_shared_expert_intermediate_size, D
+        ),
+        "mtp.layers.1.mixer.shared_experts.down_proj.weight": r(
+            D, hf_config.moe_shared_expert_intermediate_size
+        ),
     }
     if hf_config.moe_latent_size is not None:
         t["mtp.layers.1.mixer.fc1_latent_proj.weight"] = r(L, D)
@@ -95,15 +115,17 @@ def mtp_tensors(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def write_checkpoint(path: str | Path, hf_model, *, with_mtp: bool = True, dialect: str = "hf5",
-                     num_shards: int = 1) -> Path:
+def write_checkpoint(
+    path: str | Path, hf_model, *, with_mtp: bool = True, dialect: str = "hf5", num_shards: int = 1
+) -> Path:
     """Save ``hf_model`` as an HF checkpoint dir at ``path``.
 
     Args:
         with_mtp: append random ``mtp.*`` tensors (Super V3 names).
         dialect: "hf5" keeps transformers 5's config.json (``layers_block_type``, ``{"__float__": ...}``);
             "pattern" rewrites it as released checkpoints do (``hybrid_override_pattern``,
-            ``mtp_hybrid_override_pattern``, a legacy ``mamba_n_groups`` alias, ``Infinity`` as a bare JSON token).
+            ``mtp_hybrid_override_pattern``, a legacy ``mamba_n_groups`` alias, ``Infinity`` as a bare
+            JSON token).
         num_shards: > 1 splits the tensors round-robin into shards plus ``model.safetensors.index.json``.
     """
     path = Path(path)
@@ -133,7 +155,9 @@ def write_checkpoint(path: str | Path, hf_model, *, with_mtp: bool = True, diale
         part = {n: tensors[n].contiguous() for n in names[s::num_shards]}
         save_file(part, str(path / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, shard))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": weight_map,
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path

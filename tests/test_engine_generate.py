@@ -55,9 +55,14 @@ def test_greedy_batch_matches_transformers(setup):
 def test_transformers_generate_agrees(setup):
     hf, path, prompts, expected = setup
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompts[2]]), max_new_tokens=MAX_NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    assert ref[0, len(prompts[2]):].tolist() == expected[2]
+        ref = hf.generate(
+            torch.tensor([prompts[2]]),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert ref[0, len(prompts[2]) :].tolist() == expected[2]
 
 
 def test_each_prompt_alone_and_continuous_batching_agree(setup):
@@ -67,8 +72,9 @@ def test_each_prompt_alone_and_continuous_batching_agree(setup):
     # 2 slots for 5 prompts: requests join as others leave; small prefill chunks force chunked prefill.
     engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=64, prefill_chunk_tokens=6)
     finished_order = []
-    out = engine.generate(prompts, MAX_NEW, stop_token_ids=[],
-                          on_finish=lambda i, toks, reason: finished_order.append(i))
+    out = engine.generate(
+        prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, toks, reason: finished_order.append(i)
+    )
     assert out.tokens == expected
     assert sorted(finished_order) == list(range(5))
 
@@ -86,8 +92,14 @@ def test_stop_tokens_checker_and_on_finish(setup):
     def on_finish(i, toks, reason):
         calls.append((i, list(toks), reason))
 
-    out = engine.generate(prompts, MAX_NEW, stop_token_ids=[stop_tok], stop_checker=checker,
-                          on_finish=on_finish, progress=lambda done, total: progress.append((done, total)))
+    out = engine.generate(
+        prompts,
+        MAX_NEW,
+        stop_token_ids=[stop_tok],
+        stop_checker=checker,
+        on_finish=on_finish,
+        progress=lambda done, total: progress.append((done, total)),
+    )
     assert out.tokens[0] == expected[0][: first_stop + 1]  # the stop token is kept
     assert out.finish_reasons[0] == "stop_token"
     for i in range(5):  # what each request must have produced: the first stop condition wins
@@ -102,7 +114,9 @@ def test_stop_tokens_checker_and_on_finish(setup):
         assert (out.tokens[i], out.finish_reasons[i]) == (want, reason)
     assert out.finish_reasons[1] in ("stop_checker", "stop_token")
     assert sorted(c[0] for c in calls) == list(range(5))  # once per request
-    assert {c[0]: (c[1], c[2]) for c in calls} == {i: (out.tokens[i], out.finish_reasons[i]) for i in range(5)}
+    assert {c[0]: (c[1], c[2]) for c in calls} == {
+        i: (out.tokens[i], out.finish_reasons[i]) for i in range(5)
+    }
     assert progress[-1] == (5, 5) and len(progress) == 5
 
 

@@ -20,9 +20,17 @@ from runners.models.mamba2 import ssd_chunked_scan, ssm_recurrent_scan
 
 VARIANTS = {
     "latent_moe": dict(pattern="M*EM-E"),
-    "plain_moe_grouped_router": dict(pattern="ME*-M", moe_latent_size=None, n_routed_experts=8,
-                                     num_experts_per_tok=3, n_group=4, topk_group=2, n_groups=3,
-                                     mamba_num_heads=6, chunk_size=5),
+    "plain_moe_grouped_router": dict(
+        pattern="ME*-M",
+        moe_latent_size=None,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_groups=3,
+        mamba_num_heads=6,
+        chunk_size=5,
+    ),
 }
 
 
@@ -53,7 +61,7 @@ def test_chunked_scan_equals_recurrence(T, chunk):
     b, H, P, G, N = 2, 6, 5, 3, 7
     x = torch.randn(b, T, H, P)
     dt = torch.rand(b, T, H)
-    dt[1, T // 2:] = 0.0  # right padding: the state must pass through unchanged
+    dt[1, T // 2 :] = 0.0  # right padding: the state must pass through unchanged
     A = -torch.rand(H) * 3
     B, C = torch.randn(b, T, G, N), torch.randn(b, T, G, N)
     h0 = torch.randn(b, H, P, N)
@@ -82,11 +90,12 @@ def test_chunked_prefill_then_decode_equals_full_forward(pair):
     for c0 in range(0, max(lengths), 5):
         width = min(5, max(lengths) - c0)
         meta = BatchMeta(slots, torch.full_like(slots, c0), (plen - c0).clamp(0, width))
-        hidden = model(seqs[:, c0:c0 + width], cache, meta)
+        hidden = model(seqs[:, c0 : c0 + width], cache, meta)
         for b, n in enumerate(lengths):
             if c0 < n <= c0 + width:
-                torch.testing.assert_close(model.lm_logits(hidden[b, n - 1 - c0]), full[b, n - 1],
-                                           atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    model.lm_logits(hidden[b, n - 1 - c0]), full[b, n - 1], atol=1e-4, rtol=1e-4
+                )
     # Decode one token per step for every row (rows sit at different positions).
     pos = plen.clone()
     while int(pos.min()) < total:
@@ -115,7 +124,9 @@ def test_pad_rows_never_touch_live_slots(pair):
             torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)  # slot 0 untouched
     # Slot 1 got exactly what a batch of only that row produces.
     cache2 = HybridCache(cfg, model.cache_kinds(), max_batch_size=2, max_seq_len=16, dtype=torch.float32)
-    model(ids, cache2, BatchMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([6, 6])))
+    model(
+        ids, cache2, BatchMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([6, 6]))
+    )
     alone = model(tok[1:2], cache2, BatchMeta.decode(torch.tensor([1]), torch.tensor([6])))
     torch.testing.assert_close(out[1], alone[0], atol=1e-5, rtol=1e-5)
 
@@ -124,8 +135,9 @@ def test_cache_rejects_bad_slot_ids_and_reports_memory():
     hf = make_hf_model(seed=0)
     cfg = HybridConfig.from_dict(hf.config.to_dict())
     kinds = {0: "mamba2", 1: "attention"}
-    cache = HybridCache(cfg, kinds, max_batch_size=3, max_seq_len=10, dtype=torch.float32,
-                        ssm_state_dtype=torch.bfloat16)
+    cache = HybridCache(
+        cfg, kinds, max_batch_size=3, max_seq_len=10, dtype=torch.float32, ssm_state_dtype=torch.bfloat16
+    )
     with pytest.raises(ValueError, match="out of range"):
         cache.reset(torch.tensor([3]))
     with pytest.raises(ValueError, match="out of range"):

@@ -50,9 +50,13 @@ def test_mtp_weights_load_with_checkpoint_names(hf, ckpt):
     torch.testing.assert_close(mtp.blocks[0].mixer.q_proj.weight, want["mtp.layers.0.mixer.q_proj.weight"])
     torch.testing.assert_close(mtp.blocks[1].norm.weight, want["mtp.layers.1.norm.weight"])
     torch.testing.assert_close(mtp.final_norm.weight, want["mtp.layers.1.final_layernorm.weight"])
-    torch.testing.assert_close(mtp.blocks[1].mixer.experts_down[4], want["mtp.layers.1.mixer.experts.4.down_proj.weight"])
-    torch.testing.assert_close(mtp.blocks[1].mixer.gate.e_score_correction_bias,
-                               want["mtp.layers.1.mixer.gate.e_score_correction_bias"])
+    torch.testing.assert_close(
+        mtp.blocks[1].mixer.experts_down[4], want["mtp.layers.1.mixer.experts.4.down_proj.weight"]
+    )
+    torch.testing.assert_close(
+        mtp.blocks[1].mixer.gate.e_score_correction_bias,
+        want["mtp.layers.1.mixer.gate.e_score_correction_bias"],
+    )
     # an MTP draft step runs with the loaded weights: [B, T, D] in, [B, T, D] out
     D = hf.config.hidden_size
     out = mtp(torch.randn(2, 3, D), torch.randn(2, 3, D))
@@ -72,8 +76,9 @@ def test_sharded_and_pattern_dialect_load_identically(hf, ckpt, tmp_path):
     sharded = write_checkpoint(tmp_path / "sharded", hf, num_shards=3, dialect="pattern")
     assert len(list(sharded.glob("model-*.safetensors"))) == 3
     ids = torch.randint(0, hf.config.vocab_size, (2, 9))
-    torch.testing.assert_close(_logits(load_model(sharded), ids), _logits(load_model(ckpt), ids),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        _logits(load_model(sharded), ids), _logits(load_model(ckpt), ids), rtol=0, atol=0
+    )
 
 
 def test_bfloat16_load_keeps_router_in_float32(ckpt):
@@ -150,12 +155,15 @@ def test_index_naming_a_tensor_its_shard_lacks(hf, tmp_path):
         load_model(sharded)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
-    (lambda c: c.update(layers_block_type=["linear_attention", "conv"]), "unknown layer types"),
-    (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MX")), "unknown letters"),
-    (lambda c: c.pop("layers_block_type"), "neither layers_block_type nor hybrid_override_pattern"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
+        (lambda c: c.update(layers_block_type=["linear_attention", "conv"]), "unknown layer types"),
+        (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MX")), "unknown letters"),
+        (lambda c: c.pop("layers_block_type"), "neither layers_block_type nor hybrid_override_pattern"),
+    ],
+)
 def test_bad_config(ckpt, edit, match):
     cfg = json.loads((ckpt / "config.json").read_text())
     edit(cfg)

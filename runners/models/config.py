@@ -169,15 +169,18 @@ def _kinds_from_list(types: list[str], key: str, source: str) -> tuple[str, ...]
         raise ConfigError(f"{source}: {key} must be a list of layer types, got {type(types).__name__}")
     bad = sorted({t for t in types if t not in _NEMOTRON_LAYER_TYPE})
     if bad:
-        raise ConfigError(f"{source}: {key} has unknown layer types {bad}; allowed: {sorted(_NEMOTRON_LAYER_TYPE)}")
+        raise ConfigError(
+            f"{source}: {key} has unknown layer types {bad}; allowed: {sorted(_NEMOTRON_LAYER_TYPE)}"
+        )
     return tuple(_NEMOTRON_LAYER_TYPE[t] for t in types)
 
 
 def _kinds_from_pattern(pattern: str, key: str, source: str) -> tuple[str, ...]:
     bad = sorted({c for c in pattern if c not in _NEMOTRON_PATTERN})
     if bad:
-        raise ConfigError(f"{source}: {key} has unknown letters {bad}; allowed: M (mamba2), * (attention), "
-                          "E (moe), - (mlp)")
+        raise ConfigError(
+            f"{source}: {key} has unknown letters {bad}; allowed: M (mamba2), * (attention), E (moe), - (mlp)"
+        )
     return tuple(_NEMOTRON_PATTERN[c] for c in pattern)
 
 
@@ -191,24 +194,31 @@ def _parse_nemotron_h(raw: dict[str, Any], source: str) -> HybridConfig:
     elif raw.get("hybrid_override_pattern") is not None:
         layer_types = _kinds_from_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern", source)
     else:
-        raise ConfigError(f"{source}: neither layers_block_type nor hybrid_override_pattern is set; add one "
-                          "(e.g. \"hybrid_override_pattern\": \"M*E\")")
+        raise ConfigError(
+            f"{source}: neither layers_block_type nor hybrid_override_pattern is set; add one "
+            '(e.g. "hybrid_override_pattern": "M*E")'
+        )
     if "num_hidden_layers" in raw and raw["num_hidden_layers"] not in (None, len(layer_types)):
-        raise ConfigError(f"{source}: num_hidden_layers={raw['num_hidden_layers']} but the layout lists "
-                          f"{len(layer_types)} layers; make them agree")
+        raise ConfigError(
+            f"{source}: num_hidden_layers={raw['num_hidden_layers']} but the layout lists "
+            f"{len(layer_types)} layers; make them agree"
+        )
     n_mtp = int(raw.get("num_nextn_predict_layers") or 0)
     mtp_types: tuple[str, ...] = ()
     if n_mtp > 0:
         if raw.get("mtp_layers_block_type") is not None:
             mtp_types = _kinds_from_list(raw["mtp_layers_block_type"], "mtp_layers_block_type", source)
         elif raw.get("mtp_hybrid_override_pattern") is not None:
-            mtp_types = _kinds_from_pattern(raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern",
-                                            source)
+            mtp_types = _kinds_from_pattern(
+                raw["mtp_hybrid_override_pattern"], "mtp_hybrid_override_pattern", source
+            )
         else:
             mtp_types = ("attention", "moe")  # transformers' default
         if n_mtp != 1:
-            raise ConfigError(f"{source}: num_nextn_predict_layers={n_mtp}; only 1 MTP module (applied "
-                              "recursively) is supported")
+            raise ConfigError(
+                f"{source}: num_nextn_predict_layers={n_mtp}; only 1 MTP module (applied "
+                "recursively) is supported"
+            )
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
     num_heads = raw.get("mamba_num_heads", 128)  # transformers' default; d_inner = H * P (not expand * D)
@@ -260,24 +270,34 @@ def _parse_nemotron_h(raw: dict[str, Any], source: str) -> HybridConfig:
 def _validate(cfg: HybridConfig) -> None:
     src, kinds = cfg.source, set(cfg.layer_types) | set(cfg.mtp_layer_types)
     if "mlp" in cfg.mtp_layer_types or "mamba2" in cfg.mtp_layer_types:
-        raise ConfigError(f"{src}: MTP layers {cfg.mtp_layer_types} are not supported; the MTP module must be "
-                          "attention / moe blocks")
+        raise ConfigError(
+            f"{src}: MTP layers {cfg.mtp_layer_types} are not supported; the MTP module must be "
+            "attention / moe blocks"
+        )
     if "mamba2" in kinds:
         if cfg.mamba_num_heads % cfg.n_groups:
-            raise ConfigError(f"{src}: mamba_num_heads={cfg.mamba_num_heads} is not a multiple of "
-                              f"n_groups={cfg.n_groups}")
+            raise ConfigError(
+                f"{src}: mamba_num_heads={cfg.mamba_num_heads} is not a multiple of n_groups={cfg.n_groups}"
+            )
         if cfg.mamba_d_inner % cfg.n_groups:
-            raise ConfigError(f"{src}: d_inner={cfg.mamba_d_inner} is not a multiple of n_groups={cfg.n_groups}")
+            raise ConfigError(
+                f"{src}: d_inner={cfg.mamba_d_inner} is not a multiple of n_groups={cfg.n_groups}"
+            )
     if "attention" in kinds and cfg.num_attention_heads % max(cfg.num_key_value_heads, 1):
-        raise ConfigError(f"{src}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                          f"num_key_value_heads={cfg.num_key_value_heads}")
+        raise ConfigError(
+            f"{src}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
     if "moe" in kinds:
         if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
-            raise ConfigError(f"{src}: num_experts_per_tok={cfg.num_experts_per_tok} must be in "
-                              f"[1, n_routed_experts={cfg.n_routed_experts}]")
+            raise ConfigError(
+                f"{src}: num_experts_per_tok={cfg.num_experts_per_tok} must be in "
+                f"[1, n_routed_experts={cfg.n_routed_experts}]"
+            )
         if cfg.n_routed_experts % cfg.n_group:
-            raise ConfigError(f"{src}: n_routed_experts={cfg.n_routed_experts} is not a multiple of "
-                              f"n_group={cfg.n_group}")
+            raise ConfigError(
+                f"{src}: n_routed_experts={cfg.n_routed_experts} is not a multiple of n_group={cfg.n_group}"
+            )
 
 
 _PARSERS = {"nemotron_h": _parse_nemotron_h}

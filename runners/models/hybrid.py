@@ -72,8 +72,13 @@ class MTPModule(nn.Module):
         self.blocks = _build_blocks(config, config.mtp_layer_types, first_cache_index)
         self.final_norm = RMSNorm(D, config.norm_eps)
 
-    def forward(self, token_embeds: torch.Tensor, h_prev: torch.Tensor, cache: HybridCache | None = None,
-                meta: BatchMeta | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        h_prev: torch.Tensor,
+        cache: HybridCache | None = None,
+        meta: BatchMeta | None = None,
+    ) -> torch.Tensor:
         """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``)."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
         for block in self.blocks:
@@ -101,8 +106,10 @@ class HybridLM(nn.Module):
             self.lm_head.weight = self.embeddings.weight
         n_backbone = sum(b.cache_index is not None for b in self.layers)
         if with_mtp and not config.mtp_layer_types:
-            raise ValueError(f"{config.source}: with_mtp=True but the config declares no MTP layers "
-                             "(num_nextn_predict_layers = 0)")
+            raise ValueError(
+                f"{config.source}: with_mtp=True but the config declares no MTP layers "
+                "(num_nextn_predict_layers = 0)"
+            )
         self.mtp = MTPModule(config, n_backbone) if with_mtp else None
 
     def cache_kinds(self, include_mtp: bool = True) -> dict[int, str]:
@@ -110,8 +117,9 @@ class HybridLM(nn.Module):
         blocks = list(self.layers) + (list(self.mtp.blocks) if self.mtp is not None and include_mtp else [])
         return {b.cache_index: b.kind for b in blocks if b.cache_index is not None}
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
-                meta: BatchMeta | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: HybridCache | None = None, meta: BatchMeta | None = None
+    ) -> torch.Tensor:
         """input_ids [B, T] int64 -> hidden [B, T, D] in the model dtype (after ``norm_f``).
 
         With ``cache`` and ``meta`` this continues each row's request from its cached state and updates the

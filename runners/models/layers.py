@@ -60,7 +60,11 @@ class Attention(nn.Module):
     def __init__(self, config: HybridConfig):
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
         self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
@@ -72,8 +76,9 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         if kv is None:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
         else:
             rows = kv.k.shape[0]
             offs = torch.arange(T, device=hidden.device)
@@ -91,8 +96,13 @@ class Attention(nn.Module):
             keys = kv.k[slot_rows[:, 0], :kv_len].transpose(1, 2)  # (B, KVH, S_k, hd)
             values = kv.v[slot_rows[:, 0], :kv_len].transpose(1, 2)
             mask = torch.arange(kv_len, device=hidden.device)[None, None, :] <= pos[:, :, None]  # (B, T, S_k)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                                 attn_mask=mask[:, None], enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.to(q.dtype),
+                values.to(q.dtype),
+                attn_mask=mask[:, None],
+                enable_gqa=True,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, T, -1))
 
 
@@ -188,8 +198,8 @@ class MoE(nn.Module):
         for e, cnt in enumerate(counts):
             if cnt == 0:
                 continue
-            tok = token[start:start + cnt]
+            tok = token[start : start + cnt]
             y = torch.square(F.relu(h[tok] @ self.experts_up[e].T)) @ self.experts_down[e].T
-            out.index_add_(0, tok, y.float() * w[start:start + cnt, None])
+            out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
             start += cnt
         return out.to(h.dtype)

@@ -144,10 +144,17 @@ class Mamba2Mixer(nn.Module):
         self.d_inner, self.conv_dim, self.conv_kernel = c.mamba_d_inner, c.mamba_conv_dim, c.conv_kernel
         self.chunk_size = c.chunk_size
         self.time_step_limit = c.time_step_limit
-        self.in_proj = nn.Linear(c.hidden_size, self.d_inner + self.conv_dim + self.num_heads,
-                                 bias=c.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.conv_kernel, groups=self.conv_dim,
-                                bias=c.use_conv_bias, padding=c.conv_kernel - 1)
+        self.in_proj = nn.Linear(
+            c.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=c.mamba_proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            c.conv_kernel,
+            groups=self.conv_dim,
+            bias=c.use_conv_bias,
+            padding=c.conv_kernel - 1,
+        )
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))

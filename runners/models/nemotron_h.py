@@ -27,7 +27,9 @@ def _expand_experts(ckpt_name: str, tensor: torch.Tensor) -> dict[str, torch.Ten
     m = _EXPERTS.match(ckpt_name)
     if not m:
         return {ckpt_name: tensor}
-    return {f"{m.group(1)}experts.{e}.{m.group(2)}_proj.weight": tensor.data[e] for e in range(tensor.shape[0])}
+    return {
+        f"{m.group(1)}experts.{e}.{m.group(2)}_proj.weight": tensor.data[e] for e in range(tensor.shape[0])
+    }
 
 
 def checkpoint_targets(model: HybridLM) -> dict[str, torch.Tensor]:
@@ -48,13 +50,13 @@ def checkpoint_targets(model: HybridLM) -> dict[str, torch.Tensor]:
         if name.startswith(("embeddings.", "layers.", "norm_f.")):
             ckpt = "backbone." + name
         elif name.startswith("mtp."):
-            rest = name[len("mtp."):]
+            rest = name[len("mtp.") :]
             if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
                 ckpt = "mtp.layers.0." + rest
             elif rest.startswith("final_norm."):
-                ckpt = f"mtp.layers.{n_mtp - 1}.final_layernorm." + rest[len("final_norm."):]
+                ckpt = f"mtp.layers.{n_mtp - 1}.final_layernorm." + rest[len("final_norm.") :]
             else:
-                ckpt = "mtp.layers." + rest[len("blocks."):]
+                ckpt = "mtp.layers." + rest[len("blocks.") :]
         else:
             ckpt = name
         targets.update(_expand_experts(ckpt, tensor))
