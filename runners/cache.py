@@ -29,10 +29,18 @@ class Mamba2State:
 
     conv: [S + 1, conv_dim, W - 1], model dtype; the last W - 1 inputs of the causal conv (oldest first).
     ssm:  [S + 1, H, P, N], ``ssm_state_dtype`` (float32 by default); the SSM state h.
+
+    Speculative (rewind) buffers, allocated only when the cache is built with ``spec_tokens = T > 0``:
+    conv_steps: [S + 1, conv_dim, W - 1 + T], the conv input window of the last verify (old W - 1 + T new).
+    ssm_steps:  [S + 1, T, H, P, N], the SSM state after each of the T verify tokens.
+    A verify forward fills these and leaves ``conv`` / ``ssm`` alone; :meth:`HybridCache.commit` then
+    copies the state after the accepted tokens back.
     """
 
     conv: torch.Tensor
     ssm: torch.Tensor
+    conv_steps: torch.Tensor | None = None
+    ssm_steps: torch.Tensor | None = None
 
 
 @dataclass
@@ -58,6 +66,8 @@ class HybridCache:
         dtype: dtype of conv state and KV cache (the model dtype).
         ssm_state_dtype: dtype of the SSM state (float32 is the safe default, BRIEF section 5).
         device: where the buffers live.
+        spec_tokens: T = K + 1 tokens of a speculative verify step; > 0 allocates the rewind buffers of
+            every Mamba2 layer (see :class:`Mamba2State`); 0 (default) allocates none.
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
     """
@@ -72,26 +82,27 @@ class HybridCache:
         dtype: torch.dtype,
         ssm_state_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        spec_tokens: int = 0,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.spec_tokens = spec_tokens
         self.layers: dict[int, Mamba2State | KVCache] = {}
         rows = max_batch_size + 1  # + the scratch row that PAD_SLOT_ID (-1) addresses
         c = config
         for idx, kind in sorted(cache_kinds.items()):
             if kind == "mamba2":
+                H, P, N = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
+                W1, T = c.conv_kernel - 1, spec_tokens
                 self.layers[idx] = Mamba2State(
-                    conv=torch.zeros(rows, c.mamba_conv_dim, c.conv_kernel - 1, dtype=dtype, device=device),
-                    ssm=torch.zeros(
-                        rows,
-                        c.mamba_num_heads,
-                        c.mamba_head_dim,
-                        c.ssm_state_size,
-                        dtype=ssm_state_dtype,
-                        device=device,
-                    ),
+                    conv=torch.zeros(rows, c.mamba_conv_dim, W1, dtype=dtype, device=device),
+                    ssm=torch.zeros(rows, H, P, N, dtype=ssm_state_dtype, device=device),
+                    conv_steps=torch.zeros(rows, c.mamba_conv_dim, W1 + T, dtype=dtype, device=device)
+                    if T
+                    else None,
+                    ssm_steps=torch.zeros(rows, T, H, P, N, dtype=ssm_state_dtype, device=device) if T else None,
                 )
             elif kind == "attention":
                 shape = (rows, max_seq_len, c.num_key_value_heads, c.head_dim)
@@ -126,6 +137,35 @@ class HybridCache:
                 layer.conv.index_fill_(0, slot_ids % layer.conv.shape[0], 0)
                 layer.ssm.index_fill_(0, slot_ids % layer.ssm.shape[0], 0)
 
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        """Rewind commit after a verify step: set each slot's recurrent state to the state after its
+        ``num_accepted_tokens`` first verify tokens (in place). The KV cache needs nothing (written by position).
+
+        Args:
+            slot_ids: [B] int64 slots of the verify batch (PAD -1 rows touch only the scratch row).
+            num_accepted_tokens: [B] int64 in [1, T]; anything else raises (a 0 or > T from a stale or padding
+                row must never index a neighbouring column).
+
+        Raises:
+            ValueError: no spec buffers (cache built with spec_tokens=0), or num_accepted_tokens out of range.
+        """
+        T = self.spec_tokens
+        if T == 0:
+            raise ValueError("commit() needs the rewind buffers: build the cache with spec_tokens = K + 1")
+        n = num_accepted_tokens.to(torch.long)
+        if n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
+            raise ValueError(f"num_accepted_tokens {n.tolist()} must lie in [1, T={T}]")
+        self.check_slots(slot_ids)
+        for layer in self.layers.values():
+            if not isinstance(layer, Mamba2State):
+                continue
+            rows = slot_ids % layer.ssm.shape[0]
+            layer.ssm.index_copy_(0, rows, layer.ssm_steps[rows, n - 1])
+            W1 = layer.conv.shape[-1]
+            cols = n[:, None] + torch.arange(W1, device=n.device)  # the W - 1 inputs before token n
+            window = layer.conv_steps[rows]
+            layer.conv.index_copy_(0, rows, window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1)))
+
     def memory(self) -> dict[str, int]:
         """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""
         out = {"ssm_state_bytes": 0, "conv_state_bytes": 0, "kv_cache_bytes": 0, "spec_buffers_bytes": 0}
@@ -133,6 +173,9 @@ class HybridCache:
             if isinstance(layer, Mamba2State):
                 out["ssm_state_bytes"] += layer.ssm.numel() * layer.ssm.element_size()
                 out["conv_state_bytes"] += layer.conv.numel() * layer.conv.element_size()
+                for buf in (layer.conv_steps, layer.ssm_steps):
+                    if buf is not None:
+                        out["spec_buffers_bytes"] += buf.numel() * buf.element_size()
             else:
                 out["kv_cache_bytes"] += 2 * layer.k.numel() * layer.k.element_size()
         return out
@@ -147,17 +190,41 @@ class BatchMeta:
     lengths:   [B] valid input columns of each row (<= T); columns t >= lengths[b] are right padding and are
                no-ops: they leave the recurrent state unchanged and write no KV entry of a live slot.
     all_valid: True when every row uses all T columns (lets layers skip the padding logic; e.g. decode).
+    slot_start: set when the rows are exactly the live slots ``slot_start .. slot_start + B - 1`` in order
+        (no PAD): layers then read cache rows through a slice instead of a gather copy.
+    max_kv_len: host-side max(start_pos + lengths) when the caller knows it (saves a device sync per
+        attention layer); None computes it.
+    verify: a speculative verify step: recurrent layers keep every intermediate state in the rewind buffers
+        and leave the committed state unchanged (see :meth:`HybridCache.commit`); needs all_valid.
     """
 
     slot_ids: torch.Tensor
     start_pos: torch.Tensor
     lengths: torch.Tensor
     all_valid: bool = False
+    slot_start: int | None = None
+    max_kv_len: int | None = None
+    verify: bool = False
+
+    def __post_init__(self):
+        if self.verify and not self.all_valid:
+            raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
+
+    def rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The cache rows of this batch, ``buffer[slot_ids]``: a view when ``slot_start`` is set, else a copy."""
+        if self.slot_start is not None:
+            return buffer[self.slot_start : self.slot_start + self.slot_ids.shape[0]]
+        return buffer[self.slot_ids]
 
     @classmethod
-    def decode(cls, slot_ids: torch.Tensor, start_pos: torch.Tensor, T: int = 1) -> BatchMeta:
+    def decode(
+        cls, slot_ids: torch.Tensor, start_pos: torch.Tensor, T: int = 1, *, verify: bool = False,
+        slot_start: int | None = None,
+        max_kv_len: int | None = None,
+    ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
-        return cls(slot_ids, start_pos, torch.full_like(slot_ids, T), all_valid=True)
+        return cls(slot_ids, start_pos, torch.full_like(slot_ids, T), all_valid=True, slot_start=slot_start,
+                   max_kv_len=max_kv_len, verify=verify)
 
     def valid(self, T: int) -> torch.Tensor:
         """[B, T] bool: column t of row b is a real token."""

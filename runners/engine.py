@@ -24,6 +24,7 @@ import torch
 from runners.cache import BatchMeta, HybridCache
 from runners.loader import load_model
 from runners.models.hybrid import HybridLM
+from runners.models.mamba2 import Mamba2Mixer
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Engine:
         max_seq_len: int = 4096,
         ssm_state_dtype: torch.dtype | str | None = None,
         prefill_chunk_tokens: int = 8192,
+        scan_chunk_size: int | None = None,
     ):
         config = model.config
         if draft_len < 0:
@@ -117,6 +119,14 @@ class Engine:
         self.draft_len, self.ssm_replay = draft_len, ssm_replay
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if scan_chunk_size is None:  # the intra-chunk term is quadratic: short chunks are faster on CPUs
+            scan_chunk_size = config.chunk_size if self.device.type == "cuda" else min(config.chunk_size, 32)
+        if scan_chunk_size < 1:
+            raise ValueError(f"scan_chunk_size={scan_chunk_size} must be >= 1")
+        self.scan_chunk_size = scan_chunk_size
+        for module in model.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.chunk_size = scan_chunk_size
         self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
         self.cache = HybridCache(
             config,
@@ -126,6 +136,8 @@ class Engine:
             dtype=dtype,
             ssm_state_dtype=self.ssm_state_dtype,
             device=self.device,
+            # rewind buffers (T = K + 1 states per slot) only for speculative decoding without replay
+            spec_tokens=draft_len + 1 if draft_len > 0 and not ssm_replay else 0,
         )
 
     @classmethod
@@ -148,14 +160,16 @@ class Engine:
             ssm_replay: commit recurrent state by replay instead of rewind (needs draft_len > 0).
             **options: max_batch_size (S, default 32), max_seq_len (default 4096), ssm_state_dtype
                 (default: config's ``mamba_ssm_cache_dtype``, float32), prefill_chunk_tokens (default 8192:
-                padded tokens per prefill forward).
+                padded tokens per prefill forward), scan_chunk_size (chunk of the Mamba2 prefill scan;
+                default: config ``chunk_size``, capped at 32 off CUDA where it is ~5x faster; the result is
+                the same up to float rounding).
 
         Raises:
             runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
             ValueError: bad options (unknown option, draft_len without MTP weights, ssm_replay without
                 drafting).
         """
-        allowed = {"max_batch_size", "max_seq_len", "ssm_state_dtype", "prefill_chunk_tokens"}
+        allowed = {"max_batch_size", "max_seq_len", "ssm_state_dtype", "prefill_chunk_tokens", "scan_chunk_size"}
         unknown = set(options) - allowed
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -268,8 +282,15 @@ class Engine:
                     accept(slot, token)
                 continue  # refill slots freed by requests that finished on their first token
             t0 = time.perf_counter()
+            active.sort()  # contiguous slots (the usual case while the queue is full) are read as a slice
             slots = torch.tensor(active, dtype=torch.long)
-            meta = BatchMeta.decode(slots.to(self.device), slot_len[slots].to(self.device))
+            contiguous = active[-1] - active[0] + 1 == len(active)
+            meta = BatchMeta.decode(
+                slots.to(self.device),
+                slot_len[slots].to(self.device),
+                slot_start=active[0] if contiguous else None,
+                max_kv_len=int(slot_len[slots].max()) + 1,
+            )
             hidden = self.model(last_token[slots][:, None].to(self.device), self.cache, meta)
             next_tokens = self.model.lm_logits(hidden[:, -1]).argmax(-1).tolist()
             slot_len[slots] += 1

@@ -107,6 +107,10 @@ def test_chunked_prefill_then_decode_equals_full_forward(pair):
         pos[rows] += 1
 
 
+def _buffers(layer) -> list[torch.Tensor]:
+    return [t.clone() for t in vars(layer).values() if t is not None]
+
+
 @torch.inference_mode()
 def test_pad_rows_never_touch_live_slots(pair):
     _, model = pair
@@ -115,12 +119,12 @@ def test_pad_rows_never_touch_live_slots(pair):
     torch.manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (2, 6))
     model(ids, cache, BatchMeta(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([6, 6])))
-    snapshot = {i: [t.clone() for t in vars(layer).values()] for i, layer in cache.layers.items()}
+    snapshot = {i: _buffers(layer) for i, layer in cache.layers.items()}
     tok = torch.randint(0, cfg.vocab_size, (3, 1))
     # Row 0 and 2 are PAD; only row 1 (slot 1) is real.
     out = model(tok, cache, BatchMeta.decode(torch.tensor([-1, 1, -1]), torch.tensor([0, 6, 3])))
     for i, layer in cache.layers.items():
-        for before, after in zip(snapshot[i], vars(layer).values()):
+        for before, after in zip(snapshot[i], _buffers(layer)):
             torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)  # slot 0 untouched
     # Slot 1 got exactly what a batch of only that row produces.
     cache2 = HybridCache(cfg, model.cache_kinds(), max_batch_size=2, max_seq_len=16, dtype=torch.float32)
@@ -149,3 +153,65 @@ def test_cache_rejects_bad_slot_ids_and_reports_memory():
     assert mem["conv_state_bytes"] == 4 * cfg.mamba_conv_dim * (cfg.conv_kernel - 1) * 4
     assert mem["kv_cache_bytes"] == 2 * 4 * 10 * cfg.num_key_value_heads * cfg.head_dim * 4
     assert mem["spec_buffers_bytes"] == 0
+
+
+@torch.inference_mode()
+def test_verify_then_rewind_commit_equals_decoding_only_accepted_tokens(pair):
+    """A T-token verify keeps per-token states; commit(n) must equal having decoded only n tokens."""
+    _, model = pair
+    cfg = model.config
+    T, S = 4, 3
+    torch.manual_seed(4)
+    prompt = torch.randint(0, cfg.vocab_size, (S, 6))
+    drafts = torch.randint(0, cfg.vocab_size, (S, T))
+    nxt = torch.randint(0, cfg.vocab_size, (S, 1))
+    slots, zeros = torch.arange(S), torch.zeros(S, dtype=torch.long)
+    num_accepted = torch.tensor([1, 4, 2])  # 1 (only the bonus position) .. T
+
+    spec = HybridCache(cfg, model.cache_kinds(), max_batch_size=S, max_seq_len=16, dtype=torch.float32,
+                       spec_tokens=T)
+    model(prompt, spec, BatchMeta(slots, zeros, torch.full((S,), 6)))
+    committed = {i: l.ssm.clone() for i, l in spec.layers.items() if isinstance(l, Mamba2State)}
+    verify_hidden = model(drafts, spec, BatchMeta.decode(slots, torch.full((S,), 6), T, verify=True))
+    for i, ssm in committed.items():  # a verify step leaves the committed state alone
+        torch.testing.assert_close(spec[i].ssm, ssm, rtol=0, atol=0)
+    spec.commit(slots, num_accepted)
+    after_spec = model(nxt, spec, BatchMeta.decode(slots, 6 + num_accepted))
+
+    for b in range(S):  # reference: a fresh cache that only ever saw the accepted tokens
+        n = int(num_accepted[b])
+        ref = HybridCache(cfg, model.cache_kinds(), max_batch_size=1, max_seq_len=16, dtype=torch.float32)
+        one = torch.tensor([0])
+        model(prompt[b : b + 1], ref, BatchMeta(one, torch.tensor([0]), torch.tensor([6])))
+        acc_hidden = model(drafts[b : b + 1, :n], ref, BatchMeta(one, torch.tensor([6]), torch.tensor([n])))
+        torch.testing.assert_close(verify_hidden[b, :n], acc_hidden[0], atol=1e-4, rtol=1e-4)
+        out = model(nxt[b : b + 1], ref, BatchMeta.decode(one, torch.tensor([6 + n])))
+        torch.testing.assert_close(after_spec[b], out[0], atol=1e-4, rtol=1e-4)
+
+    with pytest.raises(ValueError, match=r"\[1, T=4\]"):
+        spec.commit(slots, torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match=r"\[1, T=4\]"):
+        spec.commit(slots, torch.tensor([5, 1, 1]))
+    with pytest.raises(ValueError, match="spec_tokens"):
+        HybridCache(cfg, model.cache_kinds(), max_batch_size=1, max_seq_len=4, dtype=torch.float32).commit(
+            torch.tensor([0]), torch.tensor([1]))
+
+
+@torch.inference_mode()
+def test_slot_range_view_equals_gather(pair):
+    """BatchMeta.slot_start (rows = a contiguous slot range, read as a slice) gives what the gather gives."""
+    _, model = pair
+    cfg = model.config
+    torch.manual_seed(6)
+    ids = torch.randint(0, cfg.vocab_size, (3, 5))
+    tok = torch.randint(0, cfg.vocab_size, (2, 1))
+    outs = []
+    for slot_start in (None, 1):
+        cache = HybridCache(cfg, model.cache_kinds(), max_batch_size=3, max_seq_len=8, dtype=torch.float32)
+        slots = torch.arange(3)
+        model(ids, cache, BatchMeta(slots, torch.zeros(3, dtype=torch.long), torch.tensor([5, 3, 4])))
+        meta = BatchMeta.decode(slots[1:], torch.tensor([3, 4]), slot_start=slot_start, max_kv_len=5)
+        outs.append((model(tok, cache, meta), [b.clone() for b in _buffers(cache[0])]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -92,9 +92,9 @@ class Attention(nn.Module):
                 w_pos = torch.where(valid, pos, 0)
             kv.k[w_rows, w_pos] = k.to(kv.k.dtype)
             kv.v[w_rows, w_pos] = v.to(kv.v.dtype)
-            kv_len = int((meta.start_pos + meta.lengths).max())
-            keys = kv.k[slot_rows[:, 0], :kv_len].transpose(1, 2)  # (B, KVH, S_k, hd)
-            values = kv.v[slot_rows[:, 0], :kv_len].transpose(1, 2)
+            kv_len = meta.max_kv_len or int((meta.start_pos + meta.lengths).max())
+            keys = meta.rows(kv.k)[:, :kv_len].transpose(1, 2)  # (B, KVH, S_k, hd)
+            values = meta.rows(kv.v)[:, :kv_len].transpose(1, 2)
             mask = torch.arange(kv_len, device=hidden.device)[None, None, :] <= pos[:, :, None]  # (B, T, S_k)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),

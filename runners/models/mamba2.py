@@ -132,8 +132,10 @@ class Mamba2Mixer(nn.Module):
 
     forward(hidden [B, T, D], state, meta) -> [B, T, D]. With ``state`` (a :class:`Mamba2State`) and
     ``meta`` the layer starts from the cached conv window and SSM state of ``meta.slot_ids`` and writes the
-    state after each row's last valid column back (PAD rows write the scratch row). Without them it runs
-    from a zero state and keeps nothing (a full forward).
+    state after each row's last valid column back (PAD rows write the scratch row); with ``meta.verify`` it
+    writes the per-token states to the rewind buffers instead and leaves the committed state alone. Without
+    a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
+    chunk) may be changed after construction: the result is the same up to float rounding.
     """
 
     def __init__(self, config: HybridConfig):
@@ -162,14 +164,15 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, c.hidden_size, bias=c.mamba_proj_bias)
 
     def _conv(self, xBC: torch.Tensor, state: Mamba2State | None, meta: BatchMeta | None) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over xBC [B, T, C]; updates ``state.conv`` of the batch's slots."""
+        """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
+        slots (or, in a verify step, stores the whole window in ``state.conv_steps``)."""
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
         if state is None:
             prev = xBC.new_zeros(b, self.conv_dim, W1)
         else:
-            prev = state.conv[meta.slot_ids]
+            prev = meta.rows(state.conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
         if T == 1:
             out = torch.einsum("bcw,cw->bc", window, weight)[:, None, :]
@@ -177,7 +180,9 @@ class Mamba2Mixer(nn.Module):
                 out = out + self.conv1d.bias
         else:
             out = F.conv1d(window, weight[:, None, :], self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
-        if state is not None:
+        if state is not None and meta.verify:
+            state.conv_steps.index_copy_(0, meta.slot_ids % state.conv.shape[0], window.to(state.conv.dtype))
+        elif state is not None:
             if meta.all_valid:
                 new = window[:, :, T:]
             else:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2 of window
@@ -202,13 +207,17 @@ class Mamba2Mixer(nn.Module):
         if meta is not None and not meta.all_valid:
             dt = dt * meta.valid(T)[..., None]  # dt' = 0 on right padding: the state passes unchanged
         A = -torch.exp(self.A_log.float())
-        h0 = None if state is None else state.ssm[meta.slot_ids]
-        if T == 1 and h0 is not None:
-            y, h, _ = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0)
+        h0 = None if state is None else meta.rows(state.ssm)
+        if state is not None and meta.verify:  # rewind: keep the state after every token, commit later
+            y, h, steps = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0, return_intermediate=True)
+            state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], steps.to(state.ssm.dtype))
         else:
-            y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
-        if state is not None:
-            state.ssm.index_copy_(0, meta.slot_ids % state.ssm.shape[0], h.to(state.ssm.dtype))
+            if T == 1 and h0 is not None:
+                y, h, _ = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0)
+            else:
+                y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
+            if state is not None:
+                state.ssm.index_copy_(0, meta.slot_ids % state.ssm.shape[0], h.to(state.ssm.dtype))
         y = y + x.float() * self.D.float()[:, None]
         y = self.norm(y.reshape(b, T, self.d_inner), z)
         return self.out_proj(y.to(hidden.dtype))
