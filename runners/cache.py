@@ -102,7 +102,9 @@ class HybridCache:
                     conv_steps=torch.zeros(rows, c.mamba_conv_dim, W1 + T, dtype=dtype, device=device)
                     if T
                     else None,
-                    ssm_steps=torch.zeros(rows, T, H, P, N, dtype=ssm_state_dtype, device=device) if T else None,
+                    ssm_steps=torch.zeros(rows, T, H, P, N, dtype=ssm_state_dtype, device=device)
+                    if T
+                    else None,
                 )
             elif kind == "attention":
                 shape = (rows, max_seq_len, c.num_key_value_heads, c.head_dim)
@@ -138,8 +140,8 @@ class HybridCache:
                 layer.ssm.index_fill_(0, slot_ids % layer.ssm.shape[0], 0)
 
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
-        """Rewind commit after a verify step: set each slot's recurrent state to the state after its
-        ``num_accepted_tokens`` first verify tokens (in place). The KV cache needs nothing (written by position).
+        """Rewind commit after a verify step: set each slot's recurrent state to the state after its first
+        ``num_accepted_tokens`` verify tokens (in place). The KV cache needs nothing (written by position).
 
         Args:
             slot_ids: [B] int64 slots of the verify batch (PAD -1 rows touch only the scratch row).
@@ -164,7 +166,8 @@ class HybridCache:
             W1 = layer.conv.shape[-1]
             cols = n[:, None] + torch.arange(W1, device=n.device)  # the W - 1 inputs before token n
             window = layer.conv_steps[rows]
-            layer.conv.index_copy_(0, rows, window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1)))
+            new = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
+            layer.conv.index_copy_(0, rows, new)
 
     def memory(self) -> dict[str, int]:
         """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""
@@ -211,20 +214,32 @@ class BatchMeta:
             raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The cache rows of this batch, ``buffer[slot_ids]``: a view when ``slot_start`` is set, else a copy."""
+        """This batch's cache rows, ``buffer[slot_ids]``: a view when ``slot_start`` is set, else a copy."""
         if self.slot_start is not None:
             return buffer[self.slot_start : self.slot_start + self.slot_ids.shape[0]]
         return buffer[self.slot_ids]
 
     @classmethod
     def decode(
-        cls, slot_ids: torch.Tensor, start_pos: torch.Tensor, T: int = 1, *, verify: bool = False,
+        cls,
+        slot_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        T: int = 1,
+        *,
+        verify: bool = False,
         slot_start: int | None = None,
         max_kv_len: int | None = None,
     ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
-        return cls(slot_ids, start_pos, torch.full_like(slot_ids, T), all_valid=True, slot_start=slot_start,
-                   max_kv_len=max_kv_len, verify=verify)
+        return cls(
+            slot_ids,
+            start_pos,
+            torch.full_like(slot_ids, T),
+            all_valid=True,
+            slot_start=slot_start,
+            max_kv_len=max_kv_len,
+            verify=verify,
+        )
 
     def valid(self, T: int) -> torch.Tensor:
         """[B, T] bool: column t of row b is a real token."""

@@ -169,7 +169,13 @@ class Engine:
             ValueError: bad options (unknown option, draft_len without MTP weights, ssm_replay without
                 drafting).
         """
-        allowed = {"max_batch_size", "max_seq_len", "ssm_state_dtype", "prefill_chunk_tokens", "scan_chunk_size"}
+        allowed = {
+            "max_batch_size",
+            "max_seq_len",
+            "ssm_state_dtype",
+            "prefill_chunk_tokens",
+            "scan_chunk_size",
+        }
         unknown = set(options) - allowed
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -168,8 +168,9 @@ def test_verify_then_rewind_commit_equals_decoding_only_accepted_tokens(pair):
     slots, zeros = torch.arange(S), torch.zeros(S, dtype=torch.long)
     num_accepted = torch.tensor([1, 4, 2])  # 1 (only the bonus position) .. T
 
-    spec = HybridCache(cfg, model.cache_kinds(), max_batch_size=S, max_seq_len=16, dtype=torch.float32,
-                       spec_tokens=T)
+    spec = HybridCache(
+        cfg, model.cache_kinds(), max_batch_size=S, max_seq_len=16, dtype=torch.float32, spec_tokens=T
+    )
     model(prompt, spec, BatchMeta(slots, zeros, torch.full((S,), 6)))
     committed = {i: l.ssm.clone() for i, l in spec.layers.items() if isinstance(l, Mamba2State)}
     verify_hidden = model(drafts, spec, BatchMeta.decode(slots, torch.full((S,), 6), T, verify=True))
@@ -194,7 +195,8 @@ def test_verify_then_rewind_commit_equals_decoding_only_accepted_tokens(pair):
         spec.commit(slots, torch.tensor([5, 1, 1]))
     with pytest.raises(ValueError, match="spec_tokens"):
         HybridCache(cfg, model.cache_kinds(), max_batch_size=1, max_seq_len=4, dtype=torch.float32).commit(
-            torch.tensor([0]), torch.tensor([1]))
+            torch.tensor([0]), torch.tensor([1])
+        )
 
 
 @torch.inference_mode()
