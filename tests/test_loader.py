@@ -162,6 +162,8 @@ def test_index_naming_a_tensor_its_shard_lacks(hf, tmp_path):
         (lambda c: c.update(layers_block_type=["linear_attention", "conv"]), "unknown layer types"),
         (lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MX")), "unknown letters"),
         (lambda c: c.pop("layers_block_type"), "neither layers_block_type nor hybrid_override_pattern"),
+        (lambda c: c.update(hybrid_override_pattern="MMMMMM"), "disagrees with layers_block_type"),
+        (lambda c: c.update(n_routed_experts=7, num_experts_per_tok=9), r"num_experts_per_tok=9 must be in"),
     ],
 )
 def test_bad_config(ckpt, edit, match):

@@ -191,6 +191,12 @@ def _parse_nemotron_h(raw: dict[str, Any], source: str) -> HybridConfig:
             raw[new] = raw[old]
     if raw.get("layers_block_type") is not None:
         layer_types = _kinds_from_list(raw["layers_block_type"], "layers_block_type", source)
+        pattern = raw.get("hybrid_override_pattern")
+        if pattern is not None and _kinds_from_pattern(pattern, "hybrid_override_pattern", source) != layer_types:
+            raise ConfigError(
+                f"{source}: hybrid_override_pattern {pattern!r} disagrees with layers_block_type; "
+                "keep one of them (transformers 5 reads layers_block_type) or make them agree"
+            )
     elif raw.get("hybrid_override_pattern") is not None:
         layer_types = _kinds_from_pattern(raw["hybrid_override_pattern"], "hybrid_override_pattern", source)
     else:

@@ -5,6 +5,11 @@ transformers 5 (``modeling_nemotron_h.py``, the test oracle). Per head h (group 
 dt' = clamp(softplus(dt + dt_bias), time_step_limit); dA = exp(A_h dt'), A = -exp(A_log);
 state <- state * dA + dt' x (outer) B_g; y = C_g . state + D_h x; then y = grouped_rmsnorm(y * silu(z)).
 
+The dt clamp is the config's ``time_step_limit`` in every path (released configs and transformers 5's
+default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (prefill) path to
+(time_step_min, inf) and its single-token decode path not at all, so it disagrees with itself when
+softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
+
 Two scan paths compute the same recurrence: :func:`ssd_chunked_scan` (prefill; quadratic inside chunks of
 ``chunk_size``, a recurrence over chunk states) and :func:`ssm_recurrent_scan` (decode / verify; one step per
 token, optionally returning every intermediate state for a speculative verify). Right-padded columns are
