@@ -14,6 +14,7 @@ heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,43 @@ PAD_SLOT_ID = -1
 
 
 @dataclass
-class Mamba2State:
+class CacheSpec:
+    """What a layer-state allocator needs: R = S + 1 rows (the scratch row included), dtypes, device and
+    T = ``spec_tokens`` (K + 1 tokens of a verify step; 0 = no speculative buffers)."""
+
+    rows: int
+    max_seq_len: int
+    dtype: torch.dtype
+    ssm_state_dtype: torch.dtype
+    device: torch.device | str
+    spec_tokens: int
+
+
+class LayerState:
+    """Per-slot state of one block. Subclasses hold buffers of R = S + 1 rows and implement:
+
+    - ``reset_rows(rows)``: zero the state of cache rows ``rows`` [n] (a request is admitted);
+    - ``commit_rows(rows, num_accepted_tokens)``: after a verify step, make the state the one after the
+      first ``num_accepted_tokens`` [n] tokens (rewind); stateless-by-position kinds do nothing;
+    - ``memory()``: ``{"ssm_state_bytes" | "conv_state_bytes" | "kv_cache_bytes" | "spec_buffers_bytes": n}``.
+    """
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class Mamba2State(LayerState):
     """Recurrent state of one Mamba2 layer.
 
     conv: [S + 1, conv_dim, W - 1], model dtype; the last W - 1 inputs of the causal conv (oldest first).
@@ -33,8 +70,8 @@ class Mamba2State:
     Speculative (rewind) buffers, allocated only when the cache is built with ``spec_tokens = T > 0``:
     conv_steps: [S + 1, conv_dim, W - 1 + T], the conv input window of the last verify (old W - 1 + T new).
     ssm_steps:  [S + 1, T, H, P, N], the SSM state after each of the T verify tokens.
-    A verify forward fills these and leaves ``conv`` / ``ssm`` alone; :meth:`HybridCache.commit` then
-    copies the state after the accepted tokens back.
+    A verify forward fills these and leaves ``conv`` / ``ssm`` alone; :meth:`commit_rows` then copies the
+    state after the accepted tokens back.
     """
 
     conv: torch.Tensor
@@ -42,32 +79,87 @@ class Mamba2State:
     conv_steps: torch.Tensor | None = None
     ssm_steps: torch.Tensor | None = None
 
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2State:
+        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        return cls(
+            conv=torch.zeros(R, C, W1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
+            conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
+            ssm_steps=torch.zeros(R, T, H, P, N, dtype=spec.ssm_state_dtype, device=dev) if T else None,
+        )
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        self.conv.index_fill_(0, rows, 0)
+        self.ssm.index_fill_(0, rows, 0)
+
+    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        n = num_accepted_tokens
+        self.ssm.index_copy_(0, rows, self.ssm_steps[rows, n - 1])
+        W1 = self.conv.shape[-1]
+        cols = n[:, None] + torch.arange(W1, device=n.device)  # the W - 1 conv inputs before token n
+        window = self.conv_steps[rows]
+        self.conv.index_copy_(0, rows, window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1)))
+
+    def memory(self) -> dict[str, int]:
+        return {
+            "ssm_state_bytes": _nbytes(self.ssm),
+            "conv_state_bytes": _nbytes(self.conv),
+            "spec_buffers_bytes": _nbytes(self.conv_steps, self.ssm_steps),
+        }
+
 
 @dataclass
-class KVCache:
+class KVCache(LayerState):
     """Keys and values of one attention layer, written by position.
 
-    k, v: [S + 1, max_seq_len, KVH, head_dim], model dtype.
+    k, v: [S + 1, max_seq_len, KVH, head_dim], model dtype. Reset and commit are no-ops: entries are read
+    only below each request's length, and a later write to a position overwrites a rejected token's entry.
     """
 
     k: torch.Tensor
     v: torch.Tensor
 
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> KVCache:
+        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            v=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+        )
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        pass
+
+    def memory(self) -> dict[str, int]:
+        return {"kv_cache_bytes": _nbytes(self.k, self.v)}
+
+
+# block kind -> allocate(config, CacheSpec) -> LayerState. A family adds its kinds here (e.g. "gdn").
+CACHE_LAYOUTS: dict[str, Callable[[HybridConfig, CacheSpec], LayerState]] = {
+    "mamba2": Mamba2State.allocate,
+    "attention": KVCache.allocate,
+}
+
 
 class HybridCache:
-    """All per-slot caches of a model: one entry per cached block, keyed by the block's ``cache_index``.
+    """All per-slot caches of a model: one :class:`LayerState` per stateful block, keyed by ``cache_index``.
 
     Args:
         config: the model's :class:`HybridConfig`.
-        cache_kinds: ``{cache_index: kind}`` for every block that keeps state ("mamba2" or "attention";
-            the MTP module's blocks take indices after the backbone's).
+        cache_kinds: ``{cache_index: kind}`` for every block that keeps state (a key of
+            :data:`CACHE_LAYOUTS`; the MTP module's blocks take indices after the backbone's).
         max_batch_size: S, the number of live slots.
         max_seq_len: positions per slot in the KV cache (prompt + generated tokens).
         dtype: dtype of conv state and KV cache (the model dtype).
         ssm_state_dtype: dtype of the SSM state (float32 is the safe default, BRIEF section 5).
         device: where the buffers live.
         spec_tokens: T = K + 1 tokens of a speculative verify step; > 0 allocates the rewind buffers of
-            every Mamba2 layer (see :class:`Mamba2State`); 0 (default) allocates none.
+            every recurrent layer (see :class:`Mamba2State`); 0 (default) allocates none.
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
     """
@@ -89,34 +181,23 @@ class HybridCache:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.spec_tokens = spec_tokens
-        self.layers: dict[int, Mamba2State | KVCache] = {}
-        rows = max_batch_size + 1  # + the scratch row that PAD_SLOT_ID (-1) addresses
-        c = config
+        spec = CacheSpec(max_batch_size + 1, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens)
+        self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):
-            if kind == "mamba2":
-                H, P, N = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
-                W1, T = c.conv_kernel - 1, spec_tokens
-                self.layers[idx] = Mamba2State(
-                    conv=torch.zeros(rows, c.mamba_conv_dim, W1, dtype=dtype, device=device),
-                    ssm=torch.zeros(rows, H, P, N, dtype=ssm_state_dtype, device=device),
-                    conv_steps=torch.zeros(rows, c.mamba_conv_dim, W1 + T, dtype=dtype, device=device)
-                    if T
-                    else None,
-                    ssm_steps=torch.zeros(rows, T, H, P, N, dtype=ssm_state_dtype, device=device)
-                    if T
-                    else None,
+            if kind not in CACHE_LAYOUTS:
+                raise ValueError(
+                    f"no cache layout for block kind {kind!r} (cache_index {idx}); "
+                    f"known: {sorted(CACHE_LAYOUTS)}"
                 )
-            elif kind == "attention":
-                shape = (rows, max_seq_len, c.num_key_value_heads, c.head_dim)
-                self.layers[idx] = KVCache(
-                    k=torch.zeros(shape, dtype=dtype, device=device),
-                    v=torch.zeros(shape, dtype=dtype, device=device),
-                )
-            else:
-                raise ValueError(f"no cache layout for block kind {kind!r} (cache_index {idx})")
+            self.layers[idx] = CACHE_LAYOUTS[kind](config, spec)
 
-    def __getitem__(self, cache_index: int) -> Mamba2State | KVCache:
+    def __getitem__(self, cache_index: int) -> LayerState:
         return self.layers[cache_index]
+
+    def _rows(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Validated cache rows of ``slot_ids`` (PAD -1 -> the scratch row S)."""
+        self.check_slots(slot_ids)
+        return slot_ids % (self.max_batch_size + 1)
 
     def check_slots(self, slot_ids: torch.Tensor) -> None:
         """Raise ValueError unless every slot id is PAD (-1) or a live slot in [0, S)."""
@@ -133,11 +214,9 @@ class HybridCache:
         Called when a request is admitted to a slot. The KV cache is not cleared: it is written by
         position and read only up to each request's length. PAD ids (-1) reset only the scratch row.
         """
-        self.check_slots(slot_ids)
+        rows = self._rows(slot_ids)
         for layer in self.layers.values():
-            if isinstance(layer, Mamba2State):
-                layer.conv.index_fill_(0, slot_ids % layer.conv.shape[0], 0)
-                layer.ssm.index_fill_(0, slot_ids % layer.ssm.shape[0], 0)
+            layer.reset_rows(rows)
 
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         """Rewind commit after a verify step: set each slot's recurrent state to the state after its first
@@ -157,30 +236,16 @@ class HybridCache:
         n = num_accepted_tokens.to(torch.long)
         if n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
             raise ValueError(f"num_accepted_tokens {n.tolist()} must lie in [1, T={T}]")
-        self.check_slots(slot_ids)
+        rows = self._rows(slot_ids)
         for layer in self.layers.values():
-            if not isinstance(layer, Mamba2State):
-                continue
-            rows = slot_ids % layer.ssm.shape[0]
-            layer.ssm.index_copy_(0, rows, layer.ssm_steps[rows, n - 1])
-            W1 = layer.conv.shape[-1]
-            cols = n[:, None] + torch.arange(W1, device=n.device)  # the W - 1 inputs before token n
-            window = layer.conv_steps[rows]
-            new = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
-            layer.conv.index_copy_(0, rows, new)
+            layer.commit_rows(rows, n)
 
     def memory(self) -> dict[str, int]:
         """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""
         out = {"ssm_state_bytes": 0, "conv_state_bytes": 0, "kv_cache_bytes": 0, "spec_buffers_bytes": 0}
         for layer in self.layers.values():
-            if isinstance(layer, Mamba2State):
-                out["ssm_state_bytes"] += layer.ssm.numel() * layer.ssm.element_size()
-                out["conv_state_bytes"] += layer.conv.numel() * layer.conv.element_size()
-                for buf in (layer.conv_steps, layer.ssm_steps):
-                    if buf is not None:
-                        out["spec_buffers_bytes"] += buf.numel() * buf.element_size()
-            else:
-                out["kv_cache_bytes"] += 2 * layer.k.numel() * layer.k.element_size()
+            for key, n in layer.memory().items():
+                out[key] += n
         return out
 
 

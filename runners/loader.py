@@ -11,24 +11,18 @@ or tensor and the fix.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from runners.models import nemotron_h
-from runners.models.config import ConfigError, HybridConfig
+from runners.models.config import ConfigError, HybridConfig, family_module
 from runners.models.hybrid import HybridLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MTP_PREFIX = "mtp."
 
-# family -> checkpoint_targets(model) -> {checkpoint tensor name: destination tensor}
-WEIGHT_MAPS: dict[str, Callable[[HybridLM], dict[str, torch.Tensor]]] = {
-    "nemotron_h": nemotron_h.checkpoint_targets,
-}
 # Tensors kept in float32 whatever the model dtype (transformers keeps the NemotronH router in fp32).
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
 
@@ -156,13 +150,8 @@ def load_model(
         )
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
-    if config.family not in WEIGHT_MAPS:
-        raise CheckpointError(
-            f"{path}: no weight map for family {config.family!r}; known: {sorted(WEIGHT_MAPS)}"
-        )
-
     model = HybridLM(config, with_mtp=load_mtp)
-    targets = WEIGHT_MAPS[config.family](model)
+    targets = family_module(config.family, config.source).checkpoint_targets(model)
     unknown = set(files) - set(targets)
     if unknown:
         hint = (
