@@ -247,21 +247,24 @@ class Engine:
         last_token = torch.zeros(self.max_batch_size, dtype=torch.long)
         active: list[int] = []  # slots decoding, in admission order
 
-        def accept(slot: int, token: int) -> None:
-            """Append ``token`` to the slot's request; finish it on a stop condition."""
+        def accept(slot: int, tokens: list[int]) -> None:
+            """Append a step's ``tokens`` to the slot's request, stopping at the first stop condition (a
+            speculative step may bring several tokens); a finished request frees its slot at once."""
             nonlocal finished
             i = slot_request[slot]
             toks = out_tokens[i]
-            toks.append(token)
             reason = None
-            if token in stop_ids:
-                reason = "stop_token"
-            elif stop_checker is not None and stop_checker(i, toks):
-                reason = "stop_checker"
-            elif len(toks) >= max_new_tokens:
-                reason = "length"
+            for token in tokens:
+                toks.append(token)
+                if token in stop_ids:
+                    reason = "stop_token"
+                elif stop_checker is not None and stop_checker(i, toks):
+                    reason = "stop_checker"
+                elif len(toks) >= max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
             if reason is None:
-                last_token[slot] = token
                 return
             reasons[i] = reason
             active.remove(slot)
@@ -273,7 +276,7 @@ class Engine:
             report(finished)
 
         while waiting or active:
-            if waiting and free_slots:
+            if waiting and free_slots:  # admit into every free slot, prefill the newcomers together
                 admitted = []
                 while waiting and free_slots:
                     slot = free_slots.pop()
@@ -281,34 +284,49 @@ class Engine:
                     admitted.append(slot)
                 t0 = time.perf_counter()
                 first = self._prefill([prompts[slot_request[s]] for s in admitted], admitted)
-                stats.prefill_seconds += time.perf_counter() - t0
                 for slot, token in zip(admitted, first):
                     slot_len[slot] = len(prompts[slot_request[slot]])
-                    active.append(slot)
-                    accept(slot, token)
+                    last_token[slot] = token
+                stats.prefill_seconds += time.perf_counter() - t0
+                active.extend(admitted)
+                for slot, token in zip(admitted, first):
+                    accept(slot, [token])
                 continue  # refill slots freed by requests that finished on their first token
             t0 = time.perf_counter()
             active.sort()  # contiguous slots (the usual case while the queue is full) are read as a slice
-            slots = torch.tensor(active, dtype=torch.long)
-            contiguous = active[-1] - active[0] + 1 == len(active)
-            meta = BatchMeta.decode(
-                slots.to(self.device),
-                slot_len[slots].to(self.device),
-                slot_start=active[0] if contiguous else None,
-                max_kv_len=int(slot_len[slots].max()) + 1,
-            )
-            hidden = self.model(last_token[slots][:, None].to(self.device), self.cache, meta)
-            next_tokens = self.model.lm_logits(hidden[:, -1]).argmax(-1).tolist()
-            slot_len[slots] += 1
+            new_tokens = self._decode_step(active, slot_len, last_token)
             stats.steps += 1
             stats.decode_seconds += time.perf_counter() - t0
-            for slot, token in zip(list(active), next_tokens):
-                accept(slot, token)
+            for slot, tokens in zip(list(active), new_tokens):
+                accept(slot, tokens)
 
         if bar is not None:
             bar.close()
         stats.generated_tokens = sum(map(len, out_tokens))
         return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats)
+
+    def _decode_step(
+        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor
+    ) -> list[list[int]]:
+        """One batched greedy step over ``slots`` (sorted): feed each slot's last token, return the new
+        token(s) per slot. Advances ``slot_len`` [S] and ``last_token`` [S] (host int64) in place.
+
+        This is the unit a speculative step replaces (draft K with the MTP module, verify T = K + 1 tokens
+        with ``BatchMeta.verify``, accept, ``cache.commit``); it may then return up to K + 1 tokens per slot.
+        """
+        idx = torch.tensor(slots, dtype=torch.long)
+        contiguous = slots[-1] - slots[0] + 1 == len(slots)
+        meta = BatchMeta.decode(
+            idx.to(self.device),
+            slot_len[idx].to(self.device),
+            slot_start=slots[0] if contiguous else None,
+            max_kv_len=int(slot_len[idx].max()) + 1,
+        )
+        hidden = self.model(last_token[idx][:, None].to(self.device), self.cache, meta)
+        next_tokens = self.model.lm_logits(hidden[:, -1]).argmax(-1).cpu()
+        slot_len[idx] += 1
+        last_token[idx] = next_tokens
+        return [[t] for t in next_tokens.tolist()]
 
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
