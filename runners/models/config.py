@@ -39,6 +39,7 @@ class HybridConfig:
     hidden_size: int
     layer_types: tuple[str, ...]
     norm_eps: float = 1e-5
+    norm_weight_offset: float = 0.0  # RMSNorm scale is (offset + weight): 0 for NemotronH, 1 for Qwen3-Next
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()

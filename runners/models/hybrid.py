@@ -36,7 +36,7 @@ class Block(nn.Module):
         if kind not in MIXERS:
             raise ValueError(f"block kind {kind!r} has no mixer; known kinds: {sorted(MIXERS)}")
         self.kind, self.cache_index = kind, cache_index
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
         self.mixer = MIXERS[kind][0](config)
 
     def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None) -> torch.Tensor:
@@ -66,11 +66,11 @@ class MTPModule(nn.Module):
     def __init__(self, config: HybridConfig, first_cache_index: int):
         super().__init__()
         D = config.hidden_size
-        self.enorm = RMSNorm(D, config.norm_eps)
-        self.hnorm = RMSNorm(D, config.norm_eps)
+        self.enorm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
+        self.hnorm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.blocks = _build_blocks(config, config.mtp_layer_types, first_cache_index)
-        self.final_norm = RMSNorm(D, config.norm_eps)
+        self.final_norm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
 
     def forward(
         self,
@@ -100,7 +100,7 @@ class HybridLM(nn.Module):
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = _build_blocks(config, config.layer_types, 0)
-        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embeddings.weight

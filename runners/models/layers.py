@@ -17,17 +17,19 @@ from runners.models.config import HybridConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in float32, returned in the input dtype: ``w * x / rms(x)``."""
+    """RMSNorm over the last dim, computed in float32, returned in the input dtype:
+    ``(offset + w) * x / rms(x)``; ``offset`` is 0 for NemotronH and 1 for Qwen3-Next's ``(1 + w)`` norms."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (scale * xf).to(x.dtype)
 
 
 class GatedGroupRMSNorm(nn.Module):
