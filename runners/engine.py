@@ -92,7 +92,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         draft_len: int = 0,
         ssm_replay: bool = False,
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         max_seq_len: int = 4096,
         ssm_state_dtype: torch.dtype | str | None = None,
         prefill_chunk_tokens: int = 8192,
@@ -158,7 +158,7 @@ class Engine:
             device, dtype: where and in which dtype the model and caches live (router stays float32).
             draft_len: MTP draft length K (> 0 requires mtp.* weights).
             ssm_replay: commit recurrent state by replay instead of rewind (needs draft_len > 0).
-            **options: max_batch_size (S, default 32), max_seq_len (default 4096), ssm_state_dtype
+            **options: max_batch_size (S, default 64), max_seq_len (default 4096), ssm_state_dtype
                 (default: config's ``mamba_ssm_cache_dtype``, float32), prefill_chunk_tokens (default 8192:
                 padded tokens per prefill forward), scan_chunk_size (chunk of the Mamba2 prefill scan;
                 default: config ``chunk_size``, capped at 32 off CUDA where it is ~5x faster; the result is

@@ -40,8 +40,12 @@ def _oracle_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def test_greedy_batch_matches_transformers(setup):
-    _, path, prompts, expected = setup
+    hf, path, prompts, expected = setup
     engine = Engine.from_pretrained(path, max_batch_size=8, max_seq_len=64)
+    ids = torch.tensor([prompts[0], prompts[3][:7]])
+    with torch.inference_mode():
+        torch.testing.assert_close(engine.logits(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    assert engine.generate([], MAX_NEW).tokens == []
     out = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert out.tokens == expected
     assert out.finish_reasons == ["length"] * len(prompts)

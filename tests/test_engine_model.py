@@ -193,6 +193,8 @@ def test_verify_then_rewind_commit_equals_decoding_only_accepted_tokens(pair):
         spec.commit(slots, torch.tensor([0, 1, 1]))
     with pytest.raises(ValueError, match=r"\[1, T=4\]"):
         spec.commit(slots, torch.tensor([5, 1, 1]))
+    with pytest.raises(ValueError, match="spec_tokens = T"):  # a verify of T != spec_tokens
+        model(drafts[:, :2], spec, BatchMeta.decode(slots, torch.full((S,), 6), 2, verify=True))
     with pytest.raises(ValueError, match="spec_tokens"):
         HybridCache(cfg, model.cache_kinds(), max_batch_size=1, max_seq_len=4, dtype=torch.float32).commit(
             torch.tensor([0]), torch.tensor([1])

@@ -202,6 +202,12 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
+        if state is not None and meta.verify and (state.ssm_steps is None or state.ssm_steps.shape[1] != T):
+            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
+            raise ValueError(
+                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
+                "build the HybridCache with spec_tokens = T"
+            )
         xBC = self._conv(xBC, state, meta)
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         x, Bm, Cm = x.reshape(b, T, H, P), Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N)
