@@ -6,8 +6,12 @@ chunks of ``prefill_chunk_tokens``), then decodes all active slots in one batche
 finished request frees its slot at once and a waiting request takes it. Host-side bookkeeping (appending a
 token, stop checks, callbacks) loops over requests; model compute never does.
 
-Contract: docs/architecture.md ("Engine API"). Draft length and SSM replay are accepted and stored for the
-MTP step; until it lands, ``generate`` decodes plainly (and says so in the log when draft_len > 0).
+With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
+from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
+commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay`` is accepted and
+stored; until the replay commit lands the engine commits by rewind and says so in the log.
+
+Contract: docs/architecture.md ("Engine API").
 """
 
 from __future__ import annotations
@@ -137,8 +141,13 @@ class Engine:
             ssm_state_dtype=self.ssm_state_dtype,
             device=self.device,
             # rewind buffers (T = K + 1 states per slot) only for speculative decoding without replay
-            spec_tokens=draft_len + 1 if draft_len > 0 and not ssm_replay else 0,
+            spec_tokens=draft_len + 1 if draft_len > 0 else 0,
         )
+        if draft_len > 0:  # per slot: the MTP hidden and greedy token that start the next step's drafts
+            self._mtp_hidden = torch.zeros(
+                max_batch_size, config.hidden_size, dtype=dtype, device=self.device
+            )
+            self._draft1 = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
 
     @classmethod
     def from_pretrained(
@@ -225,16 +234,16 @@ class Engine:
             ValueError: an empty prompt, an id outside the vocab, max_new_tokens < 1, or a prompt that with
                 max_new_tokens does not fit ``max_seq_len``.
         """
-        if self.draft_len > 0:
-            log.warning(
-                "draft_len=%d: MTP speculative decoding is not implemented yet; decoding plainly",
-                self.draft_len,
-            )
+        K = self.draft_len
+        if self.ssm_replay:
+            log.warning("ssm_replay=True: replay is not implemented yet; committing SSM state by rewind")
         n = len(prompts)
         prompts = [list(map(int, p)) for p in prompts]
         self._check_prompts(prompts, max_new_tokens)
         stop_ids = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
         stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
+        if K > 0:
+            stats.accepted_per_position, stats.num_accepted_hist = [0] * K, [0] * (K + 2)
         out_tokens: list[list[int]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         bar, report = self._progress(progress, n)
@@ -294,7 +303,10 @@ class Engine:
                 continue  # refill slots freed by requests that finished on their first token
             t0 = time.perf_counter()
             active.sort()  # contiguous slots (the usual case while the queue is full) are read as a slice
-            new_tokens = self._decode_step(active, slot_len, last_token)
+            if K > 0:
+                new_tokens = self._spec_step(active, slot_len, last_token, stats)
+            else:
+                new_tokens = self._decode_step(active, slot_len, last_token)
             stats.steps += 1
             stats.decode_seconds += time.perf_counter() - t0
             for slot, tokens in zip(list(active), new_tokens):
@@ -328,6 +340,74 @@ class Engine:
         last_token[idx] = next_tokens
         return [[t] for t in next_tokens.tolist()]
 
+    def _spec_step(
+        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor, stats: GenerationStats
+    ) -> list[list[int]]:
+        """One MTP speculative greedy step over ``slots`` (sorted); returns 1 .. K + 1 tokens per slot.
+
+        1. draft: K tokens per slot with the MTP module (:meth:`_draft`);
+        2. verify: one target forward over T = K + 1 tokens [last token, d_1 .. d_K] (``BatchMeta.verify``:
+           recurrent layers keep every intermediate state);
+        3. accept: the longest draft prefix equal to the target's argmax, plus the bonus target token;
+           num_accepted_tokens = accepted drafts + 1;
+        4. commit: recurrent state <- the state after num_accepted_tokens tokens (rewind); the KV caches need
+           nothing (later writes overwrite rejected positions);
+        5. MTP catch-up: the MTP module re-runs the accepted positions with the target's hidden states
+           (overwriting its draft-time KV entries) and its output at the last one gives the next first draft.
+        Advances ``slot_len`` / ``last_token`` and the acceptance counters of ``stats`` in place.
+        """
+        K, T = self.draft_len, self.draft_len + 1
+        idx = torch.tensor(slots, dtype=torch.long)
+        dev_idx, n = idx.to(self.device), slot_len[idx]
+        dev_n = n.to(self.device)
+        slot_start = slots[0] if slots[-1] - slots[0] + 1 == len(slots) else None
+        drafts = self._draft(dev_idx, n, slot_start)  # [B, K]
+        tokens = torch.cat([last_token[idx][:, None].to(self.device), drafts], dim=1)  # [B, T]
+        meta = BatchMeta.decode(
+            dev_idx, dev_n, T, verify=True, slot_start=slot_start, max_kv_len=int(n.max()) + T
+        )
+        hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
+        greedy = self.model.lm_logits(hidden).argmax(-1)  # [B, T]
+        accepted = (drafts == greedy[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B] in [0, K]
+        num_accepted = accepted + 1
+        self.cache.commit(dev_idx, num_accepted)
+        bonus = greedy.gather(1, accepted[:, None])[:, 0]
+        # MTP position n + j pairs target hidden j with the token after it: d_{j+1} (accepted) or the bonus.
+        cols = torch.arange(T, device=self.device)[None, :]
+        after = torch.where(
+            cols < accepted[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), bonus[:, None]
+        )
+        catch_up = BatchMeta(dev_idx, dev_n, num_accepted, slot_start=slot_start, max_kv_len=int(n.max()) + T)
+        out = self._mtp(after, hidden, catch_up)
+        self._store_first_draft(dev_idx, out[torch.arange(len(slots), device=self.device), accepted])
+
+        acc, drafts_h, bonus_h = accepted.tolist(), drafts.tolist(), bonus.tolist()
+        slot_len[idx] += num_accepted.cpu()
+        last_token[idx] = bonus.cpu()
+        stats.drafted_tokens += K * len(slots)
+        stats.accepted_drafts += sum(acc)
+        stats.request_steps += len(slots)
+        for a in acc:
+            stats.num_accepted_hist[a + 1] += 1
+            for i in range(a):
+                stats.accepted_per_position[i] += 1
+        return [d[:a] + [b] for d, a, b in zip(drafts_h, acc, bonus_h)]
+
+    def _draft(self, slot_ids: torch.Tensor, slot_len: torch.Tensor, slot_start: int | None) -> torch.Tensor:
+        """K draft tokens per slot: [B, K] int64 on the device. The first was prepared by the previous step
+        (or the prefill); each further one applies the MTP module to its own last output and draft, at MTP
+        position slot_len - 1 + j. Writes the MTP KV cache there (the catch-up overwrites it)."""
+        drafts = [self._draft1[slot_ids]]
+        h = self._mtp_hidden[slot_ids]
+        for j in range(1, self.draft_len):
+            pos = slot_len - 1 + j
+            meta = BatchMeta.decode(
+                slot_ids, pos.to(self.device), slot_start=slot_start, max_kv_len=int(pos.max()) + 1
+            )
+            h = self._mtp(drafts[-1][:, None], h[:, None], meta)[:, 0]
+            drafts.append(self.model.lm_logits(h).argmax(-1))
+        return torch.stack(drafts, dim=1)
+
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
 
@@ -356,7 +436,7 @@ class Engine:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        last_hidden = [None] * len(prompts)
+        first: dict[int, int] = {}
         for c0 in range(0, T_max, chunk):
             width = min(chunk, T_max - c0)
             row_len = (lengths - c0).clamp(0, width)
@@ -367,11 +447,34 @@ class Engine:
                 all_valid=bool((row_len == width).all()),
             )
             hidden = self.model(ids[:, c0 : c0 + width].to(self.device), self.cache, meta)
-            for b in range(len(prompts)):
-                if c0 < lengths[b] <= c0 + width:  # this chunk holds row b's last prompt token
-                    last_hidden[b] = hidden[b, int(lengths[b]) - 1 - c0]
-        tokens = self.model.lm_logits(torch.stack(last_hidden)).argmax(-1).tolist()
-        return dict(zip(keys, tokens))
+            ending = [b for b in range(len(prompts)) if c0 < lengths[b] <= c0 + width]  # last token here
+            rows = torch.tensor(ending, dtype=torch.long, device=self.device)
+            cols = (lengths[ending] - 1 - c0).to(self.device)
+            tokens = self.model.lm_logits(hidden[rows, cols]).argmax(-1)
+            first.update(zip([keys[b] for b in ending], tokens.tolist()))
+            if self.draft_len > 0:
+                # MTP position i pairs the target hidden at i with token i + 1; the prompt's last position
+                # pairs with the first generated token, and its output there gives the first draft.
+                nxt = torch.zeros(len(prompts), width, dtype=torch.long)
+                shifted = ids[:, c0 + 1 : c0 + width + 1]
+                nxt[:, : shifted.shape[1]] = shifted
+                nxt = nxt.to(self.device)
+                nxt[rows, cols] = tokens
+                out = self._mtp(nxt, hidden, meta)
+                if ending:
+                    self._store_first_draft(slot_ids[rows], out[rows, cols])
+        return first
+
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """The MTP module at MTP positions ``meta.start_pos + t``: next_ids [B, T] (the token after each
+        position), hidden [B, T, D] (target hidden after the final norm, or the MTP's own output when drafting
+        recursively) -> MTP hidden [B, T, D]. Writes the MTP attention's KV cache."""
+        return self.model.mtp(self.model.embeddings(next_ids), hidden, self.cache, meta)
+
+    def _store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
+        """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step."""
+        self._mtp_hidden[slot_ids] = mtp_hidden
+        self._draft1[slot_ids] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         if max_new_tokens < 1:
@@ -384,10 +487,11 @@ class Engine:
                 raise ValueError(
                     f"prompt {i} has token ids outside [0, {V}); tokenizer and checkpoint disagree"
                 )
-            if len(p) + max_new_tokens > self.max_seq_len:
+            if len(p) + max_new_tokens + self.draft_len > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                    f"{len(p) + max_new_tokens} > max_seq_len={self.max_seq_len} positions; raise "
+                    f"{len(p) + max_new_tokens + self.draft_len} > max_seq_len={self.max_seq_len} positions "
+                    f"(draft_len={self.draft_len} included); raise "
                     "max_seq_len or shorten the prompt"
                 )
 
