@@ -1,0 +1,507 @@
+"""The inference engine: batched greedy generation with continuous batching over per-slot caches.
+
+The engine knows nothing about tokenization: prompts and outputs are token ids. ``generate`` admits
+requests into free cache slots, prefills newly admitted requests together (right-padded, long prompts in
+chunks of ``prefill_chunk_tokens``), then decodes all active slots in one batched forward per step; a
+finished request frees its slot at once and a waiting request takes it. Host-side bookkeeping (appending a
+token, stop checks, callbacks) loops over requests; model compute never does.
+
+With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
+from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
+commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay`` is accepted and
+stored; until the replay commit lands the engine commits by rewind and says so in the log.
+
+Contract: docs/architecture.md ("Engine API").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from runners.cache import BatchMeta, HybridCache
+from runners.loader import load_model
+from runners.models.hybrid import HybridLM
+from runners.models.mamba2 import Mamba2Mixer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one ``generate`` call (sums, so runs can be merged). Seconds are wall time.
+
+    MTP fields stay zero / empty until speculative decoding runs: ``accepted_per_position`` [K] counts
+    request-steps whose draft i was accepted; ``num_accepted_hist`` [K + 2] counts request-steps by
+    num_accepted_tokens; ``request_steps`` counts (request, verify step) pairs.
+    """
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_accepted_hist: list[int] = field(default_factory=list)
+    request_steps: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationOutput:
+    """tokens: generated ids per prompt (prompt excluded, a stop token kept); finish_reasons: "stop_token" |
+    "stop_checker" | "length"; stats: the run's counters."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    """A loaded model plus its caches and the generate loop. Build it with :meth:`from_pretrained`.
+
+    Attributes:
+        config: the model's :class:`HybridConfig`.
+        model: the :class:`HybridLM` (eval mode).
+        cache: the :class:`HybridCache` (S = ``max_batch_size`` slots of ``max_seq_len`` positions).
+        draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme.
+    """
+
+    def __init__(
+        self,
+        model: HybridLM,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        draft_len: int = 0,
+        ssm_replay: bool = False,
+        max_batch_size: int = 64,
+        max_seq_len: int = 4096,
+        ssm_state_dtype: torch.dtype | str | None = None,
+        prefill_chunk_tokens: int = 8192,
+        scan_chunk_size: int | None = None,
+    ):
+        config = model.config
+        if draft_len < 0:
+            raise ValueError(f"draft_len={draft_len} must be >= 0")
+        if draft_len > 0 and model.mtp is None:
+            raise ValueError(
+                f"draft_len={draft_len} needs MTP weights, but the checkpoint ({config.source}) has "
+                "no mtp.* tensors or its config.json declares no MTP layers; set draft_len=0 or "
+                "use a checkpoint with an MTP module"
+            )
+        if ssm_replay and draft_len == 0:
+            raise ValueError(
+                "ssm_replay=True only applies to speculative decoding; set draft_len > 0 "
+                "(MTP) or ssm_replay=False"
+            )
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
+        self.model, self.config = model, config
+        self.device, self.dtype = torch.device(device), dtype
+        self.draft_len, self.ssm_replay = draft_len, ssm_replay
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        if scan_chunk_size is None:  # the intra-chunk term is quadratic: short chunks are faster on CPUs
+            scan_chunk_size = config.chunk_size if self.device.type == "cuda" else min(config.chunk_size, 32)
+        if scan_chunk_size < 1:
+            raise ValueError(f"scan_chunk_size={scan_chunk_size} must be >= 1")
+        self.scan_chunk_size = scan_chunk_size
+        for module in model.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.chunk_size = scan_chunk_size
+        self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
+        self.cache = HybridCache(
+            config,
+            model.cache_kinds(include_mtp=draft_len > 0),
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            ssm_state_dtype=self.ssm_state_dtype,
+            device=self.device,
+            # rewind buffers (T = K + 1 states per slot) only for speculative decoding without replay
+            spec_tokens=draft_len + 1 if draft_len > 0 else 0,
+        )
+        if draft_len > 0:  # per slot: the MTP hidden and greedy token that start the next step's drafts
+            self._mtp_hidden = torch.zeros(
+                max_batch_size, config.hidden_size, dtype=dtype, device=self.device
+            )
+            self._draft1 = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        draft_len: int = 0,
+        ssm_replay: bool = False,
+        **options,
+    ) -> Engine:
+        """Load an HF checkpoint dir and allocate caches.
+
+        Args:
+            path: checkpoint directory (config.json + safetensors).
+            device, dtype: where and in which dtype the model and caches live (router stays float32).
+            draft_len: MTP draft length K (> 0 requires mtp.* weights).
+            ssm_replay: commit recurrent state by replay instead of rewind (needs draft_len > 0).
+            **options: max_batch_size (S, default 64), max_seq_len (default 4096), ssm_state_dtype
+                (default: config's ``mamba_ssm_cache_dtype``, float32), prefill_chunk_tokens (default 8192:
+                padded tokens per prefill forward), scan_chunk_size (chunk of the Mamba2 prefill scan;
+                default: config ``chunk_size``, capped at 32 off CUDA where it is ~5x faster; the result is
+                the same up to float rounding).
+
+        Raises:
+            runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
+            ValueError: bad options (unknown option, draft_len without MTP weights, ssm_replay without
+                drafting).
+        """
+        allowed = {
+            "max_batch_size",
+            "max_seq_len",
+            "ssm_state_dtype",
+            "prefill_chunk_tokens",
+            "scan_chunk_size",
+        }
+        unknown = set(options) - allowed
+        if unknown:
+            raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(allowed)}")
+        dtype = _resolve_dtype(dtype)
+        model = load_model(path, dtype=dtype, device=device, load_mtp=True if draft_len > 0 else None)
+        return cls(model, device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay, **options)
+
+    def cache_memory(self) -> dict[str, int]:
+        """Bytes held by the caches: ssm_state_bytes, conv_state_bytes, kv_cache_bytes, spec_buffers_bytes."""
+        return self.cache.memory()
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A full causal forward without cache: input_ids LongTensor [B, T] -> float32 logits [B, T, V]."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        return self.model.lm_logits(self.model(input_ids.to(self.device)))
+
+    # ------------------------------------------------------------------ generate
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None = None,
+        stop_checker: Callable[[int, list[int]], bool] | None = None,
+        on_finish: Callable[[int, list[int], str], None] | None = None,
+        progress: bool | Callable[[int, int], None] | None = None,
+    ) -> GenerationOutput:
+        """Greedy generation for every prompt, with continuous batching over ``max_batch_size`` slots.
+
+        Args:
+            prompts: token ids per request (non-empty; ids < vocab size).
+            max_new_tokens: generated tokens per request at most (finish reason "length").
+            stop_token_ids: ids that finish a request (kept in its output); None means the config's
+                ``eos_token_id``; an empty list disables stop tokens.
+            stop_checker: ``stop_checker(i, generated_ids) -> bool``, called after each step for requests that
+                got a token; True finishes request i ("stop_checker").
+            on_finish: ``on_finish(i, generated_ids, finish_reason)``, called once per request as it finishes.
+            progress: True shows a tqdm bar over finished requests; a callable gets (finished, total).
+
+        Returns:
+            :class:`GenerationOutput` (tokens, finish_reasons, stats), indexed like ``prompts``.
+
+        Raises:
+            ValueError: an empty prompt, an id outside the vocab, max_new_tokens < 1, or a prompt that with
+                max_new_tokens does not fit ``max_seq_len``.
+        """
+        K = self.draft_len
+        if self.ssm_replay:
+            log.warning("ssm_replay=True: replay is not implemented yet; committing SSM state by rewind")
+        n = len(prompts)
+        prompts = [list(map(int, p)) for p in prompts]
+        self._check_prompts(prompts, max_new_tokens)
+        stop_ids = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
+        stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
+        if K > 0:
+            stats.accepted_per_position, stats.num_accepted_hist = [0] * K, [0] * (K + 2)
+        out_tokens: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        bar, report = self._progress(progress, n)
+        finished = 0
+
+        waiting = deque(range(n))
+        free_slots = list(range(self.max_batch_size - 1, -1, -1))  # pop() hands out slot 0 first
+        slot_request = [-1] * self.max_batch_size
+        slot_len = torch.zeros(self.max_batch_size, dtype=torch.long)  # tokens of the slot's request in cache
+        last_token = torch.zeros(self.max_batch_size, dtype=torch.long)
+        active: list[int] = []  # slots decoding, in admission order
+
+        def accept(slot: int, tokens: list[int]) -> None:
+            """Append a step's ``tokens`` to the slot's request, stopping at the first stop condition (a
+            speculative step may bring several tokens); a finished request frees its slot at once."""
+            nonlocal finished
+            i = slot_request[slot]
+            toks = out_tokens[i]
+            reason = None
+            for token in tokens:
+                toks.append(token)
+                if token in stop_ids:
+                    reason = "stop_token"
+                elif stop_checker is not None and stop_checker(i, toks):
+                    reason = "stop_checker"
+                elif len(toks) >= max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
+            if reason is None:
+                return
+            reasons[i] = reason
+            active.remove(slot)
+            slot_request[slot] = -1
+            free_slots.append(slot)
+            finished += 1
+            if on_finish is not None:
+                on_finish(i, toks, reason)
+            report(finished)
+
+        while waiting or active:
+            if waiting and free_slots:  # admit into every free slot, prefill the newcomers together
+                admitted = []
+                while waiting and free_slots:
+                    slot = free_slots.pop()
+                    slot_request[slot] = waiting.popleft()
+                    admitted.append(slot)
+                t0 = time.perf_counter()
+                first = self._prefill([prompts[slot_request[s]] for s in admitted], admitted)
+                for slot, token in zip(admitted, first):
+                    slot_len[slot] = len(prompts[slot_request[slot]])
+                    last_token[slot] = token
+                stats.prefill_seconds += time.perf_counter() - t0
+                active.extend(admitted)
+                for slot, token in zip(admitted, first):
+                    accept(slot, [token])
+                continue  # refill slots freed by requests that finished on their first token
+            t0 = time.perf_counter()
+            active.sort()  # contiguous slots (the usual case while the queue is full) are read as a slice
+            if K > 0:
+                new_tokens = self._spec_step(active, slot_len, last_token, stats)
+            else:
+                new_tokens = self._decode_step(active, slot_len, last_token)
+            stats.steps += 1
+            stats.decode_seconds += time.perf_counter() - t0
+            for slot, tokens in zip(list(active), new_tokens):
+                accept(slot, tokens)
+
+        if bar is not None:
+            bar.close()
+        stats.generated_tokens = sum(map(len, out_tokens))
+        return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats)
+
+    def _decode_step(
+        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor
+    ) -> list[list[int]]:
+        """One batched greedy step over ``slots`` (sorted): feed each slot's last token, return the new
+        token(s) per slot. Advances ``slot_len`` [S] and ``last_token`` [S] (host int64) in place.
+
+        This is the unit a speculative step replaces (draft K with the MTP module, verify T = K + 1 tokens
+        with ``BatchMeta.verify``, accept, ``cache.commit``); it may then return up to K + 1 tokens per slot.
+        """
+        idx = torch.tensor(slots, dtype=torch.long)
+        contiguous = slots[-1] - slots[0] + 1 == len(slots)
+        meta = BatchMeta.decode(
+            idx.to(self.device),
+            slot_len[idx].to(self.device),
+            slot_start=slots[0] if contiguous else None,
+            max_kv_len=int(slot_len[idx].max()) + 1,
+        )
+        hidden = self.model(last_token[idx][:, None].to(self.device), self.cache, meta)
+        next_tokens = self.model.lm_logits(hidden[:, -1]).argmax(-1).cpu()
+        slot_len[idx] += 1
+        last_token[idx] = next_tokens
+        return [[t] for t in next_tokens.tolist()]
+
+    def _spec_step(
+        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor, stats: GenerationStats
+    ) -> list[list[int]]:
+        """One MTP speculative greedy step over ``slots`` (sorted); returns 1 .. K + 1 tokens per slot.
+
+        1. draft: K tokens per slot with the MTP module (:meth:`_draft`);
+        2. verify: one target forward over T = K + 1 tokens [last token, d_1 .. d_K] (``BatchMeta.verify``:
+           recurrent layers keep every intermediate state);
+        3. accept: the longest draft prefix equal to the target's argmax, plus the bonus target token;
+           num_accepted_tokens = accepted drafts + 1;
+        4. commit: recurrent state <- the state after num_accepted_tokens tokens (rewind); the KV caches need
+           nothing (later writes overwrite rejected positions);
+        5. MTP catch-up: the MTP module re-runs the accepted positions with the target's hidden states
+           (overwriting its draft-time KV entries) and its output at the last one gives the next first draft.
+        Advances ``slot_len`` / ``last_token`` and the acceptance counters of ``stats`` in place.
+        """
+        K, T = self.draft_len, self.draft_len + 1
+        idx = torch.tensor(slots, dtype=torch.long)
+        dev_idx, n = idx.to(self.device), slot_len[idx]
+        dev_n = n.to(self.device)
+        slot_start = slots[0] if slots[-1] - slots[0] + 1 == len(slots) else None
+        drafts = self._draft(dev_idx, n, slot_start)  # [B, K]
+        tokens = torch.cat([last_token[idx][:, None].to(self.device), drafts], dim=1)  # [B, T]
+        meta = BatchMeta.decode(
+            dev_idx, dev_n, T, verify=True, slot_start=slot_start, max_kv_len=int(n.max()) + T
+        )
+        hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
+        greedy = self.model.lm_logits(hidden).argmax(-1)  # [B, T]
+        accepted = (drafts == greedy[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B] in [0, K]
+        num_accepted = accepted + 1
+        self.cache.commit(dev_idx, num_accepted)
+        bonus = greedy.gather(1, accepted[:, None])[:, 0]
+        # MTP position n + j pairs target hidden j with the token after it: d_{j+1} (accepted) or the bonus.
+        cols = torch.arange(T, device=self.device)[None, :]
+        after = torch.where(
+            cols < accepted[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), bonus[:, None]
+        )
+        catch_up = BatchMeta(dev_idx, dev_n, num_accepted, slot_start=slot_start, max_kv_len=int(n.max()) + T)
+        out = self._mtp(after, hidden, catch_up)
+        self._store_first_draft(dev_idx, out[torch.arange(len(slots), device=self.device), accepted])
+
+        acc, drafts_h, bonus_h = accepted.tolist(), drafts.tolist(), bonus.tolist()
+        slot_len[idx] += num_accepted.cpu()
+        last_token[idx] = bonus.cpu()
+        stats.drafted_tokens += K * len(slots)
+        stats.accepted_drafts += sum(acc)
+        stats.request_steps += len(slots)
+        for a in acc:
+            stats.num_accepted_hist[a + 1] += 1
+            for i in range(a):
+                stats.accepted_per_position[i] += 1
+        return [d[:a] + [b] for d, a, b in zip(drafts_h, acc, bonus_h)]
+
+    def _draft(self, slot_ids: torch.Tensor, slot_len: torch.Tensor, slot_start: int | None) -> torch.Tensor:
+        """K draft tokens per slot: [B, K] int64 on the device. The first was prepared by the previous step
+        (or the prefill); each further one applies the MTP module to its own last output and draft, at MTP
+        position slot_len - 1 + j. Writes the MTP KV cache there (the catch-up overwrites it)."""
+        drafts = [self._draft1[slot_ids]]
+        h = self._mtp_hidden[slot_ids]
+        for j in range(1, self.draft_len):
+            pos = slot_len - 1 + j
+            meta = BatchMeta.decode(
+                slot_ids, pos.to(self.device), slot_start=slot_start, max_kv_len=int(pos.max()) + 1
+            )
+            h = self._mtp(drafts[-1][:, None], h[:, None], meta)[:, 0]
+            drafts.append(self.model.lm_logits(h).argmax(-1))
+        return torch.stack(drafts, dim=1)
+
+    def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
+        """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
+
+        Requests are grouped so that a group's padded size (rows x longest prompt, capped at
+        ``prefill_chunk_tokens`` per forward) stays within budget; a group's prompts are right-padded and
+        run in column chunks of that size, each row continuing from its own cached state.
+        """
+        self.cache.reset(torch.tensor(slots, dtype=torch.long, device=self.device))
+        budget = self.prefill_chunk_tokens
+        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+        first: dict[int, int] = {}
+        group: list[int] = []
+        for j in order + [None]:
+            if j is not None and (not group or (len(group) + 1) * min(len(prompts[j]), budget) <= budget):
+                group.append(j)
+                continue
+            first.update(self._prefill_group([prompts[g] for g in group], [slots[g] for g in group], group))
+            group = [j] if j is not None else []
+        return [first[j] for j in range(len(prompts))]
+
+    def _prefill_group(self, prompts: list[list[int]], slots: list[int], keys: list[int]) -> dict[int, int]:
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        T_max = int(lengths.max())
+        chunk = max(1, min(T_max, self.prefill_chunk_tokens // len(prompts)))
+        ids = torch.zeros(len(prompts), T_max, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+        first: dict[int, int] = {}
+        for c0 in range(0, T_max, chunk):
+            width = min(chunk, T_max - c0)
+            row_len = (lengths - c0).clamp(0, width)
+            meta = BatchMeta(
+                slot_ids,
+                torch.full_like(slot_ids, c0),
+                row_len.to(self.device),
+                all_valid=bool((row_len == width).all()),
+            )
+            hidden = self.model(ids[:, c0 : c0 + width].to(self.device), self.cache, meta)
+            ending = [b for b in range(len(prompts)) if c0 < lengths[b] <= c0 + width]  # last token here
+            rows = torch.tensor(ending, dtype=torch.long, device=self.device)
+            cols = (lengths[ending] - 1 - c0).to(self.device)
+            tokens = self.model.lm_logits(hidden[rows, cols]).argmax(-1)
+            first.update(zip([keys[b] for b in ending], tokens.tolist()))
+            if self.draft_len > 0:
+                # MTP position i pairs the target hidden at i with token i + 1; the prompt's last position
+                # pairs with the first generated token, and its output there gives the first draft.
+                nxt = torch.zeros(len(prompts), width, dtype=torch.long)
+                shifted = ids[:, c0 + 1 : c0 + width + 1]
+                nxt[:, : shifted.shape[1]] = shifted
+                nxt = nxt.to(self.device)
+                nxt[rows, cols] = tokens
+                out = self._mtp(nxt, hidden, meta)
+                if ending:
+                    self._store_first_draft(slot_ids[rows], out[rows, cols])
+        return first
+
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """The MTP module at MTP positions ``meta.start_pos + t``: next_ids [B, T] (the token after each
+        position), hidden [B, T, D] (target hidden after the final norm, or the MTP's own output when drafting
+        recursively) -> MTP hidden [B, T, D]. Writes the MTP attention's KV cache."""
+        return self.model.mtp(self.model.embeddings(next_ids), hidden, self.cache, meta)
+
+    def _store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
+        """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step."""
+        self._mtp_hidden[slot_ids] = mtp_hidden
+        self._draft1[slot_ids] = self.model.lm_logits(mtp_hidden).argmax(-1)
+
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        V = self.config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every request needs at least one token (e.g. BOS)")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(
+                    f"prompt {i} has token ids outside [0, {V}); tokenizer and checkpoint disagree"
+                )
+            if len(p) + max_new_tokens + self.draft_len > self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens + self.draft_len} > max_seq_len={self.max_seq_len} positions "
+                    f"(draft_len={self.draft_len} included); raise "
+                    "max_seq_len or shorten the prompt"
+                )
+
+    @staticmethod
+    def _progress(progress, total: int):
+        if callable(progress):
+            return None, lambda done: progress(done, total)
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="req")
+            return bar, lambda done: bar.update(1)
+        return None, lambda done: None

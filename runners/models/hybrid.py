@@ -1,0 +1,137 @@
+"""The family-agnostic hybrid decoder: embedding -> residual blocks -> final norm -> LM head (+ MTP module).
+
+Every block is ``x + mixer(norm(x))`` with a mixer chosen by kind from :data:`MIXERS` (a later family
+registers more kinds, e.g. "gdn"). Blocks that keep per-request state (``mamba2``, ``attention``) get a
+``cache_index`` that addresses their entry in :class:`runners.cache.HybridCache`; the MTP module's blocks
+take indices after the backbone's, so one cache object serves target and draft. The model knows nothing of
+checkpoint names (see ``runners/models/nemotron_h.py``) or of the generate loop (``runners/engine.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from runners.cache import BatchMeta, HybridCache
+from runners.models.config import HybridConfig
+from runners.models.layers import MLP, Attention, MoE, RMSNorm
+from runners.models.mamba2 import Mamba2Mixer
+
+# kind -> (constructor, keeps per-slot state)
+MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
+    "mamba2": (Mamba2Mixer, True),
+    "attention": (Attention, True),
+    "mlp": (lambda c: MLP(c.hidden_size, c.intermediate_size, c.mlp_bias), False),
+    "moe": (MoE, False),
+}
+
+
+class Block(nn.Module):
+    """One residual block: ``x + mixer(norm(x))``. ``cache_index`` is None for stateless kinds."""
+
+    def __init__(self, config: HybridConfig, kind: str, cache_index: int | None):
+        super().__init__()
+        if kind not in MIXERS:
+            raise ValueError(f"block kind {kind!r} has no mixer; known kinds: {sorted(MIXERS)}")
+        self.kind, self.cache_index = kind, cache_index
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
+        self.mixer = MIXERS[kind][0](config)
+
+    def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None) -> torch.Tensor:
+        h = self.norm(x)
+        if self.cache_index is None:
+            return x + self.mixer(h)
+        state = None if cache is None else cache[self.cache_index]
+        return x + self.mixer(h, state, meta)
+
+
+def _build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_index: int) -> nn.ModuleList:
+    blocks, idx = [], first_cache_index
+    for kind in kinds:
+        stateful = MIXERS.get(kind, (None, False))[1]
+        blocks.append(Block(config, kind, idx if stateful else None))
+        idx += stateful
+    return nn.ModuleList(blocks)
+
+
+class MTPModule(nn.Module):
+    """Multi-token-prediction draft module (NemotronH / DeepSeek-V3 style); shares embedding and LM head.
+
+    One draft step: ``f = eh_proj(cat[enorm(embed(tok)), hnorm(h_prev)])``, then the residual ``blocks``
+    (NemotronH: attention, then MoE), then ``final_norm``; the result feeds the LM head and the next step.
+    """
+
+    def __init__(self, config: HybridConfig, first_cache_index: int):
+        super().__init__()
+        D = config.hidden_size
+        self.enorm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
+        self.hnorm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.blocks = _build_blocks(config, config.mtp_layer_types, first_cache_index)
+        self.final_norm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        h_prev: torch.Tensor,
+        cache: HybridCache | None = None,
+        meta: BatchMeta | None = None,
+    ) -> torch.Tensor:
+        """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``)."""
+        f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
+        for block in self.blocks:
+            f = block(f, cache, meta)
+        return self.final_norm(f)
+
+
+class HybridLM(nn.Module):
+    """Hybrid decoder LM. ``forward`` returns hidden states after the final norm; ``lm_logits`` maps them.
+
+    Args:
+        config: the architecture.
+        with_mtp: build the MTP module (its weights must then be loaded); needs
+            ``config.num_nextn_predict_layers > 0``.
+    """
+
+    def __init__(self, config: HybridConfig, with_mtp: bool = False):
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = _build_blocks(config, config.layer_types, 0)
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+        n_backbone = sum(b.cache_index is not None for b in self.layers)
+        if with_mtp and not config.mtp_layer_types:
+            raise ValueError(
+                f"{config.source}: with_mtp=True but the config declares no MTP layers "
+                "(num_nextn_predict_layers = 0)"
+            )
+        self.mtp = MTPModule(config, n_backbone) if with_mtp else None
+
+    def cache_kinds(self, include_mtp: bool = True) -> dict[int, str]:
+        """``{cache_index: kind}`` of every stateful block (backbone, then MTP when present and asked)."""
+        blocks = list(self.layers) + (list(self.mtp.blocks) if self.mtp is not None and include_mtp else [])
+        return {b.cache_index: b.kind for b in blocks if b.cache_index is not None}
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: HybridCache | None = None, meta: BatchMeta | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] int64 -> hidden [B, T, D] in the model dtype (after ``norm_f``).
+
+        With ``cache`` and ``meta`` this continues each row's request from its cached state and updates the
+        cache in place (see :class:`runners.cache.BatchMeta`); without, it is a full causal forward.
+        """
+        if (cache is None) != (meta is None):
+            raise ValueError("pass cache and meta together (or neither for a cache-free forward)")
+        x = self.embeddings(input_ids)
+        for block in self.layers:
+            x = block(x, cache, meta)
+        return self.norm_f(x)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V]."""
+        return self.lm_head(hidden).float()
