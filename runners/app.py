@@ -10,6 +10,7 @@ without torch).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -411,6 +412,44 @@ def _rate(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+# GSM8K beside the checkout (the layout of the project's machines and CI: ../shared/data/gsm8k).
+SIBLING_GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def gsm8k_data_dir(configured: str | None) -> str | None:
+    """The GSM8K folder to read: eval.data_dir, else $GSM8K_DIR, else ../shared/data/gsm8k beside the
+    checkout when it holds test.jsonl, else None (evals.gsm8k then tries the hub dataset openai/gsm8k)."""
+    if configured:
+        return str(configured)
+    if os.environ.get("GSM8K_DIR"):
+        return os.environ["GSM8K_DIR"]
+    if (SIBLING_GSM8K_DIR / "test.jsonl").is_file():
+        return str(SIBLING_GSM8K_DIR)
+    return None
+
+
+@contextlib.contextmanager
+def _user_errors(setting: str):
+    """Turn the loader's, the evaluation's and the baselines' input errors into UserError (no traceback).
+
+    Errors carrying .problem / .fix (GSM8KDataError, BaselineError) keep them; CheckpointError and the
+    engine's option ValueErrors carry the fix in their message, so the fix line names the setting to change.
+    """
+    from runners.loader import CheckpointError
+
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        if hasattr(e, "problem") and hasattr(e, "fix"):
+            raise UserError(e.problem, e.fix) from None
+        ours = type(e).__module__.startswith(("runners", "evals"))
+        if ours and isinstance(e, CheckpointError | ValueError):
+            raise UserError(str(e), f"check {setting}") from None
+        raise
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run one GSM8K evaluation as configured and return the results.json content (also written to disk).
 
@@ -431,7 +470,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if rr.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
     torch.manual_seed(rr.app.seed)
-    engine = _engine_class().from_pretrained(
+    with _user_errors(f"model.checkpoint={rr.checkpoint_dir}"):
+        engine = _engine_class().from_pretrained(
         str(rr.checkpoint_dir),
         device=rr.device,
         dtype=getattr(torch, rr.dtype),
@@ -439,20 +479,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ssm_replay=rr.ssm_replay,
         max_batch_size=rr.max_batch_size,
         max_seq_len=rr.entry.max_seq_len,
-        ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
-    )
+            ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
+        )
     t_loaded = time.perf_counter()
-    result = _evaluate_fn()(
-        engine,
-        str(rr.checkpoint_dir / "tokenizer.json"),
-        data_dir=rr.app.eval.data_dir,
-        limit=rr.app.eval.limit,
-        num_fewshot=rr.app.eval.num_fewshot,
-        max_gen_toks=rr.app.eval.max_gen_toks,
-        out_dir=str(out_dir),
-        resume=rr.app.resume,
-        progress=sys.stderr.isatty(),
-    )
+    with _user_errors("eval.data_dir / $GSM8K_DIR"):
+        result = _evaluate_fn()(
+            engine,
+            str(rr.checkpoint_dir / "tokenizer.json"),
+            data_dir=gsm8k_data_dir(rr.app.eval.data_dir),
+            limit=rr.app.eval.limit,
+            num_fewshot=rr.app.eval.num_fewshot,
+            max_gen_toks=rr.app.eval.max_gen_toks,
+            out_dir=str(out_dir),
+            resume=rr.app.resume,
+            progress=sys.stderr.isatty(),
+        )
     t_end = time.perf_counter()
 
     stats = _stats_dict(result.stats)
