@@ -389,6 +389,41 @@ def test_replay_step_without_drafts_after_multi_accept():
     assert_close(final, seq_state.float(), torch.float32, what="final state")
 
 
+def test_pad_rows_leave_every_buffer_untouched():
+    """PAD rows (slot -1) next to one live row (slot 1): slots 0 and 2 keep state, history and metadata."""
+    S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 3, 3
+    slot_ids = torch.tensor([-1, 1, -1], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([3, 2, 1], dtype=torch.int32, device=DEV)
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(3, T, H, P, G, N, torch.float32, seed=5)
+    state0 = torch.randn(S, H, P, N, device=DEV)
+    others = [0, 2]
+
+    st = state0.clone()  # decode-style in-place update, then rewind verify + commit
+    selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids)
+    inter = torch.zeros(3, T, H, P, N, device=DEV)
+    selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter)
+    commit_intermediate_state(st, inter, slot_ids, nat)
+    assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (rewind)"
+    assert (inter[[0, 2]] == 0).all(), "a PAD row wrote intermediate states"
+
+    hist = random_history(S, L, H, P, G, N, torch.float32, A, seed=6)
+    hist0 = clone_history(hist)
+    pnat = torch.tensor([2, 1, 3], dtype=torch.int32, device=DEV)
+    bufidx = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV)
+    pnat0, bufidx0 = pnat.clone(), bufidx.clone()
+    st = state0.clone()
+    out = replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    replay_advance(pnat, bufidx, slot_ids, nat, T)
+    assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (replay)"
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        same = torch.equal(getattr(hist, f)[others], getattr(hist0, f)[others])
+        assert same, f"a PAD row wrote history.{f}"
+    assert torch.equal(pnat[others], pnat0[others]) and torch.equal(bufidx[others], bufidx0[others])
+    assert pnat[1] == 2 and bufidx[1] == 0, "the live row must advance"
+    assert (out[[0, 2]] == 0).all()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Long run: replay == rewind == one token at a time, over hundreds of steps with random acceptance
 # ---------------------------------------------------------------------------------------------------------
