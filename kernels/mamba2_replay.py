@@ -74,8 +74,9 @@ from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
 class ReplayHistory:
     """The per-layer replay history of one Mamba2 layer (all zero-initialised by `allocate_replay_history`).
 
-    x: (S, 2, L, H, P) input dtype; B: (S, 2, L, G, N) input dtype; dt: (S, 2, H, L) fp32 processed dt';
-    dA_cumsum: (S, 2, H, L) fp32 cumulative A * dt' within the verify that wrote the buffer.
+    x: (S, XB, L, H, P) input dtype, XB = 2 (per-step replay) or 1 (checkpointing); B: (S, 2, L, G, N) input
+    dtype; dt: (S, 2, H, L) fp32 processed dt'; dA_cumsum: (S, 2, H, L) fp32 cumulative A * dt' since the
+    last state write.
     """
 
     x: torch.Tensor
@@ -86,18 +87,27 @@ class ReplayHistory:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.B, self.dt, self.dA_cumsum))
 
+    @property
+    def checkpointing(self) -> bool:
+        """True for the checkpointing layout (single-buffered x): the state is written only on a flush."""
+        return self.x.shape[1] == 1
+
 
 def allocate_replay_history(
     num_slots: int, hist_len: int, nheads: int, head_dim: int, ngroups: int, d_state: int,
-    *, dtype: torch.dtype, device: torch.device | str,
+    *, dtype: torch.dtype, device: torch.device | str, checkpointing: bool = False,
 ) -> ReplayHistory:
-    """Zero-initialised history buffers of one layer; `hist_len` (L) is the largest T verified with."""
+    """Zero-initialised history buffers of one layer.
+
+    `hist_len` (L): per-step replay: the largest T verified with; checkpointing: the window of tokens kept
+    before the state is written (max(16, T) is the natural choice: the dots pad the token axis to 16 anyway).
+    """
     if hist_len < 1:
         raise ValueError(f"allocate_replay_history: hist_len must be >= 1 (the verify width T), got {hist_len}")
     check_dtype(torch.empty(0, dtype=dtype), INPUT_DTYPES, "history", "allocate_replay_history")
     S, L, H, P, G, N = num_slots, hist_len, nheads, head_dim, ngroups, d_state
     return ReplayHistory(
-        x=torch.zeros(S, 2, L, H, P, dtype=dtype, device=device),
+        x=torch.zeros(S, 1 if checkpointing else 2, L, H, P, dtype=dtype, device=device),
         B=torch.zeros(S, 2, L, G, N, dtype=dtype, device=device),
         dt=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
         dA_cumsum=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
@@ -134,7 +144,7 @@ def _replay_verify_kernel(
     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
     s_dths, s_dthi, s_dthh, s_dtht,
     s_chs, s_chi, s_chh, s_cht,
-    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, CHECKPOINT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -158,6 +168,18 @@ def _replay_verify_kernel(
     k = tl.minimum(tl.maximum(k, 0), L)
     rb = (tl.load(bufidx_ptr + s, mask=live, other=0) & 1).to(tl.int64)
     wb = 1 - rb
+    if CHECKPOINT:
+        # x has one buffer (each program reads and writes only its own (head, P block) of it); the state is
+        # written only when the new tokens do not fit after the k pending ones, and then they go to 0.
+        rbx = 0
+        wbx = 0
+        flush = k + T > L
+        base = tl.where(flush, 0, k)
+    else:
+        rbx = rb
+        wbx = wb
+        flush = k >= 0  # always: every verify folds the accepted tokens into the state
+        base = 0
 
     # ---- 1. fast-forward the committed state by the k accepted tokens of the last verify ----
     state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
@@ -168,16 +190,17 @@ def _replay_verify_kernel(
     dt_old = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + offs_t * s_dtht, mask=mask_old, other=0.0)
     c_last = tl.sum(tl.where(offs_t == k - 1, c_old, 0.0), axis=0)  # 0 when k == 0
     w = tl.where(mask_old, tl.exp(c_last - c_old) * dt_old, 0.0)  # (BLOCK_T,)
-    x_old = tl.load(xh_ptr + s * s_xhs + rb * s_xhi + offs_t[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
+    x_old = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + offs_t[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
                     mask=mask_old[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_P)
     B_old = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
                     mask=mask_old[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_N)
     hs = tl.exp(c_last) * hs + tl.dot(tl.trans(x_old), w[:, None] * B_old, input_precision=DOT_PRECISION)
     # k == 0: nothing to replay, the stored state is already the committed one.
     k_p = tl.zeros([BLOCK_P], tl.int64) + k
-    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_state & (k_p > 0)[:, None])
+    store_p = (k_p > 0) & ((tl.zeros([BLOCK_P], tl.int32) + flush.to(tl.int32)) != 0)
+    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_state & store_p[:, None])
     # Later dots read the state as stored, so replay rounds the state exactly where rewind's commit does.
-    hs = hs.to(state_ptr.dtype.element_ty).to(tl.float32)
+    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
 
     # ---- 2. outputs of the T new tokens ----
     mask_t = offs_t < T
@@ -207,30 +230,40 @@ def _replay_verify_kernel(
     tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
 
-    # ---- 3. the new tokens become the history, in the other buffer ----
+    # ---- 3. the new tokens become the history, in the other buffer (checkpointing: after the pending ones) ----
     mask_tl = mask_t & live_t
-    tl.store(xh_ptr + s * s_xhs + wb * s_xhi + offs_t[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
+    pos = base + offs_t
+    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
              x.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
     first_p = (tl.zeros([BLOCK_T], tl.int32) + pid_p) == 0
     mask_th = mask_tl & first_p  # one program per (row, head) writes the per-head history
-    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_t * s_dtht, dt, mask=mask_th)
-    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_t * s_cht, cum, mask=mask_th)
+    # checkpointing without a flush: dA_cumsum continues from the last pending token
+    cum_base = tl.where(flush, 0.0, c_last)
+    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dt, mask=mask_th)
+    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
     first_h = (tl.zeros([BLOCK_T], tl.int64) + h % heads_per_group) == 0
     mask_tg = mask_th & first_h  # one program per (row, group) writes B
-    tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+    tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
              Bn.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
+    if CHECKPOINT:
+        # no flush: the pending tokens stay in the history, so the written buffer gets a copy of them
+        keep = mask_old & ((tl.zeros([BLOCK_T], tl.int32) + flush.to(tl.int32)) == 0) & first_p
+        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_t * s_dtht, dt_old, mask=keep)
+        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_t * s_cht, c_old, mask=keep)
+        tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+                 B_old.to(Bh_ptr.dtype.element_ty), mask=(keep & first_h)[:, None] & mask_n[None, :])
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
     S, H, P, N = state.shape
     T, G = x.shape[1], B.shape[2]
-    if history.x.dim() != 5:
-        raise ValueError(f"{name}: history.x must be (S, 2, L, H, P), got shape {tuple(history.x.shape)}")
+    if history.x.dim() != 5 or history.x.shape[1] not in (1, 2):
+        raise ValueError(f"{name}: history.x must be (S, 2 or 1, L, H, P), got shape {tuple(history.x.shape)}")
     L = history.x.shape[2]
     if L < T:
         raise ValueError(f"{name}: history length L = {L} < T = {T}; allocate the history with hist_len >= "
                          f"the largest verify width")
-    check_shape(history.x, (S, 2, L, H, P), "history.x", name)
+    check_shape(history.x, (S, history.x.shape[1], L, H, P), "history.x", name)
     check_shape(history.B, (S, 2, L, G, N), "history.B", name)
     check_shape(history.dt, (S, 2, H, L), "history.dt", name)
     check_shape(history.dA_cumsum, (S, 2, H, L), "history.dA_cumsum", name)
@@ -320,10 +353,22 @@ def replay_verify(
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *out.stride(),
         *history.x.stride(), *history.B.stride(), *history.dt.stride(), *history.dA_cumsum.stride(),
         HAS_D=D is not None, HAS_DT_LIMIT=has_limit, DOT_PRECISION=dot_precision,
-        BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        CHECKPOINT=history.checkpointing, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         num_warps=4,
     )
     return out
+
+
+def _fast_forward_ref(hs, history, s, r, k, A):
+    """hs (H, P, N) fp32 advanced one token at a time by the first k history tokens of slot s, buffer r."""
+    hpg = hs.shape[0] // history.B.shape[3]
+    xr = 0 if history.checkpointing else r
+    for j in range(k):
+        dtj = history.dt[s, r, :, j]  # (H,)
+        Bj = history.B[s, r, j].float().repeat_interleave(hpg, dim=0)  # (H, N)
+        xj = history.x[s, xr, j].float()  # (H, P)
+        hs = hs * torch.exp(A.float() * dtj)[:, None, None] + (dtj[:, None] * xj)[..., None] * Bj[:, None, :]
+    return hs
 
 
 def replay_verify_ref(
@@ -359,18 +404,17 @@ def replay_verify_ref(
     out.zero_()
     hpg = H // G
     A = A.float()
+    ckpt = history.checkpointing
     for b in (slot_ids >= 0).nonzero().squeeze(1).tolist():
         s = int(slot_ids[b])
         k = min(max(int(prev_num_accepted[s]), 0), L)
         r = int(buffer_index[s]) & 1
-        hs = state[s].float()  # (H, P, N)
-        for j in range(k):
-            dtj = history.dt[s, r, :, j]  # (H,)
-            Bj = history.B[s, r, j].float().repeat_interleave(hpg, dim=0)  # (H, N)
-            hs = hs * torch.exp(A * dtj)[:, None, None] + (dtj[:, None] * history.x[s, r, j].float())[..., None] * Bj[:, None, :]
-        if k > 0:
+        w = 1 - r
+        flush = not ckpt or k + T > L  # per-step replay always folds the accepted tokens into the state
+        hs = _fast_forward_ref(state[s].float(), history, s, r, k, A)
+        if flush and k > 0:
             state[s] = hs.to(state.dtype)
-        hs = state[s].float()
+            hs = state[s].float()
         dtp = _process_dt(dt[b], dt_bias, time_step_limit)  # (T, H)
         Bh = B[b].float().repeat_interleave(hpg, dim=1)  # (T, H, N)
         Ch = C[b].float().repeat_interleave(hpg, dim=1)
@@ -381,11 +425,16 @@ def replay_verify_ref(
             if D is not None:
                 y = y + D.float()[:, None] * xb[t]
             out[b, t] = y.to(out.dtype)
-        w = 1 - r
-        history.x[s, w, :T] = x[b].to(history.x.dtype)
-        history.B[s, w, :T] = B[b].to(history.B.dtype)
-        history.dt[s, w, :, :T] = dtp.T
-        history.dA_cumsum[s, w, :, :T] = torch.cumsum(A[:, None] * dtp.T, dim=1)
+        base, cum_base = (0, 0.0) if flush else (k, history.dA_cumsum[s, r, :, k - 1 : k] if k else 0.0)
+        if ckpt and not flush:  # the pending tokens stay: copy them into the buffer written now
+            history.B[s, w, :k] = history.B[s, r, :k]
+            history.dt[s, w, :, :k] = history.dt[s, r, :, :k]
+            history.dA_cumsum[s, w, :, :k] = history.dA_cumsum[s, r, :, :k]
+        pos = slice(base, base + T)
+        history.x[s, 0 if ckpt else w, pos] = x[b].to(history.x.dtype)
+        history.B[s, w, pos] = B[b].to(history.B.dtype)
+        history.dt[s, w, :, pos] = dtp.T
+        history.dA_cumsum[s, w, :, pos] = cum_base + torch.cumsum(A[:, None] * dtp.T, dim=1)
     return out
 
 
@@ -395,7 +444,8 @@ def replay_verify_ref(
 
 
 @triton.jit
-def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, Bsz, T, BLOCK: tl.constexpr):
+def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, Bsz, T, L,
+                           CHECKPOINT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_batch = offs < Bsz
     slot = tl.load(slot_ptr + offs, mask=in_batch, other=-1).to(tl.int64)
@@ -404,11 +454,17 @@ def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, Bsz, T, BLOC
     nat = tl.load(nat_ptr + offs, mask=live, other=1)
     nat = tl.minimum(tl.maximum(nat, 1), T)
     r = tl.load(bufidx_ptr + s, mask=live, other=0)
+    if CHECKPOINT:  # the verify kernel's flush predicate: pending tokens stay unless k + T > L
+        k = tl.load(pnat_ptr + s, mask=live, other=0)
+        k = tl.minimum(tl.maximum(k, 0), L)
+        nat = tl.where(k + T > L, nat, nat + k)
     tl.store(pnat_ptr + s, nat.to(tl.int32), mask=live)
     tl.store(bufidx_ptr + s, (1 - (r & 1)).to(tl.int32), mask=live)
 
 
-def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, name):
+def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name):
+    if hist_len is not None and hist_len < T:
+        raise ValueError(f"{name}: hist_len {hist_len} < T = {T}: pass the L the history was allocated with")
     check_dtype(prev_num_accepted, (torch.int32,), "prev_num_accepted", name)
     check_dtype(buffer_index, (torch.int32,), "buffer_index", name)
     check_shape(buffer_index, tuple(prev_num_accepted.shape), "buffer_index", name)
@@ -428,6 +484,8 @@ def replay_advance(
     slot_ids: torch.Tensor,
     num_accepted_tokens: torch.Tensor,
     T: int,
+    *,
+    hist_len: int | None = None,
 ) -> None:
     """Per-slot bookkeeping after acceptance (Triton): PNAT[s] = num_accepted, flip buffer_index[s].
 
@@ -439,18 +497,21 @@ def replay_advance(
         slot_ids: (B,) int32 / int64; negative = PAD, never advances.
         num_accepted_tokens: (B,) int32 / int64, clamped to [1, T].
         T: tokens per row of the verify that just ran.
+        hist_len: checkpointing histories only: their L. Then PNAT counts all pending tokens: it becomes
+            num_accepted after a flush (old PNAT + T > L) and old PNAT + num_accepted otherwise.
 
     Graph-capturable: no host synchronisation.
     """
     name = "replay_advance"
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, name)
+    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
     check_launchable(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, name=name)
     Bsz = slot_ids.shape[0]
     if Bsz == 0:
         return
     BLOCK = min(1024, triton.next_power_of_2(Bsz))
     _replay_advance_kernel[(triton.cdiv(Bsz, BLOCK),)](
-        prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, Bsz, T, BLOCK=BLOCK)
+        prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, Bsz, T, hist_len or T,
+        CHECKPOINT=hist_len is not None, BLOCK=BLOCK)
 
 
 def replay_advance_ref(
@@ -459,12 +520,19 @@ def replay_advance_ref(
     slot_ids: torch.Tensor,
     num_accepted_tokens: torch.Tensor,
     T: int,
+    *,
+    hist_len: int | None = None,
 ) -> None:
     """PyTorch reference of `replay_advance` (same arguments and effects)."""
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, "replay_advance_ref")
+    name = "replay_advance_ref"
+    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
     rows = (slot_ids >= 0).nonzero().squeeze(1)
     slots = slot_ids[rows].long()
-    prev_num_accepted[slots] = num_accepted_tokens[rows].clamp(1, T).to(torch.int32)
+    nat = num_accepted_tokens[rows].clamp(1, T).to(torch.int32)
+    if hist_len is not None:
+        k = prev_num_accepted[slots].clamp(0, hist_len)
+        nat = torch.where(k + T > hist_len, nat, nat + k)
+    prev_num_accepted[slots] = nat
     buffer_index[slots] = 1 - (buffer_index[slots] & 1)
 
 
@@ -491,16 +559,9 @@ def replay_materialized_state_ref(
     Returns a float32 (S, H, P, N) copy: state[s] advanced by the first PNAT[s] tokens of buffer
     buffer_index[s], one token at a time. Used to compare replay against rewind between steps.
     """
-    S, H, P, N = state.shape
-    hpg = H // history.B.shape[3]
     L = history.x.shape[2]
     res = state.float().clone()
-    for s in range(S):
+    for s in range(state.shape[0]):
         k = min(max(int(prev_num_accepted[s]), 0), L)
-        r = int(buffer_index[s]) & 1
-        for j in range(k):
-            dtj = history.dt[s, r, :, j]
-            Bj = history.B[s, r, j].float().repeat_interleave(hpg, dim=0)
-            res[s] = res[s] * torch.exp(A.float() * dtj)[:, None, None] + (
-                (dtj[:, None] * history.x[s, r, j].float())[..., None] * Bj[:, None, :])
+        res[s] = _fast_forward_ref(res[s], history, s, int(buffer_index[s]) & 1, k, A)
     return res

@@ -92,10 +92,10 @@ def clone_history(h: ReplayHistory) -> ReplayHistory:
     return ReplayHistory(*(t.clone() for t in (h.x, h.B, h.dt, h.dA_cumsum)))
 
 
-def random_history(S, L, H, P, G, N, dtype, A, seed) -> ReplayHistory:
+def random_history(S, L, H, P, G, N, dtype, A, seed, checkpointing=False) -> ReplayHistory:
     """A history as a previous verify would have left it (cumsum consistent with dt), in both buffers."""
     g = torch.Generator().manual_seed(seed)
-    hist = allocate_replay_history(S, L, H, P, G, N, dtype=dtype, device=DEV)
+    hist = allocate_replay_history(S, L, H, P, G, N, dtype=dtype, device=DEV, checkpointing=checkpointing)
     hist.x.copy_(torch.randn(hist.x.shape, generator=g))
     hist.B.copy_(torch.randn(hist.B.shape, generator=g) / N**0.5)
     hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
@@ -429,14 +429,16 @@ def test_pad_rows_leave_every_buffer_untouched():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0):
+def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None):
     """Returns max |replay - rewind| over outputs, and the three final states (fp32)."""
     gen = torch.Generator().manual_seed(seed)
     A, D, dt_bias = make_params(H, seed)
     init = torch.randn(S, H, P, N, generator=gen).to(DEV, state_dtype)
     rew_state, rep_state, seq_state = init.clone(), init.clone(), init.float()
     inter = torch.zeros(rows, T, H, P, N, dtype=state_dtype, device=DEV)
-    hist = allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device=DEV)
+    ckpt = hist_len is not None
+    hist = allocate_replay_history(S, hist_len or T, H, P, G, N, dtype=torch.float32, device=DEV,
+                                   checkpointing=ckpt)
     pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
     worst = 0.0
     for step in range(steps):
@@ -451,7 +453,7 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0):
                                          intermediate_states=inter)
         commit_intermediate_state(rew_state, inter, slot_ids, nat)
         out_rep = replay_verify(rep_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
-        replay_advance(pnat, bufidx, slot_ids, nat, T)
+        replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
         worst = max(worst, (out_rew - out_rep).abs().max().item())
         for b in range(rows):  # the sequential reference decodes only the accepted tokens
             s = int(slot_ids[b])
@@ -485,6 +487,58 @@ def test_long_run_bf16_state_stays_close():
     assert worst < 5e-2, f"replay and rewind outputs drifted apart: {worst}"
     assert_close(rep, rew, torch.bfloat16, "replay vs rewind state")
     assert_close(rew, seq, torch.bfloat16, "rewind vs sequential state")
+
+
+def test_long_run_checkpointing_agrees_with_rewind():
+    # L = 16, T = 3: a flush every 4-5 steps; the fast-forward spans up to 13 tokens and several verifies
+    worst, rew, rep, seq = _long_run(60, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32,
+                                     hist_len=16)
+    assert worst < 1e-4, f"checkpointing replay and rewind outputs drifted apart: {worst}"
+    assert_close(rep, rew, torch.float32, "checkpointing replay vs rewind state")
+    assert_close(rew, seq, torch.float32, "rewind vs sequential state")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpointing replay (history window L >= T, state written only on a flush)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state_dtype,in_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+)
+def test_checkpointing_verify_matches_reference(state_dtype, in_dtype):
+    S, H, P, N, G, T, L = 6, 2, 16, 24, 2, 3, 8
+    A, D, dt_bias = make_params(H)
+    hist = random_history(S, L, H, P, G, N, in_dtype, A, seed=3, checkpointing=True)
+    # rows: no flush (2 + 3 <= 8), flush (6 + 3 > 8), PNAT 0, PAD, no flush at the edge (5 + 3 = 8), flush (L)
+    slot_ids = torch.tensor([4, 1, 0, -1, 2, 5], dtype=torch.int32, device=DEV)
+    pnat = torch.tensor([0, 6, 5, 7, 2, 8], dtype=torch.int32, device=DEV)  # by slot; slot 3 not in the batch
+    bufidx = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEV)
+    x, dt, B, C = make_inputs(6, T, H, P, G, N, in_dtype, seed=4)
+    state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
+    res = []
+    for fn in (replay_verify, replay_verify_ref):
+        st, h = state.clone(), clone_history(hist)
+        out = nan_like((6, T, H, P), in_dtype)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out)
+        res.append((st, h, out))
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = res
+    assert_close(out_k, out_r, loosest(state_dtype, in_dtype), what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+    # state written only on a flush with something to fold in: slots 1 (6 + 3 > 8) and 5 (8 + 3 > 8)
+    for s_, written in ((0, False), (1, True), (2, False), (3, False), (4, False), (5, True)):
+        assert torch.equal(st_k[s_], state[s_]) != written, f"slot {s_}: state written = {not written}"
+    assert (out_k[3] == 0).all() and not torch.isnan(out_k).any()
+    pk, bk, pr, br = pnat.clone(), bufidx.clone(), pnat.clone(), bufidx.clone()
+    nat = torch.tensor([3, 1, 2, 3, 3, 2], dtype=torch.int32, device=DEV)
+    replay_advance(pk, bk, slot_ids, nat, T, hist_len=L)
+    replay_advance_ref(pr, br, slot_ids, nat, T, hist_len=L)
+    assert torch.equal(pk, pr) and torch.equal(bk, br)
+    # pending = old + accepted, or accepted alone after a flush
+    assert pk.tolist() == [0 + 2, 1, 5 + 3, 7, 2 + 3, 2]
 
 
 # ---------------------------------------------------------------------------------------------------------
