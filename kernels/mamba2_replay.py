@@ -37,14 +37,23 @@ Design decisions:
 - PNAT values outside [0, L] (garbage metadata) are clamped; buffer_index is read modulo 2.
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
 - A new request: after prefill writes its state, call `replay_reset_slots` (PNAT = 0, nothing to replay).
-- Checkpointing variant (not implemented): keep L = max(16, T) history tokens and append each verify's
-  tokens after the PNAT accepted ones, writing the state only when PNAT + T > L. It would change: the
-  history becomes a ring per slot with a start offset (no double buffer; appends go past the accepted
-  prefix), dA_cumsum must continue from the last kept token so the closed form spans several steps, the
-  fast-forward length grows up to L - T (more dot work, fewer state writes: the state is read every step but
-  written only on a flush), and the bookkeeping keeps a per-slot history length instead of PNAT.
-- Source: the closed form of the Mamba2 SSD recurrence (state-spaces/mamba, "Transformers are SSMs");
-  the replay scheme as described for TensorRT-LLM / FlashInfer `checkpointing_ssu`; written from the math.
+
+Checkpointing variant (`allocate_replay_history(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
+the history keeps a window of L tokens (L = max(16, T): the dots pad to 16 anyway) and PNAT counts every
+accepted token not yet folded into the state ("pending"), possibly from several verifies. A verify always
+fast-forwards in registers by the k = PNAT pending tokens and computes the outputs from there, but writes the
+state only on a flush, when the new tokens do not fit behind the pending ones (k + T > L); then the new
+tokens go to window position 0 and their dA_cumsum starts at 0. Without a flush they go to positions k..k+T-1
+and their dA_cumsum continues from c_{k-1}, so the closed form spans several verifies. Layout changes: x has
+one buffer (S, 1, L, H, P) (each program reads and writes only its own (head, P block) of it, reads first),
+while B, dt', dA_cumsum stay double-buffered because programs of other heads / P blocks read them: without
+a flush the pending tokens' B, dt', dA_cumsum are copied into the buffer written. `replay_advance` applies
+the same predicate: PNAT <- num_accepted after a flush, PNAT + num_accepted otherwise. Trade: a state write
+every ~(L - T) / (accepted per step) steps instead of every step, for up to L - T more tokens of dot work
+and L instead of 2T tokens of x history.
+
+Source: the closed form of the Mamba2 SSD recurrence (state-spaces/mamba, "Transformers are SSMs");
+the replay scheme as described for TensorRT-LLM / FlashInfer `checkpointing_ssu`; written from the math.
 """
 
 from __future__ import annotations
@@ -301,13 +310,15 @@ def replay_verify(
 
     Args:
         state: (S, H, P, N) float32 / bfloat16 / float16 committed state cache; mutated for live rows with
-            PNAT > 0 (it becomes the state after the accepted tokens of the previous verify).
+            PNAT > 0 (it becomes the state after the accepted tokens of the previous verify); with a
+            checkpointing history only on a flush (PNAT + T > L).
         x: (B, T, H, P); dt: (B, T, H) raw; A: (H,) fp32 = -exp(A_log); B, C: (B, T, G, N); D: (H,) or None;
             dt_bias: (H,): as in `kernels.mamba2_ssu.selective_state_update`.
         slot_ids: (B,) int32 / int64; negative = PAD (no cache buffer read or written, output row zero).
             Rows must name distinct slots.
         history: this layer's `ReplayHistory` (L >= T). Reads buffer buffer_index[s] (its first PNAT[s]
             tokens), writes the first T tokens of buffer 1 - buffer_index[s]; the rest is untouched.
+            A checkpointing history (x with one buffer) works as in the module docstring.
         prev_num_accepted: (S,) int32 PNAT, tokens of the last verify that were accepted (0 = none to replay);
             read only here (clamped to [0, L]); `replay_advance` updates it once per step.
         buffer_index: (S,) int32, read only here (taken modulo 2); `replay_advance` flips it.
