@@ -6,7 +6,8 @@ Times with triton.testing.do_bench (median, microseconds) per state dtype (float
 - rewind verify: `selective_state_update` writing T intermediate states, and `commit_intermediate_state`
 - decode: `selective_state_update` with T = 1, state updated in place
 - replay verify: `replay_verify` with PNAT = 0 (no state write) and PNAT = T - 1 (state written), for each
-  dot precision and head_dim block; and `replay_advance`
+  dot precision and head_dim block; the checkpointing variant (L = 16) without and with a flush;
+  `replay_advance`
 - a torch copy of the whole state (read + write): the memory-bound floor for anything that rewrites it
 - with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token) and
   `checkpointing_ssu`; a call that fails (first-use JIT, an API that differs from the one assumed here) is
@@ -96,6 +97,17 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
                                   block_p=bp, dot_precision=prec)
                 nbytes = state_bytes * (2 if k else 1) + io_bytes + hist_bytes
                 res[f"replay_verify_pnat{k}_{prec}_block_p{bp}"] = _row(timer(run), nbytes)
+    # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 13 (13 + T > 16: flush)
+    L = max(16, T)
+    ck = allocate_replay_history(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
+    for k in (min(3, L - T), L - T + 1):
+        for bp in (16, 32, 64):
+            def run_ck(bp=bp, k=k):
+                pnat.fill_(k)
+                replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out, block_p=bp)
+            flush = k + T > L
+            nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
+            res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}_block_p{bp}"] = _row(timer(run_ck), nbytes)
     res["pnat_fill_only"] = _row(timer(lambda: pnat.fill_(1)), S * 4)
     res["replay_advance"] = _row(timer(lambda: replay_advance(pnat, bufidx, slot_ids, nat, T)), 4 * S * 4)
     dst = torch.empty_like(state)
@@ -103,6 +115,7 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
     res["memory_per_slot_per_layer_bytes"] = {
         "rewind_intermediate_states": T * H * P * N * es,
         "replay_history_two_buffers": hist.nbytes() // S,
+        "checkpointing_history_L16": ck.nbytes() // S,
     }
     return res
 

@@ -97,9 +97,10 @@ def test_gpu_rewind_super_v3_shape(state_dtype):
     assert torch.isnan(inter_k[5]).all() and (out_k[5] == 0).all()
 
 
-def _history(seed, A, dtype=torch.bfloat16):
+def _history(seed, A, dtype=torch.bfloat16, hist_len=T, checkpointing=False):
     g = torch.Generator().manual_seed(seed)
-    hist = allocate_replay_history(SLOTS, T, H, P, G, N, dtype=dtype, device="cuda")
+    hist = allocate_replay_history(SLOTS, hist_len, H, P, G, N, dtype=dtype, device="cuda",
+                                   checkpointing=checkpointing)
     hist.x.copy_(torch.randn(hist.x.shape, generator=g))
     hist.B.copy_(torch.randn(hist.B.shape, generator=g) / N**0.5)
     hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
@@ -108,13 +109,15 @@ def _history(seed, A, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dot_precision", ["tf32x3", "ieee"])
-def test_gpu_replay_super_v3_shape(state_dtype, dot_precision):
+@pytest.mark.parametrize("dot_precision,checkpointing",
+                         [("tf32x3", False), ("ieee", False), ("tf32x3", True)])
+def test_gpu_replay_super_v3_shape(state_dtype, dot_precision, checkpointing):
     A, D, dt_bias = params()
     x, dt, B, C = inputs(3)
     slot_ids = slots_with_pad(4)
-    hist = _history(5, A)
-    pnat = torch.randint(0, T + 1, (SLOTS,), device="cuda", dtype=torch.int32)  # PNAT = 0..T
+    L = 16 if checkpointing else T  # checkpointing: PNAT 0..16, flush when PNAT + T > 16
+    hist = _history(5, A, hist_len=L, checkpointing=checkpointing)
+    pnat = torch.randint(0, L + 1, (SLOTS,), device="cuda", dtype=torch.int32)
     bufidx = torch.randint(0, 2, (SLOTS,), device="cuda", dtype=torch.int32)
     state = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
     materialised = replay_materialized_state_ref(state, hist, pnat, bufidx, A)
@@ -131,7 +134,10 @@ def test_gpu_replay_super_v3_shape(state_dtype, dot_precision):
     for f in ("x", "B", "dt", "dA_cumsum"):
         close(getattr(h_k, f), getattr(h_r, f), TOL[torch.float32], f"history.{f}")
     live = slot_ids[slot_ids >= 0].long()
-    close(st_k[live], materialised[live], TOL[state_dtype], "replayed state vs materialised")
+    written = live[pnat[live] + T > L] if checkpointing else live  # checkpointing: only flushed slots
+    kept = live[pnat[live] + T <= L] if checkpointing else live[:0]
+    close(st_k[written], materialised[written], TOL[state_dtype], "replayed state vs materialised")
+    assert torch.equal(st_k[kept], state[kept]), "checkpointing wrote the state without a flush"
     # replay out == rewind out from the materialised state
     inter = torch.empty(BATCH, T, H, P, N, device="cuda", dtype=torch.float32)
     out_rew = selective_state_update(materialised.clone(), x, dt, A, B, C, D, dt_bias, slot_ids,
@@ -149,21 +155,28 @@ def _poisoned_like(t):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpointing):
     """Capture verify + advance with every metadata / input buffer poisoned, fill, replay: equals eager."""
     A, D, dt_bias = params()
     state0 = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
     steps = [(inputs(10 + i), slots_with_pad(20 + i),
-              torch.randint(1, T + 1, (BATCH,), device="cuda", dtype=torch.int32)) for i in range(3)]
+              torch.randint(1, T + 1, (BATCH,), device="cuda", dtype=torch.int32)) for i in range(6)]
+    L = 16 if checkpointing else T  # six steps of up to 4 accepted tokens: at least one flush per slot
+    hist_len = L if checkpointing else None
+
+    def new_history():
+        return allocate_replay_history(SLOTS, L, H, P, G, N, dtype=torch.bfloat16, device="cuda",
+                                       checkpointing=checkpointing)
 
     def run_eager():
         st = state0.clone()
-        hist = allocate_replay_history(SLOTS, T, H, P, G, N, dtype=torch.bfloat16, device="cuda")
+        hist = new_history()
         pnat, bufidx = allocate_replay_slot_state(SLOTS, device="cuda")
         outs = []
         for (x, dt, B, C), slot_ids, nat in steps:
             outs.append(replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx).clone())
-            replay_advance(pnat, bufidx, slot_ids, nat, T)
+            replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
         return st, outs
 
     st_eager, outs_eager = run_eager()  # also compiles every kernel before capture
@@ -175,14 +188,14 @@ def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype):
     s_nat = _poisoned_like(nat0)
     s_out = _poisoned_like(torch.empty(BATCH, T, H, P, device="cuda", dtype=torch.bfloat16))
     st = state0.clone()
-    hist = allocate_replay_history(SLOTS, T, H, P, G, N, dtype=torch.bfloat16, device="cuda")
+    hist = new_history()
     pnat = _poisoned_like(torch.zeros(SLOTS, dtype=torch.int32, device="cuda"))
     bufidx = _poisoned_like(pnat)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         replay_verify(st, sx, sdt, A, sB, sC, D, dt_bias, s_slots, hist, pnat, bufidx, out=s_out)
-        replay_advance(pnat, bufidx, s_slots, s_nat, T)
+        replay_advance(pnat, bufidx, s_slots, s_nat, T, hist_len=hist_len)
     torch.cuda.synchronize()
     pnat.zero_()  # the allocator's contract: metadata starts at zero
     bufidx.zero_()
