@@ -284,6 +284,19 @@ def selective_state_update_ref(
     return out
 
 
+def allocate_intermediate_states(
+    max_batch: int, T: int, nheads: int, head_dim: int, d_state: int, *, dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Zero-initialised rewind buffer (max_batch, T, H, P, N) for `selective_state_update` and commit.
+
+    Only speculative decoding needs it: allocate it only when the draft length is > 0 (it is T full states
+    per row per layer).
+    """
+    check_dtype(torch.empty(0, dtype=dtype), STATE_DTYPES, "intermediate_states", "allocate_intermediate_states")
+    return torch.zeros(max_batch, T, nheads, head_dim, d_state, dtype=dtype, device=device)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rewind commit: state[slot_ids[b]] <- intermediate_states[b, num_accepted_tokens[b] - 1]
 # ---------------------------------------------------------------------------------------------------------

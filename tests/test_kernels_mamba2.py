@@ -30,6 +30,7 @@ from kernels.mamba2_replay import (  # noqa: E402
     replay_verify_ref,
 )
 from kernels.mamba2_ssu import (  # noqa: E402
+    allocate_intermediate_states,
     commit_intermediate_state,
     commit_intermediate_state_ref,
     selective_state_update,
@@ -330,7 +331,8 @@ def test_replay_advance_matches_reference():
 def test_allocators_zero_initialise():
     hist = allocate_replay_history(3, 4, 2, 8, 1, 16, dtype=torch.bfloat16, device=DEV)
     pnat, bufidx = allocate_replay_slot_state(3, device=DEV)
-    for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum, pnat, bufidx):
+    inter = allocate_intermediate_states(3, 4, 2, 8, 16, dtype=torch.float32, device=DEV)
+    for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum, pnat, bufidx, inter):
         assert (t == 0).all()
     assert pnat.dtype == bufidx.dtype == torch.int32
     # history is T (H P + G N) values per slot instead of T H P N: the point of replay
