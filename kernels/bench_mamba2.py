@@ -14,6 +14,8 @@ Times with triton.testing.do_bench (median, microseconds) per state dtype (float
   recorded with its error instead of stopping the run
 Each timing comes with the bytes it must move and the bandwidth that implies. Prints one JSON document and
 writes it to --out. Needs CUDA; the state cache has as many slots as the batch has rows (slot b = row b).
+Without a GPU: `--dry-run` (TRITON_INTERPRET=1) runs every call once at a tiny shape; `--compile-check`
+compiles the kernels for sm_90 and prints registers / stack bytes per thread (spills show up there).
 """
 
 from __future__ import annotations
@@ -88,26 +90,28 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
     hist = allocate_replay_history(S, T, H, P, G, N, dtype=in_dtype, device=dev)
     pnat, bufidx = allocate_replay_slot_state(S, device=dev)
     hist_bytes = hist.nbytes() // 2  # one buffer read per verify (the other one written: ~io_bytes)
+    variants = [(prec, 32, 32, nw) for prec in ("tf32x3", "ieee", "tf32") for nw in (4, 8)]
+    variants += [("tf32x3", bp, bn, 8) for bp, bn in ((16, 64), (32, 64), (64, 32), (16, 32))]
     for k in (0, T - 1):
-        for prec in ("tf32x3", "ieee", "tf32"):
-            for bp in (16, 32, 64):
-                def run(prec=prec, bp=bp, k=k):
-                    pnat.fill_(k)  # a fill per call keeps PNAT fixed (a real step advances it)
-                    replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, out=out,
-                                  block_p=bp, dot_precision=prec)
-                nbytes = state_bytes * (2 if k else 1) + io_bytes + hist_bytes
-                res[f"replay_verify_pnat{k}_{prec}_block_p{bp}"] = _row(timer(run), nbytes)
+        for prec, bp, bn, nw in variants:
+            if k == 0 and (bp, bn) != (32, 32):
+                continue
+            def run(prec=prec, bp=bp, bn=bn, nw=nw, k=k):
+                pnat.fill_(k)  # a fill per call keeps PNAT fixed (a real step advances it)
+                replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, out=out,
+                              block_p=bp, block_n=bn, dot_precision=prec, num_warps=nw)
+            nbytes = state_bytes * (2 if k else 1) + io_bytes + hist_bytes
+            res[f"replay_verify_pnat{k}_{prec}_p{bp}_n{bn}_w{nw}"] = _row(timer(run), nbytes)
     # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 13 (13 + T > 16: flush)
     L = max(16, T)
     ck = allocate_replay_history(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
     for k in (min(3, L - T), L - T + 1):
-        for bp in (16, 32, 64):
-            def run_ck(bp=bp, k=k):
-                pnat.fill_(k)
-                replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out, block_p=bp)
-            flush = k + T > L
-            nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
-            res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}_block_p{bp}"] = _row(timer(run_ck), nbytes)
+        def run_ck(k=k):
+            pnat.fill_(k)
+            replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out)
+        flush = k + T > L
+        nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
+        res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}"] = _row(timer(run_ck), nbytes)
     res["pnat_fill_only"] = _row(timer(lambda: pnat.fill_(1)), S * 4)
     res["replay_advance"] = _row(timer(lambda: replay_advance(pnat, bufidx, slot_ids, nat, T)), 4 * S * 4)
     dst = torch.empty_like(state)
@@ -174,6 +178,55 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16):
     return res
 
 
+def compile_check() -> dict:
+    """Compile every kernel for sm_90 on a machine without a GPU and report registers / stack per thread.
+
+    Uses Triton's ahead-of-time path (ASTSource + the bundled ptxas) and cuobjdump's resource report: a
+    type or lowering error, or a spilling configuration, shows up before any GPU time is spent. Triton
+    internals: best effort across Triton versions.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from kernels import mamba2_replay, mamba2_ssu
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ptr = dict(state_ptr="*fp32", x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
+               D_ptr="*fp32", dt_bias_ptr="*fp32", slot_ptr="*i32", out_ptr="*bf16", inter_ptr="*fp32",
+               xh_ptr="*bf16", Bh_ptr="*bf16", dth_ptr="*fp32", cumh_ptr="*fp32", pnat_ptr="*i32",
+               bufidx_ptr="*i32", nat_ptr="*i32")
+
+    def usage(kernel, constexprs, num_warps):
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in constexprs else ptr.get(n, "fp32" if n in ("dt_min", "dt_max") else "i32")
+               for n in names}
+        src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            report = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        fields = [w for line in report.splitlines() if "REG:" in line for w in line.split()]
+        return {w.split(":")[0]: int(w.split(":")[1]) for w in fields if w.split(":")[0] in ("REG", "STACK")}
+
+    res = {}
+    for bp in (4, 16):
+        res[f"ssu_rewind_block_p{bp}"] = usage(mamba2_ssu._ssu_kernel, dict(
+            HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, UPDATE_STATE=False, BLOCK_P=bp, BLOCK_N=128),
+            4 if bp * 128 >= 2048 else 2)
+    for ckpt in (False, True):
+        for prec in ("tf32x3", "ieee", "tf32"):
+            for bp, bn, nw in ((32, 32, 8), (32, 32, 4), (16, 64, 8), (64, 64, 8)):
+                res[f"replay_{'ckpt_' if ckpt else ''}{prec}_p{bp}_n{bn}_w{nw}"] = usage(
+                    mamba2_replay._replay_verify_kernel, dict(HAS_D=True, HAS_DT_LIMIT=False, DOT_PRECISION=prec,
+                                                              CHECKPOINT=ckpt, BLOCK_T=16, BLOCK_P=bp, BLOCK_N=bn), nw)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -182,7 +235,12 @@ def main(argv=None) -> int:
     ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer (JIT can take minutes)")
     ap.add_argument("--dry-run", action="store_true",
                     help="run every call once on the CPU (TRITON_INTERPRET=1) at a tiny shape; no timings")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="compile the kernels for sm_90 without a GPU; print registers / stack per thread")
     args = ap.parse_args(argv)
+    if args.compile_check:
+        print(json.dumps(compile_check(), indent=1))
+        return 0
     if args.dry_run:
         for sd in (torch.float32, torch.bfloat16):
             bench_ours(2, args.T, sd, dev="cpu", timer=_dry, shape=(2, 16, 16, 1))

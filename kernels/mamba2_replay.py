@@ -33,6 +33,10 @@ Design decisions:
   'ieee' in the interpreter, 'tf32x3' on the GPU (fp32-level accuracy on tensor cores; 'tf32' is faster but
   biases the state by ~1e-3 relative per step). History x and B are stored in the input dtype (exact copies
   of the inputs), dt' and the cumsum in fp32, so replay differs from rewind only by rounding order.
+- One program per (P block, row, head) walks d_state in BLOCK_N chunks: fast-forward and store one state
+  chunk, accumulate C h^T and C B^T, next chunk; the outputs are formed after the walk. Defaults
+  (BLOCK_P, BLOCK_N, warps) = (32, 32, 8) come from the sm_90 register report of
+  `python -m kernels.bench_mamba2 --compile-check` (larger tiles spill); the GPU benchmark sweeps them.
 - PAD rows (slot id < 0) read and write no cache buffer; their output rows are zeros. Slot 0 is live.
 - PNAT values outside [0, L] (garbage metadata) are clamped; buffer_index is read modulo 2.
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
@@ -156,6 +160,8 @@ def _replay_verify_kernel(
     HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, CHECKPOINT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # One program per (P block, batch row, head). d_state is walked in BLOCK_N chunks so that only one
+    # (BLOCK_P, BLOCK_N) state tile is live at a time (a whole (P, 128) tile plus the dot operands spills).
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -166,9 +172,7 @@ def _replay_verify_kernel(
 
     offs_t = tl.arange(0, BLOCK_T)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
-    mask_n = offs_n < N
     # Liveness as vectors: the interpreter rejects a scalar bool broadcast into a mask.
     live_t = (tl.zeros([BLOCK_T], tl.int64) + slot) >= 0
     live_p = (tl.zeros([BLOCK_P], tl.int64) + slot) >= 0
@@ -189,11 +193,13 @@ def _replay_verify_kernel(
         wbx = wb
         flush = k >= 0  # always: every verify folds the accepted tokens into the state
         base = 0
+    flush_t = (tl.zeros([BLOCK_T], tl.int32) + flush.to(tl.int32)) != 0
+    flush_p = (tl.zeros([BLOCK_P], tl.int32) + flush.to(tl.int32)) != 0
+    store_state_p = mask_p & live_p & flush_p & ((tl.zeros([BLOCK_P], tl.int64) + k) > 0)  # k = 0: nothing new
+    first_p = (tl.zeros([BLOCK_T], tl.int32) + pid_p) == 0  # one program per (row, head) writes dt', cumsum
+    first_h = (tl.zeros([BLOCK_T], tl.int64) + h % heads_per_group) == 0  # ... and per (row, group) B
 
-    # ---- 1. fast-forward the committed state by the k accepted tokens of the last verify ----
-    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    mask_state = (mask_p & live_p)[:, None] & mask_n[None, :]
-    hs = tl.load(state_ptrs, mask=mask_state, other=0.0).to(tl.float32)  # (BLOCK_P, BLOCK_N)
+    # ---- per-token quantities: old tokens (fast-forward weights), new tokens (dt', cumsum) ----
     mask_old = (offs_t < k) & live_t
     c_old = tl.load(cumh_ptr + s * s_chs + rb * s_chi + h * s_chh + offs_t * s_cht, mask=mask_old, other=0.0)
     dt_old = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + offs_t * s_dtht, mask=mask_old, other=0.0)
@@ -201,17 +207,8 @@ def _replay_verify_kernel(
     w = tl.where(mask_old, tl.exp(c_last - c_old) * dt_old, 0.0)  # (BLOCK_T,)
     x_old = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + offs_t[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
                     mask=mask_old[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_P)
-    B_old = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-                    mask=mask_old[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_N)
-    hs = tl.exp(c_last) * hs + tl.dot(tl.trans(x_old), w[:, None] * B_old, input_precision=DOT_PRECISION)
-    # k == 0: nothing to replay, the stored state is already the committed one.
-    k_p = tl.zeros([BLOCK_P], tl.int64) + k
-    store_p = (k_p > 0) & ((tl.zeros([BLOCK_P], tl.int32) + flush.to(tl.int32)) != 0)
-    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_state & store_p[:, None])
-    # Later dots read the state as stored, so replay rounds the state exactly where rewind's commit does.
-    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
+    xw_old = x_old * w[:, None]
 
-    # ---- 2. outputs of the T new tokens ----
     mask_t = offs_t < T
     A = tl.load(A_ptr + h).to(tl.float32)
     dt = tl.load(dt_ptr + b * s_dtb + offs_t * s_dtt + h * s_dth, mask=mask_t, other=0.0).to(tl.float32)
@@ -223,44 +220,62 @@ def _replay_verify_kernel(
     cum = tl.cumsum(A * dt, axis=0)  # (BLOCK_T,)
     x = tl.load(x_ptr + b * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
                 mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # (BLOCK_T, BLOCK_P) input dtype
-    Bn = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
-                 mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N) input dtype
-    Cn = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
-                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+
+    # ---- the new tokens' x, dt', cumsum become history (checkpointing: after the pending ones) ----
+    mask_tl = mask_t & live_t
+    pos = base + offs_t
+    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
+             x.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
+    mask_th = mask_tl & first_p
+    cum_base = tl.where(flush, 0.0, c_last)  # checkpointing without a flush: the cumsum continues
+    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dt, mask=mask_th)
+    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
+    if CHECKPOINT:
+        # no flush: the pending tokens stay in the history, so the buffer written gets a copy of them
+        keep = mask_old & (~flush_t) & first_p
+        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_t * s_dtht, dt_old, mask=keep)
+        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_t * s_cht, c_old, mask=keep)
+
+    # ---- walk d_state: 1. fast-forward the state chunk, 2. accumulate C h^T and C B^T ----
+    decay_old = tl.exp(c_last)
+    CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    CB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+        hs = tl.load(state_ptrs, mask=(mask_p & live_p)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        B_old = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+                        mask=mask_old[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N) history dtype
+        # h <- exp(c_{k-1}) h + X_old^T (w B_old)
+        hs = tl.dot(tl.trans(xw_old), B_old.to(tl.float32), acc=hs * decay_old, input_precision=DOT_PRECISION)
+        tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_state_p[:, None] & mask_n[None, :])
+        # later dots read the state as stored: replay rounds the state exactly where rewind's commit does
+        hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
+        Bn = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N) input dtype
+        Cn = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        CH = tl.dot(Cn, tl.trans(hs), acc=CH, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_P)
+        CB = tl.dot(Cn, tl.trans(Bn.to(tl.float32)), acc=CB, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_T)
+        mask_tg = mask_th & first_h
+        tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+                 Bn.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
+        if CHECKPOINT:
+            tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+                     B_old, mask=(keep & first_h)[:, None] & mask_n[None, :])
+
+    # ---- outputs: Y = exp(cum) * (C h^T) + ((C B^T) * L) X + D X ----
     xf = x.to(tl.float32)
-    y = tl.dot(Cn, tl.trans(hs), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]  # (BLOCK_T, BLOCK_P)
-    CB = tl.dot(Cn, tl.trans(Bn.to(tl.float32)), input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_T)
     causal = offs_t[:, None] >= offs_t[None, :]
     decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))  # masked before exp: no overflow
-    y += tl.dot(tl.where(causal, CB * decay * dt[None, :], 0.0), xf, input_precision=DOT_PRECISION)
+    y = tl.dot(tl.where(causal, CB * decay * dt[None, :], 0.0), xf, acc=CH * tl.exp(cum)[:, None],
+               input_precision=DOT_PRECISION)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * xf
     y = tl.where(live_t[:, None], y, 0.0)
     tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
-
-    # ---- 3. the new tokens become the history, in the other buffer (checkpointing: after the pending ones) ----
-    mask_tl = mask_t & live_t
-    pos = base + offs_t
-    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
-             x.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
-    first_p = (tl.zeros([BLOCK_T], tl.int32) + pid_p) == 0
-    mask_th = mask_tl & first_p  # one program per (row, head) writes the per-head history
-    # checkpointing without a flush: dA_cumsum continues from the last pending token
-    cum_base = tl.where(flush, 0.0, c_last)
-    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dt, mask=mask_th)
-    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
-    first_h = (tl.zeros([BLOCK_T], tl.int64) + h % heads_per_group) == 0
-    mask_tg = mask_th & first_h  # one program per (row, group) writes B
-    tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-             Bn.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
-    if CHECKPOINT:
-        # no flush: the pending tokens stay in the history, so the written buffer gets a copy of them
-        keep = mask_old & ((tl.zeros([BLOCK_T], tl.int32) + flush.to(tl.int32)) == 0) & first_p
-        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_t * s_dtht, dt_old, mask=keep)
-        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_t * s_cht, c_old, mask=keep)
-        tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-                 B_old.to(Bh_ptr.dtype.element_ty), mask=(keep & first_h)[:, None] & mask_n[None, :])
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
@@ -304,7 +319,9 @@ def replay_verify(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
+    block_n: int | None = None,
     dot_precision: str | None = None,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
 
@@ -325,6 +342,8 @@ def replay_verify(
         time_step_limit: (min, max) clamp of dt after softplus.
         out: optional (B, T, H, P) output buffer; allocated like x when None.
         block_p: head_dim rows per program (power of two >= 16); default 32 capped by next_pow2(P).
+        block_n: d_state chunk walked per iteration (power of two >= 16); default 32 capped by next_pow2(N).
+        num_warps: warps per program (default 8).
         dot_precision: tl.dot input precision for the fp32 operands: 'ieee' | 'tf32x3' | 'tf32'; default
             'ieee' in the interpreter, 'tf32x3' on a GPU.
 
@@ -350,10 +369,13 @@ def replay_verify(
         return out
 
     BLOCK_T = max(16, triton.next_power_of_2(L))
+    # Defaults from the register report of the sm_90 compile (cuobjdump -res-usage): (32, 32) with 8 warps
+    # keeps the tf32x3 variant at 255 registers with a 16-byte stack; larger tiles spill hundreds of bytes.
     BLOCK_P = block_p or max(16, min(32, triton.next_power_of_2(P)))
-    BLOCK_N = max(16, triton.next_power_of_2(N))
-    if BLOCK_P < 16 or BLOCK_P & (BLOCK_P - 1):
-        raise ValueError(f"{name}: block_p must be a power of two >= 16 (tl.dot minimum), got {block_p}")
+    BLOCK_N = block_n or max(16, min(32, triton.next_power_of_2(N)))
+    for blk, what in ((BLOCK_P, "block_p"), (BLOCK_N, "block_n")):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"{name}: {what} must be a power of two >= 16 (tl.dot minimum), got {blk}")
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
     grid = (triton.cdiv(P, BLOCK_P), Bsz, H)
@@ -365,7 +387,7 @@ def replay_verify(
         *history.x.stride(), *history.B.stride(), *history.dt.stride(), *history.dA_cumsum.stride(),
         HAS_D=D is not None, HAS_DT_LIMIT=has_limit, DOT_PRECISION=dot_precision,
         CHECKPOINT=history.checkpointing, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
 
@@ -399,14 +421,16 @@ def replay_verify_ref(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
+    block_n: int | None = None,
     dot_precision: str | None = None,
+    num_warps: int = 8,
 ) -> torch.Tensor:
-    """PyTorch reference of `replay_verify` (same arguments and effects; block_p, dot_precision ignored).
+    """PyTorch reference of `replay_verify` (same arguments and effects; block sizes, dot_precision ignored).
 
     Independent of the kernel's closed form: the fast-forward replays the old tokens one at a time with
     exp(A dt'_j) from `history.dt`, and the outputs run the recurrence token by token.
     """
-    del block_p, dot_precision
+    del block_p, block_n, dot_precision, num_warps
     name = "replay_verify_ref"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)

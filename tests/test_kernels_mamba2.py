@@ -303,6 +303,34 @@ def test_replay_awkward_sizes(T):
         assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_replay_walks_d_state_in_chunks(checkpointing):
+    """N = 40 in chunks of 16 (ragged last chunk), P = 20 in blocks of 16: every tile is visited once."""
+    S, H, P, N, G, T = 3, 2, 20, 40, 1, 3
+    L = 8 if checkpointing else T
+    A, D, dt_bias = make_params(H)
+    hist = random_history(S, L, H, P, G, N, torch.float32, A, seed=9, checkpointing=checkpointing)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    pnat = torch.tensor([3, 0, 2 if checkpointing else 3], dtype=torch.int32, device=DEV)  # ckpt: no flush
+    if checkpointing:
+        pnat[0] = 7  # slot 0: 7 + 3 > 8, flush
+    bufidx = torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV)
+    x, dt, B, C = make_inputs(2, T, H, P, G, N, torch.float32, seed=10)
+    state = torch.randn(S, H, P, N, device=DEV)
+    res = []
+    for fn in (replay_verify, replay_verify_ref):
+        st, h = state.clone(), clone_history(hist)
+        out = nan_like((2, T, H, P), torch.float32)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16, block_n=16)
+        res.append((st, h, out))
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = res
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+    assert not torch.equal(st_k[0], state[0]), "slot 0 must have been fast-forwarded"
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+
+
 def test_replay_garbage_metadata_is_clamped():
     """PNAT outside [0, L] and buffer indices other than 0/1 never index out of range."""
     S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 2, 4
