@@ -67,9 +67,9 @@ def inputs(seed, Bsz=BATCH, dtype=torch.bfloat16):
 
 def slots_with_pad(seed):
     g = torch.Generator().manual_seed(seed)
-    slot_ids = torch.randperm(SLOTS, generator=g)[:BATCH].to(torch.int32)
+    slot_ids = (1 + torch.randperm(SLOTS - 1, generator=g)[:BATCH]).to(torch.int32)  # distinct slots
     slot_ids[5] = -1
-    slot_ids[17] = 0  # slot 0 is live
+    slot_ids[17] = 0  # slot 0 is live (and named once)
     return slot_ids.cuda()
 
 
