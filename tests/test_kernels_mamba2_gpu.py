@@ -162,7 +162,7 @@ def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpo
     state0 = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
     steps = [(inputs(10 + i), slots_with_pad(20 + i),
               torch.randint(1, T + 1, (BATCH,), device="cuda", dtype=torch.int32)) for i in range(6)]
-    L = 16 if checkpointing else T  # six steps of up to 4 accepted tokens: at least one flush per slot
+    L = 16 if checkpointing else T  # checkpointing: six steps of up to 4 accepted tokens, some slots flush
     hist_len = L if checkpointing else None
 
     def new_history():
