@@ -190,14 +190,15 @@ class CheckedEngine(Engine):
                 got, want = buf[slot], getattr(ref_layer, name)[slot]
                 if isinstance(layer, KVCache):
                     got, want = got[:length], want[:length]
-                torch.testing.assert_close(got, want, **tol, msg=lambda m: f"layer {idx} {name}: {m}")
+                where = f"slot {slot}, cache layer {idx}, {name}"
+                torch.testing.assert_close(got, want, **tol, msg=lambda m, where=where: f"{where}: {m}")
         torch.testing.assert_close(self._mtp_hidden[slot], mtp_out, **tol)
         assert int(self._draft1[slot]) == int(ref.model.lm_logits(mtp_out).argmax())
 
 
-def _checked_run(path, prompts, plain, K, schedules=None):
+def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8192):
     kw = dict(draft_len=K, max_batch_size=3, max_seq_len=64)
-    engine = CheckedEngine.from_pretrained(path, prefill_chunk_tokens=7, **kw)
+    engine = CheckedEngine.from_pretrained(path, prefill_chunk_tokens=prefill_chunk_tokens, **kw)
     engine.attach(Engine.from_pretrained(path, **kw), prompts, plain, schedules)
     finished = []
     out = engine.generate(
@@ -224,7 +225,8 @@ def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(ckpt, K
     """Real MTP weights: equal output, and after every verify + commit each slot's cache equals the
     reference that decoded only the accepted tokens (requests of different lengths join and leave)."""
     path, prompts, plain = ckpt
-    engine, s = _checked_run(path, prompts, plain, K)
+    chunk = 7 if K == 3 else 8192  # once with chunked prefill (the MTP catches up chunk by chunk)
+    engine, s = _checked_run(path, prompts, plain, K, prefill_chunk_tokens=chunk)
     assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
     _check_counters(s, K, engine.realized_accepts)
 
@@ -239,3 +241,109 @@ def test_ragged_forced_acceptance_keeps_each_rows_state(ckpt, K):
     engine, s = _checked_run(path, prompts, plain, K, schedules)
     _check_counters(s, K, engine.realized_accepts)
     assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0
+
+
+# ---------------------------------------------------------------------------- PAD rows and bad counts
+
+
+def _all_rows(engine, slot):
+    """{(cache index, buffer name): the slot's row} of every cache buffer (rewind buffers included)."""
+    layers = engine.cache.layers.items()
+    return {(i, k): t[slot].clone() for i, lay in layers for k, t in vars(lay).items() if t is not None}
+
+
+@torch.inference_mode()
+def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
+    path, prompts, _ = ckpt
+    K, T = 3, 4
+    engines = [Engine.from_pretrained(path, draft_len=K, max_batch_size=3, max_seq_len=64) for _ in range(2)]
+    for e in engines:
+        e._prefill([prompts[0], prompts[1], prompts[2]], [0, 1, 2])
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 5, (3, T))
+    lens = torch.tensor([len(prompts[0]), 7, len(prompts[2])])
+    live = [_all_rows(engines[0], s) for s in range(3)]
+    with_pad, without = engines
+    # rows 0 and 2 are slots 0 and 2; row 1 is PAD (slot 1 is live but not in this batch)
+    slots = torch.tensor([0, -1, 2])
+    h_pad = with_pad.model(tokens, with_pad.cache, BatchMeta.decode(slots, lens, T, verify=True))
+    for bad in ([2, 0, 4], [2, 1, 5], [-1, 1, 1]):  # a PAD row's 0 is rejected like any other
+        with pytest.raises(ValueError, match=r"\[1, T=4\]"):
+            with_pad.cache.commit(slots, torch.tensor(bad))
+    for s in range(3):  # a verify (and a rejected commit) changes no slot's committed state
+        n = len(prompts[s])  # KV entries at positions >= the slot's length are not state yet
+        for key, t in _all_rows(with_pad, s).items():
+            kv = isinstance(with_pad.cache[key[0]], KVCache)
+            if key[1] not in SPEC_SCRATCH:
+                want = live[s][key]
+                torch.testing.assert_close(t[:n] if kv else t, want[:n] if kv else want, rtol=0, atol=0)
+    with_pad.cache.commit(slots, torch.tensor([2, 1, 4]))
+    for key, t in _all_rows(with_pad, 1).items():  # the PAD row neither read nor wrote slot 1
+        torch.testing.assert_close(t, live[1][key], rtol=0, atol=0)
+    real = torch.tensor([0, 2])
+    h = without.model(tokens[[0, 2]], without.cache, BatchMeta.decode(real, lens[[0, 2]], T, verify=True))
+    without.cache.commit(real, torch.tensor([2, 4]))
+    torch.testing.assert_close(h_pad[[0, 2]], h, atol=1e-5, rtol=1e-5)
+    for s in (0, 2):
+        for key, t in _all_rows(with_pad, s).items():
+            torch.testing.assert_close(t, _all_rows(without, s)[key], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- memory report
+
+
+def test_speculative_buffers_only_with_speculation(ckpt, caplog):
+    path, _, _ = ckpt
+    S, L = 2, 32
+    plain = Engine.from_pretrained(path, max_batch_size=S, max_seq_len=L)
+    m0 = plain.cache_memory()
+    assert set(m0) == {"ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes"}
+    assert m0["spec_buffers_bytes"] == 0 and not hasattr(plain, "_mtp_hidden")
+    states = [l for l in plain.cache.layers.values() if isinstance(l, Mamba2State)]
+    assert states and all(l.conv_steps is None and l.ssm_steps is None for l in states)
+    c, R = plain.config, S + 1  # R: rows, the scratch row included
+    H, P, N = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
+    C, W1 = c.mamba_conv_dim, c.conv_kernel - 1
+    kv_layer = 2 * R * L * c.num_key_value_heads * c.head_dim * 4  # float32 k and v
+    n_mamba, n_attn = len(states), c.layer_types.count("attention")
+    assert m0["ssm_state_bytes"] == n_mamba * R * H * P * N * 4
+    assert m0["conv_state_bytes"] == n_mamba * R * C * W1 * 4
+    assert m0["kv_cache_bytes"] == n_attn * kv_layer
+    with caplog.at_level(logging.WARNING, logger="runners.engine"):
+        spec = {
+            K: Engine.from_pretrained(path, draft_len=K, ssm_replay=K == 7, max_batch_size=S, max_seq_len=L)
+            for K in (3, 7)
+        }
+    assert "committing by rewind" in caplog.text  # ssm_replay is accepted, rewind is what runs today
+    for K, e in spec.items():
+        m, T = e.cache_memory(), K + 1
+        assert {k: m[k] for k in ("ssm_state_bytes", "conv_state_bytes")} == {
+            k: m0[k] for k in ("ssm_state_bytes", "conv_state_bytes")
+        }
+        assert m["kv_cache_bytes"] == m0["kv_cache_bytes"] + kv_layer  # + the MTP attention's own KV cache
+        rewind = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
+        assert m["spec_buffers_bytes"] == rewind + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
+    with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
+        Engine.from_pretrained(path, ssm_replay=True, max_batch_size=S, max_seq_len=L)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_generation_stats_raw_sums_and_derived_metrics():
+    s = GenerationStats()
+    assert s.acceptance_rate is None and s.acceptance_length is None and s.acceptance_per_position == []
+    s.record_step([3, 0, 1], 3)
+    s.record_step([2], 3)
+    assert (s.drafted_tokens, s.accepted_drafts, s.request_steps) == (12, 6, 4)
+    assert s.accepted_per_position == [3, 2, 1] and s.num_accepted_hist == [0, 1, 1, 1, 1]
+    d = s.to_dict()
+    assert d["acceptance_rate"] == 0.5 and d["acceptance_length"] == 2.5
+    assert d["acceptance_per_position"] == [0.75, 0.5, 0.25]
+    assert GenerationStats.from_dict(d) == s
+    total = s + GenerationStats.from_dict(d)
+    assert total.accepted_per_position == [6, 4, 2] and total.acceptance_rate == 0.5
+    with pytest.raises(ValueError, match=r"\[0, K=3\]"):
+        s.record_step([4], 3)
+    with pytest.raises(ValueError, match="K=3"):
+        s.record_step([1], 2)
