@@ -114,8 +114,6 @@ def test_stop_token_inside_an_accepted_run(ckpt):
 
 # ---------------------------------------------------------------------------- state invariants after commit
 
-# Tensors a verify step uses as scratch (the rewind buffers): not part of a slot's committed state.
-SPEC_SCRATCH = {"conv_steps", "ssm_steps"}
 # Per-request output lengths (finish at different steps; 16 = MAX_NEW), for the 6 prompts of the fixture.
 LIMITS = (16, 5, 11, 2, 16, 9)
 
@@ -185,7 +183,7 @@ class CheckedEngine(Engine):
         for idx, layer in self.cache.layers.items():
             ref_layer = ref.cache[idx]
             for name, buf in vars(layer).items():
-                if buf is None or name in SPEC_SCRATCH:
+                if buf is None or name in layer.spec_buffers:  # a verify's scratch, not state
                     continue
                 got, want = buf[slot], getattr(ref_layer, name)[slot]
                 if isinstance(layer, KVCache):
@@ -274,7 +272,7 @@ def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
         n = len(prompts[s])  # KV entries at positions >= the slot's length are not state yet
         for key, t in _all_rows(with_pad, s).items():
             kv = isinstance(with_pad.cache[key[0]], KVCache)
-            if key[1] not in SPEC_SCRATCH:
+            if key[1] not in with_pad.cache[key[0]].spec_buffers:
                 want = live[s][key]
                 torch.testing.assert_close(t[:n] if kv else t, want[:n] if kv else want, rtol=0, atol=0)
     with_pad.cache.commit(slots, torch.tensor([2, 1, 4]))
@@ -301,6 +299,7 @@ def test_speculative_buffers_only_with_speculation(ckpt, caplog):
     assert m0["spec_buffers_bytes"] == 0 and not hasattr(plain, "_mtp_hidden")
     states = [l for l in plain.cache.layers.values() if isinstance(l, Mamba2State)]
     assert states and all(l.conv_steps is None and l.ssm_steps is None for l in states)
+    assert all(getattr(l, b) is None for l in plain.cache.layers.values() for b in l.spec_buffers)
     c, R = plain.config, S + 1  # R: rows, the scratch row included
     H, P, N = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
     C, W1 = c.mamba_conv_dim, c.conv_kernel - 1
