@@ -100,6 +100,17 @@ class GenerationStats:
             for i in range(a):
                 self.accepted_per_position[i] += 1
 
+    def acceptance(self) -> dict:
+        """The ``acceptance`` section of results.json: ``{rate, length, per_position, drafted, accepted}``
+        (rate and length None without drafts)."""
+        return {
+            "rate": self.acceptance_rate,
+            "length": self.acceptance_length,
+            "per_position": self.acceptance_per_position,
+            "drafted": self.drafted_tokens,
+            "accepted": self.accepted_drafts,
+        }
+
     def to_dict(self) -> dict:
         """The raw sums (the dataclass fields) plus the derived metrics of :data:`DERIVED`."""
         d = asdict(self)
