@@ -837,7 +837,8 @@ def _format_check(ch: dict[str, Any]) -> str:
         return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
 
     if ch["status"] == "no_reference":
-        return f"{f(ch['value'])}: no reference ({ch.get('note') or 'no row'})"
+        why = (ch.get("note") or "no row").splitlines()[0]
+        return f"{f(ch['value'])}: no reference ({why})"
     word = "pass" if ch["status"] == "pass" else "FAIL"
     ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
     return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
