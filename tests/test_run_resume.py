@@ -68,8 +68,8 @@ def _run_py(tmp_path, gsm8k_dir, *args, hang_after=None, popen=False):
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)]), "GSM8K_DIR": str(gsm8k_dir),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)]),
+           "GSM8K_DIR": str(gsm8k_dir), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop("SCRIPTED_HANG_AFTER", None)
     if hang_after is not None:
         env["SCRIPTED_HANG_AFTER"] = str(hang_after)
