@@ -314,7 +314,7 @@ def load_run_samples(run_dir: str | Path, *, id_key: str = "doc_id") -> dict[Any
         flat = dict(rec)
         for name, value in (rec.get("correct") or {}).items():
             flat.setdefault(name, value)
-        if "tokens" not in flat and generations and "request_key" in rec:
+        if "tokens" not in flat and gen_path.exists() and "request_key" in rec:
             if rec["request_key"] not in generations:
                 raise ComparisonError(
                     f"{gen_path}: no generation for sample {sid!r} (request_key {rec['request_key']})"
