@@ -1,11 +1,14 @@
-"""The application: a composed Hydra config in, one GSM8K evaluation run and its results.json out.
+"""The application: a composed Hydra config in, one judged GSM8K evaluation run and its report out.
 
 `run(cfg)` is what run.py and the tests call. It validates the config (registry schema, top-level schema,
-cross-setting rules), resolves the effective settings (top-level ssm_replay / world_size override the
-entry's), checks the checkpoint directory, builds the engine, evaluates GSM8K and writes results.json. Every
-problem the user can fix raises runners.errors.UserError before anything heavy is loaded. The engine and the
-evaluation are imported inside run(), so composing, `--cfg job` and validation work without them (and
-without torch).
+cross-setting rules), resolves the effective settings (top-level ssm_replay / draft_len / world_size override
+the entry's), checks the checkpoint directory and that a baseline row exists, builds the engine, evaluates
+GSM8K (resumable: evals.gsm8k streams every finished request to disk), judges the scores against the
+baselines (evals.verdict), and writes results.json (docs/results_schema.md), summary.md and plots
+(evals.report). `compare=replay` runs the rewind and the replay arm and compares them (evals.compare).
+`exit_code(results)` is the process status. Every problem the user can fix raises runners.errors.UserError
+before anything heavy is loaded. The engine and the evaluation are imported inside run(), so composing,
+`--cfg job` and validation work without them (and without torch).
 """
 
 from __future__ import annotations

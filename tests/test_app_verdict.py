@@ -5,13 +5,17 @@ evaluation and baseline files written by the test (hand-computed thresholds)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from test_app import FakeEngine, _cfg, fakes, make_checkpoint  # noqa: F401
+from test_app import FAKE_SITECUSTOMIZE, FakeEngine, _cfg, fakes, make_checkpoint  # noqa: F401
 
 import evals.baselines
 from runners import app
+from runners.app import REPO_ROOT
 from runners.errors import UserError
 
 # Reference 50 % with a per-row sigma of 10 points; the fake run scores n = 4 samples. By hand:
@@ -204,3 +208,25 @@ def test_empty_generations_file_is_not_a_run(fakes, tmp_path):
     _run(tmp_path)
     assert Path(fakes[0]["out_dir"]) == out and fakes[0]["resume"] is False
 
+
+
+def test_run_py_exit_status_one_when_a_check_fails(baselines, tmp_path):
+    """The whole command: a failed check (acceptance rate 0.5 below a 0.9 floor) gives exit status 1."""
+    baselines(rate_floor=0.9)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    site = tmp_path / "site"
+    site.mkdir()
+    patch_baselines = (f"import evals.baselines, pathlib\n"
+                       f"evals.baselines.GSM8K_BASELINES = pathlib.Path({str(tmp_path / 'gsm8k.yaml')!r})\n"
+                       f"evals.baselines.ACCEPTANCE_BASELINES = pathlib.Path("
+                       f"{str(tmp_path / 'acceptance.yaml')!r})\n")
+    tests_dir = str(Path(__file__).parent)
+    (site / "sitecustomize.py").write_text(FAKE_SITECUSTOMIZE.format(tests=tests_dir) + patch_baselines)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), f"model.checkpoint={ckpt}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "verdict                  FAIL" in proc.stdout
+    assert "acceptance.rate        0.5000 vs threshold 0.9000: FAIL" in proc.stdout
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["verdict"]["passed"] is False
