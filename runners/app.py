@@ -545,8 +545,12 @@ def check_references(rr: ResolvedRun) -> None:
         raise UserError(err.problem, err.fix) from None
 
 
-def _check_out_dir(out_dir: Path, resume: bool) -> None:
-    """An out_dir holding an earlier run's generations is resumed only when asked (resume=true)."""
+def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
+    """Refuse to overwrite or to mix runs, before the model is loaded.
+
+    Without resume, an out_dir holding an earlier run's generations is an error; with resume, the stored
+    fingerprint (generations.meta.json, written by evals.gsm8k) must equal `fp`. Raises UserError.
+    """
     gen = out_dir / GENERATIONS_FILE
     if not resume and gen.is_file() and gen.stat().st_size > 0:
         raise UserError(
@@ -554,6 +558,23 @@ def _check_out_dir(out_dir: Path, resume: bool) -> None:
             "pass resume=true to continue that run (finished samples are kept), or choose another out_dir= "
             "/ hydra.run.dir=",
         )
+    meta = out_dir / "generations.meta.json"
+    if resume and meta.is_file():
+        try:
+            stored = json.loads(meta.read_text()).get("fingerprint") or {}
+        except (json.JSONDecodeError, AttributeError):
+            stored = None
+        if stored is None:
+            raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
+                            "choose another out_dir= / hydra.run.dir=, or delete that folder")
+        now = json.loads(json.dumps(fp))
+        diff = sorted(k for k in stored.keys() | now.keys() if stored.get(k) != now.get(k))
+        if diff:
+            what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            raise UserError(
+                f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
+                "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",
+            )
 
 
 def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
@@ -727,9 +748,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rr = resolve(cfg)
     check_references(rr)
     out_dir = _out_dir(rr.app, rr.entry.name)
-    arms = [out_dir / a for a in COMPARE_ARMS] if rr.app.compare else [out_dir]
-    for d in arms:
-        _check_out_dir(d, rr.app.resume)
+    if rr.app.compare:
+        for arm, replay in zip(COMPARE_ARMS, (False, True)):
+            arm_fp = fingerprint(dataclasses.replace(rr, ssm_replay=replay))
+            _check_out_dir(out_dir / arm, rr.app.resume, arm_fp)
+    else:
+        _check_out_dir(out_dir, rr.app.resume, fingerprint(rr))
 
     if rr.device == "cpu":
         # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
@@ -775,9 +799,16 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     with open(out_dir / "comparison.json", "w") as f:
         json.dump(comp, f, indent=2)
 
+    # The top-level verdict: the replay arm's checks, the rewind arm's (prefixed "rewind."), the comparison's.
+    from evals.verdict import Check
+
+    rewind_checks = []
+    for c in arm_results[COMPARE_ARMS[0]][1]["verdict"]["checks"]:
+        fields = {k: v for k, v in c.items() if k != "passed"}
+        rewind_checks.append(Check(**{**fields, "name": f"{COMPARE_ARMS[0]}.{c['name']}"}))
     replay_rr, results = arm_results[COMPARE_ARMS[1]]
     results = dict(results)
-    results["verdict"] = _verdict(replay_rr, results, checks).to_dict()
+    results["verdict"] = _verdict(replay_rr, results, rewind_checks + checks).to_dict()
     results["comparison"] = comp
     print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / 'comparison.json'}")
     _finish(results, out_dir)

@@ -201,6 +201,21 @@ def test_existing_out_dir_needs_resume(fakes, tmp_path):
     assert call["resume"] is True and call["out_dir"] == str(out)
 
 
+def test_resume_with_other_settings_is_refused_before_loading(fakes, tmp_path):
+    make_checkpoint(tmp_path / "ckpt")
+    _run(tmp_path)
+    stored = dict(fakes[0]["fingerprint"])
+    out = tmp_path / "out"
+    (out / "generations.jsonl").write_text('{"key": "k", "text": "t"}\n')
+    (out / "generations.meta.json").write_text(json.dumps({"fingerprint": stored}))  # as evals.gsm8k writes
+    FakeEngine.built.clear()
+    with pytest.raises(UserError) as e:
+        _run(tmp_path, "resume=true", "draft_len=0")
+    assert "other settings (draft_len: 3 then, 0 now)" in e.value.problem and not FakeEngine.built
+    _run(tmp_path, "resume=true")  # the same settings resume
+    assert fakes[-1]["resume"] is True and fakes[-1]["fingerprint"] == stored
+
+
 def test_empty_generations_file_is_not_a_run(fakes, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

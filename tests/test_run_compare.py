@@ -89,6 +89,9 @@ def test_a_flipped_sample_and_diverged_tokens_fail_in_float32(fakes, tmp_path, m
                                   "comparison.flexible_extract.flipped": "fail",
                                   "comparison.diverged": "fail"}
     assert results["verdict"]["passed"] is False and app.exit_code(results) == 1
+    names = [c["name"] for c in results["verdict"]["checks"]]
+    assert names[:3] == ["gsm8k.mean", "acceptance.rate", "acceptance.length"]  # the replay arm's
+    assert names[3:6] == ["rewind.gsm8k.mean", "rewind.acceptance.rate", "rewind.acceptance.length"]
     assert "comparison.diverged                  1 vs threshold 0" in capsys.readouterr().out
 
 
