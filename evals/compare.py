@@ -390,8 +390,9 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
             checks.append(Check("comparison.diverged", None, None, None, NO_REFERENCE, "samples",
                                 "no generated token ids recorded: divergence not checked"))
         else:
-            note = (f"{div.num_diverged} of {div.n} samples' generated tokens differ; first divergence at "
-                    f"token {div.min_first_divergence}; pass if none differ")
+            where = (f"; first divergence at token {div.min_first_divergence}"
+                     if div.min_first_divergence is not None else "")
+            note = f"{div.num_diverged} of {div.n} samples' generated tokens differ{where}; pass if none do"
             status = PASS if div.num_diverged == 0 else FAIL
             checks.append(Check("comparison.diverged", float(div.num_diverged), 0.0, 0.0, status, "samples",
                                 note, {"min_first_divergence": div.min_first_divergence}))
