@@ -492,6 +492,14 @@ def gsm8k_data_dir(configured: str | None) -> str | None:
     return None
 
 
+def _raised_in(e: BaseException) -> str:
+    """Module name of the frame that raised `e` (a builtin ValueError's type says nothing about that)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+
+
 @contextlib.contextmanager
 def _user_errors(setting: str):
     """Turn the loader's, the evaluation's and the baselines' input errors into UserError (no traceback).
@@ -508,8 +516,7 @@ def _user_errors(setting: str):
     except Exception as e:
         if hasattr(e, "problem") and hasattr(e, "fix"):
             raise UserError(e.problem, e.fix) from None
-        ours = type(e).__module__.startswith(("runners", "evals"))
-        if ours and isinstance(e, CheckpointError | ValueError):
+        if isinstance(e, CheckpointError | ValueError) and _raised_in(e).startswith(("runners.", "evals.")):
             raise UserError(str(e), f"check {setting}") from None
         raise
 
@@ -668,7 +675,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     engine = _build_engine(rr)
     t_loaded = time.perf_counter()
-    with _user_errors("eval.data_dir / $GSM8K_DIR, or resume / out_dir"):
+    with _user_errors("the eval.* settings, model.max_seq_len, eval.data_dir / $GSM8K_DIR"):
         result = _evaluate_fn()(
             engine,
             str(rr.checkpoint_dir / "tokenizer.json"),

@@ -245,3 +245,12 @@ def test_run_py_exit_status_one_when_a_check_fails(baselines, tmp_path):
     assert "verdict                  FAIL" in proc.stdout
     assert "acceptance.rate        0.5000 vs threshold 0.9000: FAIL" in proc.stdout
     assert json.loads((tmp_path / "run" / "results.json").read_text())["verdict"]["passed"] is False
+
+
+def test_engine_value_error_becomes_a_user_error(gsm8k_dir, tmp_path):
+    """A ValueError raised inside runners / evals (here the real engine on the shipped tiny checkpoint,
+    refusing prompts longer than max_seq_len) is reported as error / fix, not as a traceback."""
+    cfg = _cfg("model.max_seq_len=8", "eval.limit=1", f"eval.data_dir={gsm8k_dir}", f"out_dir={tmp_path}")
+    with pytest.raises(UserError) as e:
+        app.run(cfg)
+    assert "> max_seq_len=8" in e.value.problem and "model.max_seq_len" in e.value.fix
