@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
         res[name] = _best(
             lambda bv: (lambda: gdn_replay_verify(q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out,
                                                   block_v=bv)),
-            (16, 32, 64), state_traffic + in_bytes + (n_old + T) * B * hist_tok, dev)
+            blocks, state_traffic + in_bytes + (n_old + T) * B * hist_tok, dev)
     pnat.zero_()
     t_commit = _time_ms(lambda: gdn_replay_commit(pnat, buf, slot_ids, num_accepted, T), dev) * 1e3
     res["replay_commit"] = {"us": round(t_commit, 2)}
