@@ -225,8 +225,9 @@ def compile_check() -> dict:
     for ckpt in (False, True):
         for bp, nw in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8)):
             res[f"replay_{'ckpt_' if ckpt else ''}p{bp}_w{nw}"] = usage(
-                mamba2_replay._replay_verify_kernel, dict(HAS_D=True, HAS_DT_LIMIT=False, CHECKPOINT=ckpt,
-                                                          BLOCK_P=bp, BLOCK_N=128), nw)
+                mamba2_replay._replay_verify_kernel, dict(T=4, L=16 if ckpt else 4, HAS_D=True, HAS_DT_LIMIT=False,
+                                                          CHECKPOINT=ckpt, BLOCK_T=4, BLOCK_P=bp, BLOCK_N=128),
+                nw)
     return res
 
 

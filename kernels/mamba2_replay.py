@@ -147,7 +147,7 @@ def allocate_replay_slot_state(num_slots: int, *, device: torch.device | str) ->
 def _replay_verify_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
     xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr,
-    T, L, P, N, heads_per_group, dt_min, dt_max,
+    P, N, heads_per_group, dt_min, dt_max,
     s_ss, s_sh, s_sp, s_sn,
     s_xb, s_xt, s_xh, s_xp,
     s_dtb, s_dtt, s_dth,
@@ -158,8 +158,9 @@ def _replay_verify_kernel(
     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
     s_dths, s_dthi, s_dthh, s_dtht,
     s_chs, s_chi, s_chh, s_cht,
+    T: tl.constexpr, L: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
     # is read once, advanced token by token (k old, then T new ones) with CUDA-core FMAs, written at most
@@ -204,60 +205,101 @@ def _replay_verify_kernel(
     mask_keep_B = offs_n < tl.where(keep_th & first_h, N, 0)
 
     A = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    # ---- 0. the new tokens' small quantities, before the state load: dt', cumsum, x, B, C ----
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    dtv = tl.load(dt_ptr + b * s_dtb + offs_t * s_dtt + h * s_dth, mask=mask_t, other=0.0).to(tl.float32)
+    dtv = dtv + dt_bias
+    dtv = tl.where(dtv <= 20.0, tl.log(1.0 + tl.exp(dtv)), dtv)  # softplus, torch's threshold of 20
+    if HAS_DT_LIMIT:
+        dtv = tl.minimum(tl.maximum(dtv, dt_min), dt_max)
+    dtv = tl.where(mask_t, dtv, 0.0)
+    cum = tl.cumsum(A * dtv, axis=0)  # (BLOCK_T,) cum_t = sum_{i <= t} A dt'_i within this verify
+    x_raw = tl.load(x_ptr + b * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # (BLOCK_T, BLOCK_P)
+    xv = x_raw.to(tl.float32)
+    B_raw = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
+                    mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N)
+    Cv = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
+                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    # intra-verify term: sum_{j <= t} (C_t . B_j) exp(cum_t - cum_j) dt'_j x_j, on (T, T) and (T, P) blocks
+    CB = tl.sum(Cv[:, None, :] * B_raw.to(tl.float32)[None, :, :], axis=2)  # (BLOCK_T, BLOCK_T)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    Mtj = tl.where(causal, CB * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dtv[None, :], 0.0)
+    intra = tl.sum(Mtj[:, :, None] * xv[None, :, :], axis=1)  # (BLOCK_T, BLOCK_P)
+
     state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
 
-    # ---- 1. fast-forward by the k accepted (pending) old tokens, one at a time as the recurrence does ----
-    c_last = A * 0.0  # cumsum of the last pending token (0 when k = 0)
-    for j in range(0, k):
-        dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht)
-        xj = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + j * s_xht + h * s_xhh + offs_p * s_xhp,
-                     mask=mask_p, other=0.0).to(tl.float32)
-        Bj_raw = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+    # ---- 1. fast-forward by the k accepted (pending) old tokens, closed form with fp32 FMAs ----
+    #   h <- exp(c_{k-1}) h + sum_{j<k} (w_j x_j) B_j^T,  w_j = exp(c_{k-1} - c_j) dt'_j  (c: dA_cumsum)
+    p_c = cumh_ptr + s * s_chs + rb * s_chi + h * s_chh
+    c_last = tl.load(p_c + (k - 1) * s_cht, mask=live & (k > 0), other=0.0)
+    hs = hs * tl.exp(c_last)
+    if L <= 8:  # short history (per-step replay): unrolled, masked tokens add exact zeros
+        for j in tl.static_range(L):
+            use = live & (j < k)
+            wj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
+            wj = wj * tl.exp(c_last - tl.load(p_c + j * s_cht, mask=use, other=0.0))
+            xj = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + j * s_xht + h * s_xhh + offs_p * s_xhp,
+                         mask=mask_p & (offs_p < tl.where(use, P, 0)), other=0.0).to(tl.float32)
+            Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+                         mask=offs_n < tl.where(use, N, 0), other=0.0)
+            hs += (wj * xj)[:, None] * Bj.to(tl.float32)[None, :]
+            if CHECKPOINT:
+                cj = tl.load(p_c + j * s_cht, mask=use, other=0.0)
+                dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th & use)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th & use)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B & (offs_n < tl.where(use, N, 0)))
+    else:  # long checkpointing window: loop over the pending tokens only
+        for j in range(0, k):
+            dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht)
+            cj = tl.load(p_c + j * s_cht)
+            xj = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + j * s_xht + h * s_xhh + offs_p * s_xhp,
+                         mask=mask_p, other=0.0).to(tl.float32)
+            Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
                          mask=mask_n, other=0.0)
-        hs = hs * tl.exp(A * dtj) + (dtj * xj)[:, None] * Bj_raw.to(tl.float32)[None, :]
-        cj = tl.load(cumh_ptr + s * s_chs + rb * s_chi + h * s_chh + j * s_cht)
-        c_last = cj
-        if CHECKPOINT:
-            tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th)
-            tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th)
-            tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj_raw,
-                     mask=mask_keep_B)
+            hs += ((dtj * tl.exp(c_last - cj)) * xj)[:, None] * Bj.to(tl.float32)[None, :]
+            if CHECKPOINT:
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B)
     store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
     tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
     # the new tokens start from the state as stored: replay rounds it exactly where rewind's commit does
     hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
 
-    # ---- 2. the T new tokens: outputs, and their x, B, dt', cumsum become history ----
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if HAS_D:
-        D = tl.load(D_ptr + h).to(tl.float32)
-    cum = tl.where(flush, 0.0, c_last)  # checkpointing without a flush: the cumsum continues
-    mask_Bw = offs_n < tl.where(live & first_p & first_h, N, 0)
-    for t in range(T):
-        pos = base + t
-        x_raw = tl.load(x_ptr + b * s_xb + t * s_xt + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-        xt = x_raw.to(tl.float32)
-        dtt = tl.load(dt_ptr + b * s_dtb + t * s_dtt + h * s_dth).to(tl.float32) + dt_bias
-        dtt = tl.where(dtt <= 20.0, tl.log(1.0 + tl.exp(dtt)), dtt)  # softplus, torch's threshold of 20
-        if HAS_DT_LIMIT:
-            dtt = tl.minimum(tl.maximum(dtt, dt_min), dt_max)
-        B_raw = tl.load(B_ptr + b * s_Bb + t * s_Bt + g * s_Bg + offs_n * s_Bn, mask=mask_n, other=0.0)
+    # ---- 2. outputs: y_t = exp(cum_t) (C_t . h) + intra_t + D x_t: one pass over the state tile ----
+    CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    for t in tl.static_range(T):
         Ct = tl.load(C_ptr + b * s_Cb + t * s_Ct + g * s_Cg + offs_n * s_Cn, mask=mask_n, other=0.0)
-        hs = hs * tl.exp(A * dtt) + (dtt * xt)[:, None] * B_raw.to(tl.float32)[None, :]
-        y = tl.sum(hs * Ct.to(tl.float32)[None, :], axis=1)
-        if HAS_D:
-            y += D * xt
-        y = tl.where(live, y, 0.0)
-        tl.store(out_ptr + b * s_ob + t * s_ot + h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty),
-                 mask=mask_p)
-        cum += A * dtt
-        tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos * s_xht + h * s_xhh + offs_p * s_xhp,
-                 x_raw.to(xh_ptr.dtype.element_ty), mask=mask_pl)
-        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtt, mask=first_p & live)
-        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum, mask=first_p & live)
-        tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos * s_Bht + g * s_Bhg + offs_n * s_Bhn,
-                 B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_Bw)
+        ch = tl.sum(hs * Ct.to(tl.float32)[None, :], axis=1)  # (BLOCK_P,)
+        CH = tl.where(offs_t[:, None] == t, ch[None, :], CH)
+    y = tl.exp(cum)[:, None] * CH + intra
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * xv
+    y = tl.where(offs_t[:, None] < tl.where(live, T, 0), y, 0.0)
+    tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
+             y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
+
+    # ---- 3. the new tokens' x, B, dt', cumsum become history (checkpointing: after the pending ones) ----
+    pos = base + offs_t
+    mask_tl = offs_t < tl.where(live, T, 0)
+    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
+             x_raw.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
+    mask_th = offs_t < tl.where(live & first_p, T, 0)
+    cum_base = tl.where(flush, 0.0, c_last)  # checkpointing without a flush: the cumsum continues
+    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
+    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
+    mask_tg = offs_t < tl.where(live & first_p & first_h, T, 0)
+    tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+             B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
+
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
     S, H, P, N = state.shape
@@ -361,11 +403,11 @@ def replay_verify(
     _replay_verify_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, dt_bias, slot_ids, out,
         history.x, history.B, history.dt, history.dA_cumsum, prev_num_accepted, buffer_index,
-        T, L, P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
+        P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *out.stride(),
         *history.x.stride(), *history.B.stride(), *history.dt.stride(), *history.dA_cumsum.stride(),
-        HAS_D=D is not None, HAS_DT_LIMIT=has_limit,
-        CHECKPOINT=history.checkpointing, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit,
+        CHECKPOINT=history.checkpointing, BLOCK_T=triton.next_power_of_2(T), BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         num_warps=num_warps,
     )
     return out
