@@ -118,50 +118,66 @@ def _gdn_replay_verify_kernel(
     p_s = state + slot * stride_s_slot + i_hv * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
     b_s = tl.load(p_s, mask=m_sl, other=0.0).to(tl.float32)
 
+    # Every global load is issued before the first store (stores may alias later loads, so the compiler could
+    # not hoist them), the state first: its latency overlaps the small-vector work below.
+    # The T new tokens' q, k (normalised), v, g, beta as (TP, .) register blocks.
+    i_tok = (i_b * T + o_t).to(tl.int64)
+    m_tt = o_t < T
+    b_Q = tl.load(q + (i_tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tt[:, None] & m_k[None, :],
+                  other=0.0).to(tl.float32)
+    b_Kn = tl.load(k + (i_tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tt[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+    b_Vn = tl.load(v + (i_tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tt[:, None] & m_v[None, :],
+                   other=0.0).to(tl.float32)
+    b_gv = tl.load(g + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    b_betav = tl.load(beta + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_Q = b_Q * tl.rsqrt(tl.sum(b_Q * b_Q, axis=1) + 1e-6)[:, None]
+        b_Kn = b_Kn * tl.rsqrt(tl.sum(b_Kn * b_Kn, axis=1) + 1e-6)[:, None]
+    b_Q = b_Q * scale
+
     # 1. fast-forward by the n_old accepted tokens of the previous verify, closed form with CUDA-core FMAs:
     #    S <- exp(G_last) S + sum_j exp(G_last - G_j) u_j k_j^T (one FMA per state element and token; a
-    #    tl.dot over a history padded to 16 rows made this kernel compute-bound).
+    #    tl.dot over a history padded to 16 rows made this kernel compute-bound). Unrolled over the TH
+    #    history slots; masked ones add exact zeros.
     p_g = g_hist + slot * stride_g_slot + old * stride_g_buf + i_hv
     b_Glast = tl.load(p_g + (n_old - 1) * stride_g_t, mask=n_old > 0, other=0.0).to(tl.float32)
     b_s = b_s * tl.exp(b_Glast)
-    for j in range(0, n_old):
-        b_c = tl.exp(b_Glast - tl.load(p_g + j * stride_g_t).to(tl.float32))
+    for j in tl.static_range(TH):
+        use = j < n_old
+        b_c = tl.where(use, tl.exp(b_Glast - tl.load(p_g + j * stride_g_t, mask=use, other=0.0)), 0.0)
         b_uj = tl.load(u_hist + slot * stride_u_slot + old * stride_u_buf + j * stride_u_t + i_hv * stride_u_h
-                       + o_v, mask=m_v, other=0.0).to(tl.float32)
+                       + o_v, mask=o_v < tl.where(use, V, 0), other=0.0).to(tl.float32)
         b_kj = tl.load(k_hist + slot * stride_k_slot + old * stride_k_buf + j * stride_k_t + i_h * stride_k_h
-                       + o_k, mask=m_k, other=0.0).to(tl.float32)
+                       + o_k, mask=o_k < tl.where(use, K, 0), other=0.0).to(tl.float32)
         b_s += (b_c * b_uj)[:, None] * b_kj[None, :]
     tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_ff)
 
-    # 2. + 3. the T new tokens, recording u_t, k_t, G_t into the other buffer.
+    # 2. + 3. the T new tokens (rows taken from the register blocks), recording u_t, k_t, G_t into the other
+    # buffer.
     write_k = live & (i_v == 0) & (i_hv % (HV // H) == 0)
     m_kw = o_k < tl.where(write_k, K, 0)
     m_vw = o_v < tl.where(live, V, 0)
-    b_gnew = tl.zeros([TP], dtype=tl.float32)
-    for t in range(T):
-        i_tok = (i_b * T + t).to(tl.int64)
-        b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + i_tok * HV + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * scale
+    for t in tl.static_range(T):
+        sel = o_t == t
+        b_q = tl.sum(tl.where(sel[:, None], b_Q, 0.0), axis=0)
+        b_k = tl.sum(tl.where(sel[:, None], b_Kn, 0.0), axis=0)
+        b_v = tl.sum(tl.where(sel[:, None], b_Vn, 0.0), axis=0)
+        b_g = tl.sum(tl.where(sel, b_gv, 0.0))
+        b_beta = tl.sum(tl.where(sel, b_betav, 0.0))
 
         b_s = b_s * tl.exp(b_g)
         b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], axis=1))
         b_s = b_s + b_u[:, None] * b_k[None, :]
         b_o = tl.where(live, tl.sum(b_s * b_q[None, :], axis=1), 0.0)
-        tl.store(o + (i_tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-        b_gnew = tl.where(o_t == t, b_g, b_gnew)
+        i_t = i_b.to(tl.int64) * T + t
+        tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         p_un = u_hist + slot * stride_u_slot + new * stride_u_buf + t * stride_u_t + i_hv * stride_u_h + o_v
         tl.store(p_un, b_u.to(p_un.dtype.element_ty), mask=m_vw)
         p_kn = k_hist + slot * stride_k_slot + new * stride_k_buf + t * stride_k_t + i_h * stride_k_h + o_k
         tl.store(p_kn, b_k.to(p_kn.dtype.element_ty), mask=m_kw)
 
+    b_gnew = tl.where(m_tt, b_gv, 0.0)
     m_gw = o_t < tl.where(live & (i_v == 0), T, 0)
     b_Gnew = tl.cumsum(b_gnew, axis=0)
     tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, b_Gnew, mask=m_gw)

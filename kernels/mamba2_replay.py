@@ -163,9 +163,9 @@ def _replay_verify_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
-    # is read once, advanced token by token (k old, then T new ones) with CUDA-core FMAs, written at most
-    # once. The per-token work is a few FMAs per state element, far under the memory time, so the kernel is
-    # bound by the one state read (+ write) like the rewind kernel, without its T intermediate writes.
+    # is read once, fast-forwarded in closed form (one FMA per element and old token), the T outputs come
+    # from one reduction C_t . h per token plus a (T, T) intra-verify term on small vectors, and the state
+    # is written at most once. No tl.dot: all state math is fp32 on CUDA cores.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -204,6 +204,10 @@ def _replay_verify_kernel(
     keep_th = (~flush) & first_p & live
     mask_keep_B = offs_n < tl.where(keep_th & first_h, N, 0)
 
+    # Every global load is issued before the first store (a store may alias later loads, so the compiler
+    # could not hoist them): the state tile first, so its latency overlaps the small-vector work below.
+    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
@@ -230,9 +234,6 @@ def _replay_verify_kernel(
     Mtj = tl.where(causal, CB * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dtv[None, :], 0.0)
     intra = tl.sum(Mtj[:, :, None] * xv[None, :, :], axis=1)  # (BLOCK_T, BLOCK_P)
 
-    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-
     # ---- 1. fast-forward by the k accepted (pending) old tokens, closed form with fp32 FMAs ----
     #   h <- exp(c_{k-1}) h + sum_{j<k} (w_j x_j) B_j^T,  w_j = exp(c_{k-1} - c_j) dt'_j  (c: dA_cumsum)
     p_c = cumh_ptr + s * s_chs + rb * s_chi + h * s_chh
@@ -248,13 +249,6 @@ def _replay_verify_kernel(
             Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
                          mask=offs_n < tl.where(use, N, 0), other=0.0)
             hs += (wj * xj)[:, None] * Bj.to(tl.float32)[None, :]
-            if CHECKPOINT:
-                cj = tl.load(p_c + j * s_cht, mask=use, other=0.0)
-                dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
-                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th & use)
-                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th & use)
-                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
-                         mask=mask_keep_B & (offs_n < tl.where(use, N, 0)))
     else:  # long checkpointing window: loop over the pending tokens only
         for j in range(0, k):
             dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht)
@@ -264,21 +258,15 @@ def _replay_verify_kernel(
             Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
                          mask=mask_n, other=0.0)
             hs += ((dtj * tl.exp(c_last - cj)) * xj)[:, None] * Bj.to(tl.float32)[None, :]
-            if CHECKPOINT:
-                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th)
-                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th)
-                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
-                         mask=mask_keep_B)
-    store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
-    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
+    hs_store = hs.to(state_ptr.dtype.element_ty)
     # the new tokens start from the state as stored: replay rounds it exactly where rewind's commit does
-    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
+    hs = tl.where(flush, hs_store.to(tl.float32), hs)
 
     # ---- 2. outputs: y_t = exp(cum_t) (C_t . h) + intra_t + D x_t: one pass over the state tile ----
     CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
     for t in tl.static_range(T):
-        Ct = tl.load(C_ptr + b * s_Cb + t * s_Ct + g * s_Cg + offs_n * s_Cn, mask=mask_n, other=0.0)
-        ch = tl.sum(hs * Ct.to(tl.float32)[None, :], axis=1)  # (BLOCK_P,)
+        Ct = tl.sum(tl.where(offs_t[:, None] == t, Cv, 0.0), axis=0)  # row t of the C block (no reload)
+        ch = tl.sum(hs * Ct[None, :], axis=1)  # (BLOCK_P,)
         CH = tl.where(offs_t[:, None] == t, ch[None, :], CH)
     y = tl.exp(cum)[:, None] * CH + intra
     if HAS_D:
@@ -286,6 +274,8 @@ def _replay_verify_kernel(
     y = tl.where(offs_t[:, None] < tl.where(live, T, 0), y, 0.0)
     tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
+    store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
+    tl.store(state_ptrs, hs_store, mask=store_p[:, None] & mask_n[None, :])
 
     # ---- 3. the new tokens' x, B, dt', cumsum become history (checkpointing: after the pending ones) ----
     pos = base + offs_t
@@ -299,6 +289,14 @@ def _replay_verify_kernel(
     mask_tg = offs_t < tl.where(live & first_p & first_h, T, 0)
     tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
              B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
+    if CHECKPOINT:  # no flush: copy the pending tokens' B, dt', cumsum into the buffer written (one program)
+        for j in range(0, tl.where(keep_th, k, 0)):
+            tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht,
+                     tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht))
+            tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, tl.load(p_c + j * s_cht))
+            tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+                     tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+                             mask=mask_keep_B), mask=mask_keep_B)
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
