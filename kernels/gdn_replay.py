@@ -29,7 +29,8 @@ processed (slot >= 0). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV)
 T * HV * V * K.
 
 Performance: one state read and (p > 0) one state write per verify, no intermediate states, all math in
-fp32 registers; at the Qwen3-Next shape it is memory-bound (docs/kernel_performance.md).
+fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about
+half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.md).
 
 Sources: TensorRT-LLM / FlashInfer "SSM replay" (checkpointing_ssu) for Mamba2; the GDN form of the closed
 form is written out above (BRIEF 4).
@@ -216,7 +217,7 @@ def gdn_replay_verify(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     out: torch.Tensor | None = None,
-    block_v: int = 8,
+    block_v: int = 16,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Replay verify of one GDN layer: commit the previous step's accepted tokens, run T new tokens.
@@ -234,7 +235,7 @@ def gdn_replay_verify(
             step, after every layer's verify.
         scale, use_qk_l2norm_in_kernel: as in fused_recurrent_gated_delta_rule.
         out: optional contiguous (B, T, HV, V) output.
-        block_v: rows of S per program (power of two); the default 8 is the fastest of the H200 sweep
+        block_v: rows of S per program (power of two); the default 16 is the fastest of the H200 sweep
             (docs/kernel_performance.md). No autotune (in-place kernel).
         num_warps: warps per program; default 1 for tiles of <= 2048 elements, else 4 (as the rewind kernel).
 
@@ -272,7 +273,7 @@ def gdn_replay_verify(
 
 def gdn_replay_verify_ref(
     q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
-    out=None, block_v=32,
+    out=None, block_v=16,
 ):
     """Plain-PyTorch reference of gdn_replay_verify (same signature, same mutations)."""
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)

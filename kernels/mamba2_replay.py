@@ -27,16 +27,15 @@ buffer_index[s], with the same liveness predicate (slot id >= 0) as the kernel: 
 `replay_advance` runs once per step for all layers (the bookkeeping is per slot, not per layer).
 
 Design decisions:
-- tl.dot needs >= 16 along each dimension: the token axis is padded to BLOCK_T = max(16, next_pow2(L)),
-  and P, N blocks are >= 16. All dot operands are fp32 in registers (bf16 inputs are upcast on load), so
-  the interpreter's bf16 dot defect cannot arise; the dot precision is a constexpr (`dot_precision`):
-  'ieee' in the interpreter, 'tf32x3' on the GPU (fp32-level accuracy on tensor cores; 'tf32' is faster but
-  biases the state by ~1e-3 relative per step). History x and B are stored in the input dtype (exact copies
-  of the inputs), dt' and the cumsum in fp32, so replay differs from rewind only by rounding order.
-- One program per (P block, row, head) walks d_state in BLOCK_N chunks: fast-forward and store one state
-  chunk, accumulate C h^T and C B^T, next chunk; the outputs are formed after the walk. Defaults
-  (BLOCK_P, BLOCK_N, warps) = (32, 32, 8) come from the sm_90 register report of
-  `python -m kernels.bench_mamba2 --compile-check` (larger tiles spill); the GPU benchmark sweeps them.
+- No tl.dot: all state math is fp32 FMAs on CUDA cores, so accuracy matches the token-by-token reference to
+  fp32 rounding and the interpreter's bf16 dot defect cannot arise. The state work per verify is 1 FMA per
+  element and old token (closed-form fast-forward) plus one C_t . h reduction per new token; the (T, T)
+  intra-verify term (C_t . B_j) exp(cum_t - cum_j) dt'_j runs on small vectors. History x and B are stored
+  in the input dtype (exact copies of the inputs), dt' and the cumsum in fp32.
+- One program per (P block, row, head) holds a (BLOCK_P, next_pow2(N)) fp32 state tile in registers: the
+  state is read once and written at most once. Default BLOCK_P = 16 with 2 warps (4 for checkpointing), the
+  fastest of the H200 sweep (docs/kernel_performance.md); `--compile-check` of kernels.bench_mamba2 shows
+  no spills at these tiles. An earlier tl.dot version (tf32x3, d_state walked in chunks) ran at 0.4-0.8 TB/s.
 - PAD rows (slot id < 0) read and write no cache buffer; their output rows are zeros. Slot 0 is live.
 - PNAT values outside [0, L] (garbage metadata) are clamped; buffer_index is read modulo 2.
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
@@ -77,7 +76,7 @@ from kernels._common import (
 )
 from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
 
-_DEFAULT_BLOCK_P = 8  # head_dim rows per program (see replay_verify)
+_DEFAULT_BLOCK_P = 16  # head_dim rows per program: the fastest of the H200 sweep (docs/kernel_performance.md)
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -163,9 +162,9 @@ def _replay_verify_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
-    # is read once, fast-forwarded in closed form (one FMA per element and old token), the T outputs come
-    # from one reduction C_t . h per token plus a (T, T) intra-verify term on small vectors, and the state
-    # is written at most once. No tl.dot: all state math is fp32 on CUDA cores.
+    # is read once, advanced token by token (k old, then T new ones) with CUDA-core FMAs, written at most
+    # once. The per-token work is a few FMAs per state element, far under the memory time, so the kernel is
+    # bound by the one state read (+ write) like the rewind kernel, without its T intermediate writes.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -204,10 +203,6 @@ def _replay_verify_kernel(
     keep_th = (~flush) & first_p & live
     mask_keep_B = offs_n < tl.where(keep_th & first_h, N, 0)
 
-    # Every global load is issued before the first store (a store may alias later loads, so the compiler
-    # could not hoist them): the state tile first, so its latency overlaps the small-vector work below.
-    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
@@ -234,6 +229,9 @@ def _replay_verify_kernel(
     Mtj = tl.where(causal, CB * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dtv[None, :], 0.0)
     intra = tl.sum(Mtj[:, :, None] * xv[None, :, :], axis=1)  # (BLOCK_T, BLOCK_P)
 
+    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+
     # ---- 1. fast-forward by the k accepted (pending) old tokens, closed form with fp32 FMAs ----
     #   h <- exp(c_{k-1}) h + sum_{j<k} (w_j x_j) B_j^T,  w_j = exp(c_{k-1} - c_j) dt'_j  (c: dA_cumsum)
     p_c = cumh_ptr + s * s_chs + rb * s_chi + h * s_chh
@@ -249,6 +247,13 @@ def _replay_verify_kernel(
             Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
                          mask=offs_n < tl.where(use, N, 0), other=0.0)
             hs += (wj * xj)[:, None] * Bj.to(tl.float32)[None, :]
+            if CHECKPOINT:
+                cj = tl.load(p_c + j * s_cht, mask=use, other=0.0)
+                dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th & use)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th & use)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B & (offs_n < tl.where(use, N, 0)))
     else:  # long checkpointing window: loop over the pending tokens only
         for j in range(0, k):
             dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht)
@@ -258,15 +263,21 @@ def _replay_verify_kernel(
             Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
                          mask=mask_n, other=0.0)
             hs += ((dtj * tl.exp(c_last - cj)) * xj)[:, None] * Bj.to(tl.float32)[None, :]
-    hs_store = hs.to(state_ptr.dtype.element_ty)
+            if CHECKPOINT:
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B)
+    store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
+    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
     # the new tokens start from the state as stored: replay rounds it exactly where rewind's commit does
-    hs = tl.where(flush, hs_store.to(tl.float32), hs)
+    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
 
     # ---- 2. outputs: y_t = exp(cum_t) (C_t . h) + intra_t + D x_t: one pass over the state tile ----
     CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
     for t in tl.static_range(T):
-        Ct = tl.sum(tl.where(offs_t[:, None] == t, Cv, 0.0), axis=0)  # row t of the C block (no reload)
-        ch = tl.sum(hs * Ct[None, :], axis=1)  # (BLOCK_P,)
+        Ct = tl.load(C_ptr + b * s_Cb + t * s_Ct + g * s_Cg + offs_n * s_Cn, mask=mask_n, other=0.0)
+        ch = tl.sum(hs * Ct.to(tl.float32)[None, :], axis=1)  # (BLOCK_P,)
         CH = tl.where(offs_t[:, None] == t, ch[None, :], CH)
     y = tl.exp(cum)[:, None] * CH + intra
     if HAS_D:
@@ -274,8 +285,6 @@ def _replay_verify_kernel(
     y = tl.where(offs_t[:, None] < tl.where(live, T, 0), y, 0.0)
     tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
-    store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
-    tl.store(state_ptrs, hs_store, mask=store_p[:, None] & mask_n[None, :])
 
     # ---- 3. the new tokens' x, B, dt', cumsum become history (checkpointing: after the pending ones) ----
     pos = base + offs_t
@@ -289,14 +298,6 @@ def _replay_verify_kernel(
     mask_tg = offs_t < tl.where(live & first_p & first_h, T, 0)
     tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
              B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
-    if CHECKPOINT:  # no flush: copy the pending tokens' B, dt', cumsum into the buffer written (one program)
-        for j in range(0, tl.where(keep_th, k, 0)):
-            tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht,
-                     tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht))
-            tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, tl.load(p_c + j * s_cht))
-            tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
-                     tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
-                             mask=mask_keep_B), mask=mask_keep_B)
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
@@ -366,7 +367,8 @@ def replay_verify(
             Each program holds a (block_p, next_pow2(N)) fp32 state tile in registers.
         block_n, dot_precision: accepted for call compatibility and ignored: the kernel holds the whole
             d_state and does all state math with fp32 FMAs (no tl.dot); dot_precision is still validated.
-        num_warps: warps per program; default 4 for tiles of >= 2048 elements, else 2.
+        num_warps: warps per program; default for tiles up to 2048 elements: 2 (per-step replay) or 4
+            (checkpointing), the fastest of the H200 sweep; 4 for larger tiles.
 
     Returns:
         out: (B, T, H, P), equal to the rewind verify's output from the state after PNAT accepted tokens.
@@ -393,8 +395,8 @@ def replay_verify(
     BLOCK_N = triton.next_power_of_2(N)
     if BLOCK_P & (BLOCK_P - 1):
         raise ValueError(f"{name}: block_p must be a power of two, got {BLOCK_P}")
-    if num_warps is None:
-        num_warps = 4 if BLOCK_P * BLOCK_N >= 2048 else 2
+    if num_warps is None:  # H200 sweep: per-step replay best at 2 warps, checkpointing at 4 (16 x 128 tile)
+        num_warps = (4 if history.checkpointing else 2) if BLOCK_P * BLOCK_N <= 2048 else 4
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
     grid = (triton.cdiv(P, BLOCK_P), Bsz, H)
