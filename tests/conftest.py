@@ -18,6 +18,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def _has_cuda_driver() -> bool:
+    # Decided before torch or triton is imported (importing torch here would be slow for every test run).
+    return any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version"))
+
+
+# Without a GPU, Triton kernels run in its interpreter; the switch is read when triton is first imported, so it
+# is set here, before any test module imports a kernel (test modules also set it, but import order varies).
+if not _has_cuda_driver():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _cuda_available() -> bool:
     try:
         import torch

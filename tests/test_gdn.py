@@ -81,8 +81,13 @@ def test_recurrent_rule_matches_transformers_reference_with_state_layout():
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
     q, k, v, g, beta, s0 = _rule_inputs()
-    o_ref, s_ref = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0.transpose(-1, -2),
-                                                    output_final_state=True)
+    # transformers < 5.24 (the GPU image has 5.17) expects q, k already repeated to the value heads; newer
+    # versions accept both. Value head j reads key head j // (HV / H), i.e. repeat_interleave.
+    r = v.shape[2] // q.shape[2]
+    q_hv, k_hv = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    o_ref, s_ref = torch_recurrent_gated_delta_rule(
+        q_hv, k_hv, v, g, beta, initial_state=s0.transpose(-1, -2), output_final_state=True
+    )
     o, s, _ = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     _close(o, o_ref)
     _close(s, s_ref.transpose(-1, -2))

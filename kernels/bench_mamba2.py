@@ -1,0 +1,276 @@
+"""Benchmark of the Mamba2 verify kernels (rewind, replay) at the Nemotron 3 Super mixer shape on one GPU.
+
+    python -m kernels.bench_mamba2 [--out results.json] [--batch 64] [--T 4] [--flashinfer]
+
+Times with triton.testing.do_bench (median, microseconds) per state dtype (float32, bfloat16), bf16 inputs:
+- rewind verify: `selective_state_update` writing T intermediate states, and `commit_intermediate_state`
+- decode: `selective_state_update` with T = 1, state updated in place
+- replay verify: `replay_verify` with PNAT = 0 (no state write) and PNAT = T - 1 (state written), for each
+  dot precision and head_dim block; the checkpointing variant (L = 16) without and with a flush;
+  `replay_advance`
+- a torch copy of the whole state (read + write): the memory-bound floor for anything that rewrites it
+- with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token) and
+  `checkpointing_ssu`; a call that fails (first-use JIT, an API that differs from the one assumed here) is
+  recorded with its error instead of stopping the run
+Each timing comes with the bytes it must move and the bandwidth that implies. Prints one JSON document and
+writes it to --out. Needs CUDA; the state cache has as many slots as the batch has rows (slot b = row b).
+Without a GPU: `--dry-run` (TRITON_INTERPRET=1) runs every call once at a tiny shape; `--compile-check`
+compiles the kernels for sm_90 and prints registers / stack bytes per thread (spills show up there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+from kernels.mamba2_replay import (
+    allocate_replay_history,
+    allocate_replay_slot_state,
+    replay_advance,
+    replay_verify,
+)
+from kernels.mamba2_ssu import commit_intermediate_state, selective_state_update
+
+H, P, N, G = 128, 64, 128, 8  # Super V3 Mamba2: 128 heads x head_dim 64, d_state 128, 8 groups
+
+
+def _bench(fn, reps_ms=200):
+    fn()  # compile / JIT outside the timing
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # us
+
+
+def _dry(fn):
+    """--dry-run timer: call once (CPU interpreter, tiny shape) to catch errors before GPU time is spent."""
+    fn()
+    return 1.0
+
+
+def _row(us, nbytes):
+    return {"us": round(us, 2), "bytes": int(nbytes), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1)}
+
+
+def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", timer=_bench, shape=None):
+    H, P, N, G = shape or (globals()["H"], globals()["P"], globals()["N"], globals()["G"])
+    es, ei = torch.empty(0, dtype=state_dtype).element_size(), torch.empty(0, dtype=in_dtype).element_size()
+    S = batch
+    state_bytes = S * H * P * N * es
+    state = torch.randn(S, H, P, N, device=dev).to(state_dtype)
+    x = torch.randn(batch, T, H, P, device=dev, dtype=in_dtype)
+    dt = (torch.randn(batch, T, H, device=dev) * 0.5 - 1).to(in_dtype)
+    B = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
+    C = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
+    A = -torch.rand(H, device=dev) - 0.5
+    D = torch.randn(H, device=dev)
+    dt_bias = torch.rand(H, device=dev) - 0.5
+    slot_ids = torch.arange(batch, device=dev, dtype=torch.int32)
+    nat = torch.full((batch,), T, device=dev, dtype=torch.int32)
+    out = torch.empty(batch, T, H, P, device=dev, dtype=in_dtype)
+    io_bytes = (x.numel() + B.numel() + C.numel() + out.numel()) * ei
+    res = {}
+
+    inter = torch.empty(batch, T, H, P, N, device=dev, dtype=state_dtype)
+    for bp in (4, 8, 16):
+        us = timer(lambda bp=bp: selective_state_update(
+            state, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter, out=out, block_p=bp))
+        res[f"rewind_verify_block_p{bp}"] = _row(us, state_bytes * (1 + T) + io_bytes)
+    res["rewind_commit"] = _row(timer(lambda: commit_intermediate_state(state, inter, slot_ids, nat)),
+                                2 * state_bytes)
+    x1, dt1, B1, C1, out1 = x[:, :1], dt[:, :1], B[:, :1], C[:, :1], out[:, :1]
+    res["decode_T1"] = _row(timer(lambda: selective_state_update(state, x1, dt1, A, B1, C1, D, dt_bias, slot_ids,
+                                                                  out=out1)), 2 * state_bytes + io_bytes / T)
+
+    hist = allocate_replay_history(S, T, H, P, G, N, dtype=in_dtype, device=dev)
+    pnat, bufidx = allocate_replay_slot_state(S, device=dev)
+    hist_bytes = hist.nbytes() // 2  # one buffer read per verify (the other one written: ~io_bytes)
+    variants = [(prec, 32, 32, nw) for prec in ("tf32x3", "ieee", "tf32") for nw in (4, 8)]
+    variants += [("tf32x3", bp, bn, 8) for bp, bn in ((16, 64), (32, 64), (64, 32), (16, 32))]
+    for k in (0, T - 1):
+        for prec, bp, bn, nw in variants:
+            if k == 0 and (bp, bn) != (32, 32):
+                continue
+            def run(prec=prec, bp=bp, bn=bn, nw=nw, k=k):
+                pnat.fill_(k)  # a fill per call keeps PNAT fixed (a real step advances it)
+                replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, out=out,
+                              block_p=bp, block_n=bn, dot_precision=prec, num_warps=nw)
+            nbytes = state_bytes * (2 if k else 1) + io_bytes + hist_bytes
+            res[f"replay_verify_pnat{k}_{prec}_p{bp}_n{bn}_w{nw}"] = _row(timer(run), nbytes)
+    # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 13 (13 + T > 16: flush)
+    L = max(16, T)
+    ck = allocate_replay_history(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
+    for k in (min(3, L - T), L - T + 1):
+        def run_ck(k=k):
+            pnat.fill_(k)
+            replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out)
+        flush = k + T > L
+        nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
+        res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}"] = _row(timer(run_ck), nbytes)
+    res["pnat_fill_only"] = _row(timer(lambda: pnat.fill_(1)), S * 4)
+    res["replay_advance"] = _row(timer(lambda: replay_advance(pnat, bufidx, slot_ids, nat, T)), 4 * S * 4)
+    dst = torch.empty_like(state)
+    res["torch_state_copy"] = _row(timer(lambda: dst.copy_(state)), 2 * state_bytes)
+    res["memory_per_slot_per_layer_bytes"] = {
+        "rewind_intermediate_states": T * H * P * N * es,
+        "replay_history_two_buffers": hist.nbytes() // S,
+        "checkpointing_history_L16": ck.nbytes() // S,
+    }
+    return res
+
+
+def _tied(t, shape):
+    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
+    return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
+
+
+def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16):
+    try:
+        import flashinfer.mamba as fim
+    except Exception as e:  # noqa: BLE001 - report, do not fail the run
+        return {"error": f"flashinfer not importable: {e!r}"}
+    dev = "cuda"
+    S = batch
+    state = torch.randn(S, H, P, N, device=dev).to(state_dtype)
+    x = torch.randn(batch, T, H, P, device=dev, dtype=in_dtype)
+    dt = _tied((torch.randn(batch, T, H, device=dev) * 0.5 - 1).to(in_dtype), (batch, T, H, P))
+    A = _tied(-torch.rand(H, device=dev) - 0.5, (H, P, N))
+    B = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
+    C = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
+    D = _tied(torch.randn(H, device=dev), (H, P))
+    dt_bias = _tied(torch.rand(H, device=dev) - 0.5, (H, P))
+    slot_ids = torch.arange(batch, device=dev, dtype=torch.int32)
+    out = torch.empty_like(x)
+    res = {}
+    try:
+        inter = torch.empty(batch, T, H, P, N, device=dev, dtype=state_dtype)
+        res["selective_state_update_rewind"] = {"us": round(_bench(lambda: fim.selective_state_update(
+            state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
+            out=out, disable_state_update=True, intermediate_states_buffer=inter,
+            intermediate_state_indices=slot_ids, cache_steps=T)), 2)}
+    except Exception:  # noqa: BLE001
+        res["selective_state_update_rewind"] = {"error": traceback.format_exc(limit=2)}
+    if not hasattr(fim, "checkpointing_ssu"):
+        res["checkpointing_ssu"] = {"error": "flashinfer.mamba has no checkpointing_ssu"}
+        return res
+    params = list(inspect.signature(fim.checkpointing_ssu).parameters)
+    if "old_x" not in params:
+        res["checkpointing_ssu"] = {"error": f"signature not the one assumed here (old_x ...): {params}"}
+        return res
+    try:
+        old_x = torch.randn(S, T, H, P, device=dev).to(in_dtype)
+        old_B = torch.randn(S, 2, T, G, N, device=dev).to(in_dtype)
+        old_dt = torch.rand(S, 2, H, T, device=dev)
+        old_cum = torch.cumsum(-old_dt, dim=-1)
+        buf = torch.zeros(S, device=dev, dtype=torch.int32)
+        for k in (0, T - 1):
+            pnat = torch.full((S,), k, device=dev, dtype=torch.int32)
+            res[f"checkpointing_ssu_pnat{k}"] = {"us": round(_bench(lambda pnat=pnat: fim.checkpointing_ssu(
+                state, old_x, old_B, old_dt, old_cum, buf, pnat, x, dt, A, B, C, out, D=D, dt_bias=dt_bias,
+                dt_softplus=True, state_batch_indices=slot_ids)), 2)}
+    except Exception:  # noqa: BLE001
+        res["checkpointing_ssu"] = {"error": traceback.format_exc(limit=2)}
+    return res
+
+
+def compile_check() -> dict:
+    """Compile every kernel for sm_90 on a machine without a GPU and report registers / stack per thread.
+
+    Uses Triton's ahead-of-time path (ASTSource + the bundled ptxas) and cuobjdump's resource report: a
+    type or lowering error, or a spilling configuration, shows up before any GPU time is spent. Triton
+    internals: best effort across Triton versions.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from kernels import mamba2_replay, mamba2_ssu
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ptr = dict(state_ptr="*fp32", x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
+               D_ptr="*fp32", dt_bias_ptr="*fp32", slot_ptr="*i32", out_ptr="*bf16", inter_ptr="*fp32",
+               xh_ptr="*bf16", Bh_ptr="*bf16", dth_ptr="*fp32", cumh_ptr="*fp32", pnat_ptr="*i32",
+               bufidx_ptr="*i32", nat_ptr="*i32")
+
+    def usage(kernel, constexprs, num_warps):
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in constexprs else ptr.get(n, "fp32" if n in ("dt_min", "dt_max") else "i32")
+               for n in names}
+        src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            report = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        fields = [w for line in report.splitlines() if "REG:" in line for w in line.split()]
+        return {w.split(":")[0]: int(w.split(":")[1]) for w in fields if w.split(":")[0] in ("REG", "STACK")}
+
+    res = {}
+    for bp in (4, 16):
+        res[f"ssu_rewind_block_p{bp}"] = usage(mamba2_ssu._ssu_kernel, dict(
+            HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, UPDATE_STATE=False, BLOCK_P=bp, BLOCK_N=128),
+            4 if bp * 128 >= 2048 else 2)
+    for ckpt in (False, True):
+        for prec in ("tf32x3", "ieee", "tf32"):
+            for bp, bn, nw in ((32, 32, 8), (32, 32, 4), (16, 64, 8), (64, 64, 8)):
+                res[f"replay_{'ckpt_' if ckpt else ''}{prec}_p{bp}_n{bn}_w{nw}"] = usage(
+                    mamba2_replay._replay_verify_kernel, dict(HAS_D=True, HAS_DT_LIMIT=False, DOT_PRECISION=prec,
+                                                              CHECKPOINT=ckpt, BLOCK_T=16, BLOCK_P=bp, BLOCK_N=bn), nw)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--T", type=int, default=4, help="tokens per verify (draft length + 1)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer (JIT can take minutes)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run every call once on the CPU (TRITON_INTERPRET=1) at a tiny shape; no timings")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="compile the kernels for sm_90 without a GPU; print registers / stack per thread")
+    args = ap.parse_args(argv)
+    if args.compile_check:
+        print(json.dumps(compile_check(), indent=1))
+        return 0
+    if args.dry_run:
+        for sd in (torch.float32, torch.bfloat16):
+            bench_ours(2, args.T, sd, dev="cpu", timer=_dry, shape=(2, 16, 16, 1))
+        print(json.dumps({"dry_run": "ok"}))
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_mamba2: needs a CUDA GPU (or --dry-run on the CPU)", file=sys.stderr)
+        return 2
+    result = {
+        "shape": {"batch": args.batch, "T": args.T, "nheads": H, "head_dim": P, "d_state": N, "ngroups": G,
+                  "input_dtype": "bfloat16"},
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "results": {},
+    }
+    for sd in (torch.float32, torch.bfloat16):
+        name = str(sd).replace("torch.", "")
+        entry = {"ours": bench_ours(args.batch, args.T, sd)}
+        if args.flashinfer:
+            entry["flashinfer"] = bench_flashinfer(args.batch, args.T, sd)
+        result["results"][f"state_{name}"] = entry
+        torch.cuda.empty_cache()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

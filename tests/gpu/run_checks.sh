@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU checks for the device machine (one H200; Python 3.12, torch and triton of its image, no package index).
+# Run from the repository root, carrying .gpu-bundle (../shared/tools/gpu-bundle.sh) and .device/gsm8k:
+#
+#   bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]
+#
+# Stages:
+#   kernels   every kernel test module compiled for real (CPU-interpreter tests included: they run on CUDA
+#             when it is present) plus the `gpu`-marked tests of the whole suite
+#   sanitize  compute-sanitizer memcheck over the GPU kernel tests (CUDA-graph tests excluded: the sanitizer
+#             does not support graph capture of Triton launches well and they are covered by `kernels`)
+#   bench     kernels/bench_mamba2.py and kernels/bench_gdn.py at the Super V3 / Qwen3-Next shapes
+#   engine    the engine test modules on CUDA (same tests as the CPU, device from $TEST_DEVICE)
+# Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
+# stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
+set -uo pipefail
+out=${1:?usage: run_checks.sh OUTDIR STAGE...}; shift
+mkdir -p "$out"
+if [ -d .gpu-bundle ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
+    && tar xzf .gpu-bundle/flashinfer-trimmed.tgz -C /tmp/site || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+failed=()
+stage() {  # stage NAME CMD...: run, tee to OUTDIR/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*" | tee "$out/$name.log"
+  local t0=$SECONDS
+  "$@" >>"$out/$name.log" 2>&1; local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/$name.log"
+  tail -n 5 "$out/$name.log"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c \
+  'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.txt" 2>&1
+for s in "$@"; do
+  case $s in
+    kernels) stage kernels python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py \
+               tests/test_kernels_mamba2_gpu.py tests/test_kernels_gdn.py tests/test_kernels_gdn_gpu.py \
+               tests/test_gdn.py ;;
+    sanitize) stage sanitize /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
+               python3 -m pytest -q -p no:cacheprovider -k "not graph" tests/test_kernels_mamba2_gpu.py \
+               tests/test_kernels_gdn_gpu.py ;;
+    bench) stage bench_mamba2 python3 -m kernels.bench_mamba2 --out "$out/bench_mamba2.json"
+           stage bench_gdn_fp32 python3 -m kernels.bench_gdn --out "$out/bench_gdn_fp32.json"
+           stage bench_gdn_bf16 python3 -m kernels.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json" ;;
+    engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    *) echo "unknown stage $s"; failed+=("$s") ;;
+  esac
+done
+[ ${#failed[@]} -eq 0 ] || { echo "failed stages: ${failed[*]}"; exit 1; }

@@ -1,0 +1,598 @@
+"""Mamba2 verify kernels (rewind: kernels.mamba2_ssu, replay: kernels.mamba2_replay) against their references.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set here, before
+the first import of a kernel module (Triton picks interpreted vs compiled when a kernel is decorated). The
+setting is process-wide; it is only set when there is no GPU, where compiled Triton could not run anyway.
+Shapes stay tiny: the interpreter runs every program instance in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import _common  # noqa: E402
+from kernels.mamba2_replay import (  # noqa: E402
+    ReplayHistory,
+    allocate_replay_history,
+    allocate_replay_slot_state,
+    replay_advance,
+    replay_advance_ref,
+    replay_materialized_state_ref,
+    replay_reset_slots,
+    replay_verify,
+    replay_verify_ref,
+)
+from kernels.mamba2_ssu import (  # noqa: E402
+    allocate_intermediate_states,
+    commit_intermediate_state,
+    commit_intermediate_state_ref,
+    selective_state_update,
+    selective_state_update_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEV == "cpu" and not _common.interpreter_active():  # pragma: no cover - depends on test import order
+    raise RuntimeError(
+        "triton was imported in compiled mode before this module set TRITON_INTERPRET=1; set "
+        "TRITON_INTERPRET=1 in the environment (or in tests/conftest.py) on machines without CUDA"
+    )
+
+# Tolerances (atol = rtol) for kernel vs reference, keyed by the dtype the compared tensor is stored in.
+# Both sides compute in fp32 and differ only in summation order / exp implementation: a few fp32 ulps on
+# values of order 1-10 after <= 8 steps (fp32: 1e-4 leaves ~100x margin). A 16-bit store rounds both sides'
+# fp32 values, which can land one ulp apart: bf16 ulp 2^-8 = 3.9e-3 relative -> 1.6e-2 (4 ulps);
+# fp16 ulp 2^-11 = 4.9e-4 relative -> 2e-3 (4 ulps).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# Replay vs rewind: a closed form against a sequential recurrence. fp32: as above. A 16-bit state is rounded
+# once per step by both schemes, at the same point, but the fp32 values rounded can sit one ulp apart.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def assert_close(a, b, dtype=None, what=""):
+    tol = TOL[dtype or a.dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def loosest(*dtypes):
+    """The dtype with the widest tolerance: replay outputs are computed from a state rounded to its dtype."""
+    return max(dtypes, key=TOL.__getitem__)
+
+
+def make_params(H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = -torch.exp(torch.rand(H, generator=g) * 2 - 1)  # A = -exp(A_log), A_log in [-1, 1]
+    D = torch.randn(H, generator=g)
+    dt_bias = torch.rand(H, generator=g) - 0.5
+    return A.to(DEV), D.to(DEV), dt_bias.to(DEV)
+
+
+def make_inputs(Bsz, T, H, P, G, N, dtype, seed):
+    """x, dt, B, C of one verify; dt raw ~ N(-1, 0.5) so softplus(dt + dt_bias) is about 0.1 - 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(Bsz, T, H, P, generator=g)
+    dt = torch.randn(Bsz, T, H, generator=g) * 0.5 - 1.0
+    B = torch.randn(Bsz, T, G, N, generator=g) / N**0.5
+    C = torch.randn(Bsz, T, G, N, generator=g) / N**0.5
+    return [t.to(DEV, dtype) for t in (x, dt, B, C)]
+
+
+def nan_like(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def clone_history(h: ReplayHistory) -> ReplayHistory:
+    return ReplayHistory(*(t.clone() for t in (h.x, h.B, h.dt, h.dA_cumsum)))
+
+
+def random_history(S, L, H, P, G, N, dtype, A, seed, checkpointing=False) -> ReplayHistory:
+    """A history as a previous verify would have left it (cumsum consistent with dt), in both buffers."""
+    g = torch.Generator().manual_seed(seed)
+    hist = allocate_replay_history(S, L, H, P, G, N, dtype=dtype, device=DEV, checkpointing=checkpointing)
+    hist.x.copy_(torch.randn(hist.x.shape, generator=g))
+    hist.B.copy_(torch.randn(hist.B.shape, generator=g) / N**0.5)
+    hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
+    hist.dA_cumsum.copy_(torch.cumsum(A.cpu()[:, None] * hist.dt.cpu(), dim=-1))
+    return hist
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rewind: selective_state_update + commit_intermediate_state
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state_dtype,in_dtype",
+    [(s, i) for s in DTYPES for i in DTYPES],
+)
+def test_ssu_rewind_matches_reference_all_dtypes(state_dtype, in_dtype):
+    S, H, P, N, G, T = 4, 2, 16, 16, 1, 3
+    slot_ids = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)  # PAD row in the middle, slot 0 live
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(3, T, H, P, G, N, in_dtype, seed=1)
+    state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
+    results = []
+    for fn in (selective_state_update, selective_state_update_ref):
+        st = state.clone()
+        inter = nan_like((3, T, H, P, N), state_dtype)
+        out = nan_like((3, T, H, P), in_dtype)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter, out=out)
+        results.append((st, inter, out))
+    (st_k, inter_k, out_k), (st_r, inter_r, out_r) = results
+    assert torch.equal(st_k, state), "rewind verify must not touch the stored state"
+    assert_close(out_k, out_r, what="out")
+    assert_close(inter_k, inter_r, what="intermediate_states")
+    assert torch.isnan(inter_k[1]).all(), "PAD row wrote intermediate states"
+    assert (out_k[1] == 0).all(), "PAD row output must be zero"
+    assert not torch.isnan(out_k).any() and not torch.isnan(inter_k[[0, 2]]).any(), "unwritten element"
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_ssu_awkward_sizes(T):
+    # P = 60, N = 24 (not powers of two), H = 6 heads in G = 3 groups (not a multiple of 8)
+    S, H, P, N, G = 3, 6, 60, 24, 3
+    slot_ids = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    A, D, dt_bias = make_params(H, seed=T)
+    x, dt, B, C = make_inputs(2, T, H, P, G, N, torch.float32, seed=T)
+    state = torch.randn(S, H, P, N, device=DEV)
+    outs, states = [], []
+    for fn in (selective_state_update, selective_state_update_ref):
+        st = state.clone()
+        out = nan_like((2, T, H, P), torch.float32)
+        # decode-style in-place update (T = 1 is plain decode) with a dt clamp
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, out=out, time_step_limit=(0.2, 0.8))
+        outs.append(out)
+        states.append(st)
+    assert_close(outs[0], outs[1], what="out")
+    assert_close(states[0], states[1], what="state")
+    assert torch.equal(states[0][1], state[1]), "slot 1 is not in the batch"
+    assert not torch.equal(states[0][0], state[0]), "slot 0 is live and must be updated"
+
+
+def test_ssu_decode_equals_one_token_steps_of_rewind():
+    """T sequential T=1 decodes give the same states as one rewind verify's intermediate states."""
+    S, H, P, N, G, T = 2, 2, 16, 16, 2, 4
+    slot_ids = torch.tensor([1], dtype=torch.int32, device=DEV)
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=3)
+    state = torch.randn(S, H, P, N, device=DEV)
+    inter = nan_like((1, T, H, P, N), torch.float32)
+    out = selective_state_update(state.clone(), x, dt, A, B, C, D, dt_bias, slot_ids,
+                                 intermediate_states=inter)
+    st = state.clone()
+    for t in range(T):
+        sl = slice(t, t + 1)
+        y = selective_state_update(st, x[:, sl], dt[:, sl], A, B[:, sl], C[:, sl], D, dt_bias, slot_ids)
+        assert_close(y[:, 0], out[:, t], what=f"out[{t}]")
+        assert_close(st[1], inter[0, t], what=f"state after token {t}")
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_commit_matches_reference_and_clamps(state_dtype):
+    S, H, P, N, T = 5, 2, 12, 20, 4
+    inter = torch.randn(6, T, H, P, N, device=DEV).to(state_dtype)  # buffer larger than the batch
+    state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
+    slot_ids = torch.tensor([3, -1, 0, 1, 4], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([2, 3, 0, 9, -5], dtype=torch.int32, device=DEV)  # 0, > T, < 0: clamped to [1, T]
+    st_k, st_r = state.clone(), state.clone()
+    commit_intermediate_state(st_k, inter, slot_ids, nat)
+    commit_intermediate_state_ref(st_r, inter, slot_ids, nat)
+    assert torch.equal(st_k, st_r)
+    assert torch.equal(st_k[3], inter[0, 1]) and torch.equal(st_k[0], inter[2, 0])
+    assert torch.equal(st_k[1], inter[3, T - 1]) and torch.equal(st_k[4], inter[4, 0])
+    assert torch.equal(st_k[2], state[2]), "slot 2 is only named by the PAD row's neighbours"
+
+
+def test_rewind_strided_views():
+    """Caches that are views into larger buffers (layer-stacked, padded) are read and written in place."""
+    S, H, P, N, G, T, layers = 3, 2, 16, 24, 1, 3, 2
+    big_state = torch.randn(S, layers, H, P + 4, N + 8, device=DEV)
+    state = big_state[:, 1, :, 2 : 2 + P, :N]  # non-contiguous in every dim but N
+    big_inter = nan_like((2, T, H, N, P), torch.float32)
+    inter = big_inter.transpose(-1, -2)  # (B, T, H, P, N) with N strided
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(2, T, H, P, G, N, torch.float32, seed=4)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # (B, T, H, P) with a head-major layout
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    before = big_state.clone()
+    ref_state = state.contiguous()
+    ref_inter = nan_like((2, T, H, P, N), torch.float32)
+    out = selective_state_update(state, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter)
+    out_r = selective_state_update_ref(ref_state, x, dt, A, B, C, D, dt_bias, slot_ids,
+                                       intermediate_states=ref_inter)
+    assert_close(out, out_r, what="out")
+    assert_close(inter, ref_inter, what="intermediate_states")
+    commit_intermediate_state(state, inter, slot_ids, nat)
+    commit_intermediate_state_ref(ref_state, ref_inter, slot_ids, nat)
+    assert_close(state, ref_state, what="committed state")
+    mask = torch.ones_like(big_state, dtype=torch.bool)
+    mask[:, 1, :, 2 : 2 + P, :N] = False
+    assert torch.equal(big_state[mask], before[mask]), "wrote outside the state view"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay: replay_verify + replay_advance
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _replay_case(S, H, P, N, G, T, L, state_dtype, in_dtype, *, slot_ids, pnat, bufidx, seed=0):
+    A, D, dt_bias = make_params(H, seed)
+    hist = random_history(S, L, H, P, G, N, in_dtype, A, seed + 1)
+    x, dt, B, C = make_inputs(len(slot_ids), T, H, P, G, N, in_dtype, seed + 2)
+    state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
+    slot_ids = torch.tensor(slot_ids, dtype=torch.int32, device=DEV)
+    pnat = torch.tensor(pnat, dtype=torch.int32, device=DEV)
+    bufidx = torch.tensor(bufidx, dtype=torch.int32, device=DEV)
+    return A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx
+
+
+def _run_replay_both(case, T):
+    A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx = case
+    res = []
+    for fn in (replay_verify, replay_verify_ref):
+        st, h = state.clone(), clone_history(hist)
+        p, bi = pnat.clone(), bufidx.clone()
+        out = nan_like((len(slot_ids), T, *state.shape[1:3]), x.dtype)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, p, bi, out=out)
+        assert torch.equal(p, pnat) and torch.equal(bi, bufidx), "verify must not touch the per-slot metadata"
+        res.append((st, h, out))
+    return res
+
+
+@pytest.mark.parametrize("state_dtype,in_dtype", [(s, i) for s in DTYPES for i in DTYPES])
+def test_replay_verify_matches_reference_all_dtypes(state_dtype, in_dtype):
+    S, H, P, N, G, T, L = 5, 2, 16, 16, 1, 3, 3
+    # rows: slot 3 (PNAT 2, buffer 1), PAD, slot 0 (PNAT 3 = T, buffer 0), slot 1 (PNAT 0: nothing to replay)
+    case = _replay_case(S, H, P, N, G, T, L, state_dtype, in_dtype,
+                        slot_ids=[3, -1, 0, 1], pnat=[3, 0, 0, 2, 1], bufidx=[0, 1, 1, 1, 0])
+    hist0, state0 = clone_history(case[3]), case[8].clone()
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    assert_close(out_k, out_r, loosest(state_dtype, in_dtype), what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+    for s in (1, 2, 4):  # PNAT 0, not in the batch, not in the batch
+        assert torch.equal(st_k[s], state0[s]), f"state of slot {s} touched"
+    assert not torch.equal(st_k[0], state0[0]) and not torch.equal(st_k[3], state0[3])
+    assert (out_k[1] == 0).all() and not torch.isnan(out_k).any()
+    # the read buffer (buffer_index) of every slot and every slot outside the batch are untouched
+    for s, r in ((3, 1), (0, 0), (1, 1), (2, 1), (2, 0), (4, 0), (4, 1)):
+        for f in ("x", "B", "dt", "dA_cumsum"):
+            same = torch.equal(getattr(h_k, f)[s, r], getattr(hist0, f)[s, r])
+            assert same, f"history.{f}[{s}, {r}] touched"
+
+
+@pytest.mark.parametrize("pnat", [0, 1, 2, 3, 4])
+def test_replay_equals_rewind_for_every_pnat(pnat):
+    """Replay's output and state equal rewind's from the materialised state, for PNAT = 0..T."""
+    S, H, P, N, G, T, L = 3, 2, 16, 24, 2, 4, 4
+    case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
+                        slot_ids=[2, 0], pnat=[pnat, 1, pnat], bufidx=[1, 0, 0])
+    A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, p, bi = case
+    materialised = replay_materialized_state_ref(state, hist, p, bi, A)
+    slot1 = state[1].clone()
+    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, p, bi)
+    assert_close(state[[2, 0]], materialised[[2, 0]], what="fast-forwarded state")
+    assert torch.equal(state[1], slot1), "slot 1 (PNAT 1) is not in the batch and must not advance"
+    rew_state = materialised.clone()
+    inter = nan_like((2, T, H, P, N), torch.float32)
+    out_rew = selective_state_update(rew_state, x, dt, A, B, C, D, dt_bias, slot_ids,
+                                     intermediate_states=inter)
+    assert_close(out, out_rew, what="replay out vs rewind out")
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_replay_awkward_sizes(T):
+    S, H, P, N, G, L = 3, 6, 60, 24, 3, 8
+    pn = min(2, T)
+    case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
+                        slot_ids=[1, 0], pnat=[T, 3, pn], bufidx=[0, 1, 0], seed=T)
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_replay_walks_d_state_in_chunks(checkpointing):
+    """N = 40 in chunks of 16 (ragged last chunk), P = 20 in blocks of 16: every tile is visited once."""
+    S, H, P, N, G, T = 3, 2, 20, 40, 1, 3
+    L = 8 if checkpointing else T
+    A, D, dt_bias = make_params(H)
+    hist = random_history(S, L, H, P, G, N, torch.float32, A, seed=9, checkpointing=checkpointing)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    pnat = torch.tensor([3, 0, 2 if checkpointing else 3], dtype=torch.int32, device=DEV)  # ckpt: no flush
+    if checkpointing:
+        pnat[0] = 7  # slot 0: 7 + 3 > 8, flush
+    bufidx = torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV)
+    x, dt, B, C = make_inputs(2, T, H, P, G, N, torch.float32, seed=10)
+    state = torch.randn(S, H, P, N, device=DEV)
+    res = []
+    for fn in (replay_verify, replay_verify_ref):
+        st, h = state.clone(), clone_history(hist)
+        out = nan_like((2, T, H, P), torch.float32)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16, block_n=16)
+        res.append((st, h, out))
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = res
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+    assert not torch.equal(st_k[0], state[0]), "slot 0 must have been fast-forwarded"
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+
+
+def test_replay_garbage_metadata_is_clamped():
+    """PNAT outside [0, L] and buffer indices other than 0/1 never index out of range."""
+    S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 2, 4
+    case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
+                        slot_ids=[0, 2, 1], pnat=[99, -7, 0x7BADBEEF], bufidx=[5, -3, 0x7BADBEEF])
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+
+
+def test_replay_advance_matches_reference():
+    pnat = torch.tensor([1, 2, 3, 4, 0, 2], dtype=torch.int32, device=DEV)
+    bufidx = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32, device=DEV)
+    slot_ids = torch.tensor([4, -1, 0, 2, 5], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([3, 2, 0, 9, 1], dtype=torch.int64, device=DEV)  # 0 and 9 clamp to [1, T]
+    pk, bk, pr, br = pnat.clone(), bufidx.clone(), pnat.clone(), bufidx.clone()
+    replay_advance(pk, bk, slot_ids, nat, 4)
+    replay_advance_ref(pr, br, slot_ids, nat, 4)
+    assert torch.equal(pk, pr) and torch.equal(bk, br)
+    assert pk.tolist() == [1, 2, 4, 4, 3, 1]
+    assert bk.tolist() == [1, 1, 1, 1, 0, 1]
+    replay_reset_slots(pk, torch.tensor([-1, 2, 0], device=DEV))
+    assert pk.tolist() == [0, 2, 0, 4, 3, 1]
+
+
+def test_allocators_zero_initialise():
+    hist = allocate_replay_history(3, 4, 2, 8, 1, 16, dtype=torch.bfloat16, device=DEV)
+    pnat, bufidx = allocate_replay_slot_state(3, device=DEV)
+    inter = allocate_intermediate_states(3, 4, 2, 8, 16, dtype=torch.float32, device=DEV)
+    for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum, pnat, bufidx, inter):
+        assert (t == 0).all()
+    assert pnat.dtype == bufidx.dtype == torch.int32
+    # history is T (H P + G N) values per slot instead of T H P N: the point of replay
+    assert hist.nbytes() < 3 * 2 * 4 * 2 * 8 * 16 * 2
+
+
+def test_replay_strided_views():
+    """State and history as views of layer-stacked buffers (the engine allocates all layers at once)."""
+    S, H, P, N, G, T, L, layers = 3, 2, 16, 16, 2, 3, 4, 2
+    A, D, dt_bias = make_params(H)
+    # one (S, layers, 2, ...) tensor per field; the layer-1 slice is the history of this layer
+    g = torch.Generator().manual_seed(7)
+    stack = {"x": torch.randn(S, layers, 2, L, H, P, generator=g).to(DEV),
+             "B": torch.randn(S, layers, 2, L, G, N, generator=g).to(DEV)}
+    stack["dt"] = (torch.rand(S, layers, 2, H, L, generator=g) * 0.9 + 0.1).to(DEV)
+    stack["dA_cumsum"] = torch.cumsum(A[:, None] * stack["dt"], dim=-1)
+    hist = ReplayHistory(*(stack[f][:, 1] for f in ("x", "B", "dt", "dA_cumsum")))
+    big_state = torch.randn(layers, S, H, P, N + 8, device=DEV)
+    state = big_state[1, :, :, :, :N]
+    before = {f: t.clone() for f, t in stack.items()}
+    big_before = big_state.clone()
+    x, dt, B, C = make_inputs(2, T, H, P, G, N, torch.float32, seed=8)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    meta = torch.tensor([[0, 3, 2], [1, 0, 1]], dtype=torch.int32, device=DEV)  # rows: pnat, bufidx
+    pnat, bufidx = meta[0], meta[1]  # pnat is a strided-by-1 view; bufidx likewise
+    ref_state, ref_hist = state.clone(), clone_history(hist)
+    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    out_r = replay_verify_ref(ref_state, x, dt, A, B, C, D, dt_bias, slot_ids, ref_hist, pnat, bufidx)
+    assert_close(out, out_r, what="out")
+    assert_close(state, ref_state, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(hist, f), getattr(ref_hist, f), what=f"history.{f}")
+        assert torch.equal(stack[f][:, 0], before[f][:, 0]), f"layer 0 history.{f} touched"
+    assert torch.equal(big_state[0], big_before[0]), "layer 0 state touched"
+    assert torch.equal(big_state[..., N:], big_before[..., N:]), "wrote outside the state view"
+
+
+def test_replay_step_without_drafts_after_multi_accept():
+    """T = 1 (no drafts) after a T = 4 step that accepted 3: the fast-forward reads the right tokens."""
+    S, H, P, N, G, L = 2, 2, 16, 16, 1, 4
+    A, D, dt_bias = make_params(H)
+    hist = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    state = torch.randn(S, H, P, N, device=DEV)
+    seq_state = state.clone()
+    slot_ids = torch.tensor([1], dtype=torch.int32, device=DEV)
+    for step, (T, nat) in enumerate(((4, 3), (1, 1), (4, 4), (2, 1))):
+        x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=10 + step)
+        out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+        seq_out = selective_state_update_ref(seq_state.clone(), x, dt, A, B, C, D, dt_bias, slot_ids)
+        assert_close(out, seq_out, what=f"step {step} out")
+        a = slice(0, nat)
+        selective_state_update_ref(seq_state, x[:, a], dt[:, a], A, B[:, a], C[:, a], D, dt_bias, slot_ids)
+        replay_advance(pnat, bufidx, slot_ids, torch.tensor([nat], device=DEV), T)
+    final = replay_materialized_state_ref(state, hist, pnat, bufidx, A)
+    assert_close(final, seq_state.float(), torch.float32, what="final state")
+
+
+def test_pad_rows_leave_every_buffer_untouched():
+    """PAD rows (slot -1) next to one live row (slot 1): slots 0 and 2 keep state, history and metadata."""
+    S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 3, 3
+    slot_ids = torch.tensor([-1, 1, -1], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([3, 2, 1], dtype=torch.int32, device=DEV)
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(3, T, H, P, G, N, torch.float32, seed=5)
+    state0 = torch.randn(S, H, P, N, device=DEV)
+    others = [0, 2]
+
+    st = state0.clone()  # decode-style in-place update, then rewind verify + commit
+    selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids)
+    inter = torch.zeros(3, T, H, P, N, device=DEV)
+    selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter)
+    commit_intermediate_state(st, inter, slot_ids, nat)
+    assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (rewind)"
+    assert (inter[[0, 2]] == 0).all(), "a PAD row wrote intermediate states"
+
+    hist = random_history(S, L, H, P, G, N, torch.float32, A, seed=6)
+    hist0 = clone_history(hist)
+    pnat = torch.tensor([2, 1, 3], dtype=torch.int32, device=DEV)
+    bufidx = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV)
+    pnat0, bufidx0 = pnat.clone(), bufidx.clone()
+    st = state0.clone()
+    out = replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    replay_advance(pnat, bufidx, slot_ids, nat, T)
+    assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (replay)"
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        same = torch.equal(getattr(hist, f)[others], getattr(hist0, f)[others])
+        assert same, f"a PAD row wrote history.{f}"
+    assert torch.equal(pnat[others], pnat0[others]) and torch.equal(bufidx[others], bufidx0[others])
+    assert pnat[1] == 2 and bufidx[1] == 0, "the live row must advance"
+    assert (out[[0, 2]] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Long run: replay == rewind == one token at a time, over hundreds of steps with random acceptance
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None):
+    """Returns max |replay - rewind| over outputs, and the three final states (fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    A, D, dt_bias = make_params(H, seed)
+    init = torch.randn(S, H, P, N, generator=gen).to(DEV, state_dtype)
+    rew_state, rep_state, seq_state = init.clone(), init.clone(), init.float()
+    inter = torch.zeros(rows, T, H, P, N, dtype=state_dtype, device=DEV)
+    ckpt = hist_len is not None
+    hist = allocate_replay_history(S, hist_len or T, H, P, G, N, dtype=torch.float32, device=DEV,
+                                   checkpointing=ckpt)
+    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    worst = 0.0
+    for step in range(steps):
+        perm = torch.randperm(S, generator=gen)[:rows]  # requests reorder across steps
+        slot_ids = perm.to(torch.int32)
+        if step % 7 == 3:
+            slot_ids[0] = -1  # a PAD row now and then
+        slot_ids = slot_ids.to(DEV)
+        nat = torch.randint(1, T + 1, (rows,), generator=gen).to(DEV)
+        x, dt, B, C = make_inputs(rows, T, H, P, G, N, torch.float32, seed=1000 * seed + step)
+        out_rew = selective_state_update(rew_state, x, dt, A, B, C, D, dt_bias, slot_ids,
+                                         intermediate_states=inter)
+        commit_intermediate_state(rew_state, inter, slot_ids, nat)
+        out_rep = replay_verify(rep_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+        replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
+        worst = max(worst, (out_rew - out_rep).abs().max().item())
+        for b in range(rows):  # the sequential reference decodes only the accepted tokens
+            s = int(slot_ids[b])
+            if s < 0:
+                continue
+            k = int(nat[b])
+            one = torch.tensor([s], dtype=torch.int32, device=DEV)
+            for t in range(k):
+                sl = slice(t, t + 1)
+                r = slice(b, b + 1)
+                args = (x[r, sl], dt[r, sl], A, B[r, sl], C[r, sl], D, dt_bias, one)
+                selective_state_update_ref(seq_state, *args)
+    rep_final = replay_materialized_state_ref(rep_state, hist, pnat, bufidx, A)
+    return worst, rew_state.float(), rep_final, seq_state
+
+
+@pytest.mark.slow
+def test_long_run_replay_rewind_sequential_agree_fp32():
+    # 200 steps x 4 launches: about 15 s of CPU in the interpreter, hence one head and two rows
+    worst, rew, rep, seq = _long_run(200, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32)
+    assert worst < 1e-4, f"replay and rewind outputs drifted apart: {worst}"
+    assert_close(rep, rew, torch.float32, "replay vs rewind state")
+    assert_close(rew, seq, torch.float32, "rewind vs sequential state")
+
+
+def test_long_run_bf16_state_stays_close():
+    # bf16 state: both schemes round once per step at the same point; they may sit one ulp apart, which the
+    # decaying recurrence does not amplify. Against the fp32 sequential run, the rounding error of a bf16
+    # state (2^-9 relative per step, decayed by exp(A dt') < 1) stays at the bf16 tolerance.
+    worst, rew, rep, seq = _long_run(40, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.bfloat16)
+    assert worst < 5e-2, f"replay and rewind outputs drifted apart: {worst}"
+    assert_close(rep, rew, torch.bfloat16, "replay vs rewind state")
+    assert_close(rew, seq, torch.bfloat16, "rewind vs sequential state")
+
+
+def test_long_run_checkpointing_agrees_with_rewind():
+    # L = 16, T = 3: a flush every 4-5 steps; the fast-forward spans up to 13 tokens and several verifies
+    worst, rew, rep, seq = _long_run(60, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32,
+                                     hist_len=16)
+    assert worst < 1e-4, f"checkpointing replay and rewind outputs drifted apart: {worst}"
+    assert_close(rep, rew, torch.float32, "checkpointing replay vs rewind state")
+    assert_close(rew, seq, torch.float32, "rewind vs sequential state")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpointing replay (history window L >= T, state written only on a flush)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state_dtype,in_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+)
+def test_checkpointing_verify_matches_reference(state_dtype, in_dtype):
+    S, H, P, N, G, T, L = 6, 2, 16, 24, 2, 3, 8
+    A, D, dt_bias = make_params(H)
+    hist = random_history(S, L, H, P, G, N, in_dtype, A, seed=3, checkpointing=True)
+    # rows: no flush (2 + 3 <= 8), flush (6 + 3 > 8), PNAT 0, PAD, no flush at the edge (5 + 3 = 8), flush (L)
+    slot_ids = torch.tensor([4, 1, 0, -1, 2, 5], dtype=torch.int32, device=DEV)
+    pnat = torch.tensor([0, 6, 5, 7, 2, 8], dtype=torch.int32, device=DEV)  # by slot; slot 3 not in the batch
+    bufidx = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32, device=DEV)
+    x, dt, B, C = make_inputs(6, T, H, P, G, N, in_dtype, seed=4)
+    state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
+    res = []
+    for fn in (replay_verify, replay_verify_ref):
+        st, h = state.clone(), clone_history(hist)
+        out = nan_like((6, T, H, P), in_dtype)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out)
+        res.append((st, h, out))
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = res
+    assert_close(out_k, out_r, loosest(state_dtype, in_dtype), what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+    # state written only on a flush with something to fold in: slots 1 (6 + 3 > 8) and 5 (8 + 3 > 8)
+    for s_, written in ((0, False), (1, True), (2, False), (3, False), (4, False), (5, True)):
+        assert torch.equal(st_k[s_], state[s_]) != written, f"slot {s_}: state written = {not written}"
+    assert (out_k[3] == 0).all() and not torch.isnan(out_k).any()
+    pk, bk, pr, br = pnat.clone(), bufidx.clone(), pnat.clone(), bufidx.clone()
+    nat = torch.tensor([3, 1, 2, 3, 3, 2], dtype=torch.int32, device=DEV)
+    replay_advance(pk, bk, slot_ids, nat, T, hist_len=L)
+    replay_advance_ref(pr, br, slot_ids, nat, T, hist_len=L)
+    assert torch.equal(pk, pr) and torch.equal(bk, br)
+    # pending = old + accepted, or accepted alone after a flush
+    assert pk.tolist() == [0 + 2, 1, 5 + 3, 7, 2 + 3, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input validation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    S, H, P, N, G, T = 2, 2, 16, 16, 1, 2
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=0)
+    state = torch.zeros(S, H, P, N, device=DEV)
+    slot_ids = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="dt must have shape"):
+        selective_state_update(state, x, dt[:, :1], A, B, C, D, dt_bias, slot_ids)
+    with pytest.raises(ValueError, match="multiple of ngroups"):
+        B3, C3 = B.expand(1, T, 3, N), C.expand(1, T, 3, N)
+        selective_state_update(state, x, dt, A, B3, C3, D, dt_bias, slot_ids)
+    with pytest.raises(ValueError, match="slot_ids must be int32 or int64"):
+        selective_state_update(state, x, dt, A, B, C, D, dt_bias, slot_ids.float())
+    hist = allocate_replay_history(S, 1, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    with pytest.raises(ValueError, match="history length L = 1 < T = 2"):
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    with pytest.raises(ValueError, match="prev_num_accepted dtype"):
+        hist2 = allocate_replay_history(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist2, pnat.long(), bufidx)
