@@ -28,11 +28,15 @@ Sequence Length" (NeurIPS 2024); layer layout as in transformers' Qwen3NextGated
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing from the engine
+    from runners.cache import BatchMeta, GDNState
+    from runners.models.config import HybridConfig
 
 __all__ = [
     "GDNMixer",
@@ -588,7 +592,7 @@ class GDNMixer(GatedDeltaNet):
     Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: HybridConfig) -> None:
         c = config
         super().__init__(
             hidden_size=c.hidden_size,
@@ -601,7 +605,7 @@ class GDNMixer(GatedDeltaNet):
             chunk_size=c.gdn_chunk_size,
         )
 
-    def forward(self, x: Tensor, state=None, meta=None) -> Tensor:
+    def forward(self, x: Tensor, state: GDNState | None = None, meta: BatchMeta | None = None) -> Tensor:
         if state is None:
             return self.prefill(x).y
         B, T, _ = x.shape
