@@ -1,4 +1,4 @@
-"""Per-slot inference caches: Mamba2 conv / SSM state and attention KV, addressed by slot id.
+"""Per-slot inference caches: recurrent state (Mamba2, Gated DeltaNet) and attention KV, by slot id.
 
 A *slot* is one row of every cache, owned by one request from admission until it finishes. Every buffer has
 ``S + 1`` rows: rows ``0 .. S-1`` are the live slots, row ``S`` is a scratch row. The PAD slot id is ``-1``;
@@ -118,6 +118,32 @@ class Mamba2State(LayerState):
 
 
 @dataclass
+class GDNState(Mamba2State):
+    """Recurrent state of one Gated DeltaNet layer (Qwen3-Next ``linear_attn``): Mamba2State's buffers and
+    its reset / rewind commit / memory API, with GDN shapes (HV value heads, V / K value / key head dims,
+    C = 2 H K + HV V conv channels [Q | K | V], W = conv_kernel):
+
+    conv: [S + 1, C, W - 1], model dtype; the last W - 1 conv inputs, oldest first.
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; the delta-rule state S with K contiguous (as
+          runners/models/gdn.py: o = S q; transformers keeps [.., K, V], the transpose).
+    conv_steps: [S + 1, C, W - 1 + T] and ssm_steps: [S + 1, T, HV, V, K] (rewind buffers, only with
+          ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
+    """
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNState:
+        HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * c.gdn_num_key_heads * K + HV * V
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        return cls(
+            conv=torch.zeros(R, C, W1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
+            conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
+            ssm_steps=torch.zeros(R, T, HV, V, K, dtype=spec.ssm_state_dtype, device=dev) if T else None,
+        )
+
+
+@dataclass
 class KVCache(LayerState):
     """Keys and values of one attention layer, written by position.
 
@@ -146,9 +172,10 @@ class KVCache(LayerState):
         return {"kv_cache_bytes": _nbytes(self.k, self.v)}
 
 
-# block kind -> allocate(config, CacheSpec) -> LayerState. A family adds its kinds here (e.g. "gdn").
+# block kind -> allocate(config, CacheSpec) -> LayerState. A family adds its kinds here.
 CACHE_LAYOUTS: dict[str, Callable[[HybridConfig, CacheSpec], LayerState]] = {
     "mamba2": Mamba2State.allocate,
+    "gdn": GDNState.allocate,
     "attention": KVCache.allocate,
 }
 

@@ -5,6 +5,8 @@ prefill) and `recurrent_gated_delta_rule` (one step per token; the specification
 path with intermediate states) -- and `GatedDeltaNet`, the Qwen3-Next mixer with the checkpoint's parameter
 names. Caches are not owned here: the caller passes the recurrent state and the conv window of each row and
 gets the new ones back, so any cache design (slots gathered by the engine, rewind buffers, replay) plugs in.
+`GDNMixer` (the hybrid decoder's ``gdn`` block) is the engine's caller: it reads and writes the per-slot
+`runners.cache.GDNState`, including the rewind buffers of an MTP verify step.
 
 Shape vocabulary: B batch, T tokens per row, H key heads, HV value heads (HV = r * H, value head j reads key
 head j // r), K key head dim, V value head dim, D hidden size, W conv kernel width, C conv channels
@@ -26,13 +28,18 @@ Sequence Length" (NeurIPS 2024); layer layout as in transformers' Qwen3NextGated
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing from the engine
+    from runners.cache import BatchMeta, GDNState
+    from runners.models.config import HybridConfig
+
 __all__ = [
+    "GDNMixer",
     "GDNOutput",
     "GDNRuleInputs",
     "GatedDeltaNet",
@@ -561,3 +568,69 @@ class GatedDeltaNet(nn.Module):
             conv_state.copy_(new_conv)
             new_state, new_conv = recurrent_state, conv_state
         return GDNOutput(y, new_state, new_conv, inter, inter_conv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine's block: the mixer on the per-slot cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+class GDNMixer(GatedDeltaNet):
+    """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
+    cache (`runners.cache.GDNState`), the counterpart of `runners.models.mamba2.Mamba2Mixer`.
+
+    forward(hidden (B, T, D), state, meta) -> (B, T, D). Without a cache: a full causal forward from a zero
+    state. With ``state`` and ``meta`` (`runners.cache.BatchMeta`) each row continues from its slot's conv
+    window and recurrent state (PAD rows use the scratch row):
+    - prefill (T > 1, rows right-padded to ``meta.lengths``): chunked rule; the state after each row's last
+      valid token is written back (a row of length 0 keeps its state);
+    - decode (T = 1): recurrent rule, state written back;
+    - verify (``meta.verify``, T = K + 1): recurrent rule from the committed state, which is left alone; the
+      state after each token goes to ``state.ssm_steps`` (B, T, HV, V, K) and the conv input window
+      (C, W - 1 + T) to ``state.conv_steps``, so ``HybridCache.commit`` can keep the state after the
+      accepted tokens (rewind, BRIEF section 4).
+    Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states.
+    """
+
+    def __init__(self, config: HybridConfig) -> None:
+        c = config
+        super().__init__(
+            hidden_size=c.hidden_size,
+            num_k_heads=c.gdn_num_key_heads,
+            num_v_heads=c.gdn_num_value_heads,
+            head_k_dim=c.gdn_key_head_dim,
+            head_v_dim=c.gdn_value_head_dim,
+            conv_kernel=c.conv_kernel,
+            rms_norm_eps=c.norm_eps,
+            chunk_size=c.gdn_chunk_size,
+        )
+
+    def forward(self, x: Tensor, state: GDNState | None = None, meta: BatchMeta | None = None) -> Tensor:
+        if state is None:
+            return self.prefill(x).y
+        B, T, _ = x.shape
+        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        h0, conv0 = meta.rows(state.ssm), meta.rows(state.conv)
+        lengths = None if meta.all_valid else meta.lengths
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
+        if meta.verify:
+            if state.ssm_steps is None or state.ssm_steps.shape[1] != T:
+                have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
+                raise ValueError(
+                    f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
+                    "build the HybridCache with spec_tokens = T"
+                )
+            o, _, steps = recurrent_gated_delta_rule(
+                q, k, v, g, beta, h0, output_final_state=False, output_intermediate_states=True
+            )
+            state.ssm_steps.index_copy_(0, rows, steps.to(state.ssm.dtype))
+            state.conv_steps.index_copy_(0, rows, conv_in.to(state.conv.dtype))
+            return self.output(o, z)
+        if T == 1 and lengths is None:
+            o, h, _ = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
+        else:
+            o, h = chunk_gated_delta_rule(q, k, v, g, beta, h0, self.chunk_size, lengths=lengths)
+        state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
+        new_conv = self.conv_state_after(conv_in, T if lengths is None else lengths)
+        state.conv.index_copy_(0, rows, new_conv.to(state.conv.dtype))
+        return self.output(o, z, lengths)
