@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runners.loader import FP32_SUFFIXES, load_model
+from runners.loader import load_model
 from runners.models.config import family_module
 from runners.models.hybrid import HybridLM
 
@@ -298,7 +298,6 @@ def save_checkpoint(model: HybridLM, init_dir: Path, out_dir: Path) -> Path:
     router in float32: what runners.tiny writes), filled from the model. Raises ValueError if the model's
     checkpoint names differ from the init file's (a model built from another config).
     """
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -306,28 +305,34 @@ def save_checkpoint(model: HybridLM, init_dir: Path, out_dir: Path) -> Path:
         if (init_dir / name).is_file() and (init_dir / name).resolve() != (out_dir / name).resolve():
             shutil.copyfile(init_dir / name, out_dir / name)
     targets = family_module(model.config.family, model.config.source).checkpoint_targets(model)
-    with safe_open(str(init_dir / "model.safetensors"), framework="pt") as f:
-        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    dtypes = _disk_dtypes(init_dir)
     if set(dtypes) != set(targets):
         raise ValueError(
             f"model tensors do not match {init_dir / 'model.safetensors'}: missing "
             f"{sorted(set(dtypes) - set(targets))[:5]}, extra {sorted(set(targets) - set(dtypes))[:5]}"
         )
-    names = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
-    tensors = {
-        name: targets[name].detach().to("cpu", names[dtypes[name]]).contiguous() for name in sorted(dtypes)
-    }
+    tensors = {name: targets[name].detach().to("cpu", dtypes[name]).contiguous() for name in sorted(dtypes)}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
-def bf16_rounded(model: HybridLM) -> HybridLM:
-    """Round every float tensor of ``model`` in place to bfloat16 and back (float32 storage), except the
-    tensors kept in float32 on disk (the loader's FP32_SUFFIXES): the values a bf16 checkpoint holds."""
+def _disk_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """``{tensor name: dtype}`` of ``path``/model.safetensors, without reading the data."""
+    from safetensors import safe_open
+
+    names = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {name: names[f.get_slice(name).get_dtype()] for name in f.keys()}
+
+
+def round_to_checkpoint(model: HybridLM, path: Path) -> HybridLM:
+    """Round every tensor of ``model`` in place to the dtype its checkpoint name has in
+    ``path``/model.safetensors (and back to the model's dtype): the values a reload of that file holds."""
+    targets = family_module(model.config.family, model.config.source).checkpoint_targets(model)
     with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
-                t.copy_(t.to(torch.bfloat16).float())
+        for name, dtype in _disk_dtypes(path).items():
+            t = targets[name]
+            t.copy_(t.to(dtype).to(t.dtype))
     return model
 
 
@@ -335,7 +340,7 @@ def verify_checkpoint(
     model: HybridLM, path: Path, ids: torch.Tensor, check_transformers: bool = True
 ) -> dict:
     """Reload ``path`` in our engine (float32, with MTP) and in transformers; compare their logits on
-    ``ids`` [B, T] with the in-memory model rounded to bf16 (``model`` is not modified: a copy is rounded).
+    ``ids`` [B, T] with the in-memory model rounded to the file's dtypes (a copy; ``model`` is unchanged).
 
     Returns {"engine_max_abs_diff", "mtp_max_abs_diff", "transformers_max_abs_diff" (None when transformers
     is not installed)}. Raises AssertionError when a difference exceeds 1e-3 (engine) / 2e-2 (transformers,
@@ -343,7 +348,7 @@ def verify_checkpoint(
     """
     import copy
 
-    ref = bf16_rounded(copy.deepcopy(model).float().cpu()).eval()
+    ref = round_to_checkpoint(copy.deepcopy(model).float().cpu(), path).eval()
     loaded = load_model(path, dtype=torch.float32, load_mtp=ref.mtp is not None).eval()
     ids = ids.cpu()
     with torch.no_grad():

@@ -169,6 +169,7 @@ def _log(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / LOG_FILE).read_text().splitlines()]
 
 
+@pytest.mark.slow  # shares the two ~10 s training runs of the two_runs fixture
 def test_training_reduces_both_losses(two_runs):
     _, out, _ = two_runs
     log = _log(out)
@@ -181,6 +182,7 @@ def test_training_reduces_both_losses(two_runs):
     assert recipe["config"]["steps"] == 12 and recipe["summary"]["tokens"] == 12 * 4 * 96
 
 
+@pytest.mark.slow  # shares the two ~10 s training runs of the two_runs fixture
 def test_same_seed_same_losses_and_weights(two_runs):
     _, a, b = two_runs
     strip = lambda log: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in log]
@@ -188,6 +190,7 @@ def test_same_seed_same_losses_and_weights(two_runs):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # shares the two ~10 s training runs of the two_runs fixture
 def test_checkpoint_layout_and_reload(two_runs, tokenizer):
     init, out, _ = two_runs
     with (
