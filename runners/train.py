@@ -88,6 +88,8 @@ class TrainConfig:
     mtp_depth: int = 1
     seed: int = 0
     log_every: int = 10
+    val_docs: int = 256  # the last rows of train.jsonl, held out for a validation loss (0 = none)
+    val_every: int = 100  # steps between validation losses (and at the end)
     time_budget_s: float | None = None  # wall-clock budget: fixes ``steps`` after timing the warmup
     init: str | None = None  # checkpoint dir; None = the shipped registry/checkpoints/tiny_<family>_mtp
     config_overrides: dict = field(default_factory=dict)
@@ -101,6 +103,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.seq_len < self.mtp_depth + 2:
             raise ValueError(f"seq_len={self.seq_len} must be >= mtp_depth + 2 = {self.mtp_depth + 2}")
+        if self.val_docs < 0:
+            raise ValueError(f"val_docs={self.val_docs} must be >= 0")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.mtp_weight < 0:
@@ -251,6 +255,20 @@ def compute_losses(model: HybridLM, window: torch.Tensor, mtp_depth: int = 1) ->
             losses[f"mtp_{k}"] = steps[-1]
     losses["mtp"] = torch.stack(steps).mean() if steps else torch.zeros((), device=x.device)
     return losses
+
+
+def validation_losses(model: HybridLM, windows: torch.Tensor, cfg: TrainConfig, device) -> dict[str, float]:
+    """Mean main / MTP losses over held-out ``windows`` [n, seq_len + 1] (no grad; restores train mode)."""
+    model.eval()
+    sums, n = {"val_main_loss": 0.0, "val_mtp_loss": 0.0}, 0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for batch in windows.split(cfg.batch_size):
+            losses = compute_losses(model, batch.to(device), cfg.mtp_depth if cfg.mtp_weight > 0 else 0)
+            sums["val_main_loss"] += losses["main"].item() * len(batch)
+            sums["val_mtp_loss"] += losses["mtp"].item() * len(batch)
+            n += len(batch)
+    model.train()
+    return {k: v / n for k, v in sums.items()}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -433,7 +451,14 @@ def train(
         if rows is None:
             rows = read_gsm8k(resolve_train_file(data_dir))
         docs = document_tokens(tokenizer, rows)
+        if cfg.val_docs >= len(docs):
+            raise ValueError(f"val_docs={cfg.val_docs} leaves no training data ({len(docs)} documents)")
+        val_docs = docs[len(docs) - cfg.val_docs :] if cfg.val_docs else []
+        docs = docs[: len(docs) - cfg.val_docs]
         data = PackedGSM8K(docs, cfg.seq_len, cfg.batch_size, cfg.seed)
+        val = None
+        if val_docs and sum(map(len, val_docs)) > cfg.seq_len:
+            val = PackedGSM8K(val_docs, cfg.seq_len, cfg.batch_size, cfg.seed).epoch_windows(0)
 
         torch.manual_seed(cfg.seed)
         model = load_model(init_dir, dtype=torch.float32, load_mtp=cfg.mtp_weight > 0).to(dev).train()
@@ -447,6 +472,7 @@ def train(
             "torch": torch.__version__,
             "init": str(init_dir) if not cfg.config_overrides else "random (config_overrides)",
             "data_tokens": data.num_tokens,
+            "val_windows": 0 if val is None else len(val),
             "documents": len(docs),
             "parameters": n_params,
             "command": " ".join(["python -m runners.train", *sys.argv[1:]]),
@@ -503,6 +529,11 @@ def train(
                     "mtp_loss": acc["mtp"] / n,
                     **{k: v.item() for k, v in losses.items() if k.startswith("mtp_")},
                     "grad_norm": grad_norm.item(),
+                    **(
+                        validation_losses(model, val, cfg, dev)
+                        if val is not None and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps)
+                        else {}
+                    ),
                     "tokens": tokens,
                     "elapsed_s": round(time.perf_counter() - t0, 3),
                 }
@@ -567,9 +598,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--config-overrides", default="{}", help='JSON transformers fields, e.g. {"hidden_size":256}'
     )
-    for name in ("steps", "seq_len", "batch_size", "warmup_steps", "mtp_depth", "seed", "log_every"):
+    floats = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "mtp_weight")
+    ints = (
+        "steps",
+        "seq_len",
+        "batch_size",
+        "warmup_steps",
+        "mtp_depth",
+        "seed",
+        "log_every",
+        "val_docs",
+        "val_every",
+    )
+    for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "mtp_weight"):
+    for name in floats:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     p.add_argument(
         "--time-budget-s", type=float, default=None, help="fix --steps from the measured step time"
@@ -581,23 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     if args.threads:
         torch.set_num_threads(args.threads)
-    fields = {
-        k: getattr(args, k)
-        for k in (
-            "steps",
-            "seq_len",
-            "batch_size",
-            "warmup_steps",
-            "mtp_depth",
-            "seed",
-            "log_every",
-            "lr",
-            "min_lr_ratio",
-            "weight_decay",
-            "grad_clip",
-            "mtp_weight",
-        )
-    }
+    fields = {k: getattr(args, k) for k in ints + floats}
     cfg = TrainConfig(
         family=args.family,
         init=args.init,

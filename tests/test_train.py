@@ -159,6 +159,8 @@ def two_runs(tmp_path_factory, train_rows):
             seed=5,
             init=str(init),
             mtp_depth=2,
+            val_docs=12,
+            val_every=6,
         )
         train(cfg, root / name, rows=train_rows[:60], check_transformers=(name == "a"))
         outs.append(root / name)
@@ -178,8 +180,11 @@ def test_training_reduces_both_losses(two_runs):
     assert log[-1]["main_loss"] < log[0]["main_loss"] - 1.0
     assert log[-1]["mtp_loss"] < log[0]["mtp_loss"] - 1.0
     assert {"mtp_1", "mtp_2"} <= set(log[-1])
+    val = [r for r in log if "val_main_loss" in r]  # held-out rows: the last 12 of the 60
+    assert [r["step"] for r in val] == [6, 12] and val[1]["val_main_loss"] < val[0]["val_main_loss"]
     recipe = json.loads((out / RECIPE_FILE).read_text())
     assert recipe["config"]["steps"] == 12 and recipe["summary"]["tokens"] == 12 * 4 * 96
+    assert recipe["documents"] == 48 and recipe["val_windows"] >= 1
 
 
 @pytest.mark.slow  # shares the two ~10 s training runs of the two_runs fixture
