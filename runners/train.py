@@ -29,6 +29,7 @@ docs/training.md). Logs ``train_log.jsonl`` and ``recipe.json`` in ``--out`` bes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -400,16 +401,29 @@ def verify_checkpoint(
 # ------------------------------------------------------------------------------------------------ loop
 
 
-def _set_determinism(device: torch.device) -> None:
+@contextlib.contextmanager
+def _deterministic(device: torch.device) -> Iterator[None]:
+    """Deterministic kernels for the duration of a run; restores the process's previous settings after."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+    )
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
         # warn_only: a few CUDA backward kernels (e.g. scaled_dot_product_attention's) have no deterministic
         # variant; they are reported once instead of aborting the run.
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
     else:
         torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = saved[2], saved[3]
 
 
 def train(
@@ -442,10 +456,9 @@ def train(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU; use --device cpu")
-    _set_determinism(dev)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with _deterministic(dev), tempfile.TemporaryDirectory() as tmp:
         init_dir = init_checkpoint(cfg, Path(tmp))
         from tokenizers import Tokenizer
 

@@ -190,6 +190,7 @@ def test_training_reduces_both_losses(two_runs):
 @pytest.mark.slow  # shares the two ~10 s training runs of the two_runs fixture
 def test_same_seed_same_losses_and_weights(two_runs):
     _, a, b = two_runs
+    assert not torch.are_deterministic_algorithms_enabled()  # train() restores the process setting
     strip = lambda log: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in log]
     assert strip(_log(a)) == strip(_log(b))
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
@@ -276,3 +277,14 @@ def test_cuda_bf16_autocast_training(tmp_path, train_rows):
     assert runs[0][-1]["main_loss"] < runs[0][0]["main_loss"] - 1.0
     for ra, rb in zip(*runs):
         assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-3)
+
+
+def test_time_budget_fixes_steps_and_records_them(tmp_path, train_rows):
+    init = write_random_checkpoint(
+        tmp_path / "init", "nemotron_h", SMALL_NH, seed=1, tokenizer_dir=SHIPPED_NH
+    )
+    cfg = _small_recipe(init, steps=50, warmup_steps=5, time_budget_s=1e-3, seq_len=32)
+    summary = train(cfg, tmp_path / "out", rows=train_rows[:20], verify=False)
+    recipe = json.loads((tmp_path / "out" / RECIPE_FILE).read_text())
+    assert summary["steps"] == recipe["config"]["steps"] == 6  # warmup (timed) + 1: the budget is spent
+    assert [r["step"] for r in _log(tmp_path / "out")][-1] == 6
