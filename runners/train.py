@@ -38,7 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -458,7 +458,8 @@ def train(
         raise ValueError("device='cuda' but torch sees no CUDA GPU; use --device cpu")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _deterministic(dev), tempfile.TemporaryDirectory() as tmp:
+    cfg = replace(cfg)  # a time budget rewrites cfg.steps: leave the caller's recipe alone
+    with _deterministic(dev), tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
         init_dir = init_checkpoint(cfg, Path(tmp))
         from tokenizers import Tokenizer
 
@@ -502,7 +503,7 @@ def train(
         )
 
         log_path = out / LOG_FILE
-        log_f = log_path.open("w")
+        log_f = files.enter_context(log_path.open("w"))
         batches = data.batches()
         t0 = time.perf_counter()
         tokens = 0
@@ -570,7 +571,6 @@ def train(
                 )
                 acc = {"loss": 0.0, "main": 0.0, "mtp": 0.0, "n": 0}
             step += 1
-        log_f.close()
         elapsed = time.perf_counter() - t0
         model.eval()
         save_checkpoint(model, init_dir, out)
