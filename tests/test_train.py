@@ -279,12 +279,16 @@ def test_cuda_bf16_autocast_training(tmp_path, train_rows):
         assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-3)
 
 
-def test_time_budget_fixes_steps_and_records_them(tmp_path, train_rows):
-    init = write_random_checkpoint(
-        tmp_path / "init", "nemotron_h", SMALL_NH, seed=1, tokenizer_dir=SHIPPED_NH
-    )
-    cfg = _small_recipe(init, steps=50, warmup_steps=5, time_budget_s=1e-3, seq_len=32)
+def test_time_budget_and_config_overrides(tmp_path, train_rows):
+    """A resized random init (config_overrides) trains; the time budget fixes and records ``steps``."""
+    cfg = _small_recipe(SHIPPED_NH, steps=50, warmup_steps=5, time_budget_s=1e-3, seq_len=32)
+    cfg.config_overrides = SMALL_NH
     summary = train(cfg, tmp_path / "out", rows=train_rows[:20], verify=False)
     recipe = json.loads((tmp_path / "out" / RECIPE_FILE).read_text())
     assert summary["steps"] == recipe["config"]["steps"] == 6  # warmup (timed) + 1: the budget is spent
+    assert cfg.steps == 50  # the caller's recipe is left alone
     assert [r["step"] for r in _log(tmp_path / "out")][-1] == 6
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == SMALL_NH["hidden_size"]
+    )
+    assert load_model(tmp_path / "out", load_mtp=True).mtp is not None
