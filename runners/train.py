@@ -12,7 +12,8 @@ Data: every train row is formatted as lm-eval's gsm8k few-shot example, ``"Quest
 ``#### N``), and examples are joined with ``"\\n\\n"`` exactly as lm-eval joins the 5 shots and the test
 question. Documents are tokenized as they appear inside such a joined prompt (see :func:`document_tokens`)
 and packed into windows of ``seq_len + 1`` tokens that each start at a document boundary, in a seeded
-order per epoch; no BOS (the evaluation prompts carry none).
+order per epoch; no BOS (the evaluation prompts carry none). The last ``val_docs`` rows of train.jsonl are
+held out for a validation loss; the test split is never read (except by ``--sample``, for one prompt).
 
 Loss (DeepSeek-V3 style MTP, paired the way :meth:`runners.engine.Engine._mtp` pairs at inference): with
 target hidden states h_t (after the final norm) the main loss is CE(lm_head(h_t), x_{t+1}); MTP step 1 feeds
