@@ -174,7 +174,8 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     parts: `{"wall_seconds", "num_requests", "engine_stats": dict}` per call. Additive fields (counts,
     seconds, the per-position / histogram lists, summed element-wise) are summed; other fields are kept
     when every part agrees, dropped otherwise; acceptance_rate (accepted_drafts / drafted_tokens) and
-    acceptance_length (1 + accepted_drafts / request_steps) are recomputed from the sums where present.
+    acceptance_length (1 + accepted_drafts / request_steps) and acceptance_per_position
+    (accepted_per_position / request_steps) are recomputed from the sums where present.
     """
     merged: dict[str, Any] = {}
     disagreeing: set[str] = set()
@@ -197,6 +198,10 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         merged["acceptance_rate"] = merged.get("accepted_drafts", 0) / merged["drafted_tokens"]
     if merged.get("request_steps") and "accepted_drafts" in merged:
         merged["acceptance_length"] = 1 + merged["accepted_drafts"] / merged["request_steps"]
+    if merged.get("request_steps") and "accepted_per_position" in merged:
+        # a fraction per position, not additive: recompute it from the summed counts
+        steps = merged["request_steps"]
+        merged["acceptance_per_position"] = [a / steps for a in merged["accepted_per_position"]]
     merged["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
     merged["num_parts"] = len(parts)
     return merged

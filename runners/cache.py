@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -61,7 +62,12 @@ class LayerState:
     - ``commit_rows(rows, num_accepted_tokens)``: after a verify step, make the state the one after the
       first ``num_accepted_tokens`` [n] tokens (rewind); stateless-by-position kinds do nothing;
     - ``memory()``: ``{"ssm_state_bytes" | "conv_state_bytes" | "kv_cache_bytes" | "spec_buffers_bytes": n}``.
+
+    ``spec_buffers`` names the attributes that only speculative decoding allocates (None when the cache is
+    built with ``spec_tokens = 0``); they are a verify step's scratch, not a slot's committed state.
     """
+
+    spec_buffers: ClassVar[tuple[str, ...]] = ()
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
@@ -107,6 +113,7 @@ class Mamba2State(LayerState):
     ssm: torch.Tensor
     conv_steps: torch.Tensor | None = None
     ssm_steps: torch.Tensor | None = None
+    spec_buffers: ClassVar[tuple[str, ...]] = ("conv_steps", "ssm_steps")
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2State:

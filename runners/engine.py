@@ -40,11 +40,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class GenerationStats:
-    """Counters of one ``generate`` call (sums, so runs can be merged). Seconds are wall time.
+    """Counters of one ``generate`` call, kept as raw sums so runs can be merged (``a + b``). Seconds are
+    wall time.
 
-    MTP fields stay zero / empty until speculative decoding runs: ``accepted_per_position`` [K] counts
-    request-steps whose draft i was accepted; ``num_accepted_hist`` [K + 2] counts request-steps by
-    num_accepted_tokens; ``request_steps`` counts (request, verify step) pairs.
+    Speculative decoding (MTP, draft length K) adds, per (request, verify step) pair -- a *request-step*:
+    ``request_steps`` counts them; ``drafted_tokens`` = K per request-step; ``accepted_drafts`` sums the
+    accepted draft tokens; ``accepted_per_position`` [K] counts request-steps whose draft i (1..K) was
+    accepted; ``num_accepted_hist`` [K + 2] counts request-steps by num_accepted_tokens (index 0 stays 0).
+    These stay zero / empty without speculation.
+
+    Derived metrics (TensorRT-LLM definitions; None without drafts), in :meth:`to_dict` next to the sums:
+    ``acceptance_rate`` = accepted_drafts / drafted_tokens; ``acceptance_length`` = 1 + accepted_drafts /
+    request_steps (tokens per request-step); ``acceptance_per_position`` [K] = accepted_per_position /
+    request_steps.
     """
 
     num_requests: int = 0
@@ -59,8 +67,74 @@ class GenerationStats:
     num_accepted_hist: list[int] = field(default_factory=list)
     request_steps: int = 0
 
+    DERIVED = ("acceptance_rate", "acceptance_length", "acceptance_per_position")
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens, or None when nothing was drafted."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens a request advances per verify step: 1 + accepted drafts / request-steps."""
+        return 1 + self.accepted_drafts / self.request_steps if self.request_steps else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """[K] fraction of request-steps whose draft i (1..K) was accepted (non-increasing in i)."""
+        if not self.request_steps:
+            return [0.0] * len(self.accepted_per_position)
+        return [a / self.request_steps for a in self.accepted_per_position]
+
+    def record_step(self, accepted_drafts: Sequence[int], draft_len: int) -> None:
+        """Count one verify step: ``accepted_drafts`` [B] accepted drafts per request, each in [0, K]."""
+        if not self.num_accepted_hist:
+            self.accepted_per_position, self.num_accepted_hist = [0] * draft_len, [0] * (draft_len + 2)
+        if len(self.accepted_per_position) != draft_len:
+            have = len(self.accepted_per_position)
+            raise ValueError(f"draft_len={draft_len}, but these stats count K={have} positions")
+        if any(not 0 <= a <= draft_len for a in accepted_drafts):
+            raise ValueError(f"accepted drafts {list(accepted_drafts)} must lie in [0, K={draft_len}]")
+        self.request_steps += len(accepted_drafts)
+        self.drafted_tokens += draft_len * len(accepted_drafts)
+        for a in accepted_drafts:
+            self.accepted_drafts += a
+            self.num_accepted_hist[a + 1] += 1
+            for i in range(a):
+                self.accepted_per_position[i] += 1
+
+    def acceptance(self) -> dict:
+        """The ``acceptance`` section of results.json: ``{rate, length, per_position, drafted, accepted}``
+        (rate and length None without drafts)."""
+        return {
+            "rate": self.acceptance_rate,
+            "length": self.acceptance_length,
+            "per_position": self.acceptance_per_position,
+            "drafted": self.drafted_tokens,
+            "accepted": self.accepted_drafts,
+        }
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The raw sums (the dataclass fields) plus the derived metrics of :data:`DERIVED`."""
+        d = asdict(self)
+        d.update((k, getattr(self, k)) for k in self.DERIVED)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerationStats:
+        """Inverse of :meth:`to_dict`: derived keys are recomputed, not read; unknown keys raise TypeError."""
+        return cls(**{k: v for k, v in d.items() if k not in cls.DERIVED})
+
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        """Element-wise sum of two runs' counters (lists padded to the longer: runs of different K)."""
+
+        def add(a, b):
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+            return a + b
+
+        return GenerationStats(**{k: add(v, getattr(other, k)) for k, v in asdict(self).items()})
 
 
 @dataclass
@@ -145,8 +219,8 @@ class Engine:
             )
         if ssm_replay and draft_len == 0:
             raise ValueError(
-                "ssm_replay=True only applies to speculative decoding; set draft_len > 0 "
-                "(MTP) or ssm_replay=False"
+                "ssm_replay requires speculative decoding (draft_len > 0): replay commits the recurrent "
+                "state after a verify step; set draft_len to 1..7 (MTP) or ssm_replay=False"
             )
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
@@ -235,12 +309,23 @@ class Engine:
         return cls(model, device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay, **options)
 
     def cache_memory(self) -> dict[str, int]:
-        """Bytes held by the caches: ssm_state_bytes, conv_state_bytes, kv_cache_bytes, spec_buffers_bytes.
+        """Bytes allocated for per-slot state, by kind (scratch row included):
 
-        Computed from the architecture by :func:`runners.cache.cache_memory_bytes` (the function that also
-        sizes released shapes without weights); tests check it against the allocated tensors.
+        - ``ssm_state_bytes``: committed recurrent states (Mamba2 SSM state; a GDN family's state);
+        - ``conv_state_bytes``: committed conv windows;
+        - ``kv_cache_bytes``: attention KV caches, target and MTP;
+        - ``spec_buffers_bytes``: what only speculative decoding allocates (rewind: the per-token verify
+          states; replay: the input history, the extra conv columns and the per-slot PNAT / buffer index;
+          both: the per-slot first draft and its MTP hidden); 0 when ``draft_len`` is 0.
+
+        The cache part is computed from the architecture by :func:`runners.cache.cache_memory_bytes` (the
+        function that also sizes released shapes without weights); tests check it against the tensors.
         """
-        return cache_memory_bytes(self.config, self._cache_kinds, **self._cache_args)
+        mem = cache_memory_bytes(self.config, self._cache_kinds, **self._cache_args)
+        if self.draft_len > 0:  # _mtp_hidden [S, D] model dtype, _draft1 [S] int64
+            S = self.max_batch_size
+            mem["spec_buffers_bytes"] += S * (self.config.hidden_size * self.dtype.itemsize + 8)
+        return mem
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -287,7 +372,7 @@ class Engine:
         stop_ids = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
         stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
         if K > 0:
-            stats.accepted_per_position, stats.num_accepted_hist = [0] * K, [0] * (K + 2)
+            stats.record_step([], K)  # sizes the per-position counters even if no step runs
         out_tokens: list[list[int]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         bar, report = self._progress(progress, n)
@@ -394,10 +479,14 @@ class Engine:
            recurrent layers keep every intermediate state);
         3. accept: the longest draft prefix equal to the target's argmax, plus the bonus target token;
            num_accepted_tokens = accepted drafts + 1;
-        4. commit: recurrent state <- the state after num_accepted_tokens tokens (rewind); the KV caches need
-           nothing (later writes overwrite rejected positions);
-        5. MTP catch-up: the MTP module re-runs the accepted positions with the target's hidden states
-           (overwriting its draft-time KV entries) and its output at the last one gives the next first draft.
+        4. commit: recurrent state <- the state after num_accepted_tokens tokens (``cache.commit``: rewind);
+           the KV caches (target and MTP) roll back by length: ``slot_len`` advances by num_accepted_tokens
+           only, so entries of rejected positions are never read and later writes overwrite them;
+        5. MTP catch-up: the MTP module re-runs the accepted positions n .. n + a with the target's hidden
+           states (overwriting its draft-time KV entries); position n + a pairs the target hidden at index a
+           (the last accepted position) with the bonus token, and its output gives the next first draft.
+        The loop is family-agnostic: it needs only the model forward, ``BatchMeta.verify`` support in the
+        recurrent mixers and ``cache.commit`` (each layer state's ``commit_rows``).
         Advances ``slot_len`` / ``last_token`` and the acceptance counters of ``stats`` in place.
         """
         K, T = self.draft_len, self.draft_len + 1
@@ -428,13 +517,7 @@ class Engine:
         acc, drafts_h, bonus_h = accepted.tolist(), drafts.tolist(), bonus.tolist()
         slot_len[idx] += num_accepted.cpu()
         last_token[idx] = bonus.cpu()
-        stats.drafted_tokens += K * len(slots)
-        stats.accepted_drafts += sum(acc)
-        stats.request_steps += len(slots)
-        for a in acc:
-            stats.num_accepted_hist[a + 1] += 1
-            for i in range(a):
-                stats.accepted_per_position[i] += 1
+        stats.record_step(acc, K)
         return [d[:a] + [b] for d, a, b in zip(drafts_h, acc, bonus_h)]
 
     def _draft(self, slot_ids: torch.Tensor, slot_len: torch.Tensor, slot_start: int | None) -> torch.Tensor:

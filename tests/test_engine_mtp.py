@@ -1,20 +1,29 @@
-"""MTP speculative decoding (greedy, rewind commit): drafts, acceptance, and equality with plain greedy.
+"""MTP speculative decoding (greedy, rewind commit): drafts, acceptance, state invariants, stats, memory.
 
 - drafts equal a cache-free reference of the MTP module (target hidden for prompt positions, then its own
   output recursively);
 - an oracle drafter with errors injected at chosen positions drives every num_accepted_tokens value
   1 .. K + 1, and the output still equals plain greedy;
-- with the real (random) MTP weights on a 5-token vocab (so some drafts are accepted), speculative output
-  equals plain greedy under continuous batching and chunked prefill, and the counters are consistent.
+- for K = 1, 3, 7, with the real (random) MTP weights on a 5-token vocab (so some drafts are accepted) and
+  with forced per-row acceptance patterns (rows accepting different counts in one step, a row accepting 0
+  right after K, requests joining and leaving), speculative output equals plain greedy and, after every
+  verify + commit, each slot's whole cache (recurrent state, conv window, target and MTP KV below its
+  length, next first draft) equals a reference engine that decoded only the accepted tokens one by one;
+- PAD rows of a verify + commit never touch a live slot; counts outside [1, T] are rejected;
+- speculative buffers exist only with speculation (memory report by kind, exact byte counts);
+- GenerationStats keeps raw sums and derives rate / length / per-position acceptance.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 
-from runners import Engine
+from runners import Engine, GenerationStats
+from runners.cache import BatchMeta, KVCache, Mamba2State
 
 MAX_NEW = 16
 
@@ -90,25 +99,6 @@ def test_every_num_accepted_value_keeps_plain_greedy_output(ckpt):
     assert out.stats.steps < MAX_NEW - 1  # speculation saved target forwards
 
 
-@pytest.mark.parametrize("K", [1, 3])
-def test_speculative_equals_plain_greedy_with_mtp_weights(ckpt, K):
-    path, prompts, plain = ckpt
-    engine = Engine.from_pretrained(
-        path, draft_len=K, max_batch_size=3, max_seq_len=64, prefill_chunk_tokens=7
-    )
-    finished = []
-    out = engine.generate(prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, t, r: finished.append(i))
-    assert out.tokens == plain and sorted(finished) == list(range(len(prompts)))
-    s = out.stats
-    assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
-    assert sum(s.num_accepted_hist) == s.request_steps and s.num_accepted_hist[0] == 0
-    assert s.drafted_tokens == K * s.request_steps
-    assert s.accepted_drafts == sum((i - 1) * h for i, h in enumerate(s.num_accepted_hist) if i)
-    assert s.accepted_per_position[0] == s.request_steps - s.num_accepted_hist[1]
-    assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:]))
-    assert engine.cache_memory()["spec_buffers_bytes"] > 0
-
-
 def test_stop_token_inside_an_accepted_run(ckpt):
     """A stop token among several accepted tokens truncates the output right after it."""
     path, prompts, plain = ckpt
@@ -120,3 +110,241 @@ def test_stop_token_inside_an_accepted_run(ckpt):
         want = full[: full.index(stop) + 1] if stop in full else full
         assert toks == want
         assert reason == ("stop_token" if stop in full else "length")
+
+
+# ---------------------------------------------------------------------------- state invariants after commit
+
+# Per-request output lengths (finish at different steps; 16 = MAX_NEW), for the 6 prompts of the fixture.
+LIMITS = (16, 5, 11, 2, 16, 9)
+
+
+class CheckedEngine(Engine):
+    """An engine that, after every speculative step, compares each stepped slot's cache with a reference
+    engine that saw only the accepted tokens, one token per forward.
+
+    Compared per slot: every recurrent layer's committed tensors (SSM state, conv window; any state kind a
+    family adds, except the rewind scratch buffers), target and MTP KV entries below the slot's length,
+    and the MTP hidden / first draft that start the next step. With ``force_schedule`` the drafter is an
+    oracle made right for exactly ``schedule[request][step % len]`` drafts of each request-step.
+    """
+
+    def attach(self, ref: Engine, prompts, greedy, schedules=None):
+        self.ref, self.prompts, self.schedules = ref, [list(p) for p in prompts], schedules
+        self.sequences = [list(p) + list(g) for p, g in zip(prompts, greedy)]
+        self.slot_request, self.history, self.ref_len = {}, {}, {}
+        self.request_step = [0] * len(prompts)
+        self.expected_accepts, self.realized_accepts, self.checked = {}, [], 0
+
+    def _prefill(self, prompts, slots):
+        first = super()._prefill(prompts, slots)
+        self.ref._prefill(prompts, slots)  # the reference uses the same slot ids
+        for p, s, f in zip(prompts, slots, first):
+            self.slot_request[s] = self.prompts.index(list(p))
+            self.history[s], self.ref_len[s] = list(p) + [f], len(p)
+        return first
+
+    def _draft(self, slot_ids, slot_len, slot_start):
+        if self.schedules is None:
+            return super()._draft(slot_ids, slot_len, slot_start)
+        K, V = self.draft_len, self.config.vocab_size
+        rows = []
+        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
+            i = self.slot_request[s]
+            seq, sched = self.sequences[i], self.schedules[i]
+            m = sched[self.request_step[i] % len(sched)]
+            self.request_step[i] += 1
+            row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(K)]
+            if m < K:
+                row[m] = (row[m] + 1) % V  # the target's greedy token there is seq[n + 1 + m]
+            self.expected_accepts[s] = m if n + K < len(seq) else None
+            rows.append(row)
+        return torch.tensor(rows, device=self.device)
+
+    def _spec_step(self, slots, slot_len, last_token, stats):
+        new = super()._spec_step(slots, slot_len, last_token, stats)
+        for s, toks in zip(slots, new):
+            self.history[s] += toks
+            self.realized_accepts.append(len(toks) - 1)
+            if self.schedules is not None and self.expected_accepts[s] is not None:
+                assert len(toks) - 1 == self.expected_accepts[s], f"slot {s}: forced acceptance not realized"
+            self._check_slot(s, int(slot_len[s]))
+        self.checked += 1
+        return new
+
+    def _check_slot(self, slot: int, length: int) -> None:
+        ref, hist, one = self.ref, self.history[slot], torch.tensor([slot])
+        assert length == len(hist) - 1  # every token but the bonus is in the cache
+        for p in range(self.ref_len[slot], length):  # the accepted tokens, one per forward
+            meta = BatchMeta.decode(one, torch.tensor([p]))
+            h = ref.model(torch.tensor([[hist[p]]]), ref.cache, meta)
+            mtp_out = ref._mtp(torch.tensor([[hist[p + 1]]]), h, meta)[0, -1]  # MTP pos p: token p + 1
+        self.ref_len[slot] = length
+        tol = dict(atol=2e-5, rtol=1e-4)
+        for idx, layer in self.cache.layers.items():
+            ref_layer = ref.cache[idx]
+            for name, buf in vars(layer).items():
+                if buf is None or name in layer.spec_buffers:  # a verify's scratch, not state
+                    continue
+                got, want = buf[slot], getattr(ref_layer, name)[slot]
+                if isinstance(layer, KVCache):
+                    got, want = got[:length], want[:length]
+                where = f"slot {slot}, cache layer {idx}, {name}"
+                torch.testing.assert_close(got, want, **tol, msg=lambda m, where=where: f"{where}: {m}")
+        torch.testing.assert_close(self._mtp_hidden[slot], mtp_out, **tol)
+        assert int(self._draft1[slot]) == int(ref.model.lm_logits(mtp_out).argmax())
+
+
+def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8192):
+    kw = dict(draft_len=K, max_batch_size=3, max_seq_len=64)
+    engine = CheckedEngine.from_pretrained(path, prefill_chunk_tokens=prefill_chunk_tokens, **kw)
+    engine.attach(Engine.from_pretrained(path, **kw), prompts, plain, schedules)
+    finished = []
+    out = engine.generate(
+        prompts,
+        MAX_NEW,
+        stop_token_ids=[],
+        stop_checker=lambda i, toks: len(toks) >= LIMITS[i],
+        on_finish=lambda i, t, r: finished.append(i),
+    )
+    assert out.tokens == [g[:n] for g, n in zip(plain, LIMITS)]
+    assert sorted(finished) == list(range(len(prompts))) and engine.checked == out.stats.steps > 0
+    return engine, out.stats
+
+
+def _check_counters(s: GenerationStats, K: int, realized: list[int]) -> None:
+    assert s.request_steps == len(realized) and s.drafted_tokens == K * len(realized)
+    assert s.accepted_drafts == sum(realized)
+    assert s.num_accepted_hist == [0] + [realized.count(a) for a in range(K + 1)]
+    assert s.accepted_per_position == [sum(a > i for a in realized) for i in range(K)]
+
+
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(ckpt, K):
+    """Real MTP weights: equal output, and after every verify + commit each slot's cache equals the
+    reference that decoded only the accepted tokens (requests of different lengths join and leave)."""
+    path, prompts, plain = ckpt
+    chunk = 7 if K == 3 else 8192  # once with chunked prefill (the MTP catches up chunk by chunk)
+    engine, s = _checked_run(path, prompts, plain, K, prefill_chunk_tokens=chunk)
+    assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
+    _check_counters(s, K, engine.realized_accepts)
+
+
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_ragged_forced_acceptance_keeps_each_rows_state(ckpt, K):
+    """Rows accept different counts in one step; a row accepts 0 right after K (and K after 0); rows join
+    and leave (3 slots, 6 requests, different lengths): every row's state stays its own."""
+    path, prompts, plain = ckpt
+    mid = K // 2 + 1 if K > 1 else 1
+    schedules = [[K, 0], [0, K], [mid, K, 0, 0], [K, K, 0], [0], [K, mid - 1, K]]
+    engine, s = _checked_run(path, prompts, plain, K, schedules)
+    _check_counters(s, K, engine.realized_accepts)
+    assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0
+
+
+# ---------------------------------------------------------------------------- PAD rows and bad counts
+
+
+def _all_rows(engine, slot):
+    """{(cache index, buffer name): the slot's row} of every cache buffer (rewind buffers included)."""
+    layers = engine.cache.layers.items()
+    return {(i, k): t[slot].clone() for i, lay in layers for k, t in vars(lay).items() if t is not None}
+
+
+@torch.inference_mode()
+def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
+    path, prompts, _ = ckpt
+    K, T = 3, 4
+    engines = [Engine.from_pretrained(path, draft_len=K, max_batch_size=3, max_seq_len=64) for _ in range(2)]
+    for e in engines:
+        e._prefill([prompts[0], prompts[1], prompts[2]], [0, 1, 2])
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 5, (3, T))
+    lens = torch.tensor([len(prompts[0]), 7, len(prompts[2])])
+    live = [_all_rows(engines[0], s) for s in range(3)]
+    with_pad, without = engines
+    # rows 0 and 2 are slots 0 and 2; row 1 is PAD (slot 1 is live but not in this batch)
+    slots = torch.tensor([0, -1, 2])
+    h_pad = with_pad.model(tokens, with_pad.cache, BatchMeta.decode(slots, lens, T, verify=True))
+    for bad in ([2, 0, 4], [2, 1, 5], [-1, 1, 1]):  # a PAD row's 0 is rejected like any other
+        with pytest.raises(ValueError, match=r"\[1, T=4\]"):
+            with_pad.cache.commit(slots, torch.tensor(bad))
+    for s in range(3):  # a verify (and a rejected commit) changes no slot's committed state
+        n = len(prompts[s])  # KV entries at positions >= the slot's length are not state yet
+        for key, t in _all_rows(with_pad, s).items():
+            kv = isinstance(with_pad.cache[key[0]], KVCache)
+            if key[1] not in with_pad.cache[key[0]].spec_buffers:
+                want = live[s][key]
+                torch.testing.assert_close(t[:n] if kv else t, want[:n] if kv else want, rtol=0, atol=0)
+    with_pad.cache.commit(slots, torch.tensor([2, 1, 4]))
+    for key, t in _all_rows(with_pad, 1).items():  # the PAD row neither read nor wrote slot 1
+        torch.testing.assert_close(t, live[1][key], rtol=0, atol=0)
+    real = torch.tensor([0, 2])
+    h = without.model(tokens[[0, 2]], without.cache, BatchMeta.decode(real, lens[[0, 2]], T, verify=True))
+    without.cache.commit(real, torch.tensor([2, 4]))
+    torch.testing.assert_close(h_pad[[0, 2]], h, atol=1e-5, rtol=1e-5)
+    for s in (0, 2):
+        for key, t in _all_rows(with_pad, s).items():
+            torch.testing.assert_close(t, _all_rows(without, s)[key], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- memory report
+
+
+def test_speculative_buffers_only_with_speculation(ckpt, caplog):
+    path, _, _ = ckpt
+    S, L = 2, 32
+    plain = Engine.from_pretrained(path, max_batch_size=S, max_seq_len=L)
+    m0 = plain.cache_memory()
+    assert set(m0) == {"ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes"}
+    assert m0["spec_buffers_bytes"] == 0 and not hasattr(plain, "_mtp_hidden")
+    states = [l for l in plain.cache.layers.values() if isinstance(l, Mamba2State)]
+    assert states and all(l.conv_steps is None and l.ssm_steps is None for l in states)
+    assert all(getattr(l, b) is None for l in plain.cache.layers.values() for b in l.spec_buffers)
+    c, R = plain.config, S + 1  # R: rows, the scratch row included
+    H, P, N = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size
+    C, W1 = c.mamba_conv_dim, c.conv_kernel - 1
+    kv_layer = 2 * R * L * c.num_key_value_heads * c.head_dim * 4  # float32 k and v
+    n_mamba, n_attn = len(states), c.layer_types.count("attention")
+    assert m0["ssm_state_bytes"] == n_mamba * R * H * P * N * 4
+    assert m0["conv_state_bytes"] == n_mamba * R * C * W1 * 4
+    assert m0["kv_cache_bytes"] == n_attn * kv_layer
+    with caplog.at_level(logging.WARNING, logger="runners.engine"):
+        spec = {
+            K: Engine.from_pretrained(path, draft_len=K, ssm_replay=K == 7, max_batch_size=S, max_seq_len=L)
+            for K in (3, 7)
+        }
+    assert "committing by rewind" in caplog.text  # ssm_replay is accepted, rewind is what runs today
+    for K, e in spec.items():
+        m, T = e.cache_memory(), K + 1
+        assert {k: m[k] for k in ("ssm_state_bytes", "conv_state_bytes")} == {
+            k: m0[k] for k in ("ssm_state_bytes", "conv_state_bytes")
+        }
+        assert m["kv_cache_bytes"] == m0["kv_cache_bytes"] + kv_layer  # + the MTP attention's own KV cache
+        rewind = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
+        assert m["spec_buffers_bytes"] == rewind + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
+    with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
+        Engine.from_pretrained(path, ssm_replay=True, max_batch_size=S, max_seq_len=L)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_generation_stats_raw_sums_and_derived_metrics():
+    s = GenerationStats()
+    assert s.acceptance_rate is None and s.acceptance_length is None and s.acceptance_per_position == []
+    s.record_step([3, 0, 1], 3)
+    s.record_step([2], 3)
+    assert (s.drafted_tokens, s.accepted_drafts, s.request_steps) == (12, 6, 4)
+    assert s.accepted_per_position == [3, 2, 1] and s.num_accepted_hist == [0, 1, 1, 1, 1]
+    d = s.to_dict()
+    assert d["acceptance_rate"] == 0.5 and d["acceptance_length"] == 2.5
+    assert d["acceptance_per_position"] == [0.75, 0.5, 0.25]
+    assert GenerationStats.from_dict(d) == s
+    assert s.acceptance() == {"rate": 0.5, "length": 2.5, "per_position": [0.75, 0.5, 0.25], "drafted": 12,
+                              "accepted": 6}
+    total = s + GenerationStats.from_dict(d)
+    assert total.accepted_per_position == [6, 4, 2] and total.acceptance_rate == 0.5
+    with pytest.raises(ValueError, match=r"\[0, K=3\]"):
+        s.record_step([4], 3)
+    with pytest.raises(ValueError, match="K=3"):
+        s.record_step([1], 2)

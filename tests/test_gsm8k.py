@@ -225,15 +225,16 @@ def test_merge_stats_sums_counts_and_lists_and_recomputes_rates():
         {"wall_seconds": 1.0, "num_requests": 2, "engine_stats": {
             "generated_tokens": 10, "drafted_tokens": 6, "accepted_drafts": 3, "request_steps": 4,
             "accepted_per_position": [2, 1], "num_accepted_hist": [0, 1, 2, 1], "acceptance_rate": 0.5,
-            "family": "nemotron_h"}},
+            "acceptance_per_position": [0.5, 0.25], "family": "nemotron_h"}},
         {"wall_seconds": 2.0, "num_requests": 1, "engine_stats": {
             "generated_tokens": 5, "drafted_tokens": 4, "accepted_drafts": 4, "request_steps": 2,
             "accepted_per_position": [2, 2], "num_accepted_hist": [0, 0, 0, 2], "acceptance_rate": 1.0,
-            "family": "nemotron_h"}},
+            "acceptance_per_position": [1.0, 1.0], "family": "nemotron_h"}},
     ]
     m = merge_stats(parts)
     assert m["generated_tokens"] == 15 and m["drafted_tokens"] == 10 and m["accepted_drafts"] == 7
     assert m["accepted_per_position"] == [4, 3] and m["num_accepted_hist"] == [0, 1, 2, 3]
     assert m["acceptance_rate"] == 0.7 and m["acceptance_length"] == 1 + 7 / 6
+    assert m["acceptance_per_position"] == [4 / 6, 3 / 6]  # from the summed counts, not a sum of fractions
     assert m["family"] == "nemotron_h" and m["wall_seconds"] == 3.0 and m["num_parts"] == 2
     assert merge_stats([]) == {"wall_seconds": 0.0, "num_parts": 0}
