@@ -164,3 +164,24 @@ def test_ssm_backend_option(setup):
     assert all(m.ssm_backend == "torch" for m, _ in _mamba_layers(engine))
     with pytest.raises(ValueError, match="ssm_backend"):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
+
+
+def test_triton_backend_matches_torch_backend(setup):
+    """The engine's kernel path (Triton replay verify + advance, Triton rewind verify), run by the Triton
+    interpreter on the CPU (conftest sets TRITON_INTERPRET without a GPU): same tokens and acceptance."""
+    from kernels._common import interpreter_active
+
+    if not interpreter_active() and not torch.cuda.is_available():
+        pytest.skip("Triton is neither in interpreter mode nor on a GPU")
+    path, prompts, _ = setup
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = [prompts[0], prompts[5], prompts[2]]  # 3 requests on 2 slots: slot reuse, a join mid-run
+    outs = {}
+    for backend in ("torch", "triton"):
+        for replay in (False, True):
+            engine = Engine.from_pretrained(path, draft_len=2, ssm_replay=replay, max_batch_size=2,
+                                            max_seq_len=64, ssm_backend=backend, device=device)
+            outs[backend, replay] = engine.generate(batch, 5, stop_token_ids=[])
+    want = outs["torch", False]
+    for out in outs.values():
+        assert out.tokens == want.tokens and _acceptance(out.stats) == _acceptance(want.stats)
