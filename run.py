@@ -3,6 +3,10 @@
 A thin Hydra wrapper around runners.app.run(cfg). Problems the user can fix (runners.errors.UserError, and the
 unknown entries / keys that Hydra would otherwise report in its own words) are printed as
 `error: <problem>` / `  fix: <fix>` on stderr with exit status 2 and no traceback.
+
+Exit status: 0 the verdict passed, or had no reference yet (placeholder baseline rows) / was not required
+(verdict.require_reference=false); 1 a verdict check failed (GSM8K below its threshold, an acceptance floor
+missed, or with compare=replay a flipped sample / diverged tokens); 2 a user error.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ def main(cfg: DictConfig) -> None:
     from runners import app
 
     try:
-        app.run(cfg)
+        results = app.run(cfg)
     except UserError as e:
         _fail(e)
+    sys.exit(app.exit_code(results))
 
 
 def _preflight(argv: list[str]) -> None:

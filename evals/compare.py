@@ -23,6 +23,8 @@ from typing import Any
 
 from scipy.stats import binomtest
 
+from evals.verdict import FAIL, NO_REFERENCE, PASS, Check
+
 FILTERS = ("strict_match", "flexible_extract")
 
 
@@ -287,6 +289,41 @@ def compare_runs(
     return Comparison(label_a, label_b, n, results, divergence, acceptance)
 
 
+def load_run_samples(run_dir: str | Path, *, id_key: str = "doc_id") -> dict[Any, dict[str, Any]]:
+    """A run folder's per-sample records in compare_runs' form: {id: {id_key, <filter>: bool, "tokens"}}.
+
+    Reads run_dir/samples.jsonl as evals.gsm8k writes it (correctness under `correct: {filter: bool}`) or in
+    the flat form (`<filter>` at top level), and joins the generated token ids from run_dir/generations.jsonl
+    (`generated_ids`, matched on the sample's `request_key`) when the record carries no `tokens` itself.
+
+    Raises:
+        ComparisonError: samples.jsonl missing or malformed (see load_samples_jsonl), or a sample whose
+            request_key has no line in generations.jsonl.
+    """
+    run_dir = Path(run_dir)
+    samples = load_samples_jsonl(run_dir / "samples.jsonl", id_key=id_key)
+    generations: dict[str, list[int]] = {}
+    gen_path = run_dir / "generations.jsonl"
+    if gen_path.exists():
+        for line in gen_path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if isinstance(rec, dict) and "key" in rec and "generated_ids" in rec:
+                generations[rec["key"]] = rec["generated_ids"]  # later lines win, as in the resume store
+    out = {}
+    for sid, rec in samples.items():
+        flat = dict(rec)
+        for name, value in (rec.get("correct") or {}).items():
+            flat.setdefault(name, value)
+        if "tokens" not in flat and gen_path.exists() and "request_key" in rec:
+            if rec["request_key"] not in generations:
+                raise ComparisonError(
+                    f"{gen_path}: no generation for sample {sid!r} (request_key {rec['request_key']})"
+                )
+            flat["tokens"] = generations[rec["request_key"]]
+        out[sid] = flat
+    return out
+
+
 def compare_run_dirs(
     dir_a: str | Path,
     dir_b: str | Path,
@@ -297,8 +334,8 @@ def compare_run_dirs(
 ) -> Comparison:
     """compare_runs on two run output folders (results.json + samples.jsonl each, docs/results_schema.md).
 
-    Labels default to the folder names. Acceptance is compared when both results.json have a non-null
-    `acceptance` section.
+    Samples are read by load_run_samples (token ids from generations.jsonl when present). Labels default to
+    the folder names. Acceptance is compared when both results.json have a non-null `acceptance` section.
 
     Raises:
         ComparisonError: a missing results.json / samples.jsonl, or the errors of compare_runs.
@@ -312,11 +349,85 @@ def compare_run_dirs(
     acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
     both = acc_a is not None and acc_b is not None
     return compare_runs(
-        load_samples_jsonl(dirs["a"] / "samples.jsonl", id_key=id_key),
-        load_samples_jsonl(dirs["b"] / "samples.jsonl", id_key=id_key),
+        load_run_samples(dirs["a"], id_key=id_key),
+        load_run_samples(dirs["b"], id_key=id_key),
         acceptance_a=acc_a if both else None,
         acceptance_b=acc_b if both else None,
         label_a=label_a or dirs["a"].name,
         label_b=label_b or dirs["b"].name,
         id_key=id_key,
     )
+
+
+def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.05) -> list[Check]:
+    """Pass/fail checks of a paired comparison, in the verdict's Check form (evals.verdict).
+
+    exact=True (two arms that must emit identical tokens, e.g. SSM replay vs rewind in float32): per filter,
+    "comparison.<filter>.flipped" passes only with 0 samples flipped either way (a_only + b_only); and
+    "comparison.diverged" passes only when no sample's generated tokens differ (needs token ids; a
+    "no_reference" check without them).
+    exact=False (arms that may differ by rounding, or two nights): per filter,
+    "comparison.<filter>.mcnemar_p" passes when the exact McNemar p-value is >= alpha (no significant
+    accuracy difference); flipped counts are reported in the note.
+    """
+    checks = []
+    for name, f in comparison.filters.items():
+        counts = {"a_only": f.a_only, "b_only": f.b_only}
+        flipped = f.a_only + f.b_only
+        note = (f"{f.a_only} right in {comparison.label_a} only, {f.b_only} right in {comparison.label_b} "
+                f"only, of {f.n}; McNemar exact p = {f.mcnemar_p:.4g}")
+        if exact:
+            status = PASS if flipped == 0 else FAIL
+            checks.append(Check(f"comparison.{name}.flipped", float(flipped), 0.0, 0.0, status, "samples",
+                                note + "; pass if no sample flipped", counts))
+        else:
+            status = PASS if f.mcnemar_p >= alpha else FAIL
+            checks.append(Check(f"comparison.{name}.mcnemar_p", f.mcnemar_p, None, alpha, status, "p-value",
+                                note + f"; pass if p >= {alpha}", counts))
+    if exact:
+        div = comparison.divergence
+        if div is None:
+            checks.append(Check("comparison.diverged", None, None, None, NO_REFERENCE, "samples",
+                                "no generated token ids recorded: divergence not checked"))
+        else:
+            where = (f"; first divergence at token {div.min_first_divergence}"
+                     if div.min_first_divergence is not None else "")
+            note = f"{div.num_diverged} of {div.n} samples' generated tokens differ{where}; pass if none do"
+            status = PASS if div.num_diverged == 0 else FAIL
+            checks.append(Check("comparison.diverged", float(div.num_diverged), 0.0, 0.0, status, "samples",
+                                note, {"min_first_divergence": div.min_first_divergence}))
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m evals.compare DIR_A DIR_B [--exact]`: compare two finished runs; 1 if a check fails."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m evals.compare", description=main.__doc__)
+    parser.add_argument("dir_a", type=Path, help="output folder of run A (e.g. last night's, or rewind)")
+    parser.add_argument("dir_b", type=Path, help="output folder of run B (e.g. tonight's, or replay)")
+    parser.add_argument("--exact", action="store_true",
+                        help="require identical correctness and tokens (replay vs rewind in float32)")
+    parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
+    args = parser.parse_args(argv)
+    try:
+        comparison = compare_run_dirs(args.dir_a, args.dir_b)
+    except ComparisonError as e:
+        parser.error(str(e))
+    checks = comparison_checks(comparison, exact=args.exact)
+    data = {**comparison.to_dict(), "exact": args.exact, "checks": [c.to_dict() for c in checks]}
+    if args.out is not None:
+        args.out.write_text(json.dumps(data, indent=2))
+    for f in comparison.filters.values():
+        print(f"{f.filter}: {f.accuracy_a:.2f}% -> {f.accuracy_b:.2f}% ({f.delta:+.2f}), "
+              f"flipped {f.a_only} / {f.b_only}, McNemar p = {f.mcnemar_p:.4g}")
+    if comparison.divergence is not None:
+        d = comparison.divergence
+        print(f"tokens: {d.num_identical} of {d.n} identical, first divergence at {d.min_first_divergence}")
+    for c in checks:
+        print(f"{c.name}: {c.status}")
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

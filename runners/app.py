@@ -1,11 +1,14 @@
-"""The application: a composed Hydra config in, one GSM8K evaluation run and its results.json out.
+"""The application: a composed Hydra config in, one judged GSM8K evaluation run and its report out.
 
 `run(cfg)` is what run.py and the tests call. It validates the config (registry schema, top-level schema,
-cross-setting rules), resolves the effective settings (top-level ssm_replay / world_size override the
-entry's), checks the checkpoint directory, builds the engine, evaluates GSM8K and writes results.json. Every
-problem the user can fix raises runners.errors.UserError before anything heavy is loaded. The engine and the
-evaluation are imported inside run(), so composing, `--cfg job` and validation work without them (and
-without torch).
+cross-setting rules), resolves the effective settings (top-level ssm_replay / draft_len / world_size override
+the entry's), checks the checkpoint directory and that a baseline row exists, builds the engine, evaluates
+GSM8K (resumable: evals.gsm8k streams every finished request to disk), judges the scores against the
+baselines (evals.verdict), and writes results.json (docs/results_schema.md), summary.md and plots
+(evals.report). `compare=replay` runs the rewind and the replay arm and compares them (evals.compare).
+`exit_code(results)` is the process status. Every problem the user can fix raises runners.errors.UserError
+before anything heavy is loaded. The engine and the evaluation are imported inside run(), so composing,
+`--cfg job` and validation work without them (and without torch).
 """
 
 from __future__ import annotations
@@ -66,10 +69,19 @@ class RuntimeConfig:
 
 
 @dataclass
+class VerdictConfig:
+    # A run whose (dtype, quant, kv_cache_quant, spec_dec) matches no baseline row is an error unless False.
+    require_reference: bool = True
+
+
+@dataclass
 class AppConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
     ssm_replay: bool | None = None
+    draft_len: int | None = None  # MTP drafts per step; 0: speculation off; null: the entry's
+    compare: str | None = None  # "replay": run ssm_replay=false and =true on the same samples and compare
     world_size: int | None = None
     models_root: str | None = None
     resume: bool = False
@@ -93,6 +105,11 @@ class ResolvedRun:
     checkpoint_setting: str  # which setting points at checkpoint_dir (for error messages)
     arch: ArchConfig | None  # None only when an embedded checkpoint is not there yet
 
+    @property
+    def spec_dec(self) -> str:
+        """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
+        return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (enums as their values, paths as strings)."""
         return {
@@ -108,6 +125,8 @@ class ResolvedRun:
             "eval": _plain(self.app.eval),
             "seed": self.app.seed,
             "resume": self.app.resume,
+            "compare": self.app.compare,
+            "require_reference": self.app.verdict.require_reference,
         }
 
 
@@ -256,14 +275,22 @@ def resolve(
     entry = validate_entry(cfg.model, name=name)
     app = _validate_app(cfg)
 
+    draft_len = _resolve_draft_len(entry, app.draft_len)
     ssm_replay = entry.ssm.replay if app.ssm_replay is None else app.ssm_replay
-    spec_on = entry.speculative.algorithm != SpecAlgorithm.none and entry.speculative.draft_len > 0
-    if ssm_replay and not spec_on:
-        raise UserError(
-            f"ssm_replay requires speculative decoding, but entry {name} has speculative.algorithm="
-            f"{entry.speculative.algorithm.value}",
-            "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1",
-        )
+    if app.compare is not None:
+        _check_compare(app, draft_len, name)
+        ssm_replay = False  # the first arm; run() runs the second with ssm_replay=True
+    if ssm_replay and draft_len == 0:
+        if entry.speculative.algorithm == SpecAlgorithm.none or entry.speculative.draft_len == 0:
+            why = f"entry {name} has speculative.algorithm={entry.speculative.algorithm.value}"
+            fix = "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1"
+        else:
+            why = "draft_len=0 turns speculation off"
+            if app.ssm_replay:
+                fix = "drop ssm_replay=true, or drop draft_len=0"
+            else:
+                fix = f"add ssm_replay=false (entry {name} sets ssm.replay: true), or drop draft_len=0"
+        raise UserError(f"ssm_replay requires speculative decoding, but {why}", fix)
     world_size = entry.world_size if app.world_size is None else app.world_size
     if world_size < 1:
         raise UserError(f"world_size must be >= 1, got {world_size}", "set world_size=1 (or the GPU count)")
@@ -316,7 +343,7 @@ def resolve(
         app=app,
         ssm_replay=ssm_replay,
         world_size=world_size,
-        draft_len=entry.speculative.draft_len if spec_on else 0,
+        draft_len=draft_len,
         device=app.runtime.device,
         dtype=(app.runtime.dtype or entry.dtype).value,
         max_batch_size=app.eval.batch_size or entry.max_batch_size,
@@ -324,6 +351,43 @@ def resolve(
         checkpoint_setting=setting,
         arch=arch,
     )
+
+
+def _resolve_draft_len(entry: ModelEntry, override: int | None) -> int:
+    """Drafts per MTP step: the entry's (0 when its algorithm is none), or the top-level override.
+
+    override None keeps the entry's; 0 turns speculation off (plain greedy decoding); K >= 1 needs an entry
+    with MTP weights (speculative.algorithm: mtp). Raises UserError otherwise.
+    """
+    spec_on = entry.speculative.algorithm != SpecAlgorithm.none and entry.speculative.draft_len > 0
+    if override is None:
+        return entry.speculative.draft_len if spec_on else 0
+    if override < 0:
+        raise UserError(f"draft_len must be >= 0 or null, got {override}",
+                        "set draft_len=0 (speculation off), draft_len=K (K MTP drafts per step) or null")
+    if override > 0 and entry.speculative.algorithm == SpecAlgorithm.none:
+        raise UserError(
+            f"draft_len={override} needs MTP speculative decoding, but entry {entry.name} has "
+            "speculative.algorithm=none",
+            "use an entry with MTP weights (a *_mtp entry), or drop draft_len",
+        )
+    return override
+
+
+COMPARE_MODES = ("replay",)
+
+
+def _check_compare(app: AppConfig, draft_len: int, name: str) -> None:
+    if app.compare not in COMPARE_MODES:
+        raise UserError(f"compare={app.compare} is not a comparison this runner knows",
+                        "use compare=replay (SSM rewind vs replay on the same samples), or compare=null")
+    if draft_len == 0:
+        raise UserError(f"compare=replay needs speculative decoding, but draft_len is 0 for entry {name}",
+                        "drop draft_len=0, or use an entry with speculative.algorithm: mtp")
+    if app.ssm_replay is not None:
+        raise UserError(f"compare=replay runs both ssm_replay=false and ssm_replay=true, so "
+                        f"ssm_replay={str(app.ssm_replay).lower()} has no meaning here",
+                        "drop the ssm_replay override (or drop compare=replay to run one arm)")
 
 
 def _resolve_checkpoint_lenient(entry: ModelEntry, models_root: str | None) -> tuple[Path, str]:
@@ -373,8 +437,8 @@ def _evaluate_fn():
     return evaluate_gsm8k
 
 
-def git_commit(repo: Path = REPO_ROOT) -> str:
-    """HEAD's commit of the checkout ("-dirty" appended when tracked files changed); "unknown" outside git."""
+def git_commit(repo: Path = REPO_ROOT) -> tuple[str | None, bool]:
+    """(HEAD's commit of the checkout, whether tracked files changed); (None, False) outside git."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True, timeout=10
@@ -383,9 +447,9 @@ def git_commit(repo: Path = REPO_ROOT) -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=repo, capture_output=True, text=True, timeout=10,
         ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return sha, bool(dirty)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None, False
 
 
 def _out_dir(app: AppConfig, entry_name: str) -> Path:
@@ -428,6 +492,14 @@ def gsm8k_data_dir(configured: str | None) -> str | None:
     return None
 
 
+def _raised_in(e: BaseException) -> str:
+    """Module name of the frame that raised `e` (a builtin ValueError's type says nothing about that)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+
+
 @contextlib.contextmanager
 def _user_errors(setting: str):
     """Turn the loader's, the evaluation's and the baselines' input errors into UserError (no traceback).
@@ -444,45 +516,166 @@ def _user_errors(setting: str):
     except Exception as e:
         if hasattr(e, "problem") and hasattr(e, "fix"):
             raise UserError(e.problem, e.fix) from None
-        ours = type(e).__module__.startswith(("runners", "evals"))
-        if ours and isinstance(e, CheckpointError | ValueError):
+        if isinstance(e, CheckpointError | ValueError) and _raised_in(e).startswith(("runners.", "evals.")):
             raise UserError(str(e), f"check {setting}") from None
         raise
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run one GSM8K evaluation as configured and return the results.json content (also written to disk).
+GENERATIONS_FILE = "generations.jsonl"  # evals.gsm8k's resume file (one line per finished request)
+COMPARE_ARMS = ("rewind", "replay")  # compare=replay: sub-folders of out_dir, ssm_replay false / true
 
-    cfg: a composed config (configs/config.yaml with a registry entry as `model`). Writes results.json and
-    samples.jsonl to cfg.out_dir, else to Hydra's run directory. Raises UserError (before loading anything
-    heavy) for every configuration problem; see resolve().
+
+def check_references(rr: ResolvedRun) -> None:
+    """Fail fast, before anything heavy is loaded, when no baseline row can judge the run.
+
+    With verdict.require_reference (the default) the entry needs a `baseline` key and gsm8k.yaml needs a
+    row for (dtype, quant, kv_cache_quant, spec_dec) -- and acceptance.yaml one for (quant, draft_len) when
+    speculation is on. A placeholder row (measured: false) counts as found: the run then reports "no
+    reference yet". Raises UserError naming the missing row and the fix.
     """
-    t0 = time.perf_counter()
-    rr = resolve(cfg)
-    out_dir = _out_dir(rr.app, rr.entry.name)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not rr.app.verdict.require_reference:
+        return
+    from evals.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
 
-    if rr.device == "cpu":
-        # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    e = rr.entry
+    if e.baseline is None:
+        raise UserError(
+            f"entry {e.name} has no `baseline` key, so no reference can judge this run",
+            "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
+            "verdict.require_reference=false to run without a pass/fail verdict",
+        )
+    try:
+        find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec)
+        if rr.draft_len > 0:
+            find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len)
+    except BaselineError as err:
+        raise UserError(err.problem, err.fix) from None
+
+
+def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
+    """Refuse to overwrite or to mix runs, before the model is loaded.
+
+    Without resume, an out_dir holding an earlier run's generations is an error; with resume, the stored
+    fingerprint (generations.meta.json, written by evals.gsm8k) must equal `fp`. Raises UserError.
+    """
+    gen = out_dir / GENERATIONS_FILE
+    if not resume and gen.is_file() and gen.stat().st_size > 0:
+        raise UserError(
+            f"{out_dir} already holds generations of an earlier run ({gen})",
+            "pass resume=true to continue that run (finished samples are kept), or choose another out_dir= "
+            "/ hydra.run.dir=",
+        )
+    meta = out_dir / "generations.meta.json"
+    if resume and meta.is_file():
+        try:
+            stored = json.loads(meta.read_text()).get("fingerprint") or {}
+        except (json.JSONDecodeError, AttributeError):
+            stored = None
+        if stored is None:
+            raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
+                            "choose another out_dir= / hydra.run.dir=, or delete that folder")
+        now = json.loads(json.dumps(fp))
+        diff = sorted(k for k in stored.keys() | now.keys() if stored.get(k) != now.get(k))
+        if diff:
+            what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            raise UserError(
+                f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
+                "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",
+            )
+
+
+def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
+    """The settings stored generations depend on; resuming with different ones is refused (evals.gsm8k).
+
+    Not included: the git commit (resuming across a code change is allowed; results.json records the commit
+    of the finishing run), eval.limit (a resumed run may score more samples), paths of the outputs.
+    """
+    return {
+        "entry": rr.entry.name,
+        "checkpoint_dir": str(rr.checkpoint_dir),
+        "device": rr.device,
+        "dtype": rr.dtype,
+        "ssm_state_dtype": rr.entry.ssm.state_dtype.value,
+        "draft_len": rr.draft_len,
+        "ssm_replay": rr.ssm_replay,
+        "max_batch_size": rr.max_batch_size,
+        "world_size": rr.world_size,
+    }
+
+
+def acceptance_section(stats: dict[str, Any], draft_len: int) -> dict[str, Any] | None:
+    """results.json `acceptance` from the engine's raw sums (docs/results_schema.md); None if draft_len == 0.
+
+    rate = accepted_drafts / drafted_tokens; length = 1 + accepted_drafts / request_steps; per_position[i] =
+    accepted_per_position[i] / request_steps (fraction of request-steps whose draft i + 1 was accepted).
+    Ratios are None when their denominator is 0. `requests_without_stats` counts scored requests of a killed
+    and resumed part, whose steps are missing from the sums.
+    """
+    if draft_len == 0:
+        return None
+    drafted, accepted = int(stats.get("drafted_tokens", 0)), int(stats.get("accepted_drafts", 0))
+    steps = int(stats.get("request_steps", 0))
+    per_position = [int(x) for x in stats.get("accepted_per_position") or []]
+    return {
+        "draft_len": draft_len,
+        "rate": _rate(accepted, drafted),
+        "length": (1.0 + accepted / steps) if steps else None,
+        "per_position": [x / steps for x in per_position] if steps else [0.0] * len(per_position),
+        "drafted": drafted,
+        "accepted": accepted,
+        "request_steps": steps,
+        "accepted_per_position": per_position,
+        "num_accepted_hist": [int(x) for x in stats.get("num_accepted_hist") or []],
+        "requests_without_stats": int(stats.get("requests_without_stats", 0)),
+    }
+
+
+def _build_engine(rr: ResolvedRun):
     import torch
 
-    if rr.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
-    torch.manual_seed(rr.app.seed)
     with _user_errors(f"model.checkpoint={rr.checkpoint_dir}"):
-        engine = _engine_class().from_pretrained(
-        str(rr.checkpoint_dir),
-        device=rr.device,
-        dtype=getattr(torch, rr.dtype),
-        draft_len=rr.draft_len,
-        ssm_replay=rr.ssm_replay,
-        max_batch_size=rr.max_batch_size,
-        max_seq_len=rr.entry.max_seq_len,
+        return _engine_class().from_pretrained(
+            str(rr.checkpoint_dir),
+            device=rr.device,
+            dtype=getattr(torch, rr.dtype),
+            draft_len=rr.draft_len,
+            ssm_replay=rr.ssm_replay,
+            max_batch_size=rr.max_batch_size,
+            max_seq_len=rr.entry.max_seq_len,
             ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
         )
+
+
+def _verdict(rr: ResolvedRun, results: dict[str, Any], extra_checks: list | None = None):
+    """evals.verdict.Verdict of a results dict (plus extra checks, e.g. a comparison's)."""
+    from evals.baselines import BaselineError
+    from evals.verdict import Verdict, evaluate_verdict
+
+    e = rr.entry
+    try:
+        verdict = evaluate_verdict(
+            results,
+            model_key=e.baseline or "",
+            entry=e.name,
+            dtype=rr.dtype,
+            quant=e.quant.value,
+            kv_cache_quant=e.kv_cache_quant.value,
+            spec_dec=rr.spec_dec,
+            draft_len=rr.draft_len,
+            require_reference=rr.app.verdict.require_reference,
+        )
+    except BaselineError as err:
+        raise UserError(err.problem, err.fix) from None
+    return Verdict(verdict.checks + list(extra_checks or []))
+
+
+def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
+    """Build the engine, evaluate GSM8K into out_dir and return the results dict (without verdict)."""
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = _build_engine(rr)
     t_loaded = time.perf_counter()
-    with _user_errors("eval.data_dir / $GSM8K_DIR"):
+    with _user_errors("the eval.* settings, model.max_seq_len, eval.data_dir / $GSM8K_DIR"):
         result = _evaluate_fn()(
             engine,
             str(rr.checkpoint_dir / "tokenizer.json"),
@@ -493,70 +686,203 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             out_dir=str(out_dir),
             resume=rr.app.resume,
             progress=sys.stderr.isatty(),
+            fingerprint=fingerprint(rr),
         )
     t_end = time.perf_counter()
 
     stats = _stats_dict(result.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
-    drafted, accepted = stats.get("drafted_tokens", 0), stats.get("accepted_drafts", 0)
-    request_steps = stats.get("request_steps", 0)
-    results = {
+    commit, dirty = git_commit()
+    return {
         "schema_version": RESULTS_SCHEMA_VERSION,
-        "model": rr.entry.name,
+        "entry": rr.entry.name,
+        "model_key": rr.entry.baseline,
         "config": rr.to_dict(),
         "composed_config": OmegaConf.to_container(cfg, resolve=True),
-        "git_commit": git_commit(),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "gsm8k": {k: result.scores[k] for k in ("strict_match", "flexible_extract", "n")},
-        "speculative": {
-            "draft_len": rr.draft_len,
-            "acceptance_rate": _rate(accepted, drafted),  # accepted drafts / drafted tokens
-            "acceptance_length": (1 + accepted / request_steps) if request_steps else None,
-        },
+        "acceptance": acceptance_section(stats, rr.draft_len),
+        "memory": {k: int(v) for k, v in dict(engine.cache_memory()).items()},
         "timings": {
             "wall_seconds": t_end - t0,
             "load_seconds": t_loaded - t0,
             "eval_seconds": t_end - t_loaded,
+            "prefill_seconds": prefill_s,
+            "decode_seconds": decode_s,
             "prefill_tokens_per_s": _rate(stats.get("prompt_tokens", 0), prefill_s),
             "decode_tokens_per_s": _rate(stats.get("generated_tokens", 0), decode_s),
         },
         "generation": stats,
-        "memory": dict(engine.cache_memory()),
+        "resumed": {
+            "num_resumed": getattr(result, "num_resumed", 0),
+            "num_generated": getattr(result, "num_generated", result.scores["n"]),
+            "requests_without_stats": int(stats.get("requests_without_stats", 0)),
+        },
+        "verdict": None,
         "samples_path": str(getattr(result, "samples_path", out_dir / "samples.jsonl")),
     }
+
+
+def _finish(results: dict[str, Any], out_dir: Path) -> None:
+    """Write results.json, summary.md and the plots into out_dir; print the table and the paths."""
+    from evals.report import write_report
+
     path = out_dir / "results.json"
     with open(path, "w") as f:
         json.dump(results, f, indent=2, default=str)
+    files = write_report(results, out_dir)
     print(format_summary(results))
-    print(f"results: {path}")
+    print(f"results: {path}\nreport:  {files.summary}")
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run the configured GSM8K evaluation, judge it against its baselines, write results and report.
+
+    cfg: a composed config (configs/config.yaml with a registry entry as `model`). Output folder: cfg.out_dir,
+    else Hydra's run directory. It receives generations.jsonl (appended as requests finish; the resume file),
+    samples.jsonl, results.json (docs/results_schema.md), summary.md and PNG plots. An out_dir that already
+    holds generations is continued with resume=true and refused without it.
+
+    compare=replay runs two arms on the same samples, ssm_replay=false into out_dir/rewind and ssm_replay=true
+    into out_dir/replay, and writes out_dir/comparison.json plus a results.json / summary.md of the replay arm
+    with the `comparison` section and the comparison's checks in its verdict.
+
+    Returns the results dict written to out_dir/results.json; exit_code(results) is the process status.
+    Raises UserError (before loading anything heavy) for every configuration problem (see resolve() and
+    check_references()), and for a missing baseline row when verdict.require_reference is true.
+    """
+    rr = resolve(cfg)
+    check_references(rr)
+    out_dir = _out_dir(rr.app, rr.entry.name)
+    if rr.app.compare:
+        for arm, replay in zip(COMPARE_ARMS, (False, True)):
+            arm_fp = fingerprint(dataclasses.replace(rr, ssm_replay=replay))
+            _check_out_dir(out_dir / arm, rr.app.resume, arm_fp)
+    else:
+        _check_out_dir(out_dir, rr.app.resume, fingerprint(rr))
+
+    if rr.device == "cpu":
+        # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if rr.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
+
+    if not rr.app.compare:
+        torch.manual_seed(rr.app.seed)
+        results = _evaluate_arm(cfg, rr, out_dir)
+        results["verdict"] = _verdict(rr, results).to_dict()
+        _finish(results, out_dir)
+        return results
+    return _run_compare_replay(cfg, rr, out_dir)
+
+
+def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
+    """compare=replay: the rewind arm, the replay arm, their paired comparison (see run())."""
+    import torch
+
+    from evals.compare import ComparisonError, compare_run_dirs, comparison_checks
+
+    arm_results = {}
+    for arm, replay in zip(COMPARE_ARMS, (False, True)):
+        arm_rr = dataclasses.replace(rr, ssm_replay=replay)
+        print(f"== arm {arm}: ssm_replay={str(replay).lower()} -> {out_dir / arm}")
+        torch.manual_seed(rr.app.seed)
+        res = _evaluate_arm(cfg, arm_rr, out_dir / arm)
+        res["verdict"] = _verdict(arm_rr, res).to_dict()
+        _finish(res, out_dir / arm)
+        arm_results[arm] = (arm_rr, res)
+    try:
+        comparison = compare_run_dirs(out_dir / COMPARE_ARMS[0], out_dir / COMPARE_ARMS[1])
+    except ComparisonError as err:
+        raise UserError(str(err), "rerun both arms with the same settings into a fresh out_dir") from None
+    # Replay and rewind commit the same recurrent state; in float32 any token difference is a bug. In 16-bit
+    # the two orders of rounding may flip a few tokens, so only a significant accuracy difference fails.
+    exact = rr.dtype == "float32" and rr.entry.ssm.state_dtype.value == "float32"
+    checks = comparison_checks(comparison, exact=exact)
+    comp = {**comparison.to_dict(), "exact": exact, "checks": [c.to_dict() for c in checks]}
+    with open(out_dir / "comparison.json", "w") as f:
+        json.dump(comp, f, indent=2)
+
+    # The top-level verdict: the replay arm's checks, the rewind arm's (prefixed "rewind."), the comparison's.
+    from evals.verdict import Check
+
+    rewind_checks = []
+    for c in arm_results[COMPARE_ARMS[0]][1]["verdict"]["checks"]:
+        fields = {k: v for k, v in c.items() if k != "passed"}
+        rewind_checks.append(Check(**{**fields, "name": f"{COMPARE_ARMS[0]}.{c['name']}"}))
+    replay_rr, results = arm_results[COMPARE_ARMS[1]]
+    results = dict(results)
+    results["verdict"] = _verdict(replay_rr, results, rewind_checks + checks).to_dict()
+    results["comparison"] = comp
+    print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / 'comparison.json'}")
+    _finish(results, out_dir)
     return results
 
 
+def exit_code(results: dict[str, Any]) -> int:
+    """Process status for a results dict: 1 when a verdict check failed, else 0.
+
+    0 also covers "no reference yet" (placeholder rows) and runs with verdict.require_reference=false that
+    matched no row: nothing failed. Configuration problems never get here (UserError, status 2).
+    """
+    verdict = results.get("verdict") or {}
+    return 1 if verdict.get("passed") is False else 0
+
+
 def format_summary(results: dict[str, Any]) -> str:
-    """A short human-readable table of a results.json dict."""
+    """A short human-readable table of a results.json dict, ending with the verdict and its checks."""
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.2f}%"
 
     def num(x: float | None, unit: str = "") -> str:
-        return "-" if x is None else f"{x:,.1f}{unit}"
+        return "-" if x is None else f"{x:,.2f}{unit}"
 
-    c, g, s, t = results["config"], results["gsm8k"], results["speculative"], results["timings"]
+    c, g, t = results["config"], results["gsm8k"], results["timings"]
+    acc = results.get("acceptance") or {}
     mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
+    resumed = results.get("resumed") or {}
     rows = [
-        ("model", f"{results['model']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
+        ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
         ("ssm_replay / world_size", f"{c['ssm_replay']} / {c['world_size']}"),
         ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
         ("GSM8K flexible-extract", pct(g["flexible_extract"])),
-        ("draft length K", str(s["draft_len"])),
-        ("acceptance rate", pct(s["acceptance_rate"])),
-        ("acceptance length", num(s["acceptance_length"])),
+        ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
+        ("acceptance rate", pct(acc.get("rate"))),
+        ("acceptance length", num(acc.get("length"), " tokens/step")),
         ("prefill", num(t["prefill_tokens_per_s"], " tok/s")),
         ("decode", num(t["decode_tokens_per_s"], " tok/s")),
         ("wall time", num(t["wall_seconds"], " s")),
         ("cache memory", f"{mem / 2**20:,.1f} MiB"),
     ]
+    if resumed.get("num_resumed"):
+        done, new = resumed["num_resumed"], resumed["num_generated"]
+        rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
+    verdict = results.get("verdict")
+    if verdict:
+        word = {"pass": "PASS", "fail": "FAIL", "no_reference": "no reference yet"}[verdict["status"]]
+        rows.append(("verdict", word))
+        for ch in verdict["checks"]:
+            rows.append((f"  {ch['name']}", _format_check(ch)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _format_check(ch: dict[str, Any]) -> str:
+    digits = {"percent": 2, "samples": 0}.get(ch.get("unit"), 4)
+
+    def f(x: Any) -> str:
+        return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+    if ch["status"] == "no_reference":
+        why = (ch.get("note") or "no row").splitlines()[0]
+        return f"{f(ch['value'])}: no reference ({why})"
+    word = "pass" if ch["status"] == "pass" else "FAIL"
+    ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
+    return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -651,7 +977,8 @@ def _composition_error(e: Exception, overrides: list[str]) -> UserError:
 
 
 def _known_keys(parent: str) -> list[str]:
-    cls = {"eval": EvalConfig, "runtime": RuntimeConfig}.get(parent.split(".")[0])
+    groups = {"eval": EvalConfig, "runtime": RuntimeConfig, "verdict": VerdictConfig}
+    cls = groups.get(parent.split(".")[0])
     return [f.name for f in dataclasses.fields(cls)] if cls else []
 
 

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +51,8 @@ class FakeStats:
     drafted_tokens: int = 600
     accepted_drafts: int = 300
     request_steps: int = 200
+    accepted_per_position: list = field(default_factory=lambda: [150, 100, 50])
+    num_accepted_hist: list = field(default_factory=lambda: [0, 50, 50, 50, 50])
 
     def to_dict(self):
         return asdict(self)
@@ -80,9 +82,10 @@ def fakes(monkeypatch):
     calls = []
 
     def fake_evaluate(engine, tokenizer_path, *, data_dir, limit=None, num_fewshot=5, max_gen_toks=256,
-                      out_dir, resume=False, progress=True):
+                      out_dir, resume=False, progress=True, fingerprint=None):
         calls.append(dict(engine=engine, tokenizer_path=tokenizer_path, data_dir=data_dir, limit=limit,
-                          num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, out_dir=out_dir, resume=resume))
+                          num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, out_dir=out_dir, resume=resume,
+                          fingerprint=fingerprint))
         samples = Path(out_dir) / "samples.jsonl"
         samples.write_text('{"doc_id": 0}\n')
         return SimpleNamespace(scores={"strict_match": 0.25, "flexible_extract": 0.5, "n": 4},
@@ -114,21 +117,37 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
     assert call["data_dir"] == "/data/gsm8k" and call["out_dir"] == str(out) and call["resume"] is False
+    assert call["fingerprint"] == {
+        "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
+        "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "max_batch_size": 16,
+        "world_size": 1}
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))
-    assert results["schema_version"] == 1 and results["model"] == "tiny_nemotron_h_mtp"
+    assert results["schema_version"] == 1 and results["entry"] == "tiny_nemotron_h_mtp"
     assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}
     assert results["config"]["ssm_replay"] is True and results["config"]["world_size"] == 1
     assert results["config"]["arch"]["mamba"]["d_state"] == 16  # read from the checkpoint's config.json
     assert results["timings"]["prefill_tokens_per_s"] == pytest.approx(2000.0)
     assert results["timings"]["decode_tokens_per_s"] == pytest.approx(200.0)
-    assert results["speculative"] == {"draft_len": 3, "acceptance_rate": 0.5, "acceptance_length": 2.5}
+    acc = results["acceptance"]
+    assert (acc["draft_len"], acc["drafted"], acc["accepted"], acc["request_steps"]) == (3, 600, 300, 200)
+    assert acc["rate"] == 0.5 and acc["length"] == 2.5  # 300 / 600 and 1 + 300 / 200
+    assert acc["per_position"] == [0.75, 0.5, 0.25]  # accepted_per_position [150, 100, 50] / 200 steps
+    assert acc["num_accepted_hist"] == [0, 50, 50, 50, 50]
     assert results["generation"]["generated_tokens"] == 600
     assert results["memory"]["kv_cache_bytes"] == 2**21
-    assert len(results["git_commit"]) >= 40 or results["git_commit"] == "unknown"
+    assert results["git_commit"] is None or len(results["git_commit"]) == 40
+    # The tiny entry's baseline rows are placeholders: a verdict without pass / fail, exit status 0.
+    assert results["verdict"]["status"] == "no_reference" and app.exit_code(results) == 0
+    assert [c["name"] for c in results["verdict"]["checks"]] == [
+        "gsm8k.mean", "acceptance.rate", "acceptance.length"]
+    assert {p.name for p in out.iterdir()} >= {"results.json", "summary.md", "gsm8k_accuracy.png",
+                                                "acceptance_per_position.png", "accepted_length_hist.png"}
     printed = capsys.readouterr().out
-    assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed and "acceptance rate" in printed
+    assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed
+    assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
+    assert "verdict                  no reference yet" in printed
 
 
 def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
@@ -139,7 +158,7 @@ def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
     (_, kwargs), = FakeEngine.built
     assert kwargs["draft_len"] == 0 and kwargs["ssm_replay"] is False
     assert kwargs["max_batch_size"] == 3 and kwargs["dtype"] == torch.bfloat16
-    assert results["speculative"]["draft_len"] == 0
+    assert results["config"]["draft_len"] == 0 and results["acceptance"] is None
 
 
 def _error(cfg) -> UserError:
@@ -316,7 +335,7 @@ def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((run_dir / "results.json").read_text())
-    assert results["model"] == "tiny_nemotron_h_mtp" and results["gsm8k"]["n"] == 1
+    assert results["entry"] == "tiny_nemotron_h_mtp" and results["gsm8k"]["n"] == 1
     assert "GSM8K strict-match" in proc.stdout and str(run_dir / "results.json") in proc.stdout
 
 

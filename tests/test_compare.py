@@ -10,10 +10,13 @@ from evals.compare import (
     ComparisonError,
     compare_run_dirs,
     compare_runs,
+    comparison_checks,
     first_divergence,
+    load_run_samples,
     load_samples_jsonl,
     mcnemar_exact,
 )
+from evals.compare import main as compare_main
 
 
 def test_mcnemar_exact_by_hand():
@@ -159,3 +162,70 @@ def test_compare_run_dirs(tmp_path):
     assert cmp.filters["strict_match"].b_only == 5 and cmp.acceptance is None  # replay has no acceptance
     with pytest.raises(ComparisonError, match="does not exist"):
         compare_run_dirs(tmp_path / "rewind", tmp_path / "nowhere")
+
+
+def _write_gsm8k_run(d, records):
+    """A run folder as evals.gsm8k writes it: correctness under `correct`, token ids in generations.jsonl
+    (keyed by request_key, with a stale earlier line for one key that the later line overrides)."""
+    d.mkdir()
+    samples, gens = [], [{"key": "k0", "generated_ids": [999], "text": "stale"}]
+    for r in records:
+        key = f"k{r['doc_id']}"
+        samples.append({"doc_id": r["doc_id"], "request_key": key,
+                        "correct": {"strict_match": bool(r["strict_match"]),
+                                    "flexible_extract": bool(r["flexible_extract"])}})
+        gens.append({"key": key, "generated_ids": r["tokens"], "text": "t"})
+    (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (d / "generations.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gens))
+    (d / "results.json").write_text(json.dumps({"schema_version": 1, "acceptance": None}))
+
+
+def test_run_dirs_in_the_gsm8k_layout(tmp_path):
+    a, b = _arms()
+    _write_gsm8k_run(tmp_path / "a", a)
+    _write_gsm8k_run(tmp_path / "b", b)
+    loaded = load_run_samples(tmp_path / "a")
+    assert loaded[0]["tokens"] == a[0]["tokens"] and loaded[0]["strict_match"] is True
+    cmp = compare_run_dirs(tmp_path / "a", tmp_path / "b")
+    assert cmp.filters["strict_match"].a_only == 1 and cmp.filters["strict_match"].b_only == 5
+    assert cmp.divergence.num_diverged == 3 and cmp.divergence.per_sample["19"] == 10
+    (tmp_path / "b" / "generations.jsonl").write_text("")
+    with pytest.raises(ComparisonError, match="no generation for sample"):
+        load_run_samples(tmp_path / "b")
+    (tmp_path / "b" / "generations.jsonl").unlink()  # no generations file: no token ids, no divergence
+    assert "tokens" not in load_run_samples(tmp_path / "b")[0]
+
+
+def test_comparison_checks_exact_and_mcnemar():
+    a, b = _arms()
+    cmp = compare_runs(a, b)
+    exact = {c.name: c for c in comparison_checks(cmp, exact=True)}
+    # strict_match: 1 + 5 = 6 flipped samples; flexible_extract: none; tokens: 3 samples diverge.
+    flipped = exact["comparison.strict_match.flipped"]
+    assert flipped.value == 6 and flipped.status == "fail"
+    assert exact["comparison.flexible_extract.flipped"].status == "pass"
+    assert exact["comparison.diverged"].value == 3 and exact["comparison.diverged"].status == "fail"
+    assert exact["comparison.diverged"].details["min_first_divergence"] == 4
+    loose = {c.name: c for c in comparison_checks(cmp, exact=False)}
+    # McNemar 1 vs 5: p = 14/64 = 0.21875 >= 0.05 passes; at alpha 0.25 it fails.
+    assert loose["comparison.strict_match.mcnemar_p"].value == pytest.approx(0.21875)
+    assert loose["comparison.strict_match.mcnemar_p"].status == "pass" and "comparison.diverged" not in loose
+    strict_alpha = {c.name: c for c in comparison_checks(cmp, exact=False, alpha=0.25)}
+    assert strict_alpha["comparison.strict_match.mcnemar_p"].status == "fail"
+    no_tokens = [{k: v for k, v in r.items() if k != "tokens"} for r in a]
+    same = {c.name: c.status for c in comparison_checks(compare_runs(no_tokens, no_tokens), exact=True)}
+    assert same == {"comparison.strict_match.flipped": "pass", "comparison.flexible_extract.flipped": "pass",
+                    "comparison.diverged": "no_reference"}
+
+
+def test_cli_exit_status(tmp_path, capsys):
+    a, b = _arms()
+    _write_gsm8k_run(tmp_path / "a", a)
+    _write_gsm8k_run(tmp_path / "b", b)
+    _write_gsm8k_run(tmp_path / "a2", a)
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "a2"), "--exact"]) == 0
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "b"), "--exact",
+                         "--out", str(tmp_path / "c.json")]) == 1
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0  # p = 0.21875: no significant change
+    assert json.loads((tmp_path / "c.json").read_text())["checks"][0]["status"] == "fail"
+    assert "strict_match: 55.00% -> 75.00% (+20.00), flipped 1 / 5" in capsys.readouterr().out

@@ -1,0 +1,119 @@
+"""Kill-and-resume through the command line: `python run.py ...` SIGKILLed after some samples are on disk,
+then `python run.py ... resume=true` into the same folder ends with the results of an uninterrupted run.
+
+The engine is test_gsm8k_fakes.FakeEngine (scripted answers over real GSM8K questions, a tokenizer trained on
+GSM8K train), installed into the run.py subprocesses by a sitecustomize; everything else (Hydra, the app,
+lm-eval's gsm8k task, the resume store, the report) is the real code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_app import _cfg, make_checkpoint
+from test_gsm8k_fakes import FakeEngine, answer_policy, last_question, read_jsonl, train_tiny_tokenizer
+from tokenizers import Tokenizer
+
+from runners import app
+from runners.app import REPO_ROOT
+
+LIMIT = 6
+KILL_AFTER = 3  # samples on disk when the run is killed
+
+SITECUSTOMIZE = '''
+import os, sys
+sys.path.insert(0, {tests!r})
+import test_run_resume
+from runners import app
+app._engine_class = lambda: test_run_resume.ScriptedEngine
+'''
+
+
+class ScriptedEngine(FakeEngine):
+    """FakeEngine behind runners.Engine's from_pretrained / cache_memory; answers every other question right.
+
+    $SCRIPTED_HANG_AFTER (if set): hang after that many requests have finished (a run to be killed).
+    """
+
+    @classmethod
+    def from_pretrained(cls, path, **options):
+        complete = answer_policy("alternate", Path(os.environ["GSM8K_DIR"]))
+        hang = os.environ.get("SCRIPTED_HANG_AFTER")
+        engine = cls(Tokenizer.from_file(str(Path(path) / "tokenizer.json")),
+                     lambda p: complete(last_question(p)), max_batch_size=2, step_delay=0.002,
+                     hang_after=int(hang) if hang else None)
+        engine.config = SimpleNamespace(eos_token_id=2, options=sorted(options))
+        return engine
+
+    def cache_memory(self):
+        return {"ssm_state_bytes": 1, "conv_state_bytes": 2, "kv_cache_bytes": 3, "spec_buffers_bytes": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(gsm8k_dir, tmp_path_factory) -> Path:
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("resume") / "ckpt")
+    train_tiny_tokenizer(gsm8k_dir, ckpt / "tokenizer.json")
+    return ckpt
+
+
+def _run_py(tmp_path, gsm8k_dir, *args, hang_after=None, popen=False):
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)]),
+           "GSM8K_DIR": str(gsm8k_dir), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("SCRIPTED_HANG_AFTER", None)
+    if hang_after is not None:
+        env["SCRIPTED_HANG_AFTER"] = str(hang_after)
+    cmd = [sys.executable, str(REPO_ROOT / "run.py"), *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tmp_path, monkeypatch):
+    common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}",
+              "eval.max_gen_toks=200"]
+    # The uninterrupted reference, in process (same fake engine, same app code).
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
+    monkeypatch.delenv("SCRIPTED_HANG_AFTER", raising=False)
+    monkeypatch.setattr(app, "_engine_class", lambda: ScriptedEngine)
+    ref = app.run(_cfg(*common, f"out_dir={tmp_path / 'ref'}"))
+    assert ref["gsm8k"]["strict_match"] == 0.5 and ref["gsm8k"]["n"] == LIMIT  # every other one right
+
+    out = tmp_path / "killed"
+    proc = _run_py(tmp_path, gsm8k_dir, *common, f"hydra.run.dir={out}", hang_after=KILL_AFTER, popen=True)
+    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 90
+    try:
+        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
+            assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "no generations appeared within 90 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(read_jsonl(gen_file)) == KILL_AFTER and not (out / "results.json").exists()
+
+    resumed = _run_py(tmp_path, gsm8k_dir, *common, f"hydra.run.dir={out}", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr  # tiny entry: "no reference yet", exit 0
+    assert f"resumed                  {KILL_AFTER} samples from disk, {LIMIT - KILL_AFTER} generated now" \
+        in resumed.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["gsm8k"] == ref["gsm8k"]
+    assert results["resumed"]["num_resumed"] == KILL_AFTER
+    assert results["resumed"]["num_generated"] == LIMIT - KILL_AFTER
+    assert read_jsonl(out / "samples.jsonl") == read_jsonl(tmp_path / "ref" / "samples.jsonl")
+    gen = {r["key"]: r["generated_ids"] for r in read_jsonl(gen_file)}
+    assert gen == {r["key"]: r["generated_ids"] for r in read_jsonl(tmp_path / "ref" / "generations.jsonl")}
+    assert (out / "summary.md").exists() and (out / "gsm8k_accuracy.png").exists()
