@@ -1,4 +1,4 @@
-"""Per-slot inference caches: Mamba2 conv / SSM state and attention KV, addressed by slot id.
+"""Per-slot inference caches: recurrent state (Mamba2, Gated DeltaNet) and attention KV, by slot id.
 
 A *slot* is one row of every cache, owned by one request from admission until it finishes. Every buffer has
 ``S + 1`` rows: rows ``0 .. S-1`` are the live slots, row ``S`` is a scratch row. The PAD slot id is ``-1``;
@@ -26,6 +26,7 @@ engine's memory report uses it and tests check it against the allocated tensors.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -155,6 +156,45 @@ class Mamba2State(LayerState):
             "ssm_state_bytes": _nbytes(self.ssm),
             "conv_state_bytes": _nbytes(self.conv),
             "spec_buffers_bytes": _nbytes(self.conv_steps, self.ssm_steps),
+        }
+
+
+@dataclass
+class GDNState(Mamba2State):
+    """Recurrent state of one Gated DeltaNet layer (Qwen3-Next ``linear_attn``): Mamba2State's buffers and
+    its reset / rewind commit / memory API, with GDN shapes (HV value heads, V / K value / key head dims,
+    C = 2 H K + HV V conv channels [Q | K | V], W = conv_kernel):
+
+    conv: [S + 1, C, W - 1], model dtype; the last W - 1 conv inputs, oldest first.
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; the delta-rule state S with K contiguous (as
+          runners/models/gdn.py: o = S q; transformers keeps [.., K, V], the transpose).
+    conv_steps: [S + 1, C, W - 1 + T] and ssm_steps: [S + 1, T, HV, V, K] (rewind buffers, only with
+          ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
+    """
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNState:
+        HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * c.gdn_num_key_heads * K + HV * V
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        return cls(
+            conv=torch.zeros(R, C, W1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
+            conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
+            ssm_steps=torch.zeros(R, T, HV, V, K, dtype=spec.ssm_state_dtype, device=dev) if T else None,
+        )
+
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * c.gdn_num_key_heads * K + HV * V
+        R, W1, T = spec.rows, c.conv_kernel - 1, spec.spec_tokens
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
+            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
+            "spec_buffers_bytes": (
+                _bytes(spec.dtype, R, C, W1 + T) + _bytes(spec.ssm_state_dtype, R, T, HV, V, K) if T else 0
+            ),
         }
 
 
@@ -319,6 +359,65 @@ class Mamba2ReplayState(LayerState):
 
 
 @dataclass
+class GDNReplayState(Mamba2ReplayState):
+    """Recurrent state of one Gated DeltaNet layer under SSM replay: :class:`Mamba2ReplayState`'s scheme
+    (committed state lagging by PNAT tokens, conv window of W - 1 + K columns read at offset PNAT - 1) with
+    GDN shapes (H key heads, HV value heads, K / V key / value head dims, C = 2 H K + HV V):
+
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.gdn_replay.GDNReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T,
+          HV, V) solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative
+          log decay of the last verify.
+    """
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNReplayState:
+        from kernels.gdn_replay import GDNReplayHistory
+
+        if spec.replay is None or spec.spec_tokens < 2:
+            raise ValueError("GDNReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
+        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        return cls(
+            conv=torch.zeros(R, 2 * H * K + HV * V, W1 + T - 1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
+            history=GDNReplayHistory.allocate(R, T, H, HV, K, V, device=dev, dtype=torch.float32),
+            slots=spec.replay,
+        )
+
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * H * K + HV * V
+        R, W1, T, f32 = spec.rows, c.conv_kernel - 1, spec.spec_tokens, torch.float32
+        history = _bytes(f32, R, 2, T, HV, V) + _bytes(f32, R, 2, T, H, K) + _bytes(f32, R, 2, T, HV)
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
+            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
+            "spec_buffers_bytes": _bytes(spec.dtype, R, C, T - 1) + history,
+        }
+
+    def materialized_ssm(self, A: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [S + 1, HV, V, K]: every slot's state after its pending PNAT tokens, without mutating
+        anything (S <- exp(G_last) S + sum_j exp(G_last - G_j) u_j k_j^T over the first PNAT history tokens).
+        ``A`` is unused (GDN's decay is in the history); accepted for symmetry with Mamba2."""
+        hist, slots = self.history, self.slots
+        R, TH = self.ssm.shape[0], hist.u.shape[2]
+        HV, H = hist.u.shape[3], hist.k.shape[3]
+        rows = torch.arange(R, device=self.ssm.device)
+        n = slots.prev_num_accepted.long().clamp(0, TH)
+        buf = slots.buffer_index.long() & 1
+        G = hist.g[rows, buf]  # (R, TH, HV)
+        G_last = G.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(R, 1, HV))[:, 0]
+        G_last = torch.where(n[:, None] > 0, G_last, 0.0)
+        pending = torch.arange(TH, device=G.device)[None, :, None] < n[:, None, None]
+        c = torch.exp(torch.where(pending, G_last[:, None, :] - G, -math.inf))  # (R, TH, HV)
+        U = hist.u[rows, buf].float() * c[..., None]
+        Kh = hist.k[rows, buf].float().repeat_interleave(HV // H, dim=2)
+        return self.ssm.float() * torch.exp(G_last)[..., None, None] + torch.einsum("rjhv,rjhk->rhvk", U, Kh)
+
+
+@dataclass
 class KVCache(LayerState):
     """Keys and values of one attention layer, written by position.
 
@@ -356,10 +455,12 @@ class KVCache(LayerState):
 # kinds here (e.g. "gdn"); REPLAY_LAYOUTS replaces the recurrent kinds when the engine runs SSM replay.
 CACHE_LAYOUTS: dict[str, type[LayerState]] = {
     "mamba2": Mamba2State,
+    "gdn": GDNState,
     "attention": KVCache,
 }
 REPLAY_LAYOUTS: dict[str, type[LayerState]] = {
     "mamba2": Mamba2ReplayState,
+    "gdn": GDNReplayState,
 }
 
 

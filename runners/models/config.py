@@ -1,7 +1,7 @@
 """The shared "hybrid decoder" vocabulary: one config dataclass for every model family the engine runs.
 
-A model is an embedding, a list of residual blocks (``x = x + mixer(norm(x))``) of kind ``mamba2``,
-``attention``, ``mlp`` or ``moe`` (a later family adds ``gdn``), a final norm and an LM head, plus an optional
+A model is an embedding, a list of residual blocks (``x = x + mixer(norm(x))``) of kind ``mamba2``, ``gdn``
+(Gated DeltaNet), ``attention``, ``mlp`` or ``moe``, a final norm and an LM head, plus an optional
 MTP module. Family-specific code lives in one module per HF ``model_type``, ``runners/models/<model_type>.py``
 (found by :func:`family_module`): it parses the family's ``config.json`` into a :class:`HybridConfig` and maps
 checkpoint tensor names to model tensors. Everything else (modules, caches, engine) is shared.
@@ -50,6 +50,10 @@ class HybridConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     attention_bias: bool = False
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: o_proj(attn * sigmoid(gate))
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE
+    rope_theta: float | None = None  # None: no positional encoding (NemotronH); else NeoX-style RoPE
+    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * factor) dims of each head
     # mamba2 (H = mamba_num_heads, P = mamba_head_dim, N = ssm_state_size, G = n_groups, W = conv_kernel)
     mamba_num_heads: int = 0
     mamba_head_dim: int = 0
@@ -61,9 +65,18 @@ class HybridConfig:
     mamba_proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     mamba_ssm_cache_dtype: str = "float32"
+    # gdn (Gated DeltaNet; H = gdn_num_key_heads, HV = gdn_num_value_heads, K / V key / value head dims;
+    # its conv width is conv_kernel)
+    gdn_num_key_heads: int = 0
+    gdn_num_value_heads: int = 0
+    gdn_key_head_dim: int = 0
+    gdn_value_head_dim: int = 0
+    gdn_chunk_size: int = 64  # chunk of the prefill form of the gated delta rule
     # dense MLP
     intermediate_size: int = 0
     mlp_bias: bool = False
+    mlp_hidden_act: str = "relu2"  # "relu2" | "silu", for dense MLPs, routed and shared experts
+    mlp_gated: bool = False  # down(act(gate(x)) * up(x)) (SwiGLU) instead of down(act(up(x)))
     # MoE
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
@@ -74,6 +87,8 @@ class HybridConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
+    moe_scoring_func: str = "sigmoid"  # "sigmoid" (+ selection-only correction bias) | "softmax"
+    moe_shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(shared_expert_gate(x))
     # MTP
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
@@ -158,11 +173,25 @@ def validate(cfg: HybridConfig) -> None:
             f"{src}: num_attention_heads={cfg.num_attention_heads} is not a multiple of "
             f"num_key_value_heads={cfg.num_key_value_heads}"
         )
+    if "gdn" in kinds and (
+        cfg.gdn_num_key_heads < 1 or cfg.gdn_num_value_heads % cfg.gdn_num_key_heads
+    ):
+        raise ConfigError(
+            f"{src}: GDN value heads ({cfg.gdn_num_value_heads}) must be a positive multiple of its key "
+            f"heads ({cfg.gdn_num_key_heads})"
+        )
+    if cfg.mlp_hidden_act not in ("relu2", "silu"):
+        raise ConfigError(f"{src}: MLP activation {cfg.mlp_hidden_act!r} is not supported; use relu2 or silu")
     if "moe" in kinds:
         if not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
             raise ConfigError(
                 f"{src}: num_experts_per_tok={cfg.num_experts_per_tok} must be in "
                 f"[1, n_routed_experts={cfg.n_routed_experts}]"
+            )
+        if cfg.moe_scoring_func not in ("sigmoid", "softmax"):
+            raise ConfigError(
+                f"{src}: MoE scoring function {cfg.moe_scoring_func!r} is not supported; "
+                "use sigmoid or softmax"
             )
         if cfg.n_routed_experts % cfg.n_group:
             raise ConfigError(

@@ -1,10 +1,10 @@
 """The family-agnostic hybrid decoder: embedding -> residual blocks -> final norm -> LM head (+ MTP module).
 
 Every block is ``x + mixer(norm(x))`` with a mixer chosen by kind from :data:`MIXERS` (a later family
-registers more kinds, e.g. "gdn"). Blocks that keep per-request state (``mamba2``, ``attention``) get a
+registers more kinds). Blocks that keep per-request state (``mamba2``, ``gdn``, ``attention``) get a
 ``cache_index`` that addresses their entry in :class:`runners.cache.HybridCache`; the MTP module's blocks
 take indices after the backbone's, so one cache object serves target and draft. The model knows nothing of
-checkpoint names (see ``runners/models/nemotron_h.py``) or of the generate loop (``runners/engine.py``).
+checkpoint names (see ``runners/models/<model_type>.py``) or of the generate loop (``runners/engine.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from runners.cache import BatchMeta, HybridCache
 from runners.models.config import HybridConfig
+from runners.models.gdn import GDNMixer
 from runners.models.layers import MLP, Attention, MoE, RMSNorm
 from runners.models.mamba2 import Mamba2Mixer
 
@@ -23,7 +24,8 @@ from runners.models.mamba2 import Mamba2Mixer
 MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
     "mamba2": (Mamba2Mixer, True),
     "attention": (Attention, True),
-    "mlp": (lambda c: MLP(c.hidden_size, c.intermediate_size, c.mlp_bias), False),
+    "gdn": (GDNMixer, True),
+    "mlp": (MLP.from_config, False),
     "moe": (MoE, False),
 }
 

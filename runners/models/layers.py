@@ -1,12 +1,22 @@
-"""Shared blocks of the hybrid decoders: norms, attention with a by-position KV cache, relu2 MLP, latent MoE.
+"""Shared blocks of the hybrid decoders: norms, attention with a by-position KV cache, MLP, MoE.
 
-Each module's math is checked against transformers 5's ``modeling_nemotron_h.py`` (the test oracle);
-parameter names equal the checkpoint's names below ``mixer.`` so the weight map stays a plain rename.
-Shapes: B batch, T tokens, D hidden, Hq query heads, KVH key/value heads, E routed experts, k top-k,
-L latent size (= D without a latent projection), I expert intermediate size.
+One module per block kind; each family's variant is a config option of the same module, not a copy:
+- ``RMSNorm``: scale ``w`` (NemotronH) or ``1 + w`` (Qwen3-Next), ``HybridConfig.norm_weight_offset``;
+- ``Attention``: plain (NemotronH: no RoPE) or gated (Qwen3-Next: q_proj also yields a per-head output gate,
+  q / k RMSNorm, NeoX RoPE on the first ``partial_rotary_factor`` of each head);
+- ``MLP`` / experts: non-gated relu2 (NemotronH) or gated SiLU, SwiGLU (Qwen3-Next);
+- ``MoE``: sigmoid router with a selection-only correction bias, latent experts (NemotronH), or softmax
+  router and a sigmoid-gated shared expert (Qwen3-Next).
+The math is checked against transformers 5's ``modeling_nemotron_h.py`` and ``modeling_qwen3_next.py`` (the
+test oracles); parameter names equal NemotronH's names below ``mixer.``, so its weight map stays a plain
+rename (the Qwen3-Next map renames a few, see ``runners/models/qwen3_next.py``).
+Shapes: B batch, T tokens, D hidden, Hq query heads, KVH key/value heads, hd head_dim, E routed experts,
+k top-k, L latent size (= D without a latent projection), I expert intermediate size.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -49,14 +59,40 @@ class GatedGroupRMSNorm(nn.Module):
         return self.weight.float() * g.flatten(-2)
 
 
+def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies theta^(-2i / rotary_dim), i < rotary_dim / 2: float32 [rotary_dim / 2]."""
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NeoX-style (rotate-half) rotary embedding on the first ``rotary_dim = 2 * len(inv_freq)`` dims of
+    each head; the rest pass through (partial rotary). x [B, T, H, hd]; positions [B, T] or [T] int64
+    (absolute token positions). Computed in float32, returned in x's dtype; pure function."""
+    rd = 2 * inv_freq.shape[0]
+    ang = positions.float()[..., None] * inv_freq  # (B, T, rd / 2) or (T, rd / 2)
+    if ang.dim() == 2:
+        ang = ang[None]
+    cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]  # broadcast over heads
+    rot, rest = x[..., :rd].float(), x[..., rd:]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([rot.to(x.dtype), rest], dim=-1)
+
+
 class Attention(nn.Module):
-    """Causal GQA self-attention without positional encoding (NemotronH applies no RoPE: transformers'
-    NemotronHAttention defines apply_rotary_pos_emb but never calls it). Scale head_dim^-0.5.
+    """Causal GQA self-attention, scale head_dim^-0.5, with the options of ``HybridConfig``:
+
+    - plain (NemotronH): no positional encoding (transformers' NemotronHAttention defines
+      apply_rotary_pos_emb but never calls it);
+    - gated (Qwen3-Next, ``attn_output_gate``, ``qk_norm``, ``rope_theta``, ``partial_rotary_factor``):
+      q_proj gives per head [q_h, gate_h] (2 hd rows per head); q and k get an RMSNorm over head_dim (scale
+      ``norm_weight_offset + w``), then NeoX RoPE on their first int(hd * partial_rotary_factor) dims at the
+      tokens' absolute positions; the output is ``o_proj(attn * sigmoid(gate))``.
 
     forward(hidden [B, T, D], kv, meta) -> [B, T, D]. With ``kv`` (a :class:`KVCache`) and ``meta``, the keys
-    and values of valid columns are written at positions ``start_pos + t`` of their slot (padding columns go
-    to the scratch row) and every query attends to its request's cached positions ``<= start_pos + t``.
-    Without a cache it is a plain causal forward over the T columns.
+    (after norm and RoPE) and values of valid columns are written at positions ``start_pos + t`` of their
+    slot (padding columns go to the scratch row) and every query attends to its request's cached positions
+    ``<= start_pos + t``. Without a cache it is a plain causal forward over the T columns (positions 0..T-1).
     """
 
     def __init__(self, config: HybridConfig):
@@ -67,24 +103,46 @@ class Attention(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=c.attention_bias)
+        self.output_gate = c.attn_output_gate
+        q_rows = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(c.hidden_size, q_rows, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.norm_eps, c.norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, c.norm_eps, c.norm_weight_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope_theta = c.rope_theta
+        self.rotary_dim = int(self.head_dim * c.partial_rotary_factor) if c.rope_theta is not None else 0
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"{c.source}: rotary dim int(head_dim={self.head_dim} * partial_rotary_factor="
+                f"{c.partial_rotary_factor}) = {self.rotary_dim} must be even"
+            )
 
     def forward(self, hidden: torch.Tensor, kv: KVCache | None = None, meta: BatchMeta | None = None):
         b, T, _ = hidden.shape
-        q = self.q_proj(hidden).view(b, T, self.num_heads, self.head_dim)
+        if self.output_gate:  # per head [q_h, gate_h]
+            q, gate = self.q_proj(hidden).view(b, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q, gate = self.q_proj(hidden).view(b, T, self.num_heads, self.head_dim), None
         k = self.k_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        offs = torch.arange(T, device=hidden.device)
+        pos = offs if kv is None else meta.start_pos[:, None] + offs  # [T] or [B, T] absolute positions
+        if self.rotary_dim:
+            inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta, hidden.device)
+            q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
         if kv is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
         else:
             rows = kv.k.shape[0]
-            offs = torch.arange(T, device=hidden.device)
-            pos = meta.start_pos[:, None] + offs  # (B, T) absolute positions
             slot_rows = (meta.slot_ids % rows)[:, None].expand(b, T)
             if meta.all_valid:
                 w_rows, w_pos = slot_rows, pos
@@ -105,28 +163,57 @@ class Attention(nn.Module):
                 attn_mask=mask[:, None],
                 enable_gqa=True,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(b, T, -1))
+        out = out.transpose(1, 2).reshape(b, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, T, -1))
+        return self.o_proj(out)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS = {"relu2": _relu2, "silu": F.silu}
 
 
 class MLP(nn.Module):
-    """Non-gated MLP ``down(relu(up(x))^2)`` (NemotronH ``mlp`` blocks and shared experts)."""
+    """Feed-forward block (dense ``mlp`` blocks and shared experts): ``down(act(up(x)))`` (NemotronH, relu2)
+    or, with ``gated``, ``down(act(gate(x)) * up(x))`` (Qwen3-Next, SiLU: SwiGLU). x [..., D] -> [..., D]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        act: str = "relu2",
+        gated: bool = False,
+    ):
         super().__init__()
+        self.act = ACTIVATIONS[act]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    @classmethod
+    def from_config(cls, c: HybridConfig, intermediate_size: int | None = None) -> MLP:
+        """The config's MLP (size ``intermediate_size``, default the dense ``c.intermediate_size``)."""
+        size = c.intermediate_size if intermediate_size is None else intermediate_size
+        return cls(c.hidden_size, size, c.mlp_bias, c.mlp_hidden_act, c.mlp_gated)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TopkRouter(nn.Module):
-    """Sigmoid top-k router with a selection-only score correction (DeepSeek-V3 style, as NemotronH).
+    """Top-k router, ``moe_scoring_func`` "sigmoid" (DeepSeek-V3 style, NemotronH) or "softmax" (Qwen3-Next).
 
-    forward(x [N, D]) -> (weights [N, k] float32, indices [N, k] int64). Scores are sigmoid(x W^T) in
-    float32; ``e_score_correction_bias`` is added for choosing experts only; with n_group > 1 only the
-    ``topk_group`` groups with the best top-2 score sums are eligible; the chosen raw scores are renormalised
-    (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``. ``weight`` and the bias stay float32.
+    forward(x [N, D]) -> (weights [N, k] float32, indices [N, k] int64). Scores are sigmoid(x W^T) or
+    softmax(x W^T) over experts, in float32. Sigmoid only: ``e_score_correction_bias`` is added for choosing
+    experts only, and with n_group > 1 only the ``topk_group`` groups with the best top-2 score sums are
+    eligible. The chosen raw scores are renormalised (``norm_topk_prob``) and multiplied by
+    ``routed_scaling_factor``. ``weight`` and the bias stay float32.
     """
 
     def __init__(self, config: HybridConfig):
@@ -135,13 +222,21 @@ class TopkRouter(nn.Module):
         self.top_k, self.num_experts = c.num_experts_per_tok, c.n_routed_experts
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
+        self.softmax = c.moe_scoring_func == "softmax"
         self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+        if not self.softmax:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32)
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
+        logits = F.linear(x.float(), self.weight.float())
+        if self.softmax:
+            scores = choice = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1 and not self.softmax:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, n_group)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
@@ -155,11 +250,16 @@ class TopkRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    """NemotronH latent MoE: routed relu2 experts run in the latent space between ``fc1_latent_proj``
-    (D -> L) and ``fc2_latent_proj`` (L -> D); the shared expert acts on the un-projected input.
+    """Routed experts plus a shared expert, with the options of ``HybridConfig``:
 
-    Expert weights are stacked: ``experts_up`` [E, I, L], ``experts_down`` [E, L, I] (the checkpoint holds
-    them per expert as ``experts.{e}.up_proj.weight`` / ``down_proj.weight``; the loader stacks them).
+    - NemotronH: sigmoid router; relu2 experts run in the latent space between ``fc1_latent_proj`` (D -> L)
+      and ``fc2_latent_proj`` (L -> D); the shared expert acts on the un-projected input;
+    - Qwen3-Next: softmax router; gated SiLU experts (``mlp_gated``); the shared expert's output is scaled
+      by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``), computed in float32.
+
+    Expert weights are stacked: ``experts_up`` [E, I, L], ``experts_down`` [E, L, I] and, when gated,
+    ``experts_gate`` [E, I, L] (checkpoints hold them per expert as
+    ``experts.{e}.{up,down,gate}_proj.weight``; :func:`unstack_expert_names` maps one to the other).
     forward(x [B, T, D]) -> [B, T, D].
     """
 
@@ -167,10 +267,15 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         latent = c.moe_latent_size if c.moe_latent_size is not None else c.hidden_size
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        self.act = ACTIVATIONS[c.mlp_hidden_act]
         self.gate = TopkRouter(c)
-        self.experts_up = nn.Parameter(torch.zeros(c.n_routed_experts, c.moe_intermediate_size, latent))
-        self.experts_down = nn.Parameter(torch.zeros(c.n_routed_experts, latent, c.moe_intermediate_size))
-        self.shared_experts = MLP(c.hidden_size, c.moe_shared_expert_intermediate_size, c.mlp_bias)
+        self.experts_up = nn.Parameter(torch.zeros(E, I, latent))
+        self.experts_gate = nn.Parameter(torch.zeros(E, I, latent)) if c.mlp_gated else None
+        self.experts_down = nn.Parameter(torch.zeros(E, latent, I))
+        self.shared_experts = MLP.from_config(c, c.moe_shared_expert_intermediate_size)
+        gated_shared = c.moe_shared_expert_gate
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if gated_shared else None
         if c.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(c.hidden_size, latent, bias=c.mlp_bias)
             self.fc2_latent_proj = nn.Linear(latent, c.hidden_size, bias=c.mlp_bias)
@@ -185,10 +290,15 @@ class MoE(nn.Module):
         routed = self._experts(h, weights, indices)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        return (routed + self.shared_experts(flat)).view(shape)
+        shared = self.shared_experts(flat)
+        if self.shared_expert_gate is not None:
+            scale = torch.sigmoid(F.linear(flat.float(), self.shared_expert_gate.weight.float()))
+            shared = (scale * shared.float()).to(flat.dtype)
+        return (routed + shared).view(shape)
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's k experts of weight * down(relu(up(h))^2); h [N, L] -> [N, L]."""
+        """Sum over each token's k experts of weight * expert(h); h [N, L] -> [N, L]. An expert is
+        down(act(up(h))) or, gated, down(act(gate(h)) * up(h))."""
         n, k = indices.shape
         expert = indices.flatten()
         order = torch.argsort(expert, stable=True)
@@ -201,7 +311,26 @@ class MoE(nn.Module):
             if cnt == 0:
                 continue
             tok = token[start : start + cnt]
-            y = torch.square(F.relu(h[tok] @ self.experts_up[e].T)) @ self.experts_down[e].T
+            x = h[tok]
+            if self.experts_gate is None:
+                a = self.act(x @ self.experts_up[e].T)
+            else:
+                a = self.act(x @ self.experts_gate[e].T) * (x @ self.experts_up[e].T)
+            y = a @ self.experts_down[e].T
             out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
             start += cnt
         return out.to(h.dtype)
+
+
+_STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)$")
+
+
+def unstack_expert_names(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Checkpoint names of a stacked expert parameter: ``<p>.experts_{up,gate,down}`` [E, ...] ->
+    ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place).
+    Any other name maps to itself: ``{name: tensor}``."""
+    m = _STACKED_EXPERTS.match(name)
+    if not m:
+        return {name: tensor}
+    prefix, kind = m.groups()
+    return {f"{prefix}experts.{e}.{kind}_proj.weight": tensor.data[e] for e in range(tensor.shape[0])}

@@ -21,13 +21,13 @@ released checkpoints' names, which transformers 5 ``save_pretrained`` also write
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
 
 from runners.models.config import ConfigError, HybridConfig, validate
 from runners.models.hybrid import HybridLM
+from runners.models.layers import unstack_expert_names
 
 _NEMOTRON_PATTERN = {"M": "mamba2", "*": "attention", "E": "moe", "-": "mlp"}
 _NEMOTRON_LAYER_TYPE = {
@@ -167,18 +167,6 @@ def parse_config(raw: dict[str, Any], source: str) -> HybridConfig:
     return cfg
 
 
-_EXPERTS = re.compile(r"^(.*\.mixer\.)experts_(up|down)$")
-
-
-def _expand_experts(ckpt_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    m = _EXPERTS.match(ckpt_name)
-    if not m:
-        return {ckpt_name: tensor}
-    return {
-        f"{m.group(1)}experts.{e}.{m.group(2)}_proj.weight": tensor.data[e] for e in range(tensor.shape[0])
-    }
-
-
 def checkpoint_targets(model: HybridLM) -> dict[str, torch.Tensor]:
     """Map every checkpoint tensor name to the model tensor it fills.
 
@@ -206,5 +194,5 @@ def checkpoint_targets(model: HybridLM) -> dict[str, torch.Tensor]:
                 ckpt = "mtp.layers." + rest[len("blocks.") :]
         else:
             ckpt = name
-        targets.update(_expand_experts(ckpt, tensor))
+        targets.update(unstack_expert_names(ckpt, tensor))
     return targets
