@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from kernels.gdn_replay import GDNReplayHistory, gdn_replay_verify_ref
 from kernels.mamba2_replay import allocate_replay_history, replay_verify_ref
 from runners.cache import (
     BatchMeta,
@@ -29,6 +30,7 @@ from runners.cache import (
     model_cache_kinds,
 )
 from runners.models.config import HybridConfig
+from runners.models.gdn import gdn_replay_verify_torch
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer, replay_verify_torch
 
@@ -73,6 +75,36 @@ def test_torch_replay_verify_equals_kernel_reference():
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))  # the PAD row's output is zero
     assert torch.equal(states[0][2], state[2]) and torch.equal(hists[0].x[2], hist.x[2])  # slot 2 untouched
     assert not torch.equal(states[0][3], state[3])  # PNAT = 2 > 0: the state was fast-forwarded
+
+
+def test_torch_gdn_replay_verify_equals_kernel_reference():
+    torch.manual_seed(0)
+    S, H, HV, K, V, T = 6, 2, 4, 6, 5, 3  # K != V: a transposed state would fail
+    state = torch.randn(S, HV, V, K)
+    hist = GDNReplayHistory.allocate(S, T, H, HV, K, V)
+    hist.u.normal_()
+    hist.k.copy_(torch.nn.functional.normalize(torch.randn_like(hist.k), dim=-1))
+    hist.g.copy_(torch.cumsum(-torch.rand_like(hist.g), dim=2))
+    pnat = torch.tensor([0, 1, T, 2, GARBAGE, 3], dtype=torch.int32)
+    buf = torch.tensor([0, 1, 1, 0, 1, GARBAGE], dtype=torch.int32)
+    slot_ids = torch.tensor([3, -1, 0, 4, 1, 5], dtype=torch.int32)
+    B = len(slot_ids)
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)
+    g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV)
+    outs, states, hists = [], [], []
+    for fn in (gdn_replay_verify_torch, gdn_replay_verify_ref):
+        s, h = state.clone(), GDNReplayHistory.allocate(S, T, H, HV, K, V)
+        for name in ("u", "k", "g"):
+            getattr(h, name).copy_(getattr(hist, name))
+        outs.append(fn(q, k, v, g, beta, s, h, slot_ids, pnat.clone(), buf.clone()))
+        states.append(s)
+        hists.append(h)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], states[1], atol=1e-5, rtol=1e-5)
+    for name in ("u", "k", "g"):
+        torch.testing.assert_close(getattr(hists[0], name), getattr(hists[1], name), atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))  # the PAD row's output is zero
+    assert torch.equal(states[0][2], state[2]) and torch.equal(hists[0].u[2], hist.u[2])  # slot 2 untouched
 
 
 def _replay_cache(config, S=3, T=3):
@@ -140,9 +172,10 @@ def test_replay_without_speculation_is_an_error():
                            ssm_replay=True)
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
 @pytest.mark.parametrize("spec_tokens, replay", [(0, False), (4, False), (4, True), (8, True)])
-def test_planned_memory_equals_allocated_bytes(spec_tokens, replay):
-    config = HybridConfig.from_pretrained(REPO / "registry/checkpoints/tiny_nemotron_h_mtp")
+def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay):
+    config = HybridConfig.from_pretrained(REPO / f"registry/checkpoints/tiny_{family}_mtp")
     kinds = model_cache_kinds(config, include_mtp=spec_tokens > 0)
     assert kinds == HybridLM(config, with_mtp=True).cache_kinds(include_mtp=spec_tokens > 0)
     args = dict(max_batch_size=3, max_seq_len=32, dtype=torch.bfloat16, spec_tokens=spec_tokens,
@@ -163,7 +196,7 @@ def _registry_memory(entry: str, replay: bool) -> dict[str, int]:
     )
 
 
-@pytest.mark.parametrize("entry", ["super_v3_mtp"])
+@pytest.mark.parametrize("entry", ["super_v3_mtp", "qwen3_next_mtp"])
 def test_replay_spec_buffers_10x_smaller_at_released_shapes(entry):
     rewind, replay = _registry_memory(entry, False), _registry_memory(entry, True)
     for key in ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes"):

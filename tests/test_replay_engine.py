@@ -6,7 +6,8 @@
 - in lockstep, after every verify + commit, each Mamba2 layer's replay state materialised (its pending PNAT
   tokens fast-forwarded) equals the rewind state, and the committed conv window read at its offset equals
   the rewind window.
-A random checkpoint with a 5-token vocab (tests/ckpt_factory.py) makes random drafts often right.
+Both families run: NemotronH (Mamba2) and Qwen3-Next (Gated DeltaNet). Random checkpoints with a 5-token
+vocab (tests/ckpt_factory.py, tests/qwen_ckpt.py) make random drafts often right.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
+from qwen_ckpt import write_qwen_checkpoint
 
 from runners import Engine
-from runners.cache import Mamba2ReplayState, Mamba2State
+from runners.cache import GDNReplayState, GDNState, Mamba2ReplayState, Mamba2State
 from runners.engine import GenerationStats
+from runners.models.gdn import GDNMixer
 from runners.models.mamba2 import Mamba2Mixer
 
 MAX_NEW = 12
@@ -33,10 +36,13 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    hf = make_hf_model(seed=2, vocab_size=5, pattern="M*MEM")
-    path = write_checkpoint(tmp_path_factory.mktemp("replay"), hf, with_mtp=True)
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_next"])
+def setup(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "nemotron_h":
+        path = write_checkpoint(folder, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM"), with_mtp=True)
+    else:
+        path = write_qwen_checkpoint(folder / "ckpt", seed=2, vocab_size=5)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 40, (18,), generator=g).tolist()
     prompts = [torch.randint(0, 5, (n,), generator=g).tolist() for n in lengths]
@@ -65,7 +71,7 @@ def test_replay_equals_rewind_tokens_and_acceptance(setup, K):
     assert _acceptance(replay.stats) == _acceptance(rewind.stats)
     assert replay.stats.accepted_drafts > 0  # drafts were accepted, so PNAT > 1 was replayed
     assert replay_engine.cache.replay is not None
-    assert all(isinstance(state, Mamba2ReplayState) for _, state in _mamba_layers(replay_engine))
+    assert all(isinstance(state, Mamba2ReplayState) for _, state in _recurrent_layers(replay_engine))
 
 
 class OracleDraftEngine(Engine):
@@ -109,10 +115,11 @@ def test_replay_with_every_num_accepted_value(setup):
     assert all(h > 0 for h in replay.stats.num_accepted_hist[1:])  # 1 .. K + 1 accepted tokens all occurred
 
 
-def _mamba_layers(engine):
-    mixers = [b.mixer for b in engine.model.layers if isinstance(b.mixer, Mamba2Mixer)]
-    states = [engine.cache[b.cache_index] for b in engine.model.layers if isinstance(b.mixer, Mamba2Mixer)]
-    return list(zip(mixers, states))
+def _recurrent_layers(engine):
+    """[(mixer, layer state)] of the Mamba2 / GDN blocks."""
+    blocks = [b for b in engine.model.layers if isinstance(b.mixer, (Mamba2Mixer, GDNMixer))]
+    assert blocks
+    return [(b.mixer, engine.cache[b.cache_index]) for b in blocks]
 
 
 @torch.inference_mode()
@@ -136,10 +143,12 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup)
     for step in range(8):
         toks = [e._spec_step(slots, n, t, s) for e, n, t, s in zip(engines, lens, lasts, stats)]
         assert toks[0] == toks[1], step
-        pairs = zip(_mamba_layers(engines[0]), _mamba_layers(engines[1]))
+        pairs = zip(_recurrent_layers(engines[0]), _recurrent_layers(engines[1]))
         for i, ((mixer, rew), (_, rep)) in enumerate(pairs):
-            assert isinstance(rew, Mamba2State) and isinstance(rep, Mamba2ReplayState)
-            A = -torch.exp(mixer.A_log.float())
+            gdn = isinstance(mixer, GDNMixer)
+            want_types = (GDNState, GDNReplayState) if gdn else (Mamba2State, Mamba2ReplayState)
+            assert type(rew) is want_types[0] and isinstance(rep, want_types[1])
+            A = -torch.exp(mixer.A_log.float())  # Mamba2's decay rate; GDN's decay is in its history
             want = rew.ssm[live].float()
             torch.testing.assert_close(rep.materialized_ssm(A)[live], want, atol=1e-5, rtol=1e-5)
             # the first layer's conv inputs are bit-identical (same embeddings): its window must be too;
@@ -161,7 +170,7 @@ def test_ssm_backend_option(setup):
     path, _, _ = setup
     engine = _engine(path, 1, True)
     assert engine.ssm_backend == "torch"  # the CPU default
-    assert all(m.ssm_backend == "torch" for m, _ in _mamba_layers(engine))
+    assert all(m.ssm_backend == "torch" for m, _ in _recurrent_layers(engine))
     with pytest.raises(ValueError, match="ssm_backend"):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
 
