@@ -202,10 +202,10 @@ def test_gpu_replay_equals_rewind(setup, backend):
     """On CUDA: replay (our Triton replay kernel, also under ssm_backend=flashinfer) against rewind (our
     Triton selective_state_update, or FlashInfer's; falls back to Triton with a log line without it)."""
     path, prompts, _ = setup
-    outs = [
-        Engine.from_pretrained(path, device="cuda", draft_len=3, ssm_replay=replay, ssm_backend=backend,
-                               max_batch_size=SLOTS, max_seq_len=80).generate(prompts, MAX_NEW, stop_token_ids=[])
-        for replay in (False, True)
-    ]
+    outs = []
+    for replay in (False, True):
+        engine = Engine.from_pretrained(path, device="cuda", draft_len=3, ssm_replay=replay,
+                                        ssm_backend=backend, max_batch_size=SLOTS, max_seq_len=80)
+        outs.append(engine.generate(prompts, MAX_NEW, stop_token_ids=[]))
     assert outs[1].tokens == outs[0].tokens
     assert _acceptance(outs[1].stats) == _acceptance(outs[0].stats) and outs[1].stats.accepted_drafts > 0
