@@ -54,6 +54,7 @@ class CacheSpec:
     device: torch.device | str
     spec_tokens: int
     replay: ReplaySlots | None = None
+    replay_checkpointing: bool = False
 
 
 class LayerState:
@@ -198,6 +199,12 @@ class GDNState(Mamba2State):
         }
 
 
+def replay_hist_len(spec_tokens: int, checkpointing: bool) -> int:
+    """History length L of a replay layer: T (per-step replay) or max(16, T) (checkpointing: the dots pad
+    the token axis to 16 anyway, so the window costs no extra compute up to 16 tokens)."""
+    return max(16, spec_tokens) if checkpointing else spec_tokens
+
+
 @dataclass
 class ReplaySlots:
     """Per-slot replay bookkeeping shared by every recurrent layer of a model (the one owner of it).
@@ -205,7 +212,10 @@ class ReplaySlots:
     prev_num_accepted: [S + 1] int32, PNAT: tokens of the slot's last verify that were accepted (0 = nothing
         to replay: a fresh slot, or the step after prefill).
     buffer_index: [S + 1] int32, which of the two history buffers holds the last verify's inputs.
-    Both start zeroed (a graph or kernel that reads them before the first fill sees "nothing to replay").
+    last_accepted: [S + 1] int32, num_accepted_tokens of the slot's last verify (0 after prefill): the conv
+        window offset. Equal to PNAT in per-step replay; in the checkpointing variant (``hist_len`` set,
+        Mamba2 only) PNAT counts every accepted token not yet folded into the state, over several verifies.
+    All start zeroed (a graph or kernel that reads them before the first fill sees "nothing to replay").
 
     Lifecycle (the kernels' contract, ``kernels/mamba2_replay.py``, ``kernels/gdn_replay.py``):
     :meth:`reset` at admission (prefill writes the state, PNAT = 0); every verify of every layer reads PNAT /
@@ -217,34 +227,44 @@ class ReplaySlots:
 
     prev_num_accepted: torch.Tensor
     buffer_index: torch.Tensor
+    last_accepted: torch.Tensor
     spec_tokens: int
     family_kind: str  # "mamba2" | "gdn": which kernel module owns the advance
     ssm_backend: str = "torch"
+    hist_len: int | None = None  # checkpointing variant: the history window L = max(16, T); None: per-step
     verified: bool = False
 
     @classmethod
-    def allocate(cls, rows: int, spec_tokens: int, family_kind: str, ssm_backend: str, device) -> ReplaySlots:
+    def allocate(
+        cls, rows: int, spec_tokens: int, family_kind: str, ssm_backend: str, device, checkpointing=False
+    ) -> ReplaySlots:
         if family_kind not in ("mamba2", "gdn"):
             raise ValueError(f"replay bookkeeping for block kind {family_kind!r}: only mamba2 and gdn replay")
+        if checkpointing and family_kind != "mamba2":
+            raise ValueError(
+                f"the checkpointing replay variant exists for mamba2 only (kernels/mamba2_replay.py), not "
+                f"{family_kind}; set replay checkpointing off"
+            )
         zeros = lambda: torch.zeros(rows, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(zeros(), zeros(), spec_tokens, family_kind, ssm_backend)
+        hist_len = replay_hist_len(spec_tokens, checkpointing) if checkpointing else None
+        return cls(zeros(), zeros(), zeros(), spec_tokens, family_kind, ssm_backend, hist_len)
 
     @staticmethod
     def planned_bytes(rows: int) -> int:
-        return 2 * _bytes(torch.int32, rows)
+        return 3 * _bytes(torch.int32, rows)
 
     def nbytes(self) -> int:
-        return _nbytes(self.prev_num_accepted, self.buffer_index)
+        return _nbytes(self.prev_num_accepted, self.buffer_index, self.last_accepted)
 
     def reset(self, rows: torch.Tensor) -> None:
         """Cache rows ``rows`` [n] (int64, PAD already mapped to the scratch row) start over: PNAT = 0."""
-        self.prev_num_accepted.index_fill_(0, rows, 0)
-        self.buffer_index.index_fill_(0, rows, 0)
+        for t in (self.prev_num_accepted, self.buffer_index, self.last_accepted):
+            t.index_fill_(0, rows, 0)
 
     def conv_offset(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n] int64 column where the committed conv window of cache rows ``rows`` starts: PNAT - 1 after a
-        verify (the window after the accepted tokens), 0 after prefill (PNAT = 0)."""
-        return (self.prev_num_accepted[rows].long() - 1).clamp(min=0)
+        """[n] int64 column where the committed conv window of cache rows ``rows`` starts: a - 1 after a
+        verify that accepted a tokens (the window after them), 0 after prefill."""
+        return (self.last_accepted[rows].long() - 1).clamp(min=0)
 
     def advance(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         """After a verify step: PNAT[s] = num_accepted_tokens, flip buffer_index[s] for live rows (slot id
@@ -261,11 +281,20 @@ class ReplaySlots:
         self.verified = False
         T = self.spec_tokens
         kernel = self.ssm_backend != "torch"
+        # the conv offset: live rows only (PAD rows keep the scratch row's value; no host sync)
+        live = slot_ids >= 0
+        R = self.last_accepted.shape[0]
+        self.last_accepted.index_copy_(
+            0,
+            torch.where(live, slot_ids, R - 1),
+            torch.where(live, num_accepted_tokens.to(torch.int32), self.last_accepted[R - 1]),
+        )
         if self.family_kind == "mamba2":
             from kernels.mamba2_replay import replay_advance, replay_advance_ref
 
             (replay_advance if kernel else replay_advance_ref)(
-                self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, T
+                self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, T,
+                hist_len=self.hist_len,
             )
         else:
             from kernels.gdn_replay import gdn_replay_commit, gdn_replay_commit_ref
@@ -304,10 +333,13 @@ class Mamba2ReplayState(LayerState):
             raise ValueError("Mamba2ReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
         H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
         R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        L, ckpt = replay_hist_len(T, spec.replay_checkpointing), spec.replay_checkpointing
         return cls(
             conv=torch.zeros(R, C, W1 + T - 1, dtype=spec.dtype, device=dev),
             ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
-            history=allocate_replay_history(R, T, H, P, c.n_groups, N, dtype=spec.dtype, device=dev),
+            history=allocate_replay_history(
+                R, L, H, P, c.n_groups, N, dtype=spec.dtype, device=dev, checkpointing=ckpt
+            ),
             slots=spec.replay,
         )
 
@@ -315,8 +347,9 @@ class Mamba2ReplayState(LayerState):
     def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
         H, P, N, C, G = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim, c.n_groups
         R, W1, T, dt = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.dtype
+        L, XB = replay_hist_len(T, spec.replay_checkpointing), 1 if spec.replay_checkpointing else 2
         history = (
-            _bytes(dt, R, 2, T, H, P) + _bytes(dt, R, 2, T, G, N) + 2 * _bytes(torch.float32, R, 2, H, T)
+            _bytes(dt, R, XB, L, H, P) + _bytes(dt, R, 2, L, G, N) + 2 * _bytes(torch.float32, R, 2, H, L)
         )
         return {
             "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, H, P, N),
@@ -484,11 +517,20 @@ def _replay_kind(cache_kinds: dict[int, str]) -> str:
     return kinds[0]
 
 
-def _check_replay_args(ssm_replay: bool, spec_tokens: int) -> None:
+def _check_replay_args(
+    ssm_replay: bool, spec_tokens: int, checkpointing: bool, cache_kinds: dict[int, str]
+) -> None:
     if ssm_replay and spec_tokens < 2:
         raise ValueError(
             "ssm_replay requires speculative decoding: build the cache with spec_tokens = K + 1 >= 2 "
             "(draft_len K >= 1), or set ssm_replay=False"
+        )
+    if checkpointing and not ssm_replay:
+        raise ValueError("replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or drop it")
+    if checkpointing and _replay_kind(cache_kinds) != "mamba2":
+        raise ValueError(
+            "the checkpointing replay variant exists for mamba2 layers only (kernels/mamba2_replay.py); "
+            "set replay_checkpointing=False for this model"
         )
 
 
@@ -502,6 +544,7 @@ def cache_memory_bytes(
     ssm_state_dtype: torch.dtype = torch.float32,
     spec_tokens: int = 0,
     ssm_replay: bool = False,
+    replay_checkpointing: bool = False,
 ) -> dict[str, int]:
     """Bytes a :class:`HybridCache` with these arguments allocates, by kind, computed from the architecture
     alone (nothing is allocated; usable for released shapes without weights). Same arguments and keys as
@@ -510,9 +553,10 @@ def cache_memory_bytes(
     Raises:
         ValueError: ssm_replay without speculation, or a block kind without a cache layout.
     """
-    _check_replay_args(ssm_replay, spec_tokens)
+    _check_replay_args(ssm_replay, spec_tokens, replay_checkpointing, cache_kinds)
     rows = max_batch_size + 1
     spec = CacheSpec(rows, max_seq_len, dtype, ssm_state_dtype, "meta", spec_tokens)
+    spec.replay_checkpointing = replay_checkpointing
     out = dict.fromkeys(MEMORY_KEYS, 0)
     for idx, kind in sorted(cache_kinds.items()):
         for key, n in _layout(kind, idx, ssm_replay).planned_memory(config, spec).items():
@@ -541,6 +585,9 @@ class HybridCache:
             :class:`ReplaySlots`, ``self.replay``) instead of rewind; needs ``spec_tokens >= 2``.
         ssm_backend: "torch" | "triton" | "flashinfer": the implementation of the replay advance (the
             mixers' own ``ssm_backend`` attribute picks their verify kernels; the engine sets both).
+        replay_checkpointing: the checkpointing replay variant (Mamba2 only): a history window of
+            L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
+            (``kernels/mamba2_replay.py``).
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
@@ -561,23 +608,28 @@ class HybridCache:
         spec_tokens: int = 0,
         ssm_replay: bool = False,
         ssm_backend: str = "torch",
+        replay_checkpointing: bool = False,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
         if ssm_backend not in SSM_BACKENDS:
             raise ValueError(f"ssm_backend={ssm_backend!r} is not one of {SSM_BACKENDS}")
-        _check_replay_args(ssm_replay, spec_tokens)
+        _check_replay_args(ssm_replay, spec_tokens, replay_checkpointing, cache_kinds)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.spec_tokens = spec_tokens
         self.ssm_replay, self.ssm_backend = ssm_replay, ssm_backend
         R = max_batch_size + 1
         self.replay = (
-            ReplaySlots.allocate(R, spec_tokens, _replay_kind(cache_kinds), ssm_backend, device)
+            ReplaySlots.allocate(
+                R, spec_tokens, _replay_kind(cache_kinds), ssm_backend, device, replay_checkpointing
+            )
             if ssm_replay
             else None
         )
-        spec = CacheSpec(R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay)
+        spec = CacheSpec(
+            R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing
+        )
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):
             self.layers[idx] = _layout(kind, idx, ssm_replay).allocate(config, spec)

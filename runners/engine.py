@@ -207,6 +207,7 @@ class Engine:
         prefill_chunk_tokens: int = 8192,
         scan_chunk_size: int | None = None,
         ssm_backend: str | None = None,
+        ssm_replay_checkpointing: bool = False,
     ):
         config = model.config
         if draft_len < 0:
@@ -250,6 +251,7 @@ class Engine:
             ssm_state_dtype=self.ssm_state_dtype,
             spec_tokens=draft_len + 1 if draft_len > 0 else 0,
             ssm_replay=ssm_replay,
+            replay_checkpointing=ssm_replay_checkpointing,
         )
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
         self.cache = HybridCache(
@@ -286,7 +288,9 @@ class Engine:
                 the same up to float rounding), ssm_backend ("triton" | "flashinfer" | "torch"; default
                 "triton" on CUDA, "torch" elsewhere: the recurrent verify / replay kernels; "flashinfer" runs
                 the rewind verify with FlashInfer's selective_state_update and replay with our Triton kernel,
-                and falls back to "triton" with a log line when FlashInfer is not importable).
+                and falls back to "triton" with a log line when FlashInfer is not importable),
+                ssm_replay_checkpointing (default False; Mamba2 only: the checkpointing replay variant,
+                a history of max(16, K + 1) tokens and a state write only when it is full).
 
         Raises:
             runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
@@ -300,6 +304,7 @@ class Engine:
             "prefill_chunk_tokens",
             "scan_chunk_size",
             "ssm_backend",
+            "ssm_replay_checkpointing",
         }
         unknown = set(options) - allowed
         if unknown:

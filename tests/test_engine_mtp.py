@@ -316,9 +316,9 @@ def test_speculative_buffers_only_with_speculation(ckpt):
             k: m0[k] for k in ("ssm_state_bytes", "conv_state_bytes")
         }
         assert m["kv_cache_bytes"] == m0["kv_cache_bytes"] + kv_layer  # + the MTP attention's own KV cache
-        if e.ssm_replay:  # K extra conv columns; history x, B, dt', dA_cumsum (2 x T tokens); PNAT, index
+        if e.ssm_replay:  # K extra conv columns; history x, B, dt', dA_cumsum (2 x T tokens); 3 per-slot ints
             G = c.n_groups
-            commit = n_mamba * R * (C * K + 2 * T * (H * P + G * N) + 2 * 2 * H * T) * 4 + 2 * R * 4
+            commit = n_mamba * R * (C * K + 2 * T * (H * P + G * N) + 2 * 2 * H * T) * 4 + 3 * R * 4
         else:  # rewind: the conv window and the state after each of the T tokens
             commit = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
         assert m["spec_buffers_bytes"] == commit + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden

@@ -116,7 +116,7 @@ def test_replay_metadata_and_buffers_start_zeroed():
     cache = _replay_cache(_tiny_config())
     rs, layer = cache.replay, cache[0]
     assert isinstance(layer, Mamba2ReplayState)
-    for t in (rs.prev_num_accepted, rs.buffer_index):
+    for t in (rs.prev_num_accepted, rs.buffer_index, rs.last_accepted):
         assert t.dtype == torch.int32 and t.shape == (4,) and not t.any()
     hist = layer.history
     for t in (layer.ssm, layer.conv, hist.x, hist.B, hist.dt, hist.dA_cumsum):
@@ -142,6 +142,7 @@ def test_bookkeeping_reset_pad_rows_and_single_advance():
     cache.commit(slot_ids, torch.tensor([3, 2, 1]))
     assert rs.prev_num_accepted.tolist() == [2, 0, 1, 0]  # the scratch row (PAD, index S) never advances
     assert rs.buffer_index.tolist() == [1, 0, 1, 0]
+    assert rs.last_accepted.tolist() == [2, 0, 1, 0]
     for before, after in zip(slot1, (layer.ssm[1], layer.conv[1], layer.history.x[1])):
         assert torch.equal(before, after)  # neither the PAD row nor the others touched slot 1
     with pytest.raises(RuntimeError, match="exactly once per verify step"):
@@ -150,7 +151,7 @@ def test_bookkeeping_reset_pad_rows_and_single_advance():
         mixer(torch.randn(1, 1, 16), layer, BatchMeta.decode(torch.tensor([0]), torch.tensor([8])))
 
     cache.reset(torch.tensor([0]))  # a new request is admitted to slot 0
-    assert rs.prev_num_accepted.tolist() == [0, 0, 1, 0] and rs.buffer_index[0] == 0
+    assert rs.prev_num_accepted.tolist() == [0, 0, 1, 0] and rs.buffer_index[0] == rs.last_accepted[0] == 0
     assert not layer.ssm[0].any() and not layer.conv[0].any()
     mixer(torch.randn(1, 4, 16), layer, BatchMeta.decode(torch.tensor([0]), torch.tensor([0]), 4))
 
@@ -173,13 +174,20 @@ def test_replay_without_speculation_is_an_error():
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
-@pytest.mark.parametrize("spec_tokens, replay", [(0, False), (4, False), (4, True), (8, True)])
-def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay):
+@pytest.mark.parametrize(
+    "spec_tokens, replay, checkpointing", [(0, False, False), (4, False, False), (4, True, False),
+                                           (8, True, False), (4, True, True)]
+)
+def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, checkpointing):
     config = HybridConfig.from_pretrained(REPO / f"registry/checkpoints/tiny_{family}_mtp")
     kinds = model_cache_kinds(config, include_mtp=spec_tokens > 0)
     assert kinds == HybridLM(config, with_mtp=True).cache_kinds(include_mtp=spec_tokens > 0)
     args = dict(max_batch_size=3, max_seq_len=32, dtype=torch.bfloat16, spec_tokens=spec_tokens,
-                ssm_replay=replay)
+                ssm_replay=replay, replay_checkpointing=checkpointing)
+    if checkpointing and family == "qwen3_next":
+        with pytest.raises(ValueError, match="mamba2 layers only"):
+            HybridCache(config, kinds, **args)
+        return
     allocated = HybridCache(config, kinds, **args).memory()
     assert cache_memory_bytes(config, kinds, **args) == allocated
     assert (allocated["spec_buffers_bytes"] > 0) == (spec_tokens > 0)

@@ -65,7 +65,8 @@ def _acceptance(stats: GenerationStats) -> tuple:
 def test_replay_equals_rewind_tokens_and_acceptance(setup, K):
     path, prompts, plain = setup
     rewind = _engine(path, K, False).generate(prompts, MAX_NEW, stop_token_ids=[])
-    replay_engine = _engine(path, K, True)
+    mamba = not isinstance(_recurrent_layers(_engine(path, 1, False))[0][0], GDNMixer)
+    replay_engine = _engine(path, K, True, ssm_replay_checkpointing=mamba and K == 7)
     replay = replay_engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert replay.tokens == rewind.tokens == plain
     assert _acceptance(replay.stats) == _acceptance(rewind.stats)
@@ -123,10 +124,13 @@ def _recurrent_layers(engine):
 
 
 @torch.inference_mode()
-def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup, checkpointing):
     path, prompts, _ = setup
+    if checkpointing and isinstance(_recurrent_layers(_engine(path, 1, False))[0][0], GDNMixer):
+        pytest.skip("the checkpointing replay variant exists for Mamba2 only")
     K = 3
-    engines = [_engine(path, K, False), _engine(path, K, True)]
+    engines = [_engine(path, K, False), _engine(path, K, True, ssm_replay_checkpointing=checkpointing)]
     slots = [0, 2, 3]  # not contiguous: the gather paths, not the slice paths
     batch = [prompts[1], prompts[4], prompts[7]]
     lens, lasts = [], []
@@ -140,8 +144,13 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup)
         lasts.append(last)
     live = torch.tensor(slots)
     stats = [GenerationStats(accepted_per_position=[0] * K, num_accepted_hist=[0] * (K + 2)) for _ in engines]
-    for step in range(8):
+    flushed, max_pending = False, 0
+    for step in range(14):  # checkpointing (L = 16, T = 4): the state is written once > 12 tokens pend
+        pending = engines[1].cache.replay.prev_num_accepted[live].clone()
         toks = [e._spec_step(slots, n, t, s) for e, n, t, s in zip(engines, lens, lasts, stats)]
+        now = engines[1].cache.replay.prev_num_accepted[live]
+        flushed |= bool((now < pending).any())  # checkpointing: a flush restarts the pending count
+        max_pending = max(max_pending, int(now.max()))
         assert toks[0] == toks[1], step
         pairs = zip(_recurrent_layers(engines[0]), _recurrent_layers(engines[1]))
         for i, ((mixer, rew), (_, rep)) in enumerate(pairs):
@@ -155,8 +164,13 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup)
             # deeper layers see inputs that differ by the replay's float rounding (~1e-7)
             tol = 0 if i == 0 else 1e-5
             torch.testing.assert_close(rep.materialized_conv()[live], rew.conv[live], atol=tol, rtol=tol)
-    pnat = engines[1].cache.replay.prev_num_accepted
-    assert int(pnat[live].min()) >= 1 and int(pnat[SLOTS]) == 0  # the scratch row never advances
+    replay = engines[1].cache.replay
+    assert int(replay.prev_num_accepted[live].min()) >= 1
+    assert replay.prev_num_accepted[SLOTS] == 0 and replay.last_accepted[SLOTS] == 0  # scratch row: never
+    if checkpointing:  # pending tokens accumulated over several verifies, and the state was written
+        assert flushed and K + 1 < max_pending <= 16
+    else:  # per-step replay: PNAT is one step's num_accepted_tokens
+        assert max_pending <= K + 1
     assert stats[0] == stats[1] and stats[1].accepted_drafts > 0
 
 
