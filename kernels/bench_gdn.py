@@ -125,7 +125,13 @@ def main(argv=None) -> dict:
         res[name] = _best(
             lambda bv: (lambda: gdn_replay_verify(q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out,
                                                   block_v=bv)),
-            (16, 32, 64), state_traffic + in_bytes + (n_old + T) * B * hist_tok, dev)
+            blocks, state_traffic + in_bytes + (n_old + T) * B * hist_tok, dev)
+    # warps per program at the two best tile heights (the default picks 1 warp up to 2048 elements, else 4)
+    pnat.fill_(T)
+    res["replay_verify_pnat_T_warps_sweep_us"] = {
+        f"bv{bv}_w{nw}": round(_time_ms(lambda bv=bv, nw=nw: gdn_replay_verify(
+            q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out, block_v=bv, num_warps=nw), dev) * 1e3, 2)
+        for bv in (8, 16, 32) for nw in (1, 2, 4)}
     pnat.zero_()
     t_commit = _time_ms(lambda: gdn_replay_commit(pnat, buf, slot_ids, num_accepted, T), dev) * 1e3
     res["replay_commit"] = {"us": round(t_commit, 2)}

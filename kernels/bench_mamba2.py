@@ -5,8 +5,8 @@
 Times with triton.testing.do_bench (median, microseconds) per state dtype (float32, bfloat16), bf16 inputs:
 - rewind verify: `selective_state_update` writing T intermediate states, and `commit_intermediate_state`
 - decode: `selective_state_update` with T = 1, state updated in place
-- replay verify: `replay_verify` with PNAT = 0 (no state write) and PNAT = T - 1 (state written), for each
-  dot precision and head_dim block; the checkpointing variant (L = 16) without and with a flush;
+- replay verify: `replay_verify` with PNAT = 0 (no state write) and PNAT = T - 1 (state written), for a
+  sweep of head_dim block x warps; the checkpointing variant (L = 16) without and with a flush;
   `replay_advance`
 - a torch copy of the whole state (read + write): the memory-bound floor for anything that rewrites it
 - with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token) and
@@ -90,28 +90,32 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
     hist = allocate_replay_history(S, T, H, P, G, N, dtype=in_dtype, device=dev)
     pnat, bufidx = allocate_replay_slot_state(S, device=dev)
     hist_bytes = hist.nbytes() // 2  # one buffer read per verify (the other one written: ~io_bytes)
-    variants = [(prec, 32, 32, nw) for prec in ("tf32x3", "ieee", "tf32") for nw in (4, 8)]
-    variants += [("tf32x3", bp, bn, 8) for bp, bn in ((16, 64), (32, 64), (64, 32), (16, 32))]
+    variants = [(bp, nw) for bp in (4, 8, 16, 32) for nw in (2, 4, 8) if 8 <= bp * N // (32 * nw) <= 32]
     for k in (0, T - 1):
-        for prec, bp, bn, nw in variants:
-            if k == 0 and (bp, bn) != (32, 32):
-                continue
-            def run(prec=prec, bp=bp, bn=bn, nw=nw, k=k):
+        for bp, nw in variants:
+            def run(bp=bp, nw=nw, k=k):
                 pnat.fill_(k)  # a fill per call keeps PNAT fixed (a real step advances it)
                 replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, out=out,
-                              block_p=bp, block_n=bn, dot_precision=prec, num_warps=nw)
+                              block_p=bp, num_warps=nw)
             nbytes = state_bytes * (2 if k else 1) + io_bytes + hist_bytes
-            res[f"replay_verify_pnat{k}_{prec}_p{bp}_n{bn}_w{nw}"] = _row(timer(run), nbytes)
-    # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 13 (13 + T > 16: flush)
+            res[f"replay_verify_pnat{k}_p{bp}_w{nw}"] = _row(timer(run), nbytes)
+    res["replay_verify_pnat0_default"] = _row(timer(lambda: replay_verify(
+        state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat.fill_(0), bufidx, out=out)),
+        state_bytes + io_bytes + hist_bytes)
+    # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 12 (no write, the most
+    # pending tokens without a flush), PNAT = 13 (13 + T > 16: flush)
     L = max(16, T)
     ck = allocate_replay_history(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
-    for k in (min(3, L - T), L - T + 1):
-        def run_ck(k=k):
-            pnat.fill_(k)
-            replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out)
+    for k in sorted({min(3, L - T), L - T, L - T + 1}):
         flush = k + T > L
-        nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
-        res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}"] = _row(timer(run_ck), nbytes)
+        for bp, nw in ((None, None), (4, 2), (16, 4)):
+            def run_ck(k=k, bp=bp, nw=nw):
+                pnat.fill_(k)
+                replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, ck, pnat, bufidx, out=out,
+                              block_p=bp, num_warps=nw)
+            nbytes = state_bytes * (2 if flush else 1) + io_bytes + ck.nbytes() * k // (2 * L)
+            tag = "" if bp is None else f"_p{bp}_w{nw}"
+            res[f"checkpointing_verify_pnat{k}{'_flush' if flush else ''}{tag}"] = _row(timer(run_ck), nbytes)
     res["pnat_fill_only"] = _row(timer(lambda: pnat.fill_(1)), S * 4)
     res["replay_advance"] = _row(timer(lambda: replay_advance(pnat, bufidx, slot_ids, nat, T)), 4 * S * 4)
     dst = torch.empty_like(state)
@@ -219,11 +223,11 @@ def compile_check() -> dict:
             HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, UPDATE_STATE=False, BLOCK_P=bp, BLOCK_N=128),
             4 if bp * 128 >= 2048 else 2)
     for ckpt in (False, True):
-        for prec in ("tf32x3", "ieee", "tf32"):
-            for bp, bn, nw in ((32, 32, 8), (32, 32, 4), (16, 64, 8), (64, 64, 8)):
-                res[f"replay_{'ckpt_' if ckpt else ''}{prec}_p{bp}_n{bn}_w{nw}"] = usage(
-                    mamba2_replay._replay_verify_kernel, dict(HAS_D=True, HAS_DT_LIMIT=False, DOT_PRECISION=prec,
-                                                              CHECKPOINT=ckpt, BLOCK_T=16, BLOCK_P=bp, BLOCK_N=bn), nw)
+        for bp, nw in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8)):
+            res[f"replay_{'ckpt_' if ckpt else ''}p{bp}_w{nw}"] = usage(
+                mamba2_replay._replay_verify_kernel, dict(T=4, L=16 if ckpt else 4, HAS_D=True, HAS_DT_LIMIT=False,
+                                                          CHECKPOINT=ckpt, BLOCK_T=4, BLOCK_P=bp, BLOCK_N=128),
+                nw)
     return res
 
 

@@ -17,9 +17,9 @@ state, unrolling gives, exactly and in the [V, K] layout,
 and u_t depends only on S_0 and tokens <= t, never on which later tokens get accepted. One verify per
 (slot, value head) then does:
   1. fast-forward by p = pnat[slot] old tokens read from buffer buf_idx[slot]:
-     S <- exp(G_{p-1}) S + (c * U)^T Kh with c_j = exp(G_{p-1} - G_j) for j < p, 0 otherwise: one
-     [V, TP] x [TP, K] tl.dot, the history padded to TP = max(16, next_pow2(TH)) rows; written back to the
-     slot when p > 0 (that is the commit of the previous step).
+     S <- exp(G_{p-1}) S + sum_{j<p} c_j u_j k_j^T with c_j = exp(G_{p-1} - G_j): p rank-1 FMA passes
+     over the register tile (no tl.dot: padding the history to 16 rows made that version compute-bound);
+     written back to the slot when p > 0 (that is the commit of the previous step).
   2. the T new tokens by the sequential recurrence (T <= 8: T rank-1 updates in registers are cheaper
      than a triangular solve and exact), giving o_t and u_t;
   3. u_t, k_t and G_t of the new tokens go to buffer 1 - buf_idx[slot], so the buffer being read is never
@@ -28,10 +28,12 @@ gdn_replay_commit then sets pnat[slot] = num_accepted and flips buf_idx[slot], f
 processed (slot >= 0). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV) values instead of
 T * HV * V * K.
 
+Performance: one state read and (p > 0) one state write per verify, no intermediate states, all math in
+fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about
+half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.md).
+
 Sources: TensorRT-LLM / FlashInfer "SSM replay" (checkpointing_ssu) for Mamba2; the GDN form of the closed
-form is written out above (BRIEF 4). Interpreter note: the tl.dot operands are always upcast to fp32 (the
-state is accumulated in fp32 and a bf16 history would lose the replay's exactness), so the bf16 tl.dot defect
-of TRITON_INTERPRET=1 cannot arise; the dot uses input_precision="ieee" so the GPU does not round to tf32.
+form is written out above (BRIEF 4).
 """
 
 from __future__ import annotations
@@ -113,54 +115,70 @@ def _gdn_replay_verify_kernel(
     # Predicates folded into block masks through their extents (scalar-bool masks trip the interpreter).
     m_sl = (o_v[:, None] < tl.where(live, V, 0)) & m_k[None, :]
     m_ff = (o_v[:, None] < tl.where(n_old > 0, V, 0)) & m_k[None, :]
-    m_t = o_t < n_old
 
     p_s = state + slot * stride_s_slot + i_hv * stride_s_h + o_v[:, None] * stride_s_v + o_k[None, :]
     b_s = tl.load(p_s, mask=m_sl, other=0.0).to(tl.float32)
 
-    # 1. fast-forward by the n_old accepted tokens of the previous verify (closed form).
-    b_G = tl.load(g_hist + slot * stride_g_slot + old * stride_g_buf + o_t * stride_g_t + i_hv,
-                  mask=m_t, other=0.0).to(tl.float32)
-    b_Glast = tl.sum(tl.where(o_t == n_old - 1, b_G, 0.0))  # 0 when n_old == 0
-    b_c = tl.where(m_t, tl.exp(b_Glast - b_G), 0.0)
-    p_u = (u_hist + slot * stride_u_slot + old * stride_u_buf + o_t[:, None] * stride_u_t
-           + i_hv * stride_u_h + o_v[None, :])
-    b_U = tl.load(p_u, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32) * b_c[:, None]
-    p_kh = (k_hist + slot * stride_k_slot + old * stride_k_buf + o_t[:, None] * stride_k_t
-            + i_h * stride_k_h + o_k[None, :])
-    b_Kh = tl.load(p_kh, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_s = b_s * tl.exp(b_Glast) + tl.dot(tl.trans(b_U), b_Kh, input_precision="ieee")
+    # Every global load is issued before the first store (stores may alias later loads, so the compiler could
+    # not hoist them), the state first: its latency overlaps the small-vector work below.
+    # The T new tokens' q, k (normalised), v, g, beta as (TP, .) register blocks.
+    i_tok = (i_b * T + o_t).to(tl.int64)
+    m_tt = o_t < T
+    b_Q = tl.load(q + (i_tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tt[:, None] & m_k[None, :],
+                  other=0.0).to(tl.float32)
+    b_Kn = tl.load(k + (i_tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_tt[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+    b_Vn = tl.load(v + (i_tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tt[:, None] & m_v[None, :],
+                   other=0.0).to(tl.float32)
+    b_gv = tl.load(g + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    b_betav = tl.load(beta + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_Q = b_Q * tl.rsqrt(tl.sum(b_Q * b_Q, axis=1) + 1e-6)[:, None]
+        b_Kn = b_Kn * tl.rsqrt(tl.sum(b_Kn * b_Kn, axis=1) + 1e-6)[:, None]
+    b_Q = b_Q * scale
+
+    # 1. fast-forward by the n_old accepted tokens of the previous verify, closed form with CUDA-core FMAs:
+    #    S <- exp(G_last) S + sum_j exp(G_last - G_j) u_j k_j^T (one FMA per state element and token; a
+    #    tl.dot over a history padded to 16 rows made this kernel compute-bound). Unrolled over the TH
+    #    history slots; masked ones add exact zeros.
+    p_g = g_hist + slot * stride_g_slot + old * stride_g_buf + i_hv
+    b_Glast = tl.load(p_g + (n_old - 1) * stride_g_t, mask=n_old > 0, other=0.0).to(tl.float32)
+    b_s = b_s * tl.exp(b_Glast)
+    for j in tl.static_range(TH):
+        use = j < n_old
+        b_c = tl.where(use, tl.exp(b_Glast - tl.load(p_g + j * stride_g_t, mask=use, other=0.0)), 0.0)
+        b_uj = tl.load(u_hist + slot * stride_u_slot + old * stride_u_buf + j * stride_u_t + i_hv * stride_u_h
+                       + o_v, mask=o_v < tl.where(use, V, 0), other=0.0).to(tl.float32)
+        b_kj = tl.load(k_hist + slot * stride_k_slot + old * stride_k_buf + j * stride_k_t + i_h * stride_k_h
+                       + o_k, mask=o_k < tl.where(use, K, 0), other=0.0).to(tl.float32)
+        b_s += (b_c * b_uj)[:, None] * b_kj[None, :]
     tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_ff)
 
-    # 2. + 3. the T new tokens, recording u_t, k_t, G_t into the other buffer.
+    # 2. + 3. the T new tokens (rows taken from the register blocks), recording u_t, k_t, G_t into the other
+    # buffer.
     write_k = live & (i_v == 0) & (i_hv % (HV // H) == 0)
     m_kw = o_k < tl.where(write_k, K, 0)
     m_vw = o_v < tl.where(live, V, 0)
-    b_gnew = tl.zeros([TP], dtype=tl.float32)
-    for t in range(T):
-        i_tok = (i_b * T + t).to(tl.int64)
-        b_q = tl.load(q + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (i_tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_tok * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + i_tok * HV + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * scale
+    for t in tl.static_range(T):
+        sel = o_t == t
+        b_q = tl.sum(tl.where(sel[:, None], b_Q, 0.0), axis=0)
+        b_k = tl.sum(tl.where(sel[:, None], b_Kn, 0.0), axis=0)
+        b_v = tl.sum(tl.where(sel[:, None], b_Vn, 0.0), axis=0)
+        b_g = tl.sum(tl.where(sel, b_gv, 0.0))
+        b_beta = tl.sum(tl.where(sel, b_betav, 0.0))
 
         b_s = b_s * tl.exp(b_g)
         b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], axis=1))
         b_s = b_s + b_u[:, None] * b_k[None, :]
         b_o = tl.where(live, tl.sum(b_s * b_q[None, :], axis=1), 0.0)
-        tl.store(o + (i_tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-        b_gnew = tl.where(o_t == t, b_g, b_gnew)
+        i_t = i_b.to(tl.int64) * T + t
+        tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         p_un = u_hist + slot * stride_u_slot + new * stride_u_buf + t * stride_u_t + i_hv * stride_u_h + o_v
         tl.store(p_un, b_u.to(p_un.dtype.element_ty), mask=m_vw)
         p_kn = k_hist + slot * stride_k_slot + new * stride_k_buf + t * stride_k_t + i_h * stride_k_h + o_k
         tl.store(p_kn, b_k.to(p_kn.dtype.element_ty), mask=m_kw)
 
+    b_gnew = tl.where(m_tt, b_gv, 0.0)
     m_gw = o_t < tl.where(live & (i_v == 0), T, 0)
     b_Gnew = tl.cumsum(b_gnew, axis=0)
     tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, b_Gnew, mask=m_gw)
@@ -199,7 +217,8 @@ def gdn_replay_verify(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     out: torch.Tensor | None = None,
-    block_v: int = 32,
+    block_v: int = 16,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Replay verify of one GDN layer: commit the previous step's accepted tokens, run T new tokens.
 
@@ -216,7 +235,9 @@ def gdn_replay_verify(
             step, after every layer's verify.
         scale, use_qk_l2norm_in_kernel: as in fused_recurrent_gated_delta_rule.
         out: optional contiguous (B, T, HV, V) output.
-        block_v: rows of S per program (power of two >= 16 for tl.dot); no autotune (in-place kernel).
+        block_v: rows of S per program (power of two); the default 16 is the fastest of the H200 sweep
+            (docs/kernel_performance.md). No autotune (in-place kernel).
+        num_warps: warps per program; default 1 for tiles of <= 2048 elements, else 4 (as the rewind kernel).
 
     Returns:
         o: (B, T, HV, V), o_t = S_t q_t from the fast-forwarded state.
@@ -232,8 +253,8 @@ def gdn_replay_verify(
     elif out.shape != v.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(v.shape)} tensor; got {tuple(out.shape)}")
     scale = K**-0.5 if scale is None else scale
-    BK, BV = key_head_dims(K, V, block_v, min_block=16)
-    TP = max(16, triton.next_power_of_2(TH))
+    BK, BV = key_head_dims(K, V, block_v)
+    TP = triton.next_power_of_2(TH)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     u, kh, gh = history.u, history.k, history.g
     _gdn_replay_verify_kernel[(triton.cdiv(V, BV), B * HV)](
@@ -245,14 +266,14 @@ def gdn_replay_verify(
         gh.stride(0), gh.stride(1), gh.stride(2),
         T=T, H=H, HV=HV, K=K, V=V, TH=TH, TP=TP, BK=BK, BV=BV,
         USE_QK_L2NORM=use_qk_l2norm_in_kernel,
-        num_warps=4,
+        num_warps=num_warps or (1 if BV * BK <= 2048 else 4),
     )
     return out
 
 
 def gdn_replay_verify_ref(
     q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
-    out=None, block_v=32,
+    out=None, block_v=16,
 ):
     """Plain-PyTorch reference of gdn_replay_verify (same signature, same mutations)."""
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)

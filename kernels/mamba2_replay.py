@@ -27,16 +27,15 @@ buffer_index[s], with the same liveness predicate (slot id >= 0) as the kernel: 
 `replay_advance` runs once per step for all layers (the bookkeeping is per slot, not per layer).
 
 Design decisions:
-- tl.dot needs >= 16 along each dimension: the token axis is padded to BLOCK_T = max(16, next_pow2(L)),
-  and P, N blocks are >= 16. All dot operands are fp32 in registers (bf16 inputs are upcast on load), so
-  the interpreter's bf16 dot defect cannot arise; the dot precision is a constexpr (`dot_precision`):
-  'ieee' in the interpreter, 'tf32x3' on the GPU (fp32-level accuracy on tensor cores; 'tf32' is faster but
-  biases the state by ~1e-3 relative per step). History x and B are stored in the input dtype (exact copies
-  of the inputs), dt' and the cumsum in fp32, so replay differs from rewind only by rounding order.
-- One program per (P block, row, head) walks d_state in BLOCK_N chunks: fast-forward and store one state
-  chunk, accumulate C h^T and C B^T, next chunk; the outputs are formed after the walk. Defaults
-  (BLOCK_P, BLOCK_N, warps) = (32, 32, 8) come from the sm_90 register report of
-  `python -m kernels.bench_mamba2 --compile-check` (larger tiles spill); the GPU benchmark sweeps them.
+- No tl.dot: all state math is fp32 FMAs on CUDA cores, so accuracy matches the token-by-token reference to
+  fp32 rounding and the interpreter's bf16 dot defect cannot arise. The state work per verify is 1 FMA per
+  element and old token (closed-form fast-forward) plus one C_t . h reduction per new token; the (T, T)
+  intra-verify term (C_t . B_j) exp(cum_t - cum_j) dt'_j runs on small vectors. History x and B are stored
+  in the input dtype (exact copies of the inputs), dt' and the cumsum in fp32.
+- One program per (P block, row, head) holds a (BLOCK_P, next_pow2(N)) fp32 state tile in registers: the
+  state is read once and written at most once. Default BLOCK_P = 16 with 2 warps (4 for checkpointing), the
+  fastest of the H200 sweep (docs/kernel_performance.md); `--compile-check` of kernels.bench_mamba2 shows
+  no spills at these tiles. An earlier tl.dot version (tf32x3, d_state walked in chunks) ran at 0.4-0.8 TB/s.
 - PAD rows (slot id < 0) read and write no cache buffer; their output rows are zeros. Slot 0 is live.
 - PNAT values outside [0, L] (garbage metadata) are clamped; buffer_index is read modulo 2.
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
@@ -74,9 +73,10 @@ from kernels._common import (
     check_dtype,
     check_launchable,
     check_shape,
-    default_dot_precision,
 )
 from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
+
+_DEFAULT_BLOCK_P = 16  # head_dim rows per program: the fastest of the H200 sweep (docs/kernel_performance.md)
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -146,7 +146,7 @@ def allocate_replay_slot_state(num_slots: int, *, device: torch.device | str) ->
 def _replay_verify_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
     xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr,
-    T, L, P, N, heads_per_group, dt_min, dt_max,
+    P, N, heads_per_group, dt_min, dt_max,
     s_ss, s_sh, s_sp, s_sn,
     s_xb, s_xt, s_xh, s_xp,
     s_dtb, s_dtt, s_dth,
@@ -157,11 +157,14 @@ def _replay_verify_kernel(
     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
     s_dths, s_dthi, s_dthh, s_dtht,
     s_chs, s_chi, s_chh, s_cht,
-    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr, CHECKPOINT: tl.constexpr,
+    T: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # One program per (P block, batch row, head). d_state is walked in BLOCK_N chunks so that only one
-    # (BLOCK_P, BLOCK_N) state tile is live at a time (a whole (P, 128) tile plus the dot operands spills).
+    # One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
+    # is read once, advanced token by token (k old, then T new ones) with CUDA-core FMAs, written at most
+    # once. The per-token work is a few FMAs per state element, far under the memory time, so the kernel is
+    # bound by the one state read (+ write) like the rewind kernel, without its T intermediate writes.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -170,112 +173,131 @@ def _replay_verify_kernel(
     live = slot >= 0
     s = tl.where(live, slot, 0)  # pad rows never dereference this: every cache access is masked below
 
-    offs_t = tl.arange(0, BLOCK_T)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
-    # Liveness as vectors: the interpreter rejects a scalar bool broadcast into a mask.
-    live_t = (tl.zeros([BLOCK_T], tl.int64) + slot) >= 0
-    live_p = (tl.zeros([BLOCK_P], tl.int64) + slot) >= 0
+    mask_n = offs_n < N
+    # Predicates as vectors (the interpreter rejects a scalar bool broadcast into a mask), folded through
+    # extents: `offs < where(pred, extent, 0)`.
+    mask_pl = offs_p < tl.where(live, P, 0)
 
-    k = tl.load(pnat_ptr + s, mask=live, other=0).to(tl.int64)
-    k = tl.minimum(tl.maximum(k, 0), L)
+    k = tl.load(pnat_ptr + s, mask=live, other=0).to(tl.int32)
+    k = tl.where(live, tl.minimum(tl.maximum(k, 0), L), 0)
     rb = (tl.load(bufidx_ptr + s, mask=live, other=0) & 1).to(tl.int64)
     wb = 1 - rb
     if CHECKPOINT:
-        # x has one buffer (each program reads and writes only its own (head, P block) of it); the state is
-        # written only when the new tokens do not fit after the k pending ones, and then they go to 0.
-        rbx = 0
-        wbx = 0
+        # x has one buffer (each program reads and writes only its own (head, P block) of it, reads first);
+        # the state is written only when the new tokens do not fit after the k pending ones.
+        rbx = rb * 0
+        wbx = rb * 0
         flush = k + T > L
         base = tl.where(flush, 0, k)
     else:
         rbx = rb
         wbx = wb
         flush = k >= 0  # always: every verify folds the accepted tokens into the state
-        base = 0
-    flush_t = (tl.zeros([BLOCK_T], tl.int32) + flush.to(tl.int32)) != 0
-    flush_p = (tl.zeros([BLOCK_P], tl.int32) + flush.to(tl.int32)) != 0
-    store_state_p = mask_p & live_p & flush_p & ((tl.zeros([BLOCK_P], tl.int64) + k) > 0)  # k = 0: nothing new
-    first_p = (tl.zeros([BLOCK_T], tl.int32) + pid_p) == 0  # one program per (row, head) writes dt', cumsum
-    first_h = (tl.zeros([BLOCK_T], tl.int64) + h % heads_per_group) == 0  # ... and per (row, group) B
+        base = k * 0
+    first_p = pid_p == 0  # one program per (row, head) writes dt', cumsum ...
+    first_h = (h % heads_per_group) == 0  # ... and one per (row, group) writes B
+    # checkpointing without a flush: the pending tokens stay, so they are copied into the buffer written
+    keep_th = (~flush) & first_p & live
+    mask_keep_B = offs_n < tl.where(keep_th & first_h, N, 0)
 
-    # ---- per-token quantities: old tokens (fast-forward weights), new tokens (dt', cumsum) ----
-    mask_old = (offs_t < k) & live_t
-    c_old = tl.load(cumh_ptr + s * s_chs + rb * s_chi + h * s_chh + offs_t * s_cht, mask=mask_old, other=0.0)
-    dt_old = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + offs_t * s_dtht, mask=mask_old, other=0.0)
-    c_last = tl.sum(tl.where(offs_t == k - 1, c_old, 0.0), axis=0)  # 0 when k == 0
-    w = tl.where(mask_old, tl.exp(c_last - c_old) * dt_old, 0.0)  # (BLOCK_T,)
-    x_old = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + offs_t[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
-                    mask=mask_old[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_P)
-    xw_old = x_old * w[:, None]
-
-    mask_t = offs_t < T
     A = tl.load(A_ptr + h).to(tl.float32)
-    dt = tl.load(dt_ptr + b * s_dtb + offs_t * s_dtt + h * s_dth, mask=mask_t, other=0.0).to(tl.float32)
-    dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # softplus, torch's threshold of 20
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    # ---- 0. the new tokens' small quantities, before the state load: dt', cumsum, x, B, C ----
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    dtv = tl.load(dt_ptr + b * s_dtb + offs_t * s_dtt + h * s_dth, mask=mask_t, other=0.0).to(tl.float32)
+    dtv = dtv + dt_bias
+    dtv = tl.where(dtv <= 20.0, tl.log(1.0 + tl.exp(dtv)), dtv)  # softplus, torch's threshold of 20
     if HAS_DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    dt = tl.where(mask_t, dt, 0.0)
-    cum = tl.cumsum(A * dt, axis=0)  # (BLOCK_T,)
-    x = tl.load(x_ptr + b * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
-                mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # (BLOCK_T, BLOCK_P) input dtype
-
-    # ---- the new tokens' x, dt', cumsum become history (checkpointing: after the pending ones) ----
-    mask_tl = mask_t & live_t
-    pos = base + offs_t
-    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
-             x.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
-    mask_th = mask_tl & first_p
-    cum_base = tl.where(flush, 0.0, c_last)  # checkpointing without a flush: the cumsum continues
-    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dt, mask=mask_th)
-    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
-    if CHECKPOINT:
-        # no flush: the pending tokens stay in the history, so the buffer written gets a copy of them
-        keep = mask_old & (~flush_t) & first_p
-        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_t * s_dtht, dt_old, mask=keep)
-        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_t * s_cht, c_old, mask=keep)
-
-    # ---- walk d_state: 1. fast-forward the state chunk, 2. accumulate C h^T and C B^T ----
-    decay_old = tl.exp(c_last)
-    CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-    CB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-        hs = tl.load(state_ptrs, mask=(mask_p & live_p)[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        B_old = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-                        mask=mask_old[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N) history dtype
-        # h <- exp(c_{k-1}) h + X_old^T (w B_old)
-        hs = tl.dot(tl.trans(xw_old), B_old.to(tl.float32), acc=hs * decay_old, input_precision=DOT_PRECISION)
-        tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_state_p[:, None] & mask_n[None, :])
-        # later dots read the state as stored: replay rounds the state exactly where rewind's commit does
-        hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
-        Bn = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
-                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N) input dtype
-        Cn = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
-                     mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        CH = tl.dot(Cn, tl.trans(hs), acc=CH, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_P)
-        CB = tl.dot(Cn, tl.trans(Bn.to(tl.float32)), acc=CB, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_T)
-        mask_tg = mask_th & first_h
-        tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-                 Bn.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
-        if CHECKPOINT:
-            tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + offs_t[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
-                     B_old, mask=(keep & first_h)[:, None] & mask_n[None, :])
-
-    # ---- outputs: Y = exp(cum) * (C h^T) + ((C B^T) * L) X + D X ----
-    xf = x.to(tl.float32)
+        dtv = tl.minimum(tl.maximum(dtv, dt_min), dt_max)
+    dtv = tl.where(mask_t, dtv, 0.0)
+    cum = tl.cumsum(A * dtv, axis=0)  # (BLOCK_T,) cum_t = sum_{i <= t} A dt'_i within this verify
+    x_raw = tl.load(x_ptr + b * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # (BLOCK_T, BLOCK_P)
+    xv = x_raw.to(tl.float32)
+    B_raw = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
+                    mask=mask_t[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_T, BLOCK_N)
+    Cv = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
+                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    # intra-verify term: sum_{j <= t} (C_t . B_j) exp(cum_t - cum_j) dt'_j x_j, on (T, T) and (T, P) blocks
+    CB = tl.sum(Cv[:, None, :] * B_raw.to(tl.float32)[None, :, :], axis=2)  # (BLOCK_T, BLOCK_T)
     causal = offs_t[:, None] >= offs_t[None, :]
-    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))  # masked before exp: no overflow
-    y = tl.dot(tl.where(causal, CB * decay * dt[None, :], 0.0), xf, acc=CH * tl.exp(cum)[:, None],
-               input_precision=DOT_PRECISION)
+    Mtj = tl.where(causal, CB * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dtv[None, :], 0.0)
+    intra = tl.sum(Mtj[:, :, None] * xv[None, :, :], axis=1)  # (BLOCK_T, BLOCK_P)
+
+    state_ptrs = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    hs = tl.load(state_ptrs, mask=mask_pl[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+
+    # ---- 1. fast-forward by the k accepted (pending) old tokens, closed form with fp32 FMAs ----
+    #   h <- exp(c_{k-1}) h + sum_{j<k} (w_j x_j) B_j^T,  w_j = exp(c_{k-1} - c_j) dt'_j  (c: dA_cumsum)
+    p_c = cumh_ptr + s * s_chs + rb * s_chi + h * s_chh
+    c_last = tl.load(p_c + (k - 1) * s_cht, mask=live & (k > 0), other=0.0)
+    hs = hs * tl.exp(c_last)
+    if L <= 8:  # short history (per-step replay): unrolled, masked tokens add exact zeros
+        for j in tl.static_range(L):
+            use = live & (j < k)
+            wj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
+            wj = wj * tl.exp(c_last - tl.load(p_c + j * s_cht, mask=use, other=0.0))
+            xj = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + j * s_xht + h * s_xhh + offs_p * s_xhp,
+                         mask=mask_p & (offs_p < tl.where(use, P, 0)), other=0.0).to(tl.float32)
+            Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+                         mask=offs_n < tl.where(use, N, 0), other=0.0)
+            hs += (wj * xj)[:, None] * Bj.to(tl.float32)[None, :]
+            if CHECKPOINT:
+                cj = tl.load(p_c + j * s_cht, mask=use, other=0.0)
+                dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht, mask=use, other=0.0)
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th & use)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th & use)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B & (offs_n < tl.where(use, N, 0)))
+    else:  # long checkpointing window: loop over the pending tokens only
+        for j in range(0, k):
+            dtj = tl.load(dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh + j * s_dtht)
+            cj = tl.load(p_c + j * s_cht)
+            xj = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + j * s_xht + h * s_xhh + offs_p * s_xhp,
+                         mask=mask_p, other=0.0).to(tl.float32)
+            Bj = tl.load(Bh_ptr + s * s_Bhs + rb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn,
+                         mask=mask_n, other=0.0)
+            hs += ((dtj * tl.exp(c_last - cj)) * xj)[:, None] * Bj.to(tl.float32)[None, :]
+            if CHECKPOINT:
+                tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + j * s_dtht, dtj, mask=keep_th)
+                tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + j * s_cht, cj, mask=keep_th)
+                tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
+                         mask=mask_keep_B)
+    store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
+    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
+    # the new tokens start from the state as stored: replay rounds it exactly where rewind's commit does
+    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
+
+    # ---- 2. outputs: y_t = exp(cum_t) (C_t . h) + intra_t + D x_t: one pass over the state tile ----
+    CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+    for t in tl.static_range(T):
+        Ct = tl.load(C_ptr + b * s_Cb + t * s_Ct + g * s_Cg + offs_n * s_Cn, mask=mask_n, other=0.0)
+        ch = tl.sum(hs * Ct.to(tl.float32)[None, :], axis=1)  # (BLOCK_P,)
+        CH = tl.where(offs_t[:, None] == t, ch[None, :], CH)
+    y = tl.exp(cum)[:, None] * CH + intra
     if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * xf
-    y = tl.where(live_t[:, None], y, 0.0)
+        y += tl.load(D_ptr + h).to(tl.float32) * xv
+    y = tl.where(offs_t[:, None] < tl.where(live, T, 0), y, 0.0)
     tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
+
+    # ---- 3. the new tokens' x, B, dt', cumsum become history (checkpointing: after the pending ones) ----
+    pos = base + offs_t
+    mask_tl = offs_t < tl.where(live, T, 0)
+    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
+             x_raw.to(xh_ptr.dtype.element_ty), mask=mask_tl[:, None] & mask_p[None, :])
+    mask_th = offs_t < tl.where(live & first_p, T, 0)
+    cum_base = tl.where(flush, 0.0, c_last)  # checkpointing without a flush: the cumsum continues
+    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
+    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
+    mask_tg = offs_t < tl.where(live & first_p & first_h, T, 0)
+    tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
+             B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
@@ -321,7 +343,7 @@ def replay_verify(
     block_p: int | None = None,
     block_n: int | None = None,
     dot_precision: str | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
 
@@ -341,11 +363,12 @@ def replay_verify(
         buffer_index: (S,) int32, read only here (taken modulo 2); `replay_advance` flips it.
         time_step_limit: (min, max) clamp of dt after softplus.
         out: optional (B, T, H, P) output buffer; allocated like x when None.
-        block_p: head_dim rows per program (power of two >= 16); default 32 capped by next_pow2(P).
-        block_n: d_state chunk walked per iteration (power of two >= 16); default 32 capped by next_pow2(N).
-        num_warps: warps per program (default 8).
-        dot_precision: tl.dot input precision for the fp32 operands: 'ieee' | 'tf32x3' | 'tf32'; default
-            'ieee' in the interpreter, 'tf32x3' on a GPU.
+        block_p: head_dim rows per program (power of two); default _DEFAULT_BLOCK_P capped by next_pow2(P).
+            Each program holds a (block_p, next_pow2(N)) fp32 state tile in registers.
+        block_n, dot_precision: accepted for call compatibility and ignored: the kernel holds the whole
+            d_state and does all state math with fp32 FMAs (no tl.dot); dot_precision is still validated.
+        num_warps: warps per program; default for tiles up to 2048 elements: 2 (per-step replay) or 4
+            (checkpointing), the fastest of the H200 sweep; 4 for larger tiles.
 
     Returns:
         out: (B, T, H, P), equal to the rewind verify's output from the state after PNAT accepted tokens.
@@ -362,31 +385,29 @@ def replay_verify(
     tensors = [state, x, dt, A, B, C, dt_bias, slot_ids, out, history.x, history.B, history.dt,
                history.dA_cumsum, prev_num_accepted, buffer_index] + ([D] if D is not None else [])
     check_launchable(*tensors, name=name)
-    dot_precision = dot_precision or default_dot_precision()
-    if dot_precision not in ("ieee", "tf32x3", "tf32"):
+    if dot_precision not in (None, "ieee", "tf32x3", "tf32"):
         raise ValueError(f"{name}: dot_precision must be 'ieee', 'tf32x3' or 'tf32', got {dot_precision!r}")
     if Bsz == 0:
         return out
 
-    BLOCK_T = max(16, triton.next_power_of_2(L))
-    # Defaults from the register report of the sm_90 compile (cuobjdump -res-usage): (32, 32) with 8 warps
-    # keeps the tf32x3 variant at 255 registers with a 16-byte stack; larger tiles spill hundreds of bytes.
-    BLOCK_P = block_p or max(16, min(32, triton.next_power_of_2(P)))
-    BLOCK_N = block_n or max(16, min(32, triton.next_power_of_2(N)))
-    for blk, what in ((BLOCK_P, "block_p"), (BLOCK_N, "block_n")):
-        if blk < 16 or blk & (blk - 1):
-            raise ValueError(f"{name}: {what} must be a power of two >= 16 (tl.dot minimum), got {blk}")
+    # Defaults from the H200 sweep of `python -m kernels.bench_mamba2` (docs/kernel_performance.md).
+    BLOCK_P = block_p or min(_DEFAULT_BLOCK_P, triton.next_power_of_2(P))
+    BLOCK_N = triton.next_power_of_2(N)
+    if BLOCK_P & (BLOCK_P - 1):
+        raise ValueError(f"{name}: block_p must be a power of two, got {BLOCK_P}")
+    if num_warps is None:  # H200 sweep: per-step replay best at 2 warps, checkpointing at 4 (16 x 128 tile)
+        num_warps = (4 if history.checkpointing else 2) if BLOCK_P * BLOCK_N <= 2048 else 4
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
     grid = (triton.cdiv(P, BLOCK_P), Bsz, H)
     _replay_verify_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, dt_bias, slot_ids, out,
         history.x, history.B, history.dt, history.dA_cumsum, prev_num_accepted, buffer_index,
-        T, L, P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
+        P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *out.stride(),
         *history.x.stride(), *history.B.stride(), *history.dt.stride(), *history.dA_cumsum.stride(),
-        HAS_D=D is not None, HAS_DT_LIMIT=has_limit, DOT_PRECISION=dot_precision,
-        CHECKPOINT=history.checkpointing, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit,
+        CHECKPOINT=history.checkpointing, BLOCK_T=triton.next_power_of_2(T), BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         num_warps=num_warps,
     )
     return out
@@ -423,7 +444,7 @@ def replay_verify_ref(
     block_p: int | None = None,
     block_n: int | None = None,
     dot_precision: str | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `replay_verify` (same arguments and effects; block sizes, dot_precision ignored).
 

@@ -23,8 +23,8 @@ def _has_cuda_driver() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version"))
 
 
-# Without a GPU, Triton kernels run in its interpreter; the switch is read when triton is first imported, so it
-# is set here, before any test module imports a kernel (test modules also set it, but import order varies).
+# Without a GPU, Triton kernels run in its interpreter; the switch is read when triton is first imported, so
+# it is set here, before any test module imports a kernel (test modules also set it; import order varies).
 if not _has_cuda_driver():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

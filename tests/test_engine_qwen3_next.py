@@ -19,6 +19,7 @@ import json
 import shutil
 
 import pytest
+import test_engine_mtp as mtp_tests
 import torch
 from qwen_ckpt import QWEN_TINY, load_hf, write_qwen_checkpoint
 from safetensors.torch import load_file, save_file
@@ -268,12 +269,13 @@ def test_mtp_step_matches_a_reference_built_from_transformers_layers(ckpt, hf, m
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    """A 5-token vocab (random MTP drafts are sometimes right), prompts, and plain greedy outputs."""
+    """A 5-token vocab (random MTP drafts are sometimes right), the prompts of test_engine_mtp and their
+    plain greedy outputs."""
     path = write_qwen_checkpoint(tmp_path_factory.mktemp("qwen_v5") / "ckpt", seed=2, vocab_size=5)
     torch.manual_seed(0)
-    prompts = [torch.randint(0, 5, (n,)).tolist() for n in (5, 17, 9, 30, 1)]
+    prompts = [torch.randint(0, 5, (n,)).tolist() for n in (5, 17, 9, 30, 1, 12)]
     plain = Engine.from_pretrained(path, max_batch_size=3, max_seq_len=64)
-    return path, prompts, plain.generate(prompts, 12, stop_token_ids=[]).tokens
+    return path, prompts, plain.generate(prompts, mtp_tests.MAX_NEW, stop_token_ids=[]).tokens
 
 
 @torch.inference_mode()
@@ -294,19 +296,32 @@ def test_drafts_match_cache_free_mtp_reference(small_vocab):
     assert drafts == want
 
 
+# The family-agnostic MTP checks of test_engine_mtp, run on Qwen3-Next: after every verify + commit each
+# slot's cache (GDN state and conv window, target and MTP KV) equals a reference that decoded only the
+# accepted tokens, and the output equals plain greedy.
+
+
 @pytest.mark.parametrize("K", [1, 3])
-def test_speculative_equals_plain_greedy(small_vocab, K):
+def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(small_vocab, K):
     path, prompts, plain = small_vocab
-    engine = Engine.from_pretrained(
-        path, draft_len=K, max_batch_size=3, max_seq_len=64, prefill_chunk_tokens=7
-    )
-    out = engine.generate(prompts, 12, stop_token_ids=[])
-    assert out.tokens == plain
-    s = out.stats
-    assert s.accepted_drafts > 0 and s.drafted_tokens == K * s.request_steps
-    assert sum(s.num_accepted_hist) == s.request_steps and s.num_accepted_hist[0] == 0
-    assert s.accepted_drafts == sum((i - 1) * h for i, h in enumerate(s.num_accepted_hist) if i)
+    chunk = 7 if K == 3 else 8192  # once with chunked prefill
+    engine, s = mtp_tests._checked_run(path, prompts, plain, K, prefill_chunk_tokens=chunk)
+    assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
+    mtp_tests._check_counters(s, K, engine.realized_accepts)
     assert engine.cache_memory()["spec_buffers_bytes"] > 0  # GDN rewind buffers (T states per slot)
+
+
+def test_ragged_forced_acceptance_keeps_each_rows_gdn_state(small_vocab):
+    path, prompts, plain = small_vocab
+    K = 3
+    schedules = [[K, 0], [0, K], [2, K, 0, 0], [K, K, 0], [0], [K, 1, K]]
+    engine, s = mtp_tests._checked_run(path, prompts, plain, K, schedules)
+    mtp_tests._check_counters(s, K, engine.realized_accepts)
+    assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0
+
+
+def test_pad_rows_of_verify_and_commit_never_touch_a_live_gdn_slot(small_vocab):
+    mtp_tests.test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(small_vocab)
 
 
 # --------------------------------------------------------------------------------------- loader errors

@@ -321,7 +321,7 @@ def test_replay_walks_d_state_in_chunks(checkpointing):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), clone_history(hist)
         out = nan_like((2, T, H, P), torch.float32)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16, block_n=16)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
     assert_close(out_k, out_r, what="out")

@@ -28,11 +28,15 @@ Sequence Length" (NeurIPS 2024); layer layout as in transformers' Qwen3NextGated
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing from the engine
+    from runners.cache import BatchMeta, GDNReplayState, GDNState
+    from runners.models.config import HybridConfig
 
 __all__ = [
     "GDNMixer",
@@ -666,7 +670,7 @@ class GDNMixer(GatedDeltaNet):
 
     ssm_backend = "torch"  # replay verify kernels: "torch" | "triton" | "flashinfer" (the engine sets it)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: HybridConfig) -> None:
         c = config
         super().__init__(
             hidden_size=c.hidden_size,
@@ -679,7 +683,9 @@ class GDNMixer(GatedDeltaNet):
             chunk_size=c.gdn_chunk_size,
         )
 
-    def forward(self, x: Tensor, state=None, meta=None) -> Tensor:
+    def forward(
+        self, x: Tensor, state: GDNState | GDNReplayState | None = None, meta: BatchMeta | None = None
+    ) -> Tensor:
         if state is None:
             return self.prefill(x).y
         if hasattr(state, "history"):  # runners.cache.GDNReplayState: replay (ssm_replay=True)
@@ -711,7 +717,7 @@ class GDNMixer(GatedDeltaNet):
         state.conv.index_copy_(0, rows, new_conv.to(state.conv.dtype))
         return self.output(o, z, lengths)
 
-    def _forward_replay(self, x: Tensor, state, meta) -> Tensor:
+    def _forward_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
         """The cached forward on a `runners.cache.GDNReplayState`. A verify reads the committed conv window
         at the slot's offset, replays (``gdn_replay_verify_torch``, or the Triton kernel for ``ssm_backend``
         "triton" / "flashinfer"; FlashInfer has no GDN kernel) and stores the new window after its first
