@@ -12,13 +12,19 @@ caller's job (rewind or replay, see BRIEF section 4). Shapes use the project voc
 heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads, K draft length, T = K + 1.
 
 Two commit schemes for the recurrent layers of a speculative (MTP) engine:
-- rewind (default): a verify keeps every per-token state (``Mamba2State.ssm_steps``, T full states per slot)
-  and :meth:`HybridCache.commit` copies the accepted one back;
+- rewind (default): a verify keeps every per-token state (``ssm_steps``, T full states per slot) and
+  :meth:`HybridCache.commit` copies the accepted one back;
 - replay (``ssm_replay=True``): the layer keeps its committed state plus the inputs of the last verify
-  (:class:`Mamba2ReplayState`); the next verify fast-forwards the state by the tokens accepted last step
-  (PNAT) before computing its own tokens, and :meth:`HybridCache.commit` only advances the per-slot
-  bookkeeping (:class:`ReplaySlots`, one object for all layers). Conv windows keep K extra columns and are
-  read at offset PNAT - 1 instead of being copied at commit.
+  (:class:`Mamba2ReplayState`, :class:`GDNReplayState`); the next verify fast-forwards the state by the
+  tokens accepted last step (PNAT) before computing its own tokens, and :meth:`HybridCache.commit` only
+  advances the per-slot bookkeeping (:class:`ReplaySlots`, one object for all layers). Conv windows keep K
+  extra columns and are read at offset (accepted - 1) instead of being copied at commit. The Mamba2
+  checkpointing variant (``replay_checkpointing``) keeps max(16, T) tokens and writes the state only when
+  they are full; per-step replay is the default because with our kernels it measured faster and smaller on
+  the H200 (docs/kernel_performance.md, Super V3 mixer, batch 64, T = 4, fp32 state: 201 us per verify
+  with the state written vs 216 us (3 pending) to 354 us (12 pending) without a write and 391 us on a
+  flush; history 156 vs 360 KB per slot and layer). FlashInfer's checkpointing_ssu (91 us) shows the
+  variant can win with a better kernel: revisit then.
 :func:`cache_memory_bytes` computes the bytes of every buffer from the config alone (no allocation); the
 engine's memory report uses it and tests check it against the allocated tensors.
 """
