@@ -66,6 +66,8 @@ class EvalConfig:
 class RuntimeConfig:
     device: str = "cpu"
     dtype: DType | None = None
+    # torch intra-op threads; null: torch's default (one per core). See configs/runtime/cpu.yaml.
+    num_threads: int | None = None
 
 
 @dataclass
@@ -769,6 +771,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     if rr.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
+    if rr.app.runtime.num_threads is not None:
+        if rr.app.runtime.num_threads < 1:
+            raise UserError(f"runtime.num_threads={rr.app.runtime.num_threads} must be >= 1 (or null)",
+                            "set runtime.num_threads=1, or null for torch's default")
+        torch.set_num_threads(rr.app.runtime.num_threads)
 
     if not rr.app.compare:
         torch.manual_seed(rr.app.seed)

@@ -29,6 +29,14 @@ if not _has_cuda_driver():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # The tests' models are tiny: one intra-op thread avoids OpenMP spin on the shared 2-core CI machine
+    # (configs/runtime/cpu.yaml makes the same choice for runs).
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _cuda_available() -> bool:
     try:
         import torch
