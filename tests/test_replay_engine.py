@@ -27,15 +27,6 @@ MAX_NEW = 12
 SLOTS = 5  # fewer slots than prompts: requests join and leave while others are mid-generation
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the CI machine has 2 shared cores: intra-op threads only add contention at these tiny sizes
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["nemotron_h", "qwen3_next"])
 def setup(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
