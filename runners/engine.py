@@ -9,10 +9,10 @@ token, stop checks, callbacks) loops over requests; model compute never does.
 With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
 from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
 commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay=True`` replaces the
-rewind commit by replay (BRIEF section 4; ``runners.cache.Mamba2ReplayState``): every verify fast-forwards
-the committed state by the previous step's accepted tokens, and the commit only advances per-slot
-bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer", "torch" default on CPU) picks the
-recurrent verify / advance implementation.
+rewind commit by replay (BRIEF section 4; ``runners.cache.Mamba2ReplayState`` / ``GDNReplayState``): a
+verify fast-forwards the committed state by the previous step's accepted tokens, and the commit only
+advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer", "torch" default on
+CPU) picks the recurrent verify / advance implementation.
 
 Contract: docs/architecture.md ("Engine API").
 """
