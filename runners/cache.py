@@ -9,12 +9,30 @@ The KV cache is written by position (gpt-fast style): a token at position ``p`` 
 ``k[slot, p]``; a later write to the same position overwrites it, so rejected speculative tokens need no
 rollback. Recurrent state (conv window, SSM state) has no positions; committing it after a verify step is the
 caller's job (rewind or replay, see BRIEF section 4). Shapes use the project vocabulary: S slots, H mamba
-heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads.
+heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads, K draft length, T = K + 1.
+
+Two commit schemes for the recurrent layers of a speculative (MTP) engine:
+- rewind (default): a verify keeps every per-token state (``ssm_steps``, T full states per slot) and
+  :meth:`HybridCache.commit` copies the accepted one back;
+- replay (``ssm_replay=True``): the layer keeps its committed state plus the inputs of the last verify
+  (:class:`Mamba2ReplayState`, :class:`GDNReplayState`); the next verify fast-forwards the state by the
+  tokens accepted last step (PNAT) before computing its own tokens, and :meth:`HybridCache.commit` only
+  advances the per-slot bookkeeping (:class:`ReplaySlots`, one object for all layers). Conv windows keep K
+  extra columns and are read at offset (accepted - 1) instead of being copied at commit. The Mamba2
+  checkpointing variant (``replay_checkpointing``) keeps max(16, T) tokens and writes the state only when
+  they are full; per-step replay is the default because with our kernels it measured faster and smaller on
+  the H200 (docs/kernel_performance.md, Super V3 mixer, batch 64, T = 4, fp32 state: 201 us per verify
+  with the state written vs 216 us (3 pending) to 354 us (12 pending) without a write and 391 us on a
+  flush; history 156 vs 360 KB per slot and layer). FlashInfer's checkpointing_ssu (91 us) shows the
+  variant can win with a better kernel: revisit then.
+:func:`cache_memory_bytes` computes the bytes of every buffer from the config alone (no allocation); the
+engine's memory report uses it and tests check it against the allocated tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,13 +40,18 @@ import torch
 
 from runners.models.config import HybridConfig
 
+log = logging.getLogger(__name__)
+
 PAD_SLOT_ID = -1
+SSM_BACKENDS = ("triton", "flashinfer", "torch")
+MEMORY_KEYS = ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes")
 
 
 @dataclass
 class CacheSpec:
-    """What a layer-state allocator needs: R = S + 1 rows (the scratch row included), dtypes, device and
-    T = ``spec_tokens`` (K + 1 tokens of a verify step; 0 = no speculative buffers)."""
+    """What a layer-state allocator needs: R = S + 1 rows (the scratch row included), dtypes, device,
+    T = ``spec_tokens`` (K + 1 tokens of a verify step; 0 = no speculative buffers) and the commit scheme
+    (``replay``: the shared :class:`ReplaySlots`, None = rewind)."""
 
     rows: int
     max_seq_len: int
@@ -36,6 +59,8 @@ class CacheSpec:
     ssm_state_dtype: torch.dtype
     device: torch.device | str
     spec_tokens: int
+    replay: ReplaySlots | None = None
+    replay_checkpointing: bool = False
 
 
 class LayerState:
@@ -61,9 +86,21 @@ class LayerState:
     def memory(self) -> dict[str, int]:
         raise NotImplementedError
 
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        """The bytes :meth:`memory` reports after ``allocate(c, spec)``, computed without allocating."""
+        raise NotImplementedError
+
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _bytes(dtype: torch.dtype, *shape: int) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass
@@ -96,6 +133,18 @@ class Mamba2State(LayerState):
             conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
             ssm_steps=torch.zeros(R, T, H, P, N, dtype=spec.ssm_state_dtype, device=dev) if T else None,
         )
+
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
+        R, W1, T = spec.rows, c.conv_kernel - 1, spec.spec_tokens
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, H, P, N),
+            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
+            "spec_buffers_bytes": (
+                _bytes(spec.dtype, R, C, W1 + T) + _bytes(spec.ssm_state_dtype, R, T, H, P, N) if T else 0
+            ),
+        }
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         self.conv.index_fill_(0, rows, 0)
@@ -142,6 +191,270 @@ class GDNState(Mamba2State):
             ssm_steps=torch.zeros(R, T, HV, V, K, dtype=spec.ssm_state_dtype, device=dev) if T else None,
         )
 
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * c.gdn_num_key_heads * K + HV * V
+        R, W1, T = spec.rows, c.conv_kernel - 1, spec.spec_tokens
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
+            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
+            "spec_buffers_bytes": (
+                _bytes(spec.dtype, R, C, W1 + T) + _bytes(spec.ssm_state_dtype, R, T, HV, V, K) if T else 0
+            ),
+        }
+
+
+def replay_hist_len(spec_tokens: int, checkpointing: bool) -> int:
+    """History length L of a replay layer: T (per-step replay) or max(16, T) (checkpointing: the dots pad
+    the token axis to 16 anyway, so the window costs no extra compute up to 16 tokens)."""
+    return max(16, spec_tokens) if checkpointing else spec_tokens
+
+
+@dataclass
+class ReplaySlots:
+    """Per-slot replay bookkeeping shared by every recurrent layer of a model (the one owner of it).
+
+    prev_num_accepted: [S + 1] int32, PNAT: tokens of the slot's last verify that were accepted (0 = nothing
+        to replay: a fresh slot, or the step after prefill).
+    buffer_index: [S + 1] int32, which of the two history buffers holds the last verify's inputs.
+    last_accepted: [S + 1] int32, num_accepted_tokens of the slot's last verify (0 after prefill): the conv
+        window offset. Equal to PNAT in per-step replay; in the checkpointing variant (``hist_len`` set,
+        Mamba2 only) PNAT counts every accepted token not yet folded into the state, over several verifies.
+    All start zeroed (a graph or kernel that reads them before the first fill sees "nothing to replay").
+
+    Lifecycle (the kernels' contract, ``kernels/mamba2_replay.py``, ``kernels/gdn_replay.py``):
+    :meth:`reset` at admission (prefill writes the state, PNAT = 0); every verify of every layer reads PNAT /
+    buffer_index and fast-forwards; :meth:`advance` runs exactly once per verify step, after all layers, with
+    the family's own advance function (the same liveness predicate as the verify kernel: PAD rows, slot id
+    -1, never advance). ``verified`` guards the "advance twice in one step" bug: a verify sets it, advance
+    requires and clears it.
+    """
+
+    prev_num_accepted: torch.Tensor
+    buffer_index: torch.Tensor
+    last_accepted: torch.Tensor
+    spec_tokens: int
+    family_kind: str  # "mamba2" | "gdn": which kernel module owns the advance
+    ssm_backend: str = "torch"
+    hist_len: int | None = None  # checkpointing variant: the history window L = max(16, T); None: per-step
+    verified: bool = False
+
+    @classmethod
+    def allocate(
+        cls, rows: int, spec_tokens: int, family_kind: str, ssm_backend: str, device, checkpointing=False
+    ) -> ReplaySlots:
+        if family_kind not in ("mamba2", "gdn"):
+            raise ValueError(f"replay bookkeeping for block kind {family_kind!r}: only mamba2 and gdn replay")
+        if checkpointing and family_kind != "mamba2":
+            raise ValueError(
+                f"the checkpointing replay variant exists for mamba2 only (kernels/mamba2_replay.py), not "
+                f"{family_kind}; set replay checkpointing off"
+            )
+        zeros = lambda: torch.zeros(rows, dtype=torch.int32, device=device)  # noqa: E731
+        hist_len = replay_hist_len(spec_tokens, checkpointing) if checkpointing else None
+        return cls(zeros(), zeros(), zeros(), spec_tokens, family_kind, ssm_backend, hist_len)
+
+    @staticmethod
+    def planned_bytes(rows: int) -> int:
+        return 3 * _bytes(torch.int32, rows)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.prev_num_accepted, self.buffer_index, self.last_accepted)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Cache rows ``rows`` [n] (int64, PAD already mapped to the scratch row) start over: PNAT = 0."""
+        for t in (self.prev_num_accepted, self.buffer_index, self.last_accepted):
+            t.index_fill_(0, rows, 0)
+
+    def conv_offset(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n] int64 column where the committed conv window of cache rows ``rows`` starts: a - 1 after a
+        verify that accepted a tokens (the window after them), 0 after prefill."""
+        return (self.last_accepted[rows].long() - 1).clamp(min=0)
+
+    def advance(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        """After a verify step: PNAT[s] = num_accepted_tokens, flip buffer_index[s] for live rows (slot id
+        >= 0); PAD rows (-1) change nothing. slot_ids, num_accepted_tokens: [B] int64 on the cache device.
+
+        Raises:
+            RuntimeError: no verify ran since the last advance (advancing twice replays the wrong buffer).
+        """
+        if not self.verified:
+            raise RuntimeError(
+                "replay advance without a verify since the last one: the replay bookkeeping must advance "
+                "exactly once per verify step (after all layers' verifies)"
+            )
+        self.verified = False
+        T = self.spec_tokens
+        kernel = self.ssm_backend != "torch"
+        # the conv offset: live rows only (PAD rows keep the scratch row's value; no host sync)
+        live = slot_ids >= 0
+        R = self.last_accepted.shape[0]
+        self.last_accepted.index_copy_(
+            0,
+            torch.where(live, slot_ids, R - 1),
+            torch.where(live, num_accepted_tokens.to(torch.int32), self.last_accepted[R - 1]),
+        )
+        if self.family_kind == "mamba2":
+            from kernels.mamba2_replay import replay_advance, replay_advance_ref
+
+            (replay_advance if kernel else replay_advance_ref)(
+                self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, T,
+                hist_len=self.hist_len,
+            )
+        else:
+            from kernels.gdn_replay import gdn_replay_commit, gdn_replay_commit_ref
+
+            (gdn_replay_commit if kernel else gdn_replay_commit_ref)(
+                self.prev_num_accepted, self.buffer_index, slot_ids.int(), num_accepted_tokens.int(), T
+            )
+
+
+@dataclass
+class Mamba2ReplayState(LayerState):
+    """Recurrent state of one Mamba2 layer under SSM replay (``ssm_replay=True``; needs speculation, K > 0).
+
+    ssm:  [S + 1, H, P, N], ``ssm_state_dtype``; the committed state. It lags the sequence by the PNAT tokens
+          accepted in the slot's last verify: the next verify fast-forwards it (and writes it back).
+    conv: [S + 1, C, W - 1 + K], model dtype; the conv inputs of the last verify window after its first
+          column. The committed window (the W - 1 inputs before the next token) is columns
+          ``off .. off + W - 2`` with ``off = slots.conv_offset`` (PNAT - 1; 0 after prefill, which writes
+          columns 0 .. W - 2), so acceptance needs no copy.
+    history: ``kernels.mamba2_replay.ReplayHistory`` with S + 1 slots and L = T: x (S + 1, 2, T, H, P) and
+          B (S + 1, 2, T, G, N) in the model dtype, dt' and dA_cumsum (S + 1, 2, H, T) float32.
+    slots: the model's shared :class:`ReplaySlots`.
+    Speculative-only bytes: the K extra conv columns and the history (vs. rewind's T full states).
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    history: object  # kernels.mamba2_replay.ReplayHistory (imported lazily: it pulls in triton)
+    slots: ReplaySlots
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2ReplayState:
+        from kernels.mamba2_replay import allocate_replay_history
+
+        if spec.replay is None or spec.spec_tokens < 2:
+            raise ValueError("Mamba2ReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
+        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        L, ckpt = replay_hist_len(T, spec.replay_checkpointing), spec.replay_checkpointing
+        return cls(
+            conv=torch.zeros(R, C, W1 + T - 1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
+            history=allocate_replay_history(
+                R, L, H, P, c.n_groups, N, dtype=spec.dtype, device=dev, checkpointing=ckpt
+            ),
+            slots=spec.replay,
+        )
+
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        H, P, N, C, G = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim, c.n_groups
+        R, W1, T, dt = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.dtype
+        L, XB = replay_hist_len(T, spec.replay_checkpointing), 1 if spec.replay_checkpointing else 2
+        history = (
+            _bytes(dt, R, XB, L, H, P) + _bytes(dt, R, 2, L, G, N) + 2 * _bytes(torch.float32, R, 2, H, L)
+        )
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, H, P, N),
+            "conv_state_bytes": _bytes(dt, R, C, W1),
+            "spec_buffers_bytes": _bytes(dt, R, C, T - 1) + history,
+        }
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        # the history needs no clearing: PNAT = 0 (ReplaySlots.reset) means none of it is read
+        self.conv.index_fill_(0, rows, 0)
+        self.ssm.index_fill_(0, rows, 0)
+
+    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        pass  # replay commits lazily: the next verify fast-forwards; ReplaySlots.advance is per model
+
+    def memory(self) -> dict[str, int]:
+        W1 = self.conv.shape[-1] - (self.slots.spec_tokens - 1)
+        conv_committed = _nbytes(self.conv) * W1 // self.conv.shape[-1]
+        return {
+            "ssm_state_bytes": _nbytes(self.ssm),
+            "conv_state_bytes": conv_committed,
+            "spec_buffers_bytes": _nbytes(self.conv) - conv_committed + self.history.nbytes(),
+        }
+
+    def materialized_ssm(self, A: torch.Tensor) -> torch.Tensor:
+        """float32 [S + 1, H, P, N]: every slot's state after its pending PNAT tokens (what rewind would
+        hold), without mutating anything. A: (H,) = -exp(A_log) of this layer."""
+        from kernels.mamba2_replay import replay_materialized_state_ref
+
+        s = self.slots
+        return replay_materialized_state_ref(self.ssm, self.history, s.prev_num_accepted, s.buffer_index, A)
+
+    def materialized_conv(self) -> torch.Tensor:
+        """[S + 1, C, W - 1]: every slot's committed conv window (read at its offset)."""
+        R, C, _ = self.conv.shape
+        W1 = self.conv.shape[-1] - (self.slots.spec_tokens - 1)
+        rows = torch.arange(R, device=self.conv.device)
+        cols = self.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=self.conv.device)
+        return self.conv.gather(2, cols[:, None, :].expand(R, C, W1))
+
+
+@dataclass
+class GDNReplayState(Mamba2ReplayState):
+    """Recurrent state of one Gated DeltaNet layer under SSM replay: :class:`Mamba2ReplayState`'s scheme
+    (committed state lagging by PNAT tokens, conv window of W - 1 + K columns read at offset PNAT - 1) with
+    GDN shapes (H key heads, HV value heads, K / V key / value head dims, C = 2 H K + HV V):
+
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.gdn_replay.GDNReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T,
+          HV, V) solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative
+          log decay of the last verify.
+    """
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNReplayState:
+        from kernels.gdn_replay import GDNReplayHistory
+
+        if spec.replay is None or spec.spec_tokens < 2:
+            raise ValueError("GDNReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
+        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
+        return cls(
+            conv=torch.zeros(R, 2 * H * K + HV * V, W1 + T - 1, dtype=spec.dtype, device=dev),
+            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
+            history=GDNReplayHistory.allocate(R, T, H, HV, K, V, device=dev, dtype=torch.float32),
+            slots=spec.replay,
+        )
+
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+        C = 2 * H * K + HV * V
+        R, W1, T, f32 = spec.rows, c.conv_kernel - 1, spec.spec_tokens, torch.float32
+        history = _bytes(f32, R, 2, T, HV, V) + _bytes(f32, R, 2, T, H, K) + _bytes(f32, R, 2, T, HV)
+        return {
+            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
+            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
+            "spec_buffers_bytes": _bytes(spec.dtype, R, C, T - 1) + history,
+        }
+
+    def materialized_ssm(self, A: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [S + 1, HV, V, K]: every slot's state after its pending PNAT tokens, without mutating
+        anything (S <- exp(G_last) S + sum_j exp(G_last - G_j) u_j k_j^T over the first PNAT history tokens).
+        ``A`` is unused (GDN's decay is in the history); accepted for symmetry with Mamba2."""
+        hist, slots = self.history, self.slots
+        R, TH = self.ssm.shape[0], hist.u.shape[2]
+        HV, H = hist.u.shape[3], hist.k.shape[3]
+        rows = torch.arange(R, device=self.ssm.device)
+        n = slots.prev_num_accepted.long().clamp(0, TH)
+        buf = slots.buffer_index.long() & 1
+        G = hist.g[rows, buf]  # (R, TH, HV)
+        G_last = G.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(R, 1, HV))[:, 0]
+        G_last = torch.where(n[:, None] > 0, G_last, 0.0)
+        pending = torch.arange(TH, device=G.device)[None, :, None] < n[:, None, None]
+        c = torch.exp(torch.where(pending, G_last[:, None, :] - G, -math.inf))  # (R, TH, HV)
+        U = hist.u[rows, buf].float() * c[..., None]
+        Kh = hist.k[rows, buf].float().repeat_interleave(HV // H, dim=2)
+        return self.ssm.float() * torch.exp(G_last)[..., None, None] + torch.einsum("rjhv,rjhk->rhvk", U, Kh)
+
 
 @dataclass
 class KVCache(LayerState):
@@ -171,13 +484,93 @@ class KVCache(LayerState):
     def memory(self) -> dict[str, int]:
         return {"kv_cache_bytes": _nbytes(self.k, self.v)}
 
+    @classmethod
+    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
+        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
+        return {"kv_cache_bytes": 2 * _bytes(spec.dtype, *shape)}
 
-# block kind -> allocate(config, CacheSpec) -> LayerState. A family adds its kinds here.
-CACHE_LAYOUTS: dict[str, Callable[[HybridConfig, CacheSpec], LayerState]] = {
-    "mamba2": Mamba2State.allocate,
-    "gdn": GDNState.allocate,
-    "attention": KVCache.allocate,
+
+# block kind -> its LayerState class (``allocate(config, CacheSpec)``, ``planned_memory``). A family adds its
+# kinds here (e.g. "gdn"); REPLAY_LAYOUTS replaces the recurrent kinds when the engine runs SSM replay.
+CACHE_LAYOUTS: dict[str, type[LayerState]] = {
+    "mamba2": Mamba2State,
+    "gdn": GDNState,
+    "attention": KVCache,
 }
+REPLAY_LAYOUTS: dict[str, type[LayerState]] = {
+    "mamba2": Mamba2ReplayState,
+    "gdn": GDNReplayState,
+}
+
+
+def _layout(kind: str, idx: int, replay: bool) -> type[LayerState]:
+    if replay and kind in REPLAY_LAYOUTS:
+        return REPLAY_LAYOUTS[kind]
+    if kind not in CACHE_LAYOUTS:
+        raise ValueError(
+            f"no cache layout for block kind {kind!r} (cache_index {idx}); known: {sorted(CACHE_LAYOUTS)}"
+        )
+    return CACHE_LAYOUTS[kind]
+
+
+def _replay_kind(cache_kinds: dict[int, str]) -> str:
+    kinds = sorted(set(cache_kinds.values()) & set(REPLAY_LAYOUTS))
+    if len(kinds) != 1:
+        raise ValueError(
+            f"ssm_replay needs exactly one recurrent block kind with a replay layout "
+            f"({sorted(REPLAY_LAYOUTS)}); this model has {kinds or 'none'}"
+        )
+    return kinds[0]
+
+
+def _check_replay_args(
+    ssm_replay: bool, spec_tokens: int, checkpointing: bool, cache_kinds: dict[int, str]
+) -> None:
+    if ssm_replay and spec_tokens < 2:
+        raise ValueError(
+            "ssm_replay requires speculative decoding: build the cache with spec_tokens = K + 1 >= 2 "
+            "(draft_len K >= 1), or set ssm_replay=False"
+        )
+    if checkpointing and not ssm_replay:
+        raise ValueError("replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or drop it")
+    if checkpointing and _replay_kind(cache_kinds) != "mamba2":
+        raise ValueError(
+            "the checkpointing replay variant exists for mamba2 layers only (kernels/mamba2_replay.py); "
+            "set replay_checkpointing=False for this model"
+        )
+
+
+def cache_memory_bytes(
+    config: HybridConfig,
+    cache_kinds: dict[int, str],
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    ssm_state_dtype: torch.dtype = torch.float32,
+    spec_tokens: int = 0,
+    ssm_replay: bool = False,
+    replay_checkpointing: bool = False,
+) -> dict[str, int]:
+    """Bytes a :class:`HybridCache` with these arguments allocates, by kind, computed from the architecture
+    alone (nothing is allocated; usable for released shapes without weights). Same arguments and keys as
+    :class:`HybridCache` / :meth:`HybridCache.memory` (the S + 1 scratch row included).
+
+    Raises:
+        ValueError: ssm_replay without speculation, or a block kind without a cache layout.
+    """
+    _check_replay_args(ssm_replay, spec_tokens, replay_checkpointing, cache_kinds)
+    rows = max_batch_size + 1
+    spec = CacheSpec(rows, max_seq_len, dtype, ssm_state_dtype, "meta", spec_tokens)
+    spec.replay_checkpointing = replay_checkpointing
+    out = dict.fromkeys(MEMORY_KEYS, 0)
+    for idx, kind in sorted(cache_kinds.items()):
+        for key, n in _layout(kind, idx, ssm_replay).planned_memory(config, spec).items():
+            out[key] += n
+    if ssm_replay:
+        _replay_kind(cache_kinds)
+        out["spec_buffers_bytes"] += ReplaySlots.planned_bytes(rows)
+    return out
 
 
 class HybridCache:
@@ -194,8 +587,18 @@ class HybridCache:
         device: where the buffers live.
         spec_tokens: T = K + 1 tokens of a speculative verify step; > 0 allocates the rewind buffers of
             every recurrent layer (see :class:`Mamba2State`); 0 (default) allocates none.
+        ssm_replay: commit recurrent state by replay (:class:`Mamba2ReplayState` layers and one
+            :class:`ReplaySlots`, ``self.replay``) instead of rewind; needs ``spec_tokens >= 2``.
+        ssm_backend: "torch" | "triton" | "flashinfer": the implementation of the replay advance (the
+            mixers' own ``ssm_backend`` attribute picks their verify kernels; the engine sets both).
+        replay_checkpointing: the checkpointing replay variant (Mamba2 only): a history window of
+            L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
+            (``kernels/mamba2_replay.py``).
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
+
+    Raises:
+        ValueError: bad sizes, an unknown block kind or backend, or ssm_replay without speculation.
     """
 
     def __init__(
@@ -209,21 +612,33 @@ class HybridCache:
         ssm_state_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         spec_tokens: int = 0,
+        ssm_replay: bool = False,
+        ssm_backend: str = "torch",
+        replay_checkpointing: bool = False,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
+        if ssm_backend not in SSM_BACKENDS:
+            raise ValueError(f"ssm_backend={ssm_backend!r} is not one of {SSM_BACKENDS}")
+        _check_replay_args(ssm_replay, spec_tokens, replay_checkpointing, cache_kinds)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.spec_tokens = spec_tokens
-        spec = CacheSpec(max_batch_size + 1, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens)
+        self.ssm_replay, self.ssm_backend = ssm_replay, ssm_backend
+        R = max_batch_size + 1
+        self.replay = (
+            ReplaySlots.allocate(
+                R, spec_tokens, _replay_kind(cache_kinds), ssm_backend, device, replay_checkpointing
+            )
+            if ssm_replay
+            else None
+        )
+        spec = CacheSpec(
+            R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing
+        )
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):
-            if kind not in CACHE_LAYOUTS:
-                raise ValueError(
-                    f"no cache layout for block kind {kind!r} (cache_index {idx}); "
-                    f"known: {sorted(CACHE_LAYOUTS)}"
-                )
-            self.layers[idx] = CACHE_LAYOUTS[kind](config, spec)
+            self.layers[idx] = _layout(kind, idx, ssm_replay).allocate(config, spec)
 
     def __getitem__(self, cache_index: int) -> LayerState:
         return self.layers[cache_index]
@@ -251,10 +666,14 @@ class HybridCache:
         rows = self._rows(slot_ids)
         for layer in self.layers.values():
             layer.reset_rows(rows)
+        if self.replay is not None:
+            self.replay.reset(rows)
 
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
-        """Rewind commit after a verify step: set each slot's recurrent state to the state after its first
-        ``num_accepted_tokens`` verify tokens (in place). The KV cache needs nothing (written by position).
+        """Commit after a verify step: each slot's recurrent state becomes the state after its first
+        ``num_accepted_tokens`` verify tokens. Rewind copies that state from the per-token buffers; replay
+        advances the per-slot bookkeeping once (:meth:`ReplaySlots.advance`; the next verify fast-forwards).
+        The KV cache needs nothing (written by position). Call exactly once per verify step.
 
         Args:
             slot_ids: [B] int64 slots of the verify batch (PAD -1 rows touch only the scratch row).
@@ -263,6 +682,7 @@ class HybridCache:
 
         Raises:
             ValueError: no spec buffers (cache built with spec_tokens=0), or num_accepted_tokens out of range.
+            RuntimeError: replay commit without a verify since the last commit.
         """
         T = self.spec_tokens
         if T == 0:
@@ -271,15 +691,19 @@ class HybridCache:
         if n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
             raise ValueError(f"num_accepted_tokens {n.tolist()} must lie in [1, T={T}]")
         rows = self._rows(slot_ids)
+        if self.replay is not None:
+            self.replay.advance(slot_ids, n)
         for layer in self.layers.values():
             layer.commit_rows(rows, n)
 
     def memory(self) -> dict[str, int]:
         """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""
-        out = {"ssm_state_bytes": 0, "conv_state_bytes": 0, "kv_cache_bytes": 0, "spec_buffers_bytes": 0}
+        out = dict.fromkeys(MEMORY_KEYS, 0)
         for layer in self.layers.values():
             for key, n in layer.memory().items():
                 out[key] += n
+        if self.replay is not None:
+            out["spec_buffers_bytes"] += self.replay.nbytes()
         return out
 
 
@@ -296,8 +720,9 @@ class BatchMeta:
         (no PAD): layers then read cache rows through a slice instead of a gather copy.
     max_kv_len: host-side max(start_pos + lengths) when the caller knows it (saves a device sync per
         attention layer); None computes it.
-    verify: a speculative verify step: recurrent layers keep every intermediate state in the rewind buffers
-        and leave the committed state unchanged (see :meth:`HybridCache.commit`); needs all_valid.
+    verify: a speculative verify step (needs all_valid): rewind layers keep every intermediate state in the
+        rewind buffers and leave the committed state unchanged; replay layers fast-forward the committed
+        state by the slot's PNAT and record the new tokens' inputs (see :meth:`HybridCache.commit`).
     """
 
     slot_ids: torch.Tensor
@@ -343,3 +768,63 @@ class BatchMeta:
     def valid(self, T: int) -> torch.Tensor:
         """[B, T] bool: column t of row b is a real token."""
         return torch.arange(T, device=self.lengths.device)[None, :] < self.lengths[:, None]
+
+
+def config_from_arch(arch: dict, family: str, *, num_nextn_predict_layers: int = 1) -> HybridConfig:
+    """A :class:`HybridConfig` with the cache-relevant dimensions of a registry entry's ``arch:`` block
+    (``registry/model/*.yaml``; the keys of ``registry.schema.ArchConfig``), for sizing caches of released
+    models without their weights. Layer order is not in the block and does not change cache sizes: the
+    backbone lists its recurrent blocks, then its attention blocks. The MTP module is one attention + one
+    MoE block (both families) when ``num_nextn_predict_layers`` > 0.
+
+    Raises:
+        ValueError: an unknown family, or the family's recurrent dimensions missing from ``arch``.
+    """
+    if family == "nemotron_h":
+        m = arch.get("mamba") or {}
+        if not m:
+            raise ValueError("arch block of a nemotron_h entry needs its `mamba:` dimensions")
+        recurrent = ("mamba2",) * arch["num_mamba_layers"]
+        dims = dict(
+            mamba_num_heads=m["num_heads"],
+            mamba_head_dim=m["head_dim"],
+            ssm_state_size=m["d_state"],
+            n_groups=m["ngroups"],
+            conv_kernel=m["conv_kernel"],
+        )
+    elif family == "qwen3_next":
+        g = arch.get("gdn") or {}
+        if not g:
+            raise ValueError("arch block of a qwen3_next entry needs its `gdn:` dimensions")
+        recurrent = ("gdn",) * arch["num_gdn_layers"]
+        dims = dict(
+            gdn_num_key_heads=g["num_key_heads"],
+            gdn_num_value_heads=g["num_value_heads"],
+            gdn_key_head_dim=g["key_head_dim"],
+            gdn_value_head_dim=g["value_head_dim"],
+            conv_kernel=g["conv_kernel"],
+        )
+    else:
+        raise ValueError(f"family {family!r}: known families are nemotron_h and qwen3_next")
+    return HybridConfig(
+        family=family,
+        vocab_size=arch["vocab_size"],
+        hidden_size=arch["hidden_size"],
+        layer_types=recurrent + ("attention",) * arch["num_attention_layers"],
+        num_attention_heads=arch["num_attention_heads"],
+        num_key_value_heads=arch["num_key_value_heads"],
+        head_dim=arch["attention_head_dim"],
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        mtp_layer_types=("attention", "moe") if num_nextn_predict_layers else (),
+        source="<registry arch block>",
+        **dims,
+    )
+
+
+def model_cache_kinds(config: HybridConfig, include_mtp: bool = True) -> dict[int, str]:
+    """``{cache_index: kind}`` of the stateful blocks of ``config`` in the order ``HybridLM.cache_kinds``
+    numbers them (backbone, then MTP), without building the model."""
+    kinds = [k for k in config.layer_types if k in CACHE_LAYOUTS]
+    if include_mtp:
+        kinds += [k for k in config.mtp_layer_types if k in CACHE_LAYOUTS]
+    return dict(enumerate(kinds))

@@ -8,8 +8,11 @@ token, stop checks, callbacks) loops over requests; model compute never does.
 
 With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
 from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
-commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay`` is accepted and
-stored; until the replay commit lands the engine commits by rewind and says so in the log.
+commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay=True`` replaces the
+rewind commit by replay (BRIEF section 4; ``runners.cache.Mamba2ReplayState`` / ``GDNReplayState``): a
+verify fast-forwards the committed state by the previous step's accepted tokens, and the commit only
+advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer", "torch" default on
+CPU) picks the recurrent verify / advance implementation.
 
 Contract: docs/architecture.md ("Engine API").
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from runners.cache import BatchMeta, HybridCache
+from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
 from runners.loader import load_model
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
@@ -152,6 +155,33 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _resolve_ssm_backend(backend: str | None, device: torch.device, ssm_replay: bool) -> str:
+    """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable."""
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in SSM_BACKENDS:
+        raise ValueError(f"ssm_backend={backend!r} is not one of {list(SSM_BACKENDS)}")
+    if backend == "flashinfer":
+        try:
+            import flashinfer.mamba  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means: not usable here
+            log.warning("ssm_backend=flashinfer: flashinfer.mamba is not importable (%r); using triton", e)
+            backend = "triton"
+        else:
+            if ssm_replay:
+                log.info("ssm_backend=flashinfer with ssm_replay: the verify replays with our Triton kernel")
+    if backend != "torch" and device.type != "cuda":
+        from kernels._common import interpreter_active
+
+        if not interpreter_active():
+            raise ValueError(
+                f"ssm_backend={backend!r} runs Triton kernels, but the device is {device.type} and Triton "
+                "is not in interpreter mode; use ssm_backend='torch' on the CPU (or set TRITON_INTERPRET=1 "
+                "before importing triton, for tests)"
+            )
+    return backend
+
+
 class Engine:
     """A loaded model plus its caches and the generate loop. Build it with :meth:`from_pretrained`.
 
@@ -159,7 +189,8 @@ class Engine:
         config: the model's :class:`HybridConfig`.
         model: the :class:`HybridLM` (eval mode).
         cache: the :class:`HybridCache` (S = ``max_batch_size`` slots of ``max_seq_len`` positions).
-        draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme.
+        draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme
+            (replay vs rewind); ssm_backend: recurrent verify kernels ("triton" | "flashinfer" | "torch").
     """
 
     def __init__(
@@ -175,6 +206,8 @@ class Engine:
         ssm_state_dtype: torch.dtype | str | None = None,
         prefill_chunk_tokens: int = 8192,
         scan_chunk_size: int | None = None,
+        ssm_backend: str | None = None,
+        ssm_replay_checkpointing: bool = False,
     ):
         config = model.config
         if draft_len < 0:
@@ -195,8 +228,6 @@ class Engine:
         self.model, self.config = model, config
         self.device, self.dtype = torch.device(device), dtype
         self.draft_len, self.ssm_replay = draft_len, ssm_replay
-        if ssm_replay:
-            log.warning("ssm_replay=True: the replay commit is not implemented yet; committing by rewind")
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
         if scan_chunk_size is None:  # the intra-chunk term is quadratic: short chunks are faster on CPUs
@@ -207,17 +238,24 @@ class Engine:
         for module in model.modules():
             if isinstance(module, Mamba2Mixer):
                 module.chunk_size = scan_chunk_size
+        self.ssm_backend = _resolve_ssm_backend(ssm_backend, self.device, ssm_replay)
+        for module in model.modules():
+            if hasattr(module, "ssm_backend"):  # recurrent mixers: their verify implementation
+                module.ssm_backend = self.ssm_backend
         self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
-        self.cache = HybridCache(
-            config,
-            model.cache_kinds(include_mtp=draft_len > 0),
+        # speculative buffers (rewind: T = K + 1 states per slot; replay: the input history) only with drafts
+        self._cache_args = dict(
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             dtype=dtype,
             ssm_state_dtype=self.ssm_state_dtype,
-            device=self.device,
-            # rewind buffers (T = K + 1 states per slot) only for speculative decoding without replay
             spec_tokens=draft_len + 1 if draft_len > 0 else 0,
+            ssm_replay=ssm_replay,
+            replay_checkpointing=ssm_replay_checkpointing,
+        )
+        self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
+        self.cache = HybridCache(
+            config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend, **self._cache_args
         )
         if draft_len > 0:  # per slot: the MTP hidden and greedy token that start the next step's drafts
             self._mtp_hidden = torch.zeros(
@@ -247,7 +285,12 @@ class Engine:
                 (default: config's ``mamba_ssm_cache_dtype``, float32), prefill_chunk_tokens (default 8192:
                 padded tokens per prefill forward), scan_chunk_size (chunk of the Mamba2 prefill scan;
                 default: config ``chunk_size``, capped at 32 off CUDA where it is ~5x faster; the result is
-                the same up to float rounding).
+                the same up to float rounding), ssm_backend ("triton" | "flashinfer" | "torch"; default
+                "triton" on CUDA, "torch" elsewhere: the recurrent verify / replay kernels; "flashinfer" runs
+                the rewind verify with FlashInfer's selective_state_update and replay with our Triton kernel,
+                and falls back to "triton" with a log line when FlashInfer is not importable),
+                ssm_replay_checkpointing (default False; Mamba2 only: the checkpointing replay variant,
+                a history of max(16, K + 1) tokens and a state write only when it is full).
 
         Raises:
             runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
@@ -260,6 +303,8 @@ class Engine:
             "ssm_state_dtype",
             "prefill_chunk_tokens",
             "scan_chunk_size",
+            "ssm_backend",
+            "ssm_replay_checkpointing",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -274,14 +319,17 @@ class Engine:
         - ``ssm_state_bytes``: committed recurrent states (Mamba2 SSM state; a GDN family's state);
         - ``conv_state_bytes``: committed conv windows;
         - ``kv_cache_bytes``: attention KV caches, target and MTP;
-        - ``spec_buffers_bytes``: what only speculative decoding allocates (the per-token verify states of
-          the rewind commit, the per-slot first draft and its MTP hidden); 0 when ``draft_len`` is 0.
+        - ``spec_buffers_bytes``: what only speculative decoding allocates (rewind: the per-token verify
+          states; replay: the input history, the extra conv columns and the per-slot PNAT / buffer index;
+          both: the per-slot first draft and its MTP hidden); 0 when ``draft_len`` is 0.
+
+        The cache part is computed from the architecture by :func:`runners.cache.cache_memory_bytes` (the
+        function that also sizes released shapes without weights); tests check it against the tensors.
         """
-        mem = self.cache.memory()
-        if self.draft_len > 0:
-            mem["spec_buffers_bytes"] += sum(
-                t.numel() * t.element_size() for t in (self._mtp_hidden, self._draft1)
-            )
+        mem = cache_memory_bytes(self.config, self._cache_kinds, **self._cache_args)
+        if self.draft_len > 0:  # _mtp_hidden [S, D] model dtype, _draft1 [S] int64
+            S = self.max_batch_size
+            mem["spec_buffers_bytes"] += S * (self.config.hidden_size * self.dtype.itemsize + 8)
         return mem
 
     @torch.inference_mode()

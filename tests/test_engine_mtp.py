@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
@@ -290,7 +288,7 @@ def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
 # ---------------------------------------------------------------------------- memory report
 
 
-def test_speculative_buffers_only_with_speculation(ckpt, caplog):
+def test_speculative_buffers_only_with_speculation(ckpt):
     path, _, _ = ckpt
     S, L = 2, 32
     plain = Engine.from_pretrained(path, max_batch_size=S, max_seq_len=L)
@@ -308,20 +306,22 @@ def test_speculative_buffers_only_with_speculation(ckpt, caplog):
     assert m0["ssm_state_bytes"] == n_mamba * R * H * P * N * 4
     assert m0["conv_state_bytes"] == n_mamba * R * C * W1 * 4
     assert m0["kv_cache_bytes"] == n_attn * kv_layer
-    with caplog.at_level(logging.WARNING, logger="runners.engine"):
-        spec = {
-            K: Engine.from_pretrained(path, draft_len=K, ssm_replay=K == 7, max_batch_size=S, max_seq_len=L)
-            for K in (3, 7)
-        }
-    assert "committing by rewind" in caplog.text  # ssm_replay is accepted, rewind is what runs today
+    spec = {
+        K: Engine.from_pretrained(path, draft_len=K, ssm_replay=K == 7, max_batch_size=S, max_seq_len=L)
+        for K in (3, 7)
+    }
     for K, e in spec.items():
         m, T = e.cache_memory(), K + 1
         assert {k: m[k] for k in ("ssm_state_bytes", "conv_state_bytes")} == {
             k: m0[k] for k in ("ssm_state_bytes", "conv_state_bytes")
         }
         assert m["kv_cache_bytes"] == m0["kv_cache_bytes"] + kv_layer  # + the MTP attention's own KV cache
-        rewind = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
-        assert m["spec_buffers_bytes"] == rewind + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
+        if e.ssm_replay:  # K extra conv columns; history x, B, dt', dA_cumsum (2 x T tokens); 3 per-slot ints
+            G = c.n_groups
+            commit = n_mamba * R * (C * K + 2 * T * (H * P + G * N) + 2 * 2 * H * T) * 4 + 3 * R * 4
+        else:  # rewind: the conv window and the state after each of the T tokens
+            commit = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
+        assert m["spec_buffers_bytes"] == commit + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
     with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
         Engine.from_pretrained(path, ssm_replay=True, max_batch_size=S, max_seq_len=L)
 

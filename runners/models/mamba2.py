@@ -10,6 +10,11 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 (time_step_min, inf) and its single-token decode path not at all, so it disagrees with itself when
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
+Replay (``ssm_replay=True``, a :class:`runners.cache.Mamba2ReplayState`): a verify fast-forwards the committed
+state by the tokens accepted last step and records the new tokens' inputs (:func:`replay_verify_torch`, or the
+Triton kernel of ``kernels/mamba2_replay.py`` per the mixer's ``ssm_backend``); the conv window is read at the
+slot's offset instead of being copied at commit.
+
 Two scan paths compute the same recurrence: :func:`ssd_chunked_scan` (prefill; quadratic inside chunks of
 ``chunk_size``, a recurrence over chunk states) and :func:`ssm_recurrent_scan` (decode / verify; one step per
 token, optionally returning every intermediate state for a speculative verify). Right-padded columns are
@@ -21,13 +26,18 @@ Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, W conv_ker
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runners.cache import BatchMeta, Mamba2State
+from runners.cache import BatchMeta, Mamba2ReplayState, Mamba2State
 from runners.models.config import HybridConfig
 from runners.models.layers import GatedGroupRMSNorm
+
+log = logging.getLogger(__name__)
 
 
 def ssd_chunked_scan(
@@ -131,6 +141,79 @@ def ssm_recurrent_scan(
     return y, h, (torch.stack(states, dim=1) if return_intermediate else None)
 
 
+def replay_verify_torch(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    slot_ids: torch.Tensor,
+    history,
+    prev_num_accepted: torch.Tensor,
+    buffer_index: torch.Tensor,
+    *,
+    time_step_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """Replay verify of one Mamba2 layer, vectorised over the batch in PyTorch (the engine's CPU path).
+
+    Same arguments, effects and result as ``kernels.mamba2_replay.replay_verify`` (per-step history, not the
+    checkpointing layout): for each live row (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
+    r = buffer_index[s] % 2)
+    1. fast-forward in closed form, h <- exp(c_{k-1}) h + X_old^T (w * B_old) with c the history's dA_cumsum
+       and w_j = exp(c_{k-1} - c_j) dt'_j for j < k, and store h as the slot's committed state (unchanged
+       for k = 0);
+    2. outputs of the T new tokens by the recurrence from h (+ D x); no gate;
+    3. x, B, dt', cumsum(A dt') of the new tokens into buffer 1 - r of ``history``.
+    PAD rows (slot id < 0) read and write no buffer; their output rows are zero.
+
+    Shapes: state (S, H, P, N); x (B, T, H, P); dt (B, T, H) raw; A, D, dt_bias (H,); B, C (B, T, G, N);
+    history: ``ReplayHistory`` with x (S, 2, L, H, P) etc., L >= T. Returns out (B, T, H, P) in x's dtype.
+    Source: BRIEF section 4 (the SSD closed form); checked against ``replay_verify_ref`` in tests.
+    """
+    if history.checkpointing:
+        raise ValueError("replay_verify_torch takes the per-step history (2 x buffers), not checkpointing")
+    Bsz, T, H, P = x.shape
+    L, G = history.x.shape[2], B.shape[2]
+    if L < T:
+        raise ValueError(f"history length L = {L} < T = {T}; allocate it with hist_len >= T")
+    out = torch.zeros(Bsz, T, H, P, dtype=x.dtype, device=x.device)
+    rows = (slot_ids >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    s = slot_ids[rows].long()
+    k = prev_num_accepted[s].long().clamp(0, L)
+    r = buffer_index[s].long() & 1
+    A = A.float()
+    # 1. fast-forward by the k accepted tokens of the last verify
+    c_old, dt_old = history.dA_cumsum[s, r], history.dt[s, r]  # (n, H, L)
+    old = torch.arange(L, device=x.device)[None, :] < k[:, None]  # (n, L)
+    c_last = c_old.gather(2, (k - 1).clamp(min=0)[:, None, None].expand(-1, H, 1))[..., 0]
+    c_last = torch.where(k[:, None] > 0, c_last, 0.0)  # (n, H)
+    seg = torch.where(old[:, None, :], c_last[..., None] - c_old, -math.inf)
+    w = torch.exp(seg) * dt_old  # (n, H, L), 0 for j >= k
+    B_old = history.B[s, r].float().repeat_interleave(H // G, dim=2)  # (n, L, H, N)
+    h = state[s].float() * torch.exp(c_last)[..., None, None]
+    h = h + torch.einsum("bhl,blhp,blhn->bhpn", w, history.x[s, r].float(), B_old)
+    h = h.to(state.dtype)
+    state.index_copy_(0, s, h)  # k = 0 rows store their unchanged state
+    # 2. the new tokens from the fast-forwarded state
+    dtp = F.softplus(dt[rows].float() + dt_bias.float()).clamp(*time_step_limit)  # (n, T, H)
+    y, _, _ = ssm_recurrent_scan(x[rows], dtp, A, B[rows], C[rows], h)
+    if D is not None:
+        y = y + x[rows].float() * D.float()[:, None]
+    out[rows] = y.to(out.dtype)
+    # 3. their inputs become the history read by the next verify
+    wbuf, t = 1 - r, slice(0, T)
+    history.x[s, wbuf, t] = x[rows].to(history.x.dtype)
+    history.B[s, wbuf, t] = B[rows].to(history.B.dtype)
+    history.dt[s, wbuf, :, t] = dtp.transpose(1, 2)
+    history.dA_cumsum[s, wbuf, :, t] = torch.cumsum(A * dtp, dim=1).transpose(1, 2)
+    return out
+
+
 class Mamba2Mixer(nn.Module):
     """NemotronH Mamba2 mixer: in_proj -> causal conv + SiLU -> SSM (+ D skip) -> gated grouped RMSNorm
     -> out_proj. Parameter names and shapes equal the checkpoint's (``mixer.in_proj.weight`` etc.).
@@ -140,7 +223,10 @@ class Mamba2Mixer(nn.Module):
     state after each row's last valid column back (PAD rows write the scratch row); with ``meta.verify`` it
     writes the per-token states to the rewind buffers instead and leaves the committed state alone. Without
     a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
-    chunk) may be changed after construction: the result is the same up to float rounding.
+    chunk) may be changed after construction: the result is the same up to float rounding. With a
+    :class:`runners.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
+    non-verify forward then requires PNAT = 0 (prefill after admission). ``ssm_backend`` ("torch" default,
+    "triton", "flashinfer") picks the verify implementation (:meth:`_verify_ssm`).
     """
 
     def __init__(self, config: HybridConfig):
@@ -150,6 +236,7 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.d_state = c.n_groups, c.ssm_state_size
         self.d_inner, self.conv_dim, self.conv_kernel = c.mamba_d_inner, c.mamba_conv_dim, c.conv_kernel
         self.chunk_size = c.chunk_size
+        self.ssm_backend = "torch"  # verify kernels: "torch" | "triton" | "flashinfer" (set by the engine)
         self.time_step_limit = c.time_step_limit
         self.in_proj = nn.Linear(
             c.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=c.mamba_proj_bias
@@ -170,14 +257,22 @@ class Mamba2Mixer(nn.Module):
 
     def _conv(self, xBC: torch.Tensor, state: Mamba2State | None, meta: BatchMeta | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
-        slots (or, in a verify step, stores the whole window in ``state.conv_steps``)."""
+        slots (or, in a rewind verify step, stores the whole window in ``state.conv_steps``; in a replay
+        verify, reads the committed window at the slot's offset and stores the new one, see
+        :class:`runners.cache.Mamba2ReplayState`)."""
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
+        replay = isinstance(state, Mamba2ReplayState)
+        conv = None if state is None else state.conv[..., :W1] if replay else state.conv
+        rows = None if state is None else meta.slot_ids % state.conv.shape[0]  # PAD -> the scratch row
         if state is None:
             prev = xBC.new_zeros(b, self.conv_dim, W1)
+        elif replay and meta.verify:  # the W - 1 inputs before the next token: columns off .. off + W - 2
+            cols = state.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=xBC.device)
+            prev = meta.rows(state.conv).gather(2, cols[:, None, :].expand(b, self.conv_dim, W1))
         else:
-            prev = meta.rows(state.conv)
+            prev = meta.rows(conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
         if T == 1:
             out = torch.einsum("bcw,cw->bc", window, weight)[:, None, :]
@@ -185,16 +280,60 @@ class Mamba2Mixer(nn.Module):
                 out = out + self.conv1d.bias
         else:
             out = F.conv1d(window, weight[:, None, :], self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
-        if state is not None and meta.verify:
-            state.conv_steps.index_copy_(0, meta.slot_ids % state.conv.shape[0], window.to(state.conv.dtype))
+        if state is not None and meta.verify and replay:
+            # column 0 is never read again: after a >= 1 accepted tokens the window is columns a .. a + W - 2
+            state.conv.index_copy_(0, rows, window[:, :, 1:].to(state.conv.dtype))
+        elif state is not None and meta.verify:
+            state.conv_steps.index_copy_(0, rows, window.to(state.conv.dtype))
         elif state is not None:
             if meta.all_valid:
                 new = window[:, :, T:]
             else:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2 of window
                 idx = meta.lengths[:, None] + torch.arange(W1, device=xBC.device)
                 new = window.gather(2, idx[:, None, :].expand(b, self.conv_dim, W1))
-            state.conv.index_copy_(0, meta.slot_ids % state.conv.shape[0], new.to(state.conv.dtype))
+            conv.index_copy_(0, rows, new.to(conv.dtype))
         return F.silu(out)
+
+    def _verify_ssm(self, state, meta, x, dt, A, Bm, Cm) -> torch.Tensor:
+        """The SSM of a verify step through the mixer's ``ssm_backend``; returns y (B, T, H, P) incl. D x.
+
+        Replay: ``replay_verify_torch`` ("torch") or the Triton replay kernel ("triton", and "flashinfer" as
+        in TensorRT-LLM, whose FlashInfer backend also replays with its own kernel). Rewind: the per-token
+        states go to ``state.ssm_steps`` by slot: PyTorch recurrence ("torch"), our Triton
+        ``selective_state_update`` ("triton") or FlashInfer's ("flashinfer").
+        """
+        backend = self.ssm_backend
+        args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
+        if isinstance(state, Mamba2ReplayState):
+            slots = state.slots
+            if backend == "torch" and state.history.checkpointing:  # the kernels' (per-row) reference
+                from kernels.mamba2_replay import replay_verify_ref as fn
+            elif backend == "torch":
+                fn = replay_verify_torch
+            else:
+                from kernels.mamba2_replay import replay_verify as fn
+            y = fn(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
+                   slots.buffer_index, time_step_limit=self.time_step_limit)
+            slots.verified = True
+            return y.float()
+        if backend == "flashinfer":
+            return _flashinfer_rewind_verify(state, meta, *args, self.time_step_limit).float()
+        if backend == "triton":
+            from kernels.mamba2_ssu import selective_state_update
+
+            if meta.slot_start is not None:  # the rows' per-token states as a view: written in place
+                inter = state.ssm_steps[meta.slot_start : meta.slot_start + x.shape[0]]
+            else:
+                inter = x.new_empty(x.shape[0], *state.ssm_steps.shape[1:], dtype=state.ssm_steps.dtype)
+            y = selective_state_update(state.ssm, *args, meta.slot_ids, intermediate_states=inter,
+                                       update_state=False, time_step_limit=self.time_step_limit)
+            if meta.slot_start is None:
+                state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], inter)
+            return y.float()
+        dtp = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)
+        y, _, steps = ssm_recurrent_scan(x, dtp, A, Bm, Cm, meta.rows(state.ssm), return_intermediate=True)
+        state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], steps.to(state.ssm.dtype))
+        return y + x.float() * self.D.float()[:, None]
 
     def forward(
         self, hidden: torch.Tensor, state: Mamba2State | None = None, meta: BatchMeta | None = None
@@ -202,7 +341,20 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
-        if state is not None and meta.verify and (state.ssm_steps is None or state.ssm_steps.shape[1] != T):
+        replay = isinstance(state, Mamba2ReplayState)
+        if replay:
+            if meta.verify and T > state.history.x.shape[2]:
+                raise ValueError(
+                    f"verify step of T={T} tokens but the replay history keeps {state.history.x.shape[2]}; "
+                    "build the HybridCache with spec_tokens = T"
+                )
+            pnat = state.slots.prev_num_accepted[meta.slot_ids % state.ssm.shape[0]]
+            if not meta.verify and bool(pnat.any()):
+                raise RuntimeError(
+                    "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
+                    "with ssm_replay every step after prefill must be a verify (T = K + 1)"
+                )
+        elif state is not None and meta.verify and (state.ssm_steps is None or state.ssm_steps.shape[1] != T):
             have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
             raise ValueError(
                 f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
@@ -211,24 +363,48 @@ class Mamba2Mixer(nn.Module):
         xBC = self._conv(xBC, state, meta)
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         x, Bm, Cm = x.reshape(b, T, H, P), Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        lo, hi = self.time_step_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = dt.clamp(min=lo, max=hi)
-        if meta is not None and not meta.all_valid:
-            dt = dt * meta.valid(T)[..., None]  # dt' = 0 on right padding: the state passes unchanged
         A = -torch.exp(self.A_log.float())
-        h0 = None if state is None else meta.rows(state.ssm)
-        if state is not None and meta.verify:  # rewind: keep the state after every token, commit later
-            y, h, steps = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0, return_intermediate=True)
-            state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], steps.to(state.ssm.dtype))
+        if state is not None and meta.verify:
+            y = self._verify_ssm(state, meta, x, dt, A, Bm, Cm)
         else:
+            dt = F.softplus(dt.float() + self.dt_bias.float())
+            lo, hi = self.time_step_limit
+            if lo > 0.0 or hi != float("inf"):
+                dt = dt.clamp(min=lo, max=hi)
+            if meta is not None and not meta.all_valid:
+                dt = dt * meta.valid(T)[..., None]  # dt' = 0 on right padding: the state passes unchanged
+            h0 = None if state is None else meta.rows(state.ssm)
             if T == 1 and h0 is not None:
                 y, h, _ = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0)
             else:
                 y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
             if state is not None:
                 state.ssm.index_copy_(0, meta.slot_ids % state.ssm.shape[0], h.to(state.ssm.dtype))
-        y = y + x.float() * self.D.float()[:, None]
+            y = y + x.float() * self.D.float()[:, None]
         y = self.norm(y.reshape(b, T, self.d_inner), z)
         return self.out_proj(y.to(hidden.dtype))
+
+
+def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
+    return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
+
+
+def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_step_limit) -> torch.Tensor:
+    """Rewind verify with FlashInfer's ``selective_state_update`` (multi-token, intermediate states by slot,
+    stored state untouched): the GPU rewind baseline. Returns y (B, T, H, P) incl. D x."""
+    import flashinfer.mamba as fim
+
+    if time_step_limit != (0.0, math.inf):
+        raise ValueError("FlashInfer's kernel does not clamp dt (time_step_limit); use ssm_backend='triton'")
+    b, T, H, P = x.shape
+    N = state.ssm.shape[-1]
+    slots = (meta.slot_ids % state.ssm.shape[0]).to(torch.int32)  # PAD -> the scratch row (a real row)
+    out = torch.empty_like(x)
+    fim.selective_state_update(
+        state.ssm, x, _tied(dt, (b, T, H, P)), _tied(A, (H, P, N)), Bm, Cm, _tied(D, (H, P)),
+        dt_bias=_tied(dt_bias, (H, P)), dt_softplus=True, state_batch_indices=slots, out=out,
+        disable_state_update=True, intermediate_states_buffer=state.ssm_steps,
+        intermediate_state_indices=slots, cache_steps=T,
+    )
+    return out

@@ -1,0 +1,212 @@
+"""SSM replay at the cache level: the PyTorch verify against the kernels' reference, the per-slot bookkeeping,
+and memory computed from the architecture alone.
+
+- ``replay_verify_torch`` (the engine's vectorised CPU path) equals the kernels' reference
+  ``kernels.mamba2_replay.replay_verify_ref`` in output, state and history, with PAD rows, slot 0 live,
+  every PNAT value and garbage metadata;
+- bookkeeping: metadata zero-initialised, reset at admission, PAD rows never advance nor touch a live slot,
+  a second commit without a verify raises, a non-verify forward on a lagging slot raises;
+- memory: ``cache_memory_bytes`` (config only) equals the allocated tensors' bytes for every scheme; replay's
+  speculative buffers are >= 10x smaller than rewind's at the released shapes (registry ``arch:`` blocks,
+  no weights); ssm_replay without speculation is an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kernels.gdn_replay import GDNReplayHistory, gdn_replay_verify_ref
+from kernels.mamba2_replay import allocate_replay_history, replay_verify_ref
+from runners.cache import (
+    BatchMeta,
+    HybridCache,
+    Mamba2ReplayState,
+    cache_memory_bytes,
+    config_from_arch,
+    model_cache_kinds,
+)
+from runners.models.config import HybridConfig
+from runners.models.gdn import gdn_replay_verify_torch
+from runners.models.hybrid import HybridLM
+from runners.models.mamba2 import Mamba2Mixer, replay_verify_torch
+
+REPO = Path(__file__).resolve().parents[1]
+GARBAGE = 0x7BADBEEF
+
+
+def _tiny_config(**kw) -> HybridConfig:
+    base = dict(family="nemotron_h", vocab_size=7, hidden_size=16, layer_types=("mamba2",), mamba_num_heads=4,
+                mamba_head_dim=6, ssm_state_size=5, n_groups=2, conv_kernel=4, chunk_size=8)
+    return HybridConfig(**{**base, **kw})
+
+
+def test_torch_replay_verify_equals_kernel_reference():
+    torch.manual_seed(0)
+    S, H, P, G, N, T = 6, 4, 6, 2, 5, 4
+    state = torch.randn(S, H, P, N)
+    A = -torch.rand(H) - 0.5
+    hist = allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
+    hist.x.normal_()
+    hist.B.normal_()
+    hist.dt.uniform_(0.1, 1.0)
+    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))  # a consistent history: cumsum(A dt')
+    pnat = torch.tensor([0, 1, T, 2, GARBAGE, 3], dtype=torch.int32)  # garbage is clamped to L
+    buf = torch.tensor([0, 1, 1, 0, 1, GARBAGE], dtype=torch.int32)  # read modulo 2
+    slot_ids = torch.tensor([3, -1, 0, 4, 1, 5])  # PAD row, slot 0 live, slot 2 not in the batch
+    B = len(slot_ids)
+    x, Bm, Cm = torch.randn(B, T, H, P), torch.randn(B, T, G, N), torch.randn(B, T, G, N)
+    dt, D, dt_bias = torch.randn(B, T, H), torch.randn(H), torch.randn(H)
+    outs, states, hists = [], [], []
+    for fn in (replay_verify_torch, replay_verify_ref):
+        s, h = state.clone(), allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
+        for name in ("x", "B", "dt", "dA_cumsum"):
+            getattr(h, name).copy_(getattr(hist, name))
+        outs.append(fn(s, x, dt, A, Bm, Cm, D, dt_bias, slot_ids, h, pnat.clone(), buf.clone()))
+        states.append(s)
+        hists.append(h)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], states[1], atol=1e-5, rtol=1e-5)
+    for name in ("x", "B", "dt", "dA_cumsum"):
+        torch.testing.assert_close(getattr(hists[0], name), getattr(hists[1], name), atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))  # the PAD row's output is zero
+    assert torch.equal(states[0][2], state[2]) and torch.equal(hists[0].x[2], hist.x[2])  # slot 2 untouched
+    assert not torch.equal(states[0][3], state[3])  # PNAT = 2 > 0: the state was fast-forwarded
+
+
+def test_torch_gdn_replay_verify_equals_kernel_reference():
+    torch.manual_seed(0)
+    S, H, HV, K, V, T = 6, 2, 4, 6, 5, 3  # K != V: a transposed state would fail
+    state = torch.randn(S, HV, V, K)
+    hist = GDNReplayHistory.allocate(S, T, H, HV, K, V)
+    hist.u.normal_()
+    hist.k.copy_(torch.nn.functional.normalize(torch.randn_like(hist.k), dim=-1))
+    hist.g.copy_(torch.cumsum(-torch.rand_like(hist.g), dim=2))
+    pnat = torch.tensor([0, 1, T, 2, GARBAGE, 3], dtype=torch.int32)
+    buf = torch.tensor([0, 1, 1, 0, 1, GARBAGE], dtype=torch.int32)
+    slot_ids = torch.tensor([3, -1, 0, 4, 1, 5], dtype=torch.int32)
+    B = len(slot_ids)
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)
+    g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV)
+    outs, states, hists = [], [], []
+    for fn in (gdn_replay_verify_torch, gdn_replay_verify_ref):
+        s, h = state.clone(), GDNReplayHistory.allocate(S, T, H, HV, K, V)
+        for name in ("u", "k", "g"):
+            getattr(h, name).copy_(getattr(hist, name))
+        outs.append(fn(q, k, v, g, beta, s, h, slot_ids, pnat.clone(), buf.clone()))
+        states.append(s)
+        hists.append(h)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], states[1], atol=1e-5, rtol=1e-5)
+    for name in ("u", "k", "g"):
+        torch.testing.assert_close(getattr(hists[0], name), getattr(hists[1], name), atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))  # the PAD row's output is zero
+    assert torch.equal(states[0][2], state[2]) and torch.equal(hists[0].u[2], hist.u[2])  # slot 2 untouched
+
+
+def _replay_cache(config, S=3, T=3):
+    return HybridCache(config, {0: "mamba2"}, max_batch_size=S, max_seq_len=16, dtype=torch.float32,
+                       spec_tokens=T, ssm_replay=True)
+
+
+def test_replay_metadata_and_buffers_start_zeroed():
+    cache = _replay_cache(_tiny_config())
+    rs, layer = cache.replay, cache[0]
+    assert isinstance(layer, Mamba2ReplayState)
+    for t in (rs.prev_num_accepted, rs.buffer_index, rs.last_accepted):
+        assert t.dtype == torch.int32 and t.shape == (4,) and not t.any()
+    hist = layer.history
+    for t in (layer.ssm, layer.conv, hist.x, hist.B, hist.dt, hist.dA_cumsum):
+        assert not t.any()
+
+
+@torch.inference_mode()
+def test_bookkeeping_reset_pad_rows_and_single_advance():
+    torch.manual_seed(0)
+    config = _tiny_config()
+    mixer = Mamba2Mixer(config).eval()
+    S, T = 3, 3
+    cache = _replay_cache(config, S, T)
+    layer, rs = cache[0], cache.replay
+    cache.reset(torch.tensor([0, 1, 2]))
+    prefill = BatchMeta.decode(torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long), 5)
+    mixer(torch.randn(3, 5, 16), layer, prefill)  # prefill: a non-verify forward at PNAT = 0
+    slot1 = [t.clone() for t in (layer.ssm[1], layer.conv[1], layer.history.x[1])]
+
+    slot_ids = torch.tensor([-1, 0, 2])  # a PAD row first; slot 0 is live; slot 1 is not in the batch
+    verify = BatchMeta.decode(slot_ids, torch.full((3,), 5), T, verify=True)
+    mixer(torch.randn(3, T, 16), layer, verify)
+    cache.commit(slot_ids, torch.tensor([3, 2, 1]))
+    assert rs.prev_num_accepted.tolist() == [2, 0, 1, 0]  # the scratch row (PAD, index S) never advances
+    assert rs.buffer_index.tolist() == [1, 0, 1, 0]
+    assert rs.last_accepted.tolist() == [2, 0, 1, 0]
+    for before, after in zip(slot1, (layer.ssm[1], layer.conv[1], layer.history.x[1])):
+        assert torch.equal(before, after)  # neither the PAD row nor the others touched slot 1
+    with pytest.raises(RuntimeError, match="exactly once per verify step"):
+        cache.commit(slot_ids, torch.tensor([3, 2, 1]))  # advancing twice would replay the wrong buffer
+    with pytest.raises(RuntimeError, match="every step after prefill must be a verify"):
+        mixer(torch.randn(1, 1, 16), layer, BatchMeta.decode(torch.tensor([0]), torch.tensor([8])))
+
+    cache.reset(torch.tensor([0]))  # a new request is admitted to slot 0
+    assert rs.prev_num_accepted.tolist() == [0, 0, 1, 0] and rs.buffer_index[0] == rs.last_accepted[0] == 0
+    assert not layer.ssm[0].any() and not layer.conv[0].any()
+    mixer(torch.randn(1, 4, 16), layer, BatchMeta.decode(torch.tensor([0]), torch.tensor([0]), 4))
+
+
+def test_num_accepted_out_of_range_is_rejected():
+    cache = _replay_cache(_tiny_config())
+    with pytest.raises(ValueError, match=r"\[1, T=3\]"):
+        cache.commit(torch.tensor([0]), torch.tensor([0]))
+
+
+def test_replay_without_speculation_is_an_error():
+    config = _tiny_config()
+    with pytest.raises(ValueError, match="speculative decoding"):
+        HybridCache(
+            config, {0: "mamba2"}, max_batch_size=2, max_seq_len=4, dtype=torch.float32, ssm_replay=True
+        )
+    with pytest.raises(ValueError, match="speculative decoding"):
+        cache_memory_bytes(config, {0: "mamba2"}, max_batch_size=2, max_seq_len=4, dtype=torch.float32,
+                           ssm_replay=True)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+@pytest.mark.parametrize(
+    "spec_tokens, replay, checkpointing", [(0, False, False), (4, False, False), (4, True, False),
+                                           (8, True, False), (4, True, True)]
+)
+def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, checkpointing):
+    config = HybridConfig.from_pretrained(REPO / f"registry/checkpoints/tiny_{family}_mtp")
+    kinds = model_cache_kinds(config, include_mtp=spec_tokens > 0)
+    assert kinds == HybridLM(config, with_mtp=True).cache_kinds(include_mtp=spec_tokens > 0)
+    args = dict(max_batch_size=3, max_seq_len=32, dtype=torch.bfloat16, spec_tokens=spec_tokens,
+                ssm_replay=replay, replay_checkpointing=checkpointing)
+    if checkpointing and family == "qwen3_next":
+        with pytest.raises(ValueError, match="mamba2 layers only"):
+            HybridCache(config, kinds, **args)
+        return
+    allocated = HybridCache(config, kinds, **args).memory()
+    assert cache_memory_bytes(config, kinds, **args) == allocated
+    assert (allocated["spec_buffers_bytes"] > 0) == (spec_tokens > 0)
+
+
+def _registry_memory(entry: str, replay: bool) -> dict[str, int]:
+    doc = yaml.safe_load((REPO / "registry/model" / f"{entry}.yaml").read_text())
+    config = config_from_arch(doc["arch"], doc["family"])
+    K = doc["speculative"]["draft_len"]
+    return cache_memory_bytes(
+        config, model_cache_kinds(config), max_batch_size=doc["max_batch_size"],
+        max_seq_len=doc["max_seq_len"], dtype=getattr(torch, doc["dtype"]),
+        ssm_state_dtype=getattr(torch, doc["ssm"]["state_dtype"]), spec_tokens=K + 1, ssm_replay=replay,
+    )
+
+
+@pytest.mark.parametrize("entry", ["super_v3_mtp", "qwen3_next_mtp"])
+def test_replay_spec_buffers_10x_smaller_at_released_shapes(entry):
+    rewind, replay = _registry_memory(entry, False), _registry_memory(entry, True)
+    for key in ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes"):
+        assert rewind[key] == replay[key] > 0
+    assert rewind["spec_buffers_bytes"] >= 10 * replay["spec_buffers_bytes"] > 0
