@@ -151,6 +151,11 @@ TINY_NEMOTRON_H = dict(
     n_groups=2,
     conv_kernel=4,
     chunk_size=128,
+    # transformers' NemotronH clamps dt' at time_step_min in its prefill path whatever time_step_limit says;
+    # writing the same floor into time_step_limit (which our engine applies on every path) keeps a trained
+    # checkpoint's logits equal in both. Released configs use (0, inf); the engine reads whichever is given.
+    time_step_min=0.001,
+    time_step_limit=(0.001, float("inf")),
     intermediate_size=512,
     mlp_hidden_act="relu2",
     n_routed_experts=8,
