@@ -310,7 +310,7 @@ def resolve(
     if app.runtime.device == "cpu" and entry.ssm.backend == SSMBackend.flashinfer:
         raise UserError(
             f"entry {name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is cpu",
-            "use runtime=gpu, or model.ssm.backend=triton (the Triton interpreter runs on the CPU)",
+            "use runtime=gpu, or model.ssm.backend=torch (on the CPU the PyTorch references run anyway)",
         )
 
     def check_sharding(arch: ArchConfig | None) -> None:
@@ -645,6 +645,9 @@ def _build_engine(rr: ResolvedRun):
             max_batch_size=rr.max_batch_size,
             max_seq_len=rr.entry.max_seq_len,
             ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
+            # The entry's GPU backend (triton | flashinfer | torch); on the CPU the engine runs the kernels'
+            # PyTorch references (the Triton interpreter would be orders of magnitude slower).
+            ssm_backend=rr.entry.ssm.backend.value if rr.device.startswith("cuda") else "torch",
         )
 
 
