@@ -30,6 +30,7 @@ import torch
 
 from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
 from runners.loader import load_model
+from runners.models.config import HybridConfig
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
 
@@ -155,8 +156,25 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _resolve_ssm_backend(backend: str | None, device: torch.device, ssm_replay: bool) -> str:
-    """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable."""
+# FlashInfer's selective_state_update vectorises its loads over head_dim and d_state; at sizes that are not
+# multiples of these its JIT build fails a static assertion ("PackedAligned instantiated with N == 0"), seen
+# on the H200 for head_dim 10 / d_state 12 (docs/gpu/engine_gpu_flashinfer.log). Super V3 (64 / 128) is fine.
+FLASHINFER_MIN_MULTIPLE = {"mamba_head_dim": 16, "ssm_state_size": 32}
+
+
+def _resolve_ssm_backend(
+    backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None
+) -> str:
+    """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
+    where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason)."""
+    if backend == "flashinfer" and config is not None and config.mamba_num_heads:
+        bad = {k: getattr(config, k) for k, m in FLASHINFER_MIN_MULTIPLE.items() if getattr(config, k) % m}
+        if bad:
+            log.warning(
+                "ssm_backend=flashinfer: FlashInfer's selective_state_update needs %s to be multiples of %s, "
+                "this model has %s; using triton", list(FLASHINFER_MIN_MULTIPLE), FLASHINFER_MIN_MULTIPLE, bad
+            )
+            backend = "triton"
     if backend is None:
         return "triton" if device.type == "cuda" else "torch"
     if backend not in SSM_BACKENDS:
@@ -238,7 +256,7 @@ class Engine:
         for module in model.modules():
             if isinstance(module, Mamba2Mixer):
                 module.chunk_size = scan_chunk_size
-        self.ssm_backend = _resolve_ssm_backend(ssm_backend, self.device, ssm_replay)
+        self.ssm_backend = _resolve_ssm_backend(ssm_backend, self.device, ssm_replay, config)
         for module in model.modules():
             if hasattr(module, "ssm_backend"):  # recurrent mixers: their verify implementation
                 module.ssm_backend = self.ssm_backend

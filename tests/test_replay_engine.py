@@ -201,6 +201,37 @@ def test_triton_backend_matches_torch_backend(setup):
         assert out.tokens == want.tokens and _acceptance(out.stats) == _acceptance(want.stats)
 
 
+def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
+    """head_dim 10 / d_state 12 break FlashInfer's JIT build: the engine picks Triton and says why."""
+    from types import SimpleNamespace
+
+    from runners.engine import _resolve_ssm_backend
+
+    cfg = SimpleNamespace(mamba_num_heads=6, mamba_head_dim=10, ssm_state_size=12)
+    with caplog.at_level("WARNING"):
+        backend = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
+    assert backend == "triton" and "multiples" in caplog.text
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_rewind_equals_triton(tmp_path):
+    """FlashInfer's selective_state_update (rewind) against our Triton kernels at sizes it supports."""
+    pytest.importorskip("flashinfer.mamba")
+    path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=16,
+                                                    ssm_state_size=32), with_mtp=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (12,))]
+    outs = {}
+    for backend, replay in (("triton", False), ("flashinfer", False), ("flashinfer", True)):
+        engine = Engine.from_pretrained(path, device="cuda", draft_len=3, ssm_replay=replay,
+                                        ssm_backend=backend, max_batch_size=SLOTS, max_seq_len=80)
+        assert engine.ssm_backend == backend
+        outs[backend, replay] = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
+    want = outs["triton", False]
+    for out in outs.values():
+        assert out.tokens == want.tokens and _acceptance(out.stats) == _acceptance(want.stats)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_gpu_replay_equals_rewind(setup, backend):
