@@ -93,7 +93,7 @@ def test_gsm8k_check_pass_and_fail_at_the_threshold():
 
 
 def test_gsm8k_check_placeholder_and_missing_reference():
-    placeholder = find_gsm8k_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
+    placeholder = find_gsm8k_reference("tiny_nemotron_h_mtp", "bfloat16", "none", "none", "mtp")
     check = check_gsm8k(0.1, 0.2, 50, placeholder)
     assert check.status == NO_REFERENCE and check.passed is None
     assert check.threshold is None and "placeholder" in check.note
