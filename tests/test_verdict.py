@@ -111,8 +111,12 @@ def test_acceptance_floors():
     # bf16 row has a rate floor only: the length check reports no reference.
     bf16 = check_acceptance(0.8, 3.4, find_acceptance_reference("super_v3", "none", 3))
     assert [c.status for c in bf16] == [PASS, NO_REFERENCE]
-    placeholder = check_acceptance(0.3, 1.9, find_acceptance_reference("tiny_qwen3_next_mtp", "none", 3))
+    placeholder = check_acceptance(0.3, 1.9, find_acceptance_reference("qwen3_next", "none", 3))
     assert [c.status for c in placeholder] == [NO_REFERENCE, NO_REFERENCE]
+    # the measured tiny row: floor 0.39, length floor 2.300 * 0.9
+    tiny = find_acceptance_reference("tiny_qwen3_next_mtp", "none", 3)
+    assert [c.status for c in check_acceptance(0.3, 1.9, tiny)] == [FAIL, FAIL]
+    assert [c.status for c in check_acceptance(0.4335, 2.30, tiny)] == [PASS, PASS]
     with pytest.raises(ValueError, match="not a fraction"):
         check_acceptance(45.0, None, ref)
     with pytest.raises(ValueError, match="length"):
