@@ -92,10 +92,19 @@ def arch_from_hf_config(config: dict[str, Any], family: Family | str) -> ArchCon
         ) from None
 
 
+_RESTORE_CONFIG = "restore the checkpoint's config.json (or point model.checkpoint at a complete one)"
+
+
 def read_checkpoint_arch(checkpoint_dir: Path, family: Family | str) -> ArchConfig:
-    """arch_from_hf_config of checkpoint_dir/config.json."""
-    with open(Path(checkpoint_dir) / "config.json") as f:
-        return arch_from_hf_config(json.load(f), family)
+    """arch_from_hf_config of checkpoint_dir/config.json; UserError when it is not a JSON object."""
+    path = Path(checkpoint_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} cannot be read as JSON: {e}", _RESTORE_CONFIG) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object (got {type(config).__name__})", _RESTORE_CONFIG)
+    return arch_from_hf_config(config, family)
 
 
 # Counts that may also be smaller than world_size when world_size is a multiple of them: tensor-parallel

@@ -208,6 +208,13 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise UserError(f"{where}: unknown key '{key}'{hint}", f"allowed keys: {', '.join(allowed)}")
+    for key, value in _walk_values(raw):
+        if isinstance(value, str) and "${" in value:
+            raise UserError(
+                f"{where}: key '{key}' holds an interpolation ({value!r}); registry entries are plain data "
+                "(an interpolation could read environment variables, e.g. secrets, into published results)",
+                f"write the literal value of '{key}'",
+            )
     defaults = raw.get("defaults") or []
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
         raise UserError(
@@ -227,6 +234,15 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
 
 def _entry_file(name: str) -> str:
     return f"registry/model/{name}.yaml"
+
+
+def _walk_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, leaf value) of every leaf of a parsed YAML mapping / list."""
+    if isinstance(node, dict):
+        return [kv for k, v in node.items() for kv in _walk_values(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(node, list):
+        return [kv for i, v in enumerate(node) for kv in _walk_values(v, f"{prefix}[{i}]")]
+    return [(prefix, node)]
 
 
 def _walk_keys(node: Any, prefix: str = "") -> list[str]:

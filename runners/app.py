@@ -554,12 +554,28 @@ def check_references(rr: ResolvedRun) -> None:
         raise UserError(err.problem, err.fix) from None
 
 
+def _check_tokenizer(path: Path) -> None:
+    """Load the checkpoint's tokenizer.json once before the model, so a broken one is a UserError."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for malformed files
+        raise UserError(
+            f"{path} cannot be loaded by the tokenizers library: {e}",
+            "restore the checkpoint's tokenizer.json (or point model.checkpoint at a complete one)",
+        ) from None
+
+
 def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
     """Refuse to overwrite or to mix runs, before the model is loaded.
 
     Without resume, an out_dir holding an earlier run's generations is an error; with resume, the stored
     fingerprint (generations.meta.json, written by evals.gsm8k) must equal `fp`. Raises UserError.
     """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output folder {out_dir} exists and is not a folder",
+                        "choose another out_dir= / hydra.run.dir=")
     gen = out_dir / GENERATIONS_FILE
     if not resume and gen.is_file() and gen.stat().st_size > 0:
         raise UserError(
@@ -760,12 +776,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rr = resolve(cfg)
     check_references(rr)
     out_dir = _out_dir(rr.app, rr.entry.name)
+    # A folder holds one kind of run: a single run (generations.jsonl at the top) or a compare run (one
+    # folder per arm); continuing or overwriting the other kind would mix or lose results.
+    single = (out_dir / GENERATIONS_FILE).is_file()
+    arms = [arm for arm in COMPARE_ARMS if (out_dir / arm / GENERATIONS_FILE).is_file()]
+    if (rr.app.compare and single) or (not rr.app.compare and arms):
+        held = "a single run" if single else "a compare=replay run"
+        asked = "compare=replay" if single else "a single run"
+        raise UserError(
+            f"{out_dir} holds {held}; {asked} cannot be written or resumed there",
+            "choose another out_dir= / hydra.run.dir=, or rerun with the settings of the run it holds",
+        )
     if rr.app.compare:
         for arm, replay in zip(COMPARE_ARMS, (False, True)):
             arm_fp = fingerprint(dataclasses.replace(rr, ssm_replay=replay))
             _check_out_dir(out_dir / arm, rr.app.resume, arm_fp)
     else:
         _check_out_dir(out_dir, rr.app.resume, fingerprint(rr))
+    _check_tokenizer(rr.checkpoint_dir / "tokenizer.json")
 
     if rr.device == "cpu":
         # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.

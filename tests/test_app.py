@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,7 @@ TINY_NEMOTRON_H_CONFIG = {
 def make_checkpoint(path: Path, *, sharded: bool = False, config: dict | None = None) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config or TINY_NEMOTRON_H_CONFIG))
-    (path / "tokenizer.json").write_text("{}")
+    shutil.copy(REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json", path)
     if sharded:
         weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
         (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -138,8 +139,9 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert results["generation"]["generated_tokens"] == 600
     assert results["memory"]["kv_cache_bytes"] == 2**21
     assert results["git_commit"] is None or len(results["git_commit"]) == 40
-    # The tiny entry's baseline rows are placeholders: a verdict without pass / fail, exit status 0.
-    assert results["verdict"]["status"] == "no_reference" and app.exit_code(results) == 0
+    # Against the tiny entry's measured rows (registry/baselines/): 37.5 % >= 1.895 - 0.87, rate 0.5 >= 0.485,
+    # length 2.5 >= 2.616 * 0.9.
+    assert results["verdict"]["status"] == "pass" and app.exit_code(results) == 0
     assert [c["name"] for c in results["verdict"]["checks"]] == [
         "gsm8k.mean", "acceptance.rate", "acceptance.length"]
     assert {p.name for p in out.iterdir()} >= {"results.json", "summary.md", "gsm8k_accuracy.png",
@@ -344,3 +346,39 @@ def test_gpu_runtime_without_cuda(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     err = _error(_cfg(f"model.checkpoint={ckpt}", "runtime=gpu"))
     assert "CUDA is not available" in err.problem and "runtime=cpu" in err.fix
+
+
+def test_broken_config_json_and_tokenizer_are_user_errors(fakes, tmp_path):
+    """Found by a newcomer's attack: these used to end in a JSONDecodeError / tokenizers traceback."""
+    ckpt = make_checkpoint(tmp_path / "bad_json")
+    (ckpt / "config.json").write_text("{not json")
+    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o1'}"))
+    assert "config.json cannot be read as JSON" in err.problem and "config.json" in err.fix
+    (ckpt / "config.json").write_text("[1, 2]")
+    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o2'}"))
+    assert "is not a JSON object (got list)" in err.problem
+    ckpt = make_checkpoint(tmp_path / "bad_tok")
+    (ckpt / "tokenizer.json").write_text('{"model": 5}')
+    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o3'}"))
+    assert "tokenizer.json cannot be loaded" in err.problem
+
+
+def test_out_dir_that_is_a_file_or_holds_the_other_kind_of_run(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={afile}"))
+    assert "is not a folder" in err.problem
+    compare_dir = tmp_path / "cmp"
+    (compare_dir / "replay").mkdir(parents=True)
+    (compare_dir / "replay" / "generations.jsonl").write_text("{}\n")
+    for extra in ([], ["resume=true"]):
+        err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={compare_dir}",
+                          *extra))
+        assert "holds a compare=replay run" in err.problem
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "generations.jsonl").write_text("{}\n")
+    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={single}",
+                      "compare=replay", "resume=true"))
+    assert "holds a single run" in err.problem

@@ -223,3 +223,18 @@ def test_entry_file_cannot_reach_outside_model_node(tmp_path, text, problem):
 def test_shipped_entry_files_pass_raw_check():
     for name in entry_names():
         check_entry_file(name)
+
+
+def test_entry_interpolation_rejected(tmp_path):
+    """`${oc.env:...}` in a PR's entry could copy secrets into published results: entries are plain data."""
+    from registry.schema import check_entry_file
+
+    (tmp_path / "leaky.yaml").write_text(
+        "name: leaky\nfamily: nemotron_h\nhf_id: ${oc.env:HOME}\ncheckpoint: x\n"
+    )
+    with pytest.raises(UserError, match=r"key 'hf_id' holds an interpolation"):
+        check_entry_file("leaky", tmp_path)
+    (tmp_path / "nested.yaml").write_text("name: nested\nfamily: nemotron_h\ncheckpoint: x\n"
+                                          "cuda_graph_batch_sizes: [1, '${oc.env:X}']\n")
+    with pytest.raises(UserError, match=r"cuda_graph_batch_sizes\[1\]"):
+        check_entry_file("nested", tmp_path)
