@@ -85,12 +85,25 @@ def validate_one(name: str) -> EntryReport:
         if ckpt.exists():
             try:
                 check_checkpoint_dir(ckpt, "model.checkpoint")
+                _load_embedded(ckpt)
             except UserError as e:
                 report.errors.append(f"{e.problem} -- fix: {e.fix}")
         else:
             report.notes.append(f"embedded checkpoint {ckpt} not built yet (python -m runners.tiny)")
     report.errors += _baseline_problems(entry)
     return report
+
+
+def _load_embedded(ckpt) -> None:
+    """Load a shipped (small) checkpoint with the engine's loader: every tensor present, named and shaped as
+    the config says, files readable. Raises UserError with the loader's message."""
+    from runners.loader import CheckpointError, load_model
+
+    try:
+        load_model(ckpt)
+    except CheckpointError as e:
+        raise UserError(f"embedded checkpoint {ckpt} does not load: {e}",
+                        "rebuild it (registry/checkpoints/README.md) or restore it from git") from None
 
 
 def _baseline_problems(entry: ModelEntry) -> list[str]:

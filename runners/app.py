@@ -723,6 +723,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         "git_commit": commit,
         "git_dirty": dirty,
         "gsm8k": {k: result.scores[k] for k in ("strict_match", "flexible_extract", "n")},
+        # lm-eval task version, few-shot settings, lm-eval version and the data source actually read
+        "task": dict(getattr(result, "task", None) or {}),
         "acceptance": acceptance_section(stats, rr.draft_len),
         "memory": {k: int(v) for k, v in dict(engine.cache_memory()).items()},
         "timings": {

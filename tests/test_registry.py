@@ -238,3 +238,17 @@ def test_entry_interpolation_rejected(tmp_path):
                                           "cuda_graph_batch_sizes: [1, '${oc.env:X}']\n")
     with pytest.raises(UserError, match=r"cuda_graph_batch_sizes\[1\]"):
         check_entry_file("nested", tmp_path)
+
+
+def test_registry_validate_loads_embedded_checkpoints(monkeypatch, tmp_path, capsys):
+    """A truncated shipped checkpoint fails validate (it used to pass the file-presence check)."""
+    import shutil
+
+    shipped = registry_validate.EMBEDDED_CHECKPOINTS_DIR / "tiny_nemotron_h_mtp"
+    broken = tmp_path / "tiny_nemotron_h_mtp"
+    shutil.copytree(shipped, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 3_000_000])
+    monkeypatch.setattr(registry_validate, "EMBEDDED_CHECKPOINTS_DIR", tmp_path)
+    assert registry_main(["validate", "tiny_nemotron_h_mtp"]) == 1
+    assert "does not load" in capsys.readouterr().out
