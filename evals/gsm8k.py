@@ -47,6 +47,9 @@ _ADDITIVE_STATS = {
     "num_requests", "prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "steps",
     "drafted_tokens", "accepted_drafts", "accepted_per_position", "num_accepted_hist", "request_steps",
 }
+# Fields only a whole `engine.generate` call has (batch steps, seconds): summed over the stats parts.
+_TIMING_STATS = ("prefill_seconds", "decode_seconds", "steps", "wall_seconds", "num_parts")
+TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
 
 class GSM8KDataError(RuntimeError):
@@ -62,11 +65,13 @@ class GSM8KResult:
     """Outcome of `evaluate_gsm8k`.
 
     scores: {"strict_match": float, "flexible_extract": float, "n": int}; accuracies are fractions in [0, 1].
-    stats: the engine's GenerationStats fields summed over every `engine.generate` call that returned for
-        this out_dir (resumed parts included; a call killed before returning contributes no stats), plus
-        "wall_seconds" (sum of those calls' wall time), "num_parts" (number of such calls) and
-        "requests_without_stats" (scored requests whose generate call was killed: their tokens and time
-        are missing from the sums; 0 for an uninterrupted run).
+    stats: see `scored_stats`: the per-request counters (num_requests, prompt_tokens, generated_tokens,
+        request_steps, drafted_tokens, accepted_drafts, accepted_per_position, num_accepted_hist and the
+        acceptance_* ratios) summed over exactly the requests scored by this call, so a killed-and-resumed
+        run reports the counters of an uninterrupted one; timing fields (prefill_seconds, decode_seconds,
+        steps, wall_seconds, num_parts, timing_prompt_tokens, timing_generated_tokens) summed over
+        `timing_scope` = every generate call of out_dir that returned; "requests_without_stats" counts
+        scored requests whose record has no per-request counters (0 with this engine).
     samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
     wall_seconds: wall time of this `evaluate_gsm8k` call (task building, generation, scoring).
     num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
@@ -168,6 +173,47 @@ def _quiet_lm_eval() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def _acceptance_ratios(counters: dict[str, Any]) -> None:
+    """Add acceptance_rate / acceptance_length / acceptance_per_position to `counters` from its sums."""
+    if counters.get("drafted_tokens"):
+        counters["acceptance_rate"] = counters.get("accepted_drafts", 0) / counters["drafted_tokens"]
+    if counters.get("request_steps") and "accepted_drafts" in counters:
+        counters["acceptance_length"] = 1 + counters["accepted_drafts"] / counters["request_steps"]
+    if counters.get("request_steps") and "accepted_per_position" in counters:
+        # a fraction per position, not additive: recompute it from the summed counts
+        steps = counters["request_steps"]
+        counters["acceptance_per_position"] = [a / steps for a in counters["accepted_per_position"]]
+
+
+def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
+
+    records: the generation records (`GenerationStore` lines) of the requests scored, one per distinct
+    request; each one's `request_stats` (the engine's per-request counters) is summed (lists element-wise)
+    into num_requests (records with counters), prompt_tokens, generated_tokens, request_steps,
+    drafted_tokens, accepted_drafts, accepted_per_position [K], num_accepted_hist [K + 2], and the
+    acceptance_rate / acceptance_length / acceptance_per_position ratios are recomputed from those sums.
+    So the counters depend only on which requests were scored, not on how the run was split into parts.
+    parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
+    out_dir; the timing fields (`_TIMING_STATS`) come from `merge_stats(parts)`, with that merge's
+    prompt / generated token sums as timing_prompt_tokens / timing_generated_tokens (for throughput), and
+    timing_scope says they cover every call of out_dir, not only the scored requests.
+    requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
+    """
+    with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
+    counters = merge_stats([{"engine_stats": s} for s in with_stats])
+    del counters["wall_seconds"], counters["num_parts"]
+    counters["num_requests"] = len(with_stats)
+    timing = merge_stats(parts)
+    for k in _TIMING_STATS:
+        counters[k] = timing.get(k, 0)
+    counters["timing_prompt_tokens"] = timing.get("prompt_tokens", 0)
+    counters["timing_generated_tokens"] = timing.get("generated_tokens", 0)
+    counters["timing_scope"] = TIMING_SCOPE
+    counters["requests_without_stats"] = len(records) - len(with_stats)
+    return counters
+
+
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Sum GenerationStats dicts of several `engine.generate` calls into the stats of the whole run.
 
@@ -194,14 +240,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 disagreeing.add(k)
     for k in disagreeing:
         del merged[k]
-    if merged.get("drafted_tokens"):
-        merged["acceptance_rate"] = merged.get("accepted_drafts", 0) / merged["drafted_tokens"]
-    if merged.get("request_steps") and "accepted_drafts" in merged:
-        merged["acceptance_length"] = 1 + merged["accepted_drafts"] / merged["request_steps"]
-    if merged.get("request_steps") and "accepted_per_position" in merged:
-        # a fraction per position, not additive: recompute it from the summed counts
-        steps = merged["request_steps"]
-        merged["acceptance_per_position"] = [a / steps for a in merged["accepted_per_position"]]
+    _acceptance_ratios(merged)
     merged["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
     merged["num_parts"] = len(parts)
     return merged
@@ -299,9 +338,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
     _write_jsonl_atomic(samples_path, samples)
 
-    stats = merge_stats(store.stats_parts)
-    with_stats = sum(int(p.get("num_requests", 0)) for p in store.stats_parts)
-    stats["requests_without_stats"] = max(0, n - with_stats)
+    # lm.records: one record per distinct request of this evaluation (exactly the current limit's requests)
+    stats = scored_stats(list(lm.records.values()), store.stats_parts)
     return GSM8KResult(
         scores=scores,
         stats=stats,

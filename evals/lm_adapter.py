@@ -88,7 +88,10 @@ class GenerationStore:
 
     One line per finished request, written (flush + fsync) as the request finishes:
     `{"key", "prompt_sha256", "generated_ids", "num_generated_tokens", "finish_reason",
-    "engine_finish_reason", "stop_string", "text"}`. A sibling file `<stem>.stats.jsonl` gets one line per
+    "engine_finish_reason", "stop_string", "text", "request_stats"}`; `request_stats` is the engine's
+    per-request counter dict passed to `on_finish` (request_steps, drafted_tokens, accepted_drafts,
+    accepted_per_position, num_accepted_hist, generated_tokens, prompt_tokens) or null when the engine gave
+    none. A sibling file `<stem>.stats.jsonl` gets one line per
     `engine.generate` call that returned: `{"wall_seconds", "num_requests", "engine_stats"}`.
 
     `<stem>.meta.json` holds `run_meta` (what must match for stored generations to be reused, e.g. the
@@ -207,7 +210,9 @@ class EngineLM(LM):
     Args:
         engine: has `generate(prompts: list[list[int]], max_new_tokens: int, stop_token_ids=None,
             stop_checker=None, on_finish=None, progress=None)` returning `.tokens`, `.finish_reasons`,
-            `.stats` (docs/architecture.md); `engine.config.eos_token_id` is used when present.
+            `.stats` (docs/architecture.md) and calling `on_finish(i, generated_ids, finish_reason,
+            request_stats)` (an engine that passes only the first three leaves `request_stats` null);
+            `engine.config.eos_token_id` is used when present.
         tokenizer: the checkpoint's `tokenizers.Tokenizer` (or a path to its tokenizer.json). Prompts are
             encoded with its post-processor (special tokens such as BOS as the tokenizer.json defines).
         max_gen_toks: generated-token limit for requests whose gen_kwargs do not set `max_gen_toks`.
@@ -314,7 +319,8 @@ class EngineLM(LM):
             raise ValueError(f"max_gen_toks must be a positive int, got {max_gen_toks!r}")
         return GenerationSettings(tuple(until), max_gen_toks, self.stop_token_ids, self.tokenizer_sha256)
 
-    def _finish(self, p: _Pending, ids: Sequence[int], engine_reason: str) -> dict[str, Any]:
+    def _finish(self, p: _Pending, ids: Sequence[int], engine_reason: str,
+                request_stats: dict[str, Any] | None) -> dict[str, Any]:
         ids = [int(t) for t in ids[: p.settings.max_gen_toks]]  # a multi-token step may overshoot the limit
         body = ids[:-1] if ids and ids[-1] in p.settings.stop_token_ids else ids
         text = self.tokenizer.decode(body, skip_special_tokens=True)
@@ -334,6 +340,7 @@ class EngineLM(LM):
             "engine_finish_reason": engine_reason,
             "stop_string": stop,
             "text": text[:cut],
+            "request_stats": None if request_stats is None else dict(request_stats),
         }
 
     def _generate(self, pending: list[_Pending], bar: tqdm) -> None:
@@ -360,12 +367,13 @@ class EngineLM(LM):
             tail = self.tokenizer.decode(list(generated_ids[start:]), skip_special_tokens=True)
             return any(s in tail for s in p.settings.until)
 
-        def on_finish(i: int, generated_ids: Sequence[int], finish_reason: str) -> None:
+        def on_finish(i: int, generated_ids: Sequence[int], finish_reason: str,
+                      request_stats: dict[str, Any] | None = None) -> None:
             p = pending[i]
             if p.key in self.records:
                 logger.warning("engine reported request %d finished twice; keeping the first result", i)
                 return
-            record = self._finish(p, generated_ids, finish_reason)
+            record = self._finish(p, generated_ids, finish_reason, request_stats)
             if self.store is not None:
                 self.store.add(record)
             self.records[p.key] = record

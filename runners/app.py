@@ -605,9 +605,13 @@ def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
 def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     """The settings stored generations depend on; resuming with different ones is refused (evals.gsm8k).
 
+    Included besides the engine settings: eval.num_fewshot and eval.max_gen_toks (they change the prompts and
+    the generations, hence the acceptance counters) and the GSM8K data folder (absolute path; None = hub).
     Not included: the git commit (resuming across a code change is allowed; results.json records the commit
-    of the finishing run), eval.limit (a resumed run may score more samples), paths of the outputs.
+    of the finishing run), eval.limit (a resumed run may score more or fewer samples: evals.gsm8k reports the
+    counters of exactly the scored ones), paths of the outputs.
     """
+    data_dir = gsm8k_data_dir(rr.app.eval.data_dir)
     return {
         "entry": rr.entry.name,
         "checkpoint_dir": str(rr.checkpoint_dir),
@@ -618,6 +622,9 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "ssm_replay": rr.ssm_replay,
         "max_batch_size": rr.max_batch_size,
         "world_size": rr.world_size,
+        "num_fewshot": rr.app.eval.num_fewshot,
+        "max_gen_toks": rr.app.eval.max_gen_toks,
+        "data_dir": str(Path(data_dir).expanduser().resolve()) if data_dir else None,
     }
 
 
@@ -713,6 +720,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
 
     stats = _stats_dict(result.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
+    # throughput: the seconds cover every generate call of out_dir, so divide the tokens of those same calls
+    prefill_tok = stats.get("timing_prompt_tokens", stats.get("prompt_tokens", 0))
+    decode_tok = stats.get("timing_generated_tokens", stats.get("generated_tokens", 0))
     commit, dirty = git_commit()
     return {
         "schema_version": RESULTS_SCHEMA_VERSION,
@@ -733,8 +743,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
             "eval_seconds": t_end - t_loaded,
             "prefill_seconds": prefill_s,
             "decode_seconds": decode_s,
-            "prefill_tokens_per_s": _rate(stats.get("prompt_tokens", 0), prefill_s),
-            "decode_tokens_per_s": _rate(stats.get("generated_tokens", 0), decode_s),
+            "prefill_tokens_per_s": _rate(prefill_tok, prefill_s),
+            "decode_tokens_per_s": _rate(decode_tok, decode_s),
         },
         "generation": stats,
         "resumed": {

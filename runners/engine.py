@@ -138,6 +138,57 @@ class GenerationStats:
         return GenerationStats(**{k: add(v, getattr(other, k)) for k, v in asdict(self).items()})
 
 
+class SlotCounters:
+    """Per-slot speculative counters of the request that holds each cache slot; host int64 tensors.
+
+    ``request_steps`` [S], ``accepted_drafts`` [S], ``accepted_per_position`` [S, K] and
+    ``num_accepted_hist`` [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one
+    request. :meth:`reset` zeroes a slot's row when a request is admitted; :meth:`record` updates all rows
+    of a verify step at once (no loop over requests); :meth:`request_stats` reads one row back as the
+    ``request_stats`` dict that ``on_finish`` receives. Summed over all requests of a ``generate`` call the
+    rows equal that call's :class:`GenerationStats` counters.
+    """
+
+    def __init__(self, num_slots: int, draft_len: int):
+        self.draft_len = draft_len
+        self.request_steps = torch.zeros(num_slots, dtype=torch.long)
+        self.accepted_drafts = torch.zeros(num_slots, dtype=torch.long)
+        self.accepted_per_position = torch.zeros(num_slots, draft_len, dtype=torch.long)
+        self.num_accepted_hist = torch.zeros(num_slots, draft_len + 2 if draft_len else 0, dtype=torch.long)
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Zero the rows of ``slots`` (newly admitted requests)."""
+        idx = torch.as_tensor(list(slots), dtype=torch.long)
+        self.request_steps[idx] = 0
+        self.accepted_drafts[idx] = 0
+        self.accepted_per_position[idx] = 0
+        self.num_accepted_hist[idx] = 0
+
+    def record(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count one verify step: ``slots`` [B] distinct slot ids, ``accepted`` [B] accepted drafts in [0, K]
+        (host int64)."""
+        K = self.draft_len
+        self.request_steps[slots] += 1
+        self.accepted_drafts[slots] += accepted
+        self.accepted_per_position[slots] += (torch.arange(K)[None, :] < accepted[:, None]).long()
+        self.num_accepted_hist[slots, accepted + 1] += 1
+
+    def request_stats(self, slot: int, prompt_tokens: int, generated_tokens: int) -> dict:
+        """The counters of the request in ``slot`` as a plain dict: ``request_steps``, ``drafted_tokens``
+        (K per request-step), ``accepted_drafts``, ``accepted_per_position`` [K], ``num_accepted_hist``
+        [K + 2] (both [] without speculation), ``generated_tokens``, ``prompt_tokens``."""
+        steps = int(self.request_steps[slot])
+        return {
+            "request_steps": steps,
+            "drafted_tokens": self.draft_len * steps,
+            "accepted_drafts": int(self.accepted_drafts[slot]),
+            "accepted_per_position": self.accepted_per_position[slot].tolist(),
+            "num_accepted_hist": self.num_accepted_hist[slot].tolist(),
+            "generated_tokens": generated_tokens,
+            "prompt_tokens": prompt_tokens,
+        }
+
+
 @dataclass
 class GenerationOutput:
     """tokens: generated ids per prompt (prompt excluded, a stop token kept); finish_reasons: "stop_token" |
@@ -280,6 +331,7 @@ class Engine:
                 max_batch_size, config.hidden_size, dtype=dtype, device=self.device
             )
             self._draft1 = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        self._slot_counters = SlotCounters(max_batch_size, draft_len)
 
     @classmethod
     def from_pretrained(
@@ -366,7 +418,7 @@ class Engine:
         max_new_tokens: int,
         stop_token_ids: Sequence[int] | None = None,
         stop_checker: Callable[[int, list[int]], bool] | None = None,
-        on_finish: Callable[[int, list[int], str], None] | None = None,
+        on_finish: Callable[[int, list[int], str, dict], None] | None = None,
         progress: bool | Callable[[int, int], None] | None = None,
     ) -> GenerationOutput:
         """Greedy generation for every prompt, with continuous batching over ``max_batch_size`` slots.
@@ -378,7 +430,11 @@ class Engine:
                 ``eos_token_id``; an empty list disables stop tokens.
             stop_checker: ``stop_checker(i, generated_ids) -> bool``, called after each step for requests that
                 got a token; True finishes request i ("stop_checker").
-            on_finish: ``on_finish(i, generated_ids, finish_reason)``, called once per request as it finishes.
+            on_finish: ``on_finish(i, generated_ids, finish_reason, request_stats)``, called once per request
+                as it finishes; ``request_stats`` is a plain dict of that request's counters
+                (:meth:`SlotCounters.request_stats`: request_steps, drafted_tokens, accepted_drafts,
+                accepted_per_position [K], num_accepted_hist [K + 2], generated_tokens, prompt_tokens).
+                Summed over all requests they equal the returned ``stats`` counters.
             progress: True shows a tqdm bar over finished requests; a callable gets (finished, total).
 
         Returns:
@@ -407,6 +463,7 @@ class Engine:
         slot_len = torch.zeros(self.max_batch_size, dtype=torch.long)  # tokens of the slot's request in cache
         last_token = torch.zeros(self.max_batch_size, dtype=torch.long)
         active: list[int] = []  # slots decoding, in admission order
+        counters = self._slot_counters
 
         def accept(slot: int, tokens: list[int]) -> None:
             """Append a step's ``tokens`` to the slot's request, stopping at the first stop condition (a
@@ -428,12 +485,13 @@ class Engine:
             if reason is None:
                 return
             reasons[i] = reason
+            request_stats = counters.request_stats(slot, len(prompts[i]), len(toks))
             active.remove(slot)
             slot_request[slot] = -1
             free_slots.append(slot)
             finished += 1
             if on_finish is not None:
-                on_finish(i, toks, reason)
+                on_finish(i, toks, reason, request_stats)
             report(finished)
 
         while waiting or active:
@@ -443,6 +501,7 @@ class Engine:
                     slot = free_slots.pop()
                     slot_request[slot] = waiting.popleft()
                     admitted.append(slot)
+                counters.reset(admitted)
                 t0 = time.perf_counter()
                 first = self._prefill([prompts[slot_request[s]] for s in admitted], admitted)
                 for slot, token in zip(admitted, first):
@@ -510,7 +569,8 @@ class Engine:
            (the last accepted position) with the bonus token, and its output gives the next first draft.
         The loop is family-agnostic: it needs only the model forward, ``BatchMeta.verify`` support in the
         recurrent mixers and ``cache.commit`` (each layer state's ``commit_rows``).
-        Advances ``slot_len`` / ``last_token`` and the acceptance counters of ``stats`` in place.
+        Advances ``slot_len`` / ``last_token``, the acceptance counters of ``stats`` and the per-slot
+        counters (:class:`SlotCounters`) in place.
         """
         K, T = self.draft_len, self.draft_len + 1
         idx = torch.tensor(slots, dtype=torch.long)
@@ -537,10 +597,12 @@ class Engine:
         out = self._mtp(after, hidden, catch_up)
         self._store_first_draft(dev_idx, out[torch.arange(len(slots), device=self.device), accepted])
 
-        acc, drafts_h, bonus_h = accepted.tolist(), drafts.tolist(), bonus.tolist()
-        slot_len[idx] += num_accepted.cpu()
+        accepted_h = accepted.cpu()
+        acc, drafts_h, bonus_h = accepted_h.tolist(), drafts.tolist(), bonus.tolist()
+        slot_len[idx] += accepted_h + 1
         last_token[idx] = bonus.cpu()
         stats.record_step(acc, K)
+        self._slot_counters.record(idx, accepted_h)
         return [d[:a] + [b] for d, a, b in zip(drafts_h, acc, bonus_h)]
 
     def _draft(self, slot_ids: torch.Tensor, slot_len: torch.Tensor, slot_start: int | None) -> torch.Tensor:

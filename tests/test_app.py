@@ -121,7 +121,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["fingerprint"] == {
         "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "max_batch_size": 16,
-        "world_size": 1}
+        "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256, "data_dir": "/data/gsm8k"}
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))

@@ -77,7 +77,7 @@ def test_each_prompt_alone_and_continuous_batching_agree(setup):
     engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=64, prefill_chunk_tokens=6)
     finished_order = []
     out = engine.generate(
-        prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, toks, reason: finished_order.append(i)
+        prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, toks, reason, stats: finished_order.append(i)
     )
     assert out.tokens == expected
     assert sorted(finished_order) == list(range(5))
@@ -93,8 +93,12 @@ def test_stop_tokens_checker_and_on_finish(setup):
     def checker(i, toks):
         return i == 1 and len(toks) == 4
 
-    def on_finish(i, toks, reason):
+    def on_finish(i, toks, reason, request_stats):
         calls.append((i, list(toks), reason))
+        # no speculation: no request-steps; the token counts are the request's own
+        assert request_stats == {
+            "request_steps": 0, "drafted_tokens": 0, "accepted_drafts": 0, "accepted_per_position": [],
+            "num_accepted_hist": [], "generated_tokens": len(toks), "prompt_tokens": len(prompts[i])}
 
     out = engine.generate(
         prompts,

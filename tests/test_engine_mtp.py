@@ -11,7 +11,9 @@
   length, next first draft) equals a reference engine that decoded only the accepted tokens one by one;
 - PAD rows of a verify + commit never touch a live slot; counts outside [1, T] are rejected;
 - speculative buffers exist only with speculation (memory report by kind, exact byte counts);
-- GenerationStats keeps raw sums and derives rate / length / per-position acceptance.
+- GenerationStats keeps raw sums and derives rate / length / per-position acceptance;
+- the per-request counters passed to on_finish (``request_stats``) match each request's realized acceptances
+  and sum to the call's GenerationStats (continuous batching: 3 slots, 6 requests, K = 1, 3, 7).
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class CheckedEngine(Engine):
         self.slot_request, self.history, self.ref_len = {}, {}, {}
         self.request_step = [0] * len(prompts)
         self.expected_accepts, self.realized_accepts, self.checked = {}, [], 0
+        self.realized_by_request = [[] for _ in prompts]
 
     def _prefill(self, prompts, slots):
         first = super()._prefill(prompts, slots)
@@ -163,6 +166,7 @@ class CheckedEngine(Engine):
         for s, toks in zip(slots, new):
             self.history[s] += toks
             self.realized_accepts.append(len(toks) - 1)
+            self.realized_by_request[self.slot_request[s]].append(len(toks) - 1)
             if self.schedules is not None and self.expected_accepts[s] is not None:
                 assert len(toks) - 1 == self.expected_accepts[s], f"slot {s}: forced acceptance not realized"
             self._check_slot(s, int(slot_len[s]))
@@ -196,17 +200,42 @@ def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8
     kw = dict(draft_len=K, max_batch_size=3, max_seq_len=64)
     engine = CheckedEngine.from_pretrained(path, prefill_chunk_tokens=prefill_chunk_tokens, **kw)
     engine.attach(Engine.from_pretrained(path, **kw), prompts, plain, schedules)
-    finished = []
+    finished, request_stats = [], {}
+
+    def on_finish(i, toks, reason, stats):
+        finished.append(i)
+        request_stats[i] = stats
+
     out = engine.generate(
         prompts,
         MAX_NEW,
         stop_token_ids=[],
         stop_checker=lambda i, toks: len(toks) >= LIMITS[i],
-        on_finish=lambda i, t, r: finished.append(i),
+        on_finish=on_finish,
     )
     assert out.tokens == [g[:n] for g, n in zip(plain, LIMITS)]
     assert sorted(finished) == list(range(len(prompts))) and engine.checked == out.stats.steps > 0
+    _check_request_stats(engine, prompts, out, request_stats, K)
     return engine, out.stats
+
+
+def _check_request_stats(engine, prompts, out, request_stats: dict[int, dict], K: int) -> None:
+    """Each request's on_finish counters equal its own realized acceptances; summed over the requests they
+    equal the call's GenerationStats (the global counters are exactly the per-request ones added up)."""
+    total = GenerationStats(accepted_per_position=[0] * K, num_accepted_hist=[0] * (K + 2))
+    for i, rs in request_stats.items():
+        realized = engine.realized_by_request[i]
+        want = GenerationStats(
+            num_requests=1, prompt_tokens=len(prompts[i]), generated_tokens=len(out.tokens[i])
+        )
+        want.record_step(realized, K)
+        got = GenerationStats(num_requests=1, **rs)
+        assert got == want, f"request {i}"
+        total = total + got
+    assert total.num_requests == len(prompts)
+    for name in ("num_requests", "prompt_tokens", "generated_tokens", "request_steps", "drafted_tokens",
+                 "accepted_drafts", "accepted_per_position", "num_accepted_hist"):
+        assert getattr(total, name) == getattr(out.stats, name), name
 
 
 def _check_counters(s: GenerationStats, K: int, realized: list[int]) -> None:

@@ -12,13 +12,35 @@ from pathlib import Path
 
 import datasets
 import pytest
-from test_gsm8k_fakes import FakeEngine, answer_policy, last_question, read_jsonl, train_tiny_tokenizer
+from test_gsm8k_fakes import (
+    FAKE_DRAFT_LEN,
+    FakeEngine,
+    answer_policy,
+    last_question,
+    read_jsonl,
+    train_tiny_tokenizer,
+)
 from tokenizers import Tokenizer
 
 from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, merge_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
+# per-request counters and the acceptance derived from them: must not depend on how the run was split
+COUNTER_KEYS = ("num_requests", "prompt_tokens", "generated_tokens", "request_steps", "drafted_tokens",
+                "accepted_drafts", "accepted_per_position", "num_accepted_hist", "acceptance_rate",
+                "acceptance_length", "acceptance_per_position")
+
+
+def _counters(stats: dict) -> dict:
+    return {k: stats[k] for k in COUNTER_KEYS}
+
+
+def _check_nontrivial(stats: dict, n: int) -> None:
+    """The fake engine's acceptance is neither 0 nor 1 and its counters cover n requests."""
+    assert stats["num_requests"] == n and stats["requests_without_stats"] == 0
+    assert 0 < stats["accepted_drafts"] < stats["drafted_tokens"] == FAKE_DRAFT_LEN * stats["request_steps"]
+    assert 0 < stats["acceptance_rate"] < 1 and len(stats["acceptance_per_position"]) == FAKE_DRAFT_LEN
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +138,23 @@ def test_resume_grows_limit_and_merges_stats(tokenizer_path, gsm8k_dir, tmp_path
     assert res.scores == ref.scores and read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
     assert res.stats["num_parts"] == 2 and res.stats["num_requests"] == LIMIT
     assert res.stats["generated_tokens"] == ref.stats["generated_tokens"]
+    _check_nontrivial(ref.stats, LIMIT)
+    assert _counters(res.stats) == _counters(ref.stats)
+
+
+def test_resume_with_smaller_limit_reports_only_the_scored_requests(tokenizer_path, gsm8k_dir, tmp_path):
+    ref = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, tmp_path / "ref",
+               limit=3)
+    out = tmp_path / "full"
+    full = _run(_engine(tokenizer_path, gsm8k_dir, "alternate"), tokenizer_path, gsm8k_dir, out)
+    engine = _engine(tokenizer_path, gsm8k_dir, "alternate")
+    res = _run(engine, tokenizer_path, gsm8k_dir, out, resume=True, limit=3)
+    assert engine.calls == [] and res.scores["n"] == 3
+    _check_nontrivial(res.stats, 3)
+    assert _counters(res.stats) == _counters(ref.stats) != _counters(full.stats)
+    # the timing fields still cover the folder's one generate call, of all LIMIT requests
+    assert res.stats["num_parts"] == 1
+    assert res.stats["timing_generated_tokens"] == full.stats["generated_tokens"]
 
 
 def test_resume_tolerates_a_cut_last_line(tokenizer_path, gsm8k_dir, tmp_path):
@@ -173,7 +212,10 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(tokenizer_path, gsm8k_d
     assert res.num_resumed == done and res.num_generated == LIMIT - done
     assert res.scores == ref.scores == {"strict_match": 0.5, "flexible_extract": 0.5, "n": LIMIT}
     assert read_jsonl(res.samples_path) == read_jsonl(ref.samples_path)
-    assert res.stats["num_parts"] == 1 and res.stats["requests_without_stats"] == done  # killed: no stats
+    # the killed call returned no GenerationStats, but each finished request's counters are on disk
+    assert res.stats["num_parts"] == 1 and res.stats["requests_without_stats"] == 0
+    _check_nontrivial(ref.stats, LIMIT)
+    assert _counters(res.stats) == _counters(ref.stats)
 
 
 def test_data_dir_errors(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):

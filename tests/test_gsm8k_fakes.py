@@ -4,7 +4,9 @@
   <pad>=0 <s>=1 </s>=2, BOS added by its post-processor (like the shipped tiny checkpoints' tokenizer).
 - `FakeEngine`: implements `runners.Engine.generate`'s documented contract (docs/architecture.md) by playing
   back a scripted completion per prompt, with continuous batching over `max_batch_size` slots, several tokens
-  per step (like MTP), `stop_checker` after each step, `on_finish` as each request finishes.
+  per step (like MTP), `stop_checker` after each step, `on_finish(i, ids, reason, request_stats)` as each
+  request finishes, with scripted speculative counters (draft length `FAKE_DRAFT_LEN`) that depend only on
+  the request's own tokens, so they do not change with batching, limits or kill-and-resume.
 
 Also imported by the kill-and-resume subprocess in test_gsm8k.py (tests/ is put on its sys.path).
 """
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+FAKE_DRAFT_LEN = 3
 
 
 def train_tiny_tokenizer(gsm8k_dir: Path, out_path: Path, *, num_rows: int = 300,
@@ -84,9 +87,29 @@ class FakeStats:
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     steps: int = 0
+    request_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    accepted_per_position: list = dataclasses.field(default_factory=lambda: [0] * FAKE_DRAFT_LEN)
+    num_accepted_hist: list = dataclasses.field(default_factory=lambda: [0] * (FAKE_DRAFT_LEN + 2))
+
+    def count_step(self, accepted: int) -> None:
+        """One request-step with `accepted` of K = FAKE_DRAFT_LEN drafts accepted."""
+        self.request_steps += 1
+        self.drafted_tokens += FAKE_DRAFT_LEN
+        self.accepted_drafts += accepted
+        self.num_accepted_hist[accepted + 1] += 1
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def request_stats(self) -> dict:
+        """The engine's per-request `request_stats` dict (runners.engine.SlotCounters.request_stats)."""
+        keys = ("request_steps", "drafted_tokens", "accepted_drafts", "accepted_per_position",
+                "num_accepted_hist", "generated_tokens", "prompt_tokens")
+        return {k: getattr(self, k) for k in keys}
 
 
 class FakeEngine:
@@ -129,6 +152,7 @@ class FakeEngine:
         generated: list[list[int]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
         stats = FakeStats(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
+        per_request = [FakeStats(num_requests=1, prompt_tokens=len(p)) for p in prompts]
         waiting, active, num_finished = deque(range(len(prompts))), [], 0
         t0 = time.perf_counter()
         while waiting or active:
@@ -139,6 +163,11 @@ class FakeEngine:
             stats.steps += 1
             for i in list(active):
                 reason = None
+                n0 = len(generated[i])
+                # scripted acceptance: a function of the request's own next token only
+                accepted = (scripts[i][n0] if n0 < len(scripts[i]) else n0) % (FAKE_DRAFT_LEN + 1)
+                stats.count_step(accepted)
+                per_request[i].count_step(accepted)
                 for _ in range(self.tokens_per_step):
                     n = len(generated[i])
                     tok = scripts[i][n] if n < len(scripts[i]) else self._filler[n % len(self._filler)]
@@ -154,8 +183,9 @@ class FakeEngine:
                 if reason:
                     reasons[i] = reason
                     active.remove(i)
+                    per_request[i].generated_tokens = len(generated[i])
                     if on_finish is not None:
-                        on_finish(i, list(generated[i]), reason)
+                        on_finish(i, list(generated[i]), reason, per_request[i].request_stats())
                     num_finished += 1
                     if num_finished == self.hang_after:
                         time.sleep(3600)

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from runners import app
 from runners.app import REPO_ROOT
+from runners.errors import UserError
 
 LIMIT = 6
 KILL_AFTER = 3  # samples on disk when the run is killed
@@ -117,3 +118,17 @@ def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tm
     gen = {r["key"]: r["generated_ids"] for r in read_jsonl(gen_file)}
     assert gen == {r["key"]: r["generated_ids"] for r in read_jsonl(tmp_path / "ref" / "generations.jsonl")}
     assert (out / "summary.md").exists() and (out / "gsm8k_accuracy.png").exists()
+
+    # acceptance: the killed part's requests count through their per-request counters, as uninterrupted
+    acc, ref_acc = results["acceptance"], json.loads(json.dumps(ref["acceptance"]))
+    assert acc["requests_without_stats"] == 0 and 0 < acc["accepted"] < acc["drafted"]
+    assert acc == ref_acc
+    for k in ("num_requests", "request_steps", "drafted_tokens", "accepted_drafts", "accepted_per_position",
+              "num_accepted_hist", "acceptance_rate", "acceptance_length", "acceptance_per_position"):
+        assert results["generation"][k] == ref["generation"][k], k
+
+    # a resume with other eval settings than the stored generations' is refused before anything runs
+    for changed in ("eval.num_fewshot=0", "eval.max_gen_toks=100"):
+        with pytest.raises(UserError, match="cannot resume") as e:
+            app.run(_cfg(*common, changed, f"out_dir={out}", "resume=true"))
+        assert changed.split(".")[1].split("=")[0] in str(e.value)
