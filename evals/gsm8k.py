@@ -94,7 +94,7 @@ def resolve_data_source(data_dir: str | os.PathLike | None) -> Path | None:
     A directory must hold train.jsonl and test.jsonl (rows {"question", "answer"}).
     Raises GSM8KDataError naming the missing path and where it came from.
     """
-    origin = "data_dir"
+    origin = "eval.data_dir"
     if data_dir is None or str(data_dir) == "":
         env = os.environ.get(DATA_ENV)
         if not env:

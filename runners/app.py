@@ -483,12 +483,13 @@ SIBLING_GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def gsm8k_data_dir(configured: str | None) -> str | None:
-    """The GSM8K folder to read: eval.data_dir, else $GSM8K_DIR, else ../shared/data/gsm8k beside the
-    checkout when it holds test.jsonl, else None (evals.gsm8k then tries the hub dataset openai/gsm8k)."""
+    """The GSM8K folder to pass to evals.gsm8k: eval.data_dir; else None when $GSM8K_DIR is set (evals reads
+    it and names it in its errors); else ../shared/data/gsm8k beside the checkout when it holds test.jsonl;
+    else None (evals.gsm8k then tries the hub dataset openai/gsm8k)."""
     if configured:
         return str(configured)
     if os.environ.get("GSM8K_DIR"):
-        return os.environ["GSM8K_DIR"]
+        return None  # evals.gsm8k reads $GSM8K_DIR itself, so its errors name the variable
     if (SIBLING_GSM8K_DIR / "test.jsonl").is_file():
         return str(SIBLING_GSM8K_DIR)
     return None

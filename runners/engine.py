@@ -207,10 +207,12 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# FlashInfer's selective_state_update vectorises its loads over head_dim and d_state; at sizes that are not
-# multiples of these its JIT build fails a static assertion ("PackedAligned instantiated with N == 0"), seen
-# on the H200 for head_dim 10 / d_state 12 (docs/gpu/engine_gpu_flashinfer.log). Super V3 (64 / 128) is fine.
-FLASHINFER_MIN_MULTIPLE = {"mamba_head_dim": 16, "ssm_state_size": 32}
+# FlashInfer's selective_state_update vectorises its loads over head_dim and d_state; at small sizes its JIT
+# build fails a static assertion ("PackedAligned instantiated with N == 0"): seen on the H200 for
+# (head_dim, d_state) = (10, 12) and (16, 32) with fp32 inputs (docs/gpu/engine_gpu_flashinfer*.log). It is
+# known to build and run at the Super V3 sizes (64, 128; ENVIRONMENT.md's measurements), so only multiples of
+# those are sent to it; anything else runs our Triton kernel, with a warning.
+FLASHINFER_MIN_MULTIPLE = {"mamba_head_dim": 64, "ssm_state_size": 128}
 
 
 def _resolve_ssm_backend(
