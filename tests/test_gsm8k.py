@@ -220,7 +220,7 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(tokenizer_path, gsm8k_d
 
 def test_data_dir_errors(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):
     engine = _engine(tokenizer_path, gsm8k_dir, "right")
-    with pytest.raises(GSM8KDataError, match=r"does not exist.*\n  fix: point data_dir"):
+    with pytest.raises(GSM8KDataError, match=r"does not exist.*\n  fix: point eval.data_dir"):
         _run(engine, tokenizer_path, tmp_path / "missing", tmp_path / "o1")
 
     only_test = tmp_path / "only_test"
