@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from runners import Engine
+
 PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
 
 
@@ -161,3 +163,31 @@ def write_checkpoint(
     }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path
+
+
+class OracleDraftEngine(Engine):
+    """Drafts the true greedy continuation, with draft ``step % (K + 1)`` corrupted at each step (none when
+    that index is K), so num_accepted_tokens cycles through 1 .. K + 1."""
+
+    def set_oracle(self, prompts, greedy):
+        self.prompts = [list(p) for p in prompts]
+        self.sequences = [p + g for p, g in zip(prompts, greedy)]
+        self.slot_request, self.step = {}, 0
+
+    def _prefill(self, prompts, slots):
+        for p, s in zip(prompts, slots):
+            self.slot_request[s] = self.prompts.index(list(p))
+        return super()._prefill(prompts, slots)
+
+    def _draft(self, slot_ids, slot_len, slot_start):
+        K, V = self.draft_len, self.config.vocab_size
+        wrong = self.step % (K + 1)
+        self.step += 1
+        rows = []
+        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
+            seq = self.sequences[self.slot_request[s]]
+            row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(K)]
+            if wrong < K:
+                row[wrong] = (row[wrong] + 1) % V
+            rows.append(row)
+        return torch.tensor(rows, device=self.device)

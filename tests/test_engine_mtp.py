@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_factory import make_hf_model, write_checkpoint
+from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 
 from runners import Engine, GenerationStats
 from runners.cache import BatchMeta, KVCache, Mamba2State
@@ -57,34 +57,6 @@ def test_drafts_match_cache_free_mtp_reference(ckpt):
         after.append(want[-1])
         hidden = torch.cat([hidden, out[None]])
     assert drafts == want
-
-
-class OracleDraftEngine(Engine):
-    """Drafts the true greedy continuation, with draft ``step % (K + 1)`` corrupted at each step (none when
-    that index is K), so num_accepted_tokens cycles through 1 .. K + 1."""
-
-    def set_oracle(self, prompts, greedy):
-        self.prompts = [list(p) for p in prompts]
-        self.sequences = [p + g for p, g in zip(prompts, greedy)]
-        self.slot_request, self.step = {}, 0
-
-    def _prefill(self, prompts, slots):
-        for p, s in zip(prompts, slots):
-            self.slot_request[s] = self.prompts.index(list(p))
-        return super()._prefill(prompts, slots)
-
-    def _draft(self, slot_ids, slot_len, slot_start):
-        K, V = self.draft_len, self.config.vocab_size
-        wrong = self.step % (K + 1)
-        self.step += 1
-        rows = []
-        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
-            seq = self.sequences[self.slot_request[s]]
-            row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(K)]
-            if wrong < K:
-                row[wrong] = (row[wrong] + 1) % V
-            rows.append(row)
-        return torch.tensor(rows, device=self.device)
 
 
 def test_every_num_accepted_value_keeps_plain_greedy_output(ckpt):

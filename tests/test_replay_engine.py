@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_factory import make_hf_model, write_checkpoint
+from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 
 from runners import Engine
@@ -64,34 +64,6 @@ def test_replay_equals_rewind_tokens_and_acceptance(setup, K):
     assert replay.stats.accepted_drafts > 0  # drafts were accepted, so PNAT > 1 was replayed
     assert replay_engine.cache.replay is not None
     assert all(isinstance(state, Mamba2ReplayState) for _, state in _recurrent_layers(replay_engine))
-
-
-class OracleDraftEngine(Engine):
-    """Drafts the true greedy continuation with draft ``step % (K + 1)`` corrupted (none when that index is
-    K), so num_accepted_tokens cycles through 1 .. K + 1 and every PNAT value is replayed."""
-
-    def set_oracle(self, prompts, greedy):
-        self.prompts = [list(p) for p in prompts]
-        self.sequences = [p + g for p, g in zip(prompts, greedy)]
-        self.slot_request, self.step = {}, 0
-
-    def _prefill(self, prompts, slots):
-        for p, s in zip(prompts, slots):
-            self.slot_request[s] = self.prompts.index(list(p))
-        return super()._prefill(prompts, slots)
-
-    def _draft(self, slot_ids, slot_len, slot_start):
-        K, V = self.draft_len, self.config.vocab_size
-        wrong = self.step % (K + 1)
-        self.step += 1
-        rows = []
-        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
-            seq = self.sequences[self.slot_request[s]]
-            row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(K)]
-            if wrong < K:
-                row[wrong] = (row[wrong] + 1) % V
-            rows.append(row)
-        return torch.tensor(rows, device=self.device)
 
 
 def test_replay_with_every_num_accepted_value(setup):
