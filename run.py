@@ -18,6 +18,10 @@ from omegaconf import DictConfig
 
 from runners.errors import UserError
 
+# Exit status of each job: one for a plain run, one per job of a sweep (`python run.py -m model=a,b
+# ssm_replay=false,true`); a sweep runs every job even when one fails, and exits with the worst status.
+_EXIT_CODES: list[int] = []
+
 
 def _fail(e: UserError) -> None:
     print(e.format(), file=sys.stderr)
@@ -31,8 +35,10 @@ def main(cfg: DictConfig) -> None:
     try:
         results = app.run(cfg)
     except UserError as e:
-        _fail(e)
-    sys.exit(app.exit_code(results))
+        print(e.format(), file=sys.stderr)
+        _EXIT_CODES.append(2)
+        return
+    _EXIT_CODES.append(app.exit_code(results))
 
 
 def _preflight(argv: list[str]) -> None:
@@ -53,3 +59,4 @@ def _preflight(argv: list[str]) -> None:
 if __name__ == "__main__":
     _preflight(sys.argv[1:])
     main()
+    sys.exit(max(_EXIT_CODES, default=0))

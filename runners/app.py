@@ -963,18 +963,32 @@ def preflight(overrides: list[str]) -> None:
     except HydraException as e:
         problem = f"cannot parse the overrides: {str(e).strip().splitlines()[0]}"
         raise UserError(problem, "write each override as key=value (python run.py --help)") from None
-    model = default_entry()
+    models = [default_entry()]
     for o in parsed:
         key = o.key_or_group
-        if key not in ("model", "eval", "runtime") or o.is_delete() or o.is_sweep_override():
-            continue  # sweeps (a,b) are checked by Hydra itself
-        value = o.value()
-        if isinstance(value, str):
-            _check_group_option(key, value)
-            model = value if key == "model" else model
+        if key not in ("model", "eval", "runtime") or o.is_delete():
+            continue
+        # a sweep (`model=a,b` with -m) is checked option by option
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        for value in values:
+            if isinstance(value, str):
+                _check_group_option(key, value)
+        if key == "model":
+            models = [v for v in values if isinstance(v, str)] or models
     # Before Hydra loads the entry: a registry file must not reach outside the `model` node.
-    check_entry_file(model)
-    app_overrides = [s for s, o in zip(overrides, parsed) if not o.key_or_group.startswith("hydra")]
+    for model in models:
+        check_entry_file(model)
+    # Compose once with the first option of every sweep (Hydra composes each job itself).
+    app_overrides = []
+    for text, o in zip(overrides, parsed):
+        if o.key_or_group.startswith("hydra"):
+            continue
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()), None)
+            if first is None:
+                continue
+            text = f"{o.get_key_element()}={first}"
+        app_overrides.append(text)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             cfg = compose("config", overrides=app_overrides)

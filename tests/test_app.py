@@ -382,3 +382,15 @@ def test_out_dir_that_is_a_file_or_holds_the_other_kind_of_run(fakes, tmp_path):
     err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={single}",
                       "compare=replay", "resume=true"))
     assert "holds a single run" in err.problem
+
+
+def test_sweep_runs_every_job_and_exits_with_the_worst_status(tmp_path, gsm8k_dir):
+    """`python run.py -m ...` (a nightly sweep): a job's user error does not stop the others, and the
+    process exits with the worst job status (draft_len=2 has no acceptance row for the tiny entry: 2)."""
+    proc = _run_py("-m", "eval.limit=1", "eval.max_gen_toks=4", f"eval.data_dir={gsm8k_dir}", "draft_len=2,0",
+                   f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no acceptance reference for 'tiny_nemotron_h_mtp' at quant=none draft_len=2" in proc.stderr
+    assert (tmp_path / "1" / "results.json").is_file()  # the job after the failing one still ran
+    proc = _run_py("-m", "model=tiny_nemotron_h_mtp,super_v3", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown registry entry model='super_v3'" in proc.stderr
