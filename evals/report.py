@@ -163,7 +163,7 @@ def plot_acceptance_per_position(results: Mapping[str, Any], path: str | Path) -
 
 
 def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> Path | None:
-    """Histogram of num_accepted_tokens per request-step (index = tokens committed, 0..K+1), as fractions.
+    """Histogram of num_accepted_tokens per request-step (bars for 1..K+1 tokens committed), as fractions.
 
     Returns the PNG path, or None without a histogram.
     """
@@ -177,9 +177,11 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
         return None
     size = max(len(values) for _, values in arms)
     arms = [(label, values + [0.0] * (size - len(values))) for label, values in arms]
+    # num_accepted_tokens is in [1, K + 1] (the bonus token always commits): index 0 is always empty
+    arms = [(label, values[1:]) for label, values in arms]
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    _grouped_bars(ax, [str(i) for i in range(size)], arms)
+    _grouped_bars(ax, [str(i) for i in range(1, size)], arms)
     ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
     ax.set_ylabel("fraction of request-steps")
     ax.set_title("Accepted length")
