@@ -868,6 +868,10 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     results = dict(results)
     results["verdict"] = _verdict(replay_rr, results, rewind_checks + checks).to_dict()
     results["comparison"] = comp
+    # The top level reports the replay arm; its wall time covers both arms (per-arm timings stay in the
+    # arms' own results.json).
+    results["timings"] = {**results["timings"], "wall_seconds": sum(
+        r["timings"]["wall_seconds"] for _, r in arm_results.values()), "scope": "both arms"}
     print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / 'comparison.json'}")
     _finish(results, out_dir)
     return results
