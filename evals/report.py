@@ -419,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.results.exists():
         parser.error(f"{args.results} does not exist")
-    files = write_report(json.loads(args.results.read_text()), args.out or args.results.parent)
+    try:
+        results = json.loads(args.results.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        parser.error(f"{args.results} is not JSON ({e}); pass the results.json a run wrote")
+    if not isinstance(results, dict) or not {"entry", "gsm8k"} <= results.keys():
+        parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and 'gsm8k'; "
+                     "docs/results_schema.md)")
+    files = write_report(results, args.out or args.results.parent)
     print(files.summary)
     for path in files.plots.values():
         print(path)

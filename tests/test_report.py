@@ -177,3 +177,16 @@ def test_cli_rewrites_a_saved_run(tmp_path, capsys):
     assert (tmp_path / "rep" / PLOT_ACCURACY).exists() and "80.50" in (
         tmp_path / "rep" / "summary.md"
     ).read_text()
+
+
+def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
+    from evals.report import main
+
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    other = tmp_path / "other.json"
+    other.write_text('{"schema_version": 1}')
+    for path, message in ((empty, "is not JSON"), (other, "is not a run's results.json")):
+        with pytest.raises(SystemExit) as e:
+            main([str(path)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
