@@ -301,7 +301,7 @@ def test_drafts_match_cache_free_mtp_reference(small_vocab):
 # accepted tokens, and the output equals plain greedy.
 
 
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("K", [1, 3, 7])
 def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(small_vocab, K):
     path, prompts, plain = small_vocab
     chunk = 7 if K == 3 else 8192  # once with chunked prefill
@@ -311,10 +311,10 @@ def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(small_v
     assert engine.cache_memory()["spec_buffers_bytes"] > 0  # GDN rewind buffers (T states per slot)
 
 
-def test_ragged_forced_acceptance_keeps_each_rows_gdn_state(small_vocab):
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_ragged_forced_acceptance_keeps_each_rows_gdn_state(small_vocab, K):
     path, prompts, plain = small_vocab
-    K = 3
-    schedules = [[K, 0], [0, K], [2, K, 0, 0], [K, K, 0], [0], [K, 1, K]]
+    schedules = [[K, 0], [0, K], [min(2, K), K, 0, 0], [K, K, 0], [0], [K, 1, K]]
     engine, s = mtp_tests._checked_run(path, prompts, plain, K, schedules)
     mtp_tests._check_counters(s, K, engine.realized_accepts)
     assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0

@@ -171,7 +171,9 @@ def replay_verify_torch(
 
     Shapes: state (S, H, P, N); x (B, T, H, P); dt (B, T, H) raw; A, D, dt_bias (H,); B, C (B, T, G, N);
     history: ``ReplayHistory`` with x (S, 2, L, H, P) etc., L >= T. Returns out (B, T, H, P) in x's dtype.
-    Source: BRIEF section 4 (the SSD closed form); checked against ``replay_verify_ref`` in tests.
+    Source: BRIEF section 4 (the SSD closed form); checked against ``replay_verify_ref`` in tests. That
+    reference is the spec (token by token, one Python iteration per batch row with host reads of PNAT); the
+    engine cannot run it per decode step without a Python loop over requests, hence this batched form.
     """
     if history.checkpointing:
         raise ValueError("replay_verify_torch takes the per-step history (2 x buffers), not checkpointing")
