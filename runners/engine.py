@@ -207,12 +207,13 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# FlashInfer's selective_state_update vectorises its loads over head_dim and d_state; at small sizes its JIT
-# build fails a static assertion ("PackedAligned instantiated with N == 0"): seen on the H200 for
-# (head_dim, d_state) = (10, 12) and (16, 32) with fp32 inputs (docs/gpu/engine_gpu_flashinfer*.log). It is
-# known to build and run at the Super V3 sizes (64, 128; ENVIRONMENT.md's measurements), so only multiples of
-# those are sent to it; anything else runs our Triton kernel, with a warning.
-FLASHINFER_MIN_MULTIPLE = {"mamba_head_dim": 64, "ssm_state_size": 128}
+# FlashInfer 0.7.2's selective_state_update compiles one module per (head_dim, d_state); at some sizes its
+# build fails a static assertion in its vector-load helpers, and it dispatches heads per group over powers of
+# two only. tests/gpu/flashinfer_sizes.py probed it on the H200 (docs/gpu/flashinfer_sizes.json): it builds
+# and matches our reference at the sizes below, and fails to build at head_dim 16 and 32. Only sizes measured
+# (or listed by its dispatcher) are sent to it; others run our Triton kernel, with a warning.
+FLASHINFER_SIZES = {"mamba_head_dim": (64, 128), "ssm_state_size": (32, 64, 128, 256)}
+FLASHINFER_HEADS_PER_GROUP = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _resolve_ssm_backend(
@@ -221,11 +222,15 @@ def _resolve_ssm_backend(
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
     where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason)."""
     if backend == "flashinfer" and config is not None and config.mamba_num_heads:
-        bad = {k: getattr(config, k) for k, m in FLASHINFER_MIN_MULTIPLE.items() if getattr(config, k) % m}
+        bad = {k: getattr(config, k) for k, ok in FLASHINFER_SIZES.items() if getattr(config, k) not in ok}
+        hpg = config.mamba_num_heads // config.n_groups
+        if hpg not in FLASHINFER_HEADS_PER_GROUP:
+            bad["mamba_num_heads / n_groups"] = hpg
         if bad:
             log.warning(
-                "ssm_backend=flashinfer: FlashInfer's selective_state_update needs %s to be multiples of %s, "
-                "this model has %s; using triton", list(FLASHINFER_MIN_MULTIPLE), FLASHINFER_MIN_MULTIPLE, bad
+                "ssm_backend=flashinfer: FlashInfer's selective_state_update is verified only at %s with "
+                "mamba_num_heads / n_groups in %s; this model has %s; using triton",
+                FLASHINFER_SIZES, FLASHINFER_HEADS_PER_GROUP, bad
             )
             backend = "triton"
     if backend is None:

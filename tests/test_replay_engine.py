@@ -12,6 +12,8 @@ vocab (tests/ckpt_factory.py, tests/qwen_ckpt.py) make random drafts often right
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
@@ -174,24 +176,35 @@ def test_triton_backend_matches_torch_backend(setup):
 
 
 def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
-    """head_dim 10 / d_state 12 break FlashInfer's JIT build: the engine picks Triton and says why."""
+    """head_dim 10 / d_state 12 break FlashInfer's JIT build, 3 heads per group its dispatcher: the engine
+    picks Triton and says why; Super V3's sizes pass the guard."""
     from types import SimpleNamespace
 
     from runners.engine import _resolve_ssm_backend
 
-    cfg = SimpleNamespace(mamba_num_heads=6, mamba_head_dim=10, ssm_state_size=12)
+    for sizes, named in (((10, 12, 6, 2), "mamba_head_dim': 10"), ((64, 128, 6, 2), "n_groups': 3")):
+        keys = ("mamba_head_dim", "ssm_state_size", "mamba_num_heads", "n_groups")
+        cfg = SimpleNamespace(**dict(zip(keys, sizes)))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            backend = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
+        assert backend == "triton" and "verified only at" in caplog.text and named in caplog.text
+    caplog.clear()
+    cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)  # Super V3
     with caplog.at_level("WARNING"):
-        backend = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
-    assert backend == "triton" and "multiples" in caplog.text
+        resolved = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
+    assert "verified only at" not in caplog.text  # passes the size guard (then needs flashinfer importable)
+    assert resolved == ("flashinfer" if importlib.util.find_spec("flashinfer") else "triton")
 
 
 @pytest.mark.gpu
 def test_gpu_flashinfer_rewind_equals_triton(tmp_path):
     """FlashInfer's selective_state_update (rewind) against our Triton kernels at sizes it supports."""
     pytest.importorskip("flashinfer.mamba")
-    # FlashInfer builds at Super V3's Mamba2 sizes (head_dim 64, d_state 128); smaller ones fail its JIT.
+    # FlashInfer builds at Super V3's Mamba2 sizes (head_dim 64, d_state 128); head_dim 16 / 32 fail its JIT,
+    # and it takes a power-of-two number of heads per group (4 heads / 2 groups here).
     path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=64,
-                                                    ssm_state_size=128), with_mtp=True)
+                                                    ssm_state_size=128, mamba_num_heads=4), with_mtp=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (12,))]
     outs = {}

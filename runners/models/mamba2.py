@@ -402,10 +402,14 @@ def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_st
     b, T, H, P = x.shape
     N = state.ssm.shape[-1]
     slots = (meta.slot_ids % state.ssm.shape[0]).to(torch.int32)  # PAD -> the scratch row (a real row)
+    # Its contract (FlashInfer 0.7.2): x, B, C and out unit-stride in the last dim (x can arrive as a strided
+    # view); D and dt_bias in dt's dtype, so all three go in fp32, as our kernels read them.
+    x, Bm, Cm = x.contiguous(), Bm.contiguous(), Cm.contiguous()
     out = torch.empty_like(x)
     fim.selective_state_update(
-        state.ssm, x, _tied(dt, (b, T, H, P)), _tied(A, (H, P, N)), Bm, Cm, _tied(D, (H, P)),
-        dt_bias=_tied(dt_bias, (H, P)), dt_softplus=True, state_batch_indices=slots, out=out,
+        state.ssm, x, _tied(dt.float(), (b, T, H, P)), _tied(A.float(), (H, P, N)), Bm, Cm,
+        _tied(D.float(), (H, P)), dt_bias=_tied(dt_bias.float(), (H, P)), dt_softplus=True,
+        state_batch_indices=slots, out=out,
         disable_state_update=True, intermediate_states_buffer=state.ssm_steps,
         intermediate_state_indices=slots, cache_steps=T,
     )
