@@ -1,6 +1,7 @@
 """Benchmark of the Mamba2 verify kernels (rewind, replay) at the Nemotron 3 Super mixer shape on one GPU.
 
-    python -m kernels.bench_mamba2 [--out results.json] [--batch 64] [--T 4] [--flashinfer]
+    python -m kernels.bench_mamba2 [--out results.json] [--batch 64] [--T 4] [--state-dtypes float32,bfloat16]
+                                   [--flashinfer] [--flashinfer-checkpointing bfloat16]
 
 Times with triton.testing.do_bench (median, microseconds) per state dtype (float32, bfloat16), bf16 inputs:
 - rewind verify: `selective_state_update` writing T intermediate states, and `commit_intermediate_state`
@@ -9,9 +10,10 @@ Times with triton.testing.do_bench (median, microseconds) per state dtype (float
   sweep of head_dim block x warps; the checkpointing variant (L = 16) without and with a flush;
   `replay_advance`
 - a torch copy of the whole state (read + write): the memory-bound floor for anything that rewrites it
-- with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token) and
-  `checkpointing_ssu`; a call that fails (first-use JIT, an API that differs from the one assumed here) is
-  recorded with its error instead of stopping the run
+- with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token); with
+  --flashinfer-checkpointing DTYPES also its `checkpointing_ssu` (3 pending tokens, and a flush); a call
+  that fails (first-use JIT, an API that differs from the one assumed here) is recorded with its error
+  instead of stopping the run
 Each timing comes with the bytes it must move and the bandwidth that implies. Prints one JSON document and
 writes it to --out. Needs CUDA; the state cache has as many slots as the batch has rows (slot b = row b).
 Without a GPU: `--dry-run` (TRITON_INTERPRET=1) runs every call once at a tiny shape; `--compile-check`
@@ -21,7 +23,6 @@ compiles the kernels for sm_90 and prints registers / stack bytes per thread (sp
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import traceback
@@ -133,7 +134,8 @@ def _tied(t, shape):
     return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
 
 
-def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16):
+def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpointing=False):
+    """FlashInfer's rewind verify (and, with `checkpointing`, its checkpointing_ssu) at the bench shape."""
     try:
         import flashinfer.mamba as fim
     except Exception as e:  # noqa: BLE001 - report, do not fail the run
@@ -142,7 +144,9 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16):
     S = batch
     state = torch.randn(S, H, P, N, device=dev).to(state_dtype)
     x = torch.randn(batch, T, H, P, device=dev, dtype=in_dtype)
-    dt = _tied((torch.randn(batch, T, H, device=dev) * 0.5 - 1).to(in_dtype), (batch, T, H, P))
+    # dt, D and dt_bias share one dtype in its contract: fp32, as the engine passes them (our kernels read
+    # dt in the input dtype; the difference is B * T * H * 2 bytes)
+    dt = _tied(torch.randn(batch, T, H, device=dev) * 0.5 - 1, (batch, T, H, P))
     A = _tied(-torch.rand(H, device=dev) - 0.5, (H, P, N))
     B = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
     C = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
@@ -159,24 +163,29 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16):
             intermediate_state_indices=slot_ids, cache_steps=T)), 2)}
     except Exception:  # noqa: BLE001
         res["selective_state_update_rewind"] = {"error": traceback.format_exc(limit=2)}
+    if not checkpointing:
+        return res
     if not hasattr(fim, "checkpointing_ssu"):
         res["checkpointing_ssu"] = {"error": "flashinfer.mamba has no checkpointing_ssu"}
         return res
-    params = list(inspect.signature(fim.checkpointing_ssu).parameters)
-    if "old_x" not in params:
-        res["checkpointing_ssu"] = {"error": f"signature not the one assumed here (old_x ...): {params}"}
-        return res
     try:
-        old_x = torch.randn(S, T, H, P, device=dev).to(in_dtype)
-        old_B = torch.randn(S, 2, T, G, N, device=dev).to(in_dtype)
-        old_dt = torch.rand(S, 2, H, T, device=dev)
-        old_cum = torch.cumsum(-old_dt, dim=-1)
-        buf = torch.zeros(S, device=dev, dtype=torch.int32)
-        for k in (0, T - 1):
+        # FlashInfer 0.7.2's contract: rings of RING = max_window + T rows per slot, processed dt in fp32,
+        # ring_start / prev_num_accepted_tokens owned by the caller; the state is written when pnat + 2T > RING.
+        ring = 16 + T
+        x_cache = torch.randn(S, H, ring, P, device=dev).to(in_dtype)
+        B_cache = (torch.randn(S, G, ring, N, device=dev) / N**0.5).to(in_dtype)
+        dt_cache = torch.rand(S, H, ring, device=dev) * 0.1
+        ring_start = torch.zeros(S, device=dev, dtype=torch.int32)
+        for k in (3, ring - 2 * T + 1):
             pnat = torch.full((S,), k, device=dev, dtype=torch.int32)
-            res[f"checkpointing_ssu_pnat{k}"] = {"us": round(_bench(lambda pnat=pnat: fim.checkpointing_ssu(
-                state, old_x, old_B, old_dt, old_cum, buf, pnat, x, dt, A, B, C, out, D=D, dt_bias=dt_bias,
-                dt_softplus=True, state_batch_indices=slot_ids)), 2)}
+            tag = f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}"
+
+            def call(pnat=pnat):
+                ring_start.zero_()  # a flush advances it; keep every timed call the same
+                fim.checkpointing_ssu(state, x_cache, B_cache, dt_cache, ring_start, pnat, x, dt, A, B, C, out,
+                                      D=D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
+                                      algorithm="monolith")
+            res[tag] = {"us": round(_bench(call), 2)}
     except Exception:  # noqa: BLE001
         res["checkpointing_ssu"] = {"error": traceback.format_exc(limit=2)}
     return res
@@ -236,7 +245,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--T", type=int, default=4, help="tokens per verify (draft length + 1)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer (JIT can take minutes)")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="also time FlashInfer's selective_state_update (first-use JIT about 20 s per dtype)")
+    ap.add_argument("--flashinfer-checkpointing", default="", metavar="DTYPES",
+                    help="also time FlashInfer's checkpointing_ssu for these state dtypes, comma-separated "
+                         "(bfloat16,float32); its first-use JIT takes minutes per dtype")
+    ap.add_argument("--state-dtypes", default="float32,bfloat16", help="state dtypes to time, comma-separated")
     ap.add_argument("--dry-run", action="store_true",
                     help="run every call once on the CPU (TRITON_INTERPRET=1) at a tiny shape; no timings")
     ap.add_argument("--compile-check", action="store_true",
@@ -261,11 +275,14 @@ def main(argv=None) -> int:
         "triton": triton.__version__,
         "results": {},
     }
-    for sd in (torch.float32, torch.bfloat16):
-        name = str(sd).replace("torch.", "")
+    ckpt = {d for d in args.flashinfer_checkpointing.split(",") if d}
+    for name in [d for d in args.state_dtypes.split(",") if d]:
+        sd = getattr(torch, name, None)
+        if sd not in (torch.float32, torch.bfloat16, torch.float16):
+            ap.error(f"--state-dtypes: {name!r} is not one of float32, bfloat16, float16")
         entry = {"ours": bench_ours(args.batch, args.T, sd)}
-        if args.flashinfer:
-            entry["flashinfer"] = bench_flashinfer(args.batch, args.T, sd)
+        if args.flashinfer or name in ckpt:
+            entry["flashinfer"] = bench_flashinfer(args.batch, args.T, sd, checkpointing=name in ckpt)
         result["results"][f"state_{name}"] = entry
         torch.cuda.empty_cache()
     text = json.dumps(result, indent=1)

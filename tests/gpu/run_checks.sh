@@ -11,6 +11,11 @@
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
 #   bench     kernels/bench_mamba2.py and kernels/bench_gdn.py at the Super V3 / Qwen3-Next shapes
 #   engine    the engine test modules on CUDA (same tests as the CPU, device from $TEST_DEVICE)
+#   flashinfer  FlashInfer beside ours: which Mamba2 sizes its selective_state_update builds at and whether
+#             it agrees with our reference there (tests/gpu/flashinfer_sizes.py), the engine's GPU tests
+#             with ssm_backend=flashinfer importable, and kernels/bench_mamba2.py with --flashinfer (and
+#             checkpointing_ssu for a bf16 state, whose minutes-long JIT is started first, in the background;
+#             FLASHINFER_CKPT=float32,bfloat16 picks its state dtypes, FLASHINFER_CKPT= skips it)
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
@@ -46,6 +51,20 @@ for s in "$@"; do
            stage bench_gdn_fp32 python3 -m kernels.bench_gdn --out "$out/bench_gdn_fp32.json"
            stage bench_gdn_bf16 python3 -m kernels.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json" ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    flashinfer)
+      ckpt=${FLASHINFER_CKPT-bfloat16}  # state dtypes for checkpointing_ssu; FLASHINFER_CKPT= skips it
+      warm=
+      if [ -n "$ckpt" ]; then
+        FLASHINFER_CKPT=$ckpt timeout 420 python3 -c 'import os, torch; from kernels.bench_mamba2 import \
+bench_flashinfer as b; [print(b(2, 4, getattr(torch, d), checkpointing=True)) for d in \
+os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
+        warm=$!
+      fi
+      stage flashinfer_sizes python3 tests/gpu/flashinfer_sizes.py --out "$out/flashinfer_sizes.json"
+      stage engine_flashinfer python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_replay_engine.py
+      [ -z "$warm" ] || wait $warm
+      stage bench_mamba2_flashinfer python3 -m kernels.bench_mamba2 --flashinfer --flashinfer-checkpointing \
+        "$ckpt" --out "$out/bench_mamba2_flashinfer.json" ;;
     *) echo "unknown stage $s"; failed+=("$s") ;;
   esac
 done
