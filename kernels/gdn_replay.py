@@ -25,7 +25,9 @@ and u_t depends only on S_0 and tokens <= t, never on which later tokens get acc
   3. u_t, k_t and G_t of the new tokens go to buffer 1 - buf_idx[slot], so the buffer being read is never
      written (value heads of one key head share k_hist, written by the first of them).
 gdn_replay_commit then sets pnat[slot] = num_accepted and flips buf_idx[slot], for the rows the kernel
-processed (slot >= 0). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV) values instead of
+processed (slot >= 0). Each kernel has a plain-PyTorch reference with its signature (`*_ref`), vectorised over
+the batch: the engine runs those on the CPU (`ssm_backend="torch"`); tests hold kernel and reference to a
+token-by-token oracle (tests/replay_oracles.py). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV) values instead of
 T * HV * V * K.
 
 Performance: one state read and (p > 0) one state write per verify, no intermediate states, all math in
@@ -275,41 +277,68 @@ def gdn_replay_verify_ref(
     q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
     out=None, block_v=16,
 ):
-    """Plain-PyTorch reference of gdn_replay_verify (same signature, same mutations)."""
+    """PyTorch reference of gdn_replay_verify, vectorised over the batch: the engine's CPU path.
+
+    Same signature and mutations as the kernel (block_v ignored). For the live rows (slot s = slot_ids[b] >=
+    0, p = pnat[s] clamped to [0, TH], r = buf_idx[s] % 2):
+    1. fast-forward: S <- exp(G_{p-1}) S + sum_{j<p} exp(G_{p-1} - G_j) u_j k_j^T from history buffer r,
+       stored as the slot's committed state (unchanged for p = 0); the new tokens start from the stored
+       (dtype-rounded) value;
+    2. the T new tokens by the recurrence S_t = alpha_t S_{t-1} + u_t k_t^T, u_t = beta_t (v_t - alpha_t
+       S_{t-1} k_t), o_t = S_t (scale q_t), batched over rows;
+    3. u_t, the normalised k_t and G_t = g_0 + .. + g_t of the new tokens into buffer 1 - r.
+    PAD rows (slot id < 0) read and write no buffer; their outputs are zero. All arithmetic in fp32.
+
+    Shapes: q, k (B, T, H, K); v (B, T, HV, V); g, beta (B, T, HV); state (S, HV, V, K); history u (S, 2, TH,
+    HV, V), k (S, 2, TH, H, K), g (S, 2, TH, HV). Returns out (B, T, HV, V) in v's dtype (or `out`).
+    Raises ValueError as the kernel does. Source: BRIEF section 4 (the closed form of the gated delta rule);
+    tested against the kernel and a token-by-token oracle (tests/replay_oracles.py).
+    """
+    del block_v
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
     check_state(state, HV, V, K)
     TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
     out = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    out.zero_()
+    rows = (slot_ids >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
     scale = K**-0.5 if scale is None else scale
     r = HV // H
-    kn = l2norm(k) if use_qk_l2norm_in_kernel else k.float()  # (B, T, H, K)
-    qf = (l2norm(q) if use_qk_l2norm_in_kernel else q.float()).repeat_interleave(r, dim=2) * scale
-    kf = kn.repeat_interleave(r, dim=2)
-    for b in range(B):
-        slot = int(slot_ids[b])
-        if slot < 0:
-            out[b] = 0
-            continue
-        n_old, old = min(max(int(pnat[slot]), 0), TH), int(buf_idx[slot]) & 1
-        new = 1 - old
-        s = state[slot].float()  # (HV, V, K)
-        if n_old > 0:
-            G = history.g[slot, old, :n_old].float()  # (n_old, HV)
-            c = torch.exp(G[-1] - G)  # (n_old, HV)
-            U = history.u[slot, old, :n_old].float() * c[:, :, None]  # (n_old, HV, V)
-            Kh = history.k[slot, old, :n_old].float().repeat_interleave(r, dim=1)  # (n_old, HV, K)
-            s = s * torch.exp(G[-1])[:, None, None] + torch.einsum("jhv,jhk->hvk", U, Kh)
-            state[slot] = s.to(state.dtype)
-        G_cum = torch.zeros(HV, device=g.device)
-        for t in range(T):
-            s = s * g[b, t].float().exp()[:, None, None]
-            u = beta[b, t].float()[:, None] * (v[b, t].float() - torch.einsum("hvk,hk->hv", s, kf[b, t]))
-            s = s + u[:, :, None] * kf[b, t][:, None, :]
-            out[b, t] = torch.einsum("hvk,hk->hv", s, qf[b, t]).to(out.dtype)
-            G_cum = G_cum + g[b, t].float()
-            history.u[slot, new, t] = u.to(history.u.dtype)
-            history.k[slot, new, t] = kn[b, t].to(history.k.dtype)
-            history.g[slot, new, t] = G_cum
+    s = slot_ids[rows].long()
+    n_old, old = pnat[s].long().clamp(0, TH), buf_idx[s].long() & 1
+    # 1. fast-forward by the accepted tokens of the previous verify
+    G = history.g[s, old].float()  # (n, TH, HV)
+    G_last = G.gather(1, (n_old - 1).clamp(min=0)[:, None, None].expand(-1, 1, HV))[:, 0]
+    G_last = torch.where(n_old[:, None] > 0, G_last, 0.0)  # (n, HV)
+    pending = torch.arange(TH, device=G.device)[None, :, None] < n_old[:, None, None]
+    # positions j >= p are never read (the kernel masks them): where(), not a product with 0, so garbage or NaN
+    # there cannot leak in
+    c = torch.where(pending, torch.exp(G_last[:, None, :] - G), 0.0)  # (n, TH, HV)
+    U = torch.where(pending[..., None], history.u[s, old].float() * c[..., None], 0.0)  # (n, TH, HV, V)
+    Kh = torch.where(pending[..., None], history.k[s, old].float().repeat_interleave(r, dim=2), 0.0)
+    S = state[s].float() * torch.exp(G_last)[..., None, None] + torch.einsum("bjhv,bjhk->bhvk", U, Kh)
+    S = S.to(state.dtype)
+    state.index_copy_(0, s, S)  # p = 0 rows store their unchanged state
+    S = S.float()
+    # 2. the new tokens
+    kn = l2norm(k[rows]) if use_qk_l2norm_in_kernel else k[rows].float()  # (n, T, H, K)
+    qn = l2norm(q[rows]) if use_qk_l2norm_in_kernel else q[rows].float()
+    qh, kh = qn.repeat_interleave(r, dim=2) * scale, kn.repeat_interleave(r, dim=2)  # (n, T, HV, K)
+    gf, bf, vf = g[rows].float(), beta[rows].float(), v[rows].float()
+    us, os_ = [], []
+    for t in range(T):
+        S = S * gf[:, t].exp()[..., None, None]
+        u = bf[:, t, :, None] * (vf[:, t] - torch.einsum("bhvk,bhk->bhv", S, kh[:, t]))
+        S = S + u[..., None] * kh[:, t, :, None, :]
+        os_.append(torch.einsum("bhvk,bhk->bhv", S, qh[:, t]))
+        us.append(u)
+    out[rows] = torch.stack(os_, dim=1).to(out.dtype)
+    # 3. their update vectors become the history read by the next verify
+    new, tt = 1 - old, slice(0, T)
+    history.u[s, new, tt] = torch.stack(us, dim=1).to(history.u.dtype)
+    history.k[s, new, tt] = kn.to(history.k.dtype)
+    history.g[s, new, tt] = torch.cumsum(gf, dim=1).to(history.g.dtype)
     return out
 
 

@@ -2,7 +2,9 @@
 
 Scope: the verify step of one Mamba2 layer when the engine runs with `ssm_replay=true`, plus the per-slot
 bookkeeping after acceptance. Each operation has a Triton kernel + launcher and a plain-PyTorch reference with
-the same signature (`*_ref`). The gate silu(z) is not here (NemotronH's gated RMSNorm applies it).
+the same signature (`*_ref`); the references are vectorised over the batch and are what the engine runs on the
+CPU (`ssm_backend="torch"`), and tests hold kernel and reference to a token-by-token oracle
+(tests/replay_oracles.py). The gate silu(z) is not here (NemotronH's gated RMSNorm applies it).
 
 Instead of T intermediate states per slot (rewind, `kernels.mamba2_ssu`), each slot keeps the committed
 state plus the inputs of the last verify, double-buffered (BRIEF section 4):
@@ -446,10 +448,24 @@ def replay_verify_ref(
     dot_precision: str | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """PyTorch reference of `replay_verify` (same arguments and effects; block sizes, dot_precision ignored).
+    """PyTorch reference of `replay_verify`, vectorised over the batch: the engine's CPU path.
 
-    Independent of the kernel's closed form: the fast-forward replays the old tokens one at a time with
-    exp(A dt'_j) from `history.dt`, and the outputs run the recurrence token by token.
+    Same arguments, effects and result as the kernel (block sizes, dot_precision, num_warps ignored), both
+    history layouts. For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
+    r = buffer_index[s] % 2, w = 1 - r; flush = per-step history, or k + T > L):
+    1. fast-forward in closed form, h = exp(c_{k-1}) h_s + sum_{j<k} exp(c_{k-1} - c_j) dt'_j x_j (outer) B_j
+       (c = history.dA_cumsum[s, r]); flush rows store h in the state (rounded to its dtype, and continue from
+       the rounded value); the others keep the state and continue from h in fp32;
+    2. the T new tokens by the recurrence from h, y_t = C_t . h_t + D x_t;
+    3. their x, B, dt', dA_cumsum into buffer w at positions 0..T-1 (flush) or k..k+T-1 after a copy of the
+       k pending tokens from buffer r (checkpointing without flush; dA_cumsum then continues from c_{k-1}).
+    PAD rows read and write no cache buffer; their output rows are zeros. Host syncs: none beyond the
+    nonzero() that selects the live rows. All arithmetic in fp32.
+
+    Raises:
+        ValueError: as `replay_verify` (shapes, dtypes, a history shorter than T).
+    Source: BRIEF section 4 (the SSD closed form); tested against the kernel and against a token-by-token
+    oracle (tests/replay_oracles.py).
     """
     del block_p, block_n, dot_precision, num_warps
     name = "replay_verify_ref"
@@ -458,39 +474,63 @@ def replay_verify_ref(
     if out is None:
         out = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
     out.zero_()
-    hpg = H // G
-    A = A.float()
+    rows = (slot_ids >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
     ckpt = history.checkpointing
-    for b in (slot_ids >= 0).nonzero().squeeze(1).tolist():
-        s = int(slot_ids[b])
-        k = min(max(int(prev_num_accepted[s]), 0), L)
-        r = int(buffer_index[s]) & 1
-        w = 1 - r
-        flush = not ckpt or k + T > L  # per-step replay always folds the accepted tokens into the state
-        hs = _fast_forward_ref(state[s].float(), history, s, r, k, A)
-        if flush and k > 0:
-            state[s] = hs.to(state.dtype)
-            hs = state[s].float()
-        dtp = _process_dt(dt[b], dt_bias, time_step_limit)  # (T, H)
-        Bh = B[b].float().repeat_interleave(hpg, dim=1)  # (T, H, N)
-        Ch = C[b].float().repeat_interleave(hpg, dim=1)
-        xb = x[b].float()
-        for t in range(T):
-            hs = hs * torch.exp(A * dtp[t])[:, None, None] + (dtp[t][:, None] * xb[t])[..., None] * Bh[t][:, None, :]
-            y = (hs * Ch[t][:, None, :]).sum(-1)
-            if D is not None:
-                y = y + D.float()[:, None] * xb[t]
-            out[b, t] = y.to(out.dtype)
-        base, cum_base = (0, 0.0) if flush else (k, history.dA_cumsum[s, r, :, k - 1 : k] if k else 0.0)
-        if ckpt and not flush:  # the pending tokens stay: copy them into the buffer written now
-            history.B[s, w, :k] = history.B[s, r, :k]
-            history.dt[s, w, :, :k] = history.dt[s, r, :, :k]
-            history.dA_cumsum[s, w, :, :k] = history.dA_cumsum[s, r, :, :k]
-        pos = slice(base, base + T)
-        history.x[s, 0 if ckpt else w, pos] = x[b].to(history.x.dtype)
-        history.B[s, w, pos] = B[b].to(history.B.dtype)
-        history.dt[s, w, :, pos] = dtp.T
-        history.dA_cumsum[s, w, :, pos] = cum_base + torch.cumsum(A[:, None] * dtp.T, dim=1)
+    s = slot_ids[rows].long()
+    k = prev_num_accepted[s].long().clamp(0, L)  # (n,)
+    r = buffer_index[s].long() & 1
+    w = 1 - r
+    flush = (k + T > L) if ckpt else torch.ones_like(k, dtype=torch.bool)
+    A = A.float()
+    hpg = H // G
+    # 1. fast-forward by the k pending tokens
+    c_old = history.dA_cumsum[s, r].float()  # (n, H, L)
+    pending = torch.arange(L, device=x.device)[None, :] < k[:, None]  # (n, L)
+    c_last = c_old.gather(2, (k - 1).clamp(min=0)[:, None, None].expand(-1, H, 1))[..., 0]
+    c_last = torch.where(k[:, None] > 0, c_last, 0.0)  # (n, H)
+    # positions j >= k are never read (the kernel masks them): where(), not a product with 0, so garbage or NaN
+    # there cannot leak in
+    pend = pending[:, None, :]  # (n, 1, L)
+    wgt = torch.where(pend, torch.exp(c_last[..., None] - c_old) * history.dt[s, r].float(), 0.0)  # (n, H, L)
+    x_old = history.x[s, torch.zeros_like(r) if ckpt else r].float()  # (n, L, H, P)
+    x_old = torch.where(pending[:, :, None, None], x_old, 0.0)
+    B_old = torch.where(pending[:, :, None, None], history.B[s, r].float(), 0.0).repeat_interleave(hpg, dim=2)
+    h = state[s].float() * torch.exp(c_last)[..., None, None]
+    h = h + torch.einsum("bhl,blhp,blhn->bhpn", wgt, x_old, B_old)
+    stored = torch.where(flush[:, None, None, None], h.to(state.dtype), state[s])
+    state.index_copy_(0, s, stored)  # rows without a flush (and k = 0 rows) store what they had
+    h = torch.where(flush[:, None, None, None], stored.float(), h)
+    # 2. the new tokens
+    dtp = _process_dt(dt[rows], dt_bias, time_step_limit)  # (n, T, H)
+    xr = x[rows].float()
+    Bh = B[rows].float().repeat_interleave(hpg, dim=2)  # (n, T, H, N)
+    Ch = C[rows].float().repeat_interleave(hpg, dim=2)
+    ys = []
+    for t in range(T):
+        h = h * torch.exp(A * dtp[:, t])[..., None, None] + (dtp[:, t, :, None] * xr[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append((h * Ch[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, dim=1)  # (n, T, H, P)
+    if D is not None:
+        y = y + xr * D.float()[:, None]
+    out[rows] = y.to(out.dtype)
+    # 3. the history read by the next verify
+    if ckpt:  # the pending tokens stay (rows without a flush): copy them into the buffer written now
+        keep = (~flush)[:, None] & pending  # (n, L)
+        for f in ("B", "dt", "dA_cumsum"):
+            buf = getattr(history, f)
+            rd, wr = buf[s, r], buf[s, w]
+            m = keep[:, :, None, None] if f == "B" else keep[:, None, :]
+            buf[s, w] = torch.where(m, rd, wr)
+    base = torch.where(flush, 0, k)  # (n,)
+    pos = base[:, None] + torch.arange(T, device=x.device)  # (n, T)
+    cum_base = torch.where(flush[:, None], 0.0, c_last)  # (n, H)
+    s2, w2 = s[:, None], w[:, None]
+    history.x[s2, torch.zeros_like(w2) if ckpt else w2, pos] = x[rows].to(history.x.dtype)
+    history.B[s2, w2, pos] = B[rows].to(history.B.dtype)
+    history.dt[s2, w2, :, pos] = dtp.to(history.dt.dtype)  # advanced indices first: (n, T, H)
+    history.dA_cumsum[s2, w2, :, pos] = (cum_base[:, None] + torch.cumsum(A * dtp, dim=1)).to(history.dA_cumsum.dtype)
     return out
 
 

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kernels import triton)
 
 import pytest  # noqa: E402
+from replay_oracles import gdn_replay_verify_oracle  # noqa: E402
 
 from kernels.gdn_recurrent import (  # noqa: E402
     fused_recurrent_gated_delta_rule,
@@ -191,11 +192,13 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
     """Two steps: the first from empty history (pnat = 0), the second with ragged pnat covering 0..T.
     cache_dtype is the dtype of the state and of the history's u and k (fp32 recommended)."""
     state0 = (torch.randn(S, HV, V, K, device=DEVICE) * 0.3).to(cache_dtype)
-    st_k, st_r = layer_stacked(state0.clone()), state0.clone()
+    st_k, st_r, st_o = layer_stacked(state0.clone()), state0.clone(), state0.clone()
     hist_k, hist_r = _strided_history(_poisoned_history(T, cache_dtype)), _poisoned_history(T, cache_dtype)
+    hist_o = _poisoned_history(T, cache_dtype)  # the token-by-token oracle (tests/replay_oracles.py)
     cache_tol = TOL[torch.float32] * 10 if cache_dtype == torch.float32 else TOL[cache_dtype]
     pnat_k, buf_k = allocate_replay_metadata(S, device=DEVICE)
     pnat_r, buf_r = allocate_replay_metadata(S, device=DEVICE)
+    pnat_o, buf_o = allocate_replay_metadata(S, device=DEVICE)
     slot_ids = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
     live_slots = [3, 0, 5]
     # Ragged acceptance: 0 (nothing), T (all), and something in between; the PAD row's value is garbage.
@@ -209,6 +212,13 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
         o_k = gdn_replay_verify(q, k, v, g, beta, st_k, hist_k, slot_ids, pnat_k, buf_k, out=out,
                                 block_v=32 if T < 4 else 64)
         o_r = gdn_replay_verify_ref(q, k, v, g, beta, st_r, hist_r, slot_ids, pnat_r, buf_r)
+        o_o = gdn_replay_verify_oracle(q, k, v, g, beta, st_o, hist_o, slot_ids, pnat_o, buf_o)
+        out_tol = max(TOL[dtype], TOL[cache_dtype])
+        assert_close(o_r, o_o, out_tol, msg=f"reference vs oracle: outputs, step {step}")
+        assert_close(st_r, st_o, cache_tol, msg=f"reference vs oracle: state, step {step}")
+        for name in ("u", "k", "g"):
+            h_r, h_o = getattr(hist_r, name).nan_to_num(7.0), getattr(hist_o, name).nan_to_num(7.0)
+            assert_close(h_r, h_o, cache_tol, msg=f"reference vs oracle: history.{name}, step {step}")
         assert not out.isnan().any() and (out[1] == 0).all()
         # A 16-bit history can round one u entry differently (values 1e-7 apart): outputs inherit its ulp.
         assert_close(o_k, o_r, max(TOL[dtype], TOL[cache_dtype]), msg=f"outputs, step {step}")
@@ -233,6 +243,7 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
 
         gdn_replay_commit(pnat_k, buf_k, slot_ids, num_accepted, T)
         gdn_replay_commit_ref(pnat_r, buf_r, slot_ids, num_accepted, T)
+        gdn_replay_commit_ref(pnat_o, buf_o, slot_ids, num_accepted, T)
         assert torch.equal(pnat_k, pnat_r) and torch.equal(buf_k, buf_r)
         assert pnat_k[live_slots].tolist() == [min(max(int(num_accepted[b]), 0), T) for b in (0, 2, 3)]
         assert (pnat_k[[1, 2, 4]] == 0).all() and (buf_k[[1, 2, 4]] == 0).all(), "PAD must never advance"

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from replay_oracles import mamba2_replay_verify_oracle  # noqa: E402
 
 from kernels import _common  # noqa: E402
 from kernels.mamba2_replay import (  # noqa: E402
@@ -236,16 +237,23 @@ def _replay_case(S, H, P, N, G, T, L, state_dtype, in_dtype, *, slot_ids, pnat, 
 
 
 def _run_replay_both(case, T):
+    """(state, history, out) after the kernel and after its vectorised reference; the reference is also
+    checked here against the token-by-token oracle (tests/replay_oracles.py), which shares no code path."""
     A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx = case
     res = []
-    for fn in (replay_verify, replay_verify_ref):
+    for fn in (replay_verify, replay_verify_ref, mamba2_replay_verify_oracle):
         st, h = state.clone(), clone_history(hist)
         p, bi = pnat.clone(), bufidx.clone()
         out = nan_like((len(slot_ids), T, *state.shape[1:3]), x.dtype)
         fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, p, bi, out=out)
         assert torch.equal(p, pnat) and torch.equal(bi, bufidx), "verify must not touch the per-slot metadata"
         res.append((st, h, out))
-    return res
+    (st_r, h_r, out_r), (st_o, h_o, out_o) = res[1:]
+    assert_close(out_r, out_o, loosest(state.dtype, x.dtype), what="reference vs oracle: out")
+    assert_close(st_r, st_o, what="reference vs oracle: state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_r, f), getattr(h_o, f), what=f"reference vs oracle: history.{f}")
+    return res[:2]
 
 
 @pytest.mark.parametrize("state_dtype,in_dtype", [(s, i) for s in DTYPES for i in DTYPES])

@@ -1,9 +1,10 @@
-"""SSM replay at the cache level: the PyTorch verify against the kernels' reference, the per-slot bookkeeping,
-and memory computed from the architecture alone.
+"""SSM replay at the cache level: the kernels' PyTorch references against token-by-token oracles, the
+per-slot bookkeeping, and memory computed from the architecture alone.
 
-- ``replay_verify_torch`` (the engine's vectorised CPU path) equals the kernels' reference
-  ``kernels.mamba2_replay.replay_verify_ref`` in output, state and history, with PAD rows, slot 0 live,
-  every PNAT value and garbage metadata;
+- the vectorised references the CPU engine runs (``kernels.mamba2_replay.replay_verify_ref``, both history
+  layouts, and ``kernels.gdn_replay.gdn_replay_verify_ref``) equal the per-row oracles of
+  tests/replay_oracles.py in output, state and history, with PAD rows, slot 0 live, every PNAT value,
+  checkpointing rows with and without a flush, and garbage metadata;
 - bookkeeping: metadata zero-initialised, reset at admission, PAD rows never advance nor touch a live slot,
   a second commit without a verify raises, a non-verify forward on a lagging slot raises;
 - memory: ``cache_memory_bytes`` (config only) equals the allocated tensors' bytes for every scheme; replay's
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels.gdn_replay import GDNReplayHistory, gdn_replay_verify_ref
 from kernels.mamba2_replay import allocate_replay_history, replay_verify_ref
@@ -30,9 +32,8 @@ from runners.cache import (
     model_cache_kinds,
 )
 from runners.models.config import HybridConfig
-from runners.models.gdn import gdn_replay_verify_torch
 from runners.models.hybrid import HybridLM
-from runners.models.mamba2 import Mamba2Mixer, replay_verify_torch
+from runners.models.mamba2 import Mamba2Mixer
 
 REPO = Path(__file__).resolve().parents[1]
 GARBAGE = 0x7BADBEEF
@@ -44,7 +45,7 @@ def _tiny_config(**kw) -> HybridConfig:
     return HybridConfig(**{**base, **kw})
 
 
-def test_torch_replay_verify_equals_kernel_reference():
+def test_mamba2_replay_reference_equals_oracle():
     torch.manual_seed(0)
     S, H, P, G, N, T = 6, 4, 6, 2, 5, 4
     state = torch.randn(S, H, P, N)
@@ -61,7 +62,7 @@ def test_torch_replay_verify_equals_kernel_reference():
     x, Bm, Cm = torch.randn(B, T, H, P), torch.randn(B, T, G, N), torch.randn(B, T, G, N)
     dt, D, dt_bias = torch.randn(B, T, H), torch.randn(H), torch.randn(H)
     outs, states, hists = [], [], []
-    for fn in (replay_verify_torch, replay_verify_ref):
+    for fn in (replay_verify_ref, mamba2_replay_verify_oracle):
         s, h = state.clone(), allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
         for name in ("x", "B", "dt", "dA_cumsum"):
             getattr(h, name).copy_(getattr(hist, name))
@@ -77,7 +78,57 @@ def test_torch_replay_verify_equals_kernel_reference():
     assert not torch.equal(states[0][3], state[3])  # PNAT = 2 > 0: the state was fast-forwarded
 
 
-def test_torch_gdn_replay_verify_equals_kernel_reference():
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_checkpointing_reference_equals_oracle(state_dtype):
+    """The checkpointing layout (L = 16, T = 4): rows without a flush (0, 3 and 12 pending tokens: the state
+    stays, the new tokens go behind the pending ones) and with one (13 pending: 13 + T > L), vectorised."""
+    torch.manual_seed(1)
+    S, H, P, G, N, T, L = 7, 4, 6, 2, 5, 4, 16
+    A = -torch.rand(H) - 0.5
+    hist = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
+    assert hist.checkpointing and hist.x.shape[1] == 1
+    hist.x.normal_()
+    hist.B.normal_()
+    hist.dt.uniform_(0.05, 0.3)
+    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))
+    # NaN behind the pending tokens of the buffers read (slot 0: 3 pending in buffer 1, slot 2: 12 in buffer
+    # 0): never read, so nothing may come out NaN
+    for slot, buf_read, k in ((0, 1, 3), (2, 0, 12)):
+        hist.B[slot, buf_read, k:] = float("nan")
+        hist.dt[slot, buf_read, :, k:] = float("nan")
+        hist.dA_cumsum[slot, buf_read, :, k:] = float("nan")
+    hist.x[0, 0, 3:] = float("nan")  # one x buffer in this layout; slot 0's new tokens overwrite 3..6
+    state = torch.randn(S, H, P, N).to(state_dtype)
+    pnat = torch.tensor([3, 0, 12, 13, GARBAGE, 0, 16], dtype=torch.int32)
+    buf = torch.tensor([1, 0, 0, 1, 1, 0, GARBAGE], dtype=torch.int32)
+    slot_ids = torch.tensor([0, 2, -1, 3, 4, 6, 1])  # slot 4: garbage PNAT (clamped to L: a flush)
+    B = len(slot_ids)
+    x, Bm, Cm = torch.randn(B, T, H, P), torch.randn(B, T, G, N), torch.randn(B, T, G, N)
+    dt, D, dt_bias = torch.randn(B, T, H), torch.randn(H), torch.randn(H)
+    res = []
+    for fn in (replay_verify_ref, mamba2_replay_verify_oracle):
+        st = state.clone()
+        h = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
+        for name in ("x", "B", "dt", "dA_cumsum"):
+            getattr(h, name).copy_(getattr(hist, name))
+        res.append((fn(st, x, dt, A, Bm, Cm, D, dt_bias, slot_ids, h, pnat.clone(), buf.clone()), st, h))
+    (out, st, h), (out_o, st_o, h_o) = res
+    # bf16: the closed-form and the token-by-token fast-forward round to different neighbours (2^-8 relative)
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    assert not out.isnan().any() and not st.float().isnan().any()
+    torch.testing.assert_close(out, out_o, **tol)
+    torch.testing.assert_close(st.float(), st_o.float(), **tol)
+    for name in ("x", "B", "dt", "dA_cumsum"):
+        torch.testing.assert_close(getattr(h, name), getattr(h_o, name), atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.equal(st[0], state[0]) and torch.equal(st[2], state[2])  # no flush: the state stays
+    assert not torch.equal(st[3], state[3]) and not torch.equal(st[4], state[4])  # flush: fast-forwarded
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # the PAD row
+    # slot 2 (12 pending, buffer 0): the pending tokens copied to buffer 1, the new ones at 12..15
+    assert torch.equal(h.B[2, 1, :12], hist.B[2, 0, :12]) and torch.equal(h.B[2, 1, 12:16], Bm[1])
+    assert torch.equal(h.x[2, 0, 12:16], x[1]) and torch.equal(h.x[2, 0, :12], hist.x[2, 0, :12])
+
+
+def test_gdn_replay_reference_equals_oracle():
     torch.manual_seed(0)
     S, H, HV, K, V, T = 6, 2, 4, 6, 5, 3  # K != V: a transposed state would fail
     state = torch.randn(S, HV, V, K)
@@ -92,7 +143,7 @@ def test_torch_gdn_replay_verify_equals_kernel_reference():
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)
     g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV)
     outs, states, hists = [], [], []
-    for fn in (gdn_replay_verify_torch, gdn_replay_verify_ref):
+    for fn in (gdn_replay_verify_ref, gdn_replay_verify_oracle):
         s, h = state.clone(), GDNReplayHistory.allocate(S, T, H, HV, K, V)
         for name in ("u", "k", "g"):
             getattr(h, name).copy_(getattr(hist, name))

@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing fr
 
 __all__ = [
     "GDNMixer",
-    "gdn_replay_verify_torch",
     "GDNOutput",
     "GDNRuleInputs",
     "GatedDeltaNet",
@@ -576,81 +575,6 @@ class GatedDeltaNet(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def gdn_replay_verify_torch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor,
-    history,
-    slot_ids: Tensor,
-    pnat: Tensor,
-    buf_idx: Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm_in_kernel: bool = True,
-) -> Tensor:
-    """Replay verify of one GDN layer, vectorised over the batch in PyTorch (the engine's CPU path).
-
-    Same arguments, effects and result as ``kernels.gdn_replay.gdn_replay_verify``: for each live row (slot
-    s = slot_ids[b] >= 0, p = pnat[s] clamped to [0, TH], r = buf_idx[s] % 2)
-    1. fast-forward: S <- exp(G_{p-1}) S + sum_{j<p} exp(G_{p-1} - G_j) u_j k_j^T from history buffer r,
-       stored as the slot's committed state (unchanged for p = 0);
-    2. the T new tokens by the recurrence S_t = alpha_t S_{t-1} + u_t k_t^T, u_t = beta_t (v_t - alpha_t
-       S_{t-1} k_t), o_t = S_t (scale q_t);
-    3. u_t, the normalised k_t and G_t = g_0 + .. + g_t of the new tokens into buffer 1 - r.
-    PAD rows (slot id < 0) read and write no buffer; their outputs are zero.
-
-    Shapes: q, k (B, T, H, K); v (B, T, HV, V); g, beta (B, T, HV); state (S, HV, V, K); history u (S, 2, TH,
-    HV, V), k (S, 2, TH, H, K), g (S, 2, TH, HV). Returns o (B, T, HV, V) in v's dtype.
-    Source: BRIEF section 4 (the closed form of the gated delta rule); checked against
-    ``gdn_replay_verify_ref`` in tests.
-    """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    TH, r = history.u.shape[2], HV // H
-    if T > TH:
-        raise ValueError(f"T={T} tokens exceed the history length TH={TH}; allocate it with max_tokens >= T")
-    out = torch.zeros(B, T, HV, V, dtype=v.dtype, device=v.device)
-    rows = (slot_ids >= 0).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return out
-    s = slot_ids[rows].long()
-    n_old, old = pnat[s].long().clamp(0, TH), buf_idx[s].long() & 1
-    # 1. fast-forward by the accepted tokens of the previous verify
-    G = history.g[s, old]  # (n, TH, HV)
-    G_last = G.gather(1, (n_old - 1).clamp(min=0)[:, None, None].expand(-1, 1, HV))[:, 0]
-    G_last = torch.where(n_old[:, None] > 0, G_last, 0.0)  # (n, HV)
-    pending = torch.arange(TH, device=G.device)[None, :, None] < n_old[:, None, None]
-    c = torch.exp(torch.where(pending, G_last[:, None, :] - G, -torch.inf))  # (n, TH, HV), 0 for j >= p
-    U = history.u[s, old].float() * c[..., None]
-    Kh = history.k[s, old].float().repeat_interleave(r, dim=2)  # (n, TH, HV, K)
-    S = state[s].float() * torch.exp(G_last)[..., None, None] + torch.einsum("bjhv,bjhk->bhvk", U, Kh)
-    S = S.to(state.dtype)
-    state.index_copy_(0, s, S)  # p = 0 rows store their unchanged state
-    S = S.float()
-    # 2. the new tokens
-    kn = l2_normalize(k[rows]) if use_qk_l2norm_in_kernel else k[rows].float()  # (n, T, H, K)
-    qn = l2_normalize(q[rows]) if use_qk_l2norm_in_kernel else q[rows].float()
-    scale = K**-0.5 if scale is None else scale
-    qh, kh = qn.repeat_interleave(r, dim=2) * scale, kn.repeat_interleave(r, dim=2)  # (n, T, HV, K)
-    gf, bf, vf = g[rows].float(), beta[rows].float(), v[rows].float()
-    us = []
-    for t in range(T):
-        S = S * gf[:, t].exp()[..., None, None]
-        u = bf[:, t, :, None] * (vf[:, t] - torch.einsum("bhvk,bhk->bhv", S, kh[:, t]))
-        S = S + u[..., None] * kh[:, t, :, None, :]
-        out[rows, t] = torch.einsum("bhvk,bhk->bhv", S, qh[:, t]).to(out.dtype)
-        us.append(u)
-    # 3. their update vectors become the history read by the next verify
-    new, tt = 1 - old, slice(0, T)
-    history.u[s, new, tt] = torch.stack(us, dim=1).to(history.u.dtype)
-    history.k[s, new, tt] = kn.to(history.k.dtype)
-    history.g[s, new, tt] = torch.cumsum(gf, dim=1)
-    return out
-
-
 class GDNMixer(GatedDeltaNet):
     """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
     cache (`runners.cache.GDNState`), the counterpart of `runners.models.mamba2.Mamba2Mixer`.
@@ -719,10 +643,10 @@ class GDNMixer(GatedDeltaNet):
 
     def _forward_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
         """The cached forward on a `runners.cache.GDNReplayState`. A verify reads the committed conv window
-        at the slot's offset, replays (``gdn_replay_verify_torch``, or the Triton kernel for ``ssm_backend``
-        "triton" / "flashinfer"; FlashInfer has no GDN kernel) and stores the new window after its first
-        column; a prefill / decode (only at PNAT = 0, right after admission) works as the rewind layout does
-        on the first W - 1 conv columns."""
+        at the slot's offset, replays (the Triton kernel of ``kernels/gdn_replay.py``, or its vectorised
+        PyTorch reference for ``ssm_backend`` "torch"; FlashInfer has no GDN kernel) and stores the new
+        window after its first column; a prefill / decode (only at PNAT = 0, right after admission) works as
+        the rewind layout does on the first W - 1 conv columns."""
         B, T, _ = x.shape
         W1 = self.conv_kernel - 1
         rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
@@ -754,7 +678,7 @@ class GDNMixer(GatedDeltaNet):
         conv0 = meta.rows(state.conv).gather(2, cols[:, None, :].expand(B, state.conv.shape[1], W1))
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
         if self.ssm_backend == "torch":
-            fn = gdn_replay_verify_torch
+            from kernels.gdn_replay import gdn_replay_verify_ref as fn
         else:
             from kernels.gdn_replay import gdn_replay_verify as fn
         o = fn(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids.to(torch.int32),

@@ -11,9 +11,9 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
 Replay (``ssm_replay=True``, a :class:`runners.cache.Mamba2ReplayState`): a verify fast-forwards the committed
-state by the tokens accepted last step and records the new tokens' inputs (:func:`replay_verify_torch`, or the
-Triton kernel of ``kernels/mamba2_replay.py`` per the mixer's ``ssm_backend``); the conv window is read at the
-slot's offset instead of being copied at commit.
+state by the tokens accepted last step and records the new tokens' inputs, with the Triton kernel of
+``kernels/mamba2_replay.py`` or, for ``ssm_backend`` "torch", its vectorised PyTorch reference
+``replay_verify_ref``; the conv window is read at the slot's offset instead of being copied at commit.
 
 Two scan paths compute the same recurrence: :func:`ssd_chunked_scan` (prefill; quadratic inside chunks of
 ``chunk_size``, a recurrence over chunk states) and :func:`ssm_recurrent_scan` (decode / verify; one step per
@@ -141,81 +141,6 @@ def ssm_recurrent_scan(
     return y, h, (torch.stack(states, dim=1) if return_intermediate else None)
 
 
-def replay_verify_torch(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    slot_ids: torch.Tensor,
-    history,
-    prev_num_accepted: torch.Tensor,
-    buffer_index: torch.Tensor,
-    *,
-    time_step_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
-    """Replay verify of one Mamba2 layer, vectorised over the batch in PyTorch (the engine's CPU path).
-
-    Same arguments, effects and result as ``kernels.mamba2_replay.replay_verify`` (per-step history, not the
-    checkpointing layout): for each live row (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
-    r = buffer_index[s] % 2)
-    1. fast-forward in closed form, h <- exp(c_{k-1}) h + X_old^T (w * B_old) with c the history's dA_cumsum
-       and w_j = exp(c_{k-1} - c_j) dt'_j for j < k, and store h as the slot's committed state (unchanged
-       for k = 0);
-    2. outputs of the T new tokens by the recurrence from h (+ D x); no gate;
-    3. x, B, dt', cumsum(A dt') of the new tokens into buffer 1 - r of ``history``.
-    PAD rows (slot id < 0) read and write no buffer; their output rows are zero.
-
-    Shapes: state (S, H, P, N); x (B, T, H, P); dt (B, T, H) raw; A, D, dt_bias (H,); B, C (B, T, G, N);
-    history: ``ReplayHistory`` with x (S, 2, L, H, P) etc., L >= T. Returns out (B, T, H, P) in x's dtype.
-    Source: BRIEF section 4 (the SSD closed form); checked against ``replay_verify_ref`` in tests. That
-    reference is the spec (token by token, one Python iteration per batch row with host reads of PNAT); the
-    engine cannot run it per decode step without a Python loop over requests, hence this batched form.
-    """
-    if history.checkpointing:
-        raise ValueError("replay_verify_torch takes the per-step history (2 x buffers), not checkpointing")
-    Bsz, T, H, P = x.shape
-    L, G = history.x.shape[2], B.shape[2]
-    if L < T:
-        raise ValueError(f"history length L = {L} < T = {T}; allocate it with hist_len >= T")
-    out = torch.zeros(Bsz, T, H, P, dtype=x.dtype, device=x.device)
-    rows = (slot_ids >= 0).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return out
-    s = slot_ids[rows].long()
-    k = prev_num_accepted[s].long().clamp(0, L)
-    r = buffer_index[s].long() & 1
-    A = A.float()
-    # 1. fast-forward by the k accepted tokens of the last verify
-    c_old, dt_old = history.dA_cumsum[s, r], history.dt[s, r]  # (n, H, L)
-    old = torch.arange(L, device=x.device)[None, :] < k[:, None]  # (n, L)
-    c_last = c_old.gather(2, (k - 1).clamp(min=0)[:, None, None].expand(-1, H, 1))[..., 0]
-    c_last = torch.where(k[:, None] > 0, c_last, 0.0)  # (n, H)
-    seg = torch.where(old[:, None, :], c_last[..., None] - c_old, -math.inf)
-    w = torch.exp(seg) * dt_old  # (n, H, L), 0 for j >= k
-    B_old = history.B[s, r].float().repeat_interleave(H // G, dim=2)  # (n, L, H, N)
-    h = state[s].float() * torch.exp(c_last)[..., None, None]
-    h = h + torch.einsum("bhl,blhp,blhn->bhpn", w, history.x[s, r].float(), B_old)
-    h = h.to(state.dtype)
-    state.index_copy_(0, s, h)  # k = 0 rows store their unchanged state
-    # 2. the new tokens from the fast-forwarded state
-    dtp = F.softplus(dt[rows].float() + dt_bias.float()).clamp(*time_step_limit)  # (n, T, H)
-    y, _, _ = ssm_recurrent_scan(x[rows], dtp, A, B[rows], C[rows], h)
-    if D is not None:
-        y = y + x[rows].float() * D.float()[:, None]
-    out[rows] = y.to(out.dtype)
-    # 3. their inputs become the history read by the next verify
-    wbuf, t = 1 - r, slice(0, T)
-    history.x[s, wbuf, t] = x[rows].to(history.x.dtype)
-    history.B[s, wbuf, t] = B[rows].to(history.B.dtype)
-    history.dt[s, wbuf, :, t] = dtp.transpose(1, 2)
-    history.dA_cumsum[s, wbuf, :, t] = torch.cumsum(A * dtp, dim=1).transpose(1, 2)
-    return out
-
-
 class Mamba2Mixer(nn.Module):
     """NemotronH Mamba2 mixer: in_proj -> causal conv + SiLU -> SSM (+ D skip) -> gated grouped RMSNorm
     -> out_proj. Parameter names and shapes equal the checkpoint's (``mixer.in_proj.weight`` etc.).
@@ -299,19 +224,17 @@ class Mamba2Mixer(nn.Module):
     def _verify_ssm(self, state, meta, x, dt, A, Bm, Cm) -> torch.Tensor:
         """The SSM of a verify step through the mixer's ``ssm_backend``; returns y (B, T, H, P) incl. D x.
 
-        Replay: ``replay_verify_torch`` ("torch") or the Triton replay kernel ("triton", and "flashinfer" as
-        in TensorRT-LLM, whose FlashInfer backend also replays with its own kernel). Rewind: the per-token
-        states go to ``state.ssm_steps`` by slot: PyTorch recurrence ("torch"), our Triton
-        ``selective_state_update`` ("triton") or FlashInfer's ("flashinfer").
+        Replay: the kernel's PyTorch reference ``replay_verify_ref`` ("torch") or the Triton replay kernel
+        ("triton", and "flashinfer" as in TensorRT-LLM, whose FlashInfer backend also replays with its own
+        kernel). Rewind: the per-token states go to ``state.ssm_steps`` by slot: PyTorch recurrence ("torch"),
+        our Triton ``selective_state_update`` ("triton") or FlashInfer's ("flashinfer").
         """
         backend = self.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
         if isinstance(state, Mamba2ReplayState):
             slots = state.slots
-            if backend == "torch" and state.history.checkpointing:  # the kernels' (per-row) reference
+            if backend == "torch":
                 from kernels.mamba2_replay import replay_verify_ref as fn
-            elif backend == "torch":
-                fn = replay_verify_torch
             else:
                 from kernels.mamba2_replay import replay_verify as fn
             y = fn(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,

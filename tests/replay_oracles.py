@@ -1,0 +1,129 @@
+"""Token-by-token oracles of the replay verify steps, one Python iteration per batch row.
+
+The kernels' PyTorch references (`kernels.mamba2_replay.replay_verify_ref`, `kernels.gdn_replay.
+gdn_replay_verify_ref`) are vectorised over the batch, because the CPU engine runs them every decode step.
+These slower oracles are written differently (host reads of PNAT per row, the old tokens replayed one at a
+time instead of the closed form) and the tests hold both the references and the Triton kernels to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._gdn_common import check_gdn_inputs, check_state, l2norm
+from kernels.gdn_replay import _check_replay_buffers
+from kernels.mamba2_replay import ReplayHistory, _check_history, _fast_forward_ref
+from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
+
+
+def mamba2_replay_verify_oracle(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    slot_ids: torch.Tensor,
+    history: ReplayHistory,
+    prev_num_accepted: torch.Tensor,
+    buffer_index: torch.Tensor,
+    *,
+    time_step_limit: tuple[float, float] = _NO_LIMIT,
+    out: torch.Tensor | None = None,
+    block_p: int | None = None,
+    block_n: int | None = None,
+    dot_precision: str | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Token-by-token oracle of `replay_verify` / `replay_verify_ref` (same arguments and effects).
+
+    Independent of their closed form: the fast-forward replays the old tokens one at a time with exp(A dt'_j)
+    from `history.dt`, and the outputs run the recurrence token by token, one Python iteration per row.
+    """
+    del block_p, block_n, dot_precision, num_warps
+    name = "mamba2_replay_verify_oracle"
+    S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
+    L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
+    if out is None:
+        out = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
+    out.zero_()
+    hpg = H // G
+    A = A.float()
+    ckpt = history.checkpointing
+    for b in (slot_ids >= 0).nonzero().squeeze(1).tolist():
+        s = int(slot_ids[b])
+        k = min(max(int(prev_num_accepted[s]), 0), L)
+        r = int(buffer_index[s]) & 1
+        w = 1 - r
+        flush = not ckpt or k + T > L  # per-step replay always folds the accepted tokens into the state
+        hs = _fast_forward_ref(state[s].float(), history, s, r, k, A)
+        if flush and k > 0:
+            state[s] = hs.to(state.dtype)
+            hs = state[s].float()
+        dtp = _process_dt(dt[b], dt_bias, time_step_limit)  # (T, H)
+        Bh = B[b].float().repeat_interleave(hpg, dim=1)  # (T, H, N)
+        Ch = C[b].float().repeat_interleave(hpg, dim=1)
+        xb = x[b].float()
+        for t in range(T):
+            dx = (dtp[t][:, None] * xb[t])[..., None]  # (H, P, 1)
+            hs = hs * torch.exp(A * dtp[t])[:, None, None] + dx * Bh[t][:, None, :]
+            y = (hs * Ch[t][:, None, :]).sum(-1)
+            if D is not None:
+                y = y + D.float()[:, None] * xb[t]
+            out[b, t] = y.to(out.dtype)
+        base, cum_base = (0, 0.0) if flush else (k, history.dA_cumsum[s, r, :, k - 1 : k] if k else 0.0)
+        if ckpt and not flush:  # the pending tokens stay: copy them into the buffer written now
+            history.B[s, w, :k] = history.B[s, r, :k]
+            history.dt[s, w, :, :k] = history.dt[s, r, :, :k]
+            history.dA_cumsum[s, w, :, :k] = history.dA_cumsum[s, r, :, :k]
+        pos = slice(base, base + T)
+        history.x[s, 0 if ckpt else w, pos] = x[b].to(history.x.dtype)
+        history.B[s, w, pos] = B[b].to(history.B.dtype)
+        history.dt[s, w, :, pos] = dtp.T
+        history.dA_cumsum[s, w, :, pos] = cum_base + torch.cumsum(A[:, None] * dtp.T, dim=1)
+    return out
+
+
+def gdn_replay_verify_oracle(
+    q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
+    out=None, block_v=16,
+):
+    """Token-by-token oracle of gdn_replay_verify / gdn_replay_verify_ref (same signature, same mutations):
+    one Python iteration per row, the new tokens by the recurrence one at a time."""
+    B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
+    check_state(state, HV, V, K)
+    TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
+    out = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    scale = K**-0.5 if scale is None else scale
+    r = HV // H
+    kn = l2norm(k) if use_qk_l2norm_in_kernel else k.float()  # (B, T, H, K)
+    qf = (l2norm(q) if use_qk_l2norm_in_kernel else q.float()).repeat_interleave(r, dim=2) * scale
+    kf = kn.repeat_interleave(r, dim=2)
+    for b in range(B):
+        slot = int(slot_ids[b])
+        if slot < 0:
+            out[b] = 0
+            continue
+        n_old, old = min(max(int(pnat[slot]), 0), TH), int(buf_idx[slot]) & 1
+        new = 1 - old
+        s = state[slot].float()  # (HV, V, K)
+        if n_old > 0:
+            G = history.g[slot, old, :n_old].float()  # (n_old, HV)
+            c = torch.exp(G[-1] - G)  # (n_old, HV)
+            U = history.u[slot, old, :n_old].float() * c[:, :, None]  # (n_old, HV, V)
+            Kh = history.k[slot, old, :n_old].float().repeat_interleave(r, dim=1)  # (n_old, HV, K)
+            s = s * torch.exp(G[-1])[:, None, None] + torch.einsum("jhv,jhk->hvk", U, Kh)
+            state[slot] = s.to(state.dtype)
+        G_cum = torch.zeros(HV, device=g.device)
+        for t in range(T):
+            s = s * g[b, t].float().exp()[:, None, None]
+            u = beta[b, t].float()[:, None] * (v[b, t].float() - torch.einsum("hvk,hk->hv", s, kf[b, t]))
+            s = s + u[:, :, None] * kf[b, t][:, None, :]
+            out[b, t] = torch.einsum("hvk,hk->hv", s, qf[b, t]).to(out.dtype)
+            G_cum = G_cum + g[b, t].float()
+            history.u[slot, new, t] = u.to(history.u.dtype)
+            history.k[slot, new, t] = kn[b, t].to(history.k.dtype)
+            history.g[slot, new, t] = G_cum
+    return out
