@@ -256,6 +256,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for sm_90 without a GPU; print registers / stack per thread")
     args = ap.parse_args(argv)
+    names = [d for d in args.state_dtypes.split(",") if d]
+    bad = [d for d in names if d not in ("float32", "bfloat16", "float16")]
+    if bad or not names:
+        ap.error(f"--state-dtypes: {bad or names} must be a comma-separated list of float32, bfloat16, float16")
+    ckpt = {d for d in args.flashinfer_checkpointing.split(",") if d}
+    if ckpt - set(names):
+        ap.error(f"--flashinfer-checkpointing {sorted(ckpt - set(names))}: not among --state-dtypes {names}")
     if args.compile_check:
         print(json.dumps(compile_check(), indent=1))
         return 0
@@ -275,11 +282,8 @@ def main(argv=None) -> int:
         "triton": triton.__version__,
         "results": {},
     }
-    ckpt = {d for d in args.flashinfer_checkpointing.split(",") if d}
-    for name in [d for d in args.state_dtypes.split(",") if d]:
-        sd = getattr(torch, name, None)
-        if sd not in (torch.float32, torch.bfloat16, torch.float16):
-            ap.error(f"--state-dtypes: {name!r} is not one of float32, bfloat16, float16")
+    for name in names:
+        sd = getattr(torch, name)
         entry = {"ours": bench_ours(args.batch, args.T, sd)}
         if args.flashinfer or name in ckpt:
             entry["flashinfer"] = bench_flashinfer(args.batch, args.T, sd, checkpointing=name in ckpt)

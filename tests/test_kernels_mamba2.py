@@ -604,3 +604,17 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="prev_num_accepted dtype"):
         hist2 = allocate_replay_history(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
         replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist2, pnat.long(), bufidx)
+
+
+def test_bench_mamba2_dry_run_and_bad_arguments(capsys):
+    """The H200 benchmark's dry run on tiny shapes (interpreter on the CPU) and its argument errors."""
+    from kernels import bench_mamba2
+
+    if DEV == "cpu":
+        assert bench_mamba2.main(["--dry-run"]) == 0
+        assert '"dry_run": "ok"' in capsys.readouterr().out
+    for argv, says in ((["--state-dtypes", "int8"], "--state-dtypes"),
+                       (["--flashinfer-checkpointing", "bf16"], "not among --state-dtypes")):
+        with pytest.raises(SystemExit) as e:
+            bench_mamba2.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err

@@ -98,6 +98,14 @@ def main(argv=None) -> int:
         p, n, ind, sd = args.one
         print(json.dumps(one_case(int(p), int(n), ind, sd)))
         return 0
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None:
+        print("flashinfer_sizes: needs a CUDA GPU and flashinfer importable (on the device machine: install "
+              ".gpu-bundle as tests/gpu/run_checks.sh does)", file=sys.stderr)
+        return 2
     cases = [(p, n, "float32", "float32") for p, n in SIZES]
     cases += [(p, n, "bfloat16", "float32") for p, n in BF16_SIZES]
 
