@@ -108,6 +108,12 @@ class ResolvedRun:
     arch: ArchConfig | None  # None only when an embedded checkpoint is not there yet
 
     @property
+    def ssm_backend(self) -> str:
+        """The recurrent-kernel backend asked of the engine: the entry's on a GPU; "torch" (the kernels'
+        PyTorch references) on the CPU, where the Triton interpreter would be orders of magnitude slower."""
+        return self.entry.ssm.backend.value if self.device.startswith("cuda") else "torch"
+
+    @property
     def spec_dec(self) -> str:
         """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
         return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
@@ -122,6 +128,7 @@ class ResolvedRun:
             "device": self.device,
             "dtype": self.dtype,
             "max_batch_size": self.max_batch_size,
+            "ssm_backend": self.ssm_backend,
             "checkpoint_dir": str(self.checkpoint_dir),
             "arch": _plain(self.arch) if self.arch is not None else None,
             "eval": _plain(self.app.eval),
@@ -568,6 +575,21 @@ def _check_tokenizer(path: Path) -> None:
         ) from None
 
 
+def _backend_note(config: dict[str, Any]) -> str:
+    """The backend that ran, and the entry's when that differs (the CPU runs the PyTorch references; the
+    engine falls back from flashinfer to triton where FlashInfer cannot run)."""
+    ran = config.get("ssm_backend", "?")
+    asked = ((config.get("model") or {}).get("ssm") or {}).get("backend")
+    if asked is None or asked == ran:
+        return ran
+    why = "the CPU runs the PyTorch references" if config.get("device") == "cpu" else "fallback, see the log"
+    return f"{ran} (entry: {asked}; {why})"
+
+
+# fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
+_FINGERPRINT_KEYS_ADDED = frozenset({"ssm_backend"})
+
+
 def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
     """Refuse to overwrite or to mix runs, before the model is loaded.
 
@@ -594,7 +616,8 @@ def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
             raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
                             "choose another out_dir= / hydra.run.dir=, or delete that folder")
         now = json.loads(json.dumps(fp))
-        diff = sorted(k for k in stored.keys() | now.keys() if stored.get(k) != now.get(k))
+        keys = stored.keys() | (now.keys() - (_FINGERPRINT_KEYS_ADDED - stored.keys()))
+        diff = sorted(k for k in keys if stored.get(k) != now.get(k))
         if diff:
             what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
             raise UserError(
@@ -621,6 +644,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "ssm_state_dtype": rr.entry.ssm.state_dtype.value,
         "draft_len": rr.draft_len,
         "ssm_replay": rr.ssm_replay,
+        "ssm_backend": rr.ssm_backend,
         "max_batch_size": rr.max_batch_size,
         "world_size": rr.world_size,
         "num_fewshot": rr.app.eval.num_fewshot,
@@ -669,9 +693,7 @@ def _build_engine(rr: ResolvedRun):
             max_batch_size=rr.max_batch_size,
             max_seq_len=rr.entry.max_seq_len,
             ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
-            # The entry's GPU backend (triton | flashinfer | torch); on the CPU the engine runs the kernels'
-            # PyTorch references (the Triton interpreter would be orders of magnitude slower).
-            ssm_backend=rr.entry.ssm.backend.value if rr.device.startswith("cuda") else "torch",
+            ssm_backend=rr.ssm_backend,
         )
 
 
@@ -720,6 +742,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     t_end = time.perf_counter()
 
     stats = _stats_dict(result.stats)
+    config = rr.to_dict()
+    # what ran: the engine can fall back from flashinfer (not importable, unverified sizes) to triton
+    config["ssm_backend"] = getattr(engine, "ssm_backend", config["ssm_backend"])
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
     # throughput: the seconds cover every generate call of out_dir, so divide the tokens of those same calls
     prefill_tok = stats.get("timing_prompt_tokens", stats.get("prompt_tokens", 0))
@@ -729,7 +754,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         "schema_version": RESULTS_SCHEMA_VERSION,
         "entry": rr.entry.name,
         "model_key": rr.entry.baseline,
-        "config": rr.to_dict(),
+        "config": config,
         "composed_config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": commit,
         "git_dirty": dirty,
@@ -903,6 +928,7 @@ def format_summary(results: dict[str, Any]) -> str:
     rows = [
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
         ("ssm_replay / world_size", f"{c['ssm_replay']} / {c['world_size']}"),
+        ("ssm backend", _backend_note(c)),
         ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
         ("GSM8K flexible-extract", pct(g["flexible_extract"])),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),

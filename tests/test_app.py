@@ -120,12 +120,16 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["data_dir"] == "/data/gsm8k" and call["out_dir"] == str(out) and call["resume"] is False
     assert call["fingerprint"] == {
         "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
-        "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "max_batch_size": 16,
-        "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256, "data_dir": "/data/gsm8k"}
+        "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
+        "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
+        "data_dir": "/data/gsm8k"}
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))
     assert results["schema_version"] == 1 and results["entry"] == "tiny_nemotron_h_mtp"
+    # the backend that ran, not the entry's GPU one (triton): on the CPU the PyTorch references run
+    assert results["config"]["model"]["ssm"]["backend"] == "triton"
+    assert results["config"]["ssm_backend"] == "torch"
     assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}
     assert results["config"]["ssm_replay"] is True and results["config"]["world_size"] == 1
     assert results["config"]["arch"]["mamba"]["d_state"] == 16  # read from the checkpoint's config.json
@@ -150,6 +154,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed
     assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
     assert "verdict                  PASS" in printed
+    assert "ssm backend              torch (entry: triton; the CPU runs the PyTorch references)" in printed
 
 
 def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):

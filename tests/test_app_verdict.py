@@ -214,6 +214,17 @@ def test_resume_with_other_settings_is_refused_before_loading(fakes, tmp_path):
     assert "other settings (draft_len: 3 then, 0 now)" in e.value.problem and not FakeEngine.built
     _run(tmp_path, "resume=true")  # the same settings resume
     assert fakes[-1]["resume"] is True and fakes[-1]["fingerprint"] == stored
+    # the recurrent backend is part of it (a run must not mix kernels); a fingerprint written before the key
+    # existed resumes
+    assert stored["ssm_backend"] == "torch"  # on the CPU, whatever the entry's GPU backend
+    meta = out / "generations.meta.json"
+    meta.write_text(json.dumps({"fingerprint": {**stored, "ssm_backend": "triton"}}))
+    with pytest.raises(UserError) as e:
+        _run(tmp_path, "resume=true")
+    assert "ssm_backend: 'triton' then, 'torch' now" in e.value.problem
+    old = {k: v for k, v in stored.items() if k != "ssm_backend"}
+    meta.write_text(json.dumps({"fingerprint": old}))
+    _run(tmp_path, "resume=true")
 
 
 def test_empty_generations_file_is_not_a_run(fakes, tmp_path):
