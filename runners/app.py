@@ -314,7 +314,8 @@ def resolve(
             "use runtime=cpu or runtime=gpu",
         )
 
-    if app.runtime.device == "cpu" and entry.ssm.backend == SSMBackend.flashinfer:
+    # a runtime fact (validate composes GPU entries on machines without one)
+    if check_runtime and app.runtime.device == "cpu" and entry.ssm.backend == SSMBackend.flashinfer:
         raise UserError(
             f"entry {name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is cpu",
             "use runtime=gpu, or model.ssm.backend=torch (on the CPU the PyTorch references run anyway)",

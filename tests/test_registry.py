@@ -195,6 +195,21 @@ def test_registry_validate_reports_bad_entry(monkeypatch, capsys):
     assert "FAIL  tiny_qwen3_next_mtp" in out and "unknown key 'spec_decoding'" in out
 
 
+def test_registry_validate_accepts_a_flashinfer_entry_on_the_cpu(monkeypatch, capsys):
+    """ssm.backend=flashinfer is a GPU runtime matter: validate (on any machine) passes such an entry; only
+    `python run.py` on the CPU refuses it (tests/test_app.py)."""
+    real_compose = registry_validate.compose_entry
+
+    def compose_flashinfer(name, overrides=None):
+        cfg = real_compose(name, overrides)
+        cfg.model.ssm.backend = "flashinfer"
+        return cfg
+
+    monkeypatch.setattr(registry_validate, "compose_entry", compose_flashinfer)
+    assert registry_main(["validate", "super_v3_mtp", "tiny_nemotron_h_mtp"]) == 0, capsys.readouterr().out
+    assert "2 registry entries valid" in capsys.readouterr().out
+
+
 def test_registry_validate_unknown_name(capsys):
     assert registry_main(["validate", "nope"]) == 2
     assert "unknown registry entries" in capsys.readouterr().err
