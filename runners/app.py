@@ -408,18 +408,19 @@ def _resolve_checkpoint_lenient(entry: ModelEntry, models_root: str | None) -> t
 
 
 def _check_parallel_runtime(world_size: int, device: str) -> None:
+    engine_cls = _engine_class()
+    import inspect
+
+    # the engine first: while it has no tensor parallelism, a device hint would only lead to this refusal
+    if "world_size" not in inspect.signature(engine_cls.from_pretrained).parameters:
+        raise UserError(
+            f"world_size={world_size}: the engine (runners.Engine) does not implement tensor parallelism yet",
+            "run with world_size=1 (the registry's _ws4 entries compose and check head divisibility only)",
+        )
     if device == "cpu":
         raise UserError(
             f"world_size={world_size} on the CPU: the engine runs tensor parallelism only across CUDA GPUs",
             "use world_size=1 on the CPU, or runtime=gpu on a host with that many GPUs",
-        )
-    engine_cls = _engine_class()
-    import inspect
-
-    if "world_size" not in inspect.signature(engine_cls.from_pretrained).parameters:
-        raise UserError(
-            f"world_size={world_size}: the engine (runners.Engine) does not implement tensor parallelism yet",
-            "run with world_size=1",
         )
     import torch
 
@@ -1055,9 +1056,7 @@ def _composition_error(e: Exception, overrides: list[str]) -> UserError:
     if m:
         key = m.group(1)
         parent, _, leaf = key.rpartition(".")
-        if parent == "model":
-            allowed = [f.name for f in dataclasses.fields(ModelEntry)]
-        elif parent:
+        if parent:
             allowed = _known_keys(parent)
         else:
             allowed = ["model", "eval", "runtime"] + [f.name for f in dataclasses.fields(AppConfig)
@@ -1073,9 +1072,20 @@ def _composition_error(e: Exception, overrides: list[str]) -> UserError:
 
 
 def _known_keys(parent: str) -> list[str]:
-    groups = {"eval": EvalConfig, "runtime": RuntimeConfig, "verdict": VerdictConfig}
-    cls = groups.get(parent.split(".")[0])
-    return [f.name for f in dataclasses.fields(cls)] if cls else []
+    """Field names of the config node at dotted path `parent` (e.g. "model.ssm"), walking the dataclasses
+    of the schema; [] when the path names no dataclass node."""
+    import typing
+
+    roots = {"model": ModelEntry, "eval": EvalConfig, "runtime": RuntimeConfig, "verdict": VerdictConfig}
+    head, *rest = parent.split(".")
+    cls = roots.get(head)
+    for name in rest:
+        if cls is None:
+            return []
+        hint = typing.get_type_hints(cls).get(name)
+        # a nested node, possibly optional (ArchConfig | None)
+        cls = next((a for a in (*typing.get_args(hint), hint) if dataclasses.is_dataclass(a)), None)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
 
 
 def _find(overrides: list[str], key: str) -> str:

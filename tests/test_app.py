@@ -195,8 +195,19 @@ def test_world_size_from_checkpoint_config(fakes, tmp_path):
     assert "attention heads=4" in err.problem and "experts=4" in err.problem
 
 
-def test_world_size_on_cpu_is_refused(fakes, tmp_path):
+def test_world_size_on_cpu_is_refused(fakes, tmp_path, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "ckpt")
+    # the engine has no tensor parallelism: that is the refusal, without a device hint that leads nowhere
+    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2"))
+    assert "does not implement tensor parallelism" in err.problem
+    assert "world_size=1" in err.fix and "runtime=gpu" not in err.fix
+
+    class ParallelEngine:  # an engine that would take world_size: then the CPU is the obstacle
+        @classmethod
+        def from_pretrained(cls, path, *, world_size=1, **options):
+            raise AssertionError("not reached")
+
+    monkeypatch.setattr(app, "_engine_class", lambda: ParallelEngine)
     err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2"))
     assert "world_size=2 on the CPU" in err.problem and "world_size=1" in err.fix
 
@@ -277,6 +288,10 @@ def test_bad_values(fakes, tmp_path, override, problem):
     [
         (["model.foo=1"], "unknown config key 'model.foo'", "known keys of model: name, family"),
         (["eval.limt=3"], "unknown config key 'eval.limt'", "did you mean eval.limit?"),
+        (["model.ssm.bakend=torch"], "unknown config key 'model.ssm.bakend'",
+         "did you mean model.ssm.backend?"),
+        (["model.speculative.draftlen=2"], "'model.speculative.draftlen'",
+         "known keys of model.speculative: algorithm"),
         (["runtime=gpux"], "unknown runtime option runtime=gpux", "did you mean runtime=gpu?"),
         (["model=qwen3_next"], "unknown registry entry model='qwen3_next'", "qwen3_next_mtp"),
         (["model=qwen3_next_mtp", "hydra.run.dir=/tmp/x"], None, None),
