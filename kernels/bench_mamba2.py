@@ -252,7 +252,8 @@ def main(argv=None) -> int:
                          "(bfloat16,float32); its first-use JIT takes minutes per dtype")
     ap.add_argument("--state-dtypes", default="float32,bfloat16", help="state dtypes to time, comma-separated")
     ap.add_argument("--dry-run", action="store_true",
-                    help="run every call once on the CPU (TRITON_INTERPRET=1) at a tiny shape; no timings")
+                    help="run every call once on the CPU at a tiny shape, no timings (needs TRITON_INTERPRET=1 "
+                         "in the environment)")
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for sm_90 without a GPU; print registers / stack per thread")
     args = ap.parse_args(argv)
@@ -267,6 +268,11 @@ def main(argv=None) -> int:
         print(json.dumps(compile_check(), indent=1))
         return 0
     if args.dry_run:
+        from kernels._common import interpreter_active
+
+        if not interpreter_active():
+            ap.error("--dry-run runs the kernels in Triton's interpreter, which is switched on before triton is "
+                     "imported: TRITON_INTERPRET=1 python -m kernels.bench_mamba2 --dry-run")
         for sd in (torch.float32, torch.bfloat16):
             bench_ours(2, args.T, sd, dev="cpu", timer=_dry, shape=(2, 16, 16, 1))
         print(json.dumps({"dry_run": "ok"}))

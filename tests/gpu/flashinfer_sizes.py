@@ -1,5 +1,7 @@
-"""Which Mamba2 sizes FlashInfer's multi-token ``selective_state_update`` builds and runs at, and whether it
-agrees there with our reference (the rewind verify the engine's ``ssm_backend=flashinfer`` calls).
+"""Probe where FlashInfer's multi-token selective_state_update builds and agrees with our reference.
+
+Which Mamba2 sizes it builds and runs at, and whether it agrees there with our reference (the rewind verify
+the engine's ``ssm_backend=flashinfer`` calls).
 
     python3 tests/gpu/flashinfer_sizes.py [--out sizes.json] [--jobs 6]
 

@@ -19,7 +19,17 @@
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-out=${1:?usage: run_checks.sh OUTDIR STAGE...}; shift
+stages="kernels sanitize bench engine flashinfer"
+usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
+[ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
+out=$1; shift
+for s in "$@"; do
+  case " $stages " in *" $s "*) ;; *) echo "unknown stage '$s'; $usage" >&2; exit 2 ;; esac
+done
+case "$out" in kernels|kernels/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
+  echo "OUTDIR '$out' is a source folder of the repository; give a folder for the logs (e.g. \$OUT or /tmp/x)" >&2
+  exit 2 ;;
+esac
 mkdir -p "$out"
 if [ -d .gpu-bundle ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
@@ -65,7 +75,6 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
       [ -z "$warm" ] || wait $warm
       stage bench_mamba2_flashinfer python3 -m kernels.bench_mamba2 --flashinfer --flashinfer-checkpointing \
         "$ckpt" --out "$out/bench_mamba2_flashinfer.json" ;;
-    *) echo "unknown stage $s"; failed+=("$s") ;;
   esac
 done
 [ ${#failed[@]} -eq 0 ] || { echo "failed stages: ${failed[*]}"; exit 1; }
