@@ -221,6 +221,15 @@ def _resolve_ssm_backend(
 ) -> str:
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
     where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason)."""
+    if backend == "flashinfer" and device.type != "cuda":
+        raise ValueError(
+            f"ssm_backend='flashinfer' runs FlashInfer's CUDA kernels, but the device is {device.type}; use "
+            "ssm_backend='torch' on the CPU"
+        )
+    if backend == "flashinfer" and config is not None and not config.mamba_num_heads:
+        log.warning("ssm_backend=flashinfer: FlashInfer has no Gated DeltaNet kernels (this model has no "
+                    "Mamba2 layers); using triton")
+        backend = "triton"
     if backend == "flashinfer" and config is not None and config.mamba_num_heads:
         bad = {k: getattr(config, k) for k, ok in FLASHINFER_SIZES.items() if getattr(config, k) not in ok}
         hpg = config.mamba_num_heads // config.n_groups

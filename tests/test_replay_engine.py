@@ -197,6 +197,22 @@ def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
     assert resolved == ("flashinfer" if importlib.util.find_spec("flashinfer") else "triton")
 
 
+def test_flashinfer_backend_on_cpu_and_for_gdn(caplog):
+    """On the CPU the request is refused naming FlashInfer and the fix; a model without Mamba2 layers
+    (Qwen3-Next) gets Triton with the reason: FlashInfer has no Gated DeltaNet kernels."""
+    from types import SimpleNamespace
+
+    from runners.engine import _resolve_ssm_backend
+
+    cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)
+    with pytest.raises(ValueError, match="ssm_backend='flashinfer' runs FlashInfer's CUDA kernels.*'torch'"):
+        _resolve_ssm_backend("flashinfer", torch.device("cpu"), True, cfg)
+    with caplog.at_level("WARNING"):
+        gdn_only = SimpleNamespace(mamba_num_heads=0)
+        resolved = _resolve_ssm_backend("flashinfer", torch.device("cuda"), True, gdn_only)
+    assert resolved == "triton" and "no Gated DeltaNet kernels" in caplog.text
+
+
 @pytest.mark.gpu
 def test_gpu_flashinfer_rewind_equals_triton(tmp_path):
     """FlashInfer's selective_state_update (rewind) against our Triton kernels at sizes it supports."""
