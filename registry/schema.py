@@ -79,6 +79,9 @@ class SSMConfig:
 
     backend: SSMBackend = SSMBackend.triton
     replay: bool = False  # SSM replay instead of rewind (needs speculative decoding)
+    # the checkpointing variant of replay (Mamba2 only): a max(16, T)-token history, the state written on
+    # overflow; applies when replay is on (kernels/mamba2_replay.py)
+    replay_checkpointing: bool = False
     state_dtype: DType = DType.float32  # 16-bit state loses accuracy on long outputs
 
 
@@ -355,6 +358,12 @@ def _check_values(entry: ModelEntry, where: str) -> None:
         raise UserError(
             f"{where}: ssm.backend flashinfer has no Gated DeltaNet kernels (qwen3_next)",
             "set ssm.backend: triton (or torch)",
+        )
+    if entry.ssm.replay_checkpointing and entry.family != Family.nemotron_h:
+        raise UserError(
+            f"{where}: ssm.replay_checkpointing exists for Mamba2 layers only (nemotron_h), not "
+            f"{entry.family.value}",
+            "set ssm.replay_checkpointing: false",
         )
     if not entry.embedded and entry.arch is None:
         raise UserError(

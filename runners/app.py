@@ -114,6 +114,11 @@ class ResolvedRun:
         return self.entry.ssm.backend.value if self.device.startswith("cuda") else "torch"
 
     @property
+    def ssm_replay_checkpointing(self) -> bool:
+        """The entry's checkpointing replay variant, in effect only when the run replays."""
+        return self.ssm_replay and self.entry.ssm.replay_checkpointing
+
+    @property
     def spec_dec(self) -> str:
         """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
         return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
@@ -129,6 +134,7 @@ class ResolvedRun:
             "dtype": self.dtype,
             "max_batch_size": self.max_batch_size,
             "ssm_backend": self.ssm_backend,
+            "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
             "checkpoint_dir": str(self.checkpoint_dir),
             "arch": _plain(self.arch) if self.arch is not None else None,
             "eval": _plain(self.app.eval),
@@ -589,7 +595,7 @@ def _backend_note(config: dict[str, Any]) -> str:
 
 
 # fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
-_FINGERPRINT_KEYS_ADDED = frozenset({"ssm_backend"})
+_FINGERPRINT_KEYS_ADDED = frozenset({"ssm_backend", "ssm_replay_checkpointing"})
 
 
 def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
@@ -647,6 +653,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "draft_len": rr.draft_len,
         "ssm_replay": rr.ssm_replay,
         "ssm_backend": rr.ssm_backend,
+        "ssm_replay_checkpointing": rr.ssm_replay_checkpointing,
         "max_batch_size": rr.max_batch_size,
         "world_size": rr.world_size,
         "num_fewshot": rr.app.eval.num_fewshot,
@@ -696,6 +703,7 @@ def _build_engine(rr: ResolvedRun):
             max_seq_len=rr.entry.max_seq_len,
             ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
             ssm_backend=rr.ssm_backend,
+            ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
         )
 
 
@@ -927,9 +935,10 @@ def format_summary(results: dict[str, Any]) -> str:
     acc = results.get("acceptance") or {}
     mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
     resumed = results.get("resumed") or {}
+    ckpt = " (checkpointing)" if c.get("ssm_replay_checkpointing") else ""
     rows = [
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
-        ("ssm_replay / world_size", f"{c['ssm_replay']} / {c['world_size']}"),
+        ("ssm_replay / world_size", f"{c['ssm_replay']}{ckpt} / {c['world_size']}"),
         ("ssm backend", _backend_note(c)),
         ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
         ("GSM8K flexible-extract", pct(g["flexible_extract"])),

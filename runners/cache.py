@@ -532,11 +532,13 @@ def _check_replay_args(
             "(draft_len K >= 1), or set ssm_replay=False"
         )
     if checkpointing and not ssm_replay:
-        raise ValueError("replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or drop it")
+        raise ValueError(
+            "ssm_replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or drop it"
+        )
     if checkpointing and _replay_kind(cache_kinds) != "mamba2":
         raise ValueError(
             "the checkpointing replay variant exists for mamba2 layers only (kernels/mamba2_replay.py); "
-            "set replay_checkpointing=False for this model"
+            "set ssm_replay_checkpointing=False (registry: ssm.replay_checkpointing: false) for this model"
         )
 
 

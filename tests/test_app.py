@@ -113,7 +113,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     (path, kwargs), = FakeEngine.built
     assert path == str(ckpt)
     assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
-                          max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch")
+                          max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
+                          ssm_replay_checkpointing=False)
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
@@ -121,6 +122,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["fingerprint"] == {
         "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
+        "ssm_replay_checkpointing": False,
         "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
         "data_dir": "/data/gsm8k"}
 
@@ -166,6 +168,21 @@ def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
     assert kwargs["draft_len"] == 0 and kwargs["ssm_replay"] is False
     assert kwargs["max_batch_size"] == 3 and kwargs["dtype"] == torch.bfloat16
     assert results["config"]["draft_len"] == 0 and results["acceptance"] is None
+
+
+@pytest.mark.parametrize("replay, expect", [("true", True), ("false", False)])
+def test_replay_checkpointing_from_the_registry(fakes, tmp_path, capsys, replay, expect):
+    """model.ssm.replay_checkpointing reaches the engine when the run replays, is off otherwise (a sweep over
+    ssm_replay must not fail on it), and shows in results.json, the fingerprint and the summary."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    cfg = _cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'out'}",
+               "model.ssm.replay_checkpointing=true", f"ssm_replay={replay}")
+    results = app.run(cfg)
+    (_, kwargs), = FakeEngine.built
+    assert kwargs["ssm_replay"] is expect and kwargs["ssm_replay_checkpointing"] is expect
+    assert results["config"]["ssm_replay_checkpointing"] is expect
+    assert fakes[0]["fingerprint"]["ssm_replay_checkpointing"] is expect
+    assert ("ssm_replay / world_size  True (checkpointing) / 1" in capsys.readouterr().out) is expect
 
 
 def _error(cfg) -> UserError:

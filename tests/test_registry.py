@@ -58,6 +58,9 @@ def test_base_entries_validate(name):
         (_minimal(speculative={"algorithm": "mtp", "draft_len": 0}), "draft_len=0", "draft_len >= 1"),
         (_minimal(speculative={"draft_len": 3}), "algorithm is none", "algorithm: mtp"),
         (_minimal(embedded=False), "arch is null", "arch: block"),
+        (_minimal(family="qwen3_next", ssm={"replay_checkpointing": True}),
+         "ssm.replay_checkpointing exists for Mamba2 layers only (nemotron_h), not qwen3_next",
+         "ssm.replay_checkpointing: false"),
         ({"name": "x", "family": "nemotron_h", "hf_id": None}, "required key 'checkpoint' is missing", "add"),
     ],
 )
