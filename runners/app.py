@@ -19,7 +19,6 @@ import difflib
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -746,7 +745,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
             max_gen_toks=rr.app.eval.max_gen_toks,
             out_dir=str(out_dir),
             resume=rr.app.resume,
-            progress=sys.stderr.isatty(),
+            progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.lm_adapter)
             fingerprint=fingerprint(rr),
         )
     t_end = time.perf_counter()

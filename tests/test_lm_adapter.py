@@ -125,3 +125,21 @@ def test_request_key_depends_on_prompt_and_settings(tokenizer):
     assert base != lm.request_key_for("Q: ", {"until": ["Question:"]})
     assert base != lm.request_key_for("Q:", {"until": ["Question:"], "max_gen_toks": 9})
     assert base != lm.request_key_for("Q:", {"until": ["Question:", "</s>"]})
+
+
+def test_line_progress_for_logs():
+    """Off a terminal the progress is plain lines (throttled; always one at the end), not tqdm redraws."""
+    import io
+
+    from evals.lm_adapter import _LineProgress
+
+    buf = io.StringIO()
+    with _LineProgress(4, 1, desc="generate", interval=3600, file=buf) as bar:
+        bar.update(1)
+        bar.update(2)
+    assert buf.getvalue().splitlines() == ["generate: 4/4 requests (100.0%), 0 s"]  # throttled: the end only
+    buf = io.StringIO()
+    with _LineProgress(3, desc="generate", interval=0, file=buf) as bar:
+        bar.update(1)
+    assert buf.getvalue().splitlines()[0].startswith("generate: 1/3 requests (33.3%)")
+    assert "\r" not in buf.getvalue()
