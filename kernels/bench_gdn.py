@@ -78,11 +78,18 @@ def main(argv=None) -> dict:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: interpreter smoke run (needs TRITON_INTERPRET=1), times meaningless")
     a = p.parse_args(argv)
+    small = [f"--{n} {getattr(a, n)}" for n in ("batch", "T", "H", "HV", "K", "V") if getattr(a, n) < 1]
+    if small:
+        p.error(f"{', '.join(small)}: sizes must be >= 1")
+    if a.HV % a.H:
+        p.error(f"--HV {a.HV} must be a multiple of --H {a.H} (each key head serves HV / H value heads)")
+    if a.slots is not None and a.slots < a.batch:
+        p.error(f"--slots {a.slots} < --batch {a.batch}: every row needs its own cache slot")
     dev = a.device
     if dev == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_gdn needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke run)")
+        p.error("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke run)")
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--device cpu runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
+        p.error("--device cpu runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
     B, T, H, HV, K, V = a.batch, a.T, a.H, a.HV, a.K, a.V
     S = a.slots or B
     dt, sdt = DTYPES[a.dtype], DTYPES[a.state_dtype]

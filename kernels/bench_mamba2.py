@@ -257,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-check", action="store_true",
                     help="compile the kernels for sm_90 without a GPU; print registers / stack per thread")
     args = ap.parse_args(argv)
+    if args.batch < 1 or args.T < 1:
+        ap.error(f"--batch {args.batch} --T {args.T}: both must be >= 1")
     names = [d for d in args.state_dtypes.split(",") if d]
     bad = [d for d in names if d not in ("float32", "bfloat16", "float16")]
     if bad or not names:

@@ -338,3 +338,16 @@ def test_bench_script_runs(tmp_path):
     assert mem["replay_history"] == 3 * 2 * 2 * (2 * 16 + 1 * 16 + 2) * 4
     for name in ("decode_T1_inplace", "rewind_verify", "rewind_commit", "replay_verify_pnat_T"):
         assert res[name]["us"] > 0 and res[name]["block_v"] in (8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--T", "0"], "--T 0: sizes must be >= 1"),
+    (["--H", "3", "--HV", "4"], "must be a multiple of --H 3"),
+    (["--slots", "1", "--batch", "2"], "every row needs its own cache slot"),
+])
+def test_bench_script_refuses_bad_sizes(argv, says, capsys):
+    from kernels import bench_gdn
+
+    with pytest.raises(SystemExit) as e:
+        bench_gdn.main(["--device", DEVICE, *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
