@@ -161,6 +161,19 @@ def hydra_choice(group: str) -> str | None:
     return HydraConfig.get().runtime.choices.get(group)
 
 
+def _with_model_overrides(e: UserError) -> UserError:
+    """An entry check names the registry file; when model.* overrides were given, they may be the cause."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return e
+    given = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("model.")]
+    if not given:
+        return e
+    fix = e.fix if "override" in e.fix else f"{e.fix}; or change the override"
+    return UserError(f"{e.problem} (the entry as changed by the override(s) {' '.join(given)})", fix)
+
+
 def _validate_app(cfg: DictConfig) -> AppConfig:
     raw = OmegaConf.to_container(cfg, resolve=True)
     raw.pop("model", None)
@@ -286,7 +299,10 @@ def resolve(
     if name not in entry_names():
         raise unknown_entry_error(str(name))
     check_entry_file(name)
-    entry = validate_entry(cfg.model, name=name)
+    try:
+        entry = validate_entry(cfg.model, name=name)
+    except UserError as e:
+        raise _with_model_overrides(e) from None
     app = _validate_app(cfg)
 
     draft_len = _resolve_draft_len(entry, app.draft_len)

@@ -337,6 +337,11 @@ def _run_py(*args, cwd):
         (["model.checkpoint=/nonexistent/ckpt"],
          ["error: checkpoint directory /nonexistent/ckpt does not exist",
           "  fix: point model.checkpoint at"]),
+        (["model=tiny_qwen3_next_mtp", "model.ssm.replay_checkpointing=true"],  # the override, not the file
+         ["error: registry/model/tiny_qwen3_next_mtp.yaml: ssm.replay_checkpointing exists for Mamba2 layers "
+          "only (nemotron_h), not qwen3_next (the entry as changed by the override(s) "
+          "model.ssm.replay_checkpointing=true)",
+          "  fix: set ssm.replay_checkpointing: false; or change the"]),
     ],
 )
 def test_run_py_prints_user_errors(tmp_path, args, lines):
