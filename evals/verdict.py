@@ -232,6 +232,8 @@ def check_gsm8k(
         f"one-sided test: pass if score >= ref {test.reference:.2f} - {test.reference - test.threshold:.2f} "
         f"(n={n}); detects a drop of {test.theta:.2f} points with probability {1 - test.beta:.0%}"
     )
+    if test.threshold <= 0:
+        note += f"; at n={n} the threshold is at or below 0 %, so this check cannot fail: score more samples"
     return Check(f"gsm8k.{metric}", value, test.reference, test.threshold, status, "percent", note, details)
 
 

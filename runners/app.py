@@ -989,6 +989,9 @@ def _format_check(ch: dict[str, Any]) -> str:
         return f"{f(ch['value'])}: no reference ({why})"
     word = "pass" if ch["status"] == "pass" else "FAIL"
     ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
+    if ch.get("unit") == "percent" and ch.get("threshold") is not None and ch["threshold"] <= 0:
+        n = (ch.get("details") or {}).get("n")
+        word += f" (cannot fail at n={n}: too few samples for this test)"
     return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
 
 

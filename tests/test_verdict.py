@@ -92,6 +92,18 @@ def test_gsm8k_check_pass_and_fail_at_the_threshold():
     assert check_gsm8k(0.69, 0.69, 100, ref).status == FAIL
 
 
+def test_gsm8k_check_that_cannot_fail_says_so():
+    """The tiny model's reference (1.90 %) at n = 20: threshold = 1.90 - 1.6449 * sqrt(5000 / 20) < 0, so a
+    score of 0 passes; the note and the printed verdict line say the check has no power there."""
+    from runners.app import _format_check
+
+    ref = find_gsm8k_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
+    small, full = check_gsm8k(0.0, 0.0, 20, ref), check_gsm8k(0.0, 0.0, 1319, ref)
+    assert small.status == PASS and small.threshold < 0 and "cannot fail" in small.note
+    assert "cannot fail at n=20" in _format_check(small.to_dict())
+    assert full.threshold > 0 and "cannot fail" not in full.note + _format_check(full.to_dict())
+
+
 def test_gsm8k_check_placeholder_and_missing_reference():
     placeholder = find_gsm8k_reference("tiny_nemotron_h_mtp", "bfloat16", "none", "none", "mtp")
     check = check_gsm8k(0.1, 0.2, 50, placeholder)
