@@ -135,7 +135,12 @@ def _tied(t, shape):
 
 
 def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpointing=False):
-    """FlashInfer's rewind verify (and, with `checkpointing`, its checkpointing_ssu) at the bench shape."""
+    """Time FlashInfer's rewind verify (and, with `checkpointing`, its checkpointing_ssu) at the Super V3
+    mixer shape (module constants H, P, N, G) with `batch` rows of T tokens, one slot per row.
+
+    Returns {name: {"us": median microseconds}} per call timed, or {name: {"error": text}} where FlashInfer
+    is not importable or a call fails (first-use JIT, an API other than 0.7.2's); never raises for those.
+    Needs CUDA. Source of the API: flashinfer.mamba 0.7.2 (selective_state_update, checkpointing_ssu)."""
     try:
         import flashinfer.mamba as fim
     except Exception as e:  # noqa: BLE001 - report, do not fail the run

@@ -27,8 +27,8 @@ and u_t depends only on S_0 and tokens <= t, never on which later tokens get acc
 gdn_replay_commit then sets pnat[slot] = num_accepted and flips buf_idx[slot], for the rows the kernel
 processed (slot >= 0). Each kernel has a plain-PyTorch reference with its signature (`*_ref`), vectorised over
 the batch: the engine runs those on the CPU (`ssm_backend="torch"`); tests hold kernel and reference to a
-token-by-token oracle (tests/replay_oracles.py). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV) values instead of
-T * HV * V * K.
+token-by-token oracle (tests/replay_oracles.py). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV)
+values instead of T * HV * V * K.
 
 Performance: one state read and (p > 0) one state write per verify, no intermediate states, all math in
 fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about

@@ -639,7 +639,7 @@ def _check_out_dir(out_dir: Path, resume: bool, fp: dict[str, Any]) -> None:
             raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
                             "choose another out_dir= / hydra.run.dir=, or delete that folder")
         now = json.loads(json.dumps(fp))
-        keys = stored.keys() | (now.keys() - (_FINGERPRINT_KEYS_ADDED - stored.keys()))
+        keys = (stored.keys() | now.keys()) - (_FINGERPRINT_KEYS_ADDED - stored.keys())
         diff = sorted(k for k in keys if stored.get(k) != now.get(k))
         if diff:
             what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)

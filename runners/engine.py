@@ -220,7 +220,12 @@ def _resolve_ssm_backend(
     backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None
 ) -> str:
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
-    where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason)."""
+    where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason).
+
+    Raises:
+        ValueError: an unknown backend; flashinfer off CUDA; a Triton backend on the CPU without the
+            interpreter.
+    """
     if backend == "flashinfer" and device.type != "cuda":
         raise ValueError(
             f"ssm_backend='flashinfer' runs FlashInfer's CUDA kernels, but the device is {device.type}; use "
@@ -230,7 +235,7 @@ def _resolve_ssm_backend(
         log.warning("ssm_backend=flashinfer: FlashInfer has no Gated DeltaNet kernels (this model has no "
                     "Mamba2 layers); using triton")
         backend = "triton"
-    if backend == "flashinfer" and config is not None and config.mamba_num_heads:
+    elif backend == "flashinfer" and config is not None:
         bad = {k: getattr(config, k) for k, ok in FLASHINFER_SIZES.items() if getattr(config, k) not in ok}
         hpg = config.mamba_num_heads // config.n_groups
         if hpg not in FLASHINFER_HEADS_PER_GROUP:

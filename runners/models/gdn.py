@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# x * rsqrt(sum(x^2) + 1e-6) in fp32 (FLA's and transformers' convention), shared with the kernels' references
+from kernels._gdn_common import l2norm as l2_normalize
+
 if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing from the engine
     from runners.cache import BatchMeta, GDNReplayState, GDNState
     from runners.models.config import HybridConfig
@@ -48,15 +51,6 @@ __all__ = [
     "l2_normalize",
     "recurrent_gated_delta_rule",
 ]
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """L2-normalise the last dim in float32: x / sqrt(sum(x^2) + eps) (FLA's and transformers' convention).
-
-    x: (..., K) any float dtype. Returns float32 (..., K). Pure function.
-    """
-    x = x.float()
-    return x * torch.rsqrt(x.square().sum(dim=-1, keepdim=True) + eps)
 
 
 # ----------------------------------------------------------------------------------------------------------
