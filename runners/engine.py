@@ -29,13 +29,15 @@ from pathlib import Path
 import torch
 
 from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
-from runners.loader import load_model
+from runners.loader import materialize, plan_load
+from runners.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
 from runners.models.config import HybridConfig
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN = 64, 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -207,6 +209,29 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _check_spec_args(draft_len: int, ssm_replay: bool) -> None:
+    if draft_len < 0:
+        raise ValueError(f"draft_len={draft_len} must be >= 0")
+    if ssm_replay and draft_len == 0:
+        raise ValueError(
+            "ssm_replay requires speculative decoding (draft_len > 0): replay commits the recurrent "
+            "state after a verify step; set draft_len to 1..7 (MTP) or ssm_replay=False"
+        )
+
+
+def _planned_cache_memory(
+    config: HybridConfig, cache_kinds: dict[int, str], cache_args: dict, draft_len: int
+) -> dict[str, int]:
+    """Bytes of the engine's per-slot state by kind (:meth:`Engine.cache_memory`), from the architecture
+    alone: ``runners.cache.cache_memory_bytes`` plus, with drafts, the per-slot first draft (int64) and its
+    MTP hidden [S, D] in the model dtype."""
+    mem = cache_memory_bytes(config, cache_kinds, **cache_args)
+    if draft_len > 0:
+        S, itemsize = cache_args["max_batch_size"], cache_args["dtype"].itemsize
+        mem["spec_buffers_bytes"] += S * (config.hidden_size * itemsize + 8)
+    return mem
+
+
 # FlashInfer 0.7.2's selective_state_update compiles one module per (head_dim, d_state); at some sizes its
 # build fails a static assertion in its vector-load helpers, and it dispatches heads per group over powers of
 # two only. tests/gpu/flashinfer_sizes.py probed it on the H200 (docs/gpu/flashinfer_sizes.json): it builds
@@ -281,6 +306,8 @@ class Engine:
         cache: the :class:`HybridCache` (S = ``max_batch_size`` slots of ``max_seq_len`` positions).
         draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme
             (replay vs rewind); ssm_backend: recurrent verify kernels ("triton" | "flashinfer" | "torch").
+        load_report: :class:`runners.memory.LoadReport` of :meth:`from_pretrained` (None when the engine was
+            built from a model object).
     """
 
     def __init__(
@@ -291,8 +318,8 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         draft_len: int = 0,
         ssm_replay: bool = False,
-        max_batch_size: int = 64,
-        max_seq_len: int = 4096,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         ssm_state_dtype: torch.dtype | str | None = None,
         prefill_chunk_tokens: int = 8192,
         scan_chunk_size: int | None = None,
@@ -300,18 +327,12 @@ class Engine:
         ssm_replay_checkpointing: bool = False,
     ):
         config = model.config
-        if draft_len < 0:
-            raise ValueError(f"draft_len={draft_len} must be >= 0")
+        _check_spec_args(draft_len, ssm_replay)
         if draft_len > 0 and model.mtp is None:
             raise ValueError(
                 f"draft_len={draft_len} needs MTP weights, but the checkpoint ({config.source}) has "
                 "no mtp.* tensors or its config.json declares no MTP layers; set draft_len=0 or "
                 "use a checkpoint with an MTP module"
-            )
-        if ssm_replay and draft_len == 0:
-            raise ValueError(
-                "ssm_replay requires speculative decoding (draft_len > 0): replay commits the recurrent "
-                "state after a verify step; set draft_len to 1..7 (MTP) or ssm_replay=False"
             )
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
@@ -344,6 +365,7 @@ class Engine:
             replay_checkpointing=ssm_replay_checkpointing,
         )
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
+        self.load_report: LoadReport | None = None  # set by from_pretrained
         self.cache = HybridCache(
             config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend, **self._cache_args
         )
@@ -381,14 +403,23 @@ class Engine:
                 the rewind verify with FlashInfer's selective_state_update and replay with our Triton kernel,
                 and falls back to "triton" with a log line when FlashInfer is not importable),
                 ssm_replay_checkpointing (default False; Mamba2 only: the checkpointing replay variant,
-                a history of max(16, K + 1) tokens and a state write only when it is full).
+                a history of max(16, K + 1) tokens and a state write only when it is full),
+                memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
+                may take, checked before anything is allocated).
+
+        The model is built on the meta device and its weights are loaded straight to ``device`` in their
+        dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
+        (:class:`runners.memory.LoadReport`) records the load time and host / device peak memory.
 
         Raises:
+            runners.memory.InsufficientMemoryError: weights + caches at max_batch_size / max_seq_len exceed
+                the device's free memory (or memory_budget_bytes); raised before any allocation.
             runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
             ValueError: bad options (unknown option, draft_len without MTP weights, ssm_replay without
                 drafting).
         """
         allowed = {
+            "memory_budget_bytes",
             "max_batch_size",
             "max_seq_len",
             "ssm_state_dtype",
@@ -401,8 +432,58 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(allowed)}")
         dtype = _resolve_dtype(dtype)
-        model = load_model(path, dtype=dtype, device=device, load_mtp=True if draft_len > 0 else None)
-        return cls(model, device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay, **options)
+        _check_spec_args(draft_len, ssm_replay)
+        device = torch.device(device)
+        budget = options.pop("memory_budget_bytes", None)
+        t0 = time.perf_counter()
+        host_reset = host_peak_rss_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        plan = plan_load(path, dtype=dtype, load_mtp=True if draft_len > 0 else None)
+        # the caches this engine will allocate, sized before anything is: weights + caches must fit
+        ssm_state_dtype = _resolve_dtype(options.get("ssm_state_dtype") or plan.config.mamba_ssm_cache_dtype)
+        cache_args = dict(
+            max_batch_size=options.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE),
+            max_seq_len=options.get("max_seq_len", DEFAULT_MAX_SEQ_LEN),
+            dtype=dtype,
+            ssm_state_dtype=ssm_state_dtype,
+            spec_tokens=draft_len + 1 if draft_len > 0 else 0,
+            ssm_replay=ssm_replay,
+            replay_checkpointing=options.get("ssm_replay_checkpointing", False),
+        )
+        kinds = plan.model.cache_kinds(include_mtp=draft_len > 0)
+        cache_bytes = sum(_planned_cache_memory(plan.config, kinds, cache_args, draft_len).values())
+        budget = check_memory_fits(
+            plan.weight_bytes,
+            cache_bytes,
+            device,
+            budget_bytes=budget,
+            max_batch_size=cache_args["max_batch_size"],
+            max_seq_len=cache_args["max_seq_len"],
+        )
+        t_weights = time.perf_counter()
+        model = materialize(plan, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_weights = time.perf_counter() - t_weights
+        engine = cls(model, device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay, **options)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+        engine.load_report = LoadReport(
+            seconds=time.perf_counter() - t0,
+            weights_seconds=t_weights,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            weight_bytes=plan.weight_bytes,
+            cache_bytes=sum(engine.cache_memory().values()),
+            budget_bytes=budget,
+            host_peak_rss_bytes=host_peak_rss_bytes(),
+            host_peak_reset=host_reset,
+            device_peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+            device_allocated_bytes=torch.cuda.memory_allocated(device) if cuda else None,
+        )
+        return engine
 
     def cache_memory(self) -> dict[str, int]:
         """Bytes allocated for per-slot state, by kind (scratch row included):
@@ -417,11 +498,7 @@ class Engine:
         The cache part is computed from the architecture by :func:`runners.cache.cache_memory_bytes` (the
         function that also sizes released shapes without weights); tests check it against the tensors.
         """
-        mem = cache_memory_bytes(self.config, self._cache_kinds, **self._cache_args)
-        if self.draft_len > 0:  # _mtp_hidden [S, D] model dtype, _draft1 [S] int64
-            S = self.max_batch_size
-            mem["spec_buffers_bytes"] += S * (self.config.hidden_size * self.dtype.itemsize + 8)
-        return mem
+        return _planned_cache_memory(self.config, self._cache_kinds, self._cache_args, self.draft_len)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

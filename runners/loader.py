@@ -11,10 +11,12 @@ or tensor and the fix.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from runners.models.config import ConfigError, HybridConfig, family_module
 from runners.models.hybrid import HybridLM
@@ -109,24 +111,41 @@ def _keys(file: Path) -> list[str]:
         ) from e
 
 
-def load_model(
-    path: str | Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    load_mtp: bool | None = None,
-) -> HybridLM:
-    """Build the model of ``<path>/config.json`` and fill it from the checkpoint's safetensors.
+@dataclass
+class LoadPlan:
+    """A checked checkpoint and its model built on the meta device (no tensor memory allocated yet).
 
-    Args:
-        path: HF checkpoint directory.
-        dtype: model dtype (the MoE router stays float32).
-        device: where the model is placed.
-        load_mtp: True requires the ``mtp.*`` tensors; False ignores them; None (default) loads them when
-            the config declares MTP layers and the checkpoint has them.
+    ``model``: the :class:`HybridLM` on ``torch.device("meta")`` with every parameter and buffer already in
+    its load dtype; ``files``: ``{tensor name: safetensors file}`` of the tensors to load; ``weight_bytes``:
+    what :func:`materialize` will allocate for parameters and buffers (shapes and dtypes as checked against
+    the safetensors headers, tied weights counted once).
+    """
 
-    Returns:
-        The model in eval mode; ``model.mtp`` is None when no MTP weights were loaded.
+    path: Path
+    config: HybridConfig
+    model: HybridLM
+    files: dict[str, Path]
+    dtype: torch.dtype
+    weight_bytes: int
+
+
+def _computed_buffers(model: nn.Module) -> set[int]:
+    """ids of the non-persistent buffers (values computed by their module, not stored in checkpoints)."""
+    return {
+        id(m._buffers[n])
+        for m in model.modules()
+        for n in m._non_persistent_buffers_set
+        if m._buffers[n] is not None
+    }
+
+
+def plan_load(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, load_mtp: bool | None = None
+) -> LoadPlan:
+    """Read config.json and the safetensors headers, build the model on the meta device and check that the
+    checkpoint fills it exactly (names and shapes); reads no tensor data and allocates no tensor memory.
+
+    Args: as :func:`load_model` (without ``device``).
 
     Raises:
         CheckpointError: any problem with config.json, the files, or the tensors (names, shapes).
@@ -150,8 +169,14 @@ def load_model(
         )
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
-    model = HybridLM(config, with_mtp=load_mtp)
+    with torch.device("meta"):
+        model = HybridLM(config, with_mtp=load_mtp)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
+            t.data = t.data.to(dtype)  # free on the meta device
+    computed = _computed_buffers(model)
     targets = family_module(config.family, config.source).checkpoint_targets(model)
+    targets = {n: t for n, t in targets.items() if id(t) not in computed}
     unknown = set(files) - set(targets)
     if unknown:
         hint = (
@@ -169,26 +194,102 @@ def load_model(
             f"{path}: missing tensors {_list(missing)}; the checkpoint is incomplete or was "
             "saved for a different config.json"
         )
+    for shard, names in _group(files).items():
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(targets[name].shape):
+                        raise CheckpointError(
+                            f"{shard}: tensor {name} has shape {list(shape)}, config.json implies "
+                            f"{list(targets[name].shape)}; the checkpoint does not match its config.json"
+                        )
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{shard}: cannot read tensor headers ({e}); the file is corrupt, re-save it"
+            ) from e
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return LoadPlan(path, config, model, files, dtype, weight_bytes)
 
+
+def _to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """``model.to_empty(device=device)``, then re-tie tensors that several modules shared (tied embeddings):
+    to_empty gives every module its own new tensor."""
+    shared: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for m in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for n, t in getattr(m, kind).items():
+                if t is not None:
+                    shared.setdefault(id(t), []).append((m, kind, n))
+    model.to_empty(device=device)
+    for refs in shared.values():
+        (m0, kind0, n0), rest = refs[0], refs[1:]
+        for m, kind, n in rest:
+            getattr(m, kind)[n] = getattr(m0, kind0)[n0]
+    return model
+
+
+def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
+    """Allocate the planned model on ``device`` (uninitialised, ``nn.Module.to_empty``) and fill it from the
+    safetensors shards, one shard at a time, each memory-mapped (``safe_open``) and copied tensor by tensor
+    into its destination in the destination's dtype: nothing is built on the host first or in float32.
+    Modules with non-persistent buffers compute them in ``init_buffers()``, called last.
+
+    Returns:
+        The model in eval mode (``plan.model``, now on ``device``).
+
+    Raises:
+        CheckpointError: a shard that cannot be read.
+        TypeError: a module with non-persistent buffers but no ``init_buffers`` (a model-code bug).
+    """
+    model = _to_empty_keeping_ties(plan.model, device)
+    config = plan.config
+    targets = family_module(config.family, config.source).checkpoint_targets(model)
     with torch.no_grad():
-        for shard, names in _group(files).items():
+        for shard, names in _group(plan.files).items():
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for name in names:
-                        dst = targets[name]
-                        shape = tuple(f.get_slice(name).get_shape())
-                        if shape != tuple(dst.shape):
-                            raise CheckpointError(
-                                f"{shard}: tensor {name} has shape {list(shape)}, config.json implies "
-                                f"{list(dst.shape)}; the checkpoint does not match its config.json"
-                            )
-                        dst.copy_(f.get_tensor(name))
+                        targets[name].copy_(f.get_tensor(name))
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(
                     f"{shard}: cannot read tensors ({e}); the file is corrupt, re-save it"
                 ) from e
-    model.to(device=device)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
-            t.data = t.data.to(dtype)
+        for name, module in model.named_modules():
+            if module._non_persistent_buffers_set:
+                if not hasattr(module, "init_buffers"):
+                    raise TypeError(
+                        f"{name} ({type(module).__name__}) has non-persistent buffers "
+                        f"{sorted(module._non_persistent_buffers_set)} but no init_buffers(); the loader "
+                        "builds models on the meta device, so such a module must compute its buffers there"
+                    )
+                module.init_buffers()
     return model.eval()
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    load_mtp: bool | None = None,
+) -> HybridLM:
+    """Build the model of ``<path>/config.json`` and fill it from the checkpoint's safetensors:
+    :func:`plan_load` (meta-device model, every name and shape checked from the headers) then
+    :func:`materialize` (weights loaded straight to ``device`` in their dtype, one shard at a time).
+
+    Args:
+        path: HF checkpoint directory.
+        dtype: model dtype (the MoE router stays float32).
+        device: where the model is placed.
+        load_mtp: True requires the ``mtp.*`` tensors; False ignores them; None (default) loads them when
+            the config declares MTP layers and the checkpoint has them.
+
+    Returns:
+        The model in eval mode; ``model.mtp`` is None when no MTP weights were loaded.
+
+    Raises:
+        CheckpointError: any problem with config.json, the files, or the tensors (names, shapes).
+    """
+    return materialize(plan_load(path, dtype=dtype, load_mtp=load_mtp), device)

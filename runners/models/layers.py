@@ -24,6 +24,7 @@ from torch import nn
 
 from runners.cache import BatchMeta, KVCache
 from runners.models.config import HybridConfig
+from runners.models.moe import moe_experts_fused, moe_experts_ref
 
 
 class RMSNorm(nn.Module):
@@ -260,8 +261,11 @@ class MoE(nn.Module):
     Expert weights are stacked: ``experts_up`` [E, I, L], ``experts_down`` [E, L, I] and, when gated,
     ``experts_gate`` [E, I, L] (checkpoints hold them per expert as
     ``experts.{e}.{up,down,gate}_proj.weight``; :func:`unstack_expert_names` maps one to the other).
-    forward(x [B, T, D]) -> [B, T, D].
+    forward(x [B, T, D]) -> [B, T, D]. ``experts_impl`` ("fused" default, or "ref") selects the routed-expert
+    implementation (:mod:`runners.models.moe`).
     """
+
+    experts_impl = "fused"
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -298,28 +302,11 @@ class MoE(nn.Module):
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over each token's k experts of weight * expert(h); h [N, L] -> [N, L]. An expert is
-        down(act(up(h))) or, gated, down(act(gate(h)) * up(h))."""
-        n, k = indices.shape
-        expert = indices.flatten()
-        order = torch.argsort(expert, stable=True)
-        token = order // k  # token of each (token, choice) pair in expert order
-        w = weights.flatten()[order]
-        counts = torch.bincount(expert, minlength=self.experts_up.shape[0]).tolist()
-        out = torch.zeros(n, h.shape[-1], dtype=torch.float32, device=h.device)
-        start = 0
-        for e, cnt in enumerate(counts):
-            if cnt == 0:
-                continue
-            tok = token[start : start + cnt]
-            x = h[tok]
-            if self.experts_gate is None:
-                a = self.act(x @ self.experts_up[e].T)
-            else:
-                a = self.act(x @ self.experts_gate[e].T) * (x @ self.experts_up[e].T)
-            y = a @ self.experts_down[e].T
-            out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
-            start += cnt
-        return out.to(h.dtype)
+        down(act(up(h))) or, gated, down(act(gate(h)) * up(h)). ``experts_impl`` picks the implementation:
+        "fused" (grouped GEMMs, no host sync; :func:`runners.models.moe.moe_experts_fused`) or "ref" (the
+        per-expert loop it is tested against)."""
+        fn = moe_experts_ref if self.experts_impl == "ref" else moe_experts_fused
+        return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)$")

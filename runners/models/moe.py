@@ -1,0 +1,171 @@
+"""Routed experts of an MoE block: the fused path (grouped GEMMs, no host synchronisation) and its reference.
+
+Both functions compute, for tokens ``h`` [N, L] each routed to k experts (``indices`` [N, k] int64,
+``weights`` [N, k] float32, from :class:`runners.models.layers.TopkRouter`)::
+
+    out[n] = sum_j weights[n, j] * expert_{indices[n, j]}(h[n])
+
+with ``expert_e(x) = down_e(act(up_e x))`` or, gated, ``down_e(act(gate_e x) * up_e x)``. Expert weights
+are stacked in nn.Linear layout (out x in): ``up`` / ``gate`` [E, I, L], ``down`` [E, L, I]. L is the MoE
+width (the latent size for NemotronH's latent MoE, the hidden size otherwise), I the expert intermediate size.
+
+- :func:`moe_experts_ref`: a Python loop over experts with the per-expert token counts read on the host
+  (``.tolist()``); the specification the tests hold the fused path to.
+- :func:`moe_experts_fused`: the N * k (token, expert) pairs are sorted by expert on the device (a stable
+  ``torch.argsort``), each expert's group end is found with ``torch.searchsorted`` over the sorted ids (int32
+  offsets; ``torch.bincount`` would size its output from the data), and each projection is one
+  ``torch._grouped_mm`` over the sorted rows, the layout torchtitan's MoE uses (tokens sorted by expert,
+  offsets on the device; torchtitan/models/moe). The results return to pair order through a gather with the
+  inverse permutation and are summed over the k choices in float32. Nothing reads a device value on the host
+  and every shape follows from N, k and the weights, so the step can be captured in a CUDA graph.
+
+``torch._grouped_mm`` needs 16-byte-aligned row strides (L and I multiples of 8 in 16-bit dtypes, of 4 in
+float32); on CUDA only bf16 on sm90+ runs its CUTLASS kernel (other dtypes take a fallback that copies the
+offsets to the host). Where those do not hold (:func:`grouped_mm_supported`), the fused path multiplies each
+pair by its own gathered expert matrix (``torch.bmm`` in chunks of a size fixed by the shapes): still no
+host synchronisation, more memory traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Bytes of gathered expert weights per chunk of the bmm path (each pair gathers an I x L matrix).
+GATHER_CHUNK_BYTES = 256 * 2**20
+
+
+def moe_experts_ref(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    up: torch.Tensor,
+    gate: torch.Tensor | None,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Reference routed experts: one matmul chain per expert that received tokens (host-synchronising).
+
+    Args:
+        h: [N, L] expert inputs. weights: [N, k] float32 combine weights. indices: [N, k] int64 expert ids.
+        up, gate: [E, I, L] (gate None for non-gated experts); down: [E, L, I]. act: the activation.
+
+    Returns:
+        [N, L] in h's dtype; each token's k expert outputs are weighted and summed in float32, in expert
+        order.
+    """
+    n, k = indices.shape
+    expert = indices.flatten()
+    order = torch.argsort(expert, stable=True)
+    token = order // k  # token of each (token, choice) pair in expert order
+    w = weights.flatten()[order]
+    counts = torch.bincount(expert, minlength=up.shape[0]).tolist()
+    out = torch.zeros(n, h.shape[-1], dtype=torch.float32, device=h.device)
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt == 0:
+            continue
+        tok = token[start : start + cnt]
+        x = h[tok]
+        if gate is None:
+            a = act(x @ up[e].T)
+        else:
+            a = act(x @ gate[e].T) * (x @ up[e].T)
+        y = a @ down[e].T
+        out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
+        start += cnt
+    return out.to(h.dtype)
+
+
+def sort_pairs_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, choice) pairs by expert, on the device.
+
+    Args:
+        indices: [N, k] int64 expert ids in [0, num_experts).
+
+    Returns:
+        ``order`` [N * k] int64: pair ids (``n * k + j``) sorted by expert (stable: pairs of one expert keep
+        token order); ``offsets`` [E] int32: ``offsets[e]`` = number of pairs routed to experts <= e (the end
+        of expert e's group in ``order``; ``torch._grouped_mm``'s ``offs``). No host synchronisation.
+    """
+    expert = indices.flatten()
+    order = torch.argsort(expert, stable=True)
+    bounds = torch.arange(num_experts, device=indices.device, dtype=expert.dtype)
+    offsets = torch.searchsorted(expert[order], bounds, right=True).to(torch.int32)
+    return order, offsets
+
+
+def grouped_mm_supported(x: torch.Tensor, *stacked: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs ``x`` [P, L] against the transposed stacked weights ``[E, I, L]``
+    without a host synchronisation: every row stride 16-byte aligned, and on CUDA bf16 on sm90+ (its CUTLASS
+    kernel); on the CPU any of float32 / bfloat16 / float16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    align = 16 // x.element_size()
+    for w in stacked:
+        if w.dtype != x.dtype or w.shape[-1] % align or w.shape[-2] % align or not w.is_contiguous():
+            return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x [P, in] sorted by group times their group's w [E, out, in] transposed -> [P, out]."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+
+
+def _gathered_linear(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """Row p of x [P, in] times w[expert[p]] [out, in] transposed -> [P, out], by gathered bmm in chunks of a
+    size fixed by the shapes (no host synchronisation)."""
+    P = x.shape[0]
+    per_pair = w.shape[1] * w.shape[2] * w.element_size()
+    chunk = max(1, GATHER_CHUNK_BYTES // per_pair)
+    parts = [
+        torch.bmm(w[expert[s : s + chunk]], x[s : s + chunk, :, None])[..., 0] for s in range(0, P, chunk)
+    ]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def moe_experts_fused(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    up: torch.Tensor,
+    gate: torch.Tensor | None,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts as grouped GEMMs over expert-sorted pairs; same arguments and result as
+    :func:`moe_experts_ref` (float32 combine; the k choices are summed in choice order, so results agree
+    with the reference to float rounding). No per-expert Python loop, no host synchronisation, shapes fixed
+    by N, k and the weights (CUDA-graph capturable).
+
+    Args:
+        h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. up, gate: [E, I, L] (gate may be None);
+            down: [E, L, I]; all in h's dtype.
+
+    Returns:
+        [N, L] in h's dtype.
+    """
+    n, k = indices.shape
+    E = up.shape[0]
+    order, offsets = sort_pairs_by_expert(indices, E)
+    x = h.index_select(0, order // k)  # [P, L]: each pair's token, in expert order
+    stacked = (up, down) if gate is None else (up, gate, down)
+    if grouped_mm_supported(x, *stacked):
+        linear = lambda inp, w: _grouped_linear(inp, w, offsets)
+    else:
+        expert_sorted = indices.flatten().index_select(0, order)
+        linear = lambda inp, w: _gathered_linear(inp, w, expert_sorted)
+    if gate is None:
+        a = act(linear(x, up))
+    else:
+        a = act(linear(x, gate)) * linear(x, up)
+    y = linear(a, down)  # [P, L] in expert order
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y.index_select(0, inverse).view(n, k, -1)  # back to pair order n * k + j
+    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
