@@ -1,0 +1,548 @@
+"""Random-weight checkpoints at the released dimensions of Nemotron 3 Super and Qwen3-Next-80B-A3B, written
+in the released HF layout, so the engine can be measured at real sizes without the weights.
+
+    python -m runners.synth --family nemotron_h --out DIR [--num-layers 22] [--num-experts 256]
+        [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0] [--set KEY=VALUE ...]
+
+What is written (what the engine's loader, transformers and other engines read from a release):
+- ``config.json``: the release's fields and values (:data:`RELEASE_CONFIGS`: NemotronH with
+  ``hybrid_override_pattern`` / ``mtp_hybrid_override_pattern`` and the legacy float ``Infinity`` token;
+  Qwen3-Next with ``full_attention_interval``, top-level ``rope_theta`` / ``partial_rotary_factor``), except
+  what the options change: ``--num-layers`` cuts the layer layout proportionally (:func:`cut_pattern`: the
+  NemotronH pattern keeps its ratio of M / E / * with at least one of each; Qwen3-Next keeps one
+  full-attention layer per ``full_attention_interval``), ``--num-experts`` reduces the routed experts
+  (top-k capped at it), ``--set`` replaces any field (tests shrink hidden sizes with it), and the token ids
+  follow the tokenizer written beside it (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2).
+- ``model-0000i-of-0000n.safetensors`` shards of about ``--shard-size`` bytes plus
+  ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), tensors named as the releases
+  name them, the ``mtp.*`` module included (names from the loader's own mapping,
+  ``runners.models.<family>.checkpoint_targets``, so every name the loader expects is written). Shards are
+  generated and written one at a time: the host never holds more than one shard.
+- ``tokenizer.json`` / ``tokenizer_config.json``: the shipped GSM8K byte-level BPE tokenizer
+  (registry/checkpoints/tiny_nemotron_h_mtp) padded with added tokens ``<|synth_i|>`` up to the vocab size,
+  so GSM8K prompts encode exactly as with the tiny checkpoints and every id the model can emit decodes;
+  ``generation_config.json``; ``synth.json`` (the recipe and the ``model.arch.*`` overrides a registry entry
+  needs for a cut checkpoint).
+
+Weights (seeded per tensor from ``--seed`` and the tensor name; values depend on the generating device):
+N(0, 1/fan_in) for projections and experts (fan_in = product of all but the first dim), N(0, 1) embeddings,
+RMSNorm scales at their identity (1, or 0 for Qwen3-Next's ``1 + w`` norms), Mamba2 / GDN ``A_log`` =
+log U(1, 16) and ``dt_bias`` = softplus^-1 of a log-uniform dt in [1e-3, 1e-1] (the Mamba2 initialisation,
+Dao & Gu 2024), ``D`` = 1, biases and the router's correction bias 0. Activations stay finite through all
+layers (tests/test_synth.py checks logits at depth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2  # the base tokenizer's <pad>, <s>, </s>
+
+SUPER_V3_PATTERN = (
+    "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+)
+
+# config.json of the releases (nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16,
+# Qwen/Qwen3-Next-80B-A3B-Instruct), in their own dialect: the fields the loader, transformers and vLLM /
+# SGLang read.
+RELEASE_CONFIGS: dict[str, dict[str, Any]] = {
+    "nemotron_h": {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_TOKEN_ID,
+        "chunk_size": 128,
+        "conv_kernel": 4,
+        "eos_token_id": EOS_TOKEN_ID,
+        "expand": 2,
+        "head_dim": 128,
+        "hidden_dropout": 0.0,
+        "hidden_size": 4096,
+        "hybrid_override_pattern": SUPER_V3_PATTERN,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-05,
+        "mamba_head_dim": 64,
+        "mamba_hidden_act": "silu",
+        "mamba_num_heads": 128,
+        "mamba_proj_bias": False,
+        "mamba_ssm_cache_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "moe_intermediate_size": 2688,
+        "moe_latent_size": 1024,
+        "moe_shared_expert_intermediate_size": 5376,
+        "mtp_hybrid_override_pattern": "*E",
+        "n_group": 1,
+        "n_groups": 8,
+        "n_routed_experts": 512,
+        "n_shared_experts": 1,
+        "norm_eps": 1e-05,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 22,
+        "num_hidden_layers": 88,
+        "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 1,
+        "pad_token_id": PAD_TOKEN_ID,
+        "partial_rotary_factor": 1.0,
+        "rope_theta": 10000,
+        "routed_scaling_factor": 5.0,
+        "ssm_state_size": 128,
+        "tie_word_embeddings": False,
+        "time_step_floor": 0.0001,
+        "time_step_limit": [0.0, math.inf],
+        "time_step_max": 0.1,
+        "time_step_min": 0.001,
+        "topk_group": 1,
+        "torch_dtype": "bfloat16",
+        "use_bias": False,
+        "use_cache": True,
+        "use_conv_bias": True,
+        "use_mamba_kernels": True,
+        "vocab_size": 131072,
+    },
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_TOKEN_ID,
+        "decoder_sparse_step": 1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "pad_token_id": PAD_TOKEN_ID,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+# config keys of the routed expert count and top-k per family
+_EXPERT_KEYS = {"nemotron_h": ("n_routed_experts", "num_experts_per_tok"),
+                "qwen3_next": ("num_experts", "num_experts_per_tok")}
+# on-disk float32 tensors: transformers keeps NemotronH's router in float32 (_keep_in_fp32_modules_strict);
+# Qwen3-Next releases store everything in the checkpoint dtype
+_FP32_ON_DISK = {"nemotron_h": ("gate.weight", "gate.e_score_correction_bias"), "qwen3_next": ()}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class SynthError(ValueError):
+    """Bad synth options; the message names the option and the fix."""
+
+
+def cut_pattern(pattern: str, num_layers: int) -> str:
+    """A NemotronH layer pattern of ``num_layers`` layers in the proportions of ``pattern``.
+
+    Each kind (letter) gets its share of ``num_layers`` by largest remainder, at least one; the kept layers of
+    a kind are spread evenly over that kind's occurrences and keep their original order, so the cut pattern
+    interleaves like the release (e.g. 22 of Super V3's 88: 10 M, 10 E, 2 *).
+
+    Raises:
+        SynthError: num_layers < number of kinds, or > len(pattern).
+    """
+    kinds = sorted(set(pattern), key=pattern.index)
+    if not len(kinds) <= num_layers <= len(pattern):
+        raise SynthError(
+            f"--num-layers {num_layers}: the pattern {pattern!r} needs between {len(kinds)} (one layer of "
+            f"each kind {''.join(kinds)}) and {len(pattern)} layers"
+        )
+    positions = {c: [i for i, p in enumerate(pattern) if p == c] for c in kinds}
+    quota = {c: len(positions[c]) * num_layers / len(pattern) for c in kinds}
+    take = {c: max(1, math.floor(quota[c])) for c in kinds}
+    while sum(take.values()) < num_layers:
+        c = max((c for c in kinds if take[c] < len(positions[c])), key=lambda c: quota[c] - take[c])
+        take[c] += 1
+    while sum(take.values()) > num_layers:
+        c = min((c for c in kinds if take[c] > 1), key=lambda c: quota[c] - take[c])
+        take[c] -= 1
+    keep = []
+    for c in kinds:
+        m, n = len(positions[c]), take[c]
+        keep += [positions[c][min(m - 1, math.floor((i + 0.5) * m / n))] for i in range(n)]
+    return "".join(pattern[i] for i in sorted(keep))
+
+
+def synth_config(
+    family: str,
+    *,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """config.json of a synthetic checkpoint: the release's, cut to ``num_layers`` layers and ``num_experts``
+    routed experts (top-k capped at it), then ``overrides`` applied (any field). Validated by the engine's
+    own parser.
+
+    Raises:
+        SynthError: unknown family, impossible layer / expert counts, or a config the engine rejects.
+    """
+    if family not in RELEASE_CONFIGS:
+        raise SynthError(f"--family {family!r} is not known; use one of {sorted(RELEASE_CONFIGS)}")
+    cfg = copy.deepcopy(RELEASE_CONFIGS[family])
+    if num_layers is not None:
+        if family == "nemotron_h":
+            cfg["hybrid_override_pattern"] = cut_pattern(cfg["hybrid_override_pattern"], num_layers)
+        else:
+            if num_layers < 2:
+                raise SynthError(
+                    f"--num-layers {num_layers}: Qwen3-Next needs >= 2 layers (one Gated DeltaNet and one "
+                    "full-attention layer)"
+                )
+            cfg["full_attention_interval"] = min(cfg["full_attention_interval"], num_layers)
+        cfg["num_hidden_layers"] = num_layers
+    if num_experts is not None:
+        n_key, k_key = _EXPERT_KEYS[family]
+        if num_experts < 1:
+            raise SynthError(f"--num-experts {num_experts} must be >= 1")
+        cfg[n_key] = num_experts
+        cfg[k_key] = min(cfg[k_key], num_experts)
+    cfg.update(overrides or {})
+    if family == "nemotron_h":
+        cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
+    from runners.models.config import ConfigError, HybridConfig
+
+    try:
+        HybridConfig.from_dict(cfg, source="synth config")
+    except ConfigError as e:
+        raise SynthError(f"{e}; change --num-layers / --num-experts / --set") from None
+    return cfg
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: released name, shape, on-disk dtype and its initialisation rule."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    init: str  # "normal" (std 1/sqrt(fan_in)) | "embedding" | "ones" | "zeros" | "A_log" | "dt_bias"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _init_rule(name: str, family: str, ndim: int) -> str:
+    leaf = name.rsplit(".", 2)
+    module, param = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
+    if param in ("A_log", "dt_bias"):
+        return param
+    if param == "D":
+        return "ones"
+    if name.endswith(("embeddings.weight", "embed_tokens.weight")):
+        return "embedding"
+    if "norm" in module and ndim == 1:
+        # Qwen3-Next scales by (1 + w) except the GDN output norm (plain w); NemotronH by w
+        return "zeros" if family == "qwen3_next" and not name.endswith("linear_attn.norm.weight") else "ones"
+    if ndim >= 2:
+        return "normal"
+    return "zeros"  # biases, the router's correction bias
+
+
+def tensor_specs(config: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
+    """Every tensor of a checkpoint of ``config`` (MTP module included), in model order, with the names and
+    shapes the engine's loader expects (the family's ``checkpoint_targets`` on a meta-device model)."""
+    from runners.models.config import HybridConfig, family_module
+    from runners.models.hybrid import HybridLM
+
+    hc = HybridConfig.from_dict(config, source="synth config")
+    with torch.device("meta"):
+        model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
+    targets = family_module(hc.family).checkpoint_targets(model)
+    fp32 = _FP32_ON_DISK[hc.family]
+    return [
+        TensorSpec(
+            name,
+            tuple(t.shape),
+            torch.float32 if fp32 and name.endswith(fp32) else dtype,
+            _init_rule(name, hc.family, t.dim()),
+        )
+        for name, t in targets.items()
+    ]
+
+
+def init_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor of ``spec`` on ``device`` in its dtype, from a generator seeded by (seed, name)."""
+    device = torch.device(device)
+    if spec.init == "ones":
+        return torch.ones(spec.shape, dtype=spec.dtype, device=device)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+    if spec.init in ("A_log", "dt_bias"):
+        u = torch.rand(spec.shape, generator=g, device=device)
+        if spec.init == "A_log":  # A = -exp(A_log) in [-16, -1]
+            return torch.log(1 + 15 * u).to(spec.dtype)
+        dt = torch.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3)))
+        return (dt + torch.log(-torch.expm1(-dt))).to(spec.dtype)  # softplus(dt_bias) = dt
+    std = 1.0 if spec.init == "embedding" else 1.0 / math.sqrt(math.prod(spec.shape[1:]))
+    t = torch.randn(spec.shape, generator=g, device=device, dtype=torch.float32)
+    return t.mul_(std).to(spec.dtype)
+
+
+def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive specs grouped into shards of at most ``shard_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> int:
+    """tokenizer.json (the base GSM8K tokenizer + added tokens ``<|synth_i|>`` up to ``vocab_size``) and
+    tokenizer_config.json into ``out``; returns the base vocabulary size.
+
+    Raises:
+        SynthError: vocab_size smaller than the base tokenizer.
+    """
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size < n:
+        raise SynthError(
+            f"vocab_size={vocab_size} is smaller than the GSM8K tokenizer's {n} tokens; use >= {n}"
+        )
+    tok.add_tokens([AddedToken(f"<|synth_{i}|>", normalized=False) for i in range(n, vocab_size)])
+    tok.save(str(out / "tokenizer.json"))
+    shutil.copyfile(base / "tokenizer_config.json", out / "tokenizer_config.json")
+    return n
+
+
+def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
+    """``model.arch.<key>=<value>`` for every registry arch field in which ``config`` differs from the
+    release (so a registry entry of the release accepts the cut checkpoint: ``run.py`` compares them)."""
+    from registry.arch import arch_from_hf_config
+
+    def flat(arch) -> dict[str, Any]:
+        out = {}
+        for k, v in asdict(arch).items() if hasattr(arch, "__dataclass_fields__") else vars(arch).items():
+            if isinstance(v, dict):
+                out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+            elif v is not None:
+                out[k] = v
+        return out
+
+    got = flat(arch_from_hf_config(config, family))
+    release = flat(arch_from_hf_config(RELEASE_CONFIGS[family], family))
+    return [f"model.arch.{k}={v}" for k, v in got.items() if release.get(k) != v]
+
+
+@dataclass
+class SynthResult:
+    """What :func:`write_synthetic_checkpoint` wrote (bytes of the safetensors payload; wall seconds)."""
+
+    path: str
+    family: str
+    num_params: int
+    total_bytes: int
+    num_shards: int
+    seconds: float
+    generate_seconds: float
+    write_seconds: float
+    arch_overrides: list[str] = field(default_factory=list)
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | Path,
+    family: str,
+    *,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    shard_bytes: int = 5 * 10**9,
+    seed: int = 0,
+    check_disk: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> SynthResult:
+    """Write a synthetic checkpoint (see the module docstring) into ``out_dir`` (created; its files are
+    overwritten). Tensors are generated on ``device`` and written shard by shard.
+
+    Raises:
+        SynthError: bad options, or (``check_disk``) too little free disk space for the shards.
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
+    specs = tensor_specs(config, dtype)
+    shards = plan_shards(specs, shard_bytes)
+    total = sum(s.nbytes for s in specs)
+    out.mkdir(parents=True, exist_ok=True)
+    if check_disk:
+        free = shutil.disk_usage(out).free
+        if total > free:
+            raise SynthError(
+                f"the checkpoint needs {total / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free; use "
+                "--num-layers / --num-experts (or another --out)"
+            )
+    say = log or (lambda _msg: None)
+    say(f"{family}: {len(specs)} tensors, {sum(math.prod(s.shape) for s in specs) / 1e9:.2f} B parameters, "
+        f"{total / 1e9:.2f} GB in {len(shards)} shards -> {out}")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # inf -> Infinity, as releases
+    gen = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID,
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_tokenizer(out, config["vocab_size"])
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    t_gen = t_write = 0.0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        ta = time.perf_counter()
+        tensors = {s.name: init_tensor(s, seed, device).cpu() for s in shard}
+        tb = time.perf_counter()
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+        tc = time.perf_counter()
+        t_gen, t_write = t_gen + tb - ta, t_write + tc - tb
+        weight_map.update(dict.fromkeys((s.name for s in shard), fname))
+        say(f"  {fname}: {len(shard)} tensors, {sum(s.nbytes for s in shard) / 1e9:.2f} GB "
+            f"(generate {tb - ta:.1f} s, write {tc - tb:.1f} s)")
+    # written last: a checkpoint interrupted while writing shards has no index and does not load
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    result = SynthResult(
+        path=str(out),
+        family=family,
+        num_params=sum(math.prod(s.shape) for s in specs),
+        total_bytes=total,
+        num_shards=len(shards),
+        seconds=time.perf_counter() - t0,
+        generate_seconds=t_gen,
+        write_seconds=t_write,
+        arch_overrides=arch_overrides(config, family),
+    )
+    recipe = {
+        "family": family,
+        "num_layers": num_layers,
+        "num_experts": num_experts,
+        "overrides": overrides or {},
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "seed": seed,
+        "shard_bytes": shard_bytes,
+        **{k: v for k, v in asdict(result).items() if k not in ("path", "family")},
+    }
+    (out / "synth.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    return result
+
+
+def parse_size(text: str) -> int:
+    """Bytes of "5GB", "500MB", "2GiB" or a plain integer; raises ValueError for anything else."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"size {text!r}: use a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)"
+        ) from None
+    if value < 1:
+        raise ValueError(f"size {text!r} must be at least 1 byte")
+    return int(value)
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: use KEY=VALUE (VALUE as JSON, e.g. hidden_size=256)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners.synth", description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", required=True, choices=sorted(RELEASE_CONFIGS))
+    p.add_argument("--out", required=True, help="checkpoint folder to write (created)")
+    p.add_argument("--num-layers", type=int, default=None, help="layers (default: the release's)")
+    p.add_argument("--num-experts", type=int, default=None, help="routed experts (default: the release's)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="where tensors are generated (cuda: seconds)")
+    p.add_argument("--shard-size", default="5GB", help="bytes per shard, e.g. 5GB (default) or 500MB")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="replace a config.json field (JSON value), e.g. --set hidden_size=256; repeatable")
+    args = p.parse_args(argv)
+    try:
+        shard_bytes = parse_size(args.shard_size)
+        overrides = _parse_set(args.set)
+    except ValueError as e:
+        p.error(str(e))
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+    try:
+        r = write_synthetic_checkpoint(
+            args.out, args.family, num_layers=args.num_layers, num_experts=args.num_experts,
+            overrides=overrides, dtype=DTYPES[args.dtype], device=args.device, shard_bytes=shard_bytes,
+            seed=args.seed, log=print,
+        )
+    except SynthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(r), indent=2))
+    if r.arch_overrides:
+        print("registry entry overrides for this checkpoint: " + " ".join(r.arch_overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
