@@ -377,6 +377,14 @@ def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
     return [f"model.arch.{k}={v}" for k, v in got.items() if release.get(k) != v]
 
 
+def _arch_overrides_or_note(config: dict[str, Any], family: str, say: Callable[[str], None]) -> list[str]:
+    try:
+        return arch_overrides(config, family)
+    except ImportError as e:  # registry needs omegaconf / yaml, which a bare GPU image may lack
+        say(f"note: model.arch.* overrides not computed ({e}); install the project's dependencies for them")
+        return []
+
+
 @dataclass
 class SynthResult:
     """What :func:`write_synthetic_checkpoint` wrote (bytes of the safetensors payload; wall seconds)."""
@@ -462,7 +470,7 @@ def write_synthetic_checkpoint(
         seconds=time.perf_counter() - t0,
         generate_seconds=t_gen,
         write_seconds=t_write,
-        arch_overrides=arch_overrides(config, family),
+        arch_overrides=_arch_overrides_or_note(config, family, say),
     )
     recipe = {
         "family": family,
