@@ -171,3 +171,39 @@ def test_fused_moe_cuda_graph_replay_equals_eager(gated):
         torch.cuda.synchronize()
         want = moe_experts_fused(h2, w2, i2, up, gate, down, act)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_moe_block_cuda_graph_replay_equals_eager(family):
+    """The whole MoE block (router, latent projections / gated shared expert, fused experts) in bf16 is
+    captured in one CUDA graph and replays equal to eager on a new input."""
+    c = _moe_config(family)
+    sizes = dict(hidden_size=256, moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
+                 n_routed_experts=32, moe_latent_size=64 if family == "nemotron_h" else None)
+    c = HybridConfig(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, **sizes})
+    torch.manual_seed(0)
+    moe = MoE(c)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    moe = moe.cuda()
+    for name, p in moe.named_parameters():
+        if not name.startswith("gate."):  # the router stays float32, as the loader keeps it
+            p.data = p.data.bfloat16()
+    x = torch.randn(4, 3, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                moe(x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        x2 = torch.randn_like(x)
+        x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, moe(x2), rtol=0, atol=0)
