@@ -1,0 +1,5 @@
+"""Triton kernels of the recurrent layers, one folder per operator family (as flash-linear-attention):
+kernels/mamba2/ and kernels/gdn/, each file a kernel + launcher + plain-PyTorch reference; kernels/commit.py
+holds the family-agnostic commit after an MTP verify (rewind copy, replay bookkeeping). See
+docs/architecture.md ("Kernels").
+"""

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton kernel files: interpreter detection, launch checks, dtype tables.
+"""Small helpers shared by every kernel folder: interpreter detection, launch checks, dtype tables.
 
 Nothing here launches a kernel. Kernel files import this module after `triton`, so `TRITON_INTERPRET=1`
 must already be in the environment when the first kernel module is imported (Triton decides interpreted vs
@@ -13,6 +13,8 @@ import triton
 # dtypes a kernel may keep its recurrent state in / take its activations in.
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes of slot ids and per-row counts (num_accepted_tokens) a launcher accepts.
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 # PAD slot id: a batch row whose slot id is negative reads and writes no cache buffer.
 PAD_SLOT_ID = -1
@@ -52,10 +54,24 @@ def check_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str, na
         raise ValueError(f"{name}: {what} dtype must be one of {allowed}, got {t.dtype}")
 
 
-def default_dot_precision() -> str:
-    """`tl.dot` input precision for fp32 operands: 'ieee' in the interpreter, 'tf32x3' on a GPU.
+def check_rows(slot_ids: torch.Tensor, indices: torch.Tensor | None, buffer_rows: int, what: str,
+               name: str) -> None:
+    """Check the batch-row -> buffer-row map of a per-row buffer (e.g. the rewind intermediate states).
 
-    tf32x3 splits each fp32 operand into a high and a low tf32 part and keeps fp32-level accuracy (about 1e-6
-    relative) on tensor cores; plain 'tf32' (about 1e-3 relative) would bias the recurrent state every step.
+    slot_ids: (B,) int32 / int64. indices: None (row b of the buffer belongs to batch row b, so the buffer needs
+    B rows) or (B,) int32 / int64 buffer rows (the engine passes the slot ids: a buffer indexed like the
+    state cache; FlashInfer's `intermediate_state_indices`). Rows whose slot id is PAD are never dereferenced.
+
+    Raises:
+        ValueError: a slot_ids / indices shape or dtype that does not fit, or a buffer with fewer than B rows.
     """
-    return "ieee" if interpreter_active() else "tf32x3"
+    if slot_ids.dim() != 1:
+        raise ValueError(f"{name}: slot_ids must be (B,), got shape {tuple(slot_ids.shape)}")
+    check_dtype(slot_ids, INDEX_DTYPES, "slot_ids", name)
+    if indices is None:
+        if buffer_rows < slot_ids.shape[0]:
+            raise ValueError(f"{name}: {what} has {buffer_rows} rows for a batch of {slot_ids.shape[0]}; "
+                             f"give one row per batch row, or pass intermediate_state_indices")
+        return
+    check_shape(indices, tuple(slot_ids.shape), "intermediate_state_indices", name)
+    check_dtype(indices, INDEX_DTYPES, "intermediate_state_indices", name)

@@ -7,17 +7,19 @@ never a live slot (slot 0 is a live slot). Callers never need to special-case pa
 
 The KV cache is written by position (gpt-fast style): a token at position ``p`` of a request goes to
 ``k[slot, p]``; a later write to the same position overwrites it, so rejected speculative tokens need no
-rollback. Recurrent state (conv window, SSM state) has no positions; committing it after a verify step is the
-caller's job (rewind or replay, see BRIEF section 4). Shapes use the project vocabulary: S slots, H mamba
-heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads, K draft length, T = K + 1.
+rollback. Recurrent state (conv window, SSM state) has no positions: after a verify step it is committed to
+the state after the accepted tokens (rewind or replay, below). Shapes use the project vocabulary: S slots,
+H mamba heads, P mamba head_dim, N d_state, W conv_kernel, KVH key/value heads, K draft length, T = K + 1.
 
 Two commit schemes for the recurrent layers of a speculative (MTP) engine:
-- rewind (default): a verify keeps every per-token state (``ssm_steps``, T full states per slot) and
-  :meth:`HybridCache.commit` copies the accepted one back;
-- replay (``ssm_replay=True``): the layer keeps its committed state plus the inputs of the last verify
-  (:class:`Mamba2ReplayState`, :class:`GDNReplayState`); the next verify fast-forwards the state by the
-  tokens accepted last step (PNAT) before computing its own tokens, and :meth:`HybridCache.commit` only
-  advances the per-slot bookkeeping (:class:`ReplaySlots`, one object for all layers). Conv windows keep K
+- rewind (default; SGLang / TensorRT-LLM / FlashInfer's scheme): a verify keeps every per-token state
+  (``ssm_steps``, T full states per slot) and :meth:`HybridCache.commit` copies the accepted one back
+  (``kernels.commit.rewind_commit``);
+- replay (``ssm_replay=True``; TensorRT-LLM's "SSM replay", FlashInfer's ``checkpointing_ssu``): the layer
+  keeps its committed state plus the inputs of the last verify (:class:`Mamba2ReplayState`,
+  :class:`GDNReplayState`); the next verify fast-forwards the state by the tokens accepted last step (PNAT)
+  before computing its own tokens, and :meth:`HybridCache.commit` only advances the per-slot bookkeeping
+  (:class:`ReplaySlots`, one object for all layers; ``kernels.commit.replay_advance``). Conv windows keep K
   extra columns and are read at offset (accepted - 1) instead of being copied at commit. The Mamba2
   checkpointing variant (``replay_checkpointing``) keeps max(16, T) tokens and writes the state only when
   they are full; per-step replay is the default because with our kernels it measured faster and smaller on
@@ -25,6 +27,10 @@ Two commit schemes for the recurrent layers of a speculative (MTP) engine:
   with the state written vs 216 us (3 pending) to 354 us (12 pending) without a write and 391 us on a
   flush; history 156 vs 360 KB per slot and layer). FlashInfer's checkpointing_ssu (91 us) shows the
   variant can win with a better kernel: revisit then.
+``ssm_backend`` picks who runs the recurrent-state operators of every layer state (the mixers read it from
+the state they are given): "triton" the Triton kernels of kernels/, "torch" their PyTorch references,
+"flashinfer" FlashInfer's ``selective_state_update`` for the Mamba2 rewind verify and Triton for the rest
+(:func:`kernel_or_reference`).
 :func:`cache_memory_bytes` computes the bytes of every buffer from the config alone (no allocation); the
 engine's memory report uses it and tests check it against the allocated tensors.
 """
@@ -32,12 +38,20 @@ engine's memory report uses it and tests check it against the allocated tensors.
 from __future__ import annotations
 
 import logging
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
+from kernels import gdn, mamba2
+from kernels.commit import (
+    allocate_replay_slots,
+    replay_advance,
+    replay_advance_ref,
+    rewind_commit,
+    rewind_commit_ref,
+)
 from runners.models.config import HybridConfig
 
 log = logging.getLogger(__name__)
@@ -46,12 +60,21 @@ PAD_SLOT_ID = -1
 SSM_BACKENDS = ("triton", "flashinfer", "torch")
 MEMORY_KEYS = ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes")
 
+F = TypeVar("F", bound=Callable)
+
+
+def kernel_or_reference(ssm_backend: str, kernel: F, reference: F) -> F:
+    """The implementation of a recurrent-state operator under ``ssm_backend``: its Triton ``kernel`` for
+    "triton" and "flashinfer" (FlashInfer's own kernel replaces only the Mamba2 rewind verify, in the mixer),
+    its PyTorch ``reference`` (same signature, the ``*_ref`` beside it in kernels/) for "torch"."""
+    return reference if ssm_backend == "torch" else kernel
+
 
 @dataclass
 class CacheSpec:
     """What a layer-state allocator needs: R = S + 1 rows (the scratch row included), dtypes, device,
-    T = ``spec_tokens`` (K + 1 tokens of a verify step; 0 = no speculative buffers) and the commit scheme
-    (``replay``: the shared :class:`ReplaySlots`, None = rewind)."""
+    T = ``spec_tokens`` (K + 1 tokens of a verify step; 0 = no speculative buffers), the commit scheme
+    (``replay``: the shared :class:`ReplaySlots`, None = rewind) and the ``ssm_backend`` of its operators."""
 
     rows: int
     max_seq_len: int
@@ -61,14 +84,16 @@ class CacheSpec:
     spec_tokens: int
     replay: ReplaySlots | None = None
     replay_checkpointing: bool = False
+    ssm_backend: str = "torch"
 
 
 class LayerState:
     """Per-slot state of one block. Subclasses hold buffers of R = S + 1 rows and implement:
 
     - ``reset_rows(rows)``: zero the state of cache rows ``rows`` [n] (a request is admitted);
-    - ``commit_rows(rows, num_accepted_tokens)``: after a verify step, make the state the one after the
-      first ``num_accepted_tokens`` [n] tokens (rewind); stateless-by-position kinds do nothing;
+    - ``commit(slot_ids, num_accepted_tokens)``: after a verify step, make the state of slots ``slot_ids``
+      [n] (PAD -1 rows: nothing) the one after their first ``num_accepted_tokens`` [n] tokens (rewind);
+      replay and stateless-by-position kinds do nothing;
     - ``memory()``: ``{"ssm_state_bytes" | "conv_state_bytes" | "kv_cache_bytes" | "spec_buffers_bytes": n}``.
 
     ``spec_buffers`` names the attributes that only speculative decoding allocates (None when the cache is
@@ -80,7 +105,7 @@ class LayerState:
     def reset_rows(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         raise NotImplementedError
 
     def memory(self) -> dict[str, int]:
@@ -113,14 +138,16 @@ class Mamba2State(LayerState):
     Speculative (rewind) buffers, allocated only when the cache is built with ``spec_tokens = T > 0``:
     conv_steps: [S + 1, conv_dim, W - 1 + T], the conv input window of the last verify (old W - 1 + T new).
     ssm_steps:  [S + 1, T, H, P, N], the SSM state after each of the T verify tokens.
-    A verify forward fills these and leaves ``conv`` / ``ssm`` alone; :meth:`commit_rows` then copies the
-    state after the accepted tokens back.
+    Both are indexed by slot like ``conv`` / ``ssm`` (the kernels' ``intermediate_state_indices`` = slot ids).
+    A verify forward fills these and leaves ``conv`` / ``ssm`` alone; :meth:`commit` then copies the state
+    after the accepted tokens back. ``ssm_backend``: who runs the operators (:func:`kernel_or_reference`).
     """
 
     conv: torch.Tensor
     ssm: torch.Tensor
     conv_steps: torch.Tensor | None = None
     ssm_steps: torch.Tensor | None = None
+    ssm_backend: str = "torch"
     spec_buffers: ClassVar[tuple[str, ...]] = ("conv_steps", "ssm_steps")
 
     @classmethod
@@ -132,6 +159,7 @@ class Mamba2State(LayerState):
             ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
             conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
             ssm_steps=torch.zeros(R, T, H, P, N, dtype=spec.ssm_state_dtype, device=dev) if T else None,
+            ssm_backend=spec.ssm_backend,
         )
 
     @classmethod
@@ -150,9 +178,11 @@ class Mamba2State(LayerState):
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
 
-    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         n = num_accepted_tokens
-        self.ssm.index_copy_(0, rows, self.ssm_steps[rows, n - 1])
+        commit = kernel_or_reference(self.ssm_backend, rewind_commit, rewind_commit_ref)
+        commit(self.ssm, self.ssm_steps, slot_ids, n, intermediate_state_indices=slot_ids)
+        rows = slot_ids % self.conv.shape[0]  # PAD (-1) -> the scratch row
         W1 = self.conv.shape[-1]
         cols = n[:, None] + torch.arange(W1, device=n.device)  # the W - 1 conv inputs before token n
         window = self.conv_steps[rows]
@@ -189,6 +219,7 @@ class GDNState(Mamba2State):
             ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
             conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
             ssm_steps=torch.zeros(R, T, HV, V, K, dtype=spec.ssm_state_dtype, device=dev) if T else None,
+            ssm_backend=spec.ssm_backend,
         )
 
     @classmethod
@@ -221,39 +252,32 @@ class ReplaySlots:
     last_accepted: [S + 1] int32, num_accepted_tokens of the slot's last verify (0 after prefill): the conv
         window offset. Equal to PNAT in per-step replay; in the checkpointing variant (``hist_len`` set,
         Mamba2 only) PNAT counts every accepted token not yet folded into the state, over several verifies.
-    All start zeroed (a graph or kernel that reads them before the first fill sees "nothing to replay").
+    All start zeroed (``kernels.commit.allocate_replay_slots``: a graph or kernel that reads them before the
+    first fill sees "nothing to replay").
 
-    Lifecycle (the kernels' contract, ``kernels/mamba2_replay.py``, ``kernels/gdn_replay.py``):
-    :meth:`reset` at admission (prefill writes the state, PNAT = 0); every verify of every layer reads PNAT /
-    buffer_index and fast-forwards; :meth:`advance` runs exactly once per verify step, after all layers, with
-    the family's own advance function (the same liveness predicate as the verify kernel: PAD rows, slot id
-    -1, never advance). ``verified`` guards the "advance twice in one step" bug: a verify sets it, advance
-    requires and clears it.
+    Lifecycle (the kernels' contract, ``kernels/commit.py``): :meth:`reset` at admission (prefill writes the
+    state, PNAT = 0); every verify of every layer reads PNAT / buffer_index and fast-forwards; :meth:`advance`
+    runs exactly once per verify step, after all layers (``kernels.commit.replay_advance``, the same for both
+    families, with the verify kernels' liveness predicate: PAD rows, slot id -1, never advance). ``verified``
+    guards the "advance twice in one step" bug: a verify sets it, advance requires and clears it.
     """
 
     prev_num_accepted: torch.Tensor
     buffer_index: torch.Tensor
     last_accepted: torch.Tensor
     spec_tokens: int
-    family_kind: str  # "mamba2" | "gdn": which kernel module owns the advance
     ssm_backend: str = "torch"
     hist_len: int | None = None  # checkpointing variant: the history window L = max(16, T); None: per-step
     verified: bool = False
 
     @classmethod
     def allocate(
-        cls, rows: int, spec_tokens: int, family_kind: str, ssm_backend: str, device, checkpointing=False
+        cls, rows: int, spec_tokens: int, ssm_backend: str, device, checkpointing: bool = False
     ) -> ReplaySlots:
-        if family_kind not in ("mamba2", "gdn"):
-            raise ValueError(f"replay bookkeeping for block kind {family_kind!r}: only mamba2 and gdn replay")
-        if checkpointing and family_kind != "mamba2":
-            raise ValueError(
-                f"the checkpointing replay variant exists for mamba2 only (kernels/mamba2_replay.py), not "
-                f"{family_kind}; set replay checkpointing off"
-            )
-        zeros = lambda: torch.zeros(rows, dtype=torch.int32, device=device)  # noqa: E731
+        prev_num_accepted, buffer_index = allocate_replay_slots(rows, device=device)
+        last_accepted = torch.zeros(rows, dtype=torch.int32, device=device)
         hist_len = replay_hist_len(spec_tokens, checkpointing) if checkpointing else None
-        return cls(zeros(), zeros(), zeros(), spec_tokens, family_kind, ssm_backend, hist_len)
+        return cls(prev_num_accepted, buffer_index, last_accepted, spec_tokens, ssm_backend, hist_len)
 
     @staticmethod
     def planned_bytes(rows: int) -> int:
@@ -285,8 +309,6 @@ class ReplaySlots:
                 "exactly once per verify step (after all layers' verifies)"
             )
         self.verified = False
-        T = self.spec_tokens
-        kernel = self.ssm_backend != "torch"
         # the conv offset: live rows only (PAD rows keep the scratch row's value; no host sync)
         live = slot_ids >= 0
         R = self.last_accepted.shape[0]
@@ -295,19 +317,9 @@ class ReplaySlots:
             torch.where(live, slot_ids, R - 1),
             torch.where(live, num_accepted_tokens.to(torch.int32), self.last_accepted[R - 1]),
         )
-        if self.family_kind == "mamba2":
-            from kernels.mamba2_replay import replay_advance, replay_advance_ref
-
-            (replay_advance if kernel else replay_advance_ref)(
-                self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, T,
-                hist_len=self.hist_len,
-            )
-        else:
-            from kernels.gdn_replay import gdn_replay_commit, gdn_replay_commit_ref
-
-            (gdn_replay_commit if kernel else gdn_replay_commit_ref)(
-                self.prev_num_accepted, self.buffer_index, slot_ids.int(), num_accepted_tokens.int(), T
-            )
+        advance = kernel_or_reference(self.ssm_backend, replay_advance, replay_advance_ref)
+        advance(self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, self.spec_tokens,
+                hist_len=self.hist_len)
 
 
 @dataclass
@@ -320,21 +332,21 @@ class Mamba2ReplayState(LayerState):
           column. The committed window (the W - 1 inputs before the next token) is columns
           ``off .. off + W - 2`` with ``off = slots.conv_offset`` (PNAT - 1; 0 after prefill, which writes
           columns 0 .. W - 2), so acceptance needs no copy.
-    history: ``kernels.mamba2_replay.ReplayHistory`` with S + 1 slots and L = T: x (S + 1, 2, T, H, P) and
+    history: ``kernels.mamba2.ReplayHistory`` with S + 1 slots and L = T: x (S + 1, 2, T, H, P) and
           B (S + 1, 2, T, G, N) in the model dtype, dt' and dA_cumsum (S + 1, 2, H, T) float32.
     slots: the model's shared :class:`ReplaySlots`.
+    ssm_backend: who runs the replay verify (:func:`kernel_or_reference`).
     Speculative-only bytes: the K extra conv columns and the history (vs. rewind's T full states).
     """
 
     conv: torch.Tensor
     ssm: torch.Tensor
-    history: object  # kernels.mamba2_replay.ReplayHistory (imported lazily: it pulls in triton)
+    history: mamba2.ReplayHistory | gdn.ReplayHistory
     slots: ReplaySlots
+    ssm_backend: str = "torch"
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2ReplayState:
-        from kernels.mamba2_replay import allocate_replay_history
-
         if spec.replay is None or spec.spec_tokens < 2:
             raise ValueError("Mamba2ReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
         H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
@@ -343,10 +355,11 @@ class Mamba2ReplayState(LayerState):
         return cls(
             conv=torch.zeros(R, C, W1 + T - 1, dtype=spec.dtype, device=dev),
             ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
-            history=allocate_replay_history(
+            history=mamba2.ReplayHistory.allocate(
                 R, L, H, P, c.n_groups, N, dtype=spec.dtype, device=dev, checkpointing=ckpt
             ),
             slots=spec.replay,
+            ssm_backend=spec.ssm_backend,
         )
 
     @classmethod
@@ -368,7 +381,7 @@ class Mamba2ReplayState(LayerState):
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
 
-    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         pass  # replay commits lazily: the next verify fast-forwards; ReplaySlots.advance is per model
 
     def memory(self) -> dict[str, int]:
@@ -380,22 +393,6 @@ class Mamba2ReplayState(LayerState):
             "spec_buffers_bytes": _nbytes(self.conv) - conv_committed + self.history.nbytes(),
         }
 
-    def materialized_ssm(self, A: torch.Tensor) -> torch.Tensor:
-        """float32 [S + 1, H, P, N]: every slot's state after its pending PNAT tokens (what rewind would
-        hold), without mutating anything. A: (H,) = -exp(A_log) of this layer."""
-        from kernels.mamba2_replay import replay_materialized_state_ref
-
-        s = self.slots
-        return replay_materialized_state_ref(self.ssm, self.history, s.prev_num_accepted, s.buffer_index, A)
-
-    def materialized_conv(self) -> torch.Tensor:
-        """[S + 1, C, W - 1]: every slot's committed conv window (read at its offset)."""
-        R, C, _ = self.conv.shape
-        W1 = self.conv.shape[-1] - (self.slots.spec_tokens - 1)
-        rows = torch.arange(R, device=self.conv.device)
-        cols = self.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=self.conv.device)
-        return self.conv.gather(2, cols[:, None, :].expand(R, C, W1))
-
 
 @dataclass
 class GDNReplayState(Mamba2ReplayState):
@@ -404,15 +401,13 @@ class GDNReplayState(Mamba2ReplayState):
     GDN shapes (H key heads, HV value heads, K / V key / value head dims, C = 2 H K + HV V):
 
     ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
-    history: ``kernels.gdn_replay.GDNReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T,
-          HV, V) solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative
-          log decay of the last verify.
+    history: ``kernels.gdn.ReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T, HV, V)
+          solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative log
+          decay of the last verify.
     """
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNReplayState:
-        from kernels.gdn_replay import GDNReplayHistory
-
         if spec.replay is None or spec.spec_tokens < 2:
             raise ValueError("GDNReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
         H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
@@ -420,8 +415,9 @@ class GDNReplayState(Mamba2ReplayState):
         return cls(
             conv=torch.zeros(R, 2 * H * K + HV * V, W1 + T - 1, dtype=spec.dtype, device=dev),
             ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
-            history=GDNReplayHistory.allocate(R, T, H, HV, K, V, device=dev, dtype=torch.float32),
+            history=gdn.ReplayHistory.allocate(R, T, H, HV, K, V, device=dev, dtype=torch.float32),
             slots=spec.replay,
+            ssm_backend=spec.ssm_backend,
         )
 
     @classmethod
@@ -435,25 +431,6 @@ class GDNReplayState(Mamba2ReplayState):
             "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
             "spec_buffers_bytes": _bytes(spec.dtype, R, C, T - 1) + history,
         }
-
-    def materialized_ssm(self, A: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [S + 1, HV, V, K]: every slot's state after its pending PNAT tokens, without mutating
-        anything (S <- exp(G_last) S + sum_j exp(G_last - G_j) u_j k_j^T over the first PNAT history tokens).
-        ``A`` is unused (GDN's decay is in the history); accepted for symmetry with Mamba2."""
-        hist, slots = self.history, self.slots
-        R, TH = self.ssm.shape[0], hist.u.shape[2]
-        HV, H = hist.u.shape[3], hist.k.shape[3]
-        rows = torch.arange(R, device=self.ssm.device)
-        n = slots.prev_num_accepted.long().clamp(0, TH)
-        buf = slots.buffer_index.long() & 1
-        G = hist.g[rows, buf]  # (R, TH, HV)
-        G_last = G.gather(1, (n - 1).clamp(min=0)[:, None, None].expand(R, 1, HV))[:, 0]
-        G_last = torch.where(n[:, None] > 0, G_last, 0.0)
-        pending = torch.arange(TH, device=G.device)[None, :, None] < n[:, None, None]
-        c = torch.exp(torch.where(pending, G_last[:, None, :] - G, -math.inf))  # (R, TH, HV)
-        U = hist.u[rows, buf].float() * c[..., None]
-        Kh = hist.k[rows, buf].float().repeat_interleave(HV // H, dim=2)
-        return self.ssm.float() * torch.exp(G_last)[..., None, None] + torch.einsum("rjhv,rjhk->rhvk", U, Kh)
 
 
 @dataclass
@@ -478,7 +455,7 @@ class KVCache(LayerState):
     def reset_rows(self, rows: torch.Tensor) -> None:
         pass
 
-    def commit_rows(self, rows: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         pass
 
     def memory(self) -> dict[str, int]:
@@ -513,14 +490,14 @@ def _layout(kind: str, idx: int, replay: bool) -> type[LayerState]:
     return CACHE_LAYOUTS[kind]
 
 
-def _replay_kind(cache_kinds: dict[int, str]) -> str:
+def _replay_kinds(cache_kinds: dict[int, str]) -> list[str]:
     kinds = sorted(set(cache_kinds.values()) & set(REPLAY_LAYOUTS))
-    if len(kinds) != 1:
+    if not kinds:
         raise ValueError(
-            f"ssm_replay needs exactly one recurrent block kind with a replay layout "
-            f"({sorted(REPLAY_LAYOUTS)}); this model has {kinds or 'none'}"
+            f"ssm_replay needs a recurrent block kind with a replay layout ({sorted(REPLAY_LAYOUTS)}); this "
+            "model has none: set ssm_replay=False"
         )
-    return kinds[0]
+    return kinds
 
 
 def _check_replay_args(
@@ -535,9 +512,11 @@ def _check_replay_args(
         raise ValueError(
             "ssm_replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or drop it"
         )
-    if checkpointing and _replay_kind(cache_kinds) != "mamba2":
+    if ssm_replay:
+        _replay_kinds(cache_kinds)
+    if ssm_replay and checkpointing and _replay_kinds(cache_kinds) != ["mamba2"]:
         raise ValueError(
-            "the checkpointing replay variant exists for mamba2 layers only (kernels/mamba2_replay.py); "
+            "the checkpointing replay variant exists for mamba2 layers only (kernels/mamba2/replay.py); "
             "set ssm_replay_checkpointing=False (registry: ssm.replay_checkpointing: false) for this model"
         )
 
@@ -570,7 +549,6 @@ def cache_memory_bytes(
         for key, n in _layout(kind, idx, ssm_replay).planned_memory(config, spec).items():
             out[key] += n
     if ssm_replay:
-        _replay_kind(cache_kinds)
         out["spec_buffers_bytes"] += ReplaySlots.planned_bytes(rows)
     return out
 
@@ -585,17 +563,19 @@ class HybridCache:
         max_batch_size: S, the number of live slots.
         max_seq_len: positions per slot in the KV cache (prompt + generated tokens).
         dtype: dtype of conv state and KV cache (the model dtype).
-        ssm_state_dtype: dtype of the SSM state (float32 is the safe default, BRIEF section 5).
+        ssm_state_dtype: dtype of the SSM state (float32 is the safe default: a 16-bit state is rounded on
+            every store and loses accuracy over long outputs).
         device: where the buffers live.
         spec_tokens: T = K + 1 tokens of a speculative verify step; > 0 allocates the rewind buffers of
             every recurrent layer (see :class:`Mamba2State`); 0 (default) allocates none.
         ssm_replay: commit recurrent state by replay (:class:`Mamba2ReplayState` layers and one
             :class:`ReplaySlots`, ``self.replay``) instead of rewind; needs ``spec_tokens >= 2``.
-        ssm_backend: "torch" | "triton" | "flashinfer": the implementation of the replay advance (the
-            mixers' own ``ssm_backend`` attribute picks their verify kernels; the engine sets both).
+        ssm_backend: "torch" | "triton" | "flashinfer": who runs the recurrent-state operators of every layer
+            state (decode, verify, commit, advance; :func:`kernel_or_reference`); the mixers read it from the
+            state they are given.
         replay_checkpointing: the checkpointing replay variant (Mamba2 only): a history window of
             L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
-            (``kernels/mamba2_replay.py``).
+            (``kernels/mamba2/replay.py``).
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
@@ -628,15 +608,12 @@ class HybridCache:
         self.spec_tokens = spec_tokens
         self.ssm_replay, self.ssm_backend = ssm_replay, ssm_backend
         R = max_batch_size + 1
-        self.replay = (
-            ReplaySlots.allocate(
-                R, spec_tokens, _replay_kind(cache_kinds), ssm_backend, device, replay_checkpointing
-            )
-            if ssm_replay
-            else None
-        )
+        self.replay = None
+        if ssm_replay:
+            self.replay = ReplaySlots.allocate(R, spec_tokens, ssm_backend, device, replay_checkpointing)
         spec = CacheSpec(
-            R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing
+            R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing,
+            ssm_backend,
         )
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):
@@ -678,7 +655,7 @@ class HybridCache:
         The KV cache needs nothing (written by position). Call exactly once per verify step.
 
         Args:
-            slot_ids: [B] int64 slots of the verify batch (PAD -1 rows touch only the scratch row).
+            slot_ids: [B] int64 slots of the verify batch (PAD -1 rows commit nothing).
             num_accepted_tokens: [B] int64 in [1, T]; anything else raises (a 0 or > T from a stale or padding
                 row must never index a neighbouring column).
 
@@ -692,11 +669,11 @@ class HybridCache:
         n = num_accepted_tokens.to(torch.long)
         if n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
             raise ValueError(f"num_accepted_tokens {n.tolist()} must lie in [1, T={T}]")
-        rows = self._rows(slot_ids)
+        self.check_slots(slot_ids)
         if self.replay is not None:
             self.replay.advance(slot_ids, n)
         for layer in self.layers.values():
-            layer.commit_rows(rows, n)
+            layer.commit(slot_ids, n)
 
     def memory(self) -> dict[str, int]:
         """Bytes allocated by kind (including the scratch row); keys as in docs/architecture.md."""

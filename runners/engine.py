@@ -9,10 +9,11 @@ token, stop checks, callbacks) loops over requests; model compute never does.
 With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
 from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
 commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay=True`` replaces the
-rewind commit by replay (BRIEF section 4; ``runners.cache.Mamba2ReplayState`` / ``GDNReplayState``): a
-verify fast-forwards the committed state by the previous step's accepted tokens, and the commit only
-advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer", "torch" default on
-CPU) picks the recurrent verify / advance implementation.
+rewind commit by replay (TensorRT-LLM's "SSM replay"; ``runners.cache.Mamba2ReplayState`` /
+``GDNReplayState``): a verify fast-forwards the committed state by the previous step's accepted tokens, and
+the commit only advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer",
+"torch" default on CPU) picks who runs the recurrent decode / verify / commit operators: the Triton kernels of
+kernels/ or their PyTorch references (the cache's layer states carry it to the mixers).
 
 Contract: docs/architecture.md ("Engine API").
 """
@@ -350,9 +351,6 @@ class Engine:
             if isinstance(module, Mamba2Mixer):
                 module.chunk_size = scan_chunk_size
         self.ssm_backend = _resolve_ssm_backend(ssm_backend, self.device, ssm_replay, config)
-        for module in model.modules():
-            if hasattr(module, "ssm_backend"):  # recurrent mixers: their verify implementation
-                module.ssm_backend = self.ssm_backend
         self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
         # speculative buffers (rewind: T = K + 1 states per slot; replay: the input history) only with drafts
         self._cache_args = dict(
@@ -666,7 +664,7 @@ class Engine:
            states (overwriting its draft-time KV entries); position n + a pairs the target hidden at index a
            (the last accepted position) with the bonus token, and its output gives the next first draft.
         The loop is family-agnostic: it needs only the model forward, ``BatchMeta.verify`` support in the
-        recurrent mixers and ``cache.commit`` (each layer state's ``commit_rows``).
+        recurrent mixers and ``cache.commit`` (each layer state's ``commit``).
         Advances ``slot_len`` / ``last_token``, the acceptance counters of ``stats`` and the per-slot
         counters (:class:`SlotCounters`) in place.
         """

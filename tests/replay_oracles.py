@@ -1,19 +1,70 @@
-"""Token-by-token oracles of the replay verify steps, one Python iteration per batch row.
+"""Token-by-token oracles of the replay verify steps, one Python iteration per batch row, and the
+"materialised" state a replay slot stands for (its pending tokens fast-forwarded), for comparing replay with
+rewind between steps.
 
-The kernels' PyTorch references (`kernels.mamba2_replay.replay_verify_ref`, `kernels.gdn_replay.
-gdn_replay_verify_ref`) are vectorised over the batch, because the CPU engine runs them every decode step.
-These slower oracles are written differently (host reads of PNAT per row, the old tokens replayed one at a
-time instead of the closed form) and the tests hold both the references and the Triton kernels to them.
+The kernels' PyTorch references (`kernels.mamba2.replay_verify_ref`, `kernels.gdn.replay_verify_ref`) are
+vectorised over the batch, because the CPU engine runs them every decode step. These slower oracles are
+written differently (host reads of PNAT per row, the old tokens replayed one at a time instead of the closed
+form) and the tests hold both the references and the Triton kernels to them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._gdn_common import check_gdn_inputs, check_state, l2norm
-from kernels.gdn_replay import _check_replay_buffers
-from kernels.mamba2_replay import ReplayHistory, _check_history, _fast_forward_ref
-from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
+from kernels.gdn._common import check_gdn_inputs, check_state, l2norm
+from kernels.gdn.replay import _check_replay_buffers
+from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt
+from kernels.mamba2.replay import ReplayHistory, _check_history
+
+
+def mamba2_fast_forward(hs, history, s, r, k, A):
+    """hs (H, P, N) fp32 advanced one token at a time by the first k history tokens of slot s, buffer r."""
+    hpg = hs.shape[0] // history.B.shape[3]
+    xr = 0 if history.checkpointing else r
+    for j in range(k):
+        dtj = history.dt[s, r, :, j]  # (H,)
+        Bj = history.B[s, r, j].float().repeat_interleave(hpg, dim=0)  # (H, N)
+        xj = history.x[s, xr, j].float()  # (H, P)
+        hs = hs * torch.exp(A.float() * dtj)[:, None, None] + (dtj[:, None] * xj)[..., None] * Bj[:, None, :]
+    return hs
+
+
+def mamba2_materialized_state(state, history, prev_num_accepted, buffer_index, A) -> torch.Tensor:
+    """float32 (S, H, P, N): every slot's Mamba2 state advanced by its first PNAT[s] history tokens of buffer
+    buffer_index[s], one token at a time, without mutating anything (what rewind would hold)."""
+    L = history.x.shape[2]
+    res = state.float().clone()
+    for s in range(state.shape[0]):
+        k = min(max(int(prev_num_accepted[s]), 0), L)
+        res[s] = mamba2_fast_forward(res[s], history, s, int(buffer_index[s]) & 1, k, A)
+    return res
+
+
+def gdn_materialized_state(state, history, prev_num_accepted, buffer_index) -> torch.Tensor:
+    """float32 (S, HV, V, K): every slot's GDN state after its first PNAT[s] history tokens, one token at a
+    time (S <- exp(g_j) S + u_j k_j^T with g_j = G_j - G_{j-1}), without mutating anything."""
+    TH, HV, H = history.u.shape[2], history.u.shape[3], history.k.shape[3]
+    res = state.float().clone()
+    for s in range(state.shape[0]):
+        n, r = min(max(int(prev_num_accepted[s]), 0), TH), int(buffer_index[s]) & 1
+        G_prev = torch.zeros(HV, device=state.device)
+        for j in range(n):
+            G = history.g[s, r, j].float()
+            kj = history.k[s, r, j].float().repeat_interleave(HV // H, dim=0)  # (HV, K)
+            uj = history.u[s, r, j].float()  # (HV, V)
+            res[s] = res[s] * torch.exp(G - G_prev)[:, None, None] + uj[:, :, None] * kj[:, None, :]
+            G_prev = G
+    return res
+
+
+def materialized_conv(layer_state) -> torch.Tensor:
+    """(S + 1, C, W - 1): every slot's committed conv window of a replay layer state, read at its offset."""
+    R, C, _ = layer_state.conv.shape
+    W1 = layer_state.conv.shape[-1] - (layer_state.slots.spec_tokens - 1)
+    rows = torch.arange(R, device=layer_state.conv.device)
+    cols = layer_state.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=layer_state.conv.device)
+    return layer_state.conv.gather(2, cols[:, None, :].expand(R, C, W1))
 
 
 def mamba2_replay_verify_oracle(
@@ -33,8 +84,6 @@ def mamba2_replay_verify_oracle(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
-    block_n: int | None = None,
-    dot_precision: str | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Token-by-token oracle of `replay_verify` / `replay_verify_ref` (same arguments and effects).
@@ -42,7 +91,7 @@ def mamba2_replay_verify_oracle(
     Independent of their closed form: the fast-forward replays the old tokens one at a time with exp(A dt'_j)
     from `history.dt`, and the outputs run the recurrence token by token, one Python iteration per row.
     """
-    del block_p, block_n, dot_precision, num_warps
+    del block_p, num_warps
     name = "mamba2_replay_verify_oracle"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
@@ -58,7 +107,7 @@ def mamba2_replay_verify_oracle(
         r = int(buffer_index[s]) & 1
         w = 1 - r
         flush = not ckpt or k + T > L  # per-step replay always folds the accepted tokens into the state
-        hs = _fast_forward_ref(state[s].float(), history, s, r, k, A)
+        hs = mamba2_fast_forward(state[s].float(), history, s, r, k, A)
         if flush and k > 0:
             state[s] = hs.to(state.dtype)
             hs = state[s].float()
@@ -88,10 +137,10 @@ def mamba2_replay_verify_oracle(
 
 def gdn_replay_verify_oracle(
     q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
-    out=None, block_v=16,
+    out=None, block_v=16, num_warps=None,
 ):
-    """Token-by-token oracle of gdn_replay_verify / gdn_replay_verify_ref (same signature, same mutations):
-    one Python iteration per row, the new tokens by the recurrence one at a time."""
+    """Token-by-token oracle of kernels.gdn.replay_verify / replay_verify_ref (same signature, same
+    mutations): one Python iteration per row, the new tokens by the recurrence one at a time."""
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
     check_state(state, HV, V, K)
     TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)

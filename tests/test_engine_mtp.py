@@ -157,7 +157,7 @@ class CheckedEngine(Engine):
         for idx, layer in self.cache.layers.items():
             ref_layer = ref.cache[idx]
             for name, buf in vars(layer).items():
-                if buf is None or name in layer.spec_buffers:  # a verify's scratch, not state
+                if not isinstance(buf, torch.Tensor) or name in layer.spec_buffers:  # scratch, not state
                     continue
                 got, want = buf[slot], getattr(ref_layer, name)[slot]
                 if isinstance(layer, KVCache):
@@ -246,7 +246,8 @@ def test_ragged_forced_acceptance_keeps_each_rows_state(ckpt, K):
 def _all_rows(engine, slot):
     """{(cache index, buffer name): the slot's row} of every cache buffer (rewind buffers included)."""
     layers = engine.cache.layers.items()
-    return {(i, k): t[slot].clone() for i, lay in layers for k, t in vars(lay).items() if t is not None}
+    return {(i, k): t[slot].clone() for i, lay in layers for k, t in vars(lay).items()
+            if isinstance(t, torch.Tensor)}
 
 
 @torch.inference_mode()

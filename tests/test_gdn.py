@@ -1,4 +1,5 @@
-"""Gated DeltaNet mixer (runners/models/gdn.py) against transformers' Qwen3NextGatedDeltaNet and itself.
+"""Gated DeltaNet mixer (runners/models/gdn.py) and its rules (kernels/gdn/chunk.py, recurrent.py) against
+transformers' Qwen3NextGatedDeltaNet and themselves.
 
 Sizes are deliberately awkward: HV = 2H, K = 32 != V = 48 (a transposed [K, V] state fails), T = 37 with chunk
 sizes that do not divide it.
@@ -9,12 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runners.models.gdn import (
-    GatedDeltaNet,
-    chunk_gated_delta_rule,
-    l2_normalize,
-    recurrent_gated_delta_rule,
-)
+from kernels.gdn import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from runners.models.gdn import GatedDeltaNet
 
 D, H, HV, K, V, W, T = 64, 2, 4, 32, 48, 4, 37
 
@@ -47,8 +44,8 @@ def layers():
 
 def _rule_inputs(B=2, T=T, seed=1):
     g = torch.Generator().manual_seed(seed)
-    q = l2_normalize(torch.randn(B, T, H, K, generator=g))
-    k = l2_normalize(torch.randn(B, T, H, K, generator=g))
+    q = l2norm(torch.randn(B, T, H, K, generator=g))
+    k = l2norm(torch.randn(B, T, H, K, generator=g))
     v = torch.randn(B, T, HV, V, generator=g)
     gate = -torch.rand(B, T, HV, generator=g) * 0.3
     beta = torch.rand(B, T, HV, generator=g)

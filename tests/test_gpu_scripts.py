@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
         (["kernels"], "usage:"),  # OUTDIR forgotten: the stage is not taken for a folder
         (["{tmp}", "kernals"], "unknown stage 'kernals'"),
         (["kernels", "engine"], "is a source folder of the repository"),
+        (["benchmarks/out", "bench"], "is a source folder of the repository"),
     ],
 )
 def test_run_checks_refuses_bad_arguments(args, says, tmp_path):
@@ -26,7 +27,8 @@ def test_run_checks_refuses_bad_arguments(args, says, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr
     assert "stages: kernels sanitize bench engine flashinfer" in proc.stderr or "source folder" in proc.stderr
-    assert not (tmp_path / "logs").exists() and not (REPO / "kernels" / "machine.txt").exists()
+    assert not (tmp_path / "logs").exists()
+    assert not (REPO / "kernels" / "machine.txt").exists() and not (REPO / "benchmarks" / "out").exists()
 
 
 def test_flashinfer_sizes_needs_gpu_and_flashinfer():

@@ -29,19 +29,19 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from replay_oracles import gdn_replay_verify_oracle  # noqa: E402
 
-from kernels.gdn_recurrent import (  # noqa: E402
+from kernels.commit import (  # noqa: E402
+    allocate_replay_slots,
+    replay_advance,
+    replay_advance_ref,
+    rewind_commit,
+    rewind_commit_ref,
+)
+from kernels.gdn import (  # noqa: E402
+    ReplayHistory,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule_ref,
-    gdn_rewind_commit,
-    gdn_rewind_commit_ref,
-)
-from kernels.gdn_replay import (  # noqa: E402
-    GDNReplayHistory,
-    allocate_replay_metadata,
-    gdn_replay_commit,
-    gdn_replay_commit_ref,
-    gdn_replay_verify,
-    gdn_replay_verify_ref,
+    replay_verify,
+    replay_verify_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,8 +111,8 @@ def test_recurrent_verify_and_commit_match_reference(T, dtype):
 
     # Commit: ragged acceptance, plus stale values (0 = accept nothing, > T clamped) on the PAD row.
     num_accepted = torch.tensor([T, 7, 1, max(T - 1, 1)], dtype=torch.int32, device=DEVICE)
-    gdn_rewind_commit(st_k, inter_k, slot_ids, num_accepted)
-    gdn_rewind_commit_ref(st_r, inter_r, slot_ids, num_accepted)
+    rewind_commit(st_k, inter_k, slot_ids, num_accepted)
+    rewind_commit_ref(st_r, inter_r, slot_ids, num_accepted)
     assert_close(st_k, st_r, TOL[torch.float32] * 10)
     untouched = [1, 2, 4]
     assert torch.equal(st_k[untouched], state0[untouched]), "only the live rows' slots may change"
@@ -127,7 +127,7 @@ def test_rewind_commit_clamps_bad_num_accepted():
     st = slot_major_view(state0.clone())
     slot_ids = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     num_accepted = torch.tensor([0, -5, 99], dtype=torch.int32, device=DEVICE)
-    gdn_rewind_commit(st, inter, slot_ids, num_accepted)
+    rewind_commit(st, inter, slot_ids, num_accepted)
     assert torch.equal(st[:2], state0[:2]), "num_accepted <= 0 accepts nothing"
     assert torch.equal(st[2], inter[2, T - 1]), "num_accepted > T is clamped to T"
 
@@ -150,21 +150,21 @@ def test_transposed_state_and_bad_shapes_are_rejected():
     slot_ids = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="transposed"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(S, HV, K, V, device=DEVICE), slot_ids)
-    hist = GDNReplayHistory.allocate(S, 2, H, HV, K, V, device=DEVICE)
-    pnat, buf = allocate_replay_metadata(S, device=DEVICE)
+    hist = ReplayHistory.allocate(S, 2, H, HV, K, V, device=DEVICE)
+    pnat, buf = allocate_replay_slots(S, device=DEVICE)
     transposed = torch.zeros(S, HV, K, V, device=DEVICE)
     with pytest.raises(ValueError, match="transposed"):
-        gdn_replay_verify(q, k, v, g, beta, transposed, hist, slot_ids, pnat, buf)
+        replay_verify(q, k, v, g, beta, transposed, hist, slot_ids, pnat, buf)
     with pytest.raises(ValueError, match="K\\) dimension contiguous"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(S, HV, K, V, device=DEVICE).mT,
                                          slot_ids)
     with pytest.raises(ValueError, match="slot_ids"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(S, HV, V, K, device=DEVICE),
-                                         slot_ids.long())
+                                         slot_ids.float())
     with pytest.raises(ValueError, match="history length"):
-        small = GDNReplayHistory.allocate(S, 1, H, HV, K, V, device=DEVICE)
+        small = ReplayHistory.allocate(S, 1, H, HV, K, V, device=DEVICE)
         good = torch.zeros(S, HV, V, K, device=DEVICE)
-        gdn_replay_verify(q, k, v, g, beta, good, small, slot_ids, pnat, buf)
+        replay_verify(q, k, v, g, beta, good, small, slot_ids, pnat, buf)
 
 
 # --------------------------------------------------------------------------------------------------- replay
@@ -172,14 +172,14 @@ def test_transposed_state_and_bad_shapes_are_rejected():
 
 def _poisoned_history(TH, dtype=torch.float32, device=DEVICE):
     """History as torch.empty would leave it, made loud: NaN everywhere."""
-    hist = GDNReplayHistory.allocate(S, TH, H, HV, K, V, device=device, dtype=dtype)
+    hist = ReplayHistory.allocate(S, TH, H, HV, K, V, device=device, dtype=dtype)
     for t in (hist.u, hist.k, hist.g):
         t.fill_(float("nan"))
     return hist
 
 
-def _strided_history(hist: GDNReplayHistory) -> GDNReplayHistory:
-    return GDNReplayHistory(u=layer_stacked(hist.u.clone()), k=layer_stacked(hist.k.clone()),
+def _strided_history(hist: ReplayHistory) -> ReplayHistory:
+    return ReplayHistory(u=layer_stacked(hist.u.clone()), k=layer_stacked(hist.k.clone()),
                             g=slot_major_view(hist.g.clone()))
 
 
@@ -196,9 +196,9 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
     hist_k, hist_r = _strided_history(_poisoned_history(T, cache_dtype)), _poisoned_history(T, cache_dtype)
     hist_o = _poisoned_history(T, cache_dtype)  # the token-by-token oracle (tests/replay_oracles.py)
     cache_tol = TOL[torch.float32] * 10 if cache_dtype == torch.float32 else TOL[cache_dtype]
-    pnat_k, buf_k = allocate_replay_metadata(S, device=DEVICE)
-    pnat_r, buf_r = allocate_replay_metadata(S, device=DEVICE)
-    pnat_o, buf_o = allocate_replay_metadata(S, device=DEVICE)
+    pnat_k, buf_k = allocate_replay_slots(S, device=DEVICE)
+    pnat_r, buf_r = allocate_replay_slots(S, device=DEVICE)
+    pnat_o, buf_o = allocate_replay_slots(S, device=DEVICE)
     slot_ids = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
     live_slots = [3, 0, 5]
     # Ragged acceptance: 0 (nothing), T (all), and something in between; the PAD row's value is garbage.
@@ -209,9 +209,9 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
         before = [t.clone() for t in (st_k, hist_k.u, hist_k.k, hist_k.g)]
         read_buf = buf_k.clone()
         out = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=DEVICE)
-        o_k = gdn_replay_verify(q, k, v, g, beta, st_k, hist_k, slot_ids, pnat_k, buf_k, out=out,
+        o_k = replay_verify(q, k, v, g, beta, st_k, hist_k, slot_ids, pnat_k, buf_k, out=out,
                                 block_v=32 if T < 4 else 64)
-        o_r = gdn_replay_verify_ref(q, k, v, g, beta, st_r, hist_r, slot_ids, pnat_r, buf_r)
+        o_r = replay_verify_ref(q, k, v, g, beta, st_r, hist_r, slot_ids, pnat_r, buf_r)
         o_o = gdn_replay_verify_oracle(q, k, v, g, beta, st_o, hist_o, slot_ids, pnat_o, buf_o)
         out_tol = max(TOL[dtype], TOL[cache_dtype])
         assert_close(o_r, o_o, out_tol, msg=f"reference vs oracle: outputs, step {step}")
@@ -241,9 +241,9 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
                 )
         assert torch.equal(buf_k, read_buf), "the verify must not change the metadata"
 
-        gdn_replay_commit(pnat_k, buf_k, slot_ids, num_accepted, T)
-        gdn_replay_commit_ref(pnat_r, buf_r, slot_ids, num_accepted, T)
-        gdn_replay_commit_ref(pnat_o, buf_o, slot_ids, num_accepted, T)
+        replay_advance(pnat_k, buf_k, slot_ids, num_accepted, T)
+        replay_advance_ref(pnat_r, buf_r, slot_ids, num_accepted, T)
+        replay_advance_ref(pnat_o, buf_o, slot_ids, num_accepted, T)
         assert torch.equal(pnat_k, pnat_r) and torch.equal(buf_k, buf_r)
         assert pnat_k[live_slots].tolist() == [min(max(int(num_accepted[b]), 0), T) for b in (0, 2, 3)]
         assert (pnat_k[[1, 2, 4]] == 0).all() and (buf_k[[1, 2, 4]] == 0).all(), "PAD must never advance"
@@ -251,11 +251,11 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
 
 
 def test_replay_commit_clamps_and_skips_pad():
-    pnat, buf = allocate_replay_metadata(S, device=DEVICE)
+    pnat, buf = allocate_replay_slots(S, device=DEVICE)
     buf[4] = 1
     slot_ids = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=DEVICE)
     num_accepted = torch.tensor([-3, 5, 99, 2], dtype=torch.int32, device=DEVICE)
-    gdn_replay_commit(pnat, buf, slot_ids, num_accepted, 4)
+    replay_advance(pnat, buf, slot_ids, num_accepted, 4)
     assert pnat.tolist() == [4, 0, 2, 0, 0, 0]
     assert buf.tolist() == [1, 0, 1, 0, 0, 0]
 
@@ -263,9 +263,9 @@ def test_replay_commit_clamps_and_skips_pad():
 # --------------------------------------------------------------------------------------------------- long run
 
 
-KERNELS = (gdn_replay_verify, gdn_replay_commit, fused_recurrent_gated_delta_rule, gdn_rewind_commit)
-REFERENCES = (gdn_replay_verify_ref, gdn_replay_commit_ref, fused_recurrent_gated_delta_rule_ref,
-              gdn_rewind_commit_ref)
+KERNELS = (replay_verify, replay_advance, fused_recurrent_gated_delta_rule, rewind_commit)
+REFERENCES = (replay_verify_ref, replay_advance_ref, fused_recurrent_gated_delta_rule_ref,
+              rewind_commit_ref)
 
 
 # The interpreter runs about 0.2 s per kernel launch here, so on the CPU the kernels get 30 steps and the
@@ -285,8 +285,8 @@ def test_long_run_replay_rewind_and_sequential_agree(impl, steps):
     gen = torch.Generator().manual_seed(0)
     state0 = torch.randn(Ss, HVs, Vs, Ks, generator=gen).to(DEVICE) * 0.3
     st_replay, st_rewind, st_seq = state0.clone(), state0.clone(), state0.clone()
-    hist = GDNReplayHistory.allocate(Ss, T, Hs, HVs, Ks, Vs, device=DEVICE)
-    pnat, buf = allocate_replay_metadata(Ss, device=DEVICE)
+    hist = ReplayHistory.allocate(Ss, T, Hs, HVs, Ks, Vs, device=DEVICE)
+    pnat, buf = allocate_replay_slots(Ss, device=DEVICE)
     inter = torch.empty(nb, T, HVs, Vs, Ks, device=DEVICE)
     max_err = 0.0
     for step in range(steps):
@@ -326,7 +326,7 @@ def test_bench_script_runs(tmp_path):
     """The H200 benchmark script end to end on tiny shapes (interpreter on the CPU; times are not checked)."""
     import json
 
-    from kernels import bench_gdn
+    from benchmarks import bench_gdn
 
     out = tmp_path / "bench.json"
     tiny = "--batch 2 --T 2 --H 1 --HV 2 --K 16 --V 16 --slots 3".split()
@@ -346,7 +346,7 @@ def test_bench_script_runs(tmp_path):
     (["--slots", "1", "--batch", "2"], "every row needs its own cache slot"),
 ])
 def test_bench_script_refuses_bad_sizes(argv, says, capsys):
-    from kernels import bench_gdn
+    from benchmarks import bench_gdn
 
     with pytest.raises(SystemExit) as e:
         bench_gdn.main(["--device", DEVICE, *argv])

@@ -1,5 +1,6 @@
 """GPU-only checks of the Gated DeltaNet verify kernels: the Qwen3-Next shape in bf16 compiled for real, and
-CUDA-graph capture of the replay verify with poisoned metadata (BRIEF 5, TensorRT-LLM #15565).
+CUDA-graph capture of the replay verify with poisoned metadata (TensorRT-LLM #15565: metadata read during
+capture before it was filled).
 
 Run on the device machine: python -m pytest tests/test_kernels_gdn_gpu.py -m gpu. Skips without CUDA.
 Tolerances: bf16 outputs 1.6e-2 (two bf16 ulps, see tests/test_kernels_gdn.py); fp32 states and histories
@@ -12,19 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn_recurrent import (
+from kernels.commit import (
+    allocate_replay_slots,
+    replay_advance,
+    replay_advance_ref,
+    rewind_commit,
+    rewind_commit_ref,
+)
+from kernels.gdn import (
+    ReplayHistory,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule_ref,
-    gdn_rewind_commit,
-    gdn_rewind_commit_ref,
-)
-from kernels.gdn_replay import (
-    GDNReplayHistory,
-    allocate_replay_metadata,
-    gdn_replay_commit,
-    gdn_replay_commit_ref,
-    gdn_replay_verify,
-    gdn_replay_verify_ref,
+    replay_verify,
+    replay_verify_ref,
 )
 
 pytestmark = pytest.mark.gpu
@@ -61,8 +62,8 @@ def _close(a, b, tol, msg):
 def test_qwen3_next_shape_bf16_rewind_and_replay_match_references():
     state0 = torch.randn(S, HV, V, K, device="cuda") * 0.1
     st = {name: state0.clone() for name in ("rew_k", "rew_r", "rep_k", "rep_r")}
-    hist = {name: GDNReplayHistory.allocate(S, T, H, HV, K, V, device="cuda") for name in ("k", "r")}
-    meta = {name: allocate_replay_metadata(S, device="cuda") for name in ("k", "r")}
+    hist = {name: ReplayHistory.allocate(S, T, H, HV, K, V, device="cuda") for name in ("k", "r")}
+    meta = {name: allocate_replay_slots(S, device="cuda") for name in ("k", "r")}
     inter_k = torch.empty(B, T, HV, V, K, device="cuda")
     inter_r = torch.empty_like(inter_k)
     for step in range(3):
@@ -73,19 +74,19 @@ def test_qwen3_next_shape_bf16_rewind_and_replay_match_references():
         o_r = fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, st["rew_r"], slot_ids,
                                                    update_state=False, intermediate_states=inter_r)
         _close(o_k, o_r, 1.6e-2, f"rewind outputs, step {step}")
-        gdn_rewind_commit(st["rew_k"], inter_k, slot_ids, n)
-        gdn_rewind_commit_ref(st["rew_r"], inter_r, slot_ids, n)
+        rewind_commit(st["rew_k"], inter_k, slot_ids, n)
+        rewind_commit_ref(st["rew_r"], inter_r, slot_ids, n)
         _close(st["rew_k"], st["rew_r"], 1e-4, f"rewind state, step {step}")
 
-        p_k = gdn_replay_verify(q, k, v, g, beta, st["rep_k"], hist["k"], slot_ids, *meta["k"])
-        p_r = gdn_replay_verify_ref(q, k, v, g, beta, st["rep_r"], hist["r"], slot_ids, *meta["r"])
+        p_k = replay_verify(q, k, v, g, beta, st["rep_k"], hist["k"], slot_ids, *meta["k"])
+        p_r = replay_verify_ref(q, k, v, g, beta, st["rep_r"], hist["r"], slot_ids, *meta["r"])
         _close(p_k, p_r, 1.6e-2, f"replay outputs, step {step}")
         _close(p_k, o_k, 1.6e-2, f"replay vs rewind outputs, step {step}")
         _close(st["rep_k"], st["rep_r"], 1e-4, f"replay state, step {step}")
         for name in ("u", "k", "g"):
             _close(getattr(hist["k"], name), getattr(hist["r"], name), 1e-4, f"history.{name}, step {step}")
-        gdn_replay_commit(*meta["k"], slot_ids, n, T)
-        gdn_replay_commit_ref(*meta["r"], slot_ids, n, T)
+        replay_advance(*meta["k"], slot_ids, n, T)
+        replay_advance_ref(*meta["r"], slot_ids, n, T)
         assert all(torch.equal(a, b) for a, b in zip(meta["k"], meta["r"]))
 
 
@@ -105,10 +106,10 @@ def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
     before the first fill (clamping must keep it in bounds), then fill and compare every step bitwise with
     eager calls."""
     state0 = torch.randn(S, HV, V, K, device="cuda") * 0.1
-    nan_hist = lambda: GDNReplayHistory(*(t.fill_(float("nan")) for t in vars(
-        GDNReplayHistory.allocate(S, T, H, HV, K, V, device="cuda")).values()))
+    nan_hist = lambda: ReplayHistory(*(t.fill_(float("nan")) for t in vars(
+        ReplayHistory.allocate(S, T, H, HV, K, V, device="cuda")).values()))
     # Eager side: correctly zero-initialised metadata.
-    st_e, hist_e, (pnat_e, buf_e) = state0.clone(), nan_hist(), allocate_replay_metadata(S, device="cuda")
+    st_e, hist_e, (pnat_e, buf_e) = state0.clone(), nan_hist(), allocate_replay_slots(S, device="cuda")
     # Graph side: torch.empty metadata filled with garbage before capture.
     st_g, hist_g = torch.empty_like(state0).fill_(float("nan")), nan_hist()
     pnat_g = torch.empty(S, dtype=torch.int32, device="cuda").fill_(POISON)
@@ -119,17 +120,17 @@ def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
     out_g = torch.full((B, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
 
     # Compile outside capture on scratch buffers of the same shapes and dtypes.
-    scratch = (torch.zeros_like(state0), GDNReplayHistory.allocate(S, T, H, HV, K, V, device="cuda"),
-               *allocate_replay_metadata(S, device="cuda"))
-    gdn_replay_verify(*_inputs(0), scratch[0], scratch[1], _batch(0)[0], scratch[2], scratch[3],
+    scratch = (torch.zeros_like(state0), ReplayHistory.allocate(S, T, H, HV, K, V, device="cuda"),
+               *allocate_replay_slots(S, device="cuda"))
+    replay_verify(*_inputs(0), scratch[0], scratch[1], _batch(0)[0], scratch[2], scratch[3],
                       out=torch.empty_like(out_g))
-    gdn_replay_commit(scratch[2], scratch[3], *_batch(0), T)
+    replay_advance(scratch[2], scratch[3], *_batch(0), T)
     torch.cuda.synchronize()
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gdn_replay_verify(*static, st_g, hist_g, slot_s, pnat_g, buf_g, out=out_g)
-        gdn_replay_commit(pnat_g, buf_g, slot_s, n_s, T)
+        replay_verify(*static, st_g, hist_g, slot_s, pnat_g, buf_g, out=out_g)
+        replay_advance(pnat_g, buf_g, slot_s, n_s, T)
     slot_s.copy_(_batch(0)[0])
     graph.replay()  # before the first fill: garbage metadata must neither fault nor index out of range
     torch.cuda.synchronize()
@@ -147,8 +148,8 @@ def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
         slot_s.copy_(slot_ids)
         n_s.copy_(n)
         graph.replay()
-        o_e = gdn_replay_verify(*inputs, st_e, hist_e, slot_ids, pnat_e, buf_e)
-        gdn_replay_commit(pnat_e, buf_e, slot_ids, n, T)
+        o_e = replay_verify(*inputs, st_e, hist_e, slot_ids, pnat_e, buf_e)
+        replay_advance(pnat_e, buf_e, slot_ids, n, T)
         torch.cuda.synchronize()
         assert torch.equal(out_g, o_e), f"outputs differ from eager at step {step}"
         assert torch.equal(st_g, st_e), f"state differs from eager at step {step}"

@@ -1,4 +1,5 @@
-"""Mamba2 verify kernels (rewind: kernels.mamba2_ssu, replay: kernels.mamba2_replay) against their references.
+"""Mamba2 kernels (rewind: kernels.mamba2.recurrent + kernels.commit.rewind_commit, replay:
+kernels.mamba2.replay + kernels.commit.replay_advance) against their references.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set here, before
 the first import of a kernel module (Triton picks interpreted vs compiled when a kernel is decorated). The
@@ -16,24 +17,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from replay_oracles import mamba2_replay_verify_oracle  # noqa: E402
+from replay_oracles import mamba2_materialized_state, mamba2_replay_verify_oracle  # noqa: E402
 
 from kernels import _common  # noqa: E402
-from kernels.mamba2_replay import (  # noqa: E402
-    ReplayHistory,
-    allocate_replay_history,
-    allocate_replay_slot_state,
+from kernels.commit import (  # noqa: E402
+    allocate_replay_slots,
     replay_advance,
     replay_advance_ref,
-    replay_materialized_state_ref,
-    replay_reset_slots,
+    rewind_commit,
+    rewind_commit_ref,
+)
+from kernels.mamba2 import (  # noqa: E402
+    ReplayHistory,
     replay_verify,
     replay_verify_ref,
-)
-from kernels.mamba2_ssu import (  # noqa: E402
-    allocate_intermediate_states,
-    commit_intermediate_state,
-    commit_intermediate_state_ref,
     selective_state_update,
     selective_state_update_ref,
 )
@@ -97,7 +94,7 @@ def clone_history(h: ReplayHistory) -> ReplayHistory:
 def random_history(S, L, H, P, G, N, dtype, A, seed, checkpointing=False) -> ReplayHistory:
     """A history as a previous verify would have left it (cumsum consistent with dt), in both buffers."""
     g = torch.Generator().manual_seed(seed)
-    hist = allocate_replay_history(S, L, H, P, G, N, dtype=dtype, device=DEV, checkpointing=checkpointing)
+    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=dtype, device=DEV, checkpointing=checkpointing)
     hist.x.copy_(torch.randn(hist.x.shape, generator=g))
     hist.B.copy_(torch.randn(hist.B.shape, generator=g) / N**0.5)
     hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
@@ -106,7 +103,7 @@ def random_history(S, L, H, P, G, N, dtype, A, seed, checkpointing=False) -> Rep
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rewind: selective_state_update + commit_intermediate_state
+# Rewind: selective_state_update + rewind_commit
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -182,13 +179,13 @@ def test_commit_matches_reference_and_clamps(state_dtype):
     inter = torch.randn(6, T, H, P, N, device=DEV).to(state_dtype)  # buffer larger than the batch
     state = torch.randn(S, H, P, N, device=DEV).to(state_dtype)
     slot_ids = torch.tensor([3, -1, 0, 1, 4], dtype=torch.int32, device=DEV)
-    nat = torch.tensor([2, 3, 0, 9, -5], dtype=torch.int32, device=DEV)  # 0, > T, < 0: clamped to [1, T]
+    nat = torch.tensor([2, 3, 0, 9, -5], dtype=torch.int32, device=DEV)  # > T: clamped to T; <= 0: nothing
     st_k, st_r = state.clone(), state.clone()
-    commit_intermediate_state(st_k, inter, slot_ids, nat)
-    commit_intermediate_state_ref(st_r, inter, slot_ids, nat)
+    rewind_commit(st_k, inter, slot_ids, nat)
+    rewind_commit_ref(st_r, inter, slot_ids, nat)
     assert torch.equal(st_k, st_r)
-    assert torch.equal(st_k[3], inter[0, 1]) and torch.equal(st_k[0], inter[2, 0])
-    assert torch.equal(st_k[1], inter[3, T - 1]) and torch.equal(st_k[4], inter[4, 0])
+    assert torch.equal(st_k[3], inter[0, 1]) and torch.equal(st_k[1], inter[3, T - 1])
+    assert torch.equal(st_k[0], state[0]) and torch.equal(st_k[4], state[4]), "0 or less accepts nothing"
     assert torch.equal(st_k[2], state[2]), "slot 2 is only named by the PAD row's neighbours"
 
 
@@ -212,8 +209,8 @@ def test_rewind_strided_views():
                                        intermediate_states=ref_inter)
     assert_close(out, out_r, what="out")
     assert_close(inter, ref_inter, what="intermediate_states")
-    commit_intermediate_state(state, inter, slot_ids, nat)
-    commit_intermediate_state_ref(ref_state, ref_inter, slot_ids, nat)
+    rewind_commit(state, inter, slot_ids, nat)
+    rewind_commit_ref(ref_state, ref_inter, slot_ids, nat)
     assert_close(state, ref_state, what="committed state")
     mask = torch.ones_like(big_state, dtype=torch.bool)
     mask[:, 1, :, 2 : 2 + P, :N] = False
@@ -286,7 +283,7 @@ def test_replay_equals_rewind_for_every_pnat(pnat):
     case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
                         slot_ids=[2, 0], pnat=[pnat, 1, pnat], bufidx=[1, 0, 0])
     A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, p, bi = case
-    materialised = replay_materialized_state_ref(state, hist, p, bi, A)
+    materialised = mamba2_materialized_state(state, hist, p, bi, A)
     slot1 = state[1].clone()
     out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, p, bi)
     assert_close(state[[2, 0]], materialised[[2, 0]], what="fast-forwarded state")
@@ -353,22 +350,19 @@ def test_replay_advance_matches_reference():
     pnat = torch.tensor([1, 2, 3, 4, 0, 2], dtype=torch.int32, device=DEV)
     bufidx = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32, device=DEV)
     slot_ids = torch.tensor([4, -1, 0, 2, 5], dtype=torch.int32, device=DEV)
-    nat = torch.tensor([3, 2, 0, 9, 1], dtype=torch.int64, device=DEV)  # 0 and 9 clamp to [1, T]
+    nat = torch.tensor([3, 2, 0, 9, 1], dtype=torch.int64, device=DEV)  # 0 and 9 clamp to [0, T]
     pk, bk, pr, br = pnat.clone(), bufidx.clone(), pnat.clone(), bufidx.clone()
     replay_advance(pk, bk, slot_ids, nat, 4)
     replay_advance_ref(pr, br, slot_ids, nat, 4)
     assert torch.equal(pk, pr) and torch.equal(bk, br)
-    assert pk.tolist() == [1, 2, 4, 4, 3, 1]
+    assert pk.tolist() == [0, 2, 4, 4, 3, 1]
     assert bk.tolist() == [1, 1, 1, 1, 0, 1]
-    replay_reset_slots(pk, torch.tensor([-1, 2, 0], device=DEV))
-    assert pk.tolist() == [0, 2, 0, 4, 3, 1]
 
 
 def test_allocators_zero_initialise():
-    hist = allocate_replay_history(3, 4, 2, 8, 1, 16, dtype=torch.bfloat16, device=DEV)
-    pnat, bufidx = allocate_replay_slot_state(3, device=DEV)
-    inter = allocate_intermediate_states(3, 4, 2, 8, 16, dtype=torch.float32, device=DEV)
-    for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum, pnat, bufidx, inter):
+    hist = ReplayHistory.allocate(3, 4, 2, 8, 1, 16, dtype=torch.bfloat16, device=DEV)
+    pnat, bufidx = allocate_replay_slots(3, device=DEV)
+    for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum, pnat, bufidx):
         assert (t == 0).all()
     assert pnat.dtype == bufidx.dtype == torch.int32
     # history is T (H P + G N) values per slot instead of T H P N: the point of replay
@@ -410,8 +404,8 @@ def test_replay_step_without_drafts_after_multi_accept():
     """T = 1 (no drafts) after a T = 4 step that accepted 3: the fast-forward reads the right tokens."""
     S, H, P, N, G, L = 2, 2, 16, 16, 1, 4
     A, D, dt_bias = make_params(H)
-    hist = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device=DEV)
-    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slots(S, device=DEV)
     state = torch.randn(S, H, P, N, device=DEV)
     seq_state = state.clone()
     slot_ids = torch.tensor([1], dtype=torch.int32, device=DEV)
@@ -423,7 +417,7 @@ def test_replay_step_without_drafts_after_multi_accept():
         a = slice(0, nat)
         selective_state_update_ref(seq_state, x[:, a], dt[:, a], A, B[:, a], C[:, a], D, dt_bias, slot_ids)
         replay_advance(pnat, bufidx, slot_ids, torch.tensor([nat], device=DEV), T)
-    final = replay_materialized_state_ref(state, hist, pnat, bufidx, A)
+    final = mamba2_materialized_state(state, hist, pnat, bufidx, A)
     assert_close(final, seq_state.float(), torch.float32, what="final state")
 
 
@@ -441,7 +435,7 @@ def test_pad_rows_leave_every_buffer_untouched():
     selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids)
     inter = torch.zeros(3, T, H, P, N, device=DEV)
     selective_state_update(st, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter)
-    commit_intermediate_state(st, inter, slot_ids, nat)
+    rewind_commit(st, inter, slot_ids, nat)
     assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (rewind)"
     assert (inter[[0, 2]] == 0).all(), "a PAD row wrote intermediate states"
 
@@ -475,9 +469,9 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None)
     rew_state, rep_state, seq_state = init.clone(), init.clone(), init.float()
     inter = torch.zeros(rows, T, H, P, N, dtype=state_dtype, device=DEV)
     ckpt = hist_len is not None
-    hist = allocate_replay_history(S, hist_len or T, H, P, G, N, dtype=torch.float32, device=DEV,
+    hist = ReplayHistory.allocate(S, hist_len or T, H, P, G, N, dtype=torch.float32, device=DEV,
                                    checkpointing=ckpt)
-    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    pnat, bufidx = allocate_replay_slots(S, device=DEV)
     worst = 0.0
     for step in range(steps):
         perm = torch.randperm(S, generator=gen)[:rows]  # requests reorder across steps
@@ -489,7 +483,7 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None)
         x, dt, B, C = make_inputs(rows, T, H, P, G, N, torch.float32, seed=1000 * seed + step)
         out_rew = selective_state_update(rew_state, x, dt, A, B, C, D, dt_bias, slot_ids,
                                          intermediate_states=inter)
-        commit_intermediate_state(rew_state, inter, slot_ids, nat)
+        rewind_commit(rew_state, inter, slot_ids, nat)
         out_rep = replay_verify(rep_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
         replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
         worst = max(worst, (out_rew - out_rep).abs().max().item())
@@ -504,7 +498,7 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None)
                 r = slice(b, b + 1)
                 args = (x[r, sl], dt[r, sl], A, B[r, sl], C[r, sl], D, dt_bias, one)
                 selective_state_update_ref(seq_state, *args)
-    rep_final = replay_materialized_state_ref(rep_state, hist, pnat, bufidx, A)
+    rep_final = mamba2_materialized_state(rep_state, hist, pnat, bufidx, A)
     return worst, rew_state.float(), rep_final, seq_state
 
 
@@ -597,18 +591,18 @@ def test_bad_inputs_raise_clear_errors():
         selective_state_update(state, x, dt, A, B3, C3, D, dt_bias, slot_ids)
     with pytest.raises(ValueError, match="slot_ids must be int32 or int64"):
         selective_state_update(state, x, dt, A, B, C, D, dt_bias, slot_ids.float())
-    hist = allocate_replay_history(S, 1, H, P, G, N, dtype=torch.float32, device=DEV)
-    pnat, bufidx = allocate_replay_slot_state(S, device=DEV)
+    hist = ReplayHistory.allocate(S, 1, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slots(S, device=DEV)
     with pytest.raises(ValueError, match="history length L = 1 < T = 2"):
         replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
     with pytest.raises(ValueError, match="prev_num_accepted dtype"):
-        hist2 = allocate_replay_history(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
+        hist2 = ReplayHistory.allocate(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
         replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist2, pnat.long(), bufidx)
 
 
 def test_bench_mamba2_dry_run_and_bad_arguments(capsys):
     """The H200 benchmark's dry run on tiny shapes (interpreter on the CPU) and its argument errors."""
-    from kernels import bench_mamba2
+    from benchmarks import bench_mamba2
 
     if DEV == "cpu":
         assert bench_mamba2.main(["--dry-run"]) == 0

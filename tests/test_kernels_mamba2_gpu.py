@@ -15,19 +15,13 @@ if not torch.cuda.is_available():  # keep the interpreter setting consistent wit
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from replay_oracles import mamba2_materialized_state  # noqa: E402
 
-from kernels.mamba2_replay import (  # noqa: E402
+from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit, rewind_commit_ref  # noqa: E402
+from kernels.mamba2 import (  # noqa: E402
     ReplayHistory,
-    allocate_replay_history,
-    allocate_replay_slot_state,
-    replay_advance,
-    replay_materialized_state_ref,
     replay_verify,
     replay_verify_ref,
-)
-from kernels.mamba2_ssu import (  # noqa: E402
-    commit_intermediate_state,
-    commit_intermediate_state_ref,
     selective_state_update,
     selective_state_update_ref,
 )
@@ -81,8 +75,8 @@ def test_gpu_rewind_super_v3_shape(state_dtype):
     state = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
     nat = torch.randint(1, T + 1, (BATCH,), device="cuda", dtype=torch.int32)
     res = []
-    for fn, commit in ((selective_state_update, commit_intermediate_state),
-                       (selective_state_update_ref, commit_intermediate_state_ref)):
+    pairs = ((selective_state_update, rewind_commit), (selective_state_update_ref, rewind_commit_ref))
+    for fn, commit in pairs:
         st = state.clone()
         inter = torch.full((BATCH, T, H, P, N), float("nan"), device="cuda", dtype=state_dtype)
         out = torch.full((BATCH, T, H, P), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -99,7 +93,7 @@ def test_gpu_rewind_super_v3_shape(state_dtype):
 
 def _history(seed, A, dtype=torch.bfloat16, hist_len=T, checkpointing=False):
     g = torch.Generator().manual_seed(seed)
-    hist = allocate_replay_history(SLOTS, hist_len, H, P, G, N, dtype=dtype, device="cuda",
+    hist = ReplayHistory.allocate(SLOTS, hist_len, H, P, G, N, dtype=dtype, device="cuda",
                                    checkpointing=checkpointing)
     hist.x.copy_(torch.randn(hist.x.shape, generator=g))
     hist.B.copy_(torch.randn(hist.B.shape, generator=g) / N**0.5)
@@ -119,7 +113,7 @@ def test_gpu_replay_super_v3_shape(state_dtype, checkpointing):
     pnat = torch.randint(0, L + 1, (SLOTS,), device="cuda", dtype=torch.int32)
     bufidx = torch.randint(0, 2, (SLOTS,), device="cuda", dtype=torch.int32)
     state = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
-    materialised = replay_materialized_state_ref(state, hist, pnat, bufidx, A)
+    materialised = mamba2_materialized_state(state, hist, pnat, bufidx, A)
     res = []
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), ReplayHistory(*(t.clone() for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum)))
@@ -165,13 +159,13 @@ def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpo
     hist_len = L if checkpointing else None
 
     def new_history():
-        return allocate_replay_history(SLOTS, L, H, P, G, N, dtype=torch.bfloat16, device="cuda",
+        return ReplayHistory.allocate(SLOTS, L, H, P, G, N, dtype=torch.bfloat16, device="cuda",
                                        checkpointing=checkpointing)
 
     def run_eager():
         st = state0.clone()
         hist = new_history()
-        pnat, bufidx = allocate_replay_slot_state(SLOTS, device="cuda")
+        pnat, bufidx = allocate_replay_slots(SLOTS, device="cuda")
         outs = []
         for (x, dt, B, C), slot_ids, nat in steps:
             outs.append(replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx).clone())

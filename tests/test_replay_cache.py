@@ -1,8 +1,8 @@
 """SSM replay at the cache level: the kernels' PyTorch references against token-by-token oracles, the
 per-slot bookkeeping, and memory computed from the architecture alone.
 
-- the vectorised references the CPU engine runs (``kernels.mamba2_replay.replay_verify_ref``, both history
-  layouts, and ``kernels.gdn_replay.gdn_replay_verify_ref``) equal the per-row oracles of
+- the vectorised references the CPU engine runs (``kernels.mamba2.replay_verify_ref``, both history
+  layouts, and ``kernels.gdn.replay_verify_ref``) equal the per-row oracles of
   tests/replay_oracles.py in output, state and history, with PAD rows, slot 0 live, every PNAT value,
   checkpointing rows with and without a flush, and garbage metadata;
 - bookkeeping: metadata zero-initialised, reset at admission, PAD rows never advance nor touch a live slot,
@@ -21,8 +21,7 @@ import torch
 import yaml
 from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
-from kernels.gdn_replay import GDNReplayHistory, gdn_replay_verify_ref
-from kernels.mamba2_replay import allocate_replay_history, replay_verify_ref
+from kernels import gdn, mamba2
 from runners.cache import (
     BatchMeta,
     HybridCache,
@@ -36,6 +35,7 @@ from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
 
 REPO = Path(__file__).resolve().parents[1]
+allocate_history = mamba2.ReplayHistory.allocate
 GARBAGE = 0x7BADBEEF
 
 
@@ -50,7 +50,7 @@ def test_mamba2_replay_reference_equals_oracle():
     S, H, P, G, N, T = 6, 4, 6, 2, 5, 4
     state = torch.randn(S, H, P, N)
     A = -torch.rand(H) - 0.5
-    hist = allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
+    hist = allocate_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
     hist.x.normal_()
     hist.B.normal_()
     hist.dt.uniform_(0.1, 1.0)
@@ -62,8 +62,8 @@ def test_mamba2_replay_reference_equals_oracle():
     x, Bm, Cm = torch.randn(B, T, H, P), torch.randn(B, T, G, N), torch.randn(B, T, G, N)
     dt, D, dt_bias = torch.randn(B, T, H), torch.randn(H), torch.randn(H)
     outs, states, hists = [], [], []
-    for fn in (replay_verify_ref, mamba2_replay_verify_oracle):
-        s, h = state.clone(), allocate_replay_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
+    for fn in (mamba2.replay_verify_ref, mamba2_replay_verify_oracle):
+        s, h = state.clone(), allocate_history(S, T, H, P, G, N, dtype=torch.float32, device="cpu")
         for name in ("x", "B", "dt", "dA_cumsum"):
             getattr(h, name).copy_(getattr(hist, name))
         outs.append(fn(s, x, dt, A, Bm, Cm, D, dt_bias, slot_ids, h, pnat.clone(), buf.clone()))
@@ -85,7 +85,7 @@ def test_mamba2_checkpointing_reference_equals_oracle(state_dtype):
     torch.manual_seed(1)
     S, H, P, G, N, T, L = 7, 4, 6, 2, 5, 4, 16
     A = -torch.rand(H) - 0.5
-    hist = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
+    hist = allocate_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
     assert hist.checkpointing and hist.x.shape[1] == 1
     hist.x.normal_()
     hist.B.normal_()
@@ -106,9 +106,9 @@ def test_mamba2_checkpointing_reference_equals_oracle(state_dtype):
     x, Bm, Cm = torch.randn(B, T, H, P), torch.randn(B, T, G, N), torch.randn(B, T, G, N)
     dt, D, dt_bias = torch.randn(B, T, H), torch.randn(H), torch.randn(H)
     res = []
-    for fn in (replay_verify_ref, mamba2_replay_verify_oracle):
+    for fn in (mamba2.replay_verify_ref, mamba2_replay_verify_oracle):
         st = state.clone()
-        h = allocate_replay_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
+        h = allocate_history(S, L, H, P, G, N, dtype=torch.float32, device="cpu", checkpointing=True)
         for name in ("x", "B", "dt", "dA_cumsum"):
             getattr(h, name).copy_(getattr(hist, name))
         res.append((fn(st, x, dt, A, Bm, Cm, D, dt_bias, slot_ids, h, pnat.clone(), buf.clone()), st, h))
@@ -132,7 +132,7 @@ def test_gdn_replay_reference_equals_oracle():
     torch.manual_seed(0)
     S, H, HV, K, V, T = 6, 2, 4, 6, 5, 3  # K != V: a transposed state would fail
     state = torch.randn(S, HV, V, K)
-    hist = GDNReplayHistory.allocate(S, T, H, HV, K, V)
+    hist = gdn.ReplayHistory.allocate(S, T, H, HV, K, V, device="cpu")
     hist.u.normal_()
     hist.k.copy_(torch.nn.functional.normalize(torch.randn_like(hist.k), dim=-1))
     hist.g.copy_(torch.cumsum(-torch.rand_like(hist.g), dim=2))
@@ -143,8 +143,8 @@ def test_gdn_replay_reference_equals_oracle():
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)
     g, beta = -torch.rand(B, T, HV), torch.rand(B, T, HV)
     outs, states, hists = [], [], []
-    for fn in (gdn_replay_verify_ref, gdn_replay_verify_oracle):
-        s, h = state.clone(), GDNReplayHistory.allocate(S, T, H, HV, K, V)
+    for fn in (gdn.replay_verify_ref, gdn_replay_verify_oracle):
+        s, h = state.clone(), gdn.ReplayHistory.allocate(S, T, H, HV, K, V, device="cpu")
         for name in ("u", "k", "g"):
             getattr(h, name).copy_(getattr(hist, name))
         outs.append(fn(q, k, v, g, beta, s, h, slot_ids, pnat.clone(), buf.clone()))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
+from replay_oracles import gdn_materialized_state, mamba2_materialized_state, materialized_conv
 
 from runners import Engine
 from runners.cache import GDNReplayState, GDNState, Mamba2ReplayState, Mamba2State
@@ -89,13 +90,22 @@ def _recurrent_layers(engine):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup, checkpointing):
+@pytest.mark.parametrize(
+    "checkpointing, backend, steps",
+    # the Triton kernels (interpreted on the CPU, compiled on CUDA) for fewer steps: too few for a flush
+    [(False, "torch", 14), (True, "torch", 14), (False, "triton", 3)],
+)
+def test_materialised_replay_state_equals_rewind_state_after_every_commit(
+    setup, checkpointing, backend, steps
+):
     path, prompts, _ = setup
     if checkpointing and isinstance(_recurrent_layers(_engine(path, 1, False))[0][0], GDNMixer):
         pytest.skip("the checkpointing replay variant exists for Mamba2 only")
     K = 3
-    engines = [_engine(path, K, False), _engine(path, K, True, ssm_replay_checkpointing=checkpointing)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(ssm_backend=backend, device=device)
+    engines = [_engine(path, K, False, **kw),
+               _engine(path, K, True, ssm_replay_checkpointing=checkpointing, **kw)]
     slots = [0, 2, 3]  # not contiguous: the gather paths, not the slice paths
     batch = [prompts[1], prompts[4], prompts[7]]
     lens, lasts = [], []
@@ -110,7 +120,7 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup,
     live = torch.tensor(slots)
     stats = [GenerationStats(accepted_per_position=[0] * K, num_accepted_hist=[0] * (K + 2)) for _ in engines]
     flushed, max_pending = False, 0
-    for step in range(14):  # checkpointing (L = 16, T = 4): the state is written once > 12 tokens pend
+    for step in range(steps):  # checkpointing (L = 16, T = 4): the state is written once > 12 tokens pend
         pending = engines[1].cache.replay.prev_num_accepted[live].clone()
         toks = [e._spec_step(slots, n, t, s) for e, n, t, s in zip(engines, lens, lasts, stats)]
         now = engines[1].cache.replay.prev_num_accepted[live]
@@ -122,13 +132,17 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(setup,
             gdn = isinstance(mixer, GDNMixer)
             want_types = (GDNState, GDNReplayState) if gdn else (Mamba2State, Mamba2ReplayState)
             assert type(rew) is want_types[0] and isinstance(rep, want_types[1])
-            A = -torch.exp(mixer.A_log.float())  # Mamba2's decay rate; GDN's decay is in its history
-            want = rew.ssm[live].float()
-            torch.testing.assert_close(rep.materialized_ssm(A)[live], want, atol=1e-5, rtol=1e-5)
+            bookkeeping = engines[1].cache.replay
+            meta = (rep.ssm, rep.history, bookkeeping.prev_num_accepted, bookkeeping.buffer_index)
+            if gdn:  # GDN's decay is in its history; Mamba2's decay rate A = -exp(A_log)
+                materialised = gdn_materialized_state(*meta)
+            else:
+                materialised = mamba2_materialized_state(*meta, -torch.exp(mixer.A_log.float()))
+            torch.testing.assert_close(materialised[live], rew.ssm[live].float(), atol=1e-5, rtol=1e-5)
             # the first layer's conv inputs are bit-identical (same embeddings): its window must be too;
             # deeper layers see inputs that differ by the replay's float rounding (~1e-7)
             tol = 0 if i == 0 else 1e-5
-            torch.testing.assert_close(rep.materialized_conv()[live], rew.conv[live], atol=tol, rtol=tol)
+            torch.testing.assert_close(materialized_conv(rep)[live], rew.conv[live], atol=tol, rtol=tol)
     replay = engines[1].cache.replay
     assert int(replay.prev_num_accepted[live].min()) >= 1
     assert replay.prev_num_accepted[SLOTS] == 0 and replay.last_accepted[SLOTS] == 0  # scratch row: never
@@ -149,30 +163,71 @@ def test_ssm_backend_option(setup):
     path, _, _ = setup
     engine = _engine(path, 1, True)
     assert engine.ssm_backend == "torch"  # the CPU default
-    assert all(m.ssm_backend == "torch" for m, _ in _recurrent_layers(engine))
+    assert all(state.ssm_backend == "torch" for _, state in _recurrent_layers(engine))
     with pytest.raises(ValueError, match="ssm_backend"):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
 
 
-def test_triton_backend_matches_torch_backend(setup):
-    """The engine's kernel path (Triton replay verify + advance, Triton rewind verify), run by the Triton
-    interpreter on the CPU (conftest sets TRITON_INTERPRET without a GPU): same tokens and acceptance."""
+def _count_launches(monkeypatch) -> dict[str, int]:
+    """Count the launches of every Triton kernel the engine may run, by name (Triton's launch goes through the
+    JIT function's ``run``; wrapping it counts interpreted and compiled launches alike)."""
+    from kernels import commit
+    from kernels.gdn import recurrent as gdn_recurrent
+    from kernels.gdn import replay as gdn_replay
+    from kernels.mamba2 import recurrent as mamba2_recurrent
+    from kernels.mamba2 import replay as mamba2_replay
+
+    counts: dict[str, int] = {}
+    kernels = (mamba2_recurrent._ssu_kernel, mamba2_replay._replay_verify_kernel,
+               gdn_recurrent._fused_recurrent_gdn_kernel, gdn_replay._gdn_replay_verify_kernel,
+               commit._rewind_commit_kernel, commit._replay_advance_kernel)
+    for kernel in kernels:
+        name, run = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kernel.run
+
+        def counted(*args, _name=name, _run=run, **kw):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _run(*args, **kw)
+
+        monkeypatch.setattr(kernel, "run", counted)
+    return counts
+
+
+def test_triton_backend_matches_torch_backend(setup, monkeypatch):
+    """The engine's kernel path, run by the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET
+    without a GPU) or compiled on CUDA: ssm_backend="triton" gives the torch backend's tokens and acceptance
+    for rewind and replay, launches the family's decode / verify kernels and the commit kernels (the Triton
+    rewind vs replay comparison is kernel against kernel), and ssm_backend="torch" launches no kernel."""
     from kernels._common import interpreter_active
 
     if not interpreter_active() and not torch.cuda.is_available():
         pytest.skip("Triton is neither in interpreter mode nor on a GPU")
-    path, prompts, _ = setup
+    path, prompts, plain = setup
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    batch = [prompts[0], prompts[5], prompts[2]]  # 3 requests on 2 slots: slot reuse, a join mid-run
-    outs = {}
+    rows = [0, 5, 2]  # 3 requests on 2 slots: slot reuse, a join mid-run
+    batch, new = [prompts[i] for i in rows], 4
+    counts = _count_launches(monkeypatch)
+    outs, launched = {}, {}
     for backend in ("torch", "triton"):
-        for replay in (False, True):
-            engine = Engine.from_pretrained(path, draft_len=2, ssm_replay=replay, max_batch_size=2,
+        for K, replay in ((0, False), (2, False), (2, True)):
+            engine = Engine.from_pretrained(path, draft_len=K, ssm_replay=replay, max_batch_size=2,
                                             max_seq_len=64, ssm_backend=backend, device=device)
-            outs[backend, replay] = engine.generate(batch, 5, stop_token_ids=[])
-    want = outs["torch", False]
-    for out in outs.values():
-        assert out.tokens == want.tokens and _acceptance(out.stats) == _acceptance(want.stats)
+            counts.clear()
+            outs[backend, K, replay] = engine.generate(batch, new, stop_token_ids=[])
+            launched[backend, K, replay] = set(counts)
+    want = outs["torch", 2, False]
+    assert want.tokens == [plain[i][:new] for i in rows]
+    for (_, K, _), out in outs.items():
+        assert out.tokens == want.tokens
+        assert K == 0 or _acceptance(out.stats) == _acceptance(want.stats)
+    gdn = isinstance(_recurrent_layers(engine)[0][0], GDNMixer)
+    decode = "_fused_recurrent_gdn_kernel" if gdn else "_ssu_kernel"  # also the family's rewind verify
+    replay_verify = "_gdn_replay_verify_kernel" if gdn else "_replay_verify_kernel"
+    assert all(not names for (backend, _, _), names in launched.items() if backend == "torch")
+    assert launched["triton", 0, False] == {decode}
+    assert launched["triton", 2, False] == {decode, "_rewind_commit_kernel"}
+    # replay: the decode kernel only for a one-token prefill chunk, if the prompts have one
+    assert {replay_verify, "_replay_advance_kernel"} <= launched["triton", 2, True]
+    assert launched["triton", 2, True] <= {decode, replay_verify, "_replay_advance_kernel"}
 
 
 def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):

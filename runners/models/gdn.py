@@ -1,20 +1,20 @@
-"""Gated DeltaNet (Qwen3-Next linear attention): the recurrence and the mixer layer, in plain PyTorch.
+"""Gated DeltaNet (Qwen3-Next linear attention): the mixer layer, with the checkpoint's parameter names.
 
-Scope: the gated delta rule in two forms -- `chunk_gated_delta_rule` (chunked WY / UT-transform form, used for
-prefill) and `recurrent_gated_delta_rule` (one step per token; the specification, and the decode / MTP-verify
-path with intermediate states) -- and `GatedDeltaNet`, the Qwen3-Next mixer with the checkpoint's parameter
-names. Caches are not owned here: the caller passes the recurrent state and the conv window of each row and
-gets the new ones back, so any cache design (slots gathered by the engine, rewind buffers, replay) plugs in.
-`GDNMixer` (the hybrid decoder's ``gdn`` block) is the engine's caller: it reads and writes the per-slot
-`runners.cache.GDNState`, including the rewind buffers of an MTP verify step.
+Scope: `GatedDeltaNet`, the Qwen3-Next mixer (projections, causal conv, gates, the gated delta rule, gated
+RMSNorm), cache-agnostic: the caller passes the recurrent state and the conv window of each row and gets the
+new ones back; and `GDNMixer` (the hybrid decoder's ``gdn`` block), the engine's caller, which reads and
+writes the per-slot `runners.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
+`chunk_gated_delta_rule` (chunked form, prefill), `recurrent_gated_delta_rule` (token by token, the
+specification), `fused_recurrent_gated_delta_rule` (the Triton decode / rewind-verify kernel and its
+reference) and `replay_verify`.
 
 Shape vocabulary: B batch, T tokens per row, H key heads, HV value heads (HV = r * H, value head j reads key
 head j // r), K key head dim, V value head dim, D hidden size, W conv kernel width, C conv channels
 (2 * H * K + HV * V).
 
-Recurrent state layout: (B, HV, V, K), K contiguous (the project's choice, BRIEF section 4: both S k_t and
-S q_t then reduce along contiguous memory). transformers' torch fallback uses (B, HV, K, V): transpose the
-last two dims to convert. Per token t and value head (k_t, q_t repeated to value heads and L2-normalised):
+Recurrent state layout: (B, HV, V, K), K contiguous (both S k_t and S q_t then reduce along contiguous
+memory). transformers' torch fallback uses (B, HV, K, V): transpose the last two dims to convert. Per token t
+and value head (k_t, q_t repeated to value heads and L2-normalised):
 
     alpha_t = exp(g_t)
     S_t = alpha_t * S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
@@ -22,8 +22,7 @@ last two dims to convert. Per token t and value head (k_t, q_t repeated to value
     o_t = S_t (scale * q_t),               scale = K^-0.5
 
 Source of the algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule"
-(ICLR 2025), with the chunked form of Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
-Sequence Length" (NeurIPS 2024); layer layout as in transformers' Qwen3NextGatedDeltaNet (the test oracle).
+(ICLR 2025); layer layout as in transformers' Qwen3NextGatedDeltaNet (the test oracle).
 """
 
 from __future__ import annotations
@@ -34,218 +33,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# x * rsqrt(sum(x^2) + 1e-6) in fp32 (FLA's and transformers' convention), shared with the kernels' references
-from kernels._gdn_common import l2norm as l2_normalize
+from kernels.gdn import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_ref,
+    l2norm,
+    recurrent_gated_delta_rule,
+    replay_verify,
+    replay_verify_ref,
+)
+from runners.cache import GDNReplayState, kernel_or_reference
 
-if TYPE_CHECKING:  # type hints only: the rule and GatedDeltaNet need nothing from the engine
-    from runners.cache import BatchMeta, GDNReplayState, GDNState
+if TYPE_CHECKING:  # type hints only
+    from runners.cache import BatchMeta, GDNState
     from runners.models.config import HybridConfig
 
-__all__ = [
-    "GDNMixer",
-    "GDNOutput",
-    "GDNRuleInputs",
-    "GatedDeltaNet",
-    "GatedRMSNorm",
-    "chunk_gated_delta_rule",
-    "l2_normalize",
-    "recurrent_gated_delta_rule",
-]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Functional core
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _prepare(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None,
-    lengths: Tensor | None,
-    scale: float | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Validate inputs, mask right padding, repeat q / k to value heads, move heads before time, upcast.
-
-    Returns float32 q (scaled), k: (B, HV, T, K); v: (B, HV, T, V); g, beta: (B, HV, T); state (B, HV, V, K)
-    (a fresh tensor: the caller's initial_state is never written).
-    """
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be (B, T, H, K); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"v must be (B, T, HV, V) with B={B}, T={T}; got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H != 0:
-        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H}")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (B, T, HV):
-            raise ValueError(f"{name} must be (B, T, HV) = {(B, T, HV)}; got {tuple(t.shape)}")
-    if initial_state is not None and initial_state.shape != (B, HV, V, K):
-        hint = ""
-        if initial_state.shape == (B, HV, K, V):
-            hint = " (it looks transposed: transformers keeps (B, HV, K, V); use state.transpose(-1, -2))"
-        raise ValueError(
-            f"initial_state must be (B, HV, V, K) = {(B, HV, V, K)}, K contiguous; "
-            f"got {tuple(initial_state.shape)}{hint}"
-        )
-
-    if lengths is not None:
-        if lengths.shape != (B,) or lengths.dtype.is_floating_point:
-            raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},); got {lengths.dtype} "
-                             f"{tuple(lengths.shape)}")
-        if bool((lengths < 0).any()) or bool((lengths > T).any()):
-            raise ValueError(f"lengths must lie in [0, T={T}]; got {lengths.tolist()}")
-        # Right padding: g = 0 (alpha = 1), beta = 0 and k = 0 make a padded step the identity on the state;
-        # q = 0 makes its output exactly 0. torch.where (not a product) also clears NaN in padded inputs.
-        valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T)
-        q, k, v = (torch.where(valid[:, :, None, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-                   for t in (q, k, v))
-        g, beta = (torch.where(valid[:, :, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-                   for t in (g, beta))
-
-    r = HV // H
-    if r > 1:  # value head j reads key head j // r
-        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    scale = K**-0.5 if scale is None else scale
-    q = q.float().transpose(1, 2) * scale
-    k = k.float().transpose(1, 2)
-    v = v.float().transpose(1, 2)
-    g = g.float().transpose(1, 2)
-    beta = beta.float().transpose(1, 2)
-    if initial_state is None:
-        state = torch.zeros(B, HV, V, K, dtype=torch.float32, device=q.device)
-    else:
-        state = initial_state.to(device=q.device, dtype=torch.float32, copy=True)
-    return q, k, v, g, beta, state
-
-
-def recurrent_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None = None,
-    *,
-    scale: float | None = None,
-    lengths: Tensor | None = None,
-    output_final_state: bool = True,
-    output_intermediate_states: bool = False,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Gated delta rule, one token at a time: the specification (and the decode / MTP-verify path).
-
-    Args:
-        q: (B, T, H, K) queries, already L2-normalised (not yet scaled).
-        k: (B, T, H, K) keys, already L2-normalised.
-        v: (B, T, HV, V) values; HV must be a multiple of H (value head j reads key head j // (HV / H)).
-        g: (B, T, HV) log decay, <= 0 (alpha = exp(g)).
-        beta: (B, T, HV) write strength in [0, 1].
-        initial_state: (B, HV, V, K), K contiguous, any float dtype; zeros if None. Never written.
-        scale: multiplies q; default K ** -0.5.
-        lengths: (B,) integer valid lengths of a right-padded batch (0 <= lengths <= T). Padded positions
-            leave the state unchanged and output zeros.
-        output_final_state: return the state after the last (valid) token.
-        output_intermediate_states: also return the state after each of the T tokens.
-
-    Returns:
-        o: (B, T, HV, V) in v's dtype (accumulated in float32).
-        final_state: (B, HV, V, K) float32, or None.
-        intermediate_states: (B, T, HV, V, K) float32 (index t = state after token t, so index T - 1 is the
-            final state; padded positions repeat the last valid state), or None.
-
-    Raises ValueError on shape / length mismatches (with the expected layout in the message).
-    """
-    B, T = q.shape[:2]
-    out_dtype = v.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths, scale)
-    HV, V, K = state.shape[1:]
-    o = q.new_empty(B, HV, T, V)
-    inter = q.new_empty(B, T, HV, V, K) if output_intermediate_states else None
-    alpha = g.exp()
-    for t in range(T):
-        k_t = k[:, :, t]  # (B, HV, K)
-        state = state * alpha[:, :, t, None, None]
-        # u_t = beta_t (v_t - alpha_t S_{t-1} k_t); S_t = alpha_t S_{t-1} + u_t k_t^T
-        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhvk,bhk->bhv", state, k_t))
-        state = state + u[..., :, None] * k_t[..., None, :]
-        o[:, :, t] = torch.einsum("bhvk,bhk->bhv", state, q[:, :, t])
-        if inter is not None:
-            inter[:, t] = state
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None), inter
-
-
-def chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None = None,
-    chunk_size: int = 64,
-    output_final_state: bool = True,
-    *,
-    scale: float | None = None,
-    lengths: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Gated delta rule in chunked (WY / UT-transform) form: the prefill path; same math as the recurrent one.
-
-    Inside a chunk of C tokens with in-chunk cumulative log decay G_i = g_1 + ... + g_i and chunk start state
-    S_0, the update vectors solve a unit lower-triangular system
-
-        u_i + sum_{j<i} beta_i exp(G_i - G_j) (k_i . k_j) u_j = beta_i v_i - beta_i exp(G_i) S_0 k_i,
-
-    i.e. U = W_v - W_k S_0^T with W_v = L^-1 (beta v), W_k = L^-1 (beta exp(G) k) computed for all chunks at
-    once; then o_i = exp(G_i) S_0 q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j and
-    S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) u_j k_j^T. Only the chunk-to-chunk state pass is sequential.
-    All exponents are <= 0 (g <= 0), so nothing overflows. T need not be a multiple of chunk_size: the tail is
-    padded with identity steps (g = beta = k = 0).
-
-    Args: as `recurrent_gated_delta_rule` (q, k L2-normalised and unscaled; state (B, HV, V, K)), plus
-        chunk_size: tokens per chunk (C), >= 1.
-    Returns:
-        o: (B, T, HV, V) in v's dtype (float32 accumulation); final_state: (B, HV, V, K) float32 or None.
-    Raises ValueError on shape / length mismatches.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    B, T = q.shape[:2]
-    out_dtype = v.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, lengths, scale)
-    C = chunk_size
-    pad = (-T) % C
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    HV, V, K = state.shape[1:]
-    N = (T + pad) // C
-    q, k, v = (t.reshape(B, HV, N, C, t.shape[-1]) for t in (q, k, v))
-    g, beta = (t.reshape(B, HV, N, C) for t in (g, beta))
-
-    G = g.cumsum(dim=-1)  # (B, HV, N, C)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # decay[i, j] = exp(G_i - G_j) for j <= i, else 0 (masked before exp: the upper triangle would overflow)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    # Unit lower-triangular L = I + strictly-lower(beta_i exp(G_i - G_j) k_i . k_j); the solver reads only the
-    # strictly lower part (unitriangular=True), so the diagonal of the product is irrelevant.
-    L = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay
-    W_v = torch.linalg.solve_triangular(L, beta[..., None] * v, upper=False, unitriangular=True)
-    W_k = torch.linalg.solve_triangular(L, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
-    qk = (q @ k.transpose(-1, -2)) * decay  # (B, HV, N, C, C), causal incl. diagonal
-    q_dec = q * G.exp()[..., None]  # reads of the chunk start state
-    k_dec = k * (G[..., -1:] - G).exp()[..., None]  # writes, decayed to the chunk end
-    chunk_decay = G[..., -1].exp()  # (B, HV, N)
-
-    o = q.new_empty(B, HV, N, C, V)
-    for n in range(N):
-        u = W_v[:, :, n] - W_k[:, :, n] @ state.transpose(-1, -2)  # (B, HV, C, V)
-        o[:, :, n] = q_dec[:, :, n] @ state.transpose(-1, -2) + qk[:, :, n] @ u
-        state = state * chunk_decay[:, :, n, None, None] + u.transpose(-1, -2) @ k_dec[:, :, n]
-    o = o.reshape(B, HV, N * C, V)[:, :, :T]
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+__all__ = ["GDNMixer", "GDNOutput", "GDNRuleInputs", "GatedDeltaNet", "GatedRMSNorm"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -455,8 +258,8 @@ class GatedDeltaNet(nn.Module):
             conv_in = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv.transpose(1, 2)], dim=-1)
         conv_out = F.silu(F.conv1d(conv_in.float(), self.conv1d.weight.float(), groups=self.conv_dim))
         q, k, v = conv_out.to(x.dtype).transpose(1, 2).split([H * K, H * K, HV * V], dim=-1)
-        q = l2_normalize(q.reshape(B, T, H, K))
-        k = l2_normalize(k.reshape(B, T, H, K))
+        q = l2norm(q.reshape(B, T, H, K))
+        k = l2norm(k.reshape(B, T, H, K))
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return GDNRuleInputs(q, k, v.reshape(B, T, HV, V), g, beta, z, conv_in)
@@ -571,22 +374,28 @@ class GatedDeltaNet(nn.Module):
 
 class GDNMixer(GatedDeltaNet):
     """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
-    cache (`runners.cache.GDNState`), the counterpart of `runners.models.mamba2.Mamba2Mixer`.
+    cache (`runners.cache.GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
+    `runners.models.mamba2.Mamba2Mixer`.
 
     forward(hidden (B, T, D), state, meta) -> (B, T, D). Without a cache: a full causal forward from a zero
     state. With ``state`` and ``meta`` (`runners.cache.BatchMeta`) each row continues from its slot's conv
-    window and recurrent state (PAD rows use the scratch row):
-    - prefill (T > 1, rows right-padded to ``meta.lengths``): chunked rule; the state after each row's last
-      valid token is written back (a row of length 0 keeps its state);
-    - decode (T = 1): recurrent rule, state written back;
-    - verify (``meta.verify``, T = K + 1): recurrent rule from the committed state, which is left alone; the
-      state after each token goes to ``state.ssm_steps`` (B, T, HV, V, K) and the conv input window
-      (C, W - 1 + T) to ``state.conv_steps``, so ``HybridCache.commit`` can keep the state after the
-      accepted tokens (rewind, BRIEF section 4).
-    Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states.
+    window and recurrent state; the state's ``ssm_backend`` picks the recurrent operators ("triton": the
+    Triton kernels, "torch": their PyTorch references; FlashInfer has no GDN kernel, so "flashinfer" runs
+    Triton, ``runners.cache.kernel_or_reference``):
+    - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (PyTorch on
+      every backend); the state after each row's last valid token is written back (a row of length 0 keeps
+      its state);
+    - decode (T = 1): ``fused_recurrent_gated_delta_rule``, the slots' states updated in place;
+    - rewind verify (``meta.verify``, T = K + 1, a `GDNState`): ``fused_recurrent_gated_delta_rule`` from the
+      committed state, which is left alone; the state after each token goes to ``state.ssm_steps`` (by slot)
+      and the conv input window (C, W - 1 + T) to ``state.conv_steps``, so ``HybridCache.commit`` can keep the
+      state after the accepted tokens;
+    - replay verify (a `GDNReplayState`): ``replay_verify`` (the previous step's accepted tokens folded into
+      the state, then the new ones), the conv window read at the slot's offset and stored after its first
+      column.
+    Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states,
+    RuntimeError for a non-verify forward on a replay row whose state lags by pending accepted tokens.
     """
-
-    ssm_backend = "torch"  # replay verify kernels: "torch" | "triton" | "flashinfer" (the engine sets it)
 
     def __init__(self, config: HybridConfig) -> None:
         c = config
@@ -606,77 +415,65 @@ class GDNMixer(GatedDeltaNet):
     ) -> Tensor:
         if state is None:
             return self.prefill(x).y
-        if hasattr(state, "history"):  # runners.cache.GDNReplayState: replay (ssm_replay=True)
-            return self._forward_replay(x, state, meta)
+        replay = isinstance(state, GDNReplayState)
+        if meta.verify:
+            return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape
         rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
-        h0, conv0 = meta.rows(state.ssm), meta.rows(state.conv)
-        lengths = None if meta.all_valid else meta.lengths
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
-        if meta.verify:
-            if state.ssm_steps is None or state.ssm_steps.shape[1] != T:
-                have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
-                raise ValueError(
-                    f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
-                    "build the HybridCache with spec_tokens = T"
-                )
-            o, _, steps = recurrent_gated_delta_rule(
-                q, k, v, g, beta, h0, output_final_state=False, output_intermediate_states=True
+        if replay and bool(state.slots.prev_num_accepted[rows].any()):
+            raise RuntimeError(
+                "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
+                "with ssm_replay every step after prefill must be a verify (T = K + 1)"
             )
-            state.ssm_steps.index_copy_(0, rows, steps.to(state.ssm.dtype))
-            state.conv_steps.index_copy_(0, rows, conv_in.to(state.conv.dtype))
-            return self.output(o, z)
-        if T == 1 and lengths is None:
-            o, h, _ = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
+        # the committed conv window: replay keeps it in the first W - 1 of its columns at PNAT = 0
+        conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
+        lengths = None if meta.all_valid else meta.lengths
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(conv))
+        if T == 1 and lengths is None:  # decode: the slots' states updated in place
+            rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
+                                       fused_recurrent_gated_delta_rule_ref)
+            o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False)
         else:
-            o, h = chunk_gated_delta_rule(q, k, v, g, beta, h0, self.chunk_size, lengths=lengths)
-        state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
+            o, h = chunk_gated_delta_rule(q, k, v, g, beta, meta.rows(state.ssm), self.chunk_size,
+                                          lengths=lengths)
+            state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
         new_conv = self.conv_state_after(conv_in, T if lengths is None else lengths)
-        state.conv.index_copy_(0, rows, new_conv.to(state.conv.dtype))
+        conv.index_copy_(0, rows, new_conv.to(conv.dtype))
         return self.output(o, z, lengths)
 
-    def _forward_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
-        """The cached forward on a `runners.cache.GDNReplayState`. A verify reads the committed conv window
-        at the slot's offset, replays (the Triton kernel of ``kernels/gdn_replay.py``, or its vectorised
-        PyTorch reference for ``ssm_backend`` "torch"; FlashInfer has no GDN kernel) and stores the new
-        window after its first column; a prefill / decode (only at PNAT = 0, right after admission) works as
-        the rewind layout does on the first W - 1 conv columns."""
+    def _verify_rewind(self, x: Tensor, state: GDNState, meta: BatchMeta) -> Tensor:
+        T = x.shape[1]
+        if state.ssm_steps is None or state.ssm_steps.shape[1] != T:
+            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
+            raise ValueError(
+                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
+                "build the HybridCache with spec_tokens = T"
+            )
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(state.conv))
+        rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
+                                   fused_recurrent_gated_delta_rule_ref)
+        o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
+                 update_state=False, intermediate_states=state.ssm_steps,
+                 intermediate_state_indices=meta.slot_ids)
+        state.conv_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], conv_in.to(state.conv.dtype))
+        return self.output(o, z)
+
+    def _verify_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
         B, T, _ = x.shape
         W1 = self.conv_kernel - 1
-        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
-        slots = state.slots
-        if not meta.verify:
-            if bool(slots.prev_num_accepted[rows].any()):
-                raise RuntimeError(
-                    "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
-                    "with ssm_replay every step after prefill must be a verify (T = K + 1)"
-                )
-            conv = state.conv[..., :W1]
-            lengths = None if meta.all_valid else meta.lengths
-            q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(conv))
-            h0 = meta.rows(state.ssm)
-            if T == 1 and lengths is None:
-                o, h, _ = recurrent_gated_delta_rule(q, k, v, g, beta, h0)
-            else:
-                o, h = chunk_gated_delta_rule(q, k, v, g, beta, h0, self.chunk_size, lengths=lengths)
-            state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
-            new_conv = self.conv_state_after(conv_in, T if lengths is None else lengths)
-            conv.index_copy_(0, rows, new_conv.to(conv.dtype))
-            return self.output(o, z, lengths)
         if T > state.history.u.shape[2]:
             raise ValueError(
                 f"verify step of T={T} tokens but the replay history keeps {state.history.u.shape[2]}; "
                 "build the HybridCache with spec_tokens = T"
             )
+        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        slots = state.slots
         cols = slots.conv_offset(rows)[:, None] + torch.arange(W1, device=x.device)
         conv0 = meta.rows(state.conv).gather(2, cols[:, None, :].expand(B, state.conv.shape[1], W1))
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
-        if self.ssm_backend == "torch":
-            from kernels.gdn_replay import gdn_replay_verify_ref as fn
-        else:
-            from kernels.gdn_replay import gdn_replay_verify as fn
-        o = fn(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids.to(torch.int32),
-               slots.prev_num_accepted, slots.buffer_index, use_qk_l2norm_in_kernel=False)
+        verify = kernel_or_reference(state.ssm_backend, replay_verify, replay_verify_ref)
+        o = verify(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids, slots.prev_num_accepted,
+                   slots.buffer_index, use_qk_l2norm_in_kernel=False)
         slots.verified = True
         state.conv.index_copy_(0, rows, conv_in[:, :, 1:].to(state.conv.dtype))
         return self.output(o, z)

@@ -1,4 +1,5 @@
-"""Mamba2 mixer (NemotronH ``backbone.layers.N.mixer``) and its scan ops in plain PyTorch.
+"""Mamba2 mixer (NemotronH ``backbone.layers.N.mixer``): projections, causal conv, the SSM through the
+operators of kernels/mamba2/, gated grouped RMSNorm.
 
 Algorithm: Mamba2 / SSD (Dao & Gu 2024, "Transformers are SSMs"), as implemented by the NemotronH mixer of
 transformers 5 (``modeling_nemotron_h.py``, the test oracle). Per head h (group g = h // (H / G)):
@@ -10,16 +11,18 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 (time_step_min, inf) and its single-token decode path not at all, so it disagrees with itself when
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
-Replay (``ssm_replay=True``, a :class:`runners.cache.Mamba2ReplayState`): a verify fast-forwards the committed
-state by the tokens accepted last step and records the new tokens' inputs, with the Triton kernel of
-``kernels/mamba2_replay.py`` or, for ``ssm_backend`` "torch", its vectorised PyTorch reference
-``replay_verify_ref``; the conv window is read at the slot's offset instead of being copied at commit.
-
-Two scan paths compute the same recurrence: :func:`ssd_chunked_scan` (prefill; quadratic inside chunks of
-``chunk_size``, a recurrence over chunk states) and :func:`ssm_recurrent_scan` (decode / verify; one step per
-token, optionally returning every intermediate state for a speculative verify). Right-padded columns are
-made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of different prompt lengths leaves
-each request's state exactly where its own last token left it.
+Which operator runs where (the cache state's ``ssm_backend``: "triton" the Triton kernel, "torch" its PyTorch
+reference, ``runners.cache.kernel_or_reference``):
+- prefill (T > 1 or right-padded rows): ``kernels.mamba2.ssd_chunked_scan`` (PyTorch on every backend);
+  right-padded columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of
+  different prompt lengths leaves each request's state exactly where its own last token left it;
+- decode (T = 1): ``kernels.mamba2.selective_state_update``, state updated in place;
+- rewind verify (T = K + 1): ``selective_state_update`` writing the per-token states to the cache's rewind
+  buffer (or FlashInfer's ``selective_state_update`` for ssm_backend "flashinfer"); the commit is
+  ``runners.cache.Mamba2State.commit``;
+- replay verify (a :class:`runners.cache.Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which
+  fast-forwards the committed state by the tokens accepted last step and records the new tokens' inputs; the
+  conv window is read at the slot's offset instead of being copied at commit.
 
 Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, W conv_kernel, C conv channels.
 """
@@ -33,112 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runners.cache import BatchMeta, Mamba2ReplayState, Mamba2State
+from kernels.mamba2 import (
+    replay_verify,
+    replay_verify_ref,
+    selective_state_update,
+    selective_state_update_ref,
+    ssd_chunked_scan,
+)
+from runners.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.models.config import HybridConfig
 from runners.models.layers import GatedGroupRMSNorm
 
 log = logging.getLogger(__name__)
-
-
-def ssd_chunked_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked SSD scan (no D skip, no gate). Computes in float32.
-
-    Args:
-        x: (B, T, H, P) inputs.
-        dt: (B, T, H) processed time steps dt' (after softplus, clamp and padding mask; 0 = no-op column).
-        A: (H,) negative decay rates.
-        B, C: (B, T, G, N) input / output projections; head h uses group h // (H / G).
-        chunk_size: tokens per chunk (the config's ``chunk_size``); T need not be a multiple.
-        initial_state: (B, H, P, N) state before column 0, or None for zeros.
-
-    Returns:
-        y: (B, T, H, P) float32, and final_state: (B, H, P, N) float32 after column T - 1.
-    """
-    b, T, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    L = chunk_size
-    pad = (-T) % L
-    nc = (T + pad) // L
-    head_group = torch.arange(H, device=x.device) // (H // G)
-    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = F.pad(dt, (0, 0, 0, pad))  # dt' = 0: padded columns are no-ops
-        B = F.pad(B, (0, 0, 0, 0, 0, pad))
-        C = F.pad(C, (0, 0, 0, 0, 0, pad))
-    x = x.view(b, nc, L, H, P)
-    dt = dt.view(b, nc, L, H)
-    B = B.view(b, nc, L, G, N)
-    C = C.view(b, nc, L, G, N)
-    cum = torch.cumsum(dt * A.float(), dim=2)  # (b, nc, L, H): sum_{i<=l} A dt'_i within the chunk
-    xdt = x * dt[..., None]  # dt'_s x_s
-    # Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt'_s x_s.
-    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # (b, nc, L, S, H)
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(seg.masked_fill(~causal[None, None, :, :, None], float("-inf")))
-    CB = torch.einsum("bclgn,bcsgn->bclsg", C, B)[..., head_group]  # (b, nc, L, S, H)
-    y = torch.einsum("bclsh,bcshp->bclhp", CB * decay, xdt)
-    # State contributed by each chunk alone: sum_s exp(cum_last - cum_s) dt'_s x_s (outer) B_s.
-    B_h = B[:, :, :, head_group]  # (b, nc, L, H, N)
-    decay_to_end = torch.exp(cum[:, :, -1:, :] - cum)  # (b, nc, L, H)
-    chunk_states = torch.einsum("bclh,bclhp,bclhn->bchpn", decay_to_end, xdt, B_h)
-    # Recurrence over chunks: the state entering chunk c, then its contribution to the outputs.
-    state = x.new_zeros(b, H, P, N) if initial_state is None else initial_state.float()
-    chunk_decay = torch.exp(cum[:, :, -1, :])  # (b, nc, H)
-    entering = []
-    for c in range(nc):
-        entering.append(state)
-        state = state * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
-    entering = torch.stack(entering, dim=1)  # (b, nc, H, P, N)
-    C_h = C[:, :, :, head_group]  # (b, nc, L, H, N)
-    y = y + torch.einsum("bclhn,bchpn->bclhp", C_h, entering) * torch.exp(cum)[..., None]
-    y = y.reshape(b, nc * L, H, P)[:, :T]
-    return y, state
-
-
-def ssm_recurrent_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    state: torch.Tensor,
-    return_intermediate: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Token-by-token SSM recurrence (no D skip, no gate); float32 math. Does not mutate ``state``.
-
-    Args:
-        x: (B, T, H, P); dt: (B, T, H) processed dt' (0 = no-op column); A: (H,);
-        B, C: (B, T, G, N); state: (B, H, P, N) state before column 0 (any float dtype).
-        return_intermediate: also return the state after every column (what a rewind verify keeps).
-
-    Returns:
-        y: (B, T, H, P) float32; final state (B, H, P, N) float32; intermediate states (B, T, H, P, N)
-        float32 or None.
-    """
-    H, G = x.shape[2], B.shape[2]
-    rep = H // G
-    h = state.float()
-    dA = torch.exp(dt.float() * A.float())  # (B, T, H)
-    xdt = x.float() * dt.float()[..., None]
-    Bh = B.float().repeat_interleave(rep, dim=2)  # (B, T, H, N)
-    Ch = C.float().repeat_interleave(rep, dim=2)
-    ys, states = [], []
-    for t in range(x.shape[1]):
-        h = h * dA[:, t, :, None, None] + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
-        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
-        if return_intermediate:
-            states.append(h)
-    y = torch.stack(ys, dim=1)
-    return y, h, (torch.stack(states, dim=1) if return_intermediate else None)
 
 
 class Mamba2Mixer(nn.Module):
@@ -152,8 +61,8 @@ class Mamba2Mixer(nn.Module):
     a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
     chunk) may be changed after construction: the result is the same up to float rounding. With a
     :class:`runners.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
-    non-verify forward then requires PNAT = 0 (prefill after admission). ``ssm_backend`` ("torch" default,
-    "triton", "flashinfer") picks the verify implementation (:meth:`_verify_ssm`).
+    non-verify forward then requires PNAT = 0 (prefill after admission). The state's ``ssm_backend`` picks
+    the decode / verify operators (module docstring).
     """
 
     def __init__(self, config: HybridConfig):
@@ -163,7 +72,6 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.d_state = c.n_groups, c.ssm_state_size
         self.d_inner, self.conv_dim, self.conv_kernel = c.mamba_d_inner, c.mamba_conv_dim, c.conv_kernel
         self.chunk_size = c.chunk_size
-        self.ssm_backend = "torch"  # verify kernels: "torch" | "triton" | "flashinfer" (set by the engine)
         self.time_step_limit = c.time_step_limit
         self.in_proj = nn.Linear(
             c.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=c.mamba_proj_bias
@@ -222,43 +130,30 @@ class Mamba2Mixer(nn.Module):
         return F.silu(out)
 
     def _verify_ssm(self, state, meta, x, dt, A, Bm, Cm) -> torch.Tensor:
-        """The SSM of a verify step through the mixer's ``ssm_backend``; returns y (B, T, H, P) incl. D x.
+        """The SSM of a verify step (T = K + 1) with the state's ``ssm_backend``; returns y (B, T, H, P)
+        float32 incl. D x.
 
-        Replay: the kernel's PyTorch reference ``replay_verify_ref`` ("torch") or the Triton replay kernel
-        ("triton", and "flashinfer" as in TensorRT-LLM, whose FlashInfer backend also replays with its own
-        kernel). Rewind: the per-token states go to ``state.ssm_steps`` by slot: PyTorch recurrence ("torch"),
-        our Triton ``selective_state_update`` ("triton") or FlashInfer's ("flashinfer").
+        Replay: ``replay_verify`` (fast-forward by PNAT, the new tokens, their history). Rewind:
+        ``selective_state_update`` writing the per-token states to ``state.ssm_steps`` by slot, the committed
+        state untouched (FlashInfer's kernel for "flashinfer", as TensorRT-LLM's FlashInfer backend; its
+        replay runs our Triton kernel).
         """
-        backend = self.ssm_backend
+        backend = state.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
+        out = x.new_empty(x.shape, dtype=torch.float32)
         if isinstance(state, Mamba2ReplayState):
             slots = state.slots
-            if backend == "torch":
-                from kernels.mamba2_replay import replay_verify_ref as fn
-            else:
-                from kernels.mamba2_replay import replay_verify as fn
-            y = fn(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
-                   slots.buffer_index, time_step_limit=self.time_step_limit)
+            verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
+            y = verify(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
+                       slots.buffer_index, time_step_limit=self.time_step_limit, out=out)
             slots.verified = True
-            return y.float()
+            return y
         if backend == "flashinfer":
             return _flashinfer_rewind_verify(state, meta, *args, self.time_step_limit).float()
-        if backend == "triton":
-            from kernels.mamba2_ssu import selective_state_update
-
-            if meta.slot_start is not None:  # the rows' per-token states as a view: written in place
-                inter = state.ssm_steps[meta.slot_start : meta.slot_start + x.shape[0]]
-            else:
-                inter = x.new_empty(x.shape[0], *state.ssm_steps.shape[1:], dtype=state.ssm_steps.dtype)
-            y = selective_state_update(state.ssm, *args, meta.slot_ids, intermediate_states=inter,
-                                       update_state=False, time_step_limit=self.time_step_limit)
-            if meta.slot_start is None:
-                state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], inter)
-            return y.float()
-        dtp = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)
-        y, _, steps = ssm_recurrent_scan(x, dtp, A, Bm, Cm, meta.rows(state.ssm), return_intermediate=True)
-        state.ssm_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], steps.to(state.ssm.dtype))
-        return y + x.float() * self.D.float()[:, None]
+        ssu = kernel_or_reference(backend, selective_state_update, selective_state_update_ref)
+        return ssu(state.ssm, *args, meta.slot_ids, intermediate_states=state.ssm_steps,
+                   intermediate_state_indices=meta.slot_ids, update_state=False,
+                   time_step_limit=self.time_step_limit, out=out)
 
     def forward(
         self, hidden: torch.Tensor, state: Mamba2State | None = None, meta: BatchMeta | None = None
@@ -291,7 +186,11 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         if state is not None and meta.verify:
             y = self._verify_ssm(state, meta, x, dt, A, Bm, Cm)
-        else:
+        elif state is not None and T == 1 and meta.all_valid:  # decode: the slots' states updated in place
+            ssu = kernel_or_reference(state.ssm_backend, selective_state_update, selective_state_update_ref)
+            y = ssu(state.ssm, x, dt, A, Bm, Cm, self.D, self.dt_bias, meta.slot_ids,
+                    time_step_limit=self.time_step_limit, out=x.new_empty(x.shape, dtype=torch.float32))
+        else:  # prefill (or a cache-free forward): the chunked scan from the slots' states
             dt = F.softplus(dt.float() + self.dt_bias.float())
             lo, hi = self.time_step_limit
             if lo > 0.0 or hi != float("inf"):
@@ -299,10 +198,7 @@ class Mamba2Mixer(nn.Module):
             if meta is not None and not meta.all_valid:
                 dt = dt * meta.valid(T)[..., None]  # dt' = 0 on right padding: the state passes unchanged
             h0 = None if state is None else meta.rows(state.ssm)
-            if T == 1 and h0 is not None:
-                y, h, _ = ssm_recurrent_scan(x, dt, A, Bm, Cm, h0)
-            else:
-                y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
+            y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
             if state is not None:
                 state.ssm.index_copy_(0, meta.slot_ids % state.ssm.shape[0], h.to(state.ssm.dtype))
             y = y + x.float() * self.D.float()[:, None]

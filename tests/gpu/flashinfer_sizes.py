@@ -10,7 +10,7 @@ sizes fail to compile (a static_assert in its vector-load helpers; docs/gpu/engi
 every case runs in its own subprocess, several at a time. Each case calls it as the engine does (T = 4
 tokens, intermediate states written per row, stored state left untouched, tie_hdim views of dt / A / D /
 dt_bias) and compares out, intermediate states and the stored state with
-``kernels.mamba2_ssu.selective_state_update_ref`` on the same inputs. Prints one JSON document: per case
+``kernels.mamba2.selective_state_update_ref`` on the same inputs. Prints one JSON document: per case
 "ok" with the max abs errors, "mismatch" with them, or "error" with the first line that names the failure.
 The engine's size guard (runners/engine.py FLASHINFER_SIZES) admits the sizes found "ok" here.
 Needs CUDA and flashinfer (.gpu-bundle on the device machine).
@@ -39,7 +39,7 @@ def one_case(head_dim: int, d_state: int, in_dtype: str, state_dtype: str) -> di
     import flashinfer.mamba as fim
     import torch
 
-    from kernels.mamba2_ssu import selective_state_update_ref
+    from kernels.mamba2 import selective_state_update_ref
 
     torch.manual_seed(0)
     dev, ind, sd = "cuda", getattr(torch, in_dtype), getattr(torch, state_dtype)

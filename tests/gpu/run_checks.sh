@@ -6,14 +6,16 @@
 #
 # Stages:
 #   kernels   every kernel test module compiled for real (CPU-interpreter tests included: they run on CUDA
-#             when it is present) plus the `gpu`-marked tests of the whole suite
+#             when it is present), the GDN rules, and the engine's replay / rewind tests, whose
+#             ssm_backend=triton cases run the engine on CUDA with the Triton kernels it launches (decode,
+#             verify, commit, advance) against the torch backend
 #   sanitize  compute-sanitizer memcheck over the GPU kernel tests (CUDA-graph tests excluded: the sanitizer
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
-#   bench     kernels/bench_mamba2.py and kernels/bench_gdn.py at the Super V3 / Qwen3-Next shapes
-#   engine    the engine test modules on CUDA (same tests as the CPU, device from $TEST_DEVICE)
+#   bench     benchmarks/bench_mamba2.py and benchmarks/bench_gdn.py at the Super V3 / Qwen3-Next shapes
+#   engine    every `gpu`-marked test of the suite (engine on CUDA, FlashInfer where importable)
 #   flashinfer  FlashInfer beside ours: which Mamba2 sizes its selective_state_update builds at and whether
 #             it agrees with our reference there (tests/gpu/flashinfer_sizes.py), the engine's GPU tests
-#             with ssm_backend=flashinfer importable, and kernels/bench_mamba2.py with --flashinfer (and
+#             with ssm_backend=flashinfer importable, and benchmarks/bench_mamba2.py with --flashinfer (and
 #             checkpointing_ssu for a bf16 state, whose minutes-long JIT is started first, in the background;
 #             FLASHINFER_CKPT=float32,bfloat16 picks its state dtypes, FLASHINFER_CKPT= skips it)
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
@@ -26,7 +28,7 @@ out=$1; shift
 for s in "$@"; do
   case " $stages " in *" $s "*) ;; *) echo "unknown stage '$s'; $usage" >&2; exit 2 ;; esac
 done
-case "$out" in kernels|kernels/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
+case "$out" in kernels|kernels/*|benchmarks|benchmarks/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
   echo "OUTDIR '$out' is a source folder of the repository; give a folder for the logs (e.g. \$OUT or /tmp/x)" >&2
   exit 2 ;;
 esac
@@ -53,19 +55,19 @@ for s in "$@"; do
   case $s in
     kernels) stage kernels python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py \
                tests/test_kernels_mamba2_gpu.py tests/test_kernels_gdn.py tests/test_kernels_gdn_gpu.py \
-               tests/test_gdn.py ;;
+               tests/test_gdn.py tests/test_replay_cache.py tests/test_replay_engine.py ;;
     sanitize) stage sanitize /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
                python3 -m pytest -q -p no:cacheprovider -k "not graph" tests/test_kernels_mamba2_gpu.py \
                tests/test_kernels_gdn_gpu.py ;;
-    bench) stage bench_mamba2 python3 -m kernels.bench_mamba2 --out "$out/bench_mamba2.json"
-           stage bench_gdn_fp32 python3 -m kernels.bench_gdn --out "$out/bench_gdn_fp32.json"
-           stage bench_gdn_bf16 python3 -m kernels.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json" ;;
+    bench) stage bench_mamba2 python3 -m benchmarks.bench_mamba2 --out "$out/bench_mamba2.json"
+           stage bench_gdn_fp32 python3 -m benchmarks.bench_gdn --out "$out/bench_gdn_fp32.json"
+           stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json" ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     flashinfer)
       ckpt=${FLASHINFER_CKPT-bfloat16}  # state dtypes for checkpointing_ssu; FLASHINFER_CKPT= skips it
       warm=
       if [ -n "$ckpt" ]; then
-        FLASHINFER_CKPT=$ckpt timeout 420 python3 -c 'import os, torch; from kernels.bench_mamba2 import \
+        FLASHINFER_CKPT=$ckpt timeout 420 python3 -c 'import os, torch; from benchmarks.bench_mamba2 import \
 bench_flashinfer as b; [print(b(2, 4, getattr(torch, d), checkpointing=True)) for d in \
 os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
         warm=$!
@@ -73,7 +75,7 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
       stage flashinfer_sizes python3 tests/gpu/flashinfer_sizes.py --out "$out/flashinfer_sizes.json"
       stage engine_flashinfer python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_replay_engine.py
       [ -z "$warm" ] || wait $warm
-      stage bench_mamba2_flashinfer python3 -m kernels.bench_mamba2 --flashinfer --flashinfer-checkpointing \
+      stage bench_mamba2_flashinfer python3 -m benchmarks.bench_mamba2 --flashinfer --flashinfer-checkpointing \
         "$ckpt" --out "$out/bench_mamba2_flashinfer.json" ;;
   esac
 done

@@ -7,7 +7,7 @@ per kernel the best block_v of a small sweep (no autotune: the kernels update st
 microseconds and the achieved bandwidth of its compulsory traffic, next to a torch copy of the whole state
 (read + write) as the memory-bound yardstick, and the per-layer memory of both schemes' speculative buffers.
 
-    python -m kernels.bench_gdn [--batch 64 --T 4 --state-dtype fp32 --out results.json]
+    python -m benchmarks.bench_gdn [--batch 64 --T 4 --state-dtype fp32 --out results.json]
 
 --device cpu (with TRITON_INTERPRET=1) runs the same script under the Triton interpreter with a wall-clock
 timer: a smoke test of the script on tiny shapes, its times mean nothing.
@@ -24,13 +24,8 @@ import time
 import torch
 import triton
 
-from kernels.gdn_recurrent import fused_recurrent_gated_delta_rule, gdn_rewind_commit
-from kernels.gdn_replay import (
-    GDNReplayHistory,
-    allocate_replay_metadata,
-    gdn_replay_commit,
-    gdn_replay_verify,
-)
+from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit
+from kernels.gdn import ReplayHistory, fused_recurrent_gated_delta_rule, replay_verify
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,8 +93,8 @@ def main(argv=None) -> dict:
     state = (torch.randn(S, HV, V, K, device=dev) * 0.1).to(sdt)
     slot_ids = torch.randperm(S, device=dev)[:B].to(torch.int32)
     inter = torch.empty(B, T, HV, V, K, device=dev, dtype=sdt)
-    hist = GDNReplayHistory.allocate(S, T, H, HV, K, V, device=dev)
-    pnat, buf = allocate_replay_metadata(S, device=dev)
+    hist = ReplayHistory.allocate(S, T, H, HV, K, V, device=dev)
+    pnat, buf = allocate_replay_slots(S, device=dev)
     num_accepted = torch.randint(1, T + 1, (B,), device=dev, dtype=torch.int32)
     out = torch.empty_like(v)
 
@@ -122,7 +117,7 @@ def main(argv=None) -> dict:
             block_v=bv)),
         blocks, (1 + T) * B * st_bytes + in_bytes, dev)
     res["rewind_commit"] = _best(
-        lambda bv: (lambda: gdn_rewind_commit(state, inter, slot_ids, num_accepted, block_v=bv)),
+        lambda bv: (lambda: rewind_commit(state, inter, slot_ids, num_accepted, block_rows=bv)),
         blocks, 2 * B * st_bytes, dev)
     res["rewind_total_us"] = round(res["rewind_verify"]["us"] + res["rewind_commit"]["us"], 2)
 
@@ -130,17 +125,17 @@ def main(argv=None) -> dict:
         pnat.fill_(n_old)
         state_traffic = (2 if n_old else 1) * B * st_bytes
         res[name] = _best(
-            lambda bv: (lambda: gdn_replay_verify(q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out,
+            lambda bv: (lambda: replay_verify(q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out,
                                                   block_v=bv)),
             blocks, state_traffic + in_bytes + (n_old + T) * B * hist_tok, dev)
     # warps per program at the two best tile heights (the default picks 1 warp up to 2048 elements, else 4)
     pnat.fill_(T)
     res["replay_verify_pnat_T_warps_sweep_us"] = {
-        f"bv{bv}_w{nw}": round(_time_ms(lambda bv=bv, nw=nw: gdn_replay_verify(
+        f"bv{bv}_w{nw}": round(_time_ms(lambda bv=bv, nw=nw: replay_verify(
             q, k, v, g, beta, state, hist, slot_ids, pnat, buf, out=out, block_v=bv, num_warps=nw), dev) * 1e3, 2)
         for bv in (8, 16, 32) for nw in (1, 2, 4)}
     pnat.zero_()
-    t_commit = _time_ms(lambda: gdn_replay_commit(pnat, buf, slot_ids, num_accepted, T), dev) * 1e3
+    t_commit = _time_ms(lambda: replay_advance(pnat, buf, slot_ids, num_accepted, T), dev) * 1e3
     res["replay_commit"] = {"us": round(t_commit, 2)}
     res["replay_total_us"] = round(res["replay_verify_pnat_T"]["us"] + res["replay_commit"]["us"], 2)
 

@@ -1,14 +1,14 @@
 """Benchmark of the Mamba2 verify kernels (rewind, replay) at the Nemotron 3 Super mixer shape on one GPU.
 
-    python -m kernels.bench_mamba2 [--out results.json] [--batch 64] [--T 4] [--state-dtypes float32,bfloat16]
+    python -m benchmarks.bench_mamba2 [--out results.json] [--batch 64] [--T 4] [--state-dtypes float32,bfloat16]
                                    [--flashinfer] [--flashinfer-checkpointing bfloat16]
 
 Times with triton.testing.do_bench (median, microseconds) per state dtype (float32, bfloat16), bf16 inputs:
-- rewind verify: `selective_state_update` writing T intermediate states, and `commit_intermediate_state`
+- rewind verify: `selective_state_update` writing T intermediate states, and `kernels.commit.rewind_commit`
 - decode: `selective_state_update` with T = 1, state updated in place
 - replay verify: `replay_verify` with PNAT = 0 (no state write) and PNAT = T - 1 (state written), for a
   sweep of head_dim block x warps; the checkpointing variant (L = 16) without and with a flush;
-  `replay_advance`
+  `kernels.commit.replay_advance`
 - a torch copy of the whole state (read + write): the memory-bound floor for anything that rewrites it
 - with --flashinfer and FlashInfer importable: its `selective_state_update` (rewind, multi-token); with
   --flashinfer-checkpointing DTYPES also its `checkpointing_ssu` (3 pending tokens, and a flush); a call
@@ -31,13 +31,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels.mamba2_replay import (
-    allocate_replay_history,
-    allocate_replay_slot_state,
-    replay_advance,
-    replay_verify,
-)
-from kernels.mamba2_ssu import commit_intermediate_state, selective_state_update
+from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit
+from kernels.mamba2 import ReplayHistory, replay_verify, selective_state_update
 
 H, P, N, G = 128, 64, 128, 8  # Super V3 Mamba2: 128 heads x head_dim 64, d_state 128, 8 groups
 
@@ -82,14 +77,14 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
         us = timer(lambda bp=bp: selective_state_update(
             state, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter, out=out, block_p=bp))
         res[f"rewind_verify_block_p{bp}"] = _row(us, state_bytes * (1 + T) + io_bytes)
-    res["rewind_commit"] = _row(timer(lambda: commit_intermediate_state(state, inter, slot_ids, nat)),
+    res["rewind_commit"] = _row(timer(lambda: rewind_commit(state, inter, slot_ids, nat)),
                                 2 * state_bytes)
     x1, dt1, B1, C1, out1 = x[:, :1], dt[:, :1], B[:, :1], C[:, :1], out[:, :1]
     res["decode_T1"] = _row(timer(lambda: selective_state_update(state, x1, dt1, A, B1, C1, D, dt_bias, slot_ids,
                                                                   out=out1)), 2 * state_bytes + io_bytes / T)
 
-    hist = allocate_replay_history(S, T, H, P, G, N, dtype=in_dtype, device=dev)
-    pnat, bufidx = allocate_replay_slot_state(S, device=dev)
+    hist = ReplayHistory.allocate(S, T, H, P, G, N, dtype=in_dtype, device=dev)
+    pnat, bufidx = allocate_replay_slots(S, device=dev)
     hist_bytes = hist.nbytes() // 2  # one buffer read per verify (the other one written: ~io_bytes)
     variants = [(bp, nw) for bp in (4, 8, 16, 32) for nw in (2, 4, 8) if 8 <= bp * N // (32 * nw) <= 32]
     for k in (0, T - 1):
@@ -106,7 +101,7 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
     # checkpointing (L = 16): PNAT = 3 pending tokens (no state write), PNAT = 12 (no write, the most
     # pending tokens without a flush), PNAT = 13 (13 + T > 16: flush)
     L = max(16, T)
-    ck = allocate_replay_history(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
+    ck = ReplayHistory.allocate(S, L, H, P, G, N, dtype=in_dtype, device=dev, checkpointing=True)
     for k in sorted({min(3, L - T), L - T, L - T + 1}):
         flush = k + T > L
         for bp, nw in ((None, None), (4, 2), (16, 4)):
@@ -210,13 +205,13 @@ def compile_check() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from kernels import mamba2_replay, mamba2_ssu
+    from kernels.mamba2 import recurrent, replay
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     ptr = dict(state_ptr="*fp32", x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
                D_ptr="*fp32", dt_bias_ptr="*fp32", slot_ptr="*i32", out_ptr="*bf16", inter_ptr="*fp32",
                xh_ptr="*bf16", Bh_ptr="*bf16", dth_ptr="*fp32", cumh_ptr="*fp32", pnat_ptr="*i32",
-               bufidx_ptr="*i32", nat_ptr="*i32")
+               bufidx_ptr="*i32", nat_ptr="*i32", idx_ptr="*i32")
 
     def usage(kernel, constexprs, num_warps):
         names = kernel.arg_names
@@ -233,13 +228,14 @@ def compile_check() -> dict:
 
     res = {}
     for bp in (4, 16):
-        res[f"ssu_rewind_block_p{bp}"] = usage(mamba2_ssu._ssu_kernel, dict(
-            HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, UPDATE_STATE=False, BLOCK_P=bp, BLOCK_N=128),
+        res[f"ssu_rewind_block_p{bp}"] = usage(recurrent._ssu_kernel, dict(
+            HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, HAS_INDICES=False, UPDATE_STATE=False,
+            BLOCK_P=bp, BLOCK_N=128),
             4 if bp * 128 >= 2048 else 2)
     for ckpt in (False, True):
         for bp, nw in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8)):
             res[f"replay_{'ckpt_' if ckpt else ''}p{bp}_w{nw}"] = usage(
-                mamba2_replay._replay_verify_kernel, dict(T=4, L=16 if ckpt else 4, HAS_D=True, HAS_DT_LIMIT=False,
+                replay._replay_verify_kernel, dict(T=4, L=16 if ckpt else 4, HAS_D=True, HAS_DT_LIMIT=False,
                                                           CHECKPOINT=ckpt, BLOCK_T=4, BLOCK_P=bp, BLOCK_N=128),
                 nw)
     return res
@@ -279,7 +275,7 @@ def main(argv=None) -> int:
 
         if not interpreter_active():
             ap.error("--dry-run runs the kernels in Triton's interpreter, which is switched on before triton is "
-                     "imported: TRITON_INTERPRET=1 python -m kernels.bench_mamba2 --dry-run")
+                     "imported: TRITON_INTERPRET=1 python -m benchmarks.bench_mamba2 --dry-run")
         for sd in (torch.float32, torch.bfloat16):
             bench_ours(2, args.T, sd, dev="cpu", timer=_dry, shape=(2, 16, 16, 1))
         print(json.dumps({"dry_run": "ok"}))

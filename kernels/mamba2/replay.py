@@ -1,13 +1,15 @@
 """Mamba2 MTP verify by "SSM replay": fast-forward the committed state from a short input history.
 
-Scope: the verify step of one Mamba2 layer when the engine runs with `ssm_replay=true`, plus the per-slot
-bookkeeping after acceptance. Each operation has a Triton kernel + launcher and a plain-PyTorch reference with
-the same signature (`*_ref`); the references are vectorised over the batch and are what the engine runs on the
-CPU (`ssm_backend="torch"`), and tests hold kernel and reference to a token-by-token oracle
-(tests/replay_oracles.py). The gate silu(z) is not here (NemotronH's gated RMSNorm applies it).
+Scope: the verify step of one Mamba2 layer when the engine runs with `ssm_replay=true`: the Triton kernel
+`replay_verify`, its plain-PyTorch reference `replay_verify_ref` (same signature, vectorised over the batch:
+what the engine runs for ssm_backend="torch") and the history layout `ReplayHistory`. Tests hold kernel and
+reference to a token-by-token oracle (tests/replay_oracles.py). The per-slot bookkeeping after acceptance is
+family-agnostic (`kernels.commit.replay_advance`, metadata from `kernels.commit.allocate_replay_slots`). The
+gate silu(z) is not here (NemotronH's gated RMSNorm applies it).
 
-Instead of T intermediate states per slot (rewind, `kernels.mamba2_ssu`), each slot keeps the committed
-state plus the inputs of the last verify, double-buffered (BRIEF section 4):
+Instead of T intermediate states per slot (rewind, `kernels.mamba2.recurrent`), each slot keeps the committed
+state plus the inputs of the last verify, double-buffered (the layout of TensorRT-LLM's SSM replay and
+FlashInfer's `checkpointing_ssu`: x, B, processed dt' and the running sum of A dt' of the history tokens):
 
     per layer:  x_hist (S, 2, L, H, P) input dtype   B_hist (S, 2, L, G, N) input dtype
                 dt_hist (S, 2, H, L) fp32 dt'       dA_cumsum_hist (S, 2, H, L) fp32 cumsum_t(A dt'_t)
@@ -24,9 +26,9 @@ Verify for a live row b with slot s, k = PNAT[s], r = buffer_index[s] (`replay_v
 2. Outputs of the T new tokens from h, with cum_t = sum_{i<=t} A dt'_i:
        Y = exp(cum)[:, None] * (C @ h^T) + ((C @ B^T) * L) @ X + D X,  L_tj = [j <= t] exp(cum_t - cum_j) dt'_j
 3. Write x, B, dt', cum of the new tokens into buffer 1 - r.
-Then, after acceptance, `replay_advance` sets PNAT[s] = num_accepted (clamped to [1, T]) and flips
-buffer_index[s], with the same liveness predicate (slot id >= 0) as the kernel: PAD rows never advance.
-`replay_advance` runs once per step for all layers (the bookkeeping is per slot, not per layer).
+Then, after acceptance, `kernels.commit.replay_advance` sets PNAT[s] = num_accepted (clamped to [0, T]) and
+flips buffer_index[s], with the same liveness predicate (slot id >= 0) as the kernel: PAD rows never advance.
+It runs once per step for all layers (the bookkeeping is per slot, not per layer).
 
 Design decisions:
 - No tl.dot: all state math is fp32 FMAs on CUDA cores, so accuracy matches the token-by-token reference to
@@ -36,14 +38,14 @@ Design decisions:
   in the input dtype (exact copies of the inputs), dt' and the cumsum in fp32.
 - One program per (P block, row, head) holds a (BLOCK_P, next_pow2(N)) fp32 state tile in registers: the
   state is read once and written at most once. Default BLOCK_P = 16 with 2 warps (4 for checkpointing), the
-  fastest of the H200 sweep (docs/kernel_performance.md); `--compile-check` of kernels.bench_mamba2 shows
+  fastest of the H200 sweep (docs/kernel_performance.md); `--compile-check` of benchmarks.bench_mamba2 shows
   no spills at these tiles. An earlier tl.dot version (tf32x3, d_state walked in chunks) ran at 0.4-0.8 TB/s.
 - PAD rows (slot id < 0) read and write no cache buffer; their output rows are zeros. Slot 0 is live.
 - PNAT values outside [0, L] (garbage metadata) are clamped; buffer_index is read modulo 2.
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
-- A new request: after prefill writes its state, call `replay_reset_slots` (PNAT = 0, nothing to replay).
+- A new request: after prefill writes its state, set its PNAT to 0 (nothing to replay).
 
-Checkpointing variant (`allocate_replay_history(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
+Checkpointing variant (`ReplayHistory.allocate(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
 the history keeps a window of L tokens (L = max(16, T): the dots pad to 16 anyway) and PNAT counts every
 accepted token not yet folded into the state ("pending"), possibly from several verifies. A verify always
 fast-forwards in registers by the k = PNAT pending tokens and computes the outputs from there, but writes the
@@ -57,8 +59,9 @@ the same predicate: PNAT <- num_accepted after a flush, PNAT + num_accepted othe
 every ~(L - T) / (accepted per step) steps instead of every step, for up to L - T more tokens of dot work
 and L instead of 2T tokens of x history.
 
-Source: the closed form of the Mamba2 SSD recurrence (state-spaces/mamba, "Transformers are SSMs");
-the replay scheme as described for TensorRT-LLM / FlashInfer `checkpointing_ssu`; written from the math.
+Source: the closed form of the Mamba2 SSD recurrence (Dao & Gu, "Transformers are SSMs", 2024;
+state-spaces/mamba); the replay scheme of TensorRT-LLM's SSM replay and FlashInfer's `checkpointing_ssu`
+(flashinfer.mamba); written from the math above.
 """
 
 from __future__ import annotations
@@ -70,13 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
-    INPUT_DTYPES,
-    check_dtype,
-    check_launchable,
-    check_shape,
-)
-from kernels.mamba2_ssu import _NO_LIMIT, _check_inputs, _process_dt
+from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape
+from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
 
 _DEFAULT_BLOCK_P = 16  # head_dim rows per program: the fastest of the H200 sweep (docs/kernel_performance.md)
 
@@ -87,17 +85,41 @@ _DEFAULT_BLOCK_P = 16  # head_dim rows per program: the fastest of the H200 swee
 
 @dataclass
 class ReplayHistory:
-    """The per-layer replay history of one Mamba2 layer (all zero-initialised by `allocate_replay_history`).
+    """The replay history of one Mamba2 layer (zero-initialised by `ReplayHistory.allocate`).
 
     x: (S, XB, L, H, P) input dtype, XB = 2 (per-step replay) or 1 (checkpointing); B: (S, 2, L, G, N) input
     dtype; dt: (S, 2, H, L) fp32 processed dt'; dA_cumsum: (S, 2, H, L) fp32 cumulative A * dt' since the
-    last state write.
+    last state write. Any strides (e.g. per-layer views of one allocation).
     """
 
     x: torch.Tensor
     B: torch.Tensor
     dt: torch.Tensor
     dA_cumsum: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_slots: int, hist_len: int, nheads: int, head_dim: int, ngroups: int, d_state: int,
+        *, dtype: torch.dtype, device: torch.device | str, checkpointing: bool = False,
+    ) -> ReplayHistory:
+        """Zero-initialised history of one layer for S = `num_slots` slots, x and B in `dtype` (the input dtype).
+
+        `hist_len` (L): per-step replay: the largest T verified with; checkpointing: the window of tokens kept
+        before the state is written (max(16, T) is the natural choice: the dots pad the token axis to 16 anyway).
+
+        Raises:
+            ValueError: hist_len < 1 or a dtype that is not an input dtype.
+        """
+        if hist_len < 1:
+            raise ValueError(f"ReplayHistory.allocate: hist_len must be >= 1 (the verify width T), got {hist_len}")
+        check_dtype(torch.empty(0, dtype=dtype), INPUT_DTYPES, "history", "ReplayHistory.allocate")
+        S, L, H, P, G, N = num_slots, hist_len, nheads, head_dim, ngroups, d_state
+        return cls(
+            x=torch.zeros(S, 1 if checkpointing else 2, L, H, P, dtype=dtype, device=device),
+            B=torch.zeros(S, 2, L, G, N, dtype=dtype, device=device),
+            dt=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
+            dA_cumsum=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.B, self.dt, self.dA_cumsum))
@@ -106,37 +128,6 @@ class ReplayHistory:
     def checkpointing(self) -> bool:
         """True for the checkpointing layout (single-buffered x): the state is written only on a flush."""
         return self.x.shape[1] == 1
-
-
-def allocate_replay_history(
-    num_slots: int, hist_len: int, nheads: int, head_dim: int, ngroups: int, d_state: int,
-    *, dtype: torch.dtype, device: torch.device | str, checkpointing: bool = False,
-) -> ReplayHistory:
-    """Zero-initialised history buffers of one layer.
-
-    `hist_len` (L): per-step replay: the largest T verified with; checkpointing: the window of tokens kept
-    before the state is written (max(16, T) is the natural choice: the dots pad the token axis to 16 anyway).
-    """
-    if hist_len < 1:
-        raise ValueError(f"allocate_replay_history: hist_len must be >= 1 (the verify width T), got {hist_len}")
-    check_dtype(torch.empty(0, dtype=dtype), INPUT_DTYPES, "history", "allocate_replay_history")
-    S, L, H, P, G, N = num_slots, hist_len, nheads, head_dim, ngroups, d_state
-    return ReplayHistory(
-        x=torch.zeros(S, 1 if checkpointing else 2, L, H, P, dtype=dtype, device=device),
-        B=torch.zeros(S, 2, L, G, N, dtype=dtype, device=device),
-        dt=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
-        dA_cumsum=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
-    )
-
-
-def allocate_replay_slot_state(num_slots: int, *, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-initialised per-slot metadata shared by all layers: (prev_num_accepted, buffer_index), (S,) int32.
-
-    Zeros are a valid state (nothing to replay, buffer 0), so a graph captured before the first fill reads
-    defined values.
-    """
-    return (torch.zeros(num_slots, dtype=torch.int32, device=device),
-            torch.zeros(num_slots, dtype=torch.int32, device=device))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -343,8 +334,6 @@ def replay_verify(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
-    block_n: int | None = None,
-    dot_precision: str | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
@@ -354,21 +343,19 @@ def replay_verify(
             PNAT > 0 (it becomes the state after the accepted tokens of the previous verify); with a
             checkpointing history only on a flush (PNAT + T > L).
         x: (B, T, H, P); dt: (B, T, H) raw; A: (H,) fp32 = -exp(A_log); B, C: (B, T, G, N); D: (H,) or None;
-            dt_bias: (H,): as in `kernels.mamba2_ssu.selective_state_update`.
+            dt_bias: (H,): as in `kernels.mamba2.selective_state_update`.
         slot_ids: (B,) int32 / int64; negative = PAD (no cache buffer read or written, output row zero).
             Rows must name distinct slots.
         history: this layer's `ReplayHistory` (L >= T). Reads buffer buffer_index[s] (its first PNAT[s]
             tokens), writes the first T tokens of buffer 1 - buffer_index[s]; the rest is untouched.
             A checkpointing history (x with one buffer) works as in the module docstring.
         prev_num_accepted: (S,) int32 PNAT, tokens of the last verify that were accepted (0 = none to replay);
-            read only here (clamped to [0, L]); `replay_advance` updates it once per step.
-        buffer_index: (S,) int32, read only here (taken modulo 2); `replay_advance` flips it.
+            read only here (clamped to [0, L]); `kernels.commit.replay_advance` updates it once per step.
+        buffer_index: (S,) int32, read only here (taken modulo 2); `kernels.commit.replay_advance` flips it.
         time_step_limit: (min, max) clamp of dt after softplus.
         out: optional (B, T, H, P) output buffer; allocated like x when None.
         block_p: head_dim rows per program (power of two); default _DEFAULT_BLOCK_P capped by next_pow2(P).
             Each program holds a (block_p, next_pow2(N)) fp32 state tile in registers.
-        block_n, dot_precision: accepted for call compatibility and ignored: the kernel holds the whole
-            d_state and does all state math with fp32 FMAs (no tl.dot); dot_precision is still validated.
         num_warps: warps per program; default for tiles up to 2048 elements: 2 (per-step replay) or 4
             (checkpointing), the fastest of the H200 sweep; 4 for larger tiles.
 
@@ -387,12 +374,10 @@ def replay_verify(
     tensors = [state, x, dt, A, B, C, dt_bias, slot_ids, out, history.x, history.B, history.dt,
                history.dA_cumsum, prev_num_accepted, buffer_index] + ([D] if D is not None else [])
     check_launchable(*tensors, name=name)
-    if dot_precision not in (None, "ieee", "tf32x3", "tf32"):
-        raise ValueError(f"{name}: dot_precision must be 'ieee', 'tf32x3' or 'tf32', got {dot_precision!r}")
     if Bsz == 0:
         return out
 
-    # Defaults from the H200 sweep of `python -m kernels.bench_mamba2` (docs/kernel_performance.md).
+    # Defaults from the H200 sweep of `python -m benchmarks.bench_mamba2` (docs/kernel_performance.md).
     BLOCK_P = block_p or min(_DEFAULT_BLOCK_P, triton.next_power_of_2(P))
     BLOCK_N = triton.next_power_of_2(N)
     if BLOCK_P & (BLOCK_P - 1):
@@ -415,18 +400,6 @@ def replay_verify(
     return out
 
 
-def _fast_forward_ref(hs, history, s, r, k, A):
-    """hs (H, P, N) fp32 advanced one token at a time by the first k history tokens of slot s, buffer r."""
-    hpg = hs.shape[0] // history.B.shape[3]
-    xr = 0 if history.checkpointing else r
-    for j in range(k):
-        dtj = history.dt[s, r, :, j]  # (H,)
-        Bj = history.B[s, r, j].float().repeat_interleave(hpg, dim=0)  # (H, N)
-        xj = history.x[s, xr, j].float()  # (H, P)
-        hs = hs * torch.exp(A.float() * dtj)[:, None, None] + (dtj[:, None] * xj)[..., None] * Bj[:, None, :]
-    return hs
-
-
 def replay_verify_ref(
     state: torch.Tensor,
     x: torch.Tensor,
@@ -444,13 +417,11 @@ def replay_verify_ref(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
-    block_n: int | None = None,
-    dot_precision: str | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `replay_verify`, vectorised over the batch: the engine's CPU path.
 
-    Same arguments, effects and result as the kernel (block sizes, dot_precision, num_warps ignored), both
+    Same arguments, effects and result as the kernel (block_p, num_warps ignored), both
     history layouts. For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
     r = buffer_index[s] % 2, w = 1 - r; flush = per-step history, or k + T > L):
     1. fast-forward in closed form, h = exp(c_{k-1}) h_s + sum_{j<k} exp(c_{k-1} - c_j) dt'_j x_j (outer) B_j
@@ -464,10 +435,10 @@ def replay_verify_ref(
 
     Raises:
         ValueError: as `replay_verify` (shapes, dtypes, a history shorter than T).
-    Source: BRIEF section 4 (the SSD closed form); tested against the kernel and against a token-by-token
+    Source: the SSD closed form of the module docstring; tested against the kernel and a token-by-token
     oracle (tests/replay_oracles.py).
     """
-    del block_p, block_n, dot_precision, num_warps
+    del block_p, num_warps
     name = "replay_verify_ref"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
@@ -502,27 +473,18 @@ def replay_verify_ref(
     stored = torch.where(flush[:, None, None, None], h.to(state.dtype), state[s])
     state.index_copy_(0, s, stored)  # rows without a flush (and k = 0 rows) store what they had
     h = torch.where(flush[:, None, None, None], stored.float(), h)
-    # 2. the new tokens
+    # 2. the new tokens: the recurrence of the rewind reference, from h
     dtp = _process_dt(dt[rows], dt_bias, time_step_limit)  # (n, T, H)
-    xr = x[rows].float()
-    Bh = B[rows].float().repeat_interleave(hpg, dim=2)  # (n, T, H, N)
-    Ch = C[rows].float().repeat_interleave(hpg, dim=2)
-    ys = []
-    for t in range(T):
-        h = h * torch.exp(A * dtp[:, t])[..., None, None] + (dtp[:, t, :, None] * xr[:, t])[..., None] * Bh[:, t, :, None, :]
-        ys.append((h * Ch[:, t, :, None, :]).sum(-1))
-    y = torch.stack(ys, dim=1)  # (n, T, H, P)
+    y, _, _ = ssm_recurrent_scan(x[rows], dtp, A, B[rows], C[rows], h)  # (n, T, H, P)
     if D is not None:
-        y = y + xr * D.float()[:, None]
+        y = y + x[rows].float() * D.float()[:, None]
     out[rows] = y.to(out.dtype)
     # 3. the history read by the next verify
     if ckpt:  # the pending tokens stay (rows without a flush): copy them into the buffer written now
         keep = (~flush)[:, None] & pending  # (n, L)
-        for f in ("B", "dt", "dA_cumsum"):
-            buf = getattr(history, f)
-            rd, wr = buf[s, r], buf[s, w]
-            m = keep[:, :, None, None] if f == "B" else keep[:, None, :]
-            buf[s, w] = torch.where(m, rd, wr)
+        for buf, m in ((history.B, keep[:, :, None, None]), (history.dt, keep[:, None, :]),
+                       (history.dA_cumsum, keep[:, None, :])):
+            buf[s, w] = torch.where(m, buf[s, r], buf[s, w])
     base = torch.where(flush, 0, k)  # (n,)
     pos = base[:, None] + torch.arange(T, device=x.device)  # (n, T)
     cum_base = torch.where(flush[:, None], 0.0, c_last)  # (n, H)
@@ -532,132 +494,3 @@ def replay_verify_ref(
     history.dt[s2, w2, :, pos] = dtp.to(history.dt.dtype)  # advanced indices first: (n, T, H)
     history.dA_cumsum[s2, w2, :, pos] = (cum_base[:, None] + torch.cumsum(A * dtp, dim=1)).to(history.dA_cumsum.dtype)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Bookkeeping after acceptance (once per step, shared by all layers)
-# ---------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, Bsz, T, L,
-                           CHECKPOINT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_batch = offs < Bsz
-    slot = tl.load(slot_ptr + offs, mask=in_batch, other=-1).to(tl.int64)
-    live = in_batch & (slot >= 0)  # the same predicate as the verify kernel: PAD rows never advance
-    s = tl.where(live, slot, 0)
-    nat = tl.load(nat_ptr + offs, mask=live, other=1)
-    nat = tl.minimum(tl.maximum(nat, 1), T)
-    r = tl.load(bufidx_ptr + s, mask=live, other=0)
-    if CHECKPOINT:  # the verify kernel's flush predicate: pending tokens stay unless k + T > L
-        k = tl.load(pnat_ptr + s, mask=live, other=0)
-        k = tl.minimum(tl.maximum(k, 0), L)
-        nat = tl.where(k + T > L, nat, nat + k)
-    tl.store(pnat_ptr + s, nat.to(tl.int32), mask=live)
-    tl.store(bufidx_ptr + s, (1 - (r & 1)).to(tl.int32), mask=live)
-
-
-def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name):
-    if hist_len is not None and hist_len < T:
-        raise ValueError(f"{name}: hist_len {hist_len} < T = {T}: pass the L the history was allocated with")
-    check_dtype(prev_num_accepted, (torch.int32,), "prev_num_accepted", name)
-    check_dtype(buffer_index, (torch.int32,), "buffer_index", name)
-    check_shape(buffer_index, tuple(prev_num_accepted.shape), "buffer_index", name)
-    if slot_ids.dim() != 1:
-        raise ValueError(f"{name}: slot_ids must be (B,), got {tuple(slot_ids.shape)}")
-    check_shape(num_accepted_tokens, tuple(slot_ids.shape), "num_accepted_tokens", name)
-    for t, what in ((slot_ids, "slot_ids"), (num_accepted_tokens, "num_accepted_tokens")):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: {what} must be int32 or int64, got {t.dtype}")
-    if T < 1:
-        raise ValueError(f"{name}: T (tokens per verify) must be >= 1, got {T}")
-
-
-def replay_advance(
-    prev_num_accepted: torch.Tensor,
-    buffer_index: torch.Tensor,
-    slot_ids: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-    T: int,
-    *,
-    hist_len: int | None = None,
-) -> None:
-    """Per-slot bookkeeping after acceptance (Triton): PNAT[s] = num_accepted, flip buffer_index[s].
-
-    Call exactly once per verify step, after every layer's `replay_verify` (the metadata is shared by all
-    layers; advancing twice replays the wrong buffer).
-
-    Args:
-        prev_num_accepted, buffer_index: (S,) int32, mutated for live rows.
-        slot_ids: (B,) int32 / int64; negative = PAD, never advances.
-        num_accepted_tokens: (B,) int32 / int64, clamped to [1, T].
-        T: tokens per row of the verify that just ran.
-        hist_len: checkpointing histories only: their L. Then PNAT counts all pending tokens: it becomes
-            num_accepted after a flush (old PNAT + T > L) and old PNAT + num_accepted otherwise.
-
-    Graph-capturable: no host synchronisation.
-    """
-    name = "replay_advance"
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
-    check_launchable(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, name=name)
-    Bsz = slot_ids.shape[0]
-    if Bsz == 0:
-        return
-    BLOCK = min(1024, triton.next_power_of_2(Bsz))
-    _replay_advance_kernel[(triton.cdiv(Bsz, BLOCK),)](
-        prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, Bsz, T, hist_len or T,
-        CHECKPOINT=hist_len is not None, BLOCK=BLOCK)
-
-
-def replay_advance_ref(
-    prev_num_accepted: torch.Tensor,
-    buffer_index: torch.Tensor,
-    slot_ids: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-    T: int,
-    *,
-    hist_len: int | None = None,
-) -> None:
-    """PyTorch reference of `replay_advance` (same arguments and effects)."""
-    name = "replay_advance_ref"
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
-    rows = (slot_ids >= 0).nonzero().squeeze(1)
-    slots = slot_ids[rows].long()
-    nat = num_accepted_tokens[rows].clamp(1, T).to(torch.int32)
-    if hist_len is not None:
-        k = prev_num_accepted[slots].clamp(0, hist_len)
-        nat = torch.where(k + T > hist_len, nat, nat + k)
-    prev_num_accepted[slots] = nat
-    buffer_index[slots] = 1 - (buffer_index[slots] & 1)
-
-
-def replay_reset_slots(prev_num_accepted: torch.Tensor, slot_ids: torch.Tensor) -> None:
-    """Mark slots whose state was just written by prefill as having nothing to replay (PNAT = 0).
-
-    Args:
-        prev_num_accepted: (S,) int32, mutated.
-        slot_ids: (B,) int slot ids of the admitted requests; negative entries (PAD) are ignored.
-    """
-    live = slot_ids[slot_ids >= 0].long()
-    prev_num_accepted.index_fill_(0, live, 0)
-
-
-def replay_materialized_state_ref(
-    state: torch.Tensor,
-    history: ReplayHistory,
-    prev_num_accepted: torch.Tensor,
-    buffer_index: torch.Tensor,
-    A: torch.Tensor,
-) -> torch.Tensor:
-    """The state every slot would have after its pending fast-forward, without mutating anything.
-
-    Returns a float32 (S, H, P, N) copy: state[s] advanced by the first PNAT[s] tokens of buffer
-    buffer_index[s], one token at a time. Used to compare replay against rewind between steps.
-    """
-    L = history.x.shape[2]
-    res = state.float().clone()
-    for s in range(state.shape[0]):
-        k = min(max(int(prev_num_accepted[s]), 0), L)
-        res[s] = _fast_forward_ref(res[s], history, s, int(buffer_index[s]) & 1, k, A)
-    return res

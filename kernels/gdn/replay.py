@@ -1,32 +1,35 @@
 """Gated DeltaNet "replay" verify for MTP speculative decoding: fast-forward, verify, record history.
 
-Scope: the replay commit scheme of BRIEF 4 for a Qwen3-Next Gated DeltaNet layer. Instead of T
-intermediate states per row (rewind, kernels/gdn_recurrent.py), each slot keeps its committed state plus the
-history of its last verify, double-buffered, and the number of tokens accepted from it (pnat):
+Scope: the replay commit scheme (TensorRT-LLM's "SSM replay", FlashInfer's `checkpointing_ssu`, written
+there for Mamba2) carried over to a Qwen3-Next Gated DeltaNet layer: the Triton kernel `replay_verify`, its
+plain-PyTorch reference `replay_verify_ref` (same signature, vectorised over the batch: the engine's path for
+ssm_backend="torch") and the history layout `ReplayHistory`. Instead of T intermediate states per row (rewind,
+kernels/gdn/recurrent.py), each slot keeps its committed state plus the history of its last verify,
+double-buffered, and the number of tokens accepted from it (PNAT):
 
     u_hist (S, 2, TH, HV, V)  solved update vectors u_t = beta_t (v_t - alpha_t S_{t-1} k_t)
     k_hist (S, 2, TH, H, K)   the L2-normalised keys (per key head)
     g_hist (S, 2, TH, HV)     cumulative log decay G_t = g_0 + ... + g_t of that verify (fp32)
-    pnat (S,) int32, buf_idx (S,) int32   per slot, shared by all layers; zero-initialised
+    prev_num_accepted (S,) int32, buffer_index (S,) int32   per slot, shared by all layers; zero-initialised
+                              (`kernels.commit.allocate_replay_slots`)
 
-With the recurrence S_t = alpha_t S_{t-1} + u_t k_t^T (see gdn_recurrent.py) and S_{-1} = S_0 the committed
+With the recurrence S_t = alpha_t S_{t-1} + u_t k_t^T (see kernels/gdn/recurrent.py) and S_{-1} = S_0 the committed
 state, unrolling gives, exactly and in the [V, K] layout,
 
     S_t = exp(G_t) S_0 + sum_{j <= t} exp(G_t - G_j) u_j k_j^T,
 
 and u_t depends only on S_0 and tokens <= t, never on which later tokens get accepted. One verify per
 (slot, value head) then does:
-  1. fast-forward by p = pnat[slot] old tokens read from buffer buf_idx[slot]:
+  1. fast-forward by p = prev_num_accepted[slot] old tokens read from buffer buffer_index[slot]:
      S <- exp(G_{p-1}) S + sum_{j<p} c_j u_j k_j^T with c_j = exp(G_{p-1} - G_j): p rank-1 FMA passes
      over the register tile (no tl.dot: padding the history to 16 rows made that version compute-bound);
      written back to the slot when p > 0 (that is the commit of the previous step).
   2. the T new tokens by the sequential recurrence (T <= 8: T rank-1 updates in registers are cheaper
      than a triangular solve and exact), giving o_t and u_t;
-  3. u_t, k_t and G_t of the new tokens go to buffer 1 - buf_idx[slot], so the buffer being read is never
+  3. u_t, k_t and G_t of the new tokens go to buffer 1 - buffer_index[slot], so the buffer being read is never
      written (value heads of one key head share k_hist, written by the first of them).
-gdn_replay_commit then sets pnat[slot] = num_accepted and flips buf_idx[slot], for the rows the kernel
-processed (slot >= 0). Each kernel has a plain-PyTorch reference with its signature (`*_ref`), vectorised over
-the batch: the engine runs those on the CPU (`ssm_backend="torch"`); tests hold kernel and reference to a
+`kernels.commit.replay_advance` then sets prev_num_accepted[slot] = num_accepted and flips
+buffer_index[slot], for the rows the kernel processed (slot >= 0). Tests hold kernel and reference to a
 token-by-token oracle (tests/replay_oracles.py). Memory per slot and layer: 2 * TH * (HV * V + H * K + HV)
 values instead of T * HV * V * K.
 
@@ -34,8 +37,8 @@ Performance: one state read and (p > 0) one state write per verify, no intermedi
 fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about
 half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.md).
 
-Sources: TensorRT-LLM / FlashInfer "SSM replay" (checkpointing_ssu) for Mamba2; the GDN form of the closed
-form is written out above (BRIEF 4).
+Sources: TensorRT-LLM's SSM replay and FlashInfer's checkpointing_ssu (flashinfer.mamba) for Mamba2; the
+closed form of the gated delta rule (Yang et al., "Gated Delta Networks", ICLR 2025) is unrolled above.
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._gdn_common import check_gdn_inputs, check_state, key_head_dims, l2norm
+from kernels.gdn._common import check_gdn_inputs, check_state, key_head_dims, l2norm
 
 
 @dataclass
-class GDNReplayHistory:
+class ReplayHistory:
     """Double-buffered per-slot history of one GDN layer's last verify (see the module docstring).
 
     u: (S, 2, TH, HV, V); k: (S, 2, TH, H, K); g: (S, 2, TH, HV) float32. The last dimension of each must be
@@ -62,26 +65,15 @@ class GDNReplayHistory:
     g: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_slots: int, max_tokens: int, H: int, HV: int, K: int, V: int, *,
-                 device=None, dtype: torch.dtype = torch.float32) -> GDNReplayHistory:
-        """Zero-filled history for T <= max_tokens tokens per verify; u and k in dtype (fp32 recommended)."""
-        z = lambda *shape, dt=dtype: torch.zeros(num_slots, 2, max_tokens, *shape, device=device, dtype=dt)
+    def allocate(cls, num_slots: int, hist_len: int, H: int, HV: int, K: int, V: int, *,
+                 device: torch.device | str, dtype: torch.dtype = torch.float32) -> ReplayHistory:
+        """Zero-filled history of one layer for T <= hist_len (TH) tokens per verify; u and k in `dtype` (fp32
+        recommended), g in fp32."""
+        z = lambda *shape, dt=dtype: torch.zeros(num_slots, 2, hist_len, *shape, device=device, dtype=dt)
         return cls(u=z(HV, V), k=z(H, K), g=z(HV, dt=torch.float32))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.u, self.k, self.g))
-
-
-def allocate_replay_metadata(num_slots: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pnat, buf_idx): (S,) int32 zeros each, shared by all GDN layers of a model.
-
-    Zeros mean "nothing to replay", and keep a CUDA graph captured before the first fill from reading garbage
-    (BRIEF 5). When a slot is (re)assigned to a new request, set pnat[slot] = 0 together with writing its
-    prefill state; with replay on, every later step of that slot (T = 1 included) must go through
-    gdn_replay_verify + gdn_replay_commit, because the stored state lags the sequence by pnat tokens.
-    """
-    return (torch.zeros(num_slots, dtype=torch.int32, device=device),
-            torch.zeros(num_slots, dtype=torch.int32, device=device))
 
 
 @triton.jit
@@ -186,7 +178,7 @@ def _gdn_replay_verify_kernel(
     tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, b_Gnew, mask=m_gw)
 
 
-def _check_replay_buffers(hist: GDNReplayHistory, pnat, buf_idx, T, H, HV, K, V):
+def _check_replay_buffers(hist: ReplayHistory, prev_num_accepted, buffer_index, T, H, HV, K, V):
     S, two, TH = hist.u.shape[:3]
     expect = {"u": (S, 2, TH, HV, V), "k": (S, 2, TH, H, K), "g": (S, 2, TH, HV)}
     for name, shape in expect.items():
@@ -197,24 +189,24 @@ def _check_replay_buffers(hist: GDNReplayHistory, pnat, buf_idx, T, H, HV, K, V)
     if hist.g.dtype != torch.float32:
         raise ValueError(f"history.g (cumulative log decay) must be float32; got {hist.g.dtype}")
     if T > TH:
-        raise ValueError(f"T={T} tokens exceed the history length TH={TH}; allocate it with max_tokens >= T")
-    for name, t in (("pnat", pnat), ("buf_idx", buf_idx)):
+        raise ValueError(f"T={T} tokens exceed the history length TH={TH}; allocate it with hist_len >= T")
+    for name, t in (("prev_num_accepted", prev_num_accepted), ("buffer_index", buffer_index)):
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < S:
             raise ValueError(f"{name} must be (S >= {S},) int32 per-slot metadata; got {tuple(t.shape)} {t.dtype}")
     return TH
 
 
-def gdn_replay_verify(
+def replay_verify(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    history: GDNReplayHistory,
+    history: ReplayHistory,
     slot_ids: torch.Tensor,
-    pnat: torch.Tensor,
-    buf_idx: torch.Tensor,
+    prev_num_accepted: torch.Tensor,
+    buffer_index: torch.Tensor,
     *,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
@@ -226,15 +218,16 @@ def gdn_replay_verify(
 
     Args:
         q, k: (B, T, H, K); v: (B, T, HV, V); g: (B, T, HV) log decay; beta: (B, T, HV) -- as in
-            kernels.gdn_recurrent.fused_recurrent_gated_delta_rule (g, beta computed by the caller).
+            kernels.gdn.fused_recurrent_gated_delta_rule (g, beta computed by the caller).
         state: (S, HV, V, K) committed state (fp32 recommended), K contiguous, strides free. Mutated: for a
-            live row with pnat[slot] > 0 it becomes the state after the previous verify's accepted tokens.
-        history: GDNReplayHistory of this layer. Reads buffer buf_idx[slot], writes the first T tokens of
-            buffer 1 - buf_idx[slot].
-        slot_ids: (B,) int32, PAD = -1 rows touch no buffer and get zero outputs; slot 0 is live.
-        pnat, buf_idx: (S,) int32 per-slot metadata (shared by all layers), read only here; pnat is clamped
-            to [0, TH] so garbage can never index out of range. Update them with gdn_replay_commit once per
-            step, after every layer's verify.
+            live row with prev_num_accepted[slot] > 0 it becomes the state after the previous verify's
+            accepted tokens.
+        history: this layer's ReplayHistory. Reads buffer buffer_index[slot], writes the first T tokens of
+            buffer 1 - buffer_index[slot].
+        slot_ids: (B,) int32 / int64, PAD = -1 rows touch no buffer and get zero outputs; slot 0 is live.
+        prev_num_accepted, buffer_index: (S,) int32 per-slot metadata (shared by all layers), read only here;
+            prev_num_accepted is clamped to [0, TH] so garbage can never index out of range. Update them with
+            kernels.commit.replay_advance once per step, after every layer's verify.
         scale, use_qk_l2norm_in_kernel: as in fused_recurrent_gated_delta_rule.
         out: optional contiguous (B, T, HV, V) output.
         block_v: rows of S per program (power of two); the default 16 is the fastest of the H200 sweep
@@ -249,7 +242,7 @@ def gdn_replay_verify(
     """
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
     check_state(state, HV, V, K)
-    TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
+    TH = _check_replay_buffers(history, prev_num_accepted, buffer_index, T, H, HV, K, V)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     elif out.shape != v.shape or not out.is_contiguous():
@@ -260,7 +253,7 @@ def gdn_replay_verify(
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     u, kh, gh = history.u, history.k, history.g
     _gdn_replay_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, g, beta, out, state, slot_ids, pnat, buf_idx, u, kh, gh,
+        q, k, v, g, beta, out, state, slot_ids, prev_num_accepted, buffer_index, u, kh, gh,
         scale,
         state.stride(0), state.stride(1), state.stride(2),
         u.stride(0), u.stride(1), u.stride(2), u.stride(3),
@@ -273,14 +266,14 @@ def gdn_replay_verify(
     return out
 
 
-def gdn_replay_verify_ref(
-    q, k, v, g, beta, state, history, slot_ids, pnat, buf_idx, *, scale=None, use_qk_l2norm_in_kernel=True,
-    out=None, block_v=16,
+def replay_verify_ref(
+    q, k, v, g, beta, state, history, slot_ids, prev_num_accepted, buffer_index, *, scale=None,
+    use_qk_l2norm_in_kernel=True, out=None, block_v=16, num_warps=None,
 ):
-    """PyTorch reference of gdn_replay_verify, vectorised over the batch: the engine's CPU path.
+    """PyTorch reference of replay_verify, vectorised over the batch: the engine's path for ssm_backend="torch".
 
-    Same signature and mutations as the kernel (block_v ignored). For the live rows (slot s = slot_ids[b] >=
-    0, p = pnat[s] clamped to [0, TH], r = buf_idx[s] % 2):
+    Same signature and mutations as the kernel (block_v, num_warps ignored). For the live rows (slot s =
+    slot_ids[b] >= 0, p = prev_num_accepted[s] clamped to [0, TH], r = buffer_index[s] % 2):
     1. fast-forward: S <- exp(G_{p-1}) S + sum_{j<p} exp(G_{p-1} - G_j) u_j k_j^T from history buffer r,
        stored as the slot's committed state (unchanged for p = 0); the new tokens start from the stored
        (dtype-rounded) value;
@@ -291,13 +284,13 @@ def gdn_replay_verify_ref(
 
     Shapes: q, k (B, T, H, K); v (B, T, HV, V); g, beta (B, T, HV); state (S, HV, V, K); history u (S, 2, TH,
     HV, V), k (S, 2, TH, H, K), g (S, 2, TH, HV). Returns out (B, T, HV, V) in v's dtype (or `out`).
-    Raises ValueError as the kernel does. Source: BRIEF section 4 (the closed form of the gated delta rule);
-    tested against the kernel and a token-by-token oracle (tests/replay_oracles.py).
+    Raises ValueError as the kernel does. Source: the closed form of the module docstring; tested against the
+    kernel and a token-by-token oracle (tests/replay_oracles.py).
     """
-    del block_v
+    del block_v, num_warps
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
     check_state(state, HV, V, K)
-    TH = _check_replay_buffers(history, pnat, buf_idx, T, H, HV, K, V)
+    TH = _check_replay_buffers(history, prev_num_accepted, buffer_index, T, H, HV, K, V)
     out = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
     out.zero_()
     rows = (slot_ids >= 0).nonzero().squeeze(1)
@@ -306,7 +299,7 @@ def gdn_replay_verify_ref(
     scale = K**-0.5 if scale is None else scale
     r = HV // H
     s = slot_ids[rows].long()
-    n_old, old = pnat[s].long().clamp(0, TH), buf_idx[s].long() & 1
+    n_old, old = prev_num_accepted[s].long().clamp(0, TH), buffer_index[s].long() & 1
     # 1. fast-forward by the accepted tokens of the previous verify
     G = history.g[s, old].float()  # (n, TH, HV)
     G_last = G.gather(1, (n_old - 1).clamp(min=0)[:, None, None].expand(-1, 1, HV))[:, 0]
@@ -340,64 +333,3 @@ def gdn_replay_verify_ref(
     history.k[s, new, tt] = kn.to(history.k.dtype)
     history.g[s, new, tt] = torch.cumsum(gf, dim=1).to(history.g.dtype)
     return out
-
-
-@triton.jit
-def _replay_commit_kernel(pnat, buf_idx, slot_ids, num_accepted, B, T: tl.constexpr, BB: tl.constexpr):
-    o_b = tl.arange(0, BB)
-    slot = tl.load(slot_ids + o_b, mask=o_b < B, other=-1)
-    live = slot >= 0  # the verify kernel's predicate: exactly the rows whose history it wrote
-    slot = tl.maximum(slot, 0)
-    n = tl.load(num_accepted + o_b, mask=live, other=0)
-    n = tl.minimum(tl.maximum(n, 0), T)
-    tl.store(pnat + slot, n, mask=live)
-    bi = tl.load(buf_idx + slot, mask=live, other=0)
-    tl.store(buf_idx + slot, (bi & 1) ^ 1, mask=live)
-
-
-def gdn_replay_commit(
-    pnat: torch.Tensor, buf_idx: torch.Tensor, slot_ids: torch.Tensor, num_accepted: torch.Tensor, T: int
-) -> None:
-    """Per-step replay bookkeeping, once after all layers' gdn_replay_verify of a step.
-
-    For each row with slot_ids[b] >= 0 (the rows the verify processed): pnat[slot] = num_accepted[b] clamped
-    to [0, T] (0 = accept nothing; the previous step's tokens were already committed by the verify), and
-    buf_idx[slot] flips, making the history just written the one read next. PAD rows change nothing, so a
-    padded slot never advances.
-
-    Args:
-        pnat, buf_idx: (S,) int32 per-slot metadata, mutated in place.
-        slot_ids: (B,) int32 the verify's slot ids (distinct for live rows).
-        num_accepted: (B,) int32 num_accepted_tokens (last accepted token + bonus) of each row.
-        T: tokens per row of this step's verify.
-    """
-    B = slot_ids.shape[0]
-    for name, t in (("slot_ids", slot_ids), ("num_accepted", num_accepted)):
-        if t.shape != (B,) or t.dtype != torch.int32:
-            raise ValueError(f"{name} must be (B={B},) int32; got {tuple(t.shape)} {t.dtype}")
-    for name, t in (("pnat", pnat), ("buf_idx", buf_idx)):
-        if t.dim() != 1 or t.dtype != torch.int32:
-            raise ValueError(f"{name} must be (S,) int32; got {tuple(t.shape)} {t.dtype}")
-    if B == 0:
-        return
-    _replay_commit_kernel[(1,)](pnat, buf_idx, slot_ids, num_accepted, B, T=T,
-                                BB=triton.next_power_of_2(B))
-
-
-def gdn_replay_commit_ref(pnat, buf_idx, slot_ids, num_accepted, T):
-    """Plain-PyTorch reference of gdn_replay_commit (same signature and mutation)."""
-    for b in range(slot_ids.shape[0]):
-        slot = int(slot_ids[b])
-        if slot >= 0:
-            pnat[slot] = min(max(int(num_accepted[b]), 0), T)
-            buf_idx[slot] = (int(buf_idx[slot]) & 1) ^ 1
-
-
-__all__ = [
-    "GDNReplayHistory",
-    "allocate_replay_metadata",
-    "gdn_replay_commit",
-    "gdn_replay_commit_ref",
-    "gdn_replay_verify",
-    "gdn_replay_verify_ref",
-]
