@@ -132,6 +132,37 @@ def test_rewind_commit_clamps_bad_num_accepted():
     assert torch.equal(st[2], inter[2, T - 1]), "num_accepted > T is clamped to T"
 
 
+def test_rewind_buffer_indexed_by_slot():
+    """The engine's layout: one rewind-buffer row per slot (intermediate_state_indices = the slot ids, int64,
+    PAD -1), written by the verify and read by the commit; PAD rows and slots outside the batch keep NaN."""
+    T = 3
+    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, seed=4)
+    slot_ids = torch.tensor([3, -1, 0, 5], dtype=torch.int64, device=DEVICE)
+    num_accepted = torch.tensor([2, 3, 3, 1], dtype=torch.int64, device=DEVICE)
+    state0 = torch.randn(S, HV, V, K, device=DEVICE) * 0.3
+    by_row = torch.full((B, T, HV, V, K), float("nan"), device=DEVICE)
+    fused_recurrent_gated_delta_rule(q, k, v, g, beta, state0.clone(), slot_ids, update_state=False,
+                                     intermediate_states=by_row)
+    res = []
+    for rule, commit in ((fused_recurrent_gated_delta_rule, rewind_commit),
+                         (fused_recurrent_gated_delta_rule_ref, rewind_commit_ref)):
+        st, inter = state0.clone(), torch.full((S, T, HV, V, K), float("nan"), device=DEVICE)
+        rule(q, k, v, g, beta, st, slot_ids, update_state=False, intermediate_states=inter,
+             intermediate_state_indices=slot_ids)
+        assert torch.equal(st, state0), "rewind verify must not touch the stored state"
+        commit(st, inter, slot_ids, num_accepted, intermediate_state_indices=slot_ids)
+        res.append((st, inter))
+    (st_k, inter_k), (st_r, inter_r) = res
+    live = [3, 0, 5]
+    assert_close(inter_k[live], inter_r[live], TOL[torch.float32] * 10)
+    for b, slot in ((0, 3), (2, 0), (3, 5)):
+        assert torch.equal(inter_k[slot], by_row[b]), f"row {b} must go to slot {slot}"
+    assert inter_k[[1, 2, 4]].isnan().all(), "a PAD row or a slot outside the batch was written"
+    assert_close(st_k, st_r, TOL[torch.float32] * 10)
+    assert torch.equal(st_k[3], inter_k[3, 1]) and torch.equal(st_k[0], inter_k[0, 2])
+    assert torch.equal(st_k[5], inter_k[5, 0]) and torch.equal(st_k[[1, 2, 4]], state0[[1, 2, 4]])
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
 def test_recurrent_decode_16bit_state(state_dtype):
     q, k, v, g, beta = make_inputs(B, 1, H, HV, K, V, torch.float32, seed=1)

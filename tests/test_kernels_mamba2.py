@@ -189,6 +189,35 @@ def test_commit_matches_reference_and_clamps(state_dtype):
     assert torch.equal(st_k[2], state[2]), "slot 2 is only named by the PAD row's neighbours"
 
 
+def test_rewind_buffer_indexed_by_slot():
+    """The engine's layout: one rewind-buffer row per slot (intermediate_state_indices = the slot ids, int64,
+    PAD -1), written by the verify and read by the commit; PAD rows and slots outside the batch keep NaN."""
+    S, H, P, N, G, T = 5, 2, 16, 16, 1, 3
+    slot_ids = torch.tensor([3, -1, 0], dtype=torch.int64, device=DEV)
+    nat = torch.tensor([2, 3, 3], dtype=torch.int64, device=DEV)
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(3, T, H, P, G, N, torch.float32, seed=11)
+    state = torch.randn(S, H, P, N, device=DEV)
+    by_row = nan_like((3, T, H, P, N), torch.float32)
+    selective_state_update(state.clone(), x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=by_row)
+    res = []
+    for fn, commit in ((selective_state_update, rewind_commit),
+                       (selective_state_update_ref, rewind_commit_ref)):
+        st, inter = state.clone(), nan_like((S, T, H, P, N), torch.float32)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, intermediate_states=inter,
+           intermediate_state_indices=slot_ids)
+        assert torch.equal(st, state), "rewind verify must not touch the stored state"
+        commit(st, inter, slot_ids, nat, intermediate_state_indices=slot_ids)
+        res.append((st, inter))
+    (st_k, inter_k), (st_r, inter_r) = res
+    assert_close(inter_k, inter_r, what="intermediate_states by slot")
+    assert torch.equal(inter_k[3], by_row[0]) and torch.equal(inter_k[0], by_row[2]), "row b went to its slot"
+    assert torch.isnan(inter_k[[1, 2, 4]]).all(), "a PAD row or a slot outside the batch was written"
+    assert_close(st_k, st_r, what="committed state")
+    assert torch.equal(st_k[3], inter_k[3, 1]) and torch.equal(st_k[0], inter_k[0, 2])
+    assert torch.equal(st_k[[1, 2, 4]], state[[1, 2, 4]])
+
+
 def test_rewind_strided_views():
     """Caches that are views into larger buffers (layer-stacked, padded) are read and written in place."""
     S, H, P, N, G, T, layers = 3, 2, 16, 24, 1, 3, 2
