@@ -798,12 +798,3 @@ def config_from_arch(arch: dict, family: str, *, num_nextn_predict_layers: int =
         source="<registry arch block>",
         **dims,
     )
-
-
-def model_cache_kinds(config: HybridConfig, include_mtp: bool = True) -> dict[int, str]:
-    """``{cache_index: kind}`` of the stateful blocks of ``config`` in the order ``HybridLM.cache_kinds``
-    numbers them (backbone, then MTP), without building the model."""
-    kinds = [k for k in config.layer_types if k in CACHE_LAYOUTS]
-    if include_mtp:
-        kinds += [k for k in config.mtp_layer_types if k in CACHE_LAYOUTS]
-    return dict(enumerate(kinds))

@@ -16,6 +16,16 @@ from runners.models.gdn import GatedDeltaNet
 D, H, HV, K, V, W, T = 64, 2, 4, 32, 48, 4, 37
 
 
+def layer_from_config(config, **kwargs) -> GatedDeltaNet:
+    """Our layer with the sizes of any object with Qwen3NextConfig's attribute names."""
+    return GatedDeltaNet(
+        hidden_size=config.hidden_size, num_k_heads=config.linear_num_key_heads,
+        num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,
+        head_v_dim=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
+        rms_norm_eps=config.rms_norm_eps, **kwargs,
+    )
+
+
 @pytest.fixture(scope="module")
 def layers():
     """(transformers' layer, ours) with identical random weights loaded through the HF state_dict names."""
@@ -37,7 +47,7 @@ def layers():
                 p.copy_(1.0 + 0.5 * torch.randn_like(p))
             else:
                 p.copy_(0.2 * torch.randn_like(p))
-    ours = GatedDeltaNet.from_config(config).eval()
+    ours = layer_from_config(config).eval()
     ours.load_state_dict(hf.state_dict(), strict=True)
     return hf, ours
 
@@ -195,13 +205,6 @@ def test_intermediate_states_equal_token_by_token_decode(layers):
     _close(verify.y, torch.cat(ys, dim=1), 1e-5)
     _close(verify.recurrent_state, verify.intermediate_states[:, -1], 0)
 
-    # inplace=True writes the state after all T tokens into the given tensors
-    s_buf, c_buf = s0.clone(), c0.clone()
-    res = ours.decode(x[:, 12:], s_buf, c_buf, inplace=True)
-    assert res.recurrent_state is s_buf and res.conv_state is c_buf
-    _close(s_buf, state, 1e-5)
-    _close(c_buf, conv, 1e-5)
-
 
 @torch.no_grad()
 def test_bf16_state_round_trips_dtype(layers):
@@ -246,7 +249,7 @@ def test_bf16_module_no_worse_than_transformers_bf16(layers):
     torch.manual_seed(7)
     x = torch.randn(2, T, D)
     ref = ours(x)
-    low = GatedDeltaNet.from_config(ours_config(ours), dtype=torch.bfloat16)
+    low = layer_from_config(ours_config(ours), dtype=torch.bfloat16)
     low.load_state_dict(ours.state_dict())
     y = low(x.bfloat16())
     assert y.dtype == torch.bfloat16
@@ -301,7 +304,7 @@ def test_cuda_matches_cpu(layers):
     lengths = torch.tensor([T, 17])
     cpu = ours.prefill(x, lengths)
     cpu_v = ours.decode(x[:, :3], cpu.recurrent_state, cpu.conv_state, output_intermediate_states=True)
-    gpu_layer = GatedDeltaNet.from_config(ours_config(ours), device="cuda")
+    gpu_layer = layer_from_config(ours_config(ours), device="cuda")
     gpu_layer.load_state_dict(ours.state_dict())
     gpu = gpu_layer.prefill(x.cuda(), lengths.cuda())
     gpu_v = gpu_layer.decode(x[:, :3].cuda(), gpu.recurrent_state, gpu.conv_state,

@@ -23,12 +23,12 @@ from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels import gdn, mamba2
 from runners.cache import (
+    CACHE_LAYOUTS,
     BatchMeta,
     HybridCache,
     Mamba2ReplayState,
     cache_memory_bytes,
     config_from_arch,
-    model_cache_kinds,
 )
 from runners.models.config import HybridConfig
 from runners.models.hybrid import HybridLM
@@ -37,6 +37,15 @@ from runners.models.mamba2 import Mamba2Mixer
 REPO = Path(__file__).resolve().parents[1]
 allocate_history = mamba2.ReplayHistory.allocate
 GARBAGE = 0x7BADBEEF
+
+
+def model_cache_kinds(config: HybridConfig, include_mtp: bool = True) -> dict[int, str]:
+    """``{cache_index: kind}`` of the stateful blocks of ``config`` in the order ``HybridLM.cache_kinds``
+    numbers them (backbone, then MTP), without building the model: sizes released shapes."""
+    kinds = [k for k in config.layer_types if k in CACHE_LAYOUTS]
+    if include_mtp:
+        kinds += [k for k in config.mtp_layer_types if k in CACHE_LAYOUTS]
+    return dict(enumerate(kinds))
 
 
 def _tiny_config(**kw) -> HybridConfig:

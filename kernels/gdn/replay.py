@@ -179,10 +179,9 @@ def _gdn_replay_verify_kernel(
 
 
 def _check_replay_buffers(hist: ReplayHistory, prev_num_accepted, buffer_index, T, H, HV, K, V):
-    S, two, TH = hist.u.shape[:3]
-    expect = {"u": (S, 2, TH, HV, V), "k": (S, 2, TH, H, K), "g": (S, 2, TH, HV)}
-    for name, shape in expect.items():
-        t = getattr(hist, name)
+    S, _, TH = hist.u.shape[:3]
+    expect = (("u", hist.u, (S, 2, TH, HV, V)), ("k", hist.k, (S, 2, TH, H, K)), ("g", hist.g, (S, 2, TH, HV)))
+    for name, t, shape in expect:
         if tuple(t.shape) != shape or t.stride(-1) != 1:
             raise ValueError(f"history.{name} must be {shape} with a contiguous last dim (slots, double buffer, "
                              f"history tokens, heads, dim); got {tuple(t.shape)} strides {t.stride()}")

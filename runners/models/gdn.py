@@ -128,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         recurrent_state (B, HV, V, K), K contiguous, float32 recommended (any float dtype is accepted; the
             math is float32 and new states come back in the given dtype, float32 when none is given);
         conv_state (B, C, W - 1), x's dtype, oldest column first, channels as conv1d.
-    Inputs are not modified unless `inplace=True`.
+    Inputs are never modified: the new states come back in `GDNOutput`.
     """
 
     def __init__(
@@ -168,22 +168,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps, **f)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **f)
 
-    @classmethod
-    def from_config(cls, config, **kwargs) -> GatedDeltaNet:
-        """Build from any object with Qwen3NextConfig's attribute names (hidden_size, linear_num_key_heads,
-        linear_num_value_heads, linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim,
-        rms_norm_eps)."""
-        return cls(
-            hidden_size=config.hidden_size,
-            num_k_heads=config.linear_num_key_heads,
-            num_v_heads=config.linear_num_value_heads,
-            head_k_dim=config.linear_key_head_dim,
-            head_v_dim=config.linear_value_head_dim,
-            conv_kernel=config.linear_conv_kernel_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            **kwargs,
-        )
-
     # -- shapes of the caller-owned state ------------------------------------------------------------------
 
     def recurrent_state_shape(self, batch: int) -> tuple[int, int, int, int]:
@@ -202,19 +186,15 @@ class GatedDeltaNet(nn.Module):
         lengths: Tensor | None = None,
         recurrent_state: Tensor | None = None,
         conv_state: Tensor | None = None,
-        *,
-        inplace: bool = False,
     ) -> GDNOutput:
         """Prompt (or prompt chunk) forward over a right-padded batch, chunked rule.
 
         x: (B, T, D); lengths: (B,) integer valid lengths in [0, T] (None: all T valid); recurrent_state
         (B, HV, V, K) / conv_state (B, C, W - 1): the state before these tokens (None: zeros, a fresh
         request; pass both to continue a chunked prefill). Returns GDNOutput with the states after each row's
-        last valid token (a row of length 0 keeps its state) and y zero at padded positions. inplace=True
-        writes the new states into the given tensors (both must be given) and returns them.
+        last valid token (a row of length 0 keeps its state) and y zero at padded positions.
         """
-        return self._forward(x, recurrent_state, conv_state, lengths, chunked=True, intermediates=False,
-                             inplace=inplace)
+        return self._forward(x, recurrent_state, conv_state, lengths, chunked=True, intermediates=False)
 
     def decode(
         self,
@@ -223,18 +203,17 @@ class GatedDeltaNet(nn.Module):
         conv_state: Tensor,
         *,
         output_intermediate_states: bool = False,
-        inplace: bool = False,
     ) -> GDNOutput:
         """T new tokens per row from the given state (T = 1: decode; T = K + 1: MTP verify), recurrent rule.
 
         x: (B, T, D); recurrent_state (B, HV, V, K); conv_state (B, C, W - 1). With output_intermediate_states
         the output also holds the state and conv window after each token (rewind commit: keep index
-        num_accepted_tokens - 1). inplace=True writes the states after all T tokens into the given tensors.
+        num_accepted_tokens - 1).
         """
         if recurrent_state is None or conv_state is None:
             raise ValueError("decode needs recurrent_state and conv_state (use prefill for a fresh request)")
         return self._forward(x, recurrent_state, conv_state, None, chunked=False,
-                             intermediates=output_intermediate_states, inplace=inplace)
+                             intermediates=output_intermediate_states)
 
     def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Full causal forward from a zero state (no cache): (B, T, D) -> (B, T, D)."""
@@ -324,24 +303,20 @@ class GatedDeltaNet(nn.Module):
         *,
         chunked: bool,
         intermediates: bool,
-        inplace: bool,
     ) -> GDNOutput:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be (B, T, D={self.hidden_size}); got {tuple(x.shape)}")
         B, T, _ = x.shape
         self._check_state("recurrent_state", recurrent_state, self.recurrent_state_shape(B))
         self._check_state("conv_state", conv_state, self.conv_state_shape(B))
-        if inplace and (recurrent_state is None or conv_state is None):
-            raise ValueError("inplace=True needs both recurrent_state and conv_state to write into")
         Wm1 = self.conv_kernel - 1
-        if T == 0:  # nothing to do: the state passes through (as a copy unless inplace)
+        if T == 0:  # nothing to do: the state passes through (as a copy)
             s = recurrent_state if recurrent_state is not None else x.new_zeros(self.recurrent_state_shape(B),
                                                                                   dtype=torch.float32)
             c = conv_state if conv_state is not None else x.new_zeros(self.conv_state_shape(B))
             empty = s.new_empty(B, 0, *s.shape[1:]) if intermediates else None
             empty_c = x.new_empty(B, 0, *c.shape[1:]) if intermediates else None
-            return GDNOutput(x.new_zeros(B, 0, self.hidden_size), s if inplace else s.clone(),
-                             c if inplace else c.clone(), empty, empty_c)
+            return GDNOutput(x.new_zeros(B, 0, self.hidden_size), s.clone(), c.clone(), empty, empty_c)
 
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv_state)
         if chunked:
@@ -360,10 +335,6 @@ class GatedDeltaNet(nn.Module):
         new_state = new_state.to(state_dtype)
         if inter is not None:
             inter = inter.to(state_dtype)
-        if inplace:
-            recurrent_state.copy_(new_state)
-            conv_state.copy_(new_conv)
-            new_state, new_conv = recurrent_state, conv_state
         return GDNOutput(y, new_state, new_conv, inter, inter_conv)
 
 
