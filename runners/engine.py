@@ -306,7 +306,7 @@ class Engine:
         model: the :class:`HybridLM` (eval mode).
         cache: the :class:`HybridCache` (S = ``max_batch_size`` slots of ``max_seq_len`` positions).
         draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme
-            (replay vs rewind); ssm_backend: recurrent verify kernels ("triton" | "flashinfer" | "torch").
+            (replay vs rewind); ssm_backend: recurrent-state operators ("triton" | "flashinfer" | "torch").
         load_report: :class:`runners.memory.LoadReport` of :meth:`from_pretrained` (None when the engine was
             built from a model object).
     """
@@ -397,9 +397,10 @@ class Engine:
                 padded tokens per prefill forward), scan_chunk_size (chunk of the Mamba2 prefill scan;
                 default: config ``chunk_size``, capped at 32 off CUDA where it is ~5x faster; the result is
                 the same up to float rounding), ssm_backend ("triton" | "flashinfer" | "torch"; default
-                "triton" on CUDA, "torch" elsewhere: the recurrent verify / replay kernels; "flashinfer" runs
-                the rewind verify with FlashInfer's selective_state_update and replay with our Triton kernel,
-                and falls back to "triton" with a log line when FlashInfer is not importable),
+                "triton" on CUDA, "torch" elsewhere: who runs the recurrent decode / verify / commit
+                operators, the Triton kernels of kernels/ or their PyTorch references; "flashinfer" runs
+                the rewind verify with FlashInfer's selective_state_update and the rest with Triton, and
+                falls back to "triton" with a log line when FlashInfer is not importable),
                 ssm_replay_checkpointing (default False; Mamba2 only: the checkpointing replay variant,
                 a history of max(16, K + 1) tokens and a state write only when it is full),
                 memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
