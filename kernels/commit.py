@@ -195,7 +195,9 @@ def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_token
     check_dtype(prev_num_accepted, (torch.int32,), "prev_num_accepted", name)
     check_dtype(buffer_index, (torch.int32,), "buffer_index", name)
     check_shape(buffer_index, tuple(prev_num_accepted.shape), "buffer_index", name)
-    check_rows(slot_ids, None, slot_ids.shape[0], "num_accepted_tokens", name)
+    if slot_ids.dim() != 1:
+        raise ValueError(f"{name}: slot_ids must be (B,), got shape {tuple(slot_ids.shape)}")
+    check_dtype(slot_ids, INDEX_DTYPES, "slot_ids", name)
     check_shape(num_accepted_tokens, tuple(slot_ids.shape), "num_accepted_tokens", name)
     check_dtype(num_accepted_tokens, INDEX_DTYPES, "num_accepted_tokens", name)
 

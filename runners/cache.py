@@ -60,10 +60,10 @@ PAD_SLOT_ID = -1
 SSM_BACKENDS = ("triton", "flashinfer", "torch")
 MEMORY_KEYS = ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes")
 
-F = TypeVar("F", bound=Callable)
+Op = TypeVar("Op", bound=Callable)
 
 
-def kernel_or_reference(ssm_backend: str, kernel: F, reference: F) -> F:
+def kernel_or_reference(ssm_backend: str, kernel: Op, reference: Op) -> Op:
     """The implementation of a recurrent-state operator under ``ssm_backend``: its Triton ``kernel`` for
     "triton" and "flashinfer" (FlashInfer's own kernel replaces only the Mamba2 rewind verify, in the mixer),
     its PyTorch ``reference`` (same signature, the ``*_ref`` beside it in kernels/) for "torch"."""
