@@ -205,6 +205,7 @@ def compile_check() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
+    from kernels import commit
     from kernels.mamba2 import recurrent, replay
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -232,6 +233,16 @@ def compile_check() -> dict:
             HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, HAS_INDICES=False, UPDATE_STATE=False,
             BLOCK_P=bp, BLOCK_N=128),
             4 if bp * 128 >= 2048 else 2)
+    # the engine's variants: rewind buffer indexed by slot (intermediate_state_indices), decode in place
+    res["ssu_rewind_by_slot_block_p16"] = usage(recurrent._ssu_kernel, dict(
+        HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, HAS_INDICES=True, UPDATE_STATE=False,
+        BLOCK_P=16, BLOCK_N=128), 2)
+    res["ssu_decode_block_p16"] = usage(recurrent._ssu_kernel, dict(
+        HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=False, HAS_INDICES=False, UPDATE_STATE=True,
+        BLOCK_P=16, BLOCK_N=128), 2)
+    res["rewind_commit_by_slot"] = usage(commit._rewind_commit_kernel, dict(HAS_INDICES=True, BLOCK_R=32,
+                                                                            BLOCK_C=128), 4)
+    res["replay_advance"] = usage(commit._replay_advance_kernel, dict(CHECKPOINT=False, BLOCK=64), 4)
     for ckpt in (False, True):
         for bp, nw in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8)):
             res[f"replay_{'ckpt_' if ckpt else ''}p{bp}_w{nw}"] = usage(
