@@ -23,9 +23,15 @@ from typing import Any
 
 from scipy.stats import binomtest
 
+from evals.lm_adapter import GENERATIONS_FILE
+from evals.results import RESULTS_FILE
 from evals.verdict import FAIL, NO_REFERENCE, PASS, Check
 
 FILTERS = ("strict_match", "flexible_extract")
+# compare=replay: the arms' sub-folders of out_dir (ssm_replay false, true)
+COMPARE_ARMS = ("rewind", "replay")
+COMPARISON_FILE = "comparison.json"
+SAMPLES_FILE = "samples.jsonl"
 
 
 class ComparisonError(ValueError):
@@ -301,9 +307,9 @@ def load_run_samples(run_dir: str | Path, *, id_key: str = "doc_id") -> dict[Any
             request_key has no line in generations.jsonl.
     """
     run_dir = Path(run_dir)
-    samples = load_samples_jsonl(run_dir / "samples.jsonl", id_key=id_key)
+    samples = load_samples_jsonl(run_dir / SAMPLES_FILE, id_key=id_key)
     generations: dict[str, list[int]] = {}
-    gen_path = run_dir / "generations.jsonl"
+    gen_path = run_dir / GENERATIONS_FILE
     if gen_path.exists():
         for line in gen_path.read_text().splitlines():
             rec = json.loads(line) if line.strip() else None
@@ -341,11 +347,11 @@ def compare_run_dirs(
         ComparisonError: a missing results.json / samples.jsonl, or the errors of compare_runs.
     """
     dirs = {"a": Path(dir_a), "b": Path(dir_b)}
-    for name in ("results.json", "samples.jsonl"):
+    for name in (RESULTS_FILE, SAMPLES_FILE):
         for d in dirs.values():
             if not (d / name).exists():
                 raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
-    results = {k: json.loads((d / "results.json").read_text()) for k, d in dirs.items()}
+    results = {k: json.loads((d / RESULTS_FILE).read_text()) for k, d in dirs.items()}
     acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
     both = acc_a is not None and acc_b is not None
     return compare_runs(
@@ -397,6 +403,36 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
             checks.append(Check("comparison.diverged", float(div.num_diverged), 0.0, 0.0, status, "samples",
                                 note, {"min_first_divergence": div.min_first_divergence}))
     return checks
+
+
+def compare_arms(out_dir: Path, rewind_verdict: dict[str, Any], *, exact: bool) -> tuple[dict[str, Any],
+                                                                                        list[Check]]:
+    """The comparison of a compare=replay run: its rewind and replay arm folders (COMPARE_ARMS) under out_dir.
+
+    Writes out_dir/comparison.json. Returns the `comparison` section of the top-level results.json and the
+    checks its verdict adds to the replay arm's own: the rewind arm's checks (rewind_verdict, names prefixed
+    "rewind.") and the comparison's (comparison_checks with `exact`).
+    Raises ComparisonError when the arms cannot be compared (different samples, missing files).
+    """
+    comparison = compare_run_dirs(out_dir / COMPARE_ARMS[0], out_dir / COMPARE_ARMS[1])
+    checks = comparison_checks(comparison, exact=exact)
+    section = {**comparison.to_dict(), "exact": exact, "checks": [c.to_dict() for c in checks]}
+    (out_dir / COMPARISON_FILE).write_text(json.dumps(section, indent=2))
+    rewind_checks = [
+        Check(**{**{k: v for k, v in c.items() if k != "passed"}, "name": f"{COMPARE_ARMS[0]}.{c['name']}"})
+        for c in rewind_verdict["checks"]
+    ]
+    return section, rewind_checks + checks
+
+
+def combine_arms(replay: dict[str, Any], rewind: dict[str, Any], comparison: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The top-level results of a compare=replay run (without its verdict): the replay arm's, with the
+    `comparison` section; its wall time covers both arms (per-arm timings stay in the arms' results.json)."""
+    results = {**replay, "comparison": comparison, "verdict": None}
+    wall = replay["timings"]["wall_seconds"] + rewind["timings"]["wall_seconds"]
+    results["timings"] = {**replay["timings"], "wall_seconds": wall, "scope": "both arms"}
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

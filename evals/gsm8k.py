@@ -30,34 +30,26 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, EngineLM, GenerationStore
+from evals.data import DATA_ENV, HUB_DATASET, gsm8k_dir
+from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
+from registry.errors import UserError
+from runners.engine import GenerationStats
 
 logger = logging.getLogger(__name__)
 
 TASK_NAME = "gsm8k"
 TASK_VERSION = 3.0  # lm-eval 0.4.13's gsm8k.yaml; a different version is a different benchmark
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI)
-DATA_ENV = "GSM8K_DIR"
-HUB_DATASET = "openai/gsm8k"
 FILTERS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}  # our key -> lm-eval's
-GENERATIONS_FILE, SAMPLES_FILE = "generations.jsonl", "samples.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 
-# Fields of the engine's GenerationStats that are sums over requests / steps (docs/architecture.md).
-_ADDITIVE_STATS = {
-    "num_requests", "prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "steps",
-    "drafted_tokens", "accepted_drafts", "accepted_per_position", "num_accepted_hist", "request_steps",
-}
 # Fields only a whole `engine.generate` call has (batch steps, seconds): summed over the stats parts.
-_TIMING_STATS = ("prefill_seconds", "decode_seconds", "steps", "wall_seconds", "num_parts")
+_TIMING_STATS = ("prefill_seconds", "decode_seconds", "steps")
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
 
-class GSM8KDataError(RuntimeError):
-    """GSM8K data cannot be found or read. `problem` and `fix` are the two halves of the message."""
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(f"{problem}\n  fix: {fix}")
-        self.problem, self.fix = problem, fix
+class GSM8KDataError(UserError):
+    """GSM8K data cannot be found or read (problem names the folder or file and where it came from)."""
 
 
 @dataclasses.dataclass
@@ -89,23 +81,19 @@ class GSM8KResult:
 
 
 def resolve_data_source(data_dir: str | os.PathLike | None) -> Path | None:
-    """The GSM8K directory to use: `data_dir`, else $GSM8K_DIR, else None (meaning the hub dataset).
+    """The GSM8K folder to read (evals.data.gsm8k_dir's lookup), None meaning the hub dataset.
 
-    A directory must hold train.jsonl and test.jsonl (rows {"question", "answer"}).
+    A folder must hold train.jsonl and test.jsonl (rows {"question", "answer"}).
     Raises GSM8KDataError naming the missing path and where it came from.
     """
-    origin = "eval.data_dir"
-    if data_dir is None or str(data_dir) == "":
-        env = os.environ.get(DATA_ENV)
-        if not env:
-            return None
-        data_dir, origin = env, f"${DATA_ENV}"
-    path = Path(data_dir).expanduser().resolve()
+    path, origin = gsm8k_dir(data_dir)
+    if path is None:
+        return None
     if not path.is_dir():
         raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) does not exist",
                              f"point {origin} at a directory holding train.jsonl and test.jsonl, "
                              "e.g. ../shared/data/gsm8k beside the checkout")
-    missing = [n for n in ("train.jsonl", "test.jsonl") if not (path / n).is_file()]
+    missing = [f"{n}.jsonl" for n in ("train", "test") if not (path / f"{n}.jsonl").is_file()]
     if missing:
         raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) lacks {', '.join(missing)}",
                              "GSM8K needs both splits as JSONL rows {\"question\", \"answer\"} (few-shot "
@@ -173,77 +161,33 @@ def _quiet_lm_eval() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _acceptance_ratios(counters: dict[str, Any]) -> None:
-    """Add acceptance_rate / acceptance_length / acceptance_per_position to `counters` from its sums."""
-    if counters.get("drafted_tokens"):
-        counters["acceptance_rate"] = counters.get("accepted_drafts", 0) / counters["drafted_tokens"]
-    if counters.get("request_steps") and "accepted_drafts" in counters:
-        counters["acceptance_length"] = 1 + counters["accepted_drafts"] / counters["request_steps"]
-    if counters.get("request_steps") and "accepted_per_position" in counters:
-        # a fraction per position, not additive: recompute it from the summed counts
-        steps = counters["request_steps"]
-        counters["acceptance_per_position"] = [a / steps for a in counters["accepted_per_position"]]
-
-
 def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
 
     records: the generation records (`GenerationStore` lines) of the requests scored, one per distinct
-    request; each one's `request_stats` (the engine's per-request counters) is summed (lists element-wise)
-    into num_requests (records with counters), prompt_tokens, generated_tokens, request_steps,
-    drafted_tokens, accepted_drafts, accepted_per_position [K], num_accepted_hist [K + 2], and the
-    acceptance_rate / acceptance_length / acceptance_per_position ratios are recomputed from those sums.
-    So the counters depend only on which requests were scored, not on how the run was split into parts.
+    request; their `request_stats` (the engine's per-request counters) are added up as
+    runners.engine.GenerationStats (num_requests = records with counters), whose to_dict() gives the sums
+    and the acceptance ratios derived from them. So the counters depend only on which requests were scored,
+    not on how the run was split into parts.
     parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
-    out_dir; the timing fields (`_TIMING_STATS`) come from `merge_stats(parts)`, with that merge's
-    prompt / generated token sums as timing_prompt_tokens / timing_generated_tokens (for throughput), and
+    out_dir; prefill_seconds, decode_seconds and steps are their sums, with their prompt / generated token
+    sums as timing_prompt_tokens / timing_generated_tokens (for throughput), wall_seconds and num_parts; and
     timing_scope says they cover every call of out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
     """
     with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
-    counters = merge_stats([{"engine_stats": s} for s in with_stats])
-    del counters["wall_seconds"], counters["num_parts"]
-    counters["num_requests"] = len(with_stats)
-    timing = merge_stats(parts)
-    for k in _TIMING_STATS:
-        counters[k] = timing.get(k, 0)
-    counters["timing_prompt_tokens"] = timing.get("prompt_tokens", 0)
-    counters["timing_generated_tokens"] = timing.get("generated_tokens", 0)
-    counters["timing_scope"] = TIMING_SCOPE
-    counters["requests_without_stats"] = len(records) - len(with_stats)
-    return counters
-
-
-def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum GenerationStats dicts of several `engine.generate` calls into the stats of the whole run.
-
-    parts: `{"wall_seconds", "num_requests", "engine_stats": dict}` per call. Additive fields (counts,
-    seconds, the per-position / histogram lists, summed element-wise) are summed; other fields are kept
-    when every part agrees, dropped otherwise; acceptance_rate (accepted_drafts / drafted_tokens) and
-    acceptance_length (1 + accepted_drafts / request_steps) and acceptance_per_position
-    (accepted_per_position / request_steps) are recomputed from the sums where present.
-    """
-    merged: dict[str, Any] = {}
-    disagreeing: set[str] = set()
-    for part in parts:
-        for k, v in (part.get("engine_stats") or {}).items():
-            if k in _ADDITIVE_STATS and isinstance(v, (int, float, list)):
-                if isinstance(v, list):
-                    acc = list(merged.get(k, []))
-                    acc += [0] * (len(v) - len(acc))
-                    merged[k] = [a + b for a, b in zip(acc, v + [0] * (len(acc) - len(v)))]
-                else:
-                    merged[k] = merged.get(k, 0) + v
-            elif k not in merged:
-                merged[k] = v
-            elif merged[k] != v:
-                disagreeing.add(k)
-    for k in disagreeing:
-        del merged[k]
-    _acceptance_ratios(merged)
-    merged["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
-    merged["num_parts"] = len(parts)
-    return merged
+    counters = sum((GenerationStats.from_dict(s) for s in with_stats), GenerationStats())
+    counters.num_requests = len(with_stats)
+    timing = sum((GenerationStats.from_dict(p["engine_stats"]) for p in parts), GenerationStats())
+    out = counters.to_dict()
+    out.update({k: getattr(timing, k) for k in _TIMING_STATS})
+    out["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
+    out["num_parts"] = len(parts)
+    out["timing_prompt_tokens"] = timing.prompt_tokens
+    out["timing_generated_tokens"] = timing.generated_tokens
+    out["timing_scope"] = TIMING_SCOPE
+    out["requests_without_stats"] = len(records) - len(with_stats)
+    return out
 
 
 def _target_answer(target: str) -> str:

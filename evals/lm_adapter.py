@@ -27,13 +27,16 @@ import lm_eval.models  # noqa: F401  (fills the built-in registry first: registe
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
+
+from registry.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "hybrid-engine"
-DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task does not set max_gen_toks (BRIEF.md 6)
+GENERATIONS_FILE = "generations.jsonl"  # the resume file of an output folder (GenerationStore)
 
 # Our finish reasons in records: the EOS / stop token, a task `until` string, or the max_gen_toks limit.
 FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_LENGTH = "stop_token", "stop_string", "length"
@@ -75,6 +78,46 @@ def request_key(prompt: str, settings: GenerationSettings) -> str:
         "decoding": "greedy",
     }
     return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
+
+
+# fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
+_FINGERPRINT_KEYS_ADDED = frozenset({"ssm_backend", "ssm_replay_checkpointing"})
+
+
+def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> None:
+    """Refuse to overwrite or to mix runs in `out_dir`, before anything heavy is loaded.
+
+    Without resume, a folder holding an earlier run's generations is an error; with resume, the fingerprint
+    stored beside them (`<generations>.meta.json`, written by GenerationStore) must equal `fingerprint` (the
+    settings the generations depend on). Raises UserError naming the differing settings.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output folder {out_dir} exists and is not a folder",
+                        "choose another out_dir= / hydra.run.dir=")
+    gen = out_dir / GENERATIONS_FILE
+    if not resume and gen.is_file() and gen.stat().st_size > 0:
+        raise UserError(
+            f"{out_dir} already holds generations of an earlier run ({gen})",
+            "pass resume=true to continue that run (finished samples are kept), or choose another out_dir= "
+            "/ hydra.run.dir=",
+        )
+    meta = gen.with_name(gen.stem + ".meta.json")
+    if resume and meta.is_file():
+        try:
+            stored = json.loads(meta.read_text()).get("fingerprint") or {}
+        except (json.JSONDecodeError, AttributeError):
+            raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
+                            "choose another out_dir= / hydra.run.dir=, or delete that folder") from None
+        now = json.loads(json.dumps(fingerprint))
+        keys = (stored.keys() | now.keys()) - (_FINGERPRINT_KEYS_ADDED - stored.keys())
+        diff = sorted(k for k in keys if stored.get(k) != now.get(k))
+        if diff:
+            what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            raise UserError(
+                f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
+                "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",
+            )
 
 
 def _fsync_append(path: Path, line: str) -> None:
@@ -165,21 +208,6 @@ class GenerationStore:
         """Append the stats of one `engine.generate` call that returned (durable on return)."""
         _fsync_append(self.stats_path, json.dumps(part) + "\n")
         self.stats_parts.append(part)
-
-
-def stats_to_dict(stats: Any) -> dict[str, Any]:
-    """The engine's GenerationStats as a plain dict: `to_dict()` if it has one, a dataclass, a dict, or {}."""
-    if stats is None:
-        return {}
-    if hasattr(stats, "to_dict"):
-        return dict(stats.to_dict())
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return dataclasses.asdict(stats)
-    if isinstance(stats, dict):
-        return dict(stats)
-    logger.warning("engine stats of type %s are not a dict, dataclass or to_dict() holder; ignored",
-                   type(stats).__name__)
-    return {}
 
 
 def first_stop(text: str, until: Sequence[str]) -> tuple[int, str | None]:
@@ -404,7 +432,7 @@ class EngineLM(LM):
             if p.key not in self.records:  # the engine skipped on_finish for it: use the return value
                 logger.warning("engine did not call on_finish for request %d; recording its output", i)
                 on_finish(i, tokens[i], reasons[i])
-        part = {"wall_seconds": wall, "num_requests": len(pending), "engine_stats": stats_to_dict(out.stats)}
+        part = {"wall_seconds": wall, "num_requests": len(pending), "engine_stats": out.stats.to_dict()}
         self.stats_parts.append(part)
         if self.store is not None:
             self.store.add_stats(part)

@@ -1,4 +1,5 @@
-"""Readable report of one run: summary.md plus PNG plots, from the results dict (docs/results_schema.md).
+"""Readable report of one run: the console table, summary.md and PNG plots, from the results dict
+(docs/results_schema.md).
 
 Every section is optional: a run without speculative decoding gets no acceptance plots, a run without a
 reference gets no threshold line, a run without a comparison gets one arm per plot. Plots use matplotlib's
@@ -17,7 +18,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-RESULTS_SCHEMA_VERSION = 1
+from evals.results import RESULTS_SCHEMA_VERSION
+
 SUMMARY_NAME = "summary.md"
 PLOT_ACCURACY = "gsm8k_accuracy.png"
 PLOT_PER_POSITION = "acceptance_per_position.png"
@@ -189,7 +191,83 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     return _save(fig, Path(path))
 
 
+# ---------------------------------------------------------------------------------------------- console
+
+
+def format_console(results: Mapping[str, Any]) -> str:
+    """The short table run.py prints: model, settings, scores, acceptance, speed, memory, and the verdict
+    with one line per check."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    def num(x: float | None, unit: str = "") -> str:
+        return "-" if x is None else f"{x:,.2f}{unit}"
+
+    c, g, t = results["config"], results["gsm8k"], results["timings"]
+    acc = results.get("acceptance") or {}
+    mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
+    resumed = results.get("resumed") or {}
+    ckpt = " (checkpointing)" if c.get("ssm_replay_checkpointing") else ""
+    rows = [
+        ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
+        ("ssm_replay / world_size", f"{c['ssm_replay']}{ckpt} / {c['world_size']}"),
+        ("ssm backend", _backend_note(c)),
+        ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
+        ("GSM8K flexible-extract", pct(g["flexible_extract"])),
+        ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
+        ("acceptance rate", pct(acc.get("rate"))),
+        ("acceptance length", num(acc.get("length"), " tokens/step")),
+        ("prefill", num(t["prefill_tokens_per_s"], " tok/s")),
+        ("decode", num(t["decode_tokens_per_s"], " tok/s")),
+        ("wall time", num(t["wall_seconds"], " s")),
+        ("cache memory", f"{mem / 2**20:,.1f} MiB"),
+    ]
+    if resumed.get("num_resumed"):
+        done, new = resumed["num_resumed"], resumed["num_generated"]
+        rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
+    verdict = results.get("verdict")
+    if verdict:
+        word = {"pass": "PASS", "fail": "FAIL", "no_reference": "no reference yet"}[verdict["status"]]
+        rows.append(("verdict", word))
+        for ch in verdict["checks"]:
+            rows.append((f"  {ch['name']}", _format_check(ch)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _format_check(ch: Mapping[str, Any]) -> str:
+    digits = _DIGITS.get(ch.get("unit"), 4)
+
+    def f(x: Any) -> str:
+        return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+    if ch["status"] == "no_reference":
+        why = (ch.get("note") or "no row").splitlines()[0]
+        return f"{f(ch['value'])}: no reference ({why})"
+    word = "pass" if ch["status"] == "pass" else "FAIL"
+    ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
+    if ch.get("unit") == "percent" and ch.get("threshold") is not None and ch["threshold"] <= 0:
+        n = (ch.get("details") or {}).get("n")
+        word += f" (cannot fail at n={n}: too few samples for this test)"
+    return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
+
+
+def _backend_note(config: Mapping[str, Any]) -> str:
+    """The backend that ran, and the entry's when that differs (the CPU runs the PyTorch references; the
+    engine falls back from flashinfer to triton where FlashInfer cannot run)."""
+    ran = config["ssm_backend"]
+    asked = config["model"]["ssm"]["backend"]
+    if asked == ran:
+        return ran
+    why = "the CPU runs the PyTorch references" if config["device"] == "cpu" else "fallback, see the log"
+    return f"{ran} (entry: {asked}; {why})"
+
+
 # ---------------------------------------------------------------------------------------------- Markdown
+
+# Decimal places of a check's numbers by its unit (console and summary.md alike).
+_DIGITS = {"percent": 2, "samples": 0}
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -225,7 +303,7 @@ def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
     ]
     rows = []
     for c in verdict.get("checks", []):
-        digits = {"percent": 2, "samples": 0}.get(c.get("unit"), 4)
+        digits = _DIGITS.get(c.get("unit"), 4)
         status = {"pass": "pass", "fail": "**FAIL**", "no_reference": "no reference"}.get(
             c.get("status"), "?"
         )
@@ -250,6 +328,9 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     out = [f"# {entry}: GSM8K and MTP acceptance", ""]
     commit = results.get("git_commit")
     out += [f"- git commit: `{commit or 'unknown'}`" + (" (dirty tree)" if results.get("git_dirty") else "")]
+    hf_id = ((results.get("config") or {}).get("model") or {}).get("hf_id")
+    if hf_id:
+        out += [f"- checkpoint: [`{hf_id}`](https://huggingface.co/{hf_id}) (the entry's `hf_id`)"]
     if results.get("model_key"):
         out += [f"- baseline key: `{results['model_key']}` (registry/baselines/)"]
     resumed = results.get("resumed") or {}

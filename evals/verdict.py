@@ -9,7 +9,7 @@ error scale = sqrt(2 sigma^2 / n). With false-failure rate alpha and missed-regr
     theta     = -(Phi^-1(alpha) + Phi^-1(beta)) * scale  (smallest regression caught with prob. 1 - beta)
 
 n is the number of samples the run actually scored. Acceptance checks are plain floors (rate >= floor,
-length >= floor). The module is pure: it reads baselines through evals.baselines and returns data.
+length >= floor). The module is pure: it reads baselines through registry.baselines and returns data.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from evals.baselines import (
+from registry.baselines import (
     AcceptanceReference,
     BaselineError,
     GSM8KReference,

@@ -1,110 +1,119 @@
-"""Model dimensions (schema.ArchConfig) from a checkpoint's HF config.json, and the world-size check.
+"""An entry's `arch:` dimensions (schema.ArchConfig) and the checkpoint's HybridConfig, and world-size checks.
 
 Registry entries of released checkpoints carry their dimensions in an `arch:` block, because the runner needs
 them (memory estimates, tensor-parallel divisibility) on machines where the weights are not present. Embedded
-tiny checkpoints may leave `arch: null`: their config.json is in the repository and is read here. Both HF
-spellings of the NemotronH layer layout are understood: the released `hybrid_override_pattern` string
-(M mamba, * attention, E MoE, - MLP) and transformers 5's `layers_block_type` list.
+tiny checkpoints may leave `arch: null`: their config.json is in the repository. Both directions between the
+block and the parsed config.json (registry.hf_config.HybridConfig) go through one table of field names,
+:data:`ARCH_FIELDS`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from dataclasses import asdict, fields
 
+from registry.errors import UserError
+from registry.hf_config import HybridConfig
 from registry.schema import ArchConfig, Family, GDNDims, MambaDims
-from runners.errors import UserError
 
-_PATTERN_TO_TYPE = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
-_BLOCK_TYPE_TO_TYPE = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
-                       "attention": "attention", "moe": "moe", "mlp": "mlp"}
+# ArchConfig field (or "mamba." / "gdn." + a MambaDims / GDNDims field) -> HybridConfig field
+ARCH_FIELDS = {
+    "hidden_size": "hidden_size",
+    "vocab_size": "vocab_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "attention_head_dim": "head_dim",
+    "num_experts": "n_routed_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "mamba.num_heads": "mamba_num_heads",
+    "mamba.head_dim": "mamba_head_dim",
+    "mamba.d_state": "ssm_state_size",
+    "mamba.ngroups": "n_groups",
+    "mamba.conv_kernel": "conv_kernel",
+    "gdn.num_key_heads": "gdn_num_key_heads",
+    "gdn.num_value_heads": "gdn_num_value_heads",
+    "gdn.key_head_dim": "gdn_key_head_dim",
+    "gdn.value_head_dim": "gdn_value_head_dim",
+    "gdn.conv_kernel": "conv_kernel",
+}
+# ArchConfig layer counts -> the HybridConfig block kind they count
+LAYER_COUNTS = {
+    "num_attention_layers": "attention",
+    "num_mamba_layers": "mamba2",
+    "num_gdn_layers": "gdn",
+    "num_moe_layers": "moe",
+    "num_mlp_layers": "mlp",
+}
 
 
-def arch_from_hf_config(config: dict[str, Any], family: Family | str) -> ArchConfig:
-    """ArchConfig from a parsed HF config.json of a NemotronH or Qwen3-Next checkpoint.
+def _from_config(config: HybridConfig, prefix: str) -> dict[str, object]:
+    return {k[len(prefix):]: getattr(config, v) for k, v in ARCH_FIELDS.items()
+            if k.startswith(prefix) and "." not in k[len(prefix):]}
 
-    Layer counts: NemotronH layers are single blocks (one of mamba / attention / MoE / MLP); a Qwen3-Next
-    layer is a token mixer (Gated DeltaNet or attention) followed by an MoE (or, in mlp_only_layers, an MLP).
-    Raises UserError when a key the runner needs is missing.
+
+def arch_from_config(config: HybridConfig) -> ArchConfig:
+    """The `arch:` block of a parsed checkpoint config: sizes, layer counts per block kind (a Qwen3-Next
+    layer counts once as a mixer and once as an FFN), mamba / gdn dimensions when it has such layers.
+    Expert counts are 0 without MoE layers."""
+    kinds = config.layer_types
+    top = _from_config(config, "")
+    if "moe" not in kinds:
+        top.update(num_experts=0, num_experts_per_tok=0)
+    return ArchConfig(
+        **top,
+        **{k: kinds.count(kind) for k, kind in LAYER_COUNTS.items()},
+        mamba=MambaDims(**_from_config(config, "mamba.")) if "mamba2" in kinds else None,
+        gdn=GDNDims(**_from_config(config, "gdn.")) if "gdn" in kinds else None,
+    )
+
+
+def config_from_arch(arch: ArchConfig, family: Family | str, *, num_nextn_predict_layers: int = 1
+                     ) -> HybridConfig:
+    """A HybridConfig with the cache-relevant dimensions of an `arch:` block, for sizing caches of released
+    models without their weights (runners.cache.cache_memory_bytes).
+
+    Layer order is not in the block and does not change cache sizes: the backbone lists its recurrent blocks,
+    then its attention blocks (FFN blocks hold no cache and are left out). The MTP module is one attention +
+    one MoE block (both families) when num_nextn_predict_layers > 0.
+
+    Raises:
+        ValueError: the family's recurrent dimensions (`mamba:` for nemotron_h, `gdn:` for qwen3_next) are
+            missing from the block.
     """
     family = Family(family)
-    try:
-        if family == Family.nemotron_h:
-            if "hybrid_override_pattern" in config:
-                kinds = [_PATTERN_TO_TYPE[c] for c in config["hybrid_override_pattern"]]
-            else:
-                kinds = [_BLOCK_TYPE_TO_TYPE[t] for t in config["layers_block_type"]]
-            return ArchConfig(
-                hidden_size=config["hidden_size"],
-                vocab_size=config["vocab_size"],
-                num_attention_heads=config["num_attention_heads"],
-                num_key_value_heads=config["num_key_value_heads"],
-                attention_head_dim=config.get("head_dim")
-                or config["hidden_size"] // config["num_attention_heads"],
-                num_experts=config.get("n_routed_experts", 0) if "moe" in kinds else 0,
-                num_experts_per_tok=config.get("num_experts_per_tok", 0) if "moe" in kinds else 0,
-                num_attention_layers=kinds.count("attention"),
-                num_mamba_layers=kinds.count("mamba"),
-                num_moe_layers=kinds.count("moe"),
-                num_mlp_layers=kinds.count("mlp"),
-                mamba=MambaDims(
-                    num_heads=config["mamba_num_heads"],
-                    head_dim=config["mamba_head_dim"],
-                    d_state=config["ssm_state_size"],
-                    ngroups=config["n_groups"],
-                    conv_kernel=config.get("conv_kernel", 4),
-                ),
-            )
-        n_layers = config["num_hidden_layers"]
-        if "layer_types" in config:
-            kinds = list(config["layer_types"])
-        else:
-            interval = config.get("full_attention_interval", 4)
-            kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                     for i in range(n_layers)]
-        num_mlp = len(config.get("mlp_only_layers") or [])
-        return ArchConfig(
-            hidden_size=config["hidden_size"],
-            vocab_size=config["vocab_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config["num_key_value_heads"],
-            attention_head_dim=config.get("head_dim")
-            or config["hidden_size"] // config["num_attention_heads"],
-            num_experts=config["num_experts"],
-            num_experts_per_tok=config["num_experts_per_tok"],
-            num_attention_layers=kinds.count("full_attention"),
-            num_gdn_layers=kinds.count("linear_attention"),
-            num_moe_layers=n_layers - num_mlp,
-            num_mlp_layers=num_mlp,
-            gdn=GDNDims(
-                num_key_heads=config["linear_num_key_heads"],
-                num_value_heads=config["linear_num_value_heads"],
-                key_head_dim=config["linear_key_head_dim"],
-                value_head_dim=config["linear_value_head_dim"],
-                conv_kernel=config.get("linear_conv_kernel_dim", 4),
-            ),
-        )
-    except KeyError as e:
-        raise UserError(
-            f"config.json of a {family.value} checkpoint lacks the key {e.args[0]!r}",
-            "use a complete HF config.json for this family, or give the dimensions in the entry's arch:",
-        ) from None
+    dims_name = "mamba" if family == Family.nemotron_h else "gdn"
+    dims = getattr(arch, dims_name)
+    if dims is None:
+        raise ValueError(f"arch block of a {family.value} entry needs its `{dims_name}:` dimensions")
+    values = asdict(arch)
+    mapped = {v: values[k] for k, v in ARCH_FIELDS.items() if "." not in k}
+    mapped.update({v: getattr(dims, k.split(".")[1]) for k, v in ARCH_FIELDS.items()
+                   if k.startswith(dims_name + ".")})
+    recurrent = "mamba2" if family == Family.nemotron_h else "gdn"
+    count = arch.num_mamba_layers if family == Family.nemotron_h else arch.num_gdn_layers
+    return HybridConfig(
+        family=family.value,
+        layer_types=(recurrent,) * count + ("attention",) * arch.num_attention_layers,
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        mtp_layer_types=("attention", "moe") if num_nextn_predict_layers else (),
+        source="<registry arch block>",
+        **mapped,
+    )
 
 
-_RESTORE_CONFIG = "restore the checkpoint's config.json (or point model.checkpoint at a complete one)"
+def arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
+    """`arch.<key>: entry X, config.json Y` for every dimension on which the two blocks differ."""
+
+    def diff(x: object, y: object, prefix: str) -> list[str]:
+        if x is not None and y is not None and hasattr(x, "__dataclass_fields__"):
+            return [d for f in fields(x) for d in diff(getattr(x, f.name), getattr(y, f.name),
+                                                        f"{prefix}{f.name}.")]
+        return [] if x == y else [f"{prefix[:-1]}: entry {_plain(x)}, config.json {_plain(y)}"]
+
+    return diff(entry_arch, ckpt_arch, "arch.")
 
 
-def read_checkpoint_arch(checkpoint_dir: Path, family: Family | str) -> ArchConfig:
-    """arch_from_hf_config of checkpoint_dir/config.json; UserError when it is not a JSON object."""
-    path = Path(checkpoint_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} cannot be read as JSON: {e}", _RESTORE_CONFIG) from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path} is not a JSON object (got {type(config).__name__})", _RESTORE_CONFIG)
-    return arch_from_hf_config(config, family)
+def _plain(x: object) -> object:
+    return asdict(x) if hasattr(x, "__dataclass_fields__") else x
 
 
 # Counts that may also be smaller than world_size when world_size is a multiple of them: tensor-parallel

@@ -1,10 +1,16 @@
-"""Schema of a registry entry (registry/model/<name>.yaml) and its validation.
+"""The schema of a run's config: the registry entry (registry/model/<name>.yaml) and the settings around it.
 
-A registry entry is untrusted pull-request input and is data only: this module merges it into frozen
-dataclasses with OmegaConf.structured, so an unknown key, a wrong type or a value outside an enum is an error
-naming the entry file, the key and the allowed values. Nothing here imports or instantiates what a file names
-(`_target_` and every other key outside the schema is rejected); `hydra.utils.instantiate` is never called on
-registry data.
+Everything `python run.py` composes is declared here once, as dataclasses that Hydra's ConfigStore holds as
+the structured config `run_schema` (configs/config.yaml extends it): OmegaConf type-checks every value and
+rejects unknown keys while Hydra composes, and registry entries fill the `model: ModelEntry` node. What types
+cannot say is written here too, once: range rules of one value (`check_entry_values`, `check_run_values`) and
+the rules that tie settings together (`resolve_speculation`: drafting, replay and compare).
+
+A registry entry is untrusted pull-request input and is data only: `check_entry_file` reads the raw file of an
+entry (and of the entries its defaults list reuses) before Hydra loads it, and rejects what could reach
+outside the `model` node or read the environment. Nothing in a registry file is imported or instantiated
+(`_target_` and every other key outside the schema is rejected); `hydra.utils.instantiate` is never called
+on registry data.
 """
 
 from __future__ import annotations
@@ -12,19 +18,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+)
 
-from runners.errors import UserError
+from registry.errors import UserError
 
 REGISTRY_DIR = Path(__file__).resolve().parent
+REPO_ROOT = REGISTRY_DIR.parent
 MODEL_DIR = REGISTRY_DIR / "model"
 EMBEDDED_CHECKPOINTS_DIR = REGISTRY_DIR / "checkpoints"
 BASELINES_DIR = REGISTRY_DIR / "baselines"
@@ -157,6 +169,67 @@ class ModelEntry:
     arch: ArchConfig | None = None
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The settings around the entry (configs/config.yaml and its groups eval/, runtime/)
+
+
+@dataclass
+class EvalConfig:
+    """GSM8K settings (configs/eval/gsm8k.yaml)."""
+
+    name: str = "gsm8k"
+    limit: int | None = None  # first N test questions; None: all 1319
+    num_fewshot: int = 5
+    max_gen_toks: int = 256
+    data_dir: str | None = None  # folder with train.jsonl and test.jsonl; None: evals.data.gsm8k_dir's lookup
+    batch_size: int | None = None  # concurrent requests (engine max_batch_size); None: the entry's
+
+
+@dataclass
+class RuntimeConfig:
+    """Device and compute dtype (configs/runtime/)."""
+
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: DType | None = None  # compute dtype; None: the entry's
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
+
+
+@dataclass
+class VerdictConfig:
+    # A run whose (dtype, quant, kv_cache_quant, spec_dec) matches no baseline row is an error unless False.
+    require_reference: bool = True
+
+
+# compare=replay: ssm_replay=false and =true on the same samples, compared (evals.compare)
+COMPARE_MODES = ("replay",)
+
+
+@dataclass
+class RunConfig:
+    """The composed config of `python run.py` (configs/config.yaml extends this schema)."""
+
+    model: ModelEntry = MISSING  # a registry entry: the config group `model`, registry/model/<name>.yaml
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    ssm_replay: bool | None = None  # None: the entry's ssm.replay
+    draft_len: int | None = None  # MTP drafts per step; 0: speculation off; None: the entry's
+    compare: str | None = None  # one of COMPARE_MODES, or None: one run
+    world_size: int | None = None  # tensor-parallel ranks; None: the entry's
+    models_root: str | None = None  # root of released checkpoints (an entry's relative `checkpoint`)
+    resume: bool = False
+    seed: int = 0
+    out_dir: str | None = None  # None: Hydra's run dir
+
+
+SCHEMA_NAME = "run_schema"  # the ConfigStore name configs/config.yaml lists first in its defaults
+ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entries: names, the raw-file guard, the typed entry
+
+
 def entry_names() -> list[str]:
     """Names of all registry entries (registry/model/*.yaml), sorted."""
     return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
@@ -176,6 +249,11 @@ def unknown_entry_error(name: str) -> UserError:
     )
 
 
+def entry_file(name: str) -> str:
+    """The repository path of an entry's file, as messages name it."""
+    return f"registry/model/{name}.yaml"
+
+
 _PACKAGE_HEADER = re.compile(r"^\s*#\s*@package", re.MULTILINE)
 
 
@@ -185,10 +263,12 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
     A registry file may hold only schema keys and a `defaults:` list of other entry names and `_self_`.
     Rejected (UserError naming the file): a `# @package` header (it would let the file write outside the
     `model` node, e.g. hydra.callbacks, which Hydra instantiates), defaults that name anything but another
-    entry (config groups such as /hydra/...), keys outside the schema, a defaults cycle, a missing base entry.
+    entry (config groups such as /hydra/...), interpolations (`${oc.env:...}` could copy secrets into
+    published results), keys outside the schema and values of the wrong type (OmegaConf's check against
+    ModelEntry), a defaults cycle, a missing base entry.
     """
     path = model_dir / f"{name}.yaml"
-    where = _entry_file(name)
+    where = entry_file(name)
     if not path.is_file():
         raise unknown_entry_error(name)
     if name in _seen:
@@ -205,12 +285,6 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
         raise UserError(f"{where}: not valid YAML: {str(e).splitlines()[0]}", "fix the YAML syntax") from None
     if not isinstance(raw, dict):
         raise UserError(f"{where}: must be a mapping of schema keys", "see registry/schema.py:ModelEntry")
-    allowed = [f.name for f in dataclasses.fields(ModelEntry)]
-    for key in raw:
-        if key != "defaults" and key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise UserError(f"{where}: unknown key '{key}'{hint}", f"allowed keys: {', '.join(allowed)}")
     for key, value in _walk_values(raw):
         if isinstance(value, str) and "${" in value:
             raise UserError(
@@ -218,12 +292,13 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
                 "(an interpolation could read environment variables, e.g. secrets, into published results)",
                 f"write the literal value of '{key}'",
             )
-    defaults = raw.get("defaults") or []
+    defaults = raw.pop("defaults", None) or []
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
         raise UserError(
             f"{where}: defaults must be a list of entry names (and _self_)",
             "write `defaults: [<base entry>, _self_]`; config groups cannot be selected from an entry",
         )
+    _typed(ModelEntry, raw, where)  # unknown keys and wrong types; required keys may come from a base entry
     for base in defaults:
         if base == "_self_":
             continue
@@ -235,10 +310,6 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
         check_entry_file(base, model_dir, (*_seen, name))
 
 
-def _entry_file(name: str) -> str:
-    return f"registry/model/{name}.yaml"
-
-
 def _walk_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """(dotted key, leaf value) of every leaf of a parsed YAML mapping / list."""
     if isinstance(node, dict):
@@ -248,64 +319,75 @@ def _walk_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, node)]
 
 
-def _walk_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            keys.append(path)
-            keys += _walk_keys(v, path)
-    return keys
+def typed(schema: type, node: DictConfig | dict) -> DictConfig:
+    """`node` as plain data merged into a fresh structured config of `schema`, so OmegaConf rejects unknown
+    keys and values of the wrong type (OmegaConfBaseException). Needed even for a node Hydra composed against
+    the schema: its `+key=value` adds keys to a structured node without a check, and a merge of two nodes of
+    the same schema keeps them."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    return OmegaConf.merge(OmegaConf.structured(schema), node)
+
+
+def _typed(schema: type, node: DictConfig | dict, where: str) -> DictConfig:
+    """typed(), with OmegaConf's complaint as a UserError about the entry file `where` (schema_error)."""
+    try:
+        return typed(schema, node)
+    except OmegaConfBaseException as e:
+        raise schema_error(e, where) from None
 
 
 def validate_entry(model_cfg: DictConfig | dict, *, name: str | None = None) -> ModelEntry:
-    """Check a composed `model` node against the schema and return it as a typed ModelEntry.
+    """The composed `model` node (or a plain dict) as a typed ModelEntry, checked against the schema.
 
-    model_cfg: the `model` node of a composed config (the entry after its defaults are merged and overrides
-    applied), or a plain dict. name: the entry (file) name, used in messages; defaults to model_cfg.name.
-    Raises UserError naming the file and key for: `_target_` anywhere, a key outside the schema, a wrong
-    type or an enum value outside the allowed ones, a missing required key.
+    name: the entry (file) name, used in messages; defaults to the node's name.
+    Raises UserError naming the file and key for: a key outside the schema (`_target_` included), a wrong
+    type or an enum value outside the allowed ones, a missing required key, a name that is not the file's,
+    and the range rules of check_entry_values.
     """
-    if isinstance(model_cfg, DictConfig):
-        raw = OmegaConf.to_container(model_cfg, resolve=False)
-    else:
-        raw = dict(model_cfg)
-    name = name or str(raw.get("name", "?"))
-    where = _entry_file(name)
-    for key in _walk_keys(raw):
-        if key.split(".")[-1] in ("_target_", "_partial_", "_recursive_", "_convert_", "_args_"):
-            raise UserError(
-                f"{where}: key '{key}' is not allowed: registry entries are data, never code to instantiate",
-                f"remove '{key}' from {where}; describe the model with the schema keys of registry/schema.py",
-            )
+    if name is None:
+        name = str(model_cfg.get("name", "?"))
+    where = entry_file(name)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(ModelEntry), raw)
-        entry: ModelEntry = OmegaConf.to_object(merged)
+        entry: ModelEntry = OmegaConf.to_object(_typed(ModelEntry, model_cfg, where))
     except OmegaConfBaseException as e:
-        raise _schema_error(e, where) from None
+        raise schema_error(e, where) from None
     if entry.name != name:
         raise UserError(
             f"{where}: name is {entry.name!r} but the file is {name}.yaml",
             f"set `name: {name}` in {where} (a variant that reuses a base entry must set its own name)",
         )
-    _check_values(entry, where)
+    check_entry_values(entry, where)
     return entry
 
 
-def _schema_error(e: OmegaConfBaseException, where: str) -> UserError:
-    key = getattr(e, "full_key", None) or "?"
+_INSTANTIATE_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+
+
+def schema_fields(cls: type | None) -> list[str]:
+    """Field names of a schema dataclass (the keys allowed in its node); [] for anything else."""
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def schema_error(e: OmegaConfBaseException, where: str) -> UserError:
+    """UserError for OmegaConf's complaint about a registry entry node (keys relative to the entry)."""
+    key = e.full_key or "?"
+    parent, _, leaf = key.rpartition(".")
     msg = str(e).splitlines()[0]
-    if "Key '" in msg and "not in" in msg:
-        leaf = key.split(".")[-1]
-        parent = key.rsplit(".", 1)[0] if "." in key else None
-        allowed = _allowed_keys(parent)
+    if leaf in _INSTANTIATE_KEYS:
+        return UserError(
+            f"{where}: key '{key}' is not allowed: registry entries are data, never code to instantiate",
+            f"remove '{key}' from {where}; describe the model with the schema keys of registry/schema.py",
+        )
+    if isinstance(e, ConfigKeyError | ConfigAttributeError):
+        allowed = schema_fields(e.object_type)
         close = difflib.get_close_matches(leaf, allowed, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return UserError(
             f"{where}: unknown key '{key}'{hint}",
             f"remove or rename it; allowed keys{' under ' + parent if parent else ''}: {', '.join(allowed)}",
         )
-    if "missing mandatory value" in msg.lower():
+    if isinstance(e, MissingMandatoryValue):
         return UserError(f"{where}: required key '{key}' is missing", f"add '{key}' to {where}")
     return UserError(
         f"{where}: bad value for '{key}': {msg}",
@@ -313,19 +395,12 @@ def _schema_error(e: OmegaConfBaseException, where: str) -> UserError:
     )
 
 
-def _allowed_keys(parent: str | None) -> list[str]:
-    """Schema keys allowed under `parent` (a dotted path inside ModelEntry; None for the top level)."""
-    cls: Any = ModelEntry
-    for part in parent.split(".") if parent else []:
-        hint = typing.get_type_hints(cls).get(part)
-        cls = next((a for a in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(a)), None)
-        if cls is None:
-            return []
-    return [f.name for f in dataclasses.fields(cls)]
+# ----------------------------------------------------------------------------------------------------------
+# Rules that types cannot express
 
 
-def _check_values(entry: ModelEntry, where: str) -> None:
-    """Range checks that types alone cannot express."""
+def check_entry_values(entry: ModelEntry, where: str) -> None:
+    """Range and consistency rules of one entry. Raises UserError naming the file and the keys."""
     positive = {
         "max_batch_size": entry.max_batch_size,
         "max_seq_len": entry.max_seq_len,
@@ -348,6 +423,9 @@ def _check_values(entry: ModelEntry, where: str) -> None:
             f"{where}: speculative.draft_len={spec.draft_len} but speculative.algorithm is none",
             "set speculative.algorithm: mtp, or speculative.draft_len: 0",
         )
+    if spec.num_nextn_predict_layers < 0:
+        raise UserError(f"{where}: speculative.num_nextn_predict_layers must be >= 0",
+                        "set it to the checkpoint's MTP module count")
     if any(b < 1 or b > entry.max_batch_size for b in entry.cuda_graph_batch_sizes):
         raise UserError(
             f"{where}: cuda_graph_batch_sizes {entry.cuda_graph_batch_sizes} must lie in [1, max_batch_size="
@@ -371,3 +449,77 @@ def _check_values(entry: ModelEntry, where: str) -> None:
             "dimensions before the weights are there)",
             "add the arch: block (sizes from the checkpoint's config.json)",
         )
+
+
+def check_run_values(run: RunConfig) -> None:
+    """Range rules of the settings around the entry. Raises UserError naming the setting."""
+    if run.world_size is not None and run.world_size < 1:
+        raise UserError(f"world_size must be >= 1, got {run.world_size}",
+                        "set world_size=1 (or the GPU count)")
+    if run.eval.limit is not None and run.eval.limit < 1:
+        raise UserError(f"eval.limit must be >= 1 or null, got {run.eval.limit}", "set eval.limit=N or null")
+    if run.eval.batch_size is not None and run.eval.batch_size < 1:
+        raise UserError(f"eval.batch_size must be >= 1, got {run.eval.batch_size}", "set eval.batch_size=N")
+    if run.runtime.device not in ("cpu", "cuda") and not run.runtime.device.startswith("cuda:"):
+        raise UserError(
+            f"runtime.device must be cpu or cuda[:N], got {run.runtime.device!r}",
+            "use runtime=cpu or runtime=gpu",
+        )
+    if run.runtime.num_threads is not None and run.runtime.num_threads < 1:
+        raise UserError(f"runtime.num_threads={run.runtime.num_threads} must be >= 1 (or null)",
+                        "set runtime.num_threads=1, or null for torch's default")
+
+
+def resolve_speculation(entry: ModelEntry, run: RunConfig) -> tuple[int, bool]:
+    """(draft_len K, ssm_replay) of a run: the entry's, or the top-level overrides, checked together.
+
+    The one statement of the rules that tie drafting, replay and compare together:
+    - draft_len: None keeps the entry's (0 when its algorithm is none); 0 turns speculation off (plain
+      greedy decoding); K >= 1 needs an entry with MTP weights (speculative.algorithm: mtp);
+    - SSM replay commits recurrent state after a verify step, so it needs speculative decoding (K >= 1);
+    - compare=replay runs ssm_replay=false and =true itself: it needs speculative decoding and takes no
+      ssm_replay override; the first arm (ssm_replay False) is returned.
+    Raises UserError with the setting to change.
+    """
+    spec = entry.speculative
+    spec_on = spec.algorithm != SpecAlgorithm.none and spec.draft_len > 0
+    if run.draft_len is None:
+        draft_len = spec.draft_len if spec_on else 0
+    elif run.draft_len < 0:
+        raise UserError(f"draft_len must be >= 0 or null, got {run.draft_len}",
+                        "set draft_len=0 (speculation off), draft_len=K (K MTP drafts per step) or null")
+    elif run.draft_len > 0 and spec.algorithm == SpecAlgorithm.none:
+        raise UserError(
+            f"draft_len={run.draft_len} needs MTP speculative decoding, but entry {entry.name} has "
+            "speculative.algorithm=none",
+            "use an entry with MTP weights (a *_mtp entry), or drop draft_len",
+        )
+    else:
+        draft_len = run.draft_len
+    if run.compare is not None:
+        if run.compare not in COMPARE_MODES:
+            raise UserError(f"compare={run.compare} is not a comparison this runner knows",
+                            "use compare=replay (SSM rewind vs replay on the same samples), or compare=null")
+        if draft_len == 0:
+            raise UserError(
+                f"compare=replay needs speculative decoding, but draft_len is 0 for entry {entry.name}",
+                "drop draft_len=0, or use an entry with speculative.algorithm: mtp",
+            )
+        if run.ssm_replay is not None:
+            raise UserError(f"compare=replay runs both ssm_replay=false and ssm_replay=true, so "
+                            f"ssm_replay={str(run.ssm_replay).lower()} has no meaning here",
+                            "drop the ssm_replay override (or drop compare=replay to run one arm)")
+        return draft_len, False
+    ssm_replay = entry.ssm.replay if run.ssm_replay is None else run.ssm_replay
+    if ssm_replay and draft_len == 0:
+        if not spec_on:
+            why = f"entry {entry.name} has speculative.algorithm={spec.algorithm.value}"
+            fix = "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1"
+        else:
+            why = "draft_len=0 turns speculation off"
+            if run.ssm_replay:
+                fix = "drop ssm_replay=true, or drop draft_len=0"
+            else:
+                fix = f"add ssm_replay=false (entry {entry.name} sets ssm.replay: true), or drop draft_len=0"
+        raise UserError(f"ssm_replay requires speculative decoding, but {why}", fix)
+    return draft_len, ssm_replay

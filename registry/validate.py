@@ -1,52 +1,35 @@
 """Registry checks behind `python -m registry list|validate`.
 
-Every entry's raw file is checked (registry.schema.check_entry_file), then the entry is composed the way
-run.py composes it (Hydra compose API on configs/, the entry as group `model`) and checked by
-runners.app.resolve without loading weights, with its own settings (errors) and with each ssm_replay in
-{true, false} and world_size in {1, 4} (combinations the runner would refuse are reported as notes).
-The baseline rows each entry would be judged against must exist in registry/baselines/ (evals.baselines).
+Every entry is composed the way run.py composes it (registry.compose: the raw-file guard, then Hydra's compose
+API on configs/ with the entry as group `model`, type-checked against the schema) and resolved by
+registry.resolve.resolve without loading weights, with its own settings (errors) and with each ssm_replay in
+{true, false} and world_size in {1, 4} (combinations the resolution refuses are reported as notes). An
+embedded checkpoint must be complete (config.json parsed, every weight file present and its safetensors
+header readable; that the tensors fit the model is the loader's check, run by tests/test_tiny.py). The
+baseline rows each entry would be judged against must exist in registry/baselines/ (registry.baselines, the
+verdict's own lookups).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from registry.schema import (
-    EMBEDDED_CHECKPOINTS_DIR,
-    ModelEntry,
-    SpecAlgorithm,
-    check_entry_file,
-    entry_names,
-)
-from runners.app import CONFIG_DIR, ResolvedRun, check_checkpoint_dir, resolve
-from runners.errors import UserError
+from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+from registry.checkpoint import check_checkpoint_dir, tensor_files
+from registry.compose import compose_config
+from registry.errors import UserError
+from registry.resolve import ResolvedRun, resolve
+from registry.schema import EMBEDDED_CHECKPOINTS_DIR, entry_names
 
 SWEEP_SSM_REPLAY = (True, False)
 SWEEP_WORLD_SIZE = (1, 4)
 
 
-@contextmanager
-def hydra_context() -> Iterator[None]:
-    """Initialise Hydra's compose API on configs/ (absolute path: works from any cwd)."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        yield
-
-
 def compose_entry(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """The composed config of `python run.py model=<name> <overrides>` (call inside hydra_context())."""
-    try:
-        return compose("config", overrides=[f"model={name}", *(overrides or [])])
-    except HydraException as e:
-        raise UserError(
-            f"registry/model/{name}.yaml does not compose: {str(e).strip().splitlines()[0]}",
-            "fix its YAML / defaults list (a variant lists its base entry and _self_ under defaults:)",
-        ) from None
+    """The composed config of `python run.py model=<name> <overrides>`; raises UserError."""
+    return compose_config([f"model={name}", *(overrides or [])])
 
 
 @dataclass
@@ -57,18 +40,20 @@ class EntryReport:
     resolved: ResolvedRun | None = None
 
 
+def _line(e: UserError) -> str:
+    return f"{e.problem} -- fix: {e.fix}"
+
+
 def validate_one(name: str) -> EntryReport:
-    """Check one entry (call inside hydra_context()); problems go to report.errors, refusals to notes."""
+    """Check one entry; problems go to report.errors, refused sweep combinations to notes."""
     report = EntryReport(name)
     try:
-        check_entry_file(name)
-        report.resolved = resolve(compose_entry(name), entry_name=name, check_checkpoint=False,
-                                  check_runtime=False)
+        base = compose_entry(name)
+        report.resolved = resolve(base, entry_name=name, check_checkpoint=False)
     except UserError as e:
-        report.errors.append(f"{e.problem} -- fix: {e.fix}")
+        report.errors.append(_line(e))
         return report
     entry = report.resolved.entry
-    base = compose_entry(name)
     for ssm_replay in SWEEP_SSM_REPLAY:
         for world_size in SWEEP_WORLD_SIZE:
             # ssm_replay and world_size are top-level scalars, not config groups: setting them on the composed
@@ -76,7 +61,7 @@ def validate_one(name: str) -> EntryReport:
             cfg = base.copy()
             cfg.ssm_replay, cfg.world_size = ssm_replay, world_size
             try:
-                resolve(cfg, entry_name=name, check_checkpoint=False, check_runtime=False)
+                resolve(cfg, entry_name=name, check_checkpoint=False)
             except UserError as e:
                 combo = f"ssm_replay={str(ssm_replay).lower()} world_size={world_size}"
                 report.notes.append(f"{combo} refused: {e.problem}")
@@ -85,74 +70,51 @@ def validate_one(name: str) -> EntryReport:
         if ckpt.exists():
             try:
                 check_checkpoint_dir(ckpt, "model.checkpoint")
-                _load_embedded(ckpt)
+                tensor_files(ckpt)
             except UserError as e:
-                report.errors.append(f"{e.problem} -- fix: {e.fix}")
+                report.errors.append(f"embedded checkpoint {ckpt} does not load: {_line(e)}")
         else:
             report.notes.append(f"embedded checkpoint {ckpt} not built yet (python -m runners.tiny)")
-    report.errors += _baseline_problems(entry)
+    report.errors += baseline_problems(report.resolved)
     return report
 
 
-def _load_embedded(ckpt) -> None:
-    """Load a shipped (small) checkpoint with the engine's loader: every tensor present, named and shaped as
-    the config says, files readable. Raises UserError with the loader's message."""
-    from runners.loader import CheckpointError, load_model
-
-    try:
-        load_model(ckpt)
-    except CheckpointError as e:
-        raise UserError(f"embedded checkpoint {ckpt} does not load: {e}",
-                        "rebuild it (registry/checkpoints/README.md) or restore it from git") from None
-
-
-def _baseline_problems(entry: ModelEntry) -> list[str]:
-    """The baseline rows a run of this entry would be judged against must exist (placeholders count).
-
-    Uses the same loaders and lookups as the verdict (evals.baselines), so a file error, an unknown key or a
-    missing (dtype, quant, kv_cache_quant, spec_dec) / (quant, draft_len) row is caught in the PR's CI.
-    """
-    from evals.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
-
+def baseline_problems(rr: ResolvedRun) -> list[str]:
+    """The baseline rows a run of this entry (with its own settings) would be judged against must exist:
+    gsm8k.yaml's (dtype, quant, kv_cache_quant, spec_dec) row and, with speculation, acceptance.yaml's
+    (quant, draft_len) row, found with the verdict's own lookups. The dtype is the entry's (a run's
+    runtime.dtype may differ: the runner checks that row before it loads anything). Placeholder rows
+    (measured: false) count."""
+    entry = rr.entry
     if entry.baseline is None:
         return []
-    mtp = entry.speculative.algorithm == SpecAlgorithm.mtp
-    lookups = [
-        lambda: find_gsm8k_reference(
-            entry.baseline, entry.dtype.value, entry.quant.value, entry.kv_cache_quant.value,
-            "mtp" if mtp else "none",
-        )
-    ]
-    if mtp:
-        lookups.append(
-            lambda: find_acceptance_reference(entry.baseline, entry.quant.value, entry.speculative.draft_len)
-        )
     problems = []
-    for lookup in lookups:
+    try:
+        find_gsm8k_reference(entry.baseline, entry.dtype.value, entry.quant.value, entry.kv_cache_quant.value,
+                             rr.spec_dec)
+    except BaselineError as e:
+        problems.append(_line(e))
+    if rr.draft_len > 0:
         try:
-            lookup()
+            find_acceptance_reference(entry.baseline, entry.quant.value, rr.draft_len)
         except BaselineError as e:
-            problems.append(f"{e.problem} -- fix: {e.fix}")
+            problems.append(_line(e))
     return problems
 
 
 def validate_all(names: list[str] | None = None) -> list[EntryReport]:
     """validate_one for every entry (or the given names)."""
-    with hydra_context():
-        return [validate_one(n) for n in (names or entry_names())]
+    return [validate_one(n) for n in (names or entry_names())]
 
 
 def resolve_all() -> list[EntryReport]:
     """Each entry with its own settings only (for `list`): errors but no sweep, baseline or file notes."""
     reports = []
-    with hydra_context():
-        for name in entry_names():
-            report = EntryReport(name)
-            try:
-                check_entry_file(name)
-                report.resolved = resolve(compose_entry(name), entry_name=name, check_checkpoint=False,
-                                          check_runtime=False)
-            except UserError as e:
-                report.errors.append(f"{e.problem} -- fix: {e.fix}")
-            reports.append(report)
+    for name in entry_names():
+        report = EntryReport(name)
+        try:
+            report.resolved = resolve(compose_entry(name), entry_name=name, check_checkpoint=False)
+        except UserError as e:
+            report.errors.append(_line(e))
+        reports.append(report)
     return reports

@@ -108,14 +108,19 @@ class GenerationStats:
                 self.accepted_per_position[i] += 1
 
     def acceptance(self) -> dict:
-        """The ``acceptance`` section of results.json: ``{rate, length, per_position, drafted, accepted}``
-        (rate and length None without drafts)."""
+        """The acceptance statistics of results.json (docs/results_schema.md): ``rate``, ``length``,
+        ``per_position`` (the derived metrics; rate and length None without drafts) and the raw sums behind
+        them, ``drafted``, ``accepted``, ``request_steps``, ``accepted_per_position``,
+        ``num_accepted_hist``."""
         return {
             "rate": self.acceptance_rate,
             "length": self.acceptance_length,
             "per_position": self.acceptance_per_position,
             "drafted": self.drafted_tokens,
             "accepted": self.accepted_drafts,
+            "request_steps": self.request_steps,
+            "accepted_per_position": list(self.accepted_per_position),
+            "num_accepted_hist": list(self.num_accepted_hist),
         }
 
     def to_dict(self) -> dict:

@@ -1,16 +1,15 @@
 """Load an HF checkpoint directory into a :class:`runners.models.hybrid.HybridLM`.
 
-A checkpoint is ``config.json`` plus either ``model.safetensors`` or shards listed by
-``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Loading is strict: every
-tensor the model expects must be present with its exact shape, and every tensor on disk must be known. The
-MTP tensors (``mtp.*``) form an optional group: a checkpoint without any of them loads for plain decoding;
-one with some of them must have all of them. Every problem raises :class:`CheckpointError` naming the file
-or tensor and the fix.
+The directory layout, the config.json parser and the listing of tensor names per file are the registry's
+(registry/checkpoint.py, registry/hf_config.py: registry validation uses them without torch). Loading is
+strict: every tensor the model expects must be present with its exact shape, and every tensor on disk must be
+known. The MTP tensors (``mtp.*``) form an optional group: a checkpoint without any of them loads for plain
+decoding; one with some of them must have all of them. Every problem raises
+registry.checkpoint.CheckpointError (a UserError) naming the file or tensor and the fix.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,97 +17,38 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from runners.models.config import ConfigError, HybridConfig, family_module
+from registry.checkpoint import CONFIG_FILE, CheckpointError, short_list, tensor_files
+from registry.hf_config import HybridConfig
+from runners.models.config import family_module
 from runners.models.hybrid import HybridLM
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 MTP_PREFIX = "mtp."
 
 # Tensors kept in float32 whatever the model dtype (transformers keeps the NemotronH router in fp32).
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file / tensor and the fix."""
-
-
-def _list(names, limit: int = 8) -> str:
-    names = sorted(names)
-    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+__all__ = ["CheckpointError", "LoadPlan", "load_model", "materialize", "plan_load", "read_config"]
 
 
 def read_config(path: str | Path) -> HybridConfig:
-    """Parse ``<path>/config.json``; raises CheckpointError (wrapping the config problem)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{path}: checkpoint directory not found; pass the path of an HF checkpoint dir"
-        )
-    try:
-        return HybridConfig.from_pretrained(path)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from e
-
-
-def tensor_files(path: str | Path) -> dict[str, Path]:
-    """``{tensor name: safetensors file}`` of a checkpoint dir, from the index or the single file.
+    """The HybridConfig of a checkpoint directory (registry.hf_config.HybridConfig.from_pretrained).
 
     Raises:
-        CheckpointError: no weights file, a malformed index, a shard the index names but the dir lacks, a
-            corrupt file, or an index entry whose shard does not hold the tensor.
+        CheckpointError: no such directory, or the config problems of HybridConfig.from_pretrained.
     """
     path = Path(path)
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f'{index}: not a safetensors index (needs a "weight_map" object): {e}; re-save the checkpoint'
-            ) from e
-        files = {name: path / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise CheckpointError(
-                    f"{shard}: shard listed in {INDEX_FILE} is missing; copy the complete "
-                    "checkpoint (all shards)"
-                )
-        for shard, names in _group(files).items():
-            on_disk = set(_keys(shard))
-            absent = set(names) - on_disk
-            if absent:
-                raise CheckpointError(
-                    f"{shard}: {INDEX_FILE} lists tensors this shard does not hold: "
-                    f"{_list(absent)}; re-save the checkpoint or fix the index"
-                )
-        return files
-    single = path / SINGLE_FILE
-    if single.is_file():
-        return {name: single for name in _keys(single)}
-    raise CheckpointError(
-        f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; a checkpoint needs its "
-        "safetensors weights next to config.json"
-    )
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found",
+                              "pass the path of an HF checkpoint dir")
+    return HybridConfig.from_pretrained(path)
 
 
 def _group(files: dict[str, Path]) -> dict[Path, list[str]]:
+    """{file: its tensor names} of a {tensor name: file} map."""
     out: dict[Path, list[str]] = {}
     for name, f in files.items():
         out.setdefault(f, []).append(name)
     return out
-
-
-def _keys(file: Path) -> list[str]:
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{file}: cannot read safetensors file ({e}); the file is corrupt or truncated, "
-            "re-download or re-save it"
-        ) from e
 
 
 @dataclass
@@ -159,13 +99,13 @@ def plan_load(
         load_mtp = has_mtp_layers and bool(mtp_on_disk)
     if load_mtp and not has_mtp_layers:
         raise CheckpointError(
-            f"{path / 'config.json'}: MTP weights requested but num_nextn_predict_layers is 0; "
-            "set num_nextn_predict_layers (and mtp_hybrid_override_pattern) in config.json"
+            f"{path / CONFIG_FILE}: MTP weights requested but num_nextn_predict_layers is 0",
+            "set num_nextn_predict_layers (and mtp_hybrid_override_pattern) in config.json",
         )
     if load_mtp and not mtp_on_disk:
         raise CheckpointError(
-            f"{path}: MTP (draft) weights requested but the checkpoint has no mtp.* tensors; "
-            "use a checkpoint that ships its MTP module or turn speculative decoding off"
+            f"{path}: MTP (draft) weights requested but the checkpoint has no mtp.* tensors",
+            "use a checkpoint that ships its MTP module or turn speculative decoding off",
         )
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
@@ -185,14 +125,16 @@ def plan_load(
             else ""
         )
         raise CheckpointError(
-            f"{path}: unknown tensors {_list(unknown)}{hint}; the checkpoint does not match "
-            f"config.json ({config.family}) -- check the layer pattern and sizes"
+            f"{path}: unknown tensors {short_list(unknown)}{hint}; the checkpoint does not match "
+            f"config.json ({config.family})",
+            "check config.json's layer pattern and sizes against the tensors",
         )
     missing = set(targets) - set(files)
     if missing:
         raise CheckpointError(
-            f"{path}: missing tensors {_list(missing)}; the checkpoint is incomplete or was "
-            "saved for a different config.json"
+            f"{path}: missing tensors {short_list(missing)}; the checkpoint is incomplete or was saved for a "
+            "different config.json",
+            "copy the complete checkpoint, or fix config.json",
         )
     for shard, names in _group(files).items():
         try:
@@ -202,12 +144,12 @@ def plan_load(
                     if shape != tuple(targets[name].shape):
                         raise CheckpointError(
                             f"{shard}: tensor {name} has shape {list(shape)}, config.json implies "
-                            f"{list(targets[name].shape)}; the checkpoint does not match its config.json"
+                            f"{list(targets[name].shape)}",
+                            "the checkpoint does not match its config.json: fix one of them",
                         )
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise CheckpointError(
-                f"{shard}: cannot read tensor headers ({e}); the file is corrupt, re-save it"
-            ) from e
+            raise CheckpointError(f"{shard}: cannot read tensor headers ({e}); the file is corrupt",
+                                  "re-download or re-save it") from e
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     return LoadPlan(path, config, model, files, dtype, weight_bytes)
@@ -253,9 +195,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
                     for name in names:
                         targets[name].copy_(f.get_tensor(name))
             except (SafetensorError, OSError, RuntimeError) as e:
-                raise CheckpointError(
-                    f"{shard}: cannot read tensors ({e}); the file is corrupt, re-save it"
-                ) from e
+                raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt",
+                                      "re-download or re-save it") from e
         for name, module in model.named_modules():
             if module._non_persistent_buffers_set:
                 if not hasattr(module, "init_buffers"):

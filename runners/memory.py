@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from runners.errors import UserError
+from registry.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -243,12 +243,13 @@ def synth_config(
     cfg.update(overrides or {})
     if family == "nemotron_h":
         cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
-    from runners.models.config import ConfigError, HybridConfig
+    from registry.checkpoint import CheckpointError
+    from registry.hf_config import HybridConfig
 
     try:
         HybridConfig.from_dict(cfg, source="synth config")
-    except ConfigError as e:
-        raise SynthError(f"{e}; change --num-layers / --num-experts / --set") from None
+    except CheckpointError as e:
+        raise SynthError(f"{e.problem}; change --num-layers / --num-experts / --set") from None
     return cfg
 
 
@@ -361,7 +362,8 @@ def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> 
 def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
     """``model.arch.<key>=<value>`` for every registry arch field in which ``config`` differs from the
     release (so a registry entry of the release accepts the cut checkpoint: ``run.py`` compares them)."""
-    from registry.arch import arch_from_hf_config
+    from registry.arch import arch_from_config
+    from registry.hf_config import HybridConfig
 
     def flat(arch) -> dict[str, Any]:
         out = {}
@@ -372,8 +374,8 @@ def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
                 out[k] = v
         return out
 
-    got = flat(arch_from_hf_config(config, family))
-    release = flat(arch_from_hf_config(RELEASE_CONFIGS[family], family))
+    got = flat(arch_from_config(HybridConfig.from_dict(config)))
+    release = flat(arch_from_config(HybridConfig.from_dict(RELEASE_CONFIGS[family])))
     return [f"model.arch.{k}={v}" for k, v in got.items() if release.get(k) != v]
 
 

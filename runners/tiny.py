@@ -23,21 +23,27 @@ from pathlib import Path
 
 import torch
 
+from evals.data import gsm8k_dir
+from registry.checkpoint import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 in this order
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 DEFAULT_VOCAB_SIZE = 2048
 # GPT-2's split pattern with `\p{N}+` narrowed to `\p{N}`: every digit is its own pre-token (a leading space
 # may stay attached, as with words), so no merge ever spans two digits and "1234" is always four tokens.
 SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# family -> the shipped checkpoint's folder under registry/checkpoints/ (and its registry entry's name)
 CHECKPOINT_NAMES = {"nemotron_h": "tiny_nemotron_h_mtp", "qwen3_next": "tiny_qwen3_next_mtp"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
 
 def default_gsm8k_train() -> Path:
-    """GSM8K train split: $GSM8K_DIR/train.jsonl, else ../shared/data/gsm8k/train.jsonl (beside checkout)."""
-    repo_root = Path(__file__).resolve().parents[1]
-    data_dir = Path(os.environ.get("GSM8K_DIR", repo_root.parent / "shared" / "data" / "gsm8k"))
-    return data_dir / "train.jsonl"
+    """GSM8K train split of evals.data.gsm8k_dir's folder ($GSM8K_DIR, else ../shared/data/gsm8k)."""
+    path, _ = gsm8k_dir(None)
+    if path is None:
+        raise FileNotFoundError("no GSM8K folder found; pass --train PATH or set GSM8K_DIR to the folder "
+                                "holding train.jsonl")
+    return path / "train.jsonl"
 
 
 def gsm8k_documents(train_path: str | os.PathLike) -> Iterator[str]:
@@ -117,7 +123,7 @@ def save_tokenizer(tokenizer, out_dir: str | os.PathLike, model_max_length: int 
     fast.save_pretrained(out)
     # transformers 5 records its own backend class name; the generic class name also loads in transformers 4
     # and in engines that read tokenizer_config.json themselves.
-    config_path = out / "tokenizer_config.json"
+    config_path = out / TOKENIZER_CONFIG_FILE
     tokenizer_config = json.loads(config_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
@@ -244,7 +250,7 @@ def _random_hf_tensors(config, model_cls) -> tuple[dict[str, torch.Tensor], dict
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(Path(tmp).glob("*.safetensors")):
             tensors.update(load_file(shard))
-        config_dict = json.loads((Path(tmp) / "config.json").read_text())
+        config_dict = json.loads((Path(tmp) / CONFIG_FILE).read_text())
     return tensors, config_dict, keep_fp32
 
 
@@ -300,7 +306,7 @@ def _mtp_tensors(config, family: str, std: float) -> dict[str, torch.Tensor]:
 def _tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    return Tokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE)).get_vocab_size(with_added_tokens=True)
 
 
 def write_random_checkpoint(
@@ -381,12 +387,12 @@ def write_random_checkpoint(
     }
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config_dict["dtype"] = str(dtype).removeprefix("torch.")
     if family == "nemotron_h":
         config_dict["hybrid_override_pattern"] = config.hybrid_override_pattern
         config_dict["mtp_hybrid_override_pattern"] = config.mtp_hybrid_override_pattern
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig(
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
@@ -442,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per save is noise here
     for family, path in build_all(args.out, args.seed, args.vocab_size, args.train).items():
-        size = (path / "model.safetensors").stat().st_size
+        size = (path / WEIGHTS_FILE).stat().st_size
         print(f"{family}: {path} (model.safetensors {size / 2**20:.2f} MiB)")
 
 

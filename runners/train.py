@@ -45,22 +45,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from evals.data import gsm8k_dir
+from registry.checkpoint import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+)
+from registry.schema import EMBEDDED_CHECKPOINTS_DIR
 from runners.loader import load_model
 from runners.models.config import family_module
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
+from runners.tiny import CHECKPOINT_NAMES, write_random_checkpoint
 
 log = logging.getLogger("runners.train")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = REPO_ROOT / "registry" / "checkpoints"
-CHECKPOINT_NAMES = {"nemotron_h": "tiny_nemotron_h_mtp", "qwen3_next": "tiny_qwen3_next_mtp"}
 FEWSHOT_DELIMITER = "\n\n"  # lm-eval's default fewshot_delimiter
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter: "Answer:" + " " + answer
 CPU_SCAN_CHUNK = 32  # Mamba2 scan chunk off CUDA (same math up to rounding; ~4x less intra-chunk work)
 LOG_FILE, RECIPE_FILE = "train_log.jsonl", "recipe.json"
 # Files of the init checkpoint copied unchanged into the output (weights are rewritten).
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+COPIED_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
 
 @dataclass
@@ -149,10 +156,13 @@ def read_gsm8k(path: str | os.PathLike) -> list[dict]:
 
 
 def resolve_train_file(data_dir: str | os.PathLike | None) -> Path:
-    """``data_dir``/train.jsonl, else $GSM8K_DIR/train.jsonl, else ../shared/data/gsm8k by the checkout."""
-    if data_dir is None:
-        data_dir = os.environ.get("GSM8K_DIR") or REPO_ROOT.parent / "shared" / "data" / "gsm8k"
-    return Path(data_dir) / "train.jsonl"
+    """train.jsonl of the GSM8K folder: ``data_dir``, else evals.data.gsm8k_dir's lookup ($GSM8K_DIR, else
+    ../shared/data/gsm8k by the checkout). Raises FileNotFoundError when no folder is known."""
+    path, _ = gsm8k_dir(data_dir, setting="--data-dir")
+    if path is None:
+        raise FileNotFoundError("no GSM8K folder found; pass --data-dir (a folder holding train.jsonl) "
+                                "or set GSM8K_DIR")
+    return path / "train.jsonl"
 
 
 def document_tokens(tokenizer, rows: Sequence[dict]) -> list[list[int]]:
@@ -300,14 +310,13 @@ def init_checkpoint(cfg: TrainConfig, workdir: Path) -> Path:
     """The checkpoint training starts from: ``cfg.init``, the shipped random tiny checkpoint of the family,
     or (with ``config_overrides``) a fresh random one of the resized config written under ``workdir``."""
     if cfg.config_overrides:
-        from runners.tiny import write_random_checkpoint
-
-        tokenizer_dir = Path(cfg.init) if cfg.init else SHIPPED / CHECKPOINT_NAMES[cfg.family]
+        shipped = EMBEDDED_CHECKPOINTS_DIR / CHECKPOINT_NAMES[cfg.family]
+        tokenizer_dir = Path(cfg.init) if cfg.init else shipped
         return write_random_checkpoint(
             workdir / "init", cfg.family, cfg.config_overrides, seed=cfg.seed, tokenizer_dir=tokenizer_dir
         )
-    path = Path(cfg.init) if cfg.init else SHIPPED / CHECKPOINT_NAMES[cfg.family]
-    if not (path / "config.json").is_file():
+    path = Path(cfg.init) if cfg.init else EMBEDDED_CHECKPOINTS_DIR / CHECKPOINT_NAMES[cfg.family]
+    if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"init checkpoint {path} has no config.json; pass --init CHECKPOINT_DIR")
     return path
 
@@ -326,7 +335,7 @@ def save_checkpoint(model: HybridLM, init_dir: Path, out_dir: Path) -> Path:
     for name in COPIED_FILES:
         if (init_dir / name).is_file() and (init_dir / name).resolve() != (out_dir / name).resolve():
             shutil.copyfile(init_dir / name, out_dir / name)
-    targets = family_module(model.config.family, model.config.source).checkpoint_targets(model)
+    targets = family_module(model.config.family).checkpoint_targets(model)
     dtypes = _disk_dtypes(init_dir)
     if set(dtypes) != set(targets):
         raise ValueError(
@@ -334,7 +343,7 @@ def save_checkpoint(model: HybridLM, init_dir: Path, out_dir: Path) -> Path:
             f"{sorted(set(dtypes) - set(targets))[:5]}, extra {sorted(set(targets) - set(dtypes))[:5]}"
         )
     tensors = {name: targets[name].detach().to("cpu", dtypes[name]).contiguous() for name in sorted(dtypes)}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
 
 
@@ -343,14 +352,14 @@ def _disk_dtypes(path: Path) -> dict[str, torch.dtype]:
     from safetensors import safe_open
 
     names = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         return {name: names[f.get_slice(name).get_dtype()] for name in f.keys()}
 
 
 def round_to_checkpoint(model: HybridLM, path: Path) -> HybridLM:
     """Round every tensor of ``model`` in place to the dtype its checkpoint name has in
     ``path``/model.safetensors (and back to the model's dtype): the values a reload of that file holds."""
-    targets = family_module(model.config.family, model.config.source).checkpoint_targets(model)
+    targets = family_module(model.config.family).checkpoint_targets(model)
     with torch.no_grad():
         for name, dtype in _disk_dtypes(path).items():
             t = targets[name]
@@ -464,7 +473,7 @@ def train(
         init_dir = init_checkpoint(cfg, Path(tmp))
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(init_dir / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(init_dir / TOKENIZER_FILE))
         if rows is None:
             rows = read_gsm8k(resolve_train_file(data_dir))
         docs = document_tokens(tokenizer, rows)
@@ -582,7 +591,7 @@ def train(
             "seconds": round(elapsed, 2),
             "seconds_per_step": round(elapsed / cfg.steps, 4),
             "final": record,
-            "model_bytes": (out / "model.safetensors").stat().st_size,
+            "model_bytes": (out / WEIGHTS_FILE).stat().st_size,
         }
         if verify:
             probe = torch.tensor([docs[0][:64]], dtype=torch.long)
@@ -599,7 +608,7 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
 
     from runners.engine import Engine
 
-    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
     shots = FEWSHOT_DELIMITER.join(format_example(r["question"], r["answer"]) for r in rows[:5])
     prompt = shots + FEWSHOT_DELIMITER + format_prompt(question)
     engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=4096)

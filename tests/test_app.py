@@ -9,21 +9,21 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
+from evals.gsm8k import GSM8KResult
+from registry.compose import compose_config
+from registry.errors import UserError
+from registry.schema import REPO_ROOT
 from runners import app
-from runners.app import CONFIG_DIR, REPO_ROOT
-from runners.errors import UserError
 
 TINY_NEMOTRON_H_CONFIG = {
     "model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "hybrid_override_pattern": "M*EM", "mamba_num_heads": 8,
     "mamba_head_dim": 8, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
+    "num_experts_per_tok": 2, "num_nextn_predict_layers": 1,
 }
 
 
@@ -64,16 +64,31 @@ class FakeEngine:
 
     built: list[tuple[str, dict]] = []
 
+    def __init__(self, ssm_backend: str):
+        self.ssm_backend = ssm_backend  # the backend that runs (runners.Engine resolves it)
+
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, draft_len=0, ssm_replay=False,
                         **options):
         cls.built.append((path, dict(device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay,
                                      **options)))
-        return cls()
+        return cls(options["ssm_backend"])
 
     def cache_memory(self):
         return {"ssm_state_bytes": 2**20, "conv_state_bytes": 1024, "kv_cache_bytes": 2**21,
                 "spec_buffers_bytes": 0}
+
+
+def fake_result(scores: dict, samples_path, stats: dict | None = None) -> GSM8KResult:
+    """What evals.gsm8k.evaluate_gsm8k returns, with FakeStats' counters (every request generated now, so
+    the generate calls' token sums are the counters' own)."""
+    if stats is None:
+        fake = FakeStats()
+        stats = {**fake.to_dict(), "timing_prompt_tokens": fake.prompt_tokens,
+                 "timing_generated_tokens": fake.generated_tokens}
+    return GSM8KResult(scores=scores, stats=stats, samples_path=Path(samples_path),
+                       wall_seconds=1.0, num_resumed=0, num_generated=scores["n"],
+                       task={"task": "gsm8k", "version": 3.0})
 
 
 @pytest.fixture
@@ -89,18 +104,16 @@ def fakes(monkeypatch):
                           fingerprint=fingerprint))
         samples = Path(out_dir) / "samples.jsonl"
         samples.write_text('{"doc_id": 0}\n')
-        return SimpleNamespace(scores={"strict_match": 0.25, "flexible_extract": 0.5, "n": 4},
-                               stats=FakeStats(), samples_path=samples)
+        return fake_result({"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}, samples)
 
-    monkeypatch.setattr(app, "_engine_class", lambda: FakeEngine)
-    monkeypatch.setattr(app, "_evaluate_fn", lambda: fake_evaluate)
+    monkeypatch.setattr(app, "Engine", FakeEngine)
+    monkeypatch.setattr(app, "evaluate_gsm8k", fake_evaluate)
     monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
     return calls
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(list(overrides))
 
 
 def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys):
@@ -185,58 +198,52 @@ def test_replay_checkpointing_from_the_registry(fakes, tmp_path, capsys, replay,
     assert ("ssm_replay / world_size  True (checkpointing) / 1" in capsys.readouterr().out) is expect
 
 
-def _error(cfg) -> UserError:
+def _error(*overrides) -> UserError:
+    """The UserError of composing and running `python run.py <overrides>` (Hydra reports a key or a value of
+    the wrong type while it composes; the application the rest)."""
     with pytest.raises(UserError) as e:
-        app.run(cfg)
+        app.run(_cfg(*overrides))
     assert not FakeEngine.built  # every user error is raised before the engine is built
     return e.value
 
 
 def test_ssm_replay_requires_speculation(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "model.speculative.algorithm=none",
-                      "model.speculative.draft_len=0", "ssm_replay=true"))
+    err = _error(f"model.checkpoint={ckpt}", "model.speculative.algorithm=none",
+                      "model.speculative.draft_len=0", "ssm_replay=true")
     assert "ssm_replay requires speculative decoding" in err.problem
     assert "ssm_replay=true" in err.fix
 
 
 def test_world_size_must_divide_heads(fakes):
-    err = _error(_cfg("model=super_v3_mtp", "world_size=3"))
+    err = _error("model=super_v3_mtp", "world_size=3")
     assert "world_size=3 does not divide" in err.problem and "attention heads=32" in err.problem
     assert "[1, 2, 4, 8]" in err.fix
 
 
 def test_world_size_from_checkpoint_config(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")  # 4 attention heads, 8 mamba heads, 4 experts
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=8"))
+    err = _error(f"model.checkpoint={ckpt}", "world_size=8")
     assert "attention heads=4" in err.problem and "experts=4" in err.problem
 
 
-def test_world_size_on_cpu_is_refused(fakes, tmp_path, monkeypatch):
+def test_world_size_on_cpu_is_refused(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     # the engine has no tensor parallelism: that is the refusal, without a device hint that leads nowhere
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2"))
+    err = _error(f"model.checkpoint={ckpt}", "world_size=2")
     assert "does not implement tensor parallelism" in err.problem
     assert "world_size=1" in err.fix and "runtime=gpu" not in err.fix
 
-    class ParallelEngine:  # an engine that would take world_size: then the CPU is the obstacle
-        @classmethod
-        def from_pretrained(cls, path, *, world_size=1, **options):
-            raise AssertionError("not reached")
-
-    monkeypatch.setattr(app, "_engine_class", lambda: ParallelEngine)
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2"))
-    assert "world_size=2 on the CPU" in err.problem and "world_size=1" in err.fix
 
 
 def test_world_size_needs_engine_support(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "world_size=2", "runtime=gpu"))
+    err = _error(f"model.checkpoint={ckpt}", "world_size=2", "runtime=gpu")
     assert "does not implement tensor parallelism" in err.problem
 
 
 def test_models_root_needed(fakes):
-    err = _error(_cfg("model=qwen3_next_mtp"))
+    err = _error("model=qwen3_next_mtp")
     assert "needs models_root" in err.problem
     assert "$LLM_MODELS_ROOT" in err.fix and "models_root=" in err.fix and "model.checkpoint=" in err.fix
 
@@ -256,27 +263,28 @@ def test_incomplete_checkpoint(fakes, tmp_path, remove, problem):
     root = tmp_path / "models"
     ckpt = root / "Qwen3-Next-80B-A3B-Instruct"
     if remove is not None:
-        qwen = {"hidden_size": 2048, "vocab_size": 151936, "num_attention_heads": 16,
+        qwen = {"model_type": "qwen3_next", "hidden_size": 2048, "vocab_size": 151936,
+                "num_attention_heads": 16,
                 "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
                 "num_hidden_layers": 48,
                 "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                 "linear_value_head_dim": 128}
         make_checkpoint(ckpt, sharded=sharded, config=qwen)
         (ckpt / remove).unlink()
-    err = _error(_cfg("model=qwen3_next_mtp", f"models_root={root}"))
+    err = _error("model=qwen3_next_mtp", f"models_root={root}")
     assert str(ckpt) in err.problem and problem in err.problem
     assert "models_root / $LLM_MODELS_ROOT" in err.problem  # which setting points there
 
 
 def test_embedded_checkpoint_missing(fakes, tmp_path):
-    err = _error(_cfg("model=tiny_qwen3_next_mtp", "model.checkpoint=not_built_yet"))
+    err = _error("model=tiny_qwen3_next_mtp", "model.checkpoint=not_built_yet")
     assert "registry/checkpoints/not_built_yet does not exist" in err.problem
     assert "python -m runners.tiny" in err.fix
 
 
 def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    err = _error(_cfg("model=super_v3_mtp", f"model.checkpoint={ckpt}"))
+    err = _error("model=super_v3_mtp", f"model.checkpoint={ckpt}")
     assert "arch: block disagrees" in err.problem
     assert "arch.hidden_size: entry 4096, config.json 64" in err.problem
 
@@ -296,8 +304,48 @@ def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
 )
 def test_bad_values(fakes, tmp_path, override, problem):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    err = _error(_cfg(f"model.checkpoint={ckpt}", override))
+    err = _error(f"model.checkpoint={ckpt}", override)
     assert problem in err.problem and err.fix
+
+
+SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+# config.json of the released Nemotron 3 Super (the sizes of registry/model/super_v3_mtp.yaml)
+SUPER_CONFIG = {
+    "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "num_attention_heads": 32,
+    "num_key_value_heads": 2, "head_dim": 128, "hybrid_override_pattern": SUPER_PATTERN,
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "n_routed_experts": 512, "num_experts_per_tok": 22, "num_nextn_predict_layers": 1,
+}
+
+
+@pytest.mark.parametrize(
+    "overrides, problem, fix",
+    [
+        (["model.quant=fp8"], "sets quant=fp8, but the engine has no FP8 path yet", "quant: none"),
+        (["model.quant=nvfp4"], "no NVFP4 path yet", "model.quant=none"),
+        (["model.kv_cache_quant=fp8"], "kv_cache_quant=fp8, but the engine keeps its KV cache in float32",
+         "model.kv_cache_quant=none"),
+        (["model.cuda_graph_batch_sizes=[1,2,4]"], "does not capture CUDA graphs yet",
+         "model.cuda_graph_batch_sizes=[]"),
+        (["model.speculative.num_nextn_predict_layers=2"],
+         "speculative.num_nextn_predict_layers is 2, but", "num_nextn_predict_layers: 1"),
+    ],
+)
+def test_registry_fields_the_engine_cannot_honour_are_refused(fakes, tmp_path, overrides, problem, fix):
+    """Until the engine implements a field, a run that needs it stops with its name (not an fp8 entry run in
+    float32 and judged against fp8 rows); num_nextn_predict_layers must be the checkpoint's MTP count."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    err = _error(f"model.checkpoint={ckpt}", *overrides)
+    assert problem in err.problem and fix in err.fix
+
+
+def test_shipped_entry_with_cuda_graphs_is_refused_at_run_time(fakes, tmp_path):
+    """super_v3_mtp lists cuda_graph_batch_sizes: it validates (tests/test_registry.py), and a run stops."""
+    root = tmp_path / "models"
+    make_checkpoint(root / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16", config=SUPER_CONFIG)
+    err = _error("model=super_v3_mtp", f"models_root={root}")
+    assert "cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64]" in err.problem
+    assert "does not capture CUDA graphs yet" in err.problem and "model.cuda_graph_batch_sizes=[]" in err.fix
 
 
 @pytest.mark.parametrize(
@@ -314,12 +362,14 @@ def test_bad_values(fakes, tmp_path, override, problem):
         (["model=qwen3_next_mtp", "hydra.run.dir=/tmp/x"], None, None),
     ],
 )
-def test_preflight(overrides, problem, fix):
+def test_composition_errors(overrides, problem, fix):
+    """Unknown keys / options / entries, found by Hydra against the structured schema while it composes
+    (registry.compose translates them), with the closest valid names."""
     if problem is None:
-        app.preflight(overrides)
+        compose_config(overrides)
         return
     with pytest.raises(UserError) as e:
-        app.preflight(overrides)
+        compose_config(overrides)
     assert problem in e.value.problem and fix in e.value.fix
 
 
@@ -357,12 +407,11 @@ import sys
 sys.path.insert(0, {tests!r})
 import test_app
 from runners import app
-app._engine_class = lambda: test_app.FakeEngine
+app.Engine = test_app.FakeEngine
 def evaluate(engine, tokenizer_path, **kw):
-    from types import SimpleNamespace
-    return SimpleNamespace(scores={{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
-                           stats=test_app.FakeStats(), samples_path=kw["out_dir"] + "/samples.jsonl")
-app._evaluate_fn = lambda: evaluate
+    return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
+                                kw["out_dir"] + "/samples.jsonl")
+app.evaluate_gsm8k = evaluate
 '''
 
 
@@ -386,7 +435,7 @@ def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_gpu_runtime_without_cuda(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    err = _error(_cfg(f"model.checkpoint={ckpt}", "runtime=gpu"))
+    err = _error(f"model.checkpoint={ckpt}", "runtime=gpu")
     assert "CUDA is not available" in err.problem and "runtime=cpu" in err.fix
 
 
@@ -394,14 +443,14 @@ def test_broken_config_json_and_tokenizer_are_user_errors(fakes, tmp_path):
     """Found by a newcomer's attack: these used to end in a JSONDecodeError / tokenizers traceback."""
     ckpt = make_checkpoint(tmp_path / "bad_json")
     (ckpt / "config.json").write_text("{not json")
-    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o1'}"))
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o1'}")
     assert "config.json cannot be read as JSON" in err.problem and "config.json" in err.fix
     (ckpt / "config.json").write_text("[1, 2]")
-    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o2'}"))
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o2'}")
     assert "is not a JSON object (got list)" in err.problem
     ckpt = make_checkpoint(tmp_path / "bad_tok")
     (ckpt / "tokenizer.json").write_text('{"model": 5}')
-    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o3'}"))
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o3'}")
     assert "tokenizer.json cannot be loaded" in err.problem
 
 
@@ -409,20 +458,20 @@ def test_out_dir_that_is_a_file_or_holds_the_other_kind_of_run(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     afile = tmp_path / "afile"
     afile.write_text("x")
-    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={afile}"))
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={afile}")
     assert "is not a folder" in err.problem
     compare_dir = tmp_path / "cmp"
     (compare_dir / "replay").mkdir(parents=True)
     (compare_dir / "replay" / "generations.jsonl").write_text("{}\n")
     for extra in ([], ["resume=true"]):
-        err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={compare_dir}",
-                          *extra))
+        err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={compare_dir}",
+                          *extra)
         assert "holds a compare=replay run" in err.problem
     single = tmp_path / "single"
     single.mkdir()
     (single / "generations.jsonl").write_text("{}\n")
-    err = _error(_cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={single}",
-                      "compare=replay", "resume=true"))
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={single}",
+                      "compare=replay", "resume=true")
     assert "holds a single run" in err.problem
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from test_app import FAKE_SITECUSTOMIZE, FakeEngine, _cfg, fakes, make_checkpoint  # noqa: F401
 
-import evals.baselines
+import registry.baselines
+from registry.errors import UserError
+from registry.schema import REPO_ROOT
 from runners import app
-from runners.app import REPO_ROOT
-from runners.errors import UserError
 
 # Reference 50 % with a per-row sigma of 10 points; the fake run scores n = 4 samples. By hand:
 #   scale     = sqrt(2 * 10^2 / 4)                        = 7.0710678
@@ -45,28 +45,28 @@ models:
 
 @pytest.fixture
 def baselines(tmp_path, monkeypatch):
-    """Point evals.baselines at test-owned files; returns a function that rewrites the rate floor."""
+    """Point registry.baselines at test-owned files; returns a function that rewrites the rate floor."""
 
     def write(rate_floor: float = 0.4) -> None:
         (tmp_path / "gsm8k.yaml").write_text(GSM8K_YAML)
         (tmp_path / "acceptance.yaml").write_text(ACCEPTANCE_YAML.replace("RATE_FLOOR", str(rate_floor)))
 
     write()
-    monkeypatch.setattr(evals.baselines, "GSM8K_BASELINES", tmp_path / "gsm8k.yaml")
-    monkeypatch.setattr(evals.baselines, "ACCEPTANCE_BASELINES", tmp_path / "acceptance.yaml")
+    monkeypatch.setattr(registry.baselines, "GSM8K_BASELINES", tmp_path / "gsm8k.yaml")
+    monkeypatch.setattr(registry.baselines, "ACCEPTANCE_BASELINES", tmp_path / "acceptance.yaml")
     return write
 
 
 def _scores(monkeypatch, strict: float, flexible: float) -> None:
     """Make the fake evaluation of test_app report these fractions (n = 4)."""
-    inner = app._evaluate_fn()
+    inner = app.evaluate_gsm8k
 
     def evaluate(*args, **kw):
         result = inner(*args, **kw)
         result.scores = {"strict_match": strict, "flexible_extract": flexible, "n": 4}
         return result
 
-    monkeypatch.setattr(app, "_evaluate_fn", lambda: evaluate)
+    monkeypatch.setattr(app, "evaluate_gsm8k", evaluate)
 
 
 def _run(tmp_path, *overrides):
@@ -242,9 +242,10 @@ def test_run_py_exit_status_one_when_a_check_fails(baselines, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     site = tmp_path / "site"
     site.mkdir()
-    patch_baselines = (f"import evals.baselines, pathlib\n"
-                       f"evals.baselines.GSM8K_BASELINES = pathlib.Path({str(tmp_path / 'gsm8k.yaml')!r})\n"
-                       f"evals.baselines.ACCEPTANCE_BASELINES = pathlib.Path("
+    patch_baselines = (f"import registry.baselines, pathlib\n"
+                       f"registry.baselines.GSM8K_BASELINES = pathlib.Path("
+                       f"{str(tmp_path / 'gsm8k.yaml')!r})\n"
+                       f"registry.baselines.ACCEPTANCE_BASELINES = pathlib.Path("
                        f"{str(tmp_path / 'acceptance.yaml')!r})\n")
     tests_dir = str(Path(__file__).parent)
     (site / "sitecustomize.py").write_text(FAKE_SITECUSTOMIZE.format(tests=tests_dir) + patch_baselines)

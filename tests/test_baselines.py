@@ -1,4 +1,4 @@
-"""Loading, validation and row lookup of registry/baselines/*.yaml (evals.baselines)."""
+"""Loading, validation and row lookup of registry/baselines/*.yaml (registry.baselines)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import yaml
 
-from evals.baselines import (
+from registry.baselines import (
     BaselineError,
     find_acceptance_reference,
     find_gsm8k_reference,

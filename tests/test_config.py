@@ -9,9 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from registry.schema import entry_names
-from runners.app import CONFIG_DIR, REPO_ROOT, resolve
-from runners.errors import UserError
+from registry.compose import CONFIG_DIR
+from registry.errors import UserError
+from registry.resolve import resolve
+from registry.schema import REPO_ROOT, entry_names
 
 ENTRIES = entry_names()
 
@@ -37,8 +38,7 @@ def _divides_heads(arch, world_size: int) -> bool:
 @pytest.mark.parametrize("name", ENTRIES)
 def test_entry_composes_with_sweep(name):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        own = resolve(compose("config", overrides=[f"model={name}"]), entry_name=name,
-                      check_checkpoint=False, check_runtime=False)
+        own = resolve(compose("config", overrides=[f"model={name}"]), entry_name=name, check_checkpoint=False)
         assert own.entry.name == name
         assert own.ssm_replay == own.entry.ssm.replay and own.world_size == own.entry.world_size
         for ssm_replay in (True, False):
@@ -48,9 +48,9 @@ def test_entry_composes_with_sweep(name):
                 if world_size > 1 and not _divides_heads(own.arch, world_size):
                     # e.g. the tiny checkpoints (6 attention heads): refused with the divisibility message.
                     with pytest.raises(UserError, match=f"world_size={world_size} does not divide"):
-                        resolve(cfg, entry_name=name, check_checkpoint=False, check_runtime=False)
+                        resolve(cfg, entry_name=name, check_checkpoint=False)
                     continue
-                rr = resolve(cfg, entry_name=name, check_checkpoint=False, check_runtime=False)
+                rr = resolve(cfg, entry_name=name, check_checkpoint=False)
                 # Top-level settings override the entry's; the entry itself is unchanged.
                 assert (rr.ssm_replay, rr.world_size) == (ssm_replay, world_size)
                 assert rr.entry.world_size == own.entry.world_size

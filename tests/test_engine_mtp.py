@@ -343,7 +343,8 @@ def test_generation_stats_raw_sums_and_derived_metrics():
     assert d["acceptance_per_position"] == [0.75, 0.5, 0.25]
     assert GenerationStats.from_dict(d) == s
     assert s.acceptance() == {"rate": 0.5, "length": 2.5, "per_position": [0.75, 0.5, 0.25], "drafted": 12,
-                              "accepted": 6}
+                              "accepted": 6, "request_steps": 4, "accepted_per_position": [3, 2, 1],
+                              "num_accepted_hist": [0, 1, 1, 1, 1]}
     total = s + GenerationStats.from_dict(d)
     assert total.accepted_per_position == [6, 4, 2] and total.acceptance_rate == 0.5
     with pytest.raises(ValueError, match=r"\[0, K=3\]"):

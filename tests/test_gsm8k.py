@@ -22,7 +22,8 @@ from test_gsm8k_fakes import (
 )
 from tokenizers import Tokenizer
 
-from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, merge_stats
+import evals.data
+from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, scored_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
@@ -246,6 +247,7 @@ def test_no_data_dir_offline_names_the_env_var(tokenizer_path, gsm8k_dir, tmp_pa
     if not datasets.config.HF_DATASETS_OFFLINE:
         pytest.skip("HF_DATASETS_OFFLINE was not set before datasets was imported; the hub would be tried")
     monkeypatch.delenv("GSM8K_DIR", raising=False)
+    monkeypatch.setattr(evals.data, "SIBLING_DIR", tmp_path / "no_shared_here")  # no local copy at all
     with pytest.raises(GSM8KDataError, match=r"openai/gsm8k could not be loaded(.|\n)*fix: set GSM8K_DIR="):
         _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, None, tmp_path)
 
@@ -262,21 +264,32 @@ def test_resume_refuses_generations_of_another_engine_setting(tokenizer_path, gs
     assert res.num_resumed == 2 and engine.calls == []
 
 
-def test_merge_stats_sums_counts_and_lists_and_recomputes_rates():
-    parts = [
-        {"wall_seconds": 1.0, "num_requests": 2, "engine_stats": {
-            "generated_tokens": 10, "drafted_tokens": 6, "accepted_drafts": 3, "request_steps": 4,
-            "accepted_per_position": [2, 1], "num_accepted_hist": [0, 1, 2, 1], "acceptance_rate": 0.5,
-            "acceptance_per_position": [0.5, 0.25], "family": "nemotron_h"}},
-        {"wall_seconds": 2.0, "num_requests": 1, "engine_stats": {
-            "generated_tokens": 5, "drafted_tokens": 4, "accepted_drafts": 4, "request_steps": 2,
-            "accepted_per_position": [2, 2], "num_accepted_hist": [0, 0, 0, 2], "acceptance_rate": 1.0,
-            "acceptance_per_position": [1.0, 1.0], "family": "nemotron_h"}},
+def test_scored_stats_sums_counts_and_lists_and_recomputes_rates():
+    """Counters are the sums of the scored requests' own counters (runners.engine.GenerationStats), their
+    ratios recomputed from the sums; timing comes from the generate calls."""
+    records = [
+        {"key": "a", "request_stats": {
+            "generated_tokens": 10, "prompt_tokens": 7, "drafted_tokens": 6, "accepted_drafts": 3,
+            "request_steps": 4, "accepted_per_position": [2, 1], "num_accepted_hist": [0, 1, 2, 1]}},
+        {"key": "b", "request_stats": {
+            "generated_tokens": 5, "prompt_tokens": 3, "drafted_tokens": 4, "accepted_drafts": 4,
+            "request_steps": 2, "accepted_per_position": [2, 2], "num_accepted_hist": [0, 0, 0, 2]}},
+        {"key": "c", "request_stats": None},
     ]
-    m = merge_stats(parts)
+    parts = [{"wall_seconds": 1.0, "num_requests": 2, "engine_stats": {
+                  "generated_tokens": 12, "prompt_tokens": 9, "prefill_seconds": 0.5, "decode_seconds": 2.0,
+                  "steps": 7, "acceptance_rate": 0.5}},
+             {"wall_seconds": 2.0, "num_requests": 1, "engine_stats": {
+                  "generated_tokens": 5, "prompt_tokens": 3, "prefill_seconds": 0.25, "decode_seconds": 1.0,
+                  "steps": 2}}]
+    m = scored_stats(records, parts)
+    assert m["num_requests"] == 2 and m["requests_without_stats"] == 1
     assert m["generated_tokens"] == 15 and m["drafted_tokens"] == 10 and m["accepted_drafts"] == 7
     assert m["accepted_per_position"] == [4, 3] and m["num_accepted_hist"] == [0, 1, 2, 3]
     assert m["acceptance_rate"] == 0.7 and m["acceptance_length"] == 1 + 7 / 6
     assert m["acceptance_per_position"] == [4 / 6, 3 / 6]  # from the summed counts, not a sum of fractions
-    assert m["family"] == "nemotron_h" and m["wall_seconds"] == 3.0 and m["num_parts"] == 2
-    assert merge_stats([]) == {"wall_seconds": 0.0, "num_parts": 0}
+    assert (m["prefill_seconds"], m["decode_seconds"], m["steps"]) == (0.75, 3.0, 9)
+    assert (m["timing_prompt_tokens"], m["timing_generated_tokens"]) == (12, 17)
+    assert m["wall_seconds"] == 3.0 and m["num_parts"] == 2
+    empty = scored_stats([], [])
+    assert empty["num_requests"] == 0 and empty["acceptance_rate"] is None and empty["num_parts"] == 0

@@ -11,18 +11,19 @@ from omegaconf import OmegaConf
 
 import registry.validate as registry_validate
 from registry.__main__ import main as registry_main
-from registry.arch import arch_from_hf_config, check_world_size, world_size_problems
+from registry.arch import arch_from_config, check_world_size, world_size_problems
+from registry.errors import UserError
+from registry.hf_config import HybridConfig
+from registry.resolve import plain
 from registry.schema import (
     MODEL_DIR,
+    REPO_ROOT,
     ArchConfig,
-    Family,
     check_entry_file,
     entry_names,
     unknown_entry_error,
     validate_entry,
 )
-from runners.app import REPO_ROOT, _plain
-from runners.errors import UserError
 
 SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -106,37 +107,42 @@ def _super_hf_config(**overrides) -> dict:
 
 def test_super_arch_block_matches_released_config_layout():
     entry = validate_entry(_raw("super_v3_mtp"), name="super_v3_mtp")
-    assert _plain(arch_from_hf_config(_super_hf_config(), Family.nemotron_h)) == _plain(entry.arch)
+    assert plain(arch_from_config(HybridConfig.from_dict(_super_hf_config()))) == plain(entry.arch)
     # transformers 5 spells the same layout as a list of block types.
     kinds = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
     as_list = _super_hf_config(layers_block_type=[kinds[c] for c in SUPER_PATTERN])
     del as_list["hybrid_override_pattern"]
-    assert _plain(arch_from_hf_config(as_list, "nemotron_h")) == _plain(entry.arch)
+    assert plain(arch_from_config(HybridConfig.from_dict(as_list))) == plain(entry.arch)
 
 
 def test_qwen3_next_arch_block_matches_transformers_config():
     from transformers import Qwen3NextConfig  # its defaults are Qwen3-Next-80B-A3B's dimensions
 
     entry = validate_entry(_raw("qwen3_next_mtp"), name="qwen3_next_mtp")
-    assert _plain(arch_from_hf_config(Qwen3NextConfig().to_dict(), "qwen3_next")) == _plain(entry.arch)
+    assert plain(arch_from_config(HybridConfig.from_dict(Qwen3NextConfig().to_dict()))) == plain(entry.arch)
 
 
 def test_arch_from_incomplete_config():
+    """A field transformers has a default for takes it (one parser: the engine builds the same model); one the
+    family has no default for is an error naming it."""
     cfg = _super_hf_config()
     del cfg["ssm_state_size"]
-    with pytest.raises(UserError, match="lacks the key 'ssm_state_size'"):
-        arch_from_hf_config(cfg, "nemotron_h")
+    assert arch_from_config(HybridConfig.from_dict(cfg)).mamba.d_state == 128  # NemotronHConfig's default
+    del cfg["hidden_size"]
+    with pytest.raises(UserError, match="hidden_size is missing"):
+        HybridConfig.from_dict(cfg)
 
 
 def test_world_size_divisibility():
-    arch: ArchConfig = arch_from_hf_config(_super_hf_config(), "nemotron_h")
+    arch: ArchConfig = arch_from_config(HybridConfig.from_dict(_super_hf_config()))
     assert world_size_problems(arch, 4) == {}  # 2 KV heads are replicated over 4 ranks
     assert world_size_problems(arch, 8) == {}
     with pytest.raises(UserError) as e:
         check_world_size(arch, 3, "super_v3_mtp")
     assert "world_size=3 does not divide" in e.value.problem and "mamba heads=128" in e.value.problem
     assert "[1, 2, 4, 8]" in e.value.fix
-    odd = arch_from_hf_config(_super_hf_config(n_routed_experts=6), "nemotron_h")
+    odd = _super_hf_config(n_routed_experts=6, num_experts_per_tok=2)
+    odd = arch_from_config(HybridConfig.from_dict(odd))
     assert world_size_problems(odd, 4) == {"experts": 6}
 
 
@@ -161,7 +167,7 @@ def test_registry_validate_cli_passes():
 
 def test_registry_validate_reports_missing_baseline(monkeypatch, tmp_path, capsys):
     """An entry whose baseline key or matching row is missing fails validation, naming file, key and rows."""
-    import evals.baselines as baselines
+    import registry.baselines as baselines
 
     gsm8k = tmp_path / "gsm8k.yaml"
     gsm8k.write_text(
@@ -186,11 +192,8 @@ def test_registry_validate_reports_missing_baseline(monkeypatch, tmp_path, capsy
 def test_registry_validate_reports_bad_entry(monkeypatch, capsys):
     real_compose = registry_validate.compose_entry
 
-    def compose_with_typo(name, overrides=None):
-        cfg = real_compose(name, overrides)
-        OmegaConf.set_struct(cfg, False)
-        cfg.model.spec_decoding = {"draft_len": 3}
-        return cfg
+    def compose_with_typo(name, overrides=None):  # Hydra's `+` adds a key the schema does not have
+        return real_compose(name, [*(overrides or []), "+model.spec_decoding.draft_len=3"])
 
     monkeypatch.setattr(registry_validate, "compose_entry", compose_with_typo)
     assert registry_main(["validate", "tiny_qwen3_next_mtp"]) == 1

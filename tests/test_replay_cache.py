@@ -22,13 +22,14 @@ import yaml
 from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels import gdn, mamba2
+from registry.arch import config_from_arch
+from registry.schema import validate_entry
 from runners.cache import (
     CACHE_LAYOUTS,
     BatchMeta,
     HybridCache,
     Mamba2ReplayState,
     cache_memory_bytes,
-    config_from_arch,
 )
 from runners.models.config import HybridConfig
 from runners.models.hybrid import HybridLM
@@ -255,7 +256,7 @@ def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, chec
 
 def _registry_memory(entry: str, replay: bool) -> dict[str, int]:
     doc = yaml.safe_load((REPO / "registry/model" / f"{entry}.yaml").read_text())
-    config = config_from_arch(doc["arch"], doc["family"])
+    config = config_from_arch(validate_entry(doc, name=entry).arch, doc["family"])
     K = doc["speculative"]["draft_len"]
     return cache_memory_bytes(
         config, model_cache_kinds(config), max_batch_size=doc["max_batch_size"],

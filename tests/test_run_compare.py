@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from test_app import FakeEngine, FakeStats, _cfg, fakes, make_checkpoint  # noqa: F401
+from test_app import FakeEngine, _cfg, fake_result, fakes, make_checkpoint  # noqa: F401
 
+from registry.errors import UserError
 from runners import app
-from runners.errors import UserError
 
 N = 6
 
@@ -37,14 +36,14 @@ def _scripted_evaluate(flip_doc: int | None, diverge_doc: int | None):
         (out / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         (out / "generations.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gens))
         n_right = sum(s["correct"]["strict_match"] for s in samples)
-        return SimpleNamespace(scores={"strict_match": n_right / N, "flexible_extract": n_right / N, "n": N},
-                               stats=FakeStats(), samples_path=out / "samples.jsonl")
+        return fake_result({"strict_match": n_right / N, "flexible_extract": n_right / N, "n": N},
+                           out / "samples.jsonl")
 
     return evaluate
 
 
 def _compare(tmp_path, monkeypatch, flip_doc, diverge_doc, *overrides):
-    monkeypatch.setattr(app, "_evaluate_fn", lambda: _scripted_evaluate(flip_doc, diverge_doc))
+    monkeypatch.setattr(app, "evaluate_gsm8k", _scripted_evaluate(flip_doc, diverge_doc))
     ckpt = tmp_path / "ckpt"
     if not ckpt.exists():
         make_checkpoint(ckpt)

@@ -22,9 +22,9 @@ from test_app import _cfg, make_checkpoint
 from test_gsm8k_fakes import FakeEngine, answer_policy, last_question, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
+from registry.errors import UserError
+from registry.schema import REPO_ROOT
 from runners import app
-from runners.app import REPO_ROOT
-from runners.errors import UserError
 
 LIMIT = 6
 KILL_AFTER = 3  # samples on disk when the run is killed
@@ -34,7 +34,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import test_run_resume
 from runners import app
-app._engine_class = lambda: test_run_resume.ScriptedEngine
+app.Engine = test_run_resume.ScriptedEngine
 '''
 
 
@@ -52,6 +52,7 @@ class ScriptedEngine(FakeEngine):
                      lambda p: complete(last_question(p)), max_batch_size=2, step_delay=0.002,
                      hang_after=int(hang) if hang else None)
         engine.config = SimpleNamespace(eos_token_id=2, options=sorted(options))
+        engine.ssm_backend = options["ssm_backend"]
         return engine
 
     def cache_memory(self):
@@ -86,7 +87,7 @@ def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tm
     # The uninterrupted reference, in process (same fake engine, same app code).
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     monkeypatch.delenv("SCRIPTED_HANG_AFTER", raising=False)
-    monkeypatch.setattr(app, "_engine_class", lambda: ScriptedEngine)
+    monkeypatch.setattr(app, "Engine", ScriptedEngine)
     ref = app.run(_cfg(*common, f"out_dir={tmp_path / 'ref'}"))
     assert ref["gsm8k"]["strict_match"] == 0.5 and ref["gsm8k"]["n"] == LIMIT  # every other one right
 

@@ -17,7 +17,7 @@ import yaml
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from registry.arch import arch_from_hf_config
+from registry.arch import arch_from_config
 from runners.loader import load_model
 from runners.models.config import HybridConfig
 from runners.synth import (
@@ -49,7 +49,7 @@ SMALL = {
 def test_release_config_agrees_with_the_registry_entry(family):
     """The full-size synthetic config.json is the release's: the registry entry's arch: block equals it."""
     entry = yaml.safe_load((REPO / "registry" / "model" / f"{ENTRIES[family]}.yaml").read_text())
-    arch = asdict(arch_from_hf_config(synth_config(family), family))
+    arch = asdict(arch_from_config(HybridConfig.from_dict(synth_config(family))))
     assert {k: arch[k] for k in entry["arch"]} == entry["arch"]
     assert all(not arch[k] for k in set(arch) - set(entry["arch"]))  # fields the entry leaves at 0 / null
     hc = HybridConfig.from_dict(synth_config(family))

@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from evals.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
 from evals.verdict import (
     FAIL,
     NO_REFERENCE,
@@ -20,6 +19,7 @@ from evals.verdict import (
     gsm8k_hypothesis_test,
     gsm8k_score_pct,
 )
+from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
 
 # Phi^-1(0.05) = -1.6448536, Phi^-1(0.2) = -0.8416212 (standard normal quantiles).
 # n = 1319, sigma = 50: scale = sqrt(2 * 50^2 / 1319) = sqrt(5000 / 1319) = sqrt(3.7907506) = 1.9469850
@@ -95,7 +95,7 @@ def test_gsm8k_check_pass_and_fail_at_the_threshold():
 def test_gsm8k_check_that_cannot_fail_says_so():
     """The tiny model's reference (1.90 %) at n = 20: threshold = 1.90 - 1.6449 * sqrt(5000 / 20) < 0, so a
     score of 0 passes; the note and the printed verdict line say the check has no power there."""
-    from runners.app import _format_check
+    from evals.report import _format_check
 
     ref = find_gsm8k_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
     small, full = check_gsm8k(0.0, 0.0, 20, ref), check_gsm8k(0.0, 0.0, 1319, ref)

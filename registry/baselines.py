@@ -2,8 +2,9 @@
 
 The data lives in registry/baselines/{gsm8k,acceptance}.yaml (format: registry/baselines/README.md).
 This module loads and validates those files and finds the row that applies to a run; it computes nothing
-(the pass/fail arithmetic is in evals.verdict). Errors are `BaselineError(problem, fix)`, naming the file,
-the key and the allowed values, so the application can print them as user errors.
+(the pass/fail arithmetic is in evals.verdict). It lives in the registry because the files are registry data:
+`python -m registry validate` checks with these same lookups that every entry's rows exist. Errors are
+`BaselineError`, a registry.errors.UserError naming the file, the key and the allowed values.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BASELINES_DIR = REPO_ROOT / "registry" / "baselines"
+from registry.errors import UserError
+from registry.schema import BASELINES_DIR, DType, KVCacheQuant, Quant, SpecAlgorithm
+
 GSM8K_BASELINES = BASELINES_DIR / "gsm8k.yaml"
 ACCEPTANCE_BASELINES = BASELINES_DIR / "acceptance.yaml"
 
 SCHEMA_VERSION = 1
 
-# Allowed values of the matching columns. Lookups normalise case and the aliases below first.
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTS = ("none", "fp8", "nvfp4")
-KV_CACHE_QUANTS = ("none", "fp8")
-SPEC_DECS = ("none", "mtp")
+# Allowed values of the matching columns: the registry schema's. Lookups normalise case and the aliases below.
+DTYPES = tuple(v.value for v in DType)
+QUANTS = tuple(v.value for v in Quant)
+KV_CACHE_QUANTS = tuple(v.value for v in KVCacheQuant)
+SPEC_DECS = tuple(v.value for v in SpecAlgorithm)
 # Which GSM8K number a reference is: lm-eval exact_match under one filter, or the mean of the two filters
 # (TensorRT-LLM's accuracy suite compares the mean of every non-stderr metric of the task).
 METRICS = ("mean", "strict_match", "flexible_extract")
@@ -63,18 +65,8 @@ _ACC_LENGTH_KEYS = {"reference", "floor", "rel_tolerance"}
 _ACC_ENTRY_KEYS = {"description", "rows"}
 
 
-class BaselineError(ValueError):
-    """A baseline file is malformed, or no reference row applies to a run.
-
-    Attributes:
-        problem: what is wrong, naming the file and key.
-        fix: what the user can do about it.
-    """
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(f"{problem}\n  fix: {fix}")
-        self.problem = problem
-        self.fix = fix
+class BaselineError(UserError):
+    """A baseline file is malformed, or no reference row applies to a run (problem names the file and key)."""
 
 
 def normalize(value: Any, allowed: tuple[str, ...], what: str) -> str:

@@ -1,0 +1,35 @@
+"""Where GSM8K is read from: the one lookup of the data folder, for evaluation, training and the tests.
+
+A GSM8K folder holds `train.jsonl` and `test.jsonl` (rows {"question", "answer"}). The folder is, in order:
+the one the caller names (`eval.data_dir`, `--data-dir`), else `$GSM8K_DIR`, else `../shared/data/gsm8k`
+beside the checkout (the layout of the project's machines and CI) when it exists, else none: evaluation then
+reads the hub dataset `openai/gsm8k`. Light on purpose (no lm-eval, no torch): the tiny-model tools import it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_ENV = "GSM8K_DIR"
+HUB_DATASET = "openai/gsm8k"
+SPLITS = ("train", "test")
+SIBLING_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def gsm8k_dir(configured: str | os.PathLike | None = None, *, setting: str = "eval.data_dir"
+              ) -> tuple[Path | None, str]:
+    """(folder, where it came from) by the lookup above; (None, "hub:openai/gsm8k") when no folder is known.
+
+    configured: the folder the caller was given (None or "" when not). setting: its name, for messages.
+    The folder is returned as given, expanded (~) and absolute; whether it holds the splits is the reader's
+    check (evals.gsm8k names the origin in its error).
+    """
+    if configured is not None and str(configured) != "":
+        return Path(configured).expanduser().resolve(), setting
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env).expanduser().resolve(), f"${DATA_ENV}"
+    if SIBLING_DIR.is_dir():
+        return SIBLING_DIR.resolve(), "../shared/data/gsm8k beside the checkout"
+    return None, f"hub:{HUB_DATASET}"

@@ -1,0 +1,139 @@
+"""Composing the run config with Hydra, with every user mistake reported as a UserError.
+
+configs/config.yaml extends the structured schema `run_schema` (registry.schema.RunConfig), so Hydra and
+OmegaConf type-check every value and reject unknown keys and options while they compose. This module adds
+what Hydra does not do, in the words of the fix:
+
+- `check_overrides`, before composition: the registry entries that `model=` overrides (or the default)
+  select pass the untrusted-input guard of registry.schema.check_entry_file before Hydra loads them;
+- `config_error`, after a failed composition: Hydra's MissingConfigException (an unknown option of a config
+  group) and ConfigCompositionException (an override OmegaConf refused; its cause carries `full_key` and the
+  schema class `object_type`) become a UserError naming the override, with the closest valid names.
+
+run.py runs `@hydra.main` with HYDRA_FULL_ERROR=1 (Hydra's documented switch that lets composition errors
+propagate) and hands them to `config_error`; `compose_config` does the same with Hydra's compose API, for
+`python -m registry validate` and the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from registry.errors import UserError
+from registry.schema import (
+    REPO_ROOT,
+    check_entry_file,
+    entry_names,
+    schema_fields,
+    unknown_entry_error,
+)
+
+CONFIG_DIR = REPO_ROOT / "configs"
+CONFIG_NAME = "config"
+
+
+def default_entry() -> str:
+    """The registry entry configs/config.yaml selects when no `model=` override is given."""
+    defaults = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())["defaults"]
+    return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Before Hydra composes: parse the command line's overrides and guard the entries they select.
+
+    Every `model=` choice (each option of a sweep `model=a,b` / `glob(...)`, or the default entry) must be a
+    registry entry whose raw file passes registry.schema.check_entry_file. Raises UserError.
+    """
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise UserError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}",
+                        "write each override as key=value (python run.py --help)") from None
+    models: list[str] = []
+    for o in parsed:
+        if o.key_or_group != "model" or o.is_delete():
+            continue
+        value = o.value()
+        if isinstance(value, Glob):
+            models += value.filter(entry_names())
+        elif o.is_sweep_override():
+            models += [str(v) for v in o.sweep_string_iterator()]
+        else:
+            models.append(str(value))
+    for name in models or [default_entry()]:
+        if name not in entry_names():
+            raise unknown_entry_error(name)
+        check_entry_file(name)
+
+
+def config_error(e: BaseException, overrides: list[str]) -> UserError | None:
+    """The UserError for an exception Hydra raised while composing with `overrides`; None when `e` is not a
+    composition problem (a bug, to be reported with its traceback)."""
+    if isinstance(e, MissingConfigException) and "/" in (e.missing_cfg_file or ""):
+        group, _, value = e.missing_cfg_file.rpartition("/")
+        if group == "model":
+            return unknown_entry_error(value)
+        options = list(e.options or [])
+        close = difflib.get_close_matches(value, options, n=1)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        return UserError(f"unknown {group} option {group}={value}",
+                         f"{hint}choose one of: {', '.join(options)}")
+    cause = e.__cause__
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        return override_error(cause, overrides)
+    if isinstance(e, HydraException):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return UserError(f"the config does not compose: {first}",
+                         "check the overrides (python run.py --help)")
+    return None
+
+
+def override_error(e: OmegaConfBaseException, overrides: list[str]) -> UserError:
+    """UserError for OmegaConf's complaint about a key of the run config (full_key from the root), naming the
+    override that set it (from `overrides`) and the closest keys of the schema class that refused it."""
+    key = e.full_key or "?"
+    parent, _, leaf = key.rpartition(".")
+    text = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)
+    if isinstance(e, ConfigKeyError | ConfigAttributeError):
+        allowed = schema_fields(e.object_type)
+        close = difflib.get_close_matches(leaf, allowed, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        return UserError(
+            f"unknown config key '{key}' in the override '{text}'",
+            f"{hint}known keys{' of ' + parent if parent else ''}: {', '.join(allowed)}",
+        )
+    msg = str(e).splitlines()[0]
+    types = {f.name: f.type for f in dataclasses.fields(e.object_type)} if dataclasses.is_dataclass(
+        e.object_type) else {}
+    where = "registry/schema.py" + (f", {e.object_type.__name__}" if types else "")
+    # an entry key is named as in registry files (ssm.backend); the override shows its place in the config
+    shown = key.removeprefix("model.") + "' of the registry entry" if key.startswith("model.") else f"{key}'"
+    return UserError(
+        f"bad value for '{shown} in the override '{text}': {msg}",
+        f"give {key} a value of type {types.get(leaf, 'the schema says')} ({where})",
+    )
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The config `python run.py <overrides>` composes (Hydra's compose API on configs/, from any cwd), after
+    check_overrides. Raises UserError for every problem run.py reports as one."""
+    overrides = list(overrides or [])
+    check_overrides(overrides)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            return compose(CONFIG_NAME, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as e:
+            err = config_error(e, overrides)
+            if err is None:
+                raise
+            raise err from None
+

@@ -1,0 +1,26 @@
+"""The one error type for problems the user can fix: a bad config, a missing checkpoint or baseline row.
+
+Raise `UserError(problem, fix)` (or a subclass naming the area, e.g. `registry.baselines.BaselineError`) for
+anything the user can correct; run.py prints it as `error: <problem>` / `  fix: <fix>` on stderr and exits
+with status 2, without a traceback. Bugs stay ordinary exceptions, with their traceback. The registry is the
+bottom layer of the project, so every folder can import this module.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """An input problem the user can fix.
+
+    problem: what is wrong, naming the file / key / value concerned.
+    fix: what to do about it (the setting to change, the command to run).
+    """
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}\n  fix: {fix}")
+        self.problem = problem
+        self.fix = fix
+
+    def format(self) -> str:
+        """The two lines run.py prints: `error: <problem>\\n  fix: <fix>`."""
+        return f"error: {self.problem}\n  fix: {self.fix}"

@@ -1,0 +1,227 @@
+"""The effective settings of one run: a composed config in, a checked ResolvedRun out (no weights loaded).
+
+Top-level settings (ssm_replay, draft_len, world_size, runtime.dtype, eval.batch_size) override the entry's;
+the checkpoint directory is found (absolute, under registry/checkpoints/ for embedded entries, else under
+models_root); the checkpoint's config.json, where present, gives the model dimensions and must agree with the
+entry. Everything here holds on any machine: what the engine of this machine can run is the runner's check
+(runners.app), and `python -m registry validate` resolves every entry with this same function.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from registry.arch import arch_from_config, arch_mismatch, check_world_size
+from registry.checkpoint import CONFIG_FILE, check_checkpoint_dir
+from registry.compose import override_error
+from registry.errors import UserError
+from registry.hf_config import HybridConfig
+from registry.schema import (
+    EMBEDDED_CHECKPOINTS_DIR,
+    ArchConfig,
+    ModelEntry,
+    RunConfig,
+    check_run_values,
+    entry_file,
+    entry_names,
+    resolve_speculation,
+    typed,
+    unknown_entry_error,
+    validate_entry,
+)
+
+
+@dataclass
+class ResolvedRun:
+    """The effective settings of one run, after every default and override is applied."""
+
+    entry: ModelEntry
+    run: RunConfig
+    ssm_replay: bool
+    world_size: int
+    draft_len: int
+    device: str
+    dtype: str  # compute dtype: runtime.dtype, else the entry's
+    max_batch_size: int
+    checkpoint_dir: Path
+    checkpoint_setting: str  # which setting points at checkpoint_dir (for error messages)
+    arch: ArchConfig | None  # None only when an embedded checkpoint is not there yet
+    checkpoint_config: HybridConfig | None  # the checkpoint's config.json, when it is on this machine
+
+    @property
+    def ssm_backend(self) -> str:
+        """The recurrent-kernel backend asked of the engine: the entry's on a GPU; "torch" (the kernels'
+        PyTorch references) on the CPU, where the Triton interpreter would be orders of magnitude slower."""
+        return self.entry.ssm.backend.value if self.device.startswith("cuda") else "torch"
+
+    @property
+    def ssm_replay_checkpointing(self) -> bool:
+        """The entry's checkpointing replay variant, in effect only when the run replays."""
+        return self.ssm_replay and self.entry.ssm.replay_checkpointing
+
+    @property
+    def spec_dec(self) -> str:
+        """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
+        return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (enums as their values, paths as strings): results.json's `config`."""
+        return {
+            "model": plain(self.entry),
+            "ssm_replay": self.ssm_replay,
+            "world_size": self.world_size,
+            "draft_len": self.draft_len,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_batch_size": self.max_batch_size,
+            "ssm_backend": self.ssm_backend,
+            "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
+            "checkpoint_dir": str(self.checkpoint_dir),
+            "arch": plain(self.arch) if self.arch is not None else None,
+            "eval": plain(self.run.eval),
+            "seed": self.run.seed,
+            "resume": self.run.resume,
+            "compare": self.run.compare,
+            "require_reference": self.run.verdict.require_reference,
+        }
+
+
+def plain(obj: Any) -> Any:
+    """A schema dataclass as plain JSON-able containers (enums as their values)."""
+    return OmegaConf.to_container(OmegaConf.structured(obj), enum_to_str=True)
+
+
+def hydra_choice(group: str) -> str | None:
+    """The option chosen for a config group (e.g. the registry entry name), when Hydra's run is active."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get(group)
+
+
+def _task_overrides() -> list[str]:
+    """The command line's overrides of the running Hydra job ([] outside one, e.g. the compose API)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _with_model_overrides(e: UserError) -> UserError:
+    """An entry check names the registry file; when model.* overrides were given, they may be the cause."""
+    given = [o for o in _task_overrides() if o.lstrip("+~").startswith("model.")]
+    if not given:
+        return e
+    fix = e.fix if "override" in e.fix else f"{e.fix}; or change the override"
+    return UserError(f"{e.problem} (the entry as changed by the override(s) {' '.join(given)})", fix)
+
+
+def run_config(cfg: DictConfig) -> RunConfig:
+    """The composed config as a typed RunConfig (interpolations resolved). A fresh schema node rejects keys
+    that Hydra's `+key=value` added without a check. Raises UserError."""
+    try:
+        return OmegaConf.to_object(typed(RunConfig, cfg))
+    except OmegaConfBaseException as e:
+        raise override_error(e, _task_overrides()) from None
+
+
+def checkpoint_path(entry: ModelEntry, models_root: str | None, *, required: bool = True) -> tuple[Path, str]:
+    """(checkpoint directory, the setting that points there) for an entry.
+
+    An absolute `checkpoint` is used as is; a relative one lies under registry/checkpoints/ for embedded
+    entries and under models_root ($LLM_MODELS_ROOT) otherwise. Raises UserError when models_root is needed
+    but unset, unless required=False (registry validation on a machine without the models): then the path is
+    only informative, "$LLM_MODELS_ROOT/<checkpoint>".
+    """
+    ckpt = Path(os.path.expanduser(entry.checkpoint))
+    if ckpt.is_absolute():
+        return ckpt, "model.checkpoint"
+    if entry.embedded:
+        return EMBEDDED_CHECKPOINTS_DIR / ckpt, "model.checkpoint (relative to registry/checkpoints/)"
+    if not models_root:
+        if not required:
+            return Path("$LLM_MODELS_ROOT") / entry.checkpoint, "models_root / $LLM_MODELS_ROOT"
+        raise UserError(
+            f"entry {entry.name} needs models_root: its checkpoint '{entry.checkpoint}' is relative to it",
+            "set $LLM_MODELS_ROOT or pass models_root=/path/to/models (the folder that holds "
+            f"{entry.checkpoint}/), or model.checkpoint=/absolute/path",
+        )
+    return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
+
+
+def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint: bool = True) -> ResolvedRun:
+    """Check a composed config and compute the effective settings of the run.
+
+    entry_name: the registry entry (file) composed as `model`; default: Hydra's choice, else model.name.
+    check_checkpoint=False: no models_root needed and no checkpoint directory checks (registry validation on
+    machines without the weights); a config.json that is there is still read and checked.
+    Raises UserError for: a bad registry entry or top-level value, the cross-setting rules of
+    registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / experts, a missing
+    / incomplete checkpoint, an entry arch: block or num_nextn_predict_layers that disagrees with config.json.
+    """
+    name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
+    if name not in entry_names():
+        raise unknown_entry_error(str(name))
+    try:
+        entry = validate_entry(cfg.model, name=name)
+    except UserError as e:
+        raise _with_model_overrides(e) from None
+    run = run_config(cfg)
+    check_run_values(run)
+    draft_len, ssm_replay = resolve_speculation(entry, run)
+    world_size = entry.world_size if run.world_size is None else run.world_size
+
+    # With an arch: block, check before the checkpoint: it holds on machines without the weights.
+    if entry.arch is not None:
+        check_world_size(entry.arch, world_size, name)
+    checkpoint_dir, setting = checkpoint_path(entry, run.models_root, required=check_checkpoint)
+    has_config = (checkpoint_dir / CONFIG_FILE).is_file()
+    ckpt_config = HybridConfig.from_pretrained(checkpoint_dir) if has_config else None
+    arch = entry.arch
+    if ckpt_config is not None:
+        if ckpt_config.family != entry.family.value:
+            raise _with_model_overrides(UserError(
+                f"{entry_file(name)} has family {entry.family.value}, but {ckpt_config.source} is a "
+                f"{ckpt_config.family} checkpoint (model_type)",
+                "point model.checkpoint at a checkpoint of the entry's family, or use an entry of that "
+                "family",
+            ))
+        ckpt_arch = arch_from_config(ckpt_config)
+        if arch is not None and (mismatch := arch_mismatch(arch, ckpt_arch)):
+            raise UserError(
+                f"{entry_file(name)} arch: block disagrees with {ckpt_config.source}: {'; '.join(mismatch)}",
+                "fix the arch: block (or set arch: null for an embedded checkpoint to read config.json)",
+            )
+        if arch is None:
+            arch = ckpt_arch
+            check_world_size(arch, world_size, name)
+        n_entry, n_ckpt = entry.speculative.num_nextn_predict_layers, ckpt_config.num_nextn_predict_layers
+        if n_entry != n_ckpt:
+            raise _with_model_overrides(UserError(
+                f"{entry_file(name)}: speculative.num_nextn_predict_layers is {n_entry}, but "
+                f"{ckpt_config.source} declares {n_ckpt} MTP module(s)",
+                f"set speculative.num_nextn_predict_layers: {n_ckpt} (the checkpoint's MTP module count)",
+            ))
+    if check_checkpoint:
+        check_checkpoint_dir(checkpoint_dir, setting)
+
+    return ResolvedRun(
+        entry=entry,
+        run=run,
+        ssm_replay=ssm_replay,
+        world_size=world_size,
+        draft_len=draft_len,
+        device=run.runtime.device,
+        dtype=(run.runtime.dtype or entry.dtype).value,
+        max_batch_size=run.eval.batch_size or entry.max_batch_size,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_setting=setting,
+        arch=arch,
+        checkpoint_config=ckpt_config,
+    )
