@@ -1,10 +1,11 @@
 """GSM8K accuracy of our engine through lm-evaluation-harness's stock `gsm8k` task, resumable.
 
-The task is lm-eval's own gsm8k.yaml (version 3.0: 5-shot from train, "Question: ...\\nAnswer:", greedy,
-stop at "Question:", "</s>", "<|im_end|>", filters strict-match and flexible-extract), pointed at local JSON
-files when a data directory is known (BRIEF.md 6). Generation goes through `evals.lm_adapter.EngineLM`, which
-streams every finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the
-rest.
+`lm_eval.simple_evaluate` runs lm-eval's own gsm8k.yaml (version 3.0: 5-shot from train, "Question:
+...\\nAnswer:", greedy, stop at "Question:", "</s>", "<|im_end|>", filters strict-match and flexible-extract),
+found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the `gsm8k_local` group
+of evals/tasks/ (the same task on the JSONL files of a local folder, passed as task metadata) when a folder
+is known (evals.data.gsm8k_dir). Generation goes through `evals.lm_adapter.EngineLM`, which streams every
+finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the rest.
 """
 
 from __future__ import annotations
@@ -17,18 +18,14 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import lm_eval
-import lm_eval.api.task
-from lm_eval.evaluator import evaluate
+import lm_eval.tasks
+from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager
-from lm_eval.tasks._yaml_loader import load_yaml
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
 from evals.data import DATA_ENV, HUB_DATASET, gsm8k_dir
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
@@ -38,6 +35,10 @@ from runners.engine import GenerationStats
 logger = logging.getLogger(__name__)
 
 TASK_NAME = "gsm8k"
+LOCAL_TASK = "gsm8k_local"  # evals/tasks/gsm8k_local.yaml: the stock task on a local folder's JSONL files
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# The stock gsm8k task's folder: indexing only it (and ours) takes milliseconds, all of lm-eval's ~10 s.
+STOCK_GSM8K_DIR = Path(lm_eval.tasks.__file__).parent / "gsm8k"
 TASK_VERSION = 3.0  # lm-eval 0.4.13's gsm8k.yaml; a different version is a different benchmark
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI)
 FILTERS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}  # our key -> lm-eval's
@@ -101,32 +102,19 @@ def resolve_data_source(data_dir: str | os.PathLike | None) -> Path | None:
     return path
 
 
-def build_gsm8k_task(data_dir: Path | None) -> tuple[lm_eval.api.task.Task, str]:
-    """lm-eval's stock gsm8k task, reading `data_dir`/{train,test}.jsonl, or the hub dataset when None.
+def load_gsm8k_task(data_dir: Path | None) -> tuple[Task, TaskManager, str]:
+    """lm-eval's stock gsm8k task, reading `data_dir`/{train,test}.jsonl (the gsm8k_local group of
+    evals/tasks/), or the hub dataset when None; found by lm-eval's TaskManager.
 
-    Returns (task, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded (offline or
-    unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be parsed, and
-    RuntimeError when the installed lm-eval's gsm8k is not version 3.0.
+    Returns (task, its TaskManager, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded
+    (offline or unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be
+    parsed, and RuntimeError when the installed lm-eval's gsm8k is not version 3.0.
     """
-    stock_dir = Path(lm_eval.tasks.__file__).parent / "gsm8k"
-    manager = TaskManager(include_path=str(stock_dir), include_defaults=False)
-    entry = manager.task_index.get(TASK_NAME)
-    if entry is None or entry.yaml_path is None:
-        raise RuntimeError(f"lm-eval {lm_eval.__version__} ships no '{TASK_NAME}' task under {stock_dir}; "
-                           "install lm-eval==0.4.13 (pyproject.toml)")
-    config = load_yaml(entry.yaml_path, resolve_func=True)
-    version = (config.get("metadata") or {}).get("version")
-    if version != TASK_VERSION:
-        raise RuntimeError(f"lm-eval {lm_eval.__version__}'s gsm8k task is version {version}, expected "
-                           f"{TASK_VERSION}: scores would not be comparable; install lm-eval==0.4.13")
-    if data_dir is not None:
-        config.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {
-            "train": str(data_dir / "train.jsonl"), "test": str(data_dir / "test.jsonl")}})
-        source = str(data_dir)
-    else:
-        source = f"hub:{HUB_DATASET}"
+    metadata = {"gsm8k_dir": str(data_dir)} if data_dir is not None else None
+    manager = TaskManager(include_path=[str(STOCK_GSM8K_DIR), str(TASKS_DIR)], include_defaults=False,
+                          metadata=metadata)
     try:
-        task = manager.load([config])["tasks"][TASK_NAME]
+        task = manager.load(LOCAL_TASK if data_dir is not None else TASK_NAME)["tasks"][TASK_NAME]
     except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, DatasetGenerationError...
         if data_dir is None:
             raise GSM8KDataError(
@@ -138,22 +126,25 @@ def build_gsm8k_task(data_dir: Path | None) -> tuple[lm_eval.api.task.Task, str]
         raise GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
                              "each line of train.jsonl / test.jsonl must be a JSON object with "
                              "\"question\" and \"answer\"") from err
-    return task, source
+    if task.VERSION != TASK_VERSION:
+        raise RuntimeError(f"lm-eval {lm_eval.__version__}'s gsm8k task is version {task.VERSION}, expected "
+                           f"{TASK_VERSION}: scores would not be comparable; install lm-eval==0.4.13")
+    return task, manager, str(data_dir) if data_dir is not None else f"hub:{HUB_DATASET}"
 
 
 @contextlib.contextmanager
 def _quiet_lm_eval() -> Iterator[None]:
-    """lm-eval logging at ERROR, datasets at WARNING, their progress bars off; all restored on exit."""
+    """lm-eval logging at ERROR ("Overwriting num_fewshot", "Building contexts"...), datasets at WARNING and
+    its progress bars off (datasets.disable_progress_bars); all restored on exit."""
     import datasets
 
     levels = {name: logging.getLogger(name).level for name in ("lm_eval", "datasets")}
     bars = datasets.is_progress_bar_enabled()
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # "Overwriting num_fewshot", "Building contexts"...
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
     logging.getLogger("datasets").setLevel(logging.WARNING)
     datasets.disable_progress_bars()
     try:
-        with mock.patch.object(lm_eval.api.task, "tqdm", partial(tqdm, disable=True)):
-            yield
+        yield
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
@@ -253,15 +244,14 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
-        task, source = build_gsm8k_task(resolve_data_source(data_dir))
-        task.set_config(key="num_fewshot", value=num_fewshot)
-        task.set_fewshot_seed(seed=FEWSHOT_SEED)
-        run_meta = {"engine": type(engine).__qualname__,
-                    "engine_config": repr(getattr(engine, "config", None)), "fingerprint": fingerprint or {}}
+        task, manager, source = load_gsm8k_task(resolve_data_source(data_dir))
+        run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
+                    "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
-        results = evaluate(lm=lm, task_dict={"tasks": {TASK_NAME: task}, "groups": {}, "group_map": {}},
-                           limit=limit, log_samples=True, bootstrap_iters=0)
+        results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager,
+                                          num_fewshot=num_fewshot, limit=limit, log_samples=True,
+                                          bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
 
     run_config = results["configs"][TASK_NAME]
     if results["versions"][TASK_NAME] != TASK_VERSION or run_config["num_fewshot"] != num_fewshot:

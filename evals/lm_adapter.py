@@ -24,13 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (fills the built-in registry first: registering before it hides them)
+import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
+from lm_eval.utils import simple_parse_args_string
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
 from registry.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -229,6 +232,7 @@ class _Pending:
     key: str
     prompt: str
     settings: GenerationSettings
+    args: tuple  # the request's (context, gen_kwargs), as lm-eval's cache hook keys it
     checked_len: int = 0  # generated ids already scanned for stop strings
 
 
@@ -276,13 +280,72 @@ class EngineLM(LM):
         self.num_generated = 0
 
     def _stop_token_ids(self) -> tuple[int, ...]:
-        eos = getattr(getattr(self.engine, "config", None), "eos_token_id", None)
-        if eos is None:
-            eos = self.tokenizer.token_to_id("</s>")
-        if eos is None:
-            raise ValueError("no EOS id: the engine config has no eos_token_id and the tokenizer has no "
-                             "'</s>'; set eos_token_id in the checkpoint's config.json")
-        return tuple(sorted({int(e) for e in eos})) if isinstance(eos, (list, tuple)) else (int(eos),)
+        """The checkpoint's stop ids (engine.config.eos_token_id: generation_config.json's, else
+        config.json's), else the tokenizer's '</s>'."""
+        eos = self.engine.config.eos_token_id
+        if isinstance(eos, int):
+            eos = (eos,)
+        if not eos and self.tokenizer.token_to_id("</s>") is not None:
+            eos = (self.tokenizer.token_to_id("</s>"),)
+        if not eos:
+            raise ValueError("no EOS id: the checkpoint sets no eos_token_id (generation_config.json or "
+                             "config.json) and the tokenizer has no '</s>'; set eos_token_id in config.json")
+        return tuple(sorted({int(e) for e in eos}))
+
+    @classmethod
+    def from_checkpoint(cls, pretrained: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                        draft_len: int = 0, ssm_replay: bool = False, batch_size: int | str = 16,
+                        max_batch_size: int | None = None, max_seq_len: int = 4096,
+                        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, ssm_backend: str | None = None,
+                        generations: str | Path | None = None, resume: bool = False,
+                        num_threads: int | None = None, progress: bool = True) -> EngineLM:
+        """The model lm-eval builds from `model_args` (create_from_arg_string): runners.Engine on an HF
+        checkpoint directory, with its tokenizer.json.
+
+        Args:
+            pretrained: the checkpoint directory.
+            device, dtype, draft_len, ssm_replay, max_seq_len, ssm_backend: Engine.from_pretrained's.
+            batch_size: concurrent requests (the engine's max_batch_size); "auto" (lm-eval's option) takes
+                max_batch_size, else 16.
+            max_gen_toks: generated-token limit for tasks that set none (lm-eval's default 256).
+            generations / resume: a GenerationStore file (generations.jsonl) to append every finished
+                request to, and whether to continue from it.
+            num_threads: torch intra-op threads (torch.set_num_threads); 1 suits the tiny models on a CPU
+                (configs/runtime/cpu.yaml); None leaves torch's default.
+        Raises:
+            CheckpointError (an incomplete checkpoint), ValueError (an option the engine refuses, a CUDA
+            device without CUDA).
+        """
+        from runners.engine import Engine
+
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available here; pass device=cpu "
+                             "(--device cpu)")
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            batch_size = max_batch_size or 16
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
+        check_checkpoint_dir(pretrained, "pretrained=")
+        engine = Engine.from_pretrained(str(pretrained), device=device, dtype=dtype, draft_len=int(draft_len),
+                                        ssm_replay=bool(ssm_replay), max_batch_size=int(batch_size),
+                                        max_seq_len=int(max_seq_len), ssm_backend=ssm_backend)
+        store = GenerationStore(generations, resume=resume) if generations else None
+        return cls(engine, Path(pretrained) / TOKENIZER_FILE, max_gen_toks=int(max_gen_toks), store=store,
+                   progress=progress)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+                            ) -> EngineLM:
+        """lm-eval's constructor from a dict of model_args (plus its batch_size / max_batch_size / device
+        settings): from_checkpoint(**args)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls.from_checkpoint(**{**arg_dict, **extra})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None
+                               ) -> EngineLM:
+        """lm-eval's constructor from a model_args string, e.g. "pretrained=<dir>,draft_len=3"."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # --- lm-eval API ---------------------------------------------------------------------------------
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False):
@@ -312,8 +375,9 @@ class EngineLM(LM):
             keys.append(key)
             if self.store is not None and key in self.store.records:
                 self.records[key] = self.store.records[key]
+                self.cache_hook.add_partial("generate_until", req.args, self.records[key]["text"])
             elif key not in queued:  # an identical request twice in one call is generated once
-                queued[key] = _Pending(idx, key, context, settings)
+                queued[key] = _Pending(idx, key, context, settings, req.args)
         pending = list(queued.values())
         self.num_resumed = len(self.records)
         self.num_generated = 0
@@ -411,6 +475,8 @@ class EngineLM(LM):
             if self.store is not None:
                 self.store.add(record)
             self.records[p.key] = record
+            # lm-eval's response cache (`use_cache=` / --use_cache), written as each request finishes
+            self.cache_hook.add_partial("generate_until", p.args, record["text"])
             self.num_generated += 1
             bar.update(1)
 

@@ -6,11 +6,13 @@ import json
 
 import lm_eval.api.registry
 import pytest
+import torch
 from lm_eval.api.instance import Instance
 from test_gsm8k_fakes import EOS_ID, FakeEngine, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
 from evals.lm_adapter import MODEL_NAME, EngineLM, GenerationStore, first_stop, request_key, sha256_text
+from registry.checkpoint import CheckpointError
 
 GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>"]
 
@@ -143,3 +145,73 @@ def test_line_progress_for_logs():
         bar.update(1)
     assert buf.getvalue().splitlines()[0].startswith("generate: 1/3 requests (33.3%)")
     assert "\r" not in buf.getvalue()
+
+
+def test_cache_hook_fed_as_requests_finish(tokenizer, tmp_path):
+    """lm-eval's response cache (CachingLM, `use_cache=`) gets every response through the adapter's cache
+    hook as the request finishes; a second run answers from the cache without calling the engine."""
+    from lm_eval.api.model import CachingLM
+
+    prompts = {f"P{i}:": f" answer {i}\n\nQuestion: more" for i in range(3)}
+    reqs = [_req(p, i) for i, p in enumerate(prompts)]
+    engine = _engine(tokenizer, prompts)
+    first = CachingLM(EngineLM(engine, tokenizer, progress=False), str(tmp_path / "cache.db"))
+    expected = first.generate_until(reqs)
+    assert expected == [f" answer {i}\n\n" for i in range(3)] and len(engine.calls) == 1
+    again = _engine(tokenizer, prompts)
+    second = CachingLM(EngineLM(again, tokenizer, progress=False), str(tmp_path / "cache.db"))
+    assert second.generate_until(reqs) == expected and again.calls == []
+
+
+SHIPPED = "registry/checkpoints/tiny_nemotron_h_mtp"
+
+
+def test_simple_evaluate_builds_the_model_from_model_args(gsm8k_dir):
+    """The registered model, built by lm-eval from a model_args string, on the gsm8k_local task found by
+    TaskManager(include_path=...): 2 GSM8K questions with the shipped tiny checkpoint and MTP drafting."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evals.gsm8k import STOCK_GSM8K_DIR, TASKS_DIR
+
+    manager = TaskManager(include_path=[str(STOCK_GSM8K_DIR), str(TASKS_DIR)], include_defaults=False,
+                          metadata={"gsm8k_dir": str(gsm8k_dir)})
+    out = lm_eval.simple_evaluate(model=MODEL_NAME, model_args=f"pretrained={SHIPPED},draft_len=3",
+                                  tasks=["gsm8k_local"], task_manager=manager, limit=2, device="cpu",
+                                  batch_size=2, bootstrap_iters=0)
+    assert out["n-samples"]["gsm8k"]["effective"] == 2 and out["versions"]["gsm8k"] == 3.0
+    assert set(out["results"]["gsm8k"]) >= {"exact_match,strict-match", "exact_match,flexible-extract"}
+    (first, _), = [s["arguments"][0] for s in out["samples"]["gsm8k"][:1]]
+    assert first.startswith("Question: ") and first.count("Question: ") == 6  # the stock task: 5-shot
+
+
+def test_model_args_naming_a_missing_checkpoint():
+    with pytest.raises(CheckpointError, match="/no/such/checkpoint does not exist"):
+        EngineLM.create_from_arg_string("pretrained=/no/such/checkpoint", {"device": "cpu"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_model_args_cuda_device_without_cuda():
+    with pytest.raises(ValueError, match="CUDA is not available here; pass device=cpu"):
+        EngineLM.create_from_arg_string(f"pretrained={SHIPPED}", {"device": "cuda:0"})
+
+
+@pytest.mark.slow
+def test_documented_lm_eval_cli_runs_the_tiny_checkpoint(gsm8k_dir, tmp_path):
+    """The invocation in evals/lm_eval_cli.py's docstring (with --limit 2 and a results file)."""
+    import os
+    import subprocess
+    import sys
+
+    from registry.schema import REPO_ROOT
+
+    env = {**os.environ, "GSM8K_DIR": str(gsm8k_dir), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "evals.lm_eval_cli", "--model", MODEL_NAME, "--model_args",
+         f"pretrained={SHIPPED},draft_len=3,num_threads=1", "--tasks", "gsm8k_local", "--device", "cpu",
+         "--batch_size", "16", "--limit", "2", "--output_path", str(tmp_path)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gsm8k" in proc.stdout and "exact_match" in proc.stdout
+    (results,) = list(tmp_path.rglob("results_*.json"))
+    assert json.loads(results.read_text())["n-samples"]["gsm8k"]["effective"] == 2

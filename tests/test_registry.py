@@ -273,3 +273,23 @@ def test_registry_validate_loads_embedded_checkpoints(monkeypatch, tmp_path, cap
     monkeypatch.setattr(registry_validate, "EMBEDDED_CHECKPOINTS_DIR", tmp_path)
     assert registry_main(["validate", "tiny_nemotron_h_mtp"]) == 1
     assert "does not load" in capsys.readouterr().out
+
+
+def test_stop_ids_from_generation_config(tmp_path):
+    """generation_config.json's eos_token_id (what transformers' generate stops on; Qwen3-Next-Instruct lists
+    two ids there, one in config.json) wins over config.json's; without the file, config.json's."""
+    import json
+    import shutil
+
+    from registry.hf_config import HybridConfig
+
+    shipped = REPO_ROOT / "registry" / "checkpoints" / "tiny_qwen3_next_mtp"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(shipped / "config.json", ckpt)
+    assert HybridConfig.from_pretrained(ckpt).eos_token_id == (2,)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "do_sample": False}))
+    assert HybridConfig.from_pretrained(ckpt).eos_token_id == (2, 7)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(UserError, match="eos_token_id must be an int or a list of ints"):
+        HybridConfig.from_pretrained(ckpt)
