@@ -2,18 +2,18 @@
 
 Registry entries of released checkpoints carry their dimensions in an `arch:` block, because the runner needs
 them (memory estimates, tensor-parallel divisibility) on machines where the weights are not present. Embedded
-tiny checkpoints may leave `arch: null`: their config.json is in the repository. Both directions between the
-block and the parsed config.json (registry.hf_config.HybridConfig) go through one table of field names,
-:data:`ARCH_FIELDS`.
+tiny checkpoints may leave `arch: null`: their config.json is in the repository, and arch_from_config derives
+the block from the parsed config.json (registry.hf_config.HybridConfig) through one table of field names,
+:data:`ARCH_FIELDS` (tests/released_shapes.py reads it the other way to size caches at released shapes).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
-from registry.schema import ArchConfig, Family, GDNDims, MambaDims
+from registry.schema import ArchConfig, GDNDims, MambaDims
 
 # ArchConfig field (or "mamba." / "gdn." + a MambaDims / GDNDims field) -> HybridConfig field
 ARCH_FIELDS = {
@@ -66,45 +66,11 @@ def arch_from_config(config: HybridConfig) -> ArchConfig:
     )
 
 
-def config_from_arch(arch: ArchConfig, family: Family | str, *, num_nextn_predict_layers: int = 1
-                     ) -> HybridConfig:
-    """A HybridConfig with the cache-relevant dimensions of an `arch:` block, for sizing caches of released
-    models without their weights (runners.cache.cache_memory_bytes).
-
-    Layer order is not in the block and does not change cache sizes: the backbone lists its recurrent blocks,
-    then its attention blocks (FFN blocks hold no cache and are left out). The MTP module is one attention +
-    one MoE block (both families) when num_nextn_predict_layers > 0.
-
-    Raises:
-        ValueError: the family's recurrent dimensions (`mamba:` for nemotron_h, `gdn:` for qwen3_next) are
-            missing from the block.
-    """
-    family = Family(family)
-    dims_name = "mamba" if family == Family.nemotron_h else "gdn"
-    dims = getattr(arch, dims_name)
-    if dims is None:
-        raise ValueError(f"arch block of a {family.value} entry needs its `{dims_name}:` dimensions")
-    values = asdict(arch)
-    mapped = {v: values[k] for k, v in ARCH_FIELDS.items() if "." not in k}
-    mapped.update({v: getattr(dims, k.split(".")[1]) for k, v in ARCH_FIELDS.items()
-                   if k.startswith(dims_name + ".")})
-    recurrent = "mamba2" if family == Family.nemotron_h else "gdn"
-    count = arch.num_mamba_layers if family == Family.nemotron_h else arch.num_gdn_layers
-    return HybridConfig(
-        family=family.value,
-        layer_types=(recurrent,) * count + ("attention",) * arch.num_attention_layers,
-        num_nextn_predict_layers=num_nextn_predict_layers,
-        mtp_layer_types=("attention", "moe") if num_nextn_predict_layers else (),
-        source="<registry arch block>",
-        **mapped,
-    )
-
-
 def arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
     """`arch.<key>: entry X, config.json Y` for every dimension on which the two blocks differ."""
 
     def diff(x: object, y: object, prefix: str) -> list[str]:
-        if x is not None and y is not None and hasattr(x, "__dataclass_fields__"):
+        if is_dataclass(x) and is_dataclass(y):
             return [d for f in fields(x) for d in diff(getattr(x, f.name), getattr(y, f.name),
                                                         f"{prefix}{f.name}.")]
         return [] if x == y else [f"{prefix[:-1]}: entry {_plain(x)}, config.json {_plain(y)}"]
@@ -113,7 +79,7 @@ def arch_mismatch(entry_arch: ArchConfig, ckpt_arch: ArchConfig) -> list[str]:
 
 
 def _plain(x: object) -> object:
-    return asdict(x) if hasattr(x, "__dataclass_fields__") else x
+    return asdict(x) if is_dataclass(x) else x
 
 
 # Counts that may also be smaller than world_size when world_size is a multiple of them: tensor-parallel

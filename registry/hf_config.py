@@ -109,10 +109,6 @@ class HybridConfig:
     source: str = field(default="", compare=False)
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
     def mamba_d_inner(self) -> int:
         """d_inner = H * P (the mamba2 inner width)."""
         return self.mamba_num_heads * self.mamba_head_dim

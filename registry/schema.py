@@ -124,7 +124,7 @@ class ArchConfig:
     """Model dimensions the runner needs without loading weights (memory estimates, world-size checks).
 
     Given in the entry for checkpoints too large to ship; for embedded checkpoints it may be null, and the
-    runner reads the same numbers from the checkpoint's config.json (registry.arch.arch_from_hf_config).
+    runner reads the same numbers from the checkpoint's config.json (registry.arch.arch_from_config).
     When both are present, `python -m registry validate` checks that they agree.
     """
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# GSM8K lives beside the checkout in ../shared/data/gsm8k (never copied into the repository).
-GSM8K_DIR = Path(os.environ.get("GSM8K_DIR", REPO_ROOT.parent / "shared" / "data" / "gsm8k"))
+from evals.data import gsm8k_dir as _gsm8k_dir
+
+# GSM8K: $GSM8K_DIR, else ../shared/data/gsm8k beside the checkout (never copied into the repository).
+GSM8K_DIR, _GSM8K_ORIGIN = _gsm8k_dir()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -57,8 +58,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
-    if not (GSM8K_DIR / "test.jsonl").exists():
+    if GSM8K_DIR is None or not (GSM8K_DIR / "test.jsonl").exists():
         pytest.fail(
-            f"GSM8K data not found at {GSM8K_DIR}; set GSM8K_DIR or place ../shared beside the checkout"
+            f"GSM8K data not found ({GSM8K_DIR}, from {_GSM8K_ORIGIN}); set GSM8K_DIR or place ../shared "
+            "beside the checkout"
         )
     return GSM8K_DIR

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from released_shapes import config_from_arch
 from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels import gdn, mamba2
-from registry.arch import config_from_arch
 from registry.schema import validate_entry
 from runners.cache import (
     CACHE_LAYOUTS,
