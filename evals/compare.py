@@ -23,6 +23,7 @@ from typing import Any
 
 from scipy.stats import binomtest
 
+from evals.gsm8k import SAMPLES_FILE
 from evals.lm_adapter import GENERATIONS_FILE
 from evals.results import RESULTS_FILE
 from evals.verdict import FAIL, NO_REFERENCE, PASS, Check
@@ -31,7 +32,6 @@ FILTERS = ("strict_match", "flexible_extract")
 # compare=replay: the arms' sub-folders of out_dir (ssm_replay false, true)
 COMPARE_ARMS = ("rewind", "replay")
 COMPARISON_FILE = "comparison.json"
-SAMPLES_FILE = "samples.jsonl"
 
 
 class ComparisonError(ValueError):

@@ -3,13 +3,16 @@
 A GSM8K folder holds `train.jsonl` and `test.jsonl` (rows {"question", "answer"}). The folder is, in order:
 the one the caller names (`eval.data_dir`, `--data-dir`), else `$GSM8K_DIR`, else `../shared/data/gsm8k`
 beside the checkout (the layout of the project's machines and CI) when it exists, else none: evaluation then
-reads the hub dataset `openai/gsm8k`. Light on purpose (no lm-eval, no torch): the tiny-model tools import it.
+reads the hub dataset `openai/gsm8k`. Light on purpose (no lm-eval, no torch): the tiny-model tools and the
+task loader of evals/tasks/ import it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from registry.errors import UserError
 
 DATA_ENV = "GSM8K_DIR"
 HUB_DATASET = "openai/gsm8k"
@@ -33,3 +36,28 @@ def gsm8k_dir(configured: str | os.PathLike | None = None, *, setting: str = "ev
     if SIBLING_DIR.is_dir():
         return SIBLING_DIR.resolve(), "../shared/data/gsm8k beside the checkout"
     return None, f"hub:{HUB_DATASET}"
+
+
+class GSM8KDataError(UserError):
+    """GSM8K data cannot be found or read (problem names the folder or file and where it came from)."""
+
+
+def gsm8k_files(configured: str | os.PathLike | None = None, *, setting: str = "eval.data_dir"
+                ) -> Path | None:
+    """The folder of gsm8k_dir's lookup, checked to hold both splits; None when there is none (the hub).
+
+    Raises GSM8KDataError naming the folder, where it came from and the missing file.
+    """
+    path, origin = gsm8k_dir(configured, setting=setting)
+    if path is None:
+        return None
+    if not path.is_dir():
+        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) does not exist",
+                             f"point {origin} at a directory holding train.jsonl and test.jsonl, "
+                             "e.g. ../shared/data/gsm8k beside the checkout")
+    missing = [f"{split}.jsonl" for split in SPLITS if not (path / f"{split}.jsonl").is_file()]
+    if missing:
+        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) lacks {', '.join(missing)}",
+                             "GSM8K needs both splits as JSONL rows {\"question\", \"answer\"} (few-shot "
+                             "examples come from train); point it at a full copy, e.g. ../shared/data/gsm8k")
+    return path

@@ -27,9 +27,8 @@ from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer
 
-from evals.data import DATA_ENV, HUB_DATASET, gsm8k_dir
+from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
-from registry.errors import UserError
 from runners.engine import GenerationStats
 
 logger = logging.getLogger(__name__)
@@ -47,10 +46,6 @@ SAMPLES_FILE = "samples.jsonl"
 # Fields only a whole `engine.generate` call has (batch steps, seconds): summed over the stats parts.
 _TIMING_STATS = ("prefill_seconds", "decode_seconds", "steps")
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
-
-
-class GSM8KDataError(UserError):
-    """GSM8K data cannot be found or read (problem names the folder or file and where it came from)."""
 
 
 @dataclasses.dataclass
@@ -79,27 +74,6 @@ class GSM8KResult:
     num_resumed: int
     num_generated: int
     task: dict[str, Any]
-
-
-def resolve_data_source(data_dir: str | os.PathLike | None) -> Path | None:
-    """The GSM8K folder to read (evals.data.gsm8k_dir's lookup), None meaning the hub dataset.
-
-    A folder must hold train.jsonl and test.jsonl (rows {"question", "answer"}).
-    Raises GSM8KDataError naming the missing path and where it came from.
-    """
-    path, origin = gsm8k_dir(data_dir)
-    if path is None:
-        return None
-    if not path.is_dir():
-        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) does not exist",
-                             f"point {origin} at a directory holding train.jsonl and test.jsonl, "
-                             "e.g. ../shared/data/gsm8k beside the checkout")
-    missing = [f"{n}.jsonl" for n in ("train", "test") if not (path / f"{n}.jsonl").is_file()]
-    if missing:
-        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) lacks {', '.join(missing)}",
-                             "GSM8K needs both splits as JSONL rows {\"question\", \"answer\"} (few-shot "
-                             "examples come from train); point it at a full copy, e.g. ../shared/data/gsm8k")
-    return path
 
 
 def load_gsm8k_task(data_dir: Path | None) -> tuple[Task, TaskManager, str]:
@@ -244,7 +218,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
-        task, manager, source = load_gsm8k_task(resolve_data_source(data_dir))
+        task, manager, source = load_gsm8k_task(gsm8k_files(data_dir))
         run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
                     "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from evals.compare import COMPARE_ARMS, ComparisonError, combine_arms, compare_arms
+from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.data import gsm8k_dir
 from evals.gsm8k import evaluate_gsm8k
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
@@ -242,7 +242,7 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
         raise UserError(str(err), "rerun both arms with the same settings into a fresh out_dir") from None
     results = combine_arms(replay, rewind, comparison)
     results["verdict"] = _verdict(replay_rr, results, checks)
-    print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / 'comparison.json'}")
+    print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / COMPARISON_FILE}")
     _finish(results, out_dir)
     return results
 

@@ -17,14 +17,16 @@ from registry.hf_config import PARSERS, HybridConfig
 __all__ = ["HybridConfig", "family_module"]
 
 
-def family_module(model_type: str) -> ModuleType:
+def family_module(model_type: str, source: str = "<config>") -> ModuleType:
     """The family module ``runners.models.<model_type>`` (e.g. ``nemotron_h``), which defines
-    ``checkpoint_targets(model) -> {checkpoint name: tensor}``.
+    ``checkpoint_targets(model) -> {checkpoint name: tensor}``. source names the config in messages.
 
     Raises:
         CheckpointError: a model_type without a parser in registry.hf_config.PARSERS.
     """
     if model_type not in PARSERS:
-        raise CheckpointError(f"model_type {model_type!r} is not supported; supported: {sorted(PARSERS)}",
-                              "use a NemotronH or Qwen3-Next checkpoint")
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {sorted(PARSERS)}",
+            "use a NemotronH or Qwen3-Next checkpoint",
+        )
     return importlib.import_module(f"runners.models.{model_type}")
