@@ -72,7 +72,8 @@ def validate_one(name: str) -> EntryReport:
                 check_checkpoint_dir(ckpt, "model.checkpoint")
                 tensor_files(ckpt)
             except UserError as e:
-                report.errors.append(f"embedded checkpoint {ckpt} does not load: {_line(e)}")
+                report.errors.append(f"embedded checkpoint {ckpt} does not load: {e.problem} -- fix: restore "
+                                     "it from git, or rebuild it as registry/checkpoints/README.md says")
         else:
             report.notes.append(f"embedded checkpoint {ckpt} not built yet (python -m runners.tiny)")
     report.errors += baseline_problems(report.resolved)
