@@ -1,8 +1,8 @@
-"""The model registry: entries (registry/model/*.yaml, data only), their schema, baselines, tiny checkpoints.
+"""The model registry, the project's bottom layer: entries (registry/model/*.yaml, data only), the schema of a
+run's config, its resolution, the checkpoint config.json parser and layout checks, baselines, tiny
+checkpoints.
 
 `python -m registry list` prints the entries; `python -m registry validate` checks every one (CI runs it).
+Import the modules themselves (registry.schema, registry.errors, ...): this package module imports nothing,
+so the light ones (registry.errors) stay light.
 """
-
-from registry.schema import ModelEntry, entry_names, validate_entry
-
-__all__ = ["ModelEntry", "entry_names", "validate_entry"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -49,8 +48,9 @@ def _gsm8k_prompts(tokenizer_path: Path, n: int, length: int) -> tuple[list[list
     import torch
     from tokenizers import Tokenizer
 
-    places = (os.environ.get("GSM8K_DIR"), REPO / ".device/gsm8k", REPO.parent / "shared/data/gsm8k")
-    for d in places:
+    from evals.data import gsm8k_dir
+
+    for d in (gsm8k_dir()[0], REPO / ".device/gsm8k"):  # the project's lookup, then the GPU machine's copy
         if d and (Path(d) / "test.jsonl").is_file():
             rows = [json.loads(x) for x in (Path(d) / "test.jsonl").read_text().splitlines() if x.strip()]
             tok = Tokenizer.from_file(str(tokenizer_path))
