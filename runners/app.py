@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -67,9 +66,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     _check_out_dir(out_dir, rr)
     check_tokenizer(rr.checkpoint_dir / TOKENIZER_FILE)
 
-    if rr.device == "cpu":
-        # Triton kernels run in its interpreter on the CPU; the switch is read when triton is imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     if rr.run.runtime.num_threads is not None:
         torch.set_num_threads(rr.run.runtime.num_threads)
     if rr.run.compare is None:

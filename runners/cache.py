@@ -45,6 +45,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from kernels import gdn, mamba2
+from kernels._common import PAD_SLOT_ID
 from kernels.commit import (
     allocate_replay_slots,
     replay_advance,
@@ -56,7 +57,6 @@ from runners.models.config import HybridConfig
 
 log = logging.getLogger(__name__)
 
-PAD_SLOT_ID = -1
 SSM_BACKENDS = ("triton", "flashinfer", "torch")
 MEMORY_KEYS = ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes")
 
