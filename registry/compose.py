@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
+from enum import Enum
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -112,15 +114,19 @@ def override_error(e: OmegaConfBaseException, overrides: list[str]) -> UserError
             f"{hint}known keys{' of ' + parent if parent else ''}: {', '.join(allowed)}",
         )
     msg = str(e).splitlines()[0]
-    types = {f.name: f.type for f in dataclasses.fields(e.object_type)} if dataclasses.is_dataclass(
-        e.object_type) else {}
-    where = "registry/schema.py" + (f", {e.object_type.__name__}" if types else "")
+    cls = e.object_type
+    hint = typing.get_type_hints(cls).get(leaf) if dataclasses.is_dataclass(cls) else None
+    enums = [a for a in (typing.get_args(hint) or (hint,)) if isinstance(a, type) and issubclass(a, Enum)]
+    if enums:
+        expected = "one of " + ", ".join(m.value for m in enums[0])
+    else:
+        declared = {f.name: f.type for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        expected = f"a value of type {declared.get(leaf, 'the schema declares')}"
     # an entry key is named as in registry files (ssm.backend); the override shows its place in the config
-    shown = key.removeprefix("model.") + "' of the registry entry" if key.startswith("model.") else f"{key}'"
-    return UserError(
-        f"bad value for '{shown} in the override '{text}': {msg}",
-        f"give {key} a value of type {types.get(leaf, 'the schema says')} ({where})",
-    )
+    what = f"'{key.removeprefix('model.')}' of the registry entry" if key.startswith("model.") else f"'{key}'"
+    where = f"registry/schema.py, {cls.__name__}" if hint is not None else "registry/schema.py"
+    return UserError(f"bad value for {what} in the override '{text}': {msg}",
+                     f"set {key} to {expected} ({where})")
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
