@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from kernels.gdn import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule
 from runners.models.gdn import GatedDeltaNet
 
 D, H, HV, K, V, W, T = 64, 2, 4, 32, 48, 4, 37
@@ -107,12 +107,12 @@ def test_recurrent_rule_matches_transformers_reference_with_state_layout():
 def test_chunked_equals_recurrent(chunk_size):
     q, k, v, g, beta, s0 = _rule_inputs()
     o_ref, s_ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk_size)
+    o, s = chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=chunk_size)
     _close(o, o_ref, 1e-5)
     _close(s, s_ref, 1e-5)
     # lengths mask: final state after each row's last valid token, zeros out there
     lengths = torch.tensor([37, 11])
-    o_l, s_l = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk_size, lengths=lengths)
+    o_l, s_l = chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=chunk_size, lengths=lengths)
     o_r, s_r, _ = recurrent_gated_delta_rule(q[1:, :11], k[1:, :11], v[1:, :11], g[1:, :11], beta[1:, :11],
                                              s0[1:])
     _close(s_l[0], s_ref[0], 1e-5)
@@ -125,7 +125,7 @@ def test_chunked_equals_recurrent(chunk_size):
 def test_rule_does_not_write_initial_state():
     q, k, v, g, beta, s0 = _rule_inputs()
     keep = s0.clone()
-    chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=8)
+    chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=8)
     recurrent_gated_delta_rule(q, k, v, g, beta, s0)
     assert torch.equal(s0, keep)
 
@@ -234,7 +234,7 @@ def test_chunked_is_finite_under_extreme_decay():
     q, k, v, g, beta, s0 = _rule_inputs()
     g = g * 200.0
     o_ref, s_ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=64)
+    o, s = chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=64)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     _close(o, o_ref, 1e-5)
     _close(s, s_ref, 1e-5)

@@ -168,21 +168,44 @@ def test_ssm_backend_option(setup):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
 
 
+# The prefill kernels: our Mamba2 chunked scan (three kernels), and for Gated DeltaNet fla-core's chunked
+# kernels on CUDA (one of them, the chunk-to-chunk state pass, stands for the set); on the CPU the GDN prefill
+# is the reference (fla's kernels need a GPU).
+MAMBA2_PREFILL = {"_ssd_chunk_state_kernel", "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel"}
+FLA_PREFILL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+
+
+def _fla_prefill_kernels() -> dict:
+    """{name: fla's launchable} when the GDN prefill runs fla-core here (CUDA and fla importable), else {}."""
+    from kernels.gdn.fla import fla_chunk_rule
+
+    if not torch.cuda.is_available() or fla_chunk_rule()[0] is None:
+        return {}
+    from fla.ops.common import chunk_delta_h
+
+    return {FLA_PREFILL: getattr(chunk_delta_h, FLA_PREFILL)}
+
+
 def _count_launches(monkeypatch) -> dict[str, int]:
     """Count the launches of every Triton kernel the engine may run, by name (Triton's launch goes through the
-    JIT function's ``run``; wrapping it counts interpreted and compiled launches alike)."""
+    JIT function's ``run``, or its autotuner's / heuristics' ``run``; wrapping it counts interpreted and
+    compiled launches alike)."""
     from kernels import commit
     from kernels.gdn import recurrent as gdn_recurrent
     from kernels.gdn import replay as gdn_replay
+    from kernels.mamba2 import chunk as mamba2_chunk
     from kernels.mamba2 import recurrent as mamba2_recurrent
     from kernels.mamba2 import replay as mamba2_replay
 
     counts: dict[str, int] = {}
     kernels = (mamba2_recurrent._ssu_kernel, mamba2_replay._replay_verify_kernel,
                gdn_recurrent._fused_recurrent_gdn_kernel, gdn_replay._gdn_replay_verify_kernel,
-               commit._rewind_commit_kernel, commit._replay_advance_kernel)
-    for kernel in kernels:
-        name, run = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, kernel.run
+               commit._rewind_commit_kernel, commit._replay_advance_kernel,
+               mamba2_chunk._ssd_chunk_state_kernel, mamba2_chunk._ssd_state_passing_kernel,
+               mamba2_chunk._ssd_chunk_scan_kernel)
+    named = {k.fn.__name__ if hasattr(k, "fn") else k.__name__: k for k in kernels} | _fla_prefill_kernels()
+    for name, kernel in named.items():
+        run = kernel.run
 
         def counted(*args, _name=name, _run=run, **kw):
             counts[_name] = counts.get(_name, 0) + 1
@@ -195,8 +218,9 @@ def _count_launches(monkeypatch) -> dict[str, int]:
 def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     """The engine's kernel path, run by the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET
     without a GPU) or compiled on CUDA: ssm_backend="triton" gives the torch backend's tokens and acceptance
-    for rewind and replay, launches the family's decode / verify kernels and the commit kernels (the Triton
-    rewind vs replay comparison is kernel against kernel), and ssm_backend="torch" launches no kernel."""
+    for rewind and replay, launches the family's prefill kernels (Mamba2: our chunked scan; Gated DeltaNet:
+    fla-core's on CUDA), decode / verify kernels and the commit kernels (the Triton rewind vs replay
+    comparison is kernel against kernel), and ssm_backend="torch" launches no kernel."""
     from kernels._common import interpreter_active
 
     if not interpreter_active() and not torch.cuda.is_available():
@@ -205,6 +229,7 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [0, 5, 2]  # 3 requests on 2 slots: slot reuse, a join mid-run
     batch, new = [prompts[i] for i in rows], 4
+    assert max(len(prompts[i]) for i in rows) > 1  # a multi-token prefill: the chunked path runs
     counts = _count_launches(monkeypatch)
     outs, launched = {}, {}
     for backend in ("torch", "triton"):
@@ -214,6 +239,7 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
             counts.clear()
             outs[backend, K, replay] = engine.generate(batch, new, stop_token_ids=[])
             launched[backend, K, replay] = set(counts)
+    print({f"{b}/K={k}/replay={r}": sorted(names) for (b, k, r), names in launched.items()})
     want = outs["torch", 2, False]
     if device == "cpu":  # `plain` ran on the CPU: on CUDA, float differences could break a near tie
         assert want.tokens == [plain[i][:new] for i in rows]
@@ -223,12 +249,13 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     gdn = isinstance(_recurrent_layers(engine)[0][0], GDNMixer)
     decode = "_fused_recurrent_gdn_kernel" if gdn else "_ssu_kernel"  # also the family's rewind verify
     replay_verify = "_gdn_replay_verify_kernel" if gdn else "_replay_verify_kernel"
+    prefill = set(_fla_prefill_kernels()) if gdn else MAMBA2_PREFILL
     assert all(not names for (backend, _, _), names in launched.items() if backend == "torch")
-    assert launched["triton", 0, False] == {decode}
-    assert launched["triton", 2, False] == {decode, "_rewind_commit_kernel"}
+    assert launched["triton", 0, False] == {decode} | prefill
+    assert launched["triton", 2, False] == {decode, "_rewind_commit_kernel"} | prefill
     # replay: the decode kernel only for a one-token prefill chunk, if the prompts have one
-    assert {replay_verify, "_replay_advance_kernel"} <= launched["triton", 2, True]
-    assert launched["triton", 2, True] <= {decode, replay_verify, "_replay_advance_kernel"}
+    assert {replay_verify, "_replay_advance_kernel"} | prefill <= launched["triton", 2, True]
+    assert launched["triton", 2, True] <= {decode, replay_verify, "_replay_advance_kernel"} | prefill
 
 
 def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):

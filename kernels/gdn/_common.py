@@ -73,6 +73,31 @@ def key_head_dims(K: int, V: int, block_v: int, min_block: int = 1) -> tuple[int
     return BK, BV
 
 
+def mask_right_padding(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Make the columns t >= lengths[b] of a right-padded batch no-ops of the gated delta rule.
+
+    q, k: (B, T, H, K); v: (B, T, HV, V); g, beta: (B, T, HV); lengths: (B,) integer in [0, T]. Returns new
+    q, k, v, g, beta (same shapes and dtypes) that are zero at padded columns: g = 0 (alpha = 1), beta = 0 and
+    k = 0 make a padded step the identity on the state in the recurrent and the chunked forms alike, and
+    q = 0 makes its output exactly 0. torch.where (not a product) also clears NaN in padded inputs.
+    Raises ValueError for lengths of the wrong shape / dtype or outside [0, T] (a host sync).
+    """
+    B, T = q.shape[:2]
+    if lengths.shape != (B,) or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},); got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}")
+    if bool((lengths < 0).any()) or bool((lengths > T).any()):
+        raise ValueError(f"lengths must lie in [0, T={T}]; got {lengths.tolist()}")
+    valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T)
+    q, k, v = (torch.where(valid[:, :, None, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
+               for t in (q, k, v))
+    g, beta = (torch.where(valid[:, :, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
+               for t in (g, beta))
+    return q, k, v, g, beta
+
+
 def prepare_rule_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,18 +128,7 @@ def prepare_rule_inputs(
         )
 
     if lengths is not None:
-        if lengths.shape != (B,) or lengths.dtype.is_floating_point:
-            raise ValueError(f"lengths must be an integer tensor of shape (B,) = ({B},); got {lengths.dtype} "
-                             f"{tuple(lengths.shape)}")
-        if bool((lengths < 0).any()) or bool((lengths > T).any()):
-            raise ValueError(f"lengths must lie in [0, T={T}]; got {lengths.tolist()}")
-        # Right padding: g = 0 (alpha = 1), beta = 0 and k = 0 make a padded step the identity on the state;
-        # q = 0 makes its output exactly 0. torch.where (not a product) also clears NaN in padded inputs.
-        valid = torch.arange(T, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # (B, T)
-        q, k, v = (torch.where(valid[:, :, None, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-                   for t in (q, k, v))
-        g, beta = (torch.where(valid[:, :, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-                   for t in (g, beta))
+        q, k, v, g, beta = mask_right_padding(q, k, v, g, beta, lengths)
 
     r = HV // H
     if r > 1:  # value head j reads key head j // r

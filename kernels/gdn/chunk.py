@@ -1,20 +1,30 @@
-"""Gated DeltaNet chunked (WY / UT-transform) form in plain PyTorch: the prefill path of every device.
+"""Gated DeltaNet chunked (WY / UT-transform) form: the prefill path.
+
+Scope: `chunk_gated_delta_rule`, the kernel entry (flash-linear-attention's Triton kernels through
+`kernels.gdn.fla` on CUDA when fla-core is installed), and `chunk_gated_delta_rule_ref`, its plain-PyTorch
+reference (same signature and effects: the engine's prefill for ssm_backend="torch", the CPU path, and the
+fallback when fla-core is missing, which the log says once).
 
 Algorithm: the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule", ICLR 2025) in the chunked form of Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
 Sequence Length" (NeurIPS 2024), as flash-linear-attention's `chunk_gated_delta_rule` computes it. It equals
-the token-by-token `kernels.gdn.recurrent.recurrent_gated_delta_rule` (tests hold the two together); no Triton
-kernel yet (fla's chunked kernels would go beside it with this function as their reference).
+the token-by-token `kernels.gdn.recurrent.recurrent_gated_delta_rule` (tests hold the two together).
 
 Shapes and state layout: kernels/gdn/_common.py.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from kernels.gdn._common import prepare_rule_inputs
+from kernels.gdn.fla import fla_chunk_gated_delta_rule, fla_chunk_rule
+
+log = logging.getLogger(__name__)
+_fallback_logged: set[str] = set()
 
 
 def chunk_gated_delta_rule(
@@ -30,7 +40,51 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule in chunked (WY / UT-transform) form: the prefill path; same math as the recurrent one.
+    """Gated delta rule in chunked form with a kernel: fla-core's Triton kernels on CUDA
+    (`kernels.gdn.fla.fla_chunk_gated_delta_rule`), else `chunk_gated_delta_rule_ref`.
+
+    The reference runs, and the log says so once per reason, on the CPU (fla's kernels need a GPU: they do not
+    run in Triton's interpreter) and on CUDA when fla-core cannot be imported (a warning with the import error
+    and the fix). Args, returns and raises: as `chunk_gated_delta_rule_ref` (fla computes its products in v's
+    dtype: bf16 inputs give bf16-accurate outputs; the final state is float32).
+    """
+    if q.is_cuda:
+        fla_chunk, why = fla_chunk_rule()
+        if fla_chunk is not None:
+            return fla_chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size, output_final_state,
+                                              scale=scale, lengths=lengths)
+        _log_fallback_once("cuda", logging.WARNING,
+                           f"Gated DeltaNet prefill: fla-core is not importable ({why}); running the PyTorch "
+                           "reference chunk_gated_delta_rule_ref (slow). fix: pip install '.[gpu]' (fla-core)")
+    else:
+        _log_fallback_once("cpu", logging.INFO,
+                           "Gated DeltaNet prefill on the CPU: the PyTorch reference chunk_gated_delta_rule_ref "
+                           "runs (fla-core's kernels need a GPU)")
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state, chunk_size, output_final_state,
+                                      scale=scale, lengths=lengths)
+
+
+def _log_fallback_once(key: str, level: int, message: str) -> None:
+    if key not in _fallback_logged:
+        _fallback_logged.add(key)
+        log.log(level, message)
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    output_final_state: bool = True,
+    *,
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule in chunked (WY / UT-transform) form in PyTorch: the reference of
+    `chunk_gated_delta_rule`; same math as the recurrent one.
 
     Inside a chunk of C tokens with in-chunk cumulative log decay G_i = g_1 + ... + g_i and chunk start state
     S_0, the update vectors solve a unit lower-triangular system

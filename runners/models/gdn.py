@@ -4,7 +4,8 @@ Scope: `GatedDeltaNet`, the Qwen3-Next mixer (projections, causal conv, gates, t
 RMSNorm), cache-agnostic: the caller passes the recurrent state and the conv window of each row and gets the
 new ones back; and `GDNMixer` (the hybrid decoder's ``gdn`` block), the engine's caller, which reads and
 writes the per-slot `runners.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
-`chunk_gated_delta_rule` (chunked form, prefill), `recurrent_gated_delta_rule` (token by token, the
+`chunk_gated_delta_rule` (chunked form, prefill: fla-core's kernels on CUDA) and its reference
+`chunk_gated_delta_rule_ref`, `recurrent_gated_delta_rule` (token by token, the
 specification), `fused_recurrent_gated_delta_rule` (the Triton decode / rewind-verify kernel and its
 reference) and `replay_verify`.
 
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 
 from kernels.gdn import (
     chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule_ref,
     l2norm,
@@ -320,8 +322,8 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv_state)
         if chunked:
-            o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.chunk_size,
-                                                  lengths=lengths)
+            o, new_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, recurrent_state, self.chunk_size,
+                                                      lengths=lengths)
             inter = None
         else:
             o, new_state, inter = recurrent_gated_delta_rule(
@@ -353,9 +355,10 @@ class GDNMixer(GatedDeltaNet):
     window and recurrent state; the state's ``ssm_backend`` picks the recurrent operators ("triton": the
     Triton kernels, "torch": their PyTorch references; FlashInfer has no GDN kernel, so "flashinfer" runs
     Triton, ``runners.cache.kernel_or_reference``):
-    - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (PyTorch on
-      every backend); the state after each row's last valid token is written back (a row of length 0 keeps
-      its state);
+    - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (fla-core's
+      Triton kernels on CUDA; the reference on the CPU, for "torch", and, with one log line, when fla-core is
+      missing) from the slots' gathered states; the state after each row's last valid token is written back
+      (a row of length 0 keeps its state);
     - decode (T = 1): ``fused_recurrent_gated_delta_rule``, the slots' states updated in place;
     - rewind verify (``meta.verify``, T = K + 1, a `GDNState`): ``fused_recurrent_gated_delta_rule`` from the
       committed state, which is left alone; the state after each token goes to ``state.ssm_steps`` (by slot)
@@ -405,8 +408,8 @@ class GDNMixer(GatedDeltaNet):
                                        fused_recurrent_gated_delta_rule_ref)
             o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False)
         else:
-            o, h = chunk_gated_delta_rule(q, k, v, g, beta, meta.rows(state.ssm), self.chunk_size,
-                                          lengths=lengths)
+            rule = kernel_or_reference(state.ssm_backend, chunk_gated_delta_rule, chunk_gated_delta_rule_ref)
+            o, h = rule(q, k, v, g, beta, meta.rows(state.ssm), self.chunk_size, lengths=lengths)
             state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
         new_conv = self.conv_state_after(conv_in, T if lengths is None else lengths)
         conv.index_copy_(0, rows, new_conv.to(conv.dtype))

@@ -13,9 +13,11 @@ softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (t
 
 Which operator runs where (the cache state's ``ssm_backend``: "triton" the Triton kernel, "torch" its PyTorch
 reference, ``runners.cache.kernel_or_reference``):
-- prefill (T > 1 or right-padded rows): ``kernels.mamba2.ssd_chunked_scan`` (PyTorch on every backend);
-  right-padded columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of
-  different prompt lengths leaves each request's state exactly where its own last token left it;
+- prefill (T > 1 or right-padded rows): ``kernels.mamba2.mamba_chunk_scan_combined``, the chunked SSD scan
+  from the slots' states, final states written back in place (its reference for "torch"); right-padded
+  columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of different prompt
+  lengths leaves each request's state exactly where its own last token left it. A cache-free forward runs
+  the reference math ``kernels.mamba2.ssd_chunked_scan`` from a zero state;
 - decode (T = 1): ``kernels.mamba2.selective_state_update``, state updated in place;
 - rewind verify (T = K + 1): ``selective_state_update`` writing the per-token states to the cache's rewind
   buffer (or FlashInfer's ``selective_state_update`` for ssm_backend "flashinfer"); the commit is
@@ -37,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.mamba2 import (
+    mamba_chunk_scan_combined,
+    mamba_chunk_scan_combined_ref,
     replay_verify,
     replay_verify_ref,
     selective_state_update,
@@ -190,17 +194,18 @@ class Mamba2Mixer(nn.Module):
             ssu = kernel_or_reference(state.ssm_backend, selective_state_update, selective_state_update_ref)
             y = ssu(state.ssm, x, dt, A, Bm, Cm, self.D, self.dt_bias, meta.slot_ids,
                     time_step_limit=self.time_step_limit, out=x.new_empty(x.shape, dtype=torch.float32))
-        else:  # prefill (or a cache-free forward): the chunked scan from the slots' states
+        elif state is not None:  # prefill: the chunked scan from the slots' states, written back in place
+            scan = kernel_or_reference(state.ssm_backend, mamba_chunk_scan_combined,
+                                       mamba_chunk_scan_combined_ref)
+            y = scan(state.ssm, x, dt, A, Bm, Cm, self.D, self.dt_bias, meta.slot_ids,
+                     chunk_size=self.chunk_size, lengths=None if meta.all_valid else meta.lengths,
+                     time_step_limit=self.time_step_limit, out=x.new_empty(x.shape, dtype=torch.float32))
+        else:  # a cache-free forward: the chunked scan from a zero state
             dt = F.softplus(dt.float() + self.dt_bias.float())
             lo, hi = self.time_step_limit
             if lo > 0.0 or hi != float("inf"):
                 dt = dt.clamp(min=lo, max=hi)
-            if meta is not None and not meta.all_valid:
-                dt = dt * meta.valid(T)[..., None]  # dt' = 0 on right padding: the state passes unchanged
-            h0 = None if state is None else meta.rows(state.ssm)
-            y, h = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size, h0)
-            if state is not None:
-                state.ssm.index_copy_(0, meta.slot_ids % state.ssm.shape[0], h.to(state.ssm.dtype))
+            y, _ = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size)
             y = y + x.float() * self.D.float()[:, None]
         y = self.norm(y.reshape(b, T, self.d_inner), z)
         return self.out_proj(y.to(hidden.dtype))
