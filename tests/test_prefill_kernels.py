@@ -32,6 +32,7 @@ from kernels.gdn import fla as gdn_fla  # noqa: E402
 from kernels.gdn import recurrent_gated_delta_rule  # noqa: E402
 from kernels.gdn._common import l2norm  # noqa: E402
 from kernels.mamba2 import (  # noqa: E402
+    ChunkScanTiles,
     mamba_chunk_scan_combined,
     mamba_chunk_scan_combined_ref,
     selective_state_update_ref,
@@ -92,6 +93,22 @@ def test_mamba2_kernel_matches_reference_awkward_sizes(T, chunk_size):
     close(y_k, y_r, TOL, "y")
     close(s_k, s_r, TOL, "state")
     assert torch.equal(s_k[[1, 2]], state[[1, 2]])  # rows of other slots untouched
+
+
+@pytest.mark.parametrize("tiles,sizes", [
+    (ChunkScanTiles(), (2, 64, 2, 128, 130, 128)),  # the 16-bit path's tiles at Super V3's P, N, L
+    (ChunkScanTiles(16, 16, 16, 4, 16, 16, 16, 16, 4), (2, 40, 1, 40, 75, 64)),  # every loop runs > 1 time
+])
+def test_mamba2_kernel_tilings(tiles, sizes):
+    """Tilings other than the interpreter's default (fp32 products): the GPU's 16-bit defaults at Nemotron 3
+    Super's head_dim / d_state / chunk (2 heads), and small tiles that split every dimension."""
+    H, P, G, N, T, L = sizes
+    state, inputs, A, D, dt_bias = mamba_case(2, T, H, P, G, N)
+    lens = torch.tensor([T, T // 2], device=DEV)
+    (y_k, s_k), (y_r, s_r) = run_both(state, inputs, A, D, dt_bias, torch.tensor([1, 0], device=DEV),
+                                      chunk_size=L, lengths=lens, tiles=tiles)
+    close(y_k, y_r, TOL, "y")
+    close(s_k, s_r, TOL, "state")
 
 
 @pytest.mark.parametrize("G", [1, 2, 4])
@@ -211,8 +228,9 @@ def test_mamba2_bad_inputs_raise_clear_errors():
         mamba_chunk_scan_combined(state, x, dt, A, B.half(), C, D, dt_bias, slots, chunk_size=8)
     with pytest.raises(ValueError, match="B must have shape"):
         mamba_chunk_scan_combined(state, x, dt, A, B[:, :4], C, D, dt_bias, slots, chunk_size=8)
-    with pytest.raises(ValueError, match="block_m must be a power of two"):
-        mamba_chunk_scan_combined(state, x, dt, A, B, C, D, dt_bias, slots, chunk_size=8, block_m=24)
+    with pytest.raises(ValueError, match="tile sizes must be powers of two >= 16.*scan_m"):
+        mamba_chunk_scan_combined(state, x, dt, A, B, C, D, dt_bias, slots, chunk_size=8,
+                                  tiles=ChunkScanTiles(scan_m=24))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,11 +10,17 @@ The commit after acceptance (`rewind_commit`, `replay_advance`, `allocate_replay
 family: `kernels.commit`.
 """
 
-from kernels.mamba2.chunk import mamba_chunk_scan_combined, mamba_chunk_scan_combined_ref, ssd_chunked_scan
+from kernels.mamba2.chunk import (
+    ChunkScanTiles,
+    mamba_chunk_scan_combined,
+    mamba_chunk_scan_combined_ref,
+    ssd_chunked_scan,
+)
 from kernels.mamba2.recurrent import selective_state_update, selective_state_update_ref, ssm_recurrent_scan
 from kernels.mamba2.replay import ReplayHistory, replay_verify, replay_verify_ref
 
 __all__ = [
+    "ChunkScanTiles",
     "ReplayHistory",
     "mamba_chunk_scan_combined",
     "mamba_chunk_scan_combined_ref",

@@ -17,11 +17,12 @@ padding) and the in-chunk cumulative log decay cum_l = sum_{i <= l} A_h dt'_i:
                          + exp(cum_l) C_l . E_c + D_h x_l
 
 The first and last are matrix products over a chunk (tensor cores); only the elementwise state pass is
-sequential. Final state E_{nchunks} goes back to the slot. The three Triton kernels follow the public design of
-mamba_ssm's ssd_chunk_state / ssd_state_passing / ssd_chunk_scan (state-spaces/mamba,
-mamba_ssm/ops/triton/ssd_*.py); written from the math above. Differences: dt processing and the chunk's cumsum
-are recomputed in each kernel from dt (no dA_cumsum buffer), C.B is computed per head (no per-group bmm), and
-the initial / final states are read and written at the rows' cache slots.
+sequential. Final state E_{nchunks} goes back to the slot. Four Triton kernels, following the public design of
+mamba_ssm's ssd_chunk_cumsum / ssd_chunk_state / ssd_state_passing / ssd_chunk_scan (state-spaces/mamba,
+mamba_ssm/ops/triton/ssd_*.py), written from the math above: (1) dt' and cum per chunk, (2) S_c per chunk,
+(3) the pass over chunks, which reads h0 at the row's slot and writes the final state there, (4) the outputs,
+flash-attention style over blocks of output rows and causal blocks of source tokens. Unlike mamba_ssm, C.B is
+computed per head (no per-group bmm kernel) and the states are read and written at the rows' cache slots.
 
 Design decisions (as `kernels.mamba2.recurrent`):
 - PAD rows (slot id < 0) read no state (zeros), write no cache row, and get zero output rows. Slot 0 is live.
@@ -31,7 +32,9 @@ Design decisions (as `kernels.mamba2.recurrent`):
   precision (`dot_fp32`: the default for fp32 inputs, and in Triton's CPU interpreter, whose bf16 tl.dot is
   wrong); decays, dt and the state pass are fp32; the state is rounded to the cache dtype once, at the end.
 - Scratch: the per-chunk states, fp32 (B, nchunks, H, P, N) (4 B nchunks H P N bytes: 268 MB at B = 8,
-  T = 1024, Super V3 shapes) and the chunk decays (B, H, nchunks).
+  T = 1024, Super V3 shapes), dt' and cum (B, H, nchunks, L) fp32.
+- Tiles (`ChunkScanTiles`): picked by compiling for sm_90 without register spills; a launch argument, so the
+  benchmark can time alternatives.
 - No autotune: the state pass writes the cache in place.
 
 Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, L chunk_size, S slots.
@@ -40,6 +43,7 @@ Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, L chunk_si
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,33 @@ from kernels._common import INDEX_DTYPES, check_launchable, check_shape, interpr
 from kernels.mamba2.recurrent import _check_inputs, _process_dt
 
 _NO_LIMIT = (0.0, math.inf)
+
+
+@dataclass(frozen=True)
+class ChunkScanTiles:
+    """Tile sizes (powers of two >= 16, clamped to the problem) and warps of the chunk-state and chunk-output
+    kernels. `for_dot(fp32)` gives the defaults, chosen by compiling for sm_90 without register spills at
+    Nemotron 3 Super's shapes (head_dim 64, d_state 128, chunk 128): `python -m benchmarks.bench_prefill
+    --compile-check` prints registers / stack per thread; the benchmark times a few alternatives.
+
+    state_*: the chunk-state kernel's P block, tokens per product and N block; scan_*: the chunk-output kernel's
+    P block, output rows (M), source tokens per product (K) and d_state block (N)."""
+
+    state_p: int = 64
+    state_k: int = 64
+    state_n: int = 128
+    state_warps: int = 8
+    scan_p: int = 64
+    scan_m: int = 64
+    scan_k: int = 32
+    scan_n: int = 64
+    scan_warps: int = 8
+
+    @classmethod
+    def for_dot(cls, fp32: bool) -> ChunkScanTiles:
+        """16-bit tensor-core products (the defaults above), or smaller tiles for fp32 IEEE products (FMA
+        units: fewer registers per product)."""
+        return cls(state_k=32, state_n=32, scan_m=32, scan_n=32) if fp32 else cls()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,10 +98,25 @@ def _mm(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dt(dt_ptr, A_ptr, dt_bias_ptr, b, h, c0, offs, L, T, length, dt_min, dt_max, s_dtb, s_dtt, s_dth,
-              HAS_DT_LIMIT: tl.constexpr):
-    """dt' (0 outside [0, length) and outside the chunk) and A dt' at chunk positions `offs`; fp32."""
-    t = c0 + offs
+def _ssd_chunk_cumsum_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, len_ptr, dtp_ptr, cum_ptr,
+    T, L, H, dt_min, dt_max,
+    s_dtb, s_dtt, s_dth,
+    s_cb, s_ch, s_cc, s_cl,
+    HAS_LENGTHS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    # One program per (chunk, batch row x head): dt' = clamp(softplus(dt + dt_bias)), 0 past the row's length
+    # and past the chunk, and cum_l = sum_{i <= l} A dt'_i, written for all BLOCK_L positions (constant past
+    # the last valid one, so cum[BLOCK_L - 1] is the chunk's total log decay).
+    c = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs = tl.arange(0, BLOCK_L)
+    t = c * L + offs
+    length = T
+    if HAS_LENGTHS:
+        length = tl.minimum(tl.load(len_ptr + b), T).to(tl.int32)
     valid = (offs < L) & (t < length)
     dt = tl.load(dt_ptr + b * s_dtb + t * s_dtt + h * s_dth, mask=valid, other=0.0).to(tl.float32)
     dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -78,29 +124,25 @@ def _chunk_dt(dt_ptr, A_ptr, dt_bias_ptr, b, h, c0, offs, L, T, length, dt_min, 
     if HAS_DT_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     dt = tl.where(valid, dt, 0.0)
-    return dt, dt * tl.load(A_ptr + h).to(tl.float32), valid
-
-
-@triton.jit
-def _inclusive_cumsum(a, offs_row, offs_col):
-    """cum[i] = sum_{j <= i} a[j] for i in offs_row (a indexed by offs_col): a masked row sum, the same
-    summation for every caller (so exp(cum_l - cum_s) is exactly 1 at l = s in every kernel)."""
-    return tl.sum(tl.where(offs_col[None, :] <= offs_row[:, None], a[None, :], 0.0), axis=1)
+    cum = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)
+    base = b * s_cb + h * s_ch + c * s_cc + offs * s_cl
+    tl.store(dtp_ptr + base, dt)
+    tl.store(cum_ptr + base, cum)
 
 
 @triton.jit
 def _ssd_chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, len_ptr, states_ptr, decay_ptr,
-    T, L, P, N, H, heads_per_group, dt_min, dt_max,
+    x_ptr, B_ptr, dtp_ptr, cum_ptr, states_ptr,
+    T, L, P, N, H, heads_per_group,
     s_xb, s_xt, s_xh, s_xp,
-    s_dtb, s_dtt, s_dth,
     s_Bb, s_Bt, s_Bg, s_Bn,
+    s_cb, s_ch, s_cc, s_cl,
     s_sb, s_sc, s_sh, s_sp, s_sn,
-    s_db, s_dh, s_dc,
-    HAS_LENGTHS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program per (chunk, batch row x head, P block x N block): S_c = (x dt' exp(cum_last - cum))^T B.
+    # One program per (chunk, batch row x head, P block x N block):
+    # S_c = sum_s (x_s dt'_s exp(cum_last - cum_s)) (outer) B_s, over the chunk in blocks of BLOCK_K tokens.
     c = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     pid_pn = tl.program_id(2)
@@ -110,40 +152,35 @@ def _ssd_chunk_state_kernel(
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     offs_p = (pid_pn // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = (pid_pn % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, BLOCK_L)
-    c0 = c * L
-    length = T
-    if HAS_LENGTHS:
-        length = tl.minimum(tl.load(len_ptr + b), T).to(tl.int32)
-
-    dt, a, valid = _chunk_dt(dt_ptr, A_ptr, dt_bias_ptr, b, h, c0, offs_l, L, T, length, dt_min, dt_max,
-                             s_dtb, s_dtt, s_dth, HAS_DT_LIMIT)
-    cum = _inclusive_cumsum(a, offs_l, offs_l)
-    cum_last = tl.sum(a, axis=0)
-    w = tl.where(valid, dt * tl.exp(cum_last - cum), 0.0)  # (BLOCK_L,)
-
-    t = c0 + offs_l
-    x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
-                mask=valid[:, None] & (offs_p[None, :] < P), other=0.0)
-    x = tl.where(valid[:, None], x.to(tl.float32) * w[:, None], 0.0)  # where, not a product: NaN padding
-    Bm = tl.load(B_ptr + b * s_Bb + t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
-                 mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
-    Bm = tl.where(valid[:, None], Bm, 0.0).to(x_ptr.dtype.element_ty)
-    S = _mm(tl.trans(x.to(x_ptr.dtype.element_ty)), Bm, DOT_FP32)  # (BLOCK_P, BLOCK_N)
+    cum_base = b * s_cb + h * s_ch + c * s_cc
+    cum_last = tl.load(cum_ptr + cum_base + (BLOCK_L - 1) * s_cl)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        t = c * L + offs_k
+        dt = tl.load(dtp_ptr + cum_base + offs_k * s_cl, mask=offs_k < BLOCK_L, other=0.0)
+        cum = tl.load(cum_ptr + cum_base + offs_k * s_cl, mask=offs_k < BLOCK_L, other=0.0)
+        valid = (offs_k < L) & (t < T) & (dt > 0.0)  # dt' = 0 (padding) contributes nothing: skipped
+        w = tl.where(valid, dt * tl.exp(cum_last - cum), 0.0)
+        x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                    mask=valid[:, None] & (offs_p[None, :] < P), other=0.0)
+        x = tl.where(valid[:, None], x.to(tl.float32) * w[:, None], 0.0)  # where, not a product: NaN padding
+        Bk = tl.load(B_ptr + b * s_Bb + t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
+                     mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
+        Bk = tl.where(valid[:, None], Bk, 0.0).to(x_ptr.dtype.element_ty)
+        acc += _mm(tl.trans(x.to(x_ptr.dtype.element_ty)), Bk, DOT_FP32)  # (BLOCK_P, BLOCK_N)
     tl.store(states_ptr + b * s_sb + c * s_sc + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-             S, mask=(offs_p[:, None] < P) & (offs_n[None, :] < N))
-    if pid_pn == 0:
-        tl.store(decay_ptr + b * s_db + h * s_dh + c * s_dc, tl.exp(cum_last))
+             acc, mask=(offs_p[:, None] < P) & (offs_n[None, :] < N))
 
 
 @triton.jit
 def _ssd_state_passing_kernel(
-    states_ptr, decay_ptr, state_ptr, slot_ptr,
-    nchunks, P, N, H,
+    states_ptr, cum_ptr, state_ptr, slot_ptr,
+    nchunks, P, N,
     s_sb, s_sc, s_sh, s_sp, s_sn,
-    s_db, s_dh, s_dc,
+    s_cb, s_ch, s_cc, s_cl,
     s_ss, s_sth, s_stp, s_stn,
-    BLOCK: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per (batch row, head, block of the flattened (P, N) state): E_{c+1} = exp(cum_last) E_c + S_c,
     # E_c overwrites S_c in the scratch (what the chunk-output kernel reads); the final state goes to the slot.
@@ -163,25 +200,26 @@ def _ssd_state_passing_kernel(
     for c in range(nchunks):
         S = tl.load(scratch + c * s_sc, mask=mask, other=0.0)
         tl.store(scratch + c * s_sc, E, mask=mask)
-        E = E * tl.load(decay_ptr + b * s_db + h * s_dh + c * s_dc) + S
+        E = E * tl.exp(tl.load(cum_ptr + b * s_cb + h * s_ch + c * s_cc + (BLOCK_L - 1) * s_cl)) + S
     tl.store(cache_ptrs, E.to(state_ptr.dtype.element_ty), mask=mask & live)
 
 
 @triton.jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, len_ptr, slot_ptr, states_ptr, out_ptr,
-    T, L, P, N, H, heads_per_group, dt_min, dt_max,
+    x_ptr, B_ptr, C_ptr, D_ptr, dtp_ptr, cum_ptr, len_ptr, slot_ptr, states_ptr, out_ptr,
+    T, L, P, N, H, heads_per_group,
     s_xb, s_xt, s_xh, s_xp,
-    s_dtb, s_dtt, s_dth,
     s_Bb, s_Bt, s_Bg, s_Bn,
     s_Cb, s_Ct, s_Cg, s_Cn,
+    s_cb, s_ch, s_cc, s_cl,
     s_sb, s_sc, s_sh, s_sp, s_sn,
     s_ob, s_ot, s_oh, s_op,
-    HAS_D: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_LENGTHS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program per (chunk x block of BLOCK_M output rows, batch row x head, P block):
-    # y_l = sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt'_s x_s + exp(cum_l) C_l . E_c + D x_l.
+    # y_l = exp(cum_l) C_l . E_c + sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt'_s x_s + D x_l,
+    # the sum over source blocks of BLOCK_K tokens up to the last output row (causal).
     m_blocks = tl.cdiv(L, BLOCK_M)
     c = (tl.program_id(0) // m_blocks).to(tl.int64)
     m0 = (tl.program_id(0) % m_blocks) * BLOCK_M
@@ -190,55 +228,62 @@ def _ssd_chunk_scan_kernel(
     h = pid_bh % H
     g = h // heads_per_group
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_l = tl.arange(0, BLOCK_L)  # source positions in the chunk
     offs_m = m0 + tl.arange(0, BLOCK_M)  # output positions in the chunk
     offs_n = tl.arange(0, BLOCK_N)
-    c0 = c * L
+    cum_base = b * s_cb + h * s_ch + c * s_cc
+    t_m = c * L + offs_m
+    in_T_m = (offs_m < L) & (t_m < T)  # rows that exist in the output
     length = T
     if HAS_LENGTHS:
         length = tl.minimum(tl.load(len_ptr + b), T).to(tl.int32)
+    valid_m = in_T_m & (t_m < length)  # rows that are real tokens
+    cum_m = tl.load(cum_ptr + cum_base + offs_m * s_cl, mask=offs_m < BLOCK_L, other=0.0)
     slot = tl.load(slot_ptr + b).to(tl.int64)
 
-    dt_l, a_l, valid_l = _chunk_dt(dt_ptr, A_ptr, dt_bias_ptr, b, h, c0, offs_l, L, T, length, dt_min, dt_max,
-                                   s_dtb, s_dtt, s_dth, HAS_DT_LIMIT)
-    cum_l = _inclusive_cumsum(a_l, offs_l, offs_l)
-    cum_m = _inclusive_cumsum(a_l, offs_m, offs_l)
-    t_l = c0 + offs_l
-    t_m = c0 + offs_m
-    in_T_m = (offs_m < L) & (t_m < T)  # rows that exist in the output
-    valid_m = (offs_m < L) & (t_m < length)  # rows that are real tokens
-
-    # C_m . B_l (the chunk's (M, L) kernel) and C_m . E_c, over d_state in blocks.
-    CB = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
-    CE = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    # The state entering the chunk, read through C: exp(cum_m) C_m . E_c.
+    acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + offs_n
         Cm = tl.load(C_ptr + b * s_Cb + t_m[:, None] * s_Ct + g * s_Cg + n[None, :] * s_Cn,
                      mask=valid_m[:, None] & (n[None, :] < N), other=0.0)
-        Bl = tl.load(B_ptr + b * s_Bb + t_l[:, None] * s_Bt + g * s_Bg + n[None, :] * s_Bn,
-                     mask=valid_l[:, None] & (n[None, :] < N), other=0.0)
-        Bl = tl.where(valid_l[:, None], Bl, 0.0).to(x_ptr.dtype.element_ty)
         E = tl.load(states_ptr + b * s_sb + c * s_sc + h * s_sh + offs_p[:, None] * s_sp + n[None, :] * s_sn,
                     mask=(offs_p[:, None] < P) & (n[None, :] < N), other=0.0)
-        CB += _mm(Cm.to(x_ptr.dtype.element_ty), tl.trans(Bl), DOT_FP32)
-        CE += _mm(Cm.to(x_ptr.dtype.element_ty), tl.trans(E.to(x_ptr.dtype.element_ty)), DOT_FP32)
+        acc += _mm(Cm.to(x_ptr.dtype.element_ty), tl.trans(E.to(x_ptr.dtype.element_ty)), DOT_FP32)
+    acc = acc * tl.exp(cum_m)[:, None]
 
-    causal = (offs_l[None, :] <= offs_m[:, None]) & valid_l[None, :]
-    # masked before exp: above the diagonal cum_m - cum_l > 0 could overflow
-    decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_l[None, :], float("-inf")))
-    scores = CB * decay * dt_l[None, :]
-    xl = tl.load(x_ptr + b * s_xb + t_l[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
-                 mask=valid_l[:, None] & (offs_p[None, :] < P), other=0.0)
-    xl = tl.where(valid_l[:, None], xl, 0.0).to(x_ptr.dtype.element_ty)
-    y = _mm(scores.to(x_ptr.dtype.element_ty), xl, DOT_FP32) + tl.exp(cum_m)[:, None] * CE
+    # Inside the chunk: source blocks up to the last output row of this program.
+    for k0 in range(0, tl.minimum(m0 + BLOCK_M, L), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        t_k = c * L + offs_k
+        dt_k = tl.load(dtp_ptr + cum_base + offs_k * s_cl, mask=offs_k < BLOCK_L, other=0.0)
+        cum_k = tl.load(cum_ptr + cum_base + offs_k * s_cl, mask=offs_k < BLOCK_L, other=0.0)
+        valid_k = (offs_k < L) & (t_k < T) & (dt_k > 0.0)  # dt' = 0 (padding) contributes nothing
+        CB = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + offs_n
+            Cm = tl.load(C_ptr + b * s_Cb + t_m[:, None] * s_Ct + g * s_Cg + n[None, :] * s_Cn,
+                         mask=valid_m[:, None] & (n[None, :] < N), other=0.0)
+            Bk = tl.load(B_ptr + b * s_Bb + t_k[:, None] * s_Bt + g * s_Bg + n[None, :] * s_Bn,
+                         mask=valid_k[:, None] & (n[None, :] < N), other=0.0)
+            Bk = tl.where(valid_k[:, None], Bk, 0.0).to(x_ptr.dtype.element_ty)
+            CB += _mm(Cm.to(x_ptr.dtype.element_ty), tl.trans(Bk), DOT_FP32)
+        causal = (offs_k[None, :] <= offs_m[:, None]) & valid_k[None, :]
+        # masked before exp: above the diagonal cum_m - cum_k > 0 could overflow
+        decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], float("-inf")))
+        scores = CB * decay * dt_k[None, :]
+        xk = tl.load(x_ptr + b * s_xb + t_k[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                     mask=valid_k[:, None] & (offs_p[None, :] < P), other=0.0)
+        xk = tl.where(valid_k[:, None], xk, 0.0).to(x_ptr.dtype.element_ty)
+        acc += _mm(scores.to(x_ptr.dtype.element_ty), xk, DOT_FP32)
+
     if HAS_D:
         xm = tl.load(x_ptr + b * s_xb + t_m[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
                      mask=valid_m[:, None] & (offs_p[None, :] < P), other=0.0).to(tl.float32)
-        y += tl.load(D_ptr + h).to(tl.float32) * xm
+        acc += tl.load(D_ptr + h).to(tl.float32) * xm
     live = (tl.zeros([BLOCK_M], tl.int64) + slot) >= 0
-    y = tl.where((valid_m & live)[:, None], y, 0.0)
+    acc = tl.where((valid_m & live)[:, None], acc, 0.0)
     tl.store(out_ptr + b * s_ob + t_m[:, None] * s_ot + h * s_oh + offs_p[None, :] * s_op,
-             y.to(out_ptr.dtype.element_ty), mask=in_T_m[:, None] & (offs_p[None, :] < P))
+             acc.to(out_ptr.dtype.element_ty), mask=in_T_m[:, None] & (offs_p[None, :] < P))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,7 +322,7 @@ def mamba_chunk_scan_combined(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     dot_fp32: bool | None = None,
-    block_m: int = 64,
+    tiles: ChunkScanTiles | None = None,
 ) -> torch.Tensor:
     """Prefill of T tokens per row from each row's cached SSM state, chunked SSD form (Triton, three kernels).
 
@@ -300,7 +345,7 @@ def mamba_chunk_scan_combined(
         out: optional (B, T, H, P) output buffer (float32 / bfloat16 / float16); allocated like x when None.
         dot_fp32: run the matrix products in fp32 at IEEE precision (default: for fp32 inputs, and always in
             Triton's CPU interpreter, whose bf16 tl.dot is wrong); else in x's dtype, fp32 accumulation.
-        block_m: output rows per program of the chunk-output kernel (power of two >= 16).
+        tiles: tile sizes and warps (`ChunkScanTiles`); default `ChunkScanTiles.for_dot(dot_fp32)`.
 
     Returns:
         out: (B, T, H, P), y_t = C_t . h_t + D x_t (no gate: the gated RMSNorm applies silu(z)).
@@ -314,8 +359,6 @@ def mamba_chunk_scan_combined(
     if B.dtype != x.dtype or C.dtype != x.dtype:
         raise ValueError(f"{name}: x, B and C must share one dtype (the matrix products take them as they are); "
                          f"got {x.dtype}, {B.dtype}, {C.dtype}")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"{name}: block_m must be a power of two >= 16, got {block_m}")
     if out is None:
         out = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
     tensors = [state, x, dt, A, B, C, dt_bias, slot_ids, out] + [t for t in (D, lengths) if t is not None]
@@ -324,44 +367,51 @@ def mamba_chunk_scan_combined(
         return out
     if dot_fp32 is None:
         dot_fp32 = x.dtype == torch.float32 or interpreter_active()
+    tiles = tiles or ChunkScanTiles.for_dot(dot_fp32)
+    bad = {k: v for k, v in vars(tiles).items() if not k.endswith("warps") and (v < 16 or v & (v - 1))}
+    if bad:
+        raise ValueError(f"{name}: tile sizes must be powers of two >= 16 (tl.dot's minimum), got {bad}")
 
     L = chunk_size
     nchunks = triton.cdiv(T, L)
     BLOCK_L = max(16, triton.next_power_of_2(L))
-    BLOCK_M = min(block_m, BLOCK_L)
-    BLOCK_P = min(64, max(16, triton.next_power_of_2(P)))
-    BLOCK_N = min(128, max(16, triton.next_power_of_2(N)))
+    fit = lambda block, n: min(block, max(16, triton.next_power_of_2(n)))  # noqa: E731
+    state_p, state_k, state_n = fit(tiles.state_p, P), fit(tiles.state_k, L), fit(tiles.state_n, N)
+    scan_p, scan_m, scan_k, scan_n = (fit(tiles.scan_p, P), fit(tiles.scan_m, L), fit(tiles.scan_k, L),
+                                      fit(tiles.scan_n, N))
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
-    dt_lim = (float(lo), float(hi) if hi < math.inf else 3.0e38)
     len_arg = lengths if lengths is not None else slot_ids  # placeholder: never read without HAS_LENGTHS
+    # scratch: dt' and the in-chunk cumsum (B, H, nchunks, BLOCK_L); the per-chunk states (B, nchunks, H, P, N)
+    dtp = torch.empty(Bsz, H, nchunks, BLOCK_L, device=x.device, dtype=torch.float32)
+    cum = torch.empty_like(dtp)
     states = torch.empty(Bsz, nchunks, H, P, N, device=x.device, dtype=torch.float32)
-    decay = torch.empty(Bsz, H, nchunks, device=x.device, dtype=torch.float32)
-    big = BLOCK_L * max(BLOCK_P, BLOCK_N) >= 8192
 
-    grid = (nchunks, Bsz * H, triton.cdiv(P, BLOCK_P) * triton.cdiv(N, BLOCK_N))
+    _ssd_chunk_cumsum_kernel[(nchunks, Bsz * H)](
+        dt, A, dt_bias, len_arg, dtp, cum, T, L, H, float(lo), float(hi) if hi < math.inf else 3.0e38,
+        *dt.stride(), *cum.stride(),
+        HAS_LENGTHS=lengths is not None, HAS_DT_LIMIT=has_limit, BLOCK_L=BLOCK_L, num_warps=1,
+    )
+    grid = (nchunks, Bsz * H, triton.cdiv(P, state_p) * triton.cdiv(N, state_n))
     _ssd_chunk_state_kernel[grid](
-        x, dt, A, B, dt_bias, len_arg, states, decay,
-        T, L, P, N, H, H // G, *dt_lim,
-        *x.stride(), *dt.stride(), *B.stride(), *states.stride(), *decay.stride(),
-        HAS_LENGTHS=lengths is not None, HAS_DT_LIMIT=has_limit, DOT_FP32=bool(dot_fp32),
-        BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=8 if big else 4,
+        x, B, dtp, cum, states, T, L, P, N, H, H // G,
+        *x.stride(), *B.stride(), *cum.stride(), *states.stride(),
+        DOT_FP32=bool(dot_fp32), BLOCK_L=BLOCK_L, BLOCK_K=state_k, BLOCK_P=state_p, BLOCK_N=state_n,
+        num_warps=tiles.state_warps,
     )
     BLOCK = min(1024, triton.next_power_of_2(P * N))
     _ssd_state_passing_kernel[(Bsz, H, triton.cdiv(P * N, BLOCK))](
-        states, decay, state, slot_ids, nchunks, P, N, H,
-        *states.stride(), *decay.stride(), *state.stride(),
-        BLOCK=BLOCK, num_warps=4,
+        states, cum, state, slot_ids, nchunks, P, N,
+        *states.stride(), *cum.stride(), *state.stride(),
+        BLOCK_L=BLOCK_L, BLOCK=BLOCK, num_warps=4,
     )
-    BLOCK_N_SCAN = min(64, BLOCK_N)
-    grid = (nchunks * triton.cdiv(L, BLOCK_M), Bsz * H, triton.cdiv(P, BLOCK_P))
+    grid = (nchunks * triton.cdiv(L, scan_m), Bsz * H, triton.cdiv(P, scan_p))
     _ssd_chunk_scan_kernel[grid](
-        x, dt, A, B, C, D if D is not None else A, dt_bias, len_arg, slot_ids, states, out,
-        T, L, P, N, H, H // G, *dt_lim,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *states.stride(), *out.stride(),
-        HAS_D=D is not None, HAS_LENGTHS=lengths is not None, HAS_DT_LIMIT=has_limit, DOT_FP32=bool(dot_fp32),
-        BLOCK_M=BLOCK_M, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N_SCAN,
-        num_warps=8 if big else 4,
+        x, B, C, D if D is not None else A, dtp, cum, len_arg, slot_ids, states, out,
+        T, L, P, N, H, H // G,
+        *x.stride(), *B.stride(), *C.stride(), *cum.stride(), *states.stride(), *out.stride(),
+        HAS_D=D is not None, HAS_LENGTHS=lengths is not None, DOT_FP32=bool(dot_fp32), BLOCK_L=BLOCK_L,
+        BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=scan_n, num_warps=tiles.scan_warps,
     )
     return out
 
@@ -382,12 +432,12 @@ def mamba_chunk_scan_combined_ref(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     dot_fp32: bool | None = None,
-    block_m: int = 64,
+    tiles: ChunkScanTiles | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `mamba_chunk_scan_combined` (same arguments, same effects; `dot_fp32` and
-    `block_m` ignored): `ssd_chunked_scan` on the live rows' gathered states, float32 math. Host syncs: the
+    `tiles` ignored): `ssd_chunked_scan` on the live rows' gathered states, float32 math. Host syncs: the
     nonzero() that selects the live rows."""
-    del dot_fp32, block_m
+    del dot_fp32, tiles
     name = "mamba_chunk_scan_combined_ref"
     _, H, P, N, Bsz, T, G = _check_scan_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, chunk_size, lengths,
                                              out, name)
