@@ -310,3 +310,46 @@ def test_gdn_fla_adapter_without_fla_names_the_fix(monkeypatch):
     q, k, v, g, beta, h0 = gdn_case(1, 4, 1, 2, 8, 8)
     with pytest.raises(RuntimeError, match=r"fla-core is not importable.*pip install '\.\[gpu\]'"):
         gdn_fla.fla_chunk_gated_delta_rule(q, k, v, g, beta, h0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The benchmark script (the H200 runs it; here its dry run, compile check and argument errors)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_bench_prefill_dry_run_and_bad_arguments(capsys):
+    from benchmarks import bench_prefill
+
+    if _common.interpreter_active():
+        assert bench_prefill.main(["--dry-run"]) == 0
+        assert '"dry_run": "ok"' in capsys.readouterr().out
+    for argv, says in ((["--cases", "8x"], "give BxT pairs"), (["--cases", "0x16"], "give BxT pairs"),
+                       (["--families", "mamba"], "subset of nemotron_h, qwen3_next")):
+        with pytest.raises(SystemExit) as exc:
+            bench_prefill.main(argv)
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_prefill_compile_check_lowers_every_kernel_for_sm90():
+    """Triton's ahead-of-time compile for sm_90 (no GPU needed) of the four Mamba2 kernels with the default
+    tiles, 16-bit and fp32 products: a type or lowering error shows here, before GPU time is spent. Runs in a
+    subprocess without TRITON_INTERPRET (interpreted kernels cannot be compiled). The register / spill report
+    is printed (run with -s), not asserted: it depends on the Triton version."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton's bundled CUDA tools are not in this install")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefill", "--compile-check"], env=env,
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    print(res)
+    assert len(res) == 8 and all(r.get("REG", 0) > 0 for r in res.values()), res
