@@ -139,9 +139,9 @@ def test_mamba2_reference_equals_token_by_token_recurrence():
     for D, limit in ((None, (0.0, math.inf)), (torch.randn(4, device=DEV), (0.3, 0.8))):
         s_chunk, s_rec = state.clone(), state.clone()
         y_chunk = mamba_chunk_scan_combined_ref(s_chunk, x, dt, A, B, C, D, dt_bias, slots, chunk_size=8,
-                                                time_step_limit=limit, out=torch.empty(x.shape))
+                                                time_step_limit=limit, out=torch.empty(x.shape, device=DEV))
         y_rec = selective_state_update_ref(s_rec, x, dt, A, B, C, D, dt_bias, slots, time_step_limit=limit,
-                                           out=torch.empty(x.shape))
+                                           out=torch.empty(x.shape, device=DEV))
         close(y_chunk, y_rec, TOL, "y")
         close(s_chunk, s_rec, TOL, "state")
         (y_k, s_k), _ = run_both(state, [x, dt, B, C], A, D, dt_bias, slots, chunk_size=8,

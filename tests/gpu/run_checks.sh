@@ -11,7 +11,7 @@
 #             verify, commit, advance) against the torch backend
 #   sanitize  compute-sanitizer memcheck over the GPU kernel tests (CUDA-graph tests excluded: the sanitizer
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
-#   bench     benchmarks/bench_mamba2.py and benchmarks/bench_gdn.py at the Super V3 / Qwen3-Next shapes
+#   bench     benchmarks/bench_mamba2.py, bench_gdn.py and bench_prefill.py at the Super V3 / Qwen3-Next shapes
 #   engine    every `gpu`-marked test of the suite (engine on CUDA, FlashInfer where importable)
 #   flashinfer  FlashInfer beside ours: which Mamba2 sizes its selective_state_update builds at and whether
 #             it agrees with our reference there (tests/gpu/flashinfer_sizes.py), the engine's GPU tests
@@ -55,13 +55,15 @@ for s in "$@"; do
   case $s in
     kernels) stage kernels python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py \
                tests/test_kernels_mamba2_gpu.py tests/test_kernels_gdn.py tests/test_kernels_gdn_gpu.py \
-               tests/test_gdn.py tests/test_replay_cache.py tests/test_replay_engine.py ;;
+               tests/test_gdn.py tests/test_replay_cache.py tests/test_replay_engine.py \
+               tests/test_prefill_kernels.py tests/test_prefill_kernels_gpu.py ;;
     sanitize) stage sanitize /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
                python3 -m pytest -q -p no:cacheprovider -k "not graph" tests/test_kernels_mamba2_gpu.py \
                tests/test_kernels_gdn_gpu.py ;;
     bench) stage bench_mamba2 python3 -m benchmarks.bench_mamba2 --out "$out/bench_mamba2.json"
            stage bench_gdn_fp32 python3 -m benchmarks.bench_gdn --out "$out/bench_gdn_fp32.json"
-           stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json" ;;
+           stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json"
+           stage bench_prefill python3 -m benchmarks.bench_prefill --tile-sweep --out "$out/bench_prefill.json" ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     flashinfer)
       ckpt=${FLASHINFER_CKPT-bfloat16}  # state dtypes for checkpointing_ssu; FLASHINFER_CKPT= skips it
