@@ -26,8 +26,10 @@ computed per head (no per-group bmm kernel) and the states are read and written 
 
 Design decisions (as `kernels.mamba2.recurrent`):
 - PAD rows (slot id < 0) read no state (zeros), write no cache row, and get zero output rows. Slot 0 is live.
-- Right padding: columns t >= lengths[b] get dt' = 0 and x = 0 (a no-op on the state even where the padded
-  input holds NaN); their output is written as 0. A row of length 0 keeps its state exactly.
+- Right padding: columns t >= lengths[b] get dt' = 0, and the state and output kernels skip columns with
+  dt' = 0 (which contribute nothing), so padding is a no-op on the state even where it holds NaN; a chunk
+  of padding scales the state by exp(0) = 1 and adds exact zeros, so a padded row ends in the same state, bit
+  for bit, as the row alone, and a row of length 0 keeps its state. Outputs at padded columns are written 0.
 - Products run on tensor cores in the input dtype (bf16 / fp16) with fp32 accumulation, or in fp32 with IEEE
   precision (`dot_fp32`: the default for fp32 inputs, and in Triton's CPU interpreter, whose bf16 tl.dot is
   wrong); decays, dt and the state pass are fp32; the state is rounded to the cache dtype once, at the end.
