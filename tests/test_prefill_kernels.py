@@ -273,7 +273,7 @@ class _FlaStandIn:
     def __call__(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, state_v_first=False, chunk_size=64, **kw):
         assert not kw, kw
-        assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+        assert q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == torch.float32, (q.dtype, g.dtype)
         assert state_v_first and not use_qk_l2norm_in_kernel and chunk_size in (16, 32, 64)
         B, T, H, K = q.shape
         HV, V = v.shape[2:]

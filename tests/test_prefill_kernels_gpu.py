@@ -172,8 +172,8 @@ def gdn_inputs(B, T, H_, HV, K, V, dtype, seed):
     k = l2norm(torch.randn(B, T, H_, K, generator=g)).to(dtype)  # the reference gets the same rounding
     v = torch.randn(B, T, HV, V, generator=g).to(dtype)
     gate = -torch.nn.functional.softplus(torch.randn(B, T, HV, generator=g)) * 0.5
-    beta = torch.rand(B, T, HV, generator=g)
-    h0 = torch.randn(B, HV, V, K, generator=g) * 0.1
+    beta = torch.rand(B, T, HV, generator=g).to(dtype)  # the adapter passes beta in v's dtype, as the engine
+    h0 = torch.randn(B, HV, V, K, generator=g) * 0.1      # gets it: the reference sees the same rounding
     return [t.cuda() for t in (q, k, v, gate, beta, h0)]
 
 

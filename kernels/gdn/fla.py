@@ -16,7 +16,8 @@ Conventions mapped (fla-core 0.6.0, fla/ops/gated_delta_rule/chunk.py):
 - q, k arrive L2-normalised (the mixer normalises them in fp32), so `use_qk_l2norm_in_kernel=False`; fla's
   default `scale` is K^-0.5, ours too; g is the log decay in fp32, beta in (0, 1) (post-sigmoid);
 - dtypes: fla's matrix products take q, k and v in one dtype (its WY kernel multiplies tiles of k's dtype with
-  tiles of v's), so q, k are cast to v's dtype (bf16 in the engine); g, beta stay fp32;
+  tiles of v's), so q, k and beta are cast to v's dtype (bf16 in the engine) and g stays fp32: the
+  combination transformers and vLLM call it with (beta = sigmoid(b) in the activations' dtype, g in fp32);
 - right padding: columns t >= lengths[b] are zeroed (`kernels.gdn._common.mask_right_padding`: g = beta = k =
   q = v = 0) and the batch runs as B equal-length rows. A padded step is then the identity on the state in
   exact arithmetic: it adds u k^T with k = 0 and decays by exp(0) = 1. (fla's other way, `cu_seqlens` over a
@@ -85,7 +86,7 @@ def fla_chunk_gated_delta_rule(
     if lengths is not None:
         q, k, v, g, beta = mask_right_padding(q, k, v, g, beta, lengths)
     o, final = fla_chunk(
-        q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.float(),
+        q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.to(v.dtype),
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=False, state_v_first=True,
         chunk_size=chunk_size if chunk_size in FLA_CHUNK_SIZES else 64,
