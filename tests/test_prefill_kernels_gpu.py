@@ -33,7 +33,7 @@ pytestmark = pytest.mark.gpu
 # fla-core bf16: its WY factors and per-chunk states are bf16 (its own tests allow ~1e-2); fp32 inputs run
 # its products in tf32 (10-bit mantissa).
 MAMBA_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
-GDN_TOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
+GDN_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-2}
 H, P, N, G, L = 128, 64, 128, 8, 128  # Super V3 mixer
 QH, QHV, QK, QV = 16, 32, 128, 128  # Qwen3-Next Gated DeltaNet
 
