@@ -168,10 +168,11 @@ def test_ssm_backend_option(setup):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
 
 
-# The prefill kernels: our Mamba2 chunked scan (three kernels), and for Gated DeltaNet fla-core's chunked
+# The prefill kernels: our Mamba2 chunked scan (four kernels), and for Gated DeltaNet fla-core's chunked
 # kernels on CUDA (one of them, the chunk-to-chunk state pass, stands for the set); on the CPU the GDN prefill
 # is the reference (fla's kernels need a GPU).
-MAMBA2_PREFILL = {"_ssd_chunk_state_kernel", "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel"}
+MAMBA2_PREFILL = {"_ssd_chunk_cumsum_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel",
+                  "_ssd_chunk_scan_kernel"}
 FLA_PREFILL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
 
 
@@ -201,7 +202,8 @@ def _count_launches(monkeypatch) -> dict[str, int]:
     kernels = (mamba2_recurrent._ssu_kernel, mamba2_replay._replay_verify_kernel,
                gdn_recurrent._fused_recurrent_gdn_kernel, gdn_replay._gdn_replay_verify_kernel,
                commit._rewind_commit_kernel, commit._replay_advance_kernel,
-               mamba2_chunk._ssd_chunk_state_kernel, mamba2_chunk._ssd_state_passing_kernel,
+               mamba2_chunk._ssd_chunk_cumsum_kernel, mamba2_chunk._ssd_chunk_state_kernel,
+               mamba2_chunk._ssd_state_passing_kernel,
                mamba2_chunk._ssd_chunk_scan_kernel)
     named = {k.fn.__name__ if hasattr(k, "fn") else k.__name__: k for k in kernels} | _fla_prefill_kernels()
     for name, kernel in named.items():
