@@ -209,9 +209,9 @@ def test_gpu_gdn_fla_matches_reference_qwen3_next(dtype):
     rep.check()
 
 
-def test_gpu_gdn_fla_k_neq_v_and_padding_exact():
+def test_gpu_gdn_fla_k_neq_v_and_padding():
     """K != V both ways (our state (HV, V, K) is fla's state_v_first layout, no transpose), and a padded
-    row's final state against the same row alone."""
+    row's final state against the same row alone (to bf16 resolution: see the comment below)."""
     if fla_chunk_rule()[0] is None:
         pytest.fail(f"fla-core does not import: {fla_chunk_rule()[1]}")
     rep = Report("gdn fla K!=V")
@@ -221,8 +221,12 @@ def test_gpu_gdn_fla_k_neq_v_and_padding_exact():
     _, s_pad = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, h0, 64,
                                                 lengths=torch.tensor([200, 77], device="cuda"))
     _, s_alone = gdn_chunk.chunk_gated_delta_rule(*(t[1:, :77] for t in (q, k, v, g, beta)), h0[1:], 64)
-    d = maxabs(s_pad[1], s_alone[0])
-    rep.add("row of 77 in T=200 vs alone", d <= 1e-5, max_state_diff=d,
+    # Zeroed q, k, v, g, beta past a row's length make padding a no-op in exact arithmetic, but fla-core keeps
+    # its per-chunk states in the input dtype: the padded row crosses more chunk boundaries (T = 200 vs 77),
+    # each a bf16 rounding of the state. Measured on the H200: max |diff| 1.25e-4 (not bitwise). So the check
+    # is at bf16 resolution of the state, relative.
+    d, r = maxabs(s_pad[1], s_alone[0]), rel(s_pad[1], s_alone[0])
+    rep.add("row of 77 in T=200 vs alone", r <= 4e-3, rel_state=r, max_state_diff=d,
             bitwise=torch.equal(s_pad[1], s_alone[0]))
     rep.check()
 

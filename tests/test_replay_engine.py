@@ -217,6 +217,12 @@ def _count_launches(monkeypatch) -> dict[str, int]:
     return counts
 
 
+def _is_gdn(path) -> bool:
+    """Whether the checkpoint at `path` has Gated DeltaNet layers (else Mamba2)."""
+    engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=16)
+    return isinstance(_recurrent_layers(engine)[0][0], GDNMixer)
+
+
 def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     """The engine's kernel path, run by the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET
     without a GPU) or compiled on CUDA: ssm_backend="triton" gives the torch backend's tokens and acceptance
@@ -245,10 +251,16 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     want = outs["torch", 2, False]
     if device == "cpu":  # `plain` ran on the CPU: on CUDA, float differences could break a near tie
         assert want.tokens == [plain[i][:new] for i in rows]
-    for (_, K, _), out in outs.items():
+    for (backend, K, replay), out in outs.items():
         assert out.tokens == want.tokens
-        assert K == 0 or _acceptance(out.stats) == _acceptance(want.stats)
-    gdn = isinstance(_recurrent_layers(engine)[0][0], GDNMixer)
+        # rewind and replay of one backend share every kernel but the commit: equal acceptance everywhere
+        assert not replay or _acceptance(out.stats) == _acceptance(outs[backend, K, False].stats)
+        # across backends the drafts are compared too, except where fla-core's GDN prefill runs: in float32
+        # it multiplies in tf32 (10-bit mantissa), which can flip a near tie of the MTP head's 5-token vocab
+        # (seen on the H200: same tokens, one draft accepted differently; docs/gpu/README.md)
+        if device == "cpu" or not _is_gdn(path):
+            assert K == 0 or _acceptance(out.stats) == _acceptance(want.stats)
+    gdn = _is_gdn(path)
     decode = "_fused_recurrent_gdn_kernel" if gdn else "_ssu_kernel"  # also the family's rewind verify
     replay_verify = "_gdn_replay_verify_kernel" if gdn else "_replay_verify_kernel"
     prefill = set(_fla_prefill_kernels()) if gdn else MAMBA2_PREFILL
