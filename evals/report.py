@@ -223,6 +223,12 @@ def format_console(results: Mapping[str, Any]) -> str:
         ("wall time", num(t["wall_seconds"], " s")),
         ("cache memory", f"{mem / 2**20:,.1f} MiB"),
     ]
+    load = results.get("load")
+    if load:
+        peak = load.get("device_peak_bytes") or load.get("host_peak_rss_bytes")
+        where = "device" if load.get("device_peak_bytes") else "host RSS"
+        rows.append(("load", f"{load['seconds']:,.1f} s, weights {load['weight_bytes'] / 2**30:,.2f} GiB"
+                     + (f", {where} peak {peak / 2**30:,.2f} GiB" if peak else "")))
     if resumed.get("num_resumed"):
         done, new = resumed["num_resumed"], resumed["num_generated"]
         rows.append(("resumed", f"{done} samples from disk, {new} generated now"))

@@ -65,12 +65,14 @@ def build_results(
     memory: dict[str, int],
     load_seconds: float,
     eval_seconds: float,
+    load: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The results dict of one evaluated arm, without its verdict (docs/results_schema.md).
 
     config: the resolved settings (registry.resolve.ResolvedRun.to_dict(), with the backend that ran).
     evaluation: the evals.gsm8k.GSM8KResult. memory: engine.cache_memory(). Seconds: loading the engine and
-    evaluating. Throughputs divide the tokens of every generate call of the folder by the seconds of those
+    evaluating. load: the engine's load report (runners.memory.LoadReport.to_dict(): seconds, weight / cache
+    bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide the tokens of every generate call of the folder by the seconds of those
     same calls (timing_* of the generation stats).
     """
     stats = dict(evaluation.stats)
@@ -89,6 +91,7 @@ def build_results(
         "task": dict(evaluation.task),
         "acceptance": acceptance_section(stats, draft_len),
         "memory": {k: int(v) for k, v in memory.items()},
+        "load": load,
         "timings": {
             "wall_seconds": load_seconds + eval_seconds,
             "load_seconds": load_seconds,

@@ -214,6 +214,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         memory=engine.cache_memory(),
         load_seconds=t_loaded - t0,
         eval_seconds=time.perf_counter() - t_loaded,
+        load=engine.load_report.to_dict() if engine.load_report else None,
     )
     results["verdict"] = _verdict(rr, results)
     _finish(results, out_dir)

@@ -18,6 +18,7 @@ from registry.compose import compose_config
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners import app
+from runners.memory import LoadReport
 
 TINY_NEMOTRON_H_CONFIG = {
     "model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4,
@@ -66,6 +67,10 @@ class FakeEngine:
 
     def __init__(self, ssm_backend: str):
         self.ssm_backend = ssm_backend  # the backend that runs (runners.Engine resolves it)
+        self.load_report = LoadReport(
+            seconds=1.5, weights_seconds=1.0, device="cpu", dtype="float32", weight_bytes=3 * 2**30,
+            cache_bytes=2**21, budget_bytes=None, host_peak_rss_bytes=2**31, host_peak_reset=True,
+            device_peak_bytes=None, device_allocated_bytes=None)
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, draft_len=0, ssm_replay=False,
@@ -157,6 +162,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert acc["num_accepted_hist"] == [0, 50, 50, 50, 50]
     assert results["generation"]["generated_tokens"] == 600
     assert results["memory"]["kv_cache_bytes"] == 2**21
+    assert results["load"]["weight_bytes"] == 3 * 2**30 and results["load"]["seconds"] == 1.5
     assert results["git_commit"] is None or len(results["git_commit"]) == 40
     # Against the tiny entry's measured rows (registry/baselines/): 37.5 % >= 1.895 - 0.87, rate 0.5 >= 0.43,
     # length 2.5 >= 2.616 * 0.8.
@@ -169,6 +175,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed
     assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
     assert "verdict                  PASS" in printed
+    assert "load                     1.5 s, weights 3.00 GiB, host RSS peak 2.00 GiB" in printed
     assert "ssm backend              torch (entry: triton; the CPU runs the PyTorch references)" in printed
 
 

@@ -53,6 +53,7 @@ class ScriptedEngine(FakeEngine):
                      hang_after=int(hang) if hang else None)
         engine.config = SimpleNamespace(eos_token_id=2, options=sorted(options))
         engine.ssm_backend = options["ssm_backend"]
+        engine.load_report = None  # as an Engine built without from_pretrained
         return engine
 
     def cache_memory(self):

@@ -68,11 +68,22 @@ def _gsm8k_prompts(tokenizer_path: Path, n: int, length: int) -> tuple[list[list
     return prompts, "random ids (no GSM8K copy found)"
 
 
-def _eval_command(family: str, ckpt: Path, overrides: list[str], run_dir: Path) -> list[str]:
+def _eval_command(family: str, ckpt: Path, overrides: list[str], run_dir: Path,
+                  compute_dtype: str | None = None) -> list[str]:
     # the released entries list CUDA-graph batch sizes; the engine captures none yet (runners/support.py)
+    dtype = [f"runtime.dtype={compute_dtype}"] if compute_dtype else []
     return [sys.executable, "run.py", f"model={ENTRIES[family]}", f"model.checkpoint={ckpt}", "runtime=gpu",
             "model.cuda_graph_batch_sizes=[]", "eval.limit=32", "verdict.require_reference=false",
-            "compare=replay", *overrides, f"hydra.run.dir={run_dir}"]
+            "compare=replay", *dtype, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first generated token where two greedy outputs differ; None when they are identical
+    (a length difference counts as a difference at the shorter length)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def bench_family(family: str, args: argparse.Namespace) -> dict:
@@ -82,7 +93,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     from runners.synth import DTYPES, write_synthetic_checkpoint
 
     dev = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]  # the checkpoint's
+    compute = DTYPES[args.compute_dtype or args.dtype]  # the engine's
     layers, experts = DEFAULT_CUT[family]
     layers = args.num_layers or layers
     experts = args.num_experts if args.num_experts is not None else experts
@@ -99,7 +111,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         max_b = max(args.batch_sizes)
         max_seq = args.prompt_len + args.new_tokens + 8
         print(f"== {family}: loading", flush=True)
-        engine = Engine.from_pretrained(ckpt, device=dev, dtype=dtype, draft_len=3, max_batch_size=max_b,
+        engine = Engine.from_pretrained(ckpt, device=dev, dtype=compute, draft_len=3, max_batch_size=max_b,
                                         max_seq_len=max_seq)
         out["load"] = engine.load_report.to_dict()
         print(json.dumps(out["load"]), flush=True)
@@ -113,7 +125,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         runs, tokens = [], {}
         for B in args.batch_sizes:
             for K, replay in ARMS:
-                eng = Engine(model, device=dev, dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
+                eng = Engine(model, device=dev, dtype=compute, draft_len=K, ssm_replay=replay, max_batch_size=B,
                              max_seq_len=max_seq)
                 eng.generate(prompts[:B], 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
                 if dev.type == "cuda":
@@ -143,20 +155,25 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         out["runs"] = runs
-        same = lambda B, x, y: sum(a == b for a, b in zip(tokens[(B, x)], tokens[(B, y)])) / B
-        # fraction of requests whose generated tokens are identical
+        def same(B: int, x: str, y: str) -> dict:
+            # per request: identical greedy outputs, else the index of the first differing token
+            div = [first_divergence(a, b) for a, b in zip(tokens[(B, x)], tokens[(B, y)])]
+            return {"fraction_identical": sum(d is None for d in div) / B, "first_divergence": div}
+
         out["same_tokens"] = {
             f"batch{B}": {"replay_vs_rewind": same(B, "replay", "rewind"),
                           "rewind_vs_plain": same(B, "rewind", "plain")}
             for B in args.batch_sizes
         }
+        print(json.dumps(out["same_tokens"]), flush=True)
         del model
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         if args.run_eval:
             run_dir = Path(args.run_eval) / family
-            cmd = _eval_command(family, ckpt, synth.arch_overrides, run_dir)
+            cmd = _eval_command(family, ckpt, synth.arch_overrides, run_dir,
+                                compute_dtype=args.compute_dtype if args.compute_dtype != args.dtype else None)
             print("== " + " ".join(cmd), flush=True)
             t0 = time.perf_counter()
             log_path = Path(args.run_eval) / f"run_{family}.log"
@@ -182,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the synthetic checkpoint's dtype")
+    p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="the engine's dtype (default: --dtype); float32 isolates the algorithms from rounding: "
+                        "replay and rewind then give the same greedy tokens (run.py gets runtime.dtype=...)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shard-size", default="5GB")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
