@@ -229,6 +229,8 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
         print(f"== arm {arm}: ssm_replay={str(replay).lower()} -> {out_dir / arm}")
         torch.manual_seed(rr.run.seed)
         arms[arm] = (arm_rr, _evaluate_arm(cfg, arm_rr, out_dir / arm))
+        if torch.cuda.is_available():  # the arm's engine is gone: hand its cached blocks back to the driver
+            torch.cuda.empty_cache()
     (_, rewind), (replay_rr, replay) = arms[COMPARE_ARMS[0]], arms[COMPARE_ARMS[1]]
     # Replay and rewind commit the same recurrent state; in float32 any token difference is a bug. In 16-bit
     # the two orders of rounding may flip a few tokens, so only a significant accuracy difference fails.

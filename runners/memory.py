@@ -36,12 +36,17 @@ def _gib(n: int) -> str:
 def free_device_memory(device: torch.device) -> tuple[int | None, str]:
     """(free bytes, where they come from) of ``device``; (None, reason) when it cannot be known.
 
-    CUDA: ``torch.cuda.mem_get_info`` (free bytes of the whole GPU, other processes included). CPU:
-    ``MemAvailable`` of /proc/meminfo (Linux; what the kernel can hand out without swapping).
+    CUDA: ``torch.cuda.mem_get_info`` (free bytes of the whole GPU, other processes included) plus what this
+    process's caching allocator holds reserved but unallocated (``memory_reserved - memory_allocated``): a
+    model freed earlier in the process (the first arm of compare=replay) leaves its blocks reserved, invisible
+    to the driver's count yet reusable by the next load. CPU: ``MemAvailable`` of /proc/meminfo (Linux; what
+    the kernel can hand out without swapping).
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached), (f"free memory of {device} (torch.cuda.mem_get_info, plus this process's "
+                                    "reserved but unallocated blocks)")
     if device.type == "cpu":
         try:
             m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)

@@ -191,3 +191,20 @@ def test_tied_embeddings_stay_tied(tmp_path):
     assert torch.equal(model.lm_head.weight, tensors["backbone.embeddings.weight"].bfloat16())
     untied = sum(p.numel() * 2 for n, p in model.named_parameters(remove_duplicate=False))
     assert plan.weight_bytes < untied  # the shared matrix is counted once
+
+
+@pytest.mark.gpu
+def test_gpu_free_memory_counts_blocks_the_allocator_holds():
+    """A model freed earlier in the process leaves its blocks reserved by the caching allocator: the driver
+    does not count them free, but the next load can use them (compare=replay's second arm at real
+    dimensions failed the fit check without this)."""
+    from runners.memory import free_device_memory
+
+    dev = torch.device("cuda")
+    torch.cuda.empty_cache()
+    x = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    del x  # 1 GiB now reserved, unallocated
+    driver_free, _ = torch.cuda.mem_get_info(dev)
+    free, source = free_device_memory(dev)
+    assert free - driver_free >= 2**30 and "reserved" in source
+    torch.cuda.empty_cache()
