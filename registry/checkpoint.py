@@ -22,6 +22,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# NVIDIA ModelOpt's quantization config beside config.json (quantized checkpoints; hf_config.py reads it)
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 
 
 class CheckpointError(UserError):

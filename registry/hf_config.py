@@ -21,10 +21,16 @@ Fields a config.json omits take transformers' defaults for that family. Non-fini
 transformers 5 writes as ``{"__float__": "Infinity"}`` are decoded. Stop ids come from
 ``generation_config.json`` where it sets ``eos_token_id`` (what transformers' ``generate`` stops on), else
 from config.json.
+
+A quantized checkpoint says so in config.json's ``quantization_config`` or, for NVIDIA ModelOpt exports, in
+``hf_quant_config.json`` beside it; :func:`parse_quantization` reads either into :class:`QuantConfig`
+(``HybridConfig.quantization``), the one description the registry checks entries against and the engine's
+runners/quant.py builds its FP8 modules from.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from collections.abc import Callable
@@ -32,10 +38,53 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from registry.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, CheckpointError
+from registry.checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE, HF_QUANT_CONFIG_FILE, CheckpointError
 
 BLOCK_KINDS = ("mamba2", "attention", "mlp", "moe", "gdn")
 _RESTORE = "restore the checkpoint's config.json (or point model.checkpoint at a complete checkpoint)"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The weight quantization a checkpoint declares (None in HybridConfig when it declares none).
+
+    Two file formats describe the same FP8 layout (float8_e4m3fn ``<module>.weight``, float32 per-tensor
+    ``<module>.weight_scale``: ``w = weight * weight_scale``; float32 per-tensor ``<module>.input_scale`` for
+    static activation quantization, ``x_fp8 = clamp(x / input_scale, -448, 448)``; MoE experts per expert):
+
+    - NVIDIA ModelOpt (``format="modelopt"``): ``hf_quant_config.json`` ``{"producer": ..., "quantization":
+      {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": [...]}}``, or config.json's
+      ``quantization_config`` ``{"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type":
+      "float", "num_bits": 8}, "ignore": [...]}`` (both as vLLM's modelopt.py reads them). An FP8 KV cache
+      adds per-tensor ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` (``k = k_fp8 * k_scale``).
+    - HF / vLLM ``fp8`` (``format="fp8"``): ``{"quant_method": "fp8", "activation_scheme": "static" |
+      "dynamic", "ignored_layers" | "modules_to_not_convert": [...]}``; with ``weight_block_size`` it is
+      transformers' fine-grained (block-wise, ``weight_scale_inv``) FP8, which is parsed but not run.
+
+    Fields: ``method`` "fp8" | "nvfp4" (the registry's ``quant`` values); ``format``; ``algo`` the file's
+    algorithm name (e.g. "FP8", "NVFP4"); ``activation_scheme`` "static" (input_scale tensors) | "dynamic"
+    (per-tensor scale from each activation's amax); ``weight_block_size`` None (per-tensor) or (rows, cols);
+    ``kv_cache_quant`` "fp8" | None; ``exclude_modules`` the modules kept unquantized, as written (names in
+    the checkpoint's naming; ModelOpt wildcards); ``source`` the file it came from.
+    """
+
+    method: str
+    format: str
+    algo: str
+    activation_scheme: str = "static"
+    weight_block_size: tuple[int, int] | None = None
+    kv_cache_quant: str | None = None
+    exclude_modules: tuple[str, ...] = ()
+    source: str = field(default="", compare=False)
+
+    def is_excluded(self, module: str) -> bool:
+        """Whether checkpoint module ``module`` (e.g. ``backbone.layers.1.mixer.q_proj``) stays unquantized:
+        it equals an entry, lies below one (``lm_head`` excludes ``lm_head.*``), or matches one as an
+        fnmatch wildcard (ModelOpt's ``exclude_modules`` are wildcards, e.g. ``*.mixer.q_proj``, ``mtp*``)."""
+        return any(
+            module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p)
+            for p in self.exclude_modules
+        )
 
 
 @dataclass(frozen=True)
@@ -106,6 +155,8 @@ class HybridConfig:
     # MTP
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = ()
+    # weight quantization declared by the checkpoint (parse_quantization); None: unquantized
+    quantization: QuantConfig | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -128,11 +179,13 @@ class HybridConfig:
         """The HybridConfig of a checkpoint directory (or of a config.json path).
 
         Reads ``config.json`` and, beside it, ``generation_config.json`` when present (its ``eos_token_id``,
-        an int or a list, becomes the stop ids).
+        an int or a list, becomes the stop ids) and ``hf_quant_config.json`` when present (ModelOpt's
+        quantization config, :func:`parse_quantization`).
 
         Raises:
             CheckpointError: a missing or unreadable file, a file that is not a JSON object, an unknown
-                ``model_type``, or a layout / size problem (see :meth:`from_dict`).
+                ``model_type``, a layout / size problem (see :meth:`from_dict`), an unsupported or
+                inconsistent quantization config.
         """
         path = Path(path)
         file = path / CONFIG_FILE if path.is_dir() else path
@@ -144,7 +197,12 @@ class HybridConfig:
         raw = _read_json(file)
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file} is not a JSON object (got {type(raw).__name__})", _RESTORE)
-        config = cls.from_dict(raw, source=str(file))
+        quant_file = file.parent / HF_QUANT_CONFIG_FILE
+        hf_quant = _read_json(quant_file) if quant_file.is_file() else None
+        if hf_quant is not None and not isinstance(hf_quant, dict):
+            raise CheckpointError(f"{quant_file} is not a JSON object", "restore the checkpoint's file")
+        config = cls.from_dict(raw, source=str(file), hf_quant_config=hf_quant,
+                               hf_quant_source=str(quant_file))
         gen_file = file.parent / GENERATION_CONFIG_FILE
         if gen_file.is_file():
             gen = _read_json(gen_file)
@@ -154,12 +212,23 @@ class HybridConfig:
         return config
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> HybridConfig:
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        *,
+        source: str = "<dict>",
+        hf_quant_config: dict[str, Any] | None = None,
+        hf_quant_source: str = HF_QUANT_CONFIG_FILE,
+    ) -> HybridConfig:
         """Parse an HF config dict of a supported ``model_type`` (either dialect) into a HybridConfig.
+
+        ``hf_quant_config``: the content of ModelOpt's hf_quant_config.json beside it, if any (named by
+        ``hf_quant_source`` in messages); with ``raw["quantization_config"]`` it sets ``quantization``.
 
         Raises:
             CheckpointError: unknown ``model_type``, a missing or unknown layout, layouts that disagree,
-                inconsistent sizes, a feature the engine does not implement (e.g. a scaled RoPE).
+                inconsistent sizes, a feature the engine does not implement (e.g. a scaled RoPE), an
+                unsupported or inconsistent quantization config.
         """
         raw = decode_json_floats(raw)
         model_type = raw.get("model_type")
@@ -174,6 +243,10 @@ class HybridConfig:
                 raise CheckpointError(f"{source}: {key} is missing",
                                       f"a {model_type} config.json must set it; {_RESTORE}")
         config = PARSERS[model_type](raw, source)
+        quant = parse_quantization(raw.get("quantization_config"), hf_quant_config, source=source,
+                                   hf_quant_source=hf_quant_source)
+        if quant is not None:
+            config = replace(config, quantization=quant)
         check_config(config)
         return config
 
@@ -202,6 +275,126 @@ def _ids(value: Any, what: str) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise CheckpointError(f"{what} must be an int or a list of ints, got {value!r}", _RESTORE)
     return tuple(values)
+
+
+# ModelOpt quant_algo -> the registry's quant value (algorithms the engine may meet; others are refused here)
+_MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
+_QUANT_FIX = (
+    "use an unquantized checkpoint, a ModelOpt FP8 (quant_algo FP8: per-tensor scales) or HF fp8 checkpoint, "
+    "or write one with python -m runners.quantize --fp8 SRC DST"
+)
+
+
+def _exclude_list(value: Any, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CheckpointError(f"{what} must be a list of module names, got {value!r}", _RESTORE)
+    return tuple(value)
+
+
+def _modelopt(q: dict[str, Any], source: str, *, nested: bool) -> QuantConfig:
+    """A ModelOpt quantization dict: the legacy ``quantization`` object (``kv_cache_quant_algo``,
+    ``exclude_modules``) when ``nested``, else config.json's flat form (``kv_cache_scheme``, ``ignore``)."""
+    algo = str(q.get("quant_algo") or "").upper()
+    if algo not in _MODELOPT_ALGOS:
+        raise CheckpointError(
+            f"{source}: ModelOpt quant_algo {q.get('quant_algo')!r} is not supported (supported: "
+            f"{sorted(_MODELOPT_ALGOS)}; FP8 means per-tensor weight and static activation scales)",
+            _QUANT_FIX,
+        )
+    kv = q.get("kv_cache_quant_algo")
+    scheme = q.get("kv_cache_scheme")
+    fp8_scheme = isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
+    if kv is None and fp8_scheme:
+        kv = "FP8"
+    elif kv is None and scheme is not None:
+        raise CheckpointError(f"{source}: kv_cache_scheme {scheme!r} is not supported (only 8-bit float)",
+                              _QUANT_FIX)
+    if kv is not None and str(kv).upper() != "FP8":
+        raise CheckpointError(f"{source}: kv_cache_quant_algo {kv!r} is not supported (only FP8)", _QUANT_FIX)
+    key = "exclude_modules" if nested or "exclude_modules" in q else "ignore"
+    return QuantConfig(
+        method=_MODELOPT_ALGOS[algo],
+        format="modelopt",
+        algo=algo,
+        kv_cache_quant="fp8" if kv is not None else None,
+        exclude_modules=_exclude_list(q.get(key), f"{source}: {key}"),
+        source=source,
+    )
+
+
+def _hf_fp8(q: dict[str, Any], source: str) -> QuantConfig:
+    """transformers / vLLM ``quant_method: fp8``: per-tensor (static or dynamic activations) or, with
+    ``weight_block_size``, block-wise."""
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+        raise CheckpointError(f"{source}: activation_scheme {scheme!r} must be static or dynamic", _RESTORE)
+    if str(q.get("fmt", "e4m3")).lower() != "e4m3":
+        raise CheckpointError(f"{source}: fp8 fmt {q.get('fmt')!r} is not supported (only e4m3)", _QUANT_FIX)
+    block = q.get("weight_block_size")
+    if block is not None and (not isinstance(block, list) or len(block) != 2):
+        raise CheckpointError(f"{source}: weight_block_size must be [rows, cols], got {block!r}", _RESTORE)
+    key = "ignored_layers" if "ignored_layers" in q else "modules_to_not_convert"
+    return QuantConfig(
+        method="fp8",
+        format="fp8",
+        algo="FP8_BLOCK" if block is not None else "FP8",
+        activation_scheme=scheme,
+        weight_block_size=tuple(int(b) for b in block) if block is not None else None,
+        exclude_modules=_exclude_list(q.get(key), f"{source}: {key}"),
+        source=source,
+    )
+
+
+def parse_quantization(
+    quantization_config: Any,
+    hf_quant_config: dict[str, Any] | None = None,
+    *,
+    source: str = "<config>",
+    hf_quant_source: str = HF_QUANT_CONFIG_FILE,
+) -> QuantConfig | None:
+    """The checkpoint's :class:`QuantConfig` from config.json's ``quantization_config`` and / or ModelOpt's
+    ``hf_quant_config.json`` content (None when neither is given: an unquantized checkpoint). When both are
+    there they must name the same algorithm; config.json's is returned (with the KV-cache setting of
+    either: older exports put it in hf_quant_config.json only).
+
+    Raises:
+        CheckpointError: a quantization method / algorithm the engine does not know (GPTQ, AWQ,
+            compressed-tensors, FP8 per-channel, ...), malformed fields, or the two files disagreeing.
+    """
+    parsed = []
+    if quantization_config is not None:
+        q = quantization_config
+        where = f"{source}: quantization_config"
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{where} must be an object, got {type(q).__name__}", _RESTORE)
+        method = str(q.get("quant_method", "")).lower()
+        if method.startswith("modelopt"):
+            nested = isinstance(q.get("quantization"), dict)
+            parsed.append(_modelopt(q["quantization"] if nested else q, where, nested=nested))
+        elif method == "fp8":
+            parsed.append(_hf_fp8(q, where))
+        else:
+            raise CheckpointError(
+                f"{where}: quant_method {q.get('quant_method')!r} is not supported (supported: modelopt with "
+                "quant_algo FP8 / NVFP4, fp8)",
+                _QUANT_FIX,
+            )
+    if hf_quant_config is not None:
+        q = hf_quant_config.get("quantization")
+        if not isinstance(q, dict):
+            raise CheckpointError(f'{hf_quant_source}: no "quantization" object', _RESTORE)
+        parsed.append(_modelopt(q, hf_quant_source, nested=True))
+    if len(parsed) == 2 and (parsed[0].method, parsed[0].algo) != (parsed[1].method, parsed[1].algo):
+        raise CheckpointError(
+            f"{source}: quantization_config says {parsed[0].algo} but {hf_quant_source} says "
+            f"{parsed[1].algo}",
+            "keep the files of one checkpoint together (re-download or re-export it)",
+        )
+    if len(parsed) == 2 and parsed[0].kv_cache_quant is None:
+        return replace(parsed[0], kv_cache_quant=parsed[1].kv_cache_quant)
+    return parsed[0] if parsed else None
 
 
 def check_config(cfg: HybridConfig) -> None:

@@ -155,6 +155,31 @@ def checkpoint_path(entry: ModelEntry, models_root: str | None, *, required: boo
     return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
 
 
+def check_quant_agrees(entry: ModelEntry, config: HybridConfig, name: str) -> None:
+    """The entry's ``quant`` must be the weight quantization the checkpoint declares (config.json's
+    quantization_config / hf_quant_config.json, ``HybridConfig.quantization``): an fp8 entry on a bf16
+    checkpoint would be judged against fp8 baseline rows while running bf16 weights, and the reverse.
+    ``kv_cache_quant`` is a run setting and may differ (an FP8 KV cache on a checkpoint without k / v scales
+    runs with scale 1.0 and a warning; a checkpoint's scales are unused with ``kv_cache_quant: none``).
+
+    Raises:
+        UserError: the two disagree (names both and the entry or checkpoint to use instead).
+    """
+    q = config.quantization
+    have = q.method if q is not None else "none"
+    if entry.quant.value == have:
+        return
+    where = (f"{q.source} ({q.format} {q.algo})" if q is not None
+             else f"{config.source} (no quantization_config)")
+    raise _with_model_overrides(UserError(
+        f"{entry_file(name)} sets quant: {entry.quant.value}, but the checkpoint is quant {have}: {where}",
+        f"use an entry with quant: {have} (or model.quant={have}), or point model.checkpoint at "
+        + {"none": "an unquantized checkpoint",
+           "fp8": "an FP8 checkpoint (python -m runners.quantize --fp8 SRC DST writes one)"}.get(
+            entry.quant.value, f"a {entry.quant.value} checkpoint"),
+    ))
+
+
 def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint: bool = True) -> ResolvedRun:
     """Check a composed config and compute the effective settings of the run.
 
@@ -163,7 +188,8 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     machines without the weights); a config.json that is there is still read and checked.
     Raises UserError for: a bad registry entry or top-level value, the cross-setting rules of
     registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / experts, a missing
-    / incomplete checkpoint, an entry arch: block or num_nextn_predict_layers that disagrees with config.json.
+    / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that disagrees with the
+    checkpoint's config.json (check_quant_agrees).
     """
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
     if name not in entry_names():
@@ -208,6 +234,7 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
                 f"{ckpt_config.source} declares {n_ckpt} MTP module(s)",
                 f"set speculative.num_nextn_predict_layers: {n_ckpt} (the checkpoint's MTP module count)",
             ))
+        check_quant_agrees(entry, ckpt_config, name)
     if check_checkpoint:
         check_checkpoint_dir(checkpoint_dir, setting)
 
