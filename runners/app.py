@@ -59,6 +59,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     status. Raises UserError (before the engine is built) for every configuration problem, and for a missing
     baseline row when verdict.require_reference is true.
     """
+    # what this engine and machine can run, from the settings alone (before any checkpoint file is required:
+    # an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then everything
+    rr = resolve(cfg, check_checkpoint=False)
+    check_supported(rr)
     rr = resolve(cfg)
     check_supported(rr)
     check_references(rr)
@@ -116,6 +120,8 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "ssm_replay": rr.ssm_replay,
         "ssm_backend": rr.ssm_backend,
         "ssm_replay_checkpointing": rr.ssm_replay_checkpointing,
+        "quant": rr.entry.quant.value,
+        "kv_cache_quant": rr.entry.kv_cache_quant.value,
         "max_batch_size": rr.max_batch_size,
         "world_size": rr.world_size,
         "num_fewshot": rr.run.eval.num_fewshot,
@@ -170,6 +176,7 @@ def _build_engine(rr: ResolvedRun) -> Engine:
             ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
             ssm_backend=rr.ssm_backend,
             ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
+            kv_cache_quant=rr.entry.kv_cache_quant.value,
         )
     except UserError:
         raise

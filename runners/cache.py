@@ -54,6 +54,7 @@ from kernels.commit import (
     rewind_commit_ref,
 )
 from runners.models.config import HybridConfig
+from runners.models.fp8 import FP8_DTYPE, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class CacheSpec:
     replay: ReplaySlots | None = None
     replay_checkpointing: bool = False
     ssm_backend: str = "torch"
+    kv_cache_dtype: torch.dtype | None = None  # KV cache storage dtype (None: ``dtype``; float8_e4m3fn)
 
 
 class LayerState:
@@ -437,20 +439,55 @@ class GDNReplayState(Mamba2ReplayState):
 class KVCache(LayerState):
     """Keys and values of one attention layer, written by position.
 
-    k, v: [S + 1, max_seq_len, KVH, head_dim], model dtype. Reset and commit are no-ops: entries are read
+    k, v: [S + 1, max_seq_len, KVH, head_dim], the model dtype, or float8_e4m3fn for an FP8 KV cache
+    (``CacheSpec.kv_cache_dtype``; half the bytes of bf16). FP8 entries are ``clamp(k / k_scale, -448, 448)``
+    with the layer's per-tensor ``k_scale`` / ``v_scale`` (0-dim float32: the checkpoint's calibrated
+    ``k_proj.k_scale`` / ``v_proj.v_scale``, set by the engine; None reads as 1.0), as NVIDIA ModelOpt's FP8
+    KV cache; :meth:`read` dequantizes (``k_fp8 * k_scale``). Reset and commit are no-ops: entries are read
     only below each request's length, and a later write to a position overwrites a rejected token's entry.
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> KVCache:
         shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
+        dtype = spec.kv_cache_dtype or spec.dtype
         return cls(
-            k=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
-            v=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            k=torch.zeros(shape, dtype=dtype, device=spec.device),
+            v=torch.zeros(shape, dtype=dtype, device=spec.device),
         )
+
+    @property
+    def fp8(self) -> bool:
+        return self.k.dtype == FP8_DTYPE
+
+    def write(self, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys / values [B, T, KVH, head_dim] at (rows, pos) [B, T] (quantized in an FP8 cache; the
+        FP8 buffers are indexed through uint8 views, which every backend indexes)."""
+        if not self.fp8:
+            self.k[rows, pos] = k.to(self.k.dtype)
+            self.v[rows, pos] = v.to(self.v.dtype)
+            return
+        for buf, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
+            q = quantize_fp8(x, 1.0 if scale is None else scale)
+            buf.view(torch.uint8)[rows, pos] = q.view(torch.uint8)
+
+    def read(
+        self, rows: Callable[[torch.Tensor], torch.Tensor], kv_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [B, kv_len, KVH, head_dim] in ``dtype`` of the batch's cache rows (``rows``:
+        ``BatchMeta.rows``), dequantized in an FP8 cache."""
+        if not self.fp8:
+            return rows(self.k)[:, :kv_len].to(dtype), rows(self.v)[:, :kv_len].to(dtype)
+        out = []
+        for buf, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            q = rows(buf.view(torch.uint8))[:, :kv_len].view(FP8_DTYPE)
+            out.append(q.to(dtype) if scale is None else q.to(dtype) * scale.to(dtype))
+        return out[0], out[1]
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         pass
@@ -464,7 +501,7 @@ class KVCache(LayerState):
     @classmethod
     def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
         shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
-        return {"kv_cache_bytes": 2 * _bytes(spec.dtype, *shape)}
+        return {"kv_cache_bytes": 2 * _bytes(spec.kv_cache_dtype or spec.dtype, *shape)}
 
 
 # block kind -> its LayerState class (``allocate(config, CacheSpec)``, ``planned_memory``). A family adds its
@@ -532,10 +569,12 @@ def cache_memory_bytes(
     spec_tokens: int = 0,
     ssm_replay: bool = False,
     replay_checkpointing: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> dict[str, int]:
     """Bytes a :class:`HybridCache` with these arguments allocates, by kind, computed from the architecture
     alone (nothing is allocated; usable for released shapes without weights). Same arguments and keys as
-    :class:`HybridCache` / :meth:`HybridCache.memory` (the S + 1 scratch row included).
+    :class:`HybridCache` / :meth:`HybridCache.memory` (the S + 1 scratch row included; an FP8
+    ``kv_cache_dtype`` halves ``kv_cache_bytes`` against a 16-bit model dtype).
 
     Raises:
         ValueError: ssm_replay without speculation, or a block kind without a cache layout.
@@ -544,6 +583,7 @@ def cache_memory_bytes(
     rows = max_batch_size + 1
     spec = CacheSpec(rows, max_seq_len, dtype, ssm_state_dtype, "meta", spec_tokens)
     spec.replay_checkpointing = replay_checkpointing
+    spec.kv_cache_dtype = kv_cache_dtype
     out = dict.fromkeys(MEMORY_KEYS, 0)
     for idx, kind in sorted(cache_kinds.items()):
         for key, n in _layout(kind, idx, ssm_replay).planned_memory(config, spec).items():
@@ -576,6 +616,8 @@ class HybridCache:
         replay_checkpointing: the checkpointing replay variant (Mamba2 only): a history window of
             L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
             (``kernels/mamba2/replay.py``).
+        kv_cache_dtype: storage dtype of the attention KV caches (None: ``dtype``; ``torch.float8_e4m3fn``
+            stores keys and values in FP8 with per-layer scales, :class:`KVCache`).
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
@@ -597,6 +639,7 @@ class HybridCache:
         ssm_replay: bool = False,
         ssm_backend: str = "torch",
         replay_checkpointing: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
@@ -613,7 +656,7 @@ class HybridCache:
             self.replay = ReplaySlots.allocate(R, spec_tokens, ssm_backend, device, replay_checkpointing)
         spec = CacheSpec(
             R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing,
-            ssm_backend,
+            ssm_backend, kv_cache_dtype,
         )
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):

@@ -33,13 +33,22 @@ from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_byt
 from runners.loader import materialize, plan_load
 from runners.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
 from runners.models.config import HybridConfig
+from runners.models.fp8 import FP8_DTYPE
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
+from runners.quant import kv_cache_scales
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN = 64, 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_QUANTS = {None: None, "none": None, "fp8": FP8_DTYPE}  # kv_cache_quant -> KV storage dtype
+
+
+def _kv_cache_dtype(kv_cache_quant: str | None) -> torch.dtype | None:
+    if kv_cache_quant not in KV_CACHE_QUANTS:
+        raise ValueError(f"kv_cache_quant={kv_cache_quant!r} is not one of 'none', 'fp8'")
+    return KV_CACHE_QUANTS[kv_cache_quant]
 
 
 @dataclass
@@ -331,6 +340,7 @@ class Engine:
         scan_chunk_size: int | None = None,
         ssm_backend: str | None = None,
         ssm_replay_checkpointing: bool = False,
+        kv_cache_quant: str | None = None,
     ):
         config = model.config
         _check_spec_args(draft_len, ssm_replay)
@@ -366,12 +376,16 @@ class Engine:
             spec_tokens=draft_len + 1 if draft_len > 0 else 0,
             ssm_replay=ssm_replay,
             replay_checkpointing=ssm_replay_checkpointing,
+            kv_cache_dtype=_kv_cache_dtype(kv_cache_quant),
         )
+        self.kv_cache_quant = "fp8" if self._cache_args["kv_cache_dtype"] is not None else "none"
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
         self.load_report: LoadReport | None = None  # set by from_pretrained
         self.cache = HybridCache(
             config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend, **self._cache_args
         )
+        if self.kv_cache_quant == "fp8":
+            self._attach_kv_scales()
         if draft_len > 0:  # per slot: the MTP hidden and greedy token that start the next step's drafts
             self._mtp_hidden = torch.zeros(
                 max_batch_size, config.hidden_size, dtype=dtype, device=self.device
@@ -408,12 +422,17 @@ class Engine:
                 falls back to "triton" with a log line when FlashInfer is not importable),
                 ssm_replay_checkpointing (default False; Mamba2 only: the checkpointing replay variant,
                 a history of max(16, K + 1) tokens and a state write only when it is full),
+                kv_cache_quant ("none" default, or "fp8": keys and values stored in float8_e4m3fn with the
+                checkpoint's per-layer k / v scales, 1.0 with a warning where it has none; half the KV
+                bytes of bf16, ``cache_memory()["kv_cache_bytes"]``),
                 memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
                 may take, checked before anything is allocated).
 
         The model is built on the meta device and its weights are loaded straight to ``device`` in their
         dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
-        (:class:`runners.memory.LoadReport`) records the load time and host / device peak memory.
+        (:class:`runners.memory.LoadReport`) records the load time and host / device peak memory. A
+        checkpoint that declares FP8 weights (config.json quantization_config / hf_quant_config.json) loads
+        them as FP8 and runs FP8 GEMMs (runners.quant; ``engine.model.quant_report`` says which ran).
 
         Raises:
             runners.memory.InsufficientMemoryError: weights + caches at max_batch_size / max_seq_len exceed
@@ -431,6 +450,7 @@ class Engine:
             "scan_chunk_size",
             "ssm_backend",
             "ssm_replay_checkpointing",
+            "kv_cache_quant",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -454,6 +474,7 @@ class Engine:
             spec_tokens=draft_len + 1 if draft_len > 0 else 0,
             ssm_replay=ssm_replay,
             replay_checkpointing=options.get("ssm_replay_checkpointing", False),
+            kv_cache_dtype=_kv_cache_dtype(options.get("kv_cache_quant")),
         )
         kinds = plan.model.cache_kinds(include_mtp=draft_len > 0)
         cache_bytes = sum(_planned_cache_memory(plan.config, kinds, cache_args, draft_len).values())
@@ -488,6 +509,27 @@ class Engine:
             device_allocated_bytes=torch.cuda.memory_allocated(device) if cuda else None,
         )
         return engine
+
+    def _attach_kv_scales(self) -> None:
+        """Give each FP8 KV cache layer its attention block's checkpoint scales (``k_proj.k_scale`` /
+        ``v_proj.v_scale``, runners.quant.kv_cache_scales); a block without them gets 1.0, with a warning
+        (values beyond +-448 then saturate)."""
+        scales = kv_cache_scales(self.model)
+        missing = []
+        for idx, layer in self.cache.layers.items():
+            if self._cache_kinds[idx] != "attention":
+                continue
+            if scales.get(idx) is None:
+                missing.append(idx)
+                one = torch.ones((), device=self.device)
+                layer.k_scale, layer.v_scale = one, one
+            else:
+                layer.k_scale, layer.v_scale = (s.to(self.device, torch.float32) for s in scales[idx])
+        if missing:
+            log.warning(
+                "kv_cache_quant=fp8 but the checkpoint (%s) has no k / v scales for attention blocks %s: "
+                "their FP8 KV cache uses scale 1.0 (keys and values beyond +-448 saturate); a checkpoint "
+                "calibrated by python -m runners.quantize --fp8 carries them", self.config.source, missing)
 
     def cache_memory(self) -> dict[str, int]:
         """Bytes allocated for per-slot state, by kind (scratch row included):

@@ -20,12 +20,15 @@ from torch import nn
 from registry.checkpoint import CONFIG_FILE, CheckpointError, short_list, tensor_files
 from registry.hf_config import HybridConfig
 from runners.models.config import family_module
+from runners.models.fp8 import FP8_DTYPE
 from runners.models.hybrid import HybridLM
+from runners.quant import QUANT_TENSOR_SUFFIXES, apply_quantization, prepare_fp8
 
 MTP_PREFIX = "mtp."
 
 # Tensors kept in float32 whatever the model dtype (transformers keeps the NemotronH router in fp32).
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
+SAFETENSORS_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
 __all__ = ["CheckpointError", "LoadPlan", "load_model", "materialize", "plan_load", "read_config"]
 
@@ -83,7 +86,9 @@ def plan_load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, load_mtp: bool | None = None
 ) -> LoadPlan:
     """Read config.json and the safetensors headers, build the model on the meta device and check that the
-    checkpoint fills it exactly (names and shapes); reads no tensor data and allocates no tensor memory.
+    checkpoint fills it exactly (names, shapes, and FP8 where the model holds FP8); reads no tensor data and
+    allocates no tensor memory. A checkpoint that declares a quantization (``HybridConfig.quantization``) gets
+    its FP8 modules swapped in first (``runners.quant.apply_quantization``), so FP8 weights load as FP8.
 
     Args: as :func:`load_model` (without ``device``).
 
@@ -114,6 +119,8 @@ def plan_load(
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
             t.data = t.data.to(dtype)  # free on the meta device
+    if config.quantization is not None:  # FP8 modules where the checkpoint's quantization config says
+        apply_quantization(model, config.quantization)
     computed = _computed_buffers(model)
     targets = family_module(config.family, config.source).checkpoint_targets(model)
     targets = {n: t for n, t in targets.items() if id(t) not in computed}
@@ -124,6 +131,12 @@ def plan_load(
             if unknown & mtp_on_disk and not has_mtp_layers
             else ""
         )
+        if any(n.endswith(QUANT_TENSOR_SUFFIXES) for n in unknown):
+            hint += (
+                " (quantization scales of modules the engine keeps unquantized: config.json's "
+                "quantization_config / hf_quant_config.json does not declare them quantized, or the engine "
+                "never quantizes them: embeddings, norms, routers, convolutions, shared_expert_gate)"
+            )
         raise CheckpointError(
             f"{path}: unknown tensors {short_list(unknown)}{hint}; the checkpoint does not match "
             f"config.json ({config.family})",
@@ -140,12 +153,21 @@ def plan_load(
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in names:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(targets[name].shape):
+                    sl = f.get_slice(name)
+                    shape, want = tuple(sl.get_shape()), tuple(targets[name].shape)
+                    scalar = want == () and shape in ((), (1,))  # per-tensor scales: [] or [1] on disk
+                    if shape != want and not scalar:
                         raise CheckpointError(
                             f"{shard}: tensor {name} has shape {list(shape)}, config.json implies "
-                            f"{list(targets[name].shape)}",
+                            f"{list(want)}",
                             "the checkpoint does not match its config.json: fix one of them",
+                        )
+                    if (sl.get_dtype() == SAFETENSORS_FP8) != (targets[name].dtype == FP8_DTYPE):
+                        raise CheckpointError(
+                            f"{shard}: tensor {name} is {sl.get_dtype()} on disk but the model holds it in "
+                            f"{targets[name].dtype}: FP8 weights and the quantization config "
+                            "(config.json quantization_config / hf_quant_config.json) disagree",
+                            "restore the checkpoint's quantization config, or re-export the checkpoint",
                         )
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{shard}: cannot read tensor headers ({e}); the file is corrupt",
@@ -176,7 +198,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
     """Allocate the planned model on ``device`` (uninitialised, ``nn.Module.to_empty``) and fill it from the
     safetensors shards, one shard at a time, each memory-mapped (``safe_open``) and copied tensor by tensor
     into its destination in the destination's dtype: nothing is built on the host first or in float32.
-    Modules with non-persistent buffers compute them in ``init_buffers()``, called last.
+    Modules with non-persistent buffers compute them in ``init_buffers()``, called last; an FP8 model then
+    fixes which FP8 GEMMs run on ``device`` (``runners.quant.prepare_fp8``, ``model.quant_report``).
 
     Returns:
         The model in eval mode (``plan.model``, now on ``device``).
@@ -193,7 +216,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for name in names:
-                        targets[name].copy_(f.get_tensor(name))
+                        target = targets[name]
+                        target.copy_(f.get_tensor(name).reshape(target.shape))
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt",
                                       "re-download or re-save it") from e
@@ -206,6 +230,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
                         "builds models on the meta device, so such a module must compute its buffers there"
                     )
                 module.init_buffers()
+    if config.quantization is not None:
+        prepare_fp8(model, plan.dtype)  # which FP8 GEMMs run on this device (model.quant_report)
     return model.eval()
 
 

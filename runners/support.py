@@ -3,40 +3,64 @@
 `python -m registry validate` checks entries against the schema on any machine; this module is the run-time
 counterpart, called by the application before anything heavy is loaded. Each field the engine does not
 implement yet is refused with a UserError naming the field, so an entry never runs silently as something
-else (an fp8 entry in bfloat16, judged against fp8 baseline rows). The checks that depend on this machine
-(CUDA present, enough GPUs, FlashInfer on a GPU) are here too.
+else (an nvfp4 entry in bfloat16, judged against nvfp4 baseline rows). The checks that depend on this machine
+(CUDA present, enough GPUs, FlashInfer on a GPU, FP4 tensor cores) are here too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from registry.checkpoint import CheckpointError
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
-from registry.schema import KVCacheQuant, Quant, SSMBackend
+from registry.schema import Quant, SSMBackend
+from runners.quant import check_runnable
+
+# First compute capability with FP4 tensor cores (NVFP4 GEMMs): Blackwell, sm_100.
+FP4_MIN_CAPABILITY = (10, 0)
+
+
+def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
+    """(a description of the run's device, its CUDA compute capability or None off CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})", cap
+    return f"the CPU (runtime.device={device})", None
 
 
 def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
-    Refused: a weight quantization (`quant` other than none: the engine computes in runtime.dtype only), an
-    FP8 KV cache (`kv_cache_quant`), CUDA-graph capture (`cuda_graph_batch_sizes` not empty), tensor
-    parallelism (world_size > 1), ssm.backend=flashinfer on the CPU, a CUDA device where CUDA is missing.
+    Refused: NVFP4 weights (`quant: nvfp4`) before any loading, naming the hardware: they need FP4 tensor
+    cores (Blackwell, sm_100+), and the engine has no NVFP4 path on any hardware yet (the nvfp4 baseline rows
+    stay for Blackwell users); an FP8 checkpoint in a layout the engine does not run (block-wise FP8, dynamic
+    activation scales: runners.quant.check_runnable); CUDA-graph capture (`cuda_graph_batch_sizes` not
+    empty); tensor parallelism (world_size > 1); ssm.backend=flashinfer on the CPU; a CUDA device where CUDA
+    is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+,
+    a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
     """
     e = rr.entry
-    if e.quant != Quant.none:
+    if e.quant == Quant.nvfp4:
+        hw, cap = _hardware(rr.device)
+        if cap is None or cap < FP4_MIN_CAPABILITY:
+            problem = (
+                f"entry {e.name} sets quant=nvfp4: NVFP4 weights need FP4 tensor cores (NVIDIA Blackwell, "
+                f"sm_100 or newer), and this run is on {hw}"
+            )
+        else:
+            problem = f"entry {e.name} sets quant=nvfp4, but the engine has no NVFP4 path yet (device: {hw})"
         raise UserError(
-            f"entry {e.name} sets quant={e.quant.value}, but the engine has no {e.quant.value.upper()} path "
-            f"yet: it would run the weights in {rr.dtype} and be judged against {e.quant.value} baseline "
-            "rows",
-            "use an entry with quant: none (or model.quant=none, with baseline rows for that setting)",
+            problem,
+            "use the model's fp8 entry (e.g. super_v3_mtp_fp8) or its bf16 entry; the nvfp4 entries and "
+            "baseline rows are for Blackwell GPUs",
         )
-    if e.kv_cache_quant != KVCacheQuant.none:
-        raise UserError(
-            f"entry {e.name} sets kv_cache_quant={e.kv_cache_quant.value}, but the engine keeps its KV cache "
-            f"in {rr.dtype} only",
-            "use an entry with kv_cache_quant: none (or model.kv_cache_quant=none)",
-        )
+    quant = rr.checkpoint_config.quantization if rr.checkpoint_config is not None else None
+    if quant is not None:
+        try:
+            check_runnable(quant)
+        except CheckpointError as err:
+            raise UserError(f"entry {e.name}: {err.problem}", err.fix) from None
     if e.cuda_graph_batch_sizes:
         raise UserError(
             f"entry {e.name} sets cuda_graph_batch_sizes={e.cuda_graph_batch_sizes}, but the engine does not "

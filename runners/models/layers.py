@@ -151,16 +151,14 @@ class Attention(nn.Module):
                 valid = meta.valid(T)
                 w_rows = torch.where(valid, slot_rows, rows - 1)  # padding columns -> scratch row
                 w_pos = torch.where(valid, pos, 0)
-            kv.k[w_rows, w_pos] = k.to(kv.k.dtype)
-            kv.v[w_rows, w_pos] = v.to(kv.v.dtype)
+            kv.write(w_rows, w_pos, k, v)  # an FP8 KV cache quantizes here and dequantizes in read()
             kv_len = meta.max_kv_len or int((meta.start_pos + meta.lengths).max())
-            keys = meta.rows(kv.k)[:, :kv_len].transpose(1, 2)  # (B, KVH, S_k, hd)
-            values = meta.rows(kv.v)[:, :kv_len].transpose(1, 2)
+            keys, values = kv.read(meta.rows, kv_len, q.dtype)  # (B, S_k, KVH, hd)
             mask = torch.arange(kv_len, device=hidden.device)[None, None, :] <= pos[:, :, None]  # (B, T, S_k)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
-                keys.to(q.dtype),
-                values.to(q.dtype),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
                 attn_mask=mask[:, None],
                 enable_gqa=True,
             )
@@ -309,15 +307,17 @@ class MoE(nn.Module):
         return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
 
 
-_STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)(?:_(weight_scale|input_scale))?$")
 
 
 def unstack_expert_names(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Checkpoint names of a stacked expert parameter: ``<p>.experts_{up,gate,down}`` [E, ...] ->
-    ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place).
-    Any other name maps to itself: ``{name: tensor}``."""
+    ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place); the
+    per-expert FP8 scales ``<p>.experts_<kind>_{weight_scale,input_scale}`` [E] (runners/quant.py) map to
+    ``<p>.experts.{e}.<kind>_proj.{weight_scale,input_scale}`` likewise. Any other name maps to itself."""
     m = _STACKED_EXPERTS.match(name)
     if not m:
         return {name: tensor}
-    prefix, kind = m.groups()
-    return {f"{prefix}experts.{e}.{kind}_proj.weight": tensor.data[e] for e in range(tensor.shape[0])}
+    prefix, kind, suffix = m.groups()
+    part = suffix or "weight"
+    return {f"{prefix}experts.{e}.{kind}_proj.{part}": tensor.data[e] for e in range(tensor.shape[0])}
