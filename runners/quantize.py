@@ -182,8 +182,9 @@ def _calibration_prompts(tokenizer_path: Path, data_dir: str | None, n: int, see
     except (FileNotFoundError, ValueError) as e:
         raise QuantizeError(f"calibration needs the GSM8K train split: {e}",
                             "pass --data-dir DIR (a folder with train.jsonl) or set GSM8K_DIR") from None
-    if len(rows) < n + NUM_FEWSHOT:
-        raise QuantizeError(f"{train} has {len(rows)} rows; --calib-samples {n} needs {n + NUM_FEWSHOT}",
+    need = n * (1 + NUM_FEWSHOT)  # each question with NUM_FEWSHOT examples of its own
+    if len(rows) < need:
+        raise QuantizeError(f"{train} has {len(rows)} rows; --calib-samples {n} needs {need}",
                             "lower --calib-samples")
     rng = random.Random(seed)
     picks = rng.sample(range(len(rows)), n + NUM_FEWSHOT * n)
