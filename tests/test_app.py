@@ -328,10 +328,8 @@ SUPER_CONFIG = {
 @pytest.mark.parametrize(
     "overrides, problem, fix",
     [
-        (["model.quant=fp8"], "sets quant=fp8, but the engine has no FP8 path yet", "quant: none"),
-        (["model.quant=nvfp4"], "no NVFP4 path yet", "model.quant=none"),
-        (["model.kv_cache_quant=fp8"], "kv_cache_quant=fp8, but the engine keeps its KV cache in float32",
-         "model.kv_cache_quant=none"),
+        (["model.quant=fp8"], "sets quant: fp8, but the checkpoint is quant none", "quant: none"),
+        (["model.quant=nvfp4"], "sets quant: nvfp4, but the checkpoint is quant none", "quant: none"),
         (["model.cuda_graph_batch_sizes=[1,2,4]"], "does not capture CUDA graphs yet",
          "model.cuda_graph_batch_sizes=[]"),
         (["model.speculative.num_nextn_predict_layers=2"],
@@ -339,8 +337,9 @@ SUPER_CONFIG = {
     ],
 )
 def test_registry_fields_the_engine_cannot_honour_are_refused(fakes, tmp_path, overrides, problem, fix):
-    """Until the engine implements a field, a run that needs it stops with its name (not an fp8 entry run in
-    float32 and judged against fp8 rows); num_nextn_predict_layers must be the checkpoint's MTP count."""
+    """A run stops with the field's name where the engine cannot honour it, or where the entry disagrees with
+    the checkpoint (an fp8 entry on a bf16 checkpoint would run bf16 weights judged against fp8 rows);
+    num_nextn_predict_layers must be the checkpoint's MTP count."""
     ckpt = make_checkpoint(tmp_path / "ckpt")
     err = _error(f"model.checkpoint={ckpt}", *overrides)
     assert problem in err.problem and fix in err.fix
@@ -492,3 +491,13 @@ def test_sweep_runs_every_job_and_exits_with_the_worst_status(tmp_path, gsm8k_di
     assert (tmp_path / "1" / "results.json").is_file()  # the job after the failing one still ran
     proc = _run_py("-m", "model=tiny_nemotron_h_mtp,super_v3", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown registry entry model='super_v3'" in proc.stderr
+
+
+def test_fp8_entry_builds_the_engine_with_its_kv_cache_quant(fakes, tmp_path):
+    """An fp8 entry runs (no refusal) and the engine gets kv_cache_quant from the entry; the fingerprint of its
+    generations records quant and KV-cache quant."""
+    app.run(_cfg("model=tiny_nemotron_h_mtp_fp8", "eval.limit=4", "verdict.require_reference=false",
+                 f"out_dir={tmp_path / 'out'}"))
+    (_, opts), = FakeEngine.built
+    assert opts["kv_cache_quant"] == "fp8"
+    assert fakes[0]["fingerprint"]["quant"] == "fp8" and fakes[0]["fingerprint"]["kv_cache_quant"] == "fp8"

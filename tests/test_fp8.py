@@ -1,0 +1,345 @@
+"""FP8 operators against their references (runners.models.fp8), the FP8 KV cache (runners.cache.KVCache), FP8
+checkpoints in the loader and engine (runners.quant) and the quantizer (runners.quantize). CPU tests run the
+references; `gpu` tests run torch._scaled_mm / torch._scaled_grouped_mm on the H200."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from registry.checkpoint import CheckpointError
+from registry.schema import REPO_ROOT
+from runners.cache import HybridCache, KVCache, cache_memory_bytes
+from runners.engine import Engine
+from runners.loader import load_model, plan_load
+from runners.models.fp8 import (
+    FP8_DTYPE,
+    FP8Weights,
+    fp8_linear,
+    fp8_linear_ref,
+    fp8_moe_impl,
+    moe_experts_fp8,
+    moe_experts_fp8_ref,
+    quantize_fp8,
+    scaled_mm_supported,
+)
+from runners.models.layers import ACTIVATIONS
+from runners.quant import FP8Linear, FP8MoE, kv_cache_scales
+from runners.quantize import QuantizeError, main, quantize_fp8_checkpoint
+
+CKPTS = REPO_ROOT / "registry" / "checkpoints"
+cuda = pytest.mark.gpu
+
+
+def _fp8_weight(*shape, scale_by=None, seed=0, device="cpu"):
+    """A random weight [.., out, in] quantized per tensor (per leading index when 3-D): (fp8, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+    amax = w.abs().amax(dim=(-2, -1)) if w.dim() == 3 else w.abs().amax()
+    s = amax / 448
+    q = quantize_fp8(w, s[:, None, None] if w.dim() == 3 else s)
+    return q.to(device), s.float().to(device)
+
+
+def test_quantize_saturates_and_round_trips():
+    s = torch.tensor(0.5)
+    x = torch.tensor([0.0, 1.0, -3.0, 1e6, -1e6])
+    q = quantize_fp8(x, s)
+    assert q.dtype == FP8_DTYPE and not torch.isnan(q.float()).any()
+    assert q.float().tolist() == [0.0, 2.0, -6.0, 448.0, -448.0]  # x / s, clamped to +-448
+
+
+def test_fp8_linear_reference_is_the_dequantized_product():
+    w, ws = _fp8_weight(24, 40)
+    x = torch.randn(3, 5, 40)
+    xs = x.abs().amax() / 448
+    bias = torch.randn(24)
+    y = fp8_linear_ref(x, w, ws, xs, bias)
+    manual = (quantize_fp8(x, xs).float() * xs) @ (w.float() * ws).T + bias
+    assert y.shape == (3, 5, 24)
+    torch.testing.assert_close(y, manual, rtol=1e-6, atol=1e-6)
+    # and close to the unquantized product (FP8 has a 3-bit mantissa: a few percent)
+    exact = x @ (w.float() * ws).T + bias
+    assert ((y - exact).norm() / exact.norm()) < 0.05
+    assert not scaled_mm_supported(x, w)  # CPU: the reference runs
+    torch.testing.assert_close(fp8_linear(x, w, ws, xs, bias), y)
+
+
+def _fp8_experts(E, I, L, gated, seed=0, device="cpu"):
+    in_scale = lambda lo: torch.rand(E, device=device) * lo + lo  # per-expert static input scales
+    up = FP8Weights(*_fp8_weight(E, I, L, seed=seed, device=device), in_scale(0.01))
+    gate = FP8Weights(*_fp8_weight(E, I, L, seed=seed + 1, device=device), in_scale(0.01)) if gated else None
+    down = FP8Weights(*_fp8_weight(E, L, I, seed=seed + 2, device=device), in_scale(0.005))
+    return up, gate, down
+
+
+def _routing(N, k, E, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(device)
+    return torch.rand(N, k, generator=g).to(device), indices
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
+@pytest.mark.parametrize("N, k, E, I, L", [(13, 3, 8, 24, 40), (3, 2, 16, 16, 32), (7, 8, 8, 20, 22),
+                                           (1, 1, 4, 16, 16)])
+def test_fp8_experts_equal_reference_on_cpu(N, k, E, I, L, gated):
+    up, gate, down = _fp8_experts(E, I, L, gated)
+    weights, indices = _routing(N, k, E)
+    h = torch.randn(N, L, generator=torch.Generator().manual_seed(3))
+    act = ACTIVATIONS["silu" if gated else "relu2"]
+    ref = moe_experts_fp8_ref(h, weights, indices, up, gate, down, act)
+    assert fp8_moe_impl(h, up, down) == "dequant"
+    got = moe_experts_fp8(h, weights, indices, up, gate, down, act)
+    assert got.shape == (N, L) and got.dtype == h.dtype
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_fp8_round_trip_and_memory(tmp_path):
+    from registry.hf_config import HybridConfig
+
+    c = HybridConfig.from_pretrained(CKPTS / "tiny_nemotron_h_mtp")
+    kinds = {0: "attention"}
+    args = dict(max_batch_size=3, max_seq_len=16, dtype=torch.bfloat16)
+    fp8 = HybridCache(c, kinds, kv_cache_dtype=FP8_DTYPE, **args)
+    bf16 = HybridCache(c, kinds, **args)
+    assert fp8.memory()["kv_cache_bytes"] * 2 == bf16.memory()["kv_cache_bytes"]
+    assert cache_memory_bytes(c, kinds, kv_cache_dtype=FP8_DTYPE, **args) == fp8.memory()
+    kv: KVCache = fp8[0]
+    kv.k_scale, kv.v_scale = torch.tensor(0.01), torch.tensor(0.02)
+    k = torch.randn(2, 4, c.num_key_value_heads, c.head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    rows = torch.tensor([[0] * 4, [2] * 4])
+    pos = torch.arange(4).expand(2, 4)
+    kv.write(rows, pos, k, v)
+    keys, values = kv.read(lambda buf: buf[torch.tensor([0, 2])], 4, torch.float32)
+    assert kv.k.dtype == FP8_DTYPE and keys.dtype == torch.float32
+    torch.testing.assert_close(keys, k.float(), rtol=0.07, atol=0.01)  # e4m3: 3 mantissa bits
+    torch.testing.assert_close(values, v.float(), rtol=0.07, atol=0.02)
+    torch.testing.assert_close(keys, quantize_fp8(k, kv.k_scale).float() * kv.k_scale)
+
+
+# ------------------------------------------------------------------------------------- FP8 checkpoints
+
+
+@pytest.fixture(scope="module")
+def fp8_nemotron():
+    return CKPTS / "tiny_nemotron_h_mtp_fp8"
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen():
+    return CKPTS / "tiny_qwen3_next_mtp_fp8"
+
+
+def test_shipped_fp8_checkpoint_loads_fp8_modules(fp8_nemotron):
+    plan = plan_load(fp8_nemotron, dtype=torch.float32)
+    ref = plan_load(CKPTS / "tiny_nemotron_h_mtp", dtype=torch.float32)
+    assert plan.weight_bytes < ref.weight_bytes  # FP8 weights are planned at one byte
+    model = load_model(fp8_nemotron, dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    moes = [m for m in model.modules() if isinstance(m, FP8MoE)]
+    assert len(linears) == 12 and len(moes) == 2  # 3 Mamba x (in, out), MLP, 2 shared experts x (up, down)
+    assert all(m.weight.dtype == FP8_DTYPE and float(m.weight_scale) > 0 and float(m.input_scale) > 0
+               for m in linears)
+    assert model.layers[1].mixer.q_proj.weight.dtype == torch.float32  # attention stays unquantized
+    assert model.mtp.blocks[1].mixer.__class__.__name__ == "MoE"  # the MTP module stays unquantized
+    assert all(s is not None for s in kv_cache_scales(model).values()) and len(kv_cache_scales(model)) == 3
+    assert model.quant_report == {"fp8_linears": {"reference": 12}, "fp8_moe": {"dequant": 2}, "kv_scales": 3}
+
+
+@pytest.mark.parametrize("which", ["fp8_nemotron", "fp8_qwen"])
+def test_fp8_logits_close_to_the_source_model(which, request):
+    ckpt = request.getfixturevalue(which)
+    src = CKPTS / ckpt.name.removesuffix("_fp8")
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 60, 61]])
+    a = Engine.from_pretrained(ckpt, max_batch_size=1, max_seq_len=64).logits(ids)
+    b = Engine.from_pretrained(src, max_batch_size=1, max_seq_len=64).logits(ids)
+    assert ((a - b).norm() / b.norm()) < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("which", ["fp8_nemotron", "fp8_qwen"])
+def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
+    """FP8 weights and KV cache: MTP drafting with rewind and with replay emit exactly the greedy tokens."""
+    from tokenizers import Tokenizer
+
+    ckpt = request.getfixturevalue(which)
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    rows = [json.loads(x) for x in (gsm8k_dir / "test.jsonl").read_text().splitlines()[:3]]
+    prompts = [tok.encode(f"Question: {r['question']}\nAnswer:").ids for r in rows]
+    outs = {}
+    for name, kw in {"greedy": dict(draft_len=0), "rewind": dict(draft_len=3),
+                     "replay": dict(draft_len=3, ssm_replay=True)}.items():
+        engine = Engine.from_pretrained(ckpt, kv_cache_quant="fp8", max_batch_size=2, max_seq_len=512, **kw)
+        outs[name] = engine.generate(prompts, 24, stop_token_ids=[])
+    assert outs["rewind"].tokens == outs["replay"].tokens == outs["greedy"].tokens
+    assert outs["rewind"].stats.acceptance_rate > 0.2
+
+
+def test_fp8_kv_cache_without_checkpoint_scales_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="runners.engine"):
+        e = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", kv_cache_quant="fp8", max_batch_size=2,
+                                   max_seq_len=64)
+    assert "no k / v scales" in caplog.text and "scale 1.0" in caplog.text
+    plain = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", max_batch_size=2, max_seq_len=64)
+    assert e.cache_memory()["kv_cache_bytes"] * 4 == plain.cache_memory()["kv_cache_bytes"]  # fp32 -> fp8
+    assert float(e.cache[1].k_scale) == 1.0
+    with pytest.raises(ValueError, match="kv_cache_quant='int8'"):
+        Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", kv_cache_quant="int8")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loader_errors_name_the_tensors(tmp_path, fp8_nemotron):
+    # FP8 tensors but no quantization config: the scales are unknown tensors, and the hint says why
+    bare = _copy(fp8_nemotron, tmp_path / "bare")
+    (bare / "hf_quant_config.json").unlink()
+    raw = json.loads((bare / "config.json").read_text())
+    del raw["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="quantization scales of modules the engine keeps unquantized"):
+        plan_load(bare)
+    # a config that quantizes what the files hold in bf16: missing scales
+    more = _copy(fp8_nemotron, tmp_path / "more")
+    for name in ("config.json", "hf_quant_config.json"):
+        raw = json.loads((more / name).read_text())
+        q = raw.get("quantization_config") or raw["quantization"]
+        key = "ignore" if "ignore" in q else "exclude_modules"
+        q[key] = [p for p in q[key] if p != "*.mixer.q_proj"]
+        (more / name).write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"missing tensors .*q_proj\.input_scale"):
+        plan_load(more)
+    # an FP8 weight stored in bf16 on disk would be cast without its scale: refused
+    cast = _copy(fp8_nemotron, tmp_path / "cast")
+    tensors = load_file(cast / "model.safetensors")
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    tensors[name] = tensors[name].to(torch.bfloat16)
+    save_file(tensors, cast / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name} is BF16 on disk but the model holds it in"):
+        plan_load(cast)
+
+
+def test_quantizer_writes_the_modelopt_layout(tmp_path, gsm8k_dir):
+    src = CKPTS / "tiny_qwen3_next_mtp"
+    dst = tmp_path / "q"
+    recipe = quantize_fp8_checkpoint(src, dst, calib_samples=2, calib_tokens=4, data_dir=str(gsm8k_dir),
+                                     exclude=["*.self_attn.o_proj"], say=lambda _m: None)
+    assert recipe["calibration"]["samples"] == 2 and "*.self_attn.o_proj" in recipe["exclude_modules"]
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert (cfg["quant_method"], cfg["quant_algo"]) == ("modelopt", "FP8")
+    assert cfg["kv_cache_scheme"]["num_bits"] == 8
+    hf = json.loads((dst / "hf_quant_config.json").read_text())["quantization"]
+    assert hf["exclude_modules"] == cfg["ignore"] and hf["kv_cache_quant_algo"] == "FP8"
+    out_file, src_file = str(dst / "model.safetensors"), str(src / "model.safetensors")
+    with safe_open(out_file, "pt") as f, safe_open(src_file, "pt") as s:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").dtype == FP8_DTYPE
+        assert f.get_tensor("model.layers.3.self_attn.q_proj.weight").dtype == FP8_DTYPE
+        assert f.get_tensor("model.layers.3.self_attn.o_proj.weight").dtype == torch.bfloat16  # --exclude
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_ba.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.0.mlp.experts.5.gate_proj.weight").dtype == FP8_DTYPE
+        for n in ("model.layers.0.mlp.experts.5.gate_proj.input_scale",
+                  "model.layers.3.self_attn.k_proj.k_scale", "mtp.layers.0.self_attn.v_proj.v_scale",
+                  "model.layers.0.mlp.shared_expert.down_proj.weight_scale"):
+            t = f.get_tensor(n)
+            assert t.dtype == torch.float32 and t.shape == () and 0 < float(t) < 1, n
+        for n in ("mtp.fc.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight"):  # untouched
+            assert torch.equal(f.get_tensor(n), s.get_tensor(n))
+        assert not any(n.startswith("mtp.") and n.endswith("input_scale") for n in names)
+        # the weight is the scaled original rounded to FP8
+        name = "model.layers.0.mlp.experts.5.up_proj"
+        w, sw = f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")
+        orig = s.get_tensor(f"{name}.weight").float()
+        assert math.isclose(float(sw), float(orig.abs().max()) / 448, rel_tol=1e-6)
+        assert torch.equal(w.view(torch.uint8), quantize_fp8(orig, sw).view(torch.uint8))
+    model = load_model(dst)
+    assert sum(isinstance(m, FP8Linear) for m in model.modules()) > 0
+
+
+def test_quantizer_refusals(tmp_path, gsm8k_dir, capsys):
+    with pytest.raises(QuantizeError, match="already quantized"):
+        quantize_fp8_checkpoint(CKPTS / "tiny_nemotron_h_mtp_fp8", tmp_path / "x", say=lambda _m: None)
+    with pytest.raises(QuantizeError, match="GSM8K train split"):
+        quantize_fp8_checkpoint(CKPTS / "tiny_nemotron_h_mtp", tmp_path / "y",
+                                data_dir=str(tmp_path / "none"), say=lambda _m: None)
+    assert main(["--fp8", str(CKPTS / "tiny_nemotron_h_mtp"), str(CKPTS / "tiny_nemotron_h_mtp")]) == 2
+    assert "is the source checkpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@cuda
+@pytest.mark.parametrize("M, N, K", [(1, 256, 512), (37, 2688, 1024), (300, 1024, 4096)])
+def test_fp8_gemm_vs_dequantized_reference_gpu(M, N, K):
+    """torch._scaled_mm with per-tensor scales against the dequantized float32 product: rel error < 2e-2."""
+    w, ws = _fp8_weight(N, K, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    xs = (x.abs().amax().float() / 448)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    assert scaled_mm_supported(x, w)
+    got = fp8_linear(x, w, ws, xs, bias)
+    ref = fp8_linear_ref(x, w, ws, xs, bias)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+    got32 = fp8_linear(x.float(), w, ws, xs, bias.float())  # float32 output: bias added after the GEMM
+    assert ((got32 - ref.float()).norm() / ref.float().norm()) < 2e-2
+    assert not scaled_mm_supported(x, _fp8_weight(N + 8, K, device="cuda")[0])  # unaligned: reference
+
+
+@cuda
+@pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
+def test_fp8_experts_vs_reference_gpu(gated):
+    """The FP8 MoE on the GPU (grouped FP8 GEMM where torch has it for this device, else dequant) against the
+    per-expert reference, and the dequant path too: rel error < 2e-2; neither synchronises with the host."""
+    E, I, L, N, k = 16, 128, 256, 40, 4
+    up, gate, down = _fp8_experts(E, I, L, gated, device="cuda")
+    weights, indices = _routing(N, k, E, device="cuda")
+    h = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
+    act = ACTIVATIONS["silu" if gated else "relu2"]
+    ref = moe_experts_fp8_ref(h, weights, indices, up, gate, down, act).float()
+    impl = fp8_moe_impl(h, up, down)  # probes torch._scaled_grouped_mm once
+    print(f"FP8 MoE impl on {torch.cuda.get_device_name()}: {impl}")
+    for which in {impl, "dequant"}:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = moe_experts_fp8(h, weights, indices, up, gate, down, act, impl=which)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert ((got.float() - ref).norm() / ref.norm()) < 2e-2, which
+
+
+@cuda
+def test_fp8_linear_does_not_synchronise_gpu():
+    w, ws = _fp8_weight(512, 256, device="cuda")
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    xs = torch.tensor(0.01, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8_linear(x, w, ws, xs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda
+def test_fp8_tiny_engine_on_gpu(fp8_nemotron):
+    cpu = Engine.from_pretrained(fp8_nemotron, max_batch_size=2, max_seq_len=64)
+    gpu = Engine.from_pretrained(fp8_nemotron, device="cuda", kv_cache_quant="fp8", draft_len=3,
+                                 max_batch_size=2, max_seq_len=64)
+    report = gpu.model.quant_report
+    assert report["fp8_linears"].get("scaled_mm", 0) > 0  # aligned layers run torch._scaled_mm
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
+    a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
+    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()) < 0.05
+    out = gpu.generate([[1, 40, 41, 42]], 16, stop_token_ids=[])
+    assert len(out.tokens[0]) == 16
