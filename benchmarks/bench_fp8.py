@@ -16,7 +16,9 @@ Stages (in this order; each writes its part of the JSON as it ends):
   ``--calib-samples`` prompts); the BF16 checkpoint is deleted; the FP8 engine (FP8 KV cache) is measured the
   same way, with ``model.quant_report`` (which FP8 GEMMs ran: torch._scaled_mm per linear layer, the MoE's
   grouped FP8 GEMM or its dequantizing fallback); then ``run.py model=super_v3_mtp_fp8`` on the FP8
-  checkpoint with the cut layout's ``model.arch.*`` overrides, ``eval.limit=<--eval-limit>``, no reference.
+  checkpoint with the cut layout's ``model.arch.*`` overrides, ``eval.limit=<--eval-limit>``, no GSM8K
+  reference (random weights: accuracy 0 and no accepted drafts, so super_v3's fp8 acceptance floor fails the
+  run, exit 1: the stage shows that the pipeline runs, not a score).
 
 The JSON has, per stage, the commands, exit codes, seconds, and for ``super`` the BF16 and FP8 runs side by side
 (``decode_tokens_per_s``, ``prefill_tokens_per_s``, acceptance, weight / KV-cache bytes, device peak) and

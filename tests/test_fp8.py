@@ -155,14 +155,21 @@ def test_shipped_fp8_checkpoint_loads_fp8_modules(fp8_nemotron):
 
 
 @pytest.mark.parametrize("which", ["fp8_nemotron", "fp8_qwen"])
-def test_fp8_logits_close_to_the_source_model(which, request):
+def test_fp8_logits_close_to_the_source_model(which, request, gsm8k_dir):
+    """On GSM8K text (what the scales were calibrated for) the FP8 model's logits stay within 10 % of the
+    source model's and its greedy choice agrees on at least 90 % of the positions (measured on this answer:
+    NemotronH 2.9 % / 97 %, Qwen3-Next, FP8 everywhere but the gates, 5.9 % / 96 %)."""
+    from tokenizers import Tokenizer
+
     ckpt = request.getfixturevalue(which)
     src = CKPTS / ckpt.name.removesuffix("_fp8")
-    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 60, 61]])
-    a = Engine.from_pretrained(ckpt, max_batch_size=1, max_seq_len=64).logits(ids)
-    b = Engine.from_pretrained(src, max_batch_size=1, max_seq_len=64).logits(ids)
+    row = json.loads((gsm8k_dir / "test.jsonl").read_text().splitlines()[0])
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    ids = torch.tensor([tok.encode(f"Question: {row['question']}\nAnswer: {row['answer']}").ids])
+    a = Engine.from_pretrained(ckpt, max_batch_size=1, max_seq_len=512).logits(ids)
+    b = Engine.from_pretrained(src, max_batch_size=1, max_seq_len=512).logits(ids)
     assert ((a - b).norm() / b.norm()) < 0.1
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("which", ["fp8_nemotron", "fp8_qwen"])
