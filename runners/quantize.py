@@ -440,7 +440,9 @@ def quantize_fp8_checkpoint(
     say(f"calibrated on {len(prompts)} GSM8K train prompts ({sum(map(len, prompts))} prompt tokens, "
         f"{calib_tokens} generated each) in {t_cal:.1f} s")
     rewrite, extra, stats = fp8_tensors(targets, amax, kv_cache)
-    del model
+    del model, targets  # the writer reads the source files again; free the device for it
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     dst.mkdir(parents=True, exist_ok=True)
     for stale in list(dst.glob("*.safetensors")) + [dst / INDEX_FILE]:
         stale.unlink(missing_ok=True)
