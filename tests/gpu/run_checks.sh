@@ -18,10 +18,15 @@
 #             with ssm_backend=flashinfer importable, and benchmarks/bench_mamba2.py with --flashinfer (and
 #             checkpointing_ssu for a bf16 state, whose minutes-long JIT is started first, in the background;
 #             FLASHINFER_CKPT=float32,bfloat16 picks its state dtypes, FLASHINFER_CKPT= skips it)
+#   fp8       the FP8 GPU tests (torch._scaled_mm / _scaled_grouped_mm against the dequantizing references,
+#             no host sync, the FP8 tiny engine on CUDA vs the CPU) and a short benchmarks/bench_fp8.py: the
+#             FP8 tiny entry through run.py (32 questions, rewind + replay) and an 8-layer, 32-expert
+#             synthetic Super V3 in BF16 then FP8 (decode tokens/s of each, which FP8 GEMMs ran, a 2-question
+#             run.py of the FP8 checkpoint); FP8_BENCH_ARGS replaces the bench's size arguments
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench engine flashinfer"
+stages="kernels sanitize bench engine flashinfer fp8"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -79,6 +84,11 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
       [ -z "$warm" ] || wait $warm
       stage bench_mamba2_flashinfer python3 -m benchmarks.bench_mamba2 --flashinfer --flashinfer-checkpointing \
         "$ckpt" --out "$out/bench_mamba2_flashinfer.json" ;;
+    fp8) stage fp8_tests python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_fp8.py
+         # shellcheck disable=SC2086  # FP8_BENCH_ARGS is a list of arguments
+         stage bench_fp8 python3 -m benchmarks.bench_fp8 --workdir /tmp/bench_fp8 --out "$out/bench_fp8.json" \
+           --runs "$out/bench_fp8_runs" ${FP8_BENCH_ARGS:---tiny-limit 32 --num-layers 8 --num-experts 32 \
+           --batch-sizes 1 16 --prompt-len 256 --new-tokens 32 --eval-limit 2 --max-gen-toks 32} ;;
   esac
 done
 [ ${#failed[@]} -eq 0 ] || { echo "failed stages: ${failed[*]}"; exit 1; }
