@@ -213,6 +213,7 @@ def format_console(results: Mapping[str, Any]) -> str:
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
         ("ssm_replay / world_size", f"{c['ssm_replay']}{ckpt} / {c['world_size']}"),
         ("ssm backend", _backend_note(c)),
+        *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
         ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
         ("GSM8K flexible-extract", pct(g["flexible_extract"])),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
@@ -268,6 +269,17 @@ def _backend_note(config: Mapping[str, Any]) -> str:
         return ran
     why = "the CPU runs the PyTorch references" if config["device"] == "cpu" else "fallback, see the log"
     return f"{ran} (entry: {asked}; {why})"
+
+
+def _fp8_note(report: Mapping[str, Any]) -> str:
+    """``config.fp8_gemms`` (runners.quant.prepare_fp8's report) in words: how many FP8 linear layers ran
+    torch._scaled_mm or the dequantizing reference, which GEMMs the FP8 MoE blocks ran, KV-scaled blocks."""
+
+    def counts(d: Mapping[str, int]) -> str:
+        return ", ".join(f"{n} {path}" for path, n in sorted(d.items())) or "none"
+
+    linear, moe = counts(report.get("fp8_linears") or {}), counts(report.get("fp8_moe") or {})
+    return f"linear {linear}; MoE experts {moe}; KV scales for {report.get('kv_scales', 0)} attention blocks"
 
 
 # ---------------------------------------------------------------------------------------------- Markdown
@@ -339,6 +351,9 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
         out += [f"- checkpoint: [`{hf_id}`](https://huggingface.co/{hf_id}) (the entry's `hf_id`)"]
     if results.get("model_key"):
         out += [f"- baseline key: `{results['model_key']}` (registry/baselines/)"]
+    fp8 = (results.get("config") or {}).get("fp8_gemms")
+    if fp8:
+        out += [f"- FP8 GEMMs that ran: {_fp8_note(fp8)}"]
     resumed = results.get("resumed") or {}
     if resumed.get("num_resumed"):
         out += [f"- resumed: {resumed['num_resumed']} samples read from generations.jsonl, "

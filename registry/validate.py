@@ -75,7 +75,8 @@ def validate_one(name: str) -> EntryReport:
                 report.errors.append(f"embedded checkpoint {ckpt} does not load: {e.problem} -- fix: restore "
                                      "it from git, or rebuild it as registry/checkpoints/README.md says")
         else:
-            how = "python -m runners.quantize --fp8" if entry.quant.value == "fp8" else "python -m runners.tiny"
+            fp8 = entry.quant.value == "fp8"
+            how = "python -m runners.quantize --fp8" if fp8 else "python -m runners.tiny"
             report.notes.append(f"embedded checkpoint {ckpt} not built yet ({how}; "
                                 "registry/checkpoints/README.md)")
     report.errors += baseline_problems(report.resolved)

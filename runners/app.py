@@ -211,6 +211,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                         ) from None
     config = rr.to_dict()
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
+    # which FP8 GEMMs ran (runners.quant.prepare_fp8): the device's FP8 kernels or the dequantizing references
+    config["fp8_gemms"] = getattr(getattr(engine, "model", None), "quant_report", None)
     results = build_results(
         entry=rr.entry.name,
         model_key=rr.entry.baseline,

@@ -494,8 +494,8 @@ def test_sweep_runs_every_job_and_exits_with_the_worst_status(tmp_path, gsm8k_di
 
 
 def test_fp8_entry_builds_the_engine_with_its_kv_cache_quant(fakes, tmp_path):
-    """An fp8 entry runs (no refusal) and the engine gets kv_cache_quant from the entry; the fingerprint of its
-    generations records quant and KV-cache quant."""
+    """An fp8 entry runs (no refusal) and the engine gets kv_cache_quant from the entry; the fingerprint of
+    its generations records quant and KV-cache quant."""
     app.run(_cfg("model=tiny_nemotron_h_mtp_fp8", "eval.limit=4", "verdict.require_reference=false",
                  f"out_dir={tmp_path / 'out'}"))
     (_, opts), = FakeEngine.built

@@ -76,6 +76,15 @@ def test_unmatched_row_lists_rows_and_fix():
     assert "verdict.require_reference=false" in err.value.fix
 
 
+def test_unmeasured_fp8_qwen3_next_has_no_row():
+    """No FP8 Qwen3-Next number exists (published or ours): its runs are refused up front, not judged."""
+    with pytest.raises(BaselineError) as err:
+        find_gsm8k_reference("qwen3_next", "bfloat16", "fp8", "fp8", "mtp")
+    assert "verdict.require_reference=false" in err.value.fix
+    with pytest.raises(BaselineError, match="quant=fp8"):
+        find_acceptance_reference("qwen3_next", "fp8", 3)
+
+
 def test_unknown_model_and_entry():
     with pytest.raises(BaselineError, match="known keys: .*super_v3"):
         find_gsm8k_reference("no_such_model", "bfloat16", "none", "none", "none")

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--set=hidden_size=128", "--set=vocab_size=4096", "--set=mamba_num_heads=8", "--set=mamba_head_dim=16",
-         "--set=ssm_state_size=16", "--set=n_groups=2", "--set=num_attention_heads=4", "--set=head_dim=32",
+SMALL = ["--set=hidden_size=128", "--set=vocab_size=4096", "--set=mamba_num_heads=8",
+         "--set=mamba_head_dim=16", "--set=ssm_state_size=16", "--set=n_groups=2",
+         "--set=num_attention_heads=4", "--set=head_dim=32",
          "--set=moe_intermediate_size=64", "--set=moe_shared_expert_intermediate_size=64",
          "--set=moe_latent_size=64", "--set=num_experts_per_tok=2"]
 
 
 def _run(args, **kw):
-    return subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, **kw)
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, **kw)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -37,14 +38,15 @@ def test_refuses_bad_arguments(args, says, tmp_path):
 @pytest.mark.slow
 def test_cpu_super_stage_reports_bf16_and_fp8(tmp_path, gsm8k_dir):
     out = tmp_path / "bench.json"
-    proc = _run(["--workdir", str(tmp_path / "work"), "--out", str(out), "--stages", "super", "--device", "cpu",
-                 "--num-layers", "4", "--num-experts", "8", "--batch-sizes", "1", "--prompt-len", "32",
+    proc = _run(["--workdir", str(tmp_path / "work"), "--out", str(out), "--stages", "super",
+                 "--device", "cpu", "--num-layers", "4", "--num-experts", "8", "--batch-sizes", "1",
+                 "--prompt-len", "32",
                  "--new-tokens", "4", "--calib-samples", "2", "--calib-tokens", "2", "--eval-limit", "1",
                  "--max-gen-toks", "8", "--data-dir", str(gsm8k_dir), *SMALL])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())["super"]
     assert report["quantize"]["counts"]["fp8_moe_blocks"] == 1  # ME*M: one MoE layer, the MTP one stays bf16
-    for arm, kv in (("bf16", "none"), ("fp8", "fp8")):
+    for arm in ("bf16", "fp8"):
         runs = report[arm]["runs"]
         assert [(r["batch"], r["draft_len"]) for r in runs] == [(1, 0), (1, 3)]
         assert all(r["generated_tokens"] == 4 and r["decode_tokens_per_s"] > 0 for r in runs)

@@ -113,7 +113,8 @@ def test_compare_needs_resume_for_existing_arms(fakes, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", ["tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"])
+@pytest.mark.parametrize("entry", ["tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp", "tiny_nemotron_h_mtp_fp8",
+                                   "tiny_qwen3_next_mtp_fp8"])
 def test_replay_equals_rewind_on_tiny_checkpoints_float32(entry, gsm8k_dir, tmp_path, capsys):
     """The real engine: zero flipped samples and identical generated tokens, replay vs rewind."""
     cfg = _cfg(f"model={entry}", "compare=replay", "eval.limit=2", "eval.max_gen_toks=16",
