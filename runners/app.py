@@ -38,7 +38,7 @@ from registry.errors import UserError
 from registry.resolve import ResolvedRun, resolve
 from registry.schema import REPO_ROOT
 from runners.engine import Engine
-from runners.support import check_supported
+from runners.support import check_quant_hardware, check_supported
 
 __all__ = ["exit_code", "fingerprint", "run"]
 
@@ -59,10 +59,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     status. Raises UserError (before the engine is built) for every configuration problem, and for a missing
     baseline row when verdict.require_reference is true.
     """
-    # what this engine and machine can run, from the settings alone (before any checkpoint file is required:
-    # an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then everything
-    rr = resolve(cfg, check_checkpoint=False)
-    check_supported(rr)
+    # the weight quantization this machine can run, from the settings alone (before any checkpoint file is
+    # required: an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then all
+    check_quant_hardware(resolve(cfg, check_checkpoint=False))
     rr = resolve(cfg)
     check_supported(rr)
     check_references(rr)

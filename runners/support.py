@@ -29,32 +29,41 @@ def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
     return f"the CPU (runtime.device={device})", None
 
 
+def check_quant_hardware(rr: ResolvedRun) -> None:
+    """Raise UserError when the entry's weight quantization cannot run on this machine, from the settings
+    alone (callable before the checkpoint is resolved, so an nvfp4 entry is refused naming the hardware even
+    where its weights are absent): NVFP4 needs FP4 tensor cores (Blackwell, sm_100+), and the engine has no
+    NVFP4 path on any hardware yet (the nvfp4 baseline rows stay for Blackwell users)."""
+    e = rr.entry
+    if e.quant != Quant.nvfp4:
+        return
+    hw, cap = _hardware(rr.device)
+    if cap is None or cap < FP4_MIN_CAPABILITY:
+        problem = (
+            f"entry {e.name} sets quant=nvfp4: NVFP4 weights need FP4 tensor cores (NVIDIA Blackwell, "
+            f"sm_100 or newer), and this run is on {hw}"
+        )
+    else:
+        problem = f"entry {e.name} sets quant=nvfp4, but the engine has no NVFP4 path yet (device: {hw})"
+    raise UserError(
+        problem,
+        "use the model's fp8 entry (e.g. super_v3_mtp_fp8) or its bf16 entry; the nvfp4 entries and "
+        "baseline rows are for Blackwell GPUs",
+    )
+
+
 def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
-    Refused: NVFP4 weights (`quant: nvfp4`) before any loading, naming the hardware: they need FP4 tensor
-    cores (Blackwell, sm_100+), and the engine has no NVFP4 path on any hardware yet (the nvfp4 baseline rows
-    stay for Blackwell users); an FP8 checkpoint in a layout the engine does not run (block-wise FP8, dynamic
-    activation scales: runners.quant.check_runnable); CUDA-graph capture (`cuda_graph_batch_sizes` not
-    empty); tensor parallelism (world_size > 1); ssm.backend=flashinfer on the CPU; a CUDA device where CUDA
-    is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+,
-    a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
+    Refused: NVFP4 weights (`quant: nvfp4`, :func:`check_quant_hardware`); an FP8 checkpoint in a layout
+    the engine does not run (block-wise FP8, dynamic activation scales: runners.quant.check_runnable);
+    CUDA-graph capture (`cuda_graph_batch_sizes` not empty); tensor parallelism (world_size > 1);
+    ssm.backend=flashinfer on the CPU; a CUDA device where CUDA is missing. Allowed: `quant: fp8` (ModelOpt /
+    HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+, a dequantizing fallback elsewhere) and
+    `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
     """
+    check_quant_hardware(rr)
     e = rr.entry
-    if e.quant == Quant.nvfp4:
-        hw, cap = _hardware(rr.device)
-        if cap is None or cap < FP4_MIN_CAPABILITY:
-            problem = (
-                f"entry {e.name} sets quant=nvfp4: NVFP4 weights need FP4 tensor cores (NVIDIA Blackwell, "
-                f"sm_100 or newer), and this run is on {hw}"
-            )
-        else:
-            problem = f"entry {e.name} sets quant=nvfp4, but the engine has no NVFP4 path yet (device: {hw})"
-        raise UserError(
-            problem,
-            "use the model's fp8 entry (e.g. super_v3_mtp_fp8) or its bf16 entry; the nvfp4 entries and "
-            "baseline rows are for Blackwell GPUs",
-        )
     quant = rr.checkpoint_config.quantization if rr.checkpoint_config is not None else None
     if quant is not None:
         try:

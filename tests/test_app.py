@@ -132,7 +132,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert path == str(ckpt)
     assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
                           max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
-                          ssm_replay_checkpointing=False)
+                          ssm_replay_checkpointing=False, kv_cache_quant="none")
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
@@ -140,7 +140,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["fingerprint"] == {
         "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
-        "ssm_replay_checkpointing": False,
+        "ssm_replay_checkpointing": False, "quant": "none", "kv_cache_quant": "none",
         "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
         "data_dir": "/data/gsm8k"}
 
@@ -388,7 +388,7 @@ def _run_py(*args, cwd):
     "args, lines",
     [
         (["model=super_v3"], ["error: unknown registry entry model='super_v3'",
-                              "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4?"]),
+                              "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4 or super_v3_mtp_fp8?"]),
         (["foo=1"], ["error: unknown config key 'foo' in the override 'foo=1'", "  fix: known keys: model"]),
         (["model.checkpoint=/nonexistent/ckpt"],
          ["error: checkpoint directory /nonexistent/ckpt does not exist",
