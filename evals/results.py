@@ -72,8 +72,9 @@ def build_results(
     config: the resolved settings (registry.resolve.ResolvedRun.to_dict(), with the backend that ran).
     evaluation: the evals.gsm8k.GSM8KResult. memory: engine.cache_memory(). Seconds: loading the engine and
     evaluating. load: the engine's load report (runners.memory.LoadReport.to_dict(): seconds, weight / cache
-    bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide the tokens of every generate call of the folder by the seconds of those
-    same calls (timing_* of the generation stats).
+    bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide
+    the tokens of every generate call of the folder by the seconds of those same calls (timing_* of the
+    generation stats).
     """
     stats = dict(evaluation.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)

@@ -125,8 +125,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         runs, tokens = [], {}
         for B in args.batch_sizes:
             for K, replay in ARMS:
-                eng = Engine(model, device=dev, dtype=compute, draft_len=K, ssm_replay=replay, max_batch_size=B,
-                             max_seq_len=max_seq)
+                eng = Engine(model, device=dev, dtype=compute, draft_len=K, ssm_replay=replay,
+                             max_batch_size=B, max_seq_len=max_seq)
                 eng.generate(prompts[:B], 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -172,8 +172,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
         if args.run_eval:
             run_dir = Path(args.run_eval) / family
-            cmd = _eval_command(family, ckpt, synth.arch_overrides, run_dir,
-                                compute_dtype=args.compute_dtype if args.compute_dtype != args.dtype else None)
+            eval_dtype = args.compute_dtype if args.compute_dtype != args.dtype else None
+            cmd = _eval_command(family, ckpt, synth.arch_overrides, run_dir, compute_dtype=eval_dtype)
             print("== " + " ".join(cmd), flush=True)
             t0 = time.perf_counter()
             log_path = Path(args.run_eval) / f"run_{family}.log"
@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="the synthetic checkpoint's dtype")
     p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="the engine's dtype (default: --dtype); float32 isolates the algorithms from rounding: "
-                        "replay and rewind then give the same greedy tokens (run.py gets runtime.dtype=...)")
+                   help="the engine's dtype (default: --dtype); float32 isolates the algorithms from "
+                        "rounding: replay and rewind then give the same greedy tokens (run.py gets "
+                        "runtime.dtype=...)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shard-size", default="5GB")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
