@@ -153,3 +153,16 @@ def test_fp8_entries_compose_with_arch_unchanged():
         a, b = compose_config([f"model={base}"]), compose_config([f"model={base}_fp8"])
         assert a.model.arch == b.model.arch and b.model.quant == "fp8" and b.model.kv_cache_quant == "fp8"
     assert Path(REPO_ROOT / "registry" / "checkpoints" / "tiny_qwen3_next_mtp_fp8" / "config.json").is_file()
+
+
+def test_qwen3_next_fp8_entry_has_no_reference_to_be_judged_by(monkeypatch):
+    """No FP8 Qwen3-Next number exists: the entry has no baseline key, so a run is refused before loading
+    (the fix names verdict.require_reference=false), not judged against a placeholder."""
+    from registry.resolve import resolve
+
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    rr = resolve(compose_config(["model=qwen3_next_mtp_fp8"]), check_checkpoint=False)
+    assert rr.entry.baseline is None
+    with pytest.raises(UserError) as err:
+        app.check_references(rr)
+    assert "no `baseline` key" in err.value.problem and "verdict.require_reference=false" in err.value.fix
