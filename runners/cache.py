@@ -480,12 +480,13 @@ class KVCache(LayerState):
         self, rows: Callable[[torch.Tensor], torch.Tensor], kv_len: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [B, kv_len, KVH, head_dim] in ``dtype`` of the batch's cache rows (``rows``:
-        ``BatchMeta.rows``), dequantized in an FP8 cache."""
+        ``BatchMeta.rows``), dequantized in an FP8 cache. The first kv_len positions are sliced before the
+        rows are gathered, so the gather copies only those."""
         if not self.fp8:
-            return rows(self.k)[:, :kv_len].to(dtype), rows(self.v)[:, :kv_len].to(dtype)
+            return rows(self.k[:, :kv_len]).to(dtype), rows(self.v[:, :kv_len]).to(dtype)
         out = []
         for buf, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = rows(buf.view(torch.uint8))[:, :kv_len].view(FP8_DTYPE)
+            q = rows(buf.view(torch.uint8)[:, :kv_len]).view(FP8_DTYPE)
             out.append(q.to(dtype) if scale is None else q.to(dtype) * scale.to(dtype))
         return out[0], out[1]
 
@@ -691,7 +692,9 @@ class HybridCache:
         if self.replay is not None:
             self.replay.reset(rows)
 
-    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+    def commit(
+        self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor, *, check: bool = True
+    ) -> None:
         """Commit after a verify step: each slot's recurrent state becomes the state after its first
         ``num_accepted_tokens`` verify tokens. Rewind copies that state from the per-token buffers; replay
         advances the per-slot bookkeeping once (:meth:`ReplaySlots.advance`; the next verify fast-forwards).
@@ -701,6 +704,9 @@ class HybridCache:
             slot_ids: [B] int64 slots of the verify batch (PAD -1 rows commit nothing).
             num_accepted_tokens: [B] int64 in [1, T]; anything else raises (a 0 or > T from a stale or padding
                 row must never index a neighbouring column).
+            check: validate both on the host (the default; it reads them back, a host synchronisation).
+                The engine's CUDA-graph step passes False: its values are in range by construction, and the
+                commit kernels clamp num_accepted_tokens to [0, T] and skip PAD rows anyway.
 
         Raises:
             ValueError: no spec buffers (cache built with spec_tokens=0), or num_accepted_tokens out of range.
@@ -710,9 +716,10 @@ class HybridCache:
         if T == 0:
             raise ValueError("commit() needs the rewind buffers: build the cache with spec_tokens = K + 1")
         n = num_accepted_tokens.to(torch.long)
-        if n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
+        if check and n.numel() and (int(n.min()) < 1 or int(n.max()) > T):
             raise ValueError(f"num_accepted_tokens {n.tolist()} must lie in [1, T={T}]")
-        self.check_slots(slot_ids)
+        if check:
+            self.check_slots(slot_ids)
         if self.replay is not None:
             self.replay.advance(slot_ids, n)
         for layer in self.layers.values():
@@ -738,10 +745,10 @@ class BatchMeta:
     lengths:   [B] valid input columns of each row (<= T); columns t >= lengths[b] are right padding and are
                no-ops: they leave the recurrent state unchanged and write no KV entry of a live slot.
     all_valid: True when every row uses all T columns (lets layers skip the padding logic; e.g. decode).
-    slot_start: set when the rows are exactly the live slots ``slot_start .. slot_start + B - 1`` in order
-        (no PAD): layers then read cache rows through a slice instead of a gather copy.
-    max_kv_len: host-side max(start_pos + lengths) when the caller knows it (saves a device sync per
-        attention layer); None computes it.
+    max_kv_len: an upper bound of max(start_pos + lengths) known on the host: attention reads each row's
+        first max_kv_len cached positions (masked by position), so any bound >= the true one gives the same
+        result; a CUDA-graph step passes its captured bucket. None computes the exact value (a host
+        synchronisation per attention layer).
     verify: a speculative verify step (needs all_valid): rewind layers keep every intermediate state in the
         rewind buffers and leave the committed state unchanged; replay layers fast-forward the committed
         state by the slot's PNAT and record the new tokens' inputs (see :meth:`HybridCache.commit`).
@@ -751,7 +758,6 @@ class BatchMeta:
     start_pos: torch.Tensor
     lengths: torch.Tensor
     all_valid: bool = False
-    slot_start: int | None = None
     max_kv_len: int | None = None
     verify: bool = False
 
@@ -760,9 +766,7 @@ class BatchMeta:
             raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This batch's cache rows, ``buffer[slot_ids]``: a view when ``slot_start`` is set, else a copy."""
-        if self.slot_start is not None:
-            return buffer[self.slot_start : self.slot_start + self.slot_ids.shape[0]]
+        """This batch's cache rows, ``buffer[slot_ids]`` (a gather copy; PAD -1 reads the scratch row)."""
         return buffer[self.slot_ids]
 
     @classmethod
@@ -773,7 +777,6 @@ class BatchMeta:
         T: int = 1,
         *,
         verify: bool = False,
-        slot_start: int | None = None,
         max_kv_len: int | None = None,
     ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
@@ -782,7 +785,6 @@ class BatchMeta:
             start_pos,
             torch.full_like(slot_ids, T),
             all_valid=True,
-            slot_start=slot_start,
             max_kv_len=max_kv_len,
             verify=verify,
         )

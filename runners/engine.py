@@ -6,7 +6,8 @@ chunks of ``prefill_chunk_tokens``), then decodes all active slots in one batche
 finished request frees its slot at once and a waiting request takes it. Host-side bookkeeping (appending a
 token, stop checks, callbacks) loops over requests; model compute never does.
 
-With ``draft_len = K > 0`` each decode step is an MTP speculative step (:meth:`Engine._spec_step`): K drafts
+With ``draft_len = K > 0`` each decode step is an MTP speculative step (the phases after
+:meth:`Engine._phase_draft`): K drafts
 from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
 commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay=True`` replaces the
 rewind commit by replay (TensorRT-LLM's "SSM replay"; ``runners.cache.Mamba2ReplayState`` /
@@ -14,6 +15,14 @@ rewind commit by replay (TensorRT-LLM's "SSM replay"; ``runners.cache.Mamba2Repl
 the commit only advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer",
 "torch" default on CPU) picks who runs the recurrent decode / verify / commit operators: the Triton kernels of
 kernels/ or their PyTorch references (the cache's layer states carry it to the mixers).
+
+A decode step never synchronises with the host: each slot's length, last token and first draft live on the
+device and the step advances them itself; the host only writes the batch's slot ids and reads the new tokens
+back through pinned memory (:meth:`Engine._launch` / :meth:`Engine._step_tokens`). The step is a fixed
+sequence of phases (decode; or draft, verify, commit, catch-up) that ``runners.graphs.StepGraphs`` runs
+eagerly or as CUDA graphs captured per padded batch size (``cuda_graph_batch_sizes``; PAD rows touch no
+live slot). With ``overlap_steps`` (default on CUDA) the next step is queued before the host does this one's
+bookkeeping (token appends, stop checks, callbacks), so the two overlap.
 
 Contract: docs/architecture.md ("Engine API").
 """
@@ -29,7 +38,17 @@ from pathlib import Path
 
 import torch
 
+from kernels._common import PAD_SLOT_ID
 from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
+from runners.graphs import (
+    HostBlock,
+    HostRing,
+    PhaseTimer,
+    StepGraphs,
+    StepIO,
+    default_graph_batch_sizes,
+    kv_bucket,
+)
 from runners.loader import materialize, plan_load
 from runners.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
 from runners.models.config import HybridConfig
@@ -54,7 +73,9 @@ def _kv_cache_dtype(kv_cache_quant: str | None) -> torch.dtype | None:
 @dataclass
 class GenerationStats:
     """Counters of one ``generate`` call, kept as raw sums so runs can be merged (``a + b``). Seconds are
-    wall time.
+    wall time: ``prefill_seconds`` of the admissions' prefills, ``decode_seconds`` of the decode loop (the
+    steps and the host's bookkeeping of their tokens: appends, stop checks, callbacks, which overlap the
+    next step's device work with ``overlap_steps``); ``steps`` counts decode steps.
 
     Speculative decoding (MTP, draft length K) adds, per (request, verify step) pair -- a *request-step*:
     ``request_steps`` counts them; ``drafted_tokens`` = K per request-step; ``accepted_drafts`` sums the
@@ -216,6 +237,47 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+@dataclass
+class _Step:
+    """A launched decode step (:meth:`Engine._launch`): its live slots and the request that held each at
+    launch, the pinned host block its tokens arrive in, and its phase timing marks (profiling only)."""
+
+    slots: list[int]
+    requests: list[int]
+    block: HostBlock
+    marks: list = field(default_factory=list)
+
+
+class ForcedAcceptance:
+    """Accepted drafts per verify step from a fixed schedule instead of the greedy comparison: a benchmark
+    hook for random-weight checkpoints (:meth:`Engine.force_acceptance`).
+
+    Step c (counted on the device, only for steps with a live row) accepts floor((c + 1) m) - floor(c m)
+    drafts in every row, m = acceptance_length - 1: the integers around m whose running mean is m (e.g.
+    1, 2, 2, 1, 2, ... for m = 1.6), so the acceptance length over any run is acceptance_length to within
+    1 / steps. No host synchronisation (CUDA-graph capturable).
+    """
+
+    def __init__(self, acceptance_length: float, draft_len: int, device: torch.device):
+        if draft_len < 1:
+            raise ValueError("forced acceptance needs speculative decoding (draft_len >= 1)")
+        if not 1.0 <= acceptance_length <= draft_len + 1:
+            raise ValueError(
+                f"acceptance_length={acceptance_length} must lie in [1, K + 1 = {draft_len + 1}]"
+            )
+        self.mean_accepted = acceptance_length - 1.0
+        self.draft_len = draft_len
+        self.step = torch.zeros((), dtype=torch.float64, device=device)
+
+    def next(self, live: torch.Tensor) -> torch.Tensor:
+        """Accepted drafts [B] int64 for this step (live [B] bool: a step of PAD rows only -- a graph's
+        warm-up -- does not advance the schedule)."""
+        c, m = self.step, self.mean_accepted
+        a = (torch.floor((c + 1) * m) - torch.floor(c * m)).long().clamp(0, self.draft_len)
+        self.step += live.any()
+        return a.expand(live.shape[0])
+
+
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -239,11 +301,11 @@ def _planned_cache_memory(
 ) -> dict[str, int]:
     """Bytes of the engine's per-slot state by kind (:meth:`Engine.cache_memory`), from the architecture
     alone: ``runners.cache.cache_memory_bytes`` plus, with drafts, the per-slot first draft (int64) and its
-    MTP hidden [S, D] in the model dtype."""
+    MTP hidden [S + 1, D] in the model dtype (the scratch row included, like every cache buffer)."""
     mem = cache_memory_bytes(config, cache_kinds, **cache_args)
     if draft_len > 0:
-        S, itemsize = cache_args["max_batch_size"], cache_args["dtype"].itemsize
-        mem["spec_buffers_bytes"] += S * (config.hidden_size * itemsize + 8)
+        R, itemsize = cache_args["max_batch_size"] + 1, cache_args["dtype"].itemsize
+        mem["spec_buffers_bytes"] += R * (config.hidden_size * itemsize + 8)
     return mem
 
 
@@ -323,6 +385,9 @@ class Engine:
             (replay vs rewind); ssm_backend: recurrent-state operators ("triton" | "flashinfer" | "torch").
         load_report: :class:`runners.memory.LoadReport` of :meth:`from_pretrained` (None when the engine was
             built from a model object).
+        cuda_graphs: whether decode steps replay CUDA graphs (``graphs``: the captured sizes, the phases);
+            overlap_steps: whether the next step is queued before this one's host bookkeeping.
+        phase_timer: a :class:`runners.graphs.PhaseTimer` to time the step's phases (profiling; None: off).
     """
 
     def __init__(
@@ -341,6 +406,9 @@ class Engine:
         ssm_backend: str | None = None,
         ssm_replay_checkpointing: bool = False,
         kv_cache_quant: str | None = None,
+        cuda_graphs: bool | None = None,
+        cuda_graph_batch_sizes: Sequence[int] | None = None,
+        overlap_steps: bool | None = None,
     ):
         config = model.config
         _check_spec_args(draft_len, ssm_replay)
@@ -386,12 +454,49 @@ class Engine:
         )
         if self.kv_cache_quant == "fp8":
             self._attach_kv_scales()
-        if draft_len > 0:  # per slot: the MTP hidden and greedy token that start the next step's drafts
-            self._mtp_hidden = torch.zeros(
-                max_batch_size, config.hidden_size, dtype=dtype, device=self.device
-            )
-            self._draft1 = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        # Per-slot decode state on the device, S + 1 rows like the caches (PAD rows -> the scratch row S):
+        # tokens in the cache, the last token (the next step's input) and, with drafts, the MTP hidden and
+        # greedy token that start the next step's drafts. Steps read and advance them without the host.
+        R = max_batch_size + 1
+        self._slot_len = torch.zeros(R, dtype=torch.long, device=self.device)
+        self._last_token = torch.zeros(R, dtype=torch.long, device=self.device)
+        if draft_len > 0:
+            self._mtp_hidden = torch.zeros(R, config.hidden_size, dtype=dtype, device=self.device)
+            self._draft1 = torch.zeros(R, dtype=torch.long, device=self.device)
         self._slot_counters = SlotCounters(max_batch_size, draft_len)
+        self._forced_acceptance: ForcedAcceptance | None = None
+        self.phase_timer: PhaseTimer | None = None
+        self._setup_step(cuda_graphs, cuda_graph_batch_sizes, overlap_steps)
+
+    def _setup_step(self, cuda_graphs: bool | None, batch_sizes: Sequence[int] | None,
+                    overlap_steps: bool | None) -> None:
+        """The static step buffers, the host ring and the phases of the step (``runners.graphs``)."""
+        cuda = self.device.type == "cuda"
+        if cuda_graphs and not cuda:
+            log.warning("cuda_graphs=True is ignored on %s: the same step runs eagerly", self.device)
+        if cuda_graphs is None or not cuda:
+            cuda_graphs = cuda
+        if cuda_graphs and self.ssm_backend == "torch":
+            log.warning("cuda_graphs: ssm_backend='torch' runs the PyTorch references, which synchronise "
+                        "with the host (nonzero); decode steps run eagerly (use ssm_backend='triton')")
+            cuda_graphs = False
+        sizes = default_graph_batch_sizes(self.max_batch_size) if batch_sizes is None else list(batch_sizes)
+        if any(not 1 <= b <= self.max_batch_size for b in sizes):
+            raise ValueError(
+                f"cuda_graph_batch_sizes {sizes} must lie in [1, max_batch_size={self.max_batch_size}]"
+            )
+        self.cuda_graphs = bool(cuda_graphs and sizes)
+        self.overlap_steps = cuda if overlap_steps is None else bool(overlap_steps)
+        K = self.draft_len
+        self._io = StepIO.allocate(self.max_batch_size, K, self.config.hidden_size, self.dtype, self.device)
+        self._host = HostRing(self.max_batch_size, K + 1, self.device)
+        if K > 0:
+            phases = {"draft": self._phase_draft, "verify": self._phase_verify, "commit": self._phase_commit,
+                      "catchup": self._phase_catchup}
+        else:
+            phases = {"decode": self._phase_decode}
+        self.graphs = StepGraphs(phases, self._io, sizes if self.cuda_graphs else (), self.max_seq_len,
+                                 self.device)
 
     @classmethod
     def from_pretrained(
@@ -426,7 +531,11 @@ class Engine:
                 checkpoint's per-layer k / v scales, 1.0 with a warning where it has none; half the KV
                 bytes of bf16, ``cache_memory()["kv_cache_bytes"]``),
                 memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
-                may take, checked before anything is allocated).
+                may take, checked before anything is allocated), cuda_graphs (default: True on CUDA; ignored
+                with a warning on the CPU, and off with ssm_backend "torch": decode steps replay CUDA graphs),
+                cuda_graph_batch_sizes (default 1, 2, 4, ... and max_batch_size: the padded batch sizes
+                captured; larger batches run eagerly), overlap_steps (default: True on CUDA: queue the next
+                step before this one's host bookkeeping).
 
         The model is built on the meta device and its weights are loaded straight to ``device`` in their
         dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
@@ -451,6 +560,9 @@ class Engine:
             "ssm_backend",
             "ssm_replay_checkpointing",
             "kv_cache_quant",
+            "cuda_graphs",
+            "cuda_graph_batch_sizes",
+            "overlap_steps",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -604,10 +716,11 @@ class Engine:
         waiting = deque(range(n))
         free_slots = list(range(self.max_batch_size - 1, -1, -1))  # pop() hands out slot 0 first
         slot_request = [-1] * self.max_batch_size
-        slot_len = torch.zeros(self.max_batch_size, dtype=torch.long)  # tokens of the slot's request in cache
-        last_token = torch.zeros(self.max_batch_size, dtype=torch.long)
+        slot_len = [0] * self.max_batch_size  # tokens of the slot's request in the cache, as last read back
         active: list[int] = []  # slots decoding, in admission order
+        inflight: deque[_Step] = deque()  # launched steps whose tokens are not read yet, oldest first
         counters = self._slot_counters
+        T, timer = K + 1, self.phase_timer
 
         def accept(slot: int, tokens: list[int]) -> None:
             """Append a step's ``tokens`` to the slot's request, stopping at the first stop condition (a
@@ -638,8 +751,32 @@ class Engine:
                 on_finish(i, toks, reason, request_stats)
             report(finished)
 
-        while waiting or active:
+        def read(step: _Step) -> None:
+            """The host bookkeeping of a launched step: its tokens go to the requests that still hold their
+            slots (a step queued before the previous one was read may carry rows of requests that finished
+            there; those rows are dropped)."""
+            t0 = time.perf_counter()
+            new_tokens = self._step_tokens(step)
+            t1 = time.perf_counter()
+            rows = zip(step.slots, step.requests, new_tokens)
+            kept = [(s, toks) for s, i, toks in rows if slot_request[s] == i]
+            if kept:
+                stats.steps += 1
+                if K > 0:
+                    self._count_acceptance([s for s, _ in kept], [len(t) - 1 for _, t in kept], stats)
+                for s, toks in kept:
+                    slot_len[s] += len(toks)
+                    accept(s, toks)
+            if timer is not None:
+                timer.add_host("wait", t1 - t0)
+                timer.add_host("bookkeeping", time.perf_counter() - t1)
+
+        while waiting or active or inflight:
+            t0 = time.perf_counter()
             if waiting and free_slots:  # admit into every free slot, prefill the newcomers together
+                while inflight:  # first read every queued step (its requests may finish, its slots free)
+                    read(inflight.popleft())
+                stats.decode_seconds += time.perf_counter() - t0
                 admitted = []
                 while waiting and free_slots:
                     slot = free_slots.pop()
@@ -648,121 +785,221 @@ class Engine:
                 counters.reset(admitted)
                 t0 = time.perf_counter()
                 first = self._prefill([prompts[slot_request[s]] for s in admitted], admitted)
-                for slot, token in zip(admitted, first):
+                for slot in admitted:
                     slot_len[slot] = len(prompts[slot_request[slot]])
-                    last_token[slot] = token
                 stats.prefill_seconds += time.perf_counter() - t0
                 active.extend(admitted)
                 for slot, token in zip(admitted, first):
                     accept(slot, [token])
                 continue  # refill slots freed by requests that finished on their first token
-            t0 = time.perf_counter()
-            active.sort()  # contiguous slots (the usual case while the queue is full) are read as a slice
-            if K > 0:
-                new_tokens = self._spec_step(active, slot_len, last_token, stats)
-            else:
-                new_tokens = self._decode_step(active, slot_len, last_token)
-            stats.steps += 1
+            # Every row's KV reads stay below its length before the step + T, and each queued step unread
+            # may add up to T tokens: an upper bound the host knows without waiting for the device.
+            bound = max((slot_len[s] for s in active), default=0) + T * (len(inflight) + 1)
+            ahead = self.overlap_steps and bound <= self.max_seq_len  # a run-ahead step stays in the cache
+            launch = bool(active) and (not inflight or ahead)
+            if launch:
+                slots = sorted(active)
+                inflight.append(self._launch(slots, bound, [slot_request[s] for s in slots]))
+            if inflight and (not launch or not self.overlap_steps or len(inflight) > 1):
+                read(inflight.popleft())  # with overlap: the previous step, while this one runs
             stats.decode_seconds += time.perf_counter() - t0
-            for slot, tokens in zip(list(active), new_tokens):
-                accept(slot, tokens)
 
         if bar is not None:
             bar.close()
         stats.generated_tokens = sum(map(len, out_tokens))
         return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats)
 
-    def _decode_step(
-        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor
-    ) -> list[list[int]]:
-        """One batched greedy step over ``slots`` (sorted): feed each slot's last token, return the new
-        token(s) per slot. Advances ``slot_len`` [S] and ``last_token`` [S] (host int64) in place.
+    # ------------------------------------------------------------------ one decode step
 
-        This is the unit a speculative step replaces (draft K with the MTP module, verify T = K + 1 tokens
-        with ``BatchMeta.verify``, accept, ``cache.commit``); it may then return up to K + 1 tokens per slot.
+    def _launch(self, slots: list[int], kv_bound: int, requests: list[int] | None = None) -> _Step:
+        """Queue one decode step over ``slots`` (live slot ids, sorted) on the device; nothing waits for it.
+
+        The host writes only the batch's slot ids (through a pinned buffer); positions, input tokens and
+        drafts come from the per-slot device state, which the step advances itself. The step runs padded to
+        a captured batch size as CUDA graphs, or eagerly (:class:`runners.graphs.StepGraphs`); its new
+        tokens are copied to pinned host memory behind an event. ``kv_bound``: an upper bound of every row's
+        cached length after the step (its length before + T); ``requests``: who holds each slot, kept on the
+        handle for :meth:`generate`. Read the result with :meth:`_step_tokens`, in launch order.
         """
-        idx = torch.tensor(slots, dtype=torch.long)
-        contiguous = slots[-1] - slots[0] + 1 == len(slots)
-        meta = BatchMeta.decode(
-            idx.to(self.device),
-            slot_len[idx].to(self.device),
-            slot_start=slots[0] if contiguous else None,
-            max_kv_len=int(slot_len[idx].max()) + 1,
-        )
-        hidden = self.model(last_token[idx][:, None].to(self.device), self.cache, meta)
-        next_tokens = self.model.lm_logits(hidden[:, -1]).argmax(-1).cpu()
-        slot_len[idx] += 1
-        last_token[idx] = next_tokens
-        return [[t] for t in next_tokens.tolist()]
+        t0 = time.perf_counter()
+        n = len(slots)
+        B, L, graphed = self.graphs.plan(n, kv_bound)
+        self.graphs.ensure(B, L, graphed)  # capture first: it leaves the static slot ids all PAD
+        block = self._host.acquire()
+        block.slot_ids[:B] = PAD_SLOT_ID
+        block.slot_ids[:n] = torch.tensor(slots, dtype=torch.long)
+        io = self._io
+        io.slot_ids[:B].copy_(block.slot_ids[:B], non_blocking=True)
+        marks = self.graphs.run(B, L, graphed, timed=self.phase_timer is not None)
+        block.tokens[:B].copy_(io.tokens[:B], non_blocking=True)
+        block.num_accepted[:B].copy_(io.num_accepted[:B], non_blocking=True)
+        if block.event is not None:
+            block.event.record()
+        if self.phase_timer is not None:
+            self.phase_timer.add_host("launch", time.perf_counter() - t0)
+        return _Step(list(slots), list(requests or []), block, marks)
 
-    def _spec_step(
-        self, slots: list[int], slot_len: torch.Tensor, last_token: torch.Tensor, stats: GenerationStats
-    ) -> list[list[int]]:
-        """One MTP speculative greedy step over ``slots`` (sorted); returns 1 .. K + 1 tokens per slot.
+    def _step_tokens(self, step: _Step) -> list[list[int]]:
+        """Wait for a launched step and return each row's new tokens (1 .. K + 1: the accepted drafts and
+        the bonus token; 1 without drafts), in the order of ``step.slots``."""
+        tokens, num_accepted = HostRing.read(step.block, len(step.slots))
+        HostRing.release(step.block)
+        if self.phase_timer is not None and step.marks:
+            self.phase_timer.add_device(step.marks)
+        return [t[:a] for t, a in zip(tokens, num_accepted)]
 
-        1. draft: K tokens per slot with the MTP module (:meth:`_draft`);
-        2. verify: one target forward over T = K + 1 tokens [last token, d_1 .. d_K] (``BatchMeta.verify``:
-           recurrent layers keep every intermediate state);
-        3. accept: the longest draft prefix equal to the target's argmax, plus the bonus target token;
-           num_accepted_tokens = accepted drafts + 1;
-        4. commit: recurrent state <- the state after num_accepted_tokens tokens (``cache.commit``: rewind);
-           the KV caches (target and MTP) roll back by length: ``slot_len`` advances by num_accepted_tokens
-           only, so entries of rejected positions are never read and later writes overwrite them;
-        5. MTP catch-up: the MTP module re-runs the accepted positions n .. n + a with the target's hidden
-           states (overwriting its draft-time KV entries); position n + a pairs the target hidden at index a
-           (the last accepted position) with the bonus token, and its output gives the next first draft.
-        The loop is family-agnostic: it needs only the model forward, ``BatchMeta.verify`` support in the
-        recurrent mixers and ``cache.commit`` (each layer state's ``commit``).
-        Advances ``slot_len`` / ``last_token``, the acceptance counters of ``stats`` and the per-slot
-        counters (:class:`SlotCounters`) in place.
-        """
-        K, T = self.draft_len, self.draft_len + 1
-        idx = torch.tensor(slots, dtype=torch.long)
-        dev_idx, n = idx.to(self.device), slot_len[idx]
-        dev_n = n.to(self.device)
-        slot_start = slots[0] if slots[-1] - slots[0] + 1 == len(slots) else None
-        drafts = self._draft(dev_idx, n, slot_start)  # [B, K]
-        tokens = torch.cat([last_token[idx][:, None].to(self.device), drafts], dim=1)  # [B, T]
-        meta = BatchMeta.decode(
-            dev_idx, dev_n, T, verify=True, slot_start=slot_start, max_kv_len=int(n.max()) + T
-        )
-        hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
-        greedy = self.model.lm_logits(hidden).argmax(-1)  # [B, T]
-        accepted = (drafts == greedy[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B] in [0, K]
-        num_accepted = accepted + 1
-        self.cache.commit(dev_idx, num_accepted)
-        bonus = greedy.gather(1, accepted[:, None])[:, 0]
-        # MTP position n + j pairs target hidden j with the token after it: d_{j+1} (accepted) or the bonus.
-        cols = torch.arange(T, device=self.device)[None, :]
-        after = torch.where(
-            cols < accepted[:, None], torch.cat([drafts, drafts[:, :1]], dim=1), bonus[:, None]
-        )
-        catch_up = BatchMeta(dev_idx, dev_n, num_accepted, slot_start=slot_start, max_kv_len=int(n.max()) + T)
-        out = self._mtp(after, hidden, catch_up)
-        self._store_first_draft(dev_idx, out[torch.arange(len(slots), device=self.device), accepted])
+    def _count_acceptance(self, slots: list[int], accepted: list[int], stats: GenerationStats) -> None:
+        """Count one verify step: ``accepted`` drafts per row of ``slots`` in the call's stats and in the
+        per-slot counters of the requests."""
+        stats.record_step(accepted, self.draft_len)
+        long = dict(dtype=torch.long)
+        self._slot_counters.record(torch.tensor(slots, **long), torch.tensor(accepted, **long))
 
-        accepted_h = accepted.cpu()
-        acc, drafts_h, bonus_h = accepted_h.tolist(), drafts.tolist(), bonus.tolist()
-        slot_len[idx] += accepted_h + 1
-        last_token[idx] = bonus.cpu()
-        stats.record_step(acc, K)
-        self._slot_counters.record(idx, accepted_h)
-        return [d[:a] + [b] for d, a, b in zip(drafts_h, acc, bonus_h)]
+    def _batch_rows(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's slot ids [B] (PAD -1 past the live rows), live mask [B] and cache rows [B] (PAD -> the
+        scratch row S)."""
+        slot_ids = self._io.slot_ids[:B]
+        return slot_ids, slot_ids >= 0, slot_ids % (self.max_batch_size + 1)
 
-    def _draft(self, slot_ids: torch.Tensor, slot_len: torch.Tensor, slot_start: int | None) -> torch.Tensor:
-        """K draft tokens per slot: [B, K] int64 on the device. The first was prepared by the previous step
+    def _advance_slots(self, rows: torch.Tensor, live: torch.Tensor, length: torch.Tensor,
+                       last: torch.Tensor) -> None:
+        """Per-slot device state after a step: live rows' slot length and last token become ``length`` /
+        ``last`` [B]; PAD rows (the scratch row) keep theirs."""
+        self._slot_len.index_copy_(0, rows, torch.where(live, length, self._slot_len[rows]))
+        self._last_token.index_copy_(0, rows, torch.where(live, last, self._last_token[rows]))
+
+    def _phase_decode(self, B: int, L: int) -> None:
+        """Plain greedy decode (K = 0): feed each slot's last token at its length, greedy next token. PAD
+        rows read position 0 / token 0 (whatever the scratch row holds) and write only the scratch row."""
+        io = self._io
+        slot_ids, live, rows = self._batch_rows(B)
+        n = torch.where(live, self._slot_len[rows], 0)
+        last = torch.where(live, self._last_token[rows], 0)
+        hidden = self.model(last[:, None], self.cache, BatchMeta.decode(slot_ids, n, max_kv_len=L))
+        nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
+        io.tokens[:B, 0] = nxt
+        io.num_accepted[:B] = 1
+        self._advance_slots(rows, live, n + 1, nxt)
+
+    # An MTP speculative step: the four phases below, in this order.
+    # 1. draft: K tokens per slot with the MTP module (:meth:`_draft`);
+    # 2. verify: one target forward over T = K + 1 tokens [last token, d_1 .. d_K] (``BatchMeta.verify``:
+    #    recurrent layers keep every intermediate state, or record their inputs for replay), greedy tokens;
+    # 3. commit: accepted drafts = the longest draft prefix equal to the target's greedy tokens,
+    #    num_accepted_tokens = accepted + 1 (with the bonus target token); recurrent state <- the state after
+    #    num_accepted_tokens tokens (``cache.commit``: rewind copy, or replay bookkeeping); the KV caches
+    #    (target and MTP) roll back by length: the slot length advances by num_accepted_tokens only, so
+    #    entries of rejected positions are never read and later writes overwrite them;
+    # 4. catchup: the MTP module re-runs the accepted positions n .. n + a with the target's hidden states
+    #    (overwriting its draft-time KV entries); position n + a pairs the target hidden at index a (the last
+    #    accepted position) with the bonus token, and its output gives the next step's first draft.
+    # The output equals plain greedy decoding. The loop is family-agnostic: it needs only the model
+    # forward, ``BatchMeta.verify`` support in the recurrent mixers and ``cache.commit``.
+
+    def _phase_draft(self, B: int, L: int) -> None:
+        io = self._io
+        slot_ids, live, rows = self._batch_rows(B)
+        n = torch.where(live, self._slot_len[rows], 0)
+        io.start_pos[:B] = n
+        io.drafts[:B] = self._draft(slot_ids, n, L)
+
+    def _draft(self, slot_ids: torch.Tensor, start_pos: torch.Tensor, max_kv_len: int | None = None
+               ) -> torch.Tensor:
+        """K draft tokens per row: [B, K] int64 on the device. The first was prepared by the previous step
         (or the prefill); each further one applies the MTP module to its own last output and draft, at MTP
-        position slot_len - 1 + j. Writes the MTP KV cache there (the catch-up overwrites it)."""
-        drafts = [self._draft1[slot_ids]]
-        h = self._mtp_hidden[slot_ids]
+        position start_pos - 1 + j. Writes the MTP KV cache there (the catch-up overwrites it). PAD rows
+        start from token 0 and a zero hidden. ``max_kv_len``: the step's KV bound (None: computed)."""
+        live, rows = slot_ids >= 0, slot_ids % (self.max_batch_size + 1)
+        drafts = [torch.where(live, self._draft1[rows], 0)]
+        h = torch.where(live[:, None], self._mtp_hidden[rows], 0.0)
         for j in range(1, self.draft_len):
-            pos = slot_len - 1 + j
-            meta = BatchMeta.decode(
-                slot_ids, pos.to(self.device), slot_start=slot_start, max_kv_len=int(pos.max()) + 1
-            )
+            meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len)
             h = self._mtp(drafts[-1][:, None], h[:, None], meta)[:, 0]
             drafts.append(self.model.lm_logits(h).argmax(-1))
         return torch.stack(drafts, dim=1)
+
+    def _phase_verify(self, B: int, L: int) -> None:
+        io = self._io
+        slot_ids, live, rows = self._batch_rows(B)
+        last = torch.where(live, self._last_token[rows], 0)
+        tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
+        meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L)
+        hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
+        io.hidden[:B] = hidden
+        io.greedy[:B] = self.model.lm_logits(hidden).argmax(-1)
+
+    def _phase_commit(self, B: int, L: int) -> None:
+        io = self._io
+        K, T = self.draft_len, self.draft_len + 1
+        slot_ids, live, rows = self._batch_rows(B)
+        drafts, greedy = io.drafts[:B], io.greedy[:B]
+        if self._forced_acceptance is None:
+            accepted = (drafts == greedy[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B] in [0, K]
+        else:
+            accepted = self._forced_acceptance.next(live)
+        num_accepted = accepted + 1
+        # no range checks on the host: num_accepted is in [1, T] by construction (the kernels clamp anyway)
+        self.cache.commit(slot_ids, num_accepted, check=False)
+        bonus = greedy.gather(1, accepted[:, None])[:, 0]
+        # the new tokens, d_1 .. d_a then the bonus; column j is also what MTP position n + j pairs with
+        cols = torch.arange(T, device=drafts.device)[None, :]
+        io.tokens[:B] = torch.where(cols < accepted[:, None], torch.cat([drafts, drafts[:, :1]], dim=1),
+                                    bonus[:, None])
+        io.num_accepted[:B] = num_accepted
+        self._advance_slots(rows, live, io.start_pos[:B] + num_accepted, bonus)
+
+    def _phase_catchup(self, B: int, L: int) -> None:
+        io = self._io
+        slot_ids, num_accepted = io.slot_ids[:B], io.num_accepted[:B]
+        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L)
+        out = self._mtp(io.tokens[:B], io.hidden[:B], catch_up)
+        self._store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1])
+
+    def force_acceptance(self, acceptance_length: float | None) -> None:
+        """Benchmark hook for random-weight checkpoints, whose drafts are never accepted: from now on each
+        verify accepts a fixed schedule of drafts (:class:`ForcedAcceptance`, mean ``acceptance_length`` - 1
+        per step, the same for every row) instead of comparing them with the target's greedy tokens, so the
+        step costs what it costs at that acceptance length. The output then is the drafts, not greedy
+        decoding. None restores the greedy comparison. Captured graphs are dropped (the commit phase
+        changes); the real path is not touched.
+
+        Raises:
+            ValueError: without drafts, or an acceptance length outside [1, K + 1].
+        """
+        if acceptance_length is None:
+            self._forced_acceptance = None
+        else:
+            self._forced_acceptance = ForcedAcceptance(acceptance_length, self.draft_len, self.device)
+        self.graphs.reset()
+
+    @torch.inference_mode()
+    def capture_graphs(self, batch_sizes: Sequence[int] | None = None, max_kv_len: int | None = None) -> int:
+        """Capture the step's CUDA graphs ahead of time (otherwise each is captured on first use): each of
+        ``batch_sizes`` (default: every captured size) at every KV bucket up to the one of ``max_kv_len``
+        (default max_seq_len). Uses PAD rows only: safe between generate calls. Returns the number of
+        (batch size, KV bound) pairs captured now; 0 when graphs are off.
+
+        Raises:
+            ValueError: a batch size that is not one of the engine's ``cuda_graph_batch_sizes``.
+        """
+        graphs = self.graphs
+        if not graphs.enabled:
+            return 0
+        sizes = graphs.batch_sizes if batch_sizes is None else list(batch_sizes)
+        if set(sizes) - set(graphs.batch_sizes):
+            raise ValueError(f"batch sizes {sorted(set(sizes) - set(graphs.batch_sizes))} are not among "
+                             f"cuda_graph_batch_sizes {graphs.batch_sizes}")
+        top = kv_bucket(max_kv_len or self.max_seq_len, self.max_seq_len)
+        buckets = [kv_bucket(1, self.max_seq_len)]
+        while buckets[-1] < top:
+            buckets.append(kv_bucket(buckets[-1] + 1, self.max_seq_len))
+        done = 0
+        for B in sizes:
+            for L in buckets:
+                if (B, L) not in graphs.graphs:
+                    graphs.capture(B, L)
+                    done += 1
+        return done
 
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
@@ -771,7 +1008,8 @@ class Engine:
         ``prefill_chunk_tokens`` per forward) stays within budget; a group's prompts are right-padded and
         run in column chunks of that size, each row continuing from its own cached state.
         """
-        self.cache.reset(torch.tensor(slots, dtype=torch.long, device=self.device))
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.cache.reset(slot_ids)
         budget = self.prefill_chunk_tokens
         order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
         first: dict[int, int] = {}
@@ -782,7 +1020,12 @@ class Engine:
                 continue
             first.update(self._prefill_group([prompts[g] for g in group], [slots[g] for g in group], group))
             group = [j] if j is not None else []
-        return [first[j] for j in range(len(prompts))]
+        first_tokens = [first[j] for j in range(len(prompts))]
+        # the decode state the steps start from: the prompt is in the cache, its first token is fed next
+        long = dict(dtype=torch.long, device=self.device)
+        self._slot_len[slot_ids] = torch.tensor([len(p) for p in prompts], **long)
+        self._last_token[slot_ids] = torch.tensor(first_tokens, **long)
+        return first_tokens
 
     def _prefill_group(self, prompts: list[list[int]], slots: list[int], keys: list[int]) -> dict[int, int]:
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
@@ -828,7 +1071,8 @@ class Engine:
         return self.model.mtp(self.model.embeddings(next_ids), hidden, self.cache, meta)
 
     def _store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
-        """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step."""
+        """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step (PAD
+        rows, slot id -1, write the scratch row)."""
         self._mtp_hidden[slot_ids] = mtp_hidden
         self._draft1[slot_ids] = self.model.lm_logits(mtp_hidden).argmax(-1)
 

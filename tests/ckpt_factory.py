@@ -179,12 +179,12 @@ class OracleDraftEngine(Engine):
             self.slot_request[s] = self.prompts.index(list(p))
         return super()._prefill(prompts, slots)
 
-    def _draft(self, slot_ids, slot_len, slot_start):
+    def _draft(self, slot_ids, start_pos, max_kv_len=None):
         K, V = self.draft_len, self.config.vocab_size
         wrong = self.step % (K + 1)
         self.step += 1
         rows = []
-        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
+        for s, n in zip(slot_ids.tolist(), start_pos.tolist()):
             seq = self.sequences[self.slot_request[s]]
             row = [seq[n + 1 + j] if n + 1 + j < len(seq) else 0 for j in range(K)]
             if wrong < K:

@@ -45,7 +45,7 @@ def test_drafts_match_cache_free_mtp_reference(ckpt):
     engine = Engine.from_pretrained(path, draft_len=K, max_batch_size=2, max_seq_len=64)
     model, prompt = engine.model, prompts[3]
     first = engine._prefill([prompt], [1])[0]
-    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]), None)[0].tolist()
+    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     # reference: MTP position i pairs the target hidden at i with token i + 1, then its own outputs
     hidden = model(torch.tensor([prompt]))[0]
     assert first == int(model.lm_logits(hidden[-1]).argmax())
@@ -116,12 +116,12 @@ class CheckedEngine(Engine):
             self.history[s], self.ref_len[s] = list(p) + [f], len(p)
         return first
 
-    def _draft(self, slot_ids, slot_len, slot_start):
+    def _draft(self, slot_ids, start_pos, max_kv_len=None):
         if self.schedules is None:
-            return super()._draft(slot_ids, slot_len, slot_start)
+            return super()._draft(slot_ids, start_pos, max_kv_len)
         K, V = self.draft_len, self.config.vocab_size
         rows = []
-        for s, n in zip(slot_ids.tolist(), slot_len.tolist()):
+        for s, n in zip(slot_ids.tolist(), start_pos.tolist()):
             i = self.slot_request[s]
             seq, sched = self.sequences[i], self.schedules[i]
             m = sched[self.request_step[i] % len(sched)]
@@ -133,15 +133,15 @@ class CheckedEngine(Engine):
             rows.append(row)
         return torch.tensor(rows, device=self.device)
 
-    def _spec_step(self, slots, slot_len, last_token, stats):
-        new = super()._spec_step(slots, slot_len, last_token, stats)
-        for s, toks in zip(slots, new):
+    def _step_tokens(self, step):
+        new = super()._step_tokens(step)
+        for s, toks in zip(step.slots, new):
             self.history[s] += toks
             self.realized_accepts.append(len(toks) - 1)
             self.realized_by_request[self.slot_request[s]].append(len(toks) - 1)
             if self.schedules is not None and self.expected_accepts[s] is not None:
                 assert len(toks) - 1 == self.expected_accepts[s], f"slot {s}: forced acceptance not realized"
-            self._check_slot(s, int(slot_len[s]))
+            self._check_slot(s, int(self._slot_len[s]))
         self.checked += 1
         return new
 
@@ -323,7 +323,7 @@ def test_speculative_buffers_only_with_speculation(ckpt):
             commit = n_mamba * R * (C * K + 2 * T * (H * P + G * N) + 2 * 2 * H * T) * 4 + 3 * R * 4
         else:  # rewind: the conv window and the state after each of the T tokens
             commit = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
-        assert m["spec_buffers_bytes"] == commit + S * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
+        assert m["spec_buffers_bytes"] == commit + R * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
     with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
         Engine.from_pretrained(path, ssm_replay=True, max_batch_size=S, max_seq_len=L)
 

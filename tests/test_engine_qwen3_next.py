@@ -285,7 +285,7 @@ def test_drafts_match_cache_free_mtp_reference(small_vocab):
     engine = Engine.from_pretrained(path, draft_len=K, max_batch_size=2, max_seq_len=64)
     model, prompt = engine.model, prompts[3]
     first = engine._prefill([prompt], [1])[0]
-    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]), None)[0].tolist()
+    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     hidden = model(torch.tensor([prompt]))[0]  # MTP position i: target hidden i with token i + 1
     after, want = prompt[1:] + [first], []
     for _ in range(K):
