@@ -66,6 +66,15 @@ class ResolvedRun:
         return self.ssm_replay and self.entry.ssm.replay_checkpointing
 
     @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The padded batch sizes the engine captures its decode step at: the entry's, up to the run's
+        max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false or the device is
+        the CPU (where the same step runs eagerly)."""
+        if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")):
+            return []
+        return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
+
+    @property
     def spec_dec(self) -> str:
         """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
         return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
@@ -82,6 +91,7 @@ class ResolvedRun:
             "max_batch_size": self.max_batch_size,
             "ssm_backend": self.ssm_backend,
             "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
+            "cuda_graph_batch_sizes": self.cuda_graph_batch_sizes,
             "checkpoint_dir": str(self.checkpoint_dir),
             "arch": plain(self.arch) if self.arch is not None else None,
             "eval": plain(self.run.eval),

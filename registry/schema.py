@@ -192,6 +192,9 @@ class RuntimeConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     dtype: DType | None = None  # compute dtype; None: the entry's
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
+    # Decode steps as CUDA graphs at the entry's cuda_graph_batch_sizes; on the CPU the same step runs
+    # eagerly whatever this says.
+    cuda_graphs: bool = True
 
 
 @dataclass

@@ -176,6 +176,8 @@ def _build_engine(rr: ResolvedRun) -> Engine:
             ssm_backend=rr.ssm_backend,
             ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
             kv_cache_quant=rr.entry.kv_cache_quant.value,
+            cuda_graphs=bool(rr.cuda_graph_batch_sizes),
+            cuda_graph_batch_sizes=rr.cuda_graph_batch_sizes,
         )
     except UserError:
         raise

@@ -57,10 +57,11 @@ def check_supported(rr: ResolvedRun) -> None:
 
     Refused: NVFP4 weights (`quant: nvfp4`, :func:`check_quant_hardware`); an FP8 checkpoint in a layout
     the engine does not run (block-wise FP8, dynamic activation scales: runners.quant.check_runnable);
-    CUDA-graph capture (`cuda_graph_batch_sizes` not empty); tensor parallelism (world_size > 1);
-    ssm.backend=flashinfer on the CPU; a CUDA device where CUDA is missing. Allowed: `quant: fp8` (ModelOpt /
-    HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+, a dequantizing fallback elsewhere) and
-    `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
+    tensor parallelism (world_size > 1); ssm.backend=flashinfer on the CPU; a CUDA device where CUDA is
+    missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+, a
+    dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
+    (`cuda_graph_batch_sizes` is honoured: the engine captures its decode step at those sizes on a GPU,
+    runners/graphs.py; on the CPU the same step runs eagerly.)
     """
     check_quant_hardware(rr)
     e = rr.entry
@@ -70,12 +71,6 @@ def check_supported(rr: ResolvedRun) -> None:
             check_runnable(quant)
         except CheckpointError as err:
             raise UserError(f"entry {e.name}: {err.problem}", err.fix) from None
-    if e.cuda_graph_batch_sizes:
-        raise UserError(
-            f"entry {e.name} sets cuda_graph_batch_sizes={e.cuda_graph_batch_sizes}, but the engine does not "
-            "capture CUDA graphs yet",
-            "add model.cuda_graph_batch_sizes=[] to run without CUDA graphs",
-        )
     if rr.world_size > 1:
         raise UserError(
             f"world_size={rr.world_size}: the engine (runners.Engine) does not implement tensor parallelism "

@@ -132,7 +132,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert path == str(ckpt)
     assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
                           max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
-                          ssm_replay_checkpointing=False, kv_cache_quant="none")
+                          ssm_replay_checkpointing=False, kv_cache_quant="none", cuda_graphs=False,
+                          cuda_graph_batch_sizes=[])
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
@@ -330,8 +331,6 @@ SUPER_CONFIG = {
     [
         (["model.quant=fp8"], "sets quant: fp8, but the checkpoint is quant none", "quant: none"),
         (["model.quant=nvfp4"], "sets quant: nvfp4, but the checkpoint is quant none", "quant: none"),
-        (["model.cuda_graph_batch_sizes=[1,2,4]"], "does not capture CUDA graphs yet",
-         "model.cuda_graph_batch_sizes=[]"),
         (["model.speculative.num_nextn_predict_layers=2"],
          "speculative.num_nextn_predict_layers is 2, but", "num_nextn_predict_layers: 1"),
     ],
@@ -345,13 +344,32 @@ def test_registry_fields_the_engine_cannot_honour_are_refused(fakes, tmp_path, o
     assert problem in err.problem and fix in err.fix
 
 
-def test_shipped_entry_with_cuda_graphs_is_refused_at_run_time(fakes, tmp_path):
-    """super_v3_mtp lists cuda_graph_batch_sizes: it validates (tests/test_registry.py), and a run stops."""
+def test_cuda_graph_batch_sizes_reach_the_engine_on_a_gpu_only(fakes, tmp_path, monkeypatch):
+    """cuda_graph_batch_sizes is honoured: on a GPU the engine captures the entry's sizes up to the run's
+    max_batch_size (eval.batch_size lowers it), runtime.cuda_graphs=false turns them off, and on the CPU the
+    same step runs eagerly (no sizes); results.json records what was asked of the engine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # check_supported's CUDA check
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    runs = [
+        (["runtime=gpu", "eval.batch_size=8"], [1, 2, 4, 8]),
+        (["runtime=gpu", "runtime.cuda_graphs=false"], []),
+        (["runtime=cpu"], []),
+        (["runtime=cpu", "runtime.cuda_graphs=true"], []),
+    ]
+    for i, (overrides, sizes) in enumerate(runs):
+        FakeEngine.built = []
+        results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / str(i)}", *overrides))
+        (_, kwargs), = FakeEngine.built
+        assert kwargs["cuda_graph_batch_sizes"] == sizes and kwargs["cuda_graphs"] == bool(sizes), overrides
+        assert results["config"]["cuda_graph_batch_sizes"] == sizes
+    # the released entries list sizes up to their max_batch_size; a run no longer stops on them
     root = tmp_path / "models"
     make_checkpoint(root / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16", config=SUPER_CONFIG)
-    err = _error("model=super_v3_mtp", f"models_root={root}")
-    assert "cuda_graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64]" in err.problem
-    assert "does not capture CUDA graphs yet" in err.problem and "model.cuda_graph_batch_sizes=[]" in err.fix
+    FakeEngine.built = []
+    app.run(_cfg("model=super_v3_mtp", f"models_root={root}", "runtime=gpu", "verdict.require_reference=false",
+                 f"out_dir={tmp_path / 'super'}"))
+    (_, kwargs), = FakeEngine.built
+    assert kwargs["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
 
 
 @pytest.mark.parametrize(

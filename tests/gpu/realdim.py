@@ -70,10 +70,9 @@ def _gsm8k_prompts(tokenizer_path: Path, n: int, length: int) -> tuple[list[list
 
 def _eval_command(family: str, ckpt: Path, overrides: list[str], run_dir: Path,
                   compute_dtype: str | None = None) -> list[str]:
-    # the released entries list CUDA-graph batch sizes; the engine captures none yet (runners/support.py)
     dtype = [f"runtime.dtype={compute_dtype}"] if compute_dtype else []
     return [sys.executable, "run.py", f"model={ENTRIES[family]}", f"model.checkpoint={ckpt}", "runtime=gpu",
-            "model.cuda_graph_batch_sizes=[]", "eval.limit=32", "verdict.require_reference=false",
+            "eval.limit=32", "verdict.require_reference=false",
             "compare=replay", *dtype, *overrides, f"hydra.run.dir={run_dir}"]
 
 
