@@ -295,8 +295,9 @@ class ReplaySlots:
 
     def conv_offset(self, rows: torch.Tensor) -> torch.Tensor:
         """[n] int64 column where the committed conv window of cache rows ``rows`` starts: a - 1 after a
-        verify that accepted a tokens (the window after them), 0 after prefill."""
-        return (self.last_accepted[rows].long() - 1).clamp(min=0)
+        verify that accepted a tokens (the window after them), 0 after prefill. Clamped to [0, T - 1], like
+        the kernels clamp num_accepted_tokens, so a PAD row reading a garbage scratch row indexes in range."""
+        return (self.last_accepted[rows].long() - 1).clamp(0, self.spec_tokens - 1)
 
     def advance(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         """After a verify step: PNAT[s] = num_accepted_tokens, flip buffer_index[s] for live rows (slot id

@@ -200,20 +200,19 @@ class StepGraphs:
         max_seq_len: the largest KV bound.
         device: the engine's device; graphs need CUDA.
 
-    ``mode``: "graph" (default), or "eager_padded" (tests: the same padding and KV buckets, phases run
-    eagerly, so graph replay can be compared with eager execution of exactly the same step).
+    ``mode``: "graph" (the default on CUDA), or "eager_padded" (the same padding and KV buckets, phases run
+    eagerly: tests compare graph replay with eager execution of exactly the same step, and exercise the
+    padded step on the CPU, where it is the only mode).
     """
 
     def __init__(self, phases: dict[str, Phase], io: StepIO, batch_sizes, max_seq_len: int,
                  device: torch.device):
         self.phases, self.io = phases, io
         self.batch_sizes = sorted(set(batch_sizes))
-        if self.batch_sizes and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.max_seq_len, self.device = max_seq_len, device
-        self.mode = "graph"
+        self.mode = "graph" if device.type == "cuda" else "eager_padded"
         self.graphs: dict[tuple[int, int], dict[str, torch.cuda.CUDAGraph] | None] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.batch_sizes else None
+        self._pool = None
 
     @property
     def enabled(self) -> bool:
@@ -228,9 +227,8 @@ class StepGraphs:
         return fits[0], kv_bucket(kv_bound, self.max_seq_len), True
 
     def run(self, B: int, L: int, graphed: bool, timed: bool = False) -> list[tuple[str, object, object]]:
-        """Run every phase at (B, L): replay its graph (captured now if new) when ``graphed``, else eagerly.
-        The caller has written ``io.slot_ids[:B]``; capture happens before that write is read (it is redone
-        by :meth:`capture`'s caller: see :meth:`ensure`). Returns the phase marks when ``timed``."""
+        """Run every phase at (B, L): replay its graphs when ``graphed`` and captured (:meth:`ensure` first),
+        else eagerly. The caller has written ``io.slot_ids[:B]``. Returns the phase marks when ``timed``."""
         graphs = self.graphs.get((B, L)) if graphed and self.mode == "graph" else None
         marks = []
         for name, phase in self.phases.items():
@@ -252,8 +250,12 @@ class StepGraphs:
     def capture(self, B: int, L: int) -> None:
         """Capture every phase at (B, L) (see the module docstring); on failure log it and run (B, L)
         eagerly from then on."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         io = self.io
         t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         io.slot_ids[:B].fill_(PAD_SLOT_ID)  # the batch's only input: defined before anything reads it
         try:
             side = torch.cuda.Stream(self.device)
