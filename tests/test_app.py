@@ -366,8 +366,8 @@ def test_cuda_graph_batch_sizes_reach_the_engine_on_a_gpu_only(fakes, tmp_path, 
     root = tmp_path / "models"
     make_checkpoint(root / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16", config=SUPER_CONFIG)
     FakeEngine.built = []
-    app.run(_cfg("model=super_v3_mtp", f"models_root={root}", "runtime=gpu", "verdict.require_reference=false",
-                 f"out_dir={tmp_path / 'super'}"))
+    app.run(_cfg("model=super_v3_mtp", f"models_root={root}", "runtime=gpu",
+                 "verdict.require_reference=false", f"out_dir={tmp_path / 'super'}"))
     (_, kwargs), = FakeEngine.built
     assert kwargs["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
 

@@ -1,0 +1,541 @@
+"""End-to-end decode speed of the engine on one GPU: no speculation vs MTP + rewind vs MTP + replay, with and
+without CUDA graphs, at batch 1, 8 and 64, on the tiny entries and on quarter-depth synthetic Nemotron 3 Super
+and Qwen3-Next; HF transformers ``generate`` on the tiny checkpoints as the floor.
+
+    python -m benchmarks.bench_e2e --out DIR [--parts tiny,hf,super_v3,qwen3_next] [--batch-sizes 1 8 64]
+        [--steps 64] [--accept-length 2.6] [--prompt-len 128] [--profile super_v3:replay:8:graphs]
+
+One row per point (model, arm, batch, graphs) in DIR/bench_e2e.json, rewritten after every point (a run cut
+short keeps what it measured), and the plot DIR/bench_e2e.png (decode tokens/s against batch size, one panel
+per model). A point builds an ``Engine`` on the already loaded model (``max_batch_size`` = the batch,
+``cuda_graph_batch_sizes`` = [batch]), captures its graphs ahead (``Engine.capture_graphs``; capture seconds
+reported), warms up, then generates about ``--steps`` decode steps for ``batch`` requests of ``--prompt-len``
+tokens with stop tokens off, timed by the engine's GenerationStats (decode tokens/s = tokens generated after
+each request's first / decode seconds, the host's bookkeeping included) and split per step by a
+``runners.graphs.PhaseTimer`` (device milliseconds per phase from CUDA events: draft, verify, commit, catchup
+-- drafting is draft + catchup -- or decode; host milliseconds: launch, wait, bookkeeping). A point that
+fails is a row with its error; the run goes on.
+
+Models:
+- ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
+  MTP drafting on GSM8K text: their own acceptance length is measured and reported.
+- ``super_v3`` / ``qwen3_next``: random weights at the releases' dimensions (``runners.synth``'s config and
+  initialisation) generated straight into GPU memory in bfloat16 -- no checkpoint written: the device
+  machine's 64 GB disk would hold one family at a time and writing + reading 40 GB costs minutes of the GPU
+  budget; the tensors are those ``python -m runners.synth`` writes. Super V3 at a quarter of its 88 layers
+  (22: 10 Mamba2, 10 MoE, 2 attention) with 256 of its 512 experts (37 GB; all 512 would be 68 GB, as
+  tests/gpu/realdim.py), Qwen3-Next at a quarter of its 48 layers (12) with all 512 experts (44 GB). Random
+  drafts are never accepted, so ``Engine.force_acceptance(--accept-length)`` fixes the accepted drafts per
+  step (2.6: the tiny models' measured length): the step then does exactly the work it does at that length.
+- ``hf``: ``transformers`` ``AutoModelForCausalLM.generate`` (greedy, its default cache) on the tiny
+  checkpoints at the same batch sizes and prompts: decode tokens/s = batch * (N - 1) / (t(N) - t(1)).
+
+``targets`` in the JSON evaluates the issue's goals from the rows (quarter-depth Super V3 in bf16 with graphs:
+MTP + replay >= 1.8x no speculation at batch 1 and >= 1.3x at batch 8, replay >= rewind at every batch and
+ahead at 64; graphs at least halve the tiny entries' decode-step time at batch 1). ``--profile
+MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead and writes
+DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace).
+
+Budget: about 7 minutes on one H200 for the defaults (few warm-up steps, 64 timed steps per point, graphs
+captured for the buckets the point needs); ``--time-budget-s`` skips the points left when it runs out (they
+are rows with ``skipped``). Progress goes to stdout unbuffered. ``--device cpu`` runs the same code on the CPU
+(graphs off; for tests, with ``--synth-set`` to shrink the synthetic models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"tiny_nemotron_h": "tiny_nemotron_h_mtp", "tiny_qwen3_next": "tiny_qwen3_next_mtp"}
+SYNTH = {"super_v3": ("nemotron_h", 22, 256), "qwen3_next": ("qwen3_next", 12, None)}  # layers, experts
+PARTS = ("tiny", "hf", "super_v3", "qwen3_next")
+ARMS = {"plain": (0, False), "rewind": (3, False), "replay": (3, True)}  # (draft_len K, ssm_replay)
+TARGETS = {"replay_vs_plain_b1": 1.8, "replay_vs_plain_b8": 1.3, "tiny_graph_step_speedup_b1": 2.0}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def gsm8k_prompts(n: int, length: int, vocab_size: int) -> tuple[list[list[int]], str]:
+    """n prompts of exactly ``length`` ids: GSM8K test questions and answers through the GSM8K tokenizer the
+    tiny and the synthetic checkpoints share (each prompt starts at another question); random ids when no
+    GSM8K copy is found."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from evals.data import gsm8k_dir
+
+    for d in (gsm8k_dir()[0], REPO / ".device/gsm8k"):
+        if d and (Path(d) / "test.jsonl").is_file():
+            rows = [json.loads(x) for x in (Path(d) / "test.jsonl").read_text().splitlines() if x.strip()]
+            tok = Tokenizer.from_file(str(REPO / "registry/checkpoints/tiny_nemotron_h_mtp/tokenizer.json"))
+            prompts = []
+            for i in range(n):
+                ids, j = [1], i
+                while len(ids) < length:
+                    r = rows[j % len(rows)]
+                    ids += tok.encode(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n").ids
+                    j += n
+                prompts.append(ids[:length])
+            return prompts, f"GSM8K test text from {d}"
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab_size, (length,), generator=g).tolist() for _ in range(n)], "random ids"
+
+
+def synthetic_model(family: str, num_layers: int, num_experts: int | None, overrides: dict, dtype, device,
+                    seed: int = 0):
+    """A HybridLM with ``runners.synth``'s random weights at the release's dimensions (cut to ``num_layers``
+    / ``num_experts``), built on the meta device and filled tensor by tensor on ``device`` (the loader's
+    dtype rule: the router stays float32). Returns (model, config.json dict)."""
+    import torch
+
+    from runners.loader import FP32_SUFFIXES
+    from runners.models.config import HybridConfig, family_module
+    from runners.models.hybrid import HybridLM
+    from runners.synth import init_tensor, synth_config, tensor_specs
+
+    config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
+    hc = HybridConfig.from_dict(config, source=f"synthetic {family}")
+    if hc.tie_word_embeddings:
+        raise ValueError("synthetic_model: tied embeddings are not supported (the releases do not tie them)")
+    with torch.device("meta"):
+        model = HybridLM(hc, with_mtp=True)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
+            t.data = t.data.to(dtype)
+    model.to_empty(device=device)
+    targets = family_module(hc.family).checkpoint_targets(model)
+    with torch.no_grad():
+        for spec in tensor_specs(config, dtype):
+            targets[spec.name].copy_(init_tensor(spec, seed, device))
+        for module in model.modules():
+            if module._non_persistent_buffers_set:
+                module.init_buffers()
+    return model.eval(), config
+
+
+def tiny_model(entry: str, device):
+    import torch
+
+    from runners.loader import load_model
+
+    path = REPO / "registry/checkpoints" / entry
+    return load_model(path, dtype=torch.float32, device=device, load_mtp=True), path
+
+
+# ------------------------------------------------------------------------------------------ one point
+
+
+def new_tokens_for(args, K: int) -> int:
+    """Generated tokens per request for about ``--steps`` decode steps (the first comes from the prefill)."""
+    per_step = args.accept_length if K else 1.0
+    return max(2, math.ceil(args.steps * per_step) + 1)
+
+
+def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts, args, *, forced: bool,
+                 profile_dir: Path | None = None) -> dict:
+    """Time one (model, arm, batch, graphs) point (see the module docstring). Returns its row."""
+    import torch
+
+    from runners import Engine
+    from runners.graphs import PhaseTimer
+
+    dev = torch.device(args.device)
+    K, replay = ARMS[arm]
+    new = new_tokens_for(args, K)
+    max_seq = args.prompt_len + new + 2 * (K + 1) + 8
+    dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("embeddings.weight"))
+    row = {"model": model_name, "arm": arm, "batch": B, "graphs": graphs, "draft_len": K, "ssm_replay": replay,
+           "dtype": str(dtype).removeprefix("torch."), "forced_acceptance_length": args.accept_length
+           if forced and K else None, "prompt_len": args.prompt_len, "new_tokens": new}
+    engine = Engine(model, device=dev, dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
+                    max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B])
+    row["graphs"] = engine.cuda_graphs  # what runs: off on the CPU
+    if forced and K:
+        engine.force_acceptance(args.accept_length)
+    t0 = time.perf_counter()
+    row["graph_captures"] = engine.capture_graphs(max_kv_len=max_seq)
+    row["capture_seconds"] = time.perf_counter() - t0
+    engine.generate(prompts[:B], 1 + args.warmup_steps * (K + 1), stop_token_ids=[])  # JIT, allocator
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    engine.phase_timer = PhaseTimer()
+    prof = None
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        prof = profile(activities=acts, record_shapes=False)
+        prof.__enter__()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts[:B], new, stop_token_ids=[])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        name = f"{model_name}_{arm}_b{B}_{'graphs' if graphs else 'eager'}"
+        sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        (profile_dir / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
+        prof.export_chrome_trace(str(profile_dir / f"profile_{name}.json"))
+        row["profile"] = f"profile_{name}.txt"
+    s = out.stats
+    decode_tokens = s.generated_tokens - B  # each request's first token comes from its prefill
+    split = engine.phase_timer.per_step()
+    row.update({
+        "steps": s.steps, "generated_tokens": s.generated_tokens, "decode_seconds": s.decode_seconds,
+        "prefill_seconds": s.prefill_seconds, "wall_seconds": wall,
+        "decode_tokens_per_s": decode_tokens / s.decode_seconds if s.decode_seconds else None,
+        "step_ms": 1e3 * s.decode_seconds / s.steps if s.steps else None,
+        "prefill_tokens_per_s": s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else None,
+        "acceptance_length": s.acceptance_length,
+        "device_ms_per_step": split["device"], "host_ms_per_step": split["host"],
+        "device_peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+    })
+    engine.graphs.reset()
+    del engine, out
+    return row
+
+
+def hf_point(path: Path, B: int, prompts, args) -> dict:
+    """HF transformers generate on a tiny checkpoint: decode tokens/s = B (N - 1) / (t(N) - t(1))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(args.device)
+    n = max(2, args.hf_steps)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(dev).eval()
+    ids = torch.tensor(prompts[:B], device=dev)
+    mask = torch.ones_like(ids)
+
+    def gen(k: int) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        assert out.shape[1] == ids.shape[1] + k, out.shape
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    t1, tn = gen(1), gen(n)
+    return {"batch": B, "new_tokens": n, "seconds_1": t1, "seconds_n": tn,
+            "decode_tokens_per_s": B * (n - 1) / (tn - t1) if tn > t1 else None,
+            "step_ms": 1e3 * (tn - t1) / (n - 1)}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _find(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()) and r.get("decode_tokens_per_s"):
+            return r
+    return None
+
+
+def evaluate_targets(rows: list[dict]) -> dict:
+    """The issue's goals from the measured rows (None where a row is missing)."""
+    out: dict = {}
+
+    def ratio(a, b, key="decode_tokens_per_s"):
+        return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
+
+    sv = lambda arm, B: _find(rows, model="super_v3", arm=arm, batch=B, graphs=True)
+    for B, goal in ((1, TARGETS["replay_vs_plain_b1"]), (8, TARGETS["replay_vs_plain_b8"])):
+        r = ratio(sv("replay", B), sv("plain", B))
+        out[f"super_v3_replay_vs_plain_b{B}"] = {"value": r, "goal": goal, "met": None if r is None else r >= goal}
+    by_batch = {}
+    for r in rows:
+        if r.get("model") == "super_v3" and r.get("arm") == "replay" and r.get("graphs"):
+            by_batch[r["batch"]] = ratio(r, sv("rewind", r["batch"]))
+    out["super_v3_replay_vs_rewind"] = {
+        "value": by_batch, "goal": ">= 1 at every batch, > 1 at 64",
+        "met": None if not by_batch or None in by_batch.values() else
+        all(v >= 1 for v in by_batch.values()) and by_batch.get(64, 0) > 1}
+    for m in TINY:
+        for arm in ("plain", "replay"):
+            g = _find(rows, model=m, arm=arm, batch=1, graphs=True)
+            e = _find(rows, model=m, arm=arm, batch=1, graphs=False)
+            r = e["step_ms"] / g["step_ms"] if g and e else None
+            goal = TARGETS["tiny_graph_step_speedup_b1"]
+            out[f"{m}_{arm}_graph_step_speedup_b1"] = {"value": r, "goal": goal,
+                                                       "met": None if r is None else r >= goal}
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Decode tokens/s against batch size, one panel per model: arms by colour, graphs solid, eager dashed,
+    HF transformers as black crosses on the tiny panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r.get("decode_tokens_per_s")]
+    models = [m for m in (*TINY, *SYNTH) if any(r.get("model") == m for r in rows)]
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)
+    colours = {"plain": "tab:gray", "rewind": "tab:blue", "replay": "tab:orange"}
+    for ax, m in zip(axes[0], models):
+        for arm, c in colours.items():
+            for graphs in (True, False):
+                pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows
+                             if r.get("model") == m and r["arm"] == arm and bool(r["graphs"]) == graphs)
+                if pts:
+                    ax.plot(*zip(*pts), color=c, ls="-" if graphs else "--", marker="o",
+                            label=f"{arm} {'graphs' if graphs else 'eager'}")
+        hf = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows if r.get("model") == f"hf_{m}")
+        if hf:
+            ax.plot(*zip(*hf), "kx", ls=":", label="HF generate")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(m)
+        ax.set_xlabel("batch (concurrent requests)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode tokens / s")
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
+    where = report["environment"].get("device_name") or report["environment"]["device"]
+    fig.suptitle(f"decode tokens/s on {where}; synthetic models with forced acceptance length "
+                 f"{report['args']['accept_length']}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+class Run:
+    """The report being written: rows appended and the JSON rewritten after each point."""
+
+    def __init__(self, args):
+        import torch
+
+        self.args, self.t0 = args, time.perf_counter()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        env = {"python": platform.python_version(), "torch": torch.__version__, "device": args.device}
+        if args.device.startswith("cuda") and torch.cuda.is_available():
+            env["device_name"] = torch.cuda.get_device_name()
+        self.report = {"command": "python -m benchmarks.bench_e2e " + " ".join(args.argv), "environment": env,
+                       "args": {k: v for k, v in vars(args).items() if k != "argv"}, "rows": [], "models": {}}
+
+    def over_budget(self) -> bool:
+        return self.args.time_budget_s is not None and time.perf_counter() - self.t0 > self.args.time_budget_s
+
+    def add(self, row: dict) -> None:
+        row["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.report["rows"].append(row)
+        brief = {k: row.get(k) for k in ("model", "arm", "batch", "graphs", "decode_tokens_per_s", "step_ms",
+                                         "acceptance_length", "error", "skipped")}
+        say(f"[{row['elapsed_s']:7.1f} s] " + json.dumps({k: v for k, v in brief.items() if v is not None}))
+        self.save()
+
+    def point(self, fn, **label) -> None:
+        if self.over_budget():
+            self.add({**label, "skipped": f"time budget of {self.args.time_budget_s} s spent"})
+            return
+        try:
+            self.add(fn())
+        except Exception as e:  # noqa: BLE001 - a failing point is a row, the run goes on
+            self.add({**label, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+            cleanup(self.args.device)
+
+    def save(self) -> None:
+        self.report["targets"] = evaluate_targets(self.report["rows"])
+        self.report["total_seconds"] = time.perf_counter() - self.t0
+        path = self.out / "bench_e2e.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str) + "\n")
+        tmp.replace(path)
+
+
+def cleanup(device: str) -> None:
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
+    """Every (arm, batch, graphs) point of one model (see the module docstring)."""
+    args = run.args
+    say(f"== {name}: building")
+    t0 = time.perf_counter()
+    try:
+        model, info = build()
+    except Exception as e:  # noqa: BLE001 - a model that cannot be built: one row, the others run
+        run.add({"model": name, "error": f"build: {type(e).__name__}: {e}",
+                 "traceback": traceback.format_exc()[-3000:]})
+        cleanup(args.device)
+        return
+    run.report["models"][name] = {**info, "build_seconds": time.perf_counter() - t0}
+    say(f"== {name}: built in {time.perf_counter() - t0:.1f} s")
+    for B in args.batch_sizes:
+        for arm in args.arms:
+            for graphs in args.graphs:
+                label = dict(model=name, arm=arm, batch=B, graphs=graphs)
+                run.point(lambda m=model, a=arm, b=B, g=graphs: engine_point(m, name, a, b, g, prompts, args,
+                                                                              forced=forced), **label)
+                cleanup(args.device)
+    model = None  # the last reference: its memory goes before the next model is built
+    cleanup(args.device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for bench_e2e.json, bench_e2e.png, profiles")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--graphs", default="both", choices=["both", "on", "off"])
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per point (about)")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--hf-steps", type=int, default=32, help="tokens HF generate times per point")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--accept-length", type=float, default=2.6,
+                   help="forced acceptance length of the synthetic models (random drafts are never accepted)")
+    p.add_argument("--tiny-forced", action="store_true",
+                   help="force --accept-length on the tiny models too (default: their own drafting)")
+    p.add_argument("--synth-layers", type=int, nargs=2, default=None, metavar=("SUPER_V3", "QWEN3_NEXT"),
+                   help="layers of the synthetic models (default 22 and 12: a quarter of the releases')")
+    p.add_argument("--synth-experts", type=int, nargs=2, default=None, metavar=("SUPER_V3", "QWEN3_NEXT"),
+                   help="routed experts (default 256 and 512); 0 keeps the release's")
+    p.add_argument("--synth-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config.json field of both synthetic models (CPU tests shrink them)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the synthetic models (the tiny ones run in float32)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--time-budget-s", type=float, default=None, help="skip the points left after this")
+    p.add_argument("--profile", default=None, metavar="MODEL:ARM:BATCH:graphs|eager",
+                   help="run only this point under torch.profiler and write its table and trace")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    parts = [x for x in args.parts.split(",") if x]
+    if set(parts) - set(PARTS):
+        p.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {','.join(PARTS)}")
+    if min(args.batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1 or args.warmup_steps < 0:
+        p.error("--batch-sizes, --steps and --prompt-len must be >= 1, --warmup-steps >= 0")
+    if not 1.0 <= args.accept_length <= 4.0:
+        p.error(f"--accept-length {args.accept_length} must lie in [1, K + 1 = 4]")
+    args.graphs = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
+    profile = None
+    if args.profile:
+        bits = args.profile.split(":")
+        models = (*TINY, *SYNTH)
+        if (len(bits) != 4 or bits[0] not in models or bits[1] not in ARMS or not bits[2].isdigit()
+                or bits[3] not in ("graphs", "eager")):
+            p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
+                    f"ARM in {tuple(ARMS)}")
+        profile = (bits[0], bits[1], int(bits[2]), bits[3] == "graphs")
+    from runners.synth import _parse_set
+
+    try:
+        args.synth_overrides = _parse_set(args.synth_set)
+    except ValueError as e:
+        p.error(str(e))
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but CUDA is not available here\n  fix: run on the GPU machine, or pass "
+              "--device cpu (a slow functional run)", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    if dev.type == "cpu":  # one intra-op thread, as configs/runtime/cpu.yaml (docs/performance.md: "Threads")
+        torch.set_num_threads(1)
+        if True in args.graphs:
+            say("note: no CUDA graphs on the CPU: every point runs eagerly (graphs=false)")
+            args.graphs = [False]
+    dtype = getattr(torch, args.dtype)
+    run = Run(args)
+    say(f"bench_e2e: parts {parts}, batches {args.batch_sizes}, arms {args.arms}, graphs {args.graphs}, "
+        f"{args.steps} steps per point -> {run.out}")
+    max_b = max(args.batch_sizes + ([profile[2]] if profile else []))
+
+    def tiny_build(entry):
+        def build():
+            model, path = tiny_model(entry, dev)
+            return model, {"checkpoint": str(path), "dtype": "float32"}
+        return build
+
+    def synth_build(name):
+        family, layers, experts = SYNTH[name]
+        i = list(SYNTH).index(name)
+        layers = args.synth_layers[i] if args.synth_layers else layers
+        if args.synth_experts:
+            experts = args.synth_experts[i] or None
+
+        def build():
+            model, config = synthetic_model(family, layers, experts, args.synth_overrides, dtype, dev)
+            nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+            return model, {"family": family, "num_layers": layers, "num_experts": experts, "dtype": args.dtype,
+                           "weight_bytes": nbytes, "layer_pattern": config.get("hybrid_override_pattern")}
+        return build
+
+    vocab = 2048
+    prompts, source = gsm8k_prompts(max_b, args.prompt_len, vocab)
+    run.report["prompts"] = {"source": source, "prompt_len": args.prompt_len}
+
+    if profile is not None:
+        name, arm, B, graphs = profile
+        build = tiny_build(TINY[name]) if name in TINY else synth_build(name)
+        model, info = build()
+        run.report["models"][name] = info
+        forced = name in SYNTH or args.tiny_forced
+        run.point(lambda: engine_point(model, name, arm, B, graphs, prompts, args, forced=forced,
+                                       profile_dir=run.out), model=name, arm=arm, batch=B, graphs=graphs)
+        return 0
+
+    if "tiny" in parts:
+        for name, entry in TINY.items():
+            bench_model(run, name, tiny_build(entry), args.tiny_forced, prompts)
+    if "hf" in parts:
+        for name, entry in TINY.items():
+            for B in args.batch_sizes:
+                path = REPO / "registry/checkpoints" / entry
+                run.point(lambda path=path, B=B, name=name: {"model": f"hf_{name}", "arm": "hf", "graphs": False,
+                                                             **hf_point(path, B, prompts, args)},
+                          model=f"hf_{name}", arm="hf", batch=B, graphs=False)
+                cleanup(args.device)
+    for name in SYNTH:
+        if name in parts:
+            bench_model(run, name, synth_build(name), True, prompts)
+    try:
+        plot(run.report, run.out / "bench_e2e.png")
+    except Exception as e:  # noqa: BLE001 - the JSON is the result; a plot failure is reported, not fatal
+        say(f"plot failed: {type(e).__name__}: {e}")
+    run.save()
+    say("targets: " + json.dumps(run.report["targets"], indent=1))
+    errors = [r for r in run.report["rows"] if r.get("error")]
+    say(f"done in {time.perf_counter() - run.t0:.0f} s: {len(run.report['rows'])} rows, {len(errors)} errors "
+        f"-> {run.out / 'bench_e2e.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

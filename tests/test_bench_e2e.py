@@ -1,0 +1,76 @@
+"""benchmarks/bench_e2e.py (the GPU end-to-end benchmark): its argument checks, and a small CPU run whose JSON
+and plot have every field the GPU run reports (graphs are off on the CPU; the synthetic models shrunk)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHRINK = ("hidden_size=128", "vocab_size=4096", "mamba_num_heads=8", "moe_latent_size=64",
+          "moe_intermediate_size=64", "moe_shared_expert_intermediate_size=64")
+SMALL_SYNTH = ["--synth-layers", "4", "4", "--synth-experts", "8", "8", "--dtype", "float32",
+               *[f"--synth-set={kv}" for kv in SHRINK]]
+FAST = ["--device", "cpu", "--batch-sizes", "1", "--steps", "2", "--warmup-steps", "1", "--hf-steps", "2",
+        "--prompt-len", "12", *SMALL_SYNTH]
+
+
+def _run(args, timeout=900):
+    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "--out"),
+    (["--out", "{tmp}", "--parts", "tiny,gpt"], "unknown ['gpt']"),
+    (["--out", "{tmp}", "--accept-length", "5"], "must lie in [1, K + 1 = 4]"),
+    (["--out", "{tmp}", "--profile", "super_v3:replay:8"], "MODEL:ARM:BATCH:graphs|eager"),
+    (["--out", "{tmp}", "--steps", "0"], "must be >= 1"),
+])
+def test_refuses_bad_arguments(args, says, tmp_path):
+    proc = _run([a.format(tmp=tmp_path / "o") for a in args], timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cpu_run_reports_every_point(tmp_path):
+    out = tmp_path / "bench"
+    proc = _run(["--out", str(out), "--parts", "tiny,hf,super_v3", "--arms", "plain", "replay", *FAST])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "bench_e2e.json").read_text())
+    rows = report["rows"]
+    assert not [r for r in rows if r.get("error")], [r["error"] for r in rows if r.get("error")]
+    engine_rows = [r for r in rows if not r["model"].startswith("hf_")]
+    got = sorted((r["model"], r["arm"], r["batch"], r["graphs"]) for r in engine_rows)
+    want = sorted((m, a, 1, False) for m in ("tiny_nemotron_h", "tiny_qwen3_next", "super_v3")
+                  for a in ("plain", "replay"))  # graphs asked both ways; no graphs on the CPU: one point
+    assert got == want
+    for r in engine_rows:
+        assert r["decode_tokens_per_s"] > 0 and r["step_ms"] > 0 and r["steps"] >= 2
+        phases = {"decode"} if r["arm"] == "plain" else {"draft", "verify", "commit", "catchup"}
+        assert set(r["device_ms_per_step"]) == phases
+        assert {"launch", "wait", "bookkeeping"} <= set(r["host_ms_per_step"])
+    synth = [r for r in engine_rows if r["model"] == "super_v3" and r["arm"] == "replay"]
+    assert synth and all(r["forced_acceptance_length"] == 2.6 for r in synth)
+    assert all(abs(r["acceptance_length"] - 2.6) < 0.7 for r in synth)  # 2 steps: 2 or 3 tokens each
+    hf = [r for r in rows if r["model"].startswith("hf_")]
+    assert sorted(r["model"] for r in hf) == ["hf_tiny_nemotron_h", "hf_tiny_qwen3_next"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in hf)
+    assert report["models"]["super_v3"]["num_layers"] == 4 and "targets" in report
+    targets = set(report["targets"])
+    assert {"super_v3_replay_vs_plain_b1", "tiny_nemotron_h_plain_graph_step_speedup_b1"} <= targets
+    assert (out / "bench_e2e.png").stat().st_size > 1000
+
+
+def test_cpu_profile_of_one_point(tmp_path):
+    out = tmp_path / "prof"
+    proc = _run(["--out", str(out), "--profile", "tiny_qwen3_next:rewind:1:eager", *FAST])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads((out / "bench_e2e.json").read_text())["rows"]
+    assert row["profile"] == "profile_tiny_qwen3_next_rewind_b1_eager.txt" and not row.get("error")
+    assert "Self CPU" in (out / row["profile"]).read_text()
+    assert (out / "profile_tiny_qwen3_next_rewind_b1_eager.json").stat().st_size > 1000
