@@ -1073,8 +1073,9 @@ class Engine:
     def _store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
         """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step (PAD
         rows, slot id -1, write the scratch row)."""
-        self._mtp_hidden[slot_ids] = mtp_hidden
-        self._draft1[slot_ids] = self.model.lm_logits(mtp_hidden).argmax(-1)
+        rows = slot_ids % (self.max_batch_size + 1)
+        self._mtp_hidden[rows] = mtp_hidden
+        self._draft1[rows] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         if max_new_tokens < 1:
