@@ -767,8 +767,8 @@ class BatchMeta:
             raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This batch's cache rows, ``buffer[slot_ids]`` (a gather copy; PAD -1 reads the scratch row, the last
-        row of ``buffer``)."""
+        """This batch's cache rows, ``buffer[slot_ids]`` (a gather copy; PAD -1 reads the scratch row, the
+        last row of ``buffer``)."""
         return buffer[self.slot_ids % buffer.shape[0]]
 
     @classmethod

@@ -267,11 +267,14 @@ class StepGraphs:
             graphs = {}
             for name, phase in self.phases.items():
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._pool):
+                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                     phase(B, L)
                 graphs[name] = g
         except Exception as e:  # noqa: BLE001 - any capture failure: this size runs eagerly, said once
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001, S110 - the capture's own error is the one to report
+                pass
             log.warning("CUDA graph capture of the decode step at batch %d, KV bound %d failed (%s: %s); "
                         "this size runs eagerly", B, L, type(e).__name__, e)
             self.graphs[(B, L)] = None
