@@ -19,10 +19,10 @@ fails is a row with its error; the run goes on.
 Models:
 - ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
   MTP drafting on GSM8K text: their own acceptance length is measured and reported.
-- ``super_v3`` / ``qwen3_next``: random weights at the releases' dimensions (``runners.synth``'s config and
-  initialisation) generated straight into GPU memory in bfloat16 -- no checkpoint written: the device
-  machine's 64 GB disk would hold one family at a time and writing + reading 40 GB costs minutes of the GPU
-  budget; the tensors are those ``python -m runners.synth`` writes. Super V3 at a quarter of its 88 layers
+- ``super_v3`` / ``qwen3_next``: random weights at the releases' dimensions generated straight into GPU memory
+  in bfloat16 by ``runners.synth.synthetic_model`` (the model the loader makes of what ``python -m
+  runners.synth`` writes, without the files: the device machine's 64 GB disk would hold one family at a time
+  and writing + reading 40 GB costs minutes of the GPU budget). Super V3 at a quarter of its 88 layers
   (22: 10 Mamba2, 10 MoE, 2 attention) with 256 of its 512 experts (37 GB; all 512 would be 68 GB, as
   tests/gpu/realdim.py), Qwen3-Next at a quarter of its 48 layers (12) with all 512 experts (44 GB). Random
   drafts are never accepted, so ``Engine.force_acceptance(--accept-length)`` fixes the accepted drafts per
@@ -93,38 +93,6 @@ def gsm8k_prompts(n: int, length: int, vocab_size: int) -> tuple[list[list[int]]
             return prompts, f"GSM8K test text from {d}"
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, vocab_size, (length,), generator=g).tolist() for _ in range(n)], "random ids"
-
-
-def synthetic_model(family: str, num_layers: int, num_experts: int | None, overrides: dict, dtype, device,
-                    seed: int = 0):
-    """A HybridLM with ``runners.synth``'s random weights at the release's dimensions (cut to ``num_layers``
-    / ``num_experts``), built on the meta device and filled tensor by tensor on ``device`` (the loader's
-    dtype rule: the router stays float32). Returns (model, config.json dict)."""
-    import torch
-
-    from runners.loader import FP32_SUFFIXES
-    from runners.models.config import HybridConfig, family_module
-    from runners.models.hybrid import HybridLM
-    from runners.synth import init_tensor, synth_config, tensor_specs
-
-    config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
-    hc = HybridConfig.from_dict(config, source=f"synthetic {family}")
-    if hc.tie_word_embeddings:
-        raise ValueError("synthetic_model: tied embeddings are not supported (the releases do not tie them)")
-    with torch.device("meta"):
-        model = HybridLM(hc, with_mtp=True)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
-            t.data = t.data.to(dtype)
-    model.to_empty(device=device)
-    targets = family_module(hc.family).checkpoint_targets(model)
-    with torch.no_grad():
-        for spec in tensor_specs(config, dtype):
-            targets[spec.name].copy_(init_tensor(spec, seed, device))
-        for module in model.modules():
-            if module._non_persistent_buffers_set:
-                module.init_buffers()
-    return model.eval(), config
 
 
 def tiny_model(entry: str, device):
@@ -452,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
                     f"ARM in {tuple(ARMS)}")
         profile = (bits[0], bits[1], int(bits[2]), bits[3] == "graphs")
-    from runners.synth import _parse_set
+    from runners.synth import _parse_set, synthetic_model
 
     try:
         args.synth_overrides = _parse_set(args.synth_set)
@@ -491,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             experts = args.synth_experts[i] or None
 
         def build():
-            model, config = synthetic_model(family, layers, experts, args.synth_overrides, dtype, dev)
+            model, config = synthetic_model(family, num_layers=layers, num_experts=experts,
+                                            overrides=args.synth_overrides, dtype=dtype, device=dev)
             nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
             return model, {"family": family, "num_layers": layers, "num_experts": experts, "dtype": args.dtype,
                            "weight_bytes": nbytes, "layer_pattern": config.get("hybrid_override_pattern")}

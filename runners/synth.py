@@ -489,6 +489,56 @@ def write_synthetic_checkpoint(
     return result
 
 
+def synthetic_model(
+    family: str,
+    *,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    overrides: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model that ``runners.loader.load_model(DIR, dtype=dtype, device=device, load_mtp=True)`` returns
+    for ``DIR`` = :func:`write_synthetic_checkpoint` ``(DIR, family, ..., dtype=dtype, device=device,
+    seed=seed)`` with the same options, built without writing or reading a file: the model is built on the
+    meta device, allocated on ``device`` (the loader's dtype rule: floating tensors in ``dtype``, the MoE
+    router's in float32) and filled tensor by tensor from :func:`init_tensor` generated on ``device``. For
+    release-size models whose checkpoint would not fit (or take minutes) on the disk beside the GPU
+    (benchmarks/bench_e2e.py: quarter-depth Super V3 is 37 GB in bf16).
+
+    Returns:
+        (``HybridLM`` in eval mode with its MTP module, the config.json dict it was built from).
+
+    Raises:
+        SynthError: bad options (as :func:`synth_config`).
+        ValueError: a config with tied embeddings (the releases do not tie them; this path does not re-tie).
+    """
+    from runners.loader import FP32_SUFFIXES, _to_empty_keeping_ties
+    from runners.models.config import HybridConfig, family_module
+    from runners.models.hybrid import HybridLM
+
+    device = torch.device(device)
+    config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
+    hc = HybridConfig.from_dict(config, source=f"synthetic {family}")
+    if hc.tie_word_embeddings:
+        raise ValueError("synthetic_model: tied embeddings are not supported (the releases do not tie them)")
+    with torch.device("meta"):
+        model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
+            t.data = t.data.to(dtype)  # free on the meta device
+    model = _to_empty_keeping_ties(model, device)
+    targets = family_module(hc.family).checkpoint_targets(model)
+    with torch.no_grad():
+        for spec in tensor_specs(config, dtype):
+            targets[spec.name].copy_(init_tensor(spec, seed, device))
+        for module in model.modules():
+            if module._non_persistent_buffers_set:
+                module.init_buffers()
+    return model.eval(), config
+
+
 def parse_size(text: str) -> int:
     """Bytes of "5GB", "500MB", "2GiB" or a plain integer; raises ValueError for anything else."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -28,6 +28,7 @@ from runners.synth import (
     cut_pattern,
     parse_size,
     synth_config,
+    synthetic_model,
     tensor_specs,
     write_synthetic_checkpoint,
 )
@@ -168,6 +169,27 @@ def test_transformers_reads_the_checkpoint_like_our_loader(small_ckpt):
     ids = torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours.lm_logits(ours(ids)), hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_synthetic_model_is_the_loaded_checkpoint(small_ckpt, dtype, tmp_path):
+    """synthetic_model (no files; benchmarks/bench_e2e.py) gives bit for bit the model the loader makes of the
+    checkpoint written with the same options, in the loader's dtypes (the router in float32)."""
+    family, path, _ = small_ckpt
+    if dtype != torch.float32:  # the on-disk dtype matters: a bf16 file holds the router rounded to bf16
+        path = tmp_path
+        write_synthetic_checkpoint(path, family, num_layers=4, num_experts=16,
+                                   overrides=SMALL[family], dtype=dtype)
+    loaded = load_model(path, dtype=dtype, load_mtp=True).state_dict()
+    built, config = synthetic_model(family, num_layers=4, num_experts=16, overrides=SMALL[family],
+                                    dtype=dtype)
+    assert config == json.loads((path / "config.json").read_text())
+    assert built.mtp is not None and not built.training
+    got = built.state_dict()
+    assert sorted(got) == sorted(loaded)
+    differ = [n for n in loaded if got[n].dtype != loaded[n].dtype or not torch.equal(got[n], loaded[n])]
+    assert not differ, differ[:5]
+    assert any(t.dtype == torch.float32 for t in got.values()) and any(t.dtype == dtype for t in got.values())
 
 
 @pytest.mark.parametrize("family", sorted(ENTRIES))
