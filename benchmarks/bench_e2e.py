@@ -36,10 +36,11 @@ ahead at 64; graphs at least halve the tiny entries' decode-step time at batch 1
 MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead and writes
 DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace).
 
-Budget: about 7 minutes on one H200 for the defaults (few warm-up steps, 64 timed steps per point, graphs
-captured for the buckets the point needs); ``--time-budget-s`` skips the points left when it runs out (they
-are rows with ``skipped``). Progress goes to stdout unbuffered. ``--device cpu`` runs the same code on the CPU
-(graphs off; for tests, with ``--synth-set`` to shrink the synthetic models).
+Budget: estimated (not yet run) at about 10 minutes on one H200 for the defaults (few warm-up steps, 64
+timed steps per point, graphs captured for the buckets the point needs); ``--time-budget-s`` skips the
+points left when it runs out (they are rows with ``skipped``). ``bash tests/gpu/run_checks.sh OUT e2e`` runs a
+reduced grid in about 6 minutes. Progress goes to stdout unbuffered. ``--device cpu`` runs the same code on
+the CPU (graphs off; for tests, with ``--synth-set`` to shrink the synthetic models).
 """
 
 from __future__ import annotations

@@ -13,6 +13,14 @@
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
 #   bench     benchmarks/bench_mamba2.py, bench_gdn.py and bench_prefill.py at the Super V3 / Qwen3-Next shapes
 #   engine    every `gpu`-marked test of the suite (engine on CUDA, FlashInfer where importable)
+#   e2e       issue 14 in about 6 minutes: the CUDA-graph tests (tests/test_engine_graphs.py, `gpu`-marked:
+#             graph replay == eager bitwise in fp32 and bf16, no host sync while queuing a step), then
+#             benchmarks/bench_e2e.py on quarter-depth synthetic Super V3 (bf16, graphs on: plain / rewind /
+#             replay at batch 1, 8, 64 -- the speed goals) and on the tiny entries + HF generate (graphs on and
+#             off at batch 1 and 64), then `python run.py runtime=gpu` over all 1319 GSM8K questions of the tiny
+#             entry (goal: under 60 s); JSON + plots under OUTDIR/e2e_super_v3 and OUTDIR/e2e_tiny
+#   e2e_full  bench_e2e's whole default grid (both synthetic families, graphs on and off, batch 1, 8, 64;
+#             about 10 minutes) under OUTDIR/e2e_full
 #   flashinfer  FlashInfer beside ours: which Mamba2 sizes its selective_state_update builds at and whether
 #             it agrees with our reference there (tests/gpu/flashinfer_sizes.py), the engine's GPU tests
 #             with ssm_backend=flashinfer importable, and benchmarks/bench_mamba2.py with --flashinfer (and
@@ -26,7 +34,7 @@
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench engine flashinfer fp8"
+stages="kernels sanitize bench engine e2e e2e_full flashinfer fp8"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -70,6 +78,13 @@ for s in "$@"; do
            stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json"
            stage bench_prefill python3 -m benchmarks.bench_prefill --tile-sweep --out "$out/bench_prefill.json" ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    e2e) stage graphs python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_graphs.py
+         stage e2e_super_v3 timeout 240 python3 -m benchmarks.bench_e2e --out "$out/e2e_super_v3" \
+           --parts super_v3 --graphs on --batch-sizes 1 8 64 --steps 24 --time-budget-s 180
+         stage e2e_tiny timeout 150 python3 -m benchmarks.bench_e2e --out "$out/e2e_tiny" --parts tiny,hf \
+           --batch-sizes 1 64 --steps 32 --time-budget-s 110
+         stage run_tiny_gpu timeout 150 python3 run.py runtime=gpu hydra.run.dir="$out/run_tiny_gpu" ;;
+    e2e_full) stage e2e_full python3 -m benchmarks.bench_e2e --out "$out/e2e_full" --time-budget-s 540 ;;
     flashinfer)
       ckpt=${FLASHINFER_CKPT-bfloat16}  # state dtypes for checkpointing_ssu; FLASHINFER_CKPT= skips it
       warm=
