@@ -16,29 +16,40 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import hydra
 from omegaconf import DictConfig
 
+from evals import sweep
 from registry.compose import CONFIG_DIR, CONFIG_NAME, check_overrides, config_error
 from registry.errors import UserError
+from registry.selection import register_resolvers
 
 # Exit status of each job: one for a plain run, one per job of a sweep (`python run.py -m model=a,b
-# ssm_replay=false,true`); a sweep runs every job even when one fails, and exits with the worst status.
+# ssm_replay=false,true`); a sweep runs every job even when one fails or crashes, ends with a table of every
+# job (evals/sweep.py) and exits with the worst status.
 _EXIT_CODES: list[int] = []
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=CONFIG_NAME)
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> int:
     from runners import app  # the engine and lm-eval: only when a job runs (not for --cfg job or --help)
 
+    error = None
     try:
-        results = app.run(cfg)
+        code = app.exit_code(app.run(cfg))
     except UserError as e:
         print(e.format(), file=sys.stderr)
-        _EXIT_CODES.append(2)
-        return
-    _EXIT_CODES.append(app.exit_code(results))
+        code, error = 2, f"error: {e.problem}"
+    except Exception as e:
+        if not sweep.in_multirun():
+            raise
+        traceback.print_exc()  # one crashing job of a sweep does not stop the others
+        code, error = 1, f"crash: {type(e).__name__}: {e}"
+    sweep.record_job(code, error)  # <job folder>/job.json in a sweep, read by the sweep's summary table
+    _EXIT_CODES.append(code)
+    return code
 
 
 def cli(argv: list[str]) -> int:
@@ -46,6 +57,7 @@ def cli(argv: list[str]) -> int:
     # Hydra's own flags (--cfg job, -m, --help, ...) carry no `=` in a separate word or start with `-`.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    register_resolvers()  # ${registry_entries:nightly} in configs/experiment/nightly.yaml
     try:
         check_overrides(overrides)
         main()
@@ -58,7 +70,8 @@ def cli(argv: list[str]) -> int:
             raise
         print(err.format(), file=sys.stderr)
         return 2
-    return max(_EXIT_CODES, default=0)
+    # a sweep's worst status also covers jobs that ran in other processes (evals/sweep.py)
+    return max([*_EXIT_CODES, sweep.worst_status() or 0])
 
 
 if __name__ == "__main__":

@@ -167,6 +167,9 @@ class ModelEntry:
     # Key into registry/baselines/gsm8k.yaml and registry/baselines/acceptance.yaml.
     baseline: str | None = None
     arch: ArchConfig | None = None
+    # Swept by the nightly job (`python run.py +experiment=nightly`, docs/nightly.md); a variant inherits it
+    # from its base entry unless it sets its own.
+    nightly: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,6 +206,14 @@ class VerdictConfig:
     require_reference: bool = True
 
 
+@dataclass
+class HistoryConfig:
+    """The SQLite results history every finished run is recorded in (evals/history.py,
+    docs/history_schema.md)."""
+
+    db: str | None = None  # database file; relative: to the directory run.py was started from; None: none
+
+
 # compare=replay: ssm_replay=false and =true on the same samples, compared (evals.compare)
 COMPARE_MODES = ("replay",)
 
@@ -215,6 +226,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
     ssm_replay: bool | None = None  # None: the entry's ssm.replay
     draft_len: int | None = None  # MTP drafts per step; 0: speculation off; None: the entry's
     compare: str | None = None  # one of COMPARE_MODES, or None: one run

@@ -9,7 +9,8 @@
 - the output folder and its resume file: evals.lm_adapter.check_resume;
 - the evaluation: evals.gsm8k.evaluate_gsm8k over runners.Engine;
 - results.json: evals.results; the compare=replay arms: evals.compare; the console table, summary.md and
-  plots: evals.report.
+  plots: evals.report;
+- the run's row in the SQLite results history (history.db): evals.history.record_finished_run.
 
 Every problem the user can fix raises registry.errors.UserError before the engine is built.
 """
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.data import gsm8k_dir
 from evals.gsm8k import evaluate_gsm8k
+from evals.history import record_finished_run
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.report import format_console, write_report
 from evals.results import RESULTS_FILE, build_results, exit_code
@@ -55,6 +57,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     into out_dir/replay, and writes out_dir/comparison.json plus a results.json / summary.md of the replay arm
     with the `comparison` section and the comparison's checks in its verdict.
 
+    Every finished run is then recorded in the SQLite history database `history.db` (evals.history; a failure
+    to record is a warning, results.json stays).
+
     Returns the results dict written to out_dir/results.json; evals.results.exit_code(results) is the process
     status. Raises UserError (before the engine is built) for every configuration problem, and for a missing
     baseline row when verdict.require_reference is true.
@@ -73,8 +78,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(rr.run.runtime.num_threads)
     if rr.run.compare is None:
         torch.manual_seed(rr.run.seed)
-        return _evaluate_arm(cfg, rr, out_dir)
-    return _run_compare_replay(cfg, rr, out_dir)
+        results = _evaluate_arm(cfg, rr, out_dir)
+    else:
+        results = _run_compare_replay(cfg, rr, out_dir)
+    # results.json is on disk: a history failure is reported as a warning and never loses it
+    record_finished_run(results, out_dir, rr.run.history.db)
+    return results
 
 
 def check_references(rr: ResolvedRun) -> None:

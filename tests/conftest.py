@@ -79,6 +79,13 @@ def _transformers_qwen3_next_torch_path():
         setattr(hf_q, name, fn)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _throwaway_history_db(tmp_path_factory) -> None:
+    """Runs made by tests (in process or through run.py) record into a throwaway history database, never
+    into the one $HYBRID_EVAL_HISTORY names or outputs/history.db of the checkout."""
+    os.environ["HYBRID_EVAL_HISTORY"] = str(tmp_path_factory.mktemp("history") / "history.db")
+
+
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     if GSM8K_DIR is None or not (GSM8K_DIR / "test.jsonl").exists():
