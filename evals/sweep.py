@@ -265,4 +265,4 @@ class SweepSummary(Callback):
             print(f"warning: the sweep's runs were not imported into the history: {e}", file=sys.stderr)
             return
         new = sum(r.inserted for _, r in done)
-        print(f"history: {db} ({len(done)} runs of this sweep, {new} added now)")
+        print(f"history: {db} ({len(done)} run(s) of this sweep, {new} added now)")

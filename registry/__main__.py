@@ -1,4 +1,6 @@
-"""`python -m registry list` (a table of the entries) and `python -m registry validate` (CI's check)."""
+"""`python -m registry list` (a table of the entries), `python -m registry validate` (CI's check) and
+`python -m registry pr-check --base <ref>` (what a pull request touches, validated and smoke-evaluated:
+registry/pr_check.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ def _table(rows: list[list[str]]) -> str:
 
 def cmd_list() -> int:
     rows = [["name", "family", "checkpoint", "dtype", "quant", "spec/draft", "replay", "world size",
-             "baseline"]]
+             "baseline", "nightly"]]
     failed = 0
     for report in resolve_all():
         if report.resolved is None:
-            rows.append([report.name, "(invalid: python -m registry validate)"] + [""] * 7)
+            rows.append([report.name, "(invalid: python -m registry validate)"] + [""] * 8)
             failed += 1
             continue
         e = report.resolved.entry
@@ -30,7 +32,8 @@ def cmd_list() -> int:
             f"{e.speculative.algorithm.value}/{e.speculative.draft_len}"
         ckpt = f"registry/checkpoints/{e.checkpoint}" if e.embedded else e.checkpoint
         rows.append([e.name, e.family.value, ckpt, e.dtype.value, e.quant.value, spec,
-                     str(e.ssm.replay).lower(), str(e.world_size), e.baseline or "-"])
+                     str(e.ssm.replay).lower(), str(e.world_size), e.baseline or "-",
+                     "yes" if e.nightly else "-"])
     print(_table(rows))
     return 1 if failed else 0
 
@@ -64,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="print a table of the registry entries")
     p_val = sub.add_parser("validate", help="check every entry (schema, composition, sweeps, baselines)")
     p_val.add_argument("names", nargs="*", help="entries to check (default: all)")
+    from registry import pr_check
+
+    p_pr = sub.add_parser("pr-check", help="check the entries and baseline rows a change touches (CI)")
+    pr_check.add_arguments(p_pr)
     args = parser.parse_args(argv)
+    if args.command == "pr-check":
+        return pr_check.run_pr_check(args.base, run_smoke=not args.no_smoke, limit=args.limit)
     return cmd_list() if args.command == "list" else cmd_validate(args.names)
 
 

@@ -48,11 +48,13 @@ def _defaults(raw: dict[str, Any]) -> list[str]:
     return [d for d in defaults if isinstance(d, str)]
 
 
-def entry_bases(name: str, *, read: ReadEntry | None = None) -> list[str]:
+def entry_bases(name: str, *, read: ReadEntry | None = None, missing_ok: bool = False) -> list[str]:
     """Every entry `name` reuses through its defaults list, transitively, nearest first.
 
-    read: how to read an entry file (default: registry/model/). Raises KeyError for a missing entry and
-    ValueError for a defaults cycle (registry.schema.check_entry_file reports both to users).
+    read: how to read an entry file (default: registry/model/). missing_ok: a base whose file is missing is
+    listed but not followed (a pull request that deletes a base), instead of raising. Raises KeyError for a
+    missing entry and ValueError for a defaults cycle (registry.schema.check_entry_file reports both to
+    users).
     """
     read = read or _read_from(MODEL_DIR)
     out: list[str] = []
@@ -65,6 +67,8 @@ def entry_bases(name: str, *, read: ReadEntry | None = None) -> list[str]:
                 raise ValueError(f"defaults cycle: {' -> '.join((*seen, base))}")
             if base not in out:
                 out.append(base)
+            if missing_ok and read(base) is None:
+                continue
             walk(base, (*seen, base))
 
     walk(name, (name,))
@@ -101,14 +105,14 @@ def variants_of(names: Iterable[str], *, candidates: Iterable[str] | None = None
                 read: ReadEntry | None = None) -> list[str]:
     """The entries (of `candidates`, default all) that reuse any of `names` through their defaults, sorted.
 
-    An entry whose bases cannot be read (a missing base, a cycle) counts as a variant of nothing here; the
-    registry's validation reports it.
+    A base that no longer exists still counts (its variants are what a deletion breaks); an entry in a
+    defaults cycle counts as a variant of nothing here, the registry's validation reports it.
     """
     targets = set(names)
     out = []
     for cand in candidates if candidates is not None else entry_names():
         try:
-            if targets & set(entry_bases(cand, read=read)):
+            if targets & set(entry_bases(cand, read=read, missing_ok=True)):
                 out.append(cand)
         except (KeyError, ValueError):
             continue

@@ -1,0 +1,284 @@
+"""The results history (evals/history.py): schema and its version, rows of a run, idempotent import, a writer
+killed mid-transaction, concurrent writers, a locked database, and runners.app.run's guarded hook."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from history_factory import make_results, write_run
+from test_app import _cfg, fakes, make_checkpoint  # noqa: F401 - fakes is a fixture used below
+
+from evals import history
+from runners import app
+from runners.app import REPO_ROOT
+
+BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"
+
+
+def _count(db: Path, table: str) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_new_database_has_the_current_schema_in_wal_mode(tmp_path):
+    db = tmp_path / "sub" / "h.db"
+    conn = history.connect(db)
+    try:
+        assert history.schema_version(conn) == history.SCHEMA_VERSION == 1
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert tables == {"runs", "checks", "comparisons", "samples"}
+    finally:
+        conn.close()
+
+
+def test_schema_doc_lists_every_column():
+    """docs/history_schema.md documents each column of each table (a column added without docs fails)."""
+    doc = (REPO_ROOT / "docs" / "history_schema.md").read_text()
+    conn = history.connect(":memory:")
+    try:
+        for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+            assert f"### {table}" in doc, table
+            for col in conn.execute(f"PRAGMA table_info({table})"):
+                assert f"| `{col[1]}` |" in doc, (table, col[1])
+    finally:
+        conn.close()
+
+
+def test_newer_foreign_and_missing_databases_are_refused(tmp_path):
+    newer = tmp_path / "newer.db"
+    history.connect(newer).close()
+    conn = sqlite3.connect(newer)
+    conn.execute(f"PRAGMA user_version = {history.SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(history.HistoryError, match="schema version 2; this checkout reads up to 1"):
+        history.connect(newer)
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE notes (x)")
+    conn.close()
+    with pytest.raises(history.HistoryError, match="without a history schema version"):
+        history.connect(foreign)
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(history.HistoryError, match="is not a history database"):
+        history.connect(junk)
+    with pytest.raises(history.HistoryError, match="no history database"):
+        history.connect(tmp_path / "absent.db", create=False)
+
+
+def test_an_older_database_is_migrated_in_place(tmp_path, monkeypatch):
+    """A version-1 file with a run in it, opened by a checkout whose schema is version 2 (a hypothetical
+    migration adding a column): migrated once, data kept."""
+    db = tmp_path / "h.db"
+    folder = write_run(tmp_path / "run", make_results(), correct=[1, 0, 0, 1])
+    history.import_runs([folder], db)
+    monkeypatch.setattr(history, "SCHEMA_VERSION", 2)
+    monkeypatch.setitem(history.MIGRATIONS, 2, ["ALTER TABLE runs ADD COLUMN note TEXT"])
+    conn = history.connect(db)
+    try:
+        assert history.schema_version(conn) == 2
+        assert conn.execute("SELECT entry, note FROM runs").fetchall() == [("tiny_nemotron_h_mtp", None)]
+    finally:
+        conn.close()
+    history.connect(db).close()  # migrating again is a no-op
+
+
+def test_rows_of_a_single_run(tmp_path):
+    sweep = tmp_path / "sweep"
+    folder = write_run(sweep / "job0", make_results(ssm_replay=True, correct=[1, 0, 0, 1]), correct=[1, 0, 0, 1],
+                       sweep_dir=sweep)
+    db = tmp_path / "h.db"
+    [(d, rec)] = history.import_runs([folder], db)
+    assert rec.inserted and d == folder
+    conn = history.connect(db)
+    try:
+        runs = history.fetch_runs(conn)
+        samples = history.fetch_samples(conn, [runs[0]["id"]])
+    finally:
+        conn.close()
+    [run] = runs
+    assert run["entry"] == "tiny_nemotron_h_mtp" and run["setting"] == "replay K=3 float32 ws=1 cpu"
+    assert run["source"] == "import" and run["sweep_dir"] == str(sweep) and run["run_dir"] == str(folder)
+    assert run["n"] == 4 and run["gsm8k_value"] == 50.0 and run["gsm8k_threshold"] == -20.0
+    assert run["acceptance_rate"] == 0.55 and run["acceptance_rate_floor"] == 0.43
+    assert run["verdict_status"] == "pass" and run["verdict_passed"] == 1 and run["memory_bytes"] == 3072
+    assert run["git_commit"] == "abc123" and run["lm_eval_version"] == "0.4.13"
+    assert {c["name"]: c["status"] for c in run["checks"]} == {
+        "gsm8k.mean": "pass", "acceptance.rate": "pass", "acceptance.length": "pass"}
+    s = samples[run["id"]]
+    assert s["doc_ids"] == [0, 1, 2, 3] and s["strict_match"] == [1, 0, 0, 1] and len(s["tokens_sha256"]) == 4
+
+
+def test_rows_of_a_compare_run():
+    """The shipped compare=replay baseline run: its comparison per filter becomes rows of `comparisons`."""
+    results = json.loads((BASELINE_COMPARE_RUN / "results.json").read_text())
+    rows = history.run_rows(results, BASELINE_COMPARE_RUN, source="import")
+    assert rows.run["setting"] == "compare=replay K=3 float32 ws=1 cpu" and rows.run["n"] == 1319
+    assert {c["filter"]: (c["a_only"], c["b_only"], c["num_diverged"]) for c in rows.comparisons} == {
+        "strict_match": (0, 0, 0), "flexible_extract": (0, 0, 0)}
+    assert rows.samples is None  # the compare folder's samples are in its arms
+
+
+def test_import_is_idempotent_and_finds_runs_below_a_sweep(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for i, replay in enumerate((False, True)):
+        write_run(sweep / f"job{i}", make_results(ssm_replay=replay), correct=[1, 0, 0, 1], sweep_dir=sweep)
+    cmp_dir = tmp_path / "cmp"
+    shutil.copytree(BASELINE_COMPARE_RUN, cmp_dir)
+    (cmp_dir / "rewind").mkdir()  # an arm folder with its own results.json is part of the compare run
+    shutil.copy(BASELINE_COMPARE_RUN / "rewind_results.json", cmp_dir / "rewind" / "results.json")
+    db = tmp_path / "h.db"
+    assert history.main(["--db", str(db), "import", str(sweep), str(cmp_dir)]) == 0
+    assert "3 new of 3 runs" in capsys.readouterr().out
+    assert history.main(["--db", str(db), "import", str(sweep), str(cmp_dir / "results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "0 new of 3 runs" in out and out.count("already recorded") == 3
+    assert _count(db, "runs") == 3 and _count(db, "comparisons") == 2 and _count(db, "checks") > 6
+    assert history.main(["--db", str(db), "info"]) == 0
+    assert "schema version 1, 3 runs, 1 entries" in capsys.readouterr().out
+    assert history.main(["--db", str(db), "import", str(tmp_path / "nothing")]) == 2
+    assert "error: " in capsys.readouterr().err
+
+
+def test_the_same_run_recorded_by_the_app_and_imported_is_one_row(fakes, tmp_path):  # noqa: F811
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    db = tmp_path / "h.db"
+    results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", f"history.db={db}"))
+    assert _count(db, "runs") == 1
+    conn = history.connect(db)
+    [run] = history.fetch_runs(conn)
+    machine = json.loads(conn.execute("SELECT machine_json FROM runs").fetchone()[0])
+    conn.close()
+    assert run["source"] == "run" and run["run_dir"] == str(out.resolve()) and run["sweep_dir"] is None
+    assert machine["host"] and machine["torch"] and machine["python"] and "device_name" in machine
+    assert run["git_commit"] == results["git_commit"]
+    [(_, rec)] = history.import_runs([out], db)
+    assert not rec.inserted and rec.run_id == run["id"] and _count(db, "runs") == 1
+
+
+def test_history_disabled_and_broken_history_never_lose_the_run(fakes, tmp_path, capsys):  # noqa: F811
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "off"
+    app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", "history.db=null"))
+    assert "history:" not in capsys.readouterr().out
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"not a database" * 200)
+    out = tmp_path / "broken_run"
+    results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", f"history.db={broken}"))
+    err = capsys.readouterr().err
+    assert results["entry"] == "tiny_nemotron_h_mtp" and (out / "results.json").is_file()
+    assert f"warning: the run was not recorded in the history database {broken}" in err
+    assert f"python -m evals.history import {out} --db {broken}" in err
+
+
+def test_relative_history_path_is_relative_to_the_launch_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert history.resolve_db("hist/h.db") == tmp_path / "hist" / "h.db"
+    assert history.resolve_db(None) is None and history.resolve_db("null") is None
+    assert history.resolve_db(str(tmp_path / "abs.db")) == tmp_path / "abs.db"
+
+
+def test_default_path_agrees_with_the_config(monkeypatch):
+    text = (REPO_ROOT / "configs" / "config.yaml").read_text()
+    assert f"db: ${{oc.env:{history.ENV_VAR},{history.DEFAULT_DB}}}" in text
+    monkeypatch.delenv(history.ENV_VAR)
+    assert history.default_db_path() == Path(history.DEFAULT_DB)
+
+
+WRITER = textwrap.dedent('''
+    import sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    from evals import history
+    from history_factory import make_results
+
+    db, tag, count, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    original = history._insert_details
+
+    def slow_details(conn, run_id, rows):
+        original(conn, run_id, rows)
+        print("inside", run_id, flush=True)  # the run row and its checks are written, not committed
+        time.sleep(hold)
+
+    history._insert_details = slow_details
+    for i in range(count):
+        history.record_run(make_results(commit=f"{{tag}}-{{i}}", wall=float(i)), None, db)
+    print("done", flush=True)
+''')
+
+
+def _writer(tmp_path: Path, db: Path, tag: str, count: int, hold: float) -> subprocess.Popen:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER.format(root=str(REPO_ROOT), tests=str(Path(__file__).parent)))
+    return subprocess.Popen([sys.executable, str(script), str(db), tag, str(count), str(hold)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_writer_killed_mid_transaction_leaves_no_half_row(tmp_path):
+    db = tmp_path / "h.db"
+    history.import_runs([write_run(tmp_path / "earlier", make_results(commit="earlier"))], db)
+    proc = _writer(tmp_path, db, "killed", 1, 60.0)
+    line = proc.stdout.readline()
+    assert line.startswith("inside"), line + proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    conn = history.connect(db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert [r["git_commit"] for r in history.fetch_runs(conn)] == ["earlier"]
+        assert conn.execute("SELECT COUNT(*) FROM checks").fetchone()[0] == 3  # the earlier run's only
+    finally:
+        conn.close()
+    history.record_run(make_results(commit="after"), None, db)  # the lock died with the writer
+    assert _count(db, "runs") == 2
+
+
+def test_two_concurrent_writers_both_land_every_row(tmp_path):
+    """Two processes each hold the write lock for 0.1 s per run while the other waits (busy timeout)."""
+    db = tmp_path / "h.db"
+    history.connect(db).close()
+    procs = [_writer(tmp_path, db, tag, 6, 0.1) for tag in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip().endswith("done"), err
+    conn = history.connect(db)
+    try:
+        runs = history.fetch_runs(conn)
+        assert sorted(r["git_commit"] for r in runs) == sorted(f"{t}-{i}" for t in "ab" for i in range(6))
+        assert all(len(r["checks"]) == 3 for r in runs)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()
+
+
+def test_a_database_locked_too_long_is_a_clear_error(tmp_path, monkeypatch):
+    db = tmp_path / "h.db"
+    history.connect(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    monkeypatch.setattr(history, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(history, "WRITE_ATTEMPTS", 3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(history.HistoryError, match="stayed locked while recording"):
+            history.record_run(make_results(), None, db)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert time.monotonic() - t0 < 10
+    history.record_run(make_results(), None, db)
+    assert _count(db, "runs") == 1
