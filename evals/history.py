@@ -246,7 +246,8 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         if tables:
             raise HistoryError(
-                f"{path} is an SQLite database without a history schema version (tables: {', '.join(tables)})",
+                f"{path} is an SQLite database without a history schema version "
+                f"(tables: {', '.join(tables)})",
                 f"pass another --db / {ENV_VAR}; this file is not a results history",
             )
     while version < SCHEMA_VERSION:
@@ -434,7 +435,8 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
     c = res["config"]
     g = res.get("gsm8k") or {}
     acc = res.get("acceptance") or {}
-    gcheck, rate, length = _check(res, "gsm8k."), _check(res, "acceptance.rate"), _check(res, "acceptance.length")
+    gcheck, rate = _check(res, "gsm8k."), _check(res, "acceptance.rate")
+    length = _check(res, "acceptance.length")
     verdict = res.get("verdict") or {}
     memory = res.get("memory") or {}
     timings = res.get("timings") or {}

@@ -162,8 +162,10 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
             gsm8k = f"{_pct(g.get('strict_match'))} / {_pct(g.get('flexible_extract'))} % (n={g.get('n')})"
             acc = results.get("acceptance") or {}
             rate, length = acc.get("rate"), acc.get("length")
-            acceptance = (f"{rate:.3f} / {length:.2f}" if isinstance(rate, float) and isinstance(length, float)
-                          else "- (no drafts)" if not acc else "-")
+            if isinstance(rate, float) and isinstance(length, float):
+                acceptance = f"{rate:.3f} / {length:.2f}"
+            else:
+                acceptance = "- (no drafts)" if not acc else "-"
             verdict = _verdict_text(results)
             passed = (results.get("verdict") or {}).get("passed")
             code = int(job.get("exit_code", 1 if passed is False else 0))
@@ -230,7 +232,8 @@ def summarize(sweep_dir: str | os.PathLike) -> Summary:
     """collect_jobs + format_table + the worst exit status of the sweep in sweep_dir."""
     sweep_dir = Path(sweep_dir).resolve()
     jobs = collect_jobs(sweep_dir)
-    return Summary(sweep_dir, jobs, max((j.exit_code for j in jobs), default=0), format_table(jobs, sweep_dir))
+    worst = max((j.exit_code for j in jobs), default=0)
+    return Summary(sweep_dir, jobs, worst, format_table(jobs, sweep_dir))
 
 
 def worst_status() -> int | None:

@@ -65,7 +65,7 @@ class Change:
 
 @dataclass
 class Flip:
-    """Replay vs rewind on the same samples: from a compare=replay run, or a replay / rewind pair of a sweep."""
+    """Replay vs rewind on the same samples: a compare=replay run, or a replay / rewind pair of a sweep."""
 
     when: str
     entry: str
@@ -212,7 +212,8 @@ def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], pat
     pad = max(span * 0.08, dt.timedelta(seconds=1)) if span else dt.timedelta(minutes=30)
     x_end = xs[-1] + pad
 
-    def draw(ax, values: list[float | None], label: str, unit: str, refs: list[tuple[list, str, str]]) -> None:
+    def draw(ax, values: list[float | None], label: str, unit: str,
+             refs: list[tuple[list, str, str]]) -> None:
         pts = [(x, v, f) for x, v, f in zip(xs, values, failed) if v is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color="tab:blue", label=label,
@@ -316,14 +317,15 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
     return rows
 
 
-FLIP_HEADER = ["finished (UTC)", "entry", "setting", "source", "n", "strict-match flips (rewind / replay only)",
-               "flexible-extract flips", "outputs differ", "McNemar p (strict)", "folder"]
+FLIP_HEADER = ["finished (UTC)", "entry", "setting", "source", "n",
+               "strict-match flips (rewind / replay only)", "flexible-extract flips", "outputs differ",
+               "McNemar p (strict)", "folder"]
 
 
 def _flip_cells(f: Flip) -> list[str]:
-    return [f.when.replace("+00:00", ""), f.entry, f.setting, f.source, str(f.n), f"{f.strict[0]} / {f.strict[1]}",
-            f"{f.flexible[0]} / {f.flexible[1]}", "-" if f.tokens_differ is None else str(f.tokens_differ),
-            _f(f.mcnemar_p, 3), f.where]
+    return [f.when.replace("+00:00", ""), f.entry, f.setting, f.source, str(f.n),
+            f"{f.strict[0]} / {f.strict[1]}", f"{f.flexible[0]} / {f.flexible[1]}",
+            "-" if f.tokens_differ is None else str(f.tokens_differ), _f(f.mcnemar_p, 3), f.where]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -370,7 +372,8 @@ def render_html(db: Path, runs: list[Mapping[str, Any]], rows: list[Row], regres
     out.append("</table>")
     out.append("<h2>Regressions since the previous run</h2>")
     out.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in regressions) + "</ul>" if regressions
-               else "<p>None: no check that passed in the previous run of its entry and setting fails now.</p>")
+               else "<p>None: no check that passed in the previous run of its entry and setting fails "
+               "now.</p>")
     out.append("<h2>Replay vs rewind</h2>")
     if flip_list:
         n_flipped = sum(f.flipped for f in flip_list)

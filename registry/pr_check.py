@@ -6,9 +6,9 @@
    its defaults list (a variant); every entry judged by a baseline key whose rows changed in
    `registry/baselines/*.yaml` (the model blocks of the base and the new file are compared); every embedded
    entry whose checkpoint folder changed. A change to the registry's code (registry/*.py) touches all of them.
-3. Validate them with `python -m registry validate <entries>` (schema, composition with ssm_replay on / off and
-   world sizes, the baseline rows each would be judged by, an embedded checkpoint that loads). When a baseline
-   file changed, every entry is validated: that loads and checks the whole file.
+3. Validate them with `python -m registry validate <entries>` (schema, composition with ssm_replay on / off
+   and world sizes, the baseline rows each would be judged by, an embedded checkpoint that loads). When a
+   baseline file changed, every entry is validated: that loads and checks the whole file.
 4. Smoke-evaluate each touched embedded entry on the CPU: `python run.py model=<entry> compare=replay
    eval.limit=2` (without speculative decoding: a plain run). It fails when the run cannot complete (user
    error, crash) or when replay and rewind disagree (the comparison's checks); a GSM8K / acceptance check at
@@ -211,7 +211,8 @@ class SmokeResult:
     lines: list[str]
 
 
-def smoke(entry: str, out_dir: Path, *, limit: int = SMOKE_LIMIT, python: str = sys.executable) -> SmokeResult:
+def smoke(entry: str, out_dir: Path, *, limit: int = SMOKE_LIMIT,
+          python: str = sys.executable) -> SmokeResult:
     """Evaluate an embedded entry on `limit` GSM8K questions on the CPU (compare=replay when it drafts)."""
     spec = (_safe_data(entry).get("speculative") or {})
     drafts = spec.get("algorithm") == "mtp" and int(spec.get("draft_len") or 0) > 0
@@ -234,11 +235,13 @@ def smoke(entry: str, out_dir: Path, *, limit: int = SMOKE_LIMIT, python: str = 
             ok = False
             lines.append(f"  FAIL {c['name']}: {c.get('note')}")
         else:
-            lines.append(f"  note: {c['name']} failed at n={limit} (not judged in a smoke run): {c.get('note')}")
+            lines.append(f"  note: {c['name']} failed at n={limit} (not judged in a smoke run): "
+                         f"{c.get('note')}")
     g = results.get("gsm8k") or {}
     acc = results.get("acceptance") or {}
     rate = acc.get("rate")
-    lines.append(f"  GSM8K strict {g.get('strict_match')} flexible {g.get('flexible_extract')} (n={g.get('n')})"
+    lines.append(f"  GSM8K strict {g.get('strict_match')} flexible {g.get('flexible_extract')} "
+                 f"(n={g.get('n')})"
                  + (f"; acceptance rate {rate:.3f}" if isinstance(rate, float) else "")
                  + ("; replay == rewind" if drafts and ok else ""))
     return SmokeResult(entry, ok, lines)

@@ -15,7 +15,8 @@ def check(name: str, value: float, threshold: float | None, reference: float | N
             "details": {"metric": "mean", "n": 4} if name.startswith("gsm8k") else {}}
 
 
-def make_results(entry: str = "tiny_nemotron_h_mtp", *, ssm_replay: bool = False, correct: list[int] | None = None,
+def make_results(entry: str = "tiny_nemotron_h_mtp", *, ssm_replay: bool = False,
+                 correct: list[int] | None = None,
                  rate: float = 0.55, length: float = 2.6, rate_floor: float | None = 0.43,
                  gsm8k_threshold: float | None = -20.0, commit: str = "abc123", compare: str | None = None,
                  comparison: dict | None = None, wall: float = 1.0) -> dict[str, Any]:
@@ -59,8 +60,8 @@ def write_run(folder: Path, results: dict[str, Any], *, correct: list[int] | Non
         tokens = tokens or [[7, i] for i in range(len(correct))]
         with open(folder / "samples.jsonl", "w") as s, open(folder / "generations.jsonl", "w") as g:
             for i, (c, t) in enumerate(zip(correct, tokens)):
-                s.write(json.dumps({"doc_id": i, "request_key": f"k{i}",
-                                    "correct": {"strict_match": bool(c), "flexible_extract": bool(c)}}) + "\n")
+                flags = {"strict_match": bool(c), "flexible_extract": bool(c)}
+                s.write(json.dumps({"doc_id": i, "request_key": f"k{i}", "correct": flags}) + "\n")
                 g.write(json.dumps({"key": f"k{i}", "generated_ids": t}) + "\n")
     if sweep_dir is not None:
         (folder / "job.json").write_text(json.dumps({"exit_code": 0, "sweep_dir": str(sweep_dir)}))

@@ -510,7 +510,8 @@ def test_sweep_runs_every_job_and_exits_with_the_worst_status(tmp_path, gsm8k_di
     # eval.data_dir (a path: excluded from the name)
     job = tmp_path / "draft_len-0+eval.limit-1+eval.max_gen_toks-4"
     assert (job / "results.json").is_file(), sorted(p.name for p in tmp_path.iterdir())
-    assert "| ERROR (exit 2) |" in proc.stdout and "draft_len-2+eval.limit-1+eval.max_gen_toks-4" in proc.stdout
+    assert "| ERROR (exit 2) |" in proc.stdout
+    assert "draft_len-2+eval.limit-1+eval.max_gen_toks-4" in proc.stdout
     proc = _run_py("-m", "model=tiny_nemotron_h_mtp,super_v3", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown registry entry model='super_v3'" in proc.stderr
 

@@ -99,8 +99,8 @@ def test_an_older_database_is_migrated_in_place(tmp_path, monkeypatch):
 
 def test_rows_of_a_single_run(tmp_path):
     sweep = tmp_path / "sweep"
-    folder = write_run(sweep / "job0", make_results(ssm_replay=True, correct=[1, 0, 0, 1]), correct=[1, 0, 0, 1],
-                       sweep_dir=sweep)
+    folder = write_run(sweep / "job0", make_results(ssm_replay=True, correct=[1, 0, 0, 1]),
+                       correct=[1, 0, 0, 1], sweep_dir=sweep)
     db = tmp_path / "h.db"
     [(d, rec)] = history.import_runs([folder], db)
     assert rec.inserted and d == folder

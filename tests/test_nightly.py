@@ -54,7 +54,8 @@ def test_a_variant_inherits_nightly_unless_it_sets_its_own(tmp_path):
     for name, text in files.items():
         (tmp_path / f"{name}.yaml").write_text(text)
     read = selection._read_from(tmp_path)
-    assert selection.entry_data("base_ws4", read=read) == {"name": "base_ws4", "nightly": True, "world_size": 4}
+    assert selection.entry_data("base_ws4", read=read) == {"name": "base_ws4", "nightly": True,
+                                                           "world_size": 4}
     assert selection.entry_data("base_off", read=read)["nightly"] is False
     assert selection.variants_of(["base"], candidates=list(files), read=read) == ["base_off", "base_ws4"]
     with pytest.raises(ValueError, match="defaults cycle"):
@@ -132,7 +133,8 @@ def test_summary_of_refused_crashed_and_killed_jobs(tmp_path):
     assert summary.worst == 2
     by_folder = {j.folder.name: j for j in summary.jobs}
     assert by_folder[ok.name].verdict == "PASS (no reference: acceptance.rate)"
-    assert by_folder[ok.name].gsm8k == "25.00 / 50.00 % (n=4)" and by_folder[ok.name].acceptance == "0.500 / 2.50"
+    assert by_folder[ok.name].gsm8k == "25.00 / 50.00 % (n=4)"
+    assert by_folder[ok.name].acceptance == "0.500 / 2.50"
     assert (by_folder[refused.name].verdict, by_folder[refused.name].exit_code) == ("ERROR (exit 2)", 2)
     assert (by_folder[crashed.name].verdict, by_folder[crashed.name].exit_code) == ("CRASH", 1)
     assert by_folder[killed.name].verdict.startswith("no status") and by_folder[killed.name].exit_code == 1
@@ -147,7 +149,8 @@ def test_summary_of_refused_crashed_and_killed_jobs(tmp_path):
     assert format_table([], sweep).startswith(f"Sweep {sweep}: 0 jobs (none); exit status 0")
 
 
-def _run_py(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run_py(*args: str, cwd: Path, env: dict | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -164,18 +167,22 @@ def test_nightly_sweep_runs_the_tiny_entries_and_fills_the_history(tmp_path, gsm
     assert folders == [f"eval.limit-1+eval.max_gen_toks-8+model-{m}+ssm_replay-{r}"
                        for m in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp") for r in ("False", "True")]
     table = (sweep / "sweep_summary.md").read_text()
-    verdicts = [line.split("|")[6].strip() for line in table.splitlines() if line.startswith("| ") and "tiny" in line]
-    assert len(verdicts) == 4 and all(v == "PASS" or v.startswith("FAIL: acceptance.") for v in verdicts), table
+    verdicts = [line.split("|")[6].strip() for line in table.splitlines()
+                if line.startswith("| ") and "tiny" in line]
+    assert len(verdicts) == 4, table
+    assert all(v == "PASS" or v.startswith("FAIL: acceptance.") for v in verdicts), table
     failed = sum(v != "PASS" for v in verdicts)
     assert proc.returncode == (1 if failed else 0), out[-3000:] + proc.stderr[-3000:]
-    assert f"4 jobs ({4 - failed} passed{f', {failed} failed' if failed else ''}); exit status {proc.returncode}" in out
+    tally = f"{4 - failed} passed" + (f", {failed} failed" if failed else "")
+    assert f"4 jobs ({tally}); exit status {proc.returncode}" in out
     # replay and rewind of one entry: the same tokens, so the same acceptance
     conn = sqlite3.connect(db)
     pairs = conn.execute("SELECT entry, GROUP_CONCAT(acceptance_rate) FROM runs GROUP BY entry").fetchall()
     assert all(len(set(rates.split(","))) == 1 for _, rates in pairs), pairs
     conn.close()
     conn = sqlite3.connect(db)
-    rows = conn.execute("SELECT entry, setting, sweep_dir, source FROM runs ORDER BY entry, setting").fetchall()
+    rows = conn.execute("SELECT entry, setting, sweep_dir, source FROM runs ORDER BY entry, setting")
+    rows = rows.fetchall()
     assert conn.execute("SELECT COUNT(*) FROM samples").fetchone()[0] == 4
     conn.close()
     assert [(e, s.split(" ")[0], d, src) for e, s, d, src in rows] == [
@@ -212,8 +219,8 @@ def test_a_sweep_of_jobs_in_other_processes_reports_every_job_and_the_worst_stat
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}
     sweep = tmp_path / "sweep"
     proc = _run_py("+experiment=nightly", "model=tiny_nemotron_h_mtp", "hydra/launcher=submitit_local",
-                   "eval.limit=1", f"hydra.sweep.dir={sweep}", f"history.db={tmp_path / 'h.db'}", cwd=tmp_path,
-                   env=env)
+                   "eval.limit=1", f"hydra.sweep.dir={sweep}", f"history.db={tmp_path / 'h.db'}",
+                   cwd=tmp_path, env=env)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:] + proc.stderr[-3000:]
     assert "2 jobs (1 passed, 1 failed); exit status 1" in out
@@ -221,7 +228,8 @@ def test_a_sweep_of_jobs_in_other_processes_reports_every_job_and_the_worst_stat
     assert len(rows) == 2 and "| ssm_replay=False | 100.00 / 100.00 % (n=1) | 0.500 / 2.50" in rows[0]
     assert "| PASS " in rows[0] and "| ssm_replay=True " in rows[1] and "| CRASH " in rows[1]
     assert "job 1: crash: RuntimeError: injected crash" in out
-    job = json.loads((sweep / "eval.limit-1+model-tiny_nemotron_h_mtp+ssm_replay-True" / "job.json").read_text())
+    job_dir = sweep / "eval.limit-1+model-tiny_nemotron_h_mtp+ssm_replay-True"
+    job = json.loads((job_dir / "job.json").read_text())
     assert job["exit_code"] == 1 and job["sweep_dir"] == str(sweep.resolve())
     conn = sqlite3.connect(tmp_path / "h.db")
     assert conn.execute("SELECT entry, ssm_replay FROM runs").fetchall() == [("tiny_nemotron_h_mtp", 0)]

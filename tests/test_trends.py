@@ -1,0 +1,121 @@
+"""The trend report (evals/trends.py): latest status, regressions since the previous run, replay-vs-rewind
+flips (compare runs and sweep pairs), trend plots; the page rendered in a real headless browser."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from history_factory import make_results, write_run
+
+from evals import history
+from evals.trends import write_trend_report
+from runners.app import REPO_ROOT
+
+BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"
+T0 = 1_790_000_000  # 2026-09-21, seconds since the epoch
+DAY = 86_400
+
+
+def _at(folder: Path, when: float) -> Path:
+    os.utime(folder / "results.json", (when, when))  # finished_at is results.json's modification time
+    return folder
+
+
+@pytest.fixture
+def history_db(tmp_path) -> Path:
+    """Two nightly sweeps of one entry (rewind + replay) and a compare=replay run, recorded as imports.
+
+    Night 1: both arms pass and agree. Night 2: replay flips sample 2 (right in replay only), its outputs
+    differ on that sample, and its acceptance rate falls below the floor (a regression against night 1).
+    """
+    db = tmp_path / "history.db"
+    folders = []
+    for night, sweep_name in enumerate(("night1", "night2")):
+        sweep = tmp_path / sweep_name
+        for replay in (False, True):
+            correct = [1, 0, 0, 1]
+            tokens = [[7, i] for i in range(4)]
+            rate = 0.55
+            if night == 1 and replay:
+                correct, tokens, rate = [1, 0, 1, 1], [[7, 0], [7, 1], [9, 9], [7, 3]], 0.2
+            res = make_results(ssm_replay=replay, correct=correct, rate=rate, commit=f"commit{night}")
+            folder = write_run(sweep / f"ssm_replay-{replay}", res, correct=correct, tokens=tokens,
+                               sweep_dir=sweep)
+            folders.append(_at(folder, T0 + night * DAY + replay))
+    cmp_dir = tmp_path / "compare"
+    shutil.copytree(BASELINE_COMPARE_RUN, cmp_dir)
+    folders.append(_at(cmp_dir, T0 + DAY / 2))
+    odd = make_results(entry="x<b>&y", commit="commit0")
+    folders.append(_at(write_run(tmp_path / "odd", odd), T0))
+    history.import_runs(folders, db)
+    return db
+
+
+def test_report_marks_regressions_and_lists_flips(history_db, tmp_path):
+    files = write_trend_report(history_db, tmp_path / "report")
+    page = files.html.read_text()
+    md = files.markdown.read_text()
+    # latest status: one row per entry x setting; the replay row is marked as a regression
+    assert page.count('<tr class="regression">') == 1
+    replay_row = next(line for line in page.splitlines() if line.startswith('<tr class="regression">'))
+    assert "replay K=3 float32 ws=1 cpu" in replay_row and "REGRESSION: acceptance.rate" in replay_row
+    assert '<td class="fail">FAIL</td>' in replay_row and "1 answers changed" in replay_row
+    assert "1 outputs differ" in replay_row and "commit1" in replay_row
+    assert "tiny_nemotron_h_mtp | replay K=3 float32 ws=1 cpu: acceptance.rate fails" in page
+    rewind_row = next(line for line in page.splitlines() if "rewind K=3 float32 ws=1 cpu</td>" in line)
+    assert '<td class="pass">PASS</td>' in rewind_row and "0 answers changed" in rewind_row
+    # flips: night 2's pair flipped (1 sample right in replay only, 1 output differs), night 1's did not,
+    # and the compare run's comparison section (0 / 0 over 1319 samples) is listed too
+    flipped = [line for line in page.splitlines() if line.startswith('<tr class="flipped">')]
+    assert len(flipped) == 1
+    assert "<td>sweep pair</td><td>4</td><td>0 / 1</td><td>0 / 1</td><td>1</td>" in flipped[0]
+    assert str(tmp_path / "night2") in flipped[0]
+    assert "<td>compare run</td><td>1319</td><td>0 / 0</td><td>0 / 0</td><td>0</td>" in page
+    assert "3 comparisons, 1 with flipped samples or differing outputs" in page
+    # plots: one per entry x setting, linked relatively and present
+    assert len(files.plots) == 4
+    for plot in files.plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'src="{plot.name}"' in page
+        assert f"]({plot.name})" in md
+    # no script, nothing from the network, user data escaped
+    assert "<script" not in page.lower() and "http://" not in page and "https://" not in page
+    assert "x&lt;b&gt;&amp;y" in page and "x<b>" not in page
+    assert "## Regressions since the previous run" in md and "REGRESSION: acceptance.rate" in md
+
+
+def test_a_check_failing_in_a_first_run_is_listed(tmp_path):
+    db = tmp_path / "h.db"
+    history.import_runs([write_run(tmp_path / "r", make_results(rate=0.1))], db)
+    page = write_trend_report(db, tmp_path / "out").html.read_text()
+    assert "acceptance.rate fails in its first run" in page and "first run" in page
+
+
+def test_report_command(history_db, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert history.main(["--db", str(history_db), "report", "--out", str(out)]) == 0
+    assert (out / "index.html").is_file() and (out / "report.md").is_file()
+    assert history.main(["--db", str(tmp_path / "absent.db"), "report", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: no history database at" in err and "fix: " in err
+
+
+def test_page_renders_in_headless_chromium(history_db, tmp_path):
+    """Open the page in Debian's chromium through Playwright (evals/screenshot.py): every image loads, nothing
+    but the report's own files is requested, and the tables are there. (.ci/run installs chromium.)"""
+    pytest.importorskip("playwright.sync_api")
+    from evals.screenshot import CHROMIUM, render
+
+    if not CHROMIUM.is_file():
+        pytest.skip(f"needs {CHROMIUM} (apt-get install chromium)")
+    files = write_trend_report(history_db, tmp_path / "report")
+    check = render(files.html, tmp_path / "page.png")
+    assert check.problems == []
+    assert len(check.images) == 4 and all(done and width == 640 for done, width in check.images), check.images
+    assert check.headings == ["Latest status per entry × setting", "Regressions since the previous run",
+                              "Replay vs rewind", "Trends"]
+    assert check.table_rows == 1 + 4 + 1 + 3  # status header + 4 series, flips header + 3 comparisons
+    assert all(u.startswith("file://") for u in check.requested) and len(check.requested) == 1 + 4
+    assert check.screenshot.stat().st_size > 50_000  # a page with four plots, not a blank one
