@@ -105,6 +105,7 @@ MIGRATIONS: dict[int, list[str]] = {
         )""",
         "CREATE INDEX runs_by_setting ON runs (entry, setting, finished_at)",
         "CREATE INDEX runs_by_sweep ON runs (sweep_dir)",
+        "CREATE INDEX runs_by_dir ON runs (run_dir)",
         """CREATE TABLE checks (
             run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
             name TEXT NOT NULL,
@@ -563,23 +564,41 @@ def _insert_details(conn: sqlite3.Connection, run_id: int, rows: RunRows) -> Non
 
 @dataclass
 class Recorded:
-    """What record_run did: the run's id, and whether it was new (False: already in the database)."""
+    """What record_rows did: the run's row id; whether a row was written (False: these results, or newer ones
+    of the same folder, are already in the database); how many older rows of the same folder it replaced."""
 
     run_id: int
     inserted: bool
+    replaced: int = 0
 
 
 def record_rows(conn: sqlite3.Connection, rows: RunRows) -> Recorded:
-    """Write one run's rows in one transaction (retried while the database is busy)."""
+    """Write one run's rows in one transaction (retried while the database is busy).
+
+    One row per run: the same results (run_key) are written once; and a run folder holds one run, so results
+    of a folder that already has a row (a finished run resumed, which rewrites its results.json) replace
+    that row when they are newer (finished_at) and are skipped when they are older.
+    """
 
     def write() -> Recorded:
         with transaction(conn):
+            same = conn.execute("SELECT id FROM runs WHERE run_key = ?", (rows.run["run_key"],)).fetchone()
+            if same is not None:
+                return Recorded(int(same[0]), False)
+            older = []
+            if rows.run["run_dir"] is not None:
+                prior = conn.execute("SELECT id, finished_at FROM runs WHERE run_dir = ?",
+                                     (rows.run["run_dir"],)).fetchall()
+                newer = [rid for rid, when in prior if when > rows.run["finished_at"]]
+                if newer:
+                    return Recorded(int(newer[0]), False)
+                older = [rid for rid, _ in prior]
+                for rid in older:
+                    conn.execute("DELETE FROM runs WHERE id = ?", (rid,))  # its details cascade
             run_id = _insert_run(conn, rows)
-            if run_id is None:
-                existing = conn.execute("SELECT id FROM runs WHERE run_key = ?", (rows.run["run_key"],))
-                return Recorded(int(existing.fetchone()[0]), False)
+            assert run_id is not None  # the run_key was checked inside this transaction
             _insert_details(conn, run_id, rows)
-            return Recorded(run_id, True)
+            return Recorded(run_id, True, len(older))
 
     return _retrying(f"recording {rows.run['entry']}", write)
 
@@ -588,8 +607,9 @@ def record_run(results: Mapping[str, Any], run_dir: str | os.PathLike | None, db
                source: str = "run", sweep_dir: str | None = None) -> Recorded:
     """Record one finished run's results (the dict written to run_dir/results.json) in the database db.
 
-    Idempotent: a run already recorded (same results) is not added again. Raises HistoryError (see connect
-    and run_rows) and sqlite3 errors other than "busy".
+    Idempotent: a run already recorded (same results) is not added again; newer results of an already
+    recorded run folder replace its row (record_rows). Raises HistoryError (see connect and run_rows) and
+    sqlite3 errors other than "busy".
     """
     folder = Path(run_dir) if run_dir is not None else None
     if sweep_dir is None and folder is not None:
@@ -637,7 +657,9 @@ def record_finished_run(results: Mapping[str, Any], run_dir: str | os.PathLike, 
               f"  its results are in {Path(run_dir) / RESULTS_FILE}; record them later with: "
               f"python -m evals.history import {run_dir} --db {path}", file=sys.stderr)
         return False
-    print(f"history: {path} (run {rec.run_id}{'' if rec.inserted else ', already recorded'})")
+    note = ", already recorded" if not rec.inserted else (", replaces the folder's earlier results"
+                                                         if rec.replaced else "")
+    print(f"history: {path} (run {rec.run_id}{note})")
     return True
 
 
@@ -756,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
             done = import_runs(args.paths, db)
             new = sum(r.inserted for _, r in done)
             for d, r in done:
-                print(f"{'recorded' if r.inserted else 'already recorded'}  run {r.run_id}  {d}")
+                what = "replaced" if r.replaced else "recorded" if r.inserted else "already recorded"
+                print(f"{what}  run {r.run_id}  {d}")
             print(f"{new} new of {len(done)} runs -> {db}")
         elif args.command == "report":
             from evals.trends import write_trend_report

@@ -4,6 +4,7 @@ killed mid-transaction, concurrent writers, a locked database, and runners.app.r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sqlite3
@@ -152,6 +153,27 @@ def test_import_is_idempotent_and_finds_runs_below_a_sweep(tmp_path, capsys):
     assert "schema version 1, 3 runs, 1 entries" in capsys.readouterr().out
     assert history.main(["--db", str(db), "import", str(tmp_path / "nothing")]) == 2
     assert "error: " in capsys.readouterr().err
+
+
+def test_a_folder_is_one_run_whose_newest_results_win(tmp_path):
+    """A finished run resumed rewrites its results.json (new timings): the newer results replace the folder's
+    row; results older than the recorded ones never replace them."""
+    db = tmp_path / "h.db"
+    folder = write_run(tmp_path / "run", make_results(wall=1.0), correct=[1, 0, 0, 1])
+    os.utime(folder / "results.json", (1_000_000, 1_000_000))
+    history.import_runs([folder], db)
+    write_run(folder, make_results(wall=2.0), correct=[1, 0, 0, 1])
+    os.utime(folder / "results.json", (2_000_000, 2_000_000))
+    [(_, rec)] = history.import_runs([folder], db)
+    assert rec.inserted and rec.replaced == 1
+    assert _count(db, "runs") == 1 and _count(db, "checks") == 3 and _count(db, "samples") == 1
+    conn = history.connect(db)
+    assert conn.execute("SELECT wall_seconds FROM runs").fetchall() == [(2.0,)]
+    conn.close()
+    write_run(folder, make_results(wall=3.0), correct=[1, 0, 0, 1])
+    os.utime(folder / "results.json", (1_500_000, 1_500_000))  # older than the recorded results
+    [(_, rec)] = history.import_runs([folder], db)
+    assert not rec.inserted and _count(db, "runs") == 1
 
 
 def test_the_same_run_recorded_by_the_app_and_imported_is_one_row(fakes, tmp_path):  # noqa: F811
