@@ -172,7 +172,8 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         else:
             gsm8k = acceptance = "-"
             code = int(job.get("exit_code", 1))
-            verdict = "no status: killed, or still running"
+            verdict = ("no results.json in the job folder (out_dir= elsewhere?)" if job
+                       else "no status: killed, or still running")
         error = str(job["error"]).splitlines()[0] if job.get("error") else None
         if error:  # a refused or crashed job (also one that crashed after writing results.json)
             verdict = "CRASH" if error.startswith("crash:") else f"ERROR (exit {code})"

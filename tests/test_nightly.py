@@ -234,3 +234,13 @@ def test_a_sweep_of_jobs_in_other_processes_reports_every_job_and_the_worst_stat
     conn = sqlite3.connect(tmp_path / "h.db")
     assert conn.execute("SELECT entry, ssm_replay FROM runs").fetchall() == [("tiny_nemotron_h_mtp", 0)]
     conn.close()
+
+
+def test_an_unknown_experiment_is_a_user_error():
+    from runners.app import preflight
+    from runners.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        preflight(["+experiment=nightlyy"])
+    assert e.value.problem == "unknown experiment option experiment=nightlyy"
+    assert e.value.fix.startswith("did you mean experiment=nightly?")
