@@ -236,11 +236,8 @@ def test_a_sweep_of_jobs_in_other_processes_reports_every_job_and_the_worst_stat
     conn.close()
 
 
-def test_an_unknown_experiment_is_a_user_error():
-    from runners.app import preflight
-    from runners.errors import UserError
-
-    with pytest.raises(UserError) as e:
-        preflight(["+experiment=nightlyy"])
-    assert e.value.problem == "unknown experiment option experiment=nightlyy"
-    assert e.value.fix.startswith("did you mean experiment=nightly?")
+def test_an_unknown_experiment_is_a_user_error(tmp_path):
+    proc = _run_py("+experiment=nightlyy", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[:2] == ["error: unknown experiment option experiment=nightlyy",
+                                            "  fix: did you mean experiment=nightly? choose one of: nightly"]
