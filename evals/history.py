@@ -38,12 +38,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from evals.results import RESULTS_FILE
 from evals.sweep import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
+from registry.errors import UserError
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of a current database; docs/history_schema.md
 ENV_VAR = "HYBRID_EVAL_HISTORY"
 DEFAULT_DB = "outputs/history.db"  # relative to the launch directory; configs/config.yaml says the same
-RESULTS_FILE = "results.json"
 BUSY_TIMEOUT_S = 30.0  # how long one statement waits for another writer's lock before SQLITE_BUSY
 WRITE_ATTEMPTS = 8  # transactions retried on SQLITE_BUSY / "database is locked", with jittered backoff
 
@@ -143,14 +144,9 @@ MIGRATIONS: dict[int, list[str]] = {
 assert sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
 
 
-class HistoryError(RuntimeError):
+class HistoryError(UserError):
     """The database cannot be used: written by a newer version, not a history database, locked for too long,
-    or a results dict / folder that cannot be recorded. problem / fix as in runners.errors.UserError."""
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(f"{problem}\n  fix: {fix}")
-        self.problem = problem
-        self.fix = fix
+    or a results dict / folder that cannot be recorded (problem / fix: registry.errors.UserError)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -516,9 +512,11 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
 
 def _sample_rows(folder: Path) -> dict[str, Any] | None:
     """Per-sample correctness and token hashes of a single run's folder; None without samples.jsonl."""
-    if not (folder / "samples.jsonl").is_file():
-        return None
     from evals.compare import ComparisonError, load_run_samples
+    from evals.gsm8k import SAMPLES_FILE
+
+    if not (folder / SAMPLES_FILE).is_file():
+        return None
 
     try:
         samples = load_run_samples(folder)
@@ -796,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 conn.close()
     except HistoryError as e:
-        print(f"error: {e.problem}\n  fix: {e.fix}", file=sys.stderr)
+        print(e.format(), file=sys.stderr)
         return 2
     return 0
 

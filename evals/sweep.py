@@ -144,7 +144,7 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
     A job with results.json shows its scores and verdict; one with only job.json its error line; one with
     neither (killed, or still running) "no status" with exit 1.
     """
-    from evals.history import RESULTS_FILE
+    from evals.results import RESULTS_FILE  # imports the engine's statistics (torch): not at module level
 
     rows = []
     for folder in _job_folders(Path(sweep_dir)):

@@ -38,6 +38,7 @@ from registry.schema import (
     schema_fields,
     unknown_entry_error,
 )
+from registry.selection import register_resolvers
 
 CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_NAME = "config"
@@ -134,6 +135,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     check_overrides. Raises UserError for every problem run.py reports as one."""
     overrides = list(overrides or [])
     check_overrides(overrides)
+    register_resolvers()  # ${registry_entries:nightly} of +experiment=nightly, as run.py
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             return compose(CONFIG_NAME, overrides=overrides)

@@ -35,10 +35,9 @@ from typing import Any
 
 import yaml
 
-from registry.schema import BASELINES_DIR, MODEL_DIR, REGISTRY_DIR, entry_names, validate_entry
+from registry.schema import BASELINES_DIR, MODEL_DIR, REGISTRY_DIR, REPO_ROOT, entry_names, validate_entry
 from registry.selection import entry_data, variants_of
 
-REPO_ROOT = REGISTRY_DIR.parent
 TEMPLATE = MODEL_DIR / "_template.yaml.example"
 SMOKE_LIMIT = 2
 
@@ -222,7 +221,7 @@ def smoke(entry: str, out_dir: Path, *, limit: int = SMOKE_LIMIT,
     shown = " ".join(cmd[1:]).replace(str(REPO_ROOT) + "/", "")
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     lines = [f"$ python {shown}  (exit {proc.returncode})"]
-    results_path = run_dir / "results.json"
+    results_path = run_dir / "results.json"  # evals.results.RESULTS_FILE (registry imports nothing of evals)
     if proc.returncode not in (0, 1) or not results_path.is_file():
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-6:]
         return SmokeResult(entry, False, lines + ["  the run did not complete:"] + [f"  | {x}" for x in tail])

@@ -19,8 +19,8 @@ from history_factory import make_results, write_run
 from test_app import _cfg, fakes, make_checkpoint  # noqa: F401 - fakes is a fixture used below
 
 from evals import history
+from registry.schema import REPO_ROOT
 from runners import app
-from runners.app import REPO_ROOT
 
 BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"
 

@@ -18,14 +18,14 @@ from omegaconf import OmegaConf
 
 from evals.sweep import collect_jobs, format_table, summarize
 from registry import selection
-from registry.schema import entry_names
-from runners.app import CONFIG_DIR, REPO_ROOT
+from registry.compose import CONFIG_DIR, CONFIG_NAME
+from registry.schema import REPO_ROOT, entry_names
 
 
 def _compose(*overrides: str, hydra_config: bool = True):
     selection.register_resolvers()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
+        return compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=hydra_config)
 
 
 def test_nightly_experiment_sweeps_the_marked_entries_with_replay_off_and_on():
@@ -40,10 +40,16 @@ def test_nightly_experiment_sweeps_the_marked_entries_with_replay_off_and_on():
 
 def test_entry_data_merges_defaults_as_hydra_does():
     """registry.selection reads the defaults chain from YAML; it must agree with Hydra's composition."""
+    def keys_of(data, composed):  # composed also holds the schema's defaults of keys the files do not set
+        if isinstance(data, dict) and isinstance(composed, dict):
+            return {k: keys_of(v, composed.get(k)) for k, v in data.items()}
+        return composed
+
     for name in entry_names():
-        composed = OmegaConf.to_container(_compose(f"model={name}", hydra_config=False).model)
+        composed = OmegaConf.to_container(_compose(f"model={name}", hydra_config=False).model,
+                                          enum_to_str=True)
         data = selection.entry_data(name)
-        assert {k: composed[k] for k in data} == data, name
+        assert keys_of(data, composed) == data, name
 
 
 def test_a_variant_inherits_nightly_unless_it_sets_its_own(tmp_path):
@@ -196,15 +202,14 @@ import sys
 sys.path.insert(0, {tests!r})
 import test_app
 from runners import app
-app._engine_class = lambda: test_app.FakeEngine
+app.Engine = test_app.FakeEngine
 
 def evaluate(engine, tokenizer_path, **kw):
-    from types import SimpleNamespace
     if kw["fingerprint"]["ssm_replay"]:
         raise RuntimeError("injected crash")
-    return SimpleNamespace(scores={{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
-                           stats=test_app.FakeStats(), samples_path=kw["out_dir"] + "/samples.jsonl")
-app._evaluate_fn = lambda: evaluate
+    return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
+                                kw["out_dir"] + "/samples.jsonl")
+app.evaluate_gsm8k = evaluate
 '''
 
 

@@ -13,8 +13,7 @@ import pytest
 import yaml
 
 from registry import pr_check
-from registry.schema import MODEL_DIR, entry_names, validate_entry
-from runners.app import REPO_ROOT
+from registry.schema import MODEL_DIR, REPO_ROOT, entry_names, validate_entry
 
 GIT_ID = ["-c", "user.name=pr-check test", "-c", "user.email=pr-check@example.invalid"]
 

@@ -12,7 +12,7 @@ from history_factory import make_results, write_run
 
 from evals import history
 from evals.trends import write_trend_report
-from runners.app import REPO_ROOT
+from registry.schema import REPO_ROOT
 
 BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"
 T0 = 1_790_000_000  # 2026-09-21, seconds since the epoch
