@@ -28,7 +28,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+)
 
 from registry.errors import UserError
 from registry.schema import (
@@ -81,6 +86,14 @@ def check_overrides(overrides: list[str]) -> None:
 def config_error(e: BaseException, overrides: list[str]) -> UserError | None:
     """The UserError for an exception Hydra raised while composing with `overrides`; None when `e` is not a
     composition problem (a bug, to be reported with its traceback)."""
+    # a UserError raised by a resolver while Hydra composes (${registry_entries:nightly}: a malformed entry,
+    # no entry marked) reaches here wrapped in OmegaConf's InterpolationResolutionError
+    if isinstance(e, InterpolationResolutionError):
+        inner: BaseException | None = e
+        while inner is not None and not isinstance(inner, UserError):
+            inner = inner.__cause__ or inner.__context__
+        if inner is not None:
+            return inner
     if isinstance(e, MissingConfigException) and "/" in (e.missing_cfg_file or ""):
         group, _, value = e.missing_cfg_file.rpartition("/")
         if group == "model":

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from registry.errors import UserError
 from registry.schema import MODEL_DIR, check_entry_file, entry_names
 
 ReadEntry = Callable[[str], str | None]  # entry name -> the YAML text of its file (None: no such entry)
@@ -134,12 +135,16 @@ def nightly_entries() -> list[str]:
 
 
 def _entries_resolver(selector: str) -> str:
+    """`${registry_entries:nightly}`: the nightly entries, comma-separated (a Hydra sweep's choice list).
+    Raises UserError for another selector, a malformed entry, or no entry marked."""
     if selector != "nightly":
-        raise ValueError(f"${{registry_entries:{selector}}}: the only selector is 'nightly'")
+        raise UserError(f"${{registry_entries:{selector}}}: unknown selector {selector!r}",
+                        "the only selector is 'nightly': ${registry_entries:nightly}")
     names = nightly_entries()
     if not names:
-        raise ValueError("no registry entry sets `nightly: true`; mark one (docs/nightly.md) or sweep "
-                         "model=<a>,<b> explicitly")
+        raise UserError("no registry entry sets `nightly: true`, so the nightly sweep has nothing to run",
+                        "mark one (nightly: true in registry/model/<name>.yaml, docs/nightly.md), or sweep "
+                        "model=<a>,<b> explicitly")
     return ",".join(names)
 
 

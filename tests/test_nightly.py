@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from evals.sweep import collect_jobs, format_table, summarize
 from registry import selection
 from registry.compose import CONFIG_DIR, CONFIG_NAME
+from registry.errors import UserError
 from registry.schema import REPO_ROOT, entry_names
 
 
@@ -72,11 +73,28 @@ def test_a_variant_inherits_nightly_unless_it_sets_its_own(tmp_path):
 
 
 def test_nightly_resolver_refuses_what_it_cannot_select(monkeypatch):
-    with pytest.raises(ValueError, match="only selector is 'nightly'"):
+    with pytest.raises(UserError, match="unknown selector 'weekly'"):
         selection._entries_resolver("weekly")
     monkeypatch.setattr(selection, "nightly_entries", lambda: [])
-    with pytest.raises(ValueError, match="no registry entry sets `nightly: true`"):
+    with pytest.raises(UserError, match="no registry entry sets `nightly: true`"):
         selection._entries_resolver("nightly")
+
+
+def test_nightly_sweep_without_marked_entries_is_a_user_error(tmp_path):
+    """The resolver's UserError reaches run.py wrapped in OmegaConf's InterpolationResolutionError while
+    Hydra's sweeper expands the choices: run.py prints it as error / fix lines, without a traceback."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("from registry import selection\n"
+                                           "selection.nightly_entries = lambda: []\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}
+    proc = _run_py("+experiment=nightly", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, env=env,
+                   timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[:2] == [
+        "error: no registry entry sets `nightly: true`, so the nightly sweep has nothing to run",
+        "  fix: mark one (nightly: true in registry/model/<name>.yaml, docs/nightly.md), or sweep "
+        "model=<a>,<b> explicitly"]
 
 
 def test_slurm_launcher_composes():
