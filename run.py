@@ -9,7 +9,9 @@ with exit status 2 and no traceback.
 
 Exit status: 0 the verdict passed, or had no reference yet (placeholder baseline rows) / was not required
 (verdict.require_reference=false); 1 a verdict check failed (GSM8K below its threshold, an acceptance floor
-missed, or with compare=replay a flipped sample / diverged tokens); 2 a user error.
+missed, or with compare=replay a flipped sample / diverged tokens); 2 a user error. A sweep (`-m`, or
+`+experiment=nightly`) runs every job even when one is refused or crashes (a crash counts 1), records each
+job's status in its folder, ends with a table of every job (evals/sweep.py) and exits with the worst status.
 """
 
 from __future__ import annotations
