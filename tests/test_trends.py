@@ -104,14 +104,16 @@ def test_report_command(history_db, tmp_path, capsys):
 
 def test_page_renders_in_headless_chromium(history_db, tmp_path):
     """Open the page in Debian's chromium through Playwright (evals/screenshot.py): every image loads, nothing
-    but the report's own files is requested, and the tables are there. (.ci/run installs chromium.)"""
-    pytest.importorskip("playwright.sync_api")
-    from evals.screenshot import CHROMIUM, render
+    but the report's own files is requested, and the tables are there. (.ci/run installs chromium; where it
+    could not, e.g. offline, this test alone skips and names the missing piece.)"""
+    pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip install '.[test]')")
+    from evals.screenshot import BrowserUnavailable, render
 
-    if not CHROMIUM.is_file():
-        pytest.skip(f"needs {CHROMIUM} (apt-get install chromium)")
     files = write_trend_report(history_db, tmp_path / "report")
-    check = render(files.html, tmp_path / "page.png")
+    try:
+        check = render(files.html, tmp_path / "page.png")
+    except BrowserUnavailable as exc:
+        pytest.skip(f"no headless browser: {exc}")
     assert check.problems == []
     assert len(check.images) == 4 and all(done and width == 640 for done, width in check.images), check.images
     assert check.headings == ["Latest status per entry × setting", "Regressions since the previous run",
@@ -119,3 +121,23 @@ def test_page_renders_in_headless_chromium(history_db, tmp_path):
     assert check.table_rows == 1 + 4 + 1 + 3  # status header + 4 series, flips header + 3 comparisons
     assert all(u.startswith("file://") for u in check.requested) and len(check.requested) == 1 + 4
     assert check.screenshot.stat().st_size > 50_000  # a page with four plots, not a blank one
+
+
+def test_missing_browser_is_browser_unavailable(history_db, tmp_path, monkeypatch):
+    """Without a browser (an offline CI machine where chromium could not be installed) render raises
+    BrowserUnavailable naming the path and the fix, which the test above turns into a skip, and the
+    screenshot command prints error / fix lines and exits 2."""
+    pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip install '.[test]')")
+    from evals import screenshot
+
+    absent = tmp_path / "no-chromium"
+    monkeypatch.setenv("HYBRID_EVAL_CHROMIUM", str(absent))
+    assert screenshot.chromium_path() == absent
+    files = write_trend_report(history_db, tmp_path / "report")
+    with pytest.raises(screenshot.BrowserUnavailable, match="no browser at .*no-chromium.*apt-get install"):
+        screenshot.render(files.html, tmp_path / "page.png")
+    assert screenshot.main([str(files.html), str(tmp_path / "page.png")]) == 2
+    assert not (tmp_path / "page.png").exists()
+    # a browser that is there but does not start (here a program that exits at once) is unavailable too
+    with pytest.raises(screenshot.BrowserUnavailable, match="did not launch"):
+        screenshot.render(files.html, tmp_path / "page.png", executable=shutil.which("false") or "/bin/false")
