@@ -102,7 +102,9 @@ def test_a_changed_base_touches_its_variants_and_a_deleted_base_breaks_them(clon
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "entry super_v3_mtp: changed" in proc.stdout
     assert "entry super_v3_mtp_ws4: variant of super_v3_mtp" in proc.stdout
-    assert "== python -m registry validate (super_v3_mtp, super_v3_mtp_ws4)" in proc.stdout
+    assert "entry super_v3_mtp_fp8: variant of super_v3_mtp" in proc.stdout
+    assert ("== python -m registry validate (super_v3_mtp, super_v3_mtp_fp8, super_v3_mtp_nvfp4, "
+            "super_v3_mtp_ws4)") in proc.stdout
     (clone / "registry" / "model" / "qwen3_next_mtp.yaml").unlink()
     proc = _pr_check(clone, gsm8k_dir, "--no-smoke")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -119,7 +121,8 @@ def test_an_embedded_entry_gets_a_smoke_evaluation(clone, gsm8k_dir):
     assert proc.returncode == 0, out + proc.stderr
     assert "== smoke evaluation of tiny_qwen3_next_mtp (embedded), 2 GSM8K questions on the CPU" in out
     assert "model=tiny_qwen3_next_mtp eval.limit=2 runtime=cpu" in out and "compare=replay  (exit 0)" in out
-    assert "(n=2)" in out and "replay == rewind" in out and "pr-check: ok (1 entries checked)" in out
+    assert "== smoke evaluation of tiny_qwen3_next_mtp_fp8 (embedded)" in out  # its variant, with it
+    assert "(n=2)" in out and "replay == rewind" in out and "pr-check: ok (2 entries checked)" in out
 
 
 def test_a_smoke_run_that_does_not_complete_fails(tmp_path):
