@@ -46,6 +46,9 @@ from kernels.gdn import (  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Kernel variants of the replay verify (kernels.gdn.replay.VARIANTS), held to the same tolerances: "mma" with
+# 2 bf16 pieces per fp32 operand (kernels/_mma.py) measured <= 8e-6 on the fp32 outputs here.
+VARIANTS = ("fma", "mma")
 # Small awkward shape: K != V, HV = 2H, 6 slots of which the batch uses a few.
 B, H, HV, K, V, S = 4, 2, 4, 32, 48, 6
 
@@ -214,12 +217,13 @@ def _strided_history(hist: ReplayHistory) -> ReplayHistory:
                             g=slot_major_view(hist.g.clone()))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     ("T", "dtype", "cache_dtype"),
     [(1, torch.float32, torch.float32), (2, torch.float16, torch.float32), (4, torch.bfloat16, torch.float32),
      (7, torch.float32, torch.float32), (3, torch.float32, torch.bfloat16)],
 )
-def test_replay_verify_matches_reference(T, dtype, cache_dtype):
+def test_replay_verify_matches_reference(T, dtype, cache_dtype, variant):
     """Two steps: the first from empty history (pnat = 0), the second with ragged pnat covering 0..T.
     cache_dtype is the dtype of the state and of the history's u and k (fp32 recommended)."""
     state0 = (torch.randn(S, HV, V, K, device=DEVICE) * 0.3).to(cache_dtype)
@@ -241,7 +245,7 @@ def test_replay_verify_matches_reference(T, dtype, cache_dtype):
         read_buf = buf_k.clone()
         out = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=DEVICE)
         o_k = replay_verify(q, k, v, g, beta, st_k, hist_k, slot_ids, pnat_k, buf_k, out=out,
-                                block_v=32 if T < 4 else 64)
+                            block_v=32 if T < 4 else 64, variant=variant, chunk_k=16)
         o_r = replay_verify_ref(q, k, v, g, beta, st_r, hist_r, slot_ids, pnat_r, buf_r)
         o_o = gdn_replay_verify_oracle(q, k, v, g, beta, st_o, hist_o, slot_ids, pnat_o, buf_o)
         out_tol = max(TOL[dtype], TOL[cache_dtype])
@@ -308,6 +312,14 @@ REFERENCES = (replay_verify_ref, replay_advance_ref, fused_recurrent_gated_delta
      pytest.param(REFERENCES, 400, id="references")],
 )
 def test_long_run_replay_rewind_and_sequential_agree(impl, steps):
+    _long_run(impl, steps, variant=None)
+
+
+def test_long_run_mma_variant():
+    _long_run(KERNELS, 400 if DEVICE == "cuda" else 12, variant="mma")
+
+
+def _long_run(impl, steps, variant):
     """Many verify steps with random acceptance, batch reordering, slots joining and leaving and a PAD row:
     replay, rewind and decoding only the accepted tokens one at a time (PyTorch reference) stay together."""
     replay_verify, replay_commit, recurrent, rewind_commit = impl
@@ -327,7 +339,8 @@ def test_long_run_replay_rewind_and_sequential_agree(impl, steps):
         q, k, v, g, beta = make_inputs(nb, T, Hs, HVs, Ks, Vs, seed=1000 + step)
         n = torch.randint(1, T + 1, (nb,), generator=gen, dtype=torch.int32).to(DEVICE)
 
-        o_rep = replay_verify(q, k, v, g, beta, st_replay, hist, slot_ids, pnat, buf)
+        o_rep = replay_verify(q, k, v, g, beta, st_replay, hist, slot_ids, pnat, buf,
+                              **({"variant": variant} if variant else {}))
         replay_commit(pnat, buf, slot_ids, n, T)
         o_rew = recurrent(q, k, v, g, beta, st_rewind, slot_ids, update_state=False,
                           intermediate_states=inter)

@@ -52,6 +52,10 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 # Replay vs rewind: a closed form against a sequential recurrence. fp32: as above. A 16-bit state is rounded
 # once per step by both schemes, at the same point, but the fp32 values rounded can sit one ulp apart.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Kernel variants of the replay verify (kernels.mamba2.replay.VARIANTS): each is held to the same tolerances.
+# "mma" splits an fp32 operand into 2 bf16 pieces (about 2^-17 relative per product, kernels/_mma.py): on
+# O(1-10) values that is ~1e-5, inside the fp32 tolerance with a margin of ~5.
+VARIANTS = ("fma", "mma")
 
 
 def assert_close(a, b, dtype=None, what=""):
@@ -262,16 +266,17 @@ def _replay_case(S, H, P, N, G, T, L, state_dtype, in_dtype, *, slot_ids, pnat, 
     return A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx
 
 
-def _run_replay_both(case, T):
-    """(state, history, out) after the kernel and after its vectorised reference; the reference is also
-    checked here against the token-by-token oracle (tests/replay_oracles.py), which shares no code path."""
+def _run_replay_both(case, T, **kernel_kw):
+    """(state, history, out) after the kernel (with `kernel_kw`: variant, ...) and after its vectorised
+    reference; the reference is also checked here against the token-by-token oracle (tests/replay_oracles.py),
+    which shares no code path."""
     A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx = case
     res = []
-    for fn in (replay_verify, replay_verify_ref, mamba2_replay_verify_oracle):
+    for fn, kw in ((replay_verify, kernel_kw), (replay_verify_ref, {}), (mamba2_replay_verify_oracle, {})):
         st, h = state.clone(), clone_history(hist)
         p, bi = pnat.clone(), bufidx.clone()
         out = nan_like((len(slot_ids), T, *state.shape[1:3]), x.dtype)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, p, bi, out=out)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, p, bi, out=out, **kw)
         assert torch.equal(p, pnat) and torch.equal(bi, bufidx), "verify must not touch the per-slot metadata"
         res.append((st, h, out))
     (st_r, h_r, out_r), (st_o, h_o, out_o) = res[1:]
@@ -282,14 +287,22 @@ def _run_replay_both(case, T):
     return res[:2]
 
 
-@pytest.mark.parametrize("state_dtype,in_dtype", [(s, i) for s in DTYPES for i in DTYPES])
-def test_replay_verify_matches_reference_all_dtypes(state_dtype, in_dtype):
+# every dtype pair for the "fma" kernel; for "mma" the pairs whose operands take 1, 2 and 3 bf16 pieces
+MMA_DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                   (torch.float16, torch.bfloat16), (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize(
+    "variant,state_dtype,in_dtype",
+    [("fma", s, i) for s in DTYPES for i in DTYPES] + [("mma", s, i) for s, i in MMA_DTYPE_PAIRS],
+)
+def test_replay_verify_matches_reference_all_dtypes(variant, state_dtype, in_dtype):
     S, H, P, N, G, T, L = 5, 2, 16, 16, 1, 3, 3
     # rows: slot 3 (PNAT 2, buffer 1), PAD, slot 0 (PNAT 3 = T, buffer 0), slot 1 (PNAT 0: nothing to replay)
     case = _replay_case(S, H, P, N, G, T, L, state_dtype, in_dtype,
                         slot_ids=[3, -1, 0, 1], pnat=[3, 0, 0, 2, 1], bufidx=[0, 1, 1, 1, 0])
     hist0, state0 = clone_history(case[3]), case[8].clone()
-    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T, variant=variant)
     assert_close(out_k, out_r, loosest(state_dtype, in_dtype), what="out")
     assert_close(st_k, st_r, what="state")
     for f in ("x", "B", "dt", "dA_cumsum"):
@@ -305,8 +318,9 @@ def test_replay_verify_matches_reference_all_dtypes(state_dtype, in_dtype):
             assert same, f"history.{f}[{s}, {r}] touched"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pnat", [0, 1, 2, 3, 4])
-def test_replay_equals_rewind_for_every_pnat(pnat):
+def test_replay_equals_rewind_for_every_pnat(pnat, variant):
     """Replay's output and state equal rewind's from the materialised state, for PNAT = 0..T."""
     S, H, P, N, G, T, L = 3, 2, 16, 24, 2, 4, 4
     case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
@@ -314,7 +328,7 @@ def test_replay_equals_rewind_for_every_pnat(pnat):
     A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, p, bi = case
     materialised = mamba2_materialized_state(state, hist, p, bi, A)
     slot1 = state[1].clone()
-    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, p, bi)
+    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, p, bi, variant=variant)
     assert_close(state[[2, 0]], materialised[[2, 0]], what="fast-forwarded state")
     assert torch.equal(state[1], slot1), "slot 1 (PNAT 1) is not in the batch and must not advance"
     rew_state = materialised.clone()
@@ -324,22 +338,25 @@ def test_replay_equals_rewind_for_every_pnat(pnat):
     assert_close(out, out_rew, what="replay out vs rewind out")
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
-def test_replay_awkward_sizes(T):
+def test_replay_awkward_sizes(T, variant):
     S, H, P, N, G, L = 3, 6, 60, 24, 3, 8
     pn = min(2, T)
     case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
                         slot_ids=[1, 0], pnat=[T, 3, pn], bufidx=[0, 1, 0], seed=T)
-    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T, variant=variant)
     assert_close(out_k, out_r, what="out")
     assert_close(st_k, st_r, what="state")
     for f in ("x", "B", "dt", "dA_cumsum"):
         assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_replay_walks_d_state_in_chunks(checkpointing):
-    """N = 40 in chunks of 16 (ragged last chunk), P = 20 in blocks of 16: every tile is visited once."""
+def test_replay_walks_d_state_in_chunks(checkpointing, variant):
+    """N = 40 (tile 64; "mma" walks it in chunks of 16: one ragged, one empty), P = 20 in blocks of 16: every
+    tile is visited once."""
     S, H, P, N, G, T = 3, 2, 20, 40, 1, 3
     L = 8 if checkpointing else T
     A, D, dt_bias = make_params(H)
@@ -355,7 +372,8 @@ def test_replay_walks_d_state_in_chunks(checkpointing):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), clone_history(hist)
         out = nan_like((2, T, H, P), torch.float32)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16)
+        kw = dict(variant=variant, chunk_n=16) if fn is replay_verify else {}
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, block_p=16, **kw)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
     assert_close(out_k, out_r, what="out")
@@ -365,12 +383,13 @@ def test_replay_walks_d_state_in_chunks(checkpointing):
         assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
 
 
-def test_replay_garbage_metadata_is_clamped():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_garbage_metadata_is_clamped(variant):
     """PNAT outside [0, L] and buffer indices other than 0/1 never index out of range."""
     S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 2, 4
     case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
                         slot_ids=[0, 2, 1], pnat=[99, -7, 0x7BADBEEF], bufidx=[5, -3, 0x7BADBEEF])
-    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T)
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T, variant=variant)
     assert_close(out_k, out_r, what="out")
     assert_close(st_k, st_r, what="state")
 
@@ -398,7 +417,8 @@ def test_allocators_zero_initialise():
     assert hist.nbytes() < 3 * 2 * 4 * 2 * 8 * 16 * 2
 
 
-def test_replay_strided_views():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_strided_views(variant):
     """State and history as views of layer-stacked buffers (the engine allocates all layers at once)."""
     S, H, P, N, G, T, L, layers = 3, 2, 16, 16, 2, 3, 4, 2
     A, D, dt_bias = make_params(H)
@@ -418,7 +438,7 @@ def test_replay_strided_views():
     meta = torch.tensor([[0, 3, 2], [1, 0, 1]], dtype=torch.int32, device=DEV)  # rows: pnat, bufidx
     pnat, bufidx = meta[0], meta[1]  # pnat is a strided-by-1 view; bufidx likewise
     ref_state, ref_hist = state.clone(), clone_history(hist)
-    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant=variant)
     out_r = replay_verify_ref(ref_state, x, dt, A, B, C, D, dt_bias, slot_ids, ref_hist, pnat, bufidx)
     assert_close(out, out_r, what="out")
     assert_close(state, ref_state, what="state")
@@ -429,7 +449,8 @@ def test_replay_strided_views():
     assert torch.equal(big_state[..., N:], big_before[..., N:]), "wrote outside the state view"
 
 
-def test_replay_step_without_drafts_after_multi_accept():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_step_without_drafts_after_multi_accept(variant):
     """T = 1 (no drafts) after a T = 4 step that accepted 3: the fast-forward reads the right tokens."""
     S, H, P, N, G, L = 2, 2, 16, 16, 1, 4
     A, D, dt_bias = make_params(H)
@@ -440,7 +461,7 @@ def test_replay_step_without_drafts_after_multi_accept():
     slot_ids = torch.tensor([1], dtype=torch.int32, device=DEV)
     for step, (T, nat) in enumerate(((4, 3), (1, 1), (4, 4), (2, 1))):
         x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=10 + step)
-        out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+        out = replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant=variant)
         seq_out = selective_state_update_ref(seq_state.clone(), x, dt, A, B, C, D, dt_bias, slot_ids)
         assert_close(out, seq_out, what=f"step {step} out")
         a = slice(0, nat)
@@ -450,7 +471,8 @@ def test_replay_step_without_drafts_after_multi_accept():
     assert_close(final, seq_state.float(), torch.float32, what="final state")
 
 
-def test_pad_rows_leave_every_buffer_untouched():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pad_rows_leave_every_buffer_untouched(variant):
     """PAD rows (slot -1) next to one live row (slot 1): slots 0 and 2 keep state, history and metadata."""
     S, H, P, N, G, T, L = 3, 2, 16, 16, 1, 3, 3
     slot_ids = torch.tensor([-1, 1, -1], dtype=torch.int32, device=DEV)
@@ -474,7 +496,7 @@ def test_pad_rows_leave_every_buffer_untouched():
     bufidx = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV)
     pnat0, bufidx0 = pnat.clone(), bufidx.clone()
     st = state0.clone()
-    out = replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+    out = replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant=variant)
     replay_advance(pnat, bufidx, slot_ids, nat, T)
     assert torch.equal(st[others], state0[others]), "a PAD row wrote a state (replay)"
     for f in ("x", "B", "dt", "dA_cumsum"):
@@ -490,7 +512,7 @@ def test_pad_rows_leave_every_buffer_untouched():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None):
+def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None, variant=None):
     """Returns max |replay - rewind| over outputs, and the three final states (fp32)."""
     gen = torch.Generator().manual_seed(seed)
     A, D, dt_bias = make_params(H, seed)
@@ -513,7 +535,8 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None)
         out_rew = selective_state_update(rew_state, x, dt, A, B, C, D, dt_bias, slot_ids,
                                          intermediate_states=inter)
         rewind_commit(rew_state, inter, slot_ids, nat)
-        out_rep = replay_verify(rep_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)
+        out_rep = replay_verify(rep_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx,
+                                variant=variant)
         replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
         worst = max(worst, (out_rew - out_rep).abs().max().item())
         for b in range(rows):  # the sequential reference decodes only the accepted tokens
@@ -550,10 +573,11 @@ def test_long_run_bf16_state_stays_close():
     assert_close(rew, seq, torch.bfloat16, "rewind vs sequential state")
 
 
-def test_long_run_checkpointing_agrees_with_rewind():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_run_checkpointing_agrees_with_rewind(variant):
     # L = 16, T = 3: a flush every 4-5 steps; the fast-forward spans up to 13 tokens and several verifies
     worst, rew, rep, seq = _long_run(60, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32,
-                                     hist_len=16)
+                                     hist_len=16, variant=variant)
     assert worst < 1e-4, f"checkpointing replay and rewind outputs drifted apart: {worst}"
     assert_close(rep, rew, torch.float32, "checkpointing replay vs rewind state")
     assert_close(rew, seq, torch.float32, "rewind vs sequential state")
@@ -564,11 +588,12 @@ def test_long_run_checkpointing_agrees_with_rewind():
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "state_dtype,in_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
 )
-def test_checkpointing_verify_matches_reference(state_dtype, in_dtype):
+def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, variant):
     S, H, P, N, G, T, L = 6, 2, 16, 24, 2, 3, 8
     A, D, dt_bias = make_params(H)
     hist = random_history(S, L, H, P, G, N, in_dtype, A, seed=3, checkpointing=True)
@@ -582,7 +607,8 @@ def test_checkpointing_verify_matches_reference(state_dtype, in_dtype):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), clone_history(hist)
         out = nan_like((6, T, H, P), in_dtype)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out)
+        kw = dict(variant=variant) if fn is replay_verify else {}
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, **kw)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
     assert_close(out_k, out_r, loosest(state_dtype, in_dtype), what="out")

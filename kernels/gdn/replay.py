@@ -49,7 +49,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import interpreter_active
+from kernels._mma import PIECES, split_dot
 from kernels.gdn._common import check_gdn_inputs, check_state, key_head_dims, l2norm
+from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
+
+# Kernel variants of `replay_verify` and their default (block_v, num_warps, chunk_k, num_stages): "fma" the
+# block_v 16 / 1 warp tile of the H200 sweep (docs/kernel_performance.md), "mma" one 16-row mma tile per warp.
+VARIANTS = {"fma": (16, 1, None, None), "mma": (16, 1, 32, 2)}
+# The engine's variant: the fastest correct one of `python -m benchmarks.sweep_replay`
+# (docs/kernel_performance.md). One line to change after a GPU sweep.
+DEFAULT_VARIANT = "fma"
 
 
 @dataclass
@@ -78,7 +88,7 @@ class ReplayHistory:
 
 @triton.jit
 def _gdn_replay_verify_kernel(
-    q, k, v, g, beta, o, state, slot_ids, pnat, buf_idx, u_hist, k_hist, g_hist,
+    q, k, v, g, beta, o, state, slot_ids, pnat, buf_idx, u_hist, k_hist, g_hist, sr_seed_ptr, sr_step_ptr, sr_salt,
     scale,
     stride_s_slot, stride_s_h, stride_s_v,
     stride_u_slot, stride_u_buf, stride_u_t, stride_u_h,
@@ -86,8 +96,9 @@ def _gdn_replay_verify_kernel(
     stride_g_slot, stride_g_buf, stride_g_t,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TH: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, SR: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
+    # The "fma" variant.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -146,7 +157,9 @@ def _gdn_replay_verify_kernel(
         b_kj = tl.load(k_hist + slot * stride_k_slot + old * stride_k_buf + j * stride_k_t + i_h * stride_k_h
                        + o_k, mask=o_k < tl.where(use, K, 0), other=0.0).to(tl.float32)
         b_s += (b_c * b_uj)[:, None] * b_kj[None, :]
-    tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_ff)
+    b_s = round_to_state(b_s, state, (slot * HV + i_hv) * V + o_v, 0, sr_seed_ptr, sr_step_ptr, sr_salt, BV, BK, BK,
+                         SR, SR_ROUNDS)
+    tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_ff)  # the new tokens start from the stored value
 
     # 2. + 3. the T new tokens (rows taken from the register blocks), recording u_t, k_t, G_t into the other
     # buffer.
@@ -176,6 +189,135 @@ def _gdn_replay_verify_kernel(
     m_gw = o_t < tl.where(live & (i_v == 0), T, 0)
     b_Gnew = tl.cumsum(b_gnew, axis=0)
     tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, b_Gnew, mask=m_gw)
+
+
+@triton.jit
+def _gdn_replay_verify_mma_kernel(
+    q, k, v, g, beta, o, state, slot_ids, pnat, buf_idx, u_hist, k_hist, g_hist, sr_seed_ptr, sr_step_ptr, sr_salt,
+    scale,
+    stride_s_slot, stride_s_h, stride_s_v,
+    stride_u_slot, stride_u_buf, stride_u_t, stride_u_h,
+    stride_k_slot, stride_k_buf, stride_k_t, stride_k_h,
+    stride_g_slot, stride_g_buf, stride_g_t,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TH: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    S_IN: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr,
+):
+    # The "mma" variant: the T new tokens in closed form from S0 (the stored state after the previous
+    # verify's accepted tokens). With G_t = g_0 + .. + g_t, raw q / k rows and their L2 factors r_q, r_k:
+    #   P_k = S0 K^T diag(r_k), P_q = S0 Q^T diag(scale r_q)   (BV, TP): the only products with the state;
+    #   u_t = beta_t (v_t - e^{G_t} P_k[:, t] - sum_{j<t} e^{G_t - G_j} (k_j . k_t) u_j)  (a T x T recursion);
+    #   o_t = e^{G_t} P_q[:, t] + sum_{j<=t} e^{G_t - G_j} (k_j . q_t) u_j                  (U @ M^T).
+    # The state products and the (T, T) Gram matrices are split-bf16 tensor-core products (kernels/_mma.py)
+    # accumulated over K in (BV, CHUNK_K) chunks of the state tile (software-pipelined loads); the fast-forward
+    # by the previous verify's n_old <= TH tokens stays rank-1 FMAs per chunk.
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    slot = tl.load(slot_ids + i_b).to(tl.int64)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+    n_old = tl.minimum(tl.maximum(tl.load(pnat + slot), 0), TH)
+    n_old = tl.where(live, n_old, 0)
+    old = (tl.load(buf_idx + slot) & 1).to(tl.int64)
+    new = 1 - old
+
+    o_c = tl.arange(0, CHUNK_K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, TP)
+    m_v = o_v < V
+    m_vl = o_v < tl.where(live, V, 0)
+    m_tt = o_t < T
+    m_ff = o_v < tl.where(n_old > 0, V, 0)  # rows whose state is written (the commit of the previous step)
+
+    p_g = g_hist + slot * stride_g_slot + old * stride_g_buf + i_hv
+    b_Glast = tl.load(p_g + (n_old - 1) * stride_g_t, mask=n_old > 0, other=0.0).to(tl.float32)
+    decay = tl.exp(b_Glast)
+    p_uo = u_hist + slot * stride_u_slot + old * stride_u_buf + i_hv * stride_u_h + o_v
+    p_ko = k_hist + slot * stride_k_slot + old * stride_k_buf + i_h * stride_k_h
+
+    i_tok = (i_b * T + o_t).to(tl.int64)
+    b_VT = tl.load(v + (i_tok[None, :] * HV + i_hv) * V + o_v[:, None], mask=m_v[:, None] & m_tt[None, :],
+                   other=0.0).to(tl.float32)  # (BV, TP)
+    b_g = tl.load(g + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_tok * HV + i_hv, mask=m_tt, other=0.0).to(tl.float32)
+    p_q = q + (i_tok[:, None] * H + i_h) * K
+    p_k = k + (i_tok[:, None] * H + i_h) * K
+    p_s = state + slot * stride_s_slot + i_hv * stride_s_h + o_v[:, None] * stride_s_v
+    row = (slot * HV + i_hv) * V + o_v  # global state rows of this tile (stochastic rounding counters)
+
+    Pk = tl.zeros([BV, TP], tl.float32)  # S0 k_raw_t
+    Pq = tl.zeros([BV, TP], tl.float32)  # S0 q_raw_t
+    KK = tl.zeros([TP, TP], tl.float32)  # k_raw_t . k_raw_j
+    QK = tl.zeros([TP, TP], tl.float32)  # q_raw_t . k_raw_j
+    kss = tl.zeros([TP], tl.float32)  # sum of squares of the raw k rows
+    qss = tl.zeros([TP], tl.float32)
+    for k0 in tl.range(0, BK, CHUNK_K, num_stages=NUM_STAGES):
+        cols = k0 + o_c
+        m_c = cols < K
+        b_s = tl.load(p_s + cols[None, :], mask=m_vl[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        b_Qc = tl.load(p_q + cols[None, :], mask=m_tt[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        b_Kc = tl.load(p_k + cols[None, :], mask=m_tt[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        # fast-forward: S <- exp(G_last) S + sum_{j < n_old} exp(G_last - G_j) u_j k_j^T
+        b_s = b_s * decay
+        for j in tl.static_range(TH):
+            use = j < n_old
+            b_cj = tl.where(use, tl.exp(b_Glast - tl.load(p_g + j * stride_g_t, mask=use, other=0.0)), 0.0)
+            b_uj = tl.load(p_uo + j * stride_u_t, mask=o_v < tl.where(use, V, 0), other=0.0).to(tl.float32)
+            b_kj = tl.load(p_ko + j * stride_k_t + cols, mask=cols < tl.where(use, K, 0), other=0.0).to(tl.float32)
+            b_s += (b_cj * b_uj)[:, None] * b_kj[None, :]
+        b_s = round_to_state(b_s, state, row, k0, sr_seed_ptr, sr_step_ptr, sr_salt, BV, CHUNK_K, BK, SR,
+                             SR_ROUNDS)
+        tl.store(p_s + cols[None, :], b_s.to(state.dtype.element_ty), mask=m_ff[:, None] & m_c[None, :])
+        # the new tokens start from the stored (dtype-rounded) state
+        Pk = split_dot(b_s, tl.trans(b_Kc), Pk, S_STATE, S_IN, INTERP)
+        Pq = split_dot(b_s, tl.trans(b_Qc), Pq, S_STATE, S_IN, INTERP)
+        KK = split_dot(b_Kc, tl.trans(b_Kc), KK, S_IN, S_IN, INTERP)
+        QK = split_dot(b_Qc, tl.trans(b_Kc), QK, S_IN, S_IN, INTERP)
+        kss += tl.sum(b_Kc * b_Kc, axis=1)
+        qss += tl.sum(b_Qc * b_Qc, axis=1)
+
+    if USE_QK_L2NORM:
+        r_k = tl.rsqrt(kss + 1e-6)
+        r_q = tl.rsqrt(qss + 1e-6) * scale
+    else:
+        r_k = tl.full([TP], 1.0, tl.float32)
+        r_q = tl.full([TP], 1.0, tl.float32) * scale
+    G = tl.cumsum(tl.where(m_tt, b_g, 0.0), axis=0)  # (TP,)
+    past = o_t[None, :] < o_t[:, None]  # j < t
+    upto = o_t[None, :] <= o_t[:, None]  # j <= t
+    dG = tl.where(upto, G[:, None] - G[None, :], 0.0)
+    # u recursion: U = R - (strictly lower) Coef applied column by column
+    R = b_beta[None, :] * (b_VT - (tl.exp(G) * r_k)[None, :] * Pk)  # (BV, TP)
+    Coef = tl.where(past, b_beta[:, None] * tl.exp(dG) * KK * r_k[:, None] * r_k[None, :], 0.0)
+    U = R
+    for t in tl.static_range(1, T):
+        crow = tl.sum(tl.where(o_t[:, None] == t, Coef, 0.0), axis=0)  # row t of Coef, indexed by j
+        corr = tl.sum(U * crow[None, :], axis=1)  # (BV,)
+        U = tl.where(o_t[None, :] == t, U - corr[:, None], U)
+    Mq = tl.where(upto, tl.exp(dG) * QK * r_q[:, None] * r_k[None, :], 0.0)  # (TP, TP) [t, j]
+    O = split_dot(U, tl.trans(Mq), (tl.exp(G) * r_q)[None, :] * Pq, SPLIT, SPLIT, INTERP)
+    O = tl.where(live, O, 0.0)
+    tl.store(o + (i_tok[None, :] * HV + i_hv) * V + o_v[:, None], O.to(o.dtype.element_ty),
+             mask=m_v[:, None] & m_tt[None, :])
+
+    # history of this verify: u_t, the normalised k_t, G_t into buffer `new`
+    tl.store(u_hist + slot * stride_u_slot + new * stride_u_buf + o_t[None, :] * stride_u_t + i_hv * stride_u_h
+             + o_v[:, None], U.to(u_hist.dtype.element_ty), mask=m_vl[:, None] & m_tt[None, :])
+    write_k = live & (i_v == 0) & (i_hv % (HV // H) == 0)
+    if write_k:
+        for k0 in tl.range(0, BK, CHUNK_K):
+            cols = k0 + o_c
+            m_kc = m_tt[:, None] & (cols < K)[None, :]
+            b_Kc = tl.load(p_k + cols[None, :], mask=m_kc, other=0.0).to(tl.float32)
+            tl.store(k_hist + slot * stride_k_slot + new * stride_k_buf + o_t[:, None] * stride_k_t
+                     + i_h * stride_k_h + cols[None, :], (b_Kc * r_k[:, None]).to(k_hist.dtype.element_ty),
+                     mask=m_kc)
+    m_gw = o_t < tl.where(live & (i_v == 0), T, 0)
+    tl.store(g_hist + slot * stride_g_slot + new * stride_g_buf + o_t * stride_g_t + i_hv, G, mask=m_gw)
 
 
 def _check_replay_buffers(hist: ReplayHistory, prev_num_accepted, buffer_index, T, H, HV, K, V):
@@ -210,8 +352,13 @@ def replay_verify(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     out: torch.Tensor | None = None,
-    block_v: int = 16,
+    block_v: int | None = None,
     num_warps: int | None = None,
+    variant: str | None = None,
+    split: int = 2,
+    chunk_k: int | None = None,
+    num_stages: int | None = None,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """Replay verify of one GDN layer: commit the previous step's accepted tokens, run T new tokens.
 
@@ -229,9 +376,18 @@ def replay_verify(
             kernels.commit.replay_advance once per step, after every layer's verify.
         scale, use_qk_l2norm_in_kernel: as in fused_recurrent_gated_delta_rule.
         out: optional contiguous (B, T, HV, V) output.
-        block_v: rows of S per program (power of two); the default 16 is the fastest of the H200 sweep
-            (docs/kernel_performance.md). No autotune (in-place kernel).
-        num_warps: warps per program; default 1 for tiles of <= 2048 elements, else 4 (as the rewind kernel).
+        block_v: rows of S per program (power of two; >= 16 for "mma"); default per variant (`VARIANTS`; 16,
+            the fastest of the H200 sweep for "fma"). No autotune (in-place kernel).
+        num_warps: warps per program; default per variant ("fma": 1 for tiles of <= 2048 elements, else 4).
+        variant: "fma" (token-by-token rank-1 updates and tl.sum reductions on CUDA cores) or "mma" (the closed
+            form of the kernel comment, state products as split-bf16 tensor-core products, kernels/_mma.py);
+            default DEFAULT_VARIANT. Same results to the tolerances of tests/test_kernels_gdn.py.
+        split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, u, the (T, T) mixing
+            matrix): 2 (about 2^-17 relative) or 3 (fp32 rounding).
+        chunk_k, num_stages: "mma" only: state columns per step of the program's loop over its tile and the
+            software-pipelining depth of that loop; defaults in `VARIANTS`.
+        stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
+            (bf16 / fp16 states only); None rounds to nearest.
 
     Returns:
         o: (B, T, HV, V), o_t = S_t q_t from the fast-forwarded state.
@@ -247,31 +403,49 @@ def replay_verify(
     elif out.shape != v.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(v.shape)} tensor; got {tuple(out.shape)}")
     scale = K**-0.5 if scale is None else scale
-    BK, BV = key_head_dims(K, V, block_v)
-    TP = triton.next_power_of_2(TH)
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if split not in (2, 3):
+        raise ValueError(f"split must be 2 or 3 (bf16 pieces of an fp32 operand), got {split}")
+    cfg = VARIANTS[variant]
+    mma = variant == "mma"
+    BK, BV = key_head_dims(K, V, block_v or cfg[0], min_block=16 if mma else 1)
+    if (block_v and block_v & (block_v - 1)) or (mma and block_v and block_v < 16):
+        raise ValueError(f"block_v must be a power of two (>= 16 for variant 'mma'), got {block_v}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     u, kh, gh = history.u, history.k, history.g
-    _gdn_replay_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, g, beta, out, state, slot_ids, prev_num_accepted, buffer_index, u, kh, gh,
-        scale,
-        state.stride(0), state.stride(1), state.stride(2),
-        u.stride(0), u.stride(1), u.stride(2), u.stride(3),
-        kh.stride(0), kh.stride(1), kh.stride(2), kh.stride(3),
-        gh.stride(0), gh.stride(1), gh.stride(2),
-        T=T, H=H, HV=HV, K=K, V=V, TH=TH, TP=TP, BK=BK, BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm_in_kernel,
-        num_warps=num_warps or (1 if BV * BK <= 2048 else 4),
-    )
+    sr = launch_args(stochastic_rounding, state, "replay_verify")
+    args = (q, k, v, g, beta, out, state, slot_ids, prev_num_accepted, buffer_index, u, kh, gh,
+            sr.pop("sr_seed_ptr"), sr.pop("sr_step_ptr"), sr.pop("sr_salt"), scale,
+            state.stride(0), state.stride(1), state.stride(2),
+            u.stride(0), u.stride(1), u.stride(2), u.stride(3),
+            kh.stride(0), kh.stride(1), kh.stride(2), kh.stride(3),
+            gh.stride(0), gh.stride(1), gh.stride(2))
+    grid = (triton.cdiv(V, BV), B * HV)
+    common = dict(T=T, H=H, HV=HV, K=K, V=V, TH=TH, BK=BK, BV=BV, USE_QK_L2NORM=use_qk_l2norm_in_kernel, **sr)
+    if mma:
+        _gdn_replay_verify_mma_kernel[grid](
+            *args, TP=max(16, triton.next_power_of_2(T)), CHUNK_K=min(chunk_k or cfg[2], BK),
+            NUM_STAGES=num_stages or cfg[3], S_IN=max(PIECES[q.dtype], PIECES[k.dtype]),
+            S_STATE=PIECES[state.dtype] if state.dtype != torch.float32 else split, SPLIT=split,
+            INTERP=interpreter_active(), num_warps=num_warps or cfg[1], **common)
+    else:
+        _gdn_replay_verify_kernel[grid](*args, TP=triton.next_power_of_2(TH),
+                                        num_warps=num_warps or (1 if BV * BK <= 2048 else 4), **common)
     return out
 
 
 def replay_verify_ref(
     q, k, v, g, beta, state, history, slot_ids, prev_num_accepted, buffer_index, *, scale=None,
-    use_qk_l2norm_in_kernel=True, out=None, block_v=16, num_warps=None,
+    use_qk_l2norm_in_kernel=True, out=None, block_v=None, num_warps=None, variant=None, split=2, chunk_k=None,
+    num_stages=None, stochastic_rounding=None,
 ):
     """PyTorch reference of replay_verify, vectorised over the batch: the engine's path for ssm_backend="torch".
 
-    Same signature and mutations as the kernel (block_v, num_warps ignored). For the live rows (slot s =
+    Same signature and mutations as the kernel (block_v, num_warps, variant, split, chunk_k, num_stages: the
+    kernel's tuning, ignored). `stochastic_rounding` rounds the stored state with
+    `kernels.rounding.stochastic_round_ref` (torch random bits: the same rule, not the kernel's bits). For the live rows (slot s =
     slot_ids[b] >= 0, p = prev_num_accepted[s] clamped to [0, TH], r = buffer_index[s] % 2):
     1. fast-forward: S <- exp(G_{p-1}) S + sum_{j<p} exp(G_{p-1} - G_j) u_j k_j^T from history buffer r,
        stored as the slot's committed state (unchanged for p = 0); the new tokens start from the stored
@@ -286,8 +460,10 @@ def replay_verify_ref(
     Raises ValueError as the kernel does. Source: the closed form of the module docstring; tested against the
     kernel and a token-by-token oracle (tests/replay_oracles.py).
     """
-    del block_v, num_warps
+    del block_v, num_warps, variant, split, chunk_k, num_stages
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
+    if stochastic_rounding is not None:
+        stochastic_rounding.check(state, "replay_verify_ref")
     check_state(state, HV, V, K)
     TH = _check_replay_buffers(history, prev_num_accepted, buffer_index, T, H, HV, K, V)
     out = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
@@ -310,7 +486,7 @@ def replay_verify_ref(
     U = torch.where(pending[..., None], history.u[s, old].float() * c[..., None], 0.0)  # (n, TH, HV, V)
     Kh = torch.where(pending[..., None], history.k[s, old].float().repeat_interleave(r, dim=2), 0.0)
     S = state[s].float() * torch.exp(G_last)[..., None, None] + torch.einsum("bjhv,bjhk->bhvk", U, Kh)
-    S = S.to(state.dtype)
+    S = stochastic_round_ref(S, state.dtype, stochastic_rounding)
     state.index_copy_(0, s, S)  # p = 0 rows store their unchanged state
     S = S.float()
     # 2. the new tokens

@@ -73,10 +73,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape
+from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape, interpreter_active
+from kernels._mma import PIECES, split_dot
 from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
+from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
 
-_DEFAULT_BLOCK_P = 16  # head_dim rows per program: the fastest of the H200 sweep (docs/kernel_performance.md)
+# Kernel variants of `replay_verify` and their default (block_p, num_warps) per history layout. "fma": the
+# block_p 16 tile of the H200 sweep of docs/kernel_performance.md (2 warps per-step, 4 checkpointing); "mma":
+# one 16-row mma tile per warp.
+VARIANTS = {
+    "fma": {"per_step": (16, 2), "checkpointing": (16, 4)},
+    "mma": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},  # + (chunk_n, num_stages)
+}
+# The engine's variant per history layout: the fastest correct one of `python -m benchmarks.sweep_replay`
+# (docs/kernel_performance.md). One line to change after a GPU sweep.
+DEFAULT_VARIANT = {"per_step": "fma", "checkpointing": "fma"}
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -138,8 +149,8 @@ class ReplayHistory:
 @triton.jit
 def _replay_verify_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
-    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr,
-    P, N, heads_per_group, dt_min, dt_max,
+    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
+    H, P, N, heads_per_group, dt_min, dt_max,
     s_ss, s_sh, s_sp, s_sn,
     s_xb, s_xt, s_xh, s_xp,
     s_dtb, s_dtt, s_dth,
@@ -153,8 +164,9 @@ def _replay_verify_kernel(
     T: tl.constexpr, L: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
-    # One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
+    # The "fma" variant. One program per (P block, batch row, head) holding its (BLOCK_P, N) state tile in registers: the state
     # is read once, advanced token by token (k old, then T new ones) with CUDA-core FMAs, written at most
     # once. The per-token work is a few FMAs per state element, far under the memory time, so the kernel is
     # bound by the one state read (+ write) like the rewind kernel, without its T intermediate writes.
@@ -262,9 +274,11 @@ def _replay_verify_kernel(
                 tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + j * s_Bht + g * s_Bhg + offs_n * s_Bhn, Bj,
                          mask=mask_keep_B)
     store_p = offs_p < tl.where(live & flush & (k > 0), P, 0)  # k = 0: nothing new to store
-    tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
+    hr = round_to_state(hs, state_ptr, (s * H + h) * P + offs_p, 0, sr_seed_ptr, sr_step_ptr, sr_salt,
+                        BLOCK_P, BLOCK_N, BLOCK_N, SR, SR_ROUNDS)
+    tl.store(state_ptrs, hr.to(state_ptr.dtype.element_ty), mask=store_p[:, None] & mask_n[None, :])
     # the new tokens start from the state as stored: replay rounds it exactly where rewind's commit does
-    hs = tl.where(flush, hs.to(state_ptr.dtype.element_ty).to(tl.float32), hs)
+    hs = tl.where(flush, hr, hs)
 
     # ---- 2. outputs: y_t = exp(cum_t) (C_t . h) + intra_t + D x_t: one pass over the state tile ----
     CH = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
@@ -280,6 +294,8 @@ def _replay_verify_kernel(
              y.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
 
     # ---- 3. the new tokens' x, B, dt', cumsum become history (checkpointing: after the pending ones) ----
+    if CHECKPOINT:
+        tl.debug_barrier()  # x history is single-buffered: every thread's reads of it come before the writes
     pos = base + offs_t
     mask_tl = offs_t < tl.where(live, T, 0)
     tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[:, None] * s_xht + h * s_xhh + offs_p[None, :] * s_xhp,
@@ -292,6 +308,175 @@ def _replay_verify_kernel(
     tl.store(Bh_ptr + s * s_Bhs + wb * s_Bhi + pos[:, None] * s_Bht + g * s_Bhg + offs_n[None, :] * s_Bhn,
              B_raw.to(Bh_ptr.dtype.element_ty), mask=mask_tg[:, None] & mask_n[None, :])
 
+
+@triton.jit
+def _replay_verify_mma_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
+    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
+    H, P, N, heads_per_group, dt_min, dt_max,
+    s_ss, s_sh, s_sp, s_sn,
+    s_xb, s_xt, s_xh, s_xp,
+    s_dtb, s_dtt, s_dth,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    s_ob, s_ot, s_oh, s_op,
+    s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+    s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
+    s_dths, s_dthi, s_dthh, s_dtht,
+    s_chs, s_chi, s_chh, s_cht,
+    T: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
+    TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr,
+):
+    # The "mma" variant: every reduction over d_state or tokens is a tensor-core product of bf16 pieces
+    # (kernels/_mma.py) instead of CUDA-core FMAs + tl.sum shuffle chains. One program per (P block, row,
+    # head) walks its (BLOCK_P, N) state tile in (BLOCK_P, CHUNK_N) chunks (software-pipelined loads, few
+    # registers per chunk); token axes are padded to TP / LP >= 16 (the mma minimum).
+    #   write (per-step replay with k > 0, checkpointing flush): per chunk S = exp(c_{k-1}) h + (X_old^T w) @
+    #       B_old, stored (rounded to the state dtype); the outputs from C . S_stored;
+    #   no write (k = 0, checkpointing without flush): the state is only read, and
+    #       C . S = exp(c_{k-1}) (C . h) + ((C B_old^T) w) @ X_old  (FlashInfer's no-write path).
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = slot >= 0
+    s = tl.where(live, slot, 0)  # pad rows never dereference this: every cache access is masked below
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_c = tl.arange(0, CHUNK_N)
+    offs_t = tl.arange(0, TP)
+    offs_l = tl.arange(0, LP)
+    mask_p = offs_p < P
+    mask_t = offs_t < T
+    mask_pl = offs_p < tl.where(live, P, 0)
+
+    k = tl.load(pnat_ptr + s, mask=live, other=0).to(tl.int32)
+    k = tl.where(live, tl.minimum(tl.maximum(k, 0), L), 0)
+    rb = (tl.load(bufidx_ptr + s, mask=live, other=0) & 1).to(tl.int64)
+    wb = 1 - rb
+    if CHECKPOINT:
+        rbx = rb * 0
+        wbx = rb * 0
+        flush = k + T > L
+        base = tl.where(flush, 0, k)
+    else:
+        rbx = rb
+        wbx = wb
+        flush = k >= 0  # always
+        base = k * 0
+    write = live & flush & (k > 0)
+    first_p = pid_p == 0
+    first_h = (h % heads_per_group) == 0
+    keep_th = (~flush) & first_p & live
+    mask_tg = offs_t < tl.where(live & first_p & first_h, T, 0)  # the rows of B written to the history
+    keep_B = offs_l < tl.where(keep_th & first_h, k, 0)  # pending B rows copied (checkpointing, no flush)
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    # ---- the new tokens' dt', cumsum and x^T (BLOCK_P, TP) ----
+    dtv = tl.load(dt_ptr + b * s_dtb + offs_t * s_dtt + h * s_dth, mask=mask_t, other=0.0).to(tl.float32)
+    dtv = dtv + dt_bias
+    dtv = tl.where(dtv <= 20.0, tl.log(1.0 + tl.exp(dtv)), dtv)  # softplus, torch's threshold of 20
+    if HAS_DT_LIMIT:
+        dtv = tl.minimum(tl.maximum(dtv, dt_min), dt_max)
+    dtv = tl.where(mask_t, dtv, 0.0)
+    cum = tl.cumsum(A * dtv, axis=0)  # (TP,)
+    xT_raw = tl.load(x_ptr + b * s_xb + offs_t[None, :] * s_xt + h * s_xh + offs_p[:, None] * s_xp,
+                     mask=mask_p[:, None] & mask_t[None, :], other=0.0)  # (BLOCK_P, TP)
+    xT = xT_raw.to(tl.float32)
+
+    # ---- the k pending old tokens of buffer rb: w_j = exp(c_{k-1} - c_j) dt'_j and X_old^T (BLOCK_P, LP) ----
+    use_l = offs_l < k
+    p_c = cumh_ptr + s * s_chs + rb * s_chi + h * s_chh
+    p_dt = dth_ptr + s * s_dths + rb * s_dthi + h * s_dthh
+    c_old = tl.load(p_c + offs_l * s_cht, mask=use_l, other=0.0)
+    dt_old = tl.load(p_dt + offs_l * s_dtht, mask=use_l, other=0.0)
+    c_last = tl.load(p_c + (k - 1) * s_cht, mask=live & (k > 0), other=0.0)
+    w = tl.where(use_l, tl.exp(c_last - c_old) * dt_old, 0.0)  # (LP,)
+    XoT = tl.load(xh_ptr + s * s_xhs + rbx * s_xhi + offs_l[None, :] * s_xht + h * s_xhh + offs_p[:, None] * s_xhp,
+                  mask=mask_p[:, None] & use_l[None, :], other=0.0).to(tl.float32)  # (BLOCK_P, LP)
+    decay = tl.exp(c_last)
+
+    # chunk pointers (column offset added per chunk)
+    p_state = state_ptr + s * s_ss + h * s_sh + offs_p[:, None] * s_sp
+    p_C = C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg
+    p_B = B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg
+    p_Bo = Bh_ptr + s * s_Bhs + rb * s_Bhi + offs_l[:, None] * s_Bht + g * s_Bhg
+    pos = base + offs_t
+    p_Bw = Bh_ptr + s * s_Bhs + wb * s_Bhi + g * s_Bhg
+    row = (s * H + h) * P + offs_p  # global state rows of this tile (stochastic rounding counters)
+
+    CB = tl.zeros([TP, TP], tl.float32)  # C_t . B_j of the new tokens
+    CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
+    if write:
+        Aff = XoT * w[None, :]
+        for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
+            cols = n0 + offs_c
+            mcol = cols < N
+            m_pn = mask_pl[:, None] & mcol[None, :]
+            Cc = tl.load(p_C + cols[None, :] * s_Cn, mask=mask_t[:, None] & mcol[None, :], other=0.0).to(tl.float32)
+            Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
+            Boc = tl.load(p_Bo + cols[None, :] * s_Bhn, mask=use_l[:, None] & mcol[None, :], other=0.0)
+            hc = tl.load(p_state + cols[None, :] * s_sn, mask=m_pn, other=0.0).to(tl.float32)
+            CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
+            Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
+            Sc = round_to_state(Sc, state_ptr, row, n0, sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P, CHUNK_N,
+                                BLOCK_N, SR, SR_ROUNDS)
+            tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
+            # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
+            CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
+            tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
+                     mask=mask_tg[:, None] & mcol[None, :])
+    else:
+        CBo = tl.zeros([TP, LP], tl.float32)  # C_t . B_j of the pending old tokens
+        for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
+            cols = n0 + offs_c
+            mcol = cols < N
+            Cc = tl.load(p_C + cols[None, :] * s_Cn, mask=mask_t[:, None] & mcol[None, :], other=0.0).to(tl.float32)
+            Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
+            Boc = tl.load(p_Bo + cols[None, :] * s_Bhn, mask=use_l[:, None] & mcol[None, :], other=0.0)
+            hc = tl.load(p_state + cols[None, :] * s_sn, mask=mask_pl[:, None] & mcol[None, :],
+                         other=0.0).to(tl.float32)
+            CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
+            CS = split_dot(hc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
+            CBo = split_dot(Cc, tl.trans(Boc.to(tl.float32)), CBo, S_IN, S_HIST, INTERP)
+            tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
+                     mask=mask_tg[:, None] & mcol[None, :])
+            if CHECKPOINT:  # the pending tokens stay: copy their B into the buffer written now
+                tl.store(p_Bw + offs_l[:, None] * s_Bht + cols[None, :] * s_Bhn, Boc,
+                         mask=keep_B[:, None] & mcol[None, :])
+        CS = split_dot(XoT, tl.trans(CBo * w[None, :]), CS * decay, S_HIST, SPLIT, INTERP)
+
+    # ---- outputs: y = exp(cum_t) C_t . S + sum_{j <= t} (C_t . B_j) exp(cum_t - cum_j) dt'_j x_j + D x_t ----
+    causal = offs_t[:, None] >= offs_t[None, :]
+    M = tl.where(causal, CB * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dtv[None, :], 0.0)
+    y = split_dot(xT, tl.trans(M), tl.exp(cum)[None, :] * CS, S_IN, SPLIT, INTERP)
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * xT
+    y = tl.where(offs_t[None, :] < tl.where(live, T, 0), y, 0.0)
+    tl.store(out_ptr + b * s_ob + offs_t[None, :] * s_ot + h * s_oh + offs_p[:, None] * s_op,
+             y.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_t[None, :])
+
+    # ---- history: x, dt', cumsum of the new tokens (B went with the chunks); checkpointing without a flush
+    # keeps the pending tokens' dt', cumsum (copied into buffer wb) ----
+    if CHECKPOINT:
+        tl.debug_barrier()  # x history is single-buffered: every thread's reads of it come before the writes
+        keep_l = offs_l < tl.where(keep_th, k, 0)
+        tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + offs_l * s_dtht, dt_old, mask=keep_l)
+        tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + offs_l * s_cht, c_old, mask=keep_l)
+    mask_tl = offs_t < tl.where(live, T, 0)
+    tl.store(xh_ptr + s * s_xhs + wbx * s_xhi + pos[None, :] * s_xht + h * s_xhh + offs_p[:, None] * s_xhp,
+             xT_raw.to(xh_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_tl[None, :])
+    mask_th = offs_t < tl.where(live & first_p, T, 0)
+    cum_base = tl.where(flush, 0.0, c_last)
+    tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
+    tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
     S, H, P, N = state.shape
@@ -335,6 +520,11 @@ def replay_verify(
     out: torch.Tensor | None = None,
     block_p: int | None = None,
     num_warps: int | None = None,
+    variant: str | None = None,
+    split: int = 2,
+    chunk_n: int | None = None,
+    num_stages: int | None = None,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
 
@@ -354,10 +544,18 @@ def replay_verify(
         buffer_index: (S,) int32, read only here (taken modulo 2); `kernels.commit.replay_advance` flips it.
         time_step_limit: (min, max) clamp of dt after softplus.
         out: optional (B, T, H, P) output buffer; allocated like x when None.
-        block_p: head_dim rows per program (power of two); default _DEFAULT_BLOCK_P capped by next_pow2(P).
-            Each program holds a (block_p, next_pow2(N)) fp32 state tile in registers.
-        num_warps: warps per program; default for tiles up to 2048 elements: 2 (per-step replay) or 4
-            (checkpointing), the fastest of the H200 sweep; 4 for larger tiles.
+        block_p: head_dim rows per program (power of two); default per variant (`VARIANTS`), capped by
+            next_pow2(P) (at least 16 for "mma"). Each program holds a (block_p, next_pow2(N)) fp32 state tile.
+        num_warps: warps per program; default per variant (`VARIANTS`).
+        variant: "fma" (CUDA-core FMAs and tl.sum reductions) or "mma" (reductions as split-bf16 tensor-core
+            products, kernels/_mma.py); default DEFAULT_VARIANT[per_step / checkpointing]. Same results to
+            the tolerances of tests/test_kernels_mamba2.py.
+        split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
+            (about 2^-17 relative) or 3 (fp32 rounding).
+        chunk_n, num_stages: "mma" only: d_state columns per step of the program's loop over its tile (power
+            of two, >= 16) and the software-pipelining depth of that loop; defaults in `VARIANTS`.
+        stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
+            (bf16 / fp16 states only); None rounds to nearest.
 
     Returns:
         out: (B, T, H, P), equal to the rewind verify's output from the state after PNAT accepted tokens.
@@ -377,26 +575,45 @@ def replay_verify(
     if Bsz == 0:
         return out
 
-    # Defaults from the H200 sweep of `python -m benchmarks.bench_mamba2` (docs/kernel_performance.md).
-    BLOCK_P = block_p or min(_DEFAULT_BLOCK_P, triton.next_power_of_2(P))
+    variant = variant or DEFAULT_VARIANT["checkpointing" if history.checkpointing else "per_step"]
+    if variant not in VARIANTS:
+        raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if split not in (2, 3):
+        raise ValueError(f"{name}: split must be 2 or 3 (bf16 pieces of an fp32 operand), got {split}")
+    cfg = VARIANTS[variant]["checkpointing" if history.checkpointing else "per_step"]
     BLOCK_N = triton.next_power_of_2(N)
-    if BLOCK_P & (BLOCK_P - 1):
-        raise ValueError(f"{name}: block_p must be a power of two, got {BLOCK_P}")
-    if num_warps is None:  # H200 sweep: per-step replay best at 2 warps, checkpointing at 4 (16 x 128 tile)
-        num_warps = (4 if history.checkpointing else 2) if BLOCK_P * BLOCK_N <= 2048 else 4
+    if variant == "mma":
+        num_warps = num_warps or cfg[1]
+        BLOCK_P = block_p or max(16, min(cfg[0], triton.next_power_of_2(P)))
+    else:
+        BLOCK_P = block_p or min(cfg[0], triton.next_power_of_2(P))
+        num_warps = num_warps or (cfg[1] if BLOCK_P * BLOCK_N <= 2048 else 4)
+    if BLOCK_P & (BLOCK_P - 1) or (variant == "mma" and BLOCK_P < 16):
+        raise ValueError(f"{name}: block_p must be a power of two (>= 16 for variant 'mma'), got {BLOCK_P}")
+    sr = launch_args(stochastic_rounding, state, name)
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
     grid = (triton.cdiv(P, BLOCK_P), Bsz, H)
-    _replay_verify_kernel[grid](
+    args = (
         state, x, dt, A, B, C, D if D is not None else A, dt_bias, slot_ids, out,
         history.x, history.B, history.dt, history.dA_cumsum, prev_num_accepted, buffer_index,
-        P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
+        sr.pop("sr_seed_ptr"), sr.pop("sr_step_ptr"), sr.pop("sr_salt"),
+        H, P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *out.stride(),
         *history.x.stride(), *history.B.stride(), *history.dt.stride(), *history.dA_cumsum.stride(),
-        T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit,
-        CHECKPOINT=history.checkpointing, BLOCK_T=triton.next_power_of_2(T), BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-        num_warps=num_warps,
     )
+    common = dict(T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit, CHECKPOINT=history.checkpointing,
+                  BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=num_warps, **sr)
+    if variant == "mma":
+        pieces = PIECES[state.dtype] if state.dtype != torch.float32 else split
+        _replay_verify_mma_kernel[grid](
+            *args, TP=max(16, triton.next_power_of_2(T)), LP=max(16, triton.next_power_of_2(L)),
+            CHUNK_N=min(chunk_n, BLOCK_N) if chunk_n else min(cfg[2], BLOCK_N), NUM_STAGES=num_stages or cfg[3],
+            S_IN=max(PIECES[t.dtype] for t in (x, B, C)),
+            S_HIST=max(PIECES[t.dtype] for t in (history.x, history.B)), S_STATE=pieces, SPLIT=split,
+            INTERP=interpreter_active(), **common)
+    else:
+        _replay_verify_kernel[grid](*args, BLOCK_T=triton.next_power_of_2(T), **common)
     return out
 
 
@@ -418,11 +635,17 @@ def replay_verify_ref(
     out: torch.Tensor | None = None,
     block_p: int | None = None,
     num_warps: int | None = None,
+    variant: str | None = None,
+    split: int = 2,
+    chunk_n: int | None = None,
+    num_stages: int | None = None,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `replay_verify`, vectorised over the batch: the engine's CPU path.
 
-    Same arguments, effects and result as the kernel (block_p, num_warps ignored), both
-    history layouts. For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
+    Same arguments, effects and result as the kernel (block_p, num_warps, variant, split, chunk_n, num_stages:
+    the kernel's tuning, ignored), both history layouts. `stochastic_rounding` rounds the stored state with
+    `kernels.rounding.stochastic_round_ref` (torch random bits: the same rule, not the kernel's bits). For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
     r = buffer_index[s] % 2, w = 1 - r; flush = per-step history, or k + T > L):
     1. fast-forward in closed form, h = exp(c_{k-1}) h_s + sum_{j<k} exp(c_{k-1} - c_j) dt'_j x_j (outer) B_j
        (c = history.dA_cumsum[s, r]); flush rows store h in the state (rounded to its dtype, and continue from
@@ -438,7 +661,7 @@ def replay_verify_ref(
     Source: the SSD closed form of the module docstring; tested against the kernel and a token-by-token
     oracle (tests/replay_oracles.py).
     """
-    del block_p, num_warps
+    del block_p, num_warps, variant, split, chunk_n, num_stages
     name = "replay_verify_ref"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
@@ -470,7 +693,10 @@ def replay_verify_ref(
     B_old = torch.where(pending[:, :, None, None], history.B[s, r].float(), 0.0).repeat_interleave(hpg, dim=2)
     h = state[s].float() * torch.exp(c_last)[..., None, None]
     h = h + torch.einsum("bhl,blhp,blhn->bhpn", wgt, x_old, B_old)
-    stored = torch.where(flush[:, None, None, None], h.to(state.dtype), state[s])
+    if stochastic_rounding is not None:
+        stochastic_rounding.check(state, name)
+    stored = torch.where(flush[:, None, None, None], stochastic_round_ref(h, state.dtype, stochastic_rounding),
+                         state[s])
     state.index_copy_(0, s, stored)  # rows without a flush (and k = 0 rows) store what they had
     h = torch.where(flush[:, None, None, None], stored.float(), h)
     # 2. the new tokens: the recurrence of the rewind reference, from h

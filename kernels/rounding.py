@@ -1,0 +1,215 @@
+"""Stochastic rounding of 16-bit recurrent-state writes: the rule, its Triton helpers and its PyTorch reference.
+
+Why: a bf16 / fp16 state is rounded to nearest on every store. A head whose per-token decay exp(A dt') is
+closer to 1 than half a bf16 ulp (2^-9) can then never decay (the product rounds back to the same value),
+while small updates below half an ulp are dropped: the state drifts systematically over long sequences.
+Stochastic rounding (SR) rounds up with probability equal to the distance to the lower grid point over the
+grid spacing, so E[SR(x)] = x: rounding errors stay unbiased and grow like sqrt(steps) instead of linearly.
+
+The rule (software, as on Hopper, which has no stochastic-rounding convert instruction; `cvt.rs` is a
+Blackwell instruction):
+- bf16 (fp32's exponent range, 7 mantissa bits): add 16 random bits to the low 16 bits of the fp32 pattern
+  and truncate them. The carry into bit 16 happens with probability (low 16 bits) / 2^16, exactly the
+  fractional distance, on the magnitude (IEEE is sign-magnitude, so the sign is unaffected); subnormals
+  and the carry into the next binade follow from the same integer addition.
+- fp16 (10 mantissa bits, exponents -14..15, subnormal spacing 2^-24): in fp32 arithmetic, with the fp16
+  grid spacing u = 2^(max(e, -14) - 10) at |x| (e = floor(log2 |x|)): |x| / u + r (13 random bits as a
+  fraction in [0, 1)), floored, times u, with the sign of x. 13 bits resolve the fp16 grid exactly in the
+  normal range (the fp32 pattern has 13 bits below an fp16 ulp), as FlashInfer's software fp16 path.
+- NaN stays NaN; infinities stay infinite; a magnitude that rounds beyond the format's largest finite
+  value becomes infinite.
+
+Randomness: Philox-4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Triton's
+`tl.randint4x`). Kernels read the seed and a step counter from device memory (`StochasticRounding.seed`,
+`.step`: (1,) int64 tensors), so a captured CUDA graph draws new bits on every replay once the step counter
+is advanced inside it (`StochasticRounding.advance`, an in-place add on the device). The Philox key is
+seed ^ (step << 16 | salt), salt a per-layer constant < 2^16; the counter is the index of a group of 8
+state elements in the buffer written (each Philox call gives 4 x 32 bits = 8 x 16 bits), so every element
+of every layer and step gets its own bits. The same (seed, step, salt, inputs) give the same bits:
+deterministic, bitwise equal under graph replay.
+
+The PyTorch reference (`stochastic_round_ref`) applies the same rule with bits from a torch.Generator
+seeded from the same key (read to the host: the references are the CPU path). Kernel and reference do not
+draw the same bits; both are unbiased and deterministic for a fixed seed.
+
+Sources: the rounding rule as in FlashInfer's include/flashinfer/mamba/conversion.cuh (software fp16 SR on
+pre-Blackwell GPUs) and the stochastic-rounding Mamba cache options of SGLang (PR 26929) and TensorRT-LLM
+(PR 14509); written from the description above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+# dtypes stochastic rounding applies to (an fp32 state is never rounded)
+SR_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SALT = 1 << 16  # salts (layer indices) live in the low 16 bits of the key's step word
+
+
+@dataclass(frozen=True)
+class StochasticRounding:
+    """Where the random bits of stochastically rounded state writes come from (see the module docstring).
+
+    seed: (1,) int64 on the state's device, read by every kernel launch (not baked into a CUDA graph).
+    step: (1,) int64 on the same device: a counter to advance once per engine step (`advance`), on the
+        device, so graph replays draw new bits.
+    salt: int in [0, 2^16): distinguishes the layers sharing seed and step (the layer index).
+    philox_rounds: Philox rounds per 128 random bits (10 = Triton's and FlashInfer's default; 7 passes
+        BigCrush too, per Salmon et al.).
+    """
+
+    seed: torch.Tensor
+    step: torch.Tensor
+    salt: int = 0
+    philox_rounds: int = 10
+
+    @classmethod
+    def create(cls, seed: int, *, device: torch.device | str, philox_rounds: int = 10) -> StochasticRounding:
+        """Seed and step tensors (step 0) on `device`; salt 0 (use `for_layer` per layer)."""
+        return cls(seed=torch.tensor([seed], dtype=torch.int64, device=device),
+                   step=torch.zeros(1, dtype=torch.int64, device=device), philox_rounds=philox_rounds)
+
+    def for_layer(self, salt: int) -> StochasticRounding:
+        """The same seed / step tensors with another salt (layer index)."""
+        return replace(self, salt=salt)
+
+    def advance(self) -> None:
+        """step += 1 on the device (graph-capturable; call once per engine step, after every layer)."""
+        self.step.add_(1)
+
+    def key(self) -> int:
+        """The Philox key the kernels compute on the device, read to the host (a sync; references only)."""
+        return int(self.seed.item()) ^ ((int(self.step.item()) << 16) | self.salt)
+
+    def check(self, state: torch.Tensor, name: str) -> None:
+        """Raise ValueError unless this can round writes of `state` (a 16-bit state on the same device)."""
+        if state.dtype not in SR_DTYPES:
+            raise ValueError(f"{name}: stochastic rounding applies to bfloat16 / float16 states, got a "
+                             f"{state.dtype} state (nothing is rounded: pass stochastic_rounding=None)")
+        for what, t in (("seed", self.seed), ("step", self.step)):
+            if t.shape != (1,) or t.dtype != torch.int64 or t.device != state.device:
+                raise ValueError(f"{name}: stochastic_rounding.{what} must be a (1,) int64 tensor on "
+                                 f"{state.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if not 0 <= self.salt < MAX_SALT:
+            raise ValueError(f"{name}: stochastic_rounding.salt must be in [0, {MAX_SALT}), got {self.salt}")
+        if self.philox_rounds < 1:
+            raise ValueError(f"{name}: philox_rounds must be >= 1, got {self.philox_rounds}")
+
+
+def launch_args(rounding: StochasticRounding | None, state: torch.Tensor, name: str) -> dict:
+    """Keyword arguments of a kernel launch for `rounding` (None: round to nearest)."""
+    if rounding is None:
+        return dict(sr_seed_ptr=state, sr_step_ptr=state, sr_salt=0, SR=False, SR_ROUNDS=1)
+    rounding.check(state, name)
+    return dict(sr_seed_ptr=rounding.seed, sr_step_ptr=rounding.step, sr_salt=rounding.salt, SR=True,
+                SR_ROUNDS=rounding.philox_rounds)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def sr_key(seed_ptr, step_ptr, salt):
+    """The Philox key, int64: seed ^ (step << 16 | salt), read from device memory."""
+    seed = tl.load(seed_ptr)
+    step = tl.load(step_ptr)
+    return seed ^ ((step << 16) | salt)
+
+
+@triton.jit
+def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
+    """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
+    col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a
+    buffer W columns wide (C, W powers of two, col0 a multiple of C). One Philox call per 8 elements (counter =
+    row * (W / 8) + column group), one per element when C < 8."""
+    if C >= 8:
+        C8: tl.constexpr = C // 8
+        ctr = row[:, None] * (W // 8) + (col0 // 8 + tl.arange(0, C8))[None, :]  # (R, C8) int64
+        r0, r1, r2, r3 = tl.randint4x(key, ctr, ROUNDS)
+        m = 0xFFFF
+        a = tl.join(r0 & m, (r0 >> 16) & m)
+        b = tl.join(r1 & m, (r1 >> 16) & m)
+        c = tl.join(r2 & m, (r2 >> 16) & m)
+        d = tl.join(r3 & m, (r3 >> 16) & m)
+        bits = tl.join(tl.join(a, b), tl.join(c, d))  # (R, C8, 2, 2, 2)
+        res = tl.reshape(bits, (R, C)).to(tl.int32, bitcast=True)
+    else:  # narrow tiles (tests, tiny models)
+        ctr = row[:, None] * W + (col0 + tl.arange(0, C))[None, :]
+        res = tl.randint(key, ctr, ROUNDS).to(tl.int32, bitcast=True) & 0xFFFF
+    return res
+
+
+@triton.jit
+def stochastic_round(x, bits, IS_BF16: tl.constexpr):
+    """fp32 x -> fp32 values on the bf16 (IS_BF16) or fp16 grid, rounded stochastically with `bits` (int32,
+    16 random low bits per element); converting the result to the 16-bit dtype is exact."""
+    xi = x.to(tl.int32, bitcast=True)
+    if IS_BF16:
+        r = ((xi + (bits & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        ax = tl.abs(x)
+        e = ((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(e, -14) - 10  # log2 of the fp16 grid spacing at |x|, >= -24
+        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        frac = (bits & 0x1FFF).to(tl.float32) * (1.0 / 8192.0)
+        r = tl.floor(ax * inv + frac) * ulp
+        r = tl.where(x < 0, -r, r)
+    return tl.where(x != x, x, r)  # NaN stays NaN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _round_bits(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rule of `stochastic_round` in torch: fp32 x, int32 bits (16 random low bits) -> `dtype`."""
+    x = x.float()
+    if dtype == torch.bfloat16:
+        xi = (x.view(torch.int32) + (bits & 0xFFFF)) & -65536
+        r = xi.view(torch.float32)
+    else:
+        ax = x.abs()
+        e = torch.clamp(((ax.view(torch.int32) >> 23) & 0xFF) - 127, min=-14) - 10
+        ulp = torch.ldexp(torch.ones_like(ax), e)
+        r = torch.floor(ax / ulp + (bits & 0x1FFF).float() / 8192.0) * ulp
+        r = torch.where(x < 0, -r, r)
+    return torch.where(torch.isnan(x), x, r).to(dtype)
+
+
+def stochastic_round_ref(x: torch.Tensor, dtype: torch.dtype, rounding: StochasticRounding | None,
+                         stream: int = 0) -> torch.Tensor:
+    """x (any shape, float) rounded to `dtype`: round-to-nearest when `rounding` is None or dtype is fp32,
+    else stochastically with torch random bits from a generator seeded by (rounding.key(), stream).
+
+    `stream` separates several roundings of one call (e.g. a state and the intermediate states). Reads the
+    seed / step to the host (a sync): the references' CPU path.
+    """
+    if rounding is None or dtype not in SR_DTYPES:
+        return x.to(dtype)
+    g = torch.Generator(device=x.device)
+    g.manual_seed((rounding.key() * 0x9E3779B1 + stream) & ((1 << 63) - 1))
+    bits = torch.randint(0, 1 << 16, x.shape, generator=g, device=x.device, dtype=torch.int32)
+    return _round_bits(x, bits, dtype)
+
+
+@triton.jit
+def round_to_state(h, state_ptr, row, col0, seed_ptr, step_ptr, salt, R: tl.constexpr, C: tl.constexpr,
+                   W: tl.constexpr, SR: tl.constexpr, ROUNDS: tl.constexpr):
+    """fp32 tile h (R, C) -> fp32 values exactly representable in the dtype `state_ptr` points to: rounded to
+    nearest, or stochastically (SR) with Philox bits (`random_bits16`) keyed by `sr_key(seed_ptr, step_ptr,
+    salt)` for the tile's global rows `row` (R,) int64 and columns col0 .. col0 + C - 1 of a buffer W columns
+    wide (seed_ptr / step_ptr are read only with SR)."""
+    if SR:
+        bits = random_bits16(sr_key(seed_ptr, step_ptr, salt), row, col0, R, C, W, ROUNDS)
+        r = stochastic_round(h, bits, state_ptr.dtype.element_ty == tl.bfloat16)
+    else:
+        r = h.to(state_ptr.dtype.element_ty).to(tl.float32)
+    return r
