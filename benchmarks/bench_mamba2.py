@@ -17,7 +17,8 @@ Times with triton.testing.do_bench (median, microseconds) per state dtype (float
 Each timing comes with the bytes it must move and the bandwidth that implies. Prints one JSON document and
 writes it to --out. Needs CUDA; the state cache has as many slots as the batch has rows (slot b = row b).
 Without a GPU: `--dry-run` (TRITON_INTERPRET=1) runs every call once at a tiny shape; `--compile-check`
-compiles the kernels for sm_90 and prints registers / stack bytes per thread (spills show up there).
+compiles the kernels for sm_90 and prints registers / stack bytes per thread (spills show up there;
+`python -m benchmarks.compile_report`).
 """
 
 from __future__ import annotations
@@ -192,64 +193,12 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
 
 
 def compile_check() -> dict:
-    """Compile every kernel for sm_90 on a machine without a GPU and report registers / stack per thread.
+    """sm_90 registers / stack / instruction counts of every kernel variant, without a GPU: the report of
+    `benchmarks.compile_report` (compiled through the real launchers, so Triton's argument specialisation
+    applies; an earlier version of this check compiled unspecialised signatures and overstated registers)."""
+    from benchmarks import compile_report
 
-    Uses Triton's ahead-of-time path (ASTSource + the bundled ptxas) and cuobjdump's resource report: a
-    type or lowering error, or a spilling configuration, shows up before any GPU time is spent. Triton
-    internals: best effort across Triton versions.
-    """
-    import os
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
-    from kernels import commit
-    from kernels.mamba2 import recurrent, replay
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    ptr = dict(state_ptr="*fp32", x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
-               D_ptr="*fp32", dt_bias_ptr="*fp32", slot_ptr="*i32", out_ptr="*bf16", inter_ptr="*fp32",
-               xh_ptr="*bf16", Bh_ptr="*bf16", dth_ptr="*fp32", cumh_ptr="*fp32", pnat_ptr="*i32",
-               bufidx_ptr="*i32", nat_ptr="*i32", idx_ptr="*i32")
-
-    def usage(kernel, constexprs, num_warps):
-        names = kernel.arg_names
-        sig = {n: "constexpr" if n in constexprs else ptr.get(n, "fp32" if n in ("dt_min", "dt_max") else "i32")
-               for n in names}
-        src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            report = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        fields = [w for line in report.splitlines() if "REG:" in line for w in line.split()]
-        return {w.split(":")[0]: int(w.split(":")[1]) for w in fields if w.split(":")[0] in ("REG", "STACK")}
-
-    res = {}
-    for bp in (4, 16):
-        res[f"ssu_rewind_block_p{bp}"] = usage(recurrent._ssu_kernel, dict(
-            HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, HAS_INDICES=False, UPDATE_STATE=False,
-            BLOCK_P=bp, BLOCK_N=128),
-            4 if bp * 128 >= 2048 else 2)
-    # the engine's variants: rewind buffer indexed by slot (intermediate_state_indices), decode in place
-    res["ssu_rewind_by_slot_block_p16"] = usage(recurrent._ssu_kernel, dict(
-        HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=True, HAS_INDICES=True, UPDATE_STATE=False,
-        BLOCK_P=16, BLOCK_N=128), 2)
-    res["ssu_decode_block_p16"] = usage(recurrent._ssu_kernel, dict(
-        HAS_D=True, HAS_DT_LIMIT=False, WRITE_INTERMEDIATE=False, HAS_INDICES=False, UPDATE_STATE=True,
-        BLOCK_P=16, BLOCK_N=128), 2)
-    res["rewind_commit_by_slot"] = usage(commit._rewind_commit_kernel, dict(HAS_INDICES=True, BLOCK_R=32,
-                                                                            BLOCK_C=128), 4)
-    res["replay_advance"] = usage(commit._replay_advance_kernel, dict(CHECKPOINT=False, BLOCK=64), 4)
-    for ckpt in (False, True):
-        for bp, nw in ((4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (32, 8)):
-            res[f"replay_{'ckpt_' if ckpt else ''}p{bp}_w{nw}"] = usage(
-                replay._replay_verify_kernel, dict(T=4, L=16 if ckpt else 4, HAS_D=True, HAS_DT_LIMIT=False,
-                                                          CHECKPOINT=ckpt, BLOCK_T=4, BLOCK_P=bp, BLOCK_N=128),
-                nw)
-    return res
+    return compile_report.report()
 
 
 def main(argv=None) -> int:

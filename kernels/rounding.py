@@ -123,6 +123,13 @@ def sr_key(seed_ptr, step_ptr, salt):
 
 
 @triton.jit
+def intermediate_rows(row):
+    """Rows of the rewind verify's intermediate-state buffer as Philox counter rows: offset by 2^40, so they
+    never share counters (hence bits) with the state's rows (< 2^40 per buffer) written under the same key."""
+    return row + (1 << 40)
+
+
+@triton.jit
 def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
     """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
     col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a

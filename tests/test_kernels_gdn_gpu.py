@@ -27,6 +27,7 @@ from kernels.gdn import (
     replay_verify,
     replay_verify_ref,
 )
+from kernels.gdn import replay as gdn_replay
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.gpu
 B, T, H, HV, K, V = 64, 4, 16, 32, 128, 128
 S = 80  # more slots than rows: some slots stay out of the batch and must stay untouched
 POISON = 0x7BADBEEF
+VARIANTS = tuple(gdn_replay.VARIANTS)  # every kernel variant of the replay verify
 
 
 def _inputs(step, dtype=torch.bfloat16):
@@ -59,7 +61,8 @@ def _close(a, b, tol, msg):
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=msg)
 
 
-def test_qwen3_next_shape_bf16_rewind_and_replay_match_references():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_qwen3_next_shape_bf16_rewind_and_replay_match_references(variant):
     state0 = torch.randn(S, HV, V, K, device="cuda") * 0.1
     st = {name: state0.clone() for name in ("rew_k", "rew_r", "rep_k", "rep_r")}
     hist = {name: ReplayHistory.allocate(S, T, H, HV, K, V, device="cuda") for name in ("k", "r")}
@@ -78,7 +81,7 @@ def test_qwen3_next_shape_bf16_rewind_and_replay_match_references():
         rewind_commit_ref(st["rew_r"], inter_r, slot_ids, n)
         _close(st["rew_k"], st["rew_r"], 1e-4, f"rewind state, step {step}")
 
-        p_k = replay_verify(q, k, v, g, beta, st["rep_k"], hist["k"], slot_ids, *meta["k"])
+        p_k = replay_verify(q, k, v, g, beta, st["rep_k"], hist["k"], slot_ids, *meta["k"], variant=variant)
         p_r = replay_verify_ref(q, k, v, g, beta, st["rep_r"], hist["r"], slot_ids, *meta["r"])
         _close(p_k, p_r, 1.6e-2, f"replay outputs, step {step}")
         _close(p_k, o_k, 1.6e-2, f"replay vs rewind outputs, step {step}")
@@ -101,7 +104,8 @@ def test_decode_bf16_state_compiled():
     _close(st_k, st_r, 1.6e-2, "bf16 state")
 
 
-def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise(variant):
     """Capture verify + bookkeeping while pnat / buf_idx hold 0x7BADBEEF and the history NaN, replay it once
     before the first fill (clamping must keep it in bounds), then fill and compare every step bitwise with
     eager calls."""
@@ -123,13 +127,13 @@ def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
     scratch = (torch.zeros_like(state0), ReplayHistory.allocate(S, T, H, HV, K, V, device="cuda"),
                *allocate_replay_slots(S, device="cuda"))
     replay_verify(*_inputs(0), scratch[0], scratch[1], _batch(0)[0], scratch[2], scratch[3],
-                      out=torch.empty_like(out_g))
+                  out=torch.empty_like(out_g), variant=variant)
     replay_advance(scratch[2], scratch[3], *_batch(0), T)
     torch.cuda.synchronize()
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replay_verify(*static, st_g, hist_g, slot_s, pnat_g, buf_g, out=out_g)
+        replay_verify(*static, st_g, hist_g, slot_s, pnat_g, buf_g, out=out_g, variant=variant)
         replay_advance(pnat_g, buf_g, slot_s, n_s, T)
     slot_s.copy_(_batch(0)[0])
     graph.replay()  # before the first fill: garbage metadata must neither fault nor index out of range
@@ -148,7 +152,7 @@ def test_replay_cuda_graph_with_poisoned_metadata_matches_eager_bitwise():
         slot_s.copy_(slot_ids)
         n_s.copy_(n)
         graph.replay()
-        o_e = replay_verify(*inputs, st_e, hist_e, slot_ids, pnat_e, buf_e)
+        o_e = replay_verify(*inputs, st_e, hist_e, slot_ids, pnat_e, buf_e, variant=variant)
         replay_advance(pnat_e, buf_e, slot_ids, n, T)
         torch.cuda.synchronize()
         assert torch.equal(out_g, o_e), f"outputs differ from eager at step {step}"

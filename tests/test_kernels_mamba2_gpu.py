@@ -20,6 +20,7 @@ from replay_oracles import mamba2_materialized_state  # noqa: E402
 from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit, rewind_commit_ref  # noqa: E402
 from kernels.mamba2 import (  # noqa: E402
     ReplayHistory,
+    replay,  # noqa: E402
     replay_verify,
     replay_verify_ref,
     selective_state_update,
@@ -36,6 +37,7 @@ POISON = 0x7BADBEEF
 # Kernel vs reference on the GPU: all state math is fp32 FMAs (~1e-6 relative); outputs are bf16 (ulp
 # 2^-8 relative: 1.6e-2 = 4 ulps); a bf16 state adds one state ulp of the same size.
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2}
+VARIANTS = tuple(replay.VARIANTS)  # every kernel variant of the replay verify
 
 
 def close(a, b, tol, what):
@@ -102,9 +104,10 @@ def _history(seed, A, dtype=torch.bfloat16, hist_len=T, checkpointing=False):
     return hist
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_gpu_replay_super_v3_shape(state_dtype, checkpointing):
+def test_gpu_replay_super_v3_shape(state_dtype, checkpointing, variant):
     A, D, dt_bias = params()
     x, dt, B, C = inputs(3)
     slot_ids = slots_with_pad(4)
@@ -118,7 +121,7 @@ def test_gpu_replay_super_v3_shape(state_dtype, checkpointing):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), ReplayHistory(*(t.clone() for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum)))
         out = torch.full((BATCH, T, H, P), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, variant=variant)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
     tol = max(TOL[state_dtype], TOL[torch.bfloat16])
@@ -147,9 +150,10 @@ def _poisoned_like(t):
     return p
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpointing):
+def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpointing, variant):
     """Capture verify + advance with every metadata / input buffer poisoned, fill, replay: equals eager."""
     A, D, dt_bias = params()
     state0 = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
@@ -168,7 +172,8 @@ def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpo
         pnat, bufidx = allocate_replay_slots(SLOTS, device="cuda")
         outs = []
         for (x, dt, B, C), slot_ids, nat in steps:
-            outs.append(replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx).clone())
+            outs.append(replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx,
+                                      variant=variant).clone())
             replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=hist_len)
         return st, outs
 
@@ -187,7 +192,8 @@ def test_gpu_cuda_graph_replay_verify_matches_eager_bitwise(state_dtype, checkpo
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        replay_verify(st, sx, sdt, A, sB, sC, D, dt_bias, s_slots, hist, pnat, bufidx, out=s_out)
+        replay_verify(st, sx, sdt, A, sB, sC, D, dt_bias, s_slots, hist, pnat, bufidx, out=s_out,
+                      variant=variant)
         replay_advance(pnat, bufidx, s_slots, s_nat, T, hist_len=hist_len)
     torch.cuda.synchronize()
     pnat.zero_()  # the allocator's contract: metadata starts at zero

@@ -35,18 +35,25 @@ import triton.language as tl
 
 from kernels._common import check_rows
 from kernels.gdn._common import check_gdn_inputs, check_state, key_head_dims, l2norm, prepare_rule_inputs
+from kernels.rounding import (
+    StochasticRounding,
+    intermediate_rows,
+    launch_args,
+    round_to_state,
+    stochastic_round_ref,
+)
 
 
 @triton.jit
 def _fused_recurrent_gdn_kernel(
-    q, k, v, g, beta, o, state, slot_ids, inter, inter_idx,
+    q, k, v, g, beta, o, state, slot_ids, inter, inter_idx, sr_seed_ptr, sr_step_ptr, sr_salt,
     scale,
     stride_s_slot, stride_s_h, stride_s_v,
     stride_i_b, stride_i_t, stride_i_h, stride_i_v,
     T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr, HAS_INDICES: tl.constexpr,
-    UPDATE_STATE: tl.constexpr,
+    UPDATE_STATE: tl.constexpr, SR: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
     # One program per (V tile, batch row, value head): the rows of S are independent in this recurrence.
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -93,10 +100,14 @@ def _fused_recurrent_gdn_kernel(
         if STORE_INTERMEDIATE:
             p_i = (inter + i_row * stride_i_b + t * stride_i_t + i_hv * stride_i_h
                    + o_v[:, None] * stride_i_v + o_k[None, :])
-            tl.store(p_i, b_s.to(p_i.dtype.element_ty), mask=m_sl)
+            b_r = round_to_state(b_s, inter, intermediate_rows(((i_row * T + t) * HV + i_hv) * V + o_v), 0,
+                                 sr_seed_ptr, sr_step_ptr, sr_salt, BV, BK, BK, SR, SR_ROUNDS)
+            tl.store(p_i, b_r.to(p_i.dtype.element_ty), mask=m_sl)
 
     if UPDATE_STATE:
-        tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_sl)
+        b_r = round_to_state(b_s, state, (slot * HV + i_hv) * V + o_v, 0, sr_seed_ptr, sr_step_ptr, sr_salt, BV, BK,
+                             BK, SR, SR_ROUNDS)
+        tl.store(p_s, b_r.to(p_s.dtype.element_ty), mask=m_sl)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -115,6 +126,7 @@ def fused_recurrent_gated_delta_rule(
     intermediate_state_indices: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_v: int = 16,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """Run T recurrent gated delta rule steps per row from the slot's state (decode and rewind verify).
 
@@ -138,6 +150,8 @@ def fused_recurrent_gated_delta_rule(
             (FlashInfer's argument of that name; the engine passes the slot ids); default row b (B' >= B).
         out: optional (B, T, HV, V) contiguous output tensor (default: a new one of v's dtype).
         block_v: rows of S per program (power of two); no autotune because the kernel updates in place.
+        stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the 16-bit writes (state and / or
+            intermediate states) stochastically; None rounds to nearest.
 
     Returns:
         o: (B, T, HV, V) in out's dtype (v's dtype by default).
@@ -157,29 +171,43 @@ def fused_recurrent_gated_delta_rule(
     BK, BV = key_head_dims(K, V, block_v)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     si = inter.stride() if inter is not None else (0, 0, 0, 0, 1)
+    sr = _rounding_args(stochastic_rounding, state, inter, update_state)
     grid = (triton.cdiv(V, BV), B * HV)
     _fused_recurrent_gdn_kernel[grid](
         q, k, v, g, beta, out, state, slot_ids,
         inter if inter is not None else state, idx if idx is not None else slot_ids,  # placeholders: unread
+        sr.pop("sr_seed_ptr"), sr.pop("sr_step_ptr"), sr.pop("sr_salt"),
         scale,
         state.stride(0), state.stride(1), state.stride(2),
         si[0], si[1], si[2], si[3],
         T=T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_QK_L2NORM=use_qk_l2norm_in_kernel,
         STORE_INTERMEDIATE=inter is not None, HAS_INDICES=idx is not None,
-        UPDATE_STATE=update_state,
+        UPDATE_STATE=update_state, **sr,
         num_warps=1 if BV * BK <= 2048 else 4,
     )
     return out
 
 
+def _rounding_args(rounding, state, inter, update_state):
+    """Launch arguments for stochastic rounding of the 16-bit buffers this call writes (checked)."""
+    name = "fused_recurrent_gated_delta_rule"
+    if rounding is None:
+        return launch_args(None, state, name)
+    written = ([inter] if inter is not None else []) + ([state] if update_state else [])
+    for t in written:
+        rounding.check(t, name)
+    return launch_args(rounding, written[0] if written else state, name)
+
+
 def fused_recurrent_gated_delta_rule_ref(
     q, k, v, g, beta, state, slot_ids, *, scale=None, use_qk_l2norm_in_kernel=True, update_state=True,
-    intermediate_states=None, intermediate_state_indices=None, out=None, block_v=16,
+    intermediate_states=None, intermediate_state_indices=None, out=None, block_v=16, stochastic_rounding=None,
 ):
     """Plain-PyTorch reference of fused_recurrent_gated_delta_rule (same signature, same mutations; block_v
     ignored): `recurrent_gated_delta_rule` on the live rows' gathered states, vectorised over the batch. Host
-    syncs: the nonzero() that selects the live rows."""
+    syncs: the nonzero() that selects the live rows. `stochastic_rounding` rounds the 16-bit writes with
+    `kernels.rounding.stochastic_round_ref` (the kernel's rule, torch's random bits)."""
     del block_v
     B, T, H, HV, K, V = check_gdn_inputs(q, k, v, g, beta, slot_ids)
     check_state(state, HV, V, K)
@@ -195,10 +223,13 @@ def fused_recurrent_gated_delta_rule_ref(
         output_intermediate_states=inter is not None,
     )
     out[rows] = o.to(out.dtype)
+    if stochastic_rounding is not None:
+        _rounding_args(stochastic_rounding, state, inter, update_state)
     if inter is not None:
-        inter[rows if idx is None else idx[rows].long()] = steps.to(inter.dtype)
+        inter[rows if idx is None else idx[rows].long()] = stochastic_round_ref(steps, inter.dtype,
+                                                                                stochastic_rounding, stream=1)
     if update_state:
-        state[slots] = final.to(state.dtype)
+        state[slots] = stochastic_round_ref(final, state.dtype, stochastic_rounding)
     return out
 
 

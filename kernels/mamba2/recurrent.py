@@ -48,6 +48,13 @@ from kernels._common import (
     check_rows,
     check_shape,
 )
+from kernels.rounding import (
+    StochasticRounding,
+    intermediate_rows,
+    launch_args,
+    round_to_state,
+    stochastic_round_ref,
+)
 
 _NO_LIMIT = (0.0, math.inf)
 
@@ -99,7 +106,8 @@ def _process_dt(dt, dt_bias, time_step_limit):
 @triton.jit
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr, inter_ptr, idx_ptr,
-    T, P, N, heads_per_group, dt_min, dt_max,
+    sr_seed_ptr, sr_step_ptr, sr_salt,
+    T, H, P, N, heads_per_group, dt_min, dt_max,
     s_ss, s_sh, s_sp, s_sn,
     s_xb, s_xt, s_xh, s_xp,
     s_dtb, s_dtt, s_dth,
@@ -109,7 +117,7 @@ def _ssu_kernel(
     s_ib, s_it, s_ih, s_ip, s_in,
     HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     WRITE_INTERMEDIATE: tl.constexpr, HAS_INDICES: tl.constexpr, UPDATE_STATE: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SR: tl.constexpr, SR_ROUNDS: tl.constexpr,
 ):
     # One program per (P block, batch row, head); the state tile (BLOCK_P, N) stays in registers over T.
     pid_p = tl.program_id(0)
@@ -157,10 +165,14 @@ def _ssu_kernel(
         tl.store(out_ptr + b * s_ob + t * s_ot + h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty), mask=mask_p)
         if WRITE_INTERMEDIATE:
             inter_ptrs = inter_ptr + ib * s_ib + t * s_it + h * s_ih + offs_p[:, None] * s_ip + offs_n[None, :] * s_in
-            tl.store(inter_ptrs, hs.to(inter_ptr.dtype.element_ty), mask=mask_live)
+            hr = round_to_state(hs, inter_ptr, intermediate_rows(((ib * T + t) * H + h) * P + offs_p), 0,
+                                sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P, BLOCK_N, BLOCK_N, SR, SR_ROUNDS)
+            tl.store(inter_ptrs, hr.to(inter_ptr.dtype.element_ty), mask=mask_live)
 
     if UPDATE_STATE:
-        tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_live)
+        hr = round_to_state(hs, state_ptr, (s * H + h) * P + offs_p, 0, sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P,
+                            BLOCK_N, BLOCK_N, SR, SR_ROUNDS)
+        tl.store(state_ptrs, hr.to(state_ptr.dtype.element_ty), mask=mask_live)
 
 
 def selective_state_update(
@@ -180,6 +192,7 @@ def selective_state_update(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """T steps of the Mamba2 recurrence per batch row on a slot-indexed state cache (Triton).
 
@@ -203,6 +216,9 @@ def selective_state_update(
         time_step_limit: (min, max) clamp applied to dt after softplus; (0, inf) means none.
         out: optional (B, T, H, P) output buffer (float32 / bfloat16 / float16); allocated like x when None.
         block_p: rows of head_dim per program (power of two); default min(16, next_pow2(P)).
+        stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the 16-bit writes (the state
+            and / or the intermediate states) stochastically; None rounds to nearest. Each write is one
+            rounding of the fp32 value held in registers (the recurrence itself stays fp32 across tokens).
 
     Returns:
         out: (B, T, H, P), y_t = C_t . h_t + D x_t (no gate: the gated RMSNorm applies silu(z)).
@@ -228,19 +244,31 @@ def selective_state_update(
     BLOCK_N = triton.next_power_of_2(N)
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
+    sr = _rounding_args(stochastic_rounding, state, inter, bool(update_state), name)
     grid = (triton.cdiv(P, BLOCK_P), Bsz, H)
     _ssu_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else A, dt_bias, slot_ids, out,
         inter if inter is not None else out, idx if idx is not None else slot_ids,  # placeholders: never read
-        T, P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
+        sr.pop("sr_seed_ptr"), sr.pop("sr_step_ptr"), sr.pop("sr_salt"),
+        T, H, P, N, H // G, float(lo), float(hi) if hi < math.inf else 3.0e38,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *out.stride(),
         *(inter.stride() if inter is not None else (0,) * 5),
         HAS_D=D is not None, HAS_DT_LIMIT=has_limit,
         WRITE_INTERMEDIATE=inter is not None, HAS_INDICES=idx is not None, UPDATE_STATE=bool(update_state),
-        BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, **sr,
         num_warps=4 if BLOCK_P * BLOCK_N >= 2048 else 2,
     )
     return out
+
+
+def _rounding_args(rounding, state, inter, update_state, name):
+    """Launch arguments for stochastic rounding of the 16-bit buffers this call writes (checked)."""
+    if rounding is None:
+        return launch_args(None, state, name)
+    written = ([inter] if inter is not None else []) + ([state] if update_state else [])
+    for t in written:
+        rounding.check(t, name)
+    return launch_args(rounding, written[0] if written else state, name)
 
 
 def _check_intermediate(inter, idx, slot_ids, per_token, name):
@@ -311,8 +339,10 @@ def selective_state_update_ref(
     time_step_limit: tuple[float, float] = _NO_LIMIT,
     out: torch.Tensor | None = None,
     block_p: int | None = None,
+    stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
-    """PyTorch reference of `selective_state_update` (same arguments, same effects; `block_p` ignored).
+    """PyTorch reference of `selective_state_update` (same arguments, same effects; `block_p` ignored;
+    `stochastic_rounding` rounds with `kernels.rounding.stochastic_round_ref`: the same rule, torch's bits).
 
     `ssm_recurrent_scan` on the live rows' gathered states, vectorised over the batch (the engine's decode and
     rewind-verify path for ssm_backend="torch"); all arithmetic in float32. Host syncs: the nonzero() that
@@ -336,8 +366,11 @@ def selective_state_update_ref(
     if D is not None:
         y = y + x[rows].float() * D.float()[:, None]
     out[rows] = y.to(out.dtype)
+    if stochastic_rounding is not None:
+        _rounding_args(stochastic_rounding, state, inter, bool(update_state), name)
     if inter is not None:
-        inter[rows if idx is None else idx[rows].long()] = steps.to(inter.dtype)
+        inter[rows if idx is None else idx[rows].long()] = stochastic_round_ref(steps, inter.dtype,
+                                                                                stochastic_rounding, stream=1)
     if update_state:
-        state[slots] = h.to(state.dtype)
+        state[slots] = stochastic_round_ref(h, state.dtype, stochastic_rounding)
     return out

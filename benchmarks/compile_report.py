@@ -1,0 +1,182 @@
+"""sm_90 compile report of every replay / rewind kernel variant, on a machine without a GPU.
+
+    python -m benchmarks.compile_report [--out report.json] [--sass DIR]
+
+Each kernel is compiled through its real launcher (so Triton's argument specialisation applies: strides of 1
+become constants, 16-byte alignment is known, which decides vectorised and cp.async loads) against a stand-in
+driver that reports an sm_90 target and launches nothing; tensors are CPU tensors of the real shapes at batch 2.
+Reported per kernel: registers and stack bytes per thread and shared memory (cuobjdump -res-usage: spills show
+as STACK > 0), the SASS instruction count and its most frequent opcodes (HMMA = tensor cores, SHFL = the
+cross-lane reductions, LDGSTS = cp.async pipelined loads). Shapes: Super V3 mixer (128 x 64 x 128, 8 groups)
+and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs.
+
+Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
+version may compile somewhat differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver as _driver
+from triton.runtime.jit import JITFunction
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _Sm90Driver:
+    """Stands in for the CUDA driver: an sm_90 target, device 0, stream 0."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _install() -> list:
+    """Compile instead of launching; returns the list the compiled kernels are appended to."""
+    compiled = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    _driver.set_active(_Sm90Driver())
+    JITFunction.run = compile_only
+    for m in list(sys.modules.values()):  # the launchers' interpreter / CPU-tensor checks
+        if getattr(m, "__name__", "").startswith("kernels"):
+            if hasattr(m, "interpreter_active"):
+                m.interpreter_active = lambda: False
+            if hasattr(m, "check_launchable"):
+                m.check_launchable = lambda *a, **k: None
+    return compiled
+
+
+def _usage(kernel, top: int = 12) -> tuple[dict, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?", line)
+        if m:
+            ops[m.group(2) + (m.group(3) or "")] += 1
+    get = lambda key: int(re.search(key + r":(\d+)", res).group(1))
+    return ({"REG": get("REG"), "STACK": get("STACK"), "SHARED": get("SHARED"),
+             "instructions": sum(ops.values()), "top_opcodes": dict(ops.most_common(top))}, sass)
+
+
+def report(sass_dir: str | None = None) -> dict:
+    from benchmarks.sweep_replay import GDN_CONFIGS, M2_CONFIGS
+    from kernels import gdn, mamba2
+    from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit
+    from kernels.rounding import StochasticRounding
+
+    compiled = _install()  # after the kernel modules are imported: it patches their launch checks
+
+    res = {}
+
+    def record(name, fn, *args, **kwargs):
+        compiled.clear()
+        try:
+            fn(*args, **kwargs)
+            res[name], sass = _usage(compiled[-1])
+            if sass_dir:
+                with open(os.path.join(sass_dir, f"{name}.sass"), "w") as f:
+                    f.write(sass)
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a row with its error
+            res[name] = {"error": repr(e)[:500]}
+
+    B, T, bf = 2, 4, torch.bfloat16
+    H, P, N, G = 128, 64, 128, 8
+    x, dt = torch.zeros(B, T, H, P, dtype=bf), torch.zeros(B, T, H, dtype=bf)
+    Bm, C = torch.zeros(B, T, G, N, dtype=bf), torch.zeros(B, T, G, N, dtype=bf)
+    A, D, dtb = torch.zeros(H), torch.zeros(H), torch.zeros(H)
+    slot = torch.arange(B, dtype=torch.int32)
+    pnat, bi = allocate_replay_slots(B, device="cpu")
+    sr = StochasticRounding.create(0, device="cpu")
+    for sd in (torch.float32, torch.bfloat16):
+        tag = "f32" if sd == torch.float32 else "bf16"
+        state = torch.zeros(B, H, P, N, dtype=sd)
+        inter = torch.zeros(B, T, H, P, N, dtype=sd)
+        record(f"m2_rewind_verify_{tag}", mamba2.selective_state_update,
+            state, x, dt, A, Bm, C, D, dtb, slot, intermediate_states=inter, intermediate_state_indices=slot)
+        record(f"m2_decode_{tag}", mamba2.selective_state_update,
+            state, x[:, :1], dt[:, :1], A, Bm[:, :1], C[:, :1], D, dtb, slot)
+        record(f"rewind_commit_{tag}", rewind_commit, state, inter, slot, pnat, intermediate_state_indices=slot)
+        for ckpt in (False, True):
+            hist = mamba2.ReplayHistory.allocate(B, 16 if ckpt else T, H, P, G, N, dtype=bf, device="cpu",
+                                                 checkpointing=ckpt)
+            for cfg_name, cfg in M2_CONFIGS.items():
+                record(f"m2_{'ckpt' if ckpt else 'replay'}_{cfg_name}_{tag}", mamba2.replay_verify,
+                    state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, **cfg)
+            if sd == torch.bfloat16:
+                for v in ("fma", "mma"):
+                    record(f"m2_{'ckpt' if ckpt else 'replay'}_{v}_{tag}_sr", mamba2.replay_verify,
+                        state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, variant=v, stochastic_rounding=sr)
+    record("replay_advance", replay_advance, pnat, bi, slot, pnat, T)
+
+    Hk, HV, K, V = 16, 32, 128, 128
+    q, k = torch.zeros(B, T, Hk, K, dtype=bf), torch.zeros(B, T, Hk, K, dtype=bf)
+    v, g, beta = torch.zeros(B, T, HV, V, dtype=bf), torch.zeros(B, T, HV), torch.zeros(B, T, HV, dtype=bf)
+    for sd in (torch.float32, torch.bfloat16):
+        tag = "f32" if sd == torch.float32 else "bf16"
+        state = torch.zeros(B, HV, V, K, dtype=sd)
+        inter = torch.zeros(B, T, HV, V, K, dtype=sd)
+        record(f"gdn_rewind_verify_{tag}", gdn.fused_recurrent_gated_delta_rule,
+            q, k, v, g, beta, state, slot, update_state=False, intermediate_states=inter)
+        hist = gdn.ReplayHistory.allocate(B, T, Hk, HV, K, V, device="cpu")
+        for cfg_name, cfg in GDN_CONFIGS.items():
+            record(f"gdn_replay_{cfg_name}_{tag}", gdn.replay_verify,
+                q, k, v, g, beta, state, hist, slot, pnat, bi, **cfg)
+        if sd == torch.bfloat16:
+            for var in ("fma", "mma"):
+                record(f"gdn_replay_{var}_{tag}_sr", gdn.replay_verify,
+                    q, k, v, g, beta, state, hist, slot, pnat, bi, variant=var, stochastic_rounding=sr)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--sass", default=None, help="folder for each kernel's SASS listing")
+    args = ap.parse_args(argv)
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("run on a machine without CUDA and without TRITON_INTERPRET=1 (it swaps in an sm_90 stand-in "
+                 "driver)")
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+    res = report(args.sass)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

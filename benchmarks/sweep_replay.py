@@ -1,0 +1,541 @@
+"""Sweep of the replay kernels' variants against the memory-bandwidth floor and FlashInfer, in one command.
+
+    python -m benchmarks.sweep_replay --out DIR [--budget-s 400] [--no-flashinfer]
+    python -m benchmarks.sweep_replay --ncu --out DIR [--sweep DIR/sweep_replay.json]   # Nsight Compute
+    TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR             # CPU smoke run
+
+Operators (kernels.mamba2.replay_verify, kernels.gdn.replay_verify + kernels.commit.replay_advance):
+  m2_write     Mamba2 per-step replay verify, PNAT = T - 1 (the state is written)
+  m2_nowrite   Mamba2 per-step replay verify, PNAT = 0 (the state is only read)
+  m2_ckpt      Mamba2 checkpointing replay (L = max(16, T)), min(3, L - T) pending tokens, no flush
+  m2_flush     Mamba2 checkpointing replay, L - T + 1 pending tokens: a flush (the state is written)
+  gdn          Gated DeltaNet replay verify with PNAT = T (state written) + replay_advance ("replay total")
+Shapes: Nemotron 3 Super mixer per GPU, ws1 (128 heads x head_dim 64 x d_state 128, 8 groups) and ws4 (32
+heads, 2 groups); Qwen3-Next GDN ws1 (16 key / 32 value heads of 128 x 128) and ws4 (4 / 8). bf16 inputs,
+fp32 and bf16 state, one cache slot per row.
+
+Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so in the JSON):
+1. FlashInfer's checkpointing_ssu JIT (minutes per state dtype) starts at once in background processes.
+2. Headline (batch 64, T = 4, ws1): every kernel configuration of `M2_CONFIGS` / `GDN_CONFIGS` per operator
+   and state dtype, each first checked on the GPU against the PyTorch reference at batch 8 ("ok": within
+   the GPU test tolerances); the fastest correct one per (operator, state dtype) is "best".
+3. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
+   ("fma", the committed default) and the best configuration of each operator.
+4. Stochastic rounding cost: the best configuration of each state-writing operator, bf16 state, headline.
+5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
+   selective_state_update (rewind verify with T intermediate states), or a row with the error.
+Each timing is triton.testing.do_bench's median (microseconds) after a compile call, with the bytes the
+operator must move (state read once, written once where it is written, inputs, outputs and history read and
+written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
+(half read, half written), measured in the same run, over the kernel's time.
+Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
+a short table last.
+
+--ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype, or
+the defaults without --sweep) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
+--section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
+as DIR/ncu_<operator>_<config>_<dtype>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+from kernels import gdn, mamba2
+from kernels.commit import allocate_replay_slots, replay_advance
+from kernels.rounding import StochasticRounding
+
+SHAPES_M2 = {"ws1": (128, 64, 128, 8), "ws4": (32, 64, 128, 2)}  # H, P, N, G
+SHAPES_GDN = {"ws1": (16, 32, 128, 128), "ws4": (4, 8, 128, 128)}  # H, HV, K, V
+DRY_SHAPES_M2 = {"ws1": (2, 16, 16, 1)}
+DRY_SHAPES_GDN = {"ws1": (1, 2, 16, 16)}
+M2_OPS = ("m2_write", "m2_nowrite", "m2_ckpt", "m2_flush")
+OPS = M2_OPS + ("gdn",)
+CURRENT = "fma"  # the committed kernel before this sweep (the default of DEFAULT_VARIANT at the time)
+# kernel configurations timed at the headline: name -> keyword arguments of the launcher
+M2_CONFIGS = {
+    "fma": {"variant": "fma"},
+    "fma_p8": {"variant": "fma", "block_p": 8},
+    "mma": {"variant": "mma"},
+    "mma_c64": {"variant": "mma", "chunk_n": 64},
+    "mma_st3": {"variant": "mma", "num_stages": 3},
+    "mma_st1": {"variant": "mma", "num_stages": 1},
+    "mma_p32w2": {"variant": "mma", "block_p": 32, "num_warps": 2},
+    "mma_p64w4": {"variant": "mma", "block_p": 64, "num_warps": 4},
+    "mma_split3": {"variant": "mma", "split": 3},
+}
+GDN_CONFIGS = {
+    "fma": {"variant": "fma"},
+    "fma_bv8": {"variant": "fma", "block_v": 8},
+    "mma": {"variant": "mma"},
+    "mma_c64": {"variant": "mma", "chunk_k": 64},
+    "mma_st3": {"variant": "mma", "num_stages": 3},
+    "mma_bv32w2": {"variant": "mma", "block_v": 32, "num_warps": 2},
+    "mma_split3": {"variant": "mma", "split": 3},
+}
+HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
+GRID_T = (2, 4, 8)
+GRID_BATCH = (1, 8, 64, 256)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# kernel vs reference on the GPU (tests/test_kernels_*_gpu.py): fp32 state 1e-3, bf16 outputs / state 1.6e-2
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """do_bench medians on CUDA; one wall-clock call in the interpreter (--dry-run: times mean nothing)."""
+
+    def __init__(self, dev: str):
+        self.dev = dev
+        self.copy_cache: dict[int, float] = {}
+
+    def __call__(self, fn, *args) -> float:
+        """Median microseconds of fn(*args)."""
+        fn(*args)  # compile outside the timing
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(lambda: fn(*args), warmup=10, rep=40, return_mode="median") * 1e3
+        t0 = time.perf_counter()
+        fn(*args)
+        return (time.perf_counter() - t0) * 1e6
+
+    def copy_us(self, nbytes: int) -> float:
+        """Time of a torch copy moving `nbytes` (nbytes / 2 read, nbytes / 2 written), cached per size."""
+        key = max(1 << 20, nbytes // 2) if self.dev == "cuda" else 1 << 10
+        if key not in self.copy_cache:
+            src = torch.empty(key, dtype=torch.uint8, device=self.dev).random_()
+            dst = torch.empty_like(src)
+            self.copy_cache[key] = self(dst.copy_, src)
+            del src, dst
+        return self.copy_cache[key] * (nbytes / 2) / key
+
+
+def _row(timer: Timer, us: float, nbytes: int) -> dict:
+    copy = timer.copy_us(nbytes)
+    return {"us": round(us, 2), "bytes": int(nbytes), "copy_us": round(copy, 2),
+            "frac_copy_bw": round(copy / us, 3) if us > 0 else None}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# operator set-ups: (call(config kwargs) -> None, bytes, check(config kwargs) -> (max error, ok))
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _m2_setup(op: str, shape, batch: int, T: int, sd: torch.dtype, dev: str, seed: int = 0):
+    H, P, N, G = shape
+    ckpt = op in ("m2_ckpt", "m2_flush")
+    L = max(16, T) if ckpt else T
+    k = {"m2_write": T - 1, "m2_nowrite": 0, "m2_ckpt": min(3, L - T), "m2_flush": L - T + 1}[op]
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev)
+    bf = torch.bfloat16
+    x, dt = r(batch, T, H, P).to(bf), (r(batch, T, H) * 0.5 - 1).to(bf)
+    B, C = (r(batch, T, G, N) / N**0.5).to(bf), (r(batch, T, G, N) / N**0.5).to(bf)
+    A = -torch.exp(torch.rand(H, generator=gen) * 2 - 1).to(dev)
+    D, dt_bias = r(H), (torch.rand(H, generator=gen) - 0.5).to(dev)
+    state = r(batch, H, P, N).to(sd)
+    hist = mamba2.ReplayHistory.allocate(batch, L, H, P, G, N, dtype=bf, device=dev, checkpointing=ckpt)
+    hist.x.copy_(torch.randn(hist.x.shape, generator=gen))
+    hist.B.copy_(torch.randn(hist.B.shape, generator=gen) / N**0.5)
+    hist.dt.copy_(torch.rand(hist.dt.shape, generator=gen) * 0.9 + 0.1)
+    hist.dA_cumsum.copy_(torch.cumsum(A.cpu()[:, None] * hist.dt.cpu(), dim=-1))
+    slot_ids = torch.arange(batch, dtype=torch.int32, device=dev)
+    pnat = torch.full((batch,), k, dtype=torch.int32, device=dev)
+    bufidx = torch.zeros(batch, dtype=torch.int32, device=dev)
+    out = torch.empty(batch, T, H, P, dtype=bf, device=dev)
+    args = (x, dt, A, B, C, D, dt_bias, slot_ids)
+
+    es, ei = torch.empty(0, dtype=sd).element_size(), 2
+    state_b = batch * H * P * N * es
+    io = (x.numel() + B.numel() + C.numel() + dt.numel() + out.numel()) * ei
+    tok = H * P * ei + G * N * ei + 2 * H * 4  # one history token: x, B, dt', dA_cumsum
+    writes = op in ("m2_write", "m2_flush")
+    nbytes = state_b * (2 if writes else 1) + io + batch * (k + T) * tok
+    if op == "m2_ckpt":
+        nbytes += batch * k * (G * N * ei + 2 * H * 4)  # the pending tokens' B, dt', cumsum copied over
+
+    def call(cfg, rounding=None):
+        mamba2.replay_verify(state, *args, hist, pnat, bufidx, out=out, stochastic_rounding=rounding, **cfg)
+
+    def check(cfg):
+        n = min(batch, 8)
+        res = []
+        for fn, kw in ((mamba2.replay_verify, cfg), (mamba2.replay_verify_ref, {})):
+            st = state[:n].clone()
+            h = mamba2.ReplayHistory(*(t[:n].clone() for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum)))
+            o = fn(st, x[:n], dt[:n], A, B[:n], C[:n], D, dt_bias, slot_ids[:n], h, pnat[:n], bufidx[:n], **kw)
+            res.append((o.float(), st.float()))
+        err = max((res[0][0] - res[1][0]).abs().max().item(), (res[0][1] - res[1][1]).abs().max().item())
+        tol = max(TOL[sd], TOL[torch.bfloat16]) * max(1.0, res[1][0].abs().max().item())
+        return err, bool(err <= tol)
+
+    return call, nbytes, check
+
+
+def _gdn_setup(shape, batch: int, T: int, sd: torch.dtype, dev: str, seed: int = 0):
+    H, HV, K, V = shape
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    g = -torch.nn.functional.softplus(r(batch, T, HV)) * 0.5
+    beta = r(batch, T, HV).sigmoid().to(bf)
+    state = (r(batch, HV, V, K) * 0.1).to(sd)
+    hist = gdn.ReplayHistory.allocate(batch, T, H, HV, K, V, device=dev)
+    hist.u.copy_(torch.randn(hist.u.shape, generator=gen) * 0.1)
+    hist.k.copy_(torch.nn.functional.normalize(torch.randn(hist.k.shape, generator=gen), dim=-1))
+    hist.g.copy_(-torch.rand(hist.g.shape, generator=gen).cumsum(2) * 0.3)
+    slot_ids = torch.arange(batch, dtype=torch.int32, device=dev)
+    pnat = torch.full((batch,), T, dtype=torch.int32, device=dev)
+    bufidx = torch.zeros(batch, dtype=torch.int32, device=dev)
+    nat = torch.full((batch,), T, dtype=torch.int32, device=dev)
+    pn2, bi2 = allocate_replay_slots(batch, device=dev)
+    out = torch.empty_like(v)
+    args = (q, k, v, g, beta)
+
+    es = torch.empty(0, dtype=sd).element_size()
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
+    tok = HV * V * 4 + H * K * 4 + HV * 4  # one history token: u, k, G (fp32)
+    nbytes = 2 * batch * HV * V * K * es + io + batch * 2 * T * tok
+
+    def call(cfg, rounding=None):
+        gdn.replay_verify(*args, state, hist, slot_ids, pnat, bufidx, out=out, stochastic_rounding=rounding, **cfg)
+        replay_advance(pn2, bi2, slot_ids, nat, T)  # on separate metadata: the verify keeps reading PNAT = T
+
+    def check(cfg):
+        n = min(batch, 8)
+        res = []
+        for fn, kw in ((gdn.replay_verify, cfg), (gdn.replay_verify_ref, {})):
+            st = state[:n].clone()
+            h = gdn.ReplayHistory(*(t[:n].clone() for t in (hist.u, hist.k, hist.g)))
+            o = fn(*(a[:n] for a in args), st, h, slot_ids[:n], pnat[:n], bufidx[:n], **kw)
+            res.append((o.float(), st.float()))
+        err = max((res[0][0] - res[1][0]).abs().max().item(), (res[0][1] - res[1][1]).abs().max().item())
+        tol = max(TOL[sd], TOL[torch.bfloat16]) * max(1.0, res[1][0].abs().max().item())
+        return err, bool(err <= tol)
+
+    return call, nbytes, check
+
+
+def _setup(op, shape_name, batch, T, sd, dev, dry):
+    if op == "gdn":
+        return _gdn_setup((DRY_SHAPES_GDN if dry else SHAPES_GDN)[shape_name], batch, T, sd, dev)
+    return _m2_setup(op, (DRY_SHAPES_M2 if dry else SHAPES_M2)[shape_name], batch, T, sd, dev)
+
+
+def _configs(op: str) -> dict:
+    return GDN_CONFIGS if op == "gdn" else M2_CONFIGS
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlashInfer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _start_flashinfer_warmups(dtypes, T) -> list:
+    """Background processes that JIT-compile FlashInfer's checkpointing_ssu (and selective_state_update) per
+    state dtype at T, as tests/gpu/run_checks.sh does; [] when FlashInfer is not importable."""
+    try:
+        import flashinfer.mamba  # noqa: F401
+    except Exception:  # noqa: BLE001 - reported with the rows
+        return []
+    procs = []
+    for name in dtypes:
+        code = ("import torch; from benchmarks.bench_mamba2 import bench_flashinfer as b; "
+                f"print(b(2, {T}, torch.{name}, checkpointing=True))")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: float) -> dict:
+    try:
+        import flashinfer.mamba  # noqa: F401
+
+        from benchmarks import bench_mamba2
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"flashinfer not importable: {e!r}"}
+    warm = {}
+    for name, p in zip(dtypes, procs):
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            warm[name] = {"rc": p.returncode, "log_tail": out[-2000:]}
+        except subprocess.TimeoutExpired:
+            p.kill()
+            warm[name] = {"error": "JIT warm-up still running at the time budget; killed"}
+    res = {"warmup": warm}
+    for name in dtypes:
+        if "error" in warm.get(name, {}):
+            res[name] = {"error": warm[name]["error"]}
+            continue
+        b, T = HEADLINE["batch"], HEADLINE["T"]
+        rows = bench_mamba2.bench_flashinfer(b, T, DTYPES[name], checkpointing=True)
+        for key, val in list(rows.items()):
+            if not isinstance(val, dict):
+                continue
+            op = "m2_flush" if "flush" in key else "m2_ckpt" if key.startswith("checkpointing_ssu_pnat") else None
+            if op and "us" in val:
+                rows[key] = {**val, **{k: v for k, v in _row(timer, val["us"], nbytes_of[(op, name)]).items()
+                                        if k != "us"}, "compared_with": op}
+        res[name] = rows
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the sweep
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sweep(args) -> dict:
+    dev = "cpu" if args.dry_run else "cuda"
+    dry = args.dry_run
+    timer = Timer(dev)
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    dtypes = list(DTYPES) if not args.dtypes else args.dtypes.split(",")
+    only = set(args.configs.split(",")) if args.configs else None
+    procs = [] if (dry or args.no_flashinfer) else _start_flashinfer_warmups(dtypes, HEADLINE["T"])
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter, times mean nothing)",
+           "torch": torch.__version__, "triton": triton.__version__, "shapes": {"mamba2": SHAPES_M2, "gdn": SHAPES_GDN},
+           "headline": HEADLINE, "current": CURRENT, "headline_rows": {}, "best": {}, "grid": [], "sr": {},
+           "skipped": []}
+    hb, hT = (2, 2) if dry else (HEADLINE["batch"], HEADLINE["T"])
+    nbytes_of = {}
+
+    # 2. headline: every configuration, checked, then timed
+    for op in OPS:
+        for name in dtypes:
+            sd = DTYPES[name]
+            call, nbytes, check = _setup(op, "ws1", hb, hT, sd, dev, dry)
+            nbytes_of[(op, name)] = nbytes
+            rows = {}
+            for cfg_name, cfg in _configs(op).items():
+                if only and cfg_name not in only and cfg_name != CURRENT:
+                    continue
+                try:
+                    err, ok = check(cfg)
+                    row = _row(timer, timer(call, cfg), nbytes)
+                    rows[cfg_name] = {**row, "max_err_vs_reference": err, "ok": ok}
+                except Exception:  # noqa: BLE001 - a failing configuration is a row, not a crash
+                    rows[cfg_name] = {"error": traceback.format_exc(limit=3)}
+            res["headline_rows"][f"{op}/{name}"] = rows
+            good = {k: v for k, v in rows.items() if v.get("ok")}
+            res["best"][f"{op}/{name}"] = min(good, key=lambda k: good[k]["us"]) if good else None
+            if dev == "cuda":
+                del call, check
+                torch.cuda.empty_cache()
+
+    # 4. stochastic rounding cost (bf16 state, best configuration of each state-writing operator)
+    if "bfloat16" in dtypes:
+        for op in ("m2_write", "m2_flush", "gdn"):
+            best = res["best"].get(f"{op}/bfloat16")
+            if best is None:
+                continue
+            call, nbytes, _ = _setup(op, "ws1", hb, hT, torch.bfloat16, dev, dry)
+            sr = StochasticRounding.create(1234, device=dev)
+            cfg = _configs(op)[best]
+            try:
+                res["sr"][f"{op}/bfloat16/{best}"] = {
+                    "round_to_nearest": _row(timer, timer(call, cfg), nbytes),
+                    "stochastic": _row(timer, timer(call, cfg, sr), nbytes)}
+            except Exception:  # noqa: BLE001
+                res["sr"][f"{op}/bfloat16/{best}"] = {"error": traceback.format_exc(limit=3)}
+
+    # 3. grid for the current kernel and the best configuration of each operator
+    grid_T, grid_b = ((2,), (1, 2)) if dry else (GRID_T, GRID_BATCH)
+    shapes = ("ws1",) if dry else ("ws1", "ws4")
+    for op in OPS:
+        for name in dtypes:
+            sd = DTYPES[name]
+            names = sorted({CURRENT, res["best"].get(f"{op}/{name}") or CURRENT})
+            for shape in shapes:
+                for T in grid_T:
+                    for batch in grid_b:
+                        if time.time() > deadline:
+                            res["skipped"].append(f"{op}/{name}/{shape}/T{T}/b{batch}: time budget")
+                            continue
+                        try:
+                            call, nbytes, _ = _setup(op, shape, batch, T, sd, dev, dry)
+                            for cfg_name in names:
+                                us = timer(call, _configs(op)[cfg_name])
+                                res["grid"].append({"op": op, "state_dtype": name, "shape": shape, "T": T,
+                                                    "batch": batch, "config": cfg_name, **_row(timer, us, nbytes)})
+                        except Exception:  # noqa: BLE001
+                            res["grid"].append({"op": op, "state_dtype": name, "shape": shape, "T": T,
+                                                "batch": batch, "error": traceback.format_exc(limit=3)})
+                        if dev == "cuda":
+                            torch.cuda.empty_cache()
+
+    # 5. FlashInfer at the headline
+    if dry:
+        res["flashinfer"] = {"error": "--dry-run: no GPU"}
+    elif args.no_flashinfer:
+        res["flashinfer"] = {"error": "--no-flashinfer"}
+    else:
+        res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
+                                             max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+    res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
+                                  for k, us in sorted(timer.copy_cache.items())}
+    res["wall_s"] = round(time.time() - t_start, 1)
+    return res
+
+
+def plot(res: dict, path: str) -> None:
+    """One figure: fraction of copy bandwidth against batch, per operator (T = 4, ws1), per config and dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.6), sharey=True)
+    T = 4 if any(r.get("T") == 4 for r in res["grid"]) else min((r["T"] for r in res["grid"] if "T" in r), default=0)
+    for ax, op in zip(axes, OPS):
+        rows = [r for r in res["grid"] if r.get("op") == op and r.get("shape") == "ws1" and r.get("T") == T
+                and "us" in r]
+        for key in sorted({(r["config"], r["state_dtype"]) for r in rows}):
+            pts = sorted((r["batch"], r["frac_copy_bw"]) for r in rows if (r["config"], r["state_dtype"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op} (T = {T}, ws1)")
+        ax.set_xlabel("batch")
+        ax.axhline(0.85, color="grey", lw=0.8, ls="--")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("fraction of copy bandwidth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(res: dict) -> str:
+    """The headline rows: per operator and state dtype, current vs best vs FlashInfer."""
+    lines = [f"{'operator/state':22s} {'current us':>10s} {'frac':>5s} {'best':>12s} {'us':>8s} {'frac':>5s} "
+             f"{'floor us':>8s}"]
+    for key, rows in res["headline_rows"].items():
+        cur, best = rows.get(CURRENT, {}), res["best"].get(key)
+        b = rows.get(best, {}) if best else {}
+        lines.append(f"{key:22s} {cur.get('us', float('nan')):10.1f} {cur.get('frac_copy_bw') or 0:5.2f} "
+                     f"{str(best):>12s} {b.get('us', float('nan')):8.1f} {b.get('frac_copy_bw') or 0:5.2f} "
+                     f"{cur.get('copy_us', float('nan')):8.1f}")
+    fi = res.get("flashinfer", {})
+    for name in DTYPES:
+        for k, v in (fi.get(name) or {}).items():
+            if isinstance(v, dict) and "us" in v:
+                lines.append(f"flashinfer {k}/{name}: {v['us']:.1f} us" +
+                             (f" frac {v['frac_copy_bw']:.2f}" if v.get("frac_copy_bw") else ""))
+    for k, v in res["sr"].items():
+        if "stochastic" in v:
+            lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us")
+    if res["skipped"]:
+        lines.append(f"skipped (time budget): {len(res['skipped'])} grid points")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nsight Compute
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ncu_worker(spec: str) -> None:
+    """One profiled launch: OP:CONFIG:DTYPE at the headline, compiled (and warmed) before the profiled range."""
+    op, cfg_name, name = spec.split(":")
+    call, _, _ = _setup(op, "ws1", HEADLINE["batch"], HEADLINE["T"], DTYPES[name], "cuda", False)
+    cfg = _configs(op)[cfg_name]
+    call(cfg)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call(cfg)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def ncu(args) -> int:
+    exe = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    if not os.path.exists(exe):
+        print(f"sweep_replay --ncu: Nsight Compute not found (PATH, {exe})", file=sys.stderr)
+        return 2
+    if args.sweep:
+        best = json.load(open(args.sweep))["best"]
+        specs = sorted({f"{k.split('/')[0]}:{v}:{k.split('/')[1]}" for k, v in best.items() if v}
+                       | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
+    else:
+        specs = [f"{op}:{c}:{d}" for op in OPS for c in (CURRENT, "mma") for d in DTYPES]
+    os.makedirs(args.out, exist_ok=True)
+    rc = 0
+    for spec in specs:
+        op, cfg, name = spec.split(":")
+        kernel = "regex:_gdn_replay" if op == "gdn" else "regex:_replay_verify"
+        cmd = [exe, "--clock-control", "none", "--section", "SpeedOfLight", "--section", "Occupancy",
+               "--section", "LaunchStats", "--profile-from-start", "off", "-k", kernel, "--launch-count", "1",
+               sys.executable, "-m", "benchmarks.sweep_replay", "--ncu-worker", spec]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        path = os.path.join(args.out, f"ncu_{op}_{cfg}_{name}.txt")
+        with open(path, "w") as f:
+            f.write(" ".join(cmd) + "\n" + p.stdout + p.stderr)
+        print(f"{spec}: exit {p.returncode} -> {path}")
+        rc = rc or p.returncode
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=False, help="output folder (JSON, plot, ncu reports)")
+    ap.add_argument("--budget-s", type=float, default=330.0,
+                    help="stop starting grid points after this many seconds (FlashInfer rows come after)")
+    ap.add_argument("--flashinfer-extra-s", type=float, default=60.0,
+                    help="how long past the budget to wait for FlashInfer's JIT warm-up")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--dtypes", default="", help="state dtypes, comma-separated (default float32,bfloat16)")
+    ap.add_argument("--configs", default="", help="only these configurations (and the current one)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter smoke run at tiny shapes")
+    ap.add_argument("--ncu", action="store_true", help="profile the chosen kernels with Nsight Compute")
+    ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
+    ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.ncu_worker:
+        ncu_worker(args.ncu_worker)
+        return 0
+    if not args.out:
+        ap.error("--out DIR is required")
+    bad = [d for d in args.dtypes.split(",") if d and d not in DTYPES]
+    if bad:
+        ap.error(f"--dtypes {bad}: choose from {list(DTYPES)}")
+    unknown = [c for c in args.configs.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
+    if unknown:
+        ap.error(f"--configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
+    if args.ncu:
+        return ncu(args)
+    if args.dry_run:
+        from kernels._common import interpreter_active
+
+        if not interpreter_active():
+            ap.error("--dry-run runs the kernels in Triton's interpreter: TRITON_INTERPRET=1 python -m "
+                     "benchmarks.sweep_replay --dry-run --out DIR")
+    elif not torch.cuda.is_available():
+        print("sweep_replay: needs a CUDA GPU (or --dry-run with TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    res = sweep(args)
+    with open(os.path.join(args.out, "sweep_replay.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.join(args.out, "sweep_replay.png"))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""Stochastic rounding of 16-bit state writes (kernels/rounding.py) in every kernel that writes a state, and
+in their PyTorch references.
+
+What is checked, for bf16 and fp16 states:
+- the rule: values on the 16-bit grid, within one grid step of the exact value, NaN / inf kept, and unbiased
+  (the mean over many draws is the exact fp32 value) where round-to-nearest is not;
+- each kernel and reference: the written state lies on the grid within one step of the same kernel's fp32
+  result, and is unbiased over many rows that repeat one input (each row gets its own Philox counters);
+- determinism: the same seed and step give the same bits; an advanced step gives other bits.
+
+Unbiasedness statistic: per element, the mean signed rounding error over n draws divided by the grid step
+at the exact value; its mean absolute value over the elements. Stochastic rounding: E|N(0, s)| with
+s <= 0.5 / sqrt(n) (about 0.07 at n = 32); round-to-nearest: the fixed offset of each element, about 0.25 on
+values spread over a grid step. The tests assert < 0.12 for SR and > 0.15 for round-to-nearest on the same
+data (so the statistic can tell them apart).
+
+On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the first
+kernel import); shapes stay small.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import gdn, mamba2  # noqa: E402
+from kernels.rounding import StochasticRounding, stochastic_round_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SR_DTYPES = (torch.bfloat16, torch.float16)
+ROWS = 32  # draws per element: every row repeats the same inputs on its own slot
+GDN_RULE_REF = gdn.fused_recurrent_gated_delta_rule_ref
+
+
+def grid_step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of the `dtype` grid at |x| (fp32 x)."""
+    e = torch.floor(torch.log2(x.abs().clamp(min=1e-30)))
+    if dtype == torch.bfloat16:
+        return torch.ldexp(torch.ones_like(x), (e - 7).int())
+    return torch.ldexp(torch.ones_like(x), (torch.clamp(e, min=-14) - 10).int())
+
+
+def bias(samples: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> float:
+    """Mean over elements of |mean over draws (dim 0) of the rounding error| / grid step."""
+    err = (samples.double() - exact.double()).mean(0) / grid_step(exact, dtype).double()
+    return err.abs().mean().item()
+
+
+def check_rounded(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """got (16-bit) lies within one grid step of exact (fp32), and on the grid (exact conversion)."""
+    step = grid_step(exact, got.dtype)
+    assert ((got.float() - exact).abs() <= step * 1.0001).all(), f"{what}: more than one grid step away"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", SR_DTYPES)
+def test_reference_rule_is_unbiased_where_nearest_is_not(dtype):
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(512, generator=g) * torch.exp(torch.randn(512, generator=g) * 3)
+    exact = exact.clamp(-6e4, 6e4)  # inside fp16's finite range
+    exact[:4] = torch.tensor([1e-6, -3e-8, 65000.0, 2.0**-20])  # fp16 subnormals / its largest binade
+    sr = StochasticRounding.create(11, device="cpu")
+    draws = []
+    for _ in range(256):
+        draws.append(stochastic_round_ref(exact, dtype, sr))
+        sr.advance()
+    draws = torch.stack(draws)
+    check_rounded(draws[0], exact, "stochastic_round_ref")
+    assert bias(draws, exact, dtype) < 0.06
+    assert bias(exact.to(dtype)[None], exact, dtype) > 0.15, "round-to-nearest must look biased here"
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    out = stochastic_round_ref(special, dtype, sr)
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0
+
+
+def test_reference_rule_is_deterministic_per_key():
+    x = torch.randn(1000)
+    sr = StochasticRounding.create(5, device="cpu")
+    a, b = stochastic_round_ref(x, torch.bfloat16, sr), stochastic_round_ref(x, torch.bfloat16, sr)
+    assert torch.equal(a, b)
+    sr.advance()
+    assert not torch.equal(a, stochastic_round_ref(x, torch.bfloat16, sr))
+    assert not torch.equal(a, stochastic_round_ref(x, torch.bfloat16, sr.for_layer(3)))
+
+
+def test_bad_rounding_arguments_raise():
+    sr = StochasticRounding.create(1, device="cpu")
+    with pytest.raises(ValueError, match="bfloat16 / float16 states"):
+        sr.check(torch.zeros(2), "f")
+    with pytest.raises(ValueError, match="salt"):
+        sr.for_layer(1 << 16).check(torch.zeros(2, dtype=torch.bfloat16), "f")
+    bad = StochasticRounding(seed=torch.zeros(1, dtype=torch.int32), step=sr.step)
+    with pytest.raises(ValueError, match="seed must be a \\(1,\\) int64"):
+        bad.check(torch.zeros(2, dtype=torch.bfloat16), "f")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels and references
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _mamba2_case(state_dtype, T=2, H=1, P=16, N=16, G=1, seed=0):
+    """ROWS rows with identical inputs on ROWS slots holding the same state."""
+    g = torch.Generator().manual_seed(seed)
+    one = lambda *s: torch.randn(1, *s, generator=g).expand(ROWS, *s).contiguous().to(DEV)
+    x, B, C = one(T, H, P), one(T, G, N) / N**0.5, one(T, G, N) / N**0.5
+    dt = one(T, H) * 0.5 - 1.0
+    A = -torch.exp(torch.rand(H, generator=g) * 2 - 1).to(DEV)
+    D, dt_bias = torch.randn(H, generator=g).to(DEV), (torch.rand(H, generator=g) - 0.5).to(DEV)
+    state = (torch.randn(1, H, P, N, generator=g) * 3).expand(ROWS, H, P, N).to(DEV, state_dtype).contiguous()
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, state=state,
+                slot_ids=torch.arange(ROWS, dtype=torch.int32, device=DEV))
+
+
+def _mamba2_history(case, T, L, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    H, P = case["x"].shape[2:]
+    G, N = case["B"].shape[2:]
+    hist = mamba2.ReplayHistory.allocate(ROWS, L, H, P, G, N, dtype=torch.float32, device=DEV)
+    hist.x.copy_(torch.randn(1, *hist.x.shape[1:], generator=g).expand_as(hist.x))
+    hist.B.copy_(torch.randn(1, *hist.B.shape[1:], generator=g).expand_as(hist.B) / N**0.5)
+    hist.dt.copy_(torch.rand(1, *hist.dt.shape[1:], generator=g).expand_as(hist.dt) * 0.9 + 0.1)
+    hist.dA_cumsum.copy_(torch.cumsum(case["A"].cpu()[:, None] * hist.dt.cpu(), dim=-1))
+    return hist
+
+
+def _run_mamba2(op, case, state, sr, inter=None):
+    """Run `op` ("decode", "rewind", or a replay variant / "replay_ref") on a copy of the case with `state`;
+    returns the written 16-bit (or fp32) buffer."""
+    c = case
+    args = (c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], c["dt_bias"], c["slot_ids"])
+    if op in ("decode", "decode_ref"):
+        fn = mamba2.selective_state_update if op == "decode" else mamba2.selective_state_update_ref
+        fn(state, c["x"][:, :1], c["dt"][:, :1], c["A"], c["B"][:, :1], c["C"][:, :1], c["D"], c["dt_bias"],
+           c["slot_ids"], stochastic_rounding=sr)
+        return state
+    if op in ("rewind", "rewind_ref"):
+        fn = mamba2.selective_state_update if op == "rewind" else mamba2.selective_state_update_ref
+        fn(state, *args, intermediate_states=inter, stochastic_rounding=sr)
+        return inter
+    T = c["x"].shape[1]
+    hist = _mamba2_history(c, T, T)
+    pnat = torch.full((ROWS,), T, dtype=torch.int32, device=DEV)
+    bufidx = torch.zeros(ROWS, dtype=torch.int32, device=DEV)
+    if op == "replay_ref":
+        mamba2.replay_verify_ref(state, *args, hist, pnat, bufidx, stochastic_rounding=sr)
+    else:
+        mamba2.replay_verify(state, *args, hist, pnat, bufidx, variant=op, stochastic_rounding=sr)
+    return state
+
+
+MAMBA2_OPS = ["decode", "decode_ref", "rewind", "rewind_ref", "fma", "mma", "replay_ref"]
+
+
+@pytest.mark.parametrize("dtype", SR_DTYPES)
+@pytest.mark.parametrize("op", MAMBA2_OPS)
+def test_mamba2_state_writes_round_stochastically(op, dtype):
+    case = _mamba2_case(dtype)
+    T, H, P, N = case["x"].shape[1], *case["state"].shape[1:]
+    inter = torch.empty(ROWS, T, H, P, N, dtype=dtype, device=DEV) if op.startswith("rewind") else None
+    exact = _run_mamba2(op, case, case["state"].float().clone(), None,
+                        None if inter is None else inter.float().clone())
+    sr = StochasticRounding.create(7, device=DEV)
+    got = _run_mamba2(op, case, case["state"].clone(), sr, inter).float()
+    nearest = _run_mamba2(op, case, case["state"].clone(), None, None if inter is None else inter.clone())
+    check_rounded(got[0].to(dtype), exact[0], op)
+    assert bias(got, exact[0], dtype) < 0.12, f"{op}: stochastic rounding looks biased"
+    assert bias(nearest.float(), exact[0], dtype) > 0.15, f"{op}: the statistic cannot separate the roundings"
+    again = _run_mamba2(op, case, case["state"].clone(), sr, None if inter is None else inter.clone())
+    assert torch.equal(again.float(), got), f"{op}: same seed and step must give the same bits"
+    sr.advance()
+    other = _run_mamba2(op, case, case["state"].clone(), sr, None if inter is None else inter.clone())
+    assert not torch.equal(other.float(), got), f"{op}: an advanced step must draw other bits"
+
+
+def _gdn_case(state_dtype, T=2, H=1, HV=1, K=16, V=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    one = lambda *s: torch.randn(1, *s, generator=g).expand(ROWS, *s).contiguous().to(DEV)
+    q, k, v = one(T, H, K), one(T, H, K), one(T, HV, V)
+    gg = -torch.nn.functional.softplus(one(T, HV)) * 0.3
+    beta = one(T, HV).sigmoid()
+    state = (torch.randn(1, HV, V, K, generator=g)).expand(ROWS, HV, V, K).to(DEV, state_dtype).contiguous()
+    return dict(q=q, k=k, v=v, g=gg, beta=beta, state=state,
+                slot_ids=torch.arange(ROWS, dtype=torch.int32, device=DEV))
+
+
+def _run_gdn(op, case, state, sr, inter=None):
+    c = case
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"])
+    if op in ("decode", "decode_ref"):
+        fn = gdn.fused_recurrent_gated_delta_rule if op == "decode" else GDN_RULE_REF
+        fn(*[a[:, :1] for a in args], state, c["slot_ids"], stochastic_rounding=sr)
+        return state
+    if op in ("rewind", "rewind_ref"):
+        fn = gdn.fused_recurrent_gated_delta_rule if op == "rewind" else GDN_RULE_REF
+        fn(*args, state, c["slot_ids"], update_state=False, intermediate_states=inter,
+           stochastic_rounding=sr)
+        return inter
+    T, H, K = c["q"].shape[1:]
+    HV, V = c["v"].shape[2:]
+    g = torch.Generator().manual_seed(3)
+    hist = gdn.ReplayHistory.allocate(ROWS, T, H, HV, K, V, device=DEV)
+    hist.u.copy_(torch.randn(1, *hist.u.shape[1:], generator=g).expand_as(hist.u))
+    hist.k.copy_(torch.nn.functional.normalize(torch.randn(1, *hist.k.shape[1:], generator=g), dim=-1)
+                 .expand_as(hist.k))
+    hist.g.copy_(-torch.rand(1, *hist.g.shape[1:], generator=g).cumsum(2).expand_as(hist.g) * 0.3)
+    pnat = torch.full((ROWS,), T, dtype=torch.int32, device=DEV)
+    bufidx = torch.zeros(ROWS, dtype=torch.int32, device=DEV)
+    if op == "replay_ref":
+        gdn.replay_verify_ref(*args, state, hist, c["slot_ids"], pnat, bufidx, stochastic_rounding=sr)
+    else:
+        gdn.replay_verify(*args, state, hist, c["slot_ids"], pnat, bufidx, variant=op, stochastic_rounding=sr)
+    return state
+
+
+@pytest.mark.parametrize("dtype", SR_DTYPES)
+@pytest.mark.parametrize("op", MAMBA2_OPS)
+def test_gdn_state_writes_round_stochastically(op, dtype):
+    case = _gdn_case(dtype)
+    T, HV, V, K = case["q"].shape[1], *case["state"].shape[1:]
+    inter = torch.empty(ROWS, T, HV, V, K, dtype=dtype, device=DEV) if op.startswith("rewind") else None
+    exact = _run_gdn(op, case, case["state"].float().clone(), None,
+                     None if inter is None else inter.float().clone())
+    sr = StochasticRounding.create(9, device=DEV)
+    got = _run_gdn(op, case, case["state"].clone(), sr, inter).float()
+    nearest = _run_gdn(op, case, case["state"].clone(), None, None if inter is None else inter.clone())
+    check_rounded(got[0].to(dtype), exact[0], op)
+    assert bias(got, exact[0], dtype) < 0.12, f"{op}: stochastic rounding looks biased"
+    assert bias(nearest.float(), exact[0], dtype) > 0.15, f"{op}: the statistic cannot separate the roundings"
+    again = _run_gdn(op, case, case["state"].clone(), sr, None if inter is None else inter.clone())
+    assert torch.equal(again.float(), got), f"{op}: same seed and step must give the same bits"
+    sr.advance()
+    other = _run_gdn(op, case, case["state"].clone(), sr, None if inter is None else inter.clone())
+    assert not torch.equal(other.float(), got), f"{op}: an advanced step must draw other bits"
+
+
+def test_kernels_refuse_rounding_an_fp32_state():
+    case = _mamba2_case(torch.float32)
+    sr = StochasticRounding.create(1, device=DEV)
+    with pytest.raises(ValueError, match="bfloat16 / float16 states"):
+        _run_mamba2("fma", case, case["state"].clone(), sr)
+    with pytest.raises(ValueError, match="bfloat16 / float16 states"):
+        _run_mamba2("decode_ref", case, case["state"].clone(), sr)
