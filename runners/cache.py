@@ -53,6 +53,7 @@ from kernels.commit import (
     rewind_commit,
     rewind_commit_ref,
 )
+from kernels.rounding import SR_DTYPES, StochasticRounding
 from runners.models.config import HybridConfig
 from runners.models.fp8 import FP8_DTYPE, quantize_fp8
 
@@ -150,6 +151,7 @@ class Mamba2State(LayerState):
     conv_steps: torch.Tensor | None = None
     ssm_steps: torch.Tensor | None = None
     ssm_backend: str = "torch"
+    rounding: StochasticRounding | None = None  # set by HybridCache (ssm_stochastic_rounding)
     spec_buffers: ClassVar[tuple[str, ...]] = ("conv_steps", "ssm_steps")
 
     @classmethod
@@ -347,6 +349,7 @@ class Mamba2ReplayState(LayerState):
     history: mamba2.ReplayHistory | gdn.ReplayHistory
     slots: ReplaySlots
     ssm_backend: str = "torch"
+    rounding: StochasticRounding | None = None  # set by HybridCache (ssm_stochastic_rounding)
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2ReplayState:
@@ -620,6 +623,12 @@ class HybridCache:
             (``kernels/mamba2/replay.py``).
         kv_cache_dtype: storage dtype of the attention KV caches (None: ``dtype``; ``torch.float8_e4m3fn``
             stores keys and values in FP8 with per-layer scales, :class:`KVCache`).
+        stochastic_rounding: round every write of a 16-bit SSM state (decode, rewind verify, replay verify)
+            stochastically (``kernels/rounding.py``) instead of to nearest; needs a bfloat16 / float16
+            ``ssm_state_dtype``. ``self.rounding`` holds the Philox seed (``rounding_seed``) and step counter
+            on the device, each recurrent layer state its own salt (its cache index); call
+            :meth:`advance_rounding` once after every cached forward so consecutive writes draw new bits.
+            Prefill (the chunked scans) stores its final state rounded to nearest.
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
@@ -642,6 +651,8 @@ class HybridCache:
         ssm_backend: str = "torch",
         replay_checkpointing: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = False,
+        rounding_seed: int = 0,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
@@ -663,6 +674,27 @@ class HybridCache:
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):
             self.layers[idx] = _layout(kind, idx, ssm_replay).allocate(config, spec)
+        self.rounding = None
+        if stochastic_rounding:
+            if ssm_state_dtype not in SR_DTYPES:
+                raise ValueError(
+                    f"stochastic rounding of the SSM state needs a 16-bit ssm_state_dtype (bfloat16 or float16), "
+                    f"got {ssm_state_dtype}: a float32 state is never rounded"
+                )
+            if ssm_backend == "flashinfer":
+                raise ValueError("stochastic rounding runs in our kernels and references, not FlashInfer's; "
+                                 "use ssm_backend 'triton' (or 'torch')")
+            self.rounding = StochasticRounding.create(rounding_seed, device=device)
+            for idx, layer in self.layers.items():
+                if hasattr(layer, "rounding"):
+                    layer.rounding = self.rounding.for_layer(idx)
+
+    def advance_rounding(self) -> None:
+        """Advance the stochastic-rounding step counter on the device (no-op without stochastic rounding).
+        Call once after every forward that uses this cache: every state write of the next forward then
+        draws new random bits (graph-capturable: an in-place add)."""
+        if self.rounding is not None:
+            self.rounding.advance()
 
     def __getitem__(self, cache_index: int) -> LayerState:
         return self.layers[cache_index]

@@ -409,6 +409,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         overlap_steps: bool | None = None,
+        ssm_stochastic_rounding: bool = False,
     ):
         config = model.config
         _check_spec_args(draft_len, ssm_replay)
@@ -450,7 +451,8 @@ class Engine:
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
         self.load_report: LoadReport | None = None  # set by from_pretrained
         self.cache = HybridCache(
-            config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend, **self._cache_args
+            config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend,
+            stochastic_rounding=ssm_stochastic_rounding, **self._cache_args
         )
         if self.kv_cache_quant == "fp8":
             self._attach_kv_scales()
@@ -530,6 +532,9 @@ class Engine:
                 kv_cache_quant ("none" default, or "fp8": keys and values stored in float8_e4m3fn with the
                 checkpoint's per-layer k / v scales, 1.0 with a warning where it has none; half the KV
                 bytes of bf16, ``cache_memory()["kv_cache_bytes"]``),
+                ssm_stochastic_rounding (default False: round every write of a 16-bit SSM state
+                stochastically instead of to nearest, kernels/rounding.py; needs ssm_state_dtype bfloat16 /
+                float16),
                 memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
                 may take, checked before anything is allocated), cuda_graphs (default: True on CUDA; ignored
                 with a warning on the CPU, and off with ssm_backend "torch": decode steps replay CUDA graphs),
@@ -563,6 +568,7 @@ class Engine:
             "cuda_graphs",
             "cuda_graph_batch_sizes",
             "overlap_steps",
+            "ssm_stochastic_rounding",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -876,6 +882,7 @@ class Engine:
         n = torch.where(live, self._slot_len[rows], 0)
         last = torch.where(live, self._last_token[rows], 0)
         hidden = self.model(last[:, None], self.cache, BatchMeta.decode(slot_ids, n, max_kv_len=L))
+        self.cache.advance_rounding()  # in-place on the device: graph-safe
         nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
         io.tokens[:B, 0] = nxt
         io.num_accepted[:B] = 1
@@ -925,6 +932,7 @@ class Engine:
         tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
         meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L)
         hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
+        self.cache.advance_rounding()
         io.hidden[:B] = hidden
         io.greedy[:B] = self.model.lm_logits(hidden).argmax(-1)
 
@@ -1046,6 +1054,7 @@ class Engine:
                 all_valid=bool((row_len == width).all()),
             )
             hidden = self.model(ids[:, c0 : c0 + width].to(self.device), self.cache, meta)
+            self.cache.advance_rounding()
             ending = [b for b in range(len(prompts)) if c0 < lengths[b] <= c0 + width]  # last token here
             rows = torch.tensor(ending, dtype=torch.long, device=self.device)
             cols = (lengths[ending] - 1 - c0).to(self.device)

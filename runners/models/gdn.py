@@ -406,7 +406,8 @@ class GDNMixer(GatedDeltaNet):
         if T == 1 and lengths is None:  # decode: the slots' states updated in place
             rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
                                        fused_recurrent_gated_delta_rule_ref)
-            o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False)
+            o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
+                     stochastic_rounding=state.rounding)
         else:
             rule = kernel_or_reference(state.ssm_backend, chunk_gated_delta_rule, chunk_gated_delta_rule_ref)
             o, h = rule(q, k, v, g, beta, meta.rows(state.ssm), self.chunk_size, lengths=lengths)
@@ -428,7 +429,7 @@ class GDNMixer(GatedDeltaNet):
                                    fused_recurrent_gated_delta_rule_ref)
         o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
                  update_state=False, intermediate_states=state.ssm_steps,
-                 intermediate_state_indices=meta.slot_ids)
+                 intermediate_state_indices=meta.slot_ids, stochastic_rounding=state.rounding)
         state.conv_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], conv_in.to(state.conv.dtype))
         return self.output(o, z)
 
@@ -447,7 +448,7 @@ class GDNMixer(GatedDeltaNet):
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
         verify = kernel_or_reference(state.ssm_backend, replay_verify, replay_verify_ref)
         o = verify(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids, slots.prev_num_accepted,
-                   slots.buffer_index, use_qk_l2norm_in_kernel=False)
+                   slots.buffer_index, use_qk_l2norm_in_kernel=False, stochastic_rounding=state.rounding)
         slots.verified = True
         state.conv.index_copy_(0, rows, conv_in[:, :, 1:].to(state.conv.dtype))
         return self.output(o, z)

@@ -149,7 +149,8 @@ class Mamba2Mixer(nn.Module):
             slots = state.slots
             verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
             y = verify(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
-                       slots.buffer_index, time_step_limit=self.time_step_limit, out=out)
+                       slots.buffer_index, time_step_limit=self.time_step_limit, out=out,
+                       stochastic_rounding=state.rounding)
             slots.verified = True
             return y
         if backend == "flashinfer":
@@ -157,7 +158,7 @@ class Mamba2Mixer(nn.Module):
         ssu = kernel_or_reference(backend, selective_state_update, selective_state_update_ref)
         return ssu(state.ssm, *args, meta.slot_ids, intermediate_states=state.ssm_steps,
                    intermediate_state_indices=meta.slot_ids, update_state=False,
-                   time_step_limit=self.time_step_limit, out=out)
+                   time_step_limit=self.time_step_limit, out=out, stochastic_rounding=state.rounding)
 
     def forward(
         self, hidden: torch.Tensor, state: Mamba2State | None = None, meta: BatchMeta | None = None
@@ -193,7 +194,8 @@ class Mamba2Mixer(nn.Module):
         elif state is not None and T == 1 and meta.all_valid:  # decode: the slots' states updated in place
             ssu = kernel_or_reference(state.ssm_backend, selective_state_update, selective_state_update_ref)
             y = ssu(state.ssm, x, dt, A, Bm, Cm, self.D, self.dt_bias, meta.slot_ids,
-                    time_step_limit=self.time_step_limit, out=x.new_empty(x.shape, dtype=torch.float32))
+                    time_step_limit=self.time_step_limit, out=x.new_empty(x.shape, dtype=torch.float32),
+                    stochastic_rounding=state.rounding)
         elif state is not None:  # prefill: the chunked scan from the slots' states, written back in place
             scan = kernel_or_reference(state.ssm_backend, mamba_chunk_scan_combined,
                                        mamba_chunk_scan_combined_ref)
