@@ -678,8 +678,8 @@ class HybridCache:
         if stochastic_rounding:
             if ssm_state_dtype not in SR_DTYPES:
                 raise ValueError(
-                    f"stochastic rounding of the SSM state needs a 16-bit ssm_state_dtype (bfloat16 or float16), "
-                    f"got {ssm_state_dtype}: a float32 state is never rounded"
+                    f"stochastic rounding of the SSM state needs a 16-bit ssm_state_dtype (bfloat16 or "
+                    f"float16), got {ssm_state_dtype}: a float32 state is never rounded"
                 )
             if ssm_backend == "flashinfer":
                 raise ValueError("stochastic rounding runs in our kernels and references, not FlashInfer's; "
