@@ -68,9 +68,9 @@ M2_CONFIGS = {
     "fma": {"variant": "fma"},
     "fma_p8": {"variant": "fma", "block_p": 8},
     "mma": {"variant": "mma"},
+    "mma_c16": {"variant": "mma", "chunk_n": 16},
     "mma_c64": {"variant": "mma", "chunk_n": 64},
     "mma_st3": {"variant": "mma", "num_stages": 3},
-    "mma_st1": {"variant": "mma", "num_stages": 1},
     "mma_p32w2": {"variant": "mma", "block_p": 32, "num_warps": 2},
     "mma_p64w4": {"variant": "mma", "block_p": 64, "num_warps": 4},
     "mma_split3": {"variant": "mma", "split": 3},
@@ -79,9 +79,10 @@ GDN_CONFIGS = {
     "fma": {"variant": "fma"},
     "fma_bv8": {"variant": "fma", "block_v": 8},
     "mma": {"variant": "mma"},
-    "mma_c64": {"variant": "mma", "chunk_k": 64},
+    "mma_c16": {"variant": "mma", "chunk_k": 16},
     "mma_st3": {"variant": "mma", "num_stages": 3},
-    "mma_bv32w2": {"variant": "mma", "block_v": 32, "num_warps": 2},
+    "mma_bv32w2": {"variant": "mma", "block_v": 32, "num_warps": 2, "chunk_k": 16},
+    "mma_bv64w4": {"variant": "mma", "block_v": 64, "num_warps": 4, "chunk_k": 16},
     "mma_split3": {"variant": "mma", "split": 3},
 }
 HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
@@ -468,8 +469,12 @@ def ncu(args) -> int:
     if not os.path.exists(exe):
         print(f"sweep_replay --ncu: Nsight Compute not found (PATH, {exe})", file=sys.stderr)
         return 2
-    if args.sweep:
-        best = json.load(open(args.sweep))["best"]
+    if args.sweep and not os.path.exists(args.sweep):
+        print(f"sweep_replay --ncu: no sweep JSON at {args.sweep}; profiling the current kernel and 'mma' "
+              "instead of the sweep's best configurations", file=sys.stderr)
+    if args.sweep and os.path.exists(args.sweep):
+        with open(args.sweep) as f:
+            best = json.load(f)["best"]
         specs = sorted({f"{k.split('/')[0]}:{v}:{k.split('/')[1]}" for k, v in best.items() if v}
                        | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
     else:

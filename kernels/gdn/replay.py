@@ -37,6 +37,14 @@ Performance: one state read and (p > 0) one state write per verify, no intermedi
 fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about
 half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.md).
 
+Kernel variants (`variant=`; `VARIANTS` holds their default tiles, `DEFAULT_VARIANT` the engine's choice, set
+from `python -m benchmarks.sweep_replay`, docs/kernel_performance.md): "fma" is the kernel above; "mma" runs the
+new tokens in closed form from S0 (the stored state after step 1): the only products with the state are
+P_k = S0 K^T and P_q = S0 Q^T (split-bf16 tensor-core products, `kernels._mma.split_dot`, accumulated over K in
+software-pipelined chunks), then the (T, T) delta-rule recursion u_t = beta_t (v_t - e^{G_t} P_k[:, t] -
+sum_{j<t} e^{G_t - G_j} (k_j . k_t) u_j) on [BV] vectors and o = e^G P_q + U M^T,
+M_tj = [j <= t] e^{G_t - G_j} (k_j . q_t). Both take `stochastic_rounding=` for a 16-bit state's write.
+
 Sources: TensorRT-LLM's SSM replay and FlashInfer's checkpointing_ssu (flashinfer.mamba) for Mamba2; the
 closed form of the gated delta rule (Yang et al., "Gated Delta Networks", ICLR 2025) is unrolled above.
 """

@@ -45,6 +45,20 @@ Design decisions:
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
 - A new request: after prefill writes its state, set its PNAT to 0 (nothing to replay).
 
+Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles, `DEFAULT_VARIANT` the one the
+engine runs per history layout, chosen by `python -m benchmarks.sweep_replay`, docs/kernel_performance.md):
+- "fma": the kernel described above (CUDA-core FMAs, C_t . h as tl.sum reductions).
+- "mma": the same math with every reduction over d_state or tokens as a tensor-core product of bf16 pieces
+  (`kernels._mma.split_dot`: an fp32 operand as 2 or 3 bf16 pieces, `split=`; a bf16 state or bf16 inputs
+  as one). Each program walks its (block_p, N) tile in (block_p, chunk_n) chunks whose loads Triton
+  software-pipelines (cp.async). Writing rows (per-step with PNAT > 0, checkpointing flush): per chunk
+  S = exp(c_{k-1}) h + (X_old^T diag(w)) @ B_old (one mma), stored (rounded), then C . S_stored accumulated.
+  Reading rows (PNAT = 0, checkpointing without flush) never form S: C . S = exp(c_{k-1}) (C . h) +
+  ((C B_old^T) diag(w)) @ X_old, the state read once (the no-write path of FlashInfer's checkpointing_ssu).
+  Accuracy: products of bf16 pieces are exact and accumulate in fp32; 2 pieces leave ~2^-17 of each fp32
+  operand (tests hold it to the fp32 tolerances).
+- Both take `stochastic_rounding=` (kernels/rounding.py) for a 16-bit state's write.
+
 Checkpointing variant (`ReplayHistory.allocate(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
 the history keeps a window of L tokens (L = max(16, T): the dots pad to 16 anyway) and PNAT counts every
 accepted token not yet folded into the state ("pending"), possibly from several verifies. A verify always
@@ -61,7 +75,8 @@ and L instead of 2T tokens of x history.
 
 Source: the closed form of the Mamba2 SSD recurrence (Dao & Gu, "Transformers are SSMs", 2024;
 state-spaces/mamba); the replay scheme of TensorRT-LLM's SSM replay and FlashInfer's `checkpointing_ssu`
-(flashinfer.mamba); written from the math above.
+(flashinfer.mamba; include/flashinfer/mamba/kernel_checkpointing_ssu_main.cuh for its tensor-core,
+no-write-path design); written from the math above.
 """
 
 from __future__ import annotations

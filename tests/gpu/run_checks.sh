@@ -12,6 +12,9 @@
 #   sanitize  compute-sanitizer memcheck over the GPU kernel tests (CUDA-graph tests excluded: the sanitizer
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
 #   bench     benchmarks/bench_mamba2.py, bench_gdn.py and bench_prefill.py at the Super V3 / Qwen3-Next shapes
+#   sweep     benchmarks/sweep_replay.py: every replay kernel variant vs the copy-bandwidth floor and
+#             FlashInfer (its checkpointing JIT started in the background by the script), ~6 min
+#   ncu       Nsight Compute of the sweep's chosen kernels (needs the sweep stage's JSON in OUTDIR/sweep)
 #   engine    every `gpu`-marked test of the suite (engine on CUDA, FlashInfer where importable)
 #   e2e       issue 14 in about 6 minutes: the CUDA-graph tests (tests/test_engine_graphs.py, `gpu`-marked:
 #             graph replay == eager bitwise in fp32 and bf16, no host sync while queuing a step), then
@@ -34,7 +37,7 @@
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench engine e2e e2e_full flashinfer fp8"
+stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -68,15 +71,17 @@ for s in "$@"; do
   case $s in
     kernels) stage kernels python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py \
                tests/test_kernels_mamba2_gpu.py tests/test_kernels_gdn.py tests/test_kernels_gdn_gpu.py \
-               tests/test_gdn.py tests/test_replay_cache.py tests/test_replay_engine.py \
-               tests/test_prefill_kernels.py tests/test_prefill_kernels_gpu.py ;;
+               tests/test_stochastic_rounding.py tests/test_gdn.py tests/test_replay_cache.py \
+               tests/test_replay_engine.py tests/test_prefill_kernels.py tests/test_prefill_kernels_gpu.py ;;
     sanitize) stage sanitize /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
                python3 -m pytest -q -p no:cacheprovider -k "not graph" tests/test_kernels_mamba2_gpu.py \
-               tests/test_kernels_gdn_gpu.py ;;
+               tests/test_kernels_gdn_gpu.py tests/test_stochastic_rounding.py ;;
     bench) stage bench_mamba2 python3 -m benchmarks.bench_mamba2 --out "$out/bench_mamba2.json"
            stage bench_gdn_fp32 python3 -m benchmarks.bench_gdn --out "$out/bench_gdn_fp32.json"
            stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json"
            stage bench_prefill python3 -m benchmarks.bench_prefill --tile-sweep --out "$out/bench_prefill.json" ;;
+    sweep) stage sweep python3 -m benchmarks.sweep_replay --out "$out/sweep" ;;
+    ncu) stage ncu python3 -m benchmarks.sweep_replay --ncu --sweep "$out/sweep/sweep_replay.json" --out "$out/ncu" ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     e2e) stage graphs python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_graphs.py
          stage e2e_super_v3 timeout 240 python3 -m benchmarks.bench_e2e --out "$out/e2e_super_v3" \
