@@ -95,6 +95,9 @@ class SSMConfig:
     # overflow; applies when replay is on (kernels/mamba2_replay.py)
     replay_checkpointing: bool = False
     state_dtype: DType = DType.float32  # 16-bit state loses accuracy on long outputs
+    # round 16-bit state writes stochastically (unbiased) instead of to nearest: kernels/rounding.py,
+    # docs/kernel_performance.md ("16-bit state"); needs state_dtype bfloat16 / float16
+    stochastic_rounding: bool = False
 
 
 @dataclass
@@ -451,6 +454,11 @@ def check_entry_values(entry: ModelEntry, where: str) -> None:
         raise UserError(
             f"{where}: ssm.backend flashinfer has no Gated DeltaNet kernels (qwen3_next)",
             "set ssm.backend: triton (or torch)",
+        )
+    if entry.ssm.stochastic_rounding and entry.ssm.state_dtype == DType.float32:
+        raise UserError(
+            f"{where}: ssm.stochastic_rounding rounds 16-bit state writes, but ssm.state_dtype is float32",
+            "set ssm.state_dtype: bfloat16 (or float16), or ssm.stochastic_rounding: false",
         )
     if entry.ssm.replay_checkpointing and entry.family != Family.nemotron_h:
         raise UserError(

@@ -135,6 +135,8 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "num_fewshot": rr.run.eval.num_fewshot,
         "max_gen_toks": rr.run.eval.max_gen_toks,
         "data_dir": str(data_dir) if data_dir is not None else None,
+        # present only when on: fingerprints stored before the option equal today's with it off
+        **({"ssm_stochastic_rounding": True} if rr.entry.ssm.stochastic_rounding else {}),
     }
 
 
@@ -187,6 +189,7 @@ def _build_engine(rr: ResolvedRun) -> Engine:
             kv_cache_quant=rr.entry.kv_cache_quant.value,
             cuda_graphs=bool(rr.cuda_graph_batch_sizes),
             cuda_graph_batch_sizes=rr.cuda_graph_batch_sizes,
+            ssm_stochastic_rounding=rr.entry.ssm.stochastic_rounding,
         )
     except UserError:
         raise

@@ -133,7 +133,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
                           max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
                           ssm_replay_checkpointing=False, kv_cache_quant="none", cuda_graphs=False,
-                          cuda_graph_batch_sizes=[])
+                          cuda_graph_batch_sizes=[], ssm_stochastic_rounding=False)
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)

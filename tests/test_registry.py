@@ -62,6 +62,8 @@ def test_base_entries_validate(name):
         (_minimal(family="qwen3_next", ssm={"replay_checkpointing": True}),
          "ssm.replay_checkpointing exists for Mamba2 layers only (nemotron_h), not qwen3_next",
          "ssm.replay_checkpointing: false"),
+        (_minimal(ssm={"stochastic_rounding": True}), "ssm.stochastic_rounding rounds 16-bit state writes",
+         "ssm.state_dtype: bfloat16"),
         ({"name": "x", "family": "nemotron_h", "hf_id": None}, "required key 'checkpoint' is missing", "add"),
     ],
 )
