@@ -31,8 +31,8 @@ written once) and the fraction of copy bandwidth: the time of a torch copy of th
 Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
 a short table last.
 
---ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype, or
-the defaults without --sweep) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
+--ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
+the current kernel, or the current kernel and "mma" without --sweep; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
 --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
 as DIR/ncu_<operator>_<config>_<dtype>.txt.
 """
@@ -142,19 +142,20 @@ def _m2_setup(op: str, shape, batch: int, T: int, sd: torch.dtype, dev: str, see
     ckpt = op in ("m2_ckpt", "m2_flush")
     L = max(16, T) if ckpt else T
     k = {"m2_write": T - 1, "m2_nowrite": 0, "m2_ckpt": min(3, L - T), "m2_flush": L - T + 1}[op]
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)  # inputs drawn on the device: batch 256 is 1 GB
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    u = lambda *s: torch.rand(*s, generator=gen, device=dev)
     bf = torch.bfloat16
     x, dt = r(batch, T, H, P).to(bf), (r(batch, T, H) * 0.5 - 1).to(bf)
     B, C = (r(batch, T, G, N) / N**0.5).to(bf), (r(batch, T, G, N) / N**0.5).to(bf)
-    A = -torch.exp(torch.rand(H, generator=gen) * 2 - 1).to(dev)
-    D, dt_bias = r(H), (torch.rand(H, generator=gen) - 0.5).to(dev)
+    A = -torch.exp(u(H) * 2 - 1)
+    D, dt_bias = r(H), u(H) - 0.5
     state = r(batch, H, P, N).to(sd)
     hist = mamba2.ReplayHistory.allocate(batch, L, H, P, G, N, dtype=bf, device=dev, checkpointing=ckpt)
-    hist.x.copy_(torch.randn(hist.x.shape, generator=gen))
-    hist.B.copy_(torch.randn(hist.B.shape, generator=gen) / N**0.5)
-    hist.dt.copy_(torch.rand(hist.dt.shape, generator=gen) * 0.9 + 0.1)
-    hist.dA_cumsum.copy_(torch.cumsum(A.cpu()[:, None] * hist.dt.cpu(), dim=-1))
+    hist.x.copy_(r(*hist.x.shape))
+    hist.B.copy_(r(*hist.B.shape) / N**0.5)
+    hist.dt.copy_(u(*hist.dt.shape) * 0.9 + 0.1)
+    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))
     slot_ids = torch.arange(batch, dtype=torch.int32, device=dev)
     pnat = torch.full((batch,), k, dtype=torch.int32, device=dev)
     bufidx = torch.zeros(batch, dtype=torch.int32, device=dev)
@@ -190,17 +191,17 @@ def _m2_setup(op: str, shape, batch: int, T: int, sd: torch.dtype, dev: str, see
 
 def _gdn_setup(shape, batch: int, T: int, sd: torch.dtype, dev: str, seed: int = 0):
     H, HV, K, V = shape
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
     bf = torch.bfloat16
     q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
     g = -torch.nn.functional.softplus(r(batch, T, HV)) * 0.5
     beta = r(batch, T, HV).sigmoid().to(bf)
     state = (r(batch, HV, V, K) * 0.1).to(sd)
     hist = gdn.ReplayHistory.allocate(batch, T, H, HV, K, V, device=dev)
-    hist.u.copy_(torch.randn(hist.u.shape, generator=gen) * 0.1)
-    hist.k.copy_(torch.nn.functional.normalize(torch.randn(hist.k.shape, generator=gen), dim=-1))
-    hist.g.copy_(-torch.rand(hist.g.shape, generator=gen).cumsum(2) * 0.3)
+    hist.u.copy_(r(*hist.u.shape) * 0.1)
+    hist.k.copy_(torch.nn.functional.normalize(r(*hist.k.shape), dim=-1))
+    hist.g.copy_(-torch.rand(*hist.g.shape, generator=gen, device=dev).cumsum(2) * 0.3)
     slot_ids = torch.arange(batch, dtype=torch.int32, device=dev)
     pnat = torch.full((batch,), T, dtype=torch.int32, device=dev)
     bufidx = torch.zeros(batch, dtype=torch.int32, device=dev)
@@ -479,6 +480,8 @@ def ncu(args) -> int:
                        | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
     else:
         specs = [f"{op}:{c}:{d}" for op in OPS for c in (CURRENT, "mma") for d in DTYPES]
+    if args.dtypes:
+        specs = [sp for sp in specs if sp.split(":")[2] in args.dtypes.split(",")]
     os.makedirs(args.out, exist_ok=True)
     rc = 0
     for spec in specs:
