@@ -26,7 +26,7 @@ def test_run_checks_refuses_bad_arguments(args, says, tmp_path):
     cmd = ["bash", "tests/gpu/run_checks.sh", *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and says in proc.stderr
-    stages = "stages: kernels sanitize bench engine e2e e2e_full flashinfer"
+    stages = "stages: kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer"
     assert stages in proc.stderr or "source folder" in proc.stderr
     assert not (tmp_path / "logs").exists()
     assert not (REPO / "kernels" / "machine.txt").exists() and not (REPO / "benchmarks" / "out").exists()
