@@ -2,6 +2,7 @@
 
     python -m benchmarks.sweep_replay --out DIR [--budget-s 400] [--no-flashinfer]
     python -m benchmarks.sweep_replay --ncu --out DIR [--sweep DIR/sweep_replay.json]   # Nsight Compute
+    python -m benchmarks.sweep_replay --quick --out DIR; ... --quick --ncu ...           # ~3 + ~1.5 min
     TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR             # CPU smoke run
 
 Operators (kernels.mamba2.replay_verify, kernels.gdn.replay_verify + kernels.commit.replay_advance):
@@ -21,9 +22,15 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
    the GPU test tolerances); the fastest correct one per (operator, state dtype) is "best".
 3. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
    ("fma", the committed default) and the best configuration of each operator.
-4. Stochastic rounding cost: the best configuration of each state-writing operator, bf16 state, headline.
+4. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
+   bf16 and fp16 state, headline.
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
+The time budget (--budget-s) also stops the headline from starting configurations other than the current
+one and "mma"; what was skipped is listed in the JSON ("skipped").
+--quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
+QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current and
+"mma"), --budget-s 180, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
 Each timing is triton.testing.do_bench's median (microseconds) after a compile call, with the bytes the
 operator must move (state read once, written once where it is written, inputs, outputs and history read and
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
@@ -34,7 +41,8 @@ a short table last.
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
 the current kernel, or the current kernel and "mma" without --sweep; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
 --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
-as DIR/ncu_<operator>_<config>_<dtype>.txt.
+as DIR/ncu_<operator>_<config>_<dtype>.txt, with the headline numbers of every report (duration, memory /
+DRAM / compute throughput in % of peak, registers, theoretical and achieved occupancy) in DIR/ncu_summary.json.
 """
 
 from __future__ import annotations
@@ -85,12 +93,16 @@ GDN_CONFIGS = {
     "mma_bv64w4": {"variant": "mma", "block_v": 64, "num_warps": 4, "chunk_k": 16},
     "mma_split3": {"variant": "mma", "split": 3},
 }
+# --quick: the current kernel, "mma" and the configurations with the fewest registers and no spills
+# (docs/kernel_performance.md, sm_90 compile report)
+QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4")
 HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
 GRID_T = (2, 4, 8)
 GRID_BATCH = (1, 8, 64, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # the stochastic-rounding cost rows
 # kernel vs reference on the GPU (tests/test_kernels_*_gpu.py): fp32 state 1e-3, bf16 outputs / state 1.6e-2
-TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 1.6e-2}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -329,6 +341,9 @@ def sweep(args) -> dict:
             for cfg_name, cfg in _configs(op).items():
                 if only and cfg_name not in only and cfg_name != CURRENT:
                     continue
+                if cfg_name not in (CURRENT, "mma") and time.time() > deadline:
+                    res["skipped"].append(f"headline {op}/{name}/{cfg_name}: time budget")
+                    continue
                 try:
                     err, ok = check(cfg)
                     row = _row(timer, timer(call, cfg), nbytes)
@@ -338,30 +353,35 @@ def sweep(args) -> dict:
             res["headline_rows"][f"{op}/{name}"] = rows
             good = {k: v for k, v in rows.items() if v.get("ok")}
             res["best"][f"{op}/{name}"] = min(good, key=lambda k: good[k]["us"]) if good else None
+            print(f"[{time.time() - t_start:5.0f} s] headline {op}/{name}: " + ", ".join(
+                f"{k} {v['us']:.1f} us" if "us" in v else f"{k} error" for k, v in rows.items()), flush=True)
             if dev == "cuda":
                 del call, check
                 torch.cuda.empty_cache()
 
-    # 4. stochastic rounding cost (bf16 state, best configuration of each state-writing operator)
+    # 4. stochastic rounding cost (16-bit states, the best configuration of each state-writing operator as
+    # chosen with a bf16 state)
     if "bfloat16" in dtypes:
         for op in ("m2_write", "m2_flush", "gdn"):
             best = res["best"].get(f"{op}/bfloat16")
             if best is None:
                 continue
-            call, nbytes, _ = _setup(op, "ws1", hb, hT, torch.bfloat16, dev, dry)
-            sr = StochasticRounding.create(1234, device=dev)
             cfg = _configs(op)[best]
-            try:
-                res["sr"][f"{op}/bfloat16/{best}"] = {
-                    "round_to_nearest": _row(timer, timer(call, cfg), nbytes),
-                    "stochastic": _row(timer, timer(call, cfg, sr), nbytes)}
-            except Exception:  # noqa: BLE001
-                res["sr"][f"{op}/bfloat16/{best}"] = {"error": traceback.format_exc(limit=3)}
+            for sr_name, sr_dtype in SR_DTYPES.items():
+                try:
+                    call, nbytes, _ = _setup(op, "ws1", hb, hT, sr_dtype, dev, dry)
+                    sr = StochasticRounding.create(1234, device=dev)
+                    res["sr"][f"{op}/{sr_name}/{best}"] = {
+                        "round_to_nearest": _row(timer, timer(call, cfg), nbytes),
+                        "stochastic": _row(timer, timer(call, cfg, sr), nbytes)}
+                except Exception:  # noqa: BLE001
+                    res["sr"][f"{op}/{sr_name}/{best}"] = {"error": traceback.format_exc(limit=3)}
 
     # 3. grid for the current kernel and the best configuration of each operator
     grid_T, grid_b = ((2,), (1, 2)) if dry else (GRID_T, GRID_BATCH)
     shapes = ("ws1",) if dry else ("ws1", "ws4")
     for op in OPS:
+        print(f"[{time.time() - t_start:5.0f} s] grid {op}", flush=True)
         for name in dtypes:
             sd = DTYPES[name]
             names = sorted({CURRENT, res["best"].get(f"{op}/{name}") or CURRENT})
@@ -465,6 +485,37 @@ def ncu_worker(spec: str) -> None:
     torch.cuda.profiler.stop()
 
 
+NCU_METRICS = {  # summary key -> the metric's name in ncu's text report (sections SpeedOfLight, Occupancy,
+    "duration": "Duration",  # LaunchStats), whose unit is kept beside the value
+    "memory_throughput_pct": "Memory Throughput",
+    "dram_throughput_pct": "DRAM Throughput",
+    "compute_throughput_pct": "Compute (SM) Throughput",
+    "registers_per_thread": "Registers Per Thread",
+    "theoretical_occupancy_pct": "Theoretical Occupancy",
+    "achieved_occupancy_pct": "Achieved Occupancy",
+    "block_limit_registers": "Block Limit Registers",
+}
+
+
+def parse_ncu(text: str) -> dict:
+    """The NCU_METRICS of one `ncu` text report (its first profiled kernel): {key: {"value": float, "unit": str}};
+    a metric the report lacks is absent. Lines look like `    Memory Throughput        %        91.42`."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        for key, name in NCU_METRICS.items():
+            n = len(name.split())
+            if key in out or parts[:n] != name.split() or len(parts) < n + 1:
+                continue
+            rest = parts[n:]
+            try:
+                value = float(rest[-1].replace(",", ""))
+            except ValueError:
+                continue
+            out[key] = {"value": value, "unit": rest[0] if len(rest) > 1 else ""}
+    return out
+
+
 def ncu(args) -> int:
     exe = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not os.path.exists(exe):
@@ -482,8 +533,11 @@ def ncu(args) -> int:
         specs = [f"{op}:{c}:{d}" for op in OPS for c in (CURRENT, "mma") for d in DTYPES]
     if args.dtypes:
         specs = [sp for sp in specs if sp.split(":")[2] in args.dtypes.split(",")]
+    if args.quick and not args.dtypes:
+        specs = [sp for sp in specs if sp.endswith(":bfloat16")]
     os.makedirs(args.out, exist_ok=True)
     rc = 0
+    summary = {}
     for spec in specs:
         op, cfg, name = spec.split(":")
         kernel = "regex:_gdn_replay" if op == "gdn" else "regex:_replay_verify"
@@ -494,8 +548,13 @@ def ncu(args) -> int:
         path = os.path.join(args.out, f"ncu_{op}_{cfg}_{name}.txt")
         with open(path, "w") as f:
             f.write(" ".join(cmd) + "\n" + p.stdout + p.stderr)
-        print(f"{spec}: exit {p.returncode} -> {path}")
+        summary[spec] = {"exit": p.returncode, **parse_ncu(p.stdout)}
+        got = summary[spec]
+        print(f"{spec}: exit {p.returncode} -> {path}; " + ", ".join(
+            f"{k} {got[k]['value']:g} {got[k]['unit']}".rstrip() for k in NCU_METRICS if k in got), flush=True)
         rc = rc or p.returncode
+    with open(os.path.join(args.out, "ncu_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     return rc
 
 
@@ -512,8 +571,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter smoke run at tiny shapes")
     ap.add_argument("--ncu", action="store_true", help="profile the chosen kernels with Nsight Compute")
     ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short first look: QUICK_CONFIGS, --budget-s 180, --flashinfer-extra-s 0 (bf16 with --ncu)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.configs = args.configs or ",".join(QUICK_CONFIGS)
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        if "--budget-s" not in given:
+            args.budget_s = 180.0
+        if "--flashinfer-extra-s" not in given:
+            args.flashinfer_extra_s = 0.0
     if args.ncu_worker:
         ncu_worker(args.ncu_worker)
         return 0

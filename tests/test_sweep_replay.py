@@ -30,7 +30,11 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
         assert res["best"][f"{op}/bfloat16"] in rows
         assert {g["config"] for g in res["grid"] if g["op"] == op} >= {"fma"}
     writers = ("m2_write", "m2_flush", "gdn")
-    assert set(res["sr"]) == {f"{op}/bfloat16/{res['best'][f'{op}/bfloat16']}" for op in writers}
+    assert set(res["sr"]) == {f"{op}/{d}/{res['best'][f'{op}/bfloat16']}" for op in writers
+                              for d in ("bfloat16", "float16")}
+    for key, rows in res["sr"].items():
+        assert "error" not in rows, (key, rows)
+        assert rows["stochastic"]["us"] > 0 and rows["round_to_nearest"]["bytes"] > 0
     assert "error" in res["flashinfer"]
     assert "m2_write/bfloat16" in capsys.readouterr().out
 
@@ -42,3 +46,45 @@ def test_bad_arguments_are_refused(capsys):
         with pytest.raises(SystemExit) as e:
             sweep_replay.main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_quick_sets_its_preset_unless_given(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(sweep_replay, "ncu", lambda args: seen.update(vars(args)) or 0)
+    assert sweep_replay.main(["--ncu", "--quick", "--out", "x"]) == 0
+    assert seen["budget_s"] == 180.0 and seen["flashinfer_extra_s"] == 0.0
+    assert seen["configs"] == ",".join(sweep_replay.QUICK_CONFIGS)
+    assert sweep_replay.main(["--ncu", "--quick", "--out", "x", "--budget-s=50", "--configs", "mma"]) == 0
+    assert seen["budget_s"] == 50.0 and seen["configs"] == "mma"
+
+
+NCU_TEXT = """  _replay_verify_mma_kernel (128, 64, 1)x(32, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    DRAM Frequency                  Ghz         3.19
+    Memory Throughput                 %        83.41
+    DRAM Throughput                   %        83.41
+    Duration                         us       101.95
+    Compute (SM) Throughput           %        35.20
+    Section: Launch Statistics
+    Registers Per Thread    register/thread     110
+    Shared Memory Configuration Size  Kbyte   1,024.00
+    Section: Occupancy
+    Block Limit Registers             block           4
+    Theoretical Occupancy                 %       25
+    Achieved Occupancy                    %    23.77
+"""
+
+
+def test_parse_ncu_reads_the_headline_metrics():
+    got = sweep_replay.parse_ncu(NCU_TEXT)
+    assert got["memory_throughput_pct"] == {"value": 83.41, "unit": "%"}
+    assert got["duration"] == {"value": 101.95, "unit": "us"}
+    assert got["registers_per_thread"]["value"] == 110
+    assert got["achieved_occupancy_pct"]["value"] == 23.77
+    assert got["theoretical_occupancy_pct"]["value"] == 25
+    assert got["block_limit_registers"]["value"] == 4
+    assert set(got) == set(sweep_replay.NCU_METRICS)
+    assert sweep_replay.parse_ncu("==ERROR== no kernels were profiled") == {}

@@ -13,8 +13,10 @@
 #             does not support graph capture of Triton launches well and they are covered by `kernels`)
 #   bench     benchmarks/bench_mamba2.py, bench_gdn.py and bench_prefill.py at the Super V3 / Qwen3-Next shapes
 #   sweep     benchmarks/sweep_replay.py: every replay kernel variant vs the copy-bandwidth floor and
-#             FlashInfer (its checkpointing JIT started in the background by the script), ~6 min
-#   ncu       Nsight Compute of the sweep's chosen kernels (needs the sweep stage's JSON in OUTDIR/sweep)
+#             FlashInfer (its checkpointing JIT started in the background by the script), ~6 min;
+#             SWEEP_ARGS adds options (SWEEP_ARGS=--quick: a ~3-4 min first look)
+#   ncu       Nsight Compute of the sweep's chosen kernels (needs the sweep stage's JSON in OUTDIR/sweep);
+#             NCU_ARGS adds options (NCU_ARGS=--quick: bf16 state only, ~1-2 min)
 #   engine    every `gpu`-marked test of the suite (engine on CUDA, FlashInfer where importable)
 #   e2e       issue 14 in about 6 minutes: the CUDA-graph tests (tests/test_engine_graphs.py, `gpu`-marked:
 #             graph replay == eager bitwise in fp32 and bf16, no host sync while queuing a step), then
@@ -80,8 +82,10 @@ for s in "$@"; do
            stage bench_gdn_fp32 python3 -m benchmarks.bench_gdn --out "$out/bench_gdn_fp32.json"
            stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json"
            stage bench_prefill python3 -m benchmarks.bench_prefill --tile-sweep --out "$out/bench_prefill.json" ;;
-    sweep) stage sweep python3 -m benchmarks.sweep_replay --out "$out/sweep" ;;
-    ncu) stage ncu python3 -m benchmarks.sweep_replay --ncu --sweep "$out/sweep/sweep_replay.json" --out "$out/ncu" ;;
+    # SWEEP_ARGS / NCU_ARGS: extra options, split on spaces on purpose
+    sweep) stage sweep python3 -m benchmarks.sweep_replay --out "$out/sweep" ${SWEEP_ARGS-} ;;
+    ncu) stage ncu python3 -m benchmarks.sweep_replay --ncu --sweep "$out/sweep/sweep_replay.json" --out "$out/ncu" \
+           ${NCU_ARGS-} ;;
     engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     e2e) stage graphs python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_graphs.py
          stage e2e_super_v3 timeout 240 python3 -m benchmarks.bench_e2e --out "$out/e2e_super_v3" \
