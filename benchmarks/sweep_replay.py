@@ -30,7 +30,7 @@ The time budget (--budget-s) also stops the headline from starting configuration
 one and "mma"; what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
 QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current and
-"mma"), --budget-s 180, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
+"mma"), --budget-s 150, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
 Each timing is triton.testing.do_bench's median (microseconds) after a compile call, with the bytes the
 operator must move (state read once, written once where it is written, inputs, outputs and history read and
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
@@ -572,14 +572,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ncu", action="store_true", help="profile the chosen kernels with Nsight Compute")
     ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
     ap.add_argument("--quick", action="store_true",
-                    help="a short first look: QUICK_CONFIGS, --budget-s 180, --flashinfer-extra-s 0 (bf16 with --ncu)")
+                    help="a short first look: QUICK_CONFIGS, --budget-s 150, --flashinfer-extra-s 0 (bf16 with --ncu)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
         args.configs = args.configs or ",".join(QUICK_CONFIGS)
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         if "--budget-s" not in given:
-            args.budget_s = 180.0
+            args.budget_s = 150.0
         if "--flashinfer-extra-s" not in given:
             args.flashinfer_extra_s = 0.0
     if args.ncu_worker:

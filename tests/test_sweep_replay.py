@@ -52,7 +52,7 @@ def test_quick_sets_its_preset_unless_given(monkeypatch):
     seen = {}
     monkeypatch.setattr(sweep_replay, "ncu", lambda args: seen.update(vars(args)) or 0)
     assert sweep_replay.main(["--ncu", "--quick", "--out", "x"]) == 0
-    assert seen["budget_s"] == 180.0 and seen["flashinfer_extra_s"] == 0.0
+    assert seen["budget_s"] == 150.0 and seen["flashinfer_extra_s"] == 0.0
     assert seen["configs"] == ",".join(sweep_replay.QUICK_CONFIGS)
     assert sweep_replay.main(["--ncu", "--quick", "--out", "x", "--budget-s=50", "--configs", "mma"]) == 0
     assert seen["budget_s"] == 50.0 and seen["configs"] == "mma"
