@@ -255,8 +255,12 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
             torch.cuda.empty_cache()
     (_, rewind), (replay_rr, replay) = arms[COMPARE_ARMS[0]], arms[COMPARE_ARMS[1]]
     # Replay and rewind commit the same recurrent state; in float32 any token difference is a bug. In 16-bit
-    # the two orders of rounding may flip a few tokens, so only a significant accuracy difference fails.
-    exact = rr.dtype == "float32" and rr.entry.ssm.state_dtype.value == "float32"
+    # the two orders of rounding may flip a few tokens, so only a significant accuracy difference fails. FP8
+    # weights or KV cache count as 16-bit: activations and keys / values are rounded to 8 bits, so a last-bit
+    # difference of the float32 state can cross a rounding boundary (seen on the H200: 1 of 32 tiny fp8
+    # samples diverged at token 34, docs/gpu/fp8_1).
+    exact = (rr.dtype == "float32" and rr.entry.ssm.state_dtype.value == "float32"
+             and rr.entry.quant.value == "none" and rr.entry.kv_cache_quant.value == "none")
     try:
         comparison, checks = compare_arms(out_dir, rewind["verdict"], exact=exact)
     except ComparisonError as err:
