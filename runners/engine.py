@@ -30,6 +30,7 @@ Contract: docs/architecture.md ("Engine API").
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -83,10 +84,24 @@ class GenerationStats:
     accepted; ``num_accepted_hist`` [K + 2] counts request-steps by num_accepted_tokens (index 0 stays 0).
     These stay zero / empty without speculation.
 
-    Derived metrics (TensorRT-LLM definitions; None without drafts), in :meth:`to_dict` next to the sums:
-    ``acceptance_rate`` = accepted_drafts / drafted_tokens; ``acceptance_length`` = 1 + accepted_drafts /
-    request_steps (tokens per request-step); ``acceptance_per_position`` [K] = accepted_per_position /
-    request_steps.
+    Only what reaches the output counts. A request-step commits num_accepted_tokens = n tokens to the output
+    (the accepted drafts and the bonus token, n - 1 accepted drafts); when the request finishes inside the
+    step (a stop token, a stop string, max_new_tokens), only the j <= n tokens appended before the stop are
+    committed, and the step counts as num_accepted_tokens = j (j - 1 accepted drafts). So for every request
+    (and summed over requests, with one prefill token each)::
+
+        generated_tokens == num_requests + request_steps + accepted_drafts
+
+    which is how TensorRT-LLM's benchmark derives its counts from the output
+    (tensorrt_llm/bench/dataclasses/reporting.py, StatsKeeper.generate_statistics_summary: accepted drafts
+    = output tokens - iterations, iterations counting the context step; acceptance length = output tokens /
+    iterations). The step that emits the first token (the prefill) drafts nothing and is no request-step.
+
+    Derived metrics (None without drafts), in :meth:`to_dict` next to the sums: ``acceptance_rate`` =
+    accepted_drafts / drafted_tokens; ``acceptance_length`` = 1 + accepted_drafts / request_steps (tokens per
+    request-step; TensorRT-LLM's benchmark divides by iterations including the context step instead:
+    generated_tokens / (request_steps + num_requests)); ``acceptance_per_position`` [K] =
+    accepted_per_position / request_steps.
     """
 
     num_requests: int = 0
@@ -182,7 +197,7 @@ class SlotCounters:
     ``request_steps`` [S], ``accepted_drafts`` [S], ``accepted_per_position`` [S, K] and
     ``num_accepted_hist`` [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one
     request. :meth:`reset` zeroes a slot's row when a request is admitted; :meth:`record` updates all rows
-    of a verify step at once (no loop over requests); :meth:`request_stats` reads one row back as the
+    of a verify step at once (no loop over requests), with the committed counts (:class:`GenerationStats`); :meth:`request_stats` reads one row back as the
     ``request_stats`` dict that ``on_finish`` receives. Summed over all requests of a ``generate`` call the
     rows equal that call's :class:`GenerationStats` counters.
     """
@@ -230,11 +245,14 @@ class SlotCounters:
 @dataclass
 class GenerationOutput:
     """tokens: generated ids per prompt (prompt excluded, a stop token kept); finish_reasons: "stop_token" |
-    "stop_checker" | "length"; stats: the run's counters."""
+    "stop_checker" | "length"; stats: the run's counters; nonfinite: the model outputs
+    (``HybridLM.health_names``) that held a NaN or an infinity in any forward of the call, in forward order
+    (the first is where they appeared; [] for a healthy call)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: GenerationStats
+    nonfinite: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -284,6 +302,35 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _token_id(value, where: str) -> int:
+    """One token id as a Python int. Raises TypeError for anything but an integer (bools, floats -- even 2.0
+    -- strings, floating tensors), naming ``where`` (e.g. "prompts[0][3]")."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{where} must be an integer token id, got a tensor of dtype {value.dtype} and "
+                            f"shape {list(value.shape)}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an integer token id, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _token_list(values, where: str) -> list[int]:
+    """A sequence of token ids as a list of ints (see :func:`_token_id`); a string is refused."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | torch.Tensor):
+        raise TypeError(f"{where} must be a sequence of integer token ids, got {type(values).__name__} {values!r}")
+    if isinstance(values, torch.Tensor) and values.dim() != 1:
+        raise TypeError(f"{where} must be a 1-D sequence of token ids, got a tensor of shape {list(values.shape)}")
+    return [_token_id(v, f"{where}[{j}]") for j, v in enumerate(values)]
+
+
+def _token_rows(rows, where: str) -> list[list[int]]:
+    """Token-id rows (a sequence of sequences, or a 2-D integer tensor) as lists of ints. Raises TypeError."""
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | torch.Tensor):
+        raise TypeError(f"{where} must be a list of token-id lists, got {type(rows).__name__}")
+    return [_token_list(row, f"{where}[{i}]") for i, row in enumerate(rows)]
 
 
 def _check_spec_args(draft_len: int, ssm_replay: bool) -> None:
@@ -410,6 +457,7 @@ class Engine:
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         overlap_steps: bool | None = None,
         ssm_stochastic_rounding: bool = False,
+        check_finite: bool = True,
     ):
         config = model.config
         _check_spec_args(draft_len, ssm_replay)
@@ -436,6 +484,13 @@ class Engine:
                 module.chunk_size = scan_chunk_size
         self.ssm_backend = _resolve_ssm_backend(ssm_backend, self.device, ssm_replay, config)
         self.ssm_state_dtype = _resolve_dtype(ssm_state_dtype or config.mamba_ssm_cache_dtype)
+        if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
+            log.warning(
+                "ssm_state_dtype=%s for Mamba2 layers: a 16-bit recurrent state drifts from the float32 "
+                "reference on long outputs (logit drift grows ~40x over 2,000 teacher-forced tokens); results "
+                "are judged only against baseline rows measured with this state dtype",
+                str(self.ssm_state_dtype).removeprefix("torch."),
+            )
         # speculative buffers (rewind: T = K + 1 states per slot; replay: the input history) only with drafts
         self._cache_args = dict(
             max_batch_size=max_batch_size,
@@ -466,6 +521,8 @@ class Engine:
             self._mtp_hidden = torch.zeros(R, config.hidden_size, dtype=dtype, device=self.device)
             self._draft1 = torch.zeros(R, dtype=torch.long, device=self.device)
         self._slot_counters = SlotCounters(max_batch_size, draft_len)
+        if check_finite:  # per-layer "non-finite output" flags, read once per generate call
+            model.track_nonfinite(self.device)
         self._forced_acceptance: ForcedAcceptance | None = None
         self.phase_timer: PhaseTimer | None = None
         self._setup_step(cuda_graphs, cuda_graph_batch_sizes, overlap_steps)
@@ -535,6 +592,8 @@ class Engine:
                 ssm_stochastic_rounding (default False: round every write of a 16-bit SSM state
                 stochastically instead of to nearest, kernels/rounding.py; needs ssm_state_dtype bfloat16 /
                 float16),
+                check_finite (default True: flag NaN / infinite outputs of every layer in each forward,
+                ``GenerationOutput.nonfinite``),
                 memory_budget_bytes (default None: the device's free memory; the bytes weights + caches
                 may take, checked before anything is allocated), cuda_graphs (default: True on CUDA; ignored
                 with a warning on the CPU, and off with ssm_backend "torch": decode steps replay CUDA graphs),
@@ -569,6 +628,7 @@ class Engine:
             "cuda_graph_batch_sizes",
             "overlap_steps",
             "ssm_stochastic_rounding",
+            "check_finite",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -666,9 +726,23 @@ class Engine:
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """A full causal forward without cache: input_ids LongTensor [B, T] -> float32 logits [B, T, V]."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        """A full causal forward without cache: input_ids LongTensor [B, T] -> float32 logits [B, T, V].
+
+        Raises (before any compute): TypeError when input_ids is not an integer torch.Tensor; ValueError when
+        it is not [B, T] with B, T >= 1, or holds an id outside [0, V).
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids [B, T], got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be [B, T] with B, T >= 1, got shape {list(input_ids.shape)}")
+        V = self.config.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"input_ids holds token id {bad}, outside [0, {V}) (the vocab size); tokenizer and "
+                             "checkpoint disagree")
         return self.model.lm_logits(self.model(input_ids.to(self.device)))
 
     # ------------------------------------------------------------------ generate
@@ -702,15 +776,19 @@ class Engine:
         Returns:
             :class:`GenerationOutput` (tokens, finish_reasons, stats), indexed like ``prompts``.
 
-        Raises:
-            ValueError: an empty prompt, an id outside the vocab, max_new_tokens < 1, or a prompt that with
-                max_new_tokens does not fit ``max_seq_len``.
+        Raises (before any compute, naming the argument and the index):
+            TypeError: prompts not a list of token-id lists (or a 2-D integer tensor); an id that is not an
+                integer (a float such as 1.9 or 2.0, a string, a bool); a non-int max_new_tokens or
+                stop_token_ids entry.
+            ValueError: an empty prompt, an id outside [0, vocab), max_new_tokens < 1, or a
+                prompt that with max_new_tokens does not fit ``max_seq_len``.
         """
         K = self.draft_len
+        prompts = _token_rows(prompts, "prompts")
         n = len(prompts)
-        prompts = [list(map(int, p)) for p in prompts]
         self._check_prompts(prompts, max_new_tokens)
-        stop_ids = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
+        stop_ids = set(self.config.eos_token_id if stop_token_ids is None
+                       else _token_list(stop_token_ids, "stop_token_ids"))
         stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
         if K > 0:
             stats.record_step([], K)  # sizes the per-position counters even if no step runs
@@ -718,6 +796,7 @@ class Engine:
         reasons: list[str | None] = [None] * n
         bar, report = self._progress(progress, n)
         finished = 0
+        self.model.take_nonfinite()  # flags of earlier forwards (e.g. Engine.logits) are not this call's
 
         waiting = deque(range(n))
         free_slots = list(range(self.max_batch_size - 1, -1, -1))  # pop() hands out slot 0 first
@@ -728,33 +807,33 @@ class Engine:
         counters = self._slot_counters
         T, timer = K + 1, self.phase_timer
 
-        def accept(slot: int, tokens: list[int]) -> None:
-            """Append a step's ``tokens`` to the slot's request, stopping at the first stop condition (a
-            speculative step may bring several tokens); a finished request frees its slot at once."""
-            nonlocal finished
+        def append(slot: int, tokens: list[int]) -> tuple[int, str | None]:
+            """Append a step's ``tokens`` to the slot's request up to the first stop condition (a speculative
+            step may bring several tokens); returns (tokens appended, finish reason or None)."""
             i = slot_request[slot]
             toks = out_tokens[i]
-            reason = None
-            for token in tokens:
+            for j, token in enumerate(tokens, start=1):
                 toks.append(token)
                 if token in stop_ids:
-                    reason = "stop_token"
-                elif stop_checker is not None and stop_checker(i, toks):
-                    reason = "stop_checker"
-                elif len(toks) >= max_new_tokens:
-                    reason = "length"
-                if reason is not None:
-                    break
-            if reason is None:
-                return
+                    return j, "stop_token"
+                if stop_checker is not None and stop_checker(i, toks):
+                    return j, "stop_checker"
+                if len(toks) >= max_new_tokens:
+                    return j, "length"
+            return len(tokens), None
+
+        def finish(slot: int, reason: str) -> None:
+            """Report the slot's request finished (after its counters are complete) and free the slot."""
+            nonlocal finished
+            i = slot_request[slot]
             reasons[i] = reason
-            request_stats = counters.request_stats(slot, len(prompts[i]), len(toks))
+            request_stats = counters.request_stats(slot, len(prompts[i]), len(out_tokens[i]))
             active.remove(slot)
             slot_request[slot] = -1
             free_slots.append(slot)
             finished += 1
             if on_finish is not None:
-                on_finish(i, toks, reason, request_stats)
+                on_finish(i, out_tokens[i], reason, request_stats)
             report(finished)
 
         def read(step: _Step) -> None:
@@ -768,11 +847,15 @@ class Engine:
             kept = [(s, toks) for s, i, toks in rows if slot_request[s] == i]
             if kept:
                 stats.steps += 1
-                if K > 0:
-                    self._count_acceptance([s for s, _ in kept], [len(t) - 1 for _, t in kept], stats)
+                outcomes = []
                 for s, toks in kept:
-                    slot_len[s] += len(toks)
-                    accept(s, toks)
+                    slot_len[s] += len(toks)  # the cache holds them all; the output may stop earlier
+                    outcomes.append(append(s, toks))
+                if K > 0:  # count what was committed to the output: a step cut by a stop keeps j - 1 drafts
+                    self._count_acceptance([s for s, _ in kept], [j - 1 for j, _ in outcomes], stats)
+                for (s, _), (_, reason) in zip(kept, outcomes):
+                    if reason is not None:
+                        finish(s, reason)
             if timer is not None:
                 timer.add_host("wait", t1 - t0)
                 timer.add_host("bookkeeping", time.perf_counter() - t1)
@@ -796,7 +879,9 @@ class Engine:
                 stats.prefill_seconds += time.perf_counter() - t0
                 active.extend(admitted)
                 for slot, token in zip(admitted, first):
-                    accept(slot, [token])
+                    _, reason = append(slot, [token])
+                    if reason is not None:
+                        finish(slot, reason)
                 continue  # refill slots freed by requests that finished on their first token
             # Every row's KV reads stay below its length before the step + T, and each queued step unread
             # may add up to T tokens: an upper bound the host knows without waiting for the device.
@@ -813,7 +898,8 @@ class Engine:
         if bar is not None:
             bar.close()
         stats.generated_tokens = sum(map(len, out_tokens))
-        return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats)
+        return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats,
+                                nonfinite=self.model.take_nonfinite())
 
     # ------------------------------------------------------------------ one decode step
 
@@ -1087,15 +1173,21 @@ class Engine:
         self._draft1[rows] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """generate's argument checks, before any compute (TypeError / ValueError naming the argument)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} "
+                            f"{max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         V = self.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
-                raise ValueError(f"prompt {i} is empty; every request needs at least one token (e.g. BOS)")
-            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompts[{i}] is empty; every request needs at least one token (e.g. BOS)")
+            bad = next((j for j, t in enumerate(p) if not 0 <= t < V), None)
+            if bad is not None:
                 raise ValueError(
-                    f"prompt {i} has token ids outside [0, {V}); tokenizer and checkpoint disagree"
+                    f"prompts[{i}][{bad}] = {p[bad]} is outside [0, {V}) (the vocab size); tokenizer and "
+                    "checkpoint disagree"
                 )
             if len(p) + max_new_tokens + self.draft_len > self.max_seq_len:
                 raise ValueError(

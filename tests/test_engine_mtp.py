@@ -188,21 +188,39 @@ def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8
     assert out.tokens == [g[:n] for g, n in zip(plain, LIMITS)]
     assert sorted(finished) == list(range(len(prompts))) and engine.checked == out.stats.steps > 0
     _check_request_stats(engine, prompts, out, request_stats, K)
+    engine.committed = [a for i, r in enumerate(engine.realized_by_request)
+                        for a in committed_accepts(r, len(out.tokens[i]))]
     return engine, out.stats
 
 
+def committed_accepts(realized: list[int], generated: int) -> list[int]:
+    """Accepted drafts per request-step counted as committed to the output: the prefill emits one token, a
+    step with a accepted drafts a + 1 more, and the step the request finishes in only those appended before
+    the stop (j tokens: j - 1 accepted drafts)."""
+    out, total = [], 1
+    for a in realized:
+        take = min(a + 1, generated - total)
+        assert take >= 1, "a step ran after the request had finished"
+        out.append(take - 1)
+        total += take
+    assert total == generated
+    return out
+
+
 def _check_request_stats(engine, prompts, out, request_stats: dict[int, dict], K: int) -> None:
-    """Each request's on_finish counters equal its own realized acceptances; summed over the requests they
-    equal the call's GenerationStats (the global counters are exactly the per-request ones added up)."""
+    """Each request's on_finish counters equal its own committed acceptances, hold 1 + request_steps +
+    accepted_drafts == generated_tokens, and summed over the requests equal the call's GenerationStats (the
+    global counters are exactly the per-request ones added up)."""
     total = GenerationStats(accepted_per_position=[0] * K, num_accepted_hist=[0] * (K + 2))
     for i, rs in request_stats.items():
-        realized = engine.realized_by_request[i]
+        committed = committed_accepts(engine.realized_by_request[i], len(out.tokens[i]))
         want = GenerationStats(
             num_requests=1, prompt_tokens=len(prompts[i]), generated_tokens=len(out.tokens[i])
         )
-        want.record_step(realized, K)
+        want.record_step(committed, K)
         got = GenerationStats(num_requests=1, **rs)
         assert got == want, f"request {i}"
+        assert 1 + rs["request_steps"] + rs["accepted_drafts"] == rs["generated_tokens"] == len(out.tokens[i])
         total = total + got
     assert total.num_requests == len(prompts)
     for name in ("num_requests", "prompt_tokens", "generated_tokens", "request_steps", "drafted_tokens",
@@ -225,7 +243,7 @@ def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(ckpt, K
     chunk = 7 if K == 3 else 8192  # once with chunked prefill (the MTP catches up chunk by chunk)
     engine, s = _checked_run(path, prompts, plain, K, prefill_chunk_tokens=chunk)
     assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
-    _check_counters(s, K, engine.realized_accepts)
+    _check_counters(s, K, engine.committed)
 
 
 @pytest.mark.parametrize("K", [1, 3, 7])
@@ -236,7 +254,7 @@ def test_ragged_forced_acceptance_keeps_each_rows_state(ckpt, K):
     mid = K // 2 + 1 if K > 1 else 1
     schedules = [[K, 0], [0, K], [mid, K, 0, 0], [K, K, 0], [0], [K, mid - 1, K]]
     engine, s = _checked_run(path, prompts, plain, K, schedules)
-    _check_counters(s, K, engine.realized_accepts)
+    _check_counters(s, K, engine.committed)
     assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0
 
 

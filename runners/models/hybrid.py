@@ -5,6 +5,11 @@ registers more kinds). Blocks that keep per-request state (``mamba2``, ``gdn``, 
 ``cache_index`` that addresses their entry in :class:`runners.cache.HybridCache`; the MTP module's blocks
 take indices after the backbone's, so one cache object serves target and draft. The model knows nothing of
 checkpoint names (see ``runners/models/<model_type>.py``) or of the generate loop (``runners/engine.py``).
+
+Health flags: after :meth:`HybridLM.track_nonfinite`, every forward ORs "this module's output holds a NaN or
+an infinity" into one device tensor (:attr:`HybridLM.nonfinite`, one entry per name of
+:meth:`HybridLM.health_names`), without a host synchronisation; the engine reads it once per ``generate``
+call. A NaN propagates to every later layer, so the first flagged name is where it appeared.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.blocks = _build_blocks(config, config.mtp_layer_types, first_cache_index)
         self.final_norm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
+        self.nonfinite: torch.Tensor | None = None  # the model's flags, shared (HybridLM.track_nonfinite)
 
     def forward(
         self,
@@ -85,7 +91,10 @@ class MTPModule(nn.Module):
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
         for block in self.blocks:
             f = block(f, cache, meta)
-        return self.final_norm(f)
+        out = self.final_norm(f)
+        if self.nonfinite is not None:  # the model's flags (HybridLM.track_nonfinite); "mtp" is the last
+            self.nonfinite[-1] |= ~torch.isfinite(out).all()
+        return out
 
 
 class HybridLM(nn.Module):
@@ -113,6 +122,36 @@ class HybridLM(nn.Module):
                 "(num_nextn_predict_layers = 0)"
             )
         self.mtp = MTPModule(config, n_backbone) if with_mtp else None
+        self.nonfinite: torch.Tensor | None = None  # set by track_nonfinite
+
+    def health_names(self) -> list[str]:
+        """Names of the outputs the non-finite flags cover, in forward order: ``embeddings``,
+        ``layers.<i>.<kind>`` per backbone block, ``norm_f``, ``lm_head`` (logits) and ``mtp`` (the MTP module's
+        output, when the model has one)."""
+        names = ["embeddings", *(f"layers.{i}.{b.kind}" for i, b in enumerate(self.layers)), "norm_f", "lm_head"]
+        return names + (["mtp"] if self.mtp is not None else [])
+
+    def track_nonfinite(self, device: torch.device | str) -> None:
+        """Start the non-finite flags: a bool tensor [len(health_names())] on ``device``, all False. Each
+        forward then runs one ``isfinite().all()`` reduction per flagged output (two small kernels per layer,
+        capturable in a CUDA graph: the flags are updated in place)."""
+        self.nonfinite = torch.zeros(len(self.health_names()), dtype=torch.bool, device=device)
+        if self.mtp is not None:
+            self.mtp.nonfinite = self.nonfinite
+
+    def take_nonfinite(self) -> list[str]:
+        """The names flagged since the last call, in forward order (one host synchronisation), and reset the
+        flags. [] when nothing was flagged or the flags are off."""
+        if self.nonfinite is None:
+            return []
+        flagged = self.nonfinite.nonzero().flatten().tolist()
+        self.nonfinite.zero_()
+        names = self.health_names()
+        return [names[i] for i in flagged]
+
+    def _flag(self, index: int | slice, finite: torch.Tensor) -> None:
+        """OR ``~finite`` (a bool tensor [n] of per-output "all values finite") into the flags at ``index``."""
+        self.nonfinite[index] |= ~finite
 
     def cache_kinds(self, include_mtp: bool = True) -> dict[int, str]:
         """``{cache_index: kind}`` of every stateful block (backbone, then MTP when present and asked)."""
@@ -130,10 +169,21 @@ class HybridLM(nn.Module):
         if (cache is None) != (meta is None):
             raise ValueError("pass cache and meta together (or neither for a cache-free forward)")
         x = self.embeddings(input_ids)
+        track = self.nonfinite is not None
+        finite = [torch.isfinite(x).all()] if track else []
         for block in self.layers:
             x = block(x, cache, meta)
-        return self.norm_f(x)
+            if track:
+                finite.append(torch.isfinite(x).all())
+        x = self.norm_f(x)
+        if track:
+            finite.append(torch.isfinite(x).all())
+            self._flag(slice(0, len(finite)), torch.stack(finite))
+        return x
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> float32 logits [..., V]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.nonfinite is not None:
+            self._flag(len(self.layers) + 2, torch.isfinite(logits).all())
+        return logits
