@@ -4,7 +4,11 @@ The directory layout, the config.json parser and the listing of tensor names per
 (registry/checkpoint.py, registry/hf_config.py: registry validation uses them without torch). Loading is
 strict: every tensor the model expects must be present with its exact shape, and every tensor on disk must be
 known. The MTP tensors (``mtp.*``) form an optional group: a checkpoint without any of them loads for plain
-decoding; one with some of them must have all of them. Every problem raises
+decoding; one with some of them must have all of them. A checkpoint with ``tie_word_embeddings: true`` may
+also store ``lm_head.weight`` (transformers' save_pretrained and conversion scripts write it): it must have
+the embeddings' shape and is not read, the embeddings serve as the head, as transformers' ``tie_weights``
+makes them. After loading, every tensor is checked for NaN / infinite values and every weight matrix for
+being all zeros (corrupt or overwritten bytes behind an intact header). Every problem raises
 registry.checkpoint.CheckpointError (a UserError) naming the file or tensor and the fix.
 """
 
@@ -25,12 +29,16 @@ from runners.models.hybrid import HybridLM
 from runners.quant import QUANT_TENSOR_SUFFIXES, apply_quantization, prepare_fp8
 
 MTP_PREFIX = "mtp."
+TIED_HEAD = "lm_head.weight"  # the output head, the embeddings' tensor when tie_word_embeddings is true
+# Elements per isfinite / nonzero reduction of the weight check: bounds its temporary memory (bytes of bool).
+_CHECK_CHUNK = 1 << 24
 
 # Tensors kept in float32 whatever the model dtype (transformers keeps the NemotronH router in fp32).
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
 SAFETENSORS_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
-__all__ = ["CheckpointError", "LoadPlan", "load_model", "materialize", "plan_load", "read_config"]
+__all__ = ["CheckpointError", "LoadPlan", "check_weights", "load_model", "materialize", "plan_load",
+           "read_config"]
 
 
 def read_config(path: str | Path) -> HybridConfig:
@@ -124,6 +132,9 @@ def plan_load(
     computed = _computed_buffers(model)
     targets = family_module(config.family, config.source).checkpoint_targets(model)
     targets = {n: t for n, t in targets.items() if id(t) not in computed}
+    if config.tie_word_embeddings and TIED_HEAD in files and TIED_HEAD not in targets:
+        _check_tied_head(files[TIED_HEAD], (config.vocab_size, config.hidden_size))
+        files = {n: f for n, f in files.items() if n != TIED_HEAD}
     unknown = set(files) - set(targets)
     if unknown:
         hint = (
@@ -177,6 +188,63 @@ def plan_load(
     return LoadPlan(path, config, model, files, dtype, weight_bytes)
 
 
+def _check_tied_head(shard: Path, shape: tuple[int, int]) -> None:
+    """A stored ``lm_head.weight`` of a tied checkpoint must have the embeddings' shape [V, D]."""
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            got = tuple(f.get_slice(TIED_HEAD).get_shape())
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{shard}: cannot read tensor headers ({e}); the file is corrupt",
+                              "re-download or re-save it") from e
+    if got != shape:
+        raise CheckpointError(
+            f"{shard}: {TIED_HEAD} has shape {list(got)}, but config.json ties it to the embeddings "
+            f"{list(shape)} (tie_word_embeddings: true)",
+            "set tie_word_embeddings: false when the head is a separate matrix, or re-save the checkpoint",
+        )
+
+
+def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Raise CheckpointError naming the loaded tensors that hold NaN or infinite values, and the weight
+    matrices (2 or more dimensions) that are all zeros: what bytes overwritten behind an intact safetensors
+    header, a failed conversion or a broken training run leave. One-dimensional tensors may legitimately be
+    zero (biases, zero-centred norm weights) and are checked for finiteness only.
+
+    tensors: {checkpoint name: loaded tensor} (on any device). The reductions run on the tensors' device in
+    chunks of 2^24 elements and are read back once (one host synchronisation for the whole model).
+    """
+    names, flags = [], []
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            continue
+        flat = t.detach().reshape(-1)
+        bad = torch.zeros((), dtype=torch.bool, device=t.device)
+        nonzero = torch.zeros((), dtype=torch.bool, device=t.device)
+        for i in range(0, flat.numel(), _CHECK_CHUNK):
+            chunk = flat[i : i + _CHECK_CHUNK]
+            bad |= ~torch.isfinite(chunk).all()
+            nonzero |= (chunk != 0).any()
+        names.append(name)
+        flags.append(torch.stack([bad, ~nonzero & (t.dim() >= 2)]))
+    if not flags:
+        return
+    host = torch.stack(flags).cpu().tolist()
+    nonfinite = [n for n, (b, _) in zip(names, host) if b]
+    zero = [n for n, (_, z) in zip(names, host) if z]
+    if nonfinite or zero:
+        parts = []
+        if nonfinite:
+            parts.append(f"{len(nonfinite)} of {len(names)} tensors hold NaN or infinite values: "
+                         f"{short_list(nonfinite)}")
+        if zero:
+            parts.append(f"{len(zero)} weight matrices are all zeros: {short_list(zero)}")
+        raise CheckpointError(
+            f"{path}: the weights are broken: {'; '.join(parts)}",
+            "the checkpoint is corrupt or was saved from a broken model: re-download it (compare its "
+            "checksums with the source) or re-save it from a healthy model",
+        )
+
+
 def _to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.Module:
     """``model.to_empty(device=device)``, then re-tie tensors that several modules shared (tied embeddings):
     to_empty gives every module its own new tensor."""
@@ -205,7 +273,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
         The model in eval mode (``plan.model``, now on ``device``).
 
     Raises:
-        CheckpointError: a shard that cannot be read.
+        CheckpointError: a shard that cannot be read; tensors with NaN / infinite values or all-zero weight
+            matrices (:func:`check_weights`).
         TypeError: a module with non-persistent buffers but no ``init_buffers`` (a model-code bug).
     """
     model = _to_empty_keeping_ties(plan.model, device)
@@ -221,6 +290,7 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt",
                                       "re-download or re-save it") from e
+        check_weights({name: targets[name] for name in plan.files}, plan.path)
         for name, module in model.named_modules():
             if module._non_persistent_buffers_set:
                 if not hasattr(module, "init_buffers"):
