@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from enum import Enum
 
@@ -27,7 +28,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -106,6 +107,16 @@ def config_error(e: BaseException, overrides: list[str]) -> UserError | None:
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
         return override_error(cause, overrides)
+    ambiguous = _AMBIGUOUS.search(str(e))
+    if isinstance(e, HydraException) and ambiguous:
+        text = ambiguous.group(1)
+        key, _, value = text.partition("=")
+        return UserError(
+            f"the override '{text}' holds a comma; without -m Hydra cannot tell whether it is one string, a "
+            "list or a sweep over several values",
+            f"quote the value to keep the comma: \"{key}='{value}'\" (the outer quotes are for the shell), "
+            "or add -m to run one job per value",
+        )
     if isinstance(e, HydraException):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return UserError(f"the config does not compose: {first}",
@@ -141,6 +152,43 @@ def override_error(e: OmegaConfBaseException, overrides: list[str]) -> UserError
     where = f"registry/schema.py, {cls.__name__}" if hint is not None else "registry/schema.py"
     return UserError(f"bad value for {what} in the override '{text}': {msg}",
                      f"set {key} to {expected} ({where})")
+
+
+# Hydra's message for `key=a,b` in a plain run (its sweep syntax outside -m)
+_AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^']*)'")
+MISSING_MARK = "???"  # OmegaConf's mark of a mandatory value (a placeholder, never a value)
+
+
+def check_composed(cfg: DictConfig, overrides: list[str]) -> None:
+    """After composition, before any value is read: every interpolation resolves and no value is `???`.
+
+    OmegaConf resolves `${...}` lazily and a merge keeps the old value under a `???`, so without this an
+    `${oc.env:UNSET}` fails deep inside the run and `eval.num_fewshot=???` silently runs on the default.
+    Raises UserError naming the key and the override that set it.
+    """
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except InterpolationResolutionError as e:
+        key = e.full_key or "?"
+        text = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), None)
+        where = f" (the override '{text}')" if text else ""
+        cause = e.__cause__ if e.__cause__ is not None else e
+        why = str(cause.args[0] if isinstance(cause, KeyError) and cause.args else cause).splitlines()[0]
+        env = re.search(r"oc\.env:([A-Za-z_][A-Za-z0-9_]*)", text or "")
+        fix = (f"set the environment variable {env.group(1)}, give the interpolation a default "
+               f"(${{oc.env:{env.group(1)},<default>}}), or write the value itself" if env else
+               "write the value itself, or an interpolation that resolves (python run.py --cfg job shows "
+               "the composed config)")
+        raise UserError(f"the value of '{key}'{where} cannot be resolved: {why}", fix) from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        given = [o for o in overrides if o.partition("=")[2].strip() == MISSING_MARK]
+        where = f" (the override{'s' if len(given) > 1 else ''} {' '.join(given)})" if given else ""
+        raise UserError(
+            f"no value for {', '.join(missing)}{where}: '???' marks a mandatory value, it is not a value",
+            f"give {'each' if len(missing) > 1 else 'it'} a value (e.g. {missing[0]}=<value>), or drop the "
+            "override to keep the default",
+        )
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:

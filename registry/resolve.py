@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from registry.arch import arch_from_config, arch_mismatch, check_world_size
 from registry.checkpoint import CONFIG_FILE, check_checkpoint_dir
-from registry.compose import override_error
+from registry.compose import check_composed, override_error
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
 from registry.schema import (
@@ -75,6 +75,12 @@ class ResolvedRun:
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
 
     @property
+    def baseline_state(self) -> dict[str, str]:
+        """The run's values of the baseline files' state columns (registry.baselines.STATE_COLUMNS): a row
+        judges the run only if it holds for them (a 16-bit SSM state is not judged by a float32-state row)."""
+        return {"ssm_state_dtype": self.entry.ssm.state_dtype.value}
+
+    @property
     def spec_dec(self) -> str:
         """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
         return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
@@ -88,6 +94,7 @@ class ResolvedRun:
             "draft_len": self.draft_len,
             "device": self.device,
             "dtype": self.dtype,
+            "ssm_state_dtype": self.entry.ssm.state_dtype.value,
             "max_batch_size": self.max_batch_size,
             "ssm_backend": self.ssm_backend,
             "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
@@ -120,7 +127,10 @@ def _task_overrides() -> list[str]:
     """The command line's overrides of the running Hydra job ([] outside one, e.g. the compose API)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if not HydraConfig.initialized():
+        return []
+    # unresolved: an override's own `${...}` must not be resolved just to print it
+    return [str(o) for o in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)]
 
 
 def _with_model_overrides(e: UserError) -> UserError:
@@ -196,11 +206,13 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     entry_name: the registry entry (file) composed as `model`; default: Hydra's choice, else model.name.
     check_checkpoint=False: no models_root needed and no checkpoint directory checks (registry validation on
     machines without the weights); a config.json that is there is still read and checked.
-    Raises UserError for: a bad registry entry or top-level value, the cross-setting rules of
+    Raises UserError for: an interpolation that does not resolve or a `???` value
+    (registry.compose.check_composed), a bad registry entry or top-level value, the cross-setting rules of
     registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / experts, a missing
     / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that disagrees with the
     checkpoint's config.json (check_quant_agrees).
     """
+    check_composed(cfg, _task_overrides())
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
     if name not in entry_names():
         raise unknown_entry_error(str(name))

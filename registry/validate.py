@@ -4,15 +4,17 @@ Every entry is composed the way run.py composes it (registry.compose: the raw-fi
 API on configs/ with the entry as group `model`, type-checked against the schema) and resolved by
 registry.resolve.resolve without loading weights, with its own settings (errors) and with each ssm_replay in
 {true, false} and world_size in {1, 4} (combinations the resolution refuses are reported as notes). An
-embedded checkpoint must be complete (config.json parsed, every weight file present and its safetensors
-header readable; that the tensors fit the model is the loader's check, run by tests/test_tiny.py). The
-baseline rows each entry would be judged against must exist in registry/baselines/ (registry.baselines, the
-verdict's own lookups).
+embedded checkpoint must exist (the fix is the command that restores it) and be complete (config.json
+parsed, every weight file present and its safetensors header readable; that the tensors fit the model is
+the loader's check, run by tests/test_tiny.py). The baseline rows each entry would be judged against must
+exist in registry/baselines/ (registry.baselines, the verdict's own lookups).
 """
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -21,7 +23,7 @@ from registry.checkpoint import check_checkpoint_dir, tensor_files
 from registry.compose import compose_config
 from registry.errors import UserError
 from registry.resolve import ResolvedRun, resolve
-from registry.schema import EMBEDDED_CHECKPOINTS_DIR, entry_names
+from registry.schema import EMBEDDED_CHECKPOINTS_DIR, REPO_ROOT, entry_names
 
 SWEEP_SSM_REPLAY = (True, False)
 SWEEP_WORLD_SIZE = (1, 4)
@@ -72,15 +74,44 @@ def validate_one(name: str) -> EntryReport:
                 check_checkpoint_dir(ckpt, "model.checkpoint")
                 tensor_files(ckpt)
             except UserError as e:
-                report.errors.append(f"embedded checkpoint {ckpt} does not load: {e.problem} -- fix: restore "
-                                     "it from git, or rebuild it as registry/checkpoints/README.md says")
+                report.errors.append(
+                    f"embedded checkpoint {ckpt} does not load: {e.problem} -- fix: "
+                    f"{restore_command(ckpt, _build_command(entry))}"
+                )
         else:
-            fp8 = entry.quant.value == "fp8"
-            how = "python -m runners.quantize --fp8" if fp8 else "python -m runners.tiny"
-            report.notes.append(f"embedded checkpoint {ckpt} not built yet ({how}; "
-                                "registry/checkpoints/README.md)")
+            report.errors.append(
+                f"embedded checkpoint {ckpt} does not exist (an embedded entry ships its "
+                f"checkpoint) -- fix: {restore_command(ckpt, _build_command(entry))}"
+            )
     report.errors += baseline_problems(report.resolved)
     return report
+
+
+def _build_command(entry) -> str:
+    """The command that writes an embedded entry's checkpoint (registry/checkpoints/README.md)."""
+    return "python -m runners.quantize --fp8" if entry.quant.value == "fp8" else "python -m runners.tiny"
+
+
+def restore_command(ckpt: Path, build: str = "python -m runners.tiny") -> str:
+    """The command that builds an embedded checkpoint folder: `git checkout` of the shipped files when the
+    repository tracks them (the trained tiny weights are data, restored bit for bit), else the command that
+    writes it (`build`, see registry/checkpoints/README.md) and what to add."""
+    rel = ckpt.relative_to(REPO_ROOT) if ckpt.is_relative_to(REPO_ROOT) else ckpt
+    try:
+        tracked = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "ls-files", "--", str(rel)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        tracked = ""
+    if tracked:
+        return f"git -C {REPO_ROOT} checkout HEAD -- {rel}"
+    return (
+        f"build it with {build} (registry/checkpoints/README.md) and add the folder {rel}/ to the change, "
+        "or set embedded: false and point checkpoint at a folder under models_root"
+    )
 
 
 def baseline_problems(rr: ResolvedRun) -> list[str]:
@@ -94,13 +125,21 @@ def baseline_problems(rr: ResolvedRun) -> list[str]:
         return []
     problems = []
     try:
-        find_gsm8k_reference(entry.baseline, entry.dtype.value, entry.quant.value, entry.kv_cache_quant.value,
-                             rr.spec_dec)
+        find_gsm8k_reference(
+            entry.baseline,
+            entry.dtype.value,
+            entry.quant.value,
+            entry.kv_cache_quant.value,
+            rr.spec_dec,
+            state=rr.baseline_state,
+        )
     except BaselineError as e:
         problems.append(_line(e))
     if rr.draft_len > 0:
         try:
-            find_acceptance_reference(entry.baseline, entry.quant.value, rr.draft_len)
+            find_acceptance_reference(
+                entry.baseline, entry.quant.value, rr.draft_len, state=rr.baseline_state
+            )
         except BaselineError as e:
             problems.append(_line(e))
     return problems
