@@ -10,7 +10,7 @@ This module loads and validates those files and finds the row that applies to a 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,17 @@ _ALIASES = {
     "no": "none",
 }
 
+# Columns about the recurrent state a row holds for, beyond the matching columns: the value a run must have
+# for the row to apply. A row may list several values (`ssm_state_dtype: [float32, bfloat16]`) or omit the
+# column (then only the default applies: rows are float32-state references unless they say otherwise). A
+# future state setting (e.g. stochastic rounding of a 16-bit state) is one more entry here and in
+# registry.resolve.ResolvedRun.baseline_state.
+STATE_COLUMNS: dict[str, tuple[tuple[str, ...], str]] = {
+    "ssm_state_dtype": (DTYPES, "float32"),
+}
+
 _GSM8K_ROW_KEYS = {
+    *STATE_COLUMNS,
     "dtype",
     "quant",
     "kv_cache_quant",
@@ -60,7 +70,8 @@ _GSM8K_ROW_KEYS = {
     "note",
 }
 _GSM8K_MODEL_KEYS = {"description", "source", "metric", "rows"}
-_ACC_ROW_KEYS = {"quant", "draft_len", "measured", "acceptance_rate_floor", "acceptance_length", "note"}
+_ACC_ROW_KEYS = {"quant", "draft_len", "measured", "acceptance_rate_floor", "acceptance_length", "note",
+                 *STATE_COLUMNS}
 _ACC_LENGTH_KEYS = {"reference", "floor", "rel_tolerance"}
 _ACC_ENTRY_KEYS = {"description", "rows"}
 
@@ -83,6 +94,46 @@ def normalize(value: Any, allowed: tuple[str, ...], what: str) -> str:
             f"use one of {list(allowed)} (aliases: bf16, fp16, fp32; null means none)",
         )
     return text
+
+
+def _state_columns(row: dict, where: str) -> dict[str, tuple[str, ...]]:
+    """The STATE_COLUMNS of a row: {column: the values it holds for} (the default when the row omits it)."""
+    out = {}
+    for col, (allowed, default) in STATE_COLUMNS.items():
+        raw = row.get(col, default)
+        values = raw if isinstance(raw, list) else [raw]
+        if not values:
+            raise BaselineError(
+                f"{where}.{col} is an empty list", f"list the values of {col} the row holds for"
+            )
+        try:
+            out[col] = tuple(sorted({normalize(v, allowed, f"{where}.{col}") for v in values}))
+        except BaselineError as e:
+            raise BaselineError(e.problem, f"allowed values of {col} are {list(allowed)}") from None
+    return out
+
+
+def normalize_state(state: dict[str, Any] | None) -> dict[str, str]:
+    """A run's state settings (e.g. {"ssm_state_dtype": "bfloat16"}) normalised, defaults filled in.
+
+    Raises BaselineError for an unknown column or value."""
+    state = dict(state or {})
+    unknown = sorted(set(state) - set(STATE_COLUMNS))
+    if unknown:
+        raise BaselineError(f"unknown state column(s) {unknown}", f"known: {sorted(STATE_COLUMNS)}")
+    return {
+        col: normalize(state.get(col, default), allowed, col)
+        for col, (allowed, default) in STATE_COLUMNS.items()
+    }
+
+
+def _describe_state(state: dict[str, tuple[str, ...]]) -> str:
+    """ " ssm_state_dtype=float32" (values a row holds for joined by |)."""
+    return "".join(f" {col}={'|'.join(v)}" for col, v in state.items())
+
+
+def _state_matches(row_state: dict[str, tuple[str, ...]], run_state: dict[str, str]) -> bool:
+    return all(run_state[col] in values for col, values in row_state.items())
 
 
 @dataclass(frozen=True)
@@ -108,6 +159,8 @@ class GSM8KReference:
     beta: float | None = None
     source: str = ""
     note: str = ""
+    # STATE_COLUMNS: the values the row holds for (default: a float32 SSM state only)
+    state: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"ssm_state_dtype": ("float32",)})
 
     @property
     def match_key(self) -> tuple[str, str, str, str]:
@@ -117,11 +170,14 @@ class GSM8KReference:
         value = f"{self.accuracy:.2f}" if self.measured else "not measured"
         return (
             f"dtype={self.dtype} quant={self.quant} kv_cache_quant={self.kv_cache_quant} "
-            f"spec_dec={self.spec_dec}: {value}"
+            f"spec_dec={self.spec_dec}{_describe_state(self.state)}: {value}"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready (state values as lists, as they read back)."""
+        d = asdict(self)
+        d["state"] = {col: list(values) for col, values in self.state.items()}
+        return d
 
 
 @dataclass(frozen=True)
@@ -140,17 +196,22 @@ class AcceptanceReference:
     acceptance_length_reference: float | None = None
     acceptance_length_floor: float | None = None
     note: str = ""
+    state: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"ssm_state_dtype": ("float32",)})
 
     def describe(self) -> str:
+        where = f"quant={self.quant} draft_len={self.draft_len}{_describe_state(self.state)}"
         if not self.measured:
-            return f"quant={self.quant} draft_len={self.draft_len}: not measured"
+            return f"{where}: not measured"
         return (
-            f"quant={self.quant} draft_len={self.draft_len}: rate floor {self.acceptance_rate_floor}, "
+            f"{where}: rate floor {self.acceptance_rate_floor}, "
             f"length ref {self.acceptance_length_reference} floor {self.acceptance_length_floor}"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready (state values as lists, as they read back)."""
+        d = asdict(self)
+        d["state"] = {col: list(values) for col, values in self.state.items()}
+        return d
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -240,7 +301,7 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
         if not isinstance(rows, list) or not rows:
             raise BaselineError(f"{where}.rows must be a non-empty list", "add at least one row")
         refs: list[GSM8KReference] = []
-        seen: dict[tuple, int] = {}
+        seen: dict[tuple, list[tuple[int, GSM8KReference]]] = {}
         for i, row in enumerate(rows):
             rw = f"{where}.rows[{i}]"
             _check_keys(row, _GSM8K_ROW_KEYS, rw, required=("dtype", "quant", "kv_cache_quant", "spec_dec"))
@@ -286,14 +347,17 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
                 else None,
                 source=str(block.get("source", "")).strip(),
                 note=str(row.get("note", "")),
+                state=_state_columns(row, rw),
             )
-            if ref.match_key in seen:
-                raise BaselineError(
-                    f"{rw} repeats the (dtype, quant, kv_cache_quant, spec_dec) of "
-                    f"rows[{seen[ref.match_key]}]: {ref.match_key}",
-                    "keep one row per combination",
-                )
-            seen[ref.match_key] = i
+            for j, other in seen.get(ref.match_key, []):
+                if all(set(a) & set(b) for a, b in zip(ref.state.values(), other.state.values())):
+                    raise BaselineError(
+                        f"{rw} repeats the (dtype, quant, kv_cache_quant, spec_dec"
+                        f"{''.join(', ' + c for c in STATE_COLUMNS)}) of rows[{j}]: {ref.match_key}"
+                        f"{_describe_state(ref.state)}",
+                        "keep one row per combination",
+                    )
+            seen.setdefault(ref.match_key, []).append((i, ref))
             refs.append(ref)
         out[str(model)] = refs
     return out
@@ -328,7 +392,7 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
         if not isinstance(rows, list) or not rows:
             raise BaselineError(f"{where}.rows must be a non-empty list", "add a row or remove the entry")
         refs: list[AcceptanceReference] = []
-        seen: dict[tuple, int] = {}
+        seen: dict[tuple, list[tuple[int, AcceptanceReference]]] = {}
         for i, row in enumerate(rows):
             rw = f"{where}.rows[{i}]"
             _check_keys(row, _ACC_ROW_KEYS, rw, required=("quant", "draft_len"))
@@ -385,14 +449,17 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
                 acceptance_length_reference=length_ref,
                 acceptance_length_floor=length_floor,
                 note=str(row.get("note", "")),
+                state=_state_columns(row, rw),
             )
             key = (quant, k)
-            if key in seen:
-                raise BaselineError(
-                    f"{rw} repeats the (quant, draft_len) of rows[{seen[key]}]: {key}",
-                    "keep one row per combination",
-                )
-            seen[key] = i
+            for j, other in seen.get(key, []):
+                if all(set(a) & set(b) for a, b in zip(ref.state.values(), other.state.values())):
+                    raise BaselineError(
+                        f"{rw} repeats the (quant, draft_len{''.join(', ' + c for c in STATE_COLUMNS)}) of "
+                        f"rows[{j}]: {key}{_describe_state(ref.state)}",
+                        "keep one row per combination",
+                    )
+            seen.setdefault(key, []).append((i, ref))
             refs.append(ref)
         out[str(entry)] = refs
     return out
@@ -405,9 +472,18 @@ _NO_REF_FIX = (
 
 
 def find_gsm8k_reference(
-    key: str, dtype: Any, quant: Any, kv_cache_quant: Any, spec_dec: Any, *, path: str | Path | None = None
+    key: str,
+    dtype: Any,
+    quant: Any,
+    kv_cache_quant: Any,
+    spec_dec: Any,
+    *,
+    state: dict[str, Any] | None = None,
+    path: str | Path | None = None,
 ) -> GSM8KReference:
-    """The gsm8k.yaml row of model `key` matching (dtype, quant, kv_cache_quant, spec_dec) exactly.
+    """The gsm8k.yaml row of model `key` matching (dtype, quant, kv_cache_quant, spec_dec) exactly and
+    holding for the run's `state` (STATE_COLUMNS, e.g. {"ssm_state_dtype": "bfloat16"}; None / omitted
+    columns: their defaults, a float32 SSM state).
 
     Values are normalised first (case, bf16 -> bfloat16, None -> "none"). A returned row may be a placeholder
     (`measured` False): the caller reports "no reference yet" for it.
@@ -429,21 +505,29 @@ def find_gsm8k_reference(
             f"no GSM8K baselines for model key {key!r} in {path}; known keys: {sorted(models)}",
             _NO_REF_FIX.format(file=path),
         )
+    run_state = normalize_state(state)
     for ref in models[key]:
-        if ref.match_key == wanted:
+        if ref.match_key == wanted and _state_matches(ref.state, run_state):
             return ref
     rows = "\n".join(f"    {r.describe()}" for r in models[key])
+    state_text = "".join(f" {c}={v}" for c, v in run_state.items())
     raise BaselineError(
         f"no GSM8K reference for {key!r} with dtype={wanted[0]} quant={wanted[1]} kv_cache_quant={wanted[2]} "
-        f"spec_dec={wanted[3]} in {path}; its rows are:\n{rows}",
+        f"spec_dec={wanted[3]}{state_text} in {path}; its rows are:\n{rows}",
         _NO_REF_FIX.format(file=path),
     )
 
 
 def find_acceptance_reference(
-    key: str, quant: Any, draft_len: int, *, path: str | Path | None = None
+    key: str,
+    quant: Any,
+    draft_len: int,
+    *,
+    state: dict[str, Any] | None = None,
+    path: str | Path | None = None,
 ) -> AcceptanceReference:
-    """The acceptance.yaml row of model key `key` (a registry entry's `baseline`) at (quant, draft_len).
+    """The acceptance.yaml row of model key `key` (a registry entry's `baseline`) at (quant, draft_len),
+    holding for the run's `state` (as in find_gsm8k_reference).
 
     Raises:
         BaselineError: unknown model key (lists the known ones) or no row at that quant / draft length
@@ -459,12 +543,14 @@ def find_acceptance_reference(
             f"known keys: {sorted(entries)}",
             _NO_REF_FIX.format(file=path),
         )
+    run_state = normalize_state(state)
     for ref in entries[entry]:
-        if ref.quant == q and ref.draft_len == draft_len:
+        if ref.quant == q and ref.draft_len == draft_len and _state_matches(ref.state, run_state):
             return ref
     rows = "\n".join(f"    {r.describe()}" for r in entries[entry])
+    state_text = "".join(f" {c}={v}" for c, v in run_state.items())
     raise BaselineError(
-        f"no acceptance reference for {entry!r} at quant={q} draft_len={draft_len} in {path}; "
+        f"no acceptance reference for {entry!r} at quant={q} draft_len={draft_len}{state_text} in {path}; "
         f"its rows are:\n{rows}",
         _NO_REF_FIX.format(file=path),
     )

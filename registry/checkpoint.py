@@ -9,7 +9,9 @@ Tensor names are read from the safetensors headers (safe_open with numpy: no tor
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -141,3 +143,49 @@ def check_tokenizer(path: str | Path) -> None:
             f"{path} cannot be loaded by the tokenizers library: {e}",
             "restore the checkpoint's tokenizer.json (or point model.checkpoint at a complete one)",
         ) from None
+
+
+def _sha256_file(path: Path) -> str | None:
+    """sha256 of a small file's bytes; None when the file does not exist."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def safetensors_header(file: Path) -> bytes:
+    """The raw header of a safetensors file: its 8-byte little-endian length and the JSON it announces
+    (tensor names, dtypes, shapes and byte offsets; the format's own layout, huggingface/safetensors)."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return head
+        (n,) = struct.unpack("<Q", head)
+        return head + f.read(min(n, 100 << 20))
+
+
+def checkpoint_fingerprint(path: str | Path) -> dict[str, str | None]:
+    """What identifies a checkpoint's contents without reading its tensors (the resume fingerprint):
+
+    - ``weights_sha256``: sha256 over the index file (when sharded) and, per weight file in name order, its
+      name, size, modification time (ns) and safetensors header. Any rewrite of a weight file -- new bytes
+      behind the same header included -- changes its size or mtime; a copy elsewhere changes the path,
+      which the run's fingerprint holds separately.
+    - ``config_sha256``, ``generation_config_sha256``, ``tokenizer_sha256``: sha256 of those files (None
+      when absent).
+
+    Raises CheckpointError for the layout problems of safetensors_index.
+    """
+    path = Path(path)
+    files = safetensors_index(path)
+    weight_files = sorted(set(files.values())) if files is not None else [path / WEIGHTS_FILE]
+    h = hashlib.sha256()
+    if files is not None:
+        h.update((path / INDEX_FILE).read_bytes())
+    for f in weight_files:
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(safetensors_header(f))
+    return {
+        "weights_sha256": h.hexdigest(),
+        "config_sha256": _sha256_file(path / CONFIG_FILE),
+        "generation_config_sha256": _sha256_file(path / GENERATION_CONFIG_FILE),
+        "tokenizer_sha256": _sha256_file(path / TOKENIZER_FILE),
+    }

@@ -75,7 +75,7 @@ def test_unmatched_row_lists_rows_and_fix():
         find_gsm8k_reference("super_v3", "bfloat16", "nvfp4", "none", "mtp")
     msg = str(err.value)
     assert "kv_cache_quant=none" in msg and "spec_dec=mtp" in msg
-    assert "quant=nvfp4 kv_cache_quant=fp8 spec_dec=mtp: 80.85" in msg  # the available rows
+    assert "quant=nvfp4 kv_cache_quant=fp8 spec_dec=mtp ssm_state_dtype=float32: 80.85" in msg  # the rows
     assert "verdict.require_reference=false" in err.value.fix
 
 
