@@ -25,6 +25,7 @@ from scipy.stats import binomtest
 
 from evals.gsm8k import SAMPLES_FILE
 from evals.lm_adapter import GENERATIONS_FILE
+from evals.outdir import write_atomic
 from evals.results import RESULTS_FILE
 from evals.verdict import FAIL, NO_REFERENCE, PASS, Check
 
@@ -371,7 +372,8 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
     exact=True (two arms that must emit identical tokens, e.g. SSM replay vs rewind in float32): per filter,
     "comparison.<filter>.flipped" passes only with 0 samples flipped either way (a_only + b_only); and
     "comparison.diverged" passes only when no sample's generated tokens differ (needs token ids; a
-    "no_reference" check without them).
+    "no_reference" check without them); and "comparison.acceptance" (when both arms have acceptance data)
+    passes only when their num_accepted_tokens histograms are equal (the same states give the same drafts).
     exact=False (arms that may differ by rounding, or two nights): per filter,
     "comparison.<filter>.mcnemar_p" passes when the exact McNemar p-value is >= alpha (no significant
     accuracy difference); flipped counts are reported in the note.
@@ -402,7 +404,46 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
             status = PASS if div.num_diverged == 0 else FAIL
             checks.append(Check("comparison.diverged", float(div.num_diverged), 0.0, 0.0, status, "samples",
                                 note, {"min_first_divergence": div.min_first_divergence}))
+        acc = comparison.acceptance
+        if acc is not None:
+            # the same committed states give the same drafts: equal acceptance, request-step by request-step
+            same = acc.num_accepted_hist_a == acc.num_accepted_hist_b
+            delta = abs(acc.rate_delta) if acc.rate_delta is not None else 0.0
+            checks.append(Check(
+                "comparison.acceptance", delta, 0.0, 0.0, PASS if same else FAIL, "fraction",
+                f"acceptance rate {_pct(acc.rate_a)} in {comparison.label_a}, {_pct(acc.rate_b)} in "
+                f"{comparison.label_b}; pass if the num_accepted_tokens histograms are equal",
+                {"num_accepted_hist_a": acc.num_accepted_hist_a,
+                 "num_accepted_hist_b": acc.num_accepted_hist_b}))
     return checks
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def divergence_line(div: DivergenceSummary) -> str:
+    """`tokens: 1319 of 1319 identical, no divergence` (or where the first one is)."""
+    where = (
+        "no divergence"
+        if div.min_first_divergence is None
+        else f"first divergence at token {div.min_first_divergence}"
+    )
+    return f"tokens: {div.num_identical} of {div.n} identical, {where}"
+
+
+def acceptance_line(acc: AcceptanceDiff, label_a: str, label_b: str) -> str:
+    """`acceptance: rate 53.87% -> 53.87% (+0.00 points), length 2.62 -> 2.62 (+0.000)`."""
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    rate_d = "" if acc.rate_delta is None else f" ({100 * acc.rate_delta:+.2f} points)"
+    len_d = "" if acc.length_delta is None else f" ({acc.length_delta:+.3f})"
+    return (
+        f"acceptance ({label_a} -> {label_b}): rate {_pct(acc.rate_a)} -> {_pct(acc.rate_b)}{rate_d}, "
+        f"length {num(acc.length_a, '.3f')} -> {num(acc.length_b, '.3f')}{len_d}"
+    )
 
 
 def compare_arms(out_dir: Path, rewind_verdict: dict[str, Any], *, exact: bool) -> tuple[dict[str, Any],
@@ -417,7 +458,7 @@ def compare_arms(out_dir: Path, rewind_verdict: dict[str, Any], *, exact: bool) 
     comparison = compare_run_dirs(out_dir / COMPARE_ARMS[0], out_dir / COMPARE_ARMS[1])
     checks = comparison_checks(comparison, exact=exact)
     section = {**comparison.to_dict(), "exact": exact, "checks": [c.to_dict() for c in checks]}
-    (out_dir / COMPARISON_FILE).write_text(json.dumps(section, indent=2))
+    write_atomic(out_dir / COMPARISON_FILE, json.dumps(section, indent=2) + "\n")
     rewind_checks = [
         Check(**{**{k: v for k, v in c.items() if k != "passed"}, "name": f"{COMPARE_ARMS[0]}.{c['name']}"})
         for c in rewind_verdict["checks"]
@@ -453,13 +494,16 @@ def main(argv: list[str] | None = None) -> int:
     checks = comparison_checks(comparison, exact=args.exact)
     data = {**comparison.to_dict(), "exact": args.exact, "checks": [c.to_dict() for c in checks]}
     if args.out is not None:
-        args.out.write_text(json.dumps(data, indent=2))
+        write_atomic(args.out, json.dumps(data, indent=2) + "\n")
     for f in comparison.filters.values():
-        print(f"{f.filter}: {f.accuracy_a:.2f}% -> {f.accuracy_b:.2f}% ({f.delta:+.2f}), "
-              f"flipped {f.a_only} / {f.b_only}, McNemar p = {f.mcnemar_p:.4g}")
+        print(
+            f"{f.filter}: {f.accuracy_a:.2f}% -> {f.accuracy_b:.2f}% ({f.delta:+.2f}), "
+            f"flipped {f.a_only} / {f.b_only}, McNemar p = {f.mcnemar_p:.4g}"
+        )
     if comparison.divergence is not None:
-        d = comparison.divergence
-        print(f"tokens: {d.num_identical} of {d.n} identical, first divergence at {d.min_first_divergence}")
+        print(divergence_line(comparison.divergence))
+    if comparison.acceptance is not None:
+        print(acceptance_line(comparison.acceptance, comparison.label_a, comparison.label_b))
     for c in checks:
         print(f"{c.name}: {c.status}")
     return 1 if any(c.status == FAIL for c in checks) else 0

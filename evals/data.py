@@ -9,6 +9,7 @@ task loader of evals/tasks/ import it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -44,9 +45,11 @@ class GSM8KDataError(UserError):
 
 def gsm8k_files(configured: str | os.PathLike | None = None, *, setting: str = "eval.data_dir"
                 ) -> Path | None:
-    """The folder of gsm8k_dir's lookup, checked to hold both splits; None when there is none (the hub).
+    """The folder of gsm8k_dir's lookup, checked to hold both splits, each line of them a row
+    (check_gsm8k_file); None when there is none (the hub).
 
-    Raises GSM8KDataError naming the folder, where it came from and the missing file.
+    Raises GSM8KDataError naming the folder, where it came from and the missing file, or the file and line
+    of a malformed row.
     """
     path, origin = gsm8k_dir(configured, setting=setting)
     if path is None:
@@ -60,4 +63,39 @@ def gsm8k_files(configured: str | os.PathLike | None = None, *, setting: str = "
         raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) lacks {', '.join(missing)}",
                              "GSM8K needs both splits as JSONL rows {\"question\", \"answer\"} (few-shot "
                              "examples come from train); point it at a full copy, e.g. ../shared/data/gsm8k")
+    for split in SPLITS:
+        check_gsm8k_file(path / f"{split}.jsonl")
     return path
+
+
+ROW_KEYS = ("question", "answer")
+_CHECKED: dict[tuple[str, int, int], None] = {}  # (file, size, mtime_ns) of files that passed
+
+
+def check_gsm8k_file(file: Path) -> None:
+    """Every line of a GSM8K JSONL file must be a JSON object with non-empty string "question" and "answer"
+    (blank lines aside); otherwise the datasets library fails deep inside lm-eval, or a row without an answer
+    is scored against the string 'None'. Raises GSM8KDataError naming the file and the line number. A file
+    that passed is not read again while its size and mtime stay the same."""
+    st = file.stat()
+    key = (str(file), st.st_size, st.st_mtime_ns)
+    if key in _CHECKED:
+        return
+    fix = ("each line must be one JSON object with string fields \"question\" and \"answer\" (the answer "
+           "ending in '#### <number>'); fix or remove that line, or restore the file from a full GSM8K copy")
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GSM8KDataError(f"{file}:{lineno}: not valid JSON ({e.msg} at column {e.colno})",
+                                     fix) from None
+            if not isinstance(row, dict):
+                raise GSM8KDataError(f"{file}:{lineno}: a JSON {type(row).__name__}, not an object", fix)
+            bad = [k for k in ROW_KEYS if not isinstance(row.get(k), str) or not row[k].strip()]
+            if bad:
+                what = ", ".join(f"\"{k}\" is {'missing' if k not in row else repr(row[k])}" for k in bad)
+                raise GSM8KDataError(f"{file}:{lineno}: {what}", fix)
+    _CHECKED[key] = None

@@ -23,12 +23,14 @@ from typing import Any
 
 import lm_eval
 import lm_eval.tasks
+from lm_eval.api.metrics import mean_stderr
 from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer
 
 from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
+from evals.outdir import write_atomic
 from runners.engine import GenerationStats
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class GSM8KResult:
     num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
     task: {"task", "version", "num_fewshot", "fewshot_seed", "limit", "max_gen_toks", "lm_eval_version",
         "data_source"} as actually run.
+    outputs: `output_health` of the scored samples (degenerate generations), plus each filter's standard
+        error under "stderr".
     """
 
     scores: dict[str, float | int]
@@ -74,6 +78,7 @@ class GSM8KResult:
     num_resumed: int
     num_generated: int
     task: dict[str, Any]
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_gsm8k_task(data_dir: Path | None) -> tuple[Task, TaskManager, str]:
@@ -139,6 +144,8 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     sums as timing_prompt_tokens / timing_generated_tokens (for throughput), wall_seconds and num_parts; and
     timing_scope says they cover every call of out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
+    nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`,
+    runners.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
     """
     with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
     counters = sum((GenerationStats.from_dict(s) for s in with_stats), GenerationStats())
@@ -152,7 +159,37 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     out["timing_generated_tokens"] = timing.generated_tokens
     out["timing_scope"] = TIMING_SCOPE
     out["requests_without_stats"] = len(records) - len(with_stats)
+    # model outputs that held NaN / infinite values in any generate call of out_dir, in forward order
+    # (None when a part predates the flags: unknown, not "none")
+    out["nonfinite"] = (list(dict.fromkeys(name for p in parts for name in p["nonfinite"]))
+                        if all(isinstance(p.get("nonfinite"), list) for p in parts) else None)
     return out
+
+
+INVALID_ANSWER = "[invalid]"  # what lm-eval's gsm8k filters extract when they find no answer
+# A generation "repeats one token" when it has at least this many ids (a stop token excluded), all the same.
+REPEAT_MIN_TOKENS = 4
+
+
+def repeats_one_token(ids: list[int], stop_ids: set[int] | frozenset[int] = frozenset()) -> bool:
+    """True when `ids` (a stop token at the end excluded) are REPEAT_MIN_TOKENS or more copies of one id."""
+    body = ids[:-1] if ids and ids[-1] in stop_ids else ids
+    return len(body) >= REPEAT_MIN_TOKENS and len(set(body)) == 1
+
+
+def output_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of degenerate generations among scored samples (samples.jsonl records), for the verdict's
+    health checks (evals.verdict.check_outputs): `n`; `empty` (no text before the first stop string, blanks
+    aside); `repeated_token` (the generation is one token id repeated, see repeats_one_token); `no_answer`
+    (flexible-extract, the lenient filter, found no number). A model that generates nothing, one token
+    forever, or never an answer is broken, whatever its GSM8K score at a small n says."""
+    return {
+        "n": len(samples),
+        "empty": sum(s["empty_output"] for s in samples),
+        "repeated_token": sum(s["repeats_one_token"] for s in samples),
+        "no_answer": sum(s["extracted"].get("flexible_extract", INVALID_ANSWER) == INVALID_ANSWER
+                         for s in samples),
+    }
 
 
 def _target_answer(target: str) -> str:
@@ -160,13 +197,7 @@ def _target_answer(target: str) -> str:
 
 
 def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
@@ -197,7 +228,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
     at the first stop string), "extracted": {"strict_match", "flexible_extract"} (each filter's answer,
     "[invalid]" when it finds none), "correct": {"strict_match": bool, "flexible_extract": bool},
-    "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string"}.
+    "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string",
+    "empty_output" (no text before the stop string), "repeats_one_token" (see `repeats_one_token`)}.
 
     Returns GSM8KResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
     (lm-eval's task is not gsm8k v3.0 as configured). Mutates nothing but out_dir.
@@ -245,6 +277,9 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         if not math.isclose(mean, scores[ours], abs_tol=1e-12):
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
     _write_jsonl_atomic(samples_path, samples)
+    outputs = output_health(samples)
+    outputs["stderr"] = {ours: float(mean_stderr([float(s["correct"][ours]) for s in samples])) if n > 1
+                         else None for ours in FILTERS}
 
     # lm.records: one record per distinct request of this evaluation (exactly the current limit's requests)
     stats = scored_stats(list(lm.records.values()), store.stats_parts)
@@ -258,6 +293,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         task={"task": TASK_NAME, "version": results["versions"][TASK_NAME], "num_fewshot": num_fewshot,
               "fewshot_seed": FEWSHOT_SEED, "limit": limit, "max_gen_toks": max_gen_toks,
               "lm_eval_version": lm_eval.__version__, "data_source": source},
+        outputs=outputs,
     )
 
 
@@ -285,6 +321,8 @@ def _sample_records(logged: list[dict[str, Any]], lm: EngineLM) -> list[dict[str
                 "num_generated_tokens": gen["num_generated_tokens"],
                 "finish_reason": gen["finish_reason"],
                 "stop_string": gen["stop_string"],
+                "empty_output": not gen["text"].strip(),
+                "repeats_one_token": repeats_one_token(gen["generated_ids"], set(lm.stop_token_ids)),
             }
         rec = by_doc[doc_id]
         (extracted,) = s["filtered_resps"]

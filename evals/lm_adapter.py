@@ -33,6 +33,7 @@ from lm_eval.utils import simple_parse_args_string
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from evals.outdir import write_atomic
 from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
 from registry.errors import UserError
 
@@ -84,7 +85,10 @@ def request_key(prompt: str, settings: GenerationSettings) -> str:
 
 
 # fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
-_FINGERPRINT_KEYS_ADDED = frozenset({"ssm_backend", "ssm_replay_checkpointing"})
+_FINGERPRINT_KEYS_ADDED = frozenset({
+    "ssm_backend", "ssm_replay_checkpointing", "weights_sha256", "config_sha256", "generation_config_sha256",
+    "tokenizer_sha256", "max_seq_len", "num_threads",
+})
 
 
 def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> None:
@@ -138,8 +142,9 @@ class GenerationStore:
     "engine_finish_reason", "stop_string", "text", "request_stats"}`; `request_stats` is the engine's
     per-request counter dict passed to `on_finish` (request_steps, drafted_tokens, accepted_drafts,
     accepted_per_position, num_accepted_hist, generated_tokens, prompt_tokens) or null when the engine gave
-    none. A sibling file `<stem>.stats.jsonl` gets one line per
-    `engine.generate` call that returned: `{"wall_seconds", "num_requests", "engine_stats"}`.
+    none. A sibling file `<stem>.stats.jsonl` gets one line per `engine.generate` call that returned:
+    `{"wall_seconds", "num_requests", "engine_stats", "nonfinite"}` (`nonfinite`: the model outputs that held
+    NaN / infinite values in that call, `runners.engine.GenerationOutput.nonfinite`).
 
     `<stem>.meta.json` holds `run_meta` (what must match for stored generations to be reused, e.g. the
     engine's config and options; JSON-serialisable).
@@ -166,7 +171,7 @@ class GenerationStore:
                     f"cannot resume from {self.path}: it was written by a different run (differs in {diff}: "
                     f"stored {[stored.get(k) for k in diff]}, now {[run_meta.get(k) for k in diff]}); "
                     "resume with the same engine settings, or use resume=False or another out_dir")
-        self.meta_path.write_text(json.dumps(run_meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        write_atomic(self.meta_path, json.dumps(run_meta, indent=1, sort_keys=True) + "\n")
         if not resume:
             for p in (self.path, self.stats_path):
                 p.write_text("", encoding="utf-8")
@@ -255,8 +260,8 @@ class EngineLM(LM):
 
     After `generate_until`, `self.records` maps each request key of the call to its generation record
     (see `GenerationStore`), `self.num_resumed` / `self.num_generated` count reused / new requests and
-    `self.stats_parts` holds the call's `{"wall_seconds", "num_requests", "engine_stats"}` (empty when
-    nothing had to be generated).
+    `self.stats_parts` holds the call's `{"wall_seconds", "num_requests", "engine_stats", "nonfinite"}`
+    (empty when nothing had to be generated).
     """
 
     def __init__(self, engine: Any, tokenizer: Tokenizer | str | Path, *,
@@ -498,7 +503,8 @@ class EngineLM(LM):
             if p.key not in self.records:  # the engine skipped on_finish for it: use the return value
                 logger.warning("engine did not call on_finish for request %d; recording its output", i)
                 on_finish(i, tokens[i], reasons[i])
-        part = {"wall_seconds": wall, "num_requests": len(pending), "engine_stats": out.stats.to_dict()}
+        part = {"wall_seconds": wall, "num_requests": len(pending), "engine_stats": out.stats.to_dict(),
+                "nonfinite": list(getattr(out, "nonfinite", None) or [])}
         self.stats_parts.append(part)
         if self.store is not None:
             self.store.add_stats(part)

@@ -9,6 +9,7 @@ thread or process without a display.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from evals.outdir import write_atomic
 from evals.results import RESULTS_SCHEMA_VERSION
+from evals.verdict import headline
 
 SUMMARY_NAME = "summary.md"
 PLOT_ACCURACY = "gsm8k_accuracy.png"
@@ -81,16 +84,49 @@ def _acceptance_arms(results: Mapping[str, Any]) -> list[tuple[str, Mapping[str,
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return write_atomic(path, buf.getvalue())
+
+
+def plot_title(results: Mapping[str, Any], what: str) -> str:
+    """A plot's title: what it shows, then the run it belongs to -- entry, replay setting (or the compared
+    arms), draft length K and the run's date (environment.timestamp_utc)."""
+    c = results.get("config") or {}
+    comparison = results.get("comparison")
+    if comparison:
+        replay = f"{comparison.get('label_a', 'a')} vs {comparison.get('label_b', 'b')}"
+    else:
+        replay = f"ssm_replay={str(c.get('ssm_replay')).lower()}"
+    when = str((results.get("environment") or {}).get("timestamp_utc") or "")[:10] or "date unknown"
+    return f"{what}\n{results.get('entry', '?')}, {replay}, K={c.get('draft_len', '?')}, {when}"
+
+
+def _acceptance_floors(results: Mapping[str, Any]) -> dict[str, float]:
+    """{"rate": floor, "length": floor} of the verdict's acceptance checks that had a reference."""
+    out = {}
+    for check in (results.get("verdict") or {}).get("checks", []):
+        if (
+            check.get("name") in ("acceptance.rate", "acceptance.length")
+            and check.get("threshold") is not None
+        ):
+            out[check["name"].split(".")[1]] = float(check["threshold"])
+    return out
 
 
 def _grouped_bars(ax, categories: list[str], arms: list[tuple[str, list[float]]]) -> None:
     width = 0.8 / max(len(arms), 1)
     for j, (label, values) in enumerate(arms):
         xs = [i + (j - (len(arms) - 1) / 2) * width for i in range(len(values))]
-        bars = ax.bar(xs, values, width=width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        bars = ax.bar(xs, values, width=width, label=label, zorder=2)
+        # value labels on a white box above every reference / threshold line (zorder 3), so none hides them
+        ax.bar_label(
+            bars,
+            fmt="%.2f",
+            fontsize=7,
+            zorder=5,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
+        )
     ax.set_xticks(range(len(categories)), categories)
 
 
@@ -127,18 +163,36 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     if check is not None and check.get("reference") is not None:
         ref, thr = check["reference"], check["threshold"]
         metric = check.get("details", {}).get("metric", "")
-        ax.axhspan(thr, ref, color="tab:green", alpha=0.12)
-        ax.axhline(ref, color="tab:green", linestyle="-", label=f"reference {ref:.2f} ({metric})")
-        ax.axhline(thr, color="tab:red", linestyle="--", label=f"pass threshold {thr:.2f}")
+        ax.axhspan(
+            thr,
+            ref,
+            color="tab:green",
+            alpha=0.12,
+            zorder=1,
+            label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = "
+            f"{gsm8k.get('n')})",
+        )
+        ax.axhline(ref, color="tab:green", linestyle="-", zorder=3, label=f"reference {ref:.2f} ({metric})")
+        cannot_fail = " (<= 0: cannot fail at this n)" if thr <= 0 else ""
         ax.axhline(
-            check["value"], color="black", linestyle=":", label=f"this run, {metric} {check['value']:.2f}"
+            thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}{cannot_fail}"
+        )
+        ax.axhline(
+            check["value"],
+            color="black",
+            linestyle=":",
+            zorder=3,
+            label=f"this run, {metric} {check['value']:.2f}",
         )
         shown += [ref, thr]
-    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis).
-    ax.set_ylim(max(0.0, min(shown) - 10.0), min(100.0, max(shown) + 5.0))
+    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis); the axis
+    # goes below 0 when the threshold does, so the threshold line is always drawn.
+    lo, hi = min(shown), max(shown)
+    pad = max(2.0, 0.15 * (hi - lo))
+    ax.set_ylim(max(0.0, lo - 10.0) if lo >= 0 else lo - pad, min(100.0, hi + 5.0) if hi <= 100 else hi + pad)
     ax.set_ylabel("exact match (%)")
-    ax.set_title(f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    ax.set_title(plot_title(results, f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)"), fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     return _save(fig, Path(path))
 
 
@@ -156,10 +210,21 @@ def plot_acceptance_per_position(results: Mapping[str, Any], path: str | Path) -
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     _grouped_bars(ax, [str(i) for i in range(1, k + 1)], arms)
+    floor = _acceptance_floors(results).get("rate")
+    if floor is not None:
+        # the mean over positions is the acceptance rate (every request-step drafts K), so its floor is a
+        # line the positions' mean must reach
+        ax.axhline(
+            floor,
+            color="tab:red",
+            linestyle="--",
+            zorder=3,
+            label=f"acceptance-rate floor {floor:.2f} (mean over positions)",
+        )
     ax.set_xlabel("draft position i")
     ax.set_ylabel("acceptance (fraction of request-steps)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("MTP per-position acceptance")
+    ax.set_ylim(0, 1.1)
+    ax.set_title(plot_title(results, "MTP per-position acceptance"), fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, Path(path))
 
@@ -184,9 +249,19 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     _grouped_bars(ax, [str(i) for i in range(1, size)], arms)
+    floor = _acceptance_floors(results).get("length")
+    if floor is not None:
+        # bar i sits at x = i - 1 (i tokens): the floor of the mean length at its place on that axis
+        ax.axvline(
+            floor - 1,
+            color="tab:red",
+            linestyle="--",
+            zorder=3,
+            label=f"acceptance-length floor {floor:.2f} tokens (the mean must reach it)",
+        )
     ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
     ax.set_ylabel("fraction of request-steps")
-    ax.set_title("Accepted length")
+    ax.set_title(plot_title(results, "Accepted length"), fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, Path(path))
 
@@ -209,16 +284,25 @@ def format_console(results: Mapping[str, Any]) -> str:
     mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
     resumed = results.get("resumed") or {}
     ckpt = " (checkpointing)" if c.get("ssm_replay_checkpointing") else ""
+    comparison = results.get("comparison")
+    replay = "both arms (compare=replay)" if comparison else f"{c['ssm_replay']}{ckpt}"
     rows = [
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
-        ("ssm_replay / world_size", f"{c['ssm_replay']}{ckpt} / {c['world_size']}"),
-        ("ssm backend", _backend_note(c)),
+        ("ssm_replay / world_size", f"{replay} / {c['world_size']}"),
+        ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)}"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
-        ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
-        ("GSM8K flexible-extract", pct(g["flexible_extract"])),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
-        ("acceptance rate", pct(acc.get("rate"))),
-        ("acceptance length", num(acc.get("length"), " tokens/step")),
+    ]
+    if comparison:  # one column per arm, labelled the same way for both
+        rows += _arm_rows(comparison, g["n"])
+    else:
+        rows += [
+            ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
+            ("GSM8K flexible-extract", pct(g["flexible_extract"])),
+            ("acceptance rate", pct(acc.get("rate"))),
+            ("acceptance length", num(acc.get("length"), " tokens/step")),
+        ]
+    rows += [
         ("prefill", num(t["prefill_tokens_per_s"], " tok/s")),
         ("decode", num(t["decode_tokens_per_s"], " tok/s")),
         ("wall time", num(t["wall_seconds"], " s")),
@@ -235,12 +319,62 @@ def format_console(results: Mapping[str, Any]) -> str:
         rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
     verdict = results.get("verdict")
     if verdict:
-        word = {"pass": "PASS", "fail": "FAIL", "no_reference": "no reference yet"}[verdict["status"]]
-        rows.append(("verdict", word))
+        rows.append(("verdict", _headline(verdict)))
         for ch in verdict["checks"]:
             rows.append((f"  {ch['name']}", _format_check(ch)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _headline(verdict: Mapping[str, Any]) -> str:
+    """The verdict line: the saved headline, or (older results) one built from the checks."""
+    return verdict.get("headline") or headline(
+        verdict.get("status", "?"),
+        [(c.get("name", "?"), c.get("status", "?")) for c in verdict.get("checks", [])],
+    )
+
+
+def _state_dtype(config: Mapping[str, Any]) -> str:
+    dtype = config.get("ssm_state_dtype") or ((config.get("model") or {}).get("ssm") or {}).get("state_dtype")
+    return f"{dtype or '?'} state"
+
+
+def _arm_rows(comparison: Mapping[str, Any], n: int) -> list[tuple[str, str]]:
+    """Console rows of a comparison: each quantity once, with both arms' values under their labels."""
+    a, b = comparison.get("label_a", "a"), comparison.get("label_b", "b")
+    filters = comparison.get("filters") or {}
+    acc = comparison.get("acceptance") or {}
+
+    def pct(x: float | None, scale: float = 1.0) -> str:
+        return "-" if x is None else f"{scale * x:.2f}%"
+
+    def pair(x: str, y: str) -> str:
+        return f"{a} {x:>10}   {b} {y:>10}"
+
+    rows = [("arms", f"{a} (A, ssm_replay=false) vs {b} (B, ssm_replay=true), n={n} each")]
+    for key, label in (
+        ("strict_match", "GSM8K strict-match"),
+        ("flexible_extract", "GSM8K flexible-extract"),
+    ):
+        f = filters.get(key) or {}
+        rows.append((label, pair(pct(f.get("accuracy_a")), pct(f.get("accuracy_b")))))
+    rows.append(("acceptance rate", pair(pct(acc.get("rate_a"), 100), pct(acc.get("rate_b"), 100))))
+    la, lb = acc.get("length_a"), acc.get("length_b")
+    rows.append(
+        (
+            "acceptance length",
+            pair("-" if la is None else f"{la:.2f}", "-" if lb is None else f"{lb:.2f}") + " tokens/step",
+        )
+    )
+    div = comparison.get("divergence")
+    if div:
+        where = (
+            "no divergence"
+            if div.get("min_first_divergence") is None
+            else f"first divergence at token {div['min_first_divergence']}"
+        )
+        rows.append(("generated tokens", f"{div['num_identical']} of {div['n']} samples identical; {where}"))
+    return rows
 
 
 def _format_check(ch: Mapping[str, Any]) -> str:
@@ -285,7 +419,7 @@ def _fp8_note(report: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------- Markdown
 
 # Decimal places of a check's numbers by its unit (console and summary.md alike).
-_DIGITS = {"percent": 2, "samples": 0}
+_DIGITS = {"percent": 2, "samples": 0, "outputs": 0}
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -314,11 +448,7 @@ def _flatten(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
-    word = {"pass": "PASS", "fail": "FAIL", "no_reference": "NO REFERENCE"}.get(verdict.get("status"), "?")
-    lines = [
-        f"**Verdict: {word}**" + ("" if verdict.get("complete", True) else " (some checks had no reference)"),
-        "",
-    ]
+    lines = [f"**Verdict: {_headline(verdict)}**", ""]
     rows = []
     for c in verdict.get("checks", []):
         digits = _DIGITS.get(c.get("unit"), 4)
@@ -358,6 +488,24 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     if resumed.get("num_resumed"):
         out += [f"- resumed: {resumed['num_resumed']} samples read from generations.jsonl, "
                 f"{resumed['num_generated']} generated by the finishing run"]
+    env = results.get("environment") or {}
+    if env:
+        versions = ", ".join(
+            f"{k} {env[k]}"
+            for k in ("torch", "triton", "lm_eval", "flashinfer", "transformers")
+            if env.get(k)
+        )
+        out += [
+            f"- finished: {env.get('timestamp_utc')} (UTC) on {env.get('host')}, {env.get('device_name')}",
+            f"- software: Python {env.get('python')}, {versions}",
+        ]
+    c = results.get("config") or {}
+    if c:
+        out += [
+            f"- settings: dtype {c.get('dtype')}, SSM state {_state_dtype(c)}, draft length K = "
+            f"{c.get('draft_len')}, ssm_replay {str(c.get('ssm_replay')).lower()}, backend "
+            f"{c.get('ssm_backend')}"
+        ]
     out += [f"- results schema: {results['schema_version']}", ""]
 
     verdict = results.get("verdict")
@@ -367,12 +515,41 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     gsm8k = results.get("gsm8k")
     if gsm8k:
         out += ["## GSM8K", ""]
-        rows = [[_FILTER_LABELS[k], f"{100.0 * gsm8k[k]:.2f}"] for k in ("strict_match", "flexible_extract")]
-        rows.append(["mean of both", f"{50.0 * (gsm8k['strict_match'] + gsm8k['flexible_extract']):.2f}"])
-        out += _table(["filter", "exact match (%)"], rows)
+        stderr = gsm8k.get("stderr") or {}
+        rows = [
+            [
+                _FILTER_LABELS[k],
+                f"{100.0 * gsm8k[k]:.2f}",
+                "-" if stderr.get(k) is None else f"{100.0 * stderr[k]:.2f}",
+            ]
+            for k in ("strict_match", "flexible_extract")
+        ]
+        rows.append(["mean of both", f"{50.0 * (gsm8k['strict_match'] + gsm8k['flexible_extract']):.2f}", ""])
+        out += _table(["filter", "exact match (%)", "standard error (%)"], rows)
         out += [f"Samples scored: {gsm8k.get('n')}", ""]
         if PLOT_ACCURACY in plots:
             out += [f"![GSM8K accuracy]({Path(plots[PLOT_ACCURACY]).name})", ""]
+
+    health = results.get("health")
+    if health:
+        out += ["## Health", ""]
+        nonfinite = health.get("nonfinite") or []
+        out += [
+            ("NaN / infinite model outputs: first in `" + nonfinite[0] + "` (" + ", ".join(nonfinite) + ")")
+            if nonfinite
+            else "No NaN / infinite model output in any forward.",
+            "",
+        ]
+        o = health.get("outputs") or {}
+        if o.get("n"):
+            out += _table(
+                ["generations", "count", "of"],
+                [
+                    ["empty", o["empty"], o["n"]],
+                    ["one token repeated", o["repeated_token"], o["n"]],
+                    ["no number to extract", o["no_answer"], o["n"]],
+                ],
+            )
 
     acceptance = results.get("acceptance")
     out += ["## MTP acceptance", ""]
@@ -456,10 +633,15 @@ def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
     )
     div = c.get("divergence")
     if div:
+        where = (
+            "no divergence"
+            if div.get("min_first_divergence") is None
+            else f"first divergence at token min {_fmt(div['min_first_divergence'])}, median "
+            f"{_fmt(div['median_first_divergence'], 1)}"
+        )
         out += [
             f"Generated tokens: {div['num_identical']} of {div['n']} samples identical, "
-            f"{div['num_diverged']} diverge; first divergence at token "
-            f"min {_fmt(div['min_first_divergence'])}, median {_fmt(div['median_first_divergence'], 1)}.",
+            f"{div['num_diverged']} diverge; {where}.",
             "",
         ]
     acc = c.get("acceptance")
@@ -506,8 +688,7 @@ def write_report(results: Mapping[str, Any], out_dir: str | Path) -> ReportFiles
         written = fn(results, out_dir / name)
         if written is not None:
             plots[name] = written
-    summary = out_dir / SUMMARY_NAME
-    summary.write_text(render_markdown(results, plots))
+    summary = write_atomic(out_dir / SUMMARY_NAME, render_markdown(results, plots))
     return ReportFiles(summary=summary, plots=plots)
 
 

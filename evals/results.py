@@ -8,6 +8,10 @@ pairs two of them.
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import platform
+import socket
 import subprocess
 from dataclasses import fields
 from pathlib import Path
@@ -16,12 +20,25 @@ from typing import Any
 from registry.schema import REPO_ROOT
 from runners.engine import GenerationStats
 
-RESULTS_SCHEMA_VERSION = 1  # readers (evals/report.py) refuse other versions
+# 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
+# verdict.headline, git_dirty counting untracked files under registry/ and configs/; acceptance counts only
+# what was committed to the output (runners.engine.GenerationStats).
+RESULTS_SCHEMA_VERSION = 2  # readers (evals/report.py) refuse other versions
 RESULTS_FILE = "results.json"
+# Untracked files here change what a run means (a registry entry, a baseline row, a config group).
+GIT_UNTRACKED_DIRS = ("registry", "configs")
+# Distributions whose versions results.json records (importlib.metadata names; None when not installed).
+VERSIONED_PACKAGES = {"torch": "torch", "triton": "triton", "lm_eval": "lm_eval",
+                      "flashinfer": "flashinfer-python", "transformers": "transformers"}
 
 
 def git_commit(repo: Path = REPO_ROOT) -> tuple[str | None, bool]:
-    """(HEAD's commit of the checkout, whether tracked files changed); (None, False) outside git."""
+    """(HEAD's commit of the checkout, whether it differs from HEAD); (None, False) outside git.
+
+    Dirty: a tracked file changed, or an untracked file lies under registry/ or configs/ (a new entry,
+    baseline file or config group changes the run without changing a tracked file). Untracked files
+    elsewhere (outputs/, scratch files) do not count.
+    """
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True, timeout=10
@@ -30,9 +47,49 @@ def git_commit(repo: Path = REPO_ROOT) -> tuple[str | None, bool]:
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=repo, capture_output=True, text=True, timeout=10,
         ).stdout.strip()
-        return sha, bool(dirty)
+        untracked = subprocess.run(
+            ["git", "ls-files", "--others", "--exclude-standard", "--", *GIT_UNTRACKED_DIRS],
+            cwd=repo, capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha, bool(dirty or untracked)
     except (OSError, subprocess.SubprocessError):
         return None, False
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(device: str) -> str:
+    """A readable name of the device a run used: the GPU's name for cuda[:N], the CPU's otherwise."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.device(device))
+        return f"{device} (not available)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu: {cpu}"
+
+
+def environment(device: str) -> dict[str, Any]:
+    """results.json `environment`: when and where the run finished and with which software."""
+    return {
+        "timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "device": device,
+        "device_name": device_name(device),
+        "python": platform.python_version(),
+        **{name: _version(dist) for name, dist in VERSIONED_PACKAGES.items()},
+    }
 
 
 def _rate(num: float, den: float) -> float | None:
@@ -79,6 +136,8 @@ def build_results(
     stats = dict(evaluation.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
     commit, dirty = git_commit()
+    outputs = {k: v for k, v in (getattr(evaluation, "outputs", None) or {}).items() if k != "stderr"}
+    stderr = (getattr(evaluation, "outputs", None) or {}).get("stderr") or {}
     return {
         "schema_version": RESULTS_SCHEMA_VERSION,
         "entry": entry,
@@ -87,7 +146,11 @@ def build_results(
         "composed_config": composed_config,
         "git_commit": commit,
         "git_dirty": dirty,
-        "gsm8k": {k: evaluation.scores[k] for k in ("strict_match", "flexible_extract", "n")},
+        "environment": environment(str(config.get("device", "cpu"))),
+        "gsm8k": {**{k: evaluation.scores[k] for k in ("strict_match", "flexible_extract", "n")},
+                  "stderr": {k: stderr.get(k) for k in ("strict_match", "flexible_extract")}},
+        # what would make any score meaningless: non-finite model outputs, degenerate generations
+        "health": {"nonfinite": stats.get("nonfinite"), "outputs": outputs or None},
         # lm-eval task version, few-shot settings, lm-eval version and the data source actually read
         "task": dict(evaluation.task),
         "acceptance": acceptance_section(stats, draft_len),

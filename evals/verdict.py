@@ -9,7 +9,10 @@ error scale = sqrt(2 sigma^2 / n). With false-failure rate alpha and missed-regr
     theta     = -(Phi^-1(alpha) + Phi^-1(beta)) * scale  (smallest regression caught with prob. 1 - beta)
 
 n is the number of samples the run actually scored. Acceptance checks are plain floors (rate >= floor,
-length >= floor). The module is pure: it reads baselines through registry.baselines and returns data.
+length >= floor). Health checks need no reference and can fail at any n (a run over 3 questions, whose GSM8K
+test cannot fail, still fails on them): no non-finite model output, and not a degenerate model (thresholds
+below: MAX_EMPTY_FRACTION, MAX_REPEATED_FRACTION, MIN_ANSWERED). The module is pure: it reads baselines
+through registry.baselines and returns data.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ DEFAULT_ALPHA = 0.05  # probability that a run without regression fails
 DEFAULT_BETA = 0.2  # probability that a regression of theta passes
 
 PASS, FAIL, NO_REFERENCE = "pass", "fail", "no_reference"
+
+# Health thresholds (evals.gsm8k.output_health counts them). A trained model with a GSM8K prompt writes text,
+# varies its tokens and produces a number somewhere; a broken one (NaN weights decoding to token 0, a
+# collapsed model) fails whatever its GSM8K score: the tiny models of this repository, at 2 % accuracy, have
+# no empty generation and an extractable number in most.
+MAX_EMPTY_FRACTION = 0.5  # fail when more than half the generations are empty (no text before the stop)
+MAX_REPEATED_FRACTION = 0.5  # fail when more than half repeat one token id (>= 4 tokens, all the same)
+MIN_ANSWERED = 1  # fail when no generation has a number flexible-extract can read
 
 _PHI = NormalDist()
 
@@ -128,18 +139,19 @@ class Check:
 class Verdict:
     """All checks of a run.
 
-    passed: False if any check failed; True if at least one check passed and none failed; None if no check had
-    a reference. complete: every check had a reference.
+    passed: False if any check failed (health checks included); True if at least one check against a
+    reference passed and none failed; None if no check had a reference (health checks, which need none, can
+    fail a run but not make it pass). complete: every check had a reference.
     """
 
     checks: list[Check]
 
     @property
     def passed(self) -> bool | None:
-        results = [c.passed for c in self.checks if c.passed is not None]
-        if not results:
-            return None
-        return all(results)
+        if any(c.passed is False for c in self.checks):
+            return False
+        referenced = [c.passed for c in self.checks if c.passed is not None and not is_health(c.name)]
+        return True if referenced else None
 
     @property
     def status(self) -> str:
@@ -149,13 +161,114 @@ class Verdict:
     def complete(self) -> bool:
         return all(c.status != NO_REFERENCE for c in self.checks)
 
+    @property
+    def headline(self) -> str:
+        """The verdict in one line: PASS / FAIL (naming the failed checks) / NO REFERENCE, and which kinds of
+        check had no reference, e.g. "PASS (acceptance: no reference)", "FAIL: health.empty"."""
+        return headline(self.status, [(c.name, c.status) for c in self.checks])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
             "status": self.status,
             "complete": self.complete,
+            "headline": self.headline,
             "checks": [c.to_dict() for c in self.checks],
         }
+
+
+def is_health(name: str) -> bool:
+    """A health check (check_health; also an arm's, e.g. "rewind.health.empty"): needs no reference."""
+    return name.startswith("health.") or ".health." in name
+
+
+def headline(status: str, checks: list[tuple[str, str]]) -> str:
+    """Verdict.headline from a status and (check name, check status) pairs (also for a saved verdict).
+    A check's kind is its name without the last part (`gsm8k`, `acceptance`, `rewind.acceptance`)."""
+    word = {PASS: "PASS", FAIL: "FAIL", NO_REFERENCE: "NO REFERENCE"}.get(status, "?")
+    failed = [name for name, st in checks if st == FAIL]
+    if failed:
+        word += ": " + ", ".join(failed)
+    if status != NO_REFERENCE:
+        kinds = list(dict.fromkeys(name.rpartition(".")[0] or name
+                                   for name, st in checks if st == NO_REFERENCE))
+        if kinds:
+            word += f" ({', '.join(kinds)}: no reference)"
+    return word
+
+
+def check_health(health: dict[str, Any] | None) -> list[Check]:
+    """Checks that need no reference and can fail at any n, from results.json `health`:
+
+    - ``health.finite``: no model output held NaN / infinite values in any forward (the engine's per-layer
+      flags); the note names where they first appeared;
+    - ``health.empty``: at most MAX_EMPTY_FRACTION of the generations are empty;
+    - ``health.repeated_token``: at most MAX_REPEATED_FRACTION of them repeat one token id;
+    - ``health.answers``: at least MIN_ANSWERED generation has an answer flexible-extract can read.
+    A results dict without a `health` section (or without `outputs`) gets the checks it has data for.
+    """
+    if not health:
+        return []
+    checks = []
+    nonfinite = list(health.get("nonfinite") or [])
+    if health.get("nonfinite") is not None:
+        note = (
+            f"NaN / infinite values first in {nonfinite[0]}"
+            + (
+                f", then {', '.join(nonfinite[1:4])}" + (" ..." if len(nonfinite) > 4 else "")
+                if len(nonfinite) > 1
+                else ""
+            )
+            if nonfinite
+            else "no NaN / infinite values in any layer's output"
+        )
+        checks.append(
+            Check(
+                "health.finite",
+                float(len(nonfinite)),
+                None,
+                0.0,
+                FAIL if nonfinite else PASS,
+                "outputs",
+                note + "; pass if none",
+                {"nonfinite": nonfinite},
+            )
+        )
+    out = health.get("outputs")
+    if out and out.get("n"):
+        n = int(out["n"])
+        for name, key, limit, what in (
+            ("health.empty", "empty", MAX_EMPTY_FRACTION, "empty"),
+            ("health.repeated_token", "repeated_token", MAX_REPEATED_FRACTION, "one token id repeated"),
+        ):
+            frac = out[key] / n
+            checks.append(
+                Check(
+                    name,
+                    frac,
+                    None,
+                    limit,
+                    PASS if frac <= limit else FAIL,
+                    "fraction",
+                    f"{out[key]} of {n} generations {what}; pass if at most {limit:.0%}",
+                    {"count": out[key], "n": n},
+                )
+            )
+        answered = n - int(out["no_answer"])
+        checks.append(
+            Check(
+                "health.answers",
+                float(answered),
+                None,
+                float(MIN_ANSWERED),
+                PASS if answered >= MIN_ANSWERED else FAIL,
+                "samples",
+                f"{answered} of {n} generations hold a number flexible-extract reads; pass if at "
+                f"least {MIN_ANSWERED}",
+                {"no_answer": out["no_answer"], "n": n},
+            )
+        )
+    return checks
 
 
 def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -> float:
@@ -301,6 +414,7 @@ def evaluate_verdict(
     kv_cache_quant: Any = "none",
     spec_dec: Any = "none",
     draft_len: int = 0,
+    state: dict[str, Any] | None = None,
     require_reference: bool = True,
     gsm8k_baselines: str | Path | None = None,
     acceptance_baselines: str | Path | None = None,
@@ -314,6 +428,8 @@ def evaluate_verdict(
         entry: registry entry name (reported only).
         dtype, quant, kv_cache_quant, spec_dec: the run's GSM8K matching columns (normalised).
         draft_len: K, used to find the acceptance row.
+        state: the run's state columns (registry.baselines.STATE_COLUMNS, e.g. {"ssm_state_dtype":
+            "bfloat16"}); a row judges the run only if it holds for them. None: the defaults (float32 state).
         require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
         gsm8k_baselines, acceptance_baselines: file overrides (tests).
     Raises:
@@ -325,7 +441,9 @@ def evaluate_verdict(
         raise ValueError("results['gsm8k'] must hold strict_match, flexible_extract and n")
     checks: list[Check] = []
     try:
-        ref = find_gsm8k_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, path=gsm8k_baselines)
+        ref = find_gsm8k_reference(
+            model_key, dtype, quant, kv_cache_quant, spec_dec, state=state, path=gsm8k_baselines
+        )
         note = ""
     except BaselineError as e:
         if require_reference:
@@ -337,11 +455,15 @@ def evaluate_verdict(
         )
     )
 
+    checks.extend(check_health(results.get("health")))
+
     acceptance = results.get("acceptance")
     spec_on = str(spec_dec).strip().lower() not in ("none", "", "false")
     if acceptance and spec_on:
         try:
-            aref = find_acceptance_reference(model_key, quant, draft_len, path=acceptance_baselines)
+            aref = find_acceptance_reference(
+                model_key, quant, draft_len, state=state, path=acceptance_baselines
+            )
             note = ""
         except BaselineError as e:
             if require_reference:

@@ -97,7 +97,7 @@ def test_matched_reference_fails_below_the_hand_computed_threshold(fakes, baseli
     assert app.exit_code(results) == 1
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
     assert on_disk["verdict"] == results["verdict"]
-    assert "**Verdict: FAIL**" in (tmp_path / "out" / "summary.md").read_text()
+    assert "**Verdict: FAIL: gsm8k.mean**" in (tmp_path / "out" / "summary.md").read_text()
     printed = capsys.readouterr().out
     assert "verdict                  FAIL" in printed
     assert "gsm8k.mean             37.50 vs threshold 38.37, reference 50.00: FAIL" in printed

@@ -15,6 +15,7 @@ from evals.report import (
     render_markdown,
     write_report,
 )
+from evals.results import RESULTS_SCHEMA_VERSION
 from evals.verdict import evaluate_verdict
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +36,7 @@ def _acceptance(rate, length, per_position, hist):
 
 def _results(spec=True, reference=True):
     results = {
-        "schema_version": 1,
+        "schema_version": RESULTS_SCHEMA_VERSION,
         "entry": "super_v3_mtp" if spec else "super_v3",
         "config": {"model": {"name": "super_v3_mtp", "dtype": "bfloat16"}, "ssm_replay": True, "limit": None},
         "git_commit": "0123abcd",
@@ -106,7 +107,7 @@ def test_failing_run_is_marked(tmp_path):
         draft_len=3,
     ).to_dict()
     md = write_report(results, tmp_path).summary.read_text()
-    assert "**Verdict: FAIL**" in md and "| gsm8k.mean | 70.50 | 80.85 | 77.65 | **FAIL** |" in md
+    assert "**Verdict: FAIL: gsm8k.mean**" in md and "| gsm8k.mean | 70.50 | 80.85 | 77.65 | **FAIL** |" in md
 
 
 def test_no_spec_decoding_no_reference(tmp_path):
@@ -120,12 +121,12 @@ def test_no_spec_decoding_no_reference(tmp_path):
 
 
 def test_minimal_results(tmp_path):
-    files = write_report({"schema_version": 1, "entry": "x"}, tmp_path)
+    files = write_report({"schema_version": RESULTS_SCHEMA_VERSION, "entry": "x"}, tmp_path)
     assert files.plots == {}
     md = files.summary.read_text()
     assert "No verdict was computed" in md and "No speculative decoding" in md
-    with pytest.raises(ValueError, match="schema_version is 2"):
-        write_report({"schema_version": 2}, tmp_path)
+    with pytest.raises(ValueError, match=f"schema_version is {RESULTS_SCHEMA_VERSION + 1}"):
+        write_report({"schema_version": RESULTS_SCHEMA_VERSION + 1}, tmp_path)
 
 
 def test_comparison_report(tmp_path):

@@ -1,0 +1,185 @@
+"""A run's output folder: a fresh one per run, held by one run at a time, every result file written whole.
+
+- The default folders (`hydra.run.dir`, `hydra.sweep.dir` in configs/config.yaml, and the app's own default
+  outside Hydra) go through the `claim_dir` resolver: `${claim_dir:outputs/<entry>/<second>}` creates the
+  folder exclusively (`os.mkdir` fails on an existing one) and, when a run started in the same second already
+  has it, takes the first free `<folder>-2`, `-3`, ... So concurrent runs never share a default folder, and
+  Hydra's own files (.hydra/) and the run's results land in the same one.
+- `claim_out_dir` holds the folder for the run's lifetime: an exclusive lock on `<folder>/.run.lock`
+  (`fcntl.flock`, released by the kernel when the process ends, also on SIGKILL). A folder the user named
+  (`out_dir=` / `hydra.run.dir=`) that another live run holds is an error instead of a mix of two runs.
+- `write_atomic` writes a file through a temporary file in the same folder and `os.replace` (POSIX rename is
+  atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
+  truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
+  generations.meta.json) goes through it; the append-only generations.jsonl is fsync'd line by line instead
+  (evals.lm_adapter.GenerationStore).
+
+Problems the user can fix (a folder under a file, no permission, a read-only file system, a full disk, a
+folder in use) raise registry.errors.UserError.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.errors import UserError
+
+LOCK_FILE = ".run.lock"
+MAX_SUFFIX = 1000  # default folders tried: <folder>, <folder>-2 .. <folder>-1000
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: result files get the permissions a plain open() would give them
+
+
+def _fix_for(path: Path) -> str:
+    return f"choose a writable folder with out_dir=... or hydra.run.dir=... (not {path})"
+
+
+def _os_error(e: OSError, path: Path, what: str) -> UserError:
+    """UserError for an OSError met while creating / writing the output folder, naming the cause."""
+    reason = {
+        errno.EACCES: "permission denied",
+        errno.EPERM: "operation not permitted",
+        errno.EROFS: "read-only file system",
+        errno.ENOTDIR: "a path component is a file, not a folder",
+        errno.EEXIST: "a file of that name exists",
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+    }.get(e.errno, e.strerror or type(e).__name__)
+    return UserError(
+        f"output folder {path} cannot be {what}: {reason} ({e.filename or path})", _fix_for(path)
+    )
+
+
+def ensure_writable_dir(path: Path) -> None:
+    """Create `path` (and parents) if needed and check that a file can be created in it.
+
+    Raises UserError naming the folder and the reason (under a file, permission denied, read-only, full).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output folder {path} exists and is not a folder (a file)", _fix_for(path))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _os_error(e, path, "created") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise _os_error(e, path, "written") from None
+
+
+_CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)
+
+
+def claim_dir(path: str) -> str:
+    """Create a fresh folder for a run: `path` itself, or the first free `path-2`, `path-3`, ... when
+    another run has it, each created exclusively (os.mkdir), parents as needed. Idempotent within a process
+    (a second resolution of the same path returns the same folder). Registered as the OmegaConf resolver
+    `claim_dir` by `register_resolver`. Raises UserError when nothing can be created there."""
+    if path in _CLAIMED:
+        return _CLAIMED[path]
+    requested = Path(path)
+    try:
+        requested.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _os_error(e, requested.parent, "created") from None
+    for i in range(1, MAX_SUFFIX + 1):
+        folder = requested if i == 1 else requested.with_name(f"{requested.name}-{i}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise _os_error(e, folder, "created") from None
+        _CLAIMED[path] = str(folder)
+        return str(folder)
+    raise UserError(
+        f"no free output folder next to {requested} ({MAX_SUFFIX} tried)",
+        "pass out_dir= / hydra.run.dir= explicitly",
+    )
+
+
+def register_resolver() -> None:
+    """Make `${claim_dir:<path>}` available to configs (run.py calls it before Hydra composes)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("claim_dir"):
+        OmegaConf.register_new_resolver("claim_dir", claim_dir)
+
+
+@dataclass
+class Claim:
+    """An output folder held by this process: `path`, and the open lock file that holds it (release() or
+    the process's end frees it)."""
+
+    path: Path
+    _fd: int | None = None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+
+def _holder(path: Path) -> str:
+    try:
+        return (path / LOCK_FILE).read_text().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def claim_out_dir(path: str | Path) -> Claim:
+    """Create `path` if needed, check it is writable, and hold it for this run (the lock of the module doc).
+
+    Returns a Claim (release it when the run ends). Raises UserError: the folder cannot be created or
+    written; another live run holds it.
+    """
+    folder = Path(path)
+    ensure_writable_dir(folder)
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _os_error(e, folder, "written") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(
+            f"output folder {folder} is in use by a run that is still going ({_holder(folder)})",
+            "wait for it to finish, or choose another out_dir= / hydra.run.dir=",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return Claim(folder, fd)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` to `path` whole: into a temporary file beside it, fsync'd, then os.replace. A reader
+    sees the old file or the new one, never a part. Raises UserError when the folder cannot be written."""
+    path = Path(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _os_error(e, path.parent, "written") from None
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _os_error(e, path.parent, "written") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
