@@ -9,24 +9,31 @@ with exit status 2 and no traceback.
 
 Exit status: 0 the verdict passed, or had no reference yet (placeholder baseline rows) / was not required
 (verdict.require_reference=false); 1 a verdict check failed (GSM8K below its threshold, an acceptance floor
-missed, or with compare=replay a flipped sample / diverged tokens); 2 a user error. A sweep (`-m`, or
+missed, a health check, or with compare=replay a flipped sample / diverged tokens); 2 a user error; 130 an
+interruption (Ctrl-C), reported with the command that resumes the run. A sweep (`-m`, or
 `+experiment=nightly`) runs every job even when one is refused or crashes (a crash counts 1), records each
-job's status in its folder, ends with a table of every job (evals/sweep.py) and exits with the worst status.
+job's status in its folder, ends with a table of every job (evals/sweep.py) and exits with the worst status;
+Ctrl-C stops it.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
 from evals import sweep
+from evals.outdir import register_resolver
 from registry.compose import CONFIG_DIR, CONFIG_NAME, check_overrides, config_error
 from registry.errors import UserError
 from registry.selection import register_resolvers
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for a command ended by Ctrl-C
 
 # Exit status of each job: one for a plain run, one per job of a sweep (`python run.py -m model=a,b
 # ssm_replay=false,true`); a sweep runs every job even when one fails or crashes, ends with a table of every
@@ -41,6 +48,13 @@ def main(cfg: DictConfig) -> int:
     error = None
     try:
         code = app.exit_code(app.run(cfg))
+    except app.RunInterrupted as e:
+        # the exact command that continues this run (of a sweep: this job), its folder named, resume=true
+        overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
+        print(app.RunInterrupted(e.out_dir, resume_command(overrides, e.out_dir)).format(), file=sys.stderr)
+        sweep.record_job(EXIT_INTERRUPTED, "error: interrupted (Ctrl-C)")
+        _EXIT_CODES.append(EXIT_INTERRUPTED)
+        raise SystemExit(EXIT_INTERRUPTED) from None  # a sweep stops too: Ctrl-C means stop
     except UserError as e:
         print(e.format(), file=sys.stderr)
         code, error = 2, f"error: {e.problem}"
@@ -54,18 +68,37 @@ def main(cfg: DictConfig) -> int:
     return code
 
 
+def resume_command(overrides: list[str], out_dir) -> str:
+    """`python run.py <overrides> resume=true hydra.run.dir=<out_dir>`: the command that continues a run in
+    out_dir (overrides: the job's own, as Hydra lists them). An earlier resume= is replaced; out_dir= is
+    kept (it names the folder)."""
+    keep = [a for a in overrides if not a.startswith(("resume=", "hydra.run.dir="))]
+    folder = [] if any(a.startswith("out_dir=") for a in keep) else [f"hydra.run.dir={out_dir}"]
+    return " ".join(shlex.quote(a) for a in ["python", "run.py", *keep, "resume=true", *folder])
+
+
 def cli(argv: list[str]) -> int:
-    """Guard the overrides, run Hydra, and turn user mistakes into exit status 2 (see the module doc)."""
+    """Guard the overrides, run Hydra, and turn user mistakes into exit status 2 and Ctrl-C into 130 (see
+    the module doc)."""
     # Hydra's own flags (--cfg job, -m, --help, ...) carry no `=` in a separate word or start with `-`.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     register_resolvers()  # ${registry_entries:nightly} in configs/experiment/nightly.yaml
+    register_resolver()  # ${claim_dir:...}: the default output folders (configs/config.yaml)
     try:
         check_overrides(overrides)
         main()
     except UserError as e:
         print(e.format(), file=sys.stderr)
         return 2
+    except SystemExit as e:
+        if e.code == EXIT_INTERRUPTED:
+            return EXIT_INTERRUPTED
+        raise
+    except KeyboardInterrupt:  # before the run had a folder (composing, resolving): nothing was written
+        print("error: interrupted (Ctrl-C) before the run wrote anything\n  fix: rerun the command",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:
         err = config_error(e, overrides)
         if err is None:

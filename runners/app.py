@@ -27,22 +27,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
-from evals.data import gsm8k_dir
+from evals.data import gsm8k_dir, gsm8k_files
 from evals.gsm8k import evaluate_gsm8k
 from evals.history import record_finished_run
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
+from evals.outdir import claim_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import RESULTS_FILE, build_results, exit_code
 from evals.verdict import Check, Verdict, evaluate_verdict
 from registry.baselines import find_acceptance_reference, find_gsm8k_reference
-from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
+from registry.checkpoint import TOKENIZER_FILE, check_tokenizer, checkpoint_fingerprint
 from registry.errors import UserError
 from registry.resolve import ResolvedRun, resolve
 from registry.schema import REPO_ROOT
 from runners.engine import Engine
 from runners.support import check_quant_hardware, check_supported
 
-__all__ = ["exit_code", "fingerprint", "run"]
+__all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -70,29 +71,62 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rr = resolve(cfg)
     check_supported(rr)
     check_references(rr)
-    out_dir = _out_dir(rr)
-    _check_out_dir(out_dir, rr)
+    gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     check_tokenizer(rr.checkpoint_dir / TOKENIZER_FILE)
+    out_dir = _out_dir(rr)
+    claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
+    try:
+        _check_out_dir(out_dir, rr)
+        if rr.run.runtime.num_threads is not None:
+            torch.set_num_threads(rr.run.runtime.num_threads)
+        if rr.run.compare is None:
+            torch.manual_seed(rr.run.seed)
+            results = _evaluate_arm(cfg, rr, out_dir)
+        else:
+            results = _run_compare_replay(cfg, rr, out_dir)
+        # results.json is on disk: a history failure is reported as a warning and never loses it
+        record_finished_run(results, out_dir, rr.run.history.db)
+        return results
+    except KeyboardInterrupt:
+        raise RunInterrupted(out_dir) from None
+    finally:
+        claim.release()
 
-    if rr.run.runtime.num_threads is not None:
-        torch.set_num_threads(rr.run.runtime.num_threads)
-    if rr.run.compare is None:
-        torch.manual_seed(rr.run.seed)
-        results = _evaluate_arm(cfg, rr, out_dir)
-    else:
-        results = _run_compare_replay(cfg, rr, out_dir)
-    # results.json is on disk: a history failure is reported as a warning and never loses it
-    record_finished_run(results, out_dir, rr.run.history.db)
-    return results
+
+class RunInterrupted(UserError):
+    """Ctrl-C (SIGINT) during a run: what is on disk and how to continue. run.py prints it as error / fix
+    lines and exits with 130 (128 + SIGINT, the shell's convention); `out_dir` is the run's folder, to which
+    run.py adds the exact command that resumes it."""
+
+    exit_status = 130
+
+    def __init__(self, out_dir: Path, command: str | None = None):
+        self.out_dir = Path(out_dir)
+        done = _count_lines(self.out_dir / GENERATIONS_FILE) + sum(
+            _count_lines(self.out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
+        super().__init__(
+            f"interrupted (Ctrl-C); {done} finished generations are saved in {self.out_dir}",
+            f"continue with: {command}" if command else
+            f"rerun the same command with resume=true hydra.run.dir={self.out_dir}",
+        )
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n"))
+    except OSError:
+        return 0
 
 
 def check_references(rr: ResolvedRun) -> None:
     """Fail fast, before anything heavy is loaded, when no baseline row can judge the run.
 
-    With verdict.require_reference (the default) the entry needs a `baseline` key and gsm8k.yaml needs a
-    row for (dtype, quant, kv_cache_quant, spec_dec) -- and acceptance.yaml one for (quant, draft_len) when
-    speculation is on. A placeholder row (measured: false) counts as found: the run then reports "no
-    reference yet". Raises UserError (registry.baselines.BaselineError) naming the missing row and the fix.
+    With verdict.require_reference (the default) the entry needs a `baseline` key and gsm8k.yaml needs a row
+    for (dtype, quant, kv_cache_quant, spec_dec) -- and acceptance.yaml one for (quant, draft_len) when
+    speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
+    (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
+    (registry.baselines.BaselineError) naming the missing row and the fix.
     """
     if not rr.run.verdict.require_reference:
         return
@@ -103,24 +137,30 @@ def check_references(rr: ResolvedRun) -> None:
             "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
             "verdict.require_reference=false to run without a pass/fail verdict",
         )
-    find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec)
+    find_gsm8k_reference(
+        e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec, state=rr.baseline_state
+    )
     if rr.draft_len > 0:
-        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len)
+        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state)
 
 
 def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     """The settings stored generations depend on; resuming with different ones is refused (check_resume).
 
-    Included besides the engine settings: eval.num_fewshot and eval.max_gen_toks (they change the prompts and
-    the generations, hence the acceptance counters) and the GSM8K data folder (absolute path; None = hub).
-    Not included: the git commit (resuming across a code change is allowed; results.json records the commit
-    of the finishing run), eval.limit (a resumed run may score more or fewer samples: evals.gsm8k reports the
-    counters of exactly the scored ones), paths of the outputs.
+    Included: the checkpoint's contents (registry.checkpoint.checkpoint_fingerprint: weight files' size,
+    mtime and safetensors headers, config.json, generation_config.json, tokenizer.json), every engine setting
+    (dtypes, draft length, replay, backend, batch size, max_seq_len, CPU threads), eval.num_fewshot and
+    eval.max_gen_toks (they change the prompts and the generations, hence the acceptance counters) and the
+    GSM8K data folder (absolute path; None = hub). Not included: the git commit (resuming across a code
+    change is allowed; results.json records the commit of the finishing run), eval.limit (a resumed run may
+    score more or fewer samples: evals.gsm8k reports the counters of exactly the scored ones), paths of the
+    outputs.
     """
     data_dir, _ = gsm8k_dir(rr.run.eval.data_dir)
     return {
         "entry": rr.entry.name,
         "checkpoint_dir": str(rr.checkpoint_dir),
+        **checkpoint_fingerprint(rr.checkpoint_dir),
         "device": rr.device,
         "dtype": rr.dtype,
         "ssm_state_dtype": rr.entry.ssm.state_dtype.value,
@@ -131,6 +171,8 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "quant": rr.entry.quant.value,
         "kv_cache_quant": rr.entry.kv_cache_quant.value,
         "max_batch_size": rr.max_batch_size,
+        "max_seq_len": rr.entry.max_seq_len,
+        "num_threads": rr.run.runtime.num_threads,
         "world_size": rr.world_size,
         "num_fewshot": rr.run.eval.num_fewshot,
         "max_gen_toks": rr.run.eval.max_gen_toks,
@@ -141,13 +183,15 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
 
 
 def _out_dir(rr: ResolvedRun) -> Path:
+    """out_dir=, else Hydra's run (or sweep job) folder, else -- outside Hydra -- a fresh folder
+    outputs/<entry>/<time>[-N] of the checkout (evals.outdir.claim_dir, as Hydra's default folders)."""
     if rr.run.out_dir:
         return Path(rr.run.out_dir)
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
-    return REPO_ROOT / "outputs" / rr.entry.name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    return Path(claim_dir(str(REPO_ROOT / "outputs" / rr.entry.name / time.strftime("%Y-%m-%d_%H-%M-%S"))))
 
 
 def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
@@ -201,7 +245,7 @@ def _build_engine(rr: ResolvedRun) -> Engine:
 def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
     """Build the engine, evaluate GSM8K into out_dir, judge, write and print; returns the results dict."""
     t0 = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out_dir)
     engine = _build_engine(rr)
     t_loaded = time.perf_counter()
     try:
@@ -286,16 +330,16 @@ def _verdict(rr: ResolvedRun, results: dict[str, Any], extra_checks: list[Check]
         kv_cache_quant=e.kv_cache_quant.value,
         spec_dec=rr.spec_dec,
         draft_len=rr.draft_len,
+        state=rr.baseline_state,
         require_reference=rr.run.verdict.require_reference,
     )
     return Verdict(verdict.checks + list(extra_checks or [])).to_dict()
 
 
 def _finish(results: dict[str, Any], out_dir: Path) -> None:
-    """Write results.json, summary.md and the plots into out_dir; print the table and the paths."""
-    path = out_dir / RESULTS_FILE
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2, default=str)
+    """Write results.json, summary.md and the plots into out_dir (each whole: evals.outdir.write_atomic);
+    print the table and the paths."""
+    path = write_atomic(out_dir / RESULTS_FILE, json.dumps(results, indent=2, default=str) + "\n")
     files = write_report(results, out_dir)
     print(format_console(results))
     print(f"results: {path}\nreport:  {files.summary}")

@@ -194,12 +194,12 @@ class GenerationStats:
 class SlotCounters:
     """Per-slot speculative counters of the request that holds each cache slot; host int64 tensors.
 
-    ``request_steps`` [S], ``accepted_drafts`` [S], ``accepted_per_position`` [S, K] and
-    ``num_accepted_hist`` [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one
-    request. :meth:`reset` zeroes a slot's row when a request is admitted; :meth:`record` updates all rows
-    of a verify step at once (no loop over requests), with the committed counts (:class:`GenerationStats`); :meth:`request_stats` reads one row back as the
-    ``request_stats`` dict that ``on_finish`` receives. Summed over all requests of a ``generate`` call the
-    rows equal that call's :class:`GenerationStats` counters.
+    ``request_steps`` [S], ``accepted_drafts`` [S], ``accepted_per_position`` [S, K] and ``num_accepted_hist``
+    [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one request. :meth:`reset`
+    zeroes a slot's row when a request is admitted; :meth:`record` updates all rows of a verify step at once
+    (no loop over requests), with the committed counts (:class:`GenerationStats`); :meth:`request_stats` reads
+    one row back as the ``request_stats`` dict that ``on_finish`` receives. Summed over all requests of a
+    ``generate`` call the rows equal that call's :class:`GenerationStats` counters.
     """
 
     def __init__(self, num_slots: int, draft_len: int):
@@ -308,9 +308,16 @@ def _token_id(value, where: str) -> int:
     """One token id as a Python int. Raises TypeError for anything but an integer (bools, floats -- even 2.0
     -- strings, floating tensors), naming ``where`` (e.g. "prompts[0][3]")."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"{where} must be an integer token id, got a tensor of dtype {value.dtype} and "
-                            f"shape {list(value.shape)}")
+        if (
+            value.numel() != 1
+            or value.dtype.is_floating_point
+            or value.dtype.is_complex
+            or value.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"{where} must be an integer token id, got a tensor of dtype {value.dtype} and "
+                f"shape {list(value.shape)}"
+            )
         return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{where} must be an integer token id, got {type(value).__name__} {value!r}")
@@ -320,9 +327,13 @@ def _token_id(value, where: str) -> int:
 def _token_list(values, where: str) -> list[int]:
     """A sequence of token ids as a list of ints (see :func:`_token_id`); a string is refused."""
     if isinstance(values, str | bytes) or not isinstance(values, Sequence | torch.Tensor):
-        raise TypeError(f"{where} must be a sequence of integer token ids, got {type(values).__name__} {values!r}")
+        raise TypeError(
+            f"{where} must be a sequence of integer token ids, got {type(values).__name__} {values!r}"
+        )
     if isinstance(values, torch.Tensor) and values.dim() != 1:
-        raise TypeError(f"{where} must be a 1-D sequence of token ids, got a tensor of shape {list(values.shape)}")
+        raise TypeError(
+            f"{where} must be a 1-D sequence of token ids, got a tensor of shape {list(values.shape)}"
+        )
     return [_token_id(v, f"{where}[{j}]") for j, v in enumerate(values)]
 
 
@@ -487,8 +498,8 @@ class Engine:
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
             log.warning(
                 "ssm_state_dtype=%s for Mamba2 layers: a 16-bit recurrent state drifts from the float32 "
-                "reference on long outputs (logit drift grows ~40x over 2,000 teacher-forced tokens); results "
-                "are judged only against baseline rows measured with this state dtype",
+                "reference on long outputs (logit drift grows ~40x over 2,000 teacher-forced tokens); "
+                "results are judged only against baseline rows measured with this state dtype",
                 str(self.ssm_state_dtype).removeprefix("torch."),
             )
         # speculative buffers (rewind: T = K + 1 states per slot; replay: the input history) only with drafts
@@ -732,7 +743,9 @@ class Engine:
         it is not [B, T] with B, T >= 1, or holds an id outside [0, V).
         """
         if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor of token ids [B, T], got {type(input_ids).__name__}")
+            raise TypeError(
+                f"input_ids must be a torch.Tensor of token ids [B, T], got {type(input_ids).__name__}"
+            )
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
@@ -741,8 +754,10 @@ class Engine:
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= V:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"input_ids holds token id {bad}, outside [0, {V}) (the vocab size); tokenizer and "
-                             "checkpoint disagree")
+            raise ValueError(
+                f"input_ids holds token id {bad}, outside [0, {V}) (the vocab size); tokenizer and "
+                "checkpoint disagree"
+            )
         return self.model.lm_logits(self.model(input_ids.to(self.device)))
 
     # ------------------------------------------------------------------ generate
@@ -787,8 +802,11 @@ class Engine:
         prompts = _token_rows(prompts, "prompts")
         n = len(prompts)
         self._check_prompts(prompts, max_new_tokens)
-        stop_ids = set(self.config.eos_token_id if stop_token_ids is None
-                       else _token_list(stop_token_ids, "stop_token_ids"))
+        stop_ids = set(
+            self.config.eos_token_id
+            if stop_token_ids is None
+            else _token_list(stop_token_ids, "stop_token_ids")
+        )
         stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
         if K > 0:
             stats.record_step([], K)  # sizes the per-position counters even if no step runs
@@ -898,8 +916,9 @@ class Engine:
         if bar is not None:
             bar.close()
         stats.generated_tokens = sum(map(len, out_tokens))
-        return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, stats=stats,
-                                nonfinite=self.model.take_nonfinite())
+        return GenerationOutput(
+            tokens=out_tokens, finish_reasons=reasons, stats=stats, nonfinite=self.model.take_nonfinite()
+        )
 
     # ------------------------------------------------------------------ one decode step
 
@@ -1175,8 +1194,9 @@ class Engine:
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """generate's argument checks, before any compute (TypeError / ValueError naming the argument)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} "
-                            f"{max_new_tokens!r}")
+            raise TypeError(
+                f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         V = self.config.vocab_size

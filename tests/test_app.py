@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from evals.gsm8k import GSM8KResult
+from evals.results import RESULTS_SCHEMA_VERSION
+from registry.checkpoint import checkpoint_fingerprint
 from registry.compose import compose_config
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
@@ -117,6 +119,16 @@ def fakes(monkeypatch):
     return calls
 
 
+def make_gsm8k_dir(path: Path, rows: int = 2) -> Path:
+    """A GSM8K folder whose files pass evals.data's line checks (the fakes never read it further)."""
+    path.mkdir(parents=True)
+    for split in ("train", "test"):
+        (path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n"
+            for i in range(rows)))
+    return path
+
+
 def _cfg(*overrides):
     return compose_config(list(overrides))
 
@@ -124,8 +136,9 @@ def _cfg(*overrides):
 def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "out"
+    data = make_gsm8k_dir(tmp_path / "gsm8k")
     cfg = _cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={out}", "ssm_replay=true",
-               "eval.limit=4", "eval.data_dir=/data/gsm8k")
+               "eval.limit=4", f"eval.data_dir={data}")
     results = app.run(cfg)
 
     (path, kwargs), = FakeEngine.built
@@ -137,21 +150,27 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
-    assert call["data_dir"] == "/data/gsm8k" and call["out_dir"] == str(out) and call["resume"] is False
+    assert call["data_dir"] == str(data) and call["out_dir"] == str(out) and call["resume"] is False
     assert call["fingerprint"] == {
-        "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "device": "cpu", "dtype": "float32",
+        "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), **checkpoint_fingerprint(ckpt),
+        "device": "cpu", "dtype": "float32",
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
         "ssm_replay_checkpointing": False, "quant": "none", "kv_cache_quant": "none",
+        "max_seq_len": 4096, "num_threads": 1,
         "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
-        "data_dir": "/data/gsm8k"}
+        "data_dir": str(data)}
+    assert set(checkpoint_fingerprint(ckpt)) == {"weights_sha256", "config_sha256", "generation_config_sha256",
+                                                 "tokenizer_sha256"}
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))
-    assert results["schema_version"] == 1 and results["entry"] == "tiny_nemotron_h_mtp"
+    assert results["schema_version"] == RESULTS_SCHEMA_VERSION and results["entry"] == "tiny_nemotron_h_mtp"
     # the backend that ran, not the entry's GPU one (triton): on the CPU the PyTorch references run
     assert results["config"]["model"]["ssm"]["backend"] == "triton"
     assert results["config"]["ssm_backend"] == "torch"
-    assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}
+    assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4,
+                                "stderr": {"strict_match": None, "flexible_extract": None}}  # fakes give none
+    assert results["config"]["ssm_state_dtype"] == "float32"
     assert results["config"]["ssm_replay"] is True and results["config"]["world_size"] == 1
     assert results["config"]["arch"]["mamba"]["d_state"] == 16  # read from the checkpoint's config.json
     assert results["timings"]["prefill_tokens_per_s"] == pytest.approx(2000.0)
@@ -177,7 +196,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
     assert "verdict                  PASS" in printed
     assert "load                     1.5 s, weights 3.00 GiB, host RSS peak 2.00 GiB" in printed
-    assert "ssm backend              torch (entry: triton; the CPU runs the PyTorch references)" in printed
+    assert ("ssm backend / state      torch (entry: triton; the CPU runs the PyTorch references) / float32 "
+            "state") in printed
 
 
 def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):

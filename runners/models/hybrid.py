@@ -126,9 +126,14 @@ class HybridLM(nn.Module):
 
     def health_names(self) -> list[str]:
         """Names of the outputs the non-finite flags cover, in forward order: ``embeddings``,
-        ``layers.<i>.<kind>`` per backbone block, ``norm_f``, ``lm_head`` (logits) and ``mtp`` (the MTP module's
-        output, when the model has one)."""
-        names = ["embeddings", *(f"layers.{i}.{b.kind}" for i, b in enumerate(self.layers)), "norm_f", "lm_head"]
+        ``layers.<i>.<kind>`` per backbone block, ``norm_f``, ``lm_head`` (logits) and ``mtp`` (the MTP
+        module's output, when the model has one)."""
+        names = [
+            "embeddings",
+            *(f"layers.{i}.{b.kind}" for i, b in enumerate(self.layers)),
+            "norm_f",
+            "lm_head",
+        ]
         return names + (["mtp"] if self.mtp is not None else [])
 
     def track_nonfinite(self, device: torch.device | str) -> None:
@@ -150,7 +155,7 @@ class HybridLM(nn.Module):
         return [names[i] for i in flagged]
 
     def _flag(self, index: int | slice, finite: torch.Tensor) -> None:
-        """OR ``~finite`` (a bool tensor [n] of per-output "all values finite") into the flags at ``index``."""
+        """OR ``~finite`` (bool [n]: per output, "all its values are finite") into the flags at ``index``."""
         self.nonfinite[index] |= ~finite
 
     def cache_kinds(self, include_mtp: bool = True) -> dict[int, str]:
