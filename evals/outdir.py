@@ -83,8 +83,14 @@ def claim_dir(path: str) -> str:
     another run has it, each created exclusively (os.mkdir), parents as needed. Idempotent within a process
     (a second resolution of the same path returns the same folder). Registered as the OmegaConf resolver
     `claim_dir` by `register_resolver`. Raises UserError when nothing can be created there."""
-    if path in _CLAIMED:
-        return _CLAIMED[path]
+    if path not in _CLAIMED:
+        _CLAIMED[path] = claim_fresh_dir(path)
+    return _CLAIMED[path]
+
+
+def claim_fresh_dir(path: str) -> str:
+    """claim_dir without its cache: every call creates a new folder (`path`, `path-2`, ...). The app's own
+    default folder outside Hydra uses it, so two runs in one process within a second never share one."""
     requested = Path(path)
     try:
         requested.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +104,6 @@ def claim_dir(path: str) -> str:
             continue
         except OSError as e:
             raise _os_error(e, folder, "created") from None
-        _CLAIMED[path] = str(folder)
         return str(folder)
     raise UserError(
         f"no free output folder next to {requested} ({MAX_SUFFIX} tried)",

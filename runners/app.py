@@ -31,7 +31,7 @@ from evals.data import gsm8k_dir, gsm8k_files
 from evals.gsm8k import evaluate_gsm8k
 from evals.history import record_finished_run
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
-from evals.outdir import claim_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import RESULTS_FILE, build_results, exit_code
 from evals.verdict import Check, Verdict, evaluate_verdict
@@ -184,14 +184,16 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
 
 def _out_dir(rr: ResolvedRun) -> Path:
     """out_dir=, else Hydra's run (or sweep job) folder, else -- outside Hydra -- a fresh folder
-    outputs/<entry>/<time>[-N] of the checkout (evals.outdir.claim_dir, as Hydra's default folders)."""
+    outputs/<entry>/<time>[-N] of the checkout (evals.outdir.claim_fresh_dir, as Hydra's default
+    folders)."""
     if rr.run.out_dir:
         return Path(rr.run.out_dir)
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
-    return Path(claim_dir(str(REPO_ROOT / "outputs" / rr.entry.name / time.strftime("%Y-%m-%d_%H-%M-%S"))))
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    return Path(claim_fresh_dir(str(REPO_ROOT / "outputs" / rr.entry.name / stamp)))
 
 
 def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
