@@ -159,8 +159,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
         "max_seq_len": 4096, "num_threads": 1,
         "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
         "data_dir": str(data)}
-    assert set(checkpoint_fingerprint(ckpt)) == {"weights_sha256", "config_sha256", "generation_config_sha256",
-                                                 "tokenizer_sha256"}
+    assert set(checkpoint_fingerprint(ckpt)) == {"weights_sha256", "config_sha256",
+                                                 "generation_config_sha256", "tokenizer_sha256"}
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))

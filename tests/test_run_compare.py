@@ -70,7 +70,7 @@ def test_identical_arms_pass(fakes, tmp_path, monkeypatch):
     assert comparison["divergence"]["num_identical"] == N
     assert _statuses(results) == {"comparison.strict_match.flipped": "pass",
                                   "comparison.flexible_extract.flipped": "pass",
-                                  "comparison.diverged": "pass"}
+                                  "comparison.diverged": "pass", "comparison.acceptance": "pass"}
     assert results["comparison"]["label_a"] == "rewind" and results["comparison"]["label_b"] == "replay"
     assert app.exit_code(results) == 0
     summary = (out / "summary.md").read_text()
@@ -86,7 +86,8 @@ def test_a_flipped_sample_and_diverged_tokens_fail_in_float32(fakes, tmp_path, m
     assert div["num_diverged"] == 1 and div["per_sample"]["3"] == 2 and div["min_first_divergence"] == 2
     assert _statuses(results) == {"comparison.strict_match.flipped": "fail",
                                   "comparison.flexible_extract.flipped": "fail",
-                                  "comparison.diverged": "fail"}
+                                  "comparison.diverged": "fail",
+                                  "comparison.acceptance": "pass"}  # the fakes' counters are equal
     assert results["verdict"]["passed"] is False and app.exit_code(results) == 1
     names = [c["name"] for c in results["verdict"]["checks"]]
     assert names[:3] == ["gsm8k.mean", "acceptance.rate", "acceptance.length"]  # the replay arm's

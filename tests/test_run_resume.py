@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -134,3 +135,48 @@ def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tm
         with pytest.raises(UserError, match="cannot resume") as e:
             app.run(_cfg(*common, changed, f"out_dir={out}", "resume=true"))
         assert changed.split(".")[1].split("=")[0] in str(e.value)
+
+
+def test_ctrl_c_exits_130_with_the_command_that_resumes(checkpoint, gsm8k_dir, tmp_path, monkeypatch):
+    """Ctrl-C (SIGINT) during a run: no traceback, exit 130, an error line saying what is saved and a fix
+    line with the exact command; that command finishes the run. Then a resume after the checkpoint's weights
+    changed at the same path is refused (the fingerprint covers the weight files)."""
+    common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}",
+              "eval.max_gen_toks=200"]
+    out = tmp_path / "interrupted"
+    proc = _run_py(tmp_path, gsm8k_dir, *common, f"hydra.run.dir={out}", hang_after=KILL_AFTER, popen=True)
+    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
+    try:
+        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
+            assert proc.poll() is None, f"the run ended before Ctrl-C: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "no generations appeared within 300 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=120)[1].decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    error, fix = stderr.strip().splitlines()[-2:]
+    assert error == f"error: interrupted (Ctrl-C); {KILL_AFTER} finished generations are saved in {out}"
+    command = shlex.join(["python", "run.py", *common, "resume=true", f"hydra.run.dir={out}"])
+    assert fix == f"  fix: continue with: {command}"
+
+    resumed = _run_py(tmp_path, gsm8k_dir, *shlex.split(command)[2:])
+    assert resumed.returncode == 0, resumed.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumed"]["num_resumed"] == KILL_AFTER and results["gsm8k"]["n"] == LIMIT
+
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
+    monkeypatch.delenv("SCRIPTED_HANG_AFTER", raising=False)
+    monkeypatch.setattr(app, "Engine", ScriptedEngine)
+    weights = checkpoint / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place, same size
+    try:
+        with pytest.raises(UserError, match="cannot resume") as e:
+            app.run(_cfg(*common, f"out_dir={out}", "resume=true"))
+        assert "weights_sha256" in str(e.value)
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))

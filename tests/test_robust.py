@@ -1,0 +1,534 @@
+"""Issue 12's cases, each with the value it must give: a broken model never gets a green verdict, every user
+mistake is one error / fix pair, runs never mix or lose results, state precision is part of a reference,
+reports carry their context. (Ctrl-C and a weights change under resume=true run through run.py in
+tests/test_run_resume.py; Hydra-level mistakes through run.py at the end of this file.)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_factory import make_hf_model, write_checkpoint
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from evals.compare import (
+    AcceptanceDiff,
+    Comparison,
+    DivergenceSummary,
+    acceptance_line,
+    comparison_checks,
+    divergence_line,
+)
+from evals.data import GSM8KDataError, check_gsm8k_file, gsm8k_files
+from evals.gsm8k import output_health, repeats_one_token
+from evals.outdir import claim_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.report import format_console, plot_title
+from evals.results import environment, git_commit
+from evals.verdict import (
+    FAIL,
+    MAX_EMPTY_FRACTION,
+    PASS,
+    check_health,
+    evaluate_verdict,
+    headline,
+)
+from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+from registry.checkpoint import CheckpointError
+from registry.compose import compose_config
+from registry.errors import UserError
+from registry.resolve import resolve
+from registry.schema import REPO_ROOT
+from runners import Engine
+from runners.loader import load_model
+
+# ------------------------------------------------------------------ a broken model never passes
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("robust") / "ck", make_hf_model(seed=3), with_mtp=True)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _data_span(file: Path, name: str) -> tuple[int, int]:
+    """Absolute byte range of tensor `name`'s data in a safetensors file (the format's header layout)."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def test_random_bytes_behind_an_intact_header_are_refused_naming_the_tensors(ckpt, tmp_path):
+    """The issue's broken checkpoint: tensor bytes overwritten with random data, header intact. It used to
+    load and decode token 0 forever with acceptance 100 %; now loading names the tensors."""
+    bad = _copy(ckpt, tmp_path / "random")
+    f = bad / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    lo, hi = _data_span(f, name)
+    gen = torch.Generator().manual_seed(0)
+    raw[lo:hi] = torch.randint(0, 256, (hi - lo,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+    f.write_bytes(bytes(raw))
+    with safe_open(str(f), framework="pt") as h:  # the header still reads: only the bytes are wrong
+        assert not torch.isfinite(h.get_tensor(name)).all()
+    with pytest.raises(CheckpointError, match=r"hold NaN or infinite values: .*in_proj\.weight") as e:
+        load_model(bad)
+    assert "re-download" in e.value.fix
+
+
+def test_all_zero_weight_matrix_is_refused_but_a_zero_bias_is_not(ckpt, tmp_path):
+    bad = _copy(ckpt, tmp_path / "zero")
+    f = bad / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    name = "backbone.layers.1.mixer.o_proj.weight"
+    lo, hi = _data_span(f, name)
+    raw[lo:hi] = bytes(hi - lo)
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"1 weight matrices are all zeros: backbone\.layers\.1\.mixer"
+                                              r"\.o_proj\.weight"):
+        load_model(bad)
+    ok = _copy(ckpt, tmp_path / "zero_bias")
+    f = ok / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    lo, hi = _data_span(f, "backbone.layers.0.mixer.D")  # a vector may be zero
+    raw[lo:hi] = bytes(hi - lo)
+    f.write_bytes(bytes(raw))
+    load_model(ok)
+
+
+def test_tied_checkpoint_storing_lm_head_loads(tmp_path):
+    """tie_word_embeddings: true with lm_head.weight also stored (transformers' save_pretrained writes it)."""
+    hf = make_hf_model(seed=4, tie_word_embeddings=True)
+    path = write_checkpoint(tmp_path / "tied", hf, with_mtp=False)
+    with torch.no_grad():  # the oracle's head is its embeddings, as transformers' tie_weights() makes it
+        hf.lm_head.weight.copy_(hf.get_input_embeddings().weight)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["backbone.embeddings.weight"].clone()  # stored as well
+    save_file(tensors, str(path / "model.safetensors"))
+    engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=32)
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.embeddings.weight.data_ptr()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(engine.logits(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_nonfinite_outputs_are_flagged_with_the_first_layer(ckpt):
+    engine = Engine.from_pretrained(ckpt, draft_len=2, max_batch_size=2, max_seq_len=64)
+    out = engine.generate([[3, 4, 5]], 4)
+    assert out.nonfinite == []
+    with torch.no_grad():
+        engine.model.layers[1].mixer.o_proj.weight.fill_(float("nan"))  # layer 1 is attention ("M*EM-E")
+    out = engine.generate([[3, 4, 5]], 4)
+    assert out.nonfinite[0] == "layers.1.attention", out.nonfinite
+    assert "lm_head" in out.nonfinite and "embeddings" not in out.nonfinite and "layers.0.mamba" not in \
+        out.nonfinite
+
+
+@pytest.mark.parametrize(
+    "ids, exc, match",
+    [
+        ([[3, 1.9]], TypeError, r"prompts\[0\]\[1\] must be an integer token id"),
+        ([[3, "5"]], TypeError, r"prompts\[0\]\[1\]"),
+        ([[3, True]], TypeError, r"prompts\[0\]\[1\]"),
+        ([[3, -1]], ValueError, r"-1"),
+        ([[3, 61]], ValueError, r"61"),  # vocab_size 61
+        ([[3], []], ValueError, r"prompts\[1\]"),
+    ],
+)
+def test_generate_refuses_bad_ids_before_any_compute(ckpt, ids, exc, match):
+    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+    calls = []
+    engine.model.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(exc, match=match):
+        engine.generate(ids, 3)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "ids, exc",
+    [
+        (torch.tensor([[3.0, 4.0]]), TypeError),
+        (torch.tensor([[3, -2]]), ValueError),
+        (torch.tensor([[3, 61]]), ValueError),
+        (torch.zeros(1, 0, dtype=torch.long), ValueError),
+        ([[3, 4]], TypeError),
+    ],
+)
+def test_logits_refuses_bad_ids(ckpt, ids, exc):
+    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(exc, match="input_ids"):
+        engine.logits(ids)
+
+
+def test_16bit_mamba2_state_is_warned_about(ckpt, caplog):
+    with caplog.at_level("WARNING", logger="runners.engine"):
+        Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32, ssm_state_dtype=torch.bfloat16)
+    assert "16-bit recurrent state drifts" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runners.engine"):
+        Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+    assert "16-bit" not in caplog.text
+
+
+# ------------------------------------------------------------------ degenerate outputs and health checks
+
+
+def test_repeats_one_token():
+    assert repeats_one_token([0, 0, 0, 0])
+    assert repeats_one_token([7, 7, 7, 7, 2], {2})  # the stop token at the end does not count
+    assert not repeats_one_token([7, 7, 7, 2], {2})  # 3 tokens: too short to call
+    assert not repeats_one_token([7, 7, 8, 7])
+
+
+def _sample(text, ids, flexible):
+    return {"empty_output": not text.strip(), "repeats_one_token": repeats_one_token(ids),
+            "extracted": {"strict_match": "[invalid]", "flexible_extract": flexible}}
+
+
+def test_output_health_counts():
+    samples = [_sample("", [2], "[invalid]"), _sample("a a a a", [9, 9, 9, 9], "[invalid]"),
+               _sample("so 12", [4, 5, 6], "12")]
+    assert output_health(samples) == {"n": 3, "empty": 1, "repeated_token": 1, "no_answer": 2}
+
+
+def _results(n, empty=0, repeated=0, no_answer=0, nonfinite=(), strict=0.0):
+    return {
+        "gsm8k": {"strict_match": strict, "flexible_extract": strict, "n": n},
+        "health": {"nonfinite": list(nonfinite),
+                   "outputs": {"n": n, "empty": empty, "repeated_token": repeated, "no_answer": no_answer}},
+    }
+
+
+def _verdict(results):
+    return evaluate_verdict(results, model_key="tiny_nemotron_h_mtp", entry="tiny_nemotron_h_mtp",
+                            dtype="float32", spec_dec="none")
+
+
+def test_a_healthy_short_run_passes_and_says_what_had_no_reference():
+    v = _verdict(_results(3, no_answer=1))
+    gsm = next(c for c in v.checks if c.name == "gsm8k.mean")
+    assert gsm.threshold < 0  # at n = 3 the GSM8K check cannot fail ...
+    assert v.status == PASS and v.headline == "PASS"
+    v = evaluate_verdict({**_results(3), "acceptance": {"rate": 0.5, "length": 2.5}},
+                         model_key="tiny_nemotron_h_mtp", entry="x", dtype="float32", spec_dec="mtp",
+                         draft_len=2, require_reference=False)
+    assert v.headline == "PASS (acceptance: no reference)"  # K = 2 has no acceptance row
+
+
+@pytest.mark.parametrize(
+    "kw, failed",
+    [
+        ({"empty": 3}, "health.empty"),  # every generation empty (the NaN checkpoint decoding to EOS)
+        ({"repeated": 2}, "health.repeated_token"),  # 2 of 3 > 50 %
+        ({"no_answer": 3}, "health.answers"),  # no number anywhere
+        ({"nonfinite": ["layers.3.mamba", "norm_f", "lm_head"]}, "health.finite"),
+    ],
+)
+def test_a_broken_model_fails_where_gsm8k_cannot(kw, failed):
+    """... but the health checks can: the issue's random-weights model (token 0 forever) fails at any n."""
+    v = _verdict(_results(3, **kw))
+    assert v.passed is False and v.status == FAIL
+    assert [c.name for c in v.checks if c.status == FAIL] == [failed]
+    assert v.headline == f"FAIL: {failed}"
+
+
+def test_health_thresholds_and_notes():
+    (finite, empty, rep, ans) = check_health(_results(4, empty=2, repeated=3, no_answer=4,
+                                                      nonfinite=["layers.3.mamba", "norm_f"])["health"])
+    assert (empty.status, empty.value, empty.threshold) == (PASS, 0.5, MAX_EMPTY_FRACTION)  # at the limit
+    assert rep.status == FAIL and rep.value == 0.75
+    assert ans.status == FAIL and ans.value == 0.0
+    assert finite.status == FAIL and finite.note.startswith("NaN / infinite values first in layers.3.mamba, "
+                                                            "then norm_f")
+    assert check_health(None) == []
+    assert headline("fail", [("gsm8k.mean", "pass"), ("health.empty", "fail"), ("acceptance.rate",
+                                                                               "no_reference")]) == \
+        "FAIL: health.empty (acceptance: no reference)"
+
+
+# ------------------------------------------------------------------ GSM8K files
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"question": "q", "answer": "#### 1"', "not valid JSON"),
+        ('["q", "a"]', "a JSON list, not an object"),
+        ('{"question": "q"}', '"answer" is missing'),
+        ('{"question": "q", "answer": null}', '"answer" is None'),
+        ('{"answer": "#### 1", "question": ""}', "\"question\" is ''"),
+    ],
+)
+def test_gsm8k_file_with_a_bad_line_names_file_and_line(tmp_path, line, problem):
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(f"{good}\n\n{good}\n")
+    gsm8k_files(tmp_path)
+    (tmp_path / "test.jsonl").write_text(f"{good}\n{good}\n{line}\n")
+    with pytest.raises(GSM8KDataError) as e:
+        gsm8k_files(tmp_path)
+    assert e.value.problem.startswith(f"{tmp_path / 'test.jsonl'}:3: ") and problem in e.value.problem
+    assert "question" in e.value.fix and "answer" in e.value.fix
+    with pytest.raises(GSM8KDataError, match=":3: "):
+        check_gsm8k_file(tmp_path / "test.jsonl")
+
+
+# ------------------------------------------------------------------ output folders
+
+
+def test_output_folder_under_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="a path component is a file, not a folder") as e:
+        ensure_writable_dir(tmp_path / "afile" / "run")
+    assert "out_dir=" in e.value.fix
+    with pytest.raises(UserError, match="exists and is not a folder"):
+        ensure_writable_dir(tmp_path / "afile")
+
+
+@pytest.mark.parametrize("code, reason", [(errno.EACCES, "permission denied"),
+                                          (errno.EROFS, "read-only file system"),
+                                          (errno.ENOSPC, "no space left on the device")])
+def test_output_folder_that_cannot_be_written(tmp_path, monkeypatch, code, reason):
+    """Root ignores permissions and tests cannot mount read-only: the OS errors are injected."""
+    import tempfile
+
+    def refuse(*a, **kw):
+        raise OSError(code, os.strerror(code), str(tmp_path))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    with pytest.raises(UserError, match=f"cannot be written: {reason}"):
+        ensure_writable_dir(tmp_path / "o")
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(UserError, match=f"cannot be created: {reason}"):
+        ensure_writable_dir(tmp_path / "p")
+
+
+def test_default_folders_are_claimed_exclusively(tmp_path):
+    first = claim_dir(str(tmp_path / "out" / "2026-12-01_03-00-00"))
+    assert claim_dir(str(tmp_path / "out" / "2026-12-01_03-00-00")) == first  # Hydra resolves it again
+    # another process asking for the same second's folder (its own cache is empty) gets the next one
+    code = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from evals.outdir import claim_dir; "
+            f"print(claim_dir({str(tmp_path / 'out' / '2026-12-01_03-00-00')!r}))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           check=True).stdout.strip()
+    assert (first, other) == (str(tmp_path / "out" / "2026-12-01_03-00-00"),
+                              str(tmp_path / "out" / "2026-12-01_03-00-00-2"))
+
+
+def test_a_folder_in_use_is_refused(tmp_path):
+    claim = claim_out_dir(tmp_path / "run")
+    with pytest.raises(UserError, match="is in use by a run that is still going") as e:
+        claim_out_dir(tmp_path / "run")
+    assert f"pid {os.getpid()}" in e.value.problem
+    claim.release()
+    claim_out_dir(tmp_path / "run").release()  # free again once the run ended
+
+
+def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    write_atomic(path, '{"old": 1}\n')
+
+    def boom(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, '{"new": 2}\n')
+    assert path.read_text() == '{"old": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left
+
+
+# ------------------------------------------------------------------ state precision
+
+
+def test_baseline_rows_hold_for_their_state_dtype(tmp_path):
+    rows = [
+        {"dtype": "float32", "quant": "none", "kv_cache_quant": "none", "spec_dec": "none", "accuracy": 10.0,
+         "num_samples": 1319, "sigma": 13.6},
+        {"dtype": "float32", "quant": "none", "kv_cache_quant": "none", "spec_dec": "none", "accuracy": 9.0,
+         "num_samples": 1319, "sigma": 13.6, "ssm_state_dtype": ["bfloat16"]}]
+    base = {"schema_version": 1, "metric": "mean",
+            "models": {"tiny": {"description": "d", "source": "s", "rows": rows}}}
+    import yaml
+
+    path = tmp_path / "gsm8k.yaml"
+    path.write_text(yaml.safe_dump(base))
+    assert find_gsm8k_reference("tiny", "float32", "none", "none", "none", path=path).accuracy == 10.0
+    assert find_gsm8k_reference("tiny", "float32", "none", "none", "none", state={"ssm_state_dtype": "bf16"},
+                                path=path).accuracy == 9.0
+    with pytest.raises(BaselineError, match="ssm_state_dtype=float16"):
+        find_gsm8k_reference("tiny", "float32", "none", "none", "none", state={"ssm_state_dtype": "float16"},
+                             path=path)
+    # the shipped acceptance rows are float32-state references: a bfloat16 state finds none
+    with pytest.raises(BaselineError, match="ssm_state_dtype=bfloat16"):
+        find_acceptance_reference("tiny_nemotron_h_mtp", "none", 3, state={"ssm_state_dtype": "bfloat16"})
+    assert find_acceptance_reference("tiny_nemotron_h_mtp", "none", 3).acceptance_rate_floor > 0
+
+
+def test_run_state_dtype_reaches_the_baseline_lookup():
+    rr = resolve(compose_config(["model=tiny_nemotron_h_mtp", "model.ssm.state_dtype=bfloat16"]),
+                 check_checkpoint=False)
+    assert rr.baseline_state == {"ssm_state_dtype": "bfloat16"}
+    assert rr.to_dict()["ssm_state_dtype"] == "bfloat16"  # results.json config
+
+
+# ------------------------------------------------------------------ reports carry their context
+
+
+def test_environment_and_git_dirty(tmp_path):
+    env = environment("cpu")
+    assert env["timestamp_utc"].endswith("+00:00") and env["host"] and env["device_name"].startswith("cpu")
+    assert env["torch"] == torch.__version__
+    assert set(env) >= {"torch", "triton", "lm_eval", "flashinfer", "python"}
+    repo = tmp_path / "repo"
+    (repo / "registry").mkdir(parents=True)
+    (repo / "outputs").mkdir()
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (repo / "README").write_text("x")
+    git("add", "README")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    assert git_commit(repo)[1] is False
+    (repo / "outputs" / "scratch.json").write_text("{}")  # untracked elsewhere: clean
+    assert git_commit(repo)[1] is False
+    (repo / "registry" / "new_entry.yaml").write_text("a: 1")  # untracked under registry/: dirty
+    assert git_commit(repo)[1] is True
+
+
+def test_gsm8k_standard_error_is_lm_evals():
+    from lm_eval.api.metrics import mean_stderr
+
+    assert mean_stderr([1.0, 0.0, 0.0, 1.0]) == pytest.approx(math.sqrt(0.25 / 3))
+
+
+def test_plot_titles_and_comparison_lines():
+    results = {"entry": "tiny_nemotron_h_mtp", "config": {"ssm_replay": True, "draft_len": 3},
+               "environment": {"timestamp_utc": "2026-12-01T03:00:00+00:00"}}
+    assert plot_title(results, "Accepted length") == \
+        "Accepted length\ntiny_nemotron_h_mtp, ssm_replay=true, K=3, 2026-12-01"
+    same = DivergenceSummary(n=5, num_identical=5, num_diverged=0, min_first_divergence=None,
+                             median_first_divergence=None)
+    assert divergence_line(same) == "tokens: 5 of 5 identical, no divergence"
+    assert divergence_line(DivergenceSummary(5, 4, 1, 17, 17.0)) == \
+        "tokens: 4 of 5 identical, first divergence at token 17"
+    acc = AcceptanceDiff(rate_a=0.5, rate_b=0.5, rate_delta=0.0, length_a=2.5, length_b=2.5, length_delta=0.0,
+                         per_position_a=[0.5], per_position_b=[0.5], per_position_delta=[0.0],
+                         num_accepted_hist_a=[0, 1, 1], num_accepted_hist_b=[0, 2, 0], draft_len_a=1,
+                         draft_len_b=1)
+    assert acceptance_line(acc, "rewind", "replay") == (
+        "acceptance (rewind -> replay): rate 50.00% -> 50.00% (+0.00 points), length 2.500 -> 2.500 (+0.000)")
+    comp = Comparison("rewind", "replay", 5, {}, None, acc)
+    checks = {c.name: c for c in comparison_checks(comp, exact=True)}
+    assert checks["comparison.acceptance"].status == FAIL  # same rates, but the histograms differ
+
+
+# ------------------------------------------------------------------ Hydra-level mistakes through run.py
+
+
+def _run_py(*args, cwd, env=None):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize(
+    "args, problem, fix",
+    [
+        (["model.checkpoint=/data/ck,v2"],
+         "error: the override 'model.checkpoint=/data/ck,v2' holds a comma",
+         "  fix: quote the value to keep the comma: \"model.checkpoint='/data/ck,v2'\""),
+        (["eval.num_fewshot=???"], "error: no value for eval.num_fewshot (the override eval.num_fewshot=???)",
+         "  fix: give it a value (e.g. eval.num_fewshot=<value>)"),
+        (["eval.limit=???"], "error: no value for eval.limit", "  fix: give it a value"),
+        (["runtime.dtype=???"], "error: no value for runtime.dtype", "  fix: give it a value"),
+        (["model.checkpoint=${oc.env:ROBUST_UNSET_VARIABLE}"],
+         "error: the value of 'model.checkpoint' (the override "
+         "'model.checkpoint=${oc.env:ROBUST_UNSET_VARIABLE}') cannot be resolved",
+         "  fix: set the environment variable ROBUST_UNSET_VARIABLE"),
+    ],
+)
+def test_hydra_level_mistakes_are_one_error_and_one_fix(tmp_path, args, problem, fix):
+    proc = _run_py(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines[-2:]] == ["error", "  fix"], proc.stderr
+    assert lines[-2].startswith(problem), proc.stderr
+    assert lines[-1].startswith(fix), proc.stderr
+
+
+# ------------------------------------------------------------------ registry validate
+
+
+def test_validate_fails_an_embedded_entry_without_its_checkpoint(tmp_path, monkeypatch):
+    import registry.validate as registry_validate
+
+    shipped = registry_validate.EMBEDDED_CHECKPOINTS_DIR / "tiny_nemotron_h_mtp"
+    command = registry_validate.restore_command(shipped)
+    rel = shipped.relative_to(REPO_ROOT)
+    assert command == f"git -C {REPO_ROOT} checkout HEAD -- {rel}"
+    tracked = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "--", str(rel)], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert {Path(t).name for t in tracked} >= {"config.json", "tokenizer.json", "model.safetensors"}
+
+    monkeypatch.setattr(registry_validate, "EMBEDDED_CHECKPOINTS_DIR", tmp_path / "checkpoints")
+    report = registry_validate.validate_one("tiny_nemotron_h_mtp")
+    (error,) = [e for e in report.errors if "does not exist" in e]
+    assert error.startswith(f"embedded checkpoint {tmp_path / 'checkpoints' / 'tiny_nemotron_h_mtp'} does "
+                            "not exist")
+    assert "fix: add the checkpoint folder" in error  # not tracked by git there: what to add
+    assert not any("not built yet" in n for n in report.notes)
+
+
+def test_console_labels_both_arms_alike():
+    comparison = {"label_a": "rewind", "label_b": "replay",
+                  "filters": {f: {"accuracy_a": 2.0, "accuracy_b": 2.0} for f in ("strict_match",
+                                                                                    "flexible_extract")},
+                  "acceptance": {"rate_a": 0.5, "rate_b": 0.5, "length_a": 2.5, "length_b": 2.5}}
+    results = {"entry": "tiny_nemotron_h_mtp", "comparison": comparison,
+               "config": {"model": {"family": "nemotron_h", "ssm": {"backend": "torch"}}, "dtype": "float32",
+                          "device": "cpu",
+                          "ssm_replay": True, "world_size": 1, "draft_len": 3, "ssm_backend": "torch",
+                          "ssm_state_dtype": "float32"},
+               "gsm8k": {"strict_match": 0.02, "flexible_extract": 0.02, "n": 10}, "acceptance": {},
+               "timings": {"prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0, "wall_seconds": 1.0},
+               "memory": {"kv": 1}}
+    text = format_console(results)
+    rows = [line for line in text.splitlines() if "rewind" in line and "replay" in line]
+    assert rows and all(line.index("rewind") < line.index("replay") for line in rows), text
+    assert "ssm_replay / world_size  both arms (compare=replay) / 1" in text
+
+
+def test_readme_error_examples_are_what_run_py_prints(tmp_path):
+    """Each README block that starts with `$ python run.py ...` and shows error / fix lines: run.py prints
+    those lines (a line ending in '...' is a prefix)."""
+    import re
+    import shlex
+
+    blocks = re.findall(r"```\n(\$ python run\.py[^\n]*)\n(error:[^\n]*)\n(  fix:[^\n]*)\n```",
+                        (REPO_ROOT / "README.md").read_text())
+    assert len(blocks) >= 3
+    for command, *lines in blocks:
+        proc = _run_py(*shlex.split(command)[3:], f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        got = proc.stderr.strip().splitlines()[-2:]
+        for want, line in zip(lines, got):
+            assert line.startswith(want.removesuffix("...")) if want.endswith("...") else line == want, \
+                (command, want, line)
