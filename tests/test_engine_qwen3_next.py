@@ -307,7 +307,7 @@ def test_speculative_equals_plain_greedy_and_commit_equals_accepted_only(small_v
     chunk = 7 if K == 3 else 8192  # once with chunked prefill
     engine, s = mtp_tests._checked_run(path, prompts, plain, K, prefill_chunk_tokens=chunk)
     assert s.accepted_drafts > 0  # the 5-token vocab makes some random drafts right
-    mtp_tests._check_counters(s, K, engine.realized_accepts)
+    mtp_tests._check_counters(s, K, engine.committed)  # counted as committed to the output
     assert engine.cache_memory()["spec_buffers_bytes"] > 0  # GDN rewind buffers (T states per slot)
 
 
@@ -316,7 +316,7 @@ def test_ragged_forced_acceptance_keeps_each_rows_gdn_state(small_vocab, K):
     path, prompts, plain = small_vocab
     schedules = [[K, 0], [0, K], [min(2, K), K, 0, 0], [K, K, 0], [0], [K, 1, K]]
     engine, s = mtp_tests._checked_run(path, prompts, plain, K, schedules)
-    mtp_tests._check_counters(s, K, engine.realized_accepts)
+    mtp_tests._check_counters(s, K, engine.committed)  # counted as committed to the output
     assert s.num_accepted_hist[1] > 0 and s.num_accepted_hist[K + 1] > 0
 
 
