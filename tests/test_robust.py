@@ -493,7 +493,7 @@ def test_validate_fails_an_embedded_entry_without_its_checkpoint(tmp_path, monke
     (error,) = [e for e in report.errors if "does not exist" in e]
     assert error.startswith(f"embedded checkpoint {tmp_path / 'checkpoints' / 'tiny_nemotron_h_mtp'} does "
                             "not exist")
-    assert "fix: add the checkpoint folder" in error  # not tracked by git there: what to add
+    assert "fix: build it with python -m runners.tiny" in error  # not tracked by git there: how to build it
     assert not any("not built yet" in n for n in report.notes)
 
 
