@@ -367,7 +367,9 @@ def test_fp8_tiny_entry_passes_its_verdict_on_a_short_cpu_run(entry, gsm8k_dir, 
     results = app.run(cfg)
     verdict = results["verdict"]
     assert verdict["status"] == "pass" and verdict["complete"], verdict
-    assert {c["name"] for c in verdict["checks"]} == {"gsm8k.mean", "acceptance.rate", "acceptance.length"}
+    names = {c["name"] for c in verdict["checks"]}
+    assert names - {"health.finite", "health.empty", "health.repeated_token", "health.answers"} == {
+        "gsm8k.mean", "acceptance.rate", "acceptance.length"}  # health checks need no reference
     report = results["config"]["fp8_gemms"]
     assert set(report["fp8_linears"]) == {"reference"} and set(report["fp8_moe"]) == {"dequant"}
     assert app.exit_code(results) == 0
