@@ -210,8 +210,9 @@ def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
     header, a failed conversion or a broken training run leave. One-dimensional tensors may legitimately be
     zero (biases, zero-centred norm weights) and are checked for finiteness only.
 
-    tensors: {checkpoint name: loaded tensor} (on any device). The reductions run on the tensors' device in
-    chunks of 2^24 elements and are read back once (one host synchronisation for the whole model).
+    tensors: {checkpoint name: loaded tensor} (on any device; FP8 tensors are upcast chunk by chunk). The
+    reductions run on the tensors' device in chunks of 2^24 elements and are read back once (one host
+    synchronisation for the whole model).
     """
     names, flags = [], []
     for name, t in tensors.items():
@@ -222,6 +223,8 @@ def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
         nonzero = torch.zeros((), dtype=torch.bool, device=t.device)
         for i in range(0, flat.numel(), _CHECK_CHUNK):
             chunk = flat[i : i + _CHECK_CHUNK]
+            if chunk.element_size() == 1:  # FP8 (e4m3fn / e5m2): torch has no isfinite for them; the
+                chunk = chunk.float()  # upcast keeps NaN / inf and zeros exactly
             bad |= ~torch.isfinite(chunk).all()
             nonzero |= (chunk != 0).any()
         names.append(name)

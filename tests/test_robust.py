@@ -532,3 +532,14 @@ def test_readme_error_examples_are_what_run_py_prints(tmp_path):
         for want, line in zip(lines, got):
             assert line.startswith(want.removesuffix("...")) if want.endswith("...") else line == want, \
                 (command, want, line)
+
+
+def test_weight_check_reads_fp8_tensors():
+    """FP8 checkpoints (e4m3fn weights) are checked too: torch has no isfinite for float8."""
+    from runners.loader import check_weights
+
+    check_weights({"w": torch.randn(4, 4).to(torch.float8_e4m3fn)}, "ck")
+    with pytest.raises(CheckpointError, match="all zeros: w"):
+        check_weights({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, "ck")
+    with pytest.raises(CheckpointError, match="NaN or infinite values: w"):
+        check_weights({"w": torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn)}, "ck")
