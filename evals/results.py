@@ -68,9 +68,10 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         import torch
 
-        if torch.cuda.is_available():
+        try:
             return torch.cuda.get_device_name(torch.device(device))
-        return f"{device} (not available)"
+        except (AssertionError, RuntimeError) as e:  # no CUDA build / driver: the run says so elsewhere
+            return f"{device} (name unavailable: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
