@@ -181,14 +181,22 @@ def output_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts of degenerate generations among scored samples (samples.jsonl records), for the verdict's
     health checks (evals.verdict.check_outputs): `n`; `empty` (no text before the first stop string, blanks
     aside); `repeated_token` (the generation is one token id repeated, see repeats_one_token); `no_answer`
-    (flexible-extract, the lenient filter, found no number). A model that generates nothing, one token
-    forever, or never an answer is broken, whatever its GSM8K score at a small n says."""
+    (flexible-extract, the lenient filter, found no number); `ended` (generations that ended on their own,
+    at a stop token or stop string, not cut by max_gen_toks) and `ended_no_answer` (those of them without a
+    number). A model that generates nothing, one token forever, or never an answer is broken, whatever its
+    GSM8K score at a small n says."""
+
+    def no_answer(s: dict[str, Any]) -> bool:
+        return s["extracted"].get("flexible_extract", INVALID_ANSWER) == INVALID_ANSWER
+
+    ended = [s for s in samples if s.get("finish_reason") != "length"]
     return {
         "n": len(samples),
         "empty": sum(s["empty_output"] for s in samples),
         "repeated_token": sum(s["repeats_one_token"] for s in samples),
-        "no_answer": sum(s["extracted"].get("flexible_extract", INVALID_ANSWER) == INVALID_ANSWER
-                         for s in samples),
+        "no_answer": sum(map(no_answer, samples)),
+        "ended": len(ended),
+        "ended_no_answer": sum(map(no_answer, ended)),
     }
 
 

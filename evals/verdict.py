@@ -43,7 +43,7 @@ PASS, FAIL, NO_REFERENCE = "pass", "fail", "no_reference"
 # no empty generation and an extractable number in most.
 MAX_EMPTY_FRACTION = 0.5  # fail when more than half the generations are empty (no text before the stop)
 MAX_REPEATED_FRACTION = 0.5  # fail when more than half repeat one token id (>= 4 tokens, all the same)
-MIN_ANSWERED = 1  # fail when no generation has a number flexible-extract can read
+MIN_ANSWERED = 1  # fail when no generation that ended on its own has a number flexible-extract can read
 
 _PHI = NormalDist()
 
@@ -204,7 +204,8 @@ def check_health(health: dict[str, Any] | None) -> list[Check]:
       flags); the note names where they first appeared;
     - ``health.empty``: at most MAX_EMPTY_FRACTION of the generations are empty;
     - ``health.repeated_token``: at most MAX_REPEATED_FRACTION of them repeat one token id;
-    - ``health.answers``: at least MIN_ANSWERED generation has an answer flexible-extract can read.
+    - ``health.answers``: at least MIN_ANSWERED of the generations that ended on their own (not cut by
+      max_gen_toks) has an answer flexible-extract can read; absent when every generation was cut.
     A results dict without a `health` section (or without `outputs`) gets the checks it has data for.
     """
     if not health:
@@ -254,20 +255,24 @@ def check_health(health: dict[str, Any] | None) -> list[Check]:
                     {"count": out[key], "n": n},
                 )
             )
-        answered = n - int(out["no_answer"])
-        checks.append(
-            Check(
-                "health.answers",
-                float(answered),
-                None,
-                float(MIN_ANSWERED),
-                PASS if answered >= MIN_ANSWERED else FAIL,
-                "samples",
-                f"{answered} of {n} generations hold a number flexible-extract reads; pass if at "
-                f"least {MIN_ANSWERED}",
-                {"no_answer": out["no_answer"], "n": n},
+        # judged on the generations that ended on their own: one cut by max_gen_toks may not have reached
+        # its answer yet (a short eval.max_gen_toks cuts them all; then there is nothing to judge)
+        ended = int(out.get("ended", n))
+        if ended:
+            answered = ended - int(out.get("ended_no_answer", out["no_answer"]))
+            checks.append(
+                Check(
+                    "health.answers",
+                    float(answered),
+                    None,
+                    float(MIN_ANSWERED),
+                    PASS if answered >= MIN_ANSWERED else FAIL,
+                    "samples",
+                    f"{answered} of {ended} generations that ended before max_gen_toks hold a number "
+                    f"flexible-extract reads; pass if at least {MIN_ANSWERED}",
+                    {"no_answer": out["no_answer"], "ended": ended, "n": n},
+                )
             )
-        )
     return checks
 
 

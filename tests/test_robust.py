@@ -195,15 +195,25 @@ def test_repeats_one_token():
     assert not repeats_one_token([7, 7, 8, 7])
 
 
-def _sample(text, ids, flexible):
+def _sample(text, ids, flexible, finish="stop_token"):
     return {"empty_output": not text.strip(), "repeats_one_token": repeats_one_token(ids),
-            "extracted": {"strict_match": "[invalid]", "flexible_extract": flexible}}
+            "extracted": {"strict_match": "[invalid]", "flexible_extract": flexible}, "finish_reason": finish}
 
 
 def test_output_health_counts():
-    samples = [_sample("", [2], "[invalid]"), _sample("a a a a", [9, 9, 9, 9], "[invalid]"),
+    samples = [_sample("", [2], "[invalid]"), _sample("a a a a", [9, 9, 9, 9], "[invalid]", "length"),
                _sample("so 12", [4, 5, 6], "12")]
-    assert output_health(samples) == {"n": 3, "empty": 1, "repeated_token": 1, "no_answer": 2}
+    assert output_health(samples) == {"n": 3, "empty": 1, "repeated_token": 1, "no_answer": 2, "ended": 2,
+                                      "ended_no_answer": 1}
+
+
+def test_answers_are_judged_on_generations_that_ended():
+    """A budget too short for any answer (eval.max_gen_toks=8: every generation cut) is not a broken model;
+    a model whose finished generations hold no number is."""
+    cut = {"n": 2, "empty": 0, "repeated_token": 0, "no_answer": 2, "ended": 0, "ended_no_answer": 0}
+    assert [c.name for c in check_health({"outputs": cut})] == ["health.empty", "health.repeated_token"]
+    ended = {**cut, "ended": 1, "ended_no_answer": 1}
+    assert check_health({"outputs": ended})[-1].status == FAIL
 
 
 def _results(n, empty=0, repeated=0, no_answer=0, nonfinite=(), strict=0.0):
