@@ -55,6 +55,8 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.prompts import gsm8k_prompt_ids
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"tiny_nemotron_h": "tiny_nemotron_h_mtp", "tiny_qwen3_next": "tiny_qwen3_next_mtp"}
 SYNTH = {"super_v3": ("nemotron_h", 22, 256), "qwen3_next": ("qwen3_next", 12, None)}  # layers, experts
@@ -71,29 +73,10 @@ def say(msg: str) -> None:
 
 
 def gsm8k_prompts(n: int, length: int, vocab_size: int) -> tuple[list[list[int]], str]:
-    """n prompts of exactly ``length`` ids: GSM8K test questions and answers through the GSM8K tokenizer the
-    tiny and the synthetic checkpoints share (each prompt starts at another question); random ids when no
-    GSM8K copy is found."""
-    import torch
-    from tokenizers import Tokenizer
-
-    from evals.data import gsm8k_dir
-
-    for d in (gsm8k_dir()[0], REPO / ".device/gsm8k"):
-        if d and (Path(d) / "test.jsonl").is_file():
-            rows = [json.loads(x) for x in (Path(d) / "test.jsonl").read_text().splitlines() if x.strip()]
-            tok = Tokenizer.from_file(str(REPO / "registry/checkpoints/tiny_nemotron_h_mtp/tokenizer.json"))
-            prompts = []
-            for i in range(n):
-                ids, j = [1], i
-                while len(ids) < length:
-                    r = rows[j % len(rows)]
-                    ids += tok.encode(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n").ids
-                    j += n
-                prompts.append(ids[:length])
-            return prompts, f"GSM8K test text from {d}"
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab_size, (length,), generator=g).tolist() for _ in range(n)], "random ids"
+    """n prompts of exactly ``length`` ids through the GSM8K tokenizer the tiny and the synthetic checkpoints
+    share (benchmarks.prompts.gsm8k_prompt_ids)."""
+    return gsm8k_prompt_ids(REPO / "registry/checkpoints/tiny_nemotron_h_mtp/tokenizer.json", n, length,
+                            vocab_size)
 
 
 def tiny_model(entry: str, device):

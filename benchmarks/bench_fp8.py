@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.prompts import gsm8k_prompt_ids  # noqa: E402  (REPO on sys.path first)
+
 FP8_TINY_ENTRY, FP8_SUPER_ENTRY = "tiny_nemotron_h_mtp_fp8", "super_v3_mtp_fp8"
 STAGES = ("tiny", "super")
 
@@ -135,16 +137,6 @@ def _measure(engine_path: Path, label: str, args, prompts, *, kv_cache_quant: st
     return out
 
 
-def _realdim():
-    """tests/gpu/realdim.py as a module (a script folder, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("realdim", REPO / "tests" / "gpu" / "realdim.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _need_disk(path: Path, nbytes: int, what: str) -> None:
     free = shutil.disk_usage(path).free
     if free < nbytes * 1.05:
@@ -158,7 +150,6 @@ def stage_super(args: argparse.Namespace) -> dict:
     from runners.quantize import quantize_fp8_checkpoint
     from runners.synth import synth_config, tensor_specs, write_synthetic_checkpoint
 
-    _gsm8k_prompts = _realdim()._gsm8k_prompts  # the same fixed-length GSM8K prompts as tests/gpu/realdim.py
 
     work = Path(args.workdir)
     bf16, fp8 = work / "bf16", work / "fp8"
@@ -175,7 +166,7 @@ def stage_super(args: argparse.Namespace) -> dict:
                                        device=args.device, log=print)
     out["synth"] = {"total_bytes": synth.total_bytes, "seconds": round(time.perf_counter() - t0, 1),
                     "arch_overrides": synth.arch_overrides}
-    prompts, source = _gsm8k_prompts(bf16 / "tokenizer.json", max(args.batch_sizes), args.prompt_len)
+    prompts, source = gsm8k_prompt_ids(bf16 / "tokenizer.json", max(args.batch_sizes), args.prompt_len)
     out["prompts"] = {"source": source, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     try:
         out["bf16"] = _measure(bf16, "bf16", args, prompts, kv_cache_quant="none")

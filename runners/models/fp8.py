@@ -36,7 +36,13 @@ from typing import NamedTuple
 
 import torch
 
-from runners.models.moe import _gathered_linear, _grouped_linear, grouped_mm_supported, sort_pairs_by_expert
+from runners.models.moe import (
+    _gathered_linear,
+    _grouped_linear,
+    grouped_mm_supported,
+    moe_experts_ref,
+    sort_pairs_by_expert,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,27 +162,8 @@ def moe_experts_fp8_ref(
     Returns:
         [N, L] in h's dtype; each token's k expert outputs weighted and summed in float32.
     """
-    n, k = indices.shape
-    expert = indices.flatten()
-    order = torch.argsort(expert, stable=True)
-    token = order // k
-    w = weights.flatten()[order]
-    counts = torch.bincount(expert, minlength=up.weight.shape[0]).tolist()
-    out = torch.zeros(n, h.shape[-1], dtype=torch.float32, device=h.device)
-    start = 0
-    for e, cnt in enumerate(counts):
-        if cnt == 0:
-            continue
-        tok = token[start : start + cnt]
-        x = h[tok]
-        if gate is None:
-            a = act(_expert_linear_ref(x, up, e))
-        else:
-            a = act(_expert_linear_ref(x, gate, e)) * _expert_linear_ref(x, up, e)
-        y = _expert_linear_ref(a, down, e)
-        out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
-        start += cnt
-    return out.to(h.dtype)
+    return moe_experts_ref(h, weights, indices, up, gate, down, act, linear=_expert_linear_ref,
+                           num_experts=up.weight.shape[0])
 
 
 # device -> whether torch._scaled_grouped_mm ran and agreed with the reference there (probed once)

@@ -29,11 +29,16 @@ host synchronisation, more memory traffic.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 # Bytes of gathered expert weights per chunk of the bmm path (each pair gathers an I x L matrix).
 GATHER_CHUNK_BYTES = 256 * 2**20
+
+
+def _dense_expert_linear(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
+    return x @ w[e].T
 
 
 def moe_experts_ref(
@@ -44,12 +49,18 @@ def moe_experts_ref(
     gate: torch.Tensor | None,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    linear: Callable[[torch.Tensor, Any, int], torch.Tensor] | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Reference routed experts: one matmul chain per expert that received tokens (host-synchronising).
 
     Args:
         h: [N, L] expert inputs. weights: [N, k] float32 combine weights. indices: [N, k] int64 expert ids.
         up, gate: [E, I, L] (gate None for non-gated experts); down: [E, L, I]. act: the activation.
+        linear: ``linear(x, W, e)`` is x times expert e's matrix of W transposed; default ``x @ W[e].T`` for
+            dense [E, out, in] tensors (runners.models.fp8 passes its dequantizing reference and FP8Weights).
+        num_experts: E; default ``up.shape[0]`` (needed when up is not a tensor).
 
     Returns:
         [N, L] in h's dtype; each token's k expert outputs are weighted and summed in float32, in expert
@@ -60,7 +71,8 @@ def moe_experts_ref(
     order = torch.argsort(expert, stable=True)
     token = order // k  # token of each (token, choice) pair in expert order
     w = weights.flatten()[order]
-    counts = torch.bincount(expert, minlength=up.shape[0]).tolist()
+    lin = linear or _dense_expert_linear
+    counts = torch.bincount(expert, minlength=up.shape[0] if num_experts is None else num_experts).tolist()
     out = torch.zeros(n, h.shape[-1], dtype=torch.float32, device=h.device)
     start = 0
     for e, cnt in enumerate(counts):
@@ -69,10 +81,10 @@ def moe_experts_ref(
         tok = token[start : start + cnt]
         x = h[tok]
         if gate is None:
-            a = act(x @ up[e].T)
+            a = act(lin(x, up, e))
         else:
-            a = act(x @ gate[e].T) * (x @ up[e].T)
-        y = a @ down[e].T
+            a = act(lin(x, gate, e)) * lin(x, up, e)
+        y = lin(a, down, e)
         out.index_add_(0, tok, y.float() * w[start : start + cnt, None])
         start += cnt
     return out.to(h.dtype)

@@ -37,35 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.prompts import gsm8k_prompt_ids  # noqa: E402  (REPO on sys.path first)
+
 ENTRIES = {"nemotron_h": "super_v3_mtp", "qwen3_next": "qwen3_next_mtp"}
 DEFAULT_CUT = {"nemotron_h": (22, 256), "qwen3_next": (12, None)}  # (num_layers, num_experts)
 ARMS = ((0, False), (3, False), (3, True))  # (draft_len, ssm_replay)
-
-
-def _gsm8k_prompts(tokenizer_path: Path, n: int, length: int) -> tuple[list[list[int]], str]:
-    """n prompts of exactly `length` ids: GSM8K test text (5-shot-like runs of questions and answers) through
-    the checkpoint's tokenizer, each from a different question; random ids when no GSM8K copy is found."""
-    import torch
-    from tokenizers import Tokenizer
-
-    from evals.data import gsm8k_dir
-
-    for d in (gsm8k_dir()[0], REPO / ".device/gsm8k"):  # the project's lookup, then the GPU machine's copy
-        if d and (Path(d) / "test.jsonl").is_file():
-            rows = [json.loads(x) for x in (Path(d) / "test.jsonl").read_text().splitlines() if x.strip()]
-            tok = Tokenizer.from_file(str(tokenizer_path))
-            prompts = []
-            for i in range(n):
-                ids, j = [1], i
-                while len(ids) < length:
-                    r = rows[j % len(rows)]
-                    ids += tok.encode(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n").ids
-                    j += n
-                prompts.append(ids[:length])
-            return prompts, f"GSM8K test text from {d}"
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 2048, (length,), generator=g).tolist() for _ in range(n)]
-    return prompts, "random ids (no GSM8K copy found)"
 
 
 def _eval_command(family: str, ckpt: Path, overrides: list[str], run_dir: Path,
@@ -115,7 +91,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         out["load"] = engine.load_report.to_dict()
         print(json.dumps(out["load"]), flush=True)
         model = engine.model
-        prompts, source = _gsm8k_prompts(ckpt / "tokenizer.json", max_b, args.prompt_len)
+        prompts, source = gsm8k_prompt_ids(ckpt / "tokenizer.json", max_b, args.prompt_len)
         out["prompts"] = {"source": source, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
         logits = engine.logits(torch.tensor(prompts[:1])[:, :64])
         out["logits_check"] = {"finite": bool(torch.isfinite(logits).all()), "std": float(logits.std()),
