@@ -110,6 +110,9 @@ def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> No
             "/ hydra.run.dir=",
         )
     meta = gen.with_name(gen.stem + ".meta.json")
+    if resume and not gen.is_file():  # a mistyped folder would otherwise start over without a word
+        print(f"note: resume=true, but {out_dir} holds no earlier generations: starting from the first "
+              "question", file=sys.stderr)
     if resume and meta.is_file():
         try:
             stored = json.loads(meta.read_text()).get("fingerprint") or {}

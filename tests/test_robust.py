@@ -553,3 +553,28 @@ def test_weight_check_reads_fp8_tensors():
         check_weights({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, "ck")
     with pytest.raises(CheckpointError, match="NaN or infinite values: w"):
         check_weights({"w": torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn)}, "ck")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_an_uncreatable_hydra_run_dir_is_one_error_and_fix_line(tmp_path, where):
+    """Hydra creates hydra.run.dir before the job starts; a folder it cannot create is a user error (exit 2,
+    error / fix lines, no traceback), as out_dir= is."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    run_dir = blocker / "run" if where == "under_a_file" else Path("/proc/no_such_run_dir")
+    proc = subprocess.run([sys.executable, "run.py", "eval.limit=1", f"hydra.run.dir={run_dir}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: cannot create the run folder") and lines[-1].startswith("  fix:")
+
+
+def test_resume_on_a_folder_without_generations_says_so(tmp_path, capsys):
+    """resume=true on an empty (e.g. mistyped) folder starts from the first question, and says so."""
+    from evals.lm_adapter import check_resume
+
+    check_resume(tmp_path / "fresh", True, {"draft_len": 3})
+    assert "resume=true, but" in capsys.readouterr().err
+    check_resume(tmp_path / "fresh2", False, {"draft_len": 3})
+    assert capsys.readouterr().err == ""
