@@ -83,12 +83,16 @@ def _plain(x: object) -> object:
 
 
 # Counts that may also be smaller than world_size when world_size is a multiple of them: tensor-parallel
-# engines replicate KV heads (and mamba groups) across ranks in that case (vLLM, TensorRT-LLM).
+# engines replicate KV heads (and mamba groups) across ranks in that case (vLLM, TensorRT-LLM; runners/tp.py:
+# each rank then holds the one KV head / group its query / mamba heads read, and a mamba group's gated RMSNorm
+# reduces its statistics over the ranks that share the group).
 _REPLICABLE = ("KV heads", "mamba ngroups")
 
 
 def sharded_head_counts(arch: ArchConfig) -> dict[str, int]:
-    """Counts a tensor-parallel engine splits across ranks (heads, groups, experts)."""
+    """Head counts a tensor-parallel engine splits across ranks (attention and KV heads, mamba heads and
+    groups, GDN key and value heads). Routed experts are not among them: runners/tp.py splits every expert
+    along its intermediate size (see :func:`sharded_config_counts`), so any expert count shards."""
     counts = {"attention heads": arch.num_attention_heads, "KV heads": arch.num_key_value_heads}
     if arch.mamba is not None:
         counts["mamba heads"] = arch.mamba.num_heads
@@ -96,8 +100,24 @@ def sharded_head_counts(arch: ArchConfig) -> dict[str, int]:
     if arch.gdn is not None:
         counts["GDN key heads"] = arch.gdn.num_key_heads
         counts["GDN value heads"] = arch.gdn.num_value_heads
-    if arch.num_experts:
-        counts["experts"] = arch.num_experts
+    return counts
+
+
+def sharded_config_counts(config: HybridConfig) -> dict[str, int]:
+    """Every count of a parsed config.json that tensor parallelism splits: the head counts of
+    :func:`sharded_head_counts` plus the intermediate sizes the `arch:` block does not carry (the dense MLP's
+    ``intermediate_size``, the routed experts' ``moe_intermediate_size`` and the shared expert's), for the
+    block kinds the model (backbone or MTP module) has."""
+    counts = sharded_head_counts(arch_from_config(config))
+    kinds = set(config.layer_types) | set(config.mtp_layer_types)
+    if "attention" not in kinds:
+        del counts["attention heads"], counts["KV heads"]
+    if "mlp" in kinds:
+        counts["MLP intermediate_size"] = config.intermediate_size
+    if "moe" in kinds:
+        counts["moe_intermediate_size"] = config.moe_intermediate_size
+        if config.moe_shared_expert_intermediate_size:
+            counts["shared expert intermediate size"] = config.moe_shared_expert_intermediate_size
     return counts
 
 
@@ -105,18 +125,18 @@ def _shards(count: int, world_size: int, replicable: bool) -> bool:
     return count % world_size == 0 or (replicable and world_size % count == 0)
 
 
-def world_size_problems(arch: ArchConfig, world_size: int) -> dict[str, int]:
-    """The head / expert counts of `arch` that world_size cannot shard ({} when it can)."""
-    return {
-        k: v for k, v in sharded_head_counts(arch).items() if not _shards(v, world_size, k in _REPLICABLE)
-    }
+def world_size_problems(arch: ArchConfig | HybridConfig, world_size: int) -> dict[str, int]:
+    """The counts of `arch` (an `arch:` block, or a parsed config.json with its intermediate sizes too) that
+    world_size cannot shard ({} when it can)."""
+    counts = sharded_config_counts(arch) if isinstance(arch, HybridConfig) else sharded_head_counts(arch)
+    return {k: v for k, v in counts.items() if not _shards(v, world_size, k in _REPLICABLE)}
 
 
-def check_world_size(arch: ArchConfig, world_size: int, entry_name: str) -> None:
-    """Raise UserError when world_size cannot shard every head / expert count of `arch`.
+def check_world_size(arch: ArchConfig | HybridConfig, world_size: int, entry_name: str) -> None:
+    """Raise UserError when world_size cannot shard every count of `arch` (see :func:`world_size_problems`).
 
-    Attention, mamba and GDN heads and experts must be divisible by world_size; KV heads and mamba groups
-    may instead divide world_size (they are replicated).
+    Attention, mamba and GDN heads and the intermediate sizes must be divisible by world_size; KV heads and
+    mamba groups may instead divide world_size (they are replicated).
     """
     bad = world_size_problems(arch, world_size)
     if bad:
@@ -124,5 +144,5 @@ def check_world_size(arch: ArchConfig, world_size: int, entry_name: str) -> None
         good = [n for n in (1, 2, 4, 8) if not world_size_problems(arch, n)]
         raise UserError(
             f"world_size={world_size} does not divide the {listing} of {entry_name}",
-            f"set world_size to one that divides every head and expert count: one of {good}",
+            f"set world_size to one that divides every head count and intermediate size: one of {good}",
         )

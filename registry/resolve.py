@@ -208,9 +208,9 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     machines without the weights); a config.json that is there is still read and checked.
     Raises UserError for: an interpolation that does not resolve or a `???` value
     (registry.compose.check_composed), a bad registry entry or top-level value, the cross-setting rules of
-    registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / experts, a missing
-    / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that disagrees with the
-    checkpoint's config.json (check_quant_agrees).
+    registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / intermediate
+    sizes, a missing / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that
+    disagrees with the checkpoint's config.json (check_quant_agrees).
     """
     check_composed(cfg, _task_overrides())
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
@@ -248,7 +248,7 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
             )
         if arch is None:
             arch = ckpt_arch
-            check_world_size(arch, world_size, name)
+        check_world_size(ckpt_config, world_size, name)  # heads and the intermediate sizes of config.json
         n_entry, n_ckpt = entry.speculative.num_nextn_predict_layers, ckpt_config.num_nextn_predict_layers
         if n_entry != n_ckpt:
             raise _with_model_overrides(UserError(

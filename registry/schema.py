@@ -201,6 +201,8 @@ class RuntimeConfig:
     # Decode steps as CUDA graphs at the entry's cuda_graph_batch_sizes; on the CPU the same step runs
     # eagerly whatever this says.
     cuda_graphs: bool = True
+    # world_size > 1: seconds a collective of the ranks (all-reduce) waits for its peers before the run stops
+    collective_timeout_s: int = 600
 
 
 @dataclass
@@ -491,6 +493,9 @@ def check_run_values(run: RunConfig) -> None:
     if run.runtime.num_threads is not None and run.runtime.num_threads < 1:
         raise UserError(f"runtime.num_threads={run.runtime.num_threads} must be >= 1 (or null)",
                         "set runtime.num_threads=1, or null for torch's default")
+    if run.runtime.collective_timeout_s < 1:
+        raise UserError(f"runtime.collective_timeout_s={run.runtime.collective_timeout_s} must be >= 1",
+                        "set runtime.collective_timeout_s=600 (seconds; the default)")
 
 
 def resolve_speculation(entry: ModelEntry, run: RunConfig) -> tuple[int, bool]:

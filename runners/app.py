@@ -18,6 +18,7 @@ Every problem the user can fix raises registry.errors.UserError before the engin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -77,16 +78,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
         _check_out_dir(out_dir, rr)
+        if rr.world_size > 1:  # one process per rank; rank 0 runs the job below, the others serve its engines
+            from runners.launch import launch
+
+            composed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra in the ranks
+            return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
+                          device="cuda" if rr.device.startswith("cuda") else "cpu",
+                          timeout_s=rr.run.runtime.collective_timeout_s,
+                          num_threads=rr.run.runtime.num_threads)
         if rr.run.runtime.num_threads is not None:
             torch.set_num_threads(rr.run.runtime.num_threads)
-        if rr.run.compare is None:
-            torch.manual_seed(rr.run.seed)
-            results = _evaluate_arm(cfg, rr, out_dir)
-        else:
-            results = _run_compare_replay(cfg, rr, out_dir)
-        # results.json is on disk: a history failure is reported as a warning and never loses it
-        record_finished_run(results, out_dir, rr.run.history.db)
-        return results
+        return _run_job(cfg, rr, out_dir)
     except KeyboardInterrupt:
         raise RunInterrupted(out_dir) from None
     finally:
@@ -117,6 +119,19 @@ def _count_lines(path: Path) -> int:
             return sum(1 for line in f if line.endswith(b"\n"))
     except OSError:
         return 0
+
+
+def _run_job(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
+    """The evaluation (or the compare=replay arms) of a checked run, in this process (rank 0 under
+    world_size > 1: its engines are runners.launch's lockstep engines)."""
+    if rr.run.compare is None:
+        torch.manual_seed(rr.run.seed)
+        results = _evaluate_arm(cfg, rr, out_dir)
+    else:
+        results = _run_compare_replay(cfg, rr, out_dir)
+    # results.json is on disk: a history failure is reported as a warning and never loses it
+    record_finished_run(results, out_dir, rr.run.history.db)
+    return results
 
 
 def check_references(rr: ResolvedRun) -> None:
@@ -219,11 +234,17 @@ def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
 
 def _build_engine(rr: ResolvedRun) -> Engine:
     """The engine for the run. Engine.from_pretrained raises CheckpointError (a UserError) for the files and
-    ValueError for options it refuses; every option comes from the config, so those are the user's too."""
+    ValueError for options it refuses; every option comes from the config, so those are the user's too.
+    Under world_size > 1 (this process is rank 0 of runners.launch) every rank builds its shard of it."""
+    from runners import launch
+
+    if launch.current() is not None:
+        build = launch.build_engine  # each rank on its own device
+    else:
+        build = functools.partial(Engine.from_pretrained, device=rr.device)
     try:
-        return Engine.from_pretrained(
+        return build(
             str(rr.checkpoint_dir),
-            device=rr.device,
             dtype=getattr(torch, rr.dtype),
             draft_len=rr.draft_len,
             ssm_replay=rr.ssm_replay,

@@ -516,6 +516,7 @@ class Engine:
         self.kv_cache_quant = "fp8" if self._cache_args["kv_cache_dtype"] is not None else "none"
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
         self.load_report: LoadReport | None = None  # set by from_pretrained
+        self.tensor_parallel = None  # from_pretrained: the rank's runners.tp.TensorParallel when sharded
         self.cache = HybridCache(
             config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend,
             stochastic_rounding=ssm_stochastic_rounding, **self._cache_args
@@ -610,7 +611,10 @@ class Engine:
                 with a warning on the CPU, and off with ssm_backend "torch": decode steps replay CUDA graphs),
                 cuda_graph_batch_sizes (default 1, 2, 4, ... and max_batch_size: the padded batch sizes
                 captured; larger batches run eagerly), overlap_steps (default: True on CUDA: queue the next
-                step before this one's host bookkeeping).
+                step before this one's host bookkeeping), tensor_parallel (default None: a
+                ``runners.tp.TensorParallel``; this process then loads, allocates and runs only its rank's
+                shard of the model, and ``engine.config`` is the rank's view of config.json; its process
+                group must be initialised: ``runners.launch`` runs such engines on every rank in lockstep).
 
         The model is built on the meta device and its weights are loaded straight to ``device`` in their
         dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
@@ -640,6 +644,7 @@ class Engine:
             "overlap_steps",
             "ssm_stochastic_rounding",
             "check_finite",
+            "tensor_parallel",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -648,11 +653,16 @@ class Engine:
         _check_spec_args(draft_len, ssm_replay)
         device = torch.device(device)
         budget = options.pop("memory_budget_bytes", None)
+        tp = options.pop("tensor_parallel", None)
         t0 = time.perf_counter()
         host_reset = host_peak_rss_reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         plan = plan_load(path, dtype=dtype, load_mtp=True if draft_len > 0 else None)
+        if tp is not None:  # this rank's shard: the model of the rank's config view, readers of its part
+            from runners.tp import shard_plan
+
+            plan = shard_plan(plan, tp)
         # the caches this engine will allocate, sized before anything is: weights + caches must fit
         ssm_state_dtype = _resolve_dtype(options.get("ssm_state_dtype") or plan.config.mamba_ssm_cache_dtype)
         cache_args = dict(
@@ -681,6 +691,7 @@ class Engine:
             torch.cuda.synchronize(device)
         t_weights = time.perf_counter() - t_weights
         engine = cls(model, device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay, **options)
+        engine.tensor_parallel = tp
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)

@@ -14,8 +14,10 @@ registry.checkpoint.CheckpointError (a UserError) naming the file or tensor and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,8 +39,18 @@ _CHECK_CHUNK = 1 << 24
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
 SAFETENSORS_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
-__all__ = ["CheckpointError", "LoadPlan", "check_weights", "load_model", "materialize", "plan_load",
-           "read_config"]
+__all__ = [
+    "CheckpointError",
+    "LoadPlan",
+    "build_meta_model",
+    "check_weights",
+    "load_model",
+    "load_targets",
+    "materialize",
+    "model_bytes",
+    "plan_load",
+    "read_config",
+]
 
 
 def read_config(path: str | Path) -> HybridConfig:
@@ -69,7 +81,10 @@ class LoadPlan:
     ``model``: the :class:`HybridLM` on ``torch.device("meta")`` with every parameter and buffer already in
     its load dtype; ``files``: ``{tensor name: safetensors file}`` of the tensors to load; ``weight_bytes``:
     what :func:`materialize` will allocate for parameters and buffers (shapes and dtypes as checked against
-    the safetensors headers, tied weights counted once).
+    the safetensors headers, tied weights counted once). ``readers``: ``{tensor name: read(slice) -> tensor}``
+    for tensors that load only a part of the file's tensor (tensor parallelism, ``runners.tp.shard_plan``:
+    ``read`` gets the memory-mapped ``safe_open(...).get_slice(name)`` and reads only its part); other tensors
+    are read whole.
     """
 
     path: Path
@@ -78,6 +93,7 @@ class LoadPlan:
     files: dict[str, Path]
     dtype: torch.dtype
     weight_bytes: int
+    readers: dict[str, Callable[[Any], torch.Tensor]] = field(default_factory=dict)
 
 
 def _computed_buffers(model: nn.Module) -> set[int]:
@@ -88,6 +104,26 @@ def _computed_buffers(model: nn.Module) -> set[int]:
         for n in m._non_persistent_buffers_set
         if m._buffers[n] is not None
     }
+
+
+def build_meta_model(config: HybridConfig, *, dtype: torch.dtype, with_mtp: bool) -> HybridLM:
+    """The :class:`HybridLM` of ``config`` on the meta device (no memory), every floating parameter and buffer
+    in ``dtype`` except the MoE router's (:data:`FP32_SUFFIXES`, kept float32)."""
+    with torch.device("meta"):
+        model = HybridLM(config, with_mtp=with_mtp)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
+            t.data = t.data.to(dtype)  # free on the meta device
+    return model
+
+
+def load_targets(model: HybridLM) -> dict[str, torch.Tensor]:
+    """``{checkpoint tensor name: model tensor it fills}`` (the family's ``checkpoint_targets``) without the
+    non-persistent buffers, which modules compute (``init_buffers``) instead of loading."""
+    config = model.config
+    computed = _computed_buffers(model)
+    targets = family_module(config.family, config.source).checkpoint_targets(model)
+    return {n: t for n, t in targets.items() if id(t) not in computed}
 
 
 def plan_load(
@@ -122,16 +158,10 @@ def plan_load(
         )
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
-    with torch.device("meta"):
-        model = HybridLM(config, with_mtp=load_mtp)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
-            t.data = t.data.to(dtype)  # free on the meta device
+    model = build_meta_model(config, dtype=dtype, with_mtp=load_mtp)
     if config.quantization is not None:  # FP8 modules where the checkpoint's quantization config says
         apply_quantization(model, config.quantization)
-    computed = _computed_buffers(model)
-    targets = family_module(config.family, config.source).checkpoint_targets(model)
-    targets = {n: t for n, t in targets.items() if id(t) not in computed}
+    targets = load_targets(model)
     if config.tie_word_embeddings and TIED_HEAD in files and TIED_HEAD not in targets:
         _check_tied_head(files[TIED_HEAD], (config.vocab_size, config.hidden_size))
         files = {n: f for n, f in files.items() if n != TIED_HEAD}
@@ -183,9 +213,13 @@ def plan_load(
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{shard}: cannot read tensor headers ({e}); the file is corrupt",
                                   "re-download or re-save it") from e
+    return LoadPlan(path, config, model, files, dtype, model_bytes(model))
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers at their dtypes, tied tensors counted once."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    return LoadPlan(path, config, model, files, dtype, weight_bytes)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _check_tied_head(shard: Path, shape: tuple[int, int]) -> None:
@@ -268,7 +302,8 @@ def _to_empty_keeping_ties(model: nn.Module, device: str | torch.device) -> nn.M
 def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
     """Allocate the planned model on ``device`` (uninitialised, ``nn.Module.to_empty``) and fill it from the
     safetensors shards, one shard at a time, each memory-mapped (``safe_open``) and copied tensor by tensor
-    into its destination in the destination's dtype: nothing is built on the host first or in float32.
+    into its destination in the destination's dtype: nothing is built on the host first or in float32. A
+    tensor with a reader in ``plan.readers`` copies only what the reader returns (its shard).
     Modules with non-persistent buffers compute them in ``init_buffers()``, called last; an FP8 model then
     fixes which FP8 GEMMs run on ``device`` (``runners.quant.prepare_fp8``, ``model.quant_report``).
 
@@ -288,8 +323,9 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
             try:
                 with safe_open(str(shard), framework="pt") as f:
                     for name in names:
-                        target = targets[name]
-                        target.copy_(f.get_tensor(name).reshape(target.shape))
+                        target, read = targets[name], plan.readers.get(name)
+                        data = f.get_tensor(name) if read is None else read(f.get_slice(name))
+                        target.copy_(data.reshape(target.shape))
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt",
                                       "re-download or re-save it") from e

@@ -57,11 +57,14 @@ def check_supported(rr: ResolvedRun) -> None:
 
     Refused: NVFP4 weights (`quant: nvfp4`, :func:`check_quant_hardware`); an FP8 checkpoint in a layout
     the engine does not run (block-wise FP8, dynamic activation scales: runners.quant.check_runnable);
-    tensor parallelism (world_size > 1); ssm.backend=flashinfer on the CPU; a CUDA device where CUDA is
-    missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of sm_89+, a
-    dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant, runners.cache.KVCache).
-    (`cuda_graph_batch_sizes` is honoured: the engine captures its decode step at those sizes on a GPU,
-    runners/graphs.py; on the CPU the same step runs eagerly.)
+    world_size > 1 with FP8 weights or an FP8 KV cache (runners.tp shards unquantized models only), on one
+    named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
+    CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of
+    sm_89+, a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant,
+    runners.cache.KVCache). (`cuda_graph_batch_sizes` is honoured: the engine captures its decode step at
+    those sizes on a GPU, runners/graphs.py; on the CPU the same step runs eagerly. world_size > 1 runs one
+    process per rank, runners.launch, with eager steps: no CUDA graphs, no overlap_steps, a warning says
+    so; the head counts it shards are checked by registry.resolve.)
     """
     check_quant_hardware(rr)
     e = rr.entry
@@ -71,12 +74,6 @@ def check_supported(rr: ResolvedRun) -> None:
             check_runnable(quant)
         except CheckpointError as err:
             raise UserError(f"entry {e.name}: {err.problem}", err.fix) from None
-    if rr.world_size > 1:
-        raise UserError(
-            f"world_size={rr.world_size}: the engine (runners.Engine) does not implement tensor parallelism "
-            "yet",
-            "run with world_size=1 (the registry's _ws4 entries compose and check head divisibility only)",
-        )
     if rr.device == "cpu" and e.ssm.backend == SSMBackend.flashinfer:
         raise UserError(
             f"entry {e.name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is "
@@ -85,3 +82,22 @@ def check_supported(rr: ResolvedRun) -> None:
         )
     if rr.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
+    if rr.world_size > 1 and (quant is not None or e.kv_cache_quant.value != "none"):
+        raise UserError(
+            f"entry {e.name} with world_size={rr.world_size}: tensor parallelism (runners.tp) shards models "
+            "without FP8 weights or FP8 KV cache only (their scales are not sharded yet)",
+            "use world_size=1 with the FP8 entry, or a bf16 entry (quant: none, kv_cache_quant: none) with "
+            "world_size > 1",
+        )
+    if rr.world_size > 1 and rr.device.startswith("cuda:"):
+        raise UserError(
+            f"runtime.device={rr.device} with world_size={rr.world_size}: tensor-parallel rank r runs on "
+            "cuda:r",
+            "use runtime.device=cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)",
+        )
+    if rr.world_size > 1 and rr.device == "cuda" and torch.cuda.device_count() < rr.world_size:
+        raise UserError(
+            f"world_size={rr.world_size} needs {rr.world_size} GPUs (one per rank), but "
+            f"{torch.cuda.device_count()} are visible",
+            f"run on a node with {rr.world_size} GPUs, or set world_size to the GPU count",
+        )

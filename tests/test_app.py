@@ -252,22 +252,23 @@ def test_world_size_must_divide_heads(fakes):
 def test_world_size_from_checkpoint_config(fakes, tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")  # 4 attention heads, 8 mamba heads, 4 experts
     err = _error(f"model.checkpoint={ckpt}", "world_size=8")
-    assert "attention heads=4" in err.problem and "experts=4" in err.problem
+    assert "attention heads=4" in err.problem and "experts" not in err.problem  # experts split by size
+    config = dict(TINY_NEMOTRON_H_CONFIG, moe_intermediate_size=20)  # config.json's sizes are checked too
+    err = _error(f"model.checkpoint={make_checkpoint(tmp_path / 'ckpt2', config=config)}", "world_size=8")
+    assert "moe_intermediate_size=20" in err.problem
 
 
-def test_world_size_on_cpu_is_refused(fakes, tmp_path):
+def test_world_size_devices(fakes, tmp_path, monkeypatch):
+    """world_size > 1 on GPUs: one GPU per rank (rank r on cuda:r), so a named GPU or too few are refused."""
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    # the engine has no tensor parallelism: that is the refusal, without a device hint that leads nowhere
-    err = _error(f"model.checkpoint={ckpt}", "world_size=2")
-    assert "does not implement tensor parallelism" in err.problem
-    assert "world_size=1" in err.fix and "runtime=gpu" not in err.fix
-
-
-
-def test_world_size_needs_engine_support(fakes, tmp_path):
-    ckpt = make_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = _error(f"model.checkpoint={ckpt}", "world_size=2", "runtime=gpu")
-    assert "does not implement tensor parallelism" in err.problem
+    assert "needs 2 GPUs" in err.problem and "1 are visible" in err.problem
+    err = _error(f"model.checkpoint={ckpt}", "world_size=2", "runtime=gpu", "runtime.device=cuda:1")
+    assert "rank r runs on cuda:r" in err.problem and "runtime.device=cuda" in err.fix
+    err = _error(f"model.checkpoint={ckpt}", "world_size=2", "runtime.collective_timeout_s=0")
+    assert "runtime.collective_timeout_s=0 must be >= 1" in err.problem
 
 
 def test_models_root_needed(fakes):

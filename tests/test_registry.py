@@ -143,9 +143,13 @@ def test_world_size_divisibility():
         check_world_size(arch, 3, "super_v3_mtp")
     assert "world_size=3 does not divide" in e.value.problem and "mamba heads=128" in e.value.problem
     assert "[1, 2, 4, 8]" in e.value.fix
-    odd = _super_hf_config(n_routed_experts=6, num_experts_per_tok=2)
-    odd = arch_from_config(HybridConfig.from_dict(odd))
-    assert world_size_problems(odd, 4) == {"experts": 6}
+    # routed experts are split along their intermediate size: any expert count shards, the sizes must divide
+    odd = HybridConfig.from_dict(_super_hf_config(n_routed_experts=6, num_experts_per_tok=2))
+    assert world_size_problems(arch_from_config(odd), 4) == {}
+    assert world_size_problems(odd, 4) == {}
+    odd = HybridConfig.from_dict(_super_hf_config(moe_intermediate_size=2690, num_attention_heads=30))
+    assert world_size_problems(odd, 4) == {"attention heads": 30, "moe_intermediate_size": 2690}
+    assert world_size_problems(odd, 2) == {}
 
 
 def test_registry_list(capsys):

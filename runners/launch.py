@@ -1,0 +1,428 @@
+"""One process per tensor-parallel rank: launch, lockstep engines, failures.
+
+:func:`launch` starts ``world_size`` processes on this host (``torch.multiprocessing.start_processes``, forked
+from a forkserver that imported torch once).
+Each initialises ``torch.distributed`` (NCCL on CUDA GPUs, rank r on ``cuda:r``; gloo on the CPU) with a
+timeout on every collective, plus a second gloo group for control messages. Rank 0 runs ``fn(*args)``, and
+its return value is :func:`launch`'s; the other ranks serve rank 0's engines until it returns:
+
+- :func:`build_engine` on rank 0 broadcasts its arguments, and every rank builds the same engine
+  (``Engine.from_pretrained(..., tensor_parallel=...)``: each loads and allocates only its shard,
+  ``runners.tp``); rank 0 gets a :class:`LockstepEngine`.
+- Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
+  checks, ``on_finish`` callbacks, lm-eval around it); each step method (:data:`LOCKSTEP_METHODS`: prefill,
+  decode step, speculative step, ``logits``) first broadcasts its name and host-side arguments over the
+  control group, and every other rank runs the same method with the same arguments. So all ranks run the same
+  forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
+  drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
+  tokens. The followers need neither tokenizer nor callbacks. Cost: one small broadcast per step. At the end
+  of every ``generate`` all ranks compare a digest of the tokens their steps produced
+  (:meth:`LockstepEngine.check_lockstep`): ranks that diverged raise instead of reporting wrong numbers.
+  (The alternative, every rank running ``generate`` itself, would need the caller's ``stop_checker`` on every
+  rank and deterministic there.)
+
+Failures: an exception on any rank is written, with its rank and traceback, to the launch's folder; the parent
+process, which watches every rank, then ends the others (SIGTERM) and raises: a ``UserError`` as a UserError
+whose problem starts with ``rank r:`` (run.py prints it as usual), anything else as :class:`RankFailure`. A
+rank that dies without a Python exception (a signal, the NCCL watchdog's abort) is reported with its exit
+status. A rank stuck in a collective whose peer is alive but elsewhere raises after ``timeout_s`` (the process
+group's timeout). Ctrl-C (SIGINT to the parent) ends every rank; ranks also die with the parent
+(``PR_SET_PDEATHSIG``). On CUDA the ranks keep NVLink multicast off (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
+
+One host only (the control messages and rendezvous use a file in a temporary folder).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+import hashlib
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from registry.errors import UserError
+from runners.engine import Engine
+from runners.tp import TensorParallel
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LOCKSTEP_METHODS",
+    "LockstepEngine",
+    "RankContext",
+    "RankFailure",
+    "build_engine",
+    "current",
+    "launch",
+]
+
+START_METHOD = "forkserver"  # of torch.multiprocessing.start_processes (see launch())
+DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
+CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
+# Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
+LOCKSTEP_METHODS = ("_prefill", "_decode_step", "_spec_step", "logits")
+_TOKEN_STEPS = ("_prefill", "_decode_step", "_spec_step")  # their results (token ids) enter the digest
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class RankFailure(RuntimeError):
+    """A rank of a :func:`launch` failed; ``rank`` is its index, the message holds its error and traceback."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class RankContext:
+    """This process's rank under :func:`launch`: ``device`` (``cuda:rank`` or cpu), ``tp`` (its
+    :class:`runners.tp.TensorParallel` on the default process group), ``control`` (the gloo group of the
+    lockstep messages)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp: TensorParallel
+    control: Any
+
+
+_CONTEXT: RankContext | None = None
+
+
+def current() -> RankContext | None:
+    """The rank context when this process is a rank of :func:`launch`, else None."""
+    return _CONTEXT
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Control messages and lockstep engines
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _require() -> RankContext:
+    if _CONTEXT is None:
+        raise RuntimeError("not a rank of runners.launch.launch: no process group to run a sharded engine on")
+    return _CONTEXT
+
+
+def _broadcast(message: Any = None) -> Any:
+    """Rank 0 sends ``message`` to every rank over the control group; other ranks get it (returned)."""
+    ctx = _require()
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=ctx.control)
+    return box[0]
+
+
+def _to_host(obj: Any) -> Any:
+    """Tensors (in nested tuples / lists / dicts) moved to the CPU: messages hold no device tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    return obj
+
+
+def _digest_update(digest: Any, name: str, result: Any) -> None:
+    if name in _TOKEN_STEPS:
+        digest.update(repr((name, result)).encode())
+
+
+def _compare_digests(digest: Any) -> None:
+    """Every rank contributes its digest; raises RuntimeError on every rank when they differ."""
+    ctx = _require()
+    digests: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(digests, digest.hexdigest(), group=ctx.control)
+    if len(set(digests)) > 1:
+        raise RuntimeError(
+            f"tensor-parallel ranks diverged: the token ids their engine steps produced differ "
+            f"(digests by rank: {[d[:12] for d in digests]}); the ranks' all-reduced activations are not "
+            "bitwise equal"
+        )
+
+
+class LockstepEngine(Engine):
+    """Rank 0's engine under :func:`launch` (built by :func:`build_engine`): each method of
+    :data:`LOCKSTEP_METHODS` first broadcasts its call to the other ranks, which run it on their engine;
+    ``generate`` ends with :meth:`check_lockstep`. Otherwise an :class:`runners.Engine` (the same API)."""
+
+    _digest: Any = None
+
+    def generate(self, *args: Any, **kwargs: Any):
+        out = super().generate(*args, **kwargs)
+        self.check_lockstep()
+        return out
+
+    def check_lockstep(self) -> None:
+        """Compare the digest of every rank's step results (token ids) since the engine was built; raises
+        RuntimeError when a rank produced different tokens."""
+        _broadcast(("digest",))
+        _compare_digests(self._digest)
+
+
+def _lockstep(name: str) -> Callable:
+    step = getattr(Engine, name)
+
+    @functools.wraps(step)
+    def method(self: LockstepEngine, *args: Any, **kwargs: Any) -> Any:
+        _broadcast(("call", name, _to_host(args), _to_host(kwargs)))
+        result = step(self, *args, **kwargs)
+        _digest_update(self._digest, name, result)
+        return result
+
+    return method
+
+
+for _name in LOCKSTEP_METHODS:
+    setattr(LockstepEngine, _name, _lockstep(_name))
+
+
+def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
+    """On rank 0 of :func:`launch`: build ``Engine.from_pretrained(path, **kwargs)`` on every rank, each on
+    its own device with its shard (``tensor_parallel`` and ``device`` are set per rank: do not pass them),
+    and return rank 0's :class:`LockstepEngine`. The other ranks drop the engine they held before."""
+    ctx = _require()
+    if ctx.rank != 0:
+        raise RuntimeError("build_engine runs on rank 0; the other ranks build theirs from its message")
+    bad = {"device", "tensor_parallel"} & set(kwargs)
+    if bad:
+        raise ValueError(f"build_engine sets {sorted(bad)} per rank; do not pass them")
+    _broadcast(("build", str(path), kwargs))
+    engine = LockstepEngine.from_pretrained(path, device=ctx.device, tensor_parallel=ctx.tp, **kwargs)
+    engine._digest = hashlib.sha256()
+    return engine
+
+
+def _free(engine: Engine | None) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def serve() -> None:
+    """The loop of ranks other than 0: build, run the steps of, and check the engines rank 0 asks for, until
+    it says exit."""
+    ctx = _require()
+    engine, digest = None, hashlib.sha256()
+    while True:
+        message = _broadcast()
+        op = message[0]
+        if op == "exit":
+            return
+        if op == "build":
+            _free(engine)
+            engine, digest = None, hashlib.sha256()
+            engine = Engine.from_pretrained(message[1], device=ctx.device, tensor_parallel=ctx.tp,
+                                            **message[2])
+        elif op == "call":
+            name, args, kwargs = message[1:]
+            _digest_update(digest, name, getattr(engine, name)(*args, **kwargs))
+        elif op == "digest":
+            _compare_digests(digest)
+        else:
+            raise RuntimeError(f"unknown lockstep message {op!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Processes
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (no orphaned rank waits on a collective)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _init_rank(rank: int, world_size: int, device: str, init_file: str, timeout_s: float) -> RankContext:
+    global _CONTEXT
+    cuda = device == "cuda"
+    if cuda:
+        for k, v in NO_MULTICAST_ENV.items():
+            os.environ.setdefault(k, v)
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev if cuda else None,
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _CONTEXT = RankContext(rank, world_size, dev, TensorParallel(rank, world_size), control)
+    return _CONTEXT
+
+
+def _write(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(obj))
+    tmp.replace(path)  # atomic: the parent never reads half a file
+
+
+def _error_record(rank: int, e: BaseException) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "type": f"{type(e).__module__}.{type(e).__qualname__}",
+        "message": str(e),
+        "user_error": isinstance(e, UserError),
+        "problem": getattr(e, "problem", None),
+        "fix": getattr(e, "fix", None),
+        "traceback": "".join(traceback.format_exception(e)),
+    }
+
+
+def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: float,
+            num_threads: int | None, payload: bytes, all_ranks: bool) -> None:
+    _die_with_parent()
+    folder_path = Path(folder)
+    try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        _init_rank(rank, world_size, device, str(folder_path / "rendezvous"), timeout_s)
+        if rank == 0 or all_ranks:
+            fn, args = pickle.loads(payload)
+            result = fn(*args)
+            if rank == 0:
+                if not all_ranks:
+                    _broadcast(("exit",))
+                _write(folder_path / "result.pkl", result)
+        else:
+            serve()
+        dist.destroy_process_group()
+    except Exception as e:
+        _write(folder_path / f"error-{rank}.pkl", _error_record(rank, e))
+        raise
+
+
+def _failure(folder: Path, exc: Exception, world_size: int) -> Exception:
+    """The exception to raise for a failed launch: the earliest rank error written, else the exit status."""
+    records = []
+    for f in folder.glob("error-*.pkl"):
+        try:
+            records.append(pickle.loads(f.read_bytes()))
+        except Exception:  # noqa: BLE001 - a record cut short by the kill: the others (or exc) tell
+            continue
+    if records:
+        first = min(records, key=lambda r: r["time"])
+        rank = first["rank"]
+        if first["user_error"]:
+            return UserError(f"rank {rank} of {world_size}: {first['problem']}", first["fix"])
+        return RankFailure(
+            f"rank {rank} of {world_size} failed with {first['type']}: {first['message']}\n"
+            f"{first['traceback']}", rank)
+    rank = getattr(exc, "error_index", -1)
+    if getattr(exc, "signal_name", None):
+        why = (f"was killed by {exc.signal_name} (out of memory? or the NCCL watchdog after a collective "
+               "timeout)")
+    else:
+        why = f"ended without reporting a Python error ({exc}; its output above says why)"
+    return RankFailure(f"rank {rank} of {world_size} {why}", rank)
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    *,
+    world_size: int,
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    num_threads: int | None = None,
+    all_ranks: bool = False,
+) -> Any:
+    """Run ``fn(*args)`` on rank 0 of ``world_size`` new processes (the others serve rank 0's engines, see the
+    module docstring) and return its result. ``fn`` must be a module-level function; ``args`` and the result
+    must pickle.
+
+    Args:
+        device: "cpu" (gloo) or "cuda" (NCCL; rank r on cuda:r, world_size GPUs needed).
+        timeout_s: how long a collective of the model's process group waits before it raises.
+        num_threads: torch intra-op threads per rank (None: torch's default).
+        all_ranks: run ``fn`` on every rank instead (each may call torch.distributed itself); rank 0's result
+            is returned.
+
+    Raises:
+        registry.errors.UserError: a rank raised one (its problem prefixed with ``rank r of N:``).
+        RankFailure: a rank raised anything else, or died; the others were ended.
+        KeyboardInterrupt: Ctrl-C; every rank was ended.
+        ValueError: bad arguments.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: launch places rank r on cuda:r (device='cuda') or on the cpu")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"world_size={world_size} needs {world_size} CUDA GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+    payload = pickle.dumps((fn, args))
+    # forkserver: a server process started once (per launching process) imports torch and the engine, and
+    # forks the ranks from it; spawn would import them again in every rank (seconds each on a small CPU).
+    # The ranks are fresh forks of a process that never touched CUDA or threads, as spawned ones are.
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["runners.launch"])
+    with tempfile.TemporaryDirectory(prefix="hybrid-launch-") as folder:
+        context = mp.start_processes(
+            _worker,
+            args=(world_size, device, folder, timeout_s, num_threads, payload, all_ranks),
+            nprocs=world_size,
+            join=False,
+            start_method=START_METHOD,
+        )
+        try:
+            while not context.join(timeout=1.0):
+                pass
+        except KeyboardInterrupt:
+            _end(context)
+            raise
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            _end(context)
+            raise _failure(Path(folder), e, world_size) from None
+        result = Path(folder) / "result.pkl"
+        if not result.is_file():
+            raise RankFailure("rank 0 finished without a result", 0)
+        return pickle.loads(result.read_bytes())
+
+
+def _end(context: Any) -> None:
+    """End every rank still running: SIGTERM, then SIGKILL after a short grace."""
+    for p in context.processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in context.processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+if __name__ == "__main__":  # pragma: no cover - not a tool
+    sys.exit("runners.launch is a module; use runners.launch.launch() or run.py world_size=N")

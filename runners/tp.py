@@ -1,0 +1,415 @@
+"""Tensor parallelism as a layer over the models: a per-rank config view, per-rank checkpoint readers, and an
+all-reduce where each block's row-parallel output ends. The model code never mentions ranks.
+
+The model to follow is gpt-fast's tp.py (pytorch-labs/gpt-fast): shard an already-built model by swapping its
+weights for their shards and summing the outputs of the row-parallel layers across ranks. Here the model is
+first built on the meta device from the checkpoint (``runners.loader.plan_load``: every name and shape checked
+against the safetensors headers, nothing allocated); :func:`shard_plan` then rebuilds it, still on the meta
+device, from the rank's config view (:func:`rank_config`: head counts and intermediate sizes divided by the
+world size), registers the all-reduces as forward hooks, and gives the loader one reader per checkpoint tensor
+that reads only this rank's part of the memory-mapped file (safetensors ``get_slice``). So each rank allocates
+and reads only its shard; ``runners.loader.materialize`` fills it.
+
+How each block kind is split (W world size, r this rank; full sizes of config.json):
+
+- attention: query heads split (q_proj rows; gated attention's rows are per head [q_h, gate_h]); KV heads
+  split, or when there are fewer KV heads than ranks each rank holds the one KV head its query heads read
+  (vLLM / TensorRT-LLM replicate them the same way); o_proj by columns. q / k norms replicated.
+- mamba2: heads split. in_proj's output is [z | x | B | C | dt]: each rank reads its heads' part of z, x and
+  dt and its groups' part of B and C; the conv over [x | B | C] likewise; A_log, D, dt_bias and the norm
+  weight by head; out_proj by columns. With ngroups >= W the groups split with the heads; with ngroups < W
+  (W a multiple of it) each rank holds the one group its heads read, and the gated grouped RMSNorm, whose
+  group then spans W / ngroups ranks, sums its statistics over those ranks (:class:`SpanningGroupRMSNorm`).
+- gdn: key heads split together with their value heads. in_proj_qkvz and in_proj_ba are grouped per key head
+  ([q_h, k_h, v_h, z_h] and [b_h, a_h]), so a rank's rows are one contiguous block; the conv over the
+  de-interleaved [Q | K | V] reads its part of each; A_log / dt_bias by value head; the output norm (over the
+  value head dim) replicated; out_proj by columns.
+- mlp (dense blocks and shared experts): gate / up by rows (column parallel), down by columns (row parallel).
+- moe: the router replicated (every rank routes every token alike); every routed expert split along its
+  intermediate size (up / gate rows, down columns), so each rank runs the same fused grouped GEMMs over all
+  routed (token, expert) pairs with its slice of each expert ("sharded intermediate"); the shared expert as an
+  mlp; NemotronH's latent projections replicated (fc2_latent_proj is linear: it maps the partial sums). This
+  instead of expert parallelism: the MoE forward stays unchanged (no token dispatch, no host sync, CUDA-graph
+  capturable), every rank does the same work whatever the routing, and any expert count shards.
+- the MTP module's blocks as above; its enorm / hnorm / eh_proj / final norm replicated. Embeddings, lm_head
+  and every block norm are replicated (simpler than a vocab-parallel head, at the cost of one copy of the
+  embedding and head per rank).
+- Row-parallel biases (o_proj, out_proj, down_proj, fc2_latent_proj) are loaded on rank 0 and are zero on the
+  other ranks, so the all-reduced sum adds them once.
+
+Every block mixer that holds a shard (attention, mamba2, gdn, mlp, moe) gets a forward hook that sums its
+output over the ranks (``torch.distributed.all_reduce``, in place: NCCL on GPUs, gloo on the CPU; NCCL's
+all-reduce can be captured in a CUDA graph); the residual stream, norms, logits and greedy tokens are then the
+same on every rank. The engine sizes every cache from the model's config, which is the rank view: recurrent
+states, conv windows, KV caches, replay histories and rewind buffers hold this rank's heads only.
+
+Order with other module swaps (e.g. quantized linears): shard first (this module, on the plan), then swap
+modules of the sharded plan's model, then materialize.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from registry.arch import check_world_size
+from registry.errors import UserError
+from registry.hf_config import HybridConfig
+from runners.loader import LoadPlan, build_meta_model, load_targets, model_bytes
+from runners.models.gdn import GatedDeltaNet
+from runners.models.layers import MLP, Attention, MoE
+from runners.models.mamba2 import Mamba2Mixer
+
+__all__ = [
+    "TensorParallel",
+    "Shard",
+    "FirstRankOnly",
+    "SpanningGroupRMSNorm",
+    "rank_config",
+    "shard_plan",
+    "shard_rules",
+]
+
+# block kinds whose mixer holds a shard and ends in a row-parallel projection (an all-reduce after it)
+SHARDED_KINDS = ("attention", "mamba2", "gdn", "mlp", "moe")
+
+# a routed expert's tensors in a checkpoint (both families): experts.{e}.{up,gate,down}_proj.weight
+_EXPERT = re.compile(r"\.experts\.\d+\.(up|gate|down)_proj\.weight$")
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``rank`` in [0, ``world_size``) of ``group`` (a
+    ``torch.distributed`` process group; None: the default group). The process group must be initialised
+    before a sharded model runs a forward (and before :func:`shard_plan` when a mamba group spans ranks)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+    _subgroups: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+
+    def subgroup(self, span: int) -> Any:
+        """The process group of the ``span`` consecutive ranks this rank belongs to (ranks ``k span ..
+        (k + 1) span - 1``). Every rank must ask for the same spans in the same order: creating a group is a
+        collective call (``torch.distributed.new_group``)."""
+        if span not in self._subgroups:
+            ranks = (list(range(self.world_size)) if self.group is None
+                     else dist.get_process_group_ranks(self.group))
+            mine = None
+            for start in range(0, self.world_size, span):
+                g = dist.new_group(ranks[start:start + span])
+                if start <= self.rank < start + span:
+                    mine = g
+            self._subgroups[span] = mine
+        return self._subgroups[span]
+
+
+def rank_config(config: HybridConfig, world_size: int) -> HybridConfig:
+    """The config one rank's model is built from: attention, KV, mamba and GDN head counts, mamba groups and
+    the dense / routed / shared intermediate sizes divided by ``world_size`` (KV heads and mamba groups fewer
+    than ranks become 1: replicated). Every rank's view is the same. ``world_size = 1`` returns ``config``.
+
+    Raises:
+        registry.errors.UserError: a count that ``world_size`` cannot shard, naming it
+            (``registry.arch.check_world_size``).
+    """
+    check_world_size(config, world_size, config.source or "the model")
+    if world_size == 1:
+        return config
+    W = world_size
+    c = config
+    return replace(
+        c,
+        num_attention_heads=c.num_attention_heads // W,
+        num_key_value_heads=max(1, c.num_key_value_heads // W) if c.num_key_value_heads else 0,
+        mamba_num_heads=c.mamba_num_heads // W,
+        n_groups=max(1, c.n_groups // W),
+        gdn_num_key_heads=c.gdn_num_key_heads // W,
+        gdn_num_value_heads=c.gdn_num_value_heads // W,
+        intermediate_size=c.intermediate_size // W,
+        moe_intermediate_size=c.moe_intermediate_size // W,
+        moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size // W,
+        source=f"{c.source} (one rank's view at world_size {W})",
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank reads of a checkpoint tensor
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rank's part of a checkpoint tensor: along ``dim``, the concatenation of the index ``ranges``
+    (half-open ``(start, stop)`` pairs, in order; several when the tensor stacks parts, e.g. mamba's
+    in_proj [z | x | B | C | dt])."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """The shard's shape, given the full tensor's."""
+        out = list(full)
+        out[self.dim] = sum(b - a for a, b in self.ranges)
+        return tuple(out)
+
+    def read(self, sl: Any) -> torch.Tensor:
+        """Read the shard from a safetensors slice (``safe_open(...).get_slice(name)``): only these ranges
+        are read from the memory-mapped file."""
+        lead = (slice(None),) * self.dim
+        parts = [sl[lead + (slice(a, b),)] for a, b in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class FirstRankOnly:
+    """A row-parallel bias: rank 0 reads it whole, every other rank holds zeros (the all-reduce adds it once).
+    """
+
+    rank: int
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(full)
+
+    def read(self, sl: Any) -> torch.Tensor:
+        return sl[:] if self.rank == 0 else torch.zeros(tuple(sl.get_shape()))
+
+
+Rule = Shard | FirstRankOnly | None  # None: replicated (read whole)
+
+
+def _part(total: int, W: int, r: int, offset: int = 0) -> tuple[int, int]:
+    """Rank r's contiguous share of ``total`` (divisible by W) starting at ``offset``."""
+    n = total // W
+    return (offset + r * n, offset + (r + 1) * n)
+
+
+def _attention_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+    H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rows_per_head = hd * (2 if c.attn_output_gate else 1)  # gated: [q_h, gate_h] per head
+    q = Shard(0, (_part(H * rows_per_head, W, r),))
+    if KVH % W == 0:
+        kv = Shard(0, (_part(KVH * hd, W, r),))
+    else:  # fewer KV heads than ranks: the KV head of this rank's query heads, held by W / KVH ranks
+        j = r // (W // KVH)
+        kv = Shard(0, ((j * hd, (j + 1) * hd),))
+    return {
+        "q_proj.weight": q, "q_proj.bias": q,
+        "k_proj.weight": kv, "k_proj.bias": kv,
+        "v_proj.weight": kv, "v_proj.bias": kv,
+        "o_proj.weight": Shard(1, (_part(H * hd, W, r),)), "o_proj.bias": FirstRankOnly(r),
+    }
+
+
+def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
+    """(first group, number of groups) that rank r holds of a mamba layer: G / W groups split with the heads,
+    or, when G < W, the one group its heads read."""
+    G = c.n_groups
+    if G % W == 0:
+        return r * (G // W), G // W
+    return r // (W // G), 1
+
+
+def _mamba_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+    H, P, G, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
+    di = H * P
+    g0, Gl = mamba_groups(c, W, r)
+    z = _part(di, W, r)
+    heads = _part(H, W, r)
+    b_part = (g0 * N, (g0 + Gl) * N)
+
+    def at(offset: int, rng: tuple[int, int]) -> tuple[int, int]:
+        return (offset + rng[0], offset + rng[1])
+
+    # in_proj rows: z (di) | x (di) | B (G N) | C (G N) | dt (H); conv channels: x | B | C
+    in_proj = Shard(0, (z, at(di, z), at(2 * di, b_part), at(2 * di + G * N, b_part),
+                        at(2 * di + 2 * G * N, heads)))
+    conv = Shard(0, (z, at(di, b_part), at(di + G * N, b_part)))
+    per_head = Shard(0, (heads,))
+    return {
+        "in_proj.weight": in_proj, "in_proj.bias": in_proj,
+        "conv1d.weight": conv, "conv1d.bias": conv,
+        "dt_bias": per_head, "A_log": per_head, "D": per_head,
+        "norm.weight": Shard(0, (z,)),
+        "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
+    }
+
+
+def _gdn_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+    H, HV, K, V = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim
+    ratio = HV // H
+    per_key_head = 2 * K + 2 * ratio * V  # in_proj_qkvz rows of one key head: [q_h, k_h, v_h, z_h]
+    return {
+        "in_proj_qkvz.weight": Shard(0, (_part(H * per_key_head, W, r),)),
+        "in_proj_ba.weight": Shard(0, (_part(H * 2 * ratio, W, r),)),  # [b_h, a_h] per key head
+        # conv channels de-interleaved: Q (H K) | K (H K) | V (HV V)
+        "conv1d.weight": Shard(0, (_part(H * K, W, r), _part(H * K, W, r, H * K),
+                                   _part(HV * V, W, r, 2 * H * K))),
+        "dt_bias": Shard(0, (_part(HV, W, r),)),
+        "A_log": Shard(0, (_part(HV, W, r),)),
+        "out_proj.weight": Shard(1, (_part(HV * V, W, r),)),
+    }
+
+
+def _mlp_rules(m: MLP, W: int, r: int) -> dict[str, Rule]:
+    Il = m.up_proj.weight.shape[0]  # the rank's intermediate size (the module is the rank's)
+    col, row = Shard(0, ((r * Il, (r + 1) * Il),)), Shard(1, ((r * Il, (r + 1) * Il),))
+    return {
+        "gate_proj.weight": col, "gate_proj.bias": col, "up_proj.weight": col, "up_proj.bias": col,
+        "down_proj.weight": row, "down_proj.bias": FirstRankOnly(r),
+    }
+
+
+def _moe_rules(m: MoE, W: int, r: int) -> dict[str, Rule]:
+    Il = m.experts_up.shape[1]
+    rules: dict[str, Rule] = {
+        "experts_up": Shard(1, ((r * Il, (r + 1) * Il),)),
+        "experts_gate": Shard(1, ((r * Il, (r + 1) * Il),)),
+        "experts_down": Shard(2, ((r * Il, (r + 1) * Il),)),
+        "fc2_latent_proj.bias": FirstRankOnly(r),
+    }
+    rules.update({f"shared_experts.{k}": v for k, v in _mlp_rules(m.shared_experts, W, r).items()})
+    return rules
+
+
+def shard_rules(model: nn.Module, full: HybridConfig, tp: TensorParallel) -> dict[str, Rule]:
+    """``{parameter / buffer name: what this rank reads}`` for a model built from the rank view of ``full``
+    (names as ``model.named_parameters()``); names absent from the result are replicated."""
+    W, r = tp.world_size, tp.rank
+    rules: dict[str, Rule] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Attention):
+            local = _attention_rules(full, W, r)
+        elif isinstance(module, Mamba2Mixer):
+            local = _mamba_rules(full, W, r)
+        elif isinstance(module, GatedDeltaNet):
+            local = _gdn_rules(full, W, r)
+        elif isinstance(module, MoE):
+            local = _moe_rules(module, W, r)
+        elif isinstance(module, MLP) and not prefix.endswith("shared_experts"):
+            local = _mlp_rules(module, W, r)
+        else:
+            continue
+        rules.update({f"{prefix}.{k}": v for k, v in local.items()})
+    return rules
+
+
+def _expert_rule(name: str, local_shape: tuple[int, ...], rank: int) -> Rule:
+    """A per-expert checkpoint tensor [I, L] (up / gate) or [L, I] (down): this rank's intermediate rows /
+    columns (one row of the stacked parameter's :class:`Shard`)."""
+    kind = _EXPERT.search(name).group(1)
+    dim = 1 if kind == "down" else 0
+    Il = local_shape[dim]
+    return Shard(dim, ((rank * Il, (rank + 1) * Il),))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Modules the sharding layer adds: the all-reduce hook, the spanning grouped norm
+# ------------------------------------------------------------------------------------------------------------
+
+
+class AllReduceOutput:
+    """Forward hook that sums a module's output over ``group`` in place (``torch.distributed.all_reduce``):
+    the end of a row-parallel block."""
+
+    def __init__(self, group: Any = None):
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=self.group)
+        return output
+
+
+class SpanningGroupRMSNorm(nn.Module):
+    """Mamba2's gated grouped RMSNorm (``runners.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
+    silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
+    rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
+    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim], equal to the
+    unsharded norm's channels of this rank."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, group: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps, self.group = group_size, eps, group
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y.float() * F.silu(z.float())
+        sum_sq = y.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(sum_sq, group=self.group)
+        return self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The plan transformation
+# ------------------------------------------------------------------------------------------------------------
+
+
+def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
+    """This rank's load plan: the model rebuilt on the meta device from :func:`rank_config`, the all-reduce
+    hooks registered on every sharded block mixer, mamba norms whose group spans ranks swapped for
+    :class:`SpanningGroupRMSNorm`, and a reader per checkpoint tensor that is not read whole. ``plan`` must
+    come from ``runners.loader.plan_load`` (its model unsharded); it is not modified. ``tp.world_size == 1``
+    returns ``plan``.
+
+    Raises:
+        registry.errors.UserError: a head count or intermediate size the world size cannot shard; an FP8
+            checkpoint (not sharded yet).
+        RuntimeError: a checkpoint tensor whose shard does not fit the rank's model (a bug in the rules).
+    """
+    if tp.world_size == 1:
+        return plan
+    if plan.config.quantization is not None:
+        raise UserError(f"{plan.config.source}: an FP8 checkpoint cannot be sharded yet (runners.tp splits "
+                        "unquantized weights; FP8 scales are not sharded)", "run it with world_size=1")
+    full = plan.config
+    config = rank_config(full, tp.world_size)
+    model = build_meta_model(config, dtype=plan.dtype, with_mtp=plan.model.mtp is not None)
+    if full.n_groups < tp.world_size and "mamba2" in set(full.layer_types):
+        span = tp.world_size // full.n_groups
+        group = tp.subgroup(span)
+        for module in model.modules():
+            if isinstance(module, Mamba2Mixer):
+                old = module.norm
+                with torch.device("meta"):  # the group's full size: d_inner / ngroups of config.json
+                    norm = SpanningGroupRMSNorm(old.weight.shape[0], full.mamba_d_inner // full.n_groups,
+                                                old.eps, group)
+                norm.weight.data = norm.weight.data.to(old.weight.dtype)
+                module.norm = norm
+    hook = AllReduceOutput(tp.group)
+    blocks = list(model.layers) + (list(model.mtp.blocks) if model.mtp is not None else [])
+    for block in blocks:
+        if block.kind in SHARDED_KINDS:
+            block.mixer.register_forward_hook(hook)
+
+    by_param = shard_rules(model, full, tp)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    rule_of = {id(t): by_param.get(n) for n, t in named.items()}
+    full_targets, targets = load_targets(plan.model), load_targets(model)
+    if set(full_targets) != set(targets):
+        raise RuntimeError(f"sharded model tensors differ from the checkpoint's: "
+                           f"{sorted(set(full_targets) ^ set(targets))[:5]}")
+    readers = {}
+    for name, target in targets.items():
+        rule = rule_of[id(target)] if id(target) in rule_of else (
+            _expert_rule(name, tuple(target.shape), tp.rank) if _EXPERT.search(name) else None)
+        full_shape = tuple(full_targets[name].shape)
+        want = full_shape if rule is None else rule.shape(full_shape)
+        if want != tuple(target.shape):
+            raise RuntimeError(
+                f"rank {tp.rank}: {name} would load a {list(want)} shard into a {list(target.shape)} tensor "
+                f"({rule or 'replicated'}); the sharding rules of runners/tp.py do not fit this model"
+            )
+        if rule is not None:
+            readers[name] = rule.read
+    return replace(plan, config=config, model=model, weight_bytes=model_bytes(model), readers=readers)

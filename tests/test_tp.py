@@ -1,0 +1,191 @@
+"""Tensor parallelism on the CPU with gloo (runners/tp.py, runners/launch.py): world size 2 and 4 give the
+same greedy tokens, the same acceptance and float32 logits within 1e-5 (absolute, or relative to logits up to
+~10: the ranks' partial sums round differently) of world size 1, replay on and off, both families;
+`python run.py model=tiny_nemotron_h_mtp world_size=2 eval.limit=8` equals world_size=1; a failing or stuck
+rank is reported with its rank and the others are ended; Ctrl-C ends every rank.
+
+Checkpoints: the shipped tiny ones (trained: real MTP acceptance) at world size 2; copies of them padded to
+head counts 4 divides (tp_cases.pad_tiny_checkpoint: same outputs) at 4; synthetic ones at widths that hit
+every rule of runners/tp.py (biases, a dense MLP, GDN K != V, KV heads and mamba groups fewer than ranks) at 2
+and 4. Each world size is one launch (process start-up costs seconds) running every case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_cases
+from tp_cases import ARMS, pad_tiny_checkpoint, run_cases, write_tp_checkpoint
+
+from registry.arch import check_world_size
+from registry.errors import UserError
+from registry.hf_config import HybridConfig
+from runners import Engine
+from runners.launch import RankFailure, launch
+from runners.loader import materialize, plan_load
+from runners.tp import TensorParallel, rank_config, shard_plan
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {f: str(tp_cases.TINY_CHECKPOINTS / f) for f in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")}
+LOGITS_TOL = 1e-5  # |difference| <= 1e-5 + 1e-5 |logit| (torch.testing.assert_close's atol / rtol)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    out = dict(TINY)
+    for name, path in TINY.items():
+        out[f"{name}_padded"] = str(pad_tiny_checkpoint(Path(path), root / f"{name}_padded"))
+    for family in ("nemotron_h", "qwen3_next"):
+        out[f"synth_{family}"] = str(write_tp_checkpoint(root / f"synth_{family}", family))
+    return out
+
+
+WS_CASES = {
+    2: ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp", "synth_nemotron_h", "synth_qwen3_next"),
+    4: ("tiny_nemotron_h_mtp_padded", "tiny_qwen3_next_mtp_padded", "synth_nemotron_h", "synth_qwen3_next"),
+}
+
+
+@pytest.fixture(scope="module")
+def world_size_1(checkpoints) -> dict:
+    names = sorted({n for cases in WS_CASES.values() for n in cases})
+    return run_cases(Engine.from_pretrained, [checkpoints[n] for n in names])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", sorted(WS_CASES))
+def test_world_size_equals_world_size_1(world_size, checkpoints, world_size_1):
+    paths = [checkpoints[n] for n in WS_CASES[world_size]]
+    got = launch(tp_cases.tp_cases, (paths,), world_size=world_size, num_threads=1, timeout_s=300)
+    for path in paths:
+        torch.testing.assert_close(got[(path, "logits")], world_size_1[(path, "logits")], rtol=LOGITS_TOL,
+                                   atol=LOGITS_TOL, msg=lambda m, p=path: f"{p}: {m}")
+        diff = (got[(path, "logits")] - world_size_1[(path, "logits")]).abs().max().item()
+        print(f"world_size={world_size} {Path(path).name}: max |logit difference| {diff:.2e}")
+        for draft_len, replay in ARMS:
+            want, have = world_size_1[(path, draft_len, replay)], got[(path, draft_len, replay)]
+            arm = f"{Path(path).name} draft_len={draft_len} ssm_replay={replay} world_size={world_size}"
+            assert have["tokens"] == want["tokens"], arm
+            assert have["acceptance"] == want["acceptance"], arm
+            # every cache holds this rank's heads: the recurrent state is split exactly
+            assert have["memory"]["ssm_state_bytes"] * world_size == want["memory"]["ssm_state_bytes"], arm
+            assert have["memory"]["kv_cache_bytes"] < want["memory"]["kv_cache_bytes"], arm
+            assert have["weight_bytes"] < want["weight_bytes"], arm
+            if draft_len:
+                assert have["memory"]["spec_buffers_bytes"] < want["memory"]["spec_buffers_bytes"], arm
+    trained = [p for p in paths if "tiny" in p]
+    assert all(got[(p, 3, False)]["acceptance"]["accepted"] > 0 for p in trained)  # real drafting
+
+
+def test_rank_config_and_shards_partition_the_weights():
+    """Two ranks' shards of the tiny NemotronH (no process group needed at world size 2: its 2 mamba groups
+    split) hold every sharded weight exactly once; replicated tensors are whole on both."""
+    plan = plan_load(TINY["tiny_nemotron_h_mtp"], load_mtp=True)
+    full = materialize(plan_load(TINY["tiny_nemotron_h_mtp"], load_mtp=True)).state_dict()
+    ranks = [shard_plan(plan, TensorParallel(r, 2)) for r in range(2)]
+    assert ranks[0].config.num_attention_heads == 3 and ranks[0].config.num_key_value_heads == 1
+    assert ranks[0].config.mamba_num_heads == 6 and ranks[0].config.n_groups == 1
+    assert ranks[0].config.moe_intermediate_size == 64 and ranks[0].config.n_routed_experts == 8
+    assert ranks[0].weight_bytes < plan.weight_bytes
+    models = [materialize(p).state_dict() for p in ranks]
+    for name, t in full.items():
+        a, b = models[0][name], models[1][name]
+        if a.shape == t.shape:
+            if name.endswith(("o_proj.bias", "out_proj.bias", "down_proj.bias")):
+                assert not b.any()  # row-parallel bias: rank 0 only
+            else:
+                assert torch.equal(a, t) and torch.equal(b, t), name
+            continue
+        dim = next(d for d in range(t.dim()) if a.shape[d] != t.shape[d])
+        if name.endswith(("in_proj.weight", "conv1d.weight", "conv1d.bias")):  # [z | x | B | C | dt] parts
+            assert a.shape[dim] + b.shape[dim] == t.shape[dim]
+            continue
+        assert torch.equal(torch.cat([a, b], dim=dim), t), name
+
+
+def test_world_size_errors_name_the_dimension():
+    nemotron = HybridConfig.from_pretrained(TINY["tiny_nemotron_h_mtp"])
+    qwen = HybridConfig.from_pretrained(TINY["tiny_qwen3_next_mtp"])
+    with pytest.raises(UserError, match=r"world_size=4 does not divide the attention heads=6"):
+        rank_config(nemotron, 4)
+    with pytest.raises(UserError, match=r"GDN key heads=2"):
+        check_world_size(qwen, 4, "tiny_qwen3_next_mtp")
+    with pytest.raises(UserError, match=r"moe_intermediate_size=128, shared expert intermediate size=256"):
+        check_world_size(nemotron, 3, "tiny_nemotron_h_mtp")
+    assert rank_config(qwen, 2).gdn_num_value_heads == 2 and rank_config(qwen, 1) is qwen
+
+
+@pytest.mark.slow
+def test_failing_rank_is_reported_and_the_others_end():
+    """Rank 1 raises (a UserError) while rank 0 waits in a barrier it cannot complete: the launch raises
+    the error with rank 1 named, at once rather than after the collective timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        launch(tp_cases.fail_on_rank1, world_size=2, all_ranks=True, timeout_s=120)
+    assert e.value.problem == "rank 1 of 2: the checkpoint of rank 1 is unreadable"
+    assert e.value.fix == "fix rank 1's files"
+    assert time.monotonic() - t0 < 100  # not the 120 s collective timeout
+
+
+@pytest.mark.slow
+def test_stuck_collective_times_out():
+    """Rank 1 is alive but never joins the all-reduce: rank 0's collective raises after timeout_s."""
+    with pytest.raises(RankFailure) as e:
+        launch(tp_cases.stall_rank1, world_size=2, all_ranks=True, timeout_s=3)
+    assert e.value.rank == 0 and "rank 0 of 2 failed" in str(e.value)
+    assert "timeout" in str(e.value).lower() or "timed out" in str(e.value).lower()
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank(tmp_path):
+    """SIGINT to the launching process ends it and both ranks (which wait in a never-ending collective)."""
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+            "import tp_cases\nfrom runners.launch import launch\n"
+            f"launch(tp_cases.record_pid_and_wait, ({str(tmp_path)!r},), world_size=2, all_ranks=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 240
+    while not all(f.is_file() and f.read_text() for f in pid_files):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in pid_files]
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in stderr
+    deadline = time.monotonic() + 20
+    while any(tp_cases.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(tp_cases.pid_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_run_py_world_size_2_equals_world_size_1(tmp_path):
+    """The issue's command: `python run.py model=tiny_nemotron_h_mtp world_size=2 eval.limit=8` on the CPU
+    generates exactly what world_size=1 generates (every token of the 8 GSM8K samples) with the same
+    acceptance counters."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    runs = {}
+    for ws in (1, 2):
+        out = tmp_path / f"ws{ws}"
+        proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp", f"world_size={ws}",
+                               "eval.limit=8", f"hydra.run.dir={out}"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+        runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
+    (gen1, res1), (gen2, res2) = runs[1], runs[2]
+    assert len(gen1) == 8 and gen1.keys() == gen2.keys()
+    for key in gen1:
+        assert gen2[key]["generated_ids"] == gen1[key]["generated_ids"]
+        assert gen2[key]["request_stats"] == gen1[key]["request_stats"]
+    assert res2["acceptance"] == res1["acceptance"] and res2["gsm8k"] == res1["gsm8k"]
+    assert res2["config"]["world_size"] == 2 and res1["config"]["world_size"] == 1

@@ -1,0 +1,184 @@
+"""What the tensor-parallel tests run: test checkpoints whose head counts divide 4, and the engine cases run
+both in the test process (world size 1) and on rank 0 of ``runners.launch.launch`` (world size 2 / 4).
+
+Imported by the ranks (spawned processes), so it imports nothing of pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from registry.errors import UserError
+
+# Widths that world size 4 shards and that exercise every rule of runners/tp.py: KV heads (2) fewer than 4
+# ranks (replicated), mamba ngroups 2 < 4 (the group's norm spans 2 ranks) and = 2 (split), a dense MLP layer,
+# biases everywhere NemotronH allows them (row-parallel ones are added once), GDN with K != V, a latent MoE.
+SYNTH_TP = {
+    "nemotron_h": dict(
+        hidden_size=64, vocab_size=2048, hybrid_override_pattern="M*EM-E", mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64, moe_latent_size=32, num_experts_per_tok=2, use_bias=True,
+        attention_bias=True, mlp_bias=True,
+    ),
+    "qwen3_next": dict(
+        hidden_size=64, vocab_size=2048, mlp_only_layers=[1], intermediate_size=64, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts_per_tok=2,
+    ),
+}
+TINY_CHECKPOINTS = Path(__file__).resolve().parents[1] / "registry" / "checkpoints"
+
+
+def write_tp_checkpoint(path: Path, family: str) -> Path:
+    """A float32 synthetic checkpoint (runners.synth) at :data:`SYNTH_TP` widths, 4 layers, 6 experts, its
+    1-D tensors (norm scales, biases, D, the router's correction bias; not A_log / dt_bias) moved off their
+    identity / zero initialisation so that a wrongly sliced one changes the logits. (Random weights: the MTP
+    module drafts nothing the target accepts; the trained tiny checkpoints give real acceptance.)"""
+    from runners.synth import write_synthetic_checkpoint
+
+    write_synthetic_checkpoint(path, family, num_layers=4, num_experts=6, overrides=SYNTH_TP[family],
+                               dtype=torch.float32, check_disk=False)
+    g = torch.Generator().manual_seed(5)
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        for name, t in tensors.items():
+            if t.dim() == 1 and not name.endswith(("A_log", "dt_bias")):
+                tensors[name] = t + 0.2 * torch.randn(t.shape, generator=g)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    return path
+
+
+def _pad_blocks(t: torch.Tensor, n_blocks: int, per_group: int, new_per_group: int, dim: int = 0,
+                zero: bool = False) -> torch.Tensor:
+    """t's ``dim`` holds n_blocks equal blocks in groups of ``per_group``; append ``new_per_group -
+    per_group`` blocks to each group: copies of the group's first block, or zeros."""
+    blocks = list(t.chunk(n_blocks, dim=dim))
+    out = []
+    for g in range(0, n_blocks, per_group):
+        group = blocks[g:g + per_group]
+        extra = [torch.zeros_like(group[0]) if zero else group[0]] * (new_per_group - per_group)
+        out += group + extra
+    return torch.cat(out, dim=dim)
+
+
+def pad_tiny_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a shipped tiny checkpoint (trained: real MTP acceptance) whose head counts 4 divides, with
+    the same outputs: the tiny NemotronH's 6 attention heads (2 KV groups of 3) become 8 (4 per group), the
+    tiny Qwen3-Next's 2 GDN key heads (with 2 value heads each) become 4. Each new head copies a head of its
+    group (finite activations) and its output projection columns are zero, so it adds nothing."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    tensors = load_file(str(dst / "model.safetensors"))
+    if config["model_type"] == "nemotron_h":
+        H, KVH = config["num_attention_heads"], config["num_key_value_heads"]
+        per, new = H // KVH, 4
+        for name in list(tensors):
+            if name.endswith("mixer.q_proj.weight"):
+                tensors[name] = _pad_blocks(tensors[name], H, per, new)
+            elif name.endswith("mixer.o_proj.weight"):
+                tensors[name] = _pad_blocks(tensors[name], H, per, new, dim=1, zero=True)
+        config["num_attention_heads"] = KVH * new
+    else:
+        H, HV = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        K, V = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        for name in list(tensors):
+            t = tensors[name]
+            if name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+                tensors[name] = _pad_blocks(t, H, H, 2 * H)  # per key head blocks
+            elif name.endswith("linear_attn.conv1d.weight"):  # [Q (H K) | K (H K) | V (HV V)]
+                q, k, v = t.split([H * K, H * K, HV * V])
+                tensors[name] = torch.cat([_pad_blocks(q, H, H, 2 * H), _pad_blocks(k, H, H, 2 * H),
+                                           _pad_blocks(v, HV, HV, 2 * HV)])
+            elif name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+                tensors[name] = _pad_blocks(t, HV, HV, 2 * HV)
+            elif name.endswith("linear_attn.out_proj.weight"):
+                tensors[name] = _pad_blocks(t, HV, HV, 2 * HV, dim=1, zero=True)
+        config["linear_num_key_heads"], config["linear_num_value_heads"] = 2 * H, 2 * HV
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+PROMPTS = [[1, 5, 9, 33, 100, 7, 18], [1, 7, 8], [1, 40, 41, 42, 43, 44], [1, 300], [1, 9, 9, 9, 12]]
+LOGIT_IDS = [[1, 5, 9, 33, 100, 7, 18, 2], [1, 300, 299, 12, 13, 14, 15, 16]]
+ARMS = ((3, False), (3, True), (0, False))  # (draft_len, ssm_replay)
+
+
+def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
+    """For every checkpoint and arm of :data:`ARMS`: an engine from ``build(path, **options)`` (3 slots for 5
+    prompts: slots are reused), its greedy tokens, acceptance, cache and weight bytes, and (first arm) the
+    logits of :data:`LOGIT_IDS`. Stop tokens off, float32."""
+    out = {}
+    for ck in checkpoints:
+        for draft_len, replay in ARMS:
+            engine = build(ck, dtype=torch.float32, draft_len=draft_len, ssm_replay=replay, max_batch_size=3,
+                           max_seq_len=64)
+            result = engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
+            out[(ck, draft_len, replay)] = {
+                "tokens": result.tokens,
+                "acceptance": result.stats.acceptance(),
+                "memory": engine.cache_memory(),
+                "weight_bytes": engine.load_report.weight_bytes,
+            }
+            if (draft_len, replay) == ARMS[0]:
+                out[(ck, "logits")] = engine.logits(torch.tensor(LOGIT_IDS))
+            del engine
+    return out
+
+
+def tp_cases(checkpoints: list[str], max_new_tokens: int = 10) -> dict:
+    """:func:`run_cases` on rank 0 of a launch: every rank builds its shard (runners.launch.build_engine)."""
+    from runners.launch import build_engine
+
+    return run_cases(build_engine, checkpoints, max_new_tokens)
+
+
+# ---- failure cases (runners.launch with all_ranks=True: every rank runs the function) ----------------------
+
+
+def fail_on_rank1() -> None:
+    """Rank 1 raises a UserError while rank 0 waits in a collective it will never complete."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        raise UserError("the checkpoint of rank 1 is unreadable", "fix rank 1's files")
+    dist.barrier()
+
+
+def stall_rank1() -> None:
+    """Rank 1 never joins rank 0's all-reduce (alive, elsewhere): rank 0's collective times out."""
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def record_pid_and_wait(folder: str) -> None:
+    """Every rank writes its pid to ``folder`` and then waits in a collective that never completes."""
+    Path(folder, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (ended, not yet reaped) counts as ended
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
