@@ -8,7 +8,8 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
 
 - :func:`build_engine` on rank 0 broadcasts its arguments, and every rank builds the same engine
   (``Engine.from_pretrained(..., tensor_parallel=...)``: each loads and allocates only its shard,
-  ``runners.tp``); rank 0 gets a :class:`LockstepEngine`.
+  ``runners.tp``); rank 0 gets a :class:`LockstepEngine`. :func:`rebuild_engine` makes a new engine (other
+  draft length, replay, cache sizes) around the model every rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
   checks, ``on_finish`` callbacks, lm-eval around it); each step method (:data:`LOCKSTEP_METHODS`: prefill,
   decode step, speculative step, ``logits``) first broadcasts its name and host-side arguments over the
@@ -69,6 +70,7 @@ __all__ = [
     "RankFailure",
     "build_engine",
     "current",
+    "rebuild_engine",
     "launch",
 ]
 
@@ -214,6 +216,21 @@ def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
     return engine
 
 
+def rebuild_engine(engine: LockstepEngine, **options: Any) -> LockstepEngine:
+    """On rank 0 of :func:`launch`: a new engine on every rank around the model the ranks already hold
+    (``Engine(model, **options)``: new caches and settings such as draft_len, ssm_replay, max_batch_size, no
+    reload), e.g. to run several arms on one load. Drop ``engine`` afterwards: its caches stay allocated while
+    it is referenced."""
+    ctx = _require()
+    if "device" in options:
+        raise ValueError("rebuild_engine keeps each rank's device; do not pass device")
+    _broadcast(("rebuild", options))
+    new = LockstepEngine(engine.model, device=ctx.device, **options)
+    new.tensor_parallel, new.load_report = engine.tensor_parallel, engine.load_report
+    new._digest = hashlib.sha256()
+    return new
+
+
 def _free(engine: Engine | None) -> None:
     del engine
     gc.collect()
@@ -236,6 +253,11 @@ def serve() -> None:
             engine, digest = None, hashlib.sha256()
             engine = Engine.from_pretrained(message[1], device=ctx.device, tensor_parallel=ctx.tp,
                                             **message[2])
+        elif op == "rebuild":
+            model, tp = engine.model, engine.tensor_parallel
+            engine = None  # its caches go before the new ones are allocated
+            engine = Engine(model, device=ctx.device, **message[1])
+            engine.tensor_parallel, digest = tp, hashlib.sha256()
         elif op == "call":
             name, args, kwargs = message[1:]
             _digest_update(digest, name, getattr(engine, name)(*args, **kwargs))

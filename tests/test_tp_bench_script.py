@@ -1,0 +1,65 @@
+"""tests/gpu/tp_bench.py (world size 2 against 1 on the two-GPU machine): its argument checks, and one small
+run on the CPU (gloo) whose JSON has every number the GPU run reports, with float32 tokens equal across world
+sizes and arms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = ["tests/gpu/tp_bench.py"]
+SMALL = ["--set=hidden_size=128", "--set=vocab_size=4096", "--set=linear_key_head_dim=32",
+         "--set=linear_value_head_dim=48", "--set=head_dim=64", "--set=moe_intermediate_size=64",
+         "--set=shared_expert_intermediate_size=64"]
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, *SCRIPT, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, **kw)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--out", "x.json"], "--workdir"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--family", "llama"], "invalid choice"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--prompt-len", "8", "--device", "cpu"], ">= 64"),
+    (["--workdir", "tests", "--out", "{tmp}/o.json", "--device", "cpu"], "outside the repository"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--world-sizes", "1", "2"], "needs that many GPUs"),
+])
+def test_refuses_bad_arguments(args, says, tmp_path):
+    if "--world-sizes" in args:
+        import torch
+
+        if torch.cuda.device_count() >= 2:
+            pytest.skip("this machine has the GPUs")
+    proc = _run([a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_cpu_run_reports_everything(tmp_path):
+    out = tmp_path / "tp_bench.json"
+    proc = _run(["--workdir", str(tmp_path / "work"), "--out", str(out), "--family", "qwen3_next", "--device",
+                 "cpu", "--dtype", "float32", "--num-layers", "2", "--num-experts", "8", "--batch", "2",
+                 "--prompt-len", "64", "--new-tokens", "4", *SMALL])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fam = json.loads(out.read_text())["families"][0]
+    assert fam["family"] == "qwen3_next" and sorted(fam["runs"]) == ["1", "2"]
+    for ws, run in fam["runs"].items():
+        assert run["world_size"] == int(ws) and {"seconds", "weight_bytes", "cache_bytes"} <= set(run["load"])
+        assert sorted(run["arms"]) == ["plain", "replay", "rewind"]
+        for arm in run["arms"].values():
+            assert arm["generated_tokens"] == 8 and arm["decode_tokens_per_s"] > 0
+            assert arm["decode_tokens_per_s_per_gpu"] == pytest.approx(arm["decode_tokens_per_s"] / int(ws))
+    assert fam["runs"]["2"]["load"]["weight_bytes"] < fam["runs"]["1"]["load"]["weight_bytes"]
+    cmp = fam["compare"]["2"]
+    for key in ("replay_vs_rewind", "rewind_vs_plain", "plain_vs_world_size_1", "rewind_vs_world_size_1",
+                "replay_vs_world_size_1"):
+        assert cmp[key] == {"identical_requests": 1.0, "mean_prefix_fraction": 1.0}, key  # float32
+    assert cmp["last_logits"]["top1_agreement"] == 1.0 and cmp["last_logits"]["max_abs_difference"] < 1e-4
+    assert not (tmp_path / "work" / "qwen3_next").exists()  # deleted after use
