@@ -189,3 +189,21 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
         assert gen2[key]["request_stats"] == gen1[key]["request_stats"]
     assert res2["acceptance"] == res1["acceptance"] and res2["gsm8k"] == res1["gsm8k"]
     assert res2["config"]["world_size"] == 2 and res1["config"]["world_size"] == 1
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_2_equals_world_size_1(checkpoints):
+    """On two GPUs (NCCL), float32: the same tokens, acceptance and logits as one GPU, both families."""
+    import functools
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    paths = [checkpoints[n] for n in WS_CASES[2]]
+    want = run_cases(functools.partial(Engine.from_pretrained, device="cuda:0"), paths)
+    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=300)
+    for path in paths:
+        torch.testing.assert_close(got[(path, "logits")], want[(path, "logits")], rtol=LOGITS_TOL,
+                                   atol=LOGITS_TOL)
+        for arm in ARMS:
+            assert got[(path, *arm)]["tokens"] == want[(path, *arm)]["tokens"], (path, arm)
+            assert got[(path, *arm)]["acceptance"] == want[(path, *arm)]["acceptance"], (path, arm)

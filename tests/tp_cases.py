@@ -133,7 +133,7 @@ def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
                 "weight_bytes": engine.load_report.weight_bytes,
             }
             if (draft_len, replay) == ARMS[0]:
-                out[(ck, "logits")] = engine.logits(torch.tensor(LOGIT_IDS))
+                out[(ck, "logits")] = engine.logits(torch.tensor(LOGIT_IDS)).cpu()
             del engine
     return out
 
