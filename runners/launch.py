@@ -32,6 +32,12 @@ group's timeout). Ctrl-C (SIGINT to the parent) ends every rank; ranks also die 
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
+
+``share_device=True`` (CUDA only) puts every rank on cuda:0 and runs the model's collectives over gloo, which
+all-reduces CUDA tensors through host memory (NCCL refuses two ranks on one GPU). It exists to check
+correctness -- tokens, acceptance and logits of world size N at real dimensions -- on a machine with one GPU;
+its throughput says nothing about NCCL tensor parallelism (the ranks share one GPU's compute and every
+all-reduce is a device-host round trip).
 """
 
 from __future__ import annotations
@@ -97,13 +103,15 @@ class RankFailure(RuntimeError):
 
 @dataclass
 class RankContext:
-    """This process's rank under :func:`launch`: ``device`` (``cuda:rank`` or cpu), ``tp`` (its
+    """This process's rank under :func:`launch`: ``device`` (``cuda:rank``, cuda:0 when ranks share it, or
+    cpu), ``backend`` of the model's collectives ("nccl" or "gloo"), ``tp`` (its
     :class:`runners.tp.TensorParallel` on the default process group), ``control`` (the gloo group of the
     lockstep messages)."""
 
     rank: int
     world_size: int
     device: torch.device
+    backend: str
     tp: TensorParallel
     control: Any
 
@@ -281,26 +289,30 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init_rank(rank: int, world_size: int, device: str, init_file: str, timeout_s: float) -> RankContext:
+def _init_rank(rank: int, world_size: int, device: str, init_file: str, timeout_s: float,
+               share_device: bool = False) -> RankContext:
     global _CONTEXT
     cuda = device == "cuda"
+    nccl = cuda and not share_device
     if cuda:
         for k, v in NO_MULTICAST_ENV.items():
             os.environ.setdefault(k, v)
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
+        index = 0 if share_device else rank
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     else:
         dev = torch.device("cpu")
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
+        "nccl" if nccl else "gloo",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=dev if cuda else None,
+        device_id=dev if nccl else None,
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _CONTEXT = RankContext(rank, world_size, dev, TensorParallel(rank, world_size), control)
+    _CONTEXT = RankContext(rank, world_size, dev, "nccl" if nccl else "gloo", TensorParallel(rank, world_size),
+                           control)
     return _CONTEXT
 
 
@@ -324,13 +336,13 @@ def _error_record(rank: int, e: BaseException) -> dict[str, Any]:
 
 
 def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: float,
-            num_threads: int | None, payload: bytes, all_ranks: bool) -> None:
+            num_threads: int | None, payload: bytes, all_ranks: bool, share_device: bool) -> None:
     _die_with_parent()
     folder_path = Path(folder)
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        _init_rank(rank, world_size, device, str(folder_path / "rendezvous"), timeout_s)
+        _init_rank(rank, world_size, device, str(folder_path / "rendezvous"), timeout_s, share_device)
         if rank == 0 or all_ranks:
             fn, args = pickle.loads(payload)
             result = fn(*args)
@@ -380,6 +392,7 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     num_threads: int | None = None,
     all_ranks: bool = False,
+    share_device: bool = False,
 ) -> Any:
     """Run ``fn(*args)`` on rank 0 of ``world_size`` new processes (the others serve rank 0's engines, see the
     module docstring) and return its result. ``fn`` must be a module-level function; ``args`` and the result
@@ -391,6 +404,8 @@ def launch(
         num_threads: torch intra-op threads per rank (None: torch's default).
         all_ranks: run ``fn`` on every rank instead (each may call torch.distributed itself); rank 0's result
             is returned.
+        share_device: with device="cuda", every rank on cuda:0 and gloo instead of NCCL (one GPU checks the
+            results of world size N; not its speed: see the module docstring).
 
     Raises:
         registry.errors.UserError: a rank raised one (its problem prefixed with ``rank r of N:``).
@@ -402,9 +417,12 @@ def launch(
         raise ValueError(f"world_size={world_size} must be >= 1")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: launch places rank r on cuda:r (device='cuda') or on the cpu")
-    if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"world_size={world_size} needs {world_size} CUDA GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
+    if share_device and device != "cuda":
+        raise ValueError("share_device=True puts every rank on cuda:0; it needs device='cuda'")
+    if device == "cuda" and torch.cuda.device_count() < (1 if share_device else world_size):
+        raise ValueError(f"world_size={world_size} needs {1 if share_device else world_size} CUDA GPUs; "
+                         f"{torch.cuda.device_count()} are visible"
+                         + ("" if share_device else " (share_device=True runs every rank on one GPU)"))
     payload = pickle.dumps((fn, args))
     # forkserver: a server process started once (per launching process) imports torch and the engine, and
     # forks the ranks from it; spawn would import them again in every rank (seconds each on a small CPU).
@@ -413,7 +431,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="hybrid-launch-") as folder:
         context = mp.start_processes(
             _worker,
-            args=(world_size, device, folder, timeout_s, num_threads, payload, all_ranks),
+            args=(world_size, device, folder, timeout_s, num_threads, payload, all_ranks, share_device),
             nprocs=world_size,
             join=False,
             start_method=START_METHOD,

@@ -192,18 +192,31 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
 
 
 @pytest.mark.gpu
-def test_nccl_world_size_2_equals_world_size_1(checkpoints):
-    """On two GPUs (NCCL), float32: the same tokens, acceptance and logits as one GPU, both families."""
+@pytest.mark.parametrize("share_device", [False, True], ids=["nccl_two_gpus", "gloo_one_gpu"])
+def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
+    """On CUDA, float32: world size 2 gives the same tokens and acceptance, and logits within 1e-5, as one GPU,
+    both families, replay on and off. Over NCCL on two GPUs, or (share_device) with both ranks on cuda:0 over
+    gloo, which checks the sharded CUDA model on a one-GPU machine."""
     import functools
 
-    if torch.cuda.device_count() < 2:
+    if torch.cuda.device_count() < (1 if share_device else 2):
         pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
     paths = [checkpoints[n] for n in WS_CASES[2]]
     want = run_cases(functools.partial(Engine.from_pretrained, device="cuda:0"), paths)
-    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=300)
+    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=300,
+                 share_device=share_device)
     for path in paths:
+        diff = (got[(path, "logits")] - want[(path, "logits")]).abs().max().item()
+        print(f"{'gloo, one GPU' if share_device else 'NCCL'} {Path(path).name}: max |logit difference| "
+              f"{diff:.2e}")
         torch.testing.assert_close(got[(path, "logits")], want[(path, "logits")], rtol=LOGITS_TOL,
-                                   atol=LOGITS_TOL)
+                                   atol=LOGITS_TOL, msg=lambda m, p=path: f"{p}: {m}")
         for arm in ARMS:
             assert got[(path, *arm)]["tokens"] == want[(path, *arm)]["tokens"], (path, arm)
             assert got[(path, *arm)]["acceptance"] == want[(path, *arm)]["acceptance"], (path, arm)
+            assert got[(path, *arm)]["weight_bytes"] < want[(path, *arm)]["weight_bytes"], (path, arm)
+
+
+def test_share_device_needs_cuda():
+    with pytest.raises(ValueError, match="share_device=True puts every rank on cuda:0"):
+        launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)

@@ -28,7 +28,8 @@ def _run(args, **kw):
     (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--family", "llama"], "invalid choice"),
     (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--prompt-len", "8", "--device", "cpu"], ">= 64"),
     (["--workdir", "tests", "--out", "{tmp}/o.json", "--device", "cpu"], "outside the repository"),
-    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--world-sizes", "1", "2"], "needs that many GPUs"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--world-sizes", "1", "2"], "needs 2 GPU(s)"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--device", "cpu", "--share-gpu"], "needs --device cuda"),
 ])
 def test_refuses_bad_arguments(args, says, tmp_path):
     if "--world-sizes" in args:
@@ -52,6 +53,7 @@ def test_cpu_run_reports_everything(tmp_path):
     assert fam["family"] == "qwen3_next" and sorted(fam["runs"]) == ["1", "2"]
     for ws, run in fam["runs"].items():
         assert run["world_size"] == int(ws) and {"seconds", "weight_bytes", "cache_bytes"} <= set(run["load"])
+        assert run["backend"] == "gloo" and run["device"] == "cpu"
         assert sorted(run["arms"]) == ["plain", "replay", "rewind"]
         for arm in run["arms"].values():
             assert arm["generated_tokens"] == 8 and arm["decode_tokens_per_s"] > 0

@@ -36,10 +36,14 @@
 #             FP8 tiny entry through run.py (32 questions, rewind + replay) and an 8-layer, 32-expert
 #             synthetic Super V3 in BF16 then FP8 (decode tokens/s of each, which FP8 GEMMs ran, a 2-question
 #             run.py of the FP8 checkpoint); FP8_BENCH_ARGS replaces the bench's size arguments
+#   tp        tensor parallelism, world size 2 against 1: the gpu tests of tests/test_tp.py (tiny checkpoints,
+#             float32) and tests/gpu/tp_bench.py on float32 synthetic Super V3 / Qwen3-Next at their widths
+#             (quarter depth, 32 experts). On one GPU both ranks share it over gloo (--share-gpu): results
+#             only, not NCCL speed; on two or more GPUs NCCL (tp_bench in bf16 with its defaults then)
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8"
+stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8 tp"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -113,6 +117,14 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
          stage bench_fp8 python3 -m benchmarks.bench_fp8 --workdir /tmp/bench_fp8 --out "$out/bench_fp8.json" \
            --runs "$out/bench_fp8_runs" ${FP8_BENCH_ARGS:---tiny-limit 32 --num-layers 8 --num-experts 32 \
            --batch-sizes 1 16 --prompt-len 256 --new-tokens 32 --eval-limit 2 --max-gen-toks 32} ;;
+    tp) stage tp_tests python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_tp.py
+        if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+          stage tp_bench python3 tests/gpu/tp_bench.py --workdir /tmp/tp_bench --out "$out/tp_bench.json"
+        else
+          stage tp_bench_shared python3 tests/gpu/tp_bench.py --share-gpu --dtype float32 --num-experts 32 \
+            --batch 4 --prompt-len 128 --new-tokens 16 --time-budget 120 --workdir /tmp/tp_bench \
+            --out "$out/tp_bench_shared.json"
+        fi ;;
   esac
 done
 [ ${#failed[@]} -eq 0 ] || { echo "failed stages: ${failed[*]}"; exit 1; }

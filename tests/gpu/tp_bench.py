@@ -3,7 +3,7 @@ synthetic Nemotron 3 Super and Qwen3-Next checkpoints cut to a quarter of their 
 
     python3 tests/gpu/tp_bench.py --workdir /tmp/tp --out $OUT/tp_bench.json [--family nemotron_h ...]
         [--world-sizes 1 2] [--num-experts 128] [--batch 16] [--prompt-len 256] [--new-tokens 64]
-        [--time-budget 330]
+        [--time-budget 330] [--share-gpu]
 
 For each family, one at a time: write the checkpoint with ``runners.synth`` on GPU 0 (bf16, 5 GB shards; a
 quarter of the layers, ``--num-experts`` routed experts), then for each world size run one
@@ -21,9 +21,15 @@ drift apart after a while: the fractions say how far they agree. The JSON is rew
 (partial results survive a timeout); progress lines are flushed as they happen. ``--time-budget`` seconds:
 families that would start after it are skipped (reported as such).
 
-Defaults fit the two-GPU machine (128 GB disk) and a few minutes: Super V3 at 22 of its 88 layers with 128 of
-its 512 experts (21.3 GB), Qwen3-Next at 12 of 48 layers with 128 experts (12.6 GB). Argument errors exit
-with status 2 before anything is written. NVLink multicast stays off in the ranks (runners.launch).
+``--share-gpu`` runs every rank on cuda:0 with gloo (``runners.launch.launch(share_device=True)``) for a
+machine with one GPU: it checks world size 2's tokens, acceptance and logits against world size 1 at the
+releases' dimensions, but its tokens/s measure nothing about NCCL tensor parallelism (two ranks on one GPU,
+each all-reduce through host memory); the JSON says so ("backend").
+
+Defaults (bf16, NCCL) fit the two-GPU machine (128 GB disk) and a few minutes: Super V3 at 22 of its 88 layers
+with 128 of its 512 experts (21.3 GB), Qwen3-Next at 12 of 48 layers with 128 experts (12.6 GB). Not run on
+two GPUs yet (only one-GPU machines were lent so far). Argument errors exit with status 2 before anything is
+written. NVLink multicast stays off in the ranks (runners.launch).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
     ctx = current()
     dtype = getattr(torch, opts["dtype"])
     cuda = ctx.device.type == "cuda"
-    out: dict = {"world_size": ctx.world_size, "arms": {}}
+    out: dict = {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "arms": {}}
     eng = None
     for draft_len, replay in ARMS:
         arm = _arm_name(draft_len, replay)
@@ -141,7 +147,7 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
             print(f"== {family}: world size {ws} ({time.perf_counter() - args.t0:.0f} s)", flush=True)
             t0 = time.perf_counter()
             res = launch(bench_rank0, (str(ckpt), prompts, opts), world_size=ws, device=args.device,
-                         timeout_s=600)
+                         timeout_s=600, share_device=args.share_gpu and ws > 1)
             res["launch_seconds"] = time.perf_counter() - t0
             logits[ws] = res.pop("logits")
             out["runs"][str(ws)] = res
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config.json field for every family (runners.synth --set; CPU smoke tests)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted after use)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every rank on cuda:0 over gloo (one GPU: checks results, not NCCL speed)")
     args = p.parse_args(argv)
     from runners.synth import _parse_set, parse_size
 
@@ -202,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world-sizes, --batch and --new-tokens must be >= 1 and --prompt-len >= 64")
     import torch
 
-    if args.device == "cuda" and torch.cuda.device_count() < max(args.world_sizes):
-        p.error(f"--world-sizes {max(args.world_sizes)} needs that many GPUs; {torch.cuda.device_count()} "
-                "visible (this script is for the GPU machine; --device cpu with small --set sizes runs it on "
-                "the CPU)")
+    if args.share_gpu and args.device != "cuda":
+        p.error("--share-gpu puts every rank on cuda:0; it needs --device cuda")
+    need = 1 if args.share_gpu else max(args.world_sizes)
+    if args.device == "cuda" and torch.cuda.device_count() < need:
+        p.error(f"--world-sizes {max(args.world_sizes)} needs {need} GPU(s); {torch.cuda.device_count()} "
+                "visible (this script is for the GPU machine; --share-gpu runs every rank on one GPU; --device "
+                "cpu with small --set sizes runs it on the CPU)")
     work = Path(args.workdir).resolve()
     if work.is_relative_to(REPO) or Path(args.out).resolve().is_relative_to(work):
         p.error(f"--workdir {args.workdir}: give a scratch folder outside the repository that does not hold "
@@ -219,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                     if args.device == "cuda" else ["cpu"]},
         "families": [],
     }
+    if args.share_gpu:
+        report["note"] = ("--share-gpu: world sizes > 1 ran every rank on cuda:0 with gloo all-reduces through "
+                          "host memory; tokens/s are not NCCL tensor-parallel throughput")
 
     def save() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
