@@ -311,8 +311,8 @@ def _init_rank(rank: int, world_size: int, device: str, init_file: str, timeout_
         device_id=dev if nccl else None,
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _CONTEXT = RankContext(rank, world_size, dev, "nccl" if nccl else "gloo", TensorParallel(rank, world_size),
-                           control)
+    backend = "nccl" if nccl else "gloo"
+    _CONTEXT = RankContext(rank, world_size, dev, backend, TensorParallel(rank, world_size), control)
     return _CONTEXT
 
 

@@ -194,9 +194,9 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("share_device", [False, True], ids=["nccl_two_gpus", "gloo_one_gpu"])
 def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
-    """On CUDA, float32: world size 2 gives the same tokens and acceptance, and logits within 1e-5, as one GPU,
-    both families, replay on and off. Over NCCL on two GPUs, or (share_device) with both ranks on cuda:0 over
-    gloo, which checks the sharded CUDA model on a one-GPU machine."""
+    """On CUDA, float32: world size 2 gives the same tokens and acceptance, and logits within 1e-5, as one
+    GPU, both families, replay on and off. Over NCCL on two GPUs, or (share_device) with both ranks on cuda:0
+    over gloo, which checks the sharded CUDA model on a one-GPU machine."""
     import functools
 
     if torch.cuda.device_count() < (1 if share_device else 2):

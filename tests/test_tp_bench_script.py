@@ -1,6 +1,6 @@
 """tests/gpu/tp_bench.py (world size 2 against 1 on the two-GPU machine): its argument checks, and one small
-run on the CPU (gloo) whose JSON has every number the GPU run reports, with float32 tokens equal across world
-sizes and arms."""
+run on the CPU (gloo) whose JSON has every number the GPU run reports, with tokens (computed in float32 over
+a bf16 checkpoint) equal across world sizes and arms."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _run(args, **kw):
     (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--prompt-len", "8", "--device", "cpu"], ">= 64"),
     (["--workdir", "tests", "--out", "{tmp}/o.json", "--device", "cpu"], "outside the repository"),
     (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--world-sizes", "1", "2"], "needs 2 GPU(s)"),
-    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--device", "cpu", "--share-gpu"], "needs --device cuda"),
+    (["--workdir", "{tmp}/w", "--out", "{tmp}/o.json", "--device", "cpu", "--share-gpu"],
+     "needs --device cuda"),
 ])
 def test_refuses_bad_arguments(args, says, tmp_path):
     if "--world-sizes" in args:
@@ -46,11 +47,12 @@ def test_refuses_bad_arguments(args, says, tmp_path):
 def test_cpu_run_reports_everything(tmp_path):
     out = tmp_path / "tp_bench.json"
     proc = _run(["--workdir", str(tmp_path / "work"), "--out", str(out), "--family", "qwen3_next", "--device",
-                 "cpu", "--dtype", "float32", "--num-layers", "2", "--num-experts", "8", "--batch", "2",
-                 "--prompt-len", "64", "--new-tokens", "4", *SMALL])
+                 "cpu", "--dtype", "bfloat16", "--compute-dtype", "float32", "--num-layers", "2",
+                 "--num-experts", "8", "--batch", "2", "--prompt-len", "64", "--new-tokens", "4", *SMALL])
     assert proc.returncode == 0, proc.stderr[-3000:]
     fam = json.loads(out.read_text())["families"][0]
     assert fam["family"] == "qwen3_next" and sorted(fam["runs"]) == ["1", "2"]
+    assert fam["compute_dtype"] == "float32"  # over a bf16 checkpoint
     for ws, run in fam["runs"].items():
         assert run["world_size"] == int(ws) and {"seconds", "weight_bytes", "cache_bytes"} <= set(run["load"])
         assert run["backend"] == "gloo" and run["device"] == "cpu"

@@ -37,8 +37,8 @@
 #             synthetic Super V3 in BF16 then FP8 (decode tokens/s of each, which FP8 GEMMs ran, a 2-question
 #             run.py of the FP8 checkpoint); FP8_BENCH_ARGS replaces the bench's size arguments
 #   tp        tensor parallelism, world size 2 against 1: the gpu tests of tests/test_tp.py (tiny checkpoints,
-#             float32) and tests/gpu/tp_bench.py on float32 synthetic Super V3 / Qwen3-Next at their widths
-#             (quarter depth, 32 experts). On one GPU both ranks share it over gloo (--share-gpu): results
+#             float32) and tests/gpu/tp_bench.py on bf16 synthetic Super V3 / Qwen3-Next at their widths
+#             (quarter depth, 32 experts) computed in float32. On one GPU both ranks share it over gloo (--share-gpu): results
 #             only, not NCCL speed; on two or more GPUs NCCL (tp_bench in bf16 with its defaults then)
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
@@ -121,7 +121,7 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
         if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
           stage tp_bench python3 tests/gpu/tp_bench.py --workdir /tmp/tp_bench --out "$out/tp_bench.json"
         else
-          stage tp_bench_shared python3 tests/gpu/tp_bench.py --share-gpu --dtype float32 --num-experts 32 \
+          stage tp_bench_shared python3 tests/gpu/tp_bench.py --share-gpu --compute-dtype float32 --num-experts 32 \
             --batch 4 --prompt-len 128 --new-tokens 16 --time-budget 120 --workdir /tmp/tp_bench \
             --out "$out/tp_bench_shared.json"
         fi ;;

@@ -3,7 +3,7 @@ synthetic Nemotron 3 Super and Qwen3-Next checkpoints cut to a quarter of their 
 
     python3 tests/gpu/tp_bench.py --workdir /tmp/tp --out $OUT/tp_bench.json [--family nemotron_h ...]
         [--world-sizes 1 2] [--num-experts 128] [--batch 16] [--prompt-len 256] [--new-tokens 64]
-        [--time-budget 330] [--share-gpu]
+        [--time-budget 330] [--share-gpu] [--dtype bfloat16] [--compute-dtype float32]
 
 For each family, one at a time: write the checkpoint with ``runners.synth`` on GPU 0 (bf16, 5 GB shards; a
 quarter of the layers, ``--num-experts`` routed experts), then for each world size run one
@@ -141,7 +141,9 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
         prompts, source = _gsm8k_prompts(ckpt / "tokenizer.json", args.batch, args.prompt_len)
         out["prompts"] = {"source": source, "batch": args.batch, "prompt_len": args.prompt_len,
                           "new_tokens": args.new_tokens}
-        opts = {"dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        compute = args.compute_dtype or args.dtype
+        out["compute_dtype"] = compute
+        opts = {"dtype": compute, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
         logits = {}  # world size -> rank 0's last-position logits of two prompts (compared, not saved)
         for ws in args.world_sizes:
             print(f"== {family}: world size {ws} ({time.perf_counter() - args.t0:.0f} s)", flush=True)
@@ -189,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="the engine's dtype (default: --dtype, the checkpoint's); float32 over a bf16 "
+                        "checkpoint compares world sizes without bf16 rounding flipping near-tie tokens")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shard-size", default="5GB")
     p.add_argument("--time-budget", type=float, default=330.0,
@@ -215,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     need = 1 if args.share_gpu else max(args.world_sizes)
     if args.device == "cuda" and torch.cuda.device_count() < need:
         p.error(f"--world-sizes {max(args.world_sizes)} needs {need} GPU(s); {torch.cuda.device_count()} "
-                "visible (this script is for the GPU machine; --share-gpu runs every rank on one GPU; --device "
-                "cpu with small --set sizes runs it on the CPU)")
+                "visible (this script is for the GPU machine; --share-gpu runs every rank on one GPU; "
+                "--device cpu with small --set sizes runs it on the CPU)")
     work = Path(args.workdir).resolve()
     if work.is_relative_to(REPO) or Path(args.out).resolve().is_relative_to(work):
         p.error(f"--workdir {args.workdir}: give a scratch folder outside the repository that does not hold "
@@ -231,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "families": [],
     }
     if args.share_gpu:
-        report["note"] = ("--share-gpu: world sizes > 1 ran every rank on cuda:0 with gloo all-reduces through "
-                          "host memory; tokens/s are not NCCL tensor-parallel throughput")
+        report["note"] = ("--share-gpu: world sizes > 1 ran every rank on cuda:0 with gloo all-reduces "
+                          "through host memory; tokens/s are not NCCL tensor-parallel throughput")
 
     def save() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
