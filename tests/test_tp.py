@@ -220,3 +220,16 @@ def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
 def test_share_device_needs_cuda():
     with pytest.raises(ValueError, match="share_device=True puts every rank on cuda:0"):
         launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)
+
+
+def test_fp8_is_not_sharded():
+    """FP8 checkpoints (weight / input scales) are not sharded yet: run.py refuses world_size > 1 for them
+    before loading, and shard_plan refuses their plan."""
+    fp8 = str(tp_cases.TINY_CHECKPOINTS / "tiny_nemotron_h_mtp_fp8")
+    with pytest.raises(UserError, match="FP8 checkpoint cannot be sharded"):
+        shard_plan(plan_load(fp8, load_mtp=True), TensorParallel(0, 2))
+    proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp_fp8", "world_size=2",
+                           "eval.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "tensor parallelism (runners.tp) shards models without FP8" in proc.stderr, proc.stderr[-2000:]
