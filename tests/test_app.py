@@ -427,7 +427,7 @@ def _run_py(*args, cwd):
     "args, lines",
     [
         (["model=super_v3"], ["error: unknown registry entry model='super_v3'",
-                              "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4 or super_v3_mtp_fp8?"]),
+                              "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4 or super_v3_mtp_ws2?"]),
         (["foo=1"], ["error: unknown config key 'foo' in the override 'foo=1'", "  fix: known keys: model"]),
         (["model.checkpoint=/nonexistent/ckpt"],
          ["error: checkpoint directory /nonexistent/ckpt does not exist",
