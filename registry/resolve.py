@@ -68,9 +68,10 @@ class ResolvedRun:
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
         """The padded batch sizes the engine captures its decode step at: the entry's, up to the run's
-        max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false or the device is
-        the CPU (where the same step runs eagerly)."""
-        if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")):
+        max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false, the device is
+        the CPU (where the same step runs eagerly) or world_size > 1 (tensor-parallel ranks step eagerly,
+        runners.launch)."""
+        if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")) or self.world_size > 1:
             return []
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
 

@@ -82,6 +82,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             from runners.launch import launch
 
             composed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra in the ranks
+            graphs = rr.run.runtime.cuda_graphs and rr.entry.cuda_graph_batch_sizes
+            if rr.device.startswith("cuda") and graphs:
+                print(f"warning: world_size={rr.world_size}: the ranks step eagerly, without the entry's "
+                      "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps (runners.launch)",
+                      flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
                           device="cuda" if rr.device.startswith("cuda") else "cpu",
                           timeout_s=rr.run.runtime.collective_timeout_s,

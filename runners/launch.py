@@ -11,9 +11,13 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   ``runners.tp``); rank 0 gets a :class:`LockstepEngine`. :func:`rebuild_engine` makes a new engine (other
   draft length, replay, cache sizes) around the model every rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
-  checks, ``on_finish`` callbacks, lm-eval around it); each step method (:data:`LOCKSTEP_METHODS`: prefill,
-  decode step, speculative step, ``logits``) first broadcasts its name and host-side arguments over the
-  control group, and every other rank runs the same method with the same arguments. So all ranks run the same
+  checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
+  (:data:`LOCKSTEP_METHODS`: ``_prefill`` (admission), ``_launch`` (queue one decode / speculative step, its
+  phases run eagerly), ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``)
+  first broadcasts its name and host-side arguments over the control group, and every other rank runs the
+  same method with the same arguments. A step handle (``_Step``: pinned host buffers) is not sent: each
+  follower keeps the steps it launched in launch order, and ``_step_tokens`` reads its oldest (the engine
+  reads steps in launch order). So all ranks run the same
   forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
   drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
   tokens. The followers need neither tokenizer nor callbacks. Cost: one small broadcast per step. At the end
@@ -32,6 +36,11 @@ group's timeout). Ctrl-C (SIGINT to the parent) ends every rank; ranks also die 
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
+
+Engines of ``world_size > 1`` step eagerly: :func:`build_engine` and :func:`rebuild_engine` build them with
+``cuda_graphs=False`` and ``overlap_steps=False`` (and raise ValueError when asked for either), because
+capturing the model's all-reduces in CUDA graphs and running steps ahead of the host have not been checked
+with NCCL, and gloo (CPU, ``share_device``) all-reduces through the host, which a CUDA graph cannot capture.
 
 ``share_device=True`` (CUDA only) puts every rank on cuda:0 and runs the model's collectives over gloo, which
 all-reduces CUDA tensors through host memory (NCCL refuses two ranks on one GPU). It exists to check
@@ -54,6 +63,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,8 +94,9 @@ START_METHOD = "forkserver"  # of torch.multiprocessing.start_processes (see lau
 DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
 CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
 # Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
-LOCKSTEP_METHODS = ("_prefill", "_decode_step", "_spec_step", "logits")
-_TOKEN_STEPS = ("_prefill", "_decode_step", "_spec_step")  # their results (token ids) enter the digest
+LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance")
+_TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
+_STEP_OPTIONS = ("cuda_graphs", "overlap_steps")  # off under launch (module docstring)
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -196,7 +207,10 @@ def _lockstep(name: str) -> Callable:
 
     @functools.wraps(step)
     def method(self: LockstepEngine, *args: Any, **kwargs: Any) -> Any:
-        _broadcast(("call", name, _to_host(args), _to_host(kwargs)))
+        if name == "_step_tokens":  # the followers read their own oldest launched step
+            _broadcast(("call", name, (), {}))
+        else:
+            _broadcast(("call", name, _to_host(args), _to_host(kwargs)))
         result = step(self, *args, **kwargs)
         _digest_update(self._digest, name, result)
         return result
@@ -206,6 +220,19 @@ def _lockstep(name: str) -> Callable:
 
 for _name in LOCKSTEP_METHODS:
     setattr(LockstepEngine, _name, _lockstep(_name))
+
+
+def _eager_steps(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``cuda_graphs`` and ``overlap_steps`` off (module docstring: engines under launch step
+    eagerly). Raises ValueError when either is asked for (True)."""
+    asked = [k for k in _STEP_OPTIONS if options.get(k)]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} with world_size > 1: tensor-parallel engines step eagerly (CUDA graphs "
+            "of the ranks' all-reduces and run-ahead steps are not supported yet); pass "
+            f"{', '.join(k + '=False' for k in asked)} (run.py: runtime.cuda_graphs=false)"
+        )
+    return {**options, **{k: False for k in _STEP_OPTIONS}}
 
 
 def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
@@ -218,6 +245,7 @@ def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
     bad = {"device", "tensor_parallel"} & set(kwargs)
     if bad:
         raise ValueError(f"build_engine sets {sorted(bad)} per rank; do not pass them")
+    kwargs = _eager_steps(kwargs)
     _broadcast(("build", str(path), kwargs))
     engine = LockstepEngine.from_pretrained(path, device=ctx.device, tensor_parallel=ctx.tp, **kwargs)
     engine._digest = hashlib.sha256()
@@ -232,6 +260,7 @@ def rebuild_engine(engine: LockstepEngine, **options: Any) -> LockstepEngine:
     ctx = _require()
     if "device" in options:
         raise ValueError("rebuild_engine keeps each rank's device; do not pass device")
+    options = _eager_steps(options)
     _broadcast(("rebuild", options))
     new = LockstepEngine(engine.model, device=ctx.device, **options)
     new.tensor_parallel, new.load_report = engine.tensor_parallel, engine.load_report
@@ -251,11 +280,14 @@ def serve() -> None:
     it says exit."""
     ctx = _require()
     engine, digest = None, hashlib.sha256()
+    launched: deque = deque()  # this rank's queued steps (Engine._launch handles), oldest first
     while True:
         message = _broadcast()
         op = message[0]
         if op == "exit":
             return
+        if op in ("build", "rebuild"):
+            launched.clear()
         if op == "build":
             _free(engine)
             engine, digest = None, hashlib.sha256()
@@ -268,7 +300,12 @@ def serve() -> None:
             engine.tensor_parallel, digest = tp, hashlib.sha256()
         elif op == "call":
             name, args, kwargs = message[1:]
-            _digest_update(digest, name, getattr(engine, name)(*args, **kwargs))
+            if name == "_step_tokens":
+                args = (launched.popleft(),)
+            result = getattr(engine, name)(*args, **kwargs)
+            if name == "_launch":
+                launched.append(result)
+            _digest_update(digest, name, result)
         elif op == "digest":
             _compare_digests(digest)
         else:

@@ -233,3 +233,15 @@ def test_fp8_is_not_sharded():
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "tensor parallelism (runners.tp) shards models without FP8" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tp_engines_step_eagerly():
+    """Engines under runners.launch step eagerly (its module docstring): build_engine / rebuild_engine turn
+    cuda_graphs and overlap_steps off, and refuse a request for either with the fix."""
+    from runners.launch import _eager_steps
+
+    assert _eager_steps({"draft_len": 3}) == {"draft_len": 3, "cuda_graphs": False, "overlap_steps": False}
+    assert _eager_steps({"cuda_graphs": False})["overlap_steps"] is False
+    with pytest.raises(ValueError, match=r"cuda_graphs and overlap_steps with world_size > 1.*"
+                                         r"cuda_graphs=False, overlap_steps=False"):
+        _eager_steps({"cuda_graphs": True, "overlap_steps": True})

@@ -11,7 +11,8 @@ quarter of the layers, ``--num-experts`` routed experts), then for each world si
 and reading only its shard, ``runners.tp``). The ranks load the model once and build an engine per arm on it
 (``runners.launch.build_engine`` / ``rebuild_engine``) -- plain greedy (draft_len 0), MTP draft_len 3 with
 rewind, MTP draft_len 3 with replay --; each is warmed up (Triton JIT) and generates ``--new-tokens`` greedy
-tokens (stop tokens off) for ``--batch`` prompts of ``--prompt-len`` GSM8K-text ids.
+tokens (stop tokens off) for ``--batch`` prompts of ``--prompt-len`` GSM8K-text ids. Every arm of every
+world size steps eagerly (no CUDA graphs, no overlap_steps: engines under ``runners.launch`` do not use them).
 Reported per world size and arm: load report, decode tokens/s (total and per GPU), prefill tokens/s,
 acceptance, device peak; and the comparisons: world size 2 against 1 (requests with identical tokens, the mean
 fraction of each request's tokens before the first difference, the last-position logits of two prompts: max
