@@ -84,7 +84,10 @@ class LoadPlan:
     the safetensors headers, tied weights counted once). ``readers``: ``{tensor name: read(slice) -> tensor}``
     for tensors that load only a part of the file's tensor (tensor parallelism, ``runners.tp.shard_plan``:
     ``read`` gets the memory-mapped ``safe_open(...).get_slice(name)`` and reads only its part); other tensors
-    are read whole.
+    are read whole. ``all_ranks_zero``: for a sharded plan, ``f(flags) -> flags`` (int32 [n], 1 where this
+    rank's part of a weight matrix is all zeros) that is 1 only where every rank's part is
+    (``runners.tp.TensorParallel.all_ranks_zero``): one rank's part may be all zeros (padded heads) while the
+    matrix is not; :func:`check_weights` judges the whole matrix.
     """
 
     path: Path
@@ -94,6 +97,7 @@ class LoadPlan:
     dtype: torch.dtype
     weight_bytes: int
     readers: dict[str, Callable[[Any], torch.Tensor]] = field(default_factory=dict)
+    all_ranks_zero: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _computed_buffers(model: nn.Module) -> set[int]:
@@ -238,7 +242,8 @@ def _check_tied_head(shard: Path, shape: tuple[int, int]) -> None:
         )
 
 
-def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+def check_weights(tensors: dict[str, torch.Tensor], path: str | Path,
+                  all_ranks_zero: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Raise CheckpointError naming the loaded tensors that hold NaN or infinite values, and the weight
     matrices (2 or more dimensions) that are all zeros: what bytes overwritten behind an intact safetensors
     header, a failed conversion or a broken training run leave. One-dimensional tensors may legitimately be
@@ -246,7 +251,9 @@ def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
 
     tensors: {checkpoint name: loaded tensor} (on any device; FP8 tensors are upcast chunk by chunk). The
     reductions run on the tensors' device in chunks of 2^24 elements and are read back once (one host
-    synchronisation for the whole model).
+    synchronisation for the whole model). ``all_ranks_zero`` (a sharded load, :class:`LoadPlan`): combines
+    the all-zero flags [n] int32 over the tensor-parallel ranks, so a matrix is reported only when every
+    rank's part of it is zero; every rank must then call this with the same names in the same order.
     """
     names, flags = [], []
     for name, t in tensors.items():
@@ -265,7 +272,11 @@ def check_weights(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
         flags.append(torch.stack([bad, ~nonzero & (t.dim() >= 2)]))
     if not flags:
         return
-    host = torch.stack(flags).cpu().tolist()
+    stacked = torch.stack(flags)  # [n, 2] bool: (non-finite, all-zero matrix)
+    if all_ranks_zero is not None:
+        zero = all_ranks_zero(stacked[:, 1].to(torch.int32)).bool()
+        stacked = torch.stack([stacked[:, 0], zero], dim=1)
+    host = stacked.cpu().tolist()
     nonfinite = [n for n, (b, _) in zip(names, host) if b]
     zero = [n for n, (_, z) in zip(names, host) if z]
     if nonfinite or zero:
@@ -329,7 +340,7 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise CheckpointError(f"{shard}: cannot read tensors ({e}); the file is corrupt",
                                       "re-download or re-save it") from e
-        check_weights({name: targets[name] for name in plan.files}, plan.path)
+        check_weights({name: targets[name] for name in plan.files}, plan.path, plan.all_ranks_zero)
         for name, module in model.named_modules():
             if module._non_persistent_buffers_set:
                 if not hasattr(module, "init_buffers"):

@@ -98,6 +98,17 @@ class TensorParallel:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
 
+    def all_ranks_zero(self, flags: torch.Tensor) -> torch.Tensor:
+        """``flags`` (int32 [n], 1 where this rank's part of a weight is all zeros) combined over the ranks:
+        1 only where every rank's is (an all-reduce MIN over ``group``, a collective: every rank calls it with
+        the same n). Without an initialised process group (one process materialising a rank's shard, as the
+        tests do) the rank's own flags are returned."""
+        if not dist.is_initialized():
+            return flags
+        flags = flags.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        return flags
+
     def subgroup(self, span: int) -> Any:
         """The process group of the ``span`` consecutive ranks this rank belongs to (ranks ``k span ..
         (k + 1) span - 1``). Every rank must ask for the same spans in the same order: creating a group is a
@@ -412,4 +423,5 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
             )
         if rule is not None:
             readers[name] = rule.read
-    return replace(plan, config=config, model=model, weight_bytes=model_bytes(model), readers=readers)
+    return replace(plan, config=config, model=model, weight_bytes=model_bytes(model), readers=readers,
+                   all_ranks_zero=tp.all_ranks_zero)

@@ -118,8 +118,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> dict:
     import torch
-    from realdim import _gsm8k_prompts
 
+    from benchmarks.prompts import gsm8k_prompt_ids
     from runners.launch import launch
     from runners.synth import DTYPES, write_synthetic_checkpoint
 
@@ -139,7 +139,7 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
         torch.cuda.empty_cache()
     save()
     try:
-        prompts, source = _gsm8k_prompts(ckpt / "tokenizer.json", args.batch, args.prompt_len)
+        prompts, source = gsm8k_prompt_ids(ckpt / "tokenizer.json", args.batch, args.prompt_len)
         out["prompts"] = {"source": source, "batch": args.batch, "prompt_len": args.prompt_len,
                           "new_tokens": args.new_tokens}
         compute = args.compute_dtype or args.dtype
