@@ -245,3 +245,16 @@ def test_tp_engines_step_eagerly():
     with pytest.raises(ValueError, match=r"cuda_graphs and overlap_steps with world_size > 1.*"
                                          r"cuda_graphs=False, overlap_steps=False"):
         _eager_steps({"cuda_graphs": True, "overlap_steps": True})
+
+
+def test_sharded_weight_check_judges_the_whole_matrix():
+    """A rank's all-zero part of a weight matrix (padded heads) is no broken checkpoint when another rank's
+    part is not zero (check_weights' all_ranks_zero); a matrix zero on every rank still is."""
+    from runners.loader import CheckpointError, check_weights
+
+    part = {"w": torch.zeros(2, 2)}
+    with pytest.raises(CheckpointError, match="weight matrices are all zeros"):
+        check_weights(part, "ck")
+    check_weights(part, "ck", all_ranks_zero=torch.zeros_like)  # the other ranks' parts are not zero
+    with pytest.raises(CheckpointError, match="weight matrices are all zeros"):
+        check_weights(part, "ck", all_ranks_zero=lambda flags: flags)  # zero on every rank
