@@ -99,15 +99,14 @@ def cli(argv: list[str]) -> int:
         print("error: interrupted (Ctrl-C) before the run wrote anything\n  fix: rerun the command",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    except OSError as e:
-        # Hydra creates the run folder (hydra.run.dir / hydra.sweep.dir) before the job starts; the job's
-        # own folder errors are UserErrors already (evals.outdir)
-        if e.filename is None:
-            raise
-        print(f"error: cannot create the run folder {e.filename}: {e.strerror}\n"
-              "  fix: choose a writable folder with hydra.run.dir=... (or out_dir=...)", file=sys.stderr)
-        return 2
     except Exception as e:
+        # Hydra creates the run folder (hydra.run.dir / hydra.sweep.dir) before the job starts; the job's
+        # own folder errors are UserErrors already (evals.outdir). Hydra's MissingConfigException is an
+        # OSError too, without a file name: config_error handles it.
+        if isinstance(e, OSError) and e.filename is not None:
+            print(f"error: cannot create the run folder {e.filename}: {e.strerror}\n"
+                  "  fix: choose a writable folder with hydra.run.dir=... (or out_dir=...)", file=sys.stderr)
+            return 2
         err = config_error(e, overrides)
         if err is None:
             raise
