@@ -10,16 +10,17 @@ with exit status 2 and no traceback.
 Exit status: 0 the verdict passed, or had no reference yet (placeholder baseline rows) / was not required
 (verdict.require_reference=false); 1 a verdict check failed (GSM8K below its threshold, an acceptance floor
 missed, a health check, or with compare=replay a flipped sample / diverged tokens); 2 a user error; 130 an
-interruption (Ctrl-C), reported with the command that resumes the run. A sweep (`-m`, or
-`+experiment=nightly`) runs every job even when one is refused or crashes (a crash counts 1), records each
+interruption (Ctrl-C) and 143 a SIGTERM, each reported with the command that resumes the run. A sweep (`-m`,
+or `+experiment=nightly`) runs every job even when one is refused or crashes (a crash counts 1), records each
 job's status in its folder, ends with a table of every job (evals/sweep.py) and exits with the worst status;
-Ctrl-C stops it.
+Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import traceback
 
@@ -34,6 +35,18 @@ from registry.errors import UserError
 from registry.selection import register_resolvers
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for a command ended by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, a batch scheduler's time limit), raised in the main thread as Ctrl-C is, so the run
+    stops the same way: finished generations saved, the command that resumes it printed, exit 143."""
+
+    signum = signal.SIGTERM
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 # Exit status of each job: one for a plain run, one per job of a sweep (`python run.py -m model=a,b
 # ssm_replay=false,true`); a sweep runs every job even when one fails or crashes, ends with a table of every
@@ -51,10 +64,11 @@ def main(cfg: DictConfig) -> int:
     except app.RunInterrupted as e:
         # the exact command that continues this run (of a sweep: this job), its folder named, resume=true
         overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
-        print(app.RunInterrupted(e.out_dir, resume_command(overrides, e.out_dir)).format(), file=sys.stderr)
-        sweep.record_job(EXIT_INTERRUPTED, "error: interrupted (Ctrl-C)")
-        _EXIT_CODES.append(EXIT_INTERRUPTED)
-        raise SystemExit(EXIT_INTERRUPTED) from None  # a sweep stops too: Ctrl-C means stop
+        stopped = app.RunInterrupted(e.out_dir, resume_command(overrides, e.out_dir), signum=e.signum)
+        print(stopped.format(), file=sys.stderr)
+        sweep.record_job(stopped.exit_status, f"error: {stopped.problem.split(';')[0]}")
+        _EXIT_CODES.append(stopped.exit_status)
+        raise SystemExit(stopped.exit_status) from None  # a sweep stops too: Ctrl-C / SIGTERM means stop
     except UserError as e:
         print(e.format(), file=sys.stderr)
         code, error = 2, f"error: {e.problem}"
@@ -78,13 +92,14 @@ def resume_command(overrides: list[str], out_dir) -> str:
 
 
 def cli(argv: list[str]) -> int:
-    """Guard the overrides, run Hydra, and turn user mistakes into exit status 2 and Ctrl-C into 130 (see
-    the module doc)."""
+    """Guard the overrides, run Hydra, and turn user mistakes into exit status 2, Ctrl-C into 130 and SIGTERM
+    into 143 (see the module doc)."""
     # Hydra's own flags (--cfg job, -m, --help, ...) carry no `=` in a separate word or start with `-`.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     os.environ["HYDRA_FULL_ERROR"] = "1"
     register_resolvers()  # ${registry_entries:nightly} in configs/experiment/nightly.yaml
     register_resolver()  # ${claim_dir:...}: the default output folders (configs/config.yaml)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         check_overrides(overrides)
         main()
@@ -92,13 +107,13 @@ def cli(argv: list[str]) -> int:
         print(e.format(), file=sys.stderr)
         return 2
     except SystemExit as e:
-        if e.code == EXIT_INTERRUPTED:
-            return EXIT_INTERRUPTED
+        if e.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            return e.code
         raise
-    except KeyboardInterrupt:  # before the run had a folder (composing, resolving): nothing was written
-        print("error: interrupted (Ctrl-C) before the run wrote anything\n  fix: rerun the command",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # before the run had a folder (composing, resolving): nothing was written
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
+        print(f"error: {how} before the run wrote anything\n  fix: rerun the command", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except Exception as e:
         # Hydra creates the run folder (hydra.run.dir / hydra.sweep.dir) before the job starts; the job's
         # own folder errors are UserErrors already (evals.outdir). Hydra's MissingConfigException is an

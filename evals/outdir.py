@@ -111,12 +111,22 @@ def claim_fresh_dir(path: str) -> str:
     )
 
 
+def run_dir(out_dir: str | None, default: str) -> str:
+    """Hydra's run folder: the user's `out_dir` when one is given (Hydra's .hydra/ files then go there, and
+    no default folder is created beside it), else `claim_dir(default)`. Registered as the resolver
+    `run_dir` (configs/config.yaml: `hydra.run.dir: ${run_dir:${out_dir},outputs/...}`)."""
+    return str(out_dir) if out_dir not in (None, "") else claim_dir(default)
+
+
 def register_resolver() -> None:
-    """Make `${claim_dir:<path>}` available to configs (run.py calls it before Hydra composes)."""
+    """Make `${claim_dir:<path>}` and `${run_dir:<out_dir>,<default>}` available to configs (run.py calls it
+    before Hydra composes)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("claim_dir"):
         OmegaConf.register_new_resolver("claim_dir", claim_dir)
+    if not OmegaConf.has_resolver("run_dir"):
+        OmegaConf.register_new_resolver("run_dir", run_dir)
 
 
 @dataclass

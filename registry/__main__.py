@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     pr_check.add_arguments(p_pr)
     args = parser.parse_args(argv)
     if args.command == "pr-check":
-        return pr_check.run_pr_check(args.base, run_smoke=not args.no_smoke, limit=args.limit)
+        return pr_check.run_from_args(args)
     return cmd_list() if args.command == "list" else cmd_validate(args.names)
 
 

@@ -14,8 +14,10 @@
    error, crash) or when replay and rewind disagree (the comparison's checks); a GSM8K / acceptance check at
    n = 2 is reported but does not fail the pull request (the floors are population floors).
 
-Without the base ref (a fresh clone that has only one branch, or no git), nothing is checked and the command
-says so (exit 0). Exit status: 0 nothing failed, 1 a check failed, 2 a bad invocation. The registry's own
+A base ref that names no commit here (a typo, a clone without the remote branch, no git) is a bad invocation
+(exit 2, with the fix); with `--if-base-exists` (what CI passes: a fresh clone may have only one branch)
+nothing is checked and the command says so (exit 0). Exit status: 0 nothing failed, 1 a check failed, 2 a
+bad invocation. The registry's own
 template, `registry/model/_template.yaml.example`, is checked against the schema when it changes.
 
 Commands run as subprocesses, so this module imports nothing of the runner or the evaluation.
@@ -247,12 +249,18 @@ def smoke(entry: str, out_dir: Path, *, limit: int = SMOKE_LIMIT,
 
 
 def run_pr_check(base: str, *, run_smoke: bool = True, limit: int = SMOKE_LIMIT, repo: Path = REPO_ROOT,
-                 echo: Callable[[str], None] = print) -> int:
-    """The whole check (module docstring); returns the exit status."""
+                 echo: Callable[[str], None] = print, if_base_exists: bool = False) -> int:
+    """The whole check (module docstring); returns the exit status. if_base_exists: a missing base ref checks
+    nothing (exit 0) instead of being an error (exit 2, error / fix lines on stderr)."""
     commit = merge_base(base, repo)
     if commit is None:
-        echo(f"pr-check: no base ref {base!r} in this clone (or no git): nothing checked")
-        return 0
+        if if_base_exists:
+            echo(f"pr-check: no base ref {base!r} in this clone (or no git): nothing checked")
+            return 0
+        print(f"error: the base ref {base!r} names no commit in this clone (or this is no git clone)\n"
+              "  fix: fetch it (e.g. git fetch origin main) or name the branch the pull request goes into "
+              "with --base <ref>", file=sys.stderr)
+        return 2
     t = find_touched(commit, repo)
     echo(f"pr-check against {base} (merge base {commit[:12]})")
     if not t.files:
@@ -311,8 +319,13 @@ def run_pr_check(base: str, *, run_smoke: bool = True, limit: int = SMOKE_LIMIT,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m registry pr-check", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_pr_check(args.base, run_smoke=not args.no_smoke, limit=args.limit)
+    return run_from_args(parser.parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """run_pr_check with the options of `add_arguments` (also `python -m registry pr-check`'s entry)."""
+    return run_pr_check(args.base, run_smoke=not args.no_smoke, limit=args.limit,
+                        if_base_exists=args.if_base_exists)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -320,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default="origin/main",
                         help="the branch / commit the pull request goes into (default origin/main)")
     parser.add_argument("--no-smoke", action="store_true", help="skip the smoke evaluations")
+    parser.add_argument("--if-base-exists", action="store_true",
+                        help="a base ref missing from this clone checks nothing (exit 0), not exit 2 (CI)")
     parser.add_argument("--limit", type=int, default=SMOKE_LIMIT,
                         help=f"GSM8K questions per smoke evaluation (default {SMOKE_LIMIT})")
 

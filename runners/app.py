@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -94,25 +95,28 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if rr.run.runtime.num_threads is not None:
             torch.set_num_threads(rr.run.runtime.num_threads)
         return _run_job(cfg, rr, out_dir)
-    except KeyboardInterrupt:
-        raise RunInterrupted(out_dir) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by run.py (its `signum`)
+        raise RunInterrupted(out_dir, signum=getattr(e, "signum", signal.SIGINT)) from None
     finally:
         claim.release()
 
 
 class RunInterrupted(UserError):
-    """Ctrl-C (SIGINT) during a run: what is on disk and how to continue. run.py prints it as error / fix
-    lines and exits with 130 (128 + SIGINT, the shell's convention); `out_dir` is the run's folder, to which
-    run.py adds the exact command that resumes it."""
+    """Ctrl-C (SIGINT) or SIGTERM (kill, a batch scheduler's time limit) during a run: what is on disk and how
+    to continue. run.py prints it as error / fix lines and exits with `exit_status`, 128 + the signal number
+    (130 for Ctrl-C, 143 for SIGTERM: the shell's convention); `out_dir` is the run's folder, to which run.py
+    adds the exact command that resumes it."""
 
-    exit_status = 130
-
-    def __init__(self, out_dir: Path, command: str | None = None):
+    def __init__(self, out_dir: Path, command: str | None = None, *, signum: int = signal.SIGINT):
         self.out_dir = Path(out_dir)
+        self.signum = int(signum)
+        self.exit_status = 128 + self.signum
+        how = "interrupted (Ctrl-C)" if self.signum == signal.SIGINT else \
+            f"stopped by {signal.Signals(self.signum).name}"
         done = _count_lines(self.out_dir / GENERATIONS_FILE) + sum(
             _count_lines(self.out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
         super().__init__(
-            f"interrupted (Ctrl-C); {done} finished generations are saved in {self.out_dir}",
+            f"{how}; {done} finished generations are saved in {self.out_dir}",
             f"continue with: {command}" if command else
             f"rerun the same command with resume=true hydra.run.dir={self.out_dir}",
         )

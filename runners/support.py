@@ -45,11 +45,25 @@ def check_quant_hardware(rr: ResolvedRun) -> None:
         )
     else:
         problem = f"entry {e.name} sets quant=nvfp4, but the engine has no NVFP4 path yet (device: {hw})"
-    raise UserError(
-        problem,
-        "use the model's fp8 entry (e.g. super_v3_mtp_fp8) or its bf16 entry; the nvfp4 entries and "
-        "baseline rows are for Blackwell GPUs",
-    )
+    raise UserError(problem, f"use {_runnable_siblings(e.name)}; the nvfp4 entries and baseline rows are for "
+                             "Blackwell GPUs")
+
+
+def _runnable_siblings(name: str) -> str:
+    """'<fp8 entry> (FP8) or <base entry> (bf16)': the registry entries of `name`'s model (its bases and
+    their variants) at one GPU that this hardware runs; a generic phrase when `name` is no registry entry."""
+    from registry.selection import entry_bases, entry_data, variants_of
+
+    try:
+        bases = [b for b in entry_bases(name) if b != name]
+        family = sorted(set(bases) | set(variants_of(bases)))
+        data = {n: entry_data(n) for n in family}
+    except (KeyError, ValueError):
+        return "the model's fp8 entry or its bf16 entry"
+    single = [n for n in family if data[n].get("world_size", 1) == 1]
+    picks = [f"model={n} (FP8)" for n in single if data[n].get("quant") == Quant.fp8.value]
+    picks += [f"model={n} (bf16)" for n in single if data[n].get("quant", "none") == Quant.none.value]
+    return " or ".join(picks) if picks else "the model's fp8 entry or its bf16 entry"
 
 
 def check_supported(rr: ResolvedRun) -> None:

@@ -60,7 +60,13 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def test_without_base_ref_or_change_nothing_is_checked(clone, gsm8k_dir):
-    proc = _pr_check(clone, gsm8k_dir, "--base", "origin/no-such-branch")
+    proc = _pr_check(clone, gsm8k_dir, "--base", "origin/no-such-branch")  # a typo: a bad invocation
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error, fix = proc.stderr.strip().splitlines()
+    assert error == ("error: the base ref 'origin/no-such-branch' names no commit in this clone (or this is "
+                     "no git clone)")
+    assert fix.startswith("  fix: fetch it") and "--base <ref>" in fix
+    proc = _pr_check(clone, gsm8k_dir, "--if-base-exists", "--base", "origin/no-such-branch")  # as CI runs it
     assert proc.returncode == 0 and "no base ref 'origin/no-such-branch'" in proc.stdout
     assert "nothing checked" in proc.stdout
     proc = _pr_check(clone, gsm8k_dir)  # default --base origin/main: the clone is main itself

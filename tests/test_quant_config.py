@@ -120,10 +120,11 @@ def test_nvfp4_refused_before_loading_naming_the_hardware(monkeypatch):
     """No models_root, no weights: the nvfp4 entry is refused for the hardware before the checkpoint is asked
     for; on the CPU the message names the CPU and Blackwell."""
     monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
-    for entry in ("super_v3_mtp_nvfp4", "qwen3_next_mtp_nvfp4"):
-        err = _error(f"model={entry}", "model.cuda_graph_batch_sizes=[]")
+    for model in ("super_v3_mtp", "qwen3_next_mtp"):
+        err = _error(f"model={model}_nvfp4", "model.cuda_graph_batch_sizes=[]")
         assert "quant=nvfp4" in err.problem and "Blackwell" in err.problem and "the CPU" in err.problem
-        assert "fp8 entry" in err.fix
+        # the fix names this model's own runnable entries, never another model's
+        assert f"use model={model}_fp8 (FP8) or model={model} (bf16);" in err.fix, err.fix
 
 
 def test_nvfp4_refused_on_pre_blackwell_gpu(monkeypatch):

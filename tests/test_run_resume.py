@@ -180,3 +180,31 @@ def test_ctrl_c_exits_130_with_the_command_that_resumes(checkpoint, gsm8k_dir, t
         assert "weights_sha256" in str(e.value)
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_sigterm_exits_143_with_the_command_that_resumes(checkpoint, gsm8k_dir, tmp_path):
+    """SIGTERM (kill, a scheduler's time limit) stops a run as Ctrl-C does: no traceback, exit 143 (128 +
+    SIGTERM), an error line naming the signal and what is saved, a fix line with the exact resume command."""
+    common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}"]
+    out = tmp_path / "terminated"
+    proc = _run_py(tmp_path, gsm8k_dir, *common, f"out_dir={out}", hang_after=KILL_AFTER, popen=True)
+    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
+    try:
+        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
+            assert proc.poll() is None, f"the run ended before SIGTERM: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "no generations appeared within 300 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=120)[1].decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr
+    error, fix = stderr.strip().splitlines()[-2:]
+    assert error == f"error: stopped by SIGTERM; {KILL_AFTER} finished generations are saved in {out}"
+    # out_dir= names the folder, so the command keeps it (no hydra.run.dir), and Hydra's files went there too
+    command = shlex.join(["python", "run.py", *common, f"out_dir={out}", "resume=true"])
+    assert fix == f"  fix: continue with: {command}"
+    assert (out / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "outputs").exists()  # no empty default run folder beside out_dir
