@@ -45,8 +45,9 @@ FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / 
 FILTERS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}  # our key -> lm-eval's
 SAMPLES_FILE = "samples.jsonl"
 
-# Fields only a whole `engine.generate` call has (batch steps, seconds): summed over the stats parts.
-_TIMING_STATS = ("prefill_seconds", "decode_seconds", "steps")
+# Fields only a whole `engine.generate` call has (batch steps, seconds, prefix-cache stores and evictions):
+# summed over the stats parts.
+_TIMING_STATS = GenerationStats.PER_CALL
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
 

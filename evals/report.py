@@ -314,6 +314,10 @@ def format_console(results: Mapping[str, Any]) -> str:
         where = "device" if load.get("device_peak_bytes") else "host RSS"
         rows.append(("load", f"{load['seconds']:,.1f} s, weights {load['weight_bytes'] / 2**30:,.2f} GiB"
                      + (f", {where} peak {peak / 2**30:,.2f} GiB" if peak else "")))
+    pc = results.get("prefix_cache") or {}
+    if pc.get("enabled"):
+        rows.append(("prefix cache", f"{pct(pc.get('hit_rate'))} of prompt tokens reused "
+                                     f"({pc.get('saved_prefill_tokens', 0):,} prefill tokens saved)"))
     if resumed.get("num_resumed"):
         done, new = resumed["num_resumed"], resumed["num_generated"]
         rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
@@ -583,6 +587,11 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
         out += ["## Memory", ""]
         rows = [[k, f"{int(v):,}", f"{int(v) / 2**20:.2f}"] for k, v in memory.items() if v is not None]
         out += _table(["buffer", "bytes", "MiB"], rows)
+
+    prefix = results.get("prefix_cache")
+    if prefix:
+        out += ["## Prefix cache", ""]
+        out += _table(["quantity", "value"], [[k, _fmt(v, 4)] for k, v in prefix.items()])
 
     timings = results.get("timings")
     if timings:

@@ -112,6 +112,19 @@ def acceptance_section(stats: dict[str, Any], draft_len: int) -> dict[str, Any] 
             "requests_without_stats": int(stats.get("requests_without_stats", 0))}
 
 
+def prefix_cache_section(stats: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """results.json `prefix_cache`: whether it was on (``enabled``) and its limit (``max_bytes``, from the
+    config's runtime settings), with GenerationStats.prefix_cache() of the evaluation's sums (per-request
+    lookups and hits of the scored requests; stores and evictions of every generate call of the folder).
+
+    stats: the evaluation's `generation` dict; config: the resolved settings (``prefix_cache``,
+    ``prefix_cache_bytes``, ``prefix_cache_off_reason``: why it was off, None when on)."""
+    names = {f.name for f in fields(GenerationStats)}
+    counters = GenerationStats.from_dict({k: v for k, v in stats.items() if k in names})
+    return {"enabled": bool(config.get("prefix_cache", False)), "max_bytes": config.get("prefix_cache_bytes"),
+            "off_reason": config.get("prefix_cache_off_reason"), **counters.prefix_cache()}
+
+
 def build_results(
     *,
     entry: str,
@@ -155,6 +168,7 @@ def build_results(
         # lm-eval task version, few-shot settings, lm-eval version and the data source actually read
         "task": dict(evaluation.task),
         "acceptance": acceptance_section(stats, draft_len),
+        "prefix_cache": prefix_cache_section(stats, config),
         "memory": {k: int(v) for k, v in memory.items()},
         "load": load,
         "timings": {

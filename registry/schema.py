@@ -203,6 +203,10 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     # world_size > 1: seconds a collective of the ranks (all-reduce) waits for its peers before the run stops
     collective_timeout_s: int = 600
+    # exact prefix caching (runners/prefix_cache.py): a prompt reuses the state saved after its longest
+    # cached prefix and prefills only the rest; false: every prompt is prefilled from scratch
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None  # the most its entries may take; None: the engine's default
 
 
 @dataclass
@@ -496,6 +500,10 @@ def check_run_values(run: RunConfig) -> None:
     if run.runtime.collective_timeout_s < 1:
         raise UserError(f"runtime.collective_timeout_s={run.runtime.collective_timeout_s} must be >= 1",
                         "set runtime.collective_timeout_s=600 (seconds; the default)")
+    if run.runtime.prefix_cache_bytes is not None and run.runtime.prefix_cache_bytes < 0:
+        raise UserError(f"runtime.prefix_cache_bytes={run.runtime.prefix_cache_bytes} must be >= 0 (or null)",
+                        "set runtime.prefix_cache_bytes=N bytes, null for the default, or "
+                        "runtime.prefix_cache=false to turn prefix caching off")
 
 
 def resolve_speculation(entry: ModelEntry, run: RunConfig) -> tuple[int, bool]:

@@ -88,6 +88,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 print(f"warning: world_size={rr.world_size}: the ranks step eagerly, without the entry's "
                       "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps (runners.launch)",
                       flush=True)
+            if rr.run.runtime.prefix_cache:
+                from runners.launch import PREFIX_CACHE_OFF_REASON
+
+                print(f"warning: runtime.prefix_cache is off: {PREFIX_CACHE_OFF_REASON}", flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
                           device="cuda" if rr.device.startswith("cuda") else "cpu",
                           timeout_s=rr.run.runtime.collective_timeout_s,
@@ -266,12 +270,27 @@ def _build_engine(rr: ResolvedRun) -> Engine:
             cuda_graphs=bool(rr.cuda_graph_batch_sizes),
             cuda_graph_batch_sizes=rr.cuda_graph_batch_sizes,
             ssm_stochastic_rounding=rr.entry.ssm.stochastic_rounding,
+            prefix_cache=rr.run.runtime.prefix_cache and rr.world_size == 1,  # off under launch (its docs)
+            prefix_cache_bytes=rr.run.runtime.prefix_cache_bytes if rr.world_size == 1 else None,
         )
     except UserError:
         raise
     except ValueError as e:
         raise UserError(str(e), f"check model.checkpoint={rr.checkpoint_dir} and the model.* settings"
                         ) from None
+
+
+def _prefix_cache_off_reason(rr: ResolvedRun, engine: Engine) -> str | None:
+    """Why the run's engine had no prefix cache (None when it had one)."""
+    if getattr(engine, "prefix_cache", None) is not None:
+        return None
+    if not rr.run.runtime.prefix_cache:
+        return "runtime.prefix_cache=false"
+    if rr.world_size > 1:
+        from runners.launch import PREFIX_CACHE_OFF_REASON
+
+        return PREFIX_CACHE_OFF_REASON
+    return getattr(engine, "prefix_cache_off_reason", None) or "off in the engine"
 
 
 def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
@@ -302,6 +321,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
     # which FP8 GEMMs ran (runners.quant.prepare_fp8): the device's FP8 kernels or the dequantizing references
     config["fp8_gemms"] = getattr(getattr(engine, "model", None), "quant_report", None)
+    config["prefix_cache"] = engine.prefix_cache is not None  # and its limit after the engine's memory cap
+    config["prefix_cache_bytes"] = engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None
+    config["prefix_cache_off_reason"] = _prefix_cache_off_reason(rr, engine)
     results = build_results(
         entry=rr.entry.name,
         model_key=rr.entry.baseline,

@@ -785,6 +785,8 @@ class BatchMeta:
     verify: a speculative verify step (needs all_valid): rewind layers keep every intermediate state in the
         rewind buffers and leave the committed state unchanged; replay layers fast-forward the committed
         state by the slot's PNAT and record the new tokens' inputs (see :meth:`HybridCache.commit`).
+    fresh: every row starts at position 0 (start_pos all 0; a prompt's first prefill chunk): attention then
+        needs only this forward's keys, with a plain causal mask.
     """
 
     slot_ids: torch.Tensor
@@ -793,6 +795,7 @@ class BatchMeta:
     all_valid: bool = False
     max_kv_len: int | None = None
     verify: bool = False
+    fresh: bool = False
 
     def __post_init__(self):
         if self.verify and not self.all_valid:

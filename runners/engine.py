@@ -56,6 +56,7 @@ from runners.models.config import HybridConfig
 from runners.models.fp8 import FP8_DTYPE
 from runners.models.hybrid import HybridLM
 from runners.models.mamba2 import Mamba2Mixer
+from runners.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from runners.quant import kv_cache_scales
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,12 @@ class GenerationStats:
     accepted draft tokens; ``accepted_per_position`` [K] counts request-steps whose draft i (1..K) was
     accepted; ``num_accepted_hist`` [K + 2] counts request-steps by num_accepted_tokens (index 0 stays 0).
     These stay zero / empty without speculation.
+
+    Prefix caching (:mod:`runners.prefix_cache`; zero when it is off), per request: ``prefix_cache_queries``
+    counts requests looked up, ``prefix_cache_query_tokens`` their prompt tokens, ``prefix_cache_hits`` the
+    requests that reused a cached prefix and ``prefix_cache_hit_tokens`` the prompt tokens restored from the
+    cache instead of prefilled (the saved prefill tokens); per ``generate`` call (:data:`PER_CALL`):
+    ``prefix_cache_stores`` entries saved, ``prefix_cache_evictions`` entries evicted.
 
     Only what reaches the output counts. A request-step commits num_accepted_tokens = n tokens to the output
     (the accepted drafts and the bonus token, n - 1 accepted drafts); when the request finishes inside the
@@ -115,8 +122,16 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_accepted_hist: list[int] = field(default_factory=list)
     request_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_stores: int = 0
+    prefix_cache_evictions: int = 0
 
-    DERIVED = ("acceptance_rate", "acceptance_length", "acceptance_per_position")
+    DERIVED = ("acceptance_rate", "acceptance_length", "acceptance_per_position", "prefix_cache_hit_rate")
+    # fields only a whole generate call has (not per request): evaluation sums them over the calls
+    PER_CALL = ("prefill_seconds", "decode_seconds", "steps", "prefix_cache_stores", "prefix_cache_evictions")
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -134,6 +149,30 @@ class GenerationStats:
         if not self.request_steps:
             return [0.0] * len(self.accepted_per_position)
         return [a / self.request_steps for a in self.accepted_per_position]
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens restored from the prefix cache / prompt tokens looked up (vLLM's prefix cache hit
+        rate), or None when nothing was looked up."""
+        if not self.prefix_cache_query_tokens:
+            return None
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens
+
+    def prefix_cache(self) -> dict:
+        """The prefix-cache statistics of results.json (docs/results_schema.md): ``queries``,
+        ``query_tokens``, ``hits``, ``hit_tokens``, ``hit_rate`` (None without queries),
+        ``saved_prefill_tokens`` (= hit_tokens: a restored token is never prefilled), ``stores``,
+        ``evictions``."""
+        return {
+            "queries": self.prefix_cache_queries,
+            "query_tokens": self.prefix_cache_query_tokens,
+            "hits": self.prefix_cache_hits,
+            "hit_tokens": self.prefix_cache_hit_tokens,
+            "hit_rate": self.prefix_cache_hit_rate,
+            "saved_prefill_tokens": self.prefix_cache_hit_tokens,
+            "stores": self.prefix_cache_stores,
+            "evictions": self.prefix_cache_evictions,
+        }
 
     def record_step(self, accepted_drafts: Sequence[int], draft_len: int) -> None:
         """Count one verify step: ``accepted_drafts`` [B] accepted drafts per request, each in [0, K]."""
@@ -195,7 +234,9 @@ class SlotCounters:
     """Per-slot speculative counters of the request that holds each cache slot; host int64 tensors.
 
     ``request_steps`` [S], ``accepted_drafts`` [S], ``accepted_per_position`` [S, K] and ``num_accepted_hist``
-    [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one request. :meth:`reset`
+    [S, K + 2] mirror the :class:`GenerationStats` fields of the same names for one request;
+    ``prefix_queried`` [S] (0 / 1) and ``prefix_hit_tokens`` [S] its prefix-cache lookup
+    (:meth:`record_prefix`). :meth:`reset`
     zeroes a slot's row when a request is admitted; :meth:`record` updates all rows of a verify step at once
     (no loop over requests), with the committed counts (:class:`GenerationStats`); :meth:`request_stats` reads
     one row back as the ``request_stats`` dict that ``on_finish`` receives. Summed over all requests of a
@@ -208,6 +249,8 @@ class SlotCounters:
         self.accepted_drafts = torch.zeros(num_slots, dtype=torch.long)
         self.accepted_per_position = torch.zeros(num_slots, draft_len, dtype=torch.long)
         self.num_accepted_hist = torch.zeros(num_slots, draft_len + 2 if draft_len else 0, dtype=torch.long)
+        self.prefix_queried = [0] * num_slots
+        self.prefix_hit_tokens = [0] * num_slots
 
     def reset(self, slots: Sequence[int]) -> None:
         """Zero the rows of ``slots`` (newly admitted requests)."""
@@ -216,6 +259,12 @@ class SlotCounters:
         self.accepted_drafts[idx] = 0
         self.accepted_per_position[idx] = 0
         self.num_accepted_hist[idx] = 0
+        for s in slots:
+            self.prefix_queried[s] = self.prefix_hit_tokens[s] = 0
+
+    def record_prefix(self, slot: int, hit_tokens: int) -> None:
+        """The request in ``slot`` looked the prefix cache up and reused ``hit_tokens`` prompt tokens."""
+        self.prefix_queried[slot], self.prefix_hit_tokens[slot] = 1, hit_tokens
 
     def record(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """Count one verify step: ``slots`` [B] distinct slot ids, ``accepted`` [B] accepted drafts in [0, K]
@@ -229,8 +278,10 @@ class SlotCounters:
     def request_stats(self, slot: int, prompt_tokens: int, generated_tokens: int) -> dict:
         """The counters of the request in ``slot`` as a plain dict: ``request_steps``, ``drafted_tokens``
         (K per request-step), ``accepted_drafts``, ``accepted_per_position`` [K], ``num_accepted_hist``
-        [K + 2] (both [] without speculation), ``generated_tokens``, ``prompt_tokens``."""
+        [K + 2] (both [] without speculation), ``generated_tokens``, ``prompt_tokens`` and the prefix-cache
+        counters ``prefix_cache_queries`` / ``_query_tokens`` / ``_hits`` / ``_hit_tokens``."""
         steps = int(self.request_steps[slot])
+        queried, hit = self.prefix_queried[slot], self.prefix_hit_tokens[slot]
         return {
             "request_steps": steps,
             "drafted_tokens": self.draft_len * steps,
@@ -239,6 +290,10 @@ class SlotCounters:
             "num_accepted_hist": self.num_accepted_hist[slot].tolist(),
             "generated_tokens": generated_tokens,
             "prompt_tokens": prompt_tokens,
+            "prefix_cache_queries": queried,
+            "prefix_cache_query_tokens": prompt_tokens if queried else 0,
+            "prefix_cache_hits": int(hit > 0),
+            "prefix_cache_hit_tokens": hit,
         }
 
 
@@ -432,6 +487,30 @@ def _resolve_ssm_backend(
     return backend
 
 
+@dataclass
+class _PrefillRow:
+    """One prompt of a prefill (:meth:`Engine._prefill`): ``key`` its index among the admitted prompts,
+    ``pos`` its tokens in the slot's cache (the cache hit, then advancing), ``hit`` the cached prefix length,
+    ``carry`` the target hidden [D] at ``pos - 1`` restored from the prefix cache (its MTP position is still
+    to run), ``save_points`` {position: shared} where the prefix cache stores the slot's state."""
+
+    key: int
+    prompt: list[int]
+    slot: int
+    pos: int = 0
+    carry: torch.Tensor | None = None
+    save_points: dict[int, bool] = field(default_factory=dict)
+    hit: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.pos
+
+    def next_stop(self) -> int:
+        """The next save point after ``pos``, else the prompt's end."""
+        return min((p for p in self.save_points if p > self.pos), default=len(self.prompt))
+
+
 class Engine:
     """A loaded model plus its caches and the generate loop. Build it with :meth:`from_pretrained`.
 
@@ -446,6 +525,8 @@ class Engine:
         cuda_graphs: whether decode steps replay CUDA graphs (``graphs``: the captured sizes, the phases);
             overlap_steps: whether the next step is queued before this one's host bookkeeping.
         phase_timer: a :class:`runners.graphs.PhaseTimer` to time the step's phases (profiling; None: off).
+        prefix_cache: the :class:`runners.prefix_cache.PrefixCache` admissions reuse prompt prefixes from
+            (None: off; ``prefix_cache_off_reason`` then says why).
     """
 
     def __init__(
@@ -469,6 +550,8 @@ class Engine:
         overlap_steps: bool | None = None,
         ssm_stochastic_rounding: bool = False,
         check_finite: bool = True,
+        prefix_cache: bool | PrefixCache = True,
+        prefix_cache_bytes: int | None = None,
     ):
         config = model.config
         _check_spec_args(draft_len, ssm_replay)
@@ -538,6 +621,38 @@ class Engine:
         self._forced_acceptance: ForcedAcceptance | None = None
         self.phase_timer: PhaseTimer | None = None
         self._setup_step(cuda_graphs, cuda_graph_batch_sizes, overlap_steps)
+        self._setup_prefix_cache(prefix_cache, prefix_cache_bytes, ssm_stochastic_rounding)
+        self._stats: GenerationStats | None = None  # the counters of the generate call in progress
+
+    def _setup_prefix_cache(self, prefix_cache: bool | PrefixCache, nbytes: int | None,
+                            stochastic_rounding: bool) -> None:
+        """``self.prefix_cache`` (a :class:`PrefixCache`, or None) and ``self.prefix_cache_off_reason``.
+
+        Off where it would not be exact: with stochastic rounding of the SSM state, the rounding counter
+        advances once per forward, so a prefill that skips forwards would draw other random bits later.
+
+        Raises:
+            ValueError: ``prefix_cache_bytes`` with a PrefixCache object (it brings its own), or < 0.
+        """
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache_off_reason: str | None = None
+        if isinstance(prefix_cache, PrefixCache):
+            if nbytes is not None:
+                raise ValueError("pass prefix_cache_bytes only with prefix_cache=True (a PrefixCache brings "
+                                 "its own max_bytes)")
+        elif not prefix_cache:
+            self.prefix_cache_off_reason = "prefix_cache=False"
+            return
+        if stochastic_rounding:
+            self.prefix_cache_off_reason = ("ssm_stochastic_rounding: the rounding bits depend on the number "
+                                            "of forwards, which a cache hit changes (not exact)")
+            log.info("prefix cache off: %s", self.prefix_cache_off_reason)
+            return
+        if not isinstance(prefix_cache, PrefixCache):
+            prefix_cache = PrefixCache(max_bytes=DEFAULT_PREFIX_CACHE_BYTES if nbytes is None else nbytes)
+        self.prefix_cache = prefix_cache
+        mtp_blocks = self.model.mtp.blocks if self.model.mtp is not None and self.draft_len > 0 else []
+        prefix_cache.configure(b.cache_index for b in mtp_blocks if b.kind == "attention")
 
     def _setup_step(self, cuda_graphs: bool | None, batch_sizes: Sequence[int] | None,
                     overlap_steps: bool | None) -> None:
@@ -614,7 +729,11 @@ class Engine:
                 step before this one's host bookkeeping), tensor_parallel (default None: a
                 ``runners.tp.TensorParallel``; this process then loads, allocates and runs only its rank's
                 shard of the model, and ``engine.config`` is the rank's view of config.json; its process
-                group must be initialised: ``runners.launch`` runs such engines on every rank in lockstep).
+                group must be initialised: ``runners.launch`` runs such engines on every rank in lockstep),
+                prefix_cache (default True: reuse cached prompt prefixes, :mod:`runners.prefix_cache`; False
+                turns it off; or a :class:`runners.prefix_cache.PrefixCache` to use), prefix_cache_bytes
+                (default 512 MiB, capped at half of the memory left after weights and caches when the
+                budget is known: the most its entries may take).
 
         The model is built on the meta device and its weights are loaded straight to ``device`` in their
         dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
@@ -645,6 +764,8 @@ class Engine:
             "ssm_stochastic_rounding",
             "check_finite",
             "tensor_parallel",
+            "prefix_cache",
+            "prefix_cache_bytes",
         }
         unknown = set(options) - allowed
         if unknown:
@@ -685,6 +806,15 @@ class Engine:
             max_batch_size=cache_args["max_batch_size"],
             max_seq_len=cache_args["max_seq_len"],
         )
+        if budget is not None and options.get("prefix_cache", True) is True:
+            # the prefix cache grows while generating: it may take at most half of what stays free
+            want = options.get("prefix_cache_bytes")
+            want = DEFAULT_PREFIX_CACHE_BYTES if want is None else want
+            cap = max(0, (budget - plan.weight_bytes - cache_bytes) // 2)
+            if want > cap:
+                log.warning("prefix_cache_bytes=%d capped at %d (half of the memory left after weights and "
+                            "caches)", want, cap)
+                options["prefix_cache_bytes"] = cap
         t_weights = time.perf_counter()
         model = materialize(plan, device)
         if device.type == "cuda":
@@ -819,6 +949,7 @@ class Engine:
             else _token_list(stop_token_ids, "stop_token_ids")
         )
         stats = GenerationStats(num_requests=n, prompt_tokens=sum(map(len, prompts)))
+        self._stats = stats  # _prefill adds the prefix-cache counters
         if K > 0:
             stats.record_step([], K)  # sizes the per-position counters even if no step runs
         out_tokens: list[list[int]] = [[] for _ in range(n)]
@@ -927,6 +1058,7 @@ class Engine:
         if bar is not None:
             bar.close()
         stats.generated_tokens = sum(map(len, out_tokens))
+        self._stats = None
         return GenerationOutput(
             tokens=out_tokens, finish_reasons=reasons, stats=stats, nonfinite=self.model.take_nonfinite()
         )
@@ -1128,22 +1260,55 @@ class Engine:
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
 
-        Requests are grouped so that a group's padded size (rows x longest prompt, capped at
-        ``prefill_chunk_tokens`` per forward) stays within budget; a group's prompts are right-padded and
-        run in column chunks of that size, each row continuing from its own cached state.
+        With the prefix cache (:mod:`runners.prefix_cache`) each prompt first restores the longest cached
+        prefix of itself into its slot (``PrefixCache.lookup`` / ``restore``: target KV, MTP KV, recurrent
+        states) and only the rest is prefilled; a prompt that is entirely a cached prefix needs no target
+        forward (:meth:`_prefill_cached`). The prefill stops at the save points ``PrefixCache.save_points``
+        names (the prompt's end, the junctions it shares with other prompts) and stores the slot's state
+        there.
+
+        Requests are grouped so that a group's padded size (rows x longest remainder, capped at
+        ``prefill_chunk_tokens`` per forward) stays within budget; a group runs in forwards of at most
+        ``prefill_chunk_tokens / rows`` columns, right-padded, each row continuing from its own cached state
+        at its own position and ending a forward early at its next save point (:meth:`_prefill_group`).
         """
         slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.cache.reset(slot_ids)
-        budget = self.prefill_chunk_tokens
-        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+        rows = [_PrefillRow(j, p, s) for j, (p, s) in enumerate(zip(prompts, slots))]
+        pc = self.prefix_cache
+        if pc is not None:
+            stores, evictions = pc.stores, pc.evictions
+            for r in rows:
+                entry = pc.lookup(r.prompt)
+                if entry is not None:
+                    pc.restore(self.cache, r.slot, entry)
+                    r.pos = r.hit = len(entry.tokens)
+                    r.carry = entry.hidden
+                self._slot_counters.record_prefix(r.slot, r.pos)
+            for r, points in zip(rows, pc.save_points(prompts, [r.pos for r in rows])):
+                r.save_points = points
         first: dict[int, int] = {}
-        group: list[int] = []
-        for j in order + [None]:
-            if j is not None and (not group or (len(group) + 1) * min(len(prompts[j]), budget) <= budget):
-                group.append(j)
+        full = [r for r in rows if r.pos == len(r.prompt)]
+        if full:
+            first.update(self._prefill_cached(full))
+        budget = self.prefill_chunk_tokens
+        todo = sorted((r for r in rows if r.pos < len(r.prompt)), key=lambda r: r.remaining)
+        group: list[_PrefillRow] = []
+        for r in todo + [None]:
+            if r is not None and (not group or (len(group) + 1) * min(r.remaining, budget) <= budget):
+                group.append(r)
                 continue
-            first.update(self._prefill_group([prompts[g] for g in group], [slots[g] for g in group], group))
-            group = [j] if j is not None else []
+            if group:
+                first.update(self._prefill_group(group))
+            group = [r] if r is not None else []
+        if pc is not None and self._stats is not None:
+            s = self._stats
+            s.prefix_cache_queries += len(rows)
+            s.prefix_cache_query_tokens += sum(len(r.prompt) for r in rows)
+            s.prefix_cache_hits += sum(r.hit > 0 for r in rows)
+            s.prefix_cache_hit_tokens += sum(r.hit for r in rows)
+            s.prefix_cache_stores += pc.stores - stores
+            s.prefix_cache_evictions += pc.evictions - evictions
         first_tokens = [first[j] for j in range(len(prompts))]
         # the decode state the steps start from: the prompt is in the cache, its first token is fed next
         long = dict(dtype=torch.long, device=self.device)
@@ -1151,43 +1316,109 @@ class Engine:
         self._last_token[slot_ids] = torch.tensor(first_tokens, **long)
         return first_tokens
 
-    def _prefill_group(self, prompts: list[list[int]], slots: list[int], keys: list[int]) -> dict[int, int]:
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        T_max = int(lengths.max())
-        chunk = max(1, min(T_max, self.prefill_chunk_tokens // len(prompts)))
-        ids = torch.zeros(len(prompts), T_max, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+    def _prefill_cached(self, rows: list[_PrefillRow]) -> dict[int, int]:
+        """First tokens of prompts that are entirely a cached prefix: the greedy token of the restored hidden
+        of the last position; with drafts, the MTP module at the last prompt position (that hidden paired
+        with the first token) gives the first draft."""
+        hidden = torch.stack([r.carry for r in rows])  # [n, D]
+        tokens = self.model.lm_logits(hidden).argmax(-1)
+        if self.draft_len > 0:
+            slot_ids = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+            start = torch.tensor([r.pos - 1 for r in rows], dtype=torch.long, device=self.device)
+            meta = BatchMeta.decode(slot_ids, start, max_kv_len=max(r.pos for r in rows))
+            out = self._mtp(tokens[:, None], hidden[:, None], meta)
+            self._store_first_draft(slot_ids, out[:, 0])
+        for r in rows:
+            r.carry = None
+        return dict(zip([r.key for r in rows], tokens.tolist()))
+
+    def _prefill_group(self, rows: list[_PrefillRow]) -> dict[int, int]:
+        """Prefill ``rows`` to their prompts' ends in forwards of at most ``prefill_chunk_tokens / len(rows)``
+        columns; returns {row key: first token}.
+
+        Each forward takes from every unfinished row the tokens up to its next save point (at most the
+        chunk width), right-padded, at the row's own start position. Rows whose prompt ends in a forward get
+        their first token; with drafts the MTP module runs over the same positions (:meth:`_prefill_mtp`). A
+        row that reaches a save point stores its slot's state in the prefix cache.
+        """
+        chunk = max(1, min(max(r.remaining for r in rows), self.prefill_chunk_tokens // len(rows)))
         first: dict[int, int] = {}
-        for c0 in range(0, T_max, chunk):
-            width = min(chunk, T_max - c0)
-            row_len = (lengths - c0).clamp(0, width)
+        dev, pc = self.device, self.prefix_cache
+        while True:
+            active = sorted((r for r in rows if r.remaining), key=lambda r: r.slot)
+            if not active:
+                return first
+            n = [min(chunk, r.next_stop() - r.pos) for r in active]
+            W = max(n)
+            ids = torch.zeros(len(active), W, dtype=torch.long)
+            for b, r in enumerate(active):
+                ids[b, : n[b]] = torch.tensor(r.prompt[r.pos : r.pos + n[b]], dtype=torch.long)
+            slot_ids = torch.tensor([r.slot for r in active], dtype=torch.long, device=dev)
             meta = BatchMeta(
                 slot_ids,
-                torch.full_like(slot_ids, c0),
-                row_len.to(self.device),
-                all_valid=bool((row_len == width).all()),
+                torch.tensor([r.pos for r in active], dtype=torch.long, device=dev),
+                torch.tensor(n, dtype=torch.long, device=dev),
+                all_valid=min(n) == W,
+                max_kv_len=max(r.pos + m for r, m in zip(active, n)),
+                fresh=all(r.pos == 0 for r in active),
             )
-            hidden = self.model(ids[:, c0 : c0 + width].to(self.device), self.cache, meta)
+            hidden = self.model(ids.to(dev), self.cache, meta)  # [B, W, D]
             self.cache.advance_rounding()
-            ending = [b for b in range(len(prompts)) if c0 < lengths[b] <= c0 + width]  # last token here
-            rows = torch.tensor(ending, dtype=torch.long, device=self.device)
-            cols = (lengths[ending] - 1 - c0).to(self.device)
-            tokens = self.model.lm_logits(hidden[rows, cols]).argmax(-1)
-            first.update(zip([keys[b] for b in ending], tokens.tolist()))
+            ending = [b for b, r in enumerate(active) if r.pos + n[b] == len(r.prompt)]
+            tokens = None
+            if ending:
+                rows_e = torch.tensor(ending, dtype=torch.long, device=dev)
+                cols_e = torch.tensor([n[b] - 1 for b in ending], dtype=torch.long, device=dev)
+                tokens = self.model.lm_logits(hidden[rows_e, cols_e]).argmax(-1)
+                first.update(zip([active[b].key for b in ending], tokens.tolist()))
             if self.draft_len > 0:
-                # MTP position i pairs the target hidden at i with token i + 1; the prompt's last position
-                # pairs with the first generated token, and its output there gives the first draft.
-                nxt = torch.zeros(len(prompts), width, dtype=torch.long)
-                shifted = ids[:, c0 + 1 : c0 + width + 1]
-                nxt[:, : shifted.shape[1]] = shifted
-                nxt = nxt.to(self.device)
-                nxt[rows, cols] = tokens
-                out = self._mtp(nxt, hidden, meta)
-                if ending:
-                    self._store_first_draft(slot_ids[rows], out[rows, cols])
-        return first
+                self._prefill_mtp(active, n, hidden, slot_ids, ending, tokens)
+            for b, r in enumerate(active):
+                r.pos += n[b]
+                r.carry = None
+                if pc is not None and r.pos in r.save_points:
+                    pc.save(self.cache, r.slot, r.prompt[: r.pos], hidden[b, n[b] - 1], r.save_points[r.pos])
+
+    def _prefill_mtp(self, active: list[_PrefillRow], n: list[int], hidden: torch.Tensor,
+                     slot_ids: torch.Tensor, ending: list[int], first_tokens: torch.Tensor | None) -> None:
+        """The MTP module over one prefill forward's positions (see :meth:`_prefill_group`). MTP position i
+        pairs the target hidden at i with token i + 1; the prompt's last position pairs with the first
+        generated token, and its output there gives the first draft. A row with a restored hidden (``carry``,
+        after a cache hit) starts one position earlier: the restored hidden pairs with its first uncached
+        token. Writes the MTP KV cache; stores the first draft of the rows in ``ending`` (indices into
+        ``active``; their first tokens ``first_tokens``)."""
+        dev, D = self.device, hidden.shape[-1]
+        shift = [int(r.carry is not None) for r in active]
+        m = [k + s for k, s in zip(n, shift)]  # MTP positions of each row
+        Wm = max(m)
+        if any(shift):  # column 0: the restored hidden; rows without one read from column 1
+            carry = torch.stack([r.carry if r.carry is not None else hidden.new_zeros(D) for r in active])
+            h = torch.cat([carry[:, None], hidden], dim=1)  # [B, W + 1, D]
+            col = torch.arange(Wm, device=dev)[None, :] + 1 - torch.tensor(shift, device=dev)[:, None]
+            h = h.gather(1, col.clamp(max=h.shape[1] - 1)[..., None].expand(-1, -1, D))
+        else:
+            h = hidden[:, :Wm]
+        nxt = torch.zeros(len(active), Wm, dtype=torch.long)
+        for b, r in enumerate(active):
+            start = r.pos - shift[b]
+            after = r.prompt[start + 1 : start + 1 + m[b]]  # the prompt's last position pairs with token 1
+            nxt[b, : len(after)] = torch.tensor(after, dtype=torch.long)
+        nxt = nxt.to(dev)
+        if ending:
+            rows_e = torch.tensor(ending, dtype=torch.long, device=dev)
+            cols_e = torch.tensor([m[b] - 1 for b in ending], dtype=torch.long, device=dev)
+            nxt[rows_e, cols_e] = first_tokens
+        meta = BatchMeta(
+            slot_ids,
+            torch.tensor([r.pos - s for r, s in zip(active, shift)], dtype=torch.long, device=dev),
+            torch.tensor(m, dtype=torch.long, device=dev),
+            all_valid=min(m) == Wm,
+            max_kv_len=max(r.pos + k for r, k in zip(active, n)),
+            fresh=all(r.pos - s == 0 for r, s in zip(active, shift)),
+        )
+        out = self._mtp(nxt, h, meta)
+        if ending:
+            self._store_first_draft(slot_ids[rows_e], out[rows_e, cols_e])
 
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """The MTP module at MTP positions ``meta.start_pos + t``: next_ids [B, T] (the token after each

@@ -97,6 +97,12 @@ CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command 
 LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance")
 _TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
 _STEP_OPTIONS = ("cuda_graphs", "overlap_steps")  # off under launch (module docstring)
+# Why engines under launch run without the prefix cache (results.json records it; module docstring)
+PREFIX_CACHE_OFF_REASON = (
+    "world_size > 1: the ranks' prefix caches are not kept in lockstep (a rank's byte budget follows its own "
+    "free memory, so ranks could evict differently, prefill different token counts and pair their "
+    "all-reduces wrongly); every prompt is prefilled in full"
+)
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -235,6 +241,16 @@ def _eager_steps(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, **{k: False for k in _STEP_OPTIONS}}
 
 
+def _no_prefix_cache(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``prefix_cache`` off (:data:`PREFIX_CACHE_OFF_REASON`). Raises ValueError when it is
+    asked for (True or a PrefixCache object)."""
+    asked = options.get("prefix_cache", False)
+    if asked is not False and asked is not None:
+        raise ValueError(f"prefix_cache with world_size > 1 is not supported ({PREFIX_CACHE_OFF_REASON}); "
+                         "pass prefix_cache=False (run.py turns it off itself, with a warning)")
+    return {**options, "prefix_cache": False, "prefix_cache_bytes": None}
+
+
 def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
     """On rank 0 of :func:`launch`: build ``Engine.from_pretrained(path, **kwargs)`` on every rank, each on
     its own device with its shard (``tensor_parallel`` and ``device`` are set per rank: do not pass them),
@@ -245,7 +261,7 @@ def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
     bad = {"device", "tensor_parallel"} & set(kwargs)
     if bad:
         raise ValueError(f"build_engine sets {sorted(bad)} per rank; do not pass them")
-    kwargs = _eager_steps(kwargs)
+    kwargs = _no_prefix_cache(_eager_steps(kwargs))
     _broadcast(("build", str(path), kwargs))
     engine = LockstepEngine.from_pretrained(path, device=ctx.device, tensor_parallel=ctx.tp, **kwargs)
     engine._digest = hashlib.sha256()
@@ -260,7 +276,7 @@ def rebuild_engine(engine: LockstepEngine, **options: Any) -> LockstepEngine:
     ctx = _require()
     if "device" in options:
         raise ValueError("rebuild_engine keeps each rank's device; do not pass device")
-    options = _eager_steps(options)
+    options = _no_prefix_cache(_eager_steps(options))
     _broadcast(("rebuild", options))
     new = LockstepEngine(engine.model, device=ctx.device, **options)
     new.tensor_parallel, new.load_report = engine.tensor_parallel, engine.load_report

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,19 +68,21 @@ class FakeEngine:
 
     built: list[tuple[str, dict]] = []
 
-    def __init__(self, ssm_backend: str):
+    def __init__(self, ssm_backend: str, prefix_cache: bool = True, prefix_cache_bytes: int | None = None):
         self.ssm_backend = ssm_backend  # the backend that runs (runners.Engine resolves it)
         self.load_report = LoadReport(
             seconds=1.5, weights_seconds=1.0, device="cpu", dtype="float32", weight_bytes=3 * 2**30,
             cache_bytes=2**21, budget_bytes=None, host_peak_rss_bytes=2**31, host_peak_reset=True,
             device_peak_bytes=None, device_allocated_bytes=None)
+        # the prefix cache as runners.Engine keeps it: None when off, else an object with its limit
+        self.prefix_cache = SimpleNamespace(max_bytes=prefix_cache_bytes or 2**29) if prefix_cache else None
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, draft_len=0, ssm_replay=False,
                         **options):
         cls.built.append((path, dict(device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay,
                                      **options)))
-        return cls(options["ssm_backend"])
+        return cls(options["ssm_backend"], options["prefix_cache"], options["prefix_cache_bytes"])
 
     def cache_memory(self):
         return {"ssm_state_bytes": 2**20, "conv_state_bytes": 1024, "kv_cache_bytes": 2**21,
@@ -146,7 +149,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
                           max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
                           ssm_replay_checkpointing=False, kv_cache_quant="none", cuda_graphs=False,
-                          cuda_graph_batch_sizes=[], ssm_stochastic_rounding=False)
+                          cuda_graph_batch_sizes=[], ssm_stochastic_rounding=False, prefix_cache=True,
+                          prefix_cache_bytes=None)
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
@@ -183,6 +187,10 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert results["generation"]["generated_tokens"] == 600
     assert results["memory"]["kv_cache_bytes"] == 2**21
     assert results["load"]["weight_bytes"] == 3 * 2**30 and results["load"]["seconds"] == 1.5
+    assert results["config"]["prefix_cache"] is True and results["config"]["prefix_cache_bytes"] == 2**29
+    assert results["prefix_cache"] == {  # FakeStats has no prefix-cache counters: nothing looked up
+        "enabled": True, "max_bytes": 2**29, "off_reason": None, "queries": 0, "query_tokens": 0, "hits": 0,
+        "hit_tokens": 0, "hit_rate": None, "saved_prefill_tokens": 0, "stores": 0, "evictions": 0}
     assert results["git_commit"] is None or len(results["git_commit"]) == 40
     # Against the tiny entry's measured rows (registry/baselines/): 37.5 % >= 1.895 - 0.87, rate 0.5 >= 0.43,
     # length 2.5 >= 2.616 * 0.8.
@@ -198,6 +206,18 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "load                     1.5 s, weights 3.00 GiB, host RSS peak 2.00 GiB" in printed
     assert ("ssm backend / state      torch (entry: triton; the CPU runs the PyTorch references) / float32 "
             "state") in printed
+
+
+def test_prefix_cache_off_and_its_size_reach_the_engine(fakes, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'off'}", "eval.limit=4",
+                           "runtime.prefix_cache=false"))
+    assert FakeEngine.built[-1][1]["prefix_cache"] is False
+    assert results["config"]["prefix_cache"] is False and results["prefix_cache"]["enabled"] is False
+    assert results["prefix_cache"]["off_reason"] == "runtime.prefix_cache=false"
+    app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'small'}", "eval.limit=4",
+                 "runtime.prefix_cache_bytes=1000"))
+    assert FakeEngine.built[-1][1]["prefix_cache_bytes"] == 1000
 
 
 def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
@@ -328,6 +348,7 @@ def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
         ("+model._target_=os.system", "'_target_' is not allowed"),
         ("+model.arch_override=1", "unknown key 'arch_override'"),
         ("runtime.device=tpu", "runtime.device must be cpu or cuda"),
+        ("runtime.prefix_cache_bytes=-1", "runtime.prefix_cache_bytes=-1 must be >= 0"),
         ("model.ssm.backend=flashinfer", "ssm.backend=flashinfer, which runs only on CUDA GPUs"),
     ],
 )

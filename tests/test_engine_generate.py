@@ -98,7 +98,10 @@ def test_stop_tokens_checker_and_on_finish(setup):
         # no speculation: no request-steps; the token counts are the request's own
         assert request_stats == {
             "request_steps": 0, "drafted_tokens": 0, "accepted_drafts": 0, "accepted_per_position": [],
-            "num_accepted_hist": [], "generated_tokens": len(toks), "prompt_tokens": len(prompts[i])}
+            "num_accepted_hist": [], "generated_tokens": len(toks), "prompt_tokens": len(prompts[i]),
+            # every request looks the prefix cache up; these random prompts share no prefix
+            "prefix_cache_queries": 1, "prefix_cache_query_tokens": len(prompts[i]), "prefix_cache_hits": 0,
+            "prefix_cache_hit_tokens": 0}
 
     out = engine.generate(
         prompts,

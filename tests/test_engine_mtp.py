@@ -218,13 +218,19 @@ def _check_request_stats(engine, prompts, out, request_stats: dict[int, dict], K
             num_requests=1, prompt_tokens=len(prompts[i]), generated_tokens=len(out.tokens[i])
         )
         want.record_step(committed, K)
+        # the prefix cache is looked up once per request (these prompts may share a prefix by chance)
+        hit = rs["prefix_cache_hit_tokens"]
+        assert 0 <= hit <= len(prompts[i]) and rs["prefix_cache_hits"] == int(hit > 0)
+        want.prefix_cache_queries, want.prefix_cache_query_tokens = 1, len(prompts[i])
+        want.prefix_cache_hits, want.prefix_cache_hit_tokens = int(hit > 0), hit
         got = GenerationStats(num_requests=1, **rs)
         assert got == want, f"request {i}"
         assert 1 + rs["request_steps"] + rs["accepted_drafts"] == rs["generated_tokens"] == len(out.tokens[i])
         total = total + got
     assert total.num_requests == len(prompts)
     for name in ("num_requests", "prompt_tokens", "generated_tokens", "request_steps", "drafted_tokens",
-                 "accepted_drafts", "accepted_per_position", "num_accepted_hist"):
+                 "accepted_drafts", "accepted_per_position", "num_accepted_hist", "prefix_cache_queries",
+                 "prefix_cache_query_tokens", "prefix_cache_hits", "prefix_cache_hit_tokens"):
         assert getattr(total, name) == getattr(out.stats, name), name
 
 

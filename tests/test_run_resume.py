@@ -55,6 +55,7 @@ class ScriptedEngine(FakeEngine):
         engine.config = SimpleNamespace(eos_token_id=2, options=sorted(options))
         engine.ssm_backend = options["ssm_backend"]
         engine.load_report = None  # as an Engine built without from_pretrained
+        engine.prefix_cache = None  # as an Engine with runtime.prefix_cache=false (the fake reuses nothing)
         return engine
 
     def cache_memory(self):

@@ -184,11 +184,16 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
         runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
     (gen1, res1), (gen2, res2) = runs[1], runs[2]
     assert len(gen1) == 8 and gen1.keys() == gen2.keys()
+    # world_size 2 runs without the prefix cache (runners.launch.PREFIX_CACHE_OFF_REASON): its lookup counters
+    # are the only request counters that differ
+    no_prefix = lambda rs: {k: v for k, v in rs.items() if not k.startswith("prefix_cache")}  # noqa: E731
     for key in gen1:
         assert gen2[key]["generated_ids"] == gen1[key]["generated_ids"]
-        assert gen2[key]["request_stats"] == gen1[key]["request_stats"]
+        assert no_prefix(gen2[key]["request_stats"]) == no_prefix(gen1[key]["request_stats"])
     assert res2["acceptance"] == res1["acceptance"] and res2["gsm8k"] == res1["gsm8k"]
     assert res2["config"]["world_size"] == 2 and res1["config"]["world_size"] == 1
+    assert res1["prefix_cache"]["enabled"] and res1["prefix_cache"]["off_reason"] is None
+    assert not res2["prefix_cache"]["enabled"] and "world_size > 1" in res2["prefix_cache"]["off_reason"]
 
 
 @pytest.mark.gpu
@@ -245,6 +250,20 @@ def test_tp_engines_step_eagerly():
     with pytest.raises(ValueError, match=r"cuda_graphs and overlap_steps with world_size > 1.*"
                                          r"cuda_graphs=False, overlap_steps=False"):
         _eager_steps({"cuda_graphs": True, "overlap_steps": True})
+
+
+def test_tp_engines_run_without_the_prefix_cache():
+    """Engines under runners.launch have no prefix cache (launch.PREFIX_CACHE_OFF_REASON): build_engine /
+    rebuild_engine turn it off and refuse a request for it with the fix."""
+    from runners.launch import _no_prefix_cache
+    from runners.prefix_cache import PrefixCache
+
+    off = {"prefix_cache": False, "prefix_cache_bytes": None}
+    assert _no_prefix_cache({"draft_len": 3}) == {"draft_len": 3, **off}
+    assert _no_prefix_cache({"prefix_cache": False})["prefix_cache"] is False
+    for asked in (True, PrefixCache()):
+        with pytest.raises(ValueError, match=r"prefix_cache with world_size > 1.*prefix_cache=False"):
+            _no_prefix_cache({"prefix_cache": asked})
 
 
 def test_sharded_weight_check_judges_the_whole_matrix():
