@@ -4,7 +4,9 @@
   GQA, latent and plain MoE, group-limited routing);
 - the chunked SSD scan equals the token-by-token recurrence;
 - chunked prefill (right-padded batch of different lengths) + step-by-step decode equals one full forward;
-- PAD rows (slot -1) never touch a live slot.
+- PAD rows (slot -1) never touch a live slot;
+- the cached attention (GQA heads folded for few queries) equals plain attention; a fresh prefill (every
+  row from position 0) equals the general cached path.
 """
 
 from __future__ import annotations
@@ -221,3 +223,53 @@ def test_kv_bound_above_the_true_length_gives_the_same_step(pair):
         torch.testing.assert_close(out, outs[0][0], rtol=1e-6, atol=1e-6)
         for a, b in zip(bufs, outs[0][1]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _reference_attention(q, keys, values, pos):
+    """Plain softmax attention, each query head over its KV head (h // G), keys at positions <= pos."""
+    G = q.shape[2] // keys.shape[2]
+    k = keys.repeat_interleave(G, dim=2).transpose(1, 2)  # (B, Hq, S, hd)
+    v = values.repeat_interleave(G, dim=2).transpose(1, 2)
+    scores = q.transpose(1, 2) @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, Hq, T, S)
+    allowed = torch.arange(keys.shape[1])[None, None, :] <= pos[:, :, None]  # (B, T, S)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)  # (B, T, Hq, hd)
+
+
+@pytest.mark.parametrize("T", [1, 4, 17])  # 17 > _FOLD_GQA_MAX_T: the enable_gqa path
+@pytest.mark.parametrize("Hq,KVH", [(6, 2), (4, 4), (8, 1)])
+def test_cached_attention_equals_reference(T, Hq, KVH):
+    """The decode / verify attention (GQA heads folded into the query axis for few queries) equals plain
+    per-head attention, rows at different positions."""
+    from runners.models.layers import _cached_attention
+
+    torch.manual_seed(T * 10 + Hq)
+    B, S, hd = 3, 40, 8
+    q = torch.randn(B, T, Hq, hd)
+    keys, values = torch.randn(B, S, KVH, hd), torch.randn(B, S, KVH, hd)
+    pos = torch.tensor([0, 9, S - T])[:, None] + torch.arange(T)  # row 0 sees 1..T keys, row 2 all S
+    got = _cached_attention(q, keys, values, pos)
+    assert got.shape == (B, T, Hq, hd)
+    torch.testing.assert_close(got, _reference_attention(q, keys, values, pos), atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_fresh_prefill_equals_the_cached_path(pair):
+    """BatchMeta.fresh (every row from position 0: attention over this forward's keys, plain causal mask)
+    gives the same hidden states and cache as the general path, right-padded rows included."""
+    _, model = pair
+    cfg = model.config
+    torch.manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (3, 9))
+    slots, lengths = torch.tensor([2, 0, 1]), torch.tensor([9, 4, 7])
+    outs = []
+    for fresh in (False, True):
+        cache = HybridCache(cfg, model.cache_kinds(), max_batch_size=3, max_seq_len=12, dtype=torch.float32)
+        meta = BatchMeta(slots, torch.zeros(3, dtype=torch.long), lengths, fresh=fresh)
+        hidden = model(ids, cache, meta)
+        outs.append(([hidden[b, :n] for b, n in enumerate(lengths.tolist())], cache))
+    for a, b in zip(outs[0][0], outs[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for i, layer in outs[0][1].layers.items():
+        for a, b in zip(_buffers(layer), _buffers(outs[1][1].layers[i])):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the same keys / states were written
