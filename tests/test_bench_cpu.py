@@ -1,0 +1,31 @@
+"""benchmarks/bench_cpu.py and benchmarks/profile_cpu.py run end to end on a few GSM8K prompts (speed figures
+are not checked: they are measurements, docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_cpu, profile_cpu
+
+
+def test_bench_cpu_compares_engine_arms_with_hf(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--prompts", "2", "--new-tokens", "4", "--repeats", "1", "--arms", "hf,engine_k0,engine_k3_replay",
+            "--out", str(out)]
+    assert bench_cpu.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and report["prefix_cache"] is True
+    arms = report["arms"]
+    assert set(arms) == {"hf", "engine_k0", "engine_k3_replay"}
+    for arm in arms.values():
+        assert arm["generated_tokens"] == 2 * 4 and arm["best_cpu_seconds"] > 0
+    assert arms["engine_k3_replay"]["tokens_equal_to_k0"] is True  # speculation changes no token
+    assert 0 <= arms["engine_k0"]["tokens_equal_to_hf"] <= 1 and "speedup_vs_hf_cpu" in arms["engine_k0"]
+    assert arms["engine_k3_replay"]["runs"][0]["acceptance_length"] >= 1
+
+
+def test_profile_cpu_labels_the_step_phases(capsys):
+    assert profile_cpu.main(["--prompts", "2", "--new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    for label in ("DECODE", "DRAFT", "VERIFY", "COMMIT", "CATCHUP", "TARGET_FWD", "MTP_FWD", "LM_HEAD", "STEP"):
+        assert f"  {label} " in printed, label
