@@ -484,8 +484,9 @@ class KVCache(LayerState):
         self, rows: Callable[[torch.Tensor], torch.Tensor], kv_len: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [B, kv_len, KVH, head_dim] in ``dtype`` of the batch's cache rows (``rows``:
-        ``BatchMeta.rows``), dequantized in an FP8 cache. The first kv_len positions are sliced before the
-        rows are gathered, so the gather copies only those."""
+        ``BatchMeta.rows``, or ``BatchMeta.view_rows``: then, unquantized, a view of the cache -- read it
+        only), dequantized in an FP8 cache. The first kv_len positions are sliced before the rows are
+        gathered, so the gather copies only those."""
         if not self.fp8:
             return rows(self.k[:, :kv_len]).to(dtype), rows(self.v[:, :kv_len]).to(dtype)
         out = []
@@ -787,6 +788,9 @@ class BatchMeta:
         state by the slot's PNAT and record the new tokens' inputs (see :meth:`HybridCache.commit`).
     fresh: every row starts at position 0 (start_pos all 0; a prompt's first prefill chunk): attention then
         needs only this forward's keys, with a plain causal mask.
+    row_start: the slot ids are known on the host to be ``row_start, row_start + 1, ...`` (no PAD row): then
+        :meth:`view_rows` slices the cache rows instead of gathering a copy. An eager step's hint only (a CUDA
+        graph would bake the value in); None: unknown.
     """
 
     slot_ids: torch.Tensor
@@ -796,6 +800,7 @@ class BatchMeta:
     max_kv_len: int | None = None
     verify: bool = False
     fresh: bool = False
+    row_start: int | None = None
 
     def __post_init__(self):
         if self.verify and not self.all_valid:
@@ -806,6 +811,13 @@ class BatchMeta:
         last row of ``buffer``)."""
         return buffer[self.slot_ids % buffer.shape[0]]
 
+    def view_rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This batch's cache rows for reading only: a view of ``buffer`` (no copy) when ``row_start`` says
+        they are consecutive, else :meth:`rows`' gather copy. The values are the same; never write to it."""
+        if self.row_start is None:
+            return self.rows(buffer)
+        return buffer[self.row_start : self.row_start + self.slot_ids.shape[0]]
+
     @classmethod
     def decode(
         cls,
@@ -815,6 +827,7 @@ class BatchMeta:
         *,
         verify: bool = False,
         max_kv_len: int | None = None,
+        row_start: int | None = None,
     ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
         return cls(
@@ -824,6 +837,7 @@ class BatchMeta:
             all_valid=True,
             max_kv_len=max_kv_len,
             verify=verify,
+            row_start=row_start,
         )
 
     def valid(self, T: int) -> torch.Tensor:

@@ -623,6 +623,7 @@ class Engine:
         self._setup_step(cuda_graphs, cuda_graph_batch_sizes, overlap_steps)
         self._setup_prefix_cache(prefix_cache, prefix_cache_bytes, ssm_stochastic_rounding)
         self._stats: GenerationStats | None = None  # the counters of the generate call in progress
+        self._row_start: int | None = None  # BatchMeta.row_start of the eager step running (_launch)
 
     def _setup_prefix_cache(self, prefix_cache: bool | PrefixCache, nbytes: int | None,
                             stochastic_rounding: bool) -> None:
@@ -1084,7 +1085,15 @@ class Engine:
         block.slot_ids[:n] = torch.tensor(slots, dtype=torch.long)
         io = self._io
         io.slot_ids[:B].copy_(block.slot_ids[:B], non_blocking=True)
-        marks = self.graphs.run(B, L, graphed, timed=self.phase_timer is not None)
+        # an eager step over consecutive slots reads their KV rows as views, not gathered copies (exact: the
+        # same values); a captured graph reads through the slot ids, whatever they are at replay
+        eager = not graphed or self.graphs.mode != "graph"
+        consecutive = B == n and slots == list(range(slots[0], slots[0] + n))
+        self._row_start = slots[0] if eager and consecutive else None
+        try:
+            marks = self.graphs.run(B, L, graphed, timed=self.phase_timer is not None)
+        finally:
+            self._row_start = None
         block.tokens[:B].copy_(io.tokens[:B], non_blocking=True)
         block.num_accepted[:B].copy_(io.num_accepted[:B], non_blocking=True)
         if block.event is not None:
@@ -1129,7 +1138,8 @@ class Engine:
         slot_ids, live, rows = self._batch_rows(B)
         n = torch.where(live, self._slot_len[rows], 0)
         last = torch.where(live, self._last_token[rows], 0)
-        hidden = self.model(last[:, None], self.cache, BatchMeta.decode(slot_ids, n, max_kv_len=L))
+        meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self._row_start)
+        hidden = self.model(last[:, None], self.cache, meta)
         self.cache.advance_rounding()  # in-place on the device: graph-safe
         nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
         io.tokens[:B, 0] = nxt
@@ -1168,7 +1178,8 @@ class Engine:
         drafts = [torch.where(live, self._draft1[rows], 0)]
         h = torch.where(live[:, None], self._mtp_hidden[rows], 0.0)
         for j in range(1, self.draft_len):
-            meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len)
+            meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len,
+                                    row_start=self._row_start)
             h = self._mtp(drafts[-1][:, None], h[:, None], meta)[:, 0]
             drafts.append(self.model.lm_logits(h).argmax(-1))
         return torch.stack(drafts, dim=1)
@@ -1178,7 +1189,8 @@ class Engine:
         slot_ids, live, rows = self._batch_rows(B)
         last = torch.where(live, self._last_token[rows], 0)
         tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
-        meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L)
+        meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L,
+                                row_start=self._row_start)
         hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
         self.cache.advance_rounding()
         io.hidden[:B] = hidden
@@ -1207,7 +1219,8 @@ class Engine:
     def _phase_catchup(self, B: int, L: int) -> None:
         io = self._io
         slot_ids, num_accepted = io.slot_ids[:B], io.num_accepted[:B]
-        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L)
+        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L,
+                             row_start=self._row_start)
         out = self._mtp(io.tokens[:B], io.hidden[:B], catch_up)
         self._store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1])
 
@@ -1353,7 +1366,9 @@ class Engine:
             ids = torch.zeros(len(active), W, dtype=torch.long)
             for b, r in enumerate(active):
                 ids[b, : n[b]] = torch.tensor(r.prompt[r.pos : r.pos + n[b]], dtype=torch.long)
-            slot_ids = torch.tensor([r.slot for r in active], dtype=torch.long, device=dev)
+            slot_list = [r.slot for r in active]
+            slot_ids = torch.tensor(slot_list, dtype=torch.long, device=dev)
+            consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
             meta = BatchMeta(
                 slot_ids,
                 torch.tensor([r.pos for r in active], dtype=torch.long, device=dev),
@@ -1361,6 +1376,7 @@ class Engine:
                 all_valid=min(n) == W,
                 max_kv_len=max(r.pos + m for r, m in zip(active, n)),
                 fresh=all(r.pos == 0 for r in active),
+                row_start=slot_list[0] if consecutive else None,
             )
             hidden = self.model(ids.to(dev), self.cache, meta)  # [B, W, D]
             self.cache.advance_rounding()
@@ -1372,7 +1388,7 @@ class Engine:
                 tokens = self.model.lm_logits(hidden[rows_e, cols_e]).argmax(-1)
                 first.update(zip([active[b].key for b in ending], tokens.tolist()))
             if self.draft_len > 0:
-                self._prefill_mtp(active, n, hidden, slot_ids, ending, tokens)
+                self._prefill_mtp(active, n, hidden, slot_ids, ending, tokens, meta.row_start)
             for b, r in enumerate(active):
                 r.pos += n[b]
                 r.carry = None
@@ -1380,7 +1396,8 @@ class Engine:
                     pc.save(self.cache, r.slot, r.prompt[: r.pos], hidden[b, n[b] - 1], r.save_points[r.pos])
 
     def _prefill_mtp(self, active: list[_PrefillRow], n: list[int], hidden: torch.Tensor,
-                     slot_ids: torch.Tensor, ending: list[int], first_tokens: torch.Tensor | None) -> None:
+                     slot_ids: torch.Tensor, ending: list[int], first_tokens: torch.Tensor | None,
+                     row_start: int | None = None) -> None:
         """The MTP module over one prefill forward's positions (see :meth:`_prefill_group`). MTP position i
         pairs the target hidden at i with token i + 1; the prompt's last position pairs with the first
         generated token, and its output there gives the first draft. A row with a restored hidden (``carry``,
@@ -1415,6 +1432,7 @@ class Engine:
             all_valid=min(m) == Wm,
             max_kv_len=max(r.pos + k for r, k in zip(active, n)),
             fresh=all(r.pos - s == 0 for r, s in zip(active, shift)),
+            row_start=row_start,
         )
         out = self._mtp(nxt, h, meta)
         if ending:

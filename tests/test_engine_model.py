@@ -225,6 +225,27 @@ def test_kv_bound_above_the_true_length_gives_the_same_step(pair):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@torch.inference_mode()
+def test_consecutive_rows_read_as_views_give_the_same_step(pair):
+    """BatchMeta.row_start (an eager step over consecutive slots: attention reads the KV rows as views of the
+    cache instead of gathered copies) gives bit for bit the hidden states and cache of the gather."""
+    _, model = pair
+    cfg = model.config
+    torch.manual_seed(8)
+    ids = torch.randint(0, cfg.vocab_size, (3, 6))
+    tok = torch.randint(0, cfg.vocab_size, (2, 3))
+    outs = []
+    for row_start in (None, 1):
+        cache = HybridCache(cfg, model.cache_kinds(), max_batch_size=3, max_seq_len=12, dtype=torch.float32)
+        slots = torch.arange(3)
+        model(ids, cache, BatchMeta(slots, torch.zeros(3, dtype=torch.long), torch.tensor([6, 3, 5])))
+        meta = BatchMeta.decode(slots[1:], torch.tensor([3, 5]), 3, max_kv_len=9, row_start=row_start)
+        outs.append((model(tok, cache, meta), [_buffers(layer) for layer in cache.layers.values()]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _reference_attention(q, keys, values, pos):
     """Plain softmax attention, each query head over its KV head (h // G), keys at positions <= pos."""
     G = q.shape[2] // keys.shape[2]

@@ -159,7 +159,7 @@ class Attention(nn.Module):
                 )
             else:
                 kv_len = meta.max_kv_len or int((meta.start_pos + meta.lengths).max())
-                keys, values = kv.read(meta.rows, kv_len, q.dtype)  # (B, S_k, KVH, hd)
+                keys, values = kv.read(meta.view_rows, kv_len, q.dtype)  # (B, S_k, KVH, hd), read only
                 return self._finish(_cached_attention(q, keys, values, pos), gate)
         return self._finish(out.transpose(1, 2), gate)
 
