@@ -22,6 +22,11 @@ def test_bench_cpu_compares_engine_arms_with_hf(tmp_path, capsys):
     assert arms["engine_k3_replay"]["tokens_equal_to_k0"] is True  # speculation changes no token
     assert 0 <= arms["engine_k0"]["tokens_equal_to_hf"] <= 1 and "speedup_vs_hf_cpu" in arms["engine_k0"]
     assert arms["engine_k3_replay"]["runs"][0]["acceptance_length"] >= 1
+    for arm in ("engine_k0", "engine_k3_replay"):
+        run = arms[arm]["runs"][0]
+        assert 0 < run["prefill_cpu_seconds"] < run["cpu_seconds"]
+        assert run["decode_cpu_seconds"] == run["cpu_seconds"] - run["prefill_cpu_seconds"]
+    assert arms["engine_k3_replay"]["decode_speedup_vs_k0_cpu"] > 0
 
 
 def test_profile_cpu_labels_the_step_phases(capsys):
