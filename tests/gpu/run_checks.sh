@@ -40,10 +40,14 @@
 #             float32) and tests/gpu/tp_bench.py on bf16 synthetic Super V3 / Qwen3-Next at their widths
 #             (quarter depth, 32 experts) computed in float32. On one GPU both ranks share it over gloo (--share-gpu): results
 #             only, not NCCL speed; on two or more GPUs NCCL (tp_bench in bf16 with its defaults then)
+#   prefix    issue 16: the prefix cache on CUDA (tests/test_prefix_cache.py, `gpu`-marked: decode / verify as
+#             CUDA graphs, float32, both families, draft_len 0 / 3 rewind / 3 replay: the same tokens and
+#             acceptance with and without the cache, the hits expected) and the CUDA-graph engine tests
+#             (tests/test_engine_graphs.py: graph == eager bitwise, with the fresh-prefill attention); ~3 min
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8 tp"
+stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8 tp prefix"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -117,6 +121,8 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
          stage bench_fp8 python3 -m benchmarks.bench_fp8 --workdir /tmp/bench_fp8 --out "$out/bench_fp8.json" \
            --runs "$out/bench_fp8_runs" ${FP8_BENCH_ARGS:---tiny-limit 32 --num-layers 8 --num-experts 32 \
            --batch-sizes 1 16 --prompt-len 256 --new-tokens 32 --eval-limit 2 --max-gen-toks 32} ;;
+    prefix) stage prefix_tests python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_prefix_cache.py \
+              tests/test_engine_graphs.py ;;
     tp) stage tp_tests python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_tp.py
         if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
           stage tp_bench python3 tests/gpu/tp_bench.py --workdir /tmp/tp_bench --out "$out/tp_bench.json"
