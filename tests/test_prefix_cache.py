@@ -63,8 +63,10 @@ EXPECTED_HITS = {  # prompt -> cached prefix length reused, per phase
 
 
 def _engine(path, K, replay, prefix_cache):
-    return Engine.from_pretrained(path, draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
-                                  prefix_cache=prefix_cache)
+    """replay: False (rewind), True (per-step replay) or "checkpointing" (the Mamba2 checkpointing variant)."""
+    return Engine.from_pretrained(path, draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS,
+                                  max_seq_len=160, prefix_cache=prefix_cache,
+                                  ssm_replay_checkpointing=replay == "checkpointing")
 
 
 def _acceptance(s):
@@ -72,8 +74,10 @@ def _acceptance(s):
             s.num_accepted_hist)
 
 
-@pytest.mark.parametrize("K, replay", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("K, replay", [(0, False), (3, False), (3, True), (3, "checkpointing")])
 def test_same_tokens_and_acceptance_with_and_without_the_cache(ckpt, K, replay):
+    if replay == "checkpointing" and "qwen" in str(ckpt):
+        pytest.skip("the checkpointing replay variant exists for Mamba2 only")
     prompts = _prompts()
     assert len(prompts["X"]) == 120 and len(prompts["entire"]) == 115
     cached = _engine(ckpt, K, replay, PrefixCache(block_tokens=BLOCK))
