@@ -37,6 +37,10 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
 
+Engines of ``world_size > 1`` run without the prefix cache (``prefix_cache=False``; asked for, ValueError):
+each rank's cache would be sized by its own free memory and could evict, and so prefill, differently from the
+others, and the ranks' all-reduces would no longer pair up (:data:`PREFIX_CACHE_OFF_REASON`).
+
 Engines of ``world_size > 1`` step eagerly: :func:`build_engine` and :func:`rebuild_engine` build them with
 ``cuda_graphs=False`` and ``overlap_steps=False`` (and raise ValueError when asked for either), because
 capturing the model's all-reduces in CUDA graphs and running steps ahead of the host have not been checked
