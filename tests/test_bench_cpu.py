@@ -10,8 +10,8 @@ from benchmarks import bench_cpu, profile_cpu
 
 def test_bench_cpu_compares_engine_arms_with_hf(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--prompts", "2", "--new-tokens", "4", "--repeats", "1", "--arms", "hf,engine_k0,engine_k3_replay",
-            "--out", str(out)]
+    argv = ["--prompts", "2", "--new-tokens", "4", "--repeats", "1",
+            "--arms", "hf,engine_k0,engine_k3_replay", "--out", str(out)]
     assert bench_cpu.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and report["prefix_cache"] is True
@@ -32,5 +32,6 @@ def test_bench_cpu_compares_engine_arms_with_hf(tmp_path, capsys):
 def test_profile_cpu_labels_the_step_phases(capsys):
     assert profile_cpu.main(["--prompts", "2", "--new-tokens", "4"]) == 0
     printed = capsys.readouterr().out
-    for label in ("DECODE", "DRAFT", "VERIFY", "COMMIT", "CATCHUP", "TARGET_FWD", "MTP_FWD", "LM_HEAD", "STEP"):
+    labels = ("DECODE", "DRAFT", "VERIFY", "COMMIT", "CATCHUP", "TARGET_FWD", "MTP_FWD", "LM_HEAD", "STEP")
+    for label in labels:
         assert f"  {label} " in printed, label

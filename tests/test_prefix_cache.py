@@ -63,7 +63,7 @@ EXPECTED_HITS = {  # prompt -> cached prefix length reused, per phase
 
 
 def _engine(path, K, replay, prefix_cache):
-    """replay: False (rewind), True (per-step replay) or "checkpointing" (the Mamba2 checkpointing variant)."""
+    """replay: False (rewind), True (per-step replay) or "checkpointing" (Mamba2's checkpointing variant)."""
     return Engine.from_pretrained(path, draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS,
                                   max_seq_len=160, prefix_cache=prefix_cache,
                                   ssm_replay_checkpointing=replay == "checkpointing")
