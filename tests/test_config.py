@@ -117,4 +117,5 @@ def test_readme_setup_commands():
     ci = [line.replace(" -q", "") for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
           if line.startswith(("pip ", "python "))]
     assert " && ".join([ci[0], ci[-1]]) == blocks[1]
-    assert ci[1:-1] == ['python -m registry pr-check --if-base-exists --base "${REGISTRY_PR_BASE:-origin/main}"']
+    pr_check = 'python -m registry pr-check --if-base-exists --base "${REGISTRY_PR_BASE:-origin/main}"'
+    assert ci[1:-1] == [pr_check]
