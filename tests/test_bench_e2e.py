@@ -15,7 +15,7 @@ SHRINK = ("hidden_size=128", "vocab_size=4096", "mamba_num_heads=8", "moe_latent
           "moe_intermediate_size=64", "moe_shared_expert_intermediate_size=64")
 SMALL_SYNTH = ["--synth-layers", "4", "4", "--synth-experts", "8", "8", "--dtype", "float32",
                *[f"--synth-set={kv}" for kv in SHRINK]]
-FAST = ["--device", "cpu", "--batch-sizes", "1", "--steps", "2", "--warmup-steps", "1", "--hf-steps", "2",
+FAST = ["--device", "cpu", "--batch-sizes", "1", "--steps", "2", "--warmup-steps", "1", "--hf-steps", "8",
         "--prompt-len", "12", *SMALL_SYNTH]
 
 

@@ -156,7 +156,8 @@ def test_template_is_a_valid_entry_but_not_listed(clone, gsm8k_dir):
 
 def test_baseline_changes_per_model_key(clone):
     path = "registry/baselines/acceptance.yaml"
-    _edit(clone / path, "acceptance_rate_floor: 0.43", "acceptance_rate_floor: 0.40")
+    _edit(clone / path, "acceptance_rate_floor: 0.42, acceptance_length: {reference: 2.587",
+          "acceptance_rate_floor: 0.40, acceptance_length: {reference: 2.587")  # the float32 row only
     _edit(clone / path, "description: tiny Qwen3-Next with an MTP module", "description: the tiny Qwen3-Next")
     head = _git(clone, "rev-parse", "HEAD").strip()
     assert pr_check.baseline_changes(path, head, clone) == {
