@@ -207,8 +207,8 @@ def connect(path: str | os.PathLike, *, create: bool = True) -> sqlite3.Connecti
     if not path.exists():
         if not create:
             raise HistoryError(f"no history database at {path}",
-                               f"run a sweep or import run folders first (python -m evals.history import "
-                               f"<folder> --db {path}), or pass --db / set ${ENV_VAR}")
+                               f"run a sweep or import run folders first (python -m evals.history --db "
+                               f"{path} import <folder>), or pass --db / set ${ENV_VAR}")
         path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     try:
@@ -653,7 +653,7 @@ def record_finished_run(results: Mapping[str, Any], run_dir: str | os.PathLike, 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"warning: the run was not recorded in the history database {path}: {first}\n"
               f"  its results are in {Path(run_dir) / RESULTS_FILE}; record them later with: "
-              f"python -m evals.history import {run_dir} --db {path}", file=sys.stderr)
+              f"python -m evals.history --db {path} import {run_dir}", file=sys.stderr)
         return False
     note = ", already recorded" if not rec.inserted else (", replaces the folder's earlier results"
                                                          if rec.replaced else "")
@@ -800,4 +800,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the package module, so the HistoryError that evals.trends raises is the class main() catches
+    # (run as a script, this file's own classes are __main__'s, distinct from evals.history's)
+    from evals.history import main as _main
+
+    sys.exit(_main())

@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from evals.outdir import write_atomic
-from evals.results import RESULTS_SCHEMA_VERSION
+from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION
 from evals.verdict import headline
 
 SUMMARY_NAME = "summary.md"
@@ -706,9 +706,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m evals.report", description=main.__doc__)
-    parser.add_argument("results", type=Path, help="a results.json written by a run")
+    parser.add_argument("results", type=Path, help="a results.json written by a run, or its run folder")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: beside results.json)")
     args = parser.parse_args(argv)
+    if args.results.is_dir():  # a run folder, as evals.compare takes
+        args.results = args.results / RESULTS_FILE
     if not args.results.exists():
         parser.error(f"{args.results} does not exist")
     try:

@@ -205,7 +205,20 @@ def test_history_disabled_and_broken_history_never_lose_the_run(fakes, tmp_path,
     err = capsys.readouterr().err
     assert results["entry"] == "tiny_nemotron_h_mtp" and (out / "results.json").is_file()
     assert f"warning: the run was not recorded in the history database {broken}" in err
-    assert f"python -m evals.history import {out} --db {broken}" in err
+    assert f"python -m evals.history --db {broken} import {out}" in err
+    # the printed command works as printed (with a database that can be written)
+    command = err[err.index("python -m evals.history"):].split()
+    good = tmp_path / "good.db"
+    command[command.index("--db") + 1] = str(good)
+    proc = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "1 new of 1 runs" in proc.stdout, proc.stdout + proc.stderr
+    # a report from a database that does not exist: error / fix lines, exit 2, no traceback
+    proc = subprocess.run([sys.executable, "-m", "evals.history", "--db", str(tmp_path / "none.db"), "report",
+                           "--out", str(tmp_path / "rep")], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: no history database at {tmp_path / 'none.db'}")
 
 
 def test_relative_history_path_is_relative_to_the_launch_directory(tmp_path, monkeypatch):

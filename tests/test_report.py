@@ -178,6 +178,9 @@ def test_cli_rewrites_a_saved_run(tmp_path, capsys):
     assert (tmp_path / "rep" / PLOT_ACCURACY).exists() and "80.50" in (
         tmp_path / "rep" / "summary.md"
     ).read_text()
+    # the run folder works too (evals.compare takes folders): its results.json, the report beside it
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split()[0] == str(tmp_path / "summary.md")
 
 
 def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
