@@ -69,14 +69,16 @@ def gsm8k_files(configured: str | os.PathLike | None = None, *, setting: str = "
 
 
 ROW_KEYS = ("question", "answer")
+ANSWER_MARKER = "####"  # GSM8K answers end in '#### <number>' (the final answer lm-eval's gsm8k task scores)
 _CHECKED: dict[tuple[str, int, int], None] = {}  # (file, size, mtime_ns) of files that passed
 
 
 def check_gsm8k_file(file: Path) -> None:
-    """Every line of a GSM8K JSONL file must be a JSON object with non-empty string "question" and "answer"
-    (blank lines aside); otherwise the datasets library fails deep inside lm-eval, or a row without an answer
-    is scored against the string 'None'. Raises GSM8KDataError naming the file and the line number. A file
-    that passed is not read again while its size and mtime stay the same."""
+    """Every line of a GSM8K JSONL file must be a JSON object with non-empty string "question" and "answer",
+    the answer ending in '#### <number>' (blank lines aside); otherwise the datasets library fails deep inside
+    lm-eval, or a row is scored against a target it can never match ('None', or a whole solution). Raises
+    GSM8KDataError naming the file and the line number. A file that passed is not read again while its size
+    and mtime stay the same."""
     st = file.stat()
     key = (str(file), st.st_size, st.st_mtime_ns)
     if key in _CHECKED:
@@ -98,4 +100,9 @@ def check_gsm8k_file(file: Path) -> None:
             if bad:
                 what = ", ".join(f"\"{k}\" is {'missing' if k not in row else repr(row[k])}" for k in bad)
                 raise GSM8KDataError(f"{file}:{lineno}: {what}", fix)
+            # lm-eval's gsm8k target is the text after the last '####': without one, the whole solution
+            # would be the target and the question could never be scored right
+            if not row["answer"].rsplit(ANSWER_MARKER, 1)[-1].strip() or ANSWER_MARKER not in row["answer"]:
+                raise GSM8KDataError(f"{file}:{lineno}: the answer has no final '{ANSWER_MARKER} <number>' "
+                                     f"(it ends: {row['answer'][-40:]!r})", fix)
     _CHECKED[key] = None

@@ -282,6 +282,8 @@ def test_health_thresholds_and_notes():
         ('{"question": "q"}', '"answer" is missing'),
         ('{"question": "q", "answer": null}', '"answer" is None'),
         ('{"answer": "#### 1", "question": ""}', "\"question\" is ''"),
+        ('{"question": "what", "answer": "no final marker"}', "the answer has no final '#### <number>'"),
+        ('{"question": "what", "answer": "2 + 2 = 4\\n#### "}', "the answer has no final '#### <number>'"),
     ],
 )
 def test_gsm8k_file_with_a_bad_line_names_file_and_line(tmp_path, line, problem):
