@@ -286,6 +286,11 @@ def _prefix_cache_off_reason(rr: ResolvedRun, engine: Engine) -> str | None:
         return None
     if not rr.run.runtime.prefix_cache:
         return "runtime.prefix_cache=false"
+    if rr.run.runtime.prefix_cache_bytes == 0:
+        return "runtime.prefix_cache_bytes=0: no room for any entry"
+    if rr.entry.ssm.stochastic_rounding:
+        return ("model.ssm.stochastic_rounding=true: the rounding bits depend on the number of forwards, "
+                "which a cache hit changes (not exact)")
     if rr.world_size > 1:
         from runners.launch import PREFIX_CACHE_OFF_REASON
 

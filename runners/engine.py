@@ -644,6 +644,9 @@ class Engine:
         elif not prefix_cache:
             self.prefix_cache_off_reason = "prefix_cache=False"
             return
+        elif nbytes == 0:
+            self.prefix_cache_off_reason = "prefix_cache_bytes=0: no room for any entry"
+            return
         if stochastic_rounding:
             self.prefix_cache_off_reason = ("ssm_stochastic_rounding: the rounding bits depend on the number "
                                             "of forwards, which a cache hit changes (not exact)")

@@ -201,6 +201,8 @@ def test_off_where_not_exact_and_when_asked(ckpt):
     assert sr.prefix_cache is None and "stochastic_rounding" in sr.prefix_cache_off_reason
     off = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
     assert off.prefix_cache is None and off.prefix_cache_off_reason == "prefix_cache=False"
+    zero = Engine.from_pretrained(ckpt, prefix_cache_bytes=0, **kw)  # a cache that could never store
+    assert zero.prefix_cache is None and zero.prefix_cache_off_reason.startswith("prefix_cache_bytes=0")
     on = Engine.from_pretrained(ckpt, prefix_cache_bytes=4096, **kw)
     assert on.prefix_cache.max_bytes == 4096 and on.prefix_cache_off_reason is None
     with pytest.raises(ValueError, match="prefix_cache_bytes only with prefix_cache=True"):
