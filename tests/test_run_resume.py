@@ -84,6 +84,24 @@ def _run_py(tmp_path, gsm8k_dir, *args, hang_after=None, popen=False, timeout=12
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _signal_mid_run(tmp_path, gsm8k_dir, out: Path, sig: int, *args: str) -> tuple[int, str]:
+    """Start run.py (scripted engine, hangs after KILL_AFTER requests), send `sig` once KILL_AFTER generations
+    are in out/generations.jsonl; returns (exit status, stderr)."""
+    proc = _run_py(tmp_path, gsm8k_dir, *args, hang_after=KILL_AFTER, popen=True)
+    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
+    try:
+        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
+            assert proc.poll() is None, f"the run ended before the signal: {proc.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "no generations appeared within 300 s"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        stderr = proc.communicate(timeout=120)[1].decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, stderr
+
+
 def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tmp_path, monkeypatch):
     common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}",
               "eval.max_gen_toks=200"]
@@ -145,19 +163,8 @@ def test_ctrl_c_exits_130_with_the_command_that_resumes(checkpoint, gsm8k_dir, t
     common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}",
               "eval.max_gen_toks=200"]
     out = tmp_path / "interrupted"
-    proc = _run_py(tmp_path, gsm8k_dir, *common, f"hydra.run.dir={out}", hang_after=KILL_AFTER, popen=True)
-    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
-    try:
-        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
-            assert proc.poll() is None, f"the run ended before Ctrl-C: {proc.stderr.read().decode()}"
-            assert time.monotonic() < deadline, "no generations appeared within 300 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        stderr = proc.communicate(timeout=120)[1].decode()
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 130, stderr
+    code, stderr = _signal_mid_run(tmp_path, gsm8k_dir, out, signal.SIGINT, *common, f"hydra.run.dir={out}")
+    assert code == 130, stderr
     assert "Traceback" not in stderr
     error, fix = stderr.strip().splitlines()[-2:]
     assert error == f"error: interrupted (Ctrl-C); {KILL_AFTER} finished generations are saved in {out}"
@@ -188,19 +195,8 @@ def test_sigterm_exits_143_with_the_command_that_resumes(checkpoint, gsm8k_dir, 
     SIGTERM), an error line naming the signal and what is saved, a fix line with the exact resume command."""
     common = [f"model.checkpoint={checkpoint}", f"eval.limit={LIMIT}", f"eval.data_dir={gsm8k_dir}"]
     out = tmp_path / "terminated"
-    proc = _run_py(tmp_path, gsm8k_dir, *common, f"out_dir={out}", hang_after=KILL_AFTER, popen=True)
-    gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
-    try:
-        while not (gen_file.exists() and gen_file.read_text().count("\n") >= KILL_AFTER):
-            assert proc.poll() is None, f"the run ended before SIGTERM: {proc.stderr.read().decode()}"
-            assert time.monotonic() < deadline, "no generations appeared within 300 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        stderr = proc.communicate(timeout=120)[1].decode()
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 143, stderr
+    code, stderr = _signal_mid_run(tmp_path, gsm8k_dir, out, signal.SIGTERM, *common, f"out_dir={out}")
+    assert code == 143, stderr
     assert "Traceback" not in stderr
     error, fix = stderr.strip().splitlines()[-2:]
     assert error == f"error: stopped by SIGTERM; {KILL_AFTER} finished generations are saved in {out}"
