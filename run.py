@@ -1,6 +1,6 @@
 """Run one GSM8K evaluation of a registry entry: `python run.py model=<entry> [ssm_replay=true] [...]`.
 
-A thin Hydra wrapper around runners.app.run(cfg). Before Hydra composes, the registry entries the command
+A thin Hydra wrapper around runners.app.main.run(cfg). Before Hydra composes, the registry entries the command
 line selects pass the untrusted-input guard (registry.compose.check_overrides). Hydra runs with
 HYDRA_FULL_ERROR=1, its documented switch that lets composition errors propagate, so an unknown entry, option
 or key and a value of the wrong type (checked by Hydra against the structured schema registry.schema.
@@ -56,7 +56,9 @@ _EXIT_CODES: list[int] = []
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> int:
-    from runners import app  # the engine and lm-eval: only when a job runs (not for --cfg job or --help)
+    from runners.app import (
+        main as app,  # the engine and lm-eval: only when a job runs (not for --cfg job or --help)
+    )
 
     error = None
     try:

@@ -93,7 +93,7 @@ def run_engine(checkpoint: Path, prompts: list[list[int]], new_tokens: int, draf
                slots: int, prefix_cache: bool) -> tuple[float, float, object, float]:
     """Our engine, exactly ``new_tokens`` tokens per prompt; returns (wall, cpu, GenerationOutput, load s).
     The output carries ``prefill_cpu_seconds``: the process's CPU seconds inside the admissions' prefills."""
-    from runners import Engine
+    from runners.engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(checkpoint, draft_len=draft_len, ssm_replay=replay, max_batch_size=slots,

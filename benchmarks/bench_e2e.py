@@ -12,7 +12,7 @@ per model). A point builds an ``Engine`` on the already loaded model (``max_batc
 reported), warms up, then generates about ``--steps`` decode steps for ``batch`` requests of ``--prompt-len``
 tokens with stop tokens off, timed by the engine's GenerationStats (decode tokens/s = tokens generated after
 each request's first / decode seconds, the host's bookkeeping included) and split per step by a
-``runners.graphs.PhaseTimer`` (device milliseconds per phase from CUDA events: draft, verify, commit, catchup
+``runners.engine.graphs.PhaseTimer`` (device milliseconds per phase from CUDA events: draft, verify, commit, catchup
 -- drafting is draft + catchup -- or decode; host milliseconds: launch, wait, bookkeeping). A point that
 fails is a row with its error; the run goes on.
 
@@ -20,8 +20,8 @@ Models:
 - ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
   MTP drafting on GSM8K text: their own acceptance length is measured and reported.
 - ``super_v3`` / ``qwen3_next``: random weights at the releases' dimensions generated straight into GPU memory
-  in bfloat16 by ``runners.synth.synthetic_model`` (the model the loader makes of what ``python -m
-  runners.synth`` writes, without the files: the device machine's 64 GB disk would hold one family at a time
+  in bfloat16 by ``runners.tools.synth.synthetic_model`` (the model the loader makes of what ``python -m
+  runners.tools.synth`` writes, without the files: the device machine's 64 GB disk would hold one family at a time
   and writing + reading 40 GB costs minutes of the GPU budget). Super V3 at a quarter of its 88 layers
   (22: 10 Mamba2, 10 MoE, 2 attention) with 256 of its 512 experts (37 GB; all 512 would be 68 GB, as
   tests/gpu/realdim.py), Qwen3-Next at a quarter of its 48 layers (12) with all 512 experts (44 GB). Random
@@ -82,7 +82,7 @@ def gsm8k_prompts(n: int, length: int, vocab_size: int) -> tuple[list[list[int]]
 def tiny_model(entry: str, device):
     import torch
 
-    from runners.loader import load_model
+    from runners.engine.loader import load_model
 
     path = REPO / "registry/checkpoints" / entry
     return load_model(path, dtype=torch.float32, device=device, load_mtp=True), path
@@ -102,8 +102,8 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
     """Time one (model, arm, batch, graphs) point (see the module docstring). Returns its row."""
     import torch
 
-    from runners import Engine
-    from runners.graphs import PhaseTimer
+    from runners.engine import Engine
+    from runners.engine.graphs import PhaseTimer
 
     dev = torch.device(args.device)
     K, replay = ARMS[arm]
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
                     f"ARM in {tuple(ARMS)}")
         profile = (bits[0], bits[1], int(bits[2]), bits[3] == "graphs")
-    from runners.synth import _parse_set, synthetic_model
+    from runners.tools.synth import _parse_set, synthetic_model
 
     try:
         args.synth_overrides = _parse_set(args.synth_set)

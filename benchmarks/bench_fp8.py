@@ -1,5 +1,5 @@
 """FP8 on the GPU, end to end: the shipped FP8 tiny entry through run.py, and a quarter-depth synthetic Nemotron 3
-Super in BF16 and in FP8 (quantized from it by runners.quantize), decode tokens/s of each, then the FP8
+Super in BF16 and in FP8 (quantized from it by runners.tools.quantize), decode tokens/s of each, then the FP8
 checkpoint through run.py.
 
     python3 -m benchmarks.bench_fp8 --workdir /tmp/fp8 --out $OUT/bench_fp8.json [--stages tiny super]
@@ -8,11 +8,11 @@ Stages (in this order; each writes its part of the JSON as it ends):
 
 - ``tiny``: ``python3 run.py model=tiny_nemotron_h_mtp_fp8 runtime=gpu eval.limit=<--tiny-limit>
   compare=replay`` (FP8 weights and KV cache, rewind and replay arms) into ``<--runs>/tiny_fp8``; its verdict.
-- ``super``: ``runners.synth`` writes Super V3 cut to ``--num-layers`` layers (default 22: a quarter) with
+- ``super``: ``runners.tools.synth`` writes Super V3 cut to ``--num-layers`` layers (default 22: a quarter) with
   ``--num-experts`` routed experts (default 256; 36.8 GB in bf16) into ``--workdir/bf16`` on the GPU; the BF16
   engine loads it (load report) and decodes ``--new-tokens`` greedy tokens after ``--prompt-len``-token GSM8K
   prompts at each ``--batch-sizes`` with draft_len 0 and 3 (warm-up first; tokens/s from the engine's
-  GenerationStats); ``runners.quantize --fp8`` writes ``--workdir/fp8`` (calibration on the GPU with
+  GenerationStats); ``runners.tools.quantize --fp8`` writes ``--workdir/fp8`` (calibration on the GPU with
   ``--calib-samples`` prompts); the BF16 checkpoint is deleted; the FP8 engine (FP8 KV cache) is measured the
   same way, with ``model.quant_report`` (which FP8 GEMMs ran: torch._scaled_mm per linear layer, the MoE's
   grouped FP8 GEMM or its dequantizing fallback); then ``run.py model=super_v3_mtp_fp8`` on the FP8
@@ -90,7 +90,7 @@ def _measure(engine_path: Path, label: str, args, prompts, *, kv_cache_quant: st
     """Load ``engine_path`` on the device and time greedy decoding at each batch size, draft_len 0 and 3."""
     import torch
 
-    from runners import Engine
+    from runners.engine import Engine
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -147,8 +147,8 @@ def _need_disk(path: Path, nbytes: int, what: str) -> None:
 def stage_super(args: argparse.Namespace) -> dict:
     import torch
 
-    from runners.quantize import quantize_fp8_checkpoint
-    from runners.synth import synth_config, tensor_specs, write_synthetic_checkpoint
+    from runners.tools.quantize import quantize_fp8_checkpoint
+    from runners.tools.synth import synth_config, tensor_specs, write_synthetic_checkpoint
 
 
     work = Path(args.workdir)
@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu runs the same steps at small "
                    "--set sizes (the CPU test of this script)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config.json field of the synthetic checkpoint (runners.synth --set)")
+                   help="config.json field of the synthetic checkpoint (runners.tools.synth --set)")
     p.add_argument("--keep", action="store_true", help="keep the FP8 checkpoint")
     args = p.parse_args(argv)
-    from runners.synth import _parse_set
+    from runners.tools.synth import _parse_set
 
     try:
         args.overrides = _parse_set(args.set)

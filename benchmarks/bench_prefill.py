@@ -10,7 +10,7 @@ fp32 states, for every batch x T case (default 1x1024, 8x1024, 1x4096). For each
 - the whole mixer layer (projections, conv, the operator, gated norm, out_proj) with a cache, for
   ssm_backend "triton" vs "torch".
 
-With ``--model DIR`` (an HF checkpoint, e.g. from ``python -m runners.synth``) also the whole engine's prefill
+With ``--model DIR`` (an HF checkpoint, e.g. from ``python -m runners.tools.synth``) also the whole engine's prefill
 (`Engine.generate` of one token after B prompts of T random ids) under both backends. Times are medians of
 triton.testing.do_bench after a warm-up (JIT compilation excluded); prints one JSON object.
 
@@ -32,11 +32,11 @@ import triton
 
 from kernels.gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_ref
 from kernels.mamba2 import ChunkScanTiles, mamba_chunk_scan_combined, mamba_chunk_scan_combined_ref
-from runners.cache import CacheSpec, GDNState, Mamba2State
-from runners.models.config import HybridConfig
-from runners.models.gdn import GDNMixer
-from runners.models.mamba2 import Mamba2Mixer
-from runners.synth import synth_config
+from runners.engine.cache import CacheSpec, GDNState, Mamba2State
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.gdn import GDNMixer
+from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.tools.synth import synth_config
 
 DEFAULT_CASES = "1x1024,8x1024,1x4096"
 # Tiny shapes of the dry run (CPU interpreter): every code path once, the numbers mean nothing.
@@ -84,7 +84,7 @@ def _row(ms_kernel: float, ms_ref: float, tokens: int) -> dict:
 @torch.no_grad()
 def bench_mamba2(B: int, T: int, *, dev, timer, tiny=False, tiles: ChunkScanTiles | None = None) -> dict:
     """One Super V3 Mamba2 layer: the chunked scan operator and the whole mixer, kernel vs reference."""
-    from runners.cache import BatchMeta
+    from runners.engine.cache import BatchMeta
 
     cfg = _layer_config("nemotron_h", tiny)
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def bench_gdn(B: int, T: int, *, dev, timer, tiny=False) -> dict:
     """One Qwen3-Next Gated DeltaNet layer: the chunked rule and the whole mixer, kernel vs reference."""
     from kernels.gdn._common import l2norm
     from kernels.gdn.fla import fla_chunk_rule
-    from runners.cache import BatchMeta
+    from runners.engine.cache import BatchMeta
 
     cfg = _layer_config("qwen3_next", tiny)
     H, HV, K, V = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
@@ -163,7 +163,7 @@ def bench_gdn(B: int, T: int, *, dev, timer, tiny=False) -> dict:
 def bench_engine(path: str, B: int, T: int) -> dict:
     """The engine's prefill (plus one decode-free token) on a checkpoint, ssm_backend triton vs torch: prefill
     tokens/s from GenerationStats (median of 3 runs after a warm-up)."""
-    from runners import Engine
+    from runners.engine import Engine
 
     torch.manual_seed(0)
     res = {}

@@ -3,7 +3,7 @@
 Runs the engine on the first ``--prompts`` GSM8K prompts (as ``benchmarks.bench_cpu`` builds them), once to
 warm up and fill the prefix cache (so the profiled call's prefill is a full cache hit and the profile is the
 decode), then ``--new-tokens`` greedy tokens per prompt under ``torch.profiler`` with one labelled range per
-engine phase (``runners.graphs.StepGraphs``' phases: DECODE for a plain step; DRAFT, VERIFY, COMMIT, CATCHUP
+engine phase (``runners.engine.graphs.StepGraphs``' phases: DECODE for a plain step; DRAFT, VERIFY, COMMIT, CATCHUP
 for a speculative one), plus STEP (``Engine._launch``: one whole step and its launch), TARGET_FWD (the target
 model's forward), MTP_FWD (every MTP module forward: drafts, catch-up), LM_HEAD, CACHE_COMMIT
 (``HybridCache.commit``), PREFILL and READ (``Engine._step_tokens``: the host reading a step's tokens). Prints
@@ -42,7 +42,7 @@ def _label(obj, name: str, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runners import Engine
+    from runners.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from runners.cache import BatchMeta
-from runners.engine import Engine
+from runners.engine.cache import BatchMeta
+from runners.engine.engine import Engine
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")

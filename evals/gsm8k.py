@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
 from evals.outdir import write_atomic
-from runners.engine import GenerationStats
+from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
 
     records: the generation records (`GenerationStore` lines) of the requests scored, one per distinct
     request; their `request_stats` (the engine's per-request counters) are added up as
-    runners.engine.GenerationStats (num_requests = records with counters), whose to_dict() gives the sums
+    runners.engine.stats.GenerationStats (num_requests = records with counters), whose to_dict() gives the
+    sums
     and the acceptance ratios derived from them. So the counters depend only on which requests were scored,
     not on how the run was split into parts.
     parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
@@ -146,7 +147,7 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     timing_scope says they cover every call of out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
     nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`,
-    runners.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
+    runners.engine.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
     """
     with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
     counters = sum((GenerationStats.from_dict(s) for s in with_stats), GenerationStats())

@@ -1,7 +1,7 @@
 """The results history: every finished run's results in one SQLite database, so a nightly job remembers
 yesterday (schema and its versioning: docs/history_schema.md).
 
-`record_finished_run(results, run_dir, db)` is what runners.app.run calls once per finished run, after
+`record_finished_run(results, run_dir, db)` is what runners.app.main.run calls once per finished run, after
 results.json is written: it never raises, so a history problem is reported on stderr and loses nothing (the
 run folder can be imported later). `python -m evals.history import <run or sweep folder>...` imports saved
 runs (idempotent: a run is identified by the SHA-256 of its results, so importing it twice, or importing a run
@@ -639,7 +639,7 @@ def resolve_db(db: str | os.PathLike | None) -> Path | None:
 
 
 def record_finished_run(results: Mapping[str, Any], run_dir: str | os.PathLike, db: str | None) -> bool:
-    """runners.app.run's hook: record the run; on any failure print a warning naming the import command.
+    """runners.app.main.run's hook: record the run; on any failure print a warning naming the import command.
 
     Never raises (the results are already in run_dir/results.json). Returns whether the run is in the
     database now. db None: history disabled, nothing printed.

@@ -147,7 +147,7 @@ class GenerationStore:
     accepted_per_position, num_accepted_hist, generated_tokens, prompt_tokens) or null when the engine gave
     none. A sibling file `<stem>.stats.jsonl` gets one line per `engine.generate` call that returned:
     `{"wall_seconds", "num_requests", "engine_stats", "nonfinite"}` (`nonfinite`: the model outputs that held
-    NaN / infinite values in that call, `runners.engine.GenerationOutput.nonfinite`).
+    NaN / infinite values in that call, `runners.engine.engine.GenerationOutput.nonfinite`).
 
     `<stem>.meta.json` holds `run_meta` (what must match for stored generations to be reused, e.g. the
     engine's config and options; JSON-serialisable).
@@ -324,7 +324,7 @@ class EngineLM(LM):
             CheckpointError (an incomplete checkpoint), ValueError (an option the engine refuses, a CUDA
             device without CUDA).
         """
-        from runners.engine import Engine
+        from runners.engine.engine import Engine
 
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available here; pass device=cpu "

@@ -410,7 +410,8 @@ def _backend_note(config: Mapping[str, Any]) -> str:
 
 
 def _fp8_note(report: Mapping[str, Any]) -> str:
-    """``config.fp8_gemms`` (runners.quant.prepare_fp8's report) in words: how many FP8 linear layers ran
+    """``config.fp8_gemms`` (runners.engine.quant.prepare_fp8's report) in words: how many FP8 linear layers
+    ran
     torch._scaled_mm or the dequantizing reference, which GEMMs the FP8 MoE blocks ran, KV-scaled blocks."""
 
     def counts(d: Mapping[str, int]) -> str:

@@ -1,7 +1,8 @@
 """results.json of one run: what it holds (docs/results_schema.md) and how it is computed from an evaluation.
 
 `build_results` puts the resolved settings, the GSM8K scores, the acceptance statistics (from the engine's
-raw sums: runners.engine.GenerationStats, the one definition of rate, length and per-position acceptance),
+raw sums: runners.engine.stats.GenerationStats, the one definition of rate, length and per-position
+acceptance),
 memory and timings into one dict; evals.verdict adds the verdict, evals.report renders it, evals.compare
 pairs two of them.
 """
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from registry.schema import REPO_ROOT
-from runners.engine import GenerationStats
+from runners.engine.stats import GenerationStats
 
 # 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
 # verdict.headline, git_dirty counting untracked files under registry/ and configs/; acceptance counts only
-# what was committed to the output (runners.engine.GenerationStats).
+# what was committed to the output (runners.engine.stats.GenerationStats).
 RESULTS_SCHEMA_VERSION = 2  # readers (evals/report.py) refuse other versions
 RESULTS_FILE = "results.json"
 # Untracked files here change what a run means (a registry entry, a baseline row, a config group).
@@ -142,7 +143,8 @@ def build_results(
 
     config: the resolved settings (registry.resolve.ResolvedRun.to_dict(), with the backend that ran).
     evaluation: the evals.gsm8k.GSM8KResult. memory: engine.cache_memory(). Seconds: loading the engine and
-    evaluating. load: the engine's load report (runners.memory.LoadReport.to_dict(): seconds, weight / cache
+    evaluating. load: the engine's load report (runners.engine.memory.LoadReport.to_dict(): seconds, weight
+    / cache
     bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide
     the tokens of every generate call of the folder by the seconds of those same calls (timing_* of the
     generation stats).

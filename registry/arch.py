@@ -83,7 +83,8 @@ def _plain(x: object) -> object:
 
 
 # Counts that may also be smaller than world_size when world_size is a multiple of them: tensor-parallel
-# engines replicate KV heads (and mamba groups) across ranks in that case (vLLM, TensorRT-LLM; runners/tp.py:
+# engines replicate KV heads (and mamba groups) across ranks in that case (vLLM, TensorRT-LLM;
+# runners/engine/tp.py:
 # each rank then holds the one KV head / group its query / mamba heads read, and a mamba group's gated RMSNorm
 # reduces its statistics over the ranks that share the group).
 _REPLICABLE = ("KV heads", "mamba ngroups")
@@ -91,7 +92,8 @@ _REPLICABLE = ("KV heads", "mamba ngroups")
 
 def sharded_head_counts(arch: ArchConfig) -> dict[str, int]:
     """Head counts a tensor-parallel engine splits across ranks (attention and KV heads, mamba heads and
-    groups, GDN key and value heads). Routed experts are not among them: runners/tp.py splits every expert
+    groups, GDN key and value heads). Routed experts are not among them: runners/engine/tp.py splits every
+    expert
     along its intermediate size (see :func:`sharded_config_counts`), so any expert count shards."""
     counts = {"attention heads": arch.num_attention_heads, "KV heads": arch.num_key_value_heads}
     if arch.mamba is not None:

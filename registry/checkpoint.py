@@ -3,7 +3,8 @@
 A checkpoint is ``config.json`` (+ ``generation_config.json``), ``tokenizer.json`` (+
 ``tokenizer_config.json``) and its safetensors weights: ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). The engine's loader
-(runners.loader) reads the tensors; the checks here run before it, and in `python -m registry validate`.
+(runners.engine.loader) reads the tensors; the checks here run before it, and in `python -m registry
+validate`.
 Tensor names are read from the safetensors headers (safe_open with numpy: no torch needed).
 """
 
@@ -79,7 +80,8 @@ def check_checkpoint_dir(path: str | Path, setting: str) -> None:
         raise CheckpointError(
             f"checkpoint directory {path} does not exist (set by {setting})",
             "point model.checkpoint at an HF checkpoint directory, or set models_root / $LLM_MODELS_ROOT to "
-            "the folder that holds it (embedded tiny checkpoints: python -m runners.tiny rebuilds them)",
+            "the folder that holds it (embedded tiny checkpoints: python -m runners.tools.tiny "
+            "rebuilds them)",
         )
     for name in (CONFIG_FILE, TOKENIZER_FILE):
         if not (path / name).is_file():

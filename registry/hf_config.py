@@ -3,7 +3,8 @@
 A model is an embedding, a list of residual blocks (``x = x + mixer(norm(x))``) of kind ``mamba2``, ``gdn``
 (Gated DeltaNet), ``attention``, ``mlp`` or ``moe``, a final norm and an LM head, plus an optional MTP
 module. This module is the project's only parser of ``config.json``: the engine builds its model from the
-HybridConfig (runners.loader), and the registry derives an entry's ``arch:`` dimensions from the same object
+HybridConfig (runners.engine.loader), and the registry derives an entry's ``arch:`` dimensions from the same
+object
 (registry.arch). It imports neither torch nor the engine, so registry validation runs without them.
 
 One parser per HF ``model_type`` (:data:`PARSERS`), each reading both dialects of its family:
@@ -25,7 +26,7 @@ from config.json.
 A quantized checkpoint says so in config.json's ``quantization_config`` or, for NVIDIA ModelOpt exports, in
 ``hf_quant_config.json`` beside it; :func:`parse_quantization` reads either into :class:`QuantConfig`
 (``HybridConfig.quantization``), the one description the registry checks entries against and the engine's
-runners/quant.py builds its FP8 modules from.
+runners/engine/quant.py builds its FP8 modules from.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class HybridConfig:
             raise CheckpointError(
                 f"{source}: model_type {model_type!r} is not supported; supported: {sorted(PARSERS)}",
                 "use a NemotronH or Qwen3-Next checkpoint, or add a parser to registry/hf_config.py and its "
-                "model code to runners/models/",
+                "model code to runners/engine/models/",
             )
         for key in ("vocab_size", "hidden_size"):
             if key not in raw:
@@ -281,7 +282,7 @@ def _ids(value: Any, what: str) -> tuple[int, ...]:
 _MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
 _QUANT_FIX = (
     "use an unquantized checkpoint, a ModelOpt FP8 (quant_algo FP8: per-tensor scales) or HF fp8 checkpoint, "
-    "or write one with python -m runners.quantize --fp8 SRC DST"
+    "or write one with python -m runners.tools.quantize --fp8 SRC DST"
 )
 
 
@@ -630,7 +631,7 @@ def _qwen_rope(raw: dict[str, Any], source: str) -> tuple[float, float]:
         raise CheckpointError(
             f"{source}: RoPE type {rope_type!r} is not supported (only 'default')",
             "remove rope_scaling / set rope_parameters.rope_type to 'default', or extend "
-            "runners.models.layers.apply_rope",
+            "runners.engine.models.layers.apply_rope",
         )
     theta = params.get("rope_theta", raw.get("rope_theta"))
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
@@ -717,7 +718,7 @@ def parse_qwen3_next(raw: dict[str, Any], source: str) -> HybridConfig:
     )
 
 
-# model_type -> parser; the model code of a family lives in runners/models/<model_type>.py
+# model_type -> parser; the model code of a family lives in runners/engine/models/<model_type>.py
 PARSERS: dict[str, Callable[[dict[str, Any], str], HybridConfig]] = {
     "nemotron_h": parse_nemotron_h,
     "qwen3_next": parse_qwen3_next,

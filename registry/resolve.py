@@ -4,7 +4,7 @@ Top-level settings (ssm_replay, draft_len, world_size, runtime.dtype, eval.batch
 the checkpoint directory is found (absolute, under registry/checkpoints/ for embedded entries, else under
 models_root); the checkpoint's config.json, where present, gives the model dimensions and must agree with the
 entry. Everything here holds on any machine: what the engine of this machine can run is the runner's check
-(runners.app), and `python -m registry validate` resolves every entry with this same function.
+(runners.app.main), and `python -m registry validate` resolves every entry with this same function.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ResolvedRun:
         """The padded batch sizes the engine captures its decode step at: the entry's, up to the run's
         max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false, the device is
         the CPU (where the same step runs eagerly) or world_size > 1 (tensor-parallel ranks step eagerly,
-        runners.launch)."""
+        runners.engine.launch)."""
         if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")) or self.world_size > 1:
             return []
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
@@ -196,7 +196,7 @@ def check_quant_agrees(entry: ModelEntry, config: HybridConfig, name: str) -> No
         f"{entry_file(name)} sets quant: {entry.quant.value}, but the checkpoint is quant {have}: {where}",
         f"use an entry with quant: {have} (or model.quant={have}), or point model.checkpoint at "
         + {"none": "an unquantized checkpoint",
-           "fp8": "an FP8 checkpoint (python -m runners.quantize --fp8 SRC DST writes one)"}.get(
+           "fp8": "an FP8 checkpoint (python -m runners.tools.quantize --fp8 SRC DST writes one)"}.get(
             entry.quant.value, f"a {entry.quant.value} checkpoint"),
     ))
 

@@ -89,10 +89,12 @@ def validate_one(name: str) -> EntryReport:
 
 def _build_command(entry) -> str:
     """The command that writes an embedded entry's checkpoint (registry/checkpoints/README.md)."""
-    return "python -m runners.quantize --fp8" if entry.quant.value == "fp8" else "python -m runners.tiny"
+    if entry.quant.value == "fp8":
+        return "python -m runners.tools.quantize --fp8"
+    return "python -m runners.tools.tiny"
 
 
-def restore_command(ckpt: Path, build: str = "python -m runners.tiny") -> str:
+def restore_command(ckpt: Path, build: str = "python -m runners.tools.tiny") -> str:
     """The command that builds an embedded checkpoint folder: `git checkout` of the shipped files when the
     repository tracks them (the trained tiny weights are data, restored bit for bit), else the command that
     writes it (`build`, see registry/checkpoints/README.md) and what to add."""

@@ -1,10 +1,10 @@
-"""Our lean PyTorch inference engine for hybrid LLMs (see docs/architecture.md, "Engine API").
+"""The engine and the programs around it, in three parts (docs/architecture.md):
 
-``from runners import Engine`` loads an HF checkpoint directory and generates greedily with continuous
-batching; the model code lives in ``runners.models``, caches in ``runners.cache``, loading in
-``runners.loader``.
+- ``runners.engine``: our lean PyTorch + Triton inference engine (model code, caches, loading, the
+  speculative step, tensor parallelism); ``from runners.engine import Engine``.
+- ``runners.app``: the application ``run.py`` calls: one evaluation of a registry entry, end to end.
+- ``runners.tools``: checkpoint tools run by hand (``python -m runners.tools.<name>``): train, tiny, synth,
+  quantize.
+
+Nothing is imported here, so ``import runners.engine.stats`` stays free of torch.
 """
-
-from runners.engine import Engine, GenerationOutput, GenerationStats
-
-__all__ = ["Engine", "GenerationOutput", "GenerationStats"]

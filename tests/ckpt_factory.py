@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runners import Engine
+from runners.engine import Engine
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
 

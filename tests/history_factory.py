@@ -1,4 +1,4 @@
-"""Run folders and results dicts for the history / trend tests, in the shape runners.app writes them
+"""Run folders and results dicts for the history / trend tests, in the shape runners.app.main writes them
 (docs/results_schema.md), without running a model."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiny random Qwen3-Next checkpoints for engine and loader tests, with transformers' model as the oracle.
 
-`runners.tiny.write_random_checkpoint` writes the checkpoint (released names, per-expert MoE tensors, an
+`runners.tools.tiny.write_random_checkpoint` writes the checkpoint (released names, per-expert MoE tensors, an
 `mtp.*` module); the weights are then re-drawn at a scale that gives distinct logits (HF's init makes every
 logit ~0, so greedy ties would dominate) and the oracle is transformers' `Qwen3NextForCausalLM` loaded from
 the same files. Sizes are awkward on purpose: HV = 2H GDN value heads, head_k_dim 12 != head_v_dim 20 (a
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runners.tiny import write_random_checkpoint
+from runners.tools.tiny import write_random_checkpoint
 
 QWEN_TINY = dict(
     vocab_size=61,

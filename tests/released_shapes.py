@@ -16,7 +16,7 @@ from registry.schema import ArchConfig, Family
 def config_from_arch(arch: ArchConfig, family: Family | str, *, num_nextn_predict_layers: int = 1
                      ) -> HybridConfig:
     """A HybridConfig with the cache-relevant dimensions of an `arch:` block, for sizing caches of released
-    models without their weights (runners.cache.cache_memory_bytes).
+    models without their weights (runners.engine.cache.cache_memory_bytes).
 
     Layer order is not in the block and does not change cache sizes: the backbone lists its recurrent blocks,
     then its attention blocks (FFN blocks hold no cache and are left out). The MTP module is one attention +

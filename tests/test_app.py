@@ -1,4 +1,5 @@
-"""runners.app.run with fake engine / evaluation, every user error's message, and run.py's error output."""
+"""runners.app.main.run with fake engine / evaluation, every user error's message, and run.py's error
+output."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from registry.checkpoint import checkpoint_fingerprint
 from registry.compose import compose_config
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
-from runners import app
-from runners.memory import LoadReport
+from runners.app import main as app
+from runners.engine.memory import LoadReport
 
 TINY_NEMOTRON_H_CONFIG = {
     "model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4,
@@ -328,7 +329,7 @@ def test_incomplete_checkpoint(fakes, tmp_path, remove, problem):
 def test_embedded_checkpoint_missing(fakes, tmp_path):
     err = _error("model=tiny_qwen3_next_mtp", "model.checkpoint=not_built_yet")
     assert "registry/checkpoints/not_built_yet does not exist" in err.problem
-    assert "python -m runners.tiny" in err.fix
+    assert "python -m runners.tools.tiny" in err.fix
 
 
 def test_arch_block_disagreeing_with_checkpoint(fakes, tmp_path):
@@ -472,7 +473,7 @@ FAKE_SITECUSTOMIZE = '''
 import sys
 sys.path.insert(0, {tests!r})
 import test_app
-from runners import app
+from runners.app import main as app
 app.Engine = test_app.FakeEngine
 def evaluate(engine, tokenizer_path, **kw):
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
@@ -482,7 +483,7 @@ app.evaluate_gsm8k = evaluate
 
 
 def test_run_py_success_writes_results_to_hydra_run_dir(tmp_path):
-    """The whole Hydra path (run.py -> runners.app.run), with the fakes installed by a sitecustomize."""
+    """The whole Hydra path (run.py -> runners.app.main.run), with the fakes installed by a sitecustomize."""
     ckpt = make_checkpoint(tmp_path / "ckpt")
     site = tmp_path / "site"
     site.mkdir()

@@ -1,4 +1,4 @@
-"""runners.app.run's verdict, exit status, draft_len override and resume policy, with a fake engine and
+"""runners.app.main.run's verdict, exit status, draft_len override and resume policy, with a fake engine and
 evaluation and baseline files written by the test (hand-computed thresholds)."""
 # ruff: noqa: F811  (the `fakes` fixture is imported from test_app and named as an argument)
 
@@ -16,7 +16,7 @@ from test_app import FAKE_SITECUSTOMIZE, FakeEngine, _cfg, fakes, make_checkpoin
 import registry.baselines
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
-from runners import app
+from runners.app import main as app
 
 # Reference 50 % with a per-row sigma of 10 points; the fake run scores n = 4 samples. By hand:
 #   scale     = sqrt(2 * 10^2 / 4)                        = 7.0710678

@@ -29,7 +29,7 @@ def _no_models_root(monkeypatch):
 
 
 def _divides_heads(arch, world_size: int) -> bool:
-    # expert counts need not divide: experts are split along their intermediate size (runners/tp.py)
+    # expert counts need not divide: experts are split along their intermediate size (runners/engine/tp.py)
     heads = [arch.num_attention_heads]
     heads += [arch.mamba.num_heads] if arch.mamba else []
     heads += [arch.gdn.num_key_heads, arch.gdn.num_value_heads] if arch.gdn else []

@@ -11,7 +11,7 @@ import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 
-from runners import Engine, GenerationStats
+from runners.engine import Engine, GenerationStats
 
 MAX_NEW = 10
 PROMPT_LENS = (7, 1, 19, 12, 3)

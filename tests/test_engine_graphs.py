@@ -1,4 +1,5 @@
-"""The decode step as phases over static buffers (runners/graphs.py): eager on the CPU, CUDA graphs on a GPU.
+"""The decode step as phases over static buffers (runners/engine/graphs.py): eager on the CPU, CUDA graphs
+on a GPU.
 
 CPU (the same restructured step a GPU captures):
 - padded steps (live rows padded with PAD rows to a "captured" batch size, the KV bound rounded up to its
@@ -30,8 +31,8 @@ from ckpt_factory import make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 from test_realdim_engine import ENGINE_SIZES
 
-from runners import Engine
-from runners.graphs import POISON_INT, HostRing, StepGraphs, default_graph_batch_sizes, kv_bucket
+from runners.engine import Engine
+from runners.engine.graphs import POISON_INT, HostRing, StepGraphs, default_graph_batch_sizes, kv_bucket
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW, SLOTS = 10, 4
@@ -302,7 +303,7 @@ def test_gpu_forced_acceptance_under_graphs(replay):
 @pytest.mark.parametrize("replay", [False, True])
 @torch.inference_mode()
 def test_gpu_release_shapes_bf16_graph_equals_eager(family, replay):
-    from runners.synth import synthetic_model
+    from runners.tools.synth import synthetic_model
 
     model, _ = synthetic_model(family, dtype=torch.bfloat16, device="cuda", **ENGINE_SIZES[family])
     kw = dict(device="cuda", dtype=torch.bfloat16, draft_len=3, ssm_replay=replay, max_batch_size=5,

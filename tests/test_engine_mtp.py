@@ -22,8 +22,8 @@ import pytest
 import torch
 from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 
-from runners import Engine, GenerationStats
-from runners.cache import BatchMeta, KVCache, Mamba2State
+from runners.engine import Engine, GenerationStats
+from runners.engine.cache import BatchMeta, KVCache, Mamba2State
 
 MAX_NEW = 16
 

@@ -24,11 +24,11 @@ import torch
 from qwen_ckpt import QWEN_TINY, load_hf, write_qwen_checkpoint
 from safetensors.torch import load_file, save_file
 
-from runners import Engine
-from runners.cache import BatchMeta, GDNState, HybridCache
-from runners.loader import CheckpointError, load_model
-from runners.models.config import HybridConfig
-from runners.models.gdn import GDNMixer
+from runners.engine import Engine
+from runners.engine.cache import BatchMeta, GDNState, HybridCache
+from runners.engine.loader import CheckpointError, load_model
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.gdn import GDNMixer
 
 MAX_NEW = 8
 PROMPT_LENS = (7, 1, 19, 12)

@@ -1,5 +1,7 @@
-"""FP8 operators against their references (runners.models.fp8), the FP8 KV cache (runners.cache.KVCache), FP8
-checkpoints in the loader and engine (runners.quant) and the quantizer (runners.quantize). CPU tests run the
+"""FP8 operators against their references (runners.engine.models.fp8), the FP8 KV cache
+(runners.engine.cache.KVCache), FP8
+checkpoints in the loader and engine (runners.engine.quant) and the quantizer (runners.tools.quantize). CPU
+tests run the
 references; `gpu` tests run torch._scaled_mm / torch._scaled_grouped_mm on the H200."""
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from registry.checkpoint import CheckpointError
 from registry.schema import REPO_ROOT
-from runners.cache import HybridCache, KVCache, cache_memory_bytes
-from runners.engine import Engine
-from runners.loader import load_model, plan_load
-from runners.models.fp8 import (
+from runners.engine.cache import HybridCache, KVCache, cache_memory_bytes
+from runners.engine.engine import Engine
+from runners.engine.loader import load_model, plan_load
+from runners.engine.models.fp8 import (
     FP8_DTYPE,
     FP8Weights,
     fp8_linear,
@@ -30,9 +32,9 @@ from runners.models.fp8 import (
     quantize_fp8,
     scaled_mm_supported,
 )
-from runners.models.layers import ACTIVATIONS
-from runners.quant import FP8Linear, FP8MoE, kv_cache_scales
-from runners.quantize import QuantizeError, main, quantize_fp8_checkpoint
+from runners.engine.models.layers import ACTIVATIONS
+from runners.engine.quant import FP8Linear, FP8MoE, kv_cache_scales
+from runners.tools.quantize import QuantizeError, main, quantize_fp8_checkpoint
 
 CKPTS = REPO_ROOT / "registry" / "checkpoints"
 cuda = pytest.mark.gpu
@@ -191,7 +193,7 @@ def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
 
 
 def test_fp8_kv_cache_without_checkpoint_scales_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="runners.engine"):
+    with caplog.at_level(logging.WARNING, logger="runners.engine.engine"):
         e = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", kv_cache_quant="fp8", max_batch_size=2,
                                    max_seq_len=64)
     assert "no k / v scales" in caplog.text and "scale 1.0" in caplog.text
@@ -360,7 +362,7 @@ def test_fp8_tiny_entry_passes_its_verdict_on_a_short_cpu_run(entry, gsm8k_dir, 
     both acceptance floors (measured there: NemotronH 0.523 / 2.57 against 0.42 / 2.08, Qwen3-Next 0.390 /
     2.17 against 0.33 / 1.79)."""
     from registry.compose import compose_config
-    from runners import app
+    from runners.app import main as app
 
     cfg = compose_config([f"model={entry}", "eval.limit=4", f"eval.data_dir={gsm8k_dir}",
                           f"out_dir={tmp_path}"])

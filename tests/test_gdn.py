@@ -1,4 +1,5 @@
-"""Gated DeltaNet mixer (runners/models/gdn.py) and its rules (kernels/gdn/chunk.py, recurrent.py) against
+"""Gated DeltaNet mixer (runners/engine/models/gdn.py) and its rules (kernels/gdn/chunk.py, recurrent.py)
+against
 transformers' Qwen3NextGatedDeltaNet and themselves.
 
 Sizes are deliberately awkward: HV = 2H, K = 32 != V = 48 (a transposed [K, V] state fails), T = 37 with chunk
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernels.gdn import chunk_gated_delta_rule_ref, l2norm, recurrent_gated_delta_rule
-from runners.models.gdn import GatedDeltaNet
+from runners.engine.models.gdn import GatedDeltaNet
 
 D, H, HV, K, V, W, T = 64, 2, 4, 32, 48, 4, 37
 

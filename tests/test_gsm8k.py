@@ -265,7 +265,8 @@ def test_resume_refuses_generations_of_another_engine_setting(tokenizer_path, gs
 
 
 def test_scored_stats_sums_counts_and_lists_and_recomputes_rates():
-    """Counters are the sums of the scored requests' own counters (runners.engine.GenerationStats), their
+    """Counters are the sums of the scored requests' own counters (runners.engine.stats.GenerationStats),
+    their
     ratios recomputed from the sums; timing comes from the generate calls."""
     records = [
         {"key": "a", "request_stats": {

@@ -106,7 +106,8 @@ class FakeStats:
         return dataclasses.asdict(self)
 
     def request_stats(self) -> dict:
-        """The engine's per-request `request_stats` dict (runners.engine.SlotCounters.request_stats)."""
+        """The engine's per-request `request_stats` dict
+        (runners.engine.engine.SlotCounters.request_stats)."""
         keys = ("request_steps", "drafted_tokens", "accepted_drafts", "accepted_per_position",
                 "num_accepted_hist", "generated_tokens", "prompt_tokens")
         return {k: getattr(self, k) for k in keys}

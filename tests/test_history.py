@@ -1,5 +1,5 @@
 """The results history (evals/history.py): schema and its version, rows of a run, idempotent import, a writer
-killed mid-transaction, concurrent writers, a locked database, and runners.app.run's guarded hook."""
+killed mid-transaction, concurrent writers, a locked database, and runners.app.main.run's guarded hook."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from test_app import _cfg, fakes, make_checkpoint  # noqa: F401 - fakes is a fix
 
 from evals import history
 from registry.schema import REPO_ROOT
-from runners import app
+from runners.app import main as app
 
 BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"
 

@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import runners.loader as loader
-from runners import Engine
-from runners.loader import FP32_SUFFIXES, load_model, plan_load
-from runners.memory import InsufficientMemoryError, check_memory_fits
-from runners.models.config import HybridConfig, family_module
-from runners.models.hybrid import HybridLM
+import runners.engine.loader as loader
+from runners.engine import Engine
+from runners.engine.loader import FP32_SUFFIXES, load_model, plan_load
+from runners.engine.memory import InsufficientMemoryError, check_memory_fits
+from runners.engine.models.config import HybridConfig, family_module
+from runners.engine.models.hybrid import HybridLM
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "registry" / "checkpoints"
 TINY = ["tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"]
@@ -123,7 +123,7 @@ def test_fit_check_fires_before_any_allocation(monkeypatch):
     def no_alloc(*a, **k):
         raise AssertionError("weights were allocated before the fit check")
 
-    monkeypatch.setattr("runners.engine.materialize", no_alloc)
+    monkeypatch.setattr("runners.engine.engine.materialize", no_alloc)
     with pytest.raises(InsufficientMemoryError) as e:
         Engine.from_pretrained(path, draft_len=3, max_batch_size=64, max_seq_len=4096,
                                memory_budget_bytes=10 * 2**20)
@@ -158,7 +158,7 @@ def test_load_report_matches_the_engine():
 
 def test_non_persistent_buffers_are_computed_after_meta_construction(tmp_path, monkeypatch):
     """A module with a computed buffer (e.g. a RoPE cache) gets it from init_buffers(), not the checkpoint."""
-    from runners.models import layers
+    from runners.engine.models import layers
 
     orig_init = layers.RMSNorm.__init__
 
@@ -198,7 +198,7 @@ def test_gpu_free_memory_counts_blocks_the_allocator_holds():
     """A model freed earlier in the process leaves its blocks reserved by the caching allocator: the driver
     does not count them free, but the next load can use them (compare=replay's second arm at real
     dimensions failed the fit check without this)."""
-    from runners.memory import free_device_memory
+    from runners.engine.memory import free_device_memory
 
     dev = torch.device("cuda")
     torch.cuda.empty_cache()

@@ -10,8 +10,8 @@ import torch
 from ckpt_factory import make_hf_model, mtp_tensors, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from runners.loader import CheckpointError, load_model
-from runners.models.config import HybridConfig
+from runners.engine.loader import CheckpointError, load_model
+from runners.engine.models.config import HybridConfig
 
 
 @pytest.fixture(scope="module")

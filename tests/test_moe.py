@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runners.models.config import HybridConfig
-from runners.models.layers import ACTIVATIONS, MoE
-from runners.models.moe import (
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.layers import ACTIVATIONS, MoE
+from runners.engine.models.moe import (
     grouped_mm_supported,
     moe_experts_fused,
     moe_experts_ref,

@@ -219,7 +219,7 @@ FAKE_SITECUSTOMIZE = '''
 import sys
 sys.path.insert(0, {tests!r})
 import test_app
-from runners import app
+from runners.app import main as app
 app.Engine = test_app.FakeEngine
 
 def evaluate(engine, tokenizer_path, **kw):

@@ -1,4 +1,5 @@
-"""Exact prefix caching (runners/prefix_cache.py): with and without the cache, the same tokens and the same
+"""Exact prefix caching (runners/engine/prefix_cache.py): with and without the cache, the same tokens and
+the same
 acceptance statistics, while the cache really serves the prefixes it should.
 
 End to end, for both families (NemotronH: Mamba2, Qwen3-Next: Gated DeltaNet), float32, draft_len 0 and 3,
@@ -21,8 +22,8 @@ import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 
-from runners import Engine
-from runners.prefix_cache import PrefixCache
+from runners.engine import Engine
+from runners.engine.prefix_cache import PrefixCache
 
 V, BLOCK, SLOTS, MAX_NEW = 5, 16, 2, 8
 

@@ -1,5 +1,5 @@
 """The checkpoint's quantization config (registry.hf_config.QuantConfig), the entry-vs-checkpoint quant rule
-(registry.resolve) and what runners.support refuses (NVFP4 on the wrong hardware, block-wise FP8)."""
+(registry.resolve) and what runners.app.support refuses (NVFP4 on the wrong hardware, block-wise FP8)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from registry.compose import compose_config
 from registry.errors import UserError
 from registry.hf_config import HybridConfig, QuantConfig, parse_quantization
 from registry.schema import REPO_ROOT
-from runners import app
-from runners.quant import check_runnable
+from runners.app import main as app
+from runners.engine.quant import check_runnable
 
 TINY = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 TINY_FP8 = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp_fp8"
@@ -113,7 +113,7 @@ def test_entry_quant_must_match_the_checkpoint():
     assert "model.quant=fp8" in err.fix and "an unquantized checkpoint" in err.fix
     err = _error("model=tiny_nemotron_h_mtp_fp8", f"model.checkpoint={TINY}")
     assert "sets quant: fp8, but the checkpoint is quant none" in err.problem
-    assert "python -m runners.quantize --fp8" in err.fix
+    assert "python -m runners.tools.quantize --fp8" in err.fix
 
 
 def test_nvfp4_refused_before_loading_naming_the_hardware(monkeypatch):
@@ -129,7 +129,7 @@ def test_nvfp4_refused_before_loading_naming_the_hardware(monkeypatch):
 
 def test_nvfp4_refused_on_pre_blackwell_gpu(monkeypatch):
     """The same check on a (faked) Hopper GPU names it and its compute capability."""
-    import runners.support as support
+    import runners.app.support as support
 
     monkeypatch.setattr(support.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(support.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -146,7 +146,7 @@ def test_block_wise_fp8_checkpoint_refused(tmp_path):
                                   "weight_block_size": [128, 128]}
     (ckpt / "config.json").write_text(json.dumps(raw))
     err = _error("model=tiny_nemotron_h_mtp_fp8", f"model.checkpoint={ckpt}")
-    assert "block-wise FP8" in err.problem and "runners.quantize" in err.fix
+    assert "block-wise FP8" in err.problem and "runners.tools.quantize" in err.fix
 
 
 def test_fp8_entries_compose_with_arch_unchanged():

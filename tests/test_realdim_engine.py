@@ -13,8 +13,8 @@ import torch
 from ckpt_factory import OracleDraftEngine
 from tokenizers import Tokenizer
 
-from runners import Engine
-from runners.synth import write_synthetic_checkpoint
+from runners.engine import Engine
+from runners.tools.synth import write_synthetic_checkpoint
 
 # Head structure of the releases; widths that keep a CPU test short.
 ENGINE_SIZES = {

@@ -24,16 +24,16 @@ from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels import gdn, mamba2
 from registry.schema import validate_entry
-from runners.cache import (
+from runners.engine.cache import (
     CACHE_LAYOUTS,
     BatchMeta,
     HybridCache,
     Mamba2ReplayState,
     cache_memory_bytes,
 )
-from runners.models.config import HybridConfig
-from runners.models.hybrid import HybridLM
-from runners.models.mamba2 import Mamba2Mixer
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.mamba2 import Mamba2Mixer
 
 REPO = Path(__file__).resolve().parents[1]
 allocate_history = mamba2.ReplayHistory.allocate

@@ -20,11 +20,11 @@ from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 from replay_oracles import gdn_materialized_state, mamba2_materialized_state, materialized_conv
 
-from runners import Engine
-from runners.cache import GDNReplayState, GDNState, Mamba2ReplayState, Mamba2State
-from runners.engine import GenerationStats
-from runners.models.gdn import GDNMixer
-from runners.models.mamba2 import Mamba2Mixer
+from runners.engine import Engine
+from runners.engine.cache import GDNReplayState, GDNState, Mamba2ReplayState, Mamba2State
+from runners.engine.models.gdn import GDNMixer
+from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.stats import GenerationStats
 
 MAX_NEW = 12
 SLOTS = 5  # fewer slots than prompts: requests join and leave while others are mid-generation
@@ -270,7 +270,7 @@ def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
     picks Triton and says why; Super V3's sizes pass the guard."""
     from types import SimpleNamespace
 
-    from runners.engine import _resolve_ssm_backend
+    from runners.engine.engine import _resolve_ssm_backend
 
     for sizes, named in (((10, 12, 6, 2), "mamba_head_dim': 10"), ((64, 128, 6, 2), "n_groups': 3")):
         keys = ("mamba_head_dim", "ssm_state_size", "mamba_num_heads", "n_groups")
@@ -292,7 +292,7 @@ def test_flashinfer_backend_on_cpu_and_for_gdn(caplog):
     (Qwen3-Next) gets Triton with the reason: FlashInfer has no Gated DeltaNet kernels."""
     from types import SimpleNamespace
 
-    from runners.engine import _resolve_ssm_backend
+    from runners.engine.engine import _resolve_ssm_backend
 
     cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)
     with pytest.raises(ValueError, match="ssm_backend='flashinfer' runs FlashInfer's CUDA kernels.*'torch'"):

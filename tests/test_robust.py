@@ -47,8 +47,8 @@ from registry.compose import compose_config
 from registry.errors import UserError
 from registry.resolve import resolve
 from registry.schema import REPO_ROOT
-from runners import Engine
-from runners.loader import load_model
+from runners.engine import Engine
+from runners.engine.loader import load_model
 
 # ------------------------------------------------------------------ a broken model never passes
 
@@ -176,11 +176,11 @@ def test_logits_refuses_bad_ids(ckpt, ids, exc):
 
 
 def test_16bit_mamba2_state_is_warned_about(ckpt, caplog):
-    with caplog.at_level("WARNING", logger="runners.engine"):
+    with caplog.at_level("WARNING", logger="runners.engine.engine"):
         Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32, ssm_state_dtype=torch.bfloat16)
     assert "16-bit recurrent state drifts" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="runners.engine"):
+    with caplog.at_level("WARNING", logger="runners.engine.engine"):
         Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
     assert "16-bit" not in caplog.text
 
@@ -505,7 +505,8 @@ def test_validate_fails_an_embedded_entry_without_its_checkpoint(tmp_path, monke
     (error,) = [e for e in report.errors if "does not exist" in e]
     assert error.startswith(f"embedded checkpoint {tmp_path / 'checkpoints' / 'tiny_nemotron_h_mtp'} does "
                             "not exist")
-    assert "fix: build it with python -m runners.tiny" in error  # not tracked by git there: how to build it
+    # not tracked by git there: how to build it
+    assert "fix: build it with python -m runners.tools.tiny" in error
     assert not any("not built yet" in n for n in report.notes)
 
 
@@ -548,7 +549,7 @@ def test_readme_error_examples_are_what_run_py_prints(tmp_path):
 
 def test_weight_check_reads_fp8_tensors():
     """FP8 checkpoints (e4m3fn weights) are checked too: torch has no isfinite for float8."""
-    from runners.loader import check_weights
+    from runners.engine.loader import check_weights
 
     check_weights({"w": torch.randn(4, 4).to(torch.float8_e4m3fn)}, "ck")
     with pytest.raises(CheckpointError, match="all zeros: w"):

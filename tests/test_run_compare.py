@@ -12,7 +12,7 @@ import pytest
 from test_app import FakeEngine, _cfg, fake_result, fakes, make_checkpoint  # noqa: F401
 
 from registry.errors import UserError
-from runners import app
+from runners.app import main as app
 
 N = 6
 

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
-from runners import app
+from runners.app import main as app
 
 LIMIT = 6
 KILL_AFTER = 3  # samples on disk when the run is killed
@@ -34,7 +34,7 @@ SITECUSTOMIZE = '''
 import os, sys
 sys.path.insert(0, {tests!r})
 import test_run_resume
-from runners import app
+from runners.app import main as app
 app.Engine = test_run_resume.ScriptedEngine
 '''
 

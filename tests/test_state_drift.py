@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.state_drift import REPO, measure, teacher_forced_logits
-from runners.engine import Engine
+from runners.engine.engine import Engine
 
 CHECKPOINTS_DIR = REPO / "registry" / "checkpoints"
 

@@ -1,4 +1,5 @@
-"""Synthetic checkpoints at the released layouts (runners.synth): config.json as the release writes it, names
+"""Synthetic checkpoints at the released layouts (runners.tools.synth): config.json as the release writes
+it, names
 and shapes the loader and transformers read, proportional layer cuts, shards, tokenizer, finite activations.
 """
 
@@ -18,9 +19,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from registry.arch import arch_from_config
-from runners.loader import load_model
-from runners.models.config import HybridConfig
-from runners.synth import (
+from runners.engine.loader import load_model
+from runners.engine.models.config import HybridConfig
+from runners.tools.synth import (
     RELEASE_CONFIGS,
     SUPER_V3_PATTERN,
     SynthError,
@@ -215,7 +216,7 @@ def test_activations_stay_finite_through_all_release_layers(family, tmp_path):
 
 def test_cli_writes_and_refuses(tmp_path):
     out = tmp_path / "q"
-    cmd = [sys.executable, "-m", "runners.synth", "--family", "qwen3_next", "--out", str(out),
+    cmd = [sys.executable, "-m", "runners.tools.synth", "--family", "qwen3_next", "--out", str(out),
            "--num-layers", "2", "--num-experts", "4", "--shard-size", "1MB", "--dtype", "float32"]
     cmd += [f"--set={k}={v}" for k, v in SMALL["qwen3_next"].items()]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -224,7 +225,8 @@ def test_cli_writes_and_refuses(tmp_path):
     assert load_model(out).config.n_routed_experts == 4
     for bad, says in ((["--num-layers", "1"], ">= 2 layers"), (["--shard-size", "lots"], "size 'lots'"),
                       (["--set", "hidden_size"], "KEY=VALUE")):
-        base = [sys.executable, "-m", "runners.synth", "--family", "qwen3_next", "--out", str(tmp_path / "x")]
+        base = [sys.executable, "-m", "runners.tools.synth", "--family", "qwen3_next",
+                "--out", str(tmp_path / "x")]
         proc = subprocess.run(base + bad, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
     assert not (tmp_path / "x" / "model.safetensors.index.json").exists()

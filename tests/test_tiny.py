@@ -1,4 +1,5 @@
-"""Tests of runners.tiny and of the checkpoints it shipped in registry/checkpoints/: the tokenizer, the names,
+"""Tests of runners.tools.tiny and of the checkpoints it shipped in registry/checkpoints/: the tokenizer,
+the names,
 shapes and dtypes on disk, loading in transformers, and bit-for-bit determinism of the build."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from runners import tiny
+from runners.tools import tiny
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = REPO_ROOT / "registry" / "checkpoints"
@@ -210,7 +211,7 @@ def test_constant_init_tensors_are_perturbed():
 def test_cli_rebuilds_the_shipped_checkpoints_bit_for_bit(tmp_path):
     """The README's step-1 command, run in this process, reproduces every shipped file that training does not
     change (tokenizer, configs) byte for byte, and random weights with the shipped names, shapes and dtypes;
-    the shipped model.safetensors holds the trained weights of step 2 (runners.train, recipe.json)."""
+    the shipped model.safetensors holds the trained weights of step 2 (runners.tools.train, recipe.json)."""
     from safetensors import safe_open
 
     tiny.main(["--out", str(tmp_path), "--seed", "0", "--vocab-size", str(tiny.DEFAULT_VOCAB_SIZE)])

@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU with gloo (runners/tp.py, runners/launch.py): world size 2 and 4 give the
+"""Tensor parallelism on the CPU with gloo (runners/engine/tp.py, runners/engine/launch.py): world size 2
+and 4 give the
 same greedy tokens, the same acceptance and float32 logits within 1e-5 (absolute, or relative to logits up to
 ~10: the ranks' partial sums round differently) of world size 1, replay on and off, both families;
 `python run.py model=tiny_nemotron_h_mtp world_size=2 eval.limit=8` equals world_size=1; a failing or stuck
@@ -6,7 +7,8 @@ rank is reported with its rank and the others are ended; Ctrl-C ends every rank.
 
 Checkpoints: the shipped tiny ones (trained: real MTP acceptance) at world size 2; copies of them padded to
 head counts 4 divides (tp_cases.pad_tiny_checkpoint: same outputs) at 4; synthetic ones at widths that hit
-every rule of runners/tp.py (biases, a dense MLP, GDN K != V, KV heads and mamba groups fewer than ranks) at 2
+every rule of runners/engine/tp.py (biases, a dense MLP, GDN K != V, KV heads and mamba groups fewer than
+ranks) at 2
 and 4. Each world size is one launch (process start-up costs seconds) running every case.
 """
 
@@ -28,10 +30,10 @@ from tp_cases import ARMS, pad_tiny_checkpoint, run_cases, write_tp_checkpoint
 from registry.arch import check_world_size
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
-from runners import Engine
-from runners.launch import RankFailure, launch
-from runners.loader import materialize, plan_load
-from runners.tp import TensorParallel, rank_config, shard_plan
+from runners.engine import Engine
+from runners.engine.launch import RankFailure, launch
+from runners.engine.loader import materialize, plan_load
+from runners.engine.tp import TensorParallel, rank_config, shard_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {f: str(tp_cases.TINY_CHECKPOINTS / f) for f in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")}
@@ -149,7 +151,7 @@ def test_stuck_collective_times_out():
 def test_ctrl_c_ends_every_rank(tmp_path):
     """SIGINT to the launching process ends it and both ranks (which wait in a never-ending collective)."""
     code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
-            "import tp_cases\nfrom runners.launch import launch\n"
+            "import tp_cases\nfrom runners.engine.launch import launch\n"
             f"launch(tp_cases.record_pid_and_wait, ({str(tmp_path)!r},), world_size=2, all_ranks=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
@@ -184,7 +186,8 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
         runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
     (gen1, res1), (gen2, res2) = runs[1], runs[2]
     assert len(gen1) == 8 and gen1.keys() == gen2.keys()
-    # world_size 2 runs without the prefix cache (runners.launch.PREFIX_CACHE_OFF_REASON): its lookup counters
+    # world_size 2 runs without the prefix cache (runners.engine.launch.PREFIX_CACHE_OFF_REASON): its lookup
+    # counters
     # are the only request counters that differ
     no_prefix = lambda rs: {k: v for k, v in rs.items() if not k.startswith("prefix_cache")}  # noqa: E731
     for key in gen1:
@@ -237,13 +240,15 @@ def test_fp8_is_not_sharded():
                            "eval.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "tensor parallelism (runners.tp) shards models without FP8" in proc.stderr, proc.stderr[-2000:]
+    says = "tensor parallelism (runners.engine.tp) shards models without FP8"
+    assert says in proc.stderr, proc.stderr[-2000:]
 
 
 def test_tp_engines_step_eagerly():
-    """Engines under runners.launch step eagerly (its module docstring): build_engine / rebuild_engine turn
+    """Engines under runners.engine.launch step eagerly (its module docstring): build_engine /
+    rebuild_engine turn
     cuda_graphs and overlap_steps off, and refuse a request for either with the fix."""
-    from runners.launch import _eager_steps
+    from runners.engine.launch import _eager_steps
 
     assert _eager_steps({"draft_len": 3}) == {"draft_len": 3, "cuda_graphs": False, "overlap_steps": False}
     assert _eager_steps({"cuda_graphs": False})["overlap_steps"] is False
@@ -253,10 +258,11 @@ def test_tp_engines_step_eagerly():
 
 
 def test_tp_engines_run_without_the_prefix_cache():
-    """Engines under runners.launch have no prefix cache (launch.PREFIX_CACHE_OFF_REASON): build_engine /
+    """Engines under runners.engine.launch have no prefix cache (launch.PREFIX_CACHE_OFF_REASON):
+    build_engine /
     rebuild_engine turn it off and refuse a request for it with the fix."""
-    from runners.launch import _no_prefix_cache
-    from runners.prefix_cache import PrefixCache
+    from runners.engine.launch import _no_prefix_cache
+    from runners.engine.prefix_cache import PrefixCache
 
     off = {"prefix_cache": False, "prefix_cache_bytes": None}
     assert _no_prefix_cache({"draft_len": 3}) == {"draft_len": 3, **off}
@@ -269,7 +275,7 @@ def test_tp_engines_run_without_the_prefix_cache():
 def test_sharded_weight_check_judges_the_whole_matrix():
     """A rank's all-zero part of a weight matrix (padded heads) is no broken checkpoint when another rank's
     part is not zero (check_weights' all_ranks_zero); a matrix zero on every rank still is."""
-    from runners.loader import CheckpointError, check_weights
+    from runners.engine.loader import CheckpointError, check_weights
 
     part = {"w": torch.zeros(2, 2)}
     with pytest.raises(CheckpointError, match="weight matrices are all zeros"):

@@ -1,4 +1,4 @@
-"""Tests of runners/train.py: data format against lm-eval, packing, MTP target alignment, loss decrease,
+"""Tests of runners/tools/train.py: data format against lm-eval, packing, MTP target alignment, loss decrease,
 determinism, and the written checkpoint (names, dtypes, reload in our engine and in transformers)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
-from runners.loader import load_model
-from runners.tiny import write_random_checkpoint
-from runners.train import (
+from runners.engine.loader import load_model
+from runners.tools.tiny import write_random_checkpoint
+from runners.tools.train import (
     LOG_FILE,
     RECIPE_FILE,
     PackedGSM8K,
@@ -111,7 +111,7 @@ def test_mtp_loss_predicts_the_token_after_next():
     from dataclasses import replace
 
     small = replace(cfg, vocab_size=V, hidden_size=V, layer_types=("mlp",), intermediate_size=8)
-    from runners.models.hybrid import HybridLM
+    from runners.engine.models.hybrid import HybridLM
 
     model = HybridLM(small, with_mtp=True)
     model.mtp = _EchoMTP()
@@ -252,7 +252,8 @@ def _small_recipe(init: Path, **kw) -> TrainConfig:
 @pytest.mark.slow
 def test_qwen3_next_trains_and_reloads(tmp_path, train_rows):
     """The same entry point trains the Qwen3-Next family (gated delta rule + gated attention + MTP)."""
-    pytest.importorskip("runners.models.qwen3_next", reason="Qwen3-Next engine integration not merged yet")
+    pytest.importorskip("runners.engine.models.qwen3_next",
+                        reason="Qwen3-Next engine integration not merged yet")
     init = write_random_checkpoint(
         tmp_path / "init", "qwen3_next", SMALL_QN, seed=1, tokenizer_dir=SHIPPED_NH
     )

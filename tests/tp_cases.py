@@ -1,5 +1,5 @@
 """What the tensor-parallel tests run: test checkpoints whose head counts divide 4, and the engine cases run
-both in the test process (world size 1) and on rank 0 of ``runners.launch.launch`` (world size 2 / 4).
+both in the test process (world size 1) and on rank 0 of ``runners.engine.launch.launch`` (world size 2 / 4).
 
 Imported by the ranks (spawned processes), so it imports nothing of pytest.
 """
@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from registry.errors import UserError
 
-# Widths that world size 4 shards and that exercise every rule of runners/tp.py: KV heads (2) fewer than 4
+# Widths that world size 4 shards and that exercise every rule of runners/engine/tp.py: KV heads (2) fewer
+# than 4
 # ranks (replicated), mamba ngroups 2 < 4 (the group's norm spans 2 ranks) and = 2 (split), a dense MLP layer,
 # biases everywhere NemotronH allows them (row-parallel ones are added once), GDN with K != V, a latent MoE.
 SYNTH_TP = {
@@ -38,11 +39,12 @@ TINY_CHECKPOINTS = Path(__file__).resolve().parents[1] / "registry" / "checkpoin
 
 
 def write_tp_checkpoint(path: Path, family: str) -> Path:
-    """A float32 synthetic checkpoint (runners.synth) at :data:`SYNTH_TP` widths, 4 layers, 6 experts, its
+    """A float32 synthetic checkpoint (runners.tools.synth) at :data:`SYNTH_TP` widths, 4 layers, 6 experts,
+    its
     1-D tensors (norm scales, biases, D, the router's correction bias; not A_log / dt_bias) moved off their
     identity / zero initialisation so that a wrongly sliced one changes the logits. (Random weights: the MTP
     module drafts nothing the target accepts; the trained tiny checkpoints give real acceptance.)"""
-    from runners.synth import write_synthetic_checkpoint
+    from runners.tools.synth import write_synthetic_checkpoint
 
     write_synthetic_checkpoint(path, family, num_layers=4, num_experts=6, overrides=SYNTH_TP[family],
                                dtype=torch.float32, check_disk=False)
@@ -139,13 +141,15 @@ def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
 
 
 def tp_cases(checkpoints: list[str], max_new_tokens: int = 10) -> dict:
-    """:func:`run_cases` on rank 0 of a launch: every rank builds its shard (runners.launch.build_engine)."""
-    from runners.launch import build_engine
+    """:func:`run_cases` on rank 0 of a launch: every rank builds its shard
+    (runners.engine.launch.build_engine)."""
+    from runners.engine.launch import build_engine
 
     return run_cases(build_engine, checkpoints, max_new_tokens)
 
 
-# ---- failure cases (runners.launch with all_ranks=True: every rank runs the function) ----------------------
+# ---- failure cases (runners.engine.launch with all_ranks=True: every rank runs the function)
+# ----------------------
 
 
 def fail_on_rank1() -> None:

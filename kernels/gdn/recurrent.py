@@ -268,7 +268,7 @@ def recurrent_gated_delta_rule(
     output_intermediate_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gated delta rule, one token at a time, on gathered (not slot-indexed) states: the specification, run by
-    `fused_recurrent_gated_delta_rule_ref` and by `GatedDeltaNet.decode` (runners/models/gdn.py).
+    `fused_recurrent_gated_delta_rule_ref` and by `GatedDeltaNet.decode` (runners/engine/models/gdn.py).
 
     Args:
         q: (B, T, H, K) queries, already L2-normalised (not yet scaled).

@@ -12,7 +12,7 @@ tokens, intermediate states written per row, stored state left untouched, tie_hd
 dt_bias) and compares out, intermediate states and the stored state with
 ``kernels.mamba2.selective_state_update_ref`` on the same inputs. Prints one JSON document: per case
 "ok" with the max abs errors, "mismatch" with them, or "error" with the first line that names the failure.
-The engine's size guard (runners/engine.py FLASHINFER_SIZES) admits the sizes found "ok" here.
+The engine's size guard (runners/engine/engine.py FLASHINFER_SIZES) admits the sizes found "ok" here.
 Needs CUDA and flashinfer (.gpu-bundle on the device machine).
 """
 
@@ -64,7 +64,8 @@ def one_case(head_dim: int, d_state: int, in_dtype: str, state_dtype: str) -> di
     rows = torch.arange(B, device=dev, dtype=torch.int32)
     try:
         fim.selective_state_update(
-            # dt, D, dt_bias in fp32 (one dtype in its contract), as runners/models/mamba2.py passes them
+            # dt, D, dt_bias in fp32 (one dtype in its contract), as runners/engine/models/mamba2.py passes
+            # them
             state, x, tied(dt.float(), (B, T, H, P)), tied(A, (H, P, N)), Bm, Cm, tied(D, (H, P)),
             dt_bias=tied(dt_bias, (H, P)), dt_softplus=True, state_batch_indices=slots, out=out,
             disable_state_update=True, intermediate_states_buffer=inter, intermediate_state_indices=rows,

@@ -5,7 +5,7 @@ in depth), loaded straight to the GPU, timed at batch 1 and 8 with draft_len 0 a
         [--run-eval $OUT/runs]
 
 For each family, one at a time (the device machine's disk holds one): write the checkpoint with
-``runners.synth`` on the GPU into ``--workdir/<family>`` (bf16, 5 GB shards), load it with
+``runners.tools.synth`` on the GPU into ``--workdir/<family>`` (bf16, 5 GB shards), load it with
 ``Engine.from_pretrained`` (the load report: seconds, weight / cache bytes, host peak RSS, device peak), check
 that the logits of a prompt are finite, then for every batch size and (draft_len, ssm_replay) in (0, -),
 (3, rewind), (3, replay) build an engine on the loaded model, warm it up (Triton JIT) and generate
@@ -64,8 +64,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def bench_family(family: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from runners import Engine
-    from runners.synth import DTYPES, write_synthetic_checkpoint
+    from runners.engine import Engine
+    from runners.tools.synth import DTYPES, write_synthetic_checkpoint
 
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype]  # the checkpoint's
@@ -183,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shard-size", default="5GB")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config.json field for every family (runners.synth --set; CPU smoke tests)")
+                   help="config.json field for every family (runners.tools.synth --set; CPU smoke tests)")
     p.add_argument("--run-eval", default=None, metavar="DIR",
                    help="also run the GSM8K evaluation (run.py ... compare=replay) per checkpoint into DIR")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted after use)")
     args = p.parse_args(argv)
-    from runners.synth import _parse_set, parse_size
+    from runners.tools.synth import _parse_set, parse_size
 
     try:
         args.shard_bytes = parse_size(args.shard_size)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"},
         "families": [],
     }
-    from runners.synth import SynthError
+    from runners.tools.synth import SynthError
 
     status = 0
     for family in args.family:

@@ -5,14 +5,19 @@ synthetic Nemotron 3 Super and Qwen3-Next checkpoints cut to a quarter of their 
         [--world-sizes 1 2] [--num-experts 128] [--batch 16] [--prompt-len 256] [--new-tokens 64]
         [--time-budget 330] [--share-gpu] [--dtype bfloat16] [--compute-dtype float32]
 
-For each family, one at a time: write the checkpoint with ``runners.synth`` on GPU 0 (bf16, 5 GB shards; a
+For each family, one at a time: write the checkpoint with ``runners.tools.synth`` on GPU 0 (bf16, 5 GB
+shards; a
 quarter of the layers, ``--num-experts`` routed experts), then for each world size run one
-``runners.launch.launch`` (world size 1 is one rank on cuda:0; world size 2 two ranks with NCCL, each loading
-and reading only its shard, ``runners.tp``). The ranks load the model once and build an engine per arm on it
-(``runners.launch.build_engine`` / ``rebuild_engine``) -- plain greedy (draft_len 0), MTP draft_len 3 with
+``runners.engine.launch.launch`` (world size 1 is one rank on cuda:0; world size 2 two ranks with NCCL, each
+loading
+and reading only its shard, ``runners.engine.tp``). The ranks load the model once and build an engine per
+arm on it
+(``runners.engine.launch.build_engine`` / ``rebuild_engine``) -- plain greedy (draft_len 0), MTP draft_len 3
+with
 rewind, MTP draft_len 3 with replay --; each is warmed up (Triton JIT) and generates ``--new-tokens`` greedy
 tokens (stop tokens off) for ``--batch`` prompts of ``--prompt-len`` GSM8K-text ids. Every arm of every
-world size steps eagerly (no CUDA graphs, no overlap_steps: engines under ``runners.launch`` do not use them).
+world size steps eagerly (no CUDA graphs, no overlap_steps: engines under ``runners.engine.launch`` do not
+use them).
 Reported per world size and arm: load report, decode tokens/s (total and per GPU), prefill tokens/s,
 acceptance, device peak; and the comparisons: world size 2 against 1 (requests with identical tokens, the mean
 fraction of each request's tokens before the first difference, the last-position logits of two prompts: max
@@ -22,7 +27,8 @@ drift apart after a while: the fractions say how far they agree. The JSON is rew
 (partial results survive a timeout); progress lines are flushed as they happen. ``--time-budget`` seconds:
 families that would start after it are skipped (reported as such).
 
-``--share-gpu`` runs every rank on cuda:0 with gloo (``runners.launch.launch(share_device=True)``) for a
+``--share-gpu`` runs every rank on cuda:0 with gloo (``runners.engine.launch.launch(share_device=True)``)
+for a
 machine with one GPU: it checks world size 2's tokens, acceptance and logits against world size 1 at the
 releases' dimensions, but its tokens/s measure nothing about NCCL tensor parallelism (two ranks on one GPU,
 each all-reduce through host memory); the JSON says so ("backend").
@@ -30,7 +36,7 @@ each all-reduce through host memory); the JSON says so ("backend").
 Defaults (bf16, NCCL) fit the two-GPU machine (128 GB disk) and a few minutes: Super V3 at 22 of its 88 layers
 with 128 of its 512 experts (21.3 GB), Qwen3-Next at 12 of 48 layers with 128 experts (12.6 GB). Not run on
 two GPUs yet (only one-GPU machines were lent so far). Argument errors exit with status 2 before anything is
-written. NVLink multicast stays off in the ranks (runners.launch).
+written. NVLink multicast stays off in the ranks (runners.engine.launch).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
     """Rank 0 of a launch: every arm's engine (built on every rank), warm-up, timed generate."""
     import torch
 
-    from runners.launch import build_engine, current, rebuild_engine
+    from runners.engine.launch import build_engine, current, rebuild_engine
 
     ctx = current()
     dtype = getattr(torch, opts["dtype"])
@@ -120,8 +126,8 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
     import torch
 
     from benchmarks.prompts import gsm8k_prompt_ids
-    from runners.launch import launch
-    from runners.synth import DTYPES, write_synthetic_checkpoint
+    from runners.engine.launch import launch
+    from runners.tools.synth import DTYPES, write_synthetic_checkpoint
 
     layers = args.num_layers or DEFAULT_LAYERS[family]
     ckpt = Path(args.workdir) / family
@@ -200,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=330.0,
                    help="seconds: families that would start later are skipped")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config.json field for every family (runners.synth --set; CPU smoke tests)")
+                   help="config.json field for every family (runners.tools.synth --set; CPU smoke tests)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: deleted after use)")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on cuda:0 over gloo (one GPU: checks results, not NCCL speed)")
     args = p.parse_args(argv)
-    from runners.synth import _parse_set, parse_size
+    from runners.tools.synth import _parse_set, parse_size
 
     try:
         args.shard_bytes = parse_size(args.shard_size)
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
-    from runners.synth import SynthError
+    from runners.tools.synth import SynthError
 
     status = 0
     for family in args.family:

@@ -10,7 +10,7 @@ With ``draft_len = K > 0`` each decode step is an MTP speculative step (the phas
 :meth:`Engine._phase_draft`): K drafts
 from the checkpoint's MTP module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind
 commit of the recurrent state; the output equals plain greedy decoding. ``ssm_replay=True`` replaces the
-rewind commit by replay (TensorRT-LLM's "SSM replay"; ``runners.cache.Mamba2ReplayState`` /
+rewind commit by replay (TensorRT-LLM's "SSM replay"; ``runners.engine.cache.Mamba2ReplayState`` /
 ``GDNReplayState``): a verify fast-forwards the committed state by the previous step's accepted tokens, and
 the commit only advances per-slot bookkeeping. ``ssm_backend`` ("triton" default on CUDA, "flashinfer",
 "torch" default on CPU) picks who runs the recurrent decode / verify / commit operators: the Triton kernels of
@@ -19,7 +19,7 @@ kernels/ or their PyTorch references (the cache's layer states carry it to the m
 A decode step never synchronises with the host: each slot's length, last token and first draft live on the
 device and the step advances them itself; the host only writes the batch's slot ids and reads the new tokens
 back through pinned memory (:meth:`Engine._launch` / :meth:`Engine._step_tokens`). The step is a fixed
-sequence of phases (decode; or draft, verify, commit, catch-up) that ``runners.graphs.StepGraphs`` runs
+sequence of phases (decode; or draft, verify, commit, catch-up) that ``runners.engine.graphs.StepGraphs`` runs
 eagerly or as CUDA graphs captured per padded batch size (``cuda_graph_batch_sizes``; PAD rows touch no
 live slot). With ``overlap_steps`` (default on CUDA) the next step is queued before the host does this one's
 bookkeeping (token appends, stop checks, callbacks), so the two overlap.
@@ -34,14 +34,14 @@ import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernels._common import PAD_SLOT_ID
-from runners.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
-from runners.graphs import (
+from runners.engine.cache import SSM_BACKENDS, BatchMeta, HybridCache, cache_memory_bytes
+from runners.engine.graphs import (
     HostBlock,
     HostRing,
     PhaseTimer,
@@ -50,14 +50,15 @@ from runners.graphs import (
     default_graph_batch_sizes,
     kv_bucket,
 )
-from runners.loader import materialize, plan_load
-from runners.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
-from runners.models.config import HybridConfig
-from runners.models.fp8 import FP8_DTYPE
-from runners.models.hybrid import HybridLM
-from runners.models.mamba2 import Mamba2Mixer
-from runners.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
-from runners.quant import kv_cache_scales
+from runners.engine.loader import materialize, plan_load
+from runners.engine.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.fp8 import FP8_DTYPE
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from runners.engine.quant import kv_cache_scales
+from runners.engine.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -70,164 +71,6 @@ def _kv_cache_dtype(kv_cache_quant: str | None) -> torch.dtype | None:
     if kv_cache_quant not in KV_CACHE_QUANTS:
         raise ValueError(f"kv_cache_quant={kv_cache_quant!r} is not one of 'none', 'fp8'")
     return KV_CACHE_QUANTS[kv_cache_quant]
-
-
-@dataclass
-class GenerationStats:
-    """Counters of one ``generate`` call, kept as raw sums so runs can be merged (``a + b``). Seconds are
-    wall time: ``prefill_seconds`` of the admissions' prefills, ``decode_seconds`` of the decode loop (the
-    steps and the host's bookkeeping of their tokens: appends, stop checks, callbacks, which overlap the
-    next step's device work with ``overlap_steps``); ``steps`` counts decode steps.
-
-    Speculative decoding (MTP, draft length K) adds, per (request, verify step) pair -- a *request-step*:
-    ``request_steps`` counts them; ``drafted_tokens`` = K per request-step; ``accepted_drafts`` sums the
-    accepted draft tokens; ``accepted_per_position`` [K] counts request-steps whose draft i (1..K) was
-    accepted; ``num_accepted_hist`` [K + 2] counts request-steps by num_accepted_tokens (index 0 stays 0).
-    These stay zero / empty without speculation.
-
-    Prefix caching (:mod:`runners.prefix_cache`; zero when it is off), per request: ``prefix_cache_queries``
-    counts requests looked up, ``prefix_cache_query_tokens`` their prompt tokens, ``prefix_cache_hits`` the
-    requests that reused a cached prefix and ``prefix_cache_hit_tokens`` the prompt tokens restored from the
-    cache instead of prefilled (the saved prefill tokens); per ``generate`` call (:data:`PER_CALL`):
-    ``prefix_cache_stores`` entries saved, ``prefix_cache_evictions`` entries evicted.
-
-    Only what reaches the output counts. A request-step commits num_accepted_tokens = n tokens to the output
-    (the accepted drafts and the bonus token, n - 1 accepted drafts); when the request finishes inside the
-    step (a stop token, a stop string, max_new_tokens), only the j <= n tokens appended before the stop are
-    committed, and the step counts as num_accepted_tokens = j (j - 1 accepted drafts). So for every request
-    (and summed over requests, with one prefill token each)::
-
-        generated_tokens == num_requests + request_steps + accepted_drafts
-
-    which is how TensorRT-LLM's benchmark derives its counts from the output
-    (tensorrt_llm/bench/dataclasses/reporting.py, StatsKeeper.generate_statistics_summary: accepted drafts
-    = output tokens - iterations, iterations counting the context step; acceptance length = output tokens /
-    iterations). The step that emits the first token (the prefill) drafts nothing and is no request-step.
-
-    Derived metrics (None without drafts), in :meth:`to_dict` next to the sums: ``acceptance_rate`` =
-    accepted_drafts / drafted_tokens; ``acceptance_length`` = 1 + accepted_drafts / request_steps (tokens per
-    request-step; TensorRT-LLM's benchmark divides by iterations including the context step instead:
-    generated_tokens / (request_steps + num_requests)); ``acceptance_per_position`` [K] =
-    accepted_per_position / request_steps.
-    """
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    steps: int = 0
-    drafted_tokens: int = 0
-    accepted_drafts: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    num_accepted_hist: list[int] = field(default_factory=list)
-    request_steps: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_stores: int = 0
-    prefix_cache_evictions: int = 0
-
-    DERIVED = ("acceptance_rate", "acceptance_length", "acceptance_per_position", "prefix_cache_hit_rate")
-    # fields only a whole generate call has (not per request): evaluation sums them over the calls
-    PER_CALL = ("prefill_seconds", "decode_seconds", "steps", "prefix_cache_stores", "prefix_cache_evictions")
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted draft tokens / drafted tokens, or None when nothing was drafted."""
-        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else None
-
-    @property
-    def acceptance_length(self) -> float | None:
-        """Mean tokens a request advances per verify step: 1 + accepted drafts / request-steps."""
-        return 1 + self.accepted_drafts / self.request_steps if self.request_steps else None
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        """[K] fraction of request-steps whose draft i (1..K) was accepted (non-increasing in i)."""
-        if not self.request_steps:
-            return [0.0] * len(self.accepted_per_position)
-        return [a / self.request_steps for a in self.accepted_per_position]
-
-    @property
-    def prefix_cache_hit_rate(self) -> float | None:
-        """Prompt tokens restored from the prefix cache / prompt tokens looked up (vLLM's prefix cache hit
-        rate), or None when nothing was looked up."""
-        if not self.prefix_cache_query_tokens:
-            return None
-        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens
-
-    def prefix_cache(self) -> dict:
-        """The prefix-cache statistics of results.json (docs/results_schema.md): ``queries``,
-        ``query_tokens``, ``hits``, ``hit_tokens``, ``hit_rate`` (None without queries),
-        ``saved_prefill_tokens`` (= hit_tokens: a restored token is never prefilled), ``stores``,
-        ``evictions``."""
-        return {
-            "queries": self.prefix_cache_queries,
-            "query_tokens": self.prefix_cache_query_tokens,
-            "hits": self.prefix_cache_hits,
-            "hit_tokens": self.prefix_cache_hit_tokens,
-            "hit_rate": self.prefix_cache_hit_rate,
-            "saved_prefill_tokens": self.prefix_cache_hit_tokens,
-            "stores": self.prefix_cache_stores,
-            "evictions": self.prefix_cache_evictions,
-        }
-
-    def record_step(self, accepted_drafts: Sequence[int], draft_len: int) -> None:
-        """Count one verify step: ``accepted_drafts`` [B] accepted drafts per request, each in [0, K]."""
-        if not self.num_accepted_hist:
-            self.accepted_per_position, self.num_accepted_hist = [0] * draft_len, [0] * (draft_len + 2)
-        if len(self.accepted_per_position) != draft_len:
-            have = len(self.accepted_per_position)
-            raise ValueError(f"draft_len={draft_len}, but these stats count K={have} positions")
-        if any(not 0 <= a <= draft_len for a in accepted_drafts):
-            raise ValueError(f"accepted drafts {list(accepted_drafts)} must lie in [0, K={draft_len}]")
-        self.request_steps += len(accepted_drafts)
-        self.drafted_tokens += draft_len * len(accepted_drafts)
-        for a in accepted_drafts:
-            self.accepted_drafts += a
-            self.num_accepted_hist[a + 1] += 1
-            for i in range(a):
-                self.accepted_per_position[i] += 1
-
-    def acceptance(self) -> dict:
-        """The acceptance statistics of results.json (docs/results_schema.md): ``rate``, ``length``,
-        ``per_position`` (the derived metrics; rate and length None without drafts) and the raw sums behind
-        them, ``drafted``, ``accepted``, ``request_steps``, ``accepted_per_position``,
-        ``num_accepted_hist``."""
-        return {
-            "rate": self.acceptance_rate,
-            "length": self.acceptance_length,
-            "per_position": self.acceptance_per_position,
-            "drafted": self.drafted_tokens,
-            "accepted": self.accepted_drafts,
-            "request_steps": self.request_steps,
-            "accepted_per_position": list(self.accepted_per_position),
-            "num_accepted_hist": list(self.num_accepted_hist),
-        }
-
-    def to_dict(self) -> dict:
-        """The raw sums (the dataclass fields) plus the derived metrics of :data:`DERIVED`."""
-        d = asdict(self)
-        d.update((k, getattr(self, k)) for k in self.DERIVED)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GenerationStats:
-        """Inverse of :meth:`to_dict`: derived keys are recomputed, not read; unknown keys raise TypeError."""
-        return cls(**{k: v for k, v in d.items() if k not in cls.DERIVED})
-
-    def __add__(self, other: GenerationStats) -> GenerationStats:
-        """Element-wise sum of two runs' counters (lists padded to the longer: runs of different K)."""
-
-        def add(a, b):
-            if isinstance(a, list):
-                n = max(len(a), len(b))
-                return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
-            return a + b
-
-        return GenerationStats(**{k: add(v, getattr(other, k)) for k, v in asdict(self).items()})
 
 
 class SlotCounters:
@@ -413,7 +256,8 @@ def _planned_cache_memory(
     config: HybridConfig, cache_kinds: dict[int, str], cache_args: dict, draft_len: int
 ) -> dict[str, int]:
     """Bytes of the engine's per-slot state by kind (:meth:`Engine.cache_memory`), from the architecture
-    alone: ``runners.cache.cache_memory_bytes`` plus, with drafts, the per-slot first draft (int64) and its
+    alone: ``runners.engine.cache.cache_memory_bytes`` plus, with drafts, the per-slot first draft (int64)
+    and its
     MTP hidden [S + 1, D] in the model dtype (the scratch row included, like every cache buffer)."""
     mem = cache_memory_bytes(config, cache_kinds, **cache_args)
     if draft_len > 0:
@@ -520,12 +364,15 @@ class Engine:
         cache: the :class:`HybridCache` (S = ``max_batch_size`` slots of ``max_seq_len`` positions).
         draft_len: K, MTP draft tokens per step (0 = no speculation); ssm_replay: state commit scheme
             (replay vs rewind); ssm_backend: recurrent-state operators ("triton" | "flashinfer" | "torch").
-        load_report: :class:`runners.memory.LoadReport` of :meth:`from_pretrained` (None when the engine was
+        load_report: :class:`runners.engine.memory.LoadReport` of :meth:`from_pretrained` (None when the
+        engine was
             built from a model object).
         cuda_graphs: whether decode steps replay CUDA graphs (``graphs``: the captured sizes, the phases);
             overlap_steps: whether the next step is queued before this one's host bookkeeping.
-        phase_timer: a :class:`runners.graphs.PhaseTimer` to time the step's phases (profiling; None: off).
-        prefix_cache: the :class:`runners.prefix_cache.PrefixCache` admissions reuse prompt prefixes from
+        phase_timer: a :class:`runners.engine.graphs.PhaseTimer` to time the step's phases (profiling; None:
+        off).
+        prefix_cache: the :class:`runners.engine.prefix_cache.PrefixCache` admissions reuse prompt prefixes
+        from
             (None: off; ``prefix_cache_off_reason`` then says why).
     """
 
@@ -599,7 +446,8 @@ class Engine:
         self.kv_cache_quant = "fp8" if self._cache_args["kv_cache_dtype"] is not None else "none"
         self._cache_kinds = model.cache_kinds(include_mtp=draft_len > 0)
         self.load_report: LoadReport | None = None  # set by from_pretrained
-        self.tensor_parallel = None  # from_pretrained: the rank's runners.tp.TensorParallel when sharded
+        # from_pretrained: the rank's runners.engine.tp.TensorParallel when sharded
+        self.tensor_parallel = None
         self.cache = HybridCache(
             config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend,
             stochastic_rounding=ssm_stochastic_rounding, **self._cache_args
@@ -660,7 +508,7 @@ class Engine:
 
     def _setup_step(self, cuda_graphs: bool | None, batch_sizes: Sequence[int] | None,
                     overlap_steps: bool | None) -> None:
-        """The static step buffers, the host ring and the phases of the step (``runners.graphs``)."""
+        """The static step buffers, the host ring and the phases of the step (``runners.engine.graphs``)."""
         cuda = self.device.type == "cuda"
         if cuda_graphs and not cuda:
             log.warning("cuda_graphs=True is ignored on %s: the same step runs eagerly", self.device)
@@ -731,24 +579,30 @@ class Engine:
                 cuda_graph_batch_sizes (default 1, 2, 4, ... and max_batch_size: the padded batch sizes
                 captured; larger batches run eagerly), overlap_steps (default: True on CUDA: queue the next
                 step before this one's host bookkeeping), tensor_parallel (default None: a
-                ``runners.tp.TensorParallel``; this process then loads, allocates and runs only its rank's
+                ``runners.engine.tp.TensorParallel``; this process then loads, allocates and runs only its
+                rank's
                 shard of the model, and ``engine.config`` is the rank's view of config.json; its process
-                group must be initialised: ``runners.launch`` runs such engines on every rank in lockstep),
-                prefix_cache (default True: reuse cached prompt prefixes, :mod:`runners.prefix_cache`; False
-                turns it off; or a :class:`runners.prefix_cache.PrefixCache` to use), prefix_cache_bytes
+                group must be initialised: ``runners.engine.launch`` runs such engines on every rank in
+                lockstep),
+                prefix_cache (default True: reuse cached prompt prefixes,
+                :mod:`runners.engine.prefix_cache`; False
+                turns it off; or a :class:`runners.engine.prefix_cache.PrefixCache` to use),
+                prefix_cache_bytes
                 (default 512 MiB, capped at half of the memory left after weights and caches when the
                 budget is known: the most its entries may take).
 
         The model is built on the meta device and its weights are loaded straight to ``device`` in their
-        dtype (:func:`runners.loader.plan_load` / :func:`runners.loader.materialize`); ``engine.load_report``
-        (:class:`runners.memory.LoadReport`) records the load time and host / device peak memory. A
+        dtype (:func:`runners.engine.loader.plan_load` / :func:`runners.engine.loader.materialize`);
+        ``engine.load_report``
+        (:class:`runners.engine.memory.LoadReport`) records the load time and host / device peak memory. A
         checkpoint that declares FP8 weights (config.json quantization_config / hf_quant_config.json) loads
-        them as FP8 and runs FP8 GEMMs (runners.quant; ``engine.model.quant_report`` says which ran).
+        them as FP8 and runs FP8 GEMMs (runners.engine.quant; ``engine.model.quant_report`` says which ran).
 
         Raises:
-            runners.memory.InsufficientMemoryError: weights + caches at max_batch_size / max_seq_len exceed
+            runners.engine.memory.InsufficientMemoryError: weights + caches at max_batch_size / max_seq_len
+            exceed
                 the device's free memory (or memory_budget_bytes); raised before any allocation.
-            runners.loader.CheckpointError: unreadable / inconsistent checkpoint.
+            runners.engine.loader.CheckpointError: unreadable / inconsistent checkpoint.
             ValueError: bad options (unknown option, draft_len without MTP weights, ssm_replay without
                 drafting).
         """
@@ -785,7 +639,7 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(device)
         plan = plan_load(path, dtype=dtype, load_mtp=True if draft_len > 0 else None)
         if tp is not None:  # this rank's shard: the model of the rank's config view, readers of its part
-            from runners.tp import shard_plan
+            from runners.engine.tp import shard_plan
 
             plan = shard_plan(plan, tp)
         # the caches this engine will allocate, sized before anything is: weights + caches must fit
@@ -846,7 +700,8 @@ class Engine:
 
     def _attach_kv_scales(self) -> None:
         """Give each FP8 KV cache layer its attention block's checkpoint scales (``k_proj.k_scale`` /
-        ``v_proj.v_scale``, runners.quant.kv_cache_scales); a block without them gets 1.0, with a warning
+        ``v_proj.v_scale``, runners.engine.quant.kv_cache_scales); a block without them gets 1.0, with a
+        warning
         (values beyond +-448 then saturate)."""
         scales = kv_cache_scales(self.model)
         missing = []
@@ -863,7 +718,8 @@ class Engine:
             log.warning(
                 "kv_cache_quant=fp8 but the checkpoint (%s) has no k / v scales for attention blocks %s: "
                 "their FP8 KV cache uses scale 1.0 (keys and values beyond +-448 saturate); a checkpoint "
-                "calibrated by python -m runners.quantize --fp8 carries them", self.config.source, missing)
+                "calibrated by python -m runners.tools.quantize --fp8 carries them",
+                self.config.source, missing)
 
     def cache_memory(self) -> dict[str, int]:
         """Bytes allocated for per-slot state, by kind (scratch row included):
@@ -875,7 +731,8 @@ class Engine:
           states; replay: the input history, the extra conv columns and the per-slot PNAT / buffer index;
           both: the per-slot first draft and its MTP hidden); 0 when ``draft_len`` is 0.
 
-        The cache part is computed from the architecture by :func:`runners.cache.cache_memory_bytes` (the
+        The cache part is computed from the architecture by :func:`runners.engine.cache.cache_memory_bytes`
+        (the
         function that also sizes released shapes without weights); tests check it against the tensors.
         """
         return _planned_cache_memory(self.config, self._cache_kinds, self._cache_args, self.draft_len)
@@ -1074,7 +931,7 @@ class Engine:
 
         The host writes only the batch's slot ids (through a pinned buffer); positions, input tokens and
         drafts come from the per-slot device state, which the step advances itself. The step runs padded to
-        a captured batch size as CUDA graphs, or eagerly (:class:`runners.graphs.StepGraphs`); its new
+        a captured batch size as CUDA graphs, or eagerly (:class:`runners.engine.graphs.StepGraphs`); its new
         tokens are copied to pinned host memory behind an event. ``kv_bound``: an upper bound of every row's
         cached length after the step (its length before + T); ``requests``: who holds each slot, kept on the
         handle for :meth:`generate`. Read the result with :meth:`_step_tokens`, in launch order.
@@ -1276,7 +1133,8 @@ class Engine:
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run the prompts of newly admitted requests into their (reset) slots; return each first token.
 
-        With the prefix cache (:mod:`runners.prefix_cache`) each prompt first restores the longest cached
+        With the prefix cache (:mod:`runners.engine.prefix_cache`) each prompt first restores the longest
+        cached
         prefix of itself into its slot (``PrefixCache.lookup`` / ``restore``: target KV, MTP KV, recurrent
         states) and only the rest is prefilled; a prompt that is entirely a cached prefix needs no target
         forward (:meth:`_prefill_cached`). The prefill stops at the save points ``PrefixCache.save_points``

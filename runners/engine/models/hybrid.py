@@ -2,9 +2,11 @@
 
 Every block is ``x + mixer(norm(x))`` with a mixer chosen by kind from :data:`MIXERS` (a later family
 registers more kinds). Blocks that keep per-request state (``mamba2``, ``gdn``, ``attention``) get a
-``cache_index`` that addresses their entry in :class:`runners.cache.HybridCache`; the MTP module's blocks
+``cache_index`` that addresses their entry in :class:`runners.engine.cache.HybridCache`; the MTP module's
+blocks
 take indices after the backbone's, so one cache object serves target and draft. The model knows nothing of
-checkpoint names (see ``runners/models/<model_type>.py``) or of the generate loop (``runners/engine.py``).
+checkpoint names (see ``runners/engine/models/<model_type>.py``) or of the generate loop
+(``runners/engine/engine.py``).
 
 Health flags: after :meth:`HybridLM.track_nonfinite`, every forward ORs "this module's output holds a NaN or
 an infinity" into one device tensor (:attr:`HybridLM.nonfinite`, one entry per name of
@@ -19,11 +21,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from runners.cache import BatchMeta, HybridCache
-from runners.models.config import HybridConfig
-from runners.models.gdn import GDNMixer
-from runners.models.layers import MLP, Attention, MoE, RMSNorm
-from runners.models.mamba2 import Mamba2Mixer
+from runners.engine.cache import BatchMeta, HybridCache
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.gdn import GDNMixer
+from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm
+from runners.engine.models.mamba2 import Mamba2Mixer
 
 # kind -> (constructor, keeps per-slot state)
 MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
@@ -169,7 +171,7 @@ class HybridLM(nn.Module):
         """input_ids [B, T] int64 -> hidden [B, T, D] in the model dtype (after ``norm_f``).
 
         With ``cache`` and ``meta`` this continues each row's request from its cached state and updates the
-        cache in place (see :class:`runners.cache.BatchMeta`); without, it is a full causal forward.
+        cache in place (see :class:`runners.engine.cache.BatchMeta`); without, it is a full causal forward.
         """
         if (cache is None) != (meta is None):
             raise ValueError("pass cache and meta together (or neither for a cache-free forward)")

@@ -54,8 +54,8 @@ from kernels.commit import (
     rewind_commit_ref,
 )
 from kernels.rounding import SR_DTYPES, StochasticRounding
-from runners.models.config import HybridConfig
-from runners.models.fp8 import FP8_DTYPE, quantize_fp8
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.fp8 import FP8_DTYPE, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class GDNState(Mamba2State):
 
     conv: [S + 1, C, W - 1], model dtype; the last W - 1 conv inputs, oldest first.
     ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; the delta-rule state S with K contiguous (as
-          runners/models/gdn.py: o = S q; transformers keeps [.., K, V], the transpose).
+          runners/engine/models/gdn.py: o = S q; transformers keeps [.., K, V], the transpose).
     conv_steps: [S + 1, C, W - 1 + T] and ssm_steps: [S + 1, T, HV, V, K] (rewind buffers, only with
           ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
     """

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runners.cache import HybridCache, KVCache
+from runners.engine.cache import HybridCache, KVCache
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Routed experts of an MoE block: the fused path (grouped GEMMs, no host synchronisation) and its reference.
 
 Both functions compute, for tokens ``h`` [N, L] each routed to k experts (``indices`` [N, k] int64,
-``weights`` [N, k] float32, from :class:`runners.models.layers.TopkRouter`)::
+``weights`` [N, k] float32, from :class:`runners.engine.models.layers.TopkRouter`)::
 
     out[n] = sum_j weights[n, j] * expert_{indices[n, j]}(h[n])
 
@@ -59,7 +59,8 @@ def moe_experts_ref(
         h: [N, L] expert inputs. weights: [N, k] float32 combine weights. indices: [N, k] int64 expert ids.
         up, gate: [E, I, L] (gate None for non-gated experts); down: [E, L, I]. act: the activation.
         linear: ``linear(x, W, e)`` is x times expert e's matrix of W transposed; default ``x @ W[e].T`` for
-            dense [E, out, in] tensors (runners.models.fp8 passes its dequantizing reference and FP8Weights).
+            dense [E, out, in] tensors (runners.engine.models.fp8 passes its dequantizing reference and
+            FP8Weights).
         num_experts: E; default ``up.shape[0]`` (needed when up is not a tensor).
 
     Returns:

@@ -35,8 +35,8 @@ from torch import nn
 
 from registry.checkpoint import CheckpointError
 from registry.hf_config import QuantConfig
-from runners.models.config import family_module
-from runners.models.fp8 import (
+from runners.engine.models.config import family_module
+from runners.engine.models.fp8 import (
     FP8_DTYPE,
     FP8Weights,
     fp8_linear,
@@ -45,8 +45,8 @@ from runners.models.fp8 import (
     moe_experts_fp8_ref,
     scaled_mm_supported,
 )
-from runners.models.hybrid import HybridLM
-from runners.models.layers import Attention, MoE
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.layers import Attention, MoE
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class FP8Linear(nn.Module):
     ``weight`` [out, in] float8_e4m3fn (a Parameter without gradient), ``weight_scale`` 0-dim float32 and
     ``input_scale`` 0-dim float32 (persistent buffers, the checkpoint's per-tensor scales), ``bias`` [out] in
     the model dtype or None. forward(x [..., in]) -> [..., out] in x's dtype through
-    :func:`runners.models.fp8.fp8_linear` (``torch._scaled_mm`` on FP8-capable GPUs, else the dequantizing
+    :func:`runners.engine.models.fp8.fp8_linear` (``torch._scaled_mm`` on FP8-capable GPUs, else the
+    dequantizing
     reference). Mutates nothing.
     """
 
@@ -98,14 +99,14 @@ class FP8Linear(nn.Module):
 
 class FP8MoE(MoE):
     """An MoE block whose routed experts hold FP8 weights: ``experts_{up,gate,down}`` float8_e4m3fn with the
-    shapes of :class:`runners.models.layers.MoE`, per-expert ``experts_<kind>_weight_scale`` [E] and
+    shapes of :class:`runners.engine.models.layers.MoE`, per-expert ``experts_<kind>_weight_scale`` [E] and
     ``experts_<kind>_input_scale`` [E] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.{weight_scale,input_scale}``). Router, shared expert and latent projections are
     those of the MoE it was made from (the shared expert's linears are FP8Linear where the config says so).
 
-    ``experts_impl`` "fused" runs :func:`runners.models.fp8.moe_experts_fp8` with ``fp8_impl`` (set by
+    ``experts_impl`` "fused" runs :func:`runners.engine.models.fp8.moe_experts_fp8` with ``fp8_impl`` (set by
     :func:`prepare_fp8` after loading: "scaled_grouped_mm" or "dequant"; None decides per call), "ref" the
-    per-expert loop :func:`runners.models.fp8.moe_experts_fp8_ref`.
+    per-expert loop :func:`runners.engine.models.fp8.moe_experts_fp8_ref`.
     """
 
     fp8_impl: str | None = None
@@ -154,14 +155,16 @@ def check_runnable(quant: QuantConfig) -> None:
         raise CheckpointError(
             f"{src}: block-wise FP8 (weight_block_size {list(quant.weight_block_size)}, transformers' "
             "fine-grained FP8) is not supported: the engine runs per-tensor FP8 scales",
-            "quantize the BF16 release with python -m runners.quantize --fp8 SRC DST (ModelOpt's per-tensor "
+            "quantize the BF16 release with python -m runners.tools.quantize --fp8 SRC DST "
+            "(ModelOpt's per-tensor "
             "FP8 layout), or use a ModelOpt FP8 checkpoint",
         )
     if quant.activation_scheme != "static":
         raise CheckpointError(
             f"{src}: activation_scheme {quant.activation_scheme} is not supported: the engine runs static "
             "(calibrated input_scale) FP8 activations",
-            "use a checkpoint with static activation scales (python -m runners.quantize --fp8 writes one)",
+            "use a checkpoint with static activation scales (python -m runners.tools.quantize --fp8 "
+            "writes one)",
         )
 
 

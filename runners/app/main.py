@@ -4,7 +4,7 @@
 
 - the effective settings and every check that holds on any machine: registry.resolve.resolve (schema,
   cross-setting rules, checkpoint directory, model dimensions);
-- what this engine and machine can run: runners.support.check_supported;
+- what this engine and machine can run: runners.app.support.check_supported;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
 - the output folder and its resume file: evals.lm_adapter.check_resume;
 - the evaluation: evals.gsm8k.evaluate_gsm8k over runners.Engine;
@@ -42,8 +42,8 @@ from registry.checkpoint import TOKENIZER_FILE, check_tokenizer, checkpoint_fing
 from registry.errors import UserError
 from registry.resolve import ResolvedRun, resolve
 from registry.schema import REPO_ROOT
-from runners.engine import Engine
-from runners.support import check_quant_hardware, check_supported
+from runners.app.support import check_quant_hardware, check_supported
+from runners.engine.engine import Engine
 
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
@@ -80,16 +80,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         _check_out_dir(out_dir, rr)
         if rr.world_size > 1:  # one process per rank; rank 0 runs the job below, the others serve its engines
-            from runners.launch import launch
+            from runners.engine.launch import launch
 
             composed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra in the ranks
             graphs = rr.run.runtime.cuda_graphs and rr.entry.cuda_graph_batch_sizes
             if rr.device.startswith("cuda") and graphs:
                 print(f"warning: world_size={rr.world_size}: the ranks step eagerly, without the entry's "
-                      "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps (runners.launch)",
+                      "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps "
+                      "(runners.engine.launch)",
                       flush=True)
             if rr.run.runtime.prefix_cache:
-                from runners.launch import PREFIX_CACHE_OFF_REASON
+                from runners.engine.launch import PREFIX_CACHE_OFF_REASON
 
                 print(f"warning: runtime.prefix_cache is off: {PREFIX_CACHE_OFF_REASON}", flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
@@ -136,7 +137,7 @@ def _count_lines(path: Path) -> int:
 
 def _run_job(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
     """The evaluation (or the compare=replay arms) of a checked run, in this process (rank 0 under
-    world_size > 1: its engines are runners.launch's lockstep engines)."""
+    world_size > 1: its engines are runners.engine.launch's lockstep engines)."""
     if rr.run.compare is None:
         torch.manual_seed(rr.run.seed)
         results = _evaluate_arm(cfg, rr, out_dir)
@@ -248,8 +249,9 @@ def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
 def _build_engine(rr: ResolvedRun) -> Engine:
     """The engine for the run. Engine.from_pretrained raises CheckpointError (a UserError) for the files and
     ValueError for options it refuses; every option comes from the config, so those are the user's too.
-    Under world_size > 1 (this process is rank 0 of runners.launch) every rank builds its shard of it."""
-    from runners import launch
+    Under world_size > 1 (this process is rank 0 of runners.engine.launch) every rank builds its shard of
+    it."""
+    from runners.engine import launch
 
     if launch.current() is not None:
         build = launch.build_engine  # each rank on its own device
@@ -292,7 +294,7 @@ def _prefix_cache_off_reason(rr: ResolvedRun, engine: Engine) -> str | None:
         return ("model.ssm.stochastic_rounding=true: the rounding bits depend on the number of forwards, "
                 "which a cache hit changes (not exact)")
     if rr.world_size > 1:
-        from runners.launch import PREFIX_CACHE_OFF_REASON
+        from runners.engine.launch import PREFIX_CACHE_OFF_REASON
 
         return PREFIX_CACHE_OFF_REASON
     return getattr(engine, "prefix_cache_off_reason", None) or "off in the engine"
@@ -324,7 +326,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                         ) from None
     config = rr.to_dict()
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
-    # which FP8 GEMMs ran (runners.quant.prepare_fp8): the device's FP8 kernels or the dequantizing references
+    # which FP8 GEMMs ran (runners.engine.quant.prepare_fp8): the device's FP8 kernels or the dequantizing
+    # references
     config["fp8_gemms"] = getattr(getattr(engine, "model", None), "quant_report", None)
     config["prefix_cache"] = engine.prefix_cache is not None  # and its limit after the engine's memory cap
     config["prefix_cache_bytes"] = engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None

@@ -8,7 +8,8 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
 
 - :func:`build_engine` on rank 0 broadcasts its arguments, and every rank builds the same engine
   (``Engine.from_pretrained(..., tensor_parallel=...)``: each loads and allocates only its shard,
-  ``runners.tp``); rank 0 gets a :class:`LockstepEngine`. :func:`rebuild_engine` makes a new engine (other
+  ``runners.engine.tp``); rank 0 gets a :class:`LockstepEngine`. :func:`rebuild_engine` makes a new engine
+  (other
   draft length, replay, cache sizes) around the model every rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
   checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
@@ -79,8 +80,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from registry.errors import UserError
-from runners.engine import Engine
-from runners.tp import TensorParallel
+from runners.engine.engine import Engine
+from runners.engine.tp import TensorParallel
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -126,7 +127,8 @@ class RankFailure(RuntimeError):
 class RankContext:
     """This process's rank under :func:`launch`: ``device`` (``cuda:rank``, cuda:0 when ranks share it, or
     cpu), ``backend`` of the model's collectives ("nccl" or "gloo"), ``tp`` (its
-    :class:`runners.tp.TensorParallel` on the default process group), ``control`` (the gloo group of the
+    :class:`runners.engine.tp.TensorParallel` on the default process group), ``control`` (the gloo group of
+    the
     lockstep messages)."""
 
     rank: int
@@ -152,7 +154,8 @@ def current() -> RankContext | None:
 
 def _require() -> RankContext:
     if _CONTEXT is None:
-        raise RuntimeError("not a rank of runners.launch.launch: no process group to run a sharded engine on")
+        raise RuntimeError("not a rank of runners.engine.launch.launch: no process group to run a sharded "
+                           "engine on")
     return _CONTEXT
 
 
@@ -484,7 +487,7 @@ def launch(
     # forkserver: a server process started once (per launching process) imports torch and the engine, and
     # forks the ranks from it; spawn would import them again in every rank (seconds each on a small CPU).
     # The ranks are fresh forks of a process that never touched CUDA or threads, as spawned ones are.
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["runners.launch"])
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["runners.engine.launch"])
     with tempfile.TemporaryDirectory(prefix="hybrid-launch-") as folder:
         context = mp.start_processes(
             _worker,
@@ -522,4 +525,4 @@ def _end(context: Any) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover - not a tool
-    sys.exit("runners.launch is a module; use runners.launch.launch() or run.py world_size=N")
+    sys.exit("runners.engine.launch is a module; use runners.engine.launch.launch() or run.py world_size=N")

@@ -3,7 +3,7 @@
 Scope: `GatedDeltaNet`, the Qwen3-Next mixer (projections, causal conv, gates, the gated delta rule, gated
 RMSNorm), cache-agnostic: the caller passes the recurrent state and the conv window of each row and gets the
 new ones back; and `GDNMixer` (the hybrid decoder's ``gdn`` block), the engine's caller, which reads and
-writes the per-slot `runners.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
+writes the per-slot `runners.engine.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
 `chunk_gated_delta_rule` (chunked form, prefill: fla-core's kernels on CUDA) and its reference
 `chunk_gated_delta_rule_ref`, `recurrent_gated_delta_rule` (token by token, the
 specification), `fused_recurrent_gated_delta_rule` (the Triton decode / rewind-verify kernel and its
@@ -44,11 +44,11 @@ from kernels.gdn import (
     replay_verify,
     replay_verify_ref,
 )
-from runners.cache import GDNReplayState, kernel_or_reference
+from runners.engine.cache import GDNReplayState, kernel_or_reference
 
 if TYPE_CHECKING:  # type hints only
-    from runners.cache import BatchMeta, GDNState
-    from runners.models.config import HybridConfig
+    from runners.engine.cache import BatchMeta, GDNState
+    from runners.engine.models.config import HybridConfig
 
 __all__ = ["GDNMixer", "GDNOutput", "GDNRuleInputs", "GatedDeltaNet", "GatedRMSNorm"]
 
@@ -347,14 +347,15 @@ class GatedDeltaNet(nn.Module):
 
 class GDNMixer(GatedDeltaNet):
     """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
-    cache (`runners.cache.GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
-    `runners.models.mamba2.Mamba2Mixer`.
+    cache (`runners.engine.cache.GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
+    `runners.engine.models.mamba2.Mamba2Mixer`.
 
     forward(hidden (B, T, D), state, meta) -> (B, T, D). Without a cache: a full causal forward from a zero
-    state. With ``state`` and ``meta`` (`runners.cache.BatchMeta`) each row continues from its slot's conv
+    state. With ``state`` and ``meta`` (`runners.engine.cache.BatchMeta`) each row continues from its slot's
+    conv
     window and recurrent state; the state's ``ssm_backend`` picks the recurrent operators ("triton": the
     Triton kernels, "torch": their PyTorch references; FlashInfer has no GDN kernel, so "flashinfer" runs
-    Triton, ``runners.cache.kernel_or_reference``):
+    Triton, ``runners.engine.cache.kernel_or_reference``):
     - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (fla-core's
       Triton kernels on CUDA; the reference on the CPU, for "torch", and, with one log line, when fla-core is
       missing) from the slots' gathered states; the state after each row's last valid token is written back

@@ -9,7 +9,7 @@ One module per block kind; each family's variant is a config option of the same 
   router and a sigmoid-gated shared expert (Qwen3-Next).
 The math is checked against transformers 5's ``modeling_nemotron_h.py`` and ``modeling_qwen3_next.py`` (the
 test oracles); parameter names equal NemotronH's names below ``mixer.``, so its weight map stays a plain
-rename (the Qwen3-Next map renames a few, see ``runners/models/qwen3_next.py``).
+rename (the Qwen3-Next map renames a few, see ``runners/engine/models/qwen3_next.py``).
 Shapes: B batch, T tokens, D hidden, Hq query heads, KVH key/value heads, hd head_dim, E routed experts,
 k top-k, L latent size (= D without a latent projection), I expert intermediate size.
 """
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runners.cache import BatchMeta, KVCache
-from runners.models.config import HybridConfig
-from runners.models.moe import moe_experts_fused, moe_experts_ref
+from runners.engine.cache import BatchMeta, KVCache
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
 
 class RMSNorm(nn.Module):
@@ -297,7 +297,7 @@ class MoE(nn.Module):
     ``experts_gate`` [E, I, L] (checkpoints hold them per expert as
     ``experts.{e}.{up,down,gate}_proj.weight``; :func:`unstack_expert_names` maps one to the other).
     forward(x [B, T, D]) -> [B, T, D]. ``experts_impl`` ("fused" default, or "ref") selects the routed-expert
-    implementation (:mod:`runners.models.moe`).
+    implementation (:mod:`runners.engine.models.moe`).
     """
 
     experts_impl = "fused"
@@ -338,7 +338,8 @@ class MoE(nn.Module):
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over each token's k experts of weight * expert(h); h [N, L] -> [N, L]. An expert is
         down(act(up(h))) or, gated, down(act(gate(h)) * up(h)). ``experts_impl`` picks the implementation:
-        "fused" (grouped GEMMs, no host sync; :func:`runners.models.moe.moe_experts_fused`) or "ref" (the
+        "fused" (grouped GEMMs, no host sync; :func:`runners.engine.models.moe.moe_experts_fused`) or "ref"
+        (the
         per-expert loop it is tested against)."""
         fn = moe_experts_ref if self.experts_impl == "ref" else moe_experts_fused
         return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
@@ -350,7 +351,8 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)(?:_(weight_scale|i
 def unstack_expert_names(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Checkpoint names of a stacked expert parameter: ``<p>.experts_{up,gate,down}`` [E, ...] ->
     ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place); the
-    per-expert FP8 scales ``<p>.experts_<kind>_{weight_scale,input_scale}`` [E] (runners/quant.py) map to
+    per-expert FP8 scales ``<p>.experts_<kind>_{weight_scale,input_scale}`` [E] (runners/engine/quant.py)
+    map to
     ``<p>.experts.{e}.<kind>_proj.{weight_scale,input_scale}`` likewise. Any other name maps to itself."""
     m = _STACKED_EXPERTS.match(name)
     if not m:

@@ -1,7 +1,7 @@
 """Random-weight checkpoints at the released dimensions of Nemotron 3 Super and Qwen3-Next-80B-A3B, written
 in the released HF layout, so the engine can be measured at real sizes without the weights.
 
-    python -m runners.synth --family nemotron_h --out DIR [--num-layers 22] [--num-experts 256]
+    python -m runners.tools.synth --family nemotron_h --out DIR [--num-layers 22] [--num-experts 256]
         [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0] [--set KEY=VALUE ...]
 
 What is written (what the engine's loader, transformers and other engines read from a release):
@@ -16,7 +16,8 @@ What is written (what the engine's loader, transformers and other engines read f
 - ``model-0000i-of-0000n.safetensors`` shards of about ``--shard-size`` bytes plus
   ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), tensors named as the releases
   name them, the ``mtp.*`` module included (names from the loader's own mapping,
-  ``runners.models.<family>.checkpoint_targets``, so every name the loader expects is written). Shards are
+  ``runners.engine.models.<family>.checkpoint_targets``, so every name the loader expects is written).
+  Shards are
   generated and written one at a time: the host never holds more than one shard.
 - ``tokenizer.json`` / ``tokenizer_config.json``: the shipped GSM8K byte-level BPE tokenizer
   (registry/checkpoints/tiny_nemotron_h_mtp) padded with added tokens ``<|synth_i|>`` up to the vocab size,
@@ -49,7 +50,8 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from registry.schema import REPO_ROOT
+
 BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2  # the base tokenizer's <pad>, <s>, </s>
 
@@ -287,8 +289,8 @@ def _init_rule(name: str, family: str, ndim: int) -> str:
 def tensor_specs(config: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
     """Every tensor of a checkpoint of ``config`` (MTP module included), in model order, with the names and
     shapes the engine's loader expects (the family's ``checkpoint_targets`` on a meta-device model)."""
-    from runners.models.config import HybridConfig, family_module
-    from runners.models.hybrid import HybridLM
+    from runners.engine.models.config import HybridConfig, family_module
+    from runners.engine.models.hybrid import HybridLM
 
     hc = HybridConfig.from_dict(config, source="synth config")
     with torch.device("meta"):
@@ -499,7 +501,8 @@ def synthetic_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model that ``runners.loader.load_model(DIR, dtype=dtype, device=device, load_mtp=True)`` returns
+    """The model that ``runners.engine.loader.load_model(DIR, dtype=dtype, device=device, load_mtp=True)``
+    returns
     for ``DIR`` = :func:`write_synthetic_checkpoint` ``(DIR, family, ..., dtype=dtype, device=device,
     seed=seed)`` with the same options, built without writing or reading a file: the model is built on the
     meta device, allocated on ``device`` (the loader's dtype rule: floating tensors in ``dtype``, the MoE
@@ -514,9 +517,9 @@ def synthetic_model(
         SynthError: bad options (as :func:`synth_config`).
         ValueError: a config with tied embeddings (the releases do not tie them; this path does not re-tie).
     """
-    from runners.loader import FP32_SUFFIXES, _to_empty_keeping_ties
-    from runners.models.config import HybridConfig, family_module
-    from runners.models.hybrid import HybridLM
+    from runners.engine.loader import FP32_SUFFIXES, _to_empty_keeping_ties
+    from runners.engine.models.config import HybridConfig, family_module
+    from runners.engine.models.hybrid import HybridLM
 
     device = torch.device(device)
     config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
@@ -570,7 +573,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runners.synth", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runners.tools.synth", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", required=True, choices=sorted(RELEASE_CONFIGS))
     p.add_argument("--out", required=True, help="checkpoint folder to write (created)")
     p.add_argument("--num-layers", type=int, default=None, help="layers (default: the release's)")

@@ -15,7 +15,7 @@ from registry.checkpoint import CheckpointError
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import Quant, SSMBackend
-from runners.quant import check_runnable
+from runners.engine.quant import check_runnable
 
 # First compute capability with FP4 tensor cores (NVFP4 GEMMs): Blackwell, sm_100.
 FP4_MIN_CAPABILITY = (10, 0)
@@ -70,14 +70,18 @@ def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
     Refused: NVFP4 weights (`quant: nvfp4`, :func:`check_quant_hardware`); an FP8 checkpoint in a layout
-    the engine does not run (block-wise FP8, dynamic activation scales: runners.quant.check_runnable);
-    world_size > 1 with FP8 weights or an FP8 KV cache (runners.tp shards unquantized models only), on one
+    the engine does not run (block-wise FP8, dynamic activation scales: runners.engine.quant.check_runnable);
+    world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only),
+    on one
     named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
     CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of
-    sm_89+, a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.quant,
-    runners.cache.KVCache). (`cuda_graph_batch_sizes` is honoured: the engine captures its decode step at
-    those sizes on a GPU, runners/graphs.py; on the CPU the same step runs eagerly. world_size > 1 runs one
-    process per rank, runners.launch, with eager steps: no CUDA graphs, no overlap_steps, a warning says
+    sm_89+, a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.engine.quant,
+    runners.engine.cache.KVCache). (`cuda_graph_batch_sizes` is honoured: the engine captures its decode
+    step at
+    those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1
+    runs one
+    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no overlap_steps, a warning
+    says
     so; the head counts it shards are checked by registry.resolve.)
     """
     check_quant_hardware(rr)
@@ -98,7 +102,8 @@ def check_supported(rr: ResolvedRun) -> None:
         raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
     if rr.world_size > 1 and (quant is not None or e.kv_cache_quant.value != "none"):
         raise UserError(
-            f"entry {e.name} with world_size={rr.world_size}: tensor parallelism (runners.tp) shards models "
+            f"entry {e.name} with world_size={rr.world_size}: tensor parallelism (runners.engine.tp) "
+            "shards models "
             "without FP8 weights or FP8 KV cache only (their scales are not sharded yet)",
             "use world_size=1 with the FP8 entry, or a bf16 entry (quant: none, kv_cache_quant: none) with "
             "world_size > 1",

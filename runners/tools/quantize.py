@@ -1,7 +1,7 @@
 """Write an FP8 checkpoint in NVIDIA ModelOpt's layout from an unquantized one, calibrated on GSM8K train
 prompts.
 
-    python -m runners.quantize --fp8 SRC DST [--calib-samples 32] [--calib-tokens 32] [--device cuda]
+    python -m runners.tools.quantize --fp8 SRC DST [--calib-samples 32] [--calib-tokens 32] [--device cuda]
         [--dtype bfloat16] [--data-dir DIR] [--exclude PATTERN ...] [--no-kv-cache] [--shard-size 5GB]
 
 Post-training quantization as ModelOpt's FP8 recipe does it (max calibration; vLLM's modelopt.py reads the
@@ -23,7 +23,7 @@ record per-expert inputs, and the KV caches record what is written.
 
 What stays in the source dtype is the exclude list written into the checkpoint (``hf_quant_config.json``
 ``exclude_modules`` and config.json ``quantization_config.ignore``); the engine's loader reads that list, so
-what it runs in FP8 is what the list says (runners.quant.quantization_targets, one rule for both). The
+what it runs in FP8 is what the list says (runners.engine.quant.quantization_targets, one rule for both). The
 default list follows the FP8 release of Nemotron 3 Super (NVIDIA's model card: MoE experts, shared experts and
 Mamba in / out projections in FP8; attention projections, MoE latent projections, router, Mamba conv,
 embeddings and output layer in BF16) and ModelOpt's defaults for other models (router gates, Qwen3-Next's
@@ -66,15 +66,15 @@ from registry.checkpoint import (
 )
 from registry.errors import UserError
 from registry.hf_config import QuantConfig
-from runners.cache import KVCache
-from runners.engine import Engine
-from runners.loader import load_model, read_config
-from runners.models.fp8 import FP8_MAX, quantize_fp8
-from runners.models.hybrid import HybridLM
-from runners.models.layers import MoE
-from runners.quant import EXPERT_KINDS, QuantTargets, quantization_targets
+from runners.engine.cache import KVCache
+from runners.engine.engine import Engine
+from runners.engine.loader import load_model, read_config
+from runners.engine.models.fp8 import FP8_MAX, quantize_fp8
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.layers import MoE
+from runners.engine.quant import EXPERT_KINDS, QuantTargets, quantization_targets
 
-log = logging.getLogger("runners.quantize")
+log = logging.getLogger("runners.tools.quantize")
 
 RECIPE_FILE = "quantize.json"
 COPIED_FILES = (GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "synth.json")
@@ -136,7 +136,8 @@ class AmaxRecorder:
 
 class _CalibratingMoE(MoE):
     """An MoE block during calibration: its routed experts computed by the per-expert loop of
-    ``runners.models.moe.moe_experts_ref`` (unquantized, host-synchronising: calibration only), recording per
+    ``runners.engine.models.moe.moe_experts_ref`` (unquantized, host-synchronising: calibration only),
+    recording per
     expert the amax of its input rows (``<prefix>experts.in``: what up and gate read) and of its
     down-projection input (``<prefix>experts.down_in``), [E] each, in ``recorder``."""
 
@@ -174,7 +175,13 @@ def _calibration_prompts(tokenizer_path: Path, data_dir: str | None, n: int, see
     token ids; and the train file used. Raises QuantizeError when no GSM8K train split is found."""
     from tokenizers import Tokenizer
 
-    from runners.train import FEWSHOT_DELIMITER, format_example, format_prompt, read_gsm8k, resolve_train_file
+    from runners.tools.train import (
+        FEWSHOT_DELIMITER,
+        format_example,
+        format_prompt,
+        read_gsm8k,
+        resolve_train_file,
+    )
 
     try:
         train = resolve_train_file(data_dir)
@@ -377,7 +384,7 @@ def write_fp8_checkpoint(
 
 def quant_configs(exclude: list[str], kv: bool) -> tuple[dict, dict]:
     """(config.json ``quantization_config``, hf_quant_config.json content) in ModelOpt's two forms."""
-    producer = {"name": "hybrid-mtp-eval runners.quantize", "version": "1"}
+    producer = {"name": "hybrid-mtp-eval runners.tools.quantize", "version": "1"}
     flat: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": "FP8", "producer": producer,
                             "ignore": exclude}
     nested: dict[str, Any] = {"quant_algo": "FP8", "exclude_modules": exclude}
@@ -426,7 +433,7 @@ def quantize_fp8_checkpoint(
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     patterns = list(RELEASE_EXCLUDES[config.family]) + list(exclude or [])
     qc = QuantConfig(method="fp8", format="modelopt", algo="FP8", kv_cache_quant="fp8" if kv_cache else None,
-                     exclude_modules=tuple(patterns), source="runners.quantize")
+                     exclude_modules=tuple(patterns), source="runners.tools.quantize")
     say(f"loading {src} ({dtype}, {device})")
     model = load_model(src, dtype=dtype, device=dev)
     targets = quantization_targets(model, qc)
@@ -459,7 +466,7 @@ def quantize_fp8_checkpoint(
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     recipe = {
-        "command": "python -m runners.quantize " + " ".join(sys.argv[1:]) if sys.argv else None,
+        "command": "python -m runners.tools.quantize " + " ".join(sys.argv[1:]) if sys.argv else None,
         "source": str(src),
         "format": "modelopt FP8 (per-tensor weight scales, static input scales)",
         "kv_cache": "fp8" if kv_cache else None,
@@ -481,9 +488,9 @@ def quantize_fp8_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runners.synth import parse_size
+    from runners.tools.synth import parse_size
 
-    p = argparse.ArgumentParser(prog="python -m runners.quantize", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runners.tools.quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("--fp8", action="store_true", required=True,
                    help="write ModelOpt's FP8 layout (the only format so far)")
     p.add_argument("src", help="unquantized HF checkpoint folder")

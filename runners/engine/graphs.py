@@ -1,6 +1,6 @@
 """CUDA graphs of the engine's decode step: static buffers, capture per (batch size, KV bound), replay.
 
-The engine (runners/engine.py) runs every decode step as a fixed sequence of *phases*, each a function
+The engine (runners/engine/engine.py) runs every decode step as a fixed sequence of *phases*, each a function
 ``phase(B, L)`` of the padded batch size B and the KV bound L that reads and writes only device tensors: the
 static step buffers of :class:`StepIO`, the per-slot decode state the engine keeps on the device and the
 caches. Plain decoding has one phase (``decode``); an MTP speculative step has four (``draft``: the K - 1

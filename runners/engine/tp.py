@@ -3,12 +3,13 @@ all-reduce where each block's row-parallel output ends. The model code never men
 
 The model to follow is gpt-fast's tp.py (pytorch-labs/gpt-fast): shard an already-built model by swapping its
 weights for their shards and summing the outputs of the row-parallel layers across ranks. Here the model is
-first built on the meta device from the checkpoint (``runners.loader.plan_load``: every name and shape checked
+first built on the meta device from the checkpoint (``runners.engine.loader.plan_load``: every name and
+shape checked
 against the safetensors headers, nothing allocated); :func:`shard_plan` then rebuilds it, still on the meta
 device, from the rank's config view (:func:`rank_config`: head counts and intermediate sizes divided by the
 world size), registers the all-reduces as forward hooks, and gives the loader one reader per checkpoint tensor
 that reads only this rank's part of the memory-mapped file (safetensors ``get_slice``). So each rank allocates
-and reads only its shard; ``runners.loader.materialize`` fills it.
+and reads only its shard; ``runners.engine.loader.materialize`` fills it.
 
 How each block kind is split (W world size, r this rank; full sizes of config.json):
 
@@ -61,10 +62,10 @@ from torch import nn
 from registry.arch import check_world_size
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
-from runners.loader import LoadPlan, build_meta_model, load_targets, model_bytes
-from runners.models.gdn import GatedDeltaNet
-from runners.models.layers import MLP, Attention, MoE
-from runners.models.mamba2 import Mamba2Mixer
+from runners.engine.loader import LoadPlan, build_meta_model, load_targets, model_bytes
+from runners.engine.models.gdn import GatedDeltaNet
+from runners.engine.models.layers import MLP, Attention, MoE
+from runners.engine.models.mamba2 import Mamba2Mixer
 
 __all__ = [
     "TensorParallel",
@@ -342,7 +343,7 @@ class AllReduceOutput:
 
 
 class SpanningGroupRMSNorm(nn.Module):
-    """Mamba2's gated grouped RMSNorm (``runners.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
+    """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
     silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
     rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
     ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim], equal to the
@@ -369,7 +370,8 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     """This rank's load plan: the model rebuilt on the meta device from :func:`rank_config`, the all-reduce
     hooks registered on every sharded block mixer, mamba norms whose group spans ranks swapped for
     :class:`SpanningGroupRMSNorm`, and a reader per checkpoint tensor that is not read whole. ``plan`` must
-    come from ``runners.loader.plan_load`` (its model unsharded); it is not modified. ``tp.world_size == 1``
+    come from ``runners.engine.loader.plan_load`` (its model unsharded); it is not modified. ``tp.world_size
+    == 1``
     returns ``plan``.
 
     Raises:
@@ -380,7 +382,8 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     if tp.world_size == 1:
         return plan
     if plan.config.quantization is not None:
-        raise UserError(f"{plan.config.source}: an FP8 checkpoint cannot be sharded yet (runners.tp splits "
+        raise UserError(f"{plan.config.source}: an FP8 checkpoint cannot be sharded yet "
+                        "(runners.engine.tp splits "
                         "unquantized weights; FP8 scales are not sharded)", "run it with world_size=1")
     full = plan.config
     config = rank_config(full, tp.world_size)
@@ -419,7 +422,7 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
         if want != tuple(target.shape):
             raise RuntimeError(
                 f"rank {tp.rank}: {name} would load a {list(want)} shard into a {list(target.shape)} tensor "
-                f"({rule or 'replicated'}); the sharding rules of runners/tp.py do not fit this model"
+                f"({rule or 'replicated'}); the sharding rules of runners/engine/tp.py do not fit this model"
             )
         if rule is not None:
             readers[name] = rule.read

@@ -2,7 +2,8 @@
 
 Every model the engine runs is a :class:`HybridConfig` (registry/hf_config.py parses ``config.json`` into one,
 without torch, so registry validation reads the same object) and the shared modules of
-``runners.models.hybrid``. What differs per family lives in ``runners/models/<model_type>.py`` (found by
+``runners.engine.models.hybrid``. What differs per family lives in ``runners/engine/models/<model_type>.py``
+(found by
 :func:`family_module`): the mapping of checkpoint tensor names to model tensors.
 """
 
@@ -18,7 +19,7 @@ __all__ = ["HybridConfig", "family_module"]
 
 
 def family_module(model_type: str, source: str = "<config>") -> ModuleType:
-    """The family module ``runners.models.<model_type>`` (e.g. ``nemotron_h``), which defines
+    """The family module ``runners.engine.models.<model_type>`` (e.g. ``nemotron_h``), which defines
     ``checkpoint_targets(model) -> {checkpoint name: tensor}``. source names the config in messages.
 
     Raises:
@@ -29,4 +30,4 @@ def family_module(model_type: str, source: str = "<config>") -> ModuleType:
             f"{source}: model_type {model_type!r} is not supported; supported: {sorted(PARSERS)}",
             "use a NemotronH or Qwen3-Next checkpoint",
         )
-    return importlib.import_module(f"runners.models.{model_type}")
+    return importlib.import_module(f"runners.engine.models.{model_type}")

@@ -1,7 +1,8 @@
 """Memory accounting of a model load: the fit check before anything is allocated, and the load report.
 
 - :func:`check_memory_fits` compares the bytes a load will allocate (weights at their load dtypes, known from
-  the safetensors headers; caches at max_batch_size / max_seq_len, from ``runners.cache.cache_memory_bytes``)
+  the safetensors headers; caches at max_batch_size / max_seq_len, from
+  ``runners.engine.cache.cache_memory_bytes``)
   with the device's free memory (``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of /proc/meminfo on
   the CPU) and raises :class:`InsufficientMemoryError` naming both numbers and the fixes.
 - :class:`LoadReport` is what ``Engine.from_pretrained`` measured: wall time, bytes by kind, the host's peak

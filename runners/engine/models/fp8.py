@@ -13,7 +13,8 @@ function can be captured in a CUDA graph.
   capability >= 8.9 when both GEMM dimensions of the weight are multiples of 16 (its alignment rule); else
   :func:`fp8_linear_ref`, which quantizes the activation the same way, dequantizes both operands and
   multiplies in float32 (the CPU path: tests and CI run it).
-- :func:`moe_experts_fp8`: the routed experts of :mod:`runners.models.moe` with FP8 expert weights (per-expert
+- :func:`moe_experts_fp8`: the routed experts of :mod:`runners.engine.models.moe` with FP8 expert weights
+(per-expert
   weight and input scales). Pairs are sorted by expert as in ``moe_experts_fused``; each row is quantized
   with its expert's input scale (ModelOpt stores one per expert; vLLM folds them into their maximum, we keep
   them exact: a per-row scale costs one gather). The GEMMs are, by :func:`fp8_moe_impl`:
@@ -36,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from runners.models.moe import (
+from runners.engine.models.moe import (
     _gathered_linear,
     _grouped_linear,
     grouped_mm_supported,

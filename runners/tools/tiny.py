@@ -1,7 +1,7 @@
 """Build the project's shipped tiny checkpoints: a GSM8K byte-level BPE tokenizer and two small random-weight
 HF checkpoints (NemotronH and Qwen3-Next, each with its `mtp.*` module), deterministic for a given seed.
 
-    python -m runners.tiny --out registry/checkpoints --seed 0 [--vocab-size N] [--train PATH]
+    python -m runners.tools.tiny --out registry/checkpoints --seed 0 [--vocab-size N] [--train PATH]
 
 The base weights come from transformers' own model classes (random init under `torch.manual_seed(seed)`) and
 are written with the names released checkpoints use (per-expert MoE tensors, `backbone.` / `model.` prefixes).
@@ -436,7 +436,8 @@ def build_all(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runners.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m runners.tools.tiny",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out", default="registry/checkpoints", help="folder receiving one folder per checkpoint"
     )

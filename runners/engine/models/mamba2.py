@@ -12,7 +12,7 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
 Which operator runs where (the cache state's ``ssm_backend``: "triton" the Triton kernel, "torch" its PyTorch
-reference, ``runners.cache.kernel_or_reference``):
+reference, ``runners.engine.cache.kernel_or_reference``):
 - prefill (T > 1 or right-padded rows): ``kernels.mamba2.mamba_chunk_scan_combined``, the chunked SSD scan
   from the slots' states, final states written back in place (its reference for "torch"); right-padded
   columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of different prompt
@@ -21,8 +21,8 @@ reference, ``runners.cache.kernel_or_reference``):
 - decode (T = 1): ``kernels.mamba2.selective_state_update``, state updated in place;
 - rewind verify (T = K + 1): ``selective_state_update`` writing the per-token states to the cache's rewind
   buffer (or FlashInfer's ``selective_state_update`` for ssm_backend "flashinfer"); the commit is
-  ``runners.cache.Mamba2State.commit``;
-- replay verify (a :class:`runners.cache.Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which
+  ``runners.engine.cache.Mamba2State.commit``;
+- replay verify (a :class:`runners.engine.cache.Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which
   fast-forwards the committed state by the tokens accepted last step and records the new tokens' inputs; the
   conv window is read at the slot's offset instead of being copied at commit.
 
@@ -47,9 +47,9 @@ from kernels.mamba2 import (
     selective_state_update_ref,
     ssd_chunked_scan,
 )
-from runners.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
-from runners.models.config import HybridConfig
-from runners.models.layers import GatedGroupRMSNorm
+from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.layers import GatedGroupRMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Mamba2Mixer(nn.Module):
     writes the per-token states to the rewind buffers instead and leaves the committed state alone. Without
     a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
     chunk) may be changed after construction: the result is the same up to float rounding. With a
-    :class:`runners.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
+    :class:`runners.engine.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
     non-verify forward then requires PNAT = 0 (prefill after admission). The state's ``ssm_backend`` picks
     the decode / verify operators (module docstring).
     """
@@ -98,7 +98,7 @@ class Mamba2Mixer(nn.Module):
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
         slots (or, in a rewind verify step, stores the whole window in ``state.conv_steps``; in a replay
         verify, reads the committed window at the slot's offset and stores the new one, see
-        :class:`runners.cache.Mamba2ReplayState`)."""
+        :class:`runners.engine.cache.Mamba2ReplayState`)."""
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)

@@ -1,10 +1,11 @@
 """Train the shipped tiny checkpoints on the GSM8K train split with our own engine's modules.
 
-    python -m runners.train --family nemotron_h --out DIR [--device cuda] [--steps N] [--data-dir D] ...
+    python -m runners.tools.train --family nemotron_h --out DIR [--device cuda] [--steps N] [--data-dir D] ...
 
 Scope: one entry point that turns a (random) HF checkpoint of either family into a small language model of
 GSM8K-style text plus a trained MTP draft head, and writes it back in the same HF layout. The model is
-:class:`runners.models.hybrid.HybridLM` in training mode: its cache-free forward (chunked Mamba2 / gated
+:class:`runners.engine.models.hybrid.HybridLM` in training mode: its cache-free forward (chunked Mamba2 /
+gated
 delta rule scans in plain PyTorch) is differentiable as is; nothing here knows about caches or decoding.
 
 Data: every train row is formatted as lm-eval's gsm8k few-shot example, ``"Question: {q}\\nAnswer: {a}"``
@@ -15,7 +16,8 @@ and packed into windows of ``seq_len + 1`` tokens that each start at a document 
 order per epoch; no BOS (the evaluation prompts carry none). The last ``val_docs`` rows of train.jsonl are
 held out for a validation loss; the test split is never read (except by ``--sample``, for one prompt).
 
-Loss (DeepSeek-V3 style MTP, paired the way :meth:`runners.engine.Engine._mtp` pairs at inference): with
+Loss (DeepSeek-V3 style MTP, paired the way :meth:`runners.engine.engine.Engine._mtp` pairs at inference):
+with
 target hidden states h_t (after the final norm) the main loss is CE(lm_head(h_t), x_{t+1}); MTP step 1 feeds
 ``mtp(embed(x_{t+1}), h_t)`` and predicts x_{t+2}; step k > 1 (``mtp_depth``) feeds its own previous output
 with the next token, as recursive drafting does. loss = main + mtp_weight * mean over steps of the MTP CE.
@@ -54,13 +56,13 @@ from registry.checkpoint import (
     WEIGHTS_FILE,
 )
 from registry.schema import EMBEDDED_CHECKPOINTS_DIR
-from runners.loader import load_model
-from runners.models.config import family_module
-from runners.models.hybrid import HybridLM
-from runners.models.mamba2 import Mamba2Mixer
-from runners.tiny import CHECKPOINT_NAMES, write_random_checkpoint
+from runners.engine.loader import load_model
+from runners.engine.models.config import family_module
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.tools.tiny import CHECKPOINT_NAMES, write_random_checkpoint
 
-log = logging.getLogger("runners.train")
+log = logging.getLogger("runners.tools.train")
 
 FEWSHOT_DELIMITER = "\n\n"  # lm-eval's default fewshot_delimiter
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter: "Answer:" + " " + answer
@@ -82,7 +84,7 @@ class TrainConfig:
     run sets ``steps = min(steps, budget / seconds per step)`` and records it in recipe.json, so a rerun with
     that ``--steps`` and no budget reproduces the weights. ``config_overrides`` (transformers config fields,
     e.g. {"hidden_size": 256}) re-initialise a resized
-    model through :func:`runners.tiny.write_random_checkpoint` instead of reading ``init``.
+    model through :func:`runners.tools.tiny.write_random_checkpoint` instead of reading ``init``.
     """
 
     family: str = "nemotron_h"
@@ -183,7 +185,7 @@ def document_tokens(tokenizer, rows: Sequence[dict]) -> list[list[int]]:
         if ids[-len(tail) :] != tail:
             raise RuntimeError(
                 "the tokenizer merges the few-shot delimiter with the next 'Question:'; packing would not "
-                "match the evaluation prompts (retrain the tokenizer with runners.tiny)"
+                "match the evaluation prompts (retrain the tokenizer with runners.tools.tiny)"
             )
         docs.append(ids[: -len(tail)])
     return docs
@@ -326,7 +328,8 @@ def save_checkpoint(model: HybridLM, init_dir: Path, out_dir: Path) -> Path:
 
     config.json, generation_config.json and the tokenizer files are copied from init_dir; model.safetensors
     holds every tensor of init_dir's model.safetensors under the same name and dtype (bf16, the NemotronH
-    router in float32: what runners.tiny writes), filled from the model. Raises ValueError if the model's
+    router in float32: what runners.tools.tiny writes), filled from the model. Raises ValueError if the
+    model's
     checkpoint names differ from the init file's (a model built from another config).
     """
     from safetensors.torch import save_file
@@ -505,7 +508,7 @@ def train(
             "val_windows": 0 if val is None else len(val),
             "documents": len(docs),
             "parameters": n_params,
-            "command": " ".join(["python -m runners.train", *sys.argv[1:]]),
+            "command": " ".join(["python -m runners.tools.train", *sys.argv[1:]]),
         }
         (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         log.info(
@@ -606,7 +609,7 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
     cut at the first "Question:" (lm-eval's stop string). A quick look at the answer format."""
     from tokenizers import Tokenizer
 
-    from runners.engine import Engine
+    from runners.engine.engine import Engine
 
     tok = Tokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
     shots = FEWSHOT_DELIMITER.join(format_example(r["question"], r["answer"]) for r in rows[:5])
@@ -618,7 +621,7 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
 
 def main(argv: list[str] | None = None) -> None:
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m runners.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runners.tools.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=sorted(CHECKPOINT_NAMES), required=True)
     p.add_argument("--out", required=True, help="output checkpoint dir (+ train_log.jsonl, recipe.json)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")

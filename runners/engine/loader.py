@@ -1,4 +1,4 @@
-"""Load an HF checkpoint directory into a :class:`runners.models.hybrid.HybridLM`.
+"""Load an HF checkpoint directory into a :class:`runners.engine.models.hybrid.HybridLM`.
 
 The directory layout, the config.json parser and the listing of tensor names per file are the registry's
 (registry/checkpoint.py, registry/hf_config.py: registry validation uses them without torch). Loading is
@@ -25,10 +25,10 @@ from torch import nn
 
 from registry.checkpoint import CONFIG_FILE, CheckpointError, short_list, tensor_files
 from registry.hf_config import HybridConfig
-from runners.models.config import family_module
-from runners.models.fp8 import FP8_DTYPE
-from runners.models.hybrid import HybridLM
-from runners.quant import QUANT_TENSOR_SUFFIXES, apply_quantization, prepare_fp8
+from runners.engine.models.config import family_module
+from runners.engine.models.fp8 import FP8_DTYPE
+from runners.engine.models.hybrid import HybridLM
+from runners.engine.quant import QUANT_TENSOR_SUFFIXES, apply_quantization, prepare_fp8
 
 MTP_PREFIX = "mtp."
 TIED_HEAD = "lm_head.weight"  # the output head, the embeddings' tensor when tie_word_embeddings is true
@@ -82,11 +82,13 @@ class LoadPlan:
     its load dtype; ``files``: ``{tensor name: safetensors file}`` of the tensors to load; ``weight_bytes``:
     what :func:`materialize` will allocate for parameters and buffers (shapes and dtypes as checked against
     the safetensors headers, tied weights counted once). ``readers``: ``{tensor name: read(slice) -> tensor}``
-    for tensors that load only a part of the file's tensor (tensor parallelism, ``runners.tp.shard_plan``:
+    for tensors that load only a part of the file's tensor (tensor parallelism,
+    ``runners.engine.tp.shard_plan``:
     ``read`` gets the memory-mapped ``safe_open(...).get_slice(name)`` and reads only its part); other tensors
     are read whole. ``all_ranks_zero``: for a sharded plan, ``f(flags) -> flags`` (int32 [n], 1 where this
     rank's part of a weight matrix is all zeros) that is 1 only where every rank's part is
-    (``runners.tp.TensorParallel.all_ranks_zero``): one rank's part may be all zeros (padded heads) while the
+    (``runners.engine.tp.TensorParallel.all_ranks_zero``): one rank's part may be all zeros (padded heads)
+    while the
     matrix is not; :func:`check_weights` judges the whole matrix.
     """
 
@@ -136,7 +138,8 @@ def plan_load(
     """Read config.json and the safetensors headers, build the model on the meta device and check that the
     checkpoint fills it exactly (names, shapes, and FP8 where the model holds FP8); reads no tensor data and
     allocates no tensor memory. A checkpoint that declares a quantization (``HybridConfig.quantization``) gets
-    its FP8 modules swapped in first (``runners.quant.apply_quantization``), so FP8 weights load as FP8.
+    its FP8 modules swapped in first (``runners.engine.quant.apply_quantization``), so FP8 weights load as
+    FP8.
 
     Args: as :func:`load_model` (without ``device``).
 
@@ -316,7 +319,7 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
     into its destination in the destination's dtype: nothing is built on the host first or in float32. A
     tensor with a reader in ``plan.readers`` copies only what the reader returns (its shard).
     Modules with non-persistent buffers compute them in ``init_buffers()``, called last; an FP8 model then
-    fixes which FP8 GEMMs run on ``device`` (``runners.quant.prepare_fp8``, ``model.quant_report``).
+    fixes which FP8 GEMMs run on ``device`` (``runners.engine.quant.prepare_fp8``, ``model.quant_report``).
 
     Returns:
         The model in eval mode (``plan.model``, now on ``device``).
