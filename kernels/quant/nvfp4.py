@@ -16,8 +16,8 @@ Kernels (the Marlin idea, written here for Triton): the packed weight is read fr
 and fed to the tensor cores; the dequantized weight never exists in memory. Each program owns an N tile and a
 row tile of x and computes out^T = W x^T (the weight is the MMA's wide operand, the few activation rows the
 narrow one: 16 rows suffice at decode). Per K tile of BLOCK_K columns: BLOCK_N x BLOCK_K / 2 packed bytes
-and BLOCK_N x BLOCK_K / 16 scales are loaded; the low and high nibbles become two fp32 halves (codes to fp32
-by bit arithmetic), each times its block scale; x's tile is split into its even and odd columns to match, so
+and BLOCK_N x BLOCK_K / 16 scales are loaded; the low and high nibbles become two fp32 halves (each code
+moved into an fp16 bit pattern, converted), each times its block scale; x's tile is split into its even and odd columns to match, so
 no interleave is needed: acc += W_even x_even^T + W_odd x_odd^T. An e2m1 value times an e4m3 scale has at
 most 2 + 4 significant bits and lies in [2^-10, 2688]: exact in bfloat16 and float16, so the product on
 bf16 / fp16 tensor cores has the activation's precision; fp32 activations are split into three bf16 pieces
@@ -282,13 +282,19 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name:
 
 
 @triton.jit
-def _e2m1_to_f32(c):
-    """int32 e2m1 codes (0..15) -> fp32 by bit arithmetic: magnitude index m = 2 * exponent + mantissa; for
-    m >= 2 the fp32 pattern is (exponent + 126) << 23 | mantissa << 22 = (m + 252) << 22; m = 1 is 0.5 =
-    252 << 22; m = 0 is 0. Bit 3 of the code is the sign."""
-    m = c & 7
-    bits = tl.where(m >= 2, m + 252, m * 252) << 22
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_pair(p):
+    """int32 bytes p (0..255, two e2m1 codes) -> (low, high) fp32 values times 2^-14.
+
+    A code's magnitude bits 0-2 are exponent (2 bits) and mantissa (1 bit) of a float with exponent bias 1;
+    moved to bits 9-11 of an fp16 pattern (exponent bits 10-11, mantissa bit 9) with the sign at bit 15 they
+    read as the same value times 2^-14 (codes 0.5 and 0 become fp16 subnormals, which the fp16 -> fp32
+    conversion keeps exactly). Per element: two shifts, two logic ops and one conversion (the 2^14 is folded
+    into the block scale by the caller)."""
+    lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
+    hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -350,9 +356,10 @@ def _nvfp4_mm_kernel(
             p = tl.load(w_rows + j[None, :], mask=mask_n[:, None] & (j < KH)[None, :], other=0).to(tl.int32)
             g = k0 // 16 + offs_g
             sc = tl.load(s_rows + g[None, :], mask=mask_n[:, None] & (g < KG)[None, :], other=0.0)
-            sc = sc.to(tl.float32)
-            lo = tl.reshape(_e2m1_to_f32(p & 15), (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
-            hi = tl.reshape(_e2m1_to_f32(p >> 4), (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
+            sc = sc.to(tl.float32) * 16384.0  # 2^14: _e2m1_pair's values are e2m1 * 2^-14
+            lo, hi = _e2m1_pair(p)
+            lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
+            hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
             k = k0 + offs_k
             xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
             x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
