@@ -415,16 +415,21 @@ _PROBED: dict[str, bool] = {}
 def _scaled_mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """block_fp8_linear through torch._scaled_mm (cuBLASLt, DeepSeek recipe: 1 x 128 activation scales,
-    128 x 128 weight scales); N and K multiples of 128. Activation scales are passed M-major (cuBLASLt's
-    outer-dimension-major layout) and the M side padded to a multiple of 4 (its alignment)."""
+    128 x 128 weight scales); N and K multiples of 128. The scale layouts are those of PyTorch's
+    test_scaled_mm_block_wise_numerics: activation scales [M, K/128] M-major (stride (1, M)); weight scales
+    [N/128, K/128] with the K side padded to a multiple of 4, passed transposed ([L4, N/128], stride (1, L4)).
+    Both are dequantizing multipliers, as ours. The M side is padded to a multiple of 4 (cuBLASLt's
+    alignment, as vLLM's block-wise _scaled_mm kernel does)."""
     M = x.shape[0]
     qx, xs = quantize_activation_per_token_group(x, BLOCK)
     Mp = -(-M // 4) * 4
     if Mp != M:
         qx = torch.nn.functional.pad(qx.view(torch.uint8), (0, 0, 0, Mp - M)).view(FP8_DTYPE)
         xs = torch.nn.functional.pad(xs, (0, 0, 0, Mp - M), value=1.0)
-    y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(),
-                         scale_b=weight_scale_inv.float().t(), out_dtype=x.dtype)[:M]
+    gk = weight_scale_inv.shape[1]
+    ws = torch.nn.functional.pad(weight_scale_inv.float(), (0, -(-gk // 4) * 4 - gk), value=1.0)
+    y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(),
+                         out_dtype=x.dtype)[:M]
     return y if bias is None else y + bias
 
 
