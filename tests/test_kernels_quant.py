@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from kernels.quant import _common as quant_common  # noqa: E402
 from kernels.quant import (  # noqa: E402
     block_fp8,
     block_fp8_dequantize,
@@ -294,3 +295,34 @@ def test_bad_inputs_are_refused_with_the_reason():
     for call, says in cases:
         with pytest.raises(ValueError, match=says):
             call()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every tile configuration (the small shapes above all take the narrowest decode tile)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["decode_wide_n", "prefill"])
+def test_other_tile_configs_match_reference(config, monkeypatch):
+    """decode_wide_n: 64-wide N tiles (as at the released shapes; forced by lowering the program target);
+    prefill: >= 64 rows per weight matrix, 64 x 128 tiles (and BLOCK_K 64 for NVFP4)."""
+    if config == "decode_wide_n":
+        monkeypatch.setattr(quant_common, "TARGET_PROGRAMS", 1)
+        M, counts, K = 3, (3, 0, 13, 0, 1), 272
+    else:
+        M, counts, K = 64, (0, 128), 48
+    assert quant_common.tile_config(M if config == "prefill" else 1, 40, 1)[1] == (128 if config == "prefill"
+                                                                                  else 64)
+    N, E, dtype = 40, len(counts), torch.float16
+    x, xg = _randn(M, K, seed=11, dtype=dtype), _randn(sum(counts), K, seed=12, dtype=dtype)
+    offs = _offsets(counts)
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=13).cpu()))
+    _close(nvfp4_linear(x, q[0], s[0], s2[0], out=_nan(M, N, dtype=dtype)),
+           nvfp4_linear_ref(x, q[0], s[0], s2[0]), dtype)
+    _close(nvfp4_grouped_mm(xg, q, s, s2, offs, out=_nan(len(xg), N, dtype=dtype)),
+           nvfp4_grouped_mm_ref(xg, q, s, s2, offs), dtype)
+    qf, sf = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=14).cpu()))
+    _close(block_fp8_linear(x, qf[0], sf[0], out=_nan(M, N, dtype=dtype), impl="triton"),
+           block_fp8_linear_ref(x, qf[0], sf[0]), dtype)
+    _close(block_fp8_grouped_mm(xg, qf, sf, offs, out=_nan(len(xg), N, dtype=dtype)),
+           block_fp8_grouped_mm_ref(xg, qf, sf, offs), dtype)

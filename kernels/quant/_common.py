@@ -78,6 +78,25 @@ def grouped_row_tiles(P: int, E: int, block_m: int) -> int:
     return P // block_m + min(E, P)
 
 
+# Programs a decode launch should have at least: about two per SM of an H200 (132 SMs), so every SM streams
+# weights; narrower N tiles are taken until a launch has this many (down to 16, the smallest MMA side).
+TARGET_PROGRAMS = 264
+
+
+def tile_config(rows_per_matrix: float, N: int, row_tiles: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a quantized GEMM launch for about ``rows_per_matrix`` rows per weight
+    matrix, N output features and ``row_tiles`` row tiles sharing each N tile: prefill sizes (>= 64 rows)
+    128-wide N tiles and 8 warps; decode sizes 16 rows and the widest N tile of 64 / 32 that still gives
+    TARGET_PROGRAMS programs, else 16."""
+    bm = block_m_for(rows_per_matrix)
+    if bm >= 64:
+        return bm, 128, 8
+    for bn in (64, 32):
+        if triton.cdiv(N, bn) * row_tiles >= TARGET_PROGRAMS:
+            return bm, bn, 4
+    return bm, 16, 4
+
+
 def block_m_for(rows_per_group: float) -> int:
     """Row-tile size (the MMA's N side: the kernels compute out^T = W x^T) for about ``rows_per_group`` rows
     per weight matrix: 16 (the smallest tensor-core tile) at decode sizes, up to 128 for prefill."""

@@ -49,7 +49,6 @@ from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
     X_DTYPES,
-    block_m_for,
     check_activation,
     check_bias,
     check_offsets,
@@ -57,6 +56,7 @@ from kernels.quant._common import (
     grouped_tile,
     mma,
     offsets_list,
+    tile_config,
     to_e4m3,
     use_kernel,
 )
@@ -370,25 +370,15 @@ def _block_fp8_mm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
-def _tiles(rows_per_matrix: float, n_tiles_64: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 16 rows at decode with 64-wide N tiles (32-wide when a launch would
-    have fewer than about two programs per SM of an H200), up to 128 x 128 for prefill."""
-    bm = block_m_for(rows_per_matrix)
-    if bm >= 64:
-        return bm, 128, 8
-    return bm, 64 if n_tiles_64 >= 264 else 32, 4
-
-
 def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    n64 = triton.cdiv(N, 64)
     if grouped:
-        bm, bn, warps = _tiles(rows / E, n64 * min(E, rows))
+        bm, bn, warps = tile_config(rows / E, N, min(E, rows))
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, warps = _tiles(rows, n64 * triton.cdiv(rows, 128))
+        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16))
         row_tiles = triton.cdiv(rows, bm)
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -44,7 +44,6 @@ from kernels._common import check_launchable, interpreter_active
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
-    block_m_for,
     check_activation,
     check_bias,
     check_offsets,
@@ -52,6 +51,7 @@ from kernels.quant._common import (
     grouped_tile,
     mma,
     offsets_list,
+    tile_config,
     use_kernel,
 )
 
@@ -375,28 +375,18 @@ def _nvfp4_mm_kernel(
 X_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def _tiles(rows_per_matrix: float, n_tiles_64: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode sizes (16 rows) use 64-wide N tiles, 32-wide when a
-    launch would have fewer than about two programs per SM of an H200 (132 SMs); prefill sizes 128-wide."""
-    bm = block_m_for(rows_per_matrix)
-    if bm >= 64:
-        return bm, 128, 64, 8
-    bn = 64 if n_tiles_64 >= 264 else 32
-    return bm, bn, 128, 4
-
-
 def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     K = x.shape[1]
     rows = x.shape[0]
     E = weight.shape[0] if grouped else 1
-    n64 = triton.cdiv(N, 64)
     if grouped:
-        bm, bn, bk, warps = _tiles(rows / E, n64 * min(E, rows))
+        bm, bn, warps = tile_config(rows / E, N, min(E, rows))
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, bk, warps = _tiles(rows, n64 * triton.cdiv(rows, 128))
+        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16))
         row_tiles = triton.cdiv(rows, bm)
+    bk = 64 if bm >= 64 else 128  # K columns per tile (BLOCK_K / 2 packed bytes per weight row)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
