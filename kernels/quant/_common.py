@@ -83,14 +83,17 @@ def grouped_row_tiles(P: int, E: int, block_m: int) -> int:
 TARGET_PROGRAMS = 264
 
 
-def tile_config(rows_per_matrix: float, N: int, row_tiles: int) -> tuple[int, int, int]:
+def tile_config(rows_per_matrix: float, N: int, row_tiles: int, *, accumulators: int = 1
+                ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of a quantized GEMM launch for about ``rows_per_matrix`` rows per weight
     matrix, N output features and ``row_tiles`` row tiles sharing each N tile: prefill sizes (>= 64 rows)
-    128-wide N tiles and 8 warps; decode sizes 16 rows and the widest N tile of 64 / 32 that still gives
-    TARGET_PROGRAMS programs, else 16."""
+    8 warps and 128-wide N tiles, 64-wide where BLOCK_M x BLOCK_N x ``accumulators`` fp32 tiles would exceed
+    16384 values (the block-FP8 kernel keeps a per-group product beside its accumulator: at 128 x 128 it
+    spills on sm_90); decode sizes 16 rows and the widest N tile of 64 / 32 that still gives TARGET_PROGRAMS
+    programs, else 16."""
     bm = block_m_for(rows_per_matrix)
     if bm >= 64:
-        return bm, 128, 8
+        return bm, 128 if bm * 128 * accumulators <= 16384 else 64, 8
     for bn in (64, 32):
         if triton.cdiv(N, bn) * row_tiles >= TARGET_PROGRAMS:
             return bm, bn, 4

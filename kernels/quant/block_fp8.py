@@ -18,10 +18,11 @@ fp32). A K that is not a multiple of 128 leaves the last group partial; an N lik
 Kernels (written from the description of vLLM / SGLang's ``w8a8_block_fp8_matmul`` and their fused-MoE
 variant): each program owns an N tile (<= 128, so within one weight row block) and a row tile of x and
 computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
-activation quantization is fused: per 128-column group the program loads its rows of x, takes the amax,
-quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single launch reading x,
-W and the scales. :func:`quantize_activation_per_token_group` is the same quantization as its own kernel (for
-callers that want qa itself).
+activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
+takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
+launch reading x, W and the scales. At prefill sizes (row tiles >= 64) x is quantized once by
+:func:`quantize_activation_per_token_group` (the same rule as its own kernel) and the GEMM reads qa and its
+scales.
 
 - :func:`block_fp8_linear` (dense); :func:`block_fp8_grouped_mm` (routed experts, torch._grouped_mm's
   convention; expert of each row tile found from the offsets on the device: no host synchronisation,
@@ -66,6 +67,10 @@ log = logging.getLogger(__name__)
 BLOCK = 128  # weight block edge (weight_block_size [128, 128]) and activation group width
 AMAX_EPS = 1e-10  # floor of a group's amax (vLLM / SGLang per_token_group_quant_fp8's eps)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# From this row-tile size on (prefill), activations are quantized by their own kernel first: fused, every N
+# tile's program would quantize its rows again (N / BLOCK_N times); at decode tiles (16 rows) the fused
+# quantization costs less than a second launch.
+PREQUANT_BLOCK_M = 64
 IMPLS = ("triton", "scaled_mm")
 
 
@@ -329,10 +334,10 @@ def quantize_activation_per_token_group(x: torch.Tensor, group: int = BLOCK
 
 @triton.jit
 def _block_fp8_mm_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
     M, N, K, E,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PREQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
 ):
     GROUP: tl.constexpr = 128
@@ -358,8 +363,12 @@ def _block_fp8_mm_kernel(
         for k0 in range(0, K, GROUP):
             k = k0 + offs_k
             mk = (k < K)[None, :]
-            xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
-            qx, xs = _group_scale_quant(xt, INTERP)
+            if PREQUANT:  # x holds the quantized activations, xs_ptr their scales [rows, G]
+                qx = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0)
+                xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // GROUP, mask=mask_m, other=0.0)
+            else:  # quantize this 128-column group of the rows here (the reference's rule)
+                xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
+                qx, xs = _group_scale_quant(xt, INTERP)
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk, other=0.0)
             ws = tl.load(ws_rows + (k0 // GROUP) * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
             part = mma(w, tl.trans(qx), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
@@ -375,20 +384,25 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
     if grouped:
-        bm, bn, warps = tile_config(rows / E, N, min(E, rows))
+        bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16))
+        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16), accumulators=2)
         row_tiles = triton.cdiv(rows, bm)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
+    # Prefill-sized tiles: quantize x once (one pass over x) instead of once per N tile in every program.
+    prequant = bm >= PREQUANT_BLOCK_M
+    xs = x
+    if prequant:
+        x, xs = quantize_activation_per_token_group(x, BLOCK)
     _block_fp8_mm_kernel[(triton.cdiv(N, bn), row_tiles)](
-        x, weight, ws, bias if bias is not None else x, out, offsets if offsets is not None else ws,
+        x, xs, weight, ws, bias if bias is not None else x, out, offsets if offsets is not None else ws,
         rows, N, K, E,
-        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        x.stride(0), xs.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
         ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), out.stride(0),
-        GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        GROUPED=grouped, HAS_BIAS=bias is not None, PREQUANT=prequant, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
         num_warps=warps, num_stages=3,
     )
