@@ -15,13 +15,19 @@ weight_scale_2 = amax(|W|) / (448 * 6) and weight_scale = block_amax / 6 / weigh
 Kernels (the Marlin idea, written here for Triton): the packed weight is read from HBM, decoded in registers
 and fed to the tensor cores; the dequantized weight never exists in memory. Each program owns an N tile and a
 row tile of x and computes out^T = W x^T (the weight is the MMA's wide operand, the few activation rows the
-narrow one: 16 rows suffice at decode). Per K tile of BLOCK_K columns: BLOCK_N x BLOCK_K / 2 packed bytes
-and BLOCK_N x BLOCK_K / 16 scales are loaded; the low and high nibbles become two fp32 halves (each code
-moved into an fp16 bit pattern, converted), each times its block scale; x's tile is split into its even and odd columns to match, so
-no interleave is needed: acc += W_even x_even^T + W_odd x_odd^T. An e2m1 value times an e4m3 scale has at
-most 2 + 4 significant bits and lies in [2^-10, 2688]: exact in bfloat16 and float16, so the product on
-bf16 / fp16 tensor cores has the activation's precision; fp32 activations are split into three bf16 pieces
-(kernels/_mma.py: fp32-accurate). weight_scale_2 multiplies the fp32 accumulator once at the end.
+narrow one: 16 rows suffice at decode). Per K tile of BLOCK_K columns it loads BLOCK_N x BLOCK_K / 2 packed
+bytes and BLOCK_N x BLOCK_K / 16 scales. Decode: a code's three magnitude bits, moved to bits 9-11 of an fp16
+pattern with its sign at bit 15, read as the e2m1 value times 2^-14 (the two smallest codes as fp16
+subnormals, which the fp16 -> fp32 conversion keeps exactly); the 2^14 is folded into the block scale, one
+fp32 multiply per element. Where a row of codes is whole int32 words (K % 8 == 0) and at decode tile sizes,
+the codes are read as words and two elements are decoded per 32-bit operation (elements 0 and 4, 1 and 5,
+2 and 6, 3 and 7 of a word go to the low and high fp16 halves), x's tile is split into the 8 matching column
+classes and the tile's product is 8 products of BLOCK_K / 8 columns; otherwise bytes are read, their low and
+high nibbles decoded apart, and x split into even and odd columns (2 products). Either way no interleave of
+the decoded weight is needed. An e2m1 value times an e4m3 scale has at most 2 + 4 significant bits and lies
+in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 tensor cores has the
+activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
+weight_scale_2 multiplies the fp32 accumulator once at the end.
 
 - :func:`nvfp4_linear` (dense): grid (N tiles, M tiles).
 - :func:`nvfp4_grouped_mm` (routed experts, torch._grouped_mm's convention): grid (N tiles, a row-tile bound
