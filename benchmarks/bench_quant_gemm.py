@@ -18,8 +18,11 @@ measured in the same run):
   ``torch._grouped_mm``.
 Bytes read count what the product must read once: the weights (and scales) of the experts that received rows
 (all of them for dense layers), the activations, and the output written; the dequantize path also counts its
-full-size BF16 weight write and re-read. Times: ``triton.testing.do_bench`` medians (it flushes L2 between
-runs, so weights come from HBM), after a warm-up that compiles the Triton kernels.
+full-size BF16 weight write and re-read. Times ("us"): GPU time per call from CUDA-graph replays with L2
+flushed before each call (weights come from HBM; no host launch cost, as in the engine's captured decode
+step), after a warm-up that compiles the Triton kernels; "us_eager" is triton.testing.do_bench's median of
+Python launches (at decode sizes it includes the launch cost). Rows whose function cannot be captured are
+timed eagerly and say so in "timing".
 """
 
 from __future__ import annotations
@@ -51,23 +54,75 @@ def block_fp8_weight_bytes(N: int, K: int, scale_bytes: int = 2) -> int:
     return N * K + -(-N // 128) * -(-K // 128) * scale_bytes
 
 
-def row(name: str, us: float, bytes_read: int, copy_gbps: float | None, **meta) -> dict:
-    """One JSON row: microseconds, bytes, GB/s (1e9 bytes per second) and the fraction of the copy bandwidth."""
+def row(name: str, timing: float | dict, bytes_read: int, copy_gbps: float | None, **meta) -> dict:
+    """One JSON row: microseconds (``timing``: a number, or :func:`_bench`'s dict whose "us" is used), bytes,
+    GB/s (1e9 bytes per second) and the fraction of the copy bandwidth."""
+    t = timing if isinstance(timing, dict) else {"us": timing}
+    us = t["us"]
     gbps = bytes_read / (us * 1e-6) / 1e9 if us > 0 else None
     frac = gbps / copy_gbps if gbps is not None and copy_gbps else None
     out = {"name": name, **meta, "us": round(us, 2), "bytes_read": int(bytes_read),
            "gb_per_s": None if gbps is None else round(gbps, 1),
-           "fraction_of_copy_bw": None if frac is None else round(frac, 3)}
+           "fraction_of_copy_bw": None if frac is None else round(frac, 3),
+           **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items() if k != "us"}}
     print(json.dumps(out), flush=True)
     return out
 
 
-def _bench(fn) -> float:
-    """Median microseconds of fn() (triton.testing.do_bench, L2 flushed between runs)."""
+FLUSH_BYTES = 256 << 20  # written between runs so weights come from HBM, not the 50 MB L2
+
+
+def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
+    """Median GPU microseconds of fn() replayed from a CUDA graph (no launch overhead), L2 flushed before
+    each call: a graph of ``reps`` x (flush, fn) minus a graph of ``reps`` flushes, over ``trials``."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    times = []
+    for _ in range(trials):
+        pair = []
+        for g in graphs:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            pair.append(start.elapsed_time(end))
+        times.append((pair[0] - pair[1]) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _bench(fn, *, graph: bool = True) -> dict:
+    """{"us": GPU microseconds per call, "us_eager": the same launched from Python, "timing": how "us" was
+    taken}. "us" comes from CUDA-graph replays (:func:`_graph_us`: what a captured decode step pays); with
+    ``graph`` False (the dequantize reference: it copies a table to the device, and 20 captured copies of
+    its temporaries would not fit) or when capture fails, it is the eager time. Eager: triton.testing.do_bench median, L2 flushed between runs; at decode sizes it includes the
+    host's launch cost."""
     from triton.testing import do_bench
 
-    fn()
-    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()  # compile the Triton kernels, plan cuBLAS
+    eager = 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if not graph:
+        return {"us": eager, "us_eager": eager, "timing": "eager"}
+    try:
+        return {"us": _graph_us(fn), "us_eager": eager, "timing": "cuda_graph"}
+    except Exception as e:  # noqa: BLE001  (not capturable: report the eager time and why)
+        return {"us": eager, "us_eager": eager, "timing": f"eager ({type(e).__name__})"}
 
 
 def _routing(tokens: int, top_k: int, E: int, seed: int):
@@ -102,7 +157,9 @@ def part_copy() -> dict:
 
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = _bench(lambda: dst.copy_(src))
+    from triton.testing import do_bench
+
+    us = 1e3 * do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     gbps = 2 * COPY_BYTES / (us * 1e-6) / 1e9
     out = {"name": "device_copy", "bytes": 2 * COPY_BYTES, "us": round(us, 2), "gb_per_s": round(gbps, 1)}
     print(json.dumps(out), flush=True)
@@ -132,7 +189,7 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
             rows.append(row("nvfp4_dequant_then_bf16_grouped",
-                            _bench(partial(_dequant_then_bf16, x, w, s, s2, offs)),
+                            _bench(partial(_dequant_then_bf16, x, w, s, s2, offs), graph=False),
                             E * nvfp4_weight_bytes(N, K) + 2 * E * N * K * 2 + io, copy_gbps, **meta))
     return rows
 
