@@ -27,6 +27,8 @@ from kernels.quant import (
     nvfp4_grouped_mm_ref,
     nvfp4_linear,
     nvfp4_linear_ref,
+    quantize_activation_per_token_group,
+    quantize_activation_per_token_group_ref,
 )
 
 pytestmark = pytest.mark.gpu
@@ -75,13 +77,31 @@ def test_nvfp4_grouped_at_super_expert_shapes(tokens, proj):
     _close(nvfp4_grouped_mm(x, w, s, s2, offs, out=out), nvfp4_grouped_mm_ref(x, w, s, s2, offs))
 
 
+@pytest.mark.parametrize("force_bytes", (False, True))
 @pytest.mark.parametrize("M", (1, 8, 300))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
-def test_nvfp4_dense(M, dtype):
+def test_nvfp4_dense(M, dtype, force_bytes):
     w, s, s2 = random_nvfp4(1, 2688, 1024, seed=M)
     x = torch.randn(M, 1024, device="cuda").to(dtype)
     bias = torch.randn(2688, device="cuda").to(dtype)
-    _close(nvfp4_linear(x, w[0], s[0], s2[0], bias), nvfp4_linear_ref(x, w[0], s[0], s2[0], bias))
+    _close(nvfp4_linear(x, w[0], s[0], s2[0], bias, force_bytes=force_bytes),
+           nvfp4_linear_ref(x, w[0], s[0], s2[0], bias))
+
+
+def test_activation_quantization_is_bit_identical_on_the_gpu():
+    """cvt.rn.satfinite to e4m3 and div.rn in the kernel against torch's division and cast: every e4m3 value
+    and every midpoint (ties to even) at scale 1, and random rows spanning 9 decades."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    vals = vals[vals.isfinite()].unique()
+    sweep = torch.cat((vals, (vals[1:] + vals[:-1]) / 2))
+    x = torch.randn(64, sweep.numel()) * torch.logspace(-6, 3, sweep.numel())
+    x[0] = sweep
+    x[1] = 0
+    x = x.cuda()
+    for group in (128, sweep.numel()):
+        q, s = quantize_activation_per_token_group(x, group)
+        qr, sr = quantize_activation_per_token_group_ref(x, group)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
 @pytest.mark.parametrize("tokens", (*BATCHES, 2048))
