@@ -29,8 +29,8 @@ scales.
   CUDA-graph capturable, work proportional to the rows present; kernels/quant/_common.py).
 - :func:`block_scaled_mm_supported`: whether this torch runs ``torch._scaled_mm`` with DeepSeek-style block
   scales (1 x 128 activations, 128 x 128 weights; cuBLASLt 12.9+, PyTorch PR 158037) on a device, probed once
-  per device against the reference; :func:`block_fp8_linear` uses it where it holds and the shapes are whole
-  blocks, the Triton kernel otherwise.
+  per device against the reference; :func:`block_fp8_linear` uses it for prefill-sized inputs where it holds
+  and the shapes are whole blocks, the Triton kernel otherwise.
 Triton on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the references.
 
 Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
@@ -72,6 +72,7 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # quantization costs less than a second launch.
 PREQUANT_BLOCK_M = 64
 IMPLS = ("triton", "scaled_mm")
+SCALED_MM_MIN_ROWS = 64  # impl=None takes torch._scaled_mm (where supported) from this many rows on
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -431,7 +432,9 @@ def _scaled_mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         qx = torch.nn.functional.pad(qx.view(torch.uint8), (0, 0, 0, Mp - M)).view(FP8_DTYPE)
         xs = torch.nn.functional.pad(xs, (0, 0, 0, Mp - M), value=1.0)
     gk = weight_scale_inv.shape[1]
-    ws = torch.nn.functional.pad(weight_scale_inv.float(), (0, -(-gk // 4) * 4 - gk), value=1.0)
+    ws = weight_scale_inv.float()
+    if gk % 4:
+        ws = torch.nn.functional.pad(ws, (0, -(-gk // 4) * 4 - gk), value=1.0)
     y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(),
                          out_dtype=x.dtype)[:M]
     return y if bias is None else y + bias
@@ -480,11 +483,14 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      impl: str | None = None) -> torch.Tensor:
     """w8a8 block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref`.
 
-    ``impl``: "triton" (the fused quantize + GEMM kernel: one launch), "scaled_mm" (quantization kernel then
-    ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the torch / device must pass
-    :func:`block_scaled_mm_supported`), or None: "scaled_mm" where :func:`block_scaled_mm_supported` holds
-    and the shapes are whole blocks, else "triton". A plain CPU run (no interpreter) calls the reference. No
-    host synchronisation after the one-time probe.
+    ``impl``: "triton" (at decode sizes one launch: quantization fused into the GEMM), "scaled_mm"
+    (quantization kernel then ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the
+    torch / device must pass :func:`block_scaled_mm_supported`), or None: "scaled_mm" for M >= 64 rows
+    (prefill, cuBLASLt's large tiles) where :func:`block_scaled_mm_supported` holds and the shapes are whole
+    blocks, else "triton" (decode: one launch instead of the quantization, padding and cuBLASLt launches;
+    bench_quant_gemm measures both). A plain CPU run (no interpreter) calls the reference. No host
+    synchronisation after the one-time probe (which the first CUDA call with M >= 64 runs: warm up before
+    capturing a graph).
 
     Args:
         x: [M, K] float32 / bfloat16 / float16. weight: float8_e4m3fn [N, K]. weight_scale_inv: float32 /
@@ -512,7 +518,9 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         raise ValueError(f"{name}: impl='scaled_mm' needs N and K multiples of {BLOCK} (got N={N}, K={K}) and "
                          f"a device where block_scaled_mm_supported() holds ({x.device}); use impl='triton'")
     if impl is None:
-        impl = "scaled_mm" if aligned and x.is_cuda and block_scaled_mm_supported(x.device) else "triton"
+        prefill = x.shape[0] >= SCALED_MM_MIN_ROWS
+        impl = "scaled_mm" if prefill and aligned and x.is_cuda and block_scaled_mm_supported(x.device) \
+            else "triton"
     if impl == "scaled_mm" and x.shape[0] > 0:
         return _into(_scaled_mm_block(x, weight, weight_scale_inv, bias), out, x, name)
     if out is None:
