@@ -38,8 +38,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from evals.results import RESULTS_FILE
-from evals.sweep import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from registry.errors import UserError
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of a current database; docs/history_schema.md
@@ -754,6 +754,23 @@ def fetch_samples(conn: sqlite3.Connection, run_ids: Sequence[int]) -> dict[int,
     return out
 
 
+def write_trend_report(db: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
+    """Read the history database db and write its trend report into out_dir (created; files overwritten):
+    index.html, report.md and one PNG per entry x setting (evals.trends.render_trend_report, which reads no
+    database). Returns evals.trends.TrendFiles. Raises HistoryError when db does not exist or is not a
+    history database."""
+    from evals.trends import render_trend_report  # matplotlib: only for the report
+
+    conn = connect(db, create=False)
+    try:
+        runs = fetch_runs(conn)
+        comparisons = fetch_comparisons(conn)
+        samples = fetch_samples(conn, [r["id"] for r in runs])
+    finally:
+        conn.close()
+    return render_trend_report(db, runs, comparisons, samples, out_dir)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CLI
 
@@ -780,8 +797,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{what}  run {r.run_id}  {d}")
             print(f"{new} new of {len(done)} runs -> {db}")
         elif args.command == "report":
-            from evals.trends import write_trend_report
-
             files = write_trend_report(db, args.out)
             print(f"report: {files.html}\n        {files.markdown}")
         else:
@@ -800,8 +815,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # through the package module, so the HistoryError that evals.trends raises is the class main() catches
-    # (run as a script, this file's own classes are __main__'s, distinct from evals.history's)
-    from evals.history import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())
