@@ -40,6 +40,7 @@ from typing import Any
 
 from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from evals.results import RESULTS_FILE
+from evals.task import DEFAULT_TASK
 from registry.errors import UserError
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of a current database; docs/history_schema.md
@@ -281,7 +282,8 @@ def setting_label(config: Mapping[str, Any]) -> str:
     """The run's setting as one string, e.g. "replay K=3 float32 ws=1 cpu": what a trend line follows.
 
     Mode: "compare" (compare=replay), "replay" / "rewind" (SSM replay on / off), "greedy" (draft_len 0);
-    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind.
+    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind, and
+    the task when it is not the default gsm8k (evals.task: another task's scores are another trend line).
     """
     draft_len = int(config.get("draft_len") or 0)
     if config.get("compare"):
@@ -300,6 +302,9 @@ def setting_label(config: Mapping[str, Any]) -> str:
     parts.append(f"ws={config.get('world_size')}")
     device = str(config.get("device") or "?")
     parts.append("gpu" if device.startswith("cuda") else device)
+    task = (config.get("eval") or {}).get("name") or DEFAULT_TASK
+    if task != DEFAULT_TASK:
+        parts.append(f"task={task}")
     return " ".join(parts)
 
 
