@@ -157,3 +157,13 @@ def test_run_py_gsm8k_cot_on_the_tiny_entry_reuses_the_exemplars(gsm8k_dir, tmp_
     assert "prefix cache" in proc.stdout and "of prompt tokens reused" in proc.stdout
     assert results["verdict"]["status"] == "no_reference"
     assert Path(results["samples_path"]).is_file()
+
+
+def test_another_task_is_its_own_trend_line():
+    from evals.history import setting_label
+
+    config = {"draft_len": 3, "ssm_replay": True, "dtype": "float32", "world_size": 1, "device": "cpu"}
+    assert setting_label({**config, "eval": {"name": "gsm8k"}}) == "replay K=3 float32 ws=1 cpu"
+    assert setting_label(config) == "replay K=3 float32 ws=1 cpu"  # results.json written before the table
+    cot = setting_label({**config, "eval": {"name": "gsm8k_cot"}})
+    assert cot == "replay K=3 float32 ws=1 cpu task=gsm8k_cot"
