@@ -90,7 +90,7 @@ def _usage(kernel, top: int = 12) -> tuple[dict, str]:
 
 
 def report(sass_dir: str | None = None) -> dict:
-    from benchmarks.sweep_replay import GDN_CONFIGS, M2_CONFIGS
+    from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
     from kernels import gdn, mamba2
     from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit
     from kernels.rounding import StochasticRounding

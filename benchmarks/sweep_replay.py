@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.testing
 
+from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
 from kernels import gdn, mamba2
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
@@ -71,28 +72,6 @@ DRY_SHAPES_GDN = {"ws1": (1, 2, 16, 16)}
 M2_OPS = ("m2_write", "m2_nowrite", "m2_ckpt", "m2_flush")
 OPS = M2_OPS + ("gdn",)
 CURRENT = "fma"  # the committed kernel before this sweep (the default of DEFAULT_VARIANT at the time)
-# kernel configurations timed at the headline: name -> keyword arguments of the launcher
-M2_CONFIGS = {
-    "fma": {"variant": "fma"},
-    "fma_p8": {"variant": "fma", "block_p": 8},
-    "mma": {"variant": "mma"},
-    "mma_c16": {"variant": "mma", "chunk_n": 16},
-    "mma_c64": {"variant": "mma", "chunk_n": 64},
-    "mma_st3": {"variant": "mma", "num_stages": 3},
-    "mma_p32w2": {"variant": "mma", "block_p": 32, "num_warps": 2},
-    "mma_p64w4": {"variant": "mma", "block_p": 64, "num_warps": 4},
-    "mma_split3": {"variant": "mma", "split": 3},
-}
-GDN_CONFIGS = {
-    "fma": {"variant": "fma"},
-    "fma_bv8": {"variant": "fma", "block_v": 8},
-    "mma": {"variant": "mma"},
-    "mma_c16": {"variant": "mma", "chunk_k": 16},
-    "mma_st3": {"variant": "mma", "num_stages": 3},
-    "mma_bv32w2": {"variant": "mma", "block_v": 32, "num_warps": 2, "chunk_k": 16},
-    "mma_bv64w4": {"variant": "mma", "block_v": 64, "num_warps": 4, "chunk_k": 16},
-    "mma_split3": {"variant": "mma", "split": 3},
-}
 # --quick: the current kernel, "mma" and the configurations with the fewest registers and no spills
 # (docs/kernel_performance.md, sm_90 compile report)
 QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4")

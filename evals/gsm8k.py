@@ -1,11 +1,13 @@
-"""GSM8K accuracy of our engine through lm-evaluation-harness's stock `gsm8k` task, resumable.
+"""GSM8K accuracy of our engine through lm-evaluation-harness's stock tasks, resumable: the evaluator of the
+rows of evals.task.TASKS (`gsm8k` by default, `gsm8k_cot`).
 
-`lm_eval.simple_evaluate` runs lm-eval's own gsm8k.yaml (version 3.0: 5-shot from train, "Question:
-...\\nAnswer:", greedy, stop at "Question:", "</s>", "<|im_end|>", filters strict-match and flexible-extract),
-found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the `gsm8k_local` group
-of evals/tasks/ (the same task on the JSONL files of a local folder, passed as task metadata) when a folder
-is known (evals.data.gsm8k_dir). Generation goes through `evals.lm_adapter.EngineLM`, which streams every
-finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the rest.
+`lm_eval.simple_evaluate` runs lm-eval's own task YAML (for gsm8k, gsm8k.yaml version 3.0: 5-shot from train,
+"Question: ...\\nAnswer:", greedy, stop at "Question:", "</s>", "<|im_end|>", filters strict-match and
+flexible-extract), found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the
+row's local group of evals/tasks/ (e.g. `gsm8k_local`: the same task on the JSONL files of a local folder,
+passed as task metadata) when a folder is known (evals.data.gsm8k_dir). Generation goes through
+`evals.lm_adapter.EngineLM`, which streams every finished request to `out_dir/generations.jsonl`; a resumed
+run reuses those and generates the rest.
 """
 
 from __future__ import annotations
@@ -31,18 +33,17 @@ from tokenizers import Tokenizer
 from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
 from evals.outdir import write_atomic
+from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
 
-TASK_NAME = "gsm8k"
-LOCAL_TASK = "gsm8k_local"  # evals/tasks/gsm8k_local.yaml: the stock task on a local folder's JSONL files
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+GSM8K = TASKS[DEFAULT_TASK]  # the default row: lm-eval's stock gsm8k
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # our lm-eval tasks (each row's local_task)
+STOCK_TASKS_DIR = Path(lm_eval.tasks.__file__).parent  # lm-eval's; a row's stock_dir is a folder of it
 # The stock gsm8k task's folder: indexing only it (and ours) takes milliseconds, all of lm-eval's ~10 s.
-STOCK_GSM8K_DIR = Path(lm_eval.tasks.__file__).parent / "gsm8k"
-TASK_VERSION = 3.0  # lm-eval 0.4.13's gsm8k.yaml; a different version is a different benchmark
+STOCK_GSM8K_DIR = STOCK_TASKS_DIR / GSM8K.stock_dir
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI)
-FILTERS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}  # our key -> lm-eval's
 SAMPLES_FILE = "samples.jsonl"
 
 # Fields only a whole `engine.generate` call has (batch steps, seconds, prefix-cache stores and evictions):
@@ -82,19 +83,21 @@ class GSM8KResult:
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def load_gsm8k_task(data_dir: Path | None) -> tuple[Task, TaskManager, str]:
-    """lm-eval's stock gsm8k task, reading `data_dir`/{train,test}.jsonl (the gsm8k_local group of
-    evals/tasks/), or the hub dataset when None; found by lm-eval's TaskManager.
+def load_gsm8k_task(data_dir: Path | None, task_row: EvalTask = GSM8K) -> tuple[Task, TaskManager, str]:
+    """lm-eval's stock task of `task_row` (default gsm8k), reading `data_dir`/{train,test}.jsonl (the row's
+    local group of evals/tasks/, e.g. gsm8k_local), or the hub dataset when None; found by lm-eval's
+    TaskManager.
 
     Returns (task, its TaskManager, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded
     (offline or unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be
-    parsed, and RuntimeError when the installed lm-eval's gsm8k is not version 3.0.
+    parsed, and RuntimeError when the installed lm-eval's task is not the row's version.
     """
+    name = task_row.lm_eval_task
     metadata = {"gsm8k_dir": str(data_dir)} if data_dir is not None else None
-    manager = TaskManager(include_path=[str(STOCK_GSM8K_DIR), str(TASKS_DIR)], include_defaults=False,
-                          metadata=metadata)
+    manager = TaskManager(include_path=[str(STOCK_TASKS_DIR / task_row.stock_dir), str(TASKS_DIR)],
+                          include_defaults=False, metadata=metadata)
     try:
-        task = manager.load(LOCAL_TASK if data_dir is not None else TASK_NAME)["tasks"][TASK_NAME]
+        task = manager.load(task_row.local_task if data_dir is not None else name)["tasks"][name]
     except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, DatasetGenerationError...
         if data_dir is None:
             raise GSM8KDataError(
@@ -106,9 +109,9 @@ def load_gsm8k_task(data_dir: Path | None) -> tuple[Task, TaskManager, str]:
         raise GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
                              "each line of train.jsonl / test.jsonl must be a JSON object with "
                              "\"question\" and \"answer\"") from err
-    if task.VERSION != TASK_VERSION:
-        raise RuntimeError(f"lm-eval {lm_eval.__version__}'s gsm8k task is version {task.VERSION}, expected "
-                           f"{TASK_VERSION}: scores would not be comparable; install lm-eval==0.4.13")
+    if task.VERSION != task_row.version:
+        raise RuntimeError(f"lm-eval {lm_eval.__version__}'s {name} task is version {task.VERSION}, expected "
+                           f"{task_row.version}: scores would not be comparable; install lm-eval==0.4.13")
     return task, manager, str(data_dir) if data_dir is not None else f"hub:{HUB_DATASET}"
 
 
@@ -213,15 +216,16 @@ def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
 def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
                    limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
                    out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
-                   fingerprint: dict[str, Any] | None = None) -> GSM8KResult:
-    """Score `engine` on GSM8K with lm-eval 0.4.13's stock gsm8k task (greedy, both filters).
+                   fingerprint: dict[str, Any] | None = None, task: EvalTask = GSM8K) -> GSM8KResult:
+    """Score `engine` on GSM8K with an lm-eval 0.4.13 stock task, by default gsm8k (greedy, both filters).
 
     Args:
         engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
         tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
         data_dir: directory with train.jsonl / test.jsonl; None: $GSM8K_DIR, else hub dataset openai/gsm8k.
         limit: score only the first `limit` test documents (None: all 1319).
-        num_fewshot: few-shot examples from train per prompt (the task's own is 5; lm-eval seed 1234).
+        num_fewshot: few-shot examples per prompt (gsm8k's own is 5, drawn from train with lm-eval's seed
+            1234; gsm8k_cot's is 8, its fixed exemplars in order).
         max_gen_toks: generated-token limit per request (lm-eval's default 256; the task does not set one).
         out_dir: created if needed; receives generations.jsonl (+ generations.stats.jsonl), the resume
             file appended as each request finishes, and samples.jsonl, written once scoring is done.
@@ -233,6 +237,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
             beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
             "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
             generations.meta.json; resume=True with a different one raises ValueError instead of mixing runs.
+        task: the evals.task.TASKS row to run (its lm-eval task, version, filters).
 
     samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
     "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
@@ -242,7 +247,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     "empty_output" (no text before the stop string), "repeats_one_token" (see `repeats_one_token`)}.
 
     Returns GSM8KResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
-    (lm-eval's task is not gsm8k v3.0 as configured). Mutates nothing but out_dir.
+    (lm-eval's task is not the row's task and version as configured). Mutates nothing but out_dir.
     """
     t0 = time.perf_counter()
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
@@ -260,36 +265,37 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
-        task, manager, source = load_gsm8k_task(gsm8k_files(data_dir))
+        lm_task, manager, source = load_gsm8k_task(gsm8k_files(data_dir), task)
         run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
                     "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
-        results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager,
+        results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                           num_fewshot=num_fewshot, limit=limit, log_samples=True,
                                           bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
 
-    run_config = results["configs"][TASK_NAME]
-    if results["versions"][TASK_NAME] != TASK_VERSION or run_config["num_fewshot"] != num_fewshot:
-        raise RuntimeError(f"lm-eval ran gsm8k version {results['versions'][TASK_NAME]} with "
-                           f"{run_config['num_fewshot']} shots; expected {TASK_VERSION} with {num_fewshot}")
-    metrics = results["results"][TASK_NAME]
-    n = int(results["n-samples"][TASK_NAME]["effective"])
+    name = task.lm_eval_task
+    run_config = results["configs"][name]
+    if results["versions"][name] != task.version or run_config["num_fewshot"] != num_fewshot:
+        raise RuntimeError(f"lm-eval ran {name} version {results['versions'][name]} with "
+                           f"{run_config['num_fewshot']} shots; expected {task.version} with {num_fewshot}")
+    metrics = results["results"][name]
+    n = int(results["n-samples"][name]["effective"])
     scores: dict[str, float | int] = {
-        ours: float(metrics[f"exact_match,{theirs}"]) for ours, theirs in FILTERS.items()}
+        ours: float(metrics[f"{task.metric},{theirs}"]) for ours, theirs in task.filters.items()}
     scores["n"] = n
 
-    samples = _sample_records(results["samples"][TASK_NAME], lm)
+    samples = _sample_records(results["samples"][name], lm, task)
     if len(samples) != n:
         raise RuntimeError(f"lm-eval logged {len(samples)} documents for n = {n}")
-    for ours in FILTERS:  # the per-sample verdicts must reproduce lm-eval's aggregate exactly
+    for ours in task.filters:  # the per-sample verdicts must reproduce lm-eval's aggregate exactly
         mean = sum(s["correct"][ours] for s in samples) / max(n, 1)
         if not math.isclose(mean, scores[ours], abs_tol=1e-12):
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
     _write_jsonl_atomic(samples_path, samples)
     outputs = output_health(samples)
     outputs["stderr"] = {ours: float(mean_stderr([float(s["correct"][ours]) for s in samples])) if n > 1
-                         else None for ours in FILTERS}
+                         else None for ours in task.filters}
 
     # lm.records: one record per distinct request of this evaluation (exactly the current limit's requests)
     stats = scored_stats(list(lm.records.values()), store.stats_parts)
@@ -300,18 +306,18 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         wall_seconds=time.perf_counter() - t0,
         num_resumed=lm.num_resumed,
         num_generated=lm.num_generated,
-        task={"task": TASK_NAME, "version": results["versions"][TASK_NAME], "num_fewshot": num_fewshot,
+        task={"task": name, "version": results["versions"][name], "num_fewshot": num_fewshot,
               "fewshot_seed": FEWSHOT_SEED, "limit": limit, "max_gen_toks": max_gen_toks,
               "lm_eval_version": lm_eval.__version__, "data_source": source},
         outputs=outputs,
     )
 
 
-def _sample_records(logged: list[dict[str, Any]], lm: EngineLM) -> list[dict[str, Any]]:
+def _sample_records(logged: list[dict[str, Any]], lm: EngineLM, task: EvalTask) -> list[dict[str, Any]]:
     """Join lm-eval's per-(document, filter) logged samples with our generation records, one per document."""
     by_doc: dict[int, dict[str, Any]] = {}
     for s in logged:
-        filt = next((ours for ours, theirs in FILTERS.items() if theirs == s["filter"]), None)
+        filt = next((ours for ours, theirs in task.filters.items() if theirs == s["filter"]), None)
         if filt is None:
             continue
         doc_id = int(s["doc_id"])
@@ -337,5 +343,5 @@ def _sample_records(logged: list[dict[str, Any]], lm: EngineLM) -> list[dict[str
         rec = by_doc[doc_id]
         (extracted,) = s["filtered_resps"]
         rec["extracted"][filt] = extracted
-        rec["correct"][filt] = bool(s["exact_match"])
+        rec["correct"][filt] = bool(s[task.metric])
     return [by_doc[k] for k in sorted(by_doc)]

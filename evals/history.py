@@ -38,8 +38,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from evals.results import RESULTS_FILE
-from evals.sweep import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
+from evals.task import DEFAULT_TASK
 from registry.errors import UserError
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of a current database; docs/history_schema.md
@@ -281,7 +282,8 @@ def setting_label(config: Mapping[str, Any]) -> str:
     """The run's setting as one string, e.g. "replay K=3 float32 ws=1 cpu": what a trend line follows.
 
     Mode: "compare" (compare=replay), "replay" / "rewind" (SSM replay on / off), "greedy" (draft_len 0);
-    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind.
+    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind, and
+    the task when it is not the default gsm8k (evals.task: another task's scores are another trend line).
     """
     draft_len = int(config.get("draft_len") or 0)
     if config.get("compare"):
@@ -300,6 +302,9 @@ def setting_label(config: Mapping[str, Any]) -> str:
     parts.append(f"ws={config.get('world_size')}")
     device = str(config.get("device") or "?")
     parts.append("gpu" if device.startswith("cuda") else device)
+    task = (config.get("eval") or {}).get("name") or DEFAULT_TASK
+    if task != DEFAULT_TASK:
+        parts.append(f"task={task}")
     return " ".join(parts)
 
 
@@ -754,6 +759,23 @@ def fetch_samples(conn: sqlite3.Connection, run_ids: Sequence[int]) -> dict[int,
     return out
 
 
+def write_trend_report(db: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
+    """Read the history database db and write its trend report into out_dir (created; files overwritten):
+    index.html, report.md and one PNG per entry x setting (evals.trends.render_trend_report, which reads no
+    database). Returns evals.trends.TrendFiles. Raises HistoryError when db does not exist or is not a
+    history database."""
+    from evals.trends import render_trend_report  # matplotlib: only for the report
+
+    conn = connect(db, create=False)
+    try:
+        runs = fetch_runs(conn)
+        comparisons = fetch_comparisons(conn)
+        samples = fetch_samples(conn, [r["id"] for r in runs])
+    finally:
+        conn.close()
+    return render_trend_report(db, runs, comparisons, samples, out_dir)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CLI
 
@@ -780,8 +802,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{what}  run {r.run_id}  {d}")
             print(f"{new} new of {len(done)} runs -> {db}")
         elif args.command == "report":
-            from evals.trends import write_trend_report
-
             files = write_trend_report(db, args.out)
             print(f"report: {files.html}\n        {files.markdown}")
         else:
@@ -800,8 +820,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # through the package module, so the HistoryError that evals.trends raises is the class main() catches
-    # (run as a script, this file's own classes are __main__'s, distinct from evals.history's)
-    from evals.history import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -31,6 +31,9 @@ from pathlib import Path
 from registry.errors import UserError
 
 LOCK_FILE = ".run.lock"
+# A sweep job's status file in its run folder (evals.sweep writes it; it names the sweep folder, which
+# evals.history reads): here, below both, so that neither imports the other for it.
+JOB_STATUS_FILE = "job.json"
 MAX_SUFFIX = 1000  # default folders tried: <folder>, <folder>-2 .. <folder>-1000
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once: result files get the permissions a plain open() would give them

@@ -27,7 +27,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-JOB_STATUS_FILE = "job.json"
+from evals.outdir import JOB_STATUS_FILE
+
 SUMMARY_FILE = "sweep_summary.md"
 
 _last_worst: int | None = None  # set by SweepSummary.on_multirun_end, read by run.py (worst_status)

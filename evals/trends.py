@@ -31,8 +31,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 from matplotlib.figure import Figure
 
-from evals.history import connect, fetch_comparisons, fetch_runs, fetch_samples
-
 HTML_NAME = "index.html"
 MARKDOWN_NAME = "report.md"
 _WORD = {"pass": "PASS", "fail": "FAIL", "no_reference": "no reference"}
@@ -409,19 +407,15 @@ def render_markdown(db: Path, runs: list[Mapping[str, Any]], rows: list[Row], re
     return "\n".join(lines) + "\n"
 
 
-def write_trend_report(db: str | os.PathLike, out_dir: str | os.PathLike) -> TrendFiles:
-    """Read the history database db and write the report into out_dir (created; files overwritten).
+def render_trend_report(db: str | os.PathLike, runs: list[dict[str, Any]], comparisons: list[dict[str, Any]],
+                        samples: Mapping[int, Any], out_dir: str | os.PathLike) -> TrendFiles:
+    """Write the report of the history's rows into out_dir (created; files overwritten).
 
-    Raises evals.history.HistoryError when db does not exist or is not a history database.
+    db: the database the rows came from (named in the page). runs, comparisons, samples: what
+    evals.history.fetch_runs / fetch_comparisons / fetch_samples return for it. This module reads no database:
+    evals.history.write_trend_report reads one and calls this (the store below, the view above it).
     """
     db, out = Path(db), Path(out_dir)
-    conn = connect(db, create=False)
-    try:
-        runs = fetch_runs(conn)
-        comparisons = fetch_comparisons(conn)
-        samples = fetch_samples(conn, [r["id"] for r in runs])
-    finally:
-        conn.close()
     out.mkdir(parents=True, exist_ok=True)
     groups = series(runs)
     changes = {k: change(v[-2] if len(v) > 1 else None, v[-1], samples) for k, v in groups.items()}

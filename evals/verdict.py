@@ -23,6 +23,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from registry.baselines import (
     AcceptanceReference,
     BaselineError,
@@ -423,8 +424,9 @@ def evaluate_verdict(
     require_reference: bool = True,
     gsm8k_baselines: str | Path | None = None,
     acceptance_baselines: str | Path | None = None,
+    task: EvalTask = TASKS[DEFAULT_TASK],
 ) -> Verdict:
-    """The verdict of a results dict (docs/results_schema.md) against the baseline files.
+    """The verdict of a results dict (docs/results_schema.md) against the baseline files of its task.
 
     Args:
         results: needs `gsm8k` {strict_match, flexible_extract, n}; `acceptance` {rate, length, ...} is
@@ -437,6 +439,9 @@ def evaluate_verdict(
             "bfloat16"}); a row judges the run only if it holds for them. None: the defaults (float32 state).
         require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
         gsm8k_baselines, acceptance_baselines: file overrides (tests).
+        task: the evals.task.TASKS row that ran: its `baselines` file holds the accuracy references; without
+            `acceptance_baselines` (no floor measured on its prompts) the acceptance checks are reported as
+            "no_reference" (not judged), whatever require_reference says.
     Raises:
         BaselineError: a missing row with require_reference=True (message lists the rows and the fix).
         ValueError: malformed results (e.g. percent where a fraction belongs).
@@ -447,7 +452,8 @@ def evaluate_verdict(
     checks: list[Check] = []
     try:
         ref = find_gsm8k_reference(
-            model_key, dtype, quant, kv_cache_quant, spec_dec, state=state, path=gsm8k_baselines
+            model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
+            path=gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path,
         )
         note = ""
     except BaselineError as e:
@@ -465,15 +471,20 @@ def evaluate_verdict(
     acceptance = results.get("acceptance")
     spec_on = str(spec_dec).strip().lower() not in ("none", "", "false")
     if acceptance and spec_on:
-        try:
-            aref = find_acceptance_reference(
-                model_key, quant, draft_len, state=state, path=acceptance_baselines
-            )
-            note = ""
-        except BaselineError as e:
-            if require_reference:
-                raise
-            aref, note = None, e.problem
+        acceptance_path = acceptance_baselines if acceptance_baselines is not None else \
+            task.acceptance_baselines_path
+        if acceptance_path is None:
+            aref, note = None, (f"no acceptance floor is measured on {task.name}'s prompts (the floors "
+                                "depend on the text the model writes): not judged")
+        else:
+            try:
+                aref = find_acceptance_reference(model_key, quant, draft_len, state=state,
+                                                 path=acceptance_path)
+                note = ""
+            except BaselineError as e:
+                if require_reference:
+                    raise
+                aref, note = None, e.problem
         checks.extend(
             check_acceptance(acceptance.get("rate"), acceptance.get("length"), aref, no_reference_note=note)
         )

@@ -181,9 +181,9 @@ class ModelEntry:
 
 @dataclass
 class EvalConfig:
-    """GSM8K settings (configs/eval/gsm8k.yaml)."""
+    """Evaluation settings (the `eval` config group: configs/eval/<name>.yaml)."""
 
-    name: str = "gsm8k"
+    name: str = "gsm8k"  # the task: a row of evals/task.py (TASKS), which the app dispatches on
     limit: int | None = None  # first N test questions; None: all 1319
     num_fewshot: int = 5
     max_gen_toks: int = 256

@@ -17,6 +17,7 @@ import torch
 
 from evals.gsm8k import GSM8KResult
 from evals.results import RESULTS_SCHEMA_VERSION
+from evals.task import TASKS
 from registry.checkpoint import checkpoint_fingerprint
 from registry.compose import compose_config
 from registry.errors import UserError
@@ -109,10 +110,10 @@ def fakes(monkeypatch):
     calls = []
 
     def fake_evaluate(engine, tokenizer_path, *, data_dir, limit=None, num_fewshot=5, max_gen_toks=256,
-                      out_dir, resume=False, progress=True, fingerprint=None):
+                      out_dir, resume=False, progress=True, fingerprint=None, task=None):
         calls.append(dict(engine=engine, tokenizer_path=tokenizer_path, data_dir=data_dir, limit=limit,
                           num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, out_dir=out_dir, resume=resume,
-                          fingerprint=fingerprint))
+                          fingerprint=fingerprint, task=task))
         samples = Path(out_dir) / "samples.jsonl"
         samples.write_text('{"doc_id": 0}\n')
         return fake_result({"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}, samples)
@@ -156,6 +157,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
     assert call["data_dir"] == str(data) and call["out_dir"] == str(out) and call["resume"] is False
+    assert call["task"] is TASKS["gsm8k"]  # eval.name's row of the task table
     assert call["fingerprint"] == {
         "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), **checkpoint_fingerprint(ckpt),
         "device": "cpu", "dtype": "float32",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_app import FAKE_SITECUSTOMIZE, FakeEngine, _cfg, fakes, make_checkpoint  # noqa: F401
 
+import evals.task
 import registry.baselines
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
@@ -54,6 +55,7 @@ def baselines(tmp_path, monkeypatch):
     write()
     monkeypatch.setattr(registry.baselines, "GSM8K_BASELINES", tmp_path / "gsm8k.yaml")
     monkeypatch.setattr(registry.baselines, "ACCEPTANCE_BASELINES", tmp_path / "acceptance.yaml")
+    monkeypatch.setattr(evals.task, "BASELINES_DIR", tmp_path)  # the task rows' files: the same two
     return write
 
 
@@ -246,7 +248,8 @@ def test_run_py_exit_status_one_when_a_check_fails(baselines, tmp_path):
                        f"registry.baselines.GSM8K_BASELINES = pathlib.Path("
                        f"{str(tmp_path / 'gsm8k.yaml')!r})\n"
                        f"registry.baselines.ACCEPTANCE_BASELINES = pathlib.Path("
-                       f"{str(tmp_path / 'acceptance.yaml')!r})\n")
+                       f"{str(tmp_path / 'acceptance.yaml')!r})\n"
+                       f"import evals.task\nevals.task.BASELINES_DIR = pathlib.Path({str(tmp_path)!r})\n")
     tests_dir = str(Path(__file__).parent)
     (site / "sitecustomize.py").write_text(FAKE_SITECUSTOMIZE.format(tests=tests_dir) + patch_baselines)
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO_ROOT}"}

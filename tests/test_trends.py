@@ -11,7 +11,7 @@ import pytest
 from history_factory import make_results, write_run
 
 from evals import history
-from evals.trends import write_trend_report
+from evals.history import write_trend_report
 from registry.schema import REPO_ROOT
 
 BASELINE_COMPARE_RUN = REPO_ROOT / "docs" / "baselines" / "tiny_nemotron_h_mtp"

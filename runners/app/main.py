@@ -1,13 +1,16 @@
-"""The application: a composed Hydra config in, one judged GSM8K evaluation run and its report out.
+"""The application: a composed Hydra config in, one judged evaluation run (GSM8K by default) and its report
+out.
 
 `run(cfg)` is what run.py and the tests call. It orchestrates; each step lives with the concept it belongs to:
 
 - the effective settings and every check that holds on any machine: registry.resolve.resolve (schema,
   cross-setting rules, checkpoint directory, model dimensions);
 - what this engine and machine can run: runners.app.support.check_supported;
+- the task (`eval.name`, the `eval` config group): a row of evals.task.TASKS, which says what runs and what
+  judges it;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
 - the output folder and its resume file: evals.lm_adapter.check_resume;
-- the evaluation: evals.gsm8k.evaluate_gsm8k over runners.Engine;
+- the evaluation: evals.gsm8k.evaluate_gsm8k of the task's row over runners.engine.Engine;
 - results.json: evals.results; the compare=replay arms: evals.compare; the console table, summary.md and
   plots: evals.report;
 - the run's row in the SQLite results history (history.db): evals.history.record_finished_run.
@@ -36,6 +39,7 @@ from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import RESULTS_FILE, build_results, exit_code
+from evals.task import DEFAULT_TASK, get_task
 from evals.verdict import Check, Verdict, evaluate_verdict
 from registry.baselines import find_acceptance_reference, find_gsm8k_reference
 from registry.checkpoint import TOKENIZER_FILE, check_tokenizer, checkpoint_fingerprint
@@ -49,7 +53,8 @@ __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run the configured GSM8K evaluation, judge it against its baselines, write results and report.
+    """Run the configured evaluation (the task of eval.name), judge it against its baselines, write results
+    and report.
 
     cfg: a composed config (configs/config.yaml with a registry entry as `model`). Output folder: cfg.out_dir,
     else Hydra's run directory. It receives generations.jsonl (appended as requests finish; the resume file),
@@ -72,6 +77,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_quant_hardware(resolve(cfg, check_checkpoint=False))
     rr = resolve(cfg)
     check_supported(rr)
+    get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
     check_references(rr)
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     check_tokenizer(rr.checkpoint_dir / TOKENIZER_FILE)
@@ -151,26 +157,27 @@ def _run_job(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
 def check_references(rr: ResolvedRun) -> None:
     """Fail fast, before anything heavy is loaded, when no baseline row can judge the run.
 
-    With verdict.require_reference (the default) the entry needs a `baseline` key and gsm8k.yaml needs a row
-    for (dtype, quant, kv_cache_quant, spec_dec) -- and acceptance.yaml one for (quant, draft_len) when
+    With verdict.require_reference (the default) the entry needs a `baseline` key and the task's baselines
+    file (evals.task.EvalTask.baselines, gsm8k.yaml for gsm8k) needs a row for (dtype, quant, kv_cache_quant,
+    spec_dec) -- and its acceptance file, when the task has one, a row for (quant, draft_len) when
     speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
     (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
     (registry.baselines.BaselineError) naming the missing row and the fix.
     """
     if not rr.run.verdict.require_reference:
         return
-    e = rr.entry
+    e, task = rr.entry, get_task(rr.run.eval.name)
     if e.baseline is None:
         raise UserError(
             f"entry {e.name} has no `baseline` key, so no reference can judge this run",
             "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
             "verdict.require_reference=false to run without a pass/fail verdict",
         )
-    find_gsm8k_reference(
-        e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec, state=rr.baseline_state
-    )
-    if rr.draft_len > 0:
-        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state)
+    find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
+                         state=rr.baseline_state, path=task.baselines_path)
+    if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
+        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
+                                  path=task.acceptance_baselines_path)
 
 
 def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
@@ -208,6 +215,8 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "data_dir": str(data_dir) if data_dir is not None else None,
         # present only when on: fingerprints stored before the option equal today's with it off
         **({"ssm_stochastic_rounding": True} if rr.entry.ssm.stochastic_rounding else {}),
+        # present only for another task than the default (fingerprints stored before the table equal today's)
+        **({"task": rr.run.eval.name} if rr.run.eval.name != DEFAULT_TASK else {}),
     }
 
 
@@ -301,7 +310,8 @@ def _prefix_cache_off_reason(rr: ResolvedRun, engine: Engine) -> str | None:
 
 
 def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
-    """Build the engine, evaluate GSM8K into out_dir, judge, write and print; returns the results dict."""
+    """Build the engine, evaluate the task (eval.name) into out_dir, judge, write and print; returns the
+    results dict."""
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
     engine = _build_engine(rr)
@@ -318,6 +328,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
             resume=rr.run.resume,
             progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.lm_adapter)
             fingerprint=fingerprint(rr),
+            task=get_task(rr.run.eval.name),
         )
     except UserError:
         raise
@@ -394,6 +405,7 @@ def _verdict(rr: ResolvedRun, results: dict[str, Any], extra_checks: list[Check]
         draft_len=rr.draft_len,
         state=rr.baseline_state,
         require_reference=rr.run.verdict.require_reference,
+        task=get_task(rr.run.eval.name),
     )
     return Verdict(verdict.checks + list(extra_checks or [])).to_dict()
 

@@ -1,0 +1,31 @@
+"""The kernel configurations of the replay kernels that the benchmarks time and compile: name -> keyword
+arguments of the launcher (kernels.mamba2.replay_verify, kernels.gdn.replay_verify).
+
+One list for the two programs that go through every variant: benchmarks.sweep_replay times them against the
+memory-bandwidth floor, benchmarks.compile_report reports their sm_90 registers and instruction counts. Its own
+module so that neither imports the other (sweep_replay reaches compile_report through bench_mamba2).
+"""
+
+from __future__ import annotations
+
+M2_CONFIGS = {
+    "fma": {"variant": "fma"},
+    "fma_p8": {"variant": "fma", "block_p": 8},
+    "mma": {"variant": "mma"},
+    "mma_c16": {"variant": "mma", "chunk_n": 16},
+    "mma_c64": {"variant": "mma", "chunk_n": 64},
+    "mma_st3": {"variant": "mma", "num_stages": 3},
+    "mma_p32w2": {"variant": "mma", "block_p": 32, "num_warps": 2},
+    "mma_p64w4": {"variant": "mma", "block_p": 64, "num_warps": 4},
+    "mma_split3": {"variant": "mma", "split": 3},
+}
+GDN_CONFIGS = {
+    "fma": {"variant": "fma"},
+    "fma_bv8": {"variant": "fma", "block_v": 8},
+    "mma": {"variant": "mma"},
+    "mma_c16": {"variant": "mma", "chunk_k": 16},
+    "mma_st3": {"variant": "mma", "num_stages": 3},
+    "mma_bv32w2": {"variant": "mma", "block_v": 32, "num_warps": 2, "chunk_k": 16},
+    "mma_bv64w4": {"variant": "mma", "block_v": 64, "num_warps": 4, "chunk_k": 16},
+    "mma_split3": {"variant": "mma", "split": 3},
+}
