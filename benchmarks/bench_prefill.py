@@ -36,6 +36,7 @@ from runners.engine.cache import CacheSpec, GDNState, Mamba2State
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.options import EngineOptions
 from runners.tools.synth import synth_config
 
 DEFAULT_CASES = "1x1024,8x1024,1x4096"
@@ -168,8 +169,8 @@ def bench_engine(path: str, B: int, T: int) -> dict:
     torch.manual_seed(0)
     res = {}
     for backend in ("triton", "torch"):
-        engine = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, ssm_backend=backend,
-                                        max_batch_size=B, max_seq_len=T + 8)
+        engine = Engine.from_pretrained(path, EngineOptions(dtype=torch.bfloat16, ssm_backend=backend,
+                                                            max_batch_size=B, max_seq_len=T + 8), device="cuda")
         V = engine.config.vocab_size
         prompts = torch.randint(3, V, (B, T)).tolist()
         engine.generate(prompts, 1, stop_token_ids=[])  # warm-up: JIT and allocator

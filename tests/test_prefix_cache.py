@@ -23,6 +23,7 @@ from ckpt_factory import make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 
 from runners.engine import Engine
+from runners.engine.options import EngineOptions
 from runners.engine.prefix_cache import PrefixCache
 
 V, BLOCK, SLOTS, MAX_NEW = 5, 16, 2, 8
@@ -65,9 +66,11 @@ EXPECTED_HITS = {  # prompt -> cached prefix length reused, per phase
 
 def _engine(path, K, replay, prefix_cache):
     """replay: False (rewind), True (per-step replay) or "checkpointing" (Mamba2's checkpointing variant)."""
-    return Engine.from_pretrained(path, draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS,
-                                  max_seq_len=160, prefix_cache=prefix_cache,
-                                  ssm_replay_checkpointing=replay == "checkpointing")
+    options = EngineOptions(draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS, max_seq_len=160,
+                            prefix_cache=prefix_cache is not False,
+                            ssm_replay_checkpointing=replay == "checkpointing")
+    store = prefix_cache if isinstance(prefix_cache, PrefixCache) else None
+    return Engine.from_pretrained(path, options, prefix_store=store)
 
 
 def _acceptance(s):
@@ -158,8 +161,8 @@ def test_fp8_kv_cache_with_the_prefix_cache(ckpt, caplog):
     byte for byte: the same tokens and acceptance as without the cache, with the hits expected."""
     prompts = _prompts()
     kw = dict(draft_len=3, max_batch_size=SLOTS, max_seq_len=160, kv_cache_quant="fp8")
-    cached = Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(block_tokens=BLOCK), **kw)
-    plain = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
+    cached = Engine.from_pretrained(ckpt, EngineOptions(**kw), prefix_store=PrefixCache(block_tokens=BLOCK))
+    plain = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
     assert cached.kv_cache_quant == "fp8"
     for eng in (cached, plain):  # per-tensor scales as a calibrated checkpoint brings them
         for layer in eng.cache.layers.values():
@@ -181,8 +184,8 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
     prompts = _prompts()
     kw = dict(device="cuda", draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
               cuda_graphs=True)
-    cached = Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(block_tokens=BLOCK), **kw)
-    plain = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
+    cached = Engine.from_pretrained(ckpt, EngineOptions(**kw), prefix_store=PrefixCache(block_tokens=BLOCK))
+    plain = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
     assert cached.cuda_graphs and plain.cuda_graphs
     for phase, names in enumerate(PHASES):
         batch = [prompts[n] for n in names]
@@ -198,16 +201,18 @@ def test_off_where_not_exact_and_when_asked(ckpt):
     """Stochastic rounding of a 16-bit SSM state draws its bits per forward, which a cache hit skips: the
     engine turns the cache off and says why; prefix_cache=False says so too."""
     kw = dict(max_batch_size=SLOTS, max_seq_len=160)
-    sr = Engine.from_pretrained(ckpt, ssm_state_dtype="bfloat16", ssm_stochastic_rounding=True, **kw)
+    sr = Engine.from_pretrained(ckpt, EngineOptions(ssm_state_dtype="bfloat16", ssm_stochastic_rounding=True,
+                                                    **kw))
     assert sr.prefix_cache is None and "stochastic_rounding" in sr.prefix_cache_off_reason
-    off = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
+    off = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
     assert off.prefix_cache is None and off.prefix_cache_off_reason == "prefix_cache=False"
-    zero = Engine.from_pretrained(ckpt, prefix_cache_bytes=0, **kw)  # a cache that could never store
+    zero = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=0,
+                                                      **kw))  # a cache that could never store
     assert zero.prefix_cache is None and zero.prefix_cache_off_reason.startswith("prefix_cache_bytes=0")
-    on = Engine.from_pretrained(ckpt, prefix_cache_bytes=4096, **kw)
+    on = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw))
     assert on.prefix_cache.max_bytes == 4096 and on.prefix_cache_off_reason is None
     with pytest.raises(ValueError, match="prefix_cache_bytes only with prefix_cache=True"):
-        Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(), prefix_cache_bytes=4096, **kw)
+        Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw), prefix_store=PrefixCache())
 
 
 # ------------------------------------------------------------------ the cache's own rules (no model)

@@ -60,6 +60,7 @@ from runners.engine.loader import load_model
 from runners.engine.models.config import family_module
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.options import EngineOptions
 from runners.tools.tiny import CHECKPOINT_NAMES, write_random_checkpoint
 
 log = logging.getLogger("runners.tools.train")
@@ -614,7 +615,7 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
     tok = Tokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
     shots = FEWSHOT_DELIMITER.join(format_example(r["question"], r["answer"]) for r in rows[:5])
     prompt = shots + FEWSHOT_DELIMITER + format_prompt(question)
-    engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=4096)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=4096))
     out = engine.generate([tok.encode(prompt).ids], max_new_tokens)
     return tok.decode(out.tokens[0]).split("Question:")[0]
 
