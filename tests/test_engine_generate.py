@@ -146,8 +146,17 @@ def test_option_and_input_errors(setup, tmp_path):
     hf, path, prompts, _ = setup
     with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
         Engine.from_pretrained(path, EngineOptions(ssm_replay=True))
-    with pytest.raises(ValueError, match="unknown engine options"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_batch'"):
         Engine.from_pretrained(path, EngineOptions(max_batch=4))
+    for bad, says in [(dict(max_batch_size=0), "max_batch_size=0 must be an integer >= 1"),
+                      (dict(prefill_chunk_tokens=0), "prefill_chunk_tokens=0 must be an integer >= 1"),
+                      (dict(dtype="float64"), "dtype 'float64' is not supported"),
+                      (dict(kv_cache_quant="int8"), "kv_cache_quant='int8' is not one of"),
+                      (dict(ssm_replay_checkpointing=True), "variant of ssm_replay"),
+                      (dict(max_batch_size=2, cuda_graph_batch_sizes=[4]),
+                       r"must lie in \[1, max_batch_size=2\]")]:
+        with pytest.raises(ValueError, match=says):
+            EngineOptions(**bad).validate()
     no_mtp = write_checkpoint(tmp_path / "nomtp", hf, with_mtp=False)
     with pytest.raises(ValueError, match="needs MTP weights|mtp"):
         Engine.from_pretrained(no_mtp, EngineOptions(draft_len=3))

@@ -131,8 +131,9 @@ def test_the_mtp_cache_of_the_prefix_is_restored(ckpt, name, hit):
         got, want = cached.cache[idx], plain.cache[idx]
         torch.testing.assert_close(got.k[1, :L], want.k[1, :L], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.v[1, :L], want.v[1, :L], rtol=1e-5, atol=1e-5)
-    assert torch.equal(cached._draft1[1], plain._draft1[1])
-    torch.testing.assert_close(cached._mtp_hidden[1], plain._mtp_hidden[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached.step.slots.draft1[1], plain.step.slots.draft1[1])
+    torch.testing.assert_close(cached.step.slots.mtp_hidden[1], plain.step.slots.mtp_hidden[1], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_eviction_under_a_tiny_cache(ckpt):
@@ -199,20 +200,56 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
 
 def test_off_where_not_exact_and_when_asked(ckpt):
     """Stochastic rounding of a 16-bit SSM state draws its bits per forward, which a cache hit skips: the
-    engine turns the cache off and says why; prefix_cache=False says so too."""
+    engine turns the cache off and says why; prefix_cache=False and prefix_cache_bytes=0 say so too."""
     kw = dict(max_batch_size=SLOTS, max_seq_len=160)
     sr = Engine.from_pretrained(ckpt, EngineOptions(ssm_state_dtype="bfloat16", ssm_stochastic_rounding=True,
                                                     **kw))
     assert sr.prefix_cache is None and "stochastic_rounding" in sr.prefix_cache_off_reason
     off = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
-    assert off.prefix_cache is None and off.prefix_cache_off_reason == "prefix_cache=False"
-    zero = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=0,
-                                                      **kw))  # a cache that could never store
-    assert zero.prefix_cache is None and zero.prefix_cache_off_reason.startswith("prefix_cache_bytes=0")
+    assert off.prefix_cache is None and off.prefix_cache_off_reason == "runtime.prefix_cache=false"
+    zero = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=0, **kw))  # could never store
+    assert zero.prefix_cache is None
+    assert zero.prefix_cache_off_reason.startswith("runtime.prefix_cache_bytes=0")
     on = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw))
     assert on.prefix_cache.max_bytes == 4096 and on.prefix_cache_off_reason is None
-    with pytest.raises(ValueError, match="prefix_cache_bytes only with prefix_cache=True"):
+    with pytest.raises(ValueError, match="prefix_cache_bytes only without prefix_store"):
         Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw), prefix_store=PrefixCache())
+
+
+def test_exact_only_in_float32(ckpt):
+    """In 16-bit compute the tokens and acceptance depend on where a prefill is cut, which a cache hit moves,
+    and a 16-bit SSM state is rounded where a prefill stops: the engine keeps the cache only in float32
+    compute with a float32 state, and names the dtype and the fix otherwise (issue 29)."""
+    kw = dict(max_batch_size=SLOTS, max_seq_len=160)
+    on = Engine.from_pretrained(ckpt, EngineOptions(dtype="float32", **kw))
+    assert on.prefix_cache is not None and on.prefix_cache_off_reason is None
+    for dtype in ("bfloat16", "float16"):
+        off = Engine.from_pretrained(ckpt, EngineOptions(dtype=dtype, **kw))
+        assert off.prefix_cache is None, dtype
+        assert off.prefix_cache_off_reason.startswith(f"runtime.dtype={dtype}: in 16-bit compute"), dtype
+        assert "run with runtime.dtype=float32" in off.prefix_cache_off_reason
+    state = Engine.from_pretrained(ckpt, EngineOptions(ssm_state_dtype="bfloat16", **kw))
+    assert state.prefix_cache is None
+    assert state.prefix_cache_off_reason.startswith("model.ssm.state_dtype=bfloat16")
+    assert "set model.ssm.state_dtype=float32" in state.prefix_cache_off_reason
+
+
+def test_the_policy_has_one_owner():
+    """prefix_cache_off_reason decides for the engine and the application alike, in a fixed order: what was
+    asked, stochastic rounding, tensor parallelism, then exactness."""
+    from runners.engine.prefix_cache import TENSOR_PARALLEL_OFF_REASON, prefix_cache_off_reason
+
+    assert prefix_cache_off_reason(EngineOptions()) is None
+    assert prefix_cache_off_reason(EngineOptions(prefix_cache=False, dtype="bfloat16")) == \
+        "runtime.prefix_cache=false"
+    assert prefix_cache_off_reason(EngineOptions(), world_size=2) == TENSOR_PARALLEL_OFF_REASON
+    bf16 = EngineOptions(dtype="bfloat16")
+    assert prefix_cache_off_reason(bf16, world_size=2) == TENSOR_PARALLEL_OFF_REASON
+    # the checkpoint's state dtype counts where the options leave it to the checkpoint
+    assert prefix_cache_off_reason(EngineOptions(), ssm_state_dtype="float16").startswith(
+        "model.ssm.state_dtype=float16")
+    f32_state = EngineOptions(ssm_state_dtype="float32")
+    assert prefix_cache_off_reason(f32_state, ssm_state_dtype="float16") is None
 
 
 # ------------------------------------------------------------------ the cache's own rules (no model)

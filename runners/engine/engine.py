@@ -321,8 +321,9 @@ class Engine:
             log.info("prefix cache off: %s", self.prefix_cache_off_reason)
             return
         nbytes = self.options.prefix_cache_bytes
-        self.prefix_cache = prefix_store or PrefixCache(
-            max_bytes=DEFAULT_PREFIX_CACHE_BYTES if nbytes is None else nbytes)
+        if prefix_store is None:  # (not `or`: an empty PrefixCache is falsy, it has a length)
+            prefix_store = PrefixCache(max_bytes=DEFAULT_PREFIX_CACHE_BYTES if nbytes is None else nbytes)
+        self.prefix_cache = prefix_store
         mtp_blocks = self.model.mtp.blocks if self.model.mtp is not None and self.draft_len > 0 else []
         self.prefix_cache.configure(b.cache_index for b in mtp_blocks if b.kind == "attention")
 
