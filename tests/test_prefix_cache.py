@@ -183,10 +183,10 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
     """On CUDA (Triton kernels, decode / verify as CUDA graphs, float32): the same tokens and acceptance with
     and without the cache over the three phases, with the hits expected."""
     prompts = _prompts()
-    kw = dict(device="cuda", draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
-              cuda_graphs=True)
-    cached = Engine.from_pretrained(ckpt, EngineOptions(**kw), prefix_store=PrefixCache(block_tokens=BLOCK))
-    plain = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
+    options = EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
+                            cuda_graphs=True)
+    cached = Engine.from_pretrained(ckpt, options, device="cuda", prefix_store=PrefixCache(block_tokens=BLOCK))
+    plain = Engine.from_pretrained(ckpt, options.replace(prefix_cache=False), device="cuda")
     assert cached.cuda_graphs and plain.cuda_graphs
     for phase, names in enumerate(PHASES):
         batch = [prompts[n] for n in names]

@@ -45,9 +45,9 @@ def setup(request, tmp_path_factory):
     return path, prompts, plain.generate(prompts, MAX_NEW, stop_token_ids=[]).tokens
 
 
-def _engine(path, K, replay, cls=Engine, **kw):
+def _engine(path, K, replay, cls=Engine, device="cpu", **kw):
     return cls.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS,
-                                                   max_seq_len=80, **kw))
+                                                   max_seq_len=80, **kw), device=device)
 
 
 def _acceptance(stats: GenerationStats) -> tuple:
