@@ -185,7 +185,8 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
     prompts = _prompts()
     options = EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
                             cuda_graphs=True)
-    cached = Engine.from_pretrained(ckpt, options, device="cuda", prefix_store=PrefixCache(block_tokens=BLOCK))
+    store = PrefixCache(block_tokens=BLOCK)
+    cached = Engine.from_pretrained(ckpt, options, device="cuda", prefix_store=store)
     plain = Engine.from_pretrained(ckpt, options.replace(prefix_cache=False), device="cuda")
     assert cached.cuda_graphs and plain.cuda_graphs
     for phase, names in enumerate(PHASES):
