@@ -97,9 +97,9 @@ def run_engine(checkpoint: Path, prompts: list[list[int]], new_tokens: int, draf
     from runners.engine.options import EngineOptions
 
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(checkpoint, EngineOptions(draft_len=draft_len, ssm_replay=replay,
-                                                              max_batch_size=slots, max_seq_len=max(map(len,
-                                                                                                        prompts)) + new_tokens + 8, prefix_cache=prefix_cache))
+    options = EngineOptions(draft_len=draft_len, ssm_replay=replay, max_batch_size=slots,
+                            max_seq_len=max(map(len, prompts)) + new_tokens + 8, prefix_cache=prefix_cache)
+    engine = Engine.from_pretrained(checkpoint, options)
     load = time.perf_counter() - t0
     prefill = engine._prefill  # the admissions' prefills, timed in CPU seconds too
     prefill_cpu = [0.0]
