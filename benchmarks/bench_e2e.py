@@ -116,7 +116,7 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
            if forced and K else None, "prompt_len": args.prompt_len, "new_tokens": new}
     engine = Engine(model, EngineOptions(dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
                                          max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B]), device=dev)
-    row["graphs"] = engine.cuda_graphs  # what runs: off on the CPU
+    row["graphs"] = engine.step.cuda_graphs  # what runs: off on the CPU
     if forced and K:
         engine.force_acceptance(args.accept_length)
     t0 = time.perf_counter()

@@ -186,7 +186,7 @@ def test_graph_options_on_the_cpu(setup, caplog):
     with caplog.at_level(logging.WARNING):
         engine = _engine(path, 3, False, cuda_graphs=True)
     assert "cuda_graphs=True is ignored on cpu" in caplog.text
-    assert not engine.cuda_graphs and not engine.overlap_steps and engine.capture_graphs() == 0
+    assert not engine.step.cuda_graphs and not engine.overlap_steps and engine.capture_graphs() == 0
     with pytest.raises(ValueError, match=r"sizes \[2, 5\] must lie in \[1, max_batch_size=4\]"):
         _engine(path, 0, False, cuda_graph_batch_sizes=[2, 5])
     with pytest.raises(TypeError, match="unexpected keyword argument 'cuda_graph'"):
@@ -237,7 +237,7 @@ def _gpu_engine(family, K, replay, **kw):
 @torch.inference_mode()
 def test_gpu_graph_replay_equals_eager_bitwise(family, K, replay):
     graph = _gpu_engine(family, K, replay)
-    assert graph.cuda_graphs and graph.graphs.mode == "graph"
+    assert graph.step.cuda_graphs and graph.graphs.mode == "graph"
     _poison(graph)  # garbage in every static buffer and scratch row before the first capture
     eager = _gpu_engine(family, K, replay)
     eager.graphs.mode = "eager_padded"  # the same padded steps and KV buckets, no graphs

@@ -188,7 +188,7 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
     store = PrefixCache(block_tokens=BLOCK)
     cached = Engine.from_pretrained(ckpt, options, device="cuda", prefix_store=store)
     plain = Engine.from_pretrained(ckpt, options.replace(prefix_cache=False), device="cuda")
-    assert cached.cuda_graphs and plain.cuda_graphs
+    assert cached.step.cuda_graphs and plain.step.cuda_graphs
     for phase, names in enumerate(PHASES):
         batch = [prompts[n] for n in names]
         out = cached.generate(batch, MAX_NEW, stop_token_ids=[])

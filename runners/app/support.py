@@ -80,7 +80,7 @@ def check_supported(rr: ResolvedRun) -> None:
     step at
     those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1
     runs one
-    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no overlap_steps, a warning
+    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no run-ahead steps, a warning
     says
     so; the head counts it shards are checked by registry.resolve.)
     """

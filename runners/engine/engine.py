@@ -45,7 +45,6 @@ from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.loader import materialize, plan_load
 from runners.engine.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.fp8 import FP8_DTYPE
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.mamba2 import Mamba2Mixer
 from runners.engine.options import DTYPES, EngineOptions, dtype_name
@@ -57,9 +56,6 @@ from runners.engine.stats import GenerationStats
 from runners.engine.step import DecodeStep, LaunchedStep, SlotState
 
 log = logging.getLogger(__name__)
-
-KV_CACHE_DTYPES = {"none": None, "fp8": FP8_DTYPE}  # kv_cache_quant -> KV storage dtype (None: the model's)
-
 
 @dataclass
 class GenerationOutput:
@@ -179,29 +175,13 @@ def resolve_ssm_backend(
     return backend
 
 
-def cache_args(options: EngineOptions, ssm_state_dtype: torch.dtype) -> dict:
-    """The arguments of the engine's :class:`HybridCache` (and of ``cache_memory_bytes``, its plan) under
-    ``options``: speculative buffers (rewind: T = K + 1 states per slot; replay: the input history) only
-    with drafts."""
-    return dict(
-        max_batch_size=options.max_batch_size,
-        max_seq_len=options.max_seq_len,
-        dtype=options.torch_dtype,
-        ssm_state_dtype=ssm_state_dtype,
-        spec_tokens=options.spec_tokens,
-        ssm_replay=options.ssm_replay,
-        replay_checkpointing=options.ssm_replay_checkpointing,
-        kv_cache_dtype=KV_CACHE_DTYPES[options.kv_cache_quant],
-    )
-
-
 def planned_cache_memory(config: HybridConfig, cache_kinds: dict[int, str], options: EngineOptions,
                          ssm_state_dtype: torch.dtype) -> dict[str, int]:
     """Bytes of the engine's per-slot state by kind (:meth:`Engine.cache_memory`), from the architecture
     alone: ``runners.engine.cache.cache_memory_bytes`` plus, with drafts, the decode step's per-slot first
     draft and MTP hidden (``runners.engine.step.SlotState``; the scratch row included, like every cache
     buffer)."""
-    mem = cache_memory_bytes(config, cache_kinds, **cache_args(options, ssm_state_dtype))
+    mem = cache_memory_bytes(config, cache_kinds, **options.cache_args(ssm_state_dtype))
     mem["spec_buffers_bytes"] += SlotState.spec_bytes(options.max_batch_size, config.hidden_size,
                                                       options.torch_dtype, options.draft_len)
     return mem
@@ -237,7 +217,8 @@ class Engine:
         draft_len, ssm_replay, max_batch_size, max_seq_len, prefill_chunk_tokens, scan_chunk_size,
             kv_cache_quant: the options in effect; ssm_backend: the recurrent operators that run ("triton" |
             "flashinfer" | "torch", after fallbacks); ssm_state_dtype: the SSM state's torch dtype.
-        overlap_steps: whether the next step is queued before this one's host bookkeeping.
+        overlap_steps: whether the next step is queued before this one's host bookkeeping (the option in
+            effect).
         load_report: :class:`runners.engine.memory.LoadReport` of :meth:`from_pretrained` (None otherwise).
         prefix_cache: the :class:`PrefixCache` admissions reuse prompt prefixes from (None: off;
             ``prefix_cache_off_reason`` then says why, from
@@ -284,17 +265,14 @@ class Engine:
         self._cache_kinds = model.cache_kinds(include_mtp=self.draft_len > 0)
         self.cache = HybridCache(
             config, self._cache_kinds, device=self.device, ssm_backend=self.ssm_backend,
-            stochastic_rounding=options.ssm_stochastic_rounding, **cache_args(options, self.ssm_state_dtype)
+            stochastic_rounding=options.ssm_stochastic_rounding, **options.cache_args(self.ssm_state_dtype)
         )
         if self.kv_cache_quant == "fp8":
             self._attach_kv_scales()
-        self.step = DecodeStep(
-            model, self.cache, draft_len=self.draft_len, max_batch_size=self.max_batch_size,
-            max_seq_len=self.max_seq_len, dtype=self.dtype, device=self.device, ssm_backend=self.ssm_backend,
-            cuda_graphs=options.cuda_graphs, batch_sizes=options.cuda_graph_batch_sizes,
-        )
-        overlap = options.overlap_steps
-        self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap
+        self.step = DecodeStep(model, self.cache, options, device=self.device, ssm_backend=self.ssm_backend)
+        self.overlap_steps = options.overlap_steps
+        if self.overlap_steps is None:  # default: on with CUDA, where the host and the device run apart
+            self.overlap_steps = self.device.type == "cuda"
         self._slot_counters = SlotCounters(self.max_batch_size, self.draft_len)
         if options.check_finite:  # per-layer "non-finite output" flags, read once per generate call
             model.track_nonfinite(self.device)
@@ -562,11 +540,6 @@ class Engine:
             ValueError: a batch size that is not one of the engine's ``cuda_graph_batch_sizes``.
         """
         return self.step.capture_graphs(batch_sizes, max_kv_len)
-
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs."""
-        return self.step.cuda_graphs
 
     @property
     def graphs(self) -> StepGraphs:

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from runners.engine.cache import SSM_BACKENDS
+from runners.engine.models.fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from registry.resolve import ResolvedRun
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_QUANTS = ("none", "fp8")
+KV_CACHE_DTYPES = {"none": None, "fp8": FP8_DTYPE}  # kv_cache_quant -> KV storage dtype (None: the model's)
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -121,6 +122,21 @@ class EngineOptions:
         """T = K + 1 tokens of a verify step; 0 without drafts (no speculative buffers)."""
         return self.draft_len + 1 if self.draft_len > 0 else 0
 
+    def cache_args(self, ssm_state_dtype: torch.dtype) -> dict:
+        """The arguments of the engine's ``runners.engine.cache.HybridCache`` (and of ``cache_memory_bytes``,
+        its plan) with the SSM state in ``ssm_state_dtype`` (the resolved one): speculative buffers
+        (rewind: T = K + 1 states per slot; replay: the input history) only with drafts."""
+        return dict(
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            dtype=self.torch_dtype,
+            ssm_state_dtype=ssm_state_dtype,
+            spec_tokens=self.spec_tokens,
+            ssm_replay=self.ssm_replay,
+            replay_checkpointing=self.ssm_replay_checkpointing,
+            kv_cache_dtype=KV_CACHE_DTYPES[self.kv_cache_quant],
+        )
+
     def replace(self, **changes) -> EngineOptions:
         """A copy with ``changes`` applied (``dataclasses.replace``), validated."""
         return dataclasses.replace(self, **changes).validate()
@@ -150,7 +166,7 @@ class EngineOptions:
                              "drop it")
         if self.ssm_backend is not None and self.ssm_backend not in SSM_BACKENDS:
             raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {list(SSM_BACKENDS)}")
-        if self.kv_cache_quant not in KV_CACHE_QUANTS:
+        if self.kv_cache_quant not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_quant={self.kv_cache_quant!r} is not one of 'none', 'fp8'")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None and any(not 1 <= b <= self.max_batch_size for b in sizes):

@@ -50,6 +50,7 @@ from runners.engine.graphs import (
     kv_bucket,
 )
 from runners.engine.models.hybrid import HybridLM
+from runners.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,11 @@ class DecodeStep:
 
     Args:
         model, cache: the engine's model and caches (the phases run them).
-        draft_len: K (0: the one ``decode`` phase; else draft, verify, commit, catchup).
-        max_batch_size, max_seq_len, dtype, device: the engine's.
+        options: the engine's ``EngineOptions``: draft_len K (0: the one ``decode`` phase; else draft,
+            verify, commit, catchup), max_batch_size, max_seq_len, dtype, and whether / at which padded batch
+            sizes the step is captured as CUDA graphs.
+        device: the engine's.
         ssm_backend: the resolved recurrent backend ("torch" runs host-synchronising references: no graphs).
-        cuda_graphs, batch_sizes: ``EngineOptions.cuda_graphs`` / ``cuda_graph_batch_sizes``.
 
     Attributes:
         slots: the :class:`SlotState`; io: the ``StepIO`` buffers; graphs: the ``StepGraphs``;
@@ -172,13 +174,14 @@ class DecodeStep:
         ValueError: a graph batch size outside [1, max_batch_size].
     """
 
-    def __init__(self, model: HybridLM, cache: HybridCache, *, draft_len: int, max_batch_size: int,
-                 max_seq_len: int, dtype: torch.dtype, device: torch.device, ssm_backend: str,
-                 cuda_graphs: bool | None, batch_sizes: Sequence[int] | None):
+    def __init__(self, model: HybridLM, cache: HybridCache, options: EngineOptions, *, device: torch.device,
+                 ssm_backend: str):
         self.model, self.cache, self.device = model, cache, device
-        self.draft_len, self.max_batch_size, self.max_seq_len = draft_len, max_batch_size, max_seq_len
-        D = model.config.hidden_size
+        draft_len, max_batch_size = options.draft_len, options.max_batch_size
+        self.draft_len, self.max_batch_size, self.max_seq_len = draft_len, max_batch_size, options.max_seq_len
+        D, dtype = model.config.hidden_size, options.torch_dtype
         self.slots = SlotState.allocate(max_batch_size, D, dtype, draft_len, device)
+        cuda_graphs, batch_sizes = options.cuda_graphs, options.cuda_graph_batch_sizes
         cuda = device.type == "cuda"
         if cuda_graphs and not cuda:
             log.warning("cuda_graphs=True is ignored on %s: the same step runs eagerly", device)
@@ -201,7 +204,7 @@ class DecodeStep:
                       "catchup": self.phase_catchup}
         else:
             phases = {"decode": self.phase_decode}
-        self.graphs = StepGraphs(phases, self.io, sizes if self.cuda_graphs else (), max_seq_len, device)
+        self.graphs = StepGraphs(phases, self.io, sizes if self.cuda_graphs else (), self.max_seq_len, device)
         self.forced: ForcedAcceptance | None = None
         self.phase_timer: PhaseTimer | None = None
         self.row_start: int | None = None
