@@ -537,7 +537,7 @@ class Engine:
         (batch size, KV bound) pairs captured now; 0 when graphs are off.
 
         Raises:
-            ValueError: a batch size that is not one of the engine's ``cuda_graph_batch_sizes``.
+            ValueError: a batch size that is not one of the sizes the step captures.
         """
         return self.step.capture_graphs(batch_sizes, max_kv_len)
 
