@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         eng = Engine.from_pretrained(args.checkpoint, EngineOptions(draft_len=K, max_batch_size=args.prompts,
                                                                     max_seq_len=max_len))
         eng.generate(prompts, 4, stop_token_ids=[])  # warm-up; the prompts are now cached prefixes
-        for name, label in [("_prefill", "PREFILL"), ("_launch", "STEP"), ("_step_tokens", "READ"),
-                            ("_mtp", "MTP_FWD")]:
+        for name, label in [("_prefill", "PREFILL"), ("_launch", "STEP"), ("_step_tokens", "READ")]:
             _label(eng, name, label)
+        if eng.model.mtp is not None:  # the MTP module's forwards (drafts, catch-up, prefill)
+            _label(eng.model.mtp, "forward", "MTP_FWD")
         for name in eng.graphs.phases:  # the step's phases (bound methods, held by StepGraphs)
             _label(eng.graphs.phases, name, name.upper())
         _label(eng.model, "lm_logits", "LM_HEAD")
