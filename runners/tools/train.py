@@ -16,7 +16,7 @@ and packed into windows of ``seq_len + 1`` tokens that each start at a document 
 order per epoch; no BOS (the evaluation prompts carry none). The last ``val_docs`` rows of train.jsonl are
 held out for a validation loss; the test split is never read (except by ``--sample``, for one prompt).
 
-Loss (DeepSeek-V3 style MTP, paired the way :meth:`runners.engine.engine.Engine._mtp` pairs at inference):
+Loss (DeepSeek-V3 style MTP, paired the way :func:`runners.engine.step.mtp_forward` pairs at inference):
 with
 target hidden states h_t (after the final norm) the main loss is CE(lm_head(h_t), x_{t+1}); MTP step 1 feeds
 ``mtp(embed(x_{t+1}), h_t)`` and predicts x_{t+2}; step k > 1 (``mtp_depth``) feeds its own previous output
