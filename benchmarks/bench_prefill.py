@@ -36,7 +36,6 @@ from runners.engine.cache import CacheSpec, GDNState, Mamba2State
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.mamba2 import Mamba2Mixer
-from runners.engine.options import EngineOptions
 from runners.tools.synth import synth_config
 
 DEFAULT_CASES = "1x1024,8x1024,1x4096"
@@ -165,6 +164,7 @@ def bench_engine(path: str, B: int, T: int) -> dict:
     """The engine's prefill (plus one decode-free token) on a checkpoint, ssm_backend triton vs torch: prefill
     tokens/s from GenerationStats (median of 3 runs after a warm-up)."""
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
 
     torch.manual_seed(0)
     res = {}

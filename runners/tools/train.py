@@ -60,7 +60,6 @@ from runners.engine.loader import load_model
 from runners.engine.models.config import family_module
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.mamba2 import Mamba2Mixer
-from runners.engine.options import EngineOptions
 from runners.tools.tiny import CHECKPOINT_NAMES, write_random_checkpoint
 
 log = logging.getLogger("runners.tools.train")
@@ -611,6 +610,7 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
     from tokenizers import Tokenizer
 
     from runners.engine.engine import Engine
+    from runners.engine.options import EngineOptions
 
     tok = Tokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
     shots = FEWSHOT_DELIMITER.join(format_example(r["question"], r["answer"]) for r in rows[:5])
