@@ -94,11 +94,12 @@ def run_engine(checkpoint: Path, prompts: list[list[int]], new_tokens: int, draf
     """Our engine, exactly ``new_tokens`` tokens per prompt; returns (wall, cpu, GenerationOutput, load s).
     The output carries ``prefill_cpu_seconds``: the process's CPU seconds inside the admissions' prefills."""
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
 
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(checkpoint, draft_len=draft_len, ssm_replay=replay, max_batch_size=slots,
-                                    max_seq_len=max(map(len, prompts)) + new_tokens + 8,
-                                    prefix_cache=prefix_cache)
+    options = EngineOptions(draft_len=draft_len, ssm_replay=replay, max_batch_size=slots,
+                            max_seq_len=max(map(len, prompts)) + new_tokens + 8, prefix_cache=prefix_cache)
+    engine = Engine.from_pretrained(checkpoint, options)
     load = time.perf_counter() - t0
     prefill = engine._prefill  # the admissions' prefills, timed in CPU seconds too
     prefill_cpu = [0.0]

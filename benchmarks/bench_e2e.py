@@ -104,6 +104,7 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
 
     from runners.engine import Engine
     from runners.engine.graphs import PhaseTimer
+    from runners.engine.options import EngineOptions
 
     dev = torch.device(args.device)
     K, replay = ARMS[arm]
@@ -113,9 +114,9 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
     row = {"model": model_name, "arm": arm, "batch": B, "graphs": graphs, "draft_len": K, "ssm_replay": replay,
            "dtype": str(dtype).removeprefix("torch."), "forced_acceptance_length": args.accept_length
            if forced and K else None, "prompt_len": args.prompt_len, "new_tokens": new}
-    engine = Engine(model, device=dev, dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
-                    max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B])
-    row["graphs"] = engine.cuda_graphs  # what runs: off on the CPU
+    engine = Engine(model, EngineOptions(dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
+                                         max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B]), device=dev)
+    row["graphs"] = engine.step.cuda_graphs  # what runs: off on the CPU
     if forced and K:
         engine.force_acceptance(args.accept_length)
     t0 = time.perf_counter()

@@ -91,6 +91,7 @@ def _measure(engine_path: Path, label: str, args, prompts, *, kv_cache_quant: st
     import torch
 
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -98,8 +99,8 @@ def _measure(engine_path: Path, label: str, args, prompts, *, kv_cache_quant: st
     max_b = max(args.batch_sizes)
     max_seq = args.prompt_len + args.new_tokens + 8
     print(f"== {label}: loading {engine_path}", flush=True)
-    engine = Engine.from_pretrained(engine_path, device=dev, dtype=dtype, draft_len=3,
-                                    max_batch_size=max_b, max_seq_len=max_seq, kv_cache_quant=kv_cache_quant)
+    engine = Engine.from_pretrained(engine_path, EngineOptions(dtype=dtype, draft_len=3, max_batch_size=max_b,
+                                                               max_seq_len=max_seq, kv_cache_quant=kv_cache_quant), device=dev)
     out = {"load": engine.load_report.to_dict(), "quant_report": getattr(engine.model, "quant_report", None)}
     print(json.dumps(out), flush=True)
     model = engine.model
@@ -107,8 +108,8 @@ def _measure(engine_path: Path, label: str, args, prompts, *, kv_cache_quant: st
     runs = []
     for B in args.batch_sizes:
         for K in (0, 3):
-            eng = Engine(model, device=dev, dtype=dtype, draft_len=K, max_batch_size=B,
-                         max_seq_len=max_seq, kv_cache_quant=kv_cache_quant)
+            eng = Engine(model, EngineOptions(dtype=dtype, draft_len=K, max_batch_size=B, max_seq_len=max_seq,
+                                              kv_cache_quant=kv_cache_quant), device=dev)
             eng.generate(prompts[:B], 4, stop_token_ids=[])  # warm-up: Triton JIT, cuBLASLt plans, allocator
             if cuda:
                 torch.cuda.synchronize(dev)

@@ -164,12 +164,13 @@ def bench_engine(path: str, B: int, T: int) -> dict:
     """The engine's prefill (plus one decode-free token) on a checkpoint, ssm_backend triton vs torch: prefill
     tokens/s from GenerationStats (median of 3 runs after a warm-up)."""
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
 
     torch.manual_seed(0)
     res = {}
     for backend in ("triton", "torch"):
-        engine = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, ssm_backend=backend,
-                                        max_batch_size=B, max_seq_len=T + 8)
+        engine = Engine.from_pretrained(path, EngineOptions(dtype=torch.bfloat16, ssm_backend=backend,
+                                                            max_batch_size=B, max_seq_len=T + 8), device="cuda")
         V = engine.config.vocab_size
         prompts = torch.randint(3, V, (B, T)).tolist()
         engine.generate(prompts, 1, stop_token_ids=[])  # warm-up: JIT and allocator

@@ -43,6 +43,7 @@ def _label(obj, name: str, label: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -54,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = gsm8k_prompts(args.checkpoint, args.prompts)
     max_len = max(map(len, prompts)) + args.new_tokens + 8
     for K in map(int, args.draft_lens.split(",")):
-        eng = Engine.from_pretrained(args.checkpoint, draft_len=K, max_batch_size=args.prompts,
-                                     max_seq_len=max_len)
+        eng = Engine.from_pretrained(args.checkpoint, EngineOptions(draft_len=K, max_batch_size=args.prompts,
+                                                                    max_seq_len=max_len))
         eng.generate(prompts, 4, stop_token_ids=[])  # warm-up; the prompts are now cached prefixes
-        for name, label in [("_prefill", "PREFILL"), ("_launch", "STEP"), ("_step_tokens", "READ"),
-                            ("_mtp", "MTP_FWD")]:
+        for name, label in [("_prefill", "PREFILL"), ("_launch", "STEP"), ("_step_tokens", "READ")]:
             _label(eng, name, label)
+        if eng.model.mtp is not None:  # the MTP module's forwards (drafts, catch-up, prefill)
+            _label(eng.model.mtp, "forward", "MTP_FWD")
         for name in eng.graphs.phases:  # the step's phases (bound methods, held by StepGraphs)
             _label(eng.graphs.phases, name, name.upper())
         _label(eng.model, "lm_logits", "LM_HEAD")

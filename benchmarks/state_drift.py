@@ -28,6 +28,7 @@ import torch
 
 from runners.engine.cache import BatchMeta
 from runners.engine.engine import Engine
+from runners.engine.options import EngineOptions
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")
@@ -86,9 +87,8 @@ def measure(checkpoint: str, tokens: int, window: int, runs=RUNS) -> dict:
     res, ref = {}, None
     for state_dtype, sr in runs:
         t0 = time.perf_counter()
-        engine = Engine.from_pretrained(path, device="cpu", dtype=torch.float32, max_batch_size=1,
-                                        max_seq_len=tokens + 1, ssm_state_dtype=state_dtype,
-                                        ssm_backend="torch", ssm_stochastic_rounding=sr)
+        engine = Engine.from_pretrained(path, EngineOptions(dtype=torch.float32, max_batch_size=1,
+                                                            max_seq_len=tokens + 1, ssm_state_dtype=state_dtype, ssm_backend="torch", ssm_stochastic_rounding=sr), device="cpu")
         logits = teacher_forced_logits(engine, ids)
         name = state_dtype + ("_sr" if sr else "")
         if ref is None:

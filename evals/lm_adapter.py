@@ -325,6 +325,7 @@ class EngineLM(LM):
             device without CUDA).
         """
         from runners.engine.engine import Engine
+        from runners.engine.options import EngineOptions
 
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={device} but CUDA is not available here; pass device=cpu "
@@ -334,9 +335,10 @@ class EngineLM(LM):
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
         check_checkpoint_dir(pretrained, "pretrained=")
-        engine = Engine.from_pretrained(str(pretrained), device=device, dtype=dtype, draft_len=int(draft_len),
-                                        ssm_replay=bool(ssm_replay), max_batch_size=int(batch_size),
-                                        max_seq_len=int(max_seq_len), ssm_backend=ssm_backend)
+        options = EngineOptions(dtype=dtype, draft_len=int(draft_len), ssm_replay=bool(ssm_replay),
+                                max_batch_size=int(batch_size), max_seq_len=int(max_seq_len),
+                                ssm_backend=ssm_backend)
+        engine = Engine.from_pretrained(str(pretrained), options, device=device)
         store = GenerationStore(generations, resume=resume) if generations else None
         return cls(engine, Path(pretrained) / TOKENIZER_FILE, max_gen_toks=int(max_gen_toks), store=store,
                    progress=progress)

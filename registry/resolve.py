@@ -86,10 +86,10 @@ class ResolvedRun:
         """The speculative algorithm as the baseline files name it: "mtp" when drafting, else "none"."""
         return self.entry.speculative.algorithm.value if self.draft_len > 0 else "none"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary (enums as their values, paths as strings): results.json's `config`."""
+    def engine_settings(self) -> dict[str, Any]:
+        """The resolved settings the engine runs with, by the names results.json's `config` and a run's
+        resume fingerprint (runners.app.main.fingerprint) both record them under."""
         return {
-            "model": plain(self.entry),
             "ssm_replay": self.ssm_replay,
             "world_size": self.world_size,
             "draft_len": self.draft_len,
@@ -99,6 +99,13 @@ class ResolvedRun:
             "max_batch_size": self.max_batch_size,
             "ssm_backend": self.ssm_backend,
             "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (enums as their values, paths as strings): results.json's `config`."""
+        return {
+            "model": plain(self.entry),
+            **self.engine_settings(),
             "cuda_graph_batch_sizes": self.cuda_graph_batch_sizes,
             "checkpoint_dir": str(self.checkpoint_dir),
             "arch": plain(self.arch) if self.arch is not None else None,

@@ -203,8 +203,9 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     # world_size > 1: seconds a collective of the ranks (all-reduce) waits for its peers before the run stops
     collective_timeout_s: int = 600
-    # exact prefix caching (runners/engine/prefix_cache.py): a prompt reuses the state saved after its longest
-    # cached prefix and prefills only the rest; false: every prompt is prefilled from scratch
+    # prefix caching (runners/engine/prefix_cache.py): a prompt reuses the state saved after its longest
+    # cached prefix and prefills only the rest; false: every prompt is prefilled from scratch. Exact, and so
+    # on, only in float32 compute with a float32 SSM state (prefix_cache_off_reason)
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # the most its entries may take; None: the engine's default
 

@@ -172,17 +172,18 @@ class OracleDraftEngine(Engine):
     def set_oracle(self, prompts, greedy):
         self.prompts = [list(p) for p in prompts]
         self.sequences = [p + g for p, g in zip(prompts, greedy)]
-        self.slot_request, self.step = {}, 0
+        self.slot_request, self.calls = {}, 0
+        self.step.draft = self._oracle_draft  # the decode step drafts with the oracle
 
     def _prefill(self, prompts, slots):
         for p, s in zip(prompts, slots):
             self.slot_request[s] = self.prompts.index(list(p))
         return super()._prefill(prompts, slots)
 
-    def _draft(self, slot_ids, start_pos, max_kv_len=None):
+    def _oracle_draft(self, slot_ids, start_pos, max_kv_len=None):
         K, V = self.draft_len, self.config.vocab_size
-        wrong = self.step % (K + 1)
-        self.step += 1
+        wrong = self.calls % (K + 1)
+        self.calls += 1
         rows = []
         for s, n in zip(slot_ids.tolist(), start_pos.tolist()):
             seq = self.sequences[self.slot_request[s]]

@@ -24,6 +24,8 @@ from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners.app import main as app
 from runners.engine.memory import LoadReport
+from runners.engine.options import EngineOptions
+from runners.engine.prefix_cache import prefix_cache_off_reason
 
 TINY_NEMOTRON_H_CONFIG = {
     "model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4,
@@ -70,21 +72,22 @@ class FakeEngine:
 
     built: list[tuple[str, dict]] = []
 
-    def __init__(self, ssm_backend: str, prefix_cache: bool = True, prefix_cache_bytes: int | None = None):
+    def __init__(self, ssm_backend: str, options: EngineOptions):
         self.ssm_backend = ssm_backend  # the backend that runs (runners.Engine resolves it)
         self.load_report = LoadReport(
             seconds=1.5, weights_seconds=1.0, device="cpu", dtype="float32", weight_bytes=3 * 2**30,
             cache_bytes=2**21, budget_bytes=None, host_peak_rss_bytes=2**31, host_peak_reset=True,
             device_peak_bytes=None, device_allocated_bytes=None)
-        # the prefix cache as runners.Engine keeps it: None when off, else an object with its limit
-        self.prefix_cache = SimpleNamespace(max_bytes=prefix_cache_bytes or 2**29) if prefix_cache else None
+        # the prefix cache as runners.Engine keeps it (its policy decides): None when off, else an object
+        # with its limit
+        self.prefix_cache_off_reason = prefix_cache_off_reason(options)
+        on = self.prefix_cache_off_reason is None
+        self.prefix_cache = SimpleNamespace(max_bytes=options.prefix_cache_bytes or 2**29) if on else None
 
     @classmethod
-    def from_pretrained(cls, path, *, device="cpu", dtype=torch.float32, draft_len=0, ssm_replay=False,
-                        **options):
-        cls.built.append((path, dict(device=device, dtype=dtype, draft_len=draft_len, ssm_replay=ssm_replay,
-                                     **options)))
-        return cls(options["ssm_backend"], options["prefix_cache"], options["prefix_cache_bytes"])
+    def from_pretrained(cls, path, options, *, device="cpu"):
+        cls.built.append((path, dict(device=device, **asdict(options))))
+        return cls(options.ssm_backend, options)
 
     def cache_memory(self):
         return {"ssm_state_bytes": 2**20, "conv_state_bytes": 1024, "kv_cache_bytes": 2**21,
@@ -148,11 +151,11 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
 
     (path, kwargs), = FakeEngine.built
     assert path == str(ckpt)
-    assert kwargs == dict(device="cpu", dtype=torch.float32, draft_len=3, ssm_replay=True, max_batch_size=16,
-                          max_seq_len=4096, ssm_state_dtype=torch.float32, ssm_backend="torch",
-                          ssm_replay_checkpointing=False, kv_cache_quant="none", cuda_graphs=False,
-                          cuda_graph_batch_sizes=[], ssm_stochastic_rounding=False, prefix_cache=True,
-                          prefix_cache_bytes=None)
+    want = EngineOptions(dtype="float32", draft_len=3, ssm_replay=True, max_batch_size=16, max_seq_len=4096,
+                         ssm_state_dtype="float32", ssm_backend="torch", ssm_replay_checkpointing=False,
+                         kv_cache_quant="none", cuda_graphs=False, cuda_graph_batch_sizes=[],
+                         ssm_stochastic_rounding=False, prefix_cache=True, prefix_cache_bytes=None)
+    assert kwargs == dict(device="cpu", **asdict(want))
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")
     assert (call["limit"], call["num_fewshot"], call["max_gen_toks"]) == (4, 5, 256)
@@ -230,7 +233,9 @@ def test_run_entry_without_speculation_and_sharded_checkpoint(fakes, tmp_path):
     results = app.run(cfg)
     (_, kwargs), = FakeEngine.built
     assert kwargs["draft_len"] == 0 and kwargs["ssm_replay"] is False
-    assert kwargs["max_batch_size"] == 3 and kwargs["dtype"] == torch.bfloat16
+    assert kwargs["max_batch_size"] == 3 and kwargs["dtype"] == "bfloat16"
+    # bf16 compute: the prefix cache is off, and results.json says why and how to turn it on
+    assert "runtime.dtype=float32" in results["prefix_cache"]["off_reason"]
     assert results["config"]["draft_len"] == 0 and results["acceptance"] is None
 
 
@@ -405,7 +410,8 @@ def test_cuda_graph_batch_sizes_reach_the_engine_on_a_gpu_only(fakes, tmp_path, 
         FakeEngine.built = []
         results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={tmp_path / str(i)}", *overrides))
         (_, kwargs), = FakeEngine.built
-        assert kwargs["cuda_graph_batch_sizes"] == sizes and kwargs["cuda_graphs"] == bool(sizes), overrides
+        assert list(kwargs["cuda_graph_batch_sizes"]) == sizes, overrides
+        assert kwargs["cuda_graphs"] == bool(sizes), overrides
         assert results["config"]["cuda_graph_batch_sizes"] == sizes
     # the released entries list sizes up to their max_batch_size; a run no longer stops on them
     root = tmp_path / "models"
@@ -414,7 +420,7 @@ def test_cuda_graph_batch_sizes_reach_the_engine_on_a_gpu_only(fakes, tmp_path, 
     app.run(_cfg("model=super_v3_mtp", f"models_root={root}", "runtime=gpu",
                  "verdict.require_reference=false", f"out_dir={tmp_path / 'super'}"))
     (_, kwargs), = FakeEngine.built
-    assert kwargs["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
+    assert list(kwargs["cuda_graph_batch_sizes"]) == [1, 2, 4, 8, 16, 32, 64]
 
 
 @pytest.mark.parametrize(

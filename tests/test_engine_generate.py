@@ -12,6 +12,7 @@ import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 
 from runners.engine import Engine, GenerationStats
+from runners.engine.options import EngineOptions
 
 MAX_NEW = 10
 PROMPT_LENS = (7, 1, 19, 12, 3)
@@ -41,7 +42,7 @@ def _oracle_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def test_greedy_batch_matches_transformers(setup):
     hf, path, prompts, expected = setup
-    engine = Engine.from_pretrained(path, max_batch_size=8, max_seq_len=64)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=8, max_seq_len=64))
     ids = torch.tensor([prompts[0], prompts[3][:7]])
     with torch.inference_mode():
         torch.testing.assert_close(engine.logits(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
@@ -71,10 +72,11 @@ def test_transformers_generate_agrees(setup):
 
 def test_each_prompt_alone_and_continuous_batching_agree(setup):
     _, path, prompts, expected = setup
-    alone = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=64)
+    alone = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=64))
     assert [alone.generate([p], MAX_NEW, stop_token_ids=[]).tokens[0] for p in prompts[:2]] == expected[:2]
     # 2 slots for 5 prompts: requests join as others leave; small prefill chunks force chunked prefill.
-    engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=64, prefill_chunk_tokens=6)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=64,
+                                                        prefill_chunk_tokens=6))
     finished_order = []
     out = engine.generate(
         prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, toks, reason, stats: finished_order.append(i)
@@ -85,7 +87,7 @@ def test_each_prompt_alone_and_continuous_batching_agree(setup):
 
 def test_stop_tokens_checker_and_on_finish(setup):
     _, path, prompts, expected = setup
-    engine = Engine.from_pretrained(path, max_batch_size=3, max_seq_len=64)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=3, max_seq_len=64))
     stop_tok = expected[0][3]
     first_stop = expected[0].index(stop_tok)
     calls, progress = [], []
@@ -133,7 +135,7 @@ def test_stop_tokens_checker_and_on_finish(setup):
 
 def test_default_stop_is_eos(setup):
     _, path, prompts, _ = setup
-    engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=64)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=64))
     out = engine.generate(prompts, MAX_NEW)  # stop_token_ids=None -> config eos (2)
     for toks, reason in zip(out.tokens, out.finish_reasons):
         assert (reason == "stop_token") == (2 in toks)
@@ -143,13 +145,22 @@ def test_default_stop_is_eos(setup):
 def test_option_and_input_errors(setup, tmp_path):
     hf, path, prompts, _ = setup
     with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
-        Engine.from_pretrained(path, ssm_replay=True)
-    with pytest.raises(ValueError, match="unknown engine options"):
-        Engine.from_pretrained(path, max_batch=4)
+        Engine.from_pretrained(path, EngineOptions(ssm_replay=True))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_batch'"):
+        Engine.from_pretrained(path, EngineOptions(max_batch=4))
+    for bad, says in [(dict(max_batch_size=0), "max_batch_size=0 must be an integer >= 1"),
+                      (dict(prefill_chunk_tokens=0), "prefill_chunk_tokens=0 must be an integer >= 1"),
+                      (dict(dtype="float64"), "dtype 'float64' is not supported"),
+                      (dict(kv_cache_quant="int8"), "kv_cache_quant='int8' is not one of"),
+                      (dict(ssm_replay_checkpointing=True), "variant of ssm_replay"),
+                      (dict(max_batch_size=2, cuda_graph_batch_sizes=[4]),
+                       r"must lie in \[1, max_batch_size=2\]")]:
+        with pytest.raises(ValueError, match=says):
+            EngineOptions(**bad).validate()
     no_mtp = write_checkpoint(tmp_path / "nomtp", hf, with_mtp=False)
     with pytest.raises(ValueError, match="needs MTP weights|mtp"):
-        Engine.from_pretrained(no_mtp, draft_len=3)
-    engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=16)
+        Engine.from_pretrained(no_mtp, EngineOptions(draft_len=3))
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=16))
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate([prompts[2]], 10)
     with pytest.raises(ValueError, match="empty"):
@@ -160,8 +171,9 @@ def test_option_and_input_errors(setup, tmp_path):
 
 def test_draft_len_is_stored_and_mtp_cache_allocated(setup):
     _, path, prompts, expected = setup
-    plain = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=32)
-    spec = Engine.from_pretrained(path, draft_len=3, ssm_replay=True, max_batch_size=2, max_seq_len=32)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=32))
+    spec = Engine.from_pretrained(path, EngineOptions(draft_len=3, ssm_replay=True, max_batch_size=2,
+                                                      max_seq_len=32))
     assert spec.draft_len == 3 and spec.ssm_replay and spec.model.mtp is not None
     m0, m1 = plain.cache_memory(), spec.cache_memory()
     assert set(m0) == {"ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes"}

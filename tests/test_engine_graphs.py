@@ -33,6 +33,7 @@ from test_realdim_engine import ENGINE_SIZES
 
 from runners.engine import Engine
 from runners.engine.graphs import POISON_INT, HostRing, StepGraphs, default_graph_batch_sizes, kv_bucket
+from runners.engine.options import EngineOptions
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW, SLOTS = 10, 4
@@ -54,7 +55,7 @@ def setup(request, tmp_path_factory):
 
 def _engine(path, K, replay, **kw):
     kw = {"max_batch_size": SLOTS, "max_seq_len": 64, **kw}
-    return Engine.from_pretrained(path, draft_len=K, ssm_replay=replay, **kw)
+    return Engine.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=replay, **kw))
 
 
 def _run(engine, prompts, limits=LIMITS, max_new=MAX_NEW):
@@ -81,13 +82,12 @@ def _tensors(obj, prefix=""):
 def _state_tensors(engine):
     """(name, tensor) of every per-slot buffer with S + 1 rows: the caches and the decode state."""
     out = [(f"cache[{i}].{n}", t) for i, layer in engine.cache.layers.items() for n, t in _tensors(layer)]
-    own = ["_slot_len", "_last_token"] + (["_mtp_hidden", "_draft1"] if engine.draft_len else [])
-    return out + [(n, getattr(engine, n)) for n in own]
+    return out + [(f"step.slots.{n}", t) for n, t in vars(engine.step.slots).items() if t is not None]
 
 
 def _poison(engine):
     """Garbage in every static step buffer and in every scratch row (what a PAD row reads)."""
-    engine._io.poison()
+    engine.step.io.poison()
     R = engine.max_batch_size + 1
     for _, t in _state_tensors(engine):
         if t.dim() and t.shape[0] == R:
@@ -155,8 +155,9 @@ class _Outstanding(Engine):
 def test_running_the_next_step_ahead_changes_nothing(setup, K, replay):
     path, prompts = setup
     want = _run(_engine(path, K, replay), prompts)
-    engine = _Outstanding.from_pretrained(path, draft_len=K, ssm_replay=replay, max_batch_size=SLOTS,
-                                          max_seq_len=64, overlap_steps=True)
+    engine = _Outstanding.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=replay,
+                                                              max_batch_size=SLOTS, max_seq_len=64,
+                                                              overlap_steps=True))
     got = _run(engine, prompts)
     assert engine.max_outstanding == 2  # a step was queued before the previous one was read
     assert got == want, _diff(got, want, "overlap_steps=True vs False")
@@ -185,10 +186,10 @@ def test_graph_options_on_the_cpu(setup, caplog):
     with caplog.at_level(logging.WARNING):
         engine = _engine(path, 3, False, cuda_graphs=True)
     assert "cuda_graphs=True is ignored on cpu" in caplog.text
-    assert not engine.cuda_graphs and not engine.overlap_steps and engine.capture_graphs() == 0
+    assert not engine.step.cuda_graphs and not engine.overlap_steps and engine.capture_graphs() == 0
     with pytest.raises(ValueError, match=r"sizes \[2, 5\] must lie in \[1, max_batch_size=4\]"):
         _engine(path, 0, False, cuda_graph_batch_sizes=[2, 5])
-    with pytest.raises(ValueError, match="unknown engine options"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cuda_graph'"):
         _engine(path, 0, False, cuda_graph=True)
 
 
@@ -226,8 +227,8 @@ def _gpu_prompts(vocab_size):
 
 def _gpu_engine(family, K, replay, **kw):
     kw = {"max_batch_size": 5, "max_seq_len": 512, "cuda_graph_batch_sizes": [1, 4], **kw}
-    return Engine.from_pretrained(TINY[family], device="cuda", dtype=torch.float32, draft_len=K,
-                                  ssm_replay=replay, **kw)
+    return Engine.from_pretrained(TINY[family], EngineOptions(dtype=torch.float32, draft_len=K,
+                                                              ssm_replay=replay, **kw), device="cuda")
 
 
 @pytest.mark.gpu
@@ -236,7 +237,7 @@ def _gpu_engine(family, K, replay, **kw):
 @torch.inference_mode()
 def test_gpu_graph_replay_equals_eager_bitwise(family, K, replay):
     graph = _gpu_engine(family, K, replay)
-    assert graph.cuda_graphs and graph.graphs.mode == "graph"
+    assert graph.step.cuda_graphs and graph.graphs.mode == "graph"
     _poison(graph)  # garbage in every static buffer and scratch row before the first capture
     eager = _gpu_engine(family, K, replay)
     eager.graphs.mode = "eager_padded"  # the same padded steps and KV buckets, no graphs
@@ -306,9 +307,10 @@ def test_gpu_release_shapes_bf16_graph_equals_eager(family, replay):
     from runners.tools.synth import synthetic_model
 
     model, _ = synthetic_model(family, dtype=torch.bfloat16, device="cuda", **ENGINE_SIZES[family])
-    kw = dict(device="cuda", dtype=torch.bfloat16, draft_len=3, ssm_replay=replay, max_batch_size=5,
-              max_seq_len=512, cuda_graph_batch_sizes=[1, 4])
-    graph, eager = Engine(model, **kw), Engine(model, **kw)  # one model, two engines (own caches, buffers)
+    options = EngineOptions(dtype=torch.bfloat16, draft_len=3, ssm_replay=replay, max_batch_size=5,
+                            max_seq_len=512, cuda_graph_batch_sizes=[1, 4])
+    # one model, two engines (own caches, buffers)
+    graph, eager = Engine(model, options, device="cuda"), Engine(model, options, device="cuda")
     assert graph.graphs.mode == "graph"
     eager.graphs.mode = "eager_padded"
     _poison(graph)

@@ -24,6 +24,8 @@ from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 
 from runners.engine import Engine, GenerationStats
 from runners.engine.cache import BatchMeta, KVCache, Mamba2State
+from runners.engine.options import EngineOptions
+from runners.engine.step import mtp_forward
 
 MAX_NEW = 16
 
@@ -34,7 +36,7 @@ def ckpt(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("mtp"), hf, with_mtp=True)
     torch.manual_seed(0)
     prompts = [torch.randint(0, 5, (n,)).tolist() for n in (5, 17, 9, 30, 1, 12)]
-    plain = Engine.from_pretrained(path, max_batch_size=3, max_seq_len=64)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=3, max_seq_len=64))
     return path, prompts, plain.generate(prompts, MAX_NEW, stop_token_ids=[]).tokens
 
 
@@ -42,10 +44,10 @@ def ckpt(tmp_path_factory):
 def test_drafts_match_cache_free_mtp_reference(ckpt):
     path, prompts, _ = ckpt
     K = 3
-    engine = Engine.from_pretrained(path, draft_len=K, max_batch_size=2, max_seq_len=64)
+    engine = Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=2, max_seq_len=64))
     model, prompt = engine.model, prompts[3]
     first = engine._prefill([prompt], [1])[0]
-    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
+    drafts = engine.step.draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     # reference: MTP position i pairs the target hidden at i with token i + 1, then its own outputs
     hidden = model(torch.tensor([prompt]))[0]
     assert first == int(model.lm_logits(hidden[-1]).argmax())
@@ -62,7 +64,8 @@ def test_drafts_match_cache_free_mtp_reference(ckpt):
 def test_every_num_accepted_value_keeps_plain_greedy_output(ckpt):
     path, prompts, plain = ckpt
     K = 3
-    engine = OracleDraftEngine.from_pretrained(path, draft_len=K, max_batch_size=5, max_seq_len=64)
+    engine = OracleDraftEngine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=5,
+                                                                   max_seq_len=64))
     engine.set_oracle(prompts, plain)
     out = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert out.tokens == plain
@@ -74,7 +77,8 @@ def test_every_num_accepted_value_keeps_plain_greedy_output(ckpt):
 def test_stop_token_inside_an_accepted_run(ckpt):
     """A stop token among several accepted tokens truncates the output right after it."""
     path, prompts, plain = ckpt
-    engine = OracleDraftEngine.from_pretrained(path, draft_len=3, max_batch_size=2, max_seq_len=64)
+    engine = OracleDraftEngine.from_pretrained(path, EngineOptions(draft_len=3, max_batch_size=2,
+                                                                   max_seq_len=64))
     engine.set_oracle(prompts[1:3], plain[1:3])
     stop = plain[1][6]
     out = engine.generate(prompts[1:3], MAX_NEW, stop_token_ids=[stop])
@@ -107,6 +111,8 @@ class CheckedEngine(Engine):
         self.request_step = [0] * len(prompts)
         self.expected_accepts, self.realized_accepts, self.checked = {}, [], 0
         self.realized_by_request = [[] for _ in prompts]
+        if schedules is not None:  # the drafter of the step: an oracle made right for the scheduled drafts
+            self.step.draft = self._scheduled_draft
 
     def _prefill(self, prompts, slots):
         first = super()._prefill(prompts, slots)
@@ -116,9 +122,7 @@ class CheckedEngine(Engine):
             self.history[s], self.ref_len[s] = list(p) + [f], len(p)
         return first
 
-    def _draft(self, slot_ids, start_pos, max_kv_len=None):
-        if self.schedules is None:
-            return super()._draft(slot_ids, start_pos, max_kv_len)
+    def _scheduled_draft(self, slot_ids, start_pos, max_kv_len=None):
         K, V = self.draft_len, self.config.vocab_size
         rows = []
         for s, n in zip(slot_ids.tolist(), start_pos.tolist()):
@@ -141,7 +145,7 @@ class CheckedEngine(Engine):
             self.realized_by_request[self.slot_request[s]].append(len(toks) - 1)
             if self.schedules is not None and self.expected_accepts[s] is not None:
                 assert len(toks) - 1 == self.expected_accepts[s], f"slot {s}: forced acceptance not realized"
-            self._check_slot(s, int(self._slot_len[s]))
+            self._check_slot(s, int(self.step.slots.length[s]))
         self.checked += 1
         return new
 
@@ -151,7 +155,8 @@ class CheckedEngine(Engine):
         for p in range(self.ref_len[slot], length):  # the accepted tokens, one per forward
             meta = BatchMeta.decode(one, torch.tensor([p]))
             h = ref.model(torch.tensor([[hist[p]]]), ref.cache, meta)
-            mtp_out = ref._mtp(torch.tensor([[hist[p + 1]]]), h, meta)[0, -1]  # MTP pos p: token p + 1
+            nxt = torch.tensor([[hist[p + 1]]])  # MTP pos p: token p + 1
+            mtp_out = mtp_forward(ref.model, ref.cache, nxt, h, meta)[0, -1]
         self.ref_len[slot] = length
         tol = dict(atol=2e-5, rtol=1e-4)
         for idx, layer in self.cache.layers.items():
@@ -164,14 +169,15 @@ class CheckedEngine(Engine):
                     got, want = got[:length], want[:length]
                 where = f"slot {slot}, cache layer {idx}, {name}"
                 torch.testing.assert_close(got, want, **tol, msg=lambda m, where=where: f"{where}: {m}")
-        torch.testing.assert_close(self._mtp_hidden[slot], mtp_out, **tol)
-        assert int(self._draft1[slot]) == int(ref.model.lm_logits(mtp_out).argmax())
+        torch.testing.assert_close(self.step.slots.mtp_hidden[slot], mtp_out, **tol)
+        assert int(self.step.slots.draft1[slot]) == int(ref.model.lm_logits(mtp_out).argmax())
 
 
 def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8192):
     kw = dict(draft_len=K, max_batch_size=3, max_seq_len=64)
-    engine = CheckedEngine.from_pretrained(path, prefill_chunk_tokens=prefill_chunk_tokens, **kw)
-    engine.attach(Engine.from_pretrained(path, **kw), prompts, plain, schedules)
+    engine = CheckedEngine.from_pretrained(path, EngineOptions(prefill_chunk_tokens=prefill_chunk_tokens,
+                                                               **kw))
+    engine.attach(Engine.from_pretrained(path, EngineOptions(**kw)), prompts, plain, schedules)
     finished, request_stats = [], {}
 
     def on_finish(i, toks, reason, stats):
@@ -278,7 +284,8 @@ def _all_rows(engine, slot):
 def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
     path, prompts, _ = ckpt
     K, T = 3, 4
-    engines = [Engine.from_pretrained(path, draft_len=K, max_batch_size=3, max_seq_len=64) for _ in range(2)]
+    engines = [Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=3,
+                                                          max_seq_len=64)) for _ in range(2)]
     for e in engines:
         e._prefill([prompts[0], prompts[1], prompts[2]], [0, 1, 2])
     torch.manual_seed(3)
@@ -317,7 +324,7 @@ def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
 def test_speculative_buffers_only_with_speculation(ckpt):
     path, _, _ = ckpt
     S, L = 2, 32
-    plain = Engine.from_pretrained(path, max_batch_size=S, max_seq_len=L)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=S, max_seq_len=L))
     m0 = plain.cache_memory()
     assert set(m0) == {"ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes"}
     assert m0["spec_buffers_bytes"] == 0 and not hasattr(plain, "_mtp_hidden")
@@ -333,7 +340,8 @@ def test_speculative_buffers_only_with_speculation(ckpt):
     assert m0["conv_state_bytes"] == n_mamba * R * C * W1 * 4
     assert m0["kv_cache_bytes"] == n_attn * kv_layer
     spec = {
-        K: Engine.from_pretrained(path, draft_len=K, ssm_replay=K == 7, max_batch_size=S, max_seq_len=L)
+        K: Engine.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=K == 7, max_batch_size=S,
+                                                      max_seq_len=L))
         for K in (3, 7)
     }
     for K, e in spec.items():
@@ -349,7 +357,7 @@ def test_speculative_buffers_only_with_speculation(ckpt):
             commit = n_mamba * R * (C * (W1 + T) + T * H * P * N) * 4
         assert m["spec_buffers_bytes"] == commit + R * (c.hidden_size * 4 + 8)  # + first draft, MTP hidden
     with pytest.raises(ValueError, match="ssm_replay requires speculative decoding"):
-        Engine.from_pretrained(path, ssm_replay=True, max_batch_size=S, max_seq_len=L)
+        Engine.from_pretrained(path, EngineOptions(ssm_replay=True, max_batch_size=S, max_seq_len=L))
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -29,6 +29,7 @@ from runners.engine.cache import BatchMeta, GDNState, HybridCache
 from runners.engine.loader import CheckpointError, load_model
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
+from runners.engine.options import EngineOptions
 
 MAX_NEW = 8
 PROMPT_LENS = (7, 1, 19, 12)
@@ -94,7 +95,7 @@ def test_full_forward_logits_match_transformers(ckpt, hf, model):
     finally:
         for m in gdn:
             m.chunk_size = model.config.gdn_chunk_size
-    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=64)
+    engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=64))
     _close(engine.logits(ids[:2, :20]), ref[:2, :20])
 
 
@@ -196,7 +197,8 @@ def test_greedy_generate_matches_transformers(ckpt, hf):
                       pad_token_id=0)
     assert ref[0, len(prompts[2]) :].tolist() == expected[2]
     # 2 slots for 4 prompts (requests join as others leave) and prefill chunks of 6 tokens
-    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=64, prefill_chunk_tokens=6)
+    engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=64,
+                                                        prefill_chunk_tokens=6))
     out = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert out.tokens == expected and out.finish_reasons == ["length"] * len(prompts)
     mem = engine.cache_memory()
@@ -274,7 +276,7 @@ def small_vocab(tmp_path_factory):
     path = write_qwen_checkpoint(tmp_path_factory.mktemp("qwen_v5") / "ckpt", seed=2, vocab_size=5)
     torch.manual_seed(0)
     prompts = [torch.randint(0, 5, (n,)).tolist() for n in (5, 17, 9, 30, 1, 12)]
-    plain = Engine.from_pretrained(path, max_batch_size=3, max_seq_len=64)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=3, max_seq_len=64))
     return path, prompts, plain.generate(prompts, mtp_tests.MAX_NEW, stop_token_ids=[]).tokens
 
 
@@ -282,10 +284,10 @@ def small_vocab(tmp_path_factory):
 def test_drafts_match_cache_free_mtp_reference(small_vocab):
     path, prompts, _ = small_vocab
     K = 3
-    engine = Engine.from_pretrained(path, draft_len=K, max_batch_size=2, max_seq_len=64)
+    engine = Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=2, max_seq_len=64))
     model, prompt = engine.model, prompts[3]
     first = engine._prefill([prompt], [1])[0]
-    drafts = engine._draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
+    drafts = engine.step.draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     hidden = model(torch.tensor([prompt]))[0]  # MTP position i: target hidden i with token i + 1
     after, want = prompt[1:] + [first], []
     for _ in range(K):
@@ -388,4 +390,4 @@ def test_checkpoint_without_mtp_loads_for_plain_decoding(copy):
     with pytest.raises(CheckpointError, match="no mtp"):
         load_model(copy, load_mtp=True)
     with pytest.raises(ValueError, match="no mtp"):
-        Engine.from_pretrained(copy, draft_len=2)
+        Engine.from_pretrained(copy, EngineOptions(draft_len=2))

@@ -33,6 +33,7 @@ from runners.engine.models.fp8 import (
     scaled_mm_supported,
 )
 from runners.engine.models.layers import ACTIVATIONS
+from runners.engine.options import EngineOptions
 from runners.engine.quant import FP8Linear, FP8MoE, kv_cache_scales
 from runners.tools.quantize import QuantizeError, main, quantize_fp8_checkpoint
 
@@ -168,8 +169,8 @@ def test_fp8_logits_close_to_the_source_model(which, request, gsm8k_dir):
     row = json.loads((gsm8k_dir / "test.jsonl").read_text().splitlines()[0])
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     ids = torch.tensor([tok.encode(f"Question: {row['question']}\nAnswer: {row['answer']}").ids])
-    a = Engine.from_pretrained(ckpt, max_batch_size=1, max_seq_len=512).logits(ids)
-    b = Engine.from_pretrained(src, max_batch_size=1, max_seq_len=512).logits(ids)
+    a = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=1, max_seq_len=512)).logits(ids)
+    b = Engine.from_pretrained(src, EngineOptions(max_batch_size=1, max_seq_len=512)).logits(ids)
     assert ((a - b).norm() / b.norm()) < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
@@ -186,7 +187,8 @@ def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
     outs = {}
     for name, kw in {"greedy": dict(draft_len=0), "rewind": dict(draft_len=3),
                      "replay": dict(draft_len=3, ssm_replay=True)}.items():
-        engine = Engine.from_pretrained(ckpt, kv_cache_quant="fp8", max_batch_size=2, max_seq_len=512, **kw)
+        engine = Engine.from_pretrained(ckpt, EngineOptions(kv_cache_quant="fp8", max_batch_size=2,
+                                                            max_seq_len=512, **kw))
         outs[name] = engine.generate(prompts, 24, stop_token_ids=[])
     assert outs["rewind"].tokens == outs["replay"].tokens == outs["greedy"].tokens
     assert outs["rewind"].stats.acceptance_rate > 0.2
@@ -194,14 +196,15 @@ def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
 
 def test_fp8_kv_cache_without_checkpoint_scales_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="runners.engine.engine"):
-        e = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", kv_cache_quant="fp8", max_batch_size=2,
-                                   max_seq_len=64)
+        e = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp",
+                                   EngineOptions(kv_cache_quant="fp8", max_batch_size=2, max_seq_len=64))
     assert "no k / v scales" in caplog.text and "scale 1.0" in caplog.text
-    plain = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", max_batch_size=2, max_seq_len=64)
+    plain = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", EngineOptions(max_batch_size=2,
+                                                                                max_seq_len=64))
     assert e.cache_memory()["kv_cache_bytes"] * 4 == plain.cache_memory()["kv_cache_bytes"]  # fp32 -> fp8
     assert float(e.cache[1].k_scale) == 1.0
     with pytest.raises(ValueError, match="kv_cache_quant='int8'"):
-        Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", kv_cache_quant="int8")
+        Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp", EngineOptions(kv_cache_quant="int8"))
 
 
 def _copy(src, dst):
@@ -342,9 +345,9 @@ def test_fp8_linear_does_not_synchronise_gpu():
 
 @cuda
 def test_fp8_tiny_engine_on_gpu(fp8_nemotron):
-    cpu = Engine.from_pretrained(fp8_nemotron, max_batch_size=2, max_seq_len=64)
-    gpu = Engine.from_pretrained(fp8_nemotron, device="cuda", kv_cache_quant="fp8", draft_len=3,
-                                 max_batch_size=2, max_seq_len=64)
+    cpu = Engine.from_pretrained(fp8_nemotron, EngineOptions(max_batch_size=2, max_seq_len=64))
+    gpu = Engine.from_pretrained(fp8_nemotron, EngineOptions(kv_cache_quant="fp8", draft_len=3,
+                                                             max_batch_size=2, max_seq_len=64), device="cuda")
     report = gpu.model.quant_report
     assert report["fp8_linears"].get("scaled_mm", 0) > 0  # aligned layers run torch._scaled_mm
     ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])

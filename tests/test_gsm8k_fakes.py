@@ -107,7 +107,7 @@ class FakeStats:
 
     def request_stats(self) -> dict:
         """The engine's per-request `request_stats` dict
-        (runners.engine.engine.SlotCounters.request_stats)."""
+        (runners.engine.scheduler.SlotCounters.request_stats)."""
         keys = ("request_steps", "drafted_tokens", "accepted_drafts", "accepted_per_position",
                 "num_accepted_hist", "generated_tokens", "prompt_tokens")
         return {k: getattr(self, k) for k in keys}

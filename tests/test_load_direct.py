@@ -18,6 +18,7 @@ from runners.engine.loader import FP32_SUFFIXES, load_model, plan_load
 from runners.engine.memory import InsufficientMemoryError, check_memory_fits
 from runners.engine.models.config import HybridConfig, family_module
 from runners.engine.models.hybrid import HybridLM
+from runners.engine.options import EngineOptions
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "registry" / "checkpoints"
 TINY = ["tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp"]
@@ -55,8 +56,9 @@ def test_generated_tokens_identical_to_host_first_load(name):
     path = CHECKPOINTS / name
     prompts = [[1, 17, 300, 42, 9], [1, 5, 6, 7]]
     kw = dict(draft_len=3, ssm_replay=True, max_batch_size=2, max_seq_len=128)
-    direct = Engine.from_pretrained(path, **kw).generate(prompts, 20, stop_token_ids=[])
-    host = Engine(_host_first_load(path, torch.float32), **kw).generate(prompts, 20, stop_token_ids=[])
+    direct = Engine.from_pretrained(path, EngineOptions(**kw)).generate(prompts, 20, stop_token_ids=[])
+    host = Engine(_host_first_load(path, torch.float32), EngineOptions(**kw)).generate(prompts, 20,
+                                                                                       stop_token_ids=[])
     assert direct.tokens == host.tokens and all(len(t) == 20 for t in direct.tokens)
 
 
@@ -125,8 +127,8 @@ def test_fit_check_fires_before_any_allocation(monkeypatch):
 
     monkeypatch.setattr("runners.engine.engine.materialize", no_alloc)
     with pytest.raises(InsufficientMemoryError) as e:
-        Engine.from_pretrained(path, draft_len=3, max_batch_size=64, max_seq_len=4096,
-                               memory_budget_bytes=10 * 2**20)
+        Engine.from_pretrained(path, EngineOptions(draft_len=3, max_batch_size=64, max_seq_len=4096,
+                                                   memory_budget_bytes=10 * 2**20))
     msg = e.value.problem
     assert "of weights +" in msg and "of caches (max_batch_size=64, max_seq_len=4096)" in msg
     assert "more than the 0.01 GiB of the given memory budget on cpu" in msg
@@ -145,7 +147,8 @@ def test_fit_check_numbers_and_skip():
 
 def test_load_report_matches_the_engine():
     path = CHECKPOINTS / "tiny_nemotron_h_mtp"
-    engine = Engine.from_pretrained(path, dtype="bfloat16", draft_len=3, max_batch_size=4, max_seq_len=256)
+    engine = Engine.from_pretrained(path, EngineOptions(dtype="bfloat16", draft_len=3, max_batch_size=4,
+                                                        max_seq_len=256))
     r = engine.load_report
     params = {id(t): t for t in list(engine.model.parameters()) + list(engine.model.buffers())}.values()
     assert r.weight_bytes == sum(t.numel() * t.element_size() for t in params)

@@ -23,6 +23,7 @@ from ckpt_factory import make_hf_model, write_checkpoint
 from qwen_ckpt import write_qwen_checkpoint
 
 from runners.engine import Engine
+from runners.engine.options import EngineOptions
 from runners.engine.prefix_cache import PrefixCache
 
 V, BLOCK, SLOTS, MAX_NEW = 5, 16, 2, 8
@@ -65,9 +66,11 @@ EXPECTED_HITS = {  # prompt -> cached prefix length reused, per phase
 
 def _engine(path, K, replay, prefix_cache):
     """replay: False (rewind), True (per-step replay) or "checkpointing" (Mamba2's checkpointing variant)."""
-    return Engine.from_pretrained(path, draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS,
-                                  max_seq_len=160, prefix_cache=prefix_cache,
-                                  ssm_replay_checkpointing=replay == "checkpointing")
+    options = EngineOptions(draft_len=K, ssm_replay=bool(replay), max_batch_size=SLOTS, max_seq_len=160,
+                            prefix_cache=prefix_cache is not False,
+                            ssm_replay_checkpointing=replay == "checkpointing")
+    store = prefix_cache if isinstance(prefix_cache, PrefixCache) else None
+    return Engine.from_pretrained(path, options, prefix_store=store)
 
 
 def _acceptance(s):
@@ -128,8 +131,9 @@ def test_the_mtp_cache_of_the_prefix_is_restored(ckpt, name, hit):
         got, want = cached.cache[idx], plain.cache[idx]
         torch.testing.assert_close(got.k[1, :L], want.k[1, :L], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.v[1, :L], want.v[1, :L], rtol=1e-5, atol=1e-5)
-    assert torch.equal(cached._draft1[1], plain._draft1[1])
-    torch.testing.assert_close(cached._mtp_hidden[1], plain._mtp_hidden[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached.step.slots.draft1[1], plain.step.slots.draft1[1])
+    torch.testing.assert_close(cached.step.slots.mtp_hidden[1], plain.step.slots.mtp_hidden[1], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_eviction_under_a_tiny_cache(ckpt):
@@ -158,8 +162,8 @@ def test_fp8_kv_cache_with_the_prefix_cache(ckpt, caplog):
     byte for byte: the same tokens and acceptance as without the cache, with the hits expected."""
     prompts = _prompts()
     kw = dict(draft_len=3, max_batch_size=SLOTS, max_seq_len=160, kv_cache_quant="fp8")
-    cached = Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(block_tokens=BLOCK), **kw)
-    plain = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
+    cached = Engine.from_pretrained(ckpt, EngineOptions(**kw), prefix_store=PrefixCache(block_tokens=BLOCK))
+    plain = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
     assert cached.kv_cache_quant == "fp8"
     for eng in (cached, plain):  # per-tensor scales as a calibrated checkpoint brings them
         for layer in eng.cache.layers.values():
@@ -179,11 +183,12 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
     """On CUDA (Triton kernels, decode / verify as CUDA graphs, float32): the same tokens and acceptance with
     and without the cache over the three phases, with the hits expected."""
     prompts = _prompts()
-    kw = dict(device="cuda", draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
-              cuda_graphs=True)
-    cached = Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(block_tokens=BLOCK), **kw)
-    plain = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
-    assert cached.cuda_graphs and plain.cuda_graphs
+    options = EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=160,
+                            cuda_graphs=True)
+    store = PrefixCache(block_tokens=BLOCK)
+    cached = Engine.from_pretrained(ckpt, options, device="cuda", prefix_store=store)
+    plain = Engine.from_pretrained(ckpt, options.replace(prefix_cache=False), device="cuda")
+    assert cached.step.cuda_graphs and plain.step.cuda_graphs
     for phase, names in enumerate(PHASES):
         batch = [prompts[n] for n in names]
         out = cached.generate(batch, MAX_NEW, stop_token_ids=[])
@@ -196,18 +201,56 @@ def test_gpu_cuda_graphs_same_tokens_with_and_without_the_cache(ckpt, K, replay)
 
 def test_off_where_not_exact_and_when_asked(ckpt):
     """Stochastic rounding of a 16-bit SSM state draws its bits per forward, which a cache hit skips: the
-    engine turns the cache off and says why; prefix_cache=False says so too."""
+    engine turns the cache off and says why; prefix_cache=False and prefix_cache_bytes=0 say so too."""
     kw = dict(max_batch_size=SLOTS, max_seq_len=160)
-    sr = Engine.from_pretrained(ckpt, ssm_state_dtype="bfloat16", ssm_stochastic_rounding=True, **kw)
+    sr = Engine.from_pretrained(ckpt, EngineOptions(ssm_state_dtype="bfloat16", ssm_stochastic_rounding=True,
+                                                    **kw))
     assert sr.prefix_cache is None and "stochastic_rounding" in sr.prefix_cache_off_reason
-    off = Engine.from_pretrained(ckpt, prefix_cache=False, **kw)
-    assert off.prefix_cache is None and off.prefix_cache_off_reason == "prefix_cache=False"
-    zero = Engine.from_pretrained(ckpt, prefix_cache_bytes=0, **kw)  # a cache that could never store
-    assert zero.prefix_cache is None and zero.prefix_cache_off_reason.startswith("prefix_cache_bytes=0")
-    on = Engine.from_pretrained(ckpt, prefix_cache_bytes=4096, **kw)
+    off = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
+    assert off.prefix_cache is None and off.prefix_cache_off_reason == "runtime.prefix_cache=false"
+    zero = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=0, **kw))  # could never store
+    assert zero.prefix_cache is None
+    assert zero.prefix_cache_off_reason.startswith("runtime.prefix_cache_bytes=0")
+    on = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw))
     assert on.prefix_cache.max_bytes == 4096 and on.prefix_cache_off_reason is None
-    with pytest.raises(ValueError, match="prefix_cache_bytes only with prefix_cache=True"):
-        Engine.from_pretrained(ckpt, prefix_cache=PrefixCache(), prefix_cache_bytes=4096, **kw)
+    with pytest.raises(ValueError, match="prefix_cache_bytes only without prefix_store"):
+        Engine.from_pretrained(ckpt, EngineOptions(prefix_cache_bytes=4096, **kw), prefix_store=PrefixCache())
+
+
+def test_exact_only_in_float32(ckpt):
+    """In 16-bit compute the tokens and acceptance depend on where a prefill is cut, which a cache hit moves,
+    and a 16-bit SSM state is rounded where a prefill stops: the engine keeps the cache only in float32
+    compute with a float32 state, and names the dtype and the fix otherwise (issue 29)."""
+    kw = dict(max_batch_size=SLOTS, max_seq_len=160)
+    on = Engine.from_pretrained(ckpt, EngineOptions(dtype="float32", **kw))
+    assert on.prefix_cache is not None and on.prefix_cache_off_reason is None
+    for dtype in ("bfloat16", "float16"):
+        off = Engine.from_pretrained(ckpt, EngineOptions(dtype=dtype, **kw))
+        assert off.prefix_cache is None, dtype
+        assert off.prefix_cache_off_reason.startswith(f"runtime.dtype={dtype}: in 16-bit compute"), dtype
+        assert "run with runtime.dtype=float32" in off.prefix_cache_off_reason
+    state = Engine.from_pretrained(ckpt, EngineOptions(ssm_state_dtype="bfloat16", **kw))
+    assert state.prefix_cache is None
+    assert state.prefix_cache_off_reason.startswith("model.ssm.state_dtype=bfloat16")
+    assert "set model.ssm.state_dtype=float32" in state.prefix_cache_off_reason
+
+
+def test_the_policy_has_one_owner():
+    """prefix_cache_off_reason decides for the engine and the application alike, in a fixed order: what was
+    asked, stochastic rounding, tensor parallelism, then exactness."""
+    from runners.engine.prefix_cache import TENSOR_PARALLEL_OFF_REASON, prefix_cache_off_reason
+
+    assert prefix_cache_off_reason(EngineOptions()) is None
+    assert prefix_cache_off_reason(EngineOptions(prefix_cache=False, dtype="bfloat16")) == \
+        "runtime.prefix_cache=false"
+    assert prefix_cache_off_reason(EngineOptions(), world_size=2) == TENSOR_PARALLEL_OFF_REASON
+    bf16 = EngineOptions(dtype="bfloat16")
+    assert prefix_cache_off_reason(bf16, world_size=2) == TENSOR_PARALLEL_OFF_REASON
+    # the checkpoint's state dtype counts where the options leave it to the checkpoint
+    assert prefix_cache_off_reason(EngineOptions(), ssm_state_dtype="float16").startswith(
+        "model.ssm.state_dtype=float16")
+    f32_state = EngineOptions(ssm_state_dtype="float32")
+    assert prefix_cache_off_reason(f32_state, ssm_state_dtype="float16") is None
 
 
 # ------------------------------------------------------------------ the cache's own rules (no model)

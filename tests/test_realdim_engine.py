@@ -14,6 +14,7 @@ from ckpt_factory import OracleDraftEngine
 from tokenizers import Tokenizer
 
 from runners.engine import Engine
+from runners.engine.options import EngineOptions
 from runners.tools.synth import write_synthetic_checkpoint
 
 # Head structure of the releases; widths that keep a CPU test short.
@@ -35,12 +36,13 @@ def setup(request, tmp_path_factory, gsm8k_dir):
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     rows = [json.loads(line) for line in (gsm8k_dir / "test.jsonl").read_text().splitlines()[:5]]
     prompts = [[1] + tok.encode(f"Question: {r['question']}\nAnswer:").ids[:48] for r in rows]
-    plain = Engine.from_pretrained(path, max_batch_size=SLOTS, max_seq_len=128)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=SLOTS, max_seq_len=128))
     return family, path, prompts, plain.generate(prompts, MAX_NEW, stop_token_ids=[]).tokens
 
 
 def _engine(path, replay, cls=Engine):
-    return cls.from_pretrained(path, draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=128)
+    return cls.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS,
+                                                   max_seq_len=128))
 
 
 def test_real_head_structure(setup):

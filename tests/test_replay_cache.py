@@ -249,9 +249,46 @@ def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, chec
         with pytest.raises(ValueError, match="mamba2 layers only"):
             HybridCache(config, kinds, **args)
         return
-    allocated = HybridCache(config, kinds, **args).memory()
-    assert cache_memory_bytes(config, kinds, **args) == allocated
+    cache = HybridCache(config, kinds, **args)
+    allocated = cache.memory()
+    planned = cache_memory_bytes(config, kinds, **args)
+    assert planned == allocated
     assert (allocated["spec_buffers_bytes"] > 0) == (spec_tokens > 0)
+    # the plan counts every tensor the cache holds, found by walking it (not through its own declaration)
+    assert sum(planned.values()) == sum(t.numel() * t.element_size() for t in _all_tensors(cache))
+
+
+def _all_tensors(obj, seen=None):
+    """Every distinct tensor reachable through the attributes of ``obj`` (layers, histories, replay slots)."""
+    seen = {} if seen is None else seen
+    items = obj.items() if isinstance(obj, dict) else vars(obj).items() if hasattr(obj, "__dict__") else ()
+    for _, v in items:
+        if isinstance(v, torch.Tensor):
+            seen.setdefault(id(v), v)
+        elif isinstance(v, dict) or (hasattr(v, "__dict__") and not isinstance(v, (type, torch.dtype))):
+            _all_tensors(v, seen)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+@pytest.mark.parametrize("draft_len, replay", [(0, False), (3, False), (3, True)])
+def test_engine_memory_plan_equals_its_allocated_tensors(family, draft_len, replay):
+    """The engine's plan (``Engine.cache_memory``: what from_pretrained checks against the budget before
+    allocating) equals the bytes of every per-slot tensor it then holds: the caches and the decode step's
+    slot state, drafts on and off, replay on and off, both families."""
+    from runners.engine import Engine
+    from runners.engine.options import EngineOptions
+
+    engine = Engine.from_pretrained(REPO / f"registry/checkpoints/tiny_{family}_mtp",
+                                    EngineOptions(draft_len=draft_len, ssm_replay=replay, max_batch_size=3,
+                                                  max_seq_len=48))
+    slots = engine.step.slots
+    spec_slot_state = [t for t in (slots.mtp_hidden, slots.draft1) if t is not None]
+    tensors = _all_tensors(engine.cache) + spec_slot_state
+    plan = engine.cache_memory()
+    assert sum(plan.values()) == sum(t.numel() * t.element_size() for t in tensors)
+    assert (plan["spec_buffers_bytes"] > 0) == (draft_len > 0)
+    assert engine.load_report.cache_bytes == sum(plan.values())
 
 
 def _registry_memory(entry: str, replay: bool) -> dict[str, int]:

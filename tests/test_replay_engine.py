@@ -24,6 +24,7 @@ from runners.engine import Engine
 from runners.engine.cache import GDNReplayState, GDNState, Mamba2ReplayState, Mamba2State
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.options import EngineOptions
 from runners.engine.stats import GenerationStats
 
 MAX_NEW = 12
@@ -40,14 +41,13 @@ def setup(request, tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 40, (18,), generator=g).tolist()
     prompts = [torch.randint(0, 5, (n,), generator=g).tolist() for n in lengths]
-    plain = Engine.from_pretrained(path, max_batch_size=SLOTS, max_seq_len=80)
+    plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=SLOTS, max_seq_len=80))
     return path, prompts, plain.generate(prompts, MAX_NEW, stop_token_ids=[]).tokens
 
 
-def _engine(path, K, replay, cls=Engine, **kw):
-    return cls.from_pretrained(
-        path, draft_len=K, ssm_replay=replay, max_batch_size=SLOTS, max_seq_len=80, **kw
-    )
+def _engine(path, K, replay, cls=Engine, device="cpu", **kw):
+    return cls.from_pretrained(path, EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=SLOTS,
+                                                   max_seq_len=80, **kw), device=device)
 
 
 def _acceptance(stats: GenerationStats) -> tuple:
@@ -149,7 +149,8 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(
 def test_ssm_replay_without_speculation_is_an_error(setup):
     path, _, _ = setup
     with pytest.raises(ValueError, match="speculative decoding"):
-        Engine.from_pretrained(path, draft_len=0, ssm_replay=True, max_batch_size=2, max_seq_len=16)
+        Engine.from_pretrained(path, EngineOptions(draft_len=0, ssm_replay=True, max_batch_size=2,
+                                                   max_seq_len=16))
 
 
 def test_ssm_backend_option(setup):
@@ -212,7 +213,7 @@ def _count_launches(monkeypatch) -> dict[str, int]:
 
 def _is_gdn(path) -> bool:
     """Whether the checkpoint at `path` has Gated DeltaNet layers (else Mamba2)."""
-    engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=16)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=16))
     return isinstance(_recurrent_layers(engine)[0][0], GDNMixer)
 
 
@@ -235,8 +236,9 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
     outs, launched = {}, {}
     for backend in ("torch", "triton"):
         for K, replay in ((0, False), (2, False), (2, True)):
-            engine = Engine.from_pretrained(path, draft_len=K, ssm_replay=replay, max_batch_size=2,
-                                            max_seq_len=64, ssm_backend=backend, device=device)
+            options = EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=2, max_seq_len=64,
+                                    ssm_backend=backend)
+            engine = Engine.from_pretrained(path, options, device=device)
             counts.clear()
             outs[backend, K, replay] = engine.generate(batch, new, stop_token_ids=[])
             launched[backend, K, replay] = set(counts)
@@ -270,19 +272,19 @@ def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
     picks Triton and says why; Super V3's sizes pass the guard."""
     from types import SimpleNamespace
 
-    from runners.engine.engine import _resolve_ssm_backend
+    from runners.engine.engine import resolve_ssm_backend
 
     for sizes, named in (((10, 12, 6, 2), "mamba_head_dim': 10"), ((64, 128, 6, 2), "n_groups': 3")):
         keys = ("mamba_head_dim", "ssm_state_size", "mamba_num_heads", "n_groups")
         cfg = SimpleNamespace(**dict(zip(keys, sizes)))
         caplog.clear()
         with caplog.at_level("WARNING"):
-            backend = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
+            backend = resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
         assert backend == "triton" and "verified only at" in caplog.text and named in caplog.text
     caplog.clear()
     cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)  # Super V3
     with caplog.at_level("WARNING"):
-        resolved = _resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
+        resolved = resolve_ssm_backend("flashinfer", torch.device("cuda"), False, cfg)
     assert "verified only at" not in caplog.text  # passes the size guard (then needs flashinfer importable)
     assert resolved == ("flashinfer" if importlib.util.find_spec("flashinfer") else "triton")
 
@@ -292,14 +294,14 @@ def test_flashinfer_backend_on_cpu_and_for_gdn(caplog):
     (Qwen3-Next) gets Triton with the reason: FlashInfer has no Gated DeltaNet kernels."""
     from types import SimpleNamespace
 
-    from runners.engine.engine import _resolve_ssm_backend
+    from runners.engine.engine import resolve_ssm_backend
 
     cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)
     with pytest.raises(ValueError, match="ssm_backend='flashinfer' runs FlashInfer's CUDA kernels.*'torch'"):
-        _resolve_ssm_backend("flashinfer", torch.device("cpu"), True, cfg)
+        resolve_ssm_backend("flashinfer", torch.device("cpu"), True, cfg)
     with caplog.at_level("WARNING"):
         gdn_only = SimpleNamespace(mamba_num_heads=0)
-        resolved = _resolve_ssm_backend("flashinfer", torch.device("cuda"), True, gdn_only)
+        resolved = resolve_ssm_backend("flashinfer", torch.device("cuda"), True, gdn_only)
     assert resolved == "triton" and "no Gated DeltaNet kernels" in caplog.text
 
 
@@ -315,8 +317,9 @@ def test_gpu_flashinfer_rewind_equals_triton(tmp_path):
     prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (12,))]
     outs = {}
     for backend, replay in (("triton", False), ("flashinfer", False), ("flashinfer", True)):
-        engine = Engine.from_pretrained(path, device="cuda", draft_len=3, ssm_replay=replay,
-                                        ssm_backend=backend, max_batch_size=SLOTS, max_seq_len=80)
+        options = EngineOptions(draft_len=3, ssm_replay=replay, ssm_backend=backend, max_batch_size=SLOTS,
+                                max_seq_len=80)
+        engine = Engine.from_pretrained(path, options, device="cuda")
         assert engine.ssm_backend == backend
         outs[backend, replay] = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     want = outs["triton", False]
@@ -332,8 +335,9 @@ def test_gpu_replay_equals_rewind(setup, backend):
     path, prompts, _ = setup
     outs = []
     for replay in (False, True):
-        engine = Engine.from_pretrained(path, device="cuda", draft_len=3, ssm_replay=replay,
-                                        ssm_backend=backend, max_batch_size=SLOTS, max_seq_len=80)
+        options = EngineOptions(draft_len=3, ssm_replay=replay, ssm_backend=backend, max_batch_size=SLOTS,
+                                max_seq_len=80)
+        engine = Engine.from_pretrained(path, options, device="cuda")
         outs.append(engine.generate(prompts, MAX_NEW, stop_token_ids=[]))
     assert outs[1].tokens == outs[0].tokens
     assert _acceptance(outs[1].stats) == _acceptance(outs[0].stats) and outs[1].stats.accepted_drafts > 0

@@ -49,6 +49,7 @@ from registry.resolve import resolve
 from registry.schema import REPO_ROOT
 from runners.engine import Engine
 from runners.engine.loader import load_model
+from runners.engine.options import EngineOptions
 
 # ------------------------------------------------------------------ a broken model never passes
 
@@ -120,7 +121,7 @@ def test_tied_checkpoint_storing_lm_head_loads(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     tensors["lm_head.weight"] = tensors["backbone.embeddings.weight"].clone()  # stored as well
     save_file(tensors, str(path / "model.safetensors"))
-    engine = Engine.from_pretrained(path, max_batch_size=2, max_seq_len=32)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=32))
     assert engine.model.lm_head.weight.data_ptr() == engine.model.embeddings.weight.data_ptr()
     ids = torch.tensor([[3, 5, 7, 9]])
     with torch.inference_mode():
@@ -128,7 +129,7 @@ def test_tied_checkpoint_storing_lm_head_loads(tmp_path):
 
 
 def test_nonfinite_outputs_are_flagged_with_the_first_layer(ckpt):
-    engine = Engine.from_pretrained(ckpt, draft_len=2, max_batch_size=2, max_seq_len=64)
+    engine = Engine.from_pretrained(ckpt, EngineOptions(draft_len=2, max_batch_size=2, max_seq_len=64))
     out = engine.generate([[3, 4, 5]], 4)
     assert out.nonfinite == []
     with torch.no_grad():
@@ -151,7 +152,7 @@ def test_nonfinite_outputs_are_flagged_with_the_first_layer(ckpt):
     ],
 )
 def test_generate_refuses_bad_ids_before_any_compute(ckpt, ids, exc, match):
-    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+    engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32))
     calls = []
     engine.model.register_forward_hook(lambda *a: calls.append(1))
     with pytest.raises(exc, match=match):
@@ -170,18 +171,19 @@ def test_generate_refuses_bad_ids_before_any_compute(ckpt, ids, exc, match):
     ],
 )
 def test_logits_refuses_bad_ids(ckpt, ids, exc):
-    engine = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+    engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32))
     with pytest.raises(exc, match="input_ids"):
         engine.logits(ids)
 
 
 def test_16bit_mamba2_state_is_warned_about(ckpt, caplog):
     with caplog.at_level("WARNING", logger="runners.engine.engine"):
-        Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32, ssm_state_dtype=torch.bfloat16)
+        Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32,
+                                                   ssm_state_dtype=torch.bfloat16))
     assert "16-bit recurrent state drifts" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="runners.engine.engine"):
-        Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=32)
+        Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32))
     assert "16-bit" not in caplog.text
 
 

@@ -46,16 +46,17 @@ class ScriptedEngine(FakeEngine):
     """
 
     @classmethod
-    def from_pretrained(cls, path, **options):
+    def from_pretrained(cls, path, options, **placement):
         complete = answer_policy("alternate", Path(os.environ["GSM8K_DIR"]))
         hang = os.environ.get("SCRIPTED_HANG_AFTER")
         engine = cls(Tokenizer.from_file(str(Path(path) / "tokenizer.json")),
                      lambda p: complete(last_question(p)), max_batch_size=2, step_delay=0.002,
                      hang_after=int(hang) if hang else None)
-        engine.config = SimpleNamespace(eos_token_id=2, options=sorted(options))
-        engine.ssm_backend = options["ssm_backend"]
+        engine.config = SimpleNamespace(eos_token_id=2)
+        engine.ssm_backend = options.ssm_backend
         engine.load_report = None  # as an Engine built without from_pretrained
         engine.prefix_cache = None  # as an Engine with runtime.prefix_cache=false (the fake reuses nothing)
+        engine.prefix_cache_off_reason = "runtime.prefix_cache=false"
         return engine
 
     def cache_memory(self):

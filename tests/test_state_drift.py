@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.state_drift import REPO, measure, teacher_forced_logits
 from runners.engine.engine import Engine
+from runners.engine.options import EngineOptions
 
 CHECKPOINTS_DIR = REPO / "registry" / "checkpoints"
 
@@ -29,9 +30,11 @@ def test_stochastic_rounding_curbs_bf16_state_drift_nemotron_h():
 def test_engine_option_checks_and_determinism():
     path = CHECKPOINTS_DIR / "tiny_nemotron_h_mtp"
     with pytest.raises(ValueError, match="16-bit ssm_state_dtype"):
-        Engine.from_pretrained(path, max_batch_size=1, max_seq_len=8, ssm_stochastic_rounding=True)
-    engines = [Engine.from_pretrained(path, max_batch_size=1, max_seq_len=40, ssm_state_dtype="bfloat16",
-                                      ssm_backend="torch", ssm_stochastic_rounding=True) for _ in range(2)]
+        Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=8,
+                                                   ssm_stochastic_rounding=True))
+    options = EngineOptions(max_batch_size=1, max_seq_len=40, ssm_state_dtype="bfloat16", ssm_backend="torch",
+                            ssm_stochastic_rounding=True)
+    engines = [Engine.from_pretrained(path, options) for _ in range(2)]
     cache = engines[0].cache
     assert cache.rounding is not None
     salts = {layer.rounding.salt for layer in cache.layers.values() if getattr(layer, "rounding", None)}
@@ -40,6 +43,6 @@ def test_engine_option_checks_and_determinism():
     a, b = (teacher_forced_logits(e, ids) for e in engines)
     assert torch.equal(a, b), "same seed: the same stochastic roundings"
     assert int(cache.rounding.step) == len(ids), "one step per forward"
-    rn = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=40, ssm_state_dtype="bfloat16",
-                                ssm_backend="torch")
+    rn = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=40,
+                                                    ssm_state_dtype="bfloat16", ssm_backend="torch"))
     assert not torch.equal(teacher_forced_logits(rn, ids), a), "stochastic rounding must change the state"

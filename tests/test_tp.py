@@ -186,9 +186,8 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
         runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
     (gen1, res1), (gen2, res2) = runs[1], runs[2]
     assert len(gen1) == 8 and gen1.keys() == gen2.keys()
-    # world_size 2 runs without the prefix cache (runners.engine.launch.PREFIX_CACHE_OFF_REASON): its lookup
-    # counters
-    # are the only request counters that differ
+    # world_size 2 runs without the prefix cache (runners.engine.prefix_cache.TENSOR_PARALLEL_OFF_REASON): its
+    # lookup counters are the only request counters that differ
     no_prefix = lambda rs: {k: v for k, v in rs.items() if not k.startswith("prefix_cache")}  # noqa: E731
     for key in gen1:
         assert gen2[key]["generated_ids"] == gen1[key]["generated_ids"]
@@ -246,30 +245,29 @@ def test_fp8_is_not_sharded():
 
 def test_tp_engines_step_eagerly():
     """Engines under runners.engine.launch step eagerly (its module docstring): build_engine /
-    rebuild_engine turn
-    cuda_graphs and overlap_steps off, and refuse a request for either with the fix."""
+    rebuild_engine turn cuda_graphs and overlap_steps off, and refuse a request for either with the fix."""
     from runners.engine.launch import _eager_steps
+    from runners.engine.options import EngineOptions
 
-    assert _eager_steps({"draft_len": 3}) == {"draft_len": 3, "cuda_graphs": False, "overlap_steps": False}
-    assert _eager_steps({"cuda_graphs": False})["overlap_steps"] is False
+    assert _eager_steps(EngineOptions(draft_len=3)) == EngineOptions(draft_len=3, cuda_graphs=False,
+                                                                     overlap_steps=False)
+    assert _eager_steps(EngineOptions(cuda_graphs=False)).overlap_steps is False
     with pytest.raises(ValueError, match=r"cuda_graphs and overlap_steps with world_size > 1.*"
                                          r"cuda_graphs=False, overlap_steps=False"):
-        _eager_steps({"cuda_graphs": True, "overlap_steps": True})
+        _eager_steps(EngineOptions(cuda_graphs=True, overlap_steps=True))
 
 
 def test_tp_engines_run_without_the_prefix_cache():
-    """Engines under runners.engine.launch have no prefix cache (launch.PREFIX_CACHE_OFF_REASON):
-    build_engine /
-    rebuild_engine turn it off and refuse a request for it with the fix."""
-    from runners.engine.launch import _no_prefix_cache
-    from runners.engine.prefix_cache import PrefixCache
+    """Engines of a tensor-parallel shard have no prefix cache: the policy's one owner
+    (runners.engine.prefix_cache.prefix_cache_off_reason) says so for world_size > 1, whatever was asked, and
+    build_engine / rebuild_engine pass the run's options through unchanged."""
+    from runners.engine.options import EngineOptions
+    from runners.engine.prefix_cache import TENSOR_PARALLEL_OFF_REASON, prefix_cache_off_reason
 
-    off = {"prefix_cache": False, "prefix_cache_bytes": None}
-    assert _no_prefix_cache({"draft_len": 3}) == {"draft_len": 3, **off}
-    assert _no_prefix_cache({"prefix_cache": False})["prefix_cache"] is False
-    for asked in (True, PrefixCache()):
-        with pytest.raises(ValueError, match=r"prefix_cache with world_size > 1.*prefix_cache=False"):
-            _no_prefix_cache({"prefix_cache": asked})
+    asked = EngineOptions(prefix_cache=True, prefix_cache_bytes=4096)
+    assert prefix_cache_off_reason(asked, world_size=2) == TENSOR_PARALLEL_OFF_REASON
+    assert prefix_cache_off_reason(asked, world_size=1) is None
+    assert "world_size > 1" in TENSOR_PARALLEL_OFF_REASON
 
 
 def test_sharded_weight_check_judges_the_whole_matrix():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from registry.errors import UserError
+from runners.engine.options import EngineOptions
 
 # Widths that world size 4 shards and that exercise every rule of runners/engine/tp.py: KV heads (2) fewer
 # than 4
@@ -119,14 +120,14 @@ ARMS = ((3, False), (3, True), (0, False))  # (draft_len, ssm_replay)
 
 
 def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
-    """For every checkpoint and arm of :data:`ARMS`: an engine from ``build(path, **options)`` (3 slots for 5
+    """For every checkpoint and arm of :data:`ARMS`: an engine from ``build(path, options)`` (3 slots for 5
     prompts: slots are reused), its greedy tokens, acceptance, cache and weight bytes, and (first arm) the
     logits of :data:`LOGIT_IDS`. Stop tokens off, float32."""
     out = {}
     for ck in checkpoints:
         for draft_len, replay in ARMS:
-            engine = build(ck, dtype=torch.float32, draft_len=draft_len, ssm_replay=replay, max_batch_size=3,
-                           max_seq_len=64)
+            engine = build(ck, EngineOptions(dtype="float32", draft_len=draft_len, ssm_replay=replay,
+                                             max_batch_size=3, max_seq_len=64))
             result = engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
             out[(ck, draft_len, replay)] = {
                 "tokens": result.tokens,

@@ -82,13 +82,21 @@ class ReplayHistory:
     k: torch.Tensor
     g: torch.Tensor
 
+    @staticmethod
+    def shapes(num_slots: int, hist_len: int, H: int, HV: int, K: int, V: int, *,
+               dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{field: (shape, dtype)} of a layer's history (the class docstring's layout): the one declaration
+        that :meth:`allocate` and the engine's memory plan (runners/engine/cache.py) both read."""
+        lead = (num_slots, 2, hist_len)
+        return {"u": ((*lead, HV, V), dtype), "k": ((*lead, H, K), dtype), "g": ((*lead, HV), torch.float32)}
+
     @classmethod
     def allocate(cls, num_slots: int, hist_len: int, H: int, HV: int, K: int, V: int, *,
                  device: torch.device | str, dtype: torch.dtype = torch.float32) -> ReplayHistory:
         """Zero-filled history of one layer for T <= hist_len (TH) tokens per verify; u and k in `dtype` (fp32
         recommended), g in fp32."""
-        z = lambda *shape, dt=dtype: torch.zeros(num_slots, 2, hist_len, *shape, device=device, dtype=dt)
-        return cls(u=z(HV, V), k=z(H, K), g=z(HV, dt=torch.float32))
+        shapes = cls.shapes(num_slots, hist_len, H, HV, K, V, dtype=dtype)
+        return cls(**{n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in shapes.items()})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.u, self.k, self.g))

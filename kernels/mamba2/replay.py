@@ -123,6 +123,15 @@ class ReplayHistory:
     dt: torch.Tensor
     dA_cumsum: torch.Tensor
 
+    @staticmethod
+    def shapes(num_slots: int, hist_len: int, nheads: int, head_dim: int, ngroups: int, d_state: int, *,
+               dtype: torch.dtype, checkpointing: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{field: (shape, dtype)} of a layer's history (the class docstring's layout): the one declaration
+        that :meth:`allocate` and the engine's memory plan (runners/engine/cache.py) both read."""
+        S, L, H, P, G, N = num_slots, hist_len, nheads, head_dim, ngroups, d_state
+        return {"x": ((S, 1 if checkpointing else 2, L, H, P), dtype), "B": ((S, 2, L, G, N), dtype),
+                "dt": ((S, 2, H, L), torch.float32), "dA_cumsum": ((S, 2, H, L), torch.float32)}
+
     @classmethod
     def allocate(
         cls, num_slots: int, hist_len: int, nheads: int, head_dim: int, ngroups: int, d_state: int,
@@ -139,13 +148,9 @@ class ReplayHistory:
         if hist_len < 1:
             raise ValueError(f"ReplayHistory.allocate: hist_len must be >= 1 (the verify width T), got {hist_len}")
         check_dtype(torch.empty(0, dtype=dtype), INPUT_DTYPES, "history", "ReplayHistory.allocate")
-        S, L, H, P, G, N = num_slots, hist_len, nheads, head_dim, ngroups, d_state
-        return cls(
-            x=torch.zeros(S, 1 if checkpointing else 2, L, H, P, dtype=dtype, device=device),
-            B=torch.zeros(S, 2, L, G, N, dtype=dtype, device=device),
-            dt=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
-            dA_cumsum=torch.zeros(S, 2, H, L, dtype=torch.float32, device=device),
-        )
+        shapes = cls.shapes(num_slots, hist_len, nheads, head_dim, ngroups, d_state, dtype=dtype,
+                            checkpointing=checkpointing)
+        return cls(**{k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.B, self.dt, self.dA_cumsum))

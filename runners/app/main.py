@@ -21,7 +21,6 @@ Every problem the user can fix raises registry.errors.UserError before the engin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import signal
 import time
@@ -48,6 +47,8 @@ from registry.resolve import ResolvedRun, resolve
 from registry.schema import REPO_ROOT
 from runners.app.support import check_quant_hardware, check_supported
 from runners.engine.engine import Engine
+from runners.engine.options import engine_options
+from runners.engine.prefix_cache import prefix_cache_off_reason
 
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
@@ -85,6 +86,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
         _check_out_dir(out_dir, rr)
+        _warn_prefix_cache_off(rr)
         if rr.world_size > 1:  # one process per rank; rank 0 runs the job below, the others serve its engines
             from runners.engine.launch import launch
 
@@ -95,10 +97,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps "
                       "(runners.engine.launch)",
                       flush=True)
-            if rr.run.runtime.prefix_cache:
-                from runners.engine.launch import PREFIX_CACHE_OFF_REASON
-
-                print(f"warning: runtime.prefix_cache is off: {PREFIX_CACHE_OFF_REASON}", flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
                           device="cuda" if rr.device.startswith("cuda") else "cpu",
                           timeout_s=rr.run.runtime.collective_timeout_s,
@@ -197,19 +195,11 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         "entry": rr.entry.name,
         "checkpoint_dir": str(rr.checkpoint_dir),
         **checkpoint_fingerprint(rr.checkpoint_dir),
-        "device": rr.device,
-        "dtype": rr.dtype,
-        "ssm_state_dtype": rr.entry.ssm.state_dtype.value,
-        "draft_len": rr.draft_len,
-        "ssm_replay": rr.ssm_replay,
-        "ssm_backend": rr.ssm_backend,
-        "ssm_replay_checkpointing": rr.ssm_replay_checkpointing,
+        **rr.engine_settings(),  # device, dtypes, draft_len, replay, backend, batch size, world size
         "quant": rr.entry.quant.value,
         "kv_cache_quant": rr.entry.kv_cache_quant.value,
-        "max_batch_size": rr.max_batch_size,
         "max_seq_len": rr.entry.max_seq_len,
         "num_threads": rr.run.runtime.num_threads,
-        "world_size": rr.world_size,
         "num_fewshot": rr.run.eval.num_fewshot,
         "max_gen_toks": rr.run.eval.max_gen_toks,
         "data_dir": str(data_dir) if data_dir is not None else None,
@@ -256,34 +246,17 @@ def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
 
 
 def _build_engine(rr: ResolvedRun) -> Engine:
-    """The engine for the run. Engine.from_pretrained raises CheckpointError (a UserError) for the files and
-    ValueError for options it refuses; every option comes from the config, so those are the user's too.
-    Under world_size > 1 (this process is rank 0 of runners.engine.launch) every rank builds its shard of
-    it."""
+    """The engine for the run, with the options of runners.engine.options.engine_options.
+    Engine.from_pretrained raises CheckpointError (a UserError) for the files and ValueError for options it
+    refuses; every option comes from the config, so those are the user's too. Under world_size > 1 (this
+    process is rank 0 of runners.engine.launch) every rank builds its shard of it."""
     from runners.engine import launch
 
-    if launch.current() is not None:
-        build = launch.build_engine  # each rank on its own device
-    else:
-        build = functools.partial(Engine.from_pretrained, device=rr.device)
     try:
-        return build(
-            str(rr.checkpoint_dir),
-            dtype=getattr(torch, rr.dtype),
-            draft_len=rr.draft_len,
-            ssm_replay=rr.ssm_replay,
-            max_batch_size=rr.max_batch_size,
-            max_seq_len=rr.entry.max_seq_len,
-            ssm_state_dtype=getattr(torch, rr.entry.ssm.state_dtype.value),
-            ssm_backend=rr.ssm_backend,
-            ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
-            kv_cache_quant=rr.entry.kv_cache_quant.value,
-            cuda_graphs=bool(rr.cuda_graph_batch_sizes),
-            cuda_graph_batch_sizes=rr.cuda_graph_batch_sizes,
-            ssm_stochastic_rounding=rr.entry.ssm.stochastic_rounding,
-            prefix_cache=rr.run.runtime.prefix_cache and rr.world_size == 1,  # off under launch (its docs)
-            prefix_cache_bytes=rr.run.runtime.prefix_cache_bytes if rr.world_size == 1 else None,
-        )
+        options = engine_options(rr)
+        if launch.current() is not None:
+            return launch.build_engine(str(rr.checkpoint_dir), options)  # each rank on its own device
+        return Engine.from_pretrained(str(rr.checkpoint_dir), options, device=rr.device)
     except UserError:
         raise
     except ValueError as e:
@@ -291,22 +264,17 @@ def _build_engine(rr: ResolvedRun) -> Engine:
                         ) from None
 
 
-def _prefix_cache_off_reason(rr: ResolvedRun, engine: Engine) -> str | None:
-    """Why the run's engine had no prefix cache (None when it had one)."""
-    if getattr(engine, "prefix_cache", None) is not None:
-        return None
-    if not rr.run.runtime.prefix_cache:
-        return "runtime.prefix_cache=false"
-    if rr.run.runtime.prefix_cache_bytes == 0:
-        return "runtime.prefix_cache_bytes=0: no room for any entry"
-    if rr.entry.ssm.stochastic_rounding:
-        return ("model.ssm.stochastic_rounding=true: the rounding bits depend on the number of forwards, "
-                "which a cache hit changes (not exact)")
-    if rr.world_size > 1:
-        from runners.engine.launch import PREFIX_CACHE_OFF_REASON
-
-        return PREFIX_CACHE_OFF_REASON
-    return getattr(engine, "prefix_cache_off_reason", None) or "off in the engine"
+def _warn_prefix_cache_off(rr: ResolvedRun) -> None:
+    """Say before loading when the run asks for the prefix cache and the engine will not keep one
+    (runners.engine.prefix_cache.prefix_cache_off_reason decides; results.json records the same reason)."""
+    if not rr.run.runtime.prefix_cache or rr.run.runtime.prefix_cache_bytes == 0:
+        return  # asked off: nothing to warn about
+    try:
+        reason = prefix_cache_off_reason(engine_options(rr), world_size=rr.world_size)
+    except ValueError:
+        return  # _build_engine reports the bad option
+    if reason is not None:
+        print(f"warning: runtime.prefix_cache is off: {reason}", flush=True)
 
 
 def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
@@ -342,7 +310,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     config["fp8_gemms"] = getattr(getattr(engine, "model", None), "quant_report", None)
     config["prefix_cache"] = engine.prefix_cache is not None  # and its limit after the engine's memory cap
     config["prefix_cache_bytes"] = engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None
-    config["prefix_cache_off_reason"] = _prefix_cache_off_reason(rr, engine)
+    config["prefix_cache_off_reason"] = engine.prefix_cache_off_reason
     results = build_results(
         entry=rr.entry.name,
         model_key=rr.entry.baseline,

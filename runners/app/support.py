@@ -76,11 +76,11 @@ def check_supported(rr: ResolvedRun) -> None:
     named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
     CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of
     sm_89+, a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.engine.quant,
-    runners.engine.cache.KVCache). (`cuda_graph_batch_sizes` is honoured: the engine captures its decode
+    runners.engine.cache.KVCache). (the entry's graph batch sizes are honoured: the engine captures its decode
     step at
     those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1
     runs one
-    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no overlap_steps, a warning
+    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no run-ahead steps, a warning
     says
     so; the head counts it shards are checked by registry.resolve.)
     """

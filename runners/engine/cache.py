@@ -31,15 +31,18 @@ Two commit schemes for the recurrent layers of a speculative (MTP) engine:
 the state they are given): "triton" the Triton kernels of kernels/, "torch" their PyTorch references,
 "flashinfer" FlashInfer's ``selective_state_update`` for the Mamba2 rewind verify and Triton for the rest
 (:func:`kernel_or_reference`).
-:func:`cache_memory_bytes` computes the bytes of every buffer from the config alone (no allocation); the
-engine's memory report uses it and tests check it against the allocated tensors.
+Each state class declares its tensors once (``buffers(config, spec)``: {name: :class:`Buffer`}, shape,
+dtype and the memory kind its bytes count under): ``allocate`` builds exactly those tensors and
+``planned_memory`` adds up their bytes, so :func:`cache_memory_bytes` (the bytes of every buffer from the
+config alone, no allocation: the engine's memory plan and report) cannot drift from what is allocated; tests
+check the plan against every tensor a cache holds.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import torch
@@ -47,7 +50,6 @@ import torch
 from kernels import gdn, mamba2
 from kernels._common import PAD_SLOT_ID
 from kernels.commit import (
-    allocate_replay_slots,
     replay_advance,
     replay_advance_ref,
     rewind_commit,
@@ -90,20 +92,59 @@ class CacheSpec:
     kv_cache_dtype: torch.dtype | None = None  # KV cache storage dtype (None: ``dtype``; float8_e4m3fn)
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor of a layer state, declared once (``LayerState.buffers``): its ``shape``, ``dtype`` and the
+    memory kind (a key of :data:`MEMORY_KEYS`) its bytes count under; ``spec_cols`` trailing columns of its
+    last axis are speculative-only and count as ``spec_buffers_bytes`` (a replay conv window's K extra
+    columns)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    spec_cols: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.dtype, *self.shape)
+
+
+def _split_bytes(out: dict[str, int], buf: Buffer, nbytes: int, cols: int) -> None:
+    """Add ``nbytes`` of a tensor declared as ``buf`` (``cols`` columns in its last axis) to ``out``, by
+    kind."""
+    spec = nbytes * buf.spec_cols // cols if buf.spec_cols else 0
+    out[buf.kind] = out.get(buf.kind, 0) + nbytes - spec
+    if spec:
+        out["spec_buffers_bytes"] = out.get("spec_buffers_bytes", 0) + spec
+
+
+def _zeros(layout: dict[str, Buffer], device) -> dict[str, torch.Tensor]:
+    """The declared tensors, zeroed (never ``torch.empty``: a stale read must not see garbage)."""
+    return {name: torch.zeros(b.shape, dtype=b.dtype, device=device) for name, b in layout.items()}
+
+
 class LayerState:
     """Per-slot state of one block. Subclasses hold buffers of R = S + 1 rows and implement:
 
+    - ``buffers(config, spec)``: {attribute: :class:`Buffer`} of every tensor the state holds under ``spec``
+      (a dotted name reaches into a member, e.g. ``history.x``): the one declaration of its shapes, read
+      by ``allocate`` (the tensors) and :meth:`planned_memory` (their bytes);
     - ``reset_rows(rows)``: zero the state of cache rows ``rows`` [n] (a request is admitted);
     - ``commit(slot_ids, num_accepted_tokens)``: after a verify step, make the state of slots ``slot_ids``
       [n] (PAD -1 rows: nothing) the one after their first ``num_accepted_tokens`` [n] tokens (rewind);
-      replay and stateless-by-position kinds do nothing;
-    - ``memory()``: ``{"ssm_state_bytes" | "conv_state_bytes" | "kv_cache_bytes" | "spec_buffers_bytes": n}``.
+      replay and stateless-by-position kinds do nothing.
 
+    :meth:`memory` measures the allocated tensors the declaration names (kept as ``layout``).
     ``spec_buffers`` names the attributes that only speculative decoding allocates (None when the cache is
     built with ``spec_tokens = 0``); they are a verify step's scratch, not a slot's committed state.
     """
 
     spec_buffers: ClassVar[tuple[str, ...]] = ()
+    layout: dict[str, Buffer]
+
+    @classmethod
+    def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
+        raise NotImplementedError
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
@@ -112,12 +153,23 @@ class LayerState:
         raise NotImplementedError
 
     def memory(self) -> dict[str, int]:
-        raise NotImplementedError
+        """Bytes of the allocated tensors by kind: ``{"ssm_state_bytes" | "conv_state_bytes" |
+        "kv_cache_bytes" | "spec_buffers_bytes": n}``."""
+        out: dict[str, int] = {}
+        for name, buf in self.layout.items():
+            t = self
+            for part in name.split("."):
+                t = getattr(t, part)
+            _split_bytes(out, buf, _nbytes(t), t.shape[-1])
+        return out
 
     @classmethod
     def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        """The bytes :meth:`memory` reports after ``allocate(c, spec)``, computed without allocating."""
-        raise NotImplementedError
+        """The bytes :meth:`memory` reports after ``allocate(c, spec)``, from :meth:`buffers` alone."""
+        out: dict[str, int] = {}
+        for buf in cls.buffers(c, spec).values():
+            _split_bytes(out, buf, buf.nbytes, buf.shape[-1])
+        return out
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -129,6 +181,9 @@ def _bytes(dtype: torch.dtype, *shape: int) -> int:
     for d in shape:
         n *= d
     return n
+
+
+SSM, CONV, KV, SPEC = MEMORY_KEYS
 
 
 @dataclass
@@ -152,31 +207,28 @@ class Mamba2State(LayerState):
     ssm_steps: torch.Tensor | None = None
     ssm_backend: str = "torch"
     rounding: StochasticRounding | None = None  # set by HybridCache (ssm_stochastic_rounding)
+    layout: dict[str, Buffer] = field(default_factory=dict, repr=False)
     spec_buffers: ClassVar[tuple[str, ...]] = ("conv_steps", "ssm_steps")
+
+    @staticmethod
+    def state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+        """(conv channels C, the per-slot SSM state's shape [H, P, N])."""
+        return c.mamba_conv_dim, (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
+
+    @classmethod
+    def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
+        (C, state), R, W1, T = cls.state_shapes(c), spec.rows, c.conv_kernel - 1, spec.spec_tokens
+        out = {"conv": Buffer((R, C, W1), spec.dtype, CONV),
+               "ssm": Buffer((R, *state), spec.ssm_state_dtype, SSM)}
+        if T:
+            out["conv_steps"] = Buffer((R, C, W1 + T), spec.dtype, SPEC)
+            out["ssm_steps"] = Buffer((R, T, *state), spec.ssm_state_dtype, SPEC)
+        return out
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2State:
-        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
-        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
-        return cls(
-            conv=torch.zeros(R, C, W1, dtype=spec.dtype, device=dev),
-            ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
-            conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
-            ssm_steps=torch.zeros(R, T, H, P, N, dtype=spec.ssm_state_dtype, device=dev) if T else None,
-            ssm_backend=spec.ssm_backend,
-        )
-
-    @classmethod
-    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
-        R, W1, T = spec.rows, c.conv_kernel - 1, spec.spec_tokens
-        return {
-            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, H, P, N),
-            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
-            "spec_buffers_bytes": (
-                _bytes(spec.dtype, R, C, W1 + T) + _bytes(spec.ssm_state_dtype, R, T, H, P, N) if T else 0
-            ),
-        }
+        layout = cls.buffers(c, spec)
+        return cls(**_zeros(layout, spec.device), ssm_backend=spec.ssm_backend, layout=layout)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         self.conv.index_fill_(0, rows, 0)
@@ -192,13 +244,6 @@ class Mamba2State(LayerState):
         window = self.conv_steps[rows]
         self.conv.index_copy_(0, rows, window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1)))
 
-    def memory(self) -> dict[str, int]:
-        return {
-            "ssm_state_bytes": _nbytes(self.ssm),
-            "conv_state_bytes": _nbytes(self.conv),
-            "spec_buffers_bytes": _nbytes(self.conv_steps, self.ssm_steps),
-        }
-
 
 @dataclass
 class GDNState(Mamba2State):
@@ -213,31 +258,11 @@ class GDNState(Mamba2State):
           ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
     """
 
-    @classmethod
-    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNState:
+    @staticmethod
+    def state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+        """(conv channels C = 2 H K + HV V, the per-slot delta-rule state's shape [HV, V, K])."""
         HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
-        C = 2 * c.gdn_num_key_heads * K + HV * V
-        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
-        return cls(
-            conv=torch.zeros(R, C, W1, dtype=spec.dtype, device=dev),
-            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
-            conv_steps=torch.zeros(R, C, W1 + T, dtype=spec.dtype, device=dev) if T else None,
-            ssm_steps=torch.zeros(R, T, HV, V, K, dtype=spec.ssm_state_dtype, device=dev) if T else None,
-            ssm_backend=spec.ssm_backend,
-        )
-
-    @classmethod
-    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
-        C = 2 * c.gdn_num_key_heads * K + HV * V
-        R, W1, T = spec.rows, c.conv_kernel - 1, spec.spec_tokens
-        return {
-            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
-            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
-            "spec_buffers_bytes": (
-                _bytes(spec.dtype, R, C, W1 + T) + _bytes(spec.ssm_state_dtype, R, T, HV, V, K) if T else 0
-            ),
-        }
+        return 2 * c.gdn_num_key_heads * K + HV * V, (HV, V, K)
 
 
 def replay_hist_len(spec_tokens: int, checkpointing: bool) -> int:
@@ -274,18 +299,24 @@ class ReplaySlots:
     hist_len: int | None = None  # checkpointing variant: the history window L = max(16, T); None: per-step
     verified: bool = False
 
+    @staticmethod
+    def buffers(rows: int) -> dict[str, Buffer]:
+        """The three [rows] int32 tensors (speculative-only bytes), declared once for allocation and plan
+        (zeros: ``kernels.commit.allocate_replay_slots``' contract, "nothing to replay, buffer 0")."""
+        return {name: Buffer((rows,), torch.int32, SPEC)
+                for name in ("prev_num_accepted", "buffer_index", "last_accepted")}
+
     @classmethod
     def allocate(
         cls, rows: int, spec_tokens: int, ssm_backend: str, device, checkpointing: bool = False
     ) -> ReplaySlots:
-        prev_num_accepted, buffer_index = allocate_replay_slots(rows, device=device)
-        last_accepted = torch.zeros(rows, dtype=torch.int32, device=device)
         hist_len = replay_hist_len(spec_tokens, checkpointing) if checkpointing else None
-        return cls(prev_num_accepted, buffer_index, last_accepted, spec_tokens, ssm_backend, hist_len)
+        return cls(**_zeros(cls.buffers(rows), device), spec_tokens=spec_tokens, ssm_backend=ssm_backend,
+                   hist_len=hist_len)
 
-    @staticmethod
-    def planned_bytes(rows: int) -> int:
-        return 3 * _bytes(torch.int32, rows)
+    @classmethod
+    def planned_bytes(cls, rows: int) -> int:
+        return sum(b.nbytes for b in cls.buffers(rows).values())
 
     def nbytes(self) -> int:
         return _nbytes(self.prev_num_accepted, self.buffer_index, self.last_accepted)
@@ -350,37 +381,37 @@ class Mamba2ReplayState(LayerState):
     slots: ReplaySlots
     ssm_backend: str = "torch"
     rounding: StochasticRounding | None = None  # set by HybridCache (ssm_stochastic_rounding)
+    layout: dict[str, Buffer] = field(default_factory=dict, repr=False)
+    history_type: ClassVar[type] = mamba2.ReplayHistory
+    state_shapes = staticmethod(Mamba2State.state_shapes)
+
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The history's tensors (``kernels.mamba2.ReplayHistory.shapes``: S + 1 slots, L = T, or
+        max(16, T) in the checkpointing variant, x and B in the model dtype)."""
+        L = replay_hist_len(spec.spec_tokens, spec.replay_checkpointing)
+        return mamba2.ReplayHistory.shapes(spec.rows, L, c.mamba_num_heads, c.mamba_head_dim, c.n_groups,
+                                           c.ssm_state_size, dtype=spec.dtype,
+                                           checkpointing=spec.replay_checkpointing)
+
+    @classmethod
+    def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
+        (C, state), R, W1, T = cls.state_shapes(c), spec.rows, c.conv_kernel - 1, spec.spec_tokens
+        out = {"conv": Buffer((R, C, W1 + T - 1), spec.dtype, CONV, spec_cols=T - 1),
+               "ssm": Buffer((R, *state), spec.ssm_state_dtype, SSM)}
+        for name, (shape, dtype) in cls.history_shapes(c, spec).items():
+            out[f"history.{name}"] = Buffer(shape, dtype, SPEC)
+        return out
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> Mamba2ReplayState:
         if spec.replay is None or spec.spec_tokens < 2:
-            raise ValueError("Mamba2ReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
-        H, P, N, C = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim
-        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
-        L, ckpt = replay_hist_len(T, spec.replay_checkpointing), spec.replay_checkpointing
-        return cls(
-            conv=torch.zeros(R, C, W1 + T - 1, dtype=spec.dtype, device=dev),
-            ssm=torch.zeros(R, H, P, N, dtype=spec.ssm_state_dtype, device=dev),
-            history=mamba2.ReplayHistory.allocate(
-                R, L, H, P, c.n_groups, N, dtype=spec.dtype, device=dev, checkpointing=ckpt
-            ),
-            slots=spec.replay,
-            ssm_backend=spec.ssm_backend,
-        )
-
-    @classmethod
-    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        H, P, N, C, G = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_conv_dim, c.n_groups
-        R, W1, T, dt = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.dtype
-        L, XB = replay_hist_len(T, spec.replay_checkpointing), 1 if spec.replay_checkpointing else 2
-        history = (
-            _bytes(dt, R, XB, L, H, P) + _bytes(dt, R, 2, L, G, N) + 2 * _bytes(torch.float32, R, 2, H, L)
-        )
-        return {
-            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, H, P, N),
-            "conv_state_bytes": _bytes(dt, R, C, W1),
-            "spec_buffers_bytes": _bytes(dt, R, C, T - 1) + history,
-        }
+            raise ValueError(f"{cls.__name__} needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
+        layout = cls.buffers(c, spec)
+        t = _zeros(layout, spec.device)
+        history = cls.history_type(**{n.removeprefix("history."): v for n, v in t.items() if "." in n})
+        return cls(conv=t["conv"], ssm=t["ssm"], history=history, slots=spec.replay,
+                   ssm_backend=spec.ssm_backend, layout=layout)
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         # the history needs no clearing: PNAT = 0 (ReplaySlots.reset) means none of it is read
@@ -389,15 +420,6 @@ class Mamba2ReplayState(LayerState):
 
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         pass  # replay commits lazily: the next verify fast-forwards; ReplaySlots.advance is per model
-
-    def memory(self) -> dict[str, int]:
-        W1 = self.conv.shape[-1] - (self.slots.spec_tokens - 1)
-        conv_committed = _nbytes(self.conv) * W1 // self.conv.shape[-1]
-        return {
-            "ssm_state_bytes": _nbytes(self.ssm),
-            "conv_state_bytes": conv_committed,
-            "spec_buffers_bytes": _nbytes(self.conv) - conv_committed + self.history.nbytes(),
-        }
 
 
 @dataclass
@@ -412,31 +434,15 @@ class GDNReplayState(Mamba2ReplayState):
           decay of the last verify.
     """
 
-    @classmethod
-    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> GDNReplayState:
-        if spec.replay is None or spec.spec_tokens < 2:
-            raise ValueError("GDNReplayState needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
-        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
-        R, W1, T, dev = spec.rows, c.conv_kernel - 1, spec.spec_tokens, spec.device
-        return cls(
-            conv=torch.zeros(R, 2 * H * K + HV * V, W1 + T - 1, dtype=spec.dtype, device=dev),
-            ssm=torch.zeros(R, HV, V, K, dtype=spec.ssm_state_dtype, device=dev),
-            history=gdn.ReplayHistory.allocate(R, T, H, HV, K, V, device=dev, dtype=torch.float32),
-            slots=spec.replay,
-            ssm_backend=spec.ssm_backend,
-        )
+    history_type: ClassVar[type] = gdn.ReplayHistory
+    state_shapes = staticmethod(GDNState.state_shapes)
 
-    @classmethod
-    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        H, HV, V, K = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
-        C = 2 * H * K + HV * V
-        R, W1, T, f32 = spec.rows, c.conv_kernel - 1, spec.spec_tokens, torch.float32
-        history = _bytes(f32, R, 2, T, HV, V) + _bytes(f32, R, 2, T, H, K) + _bytes(f32, R, 2, T, HV)
-        return {
-            "ssm_state_bytes": _bytes(spec.ssm_state_dtype, R, HV, V, K),
-            "conv_state_bytes": _bytes(spec.dtype, R, C, W1),
-            "spec_buffers_bytes": _bytes(spec.dtype, R, C, T - 1) + history,
-        }
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The history's tensors (``kernels.gdn.ReplayHistory.shapes``: S + 1 slots, T tokens, float32)."""
+        return gdn.ReplayHistory.shapes(spec.rows, spec.spec_tokens, c.gdn_num_key_heads,
+                                        c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim,
+                                        dtype=torch.float32)
 
 
 @dataclass
@@ -455,15 +461,17 @@ class KVCache(LayerState):
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    layout: dict[str, Buffer] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
+        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
+        return {name: Buffer(shape, spec.kv_cache_dtype or spec.dtype, KV) for name in ("k", "v")}
 
     @classmethod
     def allocate(cls, c: HybridConfig, spec: CacheSpec) -> KVCache:
-        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
-        dtype = spec.kv_cache_dtype or spec.dtype
-        return cls(
-            k=torch.zeros(shape, dtype=dtype, device=spec.device),
-            v=torch.zeros(shape, dtype=dtype, device=spec.device),
-        )
+        layout = cls.buffers(c, spec)
+        return cls(**_zeros(layout, spec.device), layout=layout)
 
     @property
     def fp8(self) -> bool:
@@ -501,17 +509,10 @@ class KVCache(LayerState):
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         pass
 
-    def memory(self) -> dict[str, int]:
-        return {"kv_cache_bytes": _nbytes(self.k, self.v)}
 
-    @classmethod
-    def planned_memory(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, int]:
-        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
-        return {"kv_cache_bytes": 2 * _bytes(spec.kv_cache_dtype or spec.dtype, *shape)}
-
-
-# block kind -> its LayerState class (``allocate(config, CacheSpec)``, ``planned_memory``). A family adds its
-# kinds here (e.g. "gdn"); REPLAY_LAYOUTS replaces the recurrent kinds when the engine runs SSM replay.
+# block kind -> its LayerState class (``buffers`` / ``allocate(config, CacheSpec)``, ``planned_memory``). A
+# family adds its kinds here (e.g. "gdn"); REPLAY_LAYOUTS replaces the recurrent kinds when the engine runs
+# SSM replay.
 CACHE_LAYOUTS: dict[str, type[LayerState]] = {
     "mamba2": Mamba2State,
     "gdn": GDNState,

@@ -1,20 +1,20 @@
 """CUDA graphs of the engine's decode step: static buffers, capture per (batch size, KV bound), replay.
 
-The engine (runners/engine/engine.py) runs every decode step as a fixed sequence of *phases*, each a function
-``phase(B, L)`` of the padded batch size B and the KV bound L that reads and writes only device tensors: the
-static step buffers of :class:`StepIO`, the per-slot decode state the engine keeps on the device and the
-caches. Plain decoding has one phase (``decode``); an MTP speculative step has four (``draft``: the K - 1
-recursive MTP drafts; ``verify``: the target forward over T = K + 1 tokens and its greedy tokens; ``commit``:
-acceptance, the recurrent-state commit (rewind copy or replay bookkeeping) and the per-slot lengths;
-``catchup``: the MTP module over the accepted positions, which prepares the next step's first draft).
+The engine's decode step (runners/engine/step.py, ``DecodeStep``) is a fixed sequence of *phases*, each a
+function ``phase(B, L)`` of the padded batch size B and the KV bound L that reads and writes only device
+tensors: the static step buffers of :class:`StepIO`, the per-slot decode state the step keeps on the device
+and the caches. Plain decoding has one phase (``decode``); an MTP speculative step has four (``draft``: the
+K - 1 recursive MTP drafts; ``verify``: the target forward over T = K + 1 tokens and its greedy tokens;
+``commit``: acceptance, the recurrent-state commit (rewind copy or replay bookkeeping) and the per-slot
+lengths; ``catchup``: the MTP module over the accepted positions, which prepares the next step's first draft).
 Nothing in a phase reads a device value on the host, and every shape follows from (B, L), so each phase is
 captured once per (B, L) and replayed (vLLM / SGLang's scheme: one graph per padded batch size over static
 input buffers).
 
-- Batch sizes: the engine's ``cuda_graph_batch_sizes``. A step of n live rows runs the graphs of the smallest
-  captured size B >= n; rows n .. B - 1 are PAD rows (slot id -1, ``kernels._common.PAD_SLOT_ID``), which
-  read and write only the caches' scratch row. A step larger than the largest size runs the same phases
-  eagerly at B = n.
+- Batch sizes: the engine's graph batch sizes (``EngineOptions``). A step of n live rows runs the graphs of
+  the smallest captured size B >= n; rows n .. B - 1 are PAD rows (slot id -1,
+  ``kernels._common.PAD_SLOT_ID``), which read and write only the caches' scratch row. A step larger than the
+  largest size runs the same phases eagerly at B = n.
 - KV bound L: attention reads each slot's first L cached positions (masked by position). A graph bakes L
   in, so L is rounded up to a power of two (at least :data:`KV_BUCKET_MIN`, at most max_seq_len):
   :func:`kv_bucket`. Eager steps use the exact bound the host knows.

@@ -6,19 +6,19 @@ Each initialises ``torch.distributed`` (NCCL on CUDA GPUs, rank r on ``cuda:r``;
 timeout on every collective, plus a second gloo group for control messages. Rank 0 runs ``fn(*args)``, and
 its return value is :func:`launch`'s; the other ranks serve rank 0's engines until it returns:
 
-- :func:`build_engine` on rank 0 broadcasts its arguments, and every rank builds the same engine
-  (``Engine.from_pretrained(..., tensor_parallel=...)``: each loads and allocates only its shard,
-  ``runners.engine.tp``); rank 0 gets a :class:`LockstepEngine`. :func:`rebuild_engine` makes a new engine
-  (other
-  draft length, replay, cache sizes) around the model every rank already holds.
+- :func:`build_engine` on rank 0 broadcasts the checkpoint path and its ``EngineOptions``, and every rank
+  builds the same engine (``Engine.from_pretrained(path, options, tensor_parallel=...)``: each loads and
+  allocates only its shard, ``runners.engine.tp``); rank 0 gets a :class:`LockstepEngine`.
+  :func:`rebuild_engine` makes a new engine (other draft length, replay, cache sizes) around the model every
+  rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
   checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
   (:data:`LOCKSTEP_METHODS`: ``_prefill`` (admission), ``_launch`` (queue one decode / speculative step, its
   phases run eagerly), ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``)
   first broadcasts its name and host-side arguments over the control group, and every other rank runs the
-  same method with the same arguments. A step handle (``_Step``: pinned host buffers) is not sent: each
-  follower keeps the steps it launched in launch order, and ``_step_tokens`` reads its oldest (the engine
-  reads steps in launch order). So all ranks run the same
+  same method with the same arguments. A step handle (``runners.engine.step.LaunchedStep``: pinned host
+  buffers) is not sent: each follower keeps the steps it launched in launch order, and ``_step_tokens``
+  reads its oldest (the engine reads steps in launch order). So all ranks run the same
   forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
   drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
   tokens. The followers need neither tokenizer nor callbacks. Cost: one small broadcast per step. At the end
@@ -38,9 +38,10 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
 
-Engines of ``world_size > 1`` run without the prefix cache (``prefix_cache=False``; asked for, ValueError):
-each rank's cache would be sized by its own free memory and could evict, and so prefill, differently from the
-others, and the ranks' all-reduces would no longer pair up (:data:`PREFIX_CACHE_OFF_REASON`).
+Engines of ``world_size > 1`` run without the prefix cache: each rank's cache would be sized by its own free
+memory and could evict, and so prefill, differently from the others, and the ranks' all-reduces would no
+longer pair up. The engine decides it from its ``tensor_parallel`` shard
+(``runners.engine.prefix_cache.prefix_cache_off_reason``, the policy's one owner).
 
 Engines of ``world_size > 1`` step eagerly: :func:`build_engine` and :func:`rebuild_engine` build them with
 ``cuda_graphs=False`` and ``overlap_steps=False`` (and raise ValueError when asked for either), because
@@ -81,6 +82,7 @@ import torch.multiprocessing as mp
 
 from registry.errors import UserError
 from runners.engine.engine import Engine
+from runners.engine.options import EngineOptions
 from runners.engine.tp import TensorParallel
 
 __all__ = [
@@ -102,12 +104,6 @@ CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command 
 LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance")
 _TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
 _STEP_OPTIONS = ("cuda_graphs", "overlap_steps")  # off under launch (module docstring)
-# Why engines under launch run without the prefix cache (results.json records it; module docstring)
-PREFIX_CACHE_OFF_REASON = (
-    "world_size > 1: the ranks' prefix caches are not kept in lockstep (a rank's byte budget follows its own "
-    "free memory, so ranks could evict differently, prefill different token counts and pair their "
-    "all-reduces wrongly); every prompt is prefilled in full"
-)
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -235,58 +231,47 @@ for _name in LOCKSTEP_METHODS:
     setattr(LockstepEngine, _name, _lockstep(_name))
 
 
-def _eager_steps(options: dict[str, Any]) -> dict[str, Any]:
+def _eager_steps(options: EngineOptions) -> EngineOptions:
     """``options`` with ``cuda_graphs`` and ``overlap_steps`` off (module docstring: engines under launch step
     eagerly). Raises ValueError when either is asked for (True)."""
-    asked = [k for k in _STEP_OPTIONS if options.get(k)]
+    asked = [k for k in _STEP_OPTIONS if getattr(options, k)]
     if asked:
         raise ValueError(
             f"{' and '.join(asked)} with world_size > 1: tensor-parallel engines step eagerly (CUDA graphs "
             "of the ranks' all-reduces and run-ahead steps are not supported yet); pass "
             f"{', '.join(k + '=False' for k in asked)} (run.py: runtime.cuda_graphs=false)"
         )
-    return {**options, **{k: False for k in _STEP_OPTIONS}}
+    return options.replace(**dict.fromkeys(_STEP_OPTIONS, False))
 
 
-def _no_prefix_cache(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``prefix_cache`` off (:data:`PREFIX_CACHE_OFF_REASON`). Raises ValueError when it is
-    asked for (True or a PrefixCache object)."""
-    asked = options.get("prefix_cache", False)
-    if asked is not False and asked is not None:
-        raise ValueError(f"prefix_cache with world_size > 1 is not supported ({PREFIX_CACHE_OFF_REASON}); "
-                         "pass prefix_cache=False (run.py turns it off itself, with a warning)")
-    return {**options, "prefix_cache": False, "prefix_cache_bytes": None}
+def build_engine(path: str | Path, options: EngineOptions | None = None) -> LockstepEngine:
+    """On rank 0 of :func:`launch`: build ``Engine.from_pretrained(path, options)`` on every rank, each on
+    its own device with its shard (the rank's ``tensor_parallel`` and ``device``), and return rank 0's
+    :class:`LockstepEngine`. The other ranks drop the engine they held before.
 
-
-def build_engine(path: str | Path, **kwargs: Any) -> LockstepEngine:
-    """On rank 0 of :func:`launch`: build ``Engine.from_pretrained(path, **kwargs)`` on every rank, each on
-    its own device with its shard (``tensor_parallel`` and ``device`` are set per rank: do not pass them),
-    and return rank 0's :class:`LockstepEngine`. The other ranks drop the engine they held before."""
+    Raises:
+        ValueError: ``options`` ask for CUDA graphs or overlapping steps (:func:`_eager_steps`).
+    """
     ctx = _require()
     if ctx.rank != 0:
         raise RuntimeError("build_engine runs on rank 0; the other ranks build theirs from its message")
-    bad = {"device", "tensor_parallel"} & set(kwargs)
-    if bad:
-        raise ValueError(f"build_engine sets {sorted(bad)} per rank; do not pass them")
-    kwargs = _no_prefix_cache(_eager_steps(kwargs))
-    _broadcast(("build", str(path), kwargs))
-    engine = LockstepEngine.from_pretrained(path, device=ctx.device, tensor_parallel=ctx.tp, **kwargs)
+    options = _eager_steps(options or EngineOptions())
+    _broadcast(("build", str(path), options))
+    engine = LockstepEngine.from_pretrained(path, options, device=ctx.device, tensor_parallel=ctx.tp)
     engine._digest = hashlib.sha256()
     return engine
 
 
-def rebuild_engine(engine: LockstepEngine, **options: Any) -> LockstepEngine:
+def rebuild_engine(engine: LockstepEngine, options: EngineOptions | None = None) -> LockstepEngine:
     """On rank 0 of :func:`launch`: a new engine on every rank around the model the ranks already hold
-    (``Engine(model, **options)``: new caches and settings such as draft_len, ssm_replay, max_batch_size, no
+    (``Engine(model, options)``: new caches and settings such as draft_len, ssm_replay, max_batch_size, no
     reload), e.g. to run several arms on one load. Drop ``engine`` afterwards: its caches stay allocated while
     it is referenced."""
     ctx = _require()
-    if "device" in options:
-        raise ValueError("rebuild_engine keeps each rank's device; do not pass device")
-    options = _no_prefix_cache(_eager_steps(options))
+    options = _eager_steps(options or EngineOptions())
     _broadcast(("rebuild", options))
-    new = LockstepEngine(engine.model, device=ctx.device, **options)
-    new.tensor_parallel, new.load_report = engine.tensor_parallel, engine.load_report
+    new = LockstepEngine(engine.model, options, device=ctx.device, tensor_parallel=engine.tensor_parallel)
+    new.load_report = engine.load_report
     new._digest = hashlib.sha256()
     return new
 
@@ -314,13 +299,12 @@ def serve() -> None:
         if op == "build":
             _free(engine)
             engine, digest = None, hashlib.sha256()
-            engine = Engine.from_pretrained(message[1], device=ctx.device, tensor_parallel=ctx.tp,
-                                            **message[2])
+            engine = Engine.from_pretrained(message[1], message[2], device=ctx.device, tensor_parallel=ctx.tp)
         elif op == "rebuild":
             model, tp = engine.model, engine.tensor_parallel
             engine = None  # its caches go before the new ones are allocated
-            engine = Engine(model, device=ctx.device, **message[1])
-            engine.tensor_parallel, digest = tp, hashlib.sha256()
+            engine = Engine(model, message[1], device=ctx.device, tensor_parallel=tp)
+            digest = hashlib.sha256()
         elif op == "call":
             name, args, kwargs = message[1:]
             if name == "_step_tokens":

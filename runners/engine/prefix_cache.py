@@ -35,9 +35,16 @@ go before *shared* ones (junctions, which at least two prompts have in common, a
 hit). A new speculative entry may evict only speculative ones; if that does not free enough room it is not
 stored, so a stream of unique prompts never pushes out the prefix they all share.
 
-The cache is exact: a restored state is bit for bit the state the prefill left there, and the engine's
-results differ from a run without the cache only by the float rounding of a different chunking of the
-prefill (the same kind of difference as chunked vs. one-shot prefill). Tests: tests/test_prefix_cache.py.
+When it is exact (:func:`prefix_cache_off_reason`, the one owner of the on / off decision): a restored state
+is bit for bit the state the prefill left there, but a cache hit, or a prefill cut at a save point, changes
+where the prefill's forwards start and end. In float32 compute with a float32 SSM state that moves results by
+float32 rounding only, and the tokens and acceptance statistics equal a run without the cache
+(tests/test_prefix_cache.py). In 16-bit compute (bfloat16 / float16) the tokens and the acceptance depend on
+where a prefill is cut (seen on the H200: the same tokens, 73 vs 74 accepted drafts), as they do with the
+cache off and another ``prefill_chunk_tokens``; a 16-bit SSM state is rounded where a prefill stops. So the
+cache is on only in float32 compute with a float32 SSM state, and off with a reason everywhere else; also off
+with stochastic rounding (the rounding bits follow the number of forwards) and under tensor parallelism (the
+ranks' caches are not kept in lockstep).
 """
 
 from __future__ import annotations
@@ -47,17 +54,59 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runners.engine.cache import HybridCache, KVCache
 
+if TYPE_CHECKING:
+    from runners.engine.options import EngineOptions
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 64
 DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
+# Why engines of world_size > 1 run without the prefix cache (results.json records it)
+TENSOR_PARALLEL_OFF_REASON = (
+    "world_size > 1: the ranks' prefix caches are not kept in lockstep (a rank's byte budget follows its own "
+    "free memory, so ranks could evict differently, prefill different token counts and pair their "
+    "all-reduces wrongly); every prompt is prefilled in full"
+)
 RECENT_PROMPTS = 64  # prompts of earlier admissions a new prompt is compared with for junctions
 _ROOT_HASH = hash("hybrid-mtp-eval prefix cache")
+
+
+def prefix_cache_off_reason(options: EngineOptions, *, world_size: int = 1,
+                            ssm_state_dtype: str | None = None) -> str | None:
+    """Whether an engine with ``options`` keeps a prefix cache: None when it does, else why not, naming the
+    run.py setting (results.json's ``prefix_cache.off_reason``). The one owner of this decision: the engine
+    asks it, and the application reports what the engine decided.
+
+    Off when asked (``prefix_cache`` false, ``prefix_cache_bytes`` 0), with stochastic rounding, at
+    ``world_size`` > 1 (:data:`TENSOR_PARALLEL_OFF_REASON`), and where it would not be exact (module
+    docstring): a 16-bit compute ``dtype`` or a 16-bit SSM state (``ssm_state_dtype``: the resolved one when
+    ``options.ssm_state_dtype`` is None, the checkpoint's).
+    """
+    state = options.ssm_state_dtype or ssm_state_dtype or "float32"
+    if not options.prefix_cache:
+        return "runtime.prefix_cache=false"
+    if options.prefix_cache_bytes == 0:
+        return "runtime.prefix_cache_bytes=0: no room for any entry"
+    if options.ssm_stochastic_rounding:
+        return ("model.ssm.stochastic_rounding=true: the rounding bits depend on the number of forwards, "
+                "which a cache hit changes (not exact)")
+    if world_size > 1:
+        return TENSOR_PARALLEL_OFF_REASON
+    if options.dtype != "float32":
+        return (f"runtime.dtype={options.dtype}: in 16-bit compute the tokens and acceptance depend on where "
+                "a prefill is cut, and a cache hit cuts it where prompts diverge (not exact); run with "
+                "runtime.dtype=float32 to use the prefix cache")
+    if state != "float32":
+        return (f"model.ssm.state_dtype={state}: a 16-bit SSM state is rounded where a prefill stops, and a "
+                "cache hit stops it where prompts diverge (not exact); set model.ssm.state_dtype=float32 to "
+                "use the prefix cache")
+    return None
 
 
 def chain_hashes(tokens: Sequence[int], block_tokens: int) -> list[int]:

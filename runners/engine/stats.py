@@ -15,7 +15,7 @@ class GenerationStats:
     """Counters of one ``generate`` call, kept as raw sums so runs can be merged (``a + b``). Seconds are
     wall time: ``prefill_seconds`` of the admissions' prefills, ``decode_seconds`` of the decode loop (the
     steps and the host's bookkeeping of their tokens: appends, stop checks, callbacks, which overlap the
-    next step's device work with ``overlap_steps``); ``steps`` counts decode steps.
+    next step's device work when steps run ahead); ``steps`` counts decode steps.
 
     Speculative decoding (MTP, draft length K) adds, per (request, verify step) pair -- a *request-step*:
     ``request_steps`` counts them; ``drafted_tokens`` = K per request-step; ``accepted_drafts`` sums the

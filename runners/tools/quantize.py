@@ -72,6 +72,7 @@ from runners.engine.loader import load_model, read_config
 from runners.engine.models.fp8 import FP8_MAX, quantize_fp8
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import MoE
+from runners.engine.options import EngineOptions
 from runners.engine.quant import EXPERT_KINDS, QuantTargets, quantization_targets
 
 log = logging.getLogger("runners.tools.quantize")
@@ -229,9 +230,9 @@ def calibrate(
         moe.__class__ = _CalibratingMoE
         moe.recorder, moe.calib_prefix = rec, prefix + "experts."
     draft_len = 3 if model.mtp is not None else 0
-    engine = Engine(model, device=device, dtype=dtype, draft_len=draft_len,
-                    max_batch_size=min(batch_size, len(prompts)),
-                    max_seq_len=max(map(len, prompts)) + new_tokens + draft_len + 1)
+    options = EngineOptions(dtype=dtype, draft_len=draft_len, max_batch_size=min(batch_size, len(prompts)),
+                            max_seq_len=max(map(len, prompts)) + new_tokens + draft_len + 1)
+    engine = Engine(model, options, device=device)
     kv_keys = {}
     for _, ckpt, attn in targets.attentions:
         for block in list(model.layers) + (list(model.mtp.blocks) if model.mtp is not None else []):

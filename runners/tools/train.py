@@ -16,7 +16,7 @@ and packed into windows of ``seq_len + 1`` tokens that each start at a document 
 order per epoch; no BOS (the evaluation prompts carry none). The last ``val_docs`` rows of train.jsonl are
 held out for a validation loss; the test split is never read (except by ``--sample``, for one prompt).
 
-Loss (DeepSeek-V3 style MTP, paired the way :meth:`runners.engine.engine.Engine._mtp` pairs at inference):
+Loss (DeepSeek-V3 style MTP, paired the way :func:`runners.engine.step.mtp_forward` pairs at inference):
 with
 target hidden states h_t (after the final norm) the main loss is CE(lm_head(h_t), x_{t+1}); MTP step 1 feeds
 ``mtp(embed(x_{t+1}), h_t)`` and predicts x_{t+2}; step k > 1 (``mtp_depth``) feeds its own previous output
@@ -610,11 +610,12 @@ def sample_answer(path: str | os.PathLike, rows: list[dict], question: str, max_
     from tokenizers import Tokenizer
 
     from runners.engine.engine import Engine
+    from runners.engine.options import EngineOptions
 
     tok = Tokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
     shots = FEWSHOT_DELIMITER.join(format_example(r["question"], r["answer"]) for r in rows[:5])
     prompt = shots + FEWSHOT_DELIMITER + format_prompt(question)
-    engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=4096)
+    engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=4096))
     out = engine.generate([tok.encode(prompt).ids], max_new_tokens)
     return tok.decode(out.tokens[0]).split("Question:")[0]
 

@@ -65,6 +65,7 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
     import torch
 
     from runners.engine import Engine
+    from runners.engine.options import EngineOptions
     from runners.tools.synth import DTYPES, write_synthetic_checkpoint
 
     dev = torch.device(args.device)
@@ -86,8 +87,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         max_b = max(args.batch_sizes)
         max_seq = args.prompt_len + args.new_tokens + 8
         print(f"== {family}: loading", flush=True)
-        engine = Engine.from_pretrained(ckpt, device=dev, dtype=compute, draft_len=3, max_batch_size=max_b,
-                                        max_seq_len=max_seq)
+        engine = Engine.from_pretrained(ckpt, EngineOptions(dtype=compute, draft_len=3, max_batch_size=max_b,
+                                                            max_seq_len=max_seq), device=dev)
         out["load"] = engine.load_report.to_dict()
         print(json.dumps(out["load"]), flush=True)
         model = engine.model
@@ -100,8 +101,8 @@ def bench_family(family: str, args: argparse.Namespace) -> dict:
         runs, tokens = [], {}
         for B in args.batch_sizes:
             for K, replay in ARMS:
-                eng = Engine(model, device=dev, dtype=compute, draft_len=K, ssm_replay=replay,
-                             max_batch_size=B, max_seq_len=max_seq)
+                eng = Engine(model, EngineOptions(dtype=compute, draft_len=K, ssm_replay=replay,
+                                                  max_batch_size=B, max_seq_len=max_seq), device=dev)
                 eng.generate(prompts[:B], 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)

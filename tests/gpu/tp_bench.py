@@ -65,6 +65,7 @@ def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
     import torch
 
     from runners.engine.launch import build_engine, current, rebuild_engine
+    from runners.engine.options import EngineOptions
 
     ctx = current()
     dtype = getattr(torch, opts["dtype"])
@@ -74,14 +75,15 @@ def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
     for draft_len, replay in ARMS:
         arm = _arm_name(draft_len, replay)
         t0 = time.perf_counter()
-        options = dict(dtype=dtype, draft_len=draft_len, ssm_replay=replay, max_batch_size=len(prompts),
-                       max_seq_len=opts["prompt_len"] + opts["new_tokens"] + 8)
+        options = EngineOptions(dtype=dtype, draft_len=draft_len, ssm_replay=replay,
+                                max_batch_size=len(prompts),
+                                max_seq_len=opts["prompt_len"] + opts["new_tokens"] + 8)
         if eng is None:  # the first arm loads the model (MTP included); the others reuse it
-            eng = build_engine(ckpt, **options)
+            eng = build_engine(ckpt, options)
             out["load"] = eng.load_report.to_dict()
             out["logits"] = eng.logits(torch.tensor([p[:64] for p in prompts[:2]]))[:, -1].float().cpu()
         else:
-            eng = rebuild_engine(eng, **options)
+            eng = rebuild_engine(eng, options)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         eng.generate(prompts, 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
