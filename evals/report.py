@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from evals.outdir import write_atomic
+from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION
 from evals.verdict import headline
+from registry.errors import UserError
 
 SUMMARY_NAME = "summary.md"
 PLOT_ACCURACY = "gsm8k_accuracy.png"
@@ -721,7 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(results, dict) or not {"entry", "gsm8k"} <= results.keys():
         parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and 'gsm8k'; "
                      "docs/results_schema.md)")
-    files = write_report(results, args.out or args.results.parent)
+    out = args.out or args.results.parent
+    try:
+        ensure_writable_dir(out, fix=f"pass a writable folder with --out (not {out})")
+    except UserError as e:
+        print(e.format(), file=sys.stderr)
+        return 2
+    files = write_report(results, out)
     print(files.summary)
     for path in files.plots.values():
         print(path)

@@ -32,6 +32,7 @@ from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 from matplotlib.figure import Figure
 
 from evals.history import connect, fetch_comparisons, fetch_runs, fetch_samples
+from evals.outdir import ensure_writable_dir
 
 HTML_NAME = "index.html"
 MARKDOWN_NAME = "report.md"
@@ -412,7 +413,8 @@ def render_markdown(db: Path, runs: list[Mapping[str, Any]], rows: list[Row], re
 def write_trend_report(db: str | os.PathLike, out_dir: str | os.PathLike) -> TrendFiles:
     """Read the history database db and write the report into out_dir (created; files overwritten).
 
-    Raises evals.history.HistoryError when db does not exist or is not a history database.
+    Raises evals.history.HistoryError when db does not exist or is not a history database;
+    registry.errors.UserError when out_dir cannot be created or written (evals.outdir.ensure_writable_dir).
     """
     db, out = Path(db), Path(out_dir)
     conn = connect(db, create=False)
@@ -422,7 +424,7 @@ def write_trend_report(db: str | os.PathLike, out_dir: str | os.PathLike) -> Tre
         samples = fetch_samples(conn, [r["id"] for r in runs])
     finally:
         conn.close()
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out, fix=f"pass a writable folder with --out (not {out})")
     groups = series(runs)
     changes = {k: change(v[-2] if len(v) > 1 else None, v[-1], samples) for k, v in groups.items()}
     rows = _status_rows(groups, changes)

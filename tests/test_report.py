@@ -181,6 +181,11 @@ def test_cli_rewrites_a_saved_run(tmp_path, capsys):
     # the run folder works too (evals.compare takes folders): its results.json, the report beside it
     assert main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.split()[0] == str(tmp_path / "summary.md")
+    # an --out folder that cannot be made, or a file: error / fix lines and exit 2, no traceback
+    for out in ("/proc/x", str(path)):
+        assert main([str(tmp_path), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: output folder {out} ") and "\n  fix: pass a writable folder" in err, err
 
 
 def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
