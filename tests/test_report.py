@@ -185,7 +185,8 @@ def test_cli_rewrites_a_saved_run(tmp_path, capsys):
     for out in ("/proc/x", str(path)):
         assert main([str(tmp_path), "--out", out]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: output folder {out} ") and "\n  fix: pass a writable folder" in err, err
+        assert err.startswith(f"error: output folder {out} "), err
+        assert "\n  fix: pass a writable folder" in err, err
 
 
 def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
