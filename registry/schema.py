@@ -179,6 +179,9 @@ class ModelEntry:
 # The settings around the entry (configs/config.yaml and its groups eval/, runtime/)
 
 
+GSM8K_TRAIN_ROWS = 7473  # rows of GSM8K's train split, the pool lm-eval draws few-shot examples from
+
+
 @dataclass
 class EvalConfig:
     """GSM8K settings (configs/eval/gsm8k.yaml)."""
@@ -556,6 +559,15 @@ def check_run_values(run: RunConfig) -> None:
                         "set world_size=1 (or the GPU count)")
     if run.eval.limit is not None and run.eval.limit < 1:
         raise UserError(f"eval.limit must be >= 1 or null, got {run.eval.limit}", "set eval.limit=N or null")
+    if not 0 <= run.eval.num_fewshot <= GSM8K_TRAIN_ROWS:
+        raise UserError(
+            f"eval.num_fewshot={run.eval.num_fewshot} is outside [0, {GSM8K_TRAIN_ROWS}]: the few-shot "
+            f"examples are drawn without repeats from GSM8K's train split ({GSM8K_TRAIN_ROWS} rows), and "
+            "every one lengthens each prompt (~100-200 tokens a shot; prompts must fit model.max_seq_len)",
+            "set eval.num_fewshot=5 (the task's own), or 0 for zero-shot")
+    if run.eval.max_gen_toks < 1:
+        raise UserError(f"eval.max_gen_toks={run.eval.max_gen_toks} must be >= 1 (the most tokens generated "
+                        "per question)", "set eval.max_gen_toks=256 (lm-eval's default)")
     if run.eval.batch_size is not None and run.eval.batch_size < 1:
         raise UserError(f"eval.batch_size must be >= 1, got {run.eval.batch_size}", "set eval.batch_size=N")
     if run.runtime.device not in ("cpu", "cuda") and not run.runtime.device.startswith("cuda:"):

@@ -167,7 +167,7 @@ def test_baseline_changes_per_model_key(clone):
 
 @pytest.mark.parametrize("text, problem", [
     ("name: broken\nfamily: [unclosed\n", "not valid YAML"),
-    ("name: evil\nhf_id: !!python/object/apply:os.system [echo hi]\n", "!!python/object/apply:os.system"),
+    ("name: evil\nhf_id: !!python/object/apply:os.system [echo hi]\n", "python/object/apply:os.system"),
 ])
 def test_an_unreadable_entry_fails_validation_without_a_traceback(clone, gsm8k_dir, text, problem):
     """An entry that is not valid YAML, or carries a !!python/... tag: pr-check reports it as the entry's

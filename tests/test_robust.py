@@ -278,6 +278,8 @@ def test_health_thresholds_and_notes():
     "line, problem",
     [
         ('{"question": "q", "answer": "#### 1"', "not valid JSON"),
+        ('{"question": "a\tb", "answer": "#### 1"}',
+         "not valid JSON (Invalid control character at column 16)"),
         ('["q", "a"]', "a JSON list, not an object"),
         ('{"question": "q"}', '"answer" is missing'),
         ('{"question": "q", "answer": null}', '"answer" is None'),
@@ -298,6 +300,57 @@ def test_gsm8k_file_with_a_bad_line_names_file_and_line(tmp_path, line, problem)
     assert "question" in e.value.fix and "answer" in e.value.fix
     with pytest.raises(GSM8KDataError, match=":3: "):
         check_gsm8k_file(tmp_path / "test.jsonl")
+    assert " at at " not in e.value.problem
+
+
+def test_an_empty_gsm8k_file_is_our_error(tmp_path):
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
+    (tmp_path / "train.jsonl").write_text(f"{good}\n")
+    (tmp_path / "test.jsonl").write_text("\n")
+    with pytest.raises(GSM8KDataError) as e:
+        gsm8k_files(tmp_path)
+    assert e.value.problem == f"{tmp_path / 'test.jsonl'} holds no rows (it is empty)"
+    assert "restore the file" in e.value.fix
+
+
+def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(tmp_path):
+    """eval.num_fewshot outside [0, 7473] (the train split lm-eval draws from) and eval.max_gen_toks < 1 are
+    refused by the config check; a count whose prompts cannot fit max_seq_len is refused before the model
+    loads (evals.gsm8k.check_fewshot_fits), with the largest count that can."""
+    from evals.gsm8k import check_fewshot_fits
+
+    for override, problem in (("eval.num_fewshot=-1", "eval.num_fewshot=-1 is outside [0, 7473]"),
+                              ("eval.num_fewshot=8000", "eval.num_fewshot=8000 is outside [0, 7473]"),
+                              ("eval.max_gen_toks=0", "eval.max_gen_toks=0 must be >= 1")):
+        with pytest.raises(UserError) as e:
+            resolve(compose_config([override]), check_checkpoint=False)
+        assert e.value.problem.startswith(problem), e.value.problem
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    row = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(100)) + "\n")
+    check_fewshot_fits(tokenizer, tmp_path, 5, 256, 4096)
+    check_fewshot_fits(tokenizer, None, 1000, 256, 4096)  # the hub dataset: not read here
+    with pytest.raises(UserError) as e:
+        check_fewshot_fits(tokenizer, tmp_path, 90, 256, 512)
+    assert e.value.problem.startswith("eval.num_fewshot=90 cannot fit a prompt"), e.value.problem
+    fits = int(e.value.problem.rsplit("[0, ", 1)[1].rstrip("])"))
+    assert 0 < fits < 90
+    check_fewshot_fits(tokenizer, tmp_path, fits, 256, 512)  # the largest allowed passes
+    # through run.py: exit 2, the key named, nothing generated (the model was not used)
+    proc = _run_py("eval.num_fewshot=1000", "eval.limit=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: eval.num_fewshot=1000 cannot fit a prompt" in proc.stderr, proc.stderr
+    assert "generate:" not in proc.stdout + proc.stderr
+
+
+def test_a_safetensors_file_as_checkpoint_names_its_folder():
+    from registry.checkpoint import check_checkpoint_dir
+
+    file = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "model.safetensors"
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint_dir(file, "model.checkpoint")
+    assert e.value.problem.startswith(f"checkpoint {file} is a file (set by model.checkpoint)")
+    assert e.value.fix == f"point model.checkpoint at the directory holding it: {file.parent}"
 
 
 # ------------------------------------------------------------------ output folders
