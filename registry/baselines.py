@@ -202,9 +202,12 @@ class AcceptanceReference:
         where = f"quant={self.quant} draft_len={self.draft_len}{_describe_state(self.state)}"
         if not self.measured:
             return f"{where}: not measured"
+        def num(x: float | None) -> str:  # what a person reads: 2.0696000000000003 -> 2.0696
+            return "-" if x is None else f"{round(x, 4):g}"
+
         return (
-            f"{where}: rate floor {self.acceptance_rate_floor}, "
-            f"length ref {self.acceptance_length_reference} floor {self.acceptance_length_floor}"
+            f"{where}: rate floor {num(self.acceptance_rate_floor)}, "
+            f"length ref {num(self.acceptance_length_reference)} floor {num(self.acceptance_length_floor)}"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -522,6 +522,7 @@ def _run_py(*args, cwd, env=None):
         (["eval.num_fewshot=???"], "error: no value for eval.num_fewshot (the override eval.num_fewshot=???)",
          "  fix: give it a value (e.g. eval.num_fewshot=<value>)"),
         (["eval.limit=???"], "error: no value for eval.limit", "  fix: give it a value"),
+        (["out_dir=elsewhere"], "error: out_dir=elsewhere and hydra.run.dir=", "  fix: give one of them"),
         (["runtime.dtype=???"], "error: no value for runtime.dtype", "  fix: give it a value"),
         (["model.checkpoint=${oc.env:ROBUST_UNSET_VARIABLE}"],
          "error: the value of 'model.checkpoint' (the override "
