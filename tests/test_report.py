@@ -160,6 +160,24 @@ def test_comparison_report(tmp_path):
     assert "30 of 40 samples identical, 10 diverge; first divergence at token min 2, median 2.0" in md
     assert "| acceptance rate | 0.8200 | 0.8100 | -0.0100 |" in md
     assert "| position 3 | 0.7000 | 0.6800 | -0.0200 |" in md
+    # memory and timings of a comparison are the replay arm's: the headings say so
+    assert "## Memory (replay arm)" in md and "## Timings (replay arm)" in md, md
+
+
+def test_accepted_length_histogram_marks_each_arms_mean(tmp_path, monkeypatch):
+    """A vertical line at the run's mean accepted length (its acceptance length), one per arm."""
+    import evals.report as report
+
+    figures = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    hist = [0, 70, 100, 200, 630]
+    results = _results()
+    results["acceptance"] = _acceptance(0.82, 3.39, [0.9, 0.8, 0.7], hist)
+    assert report.plot_accepted_length_hist(results, tmp_path / "h.png") is not None
+    mean = sum(i * h for i, h in enumerate(hist)) / sum(hist)  # 3.39
+    lines = {line.get_label(): line.get_xdata() for line in figures[-1].axes[0].get_lines()}
+    assert list(lines[f"mean: {mean:.2f} tokens"]) == [mean - 1, mean - 1]  # bar i sits at x = i - 1
 
 
 def test_render_markdown_without_plots():

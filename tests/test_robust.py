@@ -580,7 +580,12 @@ def test_console_labels_both_arms_alike():
     text = format_console(results)
     rows = [line for line in text.splitlines() if "rewind" in line and "replay" in line]
     assert rows and all(line.index("rewind") < line.index("replay") for line in rows), text
-    assert "ssm_replay / world_size  both arms (compare=replay) / 1" in text
+    assert "ssm_replay / world_size both arms (compare=replay) / 1" in " ".join(text.split())
+    # speed and memory are the replay arm's (the combined results.json is that arm's): the lines say so
+    for line in ("prefill (replay arm)", "decode (replay arm)", "wall time (replay arm)",
+                 "cache memory (replay arm)"):
+        assert line in text, text
+    assert "prefill (replay arm)" not in format_console({**results, "comparison": None})
 
 
 def test_readme_error_examples_are_what_run_py_prints(tmp_path):
