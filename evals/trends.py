@@ -28,11 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.dates import AutoDateLocator, DateFormatter
-from matplotlib.figure import Figure
-
 from evals.history import connect, fetch_comparisons, fetch_runs, fetch_samples
+from evals.mpl import AutoDateLocator, DateFormatter, Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir
 
 HTML_NAME = "index.html"

@@ -640,3 +640,16 @@ def test_resume_on_a_folder_without_generations_says_so(tmp_path, capsys):
     assert "resume=true, but" in capsys.readouterr().err
     check_resume(tmp_path / "fresh2", False, {"draft_len": 3})
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_in_a_fresh_environment_does_not_start_with_matplotlibs_font_cache_line(tmp_path):
+    """A fresh MPLCONFIGDIR makes matplotlib build its font cache and log "generated new fontManager": the
+    run's output must not carry it (evals/mpl.py quiets that logger before matplotlib is imported)."""
+    mpl = tmp_path / "mplconfig"
+    mpl.mkdir()
+    proc = _run_py("eval.limit=1", "verdict.require_reference=false", f"hydra.run.dir={tmp_path / 'run'}",
+                   "history.db=null", cwd=tmp_path, env={"MPLCONFIGDIR": str(mpl)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(mpl.glob("fontlist-*.json")), "no new font cache was built: the test would prove nothing"
+    for stream in (proc.stdout, proc.stderr):
+        assert "generated new fontManager" not in stream, stream[:500]
