@@ -374,6 +374,8 @@ def check_fewshot_fits(tokenizer_file: str | Path, data_dir: Path | None, num_fe
         if total + n > room:
             break
         total, fits = total + n, fits + 1
+    else:
+        return  # every example together fits: the bound refuses nothing (the train split's size is not ours)
     if num_fewshot > fits:
         need = sum(least[:num_fewshot])
         raise UserError(
