@@ -350,9 +350,14 @@ def entry_file_problems(name: str, model_dir: Path = MODEL_DIR) -> list[UserErro
                 f"{where}: defaults entry '{base}' is not a registry entry name",
                 "list only other entries of registry/model/ (and _self_)",
             ))
-    # unknown keys and wrong types, each key on its own so that every one is reported (required keys may
-    # come from a base entry)
-    for key, value in raw.items():
+    # unknown keys and wrong types (required keys may come from a base entry): the whole file at once, and
+    # when that fails each key on its own, so that every one is reported
+    try:
+        _typed(ModelEntry, raw, where)
+        keys = {}
+    except UserError:
+        keys = raw
+    for key, value in keys.items():
         parts = value.items() if isinstance(value, dict) and value else [(None, value)]
         for sub, v in parts:
             try:
