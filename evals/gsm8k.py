@@ -341,9 +341,10 @@ def _sample_records(logged: list[dict[str, Any]], lm: EngineLM) -> list[dict[str
     return [by_doc[k] for k in sorted(by_doc)]
 
 
-def check_fewshot_fits(tokenizer_file: str | Path, data_dir: Path | None, num_fewshot: int, max_gen_toks: int,
-                       max_seq_len: int) -> None:
-    """Refuse, before any model is loaded, a num_fewshot whose prompts can never fit ``max_seq_len``.
+def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_fewshot: int, max_gen_toks: int,
+                      max_seq_len: int) -> None:
+    """Refuse, before any model is loaded, settings whose prompts can never fit ``max_seq_len``: an
+    ``max_gen_toks`` that leaves no position for a prompt, and a ``num_fewshot`` too large (below).
 
     A prompt holds ``num_fewshot`` train examples ("Question: ...\\nAnswer: ...", lm-eval's gsm8k format),
     the question, and leaves ``max_gen_toks`` positions to generate. Without tokenizing (seconds for the
@@ -351,13 +352,21 @@ def check_fewshot_fits(tokenizer_file: str | Path, data_dir: Path | None, num_fe
     vocabulary entry (byte-level BPE entries are one character per byte). When even the ``num_fewshot``
     shortest examples exceed the positions left, no prompt fits; the error names the key and the largest
     value the bound allows. Larger counts that pass may still be refused after loading, by the exact length.
-    Skipped for the hub dataset (``data_dir`` None) and 0 shots.
+    The few-shot bound is skipped for the hub dataset (``data_dir`` None) and 0 shots.
 
-    Raises registry.errors.UserError naming eval.num_fewshot, its allowed range and the settings involved.
+    Raises registry.errors.UserError naming eval.max_gen_toks / eval.num_fewshot, the allowed range and the
+    settings involved.
     """
+    from registry.errors import UserError
+
+    if max_gen_toks >= max_seq_len:
+        raise UserError(
+            f"eval.max_gen_toks={max_gen_toks} leaves no room for a prompt: model.max_seq_len={max_seq_len} "
+            "positions hold the prompt and the generated tokens (allowed: eval.max_gen_toks < "
+            "model.max_seq_len)",
+            "lower eval.max_gen_toks (256 is lm-eval's default) or raise model.max_seq_len")
     if data_dir is None or num_fewshot == 0:
         return
-    from registry.errors import UserError
 
     vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
     longest = max((len(t.encode()) for t in vocab), default=1)
@@ -383,4 +392,5 @@ def check_fewshot_fits(tokenizer_file: str | Path, data_dir: Path | None, num_fe
             f"train examples need at least {need} tokens, and model.max_seq_len={max_seq_len} minus "
             f"eval.max_gen_toks={max_gen_toks} leaves {room}; eval.num_fewshot can be at most {fits} here "
             f"(allowed range [0, {fits}])",
-            "set eval.num_fewshot=5 (the task's own), or raise model.max_seq_len / lower eval.max_gen_toks")
+            f"set eval.num_fewshot to at most {fits} (5 is the task's own), or raise model.max_seq_len / "
+            "lower eval.max_gen_toks")

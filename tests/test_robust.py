@@ -316,8 +316,8 @@ def test_an_empty_gsm8k_file_is_our_error(tmp_path):
 def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(tmp_path):
     """eval.num_fewshot outside [0, 7473] (the train split lm-eval draws from) and eval.max_gen_toks < 1 are
     refused by the config check; a count whose prompts cannot fit max_seq_len is refused before the model
-    loads (evals.gsm8k.check_fewshot_fits), with the largest count that can."""
-    from evals.gsm8k import check_fewshot_fits
+    loads (evals.gsm8k.check_prompt_room), with the largest count that can."""
+    from evals.gsm8k import check_prompt_room
 
     for override, problem in (("eval.num_fewshot=-1", "eval.num_fewshot=-1 is outside [0, 7473]"),
                               ("eval.num_fewshot=8000", "eval.num_fewshot=8000 is outside [0, 7473]"),
@@ -328,14 +328,16 @@ def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(t
     tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
     row = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(100)) + "\n")
-    check_fewshot_fits(tokenizer, tmp_path, 5, 256, 4096)
-    check_fewshot_fits(tokenizer, None, 1000, 256, 4096)  # the hub dataset: not read here
+    check_prompt_room(tokenizer, tmp_path, 5, 256, 4096)
+    check_prompt_room(tokenizer, None, 1000, 256, 4096)  # the hub dataset: not read here
     with pytest.raises(UserError) as e:
-        check_fewshot_fits(tokenizer, tmp_path, 90, 256, 512)
+        check_prompt_room(tokenizer, tmp_path, 90, 256, 512)
     assert e.value.problem.startswith("eval.num_fewshot=90 cannot fit a prompt"), e.value.problem
     fits = int(e.value.problem.rsplit("[0, ", 1)[1].rstrip("])"))
     assert 0 < fits < 90
-    check_fewshot_fits(tokenizer, tmp_path, fits, 256, 512)  # the largest allowed passes
+    check_prompt_room(tokenizer, tmp_path, fits, 256, 512)  # the largest allowed passes
+    with pytest.raises(UserError, match=r"^eval.max_gen_toks=256 leaves no room for a prompt"):
+        check_prompt_room(tokenizer, None, 0, 256, 8)
     # through run.py: exit 2, the key named, nothing generated (the model was not used)
     proc = _run_py("eval.num_fewshot=1000", "eval.limit=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
