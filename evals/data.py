@@ -85,14 +85,18 @@ def check_gsm8k_file(file: Path) -> None:
         return
     fix = ("each line must be one JSON object with string fields \"question\" and \"answer\" (the answer "
            "ending in '#### <number>'); fix or remove that line, or restore the file from a full GSM8K copy")
+    rows = 0
     with open(file, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            rows += 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise GSM8KDataError(f"{file}:{lineno}: not valid JSON ({e.msg} at column {e.colno})",
+                # some of json's messages end in "at" ("Invalid control character '\n' at"): one "at"
+                msg = e.msg.removesuffix(" at")
+                raise GSM8KDataError(f"{file}:{lineno}: not valid JSON ({msg} at column {e.colno})",
                                      fix) from None
             if not isinstance(row, dict):
                 raise GSM8KDataError(f"{file}:{lineno}: a JSON {type(row).__name__}, not an object", fix)
@@ -105,4 +109,8 @@ def check_gsm8k_file(file: Path) -> None:
             if not row["answer"].rsplit(ANSWER_MARKER, 1)[-1].strip() or ANSWER_MARKER not in row["answer"]:
                 raise GSM8KDataError(f"{file}:{lineno}: the answer has no final '{ANSWER_MARKER} <number>' "
                                      f"(it ends: {row['answer'][-40:]!r})", fix)
+    if not rows:
+        raise GSM8KDataError(f"{file} holds no rows (it is empty)",
+                             "restore the file from a full GSM8K copy (train: 7473 rows, test: 1319), e.g. "
+                             "../shared/data/gsm8k")
     _CHECKED[key] = None

@@ -813,8 +813,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len({(r['entry'], r['setting']) for r in runs})} entry x setting series")
             finally:
                 conn.close()
-    except HistoryError as e:
+    except UserError as e:  # HistoryError, and an --out folder that cannot be written
         print(e.format(), file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as e:  # a database whose header reads but whose pages do not
+        print(HistoryError(f"{db} cannot be read: {e} (the file is damaged)",
+                           f"restore it from a copy, or recover its rows with sqlite3 {db} .recover; or "
+                           f"start a new database with --db / ${ENV_VAR}").format(), file=sys.stderr)
         return 2
     return 0
 

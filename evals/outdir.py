@@ -43,7 +43,7 @@ def _fix_for(path: Path) -> str:
     return f"choose a writable folder with out_dir=... or hydra.run.dir=... (not {path})"
 
 
-def _os_error(e: OSError, path: Path, what: str) -> UserError:
+def _os_error(e: OSError, path: Path, what: str, fix: str | None = None) -> UserError:
     """UserError for an OSError met while creating / writing the output folder, naming the cause."""
     reason = {
         errno.EACCES: "permission denied",
@@ -55,27 +55,29 @@ def _os_error(e: OSError, path: Path, what: str) -> UserError:
         errno.EDQUOT: "disk quota exceeded",
     }.get(e.errno, e.strerror or type(e).__name__)
     return UserError(
-        f"output folder {path} cannot be {what}: {reason} ({e.filename or path})", _fix_for(path)
+        f"output folder {path} cannot be {what}: {reason} ({e.filename or path})", fix or _fix_for(path)
     )
 
 
-def ensure_writable_dir(path: Path) -> None:
+def ensure_writable_dir(path: Path, fix: str | None = None) -> None:
     """Create `path` (and parents) if needed and check that a file can be created in it.
 
-    Raises UserError naming the folder and the reason (under a file, permission denied, read-only, full).
+    Raises UserError naming the folder and the reason (under a file, permission denied, read-only, full,
+    a path that cannot hold folders such as /proc/x); its fix line is ``fix`` (default: run.py's
+    out_dir= / hydra.run.dir= advice).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise UserError(f"output folder {path} exists and is not a folder (a file)", _fix_for(path))
+        raise UserError(f"output folder {path} exists and is not a folder (a file)", fix or _fix_for(path))
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _os_error(e, path, "created") from None
+        raise _os_error(e, path, "created", fix) from None
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise _os_error(e, path, "written") from None
+        raise _os_error(e, path, "written", fix) from None
 
 
 _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
-from evals.outdir import write_atomic
+from evals.mpl import Figure, FigureCanvasAgg
+from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION
 from evals.verdict import headline
+from registry.errors import UserError
 
 SUMMARY_NAME = "summary.md"
 PLOT_ACCURACY = "gsm8k_accuracy.png"
@@ -230,16 +230,18 @@ def plot_acceptance_per_position(results: Mapping[str, Any], path: str | Path) -
 
 
 def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> Path | None:
-    """Histogram of num_accepted_tokens per request-step (bars for 1..K+1 tokens committed), as fractions.
+    """Histogram of num_accepted_tokens per request-step (bars for 1..K+1 tokens committed), as fractions,
+    with a vertical line at each arm's mean (its acceptance length) and at the acceptance-length floor.
 
     Returns the PNG path, or None without a histogram.
     """
-    arms = []
+    arms, means = [], []
     for label, acc in _acceptance_arms(results):
         hist = [int(x) for x in acc.get("num_accepted_hist") or []]
         total = sum(hist)
         if total > 0:
             arms.append((label, [h / total for h in hist]))
+            means.append((label, sum(i * h for i, h in enumerate(hist)) / total))  # the acceptance length
     if not arms:
         return None
     size = max(len(values) for _, values in arms)
@@ -259,6 +261,10 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
             zorder=3,
             label=f"acceptance-length floor {floor:.2f} tokens (the mean must reach it)",
         )
+    for (label, mean), style in zip(means, ("-", ":")):
+        # the run's mean (its acceptance length), on the bar axis like the floor (i tokens at x = i - 1)
+        ax.axvline(mean - 1, color="black", linestyle=style, zorder=3,
+                   label=f"mean{'' if len(means) == 1 else ' ' + label}: {mean:.2f} tokens")
     ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
     ax.set_ylabel("fraction of request-steps")
     ax.set_title(plot_title(results, "Accepted length"), fontsize=9)
@@ -302,17 +308,20 @@ def format_console(results: Mapping[str, Any]) -> str:
             ("acceptance rate", pct(acc.get("rate"))),
             ("acceptance length", num(acc.get("length"), " tokens/step")),
         ]
+    # with compare=replay the speed, memory and load figures are the replay arm's (its results.json)
+    arm = f" ({comparison.get('label_b', 'replay')} arm)" if comparison else ""
     rows += [
-        ("prefill", num(t["prefill_tokens_per_s"], " tok/s")),
-        ("decode", num(t["decode_tokens_per_s"], " tok/s")),
-        ("wall time", num(t["wall_seconds"], " s")),
-        ("cache memory", f"{mem / 2**20:,.1f} MiB"),
+        (f"prefill{arm}", num(t["prefill_tokens_per_s"], " tok/s")),
+        (f"decode{arm}", num(t["decode_tokens_per_s"], " tok/s")),
+        (f"wall time{arm}", num(t["wall_seconds"], " s")),
+        (f"cache memory{arm}", f"{mem / 2**20:,.1f} MiB"),
     ]
     load = results.get("load")
     if load:
         peak = load.get("device_peak_bytes") or load.get("host_peak_rss_bytes")
         where = "device" if load.get("device_peak_bytes") else "host RSS"
-        rows.append(("load", f"{load['seconds']:,.1f} s, weights {load['weight_bytes'] / 2**30:,.2f} GiB"
+        weights = f"weights {load['weight_bytes'] / 2**30:,.2f} GiB"
+        rows.append((f"load{arm}", f"{load['seconds']:,.1f} s, {weights}"
                      + (f", {where} peak {peak / 2**30:,.2f} GiB" if peak else "")))
     pc = results.get("prefix_cache") or {}
     if pc.get("enabled"):
@@ -583,9 +592,12 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
         if name in plots:
             out += [f"![{title}]({Path(plots[name]).name})", ""]
 
+    # with compare=replay, memory and timings are the replay arm's (the run's results.json is that arm's)
+    comparison = results.get("comparison")
+    arm = f" ({comparison.get('label_b', 'replay')} arm)" if comparison else ""
     memory = results.get("memory")
     if memory:
-        out += ["## Memory", ""]
+        out += [f"## Memory{arm}", ""]
         rows = [[k, f"{int(v):,}", f"{int(v) / 2**20:.2f}"] for k, v in memory.items() if v is not None]
         out += _table(["buffer", "bytes", "MiB"], rows)
 
@@ -596,7 +608,7 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
 
     timings = results.get("timings")
     if timings:
-        out += ["## Timings", ""]
+        out += [f"## Timings{arm}", ""]
         out += _table(["quantity", "value"], [[k, _fmt(v, 3)] for k, v in timings.items()])
 
     comparison = results.get("comparison")
@@ -721,7 +733,13 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(results, dict) or not {"entry", "gsm8k"} <= results.keys():
         parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and 'gsm8k'; "
                      "docs/results_schema.md)")
-    files = write_report(results, args.out or args.results.parent)
+    out = args.out or args.results.parent
+    try:
+        ensure_writable_dir(out, fix=f"pass a writable folder with --out (not {out})")
+    except UserError as e:
+        print(e.format(), file=sys.stderr)
+        return 2
+    files = write_report(results, out)
     print(files.summary)
     for path in files.plots.values():
         print(path)

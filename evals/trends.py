@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import html
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -27,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
-from matplotlib.figure import Figure
+from evals.mpl import AutoDateLocator, DateFormatter, Figure, FigureCanvasAgg
+from evals.outdir import ensure_writable_dir
 
 HTML_NAME = "index.html"
 MARKDOWN_NAME = "report.md"
@@ -193,33 +193,53 @@ def _slug(text: str) -> str:
 
 
 def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """GSM8K and acceptance of one entry x setting over time (one panel each), as a PNG at path.
+    """GSM8K and acceptance of one entry x setting over time (one panel each), as a PNG at path
+    (:func:`series_figure`)."""
+    fig = series_figure(entry, setting, runs)
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
+def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -> Figure:
+    """The figure of :func:`plot_series`.
 
     GSM8K: the judged score (percent), the reference (solid) and each run's pass threshold (dashed steps:
-    the threshold depends on the run's sample count). Acceptance rate: the value and its floor; acceptance
-    length: the value, its floor and reference. A run whose verdict failed is drawn as a red cross.
+    the threshold depends on the run's sample count n); a threshold <= 0 (a run of a few questions, whose
+    check cannot fail) is not drawn and so never stretches the axis below 0. Acceptance rate: the value and
+    its floor; acceptance length: the value, its floor and reference. Runs of different n are separate
+    series, each labelled with its n, their markers larger with n; a run whose verdict failed is drawn as a
+    red cross. The x axis reads date and time of each tick (UTC).
     """
     has_acc = any(r.get("acceptance_rate") is not None for r in runs)
     panels = 3 if has_acc else 1
-    fig = Figure(figsize=(6.4, 2.0 * panels + 0.6))
+    fig = Figure(figsize=(6.4, 2.1 * panels + 0.6))
     axes = [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
     xs = [_when(r) for r in runs]
+    ns = [r.get("n") for r in runs]
+    sizes = sorted({n for n in ns if n is not None})
     failed = [r.get("verdict_passed") == 0 for r in runs]
     # a reference / threshold holds from its run until the next one; the last one is drawn a little further
     span = xs[-1] - xs[0]
     pad = max(span * 0.08, dt.timedelta(seconds=1)) if span else dt.timedelta(minutes=30)
     x_end = xs[-1] + pad
+    colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:cyan", "tab:olive"]
 
     def draw(ax, values: list[float | None], label: str, unit: str,
              refs: list[tuple[list, str, str]]) -> None:
-        pts = [(x, v, f) for x, v, f in zip(xs, values, failed) if v is not None]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color="tab:blue", label=label,
-                    zorder=3)
+        for i, n in enumerate(sizes if len(sizes) > 1 else [None]):
+            pts = [(x, v, f) for x, v, f, rn in zip(xs, values, failed, ns)
+                   if v is not None and (n is None or rn == n)]
+            if not pts:
+                continue
+            n_label = n if n is not None else (sizes[0] if sizes else None)
+            size = 3 + 2 * math.log10(max(n_label or 1, 1))  # marker size grows with the run's n
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=size,
+                    color=colors[i % len(colors)], zorder=3,
+                    label=f"{label} (n={n_label})" if n_label is not None else label)
             bad = [p for p in pts if p[2]]
             if bad:
                 ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="tab:red",
-                           label="verdict FAIL", zorder=4)
+                           label="verdict FAIL" if i == 0 else None, zorder=4)
         for ys, name, style in refs:
             line = [(x, y) for x, y in zip(xs, ys) if y is not None]
             if line:
@@ -231,9 +251,10 @@ def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], pat
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
 
+    thresholds = [t if t is not None and t > 0 else None for t in (r.get("gsm8k_threshold") for r in runs)]
     draw(axes[0], [gsm8k_value(r) for r in runs], "GSM8K (mean of the filters)", "exact match (%)",
          [([r.get("gsm8k_reference") for r in runs], "reference", "-"),
-          ([r.get("gsm8k_threshold") for r in runs], "pass threshold (per run's n)", "--")])
+          (thresholds, "pass threshold (per run's n; none where it cannot bind)", "--")])
     axes[0].set_title(f"{entry} | {setting}", fontsize=10)
     if has_acc:
         draw(axes[1], [r.get("acceptance_rate") for r in runs], "acceptance rate", "accepted / drafted",
@@ -241,16 +262,15 @@ def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], pat
         draw(axes[2], [r.get("acceptance_length") for r in runs], "acceptance length", "tokens / step",
              [([r.get("acceptance_length_reference") for r in runs], "reference", "-"),
               ([r.get("acceptance_length_floor") for r in runs], "floor", "--")])
+    when = "%Y-%m-%d\n%H:%M:%S" if x_end - xs[0] < dt.timedelta(hours=1) else "%Y-%m-%d\n%H:%M"
     for ax in axes:
-        locator = AutoDateLocator()
-        ax.xaxis.set_major_locator(locator)
-        ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+        ax.xaxis.set_major_locator(AutoDateLocator(maxticks=6))
+        ax.xaxis.set_major_formatter(DateFormatter(when))  # every tick its date and time, none elided
         ax.tick_params(axis="x", labelsize=7)
     axes[-1].set_xlabel("run finished (UTC)")
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,9 +434,11 @@ def render_trend_report(db: str | os.PathLike, runs: list[dict[str, Any]], compa
     db: the database the rows came from (named in the page). runs, comparisons, samples: what
     evals.history.fetch_runs / fetch_comparisons / fetch_samples return for it. This module reads no database:
     evals.history.write_trend_report reads one and calls this (the store below, the view above it).
+    Raises registry.errors.UserError when out_dir cannot be created or written
+    (evals.outdir.ensure_writable_dir).
     """
     db, out = Path(db), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out, fix=f"pass a writable folder with --out (not {out})")
     groups = series(runs)
     changes = {k: change(v[-2] if len(v) > 1 else None, v[-1], samples) for k, v in groups.items()}
     rows = _status_rows(groups, changes)

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from registry.errors import UserError
 from registry.schema import BASELINES_DIR, DType, KVCacheQuant, Quant, SpecAlgorithm
+from registry.yamlfile import RegistryYAMLError
+from registry.yamlfile import load as load_yaml
 
 GSM8K_BASELINES = BASELINES_DIR / "gsm8k.yaml"
 ACCEPTANCE_BASELINES = BASELINES_DIR / "acceptance.yaml"
@@ -202,9 +202,12 @@ class AcceptanceReference:
         where = f"quant={self.quant} draft_len={self.draft_len}{_describe_state(self.state)}"
         if not self.measured:
             return f"{where}: not measured"
+        def num(x: float | None) -> str:  # what a person reads: 2.0696000000000003 -> 2.0696
+            return "-" if x is None else f"{round(x, 4):g}"
+
         return (
-            f"{where}: rate floor {self.acceptance_rate_floor}, "
-            f"length ref {self.acceptance_length_reference} floor {self.acceptance_length_floor}"
+            f"{where}: rate floor {num(self.acceptance_rate_floor)}, "
+            f"length ref {num(self.acceptance_length_reference)} floor {num(self.acceptance_length_floor)}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,9 +224,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             "restore it from git or pass the path of an existing file",
         )
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise BaselineError(f"{path} is not valid YAML: {e}", "fix the YAML syntax") from e
+        data = load_yaml(path.read_text(), str(path))
+    except RegistryYAMLError as e:
+        raise BaselineError(e.problem, e.fix) from None
     if not isinstance(data, dict):
         raise BaselineError(f"{path}: top level must be a mapping", "see registry/baselines/README.md")
     version = data.get("schema_version")

@@ -76,6 +76,12 @@ def check_checkpoint_dir(path: str | Path, setting: str) -> None:
     setting: the setting that points at `path` (e.g. "model.checkpoint"), named in every problem.
     """
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is a file (set by {setting}); a checkpoint is the directory that holds the "
+            "weights with config.json and tokenizer.json",
+            f"point {setting.split()[0]} at the directory holding it: {path.parent}",
+        )
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint directory {path} does not exist (set by {setting})",

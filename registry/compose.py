@@ -22,6 +22,7 @@ import difflib
 import re
 import typing
 from enum import Enum
+from pathlib import Path
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -67,6 +68,14 @@ def check_overrides(overrides: list[str]) -> None:
     except HydraException as e:
         raise UserError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}",
                         "write each override as key=value (python run.py --help)") from None
+    folder_keys = ("out_dir", "hydra.run.dir")
+    folders = {o.key_or_group: str(o.value()) for o in parsed
+               if o.key_or_group in folder_keys and not o.is_delete() and not o.is_sweep_override()}
+    if len(folders) == 2 and Path(folders["out_dir"]).resolve() != Path(folders["hydra.run.dir"]).resolve():
+        raise UserError(
+            f"out_dir={folders['out_dir']} and hydra.run.dir={folders['hydra.run.dir']} name two folders: "
+            "the results would go to out_dir and Hydra's own files (.hydra/, the log) to hydra.run.dir",
+            f"give one of them (out_dir={folders['out_dir']} puts everything there)")
     models: list[str] = []
     for o in parsed:
         if o.key_or_group != "model" or o.is_delete():

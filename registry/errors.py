@@ -24,3 +24,25 @@ class UserError(ValueError):
     def format(self) -> str:
         """The two lines run.py prints: `error: <problem>\\n  fix: <fix>`."""
         return f"error: {self.problem}\n  fix: {self.fix}"
+
+
+class UserErrors(UserError):
+    """Several problems of one input at once (e.g. every problem of a registry file, so a contributor fixes
+    them in one round): ``errors`` lists them; problem and fix are the first's, the problem noting how many
+    more there are."""
+
+    def __init__(self, errors: list[UserError]):
+        if not errors:
+            raise ValueError("UserErrors needs at least one error")
+        more = len(errors) - 1
+        note = f" (and {more} more problem{'s' if more > 1 else ''}: python -m registry validate lists all)"
+        super().__init__(errors[0].problem + (note if more else ""), errors[0].fix)
+        self.errors = list(errors)
+
+
+def raise_all(errors: list[UserError]) -> None:
+    """Raise nothing for no errors, the error itself for one, :class:`UserErrors` for several."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise UserErrors(errors)

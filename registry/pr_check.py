@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from registry.schema import BASELINES_DIR, MODEL_DIR, REGISTRY_DIR, REPO_ROOT, entry_names, validate_entry
 from registry.selection import entry_data, variants_of
+from registry.yamlfile import RegistryYAMLError
+from registry.yamlfile import load as load_yaml
 
 TEMPLATE = MODEL_DIR / "_template.yaml.example"
 SMOKE_LIMIT = 2
@@ -83,8 +83,8 @@ def _models_block(text: str | None) -> dict[str, Any]:
     if text is None:
         return {}
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError:
+        data = load_yaml(text, "baselines file") or {}
+    except RegistryYAMLError:
         return {"<unreadable>": text}
     models = data.get("models") if isinstance(data, dict) else None
     return models if isinstance(models, dict) else {"<no models mapping>": data}
@@ -143,7 +143,7 @@ class Touched:
 def _safe_data(name: str) -> dict[str, Any]:
     try:
         return entry_data(name)
-    except (KeyError, ValueError, yaml.YAMLError):
+    except (KeyError, ValueError):  # ValueError: a defaults cycle, unreadable YAML (RegistryYAMLError)
         return {}  # validation reports what is wrong with it
 
 
@@ -277,7 +277,7 @@ def run_pr_check(base: str, *, run_smoke: bool = True, limit: int = SMOKE_LIMIT,
     failed = []
     if t.template_changed:
         try:
-            raw = yaml.safe_load(TEMPLATE.read_text())
+            raw = load_yaml(TEMPLATE.read_text(), str(TEMPLATE.relative_to(repo)))
             validate_entry({k: v for k, v in raw.items() if k != "defaults"}, name=raw.get("name"))
             echo(f"template {TEMPLATE.relative_to(repo)}: valid")
         except Exception as e:  # noqa: BLE001 - any failure of the template is reported the same way

@@ -23,7 +23,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
@@ -33,7 +32,8 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from registry.errors import UserError
+from registry.errors import UserError, raise_all
+from registry.yamlfile import load as load_yaml
 
 REGISTRY_DIR = Path(__file__).resolve().parent
 REPO_ROOT = REGISTRY_DIR.parent
@@ -179,6 +179,9 @@ class ModelEntry:
 # The settings around the entry (configs/config.yaml and its groups eval/, runtime/)
 
 
+GSM8K_TRAIN_ROWS = 7473  # rows of GSM8K's train split, the pool lm-eval draws few-shot examples from
+
+
 @dataclass
 class EvalConfig:
     """Evaluation settings (the `eval` config group: configs/eval/<name>.yaml)."""
@@ -298,41 +301,111 @@ def check_entry_file(name: str, model_dir: Path = MODEL_DIR, _seen: tuple[str, .
         raise unknown_entry_error(name)
     if name in _seen:
         raise UserError(f"{where}: defaults form a cycle: {' -> '.join((*_seen, name))}", "remove the cycle")
+    raise_all(entry_file_problems(name, model_dir))
+    raw = load_yaml(path.read_text(), where)
+    for base in raw.get("defaults") or []:
+        if base != "_self_":
+            check_entry_file(base, model_dir, (*_seen, name))
+
+
+def entry_file_problems(name: str, model_dir: Path = MODEL_DIR) -> list[UserError]:
+    """Every problem of the raw file of entry ``name`` itself (not of its bases), as check_entry_file judges
+    them: not valid registry YAML (registry.yamlfile: aliases and ``!!python/...`` tags refused), a
+    `# @package` header, interpolations, a malformed defaults list, each key outside the schema or of the
+    wrong type, a ``checkpoint:`` that leaves its root (registry/checkpoints/ for embedded entries: no
+    ``..``, not absolute). Empty for a good file; a missing file is check_entry_file's error."""
+    path = model_dir / f"{name}.yaml"
+    where = entry_file(name)
     text = path.read_text()
+    problems: list[UserError] = []
     if _PACKAGE_HEADER.search(text):
-        raise UserError(
+        problems.append(UserError(
             f"{where}: a '# @package' directive is not allowed in a registry entry",
             "remove it; an entry always fills the `model` node",
-        )
+        ))
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise UserError(f"{where}: not valid YAML: {str(e).splitlines()[0]}", "fix the YAML syntax") from None
+        raw = load_yaml(text, where)
+    except UserError as e:
+        return [*problems, e]
     if not isinstance(raw, dict):
-        raise UserError(f"{where}: must be a mapping of schema keys", "see registry/schema.py:ModelEntry")
+        return [*problems, UserError(f"{where}: must be a mapping of schema keys",
+                                     "see registry/schema.py:ModelEntry")]
     for key, value in _walk_values(raw):
         if isinstance(value, str) and "${" in value:
-            raise UserError(
+            problems.append(UserError(
                 f"{where}: key '{key}' holds an interpolation ({value!r}); registry entries are plain data "
                 "(an interpolation could read environment variables, e.g. secrets, into published results)",
                 f"write the literal value of '{key}'",
-            )
+            ))
+    raw = dict(raw)
     defaults = raw.pop("defaults", None) or []
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
-        raise UserError(
+        problems.append(UserError(
             f"{where}: defaults must be a list of entry names (and _self_)",
             "write `defaults: [<base entry>, _self_]`; config groups cannot be selected from an entry",
-        )
-    _typed(ModelEntry, raw, where)  # unknown keys and wrong types; required keys may come from a base entry
+        ))
+        defaults = []
     for base in defaults:
-        if base == "_self_":
-            continue
-        if base.startswith(("/", "override", ".")) or "@" in base or ":" in base:
-            raise UserError(
+        if base != "_self_" and (base.startswith(("/", "override", ".")) or "@" in base or ":" in base):
+            problems.append(UserError(
                 f"{where}: defaults entry '{base}' is not a registry entry name",
                 "list only other entries of registry/model/ (and _self_)",
-            )
-        check_entry_file(base, model_dir, (*_seen, name))
+            ))
+    # unknown keys and wrong types (required keys may come from a base entry): the whole file at once, and
+    # when that fails each key on its own, so that every one is reported
+    try:
+        _typed(ModelEntry, raw, where)
+        keys = {}
+    except UserError:
+        keys = raw
+    for key, value in keys.items():
+        parts = value.items() if isinstance(value, dict) and value else [(None, value)]
+        for sub, v in parts:
+            try:
+                _typed(ModelEntry, {key: v if sub is None else {sub: v}}, where)
+            except UserError as e:
+                problems.append(e)
+    problems += _checkpoint_problems(raw, defaults, model_dir, where)
+    return problems
+
+
+def _file_embedded(raw: dict[str, Any], defaults: list[str], model_dir: Path, seen: tuple[str, ...]) -> bool:
+    """The `embedded` value of an entry file merged over its bases (own key last, as Hydra merges)."""
+    if "embedded" in raw:
+        return raw["embedded"] is True
+    value = False
+    for base in defaults:
+        path = model_dir / f"{base}.yaml"
+        if base == "_self_" or base in seen or not path.is_file():
+            continue
+        try:
+            data = load_yaml(path.read_text(), entry_file(base))
+        except UserError:
+            continue
+        if isinstance(data, dict):
+            bases = [d for d in data.get("defaults") or [] if isinstance(d, str)]
+            value = _file_embedded(data, bases, model_dir, (*seen, base))
+    return value
+
+
+def _checkpoint_problems(raw: dict[str, Any], defaults: list[str], model_dir: Path,
+                         where: str) -> list[UserError]:
+    """The file's `checkpoint:` must stay inside its root: no `..` part, no `~`; for an embedded entry also
+    not absolute (an entry in a pull request must not point CI at files outside the repository). A user's
+    `model.checkpoint=/data/...` override is not a file and is not judged here."""
+    ckpt = raw.get("checkpoint")
+    if not isinstance(ckpt, str):
+        return []
+    parts = Path(ckpt).parts
+    embedded = _file_embedded(raw, defaults, model_dir, ())
+    root = "registry/checkpoints/" if embedded else "models_root ($LLM_MODELS_ROOT)"
+    if ".." in parts or ckpt.startswith("~") or (embedded and Path(ckpt).is_absolute()):
+        return [UserError(
+            f"{where}: checkpoint {ckpt!r} leaves {root}: an entry names a folder under it "
+            "(no '..', no '~'" + (", not an absolute path)" if embedded else ")"),
+            f"move the checkpoint under {root} and name it relative to it; a local copy elsewhere is "
+            "passed at run time: python run.py model=<entry> model.checkpoint=/path/to/it")]
+    return []
 
 
 def _walk_values(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -425,7 +498,9 @@ def schema_error(e: OmegaConfBaseException, where: str) -> UserError:
 
 
 def check_entry_values(entry: ModelEntry, where: str) -> None:
-    """Range and consistency rules of one entry. Raises UserError naming the file and the keys."""
+    """Range and consistency rules of one entry. Raises UserError naming the file and the keys (UserErrors
+    when several rules fail: every one is reported)."""
+    problems: list[UserError] = []
     positive = {
         "max_batch_size": entry.max_batch_size,
         "max_seq_len": entry.max_seq_len,
@@ -433,52 +508,54 @@ def check_entry_values(entry: ModelEntry, where: str) -> None:
     }
     for key, value in positive.items():
         if value < 1:
-            raise UserError(f"{where}: {key} must be >= 1, got {value}", f"set {key} to a positive integer")
+            problems.append(UserError(f"{where}: {key} must be >= 1, got {value}",
+                                      f"set {key} to a positive integer"))
     spec = entry.speculative
     if spec.algorithm == SpecAlgorithm.mtp:
         if spec.draft_len < 1 or spec.num_nextn_predict_layers < 1:
-            raise UserError(
+            problems.append(UserError(
                 f"{where}: speculative.algorithm is mtp but draft_len={spec.draft_len} and "
                 f"num_nextn_predict_layers={spec.num_nextn_predict_layers}",
                 "set speculative.draft_len >= 1 and speculative.num_nextn_predict_layers >= 1 "
                 "(the checkpoint's MTP module count), or set speculative.algorithm: none",
-            )
+            ))
     elif spec.draft_len != 0:
-        raise UserError(
+        problems.append(UserError(
             f"{where}: speculative.draft_len={spec.draft_len} but speculative.algorithm is none",
             "set speculative.algorithm: mtp, or speculative.draft_len: 0",
-        )
+        ))
     if spec.num_nextn_predict_layers < 0:
-        raise UserError(f"{where}: speculative.num_nextn_predict_layers must be >= 0",
-                        "set it to the checkpoint's MTP module count")
+        problems.append(UserError(f"{where}: speculative.num_nextn_predict_layers must be >= 0",
+                                  "set it to the checkpoint's MTP module count"))
     if any(b < 1 or b > entry.max_batch_size for b in entry.cuda_graph_batch_sizes):
-        raise UserError(
+        problems.append(UserError(
             f"{where}: cuda_graph_batch_sizes {entry.cuda_graph_batch_sizes} must lie in [1, max_batch_size="
             f"{entry.max_batch_size}]",
             "fix cuda_graph_batch_sizes or max_batch_size",
-        )
+        ))
     if entry.ssm.backend == SSMBackend.flashinfer and entry.family == Family.qwen3_next:
-        raise UserError(
+        problems.append(UserError(
             f"{where}: ssm.backend flashinfer has no Gated DeltaNet kernels (qwen3_next)",
             "set ssm.backend: triton (or torch)",
-        )
+        ))
     if entry.ssm.stochastic_rounding and entry.ssm.state_dtype == DType.float32:
-        raise UserError(
+        problems.append(UserError(
             f"{where}: ssm.stochastic_rounding rounds 16-bit state writes, but ssm.state_dtype is float32",
             "set ssm.state_dtype: bfloat16 (or float16), or ssm.stochastic_rounding: false",
-        )
+        ))
     if entry.ssm.replay_checkpointing and entry.family != Family.nemotron_h:
-        raise UserError(
+        problems.append(UserError(
             f"{where}: ssm.replay_checkpointing exists for Mamba2 layers only (nemotron_h), not "
             f"{entry.family.value}",
             "set ssm.replay_checkpointing: false",
-        )
+        ))
     if not entry.embedded and entry.arch is None:
-        raise UserError(
+        problems.append(UserError(
             f"{where}: arch is null, but only embedded checkpoints may omit it (the runner needs the model "
             "dimensions before the weights are there)",
             "add the arch: block (sizes from the checkpoint's config.json)",
-        )
+        ))
+    raise_all(problems)
 
 
 def check_run_values(run: RunConfig) -> None:
@@ -488,6 +565,15 @@ def check_run_values(run: RunConfig) -> None:
                         "set world_size=1 (or the GPU count)")
     if run.eval.limit is not None and run.eval.limit < 1:
         raise UserError(f"eval.limit must be >= 1 or null, got {run.eval.limit}", "set eval.limit=N or null")
+    if not 0 <= run.eval.num_fewshot <= GSM8K_TRAIN_ROWS:
+        raise UserError(
+            f"eval.num_fewshot={run.eval.num_fewshot} is outside [0, {GSM8K_TRAIN_ROWS}]: the few-shot "
+            f"examples are drawn without repeats from GSM8K's train split ({GSM8K_TRAIN_ROWS} rows), and "
+            "every one lengthens each prompt (~100-200 tokens a shot; prompts must fit model.max_seq_len)",
+            "set eval.num_fewshot=5 (the task's own), or 0 for zero-shot")
+    if run.eval.max_gen_toks < 1:
+        raise UserError(f"eval.max_gen_toks={run.eval.max_gen_toks} must be >= 1 (the most tokens generated "
+                        "per question)", "set eval.max_gen_toks=256 (lm-eval's default)")
     if run.eval.batch_size is not None and run.eval.batch_size < 1:
         raise UserError(f"eval.batch_size must be >= 1, got {run.eval.batch_size}", "set eval.batch_size=N")
     if run.runtime.device not in ("cpu", "cuda") and not run.runtime.device.startswith("cuda:"):

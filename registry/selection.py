@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import OmegaConf
 
 from registry.errors import UserError
 from registry.schema import MODEL_DIR, check_entry_file, entry_names
+from registry.yamlfile import load as load_yaml
 
 ReadEntry = Callable[[str], str | None]  # entry name -> the YAML text of its file (None: no such entry)
 
@@ -40,7 +40,7 @@ def _raw(name: str, read: ReadEntry) -> dict[str, Any]:
     text = read(name)
     if text is None:
         raise KeyError(f"no registry entry {name!r}")
-    data = yaml.safe_load(text)
+    data = load_yaml(text, f"registry/model/{name}.yaml")  # RegistryYAMLError: a ValueError
     return data if isinstance(data, dict) else {}
 
 
@@ -54,8 +54,8 @@ def entry_bases(name: str, *, read: ReadEntry | None = None, missing_ok: bool = 
 
     read: how to read an entry file (default: registry/model/). missing_ok: a base whose file is missing is
     listed but not followed (a pull request that deletes a base), instead of raising. Raises KeyError for a
-    missing entry and ValueError for a defaults cycle (registry.schema.check_entry_file reports both to
-    users).
+    missing entry and ValueError for a defaults cycle or a file that is not valid registry YAML
+    (registry.yamlfile.RegistryYAMLError; registry.schema.check_entry_file reports all to users).
     """
     read = read or _read_from(MODEL_DIR)
     out: list[str] = []
@@ -79,7 +79,7 @@ def entry_bases(name: str, *, read: ReadEntry | None = None, missing_ok: bool = 
 def entry_data(name: str, *, read: ReadEntry | None = None) -> dict[str, Any]:
     """The entry's keys merged over its bases' as Hydra's defaults list merges them (plain dict, unvalidated).
 
-    Raises KeyError for a missing entry, ValueError for a defaults cycle.
+    Raises KeyError for a missing entry, ValueError for a defaults cycle or unreadable YAML.
     """
     read = read or _read_from(MODEL_DIR)
 

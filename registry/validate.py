@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
 from registry.checkpoint import check_checkpoint_dir, tensor_files
 from registry.compose import compose_config
-from registry.errors import UserError
+from registry.errors import UserError, UserErrors
 from registry.resolve import ResolvedRun, resolve
 from registry.schema import EMBEDDED_CHECKPOINTS_DIR, REPO_ROOT, entry_names
 
@@ -46,6 +46,11 @@ def _line(e: UserError) -> str:
     return f"{e.problem} -- fix: {e.fix}"
 
 
+def _lines(e: UserError) -> list[str]:
+    """One line per problem: every problem of a UserErrors (all of a file's), else the one."""
+    return [_line(x) for x in e.errors] if isinstance(e, UserErrors) else [_line(e)]
+
+
 def validate_one(name: str) -> EntryReport:
     """Check one entry; problems go to report.errors, refused sweep combinations to notes."""
     report = EntryReport(name)
@@ -53,7 +58,7 @@ def validate_one(name: str) -> EntryReport:
         base = compose_entry(name)
         report.resolved = resolve(base, entry_name=name, check_checkpoint=False)
     except UserError as e:
-        report.errors.append(_line(e))
+        report.errors += _lines(e)
         return report
     entry = report.resolved.entry
     for ssm_replay in SWEEP_SSM_REPLAY:

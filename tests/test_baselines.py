@@ -194,3 +194,16 @@ def test_acceptance_absolute_floor(tmp_path):
     path = _write(tmp_path, "a.yaml", f"schema_version: 1\nmodels:\n  e:\n    rows:\n      - {row}\n")
     ref = find_acceptance_reference("e", "FP8", 2, path=path)
     assert (ref.acceptance_rate_floor, ref.acceptance_length_floor) == (None, 2.2)
+
+
+def test_acceptance_rows_are_described_with_readable_numbers():
+    """The rows listed when no acceptance row matches (draft_len=99) read 2.0696, not 2.0696000000000003 (the
+    floor is computed from the reference)."""
+    import re
+
+    from registry.baselines import load_acceptance_baselines
+
+    lines = [row.describe() for rows in load_acceptance_baselines().values() for row in rows]
+    assert any("floor 2.0696" in line for line in lines), lines
+    for line in lines:
+        assert not re.search(r"\d\.\d{5,}", line), line

@@ -317,3 +317,31 @@ def test_a_database_locked_too_long_is_a_clear_error(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 10
     history.record_run(make_results(), None, db)
     assert _count(db, "runs") == 1
+
+
+def test_report_errors_are_error_and_fix_lines(tmp_path, capsys):
+    """`report --out` a folder that cannot be made (/proc/x), or an existing file, and a database whose pages
+    are damaged: one error line, one fix line, exit 2 (no FileNotFoundError / FileExistsError /
+    sqlite3.DatabaseError traceback)."""
+    write_run(tmp_path / "run", make_results(), correct=[1, 0, 1, 1])
+    db = tmp_path / "h.db"
+    assert history.main(["--db", str(db), "import", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, why in (("/proc/x", "cannot be created"), (str(a_file), "is not a folder")):
+        assert history.main(["--db", str(db), "report", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: output folder {out} ") and why in err, err
+        assert "\n  fix: pass a writable folder with --out" in err
+    # damage every page after the first (the header and schema stay readable, the rows do not)
+    data = bytearray(db.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    assert len(data) > 2 * page
+    data[page:] = bytes([0xA5]) * (len(data) - page)
+    db.write_bytes(bytes(data))
+    for command in (["report", "--out", str(tmp_path / "rep")], ["info"]):
+        assert history.main(["--db", str(db), *command]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {db} cannot be read: ") and "damaged" in err, err
+        assert "\n  fix: restore it from a copy" in err

@@ -264,3 +264,21 @@ def test_an_unknown_experiment_is_a_user_error(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[:2] == ["error: unknown experiment option experiment=nightlyy",
                                             "  fix: did you mean experiment=nightly? choose one of: nightly"]
+
+
+@pytest.mark.slow
+def test_the_documented_nightly_table_is_what_the_command_prints(tmp_path):
+    """docs/nightly.md shows the table of `python run.py +experiment=nightly eval.limit=8`: its rows (entry,
+    settings, GSM8K, acceptance, verdict, folder) are what that command prints now."""
+    sweep = tmp_path / "sweep"
+    proc = _run_py("+experiment=nightly", "eval.limit=8", f"hydra.sweep.dir={sweep}",
+                   f"history.db={tmp_path / 'h.db'}", cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def rows(text: str) -> list[list[str]]:
+        return [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()
+                if line.startswith("| ") and "tiny_" in line]
+
+    documented = rows((REPO_ROOT / "docs" / "nightly.md").read_text())
+    printed = rows((sweep / "sweep_summary.md").read_text())
+    assert len(documented) == 4 and printed == documented, (printed, documented)

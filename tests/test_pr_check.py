@@ -163,3 +163,17 @@ def test_baseline_changes_per_model_key(clone):
     assert pr_check.baseline_changes(path, head, clone) == {
         "tiny_nemotron_h_mtp": "1 rows added or changed, 1 rows removed or changed",
         "tiny_qwen3_next_mtp": "description / source / metric changed"}
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("name: broken\nfamily: [unclosed\n", "not valid YAML"),
+    ("name: evil\nhf_id: !!python/object/apply:os.system [echo hi]\n", "python/object/apply:os.system"),
+])
+def test_an_unreadable_entry_fails_validation_without_a_traceback(clone, gsm8k_dir, text, problem):
+    """An entry that is not valid YAML, or carries a !!python/... tag: pr-check reports it as the entry's
+    validation failure (it crashed in registry/selection.py with a yaml traceback)."""
+    (clone / "registry" / "model" / "broken.yaml").write_text(text)
+    proc = _pr_check(clone, gsm8k_dir)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert "FAIL  broken" in proc.stdout and problem in proc.stdout, out

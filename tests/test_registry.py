@@ -299,3 +299,85 @@ def test_stop_ids_from_generation_config(tmp_path):
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
     with pytest.raises(UserError, match="eos_token_id must be an int or a list of ints"):
         HybridConfig.from_pretrained(ckpt)
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """The "billion laughs" shape (nine levels of nine aliases: 9**9 strings once expanded) is refused at
+    its first alias, at once and naming the file and line, by every reader of registry files
+    (registry/yamlfile.py); a python tag too."""
+    import time
+
+    from registry.yamlfile import RegistryYAMLError, load
+
+    levels = ["a0: &a0 lol"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    (tmp_path / "laughs.yaml").write_text("name: laughs\n" + "\n".join(levels) + "\n")
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        check_entry_file("laughs", tmp_path)
+    assert time.monotonic() - t0 < 5  # refused, not expanded (it used 4 GiB and died after 35 s)
+    assert e.value.problem.startswith("registry/model/laughs.yaml: not valid YAML for the registry (line 3")
+    assert "found the alias *a0: registry files may not use YAML aliases" in e.value.problem
+    assert "defaults:" in e.value.fix
+    with pytest.raises(RegistryYAMLError, match="could not determine a constructor for the tag"):
+        load("x: !!python/object/apply:os.system [echo]\n", "x.yaml")
+    assert load("a: 1\nb: [2, 3]\n", "x.yaml") == {"a": 1, "b": [2, 3]}
+
+
+@pytest.mark.parametrize("checkpoint, refused", [
+    ("../../../etc", True), ("tiny/../../x", True), ("/etc", True), ("~/ck", True),
+    ("tiny_nemotron_h_mtp", False),
+])
+def test_an_embedded_checkpoint_stays_under_registry_checkpoints(tmp_path, checkpoint, refused):
+    """An embedded entry's checkpoint: climbing out of registry/checkpoints/ or absolute is refused (a pull
+    request must not point CI at files outside the repository), also when `embedded` comes from the base;
+    a released entry may not climb out of models_root either. A run's model.checkpoint=/data/... override
+    is not a file and stays allowed (tests/test_app.py runs checkpoints from temporary folders)."""
+    (tmp_path / "base.yaml").write_text("name: base\nfamily: nemotron_h\nembedded: true\ncheckpoint: ok\n")
+    (tmp_path / "mine.yaml").write_text(f"defaults: [base, _self_]\nname: mine\ncheckpoint: {checkpoint}\n")
+    (tmp_path / "released.yaml").write_text(f"name: released\nfamily: nemotron_h\ncheckpoint: {checkpoint}\n")
+    if not refused:
+        check_entry_file("mine", tmp_path)
+        check_entry_file("released", tmp_path)
+        return
+    with pytest.raises(UserError) as e:
+        check_entry_file("mine", tmp_path)
+    assert f"checkpoint {checkpoint!r} leaves registry/checkpoints/" in e.value.problem
+    assert "model.checkpoint=/path/to/it" in e.value.fix
+    if checkpoint != "/etc":
+        with pytest.raises(UserError, match=r"leaves models_root"):
+            check_entry_file("released", tmp_path)
+    else:
+        check_entry_file("released", tmp_path)
+
+
+def test_registry_validate_reports_every_problem_of_a_file(monkeypatch, tmp_path, capsys):
+    """Three problems in one file (an unknown key, a wrong type, an interpolation), and two range rules of a
+    composed entry: validate lists them all in one run, not the first one per run."""
+    from registry import schema
+
+    (tmp_path / "many.yaml").write_text("name: many\nfamily: nemotron_h\ncheckpoint: x\nembedded: true\n"
+                                        "colour: red\nmax_batch_size: lots\nhf_id: ${oc.env:HOME}\n")
+    with pytest.raises(UserError) as e:
+        check_entry_file("many", tmp_path)
+    problems = [x.problem for x in e.value.errors]
+    assert len(problems) == 3, problems
+    assert any("interpolation" in p for p in problems) and any("colour" in p for p in problems)
+    assert any("max_batch_size" in p for p in problems)
+    assert "(and 2 more problems: python -m registry validate lists all)" in e.value.problem
+    entry = schema.validate_entry(registry_validate.compose_entry("tiny_nemotron_h_mtp").model,
+                                  name="tiny_nemotron_h_mtp")
+    entry.max_seq_len, entry.world_size = 0, 0
+    with pytest.raises(UserError) as e:
+        schema.check_entry_values(entry, "x.yaml")
+    assert [x.problem for x in e.value.errors] == ["x.yaml: max_seq_len must be >= 1, got 0",
+                                                   "x.yaml: world_size must be >= 1, got 0"]
+    # validate lists each problem on its own line (compose_entry checks the raw file first, as run.py does)
+    real_compose = registry_validate.compose_entry
+
+    def compose_from_tmp(name, overrides=None):
+        check_entry_file(name, tmp_path)
+        return real_compose(name, overrides)
+
+    monkeypatch.setattr(registry_validate, "compose_entry", compose_from_tmp)
+    report = registry_validate.validate_one("many")
+    assert len(report.errors) == 3 and all(" -- fix: " in line for line in report.errors), report.errors

@@ -160,6 +160,24 @@ def test_comparison_report(tmp_path):
     assert "30 of 40 samples identical, 10 diverge; first divergence at token min 2, median 2.0" in md
     assert "| acceptance rate | 0.8200 | 0.8100 | -0.0100 |" in md
     assert "| position 3 | 0.7000 | 0.6800 | -0.0200 |" in md
+    # memory and timings of a comparison are the replay arm's: the headings say so
+    assert "## Memory (replay arm)" in md and "## Timings (replay arm)" in md, md
+
+
+def test_accepted_length_histogram_marks_each_arms_mean(tmp_path, monkeypatch):
+    """A vertical line at the run's mean accepted length (its acceptance length), one per arm."""
+    import evals.report as report
+
+    figures = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    hist = [0, 70, 100, 200, 630]
+    results = _results()
+    results["acceptance"] = _acceptance(0.82, 3.39, [0.9, 0.8, 0.7], hist)
+    assert report.plot_accepted_length_hist(results, tmp_path / "h.png") is not None
+    mean = sum(i * h for i, h in enumerate(hist)) / sum(hist)  # 3.39
+    lines = {line.get_label(): line.get_xdata() for line in figures[-1].axes[0].get_lines()}
+    assert list(lines[f"mean: {mean:.2f} tokens"]) == [mean - 1, mean - 1]  # bar i sits at x = i - 1
 
 
 def test_render_markdown_without_plots():
@@ -181,6 +199,12 @@ def test_cli_rewrites_a_saved_run(tmp_path, capsys):
     # the run folder works too (evals.compare takes folders): its results.json, the report beside it
     assert main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.split()[0] == str(tmp_path / "summary.md")
+    # an --out folder that cannot be made, or a file: error / fix lines and exit 2, no traceback
+    for out in ("/proc/x", str(path)):
+        assert main([str(tmp_path), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: output folder {out} "), err
+        assert "\n  fix: pass a writable folder" in err, err
 
 
 def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):

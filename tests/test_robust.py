@@ -280,6 +280,8 @@ def test_health_thresholds_and_notes():
     "line, problem",
     [
         ('{"question": "q", "answer": "#### 1"', "not valid JSON"),
+        ('{"question": "a\tb", "answer": "#### 1"}',
+         "not valid JSON (Invalid control character at column 16)"),
         ('["q", "a"]', "a JSON list, not an object"),
         ('{"question": "q"}', '"answer" is missing'),
         ('{"question": "q", "answer": null}', '"answer" is None'),
@@ -300,6 +302,59 @@ def test_gsm8k_file_with_a_bad_line_names_file_and_line(tmp_path, line, problem)
     assert "question" in e.value.fix and "answer" in e.value.fix
     with pytest.raises(GSM8KDataError, match=":3: "):
         check_gsm8k_file(tmp_path / "test.jsonl")
+    assert " at at " not in e.value.problem
+
+
+def test_an_empty_gsm8k_file_is_our_error(tmp_path):
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
+    (tmp_path / "train.jsonl").write_text(f"{good}\n")
+    (tmp_path / "test.jsonl").write_text("\n")
+    with pytest.raises(GSM8KDataError) as e:
+        gsm8k_files(tmp_path)
+    assert e.value.problem == f"{tmp_path / 'test.jsonl'} holds no rows (it is empty)"
+    assert "restore the file" in e.value.fix
+
+
+def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(tmp_path):
+    """eval.num_fewshot outside [0, 7473] (the train split lm-eval draws from) and eval.max_gen_toks < 1 are
+    refused by the config check; a count whose prompts cannot fit max_seq_len is refused before the model
+    loads (evals.gsm8k.check_prompt_room), with the largest count that can."""
+    from evals.gsm8k import check_prompt_room
+
+    for override, problem in (("eval.num_fewshot=-1", "eval.num_fewshot=-1 is outside [0, 7473]"),
+                              ("eval.num_fewshot=8000", "eval.num_fewshot=8000 is outside [0, 7473]"),
+                              ("eval.max_gen_toks=0", "eval.max_gen_toks=0 must be >= 1")):
+        with pytest.raises(UserError) as e:
+            resolve(compose_config([override]), check_checkpoint=False)
+        assert e.value.problem.startswith(problem), e.value.problem
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    row = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for _ in range(100)) + "\n")
+    check_prompt_room(tokenizer, tmp_path, 5, 256, 4096)
+    check_prompt_room(tokenizer, None, 1000, 256, 4096)  # the hub dataset: not read here
+    with pytest.raises(UserError) as e:
+        check_prompt_room(tokenizer, tmp_path, 90, 256, 512)
+    assert e.value.problem.startswith("eval.num_fewshot=90 cannot fit a prompt"), e.value.problem
+    fits = int(e.value.problem.rsplit("[0, ", 1)[1].rstrip("])"))
+    assert 0 < fits < 90
+    check_prompt_room(tokenizer, tmp_path, fits, 256, 512)  # the largest allowed passes
+    with pytest.raises(UserError, match=r"^eval.max_gen_toks=256 leaves no room for a prompt"):
+        check_prompt_room(tokenizer, None, 0, 256, 8)
+    # through run.py: exit 2, the key named, nothing generated (the model was not used)
+    proc = _run_py("eval.num_fewshot=1000", "eval.limit=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: eval.num_fewshot=1000 cannot fit a prompt" in proc.stderr, proc.stderr
+    assert "generate:" not in proc.stdout + proc.stderr
+
+
+def test_a_safetensors_file_as_checkpoint_names_its_folder():
+    from registry.checkpoint import check_checkpoint_dir
+
+    file = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "model.safetensors"
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint_dir(file, "model.checkpoint")
+    assert e.value.problem.startswith(f"checkpoint {file} is a file (set by model.checkpoint)")
+    assert e.value.fix == f"point model.checkpoint at the directory holding it: {file.parent}"
 
 
 # ------------------------------------------------------------------ output folders
@@ -471,6 +526,7 @@ def _run_py(*args, cwd, env=None):
         (["eval.num_fewshot=???"], "error: no value for eval.num_fewshot (the override eval.num_fewshot=???)",
          "  fix: give it a value (e.g. eval.num_fewshot=<value>)"),
         (["eval.limit=???"], "error: no value for eval.limit", "  fix: give it a value"),
+        (["out_dir=elsewhere"], "error: out_dir=elsewhere and hydra.run.dir=", "  fix: give one of them"),
         (["runtime.dtype=???"], "error: no value for runtime.dtype", "  fix: give it a value"),
         (["model.checkpoint=${oc.env:ROBUST_UNSET_VARIABLE}"],
          "error: the value of 'model.checkpoint' (the override "
@@ -528,7 +584,12 @@ def test_console_labels_both_arms_alike():
     text = format_console(results)
     rows = [line for line in text.splitlines() if "rewind" in line and "replay" in line]
     assert rows and all(line.index("rewind") < line.index("replay") for line in rows), text
-    assert "ssm_replay / world_size  both arms (compare=replay) / 1" in text
+    assert "ssm_replay / world_size both arms (compare=replay) / 1" in " ".join(text.split())
+    # speed and memory are the replay arm's (the combined results.json is that arm's): the lines say so
+    for line in ("prefill (replay arm)", "decode (replay arm)", "wall time (replay arm)",
+                 "cache memory (replay arm)"):
+        assert line in text, text
+    assert "prefill (replay arm)" not in format_console({**results, "comparison": None})
 
 
 def test_readme_error_examples_are_what_run_py_prints(tmp_path):
@@ -583,3 +644,16 @@ def test_resume_on_a_folder_without_generations_says_so(tmp_path, capsys):
     assert "resume=true, but" in capsys.readouterr().err
     check_resume(tmp_path / "fresh2", False, {"draft_len": 3})
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_in_a_fresh_environment_does_not_start_with_matplotlibs_font_cache_line(tmp_path):
+    """A fresh MPLCONFIGDIR makes matplotlib build its font cache and log "generated new fontManager": the
+    run's output must not carry it (evals/mpl.py quiets that logger before matplotlib is imported)."""
+    mpl = tmp_path / "mplconfig"
+    mpl.mkdir()
+    proc = _run_py("eval.limit=1", "verdict.require_reference=false", f"hydra.run.dir={tmp_path / 'run'}",
+                   "history.db=null", cwd=tmp_path, env={"MPLCONFIGDIR": str(mpl)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(mpl.glob("fontlist-*.json")), "no new font cache was built: the test would prove nothing"
+    for stream in (proc.stdout, proc.stderr):
+        assert "generated new fontManager" not in stream, stream[:500]

@@ -148,6 +148,60 @@ def test_stuck_collective_times_out():
 
 
 @pytest.mark.slow
+def test_killed_rank_0_is_named_first():
+    """Rank 0 dies of SIGKILL while rank 1 waits for it in a barrier: the error names rank 0 and the signal
+    first; rank 1's lost connection (the consequence) comes after it, never as the cause."""
+    with pytest.raises(RankFailure) as e:
+        launch(tp_cases.kill_rank0, world_size=2, all_ranks=True, timeout_s=120)
+    message = str(e.value)
+    assert e.value.rank == 0, message
+    assert message.startswith("rank 0 of 2 was killed by SIGKILL"), message
+
+
+@pytest.mark.slow
+def test_stalled_launch_ends_with_an_error_naming_the_ranks():
+    """Every rank waits forever outside any collective (no torch.distributed timeout applies): the launch
+    ends with an error naming each rank and the line it waits on, within the stall timeout, never a hang."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        launch(tp_cases.stall_every_rank, world_size=2, all_ranks=True, timeout_s=600, stall_timeout_s=4)
+    elapsed = time.monotonic() - t0
+    message = str(e.value)
+    assert "stopped making progress" in message and "rank 0:" in message and "rank 1:" in message, message
+    assert "stall_every_rank" in message, message  # where the ranks wait, from their stack dumps
+    assert elapsed < 4 + 120 + 30, elapsed  # the stall limit, the start-up allowance, ending the ranks
+
+
+@pytest.mark.slow
+def test_launch_from_a_process_with_threads_and_held_locks(tmp_path, monkeypatch):
+    """The launching process initialised torch's thread pool and holds a lock in a background thread (as a
+    process that ran CUDA work, a data loader or a logger thread does): the ranks start clean (spawned, not
+    forked: a forked rank would inherit the lock held and wait forever) and the launch leaves nothing in
+    the temporary folder (no hybrid-launch-* folder, no pytorch-errorfile-*), after a success, a rank's
+    failure and a stall alike."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.ones(64, 64) @ torch.ones(64, 64)  # the parent's intra-op pool is up
+    release = __import__("threading").Event()
+    holder = __import__("threading").Thread(target=lambda: (tp_cases.HELD.acquire(), release.wait(),
+                                                            tp_cases.HELD.release()), daemon=True)
+    holder.start()
+    try:
+        assert launch(tp_cases.take_held_lock, world_size=2, all_ranks=True, timeout_s=60)
+    finally:
+        release.set()
+        holder.join()
+    assert launch(tp_cases.world_size, world_size=2, all_ranks=True, timeout_s=60) == 2
+    with pytest.raises(UserError):
+        launch(tp_cases.fail_on_rank1, world_size=2, all_ranks=True, timeout_s=60)
+    with pytest.raises(RankFailure):
+        launch(tp_cases.stall_every_rank, world_size=2, all_ranks=True, stall_timeout_s=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_ctrl_c_ends_every_rank(tmp_path):
     """SIGINT to the launching process ends it and both ranks (which wait in a never-ending collective)."""
     code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
@@ -210,7 +264,9 @@ def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
         pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
     paths = [checkpoints[n] for n in WS_CASES[2]]
     want = run_cases(functools.partial(Engine.from_pretrained, device="cuda:0"), paths)
-    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=300,
+    # the parent has initialised CUDA (want, above) and, after other GPU tests, holds their threads and
+    # memory: the spawned ranks must not care; a stall ends within timeout_s + 30 s (runners.engine.launch)
+    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=120,
                  share_device=share_device)
     for path in paths:
         diff = (got[(path, "logits")] - want[(path, "logits")]).abs().max().item()

@@ -141,3 +141,30 @@ def test_missing_browser_is_browser_unavailable(history_db, tmp_path, monkeypatc
     # a browser that is there but does not start (here a program that exits at once) is unavailable too
     with pytest.raises(screenshot.BrowserUnavailable, match="did not launch"):
         screenshot.render(files.html, tmp_path / "page.png", executable=shutil.which("false") or "/bin/false")
+
+
+def test_trend_figure_axis_dates_threshold_and_sample_counts():
+    """Ticks read date and time (not '30, 13:39'); a 4-question run's negative pass threshold does not pull
+    the GSM8K axis below 0; runs of n = 4 and n = 1319 are two labelled series with different markers."""
+    import re
+
+    from evals.trends import series_figure
+
+    def run(minute: int, n: int, value: float, threshold: float) -> dict:
+        return {"finished_at": f"2026-11-30T13:{minute:02d}:00+00:00", "n": n, "gsm8k_value": value,
+                "gsm8k_reference": 1.9, "gsm8k_threshold": threshold, "verdict_passed": 1,
+                "acceptance_rate": 0.53, "acceptance_rate_floor": 0.42, "acceptance_length": 2.6,
+                "acceptance_length_reference": 2.587, "acceptance_length_floor": 2.07}
+
+    runs = [run(39, 4, 0.0, -14.0), run(40, 1319, 1.8, 0.9), run(55, 4, 12.5, -14.0)]
+    fig = series_figure("tiny_nemotron_h_mtp", "K=3 float32", runs)
+    fig.canvas.draw()
+    gsm8k = fig.axes[0]
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert labels and all(re.fullmatch(r"2026-11-30\n13:\d\d(:\d\d)?", t) for t in labels), labels
+    assert gsm8k.get_ylim()[0] > -1, gsm8k.get_ylim()  # the -14 % threshold cannot bind: not drawn
+    legend = [t.get_text() for t in gsm8k.get_legend().get_texts()]
+    assert "GSM8K (mean of the filters) (n=4)" in legend and "GSM8K (mean of the filters) (n=1319)" in legend
+    sizes = {line.get_label(): line.get_markersize() for line in gsm8k.get_lines()}
+    assert sizes["GSM8K (mean of the filters) (n=1319)"] > sizes["GSM8K (mean of the filters) (n=4)"]

@@ -7,6 +7,8 @@ Imported by the ranks (spawned processes), so it imports nothing of pytest.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -187,3 +189,34 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+
+
+def kill_rank0() -> None:
+    """Rank 0 dies of SIGKILL (no Python error) while rank 1 waits for it in a barrier: rank 1 then fails
+    with a lost connection, the consequence the launcher must not report as the cause."""
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def stall_every_rank() -> None:
+    """Every rank waits in one call forever, outside any collective (no torch.distributed timeout ends it)."""
+    time.sleep(600)
+
+
+def world_size() -> int:
+    """A launched function that returns at once (every rank agrees on the world size)."""
+    return dist.get_world_size()
+
+
+# Held by a thread of the launching process (tests/test_tp.py): a rank forked from it would inherit it held
+HELD = threading.Lock()
+
+
+def take_held_lock() -> bool:
+    """Whether this rank can take :data:`HELD` within 10 s (False: it inherited the launcher's held lock)."""
+    got = HELD.acquire(timeout=10)
+    if got:
+        HELD.release()
+    return got

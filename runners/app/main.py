@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.data import gsm8k_dir, gsm8k_files
-from evals.gsm8k import evaluate_gsm8k
+from evals.gsm8k import check_prompt_room, evaluate_gsm8k
 from evals.history import record_finished_run
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
@@ -282,6 +282,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     results dict."""
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
+    # settings no prompt can fit are refused before the model loads
+    check_prompt_room(rr.checkpoint_dir / TOKENIZER_FILE, gsm8k_dir(rr.run.eval.data_dir)[0],
+                      rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks, rr.entry.max_seq_len)
     engine = _build_engine(rr)
     t_loaded = time.perf_counter()
     try:

@@ -1,7 +1,9 @@
 """One process per tensor-parallel rank: launch, lockstep engines, failures.
 
-:func:`launch` starts ``world_size`` processes on this host (``torch.multiprocessing.start_processes``, forked
-from a forkserver that imported torch once).
+:func:`launch` starts ``world_size`` processes on this host with multiprocessing's ``spawn`` method: fresh
+interpreters, untouched by whatever the caller did before (a CUDA context, threads, forks: a process forked
+after CUDA was initialised may hang in its first CUDA call, and a long-lived forkserver carries state from one
+launch to the next; https://pytorch.org/docs/stable/notes/multiprocessing.html#cuda-in-multiprocessing).
 Each initialises ``torch.distributed`` (NCCL on CUDA GPUs, rank r on ``cuda:r``; gloo on the CPU) with a
 timeout on every collective, plus a second gloo group for control messages. Rank 0 runs ``fn(*args)``, and
 its return value is :func:`launch`'s; the other ranks serve rank 0's engines until it returns:
@@ -28,13 +30,18 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   rank and deterministic there.)
 
 Failures: an exception on any rank is written, with its rank and traceback, to the launch's folder; the parent
-process, which watches every rank, then ends the others (SIGTERM) and raises: a ``UserError`` as a UserError
-whose problem starts with ``rank r:`` (run.py prints it as usual), anything else as :class:`RankFailure`. A
-rank that dies without a Python exception (a signal, the NCCL watchdog's abort) is reported with its exit
-status. A rank stuck in a collective whose peer is alive but elsewhere raises after ``timeout_s`` (the process
-group's timeout). Ctrl-C (SIGINT to the parent) ends every rank; ranks also die with the parent
-(``PR_SET_PDEATHSIG``). On CUDA the ranks keep NVLink multicast off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
+process, which watches every rank, gives the others a moment to report theirs, ends them (SIGTERM, then
+SIGKILL) and raises for the rank that failed FIRST: a ``UserError`` as a UserError whose problem starts with
+``rank r of N:`` (run.py prints it as usual), anything else as :class:`RankFailure` naming the rank, how it
+failed (its error, or the signal / exit status of a rank that died without one) and then what followed on
+the others. A peer's "Connection reset by peer" never outranks the death that caused it. A rank stuck in a
+collective whose peer is alive but elsewhere raises after ``timeout_s`` (the process group's timeout). A
+launch in which no rank makes progress for ``stall_timeout_s`` (default ``timeout_s`` + 30 s; waits outside
+the model's collectives, e.g. on the control group or a hung device call, have no timeout of their own) is
+ended with a RankFailure naming every rank and the line it waits on. Ctrl-C (SIGINT to the parent) ends
+every rank; ranks also die with the parent (``PR_SET_PDEATHSIG``). The launch's temporary folder
+(``hybrid-launch-*``) is removed however the launch ends. On CUDA the ranks keep NVLink multicast off
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
 
@@ -58,15 +65,19 @@ all-reduce is a device-host round trip).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import gc
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
@@ -78,7 +89,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from registry.errors import UserError
 from runners.engine.engine import Engine
@@ -97,13 +107,20 @@ __all__ = [
     "launch",
 ]
 
-START_METHOD = "forkserver"  # of torch.multiprocessing.start_processes (see launch())
+START_METHOD = "spawn"  # fresh interpreters: nothing of the caller's CUDA, threads or forks (see launch())
 DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
 CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
 # Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
 LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance")
 _TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
 _STEP_OPTIONS = ("cuda_graphs", "overlap_steps")  # off under launch (module docstring)
+STALL_GRACE_S = 30.0  # default stall limit = timeout_s + this (a collective's own timeout error comes first)
+START_ALLOWANCE_S = 120.0  # more seconds for a rank still starting (spawn imports torch and the engine)
+FAIL_GRACE_S = 2.0  # after a rank fails: the others' time to report what they saw before they are ended
+PROGRESS_EVERY_S = 0.5  # how often a rank's watcher looks for progress (_watch_progress)
+# An error that only says a peer went away (the consequence of another rank's death, not a cause)
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "DistNetworkError",
+             "remote process exited", "ECONNRESET")
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -136,6 +153,7 @@ class RankContext:
 
 
 _CONTEXT: RankContext | None = None
+_MESSAGES = 0  # control messages this rank passed (its progress, read by _watch_progress)
 
 
 def current() -> RankContext | None:
@@ -157,9 +175,11 @@ def _require() -> RankContext:
 
 def _broadcast(message: Any = None) -> Any:
     """Rank 0 sends ``message`` to every rank over the control group; other ranks get it (returned)."""
+    global _MESSAGES
     ctx = _require()
     box = [message]
     dist.broadcast_object_list(box, src=0, group=ctx.control)
+    _MESSAGES += 1
     return box[0]
 
 
@@ -369,7 +389,7 @@ def _write(path: Path, obj: Any) -> None:
 def _error_record(rank: int, e: BaseException) -> dict[str, Any]:
     return {
         "rank": rank,
-        "time": time.time(),
+        "time": time.monotonic(),  # CLOCK_MONOTONIC: one clock for every process of the host (Linux)
         "type": f"{type(e).__module__}.{type(e).__qualname__}",
         "message": str(e),
         "user_error": isinstance(e, UserError),
@@ -379,10 +399,33 @@ def _error_record(rank: int, e: BaseException) -> dict[str, Any]:
     }
 
 
+def _watch_progress(board: Any, rank: int, main_thread: int) -> None:
+    """A rank's daemon thread: every :data:`PROGRESS_EVERY_S` seconds, ``board[rank] = time.monotonic()`` when
+    the rank made progress since the last look: a control message passed (:func:`_broadcast`), or its main
+    thread runs another line of Python. A main thread stuck in one call (a collective, a CUDA call, a lock,
+    a sleep) makes no progress."""
+    last = None
+    while True:
+        frame = sys._current_frames().get(main_thread)
+        where = (_MESSAGES, None if frame is None else (frame.f_code, frame.f_lineno))
+        del frame
+        if where != last:
+            board[rank] = time.monotonic()
+            last = where
+        time.sleep(PROGRESS_EVERY_S)
+
+
 def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: float,
-            num_threads: int | None, payload: bytes, all_ranks: bool, share_device: bool) -> None:
+            num_threads: int | None, payload: bytes, all_ranks: bool, share_device: bool, board: Any) -> None:
+    """A rank's process (started by :func:`launch` with the spawn method). Exits 0 when done, 1 after writing
+    ``error-<rank>.pkl`` (:func:`_error_record`) for an exception, 130 on Ctrl-C."""
     _die_with_parent()
     folder_path = Path(folder)
+    # SIGUSR1 (the launcher's, when the launch stalls) writes this rank's Python stacks to stack-<rank>.txt
+    stacks = open(folder_path / f"stack-{rank}.txt", "w")  # noqa: SIM115 - open for the process's lifetime
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    threading.Thread(target=_watch_progress, args=(board, rank, threading.get_ident()), daemon=True,
+                     name="launch-progress").start()
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -397,34 +440,119 @@ def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: flo
         else:
             serve()
         dist.destroy_process_group()
+    except KeyboardInterrupt:  # Ctrl-C in a terminal reaches every rank; the launcher reports it
+        sys.exit(130)
     except Exception as e:
         _write(folder_path / f"error-{rank}.pkl", _error_record(rank, e))
-        raise
+        sys.exit(1)  # the launcher prints the error and its traceback (once, not once per rank)
 
 
-def _failure(folder: Path, exc: Exception, world_size: int) -> Exception:
-    """The exception to raise for a failed launch: the earliest rank error written, else the exit status."""
-    records = []
+def _is_peer_loss(record: dict[str, Any]) -> bool:
+    """Whether a rank's error says only that a peer went away (a consequence, not a cause)."""
+    text = f"{record['type']}: {record['message']}"
+    return any(s in text for s in PEER_LOST)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with status {exitcode} without reporting a Python error"
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _failure(folder: Path, procs: list[Any], seen_exit: dict[int, float], ended: set[int],
+             world_size: int) -> Exception:
+    """The exception for a failed launch. It names the rank that failed first and how (its Python error, or
+    the signal / exit status it died of), then what followed on the other ranks.
+
+    Order: a rank's time is that of its error record (written before it exits) or, for a rank that died
+    without one, when the launcher saw it exit. An error that only says a peer went away (:data:`PEER_LOST`,
+    e.g. gloo's "Connection reset by peer" after the peer was killed) never outranks a rank that died without
+    a Python error: it is that death's consequence, however the two were timed."""
+    records: dict[int, dict[str, Any]] = {}
     for f in folder.glob("error-*.pkl"):
         try:
-            records.append(pickle.loads(f.read_bytes()))
-        except Exception:  # noqa: BLE001 - a record cut short by the kill: the others (or exc) tell
+            record = pickle.loads(f.read_bytes())
+        except Exception:  # noqa: BLE001 - a record cut short by the kill: the exit status tells
             continue
-    if records:
-        first = min(records, key=lambda r: r["time"])
-        rank = first["rank"]
-        if first["user_error"]:
-            return UserError(f"rank {rank} of {world_size}: {first['problem']}", first["fix"])
-        return RankFailure(
-            f"rank {rank} of {world_size} failed with {first['type']}: {first['message']}\n"
-            f"{first['traceback']}", rank)
-    rank = getattr(exc, "error_index", -1)
-    if getattr(exc, "signal_name", None):
-        why = (f"was killed by {exc.signal_name} (out of memory? or the NCCL watchdog after a collective "
-               "timeout)")
+        records[record["rank"]] = record
+    events = []  # (peer loss?, time, rank)
+    for rank, p in enumerate(procs):
+        if rank in records:
+            events.append((_is_peer_loss(records[rank]), records[rank]["time"], rank))
+        elif rank in seen_exit and p.exitcode not in (0, None) and rank not in ended:
+            events.append((False, seen_exit[rank], rank))
+    if not events:
+        return RankFailure(f"the launch of {world_size} ranks failed without a rank reporting why", -1)
+    events.sort()
+    first = events[0][2]
+    then = []
+    for _, _, rank in events[1:]:
+        if rank in records:
+            r = records[rank]
+            then.append(f"rank {rank} failed with {r['type']}: {_first_line(r['message'])}")
+        else:
+            then.append(f"rank {rank} {_describe_exit(procs[rank].exitcode)}")
+    stopped = sorted(ended - {e[2] for e in events})
+    if stopped:
+        then.append(f"the launcher ended rank{'s' if len(stopped) > 1 else ''} "
+                    f"{', '.join(map(str, stopped))}")
+    after = f" (afterwards: {'; '.join(then)})" if then else ""
+    if first in records:
+        r = records[first]
+        if r["user_error"]:
+            return UserError(f"rank {first} of {world_size}: {r['problem']}", r["fix"])
+        return RankFailure(f"rank {first} of {world_size} failed first, with {r['type']}: {r['message']}"
+                           f"{after}\n{r['traceback']}", first)
+    why = _describe_exit(procs[first].exitcode)
+    if procs[first].exitcode is not None and procs[first].exitcode < 0:
+        why += " (out of memory? the NCCL watchdog after a collective timeout? or a kill)"
     else:
-        why = f"ended without reporting a Python error ({exc}; its output above says why)"
-    return RankFailure(f"rank {rank} of {world_size} {why}", rank)
+        why += " (its output above says why)"
+    return RankFailure(f"rank {first} of {world_size} {why}{after}", first)
+
+
+def _stall_failure(folder: Path, procs: list[Any], board: Any, started: float, stall_s: float,
+                   world_size: int) -> RankFailure:
+    """The exception for a launch whose ranks all stopped making progress (:func:`_watch_progress`): each
+    rank's seconds without progress and the line its main thread waits on (from the stacks SIGUSR1 dumps)."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)  # faulthandler writes at once; one second covers a busy machine
+    now = time.monotonic()
+    idle = {r: now - (board[r] or started) for r in range(world_size)}
+    lines = []
+    for rank in sorted(idle, key=idle.get, reverse=True):
+        where = _waiting_line(folder / f"stack-{rank}.txt")
+        lines.append(f"rank {rank}: no progress for {idle[rank]:.0f} s"
+                     + (f", waiting in {where}" if where else ""))
+    worst = max(idle, key=idle.get)
+    return RankFailure(
+        f"the launch of {world_size} ranks stopped making progress: no rank ran for {stall_s:g} s "
+        f"(launch(stall_timeout_s=...); run.py: runtime.collective_timeout_s plus {STALL_GRACE_S:g} s), "
+        f"so every rank was ended; {'; '.join(lines)}", worst)
+
+
+def _waiting_line(path: Path) -> str | None:
+    """The innermost frame of the first non-watcher thread in a faulthandler dump: 'file:line in function'."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for block in text.split("\n\n"):
+        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        if frames and "_watch_progress" not in block:
+            return frames[0].removeprefix("File ")
+    return None
 
 
 def launch(
@@ -437,10 +565,16 @@ def launch(
     num_threads: int | None = None,
     all_ranks: bool = False,
     share_device: bool = False,
+    stall_timeout_s: float | None = None,
 ) -> Any:
     """Run ``fn(*args)`` on rank 0 of ``world_size`` new processes (the others serve rank 0's engines, see the
     module docstring) and return its result. ``fn`` must be a module-level function; ``args`` and the result
     must pickle.
+
+    The ranks are started with the ``spawn`` method (fresh interpreters): whatever the calling process did
+    before (initialised CUDA, started threads, forked) does not reach them. Every launch ends: the ranks are
+    joined, and on a failure, Ctrl-C or a stall ended (SIGTERM, then SIGKILL); the launch's temporary folder
+    is removed.
 
     Args:
         device: "cpu" (gloo) or "cuda" (NCCL; rank r on cuda:r, world_size GPUs needed).
@@ -450,10 +584,16 @@ def launch(
             is returned.
         share_device: with device="cuda", every rank on cuda:0 and gloo instead of NCCL (one GPU checks the
             results of world size N; not its speed: see the module docstring).
+        stall_timeout_s: seconds in which no rank makes progress (passes a control message or runs another
+            line of Python, :func:`_watch_progress`) before the launch is ended with :class:`RankFailure`
+            naming each rank's wait; default ``timeout_s + STALL_GRACE_S`` (a stuck collective of the model's
+            group reports its own timeout first). A rank still starting (importing) gets
+            :data:`START_ALLOWANCE_S` more.
 
     Raises:
-        registry.errors.UserError: a rank raised one (its problem prefixed with ``rank r of N:``).
-        RankFailure: a rank raised anything else, or died; the others were ended.
+        registry.errors.UserError: a rank raised one first (its problem prefixed with ``rank r of N:``).
+        RankFailure: a rank raised anything else, or died (the first to fail is named, and how), or the launch
+            stalled; the others were ended.
         KeyboardInterrupt: Ctrl-C; every rank was ended.
         ValueError: bad arguments.
     """
@@ -467,41 +607,60 @@ def launch(
         raise ValueError(f"world_size={world_size} needs {1 if share_device else world_size} CUDA GPUs; "
                          f"{torch.cuda.device_count()} are visible"
                          + ("" if share_device else " (share_device=True runs every rank on one GPU)"))
+    stall_s = timeout_s + STALL_GRACE_S if stall_timeout_s is None else stall_timeout_s
+    if stall_s <= 0:
+        raise ValueError(f"stall_timeout_s={stall_timeout_s} must be > 0")
     payload = pickle.dumps((fn, args))
-    # forkserver: a server process started once (per launching process) imports torch and the engine, and
-    # forks the ranks from it; spawn would import them again in every rank (seconds each on a small CPU).
-    # The ranks are fresh forks of a process that never touched CUDA or threads, as spawned ones are.
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["runners.engine.launch"])
-    with tempfile.TemporaryDirectory(prefix="hybrid-launch-") as folder:
-        context = mp.start_processes(
-            _worker,
-            args=(world_size, device, folder, timeout_s, num_threads, payload, all_ranks, share_device),
-            nprocs=world_size,
-            join=False,
-            start_method=START_METHOD,
-        )
-        try:
-            while not context.join(timeout=1.0):
-                pass
-        except KeyboardInterrupt:
-            _end(context)
-            raise
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            _end(context)
-            raise _failure(Path(folder), e, world_size) from None
-        result = Path(folder) / "result.pkl"
+    ctx = multiprocessing.get_context(START_METHOD)
+    board = ctx.RawArray("d", world_size)  # per rank: time.monotonic() of its last progress; 0 = not started
+    folder = Path(tempfile.mkdtemp(prefix="hybrid-launch-"))
+    procs: list[Any] = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_worker, name=f"rank{rank}", args=(
+                rank, world_size, device, str(folder), timeout_s, num_threads, payload, all_ranks,
+                share_device, board))
+            p.start()
+            procs.append(p)
+        started = time.monotonic()
+        seen_exit: dict[int, float] = {}
+        failed_at = None
+        pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+        while pending:
+            for s in multiprocessing.connection.wait(list(pending), timeout=0.5):
+                rank = pending.pop(s)
+                procs[rank].join()
+                seen_exit[rank] = time.monotonic()
+                if procs[rank].exitcode != 0 and failed_at is None:
+                    failed_at = seen_exit[rank]
+            now = time.monotonic()
+            if failed_at is not None:
+                if now - failed_at >= FAIL_GRACE_S:  # the others had time to report what they saw
+                    break
+                continue
+            if pending and all(now - board[r] > stall_s if board[r]
+                               else now - started > stall_s + START_ALLOWANCE_S for r in pending.values()):
+                raise _stall_failure(folder, procs, board, started, stall_s, world_size)
+        ended = {rank for rank, p in enumerate(procs) if p.is_alive()}
+        _end(procs)
+        if failed_at is not None:
+            raise _failure(folder, procs, seen_exit, ended, world_size) from None
+        result = folder / "result.pkl"
         if not result.is_file():
             raise RankFailure("rank 0 finished without a result", 0)
         return pickle.loads(result.read_bytes())
+    finally:  # Ctrl-C, a stall, an error: no rank outlives the launch, no folder stays behind
+        _end(procs)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _end(context: Any) -> None:
-    """End every rank still running: SIGTERM, then SIGKILL after a short grace."""
-    for p in context.processes:
+def _end(procs: list[Any]) -> None:
+    """End every rank still running: SIGTERM, then SIGKILL after a short grace; every rank is joined."""
+    for p in procs:
         if p.is_alive():
             p.terminate()
     deadline = time.monotonic() + 5.0
-    for p in context.processes:
+    for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
