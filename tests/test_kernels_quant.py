@@ -261,6 +261,38 @@ def test_block_fp8_grouped_mm_matches_reference(counts, dtype):
     _close(y, block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
 
 
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
+    """The decode GEMV path (<= 8 rows per weight matrix) with each program over all of K (program target 1)
+    and with K split as far as it goes (one 128-column group per program, the fp32 partial sums added by
+    splitk_sum with the bias), dense at 2 and 8 rows and grouped; and, at target 1, the grouped tensor-core
+    decode tile (> 8 rows per expert: 50 rows over 5 experts)."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 300, 40, 5, torch.float16
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=15).cpu()))
+    bias = _randn(N, seed=16, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 20, dtype=dtype)
+        _close(block_fp8_linear(x, q[0], s[0], bias, out=_nan(M, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q[0], s[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):
+        P = sum(counts)
+        x, offs = _randn(P, K, seed=P, dtype=dtype), _offsets(counts)
+        _close(block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype)),
+               block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+
+
+def test_gemv_config_splits_k_only_where_n_tiles_are_too_few():
+    # Qwen3-Next at one decode token: q / gate 2048 -> 8192 fills the GPU with 16-wide N tiles; k / v
+    # 2048 -> 512 and o 4096 -> 2048 split K; 8 rows per program at 8 rows, 1 at 1.
+    assert quant_common.gemv_config(1, 8192, 1, 16) == (1, 16, 1, 16)
+    bm, bn, split, steps = quant_common.gemv_config(1, 512, 1, 16)
+    assert (bm, bn) == (1, 16) and split > 1 and split * steps >= 16 > (split - 1) * steps
+    assert quant_common.gemv_config(1, 2048, 1, 32)[2] > 1
+    assert quant_common.gemv_config(8, 8192, 1, 16)[0] == 8
+    assert quant_common.gemv_config(1.2, 2048, 74, 4)[:3] == (2, 64, 1)  # Qwen3-Next down, 8 tokens
+
+
 def test_block_scaled_mm_probe_and_impl_choice_on_the_cpu():
     assert block_scaled_mm_supported("cpu") is False
     q, s = block_fp8_quantize(torch.randn(128, 128))

@@ -49,16 +49,20 @@ from kernels._common import check_launchable, interpreter_active
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
+    GEMV_MAX_ROWS,
     X_DTYPES,
     check_activation,
     check_bias,
     check_offsets,
+    gemv_config,
     grouped_row_tiles,
     grouped_tile,
     mma,
     offsets_list,
+    splitk_sum,
     tile_config,
     to_e4m3,
+    true_divide,
     use_kernel,
 )
 
@@ -138,7 +142,7 @@ def _check_group_input(x: torch.Tensor, group: int, name: str) -> None:
 def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
                                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dynamic activation quantization per token and ``group`` consecutive columns: scale[m, g] =
-    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448, qx = clamp(x / scale, -448, 448) rounded to
+    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448 (IEEE division on every device), qx = clamp(x / scale, -448, 448) rounded to
     float8_e4m3fn (nearest, ties to even), all in float32; the last group may be partial.
 
     Args:
@@ -154,7 +158,7 @@ def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
     M, K = x.shape
     G = triton.cdiv(K, group)
     xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).reshape(M, G, group)
-    scale = xf.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    scale = true_divide(xf.abs().amax(dim=-1).clamp(min=AMAX_EPS), FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(M, G * group)[:, :K].contiguous(), scale
 
@@ -182,7 +186,7 @@ def block_fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wp = torch.nn.functional.pad(w.float(), (0, GK * BLOCK - K, 0, GN * BLOCK - N))
     blocks = wp.reshape(*lead, GN, BLOCK, GK, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., GN, GK]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, true_divide(amax, FP8_MAX), torch.ones_like(amax))
     q = (w.float() / _expand_blocks(scale, N, K)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -380,10 +384,138 @@ def _block_fp8_mm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
+@triton.jit
+def _fp8_row_part(x_ptr, row, row_end, stride_xm, k, mk, w, INTERP: tl.constexpr):
+    """One activation row's 128-column group quantized by the reference's rule and dotted with the weight
+    tile: xs * sum_k w[n, k] qx[k] as fp32 [BLOCK_N] (0 for a row past row_end). w: fp32 [BLOCK_N, 128]."""
+    live = mk & ((k * 0 + row) < row_end)
+    xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+    q, xs = _group_scale_quant(xr, INTERP)
+    return tl.sum(w * q.to(tl.float32), 1) * xs
+
+
+@triton.jit
+def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
+    tl.store(ptr + row.to(tl.int64) * stride + offs_n, v.to(ptr.dtype.element_ty),
+             mask=mask_n & ((offs_n * 0 + row) < row_end))
+
+
+@triton.jit
+def _block_fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, STEPS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). Each program streams its
+    BLOCK_N x 128 weight tiles of K groups [pid_k * STEPS, (pid_k + 1) * STEPS) once, converts them to fp32
+    in registers (e4m3 x e4m3 products are exact in fp32), and for each of its rows quantizes the row's 128
+    columns (the reference's rule), multiplies and reduces over K on CUDA cores (no tensor-core tile to pad
+    to 16 rows, no layout conversion of the weight), scaling each group's sums once. One accumulator per
+    row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
+    (stride_os per split) and the bias is added by splitk_sum."""
+    GROUP: tl.constexpr = 128
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if expert < E:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // GROUP) * stride_sn
+        offs_k = tl.arange(0, GROUP)
+        a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        g0 = pid_k * STEPS
+        g1 = tl.minimum(g0 + STEPS, tl.cdiv(K, GROUP))
+        for g in range(g0, g1):
+            k = g * GROUP + offs_k
+            mk = k < K
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            ws = tl.load(ws_ptrs + g * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
+            a0 += _fp8_row_part(x_ptr, row0, row_end, stride_xm, k, mk, w, INTERP) * ws
+            if BLOCK_M > 1:
+                a1 += _fp8_row_part(x_ptr, row0 + 1, row_end, stride_xm, k, mk, w, INTERP) * ws
+            if BLOCK_M > 2:
+                a2 += _fp8_row_part(x_ptr, row0 + 2, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a3 += _fp8_row_part(x_ptr, row0 + 3, row_end, stride_xm, k, mk, w, INTERP) * ws
+            if BLOCK_M > 4:
+                a4 += _fp8_row_part(x_ptr, row0 + 4, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a5 += _fp8_row_part(x_ptr, row0 + 5, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a6 += _fp8_row_part(x_ptr, row0 + 6, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a7 += _fp8_row_part(x_ptr, row0 + 7, row_end, stride_xm, k, mk, w, INTERP) * ws
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            a0 += b
+            a1 += b
+            a2 += b
+            a3 += b
+            a4 += b
+            a5 += b
+            a6 += b
+            a7 += b
+        o = out_ptr + pid_k.to(tl.int64) * stride_os
+        _store_row(o, row0, row_end, stride_om, offs_n, mask_n, a0)
+        if BLOCK_M > 1:
+            _store_row(o, row0 + 1, row_end, stride_om, offs_n, mask_n, a1)
+        if BLOCK_M > 2:
+            _store_row(o, row0 + 2, row_end, stride_om, offs_n, mask_n, a2)
+            _store_row(o, row0 + 3, row_end, stride_om, offs_n, mask_n, a3)
+        if BLOCK_M > 4:
+            _store_row(o, row0 + 4, row_end, stride_om, offs_n, mask_n, a4)
+            _store_row(o, row0 + 5, row_end, stride_om, offs_n, mask_n, a5)
+            _store_row(o, row0 + 6, row_end, stride_om, offs_n, mask_n, a6)
+            _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7)
+
+
+def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
+    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix): the GEMV kernel, split over K (plus the
+    splitk_sum launch) where the N tiles alone give too few programs."""
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    matrices = min(E, rows) if grouped else 1
+    bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, BLOCK))
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    _block_fp8_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
+        x, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
+        rows, N, K, E, steps,
+        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
+        num_warps=4, num_stages=4,
+    )
+    if split > 1:
+        splitk_sum(dst, bias, out, offsets)
+    return out
+
+
 def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
+    if rows / (min(E, rows) if grouped else 1) <= GEMV_MAX_ROWS:
+        return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
         row_tiles = grouped_row_tiles(rows, E, bm)
@@ -510,13 +642,13 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     check_bias(bias, N, x.device, name)
     if impl not in (None, *IMPLS):
         raise ValueError(f"{name}: impl must be one of {IMPLS} or None, got {impl!r}")
-    if not use_kernel(x):
-        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
-    check_launchable(x, weight, weight_scale_inv, name=name)
     aligned = N % BLOCK == 0 and K % BLOCK == 0
     if impl == "scaled_mm" and not (aligned and block_scaled_mm_supported(x.device)):
         raise ValueError(f"{name}: impl='scaled_mm' needs N and K multiples of {BLOCK} (got N={N}, K={K}) and "
                          f"a device where block_scaled_mm_supported() holds ({x.device}); use impl='triton'")
+    if not use_kernel(x):
+        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
+    check_launchable(x, weight, weight_scale_inv, name=name)
     if impl is None:
         prefill = x.shape[0] >= SCALED_MM_MIN_ROWS
         impl = "scaled_mm" if prefill and aligned and x.is_cuda and block_scaled_mm_supported(x.device) \

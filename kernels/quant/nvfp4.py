@@ -58,6 +58,7 @@ from kernels.quant._common import (
     mma,
     offsets_list,
     tile_config,
+    true_divide,
     use_kernel,
 )
 
@@ -194,7 +195,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     wf = w.float()
     if weight_scale_2 is None:
         amax = wf.abs().amax(dim=(-2, -1))
-        s2 = torch.where(amax > 0, amax / (FP8_MAX * E2M1_MAX), torch.ones_like(amax))
+        s2 = torch.where(amax > 0, true_divide(amax, FP8_MAX * E2M1_MAX), torch.ones_like(amax))
     else:
         if weight_scale_2.dtype != torch.float32 or tuple(weight_scale_2.shape) not in (lead, ()):
             raise ValueError(f"{name}: weight_scale_2 must be float32 of shape {lead}, got "
@@ -204,7 +205,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     blocks = torch.nn.functional.pad(wf, (0, G * NVFP4_BLOCK - K)).reshape(*lead, N, G, NVFP4_BLOCK)
     s2b = s2.reshape(*lead, 1, 1)
     block_amax = blocks.abs().amax(dim=-1)
-    scale = (block_amax / E2M1_MAX / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    scale = (true_divide(block_amax, E2M1_MAX) / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
     full = (scale.float() * s2b)[..., None]
     scaled = torch.where(full > 0, blocks / torch.where(full > 0, full, 1.0), 0.0)
     codes = round_to_e2m1(scaled).reshape(*lead, N, G * NVFP4_BLOCK)[..., :K]
