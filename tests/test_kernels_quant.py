@@ -282,6 +282,27 @@ def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
                block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
 
 
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
+    """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600: three 256-column steps,
+    the last partial, and a partial last 16-column scale block; each program over all of K (target 1) or one
+    step per program with the partial sums added by splitk_sum (with the bias); dense at 2 and 8 rows,
+    grouped with 1-13 rows per expert; at target 1 also the grouped tensor-core decode tile (10 rows per
+    expert)."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 600, 40, 5, torch.bfloat16
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=17).cpu()))
+    bias = _randn(N, seed=18, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 30, dtype=dtype)
+        _close(nvfp4_linear(x, q[0], s[0], s2[0], bias, out=_nan(M, N, dtype=dtype)),
+               nvfp4_linear_ref(x, q[0], s[0], s2[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):  # then the MMA tile
+        x, offs = _randn(sum(counts), K, seed=19, dtype=dtype), _offsets(counts)
+        _close(nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(sum(counts), N, dtype=dtype)),
+               nvfp4_grouped_mm_ref(x, q, s, s2, offs), dtype)
+
+
 def test_gemv_config_splits_k_only_where_n_tiles_are_too_few():
     # Qwen3-Next at one decode token: q / gate 2048 -> 8192 fills the GPU with 16-wide N tiles; k / v
     # 2048 -> 512 and o 4096 -> 2048 split K; 8 rows per program at 8 rows, 1 at 1.

@@ -116,6 +116,13 @@ GEMV_MAX_ROWS = 8
 GEMV_TARGET_PROGRAMS = 528
 
 
+def use_gemv(rows_per_matrix: float) -> bool:
+    """Whether a launch with about ``rows_per_matrix`` rows per weight matrix takes the GEMV kernel (<=
+    GEMV_MAX_ROWS; read at call time, so a benchmark can set GEMV_MAX_ROWS = 0 to time the tensor-core
+    kernel at decode sizes instead)."""
+    return rows_per_matrix <= GEMV_MAX_ROWS
+
+
 def gemv_config(rows_per_matrix: float, N: int, matrices: int, k_steps: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split, k_steps_per_split) of a decode GEMV launch: ``rows_per_matrix`` (<=
     GEMV_MAX_ROWS) rows per weight matrix, ``matrices`` weight matrices with rows (experts present; 1 dense),

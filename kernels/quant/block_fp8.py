@@ -49,7 +49,6 @@ from kernels._common import check_launchable, interpreter_active
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
-    GEMV_MAX_ROWS,
     X_DTYPES,
     check_activation,
     check_bias,
@@ -63,6 +62,7 @@ from kernels.quant._common import (
     tile_config,
     to_e4m3,
     true_divide,
+    use_gemv,
     use_kernel,
 )
 
@@ -514,7 +514,7 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    if rows / (min(E, rows) if grouped else 1) <= GEMV_MAX_ROWS:
+    if use_gemv(rows / (min(E, rows) if grouped else 1)):
         return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
