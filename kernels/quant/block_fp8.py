@@ -20,7 +20,10 @@ variant): each program owns an N tile (<= 128, so within one weight row block) a
 computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
-launch reading x, W and the scales. At prefill sizes (row tiles >= 64) x is quantized once by
+launch reading x, W and the scales. At decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix a CUDA-core GEMV kernel runs instead
+(:func:`_block_fp8_gemv_kernel`: weight tiles converted to fp32 once, each row quantized and multiplied in,
+reduced over K per 128-column group; split over K with a partial-sum launch where N tiles alone give too few
+programs, as for Qwen3-Next's k / v and o projections). At prefill sizes (row tiles >= 64) x is quantized once by
 :func:`quantize_activation_per_token_group` (the same rule as its own kernel) and the GEMM reads qa and its
 scales.
 

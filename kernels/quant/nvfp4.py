@@ -29,6 +29,12 @@ in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 t
 activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
 weight_scale_2 multiplies the fp32 accumulator once at the end.
 
+Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py) where the codes are
+words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
+shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
+alone give too few programs (:func:`kernels.quant._common.gemv_config`).
+
 - :func:`nvfp4_linear` (dense): grid (N tiles, M tiles).
 - :func:`nvfp4_grouped_mm` (routed experts, torch._grouped_mm's convention): grid (N tiles, a row-tile bound
   fixed by the shapes); each program finds its expert from the offsets on the device
@@ -548,7 +554,9 @@ def _nvfp4_gemv_kernel(
             _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7 * g + b)
 
 
-GEMV_BLOCK_K = 256  # K columns (32 int32 words of codes per weight row) per step of the GEMV kernel
+# K columns per step of the GEMV kernel: 16 int32 words of codes per weight row; the 8 decoded [BLOCK_N, 16]
+# fp32 element tensors take 64 registers per thread at BLOCK_N 64 with 4 warps (256 columns would take 128).
+GEMV_BLOCK_K = 128
 
 
 def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool):
