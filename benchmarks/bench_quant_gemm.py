@@ -201,7 +201,8 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
             meta = {"proj": proj, "N": N, "K": K, "batch": B, "pairs": P, "active_experts": active}
             rows.append(row("nvfp4_grouped", _bench(partial(nvfp4_grouped_mm, x, w, s, s2, offs)),
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
-            rows.append(row("nvfp4_grouped_tc", _bench(partial(_tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
+            rows.append(row("nvfp4_grouped_tc",
+                            _bench(partial(_tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))

@@ -32,9 +32,10 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 def true_divide(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """``t / divisor`` rounded to nearest (IEEE division) on every device. torch's CUDA kernel for a tensor
-    divided by a Python (CPU) scalar multiplies by the rounded reciprocal instead (aten's div_true_kernel_cuda),
-    which differs from true division in the last bit for divisors such as 448 and so from the CPU result and
-    from the kernels' ``tl.div_rn``; dividing by a tensor of the divisor keeps IEEE division everywhere."""
+    divided by a Python (CPU) scalar multiplies by the rounded reciprocal instead (aten's
+    div_true_kernel_cuda), which differs from true division in the last bit for divisors such as 448, and so
+    from the CPU result and from the kernels' ``tl.div_rn``; dividing by a tensor of the divisor keeps IEEE
+    division everywhere."""
     return t / torch.full_like(t, divisor)
 
 
@@ -168,8 +169,8 @@ def _splitk_sum_kernel(part_ptr, b_ptr, out_ptr, offsets_ptr, R, N, E, S, stride
 
 def splitk_sum(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                offsets: torch.Tensor | None) -> torch.Tensor:
-    """out[r, n] = sum_s part[s, r, n] (+ bias[n]) in fp32, in split order (deterministic: no atomics), cast to
-    out's dtype. part: float32 [S, R, N] contiguous (the split-K partial sums); out: [R, N] row-contiguous.
+    """out[r, n] = sum_s part[s, r, n] (+ bias[n]) in fp32, in split order (deterministic: no atomics), cast
+    to out's dtype. part: float32 [S, R, N] contiguous (the split-K partial sums); out: [R, N] row-contiguous.
     offsets: the grouped launch's [E] int32 row ends (rows past offsets[-1] are left unwritten, read on the
     device) or None (dense). Mutates ``out``; returns it."""
     S, R, N = part.shape

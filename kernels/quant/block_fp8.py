@@ -20,10 +20,11 @@ variant): each program owns an N tile (<= 128, so within one weight row block) a
 computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
-launch reading x, W and the scales. At decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix a CUDA-core GEMV kernel runs instead
-(:func:`_block_fp8_gemv_kernel`: weight tiles converted to fp32 once, each row quantized and multiplied in,
-reduced over K per 128-column group; split over K with a partial-sum launch where N tiles alone give too few
-programs, as for Qwen3-Next's k / v and o projections). At prefill sizes (row tiles >= 64) x is quantized once by
+launch reading x, W and the scales. At decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix a
+CUDA-core GEMV kernel runs instead (:func:`_block_fp8_gemv_kernel`: weight tiles converted to fp32 once,
+each row quantized and multiplied in, reduced over K per 128-column group; split over K with a partial-sum
+launch where N tiles alone give too few programs, as for Qwen3-Next's k / v and o projections). At prefill
+sizes (row tiles >= 64) x is quantized once by
 :func:`quantize_activation_per_token_group` (the same rule as its own kernel) and the GEMM reads qa and its
 scales.
 
@@ -145,8 +146,9 @@ def _check_group_input(x: torch.Tensor, group: int, name: str) -> None:
 def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
                                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dynamic activation quantization per token and ``group`` consecutive columns: scale[m, g] =
-    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448 (IEEE division on every device), qx = clamp(x / scale, -448, 448) rounded to
-    float8_e4m3fn (nearest, ties to even), all in float32; the last group may be partial.
+    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448 (IEEE division on every device), qx =
+    clamp(x / scale, -448, 448) rounded to float8_e4m3fn (nearest, ties to even), all in float32; the last
+    group may be partial.
 
     Args:
         x: [M, K] float32 / bfloat16 / float16. group: columns per scale (128 for the block-FP8 GEMM).
@@ -392,7 +394,8 @@ def _fp8_row_part(x_ptr, row, row_end, stride_xm, k, mk, w, INTERP: tl.constexpr
     """One activation row's 128-column group quantized by the reference's rule and dotted with the weight
     tile: xs * sum_k w[n, k] qx[k] as fp32 [BLOCK_N] (0 for a row past row_end). w: fp32 [BLOCK_N, 128]."""
     live = mk & ((k * 0 + row) < row_end)
-    xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+    xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k[None, :], mask=live[None, :], other=0.0)
+    xr = xr.to(tl.float32)
     q, xs = _group_scale_quant(xr, INTERP)
     return tl.sum(w * q.to(tl.float32), 1) * xs
 
