@@ -326,9 +326,15 @@ def quantize_activation_per_token_group(x: torch.Tensor, group: int = BLOCK
     if not use_kernel(x):
         return quantize_activation_per_token_group_ref(x, group)
     check_launchable(x, name=name)
+    return _quantize_rows(x, group, FP8_DTYPE)
+
+
+def _quantize_rows(x: torch.Tensor, group: int, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization kernel: (codes [M, K] in ``code_dtype``: float8_e4m3fn, or float32 holding the same
+    e4m3 values for the decode GEMV, scales float32 [M, G])."""
     M, K = x.shape
     G = triton.cdiv(K, group)
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty(M, K, dtype=code_dtype, device=x.device)
     s = torch.empty(M, G, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s
@@ -390,14 +396,15 @@ def _block_fp8_mm_kernel(
 
 
 @triton.jit
-def _fp8_row_part(x_ptr, row, row_end, stride_xm, k, mk, w, INTERP: tl.constexpr):
-    """One activation row's 128-column group quantized by the reference's rule and dotted with the weight
-    tile: xs * sum_k w[n, k] qx[k] as fp32 [BLOCK_N] (0 for a row past row_end). w: fp32 [BLOCK_N, 128]."""
-    live = mk & ((k * 0 + row) < row_end)
-    xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k[None, :], mask=live[None, :], other=0.0)
-    xr = xr.to(tl.float32)
-    q, xs = _group_scale_quant(xr, INTERP)
-    return tl.sum(w * q.to(tl.float32), 1) * xs
+def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, g, kk, mk2, w):
+    """One activation row's quantized 128-column group (fp32 e4m3 values, by quantize_activation's kernel)
+    dotted with the weight tile, times the row's group scale: fp32 [BLOCK_N] (0 past row_end). kk: the
+    group's column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into
+    the weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
+    live = (kk * 0 + row) < row_end
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
+    xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=row < row_end, other=0.0)
+    return tl.sum(w * q, 1) * xs
 
 
 @triton.jit
@@ -408,18 +415,19 @@ def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
 
 @triton.jit
 def _block_fp8_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
     M, N, K, E, STEPS,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). Each program streams its
-    BLOCK_N x 128 weight tiles of K groups [pid_k * STEPS, (pid_k + 1) * STEPS) once, converts them to fp32
-    in registers (e4m3 x e4m3 products are exact in fp32), and for each of its rows quantizes the row's 128
-    columns (the reference's rule), multiplies and reduces over K on CUDA cores (no tensor-core tile to pad
-    to 16 rows, no layout conversion of the weight), scaling each group's sums once. One accumulator per
-    row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
+    """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). x_ptr / xs_ptr: the rows
+    already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel).
+    Each program streams its BLOCK_N x 128 weight tiles of K groups [pid_k * STEPS, (pid_k + 1) * STEPS)
+    once, converts them to fp32 in registers (e4m3 x e4m3 products are exact in fp32), and for each of its
+    rows loads the row's group straight into the weight tile's layout, multiplies and reduces over K on CUDA
+    cores (no tensor-core tile padded to 16 rows, no layout conversion, no cross-warp reduction), scaling
+    each group's sums once. One accumulator per row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
     (stride_os per split) and the bias is added by splitk_sum."""
     GROUP: tl.constexpr = 128
     pid_n = tl.program_id(0)
@@ -449,21 +457,21 @@ def _block_fp8_gemv_kernel(
         g0 = pid_k * STEPS
         g1 = tl.minimum(g0 + STEPS, tl.cdiv(K, GROUP))
         for g in range(g0, g1):
-            k = g * GROUP + offs_k
-            mk = k < K
-            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            kk = g * GROUP + offs_k[None, :] + offs_n[:, None] * 0
+            mk2 = mask_n[:, None] & (kk < K)
+            w = tl.load(w_rows + kk, mask=mk2, other=0.0).to(tl.float32)
             ws = tl.load(ws_ptrs + g * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
-            a0 += _fp8_row_part(x_ptr, row0, row_end, stride_xm, k, mk, w, INTERP) * ws
+            a0 += _fp8_row_part(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
             if BLOCK_M > 1:
-                a1 += _fp8_row_part(x_ptr, row0 + 1, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a1 += _fp8_row_part(x_ptr, xs_ptr, row0 + 1, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
             if BLOCK_M > 2:
-                a2 += _fp8_row_part(x_ptr, row0 + 2, row_end, stride_xm, k, mk, w, INTERP) * ws
-                a3 += _fp8_row_part(x_ptr, row0 + 3, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a2 += _fp8_row_part(x_ptr, xs_ptr, row0 + 2, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
+                a3 += _fp8_row_part(x_ptr, xs_ptr, row0 + 3, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
             if BLOCK_M > 4:
-                a4 += _fp8_row_part(x_ptr, row0 + 4, row_end, stride_xm, k, mk, w, INTERP) * ws
-                a5 += _fp8_row_part(x_ptr, row0 + 5, row_end, stride_xm, k, mk, w, INTERP) * ws
-                a6 += _fp8_row_part(x_ptr, row0 + 6, row_end, stride_xm, k, mk, w, INTERP) * ws
-                a7 += _fp8_row_part(x_ptr, row0 + 7, row_end, stride_xm, k, mk, w, INTERP) * ws
+                a4 += _fp8_row_part(x_ptr, xs_ptr, row0 + 4, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
+                a5 += _fp8_row_part(x_ptr, xs_ptr, row0 + 5, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
+                a6 += _fp8_row_part(x_ptr, xs_ptr, row0 + 6, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
+                a7 += _fp8_row_part(x_ptr, xs_ptr, row0 + 7, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             a0 += b
@@ -489,22 +497,22 @@ def _block_fp8_gemv_kernel(
 
 
 def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
-    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix): the GEMV kernel, split over K (plus the
-    splitk_sum launch) where the N tiles alone give too few programs."""
+    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix): x quantized once by the quantization kernel
+    (into fp32 e4m3 values: the GEMV loads them in the weight tile's layout without conversions), then the
+    GEMV kernel, split over K (plus the splitk_sum launch) where the N tiles alone give too few programs."""
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
     matrices = min(E, rows) if grouped else 1
     bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, BLOCK))
     row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    qx, xs = _quantize_rows(x, BLOCK, torch.float32)
     weight = weight.contiguous()
     dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     _block_fp8_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
-        x, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
+        qx, xs, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
         rows, N, K, E, steps,
-        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        qx.stride(0), xs.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
         ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
         dst.stride(0) if split > 1 else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
