@@ -20,11 +20,12 @@ variant): each program owns an N tile (<= 128, so within one weight row block) a
 computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
-launch reading x, W and the scales. At decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix a
-CUDA-core GEMV kernel runs instead (:func:`_block_fp8_gemv_kernel`: weight tiles converted to fp32 once,
-each row quantized and multiplied in, reduced over K per 128-column group; split over K with a partial-sum
-launch where N tiles alone give too few programs, as for Qwen3-Next's k / v and o projections). At prefill
-sizes (row tiles >= 64) x is quantized once by
+launch reading x, W and the scales (this tensor-core path now runs for 9..63 rows per weight matrix). At
+decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix x is quantized once by the quantization kernel
+(into fp32 e4m3 values) and a CUDA-core GEMV kernel runs (:func:`_block_fp8_gemv_kernel`: weight tiles
+converted to fp32 once, each row loaded straight into the tile's register layout, reduced over K per
+128-column group; split over K with a partial-sum launch where N tiles alone give too few programs, as for
+Qwen3-Next's k / v and o projections). At prefill sizes (row tiles >= 64) x is quantized once by
 :func:`quantize_activation_per_token_group` (the same rule as its own kernel) and the GEMM reads qa and its
 scales.
 
@@ -629,12 +630,15 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      impl: str | None = None) -> torch.Tensor:
     """w8a8 block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref`.
 
-    ``impl``: "triton" (at decode sizes one launch: quantization fused into the GEMM), "scaled_mm"
+    ``impl``: "triton" (<= 8 rows: the quantization kernel and the GEMV kernel, plus a partial-sum launch
+    where K is split; 9..63 rows: one launch with the quantization fused; more: quantization then GEMM),
+    "scaled_mm"
     (quantization kernel then ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the
     torch / device must pass :func:`block_scaled_mm_supported`), or None: "scaled_mm" for M >= 64 rows
     (prefill, cuBLASLt's large tiles) where :func:`block_scaled_mm_supported` holds and the shapes are whole
-    blocks, else "triton" (decode: one launch instead of the quantization, padding and cuBLASLt launches;
-    bench_quant_gemm measures both). A plain CPU run (no interpreter) calls the reference. No host
+    blocks, else "triton" (decode: fewer launches than the quantization, padding and cuBLASLt ones;
+    bench_quant_gemm measures both). ``impl='scaled_mm'`` where it cannot run raises, also on a plain CPU
+    run. A plain CPU run (no interpreter) calls the reference. No host
     synchronisation after the one-time probe (which the first CUDA call with M >= 64 runs: warm up before
     capturing a graph).
 
@@ -680,8 +684,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
 def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                          offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activation
-    quantization fused; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
+    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activations
+    quantized per token and 128-column group on the device; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
     offsets[-1] are left unwritten. No host synchronisation, shapes fixed by the inputs (CUDA-graph
     capturable); experts without rows cost only their entry in each program's offsets scan. Triton on CUDA
     and under TRITON_INTERPRET=1, the reference on a plain CPU run.
