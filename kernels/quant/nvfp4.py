@@ -445,20 +445,22 @@ def _nvfp4_mm_kernel(
 
 
 @triton.jit
-def _nvfp4_row_part(x_ptr, row, row_end, stride_xm, kw, mkw, e0, e1, e2, e3, e4, e5, e6, e7, scw):
+def _nvfp4_row_part(x_ptr, row, row_end, stride_xm, KW, kw, mkw, e0, e1, e2, e3, e4, e5, e6, e7, scw):
     """One activation row times a decoded tile: sum over the tile's words w and their elements c of
-    e_c[n, w] * x[row, 8 w + c] * scw[n, w], fp32 [BLOCK_N] (0 for a row past row_end). e_c: fp32
-    [BLOCK_N, WORDS] (element c of each word, times 2^-14); scw: each word's block scale."""
+    e_c[n, w] * x[row, 8 w + c] * scw[n, w], fp32 [BLOCK_N] (0 for a row past row_end). x_ptr: the rows in
+    fp32, column class major ([rows, 8, K / 8]: element c of every word contiguous, so each class is read
+    as vectors of consecutive words); e_c: fp32 [BLOCK_N, WORDS] (element c of each word, times 2^-14);
+    scw: each word's block scale."""
     live = mkw & ((kw * 0 + row) < row_end)
-    xw = x_ptr + row.to(tl.int64) * stride_xm + kw * 8
-    t = e0 * tl.load(xw, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e1 * tl.load(xw + 1, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e2 * tl.load(xw + 2, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e3 * tl.load(xw + 3, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e4 * tl.load(xw + 4, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e5 * tl.load(xw + 5, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e6 * tl.load(xw + 6, mask=live, other=0.0).to(tl.float32)[None, :]
-    t += e7 * tl.load(xw + 7, mask=live, other=0.0).to(tl.float32)[None, :]
+    xw = x_ptr + row.to(tl.int64) * stride_xm + kw
+    t = e0 * tl.load(xw, mask=live, other=0.0)[None, :]
+    t += e1 * tl.load(xw + KW, mask=live, other=0.0)[None, :]
+    t += e2 * tl.load(xw + 2 * KW, mask=live, other=0.0)[None, :]
+    t += e3 * tl.load(xw + 3 * KW, mask=live, other=0.0)[None, :]
+    t += e4 * tl.load(xw + 4 * KW, mask=live, other=0.0)[None, :]
+    t += e5 * tl.load(xw + 5 * KW, mask=live, other=0.0)[None, :]
+    t += e6 * tl.load(xw + 6 * KW, mask=live, other=0.0)[None, :]
+    t += e7 * tl.load(xw + 7 * KW, mask=live, other=0.0)[None, :]
     return tl.sum(t * scw, 1)
 
 
@@ -471,18 +473,19 @@ def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
 @triton.jit
 def _nvfp4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, out_ptr, offsets_ptr,
-    M, N, K, E, STEPS,
+    M, N, K, KW, E, STEPS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0): grid (N tiles, row tiles,
-    K splits). Each program streams the packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1)
-    * STEPS) once, decodes them in registers (:func:`_e2m1_word`, no scaling per element), and for each of
-    its rows multiplies by the activations and reduces over K on CUDA cores: the block scale multiplies once
-    per word and row, weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to
-    16 rows and no register-to-shared layout conversion of the decoded weight. One accumulator per row
-    (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]."""
+    """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
+    column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
+    packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1) * STEPS) once, decodes them in
+    registers (:func:`_e2m1_word`, no scaling per element), and for each of its rows multiplies by the
+    activations and reduces over K on CUDA cores: the block scale multiplies once per word and row,
+    weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to 16 rows and no
+    register-to-shared layout conversion of the decoded weight. One accumulator per row (a0..a7, unrolled by
+    BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]."""
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -500,7 +503,6 @@ def _nvfp4_gemv_kernel(
         w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         s_rows = s_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         offs_w = tl.arange(0, WORDS)
-        KW = K // 8
         a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
         a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
         a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -518,23 +520,24 @@ def _nvfp4_gemv_kernel(
             wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
             scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
             e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
-            a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, kw, mkw, e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
+                                  e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 1:
-                a1 += _nvfp4_row_part(x_ptr, row0 + 1, row_end, stride_xm, kw, mkw,
+                a1 += _nvfp4_row_part(x_ptr, row0 + 1, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 2:
-                a2 += _nvfp4_row_part(x_ptr, row0 + 2, row_end, stride_xm, kw, mkw,
+                a2 += _nvfp4_row_part(x_ptr, row0 + 2, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
-                a3 += _nvfp4_row_part(x_ptr, row0 + 3, row_end, stride_xm, kw, mkw,
+                a3 += _nvfp4_row_part(x_ptr, row0 + 3, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 4:
-                a4 += _nvfp4_row_part(x_ptr, row0 + 4, row_end, stride_xm, kw, mkw,
+                a4 += _nvfp4_row_part(x_ptr, row0 + 4, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
-                a5 += _nvfp4_row_part(x_ptr, row0 + 5, row_end, stride_xm, kw, mkw,
+                a5 += _nvfp4_row_part(x_ptr, row0 + 5, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
-                a6 += _nvfp4_row_part(x_ptr, row0 + 6, row_end, stride_xm, kw, mkw,
+                a6 += _nvfp4_row_part(x_ptr, row0 + 6, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
-                a7 += _nvfp4_row_part(x_ptr, row0 + 7, row_end, stride_xm, kw, mkw,
+                a7 += _nvfp4_row_part(x_ptr, row0 + 7, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
         g = tl.load(s2_ptr + expert) * 16384.0  # weight_scale_2, and the 2^14 of the decode
         b = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -568,12 +571,16 @@ def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *,
     matrices = min(E, rows) if grouped else 1
     bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, GEMV_BLOCK_K))
     row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    # x in fp32, column class major: xp[r, c, w] = x[r, 8 w + c] (one small copy; each class of a word tile
+    # is then one vector load per row in the kernel instead of strided scalar gathers)
+    xp = torch.empty(rows, 8, K // 8, dtype=torch.float32, device=x.device)
+    xp.copy_(x.reshape(rows, K // 8, 8).transpose(1, 2))
     dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     _nvfp4_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
-        x, weight.view(torch.int32), weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x,
+        xp, weight.view(torch.int32), weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x,
         dst, offsets if offsets is not None else weight_scale_2,
-        rows, N, K, E, steps,
-        x.stride(0), weight.stride(0) // 4 if grouped else 0, weight.stride(-2) // 4,
+        rows, N, K, K // 8, E, steps,
+        xp.stride(0), weight.stride(0) // 4 if grouped else 0, weight.stride(-2) // 4,
         weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), dst.stride(-2),
         dst.stride(0) if split > 1 else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
