@@ -5,6 +5,8 @@ Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set 
 small awkward sizes: M in {1, 3, 17}, K in {32, 48, 272} (272 = two 128-column groups and a partial third;
 17 e2m1 scale blocks), N in {16, 40} (not multiples of the N tiles), E = 5 experts with empty ones (first,
 middle and last). Outputs are NaN-filled before the kernel writes them, so an element it forgets fails.
+Up to 8 rows per weight matrix take the decode GEMV kernels (with and without split-K: the *_gemv_* tests
+force both), more rows the tensor-core kernels (M = 17, 10 rows per expert, the prefill tile tests).
 tests/test_kernels_quant_gpu.py holds the release-shape and CUDA-graph checks.
 
 Tolerances, kernel vs reference, as a fraction of the largest |reference| output (both compute the same fp32
