@@ -268,7 +268,7 @@ def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
     """The decode GEMV path (<= 8 rows per weight matrix) with each program over all of K (program target 1)
     and with K split as far as it goes (one 128-column group per program, the fp32 partial sums added by
     splitk_sum with the bias), dense at 2 and 8 rows and grouped; and, at target 1, the grouped tensor-core
-    decode tile (> 8 rows per expert: 50 rows over 5 experts)."""
+    decode tile (> 8 rows per expert: 50 rows over 5 experts) and the 4-group unrolled K loop."""
     monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
     K, N, E, dtype = 300, 40, 5, torch.float16
     q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=15).cpu()))
@@ -282,6 +282,11 @@ def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
         x, offs = _randn(P, K, seed=P, dtype=dtype), _offsets(counts)
         _close(block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype)),
                block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+    if target == 1:  # 5 groups with 4 per loop iteration: the second iteration has 3 groups past the end
+        q5, s5 = (t.to(DEVICE) for t in block_fp8_quantize(_randn(N, 600, seed=21).cpu()))
+        x = _randn(8, 600, seed=22, dtype=dtype)
+        _close(block_fp8_linear(x, q5, s5, bias, out=_nan(8, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q5, s5, bias), dtype)
 
 
 @pytest.mark.parametrize("target", [1, 10**6])

@@ -129,14 +129,15 @@ def gemv_config(rows_per_matrix: float, N: int, matrices: int, k_steps: int) -> 
     GEMV_MAX_ROWS) rows per weight matrix, ``matrices`` weight matrices with rows (experts present; 1 dense),
     N output features and ``k_steps`` K steps (128-column groups). BLOCK_M: rows per program (power of two
     >= the rows per matrix, so one program usually covers an expert's rows and reads its weight tile once).
-    BLOCK_N: the widest of 64 / 32 / 16 that gives GEMV_TARGET_PROGRAMS programs. Where even 16-wide N tiles
+    BLOCK_N: the widest of 64 / 32 / 16 (at most 128 / BLOCK_M: each thread holds its N rows' copy of every
+    activation row) that gives GEMV_TARGET_PROGRAMS programs. Where even 16-wide N tiles
     give fewer than half that (few output features: Qwen3-Next's k / v 2048 -> 512, o 4096 -> 2048), K is
     split into ``split`` ranges of ``k_steps_per_split`` steps whose fp32 partial sums a second launch adds
     (:func:`splitk_sum`): each program's serial chain of dependent loads gets shorter and every SM streams."""
     rows = max(1, math.ceil(rows_per_matrix))
     bm = min(GEMV_MAX_ROWS, triton.next_power_of_2(rows))
     row_tiles = matrices * triton.cdiv(rows, bm)
-    for bn in (64, 32, 16):
+    for bn in [b for b in (64, 32, 16) if b * bm <= 128] or [16]:  # 8 rows x 64 spilled on sm_90
         programs = triton.cdiv(N, bn) * row_tiles
         if programs >= GEMV_TARGET_PROGRAMS:
             return bm, bn, 1, k_steps

@@ -397,15 +397,35 @@ def _block_fp8_mm_kernel(
 
 
 @triton.jit
-def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, g, kk, mk2, w):
+def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w):
     """One activation row's quantized 128-column group (fp32 e4m3 values, by quantize_activation's kernel)
     dotted with the weight tile, times the row's group scale: fp32 [BLOCK_N] (0 past row_end). kk: the
     group's column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into
     the weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
     live = (kk * 0 + row) < row_end
     q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
-    xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=row < row_end, other=0.0)
+    xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=tl.where(g < G, row, row_end) < row_end, other=0.0)
     return tl.sum(w * q, 1) * xs
+
+
+@triton.jit
+def _fp8_group(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, ws,
+               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr):
+    """Accumulators a0..a{BLOCK_M-1} (one per row) plus each row's product with weight group g (w: the
+    loaded fp8 tile, 0 where masked; ws [BLOCK_N]: its block scales)."""
+    w = w.to(tl.float32)
+    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 1:
+        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 2:
+        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 4:
+        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
@@ -420,7 +440,7 @@ def _block_fp8_gemv_kernel(
     M, N, K, E, STEPS,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_E: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). x_ptr / xs_ptr: the rows
     already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel).
@@ -428,7 +448,8 @@ def _block_fp8_gemv_kernel(
     once, converts them to fp32 in registers (e4m3 x e4m3 products are exact in fp32), and for each of its
     rows loads the row's group straight into the weight tile's layout, multiplies and reduces over K on CUDA
     cores (no tensor-core tile padded to 16 rows, no layout conversion, no cross-warp reduction), scaling
-    each group's sums once. One accumulator per row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
+    each group's sums once. UNROLL (1, 2, 4) groups' weight tiles are loaded before their arithmetic, so a
+    program keeps UNROLL x BLOCK_N x 128 bytes in flight (the loop has no software pipelining otherwise). One accumulator per row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
     (stride_os per split) and the bias is added by splitk_sum."""
     GROUP: tl.constexpr = 128
     pid_n = tl.program_id(0)
@@ -457,22 +478,43 @@ def _block_fp8_gemv_kernel(
         a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
         g0 = pid_k * STEPS
         g1 = tl.minimum(g0 + STEPS, tl.cdiv(K, GROUP))
-        for g in range(g0, g1):
+        G = tl.cdiv(K, GROUP)
+        for g in range(g0, g1, UNROLL):
+            # the UNROLL groups' weight tiles are all requested before any arithmetic (loads in flight)
             kk = g * GROUP + offs_k[None, :] + offs_n[:, None] * 0
             mk2 = mask_n[:, None] & (kk < K)
-            w = tl.load(w_rows + kk, mask=mk2, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + kk, mask=mk2, other=0.0)
             ws = tl.load(ws_ptrs + g * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
-            a0 += _fp8_row_part(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-            if BLOCK_M > 1:
-                a1 += _fp8_row_part(x_ptr, xs_ptr, row0 + 1, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-            if BLOCK_M > 2:
-                a2 += _fp8_row_part(x_ptr, xs_ptr, row0 + 2, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-                a3 += _fp8_row_part(x_ptr, xs_ptr, row0 + 3, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-            if BLOCK_M > 4:
-                a4 += _fp8_row_part(x_ptr, xs_ptr, row0 + 4, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-                a5 += _fp8_row_part(x_ptr, xs_ptr, row0 + 5, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-                a6 += _fp8_row_part(x_ptr, xs_ptr, row0 + 6, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
-                a7 += _fp8_row_part(x_ptr, xs_ptr, row0 + 7, row_end, stride_xm, stride_xsm, g, kk, mk2, w) * ws
+            if UNROLL > 1:
+                kk1 = kk + GROUP
+                mk1 = mk2 & (kk1 < K) & ((kk1 * 0 + g + 1) < g1)
+                w1 = tl.load(w_rows + kk1, mask=mk1, other=0.0)
+                ws1 = tl.load(ws_ptrs + (g + 1) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 1) < g1),
+                              other=0.0).to(tl.float32)
+            if UNROLL > 2:
+                kk2 = kk + 2 * GROUP
+                mk2b = mk2 & (kk2 < K) & ((kk2 * 0 + g + 2) < g1)
+                w2 = tl.load(w_rows + kk2, mask=mk2b, other=0.0)
+                ws2 = tl.load(ws_ptrs + (g + 2) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 2) < g1),
+                              other=0.0).to(tl.float32)
+                kk3 = kk + 3 * GROUP
+                mk3 = mk2 & (kk3 < K) & ((kk3 * 0 + g + 3) < g1)
+                w3 = tl.load(w_rows + kk3, mask=mk3, other=0.0)
+                ws3 = tl.load(ws_ptrs + (g + 3) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 3) < g1),
+                              other=0.0).to(tl.float32)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, G, g,
+                                                        kk, mk2, w, ws, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            if UNROLL > 1:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 1, kk1, mk1, w1, ws1,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            if UNROLL > 2:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 2, kk2, mk2b, w2, ws2,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 3, kk3, mk3, w3, ws3,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             a0 += b
@@ -510,6 +552,8 @@ def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
     qx, xs = _quantize_rows(x, BLOCK, torch.float32)
     weight = weight.contiguous()
     dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    unroll = min(4, 64 // bn, steps)  # 8 KB of weight requested per program and loop iteration
+    unroll = 4 if unroll >= 4 else 2 if unroll >= 2 else 1
     _block_fp8_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
         qx, xs, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
         rows, N, K, E, steps,
@@ -517,8 +561,8 @@ def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
         ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
         dst.stride(0) if split > 1 else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
-        num_warps=4, num_stages=4,
+        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
+        INTERP=interpreter_active(), num_warps=4, num_stages=1,
     )
     if split > 1:
         splitk_sum(dst, bias, out, offsets)
