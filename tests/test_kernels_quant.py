@@ -291,11 +291,11 @@ def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
 
 @pytest.mark.parametrize("target", [1, 10**6])
 def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
-    """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600: five 128-column steps,
-    the last partial, and a partial last 16-column scale block; each program over all of K (target 1) or one
-    step per program with the partial sums added by splitk_sum (with the bias); dense at 2 and 8 rows,
-    grouped with 1-13 rows per expert; at target 1 also the grouped tensor-core decode tile (10 rows per
-    expert)."""
+    """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column
+    steps (64 / 32 / 16-wide N tiles), the last partial, and a partial last 16-column scale block; each
+    program over all of K (target 1) or one step per program with the partial sums added by splitk_sum
+    (with the bias); dense at 2 and 8 rows, grouped with 1-13 rows per expert; at target 1 also the grouped
+    tensor-core decode tile (10 rows per expert)."""
     monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
     K, N, E, dtype = 600, 40, 5, torch.bfloat16
     q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=17).cpu()))

@@ -557,8 +557,10 @@ def _nvfp4_gemv_kernel(
             _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7 * g + b)
 
 
-# K columns per step of the GEMV kernel: 16 int32 words of codes per weight row; the 8 decoded [BLOCK_N, 16]
-# fp32 element tensors take 64 registers per thread at BLOCK_N 64 with 4 warps (256 columns would take 128).
+# K columns per step of the GEMV kernel at 64-wide N tiles (16 int32 words of codes per weight row; the 8
+# decoded [BLOCK_N, 16] fp32 element tensors take 64 registers per thread with 4 warps); 32 / 16-wide tiles
+# take 256 / 512 columns (the same registers and 4 KB of codes per step: Triton does not software-pipeline
+# this loop, so the bytes a program requests per step are what it keeps in flight). Split-K launches keep 128.
 GEMV_BLOCK_K = 128
 
 
@@ -570,6 +572,10 @@ def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *,
     E = weight.shape[0] if grouped else 1
     matrices = min(E, rows) if grouped else 1
     bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, GEMV_BLOCK_K))
+    bk = GEMV_BLOCK_K
+    if split == 1:  # narrower N tiles take longer K steps: 4 KB of codes requested per program and step
+        bk = GEMV_BLOCK_K * 64 // bn
+        steps = triton.cdiv(K, bk)
     row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
     # x in fp32, column class major: xp[r, c, w] = x[r, 8 w + c] (one small copy; each class of a word tile
     # is then one vector load per row in the kernel instead of strided scalar gathers)
@@ -584,7 +590,7 @@ def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *,
         weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), dst.stride(-2),
         dst.stride(0) if split > 1 else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=GEMV_BLOCK_K, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, num_warps=4, num_stages=4,
+        BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, num_warps=4, num_stages=1,
     )
     if split > 1:
         splitk_sum(dst, bias, out, offsets)
