@@ -16,6 +16,8 @@ measured in the same run):
   torch._scaled_mm when ``block_scaled_mm_supported``) vs a BF16 ``F.linear``; the routed experts (hidden
   2048 -> moe_intermediate 512 and back, 512 experts, top-10) ``block_fp8_grouped_mm`` vs BF16
   ``torch._grouped_mm``.
+Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
+GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths.
 Bytes read count what the product must read once: the weights (and scales) of the experts that received rows
 (all of them for dense layers), the activations, and the output written; the dequantize path also counts its
 full-size BF16 weight write and re-read. Times ("us"): GPU time per call from CUDA-graph replays with L2
@@ -152,6 +154,19 @@ def _dequant_then_bf16(x, w, s, s2, offs):
     return _bf16_grouped(x, nvfp4_dequantize(w, s, s2, torch.bfloat16), offs)
 
 
+def _tensor_core(fn, *args, **kwargs):
+    """Call a kernels/quant launcher with the decode GEMV path off (GEMV_MAX_ROWS = 0): its tensor-core
+    kernel at decode sizes, the "_tc" rows beside the default path's (the GEMV), so one run shows both."""
+    from kernels.quant import _common
+
+    keep = _common.GEMV_MAX_ROWS
+    _common.GEMV_MAX_ROWS = 0
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _common.GEMV_MAX_ROWS = keep
+
+
 def part_copy() -> dict:
     import torch
 
@@ -186,6 +201,9 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
             meta = {"proj": proj, "N": N, "K": K, "batch": B, "pairs": P, "active_experts": active}
             rows.append(row("nvfp4_grouped", _bench(partial(nvfp4_grouped_mm, x, w, s, s2, offs)),
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_grouped_tc",
+                            _bench(partial(_tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
             rows.append(row("nvfp4_dequant_then_bf16_grouped",
@@ -217,6 +235,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             meta = {"proj": proj, "N": N, "K": K, "batch": B}
             rows.append(row("block_fp8_linear_triton", _bench(partial(block_fp8_linear, x, w, ws, impl="triton")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_tc",
+                            _bench(partial(_tensor_core, block_fp8_linear, x, w, ws, impl="triton")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             if scaled_mm:
                 rows.append(row("block_fp8_linear_scaled_mm",
                                 _bench(partial(block_fp8_linear, x, w, ws, impl="scaled_mm")),
@@ -234,6 +255,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             io = (P * K + P * N) * 2
             meta = {"proj": proj, "N": N, "K": K, "batch": B, "pairs": P, "active_experts": active}
             rows.append(row("block_fp8_grouped", _bench(partial(block_fp8_grouped_mm, x, w, ws, offs)),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_tc",
+                            _bench(partial(_tensor_core, block_fp8_grouped_mm, x, w, ws, offs)),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
@@ -276,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = part_nvfp4(args.batches, bw)
         report["nvfp4"] = {"rows": rows,
                            "speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped", "bf16_grouped"),
+                           "tc_speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped_tc", "bf16_grouped"),
                            "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
                                                                     "nvfp4_dequant_then_bf16_grouped")}
     if "fp8" in args.parts:
@@ -284,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = part_fp8(args.batches, bw)
         report["fp8"] = {"rows": rows, "block_scaled_mm_supported": block_scaled_mm_supported("cuda"),
                          "dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_triton", "bf16_linear"),
-                         "grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped", "bf16_grouped")}
+                         "grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped", "bf16_grouped"),
+                         "tc_dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_tc", "bf16_linear"),
+                         "tc_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_tc", "bf16_grouped")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for part in ("nvfp4", "fp8"):

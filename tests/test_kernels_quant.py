@@ -5,6 +5,8 @@ Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set 
 small awkward sizes: M in {1, 3, 17}, K in {32, 48, 272} (272 = two 128-column groups and a partial third;
 17 e2m1 scale blocks), N in {16, 40} (not multiples of the N tiles), E = 5 experts with empty ones (first,
 middle and last). Outputs are NaN-filled before the kernel writes them, so an element it forgets fails.
+Up to 8 rows per weight matrix take the decode GEMV kernels (with and without split-K: the *_gemv_* tests
+force both), more rows the tensor-core kernels (M = 17, 10 rows per expert, the prefill tile tests).
 tests/test_kernels_quant_gpu.py holds the release-shape and CUDA-graph checks.
 
 Tolerances, kernel vs reference, as a fraction of the largest |reference| output (both compute the same fp32
@@ -259,6 +261,64 @@ def test_block_fp8_grouped_mm_matches_reference(counts, dtype):
     x, offs = _randn(P, K, seed=P + 1, dtype=dtype), _offsets(counts)
     y = block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype))
     _close(y, block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+
+
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
+    """The decode GEMV path (<= 8 rows per weight matrix) with each program over all of K (program target 1)
+    and with K split as far as it goes (one 128-column group per program, the fp32 partial sums added by
+    splitk_sum with the bias), dense at 2 and 8 rows and grouped; and, at target 1, the grouped tensor-core
+    decode tile (> 8 rows per expert: 50 rows over 5 experts) and the 4-group unrolled K loop."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 300, 40, 5, torch.float16
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=15).cpu()))
+    bias = _randn(N, seed=16, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 20, dtype=dtype)
+        _close(block_fp8_linear(x, q[0], s[0], bias, out=_nan(M, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q[0], s[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):
+        P = sum(counts)
+        x, offs = _randn(P, K, seed=P, dtype=dtype), _offsets(counts)
+        _close(block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype)),
+               block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+    if target == 1:  # 5 groups with 4 per loop iteration: the second iteration has 3 groups past the end
+        q5, s5 = (t.to(DEVICE) for t in block_fp8_quantize(_randn(N, 600, seed=21).cpu()))
+        x = _randn(8, 600, seed=22, dtype=dtype)
+        _close(block_fp8_linear(x, q5, s5, bias, out=_nan(8, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q5, s5, bias), dtype)
+
+
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
+    """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column
+    steps (64 / 32 / 16-wide N tiles), the last partial, and a partial last 16-column scale block; each
+    program over all of K (target 1) or one step per program with the partial sums added by splitk_sum
+    (with the bias); dense at 2 and 8 rows, grouped with 1-13 rows per expert; at target 1 also the grouped
+    tensor-core decode tile (10 rows per expert)."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 600, 40, 5, torch.bfloat16
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=17).cpu()))
+    bias = _randn(N, seed=18, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 30, dtype=dtype)
+        _close(nvfp4_linear(x, q[0], s[0], s2[0], bias, out=_nan(M, N, dtype=dtype)),
+               nvfp4_linear_ref(x, q[0], s[0], s2[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):  # then the MMA tile
+        x, offs = _randn(sum(counts), K, seed=19, dtype=dtype), _offsets(counts)
+        _close(nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(sum(counts), N, dtype=dtype)),
+               nvfp4_grouped_mm_ref(x, q, s, s2, offs), dtype)
+
+
+def test_gemv_config_splits_k_only_where_n_tiles_are_too_few():
+    # Qwen3-Next at one decode token: q / gate 2048 -> 8192 fills the GPU with 16-wide N tiles; k / v
+    # 2048 -> 512 and o 4096 -> 2048 split K; 8 rows per program at 8 rows, 1 at 1.
+    assert quant_common.gemv_config(1, 8192, 1, 16) == (1, 16, 1, 16)
+    bm, bn, split, steps = quant_common.gemv_config(1, 512, 1, 16)
+    assert (bm, bn) == (1, 16) and split > 1 and split * steps >= 16 > (split - 1) * steps
+    assert quant_common.gemv_config(1, 2048, 1, 32)[2] > 1
+    assert quant_common.gemv_config(8, 8192, 1, 16)[0] == 8
+    assert quant_common.gemv_config(1.2, 2048, 74, 4)[:3] == (2, 64, 1)  # Qwen3-Next down, 8 tokens
 
 
 def test_block_scaled_mm_probe_and_impl_choice_on_the_cpu():

@@ -29,6 +29,12 @@ in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 t
 activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
 weight_scale_2 multiplies the fp32 accumulator once at the end.
 
+Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py) where the codes are
+words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
+shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
+alone give too few programs (:func:`kernels.quant._common.gemv_config`).
+
 - :func:`nvfp4_linear` (dense): grid (N tiles, M tiles).
 - :func:`nvfp4_grouped_mm` (routed experts, torch._grouped_mm's convention): grid (N tiles, a row-tile bound
   fixed by the shapes); each program finds its expert from the offsets on the device
@@ -53,11 +59,15 @@ from kernels.quant._common import (
     check_activation,
     check_bias,
     check_offsets,
+    gemv_config,
     grouped_row_tiles,
     grouped_tile,
     mma,
     offsets_list,
+    splitk_sum,
     tile_config,
+    true_divide,
+    use_gemv,
     use_kernel,
 )
 
@@ -194,7 +204,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     wf = w.float()
     if weight_scale_2 is None:
         amax = wf.abs().amax(dim=(-2, -1))
-        s2 = torch.where(amax > 0, amax / (FP8_MAX * E2M1_MAX), torch.ones_like(amax))
+        s2 = torch.where(amax > 0, true_divide(amax, FP8_MAX * E2M1_MAX), torch.ones_like(amax))
     else:
         if weight_scale_2.dtype != torch.float32 or tuple(weight_scale_2.shape) not in (lead, ()):
             raise ValueError(f"{name}: weight_scale_2 must be float32 of shape {lead}, got "
@@ -204,7 +214,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     blocks = torch.nn.functional.pad(wf, (0, G * NVFP4_BLOCK - K)).reshape(*lead, N, G, NVFP4_BLOCK)
     s2b = s2.reshape(*lead, 1, 1)
     block_amax = blocks.abs().amax(dim=-1)
-    scale = (block_amax / E2M1_MAX / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    scale = (true_divide(block_amax, E2M1_MAX) / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
     full = (scale.float() * s2b)[..., None]
     scaled = torch.where(full > 0, blocks / torch.where(full > 0, full, 1.0), 0.0)
     codes = round_to_e2m1(scaled).reshape(*lead, N, G * NVFP4_BLOCK)[..., :K]
@@ -434,6 +444,159 @@ def _nvfp4_mm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
+@triton.jit
+def _nvfp4_row_part(x_ptr, row, row_end, stride_xm, KW, kw, mkw, e0, e1, e2, e3, e4, e5, e6, e7, scw):
+    """One activation row times a decoded tile: sum over the tile's words w and their elements c of
+    e_c[n, w] * x[row, 8 w + c] * scw[n, w], fp32 [BLOCK_N] (0 for a row past row_end). x_ptr: the rows in
+    fp32, column class major ([rows, 8, K / 8]: element c of every word contiguous, so each class is read
+    as vectors of consecutive words); e_c: fp32 [BLOCK_N, WORDS] (element c of each word, times 2^-14);
+    scw: each word's block scale."""
+    live = mkw & ((kw * 0 + row) < row_end)
+    xw = x_ptr + row.to(tl.int64) * stride_xm + kw
+    t = e0 * tl.load(xw, mask=live, other=0.0)[None, :]
+    t += e1 * tl.load(xw + KW, mask=live, other=0.0)[None, :]
+    t += e2 * tl.load(xw + 2 * KW, mask=live, other=0.0)[None, :]
+    t += e3 * tl.load(xw + 3 * KW, mask=live, other=0.0)[None, :]
+    t += e4 * tl.load(xw + 4 * KW, mask=live, other=0.0)[None, :]
+    t += e5 * tl.load(xw + 5 * KW, mask=live, other=0.0)[None, :]
+    t += e6 * tl.load(xw + 6 * KW, mask=live, other=0.0)[None, :]
+    t += e7 * tl.load(xw + 7 * KW, mask=live, other=0.0)[None, :]
+    return tl.sum(t * scw, 1)
+
+
+@triton.jit
+def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
+    tl.store(ptr + row.to(tl.int64) * stride + offs_n, v.to(ptr.dtype.element_ty),
+             mask=mask_n & ((offs_n * 0 + row) < row_end))
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, out_ptr, offsets_ptr,
+    M, N, K, KW, E, STEPS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
+    column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
+    packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1) * STEPS) once, decodes them in
+    registers (:func:`_e2m1_word`, no scaling per element), and for each of its rows multiplies by the
+    activations and reduces over K on CUDA cores: the block scale multiplies once per word and row,
+    weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to 16 rows and no
+    register-to-shared layout conversion of the decoded weight. One accumulator per row (a0..a7, unrolled by
+    BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if expert < E:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        s_rows = s_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        offs_w = tl.arange(0, WORDS)
+        a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t0 = pid_k * STEPS
+        t1 = tl.minimum(t0 + STEPS, tl.cdiv(K, BLOCK_K))
+        for t in range(t0, t1):
+            kw = t * WORDS + offs_w
+            mkw = kw < KW
+            m2 = mask_n[:, None] & mkw[None, :]
+            wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
+            scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
+            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+            a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
+                                  e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 1:
+                a1 += _nvfp4_row_part(x_ptr, row0 + 1, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 2:
+                a2 += _nvfp4_row_part(x_ptr, row0 + 2, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a3 += _nvfp4_row_part(x_ptr, row0 + 3, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 4:
+                a4 += _nvfp4_row_part(x_ptr, row0 + 4, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a5 += _nvfp4_row_part(x_ptr, row0 + 5, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a6 += _nvfp4_row_part(x_ptr, row0 + 6, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a7 += _nvfp4_row_part(x_ptr, row0 + 7, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+        g = tl.load(s2_ptr + expert) * 16384.0  # weight_scale_2, and the 2^14 of the decode
+        b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        o = out_ptr + pid_k.to(tl.int64) * stride_os
+        _store_row(o, row0, row_end, stride_om, offs_n, mask_n, a0 * g + b)
+        if BLOCK_M > 1:
+            _store_row(o, row0 + 1, row_end, stride_om, offs_n, mask_n, a1 * g + b)
+        if BLOCK_M > 2:
+            _store_row(o, row0 + 2, row_end, stride_om, offs_n, mask_n, a2 * g + b)
+            _store_row(o, row0 + 3, row_end, stride_om, offs_n, mask_n, a3 * g + b)
+        if BLOCK_M > 4:
+            _store_row(o, row0 + 4, row_end, stride_om, offs_n, mask_n, a4 * g + b)
+            _store_row(o, row0 + 5, row_end, stride_om, offs_n, mask_n, a5 * g + b)
+            _store_row(o, row0 + 6, row_end, stride_om, offs_n, mask_n, a6 * g + b)
+            _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7 * g + b)
+
+
+# K columns per step of the GEMV kernel at 64-wide N tiles (16 int32 words of codes per weight row; the 8
+# decoded [BLOCK_N, 16] fp32 element tensors take 64 registers per thread with 4 warps); 32 / 16-wide tiles
+# take 256 / 512 columns (the same registers and 4 KB of codes per step: Triton does not software-pipeline
+# this loop, so the bytes a program requests per step are what it keeps in flight). Split-K launches keep 128.
+GEMV_BLOCK_K = 128
+
+
+def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool):
+    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix, codes readable as words): the GEMV kernel,
+    split over K (plus the splitk_sum launch) where the N tiles alone give too few programs."""
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    matrices = min(E, rows) if grouped else 1
+    bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, GEMV_BLOCK_K))
+    bk = GEMV_BLOCK_K
+    if split == 1:  # narrower N tiles take longer K steps: 4 KB of codes requested per program and step
+        bk = GEMV_BLOCK_K * 64 // bn
+        steps = triton.cdiv(K, bk)
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    # x in fp32, column class major: xp[r, c, w] = x[r, 8 w + c] (one small copy; each class of a word tile
+    # is then one vector load per row in the kernel instead of strided scalar gathers)
+    xp = torch.empty(rows, 8, K // 8, dtype=torch.float32, device=x.device)
+    xp.copy_(x.reshape(rows, K // 8, 8).transpose(1, 2))
+    dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    _nvfp4_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
+        xp, weight.view(torch.int32), weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x,
+        dst, offsets if offsets is not None else weight_scale_2,
+        rows, N, K, K // 8, E, steps,
+        xp.stride(0), weight.stride(0) // 4 if grouped else 0, weight.stride(-2) // 4,
+        weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, num_warps=4, num_stages=1,
+    )
+    if split > 1:
+        splitk_sum(dst, bias, out, offsets)
+    return out
+
+
 X_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -459,6 +622,8 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    if use_gemv(rows / (min(E, rows) if grouped else 1)) and words_ok(weight) and force_bytes is False:
+        return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
     # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: _e2m1_word) where the rows
     # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
     words = words_ok(weight) and bk == 128 and force_bytes is False
