@@ -14,10 +14,11 @@ import sys
 
 import pytest
 
-# the `test` extra installs it (import-linter's graph library); the GPU machine's image has neither
-grimp = pytest.importorskip("grimp", reason="import-linter is not installed (pip install '.[test]')")
 
 from registry.schema import REPO_ROOT
+
+# the `test` extra installs it (import-linter's graph library); the GPU machine's image has neither
+grimp = pytest.importorskip("grimp", reason="import-linter is not installed (pip install '.[test]')")
 
 PACKAGES = ("runners", "evals", "registry", "kernels", "benchmarks")
 
