@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-
 from registry.schema import REPO_ROOT
 
 # the `test` extra installs it (import-linter's graph library); the GPU machine's image has neither
