@@ -5,8 +5,8 @@ acceptance statistics, while the cache really serves the prefixes it should.
 End to end, for both families (NemotronH: Mamba2, Qwen3-Next: Gated DeltaNet), float32, draft_len 0 and 3,
 rewind and replay, with fewer slots than prompts (continuous batching, slot reuse), over three generate calls
 on one engine (the cache outlives a call):
-1. prompts X and Y sharing a block-aligned prefix of 96 tokens (their junction is saved), and two prompts
-   sharing nothing;
+1. prompts X and Y sharing a block-aligned prefix of 96 tokens, and two prompts sharing nothing: Y waits for
+   the admission after X's (PrefixCache.split_admission), whose prefill saves the junction, and hits 96;
 2. a prompt with that block-aligned prefix (hit 96), and a prompt sharing 115 tokens (mid-block) with X
    (hit 96; its junction with X is saved at 115);
 3. a prompt sharing those 115 tokens (hit 115, ending mid-block), a prompt that is entirely the cached
@@ -58,7 +58,7 @@ def _prompts() -> dict[str, list[int]]:
 
 PHASES = [["X", "Y", "N1", "N2"], ["aligned", "mid"], ["mid2", "entire", "X", "N3"]]
 EXPECTED_HITS = {  # prompt -> cached prefix length reused, per phase
-    0: {"X": 0, "Y": 0, "N1": 0, "N2": 0},
+    0: {"X": 0, "Y": 96, "N1": 0, "N2": 0},  # Y deferred behind X, which shares 96 uncached tokens
     1: {"aligned": 96, "mid": 96},
     2: {"mid2": 115, "entire": 115, "X": 120, "N3": 0},
 }
@@ -277,6 +277,21 @@ def test_lookup_finds_the_longest_cached_prefix_at_token_granularity():
     assert len(c.lookup(seq[:5]).tokens) == 3
     assert c.lookup([1] + seq[1:]) is None  # differs at token 0
     assert len(c.lookup(seq[:10] + [99, 98, 97, 96]).tokens) == 8  # diverges at 10, mid-block
+
+
+def test_prompts_sharing_an_uncached_prefix_are_not_admitted_together():
+    """split_admission: a prompt sharing >= block_tokens uncached tokens with an earlier one waits for the
+    next admission, and is remembered so the earlier one's prefill saves the junction; a stored junction, a
+    short common prefix or a lone prompt defers nothing."""
+    c = PrefixCache(block_tokens=4)
+    shared = [5, 6, 7, 8, 9, 1]
+    a, b, d = shared + [2, 2], shared + [3], [9, 9, 9, 9, 9]
+    assert c.split_admission([a, b, d]) == ([0, 2], [1])
+    assert c.save_points([a, d], [0, 0])[0] == {8: False, 6: True}  # junction with the deferred b at 6
+    assert c.split_admission([[1, 2, 3, 4, 5], [1, 2, 3, 9]]) == ([0, 1], [])  # 3 < block_tokens shared
+    assert c.split_admission([a]) == ([0], [])
+    _fake_entry_cache(c, shared, 10, shared=True)
+    assert c.split_admission([a, b]) == ([0, 1], [])  # the junction is stored: both restore it
 
 
 def test_save_points_are_prompt_ends_and_junctions():

@@ -211,28 +211,72 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> PrefixEntry | None:
         """The entry of the longest cached prefix of ``tokens`` (possibly all of them), or None. A hit moves
         the entry to the most recently used end and marks it shared."""
+        found = self._find(tokens)
+        if found is None:
+            return None
+        key, entry = found
+        self._entries.move_to_end(key)
+        entry.shared, entry.hits = True, entry.hits + 1
+        return entry
+
+    def _find(self, tokens: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], PrefixEntry] | None:
+        """(key, entry) of the longest stored prefix of ``tokens``, or None; changes nothing."""
         B = self.block_tokens
         hashes = chain_hashes(tokens, B)
         for f in range(len(hashes) - 1, -1, -1):
-            lens = self._tails.get(hashes[f])
-            if not lens:
-                continue
-            for t in sorted(lens, reverse=True):
+            for t in sorted(self._tails.get(hashes[f], ()), reverse=True):
                 L = f * B + t
                 if L == 0 or L > len(tokens):
                     continue
                 key = (hashes[f], tuple(tokens[f * B : L]))
                 entry = self._entries.get(key)
                 if entry is not None and entry.tokens == tuple(tokens[:L]):  # collision-proof
-                    self._entries.move_to_end(key)
-                    entry.shared, entry.hits = True, entry.hits + 1
-                    return entry
+                    return key, entry
         return None
 
     def contains(self, tokens: Sequence[int]) -> bool:
         """Whether an entry for exactly ``tokens`` is stored (no LRU update)."""
         entry = self._entries.get(self._key(tokens))
         return entry is not None and entry.tokens == tuple(tokens)
+
+    # ------------------------------------------------------------------ who is admitted together
+
+    def split_admission(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """Split the prompts about to be admitted together into those to prefill now and those to defer to
+        the next admission, so that prompts sharing a long uncached prefix prefill it once.
+
+        Prompts admitted together cannot reuse each other's prefix (every one is prefilled from what the
+        cache held before the admission). Prompt j is deferred when an earlier prompt i taken now shares
+        with it a prefix of at least ``block_tokens`` tokens that is not stored yet; the deferred prompts
+        are remembered as upcoming (:meth:`save_points` then saves that junction while prompt i prefills),
+        so their own admission, right after this one, restores it. lm-eval's fixed-exemplar tasks
+        (gsm8k_cot: every prompt opens with the same eight worked examples) are the case this is for;
+        prompts with short common prefixes are never deferred. The first prompt is always taken.
+
+        Args:
+            prompts: the candidates' token ids, in admission order.
+
+        Returns:
+            (take, defer): indices into ``prompts``, each in order; ``take`` is never empty when prompts is
+            not.
+        """
+        B = self.block_tokens
+        hashes = [chain_hashes(p, B) for p in prompts]
+        take: list[int] = []
+        defer: list[int] = []
+        for j, p in enumerate(prompts):
+            shared = max((self._lcp(p, hashes[j], prompts[i], hashes[i]) for i in take), default=0)
+            if shared >= B and not self.contains(p[:shared]) and self._stored_length(p) + B <= shared:
+                defer.append(j)
+            else:
+                take.append(j)
+        self._recent.extend((tuple(prompts[j]), hashes[j]) for j in defer)
+        return take, defer
+
+    def _stored_length(self, tokens: Sequence[int]) -> int:
+        """Length of the longest stored prefix of ``tokens`` (0: none), without the LRU update of a lookup."""
+        found = self._find(tokens)
+        return 0 if found is None else len(found[1].tokens)
 
     # ------------------------------------------------------------------ where a prefill should stop
 

@@ -133,10 +133,15 @@ class Generation:
         while self.inflight:
             self.read(self.inflight.popleft())
         self.stats.decode_seconds += time.perf_counter() - t0
+        requests = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free_slots)))]
+        if self.engine.prefix_cache is not None:  # prompts sharing an uncached prefix: one prefills it first
+            take, defer = self.engine.prefix_cache.split_admission([self.prompts[r] for r in requests])
+            self.waiting.extendleft(requests[j] for j in reversed(defer))
+            requests = [requests[j] for j in take]
         admitted = []
-        while self.waiting and self.free_slots:
+        for request in requests:
             slot = self.free_slots.pop()
-            self.slot_request[slot] = self.waiting.popleft()
+            self.slot_request[slot] = request
             admitted.append(slot)
         self.counters.reset(admitted)
         t0 = time.perf_counter()
