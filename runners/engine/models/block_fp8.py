@@ -1,0 +1,42 @@
+"""Block FP8 weights in the engine (transformers' fine-grained FP8, Qwen's and DeepSeek's FP8 releases):
+``weight`` float8_e4m3fn [N, K] with ``weight_scale_inv`` [ceil(N / 128), ceil(K / 128)] (a multiplier per
+128 x 128 block: ``W = weight * weight_scale_inv[n // 128, k // 128]``), activations quantized at run time
+per token and 128-column group (``activation_scheme: dynamic``), the w8a8 block GEMM of DeepSeek-V3's
+inference code as vLLM (fp8_utils ``w8a8_block_fp8_matmul``) and SGLang run it. The GEMMs are
+kernels.quant.block_fp8's (Triton, each beside its PyTorch reference); :func:`block_fp8_path` says which
+runs: "triton" on CUDA devices with FP8 support (sm_89+), "reference" on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_FP8_BLOCK = (128, 128)  # the block the kernels run (the releases' weight_block_size)
+
+
+def block_fp8_path(device: torch.device) -> str:
+    """"triton" (kernels.quant.block_fp8's GEMMs) on a CUDA device, else "reference"."""
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def block_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] times block-FP8 ``weight`` [N, K] (``weight_scale_inv`` [ceil(N/128), ceil(K/128)] float32)
+    plus bias [N] -> [..., N] in x's dtype; the kernel on CUDA, the reference elsewhere."""
+    from kernels.quant import block_fp8 as k
+
+    fn = k.block_fp8_linear if block_fp8_path(x.device) == "triton" else k.block_fp8_linear_ref
+    return fn(x, weight, weight_scale_inv, bias)
+
+
+def block_fp8_grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Grouped block-FP8 GEMM of the routed experts: x [P, K] sorted by expert, weight fp8 [E, N, K],
+    weight_scale_inv [E, ceil(N/128), ceil(K/128)] float32, offsets [E] int32 cumulative ends -> [P, N] in
+    x's dtype (kernels.quant.block_fp8; the reference off CUDA)."""
+    from kernels.quant import block_fp8 as k
+
+    fn = k.block_fp8_grouped_mm if block_fp8_path(x.device) == "triton" else k.block_fp8_grouped_mm_ref
+    return fn(x, weight, weight_scale_inv, offsets)
