@@ -285,6 +285,16 @@ def _to_quantized_moe(moe: MoE, fmt: str) -> None:
 LINEAR_CLASSES = {FORMAT_FP8: FP8Linear, FORMAT_BLOCK_FP8: BlockFP8Linear, FORMAT_NVFP4: NVFP4Linear}
 
 
+def checkpoint_formats(quant: QuantConfig) -> tuple[str, ...]:
+    """The weight formats (``registry.hf_config.FORMAT_*``) a checkpoint's config declares, sorted, without
+    building a model: a MIXED_PRECISION config's per-module formats, else its one format."""
+    if quant.algo == "MIXED_PRECISION":
+        return tuple(sorted({f for _, f in quant.quantized_layers}))
+    if quant.method == "nvfp4":
+        return (FORMAT_NVFP4,)
+    return (FORMAT_BLOCK_FP8,) if quant.weight_block_size is not None else (FORMAT_FP8,)
+
+
 def check_runnable(quant: QuantConfig) -> None:
     """Raise CheckpointError unless the engine runs this quantization: per-tensor FP8 with static activation
     scales, block FP8 with 128 x 128 blocks and dynamic activations, NVFP4 (group size 16) as W4A16, or a
@@ -468,7 +478,8 @@ def prepare_fp8(model: HybridLM, dtype: torch.dtype) -> dict[str, Any]:
     a captured step) and return a report: ``{"fp8_linears": {"scaled_mm": n, "reference": n}, "fp8_moe":
     {impl: n}, "block_fp8_linears": {path: n}, "block_fp8_moe": {path: n}, "nvfp4_linears": {path: n},
     "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton" or "reference"; the block-FP8 and NVFP4 keys only
-    where such modules exist; empty dicts / 0 for an unquantized model). The report is logged (INFO) and stored as ``model.quant_report``."""
+    where such modules exist; empty dicts / 0 for an unquantized model). The report is logged (INFO) and
+    stored as ``model.quant_report``."""
     report: dict[str, Any] = {"fp8_linears": {}, "fp8_moe": {}, "block_fp8_linears": {}, "block_fp8_moe": {},
                               "nvfp4_linears": {}, "nvfp4_moe": {}, "kv_scales": 0}
 
