@@ -37,10 +37,10 @@ def nvfp4_linear(
     """W4A16 ``x W^T + b``: x [..., K] (bf16 / fp16 / fp32), weight uint8 [N, K / 2], weight_scale fp8 [N, K /
     16], weight_scale_2 0-dim float32, bias [N] or None -> [..., N] in x's dtype; the kernel on CUDA, the
     reference elsewhere (kernels.quant.nvfp4). No host synchronisation on CUDA."""
-    from kernels.quant import nvfp4 as k
+    from kernels.quant.nvfp4 import nvfp4_linear as kernel  # the Triton GEMM on CUDA, its reference else
 
-    fn = k.nvfp4_linear if nvfp4_path(x.device) == "triton" else k.nvfp4_linear_ref
-    return fn(x, weight, weight_scale, weight_scale_2, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    return kernel(x2, weight, weight_scale, weight_scale_2, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def nvfp4_grouped_mm(
@@ -53,7 +53,6 @@ def nvfp4_grouped_mm(
     """Grouped W4A16 GEMM of the routed experts: x [P, K] sorted by expert, weight uint8 [E, N, K / 2],
     weight_scale fp8 [E, N, K / 16], weight_scale_2 [E] float32, offsets [E] int32 cumulative ends -> [P, N]
     in x's dtype (kernels.quant.nvfp4; the reference off CUDA)."""
-    from kernels.quant import nvfp4 as k
+    from kernels.quant.nvfp4 import nvfp4_grouped_mm as kernel
 
-    fn = k.nvfp4_grouped_mm if nvfp4_path(x.device) == "triton" else k.nvfp4_grouped_mm_ref
-    return fn(x, weight, weight_scale, weight_scale_2, offsets)
+    return kernel(x, weight, weight_scale, weight_scale_2, offsets)
