@@ -112,16 +112,17 @@ def round_to_e4m3(v):
     The interpreter's fp32 -> fp8 cast mis-rounds (a mantissa carry does not reach the exponent: 127.9 -> 64;
     ties go away from zero); on the GPU ``.to(tl.float8e4nv)`` is cvt.rn (ties to even), like torch's cast. This
     is the same rule in fp32 arithmetic: the grid spacing at |v| is 2^(max(e, -6) - 3) (3 mantissa bits,
-    subnormal below 2^-6), and adding then subtracting 1.5 * 2^23 rounds v / spacing (< 2^5) to an integer,
-    ties to even, in fp32 round-to-nearest arithmetic."""
+    subnormal below 2^-6), and adding then subtracting 1.5 * 2^23 rounds |v| / spacing (< 2^5) to an integer,
+    ties to even, in fp32 round-to-nearest arithmetic; the sign bit is copied back (-0 stays -0)."""
     bits = v.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6) - 3
     ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23
-    r = (v * inv + magic) - magic
-    return r * ulp
+    r = ((tl.abs(v) * inv + magic) - magic) * ulp
+    sign = bits & -2147483648  # the sign bit: a negative value that rounds to 0 stays -0, as in torch
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

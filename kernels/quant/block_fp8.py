@@ -1,0 +1,551 @@
+"""Block-scaled FP8 (DeepSeek-V3 / Qwen3-Next-FP8 releases, transformers' fine-grained FP8): weights in
+128 x 128 blocks with a per-block multiplier, activations quantized at run time per token and 128-column
+group; the w8a8 GEMM and grouped GEMM in Triton beside the plain-PyTorch references they are tested against.
+
+Format (``quantization_config``: ``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic
+activations): a linear layer's W [N, K] is ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv``
+[ceil(N/128), ceil(K/128)] (bfloat16 in Qwen's release, float32 in DeepSeek's; despite the name a multiplier:
+W[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]). At run time each activation row is quantized
+per 128-column group g: a_scale[m, g] = amax(|x[m, g]|) / 448, qa = x / a_scale rounded to e4m3 (as vLLM's
+and SGLang's ``per_token_group_quant_fp8``; amax is floored at 1e-10 so an all-zero group gives zeros). Then
+
+    out[m, n] = sum_g a_scale[m, g] * w_scale[n // 128, g] * sum_{k in g} qa[m, k] * qw[n, k]
+
+accumulated in float32 (the per-group partial products are promoted to float32 and scaled once per group, as
+DeepSeek-V3's report prescribes for FP8 GEMMs on Hopper, whose FP8 tensor-core accumulation is narrower than
+fp32). A K that is not a multiple of 128 leaves the last group partial; an N likewise the last row block.
+
+Kernels (written from the description of vLLM / SGLang's ``w8a8_block_fp8_matmul`` and their fused-MoE
+variant): each program owns an N tile (<= 128, so within one weight row block) and a row tile of x and
+computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
+activation quantization is fused: per 128-column group the program loads its rows of x, takes the amax,
+quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single launch reading x,
+W and the scales. :func:`quantize_activation_per_token_group` is the same quantization as its own kernel (for
+callers that want qa itself).
+
+- :func:`block_fp8_linear` (dense); :func:`block_fp8_grouped_mm` (routed experts, torch._grouped_mm's
+  convention; expert of each row tile found from the offsets on the device: no host synchronisation,
+  CUDA-graph capturable, work proportional to the rows present; kernels/quant/_common.py).
+- :func:`block_scaled_mm_supported`: whether this torch runs ``torch._scaled_mm`` with DeepSeek-style block
+  scales (1 x 128 activations, 128 x 128 weights; cuBLASLt 12.9+, PyTorch PR 158037) on a device, probed once
+  per device against the reference; :func:`block_fp8_linear` uses it where it holds and the shapes are whole
+  blocks, the Triton kernel otherwise.
+Triton on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the references.
+
+Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
+features, K input features, G = ceil(K / 128) groups.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_launchable, interpreter_active
+from kernels.quant._common import (
+    FP8_DTYPE,
+    FP8_MAX,
+    X_DTYPES,
+    block_m_for,
+    check_activation,
+    check_bias,
+    check_offsets,
+    grouped_row_tiles,
+    grouped_tile,
+    mma,
+    offsets_list,
+    to_e4m3,
+    use_kernel,
+)
+
+log = logging.getLogger(__name__)
+
+BLOCK = 128  # weight block edge (weight_block_size [128, 128]) and activation group width
+AMAX_EPS = 1e-10  # floor of a group's amax (vLLM / SGLang per_token_group_quant_fp8's eps)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+IMPLS = ("triton", "scaled_mm")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checks and references
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_weights(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, stacked: bool | None,
+                   name: str) -> tuple[tuple[int, ...], int, int]:
+    """Validate a block-FP8 weight pair; returns (leading dims, N, K).
+
+    Raises:
+        ValueError: a dtype, rank, shape or device that does not fit the format.
+    """
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: weight must be float8_e4m3fn, got {weight.dtype}")
+    want = {True: 3, False: 2}.get(stacked)
+    if weight.dim() < 2 or (want is not None and weight.dim() != want):
+        shape = {True: "[E, N, K]", False: "[N, K]", None: "[..., N, K]"}[stacked]
+        raise ValueError(f"{name}: weight must be {shape}, got shape {tuple(weight.shape)}")
+    lead, (N, K) = tuple(weight.shape[:-2]), weight.shape[-2:]
+    if weight_scale_inv.dtype not in SCALE_DTYPES:
+        raise ValueError(f"{name}: weight_scale_inv dtype must be one of {SCALE_DTYPES}, got "
+                         f"{weight_scale_inv.dtype}")
+    want_scale = (*lead, triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))
+    if tuple(weight_scale_inv.shape) != want_scale:
+        raise ValueError(f"{name}: weight_scale_inv must have shape {want_scale} (one scale per {BLOCK} x "
+                         f"{BLOCK} block of the weight {tuple(weight.shape)}), got "
+                         f"{tuple(weight_scale_inv.shape)}")
+    if weight.device != weight_scale_inv.device:
+        raise ValueError(f"{name}: weight is on {weight.device}, weight_scale_inv on {weight_scale_inv.device}")
+    return lead, N, K
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name: str) -> None:
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be a row-contiguous {shape} {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
+    if out is None:
+        return y
+    _check_out(out, tuple(y.shape), x, name)
+    return out.copy_(y)
+
+
+def _expand_blocks(scale: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """[..., ceil(N/128), ceil(K/128)] -> float32 [..., N, K] (each block's scale over its elements)."""
+    s = scale.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return s[..., :N, :K]
+
+
+def _check_group_input(x: torch.Tensor, group: int, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"{name}: x dtype must be one of {X_DTYPES}, got {x.dtype}")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"{name}: group must be a positive int, got {group!r}")
+
+
+def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
+                                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference dynamic activation quantization per token and ``group`` consecutive columns: scale[m, g] =
+    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448, qx = clamp(x / scale, -448, 448) rounded to
+    float8_e4m3fn (nearest, ties to even), all in float32; the last group may be partial.
+
+    Args:
+        x: [M, K] float32 / bfloat16 / float16. group: columns per scale (128 for the block-FP8 GEMM).
+
+    Returns:
+        (qx float8_e4m3fn [M, K], scale float32 [M, ceil(K / group)]). Mutates nothing.
+
+    Raises:
+        ValueError: x not a 2-D float tensor, or a group < 1.
+    """
+    _check_group_input(x, group, "quantize_activation_per_token_group_ref")
+    M, K = x.shape
+    G = triton.cdiv(K, group)
+    xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).reshape(M, G, group)
+    scale = xf.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(M, G * group)[:, :K].contiguous(), scale
+
+
+def block_fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize W [..., N, K] to block FP8 (the DeepSeek-V3 / Qwen FP8 release layout): per 128 x 128 block,
+    scale = amax(|block|) / 448 (1.0 for an all-zero block), weight = clamp(W / scale, -448, 448) rounded to
+    float8_e4m3fn; edge blocks cover what remains of N and K.
+
+    Args:
+        w: [..., N, K] float.
+
+    Returns:
+        (weight float8_e4m3fn [..., N, K], weight_scale_inv float32 [..., ceil(N/128), ceil(K/128)]: the
+        multiplier that dequantizes). Mutates nothing.
+
+    Raises:
+        ValueError: w with fewer than 2 dims or not a float tensor.
+    """
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"block_fp8_quantize: w must be a float tensor [..., N, K], got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    lead, (N, K) = tuple(w.shape[:-2]), w.shape[-2:]
+    GN, GK = triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK)
+    wp = torch.nn.functional.pad(w.float(), (0, GK * BLOCK - K, 0, GN * BLOCK - N))
+    blocks = wp.reshape(*lead, GN, BLOCK, GK, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., GN, GK]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.float() / _expand_blocks(scale, N, K)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def block_fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Reference dequantization: W[..., n, k] = float(weight[..., n, k]) * weight_scale_inv[..., n // 128,
+    k // 128], computed in float32, returned in ``dtype``.
+
+    Args:
+        weight: float8_e4m3fn [..., N, K]. weight_scale_inv: float32 / bfloat16 / float16
+            [..., ceil(N/128), ceil(K/128)].
+
+    Returns:
+        [..., N, K] in ``dtype``. Mutates nothing.
+
+    Raises:
+        ValueError: dtypes or shapes that do not fit the format.
+    """
+    _, N, K = _check_weights(weight, weight_scale_inv, stacked=None, name="block_fp8_dequantize")
+    return (weight.float() * _expand_blocks(weight_scale_inv, N, K)).to(dtype)
+
+
+def _block_product(qx: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """sum_g xs[:, g] ws[n // 128, g] (qx_g @ qw_g^T) in float32: [M, N]."""
+    N, K = weight.shape
+    wsn = ws.float().repeat_interleave(BLOCK, dim=0)[:N]  # [N, G]
+    y = torch.zeros(qx.shape[0], N, dtype=torch.float32, device=qx.device)
+    for g in range(triton.cdiv(K, BLOCK)):
+        k = slice(g * BLOCK, min(K, (g + 1) * BLOCK))
+        y += (qx[:, k].float() @ weight[:, k].float().T) * xs[:, g, None] * wsn[None, :, g]
+    return y
+
+
+def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference w8a8 block-FP8 linear (the specification): x quantized per token and 128-column group
+    (:func:`quantize_activation_per_token_group_ref`), then the exact block-scaled product in float32 (module
+    docstring) plus bias, result in x's dtype.
+
+    Args:
+        x: [M, K] float32 / bfloat16 / float16. weight: float8_e4m3fn [N, K]. weight_scale_inv: float32 /
+            bfloat16 / float16 [ceil(N/128), ceil(K/128)]. bias: [N] or None.
+        out: optional [M, N] tensor in x's dtype to write the result into.
+
+    Returns:
+        [M, N] in x's dtype. Mutates only ``out``.
+
+    Raises:
+        ValueError: dtypes, shapes or devices that do not fit.
+    """
+    name = "block_fp8_linear_ref"
+    _, N, K = _check_weights(weight, weight_scale_inv, stacked=False, name=name)
+    check_activation(x, K, name)
+    check_bias(bias, N, x.device, name)
+    qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)
+    y = _block_product(qx, xs, weight, weight_scale_inv)
+    if bias is not None:
+        y = y + bias.float()
+    return _into(y.to(x.dtype), out, x, name)
+
+
+def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                             offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference grouped block-FP8 product: rows offsets[e-1] .. offsets[e] - 1 of x through
+    :func:`block_fp8_linear_ref` with expert e's weight. Reads the offsets on the host (a synchronisation:
+    the specification, not a fast path); rows past offsets[-1] are zero.
+
+    Args:
+        x: [P, K] rows sorted by expert. weight: float8_e4m3fn [E, N, K]. weight_scale_inv:
+            [E, ceil(N/128), ceil(K/128)]. offsets: int32 [E], cumulative row ends.
+        out: optional [P, N] tensor in x's dtype.
+
+    Returns:
+        [P, N] in x's dtype. Mutates only ``out``.
+
+    Raises:
+        ValueError: dtypes, shapes or devices that do not fit.
+    """
+    name = "block_fp8_grouped_mm_ref"
+    (E,), N, K = _check_weights(weight, weight_scale_inv, stacked=True, name=name)
+    check_activation(x, K, name)
+    check_offsets(offsets, E, x.shape[0], x.device, name)
+    qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)
+    y = torch.zeros(x.shape[0], N, dtype=torch.float32, device=x.device)
+    for e, (s, t) in enumerate(offsets_list(offsets)):
+        if t > s:
+            y[s:t] = _block_product(qx[s:t], xs[s:t], weight[e], weight_scale_inv[e])
+    return _into(y.to(x.dtype), out, x, name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _group_scale_quant(xt, INTERP: tl.constexpr):
+    """fp32 [R, C] (one group per row; masked columns 0) -> (q [R, C] e4m3 (fp32 on the grid under the
+    interpreter), scale [R] fp32) with the reference's rule; divisions rounded to nearest like torch's."""
+    amax = tl.max(tl.abs(xt), 1)
+    scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
+    q = tl.div_rn(xt, tl.broadcast_to(scale[:, None], xt.shape))
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return to_e4m3(q, INTERP), scale
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                        GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                        INTERP: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    c = tl.arange(0, BLOCK_G)
+    cols = g * GROUP + c
+    mask = (rows < M)[:, None] & ((c < GROUP) & (cols < K))[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    xt = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _group_scale_quant(xt, INTERP)
+    tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
+
+
+def quantize_activation_per_token_group(x: torch.Tensor, group: int = BLOCK
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization per token and ``group`` columns in Triton; same arguments, result and
+    errors as :func:`quantize_activation_per_token_group_ref` (bit-identical: both divide with round to
+    nearest and round to e4m3 with ties to even). The reference on a plain CPU run. No host synchronisation.
+    """
+    name = "quantize_activation_per_token_group"
+    _check_group_input(x, group, name)
+    if not use_kernel(x):
+        return quantize_activation_per_token_group_ref(x, group)
+    check_launchable(x, name=name)
+    M, K = x.shape
+    G = triton.cdiv(K, group)
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, G, dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_g = triton.next_power_of_2(group)
+    block_r = max(1, min(16, 4096 // block_g))
+    _quant_group_kernel[(triton.cdiv(M, block_r), G)](
+        x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+        GROUP=group, BLOCK_R=block_r, BLOCK_G=block_g, INTERP=interpreter_active(), num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _block_fp8_mm_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    M, N, K, E,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
+):
+    GROUP: tl.constexpr = 128
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if expert < E:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        ws_rows = ws_ptr + e64 * stride_se + (offs_n // GROUP) * stride_sn
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        offs_k = tl.arange(0, GROUP)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, GROUP):
+            k = k0 + offs_k
+            mk = (k < K)[None, :]
+            xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
+            qx, xs = _group_scale_quant(xt, INTERP)
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk, other=0.0)
+            ws = tl.load(ws_rows + (k0 // GROUP) * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
+            part = mma(w, tl.trans(qx), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
+            acc += part * ws[:, None] * xs[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+def _tiles(rows_per_matrix: float, n_tiles_64: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): 16 rows at decode with 64-wide N tiles (32-wide when a launch would
+    have fewer than about two programs per SM of an H200), up to 128 x 128 for prefill."""
+    bm = block_m_for(rows_per_matrix)
+    if bm >= 64:
+        return bm, 128, 8
+    return bm, 64 if n_tiles_64 >= 264 else 32, 4
+
+
+def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    n64 = triton.cdiv(N, 64)
+    if grouped:
+        bm, bn, warps = _tiles(rows / E, n64 * min(E, rows))
+        row_tiles = grouped_row_tiles(rows, E, bm)
+    else:
+        bm, bn, warps = _tiles(rows, n64 * triton.cdiv(rows, 128))
+        row_tiles = triton.cdiv(rows, bm)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    _block_fp8_mm_kernel[(triton.cdiv(N, bn), row_tiles)](
+        x, weight, ws, bias if bias is not None else x, out, offsets if offsets is not None else ws,
+        rows, N, K, E,
+        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), out.stride(0),
+        GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
+        num_warps=warps, num_stages=3,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch._scaled_mm with block scales (probe)
+# ---------------------------------------------------------------------------------------------------------
+
+_PROBED: dict[str, bool] = {}
+
+
+def _scaled_mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """block_fp8_linear through torch._scaled_mm (cuBLASLt, DeepSeek recipe: 1 x 128 activation scales,
+    128 x 128 weight scales); N and K multiples of 128. Activation scales are passed M-major (cuBLASLt's
+    outer-dimension-major layout) and the M side padded to a multiple of 4 (its alignment)."""
+    M = x.shape[0]
+    qx, xs = quantize_activation_per_token_group(x, BLOCK)
+    Mp = -(-M // 4) * 4
+    if Mp != M:
+        qx = torch.nn.functional.pad(qx.view(torch.uint8), (0, 0, 0, Mp - M)).view(FP8_DTYPE)
+        xs = torch.nn.functional.pad(xs, (0, 0, 0, Mp - M), value=1.0)
+    y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(),
+                         scale_b=weight_scale_inv.float().t(), out_dtype=x.dtype)[:M]
+    return y if bias is None else y + bias
+
+
+def block_scaled_mm_supported(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` runs DeepSeek-style block-scaled FP8 (1 x 128 activation groups, 128 x 128
+    weight blocks) on ``device`` and agrees with :func:`block_fp8_linear_ref`: a CUDA device of compute
+    capability 9.x (the recipe PyTorch implements for sm_90 through cuBLASLt 12.9+) on which a 64 x 256 x 384
+    probe product runs and matches the reference within bf16 rounding. Probed once per device (the probe
+    synchronises; call it at load time, not inside a captured region). False on the CPU and on any error
+    (logged)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    key = str(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if key in _PROBED:
+        return _PROBED[key]
+    ok = False
+    try:
+        if torch.cuda.get_device_capability(dev)[0] == 9 and hasattr(torch, "_scaled_mm"):
+            gen = torch.Generator(device=dev).manual_seed(0)
+            w, ws = block_fp8_quantize(torch.randn(256, 384, device=dev, generator=gen))
+            x = torch.randn(6, 384, device=dev, generator=gen).to(torch.bfloat16)
+            got = _scaled_mm_block(x, w, ws, None).float()
+            want = block_fp8_linear_ref(x, w, ws).float()
+            ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+            if not ok:
+                log.warning("block_scaled_mm_supported(%s): torch._scaled_mm ran but disagrees with the "
+                            "reference (max error %.3g); using the Triton kernel", key,
+                            float((got - want).abs().max()))
+    except Exception as e:  # noqa: BLE001  (any failure of the probe means: not supported here)
+        log.info("block_scaled_mm_supported(%s): torch._scaled_mm with block scales is not available (%s: %s); "
+                 "using the Triton kernel", key, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    _PROBED[key] = ok
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public launchers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                     impl: str | None = None) -> torch.Tensor:
+    """w8a8 block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref`.
+
+    ``impl``: "triton" (the fused quantize + GEMM kernel: one launch), "scaled_mm" (quantization kernel then
+    ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the torch / device must pass
+    :func:`block_scaled_mm_supported`), or None: "scaled_mm" where :func:`block_scaled_mm_supported` holds
+    and the shapes are whole blocks, else "triton". A plain CPU run (no interpreter) calls the reference. No
+    host synchronisation after the one-time probe.
+
+    Args:
+        x: [M, K] float32 / bfloat16 / float16. weight: float8_e4m3fn [N, K]. weight_scale_inv: float32 /
+            bfloat16 / float16 [ceil(N/128), ceil(K/128)]. bias: [N] or None.
+        out: optional [M, N] tensor in x's dtype, written in full (tests pass a NaN-filled one).
+
+    Returns:
+        [M, N] in x's dtype. Mutates only ``out``.
+
+    Raises:
+        ValueError: dtypes, shapes or devices that do not fit, an unknown impl, or "scaled_mm" where it cannot
+            run.
+    """
+    name = "block_fp8_linear"
+    _, N, K = _check_weights(weight, weight_scale_inv, stacked=False, name=name)
+    check_activation(x, K, name)
+    check_bias(bias, N, x.device, name)
+    if impl not in (None, *IMPLS):
+        raise ValueError(f"{name}: impl must be one of {IMPLS} or None, got {impl!r}")
+    if not use_kernel(x):
+        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
+    check_launchable(x, weight, weight_scale_inv, name=name)
+    aligned = N % BLOCK == 0 and K % BLOCK == 0
+    if impl == "scaled_mm" and not (aligned and block_scaled_mm_supported(x.device)):
+        raise ValueError(f"{name}: impl='scaled_mm' needs N and K multiples of {BLOCK} (got N={N}, K={K}) and "
+                         f"a device where block_scaled_mm_supported() holds ({x.device}); use impl='triton'")
+    if impl is None:
+        impl = "scaled_mm" if aligned and x.is_cuda and block_scaled_mm_supported(x.device) else "triton"
+    if impl == "scaled_mm" and x.shape[0] > 0:
+        return _into(_scaled_mm_block(x, weight, weight_scale_inv, bias), out, x, name)
+    if out is None:
+        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, (x.shape[0], N), x, name)
+    if x.shape[0] == 0:
+        return out
+    return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False)
+
+
+def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activation
+    quantization fused; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
+    offsets[-1] are left unwritten. No host synchronisation, shapes fixed by the inputs (CUDA-graph
+    capturable); experts without rows cost only their entry in each program's offsets scan. Triton on CUDA
+    and under TRITON_INTERPRET=1, the reference on a plain CPU run.
+
+    Args:
+        x: [P, K] rows sorted by expert. weight: float8_e4m3fn [E, N, K]. weight_scale_inv:
+            [E, ceil(N/128), ceil(K/128)]. offsets: int32 [E], non-decreasing cumulative row ends,
+            offsets[-1] = P (not checked: reading it would synchronise).
+        out: optional [P, N] tensor in x's dtype.
+
+    Returns:
+        [P, N] in x's dtype. Mutates only ``out``.
+
+    Raises:
+        ValueError: dtypes, shapes or devices that do not fit.
+    """
+    name = "block_fp8_grouped_mm"
+    (E,), N, K = _check_weights(weight, weight_scale_inv, stacked=True, name=name)
+    check_activation(x, K, name)
+    check_offsets(offsets, E, x.shape[0], x.device, name)
+    if not use_kernel(x):
+        return block_fp8_grouped_mm_ref(x, weight, weight_scale_inv, offsets, out=out)
+    check_launchable(x, weight, weight_scale_inv, offsets, name=name)
+    if out is None:
+        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, (x.shape[0], N), x, name)
+    if x.shape[0] == 0:
+        return out
+    return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True)
