@@ -477,9 +477,9 @@ def prepare_fp8(model: HybridLM, dtype: torch.dtype) -> dict[str, Any]:
     model's device (for the FP8 MoE this probes ``torch._scaled_grouped_mm`` once, so nothing is probed inside
     a captured step) and return a report: ``{"fp8_linears": {"scaled_mm": n, "reference": n}, "fp8_moe":
     {impl: n}, "block_fp8_linears": {path: n}, "block_fp8_moe": {path: n}, "nvfp4_linears": {path: n},
-    "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton" or "reference"; the block-FP8 and NVFP4 keys only
-    where such modules exist; empty dicts / 0 for an unquantized model). The report is logged (INFO) and
-    stored as ``model.quant_report``."""
+    "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton", "scaled_mm" (block FP8) or "reference"; the
+    block-FP8 and NVFP4 keys only where such modules exist; empty dicts / 0 for an unquantized model). The
+    report is logged (INFO) and stored as ``model.quant_report``."""
     report: dict[str, Any] = {"fp8_linears": {}, "fp8_moe": {}, "block_fp8_linears": {}, "block_fp8_moe": {},
                               "nvfp4_linears": {}, "nvfp4_moe": {}, "kv_scales": 0}
 
@@ -496,7 +496,7 @@ def prepare_fp8(model: HybridLM, dtype: torch.dtype) -> dict[str, Any]:
             module.fp8_impl = fp8_moe_impl(probe, *(p for p in (up, gate, down) if p is not None))
             count("fp8_moe", module.fp8_impl)
         elif isinstance(module, BlockFP8Linear):
-            count("block_fp8_linears", bf8.block_fp8_path(module.weight.device))
+            count("block_fp8_linears", bf8.block_fp8_path(module.weight.device, tuple(module.weight.shape)))
         elif isinstance(module, BlockFP8MoE):
             count("block_fp8_moe", bf8.block_fp8_path(module.experts_up.device))
         elif isinstance(module, NVFP4Linear):

@@ -3,8 +3,8 @@
 128 x 128 block: ``W = weight * weight_scale_inv[n // 128, k // 128]``), activations quantized at run time
 per token and 128-column group (``activation_scheme: dynamic``), the w8a8 block GEMM of DeepSeek-V3's
 inference code as vLLM (fp8_utils ``w8a8_block_fp8_matmul``) and SGLang run it. The GEMMs are
-kernels.quant.block_fp8's (Triton, each beside its PyTorch reference); :func:`block_fp8_path` says which
-runs: "triton" on CUDA devices with FP8 support (sm_89+), "reference" on the CPU.
+kernels.quant.block_fp8's (Triton, or block-scaled ``torch._scaled_mm`` where the device's torch runs it;
+each beside its PyTorch reference); :func:`block_fp8_path` says which runs on a device.
 """
 
 from __future__ import annotations
@@ -14,9 +14,19 @@ import torch
 BLOCK_FP8_BLOCK = (128, 128)  # the block the kernels run (the releases' weight_block_size)
 
 
-def block_fp8_path(device: torch.device) -> str:
-    """"triton" (kernels.quant.block_fp8's GEMMs) on a CUDA device, else "reference"."""
-    return "triton" if device.type == "cuda" else "reference"
+def block_fp8_path(device: torch.device, shape: tuple[int, int] | None = None) -> str:
+    """Which GEMM a block-FP8 weight of ``shape`` (N, K; None for routed experts) runs on ``device``:
+    "reference" off CUDA, "scaled_mm" (``torch._scaled_mm`` with block scales) where
+    kernels.quant.block_fp8.block_scaled_mm_supported holds and N, K are whole blocks, else "triton". Runs
+    that function's one-time probe on the device (call at load time, never inside a captured step)."""
+    if device.type != "cuda":
+        return "reference"
+    if shape is None:
+        return "triton"
+    from kernels.quant.block_fp8 import block_scaled_mm_supported
+
+    whole = shape[0] % BLOCK_FP8_BLOCK[0] == 0 and shape[1] % BLOCK_FP8_BLOCK[1] == 0
+    return "scaled_mm" if whole and block_scaled_mm_supported(device) else "triton"
 
 
 def block_fp8_linear(
