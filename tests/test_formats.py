@@ -294,8 +294,9 @@ def test_tiny_format_replay_equals_rewind_and_greedy(fmt, tiny_formats, gsm8k_di
                                         ("block_fp8", "tiny_qwen3_next_mtp_fp8")])
 def test_run_py_on_each_tiny_format(fmt, entry, tiny_formats, gsm8k_dir, tmp_path):
     """`python run.py model=<tiny entry> model.quant=<q> model.checkpoint=<format dir> eval.limit=4
-    ssm_replay=true verdict.require_reference=false` on the CPU: the run completes with MTP and replay and
-    records which GEMMs ran."""
+    ssm_replay=true verdict.require_reference=false` on the CPU: the run completes with MTP and replay, its
+    answers pass the health checks, drafts are accepted, and results.json records which GEMMs ran. (The
+    references are slow: about 2 minutes on an idle 2-core machine, 12 on a loaded one.)"""
     from registry.compose import compose_config
     from runners.app import main as app
 
@@ -307,7 +308,9 @@ def test_run_py_on_each_tiny_format(fmt, entry, tiny_formats, gsm8k_dir, tmp_pat
     report = results["config"]["fp8_gemms"]
     key = "nvfp4_moe" if fmt == "nvfp4" else "block_fp8_moe"
     assert report[key] == {"reference": 2 if fmt == "nvfp4" else 9}, report
-    assert results["metrics"]["acceptance"]["rate"] > 0.2
+    checks = {c["name"]: c for c in results["verdict"]["checks"]}
+    assert checks["health.answers"]["status"] == "pass"
+    assert checks["acceptance.rate"]["value"] > 0.2  # measured 0.51 for nvfp4 over these questions
 
 
 # ------------------------------------------------------------------------------------------------ errors
