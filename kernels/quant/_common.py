@@ -14,6 +14,8 @@ read on the host, and a launch can be captured in a CUDA graph. The idea is vLLM
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,15 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 # product on bf16 tensor cores keeps fp32 accuracy; fp16 runs natively (its own tensor-core type).
 X_DTYPES = INPUT_DTYPES
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def true_divide(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` rounded to nearest (IEEE division) on every device. torch's CUDA kernel for a tensor
+    divided by a Python (CPU) scalar multiplies by the rounded reciprocal instead (aten's
+    div_true_kernel_cuda), which differs from true division in the last bit for divisors such as 448, and so
+    from the CPU result and from the kernels' ``tl.div_rn``; dividing by a tensor of the divisor keeps IEEE
+    division everywhere."""
+    return t / torch.full_like(t, divisor)
 
 
 def use_kernel(x: torch.Tensor) -> bool:
@@ -76,6 +87,100 @@ def offsets_list(offsets: torch.Tensor) -> list[tuple[int, int]]:
 def grouped_row_tiles(P: int, E: int, block_m: int) -> int:
     """Row tiles a grouped launch covers: every expert's rows rounded up to whole tiles fit in this many."""
     return P // block_m + min(E, P)
+
+
+# Programs a decode launch should have at least: about two per SM of an H200 (132 SMs), so every SM streams
+# weights; narrower N tiles are taken until a launch has this many (down to 16, the smallest MMA side).
+TARGET_PROGRAMS = 264
+
+
+def tile_config(rows_per_matrix: float, N: int, row_tiles: int, *, accumulators: int = 1
+                ) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a quantized GEMM launch for about ``rows_per_matrix`` rows per weight
+    matrix, N output features and ``row_tiles`` row tiles sharing each N tile: prefill sizes (>= 64 rows)
+    8 warps and 128-wide N tiles, 64-wide where BLOCK_M x BLOCK_N x ``accumulators`` fp32 tiles would exceed
+    16384 values (the block-FP8 kernel keeps a per-group product beside its accumulator: at 128 x 128 it
+    spills on sm_90); decode sizes 16 rows and the widest N tile of 64 / 32 that still gives TARGET_PROGRAMS
+    programs, else 16."""
+    bm = block_m_for(rows_per_matrix)
+    if bm >= 64:
+        return bm, 128 if bm * 128 * accumulators <= 16384 else 64, 8
+    for bn in (64, 32):
+        if triton.cdiv(N, bn) * row_tiles >= TARGET_PROGRAMS:
+            return bm, bn, 4
+    return bm, 16, 4
+
+
+# Decode GEMV path (CUDA cores, no tensor cores): up to this many rows per weight matrix, and the programs a
+# launch aims for (about 4 per H200 SM: several programs' loads in flight per SM hide the DRAM latency).
+GEMV_MAX_ROWS = 8
+GEMV_TARGET_PROGRAMS = 528
+
+
+def use_gemv(rows_per_matrix: float) -> bool:
+    """Whether a launch with about ``rows_per_matrix`` rows per weight matrix takes the GEMV kernel (<=
+    GEMV_MAX_ROWS; read at call time, so a benchmark can set GEMV_MAX_ROWS = 0 to time the tensor-core
+    kernel at decode sizes instead)."""
+    return rows_per_matrix <= GEMV_MAX_ROWS
+
+
+def gemv_config(rows_per_matrix: float, N: int, matrices: int, k_steps: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split, k_steps_per_split) of a decode GEMV launch: ``rows_per_matrix`` (<=
+    GEMV_MAX_ROWS) rows per weight matrix, ``matrices`` weight matrices with rows (experts present; 1 dense),
+    N output features and ``k_steps`` K steps (128-column groups). BLOCK_M: rows per program (power of two
+    >= the rows per matrix, so one program usually covers an expert's rows and reads its weight tile once).
+    BLOCK_N: the widest of 64 / 32 / 16 (at most 128 / BLOCK_M: each thread holds its N rows' copy of every
+    activation row) that gives GEMV_TARGET_PROGRAMS programs. Where even 16-wide N tiles
+    give fewer than half that (few output features: Qwen3-Next's k / v 2048 -> 512, o 4096 -> 2048), K is
+    split into ``split`` ranges of ``k_steps_per_split`` steps whose fp32 partial sums a second launch adds
+    (:func:`splitk_sum`): each program's serial chain of dependent loads gets shorter and every SM streams."""
+    rows = max(1, math.ceil(rows_per_matrix))
+    bm = min(GEMV_MAX_ROWS, triton.next_power_of_2(rows))
+    row_tiles = matrices * triton.cdiv(rows, bm)
+    for bn in [b for b in (64, 32, 16) if b * bm <= 128] or [16]:  # 8 rows x 64 spilled on sm_90
+        programs = triton.cdiv(N, bn) * row_tiles
+        if programs >= GEMV_TARGET_PROGRAMS:
+            return bm, bn, 1, k_steps
+    if 2 * programs >= GEMV_TARGET_PROGRAMS:
+        return bm, 16, 1, k_steps
+    per = triton.cdiv(k_steps, min(k_steps, triton.cdiv(GEMV_TARGET_PROGRAMS, programs)))
+    return bm, 16, triton.cdiv(k_steps, per), per
+
+
+@triton.jit
+def _splitk_sum_kernel(part_ptr, b_ptr, out_ptr, offsets_ptr, R, N, E, S, stride_ps, stride_om,
+                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GROUPED:
+        row_end = tl.load(offsets_ptr + E - 1)  # rows past the last expert's end were never written
+    else:
+        row_end = R
+    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def splitk_sum(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               offsets: torch.Tensor | None) -> torch.Tensor:
+    """out[r, n] = sum_s part[s, r, n] (+ bias[n]) in fp32, in split order (deterministic: no atomics), cast
+    to out's dtype. part: float32 [S, R, N] contiguous (the split-K partial sums); out: [R, N] row-contiguous.
+    offsets: the grouped launch's [E] int32 row ends (rows past offsets[-1] are left unwritten, read on the
+    device) or None (dense). Mutates ``out``; returns it."""
+    S, R, N = part.shape
+    block_n = min(128, triton.next_power_of_2(N))
+    _splitk_sum_kernel[(triton.cdiv(R, 8), triton.cdiv(N, block_n))](
+        part, bias if bias is not None else part, out, offsets if offsets is not None else part,
+        R, N, offsets.shape[0] if offsets is not None else 1, S, part.stride(0), out.stride(0),
+        GROUPED=offsets is not None, HAS_BIAS=bias is not None, BLOCK_R=8, BLOCK_N=block_n, num_warps=4)
+    return out
 
 
 def block_m_for(rows_per_group: float) -> int:

@@ -18,18 +18,24 @@ fp32). A K that is not a multiple of 128 leaves the last group partial; an N lik
 Kernels (written from the description of vLLM / SGLang's ``w8a8_block_fp8_matmul`` and their fused-MoE
 variant): each program owns an N tile (<= 128, so within one weight row block) and a row tile of x and
 computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation rows suffice at decode). The
-activation quantization is fused: per 128-column group the program loads its rows of x, takes the amax,
-quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single launch reading x,
-W and the scales. :func:`quantize_activation_per_token_group` is the same quantization as its own kernel (for
-callers that want qa itself).
+activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
+takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
+launch reading x, W and the scales (this tensor-core path now runs for 9..63 rows per weight matrix). At
+decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix x is quantized once by the quantization kernel
+(into fp32 e4m3 values) and a CUDA-core GEMV kernel runs (:func:`_block_fp8_gemv_kernel`: weight tiles
+converted to fp32 once, each row loaded straight into the tile's register layout, reduced over K per
+128-column group; split over K with a partial-sum launch where N tiles alone give too few programs, as for
+Qwen3-Next's k / v and o projections). At prefill sizes (row tiles >= 64) x is quantized once by
+:func:`quantize_activation_per_token_group` (the same rule as its own kernel) and the GEMM reads qa and its
+scales.
 
 - :func:`block_fp8_linear` (dense); :func:`block_fp8_grouped_mm` (routed experts, torch._grouped_mm's
   convention; expert of each row tile found from the offsets on the device: no host synchronisation,
   CUDA-graph capturable, work proportional to the rows present; kernels/quant/_common.py).
 - :func:`block_scaled_mm_supported`: whether this torch runs ``torch._scaled_mm`` with DeepSeek-style block
   scales (1 x 128 activations, 128 x 128 weights; cuBLASLt 12.9+, PyTorch PR 158037) on a device, probed once
-  per device against the reference; :func:`block_fp8_linear` uses it where it holds and the shapes are whole
-  blocks, the Triton kernel otherwise.
+  per device against the reference; :func:`block_fp8_linear` uses it for prefill-sized inputs where it holds
+  and the shapes are whole blocks, the Triton kernel otherwise.
 Triton on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the references.
 
 Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
@@ -49,15 +55,19 @@ from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
     X_DTYPES,
-    block_m_for,
     check_activation,
     check_bias,
     check_offsets,
+    gemv_config,
     grouped_row_tiles,
     grouped_tile,
     mma,
     offsets_list,
+    splitk_sum,
+    tile_config,
     to_e4m3,
+    true_divide,
+    use_gemv,
     use_kernel,
 )
 
@@ -66,7 +76,12 @@ log = logging.getLogger(__name__)
 BLOCK = 128  # weight block edge (weight_block_size [128, 128]) and activation group width
 AMAX_EPS = 1e-10  # floor of a group's amax (vLLM / SGLang per_token_group_quant_fp8's eps)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# From this row-tile size on (prefill), activations are quantized by their own kernel first: fused, every N
+# tile's program would quantize its rows again (N / BLOCK_N times); at decode tiles (16 rows) the fused
+# quantization costs less than a second launch.
+PREQUANT_BLOCK_M = 64
 IMPLS = ("triton", "scaled_mm")
+SCALED_MM_MIN_ROWS = 64  # impl=None takes torch._scaled_mm (where supported) from this many rows on
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,8 +147,9 @@ def _check_group_input(x: torch.Tensor, group: int, name: str) -> None:
 def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
                                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dynamic activation quantization per token and ``group`` consecutive columns: scale[m, g] =
-    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448, qx = clamp(x / scale, -448, 448) rounded to
-    float8_e4m3fn (nearest, ties to even), all in float32; the last group may be partial.
+    max(amax(|x[m, g*group : (g+1)*group]|), 1e-10) / 448 (IEEE division on every device), qx =
+    clamp(x / scale, -448, 448) rounded to float8_e4m3fn (nearest, ties to even), all in float32; the last
+    group may be partial.
 
     Args:
         x: [M, K] float32 / bfloat16 / float16. group: columns per scale (128 for the block-FP8 GEMM).
@@ -148,7 +164,7 @@ def quantize_activation_per_token_group_ref(x: torch.Tensor, group: int = BLOCK
     M, K = x.shape
     G = triton.cdiv(K, group)
     xf = torch.nn.functional.pad(x.float(), (0, G * group - K)).reshape(M, G, group)
-    scale = xf.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    scale = true_divide(xf.abs().amax(dim=-1).clamp(min=AMAX_EPS), FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(M, G * group)[:, :K].contiguous(), scale
 
@@ -176,7 +192,7 @@ def block_fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wp = torch.nn.functional.pad(w.float(), (0, GK * BLOCK - K, 0, GN * BLOCK - N))
     blocks = wp.reshape(*lead, GN, BLOCK, GK, BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., GN, GK]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, true_divide(amax, FP8_MAX), torch.ones_like(amax))
     q = (w.float() / _expand_blocks(scale, N, K)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -311,9 +327,15 @@ def quantize_activation_per_token_group(x: torch.Tensor, group: int = BLOCK
     if not use_kernel(x):
         return quantize_activation_per_token_group_ref(x, group)
     check_launchable(x, name=name)
+    return _quantize_rows(x, group, FP8_DTYPE)
+
+
+def _quantize_rows(x: torch.Tensor, group: int, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization kernel: (codes [M, K] in ``code_dtype``: float8_e4m3fn, or float32 holding the same
+    e4m3 values for the decode GEMV, scales float32 [M, G])."""
     M, K = x.shape
     G = triton.cdiv(K, group)
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty(M, K, dtype=code_dtype, device=x.device)
     s = torch.empty(M, G, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s
@@ -329,10 +351,10 @@ def quantize_activation_per_token_group(x: torch.Tensor, group: int = BLOCK
 
 @triton.jit
 def _block_fp8_mm_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
     M, N, K, E,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PREQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, INTERP: tl.constexpr,
 ):
     GROUP: tl.constexpr = 128
@@ -358,8 +380,12 @@ def _block_fp8_mm_kernel(
         for k0 in range(0, K, GROUP):
             k = k0 + offs_k
             mk = (k < K)[None, :]
-            xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
-            qx, xs = _group_scale_quant(xt, INTERP)
+            if PREQUANT:  # x holds the quantized activations, xs_ptr their scales [rows, G]
+                qx = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0)
+                xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // GROUP, mask=mask_m, other=0.0)
+            else:  # quantize this 128-column group of the rows here (the reference's rule)
+                xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
+                qx, xs = _group_scale_quant(xt, INTERP)
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk, other=0.0)
             ws = tl.load(ws_rows + (k0 // GROUP) * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
             part = mma(w, tl.trans(qx), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
@@ -370,35 +396,205 @@ def _block_fp8_mm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
-def _tiles(rows_per_matrix: float, n_tiles_64: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 16 rows at decode with 64-wide N tiles (32-wide when a launch would
-    have fewer than about two programs per SM of an H200), up to 128 x 128 for prefill."""
-    bm = block_m_for(rows_per_matrix)
-    if bm >= 64:
-        return bm, 128, 8
-    return bm, 64 if n_tiles_64 >= 264 else 32, 4
+@triton.jit
+def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w):
+    """One activation row's quantized 128-column group (fp32 e4m3 values, by quantize_activation's kernel)
+    dotted with the weight tile, times the row's group scale: fp32 [BLOCK_N] (0 past row_end). kk: the
+    group's column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into
+    the weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
+    live = (kk * 0 + row) < row_end
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
+    xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=tl.where(g < G, row, row_end) < row_end, other=0.0)
+    return tl.sum(w * q, 1) * xs
+
+
+@triton.jit
+def _fp8_group(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, ws,
+               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr):
+    """Accumulators a0..a{BLOCK_M-1} (one per row) plus each row's product with weight group g (w: the
+    loaded fp8 tile, 0 where masked; ws [BLOCK_N]: its block scales)."""
+    w = w.to(tl.float32)
+    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 1:
+        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 2:
+        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    if BLOCK_M > 4:
+        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
+    tl.store(ptr + row.to(tl.int64) * stride + offs_n, v.to(ptr.dtype.element_ty),
+             mask=mask_n & ((offs_n * 0 + row) < row_end))
+
+
+@triton.jit
+def _block_fp8_gemv_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
+    M, N, K, E, STEPS,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). x_ptr / xs_ptr: the rows
+    already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel).
+    Each program streams its BLOCK_N x 128 weight tiles of K groups [pid_k * STEPS, (pid_k + 1) * STEPS)
+    once, converts them to fp32 in registers (e4m3 x e4m3 products are exact in fp32), and for each of its
+    rows loads the row's group straight into the weight tile's layout, multiplies and reduces over K on CUDA
+    cores (no tensor-core tile padded to 16 rows, no layout conversion, no cross-warp reduction), scaling
+    each group's sums once. UNROLL (1, 2, 4) groups' weight tiles are loaded before their arithmetic, so a
+    program keeps UNROLL x BLOCK_N x 128 bytes in flight (the loop has no software pipelining otherwise). One accumulator per row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
+    (stride_os per split) and the bias is added by splitk_sum."""
+    GROUP: tl.constexpr = 128
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if expert < E:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        ws_ptrs = ws_ptr + e64 * stride_se + (offs_n // GROUP) * stride_sn
+        offs_k = tl.arange(0, GROUP)
+        a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        g0 = pid_k * STEPS
+        g1 = tl.minimum(g0 + STEPS, tl.cdiv(K, GROUP))
+        G = tl.cdiv(K, GROUP)
+        for g in range(g0, g1, UNROLL):
+            # the UNROLL groups' weight tiles are all requested before any arithmetic (loads in flight)
+            kk = g * GROUP + offs_k[None, :] + offs_n[:, None] * 0
+            mk2 = mask_n[:, None] & (kk < K)
+            w = tl.load(w_rows + kk, mask=mk2, other=0.0)
+            ws = tl.load(ws_ptrs + g * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
+            if UNROLL > 1:
+                kk1 = kk + GROUP
+                mk1 = mk2 & (kk1 < K) & ((kk1 * 0 + g + 1) < g1)
+                w1 = tl.load(w_rows + kk1, mask=mk1, other=0.0)
+                ws1 = tl.load(ws_ptrs + (g + 1) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 1) < g1),
+                              other=0.0).to(tl.float32)
+            if UNROLL > 2:
+                kk2 = kk + 2 * GROUP
+                mk2b = mk2 & (kk2 < K) & ((kk2 * 0 + g + 2) < g1)
+                w2 = tl.load(w_rows + kk2, mask=mk2b, other=0.0)
+                ws2 = tl.load(ws_ptrs + (g + 2) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 2) < g1),
+                              other=0.0).to(tl.float32)
+                kk3 = kk + 3 * GROUP
+                mk3 = mk2 & (kk3 < K) & ((kk3 * 0 + g + 3) < g1)
+                w3 = tl.load(w_rows + kk3, mask=mk3, other=0.0)
+                ws3 = tl.load(ws_ptrs + (g + 3) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 3) < g1),
+                              other=0.0).to(tl.float32)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, G, g,
+                                                        kk, mk2, w, ws, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            if UNROLL > 1:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 1, kk1, mk1, w1, ws1,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+            if UNROLL > 2:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 2, kk2, mk2b, w2, ws2,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
+                                                            G, g + 3, kk3, mk3, w3, ws3,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            a0 += b
+            a1 += b
+            a2 += b
+            a3 += b
+            a4 += b
+            a5 += b
+            a6 += b
+            a7 += b
+        o = out_ptr + pid_k.to(tl.int64) * stride_os
+        _store_row(o, row0, row_end, stride_om, offs_n, mask_n, a0)
+        if BLOCK_M > 1:
+            _store_row(o, row0 + 1, row_end, stride_om, offs_n, mask_n, a1)
+        if BLOCK_M > 2:
+            _store_row(o, row0 + 2, row_end, stride_om, offs_n, mask_n, a2)
+            _store_row(o, row0 + 3, row_end, stride_om, offs_n, mask_n, a3)
+        if BLOCK_M > 4:
+            _store_row(o, row0 + 4, row_end, stride_om, offs_n, mask_n, a4)
+            _store_row(o, row0 + 5, row_end, stride_om, offs_n, mask_n, a5)
+            _store_row(o, row0 + 6, row_end, stride_om, offs_n, mask_n, a6)
+            _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7)
+
+
+def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
+    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix): x quantized once by the quantization kernel
+    (into fp32 e4m3 values: the GEMV loads them in the weight tile's layout without conversions), then the
+    GEMV kernel, split over K (plus the splitk_sum launch) where the N tiles alone give too few programs."""
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    matrices = min(E, rows) if grouped else 1
+    bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, BLOCK))
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    qx, xs = _quantize_rows(x, BLOCK, torch.float32)
+    weight = weight.contiguous()
+    dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    unroll = min(4, 64 // bn, steps)  # 8 KB of weight requested per program and loop iteration
+    unroll = 4 if unroll >= 4 else 2 if unroll >= 2 else 1
+    _block_fp8_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
+        qx, xs, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
+        rows, N, K, E, steps,
+        qx.stride(0), xs.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
+        INTERP=interpreter_active(), num_warps=4, num_stages=1,
+    )
+    if split > 1:
+        splitk_sum(dst, bias, out, offsets)
+    return out
 
 
 def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    n64 = triton.cdiv(N, 64)
+    if use_gemv(rows / (min(E, rows) if grouped else 1)):
+        return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
-        bm, bn, warps = _tiles(rows / E, n64 * min(E, rows))
+        bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, warps = _tiles(rows, n64 * triton.cdiv(rows, 128))
+        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16), accumulators=2)
         row_tiles = triton.cdiv(rows, bm)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
+    # Prefill-sized tiles: quantize x once (one pass over x) instead of once per N tile in every program.
+    prequant = bm >= PREQUANT_BLOCK_M
+    xs = x
+    if prequant:
+        x, xs = quantize_activation_per_token_group(x, BLOCK)
     _block_fp8_mm_kernel[(triton.cdiv(N, bn), row_tiles)](
-        x, weight, ws, bias if bias is not None else x, out, offsets if offsets is not None else ws,
+        x, xs, weight, ws, bias if bias is not None else x, out, offsets if offsets is not None else ws,
         rows, N, K, E,
-        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        x.stride(0), xs.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
         ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), out.stride(0),
-        GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+        GROUPED=grouped, HAS_BIAS=bias is not None, PREQUANT=prequant, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
         num_warps=warps, num_stages=3,
     )
@@ -415,16 +611,23 @@ _PROBED: dict[str, bool] = {}
 def _scaled_mm_block(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """block_fp8_linear through torch._scaled_mm (cuBLASLt, DeepSeek recipe: 1 x 128 activation scales,
-    128 x 128 weight scales); N and K multiples of 128. Activation scales are passed M-major (cuBLASLt's
-    outer-dimension-major layout) and the M side padded to a multiple of 4 (its alignment)."""
+    128 x 128 weight scales); N and K multiples of 128. The scale layouts are those of PyTorch's
+    test_scaled_mm_block_wise_numerics: activation scales [M, K/128] M-major (stride (1, M)); weight scales
+    [N/128, K/128] with the K side padded to a multiple of 4, passed transposed ([L4, N/128], stride (1, L4)).
+    Both are dequantizing multipliers, as ours. The M side is padded to a multiple of 4 (cuBLASLt's
+    alignment, as vLLM's block-wise _scaled_mm kernel does)."""
     M = x.shape[0]
     qx, xs = quantize_activation_per_token_group(x, BLOCK)
     Mp = -(-M // 4) * 4
     if Mp != M:
         qx = torch.nn.functional.pad(qx.view(torch.uint8), (0, 0, 0, Mp - M)).view(FP8_DTYPE)
         xs = torch.nn.functional.pad(xs, (0, 0, 0, Mp - M), value=1.0)
-    y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(),
-                         scale_b=weight_scale_inv.float().t(), out_dtype=x.dtype)[:M]
+    gk = weight_scale_inv.shape[1]
+    ws = weight_scale_inv.float()
+    if gk % 4:
+        ws = torch.nn.functional.pad(ws, (0, -(-gk // 4) * 4 - gk), value=1.0)
+    y = torch._scaled_mm(qx, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(),
+                         out_dtype=x.dtype)[:M]
     return y if bias is None else y + bias
 
 
@@ -471,11 +674,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      impl: str | None = None) -> torch.Tensor:
     """w8a8 block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref`.
 
-    ``impl``: "triton" (the fused quantize + GEMM kernel: one launch), "scaled_mm" (quantization kernel then
-    ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the torch / device must pass
-    :func:`block_scaled_mm_supported`), or None: "scaled_mm" where :func:`block_scaled_mm_supported` holds
-    and the shapes are whole blocks, else "triton". A plain CPU run (no interpreter) calls the reference. No
-    host synchronisation after the one-time probe.
+    ``impl``: "triton" (<= 8 rows: the quantization kernel and the GEMV kernel, plus a partial-sum launch
+    where K is split; 9..63 rows: one launch with the quantization fused; more: quantization then GEMM),
+    "scaled_mm"
+    (quantization kernel then ``torch._scaled_mm`` with block scales; CUDA, N and K multiples of 128, and the
+    torch / device must pass :func:`block_scaled_mm_supported`), or None: "scaled_mm" for M >= 64 rows
+    (prefill, cuBLASLt's large tiles) where :func:`block_scaled_mm_supported` holds and the shapes are whole
+    blocks, else "triton" (decode: fewer launches than the quantization, padding and cuBLASLt ones;
+    bench_quant_gemm measures both). ``impl='scaled_mm'`` where it cannot run raises, also on a plain CPU
+    run. A plain CPU run (no interpreter) calls the reference. No host
+    synchronisation after the one-time probe (which the first CUDA call with M >= 64 runs: warm up before
+    capturing a graph).
 
     Args:
         x: [M, K] float32 / bfloat16 / float16. weight: float8_e4m3fn [N, K]. weight_scale_inv: float32 /
@@ -495,15 +704,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     check_bias(bias, N, x.device, name)
     if impl not in (None, *IMPLS):
         raise ValueError(f"{name}: impl must be one of {IMPLS} or None, got {impl!r}")
-    if not use_kernel(x):
-        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
-    check_launchable(x, weight, weight_scale_inv, name=name)
     aligned = N % BLOCK == 0 and K % BLOCK == 0
     if impl == "scaled_mm" and not (aligned and block_scaled_mm_supported(x.device)):
         raise ValueError(f"{name}: impl='scaled_mm' needs N and K multiples of {BLOCK} (got N={N}, K={K}) and "
                          f"a device where block_scaled_mm_supported() holds ({x.device}); use impl='triton'")
+    if not use_kernel(x):
+        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
+    check_launchable(x, weight, weight_scale_inv, name=name)
     if impl is None:
-        impl = "scaled_mm" if aligned and x.is_cuda and block_scaled_mm_supported(x.device) else "triton"
+        prefill = x.shape[0] >= SCALED_MM_MIN_ROWS
+        impl = "scaled_mm" if prefill and aligned and x.is_cuda and block_scaled_mm_supported(x.device) \
+            else "triton"
     if impl == "scaled_mm" and x.shape[0] > 0:
         return _into(_scaled_mm_block(x, weight, weight_scale_inv, bias), out, x, name)
     if out is None:
@@ -517,8 +728,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
 def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                          offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activation
-    quantization fused; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
+    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activations
+    quantized per token and 128-column group on the device; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
     offsets[-1] are left unwritten. No host synchronisation, shapes fixed by the inputs (CUDA-graph
     capturable); experts without rows cost only their entry in each program's offsets scan. Triton on CUDA
     and under TRITON_INTERPRET=1, the reference on a plain CPU run.

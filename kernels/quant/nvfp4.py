@@ -15,13 +15,25 @@ weight_scale_2 = amax(|W|) / (448 * 6) and weight_scale = block_amax / 6 / weigh
 Kernels (the Marlin idea, written here for Triton): the packed weight is read from HBM, decoded in registers
 and fed to the tensor cores; the dequantized weight never exists in memory. Each program owns an N tile and a
 row tile of x and computes out^T = W x^T (the weight is the MMA's wide operand, the few activation rows the
-narrow one: 16 rows suffice at decode). Per K tile of BLOCK_K columns: BLOCK_N x BLOCK_K / 2 packed bytes
-and BLOCK_N x BLOCK_K / 16 scales are loaded; the low and high nibbles become two fp32 halves (codes to fp32
-by bit arithmetic), each times its block scale; x's tile is split into its even and odd columns to match, so
-no interleave is needed: acc += W_even x_even^T + W_odd x_odd^T. An e2m1 value times an e4m3 scale has at
-most 2 + 4 significant bits and lies in [2^-10, 2688]: exact in bfloat16 and float16, so the product on
-bf16 / fp16 tensor cores has the activation's precision; fp32 activations are split into three bf16 pieces
-(kernels/_mma.py: fp32-accurate). weight_scale_2 multiplies the fp32 accumulator once at the end.
+narrow one: 16 rows suffice at decode). Per K tile of BLOCK_K columns it loads BLOCK_N x BLOCK_K / 2 packed
+bytes and BLOCK_N x BLOCK_K / 16 scales. Decode: a code's three magnitude bits, moved to bits 9-11 of an fp16
+pattern with its sign at bit 15, read as the e2m1 value times 2^-14 (the two smallest codes as fp16
+subnormals, which the fp16 -> fp32 conversion keeps exactly); the 2^14 is folded into the block scale, one
+fp32 multiply per element. Where a row of codes is whole int32 words (K % 8 == 0) and at decode tile sizes,
+the codes are read as words and two elements are decoded per 32-bit operation (elements 0 and 4, 1 and 5,
+2 and 6, 3 and 7 of a word go to the low and high fp16 halves), x's tile is split into the 8 matching column
+classes and the tile's product is 8 products of BLOCK_K / 8 columns; otherwise bytes are read, their low and
+high nibbles decoded apart, and x split into even and odd columns (2 products). Either way no interleave of
+the decoded weight is needed. An e2m1 value times an e4m3 scale has at most 2 + 4 significant bits and lies
+in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 tensor cores has the
+activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
+weight_scale_2 multiplies the fp32 accumulator once at the end.
+
+Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py) where the codes are
+words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
+shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
+alone give too few programs (:func:`kernels.quant._common.gemv_config`).
 
 - :func:`nvfp4_linear` (dense): grid (N tiles, M tiles).
 - :func:`nvfp4_grouped_mm` (routed experts, torch._grouped_mm's convention): grid (N tiles, a row-tile bound
@@ -44,14 +56,18 @@ from kernels._common import check_launchable, interpreter_active
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
-    block_m_for,
     check_activation,
     check_bias,
     check_offsets,
+    gemv_config,
     grouped_row_tiles,
     grouped_tile,
     mma,
     offsets_list,
+    splitk_sum,
+    tile_config,
+    true_divide,
+    use_gemv,
     use_kernel,
 )
 
@@ -188,7 +204,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     wf = w.float()
     if weight_scale_2 is None:
         amax = wf.abs().amax(dim=(-2, -1))
-        s2 = torch.where(amax > 0, amax / (FP8_MAX * E2M1_MAX), torch.ones_like(amax))
+        s2 = torch.where(amax > 0, true_divide(amax, FP8_MAX * E2M1_MAX), torch.ones_like(amax))
     else:
         if weight_scale_2.dtype != torch.float32 or tuple(weight_scale_2.shape) not in (lead, ()):
             raise ValueError(f"{name}: weight_scale_2 must be float32 of shape {lead}, got "
@@ -198,7 +214,7 @@ def nvfp4_quantize(w: torch.Tensor, *, weight_scale_2: torch.Tensor | None = Non
     blocks = torch.nn.functional.pad(wf, (0, G * NVFP4_BLOCK - K)).reshape(*lead, N, G, NVFP4_BLOCK)
     s2b = s2.reshape(*lead, 1, 1)
     block_amax = blocks.abs().amax(dim=-1)
-    scale = (block_amax / E2M1_MAX / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    scale = (true_divide(block_amax, E2M1_MAX) / s2b).clamp(max=FP8_MAX).to(FP8_DTYPE)
     full = (scale.float() * s2b)[..., None]
     scaled = torch.where(full > 0, blocks / torch.where(full > 0, full, 1.0), 0.0)
     codes = round_to_e2m1(scaled).reshape(*lead, N, G * NVFP4_BLOCK)[..., :K]
@@ -282,13 +298,51 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name:
 
 
 @triton.jit
-def _e2m1_to_f32(c):
-    """int32 e2m1 codes (0..15) -> fp32 by bit arithmetic: magnitude index m = 2 * exponent + mantissa; for
-    m >= 2 the fp32 pattern is (exponent + 126) << 23 | mantissa << 22 = (m + 252) << 22; m = 1 is 0.5 =
-    252 << 22; m = 0 is 0. Bit 3 of the code is the sign."""
-    m = c & 7
-    bits = tl.where(m >= 2, m + 252, m * 252) << 22
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_pair(p):
+    """int32 bytes p (0..255, two e2m1 codes) -> (low, high) fp32 values times 2^-14.
+
+    A code's magnitude bits 0-2 are exponent (2 bits) and mantissa (1 bit) of a float with exponent bias 1;
+    moved to bits 9-11 of an fp16 pattern (exponent bits 10-11, mantissa bit 9) with the sign at bit 15 they
+    read as the same value times 2^-14 (codes 0.5 and 0 become fp16 subnormals, which the fp16 -> fp32
+    conversion keeps exactly). Per element: two shifts, two logic ops and one conversion (the 2^14 is folded
+    into the block scale by the caller)."""
+    lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
+    hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _half_to_f32(h):
+    """int32 holding an fp16 pattern in its low 16 bits -> that value in fp32 (exact, subnormals kept)."""
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_word(w):
+    """int32 words w (4 packed bytes: the codes of 8 consecutive elements 0..7, byte j holding elements 2j in
+    its low and 2j + 1 in its high nibble, little-endian) -> the 8 elements as fp32 values times 2^-14.
+
+    The fp16-pattern rule of :func:`_e2m1_pair`, applied to two elements per 32-bit operation: a shift and a
+    mask put one code's magnitude in bits 9-11 and its sign in bit 15 of the low half-word and another's in
+    bits 25-27 / 31 of the high one (elements 0 and 4, 1 and 5, 2 and 6, 3 and 7): about 1.5 integer
+    operations per element instead of 3, and no byte extraction."""
+    mag = 0x0E000E00
+    sgn = -2147450880  # 0x80008000: bits 15 and 31
+    a = ((w << 9) & mag) | ((w << 12) & sgn)  # elements 0 (low half) and 4 (high half)
+    b = ((w << 5) & mag) | ((w << 8) & sgn)  # 1 and 5
+    c = ((w << 1) & mag) | ((w << 4) & sgn)  # 2 and 6
+    d = ((w >> 3) & mag) | (w & sgn)  # 3 and 7
+    return (_half_to_f32(a), _half_to_f32(b), _half_to_f32(c), _half_to_f32(d),
+            _half_to_f32(a >> 16), _half_to_f32(b >> 16), _half_to_f32(c >> 16), _half_to_f32(d >> 16))
+
+
+@triton.jit
+def _scaled(v, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """v [BLOCK_N, BLOCK_K / 8] (one element per packed word) times the block scale of its word (two words per
+    16-column block): sc [BLOCK_N, BLOCK_K / 16]."""
+    return tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // 16, 2)) * sc[:, :, None], (BLOCK_N, BLOCK_K // 8))
 
 
 @triton.jit
@@ -318,10 +372,12 @@ def _nvfp4_mm_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, out_ptr, offsets_ptr,
     M, N, K, E,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_KIND: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_KIND: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """WORDS: w_ptr is the packed weight viewed as int32 (K % 8 == 0; strides in words), 8 codes decoded per
+    load; else uint8 bytes, 2 codes per load (any even K)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if GROUPED:
@@ -340,24 +396,47 @@ def _nvfp4_mm_kernel(
         s_rows = s_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
         offs_j = tl.arange(0, BLOCK_K // 2)  # packed byte columns of a K tile
+        offs_w = tl.arange(0, BLOCK_K // 8)  # packed int32 word columns of a K tile (WORDS)
         offs_g = tl.arange(0, BLOCK_K // 16)  # scale columns of a K tile
         offs_k = tl.arange(0, BLOCK_K)
         KH = K // 2
         KG = (K + 15) // 16
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            j = k0 // 2 + offs_j
-            p = tl.load(w_rows + j[None, :], mask=mask_n[:, None] & (j < KH)[None, :], other=0).to(tl.int32)
             g = k0 // 16 + offs_g
             sc = tl.load(s_rows + g[None, :], mask=mask_n[:, None] & (g < KG)[None, :], other=0.0)
-            sc = sc.to(tl.float32)
-            lo = tl.reshape(_e2m1_to_f32(p & 15), (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
-            hi = tl.reshape(_e2m1_to_f32(p >> 4), (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
+            sc = sc.to(tl.float32) * 16384.0  # 2^14: the decoded values are e2m1 * 2^-14
             k = k0 + offs_k
             xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
-            x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
-            acc = _w_dot_x(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), x_even, acc, X_KIND, INTERP)
-            acc = _w_dot_x(tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)), x_odd, acc, X_KIND, INTERP)
+            if WORDS:
+                jw = k0 // 8 + offs_w
+                wd = tl.load(w_rows + jw[None, :], mask=mask_n[:, None] & (jw < K // 8)[None, :], other=0)
+                e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+                # x's columns 8w + c for c = 4 b2 + 2 b1 + b0, split bit by bit (last axes: b2, b1, b0)
+                x_b0_0, x_b0_1 = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
+                x_c04, x_c26 = tl.split(x_b0_0)
+                x_c15, x_c37 = tl.split(x_b0_1)
+                x0, x4 = tl.split(x_c04)
+                x2, x6 = tl.split(x_c26)
+                x1, x5 = tl.split(x_c15)
+                x3, x7 = tl.split(x_c37)
+                acc = _w_dot_x(_scaled(e0, sc, BLOCK_N, BLOCK_K), x0, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e1, sc, BLOCK_N, BLOCK_K), x1, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e2, sc, BLOCK_N, BLOCK_K), x2, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e3, sc, BLOCK_N, BLOCK_K), x3, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e4, sc, BLOCK_N, BLOCK_K), x4, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e5, sc, BLOCK_N, BLOCK_K), x5, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e6, sc, BLOCK_N, BLOCK_K), x6, acc, X_KIND, INTERP)
+                acc = _w_dot_x(_scaled(e7, sc, BLOCK_N, BLOCK_K), x7, acc, X_KIND, INTERP)
+            else:
+                j = k0 // 2 + offs_j
+                p = tl.load(w_rows + j[None, :], mask=mask_n[:, None] & (j < KH)[None, :], other=0)
+                lo, hi = _e2m1_pair(p.to(tl.int32))
+                lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
+                hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 16, 8)) * sc[:, :, None]
+                x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc = _w_dot_x(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), x_even, acc, X_KIND, INTERP)
+                acc = _w_dot_x(tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)), x_odd, acc, X_KIND, INTERP)
         acc = acc * tl.load(s2_ptr + expert)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -365,42 +444,199 @@ def _nvfp4_mm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
+@triton.jit
+def _nvfp4_row_part(x_ptr, row, row_end, stride_xm, KW, kw, mkw, e0, e1, e2, e3, e4, e5, e6, e7, scw):
+    """One activation row times a decoded tile: sum over the tile's words w and their elements c of
+    e_c[n, w] * x[row, 8 w + c] * scw[n, w], fp32 [BLOCK_N] (0 for a row past row_end). x_ptr: the rows in
+    fp32, column class major ([rows, 8, K / 8]: element c of every word contiguous, so each class is read
+    as vectors of consecutive words); e_c: fp32 [BLOCK_N, WORDS] (element c of each word, times 2^-14);
+    scw: each word's block scale."""
+    live = mkw & ((kw * 0 + row) < row_end)
+    xw = x_ptr + row.to(tl.int64) * stride_xm + kw
+    t = e0 * tl.load(xw, mask=live, other=0.0)[None, :]
+    t += e1 * tl.load(xw + KW, mask=live, other=0.0)[None, :]
+    t += e2 * tl.load(xw + 2 * KW, mask=live, other=0.0)[None, :]
+    t += e3 * tl.load(xw + 3 * KW, mask=live, other=0.0)[None, :]
+    t += e4 * tl.load(xw + 4 * KW, mask=live, other=0.0)[None, :]
+    t += e5 * tl.load(xw + 5 * KW, mask=live, other=0.0)[None, :]
+    t += e6 * tl.load(xw + 6 * KW, mask=live, other=0.0)[None, :]
+    t += e7 * tl.load(xw + 7 * KW, mask=live, other=0.0)[None, :]
+    return tl.sum(t * scw, 1)
+
+
+@triton.jit
+def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
+    tl.store(ptr + row.to(tl.int64) * stride + offs_n, v.to(ptr.dtype.element_ty),
+             mask=mask_n & ((offs_n * 0 + row) < row_end))
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, out_ptr, offsets_ptr,
+    M, N, K, KW, E, STEPS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
+    column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
+    packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1) * STEPS) once, decodes them in
+    registers (:func:`_e2m1_word`, no scaling per element), and for each of its rows multiplies by the
+    activations and reduces over K on CUDA cores: the block scale multiplies once per word and row,
+    weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to 16 rows and no
+    register-to-shared layout conversion of the decoded weight. One accumulator per row (a0..a7, unrolled by
+    BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if expert < E:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        s_rows = s_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        offs_w = tl.arange(0, WORDS)
+        a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t0 = pid_k * STEPS
+        t1 = tl.minimum(t0 + STEPS, tl.cdiv(K, BLOCK_K))
+        for t in range(t0, t1):
+            kw = t * WORDS + offs_w
+            mkw = kw < KW
+            m2 = mask_n[:, None] & mkw[None, :]
+            wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
+            scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
+            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+            a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
+                                  e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 1:
+                a1 += _nvfp4_row_part(x_ptr, row0 + 1, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 2:
+                a2 += _nvfp4_row_part(x_ptr, row0 + 2, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a3 += _nvfp4_row_part(x_ptr, row0 + 3, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+            if BLOCK_M > 4:
+                a4 += _nvfp4_row_part(x_ptr, row0 + 4, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a5 += _nvfp4_row_part(x_ptr, row0 + 5, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a6 += _nvfp4_row_part(x_ptr, row0 + 6, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+                a7 += _nvfp4_row_part(x_ptr, row0 + 7, row_end, stride_xm, KW, kw, mkw,
+                                      e0, e1, e2, e3, e4, e5, e6, e7, scw)
+        g = tl.load(s2_ptr + expert) * 16384.0  # weight_scale_2, and the 2^14 of the decode
+        b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        o = out_ptr + pid_k.to(tl.int64) * stride_os
+        _store_row(o, row0, row_end, stride_om, offs_n, mask_n, a0 * g + b)
+        if BLOCK_M > 1:
+            _store_row(o, row0 + 1, row_end, stride_om, offs_n, mask_n, a1 * g + b)
+        if BLOCK_M > 2:
+            _store_row(o, row0 + 2, row_end, stride_om, offs_n, mask_n, a2 * g + b)
+            _store_row(o, row0 + 3, row_end, stride_om, offs_n, mask_n, a3 * g + b)
+        if BLOCK_M > 4:
+            _store_row(o, row0 + 4, row_end, stride_om, offs_n, mask_n, a4 * g + b)
+            _store_row(o, row0 + 5, row_end, stride_om, offs_n, mask_n, a5 * g + b)
+            _store_row(o, row0 + 6, row_end, stride_om, offs_n, mask_n, a6 * g + b)
+            _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7 * g + b)
+
+
+# K columns per step of the GEMV kernel at 64-wide N tiles (16 int32 words of codes per weight row; the 8
+# decoded [BLOCK_N, 16] fp32 element tensors take 64 registers per thread with 4 warps); 32 / 16-wide tiles
+# take 256 / 512 columns (the same registers and 4 KB of codes per step: Triton does not software-pipeline
+# this loop, so the bytes a program requests per step are what it keeps in flight). Split-K launches keep 128.
+GEMV_BLOCK_K = 128
+
+
+def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool):
+    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix, codes readable as words): the GEMV kernel,
+    split over K (plus the splitk_sum launch) where the N tiles alone give too few programs."""
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    matrices = min(E, rows) if grouped else 1
+    bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, GEMV_BLOCK_K))
+    bk = GEMV_BLOCK_K
+    if split == 1:  # narrower N tiles take longer K steps: 4 KB of codes requested per program and step
+        bk = GEMV_BLOCK_K * 64 // bn
+        steps = triton.cdiv(K, bk)
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    # x in fp32, column class major: xp[r, c, w] = x[r, 8 w + c] (one small copy; each class of a word tile
+    # is then one vector load per row in the kernel instead of strided scalar gathers)
+    xp = torch.empty(rows, 8, K // 8, dtype=torch.float32, device=x.device)
+    xp.copy_(x.reshape(rows, K // 8, 8).transpose(1, 2))
+    dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    _nvfp4_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
+        xp, weight.view(torch.int32), weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x,
+        dst, offsets if offsets is not None else weight_scale_2,
+        rows, N, K, K // 8, E, steps,
+        xp.stride(0), weight.stride(0) // 4 if grouped else 0, weight.stride(-2) // 4,
+        weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, num_warps=4, num_stages=1,
+    )
+    if split > 1:
+        splitk_sum(dst, bias, out, offsets)
+    return out
+
+
 X_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def _tiles(rows_per_matrix: float, n_tiles_64: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode sizes (16 rows) use 64-wide N tiles, 32-wide when a
-    launch would have fewer than about two programs per SM of an H200 (132 SMs); prefill sizes 128-wide."""
-    bm = block_m_for(rows_per_matrix)
-    if bm >= 64:
-        return bm, 128, 64, 8
-    bn = 64 if n_tiles_64 >= 264 else 32
-    return bm, bn, 128, 4
+def words_ok(weight: torch.Tensor) -> bool:
+    """Whether a contiguous packed weight [..., N, K/2] can be read as int32 words: K % 8 == 0 and the data
+    4-byte aligned."""
+    return weight.shape[-1] % 4 == 0 and weight.data_ptr() % 4 == 0
 
 
-def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool):
+def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool,
+            force_bytes: bool = False):
     N = weight.shape[-2]
     K = x.shape[1]
     rows = x.shape[0]
     E = weight.shape[0] if grouped else 1
-    n64 = triton.cdiv(N, 64)
     if grouped:
-        bm, bn, bk, warps = _tiles(rows / E, n64 * min(E, rows))
+        bm, bn, warps = tile_config(rows / E, N, min(E, rows))
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, bk, warps = _tiles(rows, n64 * triton.cdiv(rows, 128))
+        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16))
         row_tiles = triton.cdiv(rows, bm)
+    bk = 64 if bm >= 64 else 128  # K columns per tile (BLOCK_K / 2 packed bytes per weight row)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    if use_gemv(rows / (min(E, rows) if grouped else 1)) and words_ok(weight) and force_bytes is False:
+        return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
+    # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: _e2m1_word) where the rows
+    # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
+    words = words_ok(weight) and bk == 128 and force_bytes is False
+    w = weight.view(torch.int32) if words else weight
+    unit = 4 if words else 1
     grid = (triton.cdiv(N, bn), row_tiles)
     _nvfp4_mm_kernel[grid](
-        x, weight, weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x, out,
+        x, w, weight_scale, weight_scale_2.reshape(-1), bias if bias is not None else x, out,
         offsets if offsets is not None else weight_scale_2,
         rows, N, K, E,
-        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        x.stride(0), weight.stride(0) // unit if grouped else 0, weight.stride(-2) // unit,
         weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), out.stride(0),
-        GROUPED=grouped, HAS_BIAS=bias is not None, X_KIND=X_KIND[x.dtype],
+        GROUPED=grouped, HAS_BIAS=bias is not None, X_KIND=X_KIND[x.dtype], WORDS=words,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1,
         INTERP=interpreter_active(), num_warps=warps, num_stages=3,
     )
@@ -409,7 +645,7 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
 
 def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, force_bytes: bool = False) -> torch.Tensor:
     """W4A16 linear with an NVFP4 weight: x @ W^T + bias with W dequantized in registers (see the module
     docstring); same arguments, result and errors as :func:`nvfp4_linear_ref`. Triton on CUDA and under
     TRITON_INTERPRET=1, the reference on a plain CPU run. No host synchronisation.
@@ -418,6 +654,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x: [M, K] float32 / bfloat16 / float16. weight: uint8 [N, K/2]. weight_scale: float8_e4m3fn
             [N, ceil(K/16)]. weight_scale_2: float32 () or (1,). bias: [N] or None.
         out: optional [M, N] tensor in x's dtype, written in full (tests pass a NaN-filled one).
+        force_bytes: read the codes byte by byte even where int32 words would do (tests of that path).
 
     Returns:
         [M, N] in x's dtype (fp32 accumulation). Mutates only ``out``.
@@ -440,12 +677,13 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         _check_out(out, (x.shape[0], N), x, name)
     if x.shape[0] == 0:
         return out
-    return _launch(x, weight, weight_scale, weight_scale_2, bias, None, out, grouped=False)
+    return _launch(x, weight, weight_scale, weight_scale_2, bias, None, out, grouped=False,
+                   force_bytes=force_bytes)
 
 
 def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      weight_scale_2: torch.Tensor, offsets: torch.Tensor, *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, force_bytes: bool = False) -> torch.Tensor:
     """Grouped W4A16 product for routed experts (torch._grouped_mm's convention): rows offsets[e-1] ..
     offsets[e] - 1 of x times expert e's NVFP4 weight, dequantized in registers, transposed. Same arguments
     and result as :func:`nvfp4_grouped_mm_ref` except that rows past offsets[-1] are left unwritten. No host
@@ -458,6 +696,7 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
             weight_scale: float8_e4m3fn [E, N, ceil(K/16)]. weight_scale_2: float32 [E]. offsets: int32 [E],
             non-decreasing cumulative row ends, offsets[-1] = P (not checked: reading it would synchronise).
         out: optional [P, N] tensor in x's dtype.
+        force_bytes: read the codes byte by byte even where int32 words would do (tests of that path).
 
     Returns:
         [P, N] in x's dtype. Mutates only ``out``.
@@ -478,4 +717,5 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         _check_out(out, (x.shape[0], N), x, name)
     if x.shape[0] == 0:
         return out
-    return _launch(x, weight, weight_scale, weight_scale_2, None, offsets, out, grouped=True)
+    return _launch(x, weight, weight_scale, weight_scale_2, None, offsets, out, grouped=True,
+                   force_bytes=force_bytes)

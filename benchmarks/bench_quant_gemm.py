@@ -1,0 +1,326 @@
+"""Quantized GEMMs on the GPU vs BF16, at the released models' decode shapes (kernels/quant/).
+
+    python -m benchmarks.bench_quant_gemm --out OUT.json [--batches 1 2 4 8] [--parts copy nvfp4 fp8]
+
+Parts (each row: microseconds, bytes read, achieved GB/s and the fraction of the device copy bandwidth
+measured in the same run):
+- ``copy``: a 1 GiB device-to-device torch copy (bytes read + written / time): the reference bandwidth.
+- ``nvfp4``: Nemotron 3 Super's routed experts (latent 1024 -> moe_intermediate 2688 "up" and back "down",
+  512 experts, top-22): tokens x 22 (token, expert) pairs routed to random distinct experts, sorted by expert,
+  at each batch; ``nvfp4_grouped_mm`` vs the BF16 grouped GEMM (``torch._grouped_mm``, as
+  runners/engine/models/moe.py runs it) vs dequantize-then-BF16 (every expert's NVFP4 weight dequantized by
+  the PyTorch reference, then the BF16 grouped GEMM: what a runtime without the fused kernel does, since it
+  cannot learn which experts are active without synchronising).
+- ``fp8``: Qwen3-Next in block FP8: the dense projections (q with its gate 2048 -> 8192, k / v 2048 -> 512,
+  o 4096 -> 2048, GDN in_proj_qkvz 2048 -> 12288) at M = batch, ``block_fp8_linear`` (Triton, and
+  torch._scaled_mm when ``block_scaled_mm_supported``) vs a BF16 ``F.linear``; the routed experts (hidden
+  2048 -> moe_intermediate 512 and back, 512 experts, top-10) ``block_fp8_grouped_mm`` vs BF16
+  ``torch._grouped_mm``.
+Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
+GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths.
+Bytes read count what the product must read once: the weights (and scales) of the experts that received rows
+(all of them for dense layers), the activations, and the output written; the dequantize path also counts its
+full-size BF16 weight write and re-read. Times ("us"): GPU time per call from CUDA-graph replays with L2
+flushed before each call (weights come from HBM; no host launch cost, as in the engine's captured decode
+step), after a warm-up that compiles the Triton kernels; "us_eager" is triton.testing.do_bench's median of
+Python launches (at decode sizes it includes the launch cost). Rows whose function cannot be captured are
+timed eagerly and say so in "timing".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SUPER = {"L": 1024, "I": 2688, "E": 512, "top_k": 22}
+QWEN = {"D": 2048, "I": 512, "E": 512, "top_k": 10}
+QWEN_DENSE = {"q_gate": (8192, 2048), "kv": (512, 2048), "o": (2048, 4096), "gdn_qkvz": (12288, 2048)}
+PARTS = ("copy", "nvfp4", "fp8")
+COPY_BYTES = 1 << 30
+
+
+def nvfp4_weight_bytes(N: int, K: int) -> int:
+    """Bytes of one NVFP4 matrix: K/2 code bytes and K/16 e4m3 scales per row, and the fp32 global scale."""
+    return N * (K // 2) + N * -(-K // 16) + 4
+
+
+def block_fp8_weight_bytes(N: int, K: int, scale_bytes: int = 2) -> int:
+    """Bytes of one block-FP8 matrix: one byte per weight and one scale per 128 x 128 block."""
+    return N * K + -(-N // 128) * -(-K // 128) * scale_bytes
+
+
+def row(name: str, timing: float | dict, bytes_read: int, copy_gbps: float | None, **meta) -> dict:
+    """One JSON row: microseconds (``timing``: a number, or :func:`_bench`'s dict whose "us" is used), bytes,
+    GB/s (1e9 bytes per second) and the fraction of the copy bandwidth."""
+    t = timing if isinstance(timing, dict) else {"us": timing}
+    us = t["us"]
+    gbps = bytes_read / (us * 1e-6) / 1e9 if us > 0 else None
+    frac = gbps / copy_gbps if gbps is not None and copy_gbps else None
+    out = {"name": name, **meta, "us": round(us, 2), "bytes_read": int(bytes_read),
+           "gb_per_s": None if gbps is None else round(gbps, 1),
+           "fraction_of_copy_bw": None if frac is None else round(frac, 3),
+           **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items() if k != "us"}}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+FLUSH_BYTES = 256 << 20  # written between runs so weights come from HBM, not the 50 MB L2
+
+
+def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
+    """Median GPU microseconds of fn() replayed from a CUDA graph (no launch overhead), L2 flushed before
+    each call: a graph of ``reps`` x (flush, fn) minus a graph of ``reps`` flushes, over ``trials``."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    times = []
+    for _ in range(trials):
+        pair = []
+        for g in graphs:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            pair.append(start.elapsed_time(end))
+        times.append((pair[0] - pair[1]) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _bench(fn, *, graph: bool = True) -> dict:
+    """{"us": GPU microseconds per call, "us_eager": the same launched from Python, "timing": how "us" was
+    taken}. "us" comes from CUDA-graph replays (:func:`_graph_us`: what a captured decode step pays); with
+    ``graph`` False (the dequantize reference: it copies a table to the device, and 20 captured copies of
+    its temporaries would not fit) or when capture fails, it is the eager time. Eager: triton.testing.do_bench median, L2 flushed between runs; at decode sizes it includes the
+    host's launch cost."""
+    from triton.testing import do_bench
+
+    fn()  # compile the Triton kernels, plan cuBLAS
+    eager = 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if not graph:
+        return {"us": eager, "us_eager": eager, "timing": "eager"}
+    try:
+        return {"us": _graph_us(fn), "us_eager": eager, "timing": "cuda_graph"}
+    except Exception as e:  # noqa: BLE001  (not capturable: report the eager time and why)
+        return {"us": eager, "us_eager": eager, "timing": f"eager ({type(e).__name__})"}
+
+
+def _routing(tokens: int, top_k: int, E: int, seed: int):
+    """(P, offsets int32 [E], active experts) of random top-k routing of ``tokens`` tokens (distinct experts
+    per token), as MoE routing sorts them."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.rand(tokens, E, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    return idx.numel(), counts.cumsum(0).to(torch.int32), int((counts > 0).sum())
+
+
+def _bf16_grouped(x, w, offs):
+    """The BF16 grouped GEMM of runners/engine/models/moe.py: x [P, K] @ w[e]^T per expert group."""
+    import torch
+
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def _dequant_then_bf16(x, w, s, s2, offs):
+    """Every expert's NVFP4 weight dequantized to BF16 by the reference, then the BF16 grouped GEMM."""
+    import torch
+
+    from kernels.quant import nvfp4_dequantize
+
+    return _bf16_grouped(x, nvfp4_dequantize(w, s, s2, torch.bfloat16), offs)
+
+
+def _tensor_core(fn, *args, **kwargs):
+    """Call a kernels/quant launcher with the decode GEMV path off (GEMV_MAX_ROWS = 0): its tensor-core
+    kernel at decode sizes, the "_tc" rows beside the default path's (the GEMV), so one run shows both."""
+    from kernels.quant import _common
+
+    keep = _common.GEMV_MAX_ROWS
+    _common.GEMV_MAX_ROWS = 0
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _common.GEMV_MAX_ROWS = keep
+
+
+def part_copy() -> dict:
+    import torch
+
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    from triton.testing import do_bench
+
+    us = 1e3 * do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    gbps = 2 * COPY_BYTES / (us * 1e-6) / 1e9
+    out = {"name": "device_copy", "bytes": 2 * COPY_BYTES, "us": round(us, 2), "gb_per_s": round(gbps, 1)}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
+    import torch
+
+    from kernels.quant import nvfp4_grouped_mm
+
+    E, top_k = SUPER["E"], SUPER["top_k"]
+    rows = []
+    for proj, (N, K) in {"up": (SUPER["I"], SUPER["L"]), "down": (SUPER["L"], SUPER["I"])}.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s = (torch.rand(E, N, K // 16, device="cuda", generator=gen) * 1.5 + 0.25).to(torch.float8_e4m3fn)
+        s2 = torch.rand(E, device="cuda", generator=gen) * 0.01 + 0.005
+        w_bf16 = torch.randn(E, N, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for B in batches:
+            P, offs, active = _routing(B, top_k, E, seed=B)
+            x = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
+            io = (P * K + P * N) * 2
+            meta = {"proj": proj, "N": N, "K": K, "batch": B, "pairs": P, "active_experts": active}
+            rows.append(row("nvfp4_grouped", _bench(partial(nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_grouped_tc",
+                            _bench(partial(_tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
+                            active * N * K * 2 + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_dequant_then_bf16_grouped",
+                            _bench(partial(_dequant_then_bf16, x, w, s, s2, offs), graph=False),
+                            E * nvfp4_weight_bytes(N, K) + 2 * E * N * K * 2 + io, copy_gbps, **meta))
+    return rows
+
+
+def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.quant import (
+        block_fp8_grouped_mm,
+        block_fp8_linear,
+        block_fp8_quantize,
+        block_scaled_mm_supported,
+    )
+
+    rows = []
+    scaled_mm = block_scaled_mm_supported("cuda")
+    for proj, (N, K) in QWEN_DENSE.items():
+        w, ws = block_fp8_quantize(torch.randn(N, K, device="cuda"))
+        ws = ws.to(torch.bfloat16)
+        w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        for B in batches:
+            x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16)
+            io = (B * K + B * N) * 2
+            meta = {"proj": proj, "N": N, "K": K, "batch": B}
+            rows.append(row("block_fp8_linear_triton", _bench(partial(block_fp8_linear, x, w, ws, impl="triton")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_tc",
+                            _bench(partial(_tensor_core, block_fp8_linear, x, w, ws, impl="triton")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            if scaled_mm:
+                rows.append(row("block_fp8_linear_scaled_mm",
+                                _bench(partial(block_fp8_linear, x, w, ws, impl="scaled_mm")),
+                                block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("bf16_linear", _bench(partial(F.linear, x, w_bf16)), N * K * 2 + io, copy_gbps,
+                            **meta))
+    E, top_k = QWEN["E"], QWEN["top_k"]
+    for proj, (N, K) in {"up": (QWEN["I"], QWEN["D"]), "down": (QWEN["D"], QWEN["I"])}.items():
+        w, ws = block_fp8_quantize(torch.randn(E, N, K, device="cuda"))
+        ws = ws.to(torch.bfloat16)
+        w_bf16 = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+        for B in batches:
+            P, offs, active = _routing(B, top_k, E, seed=B)
+            x = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
+            io = (P * K + P * N) * 2
+            meta = {"proj": proj, "N": N, "K": K, "batch": B, "pairs": P, "active_experts": active}
+            rows.append(row("block_fp8_grouped", _bench(partial(block_fp8_grouped_mm, x, w, ws, offs)),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_tc",
+                            _bench(partial(_tensor_core, block_fp8_grouped_mm, x, w, ws, offs)),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
+                            active * N * K * 2 + io, copy_gbps, **meta))
+    return rows
+
+
+def speedups(rows: list[dict], fast: str, base: str) -> dict:
+    """{"<proj>_b<batch>": base us / fast us} for rows of the same proj and batch."""
+    key = lambda r: f"{r['proj']}_b{r['batch']}"
+    b = {key(r): r["us"] for r in rows if r["name"] == base}
+    return {key(r): round(b[key(r)] / r["us"], 2) for r in rows if r["name"] == fast and key(r) in b}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quant_gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="decode tokens per step")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    args = p.parse_args(argv)
+    if min(args.batches) < 1:
+        p.error("--batches must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device here; this benchmark runs on the GPU machine", file=sys.stderr)
+        return 2
+    report = {"command": " ".join(["python -m benchmarks.bench_quant_gemm", *(argv or sys.argv[1:])]),
+              "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "device": torch.cuda.get_device_name(0),
+                          "capability": list(torch.cuda.get_device_capability(0))}}
+    copy = part_copy()  # always: every row's fraction refers to it
+    report["copy"] = copy
+    bw = copy["gb_per_s"]
+    if "nvfp4" in args.parts:
+        rows = part_nvfp4(args.batches, bw)
+        report["nvfp4"] = {"rows": rows,
+                           "speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped", "bf16_grouped"),
+                           "tc_speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped_tc", "bf16_grouped"),
+                           "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
+                                                                    "nvfp4_dequant_then_bf16_grouped")}
+    if "fp8" in args.parts:
+        from kernels.quant import block_scaled_mm_supported
+
+        rows = part_fp8(args.batches, bw)
+        report["fp8"] = {"rows": rows, "block_scaled_mm_supported": block_scaled_mm_supported("cuda"),
+                         "dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_triton", "bf16_linear"),
+                         "grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped", "bf16_grouped"),
+                         "tc_dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_tc", "bf16_linear"),
+                         "tc_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_tc", "bf16_grouped")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for part in ("nvfp4", "fp8"):
+        for k, v in report.get(part, {}).items():
+            if k != "rows":
+                print(f"{part} {k}: {json.dumps(v)}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

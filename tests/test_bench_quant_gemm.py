@@ -1,0 +1,39 @@
+"""benchmarks/bench_quant_gemm.py (quantized GEMMs vs BF16, for the GPU machine): its argument checks, the
+bytes each row counts and the row arithmetic, on the CPU (the timed parts need CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_quant_gemm as bench
+from kernels.quant import block_fp8_quantize, nvfp4_quantize
+
+
+def test_byte_counts_are_the_stored_tensors():
+    q, s, s2 = nvfp4_quantize(torch.randn(40, 272))
+    assert bench.nvfp4_weight_bytes(40, 272) == q.nbytes + s.nbytes + s2.nbytes
+    w, ws = block_fp8_quantize(torch.randn(200, 300))
+    assert bench.block_fp8_weight_bytes(200, 300, scale_bytes=4) == w.nbytes + ws.nbytes
+
+
+def test_row_and_speedups():
+    r = bench.row("nvfp4_grouped", 10.0, 48_000_000, 4000.0, proj="up", batch=1)
+    assert r["gb_per_s"] == 4800.0 and r["fraction_of_copy_bw"] == 1.2
+    rows = [r, bench.row("bf16_grouped", 25.0, 1, None, proj="up", batch=1)]
+    assert rows[1]["fraction_of_copy_bw"] is None
+    assert bench.speedups(rows, "nvfp4_grouped", "bf16_grouped") == {"up_b1": 2.5}
+
+
+@pytest.mark.parametrize("argv, says", [([], "--out"), (["--out", "o.json", "--batches", "0"], ">= 1"),
+                                        (["--out", "o.json", "--parts", "int4"], "invalid choice")])
+def test_refuses_bad_arguments(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_needs_cuda(tmp_path, capsys):
+    assert bench.main(["--out", str(tmp_path / "o.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "o.json").exists()

@@ -1,0 +1,403 @@
+"""Quantized-weight GEMMs (kernels/quant/: NVFP4 W4A16, block FP8 w8a8) against their PyTorch references, and
+the format rules themselves (nibble order, e2m1 / e4m3 rounding, quantize -> dequantize).
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set before triton is imported) at
+small awkward sizes: M in {1, 3, 17}, K in {32, 48, 272} (272 = two 128-column groups and a partial third;
+17 e2m1 scale blocks), N in {16, 40} (not multiples of the N tiles), E = 5 experts with empty ones (first,
+middle and last). Outputs are NaN-filled before the kernel writes them, so an element it forgets fails.
+Up to 8 rows per weight matrix take the decode GEMV kernels (with and without split-K: the *_gemv_* tests
+force both), more rows the tensor-core kernels (M = 17, 10 rows per expert, the prefill tile tests).
+tests/test_kernels_quant_gpu.py holds the release-shape and CUDA-graph checks.
+
+Tolerances, kernel vs reference, as a fraction of the largest |reference| output (both compute the same fp32
+sums: the dequantized NVFP4 weight is exact in bf16 / fp16 and the fp8 products are exact in fp32, so they
+differ only in summation order, and for 16-bit outputs in the final rounding):
+  float32   1e-5: summation order over K <= 272 in fp32 (and the fp32 activation split into three bf16
+            pieces, exact to 2^-24) [measured <= 6e-7 in the interpreter];
+  float16   1e-3: one fp16 ulp (2^-10) of the largest output, from rounding fp32 sums that agree to ~1e-7;
+  bfloat16  8e-3: one bf16 ulp (2^-7) likewise.
+The activation quantization kernel is held to bit equality with its reference (same divisions rounded to
+nearest, same ties-to-even e4m3 rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kernels import triton)
+
+import pytest  # noqa: E402
+
+from kernels.quant import _common as quant_common  # noqa: E402
+from kernels.quant import (  # noqa: E402
+    block_fp8,
+    block_fp8_dequantize,
+    block_fp8_grouped_mm,
+    block_fp8_grouped_mm_ref,
+    block_fp8_linear,
+    block_fp8_linear_ref,
+    block_fp8_quantize,
+    block_scaled_mm_supported,
+    nvfp4,
+    nvfp4_dequantize,
+    nvfp4_grouped_mm,
+    nvfp4_grouped_mm_ref,
+    nvfp4_linear,
+    nvfp4_linear_ref,
+    nvfp4_quantize,
+    quantize_activation_per_token_group,
+    quantize_activation_per_token_group_ref,
+)
+from kernels.quant.nvfp4 import E2M1_GRID, round_to_e2m1  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+DTYPES = tuple(TOL)
+SHAPES = [(1, 32, 16), (3, 48, 40), (17, 272, 40)]  # (M, K, N)
+FP8 = torch.float8_e4m3fn
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not got.isnan().any(), "an output element was not written (NaN poison survived)"
+    scale = want.float().abs().max().clamp(min=1e-6)
+    err = (got.float() - want.float()).abs().max()
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
+
+
+def _nan(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _randn(*shape, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _offsets(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4: the format
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_nvfp4_nibble_order_element_2j_in_the_low_nibble():
+    # byte 0x72: low nibble 2 (+1.0) is element 0, high nibble 7 (+6.0) element 1; 0x9A: low A = -1.0,
+    # high 9 = -0.5 (sign bit 3). One block scale of 2.0 and a global 0.5: multipliers of 1.
+    weight = torch.zeros(1, 16, dtype=torch.uint8)
+    weight[0, 0], weight[0, 1] = 0x72, 0x9A
+    scale = torch.full((1, 2), 2.0).to(FP8)
+    s2 = torch.tensor(0.5)
+    w = nvfp4_dequantize(weight, scale, s2, torch.float32)
+    assert w[0, :4].tolist() == [1.0, 6.0, -1.0, -0.5] and not w[0, 4:].any()
+    q, s, s2q = nvfp4_quantize(w)  # amax 6 -> s2 = 6 / 2688, block scale 448: codes on the grid exactly
+    assert q[0, :2].tolist() == [0x72, 0x9A] and not q[0, 2:].any()
+    assert float(s[0, 0]) == 448.0 and float(s[0, 1]) == 0.0 and float(s2q) == pytest.approx(6 / 2688)
+    # the kernel reads the same order: x picks single columns
+    x = torch.eye(4, 32, dtype=torch.float32, device=DEVICE)
+    y = nvfp4_linear(x, weight.to(DEVICE), scale.to(DEVICE), s2.to(DEVICE), out=_nan(4, 1, dtype=x.dtype))
+    assert y[:, 0].tolist() == [1.0, 6.0, -1.0, -0.5]
+
+
+def test_e2m1_rounding_is_nearest_ties_to_even_and_saturates():
+    grid = torch.tensor(E2M1_GRID)
+    assert round_to_e2m1(grid).tolist() == list(range(8))
+    assert round_to_e2m1(-grid[1:]).tolist() == list(range(9, 16))
+    mids = (grid[1:] + grid[:-1]) / 2  # 0.25 0.75 1.25 1.75 2.5 3.5 5: ties go to the even code
+    assert round_to_e2m1(mids).tolist() == [0, 2, 2, 4, 4, 6, 6]
+    assert round_to_e2m1(torch.tensor([0.26, 0.74, 5.01, 7.0, 100.0, -0.1])).tolist() == [1, 1, 7, 7, 7, 8]
+
+
+def test_nvfp4_quantize_round_trip_error_and_idempotence():
+    w = _randn(3, 40, 48, seed=1).cpu()
+    w[1, :, :16] = 0  # an all-zero block: scale 0, codes 0
+    q, s, s2 = nvfp4_quantize(w)
+    assert q.shape == (3, 40, 24) and s.shape == (3, 40, 3) and s2.shape == (3,)
+    assert torch.allclose(s2, w.abs().amax(dim=(1, 2)) / 2688)
+    dq = nvfp4_dequantize(q, s, s2, torch.float32)
+    # per element at most half the widest e2m1 gap (1, between 4 and 6) times the block's step, which the
+    # e4m3 rounding of the block scale stretches by at most 2^-4
+    step = (s.float() * s2[:, None, None]).repeat_interleave(16, dim=-1)
+    assert ((dq - w).abs() <= step * (1 + 2**-4) + 1e-12).all()
+    assert not dq[1, :, :16].any()
+    # a dequantized weight re-quantized with the same global scales gives the same scales and values (codes
+    # may differ in the sign of a zero: a negative value that rounded to -0 dequantizes to -0.0, re-read as 0)
+    q2, s_2, _ = nvfp4_quantize(dq, weight_scale_2=s2)
+    assert torch.equal(s_2.float(), s.float())
+    assert torch.equal(nvfp4_dequantize(q2, s_2, s2, torch.float32), dq)
+    assert torch.equal(q2 & 0x77, q & 0x77)  # the magnitudes of both nibbles agree
+
+
+def test_nvfp4_stacked_dequantize_matches_per_matrix():
+    q, s, s2 = nvfp4_quantize(_randn(2, 16, 32, seed=2).cpu())
+    both = nvfp4_dequantize(q, s, s2, torch.bfloat16)
+    for e in range(2):
+        assert torch.equal(both[e], nvfp4_dequantize(q[e], s[e], s2[e], torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4: kernels vs references
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, K, N", SHAPES)
+def test_nvfp4_linear_matches_reference(M, K, N, dtype):
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(N, K, seed=K + N).cpu()))
+    x, bias = _randn(M, K, seed=M, dtype=dtype), _randn(N, seed=3, dtype=dtype)
+    y = nvfp4_linear(x, q, s, s2, bias, out=_nan(M, N, dtype=dtype))
+    _close(y, nvfp4_linear_ref(x, q, s, s2, bias), dtype)
+
+
+@pytest.mark.parametrize("K", (48, 36))  # 36: K / 2 = 18 bytes per row, not whole int32 words
+def test_nvfp4_byte_path_matches_word_path(K):
+    """The kernel reads the codes as int32 words where rows are whole words (8 codes per load) and byte by
+    byte otherwise; both decode the same values (bit-equal outputs in fp32: same products, same order)."""
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(40, K, seed=K).cpu()))
+    x = _randn(3, K, seed=15)
+    assert nvfp4.words_ok(q) == (K % 8 == 0)
+    by_bytes = nvfp4_linear(x, q, s, s2, out=_nan(3, 40, dtype=x.dtype), force_bytes=True)
+    _close(by_bytes, nvfp4_linear_ref(x, q, s, s2), torch.float32)
+    if K % 8 == 0:
+        _close(nvfp4_linear(x, q, s, s2), by_bytes, torch.float32)
+
+
+# Empty first / middle / last experts; one expert with 17 rows (two row tiles); a single row.
+GROUPED_CASES = [((3, 0, 13, 0, 1), dt) for dt in DTYPES] + [((0, 0, 17, 0, 0), torch.float16),
+                                                              ((0, 1, 0, 0, 0), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("counts, dtype", GROUPED_CASES)
+def test_nvfp4_grouped_mm_matches_reference(counts, dtype):
+    E, K, N = 5, 48, 40
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=4).cpu()))
+    P = sum(counts)
+    x, offs = _randn(P, K, seed=P, dtype=dtype), _offsets(counts)
+    y = nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(P, N, dtype=dtype))
+    _close(y, nvfp4_grouped_mm_ref(x, q, s, s2, offs), dtype)
+    if dtype != torch.float16:
+        return
+    # and each expert's rows equal the dense kernel on that expert alone (one dtype: the interpreter is slow)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            assert torch.equal(y[start:start + c], nvfp4_linear(x[start:start + c], q[e], s[e], s2[e]))
+        start += c
+
+
+def test_grouped_rows_past_the_last_offset_are_not_written():
+    E, K, N = 5, 32, 16
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=5).cpu()))
+    x = _randn(6, K, seed=6)
+    y = nvfp4_grouped_mm(x, q, s, s2, _offsets([2, 0, 1, 0, 0]), out=_nan(6, N, dtype=x.dtype))
+    assert not y[:3].isnan().any() and y[3:].isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# block FP8
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _e4m3_sweep() -> torch.Tensor:
+    """One row whose amax is 448 (scale exactly 1): every finite e4m3 value, both signs, and the midpoint
+    between each pair of neighbours (ties), subnormals included."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    return torch.cat((vals, mids))[None, :]
+
+
+def test_activation_quantization_kernel_is_bit_identical_to_reference():
+    sweep = _e4m3_sweep()
+    x = torch.zeros(4, sweep.shape[1])
+    x[0] = sweep[0]
+    x[1] = _randn(sweep.shape[1], seed=7).cpu() * torch.logspace(-6, 3, sweep.shape[1])
+    x[3] = -x[1] / 3  # row 2 stays zero: scale 1e-10 / 448, codes 0
+    for group in (128, 48):
+        q, s = quantize_activation_per_token_group(x.to(DEVICE), group)
+        qr, sr = quantize_activation_per_token_group_ref(x, group)
+        assert q.shape == x.shape and s.shape == (4, -(-x.shape[1] // group))
+        assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr)
+    # with group = K the sweep row's scale is exactly 1: grid values stay, each tie goes to the even code
+    q, s = quantize_activation_per_token_group(x[:1].to(DEVICE), sweep.shape[1])
+    assert float(s[0, 0]) == 1.0
+    assert torch.equal(q.cpu().view(torch.uint8), sweep.to(FP8).view(torch.uint8))
+
+
+def test_block_fp8_quantize_round_trip():
+    w = _randn(200, 300, seed=8).cpu()  # partial row and column blocks
+    w[128:, :128] = 0
+    q, s = block_fp8_quantize(w)
+    assert q.dtype == FP8 and s.shape == (2, 3) and float(s[1, 0]) == 1.0
+    assert torch.allclose(s[0, 0], w[:128, :128].abs().max() / 448)
+    dq = block_fp8_dequantize(q, s, torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, plus half the subnormal spacing 2^-9 x scale
+    sx = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
+    assert ((dq - w).abs() <= w.abs() * 2**-4 + sx * 2**-10).all()
+    assert torch.equal(block_fp8_dequantize(q, s.to(torch.bfloat16), torch.float32),
+                       q.float() * s.to(torch.bfloat16).float().repeat_interleave(128, 0)
+                       .repeat_interleave(128, 1)[:200, :300])
+
+
+@pytest.mark.parametrize("M, K, N, dtype", [(*shape, dt) for shape in SHAPES for dt in DTYPES]
+                         + [(5, 300, 200, torch.bfloat16)])  # two weight row blocks, a partial K group
+def test_block_fp8_linear_matches_reference(M, K, N, dtype):
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(N, K, seed=K + N).cpu()))
+    s = s.to(torch.bfloat16)  # Qwen's release stores weight_scale_inv in bf16
+    x, bias = _randn(M, K, seed=M, dtype=dtype), _randn(N, seed=9, dtype=dtype)
+    y = block_fp8_linear(x, q, s, bias, out=_nan(M, N, dtype=dtype), impl="triton")
+    _close(y, block_fp8_linear_ref(x, q, s, bias), dtype)
+
+
+@pytest.mark.parametrize("counts, dtype", GROUPED_CASES)
+def test_block_fp8_grouped_mm_matches_reference(counts, dtype):
+    E, K, N = 5, 272, 40
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=10).cpu()))
+    P = sum(counts)
+    x, offs = _randn(P, K, seed=P + 1, dtype=dtype), _offsets(counts)
+    y = block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype))
+    _close(y, block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+
+
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
+    """The decode GEMV path (<= 8 rows per weight matrix) with each program over all of K (program target 1)
+    and with K split as far as it goes (one 128-column group per program, the fp32 partial sums added by
+    splitk_sum with the bias), dense at 2 and 8 rows and grouped; and, at target 1, the grouped tensor-core
+    decode tile (> 8 rows per expert: 50 rows over 5 experts) and the 4-group unrolled K loop."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 300, 40, 5, torch.float16
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=15).cpu()))
+    bias = _randn(N, seed=16, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 20, dtype=dtype)
+        _close(block_fp8_linear(x, q[0], s[0], bias, out=_nan(M, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q[0], s[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):
+        P = sum(counts)
+        x, offs = _randn(P, K, seed=P, dtype=dtype), _offsets(counts)
+        _close(block_fp8_grouped_mm(x, q, s, offs, out=_nan(P, N, dtype=dtype)),
+               block_fp8_grouped_mm_ref(x, q, s, offs), dtype)
+    if target == 1:  # 5 groups with 4 per loop iteration: the second iteration has 3 groups past the end
+        q5, s5 = (t.to(DEVICE) for t in block_fp8_quantize(_randn(N, 600, seed=21).cpu()))
+        x = _randn(8, 600, seed=22, dtype=dtype)
+        _close(block_fp8_linear(x, q5, s5, bias, out=_nan(8, N, dtype=dtype), impl="triton"),
+               block_fp8_linear_ref(x, q5, s5, bias), dtype)
+
+
+@pytest.mark.parametrize("target", [1, 10**6])
+def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
+    """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column
+    steps (64 / 32 / 16-wide N tiles), the last partial, and a partial last 16-column scale block; each
+    program over all of K (target 1) or one step per program with the partial sums added by splitk_sum
+    (with the bias); dense at 2 and 8 rows, grouped with 1-13 rows per expert; at target 1 also the grouped
+    tensor-core decode tile (10 rows per expert)."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E, dtype = 600, 40, 5, torch.bfloat16
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=17).cpu()))
+    bias = _randn(N, seed=18, dtype=dtype)
+    for M in (2, 8):
+        x = _randn(M, K, seed=M + 30, dtype=dtype)
+        _close(nvfp4_linear(x, q[0], s[0], s2[0], bias, out=_nan(M, N, dtype=dtype)),
+               nvfp4_linear_ref(x, q[0], s[0], s2[0], bias), dtype)
+    for counts in [(3, 0, 13, 0, 1)] + ([(20, 0, 0, 0, 30)] if target == 1 else []):  # then the MMA tile
+        x, offs = _randn(sum(counts), K, seed=19, dtype=dtype), _offsets(counts)
+        _close(nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(sum(counts), N, dtype=dtype)),
+               nvfp4_grouped_mm_ref(x, q, s, s2, offs), dtype)
+
+
+def test_gemv_config_splits_k_only_where_n_tiles_are_too_few():
+    # Qwen3-Next at one decode token: q / gate 2048 -> 8192 fills the GPU with 16-wide N tiles; k / v
+    # 2048 -> 512 and o 4096 -> 2048 split K; 8 rows per program at 8 rows, 1 at 1.
+    assert quant_common.gemv_config(1, 8192, 1, 16) == (1, 16, 1, 16)
+    bm, bn, split, steps = quant_common.gemv_config(1, 512, 1, 16)
+    assert (bm, bn) == (1, 16) and split > 1 and split * steps >= 16 > (split - 1) * steps
+    assert quant_common.gemv_config(1, 2048, 1, 32)[2] > 1
+    assert quant_common.gemv_config(8, 8192, 1, 16)[0] == 8
+    assert quant_common.gemv_config(1.2, 2048, 74, 4)[:3] == (2, 64, 1)  # Qwen3-Next down, 8 tokens
+
+
+def test_block_scaled_mm_probe_and_impl_choice_on_the_cpu():
+    assert block_scaled_mm_supported("cpu") is False
+    q, s = block_fp8_quantize(torch.randn(128, 128))
+    with pytest.raises(ValueError, match="impl='scaled_mm' needs"):
+        block_fp8_linear(torch.randn(2, 128), q, s, impl="scaled_mm")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        block_fp8_linear(torch.randn(2, 128), q, s, impl="cublas")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dispatch and input checks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plain_cpu_run_calls_the_references(monkeypatch):
+    monkeypatch.setattr(nvfp4, "use_kernel", lambda x: False)
+    monkeypatch.setattr(block_fp8, "use_kernel", lambda x: False)
+    x = torch.randn(3, 48)
+    q, s, s2 = nvfp4_quantize(torch.randn(16, 48))
+    assert torch.equal(nvfp4_linear(x, q, s, s2), nvfp4_linear_ref(x, q, s, s2))
+    qf, sf = block_fp8_quantize(torch.randn(16, 48))
+    assert torch.equal(block_fp8_linear(x, qf, sf), block_fp8_linear_ref(x, qf, sf))
+    qa, sa = quantize_activation_per_token_group(x)
+    assert torch.equal(sa, quantize_activation_per_token_group_ref(x)[1])
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    q, s, s2 = nvfp4_quantize(torch.randn(16, 32))
+    x = torch.randn(2, 32)
+    cases = [
+        (lambda: nvfp4_linear(x, q.view(torch.int8), s, s2), "weight must be uint8"),
+        (lambda: nvfp4_linear(x, q, s.float(), s2), "weight_scale must be float8_e4m3fn"),
+        (lambda: nvfp4_linear(x, q, s[:, :1], s2), r"weight_scale must have shape \(16, 2\)"),
+        (lambda: nvfp4_linear(x, q, s, torch.ones(2)), "weight_scale_2 must have shape"),
+        (lambda: nvfp4_linear(torch.randn(2, 30), q, s, s2), "K = 32"),
+        (lambda: nvfp4_linear(x.long(), q, s, s2), "x dtype"),
+        (lambda: nvfp4_linear(x, q, s, s2, torch.zeros(15)), r"bias must have shape \(16,\)"),
+        (lambda: nvfp4_grouped_mm(x, q[None], s[None], s2[None], torch.tensor([2])), "offsets must be int32"),
+        (lambda: nvfp4_grouped_mm(x, q[None], s[None], s2.reshape(1), torch.tensor([1, 2]).int()),
+         r"offsets must have shape \(1,\)"),
+        (lambda: nvfp4_quantize(torch.randn(4, 31)), "must be even"),
+        (lambda: block_fp8_linear(x, q, torch.ones(1, 1)), "weight must be float8_e4m3fn"),
+        (lambda: block_fp8_linear(x, torch.zeros(16, 32).to(FP8), torch.ones(2, 1)),
+         r"weight_scale_inv must have shape \(1, 1\)"),
+        (lambda: quantize_activation_per_token_group(x, group=0), "group must be a positive int"),
+    ]
+    for call, says in cases:
+        with pytest.raises(ValueError, match=says):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every tile configuration (the small shapes above all take the narrowest decode tile)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["decode_wide_n", "prefill"])
+def test_other_tile_configs_match_reference(config, monkeypatch):
+    """decode_wide_n: 64-wide N tiles (as at the released shapes; forced by lowering the program target);
+    prefill: >= 64 rows per weight matrix, 64 x 128 tiles (and BLOCK_K 64 for NVFP4)."""
+    if config == "decode_wide_n":
+        monkeypatch.setattr(quant_common, "TARGET_PROGRAMS", 1)
+        M, counts, K = 3, (3, 0, 13, 0, 1), 272
+    else:
+        M, counts, K = 64, (0, 128), 48
+    assert quant_common.tile_config(M if config == "prefill" else 1, 40, 1)[1] == (128 if config == "prefill"
+                                                                                  else 64)
+    N, E, dtype = 40, len(counts), torch.float16
+    x, xg = _randn(M, K, seed=11, dtype=dtype), _randn(sum(counts), K, seed=12, dtype=dtype)
+    offs = _offsets(counts)
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=13).cpu()))
+    _close(nvfp4_linear(x, q[0], s[0], s2[0], out=_nan(M, N, dtype=dtype)),
+           nvfp4_linear_ref(x, q[0], s[0], s2[0]), dtype)
+    _close(nvfp4_grouped_mm(xg, q, s, s2, offs, out=_nan(len(xg), N, dtype=dtype)),
+           nvfp4_grouped_mm_ref(xg, q, s, s2, offs), dtype)
+    qf, sf = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=14).cpu()))
+    _close(block_fp8_linear(x, qf[0], sf[0], out=_nan(M, N, dtype=dtype), impl="triton"),
+           block_fp8_linear_ref(x, qf[0], sf[0]), dtype)
+    _close(block_fp8_grouped_mm(xg, qf, sf, offs, out=_nan(len(xg), N, dtype=dtype)),
+           block_fp8_grouped_mm_ref(xg, qf, sf, offs), dtype)
