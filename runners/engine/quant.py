@@ -477,8 +477,8 @@ def prepare_fp8(model: HybridLM, dtype: torch.dtype) -> dict[str, Any]:
     model's device (for the FP8 MoE this probes ``torch._scaled_grouped_mm`` once, so nothing is probed inside
     a captured step) and return a report: ``{"fp8_linears": {"scaled_mm": n, "reference": n}, "fp8_moe":
     {impl: n}, "block_fp8_linears": {path: n}, "block_fp8_moe": {path: n}, "nvfp4_linears": {path: n},
-    "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton", "scaled_mm" (block FP8) or "reference"; the
-    block-FP8 and NVFP4 keys only where such modules exist; empty dicts / 0 for an unquantized model). The
+    "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton", "triton+scaled_mm" (block FP8) or "reference";
+    the block-FP8 and NVFP4 keys only where such modules exist; empty dicts / 0 for an unquantized model). The
     report is logged (INFO) and stored as ``model.quant_report``."""
     report: dict[str, Any] = {"fp8_linears": {}, "fp8_moe": {}, "block_fp8_linears": {}, "block_fp8_moe": {},
                               "nvfp4_linears": {}, "nvfp4_moe": {}, "kv_scales": 0}

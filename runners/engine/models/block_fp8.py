@@ -15,10 +15,11 @@ BLOCK_FP8_BLOCK = (128, 128)  # the block the kernels run (the releases' weight_
 
 
 def block_fp8_path(device: torch.device, shape: tuple[int, int] | None = None) -> str:
-    """Which GEMM a block-FP8 weight of ``shape`` (N, K; None for routed experts) runs on ``device``:
-    "reference" off CUDA, "scaled_mm" (``torch._scaled_mm`` with block scales) where
-    kernels.quant.block_fp8.block_scaled_mm_supported holds and N, K are whole blocks, else "triton". Runs
-    that function's one-time probe on the device (call at load time, never inside a captured step)."""
+    """Which GEMMs a block-FP8 weight of ``shape`` (N, K; None for routed experts) runs on ``device``:
+    "reference" off CUDA; "triton+scaled_mm" where kernels.quant.block_fp8.block_scaled_mm_supported holds
+    and N, K are whole blocks (its ``block_fp8_linear`` picks block-scaled ``torch._scaled_mm`` for larger row
+    counts and the Triton kernels at decode sizes), else "triton". Runs that function's one-time probe on the
+    device (call at load time, never inside a captured step)."""
     if device.type != "cuda":
         return "reference"
     if shape is None:
@@ -26,7 +27,7 @@ def block_fp8_path(device: torch.device, shape: tuple[int, int] | None = None) -
     from kernels.quant.block_fp8 import block_scaled_mm_supported
 
     whole = shape[0] % BLOCK_FP8_BLOCK[0] == 0 and shape[1] % BLOCK_FP8_BLOCK[1] == 0
-    return "scaled_mm" if whole and block_scaled_mm_supported(device) else "triton"
+    return "triton+scaled_mm" if whole and block_scaled_mm_supported(device) else "triton"
 
 
 def block_fp8_linear(
