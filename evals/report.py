@@ -421,13 +421,18 @@ def _backend_note(config: Mapping[str, Any]) -> str:
 def _fp8_note(report: Mapping[str, Any]) -> str:
     """``config.fp8_gemms`` (runners.engine.quant.prepare_fp8's report) in words: how many FP8 linear layers
     ran
-    torch._scaled_mm or the dequantizing reference, which GEMMs the FP8 MoE blocks ran, KV-scaled blocks."""
+    torch._scaled_mm or the dequantizing reference, which GEMMs the FP8 MoE blocks ran, the block-FP8 / NVFP4
+    modules' GEMMs where the model has them, KV-scaled blocks."""
 
     def counts(d: Mapping[str, int]) -> str:
         return ", ".join(f"{n} {path}" for path, n in sorted(d.items())) or "none"
 
     linear, moe = counts(report.get("fp8_linears") or {}), counts(report.get("fp8_moe") or {})
-    return f"linear {linear}; MoE experts {moe}; KV scales for {report.get('kv_scales', 0)} attention blocks"
+    extra = "".join(f"; {label} {counts(report[key])}" for key, label in (
+        ("block_fp8_linears", "block-FP8 linear"), ("block_fp8_moe", "block-FP8 MoE experts"),
+        ("nvfp4_linears", "NVFP4 linear"), ("nvfp4_moe", "NVFP4 MoE experts")) if report.get(key))
+    kv = report.get("kv_scales", 0)
+    return f"linear {linear}; MoE experts {moe}{extra}; KV scales for {kv} attention blocks"
 
 
 # ---------------------------------------------------------------------------------------------- Markdown

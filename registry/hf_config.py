@@ -36,6 +36,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -45,28 +46,56 @@ BLOCK_KINDS = ("mamba2", "attention", "mlp", "moe", "gdn")
 _RESTORE = "restore the checkpoint's config.json (or point model.checkpoint at a complete checkpoint)"
 
 
+# Per-module weight formats (QuantConfig.module_format): per-tensor FP8 (ModelOpt / HF static fp8), block
+# FP8 (transformers' fine-grained FP8, weight_scale_inv per block), NVFP4 (ModelOpt: packed e2m1, fp8 block
+# scales).
+FORMAT_FP8, FORMAT_BLOCK_FP8, FORMAT_NVFP4 = "fp8", "block_fp8", "nvfp4"
+NVFP4_GROUP_SIZE = 16  # elements per NVFP4 block scale (ModelOpt's group_size)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """The weight quantization a checkpoint declares (None in HybridConfig when it declares none).
 
-    Two file formats describe the same FP8 layout (float8_e4m3fn ``<module>.weight``, float32 per-tensor
-    ``<module>.weight_scale``: ``w = weight * weight_scale``; float32 per-tensor ``<module>.input_scale`` for
-    static activation quantization, ``x_fp8 = clamp(x / input_scale, -448, 448)``; MoE experts per expert):
+    Formats of one module's weight (:meth:`module_format`; the on-disk tensors beside ``<module>.weight``):
+
+    - ``"fp8"`` per-tensor FP8: ``weight`` float8_e4m3fn, float32 ``weight_scale`` (``w = weight *
+      weight_scale``) and ``input_scale`` (static activations, ``x_fp8 = clamp(x / input_scale, -448, 448)``);
+      routed experts per expert.
+    - ``"block_fp8"`` (transformers' fine-grained FP8, Qwen's and DeepSeek's FP8 releases): ``weight``
+      float8_e4m3fn [N, K], ``weight_scale_inv`` [ceil(N / b0), ceil(K / b1)] (a multiplier despite the name;
+      bfloat16 in Qwen3-Next's release, float32 in DeepSeek-V3's), activations quantized at run time per token
+      and b1-column group.
+    - ``"nvfp4"`` (NVIDIA ModelOpt NVFP4): ``weight`` uint8 [N, K / 2] (two e2m1 values per byte, element 2j
+      in the low nibble), ``weight_scale`` float8_e4m3fn [N, K / 16], float32 ``weight_scale_2`` (global) and
+      ``input_scale`` (the activation global scale, unused by the engine's weight-only W4A16 GEMMs).
+
+    The files that declare them:
 
     - NVIDIA ModelOpt (``format="modelopt"``): ``hf_quant_config.json`` ``{"producer": ..., "quantization":
-      {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": [...]}}``, or config.json's
-      ``quantization_config`` ``{"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type":
-      "float", "num_bits": 8}, "ignore": [...]}`` (both as vLLM's modelopt.py reads them). An FP8 KV cache
-      adds per-tensor ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` (``k = k_fp8 * k_scale``).
+      {"quant_algo": "FP8" | "NVFP4" | "MIXED_PRECISION", "kv_cache_quant_algo": "FP8", "exclude_modules":
+      [...], "quantized_layers": {module: {"quant_algo": "NVFP4", "group_size": 16} | {"quant_algo":
+      "FP8"}}}}`` (the nested form), or config.json's ``quantization_config`` (ModelOpt's converted form,
+      Model-Optimizer ``convert_hf_config.py``): ``{"quant_method": "modelopt", "quant_algo": ..., "ignore":
+      [...], "kv_cache_scheme": {"type": "float", "num_bits": 8}, "config_groups": {"group_0":
+      {"weights": {"num_bits": 8 | 4, "type": "float", "group_size": 16}, "targets": [modules]}},
+      "quantized_layers": ...}`` (as vLLM's modelopt.py ``ModelOptFp8Config`` / ``ModelOptNvFp4Config`` /
+      ``ModelOptMixedPrecisionConfig`` read them). ``MIXED_PRECISION`` quantizes exactly the modules
+      ``quantized_layers`` (or the config groups' ``targets``) names; a module absent from it is
+      unquantized. An FP8 KV cache adds per-tensor
+      ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` where the export calibrated them (``k = k_fp8 *
+      k_scale``; the engine uses 1.0 where a checkpoint has none, as vLLM does).
     - HF / vLLM ``fp8`` (``format="fp8"``): ``{"quant_method": "fp8", "activation_scheme": "static" |
       "dynamic", "ignored_layers" | "modules_to_not_convert": [...]}``; with ``weight_block_size`` it is
-      transformers' fine-grained (block-wise, ``weight_scale_inv``) FP8, which is parsed but not run.
+      block FP8 (``fmt: e4m3``, ``activation_scheme: dynamic``).
 
-    Fields: ``method`` "fp8" | "nvfp4" (the registry's ``quant`` values); ``format``; ``algo`` the file's
-    algorithm name (e.g. "FP8", "NVFP4"); ``activation_scheme`` "static" (input_scale tensors) | "dynamic"
-    (per-tensor scale from each activation's amax); ``weight_block_size`` None (per-tensor) or (rows, cols);
-    ``kv_cache_quant`` "fp8" | None; ``exclude_modules`` the modules kept unquantized, as written (names in
-    the checkpoint's naming; ModelOpt wildcards); ``source`` the file it came from.
+    Fields: ``method`` "fp8" | "nvfp4" (the registry's ``quant`` values: a MIXED_PRECISION checkpoint with
+    NVFP4 modules is "nvfp4"); ``format``; ``algo`` the file's algorithm name ("FP8", "FP8_BLOCK", "NVFP4",
+    "MIXED_PRECISION"); ``activation_scheme`` "static" | "dynamic"; ``weight_block_size`` None or (rows,
+    cols);
+    ``kv_cache_quant`` "fp8" | None; ``exclude_modules`` the modules kept unquantized, as written (checkpoint
+    names, wildcards); ``quantized_layers`` ((module pattern, format), ...) of a MIXED_PRECISION checkpoint
+    (empty otherwise); ``group_size`` NVFP4's elements per block scale; ``source`` the file it came from.
     """
 
     method: str
@@ -76,16 +105,49 @@ class QuantConfig:
     weight_block_size: tuple[int, int] | None = None
     kv_cache_quant: str | None = None
     exclude_modules: tuple[str, ...] = ()
+    quantized_layers: tuple[tuple[str, str], ...] = ()
+    group_size: int | None = None
     source: str = field(default="", compare=False)
 
     def is_excluded(self, module: str) -> bool:
-        """Whether checkpoint module ``module`` (e.g. ``backbone.layers.1.mixer.q_proj``) stays unquantized:
-        it equals an entry, lies below one (``lm_head`` excludes ``lm_head.*``), or matches one as an
-        fnmatch wildcard (ModelOpt's ``exclude_modules`` are wildcards, e.g. ``*.mixer.q_proj``, ``mtp*``)."""
-        return any(
-            module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p)
-            for p in self.exclude_modules
-        )
+        """Whether checkpoint module ``module`` (e.g. ``backbone.layers.1.mixer.q_proj``) stays unquantized by
+        the exclude list: it equals an entry, lies below one (``lm_head`` excludes ``lm_head.*``), or matches
+        one as an fnmatch wildcard (ModelOpt's ``exclude_modules`` are wildcards, e.g. ``*.mixer.q_proj``,
+        ``mtp*``; vLLM's modelopt.py matches them the same way)."""
+        return any(_module_matches(module, p) for p in self.exclude_modules)
+
+    def module_format(self, module: str) -> str | None:
+        """The weight format of checkpoint module ``module`` (:data:`FORMAT_FP8`, :data:`FORMAT_BLOCK_FP8`,
+        :data:`FORMAT_NVFP4`) or None when it stays unquantized: excluded modules are unquantized; a
+        MIXED_PRECISION checkpoint quantizes what ``quantized_layers`` names (a module equal to, below or
+        matching an entry: ``...mixer.experts`` covers ``...mixer.experts.3.up_proj``) and nothing else;
+        other checkpoints quantize every module the engine may quantize in their one format."""
+        if self.is_excluded(module):
+            return None
+        if self.algo == "MIXED_PRECISION":
+            exact, wildcards = self._layer_lookup
+            parts = module.split(".")
+            for i in range(len(parts), 0, -1):  # the module itself, then each module above it
+                fmt = exact.get(".".join(parts[:i]))
+                if fmt is not None:
+                    return fmt
+            return next((fmt for p, fmt in wildcards if fnmatch.fnmatchcase(module, p)), None)
+        if self.method == "nvfp4":
+            return FORMAT_NVFP4
+        return FORMAT_BLOCK_FP8 if self.weight_block_size is not None else FORMAT_FP8
+
+
+    @cached_property
+    def _layer_lookup(self) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
+        """quantized_layers split into exact names {module: format} and wildcard entries (a release lists
+        every expert projection: tens of thousands of names, looked up per module)."""
+        exact = {p: f for p, f in self.quantized_layers if not any(c in p for c in "*?[")}
+        return exact, tuple((p, f) for p, f in self.quantized_layers if p not in exact)
+
+
+def _module_matches(module: str, pattern: str) -> bool:
+    """``module`` equals ``pattern``, lies below it (``pattern.``...) or matches it as an fnmatch wildcard."""
+    return module == pattern or module.startswith(pattern + ".") or fnmatch.fnmatchcase(module, pattern)
 
 
 @dataclass(frozen=True)
@@ -278,11 +340,14 @@ def _ids(value: Any, what: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-# ModelOpt quant_algo -> the registry's quant value (algorithms the engine may meet; others are refused here)
-_MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
+# ModelOpt quant_algo -> the registry's quant value (algorithms the engine may meet; others are refused here).
+# MIXED_PRECISION is "nvfp4" when a module is NVFP4, else "fp8" (:func:`_mixed_layers`).
+_MODELOPT_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MIXED_PRECISION": None}
+# per-module algorithms of quantized_layers -> the module's weight format
+_LAYER_ALGOS = {"FP8": FORMAT_FP8, "NVFP4": FORMAT_NVFP4, "W4A16_NVFP4": FORMAT_NVFP4}
 _QUANT_FIX = (
-    "use an unquantized checkpoint, a ModelOpt FP8 (quant_algo FP8: per-tensor scales) or HF fp8 checkpoint, "
-    "or write one with python -m runners.tools.quantize --fp8 SRC DST"
+    "use an unquantized checkpoint, a ModelOpt FP8 / NVFP4 / MIXED_PRECISION checkpoint, an HF fp8 "
+    "checkpoint (per-tensor or 128 x 128 blocks), or write one with python -m runners.tools.quantize"
 )
 
 
@@ -294,14 +359,65 @@ def _exclude_list(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _group_size(value: Any, what: str) -> int:
+    """NVFP4's group size (default 16); any other value is refused (the format fixes it at 16)."""
+    size = NVFP4_GROUP_SIZE if value is None else value
+    if size != NVFP4_GROUP_SIZE:
+        raise CheckpointError(f"{what}: NVFP4 group_size {value!r} is not supported (NVFP4 blocks are "
+                              f"{NVFP4_GROUP_SIZE} values)", _RESTORE)
+    return size
+
+
+def _mixed_layers(q: dict[str, Any], source: str) -> tuple[tuple[str, str], ...]:
+    """``((module pattern, format), ...)`` of a MIXED_PRECISION config: its ``quantized_layers`` ({module:
+    {"quant_algo": "NVFP4" | "W4A16_NVFP4" | "FP8", "group_size": 16}}), else (config.json's converted form
+    without it) the ``config_groups``' ``targets`` by their ``weights`` (8-bit float: FP8; 4-bit float
+    with group_size 16: NVFP4). Empty when neither is there (the other file may carry them)."""
+    layers = q.get("quantized_layers")
+    out: list[tuple[str, str]] = []
+    if layers is not None:
+        if not isinstance(layers, dict):
+            raise CheckpointError(f"{source}: quantized_layers must be an object, got {layers!r}", _RESTORE)
+        for module, spec in layers.items():
+            algo = str(spec.get("quant_algo", "")).upper() if isinstance(spec, dict) else ""
+            if algo not in _LAYER_ALGOS:
+                raise CheckpointError(
+                    f"{source}: quantized_layers[{module!r}] = {spec!r}: per-module quant_algo must be "
+                    f"one of {sorted(_LAYER_ALGOS)}", _QUANT_FIX)
+            if _LAYER_ALGOS[algo] == FORMAT_NVFP4:
+                _group_size(spec.get("group_size"), f"{source}: quantized_layers[{module!r}]")
+            out.append((module, _LAYER_ALGOS[algo]))
+        return tuple(out)
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"{source}: config_groups must be an object, got {groups!r}", _RESTORE)
+    for name, group in groups.items():
+        w = group.get("weights") if isinstance(group, dict) else None
+        targets = group.get("targets") if isinstance(group, dict) else None
+        if not isinstance(w, dict) or not isinstance(targets, list):
+            raise CheckpointError(f"{source}: config_groups.{name} needs weights and targets", _RESTORE)
+        kind = (w.get("type"), w.get("num_bits"))
+        if kind == ("float", 8):
+            fmt = FORMAT_FP8
+        elif kind == ("float", 4):
+            _group_size(w.get("group_size"), f"{source}: config_groups.{name}")
+            fmt = FORMAT_NVFP4
+        else:
+            raise CheckpointError(f"{source}: config_groups.{name} weights {w!r} are not FP8 or NVFP4",
+                                  _QUANT_FIX)
+        out += [(str(t), fmt) for t in targets]
+    return tuple(out)
+
+
 def _modelopt(q: dict[str, Any], source: str, *, nested: bool) -> QuantConfig:
     """A ModelOpt quantization dict: the legacy ``quantization`` object (``kv_cache_quant_algo``,
-    ``exclude_modules``) when ``nested``, else config.json's flat form (``kv_cache_scheme``, ``ignore``)."""
+    ``exclude_modules``) when ``nested``, else config.json's converted form (``kv_cache_scheme``,
+    ``ignore``, ``config_groups``); MIXED_PRECISION's ``quantized_layers`` in either."""
     algo = str(q.get("quant_algo") or "").upper()
     if algo not in _MODELOPT_ALGOS:
         raise CheckpointError(
             f"{source}: ModelOpt quant_algo {q.get('quant_algo')!r} is not supported (supported: "
-            f"{sorted(_MODELOPT_ALGOS)}; FP8 means per-tensor weight and static activation scales)",
+            f"{sorted(_MODELOPT_ALGOS)})",
             _QUANT_FIX,
         )
     kv = q.get("kv_cache_quant_algo")
@@ -315,12 +431,24 @@ def _modelopt(q: dict[str, Any], source: str, *, nested: bool) -> QuantConfig:
     if kv is not None and str(kv).upper() != "FP8":
         raise CheckpointError(f"{source}: kv_cache_quant_algo {kv!r} is not supported (only FP8)", _QUANT_FIX)
     key = "exclude_modules" if nested or "exclude_modules" in q else "ignore"
+    layers: tuple[tuple[str, str], ...] = ()
+    group_size = None
+    if algo == "MIXED_PRECISION":
+        layers = _mixed_layers(q, source)
+        method = "nvfp4" if any(f == FORMAT_NVFP4 for _, f in layers) else "fp8"
+        group_size = NVFP4_GROUP_SIZE if method == "nvfp4" else None
+    else:
+        method = _MODELOPT_ALGOS[algo]
+        if method == "nvfp4":
+            group_size = _group_size(q.get("group_size"), source)
     return QuantConfig(
-        method=_MODELOPT_ALGOS[algo],
+        method=method,
         format="modelopt",
         algo=algo,
         kv_cache_quant="fp8" if kv is not None else None,
         exclude_modules=_exclude_list(q.get(key), f"{source}: {key}"),
+        quantized_layers=layers,
+        group_size=group_size,
         source=source,
     )
 
@@ -379,7 +507,7 @@ def parse_quantization(
         else:
             raise CheckpointError(
                 f"{where}: quant_method {q.get('quant_method')!r} is not supported (supported: modelopt with "
-                "quant_algo FP8 / NVFP4, fp8)",
+                "quant_algo FP8 / NVFP4 / MIXED_PRECISION, fp8)",
                 _QUANT_FIX,
             )
     if hf_quant_config is not None:
@@ -387,6 +515,13 @@ def parse_quantization(
         if not isinstance(q, dict):
             raise CheckpointError(f'{hf_quant_source}: no "quantization" object', _RESTORE)
         parsed.append(_modelopt(q, hf_quant_source, nested=True))
+    if len(parsed) == 2 and parsed[0].algo == parsed[1].algo == "MIXED_PRECISION":
+        # config.json's converted form may list the modules in config_groups only, or in neither
+        layers = parsed[0].quantized_layers or parsed[1].quantized_layers
+        parsed[0] = replace(parsed[0], quantized_layers=layers,
+                            method="nvfp4" if any(f == FORMAT_NVFP4 for _, f in layers) else "fp8",
+                            group_size=parsed[0].group_size or parsed[1].group_size)
+        parsed[1] = replace(parsed[1], method=parsed[0].method)
     if len(parsed) == 2 and (parsed[0].method, parsed[0].algo) != (parsed[1].method, parsed[1].algo):
         raise CheckpointError(
             f"{source}: quantization_config says {parsed[0].algo} but {hf_quant_source} says "

@@ -1,5 +1,7 @@
-"""The checkpoint's quantization config (registry.hf_config.QuantConfig), the entry-vs-checkpoint quant rule
-(registry.resolve) and what runners.app.support refuses (NVFP4 on the wrong hardware, block-wise FP8)."""
+"""The checkpoint's quantization config (registry.hf_config.QuantConfig: ModelOpt FP8 / NVFP4 /
+MIXED_PRECISION in both spellings, HF fp8 per-tensor and block), the entry-vs-checkpoint quant rule
+(registry.resolve) and what runners.app.support refuses (NVFP4 / block FP8 on GPUs older than sm_89, block
+sizes other than 128 x 128)."""
 
 from __future__ import annotations
 
@@ -47,14 +49,84 @@ def test_hf_fp8_forms():
                                  "ignored_layers": ["lm_head"]})
     assert (static.format, static.activation_scheme) == ("fp8", "static")
     assert static.exclude_modules == ("lm_head",)
-    block = parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})
+    assert static.module_format("model.layers.0.mlp.up_proj") == "fp8"
+    # Qwen's release: block FP8 with dynamic activations, runnable; modules_to_not_convert honoured
+    block = parse_quantization({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128],
+                                "modules_to_not_convert": ["lm_head", "mtp.fc", "model.layers.0.mlp.gate"]})
     assert block.weight_block_size == (128, 128) and block.algo == "FP8_BLOCK"
-    with pytest.raises(CheckpointError, match="block-wise FP8"):
-        check_runnable(block)
+    assert block.module_format("mtp.layers.0.self_attn.q_proj") == "block_fp8"
+    assert block.module_format("mtp.fc") is None and block.module_format("lm_head") is None
+    check_runnable(block)
+    with pytest.raises(CheckpointError, match=r"weight_block_size \[64, 64\] is not supported"):
+        check_runnable(parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                           "weight_block_size": [64, 64]}))
+    with pytest.raises(CheckpointError, match="block FP8 with activation_scheme static"):
+        check_runnable(parse_quantization({"quant_method": "fp8", "activation_scheme": "static",
+                                           "weight_block_size": [128, 128]}))
     with pytest.raises(CheckpointError, match="activation_scheme dynamic"):
         check_runnable(parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic"}))
     check_runnable(static)
+
+
+NVFP4 = {"quant_algo": "NVFP4", "group_size": 16}
+LAYERS = {"backbone.layers.1.mixer.experts.0.up_proj": NVFP4,
+          "backbone.layers.1.mixer.experts.0.down_proj": NVFP4,
+          "backbone.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+          "backbone.layers.3.mixer.experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}
+
+
+def test_mixed_precision_per_module():
+    """ModelOpt MIXED_PRECISION (Super NVFP4's hf_quant_config.json): quantized_layers gives each module
+    its format, a module below a listed one (fused experts) takes its format, an unlisted module is
+    unquantized, the exclude list wins."""
+    q = parse_quantization(None, {"quantization": {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "mtp*"],
+        "quantized_layers": {**LAYERS, "mtp.layers.0.x": NVFP4}}})
+    assert (q.method, q.algo, q.group_size, q.kv_cache_quant) == ("nvfp4", "MIXED_PRECISION", 16, "fp8")
+    assert q.module_format("backbone.layers.1.mixer.experts.0.up_proj") == "nvfp4"
+    assert q.module_format("backbone.layers.0.mixer.in_proj") == "fp8"
+    assert q.module_format("backbone.layers.3.mixer.experts.7.down_proj") == "nvfp4"  # below a listed module
+    assert q.module_format("backbone.layers.0.mixer.out_proj") is None  # not listed: unquantized
+    assert q.module_format("backbone.layers.5.mixer.q_proj") is None
+    assert q.module_format("mtp.layers.0.x") is None  # excluded wins
+    fp8_only = parse_quantization(None, {"quantization": {
+        "quant_algo": "MIXED_PRECISION", "quantized_layers": {"a.b": {"quant_algo": "FP8"}}}})
+    assert fp8_only.method == "fp8" and fp8_only.module_format("a.b") == "fp8"
+
+
+def test_mixed_precision_config_json_groups_and_both_files():
+    """config.json's converted form lists the modules as config_groups targets (4-bit float with group_size
+    16: NVFP4; 8-bit float: FP8); with hf_quant_config.json beside it both must say MIXED_PRECISION."""
+    groups = {"group_0": {"weights": {"num_bits": 8, "type": "float"},
+                          "targets": ["backbone.layers.0.mixer.in_proj"]},
+              "group_1": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                          "input_activations": {"num_bits": 4, "type": "float", "group_size": 16},
+                          "targets": ["backbone.layers.1.mixer.experts.0.up_proj"]}}
+    flat = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "ignore": ["mtp*"],
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}, "config_groups": groups}
+    q = parse_quantization(flat)
+    assert q.method == "nvfp4" and q.kv_cache_quant == "fp8"
+    assert q.module_format("backbone.layers.1.mixer.experts.0.up_proj") == "nvfp4"
+    assert q.module_format("backbone.layers.0.mixer.in_proj") == "fp8"
+    # config.json without modules, hf_quant_config.json with them: the modules come from the latter
+    bare = {k: v for k, v in flat.items() if k != "config_groups"}
+    both = parse_quantization(bare, {"quantization": {"quant_algo": "MIXED_PRECISION",
+                                                      "quantized_layers": LAYERS}})
+    assert both.method == "nvfp4" and both.module_format("backbone.layers.0.mixer.in_proj") == "fp8"
+
+
+@pytest.mark.parametrize("hf, match", [
+    ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"m": {"quant_algo": "INT4_AWQ"}}},
+     r"quantized_layers\['m'\].*per-module quant_algo must be one of"),
+    ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"m": {"quant_algo": "NVFP4", "group_size": 32}}},
+     "NVFP4 group_size 32 is not supported"),
+    ({"quant_algo": "MIXED_PRECISION", "quantized_layers": ["m"]}, "quantized_layers must be an object"),
+    ({"quant_algo": "NVFP4", "group_size": 8}, "NVFP4 group_size 8"),
+])
+def test_bad_mixed_precision_configs(hf, match):
+    with pytest.raises(CheckpointError, match=match):
+        parse_quantization(None, {"quantization": hf})
 
 
 @pytest.mark.parametrize("qc, hf, match", [
@@ -116,43 +188,68 @@ def test_entry_quant_must_match_the_checkpoint():
     assert "python -m runners.tools.quantize --fp8" in err.fix
 
 
-def test_nvfp4_refused_before_loading_naming_the_hardware(monkeypatch):
-    """No models_root, no weights: the nvfp4 entry is refused for the hardware before the checkpoint is asked
-    for; on the CPU the message names the CPU and Blackwell."""
-    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
-    for model in ("super_v3_mtp", "qwen3_next_mtp"):
-        err = _error(f"model={model}_nvfp4", "model.cuda_graph_batch_sizes=[]")
-        assert "quant=nvfp4" in err.problem and "Blackwell" in err.problem and "the CPU" in err.problem
-        # the fix names this model's own runnable entries, never another model's
-        assert f"use model={model}_fp8 (FP8) or model={model} (bf16);" in err.fix, err.fix
-
-
-def test_nvfp4_refused_on_pre_blackwell_gpu(monkeypatch):
-    """The same check on a (faked) Hopper GPU names it and its compute capability."""
+def _fake_gpu(monkeypatch, name, cap):
     import runners.app.support as support
 
     monkeypatch.setattr(support.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(support.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(support.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    hw, cap = support._hardware("cuda")
-    assert hw == "NVIDIA H200 (sm_90)" and cap < support.FP4_MIN_CAPABILITY
+    monkeypatch.setattr(support.torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(support.torch.cuda, "get_device_name", lambda device=None: name)
+    return support
 
 
-def test_block_wise_fp8_checkpoint_refused(tmp_path):
+def test_nvfp4_runs_on_hopper_and_the_cpu_and_is_refused_on_older_gpus(monkeypatch):
+    """No models_root, no weights: an nvfp4 entry passes the hardware check on the CPU (references) and on
+    a (faked) H200 (the W4A16 Triton GEMMs); on an sm_80 GPU it is refused naming the GPU, and the fix names
+    this model's own runnable entries."""
+    from registry.resolve import resolve
+
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    for model in ("super_v3_mtp", "qwen3_next_mtp"):
+        cfg = compose_config([f"model={model}_nvfp4", "model.cuda_graph_batch_sizes=[]"])
+        support = __import__("runners.app.support", fromlist=["check_quant_hardware"])
+        support.check_quant_hardware(resolve(cfg, check_checkpoint=False))  # the CPU
+        _fake_gpu(monkeypatch, "NVIDIA H200", (9, 0))
+        rr = resolve(compose_config([f"model={model}_nvfp4", "runtime.device=cuda"]), check_checkpoint=False)
+        support.check_quant_hardware(rr)
+        _fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+        with pytest.raises(UserError) as err:
+            support.check_quant_hardware(rr)
+        assert "NVFP4 (W4A16)" in err.value.problem and "A100-SXM4-80GB (sm_80)" in err.value.problem
+        assert f"model={model}_fp8 (FP8) or model={model} (bf16)" in err.value.fix, err.value.fix
+        monkeypatch.undo()
+        monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+
+
+def test_block_fp8_refused_on_older_gpus_only(monkeypatch):
+    """The block-FP8 format comes from the checkpoint (an fp8 entry): the check takes the formats."""
+    from registry.resolve import resolve
+
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    support = _fake_gpu(monkeypatch, "Tesla V100", (7, 0))
+    rr = resolve(compose_config(["model=qwen3_next_mtp_fp8", "runtime.device=cuda"]), check_checkpoint=False)
+    support.check_quant_hardware(rr, ("fp8",))  # per-tensor FP8 has its dequantizing fallback
+    with pytest.raises(UserError, match=r"block-FP8 GEMMs .* Tesla V100 \(sm_70\)"):
+        support.check_quant_hardware(rr, ("block_fp8",))
+
+
+def test_block_fp8_checkpoint_with_other_blocks_refused(tmp_path):
     ckpt = tmp_path / "blockwise"
     shutil.copytree(TINY, ckpt)
     raw = json.loads((ckpt / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
+                                  "weight_block_size": [64, 64]}
     (ckpt / "config.json").write_text(json.dumps(raw))
     err = _error("model=tiny_nemotron_h_mtp_fp8", f"model.checkpoint={ckpt}")
-    assert "block-wise FP8" in err.problem and "runners.tools.quantize" in err.fix
+    assert "weight_block_size [64, 64] is not supported" in err.problem
+    assert "runners.tools.quantize" in err.fix
 
 
 def test_fp8_entries_compose_with_arch_unchanged():
     for base in ("super_v3_mtp", "qwen3_next_mtp"):
         a, b = compose_config([f"model={base}"]), compose_config([f"model={base}_fp8"])
-        assert a.model.arch == b.model.arch and b.model.quant == "fp8" and b.model.kv_cache_quant == "fp8"
+        assert a.model.arch == b.model.arch and b.model.quant == "fp8"
+        # Super FP8 ships KV-cache scales; Qwen's block-FP8 release has none (a BF16 KV cache as published)
+        assert b.model.kv_cache_quant == ("fp8" if base == "super_v3_mtp" else "none")
     assert Path(REPO_ROOT / "registry" / "checkpoints" / "tiny_qwen3_next_mtp_fp8" / "config.json").is_file()
 
 

@@ -4,7 +4,7 @@
 counterpart, called by the application before anything heavy is loaded. Each field the engine does not
 implement yet is refused with a UserError naming the field, so an entry never runs silently as something
 else (an nvfp4 entry in bfloat16, judged against nvfp4 baseline rows). The checks that depend on this machine
-(CUDA present, enough GPUs, FlashInfer on a GPU, FP4 tensor cores) are here too.
+(CUDA present, enough GPUs, FlashInfer on a GPU, a GPU for the quantized GEMMs) are here too.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from registry.checkpoint import CheckpointError
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import Quant, SSMBackend
-from runners.engine.quant import check_runnable
+from runners.engine.quant import check_runnable, checkpoint_formats
 
-# First compute capability with FP4 tensor cores (NVFP4 GEMMs): Blackwell, sm_100.
-FP4_MIN_CAPABILITY = (10, 0)
+# First compute capability on which the engine's block-FP8 and NVFP4 (W4A16) Triton GEMMs run: they convert
+# float8_e4m3fn weights / scales in the kernel (Triton's fp8e4nv type: Ada sm_89, Hopper and newer).
+QUANT_GEMM_MIN_CAPABILITY = (8, 9)
 
 
 def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
@@ -29,24 +30,32 @@ def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
     return f"the CPU (runtime.device={device})", None
 
 
-def check_quant_hardware(rr: ResolvedRun) -> None:
-    """Raise UserError when the entry's weight quantization cannot run on this machine, from the settings
-    alone (callable before the checkpoint is resolved, so an nvfp4 entry is refused naming the hardware even
-    where its weights are absent): NVFP4 needs FP4 tensor cores (Blackwell, sm_100+), and the engine has no
-    NVFP4 path on any hardware yet (the nvfp4 baseline rows stay for Blackwell users)."""
+def check_quant_hardware(rr: ResolvedRun, formats: tuple[str, ...] | None = None) -> None:
+    """Raise UserError when the run's weight formats cannot run on this machine. Runnable: on the CPU every
+    format (the GEMMs' PyTorch references: correct, slow, as the FP8 path's dequantizing fallback); on CUDA
+    GPUs of sm_89 or newer every format (NVFP4 as weight-only W4A16 and block FP8 through
+    kernels.quant's Triton GEMMs, per-tensor FP8 through torch._scaled_mm); on older GPUs per-tensor FP8
+    (its dequantizing fallback) but not NVFP4 or block FP8, whose Triton kernels need sm_89's fp8 type.
+
+    ``formats``: the checkpoint's weight formats (``registry.hf_config.FORMAT_*``); None reads them from the
+    entry's settings alone (``quant: nvfp4``), so an nvfp4 entry is refused naming the hardware before its
+    checkpoint is resolved."""
     e = rr.entry
-    if e.quant != Quant.nvfp4:
+    if formats is None:
+        formats = ("nvfp4",) if e.quant == Quant.nvfp4 else ()
+    needs = sorted(set(formats) & {"nvfp4", "block_fp8"})
+    if not needs:
         return
     hw, cap = _hardware(rr.device)
-    if cap is None or cap < FP4_MIN_CAPABILITY:
-        problem = (
-            f"entry {e.name} sets quant=nvfp4: NVFP4 weights need FP4 tensor cores (NVIDIA Blackwell, "
-            f"sm_100 or newer), and this run is on {hw}"
-        )
-    else:
-        problem = f"entry {e.name} sets quant=nvfp4, but the engine has no NVFP4 path yet (device: {hw})"
-    raise UserError(problem, f"use {_runnable_siblings(e.name)}; the nvfp4 entries and baseline rows are for "
-                             "Blackwell GPUs")
+    if cap is None or cap >= QUANT_GEMM_MIN_CAPABILITY:
+        return
+    names = " and ".join({"nvfp4": "NVFP4 (W4A16)", "block_fp8": "block-FP8"}[f] for f in needs)
+    raise UserError(
+        f"entry {e.name}: the engine's {names} GEMMs are Triton kernels that need a GPU with FP8 support "
+        f"(sm_89 or newer: Ada, Hopper, Blackwell), and this run is on {hw}",
+        f"run on an sm_89+ GPU or on the CPU (runtime=cpu: slow references), or use "
+        f"{_runnable_siblings(e.name)}",
+    )
 
 
 def _runnable_siblings(name: str) -> str:
@@ -69,13 +78,15 @@ def _runnable_siblings(name: str) -> str:
 def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
-    Refused: NVFP4 weights (`quant: nvfp4`, :func:`check_quant_hardware`); an FP8 checkpoint in a layout
-    the engine does not run (block-wise FP8, dynamic activation scales: runners.engine.quant.check_runnable);
+    Refused: a quantized checkpoint in a layout the engine does not run (runners.engine.quant.check_runnable:
+    per-tensor FP8 with dynamic activation scales, blocks other than 128 x 128); NVFP4 or block-FP8 weights
+    on a GPU older than sm_89 (:func:`check_quant_hardware`);
     world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only),
     on one
     named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
-    CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints; FP8 GEMMs on GPUs of
-    sm_89+, a dequantizing fallback elsewhere) and `kv_cache_quant: fp8` (runners.engine.quant,
+    CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints: FP8 GEMMs on GPUs of
+    sm_89+, a dequantizing fallback elsewhere; block FP8), `quant: nvfp4` (ModelOpt NVFP4 / MIXED_PRECISION,
+    run W4A16) and `kv_cache_quant: fp8` (runners.engine.quant,
     runners.engine.cache.KVCache). (the entry's graph batch sizes are honoured: the engine captures its decode
     step at
     those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1
@@ -84,7 +95,6 @@ def check_supported(rr: ResolvedRun) -> None:
     says
     so; the head counts it shards are checked by registry.resolve.)
     """
-    check_quant_hardware(rr)
     e = rr.entry
     quant = rr.checkpoint_config.quantization if rr.checkpoint_config is not None else None
     if quant is not None:
@@ -92,6 +102,7 @@ def check_supported(rr: ResolvedRun) -> None:
             check_runnable(quant)
         except CheckpointError as err:
             raise UserError(f"entry {e.name}: {err.problem}", err.fix) from None
+    check_quant_hardware(rr, checkpoint_formats(quant) if quant is not None else None)
     if rr.device == "cpu" and e.ssm.backend == SSMBackend.flashinfer:
         raise UserError(
             f"entry {e.name} uses ssm.backend=flashinfer, which runs only on CUDA GPUs; runtime.device is "

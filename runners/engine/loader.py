@@ -38,6 +38,7 @@ _CHECK_CHUNK = 1 << 24
 # Tensors kept in float32 whatever the model dtype (transformers keeps the NemotronH router in fp32).
 FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
 SAFETENSORS_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+SAFETENSORS_U8 = "U8"  # NVFP4's packed weights
 
 __all__ = [
     "CheckpointError",
@@ -166,8 +167,8 @@ def plan_load(
     if not load_mtp and has_mtp_layers:
         files = {n: f for n, f in files.items() if not n.startswith(MTP_PREFIX)}
     model = build_meta_model(config, dtype=dtype, with_mtp=load_mtp)
-    if config.quantization is not None:  # FP8 modules where the checkpoint's quantization config says
-        apply_quantization(model, config.quantization)
+    if config.quantization is not None:  # quantized modules where the checkpoint's quantization config says
+        apply_quantization(model, config.quantization, tensor_names=files.keys())
     targets = load_targets(model)
     if config.tie_word_embeddings and TIED_HEAD in files and TIED_HEAD not in targets:
         _check_tied_head(files[TIED_HEAD], (config.vocab_size, config.hidden_size))
@@ -210,10 +211,10 @@ def plan_load(
                             f"{list(want)}",
                             "the checkpoint does not match its config.json: fix one of them",
                         )
-                    if (sl.get_dtype() == SAFETENSORS_FP8) != (targets[name].dtype == FP8_DTYPE):
+                    if _storage_kind(sl.get_dtype()) != _storage_kind(targets[name].dtype):
                         raise CheckpointError(
                             f"{shard}: tensor {name} is {sl.get_dtype()} on disk but the model holds it in "
-                            f"{targets[name].dtype}: FP8 weights and the quantization config "
+                            f"{targets[name].dtype}: the quantized weights and the quantization config "
                             "(config.json quantization_config / hf_quant_config.json) disagree",
                             "restore the checkpoint's quantization config, or re-export the checkpoint",
                         )
@@ -221,6 +222,14 @@ def plan_load(
             raise CheckpointError(f"{shard}: cannot read tensor headers ({e}); the file is corrupt",
                                   "re-download or re-save it") from e
     return LoadPlan(path, config, model, files, dtype, model_bytes(model))
+
+
+def _storage_kind(dtype: str | torch.dtype) -> str:
+    """"fp8", "packed" (uint8: NVFP4's two e2m1 values per byte) or "other" of a safetensors dtype name or a
+    torch dtype: a tensor must have the same kind on disk and in the model (other floats convert on load)."""
+    if dtype in (SAFETENSORS_FP8, FP8_DTYPE):
+        return "fp8"
+    return "packed" if dtype in (SAFETENSORS_U8, torch.uint8) else "other"
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -319,7 +328,8 @@ def materialize(plan: LoadPlan, device: str | torch.device = "cpu") -> HybridLM:
     into its destination in the destination's dtype: nothing is built on the host first or in float32. A
     tensor with a reader in ``plan.readers`` copies only what the reader returns (its shard).
     Modules with non-persistent buffers compute them in ``init_buffers()``, called last; an FP8 model then
-    fixes which FP8 GEMMs run on ``device`` (``runners.engine.quant.prepare_fp8``, ``model.quant_report``).
+    fixes which quantized GEMMs run on ``device`` (``runners.engine.quant.prepare_fp8``,
+    ``model.quant_report``).
 
     Returns:
         The model in eval mode (``plan.model``, now on ``device``).

@@ -1,32 +1,44 @@
-"""FP8 checkpoints in the engine: the modules that hold FP8 weights, and the swap that puts them into a model
-built on the meta device, before its weights are loaded (so FP8 tensors go from the files straight to the
-device in FP8; the model code never learns about quantization).
+"""Quantized checkpoints in the engine: the modules that hold quantized weights, and the swap that puts them
+into a model built on the meta device, before its weights are loaded (so quantized tensors go from the files
+straight to the device in their on-disk format; the model code never learns about quantization).
 
-What is quantized is read from the checkpoint (``registry.hf_config.QuantConfig``: config.json's
-``quantization_config`` or ModelOpt's ``hf_quant_config.json``), never guessed: every linear layer of the
-model whose checkpoint module name the config does not exclude becomes an :class:`FP8Linear`, every MoE
-block whose routed experts it does not exclude an :class:`FP8MoE`; with an FP8 KV cache declared, every
-attention block's ``k_proj`` / ``v_proj`` gets the per-tensor ``k_scale`` / ``v_scale`` buffer it is stored
-under (ModelOpt's names, e.g. ``backbone.layers.5.mixer.k_proj.k_scale``). The loader then requires exactly
-those tensors (``weight`` float8_e4m3fn, ``weight_scale`` and ``input_scale`` float32) and no others, so a
-checkpoint whose files do not match its own config fails with the tensor names. Never quantized, whatever
-the config says: embeddings, norms, the MoE router (a float32 parameter, not a linear layer), convolutions,
-Qwen3-Next's ``shared_expert_gate`` (read as a router-like float32 gate by ``MoE.forward``) and a head tied
-to the embeddings.
+What is quantized, and how, is read from the checkpoint (``registry.hf_config.QuantConfig``: config.json's
+``quantization_config`` or ModelOpt's ``hf_quant_config.json``), never guessed: each linear layer whose
+checkpoint module name has a format (``QuantConfig.module_format``: excluded modules and, in a ModelOpt
+MIXED_PRECISION checkpoint, modules its ``quantized_layers`` does not name stay unquantized) becomes the
+module of that format, each MoE block whose routed experts have one the MoE of that format:
 
-Supported: per-tensor FP8 with static activation scales (ModelOpt ``quant_algo: FP8``; HF / vLLM
-``quant_method: fp8`` with ``activation_scheme: static``). Refused with a CheckpointError: NVFP4, block-wise
-FP8 (transformers' fine-grained ``weight_block_size``), dynamic activation scales.
+- ``fp8`` (per-tensor, static activation scale): :class:`FP8Linear` / :class:`FP8MoE`, tensors
+  ``weight_scale``, ``input_scale``; GEMMs in runners.engine.models.fp8.
+- ``block_fp8`` (128 x 128 blocks, dynamic activations): :class:`BlockFP8Linear` / :class:`BlockFP8MoE`,
+  ``weight_scale_inv``; GEMMs kernels.quant.block_fp8 (runners.engine.models.block_fp8).
+- ``nvfp4`` (run W4A16): :class:`NVFP4Linear` / :class:`NVFP4MoE`, ``weight_scale``, ``weight_scale_2``,
+  ``input_scale``; GEMMs kernels.quant.nvfp4 (runners.engine.models.nvfp4).
 
-Tensor parallelism (sharding modules after the build) composes with these modules: an :class:`FP8Linear`
+With an FP8 KV cache declared, every attention block whose checkpoint stores ``k_proj.k_scale`` /
+``v_proj.v_scale`` (ModelOpt's names, e.g. ``backbone.layers.5.mixer.k_proj.k_scale``) gets them as buffers;
+a block without them (ModelOpt copies an excluded MTP module without any scale) uses 1.0, the default vLLM
+applies when a checkpoint has no KV scales (a log line names the blocks; runners.engine.engine warns again).
+The loader then requires exactly the tensors of the swapped modules and no others, so a checkpoint whose files
+do not match its own config fails with the tensor names. Never quantized, whatever the config says:
+embeddings, norms, the MoE router (a float32 parameter, not a linear layer), convolutions, Qwen3-Next's
+``shared_expert_gate`` (read as a router-like float32 gate by ``MoE.forward``) and a head tied to the
+embeddings.
+
+Refused with a CheckpointError (:func:`check_runnable`): per-tensor FP8 with dynamic activation scales,
+block FP8 with blocks other than 128 x 128 or static activations; one MoE block whose experts mix formats.
+
+Tensor parallelism (sharding modules after the build) composes with the FP8 modules: an :class:`FP8Linear`
 is sharded like an nn.Linear (rows or columns of ``weight``; ``bias`` with the rows) and its per-tensor
 ``weight_scale`` / ``input_scale`` stay as they are; :class:`FP8MoE` keeps per-expert scales [E] beside the
-stacked weights [E, ...] (expert parallelism slices both along E; sharding the intermediate size keeps them).
+stacked weights [E, ...]. Block-FP8 and NVFP4 models run on one GPU (runners.app.support refuses
+world_size > 1 with quantized weights).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +46,9 @@ import torch
 from torch import nn
 
 from registry.checkpoint import CheckpointError
-from registry.hf_config import QuantConfig
+from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, QuantConfig
+from runners.engine.models import block_fp8 as bf8
+from runners.engine.models import nvfp4 as nf4
 from runners.engine.models.config import family_module
 from runners.engine.models.fp8 import (
     FP8_DTYPE,
@@ -47,6 +61,7 @@ from runners.engine.models.fp8 import (
 )
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import Attention, MoE
+from runners.engine.models.moe import moe_experts_grouped
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +69,8 @@ EXPERT_KINDS = ("up", "gate", "down")
 # Linear layers the model reads as raw weights (MoE.forward: sigmoid(x W^T) in float32): never FP8.
 UNQUANTIZED_LINEARS = ("shared_expert_gate",)
 # Checkpoint tensor suffixes that exist only in quantized checkpoints (used to explain loader errors).
-QUANT_TENSOR_SUFFIXES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".weight_scale_inv")
+QUANT_TENSOR_SUFFIXES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".weight_scale_inv",
+                         ".weight_scale_2")
 
 
 class FP8Linear(nn.Module):
@@ -142,28 +158,172 @@ def _to_fp8_moe(moe: MoE) -> None:
     moe.__class__ = FP8MoE
 
 
+class BlockFP8Linear(nn.Module):
+    """A linear layer with block-FP8 weights (transformers' fine-grained FP8): ``weight`` [out, in]
+    float8_e4m3fn (a Parameter without gradient), ``weight_scale_inv`` [ceil(out / 128), ceil(in / 128)]
+    float32 (a persistent buffer; the checkpoint's bfloat16 / float32 block multipliers, upcast on load),
+    ``bias`` [out] or None. forward(x [..., in]) -> [..., out] in x's dtype through
+    :func:`runners.engine.models.block_fp8.block_fp8_linear` (activations quantized per token and 128-column
+    group at run time). Mutates nothing."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None,
+                 bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        bn, bk = bf8.BLOCK_FP8_BLOCK
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale_inv", torch.ones(-(-out_features // bn), -(-in_features // bk),
+                                                             dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bf8.block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class NVFP4Linear(nn.Module):
+    """A linear layer with NVFP4 weights run weight-only (W4A16): ``weight`` [out, in / 2] uint8 (two e2m1
+    values per byte, element 2j in the low nibble; a Parameter without gradient), ``weight_scale`` [out,
+    in / 16] float8_e4m3fn, ``weight_scale_2`` 0-dim float32 (global) and ``input_scale`` 0-dim float32 (the
+    W4A4 activation scale, loaded because the checkpoint has it and unused), persistent buffers; ``bias``
+    [out] or None. forward(x [..., in]) -> [..., out] in x's dtype through
+    :func:`runners.engine.models.nvfp4.nvfp4_linear`. Mutates nothing."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None,
+                 bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=nf4.NVFP4_PACKED_DTYPE,
+                                               device=device), requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // NVFP4_GROUP_SIZE,
+                                                         dtype=nf4.NVFP4_SCALE_DTYPE, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4.nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class BlockFP8MoE(MoE):
+    """An MoE block whose routed experts hold block-FP8 weights: ``experts_{up,gate,down}`` float8_e4m3fn
+    with the shapes of :class:`runners.engine.models.layers.MoE` ([E, out, in]) and
+    ``experts_<kind>_weight_scale_inv`` [E, ceil(out / 128), ceil(in / 128)] float32 buffers (checkpoint names
+    ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
+    expert-sorted rows (:func:`runners.engine.models.block_fp8.block_fp8_grouped_mm`, no host
+    synchronisation); router, shared expert and latent projections are those of the MoE it was made from."""
+
+    def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
+            return bf8.block_fp8_grouped_mm(x, getattr(self, f"experts_{kind}"),
+                                            getattr(self, f"experts_{kind}_weight_scale_inv"), offsets)
+
+        return moe_experts_grouped(h, weights, indices, _kinds(self), mm, self.act, self.experts_up.shape[0])
+
+
+class NVFP4MoE(MoE):
+    """An MoE block whose routed experts hold NVFP4 weights, run W4A16: ``experts_{up,gate,down}`` uint8 [E,
+    out, in / 2], ``experts_<kind>_weight_scale`` float8_e4m3fn [E, out, in / 16],
+    ``experts_<kind>_weight_scale_2`` and ``experts_<kind>_input_scale`` [E] float32 (checkpoint names
+    ``experts.{e}.<kind>_proj.{weight,weight_scale,weight_scale_2,input_scale}``; input scales unused). One
+    grouped GEMM per projection over expert-sorted rows
+    (:func:`runners.engine.models.nvfp4.nvfp4_grouped_mm`, no host synchronisation)."""
+
+    def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
+            return nf4.nvfp4_grouped_mm(x, getattr(self, f"experts_{kind}"),
+                                        getattr(self, f"experts_{kind}_weight_scale"),
+                                        getattr(self, f"experts_{kind}_weight_scale_2"), offsets)
+
+        return moe_experts_grouped(h, weights, indices, _kinds(self), mm, self.act, self.experts_up.shape[0])
+
+
+def _kinds(moe: MoE) -> tuple[str, ...]:
+    return tuple(k for k in EXPERT_KINDS if getattr(moe, f"experts_{k}") is not None)
+
+
+def _to_quantized_moe(moe: MoE, fmt: str) -> None:
+    """Turn ``moe`` (on any device, usually meta) into the MoE class of ``fmt`` in place: expert parameters
+    and scale buffers of the format's shapes and dtypes (values unset: the checkpoint fills them)."""
+    if fmt == FORMAT_FP8:
+        _to_fp8_moe(moe)
+        return
+    for kind in _kinds(moe):
+        p = getattr(moe, f"experts_{kind}")
+        E, out, inp = p.shape
+        dev = p.device
+        if fmt == FORMAT_BLOCK_FP8:
+            bn, bk = bf8.BLOCK_FP8_BLOCK
+            w = torch.empty(E, out, inp, dtype=FP8_DTYPE, device=dev)
+            setattr(moe, f"experts_{kind}", nn.Parameter(w, requires_grad=False))
+            moe.register_buffer(f"experts_{kind}_weight_scale_inv",
+                                torch.ones(E, -(-out // bn), -(-inp // bk), device=dev))
+        else:
+            setattr(moe, f"experts_{kind}", nn.Parameter(
+                torch.empty(E, out, inp // 2, dtype=nf4.NVFP4_PACKED_DTYPE, device=dev), requires_grad=False))
+            moe.register_buffer(f"experts_{kind}_weight_scale", torch.empty(
+                E, out, inp // NVFP4_GROUP_SIZE, dtype=nf4.NVFP4_SCALE_DTYPE, device=dev))
+            moe.register_buffer(f"experts_{kind}_weight_scale_2", torch.ones(E, device=dev))
+            moe.register_buffer(f"experts_{kind}_input_scale", torch.ones(E, device=dev))
+    moe.__class__ = BlockFP8MoE if fmt == FORMAT_BLOCK_FP8 else NVFP4MoE
+
+
+LINEAR_CLASSES = {FORMAT_FP8: FP8Linear, FORMAT_BLOCK_FP8: BlockFP8Linear, FORMAT_NVFP4: NVFP4Linear}
+
+
+def checkpoint_formats(quant: QuantConfig) -> tuple[str, ...]:
+    """The weight formats (``registry.hf_config.FORMAT_*``) a checkpoint's config declares, sorted, without
+    building a model: a MIXED_PRECISION config's per-module formats, else its one format."""
+    if quant.algo == "MIXED_PRECISION":
+        return tuple(sorted({f for _, f in quant.quantized_layers}))
+    if quant.method == "nvfp4":
+        return (FORMAT_NVFP4,)
+    return (FORMAT_BLOCK_FP8,) if quant.weight_block_size is not None else (FORMAT_FP8,)
+
+
 def check_runnable(quant: QuantConfig) -> None:
-    """Raise CheckpointError unless the engine runs this quantization (per-tensor FP8, static activations)."""
+    """Raise CheckpointError unless the engine runs this quantization: per-tensor FP8 with static activation
+    scales, block FP8 with 128 x 128 blocks and dynamic activations, NVFP4 (group size 16) as W4A16, or a
+    ModelOpt MIXED_PRECISION mix of FP8 and NVFP4 modules."""
     src = quant.source
-    if quant.method != "fp8":
-        raise CheckpointError(
-            f"{src}: {quant.method.upper()} weights ({quant.format} {quant.algo}) are not supported by this "
-            "engine (it has an FP8 path only)",
-            "use the checkpoint's FP8 or BF16 release",
-        )
+    if quant.method not in ("fp8", "nvfp4"):
+        raise CheckpointError(f"{src}: {quant.method} weights ({quant.format} {quant.algo}) are not "
+                              "supported", "use the checkpoint's FP8, NVFP4 or BF16 release")
     if quant.weight_block_size is not None:
+        if tuple(quant.weight_block_size) != bf8.BLOCK_FP8_BLOCK:
+            raise CheckpointError(
+                f"{src}: block FP8 with weight_block_size {list(quant.weight_block_size)} is not supported: "
+                f"the engine's block-FP8 GEMMs run {list(bf8.BLOCK_FP8_BLOCK)} blocks (Qwen's and DeepSeek's "
+                "releases)",
+                "use a checkpoint with 128 x 128 blocks, or write a per-tensor FP8 one with "
+                "python -m runners.tools.quantize --format fp8 SRC DST",
+            )
+        if quant.activation_scheme != "dynamic":
+            raise CheckpointError(
+                f"{src}: block FP8 with activation_scheme {quant.activation_scheme} is not supported: block "
+                "FP8 quantizes activations at run time (activation_scheme: dynamic)",
+                "restore the checkpoint's quantization_config (activation_scheme: dynamic)",
+            )
+        return
+    if quant.method == "fp8" and quant.activation_scheme != "static":
         raise CheckpointError(
-            f"{src}: block-wise FP8 (weight_block_size {list(quant.weight_block_size)}, transformers' "
-            "fine-grained FP8) is not supported: the engine runs per-tensor FP8 scales",
-            "quantize the BF16 release with python -m runners.tools.quantize --fp8 SRC DST "
-            "(ModelOpt's per-tensor "
-            "FP8 layout), or use a ModelOpt FP8 checkpoint",
-        )
-    if quant.activation_scheme != "static":
-        raise CheckpointError(
-            f"{src}: activation_scheme {quant.activation_scheme} is not supported: the engine runs static "
-            "(calibrated input_scale) FP8 activations",
-            "use a checkpoint with static activation scales (python -m runners.tools.quantize --fp8 "
+            f"{src}: activation_scheme {quant.activation_scheme} is not supported for per-tensor FP8: the "
+            "engine runs static (calibrated input_scale) FP8 activations",
+            "use a checkpoint with static activation scales (python -m runners.tools.quantize --format fp8 "
             "writes one)",
         )
 
@@ -180,24 +340,27 @@ def checkpoint_module_names(model: HybridLM) -> dict[int, str]:
 class QuantTargets:
     """What a QuantConfig quantizes in a model (:func:`quantization_targets`): ``linears`` as (module name in
     the model, checkpoint module name, the nn.Linear), ``moes`` as (module name, checkpoint prefix of the
-    block, e.g. ``backbone.layers.2.mixer.``, the MoE) whose routed experts are FP8, ``attentions`` as
-    (module name, checkpoint module name, the Attention) that carry KV-cache scales (empty unless the
-    config declares an FP8 KV cache)."""
+    block, e.g. ``backbone.layers.2.mixer.``, the MoE) whose routed experts are quantized, ``attentions`` as
+    (module name, checkpoint module name, the Attention) that may carry KV-cache scales (empty unless the
+    config declares an FP8 KV cache); ``formats`` the weight format of each linear's checkpoint name and
+    each MoE's prefix (``registry.hf_config.FORMAT_*``)."""
 
     linears: list[tuple[str, str, nn.Linear]] = field(default_factory=list)
     moes: list[tuple[str, str, MoE]] = field(default_factory=list)
     attentions: list[tuple[str, str, Attention]] = field(default_factory=list)
+    formats: dict[str, str] = field(default_factory=dict)
 
 
 def quantization_targets(model: HybridLM, quant: QuantConfig) -> QuantTargets:
-    """The one rule of what is FP8 (the loader's swap and the quantizer both use it): every ``nn.Linear``
-    whose checkpoint module name ``quant`` does not exclude (never :data:`UNQUANTIZED_LINEARS` or a head tied
-    to the embeddings), every MoE block none of whose experts ``<prefix>experts.{e}.{kind}_proj`` it
-    excludes, and with ``kv_cache_quant == "fp8"`` every attention block.
+    """The one rule of what is quantized and in which format (the loader's swap, the quantizer and
+    runners.tools.synth all use it): every ``nn.Linear`` whose checkpoint module name has a format
+    (``quant.module_format``; never :data:`UNQUANTIZED_LINEARS` or a head tied to the embeddings), every MoE
+    block whose expert projections ``<prefix>experts.{e}.{kind}_proj`` have one, and with ``kv_cache_quant
+    == "fp8"`` every attention block.
 
     Raises:
-        CheckpointError: an exclude list that keeps some experts of one MoE block unquantized and quantizes
-            others (the engine stores one block's experts in one dtype).
+        CheckpointError: a config that gives one MoE block's experts different formats (some unquantized and
+            others not, or FP8 and NVFP4 mixed; the engine stores one block's experts in one format).
     """
     names = checkpoint_module_names(model)
     out = QuantTargets()
@@ -207,52 +370,93 @@ def quantization_targets(model: HybridLM, quant: QuantConfig) -> QuantTargets:
             if ckpt is None or name.rsplit(".", 1)[-1] in UNQUANTIZED_LINEARS:
                 continue  # a head tied to the embeddings; a gate read as a raw weight
             ckpt = ckpt.removesuffix(".weight")
-            if not quant.is_excluded(ckpt):
+            fmt = quant.module_format(ckpt)
+            if fmt is not None:
                 out.linears.append((name, ckpt, module))
+                out.formats[ckpt] = fmt
         elif isinstance(module, MoE):
             prefix = names[id(module.gate.weight)].removesuffix("gate.weight")
-            kinds = [k for k in EXPERT_KINDS if getattr(module, f"experts_{k}") is not None]
-            excluded = {
-                quant.is_excluded(f"{prefix}experts.{e}.{k}_proj")
-                for e in range(module.experts_up.shape[0]) for k in kinds
+            formats = {
+                quant.module_format(f"{prefix}experts.{e}.{k}_proj")
+                for e in range(module.experts_up.shape[0]) for k in _kinds(module)
             }
-            if excluded == {True, False}:
+            if len(formats) > 1:
+                shown = sorted(f or "unquantized" for f in formats)
                 raise CheckpointError(
-                    f"{quant.source}: the exclude list keeps some routed experts of {prefix}experts in BF16 "
-                    "and quantizes others; the engine stores one MoE block's experts in one dtype",
-                    "quantize all experts of a block or none",
+                    f"{quant.source}: the quantization config gives the routed experts of {prefix}experts "
+                    f"different formats ({', '.join(shown)}); the engine stores one MoE block's experts in "
+                    "one format",
+                    "quantize all experts of a block alike",
                 )
-            if excluded == {False}:
+            fmt = formats.pop()
+            if fmt is not None:
                 out.moes.append((name, prefix, module))
+                out.formats[prefix] = fmt
         elif isinstance(module, Attention) and quant.kv_cache_quant == "fp8":
             ckpt = names[id(module.k_proj.weight)].removesuffix("k_proj.weight")
             out.attentions.append((name, ckpt, module))
     return out
 
 
-def apply_quantization(model: HybridLM, quant: QuantConfig) -> dict[str, int]:
-    """Swap the FP8 modules the checkpoint declares into ``model`` in place (model usually on the meta device,
-    before loading; :func:`quantization_targets` says which, the module docstring what never is).
+def apply_quantization(
+    model: HybridLM, quant: QuantConfig, tensor_names: Collection[str] | None = None
+) -> dict[str, int]:
+    """Swap the quantized modules the checkpoint declares into ``model`` in place (model usually on the meta
+    device, before loading; :func:`quantization_targets` says which, the module docstring what never is).
+
+    ``tensor_names``: the checkpoint's tensor names; with them an attention block gets ``k_scale`` /
+    ``v_scale`` buffers only where the checkpoint stores both (the others use 1.0, logged); None gives every
+    attention block of an FP8 KV cache both (the quantizer, which writes them).
 
     Returns:
-        Counts: ``{"fp8_linears": n, "fp8_moe": n, "kv_scales": n}`` (attention blocks given k / v scales).
+        Counts: ``{"<format>_linears": n, "<format>_moe": n, ..., "kv_scales": n}`` (attention blocks given k
+        / v scales).
 
     Raises:
-        CheckpointError: a quantization the engine cannot run (:func:`check_runnable`), or the problems of
-            :func:`quantization_targets`.
+        CheckpointError: a quantization the engine cannot run (:func:`check_runnable`), the problems of
+            :func:`quantization_targets`, an attention block with only one of k_scale / v_scale on disk.
     """
     check_runnable(quant)
     t = quantization_targets(model, quant)
-    for name, _, linear in t.linears:
+    counts: dict[str, int] = {}
+    for name, ckpt, linear in t.linears:
+        fmt = t.formats[ckpt]
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, FP8Linear.from_linear(linear))
-    for _, _, moe in t.moes:
-        _to_fp8_moe(moe)
-    for _, _, attn in t.attentions:
+        bias = linear.bias
+        new = LINEAR_CLASSES[fmt](linear.in_features, linear.out_features, bias is not None,
+                                  device=linear.weight.device,
+                                  bias_dtype=bias.dtype if bias is not None else torch.float32)
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        counts[f"{fmt}_linears"] = counts.get(f"{fmt}_linears", 0) + 1
+    for _, prefix, moe in t.moes:
+        fmt = t.formats[prefix]
+        _to_quantized_moe(moe, fmt)
+        counts[f"{fmt}_moe"] = counts.get(f"{fmt}_moe", 0) + 1
+    without = []
+    kv = 0
+    for _, ckpt, attn in t.attentions:
+        if tensor_names is not None:
+            have = [f"{ckpt}{n}_proj.{n}_scale" in tensor_names for n in ("k", "v")]
+            if have[0] != have[1]:
+                raise CheckpointError(
+                    f"{quant.source}: attention {ckpt.rstrip('.')} stores "
+                    f"{'k_proj.k_scale' if have[0] else 'v_proj.v_scale'} but not "
+                    f"{'v_proj.v_scale' if have[0] else 'k_proj.k_scale'}; the checkpoint is incomplete",
+                    "restore the checkpoint's missing scale tensor (re-download or re-export it)",
+                )
+            if not have[0]:
+                without.append(ckpt.rstrip("."))
+                continue
         dev = attn.k_proj.weight.device
         attn.k_proj.register_buffer("k_scale", torch.ones((), device=dev))
         attn.v_proj.register_buffer("v_scale", torch.ones((), device=dev))
-    return {"fp8_linears": len(t.linears), "fp8_moe": len(t.moes), "kv_scales": len(t.attentions)}
+        kv += 1
+    if without:
+        log.info("FP8 KV cache: the checkpoint has no k_scale / v_scale for %d attention blocks (%s); their "
+                 "keys and values use scale 1.0 (vLLM's default when a checkpoint has none)", len(without),
+                 ", ".join(without[:4]) + (" ..." if len(without) > 4 else ""))
+    counts["kv_scales"] = kv
+    return counts
 
 
 def kv_cache_scales(model: HybridLM) -> dict[int, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -269,25 +473,41 @@ def kv_cache_scales(model: HybridLM) -> dict[int, tuple[torch.Tensor, torch.Tens
 
 
 def prepare_fp8(model: HybridLM, dtype: torch.dtype) -> dict[str, Any]:
-    """After loading a model of compute dtype ``dtype``: fix which FP8 GEMM each module runs on the model's
-    device (for the MoE this probes
-    ``torch._scaled_grouped_mm`` once, so nothing is probed inside a captured step) and return a report:
-    ``{"fp8_linears": {"scaled_mm": n, "reference": n}, "fp8_moe": {impl: n}, "kv_scales": n}`` (empty
-    dicts / 0 for an unquantized model). The report is logged (INFO) and stored as ``model.quant_report``."""
-    report: dict[str, Any] = {"fp8_linears": {}, "fp8_moe": {}, "kv_scales": 0}
+    """After loading a model of compute dtype ``dtype``: fix which GEMM each quantized module runs on the
+    model's device (for the FP8 MoE this probes ``torch._scaled_grouped_mm`` once, so nothing is probed inside
+    a captured step) and return a report: ``{"fp8_linears": {"scaled_mm": n, "reference": n}, "fp8_moe":
+    {impl: n}, "block_fp8_linears": {path: n}, "block_fp8_moe": {path: n}, "nvfp4_linears": {path: n},
+    "nvfp4_moe": {path: n}, "kv_scales": n}`` (path "triton", "triton+scaled_mm" (block FP8) or "reference";
+    the block-FP8 and NVFP4 keys only where such modules exist; empty dicts / 0 for an unquantized model). The
+    report is logged (INFO) and stored as ``model.quant_report``."""
+    report: dict[str, Any] = {"fp8_linears": {}, "fp8_moe": {}, "block_fp8_linears": {}, "block_fp8_moe": {},
+                              "nvfp4_linears": {}, "nvfp4_moe": {}, "kv_scales": 0}
+
+    def count(key: str, path: str) -> None:
+        report[key][path] = report[key].get(path, 0) + 1
+
     for module in model.modules():
         if isinstance(module, FP8Linear):
             probe = torch.empty(0, module.in_features, device=module.weight.device, dtype=dtype)
-            path = "scaled_mm" if scaled_mm_supported(probe, module.weight) else "reference"
-            report["fp8_linears"][path] = report["fp8_linears"].get(path, 0) + 1
+            count("fp8_linears", "scaled_mm" if scaled_mm_supported(probe, module.weight) else "reference")
         elif isinstance(module, FP8MoE):
             up, gate, down = module.fp8_weights()
             probe = torch.empty(0, up.weight.shape[2], device=up.weight.device, dtype=dtype)
             module.fp8_impl = fp8_moe_impl(probe, *(p for p in (up, gate, down) if p is not None))
-            report["fp8_moe"][module.fp8_impl] = report["fp8_moe"].get(module.fp8_impl, 0) + 1
+            count("fp8_moe", module.fp8_impl)
+        elif isinstance(module, BlockFP8Linear):
+            count("block_fp8_linears", bf8.block_fp8_path(module.weight.device, tuple(module.weight.shape)))
+        elif isinstance(module, BlockFP8MoE):
+            count("block_fp8_moe", bf8.block_fp8_path(module.experts_up.device))
+        elif isinstance(module, NVFP4Linear):
+            count("nvfp4_linears", nf4.nvfp4_path(module.weight.device))
+        elif isinstance(module, NVFP4MoE):
+            count("nvfp4_moe", nf4.nvfp4_path(module.experts_up.device))
+    for key in ("block_fp8_linears", "block_fp8_moe", "nvfp4_linears", "nvfp4_moe"):
+        if not report[key]:
+            del report[key]  # the FP8-only report keeps its shape
     report["kv_scales"] = sum(v is not None for v in kv_cache_scales(model).values())
-    if report["fp8_linears"] or report["fp8_moe"] or report["kv_scales"]:
-        log.info("FP8 model: linear GEMMs %s, MoE experts %s, attention blocks with KV scales: %d",
-                 report["fp8_linears"], report["fp8_moe"], report["kv_scales"])
+    if any(report.values()):
+        log.info("quantized model: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
     model.quant_report = report
     return report

@@ -1,8 +1,16 @@
-"""Write an FP8 checkpoint in NVIDIA ModelOpt's layout from an unquantized one, calibrated on GSM8K train
-prompts.
+"""Write a quantized checkpoint in a release's format from an unquantized one, calibrated on GSM8K train
+prompts where the format has static scales.
 
-    python -m runners.tools.quantize --fp8 SRC DST [--calib-samples 32] [--calib-tokens 32] [--device cuda]
-        [--dtype bfloat16] [--data-dir DIR] [--exclude PATTERN ...] [--no-kv-cache] [--shard-size 5GB]
+    python -m runners.tools.quantize --format fp8|nvfp4|block_fp8 SRC DST [--calib-samples 32]
+        [--calib-tokens 32] [--device cuda] [--dtype bfloat16] [--data-dir DIR] [--exclude PATTERN ...]
+        [--no-kv-cache] [--shard-size 5GB]
+    (--fp8 = --format fp8)
+
+The formats and what each quantizes are runners.tools.formats' (one rule with runners.tools.synth): ``fp8``
+ModelOpt's FP8 (below), ``nvfp4`` ModelOpt's MIXED_PRECISION as Nemotron 3 Super NVFP4 (routed experts NVFP4
+with ModelOpt's recipe, kernels.quant.nvfp4.nvfp4_quantize, ``input_scale`` = calibrated amax / (448 * 6);
+Mamba in / out projections, shared experts and MLPs FP8 as below; NemotronH only), ``block_fp8`` Qwen's
+block FP8 (128 x 128 ``weight_scale_inv`` in bfloat16, dynamic activations: no calibration; Qwen3-Next only).
 
 Post-training quantization as ModelOpt's FP8 recipe does it (max calibration; vLLM's modelopt.py reads the
 result): each quantized linear layer / expert projection gets
@@ -22,9 +30,11 @@ verify and the MTP module's attention are all seen; forward pre-hooks record the
 record per-expert inputs, and the KV caches record what is written.
 
 What stays in the source dtype is the exclude list written into the checkpoint (``hf_quant_config.json``
-``exclude_modules`` and config.json ``quantization_config.ignore``); the engine's loader reads that list, so
-what it runs in FP8 is what the list says (runners.engine.quant.quantization_targets, one rule for both). The
-default list follows the FP8 release of Nemotron 3 Super (NVIDIA's model card: MoE experts, shared experts and
+``exclude_modules`` and config.json ``quantization_config.ignore``; for nvfp4 also ``quantized_layers``, for
+block_fp8 ``modules_to_not_convert``); the engine's loader reads that list, so what it runs quantized is what
+the list says (runners.engine.quant.quantization_targets, one rule for both). The FP8 default list
+(runners.tools.formats.RELEASE_EXCLUDES) follows the FP8 release of Nemotron 3 Super (NVIDIA's model
+card: MoE experts, shared experts and
 Mamba in / out projections in FP8; attention projections, MoE latent projections, router, Mamba conv,
 embeddings and output layer in BF16) and ModelOpt's defaults for other models (router gates, Qwen3-Next's
 ``shared_expert_gate``, convolutions and the LM head unquantized). Our additions, both families: the MTP
@@ -65,50 +75,28 @@ from registry.checkpoint import (
     tensor_files,
 )
 from registry.errors import UserError
-from registry.hf_config import QuantConfig
 from runners.engine.cache import KVCache
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
-from runners.engine.models.fp8 import FP8_MAX, quantize_fp8
+from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import MoE
 from runners.engine.options import EngineOptions
 from runners.engine.quant import EXPERT_KINDS, QuantTargets, quantization_targets
+from runners.tools.formats import (
+    FORMATS,
+    FormatError,
+    block_fp8_not_converted,
+    quant_config_files,
+    quantize_weight,
+    release_rule,
+)
 
 log = logging.getLogger("runners.tools.quantize")
 
 RECIPE_FILE = "quantize.json"
 COPIED_FILES = (GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "synth.json")
 NUM_FEWSHOT = 5
-# Modules kept in the source dtype, per family (checkpoint names, fnmatch): see the module docstring.
-RELEASE_EXCLUDES: dict[str, tuple[str, ...]] = {
-    "nemotron_h": (
-        "lm_head",
-        "backbone.embeddings",
-        "*norm*",
-        "*.mixer.gate",
-        "*.mixer.conv1d",
-        "*.mixer.q_proj",
-        "*.mixer.k_proj",
-        "*.mixer.v_proj",
-        "*.mixer.o_proj",
-        "*.mixer.fc1_latent_proj",
-        "*.mixer.fc2_latent_proj",
-        "mtp*",
-    ),
-    "qwen3_next": (
-        "lm_head",
-        "model.embed_tokens",
-        "*norm*",
-        "*.mlp.gate",
-        "*.mlp.shared_expert_gate",
-        "*.linear_attn.conv1d",
-        "*.linear_attn.in_proj_ba",
-        "mtp*",
-    ),
-}
-
-
 class QuantizeError(UserError):
     """A quantizer input problem (source, data, options): `problem` and `fix`, exit status 2."""
 
@@ -274,30 +262,27 @@ def _scale(amax: torch.Tensor | float) -> torch.Tensor:
     return (torch.as_tensor(amax, dtype=torch.float32) / FP8_MAX).clamp(min=1e-12)
 
 
-def fp8_tensors(
+def quantized_tensors(
     targets: QuantTargets, amax: dict[str, torch.Tensor], kv: bool
 ) -> tuple[dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]], dict[str, torch.Tensor], dict]:
-    """How each checkpoint weight of a quantized module is rewritten: ``{weight name: f(tensor) -> {name:
-    tensor}}`` (the FP8 weight, its weight_scale and input_scale), the extra tensors (k / v scales) and
-    statistics (uncalibrated experts)."""
+    """How each checkpoint weight of a quantized module is rewritten in its format (``targets.formats``):
+    ``{weight name: f(tensor) -> {name: tensor}}`` (runners.tools.formats.quantize_weight: the quantized
+    weight and its scales, static input scales from the calibration maxima ``amax``), the extra tensors (k / v
+    scales when ``kv``) and statistics (uncalibrated experts and linears)."""
     rewrite: dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {}
     extra: dict[str, torch.Tensor] = {}
-    stats = {"fp8_linears": len(targets.linears), "fp8_moe_blocks": len(targets.moes),
+    stats = {"quantized_linears": len(targets.linears), "quantized_moe_blocks": len(targets.moes),
              "uncalibrated_experts": 0, "uncalibrated_linears": []}
 
-    def make(module: str, in_amax: torch.Tensor) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
-        def f(w: torch.Tensor) -> dict[str, torch.Tensor]:
-            s = _scale(w.detach().abs().amax().float())
-            return {f"{module}.weight": quantize_fp8(w, s.to(w.device)).cpu(),
-                    f"{module}.weight_scale": s.cpu(), f"{module}.input_scale": _scale(in_amax)}
-        return f
+    def make(fmt: str, module: str, in_amax: torch.Tensor) -> Callable:
+        return lambda w: quantize_weight(fmt, module, w, in_amax)
 
     for _, ckpt, _ in targets.linears:
         a = amax.get(ckpt)
         if a is None or float(a) == 0.0:
             stats["uncalibrated_linears"].append(ckpt)  # never run by the calibration (e.g. unused block)
-            a = torch.tensor(FP8_MAX)  # input scale 1.0
-        rewrite[f"{ckpt}.weight"] = make(ckpt, a)
+            a = torch.tensor(FP8_MAX)  # FP8 input scale 1.0
+        rewrite[f"{ckpt}.weight"] = make(targets.formats[ckpt], ckpt, a)
     for _, prefix, moe in targets.moes:
         kinds = [k for k in EXPERT_KINDS if getattr(moe, f"experts_{k}") is not None]
         E = moe.experts_up.shape[0]
@@ -313,7 +298,7 @@ def fp8_tensors(
                 stats["uncalibrated_experts"] += int(missing.sum())
             for e in range(E):
                 module = f"{prefix}experts.{e}.{kind}_proj"
-                rewrite[f"{module}.weight"] = make(module, per[e])
+                rewrite[f"{module}.weight"] = make(targets.formats[prefix], module, per[e])
     if kv:
         for _, ckpt, _ in targets.attentions:
             for t in ("k", "v"):
@@ -338,7 +323,7 @@ def _save_shards(shards: list[dict[str, torch.Tensor]], dst: Path) -> None:
                                              indent=2) + "\n")
 
 
-def write_fp8_checkpoint(
+def write_quantized_checkpoint(
     src: Path, dst: Path, rewrite: dict[str, Callable], extra: dict[str, torch.Tensor], *,
     device: torch.device, shard_bytes: int,
 ) -> int:
@@ -383,22 +368,11 @@ def write_fp8_checkpoint(
     return total
 
 
-def quant_configs(exclude: list[str], kv: bool) -> tuple[dict, dict]:
-    """(config.json ``quantization_config``, hf_quant_config.json content) in ModelOpt's two forms."""
-    producer = {"name": "hybrid-mtp-eval runners.tools.quantize", "version": "1"}
-    flat: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": "FP8", "producer": producer,
-                            "ignore": exclude}
-    nested: dict[str, Any] = {"quant_algo": "FP8", "exclude_modules": exclude}
-    if kv:
-        flat["kv_cache_scheme"] = {"type": "float", "num_bits": 8, "dynamic": False}
-        nested["kv_cache_quant_algo"] = "FP8"
-    return flat, {"producer": producer, "quantization": nested}
-
-
-def quantize_fp8_checkpoint(
+def quantize_checkpoint(
     src: str | Path,
     dst: str | Path,
     *,
+    fmt: str = "fp8",
     calib_samples: int = 32,
     calib_tokens: int = 32,
     device: str = "cpu",
@@ -410,92 +384,120 @@ def quantize_fp8_checkpoint(
     seed: int = 0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Quantize checkpoint ``src`` into ``dst`` (see the module docstring); returns the recipe written to
-    ``dst/quantize.json``.
+    """Quantize checkpoint ``src`` into ``dst`` in release format ``fmt`` ("fp8", "nvfp4", "block_fp8":
+    runners.tools.formats; see the module docstring); returns the recipe written to ``dst/quantize.json``.
+    Block FP8 (dynamic activations) needs no calibration and runs none.
 
     Raises:
-        QuantizeError: src already quantized, dst equal to src, bad options, no GSM8K train split.
+        QuantizeError: src already quantized, dst equal to src, bad options, a format the family has no
+            release rule for, no GSM8K train split.
         registry.checkpoint.CheckpointError: an unreadable source checkpoint.
     """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise QuantizeError(f"DST {dst} is the source checkpoint",
-                            "write the FP8 checkpoint to another folder")
+                            "write the quantized checkpoint to another folder")
     if calib_samples < 1 or calib_tokens < 1:
         raise QuantizeError(f"--calib-samples {calib_samples} and --calib-tokens {calib_tokens} must be >= 1",
                             "pass positive values")
+    if fmt not in FORMATS or fmt == "bf16":
+        raise QuantizeError(f"--format {fmt!r} is not a quantized format",
+                            f"use one of {', '.join(f for f in FORMATS if f != 'bf16')}")
     config = read_config(src)
     if config.quantization is not None:
         q = config.quantization
         raise QuantizeError(f"{src} is already quantized ({q.format} {q.algo})",
                             "quantize an unquantized (BF16 / FP32) checkpoint")
+    try:
+        rule = release_rule(config.family, fmt, kv_cache=kv_cache, exclude=tuple(exclude or ()))
+    except FormatError as e:
+        raise QuantizeError(str(e), "use a format the family has a release in") from None
+    calibrated = rule.activation_scheme == "static"
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    patterns = list(RELEASE_EXCLUDES[config.family]) + list(exclude or [])
-    qc = QuantConfig(method="fp8", format="modelopt", algo="FP8", kv_cache_quant="fp8" if kv_cache else None,
-                     exclude_modules=tuple(patterns), source="runners.tools.quantize")
     say(f"loading {src} ({dtype}, {device})")
     model = load_model(src, dtype=dtype, device=dev)
-    targets = quantization_targets(model, qc)
-    say(f"FP8: {len(targets.linears)} linear layers, {len(targets.moes)} MoE blocks; KV scales for "
-        f"{len(targets.attentions)} attention blocks; kept in {dtype}: {patterns}")
-    prompts, train_file = _calibration_prompts(src / TOKENIZER_FILE, data_dir, calib_samples, seed)
-    t_cal = time.perf_counter()
-    with torch.inference_mode():
-        amax = calibrate(model, targets, prompts, new_tokens=calib_tokens, device=dev, dtype=dtype)
-    t_cal = time.perf_counter() - t_cal
-    say(f"calibrated on {len(prompts)} GSM8K train prompts ({sum(map(len, prompts))} prompt tokens, "
-        f"{calib_tokens} generated each) in {t_cal:.1f} s")
-    rewrite, extra, stats = fp8_tensors(targets, amax, kv_cache)
+    targets = quantization_targets(model, rule)
+    kv = kv_cache and rule.kv_cache_quant == "fp8"
+    say(f"{fmt}: {len(targets.linears)} linear layers, {len(targets.moes)} MoE blocks; KV scales for "
+        f"{len(targets.attentions) if kv else 0} attention blocks; kept in {dtype}: "
+        f"{list(rule.exclude_modules)}")
+    amax: dict[str, torch.Tensor] = {}
+    prompts, train_file, t_cal = [], None, 0.0
+    if calibrated:
+        prompts, train_file = _calibration_prompts(src / TOKENIZER_FILE, data_dir, calib_samples, seed)
+        t_cal = time.perf_counter()
+        with torch.inference_mode():
+            amax = calibrate(model, targets, prompts, new_tokens=calib_tokens, device=dev, dtype=dtype)
+        t_cal = time.perf_counter() - t_cal
+        say(f"calibrated on {len(prompts)} GSM8K train prompts ({sum(map(len, prompts))} prompt tokens, "
+            f"{calib_tokens} generated each) in {t_cal:.1f} s")
+    rewrite, extra, stats = quantized_tensors(targets, amax, kv)
+    modules = {ckpt: targets.formats[ckpt] for _, ckpt, _ in targets.linears}
+    modules.update({name.removesuffix(".weight"): targets.formats[prefix] for _, prefix, _ in targets.moes
+                    for name in rewrite if name.startswith(prefix + "experts.")})
     del model, targets  # the writer reads the source files again; free the device for it
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     dst.mkdir(parents=True, exist_ok=True)
-    for stale in list(dst.glob("*.safetensors")) + [dst / INDEX_FILE]:
+    for stale in list(dst.glob("*.safetensors")) + [dst / INDEX_FILE, dst / HF_QUANT_CONFIG_FILE]:
         stale.unlink(missing_ok=True)
     t_w = time.perf_counter()
     with torch.inference_mode():
-        total = write_fp8_checkpoint(src, dst, rewrite, extra, device=dev, shard_bytes=shard_bytes)
+        total = write_quantized_checkpoint(src, dst, rewrite, extra, device=dev, shard_bytes=shard_bytes)
     t_w = time.perf_counter() - t_w
     raw = json.loads((src / CONFIG_FILE).read_text())
-    flat, nested = quant_configs(patterns, kv_cache)
+    not_converted = (block_fp8_not_converted(rule, list(tensor_files(src)))
+                     if rule.weight_block_size is not None else None)
+    flat, nested = quant_config_files(rule, modules=modules, not_converted=not_converted)
     raw["quantization_config"] = flat
     (dst / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
-    (dst / HF_QUANT_CONFIG_FILE).write_text(json.dumps(nested, indent=2) + "\n")
+    if nested is not None:
+        (dst / HF_QUANT_CONFIG_FILE).write_text(json.dumps(nested, indent=2) + "\n")
     for name in COPIED_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     recipe = {
         "command": "python -m runners.tools.quantize " + " ".join(sys.argv[1:]) if sys.argv else None,
         "source": str(src),
-        "format": "modelopt FP8 (per-tensor weight scales, static input scales)",
-        "kv_cache": "fp8" if kv_cache else None,
-        "exclude_modules": patterns,
-        "calibration": {"train_file": train_file, "samples": calib_samples, "few_shot": NUM_FEWSHOT,
-                        "new_tokens": calib_tokens, "seed": seed, "prompt_tokens": sum(map(len, prompts)),
-                        "device": str(dev), "dtype": str(dtype).removeprefix("torch.")},
+        "format": {"fp8": "modelopt FP8 (per-tensor weight scales, static input scales)",
+                   "nvfp4": "modelopt MIXED_PRECISION (NVFP4 routed experts, FP8 per-tensor elsewhere)",
+                   "block_fp8": "fp8 128 x 128 blocks (bfloat16 weight_scale_inv), dynamic activations"}[fmt],
+        "kv_cache": "fp8" if kv else None,
+        "exclude_modules": list(rule.exclude_modules),
+        "calibration": None if not calibrated else {
+            "train_file": train_file, "samples": calib_samples, "few_shot": NUM_FEWSHOT,
+            "new_tokens": calib_tokens, "seed": seed, "prompt_tokens": sum(map(len, prompts)),
+            "device": str(dev), "dtype": str(dtype).removeprefix("torch.")},
         "counts": {k: (len(v) if isinstance(v, list) else v) for k, v in stats.items()},
-        "uncalibrated_linears": stats["uncalibrated_linears"],
+        "uncalibrated_linears": stats["uncalibrated_linears"] if calibrated else [],
         "bytes": total,
         "seconds": {"calibration": round(t_cal, 2), "write": round(t_w, 2),
                     "total": round(time.perf_counter() - t0, 2)},
     }
     (dst / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-    say(f"wrote {dst}: {total / 1e9:.3f} GB in {time.perf_counter() - t0:.1f} s "
-        f"({stats['uncalibrated_experts']} experts without calibration tokens took their block's max input "
-        "scale)")
+    say(f"wrote {dst}: {total / 1e9:.3f} GB in {time.perf_counter() - t0:.1f} s"
+        + (f" ({stats['uncalibrated_experts']} experts without calibration tokens took their block's max "
+           "input scale)" if calibrated else ""))
     return recipe
+
+
+def quantize_fp8_checkpoint(src: str | Path, dst: str | Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`quantize_checkpoint` in ModelOpt's FP8 format (same keyword arguments but ``fmt``)."""
+    return quantize_checkpoint(src, dst, fmt="fp8", **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
     from runners.tools.synth import parse_size
 
     p = argparse.ArgumentParser(prog="python -m runners.tools.quantize", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fp8", action="store_true", required=True,
-                   help="write ModelOpt's FP8 layout (the only format so far)")
+    fmt = p.add_mutually_exclusive_group(required=True)
+    fmt.add_argument("--format", choices=[f for f in FORMATS if f != "bf16"],
+                     help="the release format to write (runners/tools/formats.py)")
+    fmt.add_argument("--fp8", action="store_const", dest="format", const="fp8", help="= --format fp8")
     p.add_argument("src", help="unquantized HF checkpoint folder")
-    p.add_argument("dst", help="folder for the FP8 checkpoint (created)")
+    p.add_argument("dst", help="folder for the quantized checkpoint (created)")
     p.add_argument("--calib-samples", type=int, default=32, help="GSM8K train prompts (default 32)")
     p.add_argument("--calib-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (calibration and quantization)")
@@ -511,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        quantize_fp8_checkpoint(
-            args.src, args.dst, calib_samples=args.calib_samples, calib_tokens=args.calib_tokens,
+        quantize_checkpoint(
+            args.src, args.dst, fmt=args.format, calib_samples=args.calib_samples,
+            calib_tokens=args.calib_tokens,
             device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
             data_dir=args.data_dir, exclude=args.exclude, kv_cache=not args.no_kv_cache,
             shard_bytes=parse_size(args.shard_size), seed=args.seed,

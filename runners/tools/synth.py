@@ -2,7 +2,8 @@
 in the released HF layout, so the engine can be measured at real sizes without the weights.
 
     python -m runners.tools.synth --family nemotron_h --out DIR [--num-layers 22] [--num-experts 256]
-        [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0] [--set KEY=VALUE ...]
+        [--format bf16|fp8|nvfp4|block_fp8] [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0]
+        [--set KEY=VALUE ...]
 
 What is written (what the engine's loader, transformers and other engines read from a release):
 - ``config.json``: the release's fields and values (:data:`RELEASE_CONFIGS`: NemotronH with
@@ -19,6 +20,12 @@ What is written (what the engine's loader, transformers and other engines read f
   ``runners.engine.models.<family>.checkpoint_targets``, so every name the loader expects is written).
   Shards are
   generated and written one at a time: the host never holds more than one shard.
+- ``--format``: the release's weight format (runners.tools.formats: ``fp8`` Nemotron 3 Super FP8's ModelOpt
+  layout, ``nvfp4`` its NVFP4 (MIXED_PRECISION) layout, ``block_fp8`` Qwen3-Next FP8's 128 x 128 blocks;
+  default ``bf16``): every weight the release quantizes is generated as above in ``--dtype``, then quantized
+  on ``--device`` (its scale tensors written beside it, names and dtypes as the release's), KV-cache scales
+  where the release has them, and config.json's ``quantization_config`` (plus ``hf_quant_config.json`` for
+  ModelOpt's formats) written as the release writes them.
 - ``tokenizer.json`` / ``tokenizer_config.json``: the shipped GSM8K byte-level BPE tokenizer
   (registry/checkpoints/tiny_nemotron_h_mtp) padded with added tokens ``<|synth_i|>`` up to the vocab size,
   so GSM8K prompts encode exactly as with the tiny checkpoints and every id the model can emit decodes;
@@ -50,7 +57,9 @@ from typing import Any
 
 import torch
 
+from registry.checkpoint import HF_QUANT_CONFIG_FILE as HF_QUANT_FILE
 from registry.schema import REPO_ROOT
+from runners.tools.formats import quantize_weight
 
 BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2  # the base tokenizer's <pad>, <s>, </s>
@@ -404,6 +413,73 @@ class SynthResult:
     arch_overrides: list[str] = field(default_factory=list)
 
 
+@dataclass
+class QuantLayout:
+    """How a release format rewrites a checkpoint: ``rewrite`` {weight name: (module, format)} of the weights
+    stored quantized, ``extra`` {name: tensor} added (KV-cache scales), and the quantization config files
+    (``config_json``: config.json's ``quantization_config`` or None for bf16; ``hf_quant_config``)."""
+
+    rewrite: dict[str, tuple[str, str]] = field(default_factory=dict)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    config_json: dict[str, Any] | None = None
+    hf_quant_config: dict[str, Any] | None = None
+
+
+def release_layout(config: dict[str, Any], fmt: str, names: list[str]) -> QuantLayout:
+    """The :class:`QuantLayout` of release format ``fmt`` for a checkpoint of ``config`` whose unquantized
+    tensors are ``names``: what is quantized is decided by the engine's own rule
+    (``runners.engine.quant.quantization_targets``) applied to the release's config
+    (``runners.tools.formats.release_rule``), so the written files and the loader agree by construction.
+
+    Raises:
+        SynthError: an unknown format, or one the family has no release in.
+    """
+    from registry.hf_config import HybridConfig
+    from runners.engine.models.hybrid import HybridLM
+    from runners.engine.quant import EXPERT_KINDS, quantization_targets
+    from runners.tools.formats import (
+        FORMATS,
+        FormatError,
+        block_fp8_not_converted,
+        kv_scale_modules,
+        quant_config_files,
+        release_rule,
+    )
+
+    if fmt not in FORMATS:
+        raise SynthError(f"--format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
+    if fmt == "bf16":
+        return QuantLayout()
+    hc = HybridConfig.from_dict(config, source="synth config")
+    try:
+        rule = release_rule(hc.family, fmt)
+    except FormatError as e:
+        raise SynthError(str(e)) from None
+    with torch.device("meta"):
+        model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
+    targets = quantization_targets(model, rule)
+    layout = QuantLayout()
+    modules: dict[str, str] = {}
+    for _, ckpt, _ in targets.linears:
+        layout.rewrite[f"{ckpt}.weight"] = (ckpt, targets.formats[ckpt])
+        modules[ckpt] = targets.formats[ckpt]
+    for _, prefix, moe in targets.moes:
+        for kind in EXPERT_KINDS:
+            if getattr(moe, f"experts_{kind}") is None:
+                continue
+            for e in range(moe.experts_up.shape[0]):
+                module = f"{prefix}experts.{e}.{kind}_proj"
+                layout.rewrite[f"{module}.weight"] = (module, targets.formats[prefix])
+                modules[module] = targets.formats[prefix]
+    for attn in kv_scale_modules(rule, [ckpt for _, ckpt, _ in targets.attentions]):
+        for t in ("k", "v"):
+            layout.extra[f"{attn}{t}_proj.{t}_scale"] = torch.tensor(1.0)
+    not_converted = block_fp8_not_converted(rule, names) if rule.weight_block_size is not None else None
+    layout.config_json, layout.hf_quant_config = quant_config_files(rule, modules=modules,
+                                                                    not_converted=not_converted)
+    return layout
+
+
 def write_synthetic_checkpoint(
     out_dir: str | Path,
     family: str,
@@ -417,17 +493,21 @@ def write_synthetic_checkpoint(
     seed: int = 0,
     check_disk: bool = True,
     log: Callable[[str], None] | None = None,
+    fmt: str = "bf16",
 ) -> SynthResult:
     """Write a synthetic checkpoint (see the module docstring) into ``out_dir`` (created; its files are
-    overwritten). Tensors are generated on ``device`` and written shard by shard.
+    overwritten). Tensors are generated on ``device`` and written shard by shard; ``fmt`` the release format
+    (runners.tools.formats.FORMATS).
 
     Raises:
-        SynthError: bad options, or (``check_disk``) too little free disk space for the shards.
+        SynthError: bad options (a format the family has no release in included), or (``check_disk``) too
+            little free disk space for the shards.
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
     config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
     specs = tensor_specs(config, dtype)
+    quant = release_layout(config, fmt, [s.name for s in specs])
     shards = plan_shards(specs, shard_bytes)
     total = sum(s.nbytes for s in specs)
     out.mkdir(parents=True, exist_ok=True)
@@ -441,7 +521,12 @@ def write_synthetic_checkpoint(
     say = log or (lambda _msg: None)
     say(f"{family}: {len(specs)} tensors, {sum(math.prod(s.shape) for s in specs) / 1e9:.2f} B parameters, "
         f"{total / 1e9:.2f} GB in {len(shards)} shards -> {out}")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # inf -> Infinity, as releases
+    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json", out / HF_QUANT_FILE]:
+        stale.unlink(missing_ok=True)  # an earlier checkpoint of another format in the same folder
+    written = dict(config, quantization_config=quant.config_json) if quant.config_json else config
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")  # inf -> Infinity, as releases
+    if quant.hf_quant_config is not None:
+        (out / HF_QUANT_FILE).write_text(json.dumps(quant.hf_quant_config, indent=2) + "\n")
     gen = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID,
            "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -450,18 +535,29 @@ def write_synthetic_checkpoint(
 
     weight_map: dict[str, str] = {}
     t_gen = t_write = 0.0
+    total = 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         ta = time.perf_counter()
-        tensors = {s.name: init_tensor(s, seed, device).cpu() for s in shard}
+        tensors: dict[str, torch.Tensor] = {}
+        for s in shard:
+            t = init_tensor(s, seed, device)
+            if s.name in quant.rewrite:
+                tensors.update(quantize_weight(quant.rewrite[s.name][1], quant.rewrite[s.name][0], t))
+            else:
+                tensors[s.name] = t.cpu()
+        if i == len(shards) - 1:
+            tensors.update(quant.extra)
         tb = time.perf_counter()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        del tensors
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += nbytes
+        weight_map.update(dict.fromkeys(tensors, fname))
         tc = time.perf_counter()
         t_gen, t_write = t_gen + tb - ta, t_write + tc - tb
-        weight_map.update(dict.fromkeys((s.name for s in shard), fname))
-        say(f"  {fname}: {len(shard)} tensors, {sum(s.nbytes for s in shard) / 1e9:.2f} GB "
+        say(f"  {fname}: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB "
             f"(generate {tb - ta:.1f} s, write {tc - tb:.1f} s)")
+        del tensors
     # written last: a checkpoint interrupted while writing shards has no index and does not load
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -481,6 +577,7 @@ def write_synthetic_checkpoint(
         "num_layers": num_layers,
         "num_experts": num_experts,
         "overrides": overrides or {},
+        "format": fmt,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "seed": seed,
@@ -578,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="checkpoint folder to write (created)")
     p.add_argument("--num-layers", type=int, default=None, help="layers (default: the release's)")
     p.add_argument("--num-experts", type=int, default=None, help="routed experts (default: the release's)")
+    p.add_argument("--format", default="bf16", choices=["bf16", "fp8", "nvfp4", "block_fp8"],
+                   help="the release's weight format (runners/tools/formats.py; default bf16)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="where tensors are generated (cuda: seconds)")
     p.add_argument("--shard-size", default="5GB", help="bytes per shard, e.g. 5GB (default) or 500MB")
@@ -596,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         r = write_synthetic_checkpoint(
             args.out, args.family, num_layers=args.num_layers, num_experts=args.num_experts,
             overrides=overrides, dtype=DTYPES[args.dtype], device=args.device, shard_bytes=shard_bytes,
-            seed=args.seed, log=print,
+            seed=args.seed, log=print, fmt=args.format,
         )
     except SynthError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -345,15 +345,17 @@ class MoE(nn.Module):
         return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
 
 
-_STACKED_EXPERTS = re.compile(r"^(.*\.)experts_(up|gate|down)(?:_(weight_scale|input_scale))?$")
+_STACKED_EXPERTS = re.compile(
+    r"^(.*\.)experts_(up|gate|down)(?:_(weight_scale_inv|weight_scale_2|weight_scale|input_scale))?$"
+)
 
 
 def unstack_expert_names(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Checkpoint names of a stacked expert parameter: ``<p>.experts_{up,gate,down}`` [E, ...] ->
     ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place); the
-    per-expert FP8 scales ``<p>.experts_<kind>_{weight_scale,input_scale}`` [E] (runners/engine/quant.py)
-    map to
-    ``<p>.experts.{e}.<kind>_proj.{weight_scale,input_scale}`` likewise. Any other name maps to itself."""
+    per-expert scales ``<p>.experts_<kind>_<scale>`` [E, ...] of the quantized experts
+    (runners/engine/quant.py; scale: weight_scale, input_scale, weight_scale_2, weight_scale_inv) map to
+    ``<p>.experts.{e}.<kind>_proj.<scale>`` likewise. Any other name maps to itself."""
     m = _STACKED_EXPERTS.match(name)
     if not m:
         return {name: tensor}

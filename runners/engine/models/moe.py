@@ -182,3 +182,38 @@ def moe_experts_fused(
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     y = y.index_select(0, inverse).view(n, k, -1)  # back to pair order n * k + j
     return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+
+
+def moe_experts_grouped(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    kinds: tuple[str, ...],
+    grouped_mm: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+    num_experts: int,
+) -> torch.Tensor:
+    """Routed experts over expert-sorted pairs with a caller's grouped GEMM (the quantized experts of
+    runners.engine.models.nvfp4 / block_fp8): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
+    each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
+    [P, out]``, the results return to pair order and are summed over the k choices in float32 (as
+    :func:`moe_experts_fused`: no host synchronisation when ``grouped_mm`` has none).
+
+    Args:
+        h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. kinds: ("up", "down") or ("up", "gate",
+            "down"). act: the activation. num_experts: E.
+
+    Returns:
+        [N, L] in h's dtype.
+    """
+    n, k = indices.shape
+    order, offsets = sort_pairs_by_expert(indices, num_experts)
+    x = h.index_select(0, order // k)  # [P, L]
+    if "gate" in kinds:
+        a = act(grouped_mm(x, "gate", offsets)) * grouped_mm(x, "up", offsets)
+    else:
+        a = act(grouped_mm(x, "up", offsets))
+    y = grouped_mm(a.to(h.dtype), "down", offsets)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y.index_select(0, inverse).view(n, k, -1)
+    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
