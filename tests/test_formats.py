@@ -21,6 +21,7 @@ from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4
 from registry.schema import REPO_ROOT
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, plan_load
+from runners.engine.options import EngineOptions
 from runners.engine.quant import BlockFP8Linear, BlockFP8MoE, FP8Linear, NVFP4MoE, kv_cache_scales
 from runners.tools.quantize import quantize_checkpoint
 from runners.tools.synth import release_layout, synth_config, tensor_specs, write_synthetic_checkpoint
@@ -235,8 +236,8 @@ def test_tiny_format_matches_its_dequantized_weights(fmt, tiny_formats, tmp_path
     row = json.loads((gsm8k_dir / "test.jsonl").read_text().splitlines()[0])
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     ids = torch.tensor([tok.encode(f"Question: {row['question']}\nAnswer: {row['answer']}").ids])
-    a = Engine.from_pretrained(ckpt, max_batch_size=1, max_seq_len=512).logits(ids)
-    b = Engine.from_pretrained(plain, max_batch_size=1, max_seq_len=512).logits(ids)
+    a = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=1, max_seq_len=512)).logits(ids)
+    b = Engine.from_pretrained(plain, EngineOptions(max_batch_size=1, max_seq_len=512)).logits(ids)
     rel, agree = ((a - b).norm() / b.norm()).item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     tol_rel, tol_agree = TOLERANCE[fmt]
     assert rel < tol_rel and agree > tol_agree, (rel, agree)
@@ -284,7 +285,8 @@ def test_tiny_format_replay_equals_rewind_and_greedy(fmt, tiny_formats, gsm8k_di
     outs = {}
     for name, kw in {"greedy": dict(draft_len=0), "rewind": dict(draft_len=3),
                      "replay": dict(draft_len=3, ssm_replay=True)}.items():
-        engine = Engine.from_pretrained(ckpt, kv_cache_quant="fp8", max_batch_size=2, max_seq_len=256, **kw)
+        options = EngineOptions(kv_cache_quant="fp8", max_batch_size=2, max_seq_len=256, **kw)
+        engine = Engine.from_pretrained(ckpt, options)
         outs[name] = engine.generate(prompts, 12, stop_token_ids=[])
     assert outs["rewind"].tokens == outs["replay"].tokens == outs["greedy"].tokens
     assert outs["rewind"].stats.acceptance_rate > 0.2
@@ -379,8 +381,9 @@ def test_quarter_depth_release_format_loads_and_generates_gpu(family, fmt, tmp_p
     kinds = {FORMAT_FP8: FP8Linear, FORMAT_NVFP4: NVFP4MoE, FORMAT_BLOCK_FP8: BlockFP8MoE}
     outs = {}
     for name, kw in {"greedy": dict(draft_len=0), "replay": dict(draft_len=3, ssm_replay=True)}.items():
-        engine = Engine.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16, kv_cache_quant="fp8",
-                                        max_batch_size=2, max_seq_len=256, **kw)
+        options = EngineOptions(dtype=torch.bfloat16, kv_cache_quant="fp8", max_batch_size=2, max_seq_len=256,
+                                **kw)
+        engine = Engine.from_pretrained(tmp_path, options, device="cuda")
         assert any(isinstance(m, kinds[fmt]) for m in engine.model.modules())
         report = engine.model.quant_report
         assert "reference" not in json.dumps(report), report

@@ -35,7 +35,11 @@ def block_fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] times block-FP8 ``weight`` [N, K] (``weight_scale_inv`` [ceil(N/128), ceil(K/128)] float32)
     plus bias [N] -> [..., N] in x's dtype; the kernel on CUDA, the reference elsewhere."""
-    from kernels.quant.block_fp8 import block_fp8_linear as kernel  # Triton on CUDA, its reference else
+    from kernels.quant import block_fp8
+
+    # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
+    # for the kernel tests, far too slow for an engine)
+    kernel = block_fp8.block_fp8_linear if x.is_cuda else block_fp8.block_fp8_linear_ref
 
     x2 = x.reshape(-1, x.shape[-1])
     return kernel(x2, weight, weight_scale_inv, bias).reshape(*x.shape[:-1], weight.shape[0])
@@ -47,6 +51,10 @@ def block_fp8_grouped_mm(
     """Grouped block-FP8 GEMM of the routed experts: x [P, K] sorted by expert, weight fp8 [E, N, K],
     weight_scale_inv [E, ceil(N/128), ceil(K/128)] float32, offsets [E] int32 cumulative ends -> [P, N] in
     x's dtype (kernels.quant.block_fp8; the reference off CUDA)."""
-    from kernels.quant.block_fp8 import block_fp8_grouped_mm as kernel
+    from kernels.quant import block_fp8
+
+    # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
+    # for the kernel tests, far too slow for an engine)
+    kernel = block_fp8.block_fp8_grouped_mm if x.is_cuda else block_fp8.block_fp8_grouped_mm_ref
 
     return kernel(x, weight, weight_scale_inv, offsets)

@@ -37,7 +37,11 @@ def nvfp4_linear(
     """W4A16 ``x W^T + b``: x [..., K] (bf16 / fp16 / fp32), weight uint8 [N, K / 2], weight_scale fp8 [N, K /
     16], weight_scale_2 0-dim float32, bias [N] or None -> [..., N] in x's dtype; the kernel on CUDA, the
     reference elsewhere (kernels.quant.nvfp4). No host synchronisation on CUDA."""
-    from kernels.quant.nvfp4 import nvfp4_linear as kernel  # the Triton GEMM on CUDA, its reference else
+    from kernels.quant import nvfp4
+
+    # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
+    # for the kernel tests, far too slow for an engine)
+    kernel = nvfp4.nvfp4_linear if x.is_cuda else nvfp4.nvfp4_linear_ref
 
     x2 = x.reshape(-1, x.shape[-1])
     return kernel(x2, weight, weight_scale, weight_scale_2, bias).reshape(*x.shape[:-1], weight.shape[0])
@@ -53,6 +57,10 @@ def nvfp4_grouped_mm(
     """Grouped W4A16 GEMM of the routed experts: x [P, K] sorted by expert, weight uint8 [E, N, K / 2],
     weight_scale fp8 [E, N, K / 16], weight_scale_2 [E] float32, offsets [E] int32 cumulative ends -> [P, N]
     in x's dtype (kernels.quant.nvfp4; the reference off CUDA)."""
-    from kernels.quant.nvfp4 import nvfp4_grouped_mm as kernel
+    from kernels.quant import nvfp4
+
+    # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
+    # for the kernel tests, far too slow for an engine)
+    kernel = nvfp4.nvfp4_grouped_mm if x.is_cuda else nvfp4.nvfp4_grouped_mm_ref
 
     return kernel(x, weight, weight_scale, weight_scale_2, offsets)
