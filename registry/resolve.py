@@ -76,6 +76,13 @@ class ResolvedRun:
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
 
     @property
+    def graphs_dropped_by_tensor_parallelism(self) -> bool:
+        """Whether this run would capture the entry's CUDA graphs but world_size > 1 makes its ranks step
+        eagerly (run.py warns)."""
+        return (self.world_size > 1 and self.run.runtime.cuda_graphs and self.device.startswith("cuda")
+                and bool(self.entry.cuda_graph_batch_sizes))
+
+    @property
     def baseline_state(self) -> dict[str, str]:
         """The run's values of the baseline files' state columns (registry.baselines.STATE_COLUMNS): a row
         judges the run only if it holds for them (a 16-bit SSM state is not judged by a float32-state row)."""

@@ -89,6 +89,22 @@ def test_models_root_from_environment(monkeypatch, tmp_path):
     assert rr.checkpoint_dir == tmp_path / "Qwen3-Next-80B-A3B-Instruct"
 
 
+@pytest.mark.parametrize("overrides, dropped", [
+    (["world_size=2", "runtime=gpu"], True),  # the ws2 run on CUDA: the entry's graphs are not captured
+    (["world_size=2", "runtime=gpu", "runtime.cuda_graphs=false"], False),  # asked for none
+    (["world_size=2"], False),  # the CPU captures none anyway
+    (["runtime=gpu"], False),  # world_size 1 captures them
+])
+def test_graphs_dropped_by_tensor_parallelism(overrides, dropped):
+    """run.py's warning that tensor-parallel ranks step without the entry's CUDA graphs fires exactly when
+    the same run at world_size 1 would have captured them."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=super_v3_mtp", *overrides])
+    rr = resolve(cfg, check_checkpoint=False)
+    assert rr.graphs_dropped_by_tensor_parallelism is dropped
+    assert not (dropped and rr.cuda_graph_batch_sizes)  # what the ranks capture: nothing
+
+
 def _run_py(*args, cwd):
     return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)

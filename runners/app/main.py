@@ -91,10 +91,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             from runners.engine.launch import launch
 
             composed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra in the ranks
-            graphs = rr.run.runtime.cuda_graphs and rr.entry.cuda_graph_batch_sizes
-            if rr.device.startswith("cuda") and graphs:
+            if rr.graphs_dropped_by_tensor_parallelism:
                 print(f"warning: world_size={rr.world_size}: the ranks step eagerly, without the entry's "
-                      "CUDA graphs (cuda_graph_batch_sizes) and without overlap_steps "
+                      "CUDA graphs (its graph batch sizes) and without run-ahead steps "
                       "(runners.engine.launch)",
                       flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
