@@ -40,6 +40,9 @@
 #             float32) and tests/gpu/tp_bench.py on bf16 synthetic Super V3 / Qwen3-Next at their widths
 #             (quarter depth, 32 experts) computed in float32. On one GPU both ranks share it over gloo (--share-gpu): results
 #             only, not NCCL speed; on two or more GPUs NCCL (tp_bench in bf16 with its defaults then)
+#   quant     issue 25: the NVFP4 / block-FP8 GEMM tests (kernels/quant, interpreter tests included: they run
+#             on CUDA here) and benchmarks/bench_quant_gemm.py against BF16 at Super V3's / Qwen3-Next's shapes
+#             (~2 min); the formats end to end: bash tests/gpu/formats_run.sh OUTDIR
 #   prefix    issue 16: the prefix cache on CUDA (tests/test_prefix_cache.py, `gpu`-marked: decode / verify as
 #             CUDA graphs, float32, both families, draft_len 0 / 3 rewind / 3 replay: the same tokens and
 #             acceptance with and without the cache, the hits expected) and the CUDA-graph engine tests
@@ -47,7 +50,7 @@
 # Every stage writes <stage>.log (and JSON for bench) under OUTDIR; the script keeps going after a failing
 # stage and exits non-zero at the end if any failed. The logs we commit live in docs/gpu/.
 set -uo pipefail
-stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8 tp prefix"
+stages="kernels sanitize bench sweep ncu engine e2e e2e_full flashinfer fp8 tp prefix quant"
 usage="usage: bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]  (stages: $stages)"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
@@ -95,9 +98,13 @@ for s in "$@"; do
     sweep) stage sweep python3 -m benchmarks.sweep_replay --out "$out/sweep" ${SWEEP_ARGS-} ;;
     ncu) stage ncu python3 -m benchmarks.sweep_replay --ncu --sweep "$out/sweep/sweep_replay.json" --out "$out/ncu" \
            ${NCU_ARGS-} ;;
-    # Two pytest processes share the GPU (Triton's compiles are CPU-bound: 16 cores), so the stage ends well
-    # inside one device call. The first runs the TP test after other CUDA tests in the same process: the
-    # order in which launched ranks once stalled (the launcher now spawns them: runners/engine/launch.py).
+    quant) stage quant python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_gpu.py \
+             tests/test_kernels_quant.py
+           stage bench_quant python3 -m benchmarks.bench_quant_gemm --out "$out/bench_quant_gemm.json" ;;
+    # Two pytest processes share the GPU (Triton's compiles are CPU-bound: 16 cores). The first runs the TP
+    # test after other CUDA tests in the same process: the order in which launched ranks once stalled (the
+    # launcher now spawns them: runners/engine/launch.py). Measured (docs/gpu/arch_1): the first 489 s, the
+    # second not done after 330 s beside it: the stage still needs more than one 10-minute device call.
     engine) engine_a="tests/test_replay_engine.py tests/test_engine_graphs.py tests/test_prefix_cache.py"
             engine_a="$engine_a tests/test_tp.py"
             ignore=$(for f in $engine_a; do printf -- '--ignore=%s ' "$f"; done)
