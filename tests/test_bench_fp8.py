@@ -45,7 +45,8 @@ def test_cpu_super_stage_reports_bf16_and_fp8(tmp_path, gsm8k_dir):
                  "--max-gen-toks", "8", "--data-dir", str(gsm8k_dir), *SMALL])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())["super"]
-    assert report["quantize"]["counts"]["quantized_moe_blocks"] == 1  # ME*M: one MoE layer, the MTP one stays bf16
+    # ME*M: one MoE layer, the MTP one stays bf16
+    assert report["quantize"]["counts"]["quantized_moe_blocks"] == 1
     for arm in ("bf16", "fp8"):
         runs = report[arm]["runs"]
         assert [(r["batch"], r["draft_len"]) for r in runs] == [(1, 0), (1, 3)]
