@@ -371,25 +371,43 @@ QUARTER = {"nemotron_h": 22, "qwen3_next": 12}
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("disk")  # 23-38 GB each on a 64 GB disk: one at a time under pytest-xdist
 @pytest.mark.parametrize("family, fmt", RELEASES)
 def test_quarter_depth_release_format_loads_and_generates_gpu(family, fmt, tmp_path):
     """A quarter-depth synthetic checkpoint in the release's exact format (released widths and expert
-    counts; 12-20 GB written to tmp) loads on the GPU with the release's modules and the Triton GEMMs, and
-    generates with MTP and replay: greedy, rewind and replay emit the same tokens."""
-    write_synthetic_checkpoint(tmp_path, family, num_layers=QUARTER[family], fmt=fmt, device="cuda",
-                               shard_bytes=5 * 10**9)
-    kinds = {FORMAT_FP8: FP8Linear, FORMAT_NVFP4: NVFP4MoE, FORMAT_BLOCK_FP8: BlockFP8MoE}
-    outs = {}
-    for name, kw in {"greedy": dict(draft_len=0), "replay": dict(draft_len=3, ssm_replay=True)}.items():
-        options = EngineOptions(dtype=torch.bfloat16, kv_cache_quant="fp8", max_batch_size=2, max_seq_len=256,
-                                **kw)
-        engine = Engine.from_pretrained(tmp_path, options, device="cuda")
-        assert any(isinstance(m, kinds[fmt]) for m in engine.model.modules())
-        report = engine.model.quant_report
-        assert "reference" not in json.dumps(report), report
-        outs[name] = engine.generate([[1, 5, 9, 13, 17], [1, 7, 7, 7]], 16, stop_token_ids=[])
-        del engine
-        torch.cuda.empty_cache()
+    counts; 23-38 GB written to tmp, removed at the end) loads on the GPU with the release's modules and the
+    Triton GEMMs, and generates with MTP: replay emits the same tokens and acceptance as rewind (the same
+    GEMMs, only the state update differs). Not compared with greedy decoding: in bf16 a verify's batch
+    shape can flip a near-tie of a random model (greedy == MTP is checked in float32 on the tiny models)."""
+    try:
+        write_synthetic_checkpoint(tmp_path, family, num_layers=QUARTER[family], fmt=fmt, device="cuda",
+                                   shard_bytes=5 * 10**9)
+        kinds = {FORMAT_FP8: FP8Linear, FORMAT_NVFP4: NVFP4MoE, FORMAT_BLOCK_FP8: BlockFP8MoE}
+        outs = {}
+        runs = {"rewind": dict(draft_len=3), "replay": dict(draft_len=3, ssm_replay=True)}
+        for name, kw in runs.items():
+            options = EngineOptions(dtype=torch.bfloat16, kv_cache_quant="fp8", max_batch_size=2,
+                                    max_seq_len=256, **kw)
+            engine = Engine.from_pretrained(tmp_path, options, device="cuda")
+            assert any(isinstance(m, kinds[fmt]) for m in engine.model.modules())
+            report = engine.model.quant_report
+            assert "reference" not in json.dumps(report), report
+            outs[name] = engine.generate([[1, 5, 9, 13, 17], [1, 7, 7, 7]], 16, stop_token_ids=[])
+            del engine
+            torch.cuda.empty_cache()
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
     assert all(len(t) == 16 for t in outs["replay"].tokens)
-    agree = sum(a == b for x, y in zip(outs["greedy"].tokens, outs["replay"].tokens) for a, b in zip(x, y))
-    assert agree >= 28  # bf16 GEMMs of different batch shapes may flip a near-tie late in a sequence
+    assert outs["replay"].tokens == outs["rewind"].tokens
+    assert outs["replay"].stats.accepted_drafts == outs["rewind"].stats.accepted_drafts
+    assert outs["replay"].stats.drafted_tokens == outs["rewind"].stats.drafted_tokens
+
+
+@pytest.mark.parametrize("fmt", ["bf16", FORMAT_FP8, FORMAT_NVFP4, FORMAT_BLOCK_FP8])
+def test_stored_nbytes_is_what_quantize_weight_writes(fmt):
+    """The size synth checks free disk against equals the bytes written (ragged block-FP8 edges included)."""
+    from runners.tools.formats import quantize_weight, stored_nbytes
+
+    w = torch.randn(200, 320, dtype=torch.bfloat16)
+    tensors = {"m.weight": w} if fmt == "bf16" else quantize_weight(fmt, "m", w)
+    assert stored_nbytes(fmt, tuple(w.shape)) == sum(t.numel() * t.element_size() for t in tensors.values())

@@ -509,7 +509,10 @@ def write_synthetic_checkpoint(
     specs = tensor_specs(config, dtype)
     quant = release_layout(config, fmt, [s.name for s in specs])
     shards = plan_shards(specs, shard_bytes)
-    total = sum(s.nbytes for s in specs)
+    from runners.tools.formats import stored_nbytes
+
+    total = sum(stored_nbytes(quant.rewrite[s.name][1], s.shape) if s.name in quant.rewrite else s.nbytes
+                for s in specs)  # on disk, in the release format
     out.mkdir(parents=True, exist_ok=True)
     if check_disk:
         free = shutil.disk_usage(out).free

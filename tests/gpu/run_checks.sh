@@ -101,16 +101,14 @@ for s in "$@"; do
     quant) stage quant python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_gpu.py \
              tests/test_kernels_quant.py
            stage bench_quant python3 -m benchmarks.bench_quant_gemm --out "$out/bench_quant_gemm.json" ;;
-    # Two pytest processes share the GPU (Triton's compiles are CPU-bound: 16 cores). The first runs the TP
-    # test after other CUDA tests in the same process: the order in which launched ranks once stalled (the
-    # launcher now spawns them: runners/engine/launch.py). Measured (docs/gpu/arch_1): the first 489 s, the
-    # second not done after 330 s beside it: the stage still needs more than one 10-minute device call.
-    engine) engine_a="tests/test_replay_engine.py tests/test_engine_graphs.py tests/test_prefix_cache.py"
-            engine_a="$engine_a tests/test_tp.py"
-            ignore=$(for f in $engine_a; do printf -- '--ignore=%s ' "$f"; done)
-            stage engine_a python3 -m pytest -q -p no:cacheprovider -m gpu $engine_a &
-            stage engine_b python3 -m pytest -q -p no:cacheprovider -m gpu tests $ignore &
-            wait ;;
+    # pytest-xdist (in the device image) spreads the tests over ENGINE_WORKERS processes sharing the GPU:
+    # Triton's compiles are CPU-bound (16 cores) and one process needed more than one 10-minute device call.
+    # Tests are dealt one by one (--dist loadgroup: an xdist_group such as the disk-heavy format tests stays
+    # in one worker, in turn), so the TP test also runs after other CUDA tests in the same
+    # process: the order in which launched ranks once stalled (the launcher now spawns them:
+    # runners/engine/launch.py). --durations names the slowest tests in the log.
+    engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu -n "${ENGINE_WORKERS:-8}" --dist loadgroup \
+              --durations=25 tests ;;
     e2e) stage graphs python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_graphs.py
          stage e2e_super_v3 timeout 240 python3 -m benchmarks.bench_e2e --out "$out/e2e_super_v3" \
            --parts super_v3 --graphs on --batch-sizes 1 8 64 --steps 24 --time-budget-s 180
