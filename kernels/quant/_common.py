@@ -84,6 +84,32 @@ def offsets_list(offsets: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
 
 
+def check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name: str) -> None:
+    """Refuse an ``out`` that is not a row-contiguous ``shape`` tensor in x's dtype on x's device.
+
+    Raises:
+        ValueError: naming ``name``, the expected and the given tensor."""
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be a row-contiguous {shape} {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+
+
+def output_buffer(out: torch.Tensor | None, x: torch.Tensor, N: int, name: str) -> torch.Tensor:
+    """The [x.shape[0], N] result tensor of a kernel: ``out`` checked (:func:`check_out`) or a new one."""
+    if out is None:
+        return torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    check_out(out, (x.shape[0], N), x, name)
+    return out
+
+
+def copy_into(y: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
+    """A reference's result ``y``: returned as is, or copied into ``out`` (checked) and ``out`` returned."""
+    if out is None:
+        return y
+    check_out(out, tuple(y.shape), x, name)
+    return out.copy_(y)
+
+
 def grouped_row_tiles(P: int, E: int, block_m: int) -> int:
     """Row tiles a grouped launch covers: every expert's rows rounded up to whole tiles fit in this many."""
     return P // block_m + min(E, P)
@@ -207,6 +233,20 @@ def grouped_tile(offsets_ptr, E, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.const
     first_tile = tl.sum(tl.where(pick, cum - tiles, 0), 0)
     row0 = tl.sum(tl.where(pick, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
     row_end = tl.sum(tl.where(pick, ends, 0), 0)
+    return expert, row0, row_end
+
+
+@triton.jit
+def program_tile(offsets_ptr, E, M, pid_m, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
+    """(expert, first row, end row) of row tile ``pid_m``: :func:`grouped_tile` for a grouped launch, else
+    expert 0 and rows [pid_m * BLOCK_M, M) of a dense one. The prologue of every kernel in kernels/quant."""
+    if GROUPED:
+        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
+    else:
+        expert = pid_m * 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
     return expert, row0, row_end
 
 

@@ -58,11 +58,13 @@ from kernels.quant._common import (
     check_activation,
     check_bias,
     check_offsets,
+    copy_into,
     gemv_config,
     grouped_row_tiles,
-    grouped_tile,
     mma,
     offsets_list,
+    output_buffer,
+    program_tile,
     splitk_sum,
     tile_config,
     to_e4m3,
@@ -115,18 +117,6 @@ def _check_weights(weight: torch.Tensor, weight_scale_inv: torch.Tensor, *, stac
         raise ValueError(f"{name}: weight is on {weight.device}, weight_scale_inv on {weight_scale_inv.device}")
     return lead, N, K
 
-
-def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name: str) -> None:
-    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must be a row-contiguous {shape} {x.dtype} tensor on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-
-
-def _into(y: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
-    if out is None:
-        return y
-    _check_out(out, tuple(y.shape), x, name)
-    return out.copy_(y)
 
 
 def _expand_blocks(scale: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -252,7 +242,7 @@ def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     y = _block_product(qx, xs, weight, weight_scale_inv)
     if bias is not None:
         y = y + bias.float()
-    return _into(y.to(x.dtype), out, x, name)
+    return copy_into(y.to(x.dtype), out, x, name)
 
 
 def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -281,7 +271,7 @@ def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale
     for e, (s, t) in enumerate(offsets_list(offsets)):
         if t > s:
             y[s:t] = _block_product(qx[s:t], xs[s:t], weight[e], weight_scale_inv[e])
-    return _into(y.to(x.dtype), out, x, name)
+    return copy_into(y.to(x.dtype), out, x, name)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,12 +350,7 @@ def _block_fp8_mm_kernel(
     GROUP: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if GROUPED:
-        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
-    else:
-        expert = pid_m * 0
-        row0 = pid_m * BLOCK_M
-        row_end = M
+    expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
     if expert < E:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
@@ -455,12 +440,7 @@ def _block_fp8_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if GROUPED:
-        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
-    else:
-        expert = pid_m * 0
-        row0 = pid_m * BLOCK_M
-        row_end = M
+    expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
     if expert < E:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -716,11 +696,8 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         impl = "scaled_mm" if prefill and aligned and x.is_cuda and block_scaled_mm_supported(x.device) \
             else "triton"
     if impl == "scaled_mm" and x.shape[0] > 0:
-        return _into(_scaled_mm_block(x, weight, weight_scale_inv, bias), out, x, name)
-    if out is None:
-        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    else:
-        _check_out(out, (x.shape[0], N), x, name)
+        return copy_into(_scaled_mm_block(x, weight, weight_scale_inv, bias), out, x, name)
+    out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
     return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False)
@@ -753,10 +730,7 @@ def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     if not use_kernel(x):
         return block_fp8_grouped_mm_ref(x, weight, weight_scale_inv, offsets, out=out)
     check_launchable(x, weight, weight_scale_inv, offsets, name=name)
-    if out is None:
-        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    else:
-        _check_out(out, (x.shape[0], N), x, name)
+    out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
     return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True)

@@ -59,11 +59,13 @@ from kernels.quant._common import (
     check_activation,
     check_bias,
     check_offsets,
+    copy_into,
     gemv_config,
     grouped_row_tiles,
-    grouped_tile,
     mma,
     offsets_list,
+    output_buffer,
+    program_tile,
     splitk_sum,
     tile_config,
     true_divide,
@@ -245,7 +247,7 @@ def nvfp4_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     y = x.float() @ nvfp4_dequantize(weight, weight_scale, weight_scale_2, torch.float32).T
     if bias is not None:
         y = y + bias.float()
-    return _into(y.to(x.dtype), out, (x.shape[0], N), x, name)
+    return copy_into(y.to(x.dtype), out, x, name)
 
 
 def nvfp4_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -275,21 +277,8 @@ def nvfp4_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         if t > s:
             w = nvfp4_dequantize(weight[e], weight_scale[e], weight_scale_2[e], torch.float32)
             y[s:t] = x[s:t].float() @ w.T
-    return _into(y.to(x.dtype), out, (x.shape[0], N), x, name)
+    return copy_into(y.to(x.dtype), out, x, name)
 
-
-def _into(y: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor,
-          name: str) -> torch.Tensor:
-    if out is None:
-        return y
-    _check_out(out, shape, x, name)
-    return out.copy_(y)
-
-
-def _check_out(out: torch.Tensor, shape: tuple[int, int], x: torch.Tensor, name: str) -> None:
-    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must be a row-contiguous {shape} {x.dtype} tensor on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,12 +369,7 @@ def _nvfp4_mm_kernel(
     load; else uint8 bytes, 2 codes per load (any even K)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if GROUPED:
-        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
-    else:
-        expert = pid_m * 0
-        row0 = pid_m * BLOCK_M
-        row_end = M
+    expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
     if expert < E:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
@@ -490,12 +474,7 @@ def _nvfp4_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if GROUPED:
-        expert, row0, row_end = grouped_tile(offsets_ptr, E, pid_m, BLOCK_M, BLOCK_E)
-    else:
-        expert = pid_m * 0
-        row0 = pid_m * BLOCK_M
-        row_end = M
+    expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
     if expert < E:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -671,10 +650,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if not use_kernel(x):
         return nvfp4_linear_ref(x, weight, weight_scale, weight_scale_2, bias, out=out)
     check_launchable(x, weight, weight_scale, weight_scale_2, name=name)
-    if out is None:
-        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    else:
-        _check_out(out, (x.shape[0], N), x, name)
+    out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
     return _launch(x, weight, weight_scale, weight_scale_2, bias, None, out, grouped=False,
@@ -711,10 +687,7 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if not use_kernel(x):
         return nvfp4_grouped_mm_ref(x, weight, weight_scale, weight_scale_2, offsets, out=out)
     check_launchable(x, weight, weight_scale, weight_scale_2, offsets, name=name)
-    if out is None:
-        out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    else:
-        _check_out(out, (x.shape[0], N), x, name)
+    out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
     return _launch(x, weight, weight_scale, weight_scale_2, None, offsets, out, grouped=True,
