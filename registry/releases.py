@@ -12,10 +12,15 @@ NVIDIA Model-Optimizer's HF export (``unified_export_hf``, ``convert_hf_config.p
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from registry.hf_config import FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, QuantConfig
+from registry.hf_config import FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, HybridConfig, QuantConfig
 from registry.schema import REPO_ROOT
 
 FORMATS = ("bf16", "fp8", "nvfp4", "block_fp8")
@@ -263,3 +268,63 @@ def release_quant_config(family: str, quant: str, kv_cache_quant: str) -> QuantC
     """
     fmt = release_format(family, quant)
     return None if fmt == "bf16" else release_rule(family, fmt, kv_cache=kv_cache_quant == "fp8")
+
+
+def release_hybrid_config(family: str, quant: str, kv_cache_quant: str) -> HybridConfig:
+    """The released configuration of a ``family`` model in the entry's ``quant`` (config.json of
+    :data:`RELEASE_CONFIGS` with the release format's :func:`release_quant_config`): what
+    ``model.load_format=dummy`` builds when the entry's checkpoint folder is not on this machine.
+
+    Raises:
+        FormatError: no release of that model in that quantization.
+    """
+    quantization = release_quant_config(family, quant, kv_cache_quant)
+    fmt = release_format(family, quant)
+    source = f"the released {family} {fmt} configuration (registry/releases.py)"
+    config = HybridConfig.from_dict(RELEASE_CONFIGS[family], source=source)
+    return dataclasses.replace(config, quantization=quantization)
+
+
+def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> int:
+    """tokenizer.json (the base GSM8K tokenizer + added tokens ``<|synth_i|>`` up to ``vocab_size``, so every
+    id a model of that vocabulary emits decodes and GSM8K prompts encode as with the tiny checkpoints) and
+    tokenizer_config.json into ``out``; returns the base vocabulary size.
+
+    Raises:
+        ValueError: vocab_size smaller than the base tokenizer.
+    """
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size < n:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the GSM8K tokenizer's {n} tokens; use >= {n}"
+        )
+    tok.add_tokens([AddedToken(f"<|synth_{i}|>", normalized=False) for i in range(n, vocab_size)])
+    tok.save(str(out / "tokenizer.json"))
+    shutil.copyfile(base / "tokenizer_config.json", out / "tokenizer_config.json")
+    return n
+
+
+DUMMY_TOKENIZERS_DIR = REPO_ROOT / "outputs" / "dummy_tokenizers"
+
+
+def dummy_tokenizer_dir(vocab_size: int, root: Path = DUMMY_TOKENIZERS_DIR) -> Path:
+    """A folder holding :func:`write_tokenizer`'s tokenizer of ``vocab_size`` (written once, atomically, then
+    reused): the tokenizer of a ``model.load_format=dummy`` run whose checkpoint folder has none.
+
+    Raises:
+        ValueError: vocab_size smaller than the base tokenizer.
+    """
+    final = root / f"vocab_{vocab_size}"
+    if (final / "tokenizer.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".vocab_{vocab_size}."))
+    write_tokenizer(tmp, vocab_size)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another run wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

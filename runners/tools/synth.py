@@ -66,6 +66,7 @@ from registry.releases import (
     RELEASE_CONFIGS,
     SUPER_V3_PATTERN,  # noqa: F401  (the tests' and benchmarks' name for it)
 )
+from registry.releases import write_tokenizer as _write_tokenizer
 from runners.engine.dummy import (  # noqa: F401  (re-exported: the tools' and tests' names)
     FP32_ON_DISK,
     TensorSpec,
@@ -174,24 +175,16 @@ def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSp
 
 
 def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> int:
-    """tokenizer.json (the base GSM8K tokenizer + added tokens ``<|synth_i|>`` up to ``vocab_size``) and
-    tokenizer_config.json into ``out``; returns the base vocabulary size.
+    """registry.releases.write_tokenizer (the base GSM8K tokenizer padded to ``vocab_size``) into ``out``;
+    returns the base vocabulary size.
 
     Raises:
         SynthError: vocab_size smaller than the base tokenizer.
     """
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size < n:
-        raise SynthError(
-            f"vocab_size={vocab_size} is smaller than the GSM8K tokenizer's {n} tokens; use >= {n}"
-        )
-    tok.add_tokens([AddedToken(f"<|synth_{i}|>", normalized=False) for i in range(n, vocab_size)])
-    tok.save(str(out / "tokenizer.json"))
-    shutil.copyfile(base / "tokenizer_config.json", out / "tokenizer_config.json")
-    return n
+    try:
+        return _write_tokenizer(out, vocab_size, base)
+    except ValueError as e:
+        raise SynthError(str(e)) from None
 
 
 def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
