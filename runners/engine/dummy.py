@@ -160,6 +160,15 @@ def quantized_weights(model: HybridLM, quant: QuantConfig) -> dict[str, tuple[st
     return out
 
 
+def kv_scale_modules(rule: QuantConfig, attentions: list[str]) -> list[str]:
+    """The attention blocks (checkpoint prefixes such as ``backbone.layers.5.mixer.``) a release gives k / v
+    scales: with an FP8 KV cache, those its exclude list does not exclude as a block (ModelOpt exports an
+    excluded MTP module without any scale; attention projections excluded one by one keep their KV scales)."""
+    if rule.kv_cache_quant != "fp8":
+        return []
+    return [a for a in attentions if not rule.is_excluded(a.rstrip("."))]
+
+
 @dataclass
 class DummyPlan:
     """A dummy model on the meta device (no memory allocated yet): ``model`` in its load dtypes with the
@@ -194,8 +203,13 @@ def plan_dummy(config: HybridConfig, *, dtype: torch.dtype, with_mtp: bool) -> D
     rewrite = quantized_weights(plain, config.quantization) if config.quantization is not None else {}
     specs = _specs_of(plain, dtype)
     model = build_meta_model(config, dtype=dtype, with_mtp=with_mtp)
-    if config.quantization is not None:
-        apply_quantization(model, config.quantization)
+    if config.quantization is not None:  # k / v scales where the release has them (kv_scale_modules)
+        from runners.engine.quant import quantization_targets
+
+        attentions = [ckpt for _, ckpt, _ in quantization_targets(plain, config.quantization).attentions]
+        kv = [f"{a}{t}_proj.{t}_scale" for a in kv_scale_modules(config.quantization, attentions)
+              for t in ("k", "v")]
+        apply_quantization(model, config.quantization, tensor_names=set(kv))
     return DummyPlan(config, model, dtype, model_bytes(model), specs, rewrite)
 
 

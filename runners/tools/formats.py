@@ -46,20 +46,15 @@ from registry.releases import (  # noqa: F401  (the release rules, re-exported f
     FormatError,
     release_rule,
 )
-from runners.engine.dummy import ASSUMED_INPUT_AMAX, E2M1_MAX  # noqa: F401  (re-exported)
+from runners.engine.dummy import (  # noqa: F401  (re-exported)
+    ASSUMED_INPUT_AMAX,
+    E2M1_MAX,
+    kv_scale_modules,  # noqa: F401  (re-exported)
+)
 from runners.engine.dummy import quantize_weight as _quantize_on_device
 from runners.engine.models.fp8 import FP8_MAX  # noqa: F401  (re-exported)
 
 PRODUCER = {"name": "hybrid-mtp-eval runners.tools", "version": "1"}
-
-def kv_scale_modules(rule: QuantConfig, attentions: list[str]) -> list[str]:
-    """The attention blocks (checkpoint prefixes such as ``backbone.layers.5.mixer.``) a release gives k / v
-    scales: with an FP8 KV cache, those its exclude list does not exclude as a block (ModelOpt exports an
-    excluded MTP module without any scale; attention projections excluded one by one keep their KV scales)."""
-    if rule.kv_cache_quant != "fp8":
-        return []
-    return [a for a in attentions if not rule.is_excluded(a.rstrip("."))]
-
 
 def block_fp8_not_converted(rule: QuantConfig, tensor_names: list[str]) -> list[str]:
     """``modules_to_not_convert`` as Qwen's release writes it: every module (or parameter, for GDN's
