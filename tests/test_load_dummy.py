@@ -140,6 +140,10 @@ def test_largest_fitting_batch():
 
 
 def test_bad_load_format_is_refused():
-    entry = compose_config(["model=tiny_nemotron_h_mtp", "model.load_format=dumy"])
+    """On the command line (composition) and in an entry file (schema validation), naming the values."""
+    with pytest.raises(UserError, match=r"load_format.*auto, dummy"):
+        compose_config(["model=tiny_nemotron_h_mtp", "model.load_format=dumy"])
+    entry = dict(compose_config(["model=tiny_nemotron_h_mtp"]).model)
+    entry["load_format"] = "dumy"
     with pytest.raises(UserError, match=r"load_format.*\[auto, dummy\]"):
-        validate_entry(entry.model, name="tiny_nemotron_h_mtp")
+        validate_entry(entry, name="tiny_nemotron_h_mtp")
