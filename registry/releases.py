@@ -270,10 +270,12 @@ def release_quant_config(family: str, quant: str, kv_cache_quant: str) -> QuantC
     return None if fmt == "bf16" else release_rule(family, fmt, kv_cache=kv_cache_quant == "fp8")
 
 
-def release_hybrid_config(family: str, quant: str, kv_cache_quant: str) -> HybridConfig:
+def release_hybrid_config(family: str, quant: str, kv_cache_quant: str,
+                          overrides: dict[str, Any] | None = None) -> HybridConfig:
     """The released configuration of a ``family`` model in the entry's ``quant`` (config.json of
     :data:`RELEASE_CONFIGS` with the release format's :func:`release_quant_config`): what
     ``model.load_format=dummy`` builds when the entry's checkpoint folder is not on this machine.
+    ``overrides``: config.json fields replaced (tests and benchmarks shrink widths with them).
 
     Raises:
         FormatError: no release of that model in that quantization.
@@ -281,7 +283,7 @@ def release_hybrid_config(family: str, quant: str, kv_cache_quant: str) -> Hybri
     quantization = release_quant_config(family, quant, kv_cache_quant)
     fmt = release_format(family, quant)
     source = f"the released {family} {fmt} configuration (registry/releases.py)"
-    config = HybridConfig.from_dict(RELEASE_CONFIGS[family], source=source)
+    config = HybridConfig.from_dict({**RELEASE_CONFIGS[family], **(overrides or {})}, source=source)
     return dataclasses.replace(config, quantization=quantization)
 
 

@@ -6,7 +6,6 @@ refused in seconds with its numbers."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -67,7 +66,8 @@ def test_dummy_run_end_to_end_says_dummy_and_judges_no_accuracy(tmp_path):
                           "eval.limit=2", "eval.max_gen_toks=8", "ssm_replay=true"])
     results = app.run(cfg)
     on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["config"]["load_format"] == "dummy" and on_disk["config"]["model"]["load_format"] == "dummy"
+    assert on_disk["config"]["load_format"] == "dummy"
+    assert on_disk["config"]["model"]["load_format"] == "dummy"
     checks = {c["name"]: c for c in on_disk["verdict"]["checks"]}
     assert checks["gsm8k.mean"]["status"] == NO_REFERENCE and checks["gsm8k.mean"]["note"] == DUMMY_NOTE
     assert checks["health.finite"]["status"] == PASS
@@ -105,12 +105,11 @@ def test_full_depth_fit_refusal_in_seconds():
     config = release_hybrid_config("nemotron_h", "fp8", "fp8")
     options = EngineOptions(dtype="bfloat16", draft_len=3, max_batch_size=64, max_seq_len=4096,
                             ssm_backend="torch", memory_budget_bytes=140 * 10**9)
-    t0 = time.perf_counter()
-    with pytest.raises(InsufficientMemoryError) as e:
+    with pytest.raises(InsufficientMemoryError) as e:  # raised from the meta-device plan: nothing allocated
         Engine.from_dummy(config, options, device="cpu")
-    assert time.perf_counter() - t0 < 60  # seconds, not a build (a 2-core CI machine: generous bound)
     msg = str(e.value)
-    assert "GiB of weights" in msg and "GiB of caches" in msg and "130.39 GiB of the given memory budget" in msg
+    assert "119.68 GiB of weights" in msg and "GiB of caches" in msg
+    assert "130.39 GiB of the given memory budget" in msg
     assert "eval.batch_size=" in msg and "fits" in msg
     fit = int(msg.split("eval.batch_size=")[1].split()[0])
     assert 1 <= fit < 64
