@@ -366,7 +366,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
 
 def _print_load(engine: Engine) -> None:
     """One line of the load: seconds, weight bytes and the caches by kind (a full-depth run's log)."""
-    r = engine.load_report
+    r = getattr(engine, "load_report", None)
     if r is None:
         return
     kinds = ", ".join(f"{k.removesuffix('_bytes')} {v / 2**30:.2f}" for k, v in engine.cache_memory().items())

@@ -106,12 +106,15 @@ def check_memory_fits(
         if cache_bytes_at is not None and max_batch_size:
             fit = largest_fitting_batch(weight_bytes, budget_bytes, cache_bytes_at, max_batch_size - 1)
         if fit is not None:
-            first = (f"eval.batch_size={fit} fits (weights + {_gib(cache_bytes_at(fit))} of caches); or "
-                     "lower model.max_seq_len=N")
+            first = (f"lower max_batch_size: eval.batch_size={fit} is the largest that fits (weights + "
+                     f"{_gib(cache_bytes_at(fit))} of caches), or lower max_seq_len (model.max_seq_len=N)")
         elif weight_bytes >= budget_bytes:
-            first = "the weights alone do not fit: no batch size helps"
+            first = "the weights alone exceed it, so no smaller max_batch_size or max_seq_len helps"
+        elif cache_bytes_at is not None:
+            first = "not even max_batch_size 1 fits: lower max_seq_len (model.max_seq_len=N)"
         else:
-            first = "not even batch 1 fits: lower model.max_seq_len=N"
+            first = ("lower max_batch_size or max_seq_len (run.py: eval.batch_size=N, model.max_seq_len=N) "
+                     "to shrink the caches")
         raise InsufficientMemoryError(
             f"the model needs {_gib(weight_bytes)} of weights + {_gib(cache_bytes)} of caches"
             f"{f' ({sizes})' if sizes else ''} = {_gib(need)}, more than the {_gib(budget_bytes)} of {where} "
