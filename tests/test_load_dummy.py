@@ -146,3 +146,29 @@ def test_bad_load_format_is_refused():
     entry["load_format"] = "dumy"
     with pytest.raises(UserError, match=r"load_format.*\[auto, dummy\]"):
         validate_entry(entry, name="tiny_nemotron_h_mtp")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("family,quant", [("nemotron_h", "nvfp4"), ("nemotron_h", "fp8"),
+                                          ("qwen3_next", "fp8")])
+def test_dummy_engine_on_cuda_builds_in_place_and_decodes_finite(family, quant):
+    """On the GPU: the dummy build's device peak stays within the weights + caches plus a few copies of the
+    largest single matrix (no BF16 copy of the model), and MTP + replay decoding yields tokens from finite
+    logits. The release's widths at 4 layers and 64 experts (the full depth is tests/gpu/fulldepth_run.sh)."""
+    cut = ({"hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "n_routed_experts": 64}
+           if family == "nemotron_h" else {"num_hidden_layers": 4, "num_experts": 64})
+    config = release_hybrid_config(family, quant, "fp8", overrides=cut)
+    options = EngineOptions(dtype="bfloat16", draft_len=3, ssm_replay=True, max_batch_size=4, max_seq_len=512,
+                            ssm_backend="triton", kv_cache_quant="fp8")
+    torch.cuda.empty_cache()
+    engine = Engine.from_dummy(config, options, device="cuda")
+    r = engine.load_report
+    largest = config.vocab_size * config.hidden_size * 4  # the embeddings generated in float32
+    assert r.device_peak_bytes <= r.weight_bytes + r.cache_bytes + 3 * largest
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29]] * 2
+    out = engine.generate(prompts, max_new_tokens=16)
+    assert [len(o) for o in out.tokens] == [16, 16] and out.nonfinite == []
+    assert out.tokens[0] == out.tokens[1]  # the same prompt, greedy: the same tokens in both slots
+    logits = engine.logits(torch.tensor([prompts[0]], device="cuda"))
+    assert torch.isfinite(logits).all()
