@@ -3,6 +3,7 @@ without CUDA graphs, at batch 1, 8 and 64, on the tiny entries and on quarter-de
 and Qwen3-Next; HF transformers ``generate`` on the tiny checkpoints as the floor.
 
     python -m benchmarks.bench_e2e --out DIR [--parts tiny,hf,super_v3,qwen3_next] [--batch-sizes 1 8 64]
+        (full depth, issue 26: --parts super_v3_nvfp4 | super_v3_fp8 | qwen3_next_fp8 --accept-length 3.0)
         [--steps 64] [--accept-length 2.6] [--prompt-len 128] [--profile super_v3:replay:8:graphs]
 
 One row per point (model, arm, batch, graphs) in DIR/bench_e2e.json, rewritten after every point (a run cut
@@ -27,6 +28,10 @@ Models:
   tests/gpu/realdim.py), Qwen3-Next at a quarter of its 48 layers (12) with all 512 experts (44 GB). Random
   drafts are never accepted, so ``Engine.force_acceptance(--accept-length)`` fixes the accepted drafts per
   step (2.6: the tiny models' measured length): the step then does exactly the work it does at that length.
+- ``super_v3_nvfp4`` / ``super_v3_fp8`` / ``qwen3_next_fp8`` (not in the default ``--parts``): the releases
+  at full depth (all layers, all 512 experts) in their checkpoint formats (NVFP4 W4A16, ModelOpt FP8, block
+  FP8), dummy weights built layer by layer on the device (``runners.engine.dummy``, as ``python run.py
+  model.load_format=dummy``); forced acceptance as the synthetic models (the issue asks 3.0).
 - ``hf``: ``transformers`` ``AutoModelForCausalLM.generate`` (greedy, its default cache) on the tiny
   checkpoints at the same batch sizes and prompts: decode tokens/s = batch * (N - 1) / (t(N) - t(1)).
 
@@ -60,7 +65,11 @@ from benchmarks.prompts import gsm8k_prompt_ids
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"tiny_nemotron_h": "tiny_nemotron_h_mtp", "tiny_qwen3_next": "tiny_qwen3_next_mtp"}
 SYNTH = {"super_v3": ("nemotron_h", 22, 256), "qwen3_next": ("qwen3_next", 12, None)}  # layers, experts
-PARTS = ("tiny", "hf", "super_v3", "qwen3_next")
+# full-depth parts (issue 26): the releases' configurations (all 88 / 48 layers, 512 experts) in their
+# checkpoint formats, dummy weights built on the device (runners.engine.dummy, as model.load_format=dummy)
+FULL = {"super_v3_nvfp4": ("nemotron_h", "nvfp4"), "super_v3_fp8": ("nemotron_h", "fp8"),
+        "qwen3_next_fp8": ("qwen3_next", "fp8")}
+PARTS = ("tiny", "hf", "super_v3", "qwen3_next", *FULL)
 ARMS = {"plain": (0, False), "rewind": (3, False), "replay": (3, True)}  # (draft_len K, ssm_replay)
 TARGETS = {"replay_vs_plain_b1": 1.8, "replay_vs_plain_b8": 1.3, "tiny_graph_step_speedup_b1": 2.0}
 
@@ -363,7 +372,7 @@ def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for bench_e2e.json, bench_e2e.png, profiles")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(p for p in PARTS if p not in FULL), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--graphs", default="both", choices=["both", "on", "off"])
@@ -400,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = None
     if args.profile:
         bits = args.profile.split(":")
-        models = (*TINY, *SYNTH)
+        models = (*TINY, *SYNTH, *FULL)
         if (len(bits) != 4 or bits[0] not in models or bits[1] not in ARMS or not bits[2].isdigit()
                 or bits[3] not in ("graphs", "eager")):
             p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
@@ -452,16 +461,32 @@ def main(argv: list[str] | None = None) -> int:
                            "weight_bytes": nbytes, "layer_pattern": config.get("hybrid_override_pattern")}
         return build
 
+    def full_build(name):
+        family, quant = FULL[name]
+
+        def build():
+            from registry.releases import release_hybrid_config
+            from runners.engine.dummy import materialize_dummy, plan_dummy
+
+            config = release_hybrid_config(family, quant, "fp8", overrides=args.synth_overrides)
+            plan = plan_dummy(config, dtype=dtype, with_mtp=True)
+            model = materialize_dummy(plan, dev, log=say)
+            return model, {"family": family, "format": config.quantization.algo, "dtype": args.dtype,
+                           "num_layers": len(config.layer_types), "num_experts": config.n_routed_experts,
+                           "weight_bytes": plan.weight_bytes, "config_source": config.source}
+        return build
+
     vocab = 2048
     prompts, source = gsm8k_prompts(max_b, args.prompt_len, vocab)
     run.report["prompts"] = {"source": source, "prompt_len": args.prompt_len}
 
     if profile is not None:
         name, arm, B, graphs = profile
-        build = tiny_build(TINY[name]) if name in TINY else synth_build(name)
+        build = tiny_build(TINY[name]) if name in TINY else full_build(name) if name in FULL else \
+            synth_build(name)
         model, info = build()
         run.report["models"][name] = info
-        forced = name in SYNTH or args.tiny_forced
+        forced = name in SYNTH or name in FULL or args.tiny_forced
         run.point(lambda: engine_point(model, name, arm, B, graphs, prompts, args, forced=forced,
                                        profile_dir=run.out), model=name, arm=arm, batch=B, graphs=graphs)
         return 0
@@ -480,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in SYNTH:
         if name in parts:
             bench_model(run, name, synth_build(name), True, prompts)
+    for name in FULL:
+        if name in parts:
+            bench_model(run, name, full_build(name), True, prompts)
     try:
         plot(run.report, run.out / "bench_e2e.png")
     except Exception as e:  # noqa: BLE001 - the JSON is the result; a plot failure is reported, not fatal

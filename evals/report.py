@@ -294,6 +294,8 @@ def format_console(results: Mapping[str, Any]) -> str:
     replay = "both arms (compare=replay)" if comparison else f"{c['ssm_replay']}{ckpt}"
     rows = [
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
+        *([("weights", "DUMMY (model.load_format=dummy: random; no accuracy can be judged)")]
+          if c.get("load_format") == "dummy" else []),
         ("ssm_replay / world_size", f"{replay} / {c['world_size']}"),
         ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)}"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
@@ -313,7 +315,8 @@ def format_console(results: Mapping[str, Any]) -> str:
     rows += [
         (f"prefill{arm}", num(t["prefill_tokens_per_s"], " tok/s")),
         (f"decode{arm}", num(t["decode_tokens_per_s"], " tok/s")),
-        (f"wall time{arm}", num(t["wall_seconds"], " s")),
+        (f"wall time{arm}", num(t["wall_seconds"], " s")
+         + (f" (capture {t['capture_seconds']:,.1f} s)" if t.get("capture_seconds") else "")),
         (f"cache memory{arm}", f"{mem / 2**20:,.1f} MiB"),
     ]
     load = results.get("load")
@@ -330,6 +333,9 @@ def format_console(results: Mapping[str, Any]) -> str:
     if resumed.get("num_resumed"):
         done, new = resumed["num_resumed"], resumed["num_generated"]
         rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
+    proj = results.get("projection")
+    if proj:
+        rows.append((f"full GSM8K projected{arm}", _projection_note(proj)))
     verdict = results.get("verdict")
     if verdict:
         rows.append(("verdict", _headline(verdict)))
@@ -337,6 +343,14 @@ def format_console(results: Mapping[str, Any]) -> str:
             rows.append((f"  {ch['name']}", _format_check(ch)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _projection_note(proj: Mapping[str, Any]) -> str:
+    """`1,319 questions: 412.3 s (upper bound 655.0 s at 256 new tokens each)` (evals.results
+    .full_run_projection)."""
+    return (f"{proj['questions']:,} questions: {proj['projected_seconds']:,.1f} s (upper bound "
+            f"{proj['upper_bound_seconds']:,.1f} s at {proj['max_gen_toks']} new tokens each), from "
+            f"{proj['measured_questions']} measured")
 
 
 def _headline(verdict: Mapping[str, Any]) -> str:
@@ -493,6 +507,10 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     plots = plots or {}
     entry = results.get("entry", "?")
     out = [f"# {entry}: GSM8K and MTP acceptance", ""]
+    if (results.get("config") or {}).get("load_format") == "dummy":
+        out += ["**Dummy weights** (`model.load_format=dummy`): random weights at the model's configuration "
+                f"({results['config'].get('config_source')}); speed and memory are real, no accuracy can be "
+                "judged.", ""]
     commit = results.get("git_commit")
     out += [f"- git commit: `{commit or 'unknown'}`" + (" (dirty tree)" if results.get("git_dirty") else "")]
     hf_id = ((results.get("config") or {}).get("model") or {}).get("hf_id")
@@ -615,6 +633,13 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     if timings:
         out += [f"## Timings{arm}", ""]
         out += _table(["quantity", "value"], [[k, _fmt(v, 3)] for k, v in timings.items()])
+    proj = results.get("projection")
+    if proj:
+        out += [f"## Full GSM8K projection{arm}", "",
+                f"Measured wall time {_fmt(timings.get('wall_seconds') if timings else None, 1)} s over "
+                f"{proj['measured_questions']} questions; at the measured rates the full set would take "
+                f"{_projection_note(proj)}.", ""]
+        out += _table(["quantity", "value"], [[k, _fmt(v, 3)] for k, v in proj.items()])
 
     comparison = results.get("comparison")
     if comparison:

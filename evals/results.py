@@ -26,6 +26,7 @@ from runners.engine.stats import GenerationStats
 # what was committed to the output (runners.engine.stats.GenerationStats).
 RESULTS_SCHEMA_VERSION = 2  # readers (evals/report.py) refuse other versions
 RESULTS_FILE = "results.json"
+GSM8K_TEST_ROWS = 1319  # questions of GSM8K's test split: the full run a projection is for
 # Untracked files here change what a run means (a registry entry, a baseline row, a config group).
 GIT_UNTRACKED_DIRS = ("registry", "configs")
 # Distributions whose versions results.json records (importlib.metadata names; None when not installed).
@@ -201,3 +202,36 @@ def exit_code(results: dict[str, Any]) -> int:
     """
     verdict = results.get("verdict") or {}
     return 1 if verdict.get("passed") is False else 0
+
+
+def full_run_projection(timings: dict[str, Any], stats: dict[str, Any], n_generated: int, *,
+                        max_gen_toks: int, full_n: int = GSM8K_TEST_ROWS) -> dict[str, Any] | None:
+    """What the full GSM8K run (``full_n`` questions) would take at this run's measured rates: per question
+    the mean prompt and generated tokens of the ``n_generated`` requests this run generated (the generation
+    stats' ``timing_prompt_tokens`` / ``timing_generated_tokens``), over the measured prefill and decode
+    tokens/s (same batch size and settings), i.e. seconds = full_n * (prompt / prefill rate + generated /
+    decode rate); ``upper_bound_seconds`` lets every question generate ``max_gen_toks`` tokens. Excludes
+    the load and graph capture (``timings``' other entries: paid once). None without a measured rate or
+    request.
+
+    Returns:
+        {"questions", "measured_questions", "prompt_tokens_per_question",
+        "generated_tokens_per_question", "prefill_tokens_per_s", "decode_tokens_per_s",
+        "projected_seconds", "upper_bound_seconds", "max_gen_toks"}.
+    """
+    prefill, decode = timings.get("prefill_tokens_per_s"), timings.get("decode_tokens_per_s")
+    if not n_generated or not prefill or not decode:
+        return None
+    prompt = stats.get("timing_prompt_tokens", 0) / n_generated
+    generated = stats.get("timing_generated_tokens", 0) / n_generated
+    return {
+        "questions": full_n,
+        "measured_questions": n_generated,
+        "prompt_tokens_per_question": prompt,
+        "generated_tokens_per_question": generated,
+        "prefill_tokens_per_s": prefill,
+        "decode_tokens_per_s": decode,
+        "projected_seconds": full_n * (prompt / prefill + generated / decode),
+        "upper_bound_seconds": full_n * (prompt / prefill + max_gen_toks / decode),
+        "max_gen_toks": max_gen_toks,
+    }

@@ -37,6 +37,7 @@ DEFAULT_ALPHA = 0.05  # probability that a run without regression fails
 DEFAULT_BETA = 0.2  # probability that a regression of theta passes
 
 PASS, FAIL, NO_REFERENCE = "pass", "fail", "no_reference"
+DUMMY_NOTE = "dummy weights (model.load_format=dummy): no accuracy can be judged"
 
 # Health thresholds (evals.gsm8k.output_health counts them). A trained model with a GSM8K prompt writes text,
 # varies its tokens and produces a number somewhere; a broken one (NaN weights decoding to token 0, a
@@ -425,6 +426,7 @@ def evaluate_verdict(
     gsm8k_baselines: str | Path | None = None,
     acceptance_baselines: str | Path | None = None,
     task: EvalTask = TASKS[DEFAULT_TASK],
+    dummy: bool = False,
 ) -> Verdict:
     """The verdict of a results dict (docs/results_schema.md) against the baseline files of its task.
 
@@ -442,6 +444,10 @@ def evaluate_verdict(
         task: the evals.task.TASKS row that ran: its `baselines` file holds the accuracy references; without
             `acceptance_baselines` (no floor measured on its prompts) the acceptance checks are reported as
             "no_reference" (not judged), whatever require_reference says.
+        dummy: the weights were random (model.load_format=dummy): no accuracy can be judged. No baseline is
+            read; the accuracy, acceptance and text-health checks are "no_reference" with
+            :data:`DUMMY_NOTE`, and only ``health.finite`` judges (random weights must still compute finite
+            values through every layer).
     Raises:
         BaselineError: a missing row with require_reference=True (message lists the rows and the fix).
         ValueError: malformed results (e.g. percent where a fraction belongs).
@@ -449,6 +455,8 @@ def evaluate_verdict(
     gsm8k = results.get("gsm8k")
     if not isinstance(gsm8k, dict) or not {"strict_match", "flexible_extract", "n"} <= set(gsm8k):
         raise ValueError("results['gsm8k'] must hold strict_match, flexible_extract and n")
+    if dummy:
+        return _dummy_verdict(results, spec_dec)
     checks: list[Check] = []
     try:
         ref = find_gsm8k_reference(
@@ -488,4 +496,20 @@ def evaluate_verdict(
         checks.extend(
             check_acceptance(acceptance.get("rate"), acceptance.get("length"), aref, no_reference_note=note)
         )
+    return Verdict(checks)
+
+
+def _dummy_verdict(results: dict[str, Any], spec_dec: Any) -> Verdict:
+    """evaluate_verdict of a run over random weights: every check but ``health.finite`` is not judged."""
+    gsm8k = results["gsm8k"]
+    checks = [check_gsm8k(gsm8k["strict_match"], gsm8k["flexible_extract"], int(gsm8k["n"]), None,
+                          no_reference_note=DUMMY_NOTE)]
+    for c in check_health(results.get("health")):
+        if c.name != "health.finite":
+            c = Check(c.name, c.value, None, None, NO_REFERENCE, c.unit, DUMMY_NOTE, c.details)
+        checks.append(c)
+    acceptance = results.get("acceptance")
+    if acceptance and str(spec_dec).strip().lower() not in ("none", "", "false"):
+        checks.extend(check_acceptance(acceptance.get("rate"), acceptance.get("length"), None,
+                                       no_reference_note=DUMMY_NOTE))
     return Verdict(checks)

@@ -22,9 +22,11 @@ from registry.checkpoint import CONFIG_FILE, check_checkpoint_dir
 from registry.compose import check_composed, override_error
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
+from registry.releases import FormatError, release_hybrid_config
 from registry.schema import (
     EMBEDDED_CHECKPOINTS_DIR,
     ArchConfig,
+    LoadFormat,
     ModelEntry,
     RunConfig,
     check_run_values,
@@ -52,7 +54,14 @@ class ResolvedRun:
     checkpoint_dir: Path
     checkpoint_setting: str  # which setting points at checkpoint_dir (for error messages)
     arch: ArchConfig | None  # None only when an embedded checkpoint is not there yet
-    checkpoint_config: HybridConfig | None  # the checkpoint's config.json, when it is on this machine
+    # the checkpoint's config.json, when it is on this machine; for load_format=dummy without one, the entry's
+    # released configuration (registry.releases.release_hybrid_config)
+    checkpoint_config: HybridConfig | None
+
+    @property
+    def dummy(self) -> bool:
+        """Whether the run's weights are random (model.load_format=dummy): no accuracy can be judged."""
+        return self.entry.load_format == LoadFormat.dummy
 
     @property
     def ssm_backend(self) -> str:
@@ -115,6 +124,9 @@ class ResolvedRun:
             **self.engine_settings(),
             "cuda_graph_batch_sizes": self.cuda_graph_batch_sizes,
             "checkpoint_dir": str(self.checkpoint_dir),
+            "load_format": self.entry.load_format.value,
+            # where the model's configuration came from (config.json, or the released one for dummy weights)
+            "config_source": self.checkpoint_config.source if self.checkpoint_config is not None else None,
             "arch": plain(self.arch) if self.arch is not None else None,
             "eval": plain(self.run.eval),
             "seed": self.run.seed,
@@ -243,9 +255,21 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     # With an arch: block, check before the checkpoint: it holds on machines without the weights.
     if entry.arch is not None:
         check_world_size(entry.arch, world_size, name)
-    checkpoint_dir, setting = checkpoint_path(entry, run.models_root, required=check_checkpoint)
+    dummy = entry.load_format == LoadFormat.dummy
+    checkpoint_dir, setting = checkpoint_path(entry, run.models_root, required=check_checkpoint and not dummy)
     has_config = (checkpoint_dir / CONFIG_FILE).is_file()
     ckpt_config = HybridConfig.from_pretrained(checkpoint_dir) if has_config else None
+    if dummy and ckpt_config is None:  # dummy weights without the folder: the entry's released configuration
+        try:
+            ckpt_config = release_hybrid_config(entry.family.value, entry.quant.value,
+                                                entry.kv_cache_quant.value)
+        except FormatError as e:
+            raise _with_model_overrides(UserError(
+                f"{entry_file(name)}: model.load_format=dummy without a checkpoint folder needs the released "
+                f"configuration, but {e}",
+                f"put the checkpoint's config.json into {checkpoint_dir} (model.checkpoint=DIR), or use an "
+                "entry of a released format",
+            )) from None
     arch = entry.arch
     if ckpt_config is not None:
         if ckpt_config.family != entry.family.value:
@@ -272,7 +296,7 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
                 f"set speculative.num_nextn_predict_layers: {n_ckpt} (the checkpoint's MTP module count)",
             ))
         check_quant_agrees(entry, ckpt_config, name)
-    if check_checkpoint:
+    if check_checkpoint and not dummy:  # dummy weights read at most config.json
         check_checkpoint_dir(checkpoint_dir, setting)
 
     return ResolvedRun(

@@ -64,6 +64,15 @@ class KVCacheQuant(str, Enum):
     fp8 = "fp8"
 
 
+class LoadFormat(str, Enum):
+    """Where the weights come from (vLLM's ``--load-format``): ``auto`` reads the checkpoint; ``dummy`` builds
+    random weights at the model's configuration and in its checkpoint format on the run's device
+    (runners.engine.dummy), for speed and memory runs without the weights; no accuracy is judged."""
+
+    auto = "auto"
+    dummy = "dummy"
+
+
 class SpecAlgorithm(str, Enum):
     none = "none"
     mtp = "mtp"
@@ -161,6 +170,9 @@ class ModelEntry:
     dtype: DType = DType.bfloat16
     quant: Quant = Quant.none
     kv_cache_quant: KVCacheQuant = KVCacheQuant.none
+    # auto: read the checkpoint; dummy: random weights in the checkpoint's format (LoadFormat); with no
+    # checkpoint folder, the entry's released configuration (registry.releases)
+    load_format: LoadFormat = LoadFormat.auto
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     ssm: SSMConfig = field(default_factory=SSMConfig)
     max_batch_size: int = 64

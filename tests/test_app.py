@@ -89,6 +89,10 @@ class FakeEngine:
         cls.built.append((path, dict(device=device, **asdict(options))))
         return cls(options.ssm_backend, options)
 
+    def capture_graphs(self, batch_sizes=None, max_kv_len=None):
+        """The app captures the step's graphs ahead of the evaluation on a GPU (timings.capture_seconds)."""
+        return 0
+
     def cache_memory(self):
         return {"ssm_state_bytes": 2**20, "conv_state_bytes": 1024, "kv_cache_bytes": 2**21,
                 "spec_buffers_bytes": 0}
@@ -413,6 +417,7 @@ def test_cuda_graph_batch_sizes_reach_the_engine_on_a_gpu_only(fakes, tmp_path, 
         assert list(kwargs["cuda_graph_batch_sizes"]) == sizes, overrides
         assert kwargs["cuda_graphs"] == bool(sizes), overrides
         assert results["config"]["cuda_graph_batch_sizes"] == sizes
+        assert (results["timings"]["capture_seconds"] is not None) == bool(sizes), overrides
     # the released entries list sizes up to their max_batch_size; a run no longer stops on them
     root = tmp_path / "models"
     make_checkpoint(root / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16", config=SUPER_CONFIG)

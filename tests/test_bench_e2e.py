@@ -74,3 +74,25 @@ def test_cpu_profile_of_one_point(tmp_path):
     assert row["profile"] == "profile_tiny_qwen3_next_rewind_b1_eager.txt" and not row.get("error")
     assert "Self CPU" in (out / row["profile"]).read_text()
     assert (out / "profile_tiny_qwen3_next_rewind_b1_eager.json").stat().st_size > 1000
+
+
+def test_full_depth_part_builds_dummy_weights_in_the_release_format(tmp_path):
+    """A full-depth part (issue 26) builds the release's configuration in its format with dummy weights; on
+    the CPU shrunk to three layers and eight experts through --synth-set (the GPU run uses the release's)."""
+    out = tmp_path / "bench"
+    shrink = [*SHRINK, "hybrid_override_pattern=ME*", "num_hidden_layers=3", "n_routed_experts=8",
+              "num_experts_per_tok=2"]
+    proc = _run(["--out", str(out), "--parts", "super_v3_nvfp4", "--arms", "plain", "replay",
+                 "--accept-length", "3.0", "--device", "cpu", "--batch-sizes", "1", "--steps", "2",
+                 "--warmup-steps", "1", "--prompt-len", "12", "--dtype", "float32",
+                 *[f"--synth-set={kv}" for kv in shrink]])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "bench_e2e.json").read_text())
+    info = report["models"]["super_v3_nvfp4"]
+    assert info["format"] == "MIXED_PRECISION" and info["num_experts"] == 8
+    assert "released" in info["config_source"]
+    rows = report["rows"]
+    assert not [r for r in rows if r.get("error")], [r["error"] for r in rows if r.get("error")]
+    assert sorted(r["arm"] for r in rows) == ["plain", "replay"]
+    replay = next(r for r in rows if r["arm"] == "replay")
+    assert replay["forced_acceptance_length"] == 3.0 and replay["decode_tokens_per_s"] > 0

@@ -21,6 +21,7 @@ Every problem the user can fix raises registry.errors.UserError before the engin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import signal
 import time
@@ -37,15 +38,17 @@ from evals.history import record_finished_run
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
-from evals.results import RESULTS_FILE, build_results, exit_code
+from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
 from evals.task import DEFAULT_TASK, get_task
 from evals.verdict import Check, Verdict, evaluate_verdict
 from registry.baselines import find_acceptance_reference, find_gsm8k_reference
-from registry.checkpoint import TOKENIZER_FILE, check_tokenizer, checkpoint_fingerprint
+from registry.checkpoint import CONFIG_FILE, TOKENIZER_FILE, check_tokenizer, checkpoint_fingerprint
 from registry.errors import UserError
+from registry.releases import dummy_tokenizer_dir
 from registry.resolve import ResolvedRun, resolve
 from registry.schema import REPO_ROOT
 from runners.app.support import check_quant_hardware, check_supported
+from runners.engine.dummy import DUMMY_SEED
 from runners.engine.engine import Engine
 from runners.engine.options import engine_options
 from runners.engine.prefix_cache import prefix_cache_off_reason
@@ -81,7 +84,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
     check_references(rr)
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
-    check_tokenizer(rr.checkpoint_dir / TOKENIZER_FILE)
+    check_tokenizer(tokenizer_file(rr))
     out_dir = _out_dir(rr)
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
@@ -161,7 +164,7 @@ def check_references(rr: ResolvedRun) -> None:
     (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
     (registry.baselines.BaselineError) naming the missing row and the fix.
     """
-    if not rr.run.verdict.require_reference:
+    if not rr.run.verdict.require_reference or rr.dummy:  # dummy weights: no accuracy is judged
         return
     e, task = rr.entry, get_task(rr.run.eval.name)
     if e.baseline is None:
@@ -193,7 +196,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     return {
         "entry": rr.entry.name,
         "checkpoint_dir": str(rr.checkpoint_dir),
-        **checkpoint_fingerprint(rr.checkpoint_dir),
+        **(_dummy_fingerprint(rr) if rr.dummy else checkpoint_fingerprint(rr.checkpoint_dir)),
         **rr.engine_settings(),  # device, dtypes, draft_len, replay, backend, batch size, world size
         "quant": rr.entry.quant.value,
         "kv_cache_quant": rr.entry.kv_cache_quant.value,
@@ -207,6 +210,22 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
         # present only for another task than the default (fingerprints stored before the table equal today's)
         **({"task": rr.run.eval.name} if rr.run.eval.name != DEFAULT_TASK else {}),
     }
+
+
+def _dummy_fingerprint(rr: ResolvedRun) -> dict[str, Any]:
+    """What dummy weights depend on: their seed and the configuration they were built at."""
+    config = rr.checkpoint_dir / CONFIG_FILE
+    return {"load_format": "dummy", "dummy_seed": DUMMY_SEED, "config_source": rr.checkpoint_config.source,
+            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
+
+
+def tokenizer_file(rr: ResolvedRun) -> Path:
+    """The run's tokenizer.json: the checkpoint's; for dummy weights without one, the GSM8K tokenizer padded
+    to the model's vocabulary (registry.releases.dummy_tokenizer_dir)."""
+    path = rr.checkpoint_dir / TOKENIZER_FILE
+    if rr.dummy and not path.is_file():
+        return dummy_tokenizer_dir(rr.checkpoint_config.vocab_size) / TOKENIZER_FILE
+    return path
 
 
 def _out_dir(rr: ResolvedRun) -> Path:
@@ -253,6 +272,14 @@ def _build_engine(rr: ResolvedRun) -> Engine:
 
     try:
         options = engine_options(rr)
+        if rr.dummy:
+            if launch.current() is not None:
+                raise UserError(f"model.load_format=dummy with world_size={rr.world_size}: dummy weights are "
+                                "built on one device", "use world_size=1")
+            print(f"building dummy weights of {rr.entry.name} on {rr.device} ({rr.checkpoint_config.source})",
+                  flush=True)
+            return Engine.from_dummy(rr.checkpoint_config, options, device=rr.device,
+                                     log=lambda msg: print(msg, flush=True))
         if launch.current() is not None:
             return launch.build_engine(str(rr.checkpoint_dir), options)  # each rank on its own device
         return Engine.from_pretrained(str(rr.checkpoint_dir), options, device=rr.device)
@@ -282,14 +309,16 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
     # settings no prompt can fit are refused before the model loads
-    check_prompt_room(rr.checkpoint_dir / TOKENIZER_FILE, gsm8k_dir(rr.run.eval.data_dir)[0],
+    check_prompt_room(tokenizer_file(rr), gsm8k_dir(rr.run.eval.data_dir)[0],
                       rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks, rr.entry.max_seq_len)
     engine = _build_engine(rr)
+    _print_load(engine)
+    capture_seconds = _capture_graphs(engine, rr)
     t_loaded = time.perf_counter()
     try:
         evaluation = evaluate_gsm8k(
             engine,
-            str(rr.checkpoint_dir / TOKENIZER_FILE),
+            str(tokenizer_file(rr)),
             data_dir=rr.run.eval.data_dir,
             limit=rr.run.eval.limit,
             num_fewshot=rr.run.eval.num_fewshot,
@@ -325,9 +354,38 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         eval_seconds=time.perf_counter() - t_loaded,
         load=engine.load_report.to_dict() if engine.load_report else None,
     )
+    results["timings"]["capture_seconds"] = capture_seconds
+    if rr.run.eval.limit is not None and results["gsm8k"]["n"] < GSM8K_TEST_ROWS:
+        results["projection"] = full_run_projection(results["timings"], results["generation"],
+                                                    evaluation.num_generated,
+                                                    max_gen_toks=rr.run.eval.max_gen_toks)
     results["verdict"] = _verdict(rr, results)
     _finish(results, out_dir)
     return results
+
+
+def _print_load(engine: Engine) -> None:
+    """One line of the load: seconds, weight bytes and the caches by kind (a full-depth run's log)."""
+    r = getattr(engine, "load_report", None)
+    if r is None:
+        return
+    kinds = ", ".join(f"{k.removesuffix('_bytes')} {v / 2**30:.2f}" for k, v in engine.cache_memory().items())
+    peak = f", device peak {r.device_peak_bytes / 2**30:.2f} GiB" if r.device_peak_bytes else ""
+    print(f"loaded in {r.seconds:.1f} s: weights {r.weight_bytes / 2**30:.2f} GiB, caches GiB: {kinds}{peak}",
+          flush=True)
+
+
+def _capture_graphs(engine: Engine, rr: ResolvedRun) -> float | None:
+    """Capture the decode step's CUDA graphs ahead of the evaluation (every captured batch size, KV buckets
+    up to max_seq_len) and return the seconds; None when the run has no graphs (CPU, graphs off)."""
+    if not rr.cuda_graph_batch_sizes or rr.world_size > 1:
+        return None
+    print(f"capturing CUDA graphs at batch sizes {rr.cuda_graph_batch_sizes}", flush=True)
+    t0 = time.perf_counter()
+    n = engine.capture_graphs(max_kv_len=rr.entry.max_seq_len)
+    seconds = time.perf_counter() - t0
+    print(f"captured {n} (batch size, KV bound) graphs in {seconds:.1f} s", flush=True)
+    return seconds
 
 
 def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
@@ -376,6 +434,7 @@ def _verdict(rr: ResolvedRun, results: dict[str, Any], extra_checks: list[Check]
         state=rr.baseline_state,
         require_reference=rr.run.verdict.require_reference,
         task=get_task(rr.run.eval.name),
+        dummy=rr.dummy,
     )
     return Verdict(verdict.checks + list(extra_checks or [])).to_dict()
 

@@ -31,6 +31,7 @@ Contract: docs/architecture.md ("Engine API").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
@@ -341,19 +342,59 @@ class Engine:
             from runners.engine.tp import shard_plan
 
             plan = shard_plan(plan, tensor_parallel)
+        return cls._from_plan(plan, materialize, options, device, tensor_parallel, prefix_store, t0,
+                              host_reset)
+
+    @classmethod
+    def from_dummy(cls, config: HybridConfig, options: EngineOptions | None = None, *,
+                   device: str | torch.device = "cpu", prefix_store: PrefixCache | None = None,
+                   log=None) -> Engine:
+        """An engine over random weights at ``config`` in its checkpoint format (``config.quantization``;
+        ``model.load_format=dummy``, runners.engine.dummy), built straight on ``device``: the same fit check,
+        caches, load report and decode step as :meth:`from_pretrained`, no file read. ``log`` gets the
+        build's progress lines.
+
+        Raises:
+            runners.engine.memory.InsufficientMemoryError: weights + caches do not fit; raised before any
+                allocation.
+            ValueError: bad options; a config with tied embeddings.
+        """
+        from runners.engine.dummy import materialize_dummy, plan_dummy
+
+        options = (options or EngineOptions()).validate()
+        device = torch.device(device)
+        t0 = time.perf_counter()
+        host_reset = host_peak_rss_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        plan = plan_dummy(config, dtype=options.torch_dtype, with_mtp=options.draft_len > 0)
+        return cls._from_plan(plan, lambda p, d: materialize_dummy(p, d, log=log), options, device, None,
+                              prefix_store, t0, host_reset)
+
+    @classmethod
+    def _from_plan(cls, plan, build, options: EngineOptions, device: torch.device, tensor_parallel,
+                   prefix_store: PrefixCache | None, t0: float, host_reset: bool) -> Engine:
+        """The fit check on a planned (meta-device) model, then ``build(plan, device)`` and the engine around
+        it with its load report (:meth:`from_pretrained`, :meth:`from_dummy`)."""
         # the caches this engine will allocate, sized before anything is: weights + caches must fit
         state_dtype = _state_dtype(options, plan.config)
         kinds = plan.model.cache_kinds(include_mtp=options.draft_len > 0)
-        cache_bytes = sum(planned_cache_memory(plan.config, kinds, options, state_dtype).values())
+
+        def cache_bytes_at(batch: int) -> int:
+            sized = dataclasses.replace(options, max_batch_size=batch)
+            return sum(planned_cache_memory(plan.config, kinds, sized, state_dtype).values())
+
+        cache_bytes = cache_bytes_at(options.max_batch_size)
         budget = check_memory_fits(plan.weight_bytes, cache_bytes, device,
                                    budget_bytes=options.memory_budget_bytes,
-                                   max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len)
+                                   max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
+                                   cache_bytes_at=cache_bytes_at)
         prefix_on = prefix_store is None and prefix_cache_off_reason(
             options, world_size=_world_size(tensor_parallel), ssm_state_dtype=dtype_name(state_dtype)) is None
         if budget is not None and prefix_on:
             options = _cap_prefix_cache(options, max(0, (budget - plan.weight_bytes - cache_bytes) // 2))
         t_weights = time.perf_counter()
-        model = materialize(plan, device)
+        model = build(plan, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t_weights = time.perf_counter() - t_weights

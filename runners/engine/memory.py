@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def check_memory_fits(
     budget_bytes: int | None = None,
     max_batch_size: int | None = None,
     max_seq_len: int | None = None,
+    cache_bytes_at: Callable[[int], int] | None = None,
 ) -> int | None:
     """Raise when the weights and caches of a load cannot fit; call it before allocating anything.
 
@@ -76,6 +78,9 @@ def check_memory_fits(
         device: where they would be allocated.
         budget_bytes: the bytes available; None (default) asks the device (:func:`free_device_memory`).
         max_batch_size, max_seq_len: named in the message (the settings the cache size follows).
+        cache_bytes_at: ``f(batch) -> cache bytes`` at another max_batch_size (monotone in batch): with it a
+            refusal names the largest batch below ``max_batch_size`` that fits
+            (:func:`largest_fitting_batch`).
 
     Returns:
         The budget compared against, or None when it could not be determined (the check is skipped and a
@@ -97,15 +102,41 @@ def check_memory_fits(
         sizes = ", ".join(
             f"{k}={v}" for k, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)) if v
         )
+        fit = None
+        if cache_bytes_at is not None and max_batch_size:
+            fit = largest_fitting_batch(weight_bytes, budget_bytes, cache_bytes_at, max_batch_size - 1)
+        if fit is not None:
+            first = (f"lower max_batch_size: eval.batch_size={fit} is the largest that fits (weights + "
+                     f"{_gib(cache_bytes_at(fit))} of caches), or lower max_seq_len (model.max_seq_len=N)")
+        elif weight_bytes >= budget_bytes:
+            first = "the weights alone exceed it, so no smaller max_batch_size or max_seq_len helps"
+        elif cache_bytes_at is not None:
+            first = "not even max_batch_size 1 fits: lower max_seq_len (model.max_seq_len=N)"
+        else:
+            first = ("lower max_batch_size or max_seq_len (run.py: eval.batch_size=N, model.max_seq_len=N) "
+                     "to shrink the caches")
         raise InsufficientMemoryError(
             f"the model needs {_gib(weight_bytes)} of weights + {_gib(cache_bytes)} of caches"
             f"{f' ({sizes})' if sizes else ''} = {_gib(need)}, more than the {_gib(budget_bytes)} of {where} "
             f"on {device}",
-            "lower max_batch_size or max_seq_len (run.py: eval.batch_size=N, model.max_seq_len=N) to shrink "
-            "the caches, spread the model over more GPUs (world_size), or use a quantized entry (smaller "
+            f"{first}; or spread the model over more GPUs (world_size), or use a quantized entry (smaller "
             "weights)",
         )
     return budget_bytes
+
+
+def largest_fitting_batch(weight_bytes: int, budget_bytes: int, cache_bytes_at: Callable[[int], int],
+                          upper: int) -> int | None:
+    """The largest batch b in [1, upper] with weight_bytes + cache_bytes_at(b) <= budget_bytes (binary
+    search; cache_bytes_at must not decrease with b), or None when not even b = 1 fits."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if weight_bytes + cache_bytes_at(mid) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
 
 
 def host_peak_rss_reset() -> bool:

@@ -49,7 +49,6 @@ import math
 import shutil
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,126 +57,24 @@ from typing import Any
 import torch
 
 from registry.checkpoint import HF_QUANT_CONFIG_FILE as HF_QUANT_FILE
-from registry.schema import REPO_ROOT
+from registry.releases import (
+    BASE_TOKENIZER,
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    EXPERT_KEYS,
+    PAD_TOKEN_ID,
+    RELEASE_CONFIGS,
+    SUPER_V3_PATTERN,  # noqa: F401  (the tests' and benchmarks' name for it)
+)
+from registry.releases import write_tokenizer as _write_tokenizer
+from runners.engine.dummy import (  # noqa: F401  (re-exported: the tools' and tests' names)
+    FP32_ON_DISK,
+    TensorSpec,
+    init_tensor,
+    tensor_specs,
+)
 from runners.tools.formats import quantize_weight
 
-BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
-PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2  # the base tokenizer's <pad>, <s>, </s>
-
-SUPER_V3_PATTERN = (
-    "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
-)
-
-# config.json of the releases (nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16,
-# Qwen/Qwen3-Next-80B-A3B-Instruct), in their own dialect: the fields the loader, transformers and vLLM /
-# SGLang read.
-RELEASE_CONFIGS: dict[str, dict[str, Any]] = {
-    "nemotron_h": {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": BOS_TOKEN_ID,
-        "chunk_size": 128,
-        "conv_kernel": 4,
-        "eos_token_id": EOS_TOKEN_ID,
-        "expand": 2,
-        "head_dim": 128,
-        "hidden_dropout": 0.0,
-        "hidden_size": 4096,
-        "hybrid_override_pattern": SUPER_V3_PATTERN,
-        "initializer_range": 0.02,
-        "layer_norm_epsilon": 1e-05,
-        "mamba_head_dim": 64,
-        "mamba_hidden_act": "silu",
-        "mamba_num_heads": 128,
-        "mamba_proj_bias": False,
-        "mamba_ssm_cache_dtype": "float32",
-        "max_position_embeddings": 262144,
-        "mlp_bias": False,
-        "mlp_hidden_act": "relu2",
-        "moe_intermediate_size": 2688,
-        "moe_latent_size": 1024,
-        "moe_shared_expert_intermediate_size": 5376,
-        "mtp_hybrid_override_pattern": "*E",
-        "n_group": 1,
-        "n_groups": 8,
-        "n_routed_experts": 512,
-        "n_shared_experts": 1,
-        "norm_eps": 1e-05,
-        "norm_topk_prob": True,
-        "num_attention_heads": 32,
-        "num_experts_per_tok": 22,
-        "num_hidden_layers": 88,
-        "num_key_value_heads": 2,
-        "num_nextn_predict_layers": 1,
-        "pad_token_id": PAD_TOKEN_ID,
-        "partial_rotary_factor": 1.0,
-        "rope_theta": 10000,
-        "routed_scaling_factor": 5.0,
-        "ssm_state_size": 128,
-        "tie_word_embeddings": False,
-        "time_step_floor": 0.0001,
-        "time_step_limit": [0.0, math.inf],
-        "time_step_max": 0.1,
-        "time_step_min": 0.001,
-        "topk_group": 1,
-        "torch_dtype": "bfloat16",
-        "use_bias": False,
-        "use_cache": True,
-        "use_conv_bias": True,
-        "use_mamba_kernels": True,
-        "vocab_size": 131072,
-    },
-    "qwen3_next": {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": BOS_TOKEN_ID,
-        "decoder_sparse_step": 1,
-        "eos_token_id": EOS_TOKEN_ID,
-        "full_attention_interval": 4,
-        "head_dim": 256,
-        "hidden_act": "silu",
-        "hidden_size": 2048,
-        "initializer_range": 0.02,
-        "intermediate_size": 5120,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_value_head_dim": 128,
-        "max_position_embeddings": 262144,
-        "mlp_only_layers": [],
-        "moe_intermediate_size": 512,
-        "norm_topk_prob": True,
-        "num_attention_heads": 16,
-        "num_experts": 512,
-        "num_experts_per_tok": 10,
-        "num_hidden_layers": 48,
-        "num_key_value_heads": 2,
-        "output_router_logits": False,
-        "pad_token_id": PAD_TOKEN_ID,
-        "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 10000000,
-        "router_aux_loss_coef": 0.001,
-        "shared_expert_intermediate_size": 512,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
-}
-# config keys of the routed expert count and top-k per family
-_EXPERT_KEYS = {"nemotron_h": ("n_routed_experts", "num_experts_per_tok"),
-                "qwen3_next": ("num_experts", "num_experts_per_tok")}
-# on-disk float32 tensors: transformers keeps NemotronH's router in float32 (_keep_in_fp32_modules_strict);
-# Qwen3-Next releases store everything in the checkpoint dtype
-_FP32_ON_DISK = {"nemotron_h": ("gate.weight", "gate.e_score_correction_bias"), "qwen3_next": ()}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -246,7 +143,7 @@ def synth_config(
             cfg["full_attention_interval"] = min(cfg["full_attention_interval"], num_layers)
         cfg["num_hidden_layers"] = num_layers
     if num_experts is not None:
-        n_key, k_key = _EXPERT_KEYS[family]
+        n_key, k_key = EXPERT_KEYS[family]
         if num_experts < 1:
             raise SynthError(f"--num-experts {num_experts} must be >= 1")
         cfg[n_key] = num_experts
@@ -264,78 +161,6 @@ def synth_config(
     return cfg
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor: released name, shape, on-disk dtype and its initialisation rule."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    init: str  # "normal" (std 1/sqrt(fan_in)) | "embedding" | "ones" | "zeros" | "A_log" | "dt_bias"
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _init_rule(name: str, family: str, ndim: int) -> str:
-    leaf = name.rsplit(".", 2)
-    module, param = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
-    if param in ("A_log", "dt_bias"):
-        return param
-    if param == "D":
-        return "ones"
-    if name.endswith(("embeddings.weight", "embed_tokens.weight")):
-        return "embedding"
-    if "norm" in module and ndim == 1:
-        # Qwen3-Next scales by (1 + w) except the GDN output norm (plain w); NemotronH by w
-        return "zeros" if family == "qwen3_next" and not name.endswith("linear_attn.norm.weight") else "ones"
-    if ndim >= 2:
-        return "normal"
-    return "zeros"  # biases, the router's correction bias
-
-
-def tensor_specs(config: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Every tensor of a checkpoint of ``config`` (MTP module included), in model order, with the names and
-    shapes the engine's loader expects (the family's ``checkpoint_targets`` on a meta-device model)."""
-    from runners.engine.models.config import HybridConfig, family_module
-    from runners.engine.models.hybrid import HybridLM
-
-    hc = HybridConfig.from_dict(config, source="synth config")
-    with torch.device("meta"):
-        model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
-    targets = family_module(hc.family).checkpoint_targets(model)
-    fp32 = _FP32_ON_DISK[hc.family]
-    return [
-        TensorSpec(
-            name,
-            tuple(t.shape),
-            torch.float32 if fp32 and name.endswith(fp32) else dtype,
-            _init_rule(name, hc.family, t.dim()),
-        )
-        for name, t in targets.items()
-    ]
-
-
-def init_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensor of ``spec`` on ``device`` in its dtype, from a generator seeded by (seed, name)."""
-    device = torch.device(device)
-    if spec.init == "ones":
-        return torch.ones(spec.shape, dtype=spec.dtype, device=device)
-    if spec.init == "zeros":
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
-    if spec.init in ("A_log", "dt_bias"):
-        u = torch.rand(spec.shape, generator=g, device=device)
-        if spec.init == "A_log":  # A = -exp(A_log) in [-16, -1]
-            return torch.log(1 + 15 * u).to(spec.dtype)
-        dt = torch.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3)))
-        return (dt + torch.log(-torch.expm1(-dt))).to(spec.dtype)  # softplus(dt_bias) = dt
-    std = 1.0 if spec.init == "embedding" else 1.0 / math.sqrt(math.prod(spec.shape[1:]))
-    t = torch.randn(spec.shape, generator=g, device=device, dtype=torch.float32)
-    return t.mul_(std).to(spec.dtype)
-
-
 def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
     """Consecutive specs grouped into shards of at most ``shard_bytes`` (a larger tensor gets its own)."""
     shards: list[list[TensorSpec]] = [[]]
@@ -350,24 +175,16 @@ def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSp
 
 
 def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> int:
-    """tokenizer.json (the base GSM8K tokenizer + added tokens ``<|synth_i|>`` up to ``vocab_size``) and
-    tokenizer_config.json into ``out``; returns the base vocabulary size.
+    """registry.releases.write_tokenizer (the base GSM8K tokenizer padded to ``vocab_size``) into ``out``;
+    returns the base vocabulary size.
 
     Raises:
         SynthError: vocab_size smaller than the base tokenizer.
     """
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size < n:
-        raise SynthError(
-            f"vocab_size={vocab_size} is smaller than the GSM8K tokenizer's {n} tokens; use >= {n}"
-        )
-    tok.add_tokens([AddedToken(f"<|synth_{i}|>", normalized=False) for i in range(n, vocab_size)])
-    tok.save(str(out / "tokenizer.json"))
-    shutil.copyfile(base / "tokenizer_config.json", out / "tokenizer_config.json")
-    return n
+    try:
+        return _write_tokenizer(out, vocab_size, base)
+    except ValueError as e:
+        raise SynthError(str(e)) from None
 
 
 def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
@@ -435,8 +252,9 @@ def release_layout(config: dict[str, Any], fmt: str, names: list[str]) -> QuantL
         SynthError: an unknown format, or one the family has no release in.
     """
     from registry.hf_config import HybridConfig
+    from runners.engine.dummy import quantized_weights
     from runners.engine.models.hybrid import HybridLM
-    from runners.engine.quant import EXPERT_KINDS, quantization_targets
+    from runners.engine.quant import quantization_targets
     from runners.tools.formats import (
         FORMATS,
         FormatError,
@@ -458,19 +276,8 @@ def release_layout(config: dict[str, Any], fmt: str, names: list[str]) -> QuantL
     with torch.device("meta"):
         model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
     targets = quantization_targets(model, rule)
-    layout = QuantLayout()
-    modules: dict[str, str] = {}
-    for _, ckpt, _ in targets.linears:
-        layout.rewrite[f"{ckpt}.weight"] = (ckpt, targets.formats[ckpt])
-        modules[ckpt] = targets.formats[ckpt]
-    for _, prefix, moe in targets.moes:
-        for kind in EXPERT_KINDS:
-            if getattr(moe, f"experts_{kind}") is None:
-                continue
-            for e in range(moe.experts_up.shape[0]):
-                module = f"{prefix}experts.{e}.{kind}_proj"
-                layout.rewrite[f"{module}.weight"] = (module, targets.formats[prefix])
-                modules[module] = targets.formats[prefix]
+    layout = QuantLayout(rewrite=quantized_weights(model, rule))
+    modules = dict(layout.rewrite.values())
     for attn in kv_scale_modules(rule, [ckpt for _, ckpt, _ in targets.attentions]):
         for t in ("k", "v"):
             layout.extra[f"{attn}{t}_proj.{t}_scale"] = torch.tensor(1.0)
@@ -617,29 +424,13 @@ def synthetic_model(
         SynthError: bad options (as :func:`synth_config`).
         ValueError: a config with tied embeddings (the releases do not tie them; this path does not re-tie).
     """
-    from runners.engine.loader import FP32_SUFFIXES, _to_empty_keeping_ties
-    from runners.engine.models.config import HybridConfig, family_module
-    from runners.engine.models.hybrid import HybridLM
+    from runners.engine.dummy import materialize_dummy, plan_dummy
+    from runners.engine.models.config import HybridConfig
 
-    device = torch.device(device)
     config = synth_config(family, num_layers=num_layers, num_experts=num_experts, overrides=overrides)
     hc = HybridConfig.from_dict(config, source=f"synthetic {family}")
-    if hc.tie_word_embeddings:
-        raise ValueError("synthetic_model: tied embeddings are not supported (the releases do not tie them)")
-    with torch.device("meta"):
-        model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
-            t.data = t.data.to(dtype)  # free on the meta device
-    model = _to_empty_keeping_ties(model, device)
-    targets = family_module(hc.family).checkpoint_targets(model)
-    with torch.no_grad():
-        for spec in tensor_specs(config, dtype):
-            targets[spec.name].copy_(init_tensor(spec, seed, device))
-        for module in model.modules():
-            if module._non_persistent_buffers_set:
-                module.init_buffers()
-    return model.eval(), config
+    plan = plan_dummy(hc, dtype=dtype, with_mtp=hc.num_nextn_predict_layers > 0)
+    return materialize_dummy(plan, device, seed=seed), config
 
 
 def parse_size(text: str) -> int:

@@ -1,0 +1,174 @@
+"""model.load_format=dummy (runners.engine.dummy) and the fit check before allocation (runners.engine.memory):
+dummy weights equal the loaded synthetic checkpoint of the same format, the app runs them end to end and says
+so, the released configuration stands in for a missing checkpoint folder, and a model that cannot fit is
+refused in seconds with its numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from evals.verdict import DUMMY_NOTE, NO_REFERENCE, PASS
+from registry.compose import compose_config
+from registry.errors import UserError
+from registry.releases import release_hybrid_config
+from registry.resolve import resolve
+from registry.schema import validate_entry
+from runners.app import main as app
+from runners.engine.dummy import materialize_dummy, plan_dummy
+from runners.engine.engine import Engine
+from runners.engine.loader import load_model, read_config
+from runners.engine.memory import InsufficientMemoryError, largest_fitting_batch
+from runners.engine.options import EngineOptions
+from runners.tools.synth import write_synthetic_checkpoint
+
+# CPU-test widths of the releases' layouts (as tests/test_synth.py)
+SMALL = {
+    "nemotron_h": dict(hidden_size=128, vocab_size=4096, mamba_num_heads=16, moe_latent_size=64,
+                       moe_intermediate_size=96, moe_shared_expert_intermediate_size=192,
+                       num_attention_heads=8, head_dim=32),
+    "qwen3_next": dict(hidden_size=128, vocab_size=4096, linear_key_head_dim=32, linear_value_head_dim=48,
+                       head_dim=64, num_attention_heads=4, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64),
+}
+
+
+@pytest.mark.parametrize("family,fmt", [("nemotron_h", "bf16"), ("nemotron_h", "fp8"),
+                                        ("nemotron_h", "nvfp4"), ("qwen3_next", "block_fp8")])
+def test_dummy_model_is_the_loaded_synthetic_checkpoint(family, fmt, tmp_path):
+    """Built on the device without files, the dummy model holds bit for bit what the loader makes of the
+    synthetic checkpoint of the same format, seed and dtype (one initialisation and quantization rule)."""
+    layers = 4 if family == "nemotron_h" else 2
+    write_synthetic_checkpoint(tmp_path, family, num_layers=layers, num_experts=8, overrides=SMALL[family],
+                               dtype=torch.float32, fmt=fmt, check_disk=False)
+    loaded = load_model(tmp_path, dtype=torch.float32, load_mtp=True)
+    plan = plan_dummy(read_config(tmp_path), dtype=torch.float32, with_mtp=True)
+    assert plan.weight_bytes == sum(t.numel() * t.element_size() for t in
+                                    {id(t): t for t in [*loaded.parameters(), *loaded.buffers()]}.values())
+    built = materialize_dummy(plan, "cpu")
+    want, got = loaded.state_dict(), built.state_dict()
+    assert sorted(want) == sorted(got)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert torch.equal(got[name].view(torch.uint8) if t.element_size() == 1 else got[name],
+                           t.view(torch.uint8) if t.element_size() == 1 else t), name
+    if fmt != "bf16":
+        assert getattr(built, "quant_report", None) == getattr(loaded, "quant_report", None)
+
+
+def test_dummy_run_end_to_end_says_dummy_and_judges_no_accuracy(tmp_path):
+    """A tiny FP8 entry with dummy weights through the app: results.json and summary.md say dummy, the
+    verdict judges no accuracy (only finiteness), a projection of the full GSM8K run is written."""
+    out = tmp_path / "out"
+    cfg = compose_config(["model=tiny_nemotron_h_mtp_fp8", "model.load_format=dummy", f"out_dir={out}",
+                          "eval.limit=2", "eval.max_gen_toks=8", "ssm_replay=true"])
+    results = app.run(cfg)
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["config"]["load_format"] == "dummy"
+    assert on_disk["config"]["model"]["load_format"] == "dummy"
+    checks = {c["name"]: c for c in on_disk["verdict"]["checks"]}
+    assert checks["gsm8k.mean"]["status"] == NO_REFERENCE and checks["gsm8k.mean"]["note"] == DUMMY_NOTE
+    assert checks["health.finite"]["status"] == PASS
+    assert all(c["status"] == NO_REFERENCE for n, c in checks.items() if n != "health.finite")
+    assert on_disk["verdict"]["passed"] is None and app.exit_code(results) == 0
+    proj = on_disk["projection"]
+    assert proj["questions"] == 1319 and proj["measured_questions"] == 2 and proj["max_gen_toks"] == 8
+    assert 0 < proj["projected_seconds"] <= proj["upper_bound_seconds"]
+    summary = (out / "summary.md").read_text()
+    assert "Dummy weights" in summary and "Full GSM8K projection" in summary
+
+
+def test_dummy_without_checkpoint_folder_uses_the_released_config(tmp_path):
+    """No checkpoint folder: the entry's released configuration (all 88 layers, 512 experts, the release's
+    quantization) resolves, without models_root."""
+    cfg = compose_config(["model=super_v3_mtp_fp8", "model.load_format=dummy",
+                          f"model.checkpoint={tmp_path / 'absent'}"])
+    rr = resolve(cfg)
+    c = rr.checkpoint_config
+    assert rr.dummy and "released" in c.source and len(c.layer_types) == 88 and c.n_routed_experts == 512
+    assert c.quantization.algo == "FP8" and c.quantization.is_excluded("mtp.layers.0.mixer.q_proj")
+    assert rr.arch.num_experts == 512
+    q = release_hybrid_config("qwen3_next", "fp8", "fp8")
+    assert q.quantization.weight_block_size == (128, 128)
+    assert len(q.layer_types) == 2 * 48  # 48 decoder layers, each a mixer (GDN / attention) and an MoE
+    nvfp4 = compose_config(["model=qwen3_next_mtp_nvfp4", "model.load_format=dummy",
+                            f"model.checkpoint={tmp_path / 'absent'}"])
+    with pytest.raises(UserError, match="no nvfp4 release of qwen3_next"):
+        resolve(nvfp4)
+
+
+def test_full_depth_fit_refusal_in_seconds():
+    """Super V3 FP8 at full depth (~128 GB of weights) is refused before anything is allocated, naming
+    weights, caches, the budget and the largest batch that fits."""
+    config = release_hybrid_config("nemotron_h", "fp8", "fp8")
+    options = EngineOptions(dtype="bfloat16", draft_len=3, max_batch_size=64, max_seq_len=4096,
+                            ssm_backend="torch", memory_budget_bytes=140 * 10**9)
+    with pytest.raises(InsufficientMemoryError) as e:  # raised from the meta-device plan: nothing allocated
+        Engine.from_dummy(config, options, device="cpu")
+    msg = str(e.value)
+    assert "119.68 GiB of weights" in msg and "GiB of caches" in msg
+    assert "130.39 GiB of the given memory budget" in msg
+    assert "eval.batch_size=" in msg and "fits" in msg
+    fit = int(msg.split("eval.batch_size=")[1].split()[0])
+    assert 1 <= fit < 64
+    # on this machine's own host memory, too (the default budget): a full-depth FP8 model never fits a
+    # machine with less than its 128 GB of weights
+    with pytest.raises(InsufficientMemoryError, match="available host memory"):
+        if _host_available() < 128 * 10**9:
+            Engine.from_dummy(config, EngineOptions(dtype="bfloat16", ssm_backend="torch"), device="cpu")
+        else:
+            raise InsufficientMemoryError("available host memory is large here", "skip")
+
+
+def _host_available() -> int:
+    from runners.engine.memory import free_device_memory
+
+    free, _ = free_device_memory(torch.device("cpu"))
+    return free or 0
+
+
+def test_largest_fitting_batch():
+    def cache(b):
+        return 10 * b
+
+    assert largest_fitting_batch(100, 200, cache, 63) == 10
+    assert largest_fitting_batch(100, 105, cache, 63) is None
+    assert largest_fitting_batch(0, 10**6, cache, 63) == 63
+
+
+def test_bad_load_format_is_refused():
+    """On the command line (composition) and in an entry file (schema validation), naming the values."""
+    with pytest.raises(UserError, match=r"load_format.*auto, dummy"):
+        compose_config(["model=tiny_nemotron_h_mtp", "model.load_format=dumy"])
+    entry = dict(compose_config(["model=tiny_nemotron_h_mtp"]).model)
+    entry["load_format"] = "dumy"
+    with pytest.raises(UserError, match=r"load_format.*\[auto, dummy\]"):
+        validate_entry(entry, name="tiny_nemotron_h_mtp")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("family,quant", [("nemotron_h", "nvfp4"), ("nemotron_h", "fp8"),
+                                          ("qwen3_next", "fp8")])
+def test_dummy_engine_on_cuda_builds_in_place_and_decodes_finite(family, quant):
+    """On the GPU: the dummy build's device peak stays within the weights + caches plus a few copies of the
+    largest single matrix (no BF16 copy of the model), and MTP + replay decoding yields tokens from finite
+    logits. The release's widths at 4 layers and 64 experts (the full depth is tests/gpu/fulldepth_run.sh)."""
+    cut = ({"hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "n_routed_experts": 64}
+           if family == "nemotron_h" else {"num_hidden_layers": 4, "num_experts": 64})
+    config = release_hybrid_config(family, quant, "fp8", overrides=cut)
+    options = EngineOptions(dtype="bfloat16", draft_len=3, ssm_replay=True, max_batch_size=4, max_seq_len=512,
+                            ssm_backend="triton", kv_cache_quant="fp8")
+    torch.cuda.empty_cache()
+    engine = Engine.from_dummy(config, options, device="cuda")
+    r = engine.load_report
+    largest = config.vocab_size * config.hidden_size * 4  # the embeddings generated in float32
+    assert r.device_peak_bytes <= r.weight_bytes + r.cache_bytes + 3 * largest
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29]] * 2
+    out = engine.generate(prompts, max_new_tokens=16)
+    assert [len(o) for o in out.tokens] == [16, 16] and out.nonfinite == []
+    assert out.tokens[0] == out.tokens[1]  # the same prompt, greedy: the same tokens in both slots
+    logits = engine.logits(torch.tensor([prompts[0]], device="cuda"))
+    assert torch.isfinite(logits).all()
