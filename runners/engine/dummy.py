@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4, HybridConfig, QuantConfig
+from registry.hf_config import (
+    FORMAT_BLOCK_FP8,
+    FORMAT_FP8,
+    FORMAT_NVFP4,
+    NVFP4_GROUP_SIZE,
+    HybridConfig,
+    QuantConfig,
+)
 from runners.engine.models.config import family_module
 from runners.engine.models.fp8 import FP8_MAX, quantize_fp8
 from runners.engine.models.hybrid import HybridLM
@@ -138,6 +145,26 @@ def quantize_weight(fmt: str, module: str, w: torch.Tensor, input_amax: torch.Te
         q, scale_inv = block_fp8_quantize(w.detach())
         return {f"{module}.weight": q, f"{module}.weight_scale_inv": scale_inv.to(torch.bfloat16)}
     raise ValueError(f"quantize_weight: unknown format {fmt!r}")
+
+
+def stored_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
+    """Bytes :func:`quantize_weight` writes for a weight of ``shape`` [N, K] stored in ``fmt`` (weight, scales
+    and input scale; ``bf16``: two bytes a value). Used to size a checkpoint before writing it.
+
+    Raises:
+        ValueError: an unknown format."""
+    from kernels.quant.block_fp8 import BLOCK
+
+    n, k = shape[0], math.prod(shape[1:])
+    if fmt == "bf16":
+        return 2 * n * k
+    if fmt == FORMAT_FP8:
+        return n * k + 2 * 4
+    if fmt == FORMAT_NVFP4:  # two e2m1 values a byte, one e4m3 scale per 16 values, two float32 scales
+        return n * k // 2 + n * math.ceil(k / NVFP4_GROUP_SIZE) + 2 * 4
+    if fmt == FORMAT_BLOCK_FP8:  # bf16 scale_inv per 128 x 128 block
+        return n * k + 2 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
+    raise ValueError(f"stored_nbytes: unknown format {fmt!r}")
 
 
 def quantized_weights(model: HybridLM, quant: QuantConfig) -> dict[str, tuple[str, str]]:

@@ -33,7 +33,6 @@ Static scales where nothing is calibrated (runners.tools.synth's random weights)
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from runners.engine.dummy import (  # noqa: F401  (re-exported)
     ASSUMED_INPUT_AMAX,
     E2M1_MAX,
     kv_scale_modules,  # noqa: F401  (re-exported)
+    stored_nbytes,
 )
 from runners.engine.dummy import quantize_weight as _quantize_on_device
 from runners.engine.models.fp8 import FP8_MAX  # noqa: F401  (re-exported)
@@ -74,26 +74,6 @@ def quantize_weight(fmt: str, module: str, w: torch.Tensor, input_amax: torch.Te
     the CPU to be written (the rule: runners.engine.dummy.quantize_weight, which keeps them on ``w``'s
     device). Mutates nothing."""
     return {k: v.cpu() for k, v in _quantize_on_device(fmt, module, w, input_amax).items()}
-
-
-def stored_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
-    """Bytes :func:`quantize_weight` writes for a weight of ``shape`` [N, K] stored in ``fmt`` (weight, scales
-    and input scale; ``bf16``: two bytes a value). Used to size a checkpoint before writing it.
-
-    Raises:
-        ValueError: an unknown format."""
-    from kernels.quant.block_fp8 import BLOCK
-
-    n, k = shape[0], math.prod(shape[1:])
-    if fmt == "bf16":
-        return 2 * n * k
-    if fmt == FORMAT_FP8:
-        return n * k + 2 * 4
-    if fmt == FORMAT_NVFP4:  # two e2m1 values a byte, one e4m3 scale per 16 values, two float32 scales
-        return n * k // 2 + n * math.ceil(k / NVFP4_GROUP_SIZE) + 2 * 4
-    if fmt == FORMAT_BLOCK_FP8:  # bf16 scale_inv per 128 x 128 block
-        return n * k + 2 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
-    raise ValueError(f"stored_nbytes: unknown format {fmt!r}")
 
 
 def quant_config_files(rule: QuantConfig, *, modules: dict[str, str], not_converted: list[str] | None = None
