@@ -153,8 +153,10 @@ def test_bad_load_format_is_refused():
 @pytest.mark.parametrize("family,quant", [("nemotron_h", "nvfp4"), ("nemotron_h", "fp8"),
                                           ("qwen3_next", "fp8")])
 def test_dummy_engine_on_cuda_builds_in_place_and_decodes_finite(family, quant):
-    """On the GPU: the dummy build's device peak stays within the weights + caches plus a few copies of the
-    largest single matrix (no BF16 copy of the model), and MTP + replay decoding yields tokens from finite
+    """On the GPU: the dummy build's device peak exceeds what it keeps allocated (weights, caches) by at most
+    twice the largest single matrix in float32 (the embedding generated in float32 and its bf16 copy; a BF16
+    copy of the model, at 4 layers and 64 experts, would be
+    larger), and MTP + replay decoding yields tokens from finite
     logits. The release's widths at 4 layers and 64 experts (the full depth is tests/gpu/fulldepth_run.sh)."""
     cut = ({"hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "n_routed_experts": 64}
            if family == "nemotron_h" else {"num_hidden_layers": 4, "num_experts": 64})
@@ -165,7 +167,10 @@ def test_dummy_engine_on_cuda_builds_in_place_and_decodes_finite(family, quant):
     engine = Engine.from_dummy(config, options, device="cuda")
     r = engine.load_report
     largest = config.vocab_size * config.hidden_size * 4  # the embeddings generated in float32
-    assert r.device_peak_bytes <= r.weight_bytes + r.cache_bytes + 3 * largest
+    transient = r.device_peak_bytes - r.device_allocated_bytes  # what the build held beyond what it kept
+    assert transient <= 2 * largest, (r.device_peak_bytes, r.device_allocated_bytes, r.weight_bytes,
+                                      r.cache_bytes, largest)
+    assert r.weight_bytes < r.device_allocated_bytes  # weights are in the allocation the transient excludes
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29]] * 2
     out = engine.generate(prompts, max_new_tokens=16)
     assert [len(o) for o in out.tokens] == [16, 16] and out.nonfinite == []
