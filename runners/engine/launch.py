@@ -507,12 +507,14 @@ def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: flo
     # SIGUSR1 (the launcher's, when the launch stalls) writes this rank's Python stacks to stack-<rank>.txt
     stacks = open(folder_path / f"stack-{rank}.txt", "w")  # noqa: SIM115 - open for the process's lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_watch_progress, args=(board, rank, threading.get_ident()), daemon=True,
-                     name="launch-progress").start()
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         _init_rank(rank, world_size, device, str(folder_path / "rendezvous"), timeout_s, share_device)
+        # progress is watched from here on: until then the rank is starting (the launcher allows it
+        # START_ALLOWANCE_S more; the rendezvous waits for the slowest rank's imports)
+        threading.Thread(target=_watch_progress, args=(board, rank, threading.get_ident()), daemon=True,
+                         name="launch-progress").start()
         if rank == 0 or all_ranks:
             fn, args = pickle.loads(payload)
             result = fn(*args)
@@ -673,7 +675,7 @@ def launch(
             idle, not stalled) before the launch is ended with :class:`RankFailure` naming each rank's wait;
             default ``timeout_s + STALL_GRACE_S`` (a stuck eager collective of the model's group reports its
             own timeout first; a collective inside a CUDA graph has none, and this bounds it). A rank still
-            starting (importing) gets :data:`START_ALLOWANCE_S` more.
+            starting (importing, initialising its process group) gets :data:`START_ALLOWANCE_S` more.
 
     Raises:
         registry.errors.UserError: a rank raised one first (its problem prefixed with ``rank r of N:``).
