@@ -201,6 +201,44 @@ def nccl_graphs_vs_eager(checkpoints: list[str], max_new_tokens: int = 10) -> di
     return out
 
 
+SHARED = [1] + [(7 * i + 3) % 500 + 2 for i in range(80)]  # an 81-token prefix (> one 64-token block)
+PREFIX_PROMPTS = [SHARED + [11, 12, 13], SHARED + [14], SHARED + [15, 16] + SHARED[:70],
+                  SHARED + [11, 12, 13], [1, 40, 41, 42], SHARED[:70] + [9, 9], SHARED + [14, 20, 21]]
+
+
+PREFIX_CASES = ((0, 4 * 2**20), (3, 4 * 2**20), (3, 2**19))  # (draft_len, prefix_cache_bytes)
+
+
+def prefix_cases(build, checkpoints: list[str], max_new_tokens: int = 6) -> dict:
+    """For every checkpoint and (draft length, prefix-cache budget) of :data:`PREFIX_CASES`: an engine from
+    ``build(path, options)`` with the prefix cache on (float32, 2 slots) generating :data:`PREFIX_PROMPTS`
+    (long shared prefixes: hits, junctions, deferred admissions; the 512 KiB budget holds only a few
+    entries, so entries are evicted or not stored): its tokens, acceptance and prefix-cache counters."""
+    from dataclasses import asdict
+
+    out = {}
+    for ck in checkpoints:
+        for draft_len, budget in PREFIX_CASES:
+            options = EngineOptions(dtype="float32", draft_len=draft_len, max_batch_size=2, max_seq_len=256,
+                                    prefix_cache=True, prefix_cache_bytes=budget)
+            engine = build(ck, options)
+            result = engine.generate(PREFIX_PROMPTS, max_new_tokens, stop_token_ids=[])
+            stats = asdict(result.stats)
+            out[(ck, draft_len, budget)] = {
+                "tokens": result.tokens, "acceptance": result.stats.acceptance(),
+                "prefix": {k: v for k, v in stats.items() if k.startswith("prefix_cache")},
+            }
+            del engine
+    return out
+
+
+def tp_prefix_cases(checkpoints: list[str]) -> dict:
+    """:func:`prefix_cases` on rank 0 of a launch (every rank builds its shard and its prefix cache)."""
+    from runners.engine.launch import build_engine
+
+    return prefix_cases(build_engine, checkpoints)
+
+
 # ---- failure cases (runners.engine.launch with all_ranks=True: every rank runs the function)
 # ----------------------
 

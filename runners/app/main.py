@@ -264,7 +264,7 @@ def _warn_prefix_cache_off(rr: ResolvedRun) -> None:
     if not rr.run.runtime.prefix_cache or rr.run.runtime.prefix_cache_bytes == 0:
         return  # asked off: nothing to warn about
     try:
-        reason = prefix_cache_off_reason(engine_options(rr), world_size=rr.world_size)
+        reason = prefix_cache_off_reason(engine_options(rr))
     except ValueError:
         return  # _build_engine reports the bad option
     if reason is not None:

@@ -15,7 +15,8 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
   checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
-  (:data:`LOCKSTEP_METHODS`: ``_prefill`` (admission), ``_launch`` (queue one decode / speculative step),
+  (:data:`LOCKSTEP_METHODS`: ``_split_admission`` and ``_prefill`` (admission), ``_launch`` (queue one decode
+  / speculative step),
   ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``, ``capture_graphs``)
   first broadcasts its name and host-side arguments over the control group, and every other rank runs the
   same method with the same arguments. A step handle (``runners.engine.step.LaunchedStep``: pinned host
@@ -49,10 +50,13 @@ unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
 
-Engines of ``world_size > 1`` run without the prefix cache: each rank's cache would be sized by its own free
-memory and could evict, and so prefill, differently from the others, and the ranks' all-reduces would no
-longer pair up. The engine decides it from its ``tensor_parallel`` shard
-(``runners.engine.prefix_cache.prefix_cache_off_reason``, the policy's one owner).
+The prefix cache (where ``runners.engine.prefix_cache.prefix_cache_off_reason`` keeps it on, as at world
+size 1) is kept in lockstep: every rank's cache gets the same byte budget (the smallest rank's memory cap,
+``Engine.from_pretrained``), and each of its decisions follows from the token ids and the entry sizes, which
+are the same on every rank; the one decision rank 0's scheduler takes outside the model calls, which prompts
+to defer to the next admission (it is recorded for the save points), is the lockstep method
+``_split_admission``. So every rank hits, saves, evicts and cuts its prefill chunks alike, and the ranks'
+all-reduces pair up; the token digest and the stall limit catch a rank that would not.
 
 CUDA graphs at ``world_size > 1`` (NCCL): every rank captures the decode / draft / verify / commit / catch-up
 phases with the model's all-reduces inside the graphs (NCCL's kernels are captured like any other; the
@@ -130,7 +134,8 @@ START_METHOD = "spawn"  # fresh interpreters: nothing of the caller's CUDA, thre
 DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
 CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
 # Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
-LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance", "capture_graphs")
+LOCKSTEP_METHODS = ("_split_admission", "_prefill", "_launch", "_step_tokens", "logits", "force_acceptance",
+                    "capture_graphs")
 _TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
 GLOO_GRAPHS_OFF_REASON = (
     "the model's all-reduces run over gloo (share_device: every rank on one GPU), which moves CUDA tensors "
