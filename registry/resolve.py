@@ -77,19 +77,12 @@ class ResolvedRun:
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
         """The padded batch sizes the engine captures its decode step at: the entry's, up to the run's
-        max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false, the device is
-        the CPU (where the same step runs eagerly) or world_size > 1 (tensor-parallel ranks step eagerly,
-        runners.engine.launch)."""
-        if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")) or self.world_size > 1:
+        max_batch_size (eval.batch_size may lower it); none when runtime.cuda_graphs is false or the device is
+        the CPU (where the same step runs eagerly). With world_size > 1 every rank captures them, the model's
+        NCCL all-reduces inside the graphs (runners.engine.launch)."""
+        if not (self.run.runtime.cuda_graphs and self.device.startswith("cuda")):
             return []
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
-
-    @property
-    def graphs_dropped_by_tensor_parallelism(self) -> bool:
-        """Whether this run would capture the entry's CUDA graphs but world_size > 1 makes its ranks step
-        eagerly (run.py warns)."""
-        return (self.world_size > 1 and self.run.runtime.cuda_graphs and self.device.startswith("cuda")
-                and bool(self.entry.cuda_graph_batch_sizes))
 
     @property
     def baseline_state(self) -> dict[str, str]:

@@ -333,3 +333,31 @@ def test_gpu_release_shapes_bf16_graph_equals_eager(family, replay):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph._step_tokens(step)
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_runs_eagerly_or_raises_when_strict(caplog):
+    """A phase that synchronises with the host cannot be captured: by default that (B, L) is logged and runs
+    eagerly (its result still right); with ``strict`` (tensor-parallel ranks, runners.engine.launch) the
+    capture raises, naming the batch size and KV bound."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from runners.engine.graphs import StepIO
+
+    io = StepIO.allocate(4, 0, 8, torch.float32, "cuda")
+
+    def phase(B: int, L: int) -> None:  # .item() synchronises: illegal while capturing
+        io.tokens[:B, 0] = io.start_pos[:B] + int(io.slot_ids[:B].sum().item() != 0)
+
+    graphs = StepGraphs({"decode": phase}, io, [2], 256, torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="runners.engine.graphs"):
+        graphs.ensure(2, 256, True)
+    assert graphs.graphs[(2, 256)] is None and "this size runs eagerly" in caplog.text
+    io.start_pos[:2] = torch.tensor([5, 7])
+    io.slot_ids[:2] = torch.tensor([0, 1])
+    graphs.run(2, 256, True)
+    assert io.tokens[:2, 0].tolist() == [6, 8]  # eager, the same phase
+    strict = StepGraphs({"decode": phase}, io, [2], 256, torch.device("cuda"))
+    strict.strict = True
+    with pytest.raises(RuntimeError, match=r"capture of the decode step at batch 2, KV bound 256 failed"):
+        strict.ensure(2, 256, True)

@@ -240,34 +240,51 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
         runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
     (gen1, res1), (gen2, res2) = runs[1], runs[2]
     assert len(gen1) == 8 and gen1.keys() == gen2.keys()
-    # world_size 2 runs without the prefix cache (runners.engine.prefix_cache.TENSOR_PARALLEL_OFF_REASON): its
-    # lookup counters are the only request counters that differ
-    no_prefix = lambda rs: {k: v for k, v in rs.items() if not k.startswith("prefix_cache")}  # noqa: E731
+    # both run with the prefix cache (world_size 2's ranks keep theirs in lockstep): every request counter,
+    # its lookups and hits included, is the same
     for key in gen1:
         assert gen2[key]["generated_ids"] == gen1[key]["generated_ids"]
-        assert no_prefix(gen2[key]["request_stats"]) == no_prefix(gen1[key]["request_stats"])
+        assert gen2[key]["request_stats"] == gen1[key]["request_stats"]
     assert res2["acceptance"] == res1["acceptance"] and res2["gsm8k"] == res1["gsm8k"]
     assert res2["config"]["world_size"] == 2 and res1["config"]["world_size"] == 1
-    assert res1["prefix_cache"]["enabled"] and res1["prefix_cache"]["off_reason"] is None
-    assert not res2["prefix_cache"]["enabled"] and "world_size > 1" in res2["prefix_cache"]["off_reason"]
+    for res in (res1, res2):
+        assert res["prefix_cache"]["enabled"] and res["prefix_cache"]["off_reason"] is None
+        assert res["config"]["cuda_graphs_off_reason"] is None  # the CPU: nothing dropped by the launch
+    assert res2["prefix_cache"]["queries"] == res1["prefix_cache"]["queries"] > 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("share_device", [False, True], ids=["nccl_two_gpus", "gloo_one_gpu"])
-def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
+@pytest.mark.parametrize("share_device, graphs", [(False, True), (False, False), (True, True)],
+                         ids=["nccl_two_gpus_graphs", "nccl_two_gpus_eager", "gloo_one_gpu"])
+def test_cuda_world_size_2_equals_world_size_1(share_device, graphs, checkpoints):
     """On CUDA, float32: world size 2 gives the same tokens and acceptance, and logits within 1e-5, as one
-    GPU, both families, replay on and off. Over NCCL on two GPUs, or (share_device) with both ranks on cuda:0
-    over gloo, which checks the sharded CUDA model on a one-GPU machine."""
+    GPU (with CUDA graphs), both families, replay on and off. Over NCCL on two GPUs with CUDA graphs (every
+    rank captures the same sizes, its all-reduces inside the graphs) or eagerly, or (share_device) with
+    both ranks on cuda:0 over gloo, which checks the sharded CUDA model on a one-GPU machine; gloo's
+    all-reduces cannot be captured, so its engines drop the graphs asked for and say why."""
     import functools
+
+    from runners.engine.launch import GLOO_GRAPHS_OFF_REASON
 
     if torch.cuda.device_count() < (1 if share_device else 2):
         pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
     paths = [checkpoints[n] for n in WS_CASES[2]]
-    want = run_cases(functools.partial(Engine.from_pretrained, device="cuda:0"), paths)
+    want = run_cases(functools.partial(Engine.from_pretrained, device="cuda:0"), paths, cuda_graphs=True)
     # the parent has initialised CUDA (want, above) and, after other GPU tests, holds their threads and
     # memory: the spawned ranks must not care; a stall ends within timeout_s + 30 s (runners.engine.launch)
-    got = launch(tp_cases.tp_cases, (paths,), world_size=2, device="cuda", timeout_s=120,
-                 share_device=share_device)
+    got = launch(functools.partial(tp_cases.tp_cases, cuda_graphs=graphs), (paths,), world_size=2,
+                 device="cuda", timeout_s=120, share_device=share_device)
+    for key, case in got.items():
+        if key[1] == "logits":
+            continue
+        if share_device:
+            assert case["cuda_graphs_off_reason"] == GLOO_GRAPHS_OFF_REASON and case["graphs"] == [], key
+        elif graphs:  # the same sizes as one GPU, every one captured
+            assert case["cuda_graphs_off_reason"] is None, key
+            assert case["graphs"] == want[key]["graphs"] and all(g[2] for g in case["graphs"]), key
+            assert case["graphs"], key
+        else:
+            assert case["graphs"] == [], key
     for path in paths:
         diff = (got[(path, "logits")] - want[(path, "logits")]).abs().max().item()
         print(f"{'gloo, one GPU' if share_device else 'NCCL'} {Path(path).name}: max |logit difference| "
@@ -278,6 +295,31 @@ def test_cuda_world_size_2_equals_world_size_1(share_device, checkpoints):
             assert got[(path, *arm)]["tokens"] == want[(path, *arm)]["tokens"], (path, arm)
             assert got[(path, *arm)]["acceptance"] == want[(path, *arm)]["acceptance"], (path, arm)
             assert got[(path, *arm)]["weight_bytes"] < want[(path, *arm)]["weight_bytes"], (path, arm)
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_1_graphs_equal_eager(checkpoints):
+    """The CUDA-graph logic of tensor-parallel ranks on one GPU: a one-rank NCCL launch whose model carries
+    the all-reduce hooks (at one rank an identity, but a real NCCL kernel inside every captured graph)
+    generates, with graphs, exactly the tokens and acceptance it generates eagerly, and the last verify's
+    float32 logits within 1e-5; every size it planned was captured (a capture failure raises), both
+    families, replay on and off."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    paths = [checkpoints[n] for n in WS_CASES[2]]
+    got = launch(tp_cases.nccl_graphs_vs_eager, (paths,), world_size=1, device="cuda", timeout_s=120)
+    for path in paths:
+        for draft_len, replay in ARMS:
+            eager, graphed = got[(path, draft_len, replay, False)], got[(path, draft_len, replay, True)]
+            arm = f"{Path(path).name} draft_len={draft_len} ssm_replay={replay}"
+            assert not eager["cuda_graphs"] and eager["graphs"] == [], arm
+            assert graphed["cuda_graphs"] and graphed["graphs"], arm
+            assert all(captured for _, _, captured in graphed["graphs"]), (arm, graphed["graphs"])
+            assert graphed["tokens"] == eager["tokens"], arm
+            assert graphed["acceptance"] == eager["acceptance"], arm
+            if draft_len:
+                torch.testing.assert_close(graphed["logits"], eager["logits"], rtol=LOGITS_TOL,
+                                           atol=LOGITS_TOL, msg=lambda m, a=arm: f"{a}: {m}")
 
 
 def test_share_device_needs_cuda():
@@ -299,31 +341,98 @@ def test_fp8_is_not_sharded():
     assert says in proc.stderr, proc.stderr[-2000:]
 
 
-def test_tp_engines_step_eagerly():
-    """Engines under runners.engine.launch step eagerly (its module docstring): build_engine /
-    rebuild_engine turn cuda_graphs and overlap_steps off, and refuse a request for either with the fix."""
-    from runners.engine.launch import _eager_steps
+def test_lockstep_options_keep_graphs_over_nccl_and_say_why_not_over_gloo(caplog):
+    """Engines under runners.engine.launch: CUDA graphs as asked over NCCL (the all-reduces captured in the
+    graphs); over gloo on CUDA (share_device) off, with the reason logged and returned (build_engine keeps it
+    as engine.cuda_graphs_off_reason, run.py writes it to results.json); on the CPU and at world size 1
+    nothing is dropped; overlap_steps off, and refused with the fix when asked for."""
+    import logging
+
+    from runners.engine.launch import (
+        GLOO_GRAPHS_OFF_REASON,
+        RankContext,
+        _lockstep_options,
+        graphs_off_reason,
+    )
     from runners.engine.options import EngineOptions
 
-    assert _eager_steps(EngineOptions(draft_len=3)) == EngineOptions(draft_len=3, cuda_graphs=False,
-                                                                     overlap_steps=False)
-    assert _eager_steps(EngineOptions(cuda_graphs=False)).overlap_steps is False
-    with pytest.raises(ValueError, match=r"cuda_graphs and overlap_steps with world_size > 1.*"
-                                         r"cuda_graphs=False, overlap_steps=False"):
-        _eager_steps(EngineOptions(cuda_graphs=True, overlap_steps=True))
+    def ctx(backend: str, device: str, world_size: int = 2) -> RankContext:
+        return RankContext(0, world_size, torch.device(device), backend, TensorParallel(0, world_size), None)
+
+    nccl, gloo_cuda, cpu = ctx("nccl", "cuda:0"), ctx("gloo", "cuda:0"), ctx("gloo", "cpu")
+    for asked in (None, True):
+        options, reason = _lockstep_options(EngineOptions(draft_len=3, cuda_graphs=asked), nccl)
+        assert options == EngineOptions(draft_len=3, cuda_graphs=asked, overlap_steps=False)
+        assert reason is None
+        with caplog.at_level(logging.WARNING, logger="runners.engine.launch"):
+            options, reason = _lockstep_options(EngineOptions(cuda_graphs=asked), gloo_cuda)
+        assert options.cuda_graphs is False and options.overlap_steps is False
+        assert reason == GLOO_GRAPHS_OFF_REASON and "gloo" in reason and "cannot capture" in reason
+        assert GLOO_GRAPHS_OFF_REASON in caplog.text and "CUDA graphs off at world_size=2" in caplog.text
+        caplog.clear()
+    assert _lockstep_options(EngineOptions(cuda_graphs=False), gloo_cuda) == (
+        EngineOptions(cuda_graphs=False, overlap_steps=False), None)  # asked for none: nothing dropped
+    assert _lockstep_options(EngineOptions(), cpu)[1] is None  # the CPU steps eagerly anyway
+    assert graphs_off_reason(EngineOptions(), world_size=1, backend="gloo", device=torch.device("cuda:0")
+                             ) is None  # one rank: no collectives in the model
+    with pytest.raises(ValueError, match=r"overlap_steps with world_size > 1.*overlap_steps=False"):
+        _lockstep_options(EngineOptions(overlap_steps=True), nccl)
 
 
-def test_tp_engines_run_without_the_prefix_cache():
-    """Engines of a tensor-parallel shard have no prefix cache: the policy's one owner
-    (runners.engine.prefix_cache.prefix_cache_off_reason) says so for world_size > 1, whatever was asked, and
-    build_engine / rebuild_engine pass the run's options through unchanged."""
-    from runners.engine.options import EngineOptions
-    from runners.engine.prefix_cache import TENSOR_PARALLEL_OFF_REASON, prefix_cache_off_reason
+@pytest.mark.slow
+def test_rank_stuck_while_another_works_ends_the_launch():
+    """Rank 0 waits forever in one call (as on a graph replay whose all-reduce never completes: no NCCL
+    watchdog tracks captured work) while rank 1 keeps running: the launch ends within the stall limit with
+    an error naming rank 0 and where it waits, never a hang."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        launch(tp_cases.stall_rank0_while_rank1_works, world_size=2, all_ranks=True, timeout_s=600,
+               stall_timeout_s=3)
+    message = str(e.value)
+    assert e.value.rank == 0, message
+    assert "rank 0 did not run for 3 s" in message and "stall_rank0_while_rank1_works" in message, message
+    assert time.monotonic() - t0 < 3 + 120 + 30  # the stall limit, the start-up allowance, ending the ranks
 
-    asked = EngineOptions(prefix_cache=True, prefix_cache_bytes=4096)
-    assert prefix_cache_off_reason(asked, world_size=2) == TENSOR_PARALLEL_OFF_REASON
-    assert prefix_cache_off_reason(asked, world_size=1) is None
-    assert "world_size > 1" in TENSOR_PARALLEL_OFF_REASON
+
+@pytest.mark.slow
+def test_followers_waiting_for_rank_0_are_not_stalled():
+    """Followers wait for rank 0's next command (idle) for longer than the stall limit while rank 0 works:
+    the launch completes."""
+    assert launch(tp_cases.work_while_the_followers_wait, (8.0,), world_size=2, stall_timeout_s=2) == 2
+
+
+@pytest.mark.slow
+def test_default_stall_limit_follows_the_collective_timeout():
+    """Without stall_timeout_s a launch whose ranks wait outside any collective ends within the collective
+    timeout plus STALL_GRACE_S (run.py: runtime.collective_timeout_s + 30 s)."""
+    from runners.engine.launch import STALL_GRACE_S, START_ALLOWANCE_S
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="stopped making progress"):
+        launch(tp_cases.stall_every_rank, world_size=2, all_ranks=True, timeout_s=2)
+    elapsed = time.monotonic() - t0
+    assert 2 + STALL_GRACE_S <= elapsed < 2 + STALL_GRACE_S + START_ALLOWANCE_S, elapsed
+
+
+@pytest.mark.slow
+def test_prefix_cache_in_lockstep_equals_world_size_1(checkpoints):
+    """Tensor-parallel ranks keep their prefix caches in lockstep: with prompts that share long prefixes
+    (hits, junction saves, deferred admissions), world size 2 gives the tokens, acceptance and every
+    prefix-cache counter of world size 1, both families, plain and MTP; with a budget of a few entries (the
+    ranks' entries are half the size of world size 1's, so they evict other ones) the tokens and acceptance
+    still equal world size 1's, and the ranks stay in lockstep while they evict (the launch's token digest
+    and graph check pass)."""
+    paths = [checkpoints[n] for n in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")]
+    want = tp_cases.prefix_cases(Engine.from_pretrained, paths)
+    got = launch(tp_cases.tp_prefix_cases, (paths,), world_size=2, num_threads=1, timeout_s=300)
+    assert got.keys() == want.keys()
+    tight = min(budget for _, budget in tp_cases.PREFIX_CASES)
+    for key, case in want.items():
+        assert case["prefix"]["prefix_cache_hits"] > 0 and got[key]["prefix"]["prefix_cache_hits"] > 0, key
+        assert got[key]["tokens"] == case["tokens"] and got[key]["acceptance"] == case["acceptance"], key
+        if key[2] != tight:
+            assert got[key]["prefix"] == case["prefix"], key
+    assert any(got[key]["prefix"]["prefix_cache_evictions"] > 0 for key in got if key[2] == tight)
 
 
 def test_sharded_weight_check_judges_the_whole_matrix():

@@ -48,22 +48,36 @@ def test_cpu_run_reports_everything(tmp_path):
     out = tmp_path / "tp_bench.json"
     proc = _run(["--workdir", str(tmp_path / "work"), "--out", str(out), "--family", "qwen3_next", "--device",
                  "cpu", "--dtype", "bfloat16", "--compute-dtype", "float32", "--num-layers", "2",
-                 "--num-experts", "8", "--batch", "2", "--prompt-len", "64", "--new-tokens", "4", *SMALL])
+                 "--num-experts", "8", "--batch", "1", "2", "--graphs", "on", "off", "--prompt-len", "64",
+                 "--new-tokens", "4", *SMALL])
     assert proc.returncode == 0, proc.stderr[-3000:]
     fam = json.loads(out.read_text())["families"][0]
     assert fam["family"] == "qwen3_next" and sorted(fam["runs"]) == ["1", "2"]
     assert fam["compute_dtype"] == "float32"  # over a bf16 checkpoint
+    keys = [f"{arm}/b{b}/graphs_{g}" for arm in ("plain", "replay", "rewind") for b in (1, 2)
+            for g in ("on", "off")]
     for ws, run in fam["runs"].items():
         assert run["world_size"] == int(ws) and {"seconds", "weight_bytes", "cache_bytes"} <= set(run["load"])
         assert run["backend"] == "gloo" and run["device"] == "cpu"
-        assert sorted(run["arms"]) == ["plain", "replay", "rewind"]
-        for arm in run["arms"].values():
-            assert arm["generated_tokens"] == 8 and arm["decode_tokens_per_s"] > 0
+        assert sorted(run["arms"]) == sorted(keys)
+        for key, arm in run["arms"].items():
+            assert arm["generated_tokens"] == 4 * arm["batch"] and arm["decode_tokens_per_s"] > 0, key
             assert arm["decode_tokens_per_s_per_gpu"] == pytest.approx(arm["decode_tokens_per_s"] / int(ws))
+            # the CPU runs every step eagerly, whatever was asked; nothing is dropped by the launch
+            assert not arm["cuda_graphs"] and arm["graphs_captured"] == [], key
+            assert arm["graphs_captured_ahead"] == 0, key
+            assert arm["cuda_graphs_off_reason"] is None, key
     assert fam["runs"]["2"]["load"]["weight_bytes"] < fam["runs"]["1"]["load"]["weight_bytes"]
-    cmp = fam["compare"]["2"]
-    for key in ("replay_vs_rewind", "rewind_vs_plain", "plain_vs_world_size_1", "rewind_vs_world_size_1",
-                "replay_vs_world_size_1"):
-        assert cmp[key] == {"identical_requests": 1.0, "mean_prefix_fraction": 1.0}, key  # float32
+    cmp, speedup = fam["compare"]["2"], fam["speedup"]["2"]
+    same = {"identical_requests": 1.0, "mean_prefix_fraction": 1.0}  # float32
+    for b in (1, 2):
+        for g in ("on", "off"):
+            assert cmp[f"replay_vs_rewind/b{b}/graphs_{g}"] == same
+            assert cmp[f"rewind_vs_plain/b{b}/graphs_{g}"] == same
+    for key in keys:
+        assert cmp[f"{key}_vs_world_size_1"] == same, key
+        assert speedup[f"{key}_vs_world_size_1"] > 0, key
+        if key.endswith("graphs_on"):
+            assert cmp[f"{key}_vs_graphs_off"] == same and speedup[f"{key}_vs_graphs_off"] > 0, key
     assert cmp["last_logits"]["top1_agreement"] == 1.0 and cmp["last_logits"]["max_abs_difference"] < 1e-4
     assert not (tmp_path / "work" / "qwen3_next").exists()  # deleted after use

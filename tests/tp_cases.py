@@ -121,21 +121,30 @@ LOGIT_IDS = [[1, 5, 9, 33, 100, 7, 18, 2], [1, 300, 299, 12, 13, 14, 15, 16]]
 ARMS = ((3, False), (3, True), (0, False))  # (draft_len, ssm_replay)
 
 
-def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
+def graph_keys(engine) -> list[tuple[int, int, bool]]:
+    """(batch size, KV bound, captured) of every CUDA graph plan of the engine's step ([] when eager)."""
+    return sorted((B, L, g is not None) for (B, L), g in engine.graphs.graphs.items())
+
+
+def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10, **options) -> dict:
     """For every checkpoint and arm of :data:`ARMS`: an engine from ``build(path, options)`` (3 slots for 5
-    prompts: slots are reused), its greedy tokens, acceptance, cache and weight bytes, and (first arm) the
-    logits of :data:`LOGIT_IDS`. Stop tokens off, float32."""
+    prompts: slots are reused; ``options``: more ``EngineOptions`` fields, e.g. cuda_graphs), its greedy
+    tokens, acceptance, cache and weight bytes, the CUDA graphs its step captured and why graphs were
+    dropped (``cuda_graphs_off_reason`` of a launch's engine, else None), and (first arm) the logits of
+    :data:`LOGIT_IDS`. Stop tokens off, float32."""
     out = {}
     for ck in checkpoints:
         for draft_len, replay in ARMS:
             engine = build(ck, EngineOptions(dtype="float32", draft_len=draft_len, ssm_replay=replay,
-                                             max_batch_size=3, max_seq_len=64))
+                                             max_batch_size=3, max_seq_len=64, **options))
             result = engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
             out[(ck, draft_len, replay)] = {
                 "tokens": result.tokens,
                 "acceptance": result.stats.acceptance(),
                 "memory": engine.cache_memory(),
                 "weight_bytes": engine.load_report.weight_bytes,
+                "graphs": graph_keys(engine),
+                "cuda_graphs_off_reason": getattr(engine, "cuda_graphs_off_reason", None),
             }
             if (draft_len, replay) == ARMS[0]:
                 out[(ck, "logits")] = engine.logits(torch.tensor(LOGIT_IDS)).cpu()
@@ -143,12 +152,91 @@ def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10) -> dict:
     return out
 
 
-def tp_cases(checkpoints: list[str], max_new_tokens: int = 10) -> dict:
+def tp_cases(checkpoints: list[str], max_new_tokens: int = 10, **options) -> dict:
     """:func:`run_cases` on rank 0 of a launch: every rank builds its shard
     (runners.engine.launch.build_engine)."""
     from runners.engine.launch import build_engine
 
-    return run_cases(build_engine, checkpoints, max_new_tokens)
+    return run_cases(build_engine, checkpoints, max_new_tokens, **options)
+
+
+def nccl_graphs_vs_eager(checkpoints: list[str], max_new_tokens: int = 10) -> dict:
+    """Rank 0 of a one-rank NCCL launch (one GPU): for every checkpoint and arm of :data:`ARMS`, the engine
+    (``runners.engine.launch.build_engine`` / ``rebuild_engine``) with CUDA graphs off and on, the model's
+    block mixers given the tensor-parallel all-reduce hooks (``runners.engine.tp.AllReduceOutput``: at one
+    rank an identity, but a real NCCL kernel, captured in the graphs), capture failures raising
+    (``StepGraphs.strict``). Per (checkpoint, arm, cuda_graphs): tokens, acceptance, graph plans
+    (:func:`graph_keys`) and, with drafts, the float32 logits of row 0 of the last verify (its target hidden
+    states through the LM head)."""
+    from runners.engine.launch import build_engine, current, rebuild_engine
+    from runners.engine.tp import SHARDED_KINDS, AllReduceOutput
+
+    ctx = current()
+    assert ctx.backend == "nccl" and ctx.world_size == 1, (ctx.backend, ctx.world_size)
+    out: dict = {}
+    for ck in checkpoints:
+        engine = None
+        for draft_len, replay in ARMS:
+            for graphs in (False, True):
+                options = EngineOptions(dtype="float32", draft_len=draft_len, ssm_replay=replay,
+                                        max_batch_size=3, max_seq_len=64, cuda_graphs=graphs)
+                if engine is None:
+                    engine = build_engine(ck, options)
+                    model = engine.model
+                    blocks = list(model.layers) + (list(model.mtp.blocks) if model.mtp is not None else [])
+                    hook = AllReduceOutput(ctx.tp.group)
+                    for block in blocks:
+                        if block.kind in SHARDED_KINDS:
+                            block.mixer.register_forward_hook(hook)
+                else:
+                    engine = rebuild_engine(engine, options)
+                engine.graphs.strict = True
+                result = engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
+                case = {"tokens": result.tokens, "acceptance": result.stats.acceptance(),
+                        "graphs": graph_keys(engine), "cuda_graphs": engine.step.cuda_graphs}
+                if draft_len:
+                    with torch.inference_mode():
+                        case["logits"] = engine.model.lm_logits(engine.step.io.hidden[:1]).float().cpu()
+                out[(ck, draft_len, replay, graphs)] = case
+    return out
+
+
+SHARED = [1] + [(7 * i + 3) % 500 + 2 for i in range(80)]  # an 81-token prefix (> one 64-token block)
+PREFIX_PROMPTS = [SHARED + [11, 12, 13], SHARED + [14], SHARED + [15, 16] + SHARED[:70],
+                  SHARED + [11, 12, 13], [1, 40, 41, 42], SHARED[:70] + [9, 9], SHARED + [14, 20, 21]]
+
+
+PREFIX_CASES = ((0, 4 * 2**20), (3, 4 * 2**20), (3, 2**19))  # (draft_len, prefix_cache_bytes)
+
+
+def prefix_cases(build, checkpoints: list[str], max_new_tokens: int = 6) -> dict:
+    """For every checkpoint and (draft length, prefix-cache budget) of :data:`PREFIX_CASES`: an engine from
+    ``build(path, options)`` with the prefix cache on (float32, 2 slots) generating :data:`PREFIX_PROMPTS`
+    (long shared prefixes: hits, junctions, deferred admissions; the 512 KiB budget holds only a few
+    entries, so entries are evicted or not stored): its tokens, acceptance and prefix-cache counters."""
+    from dataclasses import asdict
+
+    out = {}
+    for ck in checkpoints:
+        for draft_len, budget in PREFIX_CASES:
+            options = EngineOptions(dtype="float32", draft_len=draft_len, max_batch_size=2, max_seq_len=256,
+                                    prefix_cache=True, prefix_cache_bytes=budget)
+            engine = build(ck, options)
+            result = engine.generate(PREFIX_PROMPTS, max_new_tokens, stop_token_ids=[])
+            stats = asdict(result.stats)
+            out[(ck, draft_len, budget)] = {
+                "tokens": result.tokens, "acceptance": result.stats.acceptance(),
+                "prefix": {k: v for k, v in stats.items() if k.startswith("prefix_cache")},
+            }
+            del engine
+    return out
+
+
+def tp_prefix_cases(checkpoints: list[str]) -> dict:
+    """:func:`prefix_cases` on rank 0 of a launch (every rank builds its shard and its prefix cache)."""
+    from runners.engine.launch import build_engine
+
+    return prefix_cases(build_engine, checkpoints)
 
 
 # ---- failure cases (runners.engine.launch with all_ranks=True: every rank runs the function)
@@ -203,6 +291,27 @@ def kill_rank0() -> None:
 def stall_every_rank() -> None:
     """Every rank waits in one call forever, outside any collective (no torch.distributed timeout ends it)."""
     time.sleep(600)
+
+
+def stall_rank0_while_rank1_works() -> None:
+    """Rank 0 waits in one call forever (as a rank blocked on a graph replay whose collective never completes:
+    no watchdog ends it), while rank 1 keeps running Python lines (it makes progress) for 600 s."""
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:  # two lines in turn: the progress watcher sees the line change
+        time.sleep(0.2)
+        time.sleep(0.2)
+
+
+def work_while_the_followers_wait(seconds: float) -> int:
+    """Rank 0 (the followers serve, waiting for its next command) runs Python lines for ``seconds``, then
+    returns the world size: the followers' wait is idle, not a stall."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        time.sleep(0.2)
+    return dist.get_world_size()
 
 
 def world_size() -> int:

@@ -94,11 +94,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             from runners.engine.launch import launch
 
             composed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra in the ranks
-            if rr.graphs_dropped_by_tensor_parallelism:
-                print(f"warning: world_size={rr.world_size}: the ranks step eagerly, without the entry's "
-                      "CUDA graphs (its graph batch sizes) and without run-ahead steps "
-                      "(runners.engine.launch)",
-                      flush=True)
             return launch(_run_job, (composed, rr, out_dir), world_size=rr.world_size,
                           device="cuda" if rr.device.startswith("cuda") else "cpu",
                           timeout_s=rr.run.runtime.collective_timeout_s,
@@ -296,7 +291,7 @@ def _warn_prefix_cache_off(rr: ResolvedRun) -> None:
     if not rr.run.runtime.prefix_cache or rr.run.runtime.prefix_cache_bytes == 0:
         return  # asked off: nothing to warn about
     try:
-        reason = prefix_cache_off_reason(engine_options(rr), world_size=rr.world_size)
+        reason = prefix_cache_off_reason(engine_options(rr))
     except ValueError:
         return  # _build_engine reports the bad option
     if reason is not None:
@@ -342,6 +337,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     config["prefix_cache"] = engine.prefix_cache is not None  # and its limit after the engine's memory cap
     config["prefix_cache_bytes"] = engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None
     config["prefix_cache_off_reason"] = engine.prefix_cache_off_reason
+    # why a tensor-parallel engine runs without the graphs the run asked for (runners.engine.launch), or None
+    config["cuda_graphs_off_reason"] = getattr(engine, "cuda_graphs_off_reason", None)
     results = build_results(
         entry=rr.entry.name,
         model_key=rr.entry.baseline,

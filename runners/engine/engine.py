@@ -193,10 +193,6 @@ def _state_dtype(options: EngineOptions, config: HybridConfig) -> torch.dtype:
     return DTYPES[dtype_name(options.ssm_state_dtype or config.mamba_ssm_cache_dtype)]
 
 
-def _world_size(tensor_parallel) -> int:
-    return tensor_parallel.world_size if tensor_parallel is not None else 1
-
-
 class Engine:
     """A loaded model plus its caches, its decode step and the generate loop. Build it with
     :meth:`from_pretrained`, or around a model with ``Engine(model, options, device=...)``.
@@ -294,8 +290,7 @@ class Engine:
                              "own max_bytes)")
         self.prefix_cache: PrefixCache | None = None
         self.prefix_cache_off_reason = prefix_cache_off_reason(
-            self.options, world_size=_world_size(self.tensor_parallel),
-            ssm_state_dtype=dtype_name(self.ssm_state_dtype))
+            self.options, ssm_state_dtype=dtype_name(self.ssm_state_dtype))
         if self.prefix_cache_off_reason is not None:
             log.info("prefix cache off: %s", self.prefix_cache_off_reason)
             return
@@ -390,9 +385,12 @@ class Engine:
                                    max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
                                    cache_bytes_at=cache_bytes_at)
         prefix_on = prefix_store is None and prefix_cache_off_reason(
-            options, world_size=_world_size(tensor_parallel), ssm_state_dtype=dtype_name(state_dtype)) is None
+            options, ssm_state_dtype=dtype_name(state_dtype)) is None
         if budget is not None and prefix_on:
-            options = _cap_prefix_cache(options, max(0, (budget - plan.weight_bytes - cache_bytes) // 2))
+            cap = max(0, (budget - plan.weight_bytes - cache_bytes) // 2)
+            if tensor_parallel is not None:  # one byte budget for every rank: their caches stay in lockstep
+                cap = tensor_parallel.all_ranks_min(cap, device)
+            options = _cap_prefix_cache(options, cap)
         t_weights = time.perf_counter()
         model = build(plan, device)
         if device.type == "cuda":
@@ -549,6 +547,12 @@ class Engine:
         (:meth:`runners.engine.prefill.Prefill.run`)."""
         return self.prefill.run(prompts, slots, record_prefix=self._slot_counters.record_prefix,
                                 stats=self._stats)
+
+    def _split_admission(self, prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Which of the prompts about to be admitted together to prefill now and which to defer
+        (:meth:`runners.engine.prefix_cache.PrefixCache.split_admission`; it records the deferred prompts, so
+        tensor-parallel ranks run it in lockstep). Needs the prefix cache."""
+        return self.prefix_cache.split_admission(prompts)
 
     def _launch(self, slots: list[int], kv_bound: int, requests: list[int] | None = None) -> LaunchedStep:
         """Queue one decode step over ``slots`` (:meth:`runners.engine.step.DecodeStep.launch`)."""

@@ -24,7 +24,8 @@ input buffers).
   no live slot, so this is safe in the middle of a generation), then each phase is captured into its own
   graph from one memory pool shared by all graphs (they replay one at a time on one stream; every value
   that crosses phases lives in :class:`StepIO`, outside the pool). A capture that fails (an operator that
-  synchronises) is logged and that (B, L) runs eagerly.
+  synchronises) is logged and that (B, L) runs eagerly -- or, with ``strict`` (tensor-parallel ranks, whose
+  graphs hold the all-reduces and must be replayed by every rank alike: runners.engine.launch), raises.
 - Results: :class:`HostRing` copies the step's output tokens to pinned host memory with ``non_blocking``
   and records an event, so the host waits only when it reads them (and can do the previous step's
   bookkeeping meanwhile).
@@ -202,7 +203,8 @@ class StepGraphs:
 
     ``mode``: "graph" (the default on CUDA), or "eager_padded" (the same padding and KV buckets, phases run
     eagerly: tests compare graph replay with eager execution of exactly the same step, and exercise the
-    padded step on the CPU, where it is the only mode).
+    padded step on the CPU, where it is the only mode). ``strict``: a failed capture raises instead of
+    running that (B, L) eagerly (default False; runners.engine.launch sets it at world size > 1).
     """
 
     def __init__(self, phases: dict[str, Phase], io: StepIO, batch_sizes, max_seq_len: int,
@@ -213,6 +215,7 @@ class StepGraphs:
         self.mode = "graph" if device.type == "cuda" else "eager_padded"
         self.graphs: dict[tuple[int, int], dict[str, torch.cuda.CUDAGraph] | None] = {}
         self._pool = None
+        self.strict = False
 
     @property
     def enabled(self) -> bool:
@@ -249,7 +252,11 @@ class StepGraphs:
 
     def capture(self, B: int, L: int) -> None:
         """Capture every phase at (B, L) (see the module docstring); on failure log it and run (B, L)
-        eagerly from then on."""
+        eagerly from then on.
+
+        Raises:
+            RuntimeError: the capture failed and ``strict`` is set (naming (B, L) and the failure).
+        """
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         io = self.io
@@ -275,6 +282,11 @@ class StepGraphs:
                 torch.cuda.synchronize(self.device)
             except Exception:  # noqa: BLE001, S110 - the capture's own error is the one to report
                 pass
+            if self.strict:
+                raise RuntimeError(
+                    f"CUDA graph capture of the decode step at batch {B}, KV bound {L} failed "
+                    f"({type(e).__name__}: {e}); tensor-parallel ranks must all replay the same graphs, so "
+                    "the run stops (runtime.cuda_graphs=false / cuda_graphs=False steps eagerly)") from e
             log.warning("CUDA graph capture of the decode step at batch %d, KV bound %d failed (%s: %s); "
                         "this size runs eagerly", B, L, type(e).__name__, e)
             self.graphs[(B, L)] = None

@@ -15,8 +15,9 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   rank already holds.
 - Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
   checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
-  (:data:`LOCKSTEP_METHODS`: ``_prefill`` (admission), ``_launch`` (queue one decode / speculative step, its
-  phases run eagerly), ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``)
+  (:data:`LOCKSTEP_METHODS`: ``_split_admission`` and ``_prefill`` (admission), ``_launch`` (queue one decode
+  / speculative step),
+  ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``, ``capture_graphs``)
   first broadcasts its name and host-side arguments over the control group, and every other rank runs the
   same method with the same arguments. A step handle (``runners.engine.step.LaunchedStep``: pinned host
   buffers) is not sent: each follower keeps the steps it launched in launch order, and ``_step_tokens``
@@ -24,8 +25,9 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
   drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
   tokens. The followers need neither tokenizer nor callbacks. Cost: one small broadcast per step. At the end
-  of every ``generate`` all ranks compare a digest of the tokens their steps produced
-  (:meth:`LockstepEngine.check_lockstep`): ranks that diverged raise instead of reporting wrong numbers.
+  of every ``generate`` all ranks compare a digest of the tokens their steps produced and the CUDA graphs
+  they captured (:meth:`LockstepEngine.check_lockstep`): ranks that diverged raise instead of reporting wrong
+  numbers.
   (The alternative, every rank running ``generate`` itself, would need the caller's ``stop_checker`` on every
   rank and deterministic there.)
 
@@ -34,26 +36,43 @@ process, which watches every rank, gives the others a moment to report theirs, e
 SIGKILL) and raises for the rank that failed FIRST: a ``UserError`` as a UserError whose problem starts with
 ``rank r of N:`` (run.py prints it as usual), anything else as :class:`RankFailure` naming the rank, how it
 failed (its error, or the signal / exit status of a rank that died without one) and then what followed on
-the others. A peer's "Connection reset by peer" never outranks the death that caused it. A rank stuck in a
-collective whose peer is alive but elsewhere raises after ``timeout_s`` (the process group's timeout). A
-launch in which no rank makes progress for ``stall_timeout_s`` (default ``timeout_s`` + 30 s; waits outside
-the model's collectives, e.g. on the control group or a hung device call, have no timeout of their own) is
-ended with a RankFailure naming every rank and the line it waits on. Ctrl-C (SIGINT to the parent) ends
-every rank; ranks also die with the parent (``PR_SET_PDEATHSIG``). The launch's temporary folder
-(``hybrid-launch-*``) is removed however the launch ends. On CUDA the ranks keep NVLink multicast off
-(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless already set).
+the others. A peer's "Connection reset by peer" never outranks the death that caused it. A rank stuck in an
+eager collective whose peer is alive but elsewhere raises after ``timeout_s`` (the process group's timeout).
+A rank that makes no progress for ``stall_timeout_s`` (default ``timeout_s`` + 30 s) ends the launch with a
+RankFailure naming every rank that stopped and the line it waits on: this bounds the waits that have no
+timeout of their own -- a collective replayed inside a CUDA graph (the NCCL watchdog does not track captured
+work), a hung device call, a control message. A follower waiting for rank 0's next command is idle, not
+stuck (rank 0 may run lm-eval for long), so only a rank in the middle of work can stall the launch.
+Ctrl-C (SIGINT to the parent) ends every rank; ranks also die with the parent (``PR_SET_PDEATHSIG``). The
+launch's temporary folder (``hybrid-launch-*``) is removed however the launch ends. On CUDA the ranks keep
+NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1,
+unless already set).
 
 One host only (the control messages and rendezvous use a file in a temporary folder).
 
-Engines of ``world_size > 1`` run without the prefix cache: each rank's cache would be sized by its own free
-memory and could evict, and so prefill, differently from the others, and the ranks' all-reduces would no
-longer pair up. The engine decides it from its ``tensor_parallel`` shard
-(``runners.engine.prefix_cache.prefix_cache_off_reason``, the policy's one owner).
+The prefix cache (where ``runners.engine.prefix_cache.prefix_cache_off_reason`` keeps it on, as at world
+size 1) is kept in lockstep: every rank's cache gets the same byte budget (the smallest rank's memory cap,
+``Engine.from_pretrained``), and each of its decisions follows from the token ids and the entry sizes, which
+are the same on every rank; the one decision rank 0's scheduler takes outside the model calls, which prompts
+to defer to the next admission (it is recorded for the save points), is the lockstep method
+``_split_admission``. So every rank hits, saves, evicts and cuts its prefill chunks alike, and the ranks'
+all-reduces pair up; the token digest and the stall limit catch a rank that would not.
 
-Engines of ``world_size > 1`` step eagerly: :func:`build_engine` and :func:`rebuild_engine` build them with
-``cuda_graphs=False`` and ``overlap_steps=False`` (and raise ValueError when asked for either), because
-capturing the model's all-reduces in CUDA graphs and running steps ahead of the host have not been checked
-with NCCL, and gloo (CPU, ``share_device``) all-reduces through the host, which a CUDA graph cannot capture.
+CUDA graphs at ``world_size > 1`` (NCCL): every rank captures the decode / draft / verify / commit / catch-up
+phases with the model's all-reduces inside the graphs (NCCL's kernels are captured like any other; the
+process group was initialised eagerly with its device, and each capture's warm-up runs the collectives once
+outside the graph). The ranks stay in lockstep by construction: each ``_launch`` runs on every rank with the
+same slot ids and KV bound, so every rank plans the same padded batch size and KV bucket
+(``runners.engine.graphs.StepGraphs.plan``), captures the same (B, L) at the same step, in the same order,
+and replays the same graph for each step; ``capture_graphs`` ahead of time is mirrored too. A capture that
+fails on a rank ends the launch (``StepGraphs.strict``): at world size 1 a failed size runs eagerly, but
+here one rank running a step eagerly while another replays would pair collectives that do not belong
+together. The captured sizes are compared at the end of every ``generate`` (:func:`_compare_digests`).
+With gloo on CUDA (``share_device``) the model's all-reduces go through host memory, which a CUDA graph
+cannot capture: engines there run eagerly and say why (:func:`graphs_off_reason`: a warning, and
+``LockstepEngine.cuda_graphs_off_reason``, which run.py records in results.json). On the CPU graphs are off
+anyway. ``overlap_steps`` stays off under launch (:func:`build_engine` turns it off and refuses a request for
+it): running steps ahead of the host has not been checked with the lockstep messages.
 
 ``share_device=True`` (CUDA only) puts every rank on cuda:0 and runs the model's collectives over gloo, which
 all-reduces CUDA tensors through host memory (NCCL refuses two ranks on one GPU). It exists to check
@@ -69,6 +88,7 @@ import faulthandler
 import functools
 import gc
 import hashlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -103,17 +123,25 @@ __all__ = [
     "RankFailure",
     "build_engine",
     "current",
+    "graphs_off_reason",
     "rebuild_engine",
     "launch",
 ]
+
+log = logging.getLogger(__name__)
 
 START_METHOD = "spawn"  # fresh interpreters: nothing of the caller's CUDA, threads or forks (see launch())
 DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
 CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
 # Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
-LOCKSTEP_METHODS = ("_prefill", "_launch", "_step_tokens", "logits", "force_acceptance")
+LOCKSTEP_METHODS = ("_split_admission", "_prefill", "_launch", "_step_tokens", "logits", "force_acceptance",
+                    "capture_graphs")
 _TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
-_STEP_OPTIONS = ("cuda_graphs", "overlap_steps")  # off under launch (module docstring)
+GLOO_GRAPHS_OFF_REASON = (
+    "the model's all-reduces run over gloo (share_device: every rank on one GPU), which moves CUDA tensors "
+    "through host memory; a CUDA graph cannot capture that, so the decode steps run eagerly (NCCL, one GPU "
+    "per rank, captures them)"
+)
 STALL_GRACE_S = 30.0  # default stall limit = timeout_s + this (a collective's own timeout error comes first)
 START_ALLOWANCE_S = 120.0  # more seconds for a rank still starting (spawn imports torch and the engine)
 FAIL_GRACE_S = 2.0  # after a rank fails: the others' time to report what they saw before they are ended
@@ -154,6 +182,7 @@ class RankContext:
 
 _CONTEXT: RankContext | None = None
 _MESSAGES = 0  # control messages this rank passed (its progress, read by _watch_progress)
+_AWAITING_COMMAND = False  # a follower waits for rank 0's next command: idle, not stuck (_watch_progress)
 
 
 def current() -> RankContext | None:
@@ -183,6 +212,17 @@ def _broadcast(message: Any = None) -> Any:
     return box[0]
 
 
+def _next_command() -> Any:
+    """A follower's wait for rank 0's next message (:func:`_broadcast`); the wait counts as idle, not as a
+    stall (rank 0 may do long work of its own between commands, e.g. lm-eval)."""
+    global _AWAITING_COMMAND
+    _AWAITING_COMMAND = True
+    try:
+        return _broadcast()
+    finally:
+        _AWAITING_COMMAND = False
+
+
 def _to_host(obj: Any) -> Any:
     """Tensors (in nested tuples / lists / dicts) moved to the CPU: messages hold no device tensors."""
     if isinstance(obj, torch.Tensor):
@@ -199,25 +239,42 @@ def _digest_update(digest: Any, name: str, result: Any) -> None:
         digest.update(repr((name, result)).encode())
 
 
-def _compare_digests(digest: Any) -> None:
-    """Every rank contributes its digest; raises RuntimeError on every rank when they differ."""
+def _graph_keys(engine: Engine | None) -> list[tuple[int, int, bool]]:
+    """The (batch size, KV bound, captured) of every graph plan the engine's step made (False: its capture
+    failed and the size runs eagerly)."""
+    if engine is None:
+        return []
+    return sorted((B, L, g is not None) for (B, L), g in engine.graphs.graphs.items())
+
+
+def _compare_digests(digest: Any, engine: Engine | None) -> None:
+    """Every rank contributes its digest and its captured graphs (:func:`_graph_keys`); raises RuntimeError
+    on every rank when they differ."""
     ctx = _require()
-    digests: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(digests, digest.hexdigest(), group=ctx.control)
-    if len(set(digests)) > 1:
+    states: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(states, (digest.hexdigest(), _graph_keys(engine)), group=ctx.control)
+    if len({s[0] for s in states}) > 1:
         raise RuntimeError(
             f"tensor-parallel ranks diverged: the token ids their engine steps produced differ "
-            f"(digests by rank: {[d[:12] for d in digests]}); the ranks' all-reduced activations are not "
+            f"(digests by rank: {[s[0][:12] for s in states]}); the ranks' all-reduced activations are not "
             "bitwise equal"
+        )
+    if len({repr(s[1]) for s in states}) > 1:
+        raise RuntimeError(
+            "tensor-parallel ranks diverged: they captured different CUDA graphs (batch size, KV bound, "
+            f"captured) by rank: {[s[1] for s in states]}; their graph replays were not in lockstep"
         )
 
 
 class LockstepEngine(Engine):
     """Rank 0's engine under :func:`launch` (built by :func:`build_engine`): each method of
     :data:`LOCKSTEP_METHODS` first broadcasts its call to the other ranks, which run it on their engine;
-    ``generate`` ends with :meth:`check_lockstep`. Otherwise an :class:`runners.Engine` (the same API)."""
+    ``generate`` ends with :meth:`check_lockstep`. Otherwise an :class:`runners.Engine` (the same API).
+    ``cuda_graphs_off_reason``: why its steps run without the CUDA graphs asked for
+    (:func:`graphs_off_reason`), None when nothing was dropped."""
 
     _digest: Any = None
+    cuda_graphs_off_reason: str | None = None
 
     def generate(self, *args: Any, **kwargs: Any):
         out = super().generate(*args, **kwargs)
@@ -225,10 +282,10 @@ class LockstepEngine(Engine):
         return out
 
     def check_lockstep(self) -> None:
-        """Compare the digest of every rank's step results (token ids) since the engine was built; raises
-        RuntimeError when a rank produced different tokens."""
+        """Compare the digest of every rank's step results (token ids) since the engine was built, and the
+        CUDA graphs each captured; raises RuntimeError when a rank produced different tokens or graphs."""
         _broadcast(("digest",))
-        _compare_digests(self._digest)
+        _compare_digests(self._digest, self)
 
 
 def _lockstep(name: str) -> Callable:
@@ -251,17 +308,40 @@ for _name in LOCKSTEP_METHODS:
     setattr(LockstepEngine, _name, _lockstep(_name))
 
 
-def _eager_steps(options: EngineOptions) -> EngineOptions:
-    """``options`` with ``cuda_graphs`` and ``overlap_steps`` off (module docstring: engines under launch step
-    eagerly). Raises ValueError when either is asked for (True)."""
-    asked = [k for k in _STEP_OPTIONS if getattr(options, k)]
-    if asked:
+def graphs_off_reason(options: EngineOptions, *, world_size: int, backend: str, device: torch.device
+                      ) -> str | None:
+    """Why engines of a launch run without the CUDA graphs ``options`` ask for (None, the default: on with
+    CUDA; True), or None when they keep them: with ``world_size > 1`` on CUDA over gloo
+    (:data:`GLOO_GRAPHS_OFF_REASON`), whose all-reduces a graph cannot capture. NCCL ranks capture them;
+    on the CPU the engine runs eagerly anyway (``runners.engine.step.DecodeStep``); at world size 1 the model
+    has no collectives."""
+    if options.cuda_graphs is False or device.type != "cuda" or world_size == 1 or backend != "gloo":
+        return None
+    return GLOO_GRAPHS_OFF_REASON
+
+
+def _lockstep_options(options: EngineOptions, ctx: RankContext) -> tuple[EngineOptions, str | None]:
+    """``options`` as every rank's engine runs them under launch, and why graphs were dropped (None when
+    not): ``overlap_steps`` off (module docstring), ``cuda_graphs`` off where :func:`graphs_off_reason` says
+    (with a warning). Raises ValueError when ``overlap_steps`` is asked for (True)."""
+    if options.overlap_steps:
         raise ValueError(
-            f"{' and '.join(asked)} with world_size > 1: tensor-parallel engines step eagerly (CUDA graphs "
-            "of the ranks' all-reduces and run-ahead steps are not supported yet); pass "
-            f"{', '.join(k + '=False' for k in asked)} (run.py: runtime.cuda_graphs=false)"
+            "overlap_steps with world_size > 1: tensor-parallel engines do not run steps ahead of the host "
+            "(not checked with the lockstep messages yet); pass overlap_steps=False (or None)"
         )
-    return options.replace(**dict.fromkeys(_STEP_OPTIONS, False))
+    changes: dict[str, Any] = {"overlap_steps": False}
+    reason = graphs_off_reason(options, world_size=ctx.world_size, backend=ctx.backend, device=ctx.device)
+    if reason is not None:
+        log.warning("CUDA graphs off at world_size=%d: %s", ctx.world_size, reason)
+        changes["cuda_graphs"] = False
+    return options.replace(**changes), reason
+
+
+def _lockstep_graphs(engine: Engine, ctx: RankContext) -> Engine:
+    """Make a capture failure end the launch (``StepGraphs.strict``) where the ranks' collectives live in
+    the graphs (world size > 1): every rank must replay the same graphs (module docstring)."""
+    engine.graphs.strict = ctx.world_size > 1
+    return engine
 
 
 def build_engine(path: str | Path, options: EngineOptions | None = None) -> LockstepEngine:
@@ -269,17 +349,21 @@ def build_engine(path: str | Path, options: EngineOptions | None = None) -> Lock
     its own device with its shard (the rank's ``tensor_parallel`` and ``device``), and return rank 0's
     :class:`LockstepEngine`. The other ranks drop the engine they held before.
 
+    CUDA graphs as ``options`` say, except over gloo on CUDA (:func:`graphs_off_reason`: off, with a warning
+    and ``engine.cuda_graphs_off_reason``); ``overlap_steps`` off.
+
     Raises:
-        ValueError: ``options`` ask for CUDA graphs or overlapping steps (:func:`_eager_steps`).
+        ValueError: ``options`` ask for overlapping steps (:func:`_lockstep_options`).
     """
     ctx = _require()
     if ctx.rank != 0:
         raise RuntimeError("build_engine runs on rank 0; the other ranks build theirs from its message")
-    options = _eager_steps(options or EngineOptions())
+    options, reason = _lockstep_options(options or EngineOptions(), ctx)
     _broadcast(("build", str(path), options))
     engine = LockstepEngine.from_pretrained(path, options, device=ctx.device, tensor_parallel=ctx.tp)
     engine._digest = hashlib.sha256()
-    return engine
+    engine.cuda_graphs_off_reason = reason
+    return _lockstep_graphs(engine, ctx)
 
 
 def rebuild_engine(engine: LockstepEngine, options: EngineOptions | None = None) -> LockstepEngine:
@@ -288,12 +372,13 @@ def rebuild_engine(engine: LockstepEngine, options: EngineOptions | None = None)
     reload), e.g. to run several arms on one load. Drop ``engine`` afterwards: its caches stay allocated while
     it is referenced."""
     ctx = _require()
-    options = _eager_steps(options or EngineOptions())
+    options, reason = _lockstep_options(options or EngineOptions(), ctx)
     _broadcast(("rebuild", options))
     new = LockstepEngine(engine.model, options, device=ctx.device, tensor_parallel=engine.tensor_parallel)
     new.load_report = engine.load_report
     new._digest = hashlib.sha256()
-    return new
+    new.cuda_graphs_off_reason = reason
+    return _lockstep_graphs(new, ctx)
 
 
 def _free(engine: Engine | None) -> None:
@@ -310,7 +395,7 @@ def serve() -> None:
     engine, digest = None, hashlib.sha256()
     launched: deque = deque()  # this rank's queued steps (Engine._launch handles), oldest first
     while True:
-        message = _broadcast()
+        message = _next_command()
         op = message[0]
         if op == "exit":
             return
@@ -320,10 +405,12 @@ def serve() -> None:
             _free(engine)
             engine, digest = None, hashlib.sha256()
             engine = Engine.from_pretrained(message[1], message[2], device=ctx.device, tensor_parallel=ctx.tp)
+            _lockstep_graphs(engine, ctx)
         elif op == "rebuild":
             model, tp = engine.model, engine.tensor_parallel
             engine = None  # its caches go before the new ones are allocated
             engine = Engine(model, message[1], device=ctx.device, tensor_parallel=tp)
+            _lockstep_graphs(engine, ctx)
             digest = hashlib.sha256()
         elif op == "call":
             name, args, kwargs = message[1:]
@@ -334,7 +421,7 @@ def serve() -> None:
                 launched.append(result)
             _digest_update(digest, name, result)
         elif op == "digest":
-            _compare_digests(digest)
+            _compare_digests(digest, engine)
         else:
             raise RuntimeError(f"unknown lockstep message {op!r}")
 
@@ -401,15 +488,16 @@ def _error_record(rank: int, e: BaseException) -> dict[str, Any]:
 
 def _watch_progress(board: Any, rank: int, main_thread: int) -> None:
     """A rank's daemon thread: every :data:`PROGRESS_EVERY_S` seconds, ``board[rank] = time.monotonic()`` when
-    the rank made progress since the last look: a control message passed (:func:`_broadcast`), or its main
-    thread runs another line of Python. A main thread stuck in one call (a collective, a CUDA call, a lock,
-    a sleep) makes no progress."""
+    the rank made progress since the last look -- a control message passed (:func:`_broadcast`), or its main
+    thread runs another line of Python -- or is idle, waiting for rank 0's next command
+    (:func:`_next_command`). A main thread stuck in one call (a collective, a CUDA call such as the wait for
+    a graph replay whose collective never completes, a lock, a sleep) makes no progress."""
     last = None
     while True:
         frame = sys._current_frames().get(main_thread)
         where = (_MESSAGES, None if frame is None else (frame.f_code, frame.f_lineno))
         del frame
-        if where != last:
+        if where != last or _AWAITING_COMMAND:
             board[rank] = time.monotonic()
             last = where
         time.sleep(PROGRESS_EVERY_S)
@@ -424,12 +512,14 @@ def _worker(rank: int, world_size: int, device: str, folder: str, timeout_s: flo
     # SIGUSR1 (the launcher's, when the launch stalls) writes this rank's Python stacks to stack-<rank>.txt
     stacks = open(folder_path / f"stack-{rank}.txt", "w")  # noqa: SIM115 - open for the process's lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_watch_progress, args=(board, rank, threading.get_ident()), daemon=True,
-                     name="launch-progress").start()
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         _init_rank(rank, world_size, device, str(folder_path / "rendezvous"), timeout_s, share_device)
+        # progress is watched from here on: until then the rank is starting (the launcher allows it
+        # START_ALLOWANCE_S more; the rendezvous waits for the slowest rank's imports)
+        threading.Thread(target=_watch_progress, args=(board, rank, threading.get_ident()), daemon=True,
+                         name="launch-progress").start()
         if rank == 0 or all_ranks:
             fn, args = pickle.loads(payload)
             result = fn(*args)
@@ -522,8 +612,9 @@ def _failure(folder: Path, procs: list[Any], seen_exit: dict[int, float], ended:
 
 def _stall_failure(folder: Path, procs: list[Any], board: Any, started: float, stall_s: float,
                    world_size: int) -> RankFailure:
-    """The exception for a launch whose ranks all stopped making progress (:func:`_watch_progress`): each
-    rank's seconds without progress and the line its main thread waits on (from the stacks SIGUSR1 dumps)."""
+    """The exception for a launch a rank of which stopped making progress (:func:`_watch_progress`): each
+    rank's seconds without progress and the line its main thread waits on (from the stacks SIGUSR1 dumps),
+    the longest-idle rank first (named by ``RankFailure.rank``)."""
     for p in procs:
         if p.is_alive():
             os.kill(p.pid, signal.SIGUSR1)
@@ -537,9 +628,9 @@ def _stall_failure(folder: Path, procs: list[Any], board: Any, started: float, s
                      + (f", waiting in {where}" if where else ""))
     worst = max(idle, key=idle.get)
     return RankFailure(
-        f"the launch of {world_size} ranks stopped making progress: no rank ran for {stall_s:g} s "
-        f"(launch(stall_timeout_s=...); run.py: runtime.collective_timeout_s plus {STALL_GRACE_S:g} s), "
-        f"so every rank was ended; {'; '.join(lines)}", worst)
+        f"the launch of {world_size} ranks stopped making progress: rank {worst} did not run for "
+        f"{stall_s:g} s (launch(stall_timeout_s=...); run.py: runtime.collective_timeout_s plus "
+        f"{STALL_GRACE_S:g} s), so every rank was ended; {'; '.join(lines)}", worst)
 
 
 def _waiting_line(path: Path) -> str | None:
@@ -584,11 +675,12 @@ def launch(
             is returned.
         share_device: with device="cuda", every rank on cuda:0 and gloo instead of NCCL (one GPU checks the
             results of world size N; not its speed: see the module docstring).
-        stall_timeout_s: seconds in which no rank makes progress (passes a control message or runs another
-            line of Python, :func:`_watch_progress`) before the launch is ended with :class:`RankFailure`
-            naming each rank's wait; default ``timeout_s + STALL_GRACE_S`` (a stuck collective of the model's
-            group reports its own timeout first). A rank still starting (importing) gets
-            :data:`START_ALLOWANCE_S` more.
+        stall_timeout_s: seconds in which a rank makes no progress (passes no control message and runs no
+            other line of Python, :func:`_watch_progress`; a follower waiting for rank 0's next command is
+            idle, not stalled) before the launch is ended with :class:`RankFailure` naming each rank's wait;
+            default ``timeout_s + STALL_GRACE_S`` (a stuck eager collective of the model's group reports its
+            own timeout first; a collective inside a CUDA graph has none, and this bounds it). A rank still
+            starting (importing, initialising its process group) gets :data:`START_ALLOWANCE_S` more.
 
     Raises:
         registry.errors.UserError: a rank raised one first (its problem prefixed with ``rank r of N:``).
@@ -638,8 +730,8 @@ def launch(
                 if now - failed_at >= FAIL_GRACE_S:  # the others had time to report what they saw
                     break
                 continue
-            if pending and all(now - board[r] > stall_s if board[r]
-                               else now - started > stall_s + START_ALLOWANCE_S for r in pending.values()):
+            if any(now - board[r] > stall_s if board[r] else now - started > stall_s + START_ALLOWANCE_S
+                   for r in pending.values()):
                 raise _stall_failure(folder, procs, board, started, stall_s, world_size)
         ended = {rank for rank, p in enumerate(procs) if p.is_alive()}
         _end(procs)

@@ -43,8 +43,14 @@ float32 rounding only, and the tokens and acceptance statistics equal a run with
 where a prefill is cut (seen on the H200: the same tokens, 73 vs 74 accepted drafts), as they do with the
 cache off and another ``prefill_chunk_tokens``; a 16-bit SSM state is rounded where a prefill stops. So the
 cache is on only in float32 compute with a float32 SSM state, and off with a reason everywhere else; also off
-with stochastic rounding (the rounding bits follow the number of forwards) and under tensor parallelism (the
-ranks' caches are not kept in lockstep).
+with stochastic rounding (the rounding bits follow the number of forwards).
+
+Tensor parallelism (runners.engine.launch): every rank keeps its own cache of its own heads' states, and the
+ranks' caches stay in lockstep, so every rank hits, saves, evicts and cuts its prefill at the same positions
+and the ranks' all-reduces pair up: each decision here is a function of the token ids, the entry sizes (the
+same on every rank: the ranks' shards are equal) and ``max_bytes``; the engine makes ``max_bytes`` the same
+on every rank (the smallest rank's memory cap, ``Engine.from_pretrained``), and :meth:`split_admission`,
+which records the deferred prompts, runs on every rank (``Engine._split_admission``, a lockstep method).
 """
 
 from __future__ import annotations
@@ -67,26 +73,18 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 64
 DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
-# Why engines of world_size > 1 run without the prefix cache (results.json records it)
-TENSOR_PARALLEL_OFF_REASON = (
-    "world_size > 1: the ranks' prefix caches are not kept in lockstep (a rank's byte budget follows its own "
-    "free memory, so ranks could evict differently, prefill different token counts and pair their "
-    "all-reduces wrongly); every prompt is prefilled in full"
-)
 RECENT_PROMPTS = 64  # prompts of earlier admissions a new prompt is compared with for junctions
 _ROOT_HASH = hash("hybrid-mtp-eval prefix cache")
 
 
-def prefix_cache_off_reason(options: EngineOptions, *, world_size: int = 1,
-                            ssm_state_dtype: str | None = None) -> str | None:
+def prefix_cache_off_reason(options: EngineOptions, *, ssm_state_dtype: str | None = None) -> str | None:
     """Whether an engine with ``options`` keeps a prefix cache: None when it does, else why not, naming the
     run.py setting (results.json's ``prefix_cache.off_reason``). The one owner of this decision: the engine
     asks it, and the application reports what the engine decided.
 
-    Off when asked (``prefix_cache`` false, ``prefix_cache_bytes`` 0), with stochastic rounding, at
-    ``world_size`` > 1 (:data:`TENSOR_PARALLEL_OFF_REASON`), and where it would not be exact (module
-    docstring): a 16-bit compute ``dtype`` or a 16-bit SSM state (``ssm_state_dtype``: the resolved one when
-    ``options.ssm_state_dtype`` is None, the checkpoint's).
+    Off when asked (``prefix_cache`` false, ``prefix_cache_bytes`` 0), with stochastic rounding, and where it
+    would not be exact (module docstring): a 16-bit compute ``dtype`` or a 16-bit SSM state
+    (``ssm_state_dtype``: the resolved one when ``options.ssm_state_dtype`` is None, the checkpoint's).
     """
     state = options.ssm_state_dtype or ssm_state_dtype or "float32"
     if not options.prefix_cache:
@@ -96,8 +94,6 @@ def prefix_cache_off_reason(options: EngineOptions, *, world_size: int = 1,
     if options.ssm_stochastic_rounding:
         return ("model.ssm.stochastic_rounding=true: the rounding bits depend on the number of forwards, "
                 "which a cache hit changes (not exact)")
-    if world_size > 1:
-        return TENSOR_PARALLEL_OFF_REASON
     if options.dtype != "float32":
         return (f"runtime.dtype={options.dtype}: in 16-bit compute the tokens and acceptance depend on where "
                 "a prefill is cut, and a cache hit cuts it where prompts diverge (not exact); run with "

@@ -135,7 +135,7 @@ class Generation:
         self.stats.decode_seconds += time.perf_counter() - t0
         requests = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free_slots)))]
         if self.engine.prefix_cache is not None:  # prompts sharing an uncached prefix: one prefills it first
-            take, defer = self.engine.prefix_cache.split_admission([self.prompts[r] for r in requests])
+            take, defer = self.engine._split_admission([self.prompts[r] for r in requests])
             self.waiting.extendleft(requests[j] for j in reversed(defer))
             requests = [requests[j] for j in take]
         admitted = []

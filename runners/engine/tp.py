@@ -110,6 +110,17 @@ class TensorParallel:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
         return flags
 
+    def all_ranks_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's ``value`` (an all-reduce MIN over ``group``, a collective: every rank
+        calls it; an int64 on ``device`` over NCCL, on the CPU over gloo). Without an initialised process
+        group, ``value``."""
+        if not dist.is_initialized():
+            return value
+        on = device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def subgroup(self, span: int) -> Any:
         """The process group of the ``span`` consecutive ranks this rank belongs to (ranks ``k span ..
         (k + 1) span - 1``). Every rank must ask for the same spans in the same order: creating a group is a

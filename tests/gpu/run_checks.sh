@@ -39,7 +39,8 @@
 #   tp        tensor parallelism, world size 2 against 1: the gpu tests of tests/test_tp.py (tiny checkpoints,
 #             float32) and tests/gpu/tp_bench.py on bf16 synthetic Super V3 / Qwen3-Next at their widths
 #             (quarter depth, 32 experts) computed in float32. On one GPU both ranks share it over gloo (--share-gpu): results
-#             only, not NCCL speed; on two or more GPUs NCCL (tp_bench in bf16 with its defaults then)
+#             only, not NCCL speed, and eager (gloo cannot be captured); on two or more GPUs NCCL (tp_bench
+#             in bf16 at batch 1, 8, 64, CUDA graphs on and off)
 #   quant     issue 25: the NVFP4 / block-FP8 GEMM tests (kernels/quant, interpreter tests included: they run
 #             on CUDA here) and benchmarks/bench_quant_gemm.py against BF16 at Super V3's / Qwen3-Next's shapes
 #             (~2 min); the formats end to end: bash tests/gpu/formats_run.sh OUTDIR
@@ -139,10 +140,11 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
               tests/test_engine_graphs.py ;;
     tp) stage tp_tests python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_tp.py
         if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-          stage tp_bench python3 tests/gpu/tp_bench.py --workdir /tmp/tp_bench --out "$out/tp_bench.json"
+          stage tp_bench python3 tests/gpu/tp_bench.py --workdir /tmp/tp_bench --out "$out/tp_bench.json" \
+            --batch 1 8 64 --graphs on off
         else
           stage tp_bench_shared python3 tests/gpu/tp_bench.py --share-gpu --compute-dtype float32 --num-experts 32 \
-            --batch 4 --prompt-len 128 --new-tokens 16 --time-budget 120 --workdir /tmp/tp_bench \
+            --batch 4 --graphs off --prompt-len 128 --new-tokens 16 --time-budget 120 --workdir /tmp/tp_bench \
             --out "$out/tp_bench_shared.json"
         fi ;;
   esac

@@ -2,8 +2,8 @@
 synthetic Nemotron 3 Super and Qwen3-Next checkpoints cut to a quarter of their depth.
 
     python3 tests/gpu/tp_bench.py --workdir /tmp/tp --out $OUT/tp_bench.json [--family nemotron_h ...]
-        [--world-sizes 1 2] [--num-experts 128] [--batch 16] [--prompt-len 256] [--new-tokens 64]
-        [--time-budget 330] [--share-gpu] [--dtype bfloat16] [--compute-dtype float32]
+        [--world-sizes 1 2] [--num-experts 128] [--batch 16 ...] [--graphs on off] [--prompt-len 256]
+        [--new-tokens 64] [--time-budget 330] [--share-gpu] [--dtype bfloat16] [--compute-dtype float32]
 
 For each family, one at a time: write the checkpoint with ``runners.tools.synth`` on GPU 0 (bf16, 5 GB
 shards; a
@@ -14,14 +14,19 @@ and reading only its shard, ``runners.engine.tp``). The ranks load the model onc
 arm on it
 (``runners.engine.launch.build_engine`` / ``rebuild_engine``) -- plain greedy (draft_len 0), MTP draft_len 3
 with
-rewind, MTP draft_len 3 with replay --; each is warmed up (Triton JIT) and generates ``--new-tokens`` greedy
-tokens (stop tokens off) for ``--batch`` prompts of ``--prompt-len`` GSM8K-text ids. Every arm of every
-world size steps eagerly (no CUDA graphs, no overlap_steps: engines under ``runners.engine.launch`` do not
-use them).
-Reported per world size and arm: load report, decode tokens/s (total and per GPU), prefill tokens/s,
-acceptance, device peak; and the comparisons: world size 2 against 1 (requests with identical tokens, the mean
-fraction of each request's tokens before the first difference, the last-position logits of two prompts: max
-|difference| and top-1 agreement), replay against rewind and plain within each world size. In bf16 the ranks'
+rewind, MTP draft_len 3 with replay --, for each ``--graphs`` mode (on: the decode step replayed as CUDA
+graphs, captured ahead at the batch size, with the NCCL all-reduces inside them; off: eager) and each
+``--batch`` size; each is warmed up (Triton JIT) and generates ``--new-tokens`` greedy tokens (stop tokens
+off) for that many prompts of ``--prompt-len`` GSM8K-text ids. No overlap_steps (engines under
+``runners.engine.launch`` do not use it). A run's key in the JSON is ``<arm>/b<batch>/graphs_<on|off>``;
+with ``--share-gpu`` graphs stay off (gloo's all-reduces cannot be captured) and each run records why
+(``cuda_graphs_off_reason``).
+Reported per world size and run: load report, decode tokens/s (total and per GPU), prefill tokens/s,
+acceptance, device peak, the graphs captured; and the comparisons: world size 2 against 1 (requests with
+identical tokens, the mean fraction of each request's tokens before the first difference, the last-position
+logits of two prompts: max |difference| and top-1 agreement), replay against rewind and plain, and graphs
+on against off, within each world size; ``speedup`` lists decode tokens/s ratios (graphs on / off; world
+size 2 / 1). In bf16 the ranks'
 partial sums round differently from one GPU's matmul, so random-weight models (flat logits, near ties) may
 drift apart after a while: the fractions say how far they agree. The JSON is rewritten after every step
 (partial results survive a timeout); progress lines are flushed as they happen. ``--time-budget`` seconds:
@@ -42,6 +47,7 @@ written. NVLink multicast stays off in the ranks (runners.engine.launch).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import shutil
@@ -54,14 +60,20 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 DEFAULT_LAYERS = {"nemotron_h": 22, "qwen3_next": 12}
 ARMS = ((0, False), (3, False), (3, True))  # (draft_len, ssm_replay)
+GRAPH_MODES = {"on": True, "off": False}
 
 
 def _arm_name(draft_len: int, replay: bool) -> str:
     return "plain" if draft_len == 0 else ("replay" if replay else "rewind")
 
 
+def _run_key(arm: str, batch: int, graphs: str) -> str:
+    return f"{arm}/b{batch}/graphs_{graphs}"
+
+
 def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
-    """Rank 0 of a launch: every arm's engine (built on every rank), warm-up, timed generate."""
+    """Rank 0 of a launch: for every graph mode, batch size and arm, the engine (built on every rank),
+    its graphs captured ahead (graphs on), warm-up, timed generate."""
     import torch
 
     from runners.engine.launch import build_engine, current, rebuild_engine
@@ -72,45 +84,58 @@ def bench_rank0(ckpt: str, prompts: list[list[int]], opts: dict) -> dict:
     cuda = ctx.device.type == "cuda"
     out: dict = {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "arms": {}}
     eng = None
-    for draft_len, replay in ARMS:
-        arm = _arm_name(draft_len, replay)
-        t0 = time.perf_counter()
-        options = EngineOptions(dtype=dtype, draft_len=draft_len, ssm_replay=replay,
-                                max_batch_size=len(prompts),
-                                max_seq_len=opts["prompt_len"] + opts["new_tokens"] + 8)
-        if eng is None:  # the first arm loads the model (MTP included); the others reuse it
-            eng = build_engine(ckpt, options)
-            out["load"] = eng.load_report.to_dict()
-            out["logits"] = eng.logits(torch.tensor([p[:64] for p in prompts[:2]]))[:, -1].float().cpu()
-        else:
-            eng = rebuild_engine(eng, options)
-        load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        eng.generate(prompts, 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
-        warm_s = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.synchronize(ctx.device)
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-        t0 = time.perf_counter()
-        res = eng.generate(prompts, opts["new_tokens"], stop_token_ids=[])
-        wall = time.perf_counter() - t0
-        s = res.stats
-        decode_tps = s.generated_tokens / s.decode_seconds
-        run = {
-            "arm": arm, "draft_len": draft_len, "ssm_replay": replay, "batch": len(prompts),
-            "engine_build_seconds": load_s, "warmup_seconds": warm_s, "wall_seconds": wall,
-            "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
-            "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds, "steps": s.steps,
-            "prefill_tokens_per_s": s.prompt_tokens / s.prefill_seconds,
-            "decode_tokens_per_s": decode_tps, "decode_tokens_per_s_per_gpu": decode_tps / ctx.world_size,
-            "acceptance_rate": s.acceptance_rate, "acceptance_length": s.acceptance_length,
-            "cache_bytes_per_rank": sum(eng.cache_memory().values()),
-            "device_peak_bytes_rank0": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
-            "tokens": res.tokens,
-        }
-        print(json.dumps({k: v for k, v in run.items() if k != "tokens"}), flush=True)
-        out["arms"][arm] = run
-        del res
+    max_seq_len = opts["prompt_len"] + opts["new_tokens"] + 8
+    for graphs in opts["graphs"]:
+        for batch in opts["batches"]:
+            for draft_len, replay in ARMS:
+                arm = _arm_name(draft_len, replay)
+                t0 = time.perf_counter()
+                options = EngineOptions(dtype=dtype, draft_len=draft_len, ssm_replay=replay,
+                                        max_batch_size=batch, max_seq_len=max_seq_len,
+                                        cuda_graphs=GRAPH_MODES[graphs], cuda_graph_batch_sizes=(batch,))
+                if eng is None:  # the first run loads the model (MTP included); the others reuse it
+                    eng = build_engine(ckpt, options)
+                    out["load"] = eng.load_report.to_dict()
+                    ids = torch.tensor([p[:64] for p in prompts[:2]])
+                    out["logits"] = eng.logits(ids)[:, -1].float().cpu()
+                else:
+                    eng = rebuild_engine(eng, options)
+                load_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                captured = eng.capture_graphs(max_kv_len=max_seq_len)  # every rank, ahead of the timing
+                capture_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                eng.generate(prompts[:batch], 4, stop_token_ids=[])  # warm-up: Triton JIT, allocator
+                warm_s = time.perf_counter() - t0
+                if cuda:
+                    torch.cuda.synchronize(ctx.device)
+                    torch.cuda.reset_peak_memory_stats(ctx.device)
+                t0 = time.perf_counter()
+                res = eng.generate(prompts[:batch], opts["new_tokens"], stop_token_ids=[])
+                wall = time.perf_counter() - t0
+                s = res.stats
+                decode_tps = s.generated_tokens / s.decode_seconds
+                run = {
+                    "arm": arm, "draft_len": draft_len, "ssm_replay": replay, "batch": batch,
+                    "graphs": graphs, "cuda_graphs": eng.step.cuda_graphs,
+                    "cuda_graphs_off_reason": eng.cuda_graphs_off_reason,
+                    "graphs_captured": sorted(k for k, g in eng.graphs.graphs.items() if g is not None),
+                    "graphs_captured_ahead": captured, "capture_seconds": capture_s,
+                    "engine_build_seconds": load_s, "warmup_seconds": warm_s, "wall_seconds": wall,
+                    "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
+                    "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
+                    "steps": s.steps,
+                    "prefill_tokens_per_s": s.prompt_tokens / s.prefill_seconds,
+                    "decode_tokens_per_s": decode_tps,
+                    "decode_tokens_per_s_per_gpu": decode_tps / ctx.world_size,
+                    "acceptance_rate": s.acceptance_rate, "acceptance_length": s.acceptance_length,
+                    "cache_bytes_per_rank": sum(eng.cache_memory().values()),
+                    "device_peak_bytes_rank0": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+                    "tokens": res.tokens,
+                }
+                print(json.dumps({k: v for k, v in run.items() if k != "tokens"}), flush=True)
+                out["arms"][_run_key(arm, batch, graphs)] = run
+                del res
     return out
 
 
@@ -147,12 +172,13 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
         torch.cuda.empty_cache()
     save()
     try:
-        prompts, source = gsm8k_prompt_ids(ckpt / "tokenizer.json", args.batch, args.prompt_len)
+        prompts, source = gsm8k_prompt_ids(ckpt / "tokenizer.json", max(args.batch), args.prompt_len)
         out["prompts"] = {"source": source, "batch": args.batch, "prompt_len": args.prompt_len,
-                          "new_tokens": args.new_tokens}
+                          "new_tokens": args.new_tokens, "graphs": args.graphs}
         compute = args.compute_dtype or args.dtype
         out["compute_dtype"] = compute
-        opts = {"dtype": compute, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        opts = {"dtype": compute, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                "batches": args.batch, "graphs": args.graphs}
         logits = {}  # world size -> rank 0's last-position logits of two prompts (compared, not saved)
         for ws in args.world_sizes:
             print(f"== {family}: world size {ws} ({time.perf_counter() - args.t0:.0f} s)", flush=True)
@@ -169,19 +195,31 @@ def bench_family(family: str, args: argparse.Namespace, report: dict, save) -> d
         base = out["runs"][str(args.world_sizes[0])]
         for ws in args.world_sizes:
             run = out["runs"][str(ws)]
-            tokens = {arm: r["tokens"] for arm, r in run["arms"].items()}
-            cmp = {"replay_vs_rewind": _agreement(tokens["replay"], tokens["rewind"]),
-                   "rewind_vs_plain": _agreement(tokens["rewind"], tokens["plain"])}
-            if run is not base:
-                for arm in run["arms"]:
-                    cmp[f"{arm}_vs_world_size_{base['world_size']}"] = _agreement(
-                        run["arms"][arm]["tokens"], base["arms"][arm]["tokens"])
+            tokens = {key: r["tokens"] for key, r in run["arms"].items()}
+            cmp, speedup = {}, {}
+            for graphs in args.graphs:
+                for b in args.batch:
+                    key = functools.partial(_run_key, batch=b, graphs=graphs)
+                    cmp[key("replay_vs_rewind")] = _agreement(tokens[key("replay")], tokens[key("rewind")])
+                    cmp[key("rewind_vs_plain")] = _agreement(tokens[key("rewind")], tokens[key("plain")])
+            for key, r in run["arms"].items():
+                tps = r["decode_tokens_per_s"]
+                if r["graphs"] == "on" and "off" in args.graphs:
+                    eager = key.replace("/graphs_on", "/graphs_off")
+                    cmp[f"{key}_vs_graphs_off"] = _agreement(tokens[key], tokens[eager])
+                    speedup[f"{key}_vs_graphs_off"] = tps / run["arms"][eager]["decode_tokens_per_s"]
+                if run is not base:
+                    cmp[f"{key}_vs_world_size_{base['world_size']}"] = _agreement(
+                        tokens[key], base["arms"][key]["tokens"])
+                    speedup[f"{key}_vs_world_size_{base['world_size']}"] = (
+                        tps / base["arms"][key]["decode_tokens_per_s"])
                 a, b = logits[ws], logits[args.world_sizes[0]]
                 cmp["last_logits"] = {"max_abs_difference": float((a - b).abs().max()),
                                       "max_abs_logit": float(b.abs().max()),
                                       "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
             out["compare"][str(ws)] = cmp
-            print(json.dumps({"world_size": ws, "compare": cmp}), flush=True)
+            out.setdefault("speedup", {})[str(ws)] = speedup
+            print(json.dumps({"world_size": ws, "compare": cmp, "speedup": speedup}), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -196,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--num-layers", type=int, default=None, help="default: a quarter of the release's")
     p.add_argument("--num-experts", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, nargs="+", default=[16], help="batch sizes (each a run per arm)")
+    p.add_argument("--graphs", nargs="+", default=["on", "off"], choices=sorted(GRAPH_MODES),
+                   help="decode steps as CUDA graphs (on) and / or eagerly (off)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -220,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = _parse_set(args.set)
     except ValueError as e:
         p.error(str(e))
-    if min(args.world_sizes) < 1 or args.batch < 1 or args.prompt_len < 64 or args.new_tokens < 1:
+    args.graphs = list(dict.fromkeys(args.graphs))
+    if min(args.world_sizes) < 1 or min(args.batch) < 1 or args.prompt_len < 64 or args.new_tokens < 1:
         p.error("--world-sizes, --batch and --new-tokens must be >= 1 and --prompt-len >= 64")
     import torch
 
