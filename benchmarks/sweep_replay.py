@@ -2,6 +2,8 @@
 
     python -m benchmarks.sweep_replay --out DIR [--budget-s 400] [--no-flashinfer]
     python -m benchmarks.sweep_replay --ncu --out DIR [--sweep DIR/sweep_replay.json]   # Nsight Compute
+    python -m benchmarks.sweep_replay --out DIR --write-defaults kernels/replay_defaults.json   # + the table
+    python -m benchmarks.sweep_replay --from-json SWEEP.json --write-defaults kernels/replay_defaults.json
     python -m benchmarks.sweep_replay --quick --out DIR; ... --quick --ncu ...           # ~3 + ~1.5 min
     TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR             # CPU smoke run
 
@@ -36,7 +38,10 @@ operator must move (state read once, written once where it is written, inputs, o
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
 (half read, half written), measured in the same run, over the kernel's time.
 Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
-a short table last.
+a short table last. The JSON's "defaults" (beside "best") names the configuration the engine should run per
+(operation, state dtype, shape class, batch bucket) by the rule `DEFAULTS_RULE`; --write-defaults PATH writes
+that table (`defaults_table`, with the launcher arguments and the evidence) for kernels.replay_defaults, and
+--from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
 
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
 the current kernel, or the current kernel and "mma" without --sweep; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
@@ -61,7 +66,7 @@ import triton
 import triton.testing
 
 from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
-from kernels import gdn, mamba2
+from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
 
@@ -290,6 +295,81 @@ def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: flo
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the engine's defaults table (kernels/replay_defaults.json, read by kernels.replay_defaults)
+# ---------------------------------------------------------------------------------------------------------
+
+# The sweep operators that time each engine launch path (kernels.replay_defaults.OPERATIONS). Per-step replay
+# is timed by m2_write alone: after a request's first verify PNAT = num_accepted >= 1 (the bonus token is
+# always accepted), so every later verify writes the state; a checkpointing launch is a no-flush step or a
+# flush, both frequent, so both count.
+ENGINE_OPS = {"mamba2_per_step": ("m2_write",), "mamba2_checkpointing": ("m2_ckpt", "m2_flush"), "gdn": ("gdn",)}
+DEFAULTS_RULE = (
+    "per (operation, state dtype, shape, grid batch): among the configurations that matched the reference at "
+    "the headline for every sweep operator of the operation (ENGINE_OPS) and were timed at every grid T for "
+    "each of them, the one with the least sum over those operators of the median over T of the time; the "
+    "headline rows alone decide a headline (shape, batch) the grid did not reach")
+
+
+def _shape_class(family: str, dims) -> str:
+    if family == "gdn":
+        _, HV, K, V = dims
+        return replay_defaults.gdn_shape_class(HV, V, K)
+    H, P, N, _ = dims
+    return replay_defaults.mamba2_shape_class(H, P, N)
+
+
+def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
+    """The engine's defaults table (kernels.replay_defaults: {"schema", "provenance", "rows"}) from a sweep
+    result `res` (the sweep_replay.json document): a pure function, by the rule `DEFAULTS_RULE`.
+
+    Reads res["shapes"], res["headline"], res["headline_rows"] and res["grid"]; `source` / `date` (else
+    res["date"]) go into the provenance. A (operation, dtype, shape, batch) without a usable measurement gets
+    no row (the launchers then fall back, kernels.replay_defaults).
+    """
+    import statistics
+
+    rows = {}
+    for operation, ops in ENGINE_OPS.items():
+        family = "gdn" if operation == "gdn" else "mamba2"
+        configs = GDN_CONFIGS if family == "gdn" else M2_CONFIGS
+        dtypes = sorted({k.split("/")[1] for k in res.get("headline_rows", {}) if k.split("/")[0] in ops})
+        for dt in dtypes:
+            heads = [res["headline_rows"].get(f"{op}/{dt}", {}) for op in ops]
+            ok = sorted(c for c in configs if all(h.get(c, {}).get("ok") for h in heads))
+            points: dict = {}  # (shape, batch) -> {config: {op: {T: us}}}
+            for g in res.get("grid", []):
+                if g.get("op") in ops and g.get("state_dtype") == dt and "us" in g and g.get("config") in ok:
+                    cell = points.setdefault((g["shape"], g["batch"]), {}).setdefault(g["config"], {})
+                    cell.setdefault(g["op"], {})[g["T"]] = g["us"]
+            hl = res.get("headline", {})
+            if "shape" in hl and (hl["shape"], hl["batch"]) not in points:
+                points[(hl["shape"], hl["batch"])] = {
+                    c: {op: {hl["T"]: h[c]["us"]} for op, h in zip(ops, heads)} for c in ok}
+            for (shape, batch), by_cfg in sorted(points.items()):
+                ts = sorted({t for per_op in by_cfg.values() for d in per_op.values() for t in d})
+                cost = {c: round(sum(statistics.median(per_op[op][t] for t in ts) for op in ops), 2)
+                        for c, per_op in by_cfg.items()
+                        if all(op in per_op and set(per_op[op]) == set(ts) for op in ops)}
+                if not cost:
+                    continue
+                best = min(sorted(cost), key=cost.get)
+                dims = res["shapes"][family][shape]
+                rows[replay_defaults.key(operation, dt, _shape_class(family, dims), batch)] = {
+                    "config": best, "kwargs": dict(configs[best]),
+                    "evidence": {"sweep_ops": list(ops), "shape": shape, "T": ts, "cost_us": cost}}
+    provenance = {"sweep_json": source, "date": date or res.get("date", ""), "device": res.get("device", ""),
+                  "torch": res.get("torch", ""), "triton": res.get("triton", ""), "rule": DEFAULTS_RULE}
+    return {"schema": replay_defaults.SCHEMA, "provenance": provenance, "rows": dict(sorted(rows.items()))}
+
+
+def write_defaults(table: dict, path: str) -> None:
+    """Write `table` (`defaults_table`) as JSON to `path` (kernels/replay_defaults.json for the engine)."""
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the sweep
 # ---------------------------------------------------------------------------------------------------------
 
@@ -303,11 +383,13 @@ def sweep(args) -> dict:
     dtypes = list(DTYPES) if not args.dtypes else args.dtypes.split(",")
     only = set(args.configs.split(",")) if args.configs else None
     procs = [] if (dry or args.no_flashinfer) else _start_flashinfer_warmups(dtypes, HEADLINE["T"])
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter, times mean nothing)",
-           "torch": torch.__version__, "triton": triton.__version__, "shapes": {"mamba2": SHAPES_M2, "gdn": SHAPES_GDN},
-           "headline": HEADLINE, "current": CURRENT, "headline_rows": {}, "best": {}, "grid": [], "sr": {},
-           "skipped": []}
     hb, hT = (2, 2) if dry else (HEADLINE["batch"], HEADLINE["T"])
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter, times mean nothing)",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "shapes": {"mamba2": DRY_SHAPES_M2, "gdn": DRY_SHAPES_GDN} if dry else {"mamba2": SHAPES_M2, "gdn": SHAPES_GDN},
+           "headline": {**HEADLINE, "batch": hb, "T": hT}, "current": CURRENT, "headline_rows": {}, "best": {},
+           "defaults": {}, "grid": [], "sr": {}, "skipped": []}
     nbytes_of = {}
 
     # 2. headline: every configuration, checked, then timed
@@ -393,6 +475,7 @@ def sweep(args) -> dict:
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
+    res["defaults"] = {k: v["config"] for k, v in defaults_table(res)["rows"].items()}
     return res
 
 
@@ -552,8 +635,23 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
     ap.add_argument("--quick", action="store_true",
                     help="a short first look: QUICK_CONFIGS, --budget-s 150, --flashinfer-extra-s 0 (bf16 with --ncu)")
+    ap.add_argument("--write-defaults", default="", metavar="PATH",
+                    help="also write the engine's defaults table (kernels/replay_defaults.json) from the sweep")
+    ap.add_argument("--from-json", default="", metavar="SWEEP_JSON",
+                    help="with --write-defaults: no sweep, the table from this sweep_replay.json (CPU)")
+    ap.add_argument("--source-date", default="",
+                    help="the provenance date of --from-json when its JSON has no 'date' (older sweeps)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.from_json:
+        if not args.write_defaults:
+            ap.error("--from-json needs --write-defaults PATH")
+        with open(args.from_json) as f:
+            src = json.load(f)
+        doc = defaults_table(src, source=args.from_json, date=src.get("date") or args.source_date)
+        write_defaults(doc, args.write_defaults)
+        print(f"{args.write_defaults}: {len(doc['rows'])} rows from {args.from_json}")
+        return 0
     if args.quick:
         args.configs = args.configs or ",".join(QUICK_CONFIGS)
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
@@ -589,6 +687,9 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(args.out, "sweep_replay.png"))
     print(table(res))
+    if args.write_defaults:
+        write_defaults(defaults_table(res, source=os.path.join(args.out, "sweep_replay.json")), args.write_defaults)
+        print(f"{args.write_defaults}: the engine's defaults ({len(res['defaults'])} rows)")
     return 0
 
 

@@ -45,8 +45,10 @@ Design decisions:
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
 - A new request: after prefill writes its state, set its PNAT to 0 (nothing to replay).
 
-Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles, `DEFAULT_VARIANT` the one the
-engine runs per history layout, chosen by `python -m benchmarks.sweep_replay`, docs/kernel_performance.md):
+Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles). Without `variant=` (the
+engine) the launcher runs the configuration that `python -m benchmarks.sweep_replay` measured fastest for the
+launch's (history layout, state dtype, shape class, batch bucket): the committed table read by
+`kernels.replay_defaults`, `FALLBACK_VARIANT` where it has no row (docs/kernel_performance.md):
 - "fma": the kernel described above (CUDA-core FMAs, C_t . h as tl.sum reductions).
 - "mma": the same math with every reduction over d_state or tokens as a tensor-core product of bf16 pieces
   (`kernels._mma.split_dot`: an fp32 operand as 2 or 3 bf16 pieces, `split=`; a bf16 state or bf16 inputs
@@ -88,6 +90,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import replay_defaults
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape, interpreter_active
 from kernels._mma import PIECES, split_dot
 from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
@@ -100,9 +103,10 @@ VARIANTS = {
     "fma": {"per_step": (16, 2), "checkpointing": (16, 4)},
     "mma": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},  # + (chunk_n, num_stages)
 }
-# The engine's variant per history layout: the fastest correct one of `python -m benchmarks.sweep_replay`
-# (docs/kernel_performance.md). One line to change after a GPU sweep.
-DEFAULT_VARIANT = {"per_step": "fma", "checkpointing": "fma"}
+# The variant of a launch without `variant=` whose (operation, state dtype, shape class, batch) has no row in
+# the measured table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
+# `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
+FALLBACK_VARIANT = "fma"
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -541,7 +545,7 @@ def replay_verify(
     block_p: int | None = None,
     num_warps: int | None = None,
     variant: str | None = None,
-    split: int = 2,
+    split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
@@ -568,10 +572,12 @@ def replay_verify(
             next_pow2(P) (at least 16 for "mma"). Each program holds a (block_p, next_pow2(N)) fp32 state tile.
         num_warps: warps per program; default per variant (`VARIANTS`).
         variant: "fma" (CUDA-core FMAs and tl.sum reductions) or "mma" (reductions as split-bf16 tensor-core
-            products, kernels/_mma.py); default DEFAULT_VARIANT[per_step / checkpointing]. Same results to
-            the tolerances of tests/test_kernels_mamba2.py.
+            products, kernels/_mma.py); None: the measured default of `kernels.replay_defaults` for operation
+            "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
+            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row).
+            Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
-            (about 2^-17 relative) or 3 (fp32 rounding).
+            (about 2^-17 relative; the default) or 3 (fp32 rounding).
         chunk_n, num_stages: "mma" only: d_state columns per step of the program's loop over its tile (power
             of two, >= 16) and the software-pipelining depth of that loop; defaults in `VARIANTS`.
         stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
@@ -595,7 +601,14 @@ def replay_verify(
     if Bsz == 0:
         return out
 
-    variant = variant or DEFAULT_VARIANT["checkpointing" if history.checkpointing else "per_step"]
+    tuning = replay_defaults.resolve(
+        dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
+             num_stages=num_stages),
+        "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
+        replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT, variants=VARIANTS)
+    variant, block_p, num_warps, chunk_n, num_stages = (
+        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages"))
+    split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     if split not in (2, 3):
@@ -656,7 +669,7 @@ def replay_verify_ref(
     block_p: int | None = None,
     num_warps: int | None = None,
     variant: str | None = None,
-    split: int = 2,
+    split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
