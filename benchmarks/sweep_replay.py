@@ -25,7 +25,8 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
 3. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
    ("fma", the committed default) and the best configuration of each operator.
 4. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
-   bf16 and fp16 state, headline.
+   bf16 and fp16 state, headline: round to nearest, "stochastic" (the default generator, "hash") and
+   "stochastic_philox" (kernels/rounding.py).
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
 The time budget (--budget-s) also stops the headline from starting configurations other than the current
@@ -431,10 +432,12 @@ def sweep(args) -> dict:
             for sr_name, sr_dtype in SR_DTYPES.items():
                 try:
                     call, nbytes, _ = _setup(op, "ws1", hb, hT, sr_dtype, dev, dry)
-                    sr = StochasticRounding.create(1234, device=dev)
+                    sr = StochasticRounding.create(1234, device=dev)  # the default generator, "hash"
+                    philox = StochasticRounding.create(1234, device=dev, generator="philox")
                     res["sr"][f"{op}/{sr_name}/{best}"] = {
                         "round_to_nearest": _row(timer, timer(call, cfg), nbytes),
-                        "stochastic": _row(timer, timer(call, cfg, sr), nbytes)}
+                        "stochastic": _row(timer, timer(call, cfg, sr), nbytes),
+                        "stochastic_philox": _row(timer, timer(call, cfg, philox), nbytes)}
                 except Exception:  # noqa: BLE001
                     res["sr"][f"{op}/{sr_name}/{best}"] = {"error": traceback.format_exc(limit=3)}
 
@@ -523,7 +526,8 @@ def table(res: dict) -> str:
                              (f" frac {v['frac_copy_bw']:.2f}" if v.get("frac_copy_bw") else ""))
     for k, v in res["sr"].items():
         if "stochastic" in v:
-            lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us")
+            lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us "
+                         f"(philox {v.get('stochastic_philox', {}).get('us', float('nan')):.1f} us)")
     if res["skipped"]:
         lines.append(f"skipped (time budget): {len(res['skipped'])} grid points")
     return "\n".join(lines)
