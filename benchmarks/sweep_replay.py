@@ -30,7 +30,7 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
 The time budget (--budget-s) also stops the headline from starting configurations other than the current
-one and "mma"; what was skipped is listed in the JSON ("skipped").
+one, "mma" and "mma_pre"; what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
 QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current and
 "mma"), --budget-s 150, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
@@ -79,8 +79,8 @@ M2_OPS = ("m2_write", "m2_nowrite", "m2_ckpt", "m2_flush")
 OPS = M2_OPS + ("gdn",)
 CURRENT = "fma"  # the committed kernel before this sweep (the default of DEFAULT_VARIANT at the time)
 # --quick: the current kernel, "mma" and the configurations with the fewest registers and no spills
-# (docs/kernel_performance.md, sm_90 compile report)
-QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4")
+# (docs/kernel_performance.md, sm_90 compile report), and the FlashInfer-style split "mma_pre"
+QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4", "mma_pre", "mma_pre_p32w2")
 HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
 GRID_T = (2, 4, 8)
 GRID_BATCH = (1, 8, 64, 256)
@@ -403,7 +403,7 @@ def sweep(args) -> dict:
             for cfg_name, cfg in _configs(op).items():
                 if only and cfg_name not in only and cfg_name != CURRENT:
                     continue
-                if cfg_name not in (CURRENT, "mma") and time.time() > deadline:
+                if cfg_name not in (CURRENT, "mma", "mma_pre") and time.time() > deadline:
                     res["skipped"].append(f"headline {op}/{name}/{cfg_name}: time budget")
                     continue
                 try:
