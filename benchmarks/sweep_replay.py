@@ -29,6 +29,8 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
    "stochastic_philox" (kernels/rounding.py).
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
+6. GDN's peer at the headline, when importable: fla-core's fused_recurrent_gated_delta_rule ("fla": T tokens
+   from the state, the final state written in fp32; `_fla_rows`), or a row with the error.
 The time budget (--budget-s) also stops the headline from starting configurations other than the current
 one, "mma" and "mma_pre"; what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
@@ -295,6 +297,42 @@ def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: flo
     return res
 
 
+def _fla_rows(dtypes, timer: Timer, dev: str) -> dict:
+    """fla-core's fused recurrent gated-delta-rule kernel (kernels.gdn.fla.fla_fused_recurrent_rule) at the
+    headline GDN shape, per state dtype: T tokens from the state (read in the state's dtype, L2 norm of q / k
+    in the kernel, as our gdn rows), the final state written (fp32: fla's only output dtype). A decode
+    kernel: no intermediate states and no replay history, so it is a lower bound for a verify with the
+    same state traffic, not an MTP verify itself. {"error": why} where fla-core is not importable."""
+    from kernels.gdn.fla import fla_fused_recurrent_rule
+
+    fla_recurrent, why = fla_fused_recurrent_rule()
+    if fla_recurrent is None:
+        return {"error": f"fla-core not importable: {why}"}
+    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
+    batch, T = HEADLINE["batch"], HEADLINE["T"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    g = -torch.nn.functional.softplus(r(batch, T, HV)) * 0.5
+    beta = r(batch, T, HV).sigmoid().to(bf)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta)) + v.numel() * v.element_size()
+    res = {}
+    for name in dtypes:
+        state = (r(batch, HV, V, K) * 0.1).to(DTYPES[name])
+
+        def call(state=state):
+            fla_recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, state_v_first=True)
+
+        try:
+            nbytes = state.numel() * (state.element_size() + 4) + io
+            res[name] = {"fused_recurrent": {**_row(timer, timer(call), nbytes), "compared_with": "gdn"}}
+        except Exception:  # noqa: BLE001 - a failing peer is a row
+            res[name] = {"error": traceback.format_exc(limit=3)}
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the engine's defaults table (kernels/replay_defaults.json, read by kernels.replay_defaults)
 # ---------------------------------------------------------------------------------------------------------
@@ -475,6 +513,8 @@ def sweep(args) -> dict:
     else:
         res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
                                              max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+    # 6. fla-core's fused recurrent GDN kernel at the headline (the GDN peer)
+    res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
@@ -524,6 +564,10 @@ def table(res: dict) -> str:
             if isinstance(v, dict) and "us" in v:
                 lines.append(f"flashinfer {k}/{name}: {v['us']:.1f} us" +
                              (f" frac {v['frac_copy_bw']:.2f}" if v.get("frac_copy_bw") else ""))
+    for name, rows in (res.get("fla") or {}).items():
+        if isinstance(rows, dict) and "fused_recurrent" in rows:
+            v = rows["fused_recurrent"]
+            lines.append(f"fla fused_recurrent/{name}: {v['us']:.1f} us frac {v['frac_copy_bw']:.2f}")
     for k, v in res["sr"].items():
         if "stochastic" in v:
             lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us "
