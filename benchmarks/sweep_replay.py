@@ -29,8 +29,10 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
    "stochastic_philox" (kernels/rounding.py).
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
-6. GDN's peer at the headline, when importable: fla-core's fused_recurrent_gated_delta_rule ("fla": T tokens
-   from the state, the final state written in fp32; `_fla_rows`), or a row with the error.
+6. GDN's peers at the headline, when importable (else a row with the error): FlashInfer's
+   gated_delta_rule_mtp, fp32 state ("flashinfer_gdn": state written after T tokens, and the rewind verify
+   with T intermediate states; `_flashinfer_gdn_rows`), and fla-core's fused_recurrent_gated_delta_rule
+   ("fla": T tokens from the state, the final state written in fp32; `_fla_rows`).
 The time budget (--budget-s) also stops the headline from starting configurations other than the current
 one, "mma" and "mma_pre"; what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
@@ -333,6 +335,44 @@ def _fla_rows(dtypes, timer: Timer, dev: str) -> dict:
     return res
 
 
+def _flashinfer_gdn_rows(timer: Timer, dev: str) -> dict:
+    """FlashInfer's gated-delta-rule MTP kernel (flashinfer.gdn_decode.gated_delta_rule_mtp, CuTe DSL, sm_90+)
+    at the headline GDN shape with an fp32 state (the only state dtype that entry point takes): "state_update"
+    = T tokens from the state, the state written after them (the traffic of our gdn rows); "intermediate" =
+    the rewind verify, the T per-token states written to a (B, T, HV, V, K) fp32 buffer, the state kept.
+    Raw gates as its API takes them (a, b, A_log, dt_bias; q / k L2-normalised in the kernel). {"error": why}
+    where FlashInfer does not import; a failing row holds its traceback."""
+    try:
+        from flashinfer.gdn_decode import gated_delta_rule_mtp
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"flashinfer.gdn_decode not importable: {e!r}"}
+    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
+    batch, T = HEADLINE["batch"], HEADLINE["T"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    a, b = r(batch, T, HV).to(bf), r(batch, T, HV).to(bf)
+    A_log, dt_bias = r(HV) * 0.5, r(HV) * 0.1
+    state = r(batch, HV, V, K) * 0.1
+    idx = torch.arange(batch, dtype=torch.int32, device=dev)
+    out = torch.empty_like(v)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, a, b, out))
+    res = {}
+    for name, inter in (("state_update", None), ("intermediate", torch.empty(batch, T, HV, V, K, device=dev))):
+        def call(inter=inter):
+            gated_delta_rule_mtp(q, k, v, state, idx, A_log, a, dt_bias, b, output=out,
+                                 intermediate_states_buffer=inter, disable_state_update=inter is not None,
+                                 use_qk_l2norm=True)
+
+        nbytes = state.numel() * 4 * (1 + (T if inter is not None else 1)) + io
+        try:
+            res[name] = {**_row(timer, timer(call), nbytes), "compared_with": "gdn"}
+        except Exception:  # noqa: BLE001 - a failing peer is a row
+            res[name] = {"error": traceback.format_exc(limit=3)}
+    return {"float32": res}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the engine's defaults table (kernels/replay_defaults.json, read by kernels.replay_defaults)
 # ---------------------------------------------------------------------------------------------------------
@@ -515,6 +555,8 @@ def sweep(args) -> dict:
                                              max(deadline, time.time() + 60) + args.flashinfer_extra_s)
     # 6. fla-core's fused recurrent GDN kernel at the headline (the GDN peer)
     res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
+    res["flashinfer_gdn"] = ({"error": "--dry-run: no GPU"} if dry else {"error": "--no-flashinfer"}
+                             if args.no_flashinfer else _flashinfer_gdn_rows(timer, dev))
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
@@ -568,6 +610,9 @@ def table(res: dict) -> str:
         if isinstance(rows, dict) and "fused_recurrent" in rows:
             v = rows["fused_recurrent"]
             lines.append(f"fla fused_recurrent/{name}: {v['us']:.1f} us frac {v['frac_copy_bw']:.2f}")
+    for k, v in ((res.get("flashinfer_gdn") or {}).get("float32") or {}).items():
+        if "us" in v:
+            lines.append(f"flashinfer gated_delta_rule_mtp {k}/float32: {v['us']:.1f} us frac {v['frac_copy_bw']:.2f}")
     for k, v in res["sr"].items():
         if "stochastic" in v:
             lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us "
