@@ -26,17 +26,19 @@ device). The key is seed ^ (step << 16 | salt), salt a per-layer constant < 2^16
 of the element in the buffer written (row * width + column), so every element of every layer and step gets
 its own bits. The same (seed, step, salt, inputs) give the same bits: deterministic, bitwise equal under
 graph replay.
-- "hash" (the default): one 32-bit integer hash per element, computed in the state tile's own register
-  layout: bits = mix(lo32(row * W) + column ^ mix(hi32(row * W) ^ mix(lo32(key) ^ mix(hi32(key))))), mix =
-  the bijective "lowbias32" hash of C. Wellons' hash-prospector (github.com/skeeto/hash-prospector: two
-  multiplies and three xor-shifts). The key and row terms are per program / per row (R values), so an
-  element costs an add, an xor and one mix. Distinct elements of one (key, buffer) get distinct hash
-  inputs, hence distinct 32-bit words (mix is a bijection); the low 16 bits are used. Why not Philox:
-  Philox-4x32-10 costs ~10 rounds of 2 wide multiplies per 4 words, and spreading its 4 x 32 bits over 8
-  elements of the tile needs a join + reshape that Triton lowers to a register-layout conversion (through
-  shared memory); the hash has neither. A weaker generator than Philox, but stochastic rounding needs only
-  uniform bits uncorrelated with the values rounded (tests/test_stochastic_rounding.py tests uniformity
-  and independence at a fixed seed).
+- "hash" (the default): one 32-bit integer hash per pair of neighbouring columns (its low 16 bits for the
+  even column, its high 16 for the odd one), p = row * (W / 2) + column / 2 the pair counter:
+  bits = mix(lo32(p) ^ mix(hi32(p - column / 2) ^ mix(lo32(key) ^ mix(hi32(key))))), mix = the bijective
+  "lowbias32" hash of C. Wellons' hash-prospector (github.com/skeeto/hash-prospector: two multiplies and
+  three xor-shifts). The key and row terms are per program / per row (R values), so a pair costs an add,
+  an xor and one mix. Distinct pairs of one (key, buffer) get distinct hash inputs, hence distinct 32-bit
+  words (mix is a bijection). Why: Philox-4x32-10 costs 10 rounds of 2 wide multiplies per 128 bits (16
+  elements' worth at 16 bits each, ~1.3 multiplies per element against 1 here) and more registers (sm_90
+  compile of the Super V3 per-step replay, bf16 state, Triton 3.9: `mma` 145 registers / 1776 SASS
+  instructions with Philox, 127 / 1616 with the hash, 112 / 1400 rounding to nearest; `fma` 106 / 2136,
+  100 / 2064, 95 / 1784). A weaker generator than Philox, but stochastic rounding needs only uniform bits
+  uncorrelated with the values rounded (tests/test_stochastic_rounding.py tests uniformity and
+  independence at a fixed seed).
 - "philox": Philox-4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Triton's
   `tl.randint4x`), `philox_rounds` rounds, the counter the index of a group of 8 elements (4 x 32 bits =
   8 x 16 bits per call). Kept to compare against (the sweep's `sr` rows time both).
@@ -167,18 +169,26 @@ def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.conste
     """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
     col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a
     buffer W columns wide (C, W powers of two, col0 a multiple of C), from the int64 `key`.
-    ROUNDS = 0: the "hash" generator, one `mix32` per element (module docstring). ROUNDS > 0: Philox with
+    ROUNDS = 0: the "hash" generator, one `mix32` per pair of columns (module docstring). ROUNDS > 0: Philox with
     that many rounds, one call per 8 elements (counter = row * (W / 8) + column group), one per element
     when C < 8."""
     if ROUNDS == 0:
+        # one hash per pair of neighbouring columns: its low 16 bits for the even column, its high 16 bits
+        # for the odd one (the pair counter is row * (W / 2) + col / 2)
+        C2: tl.constexpr = C // 2 if C >= 2 else 1
+        W2: tl.constexpr = W // 2 if C >= 2 else W
         kk = mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))  # per program
-        base = row * W  # (R,) int64: the index of each row's first element
+        base = row * W2  # (R,) int64: the counter of each row's first pair
         k_row = mix32((base >> 32).to(tl.uint32) ^ kk)  # per row
         lo = base.to(tl.uint32)
-        # distinct elements -> distinct (k_row, lo + col) pairs: rows sharing hi32(row * W) have lo32 values
-        # W apart (W divides 2^32) and col < W
-        x = (lo[:, None] + (col0 + tl.arange(0, C)).to(tl.uint32)[None, :]) ^ k_row[:, None]
-        res = (mix32(x) & 0xFFFF).to(tl.int32)
+        # distinct pairs -> distinct (k_row, lo + c) inputs: rows sharing hi32(row * W2) have lo32 values W2
+        # apart (W2 divides 2^32) and c < W2
+        c0 = col0 // 2 if C >= 2 else col0
+        hsh = mix32((lo[:, None] + (c0 + tl.arange(0, C2)).to(tl.uint32)[None, :]) ^ k_row[:, None])
+        if C >= 2:
+            res = tl.reshape(tl.join((hsh & 0xFFFF).to(tl.int32), (hsh >> 16).to(tl.int32)), (R, C))
+        else:
+            res = (hsh & 0xFFFF).to(tl.int32)
     elif C >= 8:
         C8: tl.constexpr = C // 8
         ctr = row[:, None] * (W // 8) + (col0 // 8 + tl.arange(0, C8))[None, :]  # (R, C8) int64
