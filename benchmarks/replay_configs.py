@@ -18,6 +18,8 @@ M2_CONFIGS = {
     "mma_p32w2": {"variant": "mma", "block_p": 32, "num_warps": 2},
     "mma_p64w4": {"variant": "mma", "block_p": 64, "num_warps": 4},
     "mma_split3": {"variant": "mma", "split": 3},
+    "mma_pre": {"variant": "mma_pre"},
+    "mma_pre_p32w2": {"variant": "mma_pre", "block_p": 32, "num_warps": 2},
 }
 GDN_CONFIGS = {
     "fma": {"variant": "fma"},

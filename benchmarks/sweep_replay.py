@@ -2,6 +2,8 @@
 
     python -m benchmarks.sweep_replay --out DIR [--budget-s 400] [--no-flashinfer]
     python -m benchmarks.sweep_replay --ncu --out DIR [--sweep DIR/sweep_replay.json]   # Nsight Compute
+    python -m benchmarks.sweep_replay --out DIR --write-defaults kernels/replay_defaults.json   # + the table
+    python -m benchmarks.sweep_replay --from-json SWEEP.json --write-defaults kernels/replay_defaults.json
     python -m benchmarks.sweep_replay --quick --out DIR; ... --quick --ncu ...           # ~3 + ~1.5 min
     TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR             # CPU smoke run
 
@@ -23,11 +25,16 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
 3. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
    ("fma", the committed default) and the best configuration of each operator.
 4. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
-   bf16 and fp16 state, headline.
+   bf16 and fp16 state, headline: round to nearest, "stochastic" (the default generator, "hash") and
+   "stochastic_philox" (kernels/rounding.py).
 5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
    selective_state_update (rewind verify with T intermediate states), or a row with the error.
+6. GDN's peers at the headline, when importable (else a row with the error): FlashInfer's
+   gated_delta_rule_mtp, fp32 state ("flashinfer_gdn": state written after T tokens, and the rewind verify
+   with T intermediate states; `_flashinfer_gdn_rows`), and fla-core's fused_recurrent_gated_delta_rule
+   ("fla": T tokens from the state, the final state written in fp32; `_fla_rows`).
 The time budget (--budget-s) also stops the headline from starting configurations other than the current
-one and "mma"; what was skipped is listed in the JSON ("skipped").
+one, "mma" and "mma_pre"; what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
 QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current and
 "mma"), --budget-s 150, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
@@ -36,7 +43,10 @@ operator must move (state read once, written once where it is written, inputs, o
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
 (half read, half written), measured in the same run, over the kernel's time.
 Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
-a short table last.
+a short table last. The JSON's "defaults" (beside "best") names the configuration the engine should run per
+(operation, state dtype, shape class, batch bucket) by the rule `DEFAULTS_RULE`; --write-defaults PATH writes
+that table (`defaults_table`, with the launcher arguments and the evidence) for kernels.replay_defaults, and
+--from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
 
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
 the current kernel, or the current kernel and "mma" without --sweep; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
@@ -61,7 +71,7 @@ import triton
 import triton.testing
 
 from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
-from kernels import gdn, mamba2
+from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
 
@@ -73,8 +83,8 @@ M2_OPS = ("m2_write", "m2_nowrite", "m2_ckpt", "m2_flush")
 OPS = M2_OPS + ("gdn",)
 CURRENT = "fma"  # the committed kernel before this sweep (the default of DEFAULT_VARIANT at the time)
 # --quick: the current kernel, "mma" and the configurations with the fewest registers and no spills
-# (docs/kernel_performance.md, sm_90 compile report)
-QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4")
+# (docs/kernel_performance.md, sm_90 compile report), and the FlashInfer-style split "mma_pre"
+QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4", "mma_pre", "mma_pre_p32w2")
 HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
 GRID_T = (2, 4, 8)
 GRID_BATCH = (1, 8, 64, 256)
@@ -289,6 +299,155 @@ def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: flo
     return res
 
 
+def _fla_rows(dtypes, timer: Timer, dev: str) -> dict:
+    """fla-core's fused recurrent gated-delta-rule kernel (kernels.gdn.fla.fla_fused_recurrent_rule) at the
+    headline GDN shape, per state dtype: T tokens from the state (read in the state's dtype, L2 norm of q / k
+    in the kernel, as our gdn rows), the final state written (fp32: fla's only output dtype). A decode
+    kernel: no intermediate states and no replay history, so it is a lower bound for a verify with the
+    same state traffic, not an MTP verify itself. {"error": why} where fla-core is not importable."""
+    from kernels.gdn.fla import fla_fused_recurrent_rule
+
+    fla_recurrent, why = fla_fused_recurrent_rule()
+    if fla_recurrent is None:
+        return {"error": f"fla-core not importable: {why}"}
+    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
+    batch, T = HEADLINE["batch"], HEADLINE["T"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    g = -torch.nn.functional.softplus(r(batch, T, HV)) * 0.5
+    beta = r(batch, T, HV).sigmoid().to(bf)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta)) + v.numel() * v.element_size()
+    res = {}
+    for name in dtypes:
+        state = (r(batch, HV, V, K) * 0.1).to(DTYPES[name])
+
+        def call(state=state):
+            fla_recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, state_v_first=True)
+
+        try:
+            nbytes = state.numel() * (state.element_size() + 4) + io
+            res[name] = {"fused_recurrent": {**_row(timer, timer(call), nbytes), "compared_with": "gdn"}}
+        except Exception:  # noqa: BLE001 - a failing peer is a row
+            res[name] = {"error": traceback.format_exc(limit=3)}
+    return res
+
+
+def _flashinfer_gdn_rows(timer: Timer, dev: str) -> dict:
+    """FlashInfer's gated-delta-rule MTP kernel (flashinfer.gdn_decode.gated_delta_rule_mtp, CuTe DSL, sm_90+)
+    at the headline GDN shape with an fp32 state (the only state dtype that entry point takes): "state_update"
+    = T tokens from the state, the state written after them (the traffic of our gdn rows); "intermediate" =
+    the rewind verify, the T per-token states written to a (B, T, HV, V, K) fp32 buffer, the state kept.
+    Raw gates as its API takes them (a, b, A_log, dt_bias; q / k L2-normalised in the kernel). {"error": why}
+    where FlashInfer does not import; a failing row holds its traceback."""
+    try:
+        from flashinfer.gdn_decode import gated_delta_rule_mtp
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"flashinfer.gdn_decode not importable: {e!r}"}
+    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
+    batch, T = HEADLINE["batch"], HEADLINE["T"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    a, b = r(batch, T, HV).to(bf), r(batch, T, HV).to(bf)
+    A_log, dt_bias = r(HV) * 0.5, r(HV) * 0.1
+    state = r(batch, HV, V, K) * 0.1
+    idx = torch.arange(batch, dtype=torch.int32, device=dev)
+    out = torch.empty_like(v)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, a, b, out))
+    res = {}
+    for name, inter in (("state_update", None), ("intermediate", torch.empty(batch, T, HV, V, K, device=dev))):
+        def call(inter=inter):
+            gated_delta_rule_mtp(q, k, v, state, idx, A_log, a, dt_bias, b, output=out,
+                                 intermediate_states_buffer=inter, disable_state_update=inter is not None,
+                                 use_qk_l2norm=True)
+
+        nbytes = state.numel() * 4 * (1 + (T if inter is not None else 1)) + io
+        try:
+            res[name] = {**_row(timer, timer(call), nbytes), "compared_with": "gdn"}
+        except Exception:  # noqa: BLE001 - a failing peer is a row
+            res[name] = {"error": traceback.format_exc(limit=3)}
+    return {"float32": res}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the engine's defaults table (kernels/replay_defaults.json, read by kernels.replay_defaults)
+# ---------------------------------------------------------------------------------------------------------
+
+# The sweep operators that time each engine launch path (kernels.replay_defaults.OPERATIONS). Per-step replay
+# is timed by m2_write alone: after a request's first verify PNAT = num_accepted >= 1 (the bonus token is
+# always accepted), so every later verify writes the state; a checkpointing launch is a no-flush step or a
+# flush, both frequent, so both count.
+ENGINE_OPS = {"mamba2_per_step": ("m2_write",), "mamba2_checkpointing": ("m2_ckpt", "m2_flush"), "gdn": ("gdn",)}
+DEFAULTS_RULE = (
+    "per (operation, state dtype, shape, grid batch): among the configurations that matched the reference at "
+    "the headline for every sweep operator of the operation (ENGINE_OPS) and were timed at every grid T for "
+    "each of them, the one with the least sum over those operators of the median over T of the time; the "
+    "headline rows alone decide a headline (shape, batch) the grid did not reach")
+
+
+def _shape_class(family: str, dims) -> str:
+    if family == "gdn":
+        _, HV, K, V = dims
+        return replay_defaults.gdn_shape_class(HV, V, K)
+    H, P, N, _ = dims
+    return replay_defaults.mamba2_shape_class(H, P, N)
+
+
+def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
+    """The engine's defaults table (kernels.replay_defaults: {"schema", "provenance", "rows"}) from a sweep
+    result `res` (the sweep_replay.json document): a pure function, by the rule `DEFAULTS_RULE`.
+
+    Reads res["shapes"], res["headline"], res["headline_rows"] and res["grid"]; `source` / `date` (else
+    res["date"]) go into the provenance. A (operation, dtype, shape, batch) without a usable measurement gets
+    no row (the launchers then fall back, kernels.replay_defaults).
+    """
+    import statistics
+
+    rows = {}
+    for operation, ops in ENGINE_OPS.items():
+        family = "gdn" if operation == "gdn" else "mamba2"
+        configs = GDN_CONFIGS if family == "gdn" else M2_CONFIGS
+        dtypes = sorted({k.split("/")[1] for k in res.get("headline_rows", {}) if k.split("/")[0] in ops})
+        for dt in dtypes:
+            heads = [res["headline_rows"].get(f"{op}/{dt}", {}) for op in ops]
+            ok = sorted(c for c in configs if all(h.get(c, {}).get("ok") for h in heads))
+            points: dict = {}  # (shape, batch) -> {config: {op: {T: us}}}
+            for g in res.get("grid", []):
+                if g.get("op") in ops and g.get("state_dtype") == dt and "us" in g and g.get("config") in ok:
+                    cell = points.setdefault((g["shape"], g["batch"]), {}).setdefault(g["config"], {})
+                    cell.setdefault(g["op"], {})[g["T"]] = g["us"]
+            hl = res.get("headline", {})
+            if "shape" in hl and (hl["shape"], hl["batch"]) not in points:
+                points[(hl["shape"], hl["batch"])] = {
+                    c: {op: {hl["T"]: h[c]["us"]} for op, h in zip(ops, heads)} for c in ok}
+            for (shape, batch), by_cfg in sorted(points.items()):
+                ts = sorted({t for per_op in by_cfg.values() for d in per_op.values() for t in d})
+                cost = {c: round(sum(statistics.median(per_op[op][t] for t in ts) for op in ops), 2)
+                        for c, per_op in by_cfg.items()
+                        if all(op in per_op and set(per_op[op]) == set(ts) for op in ops)}
+                if not cost:
+                    continue
+                best = min(sorted(cost), key=cost.get)
+                dims = res["shapes"][family][shape]
+                rows[replay_defaults.key(operation, dt, _shape_class(family, dims), batch)] = {
+                    "config": best, "kwargs": dict(configs[best]),
+                    "evidence": {"sweep_ops": list(ops), "shape": shape, "T": ts, "cost_us": cost}}
+    provenance = {"sweep_json": source, "date": date or res.get("date", ""), "device": res.get("device", ""),
+                  "torch": res.get("torch", ""), "triton": res.get("triton", ""), "rule": DEFAULTS_RULE}
+    return {"schema": replay_defaults.SCHEMA, "provenance": provenance, "rows": dict(sorted(rows.items()))}
+
+
+def write_defaults(table: dict, path: str) -> None:
+    """Write `table` (`defaults_table`) as JSON to `path` (kernels/replay_defaults.json for the engine)."""
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the sweep
 # ---------------------------------------------------------------------------------------------------------
@@ -303,11 +462,13 @@ def sweep(args) -> dict:
     dtypes = list(DTYPES) if not args.dtypes else args.dtypes.split(",")
     only = set(args.configs.split(",")) if args.configs else None
     procs = [] if (dry or args.no_flashinfer) else _start_flashinfer_warmups(dtypes, HEADLINE["T"])
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter, times mean nothing)",
-           "torch": torch.__version__, "triton": triton.__version__, "shapes": {"mamba2": SHAPES_M2, "gdn": SHAPES_GDN},
-           "headline": HEADLINE, "current": CURRENT, "headline_rows": {}, "best": {}, "grid": [], "sr": {},
-           "skipped": []}
     hb, hT = (2, 2) if dry else (HEADLINE["batch"], HEADLINE["T"])
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter, times mean nothing)",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "shapes": {"mamba2": DRY_SHAPES_M2, "gdn": DRY_SHAPES_GDN} if dry else {"mamba2": SHAPES_M2, "gdn": SHAPES_GDN},
+           "headline": {**HEADLINE, "batch": hb, "T": hT}, "current": CURRENT, "headline_rows": {}, "best": {},
+           "defaults": {}, "grid": [], "sr": {}, "skipped": []}
     nbytes_of = {}
 
     # 2. headline: every configuration, checked, then timed
@@ -320,7 +481,7 @@ def sweep(args) -> dict:
             for cfg_name, cfg in _configs(op).items():
                 if only and cfg_name not in only and cfg_name != CURRENT:
                     continue
-                if cfg_name not in (CURRENT, "mma") and time.time() > deadline:
+                if cfg_name not in (CURRENT, "mma", "mma_pre") and time.time() > deadline:
                     res["skipped"].append(f"headline {op}/{name}/{cfg_name}: time budget")
                     continue
                 try:
@@ -349,10 +510,12 @@ def sweep(args) -> dict:
             for sr_name, sr_dtype in SR_DTYPES.items():
                 try:
                     call, nbytes, _ = _setup(op, "ws1", hb, hT, sr_dtype, dev, dry)
-                    sr = StochasticRounding.create(1234, device=dev)
+                    sr = StochasticRounding.create(1234, device=dev)  # the default generator, "hash"
+                    philox = StochasticRounding.create(1234, device=dev, generator="philox")
                     res["sr"][f"{op}/{sr_name}/{best}"] = {
                         "round_to_nearest": _row(timer, timer(call, cfg), nbytes),
-                        "stochastic": _row(timer, timer(call, cfg, sr), nbytes)}
+                        "stochastic": _row(timer, timer(call, cfg, sr), nbytes),
+                        "stochastic_philox": _row(timer, timer(call, cfg, philox), nbytes)}
                 except Exception:  # noqa: BLE001
                     res["sr"][f"{op}/{sr_name}/{best}"] = {"error": traceback.format_exc(limit=3)}
 
@@ -390,9 +553,14 @@ def sweep(args) -> dict:
     else:
         res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
                                              max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+    # 6. fla-core's fused recurrent GDN kernel at the headline (the GDN peer)
+    res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
+    res["flashinfer_gdn"] = ({"error": "--dry-run: no GPU"} if dry else {"error": "--no-flashinfer"}
+                             if args.no_flashinfer else _flashinfer_gdn_rows(timer, dev))
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
+    res["defaults"] = {k: v["config"] for k, v in defaults_table(res)["rows"].items()}
     return res
 
 
@@ -438,9 +606,17 @@ def table(res: dict) -> str:
             if isinstance(v, dict) and "us" in v:
                 lines.append(f"flashinfer {k}/{name}: {v['us']:.1f} us" +
                              (f" frac {v['frac_copy_bw']:.2f}" if v.get("frac_copy_bw") else ""))
+    for name, rows in (res.get("fla") or {}).items():
+        if isinstance(rows, dict) and "fused_recurrent" in rows:
+            v = rows["fused_recurrent"]
+            lines.append(f"fla fused_recurrent/{name}: {v['us']:.1f} us frac {v['frac_copy_bw']:.2f}")
+    for k, v in ((res.get("flashinfer_gdn") or {}).get("float32") or {}).items():
+        if "us" in v:
+            lines.append(f"flashinfer gated_delta_rule_mtp {k}/float32: {v['us']:.1f} us frac {v['frac_copy_bw']:.2f}")
     for k, v in res["sr"].items():
         if "stochastic" in v:
-            lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us")
+            lines.append(f"SR {k}: {v['round_to_nearest']['us']:.1f} -> {v['stochastic']['us']:.1f} us "
+                         f"(philox {v.get('stochastic_philox', {}).get('us', float('nan')):.1f} us)")
     if res["skipped"]:
         lines.append(f"skipped (time budget): {len(res['skipped'])} grid points")
     return "\n".join(lines)
@@ -552,8 +728,23 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
     ap.add_argument("--quick", action="store_true",
                     help="a short first look: QUICK_CONFIGS, --budget-s 150, --flashinfer-extra-s 0 (bf16 with --ncu)")
+    ap.add_argument("--write-defaults", default="", metavar="PATH",
+                    help="also write the engine's defaults table (kernels/replay_defaults.json) from the sweep")
+    ap.add_argument("--from-json", default="", metavar="SWEEP_JSON",
+                    help="with --write-defaults: no sweep, the table from this sweep_replay.json (CPU)")
+    ap.add_argument("--source-date", default="",
+                    help="the provenance date of --from-json when its JSON has no 'date' (older sweeps)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.from_json:
+        if not args.write_defaults:
+            ap.error("--from-json needs --write-defaults PATH")
+        with open(args.from_json) as f:
+            src = json.load(f)
+        doc = defaults_table(src, source=args.from_json, date=src.get("date") or args.source_date)
+        write_defaults(doc, args.write_defaults)
+        print(f"{args.write_defaults}: {len(doc['rows'])} rows from {args.from_json}")
+        return 0
     if args.quick:
         args.configs = args.configs or ",".join(QUICK_CONFIGS)
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
@@ -589,6 +780,9 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(args.out, "sweep_replay.png"))
     print(table(res))
+    if args.write_defaults:
+        write_defaults(defaults_table(res, source=os.path.join(args.out, "sweep_replay.json")), args.write_defaults)
+        print(f"{args.write_defaults}: the engine's defaults ({len(res['defaults'])} rows)")
     return 0
 
 

@@ -19,14 +19,29 @@ Blackwell instruction):
 - NaN stays NaN; infinities stay infinite; a magnitude that rounds beyond the format's largest finite
   value becomes infinite.
 
-Randomness: Philox-4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Triton's
-`tl.randint4x`). Kernels read the seed and a step counter from device memory (`StochasticRounding.seed`,
-`.step`: (1,) int64 tensors), so a captured CUDA graph draws new bits on every replay once the step counter
-is advanced inside it (`StochasticRounding.advance`, an in-place add on the device). The Philox key is
-seed ^ (step << 16 | salt), salt a per-layer constant < 2^16; the counter is the index of a group of 8
-state elements in the buffer written (each Philox call gives 4 x 32 bits = 8 x 16 bits), so every element
-of every layer and step gets its own bits. The same (seed, step, salt, inputs) give the same bits:
-deterministic, bitwise equal under graph replay.
+Randomness (`StochasticRounding.generator`). Kernels read the seed and a step counter from device memory
+(`StochasticRounding.seed`, `.step`: (1,) int64 tensors), so a captured CUDA graph draws new bits on every
+replay once the step counter is advanced inside it (`StochasticRounding.advance`, an in-place add on the
+device). The key is seed ^ (step << 16 | salt), salt a per-layer constant < 2^16; the counter is the index
+of the element in the buffer written (row * width + column), so every element of every layer and step gets
+its own bits. The same (seed, step, salt, inputs) give the same bits: deterministic, bitwise equal under
+graph replay.
+- "hash" (the default): one 32-bit integer hash per pair of neighbouring columns (its low 16 bits for the
+  even column, its high 16 for the odd one), p = row * (W / 2) + column / 2 the pair counter:
+  bits = mix(lo32(p) ^ mix(hi32(p - column / 2) ^ mix(lo32(key) ^ mix(hi32(key))))), mix = the bijective
+  "lowbias32" hash of C. Wellons' hash-prospector (github.com/skeeto/hash-prospector: two multiplies and
+  three xor-shifts). The key and row terms are per program / per row (R values), so a pair costs an add,
+  an xor and one mix. Distinct pairs of one (key, buffer) get distinct hash inputs, hence distinct 32-bit
+  words (mix is a bijection). Why: Philox-4x32-10 costs 10 rounds of 2 wide multiplies per 128 bits (16
+  elements' worth at 16 bits each, ~1.3 multiplies per element against 1 here) and more registers (sm_90
+  compile of the Super V3 per-step replay, bf16 state, Triton 3.9: `mma` 145 registers / 1776 SASS
+  instructions with Philox, 127 / 1616 with the hash, 112 / 1400 rounding to nearest; `fma` 106 / 2136,
+  100 / 2064, 95 / 1784). A weaker generator than Philox, but stochastic rounding needs only uniform bits
+  uncorrelated with the values rounded (tests/test_stochastic_rounding.py tests uniformity and
+  independence at a fixed seed).
+- "philox": Philox-4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Triton's
+  `tl.randint4x`), `philox_rounds` rounds, the counter the index of a group of 8 elements (4 x 32 bits =
+  8 x 16 bits per call). Kept to compare against (the sweep's `sr` rows time both).
 
 The PyTorch reference (`stochastic_round_ref`) applies the same rule with bits from a torch.Generator
 seeded from the same key (read to the host: the references are the CPU path). Kernel and reference do not
@@ -48,6 +63,7 @@ import triton.language as tl
 # dtypes stochastic rounding applies to (an fp32 state is never rounded)
 SR_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SALT = 1 << 16  # salts (layer indices) live in the low 16 bits of the key's step word
+GENERATORS = ("hash", "philox")  # sources of the random bits (module docstring)
 
 
 @dataclass(frozen=True)
@@ -58,20 +74,24 @@ class StochasticRounding:
     step: (1,) int64 on the same device: a counter to advance once per engine step (`advance`), on the
         device, so graph replays draw new bits.
     salt: int in [0, 2^16): distinguishes the layers sharing seed and step (the layer index).
-    philox_rounds: Philox rounds per 128 random bits (10 = Triton's and FlashInfer's default; 7 passes
-        BigCrush too, per Salmon et al.).
+    philox_rounds: Philox rounds per 128 random bits with generator "philox" (10 = Triton's and FlashInfer's
+        default; 7 passes BigCrush too, per Salmon et al.).
+    generator: "hash" (one integer hash per element, the default) or "philox" (module docstring).
     """
 
     seed: torch.Tensor
     step: torch.Tensor
     salt: int = 0
     philox_rounds: int = 10
+    generator: str = "hash"
 
     @classmethod
-    def create(cls, seed: int, *, device: torch.device | str, philox_rounds: int = 10) -> StochasticRounding:
+    def create(cls, seed: int, *, device: torch.device | str, philox_rounds: int = 10,
+               generator: str = "hash") -> StochasticRounding:
         """Seed and step tensors (step 0) on `device`; salt 0 (use `for_layer` per layer)."""
         return cls(seed=torch.tensor([seed], dtype=torch.int64, device=device),
-                   step=torch.zeros(1, dtype=torch.int64, device=device), philox_rounds=philox_rounds)
+                   step=torch.zeros(1, dtype=torch.int64, device=device), philox_rounds=philox_rounds,
+                   generator=generator)
 
     def for_layer(self, salt: int) -> StochasticRounding:
         """The same seed / step tensors with another salt (layer index)."""
@@ -98,15 +118,19 @@ class StochasticRounding:
             raise ValueError(f"{name}: stochastic_rounding.salt must be in [0, {MAX_SALT}), got {self.salt}")
         if self.philox_rounds < 1:
             raise ValueError(f"{name}: philox_rounds must be >= 1, got {self.philox_rounds}")
+        if self.generator not in GENERATORS:
+            raise ValueError(f"{name}: stochastic_rounding.generator must be one of {GENERATORS}, got "
+                             f"{self.generator!r}")
 
 
 def launch_args(rounding: StochasticRounding | None, state: torch.Tensor, name: str) -> dict:
-    """Keyword arguments of a kernel launch for `rounding` (None: round to nearest)."""
+    """Keyword arguments of a kernel launch for `rounding` (None: round to nearest). SR_ROUNDS, a constexpr
+    of every state-writing kernel: the Philox rounds, or 0 for the "hash" generator."""
     if rounding is None:
         return dict(sr_seed_ptr=state, sr_step_ptr=state, sr_salt=0, SR=False, SR_ROUNDS=1)
     rounding.check(state, name)
     return dict(sr_seed_ptr=rounding.seed, sr_step_ptr=rounding.step, sr_salt=rounding.salt, SR=True,
-                SR_ROUNDS=rounding.philox_rounds)
+                SR_ROUNDS=rounding.philox_rounds if rounding.generator == "philox" else 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -116,7 +140,7 @@ def launch_args(rounding: StochasticRounding | None, state: torch.Tensor, name: 
 
 @triton.jit
 def sr_key(seed_ptr, step_ptr, salt):
-    """The Philox key, int64: seed ^ (step << 16 | salt), read from device memory."""
+    """The random-bits key, int64: seed ^ (step << 16 | salt), read from device memory."""
     seed = tl.load(seed_ptr)
     step = tl.load(step_ptr)
     return seed ^ ((step << 16) | salt)
@@ -124,18 +148,48 @@ def sr_key(seed_ptr, step_ptr, salt):
 
 @triton.jit
 def intermediate_rows(row):
-    """Rows of the rewind verify's intermediate-state buffer as Philox counter rows: offset by 2^40, so they
+    """Rows of the rewind verify's intermediate-state buffer as counter rows: offset by 2^40, so they
     never share counters (hence bits) with the state's rows (< 2^40 per buffer) written under the same key."""
     return row + (1 << 40)
+
+
+@triton.jit
+def mix32(x):
+    """uint32 -> uint32 bijective integer hash: "lowbias32" of C. Wellons' hash-prospector
+    (github.com/skeeto/hash-prospector): xor-shift 16, multiply, xor-shift 15, multiply, xor-shift 16."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
     """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
     col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a
-    buffer W columns wide (C, W powers of two, col0 a multiple of C). One Philox call per 8 elements (counter =
-    row * (W / 8) + column group), one per element when C < 8."""
-    if C >= 8:
+    buffer W columns wide (C, W powers of two, col0 a multiple of C), from the int64 `key`.
+    ROUNDS = 0: the "hash" generator, one `mix32` per pair of columns (module docstring). ROUNDS > 0: Philox with
+    that many rounds, one call per 8 elements (counter = row * (W / 8) + column group), one per element
+    when C < 8."""
+    if ROUNDS == 0:
+        # one hash per pair of neighbouring columns: its low 16 bits for the even column, its high 16 bits
+        # for the odd one (the pair counter is row * (W / 2) + col / 2)
+        C2: tl.constexpr = C // 2 if C >= 2 else 1
+        W2: tl.constexpr = W // 2 if C >= 2 else W
+        kk = mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))  # per program
+        base = row * W2  # (R,) int64: the counter of each row's first pair
+        k_row = mix32((base >> 32).to(tl.uint32) ^ kk)  # per row
+        lo = base.to(tl.uint32)
+        # distinct pairs -> distinct (k_row, lo + c) inputs: rows sharing hi32(row * W2) have lo32 values W2
+        # apart (W2 divides 2^32) and c < W2
+        c0 = col0 // 2 if C >= 2 else col0
+        hsh = mix32((lo[:, None] + (c0 + tl.arange(0, C2)).to(tl.uint32)[None, :]) ^ k_row[:, None])
+        if C >= 2:
+            res = tl.reshape(tl.join((hsh & 0xFFFF).to(tl.int32), (hsh >> 16).to(tl.int32)), (R, C))
+        else:
+            res = (hsh & 0xFFFF).to(tl.int32)
+    elif C >= 8:
         C8: tl.constexpr = C // 8
         ctr = row[:, None] * (W // 8) + (col0 // 8 + tl.arange(0, C8))[None, :]  # (R, C8) int64
         r0, r1, r2, r3 = tl.randint4x(key, ctr, ROUNDS)
@@ -211,9 +265,9 @@ def stochastic_round_ref(x: torch.Tensor, dtype: torch.dtype, rounding: Stochast
 def round_to_state(h, state_ptr, row, col0, seed_ptr, step_ptr, salt, R: tl.constexpr, C: tl.constexpr,
                    W: tl.constexpr, SR: tl.constexpr, ROUNDS: tl.constexpr):
     """fp32 tile h (R, C) -> fp32 values exactly representable in the dtype `state_ptr` points to: rounded to
-    nearest, or stochastically (SR) with Philox bits (`random_bits16`) keyed by `sr_key(seed_ptr, step_ptr,
-    salt)` for the tile's global rows `row` (R,) int64 and columns col0 .. col0 + C - 1 of a buffer W columns
-    wide (seed_ptr / step_ptr are read only with SR)."""
+    nearest, or stochastically (SR) with random bits (`random_bits16`; ROUNDS 0 = the "hash" generator, else
+    Philox rounds) keyed by `sr_key(seed_ptr, step_ptr, salt)` for the tile's global rows `row` (R,) int64 and
+    columns col0 .. col0 + C - 1 of a buffer W columns wide (seed_ptr / step_ptr are read only with SR)."""
     if SR:
         bits = random_bits16(sr_key(seed_ptr, step_ptr, salt), row, col0, R, C, W, ROUNDS)
         r = stochastic_round(h, bits, state_ptr.dtype.element_ty == tl.bfloat16)

@@ -54,8 +54,9 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernel variants of the replay verify (kernels.mamba2.replay.VARIANTS): each is held to the same tolerances.
 # "mma" splits an fp32 operand into 2 bf16 pieces (about 2^-17 relative per product, kernels/_mma.py): on
-# O(1-10) values that is ~1e-5, inside the fp32 tolerance with a margin of ~5.
-VARIANTS = ("fma", "mma")
+# O(1-10) values that is ~1e-5, inside the fp32 tolerance with a margin of ~5. "mma_pre": "mma" with the
+# C B^T products and the B history writes in a precompute kernel (same tolerances).
+VARIANTS = ("fma", "mma", "mma_pre")
 
 
 def assert_close(a, b, dtype=None, what=""):
@@ -294,7 +295,8 @@ MMA_DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat
 
 @pytest.mark.parametrize(
     "variant,state_dtype,in_dtype",
-    [("fma", s, i) for s in DTYPES for i in DTYPES] + [("mma", s, i) for s, i in MMA_DTYPE_PAIRS],
+    [("fma", s, i) for s in DTYPES for i in DTYPES]
+    + [(v, s, i) for v in ("mma", "mma_pre") for s, i in MMA_DTYPE_PAIRS],
 )
 def test_replay_verify_matches_reference_all_dtypes(variant, state_dtype, in_dtype):
     S, H, P, N, G, T, L = 5, 2, 16, 16, 1, 3, 3

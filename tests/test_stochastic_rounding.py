@@ -6,7 +6,11 @@ What is checked, for bf16 and fp16 states:
   (the mean over many draws is the exact fp32 value) where round-to-nearest is not;
 - each kernel and reference: the written state lies on the grid within one step of the same kernel's fp32
   result, and is unbiased over many rows that repeat one input (each row gets its own Philox counters);
-- determinism: the same seed and step give the same bits; an advanced step gives other bits.
+- determinism: the same seed and step give the same bits; an advanced step gives other bits;
+- the kernels' random bits themselves (both generators, `random_bits16`): each bit a fair coin, the 16-bit
+  values uniform, no correlation between neighbouring elements, rows, steps or layers (salts); every bound
+  is the normal / chi-square quantile of a family-wise false-alarm rate of 1e-6 at the sample size, and a
+  negative control (the raw counter) shows the statistics reject a bad generator.
 
 Unbiasedness statistic: per element, the mean signed rounding error over n draws divided by the grid step
 at the exact value; its mean absolute value over the elements. Stochastic rounding: E|N(0, s)| with
@@ -27,10 +31,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
+from statistics import NormalDist  # noqa: E402
+
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kernels import gdn, mamba2  # noqa: E402
-from kernels.rounding import StochasticRounding, stochastic_round_ref  # noqa: E402
+from kernels.rounding import StochasticRounding, random_bits16, sr_key, stochastic_round_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SR_DTYPES = (torch.bfloat16, torch.float16)
@@ -105,6 +114,93 @@ def test_bad_rounding_arguments_raise():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the random bits
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bits_kernel(out_ptr, seed_ptr, step_ptr, salt, row0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                 ROUNDS: tl.constexpr):
+    # the (R, W) bits of rows row0 .. row0 + R - 1 of a W-wide buffer, one program per C columns
+    col0 = tl.program_id(0) * C
+    offs_r = tl.arange(0, R)
+    bits = random_bits16(sr_key(seed_ptr, step_ptr, salt), row0 + offs_r.to(tl.int64), col0, R, C, W, ROUNDS)
+    tl.store(out_ptr + offs_r[:, None] * W + col0 + tl.arange(0, C)[None, :], bits)
+
+
+def _bits(sr: StochasticRounding, row0: int, R: int = 64, C: int = 32, W: int = 64) -> torch.Tensor:
+    out = torch.empty(R, W, dtype=torch.int32, device=DEV)
+    rounds = sr.philox_rounds if sr.generator == "philox" else 0
+    _bits_kernel[(W // C,)](out, sr.seed, sr.step, sr.salt, row0, R=R, C=C, W=W, ROUNDS=rounds)
+    return out.cpu().long()
+
+
+def _z(alpha: float, tests: int) -> float:
+    """Two-sided normal quantile of one of `tests` tests at family-wise false-alarm rate alpha."""
+    return NormalDist().inv_cdf(1 - alpha / (2 * tests))
+
+
+def _chi2_bound(dof: int, z: float) -> float:
+    """Upper chi-square quantile at the normal quantile z (Wilson-Hilferty approximation)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _bit_statistics(draws: torch.Tensor, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Failures of the uniformity / independence statistics of 16-bit draws (any shape) and of the given
+    (a, b) pairs of equal-shape draws, each against its bound at family-wise alpha = 1e-6."""
+    x = draws.flatten().double()
+    n = x.numel()
+    tests = 16 + 2 + len(pairs)
+    z = _z(1e-6, tests)
+    bad = {}
+    ones = torch.stack([((draws.flatten() >> b) & 1).sum() for b in range(16)]).double()
+    dev = (ones - n / 2).abs().max().item()
+    if dev > z * math.sqrt(n / 4):
+        bad["bit frequency"] = dev
+    for name, byte in (("low byte", draws.flatten() & 0xFF), ("high byte", (draws.flatten() >> 8) & 0xFF)):
+        counts = torch.bincount(byte, minlength=256).double()
+        chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum().item()
+        if chi2 > _chi2_bound(255, z):
+            bad[name] = chi2
+    for name, (a, b) in pairs.items():
+        a, b = a.flatten().double(), b.flatten().double()
+        r = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+        if abs(r) > z / math.sqrt(a.numel()):
+            bad[name] = r
+    return bad
+
+
+@pytest.mark.parametrize("generator", ["hash", "philox"])
+def test_random_bits_are_uniform_and_independent(generator):
+    sr = StochasticRounding.create(20261201, device=DEV, generator=generator)
+    row0 = (1 << 26) - 32  # rows * 64 columns cross 2^32 inside the tile: the counter's high word changes
+    steps = []
+    for _ in range(4):
+        steps.append(_bits(sr, row0))
+        sr.advance()
+    draws = torch.stack(steps)  # (4, 64, 64): steps 0 .. 3 of layer 0
+    layers = (_bits(sr, row0), _bits(sr.for_layer(1), row0))  # step 4, layers 0 and 1
+    assert draws.min() >= 0 and draws.max() < 1 << 16
+    pairs = {"column neighbours": (draws[..., :-1], draws[..., 1:]),
+             "row neighbours": (draws[:, :-1], draws[:, 1:]),
+             "steps": (draws[:-1], draws[1:]), "layers": layers,
+             "bit 0 vs bit 15": (draws & 1, (draws >> 15) & 1)}
+    assert _bit_statistics(draws, pairs) == {}
+    # determinism, and intermediate-state rows (offset 2^40) draw other bits than the state's rows
+    assert torch.equal(_bits(sr, row0), _bits(sr, row0))
+    assert (_bits(sr, row0 + (1 << 40)) != _bits(sr, row0)).float().mean() > 0.99
+    # negative control: the raw counter (what a missing hash would give) fails the same statistics
+    counter = (torch.arange(64 * 64) + row0 * 64).reshape(1, 64, 64) & 0xFFFF
+    assert _bit_statistics(counter, {"column neighbours": (counter[..., :-1], counter[..., 1:])})
+
+
+def test_unknown_generator_is_refused():
+    with pytest.raises(ValueError, match="generator"):
+        StochasticRounding.create(1, device="cpu", generator="xorshift").check(
+            torch.zeros(2, dtype=torch.bfloat16), "f")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # kernels and references
 # ---------------------------------------------------------------------------------------------------------
 
@@ -165,14 +261,19 @@ CASES = [(op, torch.bfloat16) for op in MAMBA2_OPS] + [
     (op, torch.float16) for op in ("decode", "rewind", "mma")]
 
 
-@pytest.mark.parametrize("op,dtype", CASES)
-def test_mamba2_state_writes_round_stochastically(op, dtype):
+# the Philox generator (StochasticRounding.generator="philox") on one kernel per family and write path
+PHILOX = [("fma", torch.bfloat16), ("rewind", torch.float16)]
+GEN_CASES = [(op, dtype, "hash") for op, dtype in CASES] + [(op, dtype, "philox") for op, dtype in PHILOX]
+
+
+@pytest.mark.parametrize("op,dtype,generator", GEN_CASES)
+def test_mamba2_state_writes_round_stochastically(op, dtype, generator):
     case = _mamba2_case(dtype)
     T, H, P, N = case["x"].shape[1], *case["state"].shape[1:]
     inter = torch.empty(ROWS, T, H, P, N, dtype=dtype, device=DEV) if op.startswith("rewind") else None
     exact = _run_mamba2(op, case, case["state"].float().clone(), None,
                         None if inter is None else inter.float().clone())
-    sr = StochasticRounding.create(7, device=DEV)
+    sr = StochasticRounding.create(7, device=DEV, generator=generator)
     got = _run_mamba2(op, case, case["state"].clone(), sr, inter).float()
     nearest = _run_mamba2(op, case, case["state"].clone(), None, None if inter is None else inter.clone())
     check_rounded(got[0].to(dtype), exact[0], op)
@@ -225,14 +326,14 @@ def _run_gdn(op, case, state, sr, inter=None):
     return state
 
 
-@pytest.mark.parametrize("op,dtype", CASES)
-def test_gdn_state_writes_round_stochastically(op, dtype):
+@pytest.mark.parametrize("op,dtype,generator", GEN_CASES)
+def test_gdn_state_writes_round_stochastically(op, dtype, generator):
     case = _gdn_case(dtype)
     T, HV, V, K = case["q"].shape[1], *case["state"].shape[1:]
     inter = torch.empty(ROWS, T, HV, V, K, dtype=dtype, device=DEV) if op.startswith("rewind") else None
     exact = _run_gdn(op, case, case["state"].float().clone(), None,
                      None if inter is None else inter.float().clone())
-    sr = StochasticRounding.create(9, device=DEV)
+    sr = StochasticRounding.create(9, device=DEV, generator=generator)
     got = _run_gdn(op, case, case["state"].clone(), sr, inter).float()
     nearest = _run_gdn(op, case, case["state"].clone(), None, None if inter is None else inter.clone())
     check_rounded(got[0].to(dtype), exact[0], op)

@@ -35,8 +35,13 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
     for key, rows in res["sr"].items():
         assert "error" not in rows, (key, rows)
         assert rows["stochastic"]["us"] > 0 and rows["round_to_nearest"]["bytes"] > 0
-    assert "error" in res["flashinfer"]
+        assert rows["stochastic_philox"]["us"] > 0
+    assert "error" in res["flashinfer"] and "error" in res["fla"] and "error" in res["flashinfer_gdn"]
     assert "m2_write/bfloat16" in capsys.readouterr().out
+    # the engine's defaults beside `best`, and the table the same run writes with --write-defaults
+    assert res["defaults"] and set(res["defaults"].values()) <= {"fma", "mma"}
+    assert {k.split("/")[0] for k in res["defaults"]} == {"mamba2_per_step", "mamba2_checkpointing", "gdn"}
+    assert res["defaults"] == {k: v["config"] for k, v in sweep_replay.defaults_table(res)["rows"].items()}
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -51,6 +51,19 @@ def fla_chunk_rule() -> tuple[Callable | None, str]:
     return fla_chunk, ""
 
 
+@functools.lru_cache(maxsize=1)
+def fla_fused_recurrent_rule() -> tuple[Callable | None, str]:
+    """(fla's fused_recurrent_gated_delta_rule, "") when fla-core imports, else (None, why not): its
+    token-by-token decode kernel (fla/ops/gated_delta_rule/fused_recurrent.py: one program per (V block,
+    sequence, value head), the state in fp32 registers, the final state written in fp32), the GDN peer that
+    benchmarks.sweep_replay times beside our replay verify. Imported once."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    except Exception as exc:  # ImportError, or a broken install
+        return None, f"{type(exc).__name__}: {exc}"
+    return fla_recurrent, ""
+
+
 def fla_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,8 +37,10 @@ Performance: one state read and (p > 0) one state write per verify, no intermedi
 fp32 registers; all global loads are issued before the first store. At the Qwen3-Next shape it takes about
 half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.md).
 
-Kernel variants (`variant=`; `VARIANTS` holds their default tiles, `DEFAULT_VARIANT` the engine's choice, set
-from `python -m benchmarks.sweep_replay`, docs/kernel_performance.md): "fma" is the kernel above; "mma" runs the
+Kernel variants (`variant=`; `VARIANTS` holds their default tiles; without `variant=`, the engine's call, the
+configuration measured fastest by `python -m benchmarks.sweep_replay` for the launch's state dtype, shape class
+and batch bucket, from the committed table of `kernels.replay_defaults`, else `FALLBACK_VARIANT`;
+docs/kernel_performance.md): "fma" is the kernel above; "mma" runs the
 new tokens in closed form from S0 (the stored state after step 1): the only products with the state are
 P_k = S0 K^T and P_q = S0 Q^T (split-bf16 tensor-core products, `kernels._mma.split_dot`, accumulated over K in
 software-pipelined chunks), then the (T, T) delta-rule recursion u_t = beta_t (v_t - e^{G_t} P_k[:, t] -
@@ -57,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import replay_defaults
 from kernels._common import interpreter_active
 from kernels._mma import PIECES, split_dot
 from kernels.gdn._common import check_gdn_inputs, check_state, key_head_dims, l2norm
@@ -65,9 +68,10 @@ from kernels.rounding import StochasticRounding, launch_args, round_to_state, st
 # Kernel variants of `replay_verify` and their default (block_v, num_warps, chunk_k, num_stages): "fma" the
 # block_v 16 / 1 warp tile of the H200 sweep (docs/kernel_performance.md), "mma" one 16-row mma tile per warp.
 VARIANTS = {"fma": (16, 1, None, None), "mma": (16, 1, 32, 2)}
-# The engine's variant: the fastest correct one of `python -m benchmarks.sweep_replay`
-# (docs/kernel_performance.md). One line to change after a GPU sweep.
-DEFAULT_VARIANT = "fma"
+# The variant of a launch without `variant=` whose (state dtype, shape class, batch) has no row in the measured
+# table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
+# `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
+FALLBACK_VARIANT = "fma"
 
 
 @dataclass
@@ -371,7 +375,7 @@ def replay_verify(
     block_v: int | None = None,
     num_warps: int | None = None,
     variant: str | None = None,
-    split: int = 2,
+    split: int | None = None,
     chunk_k: int | None = None,
     num_stages: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
@@ -397,9 +401,11 @@ def replay_verify(
         num_warps: warps per program; default per variant ("fma": 1 for tiles of <= 2048 elements, else 4).
         variant: "fma" (token-by-token rank-1 updates and tl.sum reductions on CUDA cores) or "mma" (the closed
             form of the kernel comment, state products as split-bf16 tensor-core products, kernels/_mma.py);
-            default DEFAULT_VARIANT. Same results to the tolerances of tests/test_kernels_gdn.py.
+            None: the measured default of `kernels.replay_defaults` (operation "gdn", this state dtype, shape
+            class (HV, V, K), batch), whose tiles also fill every tuning argument left at None
+            (`FALLBACK_VARIANT` without a row). Same results to the tolerances of tests/test_kernels_gdn.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, u, the (T, T) mixing
-            matrix): 2 (about 2^-17 relative) or 3 (fp32 rounding).
+            matrix): 2 (about 2^-17 relative; the default) or 3 (fp32 rounding).
         chunk_k, num_stages: "mma" only: state columns per step of the program's loop over its tile and the
             software-pipelining depth of that loop; defaults in `VARIANTS`.
         stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
@@ -419,7 +425,14 @@ def replay_verify(
     elif out.shape != v.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(v.shape)} tensor; got {tuple(out.shape)}")
     scale = K**-0.5 if scale is None else scale
-    variant = variant or DEFAULT_VARIANT
+    tuning = replay_defaults.resolve(
+        dict(variant=variant, block_v=block_v, num_warps=num_warps, split=split, chunk_k=chunk_k,
+             num_stages=num_stages),
+        "gdn", state.dtype, replay_defaults.gdn_shape_class(HV, V, K), B, fallback=FALLBACK_VARIANT,
+        variants=VARIANTS)
+    variant, block_v, num_warps, chunk_k, num_stages = (
+        tuning[k] for k in ("variant", "block_v", "num_warps", "chunk_k", "num_stages"))
+    split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     if split not in (2, 3):
@@ -454,7 +467,7 @@ def replay_verify(
 
 def replay_verify_ref(
     q, k, v, g, beta, state, history, slot_ids, prev_num_accepted, buffer_index, *, scale=None,
-    use_qk_l2norm_in_kernel=True, out=None, block_v=None, num_warps=None, variant=None, split=2, chunk_k=None,
+    use_qk_l2norm_in_kernel=True, out=None, block_v=None, num_warps=None, variant=None, split=None, chunk_k=None,
     num_stages=None, stochastic_rounding=None,
 ):
     """PyTorch reference of replay_verify, vectorised over the batch: the engine's path for ssm_backend="torch".

@@ -45,8 +45,10 @@ Design decisions:
 - No autotune (the kernel updates state in place). Strided views of every cache are supported.
 - A new request: after prefill writes its state, set its PNAT to 0 (nothing to replay).
 
-Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles, `DEFAULT_VARIANT` the one the
-engine runs per history layout, chosen by `python -m benchmarks.sweep_replay`, docs/kernel_performance.md):
+Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles). Without `variant=` (the
+engine) the launcher runs the configuration that `python -m benchmarks.sweep_replay` measured fastest for the
+launch's (history layout, state dtype, shape class, batch bucket): the committed table read by
+`kernels.replay_defaults`, `FALLBACK_VARIANT` where it has no row (docs/kernel_performance.md):
 - "fma": the kernel described above (CUDA-core FMAs, C_t . h as tl.sum reductions).
 - "mma": the same math with every reduction over d_state or tokens as a tensor-core product of bf16 pieces
   (`kernels._mma.split_dot`: an fp32 operand as 2 or 3 bf16 pieces, `split=`; a bf16 state or bf16 inputs
@@ -57,7 +59,12 @@ engine runs per history layout, chosen by `python -m benchmarks.sweep_replay`, d
   ((C B_old^T) diag(w)) @ X_old, the state read once (the no-write path of FlashInfer's checkpointing_ssu).
   Accuracy: products of bf16 pieces are exact and accumulate in fp32; 2 pieces leave ~2^-17 of each fp32
   operand (tests hold it to the fp32 tolerances).
-- Both take `stochastic_rounding=` (kernels/rounding.py) for a 16-bit state's write.
+- "mma_pre": "mma" split into two kernels as FlashInfer's checkpointing_ssu splits its work: a precompute
+  kernel, one program per (row, group), forms C B^T (new tokens) and C B_old^T (pending tokens) once and
+  writes the B history; the main "mma" kernel reads those (TP, TP) / (TP, LP) fp32 blocks instead of
+  loading B (and, without a write, B_old) and recomputing the products in each of its heads_per_group x
+  P-block programs. Same math and tolerances; two launches and a small fp32 scratch per call.
+- All take `stochastic_rounding=` (kernels/rounding.py) for a 16-bit state's write.
 
 Checkpointing variant (`ReplayHistory.allocate(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
 the history keeps a window of L tokens (L = max(16, T): the dots pad to 16 anyway) and PNAT counts every
@@ -88,21 +95,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import replay_defaults
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape, interpreter_active
 from kernels._mma import PIECES, split_dot
 from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
 from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
 
 # Kernel variants of `replay_verify` and their default (block_p, num_warps) per history layout. "fma": the
-# block_p 16 tile of the H200 sweep of docs/kernel_performance.md (2 warps per-step, 4 checkpointing); "mma":
-# one 16-row mma tile per warp.
+# block_p 16 tile of the H200 sweep of docs/kernel_performance.md (2 warps per-step, 4 checkpointing); "mma"
+# and "mma_pre": one 16-row mma tile per warp.
 VARIANTS = {
     "fma": {"per_step": (16, 2), "checkpointing": (16, 4)},
     "mma": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},  # + (chunk_n, num_stages)
+    "mma_pre": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},
 }
-# The engine's variant per history layout: the fastest correct one of `python -m benchmarks.sweep_replay`
-# (docs/kernel_performance.md). One line to change after a GPU sweep.
-DEFAULT_VARIANT = {"per_step": "fma", "checkpointing": "fma"}
+# The variant of a launch without `variant=` whose (operation, state dtype, shape class, batch) has no row in
+# the measured table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
+# `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
+FALLBACK_VARIANT = "fma"
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -344,12 +354,13 @@ def _replay_verify_mma_kernel(
     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
     s_dths, s_dthi, s_dthh, s_dtht,
     s_chs, s_chi, s_chh, s_cht,
+    cb_ptr, cbo_ptr,
     T: tl.constexpr, L: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
     TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
-    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr,
 ):
     # The "mma" variant: every reduction over d_state or tokens is a tensor-core product of bf16 pieces
     # (kernels/_mma.py) instead of CUDA-core FMAs + tl.sum shuffle chains. One program per (P block, row,
@@ -359,6 +370,8 @@ def _replay_verify_mma_kernel(
     #       B_old, stored (rounded to the state dtype); the outputs from C . S_stored;
     #   no write (k = 0, checkpointing without flush): the state is only read, and
     #       C . S = exp(c_{k-1}) (C . h) + ((C B_old^T) w) @ X_old  (FlashInfer's no-write path).
+    # PRE ("mma_pre"): C B^T and C B_old^T of this (row, group) come from `_replay_precompute_kernel` (cb_ptr,
+    # cbo_ptr), which also writes the B history: the program loads no B (and no B_old without a write).
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -432,7 +445,11 @@ def _replay_verify_mma_kernel(
     p_Bw = Bh_ptr + s * s_Bhs + wb * s_Bhi + g * s_Bhg
     row = (s * H + h) * P + offs_p  # global state rows of this tile (stochastic rounding counters)
 
-    CB = tl.zeros([TP, TP], tl.float32)  # C_t . B_j of the new tokens
+    if PRE:  # C_t . B_j of the new tokens, from the precompute kernel
+        p_cb = (b * (H // heads_per_group) + g) * TP
+        CB = tl.load(cb_ptr + (p_cb + offs_t[:, None]) * TP + offs_t[None, :])
+    else:
+        CB = tl.zeros([TP, TP], tl.float32)  # C_t . B_j of the new tokens
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
@@ -441,36 +458,41 @@ def _replay_verify_mma_kernel(
             mcol = cols < N
             m_pn = mask_pl[:, None] & mcol[None, :]
             Cc = tl.load(p_C + cols[None, :] * s_Cn, mask=mask_t[:, None] & mcol[None, :], other=0.0).to(tl.float32)
-            Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
             Boc = tl.load(p_Bo + cols[None, :] * s_Bhn, mask=use_l[:, None] & mcol[None, :], other=0.0)
             hc = tl.load(p_state + cols[None, :] * s_sn, mask=m_pn, other=0.0).to(tl.float32)
-            CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
+            if not PRE:
+                Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
+                CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
+                tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
+                         mask=mask_tg[:, None] & mcol[None, :])
             Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
             Sc = round_to_state(Sc, state_ptr, row, n0, sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P, CHUNK_N,
                                 BLOCK_N, SR, SR_ROUNDS)
             tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
             # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
             CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
-            tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
-                     mask=mask_tg[:, None] & mcol[None, :])
     else:
-        CBo = tl.zeros([TP, LP], tl.float32)  # C_t . B_j of the pending old tokens
+        if PRE:  # C_t . B_j of the pending old tokens, from the precompute kernel
+            CBo = tl.load(cbo_ptr + (p_cb + offs_t[:, None]) * LP + offs_l[None, :])
+        else:
+            CBo = tl.zeros([TP, LP], tl.float32)  # C_t . B_j of the pending old tokens
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
             Cc = tl.load(p_C + cols[None, :] * s_Cn, mask=mask_t[:, None] & mcol[None, :], other=0.0).to(tl.float32)
-            Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
-            Boc = tl.load(p_Bo + cols[None, :] * s_Bhn, mask=use_l[:, None] & mcol[None, :], other=0.0)
             hc = tl.load(p_state + cols[None, :] * s_sn, mask=mask_pl[:, None] & mcol[None, :],
                          other=0.0).to(tl.float32)
-            CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
             CS = split_dot(hc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
-            CBo = split_dot(Cc, tl.trans(Boc.to(tl.float32)), CBo, S_IN, S_HIST, INTERP)
-            tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
-                     mask=mask_tg[:, None] & mcol[None, :])
-            if CHECKPOINT:  # the pending tokens stay: copy their B into the buffer written now
-                tl.store(p_Bw + offs_l[:, None] * s_Bht + cols[None, :] * s_Bhn, Boc,
-                         mask=keep_B[:, None] & mcol[None, :])
+            if not PRE:
+                Bc = tl.load(p_B + cols[None, :] * s_Bn, mask=mask_t[:, None] & mcol[None, :], other=0.0)
+                Boc = tl.load(p_Bo + cols[None, :] * s_Bhn, mask=use_l[:, None] & mcol[None, :], other=0.0)
+                CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), CB, S_IN, S_IN, INTERP)
+                CBo = split_dot(Cc, tl.trans(Boc.to(tl.float32)), CBo, S_IN, S_HIST, INTERP)
+                tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
+                         mask=mask_tg[:, None] & mcol[None, :])
+                if CHECKPOINT:  # the pending tokens stay: copy their B into the buffer written now
+                    tl.store(p_Bw + offs_l[:, None] * s_Bht + cols[None, :] * s_Bhn, Boc,
+                             mask=keep_B[:, None] & mcol[None, :])
         CS = split_dot(XoT, tl.trans(CBo * w[None, :]), CS * decay, S_HIST, SPLIT, INTERP)
 
     # ---- outputs: y = exp(cum_t) C_t . S + sum_{j <= t} (C_t . B_j) exp(cum_t - cum_j) dt'_j x_j + D x_t ----
@@ -497,6 +519,62 @@ def _replay_verify_mma_kernel(
     cum_base = tl.where(flush, 0.0, c_last)
     tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
     tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
+
+@triton.jit
+def _replay_precompute_kernel(
+    B_ptr, C_ptr, slot_ptr, Bh_ptr, pnat_ptr, bufidx_ptr, cb_ptr, cbo_ptr, N,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
+    T: tl.constexpr, L: tl.constexpr, CHECKPOINT: tl.constexpr, TP: tl.constexpr, LP: tl.constexpr,
+    KN: tl.constexpr, S_IN: tl.constexpr, S_HIST: tl.constexpr, INTERP: tl.constexpr,
+):
+    # The "mma_pre" variant's first kernel, one program per (batch row, group): the (TP, TP) C_t . B_j of the
+    # new tokens and the (TP, LP) C_t . B_j of the k pending ones (split-bf16 mma over the whole d_state, fp32
+    # out), computed once for the heads_per_group heads and P blocks that share them, and the B history
+    # writes of the main kernel (the new tokens' B into buffer wb; checkpointing without a flush: the pending
+    # tokens' B copied from rb). FlashInfer's checkpointing_ssu splits the same way (a precompute kernel
+    # for the per-group C B^T products before its main kernel).
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    G = tl.num_programs(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = slot >= 0
+    s = tl.where(live, slot, 0)
+    k = tl.load(pnat_ptr + s, mask=live, other=0).to(tl.int32)
+    k = tl.where(live, tl.minimum(tl.maximum(k, 0), L), 0)
+    rb = (tl.load(bufidx_ptr + s, mask=live, other=0) & 1).to(tl.int64)
+    wb = 1 - rb
+    if CHECKPOINT:
+        flush = k + T > L
+        base = tl.where(flush, 0, k)
+    else:
+        flush = k >= 0
+        base = k * 0
+    offs_t = tl.arange(0, TP)
+    offs_l = tl.arange(0, LP)
+    offs_n = tl.arange(0, KN)
+    mask_n = offs_n < N
+    mask_t = offs_t < T
+    use_l = offs_l < k
+    Cc = tl.load(C_ptr + b * s_Cb + offs_t[:, None] * s_Ct + g * s_Cg + offs_n[None, :] * s_Cn,
+                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    Bc = tl.load(B_ptr + b * s_Bb + offs_t[:, None] * s_Bt + g * s_Bg + offs_n[None, :] * s_Bn,
+                 mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+    p_Bh = Bh_ptr + s * s_Bhs + g * s_Bhg + offs_n[None, :] * s_Bhn
+    Boc = tl.load(p_Bh + rb * s_Bhi + offs_l[:, None] * s_Bht, mask=use_l[:, None] & mask_n[None, :], other=0.0)
+    CB = split_dot(Cc, tl.trans(Bc.to(tl.float32)), tl.zeros([TP, TP], tl.float32), S_IN, S_IN, INTERP)
+    CBo = split_dot(Cc, tl.trans(Boc.to(tl.float32)), tl.zeros([TP, LP], tl.float32), S_IN, S_HIST, INTERP)
+    row = (b * G + g) * TP + offs_t
+    tl.store(cb_ptr + row[:, None] * TP + offs_t[None, :], CB)
+    tl.store(cbo_ptr + row[:, None] * LP + offs_l[None, :], CBo)
+    if CHECKPOINT:  # the pending tokens stay: their B goes into the buffer written now
+        keep = offs_l < tl.where((~flush) & live, k, 0)
+        tl.store(p_Bh + wb * s_Bhi + offs_l[:, None] * s_Bht, Boc, mask=keep[:, None] & mask_n[None, :])
+    mask_tw = offs_t < tl.where(live, T, 0)
+    tl.store(p_Bh + wb * s_Bhi + (base + offs_t)[:, None] * s_Bht, Bc.to(Bh_ptr.dtype.element_ty),
+             mask=mask_tw[:, None] & mask_n[None, :])
+
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
     S, H, P, N = state.shape
@@ -541,7 +619,7 @@ def replay_verify(
     block_p: int | None = None,
     num_warps: int | None = None,
     variant: str | None = None,
-    split: int = 2,
+    split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
@@ -567,11 +645,14 @@ def replay_verify(
         block_p: head_dim rows per program (power of two); default per variant (`VARIANTS`), capped by
             next_pow2(P) (at least 16 for "mma"). Each program holds a (block_p, next_pow2(N)) fp32 state tile.
         num_warps: warps per program; default per variant (`VARIANTS`).
-        variant: "fma" (CUDA-core FMAs and tl.sum reductions) or "mma" (reductions as split-bf16 tensor-core
-            products, kernels/_mma.py); default DEFAULT_VARIANT[per_step / checkpointing]. Same results to
-            the tolerances of tests/test_kernels_mamba2.py.
+        variant: "fma" (CUDA-core FMAs and tl.sum reductions), "mma" (reductions as split-bf16 tensor-core
+            products, kernels/_mma.py) or "mma_pre" ("mma" with the per-group C B^T products and the B
+            history writes in a precompute kernel launched first); None: the measured default of `kernels.replay_defaults` for operation
+            "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
+            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row).
+            Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
-            (about 2^-17 relative) or 3 (fp32 rounding).
+            (about 2^-17 relative; the default) or 3 (fp32 rounding).
         chunk_n, num_stages: "mma" only: d_state columns per step of the program's loop over its tile (power
             of two, >= 16) and the software-pipelining depth of that loop; defaults in `VARIANTS`.
         stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
@@ -595,21 +676,29 @@ def replay_verify(
     if Bsz == 0:
         return out
 
-    variant = variant or DEFAULT_VARIANT["checkpointing" if history.checkpointing else "per_step"]
+    tuning = replay_defaults.resolve(
+        dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
+             num_stages=num_stages),
+        "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
+        replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT, variants=VARIANTS)
+    variant, block_p, num_warps, chunk_n, num_stages = (
+        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages"))
+    split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     if split not in (2, 3):
         raise ValueError(f"{name}: split must be 2 or 3 (bf16 pieces of an fp32 operand), got {split}")
     cfg = VARIANTS[variant]["checkpointing" if history.checkpointing else "per_step"]
     BLOCK_N = triton.next_power_of_2(N)
-    if variant == "mma":
+    mma = variant in ("mma", "mma_pre")
+    if mma:
         num_warps = num_warps or cfg[1]
         BLOCK_P = block_p or max(16, min(cfg[0], triton.next_power_of_2(P)))
     else:
         BLOCK_P = block_p or min(cfg[0], triton.next_power_of_2(P))
         num_warps = num_warps or (cfg[1] if BLOCK_P * BLOCK_N <= 2048 else 4)
-    if BLOCK_P & (BLOCK_P - 1) or (variant == "mma" and BLOCK_P < 16):
-        raise ValueError(f"{name}: block_p must be a power of two (>= 16 for variant 'mma'), got {BLOCK_P}")
+    if BLOCK_P & (BLOCK_P - 1) or (mma and BLOCK_P < 16):
+        raise ValueError(f"{name}: block_p must be a power of two (>= 16 for the mma variants), got {BLOCK_P}")
     sr = launch_args(stochastic_rounding, state, name)
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
@@ -624,14 +713,27 @@ def replay_verify(
     )
     common = dict(T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit, CHECKPOINT=history.checkpointing,
                   BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=num_warps, **sr)
-    if variant == "mma":
+    if mma:
         pieces = PIECES[state.dtype] if state.dtype != torch.float32 else split
+        TP, LP = max(16, triton.next_power_of_2(T)), max(16, triton.next_power_of_2(L))
+        S_IN = max(PIECES[t.dtype] for t in (x, B, C))
+        S_HIST = max(PIECES[t.dtype] for t in (history.x, history.B))
+        pre = variant == "mma_pre"
+        if pre:  # scratch of the precompute kernel: C B^T, C B_old^T per (row, group), fp32
+            cb = torch.empty(Bsz, G, TP, TP, device=x.device, dtype=torch.float32)
+            cbo = torch.empty(Bsz, G, TP, LP, device=x.device, dtype=torch.float32)
+            _replay_precompute_kernel[(Bsz, G)](
+                B, C, slot_ids, history.B, prev_num_accepted, buffer_index, cb, cbo, N,
+                *B.stride(), *C.stride(), *history.B.stride(), T=T, L=L, CHECKPOINT=history.checkpointing,
+                TP=TP, LP=LP, KN=max(16, BLOCK_N), S_IN=S_IN, S_HIST=S_HIST, INTERP=interpreter_active(),
+                num_warps=4)
+        else:
+            cb = cbo = A  # not read
         _replay_verify_mma_kernel[grid](
-            *args, TP=max(16, triton.next_power_of_2(T)), LP=max(16, triton.next_power_of_2(L)),
+            *args, cb, cbo, TP=TP, LP=LP,
             CHUNK_N=min(chunk_n, BLOCK_N) if chunk_n else min(cfg[2], BLOCK_N), NUM_STAGES=num_stages or cfg[3],
-            S_IN=max(PIECES[t.dtype] for t in (x, B, C)),
-            S_HIST=max(PIECES[t.dtype] for t in (history.x, history.B)), S_STATE=pieces, SPLIT=split,
-            INTERP=interpreter_active(), **common)
+            S_IN=S_IN, S_HIST=S_HIST, S_STATE=pieces, SPLIT=split, INTERP=interpreter_active(), PRE=pre,
+            **common)
     else:
         _replay_verify_kernel[grid](*args, BLOCK_T=triton.next_power_of_2(T), **common)
     return out
@@ -656,7 +758,7 @@ def replay_verify_ref(
     block_p: int | None = None,
     num_warps: int | None = None,
     variant: str | None = None,
-    split: int = 2,
+    split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
