@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runners.engine.cache import BatchMeta, KVCache
+from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
@@ -326,7 +327,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = self._experts(h, weights, indices)
+        routed = eager_op(self._experts)(h, weights, indices)  # grouped GEMMs: outside torch.compile
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         shared = self.shared_experts(flat)
