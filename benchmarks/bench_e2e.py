@@ -16,6 +16,17 @@ each request's first / decode seconds, the host's bookkeeping included) and spli
 -- drafting is draft + catchup -- or decode; host milliseconds: launch, wait, bookkeeping). A point that
 fails is a row with its error; the run goes on.
 
+How far each point is from its limit (``step_census``, on eager runs of the same padded step: the graphs'
+"eager_padded" mode runs the kernels a captured graph replays, and calls the Python hooks a replay skips):
+``floor_ms`` = the step's active weight bytes (``runners.engine.models.footprint.active_weight_bytes``: dense
+weights, the MTP module's when the step drafts, plus the distinct experts the step's tokens chose, counted
+from the routers' choices over a run as long as the timed one) / the copy bandwidth measured at the start of
+the run (a 1 GiB device-to-device copy timed with CUDA events, read + written bytes:
+``environment.copy_bandwidth_bytes_per_s``); ``floor_tokens_per_s`` the timed tokens per step at that floor
+(dotted in the plot); ``kernels_per_step``: device kernels per step under torch.profiler (memcpy / memset
+left out; None on the CPU). ``--compile on|off|both`` sets ``EngineOptions.compile`` per point (the row's
+``compile``; ``compile_seconds``: the compile before capture).
+
 Models:
 - ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
   MTP drafting on GSM8K text: their own acceptance length is measured and reported.
