@@ -203,6 +203,10 @@ class DecodeStep:
         # compiled code is specialised on the shapes: it runs the padded steps at the graph batch sizes (None:
         # compile exactly when graphs are captured); larger batches run the eager model
         self.compile = self.cuda_graphs if options.compile is None else bool(options.compile and sizes)
+        if options.compile and not sizes:  # (world_size > 1 and graphs off: runtime=gpu's default, quiet)
+            (log.info if cuda else log.warning)(
+                "compile=True is ignored: the step compiles at the graph batch sizes and this engine has "
+                "none (cuda_graph_batch_sizes is empty); the step runs eagerly")
         K = draft_len
         self.io = StepIO.allocate(max_batch_size, K, D, dtype, device)
         self.host = HostRing(max_batch_size, K + 1, device)
