@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.router import topk_route, topk_route_ref
 from runners.engine.cache import BatchMeta, KVCache
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
@@ -243,6 +244,11 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
+# batch 64 x T = 4); larger batches (prefill) take torch.topk. Not yet measured against torch.topk.
+ROUTER_KERNEL_MAX_TOKENS = 256
+
+
 class TopkRouter(nn.Module):
     """Top-k router, ``moe_scoring_func`` "sigmoid" (DeepSeek-V3 style, NemotronH) or "softmax" (Qwen3-Next).
 
@@ -250,7 +256,9 @@ class TopkRouter(nn.Module):
     softmax(x W^T) over experts, in float32. Sigmoid only: ``e_score_correction_bias`` is added for choosing
     experts only, and with n_group > 1 only the ``topk_group`` groups with the best top-2 score sums are
     eligible. The chosen raw scores are renormalised (``norm_topk_prob``) and multiplied by
-    ``routed_scaling_factor``. ``weight`` and the bias stay float32.
+    ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
+    ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens and
+    n_group = 1, its sort-free Triton kernel ``topk_route``.
     """
 
     def __init__(self, config: HybridConfig):
@@ -268,22 +276,11 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        if self.softmax:
-            scores = choice = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1 and not self.softmax:
-            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, n_group)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
-        indices = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, indices
+        kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
+                  norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
+        if logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+            return eager_op(topk_route)(logits, self.top_k, **kw)  # one kernel, no sort (kernels/router.py)
+        return topk_route_ref(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group, **kw)
 
 
 class MoE(nn.Module):
