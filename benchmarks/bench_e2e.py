@@ -17,7 +17,7 @@ each request's first / decode seconds, the host's bookkeeping included) and spli
 fails is a row with its error; the run goes on.
 
 How far each point is from its limit (``step_census``, on eager runs of the same padded step: the graphs'
-"eager_padded" mode runs the kernels a captured graph replays, and calls the Python hooks a replay skips):
+"eager_padded" mode runs the kernels a captured graph replays, and the Python a replay skips):
 ``floor_ms`` = the step's active weight bytes (``runners.engine.models.footprint.active_weight_bytes``: dense
 weights, the MTP module's when the step drafts, plus the distinct experts the step's tokens chose, counted
 from the routers' choices over a run as long as the timed one) / the copy bandwidth measured at the start of
@@ -219,7 +219,7 @@ KERNEL_STEPS = 4  # eager steps under torch.profiler per point (kernels per step
 def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
     """A point's distance from its limit, measured on eager runs of the same padded step (the graphs' mode
     "eager_padded": the padded batch and KV buckets the captured graphs replay, so the same kernels and the
-    same routing; a graph replay calls no Python hook):
+    same routing; a graph replay runs no Python):
 
     - the routers' choices over a run as long as the timed one (``ExpertChoiceCounter``): distinct experts per
       step per MoE block, hence the step's active weight bytes

@@ -9,6 +9,7 @@ import torch
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.footprint import ExpertChoiceCounter, active_weight_bytes, expert_bytes
 from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.layers import ROUTING_OBSERVERS
 
 F32 = 4  # bytes
 
@@ -82,4 +83,4 @@ def test_counter_counts_distinct_choices_per_step():
                 router.e_score_correction_bias.copy_(torch.tensor([0.0, 3.0, 2.0, 0.0]))
             model(torch.zeros(1, 1, dtype=torch.long))
         assert counter.mean_distinct() == {"layers.0.mixer": (2 + 2 + 2 + 4) / 4}
-    assert not router._forward_hooks  # removed on exit
+    assert not ROUTING_OBSERVERS  # removed on exit

@@ -14,8 +14,8 @@ the roofline model). The active bytes of one step are
   per-expert scales, divided by E).
 
 :class:`ExpertChoiceCounter` counts the distinct experts from the routers' choices while steps run eagerly
-(forward hooks on every ``TopkRouter``; a CUDA graph replay runs no Python, so a benchmark counts on an eager
-run of the same padded step); :func:`active_weight_bytes` turns the counts into bytes.
+(an observer of every MoE block's routing; a CUDA graph replay runs no Python, so a benchmark counts on an
+eager run of the same padded step); :func:`active_weight_bytes` turns the counts into bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from runners.engine.models.layers import MoE, TopkRouter
+from runners.engine.models.layers import ROUTING_OBSERVERS, MoE
 
 
 def _tensors(module: nn.Module):
@@ -113,12 +113,13 @@ def active_weight_bytes(model: nn.Module, distinct_experts: Mapping[str, float],
 class ExpertChoiceCounter:
     """Counts, per MoE block, the distinct routed experts each decode step's tokens choose.
 
-    Forward hooks on every ``TopkRouter`` of ``model`` mark the chosen expert ids in a per-block device mask
-    while a :meth:`step` is open (forwards outside, e.g. prefills, are not counted); closing the step adds
-    each mask's count to a device total and clears it (no host synchronisation: the totals are read once, by
-    :meth:`mean_distinct`). Hooks run only when Python runs the forward: count on eager steps (a CUDA graph
-    replay of the same step chooses the same experts but calls no hook). Use as a context manager (the hooks
-    are removed on exit).
+    An observer of every MoE block of ``model`` (``runners.engine.models.layers.ROUTING_OBSERVERS``: called
+    with the router's choices before the routed experts, outside torch.compile's code) marks the chosen
+    expert ids in a per-block device mask while a :meth:`step` is open (forwards outside, e.g. prefills, are
+    not counted); closing the step adds each mask's count to a device total and clears it (no host
+    synchronisation: the totals are read once, by :meth:`mean_distinct`). Observers run only when Python
+    runs the forward: count on eager steps (a CUDA graph replay of the same step chooses the same experts but
+    runs no Python). Use as a context manager (the observer is removed on exit).
     """
 
     def __init__(self, model: nn.Module):
@@ -126,21 +127,18 @@ class ExpertChoiceCounter:
         self._open = False
         self._seen: dict[str, torch.Tensor] = {}
         self._total: dict[str, torch.Tensor] = {}
-        self._hooks = []
+        self._names: dict[int, str] = {}
         for name, moe in moe_blocks(model, True).items():
-            router = moe.gate
-            if not isinstance(router, TopkRouter):
-                continue
-            dev = router.weight.device
-            self._seen[name] = torch.zeros(router.num_experts, dtype=torch.bool, device=dev)
+            dev = moe.gate.weight.device
+            self._names[id(moe)] = name
+            self._seen[name] = torch.zeros(moe.gate.num_experts, dtype=torch.bool, device=dev)
             self._total[name] = torch.zeros((), dtype=torch.long, device=dev)
-            self._hooks.append(router.register_forward_hook(self._hook(name)))
+        ROUTING_OBSERVERS.append(self._observe)
 
-    def _hook(self, name: str):
-        def hook(module, args, output):
-            if self._open:
-                self._seen[name][output[1].flatten()] = True
-        return hook
+    def _observe(self, moe: MoE, indices: torch.Tensor) -> None:
+        name = self._names.get(id(moe))
+        if self._open and name is not None:
+            self._seen[name][indices.flatten()] = True
 
     @contextmanager
     def step(self):
@@ -162,9 +160,9 @@ class ExpertChoiceCounter:
         return {name: int(t) / n for name, t in self._total.items() if int(t) > 0}
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        """Stop observing (idempotent)."""
+        if self._observe in ROUTING_OBSERVERS:
+            ROUTING_OBSERVERS.remove(self._observe)
 
     def __enter__(self) -> ExpertChoiceCounter:
         return self

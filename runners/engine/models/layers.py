@@ -324,7 +324,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = eager_op(self._experts)(h, weights, indices)  # grouped GEMMs: outside torch.compile
+        routed = eager_op(_routed_experts)(self, h, weights, indices)  # grouped GEMMs: outside torch.compile
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         shared = self.shared_experts(flat)
@@ -341,6 +341,18 @@ class MoE(nn.Module):
         per-expert loop it is tested against)."""
         fn = moe_experts_ref if self.experts_impl == "ref" else moe_experts_fused
         return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
+
+
+# observer(moe, indices [N, k] int64) callables run before every MoE block's routed experts, eagerly (outside
+# torch.compile's code, so registering one recompiles nothing); ExpertChoiceCounter
+# (runners/engine/models/footprint.py) registers one to count the experts a step chooses.
+ROUTING_OBSERVERS: list = []
+
+
+def _routed_experts(moe: MoE, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    for observe in ROUTING_OBSERVERS:
+        observe(moe, indices)
+    return moe._experts(h, weights, indices)
 
 
 _STACKED_EXPERTS = re.compile(
