@@ -173,8 +173,11 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
         "device_peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "compile_seconds": engine.step.compile_seconds,
     })
+    engine.phase_timer = None  # the census's steps are not the timed run's
     try:
         row.update(step_census(engine, prompts[:B], new, K, args))
+        if row.get("floor_ms") and s.steps:  # the timed run's tokens per step, at the floor's step time
+            row["floor_tokens_per_s"] = 1e3 * (decode_tokens / s.steps) / row["floor_ms"]
     except Exception as e:  # noqa: BLE001 - the timing stands without its floor; say why it is missing
         row["census_error"] = f"{type(e).__name__}: {e}"
     engine.graphs.reset()
@@ -224,8 +227,8 @@ def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
     - the routers' choices over a run as long as the timed one (``ExpertChoiceCounter``): distinct experts per
       step per MoE block, hence the step's active weight bytes
       (``runners.engine.models.footprint.active_weight_bytes``) and ``floor_ms`` = active bytes / the run's
-      copy bandwidth (``environment.copy_bandwidth_bytes_per_s``); ``floor_tokens_per_s`` = the timed run's
-      tokens per step / floor;
+      copy bandwidth (``environment.copy_bandwidth_bytes_per_s``) (``engine_point`` adds
+      ``floor_tokens_per_s`` = the timed run's tokens per step / floor);
     - ``kernels_per_step``: device kernels (memcpy / memset not counted) of :data:`KERNEL_STEPS` steps under
       torch.profiler, per step; None on the CPU (no device kernels).
     """
@@ -245,7 +248,7 @@ def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
 
             engine._launch = counted
             try:
-                res = engine.generate(prompts, new_tokens, stop_token_ids=[])
+                engine.generate(prompts, new_tokens, stop_token_ids=[])
             finally:
                 del engine._launch
             distinct, steps = counter.mean_distinct(), counter.steps
@@ -254,12 +257,10 @@ def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
         active = active_weight_bytes(engine.model, distinct, include_mtp=K > 0, embedding_rows=lookups)
         bw = args.copy_bandwidth
         floor_ms = 1e3 * active["total_bytes"] / bw
-        tokens_per_step = (res.stats.generated_tokens - B) / max(res.stats.steps, 1)
         out.update({
             "census_steps": steps, "active_weight_bytes": active["total_bytes"],
             "dense_weight_bytes": active["dense_bytes"], "expert_weight_bytes": active["expert_bytes"],
             "distinct_experts_per_step": sum(distinct.values()), "floor_ms": floor_ms,
-            "floor_tokens_per_s": 1e3 * tokens_per_step / floor_ms,
         })
         out["kernels_per_step"] = None
         if dev.type == "cuda":
