@@ -5,7 +5,7 @@ float32; two requests of one length, so one padded batch size is compiled):
 - the compiled step gives the tokens of the eager step and every live cache row to float32 tolerance, plain
   decoding and MTP + replay; the compile seconds are reported per (batch size, KV bound) and in the stats;
 - the hand-written operators stay outside the compiled code (they are called through ``eager_op``);
-- ``compile=False`` (and the CPU default) runs the eager path: the compiled call is never made;
+- ``compile=False`` (the default) runs the eager path: the compiled call is never made;
 - the option's plumbing: runtime.compile through ``engine_options``, its check.
 GPU (``gpu`` marker, the shipped tiny checkpoints in float32): compiled + captured steps equal compiled eager
 padded steps bitwise (tokens, counters, live cache rows); compiled tokens equal uncompiled greedy tokens.
@@ -97,8 +97,8 @@ def test_compile_off_is_the_eager_path(ckpt, monkeypatch):
         raise AssertionError("compiled_block_call used with compile off")
 
     monkeypatch.setattr(hybrid, "compiled_block_call", refuse)
-    for compile_ in (False, None):  # None on the CPU: no graphs, so no compile
-        engine, out = _generate(ckpt, compile_, 0, False)
+    default = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=64))  # compile off
+    for engine, out in (_generate(ckpt, False, 0, False), (default, default.generate(PROMPTS, NEW))):
         assert not engine.step.compile and out.stats.compile_seconds == 0 and engine.step.compile_times == {}
         assert engine.model.block_call is hybrid.eager_block_call
     engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=64, compile=True))
@@ -114,6 +114,7 @@ def test_compile_option_plumbing():
 
     with pytest.raises(ValueError, match="compile='yes'"):
         EngineOptions(compile="yes").validate()
+    assert EngineOptions().compile is False
     name = "tiny_nemotron_h_mtp"
     cases = {(): False, ("runtime=gpu",): True, ("runtime=gpu", "runtime.compile=false"): False,
              ("runtime.compile=true",): True}

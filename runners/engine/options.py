@@ -76,9 +76,10 @@ class EngineOptions:
         compile: run the decode step's residual blocks (target and MTP) through torch.compile (inductor,
             static shapes; runners.engine.compile) at the graph batch sizes (``cuda_graph_batch_sizes``),
             compiled once per padded batch size and KV bucket before capture; larger batches run the eager
-            model. Without graphs (the CPU) the compiled steps run padded and eagerly. None: on exactly when
-            CUDA graphs are (off on the CPU: inductor's CPU code is unmeasured against eager there). The
-            recurrent kernels, routed experts and quantized GEMMs stay outside the compiled code.
+            model. Without graphs (the CPU) the compiled steps run padded and eagerly. Off by default here;
+            a run's ``runtime.compile`` turns it on (configs/runtime/gpu.yaml: true; cpu.yaml: false, as
+            inductor's CPU code is unmeasured against eager there). The recurrent kernels, routed experts
+            and quantized GEMMs stay outside the compiled code.
         check_finite: flag NaN / infinite outputs of every layer in each forward
             (``GenerationOutput.nonfinite``).
         prefix_cache: reuse cached prompt prefixes (runners.engine.prefix_cache); the engine still turns it
@@ -105,7 +106,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     overlap_steps: bool | None = None
-    compile: bool | None = None
+    compile: bool = False
     check_finite: bool = True
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
@@ -171,8 +172,8 @@ class EngineOptions:
         if self.ssm_replay_checkpointing and not self.ssm_replay:
             raise ValueError("ssm_replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or "
                              "drop it")
-        if self.compile is not None and not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r} must be True, False or None (on with CUDA)")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True or False")
         if self.ssm_backend is not None and self.ssm_backend not in SSM_BACKENDS:
             raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {list(SSM_BACKENDS)}")
         if self.kv_cache_quant not in KV_CACHE_DTYPES:

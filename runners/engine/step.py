@@ -200,9 +200,9 @@ class DecodeStep:
             raise ValueError(
                 f"cuda_graph_batch_sizes {sizes} must lie in [1, max_batch_size={max_batch_size}]")
         self.cuda_graphs = bool(cuda_graphs and sizes)
-        # compiled code is specialised on the shapes: it runs the padded steps at the graph batch sizes (None:
-        # compile exactly when graphs are captured); larger batches run the eager model
-        self.compile = self.cuda_graphs if options.compile is None else bool(options.compile and sizes)
+        # compiled code is specialised on the shapes: it runs the padded steps at the graph batch sizes;
+        # larger batches run the eager model
+        self.compile = bool(options.compile and sizes)
         if options.compile and not sizes:  # (world_size > 1 and graphs off: runtime=gpu's default, quiet)
             (log.info if cuda else log.warning)(
                 "compile=True is ignored: the step compiles at the graph batch sizes and this engine has "
