@@ -17,6 +17,17 @@ each request's first / decode seconds, the host's bookkeeping included) and spli
 -- drafting is draft + catchup -- or decode; host milliseconds: launch, wait, bookkeeping). A point that
 fails is a row with its error; the run goes on.
 
+How far each point is from its limit (``step_census``, on eager runs of the same padded step: the graphs'
+"eager_padded" mode runs the kernels a captured graph replays, and the Python a replay skips):
+``floor_ms`` = the step's active weight bytes (``runners.engine.models.footprint.active_weight_bytes``: dense
+weights, the MTP module's when the step drafts, plus the distinct experts the step's tokens chose, counted
+from the routers' choices over a run as long as the timed one) / the copy bandwidth measured at the start of
+the run (a 1 GiB device-to-device copy timed with CUDA events, read + written bytes:
+``environment.copy_bandwidth_bytes_per_s``); ``floor_tokens_per_s`` the timed tokens per step at that floor
+(dotted in the plot); ``kernels_per_step``: device kernels per step under torch.profiler (memcpy / memset
+left out; None on the CPU). ``--compile on|off|both`` sets ``EngineOptions.compile`` per point (the row's
+``compile``; ``compile_seconds``: the compile before capture).
+
 Models:
 - ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
   MTP drafting on GSM8K text: their own acceptance length is measured and reported.
@@ -107,8 +118,8 @@ def new_tokens_for(args, K: int) -> int:
 
 
 def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts, args, *, forced: bool,
-                 profile_dir: Path | None = None) -> dict:
-    """Time one (model, arm, batch, graphs) point (see the module docstring). Returns its row."""
+                 profile_dir: Path | None = None, compile_: bool = False) -> dict:
+    """Time one (model, arm, batch, graphs, compile) point (see the module docstring). Returns its row."""
     import torch
 
     from runners.engine import Engine
@@ -123,8 +134,10 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
     row = {"model": model_name, "arm": arm, "batch": B, "graphs": graphs, "draft_len": K, "ssm_replay": replay,
            "dtype": str(dtype).removeprefix("torch."), "forced_acceptance_length": args.accept_length
            if forced and K else None, "prompt_len": args.prompt_len, "new_tokens": new}
+    row["compile"] = compile_
     engine = Engine(model, EngineOptions(dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
-                                         max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B]), device=dev)
+                                         max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B],
+                                         compile=compile_), device=dev)
     row["graphs"] = engine.step.cuda_graphs  # what runs: off on the CPU
     if forced and K:
         engine.force_acceptance(args.accept_length)
@@ -167,10 +180,128 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
         "acceptance_length": s.acceptance_length,
         "device_ms_per_step": split["device"], "host_ms_per_step": split["host"],
         "device_peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        "compile_seconds": engine.step.compile_seconds,
     })
+    engine.phase_timer = None  # the census's steps are not the timed run's
+    try:
+        row.update(step_census(engine, prompts[:B], new, K, args))
+        if row.get("floor_ms") and s.steps:  # the timed run's tokens per step, at the floor's step time
+            row["floor_tokens_per_s"] = 1e3 * (decode_tokens / s.steps) / row["floor_ms"]
+    except Exception as e:  # noqa: BLE001 - the timing stands without its floor; say why it is missing
+        row["census_error"] = f"{type(e).__name__}: {e}"
     engine.graphs.reset()
     del engine, out
     return row
+
+
+# ------------------------------------------------------------------------------------------ floor
+
+
+def copy_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> float:
+    """Bytes moved per second (read + written: 2 x the tensor's bytes per copy) by a large device-to-device
+    tensor copy, timed with CUDA events (perf_counter on the CPU); the bandwidth a step's weight reads are held
+    to. ``nbytes``: the tensor (default 1 GiB on CUDA, 64 MiB on the CPU)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    nbytes = nbytes or (2**30 if cuda else 2**26)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * nbytes * reps / seconds
+
+
+KERNEL_STEPS = 4  # eager steps under torch.profiler per point (kernels per step is the same every step)
+
+
+def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
+    """A point's distance from its limit, measured on eager runs of the same padded step (the graphs' mode
+    "eager_padded": the padded batch and KV buckets the captured graphs replay, so the same kernels and the
+    same routing; a graph replay runs no Python):
+
+    - the routers' choices over a run as long as the timed one (``ExpertChoiceCounter``): distinct experts per
+      step per MoE block, hence the step's active weight bytes
+      (``runners.engine.models.footprint.active_weight_bytes``) and ``floor_ms`` = active bytes / the run's
+      copy bandwidth (``environment.copy_bandwidth_bytes_per_s``) (``engine_point`` adds
+      ``floor_tokens_per_s`` = the timed run's tokens per step / floor);
+    - ``kernels_per_step``: device kernels (memcpy / memset not counted) of :data:`KERNEL_STEPS` steps under
+      torch.profiler, per step; None on the CPU (no device kernels).
+    """
+    import torch
+
+    from runners.engine.models.footprint import ExpertChoiceCounter, active_weight_bytes
+
+    dev = engine.device
+    graphs, mode = engine.graphs, engine.graphs.mode
+    graphs.mode = "eager_padded"
+    out: dict = {"census": "eager_padded steps (the padded shapes the graphs replay)"}
+    try:
+        with ExpertChoiceCounter(engine.model) as counter:
+            def counted(*a, **kw):
+                with counter.step():
+                    return type(engine)._launch(engine, *a, **kw)
+
+            engine._launch = counted
+            try:
+                engine.generate(prompts, new_tokens, stop_token_ids=[])
+            finally:
+                del engine._launch
+            distinct, steps = counter.mean_distinct(), counter.steps
+        B = len(prompts)
+        lookups = B if K == 0 else B * (3 * K + 1)  # verify K + 1, drafts K - 1, catch-up K + 1 tokens
+        active = active_weight_bytes(engine.model, distinct, include_mtp=K > 0, embedding_rows=lookups)
+        bw = args.copy_bandwidth
+        floor_ms = 1e3 * active["total_bytes"] / bw
+        out.update({
+            "census_steps": steps, "active_weight_bytes": active["total_bytes"],
+            "dense_weight_bytes": active["dense_bytes"], "expert_weight_bytes": active["expert_bytes"],
+            "distinct_experts_per_step": sum(distinct.values()), "floor_ms": floor_ms,
+        })
+        out["kernels_per_step"] = None
+        if dev.type == "cuda":
+            from torch.autograd import DeviceType
+            from torch.profiler import ProfilerActivity, profile
+
+            prof, n = None, 0
+
+            def profiled(*a, **kw):
+                nonlocal prof, n
+                if prof is None:  # from the first step on: the prefill is not counted
+                    torch.cuda.synchronize(dev)
+                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    prof.__enter__()
+                n += 1
+                return type(engine)._launch(engine, *a, **kw)
+
+            engine._launch = profiled
+            try:
+                engine.generate(prompts, 1 + KERNEL_STEPS * (K + 1), stop_token_ids=[])
+                torch.cuda.synchronize(dev)
+            finally:
+                del engine._launch
+                if prof is not None:
+                    prof.__exit__(None, None, None)
+            kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                       and not e.name.startswith(("Memcpy", "Memset"))]
+            out["kernels_per_step"] = len(kernels) / max(n, 1)
+            out["kernel_steps"] = n
+    finally:
+        graphs.mode = mode
+    return out
 
 
 def hf_point(path: Path, B: int, prompts, args) -> dict:
@@ -246,7 +377,8 @@ def evaluate_targets(rows: list[dict]) -> dict:
 
 def plot(report: dict, path: Path) -> None:
     """Decode tokens/s against batch size, one panel per model: arms by colour, graphs solid, eager dashed,
-    HF transformers as black crosses on the tiny panels."""
+    compiled (``--compile``) square markers, each arm's weight-read floor (``floor_tokens_per_s``) dotted with triangles, HF transformers as black
+    crosses on the tiny panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -261,11 +393,17 @@ def plot(report: dict, path: Path) -> None:
     for ax, m in zip(axes[0], models):
         for arm, c in colours.items():
             for graphs in (True, False):
-                pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows
-                             if r.get("model") == m and r["arm"] == arm and bool(r["graphs"]) == graphs)
-                if pts:
-                    ax.plot(*zip(*pts), color=c, ls="-" if graphs else "--", marker="o",
-                            label=f"{arm} {'graphs' if graphs else 'eager'}")
+                for comp in (False, True):
+                    pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows
+                                 if r.get("model") == m and r["arm"] == arm and bool(r["graphs"]) == graphs
+                                 and bool(r.get("compile")) == comp)
+                    if pts:
+                        ax.plot(*zip(*pts), color=c, ls="-" if graphs else "--", marker="s" if comp else "o",
+                                label=f"{arm} {'graphs' if graphs else 'eager'}{' compiled' if comp else ''}")
+            floor = sorted({r["batch"]: r["floor_tokens_per_s"] for r in rows if r.get("model") == m
+                            and r["arm"] == arm and r.get("floor_tokens_per_s")}.items())
+            if floor:  # the weight-read floor as tokens/s: what the arm would reach at the copy bandwidth
+                ax.plot(*zip(*floor), color=c, ls=":", marker="v", alpha=0.6, label=f"{arm} floor")
         hf = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows if r.get("model") == f"hf_{m}")
         if hf:
             ax.plot(*zip(*hf), "kx", ls=":", label="HF generate")
@@ -312,8 +450,9 @@ class Run:
     def add(self, row: dict) -> None:
         row["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         self.report["rows"].append(row)
-        brief = {k: row.get(k) for k in ("model", "arm", "batch", "graphs", "decode_tokens_per_s", "step_ms",
-                                         "acceptance_length", "error", "skipped")}
+        brief = {k: row.get(k) for k in ("model", "arm", "batch", "graphs", "compile", "decode_tokens_per_s",
+                                         "step_ms", "floor_ms", "kernels_per_step", "acceptance_length",
+                                         "error", "skipped")}
         say(f"[{row['elapsed_s']:7.1f} s] " + json.dumps({k: v for k, v in brief.items() if v is not None}))
         self.save()
 
@@ -361,10 +500,11 @@ def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
     for B in args.batch_sizes:
         for arm in args.arms:
             for graphs in args.graphs:
-                label = dict(model=name, arm=arm, batch=B, graphs=graphs)
-                run.point(lambda m=model, a=arm, b=B, g=graphs: engine_point(m, name, a, b, g, prompts, args,
-                                                                              forced=forced), **label)
-                cleanup(args.device)
+                for comp in args.compile:
+                    label = dict(model=name, arm=arm, batch=B, graphs=graphs, compile=comp)
+                    run.point(lambda m=model, a=arm, b=B, g=graphs, c=comp: engine_point(
+                        m, name, a, b, g, prompts, args, forced=forced, compile_=c), **label)
+                    cleanup(args.device)
     model = None  # the last reference: its memory goes before the next model is built
     cleanup(args.device)
 
@@ -376,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--graphs", default="both", choices=["both", "on", "off"])
+    p.add_argument("--compile", default="off", choices=["both", "on", "off"],
+                   help="EngineOptions.compile (torch.compile of the step's per-layer math) per point")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per point (about)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--hf-steps", type=int, default=32, help="tokens HF generate times per point")
@@ -406,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1.0 <= args.accept_length <= 4.0:
         p.error(f"--accept-length {args.accept_length} must lie in [1, K + 1 = 4]")
     args.graphs = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
+    args.compile = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
     profile = None
     if args.profile:
         bits = args.profile.split(":")
@@ -435,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
             say("note: no CUDA graphs on the CPU: every point runs eagerly (graphs=false)")
             args.graphs = [False]
     dtype = getattr(torch, args.dtype)
+    args.copy_bandwidth = copy_bandwidth(dev)
     run = Run(args)
+    run.report["environment"]["copy_bandwidth_bytes_per_s"] = args.copy_bandwidth
     say(f"bench_e2e: parts {parts}, batches {args.batch_sizes}, arms {args.arms}, graphs {args.graphs}, "
         f"{args.steps} steps per point -> {run.out}")
     max_b = max(args.batch_sizes + ([profile[2]] if profile else []))
@@ -488,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         run.report["models"][name] = info
         forced = name in SYNTH or name in FULL or args.tiny_forced
         run.point(lambda: engine_point(model, name, arm, B, graphs, prompts, args, forced=forced,
-                                       profile_dir=run.out), model=name, arm=arm, batch=B, graphs=graphs)
+                                       profile_dir=run.out, compile_=args.compile[-1]),
+                  model=name, arm=arm, batch=B, graphs=graphs)
         return 0
 
     if "tiny" in parts:

@@ -180,6 +180,7 @@ def build_results(
             "eval_seconds": eval_seconds,
             "prefill_seconds": prefill_s,
             "decode_seconds": decode_s,
+            "compile_seconds": stats.get("compile_seconds", 0.0),  # torch.compile of the step
             "prefill_tokens_per_s": _rate(stats.get("timing_prompt_tokens", 0), prefill_s),
             "decode_tokens_per_s": _rate(stats.get("timing_generated_tokens", 0), decode_s),
         },

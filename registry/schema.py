@@ -223,6 +223,9 @@ class RuntimeConfig:
     # on, only in float32 compute with a float32 SSM state (prefix_cache_off_reason)
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # the most its entries may take; None: the engine's default
+    # torch.compile (inductor) of the decode step's per-layer math (runners/engine/compile.py);
+    # configs/runtime/gpu.yaml turns it on
+    compile: bool = False
 
 
 @dataclass

@@ -158,7 +158,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     want = EngineOptions(dtype="float32", draft_len=3, ssm_replay=True, max_batch_size=16, max_seq_len=4096,
                          ssm_state_dtype="float32", ssm_backend="torch", ssm_replay_checkpointing=False,
                          kv_cache_quant="none", cuda_graphs=False, cuda_graph_batch_sizes=[],
-                         ssm_stochastic_rounding=False, prefix_cache=True, prefix_cache_bytes=None)
+                         ssm_stochastic_rounding=False, prefix_cache=True, prefix_cache_bytes=None,
+                         compile=False)  # configs/runtime/cpu.yaml: runtime.compile false
     assert kwargs == dict(device="cpu", **asdict(want))
     (call,) = fakes
     assert call["tokenizer_path"] == str(ckpt / "tokenizer.json")

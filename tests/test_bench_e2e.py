@@ -54,6 +54,16 @@ def test_cpu_run_reports_every_point(tmp_path):
         phases = {"decode"} if r["arm"] == "plain" else {"draft", "verify", "commit", "catchup"}
         assert set(r["device_ms_per_step"]) == phases
         assert {"launch", "wait", "bookkeeping"} <= set(r["host_ms_per_step"])
+        # the floor: active weight bytes (dense + distinct chosen experts) over the run's copy bandwidth
+        assert not r.get("census_error") and r["census_steps"] >= 1 and r["compile"] is False
+        assert r["active_weight_bytes"] == r["dense_weight_bytes"] + r["expert_weight_bytes"] > 0
+        bw = report["environment"]["copy_bandwidth_bytes_per_s"]
+        assert r["floor_ms"] == pytest.approx(1e3 * r["active_weight_bytes"] / bw)
+        assert r["floor_tokens_per_s"] > 0 and r["kernels_per_step"] is None  # no device kernels on the CPU
+    distinct = {r["arm"]: r["distinct_experts_per_step"] for r in engine_rows if r["model"] == "super_v3"}
+    # 4 layers (Mamba2, MoE, attention, Mamba2) with 8 experts, top-k 8: every expert, every step; the MTP
+    # module's MoE block adds its 8 when the step drafts
+    assert distinct == {"plain": 8, "replay": 16}
     synth = [r for r in engine_rows if r["model"] == "super_v3" and r["arm"] == "replay"]
     assert synth and all(r["forced_acceptance_length"] == 2.6 for r in synth)
     assert all(abs(r["acceptance_length"] - 2.6) < 0.7 for r in synth)  # 2 steps: 2 or 3 tokens each

@@ -56,6 +56,7 @@ from kernels.commit import (
     rewind_commit_ref,
 )
 from kernels.rounding import SR_DTYPES, StochasticRounding
+from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.fp8 import FP8_DTYPE, quantize_fp8
 
@@ -70,8 +71,10 @@ Op = TypeVar("Op", bound=Callable)
 def kernel_or_reference(ssm_backend: str, kernel: Op, reference: Op) -> Op:
     """The implementation of a recurrent-state operator under ``ssm_backend``: its Triton ``kernel`` for
     "triton" and "flashinfer" (FlashInfer's own kernel replaces only the Mamba2 rewind verify, in the mixer),
-    its PyTorch ``reference`` (same signature, the ``*_ref`` beside it in kernels/) for "torch"."""
-    return reference if ssm_backend == "torch" else kernel
+    its PyTorch ``reference`` (same signature, the ``*_ref`` beside it in kernels/) for "torch". Under
+    torch.compile (``EngineOptions.compile``) either runs outside the compiled region
+    (``runners.engine.compile.eager_op``)."""
+    return eager_op(reference if ssm_backend == "torch" else kernel)
 
 
 @dataclass

@@ -529,10 +529,12 @@ class Engine:
         self.model.take_nonfinite()  # flags of earlier forwards (e.g. Engine.logits) are not this call's
         run = Generation(self, prompts, max_new_tokens, stop_ids, stop_checker, on_finish, report)
         self._stats = run.stats  # _prefill adds the prefix-cache counters
+        compiled_before = self.step.compile_seconds
         try:
             run.run()
         finally:
             self._stats = None
+        run.stats.compile_seconds = self.step.compile_seconds - compiled_before
         if bar is not None:
             bar.close()
         run.stats.generated_tokens = sum(map(len, run.out_tokens))

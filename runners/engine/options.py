@@ -73,6 +73,13 @@ class EngineOptions:
         cuda_graph_batch_sizes: the padded batch sizes captured (each in [1, max_batch_size]); None: 1, 2, 4,
             ... and max_batch_size; larger batches run eagerly.
         overlap_steps: queue the next decode step before this one's host bookkeeping; None: on with CUDA.
+        compile: run the decode step's residual blocks (target and MTP) through torch.compile (inductor,
+            static shapes; runners.engine.compile) at the graph batch sizes (``cuda_graph_batch_sizes``),
+            compiled once per padded batch size and KV bucket before capture; larger batches run the eager
+            model. Without graphs (the CPU) the compiled steps run padded and eagerly. Off by default here;
+            a run's ``runtime.compile`` turns it on (configs/runtime/gpu.yaml: true; cpu.yaml: false, as
+            inductor's CPU code is unmeasured against eager there). The recurrent kernels, routed experts
+            and quantized GEMMs stay outside the compiled code.
         check_finite: flag NaN / infinite outputs of every layer in each forward
             (``GenerationOutput.nonfinite``).
         prefix_cache: reuse cached prompt prefixes (runners.engine.prefix_cache); the engine still turns it
@@ -99,6 +106,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     overlap_steps: bool | None = None
+    compile: bool = False
     check_finite: bool = True
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
@@ -164,6 +172,8 @@ class EngineOptions:
         if self.ssm_replay_checkpointing and not self.ssm_replay:
             raise ValueError("ssm_replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or "
                              "drop it")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True or False")
         if self.ssm_backend is not None and self.ssm_backend not in SSM_BACKENDS:
             raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {list(SSM_BACKENDS)}")
         if self.kv_cache_quant not in KV_CACHE_DTYPES:
@@ -202,4 +212,5 @@ def engine_options(rr: ResolvedRun) -> EngineOptions:
         cuda_graph_batch_sizes=tuple(rr.cuda_graph_batch_sizes),
         prefix_cache=runtime.prefix_cache,
         prefix_cache_bytes=runtime.prefix_cache_bytes,
+        compile=runtime.compile,
     ).validate()

@@ -47,6 +47,7 @@ from torch import nn
 
 from registry.checkpoint import CheckpointError
 from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, QuantConfig
+from runners.engine.compile import eager_op
 from runners.engine.models import block_fp8 as bf8
 from runners.engine.models import nvfp4 as nf4
 from runners.engine.models.config import family_module
@@ -106,7 +107,7 @@ class FP8Linear(nn.Module):
                    bias_dtype=bias.dtype if bias is not None else torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        return eager_op(fp8_linear)(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
@@ -181,7 +182,7 @@ class BlockFP8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bf8.block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        return eager_op(bf8.block_fp8_linear)(x, self.weight, self.weight_scale_inv, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
@@ -212,7 +213,7 @@ class NVFP4Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nf4.nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
+        return eager_op(nf4.nvfp4_linear)(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None

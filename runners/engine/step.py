@@ -40,6 +40,7 @@ import torch
 
 from kernels._common import PAD_SLOT_ID
 from runners.engine.cache import BatchMeta, HybridCache
+from runners.engine.compile import COMPILE_WARN_SECONDS
 from runners.engine.graphs import (
     HostBlock,
     HostRing,
@@ -169,6 +170,9 @@ class DecodeStep:
         slots: the :class:`SlotState`; io: the ``StepIO`` buffers; graphs: the ``StepGraphs``;
         cuda_graphs: whether steps replay CUDA graphs; phase_timer: a ``PhaseTimer`` (None: off);
         row_start: ``BatchMeta.row_start`` of the eager step running (set by :meth:`launch`).
+        compile: whether the phases run the model's blocks through torch.compile (``EngineOptions.compile``,
+            runners.engine.compile); compile_seconds: wall seconds spent compiling so far (all sizes);
+            compile_times: {(B, L): seconds} per padded batch size and KV bound compiled.
 
     Raises:
         ValueError: a graph batch size outside [1, max_batch_size].
@@ -196,6 +200,13 @@ class DecodeStep:
             raise ValueError(
                 f"cuda_graph_batch_sizes {sizes} must lie in [1, max_batch_size={max_batch_size}]")
         self.cuda_graphs = bool(cuda_graphs and sizes)
+        # compiled code is specialised on the shapes: it runs the padded steps at the graph batch sizes;
+        # larger batches run the eager model
+        self.compile = bool(options.compile and sizes)
+        if options.compile and not sizes:  # (world_size > 1 and graphs off: runtime=gpu's default, quiet)
+            (log.info if cuda else log.warning)(
+                "compile=True is ignored: the step compiles at the graph batch sizes and this engine has "
+                "none (cuda_graph_batch_sizes is empty); the step runs eagerly")
         K = draft_len
         self.io = StepIO.allocate(max_batch_size, K, D, dtype, device)
         self.host = HostRing(max_batch_size, K + 1, device)
@@ -204,7 +215,13 @@ class DecodeStep:
                       "catchup": self.phase_catchup}
         else:
             phases = {"decode": self.phase_decode}
-        self.graphs = StepGraphs(phases, self.io, sizes if self.cuda_graphs else (), self.max_seq_len, device)
+        self.compile_seconds, self.compile_times = 0.0, {}
+        if self.compile:  # graphs capture (and eager padded steps run) the compiled phases
+            phases = {name: self._compiled_phase(fn) for name, fn in phases.items()}
+        padded = self.cuda_graphs or self.compile
+        self.graphs = StepGraphs(phases, self.io, sizes if padded else (), self.max_seq_len, device)
+        if not self.cuda_graphs:  # compiled without graphs: the same padded steps, run eagerly
+            self.graphs.mode = "eager_padded"
         self.forced: ForcedAcceptance | None = None
         self.phase_timer: PhaseTimer | None = None
         self.row_start: int | None = None
@@ -224,7 +241,9 @@ class DecodeStep:
         t0 = time.perf_counter()
         n = len(slots)
         B, L, graphed = self.graphs.plan(n, kv_bound)
-        self.graphs.ensure(B, L, graphed)  # capture first: it leaves the static slot ids all PAD
+        if graphed:
+            self.compile_for(B, L)  # compile, then capture: both leave the static slot ids all PAD
+        self.graphs.ensure(B, L, graphed)
         block = self.host.acquire()
         block.slot_ids[:B] = PAD_SLOT_ID
         block.slot_ids[:n] = torch.tensor(slots, dtype=torch.long)
@@ -234,7 +253,8 @@ class DecodeStep:
         # same values); a captured graph reads through the slot ids, whatever they are at replay
         eager = not graphed or self.graphs.mode != "graph"
         consecutive = B == n and slots == list(range(slots[0], slots[0] + n))
-        self.row_start = slots[0] if eager and consecutive else None
+        # (not when compiled: the code would be specialised on each start row)
+        self.row_start = slots[0] if eager and consecutive and not (self.compile and graphed) else None
         try:
             marks = self.graphs.run(B, L, graphed, timed=self.phase_timer is not None)
         finally:
@@ -278,7 +298,7 @@ class DecodeStep:
             ValueError: a batch size that is not one of the captured sizes.
         """
         graphs = self.graphs
-        if not graphs.enabled:
+        if not self.cuda_graphs:
             return 0
         sizes = graphs.batch_sizes if batch_sizes is None else list(batch_sizes)
         if set(sizes) - set(graphs.batch_sizes):
@@ -292,9 +312,48 @@ class DecodeStep:
         for B in sizes:
             for L in buckets:
                 if (B, L) not in graphs.graphs:
+                    self.compile_for(B, L)
                     graphs.capture(B, L)
                     done += 1
         return done
+
+    # ------------------------------------------------------------------ torch.compile (engine/compile.py)
+
+    def _compiled_phase(self, phase):
+        """``phase`` running the model's blocks compiled at the graph batch sizes, eagerly at other B."""
+        def run(B: int, L: int) -> None:
+            with self.model.compiled_blocks(B in self.graphs.batch_sizes):
+                phase(B, L)
+        run.__name__ = phase.__name__
+        return run
+
+    def compile_for(self, B: int, L: int) -> float:
+        """Compile the phases at padded batch size B and KV bound L if :attr:`compile` is on and they are not
+        yet: every phase runs twice over PAD rows only (as a capture's warm-up: no live slot is touched), so
+        dynamo traces, inductor compiles and autotunes here, never inside a capture. Returns the seconds
+        spent (0 when nothing was compiled); adds them to :attr:`compile_seconds` and warns once when the
+        total passes ``runners.engine.compile.COMPILE_WARN_SECONDS``. Leaves ``io.slot_ids[:B]`` all PAD."""
+        if not self.compile or (B, L) in self.compile_times or B not in self.graphs.batch_sizes:
+            return 0.0
+        t0 = time.perf_counter()
+        self.io.slot_ids[:B].fill_(PAD_SLOT_ID)
+        with torch.inference_mode():
+            for _ in range(2):  # the second pass: any recompile a first run's side effects cause
+                for phase in self.graphs.phases.values():
+                    phase(B, L)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        before = self.compile_seconds
+        self.compile_times[(B, L)] = seconds
+        self.compile_seconds += seconds
+        if before <= COMPILE_WARN_SECONDS < self.compile_seconds:
+            log.warning("torch.compile of the decode step has taken %.0f s (batch sizes and KV bounds %s), "
+                        "more than %.0f s; set runtime.compile=false (EngineOptions.compile=False) for the "
+                        "eager step, or capture fewer batch sizes", self.compile_seconds,
+                        sorted(self.compile_times), COMPILE_WARN_SECONDS)
+        log.info("compiled the decode step at batch %d, KV bound %d in %.1f s", B, L, seconds)
+        return seconds
 
     # ------------------------------------------------------------------ slot state written by the prefill
 

@@ -16,12 +16,14 @@ call. A NaN propagates to every later layer, so the first flagged name is where 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from runners.engine.cache import BatchMeta, HybridCache
+from runners.engine.compile import compiled_block_call, eager_block_call
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm
@@ -81,6 +83,7 @@ class MTPModule(nn.Module):
         self.blocks = _build_blocks(config, config.mtp_layer_types, first_cache_index)
         self.final_norm = RMSNorm(D, config.norm_eps, config.norm_weight_offset)
         self.nonfinite: torch.Tensor | None = None  # the model's flags, shared (HybridLM.track_nonfinite)
+        self.block_call = eager_block_call  # HybridLM.compiled_blocks swaps in the compiled call
 
     def forward(
         self,
@@ -92,7 +95,7 @@ class MTPModule(nn.Module):
         """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``)."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
         for block in self.blocks:
-            f = block(f, cache, meta)
+            f = self.block_call(block, f, cache, meta)
         out = self.final_norm(f)
         if self.nonfinite is not None:  # the model's flags (HybridLM.track_nonfinite); "mtp" is the last
             self.nonfinite[-1] |= ~torch.isfinite(out).all()
@@ -125,6 +128,23 @@ class HybridLM(nn.Module):
             )
         self.mtp = MTPModule(config, n_backbone) if with_mtp else None
         self.nonfinite: torch.Tensor | None = None  # set by track_nonfinite
+        self.block_call = eager_block_call  # how forward runs a block (compiled_blocks swaps it)
+
+    @contextmanager
+    def compiled_blocks(self, on: bool = True) -> Iterator[None]:
+        """Inside, every residual block of the backbone and the MTP module runs through the one
+        torch.compile'd block call (``runners.engine.compile.compiled_block_call``; ``on=False``: eagerly, a
+        no-op). The decode step's phases run inside it when ``EngineOptions.compile`` is on."""
+        call = compiled_block_call() if on else eager_block_call
+        mods = [self] + ([self.mtp] if self.mtp is not None else [])
+        saved = [m.block_call for m in mods]
+        for m in mods:
+            m.block_call = call
+        try:
+            yield
+        finally:
+            for m, c in zip(mods, saved):
+                m.block_call = c
 
     def health_names(self) -> list[str]:
         """Names of the outputs the non-finite flags cover, in forward order: ``embeddings``,
@@ -179,7 +199,7 @@ class HybridLM(nn.Module):
         track = self.nonfinite is not None
         finite = [torch.isfinite(x).all()] if track else []
         for block in self.layers:
-            x = block(x, cache, meta)
+            x = self.block_call(block, x, cache, meta)
             if track:
                 finite.append(torch.isfinite(x).all())
         x = self.norm_f(x)

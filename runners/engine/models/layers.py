@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.router import topk_route, topk_route_ref
 from runners.engine.cache import BatchMeta, KVCache
+from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
@@ -242,6 +244,11 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
+# batch 64 x T = 4); larger batches (prefill) take torch.topk. Not yet measured against torch.topk.
+ROUTER_KERNEL_MAX_TOKENS = 256
+
+
 class TopkRouter(nn.Module):
     """Top-k router, ``moe_scoring_func`` "sigmoid" (DeepSeek-V3 style, NemotronH) or "softmax" (Qwen3-Next).
 
@@ -249,7 +256,9 @@ class TopkRouter(nn.Module):
     softmax(x W^T) over experts, in float32. Sigmoid only: ``e_score_correction_bias`` is added for choosing
     experts only, and with n_group > 1 only the ``topk_group`` groups with the best top-2 score sums are
     eligible. The chosen raw scores are renormalised (``norm_topk_prob``) and multiplied by
-    ``routed_scaling_factor``. ``weight`` and the bias stay float32.
+    ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
+    ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens and
+    n_group = 1, its sort-free Triton kernel ``topk_route``.
     """
 
     def __init__(self, config: HybridConfig):
@@ -267,22 +276,11 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        if self.softmax:
-            scores = choice = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1 and not self.softmax:
-            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, n_group)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
-        indices = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, indices
+        kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
+                  norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
+        if logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+            return eager_op(topk_route)(logits, self.top_k, **kw)  # one kernel, no sort (kernels/router.py)
+        return topk_route_ref(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group, **kw)
 
 
 class MoE(nn.Module):
@@ -326,7 +324,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = self._experts(h, weights, indices)
+        routed = eager_op(_routed_experts)(self, h, weights, indices)  # grouped GEMMs: outside torch.compile
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         shared = self.shared_experts(flat)
@@ -343,6 +341,18 @@ class MoE(nn.Module):
         per-expert loop it is tested against)."""
         fn = moe_experts_ref if self.experts_impl == "ref" else moe_experts_fused
         return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
+
+
+# observer(moe, indices [N, k] int64) callables run before every MoE block's routed experts, eagerly (outside
+# torch.compile's code, so registering one recompiles nothing); ExpertChoiceCounter
+# (runners/engine/models/footprint.py) registers one to count the experts a step chooses.
+ROUTING_OBSERVERS: list = []
+
+
+def _routed_experts(moe: MoE, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    for observe in ROUTING_OBSERVERS:
+        observe(moe, indices)
+    return moe._experts(h, weights, indices)
 
 
 _STACKED_EXPERTS = re.compile(

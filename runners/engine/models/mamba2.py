@@ -48,6 +48,7 @@ from kernels.mamba2 import (
     ssd_chunked_scan,
 )
 from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
+from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import GatedGroupRMSNorm
 
@@ -154,7 +155,7 @@ class Mamba2Mixer(nn.Module):
             slots.verified = True
             return y
         if backend == "flashinfer":
-            return _flashinfer_rewind_verify(state, meta, *args, self.time_step_limit).float()
+            return eager_op(_flashinfer_rewind_verify)(state, meta, *args, self.time_step_limit).float()
         ssu = kernel_or_reference(backend, selective_state_update, selective_state_update_ref)
         return ssu(state.ssm, *args, meta.slot_ids, intermediate_states=state.ssm_steps,
                    intermediate_state_indices=meta.slot_ids, update_state=False,

@@ -1,0 +1,136 @@
+"""MoE router scoring + top-k in one Triton kernel, without a sort, and its PyTorch reference.
+
+For router logits ``x W^T`` [N, E] (float32) each token's experts are chosen and weighted as in DeepSeek-V3 /
+NemotronH (sigmoid scores, a selection-only ``e_score_correction_bias``) or Qwen3-Next (softmax scores):
+
+    scores  = sigmoid(logits) | softmax(logits)        (float32, over the E experts)
+    choice  = scores + bias (sigmoid only)             (bias moves the selection, not the weights)
+    indices = the k largest choices, largest first
+    weights = scores[indices], / (sum + 1e-20) when norm_topk_prob, * routed_scaling_factor
+
+(transformers' ``modeling_nemotron_h.py`` NemotronHTopkRouter and ``modeling_qwen3_next.py``
+Qwen3NextSparseMoeBlock). :func:`topk_route_ref` is that computation in PyTorch (``torch.topk``; also the
+group-limited selection, n_group > 1, of DeepSeek-V3) and is what ``runners.engine.models.layers.TopkRouter``
+runs; :func:`topk_route` is the Triton kernel for n_group = 1: one program per token holds its E scores in
+registers and takes the k largest by k rounds of max + lowest-index argmin, so the decode step's top-k costs
+one small kernel instead of the sort kernels torch.topk launches (gatherTopK, radix / bitonic sorts; issue
+27's profile). Ties between equal choices go to the lower expert index (torch.topk leaves their order
+unspecified).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_launchable
+
+
+def topk_route_ref(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.Tensor | None = None,
+                   norm_topk_prob: bool = True, scaling: float = 1.0, n_group: int = 1, topk_group: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router weights and expert ids from logits (see the module docstring).
+
+    Args:
+        logits: [N, E] router logits (computed in float32; any float dtype is cast).
+        top_k: experts per token, k <= E.
+        softmax: softmax scores (Qwen3-Next) instead of sigmoid (NemotronH, DeepSeek-V3).
+        bias: [E] float32 selection-only correction, sigmoid only (None: none).
+        norm_topk_prob: renormalise the k chosen scores to sum 1.
+        scaling: routed_scaling_factor, multiplies the weights.
+        n_group, topk_group: sigmoid only: with n_group > 1 only the ``topk_group`` groups (of E / n_group
+            consecutive experts) with the largest sums of their top-2 choices are eligible.
+
+    Returns:
+        (weights [N, k] float32, indices [N, k] int64), largest choice first.
+    """
+    logits = logits.float()
+    if softmax:
+        scores = choice = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores if bias is None else scores + bias.float()
+    if n_group > 1 and not softmax:
+        E = logits.shape[-1]
+        grouped = choice.view(-1, n_group, E // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, n_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, indices
+
+
+@triton.jit
+def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scaling,
+                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        x = tl.where(valid, x, float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(valid, p, 0.0)
+        scores = p / tl.sum(p, axis=0)
+    else:
+        scores = tl.sigmoid(x)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    kofs = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    indices = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):  # k rounds of max + lowest-index argmax: no sort
+        best = tl.max(choice, axis=0)
+        i = tl.min(tl.where(choice == best, offs, BLOCK_E), axis=0)
+        s = tl.sum(tl.where(offs == i, scores, 0.0), axis=0)
+        weights = tl.where(kofs == j, s, weights)
+        indices = tl.where(kofs == j, i, indices)
+        choice = tl.where(offs == i, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    weights = weights * scaling
+    tl.store(w_ptr + row * K + kofs, weights, mask=kofs < K)
+    tl.store(idx_ptr + row * K + kofs, indices.to(tl.int64), mask=kofs < K)
+
+
+def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.Tensor | None = None,
+               norm_topk_prob: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_route_ref` with n_group = 1 as one Triton launch (one program per token, no sort, no host
+    synchronisation: CUDA-graph capturable). Same arguments and result; the weights agree with the
+    reference to float32 rounding (the softmax's sum is reduced in another order), the indices exactly
+    unless two choices tie.
+
+    Raises:
+        ValueError: logits not [N, E] float32 contiguous rows, top_k outside [1, E], a bias with softmax or of
+            the wrong shape, or CPU tensors without the interpreter.
+    """
+    name = "topk_route"
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"{name}: logits must be [N, E] float32 with unit-stride rows, got "
+                         f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")
+    N, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"{name}: top_k={top_k} must lie in [1, E={E}]")
+    if bias is not None and (softmax or tuple(bias.shape) != (E,)):
+        raise ValueError(f"{name}: bias must be [E={E}] and is for sigmoid scoring only")
+    tensors = (logits,) if bias is None else (logits, bias)
+    check_launchable(*tensors, name=name)
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return weights, indices
+    bias_arg = bias.float().contiguous() if bias is not None else logits
+    _topk_route_kernel[(N,)](
+        logits, bias_arg, weights, indices, E, logits.stride(0), float(scaling),
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+    )
+    return weights, indices

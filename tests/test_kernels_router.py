@@ -1,0 +1,95 @@
+"""kernels/router.py: the sort-free top-k router kernel against its PyTorch reference (the router the MoE
+layer runs), in the Triton interpreter on the CPU (fp32), and at the releases' router shapes on a GPU.
+
+Sizes: E in {5, 12, 64} (not powers of two but 64), k in {1, 4, 5} (k = E once), N in {1, 3, 9}; sigmoid with
+and without the correction bias, softmax; with and without renormalisation; a routed scaling factor. Logits
+are random (no ties, so the indices must agree exactly); the weights agree to float32 rounding (rtol 1e-6:
+the softmax's sum is reduced in another order). Outputs are NaN / garbage-filled by ``torch.empty`` and every
+element is compared.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kernels import triton)
+
+import pytest  # noqa: E402
+
+from kernels.router import topk_route, topk_route_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(N, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=g) * 2
+    bias = torch.randn(E, generator=g) * 0.5
+    return logits.to(DEV), bias.to(DEV)
+
+
+@pytest.mark.parametrize("N, E, k", [(1, 5, 1), (3, 12, 4), (9, 64, 5), (2, 5, 5)])
+@pytest.mark.parametrize("mode", ["sigmoid", "sigmoid+bias", "softmax"])
+@pytest.mark.parametrize("norm, scaling", [(True, 2.5), (False, 1.0)])
+def test_kernel_equals_reference(N, E, k, mode, norm, scaling):
+    logits, bias = _case(N, E, seed=N * E + k)
+    kw = dict(softmax=mode == "softmax", bias=bias if mode == "sigmoid+bias" else None, norm_topk_prob=norm,
+              scaling=scaling)
+    w, i = topk_route(logits, k, **kw)
+    w_ref, i_ref = topk_route_ref(logits, k, **kw)
+    assert i.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == i.shape == (N, k)
+    assert torch.equal(i, i_ref), (i, i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_bias_selects_but_does_not_weight():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]], device=DEV)
+    bias = torch.tensor([10.0, 0.0, 0.0, 0.0], device=DEV)
+    w, i = topk_route(logits, 2, softmax=False, bias=bias, norm_topk_prob=False)
+    assert i.tolist() == [[0, 3]]  # expert 0 chosen through its bias
+    torch.testing.assert_close(w, torch.sigmoid(logits[:, [0, 3]]))
+
+
+def test_ties_go_to_the_lower_index():
+    logits = torch.zeros(1, 6, device=DEV)
+    w, i = topk_route(logits, 3, softmax=True)
+    assert i.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device=DEV))
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(logits=torch.zeros(2, 4, dtype=torch.float16)), "float32"),
+    (dict(top_k=5), "top_k=5"),
+    (dict(softmax=True, bias=torch.zeros(4)), "sigmoid scoring only"),
+])
+def test_refuses_bad_inputs(bad, says):
+    args = dict(logits=torch.zeros(2, 4), top_k=2, softmax=False, bias=None)
+    args.update(bad)
+    args = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with pytest.raises(ValueError, match=says):
+        topk_route(args.pop("logits"), args.pop("top_k"), **args)
+
+
+# the releases' routers: Super V3 512 experts top-22 sigmoid + bias, scaling 5; Qwen3-Next 512 top-10 softmax
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, k, softmax, scaling", [(512, 22, False, 5.0), (512, 10, True, 1.0)])
+@pytest.mark.parametrize("N", [1, 8, 256])
+def test_gpu_release_shapes_and_graph_capture(E, k, softmax, scaling, N):
+    logits, bias = _case(N, E, seed=7)
+    kw = dict(softmax=softmax, bias=None if softmax else bias, scaling=scaling)
+    w, i = topk_route(logits, k, **kw)
+    w_ref, i_ref = topk_route_ref(logits, k, **kw)
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
+    static = logits.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        wg, ig = topk_route(static, k, **kw)
+    static.copy_(logits.flip(0))
+    g.replay()
+    w2, i2 = topk_route_ref(logits.flip(0), k, **kw)
+    assert torch.equal(ig, i2)
+    torch.testing.assert_close(wg, w2, rtol=1e-6, atol=1e-6)
