@@ -589,6 +589,12 @@ class Engine:
         return self.step.capture_graphs(batch_sizes, max_kv_len)
 
     @property
+    def compile_seconds(self) -> float:
+        """Wall seconds spent in torch.compile of the decode step so far (``compile=True``; 0 otherwise),
+        ahead of time (:meth:`capture_graphs`) and inside generate calls together."""
+        return self.step.compile_seconds
+
+    @property
     def graphs(self) -> StepGraphs:
         """The step's phases and captured graphs (``runners.engine.graphs.StepGraphs``)."""
         return self.step.graphs
