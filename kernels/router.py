@@ -83,6 +83,9 @@ def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scal
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    # NaN (a poisoned PAD row) counts as the largest choice, as torch.topk orders it: every round then finds
+    # an index in [0, E) (NaN == NaN is false, so a NaN left in place would match no lane)
+    choice = tl.where(choice != choice, float("inf"), choice)
     choice = tl.where(valid, choice, float("-inf"))
     kofs = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -106,7 +109,8 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
     """:func:`topk_route_ref` with n_group = 1 as one Triton launch (one program per token, no sort, no host
     synchronisation: CUDA-graph capturable). Same arguments and result; the weights agree with the
     reference to float32 rounding (the softmax's sum is reduced in another order), the indices exactly
-    unless two choices tie.
+    unless two choices tie. NaN logits give NaN weights and in-range indices (NaN ranks first, as in
+    torch.topk), never an index past E.
 
     Raises:
         ValueError: logits not [N, E] float32 contiguous rows, top_k outside [1, E], a bias with softmax or of

@@ -60,6 +60,26 @@ def test_ties_go_to_the_lower_index():
     torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device=DEV))
 
 
+@pytest.mark.parametrize("mode", ["sigmoid", "sigmoid+bias", "softmax"])
+def test_nan_rows_give_in_range_indices(mode):
+    """A poisoned PAD row (NaN logits, as the CUDA-graph tests' poisoned buffers make) must not index past
+    E: the MoE gathers by these indices (an out-of-range one is a device-side assert on CUDA). Rows with
+    one NaN pick it first, as torch.topk ranks NaN; the finite rows are untouched."""
+    logits, bias = _case(4, 24)
+    logits[1] = float("nan")
+    logits[2, 7] = float("nan")
+    kw = dict(softmax=mode == "softmax", bias=bias if mode == "sigmoid+bias" else None)
+    w, i = topk_route(logits, 4, **kw)
+    assert ((i >= 0) & (i < 24)).all(), i
+    assert i[1].tolist() == [0, 1, 2, 3] and w[1].isnan().all()
+    if mode != "softmax":  # softmax spreads one NaN over the whole row
+        assert i[2, 0] == 7
+    w_ref, i_ref = topk_route_ref(logits, 4, **kw)
+    for r in (0, 3):
+        assert i[r].tolist() == i_ref[r].tolist()
+        torch.testing.assert_close(w[r], w_ref[r])
+
+
 @pytest.mark.parametrize("bad, says", [
     (dict(logits=torch.zeros(2, 4, dtype=torch.float16)), "float32"),
     (dict(top_k=5), "top_k=5"),
