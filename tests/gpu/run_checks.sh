@@ -108,8 +108,10 @@ for s in "$@"; do
     # in one worker, in turn), so the TP test also runs after other CUDA tests in the same
     # process: the order in which launched ranks once stalled (the launcher now spawns them:
     # runners/engine/launch.py). --durations names the slowest tests in the log.
-    engine) stage engine python3 -m pytest -q -p no:cacheprovider -m gpu -n "${ENGINE_WORKERS:-8}" --dist loadgroup \
-              --durations=25 tests ;;
+    # -v: every test's outcome is a line as it finishes, so a run cut short by the device call's limit still
+    # names its failures. ENGINE_TESTS (default: tests) narrows the stage, e.g. to split it over two calls.
+    engine) stage engine python3 -m pytest -v -p no:cacheprovider -m gpu -n "${ENGINE_WORKERS:-8}" --dist loadgroup \
+              --durations=25 ${ENGINE_TESTS:-tests} ;;
     e2e) stage graphs python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_graphs.py
          stage e2e_super_v3 timeout 240 python3 -m benchmarks.bench_e2e --out "$out/e2e_super_v3" \
            --parts super_v3 --graphs on --batch-sizes 1 8 64 --steps 24 --time-budget-s 180
