@@ -27,12 +27,9 @@ out=${1:?usage: bash tests/gpu/formats_run.sh OUTDIR [fp8 nvfp4 block_fp8]}
 shift
 formats=${*:-fp8 nvfp4 block_fp8}
 work=${WORK:-/tmp/formats}
-mkdir -p "$out"
-if [ -d .gpu-bundle ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+gpu_outdir "$out" || exit 2
+gpu_env || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; df -h /tmp; python3 -c \
   'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.txt" 2>&1
 failed=()

@@ -22,18 +22,9 @@ usage="usage: bash tests/gpu/fulldepth_run.sh OUTDIR [ENTRY ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 out=$1; shift
 entries=${*:-super_v3_mtp_nvfp4 super_v3_mtp_fp8 qwen3_next_mtp_fp8}
-case "$out" in kernels|kernels/*|benchmarks|benchmarks/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
-  echo "OUTDIR '$out' is a source folder of the repository; give a folder for the logs (e.g. \$OUT or /tmp/x)" >&2
-  exit 2 ;;
-esac
-mkdir -p "$out"
-if [ -d .gpu-bundle ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
-    && { [ ! -f .gpu-bundle/flashinfer-trimmed.tgz ] || tar xzf .gpu-bundle/flashinfer-trimmed.tgz -C /tmp/site; } \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+gpu_outdir "$out" || exit 2
+gpu_env || exit 1
 rm -f "$out/failed_entries.txt"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv; python3 -c \
   'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.txt" 2>&1

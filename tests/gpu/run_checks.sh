@@ -58,18 +58,9 @@ out=$1; shift
 for s in "$@"; do
   case " $stages " in *" $s "*) ;; *) echo "unknown stage '$s'; $usage" >&2; exit 2 ;; esac
 done
-case "$out" in kernels|kernels/*|benchmarks|benchmarks/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
-  echo "OUTDIR '$out' is a source folder of the repository; give a folder for the logs (e.g. \$OUT or /tmp/x)" >&2
-  exit 2 ;;
-esac
-mkdir -p "$out"
-if [ -d .gpu-bundle ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
-    && { [ ! -f .gpu-bundle/flashinfer-trimmed.tgz ] || tar xzf .gpu-bundle/flashinfer-trimmed.tgz -C /tmp/site; } \
-    || exit 1  # a bundle without FlashInfer (smaller, for calls that carry more): its tests skip
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+gpu_outdir "$out" || exit 2
+gpu_env || exit 1
 rm -f "$out/failed_stages.txt"
 stage() {  # stage NAME CMD...: run, tee to OUTDIR/NAME.log, remember failures
   local name=$1; shift

@@ -1,0 +1,21 @@
+# Sourced by the device scripts in tests/gpu/ (run from the repository root): `gpu_outdir OUTDIR` refuses a
+# source folder of the repository as the log folder and creates it; `gpu_env` installs the GPU bundle
+# (.gpu-bundle, built by the shared gpu-bundle.sh: wheels the device image lacks, FlashInfer where the
+# bundle carries it) into /tmp/site and exports what the runs need (GSM8K from .device/gsm8k, offline hubs,
+# unbuffered output).
+gpu_outdir() {
+  case "$1" in kernels|kernels/*|benchmarks|benchmarks/*|tests|tests/*|runners|runners/*|evals|evals/*|registry|registry/*|configs|configs/*)
+    echo "OUTDIR '$1' is a source folder of the repository; give a folder for the logs (e.g. \$OUT or /tmp/x)" >&2
+    return 2 ;;
+  esac
+  mkdir -p "$1"
+}
+gpu_env() {
+  if [ -d .gpu-bundle ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
+      && { [ ! -f .gpu-bundle/flashinfer-trimmed.tgz ] || tar xzf .gpu-bundle/flashinfer-trimmed.tgz -C /tmp/site; } \
+      || return 1  # a bundle without FlashInfer (smaller, for calls that carry more): its tests skip
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
+  export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+}
