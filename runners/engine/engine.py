@@ -328,10 +328,7 @@ class Engine:
         """
         options = (options or EngineOptions()).validate()
         device = torch.device(device)
-        t0 = time.perf_counter()
-        host_reset = host_peak_rss_reset()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        t0, host_reset = _start_load_clock(device)
         plan = plan_load(path, dtype=options.torch_dtype, load_mtp=True if options.draft_len > 0 else None)
         if tensor_parallel is not None:  # this rank's shard: the model of the rank's config view
             from runners.engine.tp import shard_plan
@@ -358,10 +355,7 @@ class Engine:
 
         options = (options or EngineOptions()).validate()
         device = torch.device(device)
-        t0 = time.perf_counter()
-        host_reset = host_peak_rss_reset()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        t0, host_reset = _start_load_clock(device)
         plan = plan_dummy(config, dtype=options.torch_dtype, with_mtp=options.draft_len > 0)
         return cls._from_plan(plan, lambda p, d: materialize_dummy(p, d, log=log), options, device, None,
                               prefix_store, t0, host_reset)
@@ -655,3 +649,13 @@ def _cap_prefix_cache(options: EngineOptions, cap: int) -> EngineOptions:
     log.warning("prefix_cache_bytes=%d capped at %d (half of the memory left after weights and caches)", want,
                 cap)
     return options.replace(prefix_cache_bytes=cap)
+
+
+def _start_load_clock(device: torch.device) -> tuple[float, bool]:
+    """Start a load's measurements: (perf_counter seconds, whether the host peak RSS could be reset); the
+    device's peak-memory counter is reset on CUDA (LoadReport's device peak covers the load only)."""
+    t0 = time.perf_counter()
+    host_reset = host_peak_rss_reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return t0, host_reset
