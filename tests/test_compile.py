@@ -116,8 +116,8 @@ def test_compile_option_plumbing():
         EngineOptions(compile="yes").validate()
     assert EngineOptions().compile is False
     name = "tiny_nemotron_h_mtp"
-    cases = {(): False, ("runtime=gpu",): True, ("runtime=gpu", "runtime.compile=false"): False,
-             ("runtime.compile=true",): True}
+    cases = {(): False, ("runtime=gpu",): False, ("runtime=gpu", "runtime.compile=true"): True,
+             ("runtime.compile=true",): True}  # off on the GPU too until measured there (issue 27)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for overrides, want in cases.items():
             rr = resolve(compose("config", overrides=[f"model={name}", *overrides]), entry_name=name,
