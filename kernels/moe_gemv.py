@@ -27,7 +27,8 @@ and every launch's grid follows from N, k and the weight shapes (CUDA-graph capt
 
 Where the output tiles alone give too few programs to keep the GPU's SMs streaming, K is split into ranges
 whose fp32 partial sums a later launch adds (tile sizes and split from kernels/quant/_common.py's
-``gemv_config``; for gate / up, ``splitk_sum`` adds the partials and the activation runs in torch). Rounding
+``gemv_config``; for gate / up, torch adds the partials and runs the activation, since kernels/quant's
+``splitk_sum`` casts to bf16 with the interpreter's truncating cast; the combine kernel adds down's). Rounding
 mirrors the reference: each projection's fp32 sum is rounded to h's dtype before the activation, the
 activation's result and the gated product are rounded likewise, so the kernels and the reference differ only
 in the fp32 summation order. The design is that of the fused-MoE decode kernels of vLLM and SGLang (one
@@ -45,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable
-from kernels.quant._common import gemv_config, splitk_sum, use_kernel
+from kernels.quant._common import gemv_config, use_kernel
 
 # Activation names this module fuses, and the kernel's code for each (0: none, the down projection).
 ACT_CODES = {"relu2": 1, "silu": 2}
@@ -137,8 +138,17 @@ def moe_gemv_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
 
 @triton.jit
 def _round(v, dtype: tl.constexpr):
-    """fp32 v rounded to ``dtype`` (round to nearest even, as torch's casts) and returned as fp32."""
-    return v.to(dtype).to(tl.float32)
+    """fp32 v rounded to ``dtype`` (round to nearest, ties to even, as torch's casts) and returned as fp32.
+    bf16 by integer arithmetic on the fp32 bits (add 0x7FFF plus the lowest kept bit, clear the low 16: the
+    standard round-to-nearest-even of fp32 -> bf16), because Triton's interpreter truncates in its bf16 cast
+    (on the GPU the cast is cvt.rn and gives the same values)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        res = bits.to(tl.float32, bitcast=True)
+    else:
+        res = v.to(dtype).to(tl.float32)
+    return res
 
 
 @triton.jit
@@ -206,7 +216,7 @@ def _pair_gemv_kernel(
             v = _activation(v, ACT, dt)
         if GATED:
             v = _round(v * _round(acc2, dt), dt)
-        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
+        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)  # v: on dt's grid
 
 
 @triton.jit
@@ -227,7 +237,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, S, stride_ys, stride_ym, str
             y += tl.load(y_ptr + s * stride_ys + pair * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
         wj = tl.load(w_ptr + n.to(tl.int64) * stride_wn + j)
         acc += _round(y, dt) * wj
-    tl.store(out_ptr + n.to(tl.int64) * stride_om + cols, acc.to(dt), mask=mask)
+    tl.store(out_ptr + n.to(tl.int64) * stride_om + cols, _round(acc, dt).to(dt), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -315,12 +325,10 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
     # gate / up: w is gate (activation side) and w2 up when gated; w is up otherwise
     first, second = (gate, up) if gate is not None else (up, None)
     a, a2, split = _launch_pair_gemv(h, idx, first, second, h.dtype, k, act)
-    if split > 1:  # partials summed and rounded to h's dtype, then the activation as the reference runs it
-        v = splitk_sum(a, None, torch.empty(a.shape[1:], dtype=h.dtype, device=h.device), None)
-        v = _act_ref(v, activation)
+    if split > 1:  # partials summed in fp32 and rounded to h's dtype, then the activation as the reference
+        a = _act_ref(a.sum(0).to(h.dtype), activation)
         if a2 is not None:
-            v = v * splitk_sum(a2, None, torch.empty(a2.shape[1:], dtype=h.dtype, device=h.device), None)
-        a = v
+            a = a * a2.sum(0).to(h.dtype)
     y, _, split = _launch_pair_gemv(a, idx, down, None, h.dtype, 1, 0)
     if split == 1:
         y = y[None]

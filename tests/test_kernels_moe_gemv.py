@@ -4,7 +4,7 @@ per-expert loop (runners/engine/models/moe.py's moe_experts_ref), and the engine
 Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set before triton is imported) at
 small awkward sizes: L = 300 and I = 150 (neither a multiple of the 16..64-row output tiles nor of the
 128-column K slices), E = 7 experts, routing with experts repeated across tokens, k = 1, all pairs on one
-expert. The K-split path (fp32 partial sums, splitk_sum / the combine kernel adding them) is forced by raising
+expert. The K-split path (fp32 partial sums, which torch / the combine kernel add) is forced by raising
 kernels/quant/_common.py's GEMV_TARGET_PROGRAMS, the unsplit one (activation fused) by lowering it.
 tests/test_kernels_moe_gemv_gpu.py holds the release-shape and CUDA-graph checks.
 
@@ -43,8 +43,9 @@ def _experts(E, I, L, gated, dtype, seed=0):
 
 
 def _routing(N, k, E, seed=0, mode="random"):
-    """(weights float32 [N, k], indices int64 [N, k]): distinct experts per token drawn from ``E``; "shared"
-    routes every token to the same k experts (each repeated across all tokens), "one" every pair to expert 2."""
+    """(weights float32 [N, k], indices int64 [N, k]): distinct experts per token drawn from ``E``;
+    "shared" routes every token to the same k experts (each repeated across all tokens), "one" every pair to
+    expert 2."""
     g = torch.Generator().manual_seed(seed)
     if mode == "one":
         indices = torch.full((N, k), 2, dtype=torch.long)
@@ -64,11 +65,16 @@ def _close(got, want, dtype):
     assert err <= TOL[dtype] * scale, f"max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
 
 
-@pytest.fixture(params=["unsplit", "split"])
-def split_mode(request, monkeypatch):
-    """Force the K-split launches (a huge program target) or the unsplit ones (a target of 1 program)."""
-    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", 10**6 if request.param == "split" else 1)
-    return request.param
+@pytest.fixture
+def unsplit(monkeypatch):
+    """Force the unsplit launches (activation fused): a target of 1 program."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", 1)
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """Force the K-split launches: a target no grid reaches, so every 128-column step is its own split."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", 10**6)
 
 
 def test_config_splits_only_where_asked(monkeypatch):
@@ -92,7 +98,17 @@ CASES = {  # name: (N tokens, k, E, I, L, routing mode)
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_reference(case, dtype, gated, split_mode):
+def test_kernel_equals_reference(case, dtype, gated, unsplit):
+    _check_case(case, dtype, gated)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_split_k_equals_reference(dtype, gated, split):
+    _check_case("repeated experts across tokens", dtype, gated)
+
+
+def _check_case(case, dtype, gated):
     N, k, E, I, L, mode = CASES[case]
     up, gate, down = _experts(E, I, L, gated, dtype)
     weights, indices = _routing(N, k, E, mode=mode)
@@ -104,7 +120,7 @@ def test_kernel_equals_reference(case, dtype, gated, split_mode):
 
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_kernel_equals_the_engine_reference_loop(dtype, gated, split_mode):
+def test_kernel_equals_the_engine_reference_loop(dtype, gated, unsplit):
     N, k, E, I, L = 4, 3, 7, 150, 300
     up, gate, down = _experts(E, I, L, gated, dtype, seed=1)
     weights, indices = _routing(N, k, E, seed=1, mode="shared")
