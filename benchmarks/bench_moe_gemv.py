@@ -8,8 +8,8 @@ L = 1024 -> I = 2688, relu2, top-22 of 512 experts), ``qwen3_next`` Qwen3-Next (
 gated SiLU, top-10 of 512). Per model and batch (tokens routed to random distinct experts, router-like combine
 weights), one row each:
 - ``moe_gemv``: kernels.moe_gemv.moe_gemv (gate / up with the activation, down, combine: three launches);
-- ``grouped_mm``: runners/engine/models/moe.py's moe_experts_fused with the GEMV path off
-  (MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine.
+- ``grouped_mm``: runners/engine/models/moe.py's moe_experts_fused with the GEMV path off (no activation
+  name, MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -49,7 +49,8 @@ def floor_us(active: int, L: int, I: int, gated: bool, copy_gbps: float) -> floa
 
 
 def _grouped_path(*args):
-    """moe_experts_fused with its GEMV path off (MOE_GEMV_MAX_PAIRS = 0): the grouped-GEMM path."""
+    """moe_experts_fused without an activation name: its grouped-GEMM path at any size (MOE_GEMV_MAX_PAIRS
+    set to 0 as well, so the row stays the grouped path whatever the engine's default)."""
     from runners.engine.models import moe
 
     keep = moe.MOE_GEMV_MAX_PAIRS

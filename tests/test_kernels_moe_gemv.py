@@ -88,11 +88,12 @@ def test_config_splits_only_where_asked(monkeypatch):
 
 CASES = {  # name: (N tokens, k, E, I, L, routing mode)
     "random": (3, 2, 7, 150, 300, "random"),
-    "repeated experts across tokens": (4, 3, 7, 150, 300, "shared"),
+    "repeated experts across tokens": (3, 2, 7, 150, 300, "shared"),
     "k = 1": (5, 1, 7, 150, 300, "random"),
     "all pairs on one expert": (3, 2, 7, 150, 300, "one"),
     "tiny sizes": (2, 2, 3, 20, 36, "random"),
 }
+SPLIT_CASES = {"split": (2, 2, 7, 150, 300, "shared")}  # 3 splits for gate / up, 2 for down
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
@@ -105,11 +106,12 @@ def test_kernel_equals_reference(case, dtype, gated, unsplit):
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_split_k_equals_reference(dtype, gated, split):
-    _check_case("repeated experts across tokens", dtype, gated)
+    assert mg.pair_gemv_config(4, 150, 300)[2] == 3 and mg.pair_gemv_config(4, 300, 150)[2] == 2
+    _check_case("split", dtype, gated)
 
 
 def _check_case(case, dtype, gated):
-    N, k, E, I, L, mode = CASES[case]
+    N, k, E, I, L, mode = {**CASES, **SPLIT_CASES}[case]
     up, gate, down = _experts(E, I, L, gated, dtype)
     weights, indices = _routing(N, k, E, mode=mode)
     h = torch.randn(N, L, generator=torch.Generator().manual_seed(3)).to(dtype=dtype, device=DEVICE)
@@ -173,9 +175,6 @@ def test_refuses_bad_arguments(change, says):
 
 
 def test_engine_picks_the_gemv_path_only_on_cuda_below_the_bound():
-    assert engine_moe.activation_name(ACTIVATIONS["relu2"]) == "relu2"
-    assert engine_moe.activation_name(ACTIVATIONS["silu"]) == "silu"
-    assert engine_moe.activation_name(torch.tanh) is None  # an unknown callable keeps the grouped path
     w = torch.zeros(4, 8, 16)
     small = torch.zeros(engine_moe.MOE_GEMV_MAX_PAIRS, 1, dtype=torch.long)
     assert not engine_moe.use_moe_gemv(torch.zeros(1, 16), small, w, w)  # the CPU keeps the grouped path
@@ -186,3 +185,23 @@ def test_engine_picks_the_gemv_path_only_on_cuda_below_the_bound():
         big = torch.zeros(engine_moe.MOE_GEMV_MAX_PAIRS + 1, 1, dtype=torch.long, device="cuda")
         assert not engine_moe.use_moe_gemv(h, big, wc, wc)
         assert not engine_moe.use_moe_gemv(h, small.cuda(), wc.half(), wc)
+
+
+@pytest.mark.parametrize("act", ["relu2", "silu"])
+def test_moe_block_names_its_activation_to_the_fused_path(act, monkeypatch):
+    """MoE hands moe_experts_fused the name of its activation (the GEMV kernels fuse only what they know by
+    name), and the kernels' reference computes the same function under that name as layers.ACTIVATIONS."""
+    from runners.engine.models import layers
+    from runners.engine.models.config import HybridConfig
+
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(mg._act_ref(x, act), layers.ACTIVATIONS[act](x), rtol=0, atol=0)
+    seen = {}
+    record = lambda *args, activation=None: seen.setdefault("a", activation)
+    monkeypatch.setattr(layers, "moe_experts_fused", record)
+    c = HybridConfig(family="qwen3_next", vocab_size=32, hidden_size=16, layer_types=("moe",),
+                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                     moe_shared_expert_intermediate_size=8, mlp_hidden_act=act, mlp_gated=act == "silu")
+    moe = layers.MoE(c)
+    moe._experts(torch.zeros(2, 16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long))
+    assert seen["a"] == act

@@ -67,11 +67,11 @@ def test_released_expert_shapes(model, tokens, monkeypatch):
     got = moe_gemv(h, weights, indices, up, gate, down, act_name)
     _close(got, moe_gemv_ref(h, weights, indices, up, gate, down, act_name))
     assert engine_moe.use_moe_gemv(h, indices, up, down)
-    fused = engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act)
+    fused = engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act, activation=act_name)
     torch.testing.assert_close(fused, got, rtol=0, atol=0)  # the engine ran the same kernels
     _close(got, engine_moe.moe_experts_ref(h, weights, indices, up, gate, down, act))
     monkeypatch.setattr(engine_moe, "MOE_GEMV_MAX_PAIRS", 0)
-    _close(got, engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act))
+    _close(got, engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act, activation=act_name))
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
@@ -86,7 +86,7 @@ def test_capture_in_a_cuda_graph_without_host_sync(model):
     torch.cuda.set_sync_debug_mode("error")
     try:
         moe_gemv(h, weights, indices, up, gate, down, act_name)
-        engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act)
+        engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act, activation=act_name)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -98,7 +98,8 @@ def test_capture_in_a_cuda_graph_without_host_sync(model):
             moe_gemv(h, weights, indices, up, gate, down, act_name)
         with torch.cuda.graph(graph):
             y = moe_gemv(h, weights, indices, up, gate, down, act_name)
-            y_engine = engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act)
+            y_engine = engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act,
+                                                    activation=act_name)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (2, 3):
         new_h, new_w, new_idx = _inputs(model, 4, seed=seed)

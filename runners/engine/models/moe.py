@@ -19,7 +19,8 @@ width (the latent size for NemotronH's latent MoE, the hidden size otherwise), I
   inverse permutation and are summed over the k choices in float32. Nothing reads a device value on the host
   and every shape follows from N, k and the weights, so the step can be captured in a CUDA graph.
 
-At decode sizes (N * k <= :data:`MOE_GEMV_MAX_PAIRS` pairs, CUDA, an activation kernels/moe_gemv.py fuses)
+At decode sizes (N * k <= :data:`MOE_GEMV_MAX_PAIRS` pairs, CUDA, an activation kernels/moe_gemv.py fuses,
+named by the caller)
 :func:`moe_experts_fused` runs kernels/moe_gemv.py's ``moe_gemv`` instead: one program per (token, expert)
 pair and output tile reads its expert id straight from ``indices`` (no sort, no pass over all E experts, no
 tensor-core tile padded around a few rows), three launches in all. The CPU keeps the grouped path.
@@ -154,14 +155,6 @@ def _gathered_linear(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> 
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
-def activation_name(act: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
-    """The name kernels/moe_gemv.py knows ``act`` by ("relu2" / "silu": the entries of
-    runners.engine.models.layers.ACTIVATIONS, matched by identity), or None for any other callable."""
-    from runners.engine.models.layers import ACTIVATIONS  # here: layers imports this module
-
-    return next((name for name, fn in ACTIVATIONS.items() if fn is act and name in ACT_CODES), None)
-
-
 def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor) -> bool:
     """Whether :func:`moe_experts_fused` takes the per-pair GEMV kernels: h on CUDA, at most
     :data:`MOE_GEMV_MAX_PAIRS` (token, expert) pairs, the expert weights ``stacked`` in h's dtype (16-bit or
@@ -179,24 +172,29 @@ def moe_experts_fused(
     gate: torch.Tensor | None,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Routed experts as grouped GEMMs over expert-sorted pairs; same arguments and result as
     :func:`moe_experts_ref` (float32 combine; the k choices are summed in choice order, so results agree
     with the reference to float rounding). No per-expert Python loop, no host synchronisation, shapes fixed
-    by N, k and the weights (CUDA-graph capturable). On CUDA with at most :data:`MOE_GEMV_MAX_PAIRS` pairs
-    and ``act`` one of layers.ACTIVATIONS' relu2 / silu (:func:`use_moe_gemv`, :func:`activation_name`), the
-    per-pair GEMV kernels of kernels/moe_gemv.py compute the same result instead.
+    by N, k and the weights (CUDA-graph capturable). Where ``activation`` names ``act`` and
+    :func:`use_moe_gemv` holds (CUDA, at most :data:`MOE_GEMV_MAX_PAIRS` pairs), the per-pair GEMV kernels of
+    kernels/moe_gemv.py compute the same result instead.
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. up, gate: [E, I, L] (gate may be None);
             down: [E, L, I]; all in h's dtype.
+        activation: the name ``act`` has in kernels.moe_gemv.ACT_CODES ("relu2" / "silu": the keys of
+            runners.engine.models.layers.ACTIVATIONS, which MoE passes), so the GEMV kernels can fuse it; None
+            (a caller's own callable) keeps the grouped path.
 
     Returns:
         [N, L] in h's dtype.
     """
     stacked = (up, down) if gate is None else (up, gate, down)
-    if use_moe_gemv(h, indices, *stacked) and (name := activation_name(act)) is not None:
-        return moe_gemv(h, weights, indices, up, gate, down, name)
+    if activation in ACT_CODES and use_moe_gemv(h, indices, *stacked):
+        return moe_gemv(h, weights, indices, up, gate, down, activation)
     n, k = indices.shape
     E = up.shape[0]
     order, offsets = sort_pairs_by_expert(indices, E)
