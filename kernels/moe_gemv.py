@@ -50,10 +50,14 @@ from kernels.quant._common import gemv_config, use_kernel
 
 # Activation names this module fuses, and the kernel's code for each (0: none, the down projection).
 ACT_CODES = {"relu2": 1, "silu": 2}
-# Input features a program reduces per loop iteration at the widest (64-row) output tile; narrower tiles
-# take proportionally more, so each iteration requests about BLOCK_N x BLOCK_K = 8192 weights per matrix.
+# Tile of one loop iteration of a pair-GEMV program (4 warps): at most GEMV_MAX_BLOCK_N output rows per weight
+# matrix it streams (32 for up / down, 16 for gate and up together) and about GEMV_TILE_WEIGHTS weights over
+# its matrices, in slices of at least GEMV_BLOCK_K input features (kernels/quant's 128-column K step).
+# ptxas for sm_90 (Triton 3.9, bf16): 32 x 128 one matrix 108 registers, 16 x 256 56, 16 x 128 two
+# matrices 119, none spilled; 64-row tiles or 8192 weights per iteration reach 255 registers and spill.
 GEMV_BLOCK_K = 128
-GEMV_TILE_WEIGHTS = 8192
+GEMV_MAX_BLOCK_N = 32
+GEMV_TILE_WEIGHTS = 4096
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,18 +249,21 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, S, stride_ys, stride_ym, str
 # ---------------------------------------------------------------------------------------------------------
 
 
-def pair_gemv_config(pairs: int, n_out: int, K: int) -> tuple[int, int, int, int]:
+def pair_gemv_config(pairs: int, n_out: int, K: int, matrices: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, split, steps per split) of one pair-GEMV launch: ``pairs`` (token, expert) pairs,
-    ``n_out`` output features, K input features. BLOCK_N and the split come from kernels/quant/_common.py's
-    ``gemv_config`` for one row per weight matrix and ``pairs`` matrices (K counted in GEMV_BLOCK_K-column
-    steps). Unsplit, BLOCK_K widens to about GEMV_TILE_WEIGHTS / BLOCK_N (at most K rounded up to a power of
-    two: each loop iteration requests as many weights at narrow tiles as at wide ones); split, it stays
-    GEMV_BLOCK_K and each split covers ``steps`` of them."""
+    ``n_out`` output features, K input features, ``matrices`` weight matrices streamed together (2 for gate
+    and up). The split comes from kernels/quant/_common.py's ``gemv_config`` for one row per weight matrix
+    and ``pairs`` matrices (K counted in GEMV_BLOCK_K-column steps); BLOCK_N is its choice capped at
+    GEMV_MAX_BLOCK_N / matrices (register budget: more output tiles only add programs). Split, BLOCK_K is
+    GEMV_BLOCK_K and each split covers ``steps`` of them; unsplit, BLOCK_K widens to GEMV_TILE_WEIGHTS /
+    (BLOCK_N x matrices) (at most K rounded up to a power of two), so narrow tiles request as many weights
+    per iteration as wide ones."""
     k_steps = triton.cdiv(K, GEMV_BLOCK_K)
     _, bn, split, per = gemv_config(1, n_out, pairs, k_steps)
+    bn = min(bn, max(16, GEMV_MAX_BLOCK_N // matrices))
     if split > 1:
         return bn, GEMV_BLOCK_K, split, per
-    bk = max(GEMV_BLOCK_K, min(GEMV_TILE_WEIGHTS // bn, triton.next_power_of_2(K)))
+    bk = max(GEMV_BLOCK_K, min(GEMV_TILE_WEIGHTS // (bn * matrices), triton.next_power_of_2(K)))
     return bn, bk, 1, triton.cdiv(K, bk)
 
 
@@ -266,7 +273,7 @@ def _launch_pair_gemv(x, indices, w, w2, out_dtype, topk, act_code):
     [S, P, NOUT] (and w2's)."""
     P = indices.numel()
     NOUT, K = w.shape[1], w.shape[2]
-    bn, bk, split, steps = pair_gemv_config(P, NOUT, K)
+    bn, bk, split, steps = pair_gemv_config(P, NOUT, K, 1 if w2 is None else 2)
     if split == 1:
         out = torch.empty(P, NOUT, dtype=out_dtype, device=x.device)
         out2 = out
