@@ -157,9 +157,9 @@ def _gathered_linear(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> 
 
 def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor) -> bool:
     """Whether :func:`moe_experts_fused` takes the per-pair GEMV kernels: h on CUDA, at most
-    :data:`MOE_GEMV_MAX_PAIRS` (token, expert) pairs, the expert weights ``stacked`` in h's dtype (16-bit or
-    float32). Reads only shapes and dtypes (no synchronisation)."""
-    return (h.is_cuda and indices.numel() <= MOE_GEMV_MAX_PAIRS
+    :data:`MOE_GEMV_MAX_PAIRS` (token, expert) pairs with int64 expert ids, the expert weights ``stacked`` in
+    h's dtype (16-bit or float32). Reads only shapes and dtypes (no synchronisation)."""
+    return (h.is_cuda and indices.numel() <= MOE_GEMV_MAX_PAIRS and indices.dtype == torch.int64
             and h.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(w.dtype == h.dtype for w in stacked))
 
