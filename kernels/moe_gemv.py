@@ -309,8 +309,8 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
         [N, L] in h's dtype. Mutates nothing.
 
     Raises:
-        ValueError: shapes, dtypes, devices or an activation that do not fit; CPU tensors without the
-            interpreter are handed to the reference instead.
+        ValueError: shapes, dtypes, devices or an activation that do not fit (CPU tensors without the
+            interpreter are not an error: the reference computes them).
     """
     name = "moe_gemv"
     _check(h, weights, indices, up, gate, down, activation, name)
@@ -320,7 +320,7 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
     N, k = indices.shape
     L = h.shape[1]
     out = torch.empty(N, L, dtype=h.dtype, device=h.device)
-    if N == 0 or k == 0 or L == 0:
+    if N == 0 or k == 0 or L == 0 or up.shape[1] == 0:  # nothing routed, or experts without features
         return out.zero_()
     if h.stride(1) != 1:
         h = h.contiguous()
