@@ -205,3 +205,22 @@ def test_moe_block_names_its_activation_to_the_fused_path(act, monkeypatch):
     moe = layers.MoE(c)
     moe._experts(torch.zeros(2, 16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long))
     assert seen["a"] == act
+
+
+def test_fused_path_dispatches_to_the_kernels_when_chosen(monkeypatch, unsplit):
+    """moe_experts_fused with an activation name runs moe_gemv where use_moe_gemv holds (forced here: on the
+    CPU it never does) and equals the engine's reference loop; without a name it keeps the grouped path."""
+    up, gate, down = _experts(5, 20, 36, True, torch.float32, seed=3)
+    weights, indices = _routing(3, 2, 5, seed=3)
+    h = torch.randn(3, 36, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    calls = []
+    kernel = engine_moe.moe_gemv
+    monkeypatch.setattr(engine_moe, "use_moe_gemv", lambda *a: True)
+    monkeypatch.setattr(engine_moe, "moe_gemv", lambda *a: calls.append(a[-1]) or kernel(*a))
+    act = ACTIVATIONS["silu"]
+    want = engine_moe.moe_experts_ref(h, weights, indices, up, gate, down, act)
+    got = engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act, activation="silu")
+    assert calls == ["silu"]
+    _close(got, want, torch.float32)
+    engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act)
+    assert calls == ["silu"]
