@@ -127,13 +127,21 @@ def _bench(fn, *, graph: bool = True) -> dict:
         return {"us": eager, "us_eager": eager, "timing": f"eager ({type(e).__name__})"}
 
 
+def routed_indices(tokens: int, top_k: int, E: int, seed: int):
+    """int64 [tokens, top_k] expert ids of random top-k routing on the GPU (distinct experts per token: the
+    top-k of uniform random scores)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.rand(tokens, E, device="cuda", generator=gen).topk(top_k, dim=1).indices
+
+
 def _routing(tokens: int, top_k: int, E: int, seed: int):
     """(P, offsets int32 [E], active experts) of random top-k routing of ``tokens`` tokens (distinct experts
     per token), as MoE routing sorts them."""
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    idx = torch.rand(tokens, E, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    idx = routed_indices(tokens, top_k, E, seed)
     counts = torch.bincount(idx.flatten(), minlength=E)
     return idx.numel(), counts.cumsum(0).to(torch.int32), int((counts > 0).sum())
 

@@ -306,6 +306,7 @@ class MoE(nn.Module):
         latent = c.moe_latent_size if c.moe_latent_size is not None else c.hidden_size
         E, I = c.n_routed_experts, c.moe_intermediate_size
         self.act = ACTIVATIONS[c.mlp_hidden_act]
+        self.act_name = c.mlp_hidden_act  # lets moe_experts_fused fuse it in its decode GEMV kernels
         self.gate = TopkRouter(c)
         self.experts_up = nn.Parameter(torch.zeros(E, I, latent))
         self.experts_gate = nn.Parameter(torch.zeros(E, I, latent)) if c.mlp_gated else None
@@ -336,11 +337,13 @@ class MoE(nn.Module):
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over each token's k experts of weight * expert(h); h [N, L] -> [N, L]. An expert is
         down(act(up(h))) or, gated, down(act(gate(h)) * up(h)). ``experts_impl`` picks the implementation:
-        "fused" (grouped GEMMs, no host sync; :func:`runners.engine.models.moe.moe_experts_fused`) or "ref"
-        (the
-        per-expert loop it is tested against)."""
-        fn = moe_experts_ref if self.experts_impl == "ref" else moe_experts_fused
-        return fn(h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
+        "fused" (grouped GEMMs, or on CUDA at decode sizes the per-pair GEMV kernels with the activation
+        fused; no host sync; :func:`runners.engine.models.moe.moe_experts_fused`) or "ref" (the per-expert
+        loop it is tested against)."""
+        args = (h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
+        if self.experts_impl == "ref":
+            return moe_experts_ref(*args)
+        return moe_experts_fused(*args, activation=self.act_name)
 
 
 # observer(moe, indices [N, k] int64) callables run before every MoE block's routed experts, eagerly (outside

@@ -19,6 +19,12 @@ width (the latent size for NemotronH's latent MoE, the hidden size otherwise), I
   inverse permutation and are summed over the k choices in float32. Nothing reads a device value on the host
   and every shape follows from N, k and the weights, so the step can be captured in a CUDA graph.
 
+At decode sizes (N * k <= :data:`MOE_GEMV_MAX_PAIRS` pairs, CUDA, an activation kernels/moe_gemv.py fuses,
+named by the caller)
+:func:`moe_experts_fused` runs kernels/moe_gemv.py's ``moe_gemv`` instead: one program per (token, expert)
+pair and output tile reads its expert id straight from ``indices`` (no sort, no pass over all E experts, no
+tensor-core tile padded around a few rows), three launches in all. The CPU keeps the grouped path.
+
 ``torch._grouped_mm`` needs 16-byte-aligned row strides (L and I multiples of 8 in 16-bit dtypes, of 4 in
 float32); on CUDA only bf16 on sm90+ runs its CUTLASS kernel (other dtypes take a fallback that copies the
 offsets to the host). Where those do not hold (:func:`grouped_mm_supported`), the fused path multiplies each
@@ -33,8 +39,14 @@ from typing import Any
 
 import torch
 
+from kernels.moe_gemv import ACT_CODES, moe_gemv
+
 # Bytes of gathered expert weights per chunk of the bmm path (each pair gathers an I x L matrix).
 GATHER_CHUNK_BYTES = 256 * 2**20
+# (token, expert) pairs up to which moe_experts_fused takes the per-pair GEMV kernels (kernels/moe_gemv.py) on
+# CUDA: 8 decode tokens at Nemotron 3 Super's top-22 (the largest top-k of the released models; 17 tokens at
+# Qwen3-Next's top-10). Not yet measured: benchmarks/bench_moe_gemv.py times both paths to set it.
+MOE_GEMV_MAX_PAIRS = 8 * 22
 
 
 def _dense_expert_linear(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
@@ -143,6 +155,15 @@ def _gathered_linear(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor) -> 
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
+def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor) -> bool:
+    """Whether :func:`moe_experts_fused` takes the per-pair GEMV kernels: h on CUDA, at most
+    :data:`MOE_GEMV_MAX_PAIRS` (token, expert) pairs with int64 expert ids, the expert weights ``stacked`` in
+    h's dtype (16-bit or float32). Reads only shapes and dtypes (no synchronisation)."""
+    return (h.is_cuda and indices.numel() <= MOE_GEMV_MAX_PAIRS and indices.dtype == torch.int64
+            and h.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(w.dtype == h.dtype for w in stacked))
+
+
 def moe_experts_fused(
     h: torch.Tensor,
     weights: torch.Tensor,
@@ -151,24 +172,33 @@ def moe_experts_fused(
     gate: torch.Tensor | None,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Routed experts as grouped GEMMs over expert-sorted pairs; same arguments and result as
     :func:`moe_experts_ref` (float32 combine; the k choices are summed in choice order, so results agree
     with the reference to float rounding). No per-expert Python loop, no host synchronisation, shapes fixed
-    by N, k and the weights (CUDA-graph capturable).
+    by N, k and the weights (CUDA-graph capturable). Where ``activation`` names ``act`` and
+    :func:`use_moe_gemv` holds (CUDA, at most :data:`MOE_GEMV_MAX_PAIRS` pairs), the per-pair GEMV kernels of
+    kernels/moe_gemv.py compute the same result instead.
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. up, gate: [E, I, L] (gate may be None);
             down: [E, L, I]; all in h's dtype.
+        activation: the name ``act`` has in kernels.moe_gemv.ACT_CODES ("relu2" / "silu": the keys of
+            runners.engine.models.layers.ACTIVATIONS, which MoE passes), so the GEMV kernels can fuse it; None
+            (a caller's own callable) keeps the grouped path.
 
     Returns:
         [N, L] in h's dtype.
     """
+    stacked = (up, down) if gate is None else (up, gate, down)
+    if activation in ACT_CODES and use_moe_gemv(h, indices, *stacked):
+        return moe_gemv(h, weights, indices, up, gate, down, activation)
     n, k = indices.shape
     E = up.shape[0]
     order, offsets = sort_pairs_by_expert(indices, E)
     x = h.index_select(0, order // k)  # [P, L]: each pair's token, in expert order
-    stacked = (up, down) if gate is None else (up, gate, down)
     if grouped_mm_supported(x, *stacked):
         linear = lambda inp, w: _grouped_linear(inp, w, offsets)
     else:

@@ -1,0 +1,143 @@
+"""Routed experts of one MoE layer at decode batch sizes on the GPU: the per-pair GEMV kernels
+(kernels/moe_gemv.py) vs the grouped-GEMM path vs the weight-read floor, bf16, released expert shapes.
+
+    python -m benchmarks.bench_moe_gemv --out OUT.json [--batches 1 8] [--models super_v3 qwen3_next]
+
+Models (benchmarks/bench_quant_gemm.py's SUPER / QWEN shapes): ``super_v3`` Nemotron 3 Super (latent
+L = 1024 -> I = 2688, relu2, top-22 of 512 experts), ``qwen3_next`` Qwen3-Next (hidden L = 2048 -> I = 512,
+gated SiLU, top-10 of 512). Per model and batch (tokens routed to random distinct experts, router-like combine
+weights), one row each:
+- ``moe_gemv``: kernels.moe_gemv.moe_gemv (gate / up with the activation, down, combine: three launches);
+- ``grouped_mm``: runners/engine/models/moe.py's moe_experts_fused with the GEMV path off (no activation
+  name, MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine.
+Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
+expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
+``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
+replays with L2 flushed before each call (weights from HBM, no launch cost: the engine's captured decode
+step), plus "us_eager" (launched from Python). The summary holds both paths' times and x_floor per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_quant_gemm import QWEN, SUPER, _bench, part_copy, routed_indices, row  # noqa: E402
+
+MODELS = {  # model: (L, I, E, top_k, activation, gated)
+    "super_v3": (SUPER["L"], SUPER["I"], SUPER["E"], SUPER["top_k"], "relu2", False),
+    "qwen3_next": (QWEN["D"], QWEN["I"], QWEN["E"], QWEN["top_k"], "silu", True),
+}
+BYTES_PER_WEIGHT = 2  # bf16
+
+
+def expert_bytes(L: int, I: int, gated: bool) -> int:
+    """Weight bytes of one bf16 expert: up [I, L] and down [L, I], plus gate [I, L] when gated."""
+    return (3 if gated else 2) * I * L * BYTES_PER_WEIGHT
+
+
+def floor_us(active: int, L: int, I: int, gated: bool, copy_gbps: float) -> float:
+    """Microseconds to read ``active`` experts' weights once at ``copy_gbps`` (1e9 bytes / s)."""
+    return active * expert_bytes(L, I, gated) / (copy_gbps * 1e9) * 1e6
+
+
+def _grouped_path(*args):
+    """moe_experts_fused without an activation name: its grouped-GEMM path at any size (MOE_GEMV_MAX_PAIRS
+    set to 0 as well, so the row stays the grouped path whatever the engine's default)."""
+    from runners.engine.models import moe
+
+    keep = moe.MOE_GEMV_MAX_PAIRS
+    moe.MOE_GEMV_MAX_PAIRS = 0
+    try:
+        return moe.moe_experts_fused(*args)
+    finally:
+        moe.MOE_GEMV_MAX_PAIRS = keep
+
+
+def part_model(model: str, batches: list[int], copy_gbps: float) -> list[dict]:
+    import math
+
+    import torch
+
+    from kernels.moe_gemv import moe_gemv
+    from runners.engine.models.layers import ACTIVATIONS
+
+    L, I, E, k, act, gated = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16)
+    up, gate, down = r(E, I, L), (r(E, I, L) if gated else None), r(E, L, I)
+    rows = []
+    for B in batches:
+        indices = routed_indices(B, k, E, seed=B)
+        weights = torch.softmax(torch.rand(B, k, device="cuda", generator=gen), dim=1)
+        h = torch.randn(B, L, device="cuda", generator=gen).to(torch.bfloat16)
+        active = int(indices.unique().numel())
+        fl = floor_us(active, L, I, gated, copy_gbps)
+        io = 2 * B * L * BYTES_PER_WEIGHT
+        meta = {"model": model, "batch": B, "pairs": B * k, "active_experts": active, "floor_us": round(fl, 2)}
+        weight_bytes = active * expert_bytes(L, I, gated)
+        for name, fn in (("moe_gemv", partial(moe_gemv, h, weights, indices, up, gate, down, act)),
+                         ("grouped_mm", partial(_grouped_path, h, weights, indices, up, gate, down,
+                                                ACTIVATIONS[act]))):
+            out = row(name, _bench(fn), weight_bytes + io, copy_gbps, **meta)
+            out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
+            rows.append(out)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """{"<model>_b<batch>": {"<name>_us", "<name>_x_floor" per path, "floor_us", "gemv_speedup"}}."""
+    out: dict = {}
+    for r in rows:
+        s = out.setdefault(f"{r['model']}_b{r['batch']}", {"floor_us": r["floor_us"]})
+        s[f"{r['name']}_us"], s[f"{r['name']}_x_floor"] = r["us"], r["x_floor"]
+    for s in out.values():
+        if s.get("moe_gemv_us") and s.get("grouped_mm_us"):
+            s["gemv_speedup"] = round(s["grouped_mm_us"] / s["moe_gemv_us"], 2)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_moe_gemv", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode tokens per step")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = p.parse_args(argv)
+    if min(args.batches) < 1:
+        p.error("--batches must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device here; this benchmark runs on the GPU machine", file=sys.stderr)
+        return 2
+    report = {"command": " ".join(["python -m benchmarks.bench_moe_gemv", *(argv or sys.argv[1:])]),
+              "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "device": torch.cuda.get_device_name(0),
+                          "capability": list(torch.cuda.get_device_capability(0))}}
+    copy = part_copy()  # every row's floor and fraction refer to it
+    report["copy"] = copy
+    rows = [r for model in args.models for r in part_model(model, args.batches, copy["gb_per_s"])]
+    report["rows"] = rows
+    report["summary"] = summary(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for key, s in report["summary"].items():
+        print(f"{key}: {json.dumps(s)}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/bench_moe_gemv.py (routed-experts GEMV vs grouped GEMM vs the weight-read floor, for the GPU
+machine): its argument checks, the bytes and floor it counts and its summary, on the CPU (the timed parts need
+CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_moe_gemv as bench
+
+
+def test_expert_bytes_are_the_stored_tensors():
+    L, I = 40, 24
+    up, gate, down = torch.zeros(I, L, dtype=torch.bfloat16), torch.zeros(I, L, dtype=torch.bfloat16), \
+        torch.zeros(L, I, dtype=torch.bfloat16)
+    assert bench.expert_bytes(L, I, gated=False) == up.nbytes + down.nbytes
+    assert bench.expert_bytes(L, I, gated=True) == up.nbytes + gate.nbytes + down.nbytes
+
+
+def test_floor_is_active_bytes_over_bandwidth():
+    # 10 gated Qwen3-Next experts (3 x 512 x 2048 bf16 each = 6 MiB) at 4000 GB/s
+    want = 10 * 3 * 512 * 2048 * 2 / 4000e9 * 1e6
+    assert bench.floor_us(10, 2048, 512, True, 4000.0) == pytest.approx(want)
+    assert bench.MODELS["super_v3"][:4] == (1024, 2688, 512, 22)
+    assert bench.MODELS["qwen3_next"][:4] == (2048, 512, 512, 10)
+
+
+def test_summary_pairs_the_paths():
+    rows = [{"name": "moe_gemv", "model": "m", "batch": 1, "us": 10.0, "x_floor": 2.0, "floor_us": 5.0},
+            {"name": "grouped_mm", "model": "m", "batch": 1, "us": 25.0, "x_floor": 5.0, "floor_us": 5.0}]
+    assert bench.summary(rows) == {"m_b1": {"floor_us": 5.0, "moe_gemv_us": 10.0, "moe_gemv_x_floor": 2.0,
+                                            "grouped_mm_us": 25.0, "grouped_mm_x_floor": 5.0,
+                                            "gemv_speedup": 2.5}}
+
+
+@pytest.mark.parametrize("argv, says", [([], "--out"), (["--out", "o.json", "--batches", "0"], ">= 1"),
+                                        (["--out", "o.json", "--models", "llama"], "invalid choice")])
+def test_refuses_bad_arguments(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_needs_cuda(tmp_path, capsys):
+    assert bench.main(["--out", str(tmp_path / "o.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
