@@ -85,6 +85,24 @@ class ResolvedRun:
         return sorted(b for b in set(self.entry.cuda_graph_batch_sizes) if b <= self.max_batch_size)
 
     @property
+    def cuda_graphs_off_reason(self) -> str | None:
+        """Why the run asked for CUDA graphs (runtime.cuda_graphs) and gets none, or None: on the CPU the same
+        step runs eagerly. (A tensor-parallel engine adds its own reason: runners.engine.launch.)"""
+        if self.run.runtime.cuda_graphs and not self.device.startswith("cuda"):
+            return (f"runtime.cuda_graphs=true on {self.device}: CUDA graphs need a CUDA device; the step "
+                    "runs eagerly")
+        return None
+
+    @property
+    def compile_off_reason(self) -> str | None:
+        """Why the run asked for runtime.compile and gets the eager step, or None: the step compiles at the
+        CUDA-graph batch sizes (runners.engine.compile) and this run captures none."""
+        if self.run.runtime.compile and not self.cuda_graph_batch_sizes:
+            return ("runtime.compile=true compiles the decode step at its CUDA-graph batch sizes and this "
+                    "run captures none (the CPU, or runtime.cuda_graphs=false): the step runs eagerly")
+        return None
+
+    @property
     def baseline_state(self) -> dict[str, str]:
         """The run's values of the baseline files' state columns (registry.baselines.STATE_COLUMNS): a row
         judges the run only if it holds for them (a 16-bit SSM state is not judged by a float32-state row)."""

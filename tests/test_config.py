@@ -107,6 +107,23 @@ def test_graph_batch_sizes_at_every_world_size(overrides, captured):
     assert rr.cuda_graph_batch_sizes == (want if captured else [])
 
 
+@pytest.mark.parametrize("overrides, graphs_reason, compile_reason", [
+    (["runtime.cuda_graphs=true"], "need a CUDA device", None),  # the CPU: graphs asked for, none
+    (["runtime.compile=true"], None, "captures none"),
+    (["runtime=gpu", "runtime.compile=true"], None, None),  # graphs captured, compiled at their sizes
+    (["runtime=gpu", "runtime.cuda_graphs=false", "runtime.compile=true"], None, "captures none"),
+    ([], None, None),  # asked for neither on the CPU: nothing to say
+])
+def test_runtime_settings_that_cannot_apply_are_named(overrides, graphs_reason, compile_reason):
+    """runtime.cuda_graphs / runtime.compile asked for where they cannot apply are named (run.py prints them
+    as warnings and records them in results.json), never dropped silently."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_nemotron_h_mtp", *overrides])
+    rr = resolve(cfg, check_checkpoint=False)
+    for got, want in ((rr.cuda_graphs_off_reason, graphs_reason), (rr.compile_off_reason, compile_reason)):
+        assert (got is None) if want is None else (want in got), (got, want)
+
+
 def _run_py(*args, cwd):
     return subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)

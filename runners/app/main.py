@@ -90,6 +90,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         _check_out_dir(out_dir, rr)
         _warn_prefix_cache_off(rr)
+        _warn_ignored_runtime(rr)
         if rr.world_size > 1:  # one process per rank; rank 0 runs the job below, the others serve its engines
             from runners.engine.launch import launch
 
@@ -298,6 +299,14 @@ def _warn_prefix_cache_off(rr: ResolvedRun) -> None:
         print(f"warning: runtime.prefix_cache is off: {reason}", flush=True)
 
 
+def _warn_ignored_runtime(rr: ResolvedRun) -> None:
+    """Say before loading when runtime.cuda_graphs / runtime.compile were asked for and cannot apply
+    (results.json records the reasons as config.cuda_graphs_off_reason / config.compile_off_reason)."""
+    for reason in (rr.cuda_graphs_off_reason, rr.compile_off_reason):
+        if reason is not None:
+            print(f"warning: {reason}", flush=True)
+
+
 def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
     """Build the engine, evaluate the task (eval.name) into out_dir, judge, write and print; returns the
     results dict."""
@@ -337,8 +346,10 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     config["prefix_cache"] = engine.prefix_cache is not None  # and its limit after the engine's memory cap
     config["prefix_cache_bytes"] = engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None
     config["prefix_cache_off_reason"] = engine.prefix_cache_off_reason
-    # why a tensor-parallel engine runs without the graphs the run asked for (runners.engine.launch), or None
-    config["cuda_graphs_off_reason"] = getattr(engine, "cuda_graphs_off_reason", None)
+    # why the run goes without the graphs it asked for (the CPU; a gloo tensor-parallel engine), or None
+    config["cuda_graphs_off_reason"] = (getattr(engine, "cuda_graphs_off_reason", None)
+                                        or rr.cuda_graphs_off_reason)
+    config["compile_off_reason"] = rr.compile_off_reason
     results = build_results(
         entry=rr.entry.name,
         model_key=rr.entry.baseline,

@@ -76,9 +76,9 @@ class EngineOptions:
         compile: run the decode step's residual blocks (target and MTP) through torch.compile (inductor,
             static shapes; runners.engine.compile) at the graph batch sizes (``cuda_graph_batch_sizes``),
             compiled once per padded batch size and KV bucket before capture; larger batches run the eager
-            model. Without graphs (the CPU) the compiled steps run padded and eagerly. Off by default here;
-            a run's ``runtime.compile`` turns it on (configs/runtime/gpu.yaml: true; cpu.yaml: false, as
-            inductor's CPU code is unmeasured against eager there). The recurrent kernels, routed experts
+            model. Without graph batch sizes (the CPU, cuda_graphs off) nothing compiles: a warning, and the
+            step runs eagerly. Off by default here; a run's ``runtime.compile=true`` turns it on (off in both
+            configs/runtime files until measured on the H200). The recurrent kernels, routed experts
             and quantized GEMMs stay outside the compiled code.
         check_finite: flag NaN / infinite outputs of every layer in each forward
             (``GenerationOutput.nonfinite``).
