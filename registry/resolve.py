@@ -213,6 +213,16 @@ def checkpoint_path(entry: ModelEntry, models_root: str | None, *, required: boo
     return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
 
 
+def dummy_folder_given(entry: ModelEntry, models_root: str | None) -> bool:
+    """Whether a ``model.load_format=dummy`` run names a checkpoint folder, whose config.json it must then
+    read: an embedded entry's (registry/checkpoints/, always its own config.json), an absolute
+    ``checkpoint``, or a relative one under a set models_root. Only a release entry's relative checkpoint
+    without models_root leaves the folder unnamed: then the entry's released configuration is built
+    (registry.releases.release_hybrid_config). A typo in a named folder must not switch to the release."""
+    return (entry.embedded or Path(os.path.expanduser(entry.checkpoint)).is_absolute()
+            or bool(models_root))
+
+
 def check_quant_agrees(entry: ModelEntry, config: HybridConfig, name: str) -> None:
     """The entry's ``quant`` must be the weight quantization the checkpoint declares (config.json's
     quantization_config / hf_quant_config.json, ``HybridConfig.quantization``): an fp8 entry on a bf16
@@ -248,7 +258,8 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     (registry.compose.check_composed), a bad registry entry or top-level value, the cross-setting rules of
     registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / intermediate
     sizes, a missing / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that
-    disagrees with the checkpoint's config.json (check_quant_agrees).
+    disagrees with the checkpoint's config.json (check_quant_agrees); for model.load_format=dummy, a
+    world_size > 1 and a named checkpoint folder (dummy_folder_given) without config.json.
     """
     check_composed(cfg, _task_overrides())
     name = entry_name or hydra_choice("model") or OmegaConf.select(cfg, "model.name", default=None)
@@ -267,8 +278,23 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     if entry.arch is not None:
         check_world_size(entry.arch, world_size, name)
     dummy = entry.load_format == LoadFormat.dummy
+    if dummy and world_size > 1:  # refused here, before any rank is spawned (runners.engine.launch)
+        raise UserError(
+            f"model.load_format=dummy with world_size={world_size}: dummy weights are built on one device",
+            "pass world_size=1 (dummy weights are not sharded over ranks)",
+        )
     checkpoint_dir, setting = checkpoint_path(entry, run.models_root, required=check_checkpoint and not dummy)
     has_config = (checkpoint_dir / CONFIG_FILE).is_file()
+    if dummy and check_checkpoint and not has_config and dummy_folder_given(entry, run.models_root):
+        raise _with_model_overrides(UserError(
+            f"model.load_format=dummy reads config.json from the checkpoint folder {checkpoint_dir} "
+            f"({setting}), but "
+            + (f"it has no {CONFIG_FILE}" if checkpoint_dir.is_dir() else "it does not exist"),
+            "correct model.checkpoint=DIR (a folder with the model's config.json), or "
+            + ("leave model.checkpoint unset (the entry's own checkpoint under registry/checkpoints/)"
+               if entry.embedded else "leave model.checkpoint and models_root unset to build the entry's "
+               "released configuration"),
+        ))
     ckpt_config = HybridConfig.from_pretrained(checkpoint_dir) if has_config else None
     if dummy and ckpt_config is None:  # dummy weights without the folder: the entry's released configuration
         try:

@@ -328,7 +328,8 @@ def entry_file_problems(name: str, model_dir: Path = MODEL_DIR) -> list[UserErro
     them: not valid registry YAML (registry.yamlfile: aliases and ``!!python/...`` tags refused), a
     `# @package` header, interpolations, a malformed defaults list, each key outside the schema or of the
     wrong type, a ``checkpoint:`` that leaves its root (registry/checkpoints/ for embedded entries: no
-    ``..``, not absolute). Empty for a good file; a missing file is check_entry_file's error."""
+    ``..``, not absolute), ``load_format: dummy`` (a run override). Empty for a good file; a missing file
+    is check_entry_file's error."""
     path = model_dir / f"{name}.yaml"
     where = entry_file(name)
     text = path.read_text()
@@ -352,6 +353,12 @@ def entry_file_problems(name: str, model_dir: Path = MODEL_DIR) -> list[UserErro
                 "(an interpolation could read environment variables, e.g. secrets, into published results)",
                 f"write the literal value of '{key}'",
             ))
+    if raw.get("load_format") == LoadFormat.dummy.value:
+        problems.append(UserError(
+            f"{where}: load_format: dummy is a run override, not a property of a model (an entry file would "
+            "publish random weights under a model's name)",
+            f"remove load_format from {where} and pass model.load_format=dummy on the command line",
+        ))
     raw = dict(raw)
     defaults = raw.pop("defaults", None) or []
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):

@@ -167,8 +167,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert call["data_dir"] == str(data) and call["out_dir"] == str(out) and call["resume"] is False
     assert call["task"] is TASKS["gsm8k"]  # eval.name's row of the task table
     assert call["fingerprint"] == {
-        "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), **checkpoint_fingerprint(ckpt),
-        "device": "cpu", "dtype": "float32",
+        "entry": "tiny_nemotron_h_mtp", "checkpoint_dir": str(ckpt), "load_format": "auto",
+        **checkpoint_fingerprint(ckpt), "device": "cpu", "dtype": "float32",
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
         "ssm_replay_checkpointing": False, "quant": "none", "kv_cache_quant": "none",
         "max_seq_len": 4096, "num_threads": 1,

@@ -132,7 +132,9 @@ def test_fit_check_fires_before_any_allocation(monkeypatch):
     msg = e.value.problem
     assert "of weights +" in msg and "of caches (max_batch_size=64, max_seq_len=4096)" in msg
     assert "more than the 0.01 GiB of the given memory budget on cpu" in msg
-    assert "max_batch_size" in e.value.fix and "world_size" in e.value.fix and "quantized" in e.value.fix
+    # on the CPU more GPUs cannot help; a bf16 model can shrink to FP8 / NVFP4
+    assert "max_batch_size" in e.value.fix and "FP8 or NVFP4" in e.value.fix
+    assert "world_size" not in e.value.fix
 
 
 def test_fit_check_numbers_and_skip():

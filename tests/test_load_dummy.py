@@ -20,7 +20,15 @@ from runners.app import main as app
 from runners.engine.dummy import materialize_dummy, plan_dummy
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
-from runners.engine.memory import InsufficientMemoryError, largest_fitting_batch
+from runners.engine.memory import (
+    ACTIVATION_HEADROOM_FRACTION,
+    GIB,
+    InsufficientMemoryError,
+    check_memory_fits,
+    fit_headroom_bytes,
+    largest_fitting_batch,
+    prefix_cache_cap,
+)
 from runners.engine.options import EngineOptions
 from runners.tools.synth import write_synthetic_checkpoint
 
@@ -47,7 +55,10 @@ def test_dummy_model_is_the_loaded_synthetic_checkpoint(family, fmt, tmp_path):
     plan = plan_dummy(read_config(tmp_path), dtype=torch.float32, with_mtp=True)
     assert plan.weight_bytes == sum(t.numel() * t.element_size() for t in
                                     {id(t): t for t in [*loaded.parameters(), *loaded.buffers()]}.values())
-    built = materialize_dummy(plan, "cpu")
+    lines: list[str] = []
+    built = materialize_dummy(plan, "cpu", log=lines.append)
+    n = len(plan.specs)
+    assert lines[-1].startswith(f"dummy weights: {n}/{n} tensors")  # the progress ends at all of them
     want, got = loaded.state_dict(), built.state_dict()
     assert sorted(want) == sorted(got)
     for name, t in want.items():
@@ -80,11 +91,11 @@ def test_dummy_run_end_to_end_says_dummy_and_judges_no_accuracy(tmp_path):
     assert "Dummy weights" in summary and "Full GSM8K projection" in summary
 
 
-def test_dummy_without_checkpoint_folder_uses_the_released_config(tmp_path):
-    """No checkpoint folder: the entry's released configuration (all 88 layers, 512 experts, the release's
-    quantization) resolves, without models_root."""
-    cfg = compose_config(["model=super_v3_mtp_fp8", "model.load_format=dummy",
-                          f"model.checkpoint={tmp_path / 'absent'}"])
+def test_dummy_without_checkpoint_folder_uses_the_released_config(monkeypatch):
+    """No checkpoint folder (a release entry, models_root unset): the entry's released configuration (all 88
+    layers, 512 experts, the release's quantization) resolves."""
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    cfg = compose_config(["model=super_v3_mtp_fp8", "model.load_format=dummy", "models_root=null"])
     rr = resolve(cfg)
     c = rr.checkpoint_config
     assert rr.dummy and "released" in c.source and len(c.layer_types) == 88 and c.n_routed_experts == 512
@@ -93,10 +104,98 @@ def test_dummy_without_checkpoint_folder_uses_the_released_config(tmp_path):
     q = release_hybrid_config("qwen3_next", "fp8", "fp8")
     assert q.quantization.weight_block_size == (128, 128)
     assert len(q.layer_types) == 2 * 48  # 48 decoder layers, each a mixer (GDN / attention) and an MoE
-    nvfp4 = compose_config(["model=qwen3_next_mtp_nvfp4", "model.load_format=dummy",
-                            f"model.checkpoint={tmp_path / 'absent'}"])
+    nvfp4 = compose_config(["model=qwen3_next_mtp_nvfp4", "model.load_format=dummy", "models_root=null"])
     with pytest.raises(UserError, match="no nvfp4 release of qwen3_next"):
         resolve(nvfp4)
+
+
+@pytest.mark.parametrize("overrides,embedded", [
+    (["model=tiny_nemotron_h_mtp", "model.checkpoint={tmp}/typo"], True),  # absolute: never the release
+    (["model=super_v3_mtp_fp8", "models_root={tmp}"], False),  # under a set models_root
+    (["model=super_v3_mtp_fp8", "model.checkpoint={tmp}"], False),  # a folder without config.json
+])
+def test_dummy_named_checkpoint_folder_must_hold_config(overrides, embedded, tmp_path):
+    """A checkpoint folder the run names but that does not exist (or has no config.json) is an error naming
+    it -- a typo must not silently build the full-size release under the entry's name."""
+    cfg = compose_config([o.format(tmp=tmp_path) for o in overrides] + ["model.load_format=dummy"])
+    with pytest.raises(UserError) as e:
+        resolve(cfg)
+    assert str(tmp_path) in e.value.problem and "model.checkpoint" in e.value.fix
+    assert ("registry/checkpoints" in e.value.fix) == embedded
+    assert ("released configuration" in e.value.fix) == (not embedded)
+
+
+def test_dummy_embedded_entry_uses_its_own_config():
+    """An embedded entry's dummy run reads its own config.json (registry/checkpoints/), never the release."""
+    rr = resolve(compose_config(["model=tiny_nemotron_h_mtp", "model.load_format=dummy"]))
+    source = rr.checkpoint_config.source
+    assert source.endswith("config.json") and "released" not in source
+    assert app.fingerprint(rr)["load_format"] == "dummy"
+    assert app.fingerprint(resolve(compose_config(["model=tiny_nemotron_h_mtp"])))["load_format"] == "auto"
+
+
+@pytest.mark.parametrize("overrides", [["model=tiny_nemotron_h_mtp", "world_size=2"],
+                                       ["model=super_v3_mtp_ws2", "models_root=null"]])
+def test_dummy_over_ranks_is_refused_in_resolve(overrides, monkeypatch):
+    """world_size > 1 with dummy weights is refused when the run resolves, before any rank is spawned."""
+    monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
+    with pytest.raises(UserError, match=r"load_format=dummy with world_size=2") as e:
+        resolve(compose_config([*overrides, "model.load_format=dummy"]))
+    assert "world_size=1" in e.value.fix
+
+
+def test_entry_file_setting_dummy_is_refused(tmp_path):
+    """load_format: dummy is a run override: an entry file that sets it is refused with the command-line fix
+    (the raw-file guard every composition, `python -m registry validate` and the PR check run)."""
+    from registry.schema import MODEL_DIR, entry_file_problems
+
+    text = (MODEL_DIR / "tiny_nemotron_h_mtp.yaml").read_text()
+    (tmp_path / "tiny_nemotron_h_mtp.yaml").write_text(text + "load_format: dummy\n")
+    problems = entry_file_problems("tiny_nemotron_h_mtp", tmp_path)
+    assert [p for p in problems if "load_format: dummy" in p.problem
+            and "model.load_format=dummy on the command line" in p.fix]
+    (tmp_path / "tiny_nemotron_h_mtp.yaml").write_text(text + "load_format: auto\n")
+    assert entry_file_problems("tiny_nemotron_h_mtp", tmp_path) == []
+
+
+@pytest.mark.parametrize("device,quant,can_shard,want,not_want", [
+    ("cuda", "none", True, ["world_size", "FP8 or NVFP4"], []),
+    ("cuda", "fp8", True, ["world_size", "NVFP4 entry"], ["FP8 or"]),
+    ("cuda", "nvfp4", True, ["world_size"], ["NVFP4", "FP8"]),
+    ("cuda", "fp8", False, ["NVFP4 entry"], ["world_size"]),  # dummy weights: one device
+    ("cpu", "nvfp4", True, [], ["world_size", "NVFP4", "FP8"]),
+])
+def test_fit_refusal_advice_is_what_can_help(device, quant, can_shard, want, not_want):
+    """More GPUs only on CUDA where the load can be sharded; a smaller format only where one exists."""
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory_fits(100 * GIB, 640 * GIB, device, budget_bytes=200 * GIB, max_batch_size=64,
+                          cache_bytes_at=lambda b: b * 10 * GIB, quant=quant, can_shard=can_shard)
+    for w in want:
+        assert w in e.value.fix, (w, e.value.fix)
+    for w in not_want:
+        assert w not in e.value.fix, (w, e.value.fix)
+    with pytest.raises(InsufficientMemoryError) as e:  # the weights alone exceed: still a fix line
+        check_memory_fits(300 * GIB, 0, device, budget_bytes=200 * GIB, quant=quant, can_shard=can_shard)
+    assert "weights alone" in e.value.fix and len(e.value.fix) > len("the weights alone exceed it")
+
+
+def test_suggested_batch_leaves_headroom():
+    """The suggested batch leaves the prefix cache's budget plus room for activations free
+    (fit_headroom_bytes), and the load then grants the prefix cache its whole budget (prefix_cache_cap)."""
+    budget, weights, prefix = 100 * GIB, 60 * GIB, 2 * GIB
+
+    def cache(b):
+        return b * GIB
+
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory_fits(weights, cache(64), "cuda", budget_bytes=budget, max_batch_size=64,
+                          cache_bytes_at=cache, prefix_cache_bytes=prefix)
+    fit = int(e.value.fix.split("eval.batch_size=")[1].split()[0])
+    headroom = fit_headroom_bytes(budget, prefix)
+    assert headroom >= 2 * prefix and headroom >= ACTIVATION_HEADROOM_FRACTION * budget
+    assert weights + cache(fit) + headroom <= budget < weights + cache(fit + 1) + headroom
+    assert fit < 40  # all of the 40 GiB left would have been the answer without headroom
+    assert prefix_cache_cap(budget, weights, cache(fit)) >= prefix
 
 
 def test_full_depth_fit_refusal_in_seconds():
@@ -136,6 +235,7 @@ def test_largest_fitting_batch():
     assert largest_fitting_batch(100, 200, cache, 63) == 10
     assert largest_fitting_batch(100, 105, cache, 63) is None
     assert largest_fitting_batch(0, 10**6, cache, 63) == 63
+    assert largest_fitting_batch(100, 200, cache, 63, headroom_bytes=30) == 7
 
 
 def test_bad_load_format_is_refused():

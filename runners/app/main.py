@@ -192,6 +192,8 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     return {
         "entry": rr.entry.name,
         "checkpoint_dir": str(rr.checkpoint_dir),
+        # the effective load_format, so that a refused resume names it ('auto', never None)
+        "load_format": rr.entry.load_format.value,
         **(_dummy_fingerprint(rr) if rr.dummy else checkpoint_fingerprint(rr.checkpoint_dir)),
         **rr.engine_settings(),  # device, dtypes, draft_len, replay, backend, batch size, world size
         "quant": rr.entry.quant.value,
@@ -211,7 +213,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
 def _dummy_fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     """What dummy weights depend on: their seed and the configuration they were built at."""
     config = rr.checkpoint_dir / CONFIG_FILE
-    return {"load_format": "dummy", "dummy_seed": DUMMY_SEED, "config_source": rr.checkpoint_config.source,
+    return {"dummy_seed": DUMMY_SEED, "config_source": rr.checkpoint_config.source,
             "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
 
 
@@ -268,10 +270,7 @@ def _build_engine(rr: ResolvedRun) -> Engine:
 
     try:
         options = engine_options(rr)
-        if rr.dummy:
-            if launch.current() is not None:
-                raise UserError(f"model.load_format=dummy with world_size={rr.world_size}: dummy weights are "
-                                "built on one device", "use world_size=1")
+        if rr.dummy:  # world_size 1 (registry.resolve refuses dummy weights over ranks)
             print(f"building dummy weights of {rr.entry.name} on {rr.device} ({rr.checkpoint_config.source})",
                   flush=True)
             return Engine.from_dummy(rr.checkpoint_config, options, device=rr.device,

@@ -286,7 +286,7 @@ def materialize_dummy(plan: DummyPlan, device: str | torch.device, *, seed: int 
                 target.copy_(value.reshape(target.shape))
                 filled.add(name)
             del t, parts
-            if (i + 1) % step == 0:
+            if (i + 1) % step == 0 or i + 1 == len(plan.specs):  # the last line says all of them
                 say(f"dummy weights: {i + 1}/{len(plan.specs)} tensors ({time.perf_counter() - t0:.1f} s)")
         for name, target in targets.items():
             if name not in filled and name.endswith((".k_scale", ".v_scale")):

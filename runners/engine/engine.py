@@ -44,7 +44,13 @@ import torch
 from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.loader import materialize, plan_load
-from runners.engine.memory import LoadReport, check_memory_fits, host_peak_rss_bytes, host_peak_rss_reset
+from runners.engine.memory import (
+    LoadReport,
+    check_memory_fits,
+    host_peak_rss_bytes,
+    host_peak_rss_reset,
+    prefix_cache_cap,
+)
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.mamba2 import Mamba2Mixer
@@ -358,13 +364,15 @@ class Engine:
         t0, host_reset = _start_load_clock(device)
         plan = plan_dummy(config, dtype=options.torch_dtype, with_mtp=options.draft_len > 0)
         return cls._from_plan(plan, lambda p, d: materialize_dummy(p, d, log=log), options, device, None,
-                              prefix_store, t0, host_reset)
+                              prefix_store, t0, host_reset, shardable=False)
 
     @classmethod
     def _from_plan(cls, plan, build, options: EngineOptions, device: torch.device, tensor_parallel,
-                   prefix_store: PrefixCache | None, t0: float, host_reset: bool) -> Engine:
+                   prefix_store: PrefixCache | None, t0: float, host_reset: bool, *,
+                   shardable: bool = True) -> Engine:
         """The fit check on a planned (meta-device) model, then ``build(plan, device)`` and the engine around
-        it with its load report (:meth:`from_pretrained`, :meth:`from_dummy`)."""
+        it with its load report (:meth:`from_pretrained`, :meth:`from_dummy`). ``shardable``: whether a
+        refusal may suggest more GPUs (False for dummy weights, built on one device)."""
         # the caches this engine will allocate, sized before anything is: weights + caches must fit
         state_dtype = _state_dtype(options, plan.config)
         kinds = plan.model.cache_kinds(include_mtp=options.draft_len > 0)
@@ -374,14 +382,17 @@ class Engine:
             return sum(planned_cache_memory(plan.config, kinds, sized, state_dtype).values())
 
         cache_bytes = cache_bytes_at(options.max_batch_size)
+        prefix_on = prefix_store is None and prefix_cache_off_reason(
+            options, ssm_state_dtype=dtype_name(state_dtype)) is None
+        quant = plan.config.quantization
         budget = check_memory_fits(plan.weight_bytes, cache_bytes, device,
                                    budget_bytes=options.memory_budget_bytes,
                                    max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-                                   cache_bytes_at=cache_bytes_at)
-        prefix_on = prefix_store is None and prefix_cache_off_reason(
-            options, ssm_state_dtype=dtype_name(state_dtype)) is None
+                                   cache_bytes_at=cache_bytes_at,
+                                   prefix_cache_bytes=_prefix_cache_want(options) if prefix_on else 0,
+                                   quant=quant.method if quant is not None else "none", can_shard=shardable)
         if budget is not None and prefix_on:
-            cap = max(0, (budget - plan.weight_bytes - cache_bytes) // 2)
+            cap = prefix_cache_cap(budget, plan.weight_bytes, cache_bytes)
             if tensor_parallel is not None:  # one byte budget for every rank: their caches stay in lockstep
                 cap = tensor_parallel.all_ranks_min(cap, device)
             options = _cap_prefix_cache(options, cap)
@@ -640,10 +651,15 @@ class Engine:
         return None, lambda done: None
 
 
+def _prefix_cache_want(options: EngineOptions) -> int:
+    """The prefix cache's byte budget asked of the engine: ``prefix_cache_bytes``, else the default."""
+    return DEFAULT_PREFIX_CACHE_BYTES if options.prefix_cache_bytes is None else options.prefix_cache_bytes
+
+
 def _cap_prefix_cache(options: EngineOptions, cap: int) -> EngineOptions:
     """``options`` with ``prefix_cache_bytes`` at most ``cap`` (the prefix cache grows while generating: it
     may take at most half of the memory that stays free after weights and caches)."""
-    want = DEFAULT_PREFIX_CACHE_BYTES if options.prefix_cache_bytes is None else options.prefix_cache_bytes
+    want = _prefix_cache_want(options)
     if want <= cap:
         return options
     log.warning("prefix_cache_bytes=%d capped at %d (half of the memory left after weights and caches)", want,

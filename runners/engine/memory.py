@@ -4,7 +4,8 @@
   the safetensors headers; caches at max_batch_size / max_seq_len, from
   ``runners.engine.cache.cache_memory_bytes``)
   with the device's free memory (``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of /proc/meminfo on
-  the CPU) and raises :class:`InsufficientMemoryError` naming both numbers and the fixes.
+  the CPU) and raises :class:`InsufficientMemoryError` naming both numbers and the fixes that can help; a
+  suggested smaller batch leaves :func:`fit_headroom_bytes` free (activations, the prefix cache).
 - :class:`LoadReport` is what ``Engine.from_pretrained`` measured: wall time, bytes by kind, the host's peak
   resident set (``VmHWM`` of /proc/self/status, reset at the start of the load through /proc/self/clear_refs
   where the kernel allows) and the device's peak allocation (``torch.cuda.max_memory_allocated``).
@@ -60,6 +61,39 @@ def free_device_memory(device: torch.device) -> tuple[int | None, str]:
     return None, f"no free-memory query for device type {device.type!r}"
 
 
+# The share of the device's free memory a suggested batch leaves for activations (prefill and decode
+# temporaries, the allocator's fragmentation) beyond weights, caches and the prefix cache's budget.
+ACTIVATION_HEADROOM_FRACTION = 0.05
+
+
+def prefix_cache_cap(budget_bytes: int, weight_bytes: int, cache_bytes: int) -> int:
+    """The most the prefix cache may take after a load (bytes): half of the memory weights and caches leave;
+    the other half stays free for activations. The one rule both the load (``Engine._from_plan``) and the
+    batch suggestion (:func:`fit_headroom_bytes`) follow."""
+    return max(0, (budget_bytes - weight_bytes - cache_bytes) // 2)
+
+
+def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int) -> int:
+    """Bytes a suggested max_batch_size leaves free beyond weights and caches: the prefix cache's budget
+    (``prefix_cache_bytes``; 0 when it is off) plus the same again or ``ACTIVATION_HEADROOM_FRACTION`` of
+    ``budget_bytes``, whichever is larger, for activations. Since :func:`prefix_cache_cap` gives the prefix
+    cache half of what is left, this leaves it its whole budget."""
+    return prefix_cache_bytes + max(prefix_cache_bytes, int(ACTIVATION_HEADROOM_FRACTION * budget_bytes))
+
+
+def _other_fixes(device: torch.device, quant: str | None, can_shard: bool) -> list[str]:
+    """Fixes beyond smaller caches that can help this load: more GPUs only on CUDA where the load can be
+    sharded (not dummy weights, not the CPU), a smaller weight format only where one exists."""
+    fixes = []
+    if device.type == "cuda" and can_shard:
+        fixes.append("spread the model over more GPUs (world_size=N)")
+    smaller = {"none": "use an FP8 or NVFP4 entry (1 byte or 4 bits per weight instead of 2)",
+               "fp8": "use an NVFP4 entry (4-bit weights, about half the bytes of FP8)"}.get(quant or "none")
+    if smaller:
+        fixes.append(smaller)
+    return fixes
+
+
 def check_memory_fits(
     weight_bytes: int,
     cache_bytes: int,
@@ -69,6 +103,9 @@ def check_memory_fits(
     max_batch_size: int | None = None,
     max_seq_len: int | None = None,
     cache_bytes_at: Callable[[int], int] | None = None,
+    prefix_cache_bytes: int = 0,
+    quant: str | None = None,
+    can_shard: bool = True,
 ) -> int | None:
     """Raise when the weights and caches of a load cannot fit; call it before allocating anything.
 
@@ -79,8 +116,13 @@ def check_memory_fits(
         budget_bytes: the bytes available; None (default) asks the device (:func:`free_device_memory`).
         max_batch_size, max_seq_len: named in the message (the settings the cache size follows).
         cache_bytes_at: ``f(batch) -> cache bytes`` at another max_batch_size (monotone in batch): with it a
-            refusal names the largest batch below ``max_batch_size`` that fits
-            (:func:`largest_fitting_batch`).
+            refusal names the largest batch below ``max_batch_size`` that fits with
+            :func:`fit_headroom_bytes` to spare (:func:`largest_fitting_batch`).
+        prefix_cache_bytes: the prefix cache's budget (0: off), reserved in a suggested batch.
+        quant: the weights' quantization method ("none", "fp8", "nvfp4"; None = "none"): a refusal suggests
+            a smaller format only where one exists.
+        can_shard: whether the load could be spread over GPUs (False for dummy weights): a refusal on CUDA
+            suggests world_size only then.
 
     Returns:
         The budget compared against, or None when it could not be determined (the check is skipped and a
@@ -88,7 +130,8 @@ def check_memory_fits(
 
     Raises:
         InsufficientMemoryError: weight_bytes + cache_bytes > budget; the message names both numbers, the
-            budget and the fixes (smaller max_batch_size / max_seq_len, more GPUs, a quantized checkpoint).
+            budget and the fixes that can help (smaller max_batch_size / max_seq_len, more GPUs, a smaller
+            weight format).
     """
     device = torch.device(device)
     where = "the given memory budget"
@@ -102,16 +145,23 @@ def check_memory_fits(
         sizes = ", ".join(
             f"{k}={v}" for k, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)) if v
         )
+        headroom = fit_headroom_bytes(budget_bytes, prefix_cache_bytes)
         fit = None
         if cache_bytes_at is not None and max_batch_size:
-            fit = largest_fitting_batch(weight_bytes, budget_bytes, cache_bytes_at, max_batch_size - 1)
+            fit = largest_fitting_batch(weight_bytes, budget_bytes, cache_bytes_at, max_batch_size - 1,
+                                        headroom_bytes=headroom)
+        fixes = _other_fixes(device, quant, can_shard)
         if fit is not None:
             first = (f"lower max_batch_size: eval.batch_size={fit} is the largest that fits (weights + "
-                     f"{_gib(cache_bytes_at(fit))} of caches), or lower max_seq_len (model.max_seq_len=N)")
+                     f"{_gib(cache_bytes_at(fit))} of caches, {_gib(headroom)} left for activations and the "
+                     "prefix cache), or lower max_seq_len (model.max_seq_len=N)")
         elif weight_bytes >= budget_bytes:
             first = "the weights alone exceed it, so no smaller max_batch_size or max_seq_len helps"
+            if not fixes:
+                fixes = [f"run on a device with more than {_gib(weight_bytes)} free"]
         elif cache_bytes_at is not None:
-            first = "not even max_batch_size 1 fits: lower max_seq_len (model.max_seq_len=N)"
+            first = (f"not even max_batch_size 1 fits with {_gib(headroom)} left for activations and the "
+                     "prefix cache: lower max_seq_len (model.max_seq_len=N)")
         else:
             first = ("lower max_batch_size or max_seq_len (run.py: eval.batch_size=N, model.max_seq_len=N) "
                      "to shrink the caches")
@@ -119,20 +169,20 @@ def check_memory_fits(
             f"the model needs {_gib(weight_bytes)} of weights + {_gib(cache_bytes)} of caches"
             f"{f' ({sizes})' if sizes else ''} = {_gib(need)}, more than the {_gib(budget_bytes)} of {where} "
             f"on {device}",
-            f"{first}; or spread the model over more GPUs (world_size), or use a quantized entry (smaller "
-            "weights)",
+            "; or ".join([first, *fixes]),
         )
     return budget_bytes
 
 
 def largest_fitting_batch(weight_bytes: int, budget_bytes: int, cache_bytes_at: Callable[[int], int],
-                          upper: int) -> int | None:
-    """The largest batch b in [1, upper] with weight_bytes + cache_bytes_at(b) <= budget_bytes (binary
-    search; cache_bytes_at must not decrease with b), or None when not even b = 1 fits."""
+                          upper: int, *, headroom_bytes: int = 0) -> int | None:
+    """The largest batch b in [1, upper] with weight_bytes + cache_bytes_at(b) + headroom_bytes <=
+    budget_bytes (binary search; cache_bytes_at must not decrease with b), or None when not even b = 1 fits.
+    ``headroom_bytes``: what must stay free (:func:`fit_headroom_bytes`)."""
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if weight_bytes + cache_bytes_at(mid) <= budget_bytes:
+        if weight_bytes + cache_bytes_at(mid) + headroom_bytes <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
