@@ -87,7 +87,7 @@ def request_key(prompt: str, settings: GenerationSettings) -> str:
 # fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
 _FINGERPRINT_KEYS_ADDED = frozenset({
     "ssm_backend", "ssm_replay_checkpointing", "weights_sha256", "config_sha256", "generation_config_sha256",
-    "tokenizer_sha256", "max_seq_len", "num_threads",
+    "tokenizer_sha256", "max_seq_len", "num_threads", "load_format",  # older auto runs lack load_format
 })
 
 
