@@ -156,9 +156,8 @@ def check_memory_fits(
                      f"{_gib(cache_bytes_at(fit))} of caches, {_gib(headroom)} left for activations and the "
                      "prefix cache), or lower max_seq_len (model.max_seq_len=N)")
         elif weight_bytes >= budget_bytes:
-            first = "the weights alone exceed it, so no smaller max_batch_size or max_seq_len helps"
-            if not fixes:
-                fixes = [f"run on a device with more than {_gib(weight_bytes)} free"]
+            first = ("the weights alone exceed it, so no smaller max_batch_size or max_seq_len helps: run on "
+                     f"a device with more than {_gib(weight_bytes)} free")
         elif cache_bytes_at is not None:
             first = (f"not even max_batch_size 1 fits with {_gib(headroom)} left for activations and the "
                      "prefix cache: lower max_seq_len (model.max_seq_len=N)")

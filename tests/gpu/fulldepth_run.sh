@@ -30,7 +30,8 @@ rm -f "$out/failed_entries.txt"
   'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.txt" 2>&1
 for entry in $entries; do
   # FULLDEPTH_ARGS: extra overrides, split on spaces on purpose
-  cmd=(timeout "${FULLDEPTH_TIMEOUT:-570}" python3 -u run.py "model=$entry" model.load_format=dummy runtime=gpu
+  # models_root=null: the released configuration even where $LLM_MODELS_ROOT is set without the checkpoints
+  cmd=(timeout "${FULLDEPTH_TIMEOUT:-570}" python3 -u run.py "model=$entry" model.load_format=dummy models_root=null runtime=gpu
        ssm_replay=true eval.limit=64 "hydra.run.dir=$out/$entry" ${FULLDEPTH_ARGS-})
   echo "=== $entry: ${cmd[*]}" | tee "$out/$entry.log"
   t0=$SECONDS
