@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from registry.schema import REPO_ROOT
+from registry.schema import REPO_ROOT, LoadFormat
 from runners.engine.stats import GenerationStats
 
 # 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
@@ -193,6 +193,17 @@ def build_results(
         "verdict": None,
         "samples_path": str(evaluation.samples_path),
     }
+
+
+def load_format(results: dict[str, Any]) -> str:
+    """A results dict's ``config.load_format`` (registry.schema.LoadFormat's value: "auto" reads the
+    checkpoint, "dummy" ran random weights); results written before the field existed read weights: "auto"."""
+    return str((results.get("config") or {}).get("load_format") or LoadFormat.auto.value)
+
+
+def is_dummy(results: dict[str, Any]) -> bool:
+    """Whether a results dict ran random weights (model.load_format=dummy): no accuracy can be judged."""
+    return load_format(results) == LoadFormat.dummy.value
 
 
 def exit_code(results: dict[str, Any]) -> int:
