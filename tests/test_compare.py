@@ -7,7 +7,10 @@ import json
 import pytest
 
 from evals.compare import (
+    COMPARE_ARMS,
+    COMPARISON_FILE,
     ComparisonError,
+    compare_arms,
     compare_run_dirs,
     compare_runs,
     comparison_checks,
@@ -17,7 +20,7 @@ from evals.compare import (
     mcnemar_exact,
 )
 from evals.compare import main as compare_main
-from evals.verdict import Verdict
+from evals.verdict import Check, Verdict
 
 
 def test_mcnemar_exact_by_hand():
@@ -271,3 +274,18 @@ def test_differing_eval_settings_warn(tmp_path, capsys):
     assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     err = capsys.readouterr().err
     assert "warning: max_gen_toks differs" in err and "num_fewshot" not in err
+
+
+def test_compare_arms_on_dummy_weights_is_no_reference(tmp_path):
+    """compare=replay's arms on dummy weights: the rewind arm's verdict (evals.verdict's dummy verdict: only
+    health.finite judged) plus the comparison's checks give NO REFERENCE, not PASS."""
+    a, _ = _arms()
+    for arm in COMPARE_ARMS:
+        _write_gsm8k_run(tmp_path / arm, a, config={"load_format": "dummy"})
+    rewind_verdict = Verdict([Check("health.finite", 0.0, None, None, "pass", "outputs", ""),
+                              Check("gsm8k.strict_match", 0.0, None, None, "no_reference", "percent", "")]
+                             ).to_dict()
+    section, checks = compare_arms(tmp_path, rewind_verdict, exact=True)
+    assert section["load_format"] == "dummy" and (tmp_path / COMPARISON_FILE).exists()
+    verdict = Verdict(checks)
+    assert verdict.status == "no_reference" and verdict.headline == "NO REFERENCE"
