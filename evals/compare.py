@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,13 +27,17 @@ from scipy.stats import binomtest
 from evals.gsm8k import SAMPLES_FILE
 from evals.lm_adapter import GENERATIONS_FILE
 from evals.outdir import write_atomic
-from evals.results import RESULTS_FILE
-from evals.verdict import FAIL, NO_REFERENCE, PASS, Check
+from evals.results import RESULTS_FILE, load_format
+from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
+from registry.schema import LoadFormat
 
 FILTERS = ("strict_match", "flexible_extract")
 # compare=replay: the arms' sub-folders of out_dir (ssm_replay false, true)
 COMPARE_ARMS = ("rewind", "replay")
 COMPARISON_FILE = "comparison.json"
+# results.json `task` settings that change what is generated or scored: runs differing in one are compared
+# with a warning (the difference, not the code, may explain the flips)
+EVAL_SETTINGS = ("task", "version", "num_fewshot", "fewshot_seed", "max_gen_toks", "lm_eval_version")
 
 
 class ComparisonError(ValueError):
@@ -163,6 +168,9 @@ class Comparison:
     filters: dict[str, FilterComparison]
     divergence: DivergenceSummary | None
     acceptance: AcceptanceDiff | None
+    # both runs' config.load_format (evals.results.load_format); "dummy": random weights, nothing is judged
+    load_format: str = "auto"
+    warnings: list[str] = field(default_factory=list)  # eval settings that differ (compare_run_dirs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +180,8 @@ class Comparison:
             "filters": {k: asdict(v) for k, v in self.filters.items()},
             "divergence": asdict(self.divergence) if self.divergence is not None else None,
             "acceptance": asdict(self.acceptance) if self.acceptance is not None else None,
+            "load_format": self.load_format,
+            "warnings": list(self.warnings),
         }
 
 
@@ -343,9 +353,12 @@ def compare_run_dirs(
 
     Samples are read by load_run_samples (token ids from generations.jsonl when present). Labels default to
     the folder names. Acceptance is compared when both results.json have a non-null `acceptance` section.
+    The Comparison's load_format is the runs' (config.load_format); its warnings name each EVAL_SETTINGS
+    entry of results.json `task` (e.g. max_gen_toks) whose values differ.
 
     Raises:
-        ComparisonError: a missing results.json / samples.jsonl, or the errors of compare_runs.
+        ComparisonError: a missing results.json / samples.jsonl, runs of different load_format (random
+            weights against real ones: nothing to compare), or the errors of compare_runs.
     """
     dirs = {"a": Path(dir_a), "b": Path(dir_b)}
     for name in (RESULTS_FILE, SAMPLES_FILE):
@@ -353,9 +366,19 @@ def compare_run_dirs(
             if not (d / name).exists():
                 raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
     results = {k: json.loads((d / RESULTS_FILE).read_text()) for k, d in dirs.items()}
+    formats = {k: load_format(r) for k, r in results.items()}
+    if formats["a"] != formats["b"]:
+        raise ComparisonError(
+            f"{dirs['a']} ran model.load_format={formats['a']} and {dirs['b']} model.load_format="
+            f"{formats['b']}: random (dummy) weights cannot be compared with a checkpoint's; compare runs of "
+            "the same model.load_format")
+    tasks = {k: r.get("task") or {} for k, r in results.items()}
+    warnings = [f"{key} differs: {tasks['a'][key]!r} in {dirs['a']}, {tasks['b'][key]!r} in {dirs['b']}"
+                for key in EVAL_SETTINGS
+                if key in tasks["a"] and key in tasks["b"] and tasks["a"][key] != tasks["b"][key]]
     acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
     both = acc_a is not None and acc_b is not None
-    return compare_runs(
+    comparison = compare_runs(
         load_run_samples(dirs["a"], id_key=id_key),
         load_run_samples(dirs["b"], id_key=id_key),
         acceptance_a=acc_a if both else None,
@@ -364,6 +387,8 @@ def compare_run_dirs(
         label_b=label_b or dirs["b"].name,
         id_key=id_key,
     )
+    comparison.load_format, comparison.warnings = formats["a"], warnings
+    return comparison
 
 
 def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.05) -> list[Check]:
@@ -377,6 +402,8 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
     exact=False (arms that may differ by rounding, or two nights): per filter,
     "comparison.<filter>.mcnemar_p" passes when the exact McNemar p-value is >= alpha (no significant
     accuracy difference); flipped counts are reported in the note.
+    A comparison of dummy-weight runs (load_format "dummy") judges nothing: every check is "no_reference"
+    (DUMMY_NOTE; random weights accept no drafts, so replay and rewind never differ in what they run).
     """
     checks = []
     for name, f in comparison.filters.items():
@@ -415,6 +442,9 @@ def comparison_checks(comparison: Comparison, *, exact: bool, alpha: float = 0.0
                 f"{comparison.label_b}; pass if the num_accepted_tokens histograms are equal",
                 {"num_accepted_hist_a": acc.num_accepted_hist_a,
                  "num_accepted_hist_b": acc.num_accepted_hist_b}))
+    if comparison.load_format == LoadFormat.dummy.value:
+        checks = [Check(c.name, c.value, None, None, NO_REFERENCE, c.unit, f"{DUMMY_NOTE}; {c.note}",
+                        c.details) for c in checks]
     return checks
 
 
@@ -491,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         comparison = compare_run_dirs(args.dir_a, args.dir_b)
     except ComparisonError as e:
         parser.error(str(e))
+    for warning in comparison.warnings:
+        print(f"warning: {warning}: differences may come from the settings", file=sys.stderr)
     checks = comparison_checks(comparison, exact=args.exact)
     data = {**comparison.to_dict(), "exact": args.exact, "checks": [c.to_dict() for c in checks]}
     if args.out is not None:

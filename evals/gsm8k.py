@@ -61,7 +61,8 @@ class GSM8KResult:
         request_steps, drafted_tokens, accepted_drafts, accepted_per_position, num_accepted_hist and the
         acceptance_* ratios) summed over exactly the requests scored by this call, so a killed-and-resumed
         run reports the counters of an uninterrupted one; timing fields (prefill_seconds, decode_seconds,
-        steps, wall_seconds, num_parts, timing_prompt_tokens, timing_generated_tokens) summed over
+        steps, wall_seconds, num_parts, timing_prompt_tokens, timing_generated_tokens, timing_requests;
+        timing_largest_call the largest) summed over
         `timing_scope` = every generate call of out_dir that returned; "requests_without_stats" counts
         scored requests whose record has no per-request counters (0 with this engine).
     samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
@@ -146,8 +147,10 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     not on how the run was split into parts.
     parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
     out_dir; prefill_seconds, decode_seconds and steps are their sums, with their prompt / generated token
-    sums as timing_prompt_tokens / timing_generated_tokens (for throughput), wall_seconds and num_parts; and
-    timing_scope says they cover every call of out_dir, not only the scored requests.
+    sums as timing_prompt_tokens / timing_generated_tokens (for throughput), wall_seconds and num_parts,
+    timing_requests (the parts' num_requests summed: the requests those token sums are over) and
+    timing_largest_call (the most requests one call sent); and timing_scope says they cover every call of
+    out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
     nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`,
     runners.engine.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
@@ -162,6 +165,10 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     out["num_parts"] = len(parts)
     out["timing_prompt_tokens"] = timing.prompt_tokens
     out["timing_generated_tokens"] = timing.generated_tokens
+    # the requests those token sums cover (every call's, resumed runs' earlier calls included) and the most
+    # any one call sent (the concurrency the rates were measured at is at most this)
+    out["timing_requests"] = sum(int(p.get("num_requests", 0)) for p in parts)
+    out["timing_largest_call"] = max((int(p.get("num_requests", 0)) for p in parts), default=0)
     out["timing_scope"] = TIMING_SCOPE
     out["requests_without_stats"] = len(records) - len(with_stats)
     # model outputs that held NaN / infinite values in any generate call of out_dir, in forward order

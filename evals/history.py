@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
-from evals.results import RESULTS_FILE
+from evals.results import RESULTS_FILE, load_format
 from evals.task import DEFAULT_TASK
 from registry.errors import UserError
+from registry.schema import LoadFormat
 
-SCHEMA_VERSION = 1  # PRAGMA user_version of a current database; docs/history_schema.md
+SCHEMA_VERSION = 2  # PRAGMA user_version of a current database; docs/history_schema.md
 ENV_VAR = "HYBRID_EVAL_HISTORY"
 DEFAULT_DB = "outputs/history.db"  # relative to the launch directory; configs/config.yaml says the same
 BUSY_TIMEOUT_S = 30.0  # how long one statement waits for another writer's lock before SQLITE_BUSY
@@ -140,6 +141,13 @@ MIGRATIONS: dict[int, list[str]] = {
             flexible_extract TEXT NOT NULL,
             tokens_sha256 TEXT
         )""",
+    ],
+    # the weights' origin (results.json config.load_format): rows of older runs read the checkpoint ("auto"),
+    # except runs already recorded over random weights, which also get their setting re-keyed (setting_label)
+    2: [
+        "ALTER TABLE runs ADD COLUMN load_format TEXT NOT NULL DEFAULT 'auto'",
+        """UPDATE runs SET load_format = 'dummy', setting = setting || ' load=dummy'
+            WHERE json_extract(config_json, '$.load_format') = 'dummy'""",
     ],
 }
 assert sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
@@ -282,8 +290,11 @@ def setting_label(config: Mapping[str, Any]) -> str:
     """The run's setting as one string, e.g. "replay K=3 float32 ws=1 cpu": what a trend line follows.
 
     Mode: "compare" (compare=replay), "replay" / "rewind" (SSM replay on / off), "greedy" (draft_len 0);
-    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind, and
-    the task when it is not the default gsm8k (evals.task: another task's scores are another trend line).
+    then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind,
+    the task when it is not the default gsm8k (evals.task: another task's scores are another trend line),
+    and "load=<format>" when the weights were not read from the checkpoint (model.load_format=dummy: random
+    weights, whose speed and scores must not join the real runs' trend; a config without the field, from an
+    older run, read the checkpoint).
     """
     draft_len = int(config.get("draft_len") or 0)
     if config.get("compare"):
@@ -305,6 +316,9 @@ def setting_label(config: Mapping[str, Any]) -> str:
     task = (config.get("eval") or {}).get("name") or DEFAULT_TASK
     if task != DEFAULT_TASK:
         parts.append(f"task={task}")
+    fmt = load_format({"config": config})
+    if fmt != LoadFormat.auto.value:
+        parts.append(f"load={fmt}")
     return " ".join(parts)
 
 
@@ -453,6 +467,7 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
         "entry": str(res["entry"]),
         "model_key": res.get("model_key"),
         "setting": setting_label(c),
+        "load_format": load_format(res),
         "ssm_replay": _bool(c.get("ssm_replay")),
         "draft_len": c.get("draft_len"),
         "world_size": c.get("world_size"),

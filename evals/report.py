@@ -346,11 +346,16 @@ def format_console(results: Mapping[str, Any]) -> str:
 
 
 def _projection_note(proj: Mapping[str, Any]) -> str:
-    """`1,319 questions: 412.3 s (upper bound 655.0 s at 256 new tokens each)` (evals.results
-    .full_run_projection)."""
-    return (f"{proj['questions']:,} questions: {proj['projected_seconds']:,.1f} s (upper bound "
+    """`1,319 questions: 412.3 s (upper bound 655.0 s at 256 new tokens each), from 2 measured; measured at
+    batch 2, the full run batches 16: a rough upper bound` (the last clause only when the batches differ;
+    evals.results.full_run_projection)."""
+    note = (f"{proj['questions']:,} questions: {proj['projected_seconds']:,.1f} s (upper bound "
             f"{proj['upper_bound_seconds']:,.1f} s at {proj['max_gen_toks']} new tokens each), from "
             f"{proj['measured_questions']} measured")
+    measured, full = proj.get("measured_batch"), proj.get("full_run_batch")
+    if measured is not None and full is not None and measured != full:
+        note += f"; measured at batch {measured}, the full run batches {full}: a rough upper bound"
+    return note
 
 
 def _headline(verdict: Mapping[str, Any]) -> str:

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from registry.schema import REPO_ROOT
+from registry.schema import REPO_ROOT, LoadFormat
 from runners.engine.stats import GenerationStats
 
 # 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
@@ -195,6 +195,17 @@ def build_results(
     }
 
 
+def load_format(results: dict[str, Any]) -> str:
+    """A results dict's ``config.load_format`` (registry.schema.LoadFormat's value: "auto" reads the
+    checkpoint, "dummy" ran random weights); results written before the field existed read weights: "auto"."""
+    return str((results.get("config") or {}).get("load_format") or LoadFormat.auto.value)
+
+
+def is_dummy(results: dict[str, Any]) -> bool:
+    """Whether a results dict ran random weights (model.load_format=dummy): no accuracy can be judged."""
+    return load_format(results) == LoadFormat.dummy.value
+
+
 def exit_code(results: dict[str, Any]) -> int:
     """Process status for a results dict: 1 when a verdict check failed, else 0.
 
@@ -205,29 +216,39 @@ def exit_code(results: dict[str, Any]) -> int:
     return 1 if verdict.get("passed") is False else 0
 
 
-def full_run_projection(timings: dict[str, Any], stats: dict[str, Any], n_generated: int, *,
-                        max_gen_toks: int, full_n: int = GSM8K_TEST_ROWS) -> dict[str, Any] | None:
+def full_run_projection(timings: dict[str, Any], stats: dict[str, Any], *, max_gen_toks: int,
+                        max_batch_size: int, full_n: int = GSM8K_TEST_ROWS) -> dict[str, Any] | None:
     """What the full GSM8K run (``full_n`` questions) would take at this run's measured rates: per question
-    the mean prompt and generated tokens of the ``n_generated`` requests this run generated (the generation
-    stats' ``timing_prompt_tokens`` / ``timing_generated_tokens``), over the measured prefill and decode
-    tokens/s (same batch size and settings), i.e. seconds = full_n * (prompt / prefill rate + generated /
-    decode rate); ``upper_bound_seconds`` lets every question generate ``max_gen_toks`` tokens. Excludes
-    the load and graph capture (``timings``' other entries: paid once). None without a measured rate or
-    request.
+    the mean prompt and generated tokens of the requests the timing covers (the generation stats'
+    ``timing_prompt_tokens`` / ``timing_generated_tokens`` over ``timing_requests``: every generate call of
+    the out_dir, so a resumed run's numerator and denominator cover the same requests), over the measured
+    prefill and decode tokens/s, i.e. seconds = full_n * (prompt / prefill rate + generated / decode rate);
+    ``upper_bound_seconds`` lets every question generate ``max_gen_toks`` tokens. Excludes the load and
+    graph capture (``timings``' other entries: paid once).
+
+    The rates hold at the concurrency they were measured at: ``measured_batch`` = the most requests one
+    generate call sent (``timing_largest_call``), capped at ``max_batch_size``; the full run batches
+    ``full_run_batch`` = min(max_batch_size, full_n). When these differ (a small eval.limit) the projection
+    is only a rough upper bound (larger batches decode more tokens/s); ``batch_differs`` says so and the
+    reports print it. No scaling model is applied.
 
     Returns:
         {"questions", "measured_questions", "prompt_tokens_per_question",
         "generated_tokens_per_question", "prefill_tokens_per_s", "decode_tokens_per_s",
-        "projected_seconds", "upper_bound_seconds", "max_gen_toks"}.
+        "projected_seconds", "upper_bound_seconds", "max_gen_toks", "measured_batch", "full_run_batch",
+        "batch_differs"}; None without a measured rate or request.
     """
     prefill, decode = timings.get("prefill_tokens_per_s"), timings.get("decode_tokens_per_s")
-    if not n_generated or not prefill or not decode:
+    n = int(stats.get("timing_requests", 0))
+    if not n or not prefill or not decode:
         return None
-    prompt = stats.get("timing_prompt_tokens", 0) / n_generated
-    generated = stats.get("timing_generated_tokens", 0) / n_generated
+    prompt = stats.get("timing_prompt_tokens", 0) / n
+    generated = stats.get("timing_generated_tokens", 0) / n
+    measured_batch = min(int(stats.get("timing_largest_call", 0)) or n, max_batch_size)
+    full_batch = min(max_batch_size, full_n)
     return {
         "questions": full_n,
-        "measured_questions": n_generated,
+        "measured_questions": n,
         "prompt_tokens_per_question": prompt,
         "generated_tokens_per_question": generated,
         "prefill_tokens_per_s": prefill,
@@ -235,4 +256,7 @@ def full_run_projection(timings: dict[str, Any], stats: dict[str, Any], n_genera
         "projected_seconds": full_n * (prompt / prefill + generated / decode),
         "upper_bound_seconds": full_n * (prompt / prefill + max_gen_toks / decode),
         "max_gen_toks": max_gen_toks,
+        "measured_batch": measured_batch,
+        "full_run_batch": full_batch,
+        "batch_differs": measured_batch != full_batch,
     }

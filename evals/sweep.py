@@ -93,6 +93,8 @@ class JobRow:
     exit_code: int
     job_num: int | None = None
     error: str | None = None  # the error / crash line of a refused or crashed job
+    # exit 0 without a judged check (verdict.passed None: no baseline row, or dummy weights): "no reference"
+    no_reference: bool = False
 
 
 def _pct(x: Any) -> str:
@@ -170,8 +172,10 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
             verdict = _verdict_text(results)
             passed = (results.get("verdict") or {}).get("passed")
             code = int(job.get("exit_code", 1 if passed is False else 0))
+            no_reference = code == 0 and passed is None and not job.get("error")
         else:
             gsm8k = acceptance = "-"
+            no_reference = False
             code = int(job.get("exit_code", 1))
             verdict = ("no results.json in the job folder (out_dir= elsewhere?)" if job
                        else "no status: killed, or still running")
@@ -179,7 +183,7 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         if error:  # a refused or crashed job (also one that crashed after writing results.json)
             verdict = "CRASH" if error.startswith("crash:") else f"ERROR (exit {code})"
         rows.append(JobRow(folder, str(entry), overrides, gsm8k, acceptance, verdict, code,
-                           job.get("job_num"), error))
+                           job.get("job_num"), error, no_reference))
     rows.sort(key=lambda r: (r.job_num is None, r.job_num if r.job_num is not None else 0, str(r.folder)))
     return rows
 
@@ -221,9 +225,12 @@ def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:
     if errors:
         lines += [""] + [f"job {num}: {err}" for num, err in errors]
     worst = max((j.exit_code for j in jobs), default=0)
-    counts = {code: sum(j.exit_code == code for j in jobs) for code in sorted({j.exit_code for j in jobs})}
+    # exit 0 is "passed" or, with no check judged (no baseline row, dummy weights), "no reference"
+    outcomes = sorted({(j.exit_code, j.no_reference) for j in jobs})
+    counts = {o: sum((j.exit_code, j.no_reference) == o for j in jobs) for o in outcomes}
     words = {0: "passed", 1: "failed", 2: "refused (user error)"}
-    tally = ", ".join(f"{n} {words.get(code, f'exit {code}')}" for code, n in counts.items())
+    tally = ", ".join(f"{n} {'no reference' if noref else words.get(code, f'exit {code}')}"
+                      for (code, noref), n in counts.items())
     head = [f"Sweep {sweep_dir}: {len(jobs)} jobs ({tally or 'none'}); exit status {worst}"]
     if common:
         head.append(f"every job: {' '.join(common)}")

@@ -7,7 +7,10 @@ import json
 import pytest
 
 from evals.compare import (
+    COMPARE_ARMS,
+    COMPARISON_FILE,
     ComparisonError,
+    compare_arms,
     compare_run_dirs,
     compare_runs,
     comparison_checks,
@@ -17,6 +20,7 @@ from evals.compare import (
     mcnemar_exact,
 )
 from evals.compare import main as compare_main
+from evals.verdict import Check, Verdict
 
 
 def test_mcnemar_exact_by_hand():
@@ -164,9 +168,10 @@ def test_compare_run_dirs(tmp_path):
         compare_run_dirs(tmp_path / "rewind", tmp_path / "nowhere")
 
 
-def _write_gsm8k_run(d, records):
+def _write_gsm8k_run(d, records, **results):
     """A run folder as evals.gsm8k writes it: correctness under `correct`, token ids in generations.jsonl
-    (keyed by request_key, with a stale earlier line for one key that the later line overrides)."""
+    (keyed by request_key, with a stale earlier line for one key that the later line overrides); `results`
+    adds top-level results.json sections (config, task)."""
     d.mkdir()
     samples, gens = [], [{"key": "k0", "generated_ids": [999], "text": "stale"}]
     for r in records:
@@ -177,7 +182,7 @@ def _write_gsm8k_run(d, records):
         gens.append({"key": key, "generated_ids": r["tokens"], "text": "t"})
     (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     (d / "generations.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gens))
-    (d / "results.json").write_text(json.dumps({"schema_version": 1, "acceptance": None}))
+    (d / "results.json").write_text(json.dumps({"schema_version": 1, "acceptance": None, **results}))
 
 
 def test_run_dirs_in_the_gsm8k_layout(tmp_path):
@@ -229,3 +234,58 @@ def test_cli_exit_status(tmp_path, capsys):
     assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0  # p = 0.21875: no significant change
     assert json.loads((tmp_path / "c.json").read_text())["checks"][0]["status"] == "fail"
     assert "strict_match: 55.00% -> 75.00% (+20.00), flipped 1 / 5" in capsys.readouterr().out
+
+
+def test_dummy_against_real_weights_is_refused(tmp_path, capsys):
+    """A dummy-weight run against a checkpoint's (older results without load_format read as "auto"): nothing
+    to compare, so the CLI refuses with status 2 and says how to fix it."""
+    a, _ = _arms()
+    _write_gsm8k_run(tmp_path / "real", a)
+    _write_gsm8k_run(tmp_path / "dummy", a, config={"load_format": "dummy"})
+    with pytest.raises(ComparisonError, match="load_format=auto.*load_format=dummy"):
+        compare_run_dirs(tmp_path / "real", tmp_path / "dummy")
+    with pytest.raises(SystemExit) as exc:
+        compare_main([str(tmp_path / "real"), str(tmp_path / "dummy")])
+    assert exc.value.code == 2 and "same model.load_format" in capsys.readouterr().err
+
+
+def test_dummy_comparison_judges_nothing(tmp_path):
+    """Two dummy runs with identical tokens would pass every exact check trivially (no draft was accepted,
+    so replay never ran): every check is no_reference and the verdict is NO REFERENCE, not PASS."""
+    a, _ = _arms()
+    _write_gsm8k_run(tmp_path / "rewind", a, config={"load_format": "dummy"})
+    _write_gsm8k_run(tmp_path / "replay", a, config={"load_format": "dummy"})
+    cmp = compare_run_dirs(tmp_path / "rewind", tmp_path / "replay")
+    assert cmp.load_format == "dummy" and cmp.to_dict()["load_format"] == "dummy"
+    checks = comparison_checks(cmp, exact=True)
+    assert {c.status for c in checks} == {"no_reference"} and all("dummy weights" in c.note for c in checks)
+    assert Verdict(checks).status == "no_reference"
+    real = comparison_checks(compare_runs(a, a), exact=True)
+    assert Verdict(real).status == "pass"  # the same samples on real weights do pass
+
+
+def test_differing_eval_settings_warn(tmp_path, capsys):
+    """Runs whose max_gen_toks differ are compared, with a warning naming the setting."""
+    a, _ = _arms()
+    _write_gsm8k_run(tmp_path / "a", a, task={"max_gen_toks": 256, "num_fewshot": 5})
+    _write_gsm8k_run(tmp_path / "b", a, task={"max_gen_toks": 16, "num_fewshot": 5})
+    assert compare_run_dirs(tmp_path / "a", tmp_path / "b").warnings == [
+        f"max_gen_toks differs: 256 in {tmp_path / 'a'}, 16 in {tmp_path / 'b'}"]
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: max_gen_toks differs" in err and "num_fewshot" not in err
+
+
+def test_compare_arms_on_dummy_weights_is_no_reference(tmp_path):
+    """compare=replay's arms on dummy weights: the rewind arm's verdict (evals.verdict's dummy verdict: only
+    health.finite judged) plus the comparison's checks give NO REFERENCE, not PASS."""
+    a, _ = _arms()
+    for arm in COMPARE_ARMS:
+        _write_gsm8k_run(tmp_path / arm, a, config={"load_format": "dummy"})
+    rewind_verdict = Verdict([Check("health.finite", 0.0, None, None, "pass", "outputs", ""),
+                              Check("gsm8k.strict_match", 0.0, None, None, "no_reference", "percent", "")]
+                             ).to_dict()
+    section, checks = compare_arms(tmp_path, rewind_verdict, exact=True)
+    assert section["load_format"] == "dummy" and (tmp_path / COMPARISON_FILE).exists()
+    verdict = Verdict(checks)
+    assert verdict.status == "no_reference" and verdict.headline == "NO REFERENCE"

@@ -24,6 +24,8 @@ from tokenizers import Tokenizer
 
 import evals.data
 from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, scored_stats
+from evals.report import _projection_note
+from evals.results import full_run_projection
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
@@ -292,5 +294,42 @@ def test_scored_stats_sums_counts_and_lists_and_recomputes_rates():
     assert (m["prefill_seconds"], m["decode_seconds"], m["steps"]) == (0.75, 3.0, 9)
     assert (m["timing_prompt_tokens"], m["timing_generated_tokens"]) == (12, 17)
     assert m["wall_seconds"] == 3.0 and m["num_parts"] == 2
+    assert (m["timing_requests"], m["timing_largest_call"]) == (3, 2)
     empty = scored_stats([], [])
     assert empty["num_requests"] == 0 and empty["acceptance_rate"] is None and empty["num_parts"] == 0
+
+
+def _part(n: int, max_gen_toks: int) -> dict:
+    """One generate call of n requests, each with a 10-token prompt and max_gen_toks generated tokens."""
+    return {"wall_seconds": 1.0, "num_requests": n, "engine_stats": {
+        "generated_tokens": n * max_gen_toks, "prompt_tokens": n * 10, "prefill_seconds": 0.1 * n,
+        "decode_seconds": 0.5 * n}}
+
+
+def test_projection_after_resume_divides_the_tokens_by_the_requests_they_cover():
+    """A run resumed from 2 to 4 questions: the token sums cover both generate calls (4 requests), so the
+    per-question means are over 4 (never above max_gen_toks) and the projection stays under its upper
+    bound; a resume that generates nothing new still projects from the earlier calls."""
+    records = [{"key": str(i), "request_stats": None} for i in range(4)]
+    for parts in ([_part(2, 16), _part(2, 16)], [_part(2, 16), _part(2, 16), _part(0, 16)]):
+        stats = scored_stats(records, parts)
+        timings = {"prefill_tokens_per_s": stats["timing_prompt_tokens"] / stats["prefill_seconds"],
+                   "decode_tokens_per_s": stats["timing_generated_tokens"] / stats["decode_seconds"]}
+        proj = full_run_projection(timings, stats, max_gen_toks=16, max_batch_size=16)
+        assert proj["measured_questions"] == 4
+        assert proj["generated_tokens_per_question"] == 16.0 and proj["prompt_tokens_per_question"] == 10.0
+        assert proj["projected_seconds"] <= proj["upper_bound_seconds"]
+        assert proj["projected_seconds"] == pytest.approx(1319 * (10 / 100 + 16 / 32))
+    assert full_run_projection(timings, scored_stats(records, []), max_gen_toks=16, max_batch_size=16) is None
+
+
+def test_projection_names_the_measured_and_full_run_batch():
+    """limit=2 measures at batch 2 while the full run batches max_batch_size: the projection records both
+    and its printed note calls it a rough upper bound; equal batches print no such clause."""
+    timings = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 32.0}
+    small = full_run_projection(timings, scored_stats([], [_part(2, 16)]), max_gen_toks=16, max_batch_size=16)
+    assert (small["measured_batch"], small["full_run_batch"], small["batch_differs"]) == (2, 16, True)
+    assert "measured at batch 2, the full run batches 16: a rough upper bound" in _projection_note(small)
+    full = full_run_projection(timings, scored_stats([], [_part(40, 16)]), max_gen_toks=16, max_batch_size=16)
+    assert (full["measured_batch"], full["full_run_batch"], full["batch_differs"]) == (16, 16, False)
+    assert "rough upper bound" not in _projection_note(full)

@@ -37,7 +37,7 @@ def test_new_database_has_the_current_schema_in_wal_mode(tmp_path):
     db = tmp_path / "sub" / "h.db"
     conn = history.connect(db)
     try:
-        assert history.schema_version(conn) == history.SCHEMA_VERSION == 1
+        assert history.schema_version(conn) == history.SCHEMA_VERSION == 2
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -65,7 +65,7 @@ def test_newer_foreign_and_missing_databases_are_refused(tmp_path):
     conn = sqlite3.connect(newer)
     conn.execute(f"PRAGMA user_version = {history.SCHEMA_VERSION + 1}")
     conn.close()
-    with pytest.raises(history.HistoryError, match="schema version 2; this checkout reads up to 1"):
+    with pytest.raises(history.HistoryError, match="schema version 3; this checkout reads up to 2"):
         history.connect(newer)
     foreign = tmp_path / "foreign.db"
     conn = sqlite3.connect(foreign)
@@ -82,16 +82,17 @@ def test_newer_foreign_and_missing_databases_are_refused(tmp_path):
 
 
 def test_an_older_database_is_migrated_in_place(tmp_path, monkeypatch):
-    """A version-1 file with a run in it, opened by a checkout whose schema is version 2 (a hypothetical
-    migration adding a column): migrated once, data kept."""
+    """A current file with a run in it, opened by a checkout whose schema is one version newer (a
+    hypothetical migration adding a column): migrated once, data kept."""
     db = tmp_path / "h.db"
     folder = write_run(tmp_path / "run", make_results(), correct=[1, 0, 0, 1])
     history.import_runs([folder], db)
-    monkeypatch.setattr(history, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(history.MIGRATIONS, 2, ["ALTER TABLE runs ADD COLUMN note TEXT"])
+    new = history.SCHEMA_VERSION + 1
+    monkeypatch.setattr(history, "SCHEMA_VERSION", new)
+    monkeypatch.setitem(history.MIGRATIONS, new, ["ALTER TABLE runs ADD COLUMN note TEXT"])
     conn = history.connect(db)
     try:
-        assert history.schema_version(conn) == 2
+        assert history.schema_version(conn) == new
         assert conn.execute("SELECT entry, note FROM runs").fetchall() == [("tiny_nemotron_h_mtp", None)]
     finally:
         conn.close()
@@ -150,7 +151,7 @@ def test_import_is_idempotent_and_finds_runs_below_a_sweep(tmp_path, capsys):
     assert "0 new of 3 runs" in out and out.count("already recorded") == 3
     assert _count(db, "runs") == 3 and _count(db, "comparisons") == 2 and _count(db, "checks") > 6
     assert history.main(["--db", str(db), "info"]) == 0
-    assert "schema version 1, 3 runs, 1 entries" in capsys.readouterr().out
+    assert f"schema version {history.SCHEMA_VERSION}, 3 runs, 1 entries" in capsys.readouterr().out
     assert history.main(["--db", str(db), "import", str(tmp_path / "nothing")]) == 2
     assert "error: " in capsys.readouterr().err
 
@@ -345,3 +346,49 @@ def test_report_errors_are_error_and_fix_lines(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {db} cannot be read: ") and "damaged" in err, err
         assert "\n  fix: restore it from a copy" in err
+
+
+def _dummy_results(**kw) -> dict:
+    """make_results of a run over random weights (config.load_format = "dummy")."""
+    res = make_results(**kw)
+    res["config"]["load_format"] = "dummy"
+    return res
+
+
+def test_dummy_runs_have_their_own_setting(tmp_path):
+    """A dummy-weight run and a real one of the same entry and settings are separate trend lines; a config
+    without load_format (an older run) is a real one."""
+    db = tmp_path / "h.db"
+    real = write_run(tmp_path / "real", make_results(correct=[1, 0, 0, 1]), correct=[1, 0, 0, 1])
+    dummy = write_run(tmp_path / "dummy", _dummy_results(correct=[0, 0, 0, 0]), correct=[0, 0, 0, 0])
+    history.import_runs([real, dummy], db)
+    conn = history.connect(db)
+    try:
+        rows = {r["run_dir"]: (r["setting"], r["load_format"]) for r in history.fetch_runs(conn)}
+    finally:
+        conn.close()
+    assert rows == {str(real): ("rewind K=3 float32 ws=1 cpu", "auto"),
+                    str(dummy): ("rewind K=3 float32 ws=1 cpu load=dummy", "dummy")}
+
+
+def test_version_1_rows_get_their_load_format(tmp_path):
+    """Migration 2 on a version-1 file: rows without the column count as "auto", except those whose stored
+    config says dummy, which also move to the dummy setting."""
+    db = tmp_path / "h.db"
+    real = write_run(tmp_path / "real", make_results(correct=[1, 0, 0, 1]), correct=[1, 0, 0, 1])
+    dummy = write_run(tmp_path / "dummy", _dummy_results(correct=[0, 0, 0, 0]), correct=[0, 0, 0, 0])
+    history.import_runs([real, dummy], db)
+    conn = sqlite3.connect(db)  # back to version 1: no column, settings without the load format
+    conn.execute("ALTER TABLE runs DROP COLUMN load_format")
+    conn.execute("UPDATE runs SET setting = 'rewind K=3 float32 ws=1 cpu'")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    conn = history.connect(db)
+    try:
+        assert history.schema_version(conn) == 2
+        rows = {r["run_dir"]: (r["setting"], r["load_format"]) for r in history.fetch_runs(conn)}
+    finally:
+        conn.close()
+    assert rows == {str(real): ("rewind K=3 float32 ws=1 cpu", "auto"),
+                    str(dummy): ("rewind K=3 float32 ws=1 cpu load=dummy", "dummy")}

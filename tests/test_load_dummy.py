@@ -87,8 +87,33 @@ def test_dummy_run_end_to_end_says_dummy_and_judges_no_accuracy(tmp_path):
     proj = on_disk["projection"]
     assert proj["questions"] == 1319 and proj["measured_questions"] == 2 and proj["max_gen_toks"] == 8
     assert 0 < proj["projected_seconds"] <= proj["upper_bound_seconds"]
+    assert proj["measured_batch"] == 2 and proj["full_run_batch"] == on_disk["config"]["max_batch_size"] > 2
     summary = (out / "summary.md").read_text()
     assert "Dummy weights" in summary and "Full GSM8K projection" in summary
+    batches = f"measured at batch 2, the full run batches {proj['full_run_batch']}: a rough upper bound"
+    assert batches in summary
+
+
+def test_dummy_resume_projection_and_compare_judge_nothing(tmp_path):
+    """Resuming a dummy run from 2 to 4 questions projects from the 4 requests the timing covers (at most
+    max_gen_toks generated per question, under the upper bound); compare=replay on dummy weights is NO
+    REFERENCE, not PASS."""
+    out = tmp_path / "out"
+    base = ["model=tiny_nemotron_h_mtp", "model.load_format=dummy", f"out_dir={out}", "eval.max_gen_toks=8"]
+    app.run(compose_config([*base, "eval.limit=2"]))
+    app.run(compose_config([*base, "eval.limit=4", "resume=true"]))
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["resumed"]["num_resumed"] == 2 and on_disk["resumed"]["num_generated"] == 2
+    proj = on_disk["projection"]
+    assert proj["measured_questions"] == 4 and proj["generated_tokens_per_question"] <= 8
+    assert proj["projected_seconds"] <= proj["upper_bound_seconds"]
+    cmp_out = tmp_path / "cmp"
+    results = app.run(compose_config([*base[:2], "compare=replay", f"out_dir={cmp_out}", "eval.limit=2",
+                                      "eval.max_gen_toks=8"]))
+    verdict = json.loads((cmp_out / "results.json").read_text())["verdict"]
+    assert verdict["status"] == NO_REFERENCE and verdict["passed"] is None, verdict["headline"]
+    assert all(c["status"] == NO_REFERENCE for c in verdict["checks"] if c["name"].startswith("comparison."))
+    assert app.exit_code(results) == 0
 
 
 def test_dummy_without_checkpoint_folder_uses_the_released_config(monkeypatch):

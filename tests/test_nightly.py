@@ -150,6 +150,14 @@ def test_summary_of_refused_crashed_and_killed_jobs(tmp_path):
         "verdict": {"passed": False, "checks": [{"name": "gsm8k.mean", "status": "fail"}]}}))
     (failing / "job.json").write_text(json.dumps({"exit_code": 1, "entry": "c", "job_num": 3, "overrides": [
         "model=c", "ssm_replay=False", "eval.limit=4"]}))
+    dummy = sweep / "model-d+ssm_replay-False"  # random weights: nothing judged, exit 0, not "passed"
+    dummy.mkdir()
+    (dummy / "results.json").write_text(json.dumps({
+        "entry": "d", "gsm8k": {"strict_match": 0.0, "flexible_extract": 0.0, "n": 4}, "acceptance": None,
+        "verdict": {"passed": None, "checks": [{"name": "gsm8k.mean", "status": "no_reference"},
+                                               {"name": "health.finite", "status": "pass"}]}}))
+    (dummy / "job.json").write_text(json.dumps({"exit_code": 0, "entry": "d", "job_num": 4, "overrides": [
+        "model=d", "ssm_replay=False", "eval.limit=4"]}))
     killed = sweep / "model-a+ssm_replay-True"
     (killed / ".hydra").mkdir(parents=True)
     (killed / ".hydra" / "overrides.yaml").write_text("- model=a\n- ssm_replay=True\n- eval.limit=4\n")
@@ -165,8 +173,10 @@ def test_summary_of_refused_crashed_and_killed_jobs(tmp_path):
     assert by_folder[killed.name].entry == "a"
     assert (by_folder[failing.name].verdict, by_folder[failing.name].acceptance) == ("FAIL: gsm8k.mean",
                                                                                       "- (no drafts)")
+    assert by_folder[dummy.name].verdict == "no reference" and by_folder[dummy.name].no_reference
+    assert not by_folder[ok.name].no_reference
     text = summary.text
-    assert "5 jobs (1 passed, 3 failed, 1 refused (user error)); exit status 2" in text
+    assert "6 jobs (1 passed, 1 no reference, 3 failed, 1 refused (user error)); exit status 2" in text
     assert "every job: eval.limit=4" in text and "| ssm_replay=False |" in text
     assert "job 1: error: no checkpoint" in text and "job 2: crash: RuntimeError: boom" in text
     assert [j.job_num for j in collect_jobs(sweep)][:4] == [0, 1, 2, 3]

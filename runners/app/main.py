@@ -367,8 +367,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                                                     results["timings"]["compile_seconds"])
     if rr.run.eval.limit is not None and results["gsm8k"]["n"] < GSM8K_TEST_ROWS:
         results["projection"] = full_run_projection(results["timings"], results["generation"],
-                                                    evaluation.num_generated,
-                                                    max_gen_toks=rr.run.eval.max_gen_toks)
+                                                    max_gen_toks=rr.run.eval.max_gen_toks,
+                                                    max_batch_size=rr.max_batch_size)
     results["verdict"] = _verdict(rr, results)
     _finish(results, out_dir)
     return results
