@@ -148,19 +148,27 @@ def _json_types(value: Any) -> tuple[type, ...]:
     return (type(value),)
 
 
-def check_overrides(family: str, overrides: dict[str, Any]) -> None:
+def _known_keys(family: str) -> dict[str, tuple[type, ...]]:
+    """{config.json field a ``family`` config may set: the JSON types its value may have}."""
+    return {k: _json_types(v) for k, v in RELEASE_CONFIGS[family].items()} | PARSER_ONLY_KEYS.get(family, {})
+
+
+def check_overrides(family: str, overrides: dict[str, Any], *, other_families_ok: bool = False) -> None:
     """Check ``overrides`` (--set) of a ``family`` config before anything is built: every key is a field of
     the release's config.json (:data:`RELEASE_CONFIGS`) or one the engine's parser reads
-    (:data:`PARSER_ONLY_KEYS`), every value of that field's JSON type (an integer field takes an integer, not
-    a float, a string or a bool), numbers finite where the release's are (``Infinity`` only where the release
-    has it), integers >= 1 (>= 0 for :data:`ZERO_OK_INT_KEYS`) and floats >= 0.
+    (:data:`PARSER_ONLY_KEYS`); with ``other_families_ok`` a field of the other family passes unchecked (one
+    override set shared by both families: benchmarks/bench_e2e.py --synth-set). Every value has its field's
+    JSON type (an integer field takes an integer, not a float, a string or a bool); numbers are finite,
+    integers >= 1 (>= 0 for :data:`ZERO_OK_INT_KEYS`), floats >= 0.
 
     Raises:
         SynthError: the first bad key or value, naming it.
     """
     release = RELEASE_CONFIGS[family]
-    known = {k: _json_types(v) for k, v in release.items()} | PARSER_ONLY_KEYS.get(family, {})
+    known = _known_keys(family)
     for key, value in overrides.items():
+        if key not in known and other_families_ok and any(key in _known_keys(f) for f in RELEASE_CONFIGS):
+            continue
         if key not in known:
             raise SynthError(f"--set {key}={value!r}: {key} is not a config.json field of {family}",
                              f"use one of: {', '.join(sorted(known))}")
@@ -186,8 +194,8 @@ def synth_config(
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """config.json of a synthetic checkpoint: the release's, cut to ``num_layers`` layers and ``num_experts``
-    routed experts (top-k capped at it), then ``overrides`` applied (fields checked by
-    :func:`check_overrides`). Validated by the engine's own parser.
+    routed experts (top-k capped at it), then ``overrides`` applied (checked by :func:`check_overrides`; a
+    field of the other family is dropped). Validated by the engine's own parser.
 
     Raises:
         SynthError: unknown family, impossible layer / expert counts, an unknown override field or a value of
@@ -195,7 +203,7 @@ def synth_config(
     """
     if family not in RELEASE_CONFIGS:
         raise SynthError(f"--family {family!r} is not known", f"use one of {sorted(RELEASE_CONFIGS)}")
-    check_overrides(family, overrides or {})
+    check_overrides(family, overrides or {}, other_families_ok=True)
     cfg = copy.deepcopy(RELEASE_CONFIGS[family])
     if num_layers is not None:
         if family == "nemotron_h":
@@ -214,7 +222,8 @@ def synth_config(
             raise SynthError(f"--num-experts {num_experts} must be >= 1", "use --num-experts 1 or more")
         cfg[n_key] = num_experts
         cfg[k_key] = min(cfg[k_key], num_experts)
-    cfg.update(overrides or {})
+    known = _known_keys(family)
+    cfg.update({k: v for k, v in (overrides or {}).items() if k in known})  # not the other family's fields
     if family == "nemotron_h":
         cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
     from registry.checkpoint import CheckpointError
@@ -577,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
     try:
+        check_overrides(args.family, overrides)  # strict: no field of another family
         r = write_synthetic_checkpoint(
             args.out, args.family, num_layers=args.num_layers, num_experts=args.num_experts,
             overrides=overrides, dtype=DTYPES[args.dtype], device=args.device, shard_bytes=shard_bytes,
