@@ -170,7 +170,7 @@ def check_overrides(family: str, overrides: dict[str, Any], *, other_families_ok
         if key not in known and other_families_ok and any(key in _known_keys(f) for f in RELEASE_CONFIGS):
             continue
         if key not in known:
-            raise SynthError(f"--set {key}={value!r}: {key} is not a config.json field of {family}",
+            raise SynthError(f"--set {key}={json.dumps(value)}: {key} is not a config.json field of {family}",
                              f"use one of: {', '.join(sorted(known))}")
         types = known[key]
         names = " or ".join(_JSON_TYPE_NAMES[t] for t in types)
