@@ -74,6 +74,7 @@ from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
 from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
+from registry.errors import UserError
 
 SHAPES_M2 = {"ws1": (128, 64, 128, 8), "ws4": (32, 64, 128, 2)}  # H, P, N, G
 SHAPES_GDN = {"ws1": (16, 32, 128, 128), "ws4": (4, 8, 128, 128)}  # H, HV, K, V
@@ -441,11 +442,67 @@ def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
     return {"schema": replay_defaults.SCHEMA, "provenance": provenance, "rows": dict(sorted(rows.items()))}
 
 
+# What a sweep_replay.json document has for `defaults_table` (older sweeps lack "date" and "defaults").
+SWEEP_KEYS = {"shapes": dict, "headline": dict, "headline_rows": dict, "grid": list}
+
+
+def load_sweep(path: str) -> dict:
+    """The sweep_replay.json document at `path`, checked to be one (a JSON object with `SWEEP_KEYS`).
+
+    Raises:
+        UserError: a missing or unreadable file, malformed JSON, or JSON that is not a sweep_replay output.
+    """
+    fix = "give --from-json the sweep_replay.json that `python -m benchmarks.sweep_replay --out DIR` wrote"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise UserError(f"--from-json {path}: cannot read it ({e.strerror or e})", fix) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--from-json {path}: not valid JSON ({e})", fix) from None
+    if not isinstance(doc, dict):
+        raise UserError(f"--from-json {path}: a JSON {type(doc).__name__}, not a sweep_replay output "
+                        "(a JSON object)", fix)
+    bad = [f"{k} (a JSON {'list' if t is list else 'object'})" for k, t in SWEEP_KEYS.items()
+           if not isinstance(doc.get(k), t)]
+    if bad:
+        raise UserError(f"--from-json {path}: not a sweep_replay output: it lacks {', '.join(bad)}", fix)
+    return doc
+
+
+def defaults_from_json(path: str, *, date: str = "") -> dict:
+    """`defaults_table` of the sweep at `path` (`load_sweep`), provenance date its "date" else `date`.
+
+    Raises:
+        UserError: `load_sweep`'s problems, a sweep whose rows `defaults_table` cannot read, or one that
+            yields no row (writing it would leave the engine without defaults).
+    """
+    src = load_sweep(path)
+    fix = "give --from-json a complete sweep_replay.json (a sweep that measured the headline and the grid)"
+    try:
+        doc = defaults_table(src, source=path, date=src.get("date") or date)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise UserError(f"--from-json {path}: a malformed sweep_replay output ({type(e).__name__}: {e})",
+                        fix) from None
+    if not doc["rows"]:
+        raise UserError(f"--from-json {path}: the sweep yields no defaults row (no configuration matched the "
+                        "reference and was timed at every grid T); nothing written", fix)
+    return doc
+
+
 def write_defaults(table: dict, path: str) -> None:
-    """Write `table` (`defaults_table`) as JSON to `path` (kernels/replay_defaults.json for the engine)."""
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    """Write `table` (`defaults_table`) as JSON to `path` (kernels/replay_defaults.json for the engine).
+
+    Raises:
+        UserError: `path` cannot be written (a missing folder, read-only, a folder).
+    """
+    text = json.dumps(table, indent=1) + "\n"
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"--write-defaults {path}: cannot write it ({e.strerror or e})",
+                        "give --write-defaults a file path in an existing, writable folder") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -714,6 +771,16 @@ def ncu(args) -> int:
 
 
 def main(argv=None) -> int:
+    """The command line (module docstring); a problem with the user's input prints `error:` / `fix:` lines
+    (registry.errors.UserError) and returns 2."""
+    try:
+        return _main(argv)
+    except UserError as e:
+        print(e.format(), file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=False, help="output folder (JSON, plot, ncu reports)")
     ap.add_argument("--budget-s", type=float, default=330.0,
@@ -739,9 +806,7 @@ def main(argv=None) -> int:
     if args.from_json:
         if not args.write_defaults:
             ap.error("--from-json needs --write-defaults PATH")
-        with open(args.from_json) as f:
-            src = json.load(f)
-        doc = defaults_table(src, source=args.from_json, date=src.get("date") or args.source_date)
+        doc = defaults_from_json(args.from_json, date=args.source_date)
         write_defaults(doc, args.write_defaults)
         print(f"{args.write_defaults}: {len(doc['rows'])} rows from {args.from_json}")
         return 0

@@ -93,3 +93,49 @@ def test_parse_ncu_reads_the_headline_metrics():
     assert got["block_limit_registers"]["value"] == 4
     assert set(got) == set(sweep_replay.NCU_METRICS)
     assert sweep_replay.parse_ncu("==ERROR== no kernels were profiled") == {}
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+SWEEP = os.path.join(DOCS, "gpu", "kperf_1", "sweep", "sweep_replay.json")  # a committed sweep (H200)
+EMPTY_SWEEP = {"shapes": {}, "headline": {}, "headline_rows": {}, "grid": []}
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot read it"),
+    ("{bad", "not valid JSON"),
+    ("[1, 2]", "a JSON list, not a sweep_replay output"),
+    ("{}", "not a sweep_replay output: it lacks shapes"),
+    ('{"rows": "x", "date": 5}', "not a sweep_replay output"),
+    (json.dumps(EMPTY_SWEEP), "yields no defaults row"),
+    (json.dumps({**EMPTY_SWEEP, "headline_rows": {"m2_write/bfloat16": 5}}), "malformed sweep_replay output"),
+])
+def test_from_json_refuses_what_is_not_a_sweep_and_writes_nothing(tmp_path, capsys, content, says):
+    src, out = tmp_path / "sweep.json", tmp_path / "defaults.json"
+    if content is not None:
+        src.write_text(content)
+    out.write_text("kept")  # e.g. kernels/replay_defaults.json: a refusal must leave it as it was
+    assert sweep_replay.main(["--from-json", str(src), "--write-defaults", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and "\n  fix: " in err, err
+    assert out.read_text() == "kept"
+
+
+def test_from_json_refuses_the_compile_report_and_an_unwritable_out(tmp_path, capsys):
+    report = os.path.join(DOCS, "compile_report_sm90.json")
+    argv = ["--from-json", report, "--write-defaults", str(tmp_path / "d.json")]
+    assert sweep_replay.main(argv) == 2 and "not a sweep_replay output" in capsys.readouterr().err
+    assert not (tmp_path / "d.json").exists()
+    argv = ["--from-json", SWEEP, "--write-defaults", str(tmp_path / "no" / "d.json")]
+    assert sweep_replay.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--write-defaults" in err and "cannot write it" in err and "\n  fix: " in err, err
+
+
+def test_from_json_writes_the_table_of_a_committed_sweep(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert sweep_replay.main(["--from-json", SWEEP, "--write-defaults", str(out),
+                              "--source-date", "2026-01-01"]) == 0
+    doc = json.loads(out.read_text())
+    want = sweep_replay.defaults_table(json.loads(open(SWEEP).read()), source=SWEEP, date="2026-01-01")
+    assert doc == want and doc["rows"]
+    assert f"{len(doc['rows'])} rows from {SWEEP}" in capsys.readouterr().out

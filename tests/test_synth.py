@@ -236,3 +236,86 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("123") == 123
     with pytest.raises(ValueError):
         parse_size("0.1B")
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    """synth.main(argv) exits 2 with an `error:` and a `fix:` line (no traceback); returns its stderr."""
+    from runners.tools import synth
+
+    assert synth.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "\n  fix: " in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("hidden_size=abc", "hidden_size takes an integer"),
+    ("hidden_size=-5", "must be a finite number >= 1"),
+    ("hidden_size=0", "must be a finite number >= 1"),
+    ("hidden_size=2.5", "hidden_size takes an integer"),
+    ("use_bias=1", "use_bias takes true or false"),
+    ("norm_eps=NaN", "finite"),
+    ("bogus_key=5", "bogus_key is not a config.json field of nemotron_h"),
+    ("linear_key_head_dim=32", "linear_key_head_dim is not a config.json field of nemotron_h"),
+])
+def test_cli_refuses_bad_set_before_writing(tmp_path, capsys, setting, says):
+    out = tmp_path / "x"
+    err = _cli_error(capsys, ["--family", "nemotron_h", "--num-layers", "3", "--set", setting,
+                              "--out", str(out)])
+    assert says in err
+    assert not out.exists()
+
+
+def test_set_takes_the_parser_only_fields_and_release_types():
+    cfg = synth_config("nemotron_h", num_layers=3, overrides={
+        "intermediate_size": 64, "routed_scaling_factor": 2, "pad_token_id": 0, "use_bias": True})
+    assert cfg["intermediate_size"] == 64 and cfg["routed_scaling_factor"] == 2 and cfg["use_bias"] is True
+    with pytest.raises(SynthError, match="bogus is not a config.json field of nemotron_h"):
+        synth_config("nemotron_h", overrides={"bogus": 1})
+    # one override set for both families (benchmarks/bench_e2e.py --synth-set): the other family's fields
+    # pass synth_config unchecked (its parser ignores them), the CLI refuses them
+    assert "linear_key_head_dim" not in synth_config("nemotron_h", num_layers=3,
+                                                     overrides={"linear_key_head_dim": 32})
+    with pytest.raises(SynthError, match="hidden_size takes an integer"):
+        synth_config("qwen3_next", overrides={"mamba_num_heads": 8, "hidden_size": "wide"})
+
+
+def test_cli_refuses_an_unwritable_out(tmp_path, capsys, monkeypatch):
+    import errno
+    import shutil as shutil_mod
+
+    from runners.tools import synth
+
+    small = ["--family", "nemotron_h", "--num-layers", "3", "--num-experts", "4",
+             *[f"--set={k}={v}" for k, v in SMALL["nemotron_h"].items()]]
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "is a file" in _cli_error(capsys, [*small, "--out", str(a_file)])
+    assert "cannot be created" in _cli_error(capsys, [*small, "--out", str(a_file / "sub")])
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "mkdir", read_only)
+        assert "Read-only file system" in _cli_error(capsys, [*small, "--out", str(tmp_path / "ro" / "x")])
+    assert not (tmp_path / "ro").exists()
+
+    # too little disk: refused before anything is written, and the folders it created are removed again
+    full = shutil_mod.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(synth.shutil, "disk_usage", lambda _path: full)
+    assert "GB free" in _cli_error(capsys, [*small, "--out", str(tmp_path / "new" / "ckpt")])
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    _cli_error(capsys, [*small, "--out", str(kept)])
+    assert kept.is_dir()  # a folder it did not create stays
+    monkeypatch.undo()
+
+    # the disk fills while writing
+    def disk_full(out, vocab_size):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "tokenizer.json"))
+
+    monkeypatch.setattr(synth, "write_tokenizer", disk_full)
+    err = _cli_error(capsys, [*small, "--out", str(tmp_path / "y")])
+    assert "No space left on device" in err and "tokenizer.json" in err

@@ -43,6 +43,7 @@ layers (tests/test_synth.py checks logits at depth).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 
 from registry.checkpoint import HF_QUANT_CONFIG_FILE as HF_QUANT_FILE
+from registry.errors import UserError
 from registry.releases import (
     BASE_TOKENIZER,
     BOS_TOKEN_ID,
@@ -78,8 +80,9 @@ from runners.tools.formats import quantize_weight
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class SynthError(ValueError):
-    """Bad synth options; the message names the option and the fix."""
+class SynthError(UserError):
+    """Bad synth options or an unwritable --out: ``problem`` names the option, ``fix`` what to change; the CLI
+    prints both and exits with status 2."""
 
 
 def cut_pattern(pattern: str, num_layers: int) -> str:
@@ -96,7 +99,8 @@ def cut_pattern(pattern: str, num_layers: int) -> str:
     if not len(kinds) <= num_layers <= len(pattern):
         raise SynthError(
             f"--num-layers {num_layers}: the pattern {pattern!r} needs between {len(kinds)} (one layer of "
-            f"each kind {''.join(kinds)}) and {len(pattern)} layers"
+            f"each kind {''.join(kinds)}) and {len(pattern)} layers",
+            f"use --num-layers between {len(kinds)} and {len(pattern)}",
         )
     positions = {c: [i for i, p in enumerate(pattern) if p == c] for c in kinds}
     quota = {c: len(positions[c]) * num_layers / len(pattern) for c in kinds}
@@ -114,6 +118,74 @@ def cut_pattern(pattern: str, num_layers: int) -> str:
     return "".join(pattern[i] for i in sorted(keep))
 
 
+# config.json fields the engine's parser (registry/hf_config.py) reads that the release's config.json does not
+# carry, with their JSON types: a --set may give them (e.g. an MLP width for a "-" layer of a cut pattern).
+PARSER_ONLY_KEYS: dict[str, dict[str, tuple[type, ...]]] = {
+    "nemotron_h": {"intermediate_size": (int,), "layers_block_type": (list,),
+                   "mtp_layers_block_type": (list,)},
+    "qwen3_next": {"layer_types": (list,), "rope_parameters": (dict,)},
+}
+# Integer fields that may be 0 (token ids, counts of optional parts); every other integer field is a size or a
+# count that must be >= 1.
+ZERO_OK_INT_KEYS = frozenset({
+    "bos_token_id", "eos_token_id", "pad_token_id", "num_nextn_predict_layers", "n_shared_experts",
+    "intermediate_size", "moe_shared_expert_intermediate_size", "shared_expert_intermediate_size",
+})
+
+
+_JSON_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                    list: "a JSON list", dict: "a JSON object", type(None): "null"}
+
+
+def _json_types(value: Any) -> tuple[type, ...]:
+    """The JSON types a --set may give a field whose release value is ``value``."""
+    if isinstance(value, bool):
+        return (bool,)
+    if isinstance(value, float):
+        return (int, float)
+    if value is None:
+        return (dict, type(None))  # rope_scaling
+    return (type(value),)
+
+
+def _known_keys(family: str) -> dict[str, tuple[type, ...]]:
+    """{config.json field a ``family`` config may set: the JSON types its value may have}."""
+    return {k: _json_types(v) for k, v in RELEASE_CONFIGS[family].items()} | PARSER_ONLY_KEYS.get(family, {})
+
+
+def check_overrides(family: str, overrides: dict[str, Any], *, other_families_ok: bool = False) -> None:
+    """Check ``overrides`` (--set) of a ``family`` config before anything is built: every key is a field of
+    the release's config.json (:data:`RELEASE_CONFIGS`) or one the engine's parser reads
+    (:data:`PARSER_ONLY_KEYS`); with ``other_families_ok`` a field of the other family passes unchecked (one
+    override set shared by both families: benchmarks/bench_e2e.py --synth-set). Every value has its field's
+    JSON type (an integer field takes an integer, not a float, a string or a bool); numbers are finite,
+    integers >= 1 (>= 0 for :data:`ZERO_OK_INT_KEYS`), floats >= 0.
+
+    Raises:
+        SynthError: the first bad key or value, naming it.
+    """
+    release = RELEASE_CONFIGS[family]
+    known = _known_keys(family)
+    for key, value in overrides.items():
+        if key not in known and other_families_ok and any(key in _known_keys(f) for f in RELEASE_CONFIGS):
+            continue
+        if key not in known:
+            raise SynthError(f"--set {key}={json.dumps(value)}: {key} is not a config.json field of {family}",
+                             f"use one of: {', '.join(sorted(known))}")
+        types = known[key]
+        names = " or ".join(_JSON_TYPE_NAMES[t] for t in types)
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise SynthError(f"--set {key}={json.dumps(value)}: {key} takes {names}",
+                             f"give {key} {names} (the release has {json.dumps(release.get(key))})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        least = 0 if isinstance(value, float) or key in ZERO_OK_INT_KEYS else 1
+        if math.isnan(value) or math.isinf(value) or value < least:
+            raise SynthError(f"--set {key}={json.dumps(value)}: {key} must be a finite number >= {least}",
+                             f"give {key} a value >= {least} (the release has "
+                             f"{json.dumps(release.get(key))})")
+
+
 def synth_config(
     family: str,
     *,
@@ -122,14 +194,16 @@ def synth_config(
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """config.json of a synthetic checkpoint: the release's, cut to ``num_layers`` layers and ``num_experts``
-    routed experts (top-k capped at it), then ``overrides`` applied (any field). Validated by the engine's
-    own parser.
+    routed experts (top-k capped at it), then ``overrides`` applied (checked by :func:`check_overrides`; a
+    field of the other family is dropped). Validated by the engine's own parser.
 
     Raises:
-        SynthError: unknown family, impossible layer / expert counts, or a config the engine rejects.
+        SynthError: unknown family, impossible layer / expert counts, an unknown override field or a value of
+            the wrong type or range, or a config the engine rejects.
     """
     if family not in RELEASE_CONFIGS:
-        raise SynthError(f"--family {family!r} is not known; use one of {sorted(RELEASE_CONFIGS)}")
+        raise SynthError(f"--family {family!r} is not known", f"use one of {sorted(RELEASE_CONFIGS)}")
+    check_overrides(family, overrides or {}, other_families_ok=True)
     cfg = copy.deepcopy(RELEASE_CONFIGS[family])
     if num_layers is not None:
         if family == "nemotron_h":
@@ -138,17 +212,18 @@ def synth_config(
             if num_layers < 2:
                 raise SynthError(
                     f"--num-layers {num_layers}: Qwen3-Next needs >= 2 layers (one Gated DeltaNet and one "
-                    "full-attention layer)"
+                    "full-attention layer)", "use --num-layers 2 or more"
                 )
             cfg["full_attention_interval"] = min(cfg["full_attention_interval"], num_layers)
         cfg["num_hidden_layers"] = num_layers
     if num_experts is not None:
         n_key, k_key = EXPERT_KEYS[family]
         if num_experts < 1:
-            raise SynthError(f"--num-experts {num_experts} must be >= 1")
+            raise SynthError(f"--num-experts {num_experts} must be >= 1", "use --num-experts 1 or more")
         cfg[n_key] = num_experts
         cfg[k_key] = min(cfg[k_key], num_experts)
-    cfg.update(overrides or {})
+    known = _known_keys(family)
+    cfg.update({k: v for k, v in (overrides or {}).items() if k in known})  # not the other family's fields
     if family == "nemotron_h":
         cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
     from registry.checkpoint import CheckpointError
@@ -157,7 +232,7 @@ def synth_config(
     try:
         HybridConfig.from_dict(cfg, source="synth config")
     except CheckpointError as e:
-        raise SynthError(f"{e.problem}; change --num-layers / --num-experts / --set") from None
+        raise SynthError(e.problem, "change --num-layers / --num-experts / --set") from None
     return cfg
 
 
@@ -184,7 +259,7 @@ def write_tokenizer(out: Path, vocab_size: int, base: Path = BASE_TOKENIZER) -> 
     try:
         return _write_tokenizer(out, vocab_size, base)
     except ValueError as e:
-        raise SynthError(str(e)) from None
+        raise SynthError(str(e), "raise --set vocab_size to at least the base tokenizer's size") from None
 
 
 def arch_overrides(config: dict[str, Any], family: str) -> list[str]:
@@ -265,14 +340,14 @@ def release_layout(config: dict[str, Any], fmt: str, names: list[str]) -> QuantL
     )
 
     if fmt not in FORMATS:
-        raise SynthError(f"--format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
+        raise SynthError(f"--format {fmt!r} is not known", f"use one of {', '.join(FORMATS)}")
     if fmt == "bf16":
         return QuantLayout()
     hc = HybridConfig.from_dict(config, source="synth config")
     try:
         rule = release_rule(hc.family, fmt)
     except FormatError as e:
-        raise SynthError(str(e)) from None
+        raise SynthError(str(e), f"use a --format the {hc.family} releases ship (or --format bf16)") from None
     with torch.device("meta"):
         model = HybridLM(hc, with_mtp=hc.num_nextn_predict_layers > 0)
     targets = quantization_targets(model, rule)
@@ -285,6 +360,30 @@ def release_layout(config: dict[str, Any], fmt: str, names: list[str]) -> QuantL
     layout.config_json, layout.hf_quant_config = quant_config_files(rule, modules=modules,
                                                                     not_converted=not_converted)
     return layout
+
+
+def _remove_empty(dirs) -> None:
+    """rmdir each of ``dirs`` (innermost first), keeping any that is not empty (another writer's files)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _make_out_dir(out: Path) -> list[Path]:
+    """Create ``out`` (and missing parents); returns the folders created, innermost first.
+
+    Raises:
+        SynthError: ``out`` is a file, or cannot be created (read-only filesystem, no permission, /proc).
+    """
+    missing = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _remove_empty(d for d in missing if d.is_dir())  # those this call created before it failed
+        what = "is a file" if out.is_file() else f"cannot be created ({e.strerror or e})"
+        raise SynthError(f"--out {out} {what}",
+                         "give --out a new or existing folder on a writable disk") from None
+    return missing
 
 
 def write_synthetic_checkpoint(
@@ -320,13 +419,14 @@ def write_synthetic_checkpoint(
 
     total = sum(stored_nbytes(quant.rewrite[s.name][1], s.shape) if s.name in quant.rewrite else s.nbytes
                 for s in specs)  # on disk, in the release format
-    out.mkdir(parents=True, exist_ok=True)
+    created = _make_out_dir(out)
     if check_disk:
         free = shutil.disk_usage(out).free
         if total > free:
+            _remove_empty(created)  # leave no folder of ours behind
             raise SynthError(
-                f"the checkpoint needs {total / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free; use "
-                "--num-layers / --num-experts (or another --out)"
+                f"the checkpoint needs {total / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free",
+                "use --num-layers / --num-experts (or an --out on a disk with more space)",
             )
     say = log or (lambda _msg: None)
     say(f"{family}: {len(specs)} tensors, {sum(math.prod(s.shape) for s in specs) / 1e9:.2f} B parameters, "
@@ -486,13 +586,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
     try:
+        check_overrides(args.family, overrides)  # strict: no field of another family
         r = write_synthetic_checkpoint(
             args.out, args.family, num_layers=args.num_layers, num_experts=args.num_experts,
             overrides=overrides, dtype=DTYPES[args.dtype], device=args.device, shard_bytes=shard_bytes,
             seed=args.seed, log=print, fmt=args.format,
         )
     except SynthError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(e.format(), file=sys.stderr)
+        return 2
+    except OSError as e:  # --out became unwritable while writing: disk full, read-only, removed
+        err = SynthError(f"writing {e.filename or args.out} failed: {e.strerror or e}",
+                         "free space on the disk of --out or give --out a writable folder, then rerun")
+        print(err.format(), file=sys.stderr)
         return 2
     print(json.dumps(asdict(r), indent=2))
     if r.arch_overrides:
