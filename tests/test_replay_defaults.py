@@ -146,7 +146,8 @@ def test_from_json_writes_the_table(tmp_path):
     src = tmp_path / "sweep.json"
     src.write_text(json.dumps({"shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
                                "headline": {"batch": 2, "T": 2, "shape": "ws1"},
-                               "headline_rows": {"m2_write/float32": {"fma": {"us": 1.0, "ok": True}}}}))
+                               "headline_rows": {"m2_write/float32": {"fma": {"us": 1.0, "ok": True}}},
+                               "grid": []}))
     out = tmp_path / "table.json"
     assert sweep_replay.main(["--from-json", str(src), "--source-date", "2026-12-01",
                               "--write-defaults", str(out)]) == 0
