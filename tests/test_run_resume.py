@@ -31,7 +31,10 @@ LIMIT = 6
 KILL_AFTER = 3  # samples on disk when the run is killed
 
 SITECUSTOMIZE = '''
-import os, sys
+import os, signal, sys
+# Ctrl-C's handler restored: a suite started as a background job (`cmd &` in a script) ignores SIGINT, and
+# its children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 import test_run_resume
 from runners.app import main as app

@@ -204,7 +204,10 @@ def test_launch_from_a_process_with_threads_and_held_locks(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_ctrl_c_ends_every_rank(tmp_path):
     """SIGINT to the launching process ends it and both ranks (which wait in a never-ending collective)."""
-    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+    # Ctrl-C's handler restored first: a suite started as a background job (`cmd &` in a script) ignores
+    # SIGINT, and its children inherit that
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
             "import tp_cases\nfrom runners.engine.launch import launch\n"
             f"launch(tp_cases.record_pid_and_wait, ({str(tmp_path)!r},), world_size=2, all_ranks=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
