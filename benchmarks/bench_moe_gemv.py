@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_quant_gemm import QWEN, SUPER, _bench, part_copy, routed_indices, row  # noqa: E402
+from benchmarks.bench_quant_gemm import QWEN, SUPER, _bench, gpu_report, part_copy, routed_indices, row  # noqa: E402
 
 MODELS = {  # model: (L, I, E, top_k, activation, gated)
     "super_v3": (SUPER["L"], SUPER["I"], SUPER["E"], SUPER["top_k"], "relu2", False),
@@ -117,15 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
-    if not torch.cuda.is_available():
-        print("error: no CUDA device here; this benchmark runs on the GPU machine", file=sys.stderr)
+    report = gpu_report("python -m benchmarks.bench_moe_gemv", argv)
+    if report is None:
         return 2
-    report = {"command": " ".join(["python -m benchmarks.bench_moe_gemv", *(argv or sys.argv[1:])]),
-              "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "device": torch.cuda.get_device_name(0),
-                          "capability": list(torch.cuda.get_device_capability(0))}}
     copy = part_copy()  # every row's floor and fraction refer to it
     report["copy"] = copy
     rows = [r for model in args.models for r in part_model(model, args.batches, copy["gb_per_s"])]

@@ -279,6 +279,21 @@ def speedups(rows: list[dict], fast: str, base: str) -> dict:
     return {key(r): round(b[key(r)] / r["us"], 2) for r in rows if r["name"] == fast and key(r) in b}
 
 
+def gpu_report(prog: str, argv: list[str] | None) -> dict | None:
+    """The head of a GPU benchmark's JSON (the command and the machine), or None after printing an error /
+    fix pair when no CUDA device is present (the caller exits 2)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"error: no CUDA device here; {prog} times GPU kernels\n  fix: run it on the GPU machine "
+              "(tests/gpu/run_checks.sh)", file=sys.stderr)
+        return None
+    return {"command": " ".join([prog, *(argv or sys.argv[1:])]),
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "device": torch.cuda.get_device_name(0),
+                        "capability": list(torch.cuda.get_device_capability(0))}}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quant_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -292,15 +307,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
-    if not torch.cuda.is_available():
-        print("error: no CUDA device here; this benchmark runs on the GPU machine", file=sys.stderr)
+    report = gpu_report("python -m benchmarks.bench_quant_gemm", argv)
+    if report is None:
         return 2
-    report = {"command": " ".join(["python -m benchmarks.bench_quant_gemm", *(argv or sys.argv[1:])]),
-              "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "device": torch.cuda.get_device_name(0),
-                          "capability": list(torch.cuda.get_device_capability(0))}}
     copy = part_copy()  # always: every row's fraction refers to it
     report["copy"] = copy
     bw = copy["gb_per_s"]
