@@ -300,6 +300,18 @@ def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: flo
     return res
 
 
+def _gdn_peer_inputs(dev: str):
+    """The GDN peers' headline inputs: ((H, HV, K, V), batch, T, r, q, k, v) with r(*shape) a seeded float32
+    normal sampler on ``dev`` (drawn after q, k, v) and q, k [batch, T, H, K], v [batch, T, HV, V] in bf16."""
+    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
+    batch, T = HEADLINE["batch"], HEADLINE["T"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    bf = torch.bfloat16
+    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
+    return (H, HV, K, V), batch, T, r, q, k, v
+
+
 def _fla_rows(dtypes, timer: Timer, dev: str) -> dict:
     """fla-core's fused recurrent gated-delta-rule kernel (kernels.gdn.fla.fla_fused_recurrent_rule) at the
     headline GDN shape, per state dtype: T tokens from the state (read in the state's dtype, L2 norm of q / k
@@ -311,12 +323,8 @@ def _fla_rows(dtypes, timer: Timer, dev: str) -> dict:
     fla_recurrent, why = fla_fused_recurrent_rule()
     if fla_recurrent is None:
         return {"error": f"fla-core not importable: {why}"}
-    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
-    batch, T = HEADLINE["batch"], HEADLINE["T"]
-    gen = torch.Generator(device=dev).manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    (H, HV, K, V), batch, T, r, q, k, v = _gdn_peer_inputs(dev)
     bf = torch.bfloat16
-    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
     g = -torch.nn.functional.softplus(r(batch, T, HV)) * 0.5
     beta = r(batch, T, HV).sigmoid().to(bf)
     io = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta)) + v.numel() * v.element_size()
@@ -347,12 +355,8 @@ def _flashinfer_gdn_rows(timer: Timer, dev: str) -> dict:
         from flashinfer.gdn_decode import gated_delta_rule_mtp
     except Exception as e:  # noqa: BLE001
         return {"error": f"flashinfer.gdn_decode not importable: {e!r}"}
-    H, HV, K, V = SHAPES_GDN[HEADLINE["shape"]]
-    batch, T = HEADLINE["batch"], HEADLINE["T"]
-    gen = torch.Generator(device=dev).manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    (H, HV, K, V), batch, T, r, q, k, v = _gdn_peer_inputs(dev)
     bf = torch.bfloat16
-    q, k, v = r(batch, T, H, K).to(bf), r(batch, T, H, K).to(bf), r(batch, T, HV, V).to(bf)
     a, b = r(batch, T, HV).to(bf), r(batch, T, HV).to(bf)
     A_log, dt_bias = r(HV) * 0.5, r(HV) * 0.1
     state = r(batch, HV, V, K) * 0.1
