@@ -47,8 +47,20 @@ def _cuda_available() -> bool:
         return False
 
 
+# The GPU stage (tests/gpu/run_checks.sh engine) runs under pytest-xdist, which hands tests to its workers in
+# collection order: these, minutes each on the H200 (docs/gpu/robust_3's --durations), go first so that none
+# starts last and leaves the other workers idle.
+GPU_LONG_FIRST = ("tests/test_tp.py", "tests/test_formats.py", "tests/test_compile.py",
+                  "tests/test_prefill_kernels_gpu.py", "tests/test_prefix_cache.py")
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
+        if config.getoption("markexpr", "") == "gpu":
+            def rank(item):
+                path = item.nodeid.split("::")[0]
+                return GPU_LONG_FIRST.index(path) if path in GPU_LONG_FIRST else len(GPU_LONG_FIRST)
+            items.sort(key=rank)  # stable: the order within each module is kept
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
     for item in items:

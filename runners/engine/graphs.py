@@ -191,6 +191,30 @@ class PhaseTimer:
                 "host": {k: v / n for k, v in self.host_ms.items()}}
 
 
+def release_generator_after_failed_capture(device: torch.device) -> None:
+    """Take the device's default CUDA generator out of capture mode after a capture that failed.
+
+    ``CUDAGraph.capture_begin`` puts the default generator in capture mode and ``capture_end`` takes it out,
+    but only after ``cudaStreamEndCapture`` succeeded: a capture invalidated by an illegal call (a host
+    synchronisation, say) leaves it in capture mode, and every later random draw on that device raises
+    "Offset increment outside graph capture encountered unexpectedly" (PyTorch:
+    aten/src/ATen/cuda/CUDAGeneratorImpl.cpp, ``CUDAGeneratorState::increase``). A successful one-kernel
+    capture on a fresh graph runs the generator's capture prologue and epilogue and leaves it out of capture
+    mode; its graph and memory are dropped at once. Mutates only the generator's capture flag (its seed and
+    offset are unchanged). Never raises: a failure here is logged (the capture's own error is reported).
+    """
+    try:
+        scratch = torch.zeros(1, device=device)
+        with torch.cuda.device(device):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                scratch.add_(1)
+        del g
+    except Exception as e:  # noqa: BLE001 - best effort after a failure that is already being reported
+        log.warning("could not take the CUDA generator out of capture mode after a failed capture "
+                    "(%s: %s); random draws on %s may fail", type(e).__name__, e, device)
+
+
 class StepGraphs:
     """The phases of the engine's step, run eagerly or as CUDA graphs captured per (batch size, KV bound).
 
@@ -282,6 +306,7 @@ class StepGraphs:
                 torch.cuda.synchronize(self.device)
             except Exception:  # noqa: BLE001, S110 - the capture's own error is the one to report
                 pass
+            release_generator_after_failed_capture(self.device)
             if self.strict:
                 raise RuntimeError(
                     f"CUDA graph capture of the decode step at batch {B}, KV bound {L} failed "

@@ -257,8 +257,9 @@ class TopkRouter(nn.Module):
     experts only, and with n_group > 1 only the ``topk_group`` groups with the best top-2 score sums are
     eligible. The chosen raw scores are renormalised (``norm_topk_prob``) and multiplied by
     ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
-    ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens and
-    n_group = 1, its sort-free Triton kernel ``topk_route``.
+    ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens,
+    n_group = 1 and logits that need no gradient (the kernel has no backward), its sort-free Triton kernel
+    ``topk_route``.
     """
 
     def __init__(self, config: HybridConfig):
@@ -275,10 +276,12 @@ class TopkRouter(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
         kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
                   norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
-        if logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS:
+        # the kernel has no backward: training (logits that need a gradient) takes the reference
+        if (logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS
+                and not logits.requires_grad):
             return eager_op(topk_route)(logits, self.top_k, **kw)  # one kernel, no sort (kernels/router.py)
         return topk_route_ref(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group, **kw)
 
