@@ -581,3 +581,22 @@ def test_fp8_entry_builds_the_engine_with_its_kv_cache_quant(fakes, tmp_path):
     (_, opts), = FakeEngine.built
     assert opts["kv_cache_quant"] == "fp8"
     assert fakes[0]["fingerprint"]["quant"] == "fp8" and fakes[0]["fingerprint"]["kv_cache_quant"] == "fp8"
+
+
+def test_out_of_device_memory_is_an_error_with_a_fix_not_a_traceback(fakes, monkeypatch, tmp_path):
+    """A CUDA OOM the fit check did not foresee (docs/gpu/robust_3: Super V3 FP8 at full depth) ends the run
+    with error / fix lines naming the run folder and what to lower, not a traceback."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.73 GiB. GPU 0 has ...")
+
+    monkeypatch.setattr(app, "evaluate_gsm8k", oom)
+    cfg = _cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={out}", "eval.limit=4",
+               f"eval.data_dir={make_gsm8k_dir(tmp_path / 'gsm8k')}")
+    with pytest.raises(UserError) as e:
+        app.run(cfg)
+    assert "out of device memory while running (CUDA out of memory)" in e.value.problem
+    assert f"0 finished generations are saved in {out}" in e.value.problem
+    assert "eval.batch_size=N" in e.value.fix and "model.max_seq_len=N" in e.value.fix

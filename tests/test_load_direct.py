@@ -213,3 +213,29 @@ def test_gpu_free_memory_counts_blocks_the_allocator_holds():
     free, source = free_device_memory(dev)
     assert free - driver_free >= 2**30 and "reserved" in source
     torch.cuda.empty_cache()
+
+
+def test_prefill_chunk_lowered_to_what_memory_leaves_or_refused(caplog):
+    """After weights and caches, the prefill's temporaries (runners.engine.memory.prefill_bytes_per_token)
+    must fit what is left: prefill_chunk_tokens is lowered with a warning, or the load refused when fewer
+    than MIN_PREFILL_CHUNK_TOKENS fit (Super V3 FP8 at full depth ran out of memory in its first prefill)."""
+    import logging
+
+    from runners.engine.memory import MIN_PREFILL_CHUNK_TOKENS, PREFILL_MARGIN_BYTES, prefill_bytes_per_token
+
+    path = CHECKPOINTS / "tiny_qwen3_next_mtp"
+    options = EngineOptions(draft_len=3, max_batch_size=4, max_seq_len=2048, prefix_cache=False)
+    engine = Engine.from_pretrained(path, options)
+    weights, caches = engine.load_report.weight_bytes, engine.load_report.cache_bytes
+    per_token = prefill_bytes_per_token(engine.config)
+    assert per_token > engine.config.hidden_size  # every token needs more than its residual
+    assert engine.prefill_chunk_tokens == options.prefill_chunk_tokens  # the machine's memory: untouched
+    room = weights + caches + PREFILL_MARGIN_BYTES
+    with caplog.at_level(logging.WARNING, logger="runners.engine.engine"):
+        small = Engine.from_pretrained(path, options.replace(memory_budget_bytes=room + 1000 * per_token))
+    assert small.prefill_chunk_tokens == 1000
+    assert "prefill_chunk_tokens lowered from 8192 to 1000 to fit the device" in caplog.text
+    out = small.generate([[1, 2, 3, 4] * 300], 2, stop_token_ids=[])  # a 1200-token prompt: two forwards
+    assert len(out.tokens[0]) == 2
+    with pytest.raises(InsufficientMemoryError, match=f"no room for a prefill of {MIN_PREFILL_CHUNK_TOKENS}"):
+        Engine.from_pretrained(path, options.replace(memory_budget_bytes=room + 10 * per_token))

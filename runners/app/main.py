@@ -104,6 +104,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return _run_job(cfg, rr, out_dir)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by run.py (its `signum`)
         raise RunInterrupted(out_dir, signum=getattr(e, "signum", signal.SIGINT)) from None
+    except torch.OutOfMemoryError as e:  # the fit check's estimates were short: what is saved, how to go on
+        done = _count_lines(out_dir / GENERATIONS_FILE) + sum(
+            _count_lines(out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
+        first = str(e).split(". ")[0]
+        raise UserError(
+            f"out of device memory while running ({first}); {done} finished generations are saved in "
+            f"{out_dir}",
+            "run again with a smaller eval.batch_size=N or model.max_seq_len=N (a new run: resume=true needs "
+            "the same settings), or on a device with more free memory") from None
     finally:
         claim.release()
 

@@ -45,10 +45,15 @@ from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.loader import materialize, plan_load
 from runners.engine.memory import (
+    MIN_PREFILL_CHUNK_TOKENS,
+    PREFILL_MARGIN_BYTES,
+    InsufficientMemoryError,
     LoadReport,
     check_memory_fits,
+    fit_prefill_chunk_tokens,
     host_peak_rss_bytes,
     host_peak_rss_reset,
+    prefill_bytes_per_token,
     prefix_cache_cap,
 )
 from runners.engine.models.config import HybridConfig
@@ -391,6 +396,8 @@ class Engine:
                                    cache_bytes_at=cache_bytes_at,
                                    prefix_cache_bytes=_prefix_cache_want(options) if prefix_on else 0,
                                    quant=quant.method if quant is not None else "none", can_shard=shardable)
+        if budget is not None:
+            options = _fit_prefill_chunk(options, plan, budget, cache_bytes, device, tensor_parallel)
         if budget is not None and prefix_on:
             cap = prefix_cache_cap(budget, plan.weight_bytes, cache_bytes)
             if tensor_parallel is not None:  # one byte budget for every rank: their caches stay in lockstep
@@ -649,6 +656,36 @@ class Engine:
             bar = tqdm(total=total, desc="generate", unit="req")
             return bar, lambda done: bar.update(1)
         return None, lambda done: None
+
+
+def _fit_prefill_chunk(options: EngineOptions, plan, budget: int, cache_bytes: int, device: torch.device,
+                       tensor_parallel) -> EngineOptions:
+    """``options`` with ``prefill_chunk_tokens`` lowered to what the memory left after weights and caches
+    holds (runners.engine.memory.prefill_bytes_per_token's estimate; every rank takes the smallest, so that
+    their forwards stay in lockstep), said in a warning.
+
+    Raises:
+        InsufficientMemoryError: fewer than ``MIN_PREFILL_CHUNK_TOKENS`` tokens per forward would fit.
+    """
+    per_token = prefill_bytes_per_token(plan.config)
+    left = budget - plan.weight_bytes - cache_bytes
+    chunk = fit_prefill_chunk_tokens(left, per_token, options.prefill_chunk_tokens)
+    if tensor_parallel is not None:
+        chunk = tensor_parallel.all_ranks_min(chunk, device)
+    if chunk >= options.prefill_chunk_tokens:
+        return options
+    gib = 2**30
+    what = (f"{left / gib:.2f} GiB are left after {plan.weight_bytes / gib:.2f} GiB of weights and "
+            f"{cache_bytes / gib:.2f} GiB of caches; a prefill token needs about {per_token / 2**20:.2f} MiB "
+            f"of temporaries (an estimate) and {PREFILL_MARGIN_BYTES / gib:.0f} GiB stay free")
+    if chunk < min(MIN_PREFILL_CHUNK_TOKENS, options.prefill_chunk_tokens):
+        raise InsufficientMemoryError(
+            f"no room for a prefill of {MIN_PREFILL_CHUNK_TOKENS} tokens per forward on {device}: {what}",
+            "lower max_batch_size or max_seq_len to shrink the caches (run.py: eval.batch_size=N, "
+            "model.max_seq_len=N)")
+    log.warning("prefill_chunk_tokens lowered from %d to %d to fit the device: %s",
+                options.prefill_chunk_tokens, chunk, what)
+    return options.replace(prefill_chunk_tokens=chunk)
 
 
 def _prefix_cache_want(options: EngineOptions) -> int:

@@ -81,6 +81,60 @@ def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int) -> int:
     return prefix_cache_bytes + max(prefix_cache_bytes, int(ACTIVATION_HEADROOM_FRACTION * budget_bytes))
 
 
+# Transient bytes per element of the tensors a routed-expert pair keeps alive at once in a prefill forward
+# (runners.engine.models.layers / fp8.py / quant.py): the gathered input (bf16 2 B, its float32 quantization
+# temporaries 2 x 4 B, its FP8 copy 1 B) and the expert's hidden activation (bf16 output 2 B, the activation's
+# output 2 B, float32 temporaries 2 x 4 B, FP8 1 B). An upper estimate, not a measurement: the Super V3 FP8
+# prefill that ran out of memory at 8192 tokens per forward (docs/gpu/robust_3) allocated a float32 [pairs,
+# moe_intermediate_size] temporary of 1.7 GiB with 8 GiB free.
+PREFILL_INPUT_BYTES_PER_ELEMENT = 11
+PREFILL_HIDDEN_BYTES_PER_ELEMENT = 13
+# What stays free beyond the prefill's estimate: CUDA-graph pools, the allocator's fragmentation, decode
+# temporaries.
+PREFILL_MARGIN_BYTES = 2 * GIB
+# Below this many tokens per prefill forward the prefill is mostly launch latency: refuse instead.
+MIN_PREFILL_CHUNK_TOKENS = 128
+
+
+def prefill_bytes_per_token(config) -> int:
+    """Estimated peak transient bytes one token of a prefill forward needs (the widest layer's temporaries).
+
+    Routed experts dominate: ``num_experts_per_tok`` pairs per token, each holding its input
+    (``moe_latent_size`` or ``hidden_size`` wide) and its hidden activation (``moe_intermediate_size``, twice
+    for gated experts) at :data:`PREFILL_INPUT_BYTES_PER_ELEMENT` / :data:`PREFILL_HIDDEN_BYTES_PER_ELEMENT`
+    bytes per element; a dense layer (MLP, shared expert, the mixers' input projections) adds the same per
+    element of its widest projection once.
+
+    Args:
+        config: a ``registry.hf_config.HybridConfig``.
+
+    Returns:
+        Bytes per prefill token (int, > 0).
+    """
+    c = config
+    gate = 2 if c.mlp_gated else 1
+    pair = 0
+    if c.n_routed_experts:
+        width_in = c.moe_latent_size or c.hidden_size
+        pair = (PREFILL_INPUT_BYTES_PER_ELEMENT * width_in
+                + PREFILL_HIDDEN_BYTES_PER_ELEMENT * gate * c.moe_intermediate_size)
+    mamba_in = (2 * c.mamba_num_heads * c.mamba_head_dim + 2 * c.n_groups * c.ssm_state_size
+                + c.mamba_num_heads) if c.mamba_num_heads else 0
+    gdn_in = (2 * c.gdn_num_key_heads * c.gdn_key_head_dim + 2 * c.gdn_num_value_heads * c.gdn_value_head_dim
+              if c.gdn_num_key_heads else 0)
+    dense = max(c.hidden_size, gate * c.intermediate_size, gate * c.moe_shared_expert_intermediate_size,
+                mamba_in, gdn_in)
+    return c.num_experts_per_tok * pair + PREFILL_HIDDEN_BYTES_PER_ELEMENT * dense
+
+
+def fit_prefill_chunk_tokens(free_bytes: int, bytes_per_token: int, requested: int) -> int:
+    """The most tokens per prefill forward, up to ``requested``, whose estimated temporaries
+    (``bytes_per_token`` each, :func:`prefill_bytes_per_token`) fit ``free_bytes`` less
+    :data:`PREFILL_MARGIN_BYTES`. May return less than :data:`MIN_PREFILL_CHUNK_TOKENS` (even 0): the caller
+    refuses then."""
+    return max(0, min(requested, (free_bytes - PREFILL_MARGIN_BYTES) // max(1, bytes_per_token)))
+
+
 def _other_fixes(device: torch.device, quant: str | None, can_shard: bool) -> list[str]:
     """Fixes beyond smaller caches that can help this load: more GPUs only on CUDA where the load can be
     sharded (not dummy weights, not the CPU), a smaller weight format only where one exists."""
