@@ -590,13 +590,16 @@ def test_out_of_device_memory_is_an_error_with_a_fix_not_a_traceback(fakes, monk
     out = tmp_path / "out"
 
     def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.73 GiB. GPU 0 has ...")
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 1.73 GiB. GPU 0 has a total capacity of 139.80 GiB of "
+            "which 1.42 GiB is free. This process has 138.37 GiB memory in use.")
 
     monkeypatch.setattr(app, "evaluate_gsm8k", oom)
     cfg = _cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={out}", "eval.limit=4",
                f"eval.data_dir={make_gsm8k_dir(tmp_path / 'gsm8k')}")
     with pytest.raises(UserError) as e:
         app.run(cfg)
-    assert "out of device memory while running (CUDA out of memory)" in e.value.problem
+    want = "out of device memory while running (Tried to allocate 1.73 GiB, 1.42 GiB is free)"
+    assert want in e.value.problem
     assert f"0 finished generations are saved in {out}" in e.value.problem
     assert "eval.batch_size=N" in e.value.fix and "model.max_seq_len=N" in e.value.fix

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -107,9 +108,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except torch.OutOfMemoryError as e:  # the fit check's estimates were short: what is saved, how to go on
         done = _count_lines(out_dir / GENERATIONS_FILE) + sum(
             _count_lines(out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
-        first = str(e).split(". ")[0]
+        said = ", ".join(m.group(0) for m in re.finditer(r"Tried to allocate [\d.]+ \w+|[\d.]+ \w+ is free",
+                                                          str(e)))  # torch's numbers, its advice left out
         raise UserError(
-            f"out of device memory while running ({first}); {done} finished generations are saved in "
+            f"out of device memory while running ({said or type(e).__name__}); {done} finished generations "
+            "are saved in "
             f"{out_dir}",
             "run again with a smaller eval.batch_size=N or model.max_seq_len=N (a new run: resume=true needs "
             "the same settings), or on a device with more free memory") from None

@@ -82,13 +82,15 @@ def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int) -> int:
 
 
 # Transient bytes per element of the tensors a routed-expert pair keeps alive at once in a prefill forward
-# (runners.engine.models.layers / fp8.py / quant.py): the gathered input (bf16 2 B, its float32 quantization
-# temporaries 2 x 4 B, its FP8 copy 1 B) and the expert's hidden activation (bf16 output 2 B, the activation's
-# output 2 B, float32 temporaries 2 x 4 B, FP8 1 B). An upper estimate, not a measurement: the Super V3 FP8
-# prefill that ran out of memory at 8192 tokens per forward (docs/gpu/robust_3) allocated a float32 [pairs,
-# moe_intermediate_size] temporary of 1.7 GiB with 8 GiB free.
-PREFILL_INPUT_BYTES_PER_ELEMENT = 11
-PREFILL_HIDDEN_BYTES_PER_ELEMENT = 13
+# (runners.engine.models.layers / fp8.py / quant.py): the gathered input (bf16 2 B, the float32 quantization's
+# three temporaries -- upcast, scaled, clamped -- 3 x 4 B, its FP8 copy 1 B) and the expert's hidden
+# activation (bf16 output 2 B, the activation's output 2 B, the same 3 x 4 B and 1 B). Checked against
+# Nemotron 3 Super FP8 at full depth on the H200 (docs/gpu/fulldepth_2): its first prefill, at 4806 tokens a
+# forward, ran out of memory with 7.6 GiB left after weights and caches (0.75 GiB of it CUDA-graph pools);
+# 8192 tokens ran with 13.5 GiB left. So its peak lies between about 1.47 and 1.61 MiB per token; these
+# constants give 1.58. Not yet run at the constants' chunk (3644 tokens at batch 64).
+PREFILL_INPUT_BYTES_PER_ELEMENT = 15
+PREFILL_HIDDEN_BYTES_PER_ELEMENT = 17
 # What stays free beyond the prefill's estimate: CUDA-graph pools, the allocator's fragmentation, decode
 # temporaries.
 PREFILL_MARGIN_BYTES = 2 * GIB
