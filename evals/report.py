@@ -321,11 +321,13 @@ def format_console(results: Mapping[str, Any]) -> str:
     ]
     load = results.get("load")
     if load:
-        peak = load.get("device_peak_bytes") or load.get("host_peak_rss_bytes")
-        where = "device" if load.get("device_peak_bytes") else "host RSS"
         weights = f"weights {load['weight_bytes'] / 2**30:,.2f} GiB"
-        rows.append((f"load{arm}", f"{load['seconds']:,.1f} s, {weights}"
-                     + (f", {where} peak {peak / 2**30:,.2f} GiB" if peak else "")))
+        if load.get("weights_seconds"):  # the weights' read (or dummy build) rate
+            weights += f" at {load['weight_bytes'] / load['weights_seconds'] / 1e9:,.2f} GB/s"
+        peaks = [f"{where} peak {load[key] / 2**30:,.2f} GiB"
+                 for where, key in (("device", "device_peak_bytes"), ("host RSS", "host_peak_rss_bytes"))
+                 if load.get(key)]
+        rows.append((f"load{arm}", ", ".join([f"{load['seconds']:,.1f} s", weights, *peaks])))
     pc = results.get("prefix_cache") or {}
     if pc.get("enabled"):
         rows.append(("prefix cache", f"{pct(pc.get('hit_rate'))} of prompt tokens reused "

@@ -214,7 +214,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "GSM8K strict-match" in printed and "25.00% (n=4)" in printed
     assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
     assert "verdict                  PASS" in printed
-    assert "load                     1.5 s, weights 3.00 GiB, host RSS peak 2.00 GiB" in printed
+    assert "load                     1.5 s, weights 3.00 GiB at 3.22 GB/s, host RSS peak 2.00 GiB" in printed
     assert ("ssm backend / state      torch (entry: triton; the CPU runs the PyTorch references) / float32 "
             "state") in printed
 

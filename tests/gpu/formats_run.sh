@@ -12,6 +12,9 @@
 #   block_fp8  Qwen3-Next-80B-A3B-Instruct-FP8 (128 x 128 blocks), entry qwen3_next_mtp_fp8, 12 of 48 layers
 #              (~21 GB)
 #
+# FORMATS_LAYERS=N writes N layers instead (issue 26's file-load path at the largest depth the 64 GB disk
+# holds: FORMATS_LAYERS=44 bash tests/gpu/formats_run.sh OUTDIR nvfp4 writes half of Super V3, ~38 GB, and
+# its summary's load line gives the read seconds, GB/s and the device and host peaks).
 # One checkpoint at a time under WORK (default /tmp/formats), deleted after its run, so the disk holds at most
 # one (< 32 GB). Per format: synth_<fmt>.log (the writer's log and the model.arch.* overrides the cut needs),
 # run_<fmt>.log (run.py's output) and run_<fmt>/ (its results.json, summary.md) under OUTDIR. Each run is
@@ -35,9 +38,9 @@ gpu_env || exit 1
 failed=()
 for fmt in $formats; do
   case $fmt in
-    fp8) family=nemotron_h; layers=22; entry=super_v3_mtp_fp8 ;;
-    nvfp4) family=nemotron_h; layers=22; entry=super_v3_mtp_nvfp4 ;;
-    block_fp8) family=qwen3_next; layers=12; entry=qwen3_next_mtp_fp8 ;;
+    fp8) family=nemotron_h; layers=${FORMATS_LAYERS:-22}; entry=super_v3_mtp_fp8 ;;
+    nvfp4) family=nemotron_h; layers=${FORMATS_LAYERS:-22}; entry=super_v3_mtp_nvfp4 ;;
+    block_fp8) family=qwen3_next; layers=${FORMATS_LAYERS:-12}; entry=qwen3_next_mtp_fp8 ;;
     *) echo "unknown format '$fmt' (fp8 nvfp4 block_fp8)" >&2; exit 2 ;;
   esac
   ckpt=$work/$fmt
