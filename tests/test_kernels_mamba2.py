@@ -558,8 +558,10 @@ def _long_run(steps, S, H, P, N, G, T, rows, state_dtype, seed=0, hist_len=None,
 
 @pytest.mark.slow
 def test_long_run_replay_rewind_sequential_agree_fp32():
-    # 200 steps x 4 launches: about 15 s of CPU in the interpreter, hence one head and two rows
-    worst, rew, rep, seq = _long_run(200, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32)
+    # 100 steps x 4 launches (about 200 accepted tokens per row, 14 PAD steps, every slot reordered many
+    # times): the decaying recurrence does not compound errors, so more steps only repeat the check at
+    # about 0.15 s each in the interpreter; one head and two rows for the same reason
+    worst, rew, rep, seq = _long_run(100, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32)
     assert worst < 1e-4, f"replay and rewind outputs drifted apart: {worst}"
     assert_close(rep, rew, torch.float32, "replay vs rewind state")
     assert_close(rew, seq, torch.float32, "rewind vs sequential state")
@@ -577,8 +579,9 @@ def test_long_run_bf16_state_stays_close():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_long_run_checkpointing_agrees_with_rewind(variant):
-    # L = 16, T = 3: a flush every 4-5 steps; the fast-forward spans up to 13 tokens and several verifies
-    worst, rew, rep, seq = _long_run(60, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32,
+    # L = 16, T = 3: a flush every 4-5 steps (6 or more in 30 steps); the fast-forward spans up to 13 tokens
+    # and several verifies
+    worst, rew, rep, seq = _long_run(30, S=3, H=1, P=16, N=16, G=1, T=3, rows=2, state_dtype=torch.float32,
                                      hist_len=16, variant=variant)
     assert worst < 1e-4, f"checkpointing replay and rewind outputs drifted apart: {worst}"
     assert_close(rep, rew, torch.float32, "checkpointing replay vs rewind state")
