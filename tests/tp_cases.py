@@ -314,11 +314,6 @@ def work_while_the_followers_wait(seconds: float) -> int:
     return dist.get_world_size()
 
 
-def world_size() -> int:
-    """A launched function that returns at once (every rank agrees on the world size)."""
-    return dist.get_world_size()
-
-
 # Held by a thread of the launching process (tests/test_tp.py): a rank forked from it would inherit it held
 HELD = threading.Lock()
 
