@@ -107,7 +107,8 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(
     engines = [_engine(path, K, False, **kw),
                _engine(path, K, True, ssm_replay_checkpointing=checkpointing, **kw)]
     slots = [0, 2, 3]  # not contiguous
-    batch = [prompts[1], prompts[4], prompts[7]]
+    # 12, 5 and 4 tokens (chunk_size 8: one prompt spans two chunks): short prefills for the interpreter
+    batch = [prompts[11], prompts[8], prompts[12]]
     for e in engines:
         e._prefill(batch, slots)  # the slots' lengths and first tokens now live on the device
     live = torch.tensor(slots)
@@ -229,7 +230,7 @@ def test_triton_backend_matches_torch_backend(setup, monkeypatch):
         pytest.skip("Triton is neither in interpreter mode nor on a GPU")
     path, prompts, plain = setup
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [0, 5, 2]  # 3 requests on 2 slots: slot reuse, a join mid-run
+    rows = [11, 14, 2]  # 3 requests on 2 slots: slot reuse, a join mid-run; 12, 11, 15 tokens: 2 chunks each
     batch, new = [prompts[i] for i in rows], 4
     assert max(len(prompts[i]) for i in rows) > 1  # a multi-token prefill: the chunked path runs
     counts = _count_launches(monkeypatch)
