@@ -510,7 +510,7 @@ def test_pad_rows_leave_every_buffer_untouched(variant):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Long run: replay == rewind == one token at a time, over hundreds of steps with random acceptance
+# Long run: replay == rewind == one token at a time, over a hundred steps with random acceptance
 # ---------------------------------------------------------------------------------------------------------
 
 
