@@ -795,6 +795,9 @@ class BatchMeta:
     row_start: the slot ids are known on the host to be ``row_start, row_start + 1, ...`` (no PAD row): then
         :meth:`view_rows` slices the cache rows instead of gathering a copy. An eager step's hint only (a CUDA
         graph would bake the value in); None: unknown.
+    cache_rows, num_rows: the cache row of each slot, ``slot_ids % num_rows`` [B] int64 (PAD -1 -> the
+        scratch row ``num_rows - 1``), computed once per forward and shared by every layer
+        (:meth:`row_index`); ``num_rows`` alone computes it here, neither leaves each layer to compute it.
     """
 
     slot_ids: torch.Tensor
@@ -805,15 +808,28 @@ class BatchMeta:
     verify: bool = False
     fresh: bool = False
     row_start: int | None = None
+    cache_rows: torch.Tensor | None = None
+    num_rows: int | None = None
 
     def __post_init__(self):
         if self.verify and not self.all_valid:
             raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
+        if (self.cache_rows is not None) and self.num_rows is None:
+            raise ValueError("cache_rows needs num_rows (the rows of the buffers it indexes)")
+        if self.num_rows is not None and self.cache_rows is None:
+            self.cache_rows = self.slot_ids % self.num_rows
+
+    def row_index(self, num_rows: int) -> torch.Tensor:
+        """[B] int64 row of each slot in a buffer of ``num_rows`` rows: ``slot_ids % num_rows`` (PAD -1 -> the
+        last, scratch, row); the shared :attr:`cache_rows` when it was made for ``num_rows``."""
+        if self.cache_rows is not None and num_rows == self.num_rows:
+            return self.cache_rows
+        return self.slot_ids % num_rows
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """This batch's cache rows, ``buffer[slot_ids]`` (a gather copy; PAD -1 reads the scratch row, the
         last row of ``buffer``)."""
-        return buffer[self.slot_ids % buffer.shape[0]]
+        return buffer[self.row_index(buffer.shape[0])]
 
     def view_rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """This batch's cache rows for reading only: a view of ``buffer`` (no copy) when ``row_start`` says
@@ -832,6 +848,8 @@ class BatchMeta:
         verify: bool = False,
         max_kv_len: int | None = None,
         row_start: int | None = None,
+        cache_rows: torch.Tensor | None = None,
+        num_rows: int | None = None,
     ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
         return cls(
@@ -842,6 +860,8 @@ class BatchMeta:
             max_kv_len=max_kv_len,
             verify=verify,
             row_start=row_start,
+            cache_rows=cache_rows,
+            num_rows=num_rows,
         )
 
     def valid(self, T: int) -> torch.Tensor:

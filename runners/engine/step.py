@@ -394,7 +394,8 @@ class DecodeStep:
         slot_ids, live, rows = self._batch_rows(B)
         n = torch.where(live, self.slots.length[rows], 0)
         last = torch.where(live, self.slots.last_token[rows], 0)
-        meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self.row_start)
+        meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self.row_start, cache_rows=rows,
+                                num_rows=self.max_batch_size + 1)
         hidden = self.model(last[:, None], self.cache, meta)
         self.cache.advance_rounding()  # in-place on the device: graph-safe
         nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
@@ -420,7 +421,8 @@ class DecodeStep:
         h = torch.where(live[:, None], self.slots.mtp_hidden[rows], 0.0)
         for j in range(1, self.draft_len):
             meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len,
-                                    row_start=self.row_start)
+                                    row_start=self.row_start, cache_rows=rows,
+                                    num_rows=self.max_batch_size + 1)
             h = mtp_forward(self.model, self.cache, drafts[-1][:, None], h[:, None], meta)[:, 0]
             drafts.append(self.model.lm_logits(h).argmax(-1))
         return torch.stack(drafts, dim=1)
@@ -431,7 +433,7 @@ class DecodeStep:
         last = torch.where(live, self.slots.last_token[rows], 0)
         tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
         meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L,
-                                row_start=self.row_start)
+                                row_start=self.row_start, cache_rows=rows, num_rows=self.max_batch_size + 1)
         hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
         self.cache.advance_rounding()
         io.hidden[:B] = hidden
@@ -460,6 +462,7 @@ class DecodeStep:
     def phase_catchup(self, B: int, L: int) -> None:
         io = self.io
         slot_ids, num_accepted = io.slot_ids[:B], io.num_accepted[:B]
-        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start)
+        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start,
+                             num_rows=self.max_batch_size + 1)
         out = mtp_forward(self.model, self.cache, io.tokens[:B], io.hidden[:B], catch_up)
         self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1])

@@ -394,7 +394,7 @@ class GDNMixer(GatedDeltaNet):
         if meta.verify:
             return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape
-        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         if replay and bool(state.slots.prev_num_accepted[rows].any()):
             raise RuntimeError(
                 "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
@@ -431,7 +431,7 @@ class GDNMixer(GatedDeltaNet):
         o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
                  update_state=False, intermediate_states=state.ssm_steps,
                  intermediate_state_indices=meta.slot_ids, stochastic_rounding=state.rounding)
-        state.conv_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], conv_in.to(state.conv.dtype))
+        state.conv_steps.index_copy_(0, meta.row_index(state.ssm.shape[0]), conv_in.to(state.conv.dtype))
         return self.output(o, z)
 
     def _verify_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
@@ -442,7 +442,7 @@ class GDNMixer(GatedDeltaNet):
                 f"verify step of T={T} tokens but the replay history keeps {state.history.u.shape[2]}; "
                 "build the HybridCache with spec_tokens = T"
             )
-        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
         cols = slots.conv_offset(rows)[:, None] + torch.arange(W1, device=x.device)
         conv0 = meta.rows(state.conv).gather(2, cols[:, None, :].expand(B, state.conv.shape[1], W1))

@@ -146,7 +146,7 @@ class Attention(nn.Module):
             )
         else:
             rows = kv.k.shape[0]
-            slot_rows = (meta.slot_ids % rows)[:, None].expand(b, T)
+            slot_rows = meta.row_index(rows)[:, None].expand(b, T)
             if meta.all_valid:
                 w_rows, w_pos = slot_rows, pos
             else:
