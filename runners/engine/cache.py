@@ -335,6 +335,20 @@ class ReplaySlots:
         the kernels clamp num_accepted_tokens, so a PAD row reading a garbage scratch row indexes in range."""
         return (self.last_accepted[rows].long() - 1).clamp(0, self.spec_tokens - 1)
 
+    def conv_window_index(self, meta: BatchMeta, width: int, channels: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Advanced index of the committed conv windows of a verify batch: ``conv[index]`` is [B, channels,
+        width], row b = ``conv[rows[b], :, off_b : off_b + width]`` (``off`` = :meth:`conv_offset`, rows =
+        ``meta.row_index``) of a replay conv buffer [S + 1, channels, width + K]. One gather instead of a row
+        gather then a column gather; the index is the same for every layer of the step
+        (``BatchMeta.shared``: computed once)."""
+        def make():
+            rows = meta.row_index(self.last_accepted.shape[0])
+            cols = self.conv_offset(rows)[:, None] + torch.arange(width, device=rows.device)  # [B, width]
+            chan = torch.arange(channels, device=rows.device)
+            return rows[:, None, None], chan[None, :, None], cols[:, None, :]
+        return meta.shared(("replay_conv_window", id(self), width, channels), make)
+
     def advance(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         """After a verify step: PNAT[s] = num_accepted_tokens, flip buffer_index[s] for live rows (slot id
         >= 0); PAD rows (-1) change nothing. slot_ids, num_accepted_tokens: [B] int64 on the cache device.
@@ -810,6 +824,7 @@ class BatchMeta:
     row_start: int | None = None
     cache_rows: torch.Tensor | None = None
     num_rows: int | None = None
+    _shared: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.verify and not self.all_valid:
@@ -818,6 +833,18 @@ class BatchMeta:
             raise ValueError("cache_rows needs num_rows (the rows of the buffers it indexes)")
         if self.num_rows is not None and self.cache_rows is None:
             self.cache_rows = self.slot_ids % self.num_rows
+
+    def shared(self, key: tuple, make: Callable[[], torch.Tensor | tuple]) -> torch.Tensor | tuple:
+        """``make()``, computed once per forward and shared by every layer that asks with the same ``key``:
+        metadata that is the same in every layer of a step (positions, masks, RoPE angles, index tensors).
+        ``key`` must name everything ``make`` depends on besides this batch's tensors, which do not change
+        during a forward. Inside torch.compile's tracing it is not memoised (no side effect in the compiled
+        code: each block computes its own, which the compiler fuses)."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def row_index(self, num_rows: int) -> torch.Tensor:
         """[B] int64 row of each slot in a buffer of ``num_rows`` rows: ``slot_ids % num_rows`` (PAD -1 -> the

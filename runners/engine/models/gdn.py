@@ -444,8 +444,7 @@ class GDNMixer(GatedDeltaNet):
             )
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
-        cols = slots.conv_offset(rows)[:, None] + torch.arange(W1, device=x.device)
-        conv0 = meta.rows(state.conv).gather(2, cols[:, None, :].expand(B, state.conv.shape[1], W1))
+        conv0 = state.conv[slots.conv_window_index(meta, W1, state.conv.shape[1])]  # (B, C, W - 1)
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
         verify = kernel_or_reference(state.ssm_backend, replay_verify, replay_verify_ref)
         o = verify(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids, slots.prev_num_accepted,

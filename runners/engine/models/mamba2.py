@@ -109,8 +109,7 @@ class Mamba2Mixer(nn.Module):
         if state is None:
             prev = xBC.new_zeros(b, self.conv_dim, W1)
         elif replay and meta.verify:  # the W - 1 inputs before the next token: columns off .. off + W - 2
-            cols = state.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=xBC.device)
-            prev = meta.rows(state.conv).gather(2, cols[:, None, :].expand(b, self.conv_dim, W1))
+            prev = state.conv[state.slots.conv_window_index(meta, W1, self.conv_dim)]
         else:
             prev = meta.rows(conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
