@@ -47,3 +47,28 @@ def test_norms_without_weight_cast_are_bitwise_equal(dtype):
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
     out = gated(y, z)
     assert out.dtype == torch.float32 and torch.equal(out, gated.weight.float() * h.flatten(-2))
+
+
+def _peak_agrees(device: str) -> None:
+    from runners.engine.models.hybrid import _abs_peak
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for bad in (float("nan"), float("inf"), float("-inf"), None):
+            x = torch.randn(2, 3, 700, device=device).to(dtype)
+            if bad is not None:
+                x[1, 2, 555] = bad
+            assert bool(torch.isfinite(_abs_peak(x))) == bool(torch.isfinite(x).all()), (dtype, bad)
+        top = torch.full((2, 3, 8), torch.finfo(dtype).max, dtype=dtype, device=device)
+        assert bool(torch.isfinite(_abs_peak(top)))  # a max of finite values never overflows
+        assert bool(torch.isfinite(_abs_peak(torch.empty(0, 8, dtype=dtype, device=device))))
+
+
+def test_health_peak_is_finite_exactly_when_the_output_is():
+    _peak_agrees("cpu")
+
+
+@pytest.mark.gpu
+def test_health_peak_is_finite_exactly_when_the_output_is_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _peak_agrees("cuda")
