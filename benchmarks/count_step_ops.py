@@ -12,8 +12,9 @@ bookkeeping). The device's kernel count per step is ``benchmarks/bench_e2e.py``'
 (torch.profiler on the H200); this script is its CPU proxy for finding repeated per-layer work.
 
 Conventions, so the counts track device launches rather than CPU implementation detail:
-- views (``aten.view``, ``slice``, ``select``, ``expand``, ``transpose``, ...: no kernel on any device) are
-  counted apart (``views``) from the operators that run a kernel (``ops``);
+- views (``aten.view``, ``slice``, ``select``, ``expand``, ``transpose``, ...: no kernel on any device, and
+  aliasing composites such as ``to`` / ``reshape`` when they did not copy) and allocations (``empty``,
+  ``new_empty``, ...) are counted apart (``views``) from the operators that run a kernel (``ops``);
 - each operator that runs as one Triton kernel on CUDA but as its PyTorch reference on the CPU (the
   recurrent-state operators of ``runners.engine.cache.kernel_or_reference``, the router's top-k
   ``kernels.router.topk_route_ref``) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
@@ -43,6 +44,7 @@ QUARTER_LAYERS = {"nemotron_h": 22, "qwen3_next": 12}
 SHRINK = {"hidden_size": 128, "vocab_size": 4096, "mamba_num_heads": 8, "moe_latent_size": 64,
           "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64}
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
+ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 STEP = "step"  # the kind of ops outside every block
 
 
@@ -102,7 +104,10 @@ class StepOpCounter:
                     name = _op_name(func)
                     if name in HOST_SYNC_OPS:
                         counter.record(f"sync:{name}")
-                    counter.record(f"view:{name}" if _aliases(func, args, out) else name)
+                    if name in ALLOC_OPS:  # memory only, no kernel (a graph replays none)
+                        counter.record(f"view:{name}")
+                    else:
+                        counter.record(f"view:{name}" if _aliases(func, args, out) else name)
                 return out
 
         del torch

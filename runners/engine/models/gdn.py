@@ -290,11 +290,15 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, r, K, V = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.head_k_dim, self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * K + 2 * r * V)
-        q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, H, 2 * r).split([r, r], dim=-1)
-        mixed_qkv = torch.cat([q.reshape(B, T, H * K), k.reshape(B, T, H * K), v.reshape(B, T, H * r * V)],
-                              dim=-1)
-        return (mixed_qkv, z.reshape(B, T, H * r, V), b.reshape(B, T, H * r), a.reshape(B, T, H * r))
+        z = qkvz[..., 2 * K + r * V :]
+        # de-interleaved [Q | K | V] in two copies into one buffer (a copy per slice then a cat: four kernels)
+        mixed_qkv = qkvz.new_empty(B, T, 2 * H * K + H * r * V)
+        mixed_qkv[..., : 2 * H * K].view(B, T, 2, H, K).copy_(
+            qkvz[..., : 2 * K].unflatten(-1, (2, K)).transpose(2, 3))
+        mixed_qkv[..., 2 * H * K :].view(B, T, H, r * V).copy_(qkvz[..., 2 * K : 2 * K + r * V])
+        # b and a de-interleaved in one copy: [B, T, 2, HV], b = [..., 0, :], a = [..., 1, :]
+        ba = self.in_proj_ba(x).view(B, T, H, 2, r).transpose(2, 3).reshape(B, T, 2, H * r)
+        return mixed_qkv, z.reshape(B, T, H * r, V), ba[:, :, 0], ba[:, :, 1]
 
     def _forward(
         self,
