@@ -824,7 +824,7 @@ class BatchMeta:
     row_start: int | None = None
     cache_rows: torch.Tensor | None = None
     num_rows: int | None = None
-    _shared: dict = field(default_factory=dict, repr=False, compare=False)
+    _shared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.verify and not self.all_valid:

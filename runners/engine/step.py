@@ -364,10 +364,13 @@ class DecodeStep:
         self.slots.length[slot_ids] = torch.tensor(lengths, **long)
         self.slots.last_token[slot_ids] = torch.tensor(first_tokens, **long)
 
-    def store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
+    def store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor,
+                          rows: torch.Tensor | None = None) -> None:
         """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step (PAD
-        rows, slot id -1, write the scratch row)."""
-        rows = slot_ids % (self.max_batch_size + 1)
+        rows, slot id -1, write the scratch row). ``rows``: the slots' cache rows when the caller has them
+        (None: computed)."""
+        if rows is None:
+            rows = slot_ids % (self.max_batch_size + 1)
         self.slots.mtp_hidden[rows] = mtp_hidden
         self.slots.draft1[rows] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
@@ -420,7 +423,8 @@ class DecodeStep:
         drafts = [torch.where(live, self.slots.draft1[rows], 0)]
         h = torch.where(live[:, None], self.slots.mtp_hidden[rows], 0.0)
         for j in range(1, self.draft_len):
-            meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len,
+            # start_pos + (j - 1): one add (the same int64 values as start_pos - 1 + j)
+            meta = BatchMeta.decode(slot_ids, start_pos + (j - 1), max_kv_len=max_kv_len,
                                     row_start=self.row_start, cache_rows=rows,
                                     num_rows=self.max_batch_size + 1)
             h = mtp_forward(self.model, self.cache, drafts[-1][:, None], h[:, None], meta)[:, 0]
@@ -465,4 +469,5 @@ class DecodeStep:
         catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start,
                              num_rows=self.max_batch_size + 1)
         out = mtp_forward(self.model, self.cache, io.tokens[:B], io.hidden[:B], catch_up)
-        self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1])
+        self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1],
+                               rows=catch_up.cache_rows)
