@@ -296,9 +296,8 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv[..., : 2 * H * K].view(B, T, 2, H, K).copy_(
             qkvz[..., : 2 * K].unflatten(-1, (2, K)).transpose(2, 3))
         mixed_qkv[..., 2 * H * K :].view(B, T, H, r * V).copy_(qkvz[..., 2 * K : 2 * K + r * V])
-        # b and a de-interleaved in one copy: [B, T, 2, HV], b = [..., 0, :], a = [..., 1, :]
-        ba = self.in_proj_ba(x).view(B, T, H, 2, r).transpose(2, 3).reshape(B, T, 2, H * r)
-        return mixed_qkv, z.reshape(B, T, H * r, V), ba[:, :, 0], ba[:, :, 1]
+        b, a = self.in_proj_ba(x).view(B, T, H, 2 * r).split([r, r], dim=-1)
+        return mixed_qkv, z.reshape(B, T, H * r, V), b.reshape(B, T, H * r), a.reshape(B, T, H * r)
 
     def _forward(
         self,
