@@ -335,6 +335,20 @@ class ReplaySlots:
         the kernels clamp num_accepted_tokens, so a PAD row reading a garbage scratch row indexes in range."""
         return (self.last_accepted[rows].long() - 1).clamp(0, self.spec_tokens - 1)
 
+    def conv_window_index(self, meta: BatchMeta, width: int, channels: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Advanced index of the committed conv windows of a verify batch: ``conv[index]`` is [B, channels,
+        width], row b = ``conv[rows[b], :, off_b : off_b + width]`` (``off`` = :meth:`conv_offset`, rows =
+        ``meta.row_index``) of a replay conv buffer [S + 1, channels, width + K]. One gather instead of a row
+        gather then a column gather; the index is the same for every layer of the step
+        (``BatchMeta.shared``: computed once)."""
+        def make():
+            rows = meta.row_index(self.last_accepted.shape[0])
+            cols = self.conv_offset(rows)[:, None] + torch.arange(width, device=rows.device)  # [B, width]
+            chan = torch.arange(channels, device=rows.device)
+            return rows[:, None, None], chan[None, :, None], cols[:, None, :]
+        return meta.shared(("replay_conv_window", id(self), width, channels), make)
+
     def advance(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         """After a verify step: PNAT[s] = num_accepted_tokens, flip buffer_index[s] for live rows (slot id
         >= 0); PAD rows (-1) change nothing. slot_ids, num_accepted_tokens: [B] int64 on the cache device.
@@ -795,6 +809,9 @@ class BatchMeta:
     row_start: the slot ids are known on the host to be ``row_start, row_start + 1, ...`` (no PAD row): then
         :meth:`view_rows` slices the cache rows instead of gathering a copy. An eager step's hint only (a CUDA
         graph would bake the value in); None: unknown.
+    cache_rows, num_rows: the cache row of each slot, ``slot_ids % num_rows`` [B] int64 (PAD -1 -> the
+        scratch row ``num_rows - 1``), computed once per forward and shared by every layer
+        (:meth:`row_index`); ``num_rows`` alone computes it here, neither leaves each layer to compute it.
     """
 
     slot_ids: torch.Tensor
@@ -805,15 +822,41 @@ class BatchMeta:
     verify: bool = False
     fresh: bool = False
     row_start: int | None = None
+    cache_rows: torch.Tensor | None = None
+    num_rows: int | None = None
+    _shared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.verify and not self.all_valid:
             raise ValueError("a verify step needs T tokens in every row (all_valid=True)")
+        if (self.cache_rows is not None) and self.num_rows is None:
+            raise ValueError("cache_rows needs num_rows (the rows of the buffers it indexes)")
+        if self.num_rows is not None and self.cache_rows is None:
+            self.cache_rows = self.slot_ids % self.num_rows
+
+    def shared(self, key: tuple, make: Callable[[], torch.Tensor | tuple]) -> torch.Tensor | tuple:
+        """``make()``, computed once per forward and shared by every layer that asks with the same ``key``:
+        metadata that is the same in every layer of a step (positions, masks, RoPE angles, index tensors).
+        ``key`` must name everything ``make`` depends on besides this batch's tensors, which do not change
+        during a forward. Inside torch.compile's tracing it is not memoised (no side effect in the compiled
+        code: each block computes its own, which the compiler fuses)."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
+    def row_index(self, num_rows: int) -> torch.Tensor:
+        """[B] int64 row of each slot in a buffer of ``num_rows`` rows: ``slot_ids % num_rows`` (PAD -1 -> the
+        last, scratch, row); the shared :attr:`cache_rows` when it was made for ``num_rows``."""
+        if self.cache_rows is not None and num_rows == self.num_rows:
+            return self.cache_rows
+        return self.slot_ids % num_rows
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """This batch's cache rows, ``buffer[slot_ids]`` (a gather copy; PAD -1 reads the scratch row, the
         last row of ``buffer``)."""
-        return buffer[self.slot_ids % buffer.shape[0]]
+        return buffer[self.row_index(buffer.shape[0])]
 
     def view_rows(self, buffer: torch.Tensor) -> torch.Tensor:
         """This batch's cache rows for reading only: a view of ``buffer`` (no copy) when ``row_start`` says
@@ -832,6 +875,8 @@ class BatchMeta:
         verify: bool = False,
         max_kv_len: int | None = None,
         row_start: int | None = None,
+        cache_rows: torch.Tensor | None = None,
+        num_rows: int | None = None,
     ) -> BatchMeta:
         """T tokens for every row (T = 1 for plain decode, T = K + 1 for a verify step)."""
         return cls(
@@ -842,6 +887,8 @@ class BatchMeta:
             max_kv_len=max_kv_len,
             verify=verify,
             row_start=row_start,
+            cache_rows=cache_rows,
+            num_rows=num_rows,
         )
 
     def valid(self, T: int) -> torch.Tensor:

@@ -364,10 +364,13 @@ class DecodeStep:
         self.slots.length[slot_ids] = torch.tensor(lengths, **long)
         self.slots.last_token[slot_ids] = torch.tensor(first_tokens, **long)
 
-    def store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor) -> None:
+    def store_first_draft(self, slot_ids: torch.Tensor, mtp_hidden: torch.Tensor,
+                          rows: torch.Tensor | None = None) -> None:
         """Keep each slot's MTP hidden [n, D] and its greedy token: the first draft of the next step (PAD
-        rows, slot id -1, write the scratch row)."""
-        rows = slot_ids % (self.max_batch_size + 1)
+        rows, slot id -1, write the scratch row). ``rows``: the slots' cache rows when the caller has them
+        (None: computed)."""
+        if rows is None:
+            rows = slot_ids % (self.max_batch_size + 1)
         self.slots.mtp_hidden[rows] = mtp_hidden
         self.slots.draft1[rows] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
@@ -394,7 +397,8 @@ class DecodeStep:
         slot_ids, live, rows = self._batch_rows(B)
         n = torch.where(live, self.slots.length[rows], 0)
         last = torch.where(live, self.slots.last_token[rows], 0)
-        meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self.row_start)
+        meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self.row_start, cache_rows=rows,
+                                num_rows=self.max_batch_size + 1)
         hidden = self.model(last[:, None], self.cache, meta)
         self.cache.advance_rounding()  # in-place on the device: graph-safe
         nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
@@ -419,8 +423,10 @@ class DecodeStep:
         drafts = [torch.where(live, self.slots.draft1[rows], 0)]
         h = torch.where(live[:, None], self.slots.mtp_hidden[rows], 0.0)
         for j in range(1, self.draft_len):
-            meta = BatchMeta.decode(slot_ids, start_pos - 1 + j, max_kv_len=max_kv_len,
-                                    row_start=self.row_start)
+            # start_pos + (j - 1): one add (the same int64 values as start_pos - 1 + j)
+            meta = BatchMeta.decode(slot_ids, start_pos + (j - 1), max_kv_len=max_kv_len,
+                                    row_start=self.row_start, cache_rows=rows,
+                                    num_rows=self.max_batch_size + 1)
             h = mtp_forward(self.model, self.cache, drafts[-1][:, None], h[:, None], meta)[:, 0]
             drafts.append(self.model.lm_logits(h).argmax(-1))
         return torch.stack(drafts, dim=1)
@@ -431,7 +437,7 @@ class DecodeStep:
         last = torch.where(live, self.slots.last_token[rows], 0)
         tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
         meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L,
-                                row_start=self.row_start)
+                                row_start=self.row_start, cache_rows=rows, num_rows=self.max_batch_size + 1)
         hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
         self.cache.advance_rounding()
         io.hidden[:B] = hidden
@@ -460,6 +466,8 @@ class DecodeStep:
     def phase_catchup(self, B: int, L: int) -> None:
         io = self.io
         slot_ids, num_accepted = io.slot_ids[:B], io.num_accepted[:B]
-        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start)
+        catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start,
+                             num_rows=self.max_batch_size + 1)
         out = mtp_forward(self.model, self.cache, io.tokens[:B], io.hidden[:B], catch_up)
-        self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1])
+        self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1],
+                               rows=catch_up.cache_rows)

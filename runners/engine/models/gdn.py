@@ -290,11 +290,14 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, r, K, V = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.head_k_dim, self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * K + 2 * r * V)
-        q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)
+        z = qkvz[..., 2 * K + r * V :]
+        # de-interleaved [Q | K | V] in two copies into one buffer (a copy per slice then a cat: four kernels)
+        mixed_qkv = qkvz.new_empty(B, T, 2 * H * K + H * r * V)
+        mixed_qkv[..., : 2 * H * K].view(B, T, 2, H, K).copy_(
+            qkvz[..., : 2 * K].unflatten(-1, (2, K)).transpose(2, 3))
+        mixed_qkv[..., 2 * H * K :].view(B, T, H, r * V).copy_(qkvz[..., 2 * K : 2 * K + r * V])
         b, a = self.in_proj_ba(x).view(B, T, H, 2 * r).split([r, r], dim=-1)
-        mixed_qkv = torch.cat([q.reshape(B, T, H * K), k.reshape(B, T, H * K), v.reshape(B, T, H * r * V)],
-                              dim=-1)
-        return (mixed_qkv, z.reshape(B, T, H * r, V), b.reshape(B, T, H * r), a.reshape(B, T, H * r))
+        return mixed_qkv, z.reshape(B, T, H * r, V), b.reshape(B, T, H * r), a.reshape(B, T, H * r)
 
     def _forward(
         self,
@@ -394,7 +397,7 @@ class GDNMixer(GatedDeltaNet):
         if meta.verify:
             return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape
-        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         if replay and bool(state.slots.prev_num_accepted[rows].any()):
             raise RuntimeError(
                 "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
@@ -431,7 +434,7 @@ class GDNMixer(GatedDeltaNet):
         o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
                  update_state=False, intermediate_states=state.ssm_steps,
                  intermediate_state_indices=meta.slot_ids, stochastic_rounding=state.rounding)
-        state.conv_steps.index_copy_(0, meta.slot_ids % state.ssm.shape[0], conv_in.to(state.conv.dtype))
+        state.conv_steps.index_copy_(0, meta.row_index(state.ssm.shape[0]), conv_in.to(state.conv.dtype))
         return self.output(o, z)
 
     def _verify_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
@@ -442,10 +445,9 @@ class GDNMixer(GatedDeltaNet):
                 f"verify step of T={T} tokens but the replay history keeps {state.history.u.shape[2]}; "
                 "build the HybridCache with spec_tokens = T"
             )
-        rows = meta.slot_ids % state.ssm.shape[0]  # PAD (-1) -> the scratch row
+        rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
-        cols = slots.conv_offset(rows)[:, None] + torch.arange(W1, device=x.device)
-        conv0 = meta.rows(state.conv).gather(2, cols[:, None, :].expand(B, state.conv.shape[1], W1))
+        conv0 = state.conv[slots.conv_window_index(meta, W1, state.conv.shape[1])]  # (B, C, W - 1)
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
         verify = kernel_or_reference(state.ssm_backend, replay_verify, replay_verify_ref)
         o = verify(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids, slots.prev_num_accepted,

@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        # without an offset the weight multiplies as it is: float32 * a 16-bit weight promotes to float32, the
+        # same products as an explicit float() cast, one kernel fewer per norm (w + 1 must be float32 first)
+        scale = self.weight.float() + self.offset if self.offset else self.weight
         return (scale * xf).to(x.dtype)
 
 
@@ -59,7 +61,7 @@ class GatedGroupRMSNorm(nn.Module):
         y = y.float() * F.silu(z.float())
         g = y.unflatten(-1, (-1, self.group_size))
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * g.flatten(-2)
+        return self.weight * g.flatten(-2)  # float32 g promotes the weight: as weight.float(), one cast fewer
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -71,11 +73,23 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     """NeoX-style (rotate-half) rotary embedding on the first ``rotary_dim = 2 * len(inv_freq)`` dims of
     each head; the rest pass through (partial rotary). x [B, T, H, hd]; positions [B, T] or [T] int64
     (absolute token positions). Computed in float32, returned in x's dtype; pure function."""
-    rd = 2 * inv_freq.shape[0]
+    return rope_rotate(x, *rope_cos_sin(positions, inv_freq))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles of :func:`apply_rope`: positions [B, T] or [T] int64, inv_freq [rd / 2] float32 -> (cos,
+    sin), each float32 [B or 1, T, 1, rd / 2] (broadcast over heads). The same for every layer of a step
+    with the same rotary dim and theta, so a step computes them once (``BatchMeta.shared``)."""
     ang = positions.float()[..., None] * inv_freq  # (B, T, rd / 2) or (T, rd / 2)
     if ang.dim() == 2:
         ang = ang[None]
-    cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]  # broadcast over heads
+    return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with its angles given (:func:`rope_cos_sin`): x [B, T, H, hd]; rd = 2 *
+    cos.shape[-1]. Computed in float32, returned in x's dtype; pure function."""
+    rd = 2 * cos.shape[-1]
     rot, rest = x[..., :rd].float(), x[..., rd:]
     x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
     rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -135,24 +149,34 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        offs = torch.arange(T, device=hidden.device)
-        pos = offs if kv is None else meta.start_pos[:, None] + offs  # [T] or [B, T] absolute positions
+        dev = hidden.device
+        # [T] or [B, T] absolute positions; what derives from the batch alone (positions, RoPE angles, write
+        # rows, mask) is computed once per forward and shared by the attention layers (BatchMeta.shared)
+        if kv is None:
+            pos = torch.arange(T, device=dev)
+        else:
+            pos = meta.shared(("positions", T), lambda: meta.start_pos[:, None] + torch.arange(T, device=dev))
         if self.rotary_dim:
-            inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta, hidden.device)
-            q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
+            def angles():
+                return rope_cos_sin(pos, rope_inv_freq(self.rotary_dim, self.rope_theta, dev))
+            cos, sin = angles() if kv is None else meta.shared(("rope", T, self.rotary_dim, self.rope_theta),
+                                                                 angles)
+            q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
         if kv is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
         else:
             rows = kv.k.shape[0]
-            slot_rows = (meta.slot_ids % rows)[:, None].expand(b, T)
-            if meta.all_valid:
-                w_rows, w_pos = slot_rows, pos
-            else:
+
+            def write_index():
+                slot_rows = meta.row_index(rows)[:, None].expand(b, T)
+                if meta.all_valid:
+                    return slot_rows, pos
                 valid = meta.valid(T)
-                w_rows = torch.where(valid, slot_rows, rows - 1)  # padding columns -> scratch row
-                w_pos = torch.where(valid, pos, 0)
+                # padding columns -> scratch row
+                return torch.where(valid, slot_rows, rows - 1), torch.where(valid, pos, 0)
+            w_rows, w_pos = meta.shared(("kv_write", T, rows), write_index)
             kv.write(w_rows, w_pos, k, v)  # an FP8 KV cache quantizes here and dequantizes in read()
             if meta.fresh and not kv.fp8:  # every row starts at 0: its keys are this forward's, plain causal
                 k, v = k.to(kv.k.dtype).to(q.dtype), v.to(kv.v.dtype).to(q.dtype)  # as the cache holds them
@@ -162,7 +186,9 @@ class Attention(nn.Module):
             else:
                 kv_len = meta.max_kv_len or int((meta.start_pos + meta.lengths).max())
                 keys, values = kv.read(meta.view_rows, kv_len, q.dtype)  # (B, S_k, KVH, hd), read only
-                return self._finish(_cached_attention(q, keys, values, pos), gate)
+                S = keys.shape[1]
+                mask = meta.shared(("kv_mask", T, S), lambda: causal_cache_mask(pos, S))
+                return self._finish(_cached_attention(q, keys, values, pos, mask), gate)
         return self._finish(out.transpose(1, 2), gate)
 
     def _finish(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -183,18 +209,25 @@ class Attention(nn.Module):
 _FOLD_GQA_MAX_T = 16
 
 
-def _cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor
-                      ) -> torch.Tensor:
+def causal_cache_mask(pos: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, T, S] bool: the query at absolute position pos [B, T] attends cache positions 0 .. pos."""
+    return torch.arange(S, device=pos.device)[None, None, :] <= pos[:, :, None]
+
+
+def _cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries over a request's cached positions.
 
     q: [B, T, Hq, hd]; keys, values: [B, S_k, KVH, hd] (cache positions 0 .. S_k - 1, KVH divides Hq; query
     head h reads KV head h // (Hq / KVH)); pos: [B, T] int64 absolute position of each query, which attends
-    the keys at positions <= pos. Returns [B, T, Hq, hd], scale hd^-0.5.
+    the keys at positions <= pos; mask: :func:`causal_cache_mask` ``(pos, S_k)`` when the caller has it
+    (None: computed here). Returns [B, T, Hq, hd], scale hd^-0.5.
     """
     B, T, Hq, hd = q.shape
     S, KVH = keys.shape[1], keys.shape[2]
     G = Hq // KVH
-    mask = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # (B, T, S_k)
+    if mask is None:
+        mask = causal_cache_mask(pos, S)  # (B, T, S_k)
     if T > _FOLD_GQA_MAX_T or G == 1 or q.device.type != "cpu":
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],

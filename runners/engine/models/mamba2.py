@@ -105,12 +105,11 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
         replay = isinstance(state, Mamba2ReplayState)
         conv = None if state is None else state.conv[..., :W1] if replay else state.conv
-        rows = None if state is None else meta.slot_ids % state.conv.shape[0]  # PAD -> the scratch row
+        rows = None if state is None else meta.row_index(state.conv.shape[0])  # PAD -> the scratch row
         if state is None:
             prev = xBC.new_zeros(b, self.conv_dim, W1)
         elif replay and meta.verify:  # the W - 1 inputs before the next token: columns off .. off + W - 2
-            cols = state.slots.conv_offset(rows)[:, None] + torch.arange(W1, device=xBC.device)
-            prev = meta.rows(state.conv).gather(2, cols[:, None, :].expand(b, self.conv_dim, W1))
+            prev = state.conv[state.slots.conv_window_index(meta, W1, self.conv_dim)]
         else:
             prev = meta.rows(conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
@@ -174,8 +173,9 @@ class Mamba2Mixer(nn.Module):
                     f"verify step of T={T} tokens but the replay history keeps {state.history.x.shape[2]}; "
                     "build the HybridCache with spec_tokens = T"
                 )
-            pnat = state.slots.prev_num_accepted[meta.slot_ids % state.ssm.shape[0]]
-            if not meta.verify and bool(pnat.any()):
+            # (a verify reads PNAT in its kernel: only a non-verify forward checks it, on the host)
+            if not meta.verify and bool(state.slots.prev_num_accepted[meta.row_index(state.ssm.shape[0])]
+                                        .any()):
                 raise RuntimeError(
                     "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
                     "with ssm_replay every step after prefill must be a verify (T = K + 1)"
@@ -228,7 +228,7 @@ def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_st
         raise ValueError("FlashInfer's kernel does not clamp dt (time_step_limit); use ssm_backend='triton'")
     b, T, H, P = x.shape
     N = state.ssm.shape[-1]
-    slots = (meta.slot_ids % state.ssm.shape[0]).to(torch.int32)  # PAD -> the scratch row (a real row)
+    slots = meta.row_index(state.ssm.shape[0]).to(torch.int32)  # PAD -> the scratch row (a real row)
     # Its contract (FlashInfer 0.7.2): x, B, C and out unit-stride in the last dim (x can arrive as a strided
     # view); D and dt_bias in dt's dtype, so all three go in fp32, as our kernels read them.
     x, Bm, Cm = x.contiguous(), Bm.contiguous(), Cm.contiguous()

@@ -1,0 +1,294 @@
+"""ATen operators per decode-step phase and per block kind, counted on the CPU: where a step repeats work.
+
+    python -m benchmarks.count_step_ops --family nemotron_h [--layers 22] [--draft-len 3] [--replay]
+        [--batch 1] [--steps 4] [--top 25] [--json OUT.json]
+
+An op count, not a speed claim: it counts the ATen operators (``TorchDispatchMode``) that the eager padded
+decode step (``runners.engine.graphs.StepGraphs`` mode "eager_padded", the phases a CUDA graph captures)
+dispatches on the CPU, per phase (``decode``, or ``draft`` / ``verify`` / ``commit`` / ``catchup``) and per
+block kind (``mamba2``, ``moe``, ``attention``, ``gdn``, ``mlp``; ``mtp.<kind>`` for the MTP module's blocks;
+``step`` for everything outside the blocks: embedding, final norm, LM head, health flags, the step's own
+bookkeeping). The device's kernel count per step is ``benchmarks/bench_e2e.py``'s ``kernels_per_step``
+(torch.profiler on the H200); this script is its CPU proxy for finding repeated per-layer work.
+
+Conventions, so the counts track device launches rather than CPU implementation detail:
+- views (``aten.view``, ``slice``, ``select``, ``expand``, ``transpose``, ...: no kernel on any device, and
+  aliasing composites such as ``to`` / ``reshape`` when they did not copy) and allocations (``empty``,
+  ``new_empty``, ...) are counted apart (``views``) from the operators that run a kernel (``ops``);
+- each operator that runs as one Triton kernel on CUDA but as its PyTorch reference on the CPU (the
+  recurrent-state operators of ``runners.engine.cache.kernel_or_reference``, the router's top-k
+  ``kernels.router.topk_route_ref``) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
+  launches on CUDA at decode sizes) count as one op named ``kernel:<name>``; the operators inside are not
+  counted;
+- ``host_syncs``: ``aten._local_scalar_dense`` / ``aten.item`` / ``aten.nonzero`` calls outside those
+  references (a step must have none: CUDA graphs capture it).
+
+The model is ``runners.tools.synth.synthetic_model`` at the release's layer pattern cut to ``--layers``
+(quarter depth by default: 22 for Nemotron 3 Super, 12 for Qwen3-Next, as bench_e2e) with small widths
+(:data:`SHRINK`) in bfloat16 (``--dtype``; float32 would hide the casts a bf16 step runs): the op count depends on the layer pattern, not on the widths. Drafted steps use
+``Engine.force_acceptance(--accept-length)`` (random weights accept nothing on their own). The first decode
+step is not counted (warm-up); the counts are the mean over ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+QUARTER_LAYERS = {"nemotron_h": 22, "qwen3_next": 12}
+# widths small enough for a CPU run in seconds (the op count does not depend on them)
+SHRINK = {"hidden_size": 128, "vocab_size": 4096, "mamba_num_heads": 8, "moe_latent_size": 64,
+          "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64}
+HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
+ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+STEP = "step"  # the kind of ops outside every block
+
+
+def _op_name(func) -> str:
+    return func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+
+
+def _aliases(func, args, out) -> bool:
+    """Whether ``func`` returned a view of its first argument (no kernel): a view op, or an aliasing
+    composite (``to``, ``reshape``, ``contiguous``) that did not copy."""
+    import torch
+
+    if not getattr(func, "is_view", False):
+        return False
+    first = args[0] if args else None
+    res = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not (isinstance(first, torch.Tensor) and isinstance(res, torch.Tensor)):
+        return True
+    return res.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+
+
+class StepOpCounter:
+    """Counts ATen operators by (phase, kind, op name) while active (see the module docstring).
+
+    ``phase`` / ``kind`` are set by the caller (:meth:`in_phase`, block hooks); ``opaque`` > 0 stops the
+    counting inside a kernel's reference. ``counts[(phase, kind)]``: Counter of op names (views under
+    ``"view:<name>"``)."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        self.phase: str | None = None
+        self.kind = STEP
+        self.opaque = 0
+
+    def record(self, name: str) -> None:
+        if self.phase is not None:
+            self.counts[(self.phase, self.kind)][name] += 1
+
+    @contextmanager
+    def in_phase(self, name: str):
+        self.phase = name
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def mode(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not counter.opaque:
+                    name = _op_name(func)
+                    if name in HOST_SYNC_OPS:
+                        counter.record(f"sync:{name}")
+                    if name in ALLOC_OPS:  # memory only, no kernel (a graph replays none)
+                        counter.record(f"view:{name}")
+                    else:
+                        counter.record(f"view:{name}" if _aliases(func, args, out) else name)
+                return out
+
+        del torch
+        return Mode()
+
+    def opaque_kernel(self, name: str, fn):
+        """``fn`` counted as the one op ``kernel:<name>`` (its own operators not counted)."""
+        def run(*args, **kwargs):
+            self.record(f"kernel:{name}")
+            self.opaque += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.opaque -= 1
+        return run
+
+
+@contextmanager
+def _patched(counter: StepOpCounter):
+    """Make the kernels' references (and the routed experts) opaque single ops while counting."""
+    import runners.engine.cache as cache_mod
+    import runners.engine.models.gdn as gdn_mod
+    import runners.engine.models.layers as layers_mod
+    import runners.engine.models.mamba2 as mamba2_mod
+
+    original = cache_mod.kernel_or_reference
+
+    def kernel_or_reference(ssm_backend, kernel, reference):
+        fn = original(ssm_backend, kernel, reference)
+        return counter.opaque_kernel(getattr(kernel, "__name__", "op"), fn)
+
+    saved = [(m, "kernel_or_reference", original) for m in (cache_mod, gdn_mod, mamba2_mod)]
+    saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
+    saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
+    for m in (cache_mod, gdn_mod, mamba2_mod):
+        m.kernel_or_reference = kernel_or_reference
+    layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
+    experts = layers_mod.MoE._experts
+    layers_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
+def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0, replay: bool = False,
+                   batch: int = 1, steps: int = 4, accept_length: float = 2.6, experts: int = 8,
+                   shrink: dict | None = None, prompt_len: int = 12, dtype: str = "bfloat16") -> dict:
+    """Op counts of ``steps`` decode steps of a synthetic ``family`` model (module docstring).
+
+    Returns ``{"config": ..., "steps": n, "phases": {phase: {"ops", "views", "host_syncs", "kinds": {kind:
+    {"ops", "blocks", "ops_per_block", "top": [[op, count per step], ...]}}}}, "total_ops": per step}``; every
+    count is per step (mean over the counted steps).
+
+    Raises:
+        ValueError: ``replay`` without drafts, or no decode step was counted.
+    """
+    import torch
+
+    from runners.engine import Engine
+    from runners.engine.options import EngineOptions
+    from runners.tools.synth import synthetic_model
+
+    if replay and draft_len < 1:
+        raise ValueError("ssm replay needs drafts (draft_len >= 1)")
+    layers = QUARTER_LAYERS[family] if layers is None else layers
+    overrides = dict(SHRINK if shrink is None else shrink)
+    torch.manual_seed(0)
+    model, _ = synthetic_model(family, num_layers=layers, num_experts=experts, overrides=overrides,
+                               dtype=getattr(torch, dtype), device="cpu")
+    new_tokens = (steps + 2) * (draft_len + 1)
+    max_seq = prompt_len + new_tokens + 2 * (draft_len + 1) + 8
+    engine = Engine(model, EngineOptions(dtype=dtype, draft_len=draft_len, ssm_replay=replay,
+                                         max_batch_size=batch, max_seq_len=max_seq,
+                                         cuda_graph_batch_sizes=[batch]), device=torch.device("cpu"))
+    if draft_len:
+        engine.force_acceptance(accept_length)
+    counter = StepOpCounter()
+    blocks = [(b, b.kind) for b in model.layers]
+    if model.mtp is not None:
+        blocks += [(b, f"mtp.{b.kind}") for b in model.mtp.blocks]
+    n_blocks = Counter(kind for _, kind in blocks)
+
+    def enter(kind):
+        def pre(module, args):
+            counter.kind = kind
+        return pre
+
+    def leave(module, args, out):
+        counter.kind = STEP
+
+    hooks = [h for b, kind in blocks for h in (b.register_forward_pre_hook(enter(kind)),
+                                                b.register_forward_hook(leave))]
+    graphs = engine.step.graphs
+    original_phases = dict(graphs.phases)
+    seen = Counter()
+
+    def wrap(name, fn):
+        def run(B, L):
+            seen[name] += 1
+            if seen[name] == 1:  # the first step warms up (not counted)
+                return fn(B, L)
+            with counter.in_phase(name):
+                return fn(B, L)
+        return run
+
+    graphs.phases = {name: wrap(name, fn) for name, fn in original_phases.items()}
+    prompt = [(7 * i + 3) % 4000 + 1 for i in range(prompt_len)]
+    try:
+        with _patched(counter), counter.mode():
+            engine.generate([prompt] * batch, new_tokens, stop_token_ids=[])
+    finally:
+        graphs.phases = original_phases
+        for h in hooks:
+            h.remove()
+    n = min(seen.values()) - 1 if seen else 0
+    counted = {name: seen[name] - 1 for name in seen}
+    if n < 1:
+        raise ValueError(f"no decode step was counted (phases run: {dict(seen)}); raise --steps")
+    phases: dict = {}
+    for name in original_phases:
+        per = max(counted.get(name, 0), 1)
+        kinds, ops_all, views_all, syncs = {}, 0, 0, 0
+        for (phase, kind), c in sorted(counter.counts.items()):
+            if phase != name:
+                continue
+            ops = {k: v for k, v in c.items() if not k.startswith(("view:", "sync:"))}
+            n_ops = sum(ops.values()) / per
+            n_views = sum(v for k, v in c.items() if k.startswith("view:")) / per
+            n_sync = sum(v for k, v in c.items() if k.startswith("sync:")) / per
+            ops_all, views_all, syncs = ops_all + n_ops, views_all + n_views, syncs + n_sync
+            nb = n_blocks.get(kind, 0)
+            kinds[kind] = {"ops": n_ops, "views": n_views, "blocks": nb,
+                           "ops_per_block": n_ops / nb if nb else None,
+                           "top": [[k, v / per] for k, v in Counter(ops).most_common()]}
+        phases[name] = {"ops": ops_all, "views": views_all, "host_syncs": syncs, "kinds": kinds}
+    return {"config": {"family": family, "layers": layers, "experts": experts, "draft_len": draft_len,
+                       "ssm_replay": replay, "batch": batch, "dtype": dtype, "block_kinds": dict(n_blocks)},
+            "steps": n, "phases": phases, "total_ops": sum(p["ops"] for p in phases.values())}
+
+
+def format_report(report: dict, top: int = 25) -> str:
+    """A plain-text table of :func:`count_step_ops`' result: per phase and kind, then the top ops."""
+    c = report["config"]
+    lines = [f"{c['family']}, {c['layers']} layers {c['block_kinds']}, batch {c['batch']}, draft_len "
+             f"{c['draft_len']}, ssm_replay {c['ssm_replay']}: {report['total_ops']:.1f} ops per step "
+             f"(mean of {report['steps']} steps)"]
+    for name, p in report["phases"].items():
+        lines.append(f"  phase {name}: {p['ops']:.1f} ops, {p['views']:.1f} views, "
+                     f"{p['host_syncs']:.1f} host syncs")
+        for kind, k in sorted(p["kinds"].items(), key=lambda kv: -kv[1]["ops"]):
+            per = f", {k['ops_per_block']:.1f} per block x {k['blocks']}" if k["blocks"] else ""
+            lines.append(f"    {kind:<16} {k['ops']:7.1f} ops{per}")
+            ranked = k["top"][:top]
+            lines.append("      " + ", ".join(f"{op} {v:g}" for op, v in ranked))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=sorted(QUARTER_LAYERS), required=True)
+    p.add_argument("--layers", type=int, default=None, help="default: quarter depth (22 / 12)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--draft-len", type=int, default=0)
+    p.add_argument("--replay", action="store_true", help="ssm_replay (needs --draft-len >= 1)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--accept-length", type=float, default=2.6)
+    p.add_argument("--dtype", default="bfloat16", help="model dtype (bf16 as the GPU runs: its casts count)")
+    p.add_argument("--top", type=int, default=25, help="ops listed per phase and kind")
+    p.add_argument("--json", type=Path, default=None, help="also write the counts here")
+    args = p.parse_args(argv)
+    report = count_step_ops(args.family, layers=args.layers, draft_len=args.draft_len, replay=args.replay,
+                            batch=args.batch, steps=args.steps, accept_length=args.accept_length,
+                            experts=args.experts, dtype=args.dtype)
+    print(format_report(report, args.top))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

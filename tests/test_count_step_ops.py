@@ -1,0 +1,74 @@
+"""benchmarks/count_step_ops.py (ATen ops per decode-step phase, issue 27) on a tiny synthetic model, and the
+exactness of the op reductions it guided (norm weight casts dropped by promotion)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.count_step_ops import count_step_ops, format_report
+
+TINY = {"hidden_size": 64, "vocab_size": 512, "mamba_num_heads": 8, "moe_latent_size": 32,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("family,draft_len,replay", [("nemotron_h", 3, True), ("qwen3_next", 0, False)])
+def test_counts_every_phase_and_no_host_sync(family, draft_len, replay):
+    report = count_step_ops(family, layers=4, draft_len=draft_len, replay=replay, steps=1, experts=4,
+                            shrink=TINY, prompt_len=6)
+    phases = report["phases"]
+    want = ["draft", "verify", "commit", "catchup"] if draft_len else ["decode"]
+    assert list(phases) == want
+    for name, p in phases.items():
+        assert p["ops"] > 0, name
+        assert p["host_syncs"] == 0, (name, p)  # a step must not read device values (CUDA graphs)
+    forward = phases["verify" if draft_len else "decode"]["kinds"]
+    for kind in report["config"]["block_kinds"]:
+        if not kind.startswith("mtp."):
+            assert forward[kind]["ops"] > 0 and forward[kind]["ops_per_block"] > 0, kind
+    assert report["total_ops"] == pytest.approx(sum(p["ops"] for p in phases.values()))
+    assert family in format_report(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norms_without_weight_cast_are_bitwise_equal(dtype):
+    from runners.engine.models.layers import GatedGroupRMSNorm, RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    norm.weight.data.copy_(torch.randn(64, generator=g))
+    x = torch.randn(3, 5, 64, generator=g).to(dtype)
+    xf = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(norm(x), (norm.weight.float() * xf).to(dtype))
+    gated = GatedGroupRMSNorm(64, 16, 1e-5).to(dtype)
+    gated.weight.data.copy_(torch.randn(64, generator=g))
+    y, z = torch.randn(3, 64, generator=g).to(dtype), torch.randn(3, 64, generator=g).to(dtype)
+    h = (y.float() * torch.nn.functional.silu(z.float())).unflatten(-1, (-1, 16))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = gated(y, z)
+    assert out.dtype == torch.float32 and torch.equal(out, gated.weight.float() * h.flatten(-2))
+
+
+def _peak_agrees(device: str) -> None:
+    from runners.engine.models.hybrid import _abs_peak
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for bad in (float("nan"), float("inf"), float("-inf"), None):
+            x = torch.randn(2, 3, 700, device=device).to(dtype)
+            if bad is not None:
+                x[1, 2, 555] = bad
+            assert bool(torch.isfinite(_abs_peak(x))) == bool(torch.isfinite(x).all()), (dtype, bad)
+        top = torch.full((2, 3, 8), torch.finfo(dtype).max, dtype=dtype, device=device)
+        assert bool(torch.isfinite(_abs_peak(top)))  # a max of finite values never overflows
+        assert bool(torch.isfinite(_abs_peak(torch.empty(0, 8, dtype=dtype, device=device))))
+
+
+def test_health_peak_is_finite_exactly_when_the_output_is():
+    _peak_agrees("cpu")
+
+
+@pytest.mark.gpu
+def test_health_peak_is_finite_exactly_when_the_output_is_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _peak_agrees("cuda")
