@@ -281,12 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25, help="ops listed per phase and kind")
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
     args = p.parse_args(argv)
-    report = count_step_ops(args.family, layers=args.layers, draft_len=args.draft_len, replay=args.replay,
-                            batch=args.batch, steps=args.steps, accept_length=args.accept_length,
-                            experts=args.experts, dtype=args.dtype)
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: its folder {args.json.parent} does not exist; create it or pass another path")
+    try:
+        report = count_step_ops(args.family, layers=args.layers, draft_len=args.draft_len, replay=args.replay,
+                                batch=args.batch, steps=args.steps, accept_length=args.accept_length,
+                                experts=args.experts, dtype=args.dtype)
+    except ValueError as e:  # the engine's and the synthetic model's checks of these arguments
+        p.error(str(e))
     print(format_report(report, args.top))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        try:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot write it ({e.strerror}); pass a writable path")
     return 0
 
 

@@ -201,11 +201,6 @@ def load_format(results: dict[str, Any]) -> str:
     return str((results.get("config") or {}).get("load_format") or LoadFormat.auto.value)
 
 
-def is_dummy(results: dict[str, Any]) -> bool:
-    """Whether a results dict ran random weights (model.load_format=dummy): no accuracy can be judged."""
-    return load_format(results) == LoadFormat.dummy.value
-
-
 def exit_code(results: dict[str, Any]) -> int:
     """Process status for a results dict: 1 when a verdict check failed, else 0.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.count_step_ops import count_step_ops, format_report
+from benchmarks.count_step_ops import count_step_ops, format_report, main
 
 TINY = {"hidden_size": 64, "vocab_size": 512, "mamba_num_heads": 8, "moe_latent_size": 32,
         "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
@@ -72,3 +72,14 @@ def test_health_peak_is_finite_exactly_when_the_output_is_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _peak_agrees("cuda")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--family", "nemotron_h", "--draft-len", "-1"], "draft_len=-1 must be an integer >= 0"),
+    (["--family", "qwen3_next", "--json", "/nonexistent-dir/ops.json"], "does not exist"),
+])
+def test_cli_refuses_bad_arguments(args, says, capsys):
+    """Bad arguments exit 2 with argparse's `error:` line naming the problem, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -23,10 +23,13 @@ from runners.engine.loader import load_model, read_config
 from runners.engine.memory import (
     ACTIVATION_HEADROOM_FRACTION,
     GIB,
+    MIN_PREFILL_CHUNK_TOKENS,
     InsufficientMemoryError,
     check_memory_fits,
     fit_headroom_bytes,
+    fit_prefill_chunk_tokens,
     largest_fitting_batch,
+    min_prefill_bytes,
     prefix_cache_cap,
 )
 from runners.engine.options import EngineOptions
@@ -221,6 +224,25 @@ def test_suggested_batch_leaves_headroom():
     assert weights + cache(fit) + headroom <= budget < weights + cache(fit + 1) + headroom
     assert fit < 40  # all of the 40 GiB left would have been the answer without headroom
     assert prefix_cache_cap(budget, weights, cache(fit)) >= prefix
+
+
+def test_suggested_batch_leaves_room_for_the_smallest_prefill():
+    """On a small device, where ACTIVATION_HEADROOM_FRACTION of the budget is less than the smallest prefill
+    the load accepts, the suggested batch still leaves that prefill's room: the fix a refusal names is not
+    refused by the prefill check (fit_prefill_chunk_tokens) in turn."""
+    budget, weights, per_token = 20 * GIB, 10 * GIB, 10 * 2**20
+
+    def cache(b):
+        return b * GIB // 4
+
+    assert ACTIVATION_HEADROOM_FRACTION * budget < min_prefill_bytes(per_token)  # the case in question
+    with pytest.raises(InsufficientMemoryError) as e:
+        check_memory_fits(weights, cache(64), "cpu", budget_bytes=budget, max_batch_size=64,
+                          cache_bytes_at=cache, prefill_bytes_per_token=per_token)
+    fit = int(e.value.fix.split("eval.batch_size=")[1].split()[0])
+    left = budget - weights - cache(fit)
+    assert fit_prefill_chunk_tokens(left, per_token, 8192) >= MIN_PREFILL_CHUNK_TOKENS
+    assert weights + cache(fit + 1) + min_prefill_bytes(per_token) > budget  # the largest that leaves it
 
 
 def test_full_depth_fit_refusal_in_seconds():

@@ -106,14 +106,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into one by run.py (its `signum`)
         raise RunInterrupted(out_dir, signum=getattr(e, "signum", signal.SIGINT)) from None
     except torch.OutOfMemoryError as e:  # the fit check's estimates were short: what is saved, how to go on
-        done = _count_lines(out_dir / GENERATIONS_FILE) + sum(
-            _count_lines(out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
         said = ", ".join(m.group(0) for m in re.finditer(r"Tried to allocate [\d.]+ \w+|[\d.]+ \w+ is free",
                                                           str(e)))  # torch's numbers, its advice left out
         raise UserError(
-            f"out of device memory while running ({said or type(e).__name__}); {done} finished generations "
-            "are saved in "
-            f"{out_dir}",
+            f"out of device memory while running ({said or type(e).__name__}); "
+            f"{_finished_generations(out_dir)} finished generations are saved in {out_dir}",
             "run again with a smaller eval.batch_size=N or model.max_seq_len=N (a new run: resume=true needs "
             "the same settings), or on a device with more free memory") from None
     finally:
@@ -132,13 +129,17 @@ class RunInterrupted(UserError):
         self.exit_status = 128 + self.signum
         how = "interrupted (Ctrl-C)" if self.signum == signal.SIGINT else \
             f"stopped by {signal.Signals(self.signum).name}"
-        done = _count_lines(self.out_dir / GENERATIONS_FILE) + sum(
-            _count_lines(self.out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
         super().__init__(
-            f"{how}; {done} finished generations are saved in {self.out_dir}",
+            f"{how}; {_finished_generations(self.out_dir)} finished generations are saved in {self.out_dir}",
             f"continue with: {command}" if command else
             f"rerun the same command with resume=true hydra.run.dir={self.out_dir}",
         )
+
+
+def _finished_generations(out_dir: Path) -> int:
+    """Generations saved in a run folder: its own generations file and each compare arm's."""
+    return _count_lines(out_dir / GENERATIONS_FILE) + sum(
+        _count_lines(out_dir / arm / GENERATIONS_FILE) for arm in COMPARE_ARMS)
 
 
 def _count_lines(path: Path) -> int:

@@ -45,6 +45,7 @@ from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.loader import materialize, plan_load
 from runners.engine.memory import (
+    GIB,
     MIN_PREFILL_CHUNK_TOKENS,
     PREFILL_MARGIN_BYTES,
     InsufficientMemoryError,
@@ -395,6 +396,7 @@ class Engine:
                                    max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
                                    cache_bytes_at=cache_bytes_at,
                                    prefix_cache_bytes=_prefix_cache_want(options) if prefix_on else 0,
+                                   prefill_bytes_per_token=prefill_bytes_per_token(plan.config),
                                    quant=quant.method if quant is not None else "none", can_shard=shardable)
         if budget is not None:
             options = _fit_prefill_chunk(options, plan, budget, cache_bytes, device, tensor_parallel)
@@ -674,10 +676,9 @@ def _fit_prefill_chunk(options: EngineOptions, plan, budget: int, cache_bytes: i
         chunk = tensor_parallel.all_ranks_min(chunk, device)
     if chunk >= options.prefill_chunk_tokens:
         return options
-    gib = 2**30
-    what = (f"{left / gib:.2f} GiB are left after {plan.weight_bytes / gib:.2f} GiB of weights and "
-            f"{cache_bytes / gib:.2f} GiB of caches; a prefill token needs about {per_token / 2**20:.2f} MiB "
-            f"of temporaries (an estimate) and {PREFILL_MARGIN_BYTES / gib:.0f} GiB stay free")
+    what = (f"{left / GIB:.2f} GiB are left after {plan.weight_bytes / GIB:.2f} GiB of weights and "
+            f"{cache_bytes / GIB:.2f} GiB of caches; a prefill token needs about {per_token / 2**20:.2f} MiB "
+            f"of temporaries (an estimate) and {PREFILL_MARGIN_BYTES / GIB:.0f} GiB stay free")
     if chunk < min(MIN_PREFILL_CHUNK_TOKENS, options.prefill_chunk_tokens):
         raise InsufficientMemoryError(
             f"no room for a prefill of {MIN_PREFILL_CHUNK_TOKENS} tokens per forward on {device}: {what}",

@@ -73,12 +73,16 @@ def prefix_cache_cap(budget_bytes: int, weight_bytes: int, cache_bytes: int) -> 
     return max(0, (budget_bytes - weight_bytes - cache_bytes) // 2)
 
 
-def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int) -> int:
+def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int, prefill_bytes_per_token: int = 0) -> int:
     """Bytes a suggested max_batch_size leaves free beyond weights and caches: the prefix cache's budget
-    (``prefix_cache_bytes``; 0 when it is off) plus the same again or ``ACTIVATION_HEADROOM_FRACTION`` of
-    ``budget_bytes``, whichever is larger, for activations. Since :func:`prefix_cache_cap` gives the prefix
-    cache half of what is left, this leaves it its whole budget."""
-    return prefix_cache_bytes + max(prefix_cache_bytes, int(ACTIVATION_HEADROOM_FRACTION * budget_bytes))
+    (``prefix_cache_bytes``; 0 when it is off) plus, for activations, the largest of the same again,
+    ``ACTIVATION_HEADROOM_FRACTION`` of ``budget_bytes`` and the smallest prefill the load accepts
+    (:func:`min_prefill_bytes` of ``prefill_bytes_per_token``; 0: not counted). Since
+    :func:`prefix_cache_cap` gives the prefix cache half of what is left, this leaves it its whole budget,
+    and a suggested batch is never refused by the prefill's own check."""
+    activations = max(prefix_cache_bytes, int(ACTIVATION_HEADROOM_FRACTION * budget_bytes),
+                      min_prefill_bytes(prefill_bytes_per_token) if prefill_bytes_per_token else 0)
+    return prefix_cache_bytes + activations
 
 
 # Transient bytes per element of the tensors a routed-expert pair keeps alive at once in a prefill forward
@@ -129,6 +133,12 @@ def prefill_bytes_per_token(config) -> int:
     return c.num_experts_per_tok * pair + PREFILL_HIDDEN_BYTES_PER_ELEMENT * dense
 
 
+def min_prefill_bytes(bytes_per_token: int) -> int:
+    """Free bytes the smallest prefill a load accepts needs: :data:`MIN_PREFILL_CHUNK_TOKENS` tokens of
+    ``bytes_per_token`` (:func:`prefill_bytes_per_token`) plus :data:`PREFILL_MARGIN_BYTES`."""
+    return PREFILL_MARGIN_BYTES + MIN_PREFILL_CHUNK_TOKENS * bytes_per_token
+
+
 def fit_prefill_chunk_tokens(free_bytes: int, bytes_per_token: int, requested: int) -> int:
     """The most tokens per prefill forward, up to ``requested``, whose estimated temporaries
     (``bytes_per_token`` each, :func:`prefill_bytes_per_token`) fit ``free_bytes`` less
@@ -160,6 +170,7 @@ def check_memory_fits(
     max_seq_len: int | None = None,
     cache_bytes_at: Callable[[int], int] | None = None,
     prefix_cache_bytes: int = 0,
+    prefill_bytes_per_token: int = 0,
     quant: str | None = None,
     can_shard: bool = True,
 ) -> int | None:
@@ -175,6 +186,8 @@ def check_memory_fits(
             refusal names the largest batch below ``max_batch_size`` that fits with
             :func:`fit_headroom_bytes` to spare (:func:`largest_fitting_batch`).
         prefix_cache_bytes: the prefix cache's budget (0: off), reserved in a suggested batch.
+        prefill_bytes_per_token: :func:`prefill_bytes_per_token` of the model (0: not counted): a suggested
+            batch leaves room for the smallest prefill (:func:`min_prefill_bytes`).
         quant: the weights' quantization method ("none", "fp8", "nvfp4"; None = "none"): a refusal suggests
             a smaller format only where one exists.
         can_shard: whether the load could be spread over GPUs (False for dummy weights): a refusal on CUDA
@@ -201,7 +214,7 @@ def check_memory_fits(
         sizes = ", ".join(
             f"{k}={v}" for k, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)) if v
         )
-        headroom = fit_headroom_bytes(budget_bytes, prefix_cache_bytes)
+        headroom = fit_headroom_bytes(budget_bytes, prefix_cache_bytes, prefill_bytes_per_token)
         fit = None
         if cache_bytes_at is not None and max_batch_size:
             fit = largest_fitting_batch(weight_bytes, budget_bytes, cache_bytes_at, max_batch_size - 1,
