@@ -414,7 +414,7 @@ def check_acceptance(
 def evaluate_verdict(
     results: dict[str, Any],
     *,
-    model_key: str,
+    model_key: str | None,
     entry: str,
     dtype: Any,
     quant: Any = "none",
@@ -433,7 +433,9 @@ def evaluate_verdict(
     Args:
         results: needs `gsm8k` {strict_match, flexible_extract, n}; `acceptance` {rate, length, ...} is
             checked when present, not None, and spec_dec is not "none".
-        model_key: key in gsm8k.yaml and acceptance.yaml (e.g. "super_v3").
+        model_key: key in gsm8k.yaml and acceptance.yaml (e.g. "super_v3"); None: the entry has no
+            `baseline` (registry entry ``baseline: null``), so no row can judge it (a BaselineError saying so
+            with require_reference=True, else "no_reference" checks that say so).
         entry: registry entry name (reported only).
         dtype, quant, kv_cache_quant, spec_dec: the run's GSM8K matching columns (normalised).
         draft_len: K, used to find the acceptance row.
@@ -458,7 +460,14 @@ def evaluate_verdict(
     if dummy:
         return _dummy_verdict(results, spec_dec)
     checks: list[Check] = []
+    no_key = BaselineError(
+        f"entry {entry} has no `baseline` key (baseline: null), so no reference row judges it",
+        "set baseline: <model key of the task's baseline files> in the entry once rows are measured, or run "
+        "with verdict.require_reference=false",
+    ) if not model_key else None
     try:
+        if no_key is not None:
+            raise no_key
         ref = find_gsm8k_reference(
             model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
             path=gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path,
@@ -486,6 +495,8 @@ def evaluate_verdict(
                                 "depend on the text the model writes): not judged")
         else:
             try:
+                if no_key is not None:
+                    raise no_key
                 aref = find_acceptance_reference(model_key, quant, draft_len, state=state,
                                                  path=acceptance_path)
                 note = ""

@@ -190,6 +190,20 @@ def test_evaluate_verdict_unmatched_reference():
     assert [c.status for c in partial.checks] == [PASS, NO_REFERENCE, NO_REFERENCE]
 
 
+def test_evaluate_verdict_entry_without_baseline_says_so():
+    # an entry with `baseline: null` (e.g. qwen3_next_mtp_fp8): the checks name the entry and the missing key
+    kwargs = {"model_key": None, "entry": "qwen3_next_mtp_fp8", "dtype": "bfloat16", "spec_dec": "mtp",
+              "draft_len": 3, "quant": "fp8"}
+    results = _results(0.0, 0.0, 32, rate=0.0, length=1.0)
+    with pytest.raises(BaselineError, match="qwen3_next_mtp_fp8 has no `baseline` key") as err:
+        evaluate_verdict(results, **kwargs)
+    assert "require_reference=false" in err.value.fix
+    verdict = evaluate_verdict(results, require_reference=False, **kwargs)
+    judged = [c for c in verdict.checks if c.name.startswith(("gsm8k", "acceptance"))]
+    assert [c.status for c in judged] == [NO_REFERENCE] * 3
+    assert all("has no `baseline` key" in c.note and "''" not in c.note for c in judged)
+
+
 def test_evaluate_verdict_ignores_acceptance_without_spec_decoding():
     verdict = evaluate_verdict(
         _results(0.83, 0.84, 1319, rate=0.9, length=2.0),

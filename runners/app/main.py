@@ -449,7 +449,7 @@ def _verdict(rr: ResolvedRun, results: dict[str, Any], extra_checks: list[Check]
     e = rr.entry
     verdict = evaluate_verdict(
         results,
-        model_key=e.baseline or "",
+        model_key=e.baseline,
         entry=e.name,
         dtype=rr.dtype,
         quant=e.quant.value,
