@@ -385,7 +385,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if r.get("decode_tokens_per_s")]
-    models = [m for m in (*TINY, *SYNTH) if any(r.get("model") == m for r in rows)]
+    models = [m for m in (*TINY, *SYNTH, *FULL) if any(r.get("model") == m for r in rows)]
     if not models:
         return
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)

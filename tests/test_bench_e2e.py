@@ -106,3 +106,4 @@ def test_full_depth_part_builds_dummy_weights_in_the_release_format(tmp_path):
     assert sorted(r["arm"] for r in rows) == ["plain", "replay"]
     replay = next(r for r in rows if r["arm"] == "replay")
     assert replay["forced_acceptance_length"] == 3.0 and replay["decode_tokens_per_s"] > 0
+    assert (out / "bench_e2e.png").stat().st_size > 1000  # full-depth parts get their panel too
