@@ -324,6 +324,19 @@ def test_nccl_world_size_1_graphs_equal_eager(checkpoints):
                                            atol=LOGITS_TOL, msg=lambda m, a=arm: f"{a}: {m}")
 
 
+def test_followers_run_the_model_without_autograd():
+    """A follower rank runs rank 0's lockstep calls (``_prefill``, ``_launch``) outside ``generate``'s
+    inference mode; each must still run without autograd: with it on, rank 1 of tests/gpu/tp_bench.py
+    --share-gpu (float32, 32 experts) kept every gathered expert matrix of its first prefill for a backward
+    and ran out of the H200's memory (125 GiB against rank 0's 12.75). Every rank: no module output that
+    requires grad, no byte saved for a backward, the same forwards as rank 0."""
+    counts = launch(tp_cases.autograd_by_rank, (TINY["tiny_nemotron_h_mtp"],), world_size=2, all_ranks=True,
+                    num_threads=1, timeout_s=120)
+    assert counts[0]["forwards"] > 0
+    for rank, c in enumerate(counts):
+        assert c == {"grad_outputs": 0, "saved_bytes": 0, "forwards": counts[0]["forwards"]}, (rank, c)
+
+
 def test_share_device_needs_cuda():
     with pytest.raises(ValueError, match="share_device=True puts every rank on cuda:0"):
         launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)

@@ -558,9 +558,13 @@ class Engine:
     # ------------------------------------------------------------------ what the scheduler runs
     # (runners.engine.launch mirrors these calls on every tensor-parallel rank: LOCKSTEP_METHODS)
 
+    @torch.inference_mode()
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Prefill newly admitted ``prompts`` into their ``slots``; returns each first token
-        (:meth:`runners.engine.prefill.Prefill.run`)."""
+        (:meth:`runners.engine.prefill.Prefill.run`). Under inference mode whoever calls it (``generate`` or a
+        tensor-parallel follower, runners.engine.launch.serve): with autograd on, each forward would keep its
+        activations -- at real sizes every gathered expert matrix of a prefill -- for a backward that never
+        comes."""
         return self.prefill.run(prompts, slots, record_prefix=self._slot_counters.record_prefix,
                                 stats=self._stats)
 
@@ -570,8 +574,10 @@ class Engine:
         tensor-parallel ranks run it in lockstep). Needs the prefix cache."""
         return self.prefix_cache.split_admission(prompts)
 
+    @torch.inference_mode()
     def _launch(self, slots: list[int], kv_bound: int, requests: list[int] | None = None) -> LaunchedStep:
-        """Queue one decode step over ``slots`` (:meth:`runners.engine.step.DecodeStep.launch`)."""
+        """Queue one decode step over ``slots`` (:meth:`runners.engine.step.DecodeStep.launch`); under
+        inference mode whoever calls it, as :meth:`_prefill`."""
         return self.step.launch(slots, kv_bound, requests)
 
     def _step_tokens(self, step: LaunchedStep) -> list[list[int]]:
