@@ -331,7 +331,8 @@ def autograd_by_rank(checkpoint: str, max_new_tokens: int = 4) -> list[dict]:
     generates: the forwards of modules whose output requires grad, and the bytes of the tensors autograd
     saved for a backward (``torch.autograd.graph.saved_tensors_hooks``; an inference engine saves none).
     Rank 0 builds the engine and generates :data:`PROMPTS` (MTP drafts and replay on); the other ranks serve
-    it (``runners.engine.launch.serve``) as they do in any launch. Returns every rank's counts, by rank."""
+    it (``runners.engine.launch.serve``) as they do in any launch. Returns every rank's counts, by rank, with
+    its ``ranks_per_device`` and, on CUDA, its process's peak allocation (``peak_bytes``; None on the CPU)."""
     from runners.engine import launch as lockstep
 
     counts = {"grad_outputs": 0, "saved_bytes": 0, "forwards": 0}
@@ -357,6 +358,8 @@ def autograd_by_rank(checkpoint: str, max_new_tokens: int = 4) -> list[dict]:
                 lockstep.serve()
     finally:
         handle.remove()
+    counts["ranks_per_device"] = ctx.tp.ranks_per_device
+    counts["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
     every: list = [None] * ctx.world_size
     dist.all_gather_object(every, counts, group=ctx.control)
     return every
