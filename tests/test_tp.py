@@ -324,6 +324,50 @@ def test_nccl_world_size_1_graphs_equal_eager(checkpoints):
                                            atol=LOGITS_TOL, msg=lambda m, a=arm: f"{a}: {m}")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_followers_run_the_model_without_autograd(device):
+    """A follower rank runs rank 0's lockstep calls (``_prefill``, ``_launch``) outside ``generate``'s
+    inference mode; each must still run without autograd: with it on, rank 1 of tests/gpu/tp_bench.py
+    --share-gpu (float32, 32 experts) kept every gathered expert matrix of its first prefill for a backward
+    and ran out of the H200's memory (125 GiB against rank 0's 12.75). Every rank: no module output that
+    requires grad, no byte saved for a backward, the same forwards as rank 0; the ranks share their device's
+    memory (gloo on the CPU; on CUDA both on cuda:0, share_device) and each budgets half of it; on CUDA no
+    rank's peak allocation passes rank 0's by more than the rounding of the allocator."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    counts = launch(tp_cases.autograd_by_rank, (TINY["tiny_nemotron_h_mtp"],), world_size=2, all_ranks=True,
+                    num_threads=1, timeout_s=120, device=device, share_device=device == "cuda")
+    assert counts[0]["forwards"] > 0
+    for rank, c in enumerate(counts):
+        assert {k: c[k] for k in ("grad_outputs", "saved_bytes", "forwards", "ranks_per_device")} == {
+            "grad_outputs": 0, "saved_bytes": 0, "forwards": counts[0]["forwards"], "ranks_per_device": 2,
+        }, (rank, c)
+        if device == "cuda":
+            assert c["peak_bytes"] <= 1.1 * counts[0]["peak_bytes"] + 2**20, (rank, c, counts[0])
+
+
+def test_ranks_sharing_a_device_split_its_free_memory(monkeypatch):
+    """Ranks that share a device (share_device, or the host on the CPU) all size their loads before any of
+    them allocates: each budgets 1 / ranks_per_device of the free memory -- weights + caches checked
+    against it, prefill chunk and prefix cache sized from it -- and a refusal says so."""
+    from runners.engine.memory import InsufficientMemoryError, check_memory_fits
+    from runners.engine.options import EngineOptions
+
+    free = 64 * 2**30
+    monkeypatch.setattr("runners.engine.memory.free_device_memory", lambda device: (free, "free memory"))
+    options = EngineOptions(dtype="float32", max_batch_size=2, max_seq_len=64)
+    path = TINY["tiny_nemotron_h_mtp"]  # its 2 mamba groups shard at world size 2 without a process group
+    alone = Engine.from_pretrained(path, options, tensor_parallel=TensorParallel(0, 2))
+    shared = Engine.from_pretrained(path, options, tensor_parallel=TensorParallel(0, 2, ranks_per_device=2))
+    assert alone.load_report.budget_bytes == free
+    assert shared.load_report.budget_bytes == free // 2
+    assert check_memory_fits(2 * 2**30, 2**30, "cpu") == free
+    with pytest.raises(InsufficientMemoryError, match="divided among the 4 tensor-parallel ranks that share"):
+        check_memory_fits(15 * 2**30, 2 * 2**30, "cpu", ranks_per_device=4)
+    with pytest.raises(ValueError, match="ranks_per_device=3"):
+        TensorParallel(0, 2, ranks_per_device=3)
+
+
 def test_share_device_needs_cuda():
     with pytest.raises(ValueError, match="share_device=True puts every rank on cuda:0"):
         launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)

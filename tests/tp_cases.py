@@ -324,3 +324,42 @@ def take_held_lock() -> bool:
     if got:
         HELD.release()
     return got
+
+
+def autograd_by_rank(checkpoint: str, max_new_tokens: int = 4) -> list[dict]:
+    """Every rank of a launch (``all_ranks=True``) counts what autograd records while rank 0's engine
+    generates: the forwards of modules whose output requires grad, and the bytes of the tensors autograd
+    saved for a backward (``torch.autograd.graph.saved_tensors_hooks``; an inference engine saves none).
+    Rank 0 builds the engine and generates :data:`PROMPTS` (MTP drafts and replay on); the other ranks serve
+    it (``runners.engine.launch.serve``) as they do in any launch. Returns every rank's counts, by rank, with
+    its ``ranks_per_device`` and, on CUDA, its process's peak allocation (``peak_bytes``; None on the CPU)."""
+    from runners.engine import launch as lockstep
+
+    counts = {"grad_outputs": 0, "saved_bytes": 0, "forwards": 0}
+
+    def record(module, args, output):
+        counts["forwards"] += 1
+        counts["grad_outputs"] += isinstance(output, torch.Tensor) and output.requires_grad
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts["saved_bytes"] += t.numel() * t.element_size()
+        return t
+
+    ctx = lockstep.current()
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if ctx.rank == 0:
+                engine = lockstep.build_engine(checkpoint, EngineOptions(
+                    dtype="float32", draft_len=3, ssm_replay=True, max_batch_size=3, max_seq_len=64))
+                engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
+                lockstep._broadcast(("exit",))  # all_ranks: rank 0 ends the followers' serve loop itself
+            else:
+                lockstep.serve()
+    finally:
+        handle.remove()
+    counts["ranks_per_device"] = ctx.tp.ranks_per_device
+    counts["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, counts, group=ctx.control)
+    return every

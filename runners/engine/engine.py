@@ -330,7 +330,9 @@ class Engine:
         device peak memory. A checkpoint that declares FP8 weights (config.json quantization_config /
         hf_quant_config.json) loads them as FP8 and runs FP8 GEMMs (runners.engine.quant). The weights and
         the caches at max_batch_size / max_seq_len must fit ``options.memory_budget_bytes`` (default: the
-        device's free memory); the prefix cache may then take at most half of what stays free.
+        device's free memory; a tensor-parallel rank that shares its device with others takes its share,
+        ``TensorParallel.ranks_per_device``); the prefill chunk is cut to what stays free and the prefix
+        cache may then take at most half of it.
 
         Raises:
             runners.engine.memory.InsufficientMemoryError: weights + caches do not fit; raised before any
@@ -397,7 +399,9 @@ class Engine:
                                    cache_bytes_at=cache_bytes_at,
                                    prefix_cache_bytes=_prefix_cache_want(options) if prefix_on else 0,
                                    prefill_bytes_per_token=prefill_bytes_per_token(plan.config),
-                                   quant=quant.method if quant is not None else "none", can_shard=shardable)
+                                   quant=quant.method if quant is not None else "none", can_shard=shardable,
+                                   ranks_per_device=(1 if tensor_parallel is None
+                                                     else tensor_parallel.ranks_per_device))
         if budget is not None:
             options = _fit_prefill_chunk(options, plan, budget, cache_bytes, device, tensor_parallel)
         if budget is not None and prefix_on:
@@ -558,9 +562,13 @@ class Engine:
     # ------------------------------------------------------------------ what the scheduler runs
     # (runners.engine.launch mirrors these calls on every tensor-parallel rank: LOCKSTEP_METHODS)
 
+    @torch.inference_mode()
     def _prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Prefill newly admitted ``prompts`` into their ``slots``; returns each first token
-        (:meth:`runners.engine.prefill.Prefill.run`)."""
+        (:meth:`runners.engine.prefill.Prefill.run`). Under inference mode whoever calls it (``generate`` or a
+        tensor-parallel follower, runners.engine.launch.serve): with autograd on, each forward would keep its
+        activations -- at real sizes every gathered expert matrix of a prefill -- for a backward that never
+        comes."""
         return self.prefill.run(prompts, slots, record_prefix=self._slot_counters.record_prefix,
                                 stats=self._stats)
 
@@ -570,8 +578,10 @@ class Engine:
         tensor-parallel ranks run it in lockstep). Needs the prefix cache."""
         return self.prefix_cache.split_admission(prompts)
 
+    @torch.inference_mode()
     def _launch(self, slots: list[int], kv_bound: int, requests: list[int] | None = None) -> LaunchedStep:
-        """Queue one decode step over ``slots`` (:meth:`runners.engine.step.DecodeStep.launch`)."""
+        """Queue one decode step over ``slots`` (:meth:`runners.engine.step.DecodeStep.launch`); under
+        inference mode whoever calls it, as :meth:`_prefill`."""
         return self.step.launch(slots, kv_bound, requests)
 
     def _step_tokens(self, step: LaunchedStep) -> list[list[int]]:

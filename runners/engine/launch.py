@@ -19,8 +19,10 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   / speculative step),
   ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``, ``capture_graphs``)
   first broadcasts its name and host-side arguments over the control group, and every other rank runs the
-  same method with the same arguments. A step handle (``runners.engine.step.LaunchedStep``: pinned host
-  buffers) is not sent: each follower keeps the steps it launched in launch order, and ``_step_tokens``
+  same method with the same arguments (outside ``generate``'s inference mode: each method that runs the model
+  enters inference mode itself, ``Engine._prefill`` / ``_launch``). A step handle
+  (``runners.engine.step.LaunchedStep``: pinned host buffers) is not sent: each follower keeps the steps it
+  launched in launch order, and ``_step_tokens``
   reads its oldest (the engine reads steps in launch order). So all ranks run the same
   forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
   drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
@@ -78,7 +80,10 @@ it): running steps ahead of the host has not been checked with the lockstep mess
 all-reduces CUDA tensors through host memory (NCCL refuses two ranks on one GPU). It exists to check
 correctness -- tokens, acceptance and logits of world size N at real dimensions -- on a machine with one GPU;
 its throughput says nothing about NCCL tensor parallelism (the ranks share one GPU's compute and every
-all-reduce is a device-host round trip).
+all-reduce is a device-host round trip). Each rank budgets its load with 1 / world_size of the GPU's free
+memory (``TensorParallel.ranks_per_device``; the same on the CPU, whose ranks share the host's memory): the
+ranks check before any of them allocates, so each would otherwise count the others' share as its own when
+sizing its prefill chunks and prefix cache (``Engine.from_pretrained``).
 """
 
 from __future__ import annotations
@@ -463,7 +468,9 @@ def _init_rank(rank: int, world_size: int, device: str, init_file: str, timeout_
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     backend = "nccl" if nccl else "gloo"
-    _CONTEXT = RankContext(rank, world_size, dev, backend, TensorParallel(rank, world_size), control)
+    # ranks on one device (share_device, or the host's memory on the CPU) split its free memory evenly
+    tp = TensorParallel(rank, world_size, ranks_per_device=1 if nccl else world_size)
+    _CONTEXT = RankContext(rank, world_size, dev, backend, tp, control)
     return _CONTEXT
 
 

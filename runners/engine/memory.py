@@ -6,6 +6,9 @@
   with the device's free memory (``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of /proc/meminfo on
   the CPU) and raises :class:`InsufficientMemoryError` naming both numbers and the fixes that can help; a
   suggested smaller batch leaves :func:`fit_headroom_bytes` free (activations, the prefix cache).
+  Tensor-parallel ranks that share one device (``runners.engine.launch.launch(share_device=True)``, or the
+  host's memory on the CPU) each take an equal share of its free memory, so that their weights, caches,
+  prefill chunks and prefix caches together fit it.
 - :class:`LoadReport` is what ``Engine.from_pretrained`` measured: wall time, bytes by kind, the host's peak
   resident set (``VmHWM`` of /proc/self/status, reset at the start of the load through /proc/self/clear_refs
   where the kernel allows) and the device's peak allocation (``torch.cuda.max_memory_allocated``).
@@ -173,6 +176,7 @@ def check_memory_fits(
     prefill_bytes_per_token: int = 0,
     quant: str | None = None,
     can_shard: bool = True,
+    ranks_per_device: int = 1,
 ) -> int | None:
     """Raise when the weights and caches of a load cannot fit; call it before allocating anything.
 
@@ -192,6 +196,10 @@ def check_memory_fits(
             a smaller format only where one exists.
         can_shard: whether the load could be spread over GPUs (False for dummy weights): a refusal on CUDA
             suggests world_size only then.
+        ranks_per_device: how many tensor-parallel ranks load onto this device at once (each its own shard:
+            ``runners.engine.tp.TensorParallel.ranks_per_device``); with ``budget_bytes`` None each gets an
+            equal share of the device's free memory (they all ask before any of them allocates, so each would
+            otherwise count the others' share as its own).
 
     Returns:
         The budget compared against, or None when it could not be determined (the check is skipped and a
@@ -209,6 +217,9 @@ def check_memory_fits(
         if budget_bytes is None:
             log.info("memory fit check skipped: %s", where)
             return None
+        if ranks_per_device > 1:
+            budget_bytes //= ranks_per_device
+            where = f"{where}, divided among the {ranks_per_device} tensor-parallel ranks that share it"
     need = weight_bytes + cache_bytes
     if need > budget_bytes:
         sizes = ", ".join(

@@ -88,16 +88,24 @@ _EXPERT = re.compile(r"\.experts\.\d+\.(up|gate|down)_proj\.weight$")
 class TensorParallel:
     """This process's place in a tensor-parallel group: ``rank`` in [0, ``world_size``) of ``group`` (a
     ``torch.distributed`` process group; None: the default group). The process group must be initialised
-    before a sharded model runs a forward (and before :func:`shard_plan` when a mamba group spans ranks)."""
+    before a sharded model runs a forward (and before :func:`shard_plan` when a mamba group spans ranks).
+    ``ranks_per_device``: how many of the group's ranks allocate on this rank's device (1: a GPU per rank;
+    ``world_size`` when every rank shares one GPU, ``runners.engine.launch.launch(share_device=True)``, or
+    the host's memory on the CPU): each rank's memory budget is that share of the device's free memory
+    (``runners.engine.memory.check_memory_fits``)."""
 
     rank: int
     world_size: int
     group: Any = None
+    ranks_per_device: int = 1
     _subgroups: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
+        if not 1 <= self.ranks_per_device <= self.world_size:
+            raise ValueError(f"ranks_per_device={self.ranks_per_device} must lie in [1, world_size="
+                             f"{self.world_size}]")
 
     def all_ranks_zero(self, flags: torch.Tensor) -> torch.Tensor:
         """``flags`` (int32 [n], 1 where this rank's part of a weight is all zeros) combined over the ranks:

@@ -36,7 +36,8 @@ families that would start after it are skipped (reported as such).
 for a
 machine with one GPU: it checks world size 2's tokens, acceptance and logits against world size 1 at the
 releases' dimensions, but its tokens/s measure nothing about NCCL tensor parallelism (two ranks on one GPU,
-each all-reduce through host memory); the JSON says so ("backend").
+each all-reduce through host memory); the JSON says so ("backend"). Each rank budgets 1 / world size of the
+GPU's free memory (``runners.engine.tp.TensorParallel.ranks_per_device``).
 
 Defaults (bf16, NCCL) fit the two-GPU machine (128 GB disk) and a few minutes: Super V3 at 22 of its 88 layers
 with 128 of its 512 experts (21.3 GB), Qwen3-Next at 12 of 48 layers with 128 experts (12.6 GB). Not run on
