@@ -134,3 +134,36 @@ def test_no_tokens_and_bad_arguments(fmt):
             fn(h, weights, indices.int(), up, gate, down, act)
         with pytest.raises(ValueError, match="down must be"):
             fn(h, weights, indices, up, gate, up, act)
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_moe_gemv holds (forced here: on the CPU it
+    never does) and the grouped path otherwise, with the same result."""
+    from runners.engine import quant
+    from runners.engine.models import layers
+    from runners.engine.models.config import HybridConfig
+
+    L, I = SIZES[fmt]
+    gated = fmt == "block_fp8"
+    c = HybridConfig(family="qwen3_next", vocab_size=32, hidden_size=L, layer_types=("moe",),
+                     n_routed_experts=7, num_experts_per_tok=2, moe_intermediate_size=I,
+                     moe_shared_expert_intermediate_size=16, mlp_hidden_act="silu" if gated else "relu2",
+                     mlp_gated=gated)
+    moe = layers.MoE(c)
+    quant._to_quantized_moe(moe, fmt)
+    up, gate, down = _experts(fmt, 7, gated, seed=4)
+    names = ("", "_weight_scale", "_weight_scale_2") if fmt == "nvfp4" else ("", "_weight_scale_inv")
+    for kind, mats in (("up", up), ("gate", gate), ("down", down)):
+        for suffix, t in zip(names, mats or ()):
+            getattr(moe, f"experts_{kind}{suffix}").data = t.clone()
+    h, weights, indices = _case(fmt, torch.float32, gated, seed=4)[:3]
+    calls = []
+    attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
+    kernel = getattr(quant, attr)
+    monkeypatch.setattr(quant, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
+    grouped = moe._experts(h, weights, indices)
+    assert calls == []
+    monkeypatch.setattr(quant, "use_moe_gemv", lambda *a: True)
+    _close(moe._experts(h, weights, indices), grouped, torch.float32)
+    assert calls == [c.mlp_hidden_act]
