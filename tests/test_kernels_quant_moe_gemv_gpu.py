@@ -35,12 +35,6 @@ KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref, nvfp4_grouped_m
            "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref, block_fp8_grouped_mm)}
 
 
-@pytest.fixture(autouse=True)
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-
 def _close(got, want):
     assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
     scale = want.float().abs().max().clamp(min=1e-6)
