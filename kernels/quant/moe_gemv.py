@@ -332,8 +332,8 @@ def _pair_block_fp8_kernel(
     n64 = offs_n[:, None].to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + n64 * stride_wn
     w2_rows = w2_ptr + e64 * stride_we + n64 * stride_wn
-    ws_rows = ws_ptr + e64 * stride_se + (offs_n // BLOCK).to(tl.int64) * stride_sn
-    ws2_rows = ws2_ptr + e64 * stride_se + (offs_n // BLOCK).to(tl.int64) * stride_sn
+    ws_rows = ws_ptr + e64 * stride_se + (offs_n // BLOCK_K).to(tl.int64) * stride_sn
+    ws2_rows = ws2_ptr + e64 * stride_se + (offs_n // BLOCK_K).to(tl.int64) * stride_sn
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
