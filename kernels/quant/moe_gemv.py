@@ -25,7 +25,8 @@ sort, no pass over all E experts, no host synchronisation, every grid from N, k 
 CUDA-graph capturable): gate / up with the activation fused, down, combine: three (plus a torch sum and the
 activation where K is split, as kernels/moe_gemv.py). The NVFP4 codes are read as int32 words and decoded by
 kernels/quant/nvfp4.py's ``_e2m1_word`` (two elements per 32-bit operation, the 2^14 folded into the final
-scale); block FP8 quantizes each 128-column group of its input row in the program that needs it
+scale; the K step sized as kernels/quant/nvfp4.py's GEMV: 4 KB of codes per program and step); block FP8
+quantizes each 128-column group of its input row in the program that needs it
 (kernels/quant/block_fp8.py's ``_group_scale_quant``: 128 values, recomputed per output tile, instead of a
 separate launch). Tile sizes and the K split: kernels/moe_gemv.py's ``pair_gemv_config``.
 
@@ -45,6 +46,7 @@ from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, interpr
 from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, _combine_kernel, _round, pair_gemv_config
 from kernels.quant._common import FP8_DTYPE, use_kernel
 from kernels.quant.block_fp8 import BLOCK, _group_scale_quant, quantize_activation_per_token_group_ref
+from kernels.quant.nvfp4 import GEMV_BLOCK_K as NVFP4_GEMV_BLOCK_K
 from kernels.quant.nvfp4 import NVFP4_BLOCK, _e2m1_word, nvfp4_dequantize
 
 NVFP4Experts = tuple  # (weight, weight_scale, weight_scale_2)
@@ -384,7 +386,11 @@ def _launch_nvfp4(x, idx, w, w2, out_dtype, topk, act_code):
     P = idx.numel()
     weight, scale, s2 = w
     NOUT, K = weight.shape[1], 2 * weight.shape[2]
-    bn, bk, split, steps = pair_gemv_config(P, NOUT, K, 1 if w2 is None else 2)
+    matrices = 1 if w2 is None else 2
+    bn, bk, split, steps = pair_gemv_config(P, NOUT, K, matrices)
+    if split == 1:  # kernels/quant/nvfp4.py's GEMV budget: 4 KB of codes per program and step (over matrices)
+        bk = max(NVFP4_GEMV_BLOCK_K, min(NVFP4_GEMV_BLOCK_K * 64 // (bn * matrices), triton.next_power_of_2(K)))
+        steps = triton.cdiv(K, bk)
     out, out2 = _outputs(P, NOUT, split, w2 is not None, out_dtype, x.device)
     words = weight.view(torch.int32)
     o2 = w2 if w2 is not None else w
