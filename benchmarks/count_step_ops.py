@@ -182,13 +182,12 @@ def _patched(counter: StepOpCounter):
         mod = importlib.import_module(mod_name)
         saved.append((mod, attr, getattr(mod, attr)))
         setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
-    if hasattr(quant_mod, "use_moe_gemv"):  # the per-pair quantized experts: CUDA's decision, one op
-        saved.append((quant_mod, "use_moe_gemv", quant_mod.use_moe_gemv))
-        quant_mod.use_moe_gemv = lambda h, indices, *w: indices.numel() <= moe_mod.MOE_GEMV_MAX_PAIRS
-        for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
-            if hasattr(quant_mod, attr):
-                saved.append((quant_mod, attr, getattr(quant_mod, attr)))
-                setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
+    # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
+    saved.append((quant_mod, "use_moe_gemv", quant_mod.use_moe_gemv))
+    quant_mod.use_moe_gemv = lambda h, indices, *w: indices.numel() <= moe_mod.MOE_GEMV_MAX_PAIRS
+    for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
+        saved.append((quant_mod, attr, getattr(quant_mod, attr)))
+        setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
     try:
         yield
     finally:
