@@ -1,7 +1,9 @@
 """Routed experts of one MoE layer at decode batch sizes on the GPU: the per-pair GEMV kernels
-(kernels/moe_gemv.py) vs the grouped-GEMM path vs the weight-read floor, bf16, released expert shapes.
+(kernels/moe_gemv.py; kernels/quant/moe_gemv.py for quantized experts) vs the grouped-GEMM path vs the
+weight-read floor, released expert shapes, bf16 and the quantized release formats.
 
     python -m benchmarks.bench_moe_gemv --out OUT.json [--batches 1 8] [--models super_v3 qwen3_next]
+        [--formats bf16 nvfp4 block_fp8]
 
 Models (benchmarks/bench_quant_gemm.py's SUPER / QWEN shapes): ``super_v3`` Nemotron 3 Super (latent
 L = 1024 -> I = 2688, relu2, top-22 of 512 experts), ``qwen3_next`` Qwen3-Next (hidden L = 2048 -> I = 512,
@@ -9,7 +11,13 @@ gated SiLU, top-10 of 512). Per model and batch (tokens routed to random distinc
 weights), one row each:
 - ``moe_gemv``: kernels.moe_gemv.moe_gemv (gate / up with the activation, down, combine: three launches);
 - ``grouped_mm``: runners/engine/models/moe.py's moe_experts_fused with the GEMV path off (no activation
-  name, MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine.
+  name, MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine;
+- for each quantized ``--formats`` entry (experts quantized from the same bf16 weights; ``nvfp4`` run W4A16,
+  ``block_fp8`` with activations quantized per token and 128-column group): ``moe_gemv_<fmt>``
+  (kernels.quant.moe_gemv's per-pair GEMVs: three launches, what NVFP4MoE / BlockFP8MoE take at decode
+  sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/moe.py's moe_experts_grouped over the
+  format's grouped GEMM: the quantized MoE's path before). Their floor counts the stored bytes of the format
+  (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -35,6 +43,7 @@ MODELS = {  # model: (L, I, E, top_k, activation, gated)
     "qwen3_next": (QWEN["D"], QWEN["I"], QWEN["E"], QWEN["top_k"], "silu", True),
 }
 BYTES_PER_WEIGHT = 2  # bf16
+FORMATS = ("bf16", "nvfp4", "block_fp8")
 
 
 def expert_bytes(L: int, I: int, gated: bool) -> int:
@@ -45,6 +54,57 @@ def expert_bytes(L: int, I: int, gated: bool) -> int:
 def floor_us(active: int, L: int, I: int, gated: bool, copy_gbps: float) -> float:
     """Microseconds to read ``active`` experts' weights once at ``copy_gbps`` (1e9 bytes / s)."""
     return active * expert_bytes(L, I, gated) / (copy_gbps * 1e9) * 1e6
+
+
+def expert_bytes_in(fmt: str, L: int, I: int, gated: bool) -> int:
+    """Stored bytes of one expert in ``fmt`` ("bf16", "nvfp4", "block_fp8"): codes and scales of each
+    projection (runners.engine.dummy.stored_nbytes)."""
+    from runners.engine.dummy import stored_nbytes
+
+    return (2 if gated else 1) * stored_nbytes(fmt, (I, L)) + stored_nbytes(fmt, (L, I))
+
+
+def _quantized(fmt: str, w):
+    """(the format's expert tuple for kernels.quant.moe_gemv, the engine's grouped GEMM of it)."""
+    if fmt == "nvfp4":
+        from kernels.quant.nvfp4 import nvfp4_quantize
+        from runners.engine.models.nvfp4 import nvfp4_grouped_mm
+
+        mats = nvfp4_quantize(w)
+        return mats, lambda x, offsets: nvfp4_grouped_mm(x, *mats, offsets)
+    from kernels.quant.block_fp8 import block_fp8_quantize
+    from runners.engine.models.block_fp8 import block_fp8_grouped_mm
+
+    q, s = block_fp8_quantize(w)
+    mats = (q, s.float())
+    return mats, lambda x, offsets: block_fp8_grouped_mm(x, *mats, offsets)
+
+
+def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta: dict, active: int,
+                   copy_gbps: float) -> list[dict]:
+    """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring)."""
+    from kernels.quant.moe_gemv import moe_gemv_block_fp8, moe_gemv_nvfp4
+    from runners.engine.models.layers import ACTIVATIONS
+    from runners.engine.models.moe import moe_experts_grouped
+
+    L, I = up.shape[2], up.shape[1]
+    q = {k: _quantized(fmt, w) for k, w in (("up", up), ("gate", gate), ("down", down)) if w is not None}
+    kinds = tuple(q)
+    mm = lambda x, kind, offsets: q[kind][1](x, offsets)
+    kernel = moe_gemv_nvfp4 if fmt == "nvfp4" else moe_gemv_block_fp8
+    weight_bytes = active * expert_bytes_in(fmt, L, I, gate is not None)
+    fl = weight_bytes / (copy_gbps * 1e9) * 1e6
+    io = 2 * h.shape[0] * L * BYTES_PER_WEIGHT
+    rows = []
+    gemv = partial(kernel, h, weights, indices, q["up"][0], q["gate"][0] if "gate" in q else None,
+                   q["down"][0], act)
+    grouped = partial(moe_experts_grouped, h, weights, indices, kinds, mm, ACTIVATIONS[act], up.shape[0])
+    for name, fn in ((f"moe_gemv_{fmt}", gemv), (f"grouped_mm_{fmt}", grouped)):
+        out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
+                  **{**meta, "floor_us": round(fl, 2), "format": fmt})
+        out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
+        rows.append(out)
+    return rows
 
 
 def _grouped_path(*args):
@@ -60,7 +120,8 @@ def _grouped_path(*args):
         moe.MOE_GEMV_MAX_PAIRS = keep
 
 
-def part_model(model: str, batches: list[int], copy_gbps: float) -> list[dict]:
+def part_model(model: str, batches: list[int], copy_gbps: float, formats: tuple[str, ...] = ("bf16",)
+               ) -> list[dict]:
     import math
 
     import torch
@@ -82,24 +143,30 @@ def part_model(model: str, batches: list[int], copy_gbps: float) -> list[dict]:
         io = 2 * B * L * BYTES_PER_WEIGHT
         meta = {"model": model, "batch": B, "pairs": B * k, "active_experts": active, "floor_us": round(fl, 2)}
         weight_bytes = active * expert_bytes(L, I, gated)
-        for name, fn in (("moe_gemv", partial(moe_gemv, h, weights, indices, up, gate, down, act)),
-                         ("grouped_mm", partial(_grouped_path, h, weights, indices, up, gate, down,
-                                                ACTIVATIONS[act]))):
+        paths = (("moe_gemv", partial(moe_gemv, h, weights, indices, up, gate, down, act)),
+                 ("grouped_mm", partial(_grouped_path, h, weights, indices, up, gate, down, ACTIVATIONS[act])))
+        for name, fn in paths if "bf16" in formats else ():
             out = row(name, _bench(fn), weight_bytes + io, copy_gbps, **meta)
             out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
             rows.append(out)
+        for fmt in (f for f in formats if f != "bf16"):
+            rows += quantized_rows(fmt, h, weights, indices, up, gate, down, act, meta, active, copy_gbps)
     return rows
 
 
 def summary(rows: list[dict]) -> dict:
-    """{"<model>_b<batch>": {"<name>_us", "<name>_x_floor" per path, "floor_us", "gemv_speedup"}}."""
+    """{"<model>_b<batch>": {"<name>_us", "<name>_x_floor" per path, "floor_us" (bf16's),
+    "floor_us_<fmt>", "gemv_speedup" (bf16), "gemv_speedup_<fmt>" (quantized formats)}}."""
     out: dict = {}
     for r in rows:
-        s = out.setdefault(f"{r['model']}_b{r['batch']}", {"floor_us": r["floor_us"]})
+        s = out.setdefault(f"{r['model']}_b{r['batch']}", {})
+        fmt = r.get("format", "bf16")
+        suffix = "" if fmt == "bf16" else f"_{fmt}"
+        s[f"floor_us{suffix}"] = r["floor_us"]
         s[f"{r['name']}_us"], s[f"{r['name']}_x_floor"] = r["us"], r["x_floor"]
-    for s in out.values():
-        if s.get("moe_gemv_us") and s.get("grouped_mm_us"):
-            s["gemv_speedup"] = round(s["grouped_mm_us"] / s["moe_gemv_us"], 2)
+        gemv, grouped = s.get(f"moe_gemv{suffix}_us"), s.get(f"grouped_mm{suffix}_us")
+        if gemv and grouped:
+            s[f"gemv_speedup{suffix}"] = round(grouped / gemv, 2)
     return out
 
 
@@ -108,6 +175,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode tokens per step")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
+                   help="expert weight formats timed (bf16: moe_gemv vs grouped_mm; quantized: kernels.quant."
+                        "moe_gemv vs the format's grouped GEMM)")
     args = p.parse_args(argv)
     if min(args.batches) < 1:
         p.error("--batches must be >= 1")
@@ -122,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     copy = part_copy()  # every row's floor and fraction refer to it
     report["copy"] = copy
-    rows = [r for model in args.models for r in part_model(model, args.batches, copy["gb_per_s"])]
+    rows = [r for model in args.models
+            for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats))]
     report["rows"] = rows
     report["summary"] = summary(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

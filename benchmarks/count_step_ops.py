@@ -1,7 +1,7 @@
 """ATen operators per decode-step phase and per block kind, counted on the CPU: where a step repeats work.
 
-    python -m benchmarks.count_step_ops --family nemotron_h [--layers 22] [--draft-len 3] [--replay]
-        [--batch 1] [--steps 4] [--top 25] [--json OUT.json]
+    python -m benchmarks.count_step_ops --family nemotron_h [--format nvfp4] [--layers 22] [--draft-len 3]
+        [--replay] [--batch 1] [--steps 4] [--top 25] [--json OUT.json]
 
 An op count, not a speed claim: it counts the ATen operators (``TorchDispatchMode``) that the eager padded
 decode step (``runners.engine.graphs.StepGraphs`` mode "eager_padded", the phases a CUDA graph captures)
@@ -20,12 +20,25 @@ Conventions, so the counts track device launches rather than CPU implementation 
   ``kernels.router.topk_route_ref``) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
   launches on CUDA at decode sizes) count as one op named ``kernel:<name>``; the operators inside are not
   counted;
+- in a quantized ``--format``, each call of a quantized GEMM (the functions of
+  runners.engine.models.nvfp4 / block_fp8 and fp8's ``fp8_linear``: one Triton or cuBLAS kernel on CUDA, the
+  dequantizing reference on the CPU) counts as ``kernel:<name>``, plus ``kernel:<name>.prep`` for the one
+  helper launch the decode-size kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's
+  activation quantization; a split-K sum launch, which depends on the real widths, is not counted); the
+  quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
+  Where the quantized experts take a per-pair decode path on CUDA (``runners.engine.quant``'s
+  ``use_moe_gemv`` gate), the count takes it too (the gate's pair bound, not its device test) and the path
+  counts as the one op ``kernel:moe_experts``, as the bf16 experts. FP8 (per-tensor) MoE experts count the
+  CPU reference's ops (not the device's);
 - ``host_syncs``: ``aten._local_scalar_dense`` / ``aten.item`` / ``aten.nonzero`` calls outside those
   references (a step must have none: CUDA graphs capture it).
 
 The model is ``runners.tools.synth.synthetic_model`` at the release's layer pattern cut to ``--layers``
 (quarter depth by default: 22 for Nemotron 3 Super, 12 for Qwen3-Next, as bench_e2e) with small widths
-(:data:`SHRINK`) in bfloat16 (``--dtype``; float32 would hide the casts a bf16 step runs): the op count depends on the layer pattern, not on the widths. Drafted steps use
+(:data:`SHRINK`; :data:`FORMAT_SHRINK` for a quantized ``--format``: every quantized width a multiple of
+NVFP4's 16-column scale groups and of block FP8's 128 x 128 blocks), the format's modules swapped in by the
+engine's own rule (``registry.releases.release_rule`` of the family, as ``model.load_format=dummy`` builds a
+release; no FP8 KV cache, whose scales only change the cache dtype) in bfloat16 (``--dtype``; float32 would hide the casts a bf16 step runs): the op count depends on the layer pattern, not on the widths. Drafted steps use
 ``Engine.force_acceptance(--accept-length)`` (random weights accept nothing on their own). The first decode
 step is not counted (warm-up); the counts are the mean over ``--steps`` steps.
 """
@@ -43,6 +56,16 @@ QUARTER_LAYERS = {"nemotron_h": 22, "qwen3_next": 12}
 # widths small enough for a CPU run in seconds (the op count does not depend on them)
 SHRINK = {"hidden_size": 128, "vocab_size": 4096, "mamba_num_heads": 8, "moe_latent_size": 64,
           "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64}
+# quantized formats: widths that fill whole 128 x 128 block-FP8 blocks (NVFP4 needs multiples of 16)
+FORMAT_SHRINK = {**SHRINK, "moe_latent_size": 128, "moe_intermediate_size": 128,
+                 "moe_shared_expert_intermediate_size": 128}
+FORMATS = ("bf16", "nvfp4", "block_fp8", "fp8")
+# quantized GEMM wrappers counted as kernels: (module, attribute, whether a helper launch precedes it on CUDA)
+QUANT_KERNELS = (("runners.engine.models.nvfp4", "nvfp4_linear", True),
+                 ("runners.engine.models.nvfp4", "nvfp4_grouped_mm", True),
+                 ("runners.engine.models.block_fp8", "block_fp8_linear", True),
+                 ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", True),
+                 ("runners.engine.quant", "fp8_linear", False))
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
 ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 STEP = "step"  # the kind of ops outside every block
@@ -113,9 +136,12 @@ class StepOpCounter:
         del torch
         return Mode()
 
-    def opaque_kernel(self, name: str, fn):
-        """``fn`` counted as the one op ``kernel:<name>`` (its own operators not counted)."""
+    def opaque_kernel(self, name: str, fn, *, prep: bool = False):
+        """``fn`` counted as the one op ``kernel:<name>`` (its own operators not counted); with ``prep`` also
+        ``kernel:<name>.prep`` (a helper launch before the kernel)."""
         def run(*args, **kwargs):
+            if prep:
+                self.record(f"kernel:{name}.prep")
             self.record(f"kernel:{name}")
             self.opaque += 1
             try:
@@ -127,11 +153,16 @@ class StepOpCounter:
 
 @contextmanager
 def _patched(counter: StepOpCounter):
-    """Make the kernels' references (and the routed experts) opaque single ops while counting."""
+    """Make the kernels' references (and the routed experts, the quantized GEMMs) opaque single ops while
+    counting."""
+    import importlib
+
     import runners.engine.cache as cache_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.models.moe as moe_mod
+    import runners.engine.quant as quant_mod
 
     original = cache_mod.kernel_or_reference
 
@@ -147,6 +178,16 @@ def _patched(counter: StepOpCounter):
     layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
     experts = layers_mod.MoE._experts
     layers_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
+    for mod_name, attr, prep in QUANT_KERNELS:
+        mod = importlib.import_module(mod_name)
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
+    # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
+    saved.append((quant_mod, "use_moe_gemv", quant_mod.use_moe_gemv))
+    quant_mod.use_moe_gemv = lambda h, indices, *w: indices.numel() <= moe_mod.MOE_GEMV_MAX_PAIRS
+    for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
+        saved.append((quant_mod, attr, getattr(quant_mod, attr)))
+        setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
     try:
         yield
     finally:
@@ -154,31 +195,54 @@ def _patched(counter: StepOpCounter):
             setattr(m, name, value)
 
 
+def _synthetic_model(family: str, fmt: str, layers: int, experts: int, overrides: dict, dtype):
+    """``runners.tools.synth.synthetic_model`` in checkpoint format ``fmt`` (bf16: as it is; else the
+    release rule of ``fmt`` swapped in and the weights quantized as ``model.load_format=dummy`` does)."""
+    import dataclasses
+
+    from registry.hf_config import HybridConfig
+    from registry.releases import release_rule
+    from runners.engine.dummy import materialize_dummy, plan_dummy
+    from runners.tools.synth import synth_config, synthetic_model
+
+    if fmt == "bf16":
+        return synthetic_model(family, num_layers=layers, num_experts=experts, overrides=overrides,
+                               dtype=dtype, device="cpu")[0]
+    config = synth_config(family, num_layers=layers, num_experts=experts, overrides=overrides)
+    hc = HybridConfig.from_dict(config, source=f"synthetic {family} {fmt}")
+    hc = dataclasses.replace(hc, quantization=release_rule(family, fmt, kv_cache=False))
+    plan = plan_dummy(hc, dtype=dtype, with_mtp=hc.num_nextn_predict_layers > 0)
+    return materialize_dummy(plan, "cpu")
+
+
 def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0, replay: bool = False,
                    batch: int = 1, steps: int = 4, accept_length: float = 2.6, experts: int = 8,
-                   shrink: dict | None = None, prompt_len: int = 12, dtype: str = "bfloat16") -> dict:
-    """Op counts of ``steps`` decode steps of a synthetic ``family`` model (module docstring).
+                   shrink: dict | None = None, prompt_len: int = 12, dtype: str = "bfloat16",
+                   fmt: str = "bf16") -> dict:
+    """Op counts of ``steps`` decode steps of a synthetic ``family`` model in checkpoint format ``fmt``
+    (:data:`FORMATS`; module docstring).
 
     Returns ``{"config": ..., "steps": n, "phases": {phase: {"ops", "views", "host_syncs", "kinds": {kind:
     {"ops", "blocks", "ops_per_block", "top": [[op, count per step], ...]}}}}, "total_ops": per step}``; every
     count is per step (mean over the counted steps).
 
     Raises:
-        ValueError: ``replay`` without drafts, or no decode step was counted.
+        ValueError: ``replay`` without drafts, an unknown ``fmt`` or one the family has no release rule for
+            (registry.releases.FormatError), or no decode step was counted.
     """
     import torch
 
     from runners.engine import Engine
     from runners.engine.options import EngineOptions
-    from runners.tools.synth import synthetic_model
 
     if replay and draft_len < 1:
         raise ValueError("ssm replay needs drafts (draft_len >= 1)")
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     layers = QUARTER_LAYERS[family] if layers is None else layers
-    overrides = dict(SHRINK if shrink is None else shrink)
+    overrides = dict((SHRINK if fmt == "bf16" else FORMAT_SHRINK) if shrink is None else shrink)
     torch.manual_seed(0)
-    model, _ = synthetic_model(family, num_layers=layers, num_experts=experts, overrides=overrides,
-                               dtype=getattr(torch, dtype), device="cpu")
+    model = _synthetic_model(family, fmt, layers, experts, overrides, getattr(torch, dtype))
     new_tokens = (steps + 2) * (draft_len + 1)
     max_seq = prompt_len + new_tokens + 2 * (draft_len + 1) + 8
     engine = Engine(model, EngineOptions(dtype=dtype, draft_len=draft_len, ssm_replay=replay,
@@ -245,7 +309,7 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
                            "ops_per_block": n_ops / nb if nb else None,
                            "top": [[k, v / per] for k, v in Counter(ops).most_common()]}
         phases[name] = {"ops": ops_all, "views": views_all, "host_syncs": syncs, "kinds": kinds}
-    return {"config": {"family": family, "layers": layers, "experts": experts, "draft_len": draft_len,
+    return {"config": {"family": family, "format": fmt, "layers": layers, "experts": experts, "draft_len": draft_len,
                        "ssm_replay": replay, "batch": batch, "dtype": dtype, "block_kinds": dict(n_blocks)},
             "steps": n, "phases": phases, "total_ops": sum(p["ops"] for p in phases.values())}
 
@@ -253,7 +317,7 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
 def format_report(report: dict, top: int = 25) -> str:
     """A plain-text table of :func:`count_step_ops`' result: per phase and kind, then the top ops."""
     c = report["config"]
-    lines = [f"{c['family']}, {c['layers']} layers {c['block_kinds']}, batch {c['batch']}, draft_len "
+    lines = [f"{c['family']} {c.get('format', 'bf16')}, {c['layers']} layers {c['block_kinds']}, batch {c['batch']}, draft_len "
              f"{c['draft_len']}, ssm_replay {c['ssm_replay']}: {report['total_ops']:.1f} ops per step "
              f"(mean of {report['steps']} steps)"]
     for name, p in report["phases"].items():
@@ -270,6 +334,8 @@ def format_report(report: dict, top: int = 25) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=sorted(QUARTER_LAYERS), required=True)
+    p.add_argument("--format", choices=FORMATS, default="bf16",
+                   help="checkpoint format of the synthetic model (its quantized module classes)")
     p.add_argument("--layers", type=int, default=None, help="default: quarter depth (22 / 12)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--draft-len", type=int, default=0)
@@ -286,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = count_step_ops(args.family, layers=args.layers, draft_len=args.draft_len, replay=args.replay,
                                 batch=args.batch, steps=args.steps, accept_length=args.accept_length,
-                                experts=args.experts, dtype=args.dtype)
+                                experts=args.experts, dtype=args.dtype, fmt=args.format)
     except ValueError as e:  # the engine's and the synthetic model's checks of these arguments
         p.error(str(e))
     print(format_report(report, args.top))

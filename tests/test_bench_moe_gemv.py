@@ -46,3 +46,20 @@ def test_refuses_bad_arguments(argv, says, capsys):
 def test_needs_cuda(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path / "o.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
+
+
+def test_quantized_floor_counts_the_stored_bytes_and_summary_pairs_each_format():
+    from runners.engine.dummy import stored_nbytes
+
+    L, I = 1024, 2688  # Super V3: up [I, L], down [L, I]; NVFP4 half a byte a value plus a scale per 16
+    assert bench.expert_bytes_in("nvfp4", L, I, False) == stored_nbytes("nvfp4", (I, L)) + stored_nbytes(
+        "nvfp4", (L, I))
+    assert bench.expert_bytes_in("nvfp4", L, I, False) < bench.expert_bytes(L, I, False) / 3
+    assert bench.expert_bytes_in("bf16", L, I, True) == bench.expert_bytes(L, I, True)
+    rows = [{"name": "moe_gemv_nvfp4", "format": "nvfp4", "model": "m", "batch": 1, "us": 4.0, "x_floor": 2.0,
+             "floor_us": 2.0},
+            {"name": "grouped_mm_nvfp4", "format": "nvfp4", "model": "m", "batch": 1, "us": 12.0,
+             "x_floor": 6.0, "floor_us": 2.0}]
+    assert bench.summary(rows) == {"m_b1": {"floor_us_nvfp4": 2.0, "moe_gemv_nvfp4_us": 4.0,
+                                            "moe_gemv_nvfp4_x_floor": 2.0, "grouped_mm_nvfp4_us": 12.0,
+                                            "grouped_mm_nvfp4_x_floor": 6.0, "gemv_speedup_nvfp4": 3.0}}

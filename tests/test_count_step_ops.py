@@ -83,3 +83,35 @@ def test_cli_refuses_bad_arguments(args, says, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_pairs", [None, 0], ids=["pair path", "grouped path"])
+def test_quantized_format_counts_its_kernels(max_pairs, monkeypatch):
+    """--format nvfp4 builds the release's module classes: the quantized GEMMs count as kernel ops, and the
+    NVFP4 experts count as the per-pair path (one op per MoE block) within MOE_GEMV_MAX_PAIRS, else as the
+    grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
+    from runners.engine.models import moe
+
+    if max_pairs is not None:
+        monkeypatch.setattr(moe, "MOE_GEMV_MAX_PAIRS", max_pairs)
+    shrink = {**TINY, "moe_latent_size": 32, "moe_intermediate_size": 48}
+    report = count_step_ops("nemotron_h", layers=4, steps=1, experts=4, shrink=shrink, prompt_len=6,
+                            fmt="nvfp4")
+    assert report["config"]["format"] == "nvfp4"
+    p = report["phases"]["decode"]
+    assert p["host_syncs"] == 0
+    moe_ops = dict(p["kinds"]["moe"]["top"])
+    blocks = p["kinds"]["moe"]["blocks"]
+    if max_pairs is None:
+        assert moe_ops["kernel:moe_experts"] == blocks and "kernel:nvfp4_grouped_mm" not in moe_ops
+    else:
+        assert moe_ops["kernel:nvfp4_grouped_mm"] == 2 * blocks and "kernel:moe_experts" not in moe_ops
+        assert moe_ops["argsort"] == blocks  # the expert sort of the grouped path
+    assert any(op.startswith("kernel:nvfp4_linear") or op.startswith("kernel:fp8_linear")
+               for kind in p["kinds"].values() for op, _ in kind["top"])
+
+
+def test_unknown_format_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--family", "qwen3_next", "--format", "nvfp4"])
+    assert e.value.code == 2 and "no nvfp4 release rule for family qwen3_next" in capsys.readouterr().err

@@ -8,6 +8,9 @@ reference (`*_ref`, same arguments and result) and the quantize / dequantize rul
   activations quantized per token and 128-column group at run time (w8a8): `block_fp8_linear`,
   `block_fp8_grouped_mm`, `quantize_activation_per_token_group`, `block_fp8_quantize`, `block_fp8_dequantize`,
   `block_scaled_mm_supported` (the torch._scaled_mm block-scale probe);
+- `moe_gemv`: the routed experts at decode sizes with NVFP4 or block-FP8 weights as per-pair GEMVs (one
+  program per (token, expert) pair, the expert id read from the routing; kernels/moe_gemv.py's quantized
+  counterpart): `moe_gemv_nvfp4`, `moe_gemv_block_fp8` and their references (import them from the module);
 - `_common`: input checks, the grouped-GEMM row-tile map (expert of each tile found from the offsets on the
   device), fp8 rounding and tensor-core helpers.
 Grouped GEMMs take torch._grouped_mm's convention (rows sorted by expert, int32 cumulative `offsets`), never

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.moe_gemv import ACT_CODES
+from kernels.quant.moe_gemv import moe_gemv_block_fp8, moe_gemv_nvfp4, nvfp4_words_ok
 from registry.checkpoint import CheckpointError
 from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, QuantConfig
 from runners.engine.compile import eager_op
@@ -62,7 +64,7 @@ from runners.engine.models.fp8 import (
 )
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import Attention, MoE
-from runners.engine.models.moe import moe_experts_grouped
+from runners.engine.models.moe import moe_experts_grouped, use_moe_gemv
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +228,17 @@ class BlockFP8MoE(MoE):
     ``experts_<kind>_weight_scale_inv`` [E, ceil(out / 128), ceil(in / 128)] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
     expert-sorted rows (:func:`runners.engine.models.block_fp8.block_fp8_grouped_mm`, no host
-    synchronisation); router, shared expert and latent projections are those of the MoE it was made from."""
+    synchronisation), or at decode sizes on CUDA (``use_moe_gemv``: at most MOE_GEMV_MAX_PAIRS pairs) as
+    kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math); router, shared expert and latent
+    projections are those of the MoE it was made from."""
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self.act_name in ACT_CODES and use_moe_gemv(h, indices):
+            mats = {k: (getattr(self, f"experts_{k}"), getattr(self, f"experts_{k}_weight_scale_inv"))
+                    for k in _kinds(self)}
+            return moe_gemv_block_fp8(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
+                                      self.act_name)
+
         def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
             return bf8.block_fp8_grouped_mm(x, getattr(self, f"experts_{kind}"),
                                             getattr(self, f"experts_{kind}_weight_scale_inv"), offsets)
@@ -242,9 +252,17 @@ class NVFP4MoE(MoE):
     ``experts_<kind>_weight_scale_2`` and ``experts_<kind>_input_scale`` [E] float32 (checkpoint names
     ``experts.{e}.<kind>_proj.{weight,weight_scale,weight_scale_2,input_scale}``; input scales unused). One
     grouped GEMM per projection over expert-sorted rows
-    (:func:`runners.engine.models.nvfp4.nvfp4_grouped_mm`, no host synchronisation)."""
+    (:func:`runners.engine.models.nvfp4.nvfp4_grouped_mm`, no host synchronisation), or at decode sizes on
+    CUDA (``use_moe_gemv``: at most MOE_GEMV_MAX_PAIRS pairs; codes in whole int32 words) as
+    kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math)."""
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        mats = {k: tuple(getattr(self, f"experts_{k}{s}") for s in ("", "_weight_scale", "_weight_scale_2"))
+                for k in _kinds(self)}
+        if self.act_name in ACT_CODES and use_moe_gemv(h, indices) and nvfp4_words_ok(*mats.values()):
+            return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
+                                  self.act_name)
+
         def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
             return nf4.nvfp4_grouped_mm(x, getattr(self, f"experts_{kind}"),
                                         getattr(self, f"experts_{kind}_weight_scale"),

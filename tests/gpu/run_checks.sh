@@ -44,9 +44,10 @@
 #   quant     issue 25: the NVFP4 / block-FP8 GEMM tests (kernels/quant, interpreter tests included: they run
 #             on CUDA here) and benchmarks/bench_quant_gemm.py against BF16 at Super V3's / Qwen3-Next's shapes
 #             (~2 min); the formats end to end: bash tests/gpu/formats_run.sh OUTDIR
-#   moe       issue 27: the routed-experts GEMV kernels (kernels/moe_gemv.py: GPU tests at the released expert
-#             shapes, CUDA-graph capture) and benchmarks/bench_moe_gemv.py (GEMV vs the grouped-GEMM path vs
-#             the weight-read floor at batch 1-8; sets runners.engine.models.moe.MOE_GEMV_MAX_PAIRS), ~2 min
+#   moe       issue 27: the routed-experts GEMV kernels (kernels/moe_gemv.py, and kernels/quant/moe_gemv.py for
+#             NVFP4 / block-FP8 experts: GPU tests at the released expert shapes, CUDA-graph capture) and
+#             benchmarks/bench_moe_gemv.py (GEMV vs the grouped-GEMM path vs the weight-read floor at batch
+#             1-8, bf16, nvfp4 and block_fp8; sets runners.engine.models.moe.MOE_GEMV_MAX_PAIRS), ~3 min
 #   prefix    issue 16: the prefix cache on CUDA (tests/test_prefix_cache.py, `gpu`-marked: decode / verify as
 #             CUDA graphs, float32, both families, draft_len 0 / 3 rewind / 3 replay: the same tokens and
 #             acceptance with and without the cache, the hits expected) and the CUDA-graph engine tests
@@ -94,7 +95,8 @@ for s in "$@"; do
     ncu) stage ncu python3 -m benchmarks.sweep_replay --ncu --sweep "$out/sweep/sweep_replay.json" --out "$out/ncu" \
            ${NCU_ARGS-} ;;
     moe) stage moe python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe_gemv_gpu.py \
-           tests/test_kernels_moe_gemv.py tests/test_moe.py
+           tests/test_kernels_moe_gemv.py tests/test_moe.py tests/test_kernels_quant_moe_gemv_gpu.py \
+           tests/test_kernels_quant_moe_gemv.py
          stage bench_moe_gemv python3 -m benchmarks.bench_moe_gemv --out "$out/bench_moe_gemv.json" \
            --batches 1 2 4 8 ;;
     quant) stage quant python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_gpu.py \

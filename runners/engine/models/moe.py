@@ -46,7 +46,9 @@ GATHER_CHUNK_BYTES = 256 * 2**20
 # (token, expert) pairs up to which moe_experts_fused takes the per-pair GEMV kernels (kernels/moe_gemv.py) on
 # CUDA: 8 decode tokens at Nemotron 3 Super's top-22 (the largest top-k of the released models; 17 tokens at
 # Qwen3-Next's top-10). Measured on the H200 (benchmarks/bench_moe_gemv.py, docs/gpu/decode_2): the GEMV is
-# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured.
+# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured. The quantized
+# experts (runners.engine.quant's NVFP4MoE / BlockFP8MoE: kernels/quant/moe_gemv.py) take the same bound
+# (bench_moe_gemv's moe_gemv_<fmt> vs grouped_mm_<fmt> rows measure it for them).
 MOE_GEMV_MAX_PAIRS = 8 * 22
 
 

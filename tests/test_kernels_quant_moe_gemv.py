@@ -1,0 +1,169 @@
+"""Quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py: NVFP4 W4A16 and block FP8) against their
+pair-by-pair PyTorch references and against the engine's grouped path (runners/engine/models/moe.py's
+moe_experts_grouped over kernels/quant's grouped-GEMM references), and the quantized MoE modules' choice of
+path.
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set before triton is imported) at
+small awkward sizes: NVFP4 L = 200, I = 72 (whole int32 words of codes, not whole 16-column scale groups);
+block FP8 L = 300, I = 150 (partial 128-column groups and 128 x 128 blocks); E = 7, repeated experts. The
+K-split path is forced as in tests/test_kernels_moe_gemv.py. tests/test_kernels_quant_moe_gemv_gpu.py holds
+the release-shape and CUDA-graph checks.
+
+Tolerances as tests/test_kernels_moe_gemv.py (fraction of the largest |reference| output; both sides round
+at the same points and differ in the fp32 summation order): float32 1e-5, float16 2e-3, bfloat16 1.6e-2.
+Against the grouped path the same: it rounds at the same points.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kernels import triton)
+
+import pytest  # noqa: E402
+
+from kernels.quant import _common as quant_common  # noqa: E402
+from kernels.quant import block_fp8 as bf8  # noqa: E402
+from kernels.quant import moe_gemv as qmg  # noqa: E402
+from kernels.quant import nvfp4 as nf4  # noqa: E402
+from runners.engine.models.layers import ACTIVATIONS  # noqa: E402
+from runners.engine.models.moe import moe_experts_grouped  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SIZES = {"nvfp4": (200, 72), "block_fp8": (300, 150)}  # (L, I)
+
+
+def _quantize(fmt, w):
+    if fmt == "nvfp4":
+        return tuple(t.to(DEVICE) for t in nf4.nvfp4_quantize(w))
+    q, s = bf8.block_fp8_quantize(w)
+    return q.to(DEVICE), s.float().to(DEVICE)
+
+
+def _experts(fmt, E, gated, seed=0):
+    L, I = SIZES[fmt]
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) / math.sqrt(s[-1])
+    up, gate, down = r(E, I, L), (r(E, I, L) if gated else None), r(E, L, I)
+    return _quantize(fmt, up), (_quantize(fmt, gate) if gated else None), _quantize(fmt, down)
+
+
+def _routing(N, k, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    indices[-1] = indices[0]  # one token's experts repeated by another
+    return torch.rand(N, k, generator=g).to(DEVICE), indices.to(DEVICE)
+
+
+def _close(got, want, dtype):
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    assert not got.isnan().any()
+    scale = want.float().abs().max().clamp(min=1e-6)
+    err = (got.float() - want.float()).abs().max()
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
+
+
+KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref),
+           "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref)}
+
+
+def _case(fmt, dtype, gated, N=3, k=2, E=7, seed=0):
+    up, gate, down = _experts(fmt, E, gated, seed)
+    weights, indices = _routing(N, k, E, seed)
+    L = SIZES[fmt][0]
+    h = torch.randn(N, L, generator=torch.Generator().manual_seed(seed + 3)).to(dtype=dtype, device=DEVICE)
+    return h, weights, indices, up, gate, down, "silu" if gated else "relu2"
+
+
+@pytest.fixture
+def unsplit(monkeypatch):
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", 1)
+
+
+@pytest.fixture
+def split(monkeypatch):
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", 10**6)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_kernel_equals_reference(fmt, dtype, gated, unsplit):
+    kernel, ref = KERNELS[fmt]
+    args = _case(fmt, dtype, gated)
+    _close(kernel(*args), ref(*args), dtype)
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_split_k_equals_reference(fmt, split):
+    kernel, ref = KERNELS[fmt]
+    args = _case(fmt, torch.float16, True, seed=1)
+    _close(kernel(*args), ref(*args), torch.float16)
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_kernel_equals_the_grouped_path(fmt, unsplit):
+    """The per-pair kernels compute what the quantized MoE's grouped path (sorted pairs, the format's grouped
+    GEMM reference, activation, inverse permutation, combine) computes."""
+    kernel, _ = KERNELS[fmt]
+    h, weights, indices, up, gate, down, act = _case(fmt, torch.float32, fmt == "block_fp8", seed=2)
+    mats = {"up": up, "gate": gate, "down": down}
+    if fmt == "nvfp4":
+        mm = lambda x, kind, offsets: nf4.nvfp4_grouped_mm_ref(x, *mats[kind], offsets)
+    else:
+        mm = lambda x, kind, offsets: bf8.block_fp8_grouped_mm_ref(x, *mats[kind], offsets)
+    kinds = ("up", "down") if gate is None else ("up", "gate", "down")
+    want = moe_experts_grouped(h, weights, indices, kinds, mm, ACTIVATIONS[act], up[0].shape[0])
+    _close(kernel(h, weights, indices, up, gate, down, act), want, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_no_tokens_and_bad_arguments(fmt):
+    kernel, ref = KERNELS[fmt]
+    h, weights, indices, up, gate, down, act = _case(fmt, torch.float32, False)
+    assert kernel(h[:0], weights[:0], indices[:0], up, gate, down, act).shape == (0, h.shape[1])
+    for fn in (kernel, ref):
+        with pytest.raises(ValueError, match="activation must be one of"):
+            fn(h, weights, indices, up, gate, down, "gelu")
+        with pytest.raises(ValueError, match="indices must be int64"):
+            fn(h, weights, indices.int(), up, gate, down, act)
+        with pytest.raises(ValueError, match="down must be"):
+            fn(h, weights, indices, up, gate, up, act)
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_moe_gemv holds (forced here: on the CPU it
+    never does) and the grouped path otherwise, with the same result."""
+    from runners.engine import quant
+    from runners.engine.models import layers
+    from runners.engine.models.config import HybridConfig
+
+    L, I = SIZES[fmt]
+    gated = fmt == "block_fp8"
+    c = HybridConfig(family="qwen3_next", vocab_size=32, hidden_size=L, layer_types=("moe",),
+                     n_routed_experts=7, num_experts_per_tok=2, moe_intermediate_size=I,
+                     moe_shared_expert_intermediate_size=16, mlp_hidden_act="silu" if gated else "relu2",
+                     mlp_gated=gated)
+    moe = layers.MoE(c)
+    quant._to_quantized_moe(moe, fmt)
+    up, gate, down = _experts(fmt, 7, gated, seed=4)
+    names = ("", "_weight_scale", "_weight_scale_2") if fmt == "nvfp4" else ("", "_weight_scale_inv")
+    for kind, mats in (("up", up), ("gate", gate), ("down", down)):
+        for suffix, t in zip(names, mats or ()):
+            getattr(moe, f"experts_{kind}{suffix}").data = t.clone()
+    h, weights, indices = _case(fmt, torch.float32, gated, seed=4)[:3]
+    calls = []
+    attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
+    kernel = getattr(quant, attr)
+    monkeypatch.setattr(quant, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
+    grouped = moe._experts(h, weights, indices)
+    assert calls == []
+    monkeypatch.setattr(quant, "use_moe_gemv", lambda *a: True)
+    _close(moe._experts(h, weights, indices), grouped, torch.float32)
+    assert calls == [c.mlp_hidden_act]

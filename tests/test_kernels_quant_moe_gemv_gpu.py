@@ -1,0 +1,122 @@
+"""GPU-only checks of the quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py) at the released
+models' expert shapes, compiled for real, against their references and the quantized MoE's grouped path
+(the Triton grouped GEMMs of kernels/quant), and under CUDA-graph capture without host synchronisation.
+
+Run on the device machine: python -m pytest tests/test_kernels_quant_moe_gemv_gpu.py -m gpu. Skips without
+CUDA. Shapes: Nemotron 3 Super's routed experts in NVFP4 (latent L = 1024, I = 2688, relu2, top-22 of 512)
+and Qwen3-Next's in block FP8 (L = 2048, I = 512, gated SiLU, top-10 of 512), bf16 activations, at 1, 2 and 8
+decode tokens. Tolerance: within 1.6e-2 of the largest |reference| output (two bf16 ulps: every path rounds
+each projection to bf16 at the same points and differs in the fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.quant import moe_gemv as qmg
+from kernels.quant.block_fp8 import block_fp8_quantize
+from kernels.quant.nvfp4 import nvfp4_quantize
+from runners.engine.models.block_fp8 import block_fp8_grouped_mm
+from runners.engine.models.layers import ACTIVATIONS
+from runners.engine.models.moe import moe_experts_grouped
+from runners.engine.models.nvfp4 import nvfp4_grouped_mm
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1.6e-2
+SHAPES = {  # model: (format, L, I, E, top_k, activation, gated)
+    "super_v3": ("nvfp4", 1024, 2688, 512, 22, "relu2", False),
+    "qwen3_next": ("block_fp8", 2048, 512, 512, 10, "silu", True),
+}
+KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref, nvfp4_grouped_mm),
+           "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref, block_fp8_grouped_mm)}
+
+
+def _close(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
+    scale = want.float().abs().max().clamp(min=1e-6)
+    err = (got.float() - want.float()).abs().max()
+    assert err <= TOL * scale, f"max error {err:.3g} > {TOL} x {scale:.3g}"
+
+
+def _quantize(fmt, w):
+    if fmt == "nvfp4":
+        return nvfp4_quantize(w)
+    q, s = block_fp8_quantize(w)
+    return q, s.float()
+
+
+_EXPERTS: dict = {}
+
+
+def _experts(model):
+    """(up, gate or None, down) quantized in the model's release format (cached: quantizing 512 experts
+    takes a moment)."""
+    if model not in _EXPERTS:
+        fmt, L, I, E, _, _, gated = SHAPES[model]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])
+        _EXPERTS[model] = (_quantize(fmt, r(E, I, L)), _quantize(fmt, r(E, I, L)) if gated else None,
+                           _quantize(fmt, r(E, L, I)))
+    return _EXPERTS[model]
+
+
+def _inputs(model, tokens, seed=0):
+    _, L, _, E, k, _, _ = SHAPES[model]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    top = torch.rand(tokens, E, device="cuda", generator=gen).topk(k, dim=1)
+    h = torch.randn(tokens, L, device="cuda", generator=gen).to(torch.bfloat16)
+    return h, torch.softmax(top.values, dim=1), top.indices
+
+
+@pytest.mark.parametrize("tokens", (1, 2, 8))
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_released_expert_shapes(model, tokens):
+    """The kernels vs their reference and vs the quantized MoE's grouped path (the Triton grouped GEMMs)."""
+    fmt, *_, act, gated = SHAPES[model]
+    kernel, ref, grouped_mm = KERNELS[fmt]
+    up, gate, down = _experts(model)
+    h, weights, indices = _inputs(model, tokens, seed=tokens)
+    got = kernel(h, weights, indices, up, gate, down, act)
+    _close(got, ref(h, weights, indices, up, gate, down, act))
+    mats = {"up": up, "gate": gate, "down": down}
+    kinds = ("up", "down") if gate is None else ("up", "gate", "down")
+    mm = lambda x, kind, offsets: grouped_mm(x, *mats[kind], offsets)
+    _close(got, moe_experts_grouped(h, weights, indices, kinds, mm, ACTIVATIONS[act], up[0].shape[0]))
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_capture_in_a_cuda_graph_without_host_sync(model):
+    """No host synchronisation (sync debug mode "error"); captured once and replayed with new routing,
+    weights and inputs written into the static buffers, the result follows the new values."""
+    fmt, *_, act, _ = SHAPES[model]
+    kernel, ref, _ = KERNELS[fmt]
+    up, gate, down = _experts(model)
+    h, weights, indices = _inputs(model, 4, seed=1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel(h, weights, indices, up, gate, down, act)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            kernel(h, weights, indices, up, gate, down, act)
+        with torch.cuda.graph(graph):
+            y = kernel(h, weights, indices, up, gate, down, act)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (2, 3):
+        new_h, new_w, new_idx = _inputs(model, 4, seed=seed)
+        h.copy_(new_h)
+        weights.copy_(new_w)
+        indices.copy_(new_idx)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(y, ref(h, weights, indices, up, gate, down, act))
