@@ -27,7 +27,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   activation quantization; a split-K sum launch, which depends on the real widths, is not counted); the
   quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
   Where the quantized experts take a per-pair decode path on CUDA (``runners.engine.quant``'s
-  ``use_moe_gemv`` gate), the count takes it too (the gate's pair bound, not its device test) and the path
+  ``use_quant_moe_gemv`` gate), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
+  not its device test) and the path
   counts as the one op ``kernel:moe_experts``, as the bf16 experts. FP8 (per-tensor) MoE experts count the
   CPU reference's ops (not the device's);
 - ``host_syncs``: ``aten._local_scalar_dense`` / ``aten.item`` / ``aten.nonzero`` calls outside those
@@ -152,7 +153,7 @@ class StepOpCounter:
 
 
 @contextmanager
-def _patched(counter: StepOpCounter):
+def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: int):
     """Make the kernels' references (and the routed experts, the quantized GEMMs) opaque single ops while
     counting."""
     import importlib
@@ -161,7 +162,6 @@ def _patched(counter: StepOpCounter):
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
-    import runners.engine.models.moe as moe_mod
     import runners.engine.quant as quant_mod
 
     original = cache_mod.kernel_or_reference
@@ -183,8 +183,8 @@ def _patched(counter: StepOpCounter):
         saved.append((mod, attr, getattr(mod, attr)))
         setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
     # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
-    saved.append((quant_mod, "use_moe_gemv", quant_mod.use_moe_gemv))
-    quant_mod.use_moe_gemv = lambda h, indices, *w: indices.numel() <= moe_mod.MOE_GEMV_MAX_PAIRS
+    saved.append((quant_mod, "use_quant_moe_gemv", quant_mod.use_quant_moe_gemv))
+    quant_mod.use_quant_moe_gemv = lambda h, indices: indices.numel() <= quant_moe_gemv_max_pairs
     for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
         saved.append((quant_mod, attr, getattr(quant_mod, attr)))
         setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
@@ -218,9 +218,10 @@ def _synthetic_model(family: str, fmt: str, layers: int, experts: int, overrides
 def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0, replay: bool = False,
                    batch: int = 1, steps: int = 4, accept_length: float = 2.6, experts: int = 8,
                    shrink: dict | None = None, prompt_len: int = 12, dtype: str = "bfloat16",
-                   fmt: str = "bf16") -> dict:
+                   fmt: str = "bf16", quant_moe_gemv_max_pairs: int | None = None) -> dict:
     """Op counts of ``steps`` decode steps of a synthetic ``family`` model in checkpoint format ``fmt``
-    (:data:`FORMATS`; module docstring).
+    (:data:`FORMATS`; module docstring). ``quant_moe_gemv_max_pairs``: the pair bound up to which the quantized
+    experts take their per-pair path (None: the engine's ``QUANT_MOE_GEMV_MAX_PAIRS``).
 
     Returns ``{"config": ..., "steps": n, "phases": {phase: {"ops", "views", "host_syncs", "kinds": {kind:
     {"ops", "blocks", "ops_per_block", "top": [[op, count per step], ...]}}}}, "total_ops": per step}``; every
@@ -237,6 +238,9 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
 
     if replay and draft_len < 1:
         raise ValueError("ssm replay needs drafts (draft_len >= 1)")
+    if quant_moe_gemv_max_pairs is None:
+        from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS as quant_moe_gemv_max_pairs
+    bound = quant_moe_gemv_max_pairs
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     layers = QUARTER_LAYERS[family] if layers is None else layers
@@ -282,7 +286,7 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
     graphs.phases = {name: wrap(name, fn) for name, fn in original_phases.items()}
     prompt = [(7 * i + 3) % 4000 + 1 for i in range(prompt_len)]
     try:
-        with _patched(counter), counter.mode():
+        with _patched(counter, bound), counter.mode():
             engine.generate([prompt] * batch, new_tokens, stop_token_ids=[])
     finally:
         graphs.phases = original_phases
@@ -310,7 +314,8 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
                            "top": [[k, v / per] for k, v in Counter(ops).most_common()]}
         phases[name] = {"ops": ops_all, "views": views_all, "host_syncs": syncs, "kinds": kinds}
     return {"config": {"family": family, "format": fmt, "layers": layers, "experts": experts, "draft_len": draft_len,
-                       "ssm_replay": replay, "batch": batch, "dtype": dtype, "block_kinds": dict(n_blocks)},
+                       "ssm_replay": replay, "batch": batch, "dtype": dtype, "block_kinds": dict(n_blocks),
+                       "quant_moe_gemv_max_pairs": bound},
             "steps": n, "phases": phases, "total_ops": sum(p["ops"] for p in phases.values())}
 
 
@@ -346,13 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="model dtype (bf16 as the GPU runs: its casts count)")
     p.add_argument("--top", type=int, default=25, help="ops listed per phase and kind")
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
+    p.add_argument("--quant-moe-gemv-max-pairs", type=int, default=None, metavar="N",
+                   help="pair bound of the quantized experts' per-pair path (default: the engine's "
+                        "QUANT_MOE_GEMV_MAX_PAIRS, 0 until measured on the H200; 176 counts it as bf16's)")
     args = p.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json {args.json}: its folder {args.json.parent} does not exist; create it or pass another path")
     try:
         report = count_step_ops(args.family, layers=args.layers, draft_len=args.draft_len, replay=args.replay,
                                 batch=args.batch, steps=args.steps, accept_length=args.accept_length,
-                                experts=args.experts, dtype=args.dtype, fmt=args.format)
+                                experts=args.experts, dtype=args.dtype, fmt=args.format,
+                                quant_moe_gemv_max_pairs=args.quant_moe_gemv_max_pairs)
     except ValueError as e:  # the engine's and the synthetic model's checks of these arguments
         p.error(str(e))
     print(format_report(report, args.top))

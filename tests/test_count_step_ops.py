@@ -85,24 +85,26 @@ def test_cli_refuses_bad_arguments(args, says, capsys):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("max_pairs", [None, 0], ids=["pair path", "grouped path"])
-def test_quantized_format_counts_its_kernels(max_pairs, monkeypatch):
+@pytest.mark.parametrize("max_pairs", [176, None], ids=["pair path", "engine default"])
+def test_quantized_format_counts_its_kernels(max_pairs):
     """--format nvfp4 builds the release's module classes: the quantized GEMMs count as kernel ops, and the
-    NVFP4 experts count as the per-pair path (one op per MoE block) within MOE_GEMV_MAX_PAIRS, else as the
-    grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
-    from runners.engine.models import moe
+    NVFP4 experts count as the per-pair path (one op per MoE block) within the pair bound given, else (the
+    engine's QUANT_MOE_GEMV_MAX_PAIRS, 0 until measured on the GPU) as the grouped path (a grouped GEMM per
+    projection plus the routing glue, more ops per block)."""
+    from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS
 
-    if max_pairs is not None:
-        monkeypatch.setattr(moe, "MOE_GEMV_MAX_PAIRS", max_pairs)
     shrink = {**TINY, "moe_latent_size": 32, "moe_intermediate_size": 48}
     report = count_step_ops("nemotron_h", layers=4, steps=1, experts=4, shrink=shrink, prompt_len=6,
-                            fmt="nvfp4")
+                            fmt="nvfp4", quant_moe_gemv_max_pairs=max_pairs)
     assert report["config"]["format"] == "nvfp4"
+    bound = report["config"]["quant_moe_gemv_max_pairs"]
+    assert bound == (QUANT_MOE_GEMV_MAX_PAIRS if max_pairs is None else max_pairs)
+    pair_path = bound >= 8  # batch 1 x at most 4 experts chosen
     p = report["phases"]["decode"]
     assert p["host_syncs"] == 0
     moe_ops = dict(p["kinds"]["moe"]["top"])
     blocks = p["kinds"]["moe"]["blocks"]
-    if max_pairs is None:
+    if pair_path:
         assert moe_ops["kernel:moe_experts"] == blocks and "kernel:nvfp4_grouped_mm" not in moe_ops
     else:
         assert moe_ops["kernel:nvfp4_grouped_mm"] == 2 * blocks and "kernel:moe_experts" not in moe_ops

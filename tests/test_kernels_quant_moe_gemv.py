@@ -138,8 +138,8 @@ def test_no_tokens_and_bad_arguments(fmt):
 
 @pytest.mark.parametrize("fmt", list(KERNELS))
 def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
-    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_moe_gemv holds (forced here: on the CPU it
-    never does) and the grouped path otherwise, with the same result."""
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_quant_moe_gemv holds (forced here: on the CPU
+    it never does) and the grouped path otherwise, with the same result."""
     from runners.engine import quant
     from runners.engine.models import layers
     from runners.engine.models.config import HybridConfig
@@ -164,6 +164,6 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     monkeypatch.setattr(quant, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
     grouped = moe._experts(h, weights, indices)
     assert calls == []
-    monkeypatch.setattr(quant, "use_moe_gemv", lambda *a: True)
+    monkeypatch.setattr(quant, "use_quant_moe_gemv", lambda *a: True)
     _close(moe._experts(h, weights, indices), grouped, torch.float32)
     assert calls == [c.mlp_hidden_act]

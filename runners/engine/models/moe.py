@@ -46,10 +46,13 @@ GATHER_CHUNK_BYTES = 256 * 2**20
 # (token, expert) pairs up to which moe_experts_fused takes the per-pair GEMV kernels (kernels/moe_gemv.py) on
 # CUDA: 8 decode tokens at Nemotron 3 Super's top-22 (the largest top-k of the released models; 17 tokens at
 # Qwen3-Next's top-10). Measured on the H200 (benchmarks/bench_moe_gemv.py, docs/gpu/decode_2): the GEMV is
-# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured. The quantized
-# experts (runners.engine.quant's NVFP4MoE / BlockFP8MoE: kernels/quant/moe_gemv.py) take the same bound
-# (bench_moe_gemv's moe_gemv_<fmt> vs grouped_mm_<fmt> rows measure it for them).
+# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured.
 MOE_GEMV_MAX_PAIRS = 8 * 22
+# The same bound for the quantized experts' per-pair kernels (runners.engine.quant's NVFP4MoE / BlockFP8MoE:
+# kernels/quant/moe_gemv.py). 0 (the grouped path always) until they have compiled and been timed on the H200
+# (benchmarks/bench_moe_gemv.py --formats nvfp4 block_fp8: its moe_gemv_<fmt> vs grouped_mm_<fmt> rows); their
+# correctness is tested in the Triton interpreter only so far.
+QUANT_MOE_GEMV_MAX_PAIRS = 0
 
 
 def _dense_expert_linear(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
@@ -165,6 +168,12 @@ def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor)
     return (h.is_cuda and indices.numel() <= MOE_GEMV_MAX_PAIRS and indices.dtype == torch.int64
             and h.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(w.dtype == h.dtype for w in stacked))
+
+
+def use_quant_moe_gemv(h: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Whether a quantized MoE (NVFP4 / block FP8 experts) takes kernels/quant/moe_gemv.py's per-pair kernels:
+    :func:`use_moe_gemv`'s rule with :data:`QUANT_MOE_GEMV_MAX_PAIRS` as the bound. Shapes and dtypes only."""
+    return indices.numel() <= QUANT_MOE_GEMV_MAX_PAIRS and use_moe_gemv(h, indices)
 
 
 def moe_experts_fused(
