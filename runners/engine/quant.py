@@ -229,8 +229,8 @@ class BlockFP8MoE(MoE):
     ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
     expert-sorted rows (:func:`runners.engine.models.block_fp8.block_fp8_grouped_mm`, no host
     synchronisation), or at decode sizes on CUDA (``use_quant_moe_gemv``: at most QUANT_MOE_GEMV_MAX_PAIRS
-    pairs, 0 until measured) as kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math); router, shared expert and latent
-    projections are those of the MoE it was made from."""
+    pairs, 0 until measured) as kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math);
+    router, shared expert and latent projections are those of the MoE it was made from."""
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices):
