@@ -29,6 +29,7 @@ from kernels.commit import (  # noqa: E402
 )
 from kernels.mamba2 import (  # noqa: E402
     ReplayHistory,
+    replay,
     replay_verify,
     replay_verify_ref,
     selective_state_update,
@@ -55,8 +56,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernel variants of the replay verify (kernels.mamba2.replay.VARIANTS): each is held to the same tolerances.
 # "mma" splits an fp32 operand into 2 bf16 pieces (about 2^-17 relative per product, kernels/_mma.py): on
 # O(1-10) values that is ~1e-5, inside the fp32 tolerance with a margin of ~5. "mma_pre": "mma" with the
-# C B^T products and the B history writes in a precompute kernel (same tolerances).
-VARIANTS = ("fma", "mma", "mma_pre")
+# C B^T products and the B history writes in a precompute kernel (same tolerances); "mma_pre_pdl": "mma_pre"
+# with PDL, which the interpreter runs as "mma_pre" (its launches run one after the other; the PDL ordering is
+# covered by the `gpu` tests of tests/test_kernels_mamba2_gpu.py, which iterate over the same table).
+VARIANTS = tuple(replay.VARIANTS)
 
 
 def assert_close(a, b, dtype=None, what=""):
