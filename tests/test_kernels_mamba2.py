@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from replay_oracles import mamba2_materialized_state, mamba2_replay_verify_oracle  # noqa: E402
 
+from benchmarks.replay_configs import M2_CONFIGS  # noqa: E402
 from kernels import _common  # noqa: E402
 from kernels.commit import (  # noqa: E402
     allocate_replay_slots,
@@ -299,7 +300,7 @@ MMA_DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat
 @pytest.mark.parametrize(
     "variant,state_dtype,in_dtype",
     [("fma", s, i) for s in DTYPES for i in DTYPES]
-    + [(v, s, i) for v in ("mma", "mma_pre") for s, i in MMA_DTYPE_PAIRS],
+    + [(v, s, i) for v in VARIANTS if v != "fma" for s, i in MMA_DTYPE_PAIRS],
 )
 def test_replay_verify_matches_reference_all_dtypes(variant, state_dtype, in_dtype):
     S, H, P, N, G, T, L = 5, 2, 16, 16, 1, 3, 3
@@ -596,12 +597,19 @@ def test_long_run_checkpointing_agrees_with_rewind(variant):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# launcher arguments: every variant, and the sweep's register-capped configurations
+# (benchmarks/replay_configs.py; the interpreter ignores maxnreg, so these check the argument's way through
+# the launcher; the GPU tests run the capped kernels compiled)
+CKPT_KERNEL_KW = {**{v: {"variant": v} for v in VARIANTS},
+                  **{k: c for k, c in M2_CONFIGS.items() if "maxnreg" in c}}
+
+
+@pytest.mark.parametrize("config", list(CKPT_KERNEL_KW))
 @pytest.mark.parametrize(
     "state_dtype,in_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
 )
-def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, variant):
+def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, config):
     S, H, P, N, G, T, L = 6, 2, 16, 24, 2, 3, 8
     A, D, dt_bias = make_params(H)
     hist = random_history(S, L, H, P, G, N, in_dtype, A, seed=3, checkpointing=True)
@@ -615,7 +623,7 @@ def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, variant):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), clone_history(hist)
         out = nan_like((6, T, H, P), in_dtype)
-        kw = dict(variant=variant) if fn is replay_verify else {}
+        kw = CKPT_KERNEL_KW[config] if fn is replay_verify else {}
         fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, **kw)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
@@ -661,6 +669,35 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="prev_num_accepted dtype"):
         hist2 = ReplayHistory.allocate(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
         replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist2, pnat.long(), bufidx)
+
+
+def test_launch_features_are_refused_clearly_where_missing(monkeypatch):
+    """maxnreg out of range; a Triton without `maxnreg` / `launch_pdl`; PDL off in the interpreter."""
+    S, H, P, N, G, T = 2, 2, 16, 16, 1, 2
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=0)
+    state = torch.zeros(S, H, P, N, device=DEV)
+    slot_ids = torch.zeros(1, dtype=torch.int32, device=DEV)
+    hist = ReplayHistory.allocate(S, T, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slots(S, device=DEV)
+    for bad in (8, 300, 80.0, True):
+        with pytest.raises(ValueError, match=r"maxnreg must be an int in \[32, 255\]"):
+            replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="mma",
+                          maxnreg=bad)
+    check = replay._check_launch_features
+    assert replay._launch_options() == {"launch_pdl", "maxnreg"}  # Triton >= 3.6 (the H200 image's)
+    monkeypatch.setattr(replay, "_launch_options", lambda: frozenset())
+    with pytest.raises(ValueError, match="no `maxnreg` launch option"):
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="mma",
+                      maxnreg=80)
+    if DEV == "cpu":  # the interpreter runs the kernels one after the other: no PDL, no refusal
+        assert check("mma_pre_pdl", None, torch.device("cpu"), "t") is False
+    monkeypatch.setattr(replay, "interpreter_active", lambda: False)
+    with pytest.raises(ValueError, match="needs programmatic dependent launch.*use variant='mma_pre'"):
+        check("mma_pre_pdl", None, torch.device(DEV), "t")
+    monkeypatch.setattr(replay, "_launch_options", lambda: frozenset({"launch_pdl", "maxnreg"}))
+    assert check("mma_pre_pdl", 80, torch.device("cpu"), "t") is True
+    assert check("mma_pre", 80, torch.device("cpu"), "t") is False
 
 
 def test_bench_mamba2_dry_run_and_bad_arguments(capsys):
