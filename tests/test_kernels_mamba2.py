@@ -389,6 +389,25 @@ def test_replay_walks_d_state_in_chunks(checkpointing, variant):
         assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
 
 
+@pytest.mark.parametrize("variant", ["mma", "mma_pre"])
+def test_replay_persistent_grid_walks_every_unit(variant):
+    """persistent=: 3 programs (the interpreter counts 1 SM) walk the 2 P blocks x 3 rows x 3 heads with a
+    grid stride: per-step replay with a write, PNAT 0 and a PAD row, as without it."""
+    S, H, P, N, G, T, L = 4, 3, 20, 16, 1, 3, 3
+    case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
+                        slot_ids=[3, -1, 1], pnat=[0, 0, 1, 3], bufidx=[0, 1, 0, 1])
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T, variant=variant, persistent=3)
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+    assert (out_k[1] == 0).all() and not torch.isnan(out_k).any()
+    A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx = case
+    with pytest.raises(ValueError, match="persistent must be a non-negative int"):
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="fma",
+                      persistent=2)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_replay_garbage_metadata_is_clamped(variant):
     """PNAT outside [0, L] and buffer indices other than 0/1 never index out of range."""
@@ -597,11 +616,13 @@ def test_long_run_checkpointing_agrees_with_rewind(variant):
 # ---------------------------------------------------------------------------------------------------------
 
 
-# launcher arguments: every variant, and the sweep's register-capped configurations
-# (benchmarks/replay_configs.py; the interpreter ignores maxnreg, so these check the argument's way through
-# the launcher; the GPU tests run the capped kernels compiled)
-CKPT_KERNEL_KW = {**{v: {"variant": v} for v in VARIANTS},
-                  **{k: c for k, c in M2_CONFIGS.items() if "maxnreg" in c}}
+# launcher arguments: every variant, the sweep's register-capped and persistent configurations
+# (benchmarks/replay_configs.py; the interpreter ignores maxnreg, so those check the argument's way through
+# the launcher; the GPU tests run them compiled), and a persistent grid of 5 programs for the 12 units here
+# (the interpreter counts 1 SM): programs walk 3, 3, 2, 2, 2 units
+TUNED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c or "persistent" in c)
+CKPT_KERNEL_KW = {**{v: {"variant": v} for v in VARIANTS}, **{k: M2_CONFIGS[k] for k in TUNED},
+                  "mma_pre_pdl_persistent5": {"variant": "mma_pre_pdl", "chunk_n": 16, "persistent": 5}}
 
 
 @pytest.mark.parametrize("config", list(CKPT_KERNEL_KW))

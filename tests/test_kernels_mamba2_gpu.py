@@ -39,7 +39,8 @@ POISON = 0x7BADBEEF
 # 2^-8 relative: 1.6e-2 = 4 ulps); a bf16 state adds one state ulp of the same size.
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2}
 VARIANTS = tuple(replay.VARIANTS)  # every kernel variant of the replay verify
-CAPPED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c)  # the sweep's register-capped configs
+# the sweep's register-capped and persistent configurations
+TUNED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c or "persistent" in c)
 
 
 def close(a, b, tol, what):
@@ -113,11 +114,12 @@ def test_gpu_replay_super_v3_shape(state_dtype, checkpointing, variant):
     _super_v3_case(state_dtype, checkpointing, variant=variant)
 
 
-@pytest.mark.parametrize("config", CAPPED)
+@pytest.mark.parametrize("config", TUNED)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_gpu_replay_register_capped_configs(state_dtype, checkpointing, config):
-    """The sweep's maxnreg configurations compiled with their caps (spilling ones included): same results."""
+def test_gpu_replay_register_capped_and_persistent_configs(state_dtype, checkpointing, config):
+    """The sweep's maxnreg configurations compiled with their caps (spilling ones included) and its persistent
+    grids (about 16-24 x 132 programs walking 4 x 64 x 128 units): same results."""
     _super_v3_case(state_dtype, checkpointing, **M2_CONFIGS[config])
 
 

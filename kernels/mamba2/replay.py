@@ -71,6 +71,8 @@ launch's (history layout, state dtype, shape class, batch bucket): the committed
   waits (`cudaGridDependencySynchronize`) only before its output phase. Same results as "mma_pre".
 - `maxnreg=` (any variant): Triton's register cap of the main kernel (PTX .maxnreg), trading spills for
   resident warps (FlashInfer's checkpointing_ssu caps at 80); the results do not depend on it.
+- `persistent=` (mma variants): a persistent grid of about `persistent` programs per SM walking the (P block,
+  row, head) units with a grid stride, head fastest (checkpointing_ssu's persistent work loop); same results.
 - All take `stochastic_rounding=` (kernels/rounding.py) for a 16-bit state's write.
 
 Checkpointing variant (`ReplayHistory.allocate(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
@@ -357,7 +359,8 @@ def _replay_verify_kernel(
 
 
 @triton.jit
-def _replay_verify_mma_kernel(
+def _replay_mma_unit(
+    pid_p, b, h,
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
     xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
     H, P, N, heads_per_group, dt_min, dt_max,
@@ -395,9 +398,7 @@ def _replay_verify_mma_kernel(
     # waits for it (gdc_wait) only before the first read of cb / cbo. Nothing read before the wait is written
     # by the precompute (it writes cb, cbo and history B buffer wb; this pass reads buffer rb), and nothing
     # written here is read by it.
-    pid_p = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
+    # One work unit: (P block pid_p, batch row b, head h), b and h int64 (`_replay_verify_mma_kernel`).
     g = h // heads_per_group
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = slot >= 0
@@ -544,6 +545,64 @@ def _replay_verify_mma_kernel(
     cum_base = tl.where(flush, 0.0, c_last)
     tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
     tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
+
+
+@triton.jit
+def _replay_verify_mma_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
+    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
+    H, P, N, heads_per_group, dt_min, dt_max,
+    s_ss, s_sh, s_sp, s_sn,
+    s_xb, s_xt, s_xh, s_xp,
+    s_dtb, s_dtt, s_dth,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    s_ob, s_ot, s_oh, s_op,
+    s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+    s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
+    s_dths, s_dthi, s_dthh, s_dtht,
+    s_chs, s_chi, s_chh, s_cht,
+    cb_ptr, cbo_ptr, n_rows,
+    T: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
+    TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+    PERSIST: tl.constexpr,
+):
+    # The "mma" variant's kernel (`_replay_mma_unit` holds the work of one unit). Grid (P blocks, rows, heads):
+    # one program per unit. PERSIST (`persistent=` of the launcher): a 1-D grid of fewer programs, each walking
+    # the units u = program id, + number of programs, ... with the head fastest (u = (pid_p * n_rows + b) * H +
+    # h), so programs running at the same time share a row's C, B_old (and cb / cbo) in L2, as FlashInfer's
+    # persistent checkpointing_ssu walks its (row, head) units.
+    if PERSIST:
+        n_units = tl.cdiv(P, BLOCK_P) * n_rows * H
+        for u in range(tl.program_id(0), n_units, tl.num_programs(0)):
+            h = u % H
+            r = u // H
+            _replay_mma_unit(r // n_rows, (r % n_rows).to(tl.int64), h.to(tl.int64), state_ptr, x_ptr,
+                             dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr, xh_ptr,
+                             Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr,
+                             sr_salt, H, P, N, heads_per_group, dt_min, dt_max, s_ss, s_sh, s_sp, s_sn,
+                             s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb,
+                             s_Ct, s_Cg, s_Cn, s_ob, s_ot, s_oh, s_op, s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+                             s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn, s_dths, s_dthi, s_dthh, s_dtht, s_chs,
+                             s_chi, s_chh, s_cht, cb_ptr, cbo_ptr, T, L, HAS_D, HAS_DT_LIMIT, CHECKPOINT,
+                             TP, LP, BLOCK_P, BLOCK_N, CHUNK_N, NUM_STAGES, S_IN, S_HIST, S_STATE, SPLIT,
+                             SR, SR_ROUNDS, INTERP, PRE, PDL)
+    else:
+        _replay_mma_unit(tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+                         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr,
+                         out_ptr, xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr,
+                         sr_step_ptr, sr_salt, H, P, N, heads_per_group, dt_min, dt_max, s_ss, s_sh, s_sp,
+                         s_sn, s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb,
+                         s_Ct, s_Cg, s_Cn, s_ob, s_ot, s_oh, s_op, s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+                         s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn, s_dths, s_dthi, s_dthh, s_dtht, s_chs, s_chi,
+                         s_chh, s_cht, cb_ptr, cbo_ptr, T, L, HAS_D, HAS_DT_LIMIT, CHECKPOINT, TP, LP,
+                         BLOCK_P, BLOCK_N, CHUNK_N, NUM_STAGES, S_IN, S_HIST, S_STATE, SPLIT, SR,
+                         SR_ROUNDS, INTERP, PRE, PDL)
+
 
 @triton.jit
 def _replay_precompute_kernel(
@@ -695,6 +754,7 @@ def replay_verify(
     chunk_n: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    persistent: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
@@ -732,6 +792,10 @@ def replay_verify(
         maxnreg: registers per thread the main kernel may use (Triton's `maxnreg` launch option, PTX
             .maxnreg; `MAXNREG_RANGE`), trading spills for resident warps; None: the compiler's choice.
             Ignored by the interpreter; the results do not depend on it.
+        persistent: mma variants only: launch min(units, persistent x SMs) programs that walk the (P block,
+            row, head) units with a grid stride, head fastest, instead of one program per unit (choose about
+            the CTAs per SM the kernel's registers leave resident; the interpreter counts 1 SM); None or 0:
+            one program per unit. Same results.
         stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
             (bf16 / fp16 states only); None rounds to nearest.
 
@@ -756,11 +820,11 @@ def replay_verify(
 
     tuning = replay_defaults.resolve(
         dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
-             num_stages=num_stages, maxnreg=maxnreg),
+             num_stages=num_stages, maxnreg=maxnreg, persistent=persistent),
         "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
         replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT, variants=VARIANTS)
-    variant, block_p, num_warps, chunk_n, num_stages, maxnreg = (
-        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages", "maxnreg"))
+    variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
+        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages", "maxnreg", "persistent"))
     split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
@@ -778,6 +842,10 @@ def replay_verify(
         num_warps = num_warps or (cfg[1] if BLOCK_P * BLOCK_N <= 2048 else 4)
     if BLOCK_P & (BLOCK_P - 1) or (mma and BLOCK_P < 16):
         raise ValueError(f"{name}: block_p must be a power of two (>= 16 for the mma variants), got {BLOCK_P}")
+    if persistent and (not mma or isinstance(persistent, bool) or not isinstance(persistent, int)
+                       or persistent < 0):
+        raise ValueError(f"{name}: persistent must be a non-negative int (programs per SM) and is for the mma "
+                         f"variants only, got {persistent!r} with variant {variant!r}")
     sr = launch_args(stochastic_rounding, state, name)
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
@@ -810,8 +878,11 @@ def replay_verify(
                 PDL=pdl, num_warps=4)
         else:
             cb = cbo = A  # not read
+        if persistent:
+            sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
+            grid = (min(grid[0] * grid[1] * grid[2], persistent * sms),)
         _replay_verify_mma_kernel[grid](
-            *args, cb, cbo, TP=TP, LP=LP,
+            *args, cb, cbo, Bsz, TP=TP, LP=LP, PERSIST=bool(persistent),
             CHUNK_N=min(chunk_n, BLOCK_N) if chunk_n else min(cfg[2], BLOCK_N), NUM_STAGES=num_stages or cfg[3],
             S_IN=S_IN, S_HIST=S_HIST, S_STATE=pieces, SPLIT=split, INTERP=interpreter_active(), PRE=pre,
             PDL=pdl, **({"launch_pdl": True} if pdl else {}), **common)
@@ -843,12 +914,13 @@ def replay_verify_ref(
     chunk_n: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    persistent: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `replay_verify`, vectorised over the batch: the engine's CPU path.
 
     Same arguments, effects and result as the kernel (block_p, num_warps, variant, split, chunk_n, num_stages,
-    maxnreg: the kernel's tuning, ignored), both history layouts. `stochastic_rounding` rounds the stored state with
+    maxnreg, persistent: the kernel's tuning, ignored), both history layouts. `stochastic_rounding` rounds the stored state with
     `kernels.rounding.stochastic_round_ref` (torch random bits: the same rule, not the kernel's bits). For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
     r = buffer_index[s] % 2, w = 1 - r; flush = per-step history, or k + T > L):
     1. fast-forward in closed form, h = exp(c_{k-1}) h_s + sum_{j<k} exp(c_{k-1} - c_j) dt'_j x_j (outer) B_j
@@ -865,7 +937,7 @@ def replay_verify_ref(
     Source: the SSD closed form of the module docstring; tested against the kernel and a token-by-token
     oracle (tests/replay_oracles.py).
     """
-    del block_p, num_warps, variant, split, chunk_n, num_stages, maxnreg
+    del block_p, num_warps, variant, split, chunk_n, num_stages, maxnreg, persistent
     name = "replay_verify_ref"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
