@@ -119,7 +119,7 @@ def test_gpu_replay_super_v3_shape(state_dtype, checkpointing, variant):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gpu_replay_register_capped_and_persistent_configs(state_dtype, checkpointing, config):
     """The sweep's maxnreg configurations compiled with their caps (spilling ones included) and its persistent
-    grids (about 16-24 x 132 programs walking 4 x 64 x 128 units): same results."""
+    grids (12-24 programs per SM walking 4 x 64 x 128 units): same results."""
     _super_v3_case(state_dtype, checkpointing, **M2_CONFIGS[config])
 
 
