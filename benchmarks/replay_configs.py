@@ -20,7 +20,26 @@ M2_CONFIGS = {
     "mma_split3": {"variant": "mma", "split": 3},
     "mma_pre": {"variant": "mma_pre"},
     "mma_pre_p32w2": {"variant": "mma_pre", "block_p": 32, "num_warps": 2},
+    # issue 28, FlashInfer checkpointing_ssu's launch features (docs/kernel_performance.md, "Ahead of
+    # FlashInfer"): programmatic dependent launch ("mma_pre_pdl") and register caps ("_r<maxnreg>": 80 = 6
+    # resident warps per SM sub-partition instead of 4 at 104-128 registers; checkpointing_ssu caps at 80),
+    # chunk 16 where the cap spills least in the sm_90 compile report (0-16 bytes at 80), "mma_pre_c16" the
+    # uncapped control
+    "mma_pre_pdl": {"variant": "mma_pre_pdl"},
+    "mma_pre_pdl_c16_r80": {"variant": "mma_pre_pdl", "chunk_n": 16, "maxnreg": 80},
+    "mma_pre_c16": {"variant": "mma_pre", "chunk_n": 16},
+    "mma_pre_c16_r80": {"variant": "mma_pre", "chunk_n": 16, "maxnreg": 80},
+    "mma_pre_r96": {"variant": "mma_pre", "maxnreg": 96},
+    "mma_c16_r80": {"variant": "mma", "chunk_n": 16, "maxnreg": 80},
+    # persistent grid-stride loop over the (P block, row, head) units, head fastest: about as many programs
+    # per SM as stay resident (12 at 130-160 registers, 24 at 80; docs/kernel_performance.md)
+    "mma_c16_pers12": {"variant": "mma", "chunk_n": 16, "persistent": 12},
+    "mma_pre_pdl_c16_r80_pers24": {"variant": "mma_pre_pdl", "chunk_n": 16, "maxnreg": 80, "persistent": 24},
 }
+# The configurations added for issue 28 that no sweep has timed yet: benchmarks.sweep_replay runs them in
+# --quick and never lets its time budget skip them at the headline.
+M2_ISSUE28_CONFIGS = ("mma_pre_pdl", "mma_pre_pdl_c16_r80", "mma_pre_c16", "mma_pre_c16_r80", "mma_pre_r96",
+                      "mma_c16_r80", "mma_c16_pers12", "mma_pre_pdl_c16_r80_pers24")
 GDN_CONFIGS = {
     "fma": {"variant": "fma"},
     "fma_bv8": {"variant": "fma", "block_v": 8},

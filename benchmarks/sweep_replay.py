@@ -33,11 +33,12 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
    gated_delta_rule_mtp, fp32 state ("flashinfer_gdn": state written after T tokens, and the rewind verify
    with T intermediate states; `_flashinfer_gdn_rows`), and fla-core's fused_recurrent_gated_delta_rule
    ("fla": T tokens from the state, the final state written in fp32; `_fla_rows`).
-The time budget (--budget-s) also stops the headline from starting configurations other than the current
-one, "mma" and "mma_pre"; what was skipped is listed in the JSON ("skipped").
+The time budget (--budget-s) also stops the headline from starting configurations other than
+ALWAYS_TIMED (the current one, "mma", "mma_pre" and the not yet measured M2_ISSUE28_CONFIGS: PDL, register
+caps); what was skipped is listed in the JSON ("skipped").
 --quick: a shorter run for a first look (about 3 minutes plus FlashInfer's wait): only the configurations of
-QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current and
-"mma"), --budget-s 150, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
+QUICK_CONFIGS (the lowest-register ones without spills in the sm_90 compile report, plus the current,
+"mma" and M2_ISSUE28_CONFIGS), --budget-s 150, --flashinfer-extra-s 0; with --ncu, the bf16 state only.
 Each timing is triton.testing.do_bench's median (microseconds) after a compile call, with the bytes the
 operator must move (state read once, written once where it is written, inputs, outputs and history read and
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
@@ -70,7 +71,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
+from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIGS
 from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
@@ -84,8 +85,12 @@ M2_OPS = ("m2_write", "m2_nowrite", "m2_ckpt", "m2_flush")
 OPS = M2_OPS + ("gdn",)
 CURRENT = "fma"  # the committed kernel before this sweep (the default of DEFAULT_VARIANT at the time)
 # --quick: the current kernel, "mma" and the configurations with the fewest registers and no spills
-# (docs/kernel_performance.md, sm_90 compile report), and the FlashInfer-style split "mma_pre"
-QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4", "mma_pre", "mma_pre_p32w2")
+# (docs/kernel_performance.md, sm_90 compile report), the FlashInfer-style split "mma_pre" and the issue 28
+# additions (PDL, register caps: M2_ISSUE28_CONFIGS)
+QUICK_CONFIGS = ("mma", "mma_c16", "mma_p32w2", "mma_bv32w2", "mma_bv64w4", "mma_pre",
+                 "mma_pre_p32w2") + M2_ISSUE28_CONFIGS
+# the headline configurations the time budget never skips (the rest only start before the deadline)
+ALWAYS_TIMED = (CURRENT, "mma", "mma_pre") + M2_ISSUE28_CONFIGS
 HEADLINE = {"batch": 64, "T": 4, "shape": "ws1"}
 GRID_T = (2, 4, 8)
 GRID_BATCH = (1, 8, 64, 256)
@@ -542,7 +547,7 @@ def sweep(args) -> dict:
             for cfg_name, cfg in _configs(op).items():
                 if only and cfg_name not in only and cfg_name != CURRENT:
                     continue
-                if cfg_name not in (CURRENT, "mma", "mma_pre") and time.time() > deadline:
+                if cfg_name not in ALWAYS_TIMED and time.time() > deadline:
                     res["skipped"].append(f"headline {op}/{name}/{cfg_name}: time budget")
                     continue
                 try:

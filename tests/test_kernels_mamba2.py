@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from replay_oracles import mamba2_materialized_state, mamba2_replay_verify_oracle  # noqa: E402
 
+from benchmarks.replay_configs import M2_CONFIGS  # noqa: E402
 from kernels import _common  # noqa: E402
 from kernels.commit import (  # noqa: E402
     allocate_replay_slots,
@@ -29,6 +30,7 @@ from kernels.commit import (  # noqa: E402
 )
 from kernels.mamba2 import (  # noqa: E402
     ReplayHistory,
+    replay,
     replay_verify,
     replay_verify_ref,
     selective_state_update,
@@ -55,8 +57,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernel variants of the replay verify (kernels.mamba2.replay.VARIANTS): each is held to the same tolerances.
 # "mma" splits an fp32 operand into 2 bf16 pieces (about 2^-17 relative per product, kernels/_mma.py): on
 # O(1-10) values that is ~1e-5, inside the fp32 tolerance with a margin of ~5. "mma_pre": "mma" with the
-# C B^T products and the B history writes in a precompute kernel (same tolerances).
-VARIANTS = ("fma", "mma", "mma_pre")
+# C B^T products and the B history writes in a precompute kernel (same tolerances); "mma_pre_pdl": "mma_pre"
+# with PDL, which the interpreter runs as "mma_pre" (its launches run one after the other; the PDL ordering is
+# covered by the `gpu` tests of tests/test_kernels_mamba2_gpu.py, which iterate over the same table).
+VARIANTS = tuple(replay.VARIANTS)
 
 
 def assert_close(a, b, dtype=None, what=""):
@@ -296,7 +300,7 @@ MMA_DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat
 @pytest.mark.parametrize(
     "variant,state_dtype,in_dtype",
     [("fma", s, i) for s in DTYPES for i in DTYPES]
-    + [(v, s, i) for v in ("mma", "mma_pre") for s, i in MMA_DTYPE_PAIRS],
+    + [(v, s, i) for v in VARIANTS if v != "fma" for s, i in MMA_DTYPE_PAIRS],
 )
 def test_replay_verify_matches_reference_all_dtypes(variant, state_dtype, in_dtype):
     S, H, P, N, G, T, L = 5, 2, 16, 16, 1, 3, 3
@@ -383,6 +387,25 @@ def test_replay_walks_d_state_in_chunks(checkpointing, variant):
     assert not torch.equal(st_k[0], state[0]), "slot 0 must have been fast-forwarded"
     for f in ("x", "B", "dt", "dA_cumsum"):
         assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+
+
+@pytest.mark.parametrize("variant", ["mma", "mma_pre"])
+def test_replay_persistent_grid_walks_every_unit(variant):
+    """persistent=: 3 programs (the interpreter counts 1 SM) walk the 2 P blocks x 3 rows x 3 heads with a
+    grid stride: per-step replay with a write, PNAT 0 and a PAD row, as without it."""
+    S, H, P, N, G, T, L = 4, 3, 20, 16, 1, 3, 3
+    case = _replay_case(S, H, P, N, G, T, L, torch.float32, torch.float32,
+                        slot_ids=[3, -1, 1], pnat=[0, 0, 1, 3], bufidx=[0, 1, 0, 1])
+    (st_k, h_k, out_k), (st_r, h_r, out_r) = _run_replay_both(case, T, variant=variant, persistent=3)
+    assert_close(out_k, out_r, what="out")
+    assert_close(st_k, st_r, what="state")
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert_close(getattr(h_k, f), getattr(h_r, f), what=f"history.{f}")
+    assert (out_k[1] == 0).all() and not torch.isnan(out_k).any()
+    A, D, dt_bias, hist, x, dt, B, C, state, slot_ids, pnat, bufidx = case
+    with pytest.raises(ValueError, match="persistent must be a non-negative int"):
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="fma",
+                      persistent=2)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -593,12 +616,21 @@ def test_long_run_checkpointing_agrees_with_rewind(variant):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# launcher arguments: every variant, the sweep's register-capped and persistent configurations
+# (benchmarks/replay_configs.py; the interpreter ignores maxnreg, so those check the argument's way through
+# the launcher; the GPU tests run them compiled), and a persistent grid of 5 programs for the 12 units here
+# (the interpreter counts 1 SM): programs walk 3, 3, 2, 2, 2 units
+TUNED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c or "persistent" in c)
+CKPT_KERNEL_KW = {**{v: {"variant": v} for v in VARIANTS}, **{k: M2_CONFIGS[k] for k in TUNED},
+                  "mma_pre_pdl_persistent5": {"variant": "mma_pre_pdl", "chunk_n": 16, "persistent": 5}}
+
+
+@pytest.mark.parametrize("config", list(CKPT_KERNEL_KW))
 @pytest.mark.parametrize(
     "state_dtype,in_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
 )
-def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, variant):
+def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, config):
     S, H, P, N, G, T, L = 6, 2, 16, 24, 2, 3, 8
     A, D, dt_bias = make_params(H)
     hist = random_history(S, L, H, P, G, N, in_dtype, A, seed=3, checkpointing=True)
@@ -612,7 +644,7 @@ def test_checkpointing_verify_matches_reference(state_dtype, in_dtype, variant):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), clone_history(hist)
         out = nan_like((6, T, H, P), in_dtype)
-        kw = dict(variant=variant) if fn is replay_verify else {}
+        kw = CKPT_KERNEL_KW[config] if fn is replay_verify else {}
         fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, **kw)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
@@ -658,6 +690,35 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="prev_num_accepted dtype"):
         hist2 = ReplayHistory.allocate(S, 2, H, P, G, N, dtype=torch.float32, device=DEV)
         replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist2, pnat.long(), bufidx)
+
+
+def test_launch_features_are_refused_clearly_where_missing(monkeypatch):
+    """maxnreg out of range; a Triton without `maxnreg` / `launch_pdl`; PDL off in the interpreter."""
+    S, H, P, N, G, T = 2, 2, 16, 16, 1, 2
+    A, D, dt_bias = make_params(H)
+    x, dt, B, C = make_inputs(1, T, H, P, G, N, torch.float32, seed=0)
+    state = torch.zeros(S, H, P, N, device=DEV)
+    slot_ids = torch.zeros(1, dtype=torch.int32, device=DEV)
+    hist = ReplayHistory.allocate(S, T, H, P, G, N, dtype=torch.float32, device=DEV)
+    pnat, bufidx = allocate_replay_slots(S, device=DEV)
+    for bad in (8, 300, 80.0, True):
+        with pytest.raises(ValueError, match=r"maxnreg must be an int in \[32, 255\]"):
+            replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="mma",
+                          maxnreg=bad)
+    check = replay._check_launch_features
+    assert replay._launch_options() == {"launch_pdl", "maxnreg"}  # Triton >= 3.6 (the H200 image's)
+    monkeypatch.setattr(replay, "_launch_options", lambda: frozenset())
+    with pytest.raises(ValueError, match="no `maxnreg` launch option"):
+        replay_verify(state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx, variant="mma",
+                      maxnreg=80)
+    if DEV == "cpu":  # the interpreter runs the kernels one after the other: no PDL, no refusal
+        assert check("mma_pre_pdl", None, torch.device("cpu"), "t") is False
+    monkeypatch.setattr(replay, "interpreter_active", lambda: False)
+    with pytest.raises(ValueError, match="needs programmatic dependent launch.*use variant='mma_pre'"):
+        check("mma_pre_pdl", None, torch.device(DEV), "t")
+    monkeypatch.setattr(replay, "_launch_options", lambda: frozenset({"launch_pdl", "maxnreg"}))
+    assert check("mma_pre_pdl", 80, torch.device("cpu"), "t") is True
+    assert check("mma_pre", 80, torch.device("cpu"), "t") is False
 
 
 def test_bench_mamba2_dry_run_and_bad_arguments(capsys):

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # keep the interpreter setting consistent wit
 import pytest  # noqa: E402
 from replay_oracles import mamba2_materialized_state  # noqa: E402
 
+from benchmarks.replay_configs import M2_CONFIGS  # noqa: E402
 from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit, rewind_commit_ref  # noqa: E402
 from kernels.mamba2 import (  # noqa: E402
     ReplayHistory,
@@ -38,6 +39,8 @@ POISON = 0x7BADBEEF
 # 2^-8 relative: 1.6e-2 = 4 ulps); a bf16 state adds one state ulp of the same size.
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2}
 VARIANTS = tuple(replay.VARIANTS)  # every kernel variant of the replay verify
+# the sweep's register-capped and persistent configurations
+TUNED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c or "persistent" in c)
 
 
 def close(a, b, tol, what):
@@ -108,6 +111,53 @@ def _history(seed, A, dtype=torch.bfloat16, hist_len=T, checkpointing=False):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gpu_replay_super_v3_shape(state_dtype, checkpointing, variant):
+    _super_v3_case(state_dtype, checkpointing, variant=variant)
+
+
+@pytest.mark.parametrize("config", TUNED)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_replay_register_capped_and_persistent_configs(state_dtype, checkpointing, config):
+    """The sweep's maxnreg configurations compiled with their caps (spilling ones included) and its persistent
+    grids (12-24 programs per SM walking 4 x 64 x 128 units): same results."""
+    _super_v3_case(state_dtype, checkpointing, **M2_CONFIGS[config])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_pdl_variant_equals_mma_pre_bitwise(state_dtype, checkpointing):
+    """"mma_pre_pdl" runs the kernels of "mma_pre" (same arithmetic) with the main kernel's state pass before
+    its wait for the precompute kernel: any read of cb / cbo or a B history row ahead of the precompute's
+    writes would show as a difference. Eight back-to-back steps on one stream, with flushes."""
+    A, D, dt_bias = params()
+    L = 16 if checkpointing else T
+    state0 = torch.randn(SLOTS, H, P, N, device="cuda").to(state_dtype)
+    steps = [(inputs(40 + i), slots_with_pad(50 + i),
+              torch.randint(1, T + 1, (BATCH,), device="cuda", dtype=torch.int32)) for i in range(8)]
+    res = []
+    for variant in ("mma_pre", "mma_pre_pdl"):
+        st = state0.clone()
+        hist = ReplayHistory.allocate(SLOTS, L, H, P, G, N, dtype=torch.bfloat16, device="cuda",
+                                      checkpointing=checkpointing)
+        pnat, bufidx = allocate_replay_slots(SLOTS, device="cuda")
+        outs = []
+        for (x, dt, B, C), slot_ids, nat in steps:
+            outs.append(replay_verify(st, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx,
+                                      variant=variant))
+            replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=L if checkpointing else None)
+        torch.cuda.synchronize()
+        res.append((st, hist, outs))
+    (st_a, h_a, outs_a), (st_b, h_b, outs_b) = res
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        assert torch.equal(a, b), f"out of step {i} differs"
+    assert torch.equal(st_a, st_b), "state differs"
+    for f in ("x", "B", "dt", "dA_cumsum"):
+        assert torch.equal(getattr(h_a, f), getattr(h_b, f)), f"history.{f} differs"
+
+
+def _super_v3_case(state_dtype, checkpointing, **kernel_kw):
+    """Kernel (launcher arguments `kernel_kw`) vs reference, replayed state vs materialised, replay vs rewind
+    outputs, at the Super V3 shape with random PNAT (checkpointing: with and without flushes) and PAD rows."""
     A, D, dt_bias = params()
     x, dt, B, C = inputs(3)
     slot_ids = slots_with_pad(4)
@@ -121,7 +171,7 @@ def test_gpu_replay_super_v3_shape(state_dtype, checkpointing, variant):
     for fn in (replay_verify, replay_verify_ref):
         st, h = state.clone(), ReplayHistory(*(t.clone() for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum)))
         out = torch.full((BATCH, T, H, P), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, variant=variant)
+        fn(st, x, dt, A, B, C, D, dt_bias, slot_ids, h, pnat, bufidx, out=out, **kernel_kw)
         res.append((st, h, out))
     (st_k, h_k, out_k), (st_r, h_r, out_r) = res
     tol = max(TOL[state_dtype], TOL[torch.bfloat16])

@@ -64,6 +64,15 @@ launch's (history layout, state dtype, shape class, batch bucket): the committed
   writes the B history; the main "mma" kernel reads those (TP, TP) / (TP, LP) fp32 blocks instead of
   loading B (and, without a write, B_old) and recomputing the products in each of its heads_per_group x
   P-block programs. Same math and tolerances; two launches and a small fp32 scratch per call.
+- "mma_pre_pdl": "mma_pre" with the main kernel launched as a programmatic dependent of the precompute
+  kernel (PDL, sm_90+: Triton's `launch_pdl` option; the precompute kernel signals `gdc_launch_dependents` at
+  its start): the main kernel's state pass (state loads, fast-forward, state store) overlaps the precompute
+  kernel, and it waits (`gdc_wait`) only before reading C B^T / C B_old^T, as FlashInfer's checkpointing_ssu
+  waits (`cudaGridDependencySynchronize`) only before its output phase. Same results as "mma_pre".
+- `maxnreg=` (any variant): Triton's register cap of the main kernel (PTX .maxnreg), trading spills for
+  resident warps (FlashInfer's checkpointing_ssu caps at 80); the results do not depend on it.
+- `persistent=` (mma variants): a persistent grid of about `persistent` programs per SM walking the (P block,
+  row, head) units with a grid stride, head fastest (checkpointing_ssu's persistent work loop); same results.
 - All take `stochastic_rounding=` (kernels/rounding.py) for a 16-bit state's write.
 
 Checkpointing variant (`ReplayHistory.allocate(..., checkpointing=True)`, `replay_advance(..., hist_len=L)`):
@@ -88,6 +97,8 @@ no-write-path design); written from the math above.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,7 +119,15 @@ VARIANTS = {
     "fma": {"per_step": (16, 2), "checkpointing": (16, 4)},
     "mma": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},  # + (chunk_n, num_stages)
     "mma_pre": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},
+    "mma_pre_pdl": {"per_step": (16, 1, 32, 2), "checkpointing": (16, 1, 32, 2)},
 }
+# The variants launched as two kernels (a precompute kernel, then the "mma" kernel), and those of them whose
+# main kernel is a programmatic dependent launch of the precompute kernel (`_check_launch_features`).
+_PRE_VARIANTS = ("mma_pre", "mma_pre_pdl")
+_PDL_VARIANTS = ("mma_pre_pdl",)
+# `maxnreg=` bounds: PTX's .maxnreg is at most 255 on sm_90; below 32 registers a thread holds too little of
+# a 16-row mma tile to be worth the spills.
+MAXNREG_RANGE = (32, 255)
 # The variant of a launch without `variant=` whose (operation, state dtype, shape class, batch) has no row in
 # the measured table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
 # `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
@@ -340,7 +359,8 @@ def _replay_verify_kernel(
 
 
 @triton.jit
-def _replay_verify_mma_kernel(
+def _replay_mma_unit(
+    pid_p, b, h,
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
     xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
     H, P, N, heads_per_group, dt_min, dt_max,
@@ -360,7 +380,7 @@ def _replay_verify_mma_kernel(
     TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
-    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
 ):
     # The "mma" variant: every reduction over d_state or tokens is a tensor-core product of bf16 pieces
     # (kernels/_mma.py) instead of CUDA-core FMAs + tl.sum shuffle chains. One program per (P block, row,
@@ -371,10 +391,14 @@ def _replay_verify_mma_kernel(
     #   no write (k = 0, checkpointing without flush): the state is only read, and
     #       C . S = exp(c_{k-1}) (C . h) + ((C B_old^T) w) @ X_old  (FlashInfer's no-write path).
     # PRE ("mma_pre"): C B^T and C B_old^T of this (row, group) come from `_replay_precompute_kernel` (cb_ptr,
-    # cbo_ptr), which also writes the B history: the program loads no B (and no B_old without a write).
-    pid_p = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
+    # cbo_ptr), which also writes the B history: the program loads no B (and no B_old without a write). They
+    # are loaded after the pass over the state, which needs nothing of the precompute kernel.
+    # PDL ("mma_pre_pdl", with PRE): launched as a programmatic dependent of the precompute kernel, the
+    # program runs its state pass (loads, fast-forward, state store) while the precompute may still run and
+    # waits for it (gdc_wait) only before the first read of cb / cbo. Nothing read before the wait is written
+    # by the precompute (it writes cb, cbo and history B buffer wb; this pass reads buffer rb), and nothing
+    # written here is read by it.
+    # One work unit: (P block pid_p, batch row b, head h), b and h int64 (`_replay_verify_mma_kernel`).
     g = h // heads_per_group
     slot = tl.load(slot_ptr + b).to(tl.int64)
     live = slot >= 0
@@ -445,11 +469,8 @@ def _replay_verify_mma_kernel(
     p_Bw = Bh_ptr + s * s_Bhs + wb * s_Bhi + g * s_Bhg
     row = (s * H + h) * P + offs_p  # global state rows of this tile (stochastic rounding counters)
 
-    if PRE:  # C_t . B_j of the new tokens, from the precompute kernel
-        p_cb = (b * (H // heads_per_group) + g) * TP
-        CB = tl.load(cb_ptr + (p_cb + offs_t[:, None]) * TP + offs_t[None, :])
-    else:
-        CB = tl.zeros([TP, TP], tl.float32)  # C_t . B_j of the new tokens
+    CB = tl.zeros([TP, TP], tl.float32)  # C_t . B_j of the new tokens (PRE: loaded after the state pass)
+    p_cb = (b * (H // heads_per_group) + g) * TP  # PRE: this (row, group)'s rows of cb / cbo
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
@@ -471,11 +492,10 @@ def _replay_verify_mma_kernel(
             tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
             # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
             CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the precompute kernel's cb is complete and visible after this
     else:
-        if PRE:  # C_t . B_j of the pending old tokens, from the precompute kernel
-            CBo = tl.load(cbo_ptr + (p_cb + offs_t[:, None]) * LP + offs_l[None, :])
-        else:
-            CBo = tl.zeros([TP, LP], tl.float32)  # C_t . B_j of the pending old tokens
+        CBo = tl.zeros([TP, LP], tl.float32)  # C_t . B_j of the pending old tokens
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
@@ -493,7 +513,13 @@ def _replay_verify_mma_kernel(
                 if CHECKPOINT:  # the pending tokens stay: copy their B into the buffer written now
                     tl.store(p_Bw + offs_l[:, None] * s_Bht + cols[None, :] * s_Bhn, Boc,
                              mask=keep_B[:, None] & mcol[None, :])
+        if PRE:  # C_t . B_j of the pending old tokens, from the precompute kernel
+            if PDL:
+                tl.extra.cuda.gdc_wait()  # the precompute kernel's cb, cbo are complete and visible after this
+            CBo = tl.load(cbo_ptr + (p_cb + offs_t[:, None]) * LP + offs_l[None, :])
         CS = split_dot(XoT, tl.trans(CBo * w[None, :]), CS * decay, S_HIST, SPLIT, INTERP)
+    if PRE:  # C_t . B_j of the new tokens, from the precompute kernel (after the wait of either branch)
+        CB = tl.load(cb_ptr + (p_cb + offs_t[:, None]) * TP + offs_t[None, :])
 
     # ---- outputs: y = exp(cum_t) C_t . S + sum_{j <= t} (C_t . B_j) exp(cum_t - cum_j) dt'_j x_j + D x_t ----
     causal = offs_t[:, None] >= offs_t[None, :]
@@ -520,6 +546,102 @@ def _replay_verify_mma_kernel(
     tl.store(dth_ptr + s * s_dths + wb * s_dthi + h * s_dthh + pos * s_dtht, dtv, mask=mask_th)
     tl.store(cumh_ptr + s * s_chs + wb * s_chi + h * s_chh + pos * s_cht, cum + cum_base, mask=mask_th)
 
+
+@triton.jit(noinline=True)
+def _replay_mma_unit_call(
+    pid_p, b, h,
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
+    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
+    H, P, N, heads_per_group, dt_min, dt_max,
+    s_ss, s_sh, s_sp, s_sn,
+    s_xb, s_xt, s_xh, s_xp,
+    s_dtb, s_dtt, s_dth,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    s_ob, s_ot, s_oh, s_op,
+    s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+    s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
+    s_dths, s_dthi, s_dthh, s_dtht,
+    s_chs, s_chi, s_chh, s_cht,
+    cb_ptr, cbo_ptr,
+    T: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
+    TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+):
+    # `_replay_mma_unit` as a called (not inlined) function: the persistent loop's body. Inlined into the
+    # loop, the compiler keeps values across units (sm_90, Triton 3.6: 168-218 registers instead of
+    # 84-140); called, 120-155.
+    _replay_mma_unit(pid_p, b, h, state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
+                     slot_ptr, out_ptr, xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr,
+                     sr_seed_ptr, sr_step_ptr, sr_salt, H, P, N, heads_per_group, dt_min, dt_max, s_ss,
+                     s_sh, s_sp, s_sn, s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn,
+                     s_Cb, s_Ct, s_Cg, s_Cn, s_ob, s_ot, s_oh, s_op, s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+                     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn, s_dths, s_dthi, s_dthh, s_dtht, s_chs, s_chi,
+                     s_chh, s_cht, cb_ptr, cbo_ptr, T, L, HAS_D, HAS_DT_LIMIT, CHECKPOINT, TP, LP, BLOCK_P,
+                     BLOCK_N, CHUNK_N, NUM_STAGES, S_IN, S_HIST, S_STATE, SPLIT, SR, SR_ROUNDS, INTERP,
+                     PRE, PDL)
+
+
+@triton.jit
+def _replay_verify_mma_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr,
+    xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr, sr_salt,
+    H, P, N, heads_per_group, dt_min, dt_max,
+    s_ss, s_sh, s_sp, s_sn,
+    s_xb, s_xt, s_xh, s_xp,
+    s_dtb, s_dtt, s_dth,
+    s_Bb, s_Bt, s_Bg, s_Bn,
+    s_Cb, s_Ct, s_Cg, s_Cn,
+    s_ob, s_ot, s_oh, s_op,
+    s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+    s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
+    s_dths, s_dthi, s_dthh, s_dtht,
+    s_chs, s_chi, s_chh, s_cht,
+    cb_ptr, cbo_ptr, n_rows,
+    T: tl.constexpr, L: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CHECKPOINT: tl.constexpr,
+    TP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    S_IN: tl.constexpr, S_HIST: tl.constexpr, S_STATE: tl.constexpr, SPLIT: tl.constexpr,
+    SR: tl.constexpr, SR_ROUNDS: tl.constexpr, INTERP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+    PERSIST: tl.constexpr,
+):
+    # The "mma" variant's kernel (`_replay_mma_unit` holds the work of one unit). Grid (P blocks, rows, heads):
+    # one program per unit. PERSIST (`persistent=` of the launcher): a 1-D grid of fewer programs, each walking
+    # the units u = program id, + number of programs, ... with the head fastest (u = (pid_p * n_rows + b) * H +
+    # h), so programs running at the same time share a row's C, B_old (and cb / cbo) in L2, as FlashInfer's
+    # persistent checkpointing_ssu walks its (row, head) units.
+    if PERSIST:
+        n_units = tl.cdiv(P, BLOCK_P) * n_rows * H
+        for u in range(tl.program_id(0), n_units, tl.num_programs(0)):
+            h = u % H
+            r = u // H
+            _replay_mma_unit_call(r // n_rows, (r % n_rows).to(tl.int64), h.to(tl.int64), state_ptr, x_ptr,
+                                  dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, out_ptr, xh_ptr,
+                                  Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr, sr_step_ptr,
+                                  sr_salt, H, P, N, heads_per_group, dt_min, dt_max, s_ss, s_sh, s_sp, s_sn,
+                                  s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb,
+                                  s_Ct, s_Cg, s_Cn, s_ob, s_ot, s_oh, s_op, s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+                                  s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn, s_dths, s_dthi, s_dthh, s_dtht, s_chs,
+                                  s_chi, s_chh, s_cht, cb_ptr, cbo_ptr, T, L, HAS_D, HAS_DT_LIMIT, CHECKPOINT,
+                                  TP, LP, BLOCK_P, BLOCK_N, CHUNK_N, NUM_STAGES, S_IN, S_HIST, S_STATE, SPLIT,
+                                  SR, SR_ROUNDS, INTERP, PRE, PDL)
+    else:
+        _replay_mma_unit(tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+                         state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr,
+                         out_ptr, xh_ptr, Bh_ptr, dth_ptr, cumh_ptr, pnat_ptr, bufidx_ptr, sr_seed_ptr,
+                         sr_step_ptr, sr_salt, H, P, N, heads_per_group, dt_min, dt_max, s_ss, s_sh, s_sp,
+                         s_sn, s_xb, s_xt, s_xh, s_xp, s_dtb, s_dtt, s_dth, s_Bb, s_Bt, s_Bg, s_Bn, s_Cb,
+                         s_Ct, s_Cg, s_Cn, s_ob, s_ot, s_oh, s_op, s_xhs, s_xhi, s_xht, s_xhh, s_xhp,
+                         s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn, s_dths, s_dthi, s_dthh, s_dtht, s_chs, s_chi,
+                         s_chh, s_cht, cb_ptr, cbo_ptr, T, L, HAS_D, HAS_DT_LIMIT, CHECKPOINT, TP, LP,
+                         BLOCK_P, BLOCK_N, CHUNK_N, NUM_STAGES, S_IN, S_HIST, S_STATE, SPLIT, SR,
+                         SR_ROUNDS, INTERP, PRE, PDL)
+
+
 @triton.jit
 def _replay_precompute_kernel(
     B_ptr, C_ptr, slot_ptr, Bh_ptr, pnat_ptr, bufidx_ptr, cb_ptr, cbo_ptr, N,
@@ -527,7 +649,7 @@ def _replay_precompute_kernel(
     s_Cb, s_Ct, s_Cg, s_Cn,
     s_Bhs, s_Bhi, s_Bht, s_Bhg, s_Bhn,
     T: tl.constexpr, L: tl.constexpr, CHECKPOINT: tl.constexpr, TP: tl.constexpr, LP: tl.constexpr,
-    KN: tl.constexpr, S_IN: tl.constexpr, S_HIST: tl.constexpr, INTERP: tl.constexpr,
+    KN: tl.constexpr, S_IN: tl.constexpr, S_HIST: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     # The "mma_pre" variant's first kernel, one program per (batch row, group): the (TP, TP) C_t . B_j of the
     # new tokens and the (TP, LP) C_t . B_j of the k pending ones (split-bf16 mma over the whole d_state, fp32
@@ -535,6 +657,8 @@ def _replay_precompute_kernel(
     # writes of the main kernel (the new tokens' B into buffer wb; checkpointing without a flush: the pending
     # tokens' B copied from rb). FlashInfer's checkpointing_ssu splits the same way (a precompute kernel
     # for the per-group C B^T products before its main kernel).
+    if PDL:  # "mma_pre_pdl": the main kernel may launch now; it waits (gdc_wait) for this grid before cb / cbo
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     G = tl.num_programs(1)
@@ -574,6 +698,51 @@ def _replay_precompute_kernel(
     mask_tw = offs_t < tl.where(live, T, 0)
     tl.store(p_Bh + wb * s_Bhi + (base + offs_t)[:, None] * s_Bht, Bc.to(Bh_ptr.dtype.element_ty),
              mask=mask_tw[:, None] & mask_n[None, :])
+
+
+@functools.cache
+def _launch_options() -> frozenset[str]:
+    """The optional launch options of this Triton's NVIDIA backend that the launcher can use: a subset of
+    {"launch_pdl", "maxnreg"} ("launch_pdl" only together with `tl.extra.cuda.gdc_wait` /
+    `gdc_launch_dependents`). Triton 3.6.0 (the H200 image's) and 3.9.0 have both."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return frozenset()
+    fields = {f.name for f in dataclasses.fields(CUDAOptions)}
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    gdc = all(hasattr(cuda, f) for f in ("gdc_wait", "gdc_launch_dependents"))
+    return frozenset({o for o in ("launch_pdl", "maxnreg") if o in fields} - (set() if gdc else {"launch_pdl"}))
+
+
+def _check_launch_features(variant: str, maxnreg: int | None, device: torch.device, name: str) -> bool:
+    """Refuse a launch feature this Triton or GPU lacks; returns whether to launch with PDL.
+
+    PDL ("mma_pre_pdl") needs Triton's `launch_pdl` option with `gdc_wait` and an sm_90+ GPU (griddepcontrol);
+    in the interpreter the kernels run one after the other, so the variant runs without PDL (the wait would
+    be satisfied anyway: the same results). `maxnreg` needs Triton's `maxnreg` option; the interpreter
+    ignores it.
+
+    Raises:
+        ValueError: maxnreg out of `MAXNREG_RANGE`, or a feature that this Triton / GPU does not have.
+    """
+    if maxnreg is not None:
+        lo, hi = MAXNREG_RANGE
+        if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not lo <= maxnreg <= hi:
+            raise ValueError(f"{name}: maxnreg must be an int in [{lo}, {hi}] (registers per thread), got {maxnreg!r}")
+        if "maxnreg" not in _launch_options():
+            raise ValueError(f"{name}: this Triton ({triton.__version__}) has no `maxnreg` launch option; leave "
+                             f"maxnreg=None (Triton 3.6 and later have it)")
+    if variant not in _PDL_VARIANTS or interpreter_active():
+        return False
+    if "launch_pdl" not in _launch_options():
+        raise ValueError(f"{name}: variant {variant!r} needs programmatic dependent launch (Triton's `launch_pdl` "
+                         f"option and tl.extra.cuda.gdc_wait), which this Triton ({triton.__version__}) lacks; "
+                         f"use variant='mma_pre' (the same kernels, launched one after the other)")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        raise ValueError(f"{name}: variant {variant!r} needs an sm_90+ GPU (programmatic dependent launch), got "
+                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}; use variant='mma_pre'")
+    return True
 
 
 def _check_history(state, x, B, history, prev_num_accepted, buffer_index, name):
@@ -622,6 +791,8 @@ def replay_verify(
     split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
+    persistent: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """Replay verify of one Mamba2 layer (Triton): fast-forward by PNAT old tokens, outputs of T new ones.
@@ -646,8 +817,9 @@ def replay_verify(
             next_pow2(P) (at least 16 for "mma"). Each program holds a (block_p, next_pow2(N)) fp32 state tile.
         num_warps: warps per program; default per variant (`VARIANTS`).
         variant: "fma" (CUDA-core FMAs and tl.sum reductions), "mma" (reductions as split-bf16 tensor-core
-            products, kernels/_mma.py) or "mma_pre" ("mma" with the per-group C B^T products and the B
-            history writes in a precompute kernel launched first); None: the measured default of `kernels.replay_defaults` for operation
+            products, kernels/_mma.py), "mma_pre" ("mma" with the per-group C B^T products and the B
+            history writes in a precompute kernel launched first) or "mma_pre_pdl" ("mma_pre" with the main
+            kernel a programmatic dependent launch of the precompute kernel: sm_90+); None: the measured default of `kernels.replay_defaults` for operation
             "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
             whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row).
             Same results to the tolerances of tests/test_kernels_mamba2.py.
@@ -655,6 +827,13 @@ def replay_verify(
             (about 2^-17 relative; the default) or 3 (fp32 rounding).
         chunk_n, num_stages: "mma" only: d_state columns per step of the program's loop over its tile (power
             of two, >= 16) and the software-pipelining depth of that loop; defaults in `VARIANTS`.
+        maxnreg: registers per thread the main kernel may use (Triton's `maxnreg` launch option, PTX
+            .maxnreg; `MAXNREG_RANGE`), trading spills for resident warps; None: the compiler's choice.
+            Ignored by the interpreter; the results do not depend on it.
+        persistent: mma variants only: launch min(units, persistent x SMs) programs that walk the (P block,
+            row, head) units with a grid stride, head fastest, instead of one program per unit (choose about
+            the CTAs per SM the kernel's registers leave resident; the interpreter counts 1 SM); None or 0:
+            one program per unit. Same results.
         stochastic_rounding: a `kernels.rounding.StochasticRounding` to round the state write stochastically
             (bf16 / fp16 states only); None rounds to nearest.
 
@@ -662,7 +841,8 @@ def replay_verify(
         out: (B, T, H, P), equal to the rewind verify's output from the state after PNAT accepted tokens.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit, or history length L < T.
+        ValueError: shapes, dtypes or devices that do not fit, history length L < T, maxnreg out of range, or
+            a variant / maxnreg that this Triton or GPU cannot launch (`_check_launch_features`).
     """
     name = "replay_verify"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
@@ -678,19 +858,20 @@ def replay_verify(
 
     tuning = replay_defaults.resolve(
         dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
-             num_stages=num_stages),
+             num_stages=num_stages, maxnreg=maxnreg, persistent=persistent),
         "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
         replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT, variants=VARIANTS)
-    variant, block_p, num_warps, chunk_n, num_stages = (
-        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages"))
+    variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
+        tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages", "maxnreg", "persistent"))
     split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     if split not in (2, 3):
         raise ValueError(f"{name}: split must be 2 or 3 (bf16 pieces of an fp32 operand), got {split}")
+    pdl = _check_launch_features(variant, maxnreg, x.device, name)
     cfg = VARIANTS[variant]["checkpointing" if history.checkpointing else "per_step"]
     BLOCK_N = triton.next_power_of_2(N)
-    mma = variant in ("mma", "mma_pre")
+    mma = variant.startswith("mma")
     if mma:
         num_warps = num_warps or cfg[1]
         BLOCK_P = block_p or max(16, min(cfg[0], triton.next_power_of_2(P)))
@@ -699,6 +880,10 @@ def replay_verify(
         num_warps = num_warps or (cfg[1] if BLOCK_P * BLOCK_N <= 2048 else 4)
     if BLOCK_P & (BLOCK_P - 1) or (mma and BLOCK_P < 16):
         raise ValueError(f"{name}: block_p must be a power of two (>= 16 for the mma variants), got {BLOCK_P}")
+    if persistent and (not mma or isinstance(persistent, bool) or not isinstance(persistent, int)
+                       or persistent < 0):
+        raise ValueError(f"{name}: persistent must be a non-negative int (programs per SM) and is for the mma "
+                         f"variants only, got {persistent!r} with variant {variant!r}")
     sr = launch_args(stochastic_rounding, state, name)
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
@@ -713,12 +898,14 @@ def replay_verify(
     )
     common = dict(T=T, L=L, HAS_D=D is not None, HAS_DT_LIMIT=has_limit, CHECKPOINT=history.checkpointing,
                   BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=num_warps, **sr)
+    if maxnreg is not None:  # the main kernel's register cap (a compile option: part of Triton's cache key)
+        common["maxnreg"] = maxnreg
     if mma:
         pieces = PIECES[state.dtype] if state.dtype != torch.float32 else split
         TP, LP = max(16, triton.next_power_of_2(T)), max(16, triton.next_power_of_2(L))
         S_IN = max(PIECES[t.dtype] for t in (x, B, C))
         S_HIST = max(PIECES[t.dtype] for t in (history.x, history.B))
-        pre = variant == "mma_pre"
+        pre = variant in _PRE_VARIANTS
         if pre:  # scratch of the precompute kernel: C B^T, C B_old^T per (row, group), fp32
             cb = torch.empty(Bsz, G, TP, TP, device=x.device, dtype=torch.float32)
             cbo = torch.empty(Bsz, G, TP, LP, device=x.device, dtype=torch.float32)
@@ -726,14 +913,17 @@ def replay_verify(
                 B, C, slot_ids, history.B, prev_num_accepted, buffer_index, cb, cbo, N,
                 *B.stride(), *C.stride(), *history.B.stride(), T=T, L=L, CHECKPOINT=history.checkpointing,
                 TP=TP, LP=LP, KN=max(16, BLOCK_N), S_IN=S_IN, S_HIST=S_HIST, INTERP=interpreter_active(),
-                num_warps=4)
+                PDL=pdl, num_warps=4)
         else:
             cb = cbo = A  # not read
+        if persistent:
+            sms = 1 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
+            grid = (min(grid[0] * grid[1] * grid[2], persistent * sms),)
         _replay_verify_mma_kernel[grid](
-            *args, cb, cbo, TP=TP, LP=LP,
+            *args, cb, cbo, Bsz, TP=TP, LP=LP, PERSIST=bool(persistent),
             CHUNK_N=min(chunk_n, BLOCK_N) if chunk_n else min(cfg[2], BLOCK_N), NUM_STAGES=num_stages or cfg[3],
             S_IN=S_IN, S_HIST=S_HIST, S_STATE=pieces, SPLIT=split, INTERP=interpreter_active(), PRE=pre,
-            **common)
+            PDL=pdl, **({"launch_pdl": True} if pdl else {}), **common)
     else:
         _replay_verify_kernel[grid](*args, BLOCK_T=triton.next_power_of_2(T), **common)
     return out
@@ -761,12 +951,14 @@ def replay_verify_ref(
     split: int | None = None,
     chunk_n: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
+    persistent: int | None = None,
     stochastic_rounding: StochasticRounding | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of `replay_verify`, vectorised over the batch: the engine's CPU path.
 
-    Same arguments, effects and result as the kernel (block_p, num_warps, variant, split, chunk_n, num_stages:
-    the kernel's tuning, ignored), both history layouts. `stochastic_rounding` rounds the stored state with
+    Same arguments, effects and result as the kernel (block_p, num_warps, variant, split, chunk_n, num_stages,
+    maxnreg, persistent: the kernel's tuning, ignored), both history layouts. `stochastic_rounding` rounds the stored state with
     `kernels.rounding.stochastic_round_ref` (torch random bits: the same rule, not the kernel's bits). For the live rows (slot s = slot_ids[b] >= 0, k = PNAT[s] clamped to [0, L],
     r = buffer_index[s] % 2, w = 1 - r; flush = per-step history, or k + T > L):
     1. fast-forward in closed form, h = exp(c_{k-1}) h_s + sum_{j<k} exp(c_{k-1} - c_j) dt'_j x_j (outer) B_j
@@ -783,7 +975,7 @@ def replay_verify_ref(
     Source: the SSD closed form of the module docstring; tested against the kernel and a token-by-token
     oracle (tests/replay_oracles.py).
     """
-    del block_p, num_warps, variant, split, chunk_n, num_stages
+    del block_p, num_warps, variant, split, chunk_n, num_stages, maxnreg, persistent
     name = "replay_verify_ref"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
     L = _check_history(state, x, B, history, prev_num_accepted, buffer_index, name)
