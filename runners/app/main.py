@@ -411,7 +411,7 @@ def _capture_graphs(engine: Engine, rr: ResolvedRun) -> float | None:
     seconds = time.perf_counter() - t0
     compiled = getattr(engine, "compile_seconds", 0.0)
     print(f"captured {n} (batch size, KV bound) graphs in {seconds:.1f} s"
-          + (f" (torch.compile {compiled:.1f} s of it, {engine.compile_graphs} dynamo graphs)"
+          + (f" (torch.compile {compiled:.1f} s of it, {getattr(engine, 'compile_graphs', 0)} dynamo graphs)"
              if compiled else ""), flush=True)
     return seconds
 

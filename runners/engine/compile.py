@@ -16,18 +16,22 @@ or not) and the quantized linears. Their outputs are bitwise those of the eager 
 around them agrees with eager to float rounding (inductor reorders reductions).
 
 Dynamic batch (:data:`DYNAMIC_BATCH`, on): the batch dimension is symbolic, so one compiled graph per block
-kind and step shape (T, KV bucket) serves every captured batch size >= 2, as vLLM compiles one graph for all
-its CUDA-graph sizes (https://docs.vllm.ai/en/latest/design/torch_compile.html). Each call marks dim 0 of
-the block's input and of the batch metadata's [B] tensors with ``torch._dynamo.maybe_mark_dynamic`` (weak:
-where the code specialises a size -- batch 1, by dynamo's 0/1 specialisation -- dynamo specialises instead
-of raising), and compiles with ``dynamic=None``: dynamo's automatic dynamic shapes make the tensors of the
-frames that resume after a graph break (the outputs of the eager operators, which no mark reaches) symbolic
-at their second batch size. Batch 1 keeps its own specialised graphs. Compile counts, CPU, tiny NemotronH
-(Mamba2, attention, MoE; tests/test_compile.py), plain decoding, batch sizes [1, 2, 4, 8], no inductor
-caches: 36 graphs in 129 s per-size (``DYNAMIC_BATCH = False``: 9 per size) against 18 graphs in 65 s
-dynamic (9 at batch 1, 9 at batch 2, none after); docs/performance.md ("compile start-up"). Set
-:data:`DYNAMIC_BATCH` to False for one static compile per (batch size, KV bucket, phase) (``dynamic=False``),
-should the symbolic batch make the GPU's kernels slower.
+kind and step shape serves every captured batch size >= 2, as vLLM compiles one graph for all its CUDA-graph
+sizes (https://docs.vllm.ai/en/latest/design/torch_compile.html). Each call marks dim 0 of the block's input
+and of the batch metadata's [B] tensors with ``torch._dynamo.maybe_mark_dynamic`` (weak: where the code
+specialises a size -- batch 1, by dynamo's 0/1 specialisation -- dynamo specialises instead of raising), and
+compiles with ``dynamic=None``: dynamo's automatic dynamic shapes make the tensors of the frames that resume
+after a graph break (no mark reaches the eager operators' outputs) symbolic at their second batch size. A
+strict ``mark_dynamic`` raises there (the resumed frames specialise the batch), and marks with
+``dynamic=False`` leave those frames static: they recompile at every size. Batch 1 keeps its own specialised
+graphs. Automatic dynamic applies to any size that changes between calls of one frame, so a frame run at
+T = 1 and T = K + 1 (the draft and the verify of one block kind) or at two KV buckets may also compile its
+second shape symbolic in T or the bound: fewer graphs still, and the same values. Measured on the CPU (tiny
+NemotronH: Mamba2, attention, MoE; batch sizes [1, 2, 4, 8], inductor caches off; docs/performance.md,
+"compile start-up"): plain decoding 36 graphs in 129 s per size, 18 graphs in 65 s dynamic (9 at batch 1, 9
+at batch 2, none after); MTP (K = 2) with replay 34 graphs dynamic (17 + 17). Set :data:`DYNAMIC_BATCH` to
+False for one static compile per (batch size, KV bucket, phase) (``dynamic=False``), should the symbolic
+batch make the GPU's kernels slower (not yet measured there).
 
 The step compiles before its graphs are captured (``DecodeStep.compile_for``, per (padded batch size, KV
 bound) it has not run: with a dynamic batch the later sizes find the graphs compiled and cost only the
@@ -103,7 +107,7 @@ def compiled_block_call(dynamic_batch: bool | None = None) -> Callable:
     input shapes. ``dynamic_batch`` (None: :data:`DYNAMIC_BATCH`, read at the call): the batch dimension is
     symbolic (:func:`mark_batch_dynamic` on each call, ``dynamic=None``: one graph for batch sizes >= 2,
     batch 1 specialised); False: ``dynamic=False``, every shape static (one graph per batch size). Raises the
-    dynamo recompile limit to :data:`RECOMPILE_LIMIT` (T and the KV bound stay specialised on purpose)."""
+    dynamo recompile limit to :data:`RECOMPILE_LIMIT` (static shapes compile an entry per shape)."""
     return _compiled_block_call(DYNAMIC_BATCH if dynamic_batch is None else bool(dynamic_batch))
 
 
