@@ -197,8 +197,8 @@ def test_gpu_compiled_graphs_equal_compiled_eager_bitwise(family, K, replay):
     assert graph.step.compile and graph.step.cuda_graphs
     got, want = _gpu_run(graph), _gpu_run(eager)
     failed = sorted(k for k, v in graph.graphs.graphs.items() if v is None)
-    print(f"{family} K={K} replay={replay}: compile seconds {graph.step.compile_times}; "
-          f"failed captures {failed}")
+    print(f"{family} K={K} replay={replay}: compile seconds {graph.step.compile_times}, "
+          f"{graph.step.compile_graphs} dynamo graphs; failed captures {failed}")
     assert not failed and graph.graphs.graphs, failed
     assert got == want
     S = graph.max_batch_size
