@@ -29,9 +29,9 @@ T = 1 and T = K + 1 (the draft and the verify of one block kind) or at two KV bu
 second shape symbolic in T or the bound: fewer graphs still, and the same values. Measured on the CPU (tiny
 NemotronH: Mamba2, attention, MoE; batch sizes [1, 2, 4, 8], inductor caches off; docs/performance.md,
 "compile start-up"): plain decoding 36 graphs in 129 s per size, 18 graphs in 65 s dynamic (9 at batch 1, 9
-at batch 2, none after); MTP (K = 2) with replay 34 graphs dynamic (17 + 17). Set :data:`DYNAMIC_BATCH` to
-False for one static compile per (batch size, KV bucket, phase) (``dynamic=False``), should the symbolic
-batch make the GPU's kernels slower (not yet measured there).
+at batch 2, none after); MTP (K = 2) with replay 68 graphs in 312 s per size, 34 in 252 s dynamic (17 +
+17). Set :data:`DYNAMIC_BATCH` to False for one static compile per (batch size, KV bucket, phase)
+(``dynamic=False``), should the symbolic batch make the GPU's kernels slower (not yet measured there).
 
 The step compiles before its graphs are captured (``DecodeStep.compile_for``, per (padded batch size, KV
 bound) it has not run: with a dynamic batch the later sizes find the graphs compiled and cost only the
