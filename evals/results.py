@@ -181,6 +181,7 @@ def build_results(
             "prefill_seconds": prefill_s,
             "decode_seconds": decode_s,
             "compile_seconds": stats.get("compile_seconds", 0.0),  # torch.compile of the step
+            "compile_graphs": int(stats.get("compile_graphs", 0)),  # the graphs dynamo compiled for it
             "prefill_tokens_per_s": _rate(stats.get("timing_prompt_tokens", 0), prefill_s),
             "decode_tokens_per_s": _rate(stats.get("timing_generated_tokens", 0), decode_s),
         },

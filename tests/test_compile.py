@@ -4,6 +4,9 @@ CPU (inductor with gcc; a tiny NemotronH of three blocks -- Mamba2, attention, M
 float32; two requests of one length, so one padded batch size is compiled):
 - the compiled step gives the tokens of the eager step and every live cache row to float32 tolerance, plain
   decoding and MTP + replay; the compile seconds are reported per (batch size, KV bound) and in the stats;
+- the batch dimension is dynamic: compiling batch sizes [1, 2, 3, 4] pays graphs at 1 and 2 only (dynamo's
+  graph counter, also in the step's and the call's stats), and the padded batch-3 step's tokens equal the
+  uncompiled run's;
 - the hand-written operators stay outside the compiled code (they are called through ``eager_op``);
 - ``compile=False`` (the default) runs the eager path: the compiled call is never made;
 - the option's plumbing: runtime.compile through ``engine_options``, its check.
@@ -76,6 +79,42 @@ def test_compiled_step_equals_eager(ckpt, K, replay):
     # a second generate reuses the compiled code: nothing compiles again
     again = engine.generate(PROMPTS, NEW, stop_token_ids=[])
     assert again.stats.compile_seconds == 0
+
+
+def test_compile_graphs_do_not_grow_with_batch_sizes(ckpt):
+    prompts = [[1, 2, 3, 4, 1], [4, 3, 2, 2, 0], [2, 2, 1, 0, 3]]  # one length: padded batch 3 throughout
+    kw = dict(max_batch_size=4, max_seq_len=64, cuda_graph_batch_sizes=[1, 2, 3, 4])
+    eager = Engine.from_pretrained(ckpt, EngineOptions(**kw)).generate(prompts, NEW, stop_token_ids=[])
+    engine = Engine.from_pretrained(ckpt, EngineOptions(compile=True, **kw))
+    torch._dynamo.reset()  # the earlier tests' compiled code and shape history would serve some sizes
+    step, graphs = engine.step, {}
+    for B in (1, 2, 3, 4):
+        before = step.compile_graphs
+        step.compile_for(B, 64)
+        graphs[B] = step.compile_graphs - before
+    # batch 1 is specialised (dynamo's 0/1 specialisation), batch 2 compiles the symbolic-batch graphs, which
+    # serve 3 and 4: nothing more compiles, however many sizes follow
+    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == graphs[4] == 0, graphs
+    assert list(step.compile_times) == [(1, 64), (2, 64), (3, 64), (4, 64)]
+    out = engine.generate(prompts, NEW, stop_token_ids=[])
+    assert out.tokens == eager.tokens
+    assert out.stats.compile_graphs == 0 == out.stats.compile_seconds  # compiled ahead: nothing more here
+    assert engine.compile_graphs == graphs[1] + graphs[2]
+
+
+def test_static_batch_compiles_per_size(ckpt, monkeypatch):
+    """``DYNAMIC_BATCH = False``: every batch size pays its own graphs (the per-size compile it replaces)."""
+    import runners.engine.compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "DYNAMIC_BATCH", False)
+    torch._dynamo.reset()  # code compiled with a symbolic batch would serve these sizes
+    engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=3, max_seq_len=64, compile=True,
+                                                        cuda_graph_batch_sizes=[2, 3]))
+    assert engine.model.block_call is hybrid.eager_block_call
+    for B in (2, 3):
+        before = engine.step.compile_graphs
+        engine.step.compile_for(B, 64)
+        assert engine.step.compile_graphs > before, B
 
 
 def test_operators_stay_outside_the_compiled_code():
@@ -158,8 +197,8 @@ def test_gpu_compiled_graphs_equal_compiled_eager_bitwise(family, K, replay):
     assert graph.step.compile and graph.step.cuda_graphs
     got, want = _gpu_run(graph), _gpu_run(eager)
     failed = sorted(k for k, v in graph.graphs.graphs.items() if v is None)
-    print(f"{family} K={K} replay={replay}: compile seconds {graph.step.compile_times}; "
-          f"failed captures {failed}")
+    print(f"{family} K={K} replay={replay}: compile seconds {graph.step.compile_times}, "
+          f"{graph.step.compile_graphs} dynamo graphs; failed captures {failed}")
     assert not failed and graph.graphs.graphs, failed
     assert got == want
     S = graph.max_batch_size

@@ -378,6 +378,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     # torch.compile ran before the capture (inside capture_seconds) or in the generate calls: count both
     results["timings"]["compile_seconds"] = getattr(engine, "compile_seconds",
                                                     results["timings"]["compile_seconds"])
+    results["timings"]["compile_graphs"] = getattr(engine, "compile_graphs",
+                                                   results["timings"].get("compile_graphs", 0))
     if rr.run.eval.limit is not None and results["gsm8k"]["n"] < GSM8K_TEST_ROWS:
         results["projection"] = full_run_projection(results["timings"], results["generation"],
                                                     max_gen_toks=rr.run.eval.max_gen_toks,
@@ -409,7 +411,8 @@ def _capture_graphs(engine: Engine, rr: ResolvedRun) -> float | None:
     seconds = time.perf_counter() - t0
     compiled = getattr(engine, "compile_seconds", 0.0)
     print(f"captured {n} (batch size, KV bound) graphs in {seconds:.1f} s"
-          + (f" (torch.compile {compiled:.1f} s of it)" if compiled else ""), flush=True)
+          + (f" (torch.compile {compiled:.1f} s of it, {getattr(engine, 'compile_graphs', 0)} dynamo graphs)"
+             if compiled else ""), flush=True)
     return seconds
 
 

@@ -547,12 +547,13 @@ class Engine:
         self.model.take_nonfinite()  # flags of earlier forwards (e.g. Engine.logits) are not this call's
         run = Generation(self, prompts, max_new_tokens, stop_ids, stop_checker, on_finish, report)
         self._stats = run.stats  # _prefill adds the prefix-cache counters
-        compiled_before = self.step.compile_seconds
+        compiled_before, graphs_before = self.step.compile_seconds, self.step.compile_graphs
         try:
             run.run()
         finally:
             self._stats = None
         run.stats.compile_seconds = self.step.compile_seconds - compiled_before
+        run.stats.compile_graphs = self.step.compile_graphs - graphs_before
         if bar is not None:
             bar.close()
         run.stats.generated_tokens = sum(map(len, run.out_tokens))
@@ -617,6 +618,12 @@ class Engine:
         """Wall seconds spent in torch.compile of the decode step so far (``compile=True``; 0 otherwise),
         ahead of time (:meth:`capture_graphs`) and inside generate calls together."""
         return self.step.compile_seconds
+
+    @property
+    def compile_graphs(self) -> int:
+        """Graphs dynamo compiled for the decode step so far (``compile=True``; 0 otherwise), counted as
+        :attr:`compile_seconds` is: the compiles a run paid (runners/engine/compile.py)."""
+        return self.step.compile_graphs
 
     @property
     def graphs(self) -> StepGraphs:

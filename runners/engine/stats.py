@@ -68,11 +68,12 @@ class GenerationStats:
     prefix_cache_stores: int = 0
     prefix_cache_evictions: int = 0
     compile_seconds: float = 0.0  # torch.compile of the decode step during the call (EngineOptions.compile)
+    compile_graphs: int = 0  # graphs dynamo compiled for it meanwhile (runners/engine/compile.py)
 
     DERIVED = ("acceptance_rate", "acceptance_length", "acceptance_per_position", "prefix_cache_hit_rate")
     # fields only a whole generate call has (not per request): evaluation sums them over the calls
     PER_CALL = ("prefill_seconds", "decode_seconds", "steps", "prefix_cache_stores", "prefix_cache_evictions",
-                "compile_seconds")
+                "compile_seconds", "compile_graphs")
 
     @property
     def acceptance_rate(self) -> float | None:

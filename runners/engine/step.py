@@ -40,7 +40,7 @@ import torch
 
 from kernels._common import PAD_SLOT_ID
 from runners.engine.cache import BatchMeta, HybridCache
-from runners.engine.compile import COMPILE_WARN_SECONDS
+from runners.engine.compile import COMPILE_WARN_SECONDS, compiled_graphs
 from runners.engine.graphs import (
     HostBlock,
     HostRing,
@@ -172,7 +172,9 @@ class DecodeStep:
         row_start: ``BatchMeta.row_start`` of the eager step running (set by :meth:`launch`).
         compile: whether the phases run the model's blocks through torch.compile (``EngineOptions.compile``,
             runners.engine.compile); compile_seconds: wall seconds spent compiling so far (all sizes);
-            compile_times: {(B, L): seconds} per padded batch size and KV bound compiled.
+            compile_times: {(B, L): seconds} per padded batch size and KV bound compiled; compile_graphs:
+            the graphs dynamo compiled meanwhile, in all (with a dynamic batch, sizes after the second
+            find theirs compiled: 0 more).
 
     Raises:
         ValueError: a graph batch size outside [1, max_batch_size].
@@ -215,7 +217,7 @@ class DecodeStep:
                       "catchup": self.phase_catchup}
         else:
             phases = {"decode": self.phase_decode}
-        self.compile_seconds, self.compile_times = 0.0, {}
+        self.compile_seconds, self.compile_times, self.compile_graphs = 0.0, {}, 0
         if self.compile:  # graphs capture (and eager padded steps run) the compiled phases
             phases = {name: self._compiled_phase(fn) for name, fn in phases.items()}
         padded = self.cuda_graphs or self.compile
@@ -331,11 +333,12 @@ class DecodeStep:
         """Compile the phases at padded batch size B and KV bound L if :attr:`compile` is on and they are not
         yet: every phase runs twice over PAD rows only (as a capture's warm-up: no live slot is touched), so
         dynamo traces, inductor compiles and autotunes here, never inside a capture. Returns the seconds
-        spent (0 when nothing was compiled); adds them to :attr:`compile_seconds` and warns once when the
-        total passes ``runners.engine.compile.COMPILE_WARN_SECONDS``. Leaves ``io.slot_ids[:B]`` all PAD."""
+        spent (0 when nothing was compiled); adds them to :attr:`compile_seconds`, the graphs dynamo compiled
+        meanwhile to :attr:`compile_graphs`, and warns once when the total passes
+        ``runners.engine.compile.COMPILE_WARN_SECONDS``. Leaves ``io.slot_ids[:B]`` all PAD."""
         if not self.compile or (B, L) in self.compile_times or B not in self.graphs.batch_sizes:
             return 0.0
-        t0 = time.perf_counter()
+        t0, graphs0 = time.perf_counter(), compiled_graphs()
         self.io.slot_ids[:B].fill_(PAD_SLOT_ID)
         with torch.inference_mode():
             for _ in range(2):  # the second pass: any recompile a first run's side effects cause
@@ -343,7 +346,8 @@ class DecodeStep:
                     phase(B, L)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
+        seconds, graphs = time.perf_counter() - t0, compiled_graphs() - graphs0
+        self.compile_graphs += graphs
         before = self.compile_seconds
         self.compile_times[(B, L)] = seconds
         self.compile_seconds += seconds
@@ -352,7 +356,8 @@ class DecodeStep:
                         "more than %.0f s; set runtime.compile=false (EngineOptions.compile=False) for the "
                         "eager step, or capture fewer batch sizes", self.compile_seconds,
                         sorted(self.compile_times), COMPILE_WARN_SECONDS)
-        log.info("compiled the decode step at batch %d, KV bound %d in %.1f s", B, L, seconds)
+        log.info("compiled the decode step at batch %d, KV bound %d in %.1f s (%d graphs)", B, L, seconds,
+                 graphs)
         return seconds
 
     # ------------------------------------------------------------------ slot state written by the prefill
