@@ -356,18 +356,22 @@ def test_share_device_needs_cuda():
         launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)
 
 
-def test_fp8_is_not_sharded():
-    """FP8 checkpoints (weight / input scales) are not sharded yet: run.py refuses world_size > 1 for them
-    before loading, and shard_plan refuses their plan."""
+def test_fp8_is_not_sharded(tmp_path):
+    """FP8 checkpoints (weight / input scales) are not sharded yet: the application run.py calls refuses
+    world_size > 1 for them with a UserError before loading (run.py prints a UserError as error / fix lines,
+    exit 2: tests/test_nightly.py's unknown-experiment test), and shard_plan refuses their plan."""
+    from registry.compose import compose_config
+    from runners.app import main as app
+
     fp8 = str(tp_cases.TINY_CHECKPOINTS / "tiny_nemotron_h_mtp_fp8")
     with pytest.raises(UserError, match="FP8 checkpoint cannot be sharded"):
         shard_plan(plan_load(fp8, load_mtp=True), TensorParallel(0, 2))
-    proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp_fp8", "world_size=2",
-                           "eval.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    says = "tensor parallelism (runners.engine.tp) shards models without FP8"
-    assert says in proc.stderr, proc.stderr[-2000:]
+    cfg = compose_config(["model=tiny_nemotron_h_mtp_fp8", "world_size=2", "eval.limit=1",
+                          f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError) as e:
+        app.run(cfg)
+    assert "tensor parallelism (runners.engine.tp) shards models without FP8" in e.value.problem
+    assert not (tmp_path / "run" / "results.json").exists()
 
 
 def test_lockstep_options_keep_graphs_over_nccl_and_say_why_not_over_gloo(caplog):
