@@ -136,6 +136,23 @@ def _quiet_lm_eval() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+@contextlib.contextmanager
+def _without_env_report() -> Iterator[None]:
+    """lm-eval's simple_evaluate ends by adding an environment report to its results
+    (lm_eval.loggers.utils.add_env_info: torch.utils.collect_env, which runs `pip list` and other probes,
+    3-4 s per evaluation on a 2-core machine). evaluate_gsm8k reads none of it (the lm-eval version it
+    records is lm_eval.__version__), so the evaluator's reference to it is a no-op for the call; restored on
+    exit."""
+    import lm_eval.evaluator
+
+    add_env_info = lm_eval.evaluator.add_env_info
+    lm_eval.evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = add_env_info
+
+
 def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
 
@@ -277,9 +294,10 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
                     "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
-        results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
-                                          num_fewshot=num_fewshot, limit=limit, log_samples=True,
-                                          bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
+        with _without_env_report():
+            results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
+                                              num_fewshot=num_fewshot, limit=limit, log_samples=True,
+                                              bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
 
     name = task.lm_eval_task
     run_config = results["configs"][name]

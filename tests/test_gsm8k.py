@@ -63,9 +63,16 @@ def _run(engine, tokenizer_path, gsm8k_dir, out_dir, **kw):
 
 
 def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch, capsys):
+    import lm_eval.evaluator
+    import torch.utils.collect_env
+
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))  # data_dir=None falls back to $GSM8K_DIR
+    env_reports = []  # lm-eval's environment report (seconds of `pip list` and probes) is not collected
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: env_reports.append(1) or "")
+    add_env_info = lm_eval.evaluator.add_env_info
     engine = _engine(tokenizer_path, gsm8k_dir, "right", tokens_per_step=3)
     res = evaluate_gsm8k(engine, tokenizer_path, data_dir=None, limit=LIMIT, out_dir=tmp_path, progress=True)
+    assert env_reports == [] and lm_eval.evaluator.add_env_info is add_env_info  # skipped, then restored
     assert res.scores == {"strict_match": 1.0, "flexible_extract": 1.0, "n": LIMIT}
     assert f"{LIMIT}/{LIMIT}" in capsys.readouterr().err  # the tqdm bar reached the end
 

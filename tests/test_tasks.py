@@ -137,25 +137,25 @@ def test_gsm8k_cot_scores_the_answer_after_the_answer_is(gsm8k_dir, tmp_path, of
 
 
 @pytest.mark.slow
-def test_run_py_gsm8k_cot_on_the_tiny_entry_reuses_the_exemplars(gsm8k_dir, tmp_path):
+def test_run_py_gsm8k_cot_on_the_tiny_entry_reuses_the_exemplars(gsm8k_dir, tmp_path, capsys):
     """The real engine on the shipped tiny checkpoint, the four requests fitting one admission: the first
     prompt prefills the 8 exemplars alone and stores them (a junction of runners.engine.prefix_cache; the
     others wait for the next admission, PrefixCache.split_admission), and the three others restore them
-    instead of prefilling them (results.json prefix_cache)."""
-    import subprocess
-    import sys
+    instead of prefilling them (results.json prefix_cache). The run is `python run.py eval=gsm8k_cot ...`'s
+    config through the application run.py calls, in process."""
+    from registry.compose import compose_config
+    from runners.app import main as app
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "run.py"), "eval=gsm8k_cot", "eval.limit=4",
-                           "eval.max_gen_toks=8", f"eval.data_dir={gsm8k_dir}",
-                           f"hydra.run.dir={run_dir}", "history.db=null"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    app.run(compose_config(["eval=gsm8k_cot", "eval.limit=4", "eval.max_gen_toks=8",
+                            f"eval.data_dir={gsm8k_dir}", f"out_dir={run_dir}", "history.db=null"]))
+    stdout = capsys.readouterr().out
     results = json.loads((run_dir / "results.json").read_text())
     assert results["task"]["task"] == "gsm8k_cot" and results["gsm8k"]["n"] == 4
     pc = results["prefix_cache"]
     assert pc["enabled"] and pc["queries"] == 4 and pc["hits"] == 3 and pc["hit_rate"] > 0.6
-    assert "prefix cache" in proc.stdout and "of prompt tokens reused" in proc.stdout
+    assert "prefix cache" in stdout and "of prompt tokens reused" in stdout
     assert results["verdict"]["status"] == "no_reference"
     assert Path(results["samples_path"]).is_file()
 

@@ -14,6 +14,7 @@ and 4. Each world size is one launch (process start-up costs seconds) running ev
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -57,23 +58,43 @@ WS_CASES = {
 }
 
 
+# At world size 4 the drafted arms only: the plain arm's decode runs the same sharded layers as their
+# verify, and world size 2 runs it (a launch of 4 ranks on the 2-core CI machine costs a minute).
+WS_ARMS = {2: ARMS, 4: ARMS[:2]}
+PREFIX_CHECKPOINTS = ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")
+
+
 @pytest.fixture(scope="module")
 def world_size_1(checkpoints) -> dict:
     names = sorted({n for cases in WS_CASES.values() for n in cases})
     return run_cases(Engine.from_pretrained, [checkpoints[n] for n in names])
 
 
+@pytest.fixture(scope="module")
+def world_size_2(checkpoints) -> tuple[dict, dict]:
+    """One launch at world size 2 for two tests (a launch's start-up costs seconds): tp_cases of
+    WS_CASES[2] and tp_prefix_cases of PREFIX_CHECKPOINTS."""
+    return launch(tp_cases.tp_cases_and_prefix_cases, ([checkpoints[n] for n in WS_CASES[2]],
+                                                       [checkpoints[n] for n in PREFIX_CHECKPOINTS]),
+                  world_size=2, num_threads=1, timeout_s=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(WS_CASES))
-def test_world_size_equals_world_size_1(world_size, checkpoints, world_size_1):
+def test_world_size_equals_world_size_1(world_size, checkpoints, world_size_1, request):
     paths = [checkpoints[n] for n in WS_CASES[world_size]]
-    got = launch(tp_cases.tp_cases, (paths,), world_size=world_size, num_threads=1, timeout_s=300)
+    if world_size == 2:
+        got = request.getfixturevalue("world_size_2")[0]
+    else:
+        got = launch(functools.partial(tp_cases.tp_cases, arms=WS_ARMS[world_size]), (paths,),
+                     world_size=world_size, num_threads=1, timeout_s=300)
+    assert {k for k in got if k[1] != "logits"} == {(p, *arm) for p in paths for arm in WS_ARMS[world_size]}
     for path in paths:
         torch.testing.assert_close(got[(path, "logits")], world_size_1[(path, "logits")], rtol=LOGITS_TOL,
                                    atol=LOGITS_TOL, msg=lambda m, p=path: f"{p}: {m}")
         diff = (got[(path, "logits")] - world_size_1[(path, "logits")]).abs().max().item()
         print(f"world_size={world_size} {Path(path).name}: max |logit difference| {diff:.2e}")
-        for draft_len, replay in ARMS:
+        for draft_len, replay in WS_ARMS[world_size]:
             want, have = world_size_1[(path, draft_len, replay)], got[(path, draft_len, replay)]
             arm = f"{Path(path).name} draft_len={draft_len} ssm_replay={replay} world_size={world_size}"
             assert have["tokens"] == want["tokens"], arm
@@ -126,16 +147,31 @@ def test_world_size_errors_name_the_dimension():
     assert rank_config(qwen, 2).gdn_num_value_heads == 2 and rank_config(qwen, 1) is qwen
 
 
+@pytest.fixture
+def launch_tmp(tmp_path, monkeypatch) -> Path:
+    """A launch from a process whose torch intra-op thread pool is up (as a process that ran work before),
+    with a fresh temporary folder: a test checks that the launch left nothing there (no hybrid-launch-*
+    folder, no pytorch-errorfile-*)."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.ones(64, 64) @ torch.ones(64, 64)  # the parent's intra-op pool is up
+    return tmp_path
+
+
 @pytest.mark.slow
-def test_failing_rank_is_reported_and_the_others_end():
+def test_failing_rank_is_reported_and_the_others_end(launch_tmp):
     """Rank 1 raises (a UserError) while rank 0 waits in a barrier it cannot complete: the launch raises
-    the error with rank 1 named, at once rather than after the collective timeout."""
+    the error with rank 1 named, at once rather than after the collective timeout, and leaves nothing in
+    the temporary folder."""
     t0 = time.monotonic()
     with pytest.raises(UserError) as e:
         launch(tp_cases.fail_on_rank1, world_size=2, all_ranks=True, timeout_s=120)
     assert e.value.problem == "rank 1 of 2: the checkpoint of rank 1 is unreadable"
     assert e.value.fix == "fix rank 1's files"
     assert time.monotonic() - t0 < 100  # not the 120 s collective timeout
+    assert sorted(p.name for p in launch_tmp.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -159,9 +195,10 @@ def test_killed_rank_0_is_named_first():
 
 
 @pytest.mark.slow
-def test_stalled_launch_ends_with_an_error_naming_the_ranks():
+def test_stalled_launch_ends_with_an_error_naming_the_ranks(launch_tmp):
     """Every rank waits forever outside any collective (no torch.distributed timeout applies): the launch
-    ends with an error naming each rank and the line it waits on, within the stall timeout, never a hang."""
+    ends with an error naming each rank and the line it waits on, within the stall timeout, never a hang,
+    and leaves nothing in the temporary folder."""
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as e:
         launch(tp_cases.stall_every_rank, world_size=2, all_ranks=True, timeout_s=600, stall_timeout_s=4)
@@ -170,20 +207,16 @@ def test_stalled_launch_ends_with_an_error_naming_the_ranks():
     assert "stopped making progress" in message and "rank 0:" in message and "rank 1:" in message, message
     assert "stall_every_rank" in message, message  # where the ranks wait, from their stack dumps
     assert elapsed < 4 + 120 + 30, elapsed  # the stall limit, the start-up allowance, ending the ranks
+    assert sorted(p.name for p in launch_tmp.iterdir()) == []
 
 
 @pytest.mark.slow
-def test_launch_from_a_process_with_threads_and_held_locks(tmp_path, monkeypatch):
+def test_launch_from_a_process_with_threads_and_held_locks(launch_tmp):
     """The launching process initialised torch's thread pool and holds a lock in a background thread (as a
     process that ran CUDA work, a data loader or a logger thread does): the ranks start clean (spawned, not
     forked: a forked rank would inherit the lock held and wait forever) and the launch leaves nothing in
-    the temporary folder (no hybrid-launch-* folder, no pytorch-errorfile-*), after a success (the lock
-    launch), a rank's failure and a stall alike."""
-    import tempfile
-
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    torch.ones(64, 64) @ torch.ones(64, 64)  # the parent's intra-op pool is up
+    the temporary folder (no hybrid-launch-* folder, no pytorch-errorfile-*). (After a rank's failure and
+    a stall alike: the failing-rank and stalled-launch tests check the folder too.)"""
     release = __import__("threading").Event()
     holder = __import__("threading").Thread(target=lambda: (tp_cases.HELD.acquire(), release.wait(),
                                                             tp_cases.HELD.release()), daemon=True)
@@ -193,11 +226,7 @@ def test_launch_from_a_process_with_threads_and_held_locks(tmp_path, monkeypatch
     finally:
         release.set()
         holder.join()
-    with pytest.raises(UserError):
-        launch(tp_cases.fail_on_rank1, world_size=2, all_ranks=True, timeout_s=60)
-    with pytest.raises(RankFailure):
-        launch(tp_cases.stall_every_rank, world_size=2, all_ranks=True, stall_timeout_s=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert sorted(p.name for p in launch_tmp.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -230,14 +259,21 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
     """The issue's command: `python run.py model=tiny_nemotron_h_mtp world_size=2 eval.limit=8` on the CPU
     generates exactly what world_size=1 generates (every token of the 8 GSM8K samples) with the same
     acceptance counters."""
+    from registry.compose import compose_config
+    from runners.app import main as app
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     runs = {}
     for ws in (1, 2):
         out = tmp_path / f"ws{ws}"
-        proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp", f"world_size={ws}",
-                               "eval.limit=8", f"hydra.run.dir={out}"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        if ws == 1:  # the reference, in process (the application run.py calls)
+            app.run(compose_config(["model=tiny_nemotron_h_mtp", "world_size=1", "eval.limit=8",
+                                    f"out_dir={out}"]))
+        else:
+            proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp", f"world_size={ws}",
+                                   "eval.limit=8", f"hydra.run.dir={out}"], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
         runs[ws] = ({r["key"]: r for r in records}, json.loads((out / "results.json").read_text()))
     (gen1, res1), (gen2, res2) = runs[1], runs[2]
@@ -264,8 +300,6 @@ def test_cuda_world_size_2_equals_world_size_1(share_device, graphs, checkpoints
     rank captures the same sizes, its all-reduces inside the graphs) or eagerly, or (share_device) with
     both ranks on cuda:0 over gloo, which checks the sharded CUDA model on a one-GPU machine; gloo's
     all-reduces cannot be captured, so its engines drop the graphs asked for and say why."""
-    import functools
-
     from runners.engine.launch import GLOO_GRAPHS_OFF_REASON
 
     if torch.cuda.device_count() < (1 if share_device else 2):
@@ -373,18 +407,22 @@ def test_share_device_needs_cuda():
         launch(tp_cases.fail_on_rank1, world_size=2, share_device=True)
 
 
-def test_fp8_is_not_sharded():
-    """FP8 checkpoints (weight / input scales) are not sharded yet: run.py refuses world_size > 1 for them
-    before loading, and shard_plan refuses their plan."""
+def test_fp8_is_not_sharded(tmp_path):
+    """FP8 checkpoints (weight / input scales) are not sharded yet: the application run.py calls refuses
+    world_size > 1 for them with a UserError before loading (run.py prints a UserError as error / fix lines,
+    exit 2: tests/test_nightly.py's unknown-experiment test), and shard_plan refuses their plan."""
+    from registry.compose import compose_config
+    from runners.app import main as app
+
     fp8 = str(tp_cases.TINY_CHECKPOINTS / "tiny_nemotron_h_mtp_fp8")
     with pytest.raises(UserError, match="FP8 checkpoint cannot be sharded"):
         shard_plan(plan_load(fp8, load_mtp=True), TensorParallel(0, 2))
-    proc = subprocess.run([sys.executable, "run.py", "model=tiny_nemotron_h_mtp_fp8", "world_size=2",
-                           "eval.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    says = "tensor parallelism (runners.engine.tp) shards models without FP8"
-    assert says in proc.stderr, proc.stderr[-2000:]
+    cfg = compose_config(["model=tiny_nemotron_h_mtp_fp8", "world_size=2", "eval.limit=1",
+                          f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError) as e:
+        app.run(cfg)
+    assert "tensor parallelism (runners.engine.tp) shards models without FP8" in e.value.problem
+    assert not (tmp_path / "run" / "results.json").exists()
 
 
 def test_lockstep_options_keep_graphs_over_nccl_and_say_why_not_over_gloo(caplog):
@@ -462,16 +500,16 @@ def test_default_stall_limit_follows_the_collective_timeout():
 
 
 @pytest.mark.slow
-def test_prefix_cache_in_lockstep_equals_world_size_1(checkpoints):
+def test_prefix_cache_in_lockstep_equals_world_size_1(checkpoints, world_size_2):
     """Tensor-parallel ranks keep their prefix caches in lockstep: with prompts that share long prefixes
     (hits, junction saves, deferred admissions), world size 2 gives the tokens, acceptance and every
     prefix-cache counter of world size 1, both families, plain and MTP; with a budget of a few entries (the
     ranks' entries are half the size of world size 1's, so they evict other ones) the tokens and acceptance
     still equal world size 1's, and the ranks stay in lockstep while they evict (the launch's token digest
     and graph check pass)."""
-    paths = [checkpoints[n] for n in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")]
+    paths = [checkpoints[n] for n in PREFIX_CHECKPOINTS]
     want = tp_cases.prefix_cases(Engine.from_pretrained, paths)
-    got = launch(tp_cases.tp_prefix_cases, (paths,), world_size=2, num_threads=1, timeout_s=300)
+    got = world_size_2[1]
     assert got.keys() == want.keys()
     tight = min(budget for _, budget in tp_cases.PREFIX_CASES)
     for key, case in want.items():

@@ -126,15 +126,17 @@ def graph_keys(engine) -> list[tuple[int, int, bool]]:
     return sorted((B, L, g is not None) for (B, L), g in engine.graphs.graphs.items())
 
 
-def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10, **options) -> dict:
-    """For every checkpoint and arm of :data:`ARMS`: an engine from ``build(path, options)`` (3 slots for 5
+def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10, arms=ARMS, **options) -> dict:
+    """For every checkpoint and arm of ``arms`` (default :data:`ARMS`; the first one's draft length and
+    replay are ``ARMS[0]``'s): an engine from ``build(path, options)`` (3 slots for 5
     prompts: slots are reused; ``options``: more ``EngineOptions`` fields, e.g. cuda_graphs), its greedy
     tokens, acceptance, cache and weight bytes, the CUDA graphs its step captured and why graphs were
     dropped (``cuda_graphs_off_reason`` of a launch's engine, else None), and (first arm) the logits of
     :data:`LOGIT_IDS`. Stop tokens off, float32."""
+    assert arms[0] == ARMS[0], arms
     out = {}
     for ck in checkpoints:
-        for draft_len, replay in ARMS:
+        for draft_len, replay in arms:
             engine = build(ck, EngineOptions(dtype="float32", draft_len=draft_len, ssm_replay=replay,
                                              max_batch_size=3, max_seq_len=64, **options))
             result = engine.generate(PROMPTS, max_new_tokens, stop_token_ids=[])
@@ -152,12 +154,12 @@ def run_cases(build, checkpoints: list[str], max_new_tokens: int = 10, **options
     return out
 
 
-def tp_cases(checkpoints: list[str], max_new_tokens: int = 10, **options) -> dict:
+def tp_cases(checkpoints: list[str], max_new_tokens: int = 10, arms=ARMS, **options) -> dict:
     """:func:`run_cases` on rank 0 of a launch: every rank builds its shard
     (runners.engine.launch.build_engine)."""
     from runners.engine.launch import build_engine
 
-    return run_cases(build_engine, checkpoints, max_new_tokens, **options)
+    return run_cases(build_engine, checkpoints, max_new_tokens, arms, **options)
 
 
 def nccl_graphs_vs_eager(checkpoints: list[str], max_new_tokens: int = 10) -> dict:
@@ -237,6 +239,12 @@ def tp_prefix_cases(checkpoints: list[str]) -> dict:
     from runners.engine.launch import build_engine
 
     return prefix_cases(build_engine, checkpoints)
+
+
+def tp_cases_and_prefix_cases(checkpoints: list[str], prefix_checkpoints: list[str]) -> tuple[dict, dict]:
+    """:func:`tp_cases` of ``checkpoints`` and :func:`tp_prefix_cases` of ``prefix_checkpoints`` in one
+    launch (a launch's start-up costs seconds on the CPU)."""
+    return tp_cases(checkpoints), tp_prefix_cases(prefix_checkpoints)
 
 
 # ---- failure cases (runners.engine.launch with all_ranks=True: every rank runs the function)
