@@ -424,7 +424,8 @@ def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_few
         raise UserError(
             f"eval.num_fewshot={num_fewshot} cannot fit a prompt: even the {num_fewshot} shortest GSM8K "
             f"train examples need at least {need} tokens, and model.max_seq_len={max_seq_len} minus "
-            f"eval.max_gen_toks={max_gen_toks} leaves {room}; eval.num_fewshot can be at most {fits} here "
+            f"eval.max_gen_toks={max_gen_toks} leaves {room} for them (one position is kept for the "
+            f"question); eval.num_fewshot can be at most {fits} here "
             f"(allowed range [0, {fits}])",
             f"set eval.num_fewshot to at most {fits} (5 is the task's own), or raise model.max_seq_len / "
             "lower eval.max_gen_toks")

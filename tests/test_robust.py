@@ -341,10 +341,14 @@ def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(t
     with pytest.raises(UserError, match=r"^eval.max_gen_toks=256 leaves no room for a prompt"):
         check_prompt_room(tokenizer, None, 0, 256, 8)
     # through run.py: exit 2, the key named, nothing generated (the model was not used)
-    proc = _run_py("eval.num_fewshot=1000", "eval.limit=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    # (eval.limit above the test split's 1319 questions is noted, not silently clamped)
+    proc = _run_py("eval.num_fewshot=1000", "eval.limit=5000", f"hydra.run.dir={tmp_path / 'run'}",
+                   cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "error: eval.num_fewshot=1000 cannot fit a prompt" in proc.stderr, proc.stderr
+    assert "one position is kept for the question" in proc.stderr, proc.stderr
     assert "generate:" not in proc.stdout + proc.stderr
+    assert "note: eval.limit=5000 is more than GSM8K's 1319 test questions: all 1319 run" in proc.stdout
 
 
 def test_a_safetensors_file_as_checkpoint_names_its_folder():

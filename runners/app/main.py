@@ -324,6 +324,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     results dict."""
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
+    if rr.run.eval.limit is not None and rr.run.eval.limit > GSM8K_TEST_ROWS:
+        print(f"note: eval.limit={rr.run.eval.limit} is more than GSM8K's {GSM8K_TEST_ROWS} test questions: "
+              f"all {GSM8K_TEST_ROWS} run (eval.limit=null is the same)", flush=True)
     # settings no prompt can fit are refused before the model loads
     check_prompt_room(tokenizer_file(rr), gsm8k_dir(rr.run.eval.data_dir)[0],
                       rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks, rr.entry.max_seq_len)

@@ -156,7 +156,7 @@ def _other_fixes(device: torch.device, quant: str | None, can_shard: bool) -> li
     fixes = []
     if device.type == "cuda" and can_shard:
         fixes.append("spread the model over more GPUs (world_size=N)")
-    smaller = {"none": "use an FP8 or NVFP4 entry (1 byte or 4 bits per weight instead of 2)",
+    smaller = {"none": "use an FP8 or NVFP4 entry (1 byte or 4 bits per stored weight)",
                "fp8": "use an NVFP4 entry (4-bit weights, about half the bytes of FP8)"}.get(quant or "none")
     if smaller:
         fixes.append(smaller)

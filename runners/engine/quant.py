@@ -472,7 +472,7 @@ def apply_quantization(
         attn.v_proj.register_buffer("v_scale", torch.ones((), device=dev))
         kv += 1
     if without:
-        log.info("FP8 KV cache: the checkpoint has no k_scale / v_scale for %d attention blocks (%s); their "
+        log.info("FP8 KV cache: no k_scale / v_scale was loaded for %d attention blocks (%s); their "
                  "keys and values use scale 1.0 (vLLM's default when a checkpoint has none)", len(without),
                  ", ".join(without[:4]) + (" ..." if len(without) > 4 else ""))
     counts["kv_scales"] = kv
