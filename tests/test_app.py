@@ -541,6 +541,10 @@ def test_out_dir_that_is_a_file_or_holds_the_other_kind_of_run(fakes, tmp_path):
     afile.write_text("x")
     err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={afile}")
     assert "is not a folder" in err.problem
+    # a history database under a file is refused before the run, not found after it (a newcomer's find)
+    err = _error("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={tmp_path / 'o'}",
+                 f"history.db={afile / 'h.db'}")
+    assert str(afile) in err.problem and "history.db=null" in err.fix
     compare_dir = tmp_path / "cmp"
     (compare_dir / "replay").mkdir(parents=True)
     (compare_dir / "replay" / "generations.jsonl").write_text("{}\n")

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.data import gsm8k_dir, gsm8k_files
 from evals.gsm8k import check_prompt_room, evaluate_gsm8k
-from evals.history import record_finished_run
+from evals.history import record_finished_run, resolve_db
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
@@ -324,6 +324,10 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     results dict."""
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
+    history_db = resolve_db(rr.run.history.db)
+    if history_db is not None:  # a history the run could not write is refused now, not found after the run
+        ensure_writable_dir(history_db.parent, fix=f"pass history.db= a path in a writable folder (not "
+                            f"{history_db}), or history.db=null to keep no history")
     if rr.run.eval.limit is not None and rr.run.eval.limit > GSM8K_TEST_ROWS:
         print(f"note: eval.limit={rr.run.eval.limit} is more than GSM8K's {GSM8K_TEST_ROWS} test questions: "
               f"all {GSM8K_TEST_ROWS} run (eval.limit=null is the same)", flush=True)
