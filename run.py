@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -74,6 +76,8 @@ def main(cfg: DictConfig) -> int:
     except UserError as e:
         print(e.format(), file=sys.stderr)
         code, error = 2, f"error: {e.problem}"
+        if not sweep.in_multirun():  # a sweep's job folder keeps its job.json for the summary table
+            _drop_unused_run_dir(HydraConfig.get().runtime.output_dir)
     except Exception as e:
         if not sweep.in_multirun():
             raise
@@ -82,6 +86,23 @@ def main(cfg: DictConfig) -> int:
     sweep.record_job(code, error)  # <job folder>/job.json in a sweep, read by the sweep's summary table
     _EXIT_CODES.append(code)
     return code
+
+
+# what a refused run leaves in its folder: Hydra's composed config and the run's lock (runners.app)
+_UNUSED_RUN_FILES = {".hydra", ".run.lock"}
+
+
+def _drop_unused_run_dir(folder: str) -> None:
+    """Remove the folder Hydra created for a run that was refused before it wrote anything (only
+    :data:`_UNUSED_RUN_FILES` inside), so refused commands leave no empty run folders behind. A folder holding
+    anything else (generations of an earlier run, a user's files) is left as it is."""
+    path = Path(folder)
+    try:
+        if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
+            return
+        shutil.rmtree(path)
+    except OSError:
+        pass  # best effort: the refusal itself is what the user needs
 
 
 def resume_command(overrides: list[str], out_dir) -> str:

@@ -349,6 +349,7 @@ def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(t
     assert "one position is kept for the question" in proc.stderr, proc.stderr
     assert "generate:" not in proc.stdout + proc.stderr
     assert "note: eval.limit=5000 is more than GSM8K's 1319 test questions: all 1319 run" in proc.stdout
+    assert not (tmp_path / "run").exists()  # the refused run's empty folder (only .hydra) is removed
 
 
 def test_a_safetensors_file_as_checkpoint_names_its_folder():
