@@ -123,7 +123,10 @@ def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> No
         keys = (stored.keys() | now.keys()) - (_FINGERPRINT_KEYS_ADDED - stored.keys())
         diff = sorted(k for k in keys if stored.get(k) != now.get(k))
         if diff:
-            what = ", ".join(f"{k}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            from registry.resolve import SETTING_OVERRIDES as names
+
+            label = {k: k if names.get(k, k) == k else f"{k} ({names[k]})" for k in diff}  # + its override
+            what = "; ".join(f"{label[k]}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
             raise UserError(
                 f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
                 "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",

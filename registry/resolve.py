@@ -38,6 +38,19 @@ from registry.schema import (
     validate_entry,
 )
 
+# the run.py override that sets each resume-fingerprint / engine_settings key (for messages that name them)
+SETTING_OVERRIDES = {
+    "entry": "model", "checkpoint_dir": "model.checkpoint", "load_format": "model.load_format",
+    "ssm_replay": "ssm_replay", "world_size": "world_size", "draft_len": "draft_len",
+    "device": "runtime.device", "dtype": "runtime.dtype", "ssm_state_dtype": "model.ssm.state_dtype",
+    "max_batch_size": "eval.batch_size / model.max_batch_size", "ssm_backend": "model.ssm.backend",
+    "ssm_replay_checkpointing": "model.ssm.replay_checkpointing", "quant": "model.quant",
+    "kv_cache_quant": "model.kv_cache_quant", "max_seq_len": "model.max_seq_len",
+    "num_threads": "runtime.num_threads", "num_fewshot": "eval.num_fewshot",
+    "max_gen_toks": "eval.max_gen_toks", "data_dir": "eval.data_dir",
+    "ssm_stochastic_rounding": "model.ssm.stochastic_rounding", "task": "eval",
+}
+
 
 @dataclass
 class ResolvedRun:

@@ -223,7 +223,7 @@ def test_resume_with_other_settings_is_refused_before_loading(fakes, tmp_path):
     meta.write_text(json.dumps({"fingerprint": {**stored, "ssm_backend": "triton"}}))
     with pytest.raises(UserError) as e:
         _run(tmp_path, "resume=true")
-    assert "ssm_backend: 'triton' then, 'torch' now" in e.value.problem
+    assert "ssm_backend (model.ssm.backend): 'triton' then, 'torch' now" in e.value.problem
     old = {k: v for k, v in stored.items() if k != "ssm_backend"}
     meta.write_text(json.dumps({"fingerprint": old}))
     _run(tmp_path, "resume=true")
