@@ -558,20 +558,40 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
                     f"ARM in {tuple(ARMS)}")
         profile = (bits[0], bits[1], int(bits[2]), bits[3] == "graphs")
-    from runners.tools.synth import _parse_set, synthetic_model
+    out = Path(args.out)
+    folder = next(q for q in (out, *out.parents) if q.exists())  # --out itself or the ancestor it goes under
+    if not folder.is_dir():
+        p.error(f"--out {args.out}: {folder} is a file, not a folder; pass a folder (new or existing) for "
+                "bench_e2e.json")
+    from runners.tools.synth import SynthError, _parse_set, check_overrides, synthetic_model
 
     try:
         args.synth_overrides = _parse_set(args.synth_set)
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--synth-set: {e}")
+    try:  # the builders' own check (synth_config), for every synthetic family, before any point runs
+        for family in sorted({f for f, _, _ in SYNTH.values()} | {f for f, _ in FULL.values()}):
+            check_overrides(family, args.synth_overrides, other_families_ok=True)
+    except SynthError as e:
+        print(SynthError(f"--synth-set: {e.problem}", e.fix).format(), file=sys.stderr)
+        return 2
 
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available here\n  fix: run on the GPU machine, or pass "
-              "--device cpu (a slow functional run)", file=sys.stderr)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        p.error(f"--device {args.device!r} is not a device this benchmark runs on; use cuda, cuda:N or cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device {args.device} but CUDA is not available here\n  fix: run on the GPU machine, or "
+              "pass --device cpu (a slow functional run)", file=sys.stderr)
         return 2
-    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        print(f"error: --device {args.device} but this machine has {torch.cuda.device_count()} CUDA device(s)\n"
+              f"  fix: pass --device cuda:N with N < {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
     if dev.type == "cpu":  # one intra-op thread, as configs/runtime/cpu.yaml (docs/performance.md: "Threads")
         torch.set_num_threads(1)
         if True in args.graphs:

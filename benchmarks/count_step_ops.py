@@ -337,6 +337,11 @@ def format_report(report: dict, top: int = 25) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); bad arguments exit 2 with argparse's ``error:`` line, before any
+    model is built."""
+    from runners.engine.options import DTYPES
+    from runners.tools.synth import MIN_EXPERTS, num_layers_range
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=sorted(QUARTER_LAYERS), required=True)
     p.add_argument("--format", choices=FORMATS, default="bf16",
@@ -348,13 +353,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--accept-length", type=float, default=2.6)
-    p.add_argument("--dtype", default="bfloat16", help="model dtype (bf16 as the GPU runs: its casts count)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                   help="model dtype (bf16 as the GPU runs: its casts count)")
     p.add_argument("--top", type=int, default=25, help="ops listed per phase and kind")
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
     p.add_argument("--quant-moe-gemv-max-pairs", type=int, default=None, metavar="N",
                    help="pair bound of the quantized experts' per-pair path (default: the engine's "
                         "QUANT_MOE_GEMV_MAX_PAIRS, 0 until measured on the H200; 176 counts it as bf16's)")
     args = p.parse_args(argv)
+    if args.layers is not None:  # the synthetic model's limits, under this script's option name
+        least, most = num_layers_range(args.family)
+        if args.layers < least or most is not None and args.layers > most:
+            between = f"between {least} and {most}" if most is not None else f"{least} or more"
+            p.error(f"--layers {args.layers}: a {args.family} model has {between} layers; use --layers {between}")
+    if args.experts < MIN_EXPERTS:
+        p.error(f"--experts {args.experts}: a model has at least {MIN_EXPERTS} routed expert; use --experts "
+                f"{MIN_EXPERTS} or more")
+    if args.quant_moe_gemv_max_pairs is not None and args.quant_moe_gemv_max_pairs < 0:
+        p.error(f"--quant-moe-gemv-max-pairs {args.quant_moe_gemv_max_pairs}: a pair bound is a count; use 0 "
+                "(no per-pair path) or more")
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json {args.json}: its folder {args.json.parent} does not exist; create it or pass another path")
     try:

@@ -846,8 +846,8 @@ def _main(argv=None) -> int:
             ap.error("--dry-run runs the kernels in Triton's interpreter: TRITON_INTERPRET=1 python -m "
                      "benchmarks.sweep_replay --dry-run --out DIR")
     elif not torch.cuda.is_available():
-        print("sweep_replay: needs a CUDA GPU (or --dry-run with TRITON_INTERPRET=1)", file=sys.stderr)
-        return 2
+        ap.error("no CUDA GPU here: the sweep times the kernels on one; run it on the GPU machine, or smoke-test "
+                 "it on the CPU with TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR")
     os.makedirs(args.out, exist_ok=True)
     res = sweep(args)
     with open(os.path.join(args.out, "sweep_replay.json"), "w") as f:

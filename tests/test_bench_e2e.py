@@ -37,6 +37,58 @@ def test_refuses_bad_arguments(args, says, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def _refusal(argv, capsys) -> str:
+    """bench_e2e.main(argv) in this process: its exit status must be 2 (argparse's SystemExit or the returned
+    `error:` / `fix:` status); returns stderr."""
+    from benchmarks.bench_e2e import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
+def test_refuses_a_bad_device_or_out_before_running(tmp_path, capsys, monkeypatch):
+    """--device that torch cannot parse or this benchmark does not run on, cuda without CUDA, and an --out
+    that is (or lies under) a plain file: refused up front, nothing written."""
+    import torch
+
+    out = str(tmp_path / "o")
+    assert "--device 'foo' is not a device" in _refusal(["--out", out, "--device", "foo"], capsys)
+    assert "use cuda, cuda:N or cpu" in _refusal(["--out", out, "--device", "meta"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _refusal(["--out", out, "--device", "cuda:0"], capsys)
+    assert "error: --device cuda:0 but CUDA is not available here" in err and "fix:" in err
+    assert not (tmp_path / "o").exists()
+    plain = tmp_path / "plain.txt"
+    plain.write_text("not a folder\n")
+    for bad in (plain, plain / "sub"):
+        err = _refusal(["--out", str(bad), "--device", "cpu"], capsys)
+        assert f"{plain} is a file, not a folder" in err, err
+    assert plain.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("setting", ["nokey=3", "hidden_size=abc", "hidden_size=0", "mamba_num_heads=2.5",
+                                     "linear_num_key_heads=0"])
+def test_refuses_a_bad_synth_set_before_any_point(setting, tmp_path, capsys, monkeypatch):
+    """A --synth-set the synthetic builders would refuse is refused before any point runs, with the builders'
+    own message (runners.tools.synth.check_overrides), not as an error row of a run that exits 0."""
+    from benchmarks import bench_e2e
+    from runners.tools.synth import SynthError, _parse_set, check_overrides
+
+    monkeypatch.setattr(bench_e2e, "copy_bandwidth", lambda *a: pytest.fail("the run started"))
+    family = "qwen3_next" if setting.startswith("linear") else "nemotron_h"  # the family whose field it is
+    with pytest.raises(SynthError) as builder:
+        check_overrides(family, _parse_set([setting]), other_families_ok=True)
+    err = _refusal(["--out", str(tmp_path / "o"), "--device", "cpu", "--parts", "super_v3",
+                    f"--synth-set={setting}"], capsys)
+    assert f"error: --synth-set: {builder.value.problem}\n  fix: {builder.value.fix}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_cpu_run_reports_every_point(tmp_path):
     out = tmp_path / "bench"
     proc = _run(["--out", str(out), "--parts", "tiny,hf,super_v3", "--arms", "plain", "replay", *FAST])

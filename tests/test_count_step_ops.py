@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.count_step_ops import count_step_ops, format_report, main
+from runners.tools.synth import num_layers_range
 
 TINY = {"hidden_size": 64, "vocab_size": 512, "mamba_num_heads": 8, "moe_latent_size": 32,
         "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
@@ -74,15 +75,48 @@ def test_health_peak_is_finite_exactly_when_the_output_is_on_cuda():
     _peak_agrees("cuda")
 
 
+NEMOTRON_LAYERS, QWEN_LAYERS = num_layers_range("nemotron_h"), num_layers_range("qwen3_next")
+
+
 @pytest.mark.parametrize("args, says", [
     (["--family", "nemotron_h", "--draft-len", "-1"], "draft_len=-1 must be an integer >= 0"),
     (["--family", "qwen3_next", "--json", "/nonexistent-dir/ops.json"], "does not exist"),
+    (["--family", "nemotron_h", "--dtype", "foo"], "--dtype: invalid choice: 'foo'"),
+    (["--family", "nemotron_h", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+    (["--family", "nemotron_h", "--format", "nvfp4", "--quant-moe-gemv-max-pairs", "-5"],
+     "--quant-moe-gemv-max-pairs -5: a pair bound is a count; use 0"),
+    (["--family", "nemotron_h", "--layers", str(NEMOTRON_LAYERS[0] - 1)],
+     f"--layers {NEMOTRON_LAYERS[0] - 1}: a nemotron_h model has between {NEMOTRON_LAYERS[0]} and "
+     f"{NEMOTRON_LAYERS[1]} layers; use --layers between {NEMOTRON_LAYERS[0]} and {NEMOTRON_LAYERS[1]}"),
+    (["--family", "nemotron_h", "--layers", str(NEMOTRON_LAYERS[1] + 1)], "use --layers between"),
+    (["--family", "qwen3_next", "--layers", str(QWEN_LAYERS[0] - 1)],
+     f"--layers {QWEN_LAYERS[0] - 1}: a qwen3_next model has {QWEN_LAYERS[0]} or more layers"),
+    (["--family", "qwen3_next", "--experts", "0"], "--experts 0: a model has at least 1 routed expert; use "
+                                                   "--experts 1 or more"),
 ])
 def test_cli_refuses_bad_arguments(args, says, capsys):
     """Bad arguments exit 2 with argparse's `error:` line naming the problem, not a traceback."""
     with pytest.raises(SystemExit) as e:
         main(args)
-    assert e.value.code == 2 and says in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err
+    assert "--num-layers" not in err and "--num-experts" not in err  # the builder's names, not this script's
+
+
+def test_cli_checks_come_before_any_model(monkeypatch, capsys):
+    """The argument checks refuse before a model is built: the builder is never reached."""
+    import benchmarks.count_step_ops as mod
+
+    def no_build(*a, **k):
+        raise AssertionError("a model was built for refused arguments")
+
+    monkeypatch.setattr(mod, "_synthetic_model", no_build)
+    for args in (["--layers", "0"], ["--experts", "0"], ["--quant-moe-gemv-max-pairs", "-1"],
+                 ["--dtype", "x"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--family", "nemotron_h", *args])
+        assert e.value.code == 2, args
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("max_pairs", [176, None], ids=["pair path", "engine default"])

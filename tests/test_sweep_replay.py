@@ -53,6 +53,17 @@ def test_bad_arguments_are_refused(capsys):
         assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_no_gpu_is_refused_as_the_other_bad_arguments(monkeypatch, capsys, tmp_path):
+    """Without a GPU (and without --dry-run) the sweep is refused in argparse's form (usage, `error:`,
+    exit 2), naming the CPU alternative, before anything is written."""
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        sweep_replay.main(["--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "error: no CUDA GPU here" in err and "--dry-run" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_quick_sets_its_preset_unless_given(monkeypatch):
     seen = {}
     monkeypatch.setattr(sweep_replay, "ncu", lambda args: seen.update(vars(args)) or 0)

@@ -22,11 +22,13 @@ from registry.arch import arch_from_config
 from runners.engine.loader import load_model
 from runners.engine.models.config import HybridConfig
 from runners.tools.synth import (
+    MIN_EXPERTS,
     RELEASE_CONFIGS,
     SUPER_V3_PATTERN,
     SynthError,
     arch_overrides,
     cut_pattern,
+    num_layers_range,
     parse_size,
     synth_config,
     synthetic_model,
@@ -89,6 +91,22 @@ def test_layer_and_expert_cuts():
     assert sorted(overrides) == sorted(["model.arch.num_experts=256", "model.arch.num_attention_layers=2",
                                         "model.arch.num_mamba_layers=10", "model.arch.num_moe_layers=10"])
     assert arch_overrides(synth_config("qwen3_next"), "qwen3_next") == []
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_num_layers_range_is_what_synth_config_accepts(family):
+    """num_layers_range (the limits other CLIs check under their own option names) agrees with synth_config:
+    its ends pass, one layer outside them is refused."""
+    least, most = num_layers_range(family)
+    assert synth_config(family, num_layers=least)["num_hidden_layers"] == least
+    with pytest.raises(SynthError, match=f"--num-layers {least - 1}"):
+        synth_config(family, num_layers=least - 1)
+    if most is not None:
+        assert synth_config(family, num_layers=most)["num_hidden_layers"] == most
+        with pytest.raises(SynthError, match=f"--num-layers {most + 1}"):
+            synth_config(family, num_layers=most + 1)
+    with pytest.raises(SynthError, match=f"--num-experts {MIN_EXPERTS - 1}"):
+        synth_config(family, num_experts=MIN_EXPERTS - 1)
 
 
 @pytest.fixture(scope="module", params=sorted(ENTRIES))

@@ -85,6 +85,31 @@ class SynthError(UserError):
     prints both and exits with status 2."""
 
 
+QWEN3_NEXT_MIN_LAYERS = 2  # one Gated DeltaNet and one full-attention layer
+MIN_EXPERTS = 1  # --num-experts: at least one routed expert
+
+
+def pattern_layer_range(pattern: str) -> tuple[int, int]:
+    """(fewest, most) layers :func:`cut_pattern` cuts the NemotronH layer pattern ``pattern`` to: one layer of
+    each kind (letter) up to the whole pattern."""
+    return len(set(pattern)), len(pattern)
+
+
+def num_layers_range(family: str) -> tuple[int, int | None]:
+    """(fewest, most) ``num_layers`` of a synthetic ``family`` model (:func:`synth_config`; most None: no
+    upper bound): NemotronH's cut of the release's pattern (:func:`pattern_layer_range`), Qwen3-Next's
+    :data:`QWEN3_NEXT_MIN_LAYERS` or more. CLIs with their own option names check their ranges with it.
+
+    Raises:
+        KeyError: a family not in :data:`RELEASE_CONFIGS`.
+    """
+    if family == "nemotron_h":
+        return pattern_layer_range(RELEASE_CONFIGS[family]["hybrid_override_pattern"])
+    if family not in RELEASE_CONFIGS:
+        raise KeyError(f"family {family!r} is not one of {sorted(RELEASE_CONFIGS)}")
+    return QWEN3_NEXT_MIN_LAYERS, None
+
+
 def cut_pattern(pattern: str, num_layers: int) -> str:
     """A NemotronH layer pattern of ``num_layers`` layers in the proportions of ``pattern``.
 
@@ -96,11 +121,12 @@ def cut_pattern(pattern: str, num_layers: int) -> str:
         SynthError: num_layers < number of kinds, or > len(pattern).
     """
     kinds = sorted(set(pattern), key=pattern.index)
-    if not len(kinds) <= num_layers <= len(pattern):
+    least, most = pattern_layer_range(pattern)
+    if not least <= num_layers <= most:
         raise SynthError(
-            f"--num-layers {num_layers}: the pattern {pattern!r} needs between {len(kinds)} (one layer of "
-            f"each kind {''.join(kinds)}) and {len(pattern)} layers",
-            f"use --num-layers between {len(kinds)} and {len(pattern)}",
+            f"--num-layers {num_layers}: the pattern {pattern!r} needs between {least} (one layer of "
+            f"each kind {''.join(kinds)}) and {most} layers",
+            f"use --num-layers between {least} and {most}",
         )
     positions = {c: [i for i, p in enumerate(pattern) if p == c] for c in kinds}
     quota = {c: len(positions[c]) * num_layers / len(pattern) for c in kinds}
@@ -209,17 +235,19 @@ def synth_config(
         if family == "nemotron_h":
             cfg["hybrid_override_pattern"] = cut_pattern(cfg["hybrid_override_pattern"], num_layers)
         else:
-            if num_layers < 2:
+            if num_layers < QWEN3_NEXT_MIN_LAYERS:
                 raise SynthError(
-                    f"--num-layers {num_layers}: Qwen3-Next needs >= 2 layers (one Gated DeltaNet and one "
-                    "full-attention layer)", "use --num-layers 2 or more"
+                    f"--num-layers {num_layers}: Qwen3-Next needs >= {QWEN3_NEXT_MIN_LAYERS} layers (one "
+                    "Gated DeltaNet and one full-attention layer)",
+                    f"use --num-layers {QWEN3_NEXT_MIN_LAYERS} or more",
                 )
             cfg["full_attention_interval"] = min(cfg["full_attention_interval"], num_layers)
         cfg["num_hidden_layers"] = num_layers
     if num_experts is not None:
         n_key, k_key = EXPERT_KEYS[family]
-        if num_experts < 1:
-            raise SynthError(f"--num-experts {num_experts} must be >= 1", "use --num-experts 1 or more")
+        if num_experts < MIN_EXPERTS:
+            raise SynthError(f"--num-experts {num_experts} must be >= {MIN_EXPERTS}",
+                             f"use --num-experts {MIN_EXPERTS} or more")
         cfg[n_key] = num_experts
         cfg[k_key] = min(cfg[k_key], num_experts)
     known = _known_keys(family)
