@@ -18,6 +18,7 @@ Ctrl-C or SIGTERM stops it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -31,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from evals import sweep
-from evals.outdir import register_resolver
+from evals.outdir import LOCK_FILE, register_resolver
 from registry.compose import CONFIG_DIR, CONFIG_NAME, check_overrides, config_error
 from registry.errors import UserError
 from registry.selection import register_resolvers
@@ -88,19 +89,25 @@ def main(cfg: DictConfig) -> int:
     return code
 
 
-# what a refused run leaves in its folder: Hydra's composed config and the run's lock (runners.app)
-_UNUSED_RUN_FILES = {".hydra", ".run.lock"}
+# what a refused run leaves in its folder: Hydra's composed config and the run's lock (evals.outdir)
+_UNUSED_RUN_FILES = {".hydra", LOCK_FILE}
 
 
 def _drop_unused_run_dir(folder: str) -> None:
     """Remove the folder Hydra created for a run that was refused before it wrote anything (only
     :data:`_UNUSED_RUN_FILES` inside), so refused commands leave no empty run folders behind. A folder holding
-    anything else (generations of an earlier run, a user's files) is left as it is."""
+    anything else (generations of an earlier run, a user's files), or whose lock another live run holds (the
+    refusal may be that very conflict, before that run wrote anything), is left as it is."""
     path = Path(folder)
     try:
         if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
             return
-        shutil.rmtree(path)
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a live run holds it
+            shutil.rmtree(path)
+        finally:
+            os.close(fd)
     except OSError:
         pass  # best effort: the refusal itself is what the user needs
 

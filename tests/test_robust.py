@@ -413,6 +413,26 @@ def test_a_folder_in_use_is_refused(tmp_path):
     claim_out_dir(tmp_path / "run").release()  # free again once the run ended
 
 
+def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
+    """run.py removes the folder Hydra made for a refused run (only .hydra and the lock inside), but never one
+    whose lock a live run holds: the refusal may be "in use by a run that is still going", before that run
+    wrote anything."""
+    import run
+
+    folder = tmp_path / "run"
+    claim = claim_out_dir(folder)
+    (folder / ".hydra").mkdir()
+    run._drop_unused_run_dir(str(folder))
+    assert (folder / ".hydra").is_dir()  # the live run keeps its folder
+    claim.release()
+    (folder / "generations.jsonl").write_text("{}\n")
+    run._drop_unused_run_dir(str(folder))
+    assert folder.is_dir()  # something of a run's inside: kept
+    (folder / "generations.jsonl").unlink()
+    run._drop_unused_run_dir(str(folder))
+    assert not folder.exists()
+
+
 def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
     path = tmp_path / "results.json"
     write_atomic(path, '{"old": 1}\n')
