@@ -207,8 +207,8 @@ class DecodeStep:
         self.compile = bool(options.compile and sizes)
         if options.compile and not sizes:  # (world_size > 1 and graphs off: runtime=gpu's default, quiet)
             (log.info if cuda else log.warning)(
-                "compile=True is ignored: the step compiles at the graph batch sizes and this engine has "
-                "none (cuda_graph_batch_sizes is empty); the step runs eagerly")
+                "compile=True is ignored: the step compiles at its CUDA-graph batch sizes and this engine "
+                "captures none (the CPU, or CUDA graphs off); the step runs eagerly")
         K = draft_len
         self.io = StepIO.allocate(max_batch_size, K, D, dtype, device)
         self.host = HostRing(max_batch_size, K + 1, device)
