@@ -317,26 +317,39 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
     if not use_kernel(h):
         return moe_gemv_ref(h, weights, indices, up, gate, down, activation)
     check_launchable(h, weights, indices, up, down, *(() if gate is None else (gate,)), name=name)
+    up, down = up.contiguous(), down.contiguous()
+    gate = gate.contiguous() if gate is not None else None
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair_gemv, up.shape[1])
+
+
+def run_pair_launches(h, weights, indices, up, gate, down, activation: str, launch, intermediate: int):
+    """The three launches of the per-pair path, shared by every weight format (this module's 16-bit /
+    float32 experts, kernels/quant/moe_gemv.py's NVFP4 and block FP8): gate / up with the activation fused,
+    down, the float32 combine. ``launch(x, indices, w, w2, out_dtype, topk, act_code) -> (out, out2, split)``
+    runs one projection in the weights' format (``w`` / ``w2``: that format's weight objects, e.g. tensors or
+    (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else [P, NOUT] in
+    out_dtype with the activation applied). ``intermediate``: the experts' I (0: nothing to compute).
+    h [N, L] (any row stride), weights [N, k] float32, indices [N, k] int64 as :func:`moe_gemv`; returns
+    [N, L] in h's dtype, mutates nothing. The split partials are summed in fp32 and rounded to h's dtype
+    before the activation, as :func:`moe_gemv_ref` rounds."""
     N, k = indices.shape
     L = h.shape[1]
     out = torch.empty(N, L, dtype=h.dtype, device=h.device)
-    if N == 0 or k == 0 or L == 0 or up.shape[1] == 0:  # nothing routed, or experts without features
+    if N == 0 or k == 0 or L == 0 or intermediate == 0:  # nothing routed, or experts without features
         return out.zero_()
     if h.stride(1) != 1:
         h = h.contiguous()
-    up, down = up.contiguous(), down.contiguous()
-    gate = gate.contiguous() if gate is not None else None
     idx = indices.contiguous()
     weights = weights.contiguous()
     act = ACT_CODES[activation]
     # gate / up: w is gate (activation side) and w2 up when gated; w is up otherwise
     first, second = (gate, up) if gate is not None else (up, None)
-    a, a2, split = _launch_pair_gemv(h, idx, first, second, h.dtype, k, act)
+    a, a2, split = launch(h, idx, first, second, h.dtype, k, act)
     if split > 1:  # partials summed in fp32 and rounded to h's dtype, then the activation as the reference
         a = _act_ref(a.sum(0).to(h.dtype), activation)
         if a2 is not None:
             a = a * a2.sum(0).to(h.dtype)
-    y, _, split = _launch_pair_gemv(a, idx, down, None, h.dtype, 1, 0)
+    y, _, split = launch(a, idx, down, None, h.dtype, 1, 0)
     if split == 1:
         y = y[None]
     block_l = min(256, triton.next_power_of_2(L))

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, interpreter_active
-from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, _combine_kernel, _round, pair_gemv_config
+from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, _round, pair_gemv_config, run_pair_launches
 from kernels.quant._common import FP8_DTYPE, use_kernel
 from kernels.quant.block_fp8 import BLOCK, _group_scale_quant, quantize_activation_per_token_group_ref
 from kernels.quant.nvfp4 import GEMV_BLOCK_K as NVFP4_GEMV_BLOCK_K
@@ -427,34 +427,6 @@ def _launch_block_fp8(x, idx, w, w2, out_dtype, topk, act_code):
     return out, (out2 if w2 is not None else None), split
 
 
-def _run(h, weights, indices, up, gate, down, activation, launch):
-    """The three launches (gate / up with the activation, down, combine) with ``launch`` one projection."""
-    N, k = indices.shape
-    L = h.shape[1]
-    out = torch.empty(N, L, dtype=h.dtype, device=h.device)
-    if N == 0 or k == 0 or L == 0 or up[0].shape[1] == 0:  # nothing routed, or experts without features
-        return out.zero_()
-    if h.stride(1) != 1:
-        h = h.contiguous()
-    idx = indices.contiguous()
-    weights = weights.contiguous()
-    act = ACT_CODES[activation]
-    first, second = (gate, up) if gate is not None else (up, None)
-    a, a2, split = launch(h, idx, first, second, h.dtype, k, act)
-    if split > 1:  # partials summed in fp32 and rounded to h's dtype, then the activation as the reference
-        a = _act_ref(a.sum(0).to(h.dtype), activation)
-        if a2 is not None:
-            a = a * a2.sum(0).to(h.dtype)
-    y, _, split = launch(a, idx, down, None, h.dtype, 1, 0)
-    if split == 1:
-        y = y[None]
-    block_l = min(256, triton.next_power_of_2(L))
-    _combine_kernel[(N, triton.cdiv(L, block_l))](
-        y, weights, out, L, k, y.shape[0], y.stride(0), y.stride(1), weights.stride(0), out.stride(0),
-        BLOCK_L=block_l, num_warps=4)
-    return out
-
-
 def _contiguous(t):
     return None if t is None else tuple(x.contiguous() for x in t)
 
@@ -485,7 +457,8 @@ def moe_gemv_nvfp4(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
                          "words); use runners.engine.models.moe.moe_experts_grouped for other widths")
     tensors = [t for e in (up, gate, down) if e is not None for t in e]
     check_launchable(h, weights, indices, *tensors, name=name)
-    return _run(h, weights, indices, up, gate, down, activation, _launch_nvfp4)
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_nvfp4,
+                             up[0].shape[1])
 
 
 def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
@@ -506,5 +479,6 @@ def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     up, gate, down = _contiguous(up), _contiguous(gate), _contiguous(down)
     tensors = [t for e in (up, gate, down) if e is not None for t in e]
     check_launchable(h, weights, indices, *tensors, name=name)
-    return _run(h, weights, indices, up, gate, down, activation, _launch_block_fp8)
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_block_fp8,
+                             up[0].shape[1])
 
