@@ -44,6 +44,10 @@ def _bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # us
 
 
+class _Skip(Exception):
+    """bench_flashinfer's ``only`` names another call."""
+
+
 def _dry(fn):
     """--dry-run timer: call once (CPU interpreter, tiny shape) to catch errors before GPU time is spent."""
     fn()
@@ -130,9 +134,13 @@ def _tied(t, shape):
     return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
 
 
-def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpointing=False):
+def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpointing=False, timer=None,
+                     only=None):
     """Time FlashInfer's rewind verify (and, with `checkpointing`, its checkpointing_ssu) at the Super V3
     mixer shape (module constants H, P, N, G) with `batch` rows of T tokens, one slot per row.
+    ``timer``: the function that times one zero-argument call and returns microseconds (default: this
+    module's do_bench median); ``only``: time just the call of that result name (e.g.
+    "checkpointing_ssu_pnat3"), as the Nsight Compute worker of benchmarks.sweep_replay does.
 
     Returns {name: {"us": median microseconds}} per call timed, or {name: {"error": text}} where FlashInfer
     is not importable or a call fails (first-use JIT, an API other than 0.7.2's); never raises for those.
@@ -156,12 +164,17 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     slot_ids = torch.arange(batch, device=dev, dtype=torch.int32)
     out = torch.empty_like(x)
     res = {}
+    timer = timer or _bench
     try:
         inter = torch.empty(batch, T, H, P, N, device=dev, dtype=state_dtype)
-        res["selective_state_update_rewind"] = {"us": round(_bench(lambda: fim.selective_state_update(
+        if only not in (None, "selective_state_update_rewind"):
+            raise _Skip
+        res["selective_state_update_rewind"] = {"us": round(timer(lambda: fim.selective_state_update(
             state, x, dt, A, B, C, D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
             out=out, disable_state_update=True, intermediate_states_buffer=inter,
             intermediate_state_indices=slot_ids, cache_steps=T)), 2)}
+    except _Skip:
+        pass
     except Exception:  # noqa: BLE001
         res["selective_state_update_rewind"] = {"error": traceback.format_exc(limit=2)}
     if not checkpointing:
@@ -180,13 +193,15 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
         for k in (3, ring - 2 * T + 1):
             pnat = torch.full((S,), k, device=dev, dtype=torch.int32)
             tag = f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}"
+            if only not in (None, tag):
+                continue
 
             def call(pnat=pnat):
                 ring_start.zero_()  # a flush advances it; keep every timed call the same
                 fim.checkpointing_ssu(state, x_cache, B_cache, dt_cache, ring_start, pnat, x, dt, A, B, C, out,
                                       D=D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
                                       algorithm="monolith")
-            res[tag] = {"us": round(_bench(call), 2)}
+            res[tag] = {"us": round(timer(call), 2)}
     except Exception:  # noqa: BLE001
         res["checkpointing_ssu"] = {"error": traceback.format_exc(limit=2)}
     return res

@@ -50,7 +50,8 @@ that table (`defaults_table`, with the launcher arguments and the evidence) for 
 --from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
 
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
-the current kernel, or the current kernel and "mma" without --sweep; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
+the current kernel, or the current kernel and "mma" without --sweep; and FlashInfer's checkpointing_ssu without
+and with a flush, unless --no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
 --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
 as DIR/ncu_<operator>_<config>_<dtype>.txt, with the headline numbers of every report (duration, memory /
 DRAM / compute throughput in % of peak, registers, theoretical and achieved occupancy) in DIR/ncu_summary.json.
@@ -693,9 +694,40 @@ def table(res: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def flashinfer_ncu_specs() -> list[str]:
+    """The FlashInfer launches profiled beside ours (``fi:TAG:DTYPE``, TAG a result name of
+    benchmarks.bench_mamba2.bench_flashinfer at the headline): checkpointing_ssu with 3 pending tokens and with
+    a flush (its ring of 16 + T rows), for both state dtypes."""
+    T = HEADLINE["T"]
+    flush = 16 + T - 2 * T + 1
+    return [f"fi:{tag}:{d}" for tag in ("checkpointing_ssu_pnat3", f"checkpointing_ssu_pnat{flush}_flush")
+            for d in DTYPES]
+
+
+def _profile_once(fn) -> float:
+    """bench_flashinfer's timer under Nsight Compute: one warm call, then one call inside the profiled range."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0.0
+
+
 def ncu_worker(spec: str) -> None:
-    """One profiled launch: OP:CONFIG:DTYPE at the headline, compiled (and warmed) before the profiled range."""
+    """One profiled launch: OP:CONFIG:DTYPE at the headline, compiled (and warmed) before the profiled range;
+    OP "fi": FlashInfer's call named CONFIG (flashinfer_ncu_specs), its JIT build warm from the sweep."""
     op, cfg_name, name = spec.split(":")
+    if op == "fi":
+        from benchmarks.bench_mamba2 import bench_flashinfer
+
+        got = bench_flashinfer(HEADLINE["batch"], HEADLINE["T"], DTYPES[name], checkpointing=True,
+                               timer=_profile_once, only=cfg_name)
+        print(json.dumps(got), flush=True)
+        if cfg_name not in got:
+            raise SystemExit(f"FlashInfer's {cfg_name} did not run: {got}")
+        return
     call, _, _ = _setup(op, "ws1", HEADLINE["batch"], HEADLINE["T"], DTYPES[name], "cuda", False)
     cfg = _configs(op)[cfg_name]
     call(cfg)
@@ -752,6 +784,8 @@ def ncu(args) -> int:
                        | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
     else:
         specs = [f"{op}:{c}:{d}" for op in OPS for c in (CURRENT, "mma") for d in DTYPES]
+    if not args.no_flashinfer:
+        specs += flashinfer_ncu_specs()
     if args.dtypes:
         specs = [sp for sp in specs if sp.split(":")[2] in args.dtypes.split(",")]
     if args.quick and not args.dtypes:
@@ -761,7 +795,8 @@ def ncu(args) -> int:
     summary = {}
     for spec in specs:
         op, cfg, name = spec.split(":")
-        kernel = "regex:_gdn_replay" if op == "gdn" else "regex:_replay_verify"
+        kernel = ("regex:checkpointing_ssu|selective_state_update" if op == "fi" else
+                  "regex:_gdn_replay" if op == "gdn" else "regex:_replay_verify")
         cmd = [exe, "--clock-control", "none", "--section", "SpeedOfLight", "--section", "Occupancy",
                "--section", "LaunchStats", "--profile-from-start", "off", "-k", kernel, "--launch-count", "1",
                sys.executable, "-m", "benchmarks.sweep_replay", "--ncu-worker", spec]
@@ -773,7 +808,8 @@ def ncu(args) -> int:
         got = summary[spec]
         print(f"{spec}: exit {p.returncode} -> {path}; " + ", ".join(
             f"{k} {got[k]['value']:g} {got[k]['unit']}".rstrip() for k in NCU_METRICS if k in got), flush=True)
-        rc = rc or p.returncode
+        if op != "fi":  # FlashInfer's rows are a peer's: their failure is reported, not the run's
+            rc = rc or p.returncode
     with open(os.path.join(args.out, "ncu_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return rc

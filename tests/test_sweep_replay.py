@@ -5,6 +5,7 @@ stochastic-rounding rows, a JSON document and the plot. Times are not checked (t
 from __future__ import annotations
 
 import json
+import sys
 import os
 
 import torch
@@ -150,3 +151,35 @@ def test_from_json_writes_the_table_of_a_committed_sweep(tmp_path, capsys):
     want = sweep_replay.defaults_table(json.loads(open(SWEEP).read()), source=SWEEP, date="2026-01-01")
     assert doc == want and doc["rows"]
     assert f"{len(doc['rows'])} rows from {SWEEP}" in capsys.readouterr().out
+
+
+def test_ncu_profiles_flashinfer_beside_ours_and_its_failure_is_not_the_runs(tmp_path, monkeypatch, capsys):
+    """--ncu adds FlashInfer's checkpointing_ssu (3 pending, flush; both state dtypes) with its own kernel
+    filter; a FlashInfer launch that fails is recorded with its exit code without failing the run,
+    --no-flashinfer leaves it out."""
+    import subprocess
+    import types
+
+    cmds = []
+
+    def fake_run(cmd, capture_output, text):
+        cmds.append(cmd)
+        fi = cmd[-1].startswith("fi:")
+        return types.SimpleNamespace(returncode=1 if fi else 0, stdout="" if fi else NCU_TEXT, stderr="")
+
+    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = tmp_path / "ncu"
+    assert sweep_replay.main(["--ncu", "--out", str(out)]) == 0
+    summary = json.loads((out / "ncu_summary.json").read_text())
+    fi = sorted(k for k in summary if k.startswith("fi:"))
+    assert fi == sorted(sweep_replay.flashinfer_ncu_specs()) and len(fi) == 4
+    assert "fi:checkpointing_ssu_pnat13_flush:float32" in fi  # ring 16 + T = 20 rows, flush at 13 pending
+    assert all(summary[k]["exit"] == 1 for k in fi)
+    fi_cmd = next(c for c in cmds if c[-1].startswith("fi:"))
+    assert fi_cmd[fi_cmd.index("-k") + 1] == "regex:checkpointing_ssu|selective_state_update"
+    ours = next(k for k in summary if not k.startswith("fi:"))
+    assert summary[ours]["exit"] == 0 and summary[ours]["duration"]["value"] > 0
+    cmds.clear()
+    assert sweep_replay.main(["--ncu", "--no-flashinfer", "--out", str(tmp_path / "n2")]) == 0
+    assert cmds and not any(c[-1].startswith("fi:") for c in cmds)
