@@ -153,7 +153,7 @@ class StepOpCounter:
 
 
 @contextmanager
-def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: int):
+def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     """Make the kernels' references (and the routed experts, the quantized GEMMs) opaque single ops while
     counting."""
     import importlib
@@ -184,7 +184,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: int):
         setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
     # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
     saved.append((quant_mod, "use_quant_moe_gemv", quant_mod.use_quant_moe_gemv))
-    quant_mod.use_quant_moe_gemv = lambda h, indices: indices.numel() <= quant_moe_gemv_max_pairs
+    quant_mod.use_quant_moe_gemv = lambda h, indices, fmt: indices.numel() <= quant_moe_gemv_max_pairs[fmt]
     for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
         saved.append((quant_mod, attr, getattr(quant_mod, attr)))
         setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
@@ -221,7 +221,8 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
                    fmt: str = "bf16", quant_moe_gemv_max_pairs: int | None = None) -> dict:
     """Op counts of ``steps`` decode steps of a synthetic ``family`` model in checkpoint format ``fmt``
     (:data:`FORMATS`; module docstring). ``quant_moe_gemv_max_pairs``: the pair bound up to which the quantized
-    experts take their per-pair path (None: the engine's ``QUANT_MOE_GEMV_MAX_PAIRS``).
+    experts take their per-pair path, in every quantized format (None: the engine's per-format
+    ``QUANT_MOE_GEMV_MAX_PAIRS``).
 
     Returns ``{"config": ..., "steps": n, "phases": {phase: {"ops", "views", "host_syncs", "kinds": {kind:
     {"ops", "blocks", "ops_per_block", "top": [[op, count per step], ...]}}}}, "total_ops": per step}``; every
@@ -238,9 +239,10 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
 
     if replay and draft_len < 1:
         raise ValueError("ssm replay needs drafts (draft_len >= 1)")
-    if quant_moe_gemv_max_pairs is None:
-        from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS as quant_moe_gemv_max_pairs
-    bound = quant_moe_gemv_max_pairs
+    from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS
+
+    bound = (dict(QUANT_MOE_GEMV_MAX_PAIRS) if quant_moe_gemv_max_pairs is None
+             else dict.fromkeys(QUANT_MOE_GEMV_MAX_PAIRS, quant_moe_gemv_max_pairs))
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     layers = QUARTER_LAYERS[family] if layers is None else layers
@@ -358,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25, help="ops listed per phase and kind")
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
     p.add_argument("--quant-moe-gemv-max-pairs", type=int, default=None, metavar="N",
-                   help="pair bound of the quantized experts' per-pair path (default: the engine's "
-                        "QUANT_MOE_GEMV_MAX_PAIRS, 0 until measured on the H200; 176 counts it as bf16's)")
+                   help="pair bound of the quantized experts' per-pair path, every format (default: the "
+                        "engine's per-format QUANT_MOE_GEMV_MAX_PAIRS; 176 counts it as bf16's)")
     args = p.parse_args(argv)
     if args.layers is not None:  # the synthetic model's limits, under this script's option name
         least, most = num_layers_range(args.family)

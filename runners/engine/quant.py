@@ -228,12 +228,13 @@ class BlockFP8MoE(MoE):
     ``experts_<kind>_weight_scale_inv`` [E, ceil(out / 128), ceil(in / 128)] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
     expert-sorted rows (:func:`runners.engine.models.block_fp8.block_fp8_grouped_mm`, no host
-    synchronisation), or at decode sizes on CUDA (``use_quant_moe_gemv``: at most QUANT_MOE_GEMV_MAX_PAIRS
-    pairs, 0 until measured) as kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math);
+    synchronisation), or at decode sizes on CUDA (``use_quant_moe_gemv``: at most
+    ``QUANT_MOE_GEMV_MAX_PAIRS["block_fp8"]`` pairs) as kernels/quant/moe_gemv.py's per-pair GEMVs (three
+    launches, same math);
     router, shared expert and latent projections are those of the MoE it was made from."""
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices):
+        if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices, "block_fp8"):
             mats = {k: (getattr(self, f"experts_{k}"), getattr(self, f"experts_{k}_weight_scale_inv"))
                     for k in _kinds(self)}
             return moe_gemv_block_fp8(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
@@ -253,14 +254,14 @@ class NVFP4MoE(MoE):
     ``experts.{e}.<kind>_proj.{weight,weight_scale,weight_scale_2,input_scale}``; input scales unused). One
     grouped GEMM per projection over expert-sorted rows
     (:func:`runners.engine.models.nvfp4.nvfp4_grouped_mm`, no host synchronisation), or at decode sizes on
-    CUDA (``use_quant_moe_gemv``: at most QUANT_MOE_GEMV_MAX_PAIRS pairs, 0 until measured; codes in whole
-    int32 words) as
+    CUDA (``use_quant_moe_gemv``: at most ``QUANT_MOE_GEMV_MAX_PAIRS["nvfp4"]`` pairs; codes in whole int32
+    words) as
     kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math)."""
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         mats = {k: tuple(getattr(self, f"experts_{k}{s}") for s in ("", "_weight_scale", "_weight_scale_2"))
                 for k in _kinds(self)}
-        if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices) and nvfp4_words_ok(*mats.values()):
+        if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices, "nvfp4") and nvfp4_words_ok(*mats.values()):
             return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
                                   self.act_name)
 
