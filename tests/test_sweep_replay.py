@@ -5,8 +5,8 @@ stochastic-rounding rows, a JSON document and the plot. Times are not checked (t
 from __future__ import annotations
 
 import json
-import sys
 import os
+import sys
 
 import torch
 
@@ -43,7 +43,8 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
     assert set(res["confirm"]) == {f"{op}/bfloat16" for op in sweep_replay.OPS}
     for key, times in res["confirm"].items():
         rows = res["headline_rows"][key]
-        assert set(times) == {"fma", "mma"} and all(len(t) == sweep_replay.CONFIRM_ROUNDS for t in times.values())
+        assert set(times) == {"fma", "mma"}
+        assert all(len(t) == sweep_replay.CONFIRM_ROUNDS for t in times.values())
         assert all(rows[c]["us"] == round(min(t), 2) and rows[c]["us_first"] > 0 for c, t in times.items())
         assert res["best"][key] == min(rows, key=lambda c: rows[c]["us"])
     assert "m2_write/bfloat16" in capsys.readouterr().out

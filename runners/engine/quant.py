@@ -261,7 +261,8 @@ class NVFP4MoE(MoE):
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         mats = {k: tuple(getattr(self, f"experts_{k}{s}") for s in ("", "_weight_scale", "_weight_scale_2"))
                 for k in _kinds(self)}
-        if self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices, "nvfp4") and nvfp4_words_ok(*mats.values()):
+        if (self.act_name in ACT_CODES and use_quant_moe_gemv(h, indices, "nvfp4")
+                and nvfp4_words_ok(*mats.values())):
             return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
                                   self.act_name)
 

@@ -48,13 +48,13 @@ GATHER_CHUNK_BYTES = 256 * 2**20
 # Qwen3-Next's top-10). Measured on the H200 (benchmarks/bench_moe_gemv.py, docs/gpu/decode_2): the GEMV is
 # 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured.
 MOE_GEMV_MAX_PAIRS = 8 * 22
-# The same bound per quantized expert format (runners.engine.quant's NVFP4MoE / BlockFP8MoE: kernels/quant/
-# moe_gemv.py's per-pair kernels). Measured on the H200 (benchmarks/bench_moe_gemv.py --formats nvfp4 block_fp8,
-# docs/gpu/moe_2): block FP8's per-pair path is 1.66-2.77x faster than its grouped GEMM at every point from 10
-# to 176 pairs (both models, batch 1-8), so it takes bf16's bound. NVFP4's is 1.23-2.45x faster up to 40 pairs,
-# even at 44 (Nemotron 3 Super, batch 2: 170.3 vs 170.3 us) and slower from 88 (0.84x / 0.81x at 88 / 176,
-# where the grouped GEMM reads each chosen expert's codes once for its several tokens while the per-pair kernels
-# decode them once per pair), so its bound is 44; Qwen3-Next's 80 pairs (1.51x) lie above it, conservatively.
+# The same bound per quantized expert format (runners.engine.quant's NVFP4MoE / BlockFP8MoE:
+# kernels/quant/moe_gemv.py's per-pair kernels), measured on the H200 (benchmarks/bench_moe_gemv.py --formats
+# nvfp4 block_fp8, docs/gpu/moe_2). Block FP8's per-pair path is 1.66-2.77x faster than its grouped GEMM at
+# every point from 10 to 176 pairs (both models, batch 1-8): it takes bf16's bound. NVFP4's is 1.23-2.45x
+# faster up to 40 pairs, level at 44 (Nemotron 3 Super, batch 2: 170.3 vs 170.3 us) and slower from 88
+# (0.84x / 0.81x at 88 / 176: the grouped GEMM decodes each chosen expert's codes once for its several tokens,
+# the per-pair kernels once per pair), so its bound is 44; Qwen3-Next's 80 pairs (1.51x) lie above it.
 QUANT_MOE_GEMV_MAX_PAIRS = {"nvfp4": 44, "block_fp8": MOE_GEMV_MAX_PAIRS}
 
 
@@ -176,7 +176,10 @@ def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor)
 def use_quant_moe_gemv(h: torch.Tensor, indices: torch.Tensor, fmt: str) -> bool:
     """Whether a quantized MoE whose experts are in format ``fmt`` ("nvfp4" / "block_fp8") takes
     kernels/quant/moe_gemv.py's per-pair kernels: :func:`use_moe_gemv`'s rule with the format's
-    :data:`QUANT_MOE_GEMV_MAX_PAIRS` as the bound. Shapes and dtypes only. Raises KeyError for another ``fmt``."""
+    :data:`QUANT_MOE_GEMV_MAX_PAIRS` as the bound. Shapes and dtypes only.
+
+    Raises:
+        KeyError: ``fmt`` is not a key of QUANT_MOE_GEMV_MAX_PAIRS."""
     return indices.numel() <= QUANT_MOE_GEMV_MAX_PAIRS[fmt] and use_moe_gemv(h, indices)
 
 
