@@ -159,3 +159,33 @@ def test_full_depth_part_builds_dummy_weights_in_the_release_format(tmp_path):
     replay = next(r for r in rows if r["arm"] == "replay")
     assert replay["forced_acceptance_length"] == 3.0 and replay["decode_tokens_per_s"] > 0
     assert (out / "bench_e2e.png").stat().st_size > 1000  # full-depth parts get their panel too
+
+
+def test_targets_are_the_issues_goals_per_model_and_compile_mode():
+    """evaluate_targets: plain batch-1 step over its floor (<= 2), replay / plain tokens/s (>= 2.0 at batch 1,
+    1.6 at 8), replay / rewind per batch (>= 1), compiled rows under their own keys, full-depth rates."""
+    from benchmarks.bench_e2e import evaluate_targets
+
+    def row(model, arm, batch, tps, compile=False, **kw):
+        return {"model": model, "arm": arm, "batch": batch, "graphs": True, "compile": compile,
+                "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps, **kw}
+
+    rows = [row("super_v3", "plain", 1, 250.0, floor_ms=2.5), row("super_v3", "replay", 1, 600.0),
+            row("super_v3", "rewind", 1, 610.0), row("super_v3", "plain", 8, 1000.0),
+            row("super_v3", "replay", 8, 1700.0), row("super_v3", "rewind", 8, 1600.0),
+            row("super_v3", "plain", 1, 400.0, compile=True, floor_ms=2.5),
+            row("qwen3_next_fp8", "plain", 1, 190.0), row("qwen3_next_fp8", "replay", 1, 300.0)]
+    t = evaluate_targets(rows)
+    assert t["super_v3_plain_b1_step_over_floor"] == {"value": 1.6, "goal": "<= 2.0", "met": True}
+    for B, want in ((1, 2.4), (8, 1.7)):
+        got = t[f"super_v3_replay_vs_plain_b{B}"]
+        assert got["value"] == pytest.approx(want) and got["met"] is True
+    assert t["super_v3_replay_vs_plain_b64"] == {"value": None, "goal": 1.6, "met": None}
+    rr = t["super_v3_replay_vs_rewind"]
+    assert rr["value"][1] == pytest.approx(600 / 610) and rr["met"] is False  # behind rewind at batch 1
+    assert t["super_v3_compiled_plain_b1_step_over_floor"]["value"] == pytest.approx(1.0)
+    assert t["super_v3_compiled_replay_vs_plain_b1"]["met"] is None  # no compiled replay row
+    assert "qwen3_next_plain_b1_step_over_floor" not in t  # the quarter-depth Qwen3-Next did not run
+    assert t["qwen3_next_fp8_plain_b1_tokens_per_s"]["met"] is True
+    assert t["qwen3_next_fp8_replay_b1_tokens_per_s"] == {"value": 300.0, "goal": ">= 340.0", "met": False}
+    assert "super_v3_nvfp4_plain_b1_tokens_per_s" not in t
