@@ -119,12 +119,12 @@ def test_cli_checks_come_before_any_model(monkeypatch, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("max_pairs", [176, None, 0], ids=["pair path", "engine default", "grouped path"])
+@pytest.mark.parametrize("max_pairs", [None, 0], ids=["engine default: pair path", "grouped path"])
 def test_quantized_format_counts_its_kernels(max_pairs):
     """--format nvfp4 builds the release's module classes: the quantized GEMMs count as kernel ops, and the
-    NVFP4 experts count as the per-pair path (one op per MoE block) within the pair bound (given, or the
-    engine's per-format QUANT_MOE_GEMV_MAX_PAIRS: 44 for NVFP4, above this step's pairs), else as the grouped
-    path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
+    NVFP4 experts count as the per-pair path (one op per MoE block) within the pair bound (the engine's
+    per-format QUANT_MOE_GEMV_MAX_PAIRS: 44 for NVFP4, above this step's pairs), else (a bound of 0) as the
+    grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
     from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS
 
     shrink = {**TINY, "moe_latent_size": 32, "moe_intermediate_size": 48}
