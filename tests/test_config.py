@@ -148,7 +148,8 @@ def test_readme_setup_commands():
     """The README opens with exactly the two set-up commands; the second is CI's test command (.ci/run), whose
     first and last steps it is (CI also runs the registry pull-request check in between)."""
     blocks = _code_blocks((REPO_ROOT / "README.md").read_text())
-    assert blocks[:2] == ["pip install . && python run.py", 'pip install ".[test]" && python -m pytest']
+    assert blocks[:2] == ["pip install . && python run.py",
+                          'pip install ".[test]" && python -m pytest -n auto --dist loadgroup']
     ci = [line.replace(" -q", "") for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
           if line.startswith(("pip ", "python "))]
     assert " && ".join([ci[0], ci[-1]]) == blocks[1]
