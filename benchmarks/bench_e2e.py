@@ -49,8 +49,9 @@ Models:
 ``targets`` in the JSON evaluates the goals of :data:`TARGETS` from the rows (`evaluate_targets`: quarter depth
 with graphs, plain batch-1 step within 2x its floor, MTP + replay >= 2.0x plain at batch 1 and >= 1.6x at 8 and
 64, replay >= rewind; the full-depth batch-1 rates; graphs at least halve the tiny entries' step). ``--profile
-MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead and writes
-DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace).
+MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead (compiled with ``--compile on``)
+and writes DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace),
+<point> ending in ``_compiled`` for a compiled step.
 
 Budget: estimated (not yet run) at about 10 minutes on one H200 for the defaults (few warm-up steps, 64
 timed steps per point, graphs captured for the buckets the point needs); ``--time-budget-s`` skips the
@@ -170,7 +171,7 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
     wall = time.perf_counter() - t0
     if prof is not None:
         prof.__exit__(None, None, None)
-        name = f"{model_name}_{arm}_b{B}_{'graphs' if graphs else 'eager'}"
+        name = f"{model_name}_{arm}_b{B}_{'graphs' if graphs else 'eager'}{'_compiled' if compile_ else ''}"
         sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         (profile_dir / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
         prof.export_chrome_trace(str(profile_dir / f"profile_{name}.json"))
