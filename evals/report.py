@@ -296,6 +296,9 @@ def format_console(results: Mapping[str, Any]) -> str:
         ("model", f"{results['entry']} ({c['model']['family']}, {c['dtype']}, {c['device']})"),
         *([("weights", "DUMMY (model.load_format=dummy: random; no accuracy can be judged)")]
           if c.get("load_format") == "dummy" else []),
+        *([("acceptance", f"FORCED to length {c['forced_acceptance_length']} "
+                          "(runtime.forced_acceptance_length)")]
+          if c.get("forced_acceptance_length") is not None else []),
         ("ssm_replay / world_size", f"{replay} / {c['world_size']}"),
         ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)}"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
@@ -517,7 +520,10 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     if (results.get("config") or {}).get("load_format") == "dummy":
         out += ["**Dummy weights** (`model.load_format=dummy`): random weights at the model's configuration "
                 f"({results['config'].get('config_source')}); speed and memory are real, no accuracy can be "
-                "judged.", ""]
+                "judged." + (f" Acceptance forced to length {results['config']['forced_acceptance_length']} "
+                             "(`runtime.forced_acceptance_length`): every verify accepts a fixed schedule of "
+                             "drafts, so the steps and the projection are those of MTP at that length."
+                             if results["config"].get("forced_acceptance_length") is not None else ""), ""]
     commit = results.get("git_commit")
     out += [f"- git commit: `{commit or 'unknown'}`" + (" (dirty tree)" if results.get("git_dirty") else "")]
     hf_id = ((results.get("config") or {}).get("model") or {}).get("hf_id")

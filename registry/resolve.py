@@ -49,6 +49,7 @@ SETTING_OVERRIDES = {
     "num_threads": "runtime.num_threads", "num_fewshot": "eval.num_fewshot",
     "max_gen_toks": "eval.max_gen_toks", "data_dir": "eval.data_dir",
     "ssm_stochastic_rounding": "model.ssm.stochastic_rounding", "task": "eval",
+    "forced_acceptance_length": "runtime.forced_acceptance_length",
 }
 
 
@@ -139,6 +140,9 @@ class ResolvedRun:
             "max_batch_size": self.max_batch_size,
             "ssm_backend": self.ssm_backend,
             "ssm_replay_checkpointing": self.ssm_replay_checkpointing,
+            # present only when set: fingerprints and results written before the option equal today's without
+            **({"forced_acceptance_length": self.run.runtime.forced_acceptance_length}
+               if self.run.runtime.forced_acceptance_length is not None else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,6 +230,28 @@ def checkpoint_path(entry: ModelEntry, models_root: str | None, *, required: boo
     return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
 
 
+def check_forced_acceptance(length: float | None, *, dummy: bool, draft_len: int) -> None:
+    """runtime.forced_acceptance_length's rules: dummy weights only (with real weights it would replace the
+    greedy comparison of the drafts and so change the answers), speculative decoding on, and a length in
+    [1, draft_len + 1] (runners.engine.step.ForcedAcceptance's range). Raises UserError naming the fix."""
+    if length is None:
+        return
+    name = f"runtime.forced_acceptance_length={length}"
+    if not dummy:
+        raise UserError(f"{name} replaces the comparison of the drafts with the target's greedy tokens, so "
+                        "the answers would no longer be the model's: it is for dummy weights only, whose "
+                        "drafts accept nothing", "drop runtime.forced_acceptance_length (null), or add "
+                        "model.load_format=dummy to time MTP at that acceptance length")
+    if draft_len < 1:
+        raise UserError(f"{name} needs speculative decoding, and this run drafts nothing (draft_len=0)",
+                        "use an _mtp entry or set draft_len=3, or drop runtime.forced_acceptance_length")
+    if not 1.0 <= length <= draft_len + 1:
+        raise UserError(f"{name} is outside [1, draft_len + 1 = {draft_len + 1}]: a step accepts 0 to "
+                        f"{draft_len} drafts plus the target's own token",
+                        f"set runtime.forced_acceptance_length to a value in [1, {draft_len + 1}] "
+                        "(TensorRT-LLM's CI records 3.47 for Super V3 NVFP4 with three drafts)")
+
+
 def dummy_folder_given(entry: ModelEntry, models_root: str | None) -> bool:
     """Whether a ``model.load_format=dummy`` run names a checkpoint folder, whose config.json it must then
     read: an embedded entry's (registry/checkpoints/, always its own config.json), an absolute
@@ -296,6 +322,7 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
             f"model.load_format=dummy with world_size={world_size}: dummy weights are built on one device",
             "pass world_size=1 (dummy weights are not sharded over ranks)",
         )
+    check_forced_acceptance(run.runtime.forced_acceptance_length, dummy=dummy, draft_len=draft_len)
     checkpoint_dir, setting = checkpoint_path(entry, run.models_root, required=check_checkpoint and not dummy)
     has_config = (checkpoint_dir / CONFIG_FILE).is_file()
     if dummy and check_checkpoint and not has_config and dummy_folder_given(entry, run.models_root):

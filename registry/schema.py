@@ -223,9 +223,14 @@ class RuntimeConfig:
     # on, only in float32 compute with a float32 SSM state (prefix_cache_off_reason)
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # the most its entries may take; None: the engine's default
-    # torch.compile (inductor) of the decode step's per-layer math (runners/engine/compile.py);
-    # configs/runtime/gpu.yaml turns it on
+    # torch.compile (inductor) of the decode step's per-layer math (runners/engine/compile.py); off in both
+    # configs/runtime files until its start-up is measured on the H200 (runtime.compile=true turns it on)
     compile: bool = False
+    # model.load_format=dummy only: every verify accepts a fixed schedule of drafts with this mean acceptance
+    # length (runners.engine.Engine.force_acceptance) instead of comparing them with the target's tokens, so
+    # that random weights, whose drafts accept nothing, run and time the steps of MTP at that length and the
+    # full-GSM8K projection is the speculative one. None: the drafts are compared as always
+    forced_acceptance_length: float | None = None
 
 
 @dataclass

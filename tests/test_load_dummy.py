@@ -324,3 +324,39 @@ def test_dummy_engine_on_cuda_builds_in_place_and_decodes_finite(family, quant):
     assert out.tokens[0] == out.tokens[1]  # the same prompt, greedy: the same tokens in both slots
     logits = engine.logits(torch.tensor([prompts[0]], device="cuda"))
     assert torch.isfinite(logits).all()
+
+
+def test_forced_acceptance_runs_mtp_at_that_length_on_dummy_weights(tmp_path):
+    """runtime.forced_acceptance_length on dummy weights: every verify accepts the schedule's drafts, so the
+    run's acceptance length is the forced one (random weights accept nothing on their own), results.json's
+    config, the resume fingerprint and summary.md say so, and the full-GSM8K projection is MTP's."""
+    out = tmp_path / "out"
+    overrides = ["model=tiny_nemotron_h_mtp", "model.load_format=dummy", f"out_dir={out}", "eval.limit=2",
+                 "eval.max_gen_toks=16", "ssm_replay=true", "runtime.forced_acceptance_length=3.0"]
+    app.run(compose_config(overrides))
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["config"]["forced_acceptance_length"] == 3.0
+    acc = on_disk["acceptance"]
+    assert acc["accepted"] > 0 and abs(acc["length"] - 3.0) < 0.5, acc  # the last step may be cut short
+    assert "projection" in on_disk
+    assert "Acceptance forced to length 3.0" in (out / "summary.md").read_text()
+    rr = resolve(compose_config(overrides))
+    assert app.fingerprint(rr)["forced_acceptance_length"] == 3.0
+    assert "forced_acceptance_length" not in app.fingerprint(resolve(compose_config(overrides[:-1])))
+
+
+@pytest.mark.parametrize("overrides, says, fix", [
+    (["model=tiny_nemotron_h_mtp"], "for dummy weights only", "model.load_format=dummy"),
+    (["model=tiny_nemotron_h_mtp", "model.load_format=dummy", "draft_len=0", "ssm_replay=false"],
+     "drafts nothing (draft_len=0)", "draft_len=3"),
+    (["model=tiny_nemotron_h_mtp", "model.load_format=dummy", "runtime.forced_acceptance_length=4.5"],
+     "outside [1, draft_len + 1 = 4]", "a value in [1, 4]"),
+])
+def test_forced_acceptance_is_refused_where_it_cannot_hold(overrides, says, fix):
+    """Real weights (it would change the answers), no drafts, a length outside [1, K + 1]: refused when the
+    run resolves, naming the setting and the fix."""
+    if not any(o.startswith("runtime.forced_acceptance_length") for o in overrides):
+        overrides = [*overrides, "runtime.forced_acceptance_length=3.0"]
+    with pytest.raises(UserError, match="runtime.forced_acceptance_length=") as e:
+        resolve(compose_config(overrides))
+    assert says in str(e.value) and fix in e.value.fix, (str(e.value), e.value.fix)

@@ -286,8 +286,14 @@ def _build_engine(rr: ResolvedRun) -> Engine:
         if rr.dummy:  # world_size 1 (registry.resolve refuses dummy weights over ranks)
             print(f"building dummy weights of {rr.entry.name} on {rr.device} ({rr.checkpoint_config.source})",
                   flush=True)
-            return Engine.from_dummy(rr.checkpoint_config, options, device=rr.device,
-                                     log=lambda msg: print(msg, flush=True))
+            engine = Engine.from_dummy(rr.checkpoint_config, options, device=rr.device,
+                                       log=lambda msg: print(msg, flush=True))
+            forced = rr.run.runtime.forced_acceptance_length  # dummy weights only (registry.resolve)
+            if forced is not None:
+                engine.force_acceptance(forced)
+                print(f"forced acceptance length {forced}: each verify accepts a fixed schedule of drafts",
+                      flush=True)
+            return engine
         if launch.current() is not None:
             return launch.build_engine(str(rr.checkpoint_dir), options)  # each rank on its own device
         return Engine.from_pretrained(str(rr.checkpoint_dir), options, device=rr.device)
