@@ -15,7 +15,9 @@
 # load report with the device peak, timings.capture_seconds, prefill / decode tokens/s, the full-GSM8K
 # projection). An entry whose weights + caches do not fit is refused in seconds by the fit check, naming
 # weights, caches, free memory and the largest eval.batch_size that fits: rerun it with
-# FULLDEPTH_ARGS="eval.batch_size=N". The script keeps going after a failing entry and exits non-zero at the
+# FULLDEPTH_ARGS="eval.batch_size=N". Random MTP heads accept nothing: FULLDEPTH_ARGS=
+# "runtime.forced_acceptance_length=3.0" times MTP + replay at acceptance length 3 (decode rate and the
+# full-GSM8K projection of a speculative run). The script keeps going after a failing entry and exits non-zero at the
 # end if any failed (their names in OUTDIR/failed_entries.txt).
 set -uo pipefail
 usage="usage: bash tests/gpu/fulldepth_run.sh OUTDIR [ENTRY ...]"
