@@ -826,8 +826,8 @@ def parse_ncu(text: str) -> dict:
 def ncu(args) -> int:
     exe = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not os.path.exists(exe):
-        print(f"sweep_replay --ncu: Nsight Compute not found (PATH, {exe})", file=sys.stderr)
-        return 2
+        raise UserError(f"sweep_replay --ncu: Nsight Compute (ncu) is neither on PATH nor at {exe}",
+                        "install the CUDA toolkit's Nsight Compute, or put its ncu on PATH")
     if args.sweep and not os.path.exists(args.sweep):
         print(f"sweep_replay --ncu: no sweep JSON at {args.sweep}; profiling the current kernel and 'mma' "
               "instead of the sweep's best configurations", file=sys.stderr)
@@ -928,6 +928,9 @@ def _main(argv=None) -> int:
     if unknown:
         ap.error(f"--configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
     if args.ncu:
+        if not torch.cuda.is_available():
+            ap.error("--ncu: no CUDA GPU here: Nsight Compute profiles the kernels on one; run it on the GPU "
+                     "machine (python -m benchmarks.sweep_replay --ncu --out DIR)")
         return ncu(args)
     if args.dry_run:
         from kernels._common import interpreter_active

@@ -246,10 +246,11 @@ def check_forced_acceptance(length: float | None, *, dummy: bool, draft_len: int
         raise UserError(f"{name} needs speculative decoding, and this run drafts nothing (draft_len=0)",
                         "use an _mtp entry or set draft_len=3, or drop runtime.forced_acceptance_length")
     if not 1.0 <= length <= draft_len + 1:
+        hint = (" (TensorRT-LLM's CI records 3.47 for Super V3 NVFP4 with three drafts)"
+                if draft_len >= 3 else "")
         raise UserError(f"{name} is outside [1, draft_len + 1 = {draft_len + 1}]: a step accepts 0 to "
                         f"{draft_len} drafts plus the target's own token",
-                        f"set runtime.forced_acceptance_length to a value in [1, {draft_len + 1}] "
-                        "(TensorRT-LLM's CI records 3.47 for Super V3 NVFP4 with three drafts)")
+                        f"set runtime.forced_acceptance_length to a value in [1, {draft_len + 1}]{hint}")
 
 
 def dummy_folder_given(entry: ModelEntry, models_root: str | None) -> bool:

@@ -76,6 +76,7 @@ def test_no_gpu_is_refused_as_the_other_bad_arguments(monkeypatch, capsys, tmp_p
 
 def test_quick_sets_its_preset_unless_given(monkeypatch):
     seen = {}
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)  # --ncu needs a GPU
     monkeypatch.setattr(sweep_replay, "ncu", lambda args: seen.update(vars(args)) or 0)
     assert sweep_replay.main(["--ncu", "--quick", "--out", "x"]) == 0
     assert seen["budget_s"] == 150.0 and seen["flashinfer_extra_s"] == 0.0
@@ -177,6 +178,7 @@ def test_ncu_profiles_flashinfer_beside_ours_and_its_failure_is_not_the_runs(tmp
         return types.SimpleNamespace(returncode=1 if fi else 0, stdout="" if fi else NCU_TEXT, stderr="")
 
     monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "run", fake_run)
     out = tmp_path / "ncu"
     assert sweep_replay.main(["--ncu", "--out", str(out)]) == 0
@@ -192,3 +194,21 @@ def test_ncu_profiles_flashinfer_beside_ours_and_its_failure_is_not_the_runs(tmp
     cmds.clear()
     assert sweep_replay.main(["--ncu", "--no-flashinfer", "--out", str(tmp_path / "n2")]) == 0
     assert cmds and not any(c[-1].startswith("fi:") for c in cmds)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_ncu_without_a_gpu_or_nsight_compute_is_refused_with_a_fix(tmp_path, monkeypatch, capsys):
+    """--ncu on a machine without CUDA is refused as the sweep is (argparse's error, exit 2); with a GPU but
+    no ncu, an error / fix pair; neither writes the output folder."""
+    with pytest.raises(SystemExit) as e:
+        sweep_replay.main(["--ncu", "--out", str(tmp_path / "a")])
+    assert e.value.code == 2 and "--ncu: no CUDA GPU here" in capsys.readouterr().err
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sweep_replay.os.path, "exists", lambda path: False)
+    assert sweep_replay.main(["--ncu", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "error: sweep_replay --ncu: Nsight Compute (ncu) is neither on PATH" in err
+    assert "fix: install" in err
+    monkeypatch.undo()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
