@@ -126,7 +126,11 @@ def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> No
             from registry.resolve import SETTING_OVERRIDES as names
 
             label = {k: k if names.get(k, k) == k else f"{k} ({names[k]})" for k in diff}  # + its override
-            what = "; ".join(f"{label[k]}: {stored.get(k)!r} then, {now.get(k)!r} now" for k in diff)
+            def shown(v):  # an absent key is a setting that was not set
+                return "not set" if v is None else repr(v)
+
+            what = "; ".join(f"{label[k]}: {shown(stored.get(k))} then, {shown(now.get(k))} now"
+                             for k in diff)
             raise UserError(
                 f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
                 "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",

@@ -360,3 +360,16 @@ def test_forced_acceptance_is_refused_where_it_cannot_hold(overrides, says, fix)
     with pytest.raises(UserError, match="runtime.forced_acceptance_length=") as e:
         resolve(compose_config(overrides))
     assert says in str(e.value) and fix in e.value.fix, (str(e.value), e.value.fix)
+
+
+def test_resume_refusal_names_a_forced_length_that_was_not_set(tmp_path):
+    """Resuming an unforced dummy run with a forced acceptance length is refused, saying the setting was not
+    set then (not 'None')."""
+    out = tmp_path / "out"
+    base = ["model=tiny_nemotron_h_mtp", "model.load_format=dummy", f"out_dir={out}", "eval.limit=2",
+            "eval.max_gen_toks=8"]
+    app.run(compose_config(base))
+    with pytest.raises(UserError) as e:
+        app.run(compose_config([*base, "resume=true", "runtime.forced_acceptance_length=2.0"]))
+    assert ("forced_acceptance_length (runtime.forced_acceptance_length): not set then, 2.0 now"
+            in e.value.problem), e.value.problem
