@@ -44,6 +44,17 @@ def _bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # us
 
 
+# FlashInfer 0.7.2 checkpointing_ssu's ring per slot: its max window (16) + T rows
+FLASHINFER_MAX_WINDOW = 16
+
+
+def flashinfer_checkpointing_cases(T: int) -> list[tuple[int, str]]:
+    """(pending tokens, result name) of the checkpointing_ssu calls :func:`bench_flashinfer` times at T tokens:
+    3 pending (no flush) and ring - 2T + 1 pending (a flush: the state is written when pending + 2T > ring)."""
+    ring = FLASHINFER_MAX_WINDOW + T
+    return [(k, f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}") for k in (3, ring - 2 * T + 1)]
+
+
 class _Skip(Exception):
     """bench_flashinfer's ``only`` names another call."""
 
@@ -185,14 +196,13 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     try:
         # FlashInfer 0.7.2's contract: rings of RING = max_window + T rows per slot, processed dt in fp32,
         # ring_start / prev_num_accepted_tokens owned by the caller; the state is written when pnat + 2T > RING.
-        ring = 16 + T
+        ring = FLASHINFER_MAX_WINDOW + T
         x_cache = torch.randn(S, H, ring, P, device=dev).to(in_dtype)
         B_cache = (torch.randn(S, G, ring, N, device=dev) / N**0.5).to(in_dtype)
         dt_cache = torch.rand(S, H, ring, device=dev) * 0.1
         ring_start = torch.zeros(S, device=dev, dtype=torch.int32)
-        for k in (3, ring - 2 * T + 1):
+        for k, tag in flashinfer_checkpointing_cases(T):
             pnat = torch.full((S,), k, device=dev, dtype=torch.int32)
-            tag = f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}"
             if only not in (None, tag):
                 continue
 

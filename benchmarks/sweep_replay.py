@@ -752,10 +752,9 @@ def flashinfer_ncu_specs() -> list[str]:
     """The FlashInfer launches profiled beside ours (``fi:TAG:DTYPE``, TAG a result name of
     benchmarks.bench_mamba2.bench_flashinfer at the headline): checkpointing_ssu with 3 pending tokens and with
     a flush (its ring of 16 + T rows), for both state dtypes."""
-    T = HEADLINE["T"]
-    flush = 16 + T - 2 * T + 1
-    return [f"fi:{tag}:{d}" for tag in ("checkpointing_ssu_pnat3", f"checkpointing_ssu_pnat{flush}_flush")
-            for d in DTYPES]
+    from benchmarks.bench_mamba2 import flashinfer_checkpointing_cases
+
+    return [f"fi:{tag}:{d}" for _, tag in flashinfer_checkpointing_cases(HEADLINE["T"]) for d in DTYPES]
 
 
 def _profile_once(fn) -> float:

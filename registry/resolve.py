@@ -29,6 +29,7 @@ from registry.schema import (
     LoadFormat,
     ModelEntry,
     RunConfig,
+    acceptance_length_in_range,
     check_run_values,
     entry_file,
     entry_names,
@@ -245,7 +246,7 @@ def check_forced_acceptance(length: float | None, *, dummy: bool, draft_len: int
     if draft_len < 1:
         raise UserError(f"{name} needs speculative decoding, and this run drafts nothing (draft_len=0)",
                         "use an _mtp entry or set draft_len=3, or drop runtime.forced_acceptance_length")
-    if not 1.0 <= length <= draft_len + 1:
+    if not acceptance_length_in_range(length, draft_len):
         hint = (" (TensorRT-LLM's CI records 3.47 for Super V3 NVFP4 with three drafts)"
                 if draft_len >= 3 else "")
         raise UserError(f"{name} is outside [1, draft_len + 1 = {draft_len + 1}]: a step accepts 0 to "

@@ -585,6 +585,12 @@ def check_entry_values(entry: ModelEntry, where: str) -> None:
     raise_all(problems)
 
 
+def acceptance_length_in_range(length: float, draft_len: int) -> bool:
+    """Whether ``length`` (tokens per verify step: accepted drafts + the target's own token) is a possible
+    mean acceptance length with ``draft_len`` drafts, i.e. in [1, draft_len + 1] (False for NaN)."""
+    return 1.0 <= length <= draft_len + 1
+
+
 def check_run_values(run: RunConfig) -> None:
     """Range rules of the settings around the entry. Raises UserError naming the setting."""
     if run.world_size is not None and run.world_size < 1:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels._common import PAD_SLOT_ID
+from registry.schema import acceptance_length_in_range
 from runners.engine.cache import BatchMeta, HybridCache
 from runners.engine.compile import COMPILE_WARN_SECONDS, compiled_graphs
 from runners.engine.graphs import (
@@ -69,7 +70,7 @@ class ForcedAcceptance:
     def __init__(self, acceptance_length: float, draft_len: int, device: torch.device):
         if draft_len < 1:
             raise ValueError("forced acceptance needs speculative decoding (draft_len >= 1)")
-        if not 1.0 <= acceptance_length <= draft_len + 1:
+        if not acceptance_length_in_range(acceptance_length, draft_len):
             raise ValueError(
                 f"acceptance_length={acceptance_length} must lie in [1, K + 1 = {draft_len + 1}]"
             )
