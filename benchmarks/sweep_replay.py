@@ -22,19 +22,20 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
 2. Headline (batch 64, T = 4, ws1): every kernel configuration of `M2_CONFIGS` / `GDN_CONFIGS` per operator
    and state dtype, each first checked on the GPU against the PyTorch reference at batch 8 ("ok": within
    the GPU test tolerances); the fastest correct one per (operator, state dtype) is "best".
-3. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
-   ("fma", the committed default) and the best configuration of each operator.
-4. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
-   bf16 and fp16 state, headline: round to nearest, "stochastic" (the default generator, "hash") and
-   "stochastic_philox" (kernels/rounding.py).
-5. FlashInfer 0.7.2 at the headline, when importable: checkpointing_ssu (3 pending tokens; a flush) and
-   selective_state_update (rewind verify with T intermediate states), or a row with the error.
-6. GDN's peers at the headline, when importable (else a row with the error): FlashInfer's
+3. GDN's peers at the headline, when importable (else a row with the error): FlashInfer's
    gated_delta_rule_mtp, fp32 state ("flashinfer_gdn": state written after T tokens, and the rewind verify
    with T intermediate states; `_flashinfer_gdn_rows`), and fla-core's fused_recurrent_gated_delta_rule
    ("fla": T tokens from the state, the final state written in fp32; `_fla_rows`).
-7. Confirmation (`confirm_headline`): once the warm-ups are over, the headline's fastest few configurations
-   per operator and state dtype are timed again and "best" is chosen from those times.
+4. FlashInfer 0.7.2 at the headline, when importable, once its warm-ups are over: checkpointing_ssu (3 pending
+   tokens; a flush) and selective_state_update (rewind verify with T intermediate states), or a row with the
+   error. Then the confirmation (`confirm_headline`): the headline's fastest few configurations per operator
+   and state dtype are timed again, nothing running beside them, and "best" is chosen from those times.
+5. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
+   bf16 and fp16 state, headline: round to nearest, "stochastic" (the default generator, "hash") and
+   "stochastic_philox" (kernels/rounding.py).
+6. Grid: T in (2, 4, 8) x batch in (1, 8, 64, 256) x both shapes x both dtypes, for the current kernel
+   ("fma", the committed default) and the best of every operator sharing the operator's engine launch
+   (`grid_configs`), what the defaults table compares.
 The time budget (--budget-s) also stops the headline from starting configurations other than
 ALWAYS_TIMED (the current one, "mma", "mma_pre" and the not yet measured M2_ISSUE28_CONFIGS: PDL, register
 caps); what was skipped is listed in the JSON ("skipped").
@@ -65,6 +66,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -108,6 +110,11 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 1.6e-2}
 # ---------------------------------------------------------------------------------------------------------
 
 
+# do_bench's warm-up and measured milliseconds per timing. 25 / 100 (was 10 / 40): the 2026-12-02 sweep
+# (docs/gpu/kperf_3) saw one launch's median move up to 2x between passes at 10 / 40.
+TIMING_MS = (25, 100)
+
+
 class Timer:
     """do_bench medians on CUDA; one wall-clock call in the interpreter (--dry-run: times mean nothing)."""
 
@@ -120,7 +127,8 @@ class Timer:
         fn(*args)  # compile outside the timing
         if self.dev == "cuda":
             torch.cuda.synchronize()
-            return triton.testing.do_bench(lambda: fn(*args), warmup=10, rep=40, return_mode="median") * 1e3
+            return triton.testing.do_bench(lambda: fn(*args), warmup=TIMING_MS[0], rep=TIMING_MS[1],
+                                           return_mode="median") * 1e3
         t0 = time.perf_counter()
         fn(*args)
         return (time.perf_counter() - t0) * 1e6
@@ -425,8 +433,6 @@ def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
     res["date"]) go into the provenance. A (operation, dtype, shape, batch) without a usable measurement gets
     no row (the launchers then fall back, kernels.replay_defaults).
     """
-    import statistics
-
     rows = {}
     for operation, ops in ENGINE_OPS.items():
         family = "gdn" if operation == "gdn" else "mamba2"
@@ -575,8 +581,23 @@ def sweep(args) -> dict:
                 del call, check
                 torch.cuda.empty_cache()
 
-    # 4. stochastic rounding cost (16-bit states, the best configuration of each state-writing operator as
-    # chosen with a bf16 state)
+    # 3. GDN's peers at the headline: fla-core's fused recurrent kernel, FlashInfer's MTP kernel
+    res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
+    res["flashinfer_gdn"] = ({"error": "--dry-run: no GPU"} if dry else {"error": "--no-flashinfer"}
+                             if args.no_flashinfer else _flashinfer_gdn_rows(timer, dev))
+    # 4. FlashInfer at the headline, once its JIT warm-ups are over (they ran beside the headline)
+    if dry:
+        res["flashinfer"] = {"error": "--dry-run: no GPU"}
+    elif args.no_flashinfer:
+        res["flashinfer"] = {"error": "--no-flashinfer"}
+    else:
+        res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
+                                             max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+    # 4b. confirmation: the headline's leaders timed again now that nothing runs beside the sweep; the
+    # stochastic-rounding rows and the grid use the confirmed choice
+    res["confirm"] = confirm_headline(res, dtypes, hb, hT, timer, dev, dry)
+    # 5. stochastic rounding cost (16-bit states, the confirmed best configuration of each state-writing
+    # operator as chosen with a bf16 state)
     if "bfloat16" in dtypes:
         for op in ("m2_write", "m2_flush", "gdn"):
             best = res["best"].get(f"{op}/bfloat16")
@@ -595,14 +616,16 @@ def sweep(args) -> dict:
                 except Exception:  # noqa: BLE001
                     res["sr"][f"{op}/{sr_name}/{best}"] = {"error": traceback.format_exc(limit=3)}
 
-    # 3. grid for the current kernel and the best configuration of each operator
+    # 6. grid: the current kernel and the confirmed best of every operator that shares the op's engine launch
+    # (ENGINE_OPS: m2_ckpt and m2_flush are one launch, so both bests are timed on both), which is what
+    # `defaults_table` compares
     grid_T, grid_b = ((2,), (1, 2)) if dry else (GRID_T, GRID_BATCH)
     shapes = ("ws1",) if dry else ("ws1", "ws4")
     for op in OPS:
         print(f"[{time.time() - t_start:5.0f} s] grid {op}", flush=True)
         for name in dtypes:
             sd = DTYPES[name]
-            names = sorted({CURRENT, res["best"].get(f"{op}/{name}") or CURRENT})
+            names = grid_configs(res, op, name)
             for shape in shapes:
                 for T in grid_T:
                     for batch in grid_b:
@@ -621,20 +644,6 @@ def sweep(args) -> dict:
                         if dev == "cuda":
                             torch.cuda.empty_cache()
 
-    # 5. FlashInfer at the headline
-    if dry:
-        res["flashinfer"] = {"error": "--dry-run: no GPU"}
-    elif args.no_flashinfer:
-        res["flashinfer"] = {"error": "--no-flashinfer"}
-    else:
-        res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
-                                             max(deadline, time.time() + 60) + args.flashinfer_extra_s)
-    # 5b. confirmation: the headline's leaders timed again now that the FlashInfer warm-ups are over
-    res["confirm"] = confirm_headline(res, dtypes, hb, hT, timer, dev, dry)
-    # 6. fla-core's fused recurrent GDN kernel at the headline (the GDN peer)
-    res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
-    res["flashinfer_gdn"] = ({"error": "--dry-run: no GPU"} if dry else {"error": "--no-flashinfer"}
-                             if args.no_flashinfer else _flashinfer_gdn_rows(timer, dev))
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
@@ -642,19 +651,29 @@ def sweep(args) -> dict:
     return res
 
 
+def grid_configs(res: dict, op: str, state_dtype: str) -> list[str]:
+    """The configurations the grid times for sweep operator `op` at `state_dtype`: the current kernel and the
+    best of every operator of the engine launch `op` belongs to (ENGINE_OPS; an operator outside it, e.g.
+    m2_nowrite, its own best), sorted. `defaults_table` compares, per engine launch, only configurations timed
+    for all its operators, so each operator's grid must time the other operators' bests too."""
+    group = next((ops for ops in ENGINE_OPS.values() if op in ops), (op,))
+    return sorted({CURRENT} | {b for o in group if (b := res["best"].get(f"{o}/{state_dtype}"))})
+
+
 # Headline configurations re-timed by `confirm_headline` per (operator, state dtype): the fastest few, and rounds.
-CONFIRM_TOP, CONFIRM_ROUNDS = 3, 2
+CONFIRM_TOP, CONFIRM_ROUNDS = 3, 3
 
 
 def confirm_headline(res: dict, dtypes, batch: int, T: int, timer: Timer, dev: str, dry: bool) -> dict:
     """Re-time the headline's fastest correct configurations (CONFIRM_TOP of them, plus the current kernel) of
     each operator and state dtype, CONFIRM_ROUNDS rounds interleaved, once nothing runs beside the sweep (the
-    FlashInfer warm-ups ended): the least of each configuration's times replaces its headline time (the first
+    FlashInfer warm-ups ended): the median of each configuration's times replaces its headline time (the first
     kept as ``us_first``) and "best" is chosen again from the updated rows; a changed choice is printed and
-    kept as ``best_first``.
+    kept as ``best_first``. The median, not the least: the 2026-12-02 sweep (docs/gpu/kperf_3) saw single
+    timings of one launch differ up to 2x between passes, and the least keeps a lucky one.
 
-    Mutates res["headline_rows"] and res["best"]; returns {"op/dtype": {config: [us per round]}}. The grid and
-    the stochastic-rounding rows (timed before) keep the configurations the first choice named."""
+    Mutates res["headline_rows"] and res["best"]; returns {"op/dtype": {config: [us per round]}}. Runs before
+    the stochastic-rounding rows and the grid, which use the confirmed choice."""
     out = {}
     for key, rows in res["headline_rows"].items():
         op, name = key.split("/")
@@ -671,12 +690,12 @@ def confirm_headline(res: dict, dtypes, batch: int, T: int, timer: Timer, dev: s
                 times[c].append(round(timer(call, _configs(op)[c]), 2))
         for c, ts in times.items():
             first = rows[c]["us"]
-            rows[c].update({**_row(timer, min(ts), nbytes), "us_first": first})
+            rows[c].update({**_row(timer, statistics.median(ts), nbytes), "us_first": first})
         best = min(good, key=lambda k: rows[k]["us"])
         if best != res["best"].get(key):
             res.setdefault("best_first", {})[key] = res["best"].get(key)
             print(f"confirm {key}: best {res['best'].get(key)} -> {best} "
-                  f"({', '.join(f'{c} {min(ts):.1f}' for c, ts in times.items())} us)", flush=True)
+                  f"({', '.join(f'{c} {statistics.median(ts):.1f}' for c, ts in times.items())} us)", flush=True)
         res["best"][key] = best
         out[key] = times
         if dev == "cuda":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -29,23 +30,29 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
         assert set(rows) == {"fma", "mma"}
         assert all(r["ok"] and r["us"] > 0 and r["bytes"] > 0 for r in rows.values()), rows
         assert res["best"][f"{op}/bfloat16"] in rows
-        assert {g["config"] for g in res["grid"] if g["op"] == op} >= {"fma"}
+        # the grid times the current kernel and the confirmed best of every operator of the op's engine launch
+        group = next((ops for ops in sweep_replay.ENGINE_OPS.values() if op in ops), (op,))
+        want = {"fma"} | {res["best"][f"{o}/bfloat16"] for o in group}
+        assert {g["config"] for g in res["grid"] if g["op"] == op} == want
+        assert sweep_replay.grid_configs(res, op, "bfloat16") == sorted(want)
     writers = ("m2_write", "m2_flush", "gdn")
-    first = {**res["best"], **res.get("best_first", {})}  # the choice before the confirmation pass
-    assert set(res["sr"]) == {f"{op}/{d}/{first[f'{op}/bfloat16']}" for op in writers
+    # the stochastic-rounding rows follow the confirmation pass: they time the confirmed choice
+    assert set(res["sr"]) == {f"{op}/{d}/{res['best'][f'{op}/bfloat16']}" for op in writers
                               for d in ("bfloat16", "float16")}
     for key, rows in res["sr"].items():
         assert "error" not in rows, (key, rows)
         assert rows["stochastic"]["us"] > 0 and rows["round_to_nearest"]["bytes"] > 0
         assert rows["stochastic_philox"]["us"] > 0
     assert "error" in res["flashinfer"] and "error" in res["fla"] and "error" in res["flashinfer_gdn"]
-    # the confirmation pass timed each operator's leaders again; "best" is the least of the updated rows
+    # the confirmation pass timed each operator's leaders again (the median of its rounds replaces the
+    # headline time); "best" is the least of the updated rows
     assert set(res["confirm"]) == {f"{op}/bfloat16" for op in sweep_replay.OPS}
     for key, times in res["confirm"].items():
         rows = res["headline_rows"][key]
         assert set(times) == {"fma", "mma"}
         assert all(len(t) == sweep_replay.CONFIRM_ROUNDS for t in times.values())
-        assert all(rows[c]["us"] == round(min(t), 2) and rows[c]["us_first"] > 0 for c, t in times.items())
+        assert all(rows[c]["us"] == round(statistics.median(t), 2) and rows[c]["us_first"] > 0
+                   for c, t in times.items())
         assert res["best"][key] == min(rows, key=lambda c: rows[c]["us"])
     assert "m2_write/bfloat16" in capsys.readouterr().out
     # the engine's defaults beside `best`, and the table the same run writes with --write-defaults
