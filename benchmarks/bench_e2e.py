@@ -48,7 +48,9 @@ Models:
 
 ``targets`` in the JSON evaluates the goals of :data:`TARGETS` from the rows (`evaluate_targets`: quarter depth
 with graphs, plain batch-1 step within 2x its floor, MTP + replay >= 2.0x plain at batch 1 and >= 1.6x at 8 and
-64, replay >= rewind; the full-depth batch-1 rates; graphs at least halve the tiny entries' step). ``--profile
+64, replay >= rewind; the full-depth batch-1 rates; graphs at least halve the tiny entries' step; the fraction
+of requests whose tokens replay and rewind share, from each row's ``token_digests``; each row also lists the
+model outputs that held a NaN or an infinity, ``nonfinite``, empty for a healthy run). ``--profile
 MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead (compiled with ``--compile on``)
 and writes DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace),
 <point> ending in ``_compiled`` for a compiled step.
@@ -189,6 +191,7 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
         "device_ms_per_step": split["device"], "host_ms_per_step": split["host"],
         "device_peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "compile_seconds": engine.step.compile_seconds,
+        "token_digests": token_digests(out.tokens), "nonfinite": list(out.nonfinite),
     })
     engine.phase_timer = None  # the census's steps are not the timed run's
     try:
@@ -346,6 +349,14 @@ def hf_point(path: Path, B: int, prompts, args) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
+def token_digests(tokens: list[list[int]]) -> list[str]:
+    """One short digest per request of its generated token ids (sha1 of the ids, 12 hex digits): what
+    `evaluate_targets` compares between arms (replay == rewind) without storing the tokens."""
+    import hashlib
+
+    return [hashlib.sha1(",".join(map(str, t)).encode()).hexdigest()[:12] for t in tokens]
+
+
 def _find(rows, **kw):
     for r in rows:
         if all(r.get(k) == v for k, v in kw.items()) and r.get("decode_tokens_per_s"):
@@ -358,8 +369,9 @@ def evaluate_targets(rows: list[dict]) -> dict:
     row is missing): per quarter-depth model (super_v3, qwen3_next) and compile mode (``_compiled`` keys for
     ``--compile on`` rows), all with CUDA graphs: ``<m>_plain_b1_step_over_floor`` (step_ms / floor_ms),
     ``<m>_replay_vs_plain_b<B>`` (decode tokens/s ratio), ``<m>_replay_vs_rewind`` ({batch: ratio}, met when
-    >= 1 at every batch measured); per full-depth part ``<part>_<arm>_b1_tokens_per_s``; per tiny entry and arm
-    the graph / eager step-time ratio at batch 1."""
+    >= 1 at every batch measured); per full-depth part ``<part>_<arm>_b1_tokens_per_s``; per tiny entry that
+    ran and arm the graph / eager step-time ratio at batch 1; and, where replay and rewind rows carry token
+    digests, ``<model>[_compiled]_replay_tokens_equal_rewind`` (`_same_tokens`, informational)."""
     out: dict = {}
 
     def ratio(a, b, key="decode_tokens_per_s"):
@@ -386,6 +398,7 @@ def evaluate_targets(rows: list[dict]) -> dict:
             by_batch = {B: v for B, v in by_batch.items() if v is not None}
             out[f"{tag}_replay_vs_rewind"] = {"value": by_batch, "goal": ">= 1 at every batch",
                                              "met": all(v >= 1 for v in by_batch.values()) if by_batch else None}
+    out.update(_same_tokens(rows))
     for (part, arm), goal in TARGETS["full_depth_b1_tokens_per_s"].items():
         if any(r.get("model") == part for r in rows):
             best = [r["decode_tokens_per_s"] for r in rows if r.get("model") == part and r.get("arm") == arm
@@ -393,12 +406,35 @@ def evaluate_targets(rows: list[dict]) -> dict:
             v = max(best) if best else None
             out[f"{part}_{arm}_b1_tokens_per_s"] = goal_row(v, f">= {goal}", v is not None and v >= goal)
     for m in TINY:
+        if not any(r.get("model") == m for r in rows):
+            continue  # the tiny entries did not run
         for arm in ("plain", "replay"):
             g = _find(rows, model=m, arm=arm, batch=1, graphs=True)
             e = _find(rows, model=m, arm=arm, batch=1, graphs=False)
             r = e["step_ms"] / g["step_ms"] if g and e else None
             goal = TARGETS["tiny_graph_step_speedup_b1"]
             out[f"{m}_{arm}_graph_step_speedup_b1"] = goal_row(r, goal, r is not None and r >= goal)
+    return out
+
+
+def _same_tokens(rows: list[dict]) -> dict:
+    """``<model>[_compiled]_replay_tokens_equal_rewind``: per batch, the fraction of requests whose generated
+    tokens (``token_digests``) are the same under MTP + replay and MTP + rewind (same model, graphs, compile
+    mode, forced acceptance). Replay and rewind round differently in 16-bit compute, so below 1 in bf16 says
+    where the greedy paths part, not a bug by itself; in float32 the GPU tests hold them equal. Informational:
+    ``met`` is None."""
+    out: dict = {}
+    for r in rows:
+        if r.get("arm") != "replay" or not r.get("token_digests"):
+            continue
+        other = next((o for o in rows if o.get("arm") == "rewind" and o.get("token_digests") and all(
+            o.get(k) == r.get(k) for k in ("model", "batch", "graphs", "compile", "forced_acceptance_length"))), None)
+        if other is None or len(other["token_digests"]) != len(r["token_digests"]):
+            continue
+        same = sum(a == b for a, b in zip(r["token_digests"], other["token_digests"])) / len(r["token_digests"])
+        key = f"{r['model']}{'_compiled' if r.get('compile') else ''}_replay_tokens_equal_rewind"
+        out.setdefault(key, {"value": {}, "goal": "fraction of requests with the same tokens", "met": None})
+        out[key]["value"][r["batch"]] = same
     return out
 
 

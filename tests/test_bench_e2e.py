@@ -174,8 +174,15 @@ def test_targets_are_the_issues_goals_per_model_and_compile_mode():
             row("super_v3", "rewind", 1, 610.0), row("super_v3", "plain", 8, 1000.0),
             row("super_v3", "replay", 8, 1700.0), row("super_v3", "rewind", 8, 1600.0),
             row("super_v3", "plain", 1, 400.0, compile=True, floor_ms=2.5),
-            row("qwen3_next_fp8", "plain", 1, 190.0), row("qwen3_next_fp8", "replay", 1, 300.0)]
+            row("qwen3_next_fp8", "plain", 1, 190.0), row("qwen3_next_fp8", "replay", 1, 300.0,
+                                                            token_digests=["a", "b", "c", "d"]),
+            row("qwen3_next_fp8", "rewind", 1, 290.0, token_digests=["a", "x", "c", "d"])]
     t = evaluate_targets(rows)
+    # replay vs rewind tokens: 3 of the 4 requests share their digest (informational, no goal met or missed)
+    assert t["qwen3_next_fp8_replay_tokens_equal_rewind"]["value"] == {1: 0.75}
+    assert t["qwen3_next_fp8_replay_tokens_equal_rewind"]["met"] is None
+    assert "super_v3_replay_tokens_equal_rewind" not in t  # its rows carry no digests
+    assert not any(k.startswith("tiny_") for k in t)  # the tiny entries did not run: no empty goal rows
     assert t["super_v3_plain_b1_step_over_floor"] == {"value": 1.6, "goal": "<= 2.0", "met": True}
     for B, want in ((1, 2.4), (8, 1.7)):
         got = t[f"super_v3_replay_vs_plain_b{B}"]
