@@ -17,9 +17,11 @@ How replays are found: each ``cudaGraphLaunch`` runtime event (cat ``cuda_runtim
 gives the kernels of a replayed graph the ``args.correlation`` of their ``cudaGraphLaunch`` (checked on an
 H200 trace of Qwen3-Next: every kernel and memset of the decode steps carries one), so a kernel belongs to
 the replay of its correlation. A device event whose correlation matches no runtime or driver event (a trace
-without correlations) is given, by time order, to the last replay launched before it started. Every other
-device event is eager: ``eager before the first replay`` is the prefill (plus the setup before it),
-``eager after the first replay`` is the decode loop's host-driven work between replays (token copies).
+recorded without correlations) is ``unattributed``: it is not guessed into a replay by time, because graph
+launches are asynchronous (the host can launch the next graph before the device starts the previous one), so
+the last launch before a kernel is not its launch. Every other device event is eager: ``eager before the
+first replay`` is the prefill (plus the setup before it), ``eager after the first replay`` is the decode
+loop's host-driven work between replays (token copies).
 
 Replays are grouped by signature, the sequence of their kernel names in start order, so identical graphs
 (e.g. the MTP ``draft``, ``verify``, ``commit`` and ``catchup`` phases of runners/engine/graphs.py, one graph
@@ -69,6 +71,7 @@ HOST_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # Triton launches through th
 GRAPH_LAUNCH = "cudaGraphLaunch"
 EAGER_BEFORE = "eager before the first replay (prefill)"
 EAGER_AFTER = "eager after the first replay"
+UNATTRIBUTED = "unattributed (no launch correlation)"
 _COMPILED = [(name, re.compile(rx)) for name, rx in CATEGORIES]
 
 
@@ -110,13 +113,14 @@ def _corr(e: dict):
     return (e.get("args") or {}).get("correlation")
 
 
-def split_replays(events: list[dict]) -> tuple[list[list[dict]], list[dict], list[dict]]:
+def split_replays(events: list[dict]) -> tuple[list[list[dict]], list[dict], list[dict], list[dict]]:
     """Assign the device events of a trace to CUDA-graph replays (module docstring: how).
 
     events: Chrome trace events (dicts with cat, name, ts, dur in us, args.correlation).
-    Returns (replays, eager_before, eager_after): one list of device events per ``cudaGraphLaunch`` in launch
-    order (empty for a launch none matched), each sorted by start; the eager device events before and after
-    the first replay's launch, sorted by start. Mutates nothing.
+    Returns (replays, eager_before, eager_after, unattributed): one list of device events per
+    ``cudaGraphLaunch`` in launch order (empty for a launch none matched), each sorted by start; the eager
+    device events that start before and after the first replay's launch; the device events whose
+    correlation matches no runtime / driver event; all sorted by start. Mutates nothing.
     """
     launches = sorted((e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") == GRAPH_LAUNCH),
                       key=lambda e: e["ts"])
@@ -125,18 +129,18 @@ def split_replays(events: list[dict]) -> tuple[list[list[dict]], list[dict], lis
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     replays: list[list[dict]] = [[] for _ in launches]
     eager: list[dict] = []
-    starts = [e["ts"] for e in launches]
+    unattributed: list[dict] = []
     for e in device:
         c = _corr(e)
         if c in index:
             replays[index[c]].append(e)
-        elif (c is None or c not in runtime_corr) and starts and e["ts"] >= starts[0]:
-            i = max(j for j, t in enumerate(starts) if t <= e["ts"])  # by time: the last launch before it
-            replays[i].append(e)
+        elif c is None or c not in runtime_corr:
+            unattributed.append(e)
         else:
             eager.append(e)
-    first = starts[0] if starts else float("inf")
-    return replays, [e for e in eager if e["ts"] < first], [e for e in eager if e["ts"] >= first]
+    first = launches[0]["ts"] if launches else float("inf")
+    return (replays, [e for e in eager if e["ts"] < first], [e for e in eager if e["ts"] >= first],
+            unattributed)
 
 
 def _stats(kernels: list[dict]) -> dict:
@@ -184,11 +188,12 @@ def breakdown(events: list[dict], top: int = 10) -> dict:
     Returns a JSON-able dict: ``categories`` (the rules), ``replays`` (number of graph launches),
     ``groups`` (per signature, in order of first replay: name, replays, kernels, busy_us and span_us per
     replay (mean, and the per-replay lists), by_category_us (mean per replay), top), ``sequence`` (the group
-    of each replay), ``step`` (the repeating pattern of groups, its repeats and the mean device span and busy
-    time of one repetition) and ``eager`` (the two eager parts: kernels, busy_us, span_us, by_category_us,
-    top). Raises nothing on a trace without graph launches (no groups).
+    of each replay), ``step`` (the repeating pattern of groups, its repeats, the replays of a partial last
+    repetition and the mean device span and busy time of one repetition) and ``eager`` (the two eager parts
+    and the unattributed events: kernels, busy_us, span_us, by_category_us, top). Raises nothing on a trace
+    without graph launches (no groups).
     """
-    replays, before, after = split_replays(events)
+    replays, before, after, unattributed = split_replays(events)
     sigs: dict[tuple, str] = {}
     members: dict[str, list[int]] = defaultdict(list)
     sequence = []
@@ -216,7 +221,7 @@ def breakdown(events: list[dict], top: int = 10) -> dict:
             step["busy_us"] = sum(s["busy_us"] for s in cyc) / len(cyc)
             step["span_us"] = sum(s["span_us"] for s in cyc) / len(cyc)
     eager = {}
-    for label, ks in ((EAGER_BEFORE, before), (EAGER_AFTER, after)):
+    for label, ks in ((EAGER_BEFORE, before), (EAGER_AFTER, after), (UNATTRIBUTED, unattributed)):
         s = _stats(ks)
         eager[label] = {"kernels": s["kernels"], "busy_us": s["busy_us"], "span_us": s["span_us"],
                         "by_category_us": _mean_cats([s]) if ks else {}, "top": _top(ks, top, 1)}
@@ -233,8 +238,9 @@ def format_report(rep: dict, width: int = 90) -> str:
     """The readable tables of a :func:`breakdown` result: groups, category us (and share) per replay, top
     kernels per group, the eager parts."""
     cols = [(g["name"], g["by_category_us"], g["busy_us"]) for g in rep["groups"]]
-    cols += [(("prefill" if label == EAGER_BEFORE else "eager-after"), e["by_category_us"], e["busy_us"])
-             for label, e in rep["eager"].items()]
+    short = {EAGER_BEFORE: "prefill", EAGER_AFTER: "eager-after", UNATTRIBUTED: "unattrib."}
+    cols += [(short[label], e["by_category_us"], e["busy_us"]) for label, e in rep["eager"].items()
+             if e["kernels"] or label != UNATTRIBUTED]
     out = [f"{rep['replays']} CUDA-graph replays in {len(rep['groups'])} signatures; device times in us "
            "(busy = summed kernel time, span = first kernel start to last kernel end)", ""]
     out.append(f"{'group':<12}{'replays':>8}{'kernels/replay':>16}{'busy/replay':>13}{'span/replay':>13}"
@@ -247,6 +253,11 @@ def format_report(rep: dict, width: int = 90) -> str:
                f"{pre['busy_us'] / pre['span_us'] if pre['span_us'] else 0:>10.0%}")
     post = rep["eager"][EAGER_AFTER]  # spread between the replays: its span is not one piece of work
     out.append(f"{'eager-after':<12}{'-':>8}{post['kernels']:>16}{post['busy_us']:>13.1f}{'-':>13}{'-':>10}")
+    lost = rep["eager"][UNATTRIBUTED]
+    if lost["kernels"]:
+        out.append(f"{'unattrib.':<12}{'-':>8}{lost['kernels']:>16}{lost['busy_us']:>13.1f}{'-':>13}{'-':>10}  "
+                   "<- device events whose correlation matches no launch: the trace lacks correlations, "
+                   "so their replay is unknown")
     step = rep["step"]
     if rep["sequence"]:
         line = f"replay pattern: {' '.join(step['pattern'])} x {step['repeats']}"
@@ -256,8 +267,8 @@ def format_report(rep: dict, width: int = 90) -> str:
             line += (f"; per repetition: busy {step['busy_us']:.1f} us, span {step['span_us']:.1f} us "
                      f"(first kernel of {step['pattern'][0]} to last kernel of {step['pattern'][-1]})")
         out.append(line)
-    out += ["", "busy us per replay by category (share of the column's busy time); prefill and eager-after "
-            "are totals", f"{'category':<27}" + "".join(f"{name:>17}" for name, _, _ in cols)]
+    out += ["", "busy us per replay by category (share of the column's busy time); prefill, eager-after "
+            "(and unattrib.) are totals", f"{'category':<27}" + "".join(f"{name:>17}" for name, _, _ in cols)]
     for cat in [c for c, _ in CATEGORIES] + [OTHER]:
         cells = [f"{d.get(cat, 0.0):>8.1f} ({d.get(cat, 0.0) / busy if busy else 0:>4.0%})" for _, d, busy in cols]
         out.append(f"{cat:<27}" + "".join(f"{c:>17}" for c in cells))
@@ -266,6 +277,8 @@ def format_report(rep: dict, width: int = 90) -> str:
         out += [f"  {t['us']:>8.1f} us {t['calls']:>5.0f}x  {t['category']:<26} {_short(t['name'], width)}"
                 for t in g["top"]]
     for label, e in rep["eager"].items():
+        if label == UNATTRIBUTED and not e["kernels"]:
+            continue
         out += ["", f"{label}: top kernels ({e['kernels']} kernels, {e['busy_us']:.1f} us busy)"]
         out += [f"  {t['us']:>8.1f} us {t['calls']:>5.0f}x  {t['category']:<26} {_short(t['name'], width)}"
                 for t in e["top"]]
