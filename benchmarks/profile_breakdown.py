@@ -48,20 +48,24 @@ from pathlib import Path
 from registry.errors import UserError
 
 # (category, regex) in match order; first match wins; "other" catches the rest. Sources of the names:
-# kernels/moe_gemv.py (_pair_gemv_kernel, _combine_kernel), torch._grouped_mm (CUTLASS GroupProblemShape,
-# prepare_grouped_gemm_data), kernels/router.py (_topk_route_kernel), kernels/ replay / gdn kernels and
-# fla-core's chunk_* / recompute_w_u kernels, cuDNN SDPA, cuBLAS / cuBLASLt (nvjet, xmma, splitKreduce,
-# gemvx, dot_kernel), inductor (triton_poi_ / triton_red_ / triton_per_ pointwise / reduction,
-# triton_tem_ templates), ATen native (at::native::..., cub).
+# kernels/moe_gemv.py and kernels/quant/moe_gemv.py (_pair_*_kernel, _combine_kernel), torch._grouped_mm
+# (CUTLASS GroupProblemShape, prepare_grouped_gemm_data), kernels/router.py (_topk_route_kernel; ATen's
+# radix sort of the prefill's token-by-expert argsort), kernels/gdn, kernels/mamba2 and kernels/commit.py
+# (replay / ssd / ssu / rewind_commit kernels), fla-core's chunk_* / recompute_w_u kernels, cuDNN SDPA,
+# kernels/quant (_quant_group_kernel, *_mm_kernel, *_gemv_kernel, _splitk_sum_kernel), cuBLAS / cuBLASLt
+# (nvjet, xmma, splitKreduce, gemvx, dot_kernel), inductor (triton_poi_ / triton_red_ / triton_per_
+# pointwise / reduction, triton_tem_ templates), ATen native (at::native::..., cub).
 CATEGORIES: list[tuple[str, str]] = [
     ("inductor fused", r"^triton_(poi|red|per)_"),
-    ("routed experts", r"_pair_gemv|moe_gemv|grouped_mm|grouped_gemm|GroupProblemShape|cutlass.*grouped"
+    ("routed experts", r"_pair_|moe_gemv|grouped_mm|grouped_gemm|GroupProblemShape|cutlass.*grouped"
                        r"|_combine_kernel|fused_moe"),
     ("router", r"topk|_route|radixSort|sort"),
-    ("SSM / GDN", r"replay|_gdn|gated_delta|chunk_|recompute_w_u|mamba|ssd|selective_(scan|state)|ssu"),
+    ("SSM / GDN", r"replay|_gdn|gated_delta|(^|_)chunk_|recompute_w_u|mamba|ssd|selective_(scan|state)|ssu"
+                  r"|rewind_commit"),
     ("attention", r"sdpa|flash|attn|fmha|attention"),
     ("conv", r"conv"),
-    ("dense GEMM", r"nvjet|gemm|gemv|xmma|cublas|splitK|^triton_tem_"),
+    ("activation quantize", r"_quant_group|quantize"),
+    ("dense GEMM", r"nvjet|gemm|gemv|xmma|cublas|splitK|splitk_sum|_mm_kernel|^triton_tem_"),
     ("copy / cast / memset", r"^Memcpy|^Memset|memcpy|direct_copy|_copy_kernel|CatArrayBatchedCopy"),
     ("ATen elementwise / reduce", r"at::native|at_cuda_detail|cub::|elementwise|reduce_kernel|vectorized"),
 ]

@@ -184,6 +184,13 @@ def test_split_keeps_time_order_and_mutates_nothing():
      "copy / cast / memset"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>",
      "ATen elementwise / reduce"),
+    ("_pair_nvfp4_kernel", "routed experts"),
+    ("_rewind_commit_kernel", "SSM / GDN"),
+    ("_ssd_chunk_scan_kernel", "SSM / GDN"),
+    ("void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float>", "ATen elementwise / reduce"),
+    ("_quant_group_kernel", "activation quantize"),
+    ("_nvfp4_mm_kernel", "dense GEMM"),
+    ("_splitk_sum_kernel", "dense GEMM"),
     ("mystery_kernel", OTHER),
 ])
 def test_categories_first_match_wins(name, want):
