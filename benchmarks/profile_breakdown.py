@@ -193,7 +193,7 @@ def breakdown(events: list[dict], top: int = 10) -> dict:
     ``groups`` (per signature, in order of first replay: name, replays, kernels, busy_us and span_us per
     replay (mean, and the per-replay lists), by_category_us (mean per replay), top), ``sequence`` (the group
     of each replay), ``step`` (the repeating pattern of groups, its repeats, the replays of a partial last
-    repetition and the mean device span and busy time of one repetition) and ``eager`` (the two eager parts
+    repetition and the mean device span, busy time and busy time by category of one repetition) and ``eager`` (the two eager parts
     and the unattributed events: kernels, busy_us, span_us, by_category_us, top). Raises nothing on a trace
     without graph launches (no groups).
     """
@@ -224,6 +224,7 @@ def breakdown(events: list[dict], top: int = 10) -> dict:
         if cyc:
             step["busy_us"] = sum(s["busy_us"] for s in cyc) / len(cyc)
             step["span_us"] = sum(s["span_us"] for s in cyc) / len(cyc)
+            step["by_category_us"] = _mean_cats(cyc)
     eager = {}
     for label, ks in ((EAGER_BEFORE, before), (EAGER_AFTER, after), (UNATTRIBUTED, unattributed)):
         s = _stats(ks)
@@ -242,6 +243,9 @@ def format_report(rep: dict, width: int = 90) -> str:
     """The readable tables of a :func:`breakdown` result: groups, category us (and share) per replay, top
     kernels per group, the eager parts."""
     cols = [(g["name"], g["by_category_us"], g["busy_us"]) for g in rep["groups"]]
+    step = rep["step"]
+    if len(step["pattern"]) > 1 and "by_category_us" in step:  # one repetition of the pattern: a decode step
+        cols.append(("pattern", step["by_category_us"], step["busy_us"]))
     short = {EAGER_BEFORE: "prefill", EAGER_AFTER: "eager-after", UNATTRIBUTED: "unattrib."}
     cols += [(short[label], e["by_category_us"], e["busy_us"]) for label, e in rep["eager"].items()
              if e["kernels"] or label != UNATTRIBUTED]
@@ -262,7 +266,6 @@ def format_report(rep: dict, width: int = 90) -> str:
         out.append(f"{'unattrib.':<12}{'-':>8}{lost['kernels']:>16}{lost['busy_us']:>13.1f}{'-':>13}{'-':>10}  "
                    "<- device events whose correlation matches no launch: the trace lacks correlations, "
                    "so their replay is unknown")
-    step = rep["step"]
     if rep["sequence"]:
         line = f"replay pattern: {' '.join(step['pattern'])} x {step['repeats']}"
         if step["partial"]:
@@ -271,9 +274,13 @@ def format_report(rep: dict, width: int = 90) -> str:
             line += (f"; per repetition: busy {step['busy_us']:.1f} us, span {step['span_us']:.1f} us "
                      f"(first kernel of {step['pattern'][0]} to last kernel of {step['pattern'][-1]})")
         out.append(line)
-    out += ["", "busy us per replay by category (share of the column's busy time); prefill, eager-after "
-            "(and unattrib.) are totals", f"{'category':<27}" + "".join(f"{name:>17}" for name, _, _ in cols)]
+    out += ["", "busy us per replay by category (share of the column's busy time); pattern: per repetition of "
+            "the replay pattern;", "prefill, eager-after (and unattrib.): totals; a category empty in every "
+            "column is left out",
+            f"{'category':<27}" + "".join(f"{name:>17}" for name, _, _ in cols)]
     for cat in [c for c, _ in CATEGORIES] + [OTHER]:
+        if cat != OTHER and not any(d.get(cat) for _, d, _ in cols):
+            continue
         cells = [f"{d.get(cat, 0.0):>8.1f} ({d.get(cat, 0.0) / busy if busy else 0:>4.0%})" for _, d, busy in cols]
         out.append(f"{cat:<27}" + "".join(f"{c:>17}" for c in cells))
     for g in rep["groups"]:

@@ -98,6 +98,10 @@ def test_replays_counts_busy_span_and_grouping():
     # one repetition: first kernel of G1 (t) to the end of G2's kernel (starts at the memset's start + 5)
     assert rep["step"]["span_us"] == pytest.approx(35.0 + 5.0 + 8.0)
     assert rep["step"]["busy_us"] == pytest.approx(busy_a + 8.0)
+    assert rep["step"]["by_category_us"] == pytest.approx({**g1["by_category_us"], "attention": 8.0})
+    text = format_report(rep)
+    assert "pattern" in text and "conv" not in text  # a category empty everywhere is left out, "other" is not
+    assert "\nother " in text
 
 
 def test_eager_prefill_kept_apart():
