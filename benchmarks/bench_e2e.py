@@ -53,7 +53,8 @@ of requests whose tokens replay and rewind share, from each row's ``token_digest
 model outputs that held a NaN or an infinity, ``nonfinite``, empty for a healthy run). ``--profile
 MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead (compiled with ``--compile on``)
 and writes DIR/profile_<point>.txt (operators by device time) and DIR/profile_<point>.json (a Chrome trace),
-<point> ending in ``_compiled`` for a compiled step.
+<point> ending in ``_compiled`` for a compiled step; ``python -m benchmarks.profile_breakdown
+DIR/profile_<point>.json`` splits that trace's device time per CUDA-graph replay and kernel category.
 
 Budget: estimated (not yet run) at about 10 minutes on one H200 for the defaults (few warm-up steps, 64
 timed steps per point, graphs captured for the buckets the point needs); ``--time-budget-s`` skips the
