@@ -128,8 +128,12 @@ def test_tied_checkpoint_storing_lm_head_loads(tmp_path):
         torch.testing.assert_close(engine.logits(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_nonfinite_outputs_are_flagged_with_the_first_layer(ckpt):
-    engine = Engine.from_pretrained(ckpt, EngineOptions(draft_len=2, max_batch_size=2, max_seq_len=64))
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_nonfinite_outputs_are_flagged_with_the_first_layer(ckpt, compile_):
+    """The health flags name the first non-finite layer, eagerly and with the compiled step (where each
+    block's peak reduction is traced into its compiled call)."""
+    engine = Engine.from_pretrained(ckpt, EngineOptions(draft_len=2, max_batch_size=2, max_seq_len=64,
+                                                        compile=compile_))
     out = engine.generate([[3, 4, 5]], 4)
     assert out.nonfinite == []
     with torch.no_grad():

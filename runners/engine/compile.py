@@ -74,13 +74,16 @@ def eager_op(fn: Callable) -> Callable:
     return functools.partial(_call_eager, fn) if torch.compiler.is_compiling() else fn
 
 
-def _call_block(block, x, cache, meta):
-    return block(x, cache, meta)
+def _call_block(block, x, cache, meta, peak=None):
+    y = block(x, cache, meta)
+    return y if peak is None else (y, peak(y))
 
 
-def eager_block_call(block, x, cache, meta):
-    """A residual block's forward, eagerly: ``block(x, cache, meta)``."""
-    return _call_block(block, x, cache, meta)
+def eager_block_call(block, x, cache, meta, peak=None):
+    """A residual block's forward, eagerly: ``block(x, cache, meta)``; with ``peak`` (a function of the
+    output, e.g. the model's max-|x| health reduction) the pair ``(output, peak(output))``, so a compiled call
+    fuses that reduction into the block's last kernels instead of launching it after the block."""
+    return _call_block(block, x, cache, meta, peak)
 
 
 def mark_batch_dynamic(x: torch.Tensor, meta) -> None:
@@ -102,7 +105,8 @@ def compiled_graphs() -> int:
 
 
 def compiled_block_call(dynamic_batch: bool | None = None) -> Callable:
-    """``eager_block_call`` compiled with inductor (no cudagraphs mode), same arguments and result. One
+    """``eager_block_call`` compiled with inductor (no cudagraphs mode), same arguments and result (a ``peak``
+    function is traced into the block's graph: dynamo guards on its identity). One
     compiled function per process and mode: dynamo keys its code entries by the block's structure and the
     input shapes. ``dynamic_batch`` (None: :data:`DYNAMIC_BATCH`, read at the call): the batch dimension is
     symbolic (:func:`mark_batch_dynamic` on each call, ``dynamic=None``: one graph for batch sizes >= 2,
@@ -125,7 +129,7 @@ def _compiled_block_call(dynamic_batch: bool) -> Callable:
         return torch.compile(_call_block, backend="inductor", dynamic=False, fullgraph=False)
     compiled = torch.compile(_call_block, backend="inductor", dynamic=None, fullgraph=False)
 
-    def call(block, x, cache, meta):
+    def call(block, x, cache, meta, peak=None):
         mark_batch_dynamic(x, meta)
-        return compiled(block, x, cache, meta)
+        return compiled(block, x, cache, meta, peak)
     return call

@@ -170,8 +170,9 @@ class HybridLM(nn.Module):
 
     def track_nonfinite(self, device: torch.device | str) -> None:
         """Start the non-finite flags: a bool tensor [len(health_names())] on ``device``, all False. Each
-        forward then runs one max |x| reduction per flagged output (one small kernel per layer, ``_abs_peak``)
-        and one ``isfinite`` over them all (capturable in a CUDA graph: the flags are updated in place)."""
+        forward then runs one max |x| reduction per flagged output (``_abs_peak``; a block's inside its block
+        call, which the compiled step fuses into the block's kernels) and one ``isfinite`` over them all
+        (capturable in a CUDA graph: the flags are updated in place)."""
         self.nonfinite = torch.zeros(len(self.health_names()), dtype=torch.bool, device=device)
         if self.mtp is not None:
             self.mtp.nonfinite = self.nonfinite
@@ -209,9 +210,11 @@ class HybridLM(nn.Module):
         track = self.nonfinite is not None
         peaks = [_abs_peak(x)] if track else []
         for block in self.layers:
-            x = self.block_call(block, x, cache, meta)
-            if track:
-                peaks.append(_abs_peak(x))
+            if track:  # the block's peak inside its (compiled) call: fused into the block's last kernels
+                x, peak = self.block_call(block, x, cache, meta, peak=_abs_peak)
+                peaks.append(peak)
+            else:
+                x = self.block_call(block, x, cache, meta)
         x = self.norm_f(x)
         if track:
             peaks.append(_abs_peak(x))
