@@ -41,11 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from registry.errors import UserError
+from registry.errors import UserError, exits_on_user_error
 
 # (category, regex) in match order; first match wins; "other" catches the rest. Sources of the names:
 # kernels/moe_gemv.py and kernels/quant/moe_gemv.py (_pair_*_kernel, _combine_kernel), torch._grouped_mm
@@ -296,17 +295,10 @@ def format_report(rep: dict, width: int = 90) -> str:
     return "\n".join(out)
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     """The command line (module docstring); a problem with the user's input prints `error:` / `fix:` lines
     (registry.errors.UserError) and returns 2."""
-    try:
-        return _main(argv)
-    except UserError as e:
-        print(e.format(), file=sys.stderr)
-        return 2
-
-
-def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="torch.profiler Chrome trace (export_chrome_trace), e.g. DIR/profile_<point>.json")
     ap.add_argument("--json", default="", metavar="OUT.json", help="also write the breakdown as JSON")

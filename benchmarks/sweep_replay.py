@@ -80,7 +80,7 @@ from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIG
 from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
-from registry.errors import UserError
+from registry.errors import UserError, exits_on_user_error
 
 SHAPES_M2 = {"ws1": (128, 64, 128, 8), "ws4": (32, 64, 128, 2)}  # H, P, N, G
 SHAPES_GDN = {"ws1": (16, 32, 128, 128), "ws4": (4, 8, 128, 128)}  # H, HV, K, V
@@ -887,17 +887,10 @@ def ncu(args) -> int:
     return rc
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     """The command line (module docstring); a problem with the user's input prints `error:` / `fix:` lines
     (registry.errors.UserError) and returns 2."""
-    try:
-        return _main(argv)
-    except UserError as e:
-        print(e.format(), file=sys.stderr)
-        return 2
-
-
-def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=False, help="output folder (JSON, plot, ncu reports)")
     ap.add_argument("--budget-s", type=float, default=330.0,

@@ -8,6 +8,10 @@ bottom layer of the project, so every folder can import this module.
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+
 
 class UserError(ValueError):
     """An input problem the user can fix.
@@ -46,3 +50,18 @@ def raise_all(errors: list[UserError]) -> None:
         raise errors[0]
     if errors:
         raise UserErrors(errors)
+
+
+def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
+    """Decorate a command line's ``main(argv) -> exit status``: a :class:`UserError` it raises is printed as
+    run.py prints it (``error:`` / ``fix:`` lines on stderr) and the status is 2, without a traceback."""
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            print(e.format(), file=sys.stderr)
+            return 2
+
+    return wrapped
