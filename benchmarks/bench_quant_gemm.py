@@ -17,7 +17,10 @@ measured in the same run):
   2048 -> moe_intermediate 512 and back, 512 experts, top-10) ``block_fp8_grouped_mm`` vs BF16
   ``torch._grouped_mm``.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
-GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths.
+GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths; grouped rows named
+"..._gemv" time it with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS = inf): the GEMV wherever the rows
+per expert allow, the rule that bound replaced, so a run at larger batches (--batches 8 16 32 64 128 256) says
+where it belongs.
 Bytes read count what the product must read once: the weights (and scales) of the experts that received rows
 (all of them for dense layers), the activations, and the output written; the dequantize path also counts its
 full-size BF16 weight write and re-read. Times ("us"): GPU time per call from CUDA-graph replays with L2
@@ -175,6 +178,20 @@ def _tensor_core(fn, *args, **kwargs):
         _common.GEMV_MAX_ROWS = keep
 
 
+def _rows_rule(fn, *args, **kwargs):
+    """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
+    every format = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the rule before
+    that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
+    from kernels.quant import _common
+
+    keep = dict(_common.GROUPED_GEMV_MAX_ROWS)
+    _common.GROUPED_GEMV_MAX_ROWS.update({k: float("inf") for k in keep})
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _common.GROUPED_GEMV_MAX_ROWS.update(keep)
+
+
 def part_copy() -> dict:
     import torch
 
@@ -211,6 +228,9 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("nvfp4_grouped_tc",
                             _bench(partial(_tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_grouped_gemv",
+                            _bench(partial(_rows_rule, nvfp4_grouped_mm, x, w, s, s2, offs)),
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
@@ -266,6 +286,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_grouped_tc",
                             _bench(partial(_tensor_core, block_fp8_grouped_mm, x, w, ws, offs)),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_gemv",
+                            _bench(partial(_rows_rule, block_fp8_grouped_mm, x, w, ws, offs)),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))

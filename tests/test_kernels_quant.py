@@ -310,6 +310,38 @@ def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
                nvfp4_grouped_mm_ref(x, q, s, s2, offs), dtype)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "block_fp8"])
+def test_grouped_launches_above_the_rows_bound_take_the_tensor_core_kernel(fmt, monkeypatch):
+    """GROUPED_GEMV_MAX_ROWS: a grouped launch with more rows in all than its format's bound takes the
+    tensor-core kernel even at few rows per expert (and still matches the reference); at or below it, the
+    GEMV; dense launches follow GEMV_MAX_ROWS alone."""
+    from kernels.quant import block_fp8 as fp8_mod
+    from kernels.quant import nvfp4 as nvfp4_mod
+
+    assert quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt], fmt=fmt)
+    assert not quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt] + 1, fmt=fmt)
+    assert quant_common.use_gemv(2.0) and not quant_common.use_gemv(9.0)
+    mod = nvfp4_mod if fmt == "nvfp4" else fp8_mod
+    gemv_calls = []
+    real = mod._launch_gemv
+    monkeypatch.setattr(mod, "_launch_gemv", lambda *a, **k: gemv_calls.append(1) or real(*a, **k))
+    K, N, E, dtype = 256, 40, 5, torch.bfloat16 if fmt == "nvfp4" else torch.float16
+    counts = (3, 0, 13, 0, 1)  # 17 rows, 3.4 per expert present: the GEMV by rows per expert
+    x, offs = _randn(sum(counts), K, seed=40, dtype=dtype), _offsets(counts)
+    w = _randn(E, N, K, seed=41).cpu()
+    for bound, want_gemv in ((17, True), (16, False)):
+        monkeypatch.setitem(quant_common.GROUPED_GEMV_MAX_ROWS, fmt, bound)
+        gemv_calls.clear()
+        if fmt == "nvfp4":
+            q, sc, s2 = (t.to(DEVICE) for t in nvfp4_quantize(w))
+            y, ref = nvfp4_grouped_mm(x, q, sc, s2, offs), nvfp4_grouped_mm_ref(x, q, sc, s2, offs)
+        else:
+            q, sc = (t.to(DEVICE) for t in block_fp8_quantize(w))
+            y, ref = block_fp8_grouped_mm(x, q, sc, offs), block_fp8_grouped_mm_ref(x, q, sc, offs)
+        assert bool(gemv_calls) == want_gemv, (bound, gemv_calls)
+        _close(y, ref, dtype)
+
+
 def test_gemv_config_splits_k_only_where_n_tiles_are_too_few():
     # Qwen3-Next at one decode token: q / gate 2048 -> 8192 fills the GPU with 16-wide N tiles; k / v
     # 2048 -> 512 and o 4096 -> 2048 split K; 8 rows per program at 8 rows, 1 at 1.

@@ -21,7 +21,8 @@ computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation row
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
 launch reading x, W and the scales (this tensor-core path now runs for 9..63 rows per weight matrix). At
-decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix x is quantized once by the quantization kernel
+decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix (grouped: and <= GROUPED_GEMV_MAX_ROWS["block_fp8"]
+rows in all) x is quantized once by the quantization kernel
 (into fp32 e4m3 values) and a CUDA-core GEMV kernel runs (:func:`_block_fp8_gemv_kernel`: weight tiles
 converted to fp32 once, each row loaded straight into the tile's register layout, reduced over K per
 128-column group; split over K with a partial-sum launch where N tiles alone give too few programs, as for
@@ -553,7 +554,7 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    if use_gemv(rows / (min(E, rows) if grouped else 1)):
+    if use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="block_fp8") if grouped else use_gemv(rows):
         return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)

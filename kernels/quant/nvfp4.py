@@ -29,8 +29,8 @@ in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 t
 activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
 weight_scale_2 multiplies the fp32 accumulator once at the end.
 
-Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py) where the codes are
-words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py, and for grouped launches
+<= GROUPED_GEMV_MAX_ROWS["nvfp4"] rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
 once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
 shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
 alone give too few programs (:func:`kernels.quant._common.gemv_config`).
@@ -601,7 +601,8 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
-    if use_gemv(rows / (min(E, rows) if grouped else 1)) and words_ok(weight) and force_bytes is False:
+    gemv = (use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="nvfp4") if grouped else use_gemv(rows))
+    if gemv and words_ok(weight) and force_bytes is False:
         return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
     # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: _e2m1_word) where the rows
     # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
