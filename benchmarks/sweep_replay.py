@@ -110,9 +110,11 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 1.6e-2}
 # ---------------------------------------------------------------------------------------------------------
 
 
-# do_bench's warm-up and measured milliseconds per timing. 25 / 100 (was 10 / 40): the 2026-12-02 sweep
-# (docs/gpu/kperf_3) saw one launch's median move up to 2x between passes at 10 / 40.
-TIMING_MS = (25, 100)
+# do_bench's warm-up and measured milliseconds per timing: the headline and the grid, and the confirmation
+# pass's longer ones (the 2026-12-02 sweep, docs/gpu/kperf_3, saw one launch's median move up to 2x between
+# passes; the confirmation's median of CONFIRM_ROUNDS rounds is what chooses "best").
+TIMING_MS = (10, 40)
+CONFIRM_TIMING_MS = (25, 100)
 
 
 class Timer:
@@ -122,12 +124,12 @@ class Timer:
         self.dev = dev
         self.copy_cache: dict[int, float] = {}
 
-    def __call__(self, fn, *args) -> float:
-        """Median microseconds of fn(*args)."""
+    def __call__(self, fn, *args, ms: tuple[int, int] = TIMING_MS) -> float:
+        """Median microseconds of fn(*args); ``ms``: do_bench's (warm-up, measured) milliseconds."""
         fn(*args)  # compile outside the timing
         if self.dev == "cuda":
             torch.cuda.synchronize()
-            return triton.testing.do_bench(lambda: fn(*args), warmup=TIMING_MS[0], rep=TIMING_MS[1],
+            return triton.testing.do_bench(lambda: fn(*args), warmup=ms[0], rep=ms[1],
                                            return_mode="median") * 1e3
         t0 = time.perf_counter()
         fn(*args)
@@ -670,7 +672,8 @@ def confirm_headline(res: dict, dtypes, batch: int, T: int, timer: Timer, dev: s
     FlashInfer warm-ups ended): the median of each configuration's times replaces its headline time (the first
     kept as ``us_first``) and "best" is chosen again from the updated rows; a changed choice is printed and
     kept as ``best_first``. The median, not the least: the 2026-12-02 sweep (docs/gpu/kperf_3) saw single
-    timings of one launch differ up to 2x between passes, and the least keeps a lucky one.
+    timings of one launch differ up to 2x between passes, and the least keeps a lucky one. Each round's timing
+    measures longer than the headline's (CONFIRM_TIMING_MS).
 
     Mutates res["headline_rows"] and res["best"]; returns {"op/dtype": {config: [us per round]}}. Runs before
     the stochastic-rounding rows and the grid, which use the confirmed choice."""
@@ -687,7 +690,7 @@ def confirm_headline(res: dict, dtypes, batch: int, T: int, timer: Timer, dev: s
         times = {c: [] for c in leaders}
         for _ in range(CONFIRM_ROUNDS):
             for c in leaders:
-                times[c].append(round(timer(call, _configs(op)[c]), 2))
+                times[c].append(round(timer(call, _configs(op)[c], ms=CONFIRM_TIMING_MS), 2))
         for c, ts in times.items():
             first = rows[c]["us"]
             rows[c].update({**_row(timer, statistics.median(ts), nbytes), "us_first": first})
