@@ -186,23 +186,17 @@ def check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_
     """Refuse what the CUDA kernel does not take, with the fix; the launcher's shape / dtype checks
     (`_check_inputs`, `_check_history`) have already run.
 
-    Raises:
-        ValueError: a per-step history, stochastic rounding, non-CUDA tensors, a GPU below sm_80, P > 128,
-            N > 256 or not a multiple of 8, T > 16, mixed input dtypes (x, B, C, out, history x / B), a
-            small operand (dt, A, D, dt_bias) not fp32 / bf16 / fp16, or a state whose rows are not
-            contiguous and 16-byte aligned.
+    Raises (in this order, so that the device-independent refusals show on a CPU machine too):
+        ValueError: a per-step history, stochastic rounding, P > 128, N > 256 or not a multiple of 8, T > 16,
+            mixed input dtypes (x, B, C, out, history x / B), a small operand (dt, A, D, dt_bias) not fp32 /
+            bf16 / fp16, a state whose rows are not contiguous and 16-byte aligned, non-CUDA tensors, a GPU
+            below sm_80, a grid over 2^31 - 1 CTAs, or more shared memory than the GPU grants a CTA.
     """
     if not history.checkpointing:
         raise ValueError(f"{name}: variant 'cuda' takes a checkpointing history only (ReplayHistory.allocate(..., "
                          f"checkpointing=True)), got a per-step history (x with 2 buffers); {FIX}")
     if stochastic_rounding is not None:
         raise ValueError(f"{name}: variant 'cuda' rounds the state to nearest only; for stochastic_rounding {FIX}")
-    if x.device.type != "cuda":
-        raise ValueError(f"{name}: variant 'cuda' runs on CUDA tensors only, got {x.device.type} tensors; on the "
-                         f"CPU call replay_verify_ref or the Triton variants in the interpreter ({FIX})")
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap < MIN_CAPABILITY:
-        raise ValueError(f"{name}: variant 'cuda' needs an sm_80+ GPU (cp.async), got sm_{cap[0]}{cap[1]}; {FIX}")
     _, _, P, N = state.shape
     T, L = x.shape[1], history.x.shape[2]
     if P > MAX_P or N > MAX_N or N % N_MULTIPLE or T > MAX_T:
@@ -223,6 +217,12 @@ def check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_
         raise ValueError(f"{name}: variant 'cuda' loads the state in 16-byte chunks: its d_state axis must be "
                          f"contiguous and its other strides multiples of {vec} elements, from a 16-byte aligned "
                          f"address; got strides {tuple(state.stride())}; pass a contiguous state, or {FIX}")
+    if x.device.type != "cuda":
+        raise ValueError(f"{name}: variant 'cuda' runs on CUDA tensors only, got {x.device.type} tensors; on the "
+                         f"CPU call replay_verify_ref or the Triton variants in the interpreter ({FIX})")
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap < MIN_CAPABILITY:
+        raise ValueError(f"{name}: variant 'cuda' needs an sm_80+ GPU (cp.async), got sm_{cap[0]}{cap[1]}; {FIX}")
     cfg = launch_config(x.shape[0], state.shape[1], P, N)
     if cfg["ctas"] >= 2**31:
         raise ValueError(f"{name}: variant 'cuda' launches batch x heads x P blocks = {cfg['ctas']} CTAs, over the "
