@@ -37,7 +37,8 @@ M2_CONFIGS = {
     "mma_pre_pdl_c16_r80_pers24": {"variant": "mma_pre_pdl", "chunk_n": 16, "maxnreg": 80, "persistent": 24},
     # issue 28, the CUDA route: kernels/mamba2/replay_cuda.py (one 128-thread CTA per head, state staged in shared
     # memory; checkpointing histories only), uncapped (128 registers at the Super V3 shape, 4 CTAs per SM) and
-    # capped at 96 (5 CTAs per SM, ~24 bytes of spills in the sm_90 build)
+    # capped at 96 (__maxnreg__; 5 CTAs per SM with a bf16 state, whose 36 KB of shared memory allow 6, ~24
+    # bytes of spills in the sm_90 build; an fp32 state's 52 KB keep 4)
     "cuda": {"variant": "cuda"},
     "cuda_r96": {"variant": "cuda", "maxnreg": 96},
 }

@@ -92,19 +92,20 @@ def test_missing_or_failing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
     assert not [p for p in replay_cuda.cache_dir().iterdir() if p.suffix == ".so"]  # no half-written library
 
 
-# (state dtype, input dtype, d_state): every dtype code of the .cu and every threads-per-row layout
-BUILDS = [(torch.float32, torch.bfloat16, 128), (torch.bfloat16, torch.float16, 256),
-          (torch.float16, torch.float32, 48)]
+# (state dtype, input dtype, d_state, maxnreg): every dtype code of the .cu, every threads-per-row layout and
+# the register cap of the sweep's "cuda_r96"
+BUILDS = [(torch.float32, torch.bfloat16, 128, None), (torch.bfloat16, torch.float16, 256, None),
+          (torch.float16, torch.float32, 48, None), (torch.bfloat16, torch.bfloat16, 128, 96)]
 
 
 @pytest.mark.skipif(replay_cuda.find_nvcc() is None, reason="nvcc is not installed here")
 def test_kernel_source_compiles_for_sm90_and_matches_the_smem_mirror(tmp_path, monkeypatch):
-    """nvcc builds kernels/mamba2/replay_ckpt.cu for sm_90 (three of its instantiations, ~3 s each); the
+    """nvcc builds kernels/mamba2/replay_ckpt.cu for sm_90 (four of its instantiations, ~3 s each); the
     library loads without a GPU, reports its ABI, and its shared-memory plan equals `smem_bytes`; a second
     build is the cached file."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for sd, ind, n in BUILDS:
-        flags = replay_cuda.build_flags("sm_90", sd, ind, n)
+    for sd, ind, n, maxnreg in BUILDS:
+        flags = replay_cuda.build_flags("sm_90", sd, ind, n, maxnreg)
         path = replay_cuda.build(flags)
         assert path.parent == replay_cuda.cache_dir() and path.stat().st_size > 0
         mtime = path.stat().st_mtime_ns

@@ -952,7 +952,7 @@ def replay_verify(
 def _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index, tuning,
                  time_step_limit, out, stochastic_rounding, name):
     """variant "cuda": refuse the Triton tiles and what the CUDA kernel does not take, then launch it
-    (kernels/mamba2/replay_cuda.py). `maxnreg` is its nvcc register cap (-maxrregcount)."""
+    (kernels/mamba2/replay_cuda.py). `maxnreg` is its register cap (__maxnreg__, one build per value)."""
     given = sorted(k for k in ("block_p", "num_warps", "split", "chunk_n", "num_stages", "persistent")
                    if tuning.get(k) is not None)
     if given:

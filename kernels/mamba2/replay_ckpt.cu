@@ -22,7 +22,9 @@
 // sectors, each byte of the tile read exactly once, all loads of a thread issued before the staging below.
 //
 // Build: nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=<0|1|2> -DM2R_IN=<0|1|2> -DM2R_TPR=<1|2|4>
-// (dtype codes 0 float32, 1 bfloat16, 2 float16). Exports m2r_launch (below), m2r_smem_bytes, m2r_abi.
+// [-DM2R_MAXNREG=R] (dtype codes 0 float32, 1 bfloat16, 2 float16). Exports m2r_launch (below),
+// m2r_smem_bytes, m2r_abi, m2r_error_string. sm_90, Super V3 (TPR 2): 128 registers, no spills; R = 96: ~24
+// bytes of spills.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +39,14 @@
 #endif
 #ifndef M2R_TPR
 #define M2R_TPR 2
+#endif
+
+// Register cap: -DM2R_MAXNREG=R (the launcher's maxnreg) compiles the kernel with __maxnreg__(R); without it
+// __launch_bounds__(128) lets the compiler choose (nvcc ignores -maxrregcount for a kernel with launch bounds).
+#ifdef M2R_MAXNREG
+#define M2R_BOUNDS __maxnreg__(M2R_MAXNREG)
+#else
+#define M2R_BOUNDS __launch_bounds__(128)
 #endif
 
 // Bumped whenever the launcher's argument arrays change (replay_cuda.py checks it after loading).
@@ -135,7 +145,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 template <typename ST, typename IT, int TPR>
-__global__ void __launch_bounds__(kThreads) m2_replay_verify_ckpt_kernel(const Params p) {
+__global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   using SM = Smem<ST, TPR>;
   constexpr int NP = SM::NP, BP = SM::BP, KC = SM::KC, ROW = SM::ROW;
   constexpr int VE = 16 / sizeof(ST);  // state elements per 16-byte chunk

@@ -19,7 +19,7 @@ thread then holds 64 state elements of one row in fp32 registers, so the C_t . h
 FMAs plus log2(TPR) shuffles. The pending tokens (B, w_j x_j) are staged in chunks of 16 (8 at N > 128).
 A flush stores the state from registers in 16-byte chunks (round to nearest), as the Triton kernel does.
 
-Build: `nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=.. -DM2R_IN=.. -DM2R_TPR=.. [-maxrregcount=R]`
+Build: `nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=.. -DM2R_IN=.. -DM2R_TPR=.. [-DM2R_MAXNREG=R]`
 per (GPU arch, state dtype, input dtype, TPR, register cap), into `cache_dir()` as
 replay_ckpt_<sha256 of source and flags>.so; a file lock serialises builders of one library and the result is
 renamed into place atomically, so concurrent processes never load a half-written file. nvcc is `$NVCC`, else
@@ -106,7 +106,7 @@ def build_flags(arch: str, state_dtype: torch.dtype, in_dtype: torch.dtype, d_st
              f"-DM2R_STATE={DTYPE_CODES[state_dtype]}", f"-DM2R_IN={DTYPE_CODES[in_dtype]}",
              f"-DM2R_TPR={threads_per_row(d_state)}"]
     if maxnreg is not None:
-        flags.append(f"-maxrregcount={maxnreg}")
+        flags.append(f"-DM2R_MAXNREG={maxnreg}")  # __maxnreg__ (nvcc >= 12.4); -maxrregcount loses to launch bounds
     return flags
 
 
