@@ -26,9 +26,13 @@
 // m2r_smem_bytes, m2r_abi, m2r_error_string. sm_90, Super V3 (TPR 2): 128 registers, no spills; R = 96: ~24
 // bytes of spills.
 
+// M2R_HOST_EMULATION (tests/replay_ckpt_host.cc only): the same kernel compiled by a host C++ compiler, one
+// std::thread per CUDA thread, so the CPU tests run its indexing, synchronisation and history writes.
+#ifndef M2R_HOST_EMULATION
+#include <cuda_runtime.h>
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <stdint.h>
 
 #ifndef M2R_STATE
@@ -43,7 +47,9 @@
 
 // Register cap: -DM2R_MAXNREG=R (the launcher's maxnreg) compiles the kernel with __maxnreg__(R); without it
 // __launch_bounds__(128) lets the compiler choose (nvcc ignores -maxrregcount for a kernel with launch bounds).
-#ifdef M2R_MAXNREG
+#if defined(M2R_HOST_EMULATION)
+#define M2R_BOUNDS
+#elif defined(M2R_MAXNREG)
 #define M2R_BOUNDS __maxnreg__(M2R_MAXNREG)
 #else
 #define M2R_BOUNDS __launch_bounds__(128)
@@ -136,6 +142,7 @@ template <typename ST, int TPR> struct Smem {
   }
 };
 
+#ifndef M2R_HOST_EMULATION
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
@@ -143,6 +150,7 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
+#endif
 
 template <typename ST, typename IT, int TPR>
 __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
@@ -150,8 +158,12 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   constexpr int NP = SM::NP, BP = SM::BP, KC = SM::KC, ROW = SM::ROW;
   constexpr int VE = 16 / sizeof(ST);  // state elements per 16-byte chunk
   constexpr int NCH = kNPT / VE;       // chunks per thread
+#ifdef M2R_HOST_EMULATION
+  float* sm = m2r_host_smem();
+#else
   extern __shared__ float4 smem_f4[];
   float* sm = reinterpret_cast<float*>(smem_f4);
+#endif
   const SM lay(p.T, p.L);
 
   const int tid = threadIdx.x;
@@ -400,27 +412,8 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
 }  // namespace m2r
 
 using namespace m2r;
-using StateT = DType<M2R_STATE>::T;
-using InT = DType<M2R_IN>::T;
-
-extern "C" {
-
-__attribute__((visibility("default"))) int m2r_abi() { return M2R_ABI; }
-
-// Dynamic shared memory of one CTA (bytes) for verify width T and history length L.
-__attribute__((visibility("default"))) long long m2r_smem_bytes(int T, int L) {
-  return static_cast<long long>(Smem<StateT, M2R_TPR>(T, L).total) * 4;
-}
-
-// Launch on `stream` (a cudaStream_t; the caller's current stream, so CUDA-graph capture records it).
-// ptrs (16): state, x, dt, A, B, C, D (0 = none), dt_bias, slot_ids, out, history x, B, dt, dA_cumsum,
-//   prev_num_accepted, buffer_index.
-// ints (13 + 39): Bsz, T, H, P, N, G, L, slot ids int64 (0/1), dtype codes of dt, A, D, dt_bias (0 fp32,
-//   1 bf16, 2 fp16), has time-step limit (0/1); then the strides (elements) in the order of Params.
-// floats (2): dt_min, dt_max.
-// Returns 0, or a cudaError_t code (cudaGetErrorString names it via m2r_error_string).
-__attribute__((visibility("default"))) int m2r_launch(void* const* ptrs, const long long* ints,
-                                                      const float* floats, void* stream) {
+// The kernel's Params from the launcher's argument arrays (layout: m2r_launch below).
+inline Params m2r_params(void* const* ptrs, const long long* ints, const float* floats) {
   Params p;
   p.state = ptrs[0];
   p.x = ptrs[1];
@@ -460,6 +453,32 @@ __attribute__((visibility("default"))) int m2r_launch(void* const* ptrs, const l
   for (int64_t* s : strides) *s = ints[q++];
   p.dt_min = floats[0];
   p.dt_max = floats[1];
+  return p;
+}
+
+using StateT = DType<M2R_STATE>::T;
+using InT = DType<M2R_IN>::T;
+
+extern "C" {
+
+__attribute__((visibility("default"))) int m2r_abi() { return M2R_ABI; }
+
+// Dynamic shared memory of one CTA (bytes) for verify width T and history length L.
+__attribute__((visibility("default"))) long long m2r_smem_bytes(int T, int L) {
+  return static_cast<long long>(Smem<StateT, M2R_TPR>(T, L).total) * 4;
+}
+
+#ifndef M2R_HOST_EMULATION
+// Launch on `stream` (a cudaStream_t; the caller's current stream, so CUDA-graph capture records it).
+// ptrs (16): state, x, dt, A, B, C, D (0 = none), dt_bias, slot_ids, out, history x, B, dt, dA_cumsum,
+//   prev_num_accepted, buffer_index.
+// ints (13 + 39): Bsz, T, H, P, N, G, L, slot ids int64 (0/1), dtype codes of dt, A, D, dt_bias (0 fp32,
+//   1 bf16, 2 fp16), has time-step limit (0/1); then the strides (elements) in the order of Params.
+// floats (2): dt_min, dt_max.
+// Returns 0, or a cudaError_t code (cudaGetErrorString names it via m2r_error_string).
+__attribute__((visibility("default"))) int m2r_launch(void* const* ptrs, const long long* ints,
+                                                      const float* floats, void* stream) {
+  const Params p = m2r_params(ptrs, ints, floats);
   if (p.Bsz <= 0) return 0;
   constexpr int BP = Smem<StateT, M2R_TPR>::BP;
   const long long blocks = static_cast<long long>(p.Bsz) * p.H * ((p.P + BP - 1) / BP);
@@ -485,5 +504,6 @@ __attribute__((visibility("default"))) int m2r_launch(void* const* ptrs, const l
 __attribute__((visibility("default"))) const char* m2r_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
+#endif  // M2R_HOST_EMULATION
 
 }  // extern "C"

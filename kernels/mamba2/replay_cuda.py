@@ -246,14 +246,29 @@ def replay_verify_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pre
         ValueError: nvcc missing or failing (`build`), a stale library (`load`).
         RuntimeError: the launch failed (the CUDA error's name).
     """
-    S, H, P, N = state.shape
-    Bsz, T, _, _ = x.shape
-    G, L = B.shape[2], history.x.shape[2]
+    N, T, L = state.shape[3], x.shape[1], history.x.shape[2]
     lib = load(str(build(build_flags(arch_of(x.device), state.dtype, x.dtype, N, maxnreg), name)))
     smem = lib.m2r_smem_bytes(T, L)
     if smem != smem_bytes(T, L, N, state.dtype):  # the Python mirror must describe the built kernel
         raise RuntimeError(f"{name}: replay_ckpt.cu asks {smem} bytes of shared memory, replay_cuda.smem_bytes "
                            f"says {smem_bytes(T, L, N, state.dtype)}: update the mirror")
+    c_ptrs, c_ints, c_floats = launch_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted,
+                                           buffer_index, time_step_limit=time_step_limit, out=out)
+    with torch.cuda.device(x.device):
+        rc = lib.m2r_launch(c_ptrs, c_ints, c_floats, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if rc:
+        raise RuntimeError(f"{name}: variant 'cuda' launch failed: {lib.m2r_error_string(rc).decode()} "
+                           f"(CUDA error {rc})")
+    return out
+
+
+def launch_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index, *,
+                time_step_limit, out):
+    """The argument arrays of m2r_launch (replay_ckpt.cu: pointers, sizes / dtype codes / strides in
+    elements, dt clamp): (ctypes void* [16], long long [52], float [2]). The tensors must outlive the launch."""
+    _, H, P, N = state.shape
+    Bsz, T = x.shape[:2]
+    G, L = B.shape[2], history.x.shape[2]
     lo, hi = time_step_limit
     has_limit = lo > 0.0 or hi < math.inf
     ptrs = [state, x, dt, A, B, C, D, dt_bias, slot_ids, out, history.x, history.B, history.dt,
@@ -269,9 +284,4 @@ def replay_verify_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pre
     c_ptrs = (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() if t is not None else None for t in ptrs])
     c_ints = (ctypes.c_longlong * N_INTS)(*ints)
     c_floats = (ctypes.c_float * N_FLOATS)(float(lo), float(hi) if hi < math.inf else 3.0e38)
-    with torch.cuda.device(x.device):
-        rc = lib.m2r_launch(c_ptrs, c_ints, c_floats, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    if rc:
-        raise RuntimeError(f"{name}: variant 'cuda' launch failed: {lib.m2r_error_string(rc).decode()} "
-                           f"(CUDA error {rc})")
-    return out
+    return c_ptrs, c_ints, c_floats
