@@ -65,6 +65,7 @@ def make_case(shape, state_dtype, in_dtype=torch.bfloat16, seed=0, slots_extra=7
     # PNAT 0..L (flushes where PNAT + T > L) plus garbage outside [0, L]; buffer_index any int32
     pnat = torch.randint(-3, L + 6, (S,), generator=g, dtype=torch.int32)
     bufidx = torch.randint(-2, 4, (S,), generator=g, dtype=torch.int32)
+    pnat[slot_ids[0]], pnat[slot_ids[2]] = min(2, L - T), L  # at least one row without and one with a flush
     state = r(S, H, P, N).to(state_dtype)
     cuda = lambda t, dt=in_dtype: t.to("cuda", dt)  # noqa: E731
     return dict(state=state.cuda(), x=cuda(x), dt=cuda(dt), A=A.cuda(), B=cuda(B), C=cuda(C), D=D.cuda(),
