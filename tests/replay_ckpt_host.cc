@@ -6,7 +6,7 @@
 // tests run it for real).
 //
 // Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -I<cuda>/include -I kernels/mamba2 -DM2R_STATE=..
-//        -DM2R_IN=.. -DM2R_TPR=.. tests/replay_ckpt_host.cc -o LIB.so
+//        -DM2R_IN=.. [-DM2R_OUT=..] -DM2R_TPR=.. tests/replay_ckpt_host.cc -o LIB.so
 // Exports (beside the .cu's m2r_abi and m2r_smem_bytes): m2r_host_launch(ptrs, ints, floats), the argument
 // arrays of m2r_launch.
 
@@ -89,7 +89,7 @@ extern "C" __attribute__((visibility("default"))) int m2r_host_launch(void* cons
         threadIdx.x = t;
         blockIdx.x = static_cast<unsigned>(blk);
         host_cta = cta.get();
-        m2_replay_verify_ckpt_kernel<StateT, InT, M2R_TPR>(p);
+        m2_replay_verify_ckpt_kernel<StateT, InT, OutT, M2R_TPR>(p);
       });
     }
     for (auto& th : threads) th.join();

@@ -71,7 +71,7 @@ def test_stochastic_rounding_tiles_dtypes_and_strides_are_refused():
         replay_verify(*mixed, variant="cuda")
     wide = _case()
     wide[3] = wide[3].double()  # A in float64
-    with pytest.raises(ValueError, match="reads A as float32"):
+    with pytest.raises(ValueError, match="takes A as float32"):
         replay_verify(*wide, variant="cuda")
     strided = _case()
     strided[0] = torch.randn(*strided[0].shape[:3], 18)[..., :16]  # rows 18 apart: unaligned
@@ -196,14 +196,15 @@ needs_host_build = pytest.mark.skipif(not HOST_OK, reason="needs g++ and the CUD
 
 
 @functools.cache
-def _host_kernel(state_dtype, in_dtype, d_state, folder):
+def _host_kernel(state_dtype, in_dtype, d_state, folder, out_dtype=None):
     """The kernel of replay_ckpt.cu built for the host (one std::thread per CUDA thread): ctypes handle."""
     codes = replay_cuda.DTYPE_CODES
-    out = os.path.join(folder, f"host_{codes[state_dtype]}_{codes[in_dtype]}_{d_state}.so")
+    out_code = codes[out_dtype or in_dtype]
+    out = os.path.join(folder, f"host_{codes[state_dtype]}_{codes[in_dtype]}_{out_code}_{d_state}.so")
     cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{_cuda_include()}",
            f"-I{replay_cuda.SOURCE.parent}", f"-DM2R_STATE={codes[state_dtype]}",
-           f"-DM2R_IN={codes[in_dtype]}", f"-DM2R_TPR={replay_cuda.threads_per_row(d_state)}", HOST_SOURCE,
-           "-o", out]
+           f"-DM2R_IN={codes[in_dtype]}", f"-DM2R_OUT={out_code}",
+           f"-DM2R_TPR={replay_cuda.threads_per_row(d_state)}", HOST_SOURCE, "-o", out]
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     lib = ctypes.CDLL(out)
@@ -214,9 +215,9 @@ def _host_kernel(state_dtype, in_dtype, d_state, folder):
 
 
 def _host_verify(lib, state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pnat, bufidx, *,
-                 time_step_limit=(0.0, float("inf")), out=None):
+                 time_step_limit=(0.0, float("inf")), out=None, out_dtype=None):
     """replay_verify's effects through the host-emulated kernel (the launcher's own argument arrays)."""
-    out = torch.full(x.shape, float("nan"), dtype=x.dtype) if out is None else out
+    out = torch.full(x.shape, float("nan"), dtype=out_dtype or x.dtype) if out is None else out
     lib.m2r_host_launch(*replay_cuda.launch_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pnat,
                                                  bufidx, time_step_limit=time_step_limit, out=out))
     return out
@@ -261,14 +262,15 @@ def _assert_agree(got, want, tol, what):
                                msg=lambda m: f"{what}: {m}")
 
 
-# (batch, T, H, P, N, G, L), state dtype, input dtype: the three thread layouts (TPR 1: d_state 48 with masked
-# chunks and head_dim 40 with masked rows; TPR 2: the Super V3 head; TPR 4: 4 CTAs per head, T 8, the pending
-# tokens in two staged chunks) and every state / input dtype
+# (batch, T, H, P, N, G, L), state dtype, input dtype, output dtype: the three thread layouts (TPR 1: d_state
+# 48 with masked chunks and head_dim 40 with masked rows; TPR 2: the Super V3 head; TPR 4: 4 CTAs per head,
+# T 8, the pending tokens in two staged chunks), every state / input dtype, the engine's fp32 output of bf16
+# inputs
 HOST_CASES = {
-    "tpr1_f32_f32": ((6, 3, 4, 40, 48, 2, 8), torch.float32, torch.float32),
-    "tpr2_bf16_bf16": ((4, 4, 4, 64, 128, 2, 16), torch.bfloat16, torch.bfloat16),
-    "tpr2_f32_bf16": ((4, 4, 4, 64, 128, 2, 16), torch.float32, torch.bfloat16),
-    "tpr4_f16_f16": ((3, 8, 2, 128, 256, 1, 12), torch.float16, torch.float16),
+    "tpr1_f32_f32": ((6, 3, 4, 40, 48, 2, 8), torch.float32, torch.float32, None),
+    "tpr2_bf16_bf16": ((4, 4, 4, 64, 128, 2, 16), torch.bfloat16, torch.bfloat16, None),
+    "tpr2_f32_bf16_out_f32": ((4, 4, 4, 64, 128, 2, 16), torch.float32, torch.bfloat16, torch.float32),
+    "tpr4_f16_f16": ((3, 8, 2, 128, 256, 1, 12), torch.float16, torch.float16, None),
 }
 HOST_TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -278,13 +280,14 @@ HOST_TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 def test_host_emulated_kernel_matches_reference(name, tmp_path_factory):
     """replay_ckpt.cu's kernel (host emulation, shared memory poisoned with NaN) vs replay_verify_ref: output,
     state, history; the state written exactly on the flushed rows, PAD rows zero, other slots untouched."""
-    shape, sd, ind = HOST_CASES[name]
-    lib = _host_kernel(sd, ind, shape[4], str(tmp_path_factory.getbasetemp()))
+    shape, sd, ind, outd = HOST_CASES[name]
+    lib = _host_kernel(sd, ind, shape[4], str(tmp_path_factory.getbasetemp()), outd)
     assert lib.m2r_smem_bytes(shape[1], shape[6]) == replay_cuda.smem_bytes(shape[1], shape[6], shape[4], sd)
     case = _host_case(shape, sd, ind, seed=1)
     k_case, r_case = _clone_case(case), _clone_case(case)
-    out_k = _host_verify(lib, *k_case)
-    out_r = replay_verify_ref(*r_case)
+    out_k = _host_verify(lib, *k_case, out_dtype=outd)
+    out_r = replay_verify_ref(*r_case, out=torch.empty(out_k.shape, dtype=out_k.dtype))
+    assert out_k.dtype == (outd or ind)
     tol = max(HOST_TOL[sd], HOST_TOL[ind])
     _assert_agree(out_k, out_r, tol, "out")
     _assert_agree(k_case[0], r_case[0], HOST_TOL[sd], "state")
@@ -310,7 +313,7 @@ def test_host_emulated_kernel_over_steps_with_options(tmp_path_factory):
     """Six verify + replay_advance_ref steps, host-emulated kernel beside the reference: a time-step clamp,
     D = None, int64 slot ids, a per-layer view of the state; every output, the final state, history and
     metadata agree."""
-    shape, sd, ind = HOST_CASES["tpr1_f32_f32"]
+    shape, sd, ind, _ = HOST_CASES["tpr1_f32_f32"]
     Bsz, T, H, P, N, G, L = shape
     lib = _host_kernel(sd, ind, N, str(tmp_path_factory.getbasetemp()))
     base = _host_case(shape, sd, ind, seed=5)

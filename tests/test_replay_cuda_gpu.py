@@ -262,3 +262,51 @@ def test_cuda_launch_configuration_at_super_v3():
         flags = replay_cuda.build_flags(replay_cuda.arch_of(dev), sd, torch.bfloat16, N)
         lib = replay_cuda.load(str(replay_cuda.build(flags)))
         assert lib.m2r_smem_bytes(T, L) == replay_cuda.smem_bytes(T, L, N, sd)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_engine_layout_split_views_fp32_out(state_dtype):
+    """The engine's call (runners/engine/models/mamba2.py): x, B, C split views of one xBC projection, dt a
+    view of the in_proj output, a float32 `out` for bf16 inputs, at the Super V3 shape; vs the reference."""
+    Bsz, T, H, P, N, G, L = SHAPES["super_v3"]
+    case = make_case(SHAPES["super_v3"], state_dtype, seed=31)
+    xBC = torch.cat([case["x"].reshape(Bsz, T, H * P), case["B"].reshape(Bsz, T, G * N),
+                     case["C"].reshape(Bsz, T, G * N)], dim=-1)
+    x, Bm, Cm = xBC.split([H * P, G * N, G * N], dim=-1)
+    case["x"], case["B"] = x.reshape(Bsz, T, H, P), Bm.reshape(Bsz, T, G, N)
+    case["C"] = Cm.reshape(Bsz, T, G, N)
+    zdt = torch.cat([torch.randn(Bsz, T, 16, device="cuda", dtype=torch.bfloat16), case["dt"]], dim=-1)
+    case["dt"] = zdt[..., 16:]
+    assert not case["x"].is_contiguous() and not case["dt"].is_contiguous()
+    got = run(replay_verify, case, out_dtype=torch.float32, variant="cuda")
+    assert got[2].dtype == torch.float32
+    compare(got, run(replay_verify_ref, case, out_dtype=torch.float32), state_dtype, torch.bfloat16,
+            "cuda vs reference")
+
+
+def test_table_row_naming_cuda_falls_back_where_it_cannot_run(tmp_path, monkeypatch):
+    """A defaults-table row naming "cuda" (what a future sweep may write): the launch without `variant=` runs
+    the CUDA kernel (bitwise equal to variant="cuda"), and with stochastic rounding, which the CUDA kernel
+    does not take, the fallback "fma" (bitwise equal to variant="fma")."""
+    import json
+
+    from kernels import replay_defaults
+    from kernels.rounding import StochasticRounding
+
+    Bsz, T, H, P, N, G, L = SHAPES["super_v3"]
+    case = make_case(SHAPES["super_v3"], torch.bfloat16, seed=41)
+    shape = replay_defaults.mamba2_shape_class(H, P, N)
+    row = {"config": "cuda", "kwargs": {"variant": "cuda"}, "evidence": {}}
+    rows = {replay_defaults.key("mamba2_checkpointing", "bfloat16", shape, Bsz): row}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"schema": replay_defaults.SCHEMA, "provenance": {}, "rows": rows}))
+    monkeypatch.setattr(replay_defaults, "TABLE_PATH", str(path))
+    def same(a, b):
+        (st_a, h_a, out_a), (st_b, h_b, out_b) = a, b
+        return torch.equal(st_a, st_b) and torch.equal(out_a, out_b) and all(
+            torch.equal(getattr(h_a, f), getattr(h_b, f)) for f in ("x", "B", "dt", "dA_cumsum"))
+
+    assert same(run(replay_verify, case), run(replay_verify, case, variant="cuda"))
+    sr = StochasticRounding.create(7, device="cuda")
+    assert same(run(replay_verify, case, stochastic_rounding=sr),
+                run(replay_verify, case, variant="fma", stochastic_rounding=sr))

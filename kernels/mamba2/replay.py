@@ -140,7 +140,8 @@ MAXNREG_RANGE = (32, 255)
 FALLBACK_VARIANT = "fma"
 # The CUDA kernel of kernels/mamba2/replay_cuda.py (checkpointing histories on a GPU only, compiled with nvcc at
 # first use): not in VARIANTS, whose entries every interpreter test runs; a candidate of the defaults table
-# for CUDA tensors (`ALL_VARIANTS`).
+# (`ALL_VARIANTS`), which a launch it cannot take (CPU tensors, stochastic rounding, ...) replaces by
+# FALLBACK_VARIANT.
 CUDA_VARIANT = "cuda"
 ALL_VARIANTS = (*VARIANTS, CUDA_VARIANT)
 
@@ -834,7 +835,9 @@ def replay_verify(
             history, CUDA tensors: the CUDA kernel of kernels/mamba2/replay_cuda.py, built with nvcc at first
             use; takes no Triton tile, `maxnreg` is its register cap; refuses what it cannot run, see Raises); None: the measured default of `kernels.replay_defaults` for operation
             "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
-            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row).
+            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row, and
+            where the row names "cuda" for a launch the CUDA kernel does not take: CPU tensors, stochastic
+            rounding, a Triton tile given, ...; `replay_cuda.unsupported`).
             Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
             (about 2^-17 relative; the default) or 3 (fp32 rounding).
@@ -872,17 +875,27 @@ def replay_verify(
     if Bsz == 0:
         return out
 
+    explicit = variant
     tuning = replay_defaults.resolve(
         dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
              num_stages=num_stages, maxnreg=maxnreg, persistent=persistent),
         "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
         replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT,
-        variants=ALL_VARIANTS if x.device.type == "cuda" else VARIANTS)
+        variants=ALL_VARIANTS)
     variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
         tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages", "maxnreg", "persistent"))
     if variant == CUDA_VARIANT:
-        return _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index,
-                            tuning, time_step_limit, out, stochastic_rounding, name)
+        cuda_args = (state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name)
+        if explicit is None and (_triton_tiles_given(tuning) or replay_cuda.unsupported(*cuda_args)):
+            # the table's pick for this (operation, dtype, shape) is one the CUDA kernel does not take here
+            # (e.g. stochastic rounding, CPU tensors, a caller's Triton tile): the fallback variant, as for a
+            # table row naming a variant this module lacks (kernels.replay_defaults)
+            variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
+                FALLBACK_VARIANT, None, None, None, None, None, None)
+            tuning = {**{k: None for k in tuning}, "variant": FALLBACK_VARIANT}
+        else:
+            return _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted,
+                                buffer_index, tuning, time_step_limit, out, stochastic_rounding, name)
     split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
         raise ValueError(f"{name}: variant must be one of {sorted(ALL_VARIANTS)}, got {variant!r}")
@@ -949,12 +962,17 @@ def replay_verify(
     return out
 
 
+def _triton_tiles_given(tuning: dict) -> list[str]:
+    """The Triton tuning arguments set in `tuning` (variant "cuda" takes none of them)."""
+    return sorted(k for k in ("block_p", "num_warps", "split", "chunk_n", "num_stages", "persistent")
+                  if tuning.get(k) is not None)
+
+
 def _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index, tuning,
                  time_step_limit, out, stochastic_rounding, name):
     """variant "cuda": refuse the Triton tiles and what the CUDA kernel does not take, then launch it
     (kernels/mamba2/replay_cuda.py). `maxnreg` is its register cap (__maxnreg__, one build per value)."""
-    given = sorted(k for k in ("block_p", "num_warps", "split", "chunk_n", "num_stages", "persistent")
-                   if tuning.get(k) is not None)
+    given = _triton_tiles_given(tuning)
     if given:
         raise ValueError(f"{name}: variant 'cuda' has a fixed launch (one 128-thread CTA per head and row) and takes "
                          f"none of the Triton tiles {given}; leave them None (maxnreg caps its registers)")

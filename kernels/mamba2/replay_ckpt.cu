@@ -22,7 +22,7 @@
 // sectors, each byte of the tile read exactly once, all loads of a thread issued before the staging below.
 //
 // Build: nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=<0|1|2> -DM2R_IN=<0|1|2> -DM2R_TPR=<1|2|4>
-// [-DM2R_MAXNREG=R] (dtype codes 0 float32, 1 bfloat16, 2 float16). Exports m2r_launch (below),
+// [-DM2R_OUT=<0|1|2> (default M2R_IN)] [-DM2R_MAXNREG=R] (dtype codes 0 float32, 1 bfloat16, 2 float16). Exports m2r_launch (below),
 // m2r_smem_bytes, m2r_abi, m2r_error_string. sm_90, Super V3 (TPR 2): 128 registers, no spills; R = 96: ~24
 // bytes of spills.
 
@@ -43,6 +43,9 @@
 #endif
 #ifndef M2R_TPR
 #define M2R_TPR 2
+#endif
+#ifndef M2R_OUT
+#define M2R_OUT M2R_IN
 #endif
 
 // Register cap: -DM2R_MAXNREG=R (the launcher's maxnreg) compiles the kernel with __maxnreg__(R); without it
@@ -152,7 +155,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 #endif
 
-template <typename ST, typename IT, int TPR>
+template <typename ST, typename IT, typename OT, int TPR>
 __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   using SM = Smem<ST, TPR>;
   constexpr int NP = SM::NP, BP = SM::BP, KC = SM::KC, ROW = SM::ROW;
@@ -182,11 +185,11 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
 
   const int64_t slot = p.slot64 ? static_cast<const int64_t*>(p.slot_ids)[b]
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p.slot_ids)[b]);
-  IT* out = static_cast<IT*>(p.out);
+  OT* out = static_cast<OT*>(p.out);
   if (slot < 0) {  // PAD row: zero output, nothing else touched
     for (int i = tid; i < T * BP; i += kThreads) {
       const int t = i / BP, q = p0 + i % BP;
-      if (q < P) out[b * p.s_ob + t * p.s_ot + h * p.s_oh + q * p.s_op] = from_f<IT>(0.f);
+      if (q < P) out[b * p.s_ob + t * p.s_ot + h * p.s_oh + q * p.s_op] = from_f<OT>(0.f);
     }
     return;
   }
@@ -389,7 +392,7 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
       float y = expf(ct_cum) * acc + intra;
       if (p.D) y += Dh * sX[t * BP + pl];
       out[b * p.s_ob + t * p.s_ot + static_cast<int64_t>(h) * p.s_oh + static_cast<int64_t>(prow) * p.s_op] =
-          from_f<IT>(y);
+          from_f<OT>(y);
     }
   }
 
@@ -458,6 +461,7 @@ inline Params m2r_params(void* const* ptrs, const long long* ints, const float* 
 
 using StateT = DType<M2R_STATE>::T;
 using InT = DType<M2R_IN>::T;
+using OutT = DType<M2R_OUT>::T;
 
 extern "C" {
 
@@ -483,7 +487,7 @@ __attribute__((visibility("default"))) int m2r_launch(void* const* ptrs, const l
   constexpr int BP = Smem<StateT, M2R_TPR>::BP;
   const long long blocks = static_cast<long long>(p.Bsz) * p.H * ((p.P + BP - 1) / BP);
   const size_t smem = static_cast<size_t>(Smem<StateT, M2R_TPR>(p.T, p.L).total) * 4;
-  auto* kernel = m2_replay_verify_ckpt_kernel<StateT, InT, M2R_TPR>;
+  auto* kernel = m2_replay_verify_ckpt_kernel<StateT, InT, OutT, M2R_TPR>;
   if (smem > 48 * 1024) {
     // Above the default dynamic limit: opt in once per device and size (a function attribute, not a stream
     // operation; the first launch, eager, sets it before any CUDA-graph capture).

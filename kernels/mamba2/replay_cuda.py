@@ -100,11 +100,12 @@ def find_nvcc() -> str | None:
 
 
 def build_flags(arch: str, state_dtype: torch.dtype, in_dtype: torch.dtype, d_state: int,
-                maxnreg: int | None = None) -> list[str]:
-    """nvcc flags of one library (everything but the output path and the source): arch "sm_90" etc."""
+                maxnreg: int | None = None, out_dtype: torch.dtype | None = None) -> list[str]:
+    """nvcc flags of one library (everything but the output path and the source): arch "sm_90" etc.; the
+    output dtype defaults to the input dtype."""
     flags = ["-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
              f"-DM2R_STATE={DTYPE_CODES[state_dtype]}", f"-DM2R_IN={DTYPE_CODES[in_dtype]}",
-             f"-DM2R_TPR={threads_per_row(d_state)}"]
+             f"-DM2R_OUT={DTYPE_CODES[out_dtype or in_dtype]}", f"-DM2R_TPR={threads_per_row(d_state)}"]
     if maxnreg is not None:
         flags.append(f"-DM2R_MAXNREG={maxnreg}")  # __maxnreg__ (nvcc >= 12.4); -maxrregcount loses to launch bounds
     return flags
@@ -183,15 +184,32 @@ def arch_of(device: torch.device) -> str:
 
 
 def check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name: str) -> None:
-    """Refuse what the CUDA kernel does not take, with the fix; the launcher's shape / dtype checks
-    (`_check_inputs`, `_check_history`) have already run.
+    """Refuse what the CUDA kernel does not take (`unsupported`), with the fix.
 
-    Raises (in this order, so that the device-independent refusals show on a CPU machine too):
-        ValueError: a per-step history, stochastic rounding, P > 128, N > 256 or not a multiple of 8, T > 16,
-            mixed input dtypes (x, B, C, out, history x / B), a small operand (dt, A, D, dt_bias) not fp32 /
-            bf16 / fp16, a state whose rows are not contiguous and 16-byte aligned, non-CUDA tensors, a GPU
-            below sm_80, a grid over 2^31 - 1 CTAs, or more shared memory than the GPU grants a CTA.
+    Raises:
+        ValueError: `unsupported`'s reason.
     """
+    why = unsupported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name)
+    if why:
+        raise ValueError(why)
+
+
+def unsupported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name: str) -> str | None:
+    """Why the CUDA kernel cannot run this call (a message with the fix), or None; the launcher's shape / dtype
+    checks (`_check_inputs`, `_check_history`) have already run. Checked in this order, so that the
+    device-independent reasons show on a CPU machine too: a per-step history, stochastic rounding, P > 128,
+    N > 256 or not a multiple of 8, T > 16, mixed input dtypes (x, B, C, history x / B), an output or small
+    operand (dt, A, D, dt_bias) not fp32 / bf16 / fp16, a state whose rows are not contiguous and 16-byte
+    aligned, non-CUDA tensors, a GPU below sm_80, a grid over 2^31 - 1 CTAs, more shared memory than the GPU
+    grants a CTA."""
+    try:
+        _check(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name: str) -> None:
     if not history.checkpointing:
         raise ValueError(f"{name}: variant 'cuda' takes a checkpointing history only (ReplayHistory.allocate(..., "
                          f"checkpointing=True)), got a per-step history (x with 2 buffers); {FIX}")
@@ -202,14 +220,14 @@ def check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_
     if P > MAX_P or N > MAX_N or N % N_MULTIPLE or T > MAX_T:
         raise ValueError(f"{name}: variant 'cuda' takes head_dim <= {MAX_P}, d_state <= {MAX_N} and a multiple of "
                          f"{N_MULTIPLE}, T <= {MAX_T}; got head_dim {P}, d_state {N}, T {T}; {FIX}")
-    io = {"x": x, "B": B, "C": C, "out": out, "history.x": history.x, "history.B": history.B}
+    io = {"x": x, "B": B, "C": C, "history.x": history.x, "history.B": history.B}
     if len({t.dtype for t in io.values()}) != 1:
         got = ", ".join(f"{k} {v.dtype}" for k, v in io.items())
-        raise ValueError(f"{name}: variant 'cuda' needs one input dtype for x, B, C, out and the history's x / B, "
+        raise ValueError(f"{name}: variant 'cuda' needs one input dtype for x, B, C and the history's x / B, "
                          f"got {got}; allocate them alike, or {FIX}")
-    for what, t in (("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias)):
+    for what, t in (("out", out), ("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias)):
         if t is not None and t.dtype not in DTYPE_CODES:
-            raise ValueError(f"{name}: variant 'cuda' reads {what} as float32 / bfloat16 / float16, got {t.dtype}; "
+            raise ValueError(f"{name}: variant 'cuda' takes {what} as float32 / bfloat16 / float16, got {t.dtype}; "
                              f"cast it, or {FIX}")
     vec = 16 // state.element_size()
     if (state.stride(3) != 1 or any(s % vec for s in state.stride()[:3]) or state.data_ptr() % 16
@@ -247,7 +265,7 @@ def replay_verify_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pre
         RuntimeError: the launch failed (the CUDA error's name).
     """
     N, T, L = state.shape[3], x.shape[1], history.x.shape[2]
-    lib = load(str(build(build_flags(arch_of(x.device), state.dtype, x.dtype, N, maxnreg), name)))
+    lib = load(str(build(build_flags(arch_of(x.device), state.dtype, x.dtype, N, maxnreg, out.dtype), name)))
     smem = lib.m2r_smem_bytes(T, L)
     if smem != smem_bytes(T, L, N, state.dtype):  # the Python mirror must describe the built kernel
         raise RuntimeError(f"{name}: replay_ckpt.cu asks {smem} bytes of shared memory, replay_cuda.smem_bytes "
