@@ -136,7 +136,7 @@ template <typename ST, int TPR> struct Smem {
     Bn = C + T * NP;         // B of the new tokens
     X = Bn + T * NP;         // x of the new tokens, this CTA's rows
     Bo = X + T * BP;         // a chunk of pending B
-    WX = Bo + KC * NP;       // a chunk of pending w_j x_j (this CTA's rows)
+    WX = Bo + KC * NP;       // a chunk of pending x (this CTA's rows; w_j is applied in the fast-forward)
     CB = WX + KC * BP;       // C_t . B_j, j <= t
     DT = CB + T * T;         // dt' of the new tokens
     CUM = DT + T;            // cum_t (within this verify)
@@ -264,6 +264,30 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
     sC[i] = cv;
     sBn[i] = bv;
   }
+  // pending tokens j0 .. j0 + KC - 1 (< k): B (fp32; copied raw to buffer w when they stay) and x (raw, the
+  // weight w_j is applied in the fast-forward) of this CTA's rows
+  const IT* xh_in = static_cast<const IT*>(p.xh);
+  auto stage_pending = [&](int j0) {
+    const int kc = min(KC, k - j0);
+    for (int i = tid; i < kc * NP; i += kThreads) {
+      const int j = i / NP, n = i % NP;
+      float bv = 0.f;
+      if (n < N) {
+        const int64_t off = slot * p.s_Bhs + (j0 + j) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg + n * p.s_Bhn;
+        const IT braw = Bh[off + rb * p.s_Bhi];
+        bv = to_f(braw);
+        if (keep && first_h) Bh[off + wb * p.s_Bhi] = braw;
+      }
+      sBo[i] = bv;
+    }
+    for (int i = tid; i < kc * BP; i += kThreads) {
+      const int j = i / BP, q = p0 + i % BP;
+      sWX[i] = q < P ? to_f(xh_in[slot * p.s_xhs + (j0 + j) * p.s_xht + static_cast<int64_t>(h) * p.s_xhh +
+                                  q * p.s_xhp])
+                     : 0.f;
+    }
+  };
+  if (k > 0) stage_pending(0);
   const IT* xin = static_cast<const IT*>(p.x);
   for (int i = tid; i < T * BP; i += kThreads) {
     const int t = i / BP, q = p0 + i % BP;
@@ -307,31 +331,15 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   const float decay = expf(c_last);
 #pragma unroll
   for (int e = 0; e < kNPT; ++e) hs[e] *= decay;
-  const IT* xh_in = static_cast<const IT*>(p.xh);
   for (int j0 = 0; j0 < k; j0 += KC) {
     const int kc = min(KC, k - j0);
-    __syncthreads();  // the previous chunk's readers are done (and sW is complete)
-    for (int i = tid; i < kc * NP; i += kThreads) {
-      const int j = i / NP, n = i % NP;
-      float bv = 0.f;
-      if (n < N) {
-        const int64_t off = slot * p.s_Bhs + (j0 + j) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg + n * p.s_Bhn;
-        const IT braw = Bh[off + rb * p.s_Bhi];
-        bv = to_f(braw);
-        if (keep && first_h) Bh[off + wb * p.s_Bhi] = braw;
-      }
-      sBo[i] = bv;
+    if (j0 > 0) {  // later chunks (k > KC): staged here; the first one was staged with the small operands
+      __syncthreads();  // the previous chunk's readers are done
+      stage_pending(j0);
+      __syncthreads();
     }
-    for (int i = tid; i < kc * BP; i += kThreads) {
-      const int j = i / BP, q = p0 + i % BP;
-      float xv = 0.f;
-      if (q < P)
-        xv = to_f(xh_in[slot * p.s_xhs + (j0 + j) * p.s_xht + static_cast<int64_t>(h) * p.s_xhh + q * p.s_xhp]);
-      sWX[i] = sW[j0 + j] * xv;
-    }
-    __syncthreads();
     for (int j = 0; j < kc; ++j) {
-      const float wx = sWX[j * BP + pl];
+      const float wx = sW[j0 + j] * sWX[j * BP + pl];  // (w_j x_j), then times B_j: the "fma" order
       const float* bo = sBo + j * NP;
 #pragma unroll
       for (int i = 0; i < NCH; ++i) {
