@@ -2,7 +2,7 @@
 (kernels/mamba2/replay_ckpt.cu) compiled with nvcc at first use on the GPU, loaded with ctypes.
 
 Scope: checkpointing histories only (`ReplayHistory.allocate(..., checkpointing=True)`), round-to-nearest state
-writes, CUDA tensors of one input dtype (x, B, C, out, history x / B). Same math, history layout, flush rule,
+writes, CUDA tensors of one input dtype (x, B, C, history x / B; out in any). Same math, history layout, flush rule,
 PAD-row and metadata conventions as the Triton kernels (module docstring of kernels/mamba2/replay.py); the
 Triton "fma" / "mma" variants stay the tested portable path (CPU interpreter, any strides, stochastic rounding).
 
@@ -16,7 +16,8 @@ state rows per CTA with TPR = next_pow2(max(N, 64)) / 64 threads per row (Super 
 CTA per head). The state tile goes global -> shared memory by cp.async (16-byte chunks, rows padded against
 bank conflicts) while C / B of the new tokens, the new x, dt' and the pending tokens' weights are staged; each
 thread then holds 64 state elements of one row in fp32 registers, so the C_t . h reductions are 64 in-thread
-FMAs plus log2(TPR) shuffles. The pending tokens (B, w_j x_j) are staged in chunks of 16 (8 at N > 128).
+FMAs plus log2(TPR) shuffles. The pending tokens (B and x) are staged in chunks of 16 (8 at N > 128), the
+first with the other small operands.
 A flush stores the state from registers in 16-byte chunks (round to nearest), as the Triton kernel does.
 
 Build: `nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=.. -DM2R_IN=.. -DM2R_TPR=.. [-DM2R_MAXNREG=R]`
