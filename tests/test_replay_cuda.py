@@ -96,6 +96,10 @@ def test_missing_or_failing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
         replay_cuda.build(flags)
     assert not replay_cuda.library_path(flags).exists()
     assert not [p for p in replay_cuda.cache_dir().iterdir() if p.suffix == ".so"]  # no half-written library
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="cannot be written.*XDG_CACHE_HOME"):
+        replay_cuda.build(flags)
 
 
 # (state dtype, input dtype, d_state, maxnreg): every dtype code of the .cu, every threads-per-row layout and

@@ -74,8 +74,9 @@ def make_case(shape, state_dtype, in_dtype=torch.bfloat16, seed=0, slots_extra=7
 
 
 def run(fn, case, out_dtype=None, **kw):
-    """One verify on clones of the case's state and history: (state, history, out)."""
-    st = case["state"].clone()
+    """One verify on clones of the case's state and history: (state, history, out). A case with
+    "state_layers" runs on view [:, 1] of a clone of it (clone() of a strided view would be contiguous)."""
+    st = case["state_layers"].clone()[:, 1] if "state_layers" in case else case["state"].clone()
     h = ReplayHistory(*(t.clone() for t in (case["history"].x, case["history"].B, case["history"].dt,
                                             case["history"].dA_cumsum)))
     x = case["x"]
@@ -138,9 +139,10 @@ def test_cuda_options_time_step_limit_no_d_fp16_strided_state(variant_kw):
     S, H, P, N = case["state"].shape
     layers = torch.randn(S, 2, H, P, N, device="cuda")
     layers[:, 1] = case["state"]
-    case["state"] = layers[:, 1]  # strides (2HPN, HPN, N, 1)
+    case["state_layers"] = layers  # the state is layers[:, 1]: strides (2HPN, HPN, N, 1)
     kw = dict(time_step_limit=(0.05, 0.4))
     got = run(replay_verify, case, **variant_kw, **kw)
+    assert not got[0].is_contiguous()  # the kernel ran on the strided view
     compare(got, run(replay_verify_ref, case, **kw), torch.float32, torch.float16, "cuda vs reference")
     compare(got, run(replay_verify, case, variant="fma", **kw), torch.float32, torch.float16, "cuda vs fma")
 

@@ -126,7 +126,8 @@ def build(flags: list[str], name: str = "replay_verify") -> Path:
     name and renamed into place, so a reader sees either nothing or the whole file.
 
     Raises:
-        ValueError: no nvcc, or the build failed (nvcc's output tail in the message).
+        ValueError: no nvcc, a cache folder that cannot be written, or the build failed (nvcc's output tail
+            in the message).
     """
     path = library_path(flags)
     if path.exists():
@@ -136,8 +137,13 @@ def build(flags: list[str], name: str = "replay_verify") -> Path:
         raise ValueError(f"{name}: variant 'cuda' compiles kernels/mamba2/replay_ckpt.cu with nvcc at first use, "
                          f"and no nvcc was found ($NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin); install the "
                          f"CUDA toolkit or set NVCC=/path/to/nvcc, or {FIX}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise ValueError(f"{name}: variant 'cuda' builds its kernel into {path.parent}, which cannot be written "
+                         f"({e.strerror or e}); set XDG_CACHE_HOME to a writable folder, or {FIX}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():  # another process built it while we waited
             return path
