@@ -27,6 +27,7 @@ from kernels.commit import replay_advance_ref  # noqa: E402
 from kernels.mamba2 import ReplayHistory, replay, replay_cuda, replay_verify, replay_verify_ref  # noqa: E402
 from kernels.rounding import StochasticRounding  # noqa: E402
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the refusals come before any launch: either device
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="refusing CPU tensors needs CPU tensors")
 
 
@@ -36,12 +37,13 @@ def _case(S=4, T=2, H=2, P=16, N=16, G=1, L=8, checkpointing=True, dtype=torch.f
     x, dt = r(S, T, H, P).to(dtype), r(S, T, H).to(dtype)
     B, C = r(S, T, G, N).to(dtype), r(S, T, G, N).to(dtype)
     A, D, dt_bias = -torch.rand(H, generator=g), r(H), r(H)
-    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=dtype, device="cpu", checkpointing=checkpointing)
+    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=dtype, device=DEV, checkpointing=checkpointing)
     state = r(S, H, P, N).to(state_dtype or torch.float32)
     slot_ids = torch.arange(S, dtype=torch.int32)
     pnat = torch.full((S,), 3, dtype=torch.int32)
     bufidx = torch.zeros(S, dtype=torch.int32)
-    return [state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx]
+    return [t.to(DEV) if isinstance(t, torch.Tensor) else t
+            for t in (state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx)]
 
 
 @pytest.mark.parametrize("kw,says", [
@@ -60,7 +62,7 @@ def test_unsupported_histories_and_shapes_are_refused_with_a_fix(kw, says):
 def test_stochastic_rounding_tiles_dtypes_and_strides_are_refused():
     case = _case(state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rounds the state to nearest only.*variant='fma'"):
-        replay_verify(*case, variant="cuda", stochastic_rounding=StochasticRounding.create(1, device="cpu"))
+        replay_verify(*case, variant="cuda", stochastic_rounding=StochasticRounding.create(1, device=DEV))
     with pytest.raises(ValueError, match="none of the Triton tiles.*block_p"):
         replay_verify(*case, variant="cuda", block_p=16)
     with pytest.raises(ValueError, match="maxnreg must be an int"):
@@ -74,7 +76,7 @@ def test_stochastic_rounding_tiles_dtypes_and_strides_are_refused():
     with pytest.raises(ValueError, match="takes A as float32"):
         replay_verify(*wide, variant="cuda")
     strided = _case()
-    strided[0] = torch.randn(*strided[0].shape[:3], 18)[..., :16]  # rows 18 apart: unaligned
+    strided[0] = torch.randn(*strided[0].shape[:3], 18, device=DEV)[..., :16]  # rows 18 apart: unaligned
     with pytest.raises(ValueError, match="16-byte chunks"):
         replay_verify(*strided, variant="cuda")
 
@@ -144,6 +146,7 @@ def test_sweep_times_cuda_on_checkpointing_operators_only():
     assert replay.CUDA_VARIANT not in replay.VARIANTS and replay.CUDA_VARIANT in replay.ALL_VARIANTS
 
 
+@needs_cpu
 def test_a_table_row_naming_cuda_falls_back_on_cpu_tensors(tmp_path, monkeypatch):
     """The defaults table may name "cuda" for a checkpointing shape (a sweep's pick): CUDA tensors would run
     it, CPU tensors (the interpreter) run the fallback "fma" and match the reference."""
