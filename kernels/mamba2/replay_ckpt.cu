@@ -129,12 +129,11 @@ template <typename ST, int TPR> struct Smem {
   static constexpr int BP = kThreads / TPR;     // state rows per CTA
   static constexpr int KC = TPR == 4 ? 8 : 16;  // pending tokens staged per chunk
   static constexpr int ROW = (NP * static_cast<int>(sizeof(ST)) + TPR * 16) / 4;  // state row stride (floats)
-  int S, C, Bn, X, Bo, WX, CB, DT, CUM, W, total;
+  int S, C, X, Bo, WX, CB, DT, CUM, W, total;
   __host__ __device__ Smem(int T, int L) {
     S = 0;                   // the state tile (BP rows of NP elements, dtype ST)
     C = S + BP * ROW;        // C of the new tokens (fp32)
-    Bn = C + T * NP;         // B of the new tokens
-    X = Bn + T * NP;         // x of the new tokens, this CTA's rows
+    X = C + T * NP;          // x of the new tokens, this CTA's rows
     Bo = X + T * BP;         // a chunk of pending B
     WX = Bo + KC * NP;       // a chunk of pending x (this CTA's rows; w_j is applied in the fast-forward)
     CB = WX + KC * BP;       // C_t . B_j, j <= t
@@ -217,9 +216,9 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
     }
   }
 
-  // ---- 2. stage the small operands: dt', pending weights, C and B of the new tokens, new x ----
+  // ---- 2. stage the small operands: dt', pending weights, C of the new tokens, new x, the first pending
+  // chunk; write the new tokens' B history ----
   float* sC = sm + lay.C;
-  float* sBn = sm + lay.Bn;
   float* sX = sm + lay.X;
   float* sBo = sm + lay.Bo;
   float* sWX = sm + lay.WX;
@@ -250,19 +249,17 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   const IT* Cin = static_cast<const IT*>(p.C);
   IT* Bh = static_cast<IT*>(p.Bh);
   const bool write_B = first_p && first_h;
+  const IT* Bg = Bin + b * p.s_Bb + static_cast<int64_t>(g) * p.s_Bg;  // this row's group, new tokens
   for (int i = tid; i < T * NP; i += kThreads) {
     const int t = i / NP, n = i % NP;
-    float cv = 0.f, bv = 0.f;
+    float cv = 0.f;
     if (n < N) {
-      const IT braw = Bin[b * p.s_Bb + t * p.s_Bt + static_cast<int64_t>(g) * p.s_Bg + n * p.s_Bn];
       cv = to_f(Cin[b * p.s_Cb + t * p.s_Ct + static_cast<int64_t>(g) * p.s_Cg + n * p.s_Cn]);
-      bv = to_f(braw);
       if (write_B)  // buffer w is not read by this launch
         Bh[slot * p.s_Bhs + wb * p.s_Bhi + (base + t) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg +
-           n * p.s_Bhn] = braw;
+           n * p.s_Bhn] = Bg[t * p.s_Bt + n * p.s_Bn];
     }
     sC[i] = cv;
-    sBn[i] = bv;
   }
   // pending tokens j0 .. j0 + KC - 1 (< k): B (fp32; copied raw to buffer w when they stay) and x (raw, the
   // weight w_j is applied in the fast-forward) of this CTA's rows
@@ -295,7 +292,8 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   }
   __syncthreads();
 
-  // ---- 3. cumsum of A dt' (one thread), C_t . B_j for j <= t (one warp per pair, lane-strided) ----
+  // ---- 3. cumsum of A dt' (one thread), C_t . B_j for j <= t (one warp per pair, lane-strided; B read from
+  // global memory, an L2 hit after the first of the group's CTAs) ----
   if (tid == 0) {
     float acc = 0.f;
     for (int t = 0; t < T; ++t) {
@@ -309,7 +307,7 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
       const int t = pair / T, j = pair % T;
       float acc = 0.f;
       if (j <= t)
-        for (int n = lane; n < NP; n += 32) acc += sC[t * NP + n] * sBn[j * NP + n];
+        for (int n = lane; n < N; n += 32) acc += sC[t * NP + n] * to_f(Bg[j * p.s_Bt + n * p.s_Bn]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
       if (lane == 0) sCB[pair] = acc;

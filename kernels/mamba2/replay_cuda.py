@@ -14,7 +14,7 @@ per head re-loading C / B / history; Triton 3.6 cannot be told to stage in share
 Kernel (replay_ckpt.cu): one CTA of 128 threads per (P block, batch row, head), head fastest; BP = 128 / TPR
 state rows per CTA with TPR = next_pow2(max(N, 64)) / 64 threads per row (Super V3, P 64 x N 128: TPR 2, one
 CTA per head). The state tile goes global -> shared memory by cp.async (16-byte chunks, rows padded against
-bank conflicts) while C / B of the new tokens, the new x, dt' and the pending tokens' weights are staged; each
+bank conflicts) while C of the new tokens, the new x, dt' and the pending tokens' weights are staged; each
 thread then holds 64 state elements of one row in fp32 registers, so the C_t . h reductions are 64 in-thread
 FMAs plus log2(TPR) shuffles. The pending tokens (B and x) are staged in chunks of 16 (8 at N > 128), the
 first with the other small operands.
@@ -82,7 +82,7 @@ def smem_bytes(T: int, L: int, d_state: int, state_dtype: torch.dtype) -> int:
     tpr = threads_per_row(d_state)
     np_, bp, kc = 64 * tpr, THREADS // tpr, 8 if tpr == 4 else 16
     row = (np_ * torch.empty(0, dtype=state_dtype).element_size() + tpr * 16) // 4
-    return 4 * (bp * row + 2 * T * np_ + T * bp + kc * np_ + kc * bp + T * T + 2 * T + L)
+    return 4 * (bp * row + T * np_ + T * bp + kc * np_ + kc * bp + T * T + 2 * T + L)
 
 
 def cache_dir() -> Path:
