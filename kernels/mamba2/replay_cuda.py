@@ -272,19 +272,34 @@ def replay_verify_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pre
         RuntimeError: the launch failed (the CUDA error's name).
     """
     N, T, L = state.shape[3], x.shape[1], history.x.shape[2]
-    lib = load(str(build(build_flags(arch_of(x.device), state.dtype, x.dtype, N, maxnreg, out.dtype), name)))
-    smem = lib.m2r_smem_bytes(T, L)
-    if smem != smem_bytes(T, L, N, state.dtype):  # the Python mirror must describe the built kernel
-        raise RuntimeError(f"{name}: replay_ckpt.cu asks {smem} bytes of shared memory, replay_cuda.smem_bytes "
-                           f"says {smem_bytes(T, L, N, state.dtype)}: update the mirror")
+    lib = _library(x.device, state.dtype, x.dtype, out.dtype, N, maxnreg, name)
+    _check_smem(lib, T, L, N, state.dtype, name)
     c_ptrs, c_ints, c_floats = launch_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted,
                                            buffer_index, time_step_limit=time_step_limit, out=out)
-    with torch.cuda.device(x.device):
+    if x.device.index == torch.cuda.current_device():  # the launch's runtime uses the thread's current context
         rc = lib.m2r_launch(c_ptrs, c_ints, c_floats, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    else:
+        with torch.cuda.device(x.device):
+            rc = lib.m2r_launch(c_ptrs, c_ints, c_floats, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:
         raise RuntimeError(f"{name}: variant 'cuda' launch failed: {lib.m2r_error_string(rc).decode()} "
                            f"(CUDA error {rc})")
     return out
+
+
+@functools.cache
+def _library(device: torch.device, state_dtype, in_dtype, out_dtype, d_state: int, maxnreg, name: str):
+    """The loaded library of one configuration (built at first use): one build / hash per process."""
+    return load(str(build(build_flags(arch_of(device), state_dtype, in_dtype, d_state, maxnreg, out_dtype), name)))
+
+
+@functools.cache
+def _check_smem(lib, T: int, L: int, d_state: int, state_dtype, name: str) -> None:
+    """The Python mirror `smem_bytes` must describe the built kernel (checked once per shape)."""
+    smem = lib.m2r_smem_bytes(T, L)
+    if smem != smem_bytes(T, L, d_state, state_dtype):
+        raise RuntimeError(f"{name}: replay_ckpt.cu asks {smem} bytes of shared memory, replay_cuda.smem_bytes "
+                           f"says {smem_bytes(T, L, d_state, state_dtype)}: update the mirror")
 
 
 def launch_args(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index, *,
