@@ -19,9 +19,11 @@ thread then holds 64 state elements of one row in fp32 registers, so the C_t . h
 FMAs plus log2(TPR) shuffles. The pending tokens (B and x) are staged in chunks of 16 (8 at N > 128), the
 first with the other small operands.
 A flush stores the state from registers in 16-byte chunks (round to nearest), as the Triton kernel does.
+The CPU tests run this kernel's source in host emulation (tests/replay_ckpt_host.cc); the GPU tests
+(tests/test_replay_cuda_gpu.py) run it for real.
 
-Build: `nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=.. -DM2R_IN=.. -DM2R_TPR=.. [-DM2R_MAXNREG=R]`
-per (GPU arch, state dtype, input dtype, TPR, register cap), into `cache_dir()` as
+Build: `nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -DM2R_STATE=.. -DM2R_IN=.. -DM2R_OUT=.. -DM2R_TPR=..
+[-DM2R_MAXNREG=R]` per (GPU arch, state / input / output dtype, TPR, register cap), about 3 s, into `cache_dir()` as
 replay_ckpt_<sha256 of source and flags>.so; a file lock serialises builders of one library and the result is
 renamed into place atomically, so concurrent processes never load a half-written file. nvcc is `$NVCC`, else
 on PATH, else `$CUDA_HOME/bin/nvcc`, else /usr/local/cuda/bin/nvcc. The launch goes on
@@ -53,7 +55,7 @@ SOURCE = Path(__file__).with_name("replay_ckpt.cu")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Shapes the kernel takes: head_dim P <= MAX_P (one CTA holds at most 128 rows), d_state N <= MAX_N and a
 # multiple of N_MULTIPLE (16-byte state chunks of a bf16 / fp16 state), verify width T <= MAX_T (the new
-# tokens' C and B are staged whole), the GPU at least MIN_CAPABILITY (cp.async).
+# tokens' C is staged whole), the GPU at least MIN_CAPABILITY (cp.async).
 MAX_P, MAX_N, N_MULTIPLE, MAX_T = 128, 256, 8, 16
 MIN_CAPABILITY = (8, 0)
 THREADS = 128
