@@ -35,11 +35,20 @@ M2_CONFIGS = {
     # per SM as stay resident (12 at 130-160 registers, 24 at 80; docs/kernel_performance.md)
     "mma_c16_pers12": {"variant": "mma", "chunk_n": 16, "persistent": 12},
     "mma_pre_pdl_c16_r80_pers24": {"variant": "mma_pre_pdl", "chunk_n": 16, "maxnreg": 80, "persistent": 24},
+    # issue 28, the CUDA route: kernels/mamba2/replay_cuda.py (one 128-thread CTA per head, state staged in shared
+    # memory; checkpointing histories only), uncapped (128 registers at the Super V3 shape, 4 CTAs per SM) and
+    # capped at 96 (__maxnreg__; 5 CTAs per SM with a bf16 state, whose 36 KB of shared memory allow 6, ~24
+    # bytes of spills in the sm_90 build; an fp32 state's 52 KB keep 4)
+    "cuda": {"variant": "cuda"},
+    "cuda_r96": {"variant": "cuda", "maxnreg": 96},
 }
+# The configurations that run on a checkpointing history only: the sweep times them on m2_ckpt / m2_flush and
+# never on the per-step operators (benchmarks.sweep_replay._configs).
+M2_CKPT_ONLY_CONFIGS = ("cuda", "cuda_r96")
 # The configurations added for issue 28 that no sweep has timed yet: benchmarks.sweep_replay runs them in
 # --quick and never lets its time budget skip them at the headline.
 M2_ISSUE28_CONFIGS = ("mma_pre_pdl", "mma_pre_pdl_c16_r80", "mma_pre_c16", "mma_pre_c16_r80", "mma_pre_r96",
-                      "mma_c16_r80", "mma_c16_pers12", "mma_pre_pdl_c16_r80_pers24")
+                      "mma_c16_r80", "mma_c16_pers12", "mma_pre_pdl_c16_r80_pers24", "cuda", "cuda_r96")
 GDN_CONFIGS = {
     "fma": {"variant": "fma"},
     "fma_bv8": {"variant": "fma", "block_v": 8},

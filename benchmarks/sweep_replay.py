@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIGS
+from benchmarks.replay_configs import GDN_CONFIGS, M2_CKPT_ONLY_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIGS
 from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
 from kernels.rounding import StochasticRounding
@@ -261,7 +261,13 @@ def _setup(op, shape_name, batch, T, sd, dev, dry):
 
 
 def _configs(op: str) -> dict:
-    return GDN_CONFIGS if op == "gdn" else M2_CONFIGS
+    """The configurations of sweep operator `op`: GDN_CONFIGS, or M2_CONFIGS less the checkpointing-only ones
+    (M2_CKPT_ONLY_CONFIGS) on the per-step operators."""
+    if op == "gdn":
+        return GDN_CONFIGS
+    if op in ENGINE_OPS["mamba2_checkpointing"]:
+        return M2_CONFIGS
+    return {k: v for k, v in M2_CONFIGS.items() if k not in M2_CKPT_ONLY_CONFIGS}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -622,7 +622,8 @@ def test_long_run_checkpointing_agrees_with_rewind(variant):
 # (benchmarks/replay_configs.py; the interpreter ignores maxnreg, so those check the argument's way through
 # the launcher; the GPU tests run them compiled), and a persistent grid of 5 programs for the 12 units here
 # (the interpreter counts 1 SM): programs walk 3, 3, 2, 2, 2 units
-TUNED = tuple(k for k, c in M2_CONFIGS.items() if "maxnreg" in c or "persistent" in c)
+TUNED = tuple(k for k, c in M2_CONFIGS.items()  # the Triton ones: "cuda" has tests/test_replay_cuda*.py
+              if ("maxnreg" in c or "persistent" in c) and c["variant"] in replay.VARIANTS)
 CKPT_KERNEL_KW = {**{v: {"variant": v} for v in VARIANTS}, **{k: M2_CONFIGS[k] for k in TUNED},
                   "mma_pre_pdl_persistent5": {"variant": "mma_pre_pdl", "chunk_n": 16, "persistent": 5}}
 

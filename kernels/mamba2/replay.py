@@ -69,6 +69,11 @@ launch's (history layout, state dtype, shape class, batch bucket): the committed
   its start): the main kernel's state pass (state loads, fast-forward, state store) overlaps the precompute
   kernel, and it waits (`gdc_wait`) only before reading C B^T / C B_old^T, as FlashInfer's checkpointing_ssu
   waits (`cudaGridDependencySynchronize`) only before its output phase. Same results as "mma_pre".
+- "cuda" (checkpointing histories on a GPU only; `CUDA_VARIANT`, not in `VARIANTS`): the "fma" arithmetic as
+  a CUDA kernel compiled with nvcc at first use (kernels/mamba2/replay_cuda.py, kernels/mamba2/replay_ckpt.cu):
+  one 128-thread CTA per (row, head) with the state tile cp.async-staged in shared memory and the head's C, B,
+  x, dt' and pending tokens staged once (FlashInfer checkpointing_ssu's work split, which Triton cannot
+  express); `maxnreg=` is its nvcc register cap. Round to nearest only; one input dtype; P <= 128, N <= 256.
 - `maxnreg=` (any variant): Triton's register cap of the main kernel (PTX .maxnreg), trading spills for
   resident warps (FlashInfer's checkpointing_ssu caps at 80); the results do not depend on it.
 - `persistent=` (mma variants): a persistent grid of about `persistent` programs per SM walking the (P block,
@@ -109,6 +114,7 @@ import triton.language as tl
 from kernels import replay_defaults
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_shape, interpreter_active
 from kernels._mma import PIECES, split_dot
+from kernels.mamba2 import replay_cuda
 from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
 from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
 
@@ -132,6 +138,12 @@ MAXNREG_RANGE = (32, 255)
 # the measured table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
 # `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
 FALLBACK_VARIANT = "fma"
+# The CUDA kernel of kernels/mamba2/replay_cuda.py (checkpointing histories on a GPU only, compiled with nvcc at
+# first use): not in VARIANTS, whose entries every interpreter test runs; a candidate of the defaults table
+# (`ALL_VARIANTS`), which a launch it cannot take (CPU tensors, stochastic rounding, ...) replaces by
+# FALLBACK_VARIANT.
+CUDA_VARIANT = "cuda"
+ALL_VARIANTS = (*VARIANTS, CUDA_VARIANT)
 
 # ---------------------------------------------------------------------------------------------------------
 # Allocation
@@ -819,9 +831,13 @@ def replay_verify(
         variant: "fma" (CUDA-core FMAs and tl.sum reductions), "mma" (reductions as split-bf16 tensor-core
             products, kernels/_mma.py), "mma_pre" ("mma" with the per-group C B^T products and the B
             history writes in a precompute kernel launched first) or "mma_pre_pdl" ("mma_pre" with the main
-            kernel a programmatic dependent launch of the precompute kernel: sm_90+); None: the measured default of `kernels.replay_defaults` for operation
+            kernel a programmatic dependent launch of the precompute kernel: sm_90+), "cuda" (checkpointing
+            history, CUDA tensors: the CUDA kernel of kernels/mamba2/replay_cuda.py, built with nvcc at first
+            use; takes no Triton tile, `maxnreg` is its register cap; refuses what it cannot run, see Raises); None: the measured default of `kernels.replay_defaults` for operation
             "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
-            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row).
+            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row, and
+            where the row names "cuda" for a launch the CUDA kernel does not take: CPU tensors, stochastic
+            rounding, a Triton tile given, ...; `replay_cuda.unsupported`).
             Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
             (about 2^-17 relative; the default) or 3 (fp32 rounding).
@@ -842,7 +858,10 @@ def replay_verify(
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, history length L < T, maxnreg out of range, or
-            a variant / maxnreg that this Triton or GPU cannot launch (`_check_launch_features`).
+            a variant / maxnreg that this Triton or GPU cannot launch (`_check_launch_features`); variant
+            "cuda" with a per-step history, stochastic rounding, Triton tiles, CPU tensors, a shape or dtype it
+            does not take, or no working nvcc (`replay_cuda.check_supported`, `replay_cuda.build`).
+        RuntimeError: variant "cuda": the CUDA launch failed.
     """
     name = "replay_verify"
     S, H, P, N, Bsz, T, G = _check_inputs(state, x, dt, A, B, C, D, dt_bias, slot_ids, name)
@@ -856,16 +875,30 @@ def replay_verify(
     if Bsz == 0:
         return out
 
+    explicit = variant
     tuning = replay_defaults.resolve(
         dict(variant=variant, block_p=block_p, num_warps=num_warps, split=split, chunk_n=chunk_n,
              num_stages=num_stages, maxnreg=maxnreg, persistent=persistent),
         "mamba2_checkpointing" if history.checkpointing else "mamba2_per_step", state.dtype,
-        replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT, variants=VARIANTS)
+        replay_defaults.mamba2_shape_class(H, P, N), Bsz, fallback=FALLBACK_VARIANT,
+        variants=ALL_VARIANTS)
     variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
         tuning[k] for k in ("variant", "block_p", "num_warps", "chunk_n", "num_stages", "maxnreg", "persistent"))
+    if variant == CUDA_VARIANT:
+        cuda_args = (state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name)
+        if explicit is None and (_triton_tiles_given(tuning) or replay_cuda.unsupported(*cuda_args)):
+            # the table's pick for this (operation, dtype, shape) is one the CUDA kernel does not take here
+            # (e.g. stochastic rounding, CPU tensors, a caller's Triton tile): the fallback variant, as for a
+            # table row naming a variant this module lacks (kernels.replay_defaults)
+            variant, block_p, num_warps, chunk_n, num_stages, maxnreg, persistent = (
+                FALLBACK_VARIANT, None, None, None, None, None, None)
+            tuning = {**{k: None for k in tuning}, "variant": FALLBACK_VARIANT}
+        else:
+            return _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted,
+                                buffer_index, tuning, time_step_limit, out, stochastic_rounding, name)
     split = 2 if tuning["split"] is None else tuning["split"]
     if variant not in VARIANTS:
-        raise ValueError(f"{name}: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        raise ValueError(f"{name}: variant must be one of {sorted(ALL_VARIANTS)}, got {variant!r}")
     if split not in (2, 3):
         raise ValueError(f"{name}: split must be 2 or 3 (bf16 pieces of an fp32 operand), got {split}")
     pdl = _check_launch_features(variant, maxnreg, x.device, name)
@@ -927,6 +960,31 @@ def replay_verify(
     else:
         _replay_verify_kernel[grid](*args, BLOCK_T=triton.next_power_of_2(T), **common)
     return out
+
+
+def _triton_tiles_given(tuning: dict) -> list[str]:
+    """The Triton tuning arguments set in `tuning` (variant "cuda" takes none of them)."""
+    return sorted(k for k in ("block_p", "num_warps", "split", "chunk_n", "num_stages", "persistent")
+                  if tuning.get(k) is not None)
+
+
+def _launch_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted, buffer_index, tuning,
+                 time_step_limit, out, stochastic_rounding, name):
+    """variant "cuda": refuse the Triton tiles and what the CUDA kernel does not take, then launch it
+    (kernels/mamba2/replay_cuda.py). `maxnreg` is its register cap (__maxnreg__, one build per value)."""
+    given = _triton_tiles_given(tuning)
+    if given:
+        raise ValueError(f"{name}: variant 'cuda' has a fixed launch (one 128-thread CTA per head and row) and takes "
+                         f"none of the Triton tiles {given}; leave them None (maxnreg caps its registers)")
+    maxnreg = tuning.get("maxnreg")
+    if maxnreg is not None:
+        lo, hi = MAXNREG_RANGE
+        if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not lo <= maxnreg <= hi:
+            raise ValueError(f"{name}: maxnreg must be an int in [{lo}, {hi}] (registers per thread), got {maxnreg!r}")
+    replay_cuda.check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name)
+    return replay_cuda.replay_verify_cuda(state, x, dt, A, B, C, D, dt_bias, slot_ids, history, prev_num_accepted,
+                                          buffer_index, time_step_limit=time_step_limit, out=out, maxnreg=maxnreg,
+                                          name=name)
 
 
 def replay_verify_ref(

@@ -82,10 +82,11 @@ for s in "$@"; do
     kernels) stage kernels python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba2.py \
                tests/test_kernels_mamba2_gpu.py tests/test_kernels_gdn.py tests/test_kernels_gdn_gpu.py \
                tests/test_stochastic_rounding.py tests/test_gdn.py tests/test_replay_cache.py \
-               tests/test_replay_engine.py tests/test_prefill_kernels.py tests/test_prefill_kernels_gpu.py ;;
+               tests/test_replay_engine.py tests/test_prefill_kernels.py tests/test_prefill_kernels_gpu.py \
+               tests/test_replay_cuda.py tests/test_replay_cuda_gpu.py ;;
     sanitize) stage sanitize /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
                python3 -m pytest -q -p no:cacheprovider -k "not graph" tests/test_kernels_mamba2_gpu.py \
-               tests/test_kernels_gdn_gpu.py tests/test_stochastic_rounding.py ;;
+               tests/test_kernels_gdn_gpu.py tests/test_stochastic_rounding.py tests/test_replay_cuda_gpu.py ;;
     bench) stage bench_mamba2 python3 -m benchmarks.bench_mamba2 --out "$out/bench_mamba2.json"
            stage bench_gdn_fp32 python3 -m benchmarks.bench_gdn --out "$out/bench_gdn_fp32.json"
            stage bench_gdn_bf16 python3 -m benchmarks.bench_gdn --state-dtype bf16 --out "$out/bench_gdn_bf16.json"
