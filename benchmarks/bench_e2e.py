@@ -174,7 +174,7 @@ def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts
     wall = time.perf_counter() - t0
     if prof is not None:
         prof.__exit__(None, None, None)
-        name = f"{model_name}_{arm}_b{B}_{'graphs' if graphs else 'eager'}{'_compiled' if compile_ else ''}"
+        name = f"{model_name}_{arm}_b{B}_{'graphs' if row['graphs'] else 'eager'}{'_compiled' if compile_ else ''}"
         sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         (profile_dir / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
         prof.export_chrome_trace(str(profile_dir / f"profile_{name}.json"))
@@ -359,8 +359,10 @@ def token_digests(tokens: list[list[int]]) -> list[str]:
 
 
 def _find(rows, **kw):
+    """The first timed row matching ``kw`` whose model outputs stayed finite (a row with ``nonfinite`` names
+    does not count towards a speed goal), or None."""
     for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()) and r.get("decode_tokens_per_s"):
+        if all(r.get(k) == v for k, v in kw.items()) and r.get("decode_tokens_per_s") and not r.get("nonfinite"):
             return r
     return None
 
@@ -419,7 +421,8 @@ def evaluate_targets(rows: list[dict]) -> dict:
 
 
 def _same_tokens(rows: list[dict]) -> dict:
-    """``<model>[_compiled]_replay_tokens_equal_rewind``: per batch, the fraction of requests whose generated
+    """``<model>[_compiled][_eager]_replay_tokens_equal_rewind`` (``_eager``: CUDA graphs off): per batch, the
+    fraction of requests whose generated
     tokens (``token_digests``) are the same under MTP + replay and MTP + rewind (same model, graphs, compile
     mode, forced acceptance). Replay and rewind round differently in 16-bit compute, so below 1 in bf16 says
     where the greedy paths part, not a bug by itself; in float32 the GPU tests hold them equal. Informational:
@@ -433,7 +436,8 @@ def _same_tokens(rows: list[dict]) -> dict:
         if other is None or len(other["token_digests"]) != len(r["token_digests"]):
             continue
         same = sum(a == b for a, b in zip(r["token_digests"], other["token_digests"])) / len(r["token_digests"])
-        key = f"{r['model']}{'_compiled' if r.get('compile') else ''}_replay_tokens_equal_rewind"
+        key = (f"{r['model']}{'_compiled' if r.get('compile') else ''}{'' if r.get('graphs') else '_eager'}"
+               "_replay_tokens_equal_rewind")
         out.setdefault(key, {"value": {}, "goal": "fraction of requests with the same tokens", "met": None})
         out[key]["value"][r["batch"]] = same
     return out
@@ -605,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     parts = [x for x in args.parts.split(",") if x]
+    if not parts:
+        p.error(f"--parts {args.parts!r} names no part; choose from {','.join(PARTS)}")
     if set(parts) - set(PARTS):
         p.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {','.join(PARTS)}")
     if min(args.batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1 or args.warmup_steps < 0:
@@ -618,9 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         bits = args.profile.split(":")
         models = (*TINY, *SYNTH, *FULL)
         if (len(bits) != 4 or bits[0] not in models or bits[1] not in ARMS or not bits[2].isdigit()
-                or bits[3] not in ("graphs", "eager")):
+                or int(bits[2]) < 1 or bits[3] not in ("graphs", "eager")):
             p.error(f"--profile {args.profile!r}: use MODEL:ARM:BATCH:graphs|eager with MODEL in {models}, "
-                    f"ARM in {tuple(ARMS)}")
+                    f"ARM in {tuple(ARMS)}, BATCH >= 1")
         profile = (bits[0], bits[1], int(bits[2]), bits[3] == "graphs")
     out = Path(args.out)
     folder = next(q for q in (out, *out.parents) if q.exists())  # --out itself or the ancestor it goes under
@@ -665,8 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     args.copy_bandwidth = copy_bandwidth(dev)
     run = Run(args)
     run.report["environment"]["copy_bandwidth_bytes_per_s"] = args.copy_bandwidth
-    say(f"bench_e2e: parts {parts}, batches {args.batch_sizes}, arms {args.arms}, graphs {args.graphs}, "
-        f"{args.steps} steps per point -> {run.out}")
+    if profile:
+        say(f"bench_e2e: profiling {args.profile} only (compile {args.compile[-1]}), {args.steps} steps -> {run.out}")
+    else:
+        say(f"bench_e2e: parts {parts}, batches {args.batch_sizes}, arms {args.arms}, graphs {args.graphs}, "
+            f"{args.steps} steps per point -> {run.out}")
     max_b = max(args.batch_sizes + ([profile[2]] if profile else []))
 
     def tiny_build(entry):

@@ -104,9 +104,15 @@ def load_trace(path) -> list[dict]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e})", fix) from None
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
-    if not isinstance(events, list):
-        raise UserError(f"{path}: not a Chrome trace (no traceEvents list)", fix)
-    if not any(isinstance(e, dict) and e.get("cat") == "kernel" for e in events):
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise UserError(f"{path}: not a Chrome trace (traceEvents must be a list of event objects)", fix)
+    for i, e in enumerate(events):  # the fields the breakdown reads, on the events it reads them from
+        if e.get("cat") in DEVICE_CATS + HOST_LAUNCH_CATS and not (
+                isinstance(e.get("name"), str) and isinstance(e.get("ts"), (int, float))
+                and isinstance(e.get("dur", 0), (int, float))):
+            raise UserError(f"{path}: event {i} (cat {e.get('cat')!r}) lacks a string 'name' or numeric 'ts' / "
+                            "'dur': not a trace torch.profiler wrote", fix)
+    if not any(e.get("cat") == "kernel" for e in events):
         raise UserError(f"{path}: no device kernel events (cat 'kernel'): the profile did not record CUDA "
                         "activity", fix + ", with activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]")
     return events
@@ -308,13 +314,14 @@ def main(argv=None) -> int:
         ap.error("--top must be >= 0")
     rep = breakdown(load_trace(args.trace), top=args.top)
     rep["trace"] = str(args.trace)
-    print(format_report(rep))
-    if args.json:
+    if args.json:  # written before the report is printed: a bad path is refused without a report above it
         try:
             Path(args.json).write_text(json.dumps(rep, indent=1))
         except OSError as e:
             raise UserError(f"--json {args.json}: cannot write it ({e.strerror or e})",
                             "pass a path in an existing, writable folder") from None
+    print(format_report(rep))
+    if args.json:
         print(f"\n{args.json}: written")
     return 0
 

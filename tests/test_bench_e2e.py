@@ -30,6 +30,8 @@ def _run(args, timeout=900):
     (["--out", "{tmp}", "--accept-length", "5"], "must lie in [1, K + 1 = 4]"),
     (["--out", "{tmp}", "--profile", "super_v3:replay:8"], "MODEL:ARM:BATCH:graphs|eager"),
     (["--out", "{tmp}", "--steps", "0"], "must be >= 1"),
+    (["--out", "{tmp}", "--parts", ","], "names no part"),
+    (["--out", "{tmp}", "--profile", "tiny_nemotron_h:replay:0:eager"], "BATCH >= 1"),
 ])
 def test_refuses_bad_arguments(args, says, tmp_path):
     proc = _run([a.format(tmp=tmp_path / "o") for a in args], timeout=120)
@@ -196,3 +198,13 @@ def test_targets_are_the_issues_goals_per_model_and_compile_mode():
     assert t["qwen3_next_fp8_plain_b1_tokens_per_s"]["met"] is True
     assert t["qwen3_next_fp8_replay_b1_tokens_per_s"] == {"value": 300.0, "goal": ">= 340.0", "met": False}
     assert "super_v3_nvfp4_plain_b1_tokens_per_s" not in t
+    # graphs on and off are kept apart; a row whose outputs went non-finite counts towards no speed goal
+    t2 = evaluate_targets([row("m", "replay", 8, 1e9, token_digests=["a", "b"], nonfinite=["lm_head"]),
+                          row("m", "rewind", 8, 10.0, token_digests=["a", "b"]),
+                          {**row("m", "replay", 8, 1e9, token_digests=["a", "b"]), "graphs": False},
+                          {**row("m", "rewind", 8, 10.0, token_digests=["a", "x"]), "graphs": False},
+                          row("super_v3", "plain", 8, 100.0),
+                          row("super_v3", "replay", 8, 1e9, nonfinite=["layers.3.mamba"])])
+    assert t2["m_replay_tokens_equal_rewind"]["value"] == {8: 1.0}
+    assert t2["m_eager_replay_tokens_equal_rewind"]["value"] == {8: 0.5}
+    assert t2["super_v3_replay_vs_plain_b8"]["value"] is None

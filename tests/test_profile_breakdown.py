@@ -222,6 +222,10 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     (None, "cannot read"),
     ("{not json", "not valid JSON"),
     ('{"traceEvents": 3}', "not a Chrome trace"),
+    ("[1, 2]", "not a Chrome trace"),
+    (json.dumps({"traceEvents": [{"cat": "kernel", "name": "k", "dur": 1}]}), "lacks a string 'name' or"),
+    (json.dumps({"traceEvents": [{"cat": "kernel", "name": "k", "ts": "0", "dur": 1}]}), "event 0 (cat"),
+    (json.dumps({"traceEvents": [{"cat": "cuda_runtime", "ts": 0, "dur": 1}]}), "lacks a string 'name'"),
     (json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]}),
      "no device kernel events"),
 ])
@@ -235,3 +239,13 @@ def test_bad_input_is_a_user_error(tmp_path, capsys, content, words):
     assert main([str(p)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and "  fix: " in err
+
+
+def test_an_unwritable_json_path_is_refused_before_the_report(tmp_path, capsys):
+    """--json into a missing folder: error / fix and status 2, and no report printed above the error."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 2,
+                                                  "args": {"correlation": 1}}]}))
+    assert main([str(trace), "--json", str(tmp_path / "no" / "out.json")]) == 2
+    captured = capsys.readouterr()
+    assert "cannot write it" in captured.err and captured.out == ""
