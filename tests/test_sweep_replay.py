@@ -253,3 +253,19 @@ def test_confirmation_never_chooses_a_configuration_timed_once(monkeypatch):
     assert res["best"][key] == "mma_split3" and res["best_first"][key] == "mma"
     assert all(len(t) == sweep_replay.CONFIRM_ROUNDS for t in times.values())
     assert res["headline_rows"][key]["mma_split3"]["us_first"] == 104.0
+
+
+def test_warmups_done_waits_a_bounded_time_and_keeps_the_output():
+    """warmups_done: a finished warm-up is done and its output is kept for the FlashInfer rows; one still
+    running after the wait is not done (nothing killed), and a later read gets all of its output."""
+    import subprocess
+
+    quick = subprocess.Popen([sys.executable, "-c", "print('built' * 20000)"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # more than a pipe buffer holds
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); print('late')"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert sweep_replay.warmups_done([quick], 30.0)
+    assert sweep_replay._warmup_output(quick, 1.0).startswith("builtbuilt")
+    assert not sweep_replay.warmups_done([quick, slow], 0.2)
+    assert slow.poll() is None  # still running, not killed
+    assert sweep_replay._warmup_output(slow, 30.0).strip() == "late"
