@@ -176,3 +176,32 @@ def gdn_replay_verify_oracle(
             history.k[slot, new, t] = kn[b, t].to(history.k.dtype)
             history.g[slot, new, t] = G_cum
     return out
+
+
+def mamba2_checkpointing_case(shape, state_dtype, in_dtype, seed, slots_extra=3) -> list:
+    """A random Mamba2 checkpointing-replay verify case on the CPU, in replay_verify's argument order
+    [state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pnat, buffer_index]: ``shape`` (batch, T, heads,
+    head_dim, d_state, groups, L), batch + ``slots_extra`` slots, x / dt / B / C and the history in
+    ``in_dtype``, the state in ``state_dtype``; one PAD row, slot 0 live, PNAT with garbage outside [0, L] and
+    at least one row without and one with a flush, buffer_index any int32."""
+    Bsz, T, H, P, N, G, L = shape
+    S = Bsz + slots_extra
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    A = -torch.exp(torch.rand(H, generator=g) * 2 - 1)
+    D, dt_bias = r(H), torch.rand(H, generator=g) - 0.5
+    x, dt = r(Bsz, T, H, P).to(in_dtype), (r(Bsz, T, H) * 0.5 - 1.0).to(in_dtype)
+    B, C = (r(Bsz, T, G, N) / N**0.5).to(in_dtype), (r(Bsz, T, G, N) / N**0.5).to(in_dtype)
+    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=in_dtype, device="cpu", checkpointing=True)
+    hist.x.copy_(r(*hist.x.shape))
+    hist.B.copy_(r(*hist.B.shape) / N**0.5)
+    hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
+    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))
+    slot_ids = (1 + torch.randperm(S - 1, generator=g)[:Bsz]).to(torch.int32)
+    slot_ids[1] = -1
+    slot_ids[min(3, Bsz - 1)] = 0
+    pnat = torch.randint(-3, L + 6, (S,), generator=g, dtype=torch.int32)
+    bufidx = torch.randint(-2, 4, (S,), generator=g, dtype=torch.int32)
+    pnat[slot_ids[0]], pnat[slot_ids[2]] = min(2, L - T), L
+    state = r(S, H, P, N).to(state_dtype)
+    return [state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx]

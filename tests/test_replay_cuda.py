@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from replay_oracles import mamba2_checkpointing_case  # noqa: E402
 
 from benchmarks import sweep_replay  # noqa: E402
 from benchmarks.replay_configs import M2_CKPT_ONLY_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIGS  # noqa: E402
@@ -230,32 +231,6 @@ def _host_verify(lib, state, x, dt, A, B, C, D, dt_bias, slot_ids, history, pnat
     return out
 
 
-def _host_case(shape, state_dtype, in_dtype, seed):
-    """A checkpointing case on the CPU: PAD row, slot 0 live, PNAT with garbage outside [0, L] (flush and
-    no-flush rows), buffer_index any int32."""
-    Bsz, T, H, P, N, G, L = shape
-    S = Bsz + 3
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    A = -torch.exp(torch.rand(H, generator=g) * 2 - 1)
-    D, dt_bias = r(H), torch.rand(H, generator=g) - 0.5
-    x, dt = r(Bsz, T, H, P).to(in_dtype), (r(Bsz, T, H) * 0.5 - 1.0).to(in_dtype)
-    B, C = (r(Bsz, T, G, N) / N**0.5).to(in_dtype), (r(Bsz, T, G, N) / N**0.5).to(in_dtype)
-    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=in_dtype, device="cpu", checkpointing=True)
-    hist.x.copy_(r(*hist.x.shape))
-    hist.B.copy_(r(*hist.B.shape) / N**0.5)
-    hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
-    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))
-    slot_ids = (1 + torch.randperm(S - 1, generator=g)[:Bsz]).to(torch.int32)
-    slot_ids[1] = -1
-    slot_ids[min(3, Bsz - 1)] = 0
-    pnat = torch.randint(-3, L + 6, (S,), generator=g, dtype=torch.int32)
-    bufidx = torch.randint(-2, 4, (S,), generator=g, dtype=torch.int32)
-    pnat[slot_ids[0]], pnat[slot_ids[2]] = min(2, L - T), L  # at least one row without and one with a flush
-    state = r(S, H, P, N).to(state_dtype)
-    return [state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat, bufidx]
-
-
 def _clone_case(case):
     c = list(case)
     c[0] = c[0].clone()
@@ -290,7 +265,7 @@ def test_host_emulated_kernel_matches_reference(name, tmp_path_factory):
     shape, sd, ind, outd = HOST_CASES[name]
     lib = _host_kernel(sd, ind, shape[4], str(tmp_path_factory.getbasetemp()), outd)
     assert lib.m2r_smem_bytes(shape[1], shape[6]) == replay_cuda.smem_bytes(shape[1], shape[6], shape[4], sd)
-    case = _host_case(shape, sd, ind, seed=1)
+    case = mamba2_checkpointing_case(shape, sd, ind, seed=1)
     k_case, r_case = _clone_case(case), _clone_case(case)
     out_k = _host_verify(lib, *k_case, out_dtype=outd)
     out_r = replay_verify_ref(*r_case, out=torch.empty(out_k.shape, dtype=out_k.dtype))
@@ -323,7 +298,7 @@ def test_host_emulated_kernel_over_steps_with_options(tmp_path_factory):
     shape, sd, ind, _ = HOST_CASES["tpr1_f32_f32"]
     Bsz, T, H, P, N, G, L = shape
     lib = _host_kernel(sd, ind, N, str(tmp_path_factory.getbasetemp()))
-    base = _host_case(shape, sd, ind, seed=5)
+    base = mamba2_checkpointing_case(shape, sd, ind, seed=5)
     S = base[0].shape[0]
     layers = torch.randn(S, 2, H, P, N)
     layers[:, 1] = base[0]
@@ -334,7 +309,7 @@ def test_host_emulated_kernel_over_steps_with_options(tmp_path_factory):
         pnat, bufidx = torch.zeros(S, dtype=torch.int32), torch.zeros(S, dtype=torch.int32)
         outs = []
         for i in range(6):
-            c = _host_case(shape, sd, ind, seed=50 + i)
+            c = mamba2_checkpointing_case(shape, sd, ind, seed=50 + i)
             slot_ids = c[8].long()
             args = (st, c[1], c[2], base[3], c[4], c[5], None, base[7], slot_ids, hist, pnat, bufidx)
             kw = dict(time_step_limit=(0.05, 0.4))

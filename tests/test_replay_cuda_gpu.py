@@ -6,8 +6,9 @@ reference `replay_verify_ref`, to the Triton "fma" variant and to the token-by-t
 tests/replay_oracles.py: the Super V3 shape (batch 64, T = 4, 128 heads x 64 x 128, 8 groups, L = 16) and
 small shapes that reach the other thread layouts (d_state 48 -> 1 thread per row, 256 -> 4 threads per row and
 several CTAs per head) and a head_dim that is not a multiple of the CTA's rows; fp32 and bf16 states, with and
-without flushes, PAD rows, garbage PNAT and buffer_index, back-to-back steps with `replay_advance`, and
-CUDA-graph capture with poisoned buffers (bitwise equal to eager).
+without flushes, PAD rows, garbage PNAT and buffer_index, back-to-back steps with `replay_advance`. CUDA-graph
+capture with poisoned buffers (bitwise equal to eager) is the shared test of every variant,
+tests/test_kernels_mamba2_gpu.py::test_gpu_cuda_graph_replay_verify_matches_eager_bitwise.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ if not torch.cuda.is_available():  # keep the interpreter setting consistent wit
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from replay_oracles import mamba2_materialized_state, mamba2_replay_verify_oracle  # noqa: E402
+from replay_oracles import (  # noqa: E402
+    mamba2_checkpointing_case,
+    mamba2_materialized_state,
+    mamba2_replay_verify_oracle,
+)
 
 from kernels.commit import allocate_replay_slots, replay_advance  # noqa: E402
 from kernels.mamba2 import ReplayHistory, replay_cuda, replay_verify, replay_verify_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-POISON = 0x7BADBEEF
 # Kernel vs reference: all state math is fp32 FMAs (~1e-6 relative); bf16 outputs / states: 1.6e-2 = 4 ulps
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 # (batch, T, H, P, N, G, L): Super V3 ws1; N 48 (TPR 1, masked d_state chunks), P 40 (masked rows); N 256
@@ -44,33 +48,11 @@ def close(a, b, tol, what):
 
 
 def make_case(shape, state_dtype, in_dtype=torch.bfloat16, seed=0, slots_extra=7):
-    """Inputs, a random checkpointing history, slot ids with a PAD row and slot 0 live, garbage metadata."""
-    Bsz, T, H, P, N, G, L = shape
-    S = Bsz + slots_extra
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    A = -torch.exp(torch.rand(H, generator=g) * 2 - 1)
-    D, dt_bias = r(H), torch.rand(H, generator=g) - 0.5
-    x, dt = r(Bsz, T, H, P), r(Bsz, T, H) * 0.5 - 1.0
-    B, C = r(Bsz, T, G, N) / N**0.5, r(Bsz, T, G, N) / N**0.5
-    hist = ReplayHistory.allocate(S, L, H, P, G, N, dtype=in_dtype, device="cpu", checkpointing=True)
-    hist.x.copy_(r(*hist.x.shape))
-    hist.B.copy_(r(*hist.B.shape) / N**0.5)
-    hist.dt.copy_(torch.rand(hist.dt.shape, generator=g) * 0.9 + 0.1)
-    hist.dA_cumsum.copy_(torch.cumsum(A[:, None] * hist.dt, dim=-1))
-    hist = ReplayHistory(*(t.cuda() for t in (hist.x, hist.B, hist.dt, hist.dA_cumsum)))
-    slot_ids = (1 + torch.randperm(S - 1, generator=g)[:Bsz]).to(torch.int32)
-    slot_ids[1] = -1
-    slot_ids[min(3, Bsz - 1)] = 0
-    # PNAT 0..L (flushes where PNAT + T > L) plus garbage outside [0, L]; buffer_index any int32
-    pnat = torch.randint(-3, L + 6, (S,), generator=g, dtype=torch.int32)
-    bufidx = torch.randint(-2, 4, (S,), generator=g, dtype=torch.int32)
-    pnat[slot_ids[0]], pnat[slot_ids[2]] = min(2, L - T), L  # at least one row without and one with a flush
-    state = r(S, H, P, N).to(state_dtype)
-    cuda = lambda t, dt=in_dtype: t.to("cuda", dt)  # noqa: E731
-    return dict(state=state.cuda(), x=cuda(x), dt=cuda(dt), A=A.cuda(), B=cuda(B), C=cuda(C), D=D.cuda(),
-                dt_bias=dt_bias.cuda(), slot_ids=slot_ids.cuda(), history=hist, pnat=pnat.cuda(),
-                bufidx=bufidx.cuda())
+    """tests/replay_oracles.py's checkpointing case on the GPU, as a dict of replay_verify's arguments."""
+    c = mamba2_checkpointing_case(shape, state_dtype, in_dtype, seed, slots_extra)
+    hist = ReplayHistory(*(t.cuda() for t in (c[9].x, c[9].B, c[9].dt, c[9].dA_cumsum)))
+    names = ("state", "x", "dt", "A", "B", "C", "D", "dt_bias", "slot_ids", "history", "pnat", "bufidx")
+    return {n: hist if n == "history" else t.cuda() for n, t in zip(names, c)}
 
 
 def run(fn, case, out_dtype=None, **kw):
@@ -191,66 +173,6 @@ def test_cuda_back_to_back_steps_with_replay_advance(shape, state_dtype):
         close(getattr(h_k, f), getattr(h_r, f), TOL[torch.float32], f"history.{f}")
     close(mamba2_materialized_state(st_k, h_k, pnat_k, bi_k, base["A"]),
           mamba2_materialized_state(st_r, h_r, pnat_r, bi_r, base["A"]), tol, "materialised state")
-
-
-def _poisoned_like(t):
-    p = torch.empty_like(t)
-    if p.dtype.is_floating_point:
-        p.fill_(float("nan"))
-    else:
-        p.fill_(POISON)
-    return p
-
-
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_matches_eager_bitwise(state_dtype):
-    """Capture verify + advance (Super V3 shape) with every metadata / input buffer poisoned, fill, replay six
-    steps: outputs and state equal the eager run bitwise (the launch goes on the capturing stream)."""
-    Bsz, T, H, P, N, G, L = SHAPES["super_v3"]
-    base = make_case(SHAPES["super_v3"], state_dtype, seed=21)
-    A, D, dt_bias, state0 = base["A"], base["D"], base["dt_bias"], base["state"]
-    S = state0.shape[0]
-    steps = _steps(SHAPES["super_v3"], 6, seed=200)
-
-    def new_history():
-        return ReplayHistory.allocate(S, L, H, P, G, N, dtype=torch.bfloat16, device="cuda",
-                                      checkpointing=True)
-
-    st_e, hist_e = state0.clone(), new_history()
-    pnat, bufidx = allocate_replay_slots(S, device="cuda")
-    outs_eager = []
-    for (x, dt, B, C), slot_ids, nat in steps:  # also builds and loads the library before capture
-        outs_eager.append(replay_verify(st_e, x, dt, A, B, C, D, dt_bias, slot_ids, hist_e, pnat, bufidx,
-                                        variant="cuda").clone())
-        replay_advance(pnat, bufidx, slot_ids, nat, T, hist_len=L)
-
-    (x0, dt0, B0, C0), slot0, nat0 = steps[0]
-    sx, sdt, sB, sC = (_poisoned_like(t) for t in (x0, dt0, B0, C0))
-    s_slots = torch.full_like(slot0, -1)  # a slot id must be PAD or live even in a poisoned buffer
-    s_nat = _poisoned_like(nat0)
-    s_out = _poisoned_like(torch.empty(Bsz, T, H, P, device="cuda", dtype=torch.bfloat16))
-    st, hist = state0.clone(), new_history()
-    pnat = _poisoned_like(torch.zeros(S, dtype=torch.int32, device="cuda"))
-    bufidx = _poisoned_like(pnat)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        replay_verify(st, sx, sdt, A, sB, sC, D, dt_bias, s_slots, hist, pnat, bufidx, out=s_out,
-                      variant="cuda")
-        replay_advance(pnat, bufidx, s_slots, s_nat, T, hist_len=L)
-    torch.cuda.synchronize()
-    pnat.zero_()  # the allocator's contract: metadata starts at zero
-    bufidx.zero_()
-    assert torch.equal(st, state0), "capture must not run the kernels"
-    for i, ((x, dt, B, C), slot_ids, nat) in enumerate(steps):
-        for dst, src in ((sx, x), (sdt, dt), (sB, B), (sC, C), (s_slots, slot_ids), (s_nat, nat)):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(s_out, outs_eager[i]), f"graph output differs from eager at step {i}"
-    assert torch.equal(st, st_e), "graph state differs from eager"
-    for f in ("x", "B", "dt", "dA_cumsum"):
-        assert torch.equal(getattr(hist, f), getattr(hist_e, f)), f"graph history.{f} differs from eager"
 
 
 def test_cuda_launch_configuration_at_super_v3():
