@@ -22,14 +22,14 @@ Plan (about 5-7 minutes on one H200; --budget-s stops the grid early and says so
 2. Headline (batch 64, T = 4, ws1): every kernel configuration of `M2_CONFIGS` / `GDN_CONFIGS` per operator
    and state dtype, each first checked on the GPU against the PyTorch reference at batch 8 ("ok": within
    the GPU test tolerances); the fastest correct one per (operator, state dtype) is "best".
-3. GDN's peers at the headline, when importable (else a row with the error): FlashInfer's
-   gated_delta_rule_mtp, fp32 state ("flashinfer_gdn": state written after T tokens, and the rewind verify
-   with T intermediate states; `_flashinfer_gdn_rows`), and fla-core's fused_recurrent_gated_delta_rule
-   ("fla": T tokens from the state, the final state written in fp32; `_fla_rows`).
-4. FlashInfer 0.7.2 at the headline, when importable, once its warm-ups are over (if they still build
-   FLASHINFER_EARLY_WAIT_S after the headline, its rows come after the grid instead: "flashinfer_timed"):
-   checkpointing_ssu (3 pending tokens; a flush) and selective_state_update (rewind verify with T
-   intermediate states), or a row with the error. Then the confirmation (`confirm_headline`): the headline's fastest few configurations per operator
+3. The peers at the headline, once FlashInfer's warm-ups are over (if they still build FLASHINFER_EARLY_WAIT_S
+   after the headline, the peers are timed after the grid instead: "flashinfer_timed"), each when importable
+   (else a row with the error): GDN's, FlashInfer's gated_delta_rule_mtp, fp32 state ("flashinfer_gdn":
+   state written after T tokens, and the rewind verify with T intermediate states; `_flashinfer_gdn_rows`),
+   and fla-core's fused_recurrent_gated_delta_rule ("fla": T tokens from the state, the final state written
+   in fp32; `_fla_rows`);
+4. and FlashInfer 0.7.2's checkpointing_ssu (3 pending tokens; a flush) and selective_state_update (rewind
+   verify with T intermediate states). Then the confirmation (`confirm_headline`): the headline's fastest few configurations per operator
    and state dtype are timed again, nothing running beside them (and any other whose headline time beats the
    fastest re-timed one), and "best" is the fastest re-timed configuration.
 5. Stochastic rounding cost: the best configuration of each state-writing operator (chosen with a bf16 state),
@@ -450,7 +450,7 @@ DEFAULTS_RULE = (
     "per (operation, state dtype, shape, grid batch): among the configurations that matched the reference at "
     "the headline for every sweep operator of the operation (ENGINE_OPS) and were timed at every grid T for "
     "each of them, the one with the least sum over those operators of the median over T of the time; the "
-    "headline rows alone decide a headline (shape, batch) the grid did not reach")
+    "headline rows alone decide a headline (shape, batch) the grid did not reach for every operator")
 
 
 def _shape_class(family: str, dims) -> str:
@@ -459,6 +459,15 @@ def _shape_class(family: str, dims) -> str:
         return replay_defaults.gdn_shape_class(HV, V, K)
     H, P, N, _ = dims
     return replay_defaults.mamba2_shape_class(H, P, N)
+
+
+def _grid_cost(by_cfg: dict, ops) -> tuple[list, dict]:
+    """(the T values, {config: sum over `ops` of the median over T of its time in us}) of one (shape, batch)
+    point, `by_cfg` = {config: {op: {T: us}}}; only configurations timed at every T for every op count."""
+    ts = sorted({t for per_op in by_cfg.values() for d in per_op.values() for t in d})
+    cost = {c: round(sum(statistics.median(per_op[op][t] for t in ts) for op in ops), 2)
+            for c, per_op in by_cfg.items() if all(op in per_op and set(per_op[op]) == set(ts) for op in ops)}
+    return ts, cost
 
 
 def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
@@ -483,14 +492,14 @@ def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
                     cell = points.setdefault((g["shape"], g["batch"]), {}).setdefault(g["config"], {})
                     cell.setdefault(g["op"], {})[g["T"]] = g["us"]
             hl = res.get("headline", {})
-            if "shape" in hl and (hl["shape"], hl["batch"]) not in points:
-                points[(hl["shape"], hl["batch"])] = {
-                    c: {op: {hl["T"]: h[c]["us"]} for op, h in zip(ops, heads)} for c in ok}
+            hl_point = (hl["shape"], hl["batch"]) if "shape" in hl else None
+            hl_cells = {c: {op: {hl["T"]: h[c]["us"]} for op, h in zip(ops, heads)} for c in ok} if hl_point else {}
+            if hl_point and hl_point not in points:
+                points[hl_point] = hl_cells
             for (shape, batch), by_cfg in sorted(points.items()):
-                ts = sorted({t for per_op in by_cfg.values() for d in per_op.values() for t in d})
-                cost = {c: round(sum(statistics.median(per_op[op][t] for t in ts) for op in ops), 2)
-                        for c, per_op in by_cfg.items()
-                        if all(op in per_op and set(per_op[op]) == set(ts) for op in ops)}
+                ts, cost = _grid_cost(by_cfg, ops)
+                if not cost and (shape, batch) == hl_point:  # the grid reached it for some operators only
+                    ts, cost = _grid_cost(hl_cells, ops)
                 if not cost:
                     continue
                 best = min(sorted(cost), key=cost.get)
@@ -617,20 +626,23 @@ def sweep(args) -> dict:
                 del call, check
                 torch.cuda.empty_cache()
 
-    # 3. GDN's peers at the headline: fla-core's fused recurrent kernel, FlashInfer's MTP kernel
-    res["fla"] = {"error": "--dry-run: no GPU"} if dry else _fla_rows(dtypes, timer, dev)
-    res["flashinfer_gdn"] = ({"error": "--dry-run: no GPU"} if dry else {"error": "--no-flashinfer"}
-                             if args.no_flashinfer else _flashinfer_gdn_rows(timer, dev))
-    # 4. FlashInfer at the headline, once its JIT warm-ups are over (they ran beside the headline): here when
-    # they end within FLASHINFER_EARLY_WAIT_S, else after the grid, so that a slow build does not eat the
-    # grid's budget (res["flashinfer_timed"] says which)
+    # 3-4. the peers at the headline (FlashInfer's checkpointing_ssu / selective_state_update, fla-core's and
+    # FlashInfer's GDN kernels), timed once FlashInfer's JIT warm-ups are over (they ran beside the headline:
+    # kperf_4's fla rows, timed during them, read 1.2-1.5x slow): here when the warm-ups end within
+    # FLASHINFER_EARLY_WAIT_S, else after the grid, so that a slow build does not eat the grid's budget
+    # (res["flashinfer_timed"] says which)
+    def time_peers(deadline_s: float) -> None:
+        res["fla"] = _fla_rows(dtypes, timer, dev)
+        res["flashinfer_gdn"] = {"error": "--no-flashinfer"} if args.no_flashinfer else _flashinfer_gdn_rows(
+            timer, dev)
+        res["flashinfer"] = ({"error": "--no-flashinfer"} if args.no_flashinfer
+                             else _flashinfer_rows(procs, dtypes, timer, nbytes_of, deadline_s))
+
     if dry:
-        res["flashinfer"] = {"error": "--dry-run: no GPU"}
-    elif args.no_flashinfer:
-        res["flashinfer"] = {"error": "--no-flashinfer"}
-    elif warmups_done(procs, FLASHINFER_EARLY_WAIT_S):
+        res["fla"] = res["flashinfer_gdn"] = res["flashinfer"] = {"error": "--dry-run: no GPU"}
+    elif args.no_flashinfer or warmups_done(procs, FLASHINFER_EARLY_WAIT_S):
         res["flashinfer_timed"] = "before the confirmation"
-        res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of, time.time() + 60)
+        time_peers(time.time() + 60)
     # 4b. confirmation: the headline's leaders timed again now that nothing runs beside the sweep; the
     # stochastic-rounding rows and the grid use the confirmed choice
     res["confirm"] = confirm_headline(res, dtypes, hb, hT, timer, dev, dry)
@@ -684,8 +696,7 @@ def sweep(args) -> dict:
 
     if "flashinfer" not in res:  # the warm-ups were still building after the headline
         res["flashinfer_timed"] = "after the grid"
-        res["flashinfer"] = _flashinfer_rows(procs, dtypes, timer, nbytes_of,
-                                             max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+        time_peers(max(deadline, time.time() + 60) + args.flashinfer_extra_s)
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)

@@ -143,6 +143,28 @@ def test_writer_rule_on_a_hand_made_sweep():
     assert table["rows"]["mamba2_per_step/bfloat16/h4_p16_n32/b64"]["kwargs"] == M2_CONFIGS["mma"]
 
 
+def test_writer_headline_falls_back_when_the_grid_timed_only_some_operators():
+    """kperf_4's sweep ran out of time in the flush grid: the headline (shape, batch) had m2_ckpt grid rows
+    but no m2_flush ones, so no configuration had a grid cost there; the headline rows decide it (the row was
+    lost before)."""
+    ok = lambda us: {"us": us, "ok": True}
+    res = {
+        "shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
+        "headline": {"batch": 64, "T": 4, "shape": "ws1"},
+        "headline_rows": {"m2_ckpt/bfloat16": {"fma": ok(10.0), "mma": ok(4.0)},
+                          "m2_flush/bfloat16": {"fma": ok(10.0), "mma": ok(9.0)}},
+        "grid": (_grid("m2_ckpt", "bfloat16", "ws1", 64, "fma", (1.0, 1.0, 1.0))
+                 + _grid("m2_ckpt", "bfloat16", "ws1", 64, "mma", (2.0, 2.0, 2.0))
+                 # batch 8: no flush rows and not the headline -> no row
+                 + _grid("m2_ckpt", "bfloat16", "ws1", 8, "fma", (1.0, 1.0, 1.0))),
+    }
+    rows = sweep_replay.defaults_table(res)["rows"]
+    assert list(rows) == ["mamba2_checkpointing/bfloat16/h4_p16_n32/b64"]
+    row = rows["mamba2_checkpointing/bfloat16/h4_p16_n32/b64"]
+    assert row["config"] == "mma" and row["evidence"]["cost_us"] == {"fma": 20.0, "mma": 13.0}
+    assert row["evidence"]["T"] == [4]
+
+
 def test_from_json_writes_the_table(tmp_path):
     src = tmp_path / "sweep.json"
     src.write_text(json.dumps({"shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
