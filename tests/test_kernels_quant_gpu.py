@@ -31,7 +31,10 @@ from kernels.quant import (
     quantize_activation_per_token_group_ref,
 )
 
-pytestmark = pytest.mark.gpu
+# Nemotron 3 Super's 512 NVFP4 experts and their dequantized reference take ~10 GB a test:
+# under pytest-xdist (8 workers on one H200 in the GPU stage) the modules of xdist group "gpu_memory" run in
+# one worker, one test at a time, so that eight copies never share the GPU's memory.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
 
 TOL = 1.6e-2
 SUPER = {"L": 1024, "I": 2688, "E": 512, "top_k": 22}

@@ -24,7 +24,10 @@ from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.models.moe import moe_experts_grouped
 from runners.engine.models.nvfp4 import nvfp4_grouped_mm
 
-pytestmark = pytest.mark.gpu
+# 512 released-width experts per model, cached per process, several GB each:
+# under pytest-xdist (8 workers on one H200 in the GPU stage) the modules of xdist group "gpu_memory" run in
+# one worker, one test at a time, so that eight copies never share the GPU's memory.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
 
 TOL = 1.6e-2
 SHAPES = {  # model: (format, L, I, E, top_k, activation, gated)
