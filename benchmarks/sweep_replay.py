@@ -55,8 +55,9 @@ that table (`defaults_table`, with the launcher arguments and the evidence) for 
 --from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
 
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
-the current kernel, or the current kernel and "mma" without --sweep; and FlashInfer's checkpointing_ssu without
-and with a flush, unless --no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
+the current kernel, or the current kernel and "mma" without --sweep; the configurations of --ncu-configs on
+every operator that has them; and FlashInfer's checkpointing_ssu without and with a flush, unless
+--no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
 --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
 as DIR/ncu_<operator>_<config>_<dtype>.txt, with the headline numbers of every report (duration, memory /
 DRAM / compute throughput in % of peak, registers, theoretical and achieved occupancy) in DIR/ncu_summary.json.
@@ -918,6 +919,9 @@ def ncu(args) -> int:
                        | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
     else:
         specs = [f"{op}:{c}:{d}" for op in OPS for c in (CURRENT, "mma") for d in DTYPES]
+    extra = [c for c in args.ncu_configs.split(",") if c]
+    specs += [f"{op}:{c}:{d}" for c in extra for op in OPS if c in _configs(op) for d in DTYPES
+              if f"{op}:{c}:{d}" not in specs]
     if not args.no_flashinfer:
         specs += flashinfer_ncu_specs()
     if args.dtypes:
@@ -965,6 +969,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter smoke run at tiny shapes")
     ap.add_argument("--ncu", action="store_true", help="profile the chosen kernels with Nsight Compute")
     ap.add_argument("--sweep", default="", help="with --ncu: a sweep_replay.json whose best configs to profile")
+    ap.add_argument("--ncu-configs", default="", metavar="LIST",
+                    help="with --ncu: also profile these configurations (comma-separated) on every operator that "
+                         "has them, e.g. cuda,cuda_r96")
     ap.add_argument("--quick", action="store_true",
                     help="a short first look: QUICK_CONFIGS, --budget-s 150, --flashinfer-extra-s 0 (bf16 with --ncu)")
     ap.add_argument("--write-defaults", default="", metavar="PATH",
@@ -1000,6 +1007,11 @@ def main(argv=None) -> int:
     unknown = [c for c in args.configs.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
     if unknown:
         ap.error(f"--configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
+    unknown = [c for c in args.ncu_configs.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
+    if unknown:
+        ap.error(f"--ncu-configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
+    if args.ncu_configs and not args.ncu:
+        ap.error("--ncu-configs is an option of --ncu (the sweep itself takes --configs)")
     if args.ncu:
         if not torch.cuda.is_available():
             ap.error("--ncu: no CUDA GPU here: Nsight Compute profiles the kernels on one; run it on the GPU "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -202,6 +203,35 @@ def test_ncu_profiles_flashinfer_beside_ours_and_its_failure_is_not_the_runs(tmp
     cmds.clear()
     assert sweep_replay.main(["--ncu", "--no-flashinfer", "--out", str(tmp_path / "n2")]) == 0
     assert cmds and not any(c[-1].startswith("fi:") for c in cmds)
+
+
+def test_ncu_configs_adds_those_configurations_where_an_operator_has_them(tmp_path, monkeypatch, capsys):
+    """--ncu-configs cuda,fma_bv8: "cuda" (checkpointing only) on m2_ckpt / m2_flush, "fma_bv8" on gdn, each
+    state dtype, once, beside the default specs, under the kernel filter that matches the CUDA kernel's name;
+    --ncu-configs without --ncu and an unknown name are refused."""
+    import subprocess
+    import types
+
+    cmds = []
+    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, capture_output, text: cmds.append(cmd) or
+                        types.SimpleNamespace(returncode=0, stdout=NCU_TEXT, stderr=""))
+    assert sweep_replay.main(["--ncu", "--no-flashinfer", "--ncu-configs", "cuda,fma_bv8,fma",
+                              "--dtypes", "bfloat16", "--out", str(tmp_path / "n")]) == 0
+    specs = [c[-1] for c in cmds]
+    assert len(specs) == len(set(specs))
+    assert {sp for sp in specs if sp.split(":")[1] in ("cuda", "fma_bv8")} == {
+        "m2_ckpt:cuda:bfloat16", "m2_flush:cuda:bfloat16", "gdn:fma_bv8:bfloat16"}
+    cuda_cmd = next(c for c in cmds if c[-1] == "m2_ckpt:cuda:bfloat16")
+    cu = (sweep_replay.mamba2.replay_cuda.SOURCE).read_text()
+    kernel_name = re.search(r"__global__ void \w+ (\w+)\(", cu).group(1)  # the name ncu sees
+    assert re.search(cuda_cmd[cuda_cmd.index("-k") + 1].removeprefix("regex:"), kernel_name)
+    for argv, says in ((["--ncu-configs", "cuda", "--out", "x"], "is an option of --ncu"),
+                       (["--ncu", "--ncu-configs", "nope", "--out", "x"], "--ncu-configs ['nope']")):
+        with pytest.raises(SystemExit) as e:
+            sweep_replay.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
