@@ -131,11 +131,12 @@ template <typename ST, int TPR> struct Smem {
   static constexpr int BP = kThreads / TPR;     // state rows per CTA
   static constexpr int KC = TPR == 4 ? 8 : 16;  // pending tokens staged per chunk
   static constexpr int ROW = (NP * static_cast<int>(sizeof(ST)) + TPR * 16) / 4;  // state row stride (floats)
-  int S, C, X, Bo, WX, CB, DT, CUM, W, total;
+  int S, C, BN, X, Bo, WX, CB, DT, CUM, W, total;
   __host__ __device__ Smem(int T, int L) {
     S = 0;                   // the state tile (BP rows of NP elements, dtype ST)
     C = S + BP * ROW;        // C of the new tokens (fp32)
-    X = C + T * NP;          // x of the new tokens, this CTA's rows
+    BN = C + T * NP;         // B of the new tokens (fp32), for C_t . B_j
+    X = BN + T * NP;         // x of the new tokens, this CTA's rows
     Bo = X + T * BP;         // a chunk of pending B
     WX = Bo + KC * NP;       // a chunk of pending x (this CTA's rows; w_j is applied in the fast-forward)
     CB = WX + KC * BP;       // C_t . B_j, j <= t
@@ -155,6 +156,27 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 #endif
+
+// Stage two lists of items into shared memory, item i of a list by thread i % kThreads: per round, U loads of
+// each list (load(i) -> V) are all issued before any store(i, v), so a thread waits one memory round trip per
+// round, not one per item.
+template <int U, typename V1, typename V2, typename L1, typename S1, typename L2, typename S2>
+__device__ __forceinline__ void stage_batched(int n1, L1 load1, S1 store1, int n2, L2 load2, S2 store2) {
+  for (int i0 = static_cast<int>(threadIdx.x); i0 < max(n1, n2); i0 += U * kThreads) {
+    V1 v1[U];
+    V2 v2[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i0 + u * kThreads < n1) v1[u] = load1(i0 + u * kThreads);
+      if (i0 + u * kThreads < n2) v2[u] = load2(i0 + u * kThreads);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i0 + u * kThreads < n1) store1(i0 + u * kThreads, v1[u]);
+      if (i0 + u * kThreads < n2) store2(i0 + u * kThreads, v2[u]);
+    }
+  }
+}
 
 template <typename ST, typename IT, typename OT, int TPR>
 __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
@@ -187,23 +209,60 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   const int64_t slot = p.slot64 ? static_cast<const int64_t*>(p.slot_ids)[b]
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p.slot_ids)[b]);
   OT* out = static_cast<OT*>(p.out);
-  if (slot < 0) {  // PAD row: zero output, nothing else touched
+  float* sC = sm + lay.C;
+  float* sBN = sm + lay.BN;
+  float* sX = sm + lay.X;
+  float* sBo = sm + lay.Bo;
+  float* sWX = sm + lay.WX;
+  float* sCB = sm + lay.CB;
+  float* sDT = sm + lay.DT;
+  float* sCUM = sm + lay.CUM;
+  float* sW = sm + lay.W;
+  const IT* Bin = static_cast<const IT*>(p.B);
+  const IT* Cin = static_cast<const IT*>(p.C);
+  const IT* xin = static_cast<const IT*>(p.x);
+  const IT* Bg = Bin + b * p.s_Bb + static_cast<int64_t>(g) * p.s_Bg;  // this row's group, new tokens
+
+  // ---- 1. the new tokens' C and B (fp32) and this CTA's rows of their x, into shared memory, with their
+  // dt, dt_bias and A in registers. None depends on the slot, so these loads are in flight with the slot's;
+  // each staging issues a round of loads before it stores any (`stage_batched`): the first version's loops
+  // waited on one load per step, about 30 dependent memory round trips per CTA, which is what made it 3x
+  // slower than checkpointing_ssu with the same work split (docs/kernel_performance.md, "Third H200 sweep") ----
+  const float A = load_any(p.A, h, p.A_code);
+  float dt_new = 0.f;
+  if (tid < T)
+    dt_new = load_any(p.dt, b * p.s_dtb + tid * p.s_dtt + static_cast<int64_t>(h) * p.s_dth, p.dt_code) +
+             load_any(p.dt_bias, h, p.bias_code);
+  stage_batched<4, float2, float>(
+      T * NP,
+      [&](int i) {
+        const int t = i / NP, n = i % NP;
+        if (n >= N) return make_float2(0.f, 0.f);
+        return make_float2(to_f(Cin[b * p.s_Cb + t * p.s_Ct + static_cast<int64_t>(g) * p.s_Cg + n * p.s_Cn]),
+                           to_f(Bg[t * p.s_Bt + n * p.s_Bn]));
+      },
+      [&](int i, float2 v) {
+        sC[i] = v.x;
+        sBN[i] = v.y;
+      },
+      T * BP,
+      [&](int i) {
+        const int t = i / BP, q = p0 + i % BP;
+        return q < P ? to_f(xin[b * p.s_xb + t * p.s_xt + static_cast<int64_t>(h) * p.s_xh + q * p.s_xp]) : 0.f;
+      },
+      [&](int i, float v) { sX[i] = v; });
+  if (slot < 0) {  // PAD row: zero output, no cache buffer read or written (the staged inputs go unused)
     for (int i = tid; i < T * BP; i += kThreads) {
       const int t = i / BP, q = p0 + i % BP;
       if (q < P) out[b * p.s_ob + t * p.s_ot + h * p.s_oh + q * p.s_op] = from_f<OT>(0.f);
     }
     return;
   }
-  const int k = min(max(p.pnat[slot], 0), L);
-  const int64_t rb = p.bufidx[slot] & 1, wb = 1 - rb;
-  const bool flush = k + T > L;
-  const int base = flush ? 0 : k;
-  const bool first_p = pb == 0;                    // one CTA per (row, head) writes dt', cumsum ...
-  const bool first_h = (h % (H / p.G)) == 0;       // ... and one per (row, group) writes B
-  const bool keep = !flush && first_p;             // the pending tokens stay: copy them into buffer w
+  const int pnat_raw = p.pnat[slot];  // in flight while the state tile's copies are issued
+  const int bufidx_raw = p.bufidx[slot];
 
-  // ---- 1. the state tile, global -> shared memory (cp.async, 16-byte chunks, each row's chunks read by
-  // consecutive threads), in flight while the small operands are staged ----
+  // ---- 2. the state tile, global -> shared memory (cp.async, 16-byte chunks, each row's chunks read by
+  // consecutive threads), in flight while the pending tokens are staged ----
   ST* const sbase = static_cast<ST*>(p.state) + slot * p.s_ss + static_cast<int64_t>(h) * p.s_sh;
   ST* const srow = sbase + static_cast<int64_t>(row_ok ? prow : 0) * p.s_sp;
   {
@@ -217,85 +276,74 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
         *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
+  const int k = min(max(pnat_raw, 0), L);
+  const int64_t rb = bufidx_raw & 1, wb = 1 - rb;
+  const bool flush = k + T > L;
+  const int base = flush ? 0 : k;
+  const bool first_p = pb == 0;                    // one CTA per (row, head) writes dt', cumsum ...
+  const bool first_h = (h % (H / p.G)) == 0;       // ... and one per (row, group) writes B
+  const bool keep = !flush && first_p;             // the pending tokens stay: copy them into buffer w
 
-  // ---- 2. stage the small operands: dt', pending weights, C of the new tokens, new x, the first pending
-  // chunk; write the new tokens' B history ----
-  float* sC = sm + lay.C;
-  float* sX = sm + lay.X;
-  float* sBo = sm + lay.Bo;
-  float* sWX = sm + lay.WX;
-  float* sCB = sm + lay.CB;
-  float* sDT = sm + lay.DT;
-  float* sCUM = sm + lay.CUM;
-  float* sW = sm + lay.W;
-  const float A = load_any(p.A, h, p.A_code);
+  // ---- 3. the pending tokens: their weights w_j = exp(c_{k-1} - c_j) dt'_j, the first chunk of their B and
+  // x; the new tokens' dt' and B history. The loads of c_{k-1} and of the first 128 tokens' c_j, dt'_j are
+  // issued before the chunk's, whose stores wait for all of them at once ----
   const float* cum_r = p.cumh + slot * p.s_chs + rb * p.s_chi + static_cast<int64_t>(h) * p.s_chh;
   const float* dt_r = p.dth + slot * p.s_dths + rb * p.s_dthi + static_cast<int64_t>(h) * p.s_dthh;
   const float c_last = k > 0 ? cum_r[(k - 1) * p.s_cht] : 0.f;
-  if (tid < T) {
-    float v = load_any(p.dt, b * p.s_dtb + tid * p.s_dtt + static_cast<int64_t>(h) * p.s_dth, p.dt_code) +
-              load_any(p.dt_bias, h, p.bias_code);
-    v = v <= 20.f ? log1pf(expf(v)) : v;  // softplus with torch's threshold of 20
-    if (p.has_limit) v = fminf(fmaxf(v, p.dt_min), p.dt_max);
-    sDT[tid] = v;
-  }
+  const float cj0 = tid < k ? cum_r[tid * p.s_cht] : 0.f, dtj0 = tid < k ? dt_r[tid * p.s_dtht] : 0.f;
+  IT* Bh = static_cast<IT*>(p.Bh);
+  const IT* xh_in = static_cast<const IT*>(p.xh);
+  // pending tokens j0 .. j0 + KC - 1 (< k): B (fp32; copied raw to buffer w when they stay) and x (raw, the
+  // weight w_j is applied in the fast-forward) of this CTA's rows
+  auto stage_pending = [&](int j0) {
+    const int kc = min(KC, k - j0);
+    const auto boff = [&](int i) {
+      return slot * p.s_Bhs + (j0 + i / NP) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg + (i % NP) * p.s_Bhn;
+    };
+    stage_batched<4, IT, float>(
+        kc * NP, [&](int i) { return i % NP < N ? Bh[boff(i) + rb * p.s_Bhi] : from_f<IT>(0.f); },
+        [&](int i, IT raw) {
+          sBo[i] = to_f(raw);
+          if (keep && first_h && i % NP < N) Bh[boff(i) + wb * p.s_Bhi] = raw;
+        },
+        kc * BP,
+        [&](int i) {
+          const int j = i / BP, q = p0 + i % BP;
+          return q < P ? to_f(xh_in[slot * p.s_xhs + (j0 + j) * p.s_xht + static_cast<int64_t>(h) * p.s_xhh +
+                                    q * p.s_xhp])
+                       : 0.f;
+        },
+        [&](int i, float v) { sWX[i] = v; });
+  };
+  if (k > 0) stage_pending(0);
   for (int j = tid; j < k; j += kThreads) {
-    const float cj = cum_r[j * p.s_cht], dtj = dt_r[j * p.s_dtht];
+    const float cj = j == tid ? cj0 : cum_r[j * p.s_cht], dtj = j == tid ? dtj0 : dt_r[j * p.s_dtht];
     sW[j] = dtj * expf(c_last - cj);
     if (keep) {
       p.dth[slot * p.s_dths + wb * p.s_dthi + static_cast<int64_t>(h) * p.s_dthh + j * p.s_dtht] = dtj;
       p.cumh[slot * p.s_chs + wb * p.s_chi + static_cast<int64_t>(h) * p.s_chh + j * p.s_cht] = cj;
     }
   }
-  const IT* Bin = static_cast<const IT*>(p.B);
-  const IT* Cin = static_cast<const IT*>(p.C);
-  IT* Bh = static_cast<IT*>(p.Bh);
-  const bool write_B = first_p && first_h;
-  const IT* Bg = Bin + b * p.s_Bb + static_cast<int64_t>(g) * p.s_Bg;  // this row's group, new tokens
-  for (int i = tid; i < T * NP; i += kThreads) {
-    const int t = i / NP, n = i % NP;
-    float cv = 0.f;
-    if (n < N) {
-      cv = to_f(Cin[b * p.s_Cb + t * p.s_Ct + static_cast<int64_t>(g) * p.s_Cg + n * p.s_Cn]);
-      if (write_B)  // buffer w is not read by this launch
-        Bh[slot * p.s_Bhs + wb * p.s_Bhi + (base + t) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg +
-           n * p.s_Bhn] = Bg[t * p.s_Bt + n * p.s_Bn];
-    }
-    sC[i] = cv;
+  if (tid < T) {
+    float v = dt_new;
+    v = v <= 20.f ? log1pf(expf(v)) : v;  // softplus with torch's threshold of 20
+    if (p.has_limit) v = fminf(fmaxf(v, p.dt_min), p.dt_max);
+    sDT[tid] = v;
   }
-  // pending tokens j0 .. j0 + KC - 1 (< k): B (fp32; copied raw to buffer w when they stay) and x (raw, the
-  // weight w_j is applied in the fast-forward) of this CTA's rows
-  const IT* xh_in = static_cast<const IT*>(p.xh);
-  auto stage_pending = [&](int j0) {
-    const int kc = min(KC, k - j0);
-    for (int i = tid; i < kc * NP; i += kThreads) {
-      const int j = i / NP, n = i % NP;
-      float bv = 0.f;
-      if (n < N) {
-        const int64_t off = slot * p.s_Bhs + (j0 + j) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg + n * p.s_Bhn;
-        const IT braw = Bh[off + rb * p.s_Bhi];
-        bv = to_f(braw);
-        if (keep && first_h) Bh[off + wb * p.s_Bhi] = braw;
-      }
-      sBo[i] = bv;
+  if (first_p && first_h) {  // the new tokens' B history (buffer w is not read by this launch): the values
+    // this thread staged in step 1 (same index -> same thread), exact in IT
+    for (int i = tid; i < T * NP; i += kThreads) {
+      const int t = i / NP, n = i % NP;
+      if (n < N)
+        Bh[slot * p.s_Bhs + wb * p.s_Bhi + (base + t) * p.s_Bht + static_cast<int64_t>(g) * p.s_Bhg +
+           n * p.s_Bhn] = from_f<IT>(sBN[i]);
     }
-    for (int i = tid; i < kc * BP; i += kThreads) {
-      const int j = i / BP, q = p0 + i % BP;
-      sWX[i] = q < P ? to_f(xh_in[slot * p.s_xhs + (j0 + j) * p.s_xht + static_cast<int64_t>(h) * p.s_xhh +
-                                  q * p.s_xhp])
-                     : 0.f;
-    }
-  };
-  if (k > 0) stage_pending(0);
-  const IT* xin = static_cast<const IT*>(p.x);
-  for (int i = tid; i < T * BP; i += kThreads) {
-    const int t = i / BP, q = p0 + i % BP;
-    sX[i] = q < P ? to_f(xin[b * p.s_xb + t * p.s_xt + static_cast<int64_t>(h) * p.s_xh + q * p.s_xp]) : 0.f;
   }
   __syncthreads();
 
-  // ---- 3. cumsum of A dt' (one thread), C_t . B_j for j <= t (one warp per pair, lane-strided; B read from
-  // global memory, an L2 hit after the first of the group's CTAs) ----
+  // ---- 3. cumsum of A dt' (one thread), C_t . B_j for the T (T + 1) / 2 pairs j <= t (one warp per pair,
+  // lane-strided, both operands in shared memory: the first version read B from global memory here, up to
+  // 4 pairs x N / 32 dependent L2 round trips per warp on the CTA's critical path) ----
   if (tid == 0) {
     float acc = 0.f;
     for (int t = 0; t < T; ++t) {
@@ -305,14 +353,15 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   }
   {
     const int warp = tid / 32, lane = tid % 32;
-    for (int pair = warp; pair < T * T; pair += kThreads / 32) {
-      const int t = pair / T, j = pair % T;
+    for (int q = warp; q < T * (T + 1) / 2; q += kThreads / 32) {
+      int t = 0;  // q -> (t, j), j <= t, row-major over the lower triangle
+      while ((t + 1) * (t + 2) / 2 <= q) ++t;
+      const int j = q - t * (t + 1) / 2;
       float acc = 0.f;
-      if (j <= t)
-        for (int n = lane; n < N; n += 32) acc += sC[t * NP + n] * to_f(Bg[j * p.s_Bt + n * p.s_Bn]);
+      for (int n = lane; n < N; n += 32) acc += sC[t * NP + n] * sBN[j * NP + n];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) sCB[pair] = acc;
+      if (lane == 0) sCB[t * T + j] = acc;
     }
   }
 

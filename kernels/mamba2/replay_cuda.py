@@ -84,7 +84,7 @@ def smem_bytes(T: int, L: int, d_state: int, state_dtype: torch.dtype) -> int:
     tpr = threads_per_row(d_state)
     np_, bp, kc = 64 * tpr, THREADS // tpr, 8 if tpr == 4 else 16
     row = (np_ * torch.empty(0, dtype=state_dtype).element_size() + tpr * 16) // 4
-    return 4 * (bp * row + T * np_ + T * bp + kc * np_ + kc * bp + T * T + 2 * T + L)
+    return 4 * (bp * row + 2 * T * np_ + T * bp + kc * np_ + kc * bp + T * T + 2 * T + L)  # C and B: 2 T NP
 
 
 def cache_dir() -> Path:
