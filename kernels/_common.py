@@ -1,6 +1,6 @@
 """Small helpers shared by every kernel folder: interpreter detection, launch checks, dtype tables.
 
-Nothing here launches a kernel. Kernel files import this module after `triton`, so `TRITON_INTERPRET=1`
+Nothing here launches a kernel (`round_rne` is a Triton device function the kernels call). Kernel files import this module after `triton`, so `TRITON_INTERPRET=1`
 must already be in the environment when the first kernel module is imported (Triton decides interpreted vs
 compiled when a function is decorated with `@triton.jit`).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 # dtypes a kernel may keep its recurrent state in / take its activations in.
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,3 +76,18 @@ def check_rows(slot_ids: torch.Tensor, indices: torch.Tensor | None, buffer_rows
         return
     check_shape(indices, tuple(slot_ids.shape), "intermediate_state_indices", name)
     check_dtype(indices, INDEX_DTYPES, "intermediate_state_indices", name)
+
+
+@triton.jit
+def round_rne(v, dtype: tl.constexpr):
+    """fp32 v rounded to ``dtype`` (round to nearest, ties to even, as torch's casts) and returned as fp32.
+    bf16 by integer arithmetic on the fp32 bits (add 0x7FFF plus the lowest kept bit, clear the low 16: the
+    standard round-to-nearest-even of fp32 -> bf16), because Triton's interpreter truncates in its bf16 cast
+    (on the GPU the cast is cvt.rn and gives the same values)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        res = bits.to(tl.float32, bitcast=True)
+    else:
+        res = v.to(dtype).to(tl.float32)
+    return res

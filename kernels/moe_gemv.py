@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import INPUT_DTYPES, check_dtype, check_launchable
+from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, round_rne
 from kernels.quant._common import gemv_config, use_kernel
 
 # Activation names this module fuses, and the kernel's code for each (0: none, the down projection).
@@ -141,28 +141,13 @@ def moe_gemv_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr):
-    """fp32 v rounded to ``dtype`` (round to nearest, ties to even, as torch's casts) and returned as fp32.
-    bf16 by integer arithmetic on the fp32 bits (add 0x7FFF plus the lowest kept bit, clear the low 16: the
-    standard round-to-nearest-even of fp32 -> bf16), because Triton's interpreter truncates in its bf16 cast
-    (on the GPU the cast is cvt.rn and gives the same values)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        res = bits.to(tl.float32, bitcast=True)
-    else:
-        res = v.to(dtype).to(tl.float32)
-    return res
-
-
-@triton.jit
 def _activation(v, ACT: tl.constexpr, dtype: tl.constexpr):
     """relu2 (ACT 1) or silu (ACT 2) of fp32 v (already on ``dtype``'s grid), rounded to ``dtype``."""
     if ACT == 1:
         r = tl.maximum(v, 0.0)
-        res = _round(r * r, dtype)
+        res = round_rne(r * r, dtype)
     else:
-        res = _round(v / (1.0 + tl.exp(-v)), dtype)
+        res = round_rne(v / (1.0 + tl.exp(-v)), dtype)
     return res
 
 
@@ -215,11 +200,11 @@ def _pair_gemv_kernel(
             tl.store(out2_ptr + o, acc2, mask=mask_n)
     else:
         dt: tl.constexpr = out_ptr.dtype.element_ty
-        v = _round(acc, dt)
+        v = round_rne(acc, dt)
         if ACT != 0:
             v = _activation(v, ACT, dt)
         if GATED:
-            v = _round(v * _round(acc2, dt), dt)
+            v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)  # v: on dt's grid
 
 
@@ -240,8 +225,8 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, S, stride_ys, stride_ym, str
         for s in range(S):
             y += tl.load(y_ptr + s * stride_ys + pair * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
         wj = tl.load(w_ptr + n.to(tl.int64) * stride_wn + j)
-        acc += _round(y, dt) * wj
-    tl.store(out_ptr + n.to(tl.int64) * stride_om + cols, _round(acc, dt).to(dt), mask=mask)
+        acc += round_rne(y, dt) * wj
+    tl.store(out_ptr + n.to(tl.int64) * stride_om + cols, round_rne(acc, dt).to(dt), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, interpreter_active
-from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, _round, pair_gemv_config, run_pair_launches
+from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, interpreter_active, round_rne
+from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, pair_gemv_config, run_pair_launches
 from kernels.quant._common import FP8_DTYPE, use_kernel
 from kernels.quant.block_fp8 import BLOCK, _group_scale_quant, quantize_activation_per_token_group_ref
 from kernels.quant.nvfp4 import GEMV_BLOCK_K as NVFP4_GEMV_BLOCK_K
@@ -293,11 +293,11 @@ def _pair_nvfp4_kernel(
             tl.store(out2_ptr + o, acc2, mask=mask_n)
     else:
         dt: tl.constexpr = out_ptr.dtype.element_ty
-        v = _round(acc, dt)
+        v = round_rne(acc, dt)
         if ACT != 0:
             v = _activation(v, ACT, dt)
         if GATED:
-            v = _round(v * _round(acc2, dt), dt)
+            v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
 
 
@@ -359,11 +359,11 @@ def _pair_block_fp8_kernel(
             tl.store(out2_ptr + o, acc2, mask=mask_n)
     else:
         dt: tl.constexpr = out_ptr.dtype.element_ty
-        v = _round(acc, dt)
+        v = round_rne(acc, dt)
         if ACT != 0:
             v = _activation(v, ACT, dt)
         if GATED:
-            v = _round(v * _round(acc2, dt), dt)
+            v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
 
 

@@ -44,7 +44,9 @@ from kernels.gdn import (
     replay_verify,
     replay_verify_ref,
 )
+from kernels.norm import gated_rms_norm, gated_rms_norm_ref
 from runners.engine.cache import GDNReplayState, kernel_or_reference
+from runners.engine.models.layers import use_norm_kernel
 
 if TYPE_CHECKING:  # type hints only
     from runners.engine.cache import BatchMeta, GDNState
@@ -63,6 +65,7 @@ class GatedRMSNorm(nn.Module):
 
     The weight is a plain scale (not 1 + w as in Qwen3-Next's other norms). x, z: (..., V); output in x's
     dtype; statistics in float32 (as transformers' Qwen3NextRMSNormGated).
+    ``kernels.norm.gated_rms_norm_ref``, or its one-launch kernel where ``layers.use_norm_kernel``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
@@ -71,10 +74,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        in_dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
-        return ((self.weight * xf.to(in_dtype)) * F.silu(z.float())).to(in_dtype)
+        if use_norm_kernel(x):
+            return gated_rms_norm(x, z, self.weight, self.eps)
+        return gated_rms_norm_ref(x, z, self.weight, self.eps)
 
 
 class GDNOutput(NamedTuple):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.router import topk_route, topk_route_ref
 from runners.engine.cache import BatchMeta, KVCache
 from runners.engine.compile import eager_op
@@ -29,9 +30,17 @@ from runners.engine.models.config import HybridConfig
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
 
+def use_norm_kernel(x: torch.Tensor) -> bool:
+    """Whether a norm runs its Triton kernel (kernels/norm.py) rather than its PyTorch reference: on CUDA,
+    outside autograd (the kernels have no backward) and outside torch.compile (inductor fuses the reference
+    itself; a kernel there would be a graph break)."""
+    return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32, returned in the input dtype:
-    ``(offset + w) * x / rms(x)``; ``offset`` is 0 for NemotronH and 1 for Qwen3-Next's ``(1 + w)`` norms."""
+    ``(offset + w) * x / rms(x)``; ``offset`` is 0 for NemotronH and 1 for Qwen3-Next's ``(1 + w)`` norms.
+    ``kernels.norm.rms_norm_ref``, or its one-launch kernel where :func:`use_norm_kernel`."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -39,17 +48,15 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # without an offset the weight multiplies as it is: float32 * a 16-bit weight promotes to float32, the
-        # same products as an explicit float() cast, one kernel fewer per norm (w + 1 must be float32 first)
-        scale = self.weight.float() + self.offset if self.offset else self.weight
-        return (scale * xf).to(x.dtype)
+        if use_norm_kernel(x):
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return rms_norm_ref(x, self.weight, self.eps, self.offset)
 
 
 class GatedGroupRMSNorm(nn.Module):
     """Mamba2 output norm: ``w * groupnorm_rms(y * silu(z))`` (gate before the norm), RMS taken per group of
-    ``group_size`` channels (d_inner / n_groups). y, z: [..., d_inner]; returns float32 [..., d_inner]."""
+    ``group_size`` channels (d_inner / n_groups). y, z: [..., d_inner]; returns float32 [..., d_inner].
+    ``kernels.norm.gated_group_rms_norm_ref``, or its one-launch kernel where :func:`use_norm_kernel`."""
 
     def __init__(self, dim: int, group_size: int, eps: float):
         super().__init__()
@@ -58,10 +65,9 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = y.float() * F.silu(z.float())
-        g = y.unflatten(-1, (-1, self.group_size))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.flatten(-2)  # float32 g promotes the weight: as weight.float(), one cast fewer
+        if use_norm_kernel(y):
+            return gated_group_rms_norm(y, z, self.weight, self.group_size, self.eps)
+        return gated_group_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The hybrid blocks' RMSNorms as one Triton kernel each, and their PyTorch references.
+
+Three norms, each a pure function of its inputs (statistics in float32):
+
+- :func:`rms_norm_ref`: ``((offset + w) * x / rms(x))`` over the last dim, returned in x's dtype; ``offset``
+  0 (Nemotron 3 Super, Qwen3-Next's gated norm convention) or 1 (Qwen3-Next's ``(1 + w)`` norms). The
+  residual blocks' input norms, the final norm and the MTP module's norms (transformers'
+  ``NemotronHRMSNorm`` / ``Qwen3NextRMSNorm``).
+- :func:`gated_rms_norm_ref`: Qwen3-Next's Gated DeltaNet output norm, per value head, norm then gate:
+  ``w * x_hat * silu(z)`` with x_hat rounded to x's dtype before the weight and the product ``w * x_hat``
+  in the promoted dtype of (w, x) (transformers' ``Qwen3NextRMSNormGated``, whose roundings it repeats).
+- :func:`gated_group_rms_norm_ref`: Mamba2's output norm, gate then norm per group of ``group_size``
+  channels: ``w * groupnorm_rms(y * silu(z))``, returned in float32 (mamba_ssm's ``RMSNormGated`` with
+  ``norm_before_gate=False``; transformers' ``MambaRMSNormGated``).
+
+:func:`rms_norm`, :func:`gated_rms_norm` and :func:`gated_group_rms_norm` compute the same in one launch
+(one program per (row, group); the row held in registers): in the eager decode step each replaces 7-12
+elementwise / reduction kernels (runners/engine/models: every residual block's input norm, the GDN and
+Mamba2 output norms; issue 27's op counts, benchmarks/count_step_ops.py). They agree with the references to
+float32 rounding (the sum of squares is reduced in another order, and Triton's exp and rsqrt are the
+hardware approximations), so a 16-bit output may differ from the reference's in its last bit. No backward:
+the engine calls them on CUDA outside autograd and outside torch.compile (where inductor fuses the
+reference itself); ``runners.engine.models.layers.use_norm_kernel`` is that rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import check_launchable, round_rne
+
+NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The largest group one program holds in registers (Super V3's hidden size is 4096, Qwen3-Next's 2048).
+MAX_GROUP = 16384
+
+
+# ---------------------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``(offset + weight) * x * rsqrt(mean(x^2) + eps)`` over the last dim, in float32, returned in x's dtype.
+
+    x: [..., N] float32 / bf16 / fp16; weight: [N] (any float dtype; promoted to float32 by the product).
+    Pure function.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # without an offset the weight multiplies as it is: float32 * a 16-bit weight promotes to float32, the
+    # same products as an explicit float() cast, one kernel fewer (w + 1 must be float32 first)
+    scale = weight.float() + offset if offset else weight
+    return (scale * xf).to(x.dtype)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm then gate over the last dim (one value head): ``w * to_x(x_hat) * silu(z)``, returned in x's dtype.
+
+    x, z: [..., V] (same shape); weight: [V]. x_hat = x * rsqrt(mean(x^2) + eps) in float32, rounded to x's
+    dtype; ``weight * x_hat`` in the promoted dtype of (weight, x); times silu(z) in float32. Pure function.
+    """
+    in_dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return ((weight * xf.to(in_dtype)) * F.silu(z.float())).to(in_dtype)
+
+
+def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                             eps: float) -> torch.Tensor:
+    """Gate then norm per group: ``weight * groupnorm_rms(y * silu(z))``, float32 [..., N].
+
+    y, z: [..., N] (same shape), N a multiple of group_size; weight: [N]. Pure function.
+    """
+    y = y.float() * F.silu(z.float())
+    g = y.unflatten(-1, (-1, group_size))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.flatten(-2)  # float32 g promotes the weight: as weight.float(), one cast fewer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------------------------
+
+# MODE: 0 rms_norm, 1 gated_rms_norm (norm then gate), 2 gated_group_rms_norm (gate then norm)
+
+
+@triton.jit
+def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, sz1, eps, offset,
+                 MODE: tl.constexpr, ROUND_WX: tl.constexpr, W_SPANS_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // NG
+    grp = pid % NG
+    cols = tl.arange(0, BLOCK)
+    valid = cols < G
+    xrow = (row // R1x) * sx0 + (row % R1x) * sx1 + grp * G
+    x_raw = tl.load(x_ptr + xrow + cols, mask=valid, other=0.0)
+    x = x_raw.to(tl.float32)
+    if MODE != 0:
+        zrow = (row // R1z) * sz0 + (row % R1z) * sz1 + grp * G
+        z = tl.load(z_ptr + zrow + cols, mask=valid, other=0.0).to(tl.float32)
+        gate = z / (1.0 + tl.exp(-z))  # silu, as torch computes it in float32
+    if MODE == 2:
+        x = x * gate
+    wofs = grp * G + cols if W_SPANS_ROW else cols
+    w = tl.load(w_ptr + wofs, mask=valid, other=0.0).to(tl.float32)
+    x_hat = x * tl.rsqrt(tl.sum(x * x, axis=0) / G + eps)
+    if MODE == 0:
+        y = (w + offset) * x_hat
+    elif MODE == 1:
+        t = round_rne(x_hat, x_raw.dtype)  # x_hat rounded to x's dtype
+        u = w * t
+        if ROUND_WX:  # weight and x of one 16-bit dtype: their product is rounded to it
+            u = round_rne(u, x_raw.dtype)
+        y = u * gate
+    else:
+        y = w * x_hat
+    out_row = pid * G  # the output: contiguous, rows x groups x G
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + out_row + cols, round_rne(y, out_dtype).to(out_dtype), mask=valid)
+
+
+def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(t or a contiguous copy, R1, s0, s1): logical row r of t (its dims but the last, row-major) starts at
+    element (r // R1) * s0 + (r % R1) * s1; the last dim has stride 1. Up to two strided row dims stay views
+    (e.g. a head slice of a projection output); more are copied."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    dims = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == stride * size:  # merges with the dim before it
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if not dims:
+        return t, 1, 0, 0
+    if len(dims) == 1:
+        return t, dims[0][0], 0, dims[0][1]
+    if len(dims) == 2:
+        return t, dims[1][0], dims[0][1], dims[1][1]
+    t = t.contiguous()
+    return t, max(1, t.numel() // t.shape[-1]), 0, t.shape[-1]
+
+
+def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int, eps: float,
+            offset: float, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+    tensors = (x, weight) if z is None else (x, z, weight)
+    check_launchable(*tensors, name=name)
+    for what, t in zip(("x", "z", "weight") if z is not None else ("x", "weight"), tensors):
+        if t.dtype not in NORM_DTYPES:
+            raise ValueError(f"{name}: {what} dtype must be one of {NORM_DTYPES}, got {t.dtype}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"{name}: z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    N = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] not in (N, group):
+        raise ValueError(f"{name}: weight must be ({N},) (or one group, ({group},)), got {tuple(weight.shape)}")
+    if N % group or group > MAX_GROUP:
+        raise ValueError(f"{name}: the last dim {N} must be a multiple of the group size {group} <= {MAX_GROUP}")
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = out.numel() // N if N else 0
+    if rows == 0 or N == 0:
+        return out
+    xv, R1x, sx0, sx1 = _row_layout(x)
+    zv, R1z, sz0, sz1 = _row_layout(z) if z is not None else (xv, R1x, sx0, sx1)
+    weight = weight.contiguous()
+    round_wx = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
+    block = triton.next_power_of_2(group)
+    _norm_kernel[(rows * (N // group),)](
+        xv, zv, weight, out, group, N // group, R1x, sx0, sx1, R1z, sz0, sz1, float(eps), float(offset),
+        MODE=mode, ROUND_WX=round_wx, W_SPANS_ROW=weight.shape[0] == N,
+        BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """:func:`rms_norm_ref` in one Triton launch (one program per row). x: [..., N], N <= MAX_GROUP, any
+    strides; weight: [N]. Returns a new contiguous tensor in x's dtype; mutates nothing.
+
+    Raises:
+        ValueError: CPU tensors without the Triton interpreter, a dtype outside NORM_DTYPES, a weight of
+            another length, N > MAX_GROUP.
+    """
+    return _launch(0, x, None, weight, x.shape[-1], eps, offset, x.dtype, "rms_norm")
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`gated_rms_norm_ref` in one Triton launch (one program per row of V). x, z: [..., V] (any
+    strides: z may be a head slice of a projection output); weight: [V]. Returns x's dtype, contiguous.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, or z of another shape.
+    """
+    return _launch(1, x, z, weight, x.shape[-1], eps, 0.0, x.dtype, "gated_rms_norm")
+
+
+def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                         eps: float) -> torch.Tensor:
+    """:func:`gated_group_rms_norm_ref` in one Triton launch (one program per (row, group)). y, z: [..., N];
+    weight: [N]; N a multiple of group_size <= MAX_GROUP. Returns float32 [..., N], contiguous.
+
+    Raises:
+        ValueError: as :func:`gated_rms_norm`, or N not a multiple of group_size.
+    """
+    if weight.shape[-1:] != y.shape[-1:]:
+        raise ValueError(f"gated_group_rms_norm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
+    return _launch(2, y, z, weight, group_size, eps, 0.0, torch.float32, "gated_group_rms_norm")

@@ -1,0 +1,163 @@
+"""kernels/norm.py: the three RMSNorm kernels against their PyTorch references (the math the engine's norm
+modules run on the CPU), in the Triton interpreter on the CPU and at the releases' shapes on a GPU.
+
+Shapes: row lengths that are not powers of two (48, 80), Qwen3-Next's (1 + w) offset, the GDN output norm
+with z a strided head slice of a projection output (two strided row dims), Mamba2's per-group norm with the
+weight over the whole row, and rows whose leading dims need a copy. float32 agrees to float32 rounding
+(the sum of squares is reduced in another order); 16-bit outputs may differ in their last bit (Triton's exp /
+rsqrt are the hardware approximations), so elements are compared at 2 ulps of their dtype, relative. Outputs are
+fresh ``torch.empty`` buffers and every element is compared. The engine's modules take the kernel exactly
+where ``use_norm_kernel`` says (CUDA, no autograd, not compiling).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import (kernels import triton)
+
+import pytest  # noqa: E402
+
+from kernels.norm import (  # noqa: E402
+    gated_group_rms_norm,
+    gated_group_rms_norm_ref,
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ULP = {torch.float32: 2**-22, torch.bfloat16: 2**-7, torch.float16: 2**-10}  # relative
+
+
+def _close(got, want):
+    """Elementwise: within 2 ulps of the output dtype, relative (a last-bit flip of an intermediate rounded
+    to 16 bits, e.g. the GDN norm's x_hat, carries into the product at that relative size), plus 1e-6."""
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.isfinite(got).all()
+    err = (got.float() - want.float()).abs()
+    bound = 2 * ULP[want.dtype] * want.float().abs() + 1e-6
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
+
+
+def _r(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 48), (5, 80)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_reference(dtype, shape, offset):
+    x = _r(*shape, dtype=dtype, seed=1, scale=3.0)
+    w = _r(shape[-1], dtype=dtype, seed=2, scale=0.5)
+    _close(rms_norm(x, w, 1e-6, offset), rms_norm_ref(x, w, 1e-6, offset))
+
+
+def test_rms_norm_strided_and_copied_rows():
+    """A transposed middle dim (two strided row dims) and a 3-level non-mergeable layout (copied)."""
+    base = _r(4, 3, 2, 40, dtype=torch.bfloat16, seed=3)
+    w = _r(40, dtype=torch.float32, seed=4)  # a float32 weight on a bf16 input: promotes to float32
+    for x in (base.transpose(0, 1), base.permute(2, 0, 1, 3), base[:, ::2]):
+        _close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32])  # None: the input's dtype (as the engine)
+def test_gated_rms_norm_matches_reference_with_a_strided_gate(dtype, weight_dtype):
+    """Qwen3-Next's GDN output norm: o (B, T, HV, V) contiguous, z a slice of the (B, T, H, 2K + 2rV) qkvz
+    projection output viewed per value head (H, r, V): two strided row dims."""
+    B, T, H, r, K, V = 2, 3, 2, 2, 8, 16
+    qkvz = _r(B, T, H, 2 * K + 2 * r * V, dtype=dtype, seed=5)
+    z = qkvz[..., 2 * K + r * V:].unflatten(-1, (r, V))  # (B, T, H, r, V), a view
+    o = _r(B, T, H, r, V, dtype=dtype, seed=6, scale=2.0)
+    w = _r(V, dtype=weight_dtype or dtype, seed=7)
+    _close(gated_rms_norm(o, z, w, 1e-6), gated_rms_norm_ref(o, z, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [16, 48])
+def test_gated_group_rms_norm_matches_reference(dtype, group):
+    y = _r(3, 2, 4 * group, dtype=dtype, seed=8, scale=2.0)
+    z = _r(3, 2, 4 * group, dtype=dtype, seed=9)
+    w = _r(4 * group, dtype=dtype, seed=10)
+    _close(gated_group_rms_norm(y, z, w, group, 1e-5), gated_group_rms_norm_ref(y, z, w, group, 1e-5))
+
+
+def test_bad_inputs_are_refused_with_the_problem_named():
+    x = _r(2, 32, dtype=torch.float32, seed=11)
+    cases = [
+        (lambda: rms_norm(x, _r(16, dtype=torch.float32, seed=0), 1e-6), "weight must be (32,)"),
+        (lambda: rms_norm(x.to(torch.int32), x[0], 1e-6), "x dtype must be one of"),
+        (lambda: gated_rms_norm(x, x[:1], x[0], 1e-6), "z must have x's shape"),
+        (lambda: gated_group_rms_norm(x, x, x[0], 12, 1e-6), "multiple of the group size"),
+        (lambda: gated_group_rms_norm(x, x, x[0, :16], 16, 1e-6), "weight must be (32,)"),
+    ]
+    for call, says in cases:
+        with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            call()
+
+
+def test_empty_rows_return_an_empty_tensor():
+    x = torch.empty(0, 3, 32, device=DEV)
+    assert rms_norm(x, torch.ones(32, device=DEV), 1e-6).shape == (0, 3, 32)
+
+
+def test_modules_take_the_kernel_only_on_cuda_outside_autograd():
+    """The engine's norm modules: the reference on the CPU and under autograd (the kernels have no
+    backward), so training and the CPU engine keep the PyTorch math."""
+    from runners.engine.models.layers import RMSNorm, use_norm_kernel
+
+    x = torch.randn(2, 8)
+    assert not use_norm_kernel(x)
+    with torch.no_grad():
+        assert not use_norm_kernel(x)  # the CPU
+    norm = RMSNorm(8, 1e-6, offset=1.0)
+    y = norm(x.requires_grad_())
+    y.sum().backward()  # the reference path: differentiable
+    assert x.grad is not None and norm.weight.grad is not None
+    if torch.cuda.is_available():
+        xc = torch.randn(2, 8, device="cuda")
+        assert use_norm_kernel(xc) is False  # grad enabled
+        with torch.no_grad():
+            assert use_norm_kernel(xc)
+
+
+@pytest.mark.gpu
+def test_gpu_release_shapes_and_cuda_graph_capture():
+    """Nemotron 3 Super (hidden 4096, Mamba2 d_inner 8192 in 8 groups of 1024) and Qwen3-Next (hidden 2048,
+    32 value heads of 128) at batch 64 x T 4 in bf16, against the references; then the three launches
+    captured in one CUDA graph and replayed on new inputs equal eager bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    bf = torch.bfloat16
+    x = _r(64, 4, 4096, dtype=bf, seed=12, scale=4.0)
+    w = _r(4096, dtype=bf, seed=13)
+    y, z = _r(64, 4, 8192, dtype=bf, seed=14), _r(64, 4, 8192, dtype=bf, seed=15)
+    wm = _r(8192, dtype=bf, seed=16)
+    qkvz = _r(64, 4, 16, 2 * 128 + 4 * 128, dtype=bf, seed=17)
+    zg = qkvz[..., 2 * 128 + 2 * 128:].unflatten(-1, (2, 128))
+    o = _r(64, 4, 16, 2, 128, dtype=bf, seed=18)
+    wg = _r(128, dtype=bf, seed=19)
+
+    def run():
+        return (rms_norm(x, w, 1e-5, 1.0), gated_group_rms_norm(y, z, wm, 1024, 1e-5),
+                gated_rms_norm(o, zg, wg, 1e-6))
+
+    eager = run()
+    for got, want in zip(eager, (rms_norm_ref(x, w, 1e-5, 1.0), gated_group_rms_norm_ref(y, z, wm, 1024, 1e-5),
+                                 gated_rms_norm_ref(o, zg, wg, 1e-6))):
+        _close(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for t in (x, y, z, o, qkvz):
+        t.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, run()):
+        assert torch.equal(got, want)
