@@ -5,9 +5,9 @@ Shapes: row lengths that are not powers of two (48, 80), Qwen3-Next's (1 + w) of
 with z a strided head slice of a projection output (two strided row dims), Mamba2's per-group norm with the
 weight over the whole row, and rows whose leading dims need a copy. float32 agrees to float32 rounding
 (the sum of squares is reduced in another order); 16-bit outputs may differ in their last bit (Triton's exp /
-rsqrt are the hardware approximations), so elements are compared at 2 ulps of their dtype, relative. Outputs are
-fresh ``torch.empty`` buffers and every element is compared. The engine's modules take the kernel exactly
-where ``use_norm_kernel`` says (CUDA, no autograd, not compiling).
+rsqrt are the hardware approximations), so elements are compared at 2 ulps of their dtype, relative.
+Outputs are fresh ``torch.empty`` buffers and every element is compared. The engine's modules take the kernel
+exactly where ``use_norm_kernel`` says (CUDA, no autograd, not compiling).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _close(got, want):
     assert torch.isfinite(got).all()
     err = (got.float() - want.float()).abs()
     bound = 2 * ULP[want.dtype] * want.float().abs() + 1e-6
-    assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
+    excess = (err - bound).max().item()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst excess {excess:.3g}"
 
 
 def _r(*shape, dtype, seed, scale=1.0):
@@ -149,8 +150,9 @@ def test_gpu_release_shapes_and_cuda_graph_capture():
                 gated_rms_norm(o, zg, wg, 1e-6))
 
     eager = run()
-    for got, want in zip(eager, (rms_norm_ref(x, w, 1e-5, 1.0), gated_group_rms_norm_ref(y, z, wm, 1024, 1e-5),
-                                 gated_rms_norm_ref(o, zg, wg, 1e-6))):
+    refs = (rms_norm_ref(x, w, 1e-5, 1.0), gated_group_rms_norm_ref(y, z, wm, 1024, 1e-5),
+            gated_rms_norm_ref(o, zg, wg, 1e-6))
+    for got, want in zip(eager, refs):
         _close(got, want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
