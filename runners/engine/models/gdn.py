@@ -101,7 +101,8 @@ class GDNOutput(NamedTuple):
 class GDNRuleInputs(NamedTuple):
     """Per-token inputs of the gated delta rule for T new tokens (`GatedDeltaNet.rule_inputs`).
 
-    q, k: (B, T, H, K) float32, L2-normalised, not scaled. v: (B, T, HV, V) in x's dtype.
+    q, k: (B, T, H, K) float32, L2-normalised, not scaled (raw, in x's dtype, from ``normalize_qk=False``).
+    v: (B, T, HV, V) in x's dtype.
     g, beta: (B, T, HV) float32 (log decay <= 0, write strength in (0, 1)). z: (B, T, HV, V) output gate.
     conv_in: (B, C, W - 1 + T) the previous conv window followed by the T new conv inputs; the window after
         n tokens is conv_in[:, :, n : n + W - 1] (`GatedDeltaNet.conv_state_after`).
@@ -225,11 +226,15 @@ class GatedDeltaNet(nn.Module):
 
     # -- stages (for callers that run the rule with their own kernel, e.g. Triton or replay) ---------------
 
-    def rule_inputs(self, x: Tensor, conv_state: Tensor | None = None) -> GDNRuleInputs:
+    def rule_inputs(self, x: Tensor, conv_state: Tensor | None = None,
+                    normalize_qk: bool = True) -> GDNRuleInputs:
         """Projections, causal conv + SiLU, L2 norm, gates: everything before the gated delta rule.
 
         x: (B, T, D); conv_state: (B, C, W - 1) or None (zeros). Pure function of its inputs (float32 conv
-        math). Returns GDNRuleInputs; q, k are L2-normalised but not scaled (the rule applies K^-0.5).
+        math). Returns GDNRuleInputs; q, k are L2-normalised (float32) but not scaled (the rule applies
+        K^-0.5); with ``normalize_qk=False`` they are returned raw in x's dtype, for a rule that normalises
+        them itself (``use_qk_l2norm_in_kernel=True``: the same ``l2norm`` of the same values, in its
+        registers on CUDA, two to four kernels fewer per decode block and half the q / k bytes).
         """
         B, T, _ = x.shape
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
@@ -241,8 +246,9 @@ class GatedDeltaNet(nn.Module):
             conv_in = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv.transpose(1, 2)], dim=-1)
         conv_out = F.silu(F.conv1d(conv_in.float(), self.conv1d.weight.float(), groups=self.conv_dim))
         q, k, v = conv_out.to(x.dtype).transpose(1, 2).split([H * K, H * K, HV * V], dim=-1)
-        q = l2norm(q.reshape(B, T, H, K))
-        k = l2norm(k.reshape(B, T, H, K))
+        q, k = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
+        if normalize_qk:
+            q, k = l2norm(q), l2norm(k)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return GDNRuleInputs(q, k, v.reshape(B, T, HV, V), g, beta, z, conv_in)
@@ -408,11 +414,12 @@ class GDNMixer(GatedDeltaNet):
         # the committed conv window: replay keeps it in the first W - 1 of its columns at PNAT = 0
         conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
         lengths = None if meta.all_valid else meta.lengths
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(conv))
-        if T == 1 and lengths is None:  # decode: the slots' states updated in place
+        decode = T == 1 and lengths is None  # else the chunked rule, which takes q, k normalised
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(conv), normalize_qk=not decode)
+        if decode:  # the slots' states updated in place
             rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
                                        fused_recurrent_gated_delta_rule_ref)
-            o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
+            o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=True,
                      stochastic_rounding=state.rounding)
         else:
             rule = kernel_or_reference(state.ssm_backend, chunk_gated_delta_rule, chunk_gated_delta_rule_ref)
@@ -430,10 +437,10 @@ class GDNMixer(GatedDeltaNet):
                 f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
                 "build the HybridCache with spec_tokens = T"
             )
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(state.conv))
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(state.conv), normalize_qk=False)
         rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule_ref)
-        o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=False,
+        o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=True,
                  update_state=False, intermediate_states=state.ssm_steps,
                  intermediate_state_indices=meta.slot_ids, stochastic_rounding=state.rounding)
         state.conv_steps.index_copy_(0, meta.row_index(state.ssm.shape[0]), conv_in.to(state.conv.dtype))
@@ -450,10 +457,10 @@ class GDNMixer(GatedDeltaNet):
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
         conv0 = state.conv[slots.conv_window_index(meta, W1, state.conv.shape[1])]  # (B, C, W - 1)
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0)
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv0, normalize_qk=False)
         verify = kernel_or_reference(state.ssm_backend, replay_verify, replay_verify_ref)
         o = verify(q, k, v, g, beta, state.ssm, state.history, meta.slot_ids, slots.prev_num_accepted,
-                   slots.buffer_index, use_qk_l2norm_in_kernel=False, stochastic_rounding=state.rounding)
+                   slots.buffer_index, use_qk_l2norm_in_kernel=True, stochastic_rounding=state.rounding)
         slots.verified = True
         state.conv.index_copy_(0, rows, conv_in[:, :, 1:].to(state.conv.dtype))
         return self.output(o, z)
