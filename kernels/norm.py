@@ -20,7 +20,7 @@ Mamba2 output norms; issue 27's op counts, benchmarks/count_step_ops.py). They a
 float32 rounding (the sum of squares is reduced in another order, and Triton's exp and rsqrt are the
 hardware approximations), so a 16-bit output may differ from the reference's in its last bit. No backward:
 the engine calls them on CUDA outside autograd and outside torch.compile (where inductor fuses the
-reference itself); ``runners.engine.models.layers.use_norm_kernel`` is that rule.
+reference itself); ``runners.engine.models.layers.use_inference_kernel`` is that rule.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ weight over the whole row, and rows whose leading dims need a copy. float32 agre
 (the sum of squares is reduced in another order); 16-bit outputs may differ in their last bit (Triton's exp /
 rsqrt are the hardware approximations), so elements are compared at 2 ulps of their dtype, relative.
 Outputs are fresh ``torch.empty`` buffers and every element is compared. The engine's modules take the kernel
-exactly where ``use_norm_kernel`` says (CUDA, no autograd, not compiling).
+exactly where ``use_inference_kernel`` says (CUDA, no autograd, not compiling).
 """
 
 from __future__ import annotations
@@ -111,21 +111,21 @@ def test_empty_rows_return_an_empty_tensor():
 def test_modules_take_the_kernel_only_on_cuda_outside_autograd():
     """The engine's norm modules: the reference on the CPU and under autograd (the kernels have no
     backward), so training and the CPU engine keep the PyTorch math."""
-    from runners.engine.models.layers import RMSNorm, use_norm_kernel
+    from runners.engine.models.layers import RMSNorm, use_inference_kernel
 
     x = torch.randn(2, 8)
-    assert not use_norm_kernel(x)
+    assert not use_inference_kernel(x)
     with torch.no_grad():
-        assert not use_norm_kernel(x)  # the CPU
+        assert not use_inference_kernel(x)  # the CPU
     norm = RMSNorm(8, 1e-6, offset=1.0)
     y = norm(x.requires_grad_())
     y.sum().backward()  # the reference path: differentiable
     assert x.grad is not None and norm.weight.grad is not None
     if torch.cuda.is_available():
         xc = torch.randn(2, 8, device="cuda")
-        assert use_norm_kernel(xc) is False  # grad enabled
+        assert use_inference_kernel(xc) is False  # grad enabled
         with torch.no_grad():
-            assert use_norm_kernel(xc)
+            assert use_inference_kernel(xc)
 
 
 @pytest.mark.gpu

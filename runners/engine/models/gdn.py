@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.gdn import (
@@ -44,9 +43,11 @@ from kernels.gdn import (
     replay_verify,
     replay_verify_ref,
 )
+from kernels.gdn.prologue import MAX_T as PROLOGUE_MAX_T
+from kernels.gdn.prologue import gdn_prologue, gdn_prologue_ref
 from kernels.norm import gated_rms_norm, gated_rms_norm_ref
 from runners.engine.cache import GDNReplayState, kernel_or_reference
-from runners.engine.models.layers import use_norm_kernel
+from runners.engine.models.layers import use_inference_kernel
 
 if TYPE_CHECKING:  # type hints only
     from runners.engine.cache import BatchMeta, GDNState
@@ -65,7 +66,7 @@ class GatedRMSNorm(nn.Module):
 
     The weight is a plain scale (not 1 + w as in Qwen3-Next's other norms). x, z: (..., V); output in x's
     dtype; statistics in float32 (as transformers' Qwen3NextRMSNormGated).
-    ``kernels.norm.gated_rms_norm_ref``, or its one-launch kernel where ``layers.use_norm_kernel``.
+    ``kernels.norm.gated_rms_norm_ref``, or its one-launch kernel where ``layers.use_inference_kernel``.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
@@ -74,7 +75,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        if use_norm_kernel(x):
+        if use_inference_kernel(x):
             return gated_rms_norm(x, z, self.weight, self.eps)
         return gated_rms_norm_ref(x, z, self.weight, self.eps)
 
@@ -237,21 +238,18 @@ class GatedDeltaNet(nn.Module):
         registers on CUDA, two to four kernels fewer per decode block and half the q / k bytes).
         """
         B, T, _ = x.shape
-        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        mixed_qkv, z, b, a = self._project(x)
-        # Causal depthwise conv over [previous W - 1 inputs, T new inputs].
-        if conv_state is None:
-            conv_in = F.pad(mixed_qkv.transpose(1, 2), (self.conv_kernel - 1, 0))  # (B, C, W - 1 + T)
-        else:
-            conv_in = torch.cat([conv_state.to(mixed_qkv.dtype), mixed_qkv.transpose(1, 2)], dim=-1)
-        conv_out = F.silu(F.conv1d(conv_in.float(), self.conv1d.weight.float(), groups=self.conv_dim))
-        q, k, v = conv_out.to(x.dtype).transpose(1, 2).split([H * K, H * K, HV * V], dim=-1)
-        q, k = q.reshape(B, T, H, K), k.reshape(B, T, H, K)
+        H, r, K, V = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * K + 2 * r * V)
+        ba = self.in_proj_ba(x).view(B, T, H, 2 * r)
+        # de-interleave, causal conv + SiLU over [window, new inputs], gates: one kernel on CUDA at step sizes
+        fused = use_inference_kernel(x) and T <= PROLOGUE_MAX_T
+        prologue = gdn_prologue if fused else gdn_prologue_ref
+        q, k, v, g, beta, conv_in = prologue(qkvz, ba, conv_state, self.conv1d.weight, self.A_log,
+                                             self.dt_bias, V)
+        z = qkvz[..., 2 * K + r * V:].reshape(B, T, H * r, V)
         if normalize_qk:
             q, k = l2norm(q), l2norm(k)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return GDNRuleInputs(q, k, v.reshape(B, T, HV, V), g, beta, z, conv_in)
+        return GDNRuleInputs(q, k, v, g, beta, z, conv_in)
 
     def output(self, o: Tensor, z: Tensor, lengths: Tensor | None = None) -> Tensor:
         """Everything after the rule: GatedRMSNorm(o, z) per value head, then out_proj.
@@ -292,20 +290,6 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}"
                              + (" (recurrent state layout is (B, HV, V, K), K contiguous)"
                                 if name == "recurrent_state" else " (conv state layout is (B, C, W - 1))"))
-
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> mixed_qkv (B, T, C) de-interleaved [Q | K | V], z (B, T, HV, V), b, a (B, T, HV)."""
-        B, T, _ = x.shape
-        H, r, K, V = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.head_k_dim, self.head_v_dim
-        qkvz = self.in_proj_qkvz(x).view(B, T, H, 2 * K + 2 * r * V)
-        z = qkvz[..., 2 * K + r * V :]
-        # de-interleaved [Q | K | V] in two copies into one buffer (a copy per slice then a cat: four kernels)
-        mixed_qkv = qkvz.new_empty(B, T, 2 * H * K + H * r * V)
-        mixed_qkv[..., : 2 * H * K].view(B, T, 2, H, K).copy_(
-            qkvz[..., : 2 * K].unflatten(-1, (2, K)).transpose(2, 3))
-        mixed_qkv[..., 2 * H * K :].view(B, T, H, r * V).copy_(qkvz[..., 2 * K : 2 * K + r * V])
-        b, a = self.in_proj_ba(x).view(B, T, H, 2 * r).split([r, r], dim=-1)
-        return mixed_qkv, z.reshape(B, T, H * r, V), b.reshape(B, T, H * r), a.reshape(B, T, H * r)
 
     def _forward(
         self,

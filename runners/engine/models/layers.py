@@ -30,17 +30,18 @@ from runners.engine.models.config import HybridConfig
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
 
-def use_norm_kernel(x: torch.Tensor) -> bool:
-    """Whether a norm runs its Triton kernel (kernels/norm.py) rather than its PyTorch reference: on CUDA,
-    outside autograd (the kernels have no backward) and outside torch.compile (inductor fuses the reference
-    itself; a kernel there would be a graph break)."""
+def use_inference_kernel(x: torch.Tensor) -> bool:
+    """Whether a block's elementwise stage runs its fused Triton kernel (the norms of kernels/norm.py, GDN's
+    prologue kernels/gdn/prologue.py) rather than its PyTorch reference: on CUDA, outside autograd (the
+    kernels have no backward) and outside torch.compile (inductor fuses the reference itself; a kernel there
+    would be a graph break)."""
     return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32, returned in the input dtype:
     ``(offset + w) * x / rms(x)``; ``offset`` is 0 for NemotronH and 1 for Qwen3-Next's ``(1 + w)`` norms.
-    ``kernels.norm.rms_norm_ref``, or its one-launch kernel where :func:`use_norm_kernel`."""
+    ``kernels.norm.rms_norm_ref``, or its one-launch kernel where :func:`use_inference_kernel`."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_norm_kernel(x):
+        if use_inference_kernel(x):
             return rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm_ref(x, self.weight, self.eps, self.offset)
 
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 class GatedGroupRMSNorm(nn.Module):
     """Mamba2 output norm: ``w * groupnorm_rms(y * silu(z))`` (gate before the norm), RMS taken per group of
     ``group_size`` channels (d_inner / n_groups). y, z: [..., d_inner]; returns float32 [..., d_inner].
-    ``kernels.norm.gated_group_rms_norm_ref``, or its one-launch kernel where :func:`use_norm_kernel`."""
+    ``kernels.norm.gated_group_rms_norm_ref``, or its one-launch kernel where :func:`use_inference_kernel`."""
 
     def __init__(self, dim: int, group_size: int, eps: float):
         super().__init__()
@@ -65,7 +66,7 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if use_norm_kernel(y):
+        if use_inference_kernel(y):
             return gated_group_rms_norm(y, z, self.weight, self.group_size, self.eps)
         return gated_group_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
 
