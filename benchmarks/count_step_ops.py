@@ -17,7 +17,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   ``new_empty``, ...) are counted apart (``views``) from the operators that run a kernel (``ops``);
 - each operator that runs as one Triton kernel on CUDA but as its PyTorch reference on the CPU (the
   recurrent-state operators of ``runners.engine.cache.kernel_or_reference``, the router's top-k
-  ``kernels.router.topk_route_ref``, the norms of kernels/norm.py, GDN's prologue) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
+  ``kernels.router.topk_route_ref``, the norms of kernels/norm.py, GDN's prologue, the shared-expert
+  combine) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
   launches on CUDA at decode sizes) count as one op named ``kernel:<name>``; the operators inside are not
   counted;
 - in a quantized ``--format``, each call of a quantized GEMM (the functions of
@@ -174,7 +175,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
     # the norms and GDN's prologue: one Triton kernel each on CUDA (layers.use_inference_kernel)
     norms = [(layers_mod, "rms_norm_ref"), (layers_mod, "gated_group_rms_norm_ref"), (gdn_mod, "gated_rms_norm_ref"),
-             (gdn_mod, "gdn_prologue_ref")]  # and GDN's prologue (kernels/gdn/prologue.py)
+             (gdn_mod, "gdn_prologue_ref"), (layers_mod, "shared_gate_combine_ref")]  # and the fused stages
     for m, attr in norms:
         saved.append((m, attr, getattr(m, attr)))
         setattr(m, attr, counter.opaque_kernel(attr.removesuffix("_ref"), getattr(m, attr)))

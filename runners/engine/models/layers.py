@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.router import topk_route, topk_route_ref
 from runners.engine.cache import BatchMeta, KVCache
@@ -32,7 +33,8 @@ from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
 def use_inference_kernel(x: torch.Tensor) -> bool:
     """Whether a block's elementwise stage runs its fused Triton kernel (the norms of kernels/norm.py, GDN's
-    prologue kernels/gdn/prologue.py) rather than its PyTorch reference: on CUDA, outside autograd (the
+    prologue kernels/gdn/prologue.py, the gated shared expert's combine kernels/moe_combine.py) rather than
+    its PyTorch reference: on CUDA, outside autograd (the
     kernels have no backward) and outside torch.compile (inductor fuses the reference itself; a kernel there
     would be a graph break)."""
     return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
@@ -372,9 +374,9 @@ class MoE(nn.Module):
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         shared = self.shared_experts(flat)
-        if self.shared_expert_gate is not None:
-            scale = torch.sigmoid(F.linear(flat.float(), self.shared_expert_gate.weight.float()))
-            shared = (scale * shared.float()).to(flat.dtype)
+        if self.shared_expert_gate is not None:  # routed + sigmoid(x . w) * shared: one kernel on CUDA
+            combine = shared_gate_combine if use_inference_kernel(flat) else shared_gate_combine_ref
+            return combine(flat, self.shared_expert_gate.weight, shared, routed).view(shape)
         return (routed + shared).view(shape)
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
