@@ -26,7 +26,10 @@ the run (a 1 GiB device-to-device copy timed with CUDA events, read + written by
 ``environment.copy_bandwidth_bytes_per_s``); ``floor_tokens_per_s`` the timed tokens per step at that floor
 (dotted in the plot); ``kernels_per_step``: device kernels per step under torch.profiler (memcpy / memset
 left out; None on the CPU). ``--compile on|off|both`` sets ``EngineOptions.compile`` per point (the row's
-``compile``; ``compile_seconds``: the compile before capture).
+``compile``; ``compile_seconds``: the compile before capture). ``--fused on|off|both``: the blocks' fused
+elementwise kernels (norms, GDN prologue, shared-expert combine) or their references per point (the row's
+``fused``; ``runners.engine.models.layers.fused_stages``), so their effect is measured in one run; the goals
+(``targets``) and the replay == rewind token fractions read the ``fused`` rows only.
 
 Models:
 - ``tiny_nemotron_h`` / ``tiny_qwen3_next``: the shipped checkpoints in float32 (their registry dtype), real
@@ -129,8 +132,20 @@ def new_tokens_for(args, K: int) -> int:
 
 
 def engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts, args, *, forced: bool,
-                 profile_dir: Path | None = None, compile_: bool = False) -> dict:
-    """Time one (model, arm, batch, graphs, compile) point (see the module docstring). Returns its row."""
+                 profile_dir: Path | None = None, compile_: bool = False, fused: bool = True) -> dict:
+    """Time one (model, arm, batch, graphs, compile, fused) point (see the module docstring). Returns its row.
+    ``fused`` False: the blocks' fused elementwise stages run their references (``--fused``)."""
+    from runners.engine.models.layers import fused_stages
+
+    with fused_stages(fused):
+        row = _engine_point(model, model_name, arm, B, graphs, prompts, args, forced=forced,
+                            profile_dir=profile_dir, compile_=compile_)
+    row["fused"] = fused
+    return row
+
+
+def _engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompts, args, *, forced: bool,
+                  profile_dir: Path | None = None, compile_: bool = False) -> dict:
     import torch
 
     from runners.engine import Engine
@@ -360,9 +375,12 @@ def token_digests(tokens: list[list[int]]) -> list[str]:
 
 def _find(rows, **kw):
     """The first timed row matching ``kw`` whose model outputs stayed finite (a row with ``nonfinite`` names
-    does not count towards a speed goal), or None."""
+    does not count towards a speed goal), or None. Rows of ``--fused off`` (the references of the fused
+    stages, a comparison) count only when ``kw`` asks for ``fused=False``."""
+    kw.setdefault("fused", True)
     for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()) and r.get("decode_tokens_per_s") and not r.get("nonfinite"):
+        if (all(r.get(k, True if k == "fused" else None) == v for k, v in kw.items()) and r.get("decode_tokens_per_s")
+                and not r.get("nonfinite")):
             return r
     return None
 
@@ -431,7 +449,10 @@ def _same_tokens(rows: list[dict]) -> dict:
     for r in rows:
         if r.get("arm") != "replay" or not r.get("token_digests"):
             continue
-        other = next((o for o in rows if o.get("arm") == "rewind" and o.get("token_digests") and all(
+        if r.get("fused", True) is False:
+            continue
+        other = next((o for o in rows if o.get("arm") == "rewind" and o.get("token_digests")
+                      and o.get("fused", True) is not False and all(
             o.get(k) == r.get(k) for k in ("model", "batch", "graphs", "compile", "forced_acceptance_length"))), None)
         if other is None or len(other["token_digests"]) != len(r["token_digests"]):
             continue
@@ -445,8 +466,8 @@ def _same_tokens(rows: list[dict]) -> dict:
 
 def plot(report: dict, path: Path) -> None:
     """Decode tokens/s against batch size, one panel per model: arms by colour, graphs solid, eager dashed,
-    compiled (``--compile``) square markers, each arm's weight-read floor (``floor_tokens_per_s``) dotted with triangles, HF transformers as black
-    crosses on the tiny panels."""
+    compiled (``--compile``) square markers, ``--fused off`` rows faded ("unfused"), each arm's weight-read
+    floor (``floor_tokens_per_s``) dotted with triangles, HF transformers as black crosses on the tiny panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,12 +483,14 @@ def plot(report: dict, path: Path) -> None:
         for arm, c in colours.items():
             for graphs in (True, False):
                 for comp in (False, True):
-                    pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows
-                                 if r.get("model") == m and r["arm"] == arm and bool(r["graphs"]) == graphs
-                                 and bool(r.get("compile")) == comp)
-                    if pts:
-                        ax.plot(*zip(*pts), color=c, ls="-" if graphs else "--", marker="s" if comp else "o",
-                                label=f"{arm} {'graphs' if graphs else 'eager'}{' compiled' if comp else ''}")
+                    for fused in (True, False):
+                        pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in rows
+                                     if r.get("model") == m and r["arm"] == arm and bool(r["graphs"]) == graphs
+                                     and bool(r.get("compile")) == comp and r.get("fused", True) == fused)
+                        if pts:
+                            ax.plot(*zip(*pts), color=c, ls="-" if graphs else "--", marker="s" if comp else "o",
+                                    alpha=1.0 if fused else 0.45, label=f"{arm} {'graphs' if graphs else 'eager'}"
+                                    f"{' compiled' if comp else ''}{'' if fused else ' unfused'}")
             floor = sorted({r["batch"]: r["floor_tokens_per_s"] for r in rows if r.get("model") == m
                             and r["arm"] == arm and r.get("floor_tokens_per_s")}.items())
             if floor:  # the weight-read floor as tokens/s: what the arm would reach at the copy bandwidth
@@ -569,10 +592,11 @@ def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
         for arm in args.arms:
             for graphs in args.graphs:
                 for comp in args.compile:
-                    label = dict(model=name, arm=arm, batch=B, graphs=graphs, compile=comp)
-                    run.point(lambda m=model, a=arm, b=B, g=graphs, c=comp: engine_point(
-                        m, name, a, b, g, prompts, args, forced=forced, compile_=c), **label)
-                    cleanup(args.device)
+                    for fused in args.fused:
+                        label = dict(model=name, arm=arm, batch=B, graphs=graphs, compile=comp, fused=fused)
+                        run.point(lambda m=model, a=arm, b=B, g=graphs, c=comp, f=fused: engine_point(
+                            m, name, a, b, g, prompts, args, forced=forced, compile_=c, fused=f), **label)
+                        cleanup(args.device)
     model = None  # the last reference: its memory goes before the next model is built
     cleanup(args.device)
 
@@ -586,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", default="both", choices=["both", "on", "off"])
     p.add_argument("--compile", default="off", choices=["both", "on", "off"],
                    help="EngineOptions.compile (torch.compile of the step's per-layer math) per point")
+    p.add_argument("--fused", default="on", choices=["both", "on", "off"],
+                   help="the blocks' fused elementwise kernels (norms, GDN prologue, shared-expert combine; "
+                        "runners.engine.models.layers.use_inference_kernel) per point; off: their references")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per point (about)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--hf-steps", type=int, default=32, help="tokens HF generate times per point")
@@ -619,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--accept-length {args.accept_length} must lie in [1, K + 1 = 4]")
     args.graphs = {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
     args.compile = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    args.fused = {"both": [True, False], "on": [True], "off": [False]}[args.fused]
     profile = None
     if args.profile:
         bits = args.profile.split(":")
@@ -726,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         run.report["models"][name] = info
         forced = name in SYNTH or name in FULL or args.tiny_forced
         run.point(lambda: engine_point(model, name, arm, B, graphs, prompts, args, forced=forced,
-                                       profile_dir=run.out, compile_=args.compile[-1]),
+                                       profile_dir=run.out, compile_=args.compile[-1], fused=args.fused[0]),
                   model=name, arm=arm, batch=B, graphs=graphs)
         return 0
 

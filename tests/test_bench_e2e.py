@@ -91,6 +91,27 @@ def test_refuses_a_bad_synth_set_before_any_point(setting, tmp_path, capsys, mon
     assert not (tmp_path / "o").exists()
 
 
+def test_fused_stages_switch_restores_and_bench_times_both(tmp_path):
+    """fused_stages(False) turns use_inference_kernel off (the references run), restores on exit, even on an
+    exception; bench_e2e --fused both times each point both ways (rows carry ``fused``)."""
+    import torch
+
+    from runners.engine.models import layers
+
+    assert layers.FUSED_STAGES is True
+    with pytest.raises(RuntimeError), layers.fused_stages(False):
+        assert layers.FUSED_STAGES is False
+        assert not layers.use_inference_kernel(torch.zeros(1))
+        raise RuntimeError
+    assert layers.FUSED_STAGES is True
+    out = tmp_path / "bench"
+    proc = _run(["--out", str(out), "--parts", "super_v3", "--arms", "plain", "--fused", "both", *FAST])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "bench_e2e.json").read_text())["rows"]
+    assert sorted(r["fused"] for r in rows) == [False, True]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
+
+
 def test_cpu_run_reports_every_point(tmp_path):
     out = tmp_path / "bench"
     proc = _run(["--out", str(out), "--parts", "tiny,hf,super_v3", "--arms", "plain", "replay", *FAST])
@@ -208,3 +229,11 @@ def test_targets_are_the_issues_goals_per_model_and_compile_mode():
     assert t2["m_replay_tokens_equal_rewind"]["value"] == {8: 1.0}
     assert t2["m_eager_replay_tokens_equal_rewind"]["value"] == {8: 0.5}
     assert t2["super_v3_replay_vs_plain_b8"]["value"] is None
+    # --fused off rows (the references of the fused stages, a comparison) count towards no goal and no token
+    # fraction; rows without the key (older runs) are fused rows
+    t3 = evaluate_targets([{**row("super_v3", "plain", 1, 1e9, floor_ms=2.5), "fused": False},
+                           row("super_v3", "plain", 1, 250.0, floor_ms=2.5, fused=True),
+                           {**row("m", "replay", 8, 10.0, token_digests=["a"]), "fused": False},
+                           row("m", "rewind", 8, 10.0, token_digests=["a"])])
+    assert t3["super_v3_plain_b1_step_over_floor"]["value"] == 1.6
+    assert "m_replay_tokens_equal_rewind" not in t3

@@ -16,6 +16,7 @@ k top-k, L latent size (= D without a latent projection), I expert intermediate 
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -30,6 +31,23 @@ from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
 
+# The switch benchmarks flip to time the fused stages against their references in one run
+# (`benchmarks/bench_e2e.py --fused both`, through :func:`fused_stages`); True in every other use.
+FUSED_STAGES = True
+
+
+@contextlib.contextmanager
+def fused_stages(enabled: bool):
+    """Within the block, :func:`use_inference_kernel` is False everywhere when ``enabled`` is False (the
+    references run: the step as before the fused kernels); restores the previous setting on exit. An engine
+    built inside keeps, in its captured CUDA graphs, the stages chosen at capture."""
+    global FUSED_STAGES
+    saved, FUSED_STAGES = FUSED_STAGES, bool(enabled)
+    try:
+        yield
+    finally:
+        FUSED_STAGES = saved
+
 
 def use_inference_kernel(x: torch.Tensor) -> bool:
     """Whether a block's elementwise stage runs its fused Triton kernel (the norms of kernels/norm.py, GDN's
@@ -37,7 +55,8 @@ def use_inference_kernel(x: torch.Tensor) -> bool:
     its PyTorch reference: on CUDA, outside autograd (the
     kernels have no backward) and outside torch.compile (inductor fuses the reference itself; a kernel there
     would be a graph break)."""
-    return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return (FUSED_STAGES and x.is_cuda and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 class RMSNorm(nn.Module):
