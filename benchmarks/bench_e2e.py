@@ -541,7 +541,7 @@ class Run:
     def add(self, row: dict) -> None:
         row["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         self.report["rows"].append(row)
-        brief = {k: row.get(k) for k in ("model", "arm", "batch", "graphs", "compile", "decode_tokens_per_s",
+        brief = {k: row.get(k) for k in ("model", "arm", "batch", "graphs", "compile", "fused", "decode_tokens_per_s",
                                          "step_ms", "floor_ms", "kernels_per_step", "acceptance_length",
                                          "error", "skipped")}
         say(f"[{row['elapsed_s']:7.1f} s] " + json.dumps({k: v for k, v in brief.items() if v is not None}))
