@@ -173,12 +173,20 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
 
     saved = [(m, "kernel_or_reference", original) for m in (cache_mod, gdn_mod, mamba2_mod)]
     saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
-    # the norms and GDN's prologue: one Triton kernel each on CUDA (layers.use_inference_kernel)
-    norms = [(layers_mod, "rms_norm_ref"), (layers_mod, "gated_group_rms_norm_ref"), (gdn_mod, "gated_rms_norm_ref"),
-             (gdn_mod, "gdn_prologue_ref"), (layers_mod, "shared_gate_combine_ref")]  # and the fused stages
-    for m, attr in norms:
+    # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel run as
+    # its reference (same signature) and counted as the one launch it is on CUDA
+    for m in (layers_mod, gdn_mod):
+        saved.append((m, "use_inference_kernel", m.use_inference_kernel))
+        m.use_inference_kernel = lambda x: True
+    from kernels import moe_combine, norm, rope
+    from kernels.gdn import prologue
+
+    fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
+             (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
+             (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue")]
+    for m, owner, attr in fused:
         saved.append((m, attr, getattr(m, attr)))
-        setattr(m, attr, counter.opaque_kernel(attr.removesuffix("_ref"), getattr(m, attr)))
+        setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))
     saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
     for m in (cache_mod, gdn_mod, mamba2_mod):
         m.kernel_or_reference = kernel_or_reference

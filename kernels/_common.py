@@ -78,6 +78,30 @@ def check_rows(slot_ids: torch.Tensor, indices: torch.Tensor | None, buffer_rows
     check_dtype(indices, INDEX_DTYPES, "intermediate_state_indices", name)
 
 
+def row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(t or a contiguous copy, R1, s0, s1) for a kernel that walks t's rows: logical row r of t (its dims but
+    the last, row-major) starts at element (r // R1) * s0 + (r % R1) * s1; the last dim has stride 1. Up to
+    two strided row dims stay views (e.g. a head slice of a projection output); more are copied."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    dims = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == stride * size:  # merges with the dim before it
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if not dims:
+        return t, 1, 0, 0
+    if len(dims) == 1:
+        return t, dims[0][0], 0, dims[0][1]
+    if len(dims) == 2:
+        return t, dims[1][0], dims[0][1], dims[1][1]
+    t = t.contiguous()
+    return t, max(1, t.numel() // t.shape[-1]), 0, t.shape[-1]
+
+
 @triton.jit
 def round_rne(v, dtype: tl.constexpr):
     """fp32 v rounded to ``dtype`` (round to nearest, ties to even, as torch's casts) and returned as fp32.

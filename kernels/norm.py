@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import check_launchable, round_rne
+from kernels._common import check_launchable, round_rne, row_layout
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The largest group one program holds in registers (Super V3's hidden size is 4096, Qwen3-Next's 2048).
@@ -122,30 +122,6 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, s
     tl.store(out_ptr + out_row + cols, round_rne(y, out_dtype).to(out_dtype), mask=valid)
 
 
-def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """(t or a contiguous copy, R1, s0, s1): logical row r of t (its dims but the last, row-major) starts at
-    element (r // R1) * s0 + (r % R1) * s1; the last dim has stride 1. Up to two strided row dims stay views
-    (e.g. a head slice of a projection output); more are copied."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        t = t.contiguous()
-    dims = []
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-        if size == 1:
-            continue
-        if dims and dims[-1][1] == stride * size:  # merges with the dim before it
-            dims[-1] = (dims[-1][0] * size, stride)
-        else:
-            dims.append((size, stride))
-    if not dims:
-        return t, 1, 0, 0
-    if len(dims) == 1:
-        return t, dims[0][0], 0, dims[0][1]
-    if len(dims) == 2:
-        return t, dims[1][0], dims[0][1], dims[1][1]
-    t = t.contiguous()
-    return t, max(1, t.numel() // t.shape[-1]), 0, t.shape[-1]
-
-
 def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int, eps: float,
             offset: float, out_dtype: torch.dtype, name: str) -> torch.Tensor:
     tensors = (x, weight) if z is None else (x, z, weight)
@@ -164,8 +140,8 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
     rows = out.numel() // N if N else 0
     if rows == 0 or N == 0:
         return out
-    xv, R1x, sx0, sx1 = _row_layout(x)
-    zv, R1z, sz0, sz1 = _row_layout(z) if z is not None else (xv, R1x, sx0, sx1)
+    xv, R1x, sx0, sx1 = row_layout(x)
+    zv, R1z, sz0, sz1 = row_layout(z) if z is not None else (xv, R1x, sx0, sx1)
     weight = weight.contiguous()
     round_wx = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     block = triton.next_power_of_2(group)

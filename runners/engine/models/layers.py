@@ -25,6 +25,7 @@ from torch import nn
 
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rope import norm_rope, rope_rotate
 from kernels.router import topk_route, topk_route_ref
 from runners.engine.cache import BatchMeta, KVCache
 from runners.engine.compile import eager_op
@@ -114,16 +115,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
 
 
-def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope` with its angles given (:func:`rope_cos_sin`): x [B, T, H, hd]; rd = 2 *
-    cos.shape[-1]. Computed in float32, returned in x's dtype; pure function."""
-    rd = 2 * cos.shape[-1]
-    rot, rest = x[..., :rd].float(), x[..., rd:]
-    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([rot.to(x.dtype), rest], dim=-1)
-
-
 class Attention(nn.Module):
     """Causal GQA self-attention, scale head_dim^-0.5, with the options of ``HybridConfig``:
 
@@ -175,8 +166,6 @@ class Attention(nn.Module):
             q, gate = self.q_proj(hidden).view(b, T, self.num_heads, self.head_dim), None
         k = self.k_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         dev = hidden.device
         # [T] or [B, T] absolute positions; what derives from the batch alone (positions, RoPE angles, write
         # rows, mask) is computed once per forward and shared by the attention layers (BatchMeta.shared)
@@ -189,7 +178,15 @@ class Attention(nn.Module):
                 return rope_cos_sin(pos, rope_inv_freq(self.rotary_dim, self.rope_theta, dev))
             cos, sin = angles() if kv is None else meta.shared(("rope", T, self.rotary_dim, self.rope_theta),
                                                                  angles)
-            q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+        if self.q_norm is not None and self.rotary_dim and use_inference_kernel(q):
+            # the head norms and the rotation in one launch per tensor (kernels/rope.py)
+            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.q_norm.offset, cos, sin)
+            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.k_norm.offset, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary_dim:
+                q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
         if kv is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
