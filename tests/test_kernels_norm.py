@@ -131,6 +131,18 @@ def test_mixed_input_and_weight_dtypes_follow_the_references_promotion(dtype, we
     _close(gated_group_rms_norm(x, z, w, 8, 1e-6), gated_group_rms_norm_ref(x, z, w, 8, 1e-6))
 
 
+def test_a_nan_stays_nan_in_a_bf16_output():
+    """A NaN with high payload bits (0x7FFFFFFF, the GPU's canonical NaN; here a gate element) reaches the
+    kernels' bf16 rounding (kernels._common.round_rne), whose integer carry used to turn it into -0.0: the
+    output is NaN where the reference's is, and equal elsewhere."""
+    x, w = _r(2, 16, dtype=torch.bfloat16, seed=23), _r(16, dtype=torch.bfloat16, seed=24)
+    z = _r(2, 16, dtype=torch.float32, seed=25)
+    z.view(torch.int32)[0, 3] = 0x7FFFFFFF
+    got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
+    assert torch.isnan(want[0, 3]) and torch.equal(torch.isnan(got), torch.isnan(want))
+    _close(got[1], want[1])
+
+
 def test_modules_take_the_kernel_only_on_cuda_outside_autograd():
     """The engine's norm modules: the reference on the CPU and under autograd (the kernels have no
     backward), so training and the CPU engine keep the PyTorch math."""
