@@ -438,6 +438,19 @@ def _flashinfer_gdn_rows(timer: Timer, dev: str) -> dict:
     return {"float32": res}
 
 
+def time_peers(res: dict, procs, dtypes, timer: Timer, dev: str, nbytes_of: dict, deadline_s: float,
+               no_flashinfer: bool = False) -> None:
+    """The peers at the headline into ``res`` ("flashinfer", "fla", "flashinfer_gdn"), none of them timed
+    beside a FlashInfer JIT warm-up (kperf_4's fla rows, timed during the builds, read 1.2-1.5x slow): first
+    waits for the warm-ups ``procs`` until ``deadline_s`` (time.time() seconds), then FlashInfer's rows (which
+    kill a warm-up still building then), then fla-core's and FlashInfer's GDN rows. Mutates ``res``."""
+    warmups_done(procs, max(0.0, deadline_s - time.time()))
+    res["flashinfer"] = ({"error": "--no-flashinfer"} if no_flashinfer
+                         else _flashinfer_rows(procs, dtypes, timer, nbytes_of, deadline_s))
+    res["fla"] = _fla_rows(dtypes, timer, dev)
+    res["flashinfer_gdn"] = {"error": "--no-flashinfer"} if no_flashinfer else _flashinfer_gdn_rows(timer, dev)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the engine's defaults table (kernels/replay_defaults.json, read by kernels.replay_defaults)
 # ---------------------------------------------------------------------------------------------------------
@@ -628,22 +641,14 @@ def sweep(args) -> dict:
                 torch.cuda.empty_cache()
 
     # 3-4. the peers at the headline (FlashInfer's checkpointing_ssu / selective_state_update, fla-core's and
-    # FlashInfer's GDN kernels), timed once FlashInfer's JIT warm-ups are over (they ran beside the headline:
-    # kperf_4's fla rows, timed during them, read 1.2-1.5x slow): here when the warm-ups end within
-    # FLASHINFER_EARLY_WAIT_S, else after the grid, so that a slow build does not eat the grid's budget
-    # (res["flashinfer_timed"] says which)
-    def time_peers(deadline_s: float) -> None:
-        res["fla"] = _fla_rows(dtypes, timer, dev)
-        res["flashinfer_gdn"] = {"error": "--no-flashinfer"} if args.no_flashinfer else _flashinfer_gdn_rows(
-            timer, dev)
-        res["flashinfer"] = ({"error": "--no-flashinfer"} if args.no_flashinfer
-                             else _flashinfer_rows(procs, dtypes, timer, nbytes_of, deadline_s))
-
+    # FlashInfer's GDN kernels), timed once FlashInfer's JIT warm-ups are over (they ran beside the headline;
+    # `time_peers`): here when the warm-ups end within FLASHINFER_EARLY_WAIT_S, else after the grid, so that a
+    # slow build does not eat the grid's budget (res["flashinfer_timed"] says which)
     if dry:
         res["fla"] = res["flashinfer_gdn"] = res["flashinfer"] = {"error": "--dry-run: no GPU"}
     elif args.no_flashinfer or warmups_done(procs, FLASHINFER_EARLY_WAIT_S):
         res["flashinfer_timed"] = "before the confirmation"
-        time_peers(time.time() + 60)
+        time_peers(res, procs, dtypes, timer, dev, nbytes_of, time.time() + 60, args.no_flashinfer)
     # 4b. confirmation: the headline's leaders timed again now that nothing runs beside the sweep; the
     # stochastic-rounding rows and the grid use the confirmed choice
     res["confirm"] = confirm_headline(res, dtypes, hb, hT, timer, dev, dry)
@@ -697,7 +702,8 @@ def sweep(args) -> dict:
 
     if "flashinfer" not in res:  # the warm-ups were still building after the headline
         res["flashinfer_timed"] = "after the grid"
-        time_peers(max(deadline, time.time() + 60) + args.flashinfer_extra_s)
+        time_peers(res, procs, dtypes, timer, dev, nbytes_of, max(deadline, time.time() + 60) + args.flashinfer_extra_s,
+                   args.no_flashinfer)
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)

@@ -107,11 +107,12 @@ def round_rne(v, dtype: tl.constexpr):
     """fp32 v rounded to ``dtype`` (round to nearest, ties to even, as torch's casts) and returned as fp32.
     bf16 by integer arithmetic on the fp32 bits (add 0x7FFF plus the lowest kept bit, clear the low 16: the
     standard round-to-nearest-even of fp32 -> bf16), because Triton's interpreter truncates in its bf16 cast
-    (on the GPU the cast is cvt.rn and gives the same values)."""
+    (on the GPU the cast is cvt.rn and gives the same values). A NaN stays NaN: the integer rounding would carry
+    NaNs with high payload bits (0x7FFFFFFF, the GPU's canonical NaN) out of the exponent, to -0.0 / +0.0."""
     if dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        res = bits.to(tl.float32, bitcast=True)
+        res = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
     else:
         res = v.to(dtype).to(tl.float32)
     return res

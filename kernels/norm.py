@@ -89,7 +89,7 @@ def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Ten
 
 @triton.jit
 def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, sz1, eps, offset,
-                 MODE: tl.constexpr, ROUND_WX: tl.constexpr, W_SPANS_ROW: tl.constexpr, BLOCK: tl.constexpr):
+                 MODE: tl.constexpr, ROUND_WX: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NG
     grp = pid % NG
@@ -104,8 +104,7 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, s
         gate = z / (1.0 + tl.exp(-z))  # silu, as torch computes it in float32
     if MODE == 2:
         x = x * gate
-    wofs = grp * G + cols if W_SPANS_ROW else cols
-    w = tl.load(w_ptr + wofs, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + grp * G + cols, mask=valid, other=0.0).to(tl.float32)  # the weight spans the row
     x_hat = x * tl.rsqrt(tl.sum(x * x, axis=0) / G + eps)
     if MODE == 0:
         y = (w + offset) * x_hat
@@ -122,7 +121,7 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, s
     tl.store(out_ptr + out_row + cols, round_rne(y, out_dtype).to(out_dtype), mask=valid)
 
 
-def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int, eps: float,
+def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int | None, eps: float,
             offset: float, out_dtype: torch.dtype, name: str) -> torch.Tensor:
     tensors = (x, weight) if z is None else (x, z, weight)
     check_launchable(*tensors, name=name)
@@ -131,15 +130,21 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
             raise ValueError(f"{name}: {what} dtype must be one of {NORM_DTYPES}, got {t.dtype}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"{name}: z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: x must have at least one dim (the normalised one), got a 0-dim tensor")
     N = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] not in (N, group):
-        raise ValueError(f"{name}: weight must be ({N},) (or one group, ({group},)), got {tuple(weight.shape)}")
-    if N % group or group > MAX_GROUP:
-        raise ValueError(f"{name}: the last dim {N} must be a multiple of the group size {group} <= {MAX_GROUP}")
+    group = N if group is None else group  # None: the whole row
+    if weight.dim() != 1 or weight.shape[0] != N:
+        raise ValueError(f"{name}: weight must be ({N},), got {tuple(weight.shape)}")
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    rows = out.numel() // N if N else 0
-    if rows == 0 or N == 0:
+    if out.numel() == 0:  # no rows, or empty rows (as the references: an empty result)
         return out
+    if group < 1 or N % group:
+        raise ValueError(f"{name}: the last dim {N} must be a multiple of the group size {group} (>= 1)")
+    if group > MAX_GROUP:
+        raise ValueError(f"{name}: a row / group of {group} elements is more than one program holds "
+                         f"(MAX_GROUP = {MAX_GROUP}); call the `*_ref` reference for it")
+    rows = out.numel() // N
     xv, R1x, sx0, sx1 = row_layout(x)
     zv, R1z, sz0, sz1 = row_layout(z) if z is not None else (xv, R1x, sx0, sx1)
     weight = weight.contiguous()
@@ -147,8 +152,7 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(group)
     _norm_kernel[(rows * (N // group),)](
         xv, zv, weight, out, group, N // group, R1x, sx0, sx1, R1z, sz0, sz1, float(eps), float(offset),
-        MODE=mode, ROUND_WX=round_wx, W_SPANS_ROW=weight.shape[0] == N,
-        BLOCK=block, num_warps=4 if block <= 2048 else 8)
+        MODE=mode, ROUND_WX=round_wx, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out
 
 
@@ -157,10 +161,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     strides; weight: [N]. Returns a new contiguous tensor in x's dtype; mutates nothing.
 
     Raises:
-        ValueError: CPU tensors without the Triton interpreter, a dtype outside NORM_DTYPES, a weight of
-            another length, N > MAX_GROUP.
+        ValueError: CPU tensors without the Triton interpreter, a dtype outside NORM_DTYPES, a 0-dim x, a
+            weight of another length, N > MAX_GROUP.
     """
-    return _launch(0, x, None, weight, x.shape[-1], eps, offset, x.dtype, "rms_norm")
+    return _launch(0, x, None, weight, None, eps, offset, x.dtype, "rms_norm")
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,7 +174,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     Raises:
         ValueError: as :func:`rms_norm`, or z of another shape.
     """
-    return _launch(1, x, z, weight, x.shape[-1], eps, 0.0, x.dtype, "gated_rms_norm")
+    return _launch(1, x, z, weight, None, eps, 0.0, x.dtype, "gated_rms_norm")
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -179,8 +183,7 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     weight: [N]; N a multiple of group_size <= MAX_GROUP. Returns float32 [..., N], contiguous.
 
     Raises:
-        ValueError: as :func:`gated_rms_norm`, or N not a multiple of group_size.
+        ValueError: as :func:`gated_rms_norm` (group_size > MAX_GROUP), or N not a multiple of group_size,
+            group_size < 1.
     """
-    if weight.shape[-1:] != y.shape[-1:]:
-        raise ValueError(f"gated_group_rms_norm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
     return _launch(2, y, z, weight, group_size, eps, 0.0, torch.float32, "gated_group_rms_norm")

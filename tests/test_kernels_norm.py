@@ -97,6 +97,11 @@ def test_bad_inputs_are_refused_with_the_problem_named():
         (lambda: gated_rms_norm(x, x[:1], x[0], 1e-6), "z must have x's shape"),
         (lambda: gated_group_rms_norm(x, x, x[0], 12, 1e-6), "multiple of the group size"),
         (lambda: gated_group_rms_norm(x, x, x[0, :16], 16, 1e-6), "weight must be (32,)"),
+        (lambda: gated_group_rms_norm(x, x, x[0], 0, 1e-6), "multiple of the group size 0 (>= 1)"),
+        (lambda: gated_group_rms_norm(x, x, x[0], -16, 1e-6), "multiple of the group size -16 (>= 1)"),
+        (lambda: rms_norm(x[0, 0], x[0, :1], 1e-6), "x must have at least one dim"),
+        (lambda: rms_norm(torch.ones(1, 2**14 + 1, device=DEV), torch.ones(2**14 + 1, device=DEV), 1e-6),
+         "more than one program holds"),
     ]
     for call, says in cases:
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
@@ -104,8 +109,38 @@ def test_bad_inputs_are_refused_with_the_problem_named():
 
 
 def test_empty_rows_return_an_empty_tensor():
-    x = torch.empty(0, 3, 32, device=DEV)
-    assert rms_norm(x, torch.ones(32, device=DEV), 1e-6).shape == (0, 3, 32)
+    """No rows, or rows of length 0: an empty result of the reference's shape and dtype (no launch)."""
+    for shape in ((0, 3, 32), (3, 0)):
+        x, w = torch.empty(shape, device=DEV), torch.ones(shape[-1], device=DEV)
+        pairs = ((rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)),
+                 (gated_rms_norm(x, x, w, 1e-6), gated_rms_norm_ref(x, x, w, 1e-6)),
+                 (gated_group_rms_norm(x, x, w, 16, 1e-6), gated_group_rms_norm_ref(x, x, w, 16, 1e-6)))
+        for got, want in pairs:
+            assert got.shape == want.shape == shape and got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_input_and_weight_dtypes_follow_the_references_promotion(dtype, weight_dtype):
+    """fp16 activations with a bf16 weight (their product promotes to float32), float32 weights on 16-bit
+    inputs, and a gate of another dtype than x: each norm as its reference."""
+    x, z = _r(3, 40, dtype=dtype, seed=20, scale=3.0), _r(3, 40, dtype=torch.bfloat16, seed=21)
+    w = _r(40, dtype=weight_dtype, seed=22)
+    _close(rms_norm(x, w, 1e-6, 1.0), rms_norm_ref(x, w, 1e-6, 1.0))
+    _close(gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6))
+    _close(gated_group_rms_norm(x, z, w, 8, 1e-6), gated_group_rms_norm_ref(x, z, w, 8, 1e-6))
+
+
+def test_a_nan_stays_nan_in_a_bf16_output():
+    """A NaN with high payload bits (0x7FFFFFFF, the GPU's canonical NaN; here a gate element) reaches the
+    kernels' bf16 rounding (kernels._common.round_rne), whose integer carry used to turn it into -0.0: the
+    output is NaN where the reference's is, and equal elsewhere."""
+    x, w = _r(2, 16, dtype=torch.bfloat16, seed=23), _r(16, dtype=torch.bfloat16, seed=24)
+    z = _r(2, 16, dtype=torch.float32, seed=25)
+    z.view(torch.int32)[0, 3] = 0x7FFFFFFF
+    got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
+    assert torch.isnan(want[0, 3]) and torch.equal(torch.isnan(got), torch.isnan(want))
+    _close(got[1], want[1])
 
 
 def test_modules_take_the_kernel_only_on_cuda_outside_autograd():

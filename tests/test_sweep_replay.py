@@ -299,3 +299,30 @@ def test_warmups_done_waits_a_bounded_time_and_keeps_the_output():
     assert not sweep_replay.warmups_done([quick, slow], 0.2)
     assert slow.poll() is None  # still running, not killed
     assert sweep_replay._warmup_output(slow, 30.0).strip() == "late"
+
+
+def test_peers_are_timed_after_the_warmups_end(monkeypatch):
+    """time_peers, as the sweep calls it after the grid while a FlashInfer warm-up may still be building: it
+    waits for the warm-up (up to its deadline) before timing any peer, fla-core's first row included (kperf_4
+    timed fla during the builds: 1.2-1.5x slow); with --no-flashinfer only fla-core's rows are timed."""
+    import subprocess
+    import time
+
+    build = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); print('built')"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+
+    def peer(name):
+        return lambda *a, **k: seen.append((name, build.poll() is not None)) or {"row": name}
+
+    for fn in ("_flashinfer_rows", "_fla_rows", "_flashinfer_gdn_rows"):
+        monkeypatch.setattr(sweep_replay, fn, peer(fn))
+    res = {}
+    sweep_replay.time_peers(res, [build], ["bfloat16"], None, "cuda", {}, time.time() + 30)
+    assert sorted(name for name, _ in seen) == ["_fla_rows", "_flashinfer_gdn_rows", "_flashinfer_rows"]
+    assert all(ended for _, ended in seen), seen
+    assert res == {"flashinfer": {"row": "_flashinfer_rows"}, "fla": {"row": "_fla_rows"},
+                   "flashinfer_gdn": {"row": "_flashinfer_gdn_rows"}}
+    seen.clear()
+    sweep_replay.time_peers(res, [], ["bfloat16"], None, "cuda", {}, time.time() + 30, no_flashinfer=True)
+    assert [name for name, _ in seen] == ["_fla_rows"] and res["flashinfer"] == {"error": "--no-flashinfer"}
