@@ -462,9 +462,10 @@ def time_peers(res: dict, procs, dtypes, timer: Timer, dev: str, nbytes_of: dict
 ENGINE_OPS = {"mamba2_per_step": ("m2_write",), "mamba2_checkpointing": ("m2_ckpt", "m2_flush"), "gdn": ("gdn",)}
 DEFAULTS_RULE = (
     "per (operation, state dtype, shape, grid batch): among the configurations that matched the reference at "
-    "the headline for every sweep operator of the operation (ENGINE_OPS) and were timed at every grid T for "
-    "each of them, the one with the least sum over those operators of the median over T of the time; the "
-    "headline rows alone decide a headline (shape, batch) the grid did not reach for every operator")
+    "the headline for every sweep operator of the operation (ENGINE_OPS) and were timed, for each of them, at "
+    "every grid T at which all of them were timed, the one with the least sum over those operators of the "
+    "median over those T of the time; the headline rows alone decide a headline (shape, batch) where those T "
+    "lack the headline T")
 
 
 def _shape_class(family: str, dims) -> str:
@@ -476,11 +477,16 @@ def _shape_class(family: str, dims) -> str:
 
 
 def _grid_cost(by_cfg: dict, ops) -> tuple[list, dict]:
-    """(the T values, {config: sum over `ops` of the median over T of its time in us}) of one (shape, batch)
-    point, `by_cfg` = {config: {op: {T: us}}}; only configurations timed at every T for every op count."""
-    ts = sorted({t for per_op in by_cfg.values() for d in per_op.values() for t in d})
+    """(T values, {config: sum over `ops` of the median over those T of its time in us}) of one (shape, batch)
+    point, `by_cfg` = {config: {op: {T: us}}}. The T values are those at which every operator was timed (a
+    budget-cut grid may have timed one operator at fewer); only configurations timed at each of them for
+    every operator count."""
+    per_op_ts = [{t for per_op in by_cfg.values() for t in per_op.get(op, {})} for op in ops]
+    ts = sorted(set.intersection(*per_op_ts)) if per_op_ts else []
+    if not ts:
+        return [], {}
     cost = {c: round(sum(statistics.median(per_op[op][t] for t in ts) for op in ops), 2)
-            for c, per_op in by_cfg.items() if all(op in per_op and set(per_op[op]) == set(ts) for op in ops)}
+            for c, per_op in by_cfg.items() if all(op in per_op and set(ts) <= set(per_op[op]) for op in ops)}
     return ts, cost
 
 
@@ -512,7 +518,8 @@ def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
                 points[hl_point] = hl_cells
             for (shape, batch), by_cfg in sorted(points.items()):
                 ts, cost = _grid_cost(by_cfg, ops)
-                if not cost and (shape, batch) == hl_point:  # the grid reached it for some operators only
+                if (shape, batch) == hl_point and (not cost or hl["T"] not in ts):
+                    # the grid timed every operator only at other T (or none): the headline's confirmed rows
                     ts, cost = _grid_cost(hl_cells, ops)
                 if not cost:
                     continue

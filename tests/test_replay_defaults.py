@@ -144,9 +144,10 @@ def test_writer_rule_on_a_hand_made_sweep():
 
 
 def test_writer_headline_falls_back_when_the_grid_timed_only_some_operators():
-    """kperf_4's sweep ran out of time in the flush grid: the headline (shape, batch) had m2_ckpt grid rows
-    but no m2_flush ones, so no configuration had a grid cost there; the headline rows decide it (the row was
-    lost before)."""
+    """kperf_4's sweep ran out of time in the flush grid (m2_flush timed at T = 2 only at most batches): a
+    point is costed over the T at which every operator was timed, and the headline point, where those lack
+    the headline T, by the headline rows (the bf16 checkpointing row was lost before, then its one b64 row
+    served batch 1 and 8, where the grid had fma ahead)."""
     ok = lambda us: {"us": us, "ok": True}
     res = {
         "shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
@@ -156,10 +157,22 @@ def test_writer_headline_falls_back_when_the_grid_timed_only_some_operators():
         "grid": (_grid("m2_ckpt", "bfloat16", "ws1", 64, "fma", (1.0, 1.0, 1.0))
                  + _grid("m2_ckpt", "bfloat16", "ws1", 64, "mma", (2.0, 2.0, 2.0))
                  # batch 8: no flush rows and not the headline -> no row
-                 + _grid("m2_ckpt", "bfloat16", "ws1", 8, "fma", (1.0, 1.0, 1.0))),
+                 + _grid("m2_ckpt", "bfloat16", "ws1", 8, "fma", (1.0, 1.0, 1.0))
+                 # batch 1: flush timed at T = 2 only (kperf_4's cut): costed over T = 2, where both were
+                 + _grid("m2_ckpt", "bfloat16", "ws1", 1, "fma", (5.0, 1.0, 1.0))
+                 + _grid("m2_ckpt", "bfloat16", "ws1", 1, "mma", (1.0, 9.0, 9.0))
+                 + _grid("m2_flush", "bfloat16", "ws1", 1, "fma", (5.0,))
+                 + _grid("m2_flush", "bfloat16", "ws1", 1, "mma", (1.0,))
+                 # the headline point with both operators at T = 2 only: not the headline T -> headline rows
+                 + _grid("m2_flush", "bfloat16", "ws1", 64, "mma", (0.5,))
+                 + _grid("m2_flush", "bfloat16", "ws1", 64, "fma", (0.5,))),
     }
     rows = sweep_replay.defaults_table(res)["rows"]
-    assert list(rows) == ["mamba2_checkpointing/bfloat16/h4_p16_n32/b64"]
+    assert list(rows) == ["mamba2_checkpointing/bfloat16/h4_p16_n32/b1",
+                          "mamba2_checkpointing/bfloat16/h4_p16_n32/b64"]
+    b1 = rows["mamba2_checkpointing/bfloat16/h4_p16_n32/b1"]
+    assert b1["config"] == "mma" and b1["evidence"]["T"] == [2] and b1["evidence"]["cost_us"] == {
+        "fma": 10.0, "mma": 2.0}
     row = rows["mamba2_checkpointing/bfloat16/h4_p16_n32/b64"]
     assert row["config"] == "mma" and row["evidence"]["cost_us"] == {"fma": 20.0, "mma": 13.0}
     assert row["evidence"]["T"] == [4]
