@@ -926,8 +926,10 @@ def ncu(args) -> int:
         print(f"sweep_replay --ncu: no sweep JSON at {args.sweep}; profiling the current kernel and 'mma' "
               "instead of the sweep's best configurations", file=sys.stderr)
     if args.sweep and os.path.exists(args.sweep):
-        with open(args.sweep) as f:
-            best = json.load(f)["best"]
+        best = load_sweep(args.sweep).get("best")
+        if not isinstance(best, dict):
+            raise UserError(f"--sweep {args.sweep}: a sweep_replay output without its \"best\" configurations",
+                            "give --sweep the sweep_replay.json of a finished sweep (`--out DIR` writes it)")
         specs = sorted({f"{k.split('/')[0]}:{v}:{k.split('/')[1]}" for k, v in best.items() if v}
                        | {f"{op}:{CURRENT}:{d}" for op in OPS for d in DTYPES})
     else:
@@ -998,6 +1000,9 @@ def main(argv=None) -> int:
     if args.from_json:
         if not args.write_defaults:
             ap.error("--from-json needs --write-defaults PATH")
+        if args.ncu or args.ncu_configs:
+            ap.error("--from-json writes the defaults table from a committed sweep and runs nothing: drop "
+                     "--ncu / --ncu-configs (profile with `--ncu --sweep JSON` on the GPU)")
         doc = defaults_from_json(args.from_json, date=args.source_date)
         write_defaults(doc, args.write_defaults)
         print(f"{args.write_defaults}: {len(doc['rows'])} rows from {args.from_json}")

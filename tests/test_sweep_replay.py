@@ -252,6 +252,26 @@ def test_ncu_without_a_gpu_or_nsight_compute_is_refused_with_a_fix(tmp_path, mon
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_ncu_with_a_sweep_without_best_and_from_json_with_ncu_are_refused(tmp_path, monkeypatch, capsys):
+    """--ncu --sweep FILE whose JSON lacks "best" (or is not a sweep) is an error / fix pair, not a
+    KeyError traceback; --from-json with --ncu / --ncu-configs (which it would ignore) is refused in
+    argparse's form."""
+    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
+    bad = tmp_path / "sweep.json"
+    bad.write_text(json.dumps({"shapes": {}, "headline": {}, "headline_rows": {}, "grid": []}))
+    assert sweep_replay.main(["--ncu", "--sweep", str(bad), "--out", str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err
+    assert 'without its "best" configurations' in err and "fix:" in err
+    bad.write_text("[1, 2]")
+    assert sweep_replay.main(["--ncu", "--sweep", str(bad), "--out", str(tmp_path / "n")]) == 2
+    assert "not a sweep_replay output" in capsys.readouterr().err
+    for extra in (["--ncu"], ["--ncu-configs", "cuda"]):
+        with pytest.raises(SystemExit) as e:
+            sweep_replay.main(["--from-json", str(bad), "--write-defaults", str(tmp_path / "t.json"), *extra])
+        assert e.value.code == 2 and "--from-json writes the defaults table" in capsys.readouterr().err
+
+
 def test_confirmation_never_chooses_a_configuration_timed_once(monkeypatch):
     """confirm_headline: when the re-timed leaders all come back slower than a configuration the headline
     timed once, that one is re-timed too, and "best" is the fastest re-timed configuration (kperf_3 chose a
