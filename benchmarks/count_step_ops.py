@@ -175,7 +175,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
     # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel run as
     # its reference (same signature) and counted as the one launch it is on CUDA
-    for m in (layers_mod, gdn_mod):
+    for m in (layers_mod, gdn_mod, mamba2_mod):
         saved.append((m, "use_inference_kernel", m.use_inference_kernel))
         m.use_inference_kernel = lambda x: True
     from kernels import moe_combine, norm, rope

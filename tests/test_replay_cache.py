@@ -308,3 +308,24 @@ def test_replay_spec_buffers_10x_smaller_at_released_shapes(entry):
     for key in ("ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes"):
         assert rewind[key] == replay[key] > 0
     assert rewind["spec_buffers_bytes"] >= 10 * replay["spec_buffers_bytes"] > 0
+
+
+def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
+    """Mamba2Mixer.decay_rate: -exp(A_log) in float32; where the fused inference stages run
+    (layers.use_inference_kernel) one tensor reused until A_log changes in place (a load bumps its version),
+    elsewhere recomputed at every call (CPU, training)."""
+    import runners.engine.models.mamba2 as mamba2_mod
+
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(_tiny_config())
+    with torch.no_grad():
+        mixer.A_log.uniform_(-1.0, 1.0)
+    first = mixer.decay_rate()
+    assert torch.equal(first, -torch.exp(mixer.A_log.float())) and mixer.decay_rate() is not first
+    monkeypatch.setattr(mamba2_mod, "use_inference_kernel", lambda x: True)
+    cached = mixer.decay_rate()
+    assert mixer.decay_rate() is cached and torch.equal(cached, first)
+    with torch.no_grad():
+        mixer.A_log.add_(0.5)  # an in-place update (as a checkpoint load): a new value
+    fresh = mixer.decay_rate()
+    assert fresh is not cached and torch.equal(fresh, -torch.exp(mixer.A_log.float()))

@@ -50,7 +50,7 @@ from kernels.mamba2 import (
 from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.layers import GatedGroupRMSNorm
+from runners.engine.models.layers import GatedGroupRMSNorm, use_inference_kernel
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,19 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedGroupRMSNorm(self.d_inner, group_size=self.d_inner // self.n_groups, eps=c.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, c.hidden_size, bias=c.mamba_proj_bias)
+        self._A_cache: tuple | None = None  # ((A_log's version, data_ptr), A), see decay_rate
+
+    def decay_rate(self) -> torch.Tensor:
+        """A = -exp(A_log), float32 (H,). In the eager inference step (``layers.use_inference_kernel``) it is
+        computed once and reused while A_log is the same tensor at the same version (a load or an in-place
+        update bumps it): three launches fewer per block and step. Elsewhere (CPU, autograd, torch.compile)
+        computed at each call. Mutates only the cache."""
+        if not use_inference_kernel(self.A_log):
+            return -torch.exp(self.A_log.float())
+        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
+        if self._A_cache is None or self._A_cache[0] != key:
+            self._A_cache = (key, -torch.exp(self.A_log.float()))
+        return self._A_cache[1]
 
     def _conv(self, xBC: torch.Tensor, state: Mamba2State | None, meta: BatchMeta | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
@@ -189,7 +202,7 @@ class Mamba2Mixer(nn.Module):
         xBC = self._conv(xBC, state, meta)
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         x, Bm, Cm = x.reshape(b, T, H, P), Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N)
-        A = -torch.exp(self.A_log.float())
+        A = self.decay_rate()
         if state is not None and meta.verify:
             y = self._verify_ssm(state, meta, x, dt, A, Bm, Cm)
         elif state is not None and T == 1 and meta.all_valid:  # decode: the slots' states updated in place
