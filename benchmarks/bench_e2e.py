@@ -422,8 +422,10 @@ def evaluate_targets(rows: list[dict]) -> dict:
     out.update(_same_tokens(rows))
     for (part, arm), goal in TARGETS["full_depth_b1_tokens_per_s"].items():
         if any(r.get("model") == part for r in rows):
+            # the rows _find would take (fused, finite), in any graphs / compile mode
             best = [r["decode_tokens_per_s"] for r in rows if r.get("model") == part and r.get("arm") == arm
-                    and r.get("batch") == 1 and r.get("decode_tokens_per_s")]
+                    and r.get("batch") == 1 and r.get("decode_tokens_per_s") and r.get("fused", True) is not False
+                    and not r.get("nonfinite")]
             v = max(best) if best else None
             out[f"{part}_{arm}_b1_tokens_per_s"] = goal_row(v, f">= {goal}", v is not None and v >= goal)
     for m in TINY:

@@ -171,39 +171,41 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         fn = original(ssm_backend, kernel, reference)
         return counter.opaque_kernel(getattr(kernel, "__name__", "op"), fn)
 
-    saved = [(m, "kernel_or_reference", original) for m in (cache_mod, gdn_mod, mamba2_mod)]
-    saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
-    # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel run as
-    # its reference (same signature) and counted as the one launch it is on CUDA
-    for m in (layers_mod, gdn_mod, mamba2_mod):
-        saved.append((m, "use_inference_kernel", m.use_inference_kernel))
-        m.use_inference_kernel = lambda x: True
-    from kernels import moe_combine, norm, rope
-    from kernels.gdn import prologue
+    saved = []
+    try:  # the patching itself inside: what was replaced before an error is put back
+        saved += [(m, "kernel_or_reference", original) for m in (cache_mod, gdn_mod, mamba2_mod)]
+        saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
+        # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
+        # run as its reference (same signature) and counted as the one launch it is on CUDA
+        for m in (layers_mod, gdn_mod, mamba2_mod):
+            saved.append((m, "use_inference_kernel", m.use_inference_kernel))
+            m.use_inference_kernel = lambda x: True
+        from kernels import moe_combine, norm, rope
+        from kernels.gdn import prologue
 
-    fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
-             (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
-             (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue")]
-    for m, owner, attr in fused:
-        saved.append((m, attr, getattr(m, attr)))
-        setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))
-    saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
-    for m in (cache_mod, gdn_mod, mamba2_mod):
-        m.kernel_or_reference = kernel_or_reference
-    layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
-    experts = layers_mod.MoE._experts
-    layers_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
-    for mod_name, attr, prep in QUANT_KERNELS:
-        mod = importlib.import_module(mod_name)
-        saved.append((mod, attr, getattr(mod, attr)))
-        setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
-    # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
-    saved.append((quant_mod, "use_quant_moe_gemv", quant_mod.use_quant_moe_gemv))
-    quant_mod.use_quant_moe_gemv = lambda h, indices, fmt: indices.numel() <= quant_moe_gemv_max_pairs[fmt]
-    for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
-        saved.append((quant_mod, attr, getattr(quant_mod, attr)))
-        setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
-    try:
+        fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
+                 (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
+                 (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue")]
+        for m, owner, attr in fused:
+            saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))
+        saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
+        for m in (cache_mod, gdn_mod, mamba2_mod):
+            m.kernel_or_reference = kernel_or_reference
+        layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
+        experts = layers_mod.MoE._experts
+        layers_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
+        for mod_name, attr, prep in QUANT_KERNELS:
+            mod = importlib.import_module(mod_name)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
+        # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
+        saved.append((quant_mod, "use_quant_moe_gemv", quant_mod.use_quant_moe_gemv))
+        bound = quant_moe_gemv_max_pairs
+        quant_mod.use_quant_moe_gemv = lambda h, indices, fmt: indices.numel() <= bound[fmt]
+        for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
+            saved.append((quant_mod, attr, getattr(quant_mod, attr)))
+            setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
         yield
     finally:
         for m, name, value in saved:

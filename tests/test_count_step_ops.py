@@ -152,3 +152,29 @@ def test_unknown_format_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--family", "qwen3_next", "--format", "nvfp4"])
     assert e.value.code == 2 and "no nvfp4 release rule for family qwen3_next" in capsys.readouterr().err
+
+
+def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
+    """_patched puts back every attribute it replaced: after the block, after an error in the block, and after
+    an error while it is still patching (here a QUANT_KERNELS entry naming a missing attribute, after the
+    fused-stage dispatch was already switched)."""
+    import benchmarks.count_step_ops as cso
+    import runners.engine.cache as cache_mod
+    import runners.engine.models.gdn as gdn_mod
+    import runners.engine.models.layers as layers_mod
+
+    watched = [(layers_mod, "use_inference_kernel"), (gdn_mod, "use_inference_kernel"),
+               (layers_mod, "norm_rope"), (layers_mod, "rms_norm"), (gdn_mod, "gdn_prologue"),
+               (cache_mod, "kernel_or_reference"), (layers_mod.MoE, "_experts")]
+    before = [getattr(m, a) for m, a in watched]
+    counter = cso.StepOpCounter()
+    with cso._patched(counter, {}):
+        assert layers_mod.use_inference_kernel(torch.zeros(1))
+    assert [getattr(m, a) for m, a in watched] == before
+    with pytest.raises(RuntimeError), cso._patched(counter, {}):
+        raise RuntimeError("in the block")
+    assert [getattr(m, a) for m, a in watched] == before
+    monkeypatch.setattr(cso, "QUANT_KERNELS", (("runners.engine.quant", "no_such_kernel", False),))
+    with pytest.raises(AttributeError), cso._patched(counter, {}):
+        pass
+    assert [getattr(m, a) for m, a in watched] == before

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 from kernels.rope import norm_rope, norm_rope_ref, rope_rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-ULP = {torch.float32: 2**-21, torch.bfloat16: 2**-7}
+ULP = {torch.float32: 2**-21, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def _angles(B, T, rd, per_row=True, start=(0, 7, 3)):
@@ -51,6 +51,26 @@ def test_kernel_matches_reference_on_a_gated_q_view(dtype, hd, rd, per_row, offs
     w = (torch.randn(hd, generator=g) * 0.3).to(DEV, dtype)
     cos, sin = _angles(B, T, rd, per_row)
     _close(norm_rope(q, w, 1e-6, offset, cos, sin), norm_rope_ref(q, w, 1e-6, offset, cos, sin))
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "expanded", "head_slice"])
+@pytest.mark.parametrize("dtype, wdtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("B, T, H", [(1, 1, 1), (2, 4, 1), (1, 3, 2)])
+def test_kernel_matches_reference_on_other_layouts_dtypes_and_sizes(layout, dtype, wdtype, B, T, H):
+    """x as [B, H, T, hd] transposed (three strided row dims: copied), expanded over the batch (stride 0),
+    a head slice of a wider tensor; float16, a float32 weight with bf16 x; H = 1, B = 1, T > 1 per-row
+    angles."""
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + H)
+    hd, rd = 12, 6
+    if layout == "bhtd":
+        x = (torch.randn(B, H, T, hd, generator=g) * 2).to(DEV, dtype).transpose(1, 2)
+    elif layout == "expanded":
+        x = (torch.randn(1, T, H, hd, generator=g) * 2).to(DEV, dtype).expand(B, T, H, hd)
+    else:
+        x = (torch.randn(B, T, H + 2, hd, generator=g) * 2).to(DEV, dtype)[:, :, 1:H + 1]
+    w = (torch.randn(hd, generator=g) * 0.3).to(DEV, wdtype)
+    cos, sin = _angles(B, T, rd, per_row=True)
+    _close(norm_rope(x, w, 1e-6, 1.0, cos, sin), norm_rope_ref(x, w, 1e-6, 1.0, cos, sin))
 
 
 def test_reference_is_the_norm_then_the_rotation():

@@ -178,6 +178,30 @@ def test_writer_headline_falls_back_when_the_grid_timed_only_some_operators():
     assert row["evidence"]["T"] == [4]
 
 
+def test_writer_point_whose_operators_share_no_timed_t_gets_no_row():
+    """A grid point where the launch's two operators were timed at disjoint T (m2_ckpt at T = 2, m2_flush at
+    T = 4 and 8) has no T to cost it over: no row (the launcher falls back), while a point sharing T = 2 gets
+    one; the headline point with the same gap takes its headline rows."""
+    ok = lambda us: {"us": us, "ok": True}
+    def g(op, b, cfg, times):
+        return [r for r in _grid(op, "bfloat16", "ws1", b, cfg, times) if r["us"] is not None]
+
+    grid = []
+    for b in (1, 64):  # disjoint T at batch 1 and at the headline batch 64
+        grid += g("m2_ckpt", b, "fma", (1.0, None, None)) + g("m2_flush", b, "fma", (None, 1.0, 1.0))
+    grid += g("m2_ckpt", 8, "fma", (1.0, None, None)) + g("m2_flush", 8, "fma", (2.0, 1.0, 1.0))
+    res = {"shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
+           "headline": {"batch": 64, "T": 4, "shape": "ws1"},
+           "headline_rows": {"m2_ckpt/bfloat16": {"fma": ok(3.0)}, "m2_flush/bfloat16": {"fma": ok(4.0)}},
+           "grid": grid}
+    rows = sweep_replay.defaults_table(res)["rows"]
+    key = "mamba2_checkpointing/bfloat16/h4_p16_n32/b"
+    assert sorted(rows) == [key + "64", key + "8"]
+    assert rows[key + "8"]["evidence"]["T"] == [2] and rows[key + "8"]["evidence"]["cost_us"] == {"fma": 3.0}
+    b64 = rows[key + "64"]["evidence"]
+    assert b64["T"] == [4] and b64["cost_us"] == {"fma": 7.0}
+
+
 def test_from_json_writes_the_table(tmp_path):
     src = tmp_path / "sweep.json"
     src.write_text(json.dumps({"shapes": {"mamba2": {"ws1": [4, 16, 32, 1]}, "gdn": {}},
