@@ -391,7 +391,8 @@ class MoE(nn.Module):
             routed = self.fc2_latent_proj(routed)
         shared = self.shared_experts(flat)
         if self.shared_expert_gate is not None:  # routed + sigmoid(x . w) * shared: one kernel on CUDA
-            combine = shared_gate_combine if use_inference_kernel(flat) else shared_gate_combine_ref
+            fused = use_inference_kernel(flat) and shared.dtype == routed.dtype == flat.dtype
+            combine = shared_gate_combine if fused else shared_gate_combine_ref
             return combine(flat, self.shared_expert_gate.weight, shared, routed).view(shape)
         return (routed + shared).view(shape)
 
