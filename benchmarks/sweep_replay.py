@@ -695,15 +695,21 @@ def sweep(args) -> dict:
                         if time.time() > deadline:
                             res["skipped"].append(f"{op}/{name}/{shape}/T{T}/b{batch}: time budget")
                             continue
+                        point = {"op": op, "state_dtype": name, "shape": shape, "T": T, "batch": batch}
                         try:
                             call, nbytes, _ = _setup(op, shape, batch, T, sd, dev, dry)
-                            for cfg_name in names:
-                                us = timer(call, _configs(op)[cfg_name])
-                                res["grid"].append({"op": op, "state_dtype": name, "shape": shape, "T": T,
-                                                    "batch": batch, "config": cfg_name, **_row(timer, us, nbytes)})
                         except Exception:  # noqa: BLE001
-                            res["grid"].append({"op": op, "state_dtype": name, "shape": shape, "T": T,
-                                                "batch": batch, "error": traceback.format_exc(limit=3)})
+                            res["grid"].append({**point, "error": traceback.format_exc(limit=3)})
+                            continue
+                        # each configuration on its own: one that fails leaves the others timed at this point
+                        # (else they would miss this T and `defaults_table` could not compare them here)
+                        for cfg_name in names:
+                            try:
+                                us = timer(call, _configs(op)[cfg_name])
+                                res["grid"].append({**point, "config": cfg_name, **_row(timer, us, nbytes)})
+                            except Exception:  # noqa: BLE001
+                                res["grid"].append({**point, "config": cfg_name,
+                                                    "error": traceback.format_exc(limit=3)})
                         if dev == "cuda":
                             torch.cuda.empty_cache()
 

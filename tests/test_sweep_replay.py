@@ -63,6 +63,39 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
     assert res["defaults"] == {k: v["config"] for k, v in sweep_replay.defaults_table(res)["rows"].items()}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep, not the dry run")
+def test_a_configuration_failing_in_the_grid_leaves_the_others_timed(tmp_path, monkeypatch):
+    """One configuration raising at a grid point is that configuration's error row; the others are still
+    timed there (they used to be skipped with it, so the defaults table could not compare them at that T)."""
+    in_grid = {"on": False}
+    grid_configs = sweep_replay.grid_configs
+
+    def mark_grid(*a, **k):
+        in_grid["on"] = True
+        return grid_configs(*a, **k)
+
+    timer_call = sweep_replay.Timer.__call__
+
+    def failing(self, fn, *args, **kw):
+        if in_grid["on"] and args and args[0] == sweep_replay.M2_CONFIGS["fma"]:
+            raise RuntimeError("injected")
+        return timer_call(self, fn, *args, **kw)
+
+    monkeypatch.setattr(sweep_replay, "grid_configs", mark_grid)
+    monkeypatch.setattr(sweep_replay.Timer, "__call__", failing)
+    assert sweep_replay.main(["--dry-run", "--out", str(tmp_path), "--configs", "mma", "--dtypes",
+                              "bfloat16", "--no-flashinfer"]) == 0
+    grid = json.loads((tmp_path / "sweep_replay.json").read_text())["grid"]
+    m2 = [g for g in grid if g["op"].startswith("m2_")]
+    failed = [g for g in m2 if g.get("config") == "fma"]
+    assert failed and all("injected" in g["error"] for g in failed)
+    with_mma = {g["op"] for g in m2 if g.get("config") == "mma"}  # the operators whose grid times mma
+    assert with_mma
+    points = {(g["op"], g["T"], g["batch"]) for g in m2 if g["op"] in with_mma}
+    timed_mma = {(g["op"], g["T"], g["batch"]) for g in m2 if g.get("config") == "mma" and "us" in g}
+    assert timed_mma == points  # every point, though fma failed at each of them first
+
+
 def test_bad_arguments_are_refused(capsys):
     for argv, says in ((["--dry-run"], "--out DIR is required"),
                        (["--out", "x", "--dtypes", "int8"], "--dtypes"),
