@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 12 call A (issue 28): the replay sweep with the fixed grid (confirmation first, group bests on the grid)
 # and FlashInfer rows, then ncu, in one call (the CUDA kernel's GPU tests run in call C's GPU suite).
-# Carry: .gpu-bundle with flashinfer-trimmed.tgz (cp /work/fi_stash/flashinfer-trimmed.tgz .gpu-bundle/).
+# Carry: .gpu-bundle with the trimmed FlashInfer archive (flashinfer-trimmed.tgz) copied into it.
 set -u
 OUT=${1:?OUT}
 source tests/gpu/env.sh; gpu_env >/dev/null 2>&1 || exit 1
