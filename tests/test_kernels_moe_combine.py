@@ -34,10 +34,14 @@ def _case(N, D, L, dtype, w_dtype, seed=0):
     return x, w, shared, routed
 
 
-def _close(got, want):
+def _close(got, want, shared, routed):
+    """2 ulps of the terms, not of the sum: a gate differing in its last bit moves the rounded product
+    ``gate * shared`` by up to one ulp of |shared|, and ``routed + product`` may cancel to near zero (seen
+    on the H200 at Qwen3-Next's width: 0.0078 off on an element whose sum was far smaller than its terms)."""
     assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
     err = (got.float() - want.float()).abs()
-    assert (err <= 2 * ULP[want.dtype] * want.float().abs() + 1e-6).all(), err.max().item()
+    scale = shared.float().abs() + routed.float().abs()
+    assert (err <= 2 * ULP[want.dtype] * scale + 1e-6).all(), err.max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -45,7 +49,7 @@ def _close(got, want):
 @pytest.mark.parametrize("w_dtype", [None, torch.float32])
 def test_kernel_matches_reference(dtype, N, D, L, w_dtype):
     args = _case(N, D, L, dtype, w_dtype or dtype, seed=N + D + L)
-    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args))
+    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args), *args[2:])
 
 
 def test_strided_rows():
@@ -53,7 +57,7 @@ def test_strided_rows():
     wide = torch.zeros(3, 100, device=DEV, dtype=torch.bfloat16)
     wide[:, 10:90] = shared
     args = (x, w, wide[:, 10:90], routed)
-    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args))
+    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args), *args[2:])
 
 
 def test_bad_inputs_are_refused_with_the_problem_named():
@@ -72,7 +76,7 @@ def test_gpu_qwen3_next_width_and_cuda_graph_capture():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     args = _case(256, 2048, 2048, torch.bfloat16, torch.bfloat16)
-    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args))
+    _close(shared_gate_combine(*args), shared_gate_combine_ref(*args), *args[2:])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = shared_gate_combine(*args)

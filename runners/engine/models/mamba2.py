@@ -100,8 +100,10 @@ class Mamba2Mixer(nn.Module):
         """A = -exp(A_log), float32 (H,). In the eager inference step (``layers.use_inference_kernel``) it is
         computed once and reused while A_log is the same tensor at the same version (a load or an in-place
         update bumps it): three launches fewer per block and step. Elsewhere (CPU, autograd, torch.compile)
-        computed at each call. Mutates only the cache."""
-        if not use_inference_kernel(self.A_log):
+        computed at each call, and also when A_log is an inference tensor (a model built inside
+        ``torch.inference_mode``): those carry no version counter, so an in-place load could not be seen and
+        the cache could go stale. Mutates only the cache."""
+        if not use_inference_kernel(self.A_log) or self.A_log.is_inference():
             return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
         if self._A_cache is None or self._A_cache[0] != key:
