@@ -208,6 +208,7 @@ def _engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompt
         "device_peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "compile_seconds": engine.step.compile_seconds,
         "token_digests": token_digests(out.tokens), "nonfinite": list(out.nonfinite),
+        "first_request_tokens": [int(t) for t in out.tokens[0][:FIRST_REQUEST_TOKENS]] if out.tokens else [],
     })
     engine.phase_timer = None  # the census's steps are not the timed run's
     try:
@@ -365,6 +366,18 @@ def hf_point(path: Path, B: int, prompts, args) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
+FIRST_REQUEST_TOKENS = 256  # the first request's generated ids kept in each row (where replay and rewind part)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first generated token where ``a`` and ``b`` differ (the shorter one's length where one is a
+    prefix of the other), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def token_digests(tokens: list[list[int]]) -> list[str]:
     """One short digest per request of its generated token ids (sha1 of the ids, 12 hex digits): what
     `evaluate_targets` compares between arms (replay == rewind) without storing the tokens."""
@@ -444,9 +457,11 @@ def _same_tokens(rows: list[dict]) -> dict:
     """``<model>[_compiled][_eager]_replay_tokens_equal_rewind`` (``_eager``: CUDA graphs off): per batch, the
     fraction of requests whose generated
     tokens (``token_digests``) are the same under MTP + replay and MTP + rewind (same model, graphs, compile
-    mode, forced acceptance). Replay and rewind round differently in 16-bit compute, so below 1 in bf16 says
-    where the greedy paths part, not a bug by itself; in float32 the GPU tests hold them equal. Informational:
-    ``met`` is None."""
+    mode, forced acceptance), and ``..._replay_rewind_first_divergence``: per batch, where the first request's
+    tokens part (:func:`first_divergence`; rows carry ``first_request_tokens``). Replay and rewind round
+    differently in 16-bit compute, and random weights give near-uniform logits, so in bf16 the greedy paths
+    may part: a late first divergence is rounding, one at the first tokens would point at a bug; in float32
+    the GPU tests hold them equal. Informational: ``met`` is None."""
     out: dict = {}
     for r in rows:
         if r.get("arm") != "replay" or not r.get("token_digests"):
@@ -459,10 +474,16 @@ def _same_tokens(rows: list[dict]) -> dict:
         if other is None or len(other["token_digests"]) != len(r["token_digests"]):
             continue
         same = sum(a == b for a, b in zip(r["token_digests"], other["token_digests"])) / len(r["token_digests"])
-        key = (f"{r['model']}{'_compiled' if r.get('compile') else ''}{'' if r.get('graphs') else '_eager'}"
-               "_replay_tokens_equal_rewind")
+        stem = f"{r['model']}{'_compiled' if r.get('compile') else ''}{'' if r.get('graphs') else '_eager'}"
+        key = stem + "_replay_tokens_equal_rewind"
         out.setdefault(key, {"value": {}, "goal": "fraction of requests with the same tokens", "met": None})
         out[key]["value"][r["batch"]] = same
+        if r.get("first_request_tokens") and other.get("first_request_tokens"):
+            key = stem + "_replay_rewind_first_divergence"
+            out.setdefault(key, {"value": {}, "met": None, "goal": (
+                f"index of the first generated token where the first request's replay and rewind tokens differ "
+                f"(of its first {FIRST_REQUEST_TOKENS}; None: equal)")})
+            out[key]["value"][r["batch"]] = first_divergence(r["first_request_tokens"], other["first_request_tokens"])
     return out
 
 

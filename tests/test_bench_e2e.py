@@ -197,13 +197,16 @@ def test_targets_are_the_issues_goals_per_model_and_compile_mode():
             row("super_v3", "rewind", 1, 610.0), row("super_v3", "plain", 8, 1000.0),
             row("super_v3", "replay", 8, 1700.0), row("super_v3", "rewind", 8, 1600.0),
             row("super_v3", "plain", 1, 400.0, compile=True, floor_ms=2.5),
-            row("qwen3_next_fp8", "plain", 1, 190.0), row("qwen3_next_fp8", "replay", 1, 300.0,
-                                                            token_digests=["a", "b", "c", "d"]),
-            row("qwen3_next_fp8", "rewind", 1, 290.0, token_digests=["a", "x", "c", "d"])]
+            row("qwen3_next_fp8", "plain", 1, 190.0),
+            row("qwen3_next_fp8", "replay", 1, 300.0, token_digests=["a", "b", "c", "d"],
+                first_request_tokens=[5, 6, 7, 8]),
+            row("qwen3_next_fp8", "rewind", 1, 290.0, token_digests=["a", "x", "c", "d"],
+                first_request_tokens=[5, 6, 9, 8])]
     t = evaluate_targets(rows)
     # replay vs rewind tokens: 3 of the 4 requests share their digest (informational, no goal met or missed)
     assert t["qwen3_next_fp8_replay_tokens_equal_rewind"]["value"] == {1: 0.75}
     assert t["qwen3_next_fp8_replay_tokens_equal_rewind"]["met"] is None
+    assert t["qwen3_next_fp8_replay_rewind_first_divergence"]["value"] == {1: 2}  # the third token differs
     assert "super_v3_replay_tokens_equal_rewind" not in t  # its rows carry no digests
     assert not any(k.startswith("tiny_") for k in t)  # the tiny entries did not run: no empty goal rows
     assert t["super_v3_plain_b1_step_over_floor"] == {"value": 1.6, "goal": "<= 2.0", "met": True}
@@ -251,3 +254,13 @@ def test_full_depth_rate_goal_reads_neither_unfused_nor_nonfinite_rows():
     t = evaluate_targets([row(170.0), row(500.0, fused=False), row(900.0, nonfinite=["lm_head"])])
     assert t["qwen3_next_fp8_plain_b1_tokens_per_s"] == {"value": 170.0, "goal": ">= 180.0", "met": False}
     assert evaluate_targets([row(190.0, fused=True)])["qwen3_next_fp8_plain_b1_tokens_per_s"]["met"] is True
+
+
+def test_first_divergence():
+    from benchmarks.bench_e2e import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [4, 2, 3]) == 0
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one is a prefix of the other: they part at its end
+    assert first_divergence([], []) is None
