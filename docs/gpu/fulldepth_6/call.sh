@@ -1,6 +1,5 @@
 #!/bin/bash
 # Session 13 (issue 26): the first command of call B (full depth, batch 1, rewind vs replay with token digests, forced length 3.0), in the budget left. Carry gsm8k.
-# the file-load path at half depth (Super V3 NVFP4, 44 layers, ~38 GB written then loaded by run.py). Carry gsm8k.
 set -u
 OUT=${1:?OUT}
 source tests/gpu/env.sh; gpu_env >/dev/null 2>&1 || exit 1
