@@ -161,6 +161,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
 
     import runners.engine.cache as cache_mod
     import runners.engine.models.gdn as gdn_mod
+    import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
     import runners.engine.quant as quant_mod
@@ -177,15 +178,16 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, gdn_mod, mamba2_mod):
+        for m in (layers_mod, gdn_mod, hybrid_mod):  # mamba2's decay-rate cache asks layers.cacheable_now
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
-        from kernels import moe_combine, norm, rope
+        from kernels import health, moe_combine, norm, rope
         from kernels.gdn import prologue
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
                  (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
-                 (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue")]
+                 (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
+                 (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite")]
         for m, owner, attr in fused:
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))

@@ -312,7 +312,7 @@ def test_replay_spec_buffers_10x_smaller_at_released_shapes(entry):
 
 def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
     """Mamba2Mixer.decay_rate: -exp(A_log) in float32; where the fused inference stages run
-    (layers.use_inference_kernel) one tensor reused until A_log changes in place (a load bumps its version),
+    (layers.cacheable_now) one tensor reused until A_log changes in place (a load bumps its version),
     elsewhere recomputed at every call (CPU, training)."""
     import runners.engine.models.mamba2 as mamba2_mod
 
@@ -322,7 +322,7 @@ def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
         mixer.A_log.uniform_(-1.0, 1.0)
     first = mixer.decay_rate()
     assert torch.equal(first, -torch.exp(mixer.A_log.float())) and mixer.decay_rate() is not first
-    monkeypatch.setattr(mamba2_mod, "use_inference_kernel", lambda x: True)
+    monkeypatch.setattr(mamba2_mod, "cacheable_now", lambda x: True)
     cached = mixer.decay_rate()
     assert mixer.decay_rate() is cached and torch.equal(cached, first)
     with torch.no_grad():
@@ -336,3 +336,41 @@ def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
     assert frozen.A_log.is_inference()
     once = frozen.decay_rate()
     assert frozen.decay_rate() is not once and torch.equal(once, -torch.exp(frozen.A_log.float()))
+
+
+def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch):
+    """Attention._inv_freq (Qwen3-Next's RoPE frequencies, float32): recomputed at every call off the eager
+    inference step (here the CPU), one tensor per device reused where layers.cacheable_now holds; equal
+    values either way."""
+    import runners.engine.models.layers as layers_mod
+    from runners.engine.models.layers import Attention, rope_inv_freq
+
+    config = HybridConfig.from_pretrained(REPO / "registry/checkpoints/tiny_qwen3_next_mtp")
+    attn = Attention(config)
+    assert attn.rotary_dim > 0
+    x = torch.zeros(1, 1, config.hidden_size)
+    first = attn._inv_freq(x)
+    assert torch.equal(first, rope_inv_freq(attn.rotary_dim, attn.rope_theta))
+    assert attn._inv_freq(x) is not first
+    monkeypatch.setattr(layers_mod, "cacheable_now", lambda t: True)
+    cached = attn._inv_freq(x)
+    assert attn._inv_freq(x) is cached and torch.equal(cached, first) and cached.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_gpu_nothing_is_cached_while_a_cuda_graph_is_captured():
+    """layers.cacheable_now: True in the eager inference step on CUDA, False while the current stream
+    captures a graph (a launch captured there writes nothing until replay, so a cache filled then would hold
+    unwritten memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from runners.engine.models.layers import cacheable_now
+
+    x = torch.zeros(8, device="cuda")
+    with torch.no_grad():
+        assert cacheable_now(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.add_(1)
+            inside = cacheable_now(x)
+    assert not inside

@@ -22,11 +22,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from kernels.health import flag_nonfinite, residual_add
 from runners.engine.cache import BatchMeta, HybridCache
 from runners.engine.compile import compiled_block_call, eager_block_call
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
-from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm
+from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm, use_inference_kernel
 from runners.engine.models.mamba2 import Mamba2Mixer
 
 # kind -> (constructor, keeps per-slot state)
@@ -50,12 +51,22 @@ class Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
         self.mixer = MIXERS[kind][0](config)
 
-    def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None,
+                flag: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """x [B, T, D] -> x + mixer(norm(x)). ``flag`` (flags, index): the residual add also sets
+        ``flags[index]`` where its output holds a NaN or an infinity (``kernels.health.residual_add``, one
+        launch for both; the eager inference step's health path, :meth:`HybridLM.forward`)."""
         h = self.norm(x)
         if self.cache_index is None:
-            return x + self.mixer(h)
-        state = None if cache is None else cache[self.cache_index]
-        return x + self.mixer(h, state, meta)
+            y = self.mixer(h)
+        else:
+            y = self.mixer(h, None if cache is None else cache[self.cache_index], meta)
+        if flag is None or y.shape != x.shape or y.dtype != x.dtype:
+            out = x + y
+            if flag is not None:
+                flag_nonfinite(out, *flag)
+            return out
+        return residual_add(x, y, *flag)
 
 
 def _build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_index: int) -> nn.ModuleList:
@@ -98,7 +109,10 @@ class MTPModule(nn.Module):
             f = self.block_call(block, f, cache, meta)
         out = self.final_norm(f)
         if self.nonfinite is not None:  # the model's flags (HybridLM.track_nonfinite); "mtp" is the last
-            self.nonfinite[-1] |= ~torch.isfinite(out).all()
+            if use_inference_kernel(out):
+                flag_nonfinite(out, self.nonfinite, -1)
+            else:
+                self.nonfinite[-1] |= ~torch.isfinite(out).all()
         return out
 
 
@@ -171,8 +185,10 @@ class HybridLM(nn.Module):
     def track_nonfinite(self, device: torch.device | str) -> None:
         """Start the non-finite flags: a bool tensor [len(health_names())] on ``device``, all False. Each
         forward then runs one max |x| reduction per flagged output (``_abs_peak``; a block's inside its block
-        call, which the compiled step fuses into the block's kernels) and one ``isfinite`` over them all
-        (capturable in a CUDA graph: the flags are updated in place)."""
+        call, which the compiled step fuses into the block's kernels) and one ``isfinite`` over them all; in
+        the eager inference step (``layers.use_inference_kernel``, blocks not compiled) each block's residual
+        add sets its flag itself and the other outputs take one check launch each (kernels/health.py).
+        Capturable in a CUDA graph: the flags are updated in place."""
         self.nonfinite = torch.zeros(len(self.health_names()), dtype=torch.bool, device=device)
         if self.mtp is not None:
             self.mtp.nonfinite = self.nonfinite
@@ -208,6 +224,15 @@ class HybridLM(nn.Module):
             raise ValueError("pass cache and meta together (or neither for a cache-free forward)")
         x = self.embeddings(input_ids)
         track = self.nonfinite is not None
+        if track and self.block_call is eager_block_call and use_inference_kernel(x):
+            # the eager inference step: each block's residual add tests its own output (kernels/health.py),
+            # no peak reductions; the same flags and names as below
+            flag_nonfinite(x, self.nonfinite, 0)
+            for i, block in enumerate(self.layers):
+                x = block(x, cache, meta, flag=(self.nonfinite, i + 1))
+            x = self.norm_f(x)
+            flag_nonfinite(x, self.nonfinite, len(self.layers) + 1)
+            return x
         peaks = [_abs_peak(x)] if track else []
         for block in self.layers:
             if track:  # the block's peak inside its (compiled) call: fused into the block's last kernels
@@ -225,5 +250,8 @@ class HybridLM(nn.Module):
         """hidden [..., D] -> float32 logits [..., V]."""
         logits = self.lm_head(hidden).float()
         if self.nonfinite is not None:
-            self._flag(len(self.layers) + 2, torch.isfinite(logits).all())
+            if use_inference_kernel(logits):
+                flag_nonfinite(logits, self.nonfinite, len(self.layers) + 2)
+            else:
+                self._flag(len(self.layers) + 2, torch.isfinite(logits).all())
         return logits

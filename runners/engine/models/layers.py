@@ -50,6 +50,14 @@ def fused_stages(enabled: bool):
         FUSED_STAGES = saved
 
 
+def cacheable_now(x: torch.Tensor) -> bool:
+    """Whether a value derived from weights alone (a decay rate, RoPE frequencies) may be computed once and
+    kept for x's device: :func:`use_inference_kernel` holds and no CUDA graph is being captured on the
+    current stream (a captured launch writes nothing until the graph replays, so a value first computed
+    there would be kept unwritten; the capture's eager warm-up fills such caches first)."""
+    return use_inference_kernel(x) and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def use_inference_kernel(x: torch.Tensor) -> bool:
     """Whether a block's elementwise stage runs its fused Triton kernel (the norms of kernels/norm.py, GDN's
     prologue kernels/gdn/prologue.py, the gated shared expert's combine kernels/moe_combine.py) rather than
@@ -158,6 +166,17 @@ class Attention(nn.Module):
                 f"{c.partial_rotary_factor}) = {self.rotary_dim} must be even"
             )
 
+    def _inv_freq(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`rope_inv_freq` of this layer on x's device (float32 [rotary_dim / 2]); in the eager
+        inference step (:func:`cacheable_now` of x) computed once per device and reused (four launches
+        fewer per forward), elsewhere at each call (autograd; torch.compile folds it)."""
+        if not cacheable_now(x):
+            return rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
+        cache = self.__dict__.setdefault("_inv_freq_cache", {})
+        if x.device not in cache:
+            cache[x.device] = rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
+        return cache[x.device]
+
     def forward(self, hidden: torch.Tensor, kv: KVCache | None = None, meta: BatchMeta | None = None):
         b, T, _ = hidden.shape
         if self.output_gate:  # per head [q_h, gate_h]
@@ -175,7 +194,7 @@ class Attention(nn.Module):
             pos = meta.shared(("positions", T), lambda: meta.start_pos[:, None] + torch.arange(T, device=dev))
         if self.rotary_dim:
             def angles():
-                return rope_cos_sin(pos, rope_inv_freq(self.rotary_dim, self.rope_theta, dev))
+                return rope_cos_sin(pos, self._inv_freq(hidden))
             cos, sin = angles() if kv is None else meta.shared(("rope", T, self.rotary_dim, self.rope_theta),
                                                                  angles)
         if self.q_norm is not None and self.rotary_dim and use_inference_kernel(q):

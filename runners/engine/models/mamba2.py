@@ -50,7 +50,7 @@ from kernels.mamba2 import (
 from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.layers import GatedGroupRMSNorm, use_inference_kernel
+from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,13 @@ class Mamba2Mixer(nn.Module):
         self._A_cache: tuple | None = None  # ((A_log's version, data_ptr), A), see decay_rate
 
     def decay_rate(self) -> torch.Tensor:
-        """A = -exp(A_log), float32 (H,). In the eager inference step (``layers.use_inference_kernel``) it is
+        """A = -exp(A_log), float32 (H,). In the eager inference step (``layers.cacheable_now``) it is
         computed once and reused while A_log is the same tensor at the same version (a load or an in-place
         update bumps it): three launches fewer per block and step. Elsewhere (CPU, autograd, torch.compile)
         computed at each call, and also when A_log is an inference tensor (a model built inside
         ``torch.inference_mode``): those carry no version counter, so an in-place load could not be seen and
         the cache could go stale. Mutates only the cache."""
-        if not use_inference_kernel(self.A_log) or self.A_log.is_inference():
+        if not cacheable_now(self.A_log) or self.A_log.is_inference():
             return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
         if self._A_cache is None or self._A_cache[0] != key:
