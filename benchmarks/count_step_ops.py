@@ -181,13 +181,14 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         for m in (layers_mod, gdn_mod, hybrid_mod):  # mamba2's decay-rate cache asks layers.cacheable_now
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
-        from kernels import health, moe_combine, norm, rope
+        from kernels import activation, health, moe_combine, norm, rope
         from kernels.gdn import prologue
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
                  (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
-                 (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite")]
+                 (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
+                 (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul")]
         for m, owner, attr in fused:
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import relu2, relu2_ref, silu_mul
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rope import norm_rope, rope_rotate
@@ -284,11 +285,7 @@ def _cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(B, KVH, T, G, hd).transpose(1, 2).reshape(B, T, Hq, hd)
 
 
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
-
-ACTIVATIONS = {"relu2": _relu2, "silu": F.silu}
+ACTIVATIONS = {"relu2": relu2_ref, "silu": F.silu}
 
 
 class MLP(nn.Module):
@@ -304,7 +301,7 @@ class MLP(nn.Module):
         gated: bool = False,
     ):
         super().__init__()
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_name = ACTIVATIONS[act], act
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -316,9 +313,16 @@ class MLP(nn.Module):
         return cls(c.hidden_size, size, c.mlp_bias, c.mlp_hidden_act, c.mlp_gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation (and the gate's product) is one launch where :func:`use_inference_kernel` holds
+        (kernels/activation.py: relu2, silu_mul), its reference elsewhere."""
         if self.gate_proj is None:
-            return self.down_proj(self.act(self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            h = self.up_proj(x)
+            fused = self.act_name == "relu2" and use_inference_kernel(h)
+            return self.down_proj(relu2(h) if fused else self.act(h))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        fused = (self.act_name == "silu" and use_inference_kernel(g) and g.shape == u.shape
+                 and g.dtype == u.dtype)
+        return self.down_proj(silu_mul(g, u) if fused else self.act(g) * u)
 
 
 # Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
