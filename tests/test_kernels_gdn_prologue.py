@@ -70,6 +70,28 @@ def test_strided_projection_and_conv_kernel_width_2():
     _compare(gdn_prologue(*args), gdn_prologue_ref(*args))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 4])
+def test_windows_read_in_place_by_row_equal_the_gathered_windows(dtype, T):
+    """conv_rows: the kernel reads row b's window at cache row conv_rows[b] (two rows sharing the scratch
+    row, as PAD rows do; the cache a column slice of a wider buffer, as replay's), equal to the reference
+    given the gathered windows, and to the reference given the rows."""
+    qkvz, ba, _, w, A_log, dt_bias, V = _case(B=4, T=T, H=2, r=2, K=8, V=4, W=4, dtype=dtype, seed=T)
+    C = qkvz.shape[2] * (2 * 8 + 2 * 4)
+    wide = torch.randn(6, C, 3 + 5, generator=torch.Generator().manual_seed(9)).to(DEV, dtype)
+    cache = wide[..., :3]  # (S = 6, C, W - 1), rows strided by 8 columns
+    rows = torch.tensor([4, 0, 5, 5], device=DEV)
+    got = gdn_prologue(qkvz, ba, cache, w, A_log, dt_bias, V, rows)
+    _compare(got, gdn_prologue_ref(qkvz, ba, cache[rows], w, A_log, dt_bias, V))
+    _compare(got, gdn_prologue_ref(qkvz, ba, cache, w, A_log, dt_bias, V, rows))
+    with pytest.raises(ValueError, match="conv_rows must be"):
+        gdn_prologue(qkvz, ba, cache, w, A_log, dt_bias, V, rows[:3])
+    with pytest.raises(ValueError, match="conv_rows must be"):
+        gdn_prologue(qkvz, ba, None, w, A_log, dt_bias, V, rows)
+    with pytest.raises(ValueError, match="conv_state must be"):
+        gdn_prologue(qkvz, ba, wide, w, A_log, dt_bias, V, rows)
+
+
 def test_bad_inputs_are_refused_with_the_problem_named():
     qkvz, ba, state, w, A_log, dt_bias, V = _case(B=2, T=1, H=2, r=1, K=8, V=8, W=4, dtype=torch.float32)
     cases = [
@@ -129,4 +151,10 @@ def test_gpu_qwen3_next_shapes_and_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(captured, gdn_prologue(*args)):
+        assert torch.equal(a, b)
+    # the windows read in place from a 70-row cache by row (conv_rows), as the engine's decode step does
+    cache = torch.randn(70, C, 3, device="cuda").to(torch.bfloat16)
+    rows = torch.randperm(70, device="cuda")[:64]
+    by_row = gdn_prologue(*args[:2], cache, *args[3:], rows)
+    for a, b in zip(by_row, gdn_prologue(*args[:2], cache[rows], *args[3:])):
         assert torch.equal(a, b)

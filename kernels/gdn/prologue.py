@@ -40,7 +40,8 @@ MAX_T = 64
 
 
 def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                     A_log: torch.Tensor, dt_bias: torch.Tensor, head_v_dim: int
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, head_v_dim: int,
+                     conv_rows: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GDN prologue in PyTorch (module docstring). Pure function.
 
@@ -48,7 +49,10 @@ def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Ten
         qkvz: (B, T, H, 2K + 2rV) in_proj_qkvz's output (any strides), x's dtype.
         ba: (B, T, H, 2r) in_proj_ba's output.
         conv_state: (B, C, W - 1) the conv window before these tokens (any float dtype; cast to x's), or None
-            (zeros: a fresh request).
+            (zeros: a fresh request); with ``conv_rows``, the whole cache (S, C, W - 1), of which row
+            ``conv_rows[b]`` is row b's window.
+        conv_rows: (B,) integer rows of ``conv_state`` (the engine's slot rows, PAD mapped to its scratch
+            row), or None.
         conv_weight: (C, W) or (C, 1, W) depthwise conv weight (float32 math).
         A_log, dt_bias: (HV,).
         head_v_dim: V (K = (last dim of qkvz - 2 r V) / 2 with r = ba's last dim / 2).
@@ -62,6 +66,8 @@ def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Ten
     V = head_v_dim
     K = (width - 2 * r * V) // 2
     W = conv_weight.shape[-1]
+    if conv_rows is not None:
+        conv_state = conv_state[conv_rows]
     mixed_qkv = torch.cat([
         qkvz[..., :K].reshape(B, T, H * K), qkvz[..., K:2 * K].reshape(B, T, H * K),
         qkvz[..., 2 * K:2 * K + r * V].reshape(B, T, H * r * V)], dim=-1)  # de-interleaved [Q | K | V]
@@ -79,10 +85,11 @@ def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Ten
 
 
 @triton.jit
-def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, w_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-                         cin_ptr, T, H, K, RV, R, C, HK,
+def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, rows_ptr, w_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
+                         beta_ptr, cin_ptr, T, H, K, RV, R, C, HK,
                          s_qb, s_qt, s_qh, s_bab, s_bat, s_bah, s_csb, s_csc, s_csw,
-                         HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+                         HAS_STATE: tl.constexpr, HAS_ROWS: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr,
+                         BLOCK_G: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -97,7 +104,8 @@ def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, w_ptr, alog_ptr, dtb_ptr, q_p
     dt = qkvz_ptr.dtype.element_ty
     L = W - 1 + T
     cin_row = cin_ptr + (b * C + c) * L
-    cs_row = cs_ptr + b * s_csb + c.to(tl.int64) * s_csc
+    srow = tl.load(rows_ptr + b).to(tl.int64) if HAS_ROWS else b  # the row's window in the cache
+    cs_row = cs_ptr + srow * s_csb + c.to(tl.int64) * s_csc
     for j in tl.static_range(W - 1):  # the window, rounded to x's dtype (as conv_state.to(x.dtype))
         if HAS_STATE:
             wv = tl.load(cs_row + j * s_csw, mask=cm, other=0.0).to(tl.float32)
@@ -143,17 +151,26 @@ def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, w_ptr, alog_ptr, dtb_ptr, q_p
 
 
 def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor | None, conv_weight: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, head_v_dim: int
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, head_v_dim: int,
+                 conv_rows: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gdn_prologue_ref` in one Triton launch (grid: rows x blocks of 128 channels). Same arguments and
-    results (new contiguous tensors; nothing is mutated). qkvz / ba / conv_state may be strided views with a
-    unit-stride last dim; T <= MAX_T.
+    results (new contiguous tensors; nothing is mutated). qkvz / ba / conv_state may be strided views (any
+    strides of conv_state); T <= MAX_T. With ``conv_rows`` the kernel reads each row's window from the cache
+    itself (no gather copy before it).
 
     Raises:
-        ValueError: CPU tensors without the Triton interpreter, shapes that do not fit together, T > MAX_T.
+        ValueError: CPU tensors without the Triton interpreter, shapes that do not fit together, T > MAX_T,
+            conv_rows without a conv_state or not a (B,) integer tensor.
     """
     name = "gdn_prologue"
+    if conv_rows is not None and (conv_state is None or conv_rows.dim() != 1 or conv_rows.shape[0] != qkvz.shape[0]
+                                  or conv_rows.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{name}: conv_rows must be a ({qkvz.shape[0]},) int32 / int64 tensor of conv_state's rows, "
+                         f"with a conv_state; got {None if conv_rows is None else (tuple(conv_rows.shape), conv_rows.dtype)}"
+                         f" and conv_state {None if conv_state is None else tuple(conv_state.shape)}")
     tensors = [qkvz, ba, conv_weight, A_log, dt_bias] + ([conv_state] if conv_state is not None else [])
+    tensors += [conv_rows] if conv_rows is not None else []
     check_launchable(*tensors, name=name)
     if qkvz.dim() != 4 or ba.dim() != 4 or ba.shape[:3] != qkvz.shape[:3] or ba.shape[-1] % 2:
         raise ValueError(f"{name}: qkvz must be (B, T, H, 2K + 2rV) and ba (B, T, H, 2r); got "
@@ -168,8 +185,10 @@ def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor 
     W = conv_weight.shape[-1]
     if conv_weight.numel() != C * W:
         raise ValueError(f"{name}: conv_weight must be ({C}, {W}) (or ({C}, 1, {W})), got {tuple(conv_weight.shape)}")
-    if conv_state is not None and tuple(conv_state.shape) != (B, C, W - 1):
-        raise ValueError(f"{name}: conv_state must be ({B}, {C}, {W - 1}), got {tuple(conv_state.shape)}")
+    if conv_state is not None and (tuple(conv_state.shape[1:]) != (C, W - 1)
+                                   or (conv_rows is None and conv_state.shape[0] != B)):
+        rows = "S" if conv_rows is not None else B
+        raise ValueError(f"{name}: conv_state must be ({rows}, {C}, {W - 1}), got {tuple(conv_state.shape)}")
     if A_log.numel() != H * R or dt_bias.numel() != H * R:
         raise ValueError(f"{name}: A_log and dt_bias must have HV = {H * R} elements")
     if T > MAX_T:
@@ -187,17 +206,17 @@ def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor 
     conv_in = torch.empty(B, C, W - 1 + T, device=dev, dtype=dt)
     if B == 0 or T == 0:
         if conv_state is not None and B:
-            conv_in.copy_(conv_state)
+            conv_in.copy_(conv_state if conv_rows is None else conv_state[conv_rows])
         elif B:
             conv_in.zero_()
         return q, k, v, g, beta, conv_in
     cs = conv_state if conv_state is not None else conv_in  # not read without a state
     block_c = 128
     _gdn_prologue_kernel[(B, triton.cdiv(C, block_c))](
-        qkvz, ba, cs, conv_weight.reshape(C, W).contiguous(), A_log, dt_bias, q, k, v, g, beta, conv_in,
-        T, H, K, R * V, R, C, HK,
+        qkvz, ba, cs, conv_rows if conv_rows is not None else cs, conv_weight.reshape(C, W).contiguous(), A_log,
+        dt_bias, q, k, v, g, beta, conv_in, T, H, K, R * V, R, C, HK,
         qkvz.stride(0), qkvz.stride(1), qkvz.stride(2), ba.stride(0), ba.stride(1), ba.stride(2),
         cs.stride(0), cs.stride(1), cs.stride(2),
-        HAS_STATE=conv_state is not None, W=W, BLOCK_C=block_c, BLOCK_G=triton.next_power_of_2(H * R),
-        num_warps=4)
+        HAS_STATE=conv_state is not None, HAS_ROWS=conv_rows is not None, W=W, BLOCK_C=block_c,
+        BLOCK_G=triton.next_power_of_2(H * R), num_warps=4)
     return q, k, v, g, beta, conv_in

@@ -228,10 +228,12 @@ class GatedDeltaNet(nn.Module):
     # -- stages (for callers that run the rule with their own kernel, e.g. Triton or replay) ---------------
 
     def rule_inputs(self, x: Tensor, conv_state: Tensor | None = None,
-                    normalize_qk: bool = True) -> GDNRuleInputs:
+                    normalize_qk: bool = True, conv_rows: Tensor | None = None) -> GDNRuleInputs:
         """Projections, causal conv + SiLU, L2 norm, gates: everything before the gated delta rule.
 
-        x: (B, T, D); conv_state: (B, C, W - 1) or None (zeros). Pure function of its inputs (float32 conv
+        x: (B, T, D); conv_state: (B, C, W - 1) or None (zeros); with ``conv_rows`` (B,) the cache (S, C,
+        W - 1) and each row's index in it (read in place by the fused prologue). Pure function of its
+        inputs (float32 conv
         math). Returns GDNRuleInputs; q, k are L2-normalised (float32) but not scaled (the rule applies
         K^-0.5); with ``normalize_qk=False`` they are returned raw in x's dtype, for a rule that normalises
         them itself (``use_qk_l2norm_in_kernel=True``: the same ``l2norm`` of the same values, in its
@@ -245,7 +247,7 @@ class GatedDeltaNet(nn.Module):
         fused = use_inference_kernel(x) and T <= PROLOGUE_MAX_T
         prologue = gdn_prologue if fused else gdn_prologue_ref
         q, k, v, g, beta, conv_in = prologue(qkvz, ba, conv_state, self.conv1d.weight, self.A_log,
-                                             self.dt_bias, V)
+                                             self.dt_bias, V, conv_rows)
         z = qkvz[..., 2 * K + r * V:].reshape(B, T, H * r, V)
         if normalize_qk:
             q, k = l2norm(q), l2norm(k)
@@ -399,7 +401,8 @@ class GDNMixer(GatedDeltaNet):
         conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
         lengths = None if meta.all_valid else meta.lengths
         decode = T == 1 and lengths is None  # else the chunked rule, which takes q, k normalised
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(conv), normalize_qk=not decode)
+        conv_rows = meta.row_index(conv.shape[0])  # the prologue reads the windows in place: no gather
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, conv, normalize_qk=not decode, conv_rows=conv_rows)
         if decode:  # the slots' states updated in place
             rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
                                        fused_recurrent_gated_delta_rule_ref)
@@ -409,7 +412,8 @@ class GDNMixer(GatedDeltaNet):
             rule = kernel_or_reference(state.ssm_backend, chunk_gated_delta_rule, chunk_gated_delta_rule_ref)
             o, h = rule(q, k, v, g, beta, meta.rows(state.ssm), self.chunk_size, lengths=lengths)
             state.ssm.index_copy_(0, rows, h.to(state.ssm.dtype))
-        new_conv = self.conv_state_after(conv_in, T if lengths is None else lengths)
+        W1 = self.conv_kernel - 1  # all valid: the last W - 1 columns, written from the view (no copy)
+        new_conv = conv_in[:, :, T:T + W1] if lengths is None else self.conv_state_after(conv_in, lengths)
         conv.index_copy_(0, rows, new_conv.to(conv.dtype))
         return self.output(o, z, lengths)
 
@@ -421,7 +425,8 @@ class GDNMixer(GatedDeltaNet):
                 f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
                 "build the HybridCache with spec_tokens = T"
             )
-        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, meta.rows(state.conv), normalize_qk=False)
+        q, k, v, g, beta, z, conv_in = self.rule_inputs(x, state.conv, normalize_qk=False,
+                                                        conv_rows=meta.row_index(state.conv.shape[0]))
         rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule_ref)
         o = rule(q, k, v, g, beta, state.ssm, meta.slot_ids, use_qk_l2norm_in_kernel=True,
