@@ -178,17 +178,19 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, gdn_mod, hybrid_mod):  # mamba2's decay-rate cache asks layers.cacheable_now
+        for m in (layers_mod, gdn_mod, mamba2_mod, hybrid_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
         from kernels.gdn import prologue
+        from kernels.mamba2 import conv
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
                  (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
                  (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
-                 (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul")]
+                 (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
+                 (mamba2_mod, conv, "causal_conv_step")]
         for m, owner, attr in fused:
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))

@@ -335,6 +335,16 @@ class ReplaySlots:
         the kernels clamp num_accepted_tokens, so a PAD row reading a garbage scratch row indexes in range."""
         return (self.last_accepted[rows].long() - 1).clamp(0, self.spec_tokens - 1)
 
+    def conv_window_start(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [B], cols [B]) int64 of a verify batch's committed conv windows: row b's window starts at
+        column ``cols[b]`` (:meth:`conv_offset`) of cache row ``rows[b]`` (``meta.row_index``); what a kernel
+        that reads the windows in place takes (``kernels.mamba2.conv.causal_conv_step``'s src_rows /
+        src_cols). Computed once per step (``BatchMeta.shared``)."""
+        def make():
+            rows = meta.row_index(self.last_accepted.shape[0])
+            return rows, self.conv_offset(rows)
+        return meta.shared(("replay_conv_start", id(self)), make)
+
     def conv_window_index(self, meta: BatchMeta, width: int, channels: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Advanced index of the committed conv windows of a verify batch: ``conv[index]`` is [B, channels,

@@ -47,10 +47,12 @@ from kernels.mamba2 import (
     selective_state_update_ref,
     ssd_chunked_scan,
 )
+from kernels.mamba2.conv import MAX_T as CONV_STEP_MAX_T
+from kernels.mamba2.conv import causal_conv_step
 from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now
+from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,18 @@ class Mamba2Mixer(nn.Module):
         replay = isinstance(state, Mamba2ReplayState)
         conv = None if state is None else state.conv[..., :W1] if replay else state.conv
         rows = None if state is None else meta.row_index(state.conv.shape[0])  # PAD -> the scratch row
+        bias = self.conv1d.bias
+        same_dtype = xBC.dtype == weight.dtype and (bias is None or bias.dtype == xBC.dtype)
+        if (state is not None and use_inference_kernel(xBC) and T <= CONV_STEP_MAX_T
+                and (meta.verify or meta.all_valid) and same_dtype and state.conv.dtype == xBC.dtype):
+            # one launch: the windows read from the cache in place, the conv, SiLU, the new windows written
+            if replay and meta.verify:
+                src_rows, src_cols = state.slots.conv_window_start(meta)
+                return causal_conv_step(xBC, state.conv, src_rows, weight, bias, state.conv, rows, 1,
+                                        src_cols)
+            if meta.verify:
+                return causal_conv_step(xBC, state.conv, rows, weight, bias, state.conv_steps, rows, 0)
+            return causal_conv_step(xBC, conv, rows, weight, bias, conv, rows, T)
         if state is None:
             prev = xBC.new_zeros(b, self.conv_dim, W1)
         elif replay and meta.verify:  # the W - 1 inputs before the next token: columns off .. off + W - 2
