@@ -92,6 +92,18 @@ def test_windows_read_in_place_by_row_equal_the_gathered_windows(dtype, T):
         gdn_prologue(qkvz, ba, wide, w, A_log, dt_bias, V, rows)
 
 
+def test_rows_strided_or_negative_read_the_rows_torch_indexing_reads():
+    """conv_rows as a strided view (rows 0, 2, 4 of a longer index) and with -1 (the engine's PAD id before
+    it is mapped: torch indexes it as the last, scratch, row): the kernel reads the rows the reference reads
+    (review: it read conv_rows[b] at offset b of the storage, and a negative row before the cache)."""
+    qkvz, ba, _, w, A_log, dt_bias, V = _case(B=3, T=1, H=2, r=2, K=8, V=4, W=4, dtype=torch.float32, seed=5)
+    C = qkvz.shape[2] * (2 * 8 + 2 * 4)
+    cache = torch.randn(6, C, 3, generator=torch.Generator().manual_seed(11)).to(DEV)
+    for rows in (torch.arange(10, device=DEV)[::2][:3], torch.tensor([0, -1, 2], device=DEV)):
+        got = gdn_prologue(qkvz, ba, cache, w, A_log, dt_bias, V, rows)
+        _compare(got, gdn_prologue_ref(qkvz, ba, cache[rows], w, A_log, dt_bias, V))
+
+
 def test_bad_inputs_are_refused_with_the_problem_named():
     qkvz, ba, state, w, A_log, dt_bias, V = _case(B=2, T=1, H=2, r=1, K=8, V=8, W=4, dtype=torch.float32)
     cases = [

@@ -52,7 +52,8 @@ def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Ten
             (zeros: a fresh request); with ``conv_rows``, the whole cache (S, C, W - 1), of which row
             ``conv_rows[b]`` is row b's window.
         conv_rows: (B,) integer rows of ``conv_state`` (the engine's slot rows, PAD mapped to its scratch
-            row), or None.
+            row), or None; in [-S, S), a negative row counting from the end as torch indexing does (-1: the
+            last, scratch, row).
         conv_weight: (C, W) or (C, 1, W) depthwise conv weight (float32 math).
         A_log, dt_bias: (HV,).
         head_v_dim: V (K = (last dim of qkvz - 2 r V) / 2 with r = ba's last dim / 2).
@@ -86,7 +87,7 @@ def gdn_prologue_ref(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Ten
 
 @triton.jit
 def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, rows_ptr, w_ptr, alog_ptr, dtb_ptr, q_ptr, k_ptr, v_ptr, g_ptr,
-                         beta_ptr, cin_ptr, T, H, K, RV, R, C, HK,
+                         beta_ptr, cin_ptr, T, H, K, RV, R, C, HK, S,
                          s_qb, s_qt, s_qh, s_bab, s_bat, s_bah, s_csb, s_csc, s_csw,
                          HAS_STATE: tl.constexpr, HAS_ROWS: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr,
                          BLOCK_G: tl.constexpr):
@@ -105,6 +106,8 @@ def _gdn_prologue_kernel(qkvz_ptr, ba_ptr, cs_ptr, rows_ptr, w_ptr, alog_ptr, dt
     L = W - 1 + T
     cin_row = cin_ptr + (b * C + c) * L
     srow = tl.load(rows_ptr + b).to(tl.int64) if HAS_ROWS else b  # the row's window in the cache
+    if HAS_ROWS:
+        srow = tl.where(srow < 0, srow + S, srow)  # -1: the last (scratch) row, as torch indexes it
     cs_row = cs_ptr + srow * s_csb + c.to(tl.int64) * s_csc
     for j in tl.static_range(W - 1):  # the window, rounded to x's dtype (as conv_state.to(x.dtype))
         if HAS_STATE:
@@ -157,7 +160,8 @@ def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor 
     """:func:`gdn_prologue_ref` in one Triton launch (grid: rows x blocks of 128 channels). Same arguments and
     results (new contiguous tensors; nothing is mutated). qkvz / ba / conv_state may be strided views (any
     strides of conv_state); T <= MAX_T. With ``conv_rows`` the kernel reads each row's window from the cache
-    itself (no gather copy before it).
+    itself (no gather copy before it); a strided conv_rows is copied first. Rows are not bounds-checked
+    (that would take a host synchronisation): a row outside [-S, S) reads outside the cache.
 
     Raises:
         ValueError: CPU tensors without the Triton interpreter, shapes that do not fit together, T > MAX_T,
@@ -170,7 +174,9 @@ def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor 
                          f"with a conv_state; got {None if conv_rows is None else (tuple(conv_rows.shape), conv_rows.dtype)}"
                          f" and conv_state {None if conv_state is None else tuple(conv_state.shape)}")
     tensors = [qkvz, ba, conv_weight, A_log, dt_bias] + ([conv_state] if conv_state is not None else [])
-    tensors += [conv_rows] if conv_rows is not None else []
+    if conv_rows is not None:
+        conv_rows = conv_rows.contiguous()  # the kernel reads conv_rows[b] at offset b
+        tensors.append(conv_rows)
     check_launchable(*tensors, name=name)
     if qkvz.dim() != 4 or ba.dim() != 4 or ba.shape[:3] != qkvz.shape[:3] or ba.shape[-1] % 2:
         raise ValueError(f"{name}: qkvz must be (B, T, H, 2K + 2rV) and ba (B, T, H, 2r); got "
@@ -214,7 +220,7 @@ def gdn_prologue(qkvz: torch.Tensor, ba: torch.Tensor, conv_state: torch.Tensor 
     block_c = 128
     _gdn_prologue_kernel[(B, triton.cdiv(C, block_c))](
         qkvz, ba, cs, conv_rows if conv_rows is not None else cs, conv_weight.reshape(C, W).contiguous(), A_log,
-        dt_bias, q, k, v, g, beta, conv_in, T, H, K, R * V, R, C, HK,
+        dt_bias, q, k, v, g, beta, conv_in, T, H, K, R * V, R, C, HK, cs.shape[0],
         qkvz.stride(0), qkvz.stride(1), qkvz.stride(2), ba.stride(0), ba.stride(1), ba.stride(2),
         cs.stride(0), cs.stride(1), cs.stride(2),
         HAS_STATE=conv_state is not None, HAS_ROWS=conv_rows is not None, W=W, BLOCK_C=block_c,
