@@ -69,15 +69,16 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 
 
 def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                             eps: float) -> torch.Tensor:
-    """Gate then norm per group: ``weight * groupnorm_rms(y * silu(z))``, float32 [..., N].
+                             eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gate then norm per group: ``weight * groupnorm_rms(y * silu(z))``, float32 [..., N], then cast to
+    ``out_dtype`` (float32 by default: no cast).
 
     y, z: [..., N] (same shape), N a multiple of group_size; weight: [N]. Pure function.
     """
     y = y.float() * F.silu(z.float())
     g = y.unflatten(-1, (-1, group_size))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.flatten(-2)  # float32 g promotes the weight: as weight.float(), one cast fewer
+    return (weight * g.flatten(-2)).to(out_dtype)  # float32 g promotes the weight: as weight.float()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,12 +179,16 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                         eps: float) -> torch.Tensor:
+                         eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`gated_group_rms_norm_ref` in one Triton launch (one program per (row, group)). y, z: [..., N];
-    weight: [N]; N a multiple of group_size <= MAX_GROUP. Returns float32 [..., N], contiguous.
+    weight: [N]; N a multiple of group_size <= MAX_GROUP. Returns [..., N] contiguous, float32 (the
+    reference's dtype) or ``out_dtype`` (a NORM_DTYPES member: the float32 result rounded to nearest even, as
+    ``.to(out_dtype)`` of the reference's, without a separate cast launch).
 
     Raises:
         ValueError: as :func:`gated_rms_norm` (group_size > MAX_GROUP), or N not a multiple of group_size,
-            group_size < 1.
+            group_size < 1, out_dtype outside NORM_DTYPES.
     """
-    return _launch(2, y, z, weight, group_size, eps, 0.0, torch.float32, "gated_group_rms_norm")
+    if out_dtype not in NORM_DTYPES:
+        raise ValueError(f"gated_group_rms_norm: out_dtype must be one of {NORM_DTYPES}, got {out_dtype}")
+    return _launch(2, y, z, weight, group_size, eps, 0.0, out_dtype, "gated_group_rms_norm")

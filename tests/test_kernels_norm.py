@@ -87,6 +87,10 @@ def test_gated_group_rms_norm_matches_reference(dtype, group):
     z = _r(3, 2, 4 * group, dtype=dtype, seed=9)
     w = _r(4 * group, dtype=dtype, seed=10)
     _close(gated_group_rms_norm(y, z, w, group, 1e-5), gated_group_rms_norm_ref(y, z, w, group, 1e-5))
+    # the model dtype out (the Mamba2 mixer's, before out_proj): the float32 result rounded in the kernel
+    got = gated_group_rms_norm(y, z, w, group, 1e-5, torch.bfloat16)
+    _close(got, gated_group_rms_norm_ref(y, z, w, group, 1e-5, torch.bfloat16))
+    assert torch.equal(got, gated_group_rms_norm(y, z, w, group, 1e-5).to(torch.bfloat16))
 
 
 def test_bad_inputs_are_refused_with_the_problem_named():
@@ -96,6 +100,7 @@ def test_bad_inputs_are_refused_with_the_problem_named():
         (lambda: rms_norm(x.to(torch.int32), x[0], 1e-6), "x dtype must be one of"),
         (lambda: gated_rms_norm(x, x[:1], x[0], 1e-6), "z must have x's shape"),
         (lambda: gated_group_rms_norm(x, x, x[0], 12, 1e-6), "multiple of the group size"),
+        (lambda: gated_group_rms_norm(x, x, x[0], 16, 1e-6, torch.int32), "out_dtype must be one of"),
         (lambda: gated_group_rms_norm(x, x, x[0, :16], 16, 1e-6), "weight must be (32,)"),
         (lambda: gated_group_rms_norm(x, x, x[0], 0, 1e-6), "multiple of the group size 0 (>= 1)"),
         (lambda: gated_group_rms_norm(x, x, x[0], -16, 1e-6), "multiple of the group size -16 (>= 1)"),

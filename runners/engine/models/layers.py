@@ -96,10 +96,11 @@ class GatedGroupRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if use_inference_kernel(y):
-            return gated_group_rms_norm(y, z, self.weight, self.group_size, self.eps)
-        return gated_group_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
+    def forward(self, y: torch.Tensor, z: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """float32 [..., d_inner], or cast to ``out_dtype`` (by the kernel itself where it runs)."""
+        norm = gated_group_rms_norm if use_inference_kernel(y) else gated_group_rms_norm_ref
+        return norm(y, z, self.weight, self.group_size, self.eps, out_dtype)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -239,8 +239,8 @@ class Mamba2Mixer(nn.Module):
                 dt = dt.clamp(min=lo, max=hi)
             y, _ = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size)
             y = y + x.float() * self.D.float()[:, None]
-        y = self.norm(y.reshape(b, T, self.d_inner), z)
-        return self.out_proj(y.to(hidden.dtype))
+        y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=hidden.dtype)
+        return self.out_proj(y)
 
 
 def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
