@@ -82,6 +82,19 @@ def test_single_scratch_row_and_width_2():
     _check("replay", case, live=torch.tensor([0], device=DEV))
 
 
+def test_rows_strided_or_negative_read_what_torch_indexing_reads():
+    """Strided row / column indices are read by position as torch reads them, and a negative row counts from
+    the end (-1: the scratch row), in src and in dst."""
+    x, src, _, w, b, dst, dst_from, cols = _case("replay", B=3, T=4, C=64, W=4, dtype=torch.float32, seed=6)
+    rows = torch.tensor([0, 9, 2, 9, -1, 9], device=DEV)[::2]  # 0, 2, -1 (a view)
+    cols = torch.tensor([1, 7, 0, 7, 3, 7], device=DEV)[::2]
+    got_src, want_src = src.clone(), src.clone()
+    got = causal_conv_step(x, got_src, rows, w, b, got_src, rows, dst_from, cols)
+    want = causal_conv_step_ref(x, want_src, rows, w, b, want_src, rows, dst_from, cols)
+    torch.testing.assert_close(got, want, rtol=4 * ULP[torch.float32], atol=1e-6)
+    assert torch.equal(got_src, want_src)
+
+
 def test_bad_inputs_are_refused_with_the_problem_named():
     x, src, rows, w, b, dst, dst_from, _ = _case("decode", B=2, T=1, C=16, W=4, dtype=torch.float32)
     cases = [

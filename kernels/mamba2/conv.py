@@ -44,7 +44,8 @@ def causal_conv_step_ref(x: torch.Tensor, src: torch.Tensor, src_rows: torch.Ten
     Args:
         x: [B, T, C] the step's conv inputs (xBC; any strides).
         src: [S, C, Ws] the window cache, Ws >= W - 1 (+ the largest src_cols).
-        src_rows: [B] integer rows of src (PAD rows mapped to the scratch row by the caller).
+        src_rows: [B] integer rows of src (PAD rows mapped to the scratch row by the caller; a negative row
+            counts from the end, here and in dst_rows).
         weight: [C, W] depthwise conv weight; bias: [C] or None.
         dst, dst_rows, dst_from: where the new window goes (mutated in place: dst[dst_rows[b], :, :n] with
             n = W - 1 + T - dst_from); dst None writes nothing.
@@ -68,7 +69,8 @@ def causal_conv_step_ref(x: torch.Tensor, src: torch.Tensor, src_rows: torch.Ten
     else:
         out = F.conv1d(window, weight[:, None, :], bias, groups=C).transpose(1, 2)
     if dst is not None:
-        dst.index_copy_(0, dst_rows, window[:, :, dst_from:].to(dst.dtype))
+        # a negative row counts from the end, as in the gather above (index_copy_ itself refuses one)
+        dst.index_copy_(0, dst_rows % dst.shape[0], window[:, :, dst_from:].to(dst.dtype))
     return F.silu(out)
 
 
@@ -85,7 +87,7 @@ def _window(src_row, x_row, s_xt, c64, cm, P: tl.constexpr, W: tl.constexpr, dt:
 
 @triton.jit
 def _conv_step_kernel(x_ptr, src_ptr, srows_ptr, scols_ptr, w_ptr, b_ptr, dst_ptr, drows_ptr, out_ptr, C,
-                      s_xb, s_xt, s_sr, s_sc, s_dr, s_dc,
+                      S_SRC, S_DST, s_xb, s_xt, s_sr, s_sc, s_dr, s_dc,
                       T: tl.constexpr, W: tl.constexpr, HAS_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_DST: tl.constexpr, DST_FROM: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -94,11 +96,13 @@ def _conv_step_kernel(x_ptr, src_ptr, srows_ptr, scols_ptr, w_ptr, b_ptr, dst_pt
     c64 = c.to(tl.int64)
     dt = src_ptr.dtype.element_ty
     srow = tl.load(srows_ptr + b).to(tl.int64)
+    srow = tl.where(srow < 0, srow + S_SRC, srow)  # -1: the last (scratch) row, as torch indexes it
     c0 = tl.load(scols_ptr + b).to(tl.int64) if HAS_COLS else 0
     src_row = src_ptr + srow * s_sr + c64 * s_sc + c0
     x_row = x_ptr + b * s_xb
     if HAS_DST:
         drow = tl.load(drows_ptr + b).to(tl.int64)
+        drow = tl.where(drow < 0, drow + S_DST, drow)
         dst_row = dst_ptr + drow * s_dr + c64 * s_dc
     bias = tl.load(b_ptr + c64, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     for t in tl.static_range(T):
@@ -126,7 +130,10 @@ def causal_conv_step(x: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,
                      src_cols: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`causal_conv_step_ref` in one Triton launch (grid: B x blocks of 128 channels). Same arguments,
     effects and result (a new contiguous [B, T, C] tensor in src's dtype). x may be a strided view with a
-    unit-stride last dim; src / dst rows may be strided with a unit-stride last dim. T <= MAX_T.
+    unit-stride last dim; src / dst rows may be strided with a unit-stride last dim. T <= MAX_T. Row and
+    column indices are read as torch reads them (strided ones copied first, a negative row counting from the
+    end) but not bounds-checked (that would take a host synchronisation): a row outside [-S, S) or a column
+    past the buffer reads or writes outside it.
 
     Raises:
         ValueError: CPU tensors without the Triton interpreter, dtypes that differ (x, src, weight, bias) or lie
@@ -164,6 +171,7 @@ def causal_conv_step(x: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,
         raise ValueError(f"{name}: T = {T} > {MAX_T} (decode / verify sizes); use causal_conv_step_ref")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    src_rows, src_cols, dst_rows = (None if t is None else t.contiguous() for t in (src_rows, src_cols, dst_rows))
     if src.stride(-1) != 1 or (dst is not None and dst.stride(-1) != 1):
         raise ValueError(f"{name}: src and dst need a unit-stride last dim")
     out = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
@@ -173,8 +181,8 @@ def causal_conv_step(x: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor,
     _conv_step_kernel[(B, triton.cdiv(C, block_c))](
         x, src, src_rows, src_cols if src_cols is not None else src_rows, weight.contiguous(),
         bias if bias is not None else weight, dst if dst is not None else src,
-        dst_rows if dst_rows is not None else src_rows, out, C,
-        x.stride(0), x.stride(1), src.stride(0), src.stride(1),
+        dst_rows if dst_rows is not None else src_rows, out, C, src.shape[0],
+        dst.shape[0] if dst is not None else 1, x.stride(0), x.stride(1), src.stride(0), src.stride(1),
         dst.stride(0) if dst is not None else 0, dst.stride(1) if dst is not None else 0,
         T=T, W=W, HAS_COLS=src_cols is not None, HAS_BIAS=bias is not None, HAS_DST=dst is not None,
         DST_FROM=dst_from, BLOCK_C=block_c, num_warps=4)

@@ -48,7 +48,7 @@ from kernels.mamba2 import (
     ssd_chunked_scan,
 )
 from kernels.mamba2.conv import MAX_T as CONV_STEP_MAX_T
-from kernels.mamba2.conv import causal_conv_step
+from kernels.mamba2.conv import causal_conv_step, causal_conv_step_ref
 from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
@@ -120,46 +120,35 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
-        replay = isinstance(state, Mamba2ReplayState)
-        conv = None if state is None else state.conv[..., :W1] if replay else state.conv
-        rows = None if state is None else meta.row_index(state.conv.shape[0])  # PAD -> the scratch row
         bias = self.conv1d.bias
-        same_dtype = xBC.dtype == weight.dtype and (bias is None or bias.dtype == xBC.dtype)
-        if (state is not None and use_inference_kernel(xBC) and T <= CONV_STEP_MAX_T
-                and (meta.verify or meta.all_valid) and same_dtype and state.conv.dtype == xBC.dtype):
-            # one launch: the windows read from the cache in place, the conv, SiLU, the new windows written
+        replay = isinstance(state, Mamba2ReplayState)
+        if state is not None and (meta.verify or meta.all_valid):
+            # the windows read from the cache, the conv + SiLU, the new windows written back: one launch
+            # (kernels/mamba2/conv.py) where use_inference_kernel holds, its reference elsewhere
+            rows = meta.row_index(state.conv.shape[0])  # PAD -> the scratch row
+            same_dtype = (xBC.dtype == weight.dtype == state.conv.dtype
+                          and (bias is None or bias.dtype == xBC.dtype))
+            fused = use_inference_kernel(xBC) and T <= CONV_STEP_MAX_T and same_dtype
+            step = causal_conv_step if fused else causal_conv_step_ref
             if replay and meta.verify:
+                # the W - 1 inputs before the next token are columns off .. off + W - 2; column 0 is never
+                # read again (after a >= 1 accepted tokens the window is columns a .. a + W - 2): kept from 1
                 src_rows, src_cols = state.slots.conv_window_start(meta)
-                return causal_conv_step(xBC, state.conv, src_rows, weight, bias, state.conv, rows, 1,
-                                        src_cols)
-            if meta.verify:
-                return causal_conv_step(xBC, state.conv, rows, weight, bias, state.conv_steps, rows, 0)
-            return causal_conv_step(xBC, conv, rows, weight, bias, conv, rows, T)
-        if state is None:
-            prev = xBC.new_zeros(b, self.conv_dim, W1)
-        elif replay and meta.verify:  # the W - 1 inputs before the next token: columns off .. off + W - 2
-            prev = state.conv[state.slots.conv_window_index(meta, W1, self.conv_dim)]
-        else:
-            prev = meta.rows(conv)
+                return step(xBC, state.conv, src_rows, weight, bias, state.conv, rows, 1, src_cols)
+            if meta.verify:  # rewind: the whole window of every step, to the per-step buffer
+                return step(xBC, state.conv, rows, weight, bias, state.conv_steps, rows, 0)
+            conv = state.conv[..., :W1] if replay else state.conv
+            return step(xBC, conv, rows, weight, bias, conv, rows, T)  # the last W - 1 inputs kept
+        # a cache-free forward, or a prefill batch of rows of different lengths
+        prev = xBC.new_zeros(b, self.conv_dim, W1) if state is None else meta.rows(
+            state.conv[..., :W1] if replay else state.conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
-        if T == 1:
-            out = torch.einsum("bcw,cw->bc", window, weight)[:, None, :]
-            if self.conv1d.bias is not None:
-                out = out + self.conv1d.bias
-        else:
-            out = F.conv1d(window, weight[:, None, :], self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
-        if state is not None and meta.verify and replay:
-            # column 0 is never read again: after a >= 1 accepted tokens the window is columns a .. a + W - 2
-            state.conv.index_copy_(0, rows, window[:, :, 1:].to(state.conv.dtype))
-        elif state is not None and meta.verify:
-            state.conv_steps.index_copy_(0, rows, window.to(state.conv.dtype))
-        elif state is not None:
-            if meta.all_valid:
-                new = window[:, :, T:]
-            else:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2 of window
-                idx = meta.lengths[:, None] + torch.arange(W1, device=xBC.device)
-                new = window.gather(2, idx[:, None, :].expand(b, self.conv_dim, W1))
-            conv.index_copy_(0, rows, new.to(conv.dtype))
+        out = F.conv1d(window, weight[:, None, :], bias, groups=self.conv_dim).transpose(1, 2)
+        if state is not None:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2
+            conv = state.conv[..., :W1] if replay else state.conv
+            idx = meta.lengths[:, None] + torch.arange(W1, device=xBC.device)
+            new = window.gather(2, idx[:, None, :].expand(b, self.conv_dim, W1))
+            conv.index_copy_(0, meta.row_index(state.conv.shape[0]), new.to(conv.dtype))
         return F.silu(out)
 
     def _verify_ssm(self, state, meta, x, dt, A, Bm, Cm) -> torch.Tensor:
