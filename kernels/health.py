@@ -6,7 +6,8 @@ references.
 The engine keeps one bool flag per watched output (``runners.engine.models.hybrid.HybridLM.nonfinite``,
 named by ``HybridLM.health_names``) and reads them once per ``generate`` call, without a host
 synchronisation inside the step. The reference path (CPU, autograd, torch.compile) reduces each output to
-its max |x| and tests all the peaks at once, a reduction launch per block plus four more per forward; here
+its max |x| and tests all the peaks at once, a reduction launch per block plus about a dozen per forward
+(stack, isfinite, the flag updates); here
 the block's residual add, which reads and writes the whole output anyway, tests its own elements and sets
 the flag:
 
@@ -89,6 +90,9 @@ def residual_add(x: torch.Tensor, delta: torch.Tensor, flags: torch.Tensor, inde
             a dtype outside HEALTH_DTYPES, flags not a contiguous 1-D bool tensor, an index outside them.
     """
     name = "residual_add"
+    if not isinstance(flags, torch.Tensor):
+        raise ValueError(f"{name}: flags must be a contiguous 1-D bool tensor, got {type(flags).__name__} (the "
+                         "reference residual_add_ref takes flags=None for a plain add)")
     check_launchable(x, delta, flags, name=name)
     if x.shape != delta.shape or x.dtype != delta.dtype or x.dtype not in HEALTH_DTYPES:
         raise ValueError(f"{name}: x and delta must share a shape and a dtype in {HEALTH_DTYPES}; got "
@@ -110,6 +114,8 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, index: int) -> None:
             contiguous 1-D bool tensor, an index outside them.
     """
     name = "flag_nonfinite"
+    if not isinstance(flags, torch.Tensor):
+        raise ValueError(f"{name}: flags must be a contiguous 1-D bool tensor, got {type(flags).__name__}")
     check_launchable(x, flags, name=name)
     if x.dtype not in HEALTH_DTYPES:
         raise ValueError(f"{name}: x must be one of {HEALTH_DTYPES}, got {x.dtype}")

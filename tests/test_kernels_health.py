@@ -115,6 +115,8 @@ def test_bad_inputs_are_refused_with_the_problem_named():
         flag_nonfinite(x, flags, 2)
     with pytest.raises(ValueError, match="must be one of"):
         flag_nonfinite(x.long(), flags, 0)
+    with pytest.raises(ValueError, match="flags must be a contiguous 1-D bool tensor, got NoneType"):
+        residual_add(x, x, None, 0)
 
 
 @pytest.mark.gpu

@@ -170,7 +170,7 @@ class Attention(nn.Module):
 
     def _inv_freq(self, x: torch.Tensor) -> torch.Tensor:
         """:func:`rope_inv_freq` of this layer on x's device (float32 [rotary_dim / 2]); in the eager
-        inference step (:func:`cacheable_now` of x) computed once per device and reused (four launches
+        inference step (:func:`cacheable_now` of x) computed once per device and reused (five launches
         fewer per forward), elsewhere at each call (autograd; torch.compile folds it)."""
         if not cacheable_now(x):
             return rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
