@@ -57,7 +57,8 @@ that table (`defaults_table`, with the launcher arguments and the evidence) for 
 --ncu: profiles the headline launch of each chosen kernel (the sweep's best per operator and state dtype and
 the current kernel, or the current kernel and "mma" without --sweep; the configurations of --ncu-configs on
 every operator that has them; and FlashInfer's checkpointing_ssu without and with a flush, unless
---no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
+--no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes; --ncu-sr adds the
+stochastic-rounding rows, DIR/ncu_<operator>_<config>_<dtype>_<rn|sr>.txt) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
 --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
 as DIR/ncu_<operator>_<config>_<dtype>.txt, with the headline numbers of every report (duration, memory /
 DRAM / compute throughput in % of peak, registers, theoretical and achieved occupancy) in DIR/ncu_summary.json.
@@ -104,6 +105,7 @@ GRID_T = (2, 4, 8)
 GRID_BATCH = (1, 8, 64, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # the stochastic-rounding cost rows
+SR_OPS = ("m2_write", "m2_flush", "gdn")  # the state-writing operators whose stochastic rounding is timed
 # kernel vs reference on the GPU (tests/test_kernels_*_gpu.py): fp32 state 1e-3, bf16 outputs / state 1.6e-2
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1.6e-2, torch.float16: 1.6e-2}
 
@@ -662,7 +664,7 @@ def sweep(args) -> dict:
     # 5. stochastic rounding cost (16-bit states, the confirmed best configuration of each state-writing
     # operator as chosen with a bf16 state)
     if "bfloat16" in dtypes:
-        for op in ("m2_write", "m2_flush", "gdn"):
+        for op in SR_OPS:
             best = res["best"].get(f"{op}/bfloat16")
             if best is None:
                 continue
@@ -870,9 +872,11 @@ def _profile_once(fn) -> float:
 
 
 def ncu_worker(spec: str) -> None:
-    """One profiled launch: OP:CONFIG:DTYPE at the headline, compiled (and warmed) before the profiled range;
-    OP "fi": FlashInfer's call named CONFIG (flashinfer_ncu_specs), its JIT build warm from the sweep."""
-    op, cfg_name, name = spec.split(":")
+    """One profiled launch: OP:CONFIG:DTYPE[:rn|sr] at the headline, compiled (and warmed) before the profiled
+    range (``sr``: with stochastic rounding, the default generator, as the sweep's SR rows; DTYPE may then be
+    float16); OP "fi": FlashInfer's call named CONFIG (flashinfer_ncu_specs), its JIT build warm from the
+    sweep."""
+    op, cfg_name, name, *mode = spec.split(":")
     if op == "fi":
         from benchmarks.bench_mamba2 import bench_flashinfer
 
@@ -882,12 +886,13 @@ def ncu_worker(spec: str) -> None:
         if cfg_name not in got:
             raise SystemExit(f"FlashInfer's {cfg_name} did not run: {got}")
         return
-    call, _, _ = _setup(op, "ws1", HEADLINE["batch"], HEADLINE["T"], DTYPES[name], "cuda", False)
+    call, _, _ = _setup(op, "ws1", HEADLINE["batch"], HEADLINE["T"], {**DTYPES, **SR_DTYPES}[name], "cuda", False)
     cfg = _configs(op)[cfg_name]
-    call(cfg)
+    rounding = StochasticRounding.create(1234, device="cuda") if mode == ["sr"] else None
+    call(cfg, rounding)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    call(cfg)
+    call(cfg, rounding)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
@@ -949,18 +954,22 @@ def ncu(args) -> int:
         specs = [sp for sp in specs if sp.split(":")[2] in args.dtypes.split(",")]
     if args.quick and not args.dtypes:
         specs = [sp for sp in specs if sp.endswith(":bfloat16")]
+    if args.ncu_sr:  # the SR cost rows: each state-writing operator's bf16 best, both 16-bit dtypes, RN and SR
+        best = load_sweep(args.sweep).get("best", {}) if args.sweep and os.path.exists(args.sweep) else {}
+        specs += [f"{op}:{best.get(f'{op}/bfloat16') or CURRENT}:{d}:{m}" for op in SR_OPS for d in SR_DTYPES
+                  for m in ("rn", "sr")]
     os.makedirs(args.out, exist_ok=True)
     rc = 0
     summary = {}
     for spec in specs:
-        op, cfg, name = spec.split(":")
+        op, cfg, name, *mode = spec.split(":")
         kernel = ("regex:checkpointing_ssu|selective_state_update" if op == "fi" else
                   "regex:_gdn_replay" if op == "gdn" else "regex:_replay_verify")
         cmd = [exe, "--clock-control", "none", "--section", "SpeedOfLight", "--section", "Occupancy",
                "--section", "LaunchStats", "--profile-from-start", "off", "-k", kernel, "--launch-count", "1",
                sys.executable, "-m", "benchmarks.sweep_replay", "--ncu-worker", spec]
         p = subprocess.run(cmd, capture_output=True, text=True)
-        path = os.path.join(args.out, f"ncu_{op}_{cfg}_{name}.txt")
+        path = os.path.join(args.out, "_".join(["ncu", op, cfg, name, *mode]) + ".txt")
         with open(path, "w") as f:
             f.write(" ".join(cmd) + "\n" + p.stdout + p.stderr)
         summary[spec] = {"exit": p.returncode, **parse_ncu(p.stdout)}
@@ -1001,14 +1010,17 @@ def main(argv=None) -> int:
                     help="with --write-defaults: no sweep, the table from this sweep_replay.json (CPU)")
     ap.add_argument("--source-date", default="",
                     help="the provenance date of --from-json when its JSON has no 'date' (older sweeps)")
+    ap.add_argument("--ncu-sr", action="store_true",
+                    help="with --ncu: also profile the stochastic-rounding rows (each state-writing operator's "
+                         "bf16 best, bf16 and fp16 state, round to nearest and stochastic)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.from_json:
         if not args.write_defaults:
             ap.error("--from-json needs --write-defaults PATH")
-        if args.ncu or args.ncu_configs:
+        if args.ncu or args.ncu_configs or args.ncu_sr:
             ap.error("--from-json writes the defaults table from a committed sweep and runs nothing: drop "
-                     "--ncu / --ncu-configs (profile with `--ncu --sweep JSON` on the GPU)")
+                     "--ncu / --ncu-configs / --ncu-sr (profile with `--ncu --sweep JSON` on the GPU)")
         doc = defaults_from_json(args.from_json, date=args.source_date)
         write_defaults(doc, args.write_defaults)
         print(f"{args.write_defaults}: {len(doc['rows'])} rows from {args.from_json}")
@@ -1036,6 +1048,8 @@ def main(argv=None) -> int:
         ap.error(f"--ncu-configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
     if args.ncu_configs and not args.ncu:
         ap.error("--ncu-configs is an option of --ncu (the sweep itself takes --configs)")
+    if args.ncu_sr and not args.ncu:
+        ap.error("--ncu-sr is an option of --ncu (the sweep itself times the stochastic-rounding rows)")
     if args.ncu:
         if not torch.cuda.is_available():
             ap.error("--ncu: no CUDA GPU here: Nsight Compute profiles the kernels on one; run it on the GPU "

@@ -267,6 +267,38 @@ def test_ncu_configs_adds_those_configurations_where_an_operator_has_them(tmp_pa
         assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_ncu_sr_profiles_the_stochastic_rounding_rows_rn_and_sr(tmp_path, monkeypatch, capsys):
+    """--ncu-sr: each state-writing operator's bf16 best from --sweep (the current kernel where the sweep
+    has none), bf16 and fp16 state, round to nearest and stochastic, after the --dtypes filter (fp16 kept),
+    each report in its own file; without --ncu it is refused."""
+    import subprocess
+    import types
+
+    cmds = []
+    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, capture_output, text: cmds.append(cmd) or
+                        types.SimpleNamespace(returncode=0, stdout=NCU_TEXT, stderr=""))
+    doc = json.loads(open(SWEEP).read())
+    doc["best"] = {k: v for k, v in doc["best"].items() if not k.startswith("m2_flush/")}  # none: the current
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(doc))
+    out = tmp_path / "n"
+    assert sweep_replay.main(["--ncu", "--no-flashinfer", "--ncu-sr", "--sweep", str(sweep), "--dtypes",
+                              "bfloat16", "--out", str(out)]) == 0
+    sr = sorted(c[-1] for c in cmds if c[-1].count(":") == 3)
+    chosen = {op: doc["best"].get(f"{op}/bfloat16") or sweep_replay.CURRENT for op in sweep_replay.SR_OPS}
+    assert chosen["m2_flush"] == sweep_replay.CURRENT
+    want = sorted(f"{op}:{cfg}:{d}:{m}" for op, cfg in chosen.items() for d in ("bfloat16", "float16")
+                  for m in ("rn", "sr"))
+    assert sr == want and len(sr) == 12
+    assert (out / f"ncu_gdn_{chosen['gdn']}_float16_sr.txt").exists()
+    assert f"gdn:{chosen['gdn']}:float16:sr" in json.loads((out / "ncu_summary.json").read_text())
+    with pytest.raises(SystemExit) as e:
+        sweep_replay.main(["--ncu-sr", "--out", "x"])
+    assert e.value.code == 2 and "--ncu-sr is an option of --ncu" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_ncu_without_a_gpu_or_nsight_compute_is_refused_with_a_fix(tmp_path, monkeypatch, capsys):
     """--ncu on a machine without CUDA is refused as the sweep is (argparse's error, exit 2); with a GPU but
