@@ -365,19 +365,20 @@ class SpanningGroupRMSNorm(nn.Module):
     """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
     silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
     rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
-    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim], equal to the
-    unsharded norm's channels of this rank."""
+    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim] (or cast to
+    ``out_dtype``, as GatedGroupRMSNorm's signature), equal to the unsharded norm's channels of this rank."""
 
     def __init__(self, dim: int, group_size: int, eps: float, group: Any):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size, self.eps, self.group = group_size, eps, group
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         y = y.float() * F.silu(z.float())
         sum_sq = y.pow(2).sum(-1, keepdim=True)
         dist.all_reduce(sum_sq, group=self.group)
-        return self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))
+        return (self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))).to(out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------------------
