@@ -50,6 +50,9 @@ def residual_add_ref(x: torch.Tensor, delta: torch.Tensor, flags: torch.Tensor |
 
     Returns:
         a new tensor x + delta.
+
+    Raises:
+        ValueError: flags not a contiguous 1-D bool tensor, or ``index`` outside them.
     """
     y = x + delta
     if flags is not None:
@@ -58,8 +61,12 @@ def residual_add_ref(x: torch.Tensor, delta: torch.Tensor, flags: torch.Tensor |
 
 
 def flag_nonfinite_ref(x: torch.Tensor, flags: torch.Tensor, index: int) -> None:
-    """``flags[index] |= not isfinite(x).all()`` (bool [n] flags, mutated in place; an empty x flags
-    nothing)."""
+    """``flags[index] |= not isfinite(x).all()``: x any shape, flags bool [n] (mutated in place; a negative
+    index counts from the end); an empty x flags nothing.
+
+    Raises:
+        ValueError: flags not a contiguous 1-D bool tensor, or ``index`` outside them.
+    """
     flags[_flag_index(flags, index, "flag_nonfinite_ref")] |= ~torch.isfinite(x).all()
 
 

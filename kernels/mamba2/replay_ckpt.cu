@@ -226,9 +226,10 @@ __global__ void M2R_BOUNDS m2_replay_verify_ckpt_kernel(const Params p) {
   // ---- 1. the new tokens' C and B (fp32) and this CTA's rows of their x, into shared memory, with their
   // dt, dt_bias and A in registers. None depends on the slot, so these loads are in flight with the slot's;
   // each staging issues a round of loads before it stores any (`stage_batched`): the first version's loops
-  // waited on one load per step, about 30 dependent memory round trips per CTA: the likely reason it timed
-  // 2.4-3.4x behind checkpointing_ssu with the same work split (docs/kernel_performance.md, "Third H200 sweep";
-  // an estimate from the code, to be confirmed by the next sweep) ----
+  // waited on one load per step, about 30 dependent memory round trips per CTA. Measured (docs/gpu/kperf_5):
+  // batching them bought 1.12-1.18x only; Nsight Compute shows the kernel issue-bound instead, at about 2.9x
+  // checkpointing_ssu's instruction slots (scalar FMAs where it uses tensor-core mmas;
+  // docs/kernel_performance.md, "Fourth H200 run") ----
   const float A = load_any(p.A, h, p.A_code);
   float dt_new = 0.f;
   if (tid < T)

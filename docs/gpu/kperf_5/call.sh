@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 13 call A2 (issue 28): the CUDA variant's second version (round trips cut) timed beside
 # checkpointing_ssu and the Triton leaders, with Nsight Compute of it; compute-sanitizer memcheck on it first.
-# Carry: .gpu-bundle with flashinfer-trimmed.tgz (cp /work/fi_stash/flashinfer-trimmed.tgz .gpu-bundle/).
+# Carry: .gpu-bundle with the trimmed FlashInfer bundle (flashinfer-trimmed.tgz) copied into it.
 set -u
 OUT=${1:?OUT}
 source tests/gpu/env.sh; gpu_env >/dev/null 2>&1 || exit 1

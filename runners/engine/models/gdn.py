@@ -233,11 +233,11 @@ class GatedDeltaNet(nn.Module):
 
         x: (B, T, D); conv_state: (B, C, W - 1) or None (zeros); with ``conv_rows`` (B,) the cache (S, C,
         W - 1) and each row's index in it (read in place by the fused prologue). Pure function of its
-        inputs (float32 conv
-        math). Returns GDNRuleInputs; q, k are L2-normalised (float32) but not scaled (the rule applies
-        K^-0.5); with ``normalize_qk=False`` they are returned raw in x's dtype, for a rule that normalises
-        them itself (``use_qk_l2norm_in_kernel=True``: the same ``l2norm`` of the same values, in its
-        registers on CUDA, two to four kernels fewer per decode block and half the q / k bytes).
+        inputs (float32 conv math). Returns GDNRuleInputs; q, k are L2-normalised (float32) but not scaled
+        (the rule applies K^-0.5); with ``normalize_qk=False`` they are returned raw in x's dtype, for a rule
+        that normalises them itself (``use_qk_l2norm_in_kernel=True``: the same ``l2norm`` of the same
+        values, in its registers on CUDA, two to four kernels fewer per decode block and half the q / k
+        bytes).
         """
         B, T, _ = x.shape
         H, r, K, V = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.head_k_dim, self.head_v_dim
