@@ -139,6 +139,15 @@ def report(sass_dir: str | None = None) -> dict:
                 for v in ("fma", "mma"):
                     record(f"m2_{'ckpt' if ckpt else 'replay'}_{v}_{tag}_sr", mamba2.replay_verify,
                         state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, variant=v, stochastic_rounding=sr)
+    # fp16 state: the write variants rounded to nearest and stochastically (the fp16 rule's own cost)
+    state = torch.zeros(B, H, P, N, dtype=torch.float16)
+    for ckpt in (False, True):
+        hist = mamba2.ReplayHistory.allocate(B, 16 if ckpt else T, H, P, G, N, dtype=bf, device="cpu",
+                                             checkpointing=ckpt)
+        for v in ("fma", "mma"):
+            for rounding, suffix in ((None, ""), (sr, "_sr")):
+                record(f"m2_{'ckpt' if ckpt else 'replay'}_{v}_f16{suffix}", mamba2.replay_verify,
+                    state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, variant=v, stochastic_rounding=rounding)
     record("replay_advance", replay_advance, pnat, bi, slot, pnat, T)
 
     Hk, HV, K, V = 16, 32, 128, 128
@@ -158,6 +167,11 @@ def report(sass_dir: str | None = None) -> dict:
             for var in ("fma", "mma"):
                 record(f"gdn_replay_{var}_{tag}_sr", gdn.replay_verify,
                     q, k, v, g, beta, state, hist, slot, pnat, bi, variant=var, stochastic_rounding=sr)
+    state = torch.zeros(B, HV, V, K, dtype=torch.float16)
+    for var in ("fma", "mma"):
+        for rounding, suffix in ((None, ""), (sr, "_sr")):
+            record(f"gdn_replay_{var}_f16{suffix}", gdn.replay_verify,
+                q, k, v, g, beta, state, hist, slot, pnat, bi, variant=var, stochastic_rounding=rounding)
     return res
 
 

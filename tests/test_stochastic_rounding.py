@@ -39,7 +39,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import gdn, mamba2  # noqa: E402
-from kernels.rounding import StochasticRounding, random_bits16, sr_key, stochastic_round_ref  # noqa: E402
+from kernels.rounding import (  # noqa: E402
+    StochasticRounding, _round_bits, random_bits16, sr_key, stochastic_round, stochastic_round_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SR_DTYPES = (torch.bfloat16, torch.float16)
@@ -90,6 +91,41 @@ def test_reference_rule_is_unbiased_where_nearest_is_not(dtype):
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     out = stochastic_round_ref(special, dtype, sr)
     assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0
+
+
+@triton.jit
+def _round_kernel(x_ptr, bits_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    r = stochastic_round(tl.load(x_ptr + offs, mask=m), tl.load(bits_ptr + offs, mask=m), IS_BF16)
+    tl.store(out_ptr + offs, r, mask=m)
+
+
+@pytest.mark.parametrize("dtype", SR_DTYPES)
+def test_kernel_rule_equals_reference_rule_bitwise(dtype):
+    """The kernels' rule (Triton `stochastic_round`) and the references' (`_round_bits`) give the same bits
+    for the same random bits, over every binade of fp16 and bf16, both signs, fp16's subnormal / normal
+    boundary, values next to fp16's largest finite one and beyond, and the specials (the other tests compare
+    kernels and references statistically, since their random bits differ)."""
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 14
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 18, (n,), generator=g).float())
+    edge = [2.0**-14, -(2.0**-14), 2.0**-14 * (1 - 2.0**-12), 2.0**-24, 2.0**-25, 3 * 2.0**-26, 65504.0,
+            65519.0, 65520.0, -65535.0, 1e6, 2047.99, 1.0 - 2.0**-20, 0.0, -0.0, float("inf"), -float("inf"),
+            float("nan"), 1e-38, -1e-40]
+    x[: len(edge)] = torch.tensor(edge)
+    bits = torch.randint(0, 1 << 16, (n,), generator=g, dtype=torch.int32)
+    bits[: len(edge)] = 0x1FFF  # the largest draw: rounds up wherever a bit below the grid is set
+    bits[len(edge): 2 * len(edge)] = 0
+    x[len(edge): 2 * len(edge)] = torch.tensor(edge)
+    x, bits = x.to(DEV), bits.to(DEV)
+    out = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(n, 1024),)](x, bits, out, n, IS_BF16=dtype == torch.bfloat16, BLOCK=1024)
+    got, want = out.to(dtype), _round_bits(x, bits, dtype)
+    ok = got.isfinite()  # beyond the format's largest finite value the 16-bit result is infinite
+    assert torch.equal(out[ok], got.float()[ok]), "the kernel's result is not on the 16-bit grid"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (
+        f"{(got.view(torch.int16) != want.view(torch.int16)).sum().item()} of {n} values differ")
 
 
 def test_reference_rule_is_deterministic_per_key():
