@@ -175,9 +175,26 @@ def test_fp8_logits_close_to_the_source_model(which, request, gsm8k_dir):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where a and b differ (None: equal)."""
+    end = None if len(a) == len(b) else min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), end)
+
+
+@pytest.mark.parametrize("kv_cache_quant", [None, "fp8"])
 @pytest.mark.parametrize("which", ["fp8_nemotron", "fp8_qwen"])
-def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
-    """FP8 weights and KV cache: MTP drafting with rewind and with replay emit exactly the greedy tokens."""
+def test_fp8_engine_replay_equals_rewind_and_greedy(which, kv_cache_quant, request, gsm8k_dir):
+    """FP8 weights, with and without the FP8 KV cache: MTP drafting with replay emits exactly rewind's tokens
+    (same verify, another way to commit the state), and with FP8 weights alone exactly the greedy tokens.
+
+    With the FP8 KV cache, MTP against greedy is exact only up to the cache's rounding: the keys and values
+    of accepted tokens come from the T = K + 1 verify forward, greedy's from T = 1 steps, and the two differ
+    in their last float32 bits (other GEMM shapes); one e4m3 step is 1/8 to 1/16 of the value, so a value
+    next to a rounding boundary can land in the next bucket and change an attention score by percents. Seen
+    on an AMD EPYC (AVX2) CPU: Qwen3-Next's third request parts from greedy at token 12 of 24 (top-2 logits
+    0.25 apart) while an AVX-512 CPU gave equal tokens. So there the test asserts what a wrong KV write or
+    scale would break: every request equal to greedy for its first 8 tokens and 75 % of all positions equal.
+    """
     from tokenizers import Tokenizer
 
     ckpt = request.getfixturevalue(which)
@@ -187,11 +204,20 @@ def test_fp8_engine_replay_equals_rewind_and_greedy(which, request, gsm8k_dir):
     outs = {}
     for name, kw in {"greedy": dict(draft_len=0), "rewind": dict(draft_len=3),
                      "replay": dict(draft_len=3, ssm_replay=True)}.items():
-        engine = Engine.from_pretrained(ckpt, EngineOptions(kv_cache_quant="fp8", max_batch_size=2,
+        engine = Engine.from_pretrained(ckpt, EngineOptions(kv_cache_quant=kv_cache_quant, max_batch_size=2,
                                                             max_seq_len=512, **kw))
         outs[name] = engine.generate(prompts, 24, stop_token_ids=[])
-    assert outs["rewind"].tokens == outs["replay"].tokens == outs["greedy"].tokens
+    assert outs["rewind"].tokens == outs["replay"].tokens
+    assert outs["replay"].stats.acceptance_rate == outs["rewind"].stats.acceptance_rate
     assert outs["rewind"].stats.acceptance_rate > 0.2
+    if kv_cache_quant is None:
+        assert outs["rewind"].tokens == outs["greedy"].tokens
+        return
+    parts = [_first_divergence(m, g) for m, g in zip(outs["rewind"].tokens, outs["greedy"].tokens)]
+    assert all(i is None or i >= 8 for i in parts), f"MTP parts from greedy early: first divergences {parts}"
+    same = sum(x == y for m, g in zip(outs["rewind"].tokens, outs["greedy"].tokens) for x, y in zip(m, g))
+    total = sum(len(g) for g in outs["greedy"].tokens)
+    assert same >= 0.75 * total, f"{same} of {total} positions equal greedy's (first divergences {parts})"
 
 
 def test_fp8_kv_cache_without_checkpoint_scales_warns(caplog):

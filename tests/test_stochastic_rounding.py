@@ -40,7 +40,13 @@ import triton.language as tl  # noqa: E402
 
 from kernels import gdn, mamba2  # noqa: E402
 from kernels.rounding import (  # noqa: E402
-    StochasticRounding, _round_bits, random_bits16, sr_key, stochastic_round, stochastic_round_ref)
+    StochasticRounding,
+    _round_bits,
+    random_bits16,
+    sr_key,
+    stochastic_round,
+    stochastic_round_ref,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SR_DTYPES = (torch.bfloat16, torch.float16)
