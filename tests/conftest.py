@@ -36,6 +36,13 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # transformers (the oracle) beside a PyPI `kernels` it would import: stop with the fix, not with dozens of
+    # "cannot import name ... from 'kernels'" errors
+    from runners.tools.tiny import TRANSFORMERS_CLASH_FIX, transformers_clash
+
+    problem = transformers_clash()
+    if problem:
+        raise pytest.UsageError(f"{problem}\n  fix: {TRANSFORMERS_CLASH_FIX}")
 
 
 def _cuda_available() -> bool:

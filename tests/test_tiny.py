@@ -288,3 +288,22 @@ def test_write_random_checkpoint_layer_layout_spellings(tmp_path):
     overrides = dict(small, num_hidden_layers=4, full_attention_interval=2)
     cfg = _config(tiny.write_random_checkpoint(tmp_path / "q", "qwen3_next", overrides))
     assert cfg["layer_types"] == ["linear_attention", "full_attention"] * 2
+
+
+def test_transformers_beside_a_pypi_kernels_it_would_import_is_refused_with_the_fix(monkeypatch):
+    """transformers imports the PyPI `kernels` whenever its probe finds a version it accepts (5.25 depends
+    on it); this checkout's kernels/ shadows that package, so the builder refuses with the pin, before any
+    transformers model import fails with "cannot import name ... from 'kernels'"."""
+    from transformers.utils import import_utils
+
+    from registry.errors import UserError
+
+    assert tiny.transformers_clash() is None  # the pinned environment the suite runs in
+    monkeypatch.setattr(import_utils, "is_kernels_available", lambda *a, **k: True)
+    versions = {"transformers": "5.25.0", "kernels": "0.19.1"}
+    monkeypatch.setattr("importlib.metadata.version", lambda name: versions[name])
+    assert tiny.transformers_clash() == (
+        "transformers 5.25.0 imports the PyPI package `kernels` 0.19.1, which this checkout's kernels/ "
+        "shadows (the project runs from the checkout, so both cannot be imported)")
+    with pytest.raises(UserError, match="transformers>=5.0,<5.25"):
+        tiny._model_classes("nemotron_h")

@@ -104,10 +104,51 @@ def train_tokenizer(train_path: str | os.PathLike, vocab_size: int = DEFAULT_VOC
     return tokenizer
 
 
+def transformers_clash() -> str | None:
+    """Why transformers cannot be imported beside this checkout, or None when it can.
+
+    transformers imports the PyPI package `kernels` (Hugging Face's hub kernels) at import time whenever its
+    `is_kernels_available()` holds: the package is installed in the version range that release accepts
+    (transformers 5.25 depends on it, so there it always holds). Run from the checkout, `import kernels` finds
+    this repository's kernels/ first, and transformers fails with "cannot import name ... from 'kernels'".
+    The project pins transformers below 5.25 (pyproject.toml), where the range excludes the version 5.25
+    pulls in; this names the problem and the fix when an environment has another combination.
+    """
+    try:
+        from transformers.utils.import_utils import is_kernels_available
+    except ImportError:
+        return None  # no transformers (or too old to probe): its users report that themselves
+    if not is_kernels_available():
+        return None
+    from importlib.metadata import version
+
+    return (f"transformers {version('transformers')} imports the PyPI package `kernels` "
+            f"{version('kernels')}, which this checkout's kernels/ shadows (the project runs from the "
+            "checkout, so both cannot be imported)")
+
+
+TRANSFORMERS_CLASH_FIX = ("pip install 'transformers>=5.0,<5.25' (the test extra's pin), "
+                          "or pip uninstall kernels")
+
+
+def _require_transformers() -> None:
+    """Raise UserError (registry.errors) when `transformers_clash` finds a problem."""
+    problem = transformers_clash()
+    if problem:
+        from registry.errors import UserError
+
+        raise UserError(problem, TRANSFORMERS_CLASH_FIX)
+
+
 def save_tokenizer(tokenizer, out_dir: str | os.PathLike, model_max_length: int = 4096) -> Path:
     """Write `tokenizer.json` and `tokenizer_config.json` so both `tokenizers.Tokenizer.from_file` and
     transformers' `AutoTokenizer.from_pretrained` load it (PreTrainedTokenizerFast with bos `<s>`, eos `</s>`,
-    pad `<pad>`). Creates out_dir; overwrites existing tokenizer files. Returns out_dir."""
+    pad `<pad>`). Creates out_dir; overwrites existing tokenizer files. Returns out_dir.
+
+    Raises:
+        UserError: transformers cannot be imported beside this checkout (`transformers_clash`).
+    """
+    _require_transformers()
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
@@ -211,6 +252,7 @@ CONSTANT_INIT_NOISE_STD = 0.05
 
 
 def _model_classes(family: str):
+    _require_transformers()
     from transformers import NemotronHConfig, NemotronHForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
     classes = {
