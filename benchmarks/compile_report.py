@@ -8,7 +8,8 @@ driver that reports an sm_90 target and launches nothing; tensors are CPU tensor
 Reported per kernel: registers and stack bytes per thread and shared memory (cuobjdump -res-usage: spills show
 as STACK > 0), the SASS instruction count and its most frequent opcodes (HMMA = tensor cores, SHFL = the
 cross-lane reductions, LDGSTS = cp.async pipelined loads). Shapes: Super V3 mixer (128 x 64 x 128, 8 groups)
-and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs.
+and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs; and the stochastic-rounding rule alone
+(`rule_<bf16|f16>_<rn|sr>`: 8 elements per thread, so (sr - rn) / 8 is its instructions per element).
 
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
 version may compile somewhat differently.
@@ -27,9 +28,12 @@ import tempfile
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver as _driver
 from triton.runtime.jit import JITFunction
+
+from kernels.rounding import stochastic_round
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -89,6 +93,20 @@ def _usage(kernel, top: int = 12) -> tuple[dict, str]:
              "instructions": sum(ops.values()), "top_opcodes": dict(ops.most_common(top))}, sass)
 
 
+@triton.jit
+def _rule_kernel(x_ptr, bits_ptr, out_ptr, SR: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """The rounding rule alone: BLOCK fp32 values -> the 16-bit dtype of out_ptr, stochastically (SR, with the
+    given 16 random bits per element) or to nearest (the store's convert)."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    if SR:
+        x = stochastic_round(x, tl.load(bits_ptr + offs), IS_BF16)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty))
+
+
+RULE_BLOCK, RULE_WARPS = 1024, 4  # 8 elements per thread: (instructions with SR - without) / 8 = per element
+
+
 def report(sass_dir: str | None = None) -> dict:
     from benchmarks.replay_configs import GDN_CONFIGS, M2_CONFIGS
     from kernels import gdn, mamba2
@@ -109,6 +127,14 @@ def report(sass_dir: str | None = None) -> dict:
                     f.write(sass)
         except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a row with its error
             res[name] = {"error": repr(e)[:500]}
+
+    # the stochastic-rounding rule alone (rule_<dtype>_<rn|sr>): its instructions per element, no kernel around it
+    xs, bits = torch.zeros(RULE_BLOCK), torch.zeros(RULE_BLOCK, dtype=torch.int32)
+    for dt16, tag in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+        for on in (False, True):
+            record(f"rule_{tag}_{'sr' if on else 'rn'}", lambda on=on, dt16=dt16: _rule_kernel[(1,)](
+                xs, bits, torch.zeros(RULE_BLOCK, dtype=dt16), SR=on, IS_BF16=dt16 == torch.bfloat16,
+                BLOCK=RULE_BLOCK, num_warps=RULE_WARPS))
 
     B, T, bf = 2, 4, torch.bfloat16
     H, P, N, G = 128, 64, 128, 8

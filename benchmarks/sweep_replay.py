@@ -58,8 +58,9 @@ that table (`defaults_table`, with the launcher arguments and the evidence) for 
 the current kernel, or the current kernel and "mma" without --sweep; the configurations of --ncu-configs on
 every operator that has them; and FlashInfer's checkpointing_ssu without and with a flush, unless
 --no-flashinfer, `flashinfer_ncu_specs`; --dtypes restricts the state dtypes; --ncu-sr adds the
-stochastic-rounding rows, DIR/ncu_<operator>_<config>_<dtype>_<rn|sr>.txt) with `ncu --clock-control none --section SpeedOfLight --section Occupancy
---section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
+stochastic-rounding rows, DIR/ncu_<operator>_<config>_<dtype>_<rn|sr>.txt, for each state-writing
+operator's bf16 best and the configurations of --ncu-sr-configs; --ncu-sr-only profiles those pairs alone)
+with `ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats`, one launch per process (compiled before the profiled range), and saves each report
 as DIR/ncu_<operator>_<config>_<dtype>.txt, with the headline numbers of every report (duration, memory /
 DRAM / compute throughput in % of peak, registers, theoretical and achieved occupancy) in DIR/ncu_summary.json.
 """
@@ -954,10 +955,16 @@ def ncu(args) -> int:
         specs = [sp for sp in specs if sp.split(":")[2] in args.dtypes.split(",")]
     if args.quick and not args.dtypes:
         specs = [sp for sp in specs if sp.endswith(":bfloat16")]
+    if args.ncu_sr_only:
+        specs = []
     if args.ncu_sr:  # the SR cost rows: each state-writing operator's bf16 best, both 16-bit dtypes, RN and SR
         best = load_sweep(args.sweep).get("best", {}) if args.sweep and os.path.exists(args.sweep) else {}
-        specs += [f"{op}:{best.get(f'{op}/bfloat16') or CURRENT}:{d}:{m}" for op in SR_OPS for d in SR_DTYPES
-                  for m in ("rn", "sr")]
+        cfgs = {op: [best.get(f"{op}/bfloat16") or CURRENT] for op in SR_OPS}
+        for c in (c for c in args.ncu_sr_configs.split(",") if c):  # more pairs: another config's SR cost
+            for op in SR_OPS:
+                if c in _configs(op) and c not in cfgs[op]:
+                    cfgs[op].append(c)
+        specs += [f"{op}:{c}:{d}:{m}" for op in SR_OPS for c in cfgs[op] for d in SR_DTYPES for m in ("rn", "sr")]
     os.makedirs(args.out, exist_ok=True)
     rc = 0
     summary = {}
@@ -1013,6 +1020,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ncu-sr", action="store_true",
                     help="with --ncu: also profile the stochastic-rounding rows (each state-writing operator's "
                          "bf16 best, bf16 and fp16 state, round to nearest and stochastic)")
+    ap.add_argument("--ncu-sr-configs", default="", metavar="LIST",
+                    help="with --ncu-sr: also these configurations' pairs (comma-separated), on every "
+                         "state-writing operator that has them")
+    ap.add_argument("--ncu-sr-only", action="store_true",
+                    help="with --ncu-sr: only the stochastic-rounding pairs (not the best / current kernels)")
     ap.add_argument("--ncu-worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.from_json:
@@ -1048,6 +1060,8 @@ def main(argv=None) -> int:
         ap.error(f"--ncu-configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
     if args.ncu_configs and not args.ncu:
         ap.error("--ncu-configs is an option of --ncu (the sweep itself takes --configs)")
+    if (args.ncu_sr_configs or args.ncu_sr_only) and not args.ncu_sr:
+        ap.error("--ncu-sr-configs / --ncu-sr-only shape --ncu-sr's pairs: give --ncu --ncu-sr too")
     if args.ncu_sr and not args.ncu:
         ap.error("--ncu-sr is an option of --ncu (the sweep itself times the stochastic-rounding rows)")
     if args.ncu:

@@ -12,12 +12,20 @@ Blackwell instruction):
   and truncate them. The carry into bit 16 happens with probability (low 16 bits) / 2^16, exactly the
   fractional distance, on the magnitude (IEEE is sign-magnitude, so the sign is unaffected); subnormals
   and the carry into the next binade follow from the same integer addition.
-- fp16 (10 mantissa bits, exponents -14..15, subnormal spacing 2^-24): in fp32 arithmetic, with the fp16
-  grid spacing u = 2^(max(e, -14) - 10) at |x| (e = floor(log2 |x|)): |x| / u + r (13 random bits as a
-  fraction in [0, 1)), floored, times u, with the sign of x. 13 bits resolve the fp16 grid exactly in the
-  normal range (the fp32 pattern has 13 bits below an fp16 ulp), as FlashInfer's software fp16 path.
+- fp16 (10 mantissa bits, exponents -14..15, subnormal spacing 2^-24): with the fp16 grid spacing
+  u = 2^(max(e, -14) - 10) at |x| (e = floor(log2 |x|)) and f = 13 random bits as a fraction in [0, 1):
+  floor(|x| / u + f) u, with the sign of x (the reference's form, `_round_bits`). 13 bits resolve the fp16
+  grid exactly in the normal range (the fp32 pattern has 13 bits below an fp16 ulp), as FlashInfer's
+  software fp16 path. The kernels reach the same bits without u, its inverse or a floor per element: in
+  fp16's normal range adding the 13 bits to the low bits of |x|'s fp32 pattern adds exactly f u (carries
+  included); in its subnormal range u = 2^-24 is a constant, so |x| + f 2^-24 is one fused multiply-add;
+  the larger of the two is the one of |x|'s range, and the hardware's fp32 -> fp16 convert toward zero
+  then truncates to the grid (`stochastic_round`; tests/test_stochastic_rounding.py holds the two forms
+  equal bit for bit). Per element that is 10 sm_90 instructions instead of the floor form's 15 (bf16's
+  rule: 3; `benchmarks/compile_report.py`'s rule rows), with a shorter dependent chain (docs/gpu/kperf_6
+  profiled the floor form's fp16 writes at +39-46 % over rounding to nearest).
 - NaN stays NaN; infinities stay infinite; a magnitude that rounds beyond the format's largest finite
-  value becomes infinite.
+  value becomes infinite; the sign is kept (-0 stays -0, a negative value that rounds to 0 gives -0).
 
 Randomness (`StochasticRounding.generator`). Kernels read the seed and a step counter from device memory
 (`StochasticRounding.seed`, `.step`: (1,) int64 tensors), so a captured CUDA graph draws new bits on every
@@ -213,16 +221,24 @@ def stochastic_round(x, bits, IS_BF16: tl.constexpr):
     xi = x.to(tl.int32, bitcast=True)
     if IS_BF16:
         r = ((xi + (bits & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
+        r = tl.where(x != x, x, r)  # NaN stays NaN (0x7FFFFFFF + bits would carry into the sign)
     else:
-        ax = tl.abs(x)
-        e = ((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        e = tl.maximum(e, -14) - 10  # log2 of the fp16 grid spacing at |x|, >= -24
-        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        frac = (bits & 0x1FFF).to(tl.float32) * (1.0 / 8192.0)
-        r = tl.floor(ax * inv + frac) * ulp
-        r = tl.where(x < 0, -r, r)
-    return tl.where(x != x, x, r)  # NaN stays NaN
+        # |x| + f u (u: the fp16 grid spacing at |x|), truncated to the grid by the hardware's convert toward
+        # zero: no exponent, spacing or floor per element (the module docstring's rule, its kernel form)
+        ai = xi & 0x7FFFFFFF
+        b = bits & 0x1FFF
+        # fp16's normal range: + b 2^(e - 23) = f 2^(e - 10). The floor at fp32's smallest normal changes no
+        # result (below 2^-37 everything rounds to 0) but keeps the convert's input normal, as the Triton
+        # interpreter's emulated convert needs, and drops the NaN pattern x = +-inf gives here
+        up = tl.maximum((ai + b).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+        # fp16's subnormal range: + f 2^-24, one fused multiply-add; NaN exactly when x is NaN
+        sub = ai.to(tl.float32, bitcast=True) + b.to(tl.float32) * 7.275957614183426e-12
+        m = tl.maximum(up, sub, propagate_nan=tl.PropagateNan.ALL)  # the larger dither is |x|'s range's
+        m = tl.where(m >= 65536.0, float("inf"), m)  # rounds beyond 65504 (grid step 32 there): infinite
+        m = (m.to(tl.int32, bitcast=True) | (xi & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
+        # the store's fp16 convert of this exact value folds away (LLVM drops fptrunc(fpext(h)))
+        r = m.to(tl.float16, fp_downcast_rounding="rtz").to(tl.float32)
+    return r
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -240,8 +256,7 @@ def _round_bits(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torc
         ax = x.abs()
         e = torch.clamp(((ax.view(torch.int32) >> 23) & 0xFF) - 127, min=-14) - 10
         ulp = torch.ldexp(torch.ones_like(ax), e)
-        r = torch.floor(ax / ulp + (bits & 0x1FFF).float() / 8192.0) * ulp
-        r = torch.where(x < 0, -r, r)
+        r = torch.copysign(torch.floor(ax / ulp + (bits & 0x1FFF).float() / 8192.0) * ulp, x)
     return torch.where(torch.isnan(x), x, r).to(dtype)
 
 

@@ -297,6 +297,21 @@ def test_ncu_sr_profiles_the_stochastic_rounding_rows_rn_and_sr(tmp_path, monkey
     with pytest.raises(SystemExit) as e:
         sweep_replay.main(["--ncu-sr", "--out", "x"])
     assert e.value.code == 2 and "--ncu-sr is an option of --ncu" in capsys.readouterr().err
+    # --ncu-sr-configs: that configuration's pairs too, on the operators that have it (GDN: no mma_c16_r80);
+    # --ncu-sr-only: nothing but the pairs
+    cmds.clear()
+    assert sweep_replay.main(["--ncu", "--no-flashinfer", "--ncu-sr", "--ncu-sr-configs", "mma_c16_r80",
+                              "--ncu-sr-only", "--sweep", str(sweep), "--dtypes", "bfloat16",
+                              "--out", str(out)]) == 0
+    extra = sorted(c[-1] for c in cmds if ":mma_c16_r80:" in c[-1])
+    assert extra == sorted(f"{op}:mma_c16_r80:{d}:{m}" for op in ("m2_flush", "m2_write")
+                           for d in ("bfloat16", "float16") for m in ("rn", "sr"))
+    assert all(c[-1].count(":") == 3 for c in cmds) and len(cmds) == 12 + 8
+    for flag in ("--ncu-sr-configs", "--ncu-sr-only"):
+        with pytest.raises(SystemExit) as e:
+            value = ["mma_c16_r80"] if flag == "--ncu-sr-configs" else []
+            sweep_replay.main(["--ncu", flag, *value, "--out", "x"])
+        assert e.value.code == 2 and "give --ncu --ncu-sr too" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
