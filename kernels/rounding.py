@@ -173,24 +173,24 @@ def mix32(x):
 
 
 @triton.jit
-def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
-    """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
-    col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a
-    buffer W columns wide (C, W powers of two, col0 a multiple of C), from the int64 `key`.
-    ROUNDS = 0: the "hash" generator, one `mix32` per pair of columns (module docstring). ROUNDS > 0: Philox with
-    that many rounds, one call per 8 elements (counter = row * (W / 8) + column group), one per element
-    when C < 8."""
+def _hash_rows(key, row, C: tl.constexpr, W: tl.constexpr):
+    """The "hash" generator's per-row inputs (`random_bits16`): (k_row, lo), (R,) uint32 each."""
+    W2: tl.constexpr = W // 2 if C >= 2 else W
+    kk = mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))  # per program
+    base = row * W2  # (R,) int64: the counter of each row's first pair
+    return mix32((base >> 32).to(tl.uint32) ^ kk), base.to(tl.uint32)
+
+
+@triton.jit
+def _bits_from_rows(key, k_row, lo, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                    ROUNDS: tl.constexpr):
+    """`random_bits16` given its per-row inputs (`_hash_rows`; unused by Philox)."""
     if ROUNDS == 0:
         # one hash per pair of neighbouring columns: its low 16 bits for the even column, its high 16 bits
-        # for the odd one (the pair counter is row * (W / 2) + col / 2)
+        # for the odd one (the pair counter is row * (W / 2) + col / 2). Distinct pairs -> distinct
+        # (k_row, lo + c) inputs: rows sharing hi32(row * W2) have lo32 values W2 apart (W2 divides 2^32)
+        # and c < W2
         C2: tl.constexpr = C // 2 if C >= 2 else 1
-        W2: tl.constexpr = W // 2 if C >= 2 else W
-        kk = mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))  # per program
-        base = row * W2  # (R,) int64: the counter of each row's first pair
-        k_row = mix32((base >> 32).to(tl.uint32) ^ kk)  # per row
-        lo = base.to(tl.uint32)
-        # distinct pairs -> distinct (k_row, lo + c) inputs: rows sharing hi32(row * W2) have lo32 values W2
-        # apart (W2 divides 2^32) and c < W2
         c0 = col0 // 2 if C >= 2 else col0
         hsh = mix32((lo[:, None] + (c0 + tl.arange(0, C2)).to(tl.uint32)[None, :]) ^ k_row[:, None])
         if C >= 2:
@@ -212,6 +212,18 @@ def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.conste
         ctr = row[:, None] * W + (col0 + tl.arange(0, C))[None, :]
         res = tl.randint(key, ctr, ROUNDS).to(tl.int32, bitcast=True) & 0xFFFF
     return res
+
+
+@triton.jit
+def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
+    """(R, C) int32 tensor of independent 16-bit random values (in the low bits), for the columns col0 ..
+    col0 + C - 1 of rows `row` ((R,) int64 global row index of the buffer written, unique per row) of a
+    buffer W columns wide (C, W powers of two, col0 a multiple of C), from the int64 `key`.
+    ROUNDS = 0: the "hash" generator, one `mix32` per pair of columns (module docstring). ROUNDS > 0: Philox with
+    that many rounds, one call per 8 elements (counter = row * (W / 8) + column group), one per element
+    when C < 8."""
+    k_row, lo = _hash_rows(key, row, C, W)  # dead code (removed) for Philox
+    return _bits_from_rows(key, k_row, lo, row, col0, R, C, W, ROUNDS)
 
 
 @triton.jit
@@ -277,15 +289,41 @@ def stochastic_round_ref(x: torch.Tensor, dtype: torch.dtype, rounding: Stochast
 
 
 @triton.jit
+def sr_tile_keys(seed_ptr, step_ptr, salt, row, C: tl.constexpr, W: tl.constexpr, SR: tl.constexpr):
+    """What the random bits of a tile's rows need that does not change along its columns: (key, k_row, lo)
+    for `round_to_state_keyed`, computed once before a loop over column chunks. (The compiler cannot hoist
+    it out of such a loop itself: the loop's state stores may alias seed_ptr / step_ptr.) Arguments as
+    `round_to_state`'s; without SR, placeholders that are never read."""
+    if SR:
+        key = sr_key(seed_ptr, step_ptr, salt)
+        k_row, lo = _hash_rows(key, row, C, W)  # dead code (removed) for Philox
+    else:
+        key = salt
+        k_row = row
+        lo = row
+    return key, k_row, lo
+
+
+@triton.jit
+def round_to_state_keyed(h, state_ptr, row, col0, key, k_row, lo, R: tl.constexpr, C: tl.constexpr,
+                         W: tl.constexpr, SR: tl.constexpr, ROUNDS: tl.constexpr):
+    """`round_to_state` with its per-tile part precomputed by `sr_tile_keys` (same result, bit for bit)."""
+    if SR:
+        bits = _bits_from_rows(key, k_row, lo, row, col0, R, C, W, ROUNDS)
+        r = stochastic_round(h, bits, state_ptr.dtype.element_ty == tl.bfloat16)
+    else:
+        r = h.to(state_ptr.dtype.element_ty).to(tl.float32)
+    return r
+
+
+@triton.jit
 def round_to_state(h, state_ptr, row, col0, seed_ptr, step_ptr, salt, R: tl.constexpr, C: tl.constexpr,
                    W: tl.constexpr, SR: tl.constexpr, ROUNDS: tl.constexpr):
     """fp32 tile h (R, C) -> fp32 values exactly representable in the dtype `state_ptr` points to: rounded to
     nearest, or stochastically (SR) with random bits (`random_bits16`; ROUNDS 0 = the "hash" generator, else
     Philox rounds) keyed by `sr_key(seed_ptr, step_ptr, salt)` for the tile's global rows `row` (R,) int64 and
-    columns col0 .. col0 + C - 1 of a buffer W columns wide (seed_ptr / step_ptr are read only with SR)."""
-    if SR:
-        bits = random_bits16(sr_key(seed_ptr, step_ptr, salt), row, col0, R, C, W, ROUNDS)
-        r = stochastic_round(h, bits, state_ptr.dtype.element_ty == tl.bfloat16)
-    else:
-        r = h.to(state_ptr.dtype.element_ty).to(tl.float32)
-    return r
+    columns col0 .. col0 + C - 1 of a buffer W columns wide (seed_ptr / step_ptr are read only with SR).
+    Inside a loop over column chunks, `sr_tile_keys` before the loop and `round_to_state_keyed` in it do the
+    per-tile part once."""
+    key, k_row, lo = sr_tile_keys(seed_ptr, step_ptr, salt, row, C, W, SR)
+    return round_to_state_keyed(h, state_ptr, row, col0, key, k_row, lo, R, C, W, SR, ROUNDS)

@@ -63,7 +63,14 @@ from kernels import replay_defaults
 from kernels._common import interpreter_active
 from kernels._mma import PIECES, split_dot
 from kernels.gdn._common import check_gdn_inputs, check_state, key_head_dims, l2norm
-from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
+from kernels.rounding import (
+    StochasticRounding,
+    launch_args,
+    round_to_state,
+    round_to_state_keyed,
+    sr_tile_keys,
+    stochastic_round_ref,
+)
 
 # Kernel variants of `replay_verify` and their default (block_v, num_warps, chunk_k, num_stages): "fma" the
 # block_v 16 / 1 warp tile of the H200 sweep (docs/kernel_performance.md), "mma" one 16-row mma tile per warp.
@@ -275,6 +282,7 @@ def _gdn_replay_verify_mma_kernel(
     QK = tl.zeros([TP, TP], tl.float32)  # q_raw_t . k_raw_j
     kss = tl.zeros([TP], tl.float32)  # sum of squares of the raw k rows
     qss = tl.zeros([TP], tl.float32)
+    sr_k, sr_krow, sr_lo = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, row, CHUNK_K, BK, SR)
     for k0 in tl.range(0, BK, CHUNK_K, num_stages=NUM_STAGES):
         cols = k0 + o_c
         m_c = cols < K
@@ -289,8 +297,7 @@ def _gdn_replay_verify_mma_kernel(
             b_uj = tl.load(p_uo + j * stride_u_t, mask=o_v < tl.where(use, V, 0), other=0.0).to(tl.float32)
             b_kj = tl.load(p_ko + j * stride_k_t + cols, mask=cols < tl.where(use, K, 0), other=0.0).to(tl.float32)
             b_s += (b_cj * b_uj)[:, None] * b_kj[None, :]
-        b_s = round_to_state(b_s, state, row, k0, sr_seed_ptr, sr_step_ptr, sr_salt, BV, CHUNK_K, BK, SR,
-                             SR_ROUNDS)
+        b_s = round_to_state_keyed(b_s, state, row, k0, sr_k, sr_krow, sr_lo, BV, CHUNK_K, BK, SR, SR_ROUNDS)
         tl.store(p_s + cols[None, :], b_s.to(state.dtype.element_ty), mask=m_ff[:, None] & m_c[None, :])
         # the new tokens start from the stored (dtype-rounded) state
         Pk = split_dot(b_s, tl.trans(b_Kc), Pk, S_STATE, S_IN, INTERP)

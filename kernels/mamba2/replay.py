@@ -116,7 +116,14 @@ from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, check_s
 from kernels._mma import PIECES, split_dot
 from kernels.mamba2 import replay_cuda
 from kernels.mamba2.recurrent import _NO_LIMIT, _check_inputs, _process_dt, ssm_recurrent_scan
-from kernels.rounding import StochasticRounding, launch_args, round_to_state, stochastic_round_ref
+from kernels.rounding import (
+    StochasticRounding,
+    launch_args,
+    round_to_state,
+    round_to_state_keyed,
+    sr_tile_keys,
+    stochastic_round_ref,
+)
 
 # Kernel variants of `replay_verify` and their default (block_p, num_warps) per history layout. "fma": the
 # block_p 16 tile of the H200 sweep of docs/kernel_performance.md (2 warps per-step, 4 checkpointing); "mma"
@@ -486,6 +493,7 @@ def _replay_mma_unit(
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
+        sr_k, sr_krow, sr_lo = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, row, CHUNK_N, BLOCK_N, SR)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
@@ -499,8 +507,8 @@ def _replay_mma_unit(
                 tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
                          mask=mask_tg[:, None] & mcol[None, :])
             Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
-            Sc = round_to_state(Sc, state_ptr, row, n0, sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P, CHUNK_N,
-                                BLOCK_N, SR, SR_ROUNDS)
+            Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_krow, sr_lo, BLOCK_P, CHUNK_N, BLOCK_N,
+                                      SR, SR_ROUNDS)
             tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
             # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
             CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)

@@ -2,8 +2,9 @@
 # Session 15 (issue 28): the fp16 stochastic-rounding rule in its kernel form (a dither, then the hardware's
 # convert toward zero: no exponent, grid spacing or floor per element). First the rule on the GPU (bit for bit
 # against the reference; the kernels' stochastic-rounding tests), then Nsight Compute of the rn / sr pairs as
-# kperf_6 plus the pairs of mma_c16_r80 (Mamba2) and fma_bv8 (GDN); then the same pairs with the floor form
-# (kernels/rounding.py of commit 29767fd, carried as .device/rounding_floor_form.py) in the same call.
+# kperf_6 plus the pairs of mma_c16_r80 (Mamba2) and fma_bv8 (GDN); then the same pairs with the kernels
+# before this session (kernels/ of commit 29767fd: the floor form, the random bits' per-row keys computed in
+# every column chunk), carried as .device/kernels_29767fd.tgz, in the same call.
 set -u
 OUT=${1:?OUT}
 source tests/gpu/env.sh; gpu_env >/dev/null 2>&1 || exit 1
@@ -17,6 +18,6 @@ ncu_pairs() {  # $1: output name
   (cd $OUT && tar czf $1.tgz $1 && rm -rf $1)
 }
 ncu_pairs ncu_sr
-if [ -f .device/rounding_floor_form.py ]; then
-  cp .device/rounding_floor_form.py kernels/rounding.py && ncu_pairs ncu_sr_floor_form
+if [ -f .device/kernels_29767fd.tgz ]; then
+  rm -rf kernels && tar xzf .device/kernels_29767fd.tgz && ncu_pairs ncu_sr_29767fd
 fi
