@@ -12,18 +12,19 @@ Blackwell instruction):
   and truncate them. The carry into bit 16 happens with probability (low 16 bits) / 2^16, exactly the
   fractional distance, on the magnitude (IEEE is sign-magnitude, so the sign is unaffected); subnormals
   and the carry into the next binade follow from the same integer addition.
-- fp16 (10 mantissa bits, exponents -14..15, subnormal spacing 2^-24): with the fp16 grid spacing
-  u = 2^(max(e, -14) - 10) at |x| (e = floor(log2 |x|)) and f = 13 random bits as a fraction in [0, 1):
-  floor(|x| / u + f) u, with the sign of x (the reference's form, `_round_bits`). 13 bits resolve the fp16
-  grid exactly in the normal range (the fp32 pattern has 13 bits below an fp16 ulp), as FlashInfer's
-  software fp16 path. The kernels reach the same bits without u, its inverse or a floor per element: in
-  fp16's normal range adding the 13 bits to the low bits of |x|'s fp32 pattern adds exactly f u (carries
-  included); in its subnormal range u = 2^-24 is a constant, so |x| + f 2^-24 is one fused multiply-add;
-  the larger of the two is the one of |x|'s range, and the hardware's fp32 -> fp16 convert toward zero
-  then truncates to the grid (`stochastic_round`; tests/test_stochastic_rounding.py holds the two forms
-  equal bit for bit). Per element that is 10 sm_90 instructions instead of the floor form's 15 (bf16's
-  rule: 3; `benchmarks/compile_report.py`'s rule rows), with a shorter dependent chain (docs/gpu/kperf_6
-  profiled the floor form's fp16 writes at +39-46 % over rounding to nearest).
+- fp16 (10 mantissa bits, exponents -14..15, subnormal spacing 2^-24): the same add-and-truncate on 13 bits,
+  after scaling x by 2^-112 and followed by scaling back by 2^112. The scale puts fp16's smallest normal
+  2^-14 at fp32's, 2^-126, so in the scaled value fp16's grid is fp32's pattern with its low 13 bits
+  cleared in both ranges: 13 mantissa bits below fp16's 10 in the normal range, and in the subnormal range
+  fp16's spacing 2^-24 becomes 2^-136 = 2^13 fp32 subnormal steps of 2^-149. Both scalings are exact except
+  the first for |x| < 2^-14, which rounds |x| to nearest on a 2^-37 grid (13 bits below fp16's subnormal
+  spacing) before the stochastic step. So with u the fp16 grid spacing at |x| and f the 13 random bits as a
+  fraction in [0, 1), the result is floor(|x| / u + f) u with the sign of x (|x| so pre-rounded below 2^-14),
+  as FlashInfer's software fp16 path resolves it with 13 bits. Per element: two multiplies, an add, a mask
+  and the NaN select (5 sm_90 instructions; bf16's rule 3; the floor form the kernels used before, which
+  built u and 1/u from the exponent of |x| and floored, 15: `benchmarks/compile_report.py`'s rule rows and
+  docs/kernel_performance.md; the floor form's results differ from this rule's only below 2^-14, in 5e-5 of
+  random values there, by one subnormal step).
 - NaN stays NaN; infinities stay infinite; a magnitude that rounds beyond the format's largest finite
   value becomes infinite; the sign is kept (-0 stays -0, a negative value that rounds to 0 gives -0).
 
@@ -173,19 +174,19 @@ def mix32(x):
 
 
 @triton.jit
-def _hash_rows(key, row, C: tl.constexpr, W: tl.constexpr):
-    """The "hash" generator's per-row inputs (`random_bits16`): (k_row, lo), (R,) uint32 each."""
-    W2: tl.constexpr = W // 2 if C >= 2 else W
-    kk = mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))  # per program
-    base = row * W2  # (R,) int64: the counter of each row's first pair
-    return mix32((base >> 32).to(tl.uint32) ^ kk), base.to(tl.uint32)
+def _hash_key(key):
+    """The "hash" generator's per-program input (`random_bits16`): uint32 from the int64 key."""
+    return mix32(key.to(tl.uint32) ^ mix32((key >> 32).to(tl.uint32)))
 
 
 @triton.jit
-def _bits_from_rows(key, k_row, lo, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
-                    ROUNDS: tl.constexpr):
-    """`random_bits16` given its per-row inputs (`_hash_rows`; unused by Philox)."""
+def _bits_from_key(key, kk, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr, ROUNDS: tl.constexpr):
+    """`random_bits16` given its per-program hash input kk = `_hash_key(key)` (unused by Philox)."""
     if ROUNDS == 0:
+        W2: tl.constexpr = W // 2 if C >= 2 else W
+        base = row * W2  # (R,) int64: the counter of each row's first pair
+        k_row = mix32((base >> 32).to(tl.uint32) ^ kk)  # per row
+        lo = base.to(tl.uint32)
         # one hash per pair of neighbouring columns: its low 16 bits for the even column, its high 16 bits
         # for the odd one (the pair counter is row * (W / 2) + col / 2). Distinct pairs -> distinct
         # (k_row, lo + c) inputs: rows sharing hi32(row * W2) have lo32 values W2 apart (W2 divides 2^32)
@@ -222,8 +223,7 @@ def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.conste
     ROUNDS = 0: the "hash" generator, one `mix32` per pair of columns (module docstring). ROUNDS > 0: Philox with
     that many rounds, one call per 8 elements (counter = row * (W / 8) + column group), one per element
     when C < 8."""
-    k_row, lo = _hash_rows(key, row, C, W)  # dead code (removed) for Philox
-    return _bits_from_rows(key, k_row, lo, row, col0, R, C, W, ROUNDS)
+    return _bits_from_key(key, _hash_key(key), row, col0, R, C, W, ROUNDS)  # (kk: dead code for Philox)
 
 
 @triton.jit
@@ -235,21 +235,13 @@ def stochastic_round(x, bits, IS_BF16: tl.constexpr):
         r = ((xi + (bits & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
         r = tl.where(x != x, x, r)  # NaN stays NaN (0x7FFFFFFF + bits would carry into the sign)
     else:
-        # |x| + f u (u: the fp16 grid spacing at |x|), truncated to the grid by the hardware's convert toward
-        # zero: no exponent, spacing or floor per element (the module docstring's rule, its kernel form)
-        ai = xi & 0x7FFFFFFF
-        b = bits & 0x1FFF
-        # fp16's normal range: + b 2^(e - 23) = f 2^(e - 10). The floor at fp32's smallest normal changes no
-        # result (below 2^-37 everything rounds to 0) but keeps the convert's input normal, as the Triton
-        # interpreter's emulated convert needs, and drops the NaN pattern x = +-inf gives here
-        up = tl.maximum((ai + b).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
-        # fp16's subnormal range: + f 2^-24, one fused multiply-add; NaN exactly when x is NaN
-        sub = ai.to(tl.float32, bitcast=True) + b.to(tl.float32) * 7.275957614183426e-12
-        m = tl.maximum(up, sub, propagate_nan=tl.PropagateNan.ALL)  # the larger dither is |x|'s range's
-        m = tl.where(m >= 65536.0, float("inf"), m)  # rounds beyond 65504 (grid step 32 there): infinite
-        m = (m.to(tl.int32, bitcast=True) | (xi & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
-        # the store's fp16 convert of this exact value folds away (LLVM drops fptrunc(fpext(h)))
-        r = m.to(tl.float16, fp_downcast_rounding="rtz").to(tl.float32)
+        # fp16 in fp32's pattern: x 2^-112 puts fp16's smallest normal 2^-14 at fp32's 2^-126, so fp16's grid
+        # is fp32's with the pattern's low 13 bits cleared in both its normal and subnormal ranges (fp16's
+        # subnormal spacing 2^-24 -> 2^-136 = 2^13 fp32 subnormal steps): bf16's add-and-truncate on 13 bits,
+        # scaled back exactly (the module docstring's rule)
+        y = (x * 1.925929944387236e-34).to(tl.int32, bitcast=True)
+        r = ((y + (bits & 0x1FFF)) & -8192).to(tl.float32, bitcast=True) * 5.192296858534828e33
+        r = tl.where(x != x, x, r)  # NaN stays NaN
     return r
 
 
@@ -264,11 +256,9 @@ def _round_bits(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torc
     if dtype == torch.bfloat16:
         xi = (x.view(torch.int32) + (bits & 0xFFFF)) & -65536
         r = xi.view(torch.float32)
-    else:
-        ax = x.abs()
-        e = torch.clamp(((ax.view(torch.int32) >> 23) & 0xFF) - 127, min=-14) - 10
-        ulp = torch.ldexp(torch.ones_like(ax), e)
-        r = torch.copysign(torch.floor(ax / ulp + (bits & 0x1FFF).float() / 8192.0) * ulp, x)
+    else:  # fp16's grid as fp32's pattern truncated by 13 bits after scaling by 2^-112 (module docstring)
+        y = (x * 2.0**-112).view(torch.int32)
+        r = ((y + (bits & 0x1FFF)) & -8192).view(torch.float32) * 2.0**112
     return torch.where(torch.isnan(x), x, r).to(dtype)
 
 
@@ -289,27 +279,28 @@ def stochastic_round_ref(x: torch.Tensor, dtype: torch.dtype, rounding: Stochast
 
 
 @triton.jit
-def sr_tile_keys(seed_ptr, step_ptr, salt, row, C: tl.constexpr, W: tl.constexpr, SR: tl.constexpr):
-    """What the random bits of a tile's rows need that does not change along its columns: (key, k_row, lo)
-    for `round_to_state_keyed`, computed once before a loop over column chunks. (The compiler cannot hoist
-    it out of such a loop itself: the loop's state stores may alias seed_ptr / step_ptr.) Arguments as
-    `round_to_state`'s; without SR, placeholders that are never read."""
+def sr_tile_keys(seed_ptr, step_ptr, salt, SR: tl.constexpr):
+    """The per-program part of the random bits, (key, kk) = (`sr_key`, its hash), for `round_to_state_keyed`:
+    computed once before a loop over column chunks, the compiler cannot hoist it out of such a loop itself
+    (the loop's state stores may alias seed_ptr / step_ptr, so their loads stay in every chunk). Only these two
+    scalars: the per-row hashes are recomputed per chunk, since keeping them live across the loop costs
+    registers (docs/gpu/kperf_7: the Mamba2 per-step write went from 128 to 156 registers and lost a warp per
+    scheduler). Arguments as `round_to_state`'s; without SR, placeholders that are never read."""
     if SR:
         key = sr_key(seed_ptr, step_ptr, salt)
-        k_row, lo = _hash_rows(key, row, C, W)  # dead code (removed) for Philox
+        kk = _hash_key(key)  # dead code (removed) for Philox
     else:
         key = salt
-        k_row = row
-        lo = row
-    return key, k_row, lo
+        kk = salt
+    return key, kk
 
 
 @triton.jit
-def round_to_state_keyed(h, state_ptr, row, col0, key, k_row, lo, R: tl.constexpr, C: tl.constexpr,
-                         W: tl.constexpr, SR: tl.constexpr, ROUNDS: tl.constexpr):
-    """`round_to_state` with its per-tile part precomputed by `sr_tile_keys` (same result, bit for bit)."""
+def round_to_state_keyed(h, state_ptr, row, col0, key, kk, R: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                         SR: tl.constexpr, ROUNDS: tl.constexpr):
+    """`round_to_state` with its per-program part precomputed by `sr_tile_keys` (same result, bit for bit)."""
     if SR:
-        bits = _bits_from_rows(key, k_row, lo, row, col0, R, C, W, ROUNDS)
+        bits = _bits_from_key(key, kk, row, col0, R, C, W, ROUNDS)
         r = stochastic_round(h, bits, state_ptr.dtype.element_ty == tl.bfloat16)
     else:
         r = h.to(state_ptr.dtype.element_ty).to(tl.float32)
@@ -323,7 +314,7 @@ def round_to_state(h, state_ptr, row, col0, seed_ptr, step_ptr, salt, R: tl.cons
     nearest, or stochastically (SR) with random bits (`random_bits16`; ROUNDS 0 = the "hash" generator, else
     Philox rounds) keyed by `sr_key(seed_ptr, step_ptr, salt)` for the tile's global rows `row` (R,) int64 and
     columns col0 .. col0 + C - 1 of a buffer W columns wide (seed_ptr / step_ptr are read only with SR).
-    Inside a loop over column chunks, `sr_tile_keys` before the loop and `round_to_state_keyed` in it do the
-    per-tile part once."""
-    key, k_row, lo = sr_tile_keys(seed_ptr, step_ptr, salt, row, C, W, SR)
-    return round_to_state_keyed(h, state_ptr, row, col0, key, k_row, lo, R, C, W, SR, ROUNDS)
+    Inside a loop over column chunks, `sr_tile_keys` before the loop and `round_to_state_keyed` in it read
+    and hash the key once."""
+    key, kk = sr_tile_keys(seed_ptr, step_ptr, salt, SR)
+    return round_to_state_keyed(h, state_ptr, row, col0, key, kk, R, C, W, SR, ROUNDS)

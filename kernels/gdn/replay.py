@@ -282,7 +282,7 @@ def _gdn_replay_verify_mma_kernel(
     QK = tl.zeros([TP, TP], tl.float32)  # q_raw_t . k_raw_j
     kss = tl.zeros([TP], tl.float32)  # sum of squares of the raw k rows
     qss = tl.zeros([TP], tl.float32)
-    sr_k, sr_krow, sr_lo = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, row, CHUNK_K, BK, SR)
+    sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR)
     for k0 in tl.range(0, BK, CHUNK_K, num_stages=NUM_STAGES):
         cols = k0 + o_c
         m_c = cols < K
@@ -297,7 +297,7 @@ def _gdn_replay_verify_mma_kernel(
             b_uj = tl.load(p_uo + j * stride_u_t, mask=o_v < tl.where(use, V, 0), other=0.0).to(tl.float32)
             b_kj = tl.load(p_ko + j * stride_k_t + cols, mask=cols < tl.where(use, K, 0), other=0.0).to(tl.float32)
             b_s += (b_cj * b_uj)[:, None] * b_kj[None, :]
-        b_s = round_to_state_keyed(b_s, state, row, k0, sr_k, sr_krow, sr_lo, BV, CHUNK_K, BK, SR, SR_ROUNDS)
+        b_s = round_to_state_keyed(b_s, state, row, k0, sr_k, sr_kk, BV, CHUNK_K, BK, SR, SR_ROUNDS)
         tl.store(p_s + cols[None, :], b_s.to(state.dtype.element_ty), mask=m_ff[:, None] & m_c[None, :])
         # the new tokens start from the stored (dtype-rounded) state
         Pk = split_dot(b_s, tl.trans(b_Kc), Pk, S_STATE, S_IN, INTERP)

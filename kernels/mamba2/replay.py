@@ -493,7 +493,7 @@ def _replay_mma_unit(
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
-        sr_k, sr_krow, sr_lo = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, row, CHUNK_N, BLOCK_N, SR)
+        sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
@@ -507,8 +507,8 @@ def _replay_mma_unit(
                 tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
                          mask=mask_tg[:, None] & mcol[None, :])
             Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
-            Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_krow, sr_lo, BLOCK_P, CHUNK_N, BLOCK_N,
-                                      SR, SR_ROUNDS)
+            Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_kk, BLOCK_P, CHUNK_N, BLOCK_N, SR,
+                                      SR_ROUNDS)
             tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
             # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
             CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
