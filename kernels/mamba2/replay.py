@@ -493,7 +493,11 @@ def _replay_mma_unit(
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
-        sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR)
+        # stochastic rounding's key read and hashed once per program, before the chunk loop, on the
+        # checkpointing path only: there it took the flush's extra from +19.8 to +13.6 % (bf16, H200); on the
+        # per-step path the sm_90 compile then keeps 28 more registers (128 -> 156) and loses a warp per
+        # scheduler (+11.4 -> +25.1 %), so that path reads the key in each chunk (docs/gpu/kperf_7)
+        sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and CHECKPOINT)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
@@ -507,8 +511,12 @@ def _replay_mma_unit(
                 tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
                          mask=mask_tg[:, None] & mcol[None, :])
             Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
-            Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_kk, BLOCK_P, CHUNK_N, BLOCK_N, SR,
-                                      SR_ROUNDS)
+            if CHECKPOINT:
+                Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_kk, BLOCK_P, CHUNK_N, BLOCK_N, SR,
+                                          SR_ROUNDS)
+            else:
+                Sc = round_to_state(Sc, state_ptr, row, n0, sr_seed_ptr, sr_step_ptr, sr_salt, BLOCK_P, CHUNK_N,
+                                    BLOCK_N, SR, SR_ROUNDS)
             tl.store(p_state + cols[None, :] * s_sn, Sc.to(state_ptr.dtype.element_ty), mask=m_pn)
             # the new tokens start from the state as stored: replay rounds exactly where rewind's commit does
             CS = split_dot(Sc, tl.trans(Cc), CS, S_STATE, S_IN, INTERP)
