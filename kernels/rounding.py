@@ -230,9 +230,8 @@ def random_bits16(key, row, col0, R: tl.constexpr, C: tl.constexpr, W: tl.conste
 def stochastic_round(x, bits, IS_BF16: tl.constexpr):
     """fp32 x -> fp32 values on the bf16 (IS_BF16) or fp16 grid, rounded stochastically with `bits` (int32,
     16 random low bits per element); converting the result to the 16-bit dtype is exact."""
-    xi = x.to(tl.int32, bitcast=True)
     if IS_BF16:
-        r = ((xi + (bits & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
+        r = ((x.to(tl.int32, bitcast=True) + (bits & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
         r = tl.where(x != x, x, r)  # NaN stays NaN (0x7FFFFFFF + bits would carry into the sign)
     else:
         # fp16 in fp32's pattern: x 2^-112 puts fp16's smallest normal 2^-14 at fp32's 2^-126, so fp16's grid
