@@ -281,10 +281,10 @@ def stochastic_round_ref(x: torch.Tensor, dtype: torch.dtype, rounding: Stochast
 def sr_tile_keys(seed_ptr, step_ptr, salt, SR: tl.constexpr):
     """The per-program part of the random bits, (key, kk) = (`sr_key`, its hash), for `round_to_state_keyed`:
     computed once before a loop over column chunks, the compiler cannot hoist it out of such a loop itself
-    (the loop's state stores may alias seed_ptr / step_ptr, so their loads stay in every chunk). Only these two
-    scalars: the per-row hashes are recomputed per chunk, since keeping them live across the loop costs
-    registers (docs/gpu/kperf_7: the Mamba2 per-step write went from 128 to 156 registers and lost a warp per
-    scheduler). Arguments as `round_to_state`'s; without SR, placeholders that are never read."""
+    (the loop's state stores may alias seed_ptr / step_ptr, so their loads stay in every chunk). Whether it
+    pays depends on the kernel's registers: docs/gpu/kperf_7 measured it on the Mamba2 checkpointing flush
+    (bf16 extra +15.7 -> +11.0 %) and against it on the per-step write (128 -> 156 registers, a warp per
+    scheduler lost). Arguments as `round_to_state`'s; without SR, placeholders that are never read."""
     if SR:
         key = sr_key(seed_ptr, step_ptr, salt)
         kk = _hash_key(key)  # dead code (removed) for Philox

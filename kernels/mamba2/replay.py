@@ -494,9 +494,9 @@ def _replay_mma_unit(
     if write:
         Aff = XoT * w[None, :]
         # stochastic rounding's key read and hashed once per program, before the chunk loop, on the
-        # checkpointing path only: there it took the flush's extra from +19.8 to +13.6 % (bf16, H200); on the
+        # checkpointing path only: there it took the flush's extra from +15.7 to +11.0 % (bf16, H100); on the
         # per-step path the sm_90 compile then keeps 28 more registers (128 -> 156) and loses a warp per
-        # scheduler (+11.4 -> +25.1 %), so that path reads the key in each chunk (docs/gpu/kperf_7)
+        # scheduler (+7.8 -> +20.0 %), so that path reads the key in each chunk (docs/gpu/kperf_7)
         sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and CHECKPOINT)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
