@@ -493,11 +493,13 @@ def _replay_mma_unit(
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
-        # stochastic rounding's key read and hashed once per program, before the chunk loop, on the
-        # checkpointing path only: there it took the flush's extra from +15.7 to +11.0 % (bf16, H100); on the
-        # per-step path the sm_90 compile then keeps 28 more registers (128 -> 156) and loses a warp per
-        # scheduler (+7.8 -> +20.0 %), so that path reads the key in each chunk (docs/gpu/kperf_7)
-        sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and CHECKPOINT)
+        # stochastic rounding's key read and hashed once per program, before the chunk loop, where it measured
+        # faster (docs/gpu/kperf_7, kperf_8; H100): the checkpointing path (bf16 flush extra +15.7 -> +11.0 %)
+        # and an fp16 state (per-step +23.6 -> +19.4 %: 149 -> 168 registers, the same 3 warps per scheduler).
+        # A bf16 per-step write reads it in each chunk: hoisted, its sm_90 compile keeps 28 more registers
+        # (128 -> 156) and loses a warp per scheduler (+7.8 -> +20.0 %)
+        SR_HOIST: tl.constexpr = CHECKPOINT or state_ptr.dtype.element_ty == tl.float16
+        sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and SR_HOIST)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
             cols = n0 + offs_c
             mcol = cols < N
@@ -511,7 +513,7 @@ def _replay_mma_unit(
                 tl.store(p_Bw + pos[:, None] * s_Bht + cols[None, :] * s_Bhn, Bc.to(Bh_ptr.dtype.element_ty),
                          mask=mask_tg[:, None] & mcol[None, :])
             Sc = split_dot(Aff, Boc.to(tl.float32), hc * decay, SPLIT, S_HIST, INTERP)
-            if CHECKPOINT:
+            if SR_HOIST:
                 Sc = round_to_state_keyed(Sc, state_ptr, row, n0, sr_k, sr_kk, BLOCK_P, CHUNK_N, BLOCK_N, SR,
                                           SR_ROUNDS)
             else:
