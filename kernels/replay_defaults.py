@@ -22,9 +22,16 @@ configuration ("variant" and its tiles, e.g. {"variant": "mma", "num_stages": 3}
 rests on}. The launcher applies "kwargs" for every tuning argument its caller left at None; a caller's explicit
 `variant=` bypasses the table (then `VARIANTS` gives the tiles, as before).
 
-Fallback (documented default): no table file, no row for the (operation, dtype, shape class), or a row naming
-a variant the module does not have -> {"variant": fallback} where fallback is the module's `FALLBACK_VARIANT`
-("fma": the variant every test, shape and dtype covers).
+A float16 state without rows of its own takes the bfloat16 rows of its (operation, shape class)
+(`ROW_SIBLING`): the sweep times float32 and bfloat16 states only, and the two 16-bit dtypes move the same
+bytes through the same kernels (they differ in the store's convert and, with stochastic rounding, in the
+rounding rule). docs/gpu/kperf_8 timed both on the same configurations (H100, Nsight Compute, headline shape):
+rounded to nearest, float16's time was within -2.4 % and +8.0 % of bfloat16's on each of them, and each
+operator's fastest configuration was the same for both dtypes.
+
+Fallback (documented default): no table file, no row for the (operation, dtype, shape class) (nor its sibling's),
+or a row naming a variant the module does not have -> {"variant": fallback} where fallback is the module's
+`FALLBACK_VARIANT` ("fma": the variant every test, shape and dtype covers).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import torch
 OPERATIONS = ("mamba2_per_step", "mamba2_checkpointing", "gdn")
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay_defaults.json")
 SCHEMA = 1
+# state dtype -> the dtype whose rows it takes when it has none of its own (module docstring)
+ROW_SIBLING = {"float16": "bfloat16"}
 
 
 def mamba2_shape_class(nheads: int, head_dim: int, d_state: int) -> str:
@@ -88,17 +97,22 @@ def _load(path: str) -> dict:
 
 def lookup(operation: str, state_dtype: torch.dtype, shape_class: str, batch: int, *, fallback: str,
            variants, path: str | None = None) -> dict:
-    """Launcher keyword arguments for one launch: the table row's "kwargs" (a fresh dict), or
-    {"variant": fallback} (module docstring). `variants`: the variant names the calling module has.
+    """Launcher keyword arguments for one launch: the table row's "kwargs" (a fresh dict; a float16 state
+    without rows takes its `ROW_SIBLING`'s), or {"variant": fallback} (module docstring). `variants`: the
+    variant names the calling module has.
 
     Raises:
         ValueError: an unknown operation, or a broken table file (`load`).
     """
     if operation not in OPERATIONS:
         raise ValueError(f"replay_defaults.lookup: operation must be one of {OPERATIONS}, got {operation!r}")
-    prefix = f"{operation}/{dtype_name(state_dtype)}/{shape_class}/b"
     rows = load(path)["rows"]
-    buckets = sorted(int(k[len(prefix):]) for k in rows if k.startswith(prefix) and k[len(prefix):].isdigit())
+    name = dtype_name(state_dtype)
+    for dt in (name, ROW_SIBLING.get(name)):
+        prefix = f"{operation}/{dt}/{shape_class}/b"
+        buckets = sorted(int(k[len(prefix):]) for k in rows if k.startswith(prefix) and k[len(prefix):].isdigit())
+        if buckets or dt is None:
+            break
     if not buckets:
         return {"variant": fallback}
     bucket = next((b for b in buckets if batch <= b), buckets[-1])

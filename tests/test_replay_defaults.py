@@ -68,6 +68,10 @@ def test_lookup_buckets_and_fallback(tmp_path):
     assert look("mamba2_per_step", torch.bfloat16, 9) == {"variant": "mma"}
     assert look("mamba2_per_step", torch.bfloat16, 1000) == {"variant": "mma"}  # above all: the largest
     assert look("mamba2_per_step", torch.float32, 8) == {"variant": "fma"}  # no row for the dtype
+    # a float16 state without rows takes bfloat16's (ROW_SIBLING), buckets included; none: the fallback
+    assert look("mamba2_per_step", torch.float16, 8) == {"variant": "mma", "chunk_n": 16}
+    assert look("mamba2_per_step", torch.float16, 9) == {"variant": "mma"}
+    assert look("mamba2_per_step", torch.float16, 8, shape="h4_p16_n64") == {"variant": "fma"}
     assert look("mamba2_per_step", torch.bfloat16, 8, shape="h4_p16_n64") == {"variant": "fma"}  # other shape
     assert look("mamba2_checkpointing", torch.bfloat16, 8) == {"variant": "fma"}  # a variant the module lacks
     assert replay_defaults.lookup("gdn", torch.float32, "hv1_v16_k16", 2, fallback="fma", variants=("fma",),
@@ -82,6 +86,15 @@ def test_lookup_buckets_and_fallback(tmp_path):
                                    variants=m2_replay.VARIANTS, path=path) == mine
     with pytest.raises(ValueError, match="operation"):
         look("mamba2", torch.bfloat16, 1)
+    # float16 rows of its own win over the sibling's; float32 has no sibling
+    own = _write(tmp_path / "own.json", {
+        replay_defaults.key("gdn", "bfloat16", "hv1_v16_k16", 8): _row("mma", variant="mma"),
+        replay_defaults.key("gdn", "float16", "hv1_v16_k16", 8): _row("fma_bv8", variant="fma", block_v=8)})
+    look_gdn = lambda dtype: replay_defaults.lookup("gdn", dtype, "hv1_v16_k16", 2, fallback="fma",
+                                                    variants=("fma", "mma"), path=own)
+    assert look_gdn(torch.float16) == {"variant": "fma", "block_v": 8}
+    assert look_gdn(torch.bfloat16) == {"variant": "mma"}
+    assert look_gdn(torch.float32) == {"variant": "fma"}
 
 
 def test_broken_table_is_refused(tmp_path):
