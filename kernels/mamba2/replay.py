@@ -495,7 +495,8 @@ def _replay_mma_unit(
         Aff = XoT * w[None, :]
         # stochastic rounding's key read and hashed once per program, before the chunk loop, where it measured
         # faster (docs/gpu/kperf_7, kperf_8; H100): the checkpointing path (bf16 flush extra +15.7 -> +11.0 %)
-        # and an fp16 state (per-step +23.6 -> +19.4 %: 149 -> 168 registers, the same 3 warps per scheduler).
+        # and an fp16 state (per-step mma_st3 +23.6 -> +18.2 %: 149 -> 168 registers, the same 3 warps per
+        # scheduler).
         # A bf16 per-step write reads it in each chunk: hoisted, its sm_90 compile keeps 28 more registers
         # (128 -> 156) and loses a warp per scheduler (+7.8 -> +20.0 %)
         SR_HOIST: tl.constexpr = CHECKPOINT or state_ptr.dtype.element_ty == tl.float16
