@@ -25,9 +25,12 @@ rests on}. The launcher applies "kwargs" for every tuning argument its caller le
 A float16 state without rows of its own takes the bfloat16 rows of its (operation, shape class)
 (`ROW_SIBLING`): the sweep times float32 and bfloat16 states only, and the two 16-bit dtypes move the same
 bytes through the same kernels (they differ in the store's convert and, with stochastic rounding, in the
-rounding rule). docs/gpu/kperf_8 timed both on the same configurations (H100, Nsight Compute, headline shape):
-rounded to nearest, float16's time was within -2.4 % and +8.0 % of bfloat16's on each of them, and each
-operator's fastest configuration was the same for both dtypes.
+rounding rule; in the "mma" variants an fp16 state enters the tensor-core products as two bf16 pieces, a bf16
+one as one). docs/gpu/kperf_8 timed both on the same configurations (H100, Nsight Compute, headline shape,
+batch 64; three Mamba2 and three GDN configurations): rounded to nearest, float16's time was within -2.5 % and
++8.1 % of bfloat16's on each of them in both calls, and each operator's fastest configuration was the same for
+both dtypes (with stochastic rounding, fp16's per-step write was fastest on another one). A sweep with float16
+states would replace this with measured rows.
 
 Fallback (documented default): no table file, no row for the (operation, dtype, shape class) (nor its sibling's),
 or a row naming a variant the module does not have -> {"variant": fallback} where fallback is the module's
@@ -108,10 +111,10 @@ def lookup(operation: str, state_dtype: torch.dtype, shape_class: str, batch: in
         raise ValueError(f"replay_defaults.lookup: operation must be one of {OPERATIONS}, got {operation!r}")
     rows = load(path)["rows"]
     name = dtype_name(state_dtype)
-    for dt in (name, ROW_SIBLING.get(name)):
+    for dt in (name, *filter(None, [ROW_SIBLING.get(name)])):
         prefix = f"{operation}/{dt}/{shape_class}/b"
         buckets = sorted(int(k[len(prefix):]) for k in rows if k.startswith(prefix) and k[len(prefix):].isdigit())
-        if buckets or dt is None:
+        if buckets:
             break
     if not buckets:
         return {"variant": fallback}

@@ -95,6 +95,10 @@ def test_lookup_buckets_and_fallback(tmp_path):
     assert look_gdn(torch.float16) == {"variant": "fma", "block_v": 8}
     assert look_gdn(torch.bfloat16) == {"variant": "mma"}
     assert look_gdn(torch.float32) == {"variant": "fma"}
+    # a dtype without a sibling never reads a row keyed by the sibling's absence ("None")
+    odd = _write(tmp_path / "odd.json", {"gdn/None/hv1_v16_k16/b8": _row("mma", variant="mma")})
+    assert replay_defaults.lookup("gdn", torch.float64, "hv1_v16_k16", 2, fallback="fma",
+                                  variants=("fma", "mma"), path=odd) == {"variant": "fma"}
 
 
 def test_broken_table_is_refused(tmp_path):

@@ -39,7 +39,8 @@ half the rewind time, ~1.7x the state read+write floor (docs/kernel_performance.
 
 Kernel variants (`variant=`; `VARIANTS` holds their default tiles; without `variant=`, the engine's call, the
 configuration measured fastest by `python -m benchmarks.sweep_replay` for the launch's state dtype, shape class
-and batch bucket, from the committed table of `kernels.replay_defaults`, else `FALLBACK_VARIANT`;
+and batch bucket, from the committed table of `kernels.replay_defaults` (an fp16 state takes the bf16 rows),
+else `FALLBACK_VARIANT`;
 docs/kernel_performance.md): "fma" is the kernel above; "mma" runs the
 new tokens in closed form from S0 (the stored state after step 1): the only products with the state are
 P_k = S0 K^T and P_q = S0 Q^T (split-bf16 tensor-core products, `kernels._mma.split_dot`, accumulated over K in
@@ -75,9 +76,10 @@ from kernels.rounding import (
 # Kernel variants of `replay_verify` and their default (block_v, num_warps, chunk_k, num_stages): "fma" the
 # block_v 16 / 1 warp tile of the H200 sweep (docs/kernel_performance.md), "mma" one 16-row mma tile per warp.
 VARIANTS = {"fma": (16, 1, None, None), "mma": (16, 1, 32, 2)}
-# The variant of a launch without `variant=` whose (state dtype, shape class, batch) has no row in the measured
-# table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
-# `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
+# The variant of a launch without `variant=` whose (state dtype, shape class, batch) has no row (nor, for an fp16
+# state, a bf16 row: `replay_defaults.ROW_SIBLING`) in the measured table kernels/replay_defaults.json
+# (`kernels.replay_defaults`, written by `python -m benchmarks.sweep_replay --write-defaults`): the variant every
+# test covers.
 FALLBACK_VARIANT = "fma"
 
 
@@ -410,7 +412,8 @@ def replay_verify(
             form of the kernel comment, state products as split-bf16 tensor-core products, kernels/_mma.py);
             None: the measured default of `kernels.replay_defaults` (operation "gdn", this state dtype, shape
             class (HV, V, K), batch), whose tiles also fill every tuning argument left at None
-            (`FALLBACK_VARIANT` without a row). Same results to the tolerances of tests/test_kernels_gdn.py.
+            (an fp16 state takes the bf16 rows; `FALLBACK_VARIANT` without a row). Same results to the
+            tolerances of tests/test_kernels_gdn.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, u, the (T, T) mixing
             matrix): 2 (about 2^-17 relative; the default) or 3 (fp32 rounding).
         chunk_k, num_stages: "mma" only: state columns per step of the program's loop over its tile and the

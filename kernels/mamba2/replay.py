@@ -48,7 +48,8 @@ Design decisions:
 Kernel variants (`variant=`, one launcher; `VARIANTS` holds their default tiles). Without `variant=` (the
 engine) the launcher runs the configuration that `python -m benchmarks.sweep_replay` measured fastest for the
 launch's (history layout, state dtype, shape class, batch bucket): the committed table read by
-`kernels.replay_defaults`, `FALLBACK_VARIANT` where it has no row (docs/kernel_performance.md):
+`kernels.replay_defaults` (an fp16 state takes the bf16 rows), `FALLBACK_VARIANT` where it has no row
+(docs/kernel_performance.md):
 - "fma": the kernel described above (CUDA-core FMAs, C_t . h as tl.sum reductions).
 - "mma": the same math with every reduction over d_state or tokens as a tensor-core product of bf16 pieces
   (`kernels._mma.split_dot`: an fp32 operand as 2 or 3 bf16 pieces, `split=`; a bf16 state or bf16 inputs
@@ -141,9 +142,10 @@ _PDL_VARIANTS = ("mma_pre_pdl",)
 # `maxnreg=` bounds: PTX's .maxnreg is at most 255 on sm_90; below 32 registers a thread holds too little of
 # a 16-row mma tile to be worth the spills.
 MAXNREG_RANGE = (32, 255)
-# The variant of a launch without `variant=` whose (operation, state dtype, shape class, batch) has no row in
-# the measured table kernels/replay_defaults.json (`kernels.replay_defaults`, written by
-# `python -m benchmarks.sweep_replay --write-defaults`): the variant every test covers.
+# The variant of a launch without `variant=` whose (operation, state dtype, shape class, batch) has no row (nor,
+# for an fp16 state, a bf16 row: `replay_defaults.ROW_SIBLING`) in the measured table kernels/replay_defaults.json
+# (`kernels.replay_defaults`, written by `python -m benchmarks.sweep_replay --write-defaults`): the variant every
+# test covers.
 FALLBACK_VARIANT = "fma"
 # The CUDA kernel of kernels/mamba2/replay_cuda.py (checkpointing histories on a GPU only, compiled with nvcc at
 # first use): not in VARIANTS, whose entries every interpreter test runs; a candidate of the defaults table
@@ -854,9 +856,10 @@ def replay_verify(
             history, CUDA tensors: the CUDA kernel of kernels/mamba2/replay_cuda.py, built with nvcc at first
             use; takes no Triton tile, `maxnreg` is its register cap; refuses what it cannot run, see Raises); None: the measured default of `kernels.replay_defaults` for operation
             "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
-            whose tiles also fill every tuning argument left at None (`FALLBACK_VARIANT` without a row, and
-            where the row names "cuda" for a launch the CUDA kernel does not take: CPU tensors, stochastic
-            rounding, a Triton tile given, ...; `replay_cuda.unsupported`).
+            whose tiles also fill every tuning argument left at None (an fp16 state takes the bf16 rows;
+            `FALLBACK_VARIANT` without a row, and where the row names "cuda" for a launch the CUDA kernel
+            does not take: CPU tensors, stochastic rounding, a Triton tile given, ...;
+            `replay_cuda.unsupported`).
             Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
             (about 2^-17 relative; the default) or 3 (fp32 rounding).

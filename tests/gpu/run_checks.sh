@@ -11,7 +11,7 @@
 #             verify, commit, advance) against the torch backend
 #   sanitize  compute-sanitizer memcheck over the GPU kernel tests, 12 tests per process (CUDA-graph tests
 #             excluded: the sanitizer does not support graph capture of Triton launches well and they are
-#             covered by `kernels`), ~5 min
+#             covered by `kernels`)
 #   bench     benchmarks/bench_mamba2.py, bench_gdn.py and bench_prefill.py at the Super V3 / Qwen3-Next shapes
 #   sweep     benchmarks/sweep_replay.py: every replay kernel variant vs the copy-bandwidth floor and
 #             FlashInfer (its checkpointing JIT started in the background by the script), ~6 min;
@@ -77,12 +77,16 @@ stage() {  # stage NAME CMD...: run, tee to OUTDIR/NAME.log, remember failures
   [ $rc -eq 0 ] || echo "$name" >>"$out/failed_stages.txt"  # a file: stages may run in the background
 }
 sanitize_tests() {  # compute-sanitizer memcheck over the tests of "$@", SANITIZE_CHUNK (12) tests per process:
-  # under memcheck device memory freed by a test is not given back (docs/gpu/kperf_8: one process ran out of the
-  # H100's 80 GB after 18 Super V3-shape tests, with or without PyTorch's caching allocator; without the
-  # sanitizer each of them ends at 0.03 GiB allocated)
-  local rc=0 i n=${SANITIZE_CHUNK:-12}
-  local ids=($(python3 -m pytest -q --collect-only -p no:cacheprovider -k "not graph" "$@" | grep '::'))
-  [ ${#ids[@]} -gt 0 ] || { echo "no tests collected"; return 1; }
+  # one process over all of them ran out of the H100's 80 GB after 18 Super V3-shape tests, PyTorch counting
+  # 78 GiB allocated, with or without its caching allocator, where without the sanitizer each test ends at
+  # 0.03 GiB allocated (docs/gpu/kperf_8; what keeps the memory under the sanitizer is not established)
+  local rc=0 i out n=${SANITIZE_CHUNK:-12} ids=()
+  [[ $n =~ ^[1-9][0-9]*$ ]] || { echo "SANITIZE_CHUNK must be a positive integer, got '$n'"; return 1; }
+  # a module that fails to collect fails the stage (pytest exits non-zero even when others collected)
+  out=$(python3 -m pytest -q --collect-only -p no:cacheprovider -k "not graph" "$@") || {
+    echo "$out"; echo "collection failed"; return 1; }
+  mapfile -t ids < <(grep -E '^[^ ]+\.py::[^ ]+$' <<<"$out")
+  [ ${#ids[@]} -gt 0 ] || { echo "$out"; echo "no tests collected"; return 1; }
   for ((i = 0; i < ${#ids[@]}; i += n)); do
     echo "--- tests $((i + 1))-$((i + n < ${#ids[@]} ? i + n : ${#ids[@]})) of ${#ids[@]}: ${ids[$i]} ..."
     /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
