@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 16 (issue 28), second call: the same pairs after the per-step write hoists the key for an fp16 state
-# (SR_HOIST in kernels/mamba2/replay.py; call 1 measured 29767fd's per-chunk key read there, call 3 of kperf_7
+# (SR_HOIST in kernels/mamba2/replay.py; call 1 measured df84e3d's per-chunk key read there, call 3 of kperf_7
 # the hoisted form). The same tests and Nsight Compute pairs as call.sh, so the operators the change does not
 # touch (flush, GDN) are measured twice.
 set -u

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 16 (issue 28), fourth call: call 3's sanitize stage ran out of device memory (79 GiB allocated by
-# PyTorch after 17 tests of tests/test_kernels_mamba2_gpu.py in one process on the 80 GB H100; no invalid
+# PyTorch after 18 tests of tests/test_kernels_mamba2_gpu.py in one process on the 80 GB H100; no invalid
 # access was reported). (1) Device memory still allocated after each test of that module, in one process,
 # without the sanitizer: does it grow? (2) compute-sanitizer memcheck over the kernels whose rounding changed
 # in sessions 15-16 (tests/test_stochastic_rounding.py) and the GDN GPU tests, each module in its own process.
