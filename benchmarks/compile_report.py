@@ -8,7 +8,8 @@ driver that reports an sm_90 target and launches nothing; tensors are CPU tensor
 Reported per kernel: registers and stack bytes per thread and shared memory (cuobjdump -res-usage: spills show
 as STACK > 0), the SASS instruction count and its most frequent opcodes (HMMA = tensor cores, SHFL = the
 cross-lane reductions, LDGSTS = cp.async pipelined loads). Shapes: Super V3 mixer (128 x 64 x 128, 8 groups)
-and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs; and the stochastic-rounding rule alone
+and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs; `SR_CONFIGS` with stochastic rounding
+(`_sr` rows) and with an fp16 state (`_f16`); and the stochastic-rounding rule alone
 (`rule_<bf16|f16>_<rn|sr>`: 8 elements per thread, so (sr - rn) / 8 is its instructions per element).
 
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
@@ -105,6 +106,8 @@ def _rule_kernel(x_ptr, bits_ptr, out_ptr, SR: tl.constexpr, IS_BF16: tl.constex
 
 
 RULE_BLOCK, RULE_WARPS = 1024, 4  # 8 elements per thread: (instructions with SR - without) / 8 = per element
+# Mamba2 configurations compiled with stochastic rounding too (bf16 and fp16 states; docs/gpu/kperf_8)
+SR_CONFIGS = ("mma_st3", "mma_split3", "mma_c16_r80")
 
 
 def report(sass_dir: str | None = None) -> dict:
@@ -174,6 +177,18 @@ def report(sass_dir: str | None = None) -> dict:
             for rounding, suffix in ((None, ""), (sr, "_sr")):
                 record(f"m2_{'ckpt' if ckpt else 'replay'}_{v}_f16{suffix}", mamba2.replay_verify,
                     state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, variant=v, stochastic_rounding=rounding)
+    # stochastic rounding at the configurations kperf_8 profiled (each operator's best, the engine's defaults):
+    # the bf16 rows rounded to nearest are the loop's above, m2_<layout>_<config>_bf16
+    for dt16, tag in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+        state = torch.zeros(B, H, P, N, dtype=dt16)
+        for ckpt in (False, True):
+            hist = mamba2.ReplayHistory.allocate(B, 16 if ckpt else T, H, P, G, N, dtype=bf, device="cpu",
+                                                 checkpointing=ckpt)
+            for cfg_name in SR_CONFIGS:
+                for rounding, suffix in (((sr, "_sr"),) if tag == "bf16" else ((None, ""), (sr, "_sr"))):
+                    record(f"m2_{'ckpt' if ckpt else 'replay'}_{cfg_name}_{tag}{suffix}", mamba2.replay_verify,
+                        state, x, dt, A, Bm, C, D, dtb, slot, hist, pnat, bi, stochastic_rounding=rounding,
+                        **M2_CONFIGS[cfg_name])
     record("replay_advance", replay_advance, pnat, bi, slot, pnat, T)
 
     Hk, HV, K, V = 16, 32, 128, 128
