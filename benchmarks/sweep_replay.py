@@ -1052,12 +1052,11 @@ def main(argv=None) -> int:
     bad = [d for d in args.dtypes.split(",") if d and d not in DTYPES]
     if bad:
         ap.error(f"--dtypes {bad}: choose from {list(DTYPES)}")
-    unknown = [c for c in args.configs.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
-    if unknown:
-        ap.error(f"--configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
-    unknown = [c for c in args.ncu_configs.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
-    if unknown:
-        ap.error(f"--ncu-configs {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
+    for flag, names in (("--configs", args.configs), ("--ncu-configs", args.ncu_configs),
+                        ("--ncu-sr-configs", args.ncu_sr_configs)):
+        unknown = [c for c in names.split(",") if c and c not in M2_CONFIGS and c not in GDN_CONFIGS]
+        if unknown:
+            ap.error(f"{flag} {unknown}: not among {sorted(set(M2_CONFIGS) | set(GDN_CONFIGS))}")
     if args.ncu_configs and not args.ncu:
         ap.error("--ncu-configs is an option of --ncu (the sweep itself takes --configs)")
     if (args.ncu_sr_configs or args.ncu_sr_only) and not args.ncu_sr:

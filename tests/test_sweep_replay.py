@@ -312,6 +312,9 @@ def test_ncu_sr_profiles_the_stochastic_rounding_rows_rn_and_sr(tmp_path, monkey
             value = ["mma_c16_r80"] if flag == "--ncu-sr-configs" else []
             sweep_replay.main(["--ncu", flag, *value, "--out", "x"])
         assert e.value.code == 2 and "give --ncu --ncu-sr too" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a misspelt configuration is named, not silently dropped
+        sweep_replay.main(["--ncu", "--ncu-sr", "--ncu-sr-configs", "mma_c16_r8", "--out", "x"])
+    assert e.value.code == 2 and "--ncu-sr-configs ['mma_c16_r8']: not among" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -498,9 +498,8 @@ def _replay_mma_unit(
         # stochastic rounding's key read and hashed once per program, before the chunk loop, where it measured
         # faster (docs/gpu/kperf_7, kperf_8; H100): the checkpointing path (bf16 flush extra +15.7 -> +11.0 %)
         # and an fp16 state (per-step mma_st3 +23.6 -> +18.2 %: 149 -> 168 registers, the same 3 warps per
-        # scheduler).
-        # A bf16 per-step write reads it in each chunk: hoisted, its sm_90 compile keeps 28 more registers
-        # (128 -> 156) and loses a warp per scheduler (+7.8 -> +20.0 %)
+        # scheduler). A bf16 per-step write reads it in each chunk: hoisted, its sm_90 compile keeps 28 more
+        # registers (128 -> 156) and loses a warp per scheduler (+7.8 -> +20.0 %)
         SR_HOIST: tl.constexpr = CHECKPOINT or state_ptr.dtype.element_ty == tl.float16
         sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and SR_HOIST)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
@@ -854,12 +853,12 @@ def replay_verify(
             history writes in a precompute kernel launched first) or "mma_pre_pdl" ("mma_pre" with the main
             kernel a programmatic dependent launch of the precompute kernel: sm_90+), "cuda" (checkpointing
             history, CUDA tensors: the CUDA kernel of kernels/mamba2/replay_cuda.py, built with nvcc at first
-            use; takes no Triton tile, `maxnreg` is its register cap; refuses what it cannot run, see Raises); None: the measured default of `kernels.replay_defaults` for operation
-            "mamba2_per_step" / "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch,
-            whose tiles also fill every tuning argument left at None (an fp16 state takes the bf16 rows;
-            `FALLBACK_VARIANT` without a row, and where the row names "cuda" for a launch the CUDA kernel
-            does not take: CPU tensors, stochastic rounding, a Triton tile given, ...;
-            `replay_cuda.unsupported`).
+            use; takes no Triton tile, `maxnreg` is its register cap; refuses what it cannot run, see
+            Raises); None: the measured default of `kernels.replay_defaults` for operation "mamba2_per_step" /
+            "mamba2_checkpointing", this state dtype, shape class (H, P, N) and batch, whose tiles also fill
+            every tuning argument left at None (an fp16 state takes the bf16 rows; `FALLBACK_VARIANT` without a
+            row, and where the row names "cuda" for a launch the CUDA kernel does not take: CPU tensors,
+            stochastic rounding, a Triton tile given, ...; `replay_cuda.unsupported`).
             Same results to the tolerances of tests/test_kernels_mamba2.py.
         split: "mma" only: bf16 pieces of a general fp32 operand (the fp32 state, dt'-weighted terms): 2
             (about 2^-17 relative; the default) or 3 (fp32 rounding).
