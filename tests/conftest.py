@@ -75,6 +75,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+_GPU_MEMORY = pytest.StashKey()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A `gpu` test on CUDA first reserves the GPU memory it declares (tests/gpu_memory.py), before any of its
+    fixtures allocate; it may wait for other workers' tests, or skip when the card is too small for it."""
+    if "gpu" in item.keywords and _cuda_available():
+        import gpu_memory
+
+        hold = gpu_memory.reservation(item)
+        hold.__enter__()  # may skip the test
+        item.stash[_GPU_MEMORY] = hold
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # after every finalizer, module fixtures' included: what they freed goes back to the ledger
+    hold = item.stash.get(_GPU_MEMORY, None)
+    if hold is not None:
+        hold.__exit__(None, None, None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _transformers_qwen3_next_torch_path():
     """transformers' Qwen3-Next (the test oracle) calls fla-core's kernels whenever fla imports, also with CPU

@@ -28,7 +28,7 @@ from kernels.mamba2 import (  # noqa: E402
     selective_state_update_ref,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_memory(7)]  # Super V3-shape replay: up to 5.2 GiB
 
 # Super V3 mixer shape
 BATCH, T, H, P, N, G = 64, 4, 128, 64, 128, 8
@@ -73,6 +73,7 @@ def slots_with_pad(seed):
     return slot_ids.cuda()
 
 
+@pytest.mark.gpu_memory(12)  # 9.5 GiB at the peak
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_rewind_super_v3_shape(state_dtype):
     A, D, dt_bias = params()

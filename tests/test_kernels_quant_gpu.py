@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_memory import random_quantized_experts
 
 from kernels.quant import (
     block_fp8_grouped_mm,
@@ -32,9 +33,9 @@ from kernels.quant import (
 )
 
 # Nemotron 3 Super's 512 NVFP4 experts and their dequantized reference take ~10 GB a test:
-# under pytest-xdist (8 workers on one H200 in the GPU stage) the modules of xdist group "gpu_memory" run in
-# one worker, one test at a time, so that eight copies never share the GPU's memory.
-pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
+# under pytest-xdist the modules of xdist group "gpu_memory" run in one worker, one test at a time; each test
+# reserves 10 GiB of the card (8.0 GiB at the peak: tests/gpu_memory.py).
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory"), pytest.mark.gpu_memory(10)]
 
 TOL = 1.6e-2
 SUPER = {"L": 1024, "I": 2688, "E": 512, "top_k": 22}
@@ -141,7 +142,8 @@ def test_grouped_kernels_capture_in_a_cuda_graph_without_host_sync():
     under torch's sync debug mode "error" raises on no host synchronisation."""
     E, L, I, k, tokens = SUPER["E"], SUPER["L"], SUPER["I"], SUPER["top_k"], 4
     w, s, s2 = random_nvfp4(E, I, L, seed=1)
-    fw, fws = block_fp8_quantize(torch.randn(E, I, L, device="cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    fw, fws = random_quantized_experts(block_fp8_quantize, E, I, L, gen)  # not 22 GB of float32 at once
     P, offs0 = routed_offsets(tokens, k, E, seed=1)
     x = torch.randn(P, L, device="cuda").to(torch.bfloat16)
     offs = offs0.clone()

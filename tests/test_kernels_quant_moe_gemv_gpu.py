@@ -11,10 +11,9 @@ each projection to bf16 at the same points and differs in the fp32 summation ord
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from gpu_memory import random_quantized_experts
 
 from kernels.quant import moe_gemv as qmg
 from kernels.quant.block_fp8 import block_fp8_quantize
@@ -25,9 +24,9 @@ from runners.engine.models.moe import moe_experts_grouped
 from runners.engine.models.nvfp4 import nvfp4_grouped_mm
 
 # 512 released-width experts per model, cached per process, several GB each:
-# under pytest-xdist (8 workers on one H200 in the GPU stage) the modules of xdist group "gpu_memory" run in
-# one worker, one test at a time, so that eight copies never share the GPU's memory.
-pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
+# under pytest-xdist the modules of xdist group "gpu_memory" run in one worker, one test at a time; each test
+# reserves 10 GiB of the card (7.9 GiB at the peak: tests/gpu_memory.py).
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory"), pytest.mark.gpu_memory(10)]
 
 TOL = 1.6e-2
 SHAPES = {  # model: (format, L, I, E, top_k, activation, gated)
@@ -61,9 +60,8 @@ def _experts(model):
     if model not in _EXPERTS:
         fmt, L, I, E, _, _, gated = SHAPES[model]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])
-        _EXPERTS[model] = (_quantize(fmt, r(E, I, L)), _quantize(fmt, r(E, I, L)) if gated else None,
-                           _quantize(fmt, r(E, L, I)))
+        q = lambda n, k: random_quantized_experts(lambda w: _quantize(fmt, w), E, n, k, gen)
+        _EXPERTS[model] = (q(I, L), q(I, L) if gated else None, q(L, I))
     return _EXPERTS[model]
 
 

@@ -296,6 +296,7 @@ def test_bad_load_format_is_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory(9)  # 6.9 GiB at the peak
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 @pytest.mark.parametrize("family,quant", [("nemotron_h", "nvfp4"), ("nemotron_h", "fp8"),
                                           ("qwen3_next", "fp8")])

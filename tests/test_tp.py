@@ -301,6 +301,7 @@ def test_run_py_world_size_2_equals_world_size_1(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory(8)  # the parent's engines and two spawned ranks, each with its CUDA context
 @pytest.mark.parametrize("share_device, graphs", [(False, True), (False, False), (True, True)],
                          ids=["nccl_two_gpus_graphs", "nccl_two_gpus_eager", "gloo_one_gpu"])
 def test_cuda_world_size_2_equals_world_size_1(share_device, graphs, checkpoints):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for the device machine (one H200; Python 3.12, torch and triton of its image, no package index).
+# GPU checks for the device machine (one H100 80 GB or H200 141 GB; Python 3.12, torch and triton of its image, no package index).
 # Run from the repository root, carrying .gpu-bundle (../shared/tools/gpu-bundle.sh) and .device/gsm8k:
 #
 #   bash tests/gpu/run_checks.sh OUTDIR STAGE [STAGE ...]
@@ -121,7 +121,10 @@ for s in "$@"; do
     quant) stage quant python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_gpu.py \
              tests/test_kernels_quant.py
            stage bench_quant python3 -m benchmarks.bench_quant_gemm --out "$out/bench_quant_gemm.json" ;;
-    # pytest-xdist (in the device image) spreads the tests over ENGINE_WORKERS processes sharing the GPU:
+    # pytest-xdist (in the device image) spreads the tests over ENGINE_WORKERS processes sharing the GPU; each
+    # test reserves the memory it declares (@pytest.mark.gpu_memory, tests/gpu_memory.py) in a ledger sized
+    # from the card, so the same 8 workers fit an 80 GB H100 (tests wait for room) and a 141 GB H200;
+    # HYBRID_EVAL_GPU_MEM_LOG=FILE records each test's measured peak. Several workers because
     # Triton's compiles are CPU-bound (16 cores) and one process needed more than one 10-minute device call.
     # Tests are dealt one by one (--dist loadgroup: an xdist_group such as the disk-heavy format tests stays
     # in one worker, in turn), so the TP test also runs after other CUDA tests in the same
