@@ -686,3 +686,110 @@ def test_a_run_in_a_fresh_environment_does_not_start_with_matplotlibs_font_cache
     assert any(mpl.glob("fontlist-*.json")), "no new font cache was built: the test would prove nothing"
     for stream in (proc.stdout, proc.stderr):
         assert "generated new fontManager" not in stream, stream[:500]
+
+
+# ------------------------------------------------------------------ a key given twice in a YAML file
+
+
+def test_a_key_given_twice_is_refused_by_the_registry_reader_naming_file_and_line(tmp_path):
+    """PyYAML's safe loader keeps the last of two equal keys silently (a baseline row or an entry's dtype
+    would change unseen); Hydra's loader refuses them with a traceback. registry.yamlfile refuses them, for
+    entries and baseline files alike, with the line of the second."""
+    import yaml
+
+    from registry.baselines import load_gsm8k_baselines
+    from registry.yamlfile import RegistryYAMLError, load
+
+    assert yaml.safe_load("a: 1\na: 2\n") == {"a": 2}  # what the plain safe loader does
+    with pytest.raises(RegistryYAMLError) as e:
+        load("name: x\ndtype: float32\nquant: none\ndtype: float16\n", "registry/model/x.yaml")
+    assert e.value.problem == ("registry/model/x.yaml: not valid YAML for the registry (line 4, column 1): "
+                               "found the duplicate key 'dtype' (first at line 2)")
+    assert e.value.fix == "remove one of the two `dtype:` (a YAML mapping holds each key once)"
+    with pytest.raises(RegistryYAMLError, match=r"\(line 2, column 13\): found the duplicate key 'b'"):
+        load("name: x\nssm: {b: 1, b: 2}\n", "x.yaml")
+    assert load("1: a\n'1': b\nc: {d: 1}\ne: {d: 2}\n", "x.yaml") == {1: "a", "1": "b", "c": {"d": 1},
+                                                                       "e": {"d": 2}}
+    baselines = (REPO_ROOT / "registry/baselines/gsm8k.yaml").read_text()
+    assert "\nmetric: mean\n" in baselines
+    (tmp_path / "gsm8k.yaml").write_text(baselines.replace("\nmetric: mean\n", "\nmetric: mean\nmetric: x\n"))
+    with pytest.raises(BaselineError, match="found the duplicate key 'metric'"):
+        load_gsm8k_baselines(tmp_path / "gsm8k.yaml")
+
+
+def test_a_yaml_error_in_configs_is_one_error_naming_file_and_line(tmp_path):
+    """configs/ is read by Hydra's (OmegaConf's) loader only: its duplicate-key and syntax errors become the
+    same error / fix pair (registry.compose.config_error), naming the file and the line."""
+    from omegaconf import OmegaConf
+
+    from registry.compose import config_error
+
+    bad = tmp_path / "gsm8k.yaml"
+    for text, problem, fix in [
+        ("name: gsm8k\nnum_fewshot: 5\nnum_fewshot: 3\n",
+         "(line 3, column 1): found duplicate key num_fewshot", "remove one of the two `num_fewshot:`"),
+        ("name: [gsm8k\n", "(line 2, column 1): expected ',' or ']'", "fix the YAML syntax"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(Exception) as raised:
+            OmegaConf.load(bad)  # what Hydra calls for each config file
+        err = config_error(raised.value, [])
+        assert err is not None, raised.value
+        assert err.problem.startswith(f"{bad}: not valid YAML for Hydra's run config {problem}"), err.problem
+        assert err.fix.startswith(fix), err.fix
+
+
+@pytest.fixture(scope="module")
+def repo_with_a_duplicate_key(tmp_path_factory):
+    """A copy of the checkout's entry points whose registry/model/tiny_qwen3_next_mtp.yaml has `dtype:`
+    twice (registry/ and configs/ copied: the registry finds its files from its own location; the code and
+    the checkpoints linked)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("dupkey") / "repo"
+    root.mkdir()
+    shutil.copy(REPO_ROOT / "run.py", root / "run.py")
+    shutil.copytree(REPO_ROOT / "configs", root / "configs")
+    shutil.copytree(REPO_ROOT / "registry", root / "registry",
+                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__"))
+    (root / "registry/checkpoints").symlink_to(REPO_ROOT / "registry/checkpoints")
+    for package in ("evals", "runners", "kernels"):
+        (root / package).symlink_to(REPO_ROOT / package)
+    entry = root / "registry/model/tiny_qwen3_next_mtp.yaml"
+    text = entry.read_text()
+    assert "\ndtype: float32\n" in text
+    entry.write_text(text.replace("\ndtype: float32\n", "\ndtype: float32\ndtype: bfloat16\n"))
+    return root
+
+
+@pytest.mark.parametrize("args", [
+    ["run.py", "model=tiny_qwen3_next_mtp", "eval.limit=1"],
+    ["run.py", "+experiment=nightly", "eval.limit=1"],  # the nightly entries are read by its sweep resolver
+    ["-m", "registry", "validate"],
+    ["-m", "registry", "list"],
+])
+def test_a_key_given_twice_in_an_entry_is_refused_by_every_entry_point(repo_with_a_duplicate_key, args):
+    """Issue 46: `dtype:` twice in an entry gave a 90-line traceback from run.py, the nightly sweep and
+    `python -m registry validate|list`. run.py refuses with error / fix lines and exit 2; validate and list
+    report the entry as invalid (exit 1, as for a YAML syntax error), naming the file and line."""
+    root = repo_with_a_duplicate_key
+    folder = [f"hydra.run.dir={root / 'out'}"] if args[0] == "run.py" else []
+    proc = subprocess.run([sys.executable, *args, *folder], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-3000:]
+    problem = ("registry/model/tiny_qwen3_next_mtp.yaml: not valid YAML for the registry (line 8, column 1): "
+               "found the duplicate key 'dtype' (first at line 7)")
+    if args[0] == "run.py":
+        assert proc.returncode == 2, out[-3000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {problem}", "  fix: remove one of the two `dtype:` (a YAML mapping holds each key once)"]
+    elif args[-1] == "validate":
+        assert proc.returncode == 1, out[-3000:]
+        assert f"FAIL  tiny_qwen3_next_mtp\n      error: {problem} -- fix: remove one" in proc.stdout
+        assert "ok    tiny_nemotron_h_mtp" in proc.stdout
+    else:
+        import re
+
+        assert proc.returncode == 1, out[-3000:]
+        assert re.search(r"\ntiny_qwen3_next_mtp +\(invalid: python -m registry validate\)\n", proc.stdout)
