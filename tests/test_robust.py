@@ -793,3 +793,48 @@ def test_a_key_given_twice_in_an_entry_is_refused_by_every_entry_point(repo_with
 
         assert proc.returncode == 1, out[-3000:]
         assert re.search(r"\ntiny_qwen3_next_mtp +\(invalid: python -m registry validate\)\n", proc.stdout)
+
+
+# ------------------------------------------------------------------ a run folder whose files were cut short
+
+
+def test_a_results_json_cut_short_is_one_error_for_compare_report_and_history(tmp_path, capsys):
+    """evals.compare, evals.report and evals.history import read a saved results.json through one helper
+    (evals.results.read_results): a truncated one is the same error / fix pair and exit 2 from each (compare
+    gave a JSONDecodeError traceback)."""
+    from history_factory import make_results, write_run
+
+    from evals import history
+    from evals.compare import main as compare_main
+    from evals.report import main as report_main
+
+    good = write_run(tmp_path / "good", make_results(), correct=[1, 0, 1, 1])
+    bad = write_run(tmp_path / "bad", make_results(), correct=[1, 0, 1, 1])
+    text = (bad / "results.json").read_text()
+    (bad / "results.json").write_text(text[: len(text) // 2])
+    db = tmp_path / "new.db"
+    for main, argv in ((compare_main, [str(good), str(bad)]), (report_main, [str(bad)]),
+                       (history.main, ["--db", str(db), "import", str(good), str(bad)])):
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].startswith(f"error: {bad / 'results.json'} is not JSON, or cannot be read ("), lines
+        assert lines[1].startswith("  fix: restore it, or rewrite it by resuming its run"), lines
+
+
+@pytest.mark.parametrize("name", ["samples.jsonl", "generations.jsonl"])
+def test_a_jsonl_file_cut_short_is_named_with_its_line_by_compare(tmp_path, capsys, name):
+    from history_factory import make_results, write_run
+
+    from evals.compare import main as compare_main
+
+    good = write_run(tmp_path / "good", make_results(), correct=[1, 0, 1, 1])
+    bad = write_run(tmp_path / "bad", make_results(), correct=[1, 0, 1, 1])
+    text = (bad / name).read_text()
+    (bad / name).write_text(text[: len(text) - 12])  # the last line cut short
+    with pytest.raises(SystemExit) as e:
+        compare_main([str(good), str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: {bad / name}:4: not JSON (" in err, err
+
