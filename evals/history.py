@@ -712,22 +712,20 @@ def find_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
 def import_runs(paths: Sequence[str | os.PathLike], db: str | os.PathLike) -> list[tuple[Path, Recorded]]:
     """Record every run folder under paths (find_run_dirs) in db; [(folder, Recorded)].
 
-    Raises HistoryError for a path that holds no run, or a results.json that is not one; a UserError for a
-    results.json that cannot be read (evals.results.read_results).
+    Raises HistoryError for a path that holds no run, a UserError for a results.json that cannot be read or
+    is not a run's (evals.results.read_results, run_rows): every folder is read before the database is
+    opened, so a refused import creates no database.
     """
     dirs = find_run_dirs(paths)
     if not dirs:
         raise HistoryError(f"no results.json under {', '.join(map(str, paths))}",
                            "pass the output folder of a finished run or sweep")
+    rows = [(d, run_rows(read_results(d), d, source="import", sweep_dir=_sweep_dir(d))) for d in dirs]
     conn = connect(db)
-    out = []
     try:
-        for d in dirs:
-            rows = run_rows(read_results(d), d, source="import", sweep_dir=_sweep_dir(d))
-            out.append((d, record_rows(conn, rows)))
+        return [(d, record_rows(conn, r)) for d, r in rows]
     finally:
         conn.close()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

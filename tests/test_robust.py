@@ -801,7 +801,7 @@ def test_a_key_given_twice_in_an_entry_is_refused_by_every_entry_point(repo_with
 def test_a_results_json_cut_short_is_one_error_for_compare_report_and_history(tmp_path, capsys):
     """evals.compare, evals.report and evals.history import read a saved results.json through one helper
     (evals.results.read_results): a truncated one is the same error / fix pair and exit 2 from each (compare
-    gave a JSONDecodeError traceback)."""
+    gave a JSONDecodeError traceback), and the refused import leaves no new database behind (issue 46)."""
     from history_factory import make_results, write_run
 
     from evals import history
@@ -820,6 +820,12 @@ def test_a_results_json_cut_short_is_one_error_for_compare_report_and_history(tm
         assert len(lines) == 2, lines
         assert lines[0].startswith(f"error: {bad / 'results.json'} is not JSON, or cannot be read ("), lines
         assert lines[1].startswith("  fix: restore it, or rewrite it by resuming its run"), lines
+    assert not db.exists() and not list(tmp_path.glob("new.db*"))  # nothing recorded, no empty database
+    # a results.json that is not a run's: refused before the database is created, too
+    (bad / "results.json").write_text(json.dumps({"schema_version": 2}))
+    assert history.main(["--db", str(db), "import", str(bad)]) == 2
+    assert "not a results.json of run.py" in capsys.readouterr().err and not db.exists()
+    assert history.main(["--db", str(db), "import", str(good)]) == 0 and db.is_file()
 
 
 @pytest.mark.parametrize("name", ["samples.jsonl", "generations.jsonl"])
