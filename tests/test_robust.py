@@ -417,6 +417,41 @@ def test_a_folder_in_use_is_refused(tmp_path):
     claim_out_dir(tmp_path / "run").release()  # free again once the run ended
 
 
+def test_a_run_that_ends_removes_its_lock_file_and_a_run_racing_it_still_holds_the_folder(tmp_path,
+                                                                                             monkeypatch):
+    """A finished folder keeps no .run.lock (issue 46). Removing it is safe against a run that opened the old
+    file just before it went: that run then locks the folder's current file, so a third run is refused."""
+    import fcntl
+    from types import SimpleNamespace
+
+    import evals.outdir as outdir
+
+    folder = tmp_path / "run"
+    first = claim_out_dir(folder)
+    assert (folder / outdir.LOCK_FILE).is_file()
+    first.release()
+    first.release()  # idempotent
+    assert not (folder / outdir.LOCK_FILE).exists()
+
+    first = claim_out_dir(folder)
+    ended = []
+
+    def flock(fd, op):  # the first run ends between this run's open and its flock of the same file
+        if not ended:
+            ended.append(True)
+            first.release()
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(outdir, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX,
+                                                         LOCK_NB=fcntl.LOCK_NB))
+    second = claim_out_dir(folder)
+    assert ended and (folder / outdir.LOCK_FILE).is_file()
+    with pytest.raises(UserError, match="is in use by a run that is still going"):
+        claim_out_dir(folder)  # the second run holds the folder's lock file, not the removed one
+    second.release()
+    assert not (folder / outdir.LOCK_FILE).exists()
+
+
 def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
     """run.py removes the folder Hydra made for a refused run (only .hydra and the lock inside), but never one
     whose lock a live run holds: the refusal may be "in use by a run that is still going", before that run
