@@ -879,3 +879,21 @@ def test_a_jsonl_file_cut_short_is_named_with_its_line_by_compare(tmp_path, caps
     assert e.value.code == 2 and "Traceback" not in err
     assert f"error: {bad / name}:4: not JSON (" in err, err
 
+
+def test_the_documented_output_folders_are_ignored_by_git():
+    """What the README's and docs' commands write inside the checkout (run and sweep folders, the history
+    database, `evals.history report --out report/`) is ignored by git, so it never shows as a change."""
+    import re
+    import shutil
+
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "nightly.md").read_text()
+    reports = set(re.findall(r"python -m evals\.history report --out ([^\s/][^\s]*)", docs))
+    assert "report/" in reports, reports
+    paths = [f"{r.rstrip('/')}/index.html" for r in reports if not r.startswith("/")]
+    paths += ["outputs/tiny_nemotron_h_mtp/2026-12-06_10-00-00/results.json", "outputs/history.db",
+              "multirun/nightly/2026-12-06_10-00-00/0/results.json"]
+    proc = subprocess.run(["git", "-C", str(REPO_ROOT), "check-ignore", "--no-index", *paths],
+                          capture_output=True, text=True, timeout=60)
+    assert sorted(proc.stdout.split()) == sorted(paths), proc.stdout + proc.stderr
