@@ -27,8 +27,9 @@ from scipy.stats import binomtest
 from evals.gsm8k import SAMPLES_FILE
 from evals.lm_adapter import GENERATIONS_FILE
 from evals.outdir import write_atomic
-from evals.results import RESULTS_FILE, load_format
+from evals.results import RESULTS_FILE, load_format, read_results
 from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
+from registry.errors import UserError
 from registry.schema import LoadFormat
 
 FILTERS = ("strict_match", "flexible_extract")
@@ -48,21 +49,31 @@ def load_samples_jsonl(path: str | Path, *, id_key: str = "doc_id") -> dict[Any,
     """Read samples.jsonl into {sample id: record}.
 
     Raises:
-        ComparisonError: a line without `id_key`, or an id that appears twice (a resumed run that wrote a
-            sample twice must be de-duplicated by its writer).
+        ComparisonError: a line that is not a JSON object (a file cut short) or has no `id_key`, or an id that
+            appears twice (a resumed run that wrote a sample twice must be de-duplicated by its writer).
     """
     out: dict[Any, dict[str, Any]] = {}
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            rec = _json_line(line, path, lineno)
+            if not isinstance(rec, dict):
+                raise ComparisonError(f"{path}:{lineno}: not a JSON object")
             if id_key not in rec:
                 raise ComparisonError(f"{path}:{lineno}: record has no {id_key!r} field")
             if rec[id_key] in out:
                 raise ComparisonError(f"{path}:{lineno}: sample {rec[id_key]!r} appears twice")
             out[rec[id_key]] = rec
     return out
+
+
+def _json_line(line: str, path: str | Path, lineno: int) -> Any:
+    """One line of a .jsonl file, parsed; ComparisonError naming file and line when it is not JSON."""
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise ComparisonError(f"{path}:{lineno}: not JSON ({e}); the file was cut short or edited") from None
 
 
 def _by_id(samples: Mapping[Any, Mapping] | Iterable[Mapping], id_key: str, arm: str) -> dict[Any, Mapping]:
@@ -314,16 +325,16 @@ def load_run_samples(run_dir: str | Path, *, id_key: str = "doc_id") -> dict[Any
     (`generated_ids`, matched on the sample's `request_key`) when the record carries no `tokens` itself.
 
     Raises:
-        ComparisonError: samples.jsonl missing or malformed (see load_samples_jsonl), or a sample whose
-            request_key has no line in generations.jsonl.
+        ComparisonError: samples.jsonl missing or malformed (see load_samples_jsonl), a line of
+            generations.jsonl that is not JSON, or a sample whose request_key has no line there.
     """
     run_dir = Path(run_dir)
     samples = load_samples_jsonl(run_dir / SAMPLES_FILE, id_key=id_key)
     generations: dict[str, list[int]] = {}
     gen_path = run_dir / GENERATIONS_FILE
     if gen_path.exists():
-        for line in gen_path.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else None
+        for lineno, line in enumerate(gen_path.read_text().splitlines(), 1):
+            rec = _json_line(line, gen_path, lineno) if line.strip() else None
             if isinstance(rec, dict) and "key" in rec and "generated_ids" in rec:
                 generations[rec["key"]] = rec["generated_ids"]  # later lines win, as in the resume store
     out = {}
@@ -359,13 +370,14 @@ def compare_run_dirs(
     Raises:
         ComparisonError: a missing results.json / samples.jsonl, runs of different load_format (random
             weights against real ones: nothing to compare), or the errors of compare_runs.
+        UserError: a results.json that is not JSON (evals.results.read_results).
     """
     dirs = {"a": Path(dir_a), "b": Path(dir_b)}
     for name in (RESULTS_FILE, SAMPLES_FILE):
         for d in dirs.values():
             if not (d / name).exists():
                 raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
-    results = {k: json.loads((d / RESULTS_FILE).read_text()) for k, d in dirs.items()}
+    results = {k: read_results(d / RESULTS_FILE) for k, d in dirs.items()}
     formats = {k: load_format(r) for k, r in results.items()}
     if formats["a"] != formats["b"]:
         raise ComparisonError(
@@ -521,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         comparison = compare_run_dirs(args.dir_a, args.dir_b)
     except ComparisonError as e:
         parser.error(str(e))
+    except UserError as e:  # a results.json that cannot be read: as evals.report and evals.history say it
+        print(e.format(), file=sys.stderr)
+        return 2
     for warning in comparison.warnings:
         print(f"warning: {warning}: differences may come from the settings", file=sys.stderr)
     checks = comparison_checks(comparison, exact=args.exact)

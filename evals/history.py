@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
-from evals.results import RESULTS_FILE, load_format
+from evals.results import RESULTS_FILE, load_format, read_results
 from evals.task import DEFAULT_TASK
 from registry.errors import UserError
 from registry.schema import LoadFormat
@@ -712,26 +712,20 @@ def find_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
 def import_runs(paths: Sequence[str | os.PathLike], db: str | os.PathLike) -> list[tuple[Path, Recorded]]:
     """Record every run folder under paths (find_run_dirs) in db; [(folder, Recorded)].
 
-    Raises HistoryError for a path that holds no run, or a results.json that is not one.
+    Raises HistoryError for a path that holds no run, a UserError for a results.json that cannot be read or
+    is not a run's (evals.results.read_results, run_rows): every folder is read before the database is
+    opened, so a refused import creates no database.
     """
     dirs = find_run_dirs(paths)
     if not dirs:
         raise HistoryError(f"no results.json under {', '.join(map(str, paths))}",
                            "pass the output folder of a finished run or sweep")
+    rows = [(d, run_rows(read_results(d), d, source="import", sweep_dir=_sweep_dir(d))) for d in dirs]
     conn = connect(db)
-    out = []
     try:
-        for d in dirs:
-            try:
-                results = json.loads((d / RESULTS_FILE).read_text())
-            except (OSError, ValueError) as e:
-                raise HistoryError(f"{d / RESULTS_FILE} cannot be read: {e}",
-                                   "re-render or remove that folder, then import again") from None
-            rows = run_rows(results, d, source="import", sweep_dir=_sweep_dir(d))
-            out.append((d, record_rows(conn, rows)))
+        return [(d, record_rows(conn, r)) for d, r in rows]
     finally:
         conn.close()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

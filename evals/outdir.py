@@ -7,7 +7,11 @@
   Hydra's own files (.hydra/) and the run's results land in the same one.
 - `claim_out_dir` holds the folder for the run's lifetime: an exclusive lock on `<folder>/.run.lock`
   (`fcntl.flock`, released by the kernel when the process ends, also on SIGKILL). A folder the user named
-  (`out_dir=` / `hydra.run.dir=`) that another live run holds is an error instead of a mix of two runs.
+  (`out_dir=` / `hydra.run.dir=`) that another live run holds is an error instead of a mix of two runs. A
+  run that ends (finished, refused, interrupted) removes the lock file while it still holds the lock, so a
+  finished folder holds only results; a run that took the lock of a file removed meanwhile sees that its file
+  is no longer the folder's and locks the folder's current one instead (so two runs never hold the folder
+  at once). Only a killed process (SIGKILL) leaves the file, unlocked.
 - `write_atomic` writes a file through a temporary file in the same folder and `os.replace` (POSIX rename is
   atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
   truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
@@ -20,6 +24,7 @@ folder in use) raise registry.errors.UserError.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -143,8 +148,11 @@ class Claim:
     _fd: int | None = None
 
     def release(self) -> None:
+        """Remove the lock file, then free the lock (closing the descriptor releases it). Idempotent."""
         if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
+            with contextlib.suppress(OSError):  # best effort: the folder may be gone or read-only by now
+                (self.path / LOCK_FILE).unlink()  # while still locked: see claim_out_dir
+            os.close(self._fd)
             self._fd = None
 
 
@@ -155,26 +163,40 @@ def _holder(path: Path) -> str:
         return "another process"
 
 
+def _is_file_of(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the one at ``path`` now (not one removed, or replaced, since)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 def claim_out_dir(path: str | Path) -> Claim:
     """Create `path` if needed, check it is writable, and hold it for this run (the lock of the module doc).
 
-    Returns a Claim (release it when the run ends). Raises UserError: the folder cannot be created or
-    written; another live run holds it.
+    Returns a Claim (release it when the run ends: that removes the lock file). Raises UserError: the folder
+    cannot be created or written; another live run holds it.
     """
     folder = Path(path)
     ensure_writable_dir(folder)
-    try:
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise _os_error(e, folder, "written") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UserError(
-            f"output folder {folder} is in use by a run that is still going ({_holder(folder)})",
-            "wait for it to finish, or choose another out_dir= / hydra.run.dir=",
-        ) from None
+    lock = folder / LOCK_FILE
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _os_error(e, folder, "written") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(
+                f"output folder {folder} is in use by a run that is still going ({_holder(folder)})",
+                "wait for it to finish, or choose another out_dir= / hydra.run.dir=",
+            ) from None
+        if _is_file_of(fd, lock):
+            break
+        os.close(fd)  # a run that ended removed this file after it was opened here: lock the current one
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     return Claim(folder, fd)

@@ -19,7 +19,7 @@ from typing import Any
 
 from evals.mpl import Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir, write_atomic
-from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION
+from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION, read_results
 from evals.verdict import headline
 from registry.errors import UserError
 
@@ -767,13 +767,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.results.is_dir():  # a run folder, as evals.compare takes
         args.results = args.results / RESULTS_FILE
-    if not args.results.exists():
-        parser.error(f"{args.results} does not exist")
     try:
-        results = json.loads(args.results.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        parser.error(f"{args.results} is not JSON ({e}); pass the results.json a run wrote")
-    if not isinstance(results, dict) or not {"entry", "gsm8k"} <= results.keys():
+        results = read_results(args.results)
+    except UserError as e:  # missing, not JSON: as evals.compare and evals.history say it
+        print(e.format(), file=sys.stderr)
+        return 2
+    if not {"entry", "gsm8k"} <= results.keys():
         parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and 'gsm8k'; "
                      "docs/results_schema.md)")
     out = args.out or args.results.parent

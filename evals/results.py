@@ -4,13 +4,14 @@
 raw sums: runners.engine.stats.GenerationStats, the one definition of rate, length and per-position
 acceptance),
 memory and timings into one dict; evals.verdict adds the verdict, evals.report renders it, evals.compare
-pairs two of them.
+pairs two of them. `read_results` is how every command reads a saved one back.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import platform
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from registry.errors import UserError
 from registry.schema import REPO_ROOT, LoadFormat
 from runners.engine.stats import GenerationStats
 
@@ -194,6 +196,30 @@ def build_results(
         "verdict": None,
         "samples_path": str(evaluation.samples_path),
     }
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """The dict a saved results.json holds; ``path``: the file, or the run folder that holds it.
+
+    Raises UserError naming the file: it does not exist, cannot be read, is not JSON (cut short, e.g. copied
+    while being written or from a full disk; the run writes it whole, evals.outdir.write_atomic) or is not a
+    JSON object. What a reader needs inside it (`entry`, `config`, ...) is the reader's own check.
+    """
+    path = Path(path)
+    file = path / RESULTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(f"{file} does not exist",
+                        f"pass the output folder of a finished run (it holds {RESULTS_FILE})")
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{file} is not JSON, or cannot be read ({e})",
+                        f"restore it, or rewrite it by resuming its run (python run.py <its overrides> "
+                        f"resume=true hydra.run.dir={file.parent}); or pass another run's folder") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file} is not a run's {RESULTS_FILE} (it holds a {type(data).__name__}, not an "
+                        "object)", "pass the results.json a run wrote (docs/results_schema.md)")
+    return data
 
 
 def load_format(results: dict[str, Any]) -> str:

@@ -8,7 +8,8 @@ what Hydra does not do, in the words of the fix:
   select pass the untrusted-input guard of registry.schema.check_entry_file before Hydra loads them;
 - `config_error`, after a failed composition: Hydra's MissingConfigException (an unknown option of a config
   group) and ConfigCompositionException (an override OmegaConf refused; its cause carries `full_key` and the
-  schema class `object_type`) become a UserError naming the override, with the closest valid names.
+  schema class `object_type`) become a UserError naming the override, with the closest valid names; a YAML
+  error of a file under configs/ (a syntax error, a key given twice) one naming the file and line.
 
 run.py runs `@hydra.main` with HYDRA_FULL_ERROR=1 (Hydra's documented switch that lets composition errors
 propagate) and hands them to `config_error`; `compose_config` does the same with Hydra's compose API, for
@@ -39,6 +40,7 @@ from omegaconf.errors import (
 
 from registry.errors import UserError
 from registry.schema import (
+    MODEL_DIR,
     REPO_ROOT,
     check_entry_file,
     entry_names,
@@ -46,6 +48,7 @@ from registry.schema import (
     unknown_entry_error,
 )
 from registry.selection import register_resolvers
+from registry.yamlfile import yaml_error
 
 CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_NAME = "config"
@@ -53,7 +56,11 @@ CONFIG_NAME = "config"
 
 def default_entry() -> str:
     """The registry entry configs/config.yaml selects when no `model=` override is given."""
-    defaults = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())["defaults"]
+    path = CONFIG_DIR / f"{CONFIG_NAME}.yaml"
+    try:
+        defaults = yaml.safe_load(path.read_text())["defaults"]
+    except yaml.YAMLError as e:  # refused as Hydra refuses it, before Hydra reads it
+        raise yaml_error(e, str(path.relative_to(REPO_ROOT)), "Hydra's run config") from None
     return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
 
 
@@ -104,6 +111,17 @@ def config_error(e: BaseException, overrides: list[str]) -> UserError | None:
             inner = inner.__cause__ or inner.__context__
         if inner is not None:
             return inner
+    # a config file Hydra's (OmegaConf's) YAML loader refused: configs/ is read by Hydra only (registry
+    # entries pass registry.yamlfile first, in check_overrides)
+    bad_yaml: BaseException | None = e
+    while bad_yaml is not None and not isinstance(bad_yaml, yaml.YAMLError):
+        bad_yaml = bad_yaml.__cause__ or bad_yaml.__context__
+    if isinstance(bad_yaml, yaml.YAMLError):
+        mark = getattr(bad_yaml, "problem_mark", None) or getattr(bad_yaml, "context_mark", None)
+        name = Path(mark.name) if mark is not None else Path("a config file")
+        where = str(name.relative_to(REPO_ROOT)) if name.is_relative_to(REPO_ROOT) else str(name)
+        of = "the registry" if name.parent == MODEL_DIR else "Hydra's run config"
+        return yaml_error(bad_yaml, where, of)
     if isinstance(e, MissingConfigException) and "/" in (e.missing_cfg_file or ""):
         group, _, value = e.missing_cfg_file.rpartition("/")
         if group == "model":
@@ -209,7 +227,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             return compose(CONFIG_NAME, overrides=overrides)
-        except (HydraException, OmegaConfBaseException) as e:
+        except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
             err = config_error(e, overrides)
             if err is None:
                 raise

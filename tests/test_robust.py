@@ -417,6 +417,41 @@ def test_a_folder_in_use_is_refused(tmp_path):
     claim_out_dir(tmp_path / "run").release()  # free again once the run ended
 
 
+def test_a_run_that_ends_removes_its_lock_file_and_a_run_racing_it_still_holds_the_folder(tmp_path,
+                                                                                             monkeypatch):
+    """A finished folder keeps no .run.lock (issue 46). Removing it is safe against a run that opened the old
+    file just before it went: that run then locks the folder's current file, so a third run is refused."""
+    import fcntl
+    from types import SimpleNamespace
+
+    import evals.outdir as outdir
+
+    folder = tmp_path / "run"
+    first = claim_out_dir(folder)
+    assert (folder / outdir.LOCK_FILE).is_file()
+    first.release()
+    first.release()  # idempotent
+    assert not (folder / outdir.LOCK_FILE).exists()
+
+    first = claim_out_dir(folder)
+    ended = []
+
+    def flock(fd, op):  # the first run ends between this run's open and its flock of the same file
+        if not ended:
+            ended.append(True)
+            first.release()
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(outdir, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX,
+                                                         LOCK_NB=fcntl.LOCK_NB))
+    second = claim_out_dir(folder)
+    assert ended and (folder / outdir.LOCK_FILE).is_file()
+    with pytest.raises(UserError, match="is in use by a run that is still going"):
+        claim_out_dir(folder)  # the second run holds the folder's lock file, not the removed one
+    second.release()
+    assert not (folder / outdir.LOCK_FILE).exists()
+
+
 def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
     """run.py removes the folder Hydra made for a refused run (only .hydra and the lock inside), but never one
     whose lock a live run holds: the refusal may be "in use by a run that is still going", before that run
@@ -686,3 +721,179 @@ def test_a_run_in_a_fresh_environment_does_not_start_with_matplotlibs_font_cache
     assert any(mpl.glob("fontlist-*.json")), "no new font cache was built: the test would prove nothing"
     for stream in (proc.stdout, proc.stderr):
         assert "generated new fontManager" not in stream, stream[:500]
+
+
+# ------------------------------------------------------------------ a key given twice in a YAML file
+
+
+def test_a_key_given_twice_is_refused_by_the_registry_reader_naming_file_and_line(tmp_path):
+    """PyYAML's safe loader keeps the last of two equal keys silently (a baseline row or an entry's dtype
+    would change unseen); Hydra's loader refuses them with a traceback. registry.yamlfile refuses them, for
+    entries and baseline files alike, with the line of the second."""
+    import yaml
+
+    from registry.baselines import load_gsm8k_baselines
+    from registry.yamlfile import RegistryYAMLError, load
+
+    assert yaml.safe_load("a: 1\na: 2\n") == {"a": 2}  # what the plain safe loader does
+    with pytest.raises(RegistryYAMLError) as e:
+        load("name: x\ndtype: float32\nquant: none\ndtype: float16\n", "registry/model/x.yaml")
+    assert e.value.problem == ("registry/model/x.yaml: not valid YAML for the registry (line 4, column 1): "
+                               "found the duplicate key 'dtype' (first at line 2)")
+    assert e.value.fix == "remove one of the two `dtype:` (a YAML mapping holds each key once)"
+    with pytest.raises(RegistryYAMLError, match=r"\(line 2, column 13\): found the duplicate key 'b'"):
+        load("name: x\nssm: {b: 1, b: 2}\n", "x.yaml")
+    assert load("1: a\n'1': b\nc: {d: 1}\ne: {d: 2}\n", "x.yaml") == {1: "a", "1": "b", "c": {"d": 1},
+                                                                       "e": {"d": 2}}
+    baselines = (REPO_ROOT / "registry/baselines/gsm8k.yaml").read_text()
+    assert "\nmetric: mean\n" in baselines
+    (tmp_path / "gsm8k.yaml").write_text(baselines.replace("\nmetric: mean\n", "\nmetric: mean\nmetric: x\n"))
+    with pytest.raises(BaselineError, match="found the duplicate key 'metric'"):
+        load_gsm8k_baselines(tmp_path / "gsm8k.yaml")
+
+
+def test_a_yaml_error_in_configs_is_one_error_naming_file_and_line(tmp_path):
+    """configs/ is read by Hydra's (OmegaConf's) loader only: its duplicate-key and syntax errors become the
+    same error / fix pair (registry.compose.config_error), naming the file and the line."""
+    from omegaconf import OmegaConf
+
+    from registry.compose import config_error
+
+    bad = tmp_path / "gsm8k.yaml"
+    for text, problem, fix in [
+        ("name: gsm8k\nnum_fewshot: 5\nnum_fewshot: 3\n",
+         "(line 3, column 1): found duplicate key num_fewshot", "remove one of the two `num_fewshot:`"),
+        ("name: [gsm8k\n", "(line 2, column 1): expected ',' or ']'", "fix the YAML syntax"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(Exception) as raised:
+            OmegaConf.load(bad)  # what Hydra calls for each config file
+        err = config_error(raised.value, [])
+        assert err is not None, raised.value
+        assert err.problem.startswith(f"{bad}: not valid YAML for Hydra's run config {problem}"), err.problem
+        assert err.fix.startswith(fix), err.fix
+
+
+@pytest.fixture(scope="module")
+def repo_with_a_duplicate_key(tmp_path_factory):
+    """A copy of the checkout's entry points whose registry/model/tiny_qwen3_next_mtp.yaml has `dtype:`
+    twice (registry/ and configs/ copied: the registry finds its files from its own location; the code and
+    the checkpoints linked)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("dupkey") / "repo"
+    root.mkdir()
+    shutil.copy(REPO_ROOT / "run.py", root / "run.py")
+    shutil.copytree(REPO_ROOT / "configs", root / "configs")
+    shutil.copytree(REPO_ROOT / "registry", root / "registry",
+                    ignore=shutil.ignore_patterns("checkpoints", "__pycache__"))
+    (root / "registry/checkpoints").symlink_to(REPO_ROOT / "registry/checkpoints")
+    for package in ("evals", "runners", "kernels"):
+        (root / package).symlink_to(REPO_ROOT / package)
+    entry = root / "registry/model/tiny_qwen3_next_mtp.yaml"
+    text = entry.read_text()
+    assert "\ndtype: float32\n" in text
+    entry.write_text(text.replace("\ndtype: float32\n", "\ndtype: float32\ndtype: bfloat16\n"))
+    return root
+
+
+@pytest.mark.parametrize("args", [
+    ["run.py", "model=tiny_qwen3_next_mtp", "eval.limit=1"],
+    ["run.py", "+experiment=nightly", "eval.limit=1"],  # the nightly entries are read by its sweep resolver
+    ["-m", "registry", "validate"],
+    ["-m", "registry", "list"],
+])
+def test_a_key_given_twice_in_an_entry_is_refused_by_every_entry_point(repo_with_a_duplicate_key, args):
+    """Issue 46: `dtype:` twice in an entry gave a 90-line traceback from run.py, the nightly sweep and
+    `python -m registry validate|list`. run.py refuses with error / fix lines and exit 2; validate and list
+    report the entry as invalid (exit 1, as for a YAML syntax error), naming the file and line."""
+    root = repo_with_a_duplicate_key
+    folder = [f"hydra.run.dir={root / 'out'}"] if args[0] == "run.py" else []
+    proc = subprocess.run([sys.executable, *args, *folder], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-3000:]
+    problem = ("registry/model/tiny_qwen3_next_mtp.yaml: not valid YAML for the registry (line 8, column 1): "
+               "found the duplicate key 'dtype' (first at line 7)")
+    if args[0] == "run.py":
+        assert proc.returncode == 2, out[-3000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {problem}", "  fix: remove one of the two `dtype:` (a YAML mapping holds each key once)"]
+    elif args[-1] == "validate":
+        assert proc.returncode == 1, out[-3000:]
+        assert f"FAIL  tiny_qwen3_next_mtp\n      error: {problem} -- fix: remove one" in proc.stdout
+        assert "ok    tiny_nemotron_h_mtp" in proc.stdout
+    else:
+        import re
+
+        assert proc.returncode == 1, out[-3000:]
+        assert re.search(r"\ntiny_qwen3_next_mtp +\(invalid: python -m registry validate\)\n", proc.stdout)
+
+
+# ------------------------------------------------------------------ a run folder whose files were cut short
+
+
+def test_a_results_json_cut_short_is_one_error_for_compare_report_and_history(tmp_path, capsys):
+    """evals.compare, evals.report and evals.history import read a saved results.json through one helper
+    (evals.results.read_results): a truncated one is the same error / fix pair and exit 2 from each (compare
+    gave a JSONDecodeError traceback), and the refused import leaves no new database behind (issue 46)."""
+    from history_factory import make_results, write_run
+
+    from evals import history
+    from evals.compare import main as compare_main
+    from evals.report import main as report_main
+
+    good = write_run(tmp_path / "good", make_results(), correct=[1, 0, 1, 1])
+    bad = write_run(tmp_path / "bad", make_results(), correct=[1, 0, 1, 1])
+    text = (bad / "results.json").read_text()
+    (bad / "results.json").write_text(text[: len(text) // 2])
+    db = tmp_path / "new.db"
+    for main, argv in ((compare_main, [str(good), str(bad)]), (report_main, [str(bad)]),
+                       (history.main, ["--db", str(db), "import", str(good), str(bad)])):
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].startswith(f"error: {bad / 'results.json'} is not JSON, or cannot be read ("), lines
+        assert lines[1].startswith("  fix: restore it, or rewrite it by resuming its run"), lines
+    assert not db.exists() and not list(tmp_path.glob("new.db*"))  # nothing recorded, no empty database
+    # a results.json that is not a run's: refused before the database is created, too
+    (bad / "results.json").write_text(json.dumps({"schema_version": 2}))
+    assert history.main(["--db", str(db), "import", str(bad)]) == 2
+    assert "not a results.json of run.py" in capsys.readouterr().err and not db.exists()
+    assert history.main(["--db", str(db), "import", str(good)]) == 0 and db.is_file()
+
+
+@pytest.mark.parametrize("name", ["samples.jsonl", "generations.jsonl"])
+def test_a_jsonl_file_cut_short_is_named_with_its_line_by_compare(tmp_path, capsys, name):
+    from history_factory import make_results, write_run
+
+    from evals.compare import main as compare_main
+
+    good = write_run(tmp_path / "good", make_results(), correct=[1, 0, 1, 1])
+    bad = write_run(tmp_path / "bad", make_results(), correct=[1, 0, 1, 1])
+    text = (bad / name).read_text()
+    (bad / name).write_text(text[: len(text) - 12])  # the last line cut short
+    with pytest.raises(SystemExit) as e:
+        compare_main([str(good), str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: {bad / name}:4: not JSON (" in err, err
+
+
+def test_the_documented_output_folders_are_ignored_by_git():
+    """What the README's and docs' commands write inside the checkout (run and sweep folders, the history
+    database, `evals.history report --out report/`) is ignored by git, so it never shows as a change."""
+    import re
+    import shutil
+
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "nightly.md").read_text()
+    reports = set(re.findall(r"python -m evals\.history report --out ([^\s/][^\s]*)", docs))
+    assert "report/" in reports, reports
+    paths = [f"{r.rstrip('/')}/index.html" for r in reports if not r.startswith("/")]
+    paths += ["outputs/tiny_nemotron_h_mtp/2026-12-06_10-00-00/results.json", "outputs/history.db",
+              "multirun/nightly/2026-12-06_10-00-00/0/results.json"]
+    proc = subprocess.run(["git", "-C", str(REPO_ROOT), "check-ignore", "--no-index", *paths],
+                          capture_output=True, text=True, timeout=60)
+    assert sorted(proc.stdout.split()) == sorted(paths), proc.stdout + proc.stderr

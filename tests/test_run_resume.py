@@ -23,6 +23,7 @@ from test_app import _cfg, make_checkpoint
 from test_gsm8k_fakes import FakeEngine, answer_policy, last_question, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
+from evals.outdir import LOCK_FILE, claim_out_dir
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners.app import main as app
@@ -90,7 +91,8 @@ def _run_py(tmp_path, gsm8k_dir, *args, hang_after=None, popen=False, timeout=12
 
 def _signal_mid_run(tmp_path, gsm8k_dir, out: Path, sig: int, *args: str) -> tuple[int, str]:
     """Start run.py (scripted engine, hangs after KILL_AFTER requests), send `sig` once KILL_AFTER generations
-    are in out/generations.jsonl; returns (exit status, stderr)."""
+    are in out/generations.jsonl; returns (exit status, stderr). While the run goes, its folder is refused to
+    another run (evals.outdir.claim_out_dir)."""
     proc = _run_py(tmp_path, gsm8k_dir, *args, hang_after=KILL_AFTER, popen=True)
     gen_file, deadline = out / "generations.jsonl", time.monotonic() + 300
     try:
@@ -98,6 +100,9 @@ def _signal_mid_run(tmp_path, gsm8k_dir, out: Path, sig: int, *args: str) -> tup
             assert proc.poll() is None, f"the run ended before the signal: {proc.stderr.read().decode()}"
             assert time.monotonic() < deadline, "no generations appeared within 300 s"
             time.sleep(0.02)
+        assert (out / LOCK_FILE).is_file()
+        with pytest.raises(UserError, match="is in use by a run that is still going"):
+            claim_out_dir(out)
         proc.send_signal(sig)
         stderr = proc.communicate(timeout=120)[1].decode()
     finally:
@@ -132,6 +137,7 @@ def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tm
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     assert len(read_jsonl(gen_file)) == KILL_AFTER and not (out / "results.json").exists()
+    assert (out / LOCK_FILE).is_file()  # a killed process leaves its lock file (the kernel freed the lock)
 
     # The resume, in process (the command line's resume is run by the Ctrl-C test below)
     capsys.readouterr()
@@ -146,6 +152,7 @@ def test_sigkill_then_resume_true_equals_uninterrupted(checkpoint, gsm8k_dir, tm
     gen = {r["key"]: r["generated_ids"] for r in read_jsonl(gen_file)}
     assert gen == {r["key"]: r["generated_ids"] for r in read_jsonl(tmp_path / "ref" / "generations.jsonl")}
     assert (out / "summary.md").exists() and (out / "gsm8k_accuracy.png").exists()
+    assert not (out / LOCK_FILE).exists() and not (tmp_path / "ref" / LOCK_FILE).exists()  # finished runs
 
     # acceptance: the killed part's requests count through their per-request counters, as uninterrupted
     acc, ref_acc = results["acceptance"], json.loads(json.dumps(ref["acceptance"]))
@@ -176,11 +183,13 @@ def test_ctrl_c_exits_130_with_the_command_that_resumes(checkpoint, gsm8k_dir, t
     assert error == f"error: interrupted (Ctrl-C); {KILL_AFTER} finished generations are saved in {out}"
     command = shlex.join(["python", "run.py", *common, "resume=true", f"hydra.run.dir={out}"])
     assert fix == f"  fix: continue with: {command}"
+    assert not (out / LOCK_FILE).exists()  # an interrupted run removes its lock file as it ends
 
     resumed = _run_py(tmp_path, gsm8k_dir, *shlex.split(command)[2:], timeout=600)  # a loaded CI machine
     assert resumed.returncode == 0, resumed.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["resumed"]["num_resumed"] == KILL_AFTER and results["gsm8k"]["n"] == LIMIT
+    assert not (out / LOCK_FILE).exists()  # nor does a finished run keep it
 
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
     monkeypatch.delenv("SCRIPTED_HANG_AFTER", raising=False)
