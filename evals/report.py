@@ -20,7 +20,7 @@ from typing import Any
 from evals.mpl import Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION
-from evals.verdict import headline
+from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds, headline
 from registry.errors import UserError
 
 SUMMARY_NAME = "summary.md"
@@ -133,6 +133,8 @@ def _grouped_bars(ax, categories: list[str], arms: list[tuple[str, list[float]]]
 def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     """GSM8K accuracy per filter (percent), with the reference and pass threshold as lines and the band
     between them shaded when the verdict has a GSM8K reference. With a comparison: both arms side by side.
+    A threshold at or below 0 % (too few samples) is neither drawn nor written as a number: the legend says
+    there is no lower bound at this n, and the y axis never goes below 0 %.
 
     Returns the PNG path, or None when the results have no gsm8k section.
     """
@@ -163,20 +165,23 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     if check is not None and check.get("reference") is not None:
         ref, thr = check["reference"], check["threshold"]
         metric = check.get("details", {}).get("metric", "")
-        ax.axhspan(
-            thr,
-            ref,
-            color="tab:green",
-            alpha=0.12,
-            zorder=1,
-            label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = "
-            f"{gsm8k.get('n')})",
-        )
+        n = gsm8k.get("n")
+        if gsm8k_threshold_binds(thr):
+            ax.axhspan(
+                thr,
+                ref,
+                color="tab:green",
+                alpha=0.12,
+                zorder=1,
+                label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = {n})",
+            )
         ax.axhline(ref, color="tab:green", linestyle="-", zorder=3, label=f"reference {ref:.2f} ({metric})")
-        cannot_fail = " (<= 0: cannot fail at this n)" if thr <= 0 else ""
-        ax.axhline(
-            thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}{cannot_fail}"
-        )
+        if gsm8k_threshold_binds(thr):
+            ax.axhline(thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}")
+            shown.append(thr)
+        else:  # a legend line only: nothing to draw, every score passes
+            ax.plot([], [], linestyle="none", label=f"pass threshold: {NO_LOWER_BOUND} (n = {n}), any score "
+                    "passes")
         ax.axhline(
             check["value"],
             color="black",
@@ -184,12 +189,11 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
             zorder=3,
             label=f"this run, {metric} {check['value']:.2f}",
         )
-        shown += [ref, thr]
-    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis); the axis
-    # goes below 0 when the threshold does, so the threshold line is always drawn.
+        shown.append(ref)
+    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis); accuracies,
+    # the reference and a drawn threshold all lie in [0, 100], and so does the axis.
     lo, hi = min(shown), max(shown)
-    pad = max(2.0, 0.15 * (hi - lo))
-    ax.set_ylim(max(0.0, lo - 10.0) if lo >= 0 else lo - pad, min(100.0, hi + 5.0) if hi <= 100 else hi + pad)
+    ax.set_ylim(max(0.0, lo - 10.0), min(100.0, hi + 5.0))
     ax.set_ylabel("exact match (%)")
     ax.set_title(plot_title(results, f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)"), fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
@@ -425,9 +429,11 @@ def _format_check(ch: Mapping[str, Any]) -> str:
         return f"{f(ch['value'])}: no reference ({why})"
     word = "pass" if ch["status"] == "pass" else "FAIL"
     ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
-    if ch.get("unit") == "percent" and ch.get("threshold") is not None and ch["threshold"] <= 0:
+    threshold = ch.get("threshold")
+    if ch.get("unit") == "percent" and threshold is not None and not gsm8k_threshold_binds(threshold):
         n = (ch.get("details") or {}).get("n")
         word += f" (cannot fail at n={n}: too few samples for this test)"
+        return f"{f(ch['value'])} vs {NO_LOWER_BOUND}{ref}: {word}"
     return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
 
 
@@ -498,12 +504,15 @@ def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
         status = {"pass": "pass", "fail": "**FAIL**", "no_reference": "no reference"}.get(
             c.get("status"), "?"
         )
+        # a GSM8K threshold at or below 0 % reads "no lower bound at this n", never a negative score
+        fmt_threshold = format_gsm8k_threshold if c.get("unit") == "percent" else _fmt
+        threshold = fmt_threshold(c.get("threshold"), digits)
         rows.append(
             [
                 c.get("name"),
                 _fmt(c.get("value"), digits),
                 _fmt(c.get("reference"), digits),
-                _fmt(c.get("threshold"), digits),
+                threshold,
                 status,
                 c.get("note", ""),
             ]

@@ -218,3 +218,66 @@ def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(path)])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _tiny_results(n: int) -> dict:
+    """The tiny Nemotron-H entry's run over n questions at 2 % (its measured reference 1.895 %, sigma 13.6):
+    at n = 50 the pass threshold is 1.895 - 1.6449 * 13.6 * sqrt(2 / 50) = -2.58 %, at n = 1319 1.02 %."""
+    results = _results()
+    results["entry"] = "tiny_nemotron_h_mtp"
+    results["config"] |= {"dtype": "float32", "ssm_state_dtype": "bfloat16", "draft_len": 3}
+    results["gsm8k"] = {"strict_match": 0.02, "flexible_extract": 0.02, "n": n}
+    results["acceptance"] = _acceptance(0.52, 2.56, [0.71, 0.51, 0.34], [0, 290, 200, 180, 330])
+    results["verdict"] = evaluate_verdict(results, model_key="tiny_nemotron_h_mtp", entry=results["entry"],
+                                          dtype="float32", spec_dec="mtp", draft_len=3).to_dict()
+    return json.loads(json.dumps(results))
+
+
+def _figures(monkeypatch) -> list:
+    """The figures evals.report saves, in order (their canvases drawn, so extents can be measured)."""
+    import evals.report as report
+
+    figures = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    return figures
+
+
+def test_threshold_below_zero_is_no_lower_bound_in_plot_summary_and_console(tmp_path, monkeypatch):
+    """At n = 50 the tiny model's GSM8K threshold is -2.58 %: nothing draws or prints a negative accuracy.
+    The plot's axis starts at 0 % with no threshold line or band, and the plot, summary.md and the console
+    verdict line say "no lower bound at this n"; the verdict itself still passes any score."""
+    import re
+
+    from evals.report import _format_check, plot_accuracy
+    from evals.verdict import NO_LOWER_BOUND
+
+    figures = _figures(monkeypatch)
+    small = _tiny_results(50)
+    check = small["verdict"]["checks"][0]
+    assert check["name"] == "gsm8k.mean" and check["threshold"] == pytest.approx(-2.58, abs=0.01)
+    assert check["status"] == "pass"  # the verdict's logic is unchanged: a threshold below 0 passes any score
+    plot_accuracy(small, tmp_path / "small.png")
+    ax = figures[-1].axes[0]
+    assert ax.get_ylim()[0] == 0.0, ax.get_ylim()
+    assert all(min(line.get_ydata(), default=0) >= 0 for line in ax.get_lines())
+    assert all(p.get_y() >= 0 for p in ax.patches)  # bars only: no pass band reaching below 0
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(NO_LOWER_BOUND in t for t in legend), legend
+    assert not any(re.search(r"-\d", t) for t in legend), legend
+    md = render_markdown(small)
+    assert f"| gsm8k.mean | 2.00 | 1.90 | {NO_LOWER_BOUND} | pass |" in md
+    assert "-2.58" not in md
+    line = _format_check(check)
+    assert line.startswith(f"2.00 vs {NO_LOWER_BOUND}, reference 1.90: pass (cannot fail at n=50"), line
+    assert not re.search(r"-\d", line), line
+
+    # at n = 1319 the threshold binds: drawn as a line and a band, written as a number
+    full = _tiny_results(1319)
+    thr = full["verdict"]["checks"][0]["threshold"]
+    assert thr == pytest.approx(1.02, abs=0.01)
+    plot_accuracy(full, tmp_path / "full.png")
+    labels = {line.get_label(): list(line.get_ydata()) for line in figures[-1].axes[0].get_lines()}
+    assert labels[f"pass threshold {thr:.2f}"] == [thr, thr]
+    assert f"| gsm8k.mean | 2.00 | 1.90 | {thr:.2f} | pass |" in render_markdown(full)
+    assert _format_check(full["verdict"]["checks"][0]).startswith(f"2.00 vs threshold {thr:.2f}, reference")
