@@ -252,7 +252,7 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     arms = [(label, values + [0.0] * (size - len(values))) for label, values in arms]
     # num_accepted_tokens is in [1, K + 1] (the bonus token always commits): index 0 is always empty
     arms = [(label, values[1:]) for label, values in arms]
-    fig = Figure(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4.6))  # taller than the others: the legend sits below the axes
     ax = fig.add_subplot()
     _grouped_bars(ax, [str(i) for i in range(1, size)], arms)
     floor = _acceptance_floors(results).get("length")
@@ -272,7 +272,9 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
     ax.set_ylabel("fraction of request-steps")
     ax.set_title(plot_title(results, "Accepted length"), fontsize=9)
-    ax.legend(fontsize=7)
+    # below the axes and their x label (inside, it covered the floor and mean lines); borderaxespad, in font
+    # sizes (7 pt), clears the tick labels and the x label whatever the axes' height
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=5.5, ncol=2)
     return _save(fig, Path(path))
 
 

@@ -281,3 +281,22 @@ def test_threshold_below_zero_is_no_lower_bound_in_plot_summary_and_console(tmp_
     assert labels[f"pass threshold {thr:.2f}"] == [thr, thr]
     assert f"| gsm8k.mean | 2.00 | 1.90 | {thr:.2f} | pass |" in render_markdown(full)
     assert _format_check(full["verdict"]["checks"][0]).startswith(f"2.00 vs threshold {thr:.2f}, reference")
+
+
+def test_accepted_length_legend_clears_the_floor_and_mean_lines(tmp_path, monkeypatch):
+    """The legend of accepted_length_hist.png sits below the axes and their x label: it covers neither the
+    floor line, the mean line nor a bar, and stays inside the image."""
+    from evals.report import plot_accepted_length_hist
+
+    figures = _figures(monkeypatch)
+    results = _tiny_results(1319)
+    assert plot_accepted_length_hist(results, tmp_path / "h.png") is not None
+    fig = figures[-1]
+    ax = fig.axes[0]
+    assert any(line.get_label().startswith("acceptance-length floor") for line in ax.get_lines())
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    xaxis = ax.xaxis.get_tightbbox(renderer)  # tick labels and the x label
+    assert legend.y1 < ax.get_window_extent(renderer).y0 and legend.y1 < xaxis.y0, (legend, xaxis)
+    assert legend.y0 >= 0 and legend.x0 >= 0 and legend.x1 <= fig.bbox.x1  # not cut off
+    _assert_png(tmp_path / "h.png")
