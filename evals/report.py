@@ -306,7 +306,7 @@ def format_console(results: Mapping[str, Any]) -> str:
                           "(runtime.forced_acceptance_length)")]
           if c.get("forced_acceptance_length") is not None else []),
         ("ssm_replay / world_size", f"{replay} / {c['world_size']}"),
-        ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)}"),
+        ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)} state"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
     ]
@@ -378,8 +378,9 @@ def _headline(verdict: Mapping[str, Any]) -> str:
 
 
 def _state_dtype(config: Mapping[str, Any]) -> str:
+    """The SSM state dtype that ran (``config.ssm_state_dtype``, else the entry's), "?" when unknown."""
     dtype = config.get("ssm_state_dtype") or ((config.get("model") or {}).get("ssm") or {}).get("state_dtype")
-    return f"{dtype or '?'} state"
+    return str(dtype or "?")
 
 
 def _arm_rows(comparison: Mapping[str, Any], n: int) -> list[tuple[str, str]]:

@@ -300,3 +300,9 @@ def test_accepted_length_legend_clears_the_floor_and_mean_lines(tmp_path, monkey
     assert legend.y1 < ax.get_window_extent(renderer).y0 and legend.y1 < xaxis.y0, (legend, xaxis)
     assert legend.y0 >= 0 and legend.x0 >= 0 and legend.x1 <= fig.bbox.x1  # not cut off
     _assert_png(tmp_path / "h.png")
+
+
+def test_summary_settings_name_the_state_dtype_once():
+    md = render_markdown(_tiny_results(50))
+    assert "- settings: dtype float32, SSM state bfloat16, draft length K = 3," in md, md
+    assert "state bfloat16 state" not in md
