@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer
 
 from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
-from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore
+from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore, progress_bar
 from evals.outdir import write_atomic
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from runners.engine.stats import GenerationStats
@@ -134,6 +134,39 @@ def _quiet_lm_eval() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
         if bars:
             datasets.enable_progress_bars()
+
+
+BUILD_PROGRESS = "build prompts"  # the label of lm-eval's request-building pass (_labelled_request_build)
+
+
+@contextlib.contextmanager
+def _labelled_request_build(show: bool) -> Iterator[None]:
+    """lm-eval builds every request's few-shot prompt before any generation (Task.build_all_requests, a few
+    seconds for 1,319 documents) under a bar without a label ("0/1319") from the tqdm its module
+    lm_eval.api.task imports, which takes neither a label nor a switch (tqdm's TQDM_* variables are read
+    once, when tqdm is first imported, and would reach every bar). For the call that name is this project's
+    progress instead (evals.lm_adapter.progress_bar, labelled BUILD_PROGRESS, like the generate progress
+    that follows: plain lines off a terminal, none with show=False); restored on exit. An lm-eval whose task
+    module has no `tqdm` keeps its own bar."""
+    import lm_eval.api.task
+
+    unlabelled = getattr(lm_eval.api.task, "tqdm", None)
+    if unlabelled is None:
+        yield
+        return
+
+    def labelled(iterable: Iterable[Any], total: int | None = None, **_: Any) -> Iterator[Any]:
+        items = list(iterable)
+        with progress_bar(len(items) if total is None else total, desc=BUILD_PROGRESS, show=show) as bar:
+            for item in items:
+                yield item
+                bar.update(1)
+
+    lm_eval.api.task.tqdm = labelled
+    try:
+        yield
+    finally:
+        lm_eval.api.task.tqdm = unlabelled
 
 
 @contextlib.contextmanager
@@ -259,7 +292,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
             requests not on disk are sent to the engine. False starts the generations files afresh.
             Any samples.jsonl of an earlier run is removed at the start (it appears again when scored).
-        progress: tqdm bar over requests (resumed ones counted as done).
+        progress: show the progress of building the prompts and of generating them (tqdm bars on a
+            terminal, plain lines elsewhere; resumed requests counted as done).
         fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
             beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
             "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
@@ -297,7 +331,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
                     "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
-        with _without_env_report():
+        with _without_env_report(), _labelled_request_build(progress):
             results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                               num_fewshot=num_fewshot, limit=limit, log_samples=True,
                                               bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)

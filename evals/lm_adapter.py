@@ -403,12 +403,7 @@ class EngineLM(LM):
         if pending:
             show = self.progress and not disable_tqdm
             total, done = len(self.records) + len(pending), len(self.records)
-            if show and not sys.stderr.isatty():  # a log file: plain lines, not carriage-return redraws
-                bar = _LineProgress(total, done, desc="generate")
-            else:
-                bar = tqdm(total=total, initial=done, disable=not show, desc="generate", unit="req",
-                           dynamic_ncols=True)
-            with bar:
+            with progress_bar(total, done, desc="generate", show=show) as bar:
                 self._generate(pending, bar)
         return [self.records[k]["text"] for k in keys]
 
@@ -520,6 +515,15 @@ class EngineLM(LM):
         self.stats_parts.append(part)
         if self.store is not None:
             self.store.add_stats(part)
+
+
+def progress_bar(total: int, initial: int = 0, *, desc: str, show: bool = True) -> tqdm | _LineProgress:
+    """The progress of a phase over `total` requests (`initial` already done), labelled `desc`: a tqdm bar
+    on a terminal, plain lines on stderr elsewhere (:class:`_LineProgress`: a log file gets no
+    carriage-return redraws), nothing when `show` is False. A context manager with ``update(n)``."""
+    if show and not sys.stderr.isatty():
+        return _LineProgress(total, initial, desc=desc)
+    return tqdm(total=total, initial=initial, disable=not show, desc=desc, unit="req", dynamic_ncols=True)
 
 
 class _LineProgress:

@@ -20,7 +20,7 @@ from typing import Any
 from evals.mpl import Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION, read_results
-from evals.verdict import headline
+from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds, headline
 from registry.errors import UserError
 
 SUMMARY_NAME = "summary.md"
@@ -133,6 +133,8 @@ def _grouped_bars(ax, categories: list[str], arms: list[tuple[str, list[float]]]
 def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     """GSM8K accuracy per filter (percent), with the reference and pass threshold as lines and the band
     between them shaded when the verdict has a GSM8K reference. With a comparison: both arms side by side.
+    A threshold at or below 0 % (too few samples) is neither drawn nor written as a number: the legend says
+    there is no lower bound at this n, and the y axis never goes below 0 %.
 
     Returns the PNG path, or None when the results have no gsm8k section.
     """
@@ -163,20 +165,23 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     if check is not None and check.get("reference") is not None:
         ref, thr = check["reference"], check["threshold"]
         metric = check.get("details", {}).get("metric", "")
-        ax.axhspan(
-            thr,
-            ref,
-            color="tab:green",
-            alpha=0.12,
-            zorder=1,
-            label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = "
-            f"{gsm8k.get('n')})",
-        )
+        n = gsm8k.get("n")
+        if gsm8k_threshold_binds(thr):
+            ax.axhspan(
+                thr,
+                ref,
+                color="tab:green",
+                alpha=0.12,
+                zorder=1,
+                label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = {n})",
+            )
         ax.axhline(ref, color="tab:green", linestyle="-", zorder=3, label=f"reference {ref:.2f} ({metric})")
-        cannot_fail = " (<= 0: cannot fail at this n)" if thr <= 0 else ""
-        ax.axhline(
-            thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}{cannot_fail}"
-        )
+        if gsm8k_threshold_binds(thr):
+            ax.axhline(thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}")
+            shown.append(thr)
+        else:  # a legend line only: nothing to draw, every score passes
+            ax.plot([], [], linestyle="none", label=f"pass threshold: {NO_LOWER_BOUND} (n = {n}), any score "
+                    "passes")
         ax.axhline(
             check["value"],
             color="black",
@@ -184,12 +189,11 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
             zorder=3,
             label=f"this run, {metric} {check['value']:.2f}",
         )
-        shown += [ref, thr]
-    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis); the axis
-    # goes below 0 when the threshold does, so the threshold line is always drawn.
+        shown.append(ref)
+    # Zoom on the interesting range (a threshold band of a few points vanishes on a 0-100 axis); accuracies,
+    # the reference and a drawn threshold all lie in [0, 100], and so does the axis.
     lo, hi = min(shown), max(shown)
-    pad = max(2.0, 0.15 * (hi - lo))
-    ax.set_ylim(max(0.0, lo - 10.0) if lo >= 0 else lo - pad, min(100.0, hi + 5.0) if hi <= 100 else hi + pad)
+    ax.set_ylim(max(0.0, lo - 10.0), min(100.0, hi + 5.0))
     ax.set_ylabel("exact match (%)")
     ax.set_title(plot_title(results, f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)"), fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
@@ -248,7 +252,7 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     arms = [(label, values + [0.0] * (size - len(values))) for label, values in arms]
     # num_accepted_tokens is in [1, K + 1] (the bonus token always commits): index 0 is always empty
     arms = [(label, values[1:]) for label, values in arms]
-    fig = Figure(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4.6))  # taller than the others: the legend sits below the axes
     ax = fig.add_subplot()
     _grouped_bars(ax, [str(i) for i in range(1, size)], arms)
     floor = _acceptance_floors(results).get("length")
@@ -268,7 +272,9 @@ def plot_accepted_length_hist(results: Mapping[str, Any], path: str | Path) -> P
     ax.set_xlabel("tokens committed per request-step (num_accepted_tokens)")
     ax.set_ylabel("fraction of request-steps")
     ax.set_title(plot_title(results, "Accepted length"), fontsize=9)
-    ax.legend(fontsize=7)
+    # below the axes and their x label (inside, it covered the floor and mean lines); borderaxespad, in font
+    # sizes (7 pt), clears the tick labels and the x label whatever the axes' height
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=5.5, ncol=2)
     return _save(fig, Path(path))
 
 
@@ -300,7 +306,7 @@ def format_console(results: Mapping[str, Any]) -> str:
                           "(runtime.forced_acceptance_length)")]
           if c.get("forced_acceptance_length") is not None else []),
         ("ssm_replay / world_size", f"{replay} / {c['world_size']}"),
-        ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)}"),
+        ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)} state"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
     ]
@@ -372,8 +378,9 @@ def _headline(verdict: Mapping[str, Any]) -> str:
 
 
 def _state_dtype(config: Mapping[str, Any]) -> str:
+    """The SSM state dtype that ran (``config.ssm_state_dtype``, else the entry's), "?" when unknown."""
     dtype = config.get("ssm_state_dtype") or ((config.get("model") or {}).get("ssm") or {}).get("state_dtype")
-    return f"{dtype or '?'} state"
+    return str(dtype or "?")
 
 
 def _arm_rows(comparison: Mapping[str, Any], n: int) -> list[tuple[str, str]]:
@@ -425,9 +432,11 @@ def _format_check(ch: Mapping[str, Any]) -> str:
         return f"{f(ch['value'])}: no reference ({why})"
     word = "pass" if ch["status"] == "pass" else "FAIL"
     ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
-    if ch.get("unit") == "percent" and ch.get("threshold") is not None and ch["threshold"] <= 0:
+    threshold = ch.get("threshold")
+    if ch.get("unit") == "percent" and threshold is not None and not gsm8k_threshold_binds(threshold):
         n = (ch.get("details") or {}).get("n")
         word += f" (cannot fail at n={n}: too few samples for this test)"
+        return f"{f(ch['value'])} vs {NO_LOWER_BOUND}{ref}: {word}"
     return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
 
 
@@ -498,12 +507,15 @@ def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
         status = {"pass": "pass", "fail": "**FAIL**", "no_reference": "no reference"}.get(
             c.get("status"), "?"
         )
+        # a GSM8K threshold at or below 0 % reads "no lower bound at this n", never a negative score
+        fmt_threshold = format_gsm8k_threshold if c.get("unit") == "percent" else _fmt
+        threshold = fmt_threshold(c.get("threshold"), digits)
         rows.append(
             [
                 c.get("name"),
                 _fmt(c.get("value"), digits),
                 _fmt(c.get("reference"), digits),
-                _fmt(c.get("threshold"), digits),
+                threshold,
                 status,
                 c.get("note", ""),
             ]

@@ -3,9 +3,11 @@ Markdown, and one PNG of trends per entry x setting, all in one folder.
 
 `python -m evals.history report --out DIR` writes DIR/index.html, DIR/report.md and DIR/trend_*.png:
 - latest status per entry x setting (the last run of each series, its verdict, what changed since the run
-  before it);
-- regressions since the previous run: a verdict check that passed in the previous run of the same entry and
-  setting and fails in the latest one (a check never judged before that fails now is listed as a failure);
+  before it with the same number of scored samples n: a score and its threshold depend on n, so runs of
+  different n are never compared, in the table as in the plots -- by_sample_count);
+- regressions since the previous run: a verdict check that passed in the previous run of the same entry,
+  setting and n and fails in the latest one (a check never judged before at that n that fails now is listed
+  as a failure);
 - replay-vs-rewind flips: from compare=replay runs' comparison sections, and from every pair of a replay and
   a rewind job of one sweep with the same entry and otherwise equal settings (paired per sample with
   evals.compare.compare_runs; "tokens differ" compares hashes of the generated token ids);
@@ -23,13 +25,14 @@ import html
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from evals.mpl import AutoDateLocator, DateFormatter, Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir
+from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds
 
 HTML_NAME = "index.html"
 MARKDOWN_NAME = "report.md"
@@ -101,13 +104,32 @@ def series(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapp
     return {k: sorted(v, key=lambda r: (r["finished_at"], r["id"])) for k, v in sorted(out.items())}
 
 
+def by_sample_count(runs: Sequence[Mapping[str, Any]]) -> dict[int | None, list[Mapping[str, Any]]]:
+    """Runs of one series split by n, the number of samples each scored (None: not recorded), each list in
+    the order given, keys ascending (None last). A GSM8K score and its pass threshold depend on n, so runs
+    of different n are separate series in the trend plots and a run is compared only with the previous run
+    of its own n (:func:`previous_run`)."""
+    out: dict[int | None, list[Mapping[str, Any]]] = {}
+    for r in runs:
+        out.setdefault(r.get("n"), []).append(r)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+
+
+def previous_run(runs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The run before the last of `runs` (oldest first) with the same n (by_sample_count); None when the last
+    is the first run at its n."""
+    same = by_sample_count(runs)[runs[-1].get("n")]
+    return same[-2] if len(same) > 1 else None
+
+
 def _statuses(run: Mapping[str, Any]) -> dict[str, str]:
     return {c["name"]: c["status"] for c in run.get("checks") or []}
 
 
 def change(prev: Mapping[str, Any] | None, cur: Mapping[str, Any],
            samples: Mapping[int, Mapping[str, Any]]) -> Change:
-    """What changed from prev to cur; without prev, every failing check counts as newly failed."""
+    """What changed from prev to cur (the report passes previous_run: the same n); without prev, every
+    failing check counts as newly failed."""
     now = _statuses(cur)
     before = _statuses(prev) if prev is not None else {}
     newly = sorted(n for n, s in now.items() if s == "fail" and before.get(n) != "fail")
@@ -204,38 +226,35 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
     """The figure of :func:`plot_series`.
 
     GSM8K: the judged score (percent), the reference (solid) and each run's pass threshold (dashed steps:
-    the threshold depends on the run's sample count n); a threshold <= 0 (a run of a few questions, whose
-    check cannot fail) is not drawn and so never stretches the axis below 0. Acceptance rate: the value and
-    its floor; acceptance length: the value, its floor and reference. Runs of different n are separate
-    series, each labelled with its n, their markers larger with n; a run whose verdict failed is drawn as a
-    red cross. The x axis reads date and time of each tick (UTC).
+    the threshold depends on the run's sample count n); a threshold at or below 0 % (a run of a few
+    questions, whose check cannot fail) is not drawn, so never stretches the axis below 0: the legend says
+    there is no lower bound at those n. Acceptance rate: the value and its floor; acceptance length: the
+    value, its floor and reference. Runs of different n are separate series (by_sample_count), each labelled
+    with its n, their markers larger with n; a run whose verdict failed is drawn as a red cross. The x axis
+    reads date and time of each tick (UTC).
     """
     has_acc = any(r.get("acceptance_rate") is not None for r in runs)
     panels = 3 if has_acc else 1
     fig = Figure(figsize=(6.4, 2.1 * panels + 0.6))
     axes = [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
     xs = [_when(r) for r in runs]
-    ns = [r.get("n") for r in runs]
-    sizes = sorted({n for n in ns if n is not None})
-    failed = [r.get("verdict_passed") == 0 for r in runs]
+    groups = by_sample_count(runs)
     # a reference / threshold holds from its run until the next one; the last one is drawn a little further
     span = xs[-1] - xs[0]
     pad = max(span * 0.08, dt.timedelta(seconds=1)) if span else dt.timedelta(minutes=30)
     x_end = xs[-1] + pad
     colors = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:cyan", "tab:olive"]
 
-    def draw(ax, values: list[float | None], label: str, unit: str,
-             refs: list[tuple[list, str, str]]) -> None:
-        for i, n in enumerate(sizes if len(sizes) > 1 else [None]):
-            pts = [(x, v, f) for x, v, f, rn in zip(xs, values, failed, ns)
-                   if v is not None and (n is None or rn == n)]
+    def draw(ax, value: Callable[[Mapping[str, Any]], float | None], label: str, unit: str,
+             refs: list[tuple[list, str, str]], notes: Sequence[str] = ()) -> None:
+        for i, (n, group) in enumerate(groups.items()):
+            pts = [(_when(r), value(r), r.get("verdict_passed") == 0) for r in group if value(r) is not None]
             if not pts:
                 continue
-            n_label = n if n is not None else (sizes[0] if sizes else None)
-            size = 3 + 2 * math.log10(max(n_label or 1, 1))  # marker size grows with the run's n
+            size = 3 + 2 * math.log10(max(n or 1, 1))  # marker size grows with the run's n
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=size,
                     color=colors[i % len(colors)], zorder=3,
-                    label=f"{label} (n={n_label})" if n_label is not None else label)
+                    label=f"{label} (n={n})" if n is not None else label)
             bad = [p for p in pts if p[2]]
             if bad:
                 ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", s=80, color="tab:red",
@@ -246,20 +265,28 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
                 line.append((x_end, line[-1][1]))
                 ax.step([p[0] for p in line], [p[1] for p in line], where="post", linestyle=style,
                         color="tab:green" if "reference" in name else "tab:red", label=name)
+        for note in notes:  # a legend line only
+            ax.plot([], [], linestyle="none", label=note)
         ax.set_xlim(xs[0] - pad, x_end)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
 
-    thresholds = [t if t is not None and t > 0 else None for t in (r.get("gsm8k_threshold") for r in runs)]
-    draw(axes[0], [gsm8k_value(r) for r in runs], "GSM8K (mean of the filters)", "exact match (%)",
+    thresholds = [t if gsm8k_threshold_binds(t) else None for t in (r.get("gsm8k_threshold") for r in runs)]
+    unbound = ", ".join(map(str, by_sample_count([r for r in runs if r.get("gsm8k_threshold") is not None
+                                                  and not gsm8k_threshold_binds(r["gsm8k_threshold"])])))
+    threshold_label = f"pass threshold (per run's n; {NO_LOWER_BOUND} for n={unbound})" if unbound else \
+        "pass threshold (per run's n)"
+    # where no threshold binds there is no line to label: a legend line alone says why
+    note = [f"pass threshold: {NO_LOWER_BOUND} (n={unbound})"] if unbound and not any(thresholds) else []
+    draw(axes[0], gsm8k_value, "GSM8K (mean of the filters)", "exact match (%)",
          [([r.get("gsm8k_reference") for r in runs], "reference", "-"),
-          (thresholds, "pass threshold (per run's n; none where it cannot bind)", "--")])
+          (thresholds, threshold_label, "--")], note)
     axes[0].set_title(f"{entry} | {setting}", fontsize=10)
     if has_acc:
-        draw(axes[1], [r.get("acceptance_rate") for r in runs], "acceptance rate", "accepted / drafted",
+        draw(axes[1], lambda r: r.get("acceptance_rate"), "acceptance rate", "accepted / drafted",
              [([r.get("acceptance_rate_floor") for r in runs], "floor", "--")])
-        draw(axes[2], [r.get("acceptance_length") for r in runs], "acceptance length", "tokens / step",
+        draw(axes[2], lambda r: r.get("acceptance_length"), "acceptance length", "tokens / step",
              [([r.get("acceptance_length_reference") for r in runs], "reference", "-"),
               ([r.get("acceptance_length_floor") for r in runs], "floor", "--")])
     when = "%Y-%m-%d\n%H:%M:%S" if x_end - xs[0] < dt.timedelta(hours=1) else "%Y-%m-%d\n%H:%M"
@@ -299,7 +326,8 @@ class Row:
 
 
 STATUS_HEADER = ["entry", "setting", "last run (UTC)", "commit", "n", "GSM8K % (threshold / reference)",
-                 "acceptance rate (floor)", "length (floor)", "verdict", "since previous run", "runs"]
+                 "acceptance rate (floor)", "length (floor)", "verdict", "since previous run at the same n",
+                 "runs"]
 
 
 def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
@@ -311,6 +339,8 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
         commit = (cur.get("git_commit") or "-")[:10] + ("*" if cur.get("git_dirty") else "")
         if len(runs) == 1:
             since = "first run"
+        elif previous_run(runs) is None:
+            since = f"first run at n = {cur.get('n')}"
         else:
             parts = []
             if ch.newly_failed:
@@ -327,7 +357,8 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
             since = "; ".join(parts)
         rows.append(Row([
             entry, setting, cur["finished_at"].replace("+00:00", ""), commit, str(cur.get("n") or "-"),
-            f"{_f(gsm8k_value(cur))} ({_f(cur.get('gsm8k_threshold'))} / {_f(cur.get('gsm8k_reference'))})",
+            f"{_f(gsm8k_value(cur))} ({format_gsm8k_threshold(cur.get('gsm8k_threshold'))} / "
+            f"{_f(cur.get('gsm8k_reference'))})",
             f"{_f(cur.get('acceptance_rate'), 3)} ({_f(cur.get('acceptance_rate_floor'), 3)})",
             f"{_f(cur.get('acceptance_length'))} ({_f(cur.get('acceptance_length_floor'))})",
             _verdict_word(cur), since, str(len(runs)),
@@ -390,7 +421,7 @@ def render_html(db: Path, runs: list[Mapping[str, Any]], rows: list[Row], regres
     out.append("</table>")
     out.append("<h2>Regressions since the previous run</h2>")
     out.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in regressions) + "</ul>" if regressions
-               else "<p>None: no check that passed in the previous run of its entry and setting fails "
+               else "<p>None: no check that passed in the previous run of its entry, setting and n fails "
                "now.</p>")
     out.append("<h2>Replay vs rewind</h2>")
     if flip_list:
@@ -440,13 +471,19 @@ def render_trend_report(db: str | os.PathLike, runs: list[dict[str, Any]], compa
     db, out = Path(db), Path(out_dir)
     ensure_writable_dir(out, fix=f"pass a writable folder with --out (not {out})")
     groups = series(runs)
-    changes = {k: change(v[-2] if len(v) > 1 else None, v[-1], samples) for k, v in groups.items()}
+    changes = {k: change(previous_run(v), v[-1], samples) for k, v in groups.items()}
     rows = _status_rows(groups, changes)
     regressions = []
     for (entry, setting), ch in changes.items():
         if ch.newly_failed:
-            cur = groups[(entry, setting)][-1]
-            what = "fails" if len(groups[(entry, setting)]) > 1 else "fails in its first run"
+            runs_of = groups[(entry, setting)]
+            cur = runs_of[-1]
+            if previous_run(runs_of) is not None:
+                what = "fails"
+            elif len(runs_of) == 1:
+                what = "fails in its first run"
+            else:
+                what = f"fails in its first run at n = {cur.get('n')}"
             regressions.append(f"{entry} | {setting}: {', '.join(ch.newly_failed)} {what} "
                                f"({cur['finished_at']}, commit {(cur.get('git_commit') or '-')[:10]}, "
                                f"{cur.get('run_dir') or '-'})")

@@ -47,6 +47,10 @@ MAX_EMPTY_FRACTION = 0.5  # fail when more than half the generations are empty (
 MAX_REPEATED_FRACTION = 0.5  # fail when more than half repeat one token id (>= 4 tokens, all the same)
 MIN_ANSWERED = 1  # fail when no generation that ended on its own has a number flexible-extract can read
 
+# A GSM8K threshold at or below 0 % (a run over too few samples) passes every score: reports say so in these
+# words instead of printing or drawing a negative accuracy (format_gsm8k_threshold).
+NO_LOWER_BOUND = "no lower bound at this n"
+
 _PHI = NormalDist()
 
 
@@ -301,6 +305,20 @@ def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -
     raise ValueError(f"unknown GSM8K metric {metric!r}; expected mean, strict_match or flexible_extract")
 
 
+def gsm8k_threshold_binds(threshold: float | None) -> bool:
+    """Whether a GSM8K pass threshold (percent) can fail a score: it is above 0 %. At or below 0 % (too few
+    samples scored for the test to have power) every score passes: the threshold is no lower bound."""
+    return threshold is not None and threshold > 0
+
+
+def format_gsm8k_threshold(threshold: float | None, digits: int = 2) -> str:
+    """A GSM8K pass threshold (percent) for a report: "-" (none), :data:`NO_LOWER_BOUND` when it is at or
+    below 0 % (never a negative accuracy), else the number with `digits` decimals."""
+    if threshold is None:
+        return "-"
+    return f"{threshold:.{digits}f}" if gsm8k_threshold_binds(threshold) else NO_LOWER_BOUND
+
+
 def check_gsm8k(
     strict_match: float,
     flexible_extract: float,
@@ -352,8 +370,9 @@ def check_gsm8k(
         f"one-sided test: pass if score >= ref {test.reference:.2f} - {test.reference - test.threshold:.2f} "
         f"(n={n}); detects a drop of {test.theta:.2f} points with probability {1 - test.beta:.0%}"
     )
-    if test.threshold <= 0:
-        note += f"; at n={n} the threshold is at or below 0 %, so this check cannot fail: score more samples"
+    if not gsm8k_threshold_binds(test.threshold):
+        note += (f"; {NO_LOWER_BOUND} (n={n}: the threshold is at or below 0 %), so this check cannot fail: "
+                 "score more samples")
     return Check(f"gsm8k.{metric}", value, test.reference, test.threshold, status, "percent", note, details)
 
 

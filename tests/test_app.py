@@ -217,6 +217,12 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "load                     1.5 s, weights 3.00 GiB at 3.22 GB/s, host RSS peak 2.00 GiB" in printed
     assert ("ssm backend / state      torch (entry: triton; the CPU runs the PyTorch references) / float32 "
             "state") in printed
+    # at n = 4 the GSM8K threshold is below 0 %: the verdict line and summary.md say so, no negative number
+    gsm8k_line = next(line for line in printed.splitlines() if line.startswith("  gsm8k.mean"))
+    assert "37.50 vs no lower bound at this n, reference 1.90: pass" in gsm8k_line, gsm8k_line
+    summary = (out / "summary.md").read_text()
+    assert "| gsm8k.mean | 37.50 | 1.90 | no lower bound at this n | pass |" in summary
+    assert ", SSM state float32, draft length K = 3," in summary and "float32 state" not in summary
 
 
 def test_prefix_cache_off_and_its_size_reach_the_engine(fakes, tmp_path):

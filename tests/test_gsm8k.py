@@ -63,8 +63,10 @@ def _run(engine, tokenizer_path, gsm8k_dir, out_dir, **kw):
 
 
 def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch, capsys):
+    import lm_eval.api.task
     import lm_eval.evaluator
     import torch.utils.collect_env
+    import tqdm
 
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))  # data_dir=None falls back to $GSM8K_DIR
     env_reports = []  # lm-eval's environment report (seconds of `pip list` and probes) is not collected
@@ -74,7 +76,12 @@ def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_
     res = evaluate_gsm8k(engine, tokenizer_path, data_dir=None, limit=LIMIT, out_dir=tmp_path, progress=True)
     assert env_reports == [] and lm_eval.evaluator.add_env_info is add_env_info  # skipped, then restored
     assert res.scores == {"strict_match": 1.0, "flexible_extract": 1.0, "n": LIMIT}
-    assert f"{LIMIT}/{LIMIT}" in capsys.readouterr().err  # the tqdm bar reached the end
+    # lm-eval's prompt-building pass has a label, not a bare "0/8" bar, and comes before the generate
+    # progress; off a terminal both are plain lines that reach the end
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["build prompts", "generate"], lines
+    assert all(f": {LIMIT}/{LIMIT} requests (100.0%)" in line for line in lines), lines
+    assert lm_eval.api.task.tqdm is tqdm.tqdm  # lm-eval's own name restored
 
     # lm-eval's stock task as configured: v3.0, 5 shots from train, one generate call for all requests
     assert res.task["version"] == 3.0 and res.task["num_fewshot"] == 5
@@ -105,9 +112,11 @@ def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_
     ("no_hash", 0.0, 1.0),  # no "#### N": strict-match finds nothing, flexible-extract takes the last number
     ("alternate", 0.5, 0.5),
 ])
-def test_exact_scores_for_scripted_answers(tokenizer_path, gsm8k_dir, tmp_path, policy, strict, flexible):
+def test_exact_scores_for_scripted_answers(tokenizer_path, gsm8k_dir, tmp_path, policy, strict, flexible,
+                                          capsys):
     res = _run(_engine(tokenizer_path, gsm8k_dir, policy), tokenizer_path, gsm8k_dir, tmp_path)
     assert res.scores == {"strict_match": strict, "flexible_extract": flexible, "n": LIMIT}
+    assert capsys.readouterr().err == ""  # progress=False: no progress at all, lm-eval's bar included
     samples = read_jsonl(res.samples_path)
     if policy == "no_hash":
         assert all(s["extracted"]["strict_match"] == "[invalid]" for s in samples)

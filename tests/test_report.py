@@ -219,3 +219,91 @@ def test_report_cli_rejects_files_that_are_not_results(tmp_path, capsys):
     assert e.value.code == 2 and "is not a run's results.json" in capsys.readouterr().err
     assert main([str(empty)]) == 2  # evals.results.read_results: error / fix lines, as evals.compare says it
     assert capsys.readouterr().err.startswith(f"error: {empty} is not JSON")
+
+
+def _tiny_results(n: int) -> dict:
+    """The tiny Nemotron-H entry's run over n questions at 2 % (its measured reference 1.895 %, sigma 13.6):
+    at n = 50 the pass threshold is 1.895 - 1.6449 * 13.6 * sqrt(2 / 50) = -2.58 %, at n = 1319 1.02 %."""
+    results = _results()
+    results["entry"] = "tiny_nemotron_h_mtp"
+    results["config"] |= {"dtype": "float32", "ssm_state_dtype": "bfloat16", "draft_len": 3}
+    results["gsm8k"] = {"strict_match": 0.02, "flexible_extract": 0.02, "n": n}
+    results["acceptance"] = _acceptance(0.52, 2.56, [0.71, 0.51, 0.34], [0, 290, 200, 180, 330])
+    results["verdict"] = evaluate_verdict(results, model_key="tiny_nemotron_h_mtp", entry=results["entry"],
+                                          dtype="float32", spec_dec="mtp", draft_len=3).to_dict()
+    return json.loads(json.dumps(results))
+
+
+def _figures(monkeypatch) -> list:
+    """The figures evals.report saves, in order (their canvases drawn, so extents can be measured)."""
+    import evals.report as report
+
+    figures = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    return figures
+
+
+def test_threshold_below_zero_is_no_lower_bound_in_plot_summary_and_console(tmp_path, monkeypatch):
+    """At n = 50 the tiny model's GSM8K threshold is -2.58 %: nothing draws or prints a negative accuracy.
+    The plot's axis starts at 0 % with no threshold line or band, and the plot, summary.md and the console
+    verdict line say "no lower bound at this n"; the verdict itself still passes any score."""
+    import re
+
+    from evals.report import _format_check, plot_accuracy
+    from evals.verdict import NO_LOWER_BOUND
+
+    figures = _figures(monkeypatch)
+    small = _tiny_results(50)
+    check = small["verdict"]["checks"][0]
+    assert check["name"] == "gsm8k.mean" and check["threshold"] == pytest.approx(-2.58, abs=0.01)
+    assert check["status"] == "pass"  # the verdict's logic is unchanged: a threshold below 0 passes any score
+    plot_accuracy(small, tmp_path / "small.png")
+    ax = figures[-1].axes[0]
+    assert ax.get_ylim()[0] == 0.0, ax.get_ylim()
+    assert all(min(line.get_ydata(), default=0) >= 0 for line in ax.get_lines())
+    assert all(p.get_y() >= 0 for p in ax.patches)  # bars only: no pass band reaching below 0
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(NO_LOWER_BOUND in t for t in legend), legend
+    assert not any(re.search(r"-\d", t) for t in legend), legend
+    md = render_markdown(small)
+    assert f"| gsm8k.mean | 2.00 | 1.90 | {NO_LOWER_BOUND} | pass |" in md
+    assert "-2.58" not in md
+    line = _format_check(check)
+    assert line.startswith(f"2.00 vs {NO_LOWER_BOUND}, reference 1.90: pass (cannot fail at n=50"), line
+    assert not re.search(r"-\d", line), line
+
+    # at n = 1319 the threshold binds: drawn as a line and a band, written as a number
+    full = _tiny_results(1319)
+    thr = full["verdict"]["checks"][0]["threshold"]
+    assert thr == pytest.approx(1.02, abs=0.01)
+    plot_accuracy(full, tmp_path / "full.png")
+    labels = {line.get_label(): list(line.get_ydata()) for line in figures[-1].axes[0].get_lines()}
+    assert labels[f"pass threshold {thr:.2f}"] == [thr, thr]
+    assert f"| gsm8k.mean | 2.00 | 1.90 | {thr:.2f} | pass |" in render_markdown(full)
+    assert _format_check(full["verdict"]["checks"][0]).startswith(f"2.00 vs threshold {thr:.2f}, reference")
+
+
+def test_accepted_length_legend_clears_the_floor_and_mean_lines(tmp_path, monkeypatch):
+    """The legend of accepted_length_hist.png sits below the axes and their x label: it covers neither the
+    floor line, the mean line nor a bar, and stays inside the image."""
+    from evals.report import plot_accepted_length_hist
+
+    figures = _figures(monkeypatch)
+    results = _tiny_results(1319)
+    assert plot_accepted_length_hist(results, tmp_path / "h.png") is not None
+    fig = figures[-1]
+    ax = fig.axes[0]
+    assert any(line.get_label().startswith("acceptance-length floor") for line in ax.get_lines())
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    xaxis = ax.xaxis.get_tightbbox(renderer)  # tick labels and the x label
+    assert legend.y1 < ax.get_window_extent(renderer).y0 and legend.y1 < xaxis.y0, (legend, xaxis)
+    assert legend.y0 >= 0 and legend.x0 >= 0 and legend.x1 <= fig.bbox.x1  # not cut off
+    _assert_png(tmp_path / "h.png")
+
+
+def test_summary_settings_name_the_state_dtype_once():
+    md = render_markdown(_tiny_results(50))
+    assert "- settings: dtype float32, SSM state bfloat16, draft length K = 3," in md, md
+    assert "state bfloat16 state" not in md

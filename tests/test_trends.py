@@ -166,5 +166,37 @@ def test_trend_figure_axis_dates_threshold_and_sample_counts():
     assert gsm8k.get_ylim()[0] > -1, gsm8k.get_ylim()  # the -14 % threshold cannot bind: not drawn
     legend = [t.get_text() for t in gsm8k.get_legend().get_texts()]
     assert "GSM8K (mean of the filters) (n=4)" in legend and "GSM8K (mean of the filters) (n=1319)" in legend
+    assert "pass threshold (per run's n; no lower bound at this n for n=4)" in legend, legend
     sizes = {line.get_label(): line.get_markersize() for line in gsm8k.get_lines()}
     assert sizes["GSM8K (mean of the filters) (n=1319)"] > sizes["GSM8K (mean of the filters) (n=4)"]
+
+
+def test_since_previous_run_compares_runs_of_the_same_n(tmp_path):
+    """A run is compared with the previous run of its own n (as the plots keep n apart), never with a run over
+    another number of questions; the column header says so. A series' first run at a new n is marked so, and
+    a check it fails is listed as failing in its first run at that n. A threshold at or below 0 % reads "no
+    lower bound at this n" in the table, never a negative score."""
+    from evals.verdict import NO_LOWER_BOUND
+
+    db = tmp_path / "h.db"
+    folders = []
+    # rewind series: n = 50 (1 right), n = 8 (none right), n = 50 again (2 right: ids 0 and 1)
+    for day, correct in enumerate(([1] + [0] * 49, [0] * 8, [1, 1] + [0] * 48)):
+        res = make_results(correct=correct, commit=f"c{day}")
+        folders.append(_at(write_run(tmp_path / f"rewind{day}", res, correct=correct), T0 + day * DAY))
+    # replay series: n = 50 passes, then n = 8 fails its acceptance floor
+    for day, (correct, rate) in enumerate(((([1] + [0] * 49), 0.55), ([0] * 8, 0.1))):
+        res = make_results(ssm_replay=True, correct=correct, rate=rate, commit=f"r{day}")
+        folders.append(_at(write_run(tmp_path / f"replay{day}", res, correct=correct), T0 + day * DAY))
+    history.import_runs(folders, db)
+    files = write_trend_report(db, tmp_path / "out")
+    page, md = files.html.read_text(), files.markdown.read_text()
+    assert "<th>since previous run at the same n</th>" in page
+    assert "| since previous run at the same n |" in md
+    rewind = next(line for line in page.splitlines() if "rewind K=3 float32 ws=1 cpu</td>" in line)
+    # against the first n = 50 run: 4.00 - 2.00 points, sample 1 changed (against the n = 8 run: +4.00)
+    assert "<td>GSM8K +2.00; rate +0.000; 1 answers changed</td>" in rewind, rewind
+    assert f"<td>4.00 ({NO_LOWER_BOUND} / 1.90)</td>" in rewind and "-20.00" not in page
+    replay = next(line for line in page.splitlines() if "replay K=3 float32 ws=1 cpu</td>" in line)
+    assert "<td>first run at n = 8</td>" in replay, replay
+    assert "acceptance.rate fails in its first run at n = 8" in page

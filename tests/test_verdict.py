@@ -9,6 +9,7 @@ import pytest
 
 from evals.verdict import (
     FAIL,
+    NO_LOWER_BOUND,
     NO_REFERENCE,
     PASS,
     Check,
@@ -16,6 +17,7 @@ from evals.verdict import (
     check_acceptance,
     check_gsm8k,
     evaluate_verdict,
+    format_gsm8k_threshold,
     gsm8k_hypothesis_test,
     gsm8k_score_pct,
 )
@@ -102,6 +104,11 @@ def test_gsm8k_check_that_cannot_fail_says_so():
     assert small.status == PASS and small.threshold < 0 and "cannot fail" in small.note
     assert "cannot fail at n=20" in _format_check(small.to_dict())
     assert full.threshold > 0 and "cannot fail" not in full.note + _format_check(full.to_dict())
+    # the words every report uses for such a threshold, never the negative number
+    assert NO_LOWER_BOUND in small.note and NO_LOWER_BOUND not in full.note
+    assert format_gsm8k_threshold(small.threshold) == NO_LOWER_BOUND == format_gsm8k_threshold(0.0)
+    assert format_gsm8k_threshold(full.threshold) == f"{full.threshold:.2f}"
+    assert format_gsm8k_threshold(None) == "-"
 
 
 def test_gsm8k_check_placeholder_and_missing_reference():
