@@ -50,12 +50,14 @@ def _cache_tensors(engine: Engine) -> list[torch.Tensor]:
     return out
 
 
-def _poison(engine: Engine) -> int:
-    """Leave every slot (the scratch row too) as a broken occupant could: floats alternate NaN / +inf / -inf
-    along each tensor's flattened rows, integer bookkeeping holds 1 (a stale "one token accepted, buffer 1").
-    Returns the number of tensors poisoned."""
+def _poison(engine: Engine, scratch: bool = True) -> int:
+    """Leave every slot (with ``scratch`` the scratch row too) as a broken occupant could: floats alternate
+    NaN / +inf / -inf along each tensor's flattened rows, integer bookkeeping holds 1 (a stale "one token
+    accepted, buffer 1"). Every buffer's first axis is the S + 1 cache rows. Returns the number of tensors
+    poisoned."""
     tensors = _cache_tensors(engine)
     for t in tensors:
+        t = t if scratch else t[: engine.max_batch_size]
         if t.dtype.is_floating_point:
             bad = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(t.numel() // 3 + 1)
             t.view(-1).copy_(bad[: t.numel()].to(t.dtype))  # (an FP8 KV cache: e4m3fn's NaN)
@@ -64,11 +66,12 @@ def _poison(engine: Engine) -> int:
     return len(tensors)
 
 
-def _fresh_then_poisoned(engine: Engine, prompts: list[list[int]]) -> tuple[list, list, list]:
+def _fresh_then_poisoned(engine: Engine, prompts: list[list[int]], scratch: bool = True
+                         ) -> tuple[list, list, list]:
     """(tokens on the fresh engine, tokens after poisoning every slot, layers flagged non-finite then)."""
     first = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert first.nonfinite == []
-    assert _poison(engine) > 0
+    assert _poison(engine, scratch) > 0
     again = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     return first.tokens, again.tokens, again.nonfinite
 
@@ -118,3 +121,20 @@ def test_fp8_kv_cache_slot_is_cleared_too():
     fresh, poisoned, nonfinite = _fresh_then_poisoned(engine, [LONG, SHORT])
     assert poisoned == fresh
     assert nonfinite == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K, replay", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_cuda_graphs_new_requests_ignore_what_the_slots_held(name, K, replay):
+    """On CUDA: Triton kernels, the step as CUDA graphs padded to batch 4 (three requests and a PAD row,
+    KV read up to the graph's bucket), the device path of the KV reset. Every live slot poisoned (the
+    scratch row is the PAD rows', not a request's: left as the model wrote it), the same tokens."""
+    options = EngineOptions(draft_len=K, ssm_replay=replay, max_batch_size=4, max_seq_len=96, dtype="float32",
+                            prefix_cache=False, cuda_graphs=True, cuda_graph_batch_sizes=[4])
+    engine = Engine.from_pretrained(CKPTS / name, options, device="cuda")
+    assert engine.step.cuda_graphs
+    fresh, poisoned, nonfinite = _fresh_then_poisoned(engine, [LONG, SHORT, LONG[:17]], scratch=False)
+    assert poisoned == fresh
+    assert nonfinite == []
+    assert engine.graphs.graphs and all(engine.graphs.graphs.values())  # the steps ran as graphs
