@@ -56,13 +56,21 @@ _EXIT_CODES: list[int] = []
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> int:
+    # every check that needs no model, before torch / lm-eval / datasets are imported (seconds): a settings
+    # mistake is refused at once
+    from runners.app.preflight import check_run
+
+    try:
+        checked = check_run(cfg)
+    except UserError as e:
+        return _refused(e)
     from runners.app import (
         main as app,  # the engine and lm-eval: only when a job runs (not for --cfg job or --help)
     )
 
     error = None
     try:
-        code = app.exit_code(app.run(cfg))
+        code = app.exit_code(app.run(cfg, checked))
     except app.RunInterrupted as e:
         # the exact command that continues this run (of a sweep: this job), its folder named, resume=true
         overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
