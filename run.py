@@ -18,21 +18,18 @@ Ctrl-C or SIGTERM stops it.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shlex
-import shutil
 import signal
 import sys
 import traceback
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from evals import sweep
-from evals.outdir import LOCK_FILE, register_resolver
+from evals.outdir import note_new_dirs, register_resolver, remove_unused_run_dir
 from registry.compose import CONFIG_DIR, CONFIG_NAME, check_overrides, config_error
 from registry.errors import UserError
 from registry.selection import register_resolvers
@@ -59,13 +56,21 @@ _EXIT_CODES: list[int] = []
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> int:
+    # every check that needs no model, before torch / lm-eval / datasets are imported (seconds): a settings
+    # mistake is refused at once
+    from runners.app.preflight import check_run
+
+    try:
+        checked = check_run(cfg)
+    except UserError as e:
+        return _refused(e)
     from runners.app import (
         main as app,  # the engine and lm-eval: only when a job runs (not for --cfg job or --help)
     )
 
     error = None
     try:
-        code = app.exit_code(app.run(cfg))
+        code = app.exit_code(app.run(cfg, checked))
     except app.RunInterrupted as e:
         # the exact command that continues this run (of a sweep: this job), its folder named, resume=true
         overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
@@ -75,10 +80,7 @@ def main(cfg: DictConfig) -> int:
         _EXIT_CODES.append(stopped.exit_status)
         raise SystemExit(stopped.exit_status) from None  # a sweep stops too: Ctrl-C / SIGTERM means stop
     except UserError as e:
-        print(e.format(), file=sys.stderr)
-        code, error = 2, f"error: {e.problem}"
-        if not sweep.in_multirun():  # a sweep's job folder keeps its job.json for the summary table
-            _drop_unused_run_dir(HydraConfig.get().runtime.output_dir)
+        return _refused(e)
     except Exception as e:
         if not sweep.in_multirun():
             raise
@@ -89,27 +91,16 @@ def main(cfg: DictConfig) -> int:
     return code
 
 
-# what a refused run leaves in its folder: Hydra's composed config and the run's lock (evals.outdir)
-_UNUSED_RUN_FILES = {".hydra", LOCK_FILE}
-
-
-def _drop_unused_run_dir(folder: str) -> None:
-    """Remove the folder Hydra created for a run that was refused before it wrote anything (only
-    :data:`_UNUSED_RUN_FILES` inside), so refused commands leave no empty run folders behind. A folder holding
-    anything else (generations of an earlier run, a user's files), or whose lock another live run holds (the
-    refusal may be that very conflict, before that run wrote anything), is left as it is."""
-    path = Path(folder)
-    try:
-        if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
-            return
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a live run holds it
-            shutil.rmtree(path)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # best effort: the refusal itself is what the user needs
+def _refused(e: UserError) -> int:
+    """A job refused with a UserError: its two lines on stderr, status 2. A single run's folder goes again
+    with the parents made for it (evals.outdir.remove_unused_run_dir: only what this run created and left
+    empty); a sweep's job folder keeps its job.json for the summary table."""
+    print(e.format(), file=sys.stderr)
+    if not sweep.in_multirun():
+        remove_unused_run_dir(HydraConfig.get().runtime.output_dir)
+    sweep.record_job(2, f"error: {e.problem}")
+    _EXIT_CODES.append(2)
+    return 2
 
 
 def resume_command(overrides: list[str], out_dir) -> str:
@@ -130,6 +121,9 @@ def cli(argv: list[str]) -> int:
     register_resolvers()  # ${registry_entries:nightly} in configs/experiment/nightly.yaml
     register_resolver()  # ${claim_dir:...}: the default output folders (configs/config.yaml)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    for a in overrides:  # a run folder named on the command line: whether it is new, before Hydra creates it
+        if a.startswith("hydra.run.dir=") and "${" not in a:
+            note_new_dirs(a.split("=", 1)[1])
     try:
         check_overrides(overrides)
         main()

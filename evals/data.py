@@ -3,8 +3,9 @@
 A GSM8K folder holds `train.jsonl` and `test.jsonl` (rows {"question", "answer"}). The folder is, in order:
 the one the caller names (`eval.data_dir`, `--data-dir`), else `$GSM8K_DIR`, else `../shared/data/gsm8k`
 beside the checkout (the layout of the project's machines and CI) when it exists, else none: evaluation then
-reads the hub dataset `openai/gsm8k`. Light on purpose (no lm-eval, no torch): the tiny-model tools and the
-task loader of evals/tasks/ import it.
+reads the hub dataset `openai/gsm8k`. Also the check that a prompt of the run's settings can fit the model at
+all (check_prompt_room). Light on purpose (no lm-eval, no torch): the tiny-model tools, the task loader of
+evals/tasks/ and the application's checks before anything heavy loads (runners.app.preflight) import it.
 """
 
 from __future__ import annotations
@@ -114,3 +115,59 @@ def check_gsm8k_file(file: Path) -> None:
                              "restore the file from a full GSM8K copy (train: 7473 rows, test: 1319), e.g. "
                              "../shared/data/gsm8k")
     _CHECKED[key] = None
+
+
+def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_fewshot: int, max_gen_toks: int,
+                      max_seq_len: int) -> None:
+    """Refuse, before any model is loaded, settings whose prompts can never fit ``max_seq_len``: an
+    ``max_gen_toks`` that leaves no position for a prompt, and a ``num_fewshot`` too large (below).
+
+    A prompt holds ``num_fewshot`` train examples ("Question: ...\\nAnswer: ...", lm-eval's gsm8k format),
+    the question, and leaves ``max_gen_toks`` positions to generate. Without tokenizing (seconds for the
+    whole train split), a lower bound: a text of b UTF-8 bytes is at least ceil(b / L) tokens, L the longest
+    vocabulary entry (byte-level BPE entries are one character per byte). When even the ``num_fewshot``
+    shortest examples exceed the positions left, no prompt fits; the error names the key and the largest
+    value the bound allows. Larger counts that pass may still be refused after loading, by the exact length.
+    The few-shot bound is skipped for the hub dataset (``data_dir`` None) and 0 shots.
+
+    Raises registry.errors.UserError naming eval.max_gen_toks / eval.num_fewshot, the allowed range and the
+    settings involved.
+    """
+    if max_gen_toks >= max_seq_len:
+        raise UserError(
+            f"eval.max_gen_toks={max_gen_toks} leaves no room for a prompt: model.max_seq_len={max_seq_len} "
+            "positions hold the prompt and the generated tokens (allowed: eval.max_gen_toks < "
+            "model.max_seq_len)",
+            "lower eval.max_gen_toks (256 is lm-eval's default) or raise model.max_seq_len")
+    if data_dir is None or num_fewshot == 0:
+        return
+
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+    longest = max((len(t.encode()) for t in vocab), default=1)
+    sizes = []
+    with open(Path(data_dir) / "train.jsonl", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                sizes.append(len(f"Question: {row['question']}\nAnswer: {row['answer']}\n\n".encode()))
+    least = sorted(-(-b // longest) for b in sizes)  # tokens each example needs at least, ascending
+    room = max_seq_len - max_gen_toks - 1  # positions for the examples (and at least one of the question)
+    fits, total = 0, 0
+    for n in least:
+        if total + n > room:
+            break
+        total, fits = total + n, fits + 1
+    else:
+        return  # every example together fits: the bound refuses nothing (the train split's size is not ours)
+    if num_fewshot > fits:
+        need = sum(least[:num_fewshot])
+        raise UserError(
+            f"eval.num_fewshot={num_fewshot} cannot fit a prompt: even the {num_fewshot} shortest GSM8K "
+            f"train examples need at least {need} tokens, and model.max_seq_len={max_seq_len} minus "
+            f"eval.max_gen_toks={max_gen_toks} leaves {room} for them (one position is kept for the "
+            f"question); eval.num_fewshot can be at most {fits} here "
+            f"(allowed range [0, {fits}])",
+            f"set eval.num_fewshot to at most {fits} (5 is the task's own), or raise model.max_seq_len / "
+            "lower eval.max_gen_toks")

@@ -12,6 +12,10 @@
   finished folder holds only results; a run that took the lock of a file removed meanwhile sees that its file
   is no longer the folder's and locks the folder's current one instead (so two runs never hold the folder
   at once). Only a killed process (SIGKILL) leaves the file, unlocked.
+- A refused run leaves nothing behind: `remove_unused_run_dir` removes its folder (holding only Hydra's
+  .hydra/ and the lock) and the parents created for it, and only folders this process created (the claims
+  above, or a folder named by out_dir= / hydra.run.dir= that `note_new_dirs` found missing before Hydra
+  created it).
 - `write_atomic` writes a file through a temporary file in the same folder and `os.replace` (POSIX rename is
   atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
   truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
@@ -28,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -86,6 +91,62 @@ def ensure_writable_dir(path: Path, fix: str | None = None) -> None:
 
 
 _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)
+# absolute paths of the folders this process created for runs, or found missing just before Hydra created
+# them: the only folders remove_unused_run_dir removes
+_NEW_DIRS: set[str] = set()
+HYDRA_SUBDIR = ".hydra"  # where Hydra writes a run's composed config (hydra.output_subdir, Hydra's default)
+# what a refused run leaves in its folder: Hydra's composed config and the run's lock
+_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE})
+
+
+def _missing_dirs(path: str | Path) -> list[str]:
+    """`path` and those of its parents that do not exist, as absolute paths, deepest first."""
+    missing, p = [], Path(os.path.abspath(path))
+    for d in (p, *p.parents):
+        if d.exists():
+            break
+        missing.append(str(d))
+    return missing
+
+
+def note_new_dirs(path: str | Path) -> None:
+    """Record `path`, its .hydra/ subfolder and those of its parents that do not exist yet as created for
+    this process's run, before Hydra creates them (its run folder named by out_dir= or hydra.run.dir=):
+    remove_unused_run_dir may remove them again, while a folder that existed before is never removed."""
+    _NEW_DIRS.update(_missing_dirs(Path(path) / HYDRA_SUBDIR))
+
+
+def remove_unused_run_dir(folder: str | Path) -> None:
+    """Remove the folder of a run that was refused before it wrote anything, and the parents created for it,
+    so a refused command leaves nothing behind.
+
+    Removed: `folder` when this process created it (claim_fresh_dir, or note_new_dirs before Hydra made it),
+    it holds nothing but Hydra's .hydra/ and the run's lock, and no live run holds that lock (the refusal may
+    be that very conflict); then each parent created with it, while empty. Of a folder that existed before,
+    only the .hydra/ this run added. Anything else is left as it is: a folder that existed before, one
+    holding generations of an earlier run or a user's files, a parent that another run's folder appeared in.
+    Best effort: an OSError leaves the rest in place.
+    """
+    path = Path(os.path.abspath(folder))
+    if str(path) not in _NEW_DIRS:
+        if str(path / HYDRA_SUBDIR) in _NEW_DIRS:  # the folder existed: only Hydra's files of this run go
+            shutil.rmtree(path / HYDRA_SUBDIR, ignore_errors=True)
+        return
+    try:
+        if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
+            return
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a live run holds it
+            shutil.rmtree(path)
+        finally:
+            os.close(fd)
+        for parent in path.parents:
+            if str(parent) not in _NEW_DIRS:
+                break
+            os.rmdir(parent)  # fails (ENOTEMPTY) once another run's folder is inside: kept
+    except OSError:
+        pass  # best effort: the refusal itself is what the user needs
 
 
 def claim_dir(path: str) -> str:
@@ -102,18 +163,28 @@ def claim_fresh_dir(path: str) -> str:
     """claim_dir without its cache: every call creates a new folder (`path`, `path-2`, ...). The app's own
     default folder outside Hydra uses it, so two runs in one process within a second never share one."""
     requested = Path(path)
-    try:
-        requested.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _os_error(e, requested.parent, "created") from None
-    for i in range(1, MAX_SUFFIX + 1):
+    i, retries = 1, 3
+    while i <= MAX_SUFFIX:
         folder = requested if i == 1 else requested.with_name(f"{requested.name}-{i}")
+        parents = _missing_dirs(requested.parent)
+        try:
+            requested.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _os_error(e, requested.parent, "created") from None
+        _NEW_DIRS.update(parents)
         try:
             folder.mkdir()
         except FileExistsError:
+            i += 1
             continue
+        except FileNotFoundError as e:  # a refused run removed the parent it had created: create it again
+            retries -= 1
+            if retries:
+                continue
+            raise _os_error(e, folder, "created") from None
         except OSError as e:
             raise _os_error(e, folder, "created") from None
+        _NEW_DIRS.add(os.path.abspath(folder))
         return str(folder)
     raise UserError(
         f"no free output folder next to {requested} ({MAX_SUFFIX} tried)",
@@ -124,8 +195,12 @@ def claim_fresh_dir(path: str) -> str:
 def run_dir(out_dir: str | None, default: str) -> str:
     """Hydra's run folder: the user's `out_dir` when one is given (Hydra's .hydra/ files then go there, and
     no default folder is created beside it), else `claim_dir(default)`. Registered as the resolver
-    `run_dir` (configs/config.yaml: `hydra.run.dir: ${run_dir:${out_dir},outputs/...}`)."""
-    return str(out_dir) if out_dir not in (None, "") else claim_dir(default)
+    `run_dir` (configs/config.yaml: `hydra.run.dir: ${run_dir:${out_dir},outputs/...}`). Hydra resolves it
+    before it creates the folder: a missing out_dir is recorded as new then (note_new_dirs)."""
+    if out_dir in (None, ""):
+        return claim_dir(default)
+    note_new_dirs(str(out_dir))
+    return str(out_dir)
 
 
 def register_resolver() -> None:

@@ -266,7 +266,7 @@ def test_engine_value_error_becomes_a_user_error(gsm8k_dir, tmp_path):
     """A ValueError raised inside runners / evals (here the real engine on the shipped tiny checkpoint,
     refusing prompts longer than max_seq_len) is reported as error / fix, not as a traceback."""
     # zero-shot and 8 new tokens in 16 positions pass the checks before loading
-    # (evals.gsm8k.check_prompt_room); the question itself is longer
+    # (evals.data.check_prompt_room); the question itself is longer
     cfg = _cfg("model.max_seq_len=16", "eval.max_gen_toks=8", "eval.num_fewshot=0", "eval.limit=1",
                f"eval.data_dir={gsm8k_dir}", f"out_dir={tmp_path}")
     with pytest.raises(UserError) as e:

@@ -227,6 +227,8 @@ def test_nightly_sweep_runs_the_tiny_entries_and_fills_the_history(documented_sw
         (e, mode, str(sweep.resolve()), "run")
         for e in ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp") for mode in ("replay", "rewind")]
     assert "4 run(s) of this sweep, 0 added now" in out
+    # no empty default sweep folders (multirun/<date>/<time>/ in the working folder) beside the sweep's own
+    assert not (sweep.parent / "multirun").exists()
 
 
 FAKE_SITECUSTOMIZE = '''
@@ -271,6 +273,18 @@ def test_a_sweep_of_jobs_in_other_processes_reports_every_job_and_the_worst_stat
     conn = sqlite3.connect(tmp_path / "h.db")
     assert conn.execute("SELECT entry, ssm_replay FROM runs").fetchall() == [("tiny_nemotron_h_mtp", 0)]
     conn.close()
+
+
+def test_cfg_job_of_the_nightly_sweep_creates_nothing(tmp_path):
+    """`--cfg job` runs nothing, so it writes nothing: the experiment picks its sweep folder by an option of
+    the hydra/sweep_dir group instead of setting hydra.sweep.dir over the default's `${claim_dir:...}`, whose
+    merge would resolve it and so create the default folder (and again for each job of a real sweep)."""
+    proc = _run_py("+experiment=nightly", "--cfg", "job", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "ssm_replay" in proc.stdout, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+    cfg = _compose("+experiment=nightly")
+    assert OmegaConf.to_container(cfg.hydra.sweep)["dir"] == "multirun/nightly/${now:%Y-%m-%d_%H-%M-%S}"
+    assert OmegaConf.to_container(_compose().hydra.sweep)["dir"].startswith("${claim_dir:multirun/")
 
 
 def test_an_unknown_experiment_is_a_user_error(tmp_path):

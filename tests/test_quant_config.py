@@ -17,7 +17,8 @@ from registry.errors import UserError
 from registry.hf_config import HybridConfig, QuantConfig, parse_quantization
 from registry.schema import REPO_ROOT
 from runners.app import main as app
-from runners.engine.quant import check_runnable
+from runners.app.preflight import check_references
+from runners.engine.quant_formats import check_runnable
 
 TINY = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 TINY_FP8 = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp_fp8"
@@ -189,11 +190,13 @@ def test_entry_quant_must_match_the_checkpoint():
 
 
 def _fake_gpu(monkeypatch, name, cap):
+    import torch
+
     import runners.app.support as support
 
-    monkeypatch.setattr(support.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(support.torch.cuda, "get_device_capability", lambda device=None: cap)
-    monkeypatch.setattr(support.torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torch is loaded: cuda_available asks it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     return support
 
 
@@ -262,5 +265,5 @@ def test_qwen3_next_fp8_entry_has_no_reference_to_be_judged_by(monkeypatch):
     rr = resolve(compose_config(["model=qwen3_next_mtp_fp8"]), check_checkpoint=False)
     assert rr.entry.baseline is None
     with pytest.raises(UserError) as err:
-        app.check_references(rr)
+        check_references(rr)
     assert "no `baseline` key" in err.value.problem and "verdict.require_reference=false" in err.value.fix

@@ -30,7 +30,15 @@ from evals.compare import (
 )
 from evals.data import GSM8KDataError, check_gsm8k_file, gsm8k_files
 from evals.gsm8k import output_health, repeats_one_token
-from evals.outdir import claim_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.outdir import (
+    claim_dir,
+    claim_fresh_dir,
+    claim_out_dir,
+    ensure_writable_dir,
+    note_new_dirs,
+    remove_unused_run_dir,
+    write_atomic,
+)
 from evals.report import format_console, plot_title
 from evals.results import environment, git_commit
 from evals.verdict import (
@@ -322,8 +330,8 @@ def test_an_empty_gsm8k_file_is_our_error(tmp_path):
 def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(tmp_path):
     """eval.num_fewshot outside [0, 7473] (the train split lm-eval draws from) and eval.max_gen_toks < 1 are
     refused by the config check; a count whose prompts cannot fit max_seq_len is refused before the model
-    loads (evals.gsm8k.check_prompt_room), with the largest count that can."""
-    from evals.gsm8k import check_prompt_room
+    loads (evals.data.check_prompt_room), with the largest count that can."""
+    from evals.data import check_prompt_room
 
     for override, problem in (("eval.num_fewshot=-1", "eval.num_fewshot=-1 is outside [0, 7473]"),
                               ("eval.num_fewshot=8000", "eval.num_fewshot=8000 is outside [0, 7473]"),
@@ -456,20 +464,41 @@ def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
     """run.py removes the folder Hydra made for a refused run (only .hydra and the lock inside), but never one
     whose lock a live run holds: the refusal may be "in use by a run that is still going", before that run
     wrote anything."""
-    import run
-
-    folder = tmp_path / "run"
+    folder = Path(claim_fresh_dir(str(tmp_path / "run")))
     claim = claim_out_dir(folder)
     (folder / ".hydra").mkdir()
-    run._drop_unused_run_dir(str(folder))
+    remove_unused_run_dir(folder)
     assert (folder / ".hydra").is_dir()  # the live run keeps its folder
     claim.release()
     (folder / "generations.jsonl").write_text("{}\n")
-    run._drop_unused_run_dir(str(folder))
+    remove_unused_run_dir(folder)
     assert folder.is_dir()  # something of a run's inside: kept
     (folder / "generations.jsonl").unlink()
-    run._drop_unused_run_dir(str(folder))
+    remove_unused_run_dir(folder)
     assert not folder.exists()
+
+
+def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
+    """The parents created for a refused run's folder go with it, up to the first that existed before; a
+    folder that existed before stays (only the .hydra/ the run added goes), as does a parent that another
+    run's folder appeared in."""
+    folder = Path(claim_fresh_dir(str(tmp_path / "outputs" / "entry" / "2026-12-06_10-00-00")))
+    (folder / ".hydra").mkdir()
+    remove_unused_run_dir(folder)
+    assert list(tmp_path.iterdir()) == []  # outputs/entry/ were created for it: gone too
+
+    existing = tmp_path / "mine"
+    (existing / "sub").mkdir(parents=True)
+    note_new_dirs(existing / "sub")  # before Hydra: it exists, its .hydra/ does not
+    (existing / "sub" / ".hydra").mkdir()
+    remove_unused_run_dir(existing / "sub")
+    assert sorted(p.relative_to(tmp_path) for p in existing.rglob("*")) == [Path("mine/sub")]
+
+    note_new_dirs(tmp_path / "new" / "run")  # out_dir= / hydra.run.dir= that does not exist yet
+    (tmp_path / "new" / "run" / ".hydra").mkdir(parents=True)
+    (tmp_path / "new" / "other").mkdir()  # another run's folder in the created parent
+    remove_unused_run_dir(tmp_path / "new" / "run")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["other"]
 
 
 def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):

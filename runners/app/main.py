@@ -3,9 +3,9 @@ out.
 
 `run(cfg)` is what run.py and the tests call. It orchestrates; each step lives with the concept it belongs to:
 
-- the effective settings and every check that holds on any machine: registry.resolve.resolve (schema,
-  cross-setting rules, checkpoint directory, model dimensions);
-- what this engine and machine can run: runners.app.support.check_supported;
+- every check that needs no model, before anything heavy is imported: runners.app.preflight.check_run (the
+  effective settings by registry.resolve.resolve; what this engine and machine can run,
+  runners.app.support.check_supported; the task; the baseline rows; the GSM8K files; the tokenizer);
 - the task (`eval.name`, the `eval` config group): a row of evals.task.TASKS, which says what runs and what
   judges it;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
@@ -33,8 +33,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
-from evals.data import gsm8k_dir, gsm8k_files
-from evals.gsm8k import check_prompt_room, evaluate_gsm8k
+from evals.data import gsm8k_dir
+from evals.gsm8k import evaluate_gsm8k
 from evals.history import record_finished_run, resolve_db
 from evals.lm_adapter import GENERATIONS_FILE, check_resume
 from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
@@ -42,13 +42,11 @@ from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
 from evals.task import DEFAULT_TASK, get_task
 from evals.verdict import Check, Verdict, evaluate_verdict
-from registry.baselines import find_acceptance_reference, find_gsm8k_reference
-from registry.checkpoint import CONFIG_FILE, TOKENIZER_FILE, check_tokenizer, checkpoint_fingerprint
+from registry.checkpoint import CONFIG_FILE, checkpoint_fingerprint
 from registry.errors import UserError
-from registry.releases import dummy_tokenizer_dir
-from registry.resolve import ResolvedRun, resolve
+from registry.resolve import ResolvedRun
 from registry.schema import REPO_ROOT
-from runners.app.support import check_quant_hardware, check_supported
+from runners.app.preflight import check_run, tokenizer_file
 from runners.engine.dummy import DUMMY_SEED
 from runners.engine.engine import Engine
 from runners.engine.options import engine_options
@@ -57,11 +55,13 @@ from runners.engine.prefix_cache import prefix_cache_off_reason
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, checked: ResolvedRun | None = None) -> dict[str, Any]:
     """Run the configured evaluation (the task of eval.name), judge it against its baselines, write results
     and report.
 
-    cfg: a composed config (configs/config.yaml with a registry entry as `model`). Output folder: cfg.out_dir,
+    cfg: a composed config (configs/config.yaml with a registry entry as `model`). checked: what
+    runners.app.preflight.check_run(cfg) returned, when the caller ran it (run.py does, before it imports
+    this module); None: it runs here. Output folder: cfg.out_dir,
     else Hydra's run directory. It receives generations.jsonl (appended as requests finish; the resume file),
     samples.jsonl, results.json (docs/results_schema.md), summary.md and PNG plots. An out_dir that already
     holds generations is continued with resume=true and refused without it.
@@ -77,15 +77,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     status. Raises UserError (before the engine is built) for every configuration problem, and for a missing
     baseline row when verdict.require_reference is true.
     """
-    # the weight quantization this machine can run, from the settings alone (before any checkpoint file is
-    # required: an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then all
-    check_quant_hardware(resolve(cfg, check_checkpoint=False))
-    rr = resolve(cfg)
-    check_supported(rr)
-    get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
-    check_references(rr)
-    gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
-    check_tokenizer(tokenizer_file(rr))
+    rr = checked if checked is not None else check_run(cfg)
     out_dir = _out_dir(rr)
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
@@ -163,32 +155,6 @@ def _run_job(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
     return results
 
 
-def check_references(rr: ResolvedRun) -> None:
-    """Fail fast, before anything heavy is loaded, when no baseline row can judge the run.
-
-    With verdict.require_reference (the default) the entry needs a `baseline` key and the task's baselines
-    file (evals.task.EvalTask.baselines, gsm8k.yaml for gsm8k) needs a row for (dtype, quant, kv_cache_quant,
-    spec_dec) -- and its acceptance file, when the task has one, a row for (quant, draft_len) when
-    speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
-    (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
-    (registry.baselines.BaselineError) naming the missing row and the fix.
-    """
-    if not rr.run.verdict.require_reference or rr.dummy:  # dummy weights: no accuracy is judged
-        return
-    e, task = rr.entry, get_task(rr.run.eval.name)
-    if e.baseline is None:
-        raise UserError(
-            f"entry {e.name} has no `baseline` key, so no reference can judge this run",
-            "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
-            "verdict.require_reference=false to run without a pass/fail verdict",
-        )
-    find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
-                         state=rr.baseline_state, path=task.baselines_path)
-    if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
-        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
-                                  path=task.acceptance_baselines_path)
-
-
 def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     """The settings stored generations depend on; resuming with different ones is refused (check_resume).
 
@@ -228,15 +194,6 @@ def _dummy_fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     config = rr.checkpoint_dir / CONFIG_FILE
     return {"dummy_seed": DUMMY_SEED, "config_source": rr.checkpoint_config.source,
             "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
-
-
-def tokenizer_file(rr: ResolvedRun) -> Path:
-    """The run's tokenizer.json: the checkpoint's; for dummy weights without one, the GSM8K tokenizer padded
-    to the model's vocabulary (registry.releases.dummy_tokenizer_dir)."""
-    path = rr.checkpoint_dir / TOKENIZER_FILE
-    if rr.dummy and not path.is_file():
-        return dummy_tokenizer_dir(rr.checkpoint_config.vocab_size) / TOKENIZER_FILE
-    return path
 
 
 def _out_dir(rr: ResolvedRun) -> Path:
@@ -334,12 +291,6 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     if history_db is not None:  # a history the run could not write is refused now, not found after the run
         ensure_writable_dir(history_db.parent, fix=f"pass history.db= a path in a writable folder (not "
                             f"{history_db}), or history.db=null to keep no history")
-    if rr.run.eval.limit is not None and rr.run.eval.limit > GSM8K_TEST_ROWS:
-        print(f"note: eval.limit={rr.run.eval.limit} is more than GSM8K's {GSM8K_TEST_ROWS} test questions: "
-              f"all {GSM8K_TEST_ROWS} run (eval.limit=null is the same)", flush=True)
-    # settings no prompt can fit are refused before the model loads
-    check_prompt_room(tokenizer_file(rr), gsm8k_dir(rr.run.eval.data_dir)[0],
-                      rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks, rr.entry.max_seq_len)
     engine = _build_engine(rr)
     _print_load(engine)
     capture_seconds = _capture_graphs(engine, rr)

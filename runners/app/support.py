@@ -4,27 +4,46 @@
 counterpart, called by the application before anything heavy is loaded. Each field the engine does not
 implement yet is refused with a UserError naming the field, so an entry never runs silently as something
 else (an nvfp4 entry in bfloat16, judged against nvfp4 baseline rows). The checks that depend on this machine
-(CUDA present, enough GPUs, FlashInfer on a GPU, a GPU for the quantized GEMMs) are here too.
+(CUDA present, enough GPUs, FlashInfer on a GPU, a GPU for the quantized GEMMs) are here too. torch is
+imported only to ask a GPU machine about its GPUs (:func:`cuda_available`), so that on a CPU machine a refused
+run never loads it.
 """
 
 from __future__ import annotations
 
-import torch
+import ctypes
+import sys
 
 from registry.checkpoint import CheckpointError
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import Quant, SSMBackend
-from runners.engine.quant import check_runnable, checkpoint_formats
+from runners.engine.quant_formats import check_runnable, checkpoint_formats
 
 # First compute capability on which the engine's block-FP8 and NVFP4 (W4A16) Triton GEMMs run: they convert
 # float8_e4m3fn weights / scales in the kernel (Triton's fp8e4nv type: Ada sm_89, Hopper and newer).
 QUANT_GEMM_MIN_CAPABILITY = (8, 9)
 
 
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where that answer is known to be False: on Linux
+    without the CUDA driver library (libcuda.so.1, which every CUDA build of torch loads to reach a GPU), as
+    on a CPU machine. Once torch is imported, torch answers."""
+    if "torch" not in sys.modules and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
     """(a description of the run's device, its CUDA compute capability or None off CUDA)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if device.startswith("cuda") and cuda_available():
+        import torch
+
         cap = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})", cap
     return f"the CPU (runtime.device={device})", None
@@ -78,9 +97,9 @@ def _runnable_siblings(name: str) -> str:
 def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
-    Refused: a quantized checkpoint in a layout the engine does not run (runners.engine.quant.check_runnable:
-    per-tensor FP8 with dynamic activation scales, blocks other than 128 x 128); NVFP4 or block-FP8 weights
-    on a GPU older than sm_89 (:func:`check_quant_hardware`);
+    Refused: a quantized checkpoint in a layout the engine does not run
+    (runners.engine.quant_formats.check_runnable: per-tensor FP8 with dynamic activation scales, blocks other
+    than 128 x 128); NVFP4 or block-FP8 weights on a GPU older than sm_89 (:func:`check_quant_hardware`);
     world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only),
     on one
     named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
@@ -109,7 +128,7 @@ def check_supported(rr: ResolvedRun) -> None:
             "cpu",
             "use runtime=gpu, or model.ssm.backend=torch (on the CPU the PyTorch references run anyway)",
         )
-    if rr.device.startswith("cuda") and not torch.cuda.is_available():
+    if rr.device.startswith("cuda") and not cuda_available():
         raise UserError(f"runtime.device is {rr.device} but CUDA is not available here", "use runtime=cpu")
     if rr.world_size > 1 and (quant is not None or e.kv_cache_quant.value != "none"):
         raise UserError(
@@ -125,9 +144,12 @@ def check_supported(rr: ResolvedRun) -> None:
             "cuda:r",
             "use runtime.device=cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)",
         )
-    if rr.world_size > 1 and rr.device == "cuda" and torch.cuda.device_count() < rr.world_size:
-        raise UserError(
-            f"world_size={rr.world_size} needs {rr.world_size} GPUs (one per rank), but "
-            f"{torch.cuda.device_count()} are visible",
-            f"run on a node with {rr.world_size} GPUs, or set world_size to the GPU count",
-        )
+    if rr.world_size > 1 and rr.device == "cuda":
+        import torch  # CUDA is available (checked above): a GPU run loads torch anyway
+
+        if torch.cuda.device_count() < rr.world_size:
+            raise UserError(
+                f"world_size={rr.world_size} needs {rr.world_size} GPUs (one per rank), but "
+                f"{torch.cuda.device_count()} are visible",
+                f"run on a node with {rr.world_size} GPUs, or set world_size to the GPU count",
+            )

@@ -25,8 +25,9 @@ embeddings, norms, the MoE router (a float32 parameter, not a linear layer), con
 ``shared_expert_gate`` (read as a router-like float32 gate by ``MoE.forward``) and a head tied to the
 embeddings.
 
-Refused with a CheckpointError (:func:`check_runnable`): per-tensor FP8 with dynamic activation scales,
-block FP8 with blocks other than 128 x 128 or static activations; one MoE block whose experts mix formats.
+Refused with a CheckpointError (runners.engine.quant_formats.check_runnable): per-tensor FP8 with dynamic
+activation scales, block FP8 with blocks other than 128 x 128 or static activations; one MoE block whose
+experts mix formats.
 
 Tensor parallelism (sharding modules after the build) composes with the FP8 modules: an :class:`FP8Linear`
 is sharded like an nn.Linear (rows or columns of ``weight``; ``bias`` with the rows) and its per-tensor
@@ -65,6 +66,7 @@ from runners.engine.models.fp8 import (
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import Attention, MoE
 from runners.engine.models.moe import moe_experts_grouped, use_quant_moe_gemv
+from runners.engine.quant_formats import check_runnable
 
 log = logging.getLogger(__name__)
 
@@ -305,49 +307,6 @@ def _to_quantized_moe(moe: MoE, fmt: str) -> None:
 
 
 LINEAR_CLASSES = {FORMAT_FP8: FP8Linear, FORMAT_BLOCK_FP8: BlockFP8Linear, FORMAT_NVFP4: NVFP4Linear}
-
-
-def checkpoint_formats(quant: QuantConfig) -> tuple[str, ...]:
-    """The weight formats (``registry.hf_config.FORMAT_*``) a checkpoint's config declares, sorted, without
-    building a model: a MIXED_PRECISION config's per-module formats, else its one format."""
-    if quant.algo == "MIXED_PRECISION":
-        return tuple(sorted({f for _, f in quant.quantized_layers}))
-    if quant.method == "nvfp4":
-        return (FORMAT_NVFP4,)
-    return (FORMAT_BLOCK_FP8,) if quant.weight_block_size is not None else (FORMAT_FP8,)
-
-
-def check_runnable(quant: QuantConfig) -> None:
-    """Raise CheckpointError unless the engine runs this quantization: per-tensor FP8 with static activation
-    scales, block FP8 with 128 x 128 blocks and dynamic activations, NVFP4 (group size 16) as W4A16, or a
-    ModelOpt MIXED_PRECISION mix of FP8 and NVFP4 modules."""
-    src = quant.source
-    if quant.method not in ("fp8", "nvfp4"):
-        raise CheckpointError(f"{src}: {quant.method} weights ({quant.format} {quant.algo}) are not "
-                              "supported", "use the checkpoint's FP8, NVFP4 or BF16 release")
-    if quant.weight_block_size is not None:
-        if tuple(quant.weight_block_size) != bf8.BLOCK_FP8_BLOCK:
-            raise CheckpointError(
-                f"{src}: block FP8 with weight_block_size {list(quant.weight_block_size)} is not supported: "
-                f"the engine's block-FP8 GEMMs run {list(bf8.BLOCK_FP8_BLOCK)} blocks (Qwen's and DeepSeek's "
-                "releases)",
-                "use a checkpoint with 128 x 128 blocks, or write a per-tensor FP8 one with "
-                "python -m runners.tools.quantize --format fp8 SRC DST",
-            )
-        if quant.activation_scheme != "dynamic":
-            raise CheckpointError(
-                f"{src}: block FP8 with activation_scheme {quant.activation_scheme} is not supported: block "
-                "FP8 quantizes activations at run time (activation_scheme: dynamic)",
-                "restore the checkpoint's quantization_config (activation_scheme: dynamic)",
-            )
-        return
-    if quant.method == "fp8" and quant.activation_scheme != "static":
-        raise CheckpointError(
-            f"{src}: activation_scheme {quant.activation_scheme} is not supported for per-tensor FP8: the "
-            "engine runs static (calibrated input_scale) FP8 activations",
-            "use a checkpoint with static activation scales (python -m runners.tools.quantize --format fp8 "
-            "writes one)",
-        )
 
 
 def checkpoint_module_names(model: HybridLM) -> dict[int, str]:

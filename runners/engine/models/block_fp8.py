@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_FP8_BLOCK = (128, 128)  # the block the kernels run (the releases' weight_block_size)
+from runners.engine.quant_formats import BLOCK_FP8_BLOCK  # the block the kernels run
 
 
 def block_fp8_path(device: torch.device, shape: tuple[int, int] | None = None) -> str:

@@ -1,0 +1,91 @@
+"""Every check of a run that needs no model: the settings, this machine, the task, the baseline rows, the
+GSM8K files, the tokenizer and the prompt length, before torch, lm-eval or the engine is imported.
+
+`check_run(cfg)` is the first step of runners.app.main.run, and run.py calls it before it imports that module
+(which loads torch, lm-eval and datasets: seconds), so a settings mistake is refused at once. Only registry/,
+the light evals modules (evals.task, evals.data, evals.results) and runners.app.support (torch-free on a CPU
+machine) are imported here; tests/test_preflight.py checks that a refusal loads none of the heavy libraries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from evals.data import check_prompt_room, gsm8k_dir, gsm8k_files
+from evals.results import GSM8K_TEST_ROWS
+from evals.task import get_task
+from registry.baselines import find_acceptance_reference, find_gsm8k_reference
+from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
+from registry.errors import UserError
+from registry.releases import dummy_tokenizer_dir
+from registry.resolve import ResolvedRun, resolve
+from runners.app.support import check_quant_hardware, check_supported
+
+__all__ = ["check_references", "check_run", "tokenizer_file"]
+
+
+def check_run(cfg: DictConfig) -> ResolvedRun:
+    """Resolve a composed run config (configs/config.yaml with a registry entry as `model`) and check all
+    that holds without a model: registry.resolve.resolve (schema, cross-setting rules, checkpoint directory,
+    model dimensions), what this engine and machine run (runners.app.support), the task (evals.task), the
+    baseline rows (:func:`check_references`), the GSM8K files (evals.data.gsm8k_files), the tokenizer and
+    whether a prompt can fit model.max_seq_len (evals.data.check_prompt_room). An eval.limit above the
+    test split's size is noted on stdout.
+
+    Returns the ResolvedRun. Raises UserError naming the first problem and its fix. Reads config.json,
+    tokenizer.json and the GSM8K splits; writes nothing but, for dummy weights without a tokenizer, the
+    shared padded tokenizer (:func:`tokenizer_file`).
+    """
+    # the weight quantization this machine can run, from the settings alone (before any checkpoint file is
+    # required: an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then all
+    check_quant_hardware(resolve(cfg, check_checkpoint=False))
+    rr = resolve(cfg)
+    if rr.run.eval.limit is not None and rr.run.eval.limit > GSM8K_TEST_ROWS:  # noted, not silently clamped
+        print(f"note: eval.limit={rr.run.eval.limit} is more than GSM8K's {GSM8K_TEST_ROWS} test questions: "
+              f"all {GSM8K_TEST_ROWS} run (eval.limit=null is the same)", flush=True)
+    check_supported(rr)
+    get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
+    check_references(rr)
+    gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
+    tokenizer = tokenizer_file(rr)
+    check_tokenizer(tokenizer)
+    check_prompt_room(tokenizer, gsm8k_dir(rr.run.eval.data_dir)[0], rr.run.eval.num_fewshot,
+                      rr.run.eval.max_gen_toks, rr.entry.max_seq_len)  # settings no prompt can fit
+    return rr
+
+
+def check_references(rr: ResolvedRun) -> None:
+    """Fail fast, before anything heavy is loaded, when no baseline row can judge the run.
+
+    With verdict.require_reference (the default) the entry needs a `baseline` key and the task's baselines
+    file (evals.task.EvalTask.baselines, gsm8k.yaml for gsm8k) needs a row for (dtype, quant, kv_cache_quant,
+    spec_dec) -- and its acceptance file, when the task has one, a row for (quant, draft_len) when
+    speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
+    (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
+    (registry.baselines.BaselineError) naming the missing row and the fix.
+    """
+    if not rr.run.verdict.require_reference or rr.dummy:  # dummy weights: no accuracy is judged
+        return
+    e, task = rr.entry, get_task(rr.run.eval.name)
+    if e.baseline is None:
+        raise UserError(
+            f"entry {e.name} has no `baseline` key, so no reference can judge this run",
+            "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
+            "verdict.require_reference=false to run without a pass/fail verdict",
+        )
+    find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
+                         state=rr.baseline_state, path=task.baselines_path)
+    if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
+        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
+                                  path=task.acceptance_baselines_path)
+
+
+def tokenizer_file(rr: ResolvedRun) -> Path:
+    """The run's tokenizer.json: the checkpoint's; for dummy weights without one, the GSM8K tokenizer padded
+    to the model's vocabulary (registry.releases.dummy_tokenizer_dir)."""
+    path = rr.checkpoint_dir / TOKENIZER_FILE
+    if rr.dummy and not path.is_file():
+        return dummy_tokenizer_dir(rr.checkpoint_config.vocab_size) / TOKENIZER_FILE
+    return path
