@@ -113,6 +113,8 @@ def _token_list(values, where: str) -> list[int]:
         raise TypeError(
             f"{where} must be a 1-D sequence of token ids, got a tensor of shape {list(values.shape)}"
         )
+    if isinstance(values, list) and all(type(v) is int for v in values):  # the usual case, checked at once
+        return list(values)
     return [_token_id(v, f"{where}[{j}]") for j, v in enumerate(values)]
 
 

@@ -112,18 +112,19 @@ class MTPModule(nn.Module):
             if use_inference_kernel(out):
                 flag_nonfinite(out, self.nonfinite, -1)
             else:
-                self.nonfinite[-1] |= ~torch.isfinite(out).all()
+                self.nonfinite[-1] |= ~torch.isfinite(_abs_peak(out))
         return out
 
 
 def _abs_peak(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim tensor in x's dtype (0 for an empty x): finite exactly when every value of x is (a
     NaN propagates through the max reduction, an infinity is its own peak, and a max of finite values cannot
-    overflow). One reduction kernel where ``isfinite(x).all()`` runs two; the forward tests the stacked peaks
-    of all its layers at once."""
+    overflow). Cheaper than ``isfinite(x).all()``, and the forward tests the stacked peaks of all its layers
+    at once. ``abs().amax()``, not ``linalg.vector_norm(x, inf)`` (the same value): on the CPU the norm's
+    reduction is about 20x slower."""
     if x.numel() == 0:
         return x.new_zeros(())
-    return torch.linalg.vector_norm(x, float("inf"))
+    return x.abs().amax()
 
 
 class HybridLM(nn.Module):
@@ -253,5 +254,5 @@ class HybridLM(nn.Module):
             if use_inference_kernel(logits):
                 flag_nonfinite(logits, self.nonfinite, len(self.layers) + 2)
             else:
-                self._flag(len(self.layers) + 2, torch.isfinite(logits).all())
+                self._flag(len(self.layers) + 2, torch.isfinite(_abs_peak(logits)))
         return logits
