@@ -1,5 +1,8 @@
 """The CPU fast paths of the default job compute the same bits as the code they replace.
 
+- oneDNN linear layers (runners/engine/onednn.py) equal ``F.linear`` bit for bit, take ``F.linear`` where
+  they cannot, see in-place weight changes, and an engine with them generates the same tokens, acceptance
+  and logits as one without;
 - the chunked SSD scan (``kernels.mamba2.ssd_chunked_scan``, laid out head-major without gathers) equals its
   gathered formulation bit for bit;
 - the health flags' peak reduction is no ``linalg_vector_norm`` (20x slower on the CPU) and still flags;
@@ -13,12 +16,114 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import runners.engine.onednn as onednn
 from kernels.mamba2 import ssd_chunked_scan
-from runners.engine.engine import _token_rows
+from runners.engine.engine import Engine, _token_rows
+from runners.engine.onednn import MIN_OUTPUTS, MIN_ROWS, OneDNNLinear, linear_plan, use_onednn_linears
+from runners.engine.options import EngineOptions
 
 TINY = Path(__file__).resolve().parents[1] / "registry/checkpoints/tiny_nemotron_h_mtp"
+# (out, in) of the tiny NemotronH's linear layers (in_proj, out_proj / eh_proj, q / o, k / v, MLP up, down,
+# shared expert up, down, latent projections, LM head) and two shapes of no plan here
+SHAPES = [(844, 192), (192, 384), (192, 192), (64, 192), (512, 192), (192, 512), (256, 192), (192, 256),
+          (96, 192), (192, 96), (2048, 192), (8, 192), (100, 300)]
+
+needs_onednn = pytest.mark.skipif(not onednn.onednn_available(), reason="torch without oneDNN's linear op")
+
+
+def _linear(N: int, K: int, seed: int) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * K ** -0.5)
+    return lin
+
+
+@needs_onednn
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_onednn_linear_is_f_linear_bit_for_bit(N, K):
+    """Every row count, 2-D and 3-D inputs, a strided input: the swapped layer's output is F.linear's."""
+    lin = _linear(N, K, seed=N + K)
+    blocks = linear_plan(N, K)
+    if blocks is None:
+        return  # F.linear itself (covered below)
+    fast = OneDNNLinear.from_linear(lin, blocks)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 8, 31, 64, 100, 257, 1100):
+            x = torch.randn(rows, K, generator=g)
+            assert torch.equal(fast(x), F.linear(x, lin.weight)), (N, K, rows)
+        x3 = torch.randn(6, 9, K, generator=g)
+        assert torch.equal(fast(x3), F.linear(x3, lin.weight))
+        wide = torch.randn(300, K + 7, generator=g)[:, 3:K + 3]  # rows with a stride
+        assert torch.equal(fast(wide), F.linear(wide, lin.weight))
+
+
+@needs_onednn
+def test_plans_on_this_machine_cover_the_tiny_models_big_shapes():
+    """What the speed-up rests on: the probe finds a bit-exact blocking for the largest layers (a build or
+    CPU where it does not would keep F.linear; this test says so instead of slowing down unnoticed)."""
+    for N, K in [(844, 192), (2048, 192), (192, 384), (192, 512)]:
+        assert linear_plan(N, K) is not None, (N, K)
+    assert linear_plan(8, 192) is None  # MKL computes so few output features another way
+
+
+def test_small_products_autograd_and_other_dtypes_take_f_linear(monkeypatch):
+    calls = []
+    monkeypatch.setattr(onednn, "_onednn", lambda x, w: calls.append(x.shape) or F.linear(x, w))
+    lin = _linear(256, 192, seed=0)
+    fast = OneDNNLinear.from_linear(lin, (192,))
+    with torch.inference_mode():
+        fast(torch.randn(MIN_ROWS - 1, 192))
+        fast(torch.randn(MIN_OUTPUTS // 256 - 1, 192))  # too few outputs
+        fast(torch.empty(0, 192))
+    assert calls == []
+    y = fast(torch.randn(300, 192, requires_grad=True))  # autograd: F.linear, with a gradient
+    y.sum().backward()
+    assert calls == [] and lin.weight.grad is not None
+    with torch.inference_mode():
+        fast(torch.randn(300, 192))
+    assert calls == [(300, 192)]
+
+
+@needs_onednn
+def test_swap_keeps_parameters_and_sees_in_place_weight_changes():
+    model = nn.Sequential(_linear(192, 384, 1), nn.Linear(192, 192, bias=True), _linear(8, 192, 2),
+                          _linear(192, 192, 3).to(torch.bfloat16))
+    weights = [m.weight for m in model]
+    keys = list(model.state_dict())
+    assert use_onednn_linears(model) == 1  # the bias, the 8-feature gate and the bf16 layer stay
+    assert [type(m) for m in model] == [OneDNNLinear, nn.Linear, nn.Linear, nn.Linear]
+    assert [m.weight for m in model] == weights and list(model.state_dict()) == keys
+    x = torch.randn(300, 384)
+    with torch.inference_mode():
+        assert torch.equal(model[0](x), F.linear(x, weights[0]))
+    with torch.no_grad():
+        model[0].weight[:, 200] = 5.0  # in the second K block, which the layer keeps as a copy
+    with torch.inference_mode():
+        assert torch.equal(model[0](x), F.linear(x, model[0].weight))
+
+
+def test_engine_with_onednn_generates_the_same_tokens_and_logits():
+    """The shipped tiny NemotronH with MTP (K = 3): tokens, accepted drafts and a full forward's logits are
+    the same bits with and without oneDNN linears."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (300, 41, 170, 5, 96)]
+    out = {}
+    for on in (False, True):
+        eng = Engine.from_pretrained(TINY, EngineOptions(draft_len=3, max_batch_size=4, max_seq_len=512,
+                                                         onednn_linear=on))
+        swapped = sum(isinstance(m, OneDNNLinear) for m in eng.model.modules())
+        assert (swapped > 0) == (on and onednn.onednn_available())
+        gen = eng.generate(prompts, 24, stop_token_ids=[])
+        with torch.inference_mode():
+            logits = eng.logits(torch.tensor([prompts[0][:64], prompts[2][:64]]))
+        out[on] = (gen.tokens, gen.stats.accepted_drafts, gen.stats.accepted_per_position, logits)
+    assert out[True][:3] == out[False][:3]
+    assert torch.equal(out[True][3], out[False][3])
 
 
 def _gathered_ssd_scan(x, dt, A, B, C, chunk_size, initial_state=None):
