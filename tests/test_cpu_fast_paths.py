@@ -218,3 +218,55 @@ def test_plain_int_token_lists_are_checked_at_once(monkeypatch):
     assert got == rows and got[0] is not rows[0]  # copies: the caller's lists are not kept
     with pytest.raises(AssertionError):  # anything else still goes id by id (and is refused there)
         _token_rows([[1, True]], "prompts")
+
+
+def test_mtp_kept_positions_are_the_full_forwards_rows_bit_for_bit():
+    """MTPModule.forward(keep=...) runs the blocks after the MTP attention on the kept positions alone:
+    on the CPU in float32 their outputs are the full forward's rows, bit for bit (and the KV it writes the
+    same), for one position, several of one row, positions of several rows, and none."""
+    from runners.engine.cache import BatchMeta, HybridCache
+    from runners.engine.loader import load_model
+
+    model = load_model(TINY, load_mtp=True)
+    use_onednn_linears(model)
+    g = torch.Generator().manual_seed(3)
+    B, T, D = 3, 300, model.config.hidden_size
+    ids, h = torch.randint(3, 2048, (B, T), generator=g), torch.randn(B, T, D, generator=g)
+    kinds = model.cache_kinds()
+    meta = BatchMeta(torch.arange(B), torch.zeros(B, dtype=torch.long), torch.full((B,), T), all_valid=True,
+                     max_kv_len=T, fresh=True)
+    with torch.inference_mode():
+        full_cache = HybridCache(model.config, kinds, max_batch_size=B, max_seq_len=T, dtype=torch.float32)
+        full = model.mtp(model.embeddings(ids), h, full_cache, meta)
+        for keep in ([T - 1], [5, 6, T - 1], [T - 1, T + 40, 2 * T + 299], []):
+            cache = HybridCache(model.config, kinds, max_batch_size=B, max_seq_len=T, dtype=torch.float32)
+            got = model.mtp(model.embeddings(ids), h, cache, meta, keep=torch.tensor(keep, dtype=torch.long))
+            assert got.shape == (len(keep), D)
+            assert torch.equal(got, full.reshape(-1, D)[keep]), keep
+            mtp_kv = [i for i, layer in cache.layers.items() if hasattr(layer, "k")]  # the MTP attention's
+            assert mtp_kv and all(torch.equal(cache.layers[i].k, full_cache.layers[i].k)
+                                  and torch.equal(cache.layers[i].v, full_cache.layers[i].v) for i in mtp_kv)
+
+
+@pytest.mark.parametrize("chunk", [8192, 300])
+def test_prefill_with_drafts_rows_only_gives_the_same_drafts_and_tokens(monkeypatch, chunk):
+    """The engine's prefill with and without the kept-rows MTP path: the same tokens, accepted drafts and
+    slot states (first drafts, their MTP hidden), with prompts that share prefixes (prefix-cache hits: a
+    restored hidden starts the MTP one position earlier) and prefills cut into chunks."""
+    import runners.engine.prefill as prefill
+
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 2048, (400,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 2048, (n,), generator=g).tolist() for n in (3, 90, 250)]
+    prompts += [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (700, 7)] + [shared]
+    out = {}
+    for rows_only in (False, True):
+        monkeypatch.setattr(prefill, "drafts_rows_only", lambda device, dtype, on=rows_only: on)
+        eng = Engine.from_pretrained(TINY, EngineOptions(draft_len=3, max_batch_size=2, max_seq_len=1024,
+                                                         prefill_chunk_tokens=chunk))
+        gen = eng.generate(prompts, 20, stop_token_ids=[])
+        assert gen.stats.prefix_cache_hit_tokens > 0
+        out[rows_only] = (gen.tokens, gen.stats.accepted_per_position, gen.stats.num_accepted_hist,
+                          eng.step.slots.mtp_hidden.clone(), eng.step.slots.draft1.clone())
+    assert out[True][:3] == out[False][:3]
+    assert torch.equal(out[True][3], out[False][3]) and torch.equal(out[True][4], out[False][4])

@@ -29,6 +29,7 @@ from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm, use_inference_kernel
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.onednn import MIN_ROWS
 
 # kind -> (constructor, keeps per-slot state)
 MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
@@ -78,6 +79,11 @@ def _build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_inde
     return nn.ModuleList(blocks)
 
 
+# rows each kept position runs as in MTPModule.forward(keep=...): every GEMM (and each routed expert's group)
+# then has at least MIN_ROWS rows, from which a row's result does not depend on the row count
+KEEP_ROWS = MIN_ROWS
+
+
 class MTPModule(nn.Module):
     """Multi-token-prediction draft module (NemotronH / DeepSeek-V3 style); shares embedding and LM head.
 
@@ -102,11 +108,28 @@ class MTPModule(nn.Module):
         h_prev: torch.Tensor,
         cache: HybridCache | None = None,
         meta: BatchMeta | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``)."""
+        """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``).
+
+        ``keep`` (int64 [n], flat indices into the B x T positions): only these positions' outputs are wanted,
+        as in a prefill, which needs every position's KV entries but the draft of the last. The blocks
+        after the last one that writes a cache (NemotronH: the MoE) then run on the kept positions alone,
+        each taken :data:`KEEP_ROWS` times, and the result is [n, D]. On the CPU in float32 a GEMM gives a
+        row the same bits whatever the row count from 4 rows on (what the oneDNN linears are checked
+        against, runners.engine.onednn.MIN_ROWS), so the kept outputs equal the full forward's bit for bit;
+        elsewhere the kernels chosen depend on the row count, and callers pass None."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
-        for block in self.blocks:
+        tail = len(self.blocks)
+        if keep is not None:  # the blocks from `tail` on write no cache
+            tail = 1 + max((i for i, b in enumerate(self.blocks) if b.cache_index is not None), default=-1)
+        for block in self.blocks[:tail]:
             f = self.block_call(block, f, cache, meta)
+        if keep is not None:
+            f = f.reshape(-1, f.shape[-1])[keep].repeat_interleave(KEEP_ROWS, dim=0)[:, None]  # [n R, 1, D]
+            for block in self.blocks[tail:] if len(keep) else ():
+                f = self.block_call(block, f, None, None)
+            f = f[::KEEP_ROWS, 0]
         out = self.final_norm(f)
         if self.nonfinite is not None:  # the model's flags (HybridLM.track_nonfinite); "mtp" is the last
             if use_inference_kernel(out):
