@@ -270,3 +270,35 @@ def test_prefill_with_drafts_rows_only_gives_the_same_drafts_and_tokens(monkeypa
                           eng.step.slots.mtp_hidden.clone(), eng.step.slots.draft1.clone())
     assert out[True][:3] == out[False][:3]
     assert torch.equal(out[True][3], out[False][3]) and torch.equal(out[True][4], out[False][4])
+
+
+@pytest.mark.parametrize("T", [4, 5, 31, 32, 36, 100, 191, 192, 300, 513, 767, 768, 800, 1025, 1086, 1300,
+                               2000])
+def test_attention_forward_last_is_forwards_last_rows_bit_for_bit(T):
+    """Attention.forward_last over a fresh full-width prefill: the last 4 columns' output equals forward's
+    bit for bit and the KV entries written are the same, at widths on every side of the CPU flash kernel's
+    query-block sizes (32, 64, 256 rows); a width whose last 32-row block would hold fewer than 4 rows is
+    declined (None, nothing written)."""
+    from runners.engine.cache import BatchMeta, HybridCache
+    from runners.engine.loader import load_model
+
+    model = load_model(TINY, load_mtp=True)
+    block = model.mtp.blocks[0]
+    assert block.kind == "attention"
+    kinds = model.cache_kinds()
+    B, rows = 2, 4
+    g = torch.Generator().manual_seed(T)
+    hidden = torch.randn(B, T, model.config.hidden_size, generator=g)
+    meta = BatchMeta(torch.tensor([1, 0]), torch.zeros(B, dtype=torch.long), torch.full((B,), T),
+                     all_valid=True, max_kv_len=T, fresh=True)
+    caches = [HybridCache(model.config, kinds, max_batch_size=2, max_seq_len=T + 8, dtype=torch.float32)
+              for _ in range(2)]
+    with torch.inference_mode():
+        full = block.mixer(hidden, caches[0][block.cache_index], meta)
+        last = block.mixer.forward_last(hidden, caches[1][block.cache_index], meta, rows)
+    kv = [c[block.cache_index] for c in caches]
+    if 0 < T % 32 < rows:
+        assert last is None and not kv[1].k.any()
+        return
+    assert torch.equal(last, full[:, T - rows:])
+    assert torch.equal(kv[0].k, kv[1].k) and torch.equal(kv[0].v, kv[1].v)

@@ -118,13 +118,27 @@ class MTPModule(nn.Module):
         each taken :data:`KEEP_ROWS` times, and the result is [n, D]. On the CPU in float32 a GEMM gives a
         row the same bits whatever the row count from 4 rows on (what the oneDNN linears are checked
         against, runners.engine.onednn.MIN_ROWS), so the kept outputs equal the full forward's bit for bit;
-        elsewhere the kernels chosen depend on the row count, and callers pass None."""
+        elsewhere the kernels chosen depend on the row count, and callers pass None. When every kept
+        position is the last column of its row and that block is an attention block, its attention runs for
+        the last :data:`KEEP_ROWS` columns only (``Attention.forward_last``, which writes every column's KV
+        entries; the full block where that does not apply)."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
         tail = len(self.blocks)
         if keep is not None:  # the blocks from `tail` on write no cache
             tail = 1 + max((i for i, b in enumerate(self.blocks) if b.cache_index is not None), default=-1)
-        for block in self.blocks[:tail]:
+        last = self.blocks[tail - 1] if keep is not None and tail else None
+        T = f.shape[1]
+        if last is None or last.kind != "attention" or not bool(((keep + 1) % T == 0).all()):
+            last = None
+        for block in self.blocks[:tail - 1 if last is not None else tail]:
             f = self.block_call(block, f, cache, meta)
+        if last is not None:  # kept: last columns only; their attention alone, every column's KV written
+            y = last.mixer.forward_last(last.norm(f), cache[last.cache_index], meta, KEEP_ROWS)
+            if y is None:
+                f = self.block_call(last, f, cache, meta)
+            else:
+                f = f[:, T - KEEP_ROWS:] + y  # the block's residual add at those columns
+                keep = keep // T * KEEP_ROWS + KEEP_ROWS - 1
         if keep is not None:
             f = f.reshape(-1, f.shape[-1])[keep].repeat_interleave(KEEP_ROWS, dim=0)[:, None]  # [n R, 1, D]
             for block in self.blocks[tail:] if len(keep) else ():
