@@ -189,6 +189,33 @@ def _without_env_report() -> Iterator[None]:
         lm_eval.evaluator.add_env_info = add_env_info
 
 
+@contextlib.contextmanager
+def _compiled_templates_kept() -> Iterator[None]:
+    """lm-eval renders every Jinja field of every document (question, answer, target: 12 per 5-shot prompt,
+    15,828 for the 1319 GSM8K prompts) through lm_eval.utils.apply_template, which compiles the template
+    string each time (``env.from_string``: 3 s of CPU for the test set, nine tenths of building the
+    requests). Inside, apply_template keeps each string's compiled template and renders that (the same
+    environment, the same text); restored on exit."""
+    import lm_eval.utils
+
+    apply_template, env = getattr(lm_eval.utils, "apply_template", None), getattr(lm_eval.utils, "env", None)
+    if apply_template is None or env is None:  # another lm-eval layout: nothing to keep, only slower
+        yield
+        return
+    compiled: dict[str, Any] = {}
+
+    def kept(template: str, doc: dict) -> str:
+        if template not in compiled:
+            compiled[template] = env.from_string(template)
+        return compiled[template].render(**doc)
+
+    lm_eval.utils.apply_template = kept
+    try:
+        yield
+    finally:
+        lm_eval.utils.apply_template = apply_template
+
+
 def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
 
@@ -331,7 +358,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
                     "fingerprint": fingerprint or {}}
         store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
         lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
-        with _without_env_report(), _labelled_request_build(progress):
+        with _without_env_report(), _labelled_request_build(progress), _compiled_templates_kept():
             results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                               num_fewshot=num_fewshot, limit=limit, log_samples=True,
                                               bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)

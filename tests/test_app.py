@@ -155,7 +155,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
 
     (path, kwargs), = FakeEngine.built
     assert path == str(ckpt)
-    want = EngineOptions(dtype="float32", draft_len=3, ssm_replay=True, max_batch_size=16, max_seq_len=4096,
+    want = EngineOptions(dtype="float32", draft_len=3, ssm_replay=True, max_batch_size=64, max_seq_len=4096,
                          ssm_state_dtype="float32", ssm_backend="torch", ssm_replay_checkpointing=False,
                          kv_cache_quant="none", cuda_graphs=False, cuda_graph_batch_sizes=[],
                          ssm_stochastic_rounding=False, prefix_cache=True, prefix_cache_bytes=None,
@@ -172,7 +172,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
         "ssm_state_dtype": "float32", "draft_len": 3, "ssm_replay": True, "ssm_backend": "torch",
         "ssm_replay_checkpointing": False, "quant": "none", "kv_cache_quant": "none",
         "max_seq_len": 4096, "num_threads": 1,
-        "max_batch_size": 16, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
+        "max_batch_size": 64, "world_size": 1, "num_fewshot": 5, "max_gen_toks": 256,
         "data_dir": str(data)}
     assert set(checkpoint_fingerprint(ckpt)) == {"weights_sha256", "config_sha256",
                                                  "generation_config_sha256", "tokenizer_sha256"}

@@ -125,6 +125,34 @@ def test_exact_scores_for_scripted_answers(tokenizer_path, gsm8k_dir, tmp_path, 
         assert [s["correct"]["strict_match"] for s in samples] == [i % 2 == 0 for i in range(LIMIT)]
 
 
+def test_each_jinja_template_is_compiled_once_and_the_prompts_stay(tokenizer_path, gsm8k_dir, tmp_path,
+                                                                  monkeypatch):
+    """lm-eval compiles a document field's template at every render (12 renders per 5-shot prompt); the run
+    compiles each template string once, sends the very prompts the stock path builds, and puts lm-eval's
+    function back."""
+    import contextlib
+
+    import lm_eval.utils
+
+    import evals.gsm8k
+
+    stock = lm_eval.utils.apply_template
+    compiles = []
+    from_string = lm_eval.utils.env.from_string
+    monkeypatch.setattr(lm_eval.utils.env, "from_string", lambda t: compiles.append(t) or from_string(t))
+    kept = _engine(tokenizer_path, gsm8k_dir, "right")
+    _run(kept, tokenizer_path, gsm8k_dir, tmp_path / "kept")
+    assert lm_eval.utils.apply_template is stock
+    # each template once inside the evaluation (the task's loading renders a document of its own before)
+    assert 0 < len(compiles) <= 2 * len(set(compiles)) < 12 * LIMIT
+    compiles.clear()
+    monkeypatch.setattr(evals.gsm8k, "_compiled_templates_kept", contextlib.nullcontext)
+    plain = _engine(tokenizer_path, gsm8k_dir, "right")
+    _run(plain, tokenizer_path, gsm8k_dir, tmp_path / "plain")
+    assert len(compiles) >= 12 * LIMIT  # the stock path: a compile per render
+    assert kept.calls == plain.calls and len(kept.calls[0]) == LIMIT
+
+
 def test_num_fewshot_and_max_gen_toks(tokenizer_path, gsm8k_dir, tmp_path):
     engine = _engine(tokenizer_path, gsm8k_dir, "right")
     res = _run(engine, tokenizer_path, gsm8k_dir, tmp_path, limit=3, num_fewshot=0, max_gen_toks=10)

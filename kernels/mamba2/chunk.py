@@ -494,9 +494,9 @@ def ssd_chunked_scan(
     b, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     L = chunk_size
+    rep = H // G
     pad = (-T) % L
     nc = (T + pad) // L
-    head_group = torch.arange(H, device=x.device) // (H // G)
     x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
     if pad:
         x = F.pad(x, (0, 0, 0, 0, 0, pad))
@@ -507,27 +507,36 @@ def ssd_chunked_scan(
     dt = dt.view(b, nc, L, H)
     B = B.view(b, nc, L, G, N)
     C = C.view(b, nc, L, G, N)
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        """(..., G, N) -> (..., H, N): head h reads group h // rep (a broadcast copy, not a gather)."""
+        return t.unsqueeze(-2).expand(*t.shape[:-1], rep, t.shape[-1]).reshape(*t.shape[:-2], H, t.shape[-1])
+
     cum = torch.cumsum(dt * A.float(), dim=2)  # (b, nc, L, H): sum_{i<=l} A dt'_i within the chunk
     xdt = x * dt[..., None]  # dt'_s x_s
-    # Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt'_s x_s.
-    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # (b, nc, L, S, H)
+    # Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l . B_s) exp(cum_l - cum_s) dt'_s x_s. The (l, s)
+    # terms are laid out head-major, (b, nc, H, L, S), the layout the contraction over s reads them in.
+    cum_h = cum.transpose(2, 3).contiguous()  # (b, nc, H, L)
+    seg = cum_h[..., :, None] - cum_h[..., None, :]  # (b, nc, H, L, S)
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(seg.masked_fill(~causal[None, None, :, :, None], float("-inf")))
-    CB = torch.einsum("bclgn,bcsgn->bclsg", C, B)[..., head_group]  # (b, nc, L, S, H)
-    y = torch.einsum("bclsh,bcshp->bclhp", CB * decay, xdt)
+    decay = seg.masked_fill_(~causal, float("-inf")).exp_()
+    CB = torch.einsum("bclgn,bcsgn->bclsg", C, B).permute(0, 1, 4, 2, 3)  # (b, nc, G, L, S)
+    # (C_l . B_s) of head h's group times the decay, elementwise (the product of a gathered copy)
+    CBd = torch.mul(CB[:, :, :, None], decay.view(b, nc, G, rep, L, L),
+                    out=x.new_empty(b, nc, G, rep, L, L)).view(b, nc, H, L, L).permute(0, 1, 3, 4, 2)
+    y = torch.einsum("bclsh,bcshp->bclhp", CBd, xdt)
     # State contributed by each chunk alone: sum_s exp(cum_last - cum_s) dt'_s x_s (outer) B_s.
-    B_h = B[:, :, :, head_group]  # (b, nc, L, H, N)
+    B_h = per_head(B)  # (b, nc, L, H, N)
     decay_to_end = torch.exp(cum[:, :, -1:, :] - cum)  # (b, nc, L, H)
     chunk_states = torch.einsum("bclh,bclhp,bclhn->bchpn", decay_to_end, xdt, B_h)
     # Recurrence over chunks: the state entering chunk c, then its contribution to the outputs.
     state = x.new_zeros(b, H, P, N) if initial_state is None else initial_state.float()
-    chunk_decay = torch.exp(cum[:, :, -1, :])  # (b, nc, H)
-    entering = []
+    chunk_decay = torch.exp(cum[:, :, -1, :])[..., None, None]  # (b, nc, H, 1, 1)
+    entering = x.new_empty(b, nc, H, P, N)
     for c in range(nc):
-        entering.append(state)
-        state = state * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
-    entering = torch.stack(entering, dim=1)  # (b, nc, H, P, N)
-    C_h = C[:, :, :, head_group]  # (b, nc, L, H, N)
+        entering[:, c] = state
+        state = state * chunk_decay[:, c] + chunk_states[:, c]
+    C_h = per_head(C)  # (b, nc, L, H, N)
     y = y + torch.einsum("bclhn,bchpn->bclhp", C_h, entering) * torch.exp(cum)[..., None]
     y = y.reshape(b, nc * L, H, P)[:, :T]
     return y, state

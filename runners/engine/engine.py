@@ -60,6 +60,7 @@ from runners.engine.memory import (
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.onednn import use_onednn_linears
 from runners.engine.options import DTYPES, EngineOptions, dtype_name
 from runners.engine.prefill import Prefill
 from runners.engine.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_cache_off_reason
@@ -113,6 +114,8 @@ def _token_list(values, where: str) -> list[int]:
         raise TypeError(
             f"{where} must be a 1-D sequence of token ids, got a tensor of shape {list(values.shape)}"
         )
+    if isinstance(values, list) and all(type(v) is int for v in values):  # the usual case, checked at once
+        return list(values)
     return [_token_id(v, f"{where}[{j}]") for j, v in enumerate(values)]
 
 
@@ -210,7 +213,9 @@ class Engine:
     :meth:`from_pretrained`, or around a model with ``Engine(model, options, device=...)``.
 
     Args:
-        model: a :class:`HybridLM` in ``options.dtype`` on ``device`` (eval mode).
+        model: a :class:`HybridLM` in ``options.dtype`` on ``device`` (eval mode). On the CPU in float32 its
+            eligible ``nn.Linear`` modules are swapped in place for oneDNN ones that compute the same bits
+            (``options.onednn_linear``, runners.engine.onednn).
         options: the :class:`runners.engine.options.EngineOptions` (None: the defaults); validated here.
         device: where the model lives and the caches are allocated.
         tensor_parallel: this rank's ``runners.engine.tp.TensorParallel`` when the model is a shard
@@ -262,6 +267,10 @@ class Engine:
         for module in model.modules():
             if isinstance(module, Mamba2Mixer):
                 module.chunk_size = self.scan_chunk_size
+        if (options.onednn_linear and not options.compile and self.device.type == "cpu"
+                and self.dtype == torch.float32):  # (compiled blocks: inductor's own GEMMs)
+            swapped = use_onednn_linears(model)  # bit for bit F.linear, about twice as fast
+            log.debug("%d linear layers run through oneDNN", swapped)
         self.ssm_backend = resolve_ssm_backend(options.ssm_backend, self.device, self.ssm_replay, config)
         self.ssm_state_dtype = _state_dtype(options, config)
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:

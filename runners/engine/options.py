@@ -82,6 +82,9 @@ class EngineOptions:
             and quantized GEMMs stay outside the compiled code.
         check_finite: flag NaN / infinite outputs of every layer in each forward
             (``GenerationOutput.nonfinite``).
+        onednn_linear: on the CPU in float32 (and without ``compile``), run the linear layers through oneDNN
+            where that gives bit for bit ``F.linear``'s result, about twice as fast (runners.engine.onednn;
+            it checks the equality per weight shape); False: every linear layer runs ``F.linear``.
         prefix_cache: reuse cached prompt prefixes (runners.engine.prefix_cache); the engine still turns it
             off where it would not be exact (:func:`runners.engine.prefix_cache.prefix_cache_off_reason`).
         prefix_cache_bytes: the most the prefix cache's entries may take, bytes; None: 512 MiB, capped by
@@ -108,6 +111,7 @@ class EngineOptions:
     overlap_steps: bool | None = None
     compile: bool = False
     check_finite: bool = True
+    onednn_linear: bool = True
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
     memory_budget_bytes: int | None = None
@@ -172,8 +176,9 @@ class EngineOptions:
         if self.ssm_replay_checkpointing and not self.ssm_replay:
             raise ValueError("ssm_replay_checkpointing is a variant of ssm_replay; set ssm_replay=True or "
                              "drop it")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile={self.compile!r} must be True or False")
+        for name in ("compile", "onednn_linear"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.ssm_backend is not None and self.ssm_backend not in SSM_BACKENDS:
             raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {list(SSM_BACKENDS)}")
         if self.kv_cache_quant not in KV_CACHE_DTYPES:

@@ -27,6 +27,12 @@ from runners.engine.stats import GenerationStats
 from runners.engine.step import DecodeStep, mtp_forward
 
 
+def drafts_rows_only(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a prefill runs the MTP blocks after its attention on the drafts' positions alone
+    (``MTPModule.forward``'s ``keep``): on the CPU in float32, where that gives the same bits."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 @dataclass
 class PrefillRow:
     """One prompt of a prefill: ``key`` its index among the admitted prompts, ``pos`` its tokens in the
@@ -207,7 +213,9 @@ class Prefill:
         token, and its output there gives the first draft. A row with a restored hidden (``carry``, after a
         cache hit) starts one position earlier: the restored hidden pairs with its first uncached token.
         Writes the MTP KV cache; stores the first draft of the rows in ``ending`` (indices into ``active``;
-        their first tokens ``first_tokens``)."""
+        their first tokens ``first_tokens``). On the CPU in float32 the blocks after the MTP attention run
+        on those rows' last positions alone (``MTPModule.forward``'s ``keep``: the same bits, a tenth less
+        work per prefill)."""
         dev, D = self.device, hidden.shape[-1]
         shift = [int(r.carry is not None) for r in active]
         m = [k + s for k, s in zip(n, shift)]  # MTP positions of each row
@@ -238,6 +246,11 @@ class Prefill:
             fresh=all(r.pos - s == 0 for r, s in zip(active, shift)),
             row_start=row_start,
         )
-        out = mtp_forward(self.model, self.cache, nxt, h, meta)
+        if drafts_rows_only(dev, h.dtype):
+            keep = rows_e * Wm + cols_e if ending else torch.zeros(0, dtype=torch.long)
+            out = mtp_forward(self.model, self.cache, nxt, h, meta, keep=keep)
+        else:
+            out = mtp_forward(self.model, self.cache, nxt, h, meta)
+            out = out[rows_e, cols_e] if ending else None
         if ending:
-            self.step.store_first_draft(slot_ids[rows_e], out[rows_e, cols_e])
+            self.step.store_first_draft(slot_ids[rows_e], out)

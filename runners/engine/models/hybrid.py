@@ -29,6 +29,7 @@ from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm, use_inference_kernel
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.onednn import MIN_ROWS
 
 # kind -> (constructor, keeps per-slot state)
 MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
@@ -78,6 +79,11 @@ def _build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_inde
     return nn.ModuleList(blocks)
 
 
+# rows each kept position runs as in MTPModule.forward(keep=...): every GEMM (and each routed expert's group)
+# then has at least MIN_ROWS rows, from which a row's result does not depend on the row count
+KEEP_ROWS = MIN_ROWS
+
+
 class MTPModule(nn.Module):
     """Multi-token-prediction draft module (NemotronH / DeepSeek-V3 style); shares embedding and LM head.
 
@@ -102,28 +108,60 @@ class MTPModule(nn.Module):
         h_prev: torch.Tensor,
         cache: HybridCache | None = None,
         meta: BatchMeta | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``)."""
+        """token_embeds, h_prev: [B, T, D] -> draft hidden [B, T, D] (after ``final_norm``).
+
+        ``keep`` (int64 [n], flat indices into the B x T positions): only these positions' outputs are wanted,
+        as in a prefill, which needs every position's KV entries but the draft of the last. The blocks
+        after the last one that writes a cache (NemotronH: the MoE) then run on the kept positions alone,
+        each taken :data:`KEEP_ROWS` times, and the result is [n, D]. On the CPU in float32 a GEMM gives a
+        row the same bits whatever the row count from 4 rows on (what the oneDNN linears are checked
+        against, runners.engine.onednn.MIN_ROWS), so the kept outputs equal the full forward's bit for bit;
+        elsewhere the kernels chosen depend on the row count, and callers pass None. When every kept
+        position is the last column of its row and that block is an attention block, its attention runs for
+        the last :data:`KEEP_ROWS` columns only (``Attention.forward_last``, which writes every column's KV
+        entries; the full block where that does not apply)."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
-        for block in self.blocks:
+        tail = len(self.blocks)
+        if keep is not None:  # the blocks from `tail` on write no cache
+            tail = 1 + max((i for i, b in enumerate(self.blocks) if b.cache_index is not None), default=-1)
+        last = self.blocks[tail - 1] if keep is not None and tail else None
+        T = f.shape[1]
+        if last is None or last.kind != "attention" or not bool(((keep + 1) % T == 0).all()):
+            last = None
+        for block in self.blocks[:tail - 1 if last is not None else tail]:
             f = self.block_call(block, f, cache, meta)
+        if last is not None:  # kept: last columns only; their attention alone, every column's KV written
+            y = last.mixer.forward_last(last.norm(f), cache[last.cache_index], meta, KEEP_ROWS)
+            if y is None:
+                f = self.block_call(last, f, cache, meta)
+            else:
+                f = f[:, T - KEEP_ROWS:] + y  # the block's residual add at those columns
+                keep = keep // T * KEEP_ROWS + KEEP_ROWS - 1
+        if keep is not None:
+            f = f.reshape(-1, f.shape[-1])[keep].repeat_interleave(KEEP_ROWS, dim=0)[:, None]  # [n R, 1, D]
+            for block in self.blocks[tail:] if len(keep) else ():
+                f = self.block_call(block, f, None, None)
+            f = f[::KEEP_ROWS, 0]
         out = self.final_norm(f)
         if self.nonfinite is not None:  # the model's flags (HybridLM.track_nonfinite); "mtp" is the last
             if use_inference_kernel(out):
                 flag_nonfinite(out, self.nonfinite, -1)
             else:
-                self.nonfinite[-1] |= ~torch.isfinite(out).all()
+                self.nonfinite[-1] |= ~torch.isfinite(_abs_peak(out))
         return out
 
 
 def _abs_peak(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim tensor in x's dtype (0 for an empty x): finite exactly when every value of x is (a
     NaN propagates through the max reduction, an infinity is its own peak, and a max of finite values cannot
-    overflow). One reduction kernel where ``isfinite(x).all()`` runs two; the forward tests the stacked peaks
-    of all its layers at once."""
+    overflow). Cheaper than ``isfinite(x).all()``, and the forward tests the stacked peaks of all its layers
+    at once. ``abs().amax()``, not ``linalg.vector_norm(x, inf)`` (the same value): on the CPU the norm's
+    reduction is about 20x slower."""
     if x.numel() == 0:
         return x.new_zeros(())
-    return torch.linalg.vector_norm(x, float("inf"))
+    return x.abs().amax()
 
 
 class HybridLM(nn.Module):
@@ -253,5 +291,5 @@ class HybridLM(nn.Module):
             if use_inference_kernel(logits):
                 flag_nonfinite(logits, self.nonfinite, len(self.layers) + 2)
             else:
-                self._flag(len(self.layers) + 2, torch.isfinite(logits).all())
+                self._flag(len(self.layers) + 2, torch.isfinite(_abs_peak(logits)))
         return logits

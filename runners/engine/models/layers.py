@@ -237,6 +237,33 @@ class Attention(nn.Module):
                 return self._finish(_cached_attention(q, keys, values, pos, mask), gate)
         return self._finish(out.transpose(1, 2), gate)
 
+    def forward_last(self, hidden: torch.Tensor, kv: KVCache, meta: BatchMeta,
+                     rows: int) -> torch.Tensor | None:
+        """:meth:`forward`'s output at the last ``rows`` columns only, [B, rows, D], bit for bit, with every
+        column's keys and values written to ``kv`` as forward writes them; or None (nothing written) where
+        that is not known to hold: it covers a fresh prefill forward (``meta.fresh``) of full rows
+        (``meta.all_valid``) on the CPU in float32, unquantized KV, plain attention (NemotronH: no gate, head
+        norms or RoPE), ``rows`` >= 4 and a width T whose remainder modulo 32 is 0 or >= ``rows``.
+
+        Why it is exact: the CPU flash kernel of forward's causal call computes queries in blocks of 32, 64
+        or 256 rows (by T) against the same key blocks, and from 4 query rows of a block on, a row's result
+        does not depend on the others; the last block then has at least ``rows`` rows, as this call's
+        one block has (tests/test_cpu_fast_paths.py compares the two over many widths)."""
+        b, T, _ = hidden.shape
+        if (self.output_gate or self.q_norm is not None or self.rotary_dim or kv.fp8 or not meta.fresh
+                or not meta.all_valid or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+                or rows < 4 or T < rows or 0 < T % 32 < rows):
+            return None
+        k = self.k_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
+        pos = meta.shared(("positions", T), lambda: meta.start_pos[:, None] + torch.arange(T))
+        kv.write(meta.row_index(kv.k.shape[0])[:, None].expand(b, T), pos, k, v)
+        q = self.q_proj(hidden[:, T - rows:]).view(b, rows, self.num_heads, self.head_dim)
+        mask = torch.arange(T)[None, :] <= torch.arange(T - rows, T)[:, None]  # [rows, T]: causal
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=True)
+        return self._finish(out.transpose(1, 2), None)
+
     def _finish(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """out [B, T, Hq, hd] -> o_proj(out * sigmoid(gate)) [B, T, D] (no gate: o_proj(out))."""
         b, T = out.shape[:2]
