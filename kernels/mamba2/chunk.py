@@ -522,8 +522,10 @@ def ssd_chunked_scan(
     decay = seg.masked_fill_(~causal, float("-inf")).exp_()
     CB = torch.einsum("bclgn,bcsgn->bclsg", C, B).permute(0, 1, 4, 2, 3)  # (b, nc, G, L, S)
     # (C_l . B_s) of head h's group times the decay, elementwise (the product of a gathered copy)
-    CBd = torch.mul(CB[:, :, :, None], decay.view(b, nc, G, rep, L, L),
-                    out=x.new_empty(b, nc, G, rep, L, L)).view(b, nc, H, L, L).permute(0, 1, 3, 4, 2)
+    # (no out=: training differentiates through this; .contiguous() keeps the layout out= gave, a no-op when
+    # the product already has it)
+    CBd = (CB[:, :, :, None] * decay.view(b, nc, G, rep, L, L)).contiguous().view(b, nc, H, L, L)
+    CBd = CBd.permute(0, 1, 3, 4, 2)
     y = torch.einsum("bclsh,bcshp->bclhp", CBd, xdt)
     # State contributed by each chunk alone: sum_s exp(cum_last - cum_s) dt'_s x_s (outer) B_s.
     B_h = per_head(B)  # (b, nc, L, H, N)
