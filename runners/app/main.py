@@ -401,7 +401,7 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     try:
         comparison, checks = compare_arms(out_dir, rewind["verdict"], exact=exact)
     except ComparisonError as err:
-        raise UserError(str(err), "rerun both arms with the same settings into a fresh out_dir") from None
+        raise UserError(err.problem, "rerun both arms with the same settings into a fresh out_dir") from None
     results = combine_arms(replay, rewind, comparison)
     results["verdict"] = _verdict(replay_rr, results, checks)
     print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / COMPARISON_FILE}")
