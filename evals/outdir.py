@@ -12,10 +12,10 @@
   finished folder holds only results; a run that took the lock of a file removed meanwhile sees that its file
   is no longer the folder's and locks the folder's current one instead (so two runs never hold the folder
   at once). Only a killed process (SIGKILL) leaves the file, unlocked.
-- A refused run leaves nothing behind: `remove_unused_run_dir` removes its folder (holding only Hydra's
-  .hydra/ and the lock) and the parents created for it, and only folders this process created (the claims
-  above, or a folder named by out_dir= / hydra.run.dir= that `note_new_dirs` found missing before Hydra
-  created it).
+- A refused run leaves nothing behind: `remove_unused_run_dir` removes its folder when it holds nothing a run
+  produced (Hydra's .hydra/, the lock, generation files of a run that generated nothing) and the parents
+  created for it, and only folders this process created (the claims above, or a folder named by out_dir= /
+  hydra.run.dir= that `note_new_dirs` found missing before Hydra created it).
 - `write_atomic` writes a file through a temporary file in the same folder and `os.replace` (POSIX rename is
   atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
   truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
@@ -41,6 +41,12 @@ from pathlib import Path
 from registry.errors import UserError
 
 LOCK_FILE = ".run.lock"
+# A run's resume file (evals.lm_adapter.GenerationStore appends a line per finished request) and the files
+# beside it, <stem>.stats.jsonl (a line per generate call that returned) and <stem>.meta.json (the run's
+# fingerprint, written before any request): named here, below the store, for the unused-folder rule.
+GENERATIONS_FILE = "generations.jsonl"
+STATS_SUFFIX = ".stats.jsonl"
+META_SUFFIX = ".meta.json"
 # A sweep job's status file in its run folder (evals.sweep writes it; it names the sweep folder, which
 # evals.history reads): here, below both, so that neither imports the other for it.
 JOB_STATUS_FILE = "job.json"
@@ -95,8 +101,25 @@ _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this proc
 # them: the only folders remove_unused_run_dir removes
 _NEW_DIRS: set[str] = set()
 HYDRA_SUBDIR = ".hydra"  # where Hydra writes a run's composed config (hydra.output_subdir, Hydra's default)
-# what a refused run leaves in its folder: Hydra's composed config and the run's lock
-_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE})
+_GENERATIONS = Path(GENERATIONS_FILE)
+# what a run that generated nothing leaves in its folder: Hydra's composed config, the lock, the fingerprint
+# of its generations, and (when empty) the generations and their stats
+_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE, _GENERATIONS.stem + META_SUFFIX})
+_UNUSED_WHEN_EMPTY = frozenset({GENERATIONS_FILE, _GENERATIONS.stem + STATS_SUFFIX})
+
+
+def _unused(folder: Path) -> bool:
+    """Whether `folder` holds nothing a run produced: only the files of _UNUSED_RUN_FILES, those of
+    _UNUSED_WHEN_EMPTY when empty, and sub-folders of that kind (the compare=replay arms)."""
+    for p in folder.iterdir():
+        if p.is_symlink():
+            return False
+        if p.name in _UNUSED_RUN_FILES or (p.name in _UNUSED_WHEN_EMPTY and p.is_file()
+                                           and p.stat().st_size == 0):
+            continue
+        if not (p.is_dir() and _unused(p)):
+            return False
+    return True
 
 
 def _missing_dirs(path: str | Path) -> list[str]:
@@ -117,14 +140,16 @@ def note_new_dirs(path: str | Path) -> None:
 
 
 def remove_unused_run_dir(folder: str | Path) -> None:
-    """Remove the folder of a run that was refused before it wrote anything, and the parents created for it,
-    so a refused command leaves nothing behind.
+    """Remove the folder of a run that was refused before it generated anything, and the parents created for
+    it, so a refused command leaves nothing behind.
 
     Removed: `folder` when this process created it (claim_fresh_dir, or note_new_dirs before Hydra made it),
-    it holds nothing but Hydra's .hydra/ and the run's lock, and no live run holds that lock (the refusal may
-    be that very conflict); then each parent created with it, while empty. Of a folder that existed before,
-    only the .hydra/ this run added. Anything else is left as it is: a folder that existed before, one
-    holding generations of an earlier run or a user's files, a parent that another run's folder appeared in.
+    it holds nothing a run produced (Hydra's .hydra/, the run's lock, generations.meta.json, an empty
+    generations.jsonl / generations.stats.jsonl, sub-folders holding only those), and no live run holds that
+    lock (the refusal may be that very conflict); then each parent created with it, while empty. Of a folder
+    that existed before, only the .hydra/ this run added. Anything else is left as it is: a folder that
+    existed before, one holding generations of an earlier run or a user's files, a parent that another run's
+    folder appeared in.
     Best effort: an OSError leaves the rest in place.
     """
     path = Path(os.path.abspath(folder))
@@ -133,7 +158,7 @@ def remove_unused_run_dir(folder: str | Path) -> None:
             shutil.rmtree(path / HYDRA_SUBDIR, ignore_errors=True)
         return
     try:
-        if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
+        if not path.is_dir() or not _unused(path):
             return
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:

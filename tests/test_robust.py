@@ -478,6 +478,27 @@ def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
     assert not folder.exists()
 
 
+def test_a_run_refused_before_any_generation_leaves_no_folder(tmp_path):
+    """What a run writes before its first generation finishes (its fingerprint in generations.meta.json, an
+    empty generations.jsonl and generations.stats.jsonl, the same in a compare=replay arm's sub-folder) does
+    not keep a refused run's folder; one finished generation, or any other file, does."""
+    folder = Path(claim_fresh_dir(str(tmp_path / "outputs" / "run")))
+    for d in (folder, folder / "rewind"):
+        d.mkdir(exist_ok=True)
+        (d / "generations.meta.json").write_text('{"fingerprint": {}}\n')
+        (d / "generations.jsonl").write_text("")
+        (d / "generations.stats.jsonl").write_text("")
+    (folder / ".hydra").mkdir()
+    for kept in ("rewind/generations.jsonl", "generations.stats.jsonl", "notes.txt"):
+        (folder / kept).write_text("{}\n")
+        remove_unused_run_dir(folder)
+        assert folder.is_dir(), kept
+        (folder / kept).write_text("")  # empty again: unused
+    (folder / "notes.txt").unlink()
+    remove_unused_run_dir(folder)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
     """The parents created for a refused run's folder go with it, up to the first that existed before; a
     folder that existed before stays (only the .hydra/ the run added goes), as does a parent that another
