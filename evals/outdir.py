@@ -5,6 +5,9 @@
   folder exclusively (`os.mkdir` fails on an existing one) and, when a run started in the same second already
   has it, takes the first free `<folder>-2`, `-3`, ... So concurrent runs never share a default folder, and
   Hydra's own files (.hydra/) and the run's results land in the same one.
+- Hydra writes no files at job start (hydra.output_subdir: null, configs/config.yaml): run.py keeps the three
+  it would have written and `save_hydra_files` writes them into <folder>/.hydra once the run is accepted
+  (it holds its folder, every check passed), so a refused run changes nothing in a folder that existed.
 - `claim_out_dir` holds the folder for the run's lifetime: an exclusive lock on `<folder>/.run.lock`
   (`fcntl.flock`, released by the kernel when the process ends, also on SIGKILL). A folder the user named
   (`out_dir=` / `hydra.run.dir=`) that another live run holds is an error instead of a mix of two runs. A
@@ -37,6 +40,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from registry.errors import UserError
 
@@ -97,6 +101,7 @@ def ensure_writable_dir(path: Path, fix: str | None = None) -> None:
 
 
 _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)
+_RUN_DIRS: list[str] = []  # run / sweep folders this process's config resolved to (run_dir, claim_dir)
 # absolute paths of the folders this process created for runs, or found missing just before Hydra created
 # them: the only folders remove_unused_run_dir removes
 _NEW_DIRS: set[str] = set()
@@ -133,10 +138,32 @@ def _missing_dirs(path: str | Path) -> list[str]:
 
 
 def note_new_dirs(path: str | Path) -> None:
-    """Record `path`, its .hydra/ subfolder and those of its parents that do not exist yet as created for
-    this process's run, before Hydra creates them (its run folder named by out_dir= or hydra.run.dir=):
-    remove_unused_run_dir may remove them again, while a folder that existed before is never removed."""
-    _NEW_DIRS.update(_missing_dirs(Path(path) / HYDRA_SUBDIR))
+    """Record `path` and those of its parents that do not exist yet as created for this process's run, before
+    Hydra creates them (its run folder named by out_dir= or hydra.run.dir=): remove_unused_run_dir may remove
+    them again, while a folder that existed before is never removed."""
+    _NEW_DIRS.update(_missing_dirs(path))
+
+
+def save_hydra_files(folder: str | Path, files: dict[str, Any]) -> None:
+    """Write a job's Hydra files into `<folder>/.hydra` with Hydra's own writer
+    (hydra.core.utils._save_config, what Hydra's run_job calls at job start when hydra.output_subdir is set).
+
+    files: file name -> the DictConfig / ListConfig it holds (run.py: config.yaml, hydra.yaml,
+    overrides.yaml, copied at job start). A .hydra/ this call creates is recorded as this run's
+    (remove_unused_run_dir removes it again from a folder that existed). Raises UserError when the folder
+    cannot be written.
+    """
+    from hydra.core.utils import _save_config
+
+    target = Path(folder) / HYDRA_SUBDIR
+    created = _missing_dirs(target)
+    try:
+        for name, cfg in files.items():
+            _save_config(cfg, name, target)
+    except OSError as e:
+        raise _os_error(e, target, "written") from None
+    finally:
+        _NEW_DIRS.update(d for d in created if os.path.isdir(d))
 
 
 def remove_unused_run_dir(folder: str | Path) -> None:
@@ -181,6 +208,7 @@ def claim_dir(path: str) -> str:
     `claim_dir` by `register_resolver`. Raises UserError when nothing can be created there."""
     if path not in _CLAIMED:
         _CLAIMED[path] = claim_fresh_dir(path)
+        _RUN_DIRS.append(_CLAIMED[path])
     return _CLAIMED[path]
 
 
@@ -225,7 +253,16 @@ def run_dir(out_dir: str | None, default: str) -> str:
     if out_dir in (None, ""):
         return claim_dir(default)
     note_new_dirs(str(out_dir))
+    _RUN_DIRS.append(str(out_dir))
     return str(out_dir)
+
+
+def remove_unused_run_dirs() -> None:
+    """remove_unused_run_dir for every run or sweep folder this process's config resolved to (claim_dir,
+    run_dir): run.py's cleanup when Ctrl-C stops a command before its run was accepted, wherever that was
+    (composing, resolving, checking)."""
+    for folder in reversed(_RUN_DIRS):
+        remove_unused_run_dir(folder)
 
 
 def register_resolver() -> None:

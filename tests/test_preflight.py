@@ -4,7 +4,8 @@ Each case runs `python -X importtime run.py <bad setting>` in a fresh process fr
 refusal must be the project's two lines with exit status 2, the import log must hold none of torch, lm-eval,
 datasets, transformers and triton (runners.app.preflight runs before runners.app.main is imported), and the
 folder must be empty again afterwards (no outputs/<entry>/, no .hydra/). `--cfg job` of the nightly sweep,
-which runs nothing, must create nothing either.
+which runs nothing, must create nothing either. A folder that existed stays byte for byte as it was (Hydra's
+.hydra/ files are written only once a run is accepted), and Ctrl-C before that leaves nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from evals.outdir import claim_out_dir
 from registry.schema import REPO_ROOT
 
 HEAVY = ("torch", "lm_eval", "datasets", "transformers", "triton")
@@ -34,8 +36,9 @@ REFUSALS = [
 ]
 
 
-def _run_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LLM_MODELS_ROOT", "HYBRID_EVAL_HISTORY")}
+def _run_py(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("LLM_MODELS_ROOT", "HYBRID_EVAL_HISTORY")},
+           **(env or {})}
     return subprocess.run([sys.executable, "-X", "importtime", str(REPO_ROOT / "run.py"), *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -69,8 +72,8 @@ def test_settings_errors_are_refused_before_heavy_imports_and_leave_nothing(tmp_
 
 
 def test_a_refused_run_keeps_a_folder_that_existed_and_drops_one_it_created(tmp_path):
-    """out_dir= naming a folder that exists: it stays as it was (the .hydra/ Hydra wrote into it goes); one
-    that did not exist goes with the parents created for it."""
+    """out_dir= naming a folder that exists: it stays as it was (no .hydra/ is written into it); one that did
+    not exist goes with the parents created for it."""
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "notes.txt").write_text("mine\n")
     for out_dir in ("existing", "new/deeper"):
@@ -79,3 +82,59 @@ def test_a_refused_run_keeps_a_folder_that_existed_and_drops_one_it_created(tmp_
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["existing",
                                                                                  "existing/notes.txt"]
 
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in folder.rglob("*")}
+
+
+def test_a_refused_run_changes_nothing_in_a_folder_that_existed(tmp_path):
+    """A finished run's folder (Hydra's three files, generations and their fingerprint) stays byte for byte as
+    it was when a later command into it is refused: a settings error, resume=true with other settings, and
+    while a live run holds it ("in use"). Hydra writes no .hydra/ at job start (hydra.output_subdir: null);
+    run.py writes it once the run holds its folder and every check passed."""
+    folder = tmp_path / "run"
+    (folder / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (folder / ".hydra" / name).write_text(f"# the finished run's {name}\n")
+    (folder / "generations.jsonl").write_text('{"key": "k", "text": "t"}\n')
+    (folder / "generations.meta.json").write_text('{"fingerprint": {"entry": "another"}}\n')
+    (folder / "results.json").write_text("{}\n")
+    before = _tree(folder)
+    for args, error in ((["eval.limit=-1"], "error: eval.limit must be >= 1"),
+                        (["resume=true", "eval.limit=4"], f"error: cannot resume the run in {folder}")):
+        proc = _run_py(f"hydra.run.dir={folder}", "history.db=null", *args, cwd=tmp_path)
+        assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-3000:]
+        assert _tree(folder) == before, args
+    claim = claim_out_dir(folder)  # a live run holds it
+    try:
+        proc = _run_py(f"hydra.run.dir={folder}", "history.db=null", "eval.limit=4", cwd=tmp_path)
+    finally:
+        claim.release()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "is in use by a run that is still going" in proc.stderr, proc.stderr[-3000:]
+    assert _tree(folder) == before
+
+
+@pytest.mark.parametrize("module, function", [("runners.app.preflight", "check_run"),
+                                              ("runners.app.main", "_build_engine")])
+def test_ctrl_c_before_anything_is_kept_leaves_nothing(tmp_path, module, function):
+    """Ctrl-C while the settings are checked, or after the run was accepted but before any generation
+    (raised there through a sitecustomize): exit 130, the two lines, and no outputs/<entry>/<time>/ (nor its
+    .hydra/) left behind."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import {module} as target\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt\n"
+        f"target.{function} = interrupted\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _run_py("eval.limit=4", "history.db=null", cwd=work,
+                   env={"PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])})
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines == ["error: interrupted (Ctrl-C) before the run wrote anything", "  fix: rerun the command"]
+    assert list(work.iterdir()) == []

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -37,6 +38,7 @@ from evals.outdir import (
     ensure_writable_dir,
     note_new_dirs,
     remove_unused_run_dir,
+    save_hydra_files,
     write_atomic,
 )
 from evals.report import format_console, plot_title
@@ -510,9 +512,10 @@ def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
 
     existing = tmp_path / "mine"
     (existing / "sub").mkdir(parents=True)
-    note_new_dirs(existing / "sub")  # before Hydra: it exists, its .hydra/ does not
-    (existing / "sub" / ".hydra").mkdir()
-    remove_unused_run_dir(existing / "sub")
+    note_new_dirs(existing / "sub")  # before Hydra: it exists
+    save_hydra_files(existing / "sub", {"overrides.yaml": OmegaConf.create(["eval.limit=4"])})  # accepted
+    assert (existing / "sub" / ".hydra" / "overrides.yaml").read_text() == "- eval.limit=4\n"
+    remove_unused_run_dir(existing / "sub")  # refused after all (say, its model did not load)
     assert sorted(p.relative_to(tmp_path) for p in existing.rglob("*")) == [Path("mine/sub")]
 
     note_new_dirs(tmp_path / "new" / "run")  # out_dir= / hydra.run.dir= that does not exist yet
