@@ -322,8 +322,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     except UserError:
         raise
     except ValueError as e:  # the engine's and the evaluation's refusals of their (configured) arguments
-        raise UserError(str(e), "check the eval.* settings, model.max_seq_len, eval.data_dir / $GSM8K_DIR"
-                        ) from None
+        raise UserError(str(e), "a prompt that does not fit: lower eval.num_fewshot or eval.max_gen_toks, or "
+                        "raise model.max_seq_len; else check the eval.* settings and eval.data_dir / "
+                        "$GSM8K_DIR") from None
     config = rr.to_dict()
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
     # which FP8 GEMMs ran (runners.engine.quant.prepare_fp8): the device's FP8 kernels or the dequantizing
