@@ -21,6 +21,9 @@ from evals.outdir import claim_out_dir
 from registry.schema import REPO_ROOT
 
 HEAVY = ("torch", "lm_eval", "datasets", "transformers", "triton")
+# lm-eval's few-shot sampler (pure Python; lm-eval's package __init__ imports nothing heavy): the preflight
+# draws the prompts of lm-eval's gsm8k task with it (evals.data.gsm8k_prompts)
+LM_EVAL_SAMPLER = {"lm_eval", "lm_eval.api", "lm_eval.api.samplers"}
 
 # (overrides, the start of the error line): settings errors that need no model
 REFUSALS = [
@@ -33,6 +36,9 @@ REFUSALS = [
     (["ssm_replay=true", "draft_len=0"], "error: ssm_replay requires speculative decoding"),
     (["eval.max_gen_toks=5000"], "error: eval.max_gen_toks=5000 leaves no room for a prompt"),
     (["draft_len=7"], "error: no acceptance reference for 'tiny_nemotron_h_mtp'"),
+    (["eval.num_fewshot=20", "eval.limit=2"], "error: eval.num_fewshot=20 makes a prompt too long: the "
+     "prompt of test question 0 has 4296 tokens, and with eval.max_gen_toks=256 and draft_len=3 it needs "
+     "4555 positions, more than model.max_seq_len=4096"),
 ]
 
 
@@ -66,8 +72,8 @@ def test_settings_errors_are_refused_before_heavy_imports_and_leave_nothing(tmp_
     assert not any("Traceback" in line or line.startswith("  fix: ") for line in lines[:-1]), lines
     loaded = _imported(proc.stderr)
     assert "runners.app.preflight" in loaded  # the log is read right: the check's own module is in it
-    assert not {m.split(".")[0] for m in loaded} & set(HEAVY), sorted(m for m in loaded
-                                                                    if m.split(".")[0] in HEAVY)
+    heavy = sorted(m for m in loaded - LM_EVAL_SAMPLER if m.split(".")[0] in HEAVY)
+    assert not heavy, heavy
     assert list(tmp_path.iterdir()) == []  # no outputs/<entry>/<time>/, no empty outputs/<entry>/
 
 
@@ -138,3 +144,80 @@ def test_ctrl_c_before_anything_is_kept_leaves_nothing(tmp_path, module, functio
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert lines == ["error: interrupted (Ctrl-C) before the run wrote anything", "  fix: rerun the command"]
     assert list(work.iterdir()) == []
+
+
+def test_the_prompts_checked_before_loading_are_lm_evals(gsm8k_dir):
+    """evals.data.gsm8k_prompts rebuilds, without lm-eval's task machinery, exactly the contexts lm-eval's
+    gsm8k task builds for the run (its seeded few-shot draw, one per question in order), so the preflight's
+    token counts are the engine's."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from evals.data import gsm8k_prompts
+    from evals.gsm8k import FEWSHOT_SEED, load_gsm8k_task
+
+    class Contexts(LM):
+        def __init__(self):
+            super().__init__()
+            self.contexts = []
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return ["" for _ in requests]
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    for num_fewshot, limit in ((5, 3), (20, 2), (0, 2)):
+        task, manager, _ = load_gsm8k_task(gsm8k_dir)
+        lm = Contexts()
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=num_fewshot,
+                                limit=limit, bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
+        assert lm.contexts == gsm8k_prompts(gsm8k_dir, num_fewshot, limit), (num_fewshot, limit)
+
+
+def test_the_largest_few_shot_count_named_fits(gsm8k_dir):
+    """The count the fix line names fits every prompt of the run (the next one up did not), and the token
+    count of the error is the prompt's as the engine's tokenizer encodes it."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    from evals.data import check_prompt_room, gsm8k_prompts
+    from registry.errors import UserError
+
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    check = {"draft_len": 3, "limit": 3, "exact": True}
+    with pytest.raises(UserError) as e:
+        check_prompt_room(tokenizer, gsm8k_dir, 20, 256, 4096, **check)
+    tokens = len(Tokenizer.from_file(str(tokenizer)).encode(gsm8k_prompts(gsm8k_dir, 20, 3)[0]).ids)
+    assert f"the prompt of test question 0 has {tokens} tokens" in e.value.problem, e.value.problem
+    fits = int(re.search(r"^lower eval.num_fewshot to (\d+) ", e.value.fix)[1])
+    assert "eval.max_gen_toks" in e.value.fix and "model.max_seq_len" in e.value.fix
+    check_prompt_room(tokenizer, gsm8k_dir, fits, 256, 4096, **check)
+    with pytest.raises(UserError, match=f"^eval.num_fewshot={fits + 1} makes a prompt too long"):
+        check_prompt_room(tokenizer, gsm8k_dir, fits + 1, 256, 4096, **check)
+    with pytest.raises(UserError, match="too long even without few-shot examples") as e:  # the question alone
+        check_prompt_room(tokenizer, gsm8k_dir, 0, 8, 24, limit=3, exact=True)
+    assert e.value.fix == "lower eval.max_gen_toks or raise model.max_seq_len (no few-shot count fits)"
+
+
+def test_more_shots_than_train_examples_are_refused_before_loading(gsm8k_dir, tmp_path):
+    """A train split shorter than eval.num_fewshot (a cut copy): lm-eval's draw would fail deep inside the
+    evaluation; the check before loading names the file and the most it allows."""
+    from evals.data import check_prompt_room
+    from registry.errors import UserError
+
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    for split, n in (("train", 3), ("test", 2)):
+        lines = (gsm8k_dir / f"{split}.jsonl").read_text().splitlines(keepends=True)
+        (tmp_path / f"{split}.jsonl").write_text("".join(lines[:n]))
+    check_prompt_room(tokenizer, tmp_path, 3, 256, 4096, exact=True)
+    with pytest.raises(UserError) as e:
+        check_prompt_room(tokenizer, tmp_path, 5, 256, 4096, exact=True)
+    train = tmp_path / "train.jsonl"
+    assert e.value.problem.startswith(f"eval.num_fewshot=5 is more than the 3 examples of {train}")
+    assert e.value.fix.startswith("lower eval.num_fewshot to at most 3")
