@@ -14,10 +14,16 @@ interruption (Ctrl-C) and 143 a SIGTERM, each reported with the command that res
 or `+experiment=nightly`) runs every job even when one is refused or crashes (a crash counts 1), records each
 job's status in its folder, ends with a table of every job (evals/sweep.py) and exits with the worst status;
 Ctrl-C or SIGTERM stops it.
+
+Hydra writes no .hydra/ at job start (hydra.output_subdir: null, configs/config.yaml): the three files it
+would write are copied then and written into the run folder once the run holds it and every check passed
+(evals.outdir.save_hydra_files), so a refused run changes nothing in a folder that existed before.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shlex
 import signal
@@ -29,7 +35,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from evals import sweep
-from evals.outdir import note_new_dirs, register_resolver, remove_unused_run_dir
+from evals.outdir import (
+    note_new_dirs,
+    register_resolver,
+    remove_unused_run_dir,
+    remove_unused_run_dirs,
+    save_hydra_files,
+)
 from registry.compose import CONFIG_DIR, CONFIG_NAME, check_overrides, config_error
 from registry.errors import UserError
 from registry.selection import register_resolvers
@@ -60,6 +72,8 @@ def main(cfg: DictConfig) -> int:
     # mistake is refused at once
     from runners.app.preflight import check_run
 
+    hydra_files = _hydra_files(cfg)  # as Hydra has them at job start, before anything runs
+    job_dir = HydraConfig.get().runtime.output_dir
     try:
         checked = check_run(cfg)
     except UserError as e:
@@ -70,8 +84,15 @@ def main(cfg: DictConfig) -> int:
 
     error = None
     try:
-        code = app.exit_code(app.run(cfg, checked))
+        accepted = functools.partial(save_hydra_files, job_dir, hydra_files)  # once the run holds its folder
+        code = app.exit_code(app.run(cfg, checked, on_accepted=accepted))
     except app.RunInterrupted as e:
+        if not sweep.in_multirun():
+            remove_unused_run_dir(e.out_dir)  # a folder this run made and wrote no generation into
+        if not e.out_dir.exists():
+            print(_stopped_early(e), file=sys.stderr)
+            _EXIT_CODES.append(e.exit_status)
+            raise SystemExit(e.exit_status) from None
         # the exact command that continues this run (of a sweep: this job), its folder named, resume=true
         overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
         stopped = app.RunInterrupted(e.out_dir, resume_command(overrides, e.out_dir), signum=e.signum)
@@ -89,6 +110,22 @@ def main(cfg: DictConfig) -> int:
     sweep.record_job(code, error)  # <job folder>/job.json in a sweep, read by the sweep's summary table
     _EXIT_CODES.append(code)
     return code
+
+
+def _hydra_files(cfg: DictConfig) -> dict[str, object]:
+    """The files Hydra's run_job writes into <job folder>/<hydra.output_subdir> at job start, copied as it
+    copies them: config.yaml (the job's config), hydra.yaml (Hydra's), overrides.yaml (the job's
+    overrides)."""
+    hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)
+    return {"config.yaml": copy.deepcopy(cfg), "hydra.yaml": hydra_cfg,
+            "overrides.yaml": copy.deepcopy(hydra_cfg.hydra.overrides.task)}
+
+
+def _stopped_early(e: BaseException) -> str:
+    """The two lines of a run stopped (Ctrl-C, SIGTERM) before it kept anything."""
+    term = isinstance(e, Terminated) or getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
+    how = "stopped by SIGTERM" if term else "interrupted (Ctrl-C)"
+    return f"error: {how} before the run wrote anything\n  fix: rerun the command"
 
 
 def _refused(e: UserError) -> int:
@@ -134,9 +171,9 @@ def cli(argv: list[str]) -> int:
         if e.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             return e.code
         raise
-    except KeyboardInterrupt as e:  # before the run had a folder (composing, resolving): nothing was written
-        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
-        print(f"error: {how} before the run wrote anything\n  fix: rerun the command", file=sys.stderr)
+    except KeyboardInterrupt as e:  # before the run was accepted (composing, resolving, checking)
+        remove_unused_run_dirs()  # the folder made for it, holding nothing yet
+        print(_stopped_early(e), file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except Exception as e:
         # Hydra creates the run folder (hydra.run.dir / hydra.sweep.dir) before the job starts; the job's

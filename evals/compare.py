@@ -27,7 +27,7 @@ from scipy.stats import binomtest
 from evals.gsm8k import SAMPLES_FILE
 from evals.lm_adapter import GENERATIONS_FILE
 from evals.outdir import write_atomic
-from evals.results import RESULTS_FILE, load_format, read_results
+from evals.results import load_format, read_results
 from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
 from registry.errors import UserError
 from registry.schema import LoadFormat
@@ -41,8 +41,20 @@ COMPARISON_FILE = "comparison.json"
 EVAL_SETTINGS = ("task", "version", "num_fewshot", "fewshot_seed", "max_gen_toks", "lm_eval_version")
 
 
-class ComparisonError(ValueError):
-    """The two runs cannot be compared (different sample sets, missing fields)."""
+COMPARE_FIX = "compare the output folders of two finished runs over the same samples"
+
+
+class ComparisonError(UserError):
+    """The two runs cannot be compared (different sample sets, missing fields): a registry.errors.UserError,
+    so the CLI prints it as `error:` / `fix:` lines with status 2; ``fix`` defaults to COMPARE_FIX."""
+
+    def __init__(self, problem: str, fix: str = COMPARE_FIX):
+        super().__init__(problem, fix)
+
+
+def _id_order(sample_id: Any) -> tuple[bool, Any]:
+    """Sort key of sample ids: numbers in numeric order, then strings."""
+    return isinstance(sample_id, str), sample_id
 
 
 def load_samples_jsonl(path: str | Path, *, id_key: str = "doc_id") -> dict[Any, dict[str, Any]]:
@@ -73,7 +85,8 @@ def _json_line(line: str, path: str | Path, lineno: int) -> Any:
     try:
         return json.loads(line)
     except ValueError as e:
-        raise ComparisonError(f"{path}:{lineno}: not JSON ({e}); the file was cut short or edited") from None
+        raise ComparisonError(f"{path}:{lineno}: not JSON ({e}); the file was cut short or edited",
+                              "restore the file, or pass another finished run's folder") from None
 
 
 def _by_id(samples: Mapping[Any, Mapping] | Iterable[Mapping], id_key: str, arm: str) -> dict[Any, Mapping]:
@@ -258,15 +271,17 @@ def compare_runs(
     a = _by_id(samples_a, id_key, label_a)
     b = _by_id(samples_b, id_key, label_b)
     if set(a) != set(b):
-        only_a, only_b = sorted(set(a) - set(b), key=str), sorted(set(b) - set(a), key=str)
+        extras = {label: sorted(ids, key=_id_order) for label, ids in ((label_a, set(a) - set(b)),
+                                                                         (label_b, set(b) - set(a)))}
         raise ComparisonError(
-            f"the runs scored different samples: {len(only_a)} only in {label_a} (e.g. {only_a[:5]}), "
-            f"{len(only_b)} only in {label_b} (e.g. {only_b[:5]}); compare runs with the same limit / data, "
-            "or finish the interrupted run (resume) first"
-        )
+            f"the runs scored different samples ({len(a)} in {label_a}, {len(b)} in {label_b}): " + ", ".join(
+                f"{len(ids)} only in {label}" + (f" (e.g. {ids[:5]})" if ids else "")
+                for label, ids in extras.items()),
+            "compare runs with the same eval.limit and data, or finish the interrupted run (resume=true) "
+            "first")
     if not a:
         raise ComparisonError("both runs are empty: nothing to compare")
-    ids = sorted(a, key=lambda s: (isinstance(s, str), s))
+    ids = sorted(a, key=_id_order)
     n = len(ids)
 
     results: dict[str, FilterComparison] = {}
@@ -368,22 +383,22 @@ def compare_run_dirs(
     entry of results.json `task` (e.g. max_gen_toks) whose values differ.
 
     Raises:
-        ComparisonError: a missing results.json / samples.jsonl, runs of different load_format (random
-            weights against real ones: nothing to compare), or the errors of compare_runs.
-        UserError: a results.json that is not JSON (evals.results.read_results).
+        ComparisonError: a missing samples.jsonl, runs of different load_format (random weights against
+            real ones: nothing to compare), or the errors of compare_runs.
+        UserError: a results.json that is missing or not JSON (evals.results.read_results).
     """
     dirs = {"a": Path(dir_a), "b": Path(dir_b)}
-    for name in (RESULTS_FILE, SAMPLES_FILE):
-        for d in dirs.values():
-            if not (d / name).exists():
-                raise ComparisonError(f"{d / name} does not exist; pass the output folder of a finished run")
-    results = {k: read_results(d / RESULTS_FILE) for k, d in dirs.items()}
+    results = {k: read_results(d) for k, d in dirs.items()}  # missing or not JSON: its UserError
+    for d in dirs.values():
+        if not (d / SAMPLES_FILE).exists():
+            raise ComparisonError(f"{d / SAMPLES_FILE} does not exist",
+                                  f"pass the output folder of a finished run (it holds {SAMPLES_FILE})")
     formats = {k: load_format(r) for k, r in results.items()}
     if formats["a"] != formats["b"]:
         raise ComparisonError(
             f"{dirs['a']} ran model.load_format={formats['a']} and {dirs['b']} model.load_format="
-            f"{formats['b']}: random (dummy) weights cannot be compared with a checkpoint's; compare runs of "
-            "the same model.load_format")
+            f"{formats['b']}: random (dummy) weights cannot be compared with a checkpoint's",
+            "compare runs of the same model.load_format")
     tasks = {k: r.get("task") or {} for k, r in results.items()}
     warnings = [f"{key} differs: {tasks['a'][key]!r} in {dirs['a']}, {tasks['b'][key]!r} in {dirs['b']}"
                 for key in EVAL_SETTINGS
@@ -531,9 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         comparison = compare_run_dirs(args.dir_a, args.dir_b)
-    except ComparisonError as e:
-        parser.error(str(e))
-    except UserError as e:  # a results.json that cannot be read: as evals.report and evals.history say it
+    except UserError as e:  # ComparisonError, or a results.json that cannot be read (evals.results)
         print(e.format(), file=sys.stderr)
         return 2
     for warning in comparison.warnings:

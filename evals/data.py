@@ -3,8 +3,9 @@
 A GSM8K folder holds `train.jsonl` and `test.jsonl` (rows {"question", "answer"}). The folder is, in order:
 the one the caller names (`eval.data_dir`, `--data-dir`), else `$GSM8K_DIR`, else `../shared/data/gsm8k`
 beside the checkout (the layout of the project's machines and CI) when it exists, else none: evaluation then
-reads the hub dataset `openai/gsm8k`. Also the check that a prompt of the run's settings can fit the model at
-all (check_prompt_room). Light on purpose (no lm-eval, no torch): the tiny-model tools, the task loader of
+reads the hub dataset `openai/gsm8k`. Also the prompts lm-eval's gsm8k task builds from such a folder
+(gsm8k_prompts) and the check that the run's prompts fit the model (check_prompt_room). Light on purpose (no
+torch, of lm-eval only its pure-Python few-shot sampler): the tiny-model tools, the task loader of
 evals/tasks/ and the application's checks before anything heavy loads (runners.app.preflight) import it.
 """
 
@@ -17,6 +18,8 @@ from pathlib import Path
 from registry.errors import UserError
 
 DATA_ENV = "GSM8K_DIR"
+FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI): the few-shot draw
+PROMPTS_TASK = "gsm8k"  # the lm-eval task whose prompts gsm8k_prompts builds (gsm8k.yaml, version 3.0)
 HUB_DATASET = "openai/gsm8k"
 SPLITS = ("train", "test")
 SIBLING_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -117,21 +120,72 @@ def check_gsm8k_file(file: Path) -> None:
     _CHECKED[key] = None
 
 
+def _rows(file: Path) -> list[dict]:
+    """The rows of a GSM8K JSONL file (checked by gsm8k_files), blank lines skipped."""
+    with open(file, encoding="utf-8", errors="replace") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _example(row: dict) -> str:
+    """A few-shot example of lm-eval's gsm8k task: doc_to_text, target_delimiter " ", doc_to_target, then
+    fewshot_delimiter "\\n\\n"."""
+    return f"Question: {row['question']}\nAnswer: {row['answer']}\n\n"
+
+
+def _prompts(train: list[dict], test: list[dict], num_fewshot: int) -> list[str]:
+    from lm_eval.api.samplers import ContextSampler  # pure Python (random); no torch, no datasets
+
+    sampler = ContextSampler(train, rnd=FEWSHOT_SEED)  # one draw per question, in order
+    return ["".join(map(_example, sampler.sample(num_fewshot))) + f"Question: {row['question']}\nAnswer:"
+            for row in test]
+
+
+def gsm8k_prompts(data_dir: str | os.PathLike, num_fewshot: int, limit: int | None = None) -> list[str]:
+    """The prompts lm-eval 0.4.13's stock gsm8k task (PROMPTS_TASK) builds for the first ``limit`` test
+    questions of ``data_dir`` (all when None), in order: ``num_fewshot`` train examples drawn by lm-eval's own
+    sampler (lm_eval.api.samplers.ContextSampler seeded with FEWSHOT_SEED, one draw per question in order, as
+    its Task.build_all_requests draws them), each "Question: <q>\\nAnswer: <a>\\n\\n", then
+    "Question: <q>\\nAnswer:". tests/test_preflight.py checks that they equal the contexts lm-eval builds.
+    Reads train.jsonl (for shots) and test.jsonl; the files must have passed gsm8k_files.
+    """
+    test = _rows(Path(data_dir) / "test.jsonl")[:limit]
+    train = _rows(Path(data_dir) / "train.jsonl") if num_fewshot else []
+    return _prompts(train, test, num_fewshot)
+
+
+def _first_too_long(tokenizer, prompts: list[str], room: int) -> tuple[int, int] | None:
+    """(index, tokens) of the first prompt that encodes (as evals.lm_adapter.EngineLM encodes prompts) to
+    more than ``room`` tokens; None when all fit. Encoded in growing chunks, so a count far too large stops
+    after a prompt or two."""
+    start, size = 0, 1
+    while start < len(prompts):
+        for i, enc in enumerate(tokenizer.encode_batch(prompts[start:start + size]), start):
+            if len(enc.ids) > room:
+                return i, len(enc.ids)
+        start, size = start + size, min(4 * size, 1024)
+    return None
+
+
 def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_fewshot: int, max_gen_toks: int,
-                      max_seq_len: int) -> None:
-    """Refuse, before any model is loaded, settings whose prompts can never fit ``max_seq_len``: an
-    ``max_gen_toks`` that leaves no position for a prompt, and a ``num_fewshot`` too large (below).
+                      max_seq_len: int, *, draft_len: int = 0, limit: int | None = None,
+                      exact: bool = False) -> None:
+    """Refuse, before any model is loaded, settings whose prompts do not fit ``max_seq_len``: an
+    ``max_gen_toks`` that leaves no position for a prompt, a ``num_fewshot`` too large for any prompt (the
+    bound below) and, with ``exact``, any prompt of the run that does not fit.
 
     A prompt holds ``num_fewshot`` train examples ("Question: ...\\nAnswer: ...", lm-eval's gsm8k format),
-    the question, and leaves ``max_gen_toks`` positions to generate. Without tokenizing (seconds for the
-    whole train split), a lower bound: a text of b UTF-8 bytes is at least ceil(b / L) tokens, L the longest
-    vocabulary entry (byte-level BPE entries are one character per byte). When even the ``num_fewshot``
-    shortest examples exceed the positions left, no prompt fits; the error names the key and the largest
-    value the bound allows. Larger counts that pass may still be refused after loading, by the exact length.
-    The few-shot bound is skipped for the hub dataset (``data_dir`` None) and 0 shots.
+    the question, and leaves ``max_gen_toks`` + ``draft_len`` positions (the engine's verify step) to
+    generate. The bound, without tokenizing: a text of b UTF-8 bytes is at least ceil(b / L) tokens, L the
+    longest vocabulary entry (byte-level BPE entries are one character per byte). When even the
+    ``num_fewshot`` shortest examples exceed the positions left, no prompt fits; the error names the key and
+    the largest value the bound allows. ``exact`` (the run's task is PROMPTS_TASK): the prompts of the first
+    ``limit`` questions (gsm8k_prompts) are encoded with the tokenizer, and the first that does not fit is
+    refused, naming the largest few-shot count below ``num_fewshot`` whose prompts all fit (and a count above
+    the train split's rows, which lm-eval cannot draw). The few-shot
+    checks are skipped for the hub dataset (``data_dir`` None); the bound for 0 shots.
 
-    Raises registry.errors.UserError naming eval.max_gen_toks / eval.num_fewshot, the allowed range and the
-    settings involved.
+    Raises registry.errors.UserError naming eval.max_gen_toks / eval.num_fewshot / model.max_seq_len and
+    the counts involved.
     """
     if max_gen_toks >= max_seq_len:
         raise UserError(
@@ -139,21 +193,50 @@ def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_few
             "positions hold the prompt and the generated tokens (allowed: eval.max_gen_toks < "
             "model.max_seq_len)",
             "lower eval.max_gen_toks (256 is lm-eval's default) or raise model.max_seq_len")
-    if data_dir is None or num_fewshot == 0:
+    if data_dir is None:
         return
 
     from tokenizers import Tokenizer
 
-    vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    room = max_seq_len - max_gen_toks - draft_len  # positions a prompt may take
+    train = _rows(Path(data_dir) / "train.jsonl") if num_fewshot else []
+    draft = f" and draft_len={draft_len}" if draft_len else ""
+    if num_fewshot:
+        _check_fewshot_bound(tokenizer, train, num_fewshot, max(room - 1, 0),  # one kept for the question
+                             f"model.max_seq_len={max_seq_len} minus eval.max_gen_toks={max_gen_toks}{draft}")
+    if not exact:
+        return
+    if num_fewshot > len(train):  # lm-eval's draw would fail ("Sample larger than population")
+        raise UserError(
+            f"eval.num_fewshot={num_fewshot} is more than the {len(train)} examples of "
+            f"{Path(data_dir) / 'train.jsonl'}, the pool the few-shot examples are drawn from",
+            f"lower eval.num_fewshot to at most {len(train)}, or point eval.data_dir / ${DATA_ENV} at a full "
+            "GSM8K copy (train: 7473 rows)")
+    test = _rows(Path(data_dir) / "test.jsonl")[:limit]
+    first = _first_too_long(tokenizer, _prompts(train, test, num_fewshot), room)
+    if first is None:
+        return
+    i, tokens = first
+    fits = next((n for n in range(num_fewshot - 1, -1, -1)
+                 if _first_too_long(tokenizer, _prompts(train, test, n), room) is None), None)
+    what = (f"eval.num_fewshot={num_fewshot} makes a prompt too long" if num_fewshot else
+            "a prompt is too long even without few-shot examples (eval.num_fewshot=0)")
+    raise UserError(
+        f"{what}: the prompt of test question {i} has {tokens} tokens, and with eval.max_gen_toks="
+        f"{max_gen_toks}{draft} it needs {tokens + max_gen_toks + draft_len} positions, more than "
+        f"model.max_seq_len={max_seq_len}",
+        (f"lower eval.num_fewshot to {fits} (the most for which every prompt of this run's {len(test)} "
+         "questions fits), lower eval.max_gen_toks, or raise model.max_seq_len" if fits is not None else
+         "lower eval.max_gen_toks or raise model.max_seq_len (no few-shot count fits)"))
+
+
+def _check_fewshot_bound(tokenizer, train: list[dict], num_fewshot: int, room: int, left: str) -> None:
+    """check_prompt_room's bound: ``room`` positions for the examples of ``train`` (``left`` says whence)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
     longest = max((len(t.encode()) for t in vocab), default=1)
-    sizes = []
-    with open(Path(data_dir) / "train.jsonl", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                sizes.append(len(f"Question: {row['question']}\nAnswer: {row['answer']}\n\n".encode()))
-    least = sorted(-(-b // longest) for b in sizes)  # tokens each example needs at least, ascending
-    room = max_seq_len - max_gen_toks - 1  # positions for the examples (and at least one of the question)
+    # tokens each example needs at least, ascending
+    least = sorted(-(-len(_example(row).encode()) // longest) for row in train)
     fits, total = 0, 0
     for n in least:
         if total + n > room:
@@ -165,9 +248,8 @@ def check_prompt_room(tokenizer_file: str | Path, data_dir: Path | None, num_few
         need = sum(least[:num_fewshot])
         raise UserError(
             f"eval.num_fewshot={num_fewshot} cannot fit a prompt: even the {num_fewshot} shortest GSM8K "
-            f"train examples need at least {need} tokens, and model.max_seq_len={max_seq_len} minus "
-            f"eval.max_gen_toks={max_gen_toks} leaves {room} for them (one position is kept for the "
-            f"question); eval.num_fewshot can be at most {fits} here "
+            f"train examples need at least {need} tokens, and {left} leaves {room} for them (one position is "
+            f"kept for the question); eval.num_fewshot can be at most {fits} here "
             f"(allowed range [0, {fits}])",
             f"set eval.num_fewshot to at most {fits} (5 is the task's own), or raise model.max_seq_len / "
             "lower eval.max_gen_toks")

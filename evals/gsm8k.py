@@ -30,7 +30,7 @@ from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager
 from tokenizers import Tokenizer
 
-from evals.data import DATA_ENV, HUB_DATASET, GSM8KDataError, gsm8k_files
+from evals.data import DATA_ENV, FEWSHOT_SEED, HUB_DATASET, GSM8KDataError, gsm8k_files
 from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore, progress_bar
 from evals.outdir import write_atomic
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
@@ -43,7 +43,6 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # our lm-eval tasks (each
 STOCK_TASKS_DIR = Path(lm_eval.tasks.__file__).parent  # lm-eval's; a row's stock_dir is a folder of it
 # The stock gsm8k task's folder: indexing only it (and ours) takes milliseconds, all of lm-eval's ~10 s.
 STOCK_GSM8K_DIR = STOCK_TASKS_DIR / GSM8K.stock_dir
-FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / the CLI)
 SAMPLES_FILE = "samples.jsonl"
 
 # Fields only a whole `engine.generate` call has (batch steps, seconds, prefix-cache stores and evictions):

@@ -33,14 +33,13 @@ from lm_eval.utils import simple_parse_args_string
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from evals.outdir import write_atomic
+from evals.outdir import GENERATIONS_FILE, META_SUFFIX, STATS_SUFFIX, write_atomic
 from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
 from registry.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "hybrid-engine"
-GENERATIONS_FILE = "generations.jsonl"  # the resume file of an output folder (GenerationStore)
 
 # Our finish reasons in records: the EOS / stop token, a task `until` string, or the max_gen_toks limit.
 FINISH_STOP_TOKEN, FINISH_STOP_STRING, FINISH_LENGTH = "stop_token", "stop_string", "length"
@@ -109,7 +108,7 @@ def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> No
             "pass resume=true to continue that run (finished samples are kept), or choose another out_dir= "
             "/ hydra.run.dir=",
         )
-    meta = gen.with_name(gen.stem + ".meta.json")
+    meta = gen.with_name(gen.stem + META_SUFFIX)
     if resume and not gen.is_file():  # a mistyped folder would otherwise start over without a word
         print(f"note: resume=true, but {out_dir} holds no earlier generations: starting from the first "
               "question", file=sys.stderr)
@@ -167,8 +166,8 @@ class GenerationStore:
 
     def __init__(self, path: str | Path, *, resume: bool, run_meta: dict[str, Any] | None = None):
         self.path = Path(path)
-        self.stats_path = self.path.with_name(self.path.stem + ".stats.jsonl")
-        self.meta_path = self.path.with_name(self.path.stem + ".meta.json")
+        self.stats_path = self.path.with_name(self.path.stem + STATS_SUFFIX)
+        self.meta_path = self.path.with_name(self.path.stem + META_SUFFIX)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: dict[str, dict[str, Any]] = {}
         self.stats_parts: list[dict[str, Any]] = []

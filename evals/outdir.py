@@ -5,6 +5,9 @@
   folder exclusively (`os.mkdir` fails on an existing one) and, when a run started in the same second already
   has it, takes the first free `<folder>-2`, `-3`, ... So concurrent runs never share a default folder, and
   Hydra's own files (.hydra/) and the run's results land in the same one.
+- Hydra writes no files at job start (hydra.output_subdir: null, configs/config.yaml): run.py keeps the three
+  it would have written and `save_hydra_files` writes them into <folder>/.hydra once the run is accepted
+  (it holds its folder, every check passed), so a refused run changes nothing in a folder that existed.
 - `claim_out_dir` holds the folder for the run's lifetime: an exclusive lock on `<folder>/.run.lock`
   (`fcntl.flock`, released by the kernel when the process ends, also on SIGKILL). A folder the user named
   (`out_dir=` / `hydra.run.dir=`) that another live run holds is an error instead of a mix of two runs. A
@@ -12,10 +15,10 @@
   finished folder holds only results; a run that took the lock of a file removed meanwhile sees that its file
   is no longer the folder's and locks the folder's current one instead (so two runs never hold the folder
   at once). Only a killed process (SIGKILL) leaves the file, unlocked.
-- A refused run leaves nothing behind: `remove_unused_run_dir` removes its folder (holding only Hydra's
-  .hydra/ and the lock) and the parents created for it, and only folders this process created (the claims
-  above, or a folder named by out_dir= / hydra.run.dir= that `note_new_dirs` found missing before Hydra
-  created it).
+- A refused run leaves nothing behind: `remove_unused_run_dir` removes its folder when it holds nothing a run
+  produced (Hydra's .hydra/, the lock, generation files of a run that generated nothing) and the parents
+  created for it, and only folders this process created (the claims above, or a folder named by out_dir= /
+  hydra.run.dir= that `note_new_dirs` found missing before Hydra created it).
 - `write_atomic` writes a file through a temporary file in the same folder and `os.replace` (POSIX rename is
   atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
   truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
@@ -37,10 +40,17 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from registry.errors import UserError
 
 LOCK_FILE = ".run.lock"
+# A run's resume file (evals.lm_adapter.GenerationStore appends a line per finished request) and the files
+# beside it, <stem>.stats.jsonl (a line per generate call that returned) and <stem>.meta.json (the run's
+# fingerprint, written before any request): named here, below the store, for the unused-folder rule.
+GENERATIONS_FILE = "generations.jsonl"
+STATS_SUFFIX = ".stats.jsonl"
+META_SUFFIX = ".meta.json"
 # A sweep job's status file in its run folder (evals.sweep writes it; it names the sweep folder, which
 # evals.history reads): here, below both, so that neither imports the other for it.
 JOB_STATUS_FILE = "job.json"
@@ -91,12 +101,30 @@ def ensure_writable_dir(path: Path, fix: str | None = None) -> None:
 
 
 _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)
+_RUN_DIRS: list[str] = []  # run / sweep folders this process's config resolved to (run_dir, claim_dir)
 # absolute paths of the folders this process created for runs, or found missing just before Hydra created
 # them: the only folders remove_unused_run_dir removes
 _NEW_DIRS: set[str] = set()
 HYDRA_SUBDIR = ".hydra"  # where Hydra writes a run's composed config (hydra.output_subdir, Hydra's default)
-# what a refused run leaves in its folder: Hydra's composed config and the run's lock
-_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE})
+_GENERATIONS = Path(GENERATIONS_FILE)
+# what a run that generated nothing leaves in its folder: Hydra's composed config, the lock, the fingerprint
+# of its generations, and (when empty) the generations and their stats
+_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE, _GENERATIONS.stem + META_SUFFIX})
+_UNUSED_WHEN_EMPTY = frozenset({GENERATIONS_FILE, _GENERATIONS.stem + STATS_SUFFIX})
+
+
+def _unused(folder: Path) -> bool:
+    """Whether `folder` holds nothing a run produced: only the files of _UNUSED_RUN_FILES, those of
+    _UNUSED_WHEN_EMPTY when empty, and sub-folders of that kind (the compare=replay arms)."""
+    for p in folder.iterdir():
+        if p.is_symlink():
+            return False
+        if p.name in _UNUSED_RUN_FILES or (p.name in _UNUSED_WHEN_EMPTY and p.is_file()
+                                           and p.stat().st_size == 0):
+            continue
+        if not (p.is_dir() and _unused(p)):
+            return False
+    return True
 
 
 def _missing_dirs(path: str | Path) -> list[str]:
@@ -110,21 +138,45 @@ def _missing_dirs(path: str | Path) -> list[str]:
 
 
 def note_new_dirs(path: str | Path) -> None:
-    """Record `path`, its .hydra/ subfolder and those of its parents that do not exist yet as created for
-    this process's run, before Hydra creates them (its run folder named by out_dir= or hydra.run.dir=):
-    remove_unused_run_dir may remove them again, while a folder that existed before is never removed."""
-    _NEW_DIRS.update(_missing_dirs(Path(path) / HYDRA_SUBDIR))
+    """Record `path` and those of its parents that do not exist yet as created for this process's run, before
+    Hydra creates them (its run folder named by out_dir= or hydra.run.dir=): remove_unused_run_dir may remove
+    them again, while a folder that existed before is never removed."""
+    _NEW_DIRS.update(_missing_dirs(path))
+
+
+def save_hydra_files(folder: str | Path, files: dict[str, Any]) -> None:
+    """Write a job's Hydra files into `<folder>/.hydra` with Hydra's own writer
+    (hydra.core.utils._save_config, what Hydra's run_job calls at job start when hydra.output_subdir is set).
+
+    files: file name -> the DictConfig / ListConfig it holds (run.py: config.yaml, hydra.yaml,
+    overrides.yaml, copied at job start). A .hydra/ this call creates is recorded as this run's
+    (remove_unused_run_dir removes it again from a folder that existed). Raises UserError when the folder
+    cannot be written.
+    """
+    from hydra.core.utils import _save_config
+
+    target = Path(folder) / HYDRA_SUBDIR
+    created = _missing_dirs(target)
+    try:
+        for name, cfg in files.items():
+            _save_config(cfg, name, target)
+    except OSError as e:
+        raise _os_error(e, target, "written") from None
+    finally:
+        _NEW_DIRS.update(d for d in created if os.path.isdir(d))
 
 
 def remove_unused_run_dir(folder: str | Path) -> None:
-    """Remove the folder of a run that was refused before it wrote anything, and the parents created for it,
-    so a refused command leaves nothing behind.
+    """Remove the folder of a run that was refused before it generated anything, and the parents created for
+    it, so a refused command leaves nothing behind.
 
     Removed: `folder` when this process created it (claim_fresh_dir, or note_new_dirs before Hydra made it),
-    it holds nothing but Hydra's .hydra/ and the run's lock, and no live run holds that lock (the refusal may
-    be that very conflict); then each parent created with it, while empty. Of a folder that existed before,
-    only the .hydra/ this run added. Anything else is left as it is: a folder that existed before, one
-    holding generations of an earlier run or a user's files, a parent that another run's folder appeared in.
+    it holds nothing a run produced (Hydra's .hydra/, the run's lock, generations.meta.json, an empty
+    generations.jsonl / generations.stats.jsonl, sub-folders holding only those), and no live run holds that
+    lock (the refusal may be that very conflict); then each parent created with it, while empty. Of a folder
+    that existed before, only the .hydra/ this run added. Anything else is left as it is: a folder that
+    existed before, one holding generations of an earlier run or a user's files, a parent that another run's
+    folder appeared in.
     Best effort: an OSError leaves the rest in place.
     """
     path = Path(os.path.abspath(folder))
@@ -133,7 +185,7 @@ def remove_unused_run_dir(folder: str | Path) -> None:
             shutil.rmtree(path / HYDRA_SUBDIR, ignore_errors=True)
         return
     try:
-        if not path.is_dir() or not {p.name for p in path.iterdir()} <= _UNUSED_RUN_FILES:
+        if not path.is_dir() or not _unused(path):
             return
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -156,6 +208,7 @@ def claim_dir(path: str) -> str:
     `claim_dir` by `register_resolver`. Raises UserError when nothing can be created there."""
     if path not in _CLAIMED:
         _CLAIMED[path] = claim_fresh_dir(path)
+        _RUN_DIRS.append(_CLAIMED[path])
     return _CLAIMED[path]
 
 
@@ -200,7 +253,16 @@ def run_dir(out_dir: str | None, default: str) -> str:
     if out_dir in (None, ""):
         return claim_dir(default)
     note_new_dirs(str(out_dir))
+    _RUN_DIRS.append(str(out_dir))
     return str(out_dir)
+
+
+def remove_unused_run_dirs() -> None:
+    """remove_unused_run_dir for every run or sweep folder this process's config resolved to (claim_dir,
+    run_dir): run.py's cleanup when Ctrl-C stops a command before its run was accepted, wherever that was
+    (composing, resolving, checking)."""
+    for folder in reversed(_RUN_DIRS):
+        remove_unused_run_dir(folder)
 
 
 def register_resolver() -> None:

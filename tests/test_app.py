@@ -132,12 +132,13 @@ def fakes(monkeypatch):
 
 
 def make_gsm8k_dir(path: Path, rows: int = 2) -> Path:
-    """A GSM8K folder whose files pass evals.data's line checks (the fakes never read it further)."""
+    """A GSM8K folder whose files pass evals.data's checks (the fakes never read it further): `rows` test
+    questions, and train examples enough for the tasks' default few-shot counts."""
     path.mkdir(parents=True)
-    for split in ("train", "test"):
+    for split, n in (("train", max(rows, 8)), ("test", rows)):
         (path / f"{split}.jsonl").write_text("".join(
             json.dumps({"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n"
-            for i in range(rows)))
+            for i in range(n)))
     return path
 
 

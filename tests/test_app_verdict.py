@@ -16,6 +16,7 @@ from test_app import FAKE_SITECUSTOMIZE, FakeEngine, _cfg, fakes, make_checkpoin
 import evals.task
 import registry.baselines
 from registry.errors import UserError
+from registry.resolve import resolve
 from registry.schema import REPO_ROOT
 from runners.app import main as app
 
@@ -265,10 +266,11 @@ def test_run_py_exit_status_one_when_a_check_fails(baselines, tmp_path):
 def test_engine_value_error_becomes_a_user_error(gsm8k_dir, tmp_path):
     """A ValueError raised inside runners / evals (here the real engine on the shipped tiny checkpoint,
     refusing prompts longer than max_seq_len) is reported as error / fix, not as a traceback."""
-    # zero-shot and 8 new tokens in 16 positions pass the checks before loading
-    # (evals.data.check_prompt_room); the question itself is longer
+    # zero-shot and 8 new tokens in 16 positions; the question itself is longer. The checks before loading
+    # refuse it (evals.data.check_prompt_room): passed over (`checked` given), the engine refuses it
     cfg = _cfg("model.max_seq_len=16", "eval.max_gen_toks=8", "eval.num_fewshot=0", "eval.limit=1",
                f"eval.data_dir={gsm8k_dir}", f"out_dir={tmp_path}")
     with pytest.raises(UserError) as e:
-        app.run(cfg)
-    assert "> max_seq_len=16" in e.value.problem and "model.max_seq_len" in e.value.fix
+        app.run(cfg, resolve(cfg))
+    assert "> max_seq_len=16" in e.value.problem
+    assert all(key in e.value.fix for key in ("eval.num_fewshot", "eval.max_gen_toks", "model.max_seq_len"))

@@ -21,6 +21,7 @@ from evals.compare import (
 )
 from evals.compare import main as compare_main
 from evals.verdict import Check, Verdict
+from registry.errors import UserError
 
 
 def test_mcnemar_exact_by_hand():
@@ -164,7 +165,7 @@ def test_compare_run_dirs(tmp_path):
     cmp = compare_run_dirs(tmp_path / "rewind", tmp_path / "replay")
     assert (cmp.label_a, cmp.label_b) == ("rewind", "replay")
     assert cmp.filters["strict_match"].b_only == 5 and cmp.acceptance is None  # replay has no acceptance
-    with pytest.raises(ComparisonError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):  # evals.results.read_results, the one reader
         compare_run_dirs(tmp_path / "rewind", tmp_path / "nowhere")
 
 
@@ -244,9 +245,9 @@ def test_dummy_against_real_weights_is_refused(tmp_path, capsys):
     _write_gsm8k_run(tmp_path / "dummy", a, config={"load_format": "dummy"})
     with pytest.raises(ComparisonError, match="load_format=auto.*load_format=dummy"):
         compare_run_dirs(tmp_path / "real", tmp_path / "dummy")
-    with pytest.raises(SystemExit) as exc:
-        compare_main([str(tmp_path / "real"), str(tmp_path / "dummy")])
-    assert exc.value.code == 2 and "same model.load_format" in capsys.readouterr().err
+    assert compare_main([str(tmp_path / "real"), str(tmp_path / "dummy")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: ") and err[1] == "  fix: compare runs of the same model.load_format", err
 
 
 def test_dummy_comparison_judges_nothing(tmp_path):
@@ -289,3 +290,38 @@ def test_compare_arms_on_dummy_weights_is_no_reference(tmp_path):
     assert section["load_format"] == "dummy" and (tmp_path / COMPARISON_FILE).exists()
     verdict = Verdict(checks)
     assert verdict.status == "no_reference" and verdict.headline == "NO REFERENCE"
+
+
+def test_cli_refusals_are_two_lines(tmp_path, capsys):
+    """Every refusal of `python -m evals.compare` is the project's `error:` / `fix:` pair with status 2 (not
+    argparse's usage line): a folder without results.json, a samples.jsonl missing, runs that scored
+    different samples."""
+    a, _ = _arms()
+    _write_gsm8k_run(tmp_path / "a", a)
+    _write_gsm8k_run(tmp_path / "short", a[:15])
+    (tmp_path / "empty").mkdir()
+    _write_gsm8k_run(tmp_path / "nosamples", a)
+    (tmp_path / "nosamples" / "samples.jsonl").unlink()
+    cases = [("empty", f"error: {tmp_path / 'empty' / 'results.json'} does not exist"),
+             ("nosamples", f"error: {tmp_path / 'nosamples' / 'samples.jsonl'} does not exist"),
+             ("short", "error: the runs scored different samples (20 in a, 15 in short): 5 only in a "
+                       "(e.g. [15, 16, 17, 18, 19]), 0 only in short")]
+    for other, first in cases:
+        assert compare_main([str(tmp_path / "a"), str(tmp_path / other)]) == 2
+        out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert len(lines) == 2 and lines[0].startswith(first) and lines[1].startswith("  fix: "), lines
+        assert "usage:" not in err and out == ""
+
+
+def test_sample_ids_of_a_mismatch_are_listed_in_numeric_order():
+    """Runs of 50 and 300 samples: 250 only in the longer one, its first extras 50..54 (not 100, 101, ...
+    as strings sort), and none only in the shorter one (no empty example list)."""
+    def run(n):
+        return [{"doc_id": i, "strict_match": 1, "flexible_extract": 1} for i in range(n)]
+
+    with pytest.raises(ComparisonError) as e:
+        compare_runs(run(50), run(300), label_a="rv50", label_b="rv300")
+    assert e.value.problem.startswith(
+        "the runs scored different samples (50 in rv50, 300 in rv300): 0 only in rv50, 250 only in rv300 "
+        "(e.g. [50, 51, 52, 53, 54])"), e.value.problem

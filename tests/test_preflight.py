@@ -4,7 +4,8 @@ Each case runs `python -X importtime run.py <bad setting>` in a fresh process fr
 refusal must be the project's two lines with exit status 2, the import log must hold none of torch, lm-eval,
 datasets, transformers and triton (runners.app.preflight runs before runners.app.main is imported), and the
 folder must be empty again afterwards (no outputs/<entry>/, no .hydra/). `--cfg job` of the nightly sweep,
-which runs nothing, must create nothing either.
+which runs nothing, must create nothing either. A folder that existed stays byte for byte as it was (Hydra's
+.hydra/ files are written only once a run is accepted), and Ctrl-C before that leaves nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from evals.outdir import claim_out_dir
 from registry.schema import REPO_ROOT
 
 HEAVY = ("torch", "lm_eval", "datasets", "transformers", "triton")
+# lm-eval's few-shot sampler (pure Python; lm-eval's package __init__ imports nothing heavy): the preflight
+# draws the prompts of lm-eval's gsm8k task with it (evals.data.gsm8k_prompts)
+LM_EVAL_SAMPLER = {"lm_eval", "lm_eval.api", "lm_eval.api.samplers"}
 
 # (overrides, the start of the error line): settings errors that need no model
 REFUSALS = [
@@ -31,11 +36,15 @@ REFUSALS = [
     (["ssm_replay=true", "draft_len=0"], "error: ssm_replay requires speculative decoding"),
     (["eval.max_gen_toks=5000"], "error: eval.max_gen_toks=5000 leaves no room for a prompt"),
     (["draft_len=7"], "error: no acceptance reference for 'tiny_nemotron_h_mtp'"),
+    (["eval.num_fewshot=20", "eval.limit=2"], "error: eval.num_fewshot=20 makes a prompt too long: the "
+     "prompt of test question 0 has 4296 tokens, and with eval.max_gen_toks=256 and draft_len=3 it needs "
+     "4555 positions, more than model.max_seq_len=4096"),
 ]
 
 
-def _run_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LLM_MODELS_ROOT", "HYBRID_EVAL_HISTORY")}
+def _run_py(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("LLM_MODELS_ROOT", "HYBRID_EVAL_HISTORY")},
+           **(env or {})}
     return subprocess.run([sys.executable, "-X", "importtime", str(REPO_ROOT / "run.py"), *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -63,14 +72,14 @@ def test_settings_errors_are_refused_before_heavy_imports_and_leave_nothing(tmp_
     assert not any("Traceback" in line or line.startswith("  fix: ") for line in lines[:-1]), lines
     loaded = _imported(proc.stderr)
     assert "runners.app.preflight" in loaded  # the log is read right: the check's own module is in it
-    assert not {m.split(".")[0] for m in loaded} & set(HEAVY), sorted(m for m in loaded
-                                                                    if m.split(".")[0] in HEAVY)
+    heavy = sorted(m for m in loaded - LM_EVAL_SAMPLER if m.split(".")[0] in HEAVY)
+    assert not heavy, heavy
     assert list(tmp_path.iterdir()) == []  # no outputs/<entry>/<time>/, no empty outputs/<entry>/
 
 
 def test_a_refused_run_keeps_a_folder_that_existed_and_drops_one_it_created(tmp_path):
-    """out_dir= naming a folder that exists: it stays as it was (the .hydra/ Hydra wrote into it goes); one
-    that did not exist goes with the parents created for it."""
+    """out_dir= naming a folder that exists: it stays as it was (no .hydra/ is written into it); one that did
+    not exist goes with the parents created for it."""
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "notes.txt").write_text("mine\n")
     for out_dir in ("existing", "new/deeper"):
@@ -79,3 +88,136 @@ def test_a_refused_run_keeps_a_folder_that_existed_and_drops_one_it_created(tmp_
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["existing",
                                                                                  "existing/notes.txt"]
 
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` with its bytes (None for a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in folder.rglob("*")}
+
+
+def test_a_refused_run_changes_nothing_in_a_folder_that_existed(tmp_path):
+    """A finished run's folder (Hydra's three files, generations and their fingerprint) stays byte for byte as
+    it was when a later command into it is refused: a settings error, resume=true with other settings, and
+    while a live run holds it ("in use"). Hydra writes no .hydra/ at job start (hydra.output_subdir: null);
+    run.py writes it once the run holds its folder and every check passed."""
+    folder = tmp_path / "run"
+    (folder / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (folder / ".hydra" / name).write_text(f"# the finished run's {name}\n")
+    (folder / "generations.jsonl").write_text('{"key": "k", "text": "t"}\n')
+    (folder / "generations.meta.json").write_text('{"fingerprint": {"entry": "another"}}\n')
+    (folder / "results.json").write_text("{}\n")
+    before = _tree(folder)
+    for args, error in ((["eval.limit=-1"], "error: eval.limit must be >= 1"),
+                        (["resume=true", "eval.limit=4"], f"error: cannot resume the run in {folder}")):
+        proc = _run_py(f"hydra.run.dir={folder}", "history.db=null", *args, cwd=tmp_path)
+        assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-3000:]
+        assert _tree(folder) == before, args
+    claim = claim_out_dir(folder)  # a live run holds it
+    try:
+        proc = _run_py(f"hydra.run.dir={folder}", "history.db=null", "eval.limit=4", cwd=tmp_path)
+    finally:
+        claim.release()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "is in use by a run that is still going" in proc.stderr, proc.stderr[-3000:]
+    assert _tree(folder) == before
+
+
+@pytest.mark.parametrize("module, function", [("runners.app.preflight", "check_run"),
+                                              ("runners.app.main", "_build_engine")])
+def test_ctrl_c_before_anything_is_kept_leaves_nothing(tmp_path, module, function):
+    """Ctrl-C while the settings are checked, or after the run was accepted but before any generation
+    (raised there through a sitecustomize): exit 130, the two lines, and no outputs/<entry>/<time>/ (nor its
+    .hydra/) left behind."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import {module} as target\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt\n"
+        f"target.{function} = interrupted\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _run_py("eval.limit=4", "history.db=null", cwd=work,
+                   env={"PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])})
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines == ["error: interrupted (Ctrl-C) before the run wrote anything", "  fix: rerun the command"]
+    assert list(work.iterdir()) == []
+
+
+def test_the_prompts_checked_before_loading_are_lm_evals(gsm8k_dir):
+    """evals.data.gsm8k_prompts rebuilds, without lm-eval's task machinery, exactly the contexts lm-eval's
+    gsm8k task builds for the run (its seeded few-shot draw, one per question in order), so the preflight's
+    token counts are the engine's."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from evals.data import gsm8k_prompts
+    from evals.gsm8k import FEWSHOT_SEED, load_gsm8k_task
+
+    class Contexts(LM):
+        def __init__(self):
+            super().__init__()
+            self.contexts = []
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return ["" for _ in requests]
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    for num_fewshot, limit in ((5, 3), (20, 2), (0, 2)):
+        task, manager, _ = load_gsm8k_task(gsm8k_dir)
+        lm = Contexts()
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=num_fewshot,
+                                limit=limit, bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
+        assert lm.contexts == gsm8k_prompts(gsm8k_dir, num_fewshot, limit), (num_fewshot, limit)
+
+
+def test_the_largest_few_shot_count_named_fits(gsm8k_dir):
+    """The count the fix line names fits every prompt of the run (the next one up did not), and the token
+    count of the error is the prompt's as the engine's tokenizer encodes it."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    from evals.data import check_prompt_room, gsm8k_prompts
+    from registry.errors import UserError
+
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    check = {"draft_len": 3, "limit": 3, "exact": True}
+    with pytest.raises(UserError) as e:
+        check_prompt_room(tokenizer, gsm8k_dir, 20, 256, 4096, **check)
+    tokens = len(Tokenizer.from_file(str(tokenizer)).encode(gsm8k_prompts(gsm8k_dir, 20, 3)[0]).ids)
+    assert f"the prompt of test question 0 has {tokens} tokens" in e.value.problem, e.value.problem
+    fits = int(re.search(r"^lower eval.num_fewshot to (\d+) ", e.value.fix)[1])
+    assert "eval.max_gen_toks" in e.value.fix and "model.max_seq_len" in e.value.fix
+    check_prompt_room(tokenizer, gsm8k_dir, fits, 256, 4096, **check)
+    with pytest.raises(UserError, match=f"^eval.num_fewshot={fits + 1} makes a prompt too long"):
+        check_prompt_room(tokenizer, gsm8k_dir, fits + 1, 256, 4096, **check)
+    with pytest.raises(UserError, match="too long even without few-shot examples") as e:  # the question alone
+        check_prompt_room(tokenizer, gsm8k_dir, 0, 8, 24, limit=3, exact=True)
+    assert e.value.fix == "lower eval.max_gen_toks or raise model.max_seq_len (no few-shot count fits)"
+
+
+def test_more_shots_than_train_examples_are_refused_before_loading(gsm8k_dir, tmp_path):
+    """A train split shorter than eval.num_fewshot (a cut copy): lm-eval's draw would fail deep inside the
+    evaluation; the check before loading names the file and the most it allows."""
+    from evals.data import check_prompt_room
+    from registry.errors import UserError
+
+    tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
+    for split, n in (("train", 3), ("test", 2)):
+        lines = (gsm8k_dir / f"{split}.jsonl").read_text().splitlines(keepends=True)
+        (tmp_path / f"{split}.jsonl").write_text("".join(lines[:n]))
+    check_prompt_room(tokenizer, tmp_path, 3, 256, 4096, exact=True)
+    with pytest.raises(UserError) as e:
+        check_prompt_room(tokenizer, tmp_path, 5, 256, 4096, exact=True)
+    train = tmp_path / "train.jsonl"
+    assert e.value.problem.startswith(f"eval.num_fewshot=5 is more than the 3 examples of {train}")
+    assert e.value.fix.startswith("lower eval.num_fewshot to at most 3")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_factory import make_hf_model, write_checkpoint
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -37,6 +38,7 @@ from evals.outdir import (
     ensure_writable_dir,
     note_new_dirs,
     remove_unused_run_dir,
+    save_hydra_files,
     write_atomic,
 )
 from evals.report import format_console, plot_title
@@ -478,6 +480,27 @@ def test_a_refused_runs_folder_is_removed_unless_a_live_run_holds_it(tmp_path):
     assert not folder.exists()
 
 
+def test_a_run_refused_before_any_generation_leaves_no_folder(tmp_path):
+    """What a run writes before its first generation finishes (its fingerprint in generations.meta.json, an
+    empty generations.jsonl and generations.stats.jsonl, the same in a compare=replay arm's sub-folder) does
+    not keep a refused run's folder; one finished generation, or any other file, does."""
+    folder = Path(claim_fresh_dir(str(tmp_path / "outputs" / "run")))
+    for d in (folder, folder / "rewind"):
+        d.mkdir(exist_ok=True)
+        (d / "generations.meta.json").write_text('{"fingerprint": {}}\n')
+        (d / "generations.jsonl").write_text("")
+        (d / "generations.stats.jsonl").write_text("")
+    (folder / ".hydra").mkdir()
+    for kept in ("rewind/generations.jsonl", "generations.stats.jsonl", "notes.txt"):
+        (folder / kept).write_text("{}\n")
+        remove_unused_run_dir(folder)
+        assert folder.is_dir(), kept
+        (folder / kept).write_text("")  # empty again: unused
+    (folder / "notes.txt").unlink()
+    remove_unused_run_dir(folder)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
     """The parents created for a refused run's folder go with it, up to the first that existed before; a
     folder that existed before stays (only the .hydra/ the run added goes), as does a parent that another
@@ -489,9 +512,10 @@ def test_a_refused_run_removes_only_the_folders_it_created(tmp_path):
 
     existing = tmp_path / "mine"
     (existing / "sub").mkdir(parents=True)
-    note_new_dirs(existing / "sub")  # before Hydra: it exists, its .hydra/ does not
-    (existing / "sub" / ".hydra").mkdir()
-    remove_unused_run_dir(existing / "sub")
+    note_new_dirs(existing / "sub")  # before Hydra: it exists
+    save_hydra_files(existing / "sub", {"overrides.yaml": OmegaConf.create(["eval.limit=4"])})  # accepted
+    assert (existing / "sub" / ".hydra" / "overrides.yaml").read_text() == "- eval.limit=4\n"
+    remove_unused_run_dir(existing / "sub")  # refused after all (say, its model did not load)
     assert sorted(p.relative_to(tmp_path) for p in existing.rglob("*")) == [Path("mine/sub")]
 
     note_new_dirs(tmp_path / "new" / "run")  # out_dir= / hydra.run.dir= that does not exist yet
@@ -902,11 +926,10 @@ def test_a_jsonl_file_cut_short_is_named_with_its_line_by_compare(tmp_path, caps
     bad = write_run(tmp_path / "bad", make_results(), correct=[1, 0, 1, 1])
     text = (bad / name).read_text()
     (bad / name).write_text(text[: len(text) - 12])  # the last line cut short
-    with pytest.raises(SystemExit) as e:
-        compare_main([str(good), str(bad)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err
-    assert f"error: {bad / name}:4: not JSON (" in err, err
+    assert compare_main([str(good), str(bad)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: {bad / name}:4: not JSON ("), lines
+    assert lines[1].startswith("  fix: "), lines
 
 
 def test_the_documented_output_folders_are_ignored_by_git():

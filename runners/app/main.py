@@ -26,6 +26,7 @@ import json
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,15 @@ from runners.engine.prefix_cache import prefix_cache_off_reason
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
 
-def run(cfg: DictConfig, checked: ResolvedRun | None = None) -> dict[str, Any]:
+def run(cfg: DictConfig, checked: ResolvedRun | None = None,
+        on_accepted: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run the configured evaluation (the task of eval.name), judge it against its baselines, write results
     and report.
 
     cfg: a composed config (configs/config.yaml with a registry entry as `model`). checked: what
     runners.app.preflight.check_run(cfg) returned, when the caller ran it (run.py does, before it imports
-    this module); None: it runs here. Output folder: cfg.out_dir,
+    this module); None: it runs here. on_accepted: called once the run holds its output folder and every
+    check before the engine passed (run.py writes Hydra's .hydra/ files then). Output folder: cfg.out_dir,
     else Hydra's run directory. It receives generations.jsonl (appended as requests finish; the resume file),
     samples.jsonl, results.json (docs/results_schema.md), summary.md and PNG plots. An out_dir that already
     holds generations is continued with resume=true and refused without it.
@@ -82,6 +85,9 @@ def run(cfg: DictConfig, checked: ResolvedRun | None = None) -> dict[str, Any]:
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
         _check_out_dir(out_dir, rr)
+        _check_history_db(rr)
+        if on_accepted is not None:
+            on_accepted()
         _warn_prefix_cache_off(rr)
         _warn_ignored_runtime(rr)
         if rr.world_size > 1:  # one process per rank; rank 0 runs the job below, the others serve its engines
@@ -231,6 +237,14 @@ def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
         check_resume(out_dir, rr.run.resume, fingerprint(rr))
 
 
+def _check_history_db(rr: ResolvedRun) -> None:
+    """A history database the run could not write is refused now, not found after the run."""
+    history_db = resolve_db(rr.run.history.db)
+    if history_db is not None:
+        ensure_writable_dir(history_db.parent, fix=f"pass history.db= a path in a writable folder (not "
+                            f"{history_db}), or history.db=null to keep no history")
+
+
 def _build_engine(rr: ResolvedRun) -> Engine:
     """The engine for the run, with the options of runners.engine.options.engine_options.
     Engine.from_pretrained raises CheckpointError (a UserError) for the files and ValueError for options it
@@ -287,10 +301,6 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     results dict."""
     t0 = time.perf_counter()
     ensure_writable_dir(out_dir)
-    history_db = resolve_db(rr.run.history.db)
-    if history_db is not None:  # a history the run could not write is refused now, not found after the run
-        ensure_writable_dir(history_db.parent, fix=f"pass history.db= a path in a writable folder (not "
-                            f"{history_db}), or history.db=null to keep no history")
     engine = _build_engine(rr)
     _print_load(engine)
     capture_seconds = _capture_graphs(engine, rr)
@@ -312,8 +322,9 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     except UserError:
         raise
     except ValueError as e:  # the engine's and the evaluation's refusals of their (configured) arguments
-        raise UserError(str(e), "check the eval.* settings, model.max_seq_len, eval.data_dir / $GSM8K_DIR"
-                        ) from None
+        raise UserError(str(e), "a prompt that does not fit: lower eval.num_fewshot or eval.max_gen_toks, or "
+                        "raise model.max_seq_len; else check the eval.* settings and eval.data_dir / "
+                        "$GSM8K_DIR") from None
     config = rr.to_dict()
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
     # which FP8 GEMMs ran (runners.engine.quant.prepare_fp8): the device's FP8 kernels or the dequantizing
@@ -401,7 +412,7 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     try:
         comparison, checks = compare_arms(out_dir, rewind["verdict"], exact=exact)
     except ComparisonError as err:
-        raise UserError(str(err), "rerun both arms with the same settings into a fresh out_dir") from None
+        raise UserError(err.problem, "rerun both arms with the same settings into a fresh out_dir") from None
     results = combine_arms(replay, rewind, comparison)
     results["verdict"] = _verdict(replay_rr, results, checks)
     print(f"== comparison {COMPARE_ARMS[0]} (A) vs {COMPARE_ARMS[1]} (B) -> {out_dir / COMPARISON_FILE}")

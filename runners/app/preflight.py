@@ -1,5 +1,6 @@
 """Every check of a run that needs no model: the settings, this machine, the task, the baseline rows, the
-GSM8K files, the tokenizer and the prompt length, before torch, lm-eval or the engine is imported.
+GSM8K files, the tokenizer and the prompt lengths, before torch, lm-eval (but its pure-Python few-shot
+sampler) or the engine is imported.
 
 `check_run(cfg)` is the first step of runners.app.main.run, and run.py calls it before it imports that module
 (which loads torch, lm-eval and datasets: seconds), so a settings mistake is refused at once. Only registry/,
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from evals.data import check_prompt_room, gsm8k_dir, gsm8k_files
+from evals.data import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
 from evals.results import GSM8K_TEST_ROWS
 from evals.task import get_task
 from registry.baselines import find_acceptance_reference, find_gsm8k_reference
@@ -31,7 +32,7 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     that holds without a model: registry.resolve.resolve (schema, cross-setting rules, checkpoint directory,
     model dimensions), what this engine and machine run (runners.app.support), the task (evals.task), the
     baseline rows (:func:`check_references`), the GSM8K files (evals.data.gsm8k_files), the tokenizer and
-    whether a prompt can fit model.max_seq_len (evals.data.check_prompt_room). An eval.limit above the
+    whether the run's prompts fit model.max_seq_len (evals.data.check_prompt_room). An eval.limit above the
     test split's size is noted on stdout.
 
     Returns the ResolvedRun. Raises UserError naming the first problem and its fix. Reads config.json,
@@ -51,8 +52,11 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     tokenizer = tokenizer_file(rr)
     check_tokenizer(tokenizer)
+    # every prompt of the run fits max_seq_len (exactly for lm-eval's stock gsm8k, whose prompts evals.data
+    # rebuilds; a bound for other tasks)
     check_prompt_room(tokenizer, gsm8k_dir(rr.run.eval.data_dir)[0], rr.run.eval.num_fewshot,
-                      rr.run.eval.max_gen_toks, rr.entry.max_seq_len)  # settings no prompt can fit
+                      rr.run.eval.max_gen_toks, rr.entry.max_seq_len, draft_len=rr.draft_len,
+                      limit=rr.run.eval.limit, exact=get_task(rr.run.eval.name).lm_eval_task == PROMPTS_TASK)
     return rr
 
 
