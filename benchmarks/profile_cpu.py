@@ -12,6 +12,13 @@ it includes time the thread waited for a core, so compare the rows with each oth
 then the top operators by self time.
 
     python -m benchmarks.profile_cpu                       # 16 prompts x 64 tokens, K = 0 and K = 3
+
+``--prefill N`` profiles the prefill instead, as the default job runs it: N GSM8K prompts (5-shot, about
+1,100 tokens each), each admitted alone into an engine of ``--slots`` slots with K = 3 (the MTP module runs
+over the prompt too) and generating one token: the CPU milliseconds per prompt (``time.process_time``, a
+first pass unprofiled) and the top operators of a profiled second pass.
+
+    python -m benchmarks.profile_cpu --prefill 16          # docs/cpu_bench/profile_prefill_*.txt
 """
 
 from __future__ import annotations
@@ -50,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--draft-lens", default="0,3", help="comma-separated")
+    p.add_argument("--prefill", type=int, default=0, metavar="N", help="profile N one-prompt prefills instead")
+    p.add_argument("--slots", type=int, default=64, help="the engine's max_batch_size (--prefill)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.prefill:
+        return _profile_prefill(args.checkpoint, args.prefill, args.slots)
     prompts = gsm8k_prompts(args.checkpoint, args.prompts)
     max_len = max(map(len, prompts)) + args.new_tokens + 8
     for K in map(int, args.draft_lens.split(",")):
@@ -77,6 +88,29 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {e.key:12s} calls {e.count:5d}  cpu total {e.cpu_time_total / 1e3:9.1f} ms  "
                       f"per call {e.cpu_time_total / e.count / 1e3:7.2f} ms")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+    return 0
+
+
+def _profile_prefill(checkpoint: Path, n: int, slots: int) -> int:
+    import time
+
+    from runners.engine import Engine
+    from runners.engine.options import EngineOptions
+
+    prompts = gsm8k_prompts(checkpoint, n + 1)
+    eng = Engine.from_pretrained(checkpoint, EngineOptions(draft_len=3, max_batch_size=slots, max_seq_len=4096))
+    eng.generate(prompts[-1:], 1)  # warm-up (a prompt not measured)
+    c = time.process_time()
+    for p in prompts[:n]:
+        eng.generate([p], 1)
+    per_prompt = (time.process_time() - c) / n
+    tokens = sum(map(len, prompts[:n])) / n
+    print(f"prefill: {n} prompts of {tokens:.0f} tokens on average, {per_prompt * 1e3:.1f} ms of CPU per prompt "
+          f"(K = 3, {slots} slots, one thread)", flush=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for p in prompts[:n]:
+            eng.generate([p], 1)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     return 0
 
 

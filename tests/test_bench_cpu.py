@@ -35,3 +35,10 @@ def test_profile_cpu_labels_the_step_phases(capsys):
     labels = ("DECODE", "DRAFT", "VERIFY", "COMMIT", "CATCHUP", "TARGET_FWD", "MTP_FWD", "LM_HEAD", "STEP")
     for label in labels:
         assert f"  {label} " in printed, label
+
+
+def test_profile_cpu_prefill_mode_times_one_prompt_prefills(capsys):
+    assert profile_cpu.main(["--prefill", "2", "--slots", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "prefill: 2 prompts of" in printed and "ms of CPU per prompt" in printed
+    assert "scaled_dot_product" in printed  # the operator table of the profiled pass

@@ -86,7 +86,8 @@ def test_small_products_autograd_and_other_dtypes_take_f_linear(monkeypatch):
     assert calls == [] and lin.weight.grad is not None
     with torch.inference_mode():
         fast(torch.randn(300, 192))
-    assert calls == [(300, 192)]
+        fast(torch.randn(4, 70, 192))
+    assert calls == [(320, 192), (320, 192)]  # rows padded to a multiple of ROW_BUCKET (64): few shapes
 
 
 @needs_onednn
@@ -302,6 +303,28 @@ def test_attention_forward_last_is_forwards_last_rows_bit_for_bit(T):
         return
     assert torch.equal(last, full[:, T - rows:])
     assert torch.equal(kv[0].k, kv[1].k) and torch.equal(kv[0].v, kv[1].v)
+
+
+def test_cpu_prefills_one_prompt_per_forward_with_the_tokens_of_grouped_rows(monkeypatch):
+    """On the CPU each admitted prompt is prefilled in forwards of its own (no padding); prompts prefilled
+    together as padded rows (prefill_max_rows, a GPU's way) give the same tokens and accepted drafts."""
+    from runners.engine.prefill import Prefill
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (300, 41, 170, 96, 250, 12)]
+    out, widths = {}, {}
+    group = Prefill._group
+    for rows in (None, 4):
+        seen = []
+        monkeypatch.setattr(Prefill, "_group",
+                            lambda self, rows_, seen=seen: seen.append(len(rows_)) or group(self, rows_))
+        eng = Engine.from_pretrained(TINY, EngineOptions(draft_len=3, max_batch_size=4, max_seq_len=512,
+                                                         prefill_max_rows=rows, prefix_cache=False))
+        gen = eng.generate(prompts, 16, stop_token_ids=[])
+        out[rows], widths[rows] = (gen.tokens, gen.stats.accepted_per_position), seen
+    assert set(widths[None]) == {1} and len(widths[None]) == len(prompts)
+    assert max(widths[4]) == 4  # the first admission's four prompts together
+    assert out[None] == out[4]
 
 
 def test_ssd_chunked_scan_is_differentiable():

@@ -74,9 +74,10 @@ def test_each_prompt_alone_and_continuous_batching_agree(setup):
     _, path, prompts, expected = setup
     alone = Engine.from_pretrained(path, EngineOptions(max_batch_size=1, max_seq_len=64))
     assert [alone.generate([p], MAX_NEW, stop_token_ids=[]).tokens[0] for p in prompts[:2]] == expected[:2]
-    # 2 slots for 5 prompts: requests join as others leave; small prefill chunks force chunked prefill.
+    # 2 slots for 5 prompts: requests join as others leave; small prefill chunks force chunked prefill, of
+    # both admitted prompts together (padded rows, as on a GPU; the CPU's default prefills one per forward)
     engine = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=64,
-                                                        prefill_chunk_tokens=6))
+                                                        prefill_chunk_tokens=6, prefill_max_rows=2))
     finished_order = []
     out = engine.generate(
         prompts, MAX_NEW, stop_token_ids=[], on_finish=lambda i, toks, reason, stats: finished_order.append(i)

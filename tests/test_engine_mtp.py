@@ -175,8 +175,9 @@ class CheckedEngine(Engine):
 
 def _checked_run(path, prompts, plain, K, schedules=None, prefill_chunk_tokens=8192):
     kw = dict(draft_len=K, max_batch_size=3, max_seq_len=64)
+    # prompts prefilled together (padded rows) as on a GPU: the CPU's default prefills one per forward
     engine = CheckedEngine.from_pretrained(path, EngineOptions(prefill_chunk_tokens=prefill_chunk_tokens,
-                                                               **kw))
+                                                               prefill_max_rows=3, **kw))
     engine.attach(Engine.from_pretrained(path, EngineOptions(**kw)), prompts, plain, schedules)
     finished, request_stats = [], {}
 

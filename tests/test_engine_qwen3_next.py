@@ -198,7 +198,7 @@ def test_greedy_generate_matches_transformers(ckpt, hf):
     assert ref[0, len(prompts[2]) :].tolist() == expected[2]
     # 2 slots for 4 prompts (requests join as others leave) and prefill chunks of 6 tokens
     engine = Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=64,
-                                                        prefill_chunk_tokens=6))
+                                                        prefill_chunk_tokens=6, prefill_max_rows=2))
     out = engine.generate(prompts, MAX_NEW, stop_token_ids=[])
     assert out.tokens == expected and out.finish_reasons == ["length"] * len(prompts)
     mem = engine.cache_memory()

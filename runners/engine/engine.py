@@ -295,8 +295,12 @@ class Engine:
         if options.check_finite:  # per-layer "non-finite output" flags, read once per generate call
             model.track_nonfinite(self.device)
         self._setup_prefix_cache(prefix_store)
+        max_rows = options.prefill_max_rows
+        if max_rows is None and self.device.type == "cpu":
+            max_rows = 1  # GEMM-bound per prompt already: rows together would only pad
         self.prefill = Prefill(model, self.cache, self.step, self.prefix_cache, draft_len=self.draft_len,
-                               prefill_chunk_tokens=self.prefill_chunk_tokens, device=self.device)
+                               prefill_chunk_tokens=self.prefill_chunk_tokens, device=self.device,
+                               prefill_max_rows=max_rows)
         self._stats: GenerationStats | None = None  # the counters of the generate call in progress
 
     def _setup_prefix_cache(self, prefix_store: PrefixCache | None) -> None:

@@ -32,6 +32,10 @@ MIN_ROWS = 4  # fewer rows: MKL computes them another way (not the blocked sgemm
 MIN_OUTPUTS = 16384  # rows x output features below which oneDNN's call costs more than MKL's
 MKL_BLOCK = 192  # the K block of the sgemm the candidate blockings are modelled on (each is checked)
 PROBE_ROWS = (MIN_ROWS, 5, 17, 64, 257)  # row counts each candidate blocking must match F.linear at
+# oneDNN builds a kernel for each new row count (a few hundred microseconds, more than the product itself at
+# a prompt's size, and a prefill meets a new count with every prompt): inputs are padded with zero rows to a
+# multiple of this, so that a run builds few
+ROW_BUCKET = 64
 
 
 def onednn_available() -> bool:
@@ -109,7 +113,7 @@ class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` (float32, no bias, on the CPU) whose forward runs oneDNN over the K blocks of
     :func:`linear_plan` where that equals ``F.linear`` bit for bit: inference (no autograd, not inside
     torch.compile), float32 input of at least :data:`MIN_ROWS` rows and :data:`MIN_OUTPUTS` rows x output
-    features; ``F.linear`` otherwise.
+    features (padded to a multiple of :data:`ROW_BUCKET` rows); ``F.linear`` otherwise.
     Made by :meth:`from_linear`, sharing the original module's parameter. A multi-block plan keeps
     contiguous copies of the weight's column blocks, remade when the weight changes in place (its version
     counter) or is replaced."""
@@ -147,7 +151,11 @@ class OneDNNLinear(nn.Linear):
         if (rows < MIN_ROWS or rows * self.out_features < MIN_OUTPUTS or x.dtype != torch.float32
                 or x.device.type != "cpu" or torch.is_grad_enabled()):
             return F.linear(x, self.weight)
-        return _blocked(x, self._weight_parts(), self.blocks)
+        pad = -rows % ROW_BUCKET
+        if not pad:
+            return _blocked(x, self._weight_parts(), self.blocks)
+        flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, pad))  # a row's result is its own
+        return _blocked(flat, self._weight_parts(), self.blocks)[:rows].view(*x.shape[:-1], self.out_features)
 
 
 def use_onednn_linears(model: nn.Module) -> int:

@@ -64,6 +64,9 @@ class EngineOptions:
         max_batch_size: S, cache slots (requests decoded at once).
         max_seq_len: positions per slot (prompt + generated tokens + draft_len).
         prefill_chunk_tokens: padded tokens per prefill forward (rows x columns), >= 1.
+        prefill_max_rows: prompts prefilled together in one forward at most (padded to the longest), >= 1;
+            None: 1 on the CPU, where a prompt's forward is GEMM-bound already and rows together only add
+            padding, and no limit elsewhere (``prefill_chunk_tokens`` decides).
         scan_chunk_size: tokens per chunk of the Mamba2 prefill scan; None: the config's ``chunk_size`` on
             CUDA, at most 32 elsewhere (~5x faster on CPUs; the same result up to float rounding).
         kv_cache_quant: "none", or "fp8": keys and values stored in float8_e4m3fn with the checkpoint's
@@ -104,6 +107,7 @@ class EngineOptions:
     max_batch_size: int = 64
     max_seq_len: int = 4096
     prefill_chunk_tokens: int = 8192
+    prefill_max_rows: int | None = None
     scan_chunk_size: int | None = None
     kv_cache_quant: str = "none"
     cuda_graphs: bool | None = None
@@ -164,8 +168,8 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-        for name in ("scan_chunk_size", "prefix_cache_bytes", "memory_budget_bytes"):
-            value, low = getattr(self, name), 1 if name == "scan_chunk_size" else 0
+        for name in ("scan_chunk_size", "prefill_max_rows", "prefix_cache_bytes", "memory_budget_bytes"):
+            value, low = getattr(self, name), 1 if name in ("scan_chunk_size", "prefill_max_rows") else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{name}={value!r} must be None or an integer >= {low}")
         if self.ssm_replay and self.draft_len == 0:

@@ -63,14 +63,16 @@ class Prefill:
     Args:
         model, cache: the engine's model and caches; step: its :class:`DecodeStep` (the slot state a prefill
             leaves: lengths, first tokens, first drafts); prefix_cache: the engine's (None: off);
-        draft_len: K; prefill_chunk_tokens: padded tokens per forward; device: the engine's.
+        draft_len: K; prefill_chunk_tokens: padded tokens per forward; device: the engine's;
+        prefill_max_rows: prompts per forward at most (None: as many as the token budget holds).
     """
 
     def __init__(self, model: HybridLM, cache: HybridCache, step: DecodeStep,
                  prefix_cache: PrefixCache | None, *, draft_len: int, prefill_chunk_tokens: int,
-                 device: torch.device):
+                 device: torch.device, prefill_max_rows: int | None = None):
         self.model, self.cache, self.step, self.prefix_cache = model, cache, step, prefix_cache
         self.draft_len, self.prefill_chunk_tokens, self.device = draft_len, prefill_chunk_tokens, device
+        self.prefill_max_rows = prefill_max_rows
 
     def run(self, prompts: list[list[int]], slots: list[int], *, record_prefix=None,
             stats: GenerationStats | None = None) -> list[int]:
@@ -120,12 +122,14 @@ class Prefill:
             r.save_points = points
 
     def _groups(self, todo: list[PrefillRow]) -> list[list[PrefillRow]]:
-        """Rows sorted by what remains, cut into groups whose padded size fits ``prefill_chunk_tokens``."""
-        budget = self.prefill_chunk_tokens
+        """Rows sorted by what remains, cut into groups whose padded size fits ``prefill_chunk_tokens`` and
+        of at most ``prefill_max_rows`` rows."""
+        budget, most = self.prefill_chunk_tokens, self.prefill_max_rows or len(todo)
         groups: list[list[PrefillRow]] = []
         group: list[PrefillRow] = []
         for r in sorted(todo, key=lambda r: r.remaining) + [None]:
-            if r is not None and (not group or (len(group) + 1) * min(r.remaining, budget) <= budget):
+            if r is not None and (not group or len(group) < most
+                                  and (len(group) + 1) * min(r.remaining, budget) <= budget):
                 group.append(r)
                 continue
             if group:
