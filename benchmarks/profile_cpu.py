@@ -16,7 +16,9 @@ then the top operators by self time.
 ``--prefill N`` profiles the prefill instead, as the default job runs it: N GSM8K prompts (5-shot, about
 1,100 tokens each), each admitted alone into an engine of ``--slots`` slots with K = 3 (the MTP module runs
 over the prompt too) and generating one token: the CPU milliseconds per prompt (``time.process_time``, a
-first pass unprofiled) and the top operators of a profiled second pass.
+first pass unprofiled; also with ``onednn_linear=False`` where the engine has that option) and the top
+operators of a profiled pass over N other prompts (the prefix cache holds the first N); and whether MKL
+takes this CPU for an Intel one.
 
     python -m benchmarks.profile_cpu --prefill 16          # docs/cpu_bench/profile_prefill_*.txt
 """
@@ -91,25 +93,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _mkl_on_intel_path() -> str:
+    """What MKL (inside libtorch_cpu) says of this CPU: ``mkl_serv_intel_cpu_true()`` (0: MKL runs its
+    compatibility code path, as on AMD processors), or why it cannot be asked."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        lib.mkl_serv_intel_cpu_true.restype = ctypes.c_int
+        return str(lib.mkl_serv_intel_cpu_true())
+    except (OSError, AttributeError) as e:
+        return f"unknown ({e})"
+
+
 def _profile_prefill(checkpoint: Path, n: int, slots: int) -> int:
+    import dataclasses
     import time
 
     from runners.engine import Engine
     from runners.engine.options import EngineOptions
 
-    prompts = gsm8k_prompts(checkpoint, n + 1)
-    eng = Engine.from_pretrained(checkpoint, EngineOptions(draft_len=3, max_batch_size=slots, max_seq_len=4096))
-    eng.generate(prompts[-1:], 1)  # warm-up (a prompt not measured)
-    c = time.process_time()
-    for p in prompts[:n]:
-        eng.generate([p], 1)
-    per_prompt = (time.process_time() - c) / n
+    prompts = gsm8k_prompts(checkpoint, 2 * n + 1)  # the profiled pass takes other prompts: no cache hits
     tokens = sum(map(len, prompts[:n])) / n
-    print(f"prefill: {n} prompts of {tokens:.0f} tokens on average, {per_prompt * 1e3:.1f} ms of CPU per prompt "
-          f"(K = 3, {slots} slots, one thread)", flush=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    print(f"prefill: {n} prompts of {tokens:.0f} tokens on average, K = 3, {slots} slots, one thread; "
+          f"MKL mkl_serv_intel_cpu_true() = {_mkl_on_intel_path()}", flush=True)
+    arms = {"default": {}}
+    if "onednn_linear" in {f.name for f in dataclasses.fields(EngineOptions)}:
+        arms["onednn_linear=False"] = {"onednn_linear": False}
+    for arm, extra in arms.items():
+        eng = Engine.from_pretrained(checkpoint, EngineOptions(draft_len=3, max_batch_size=slots, max_seq_len=4096,
+                                                               **extra))
+        eng.generate(prompts[-1:], 1)  # warm-up (a prompt not measured)
+        c = time.process_time()
         for p in prompts[:n]:
             eng.generate([p], 1)
+        print(f"  {arm}: {(time.process_time() - c) / n * 1e3:.1f} ms of CPU per prompt", flush=True)
+        if arm == "default":
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for p in prompts[n:2 * n]:
+                    eng.generate([p], 1)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     return 0
 

@@ -120,8 +120,8 @@ class MTPModule(nn.Module):
         against, runners.engine.onednn.MIN_ROWS), so the kept outputs equal the full forward's bit for bit;
         elsewhere the kernels chosen depend on the row count, and callers pass None. When every kept
         position is the last column of its row and that block is an attention block, its attention runs for
-        the last :data:`KEEP_ROWS` columns only (``Attention.forward_last``, which writes every column's KV
-        entries; the full block where that does not apply)."""
+        the last :data:`KEEP_ROWS` columns only (``Attention.forward(last_rows=...)``, which writes every
+        column's KV entries; the full block where that does not apply)."""
         f = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(h_prev)], dim=-1))
         tail = len(self.blocks)
         if keep is not None:  # the blocks from `tail` on write no cache
@@ -133,9 +133,10 @@ class MTPModule(nn.Module):
         for block in self.blocks[:tail - 1 if last is not None else tail]:
             f = self.block_call(block, f, cache, meta)
         if last is not None:  # kept: last columns only; their attention alone, every column's KV written
-            y = last.mixer.forward_last(last.norm(f), cache[last.cache_index], meta, KEEP_ROWS)
-            if y is None:
-                f = self.block_call(last, f, cache, meta)
+            # (through the module call: its hooks, e.g. tensor parallelism's all-reduce, see the rows)
+            y = last.mixer(last.norm(f), cache[last.cache_index], meta, last_rows=KEEP_ROWS)
+            if y.shape[1] == T:  # declined: every column (as the block would compute it)
+                f = f + y
             else:
                 f = f[:, T - KEEP_ROWS:] + y  # the block's residual add at those columns
                 keep = keep // T * KEEP_ROWS + KEEP_ROWS - 1

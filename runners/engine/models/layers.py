@@ -179,7 +179,12 @@ class Attention(nn.Module):
             cache[x.device] = rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
         return cache[x.device]
 
-    def forward(self, hidden: torch.Tensor, kv: KVCache | None = None, meta: BatchMeta | None = None):
+    def forward(self, hidden: torch.Tensor, kv: KVCache | None = None, meta: BatchMeta | None = None,
+                last_rows: int | None = None):
+        if last_rows is not None:  # the last columns' output only, where forward_last can give it
+            out = self.forward_last(hidden, kv, meta, last_rows)
+            if out is not None:
+                return out
         b, T, _ = hidden.shape
         if self.output_gate:  # per head [q_h, gate_h]
             q, gate = self.q_proj(hidden).view(b, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -240,19 +245,20 @@ class Attention(nn.Module):
     def forward_last(self, hidden: torch.Tensor, kv: KVCache, meta: BatchMeta,
                      rows: int) -> torch.Tensor | None:
         """:meth:`forward`'s output at the last ``rows`` columns only, [B, rows, D], bit for bit, with every
-        column's keys and values written to ``kv`` as forward writes them; or None (nothing written) where
-        that is not known to hold: it covers a fresh prefill forward (``meta.fresh``) of full rows
-        (``meta.all_valid``) on the CPU in float32, unquantized KV, plain attention (NemotronH: no gate, head
-        norms or RoPE), ``rows`` >= 4 and a width T whose remainder modulo 32 is 0 or >= ``rows``.
+        column's keys and values written to ``kv`` as forward writes them (``forward(..., last_rows=rows)``
+        returns it, through the module's hooks, e.g. a tensor-parallel all-reduce); or None (nothing
+        written) where that is not known to hold: it covers a fresh prefill forward (``meta.fresh``) of full
+        rows (``meta.all_valid``) on the CPU in float32, unquantized KV, plain attention (NemotronH: no gate,
+        head norms or RoPE), ``rows`` >= 4 and a width T whose remainder modulo 32 is 0 or >= ``rows``.
 
         Why it is exact: the CPU flash kernel of forward's causal call computes queries in blocks of 32, 64
         or 256 rows (by T) against the same key blocks, and from 4 query rows of a block on, a row's result
         does not depend on the others; the last block then has at least ``rows`` rows, as this call's
         one block has (tests/test_cpu_fast_paths.py compares the two over many widths)."""
         b, T, _ = hidden.shape
-        if (self.output_gate or self.q_norm is not None or self.rotary_dim or kv.fp8 or not meta.fresh
-                or not meta.all_valid or hidden.device.type != "cpu" or hidden.dtype != torch.float32
-                or rows < 4 or T < rows or 0 < T % 32 < rows):
+        if (self.output_gate or self.q_norm is not None or self.rotary_dim or kv is None or kv.fp8
+                or not meta.fresh or not meta.all_valid or hidden.device.type != "cpu"
+                or hidden.dtype != torch.float32 or rows < 4 or T < rows or 0 < T % 32 < rows):
             return None
         k = self.k_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(b, T, self.num_kv_heads, self.head_dim)
