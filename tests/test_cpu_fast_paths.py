@@ -341,3 +341,25 @@ def test_ssd_chunked_scan_is_differentiable():
     (y.sum() + state.sum()).backward()
     for t in (x, dt, A, B, C):
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+@needs_onednn
+def test_plan_is_checked_per_thread_count_and_a_layer_keeps_to_its_own(monkeypatch):
+    """A library may split a product by threads: the plan is checked with the thread count of the moment,
+    and a swapped layer runs oneDNN only under the count it was checked with (F.linear otherwise)."""
+    calls = []
+    lin = _linear(844, 192, seed=4)
+    threads = torch.get_num_threads()
+    fast = OneDNNLinear.from_linear(lin, linear_plan(844, 192))
+    monkeypatch.setattr(onednn, "_onednn", lambda x, w: calls.append(x.shape) or F.linear(x, w))
+    x = torch.randn(256, 192)
+    with torch.inference_mode():
+        fast(x)
+        torch.set_num_threads(threads + 1)
+        try:
+            assert torch.equal(fast(x), F.linear(x, lin.weight))
+            assert calls == [(256, 192)]  # the second call, under another thread count, took F.linear
+            linear_plan(844, 192)  # checked anew under this count
+            assert (844, 192, threads + 1) in onednn._PLANS
+        finally:
+            torch.set_num_threads(threads)

@@ -80,15 +80,17 @@ def _split(weight: torch.Tensor, blocks: tuple[int, ...]) -> list[torch.Tensor]:
     return list(w.contiguous() for w in weight.split(list(blocks), dim=1))
 
 
-_PLANS: dict[tuple[int, int], tuple[int, ...] | None] = {}
+_PLANS: dict[tuple[int, int, int], tuple[int, ...] | None] = {}
 
 
 def linear_plan(N: int, K: int) -> tuple[int, ...] | None:
     """The K blocking under which oneDNN equals ``F.linear`` bit for bit for a float32 weight [N, K] (no
-    bias) at every row count of :data:`PROBE_ROWS`, from random inputs (fixed seed); None when no candidate
-    does (or oneDNN is unavailable). Computed once per shape and process (a few milliseconds)."""
-    if (N, K) in _PLANS:
-        return _PLANS[(N, K)]
+    bias) at every row count of :data:`PROBE_ROWS`, from random inputs (fixed seed), with torch's intra-op
+    thread count of now (a library may split the work by threads); None when no candidate does (or oneDNN is
+    unavailable). Computed once per shape, thread count and process (a few milliseconds)."""
+    key = (N, K, torch.get_num_threads())
+    if key in _PLANS:
+        return _PLANS[key]
     plan = None
     if onednn_available():
         g = torch.Generator().manual_seed(N * 65537 + K)
@@ -105,15 +107,16 @@ def linear_plan(N: int, K: int) -> tuple[int, ...] | None:
                 except RuntimeError as e:  # an op this build of oneDNN refuses: stay on F.linear
                     log.debug("oneDNN linear [%d, %d] blocks %s: %s", N, K, blocks, e)
                     break
-    _PLANS[(N, K)] = plan
+    _PLANS[key] = plan
     return plan
 
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` (float32, no bias, on the CPU) whose forward runs oneDNN over the K blocks of
     :func:`linear_plan` where that equals ``F.linear`` bit for bit: inference (no autograd, not inside
-    torch.compile), float32 input of at least :data:`MIN_ROWS` rows and :data:`MIN_OUTPUTS` rows x output
-    features (padded to a multiple of :data:`ROW_BUCKET` rows); ``F.linear`` otherwise.
+    torch.compile, the thread count the plan was checked with), float32 input of at least :data:`MIN_ROWS`
+    rows and :data:`MIN_OUTPUTS` rows x output features (padded to a multiple of :data:`ROW_BUCKET` rows);
+    ``F.linear`` otherwise.
     Made by :meth:`from_linear`, sharing the original module's parameter. A multi-block plan keeps
     contiguous copies of the weight's column blocks, remade when the weight changes in place (its version
     counter) or is replaced."""
@@ -131,6 +134,7 @@ class OneDNNLinear(nn.Linear):
             object.__setattr__(new, "weight", linear.weight)
         new.register_parameter("bias", None)
         new.blocks = blocks
+        new.threads = torch.get_num_threads()  # what linear_plan checked the blocks with
         new._parts_key = None
         new._parts: list[torch.Tensor] = []
         return new
@@ -149,7 +153,8 @@ class OneDNNLinear(nn.Linear):
             return F.linear(x, self.weight)
         rows = x.numel() // self.in_features if x.dim() else 0
         if (rows < MIN_ROWS or rows * self.out_features < MIN_OUTPUTS or x.dtype != torch.float32
-                or x.device.type != "cpu" or torch.is_grad_enabled()):
+                or x.device.type != "cpu" or torch.is_grad_enabled()
+                or torch.get_num_threads() != self.threads):
             return F.linear(x, self.weight)
         pad = -rows % ROW_BUCKET
         if not pad:
