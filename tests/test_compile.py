@@ -16,6 +16,9 @@ padded steps bitwise (tokens, counters, live cache rows); compiled tokens equal 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,25 +84,54 @@ def test_compiled_step_equals_eager(ckpt, K, replay):
     assert again.stats.compile_seconds == 0
 
 
+# Run in a fresh interpreter: dynamo's graph counter is process-wide, and a test worker that ran hundreds of
+# tests before this one once counted 2 graphs at batch 4 that the same code alone never compiles (CI, with
+# no recompile reason kept). Alone, the count is the step's; dynamo's recompile reasons come back with it.
+_GRAPH_COUNT = """
+import json, logging, sys
+import torch
+from runners.engine import Engine
+from runners.engine.options import EngineOptions
+
+torch.set_num_threads(1)
+reasons = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        reasons.append(record.getMessage())
+torch._logging.set_logs(recompiles=True)
+logging.getLogger("torch._dynamo").addHandler(Keep())
+prompts = json.loads(sys.argv[2])
+kw = dict(max_batch_size=4, max_seq_len=64, cuda_graph_batch_sizes=[1, 2, 3, 4])
+eager = Engine.from_pretrained(sys.argv[1], EngineOptions(**kw)).generate(prompts, 6, stop_token_ids=[])
+engine = Engine.from_pretrained(sys.argv[1], EngineOptions(compile=True, **kw))
+step, graphs, why = engine.step, {}, {}
+for B in (1, 2, 3, 4):
+    before, n = step.compile_graphs, len(reasons)
+    step.compile_for(B, 64)
+    graphs[B], why[B] = step.compile_graphs - before, reasons[n:]
+out = engine.generate(prompts, 6, stop_token_ids=[])
+print(json.dumps({"graphs": graphs, "why": why, "compile_times": [list(k) for k in step.compile_times],
+                  "same_tokens": out.tokens == eager.tokens, "call_graphs": out.stats.compile_graphs,
+                  "call_seconds": out.stats.compile_seconds, "engine_graphs": engine.compile_graphs}))
+"""
+
+
 def test_compile_graphs_do_not_grow_with_batch_sizes(ckpt):
     prompts = [[1, 2, 3, 4, 1], [4, 3, 2, 2, 0], [2, 2, 1, 0, 3]]  # one length: padded batch 3 throughout
-    kw = dict(max_batch_size=4, max_seq_len=64, cuda_graph_batch_sizes=[1, 2, 3, 4])
-    eager = Engine.from_pretrained(ckpt, EngineOptions(**kw)).generate(prompts, NEW, stop_token_ids=[])
-    engine = Engine.from_pretrained(ckpt, EngineOptions(compile=True, **kw))
-    torch._dynamo.reset()  # the earlier tests' compiled code and shape history would serve some sizes
-    step, graphs = engine.step, {}
-    for B in (1, 2, 3, 4):
-        before = step.compile_graphs
-        step.compile_for(B, 64)
-        graphs[B] = step.compile_graphs - before
+    proc = subprocess.run([sys.executable, "-c", _GRAPH_COUNT, str(ckpt), json.dumps(prompts)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    graphs = {int(k): v for k, v in r["graphs"].items()}
     # batch 1 is specialised (dynamo's 0/1 specialisation), batch 2 compiles the symbolic-batch graphs, which
     # serve 3 and 4: nothing more compiles, however many sizes follow
-    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == graphs[4] == 0, graphs
-    assert list(step.compile_times) == [(1, 64), (2, 64), (3, 64), (4, 64)]
-    out = engine.generate(prompts, NEW, stop_token_ids=[])
-    assert out.tokens == eager.tokens
-    assert out.stats.compile_graphs == 0 == out.stats.compile_seconds  # compiled ahead: nothing more here
-    assert engine.compile_graphs == graphs[1] + graphs[2]
+    why = r["why"]
+    assert why["2"], "dynamo's recompile reasons were not captured"  # batch 2 recompiles batch 1's frames
+    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == graphs[4] == 0, (graphs, why["3"], why["4"])
+    assert r["compile_times"] == [[1, 64], [2, 64], [3, 64], [4, 64]]
+    assert r["same_tokens"]  # the padded batch-3 step's tokens equal the uncompiled run's
+    assert r["call_graphs"] == 0 == r["call_seconds"]  # compiled ahead: nothing more here
+    assert r["engine_graphs"] == graphs[1] + graphs[2]
 
 
 def test_static_batch_compiles_per_size(ckpt, monkeypatch):
