@@ -26,11 +26,9 @@ A float16 state without rows of its own takes the bfloat16 rows of its (operatio
 (`ROW_SIBLING`): the sweep times float32 and bfloat16 states only, and the two 16-bit dtypes move the same
 bytes through the same kernels (they differ in the store's convert and, with stochastic rounding, in the
 rounding rule; in the "mma" variants an fp16 state enters the tensor-core products as two bf16 pieces, a bf16
-one as one). docs/gpu/kperf_8 timed both on the same configurations (H100, Nsight Compute, headline shape,
-batch 64; three Mamba2 and three GDN configurations): rounded to nearest, float16's time was within -2.5 % and
-+8.1 % of bfloat16's on each of them in both calls, and each operator's fastest configuration was the same for
-both dtypes (with stochastic rounding, fp16's per-step write was fastest on another one). A sweep with float16
-states would replace this with measured rows.
+one as one). Timed side by side, the two dtypes came within a few percent of each other and chose the same
+fastest configuration per operator (docs/kernel_performance.md, "the engine's configurations"). A sweep with
+float16 states would replace this with measured rows.
 
 Fallback (documented default): no table file, no row for the (operation, dtype, shape class) (nor its sibling's),
 or a row naming a variant the module does not have -> {"variant": fallback} where fallback is the module's

@@ -282,9 +282,8 @@ def sr_tile_keys(seed_ptr, step_ptr, salt, SR: tl.constexpr):
     """The per-program part of the random bits, (key, kk) = (`sr_key`, its hash), for `round_to_state_keyed`:
     computed once before a loop over column chunks, the compiler cannot hoist it out of such a loop itself
     (the loop's state stores may alias seed_ptr / step_ptr, so their loads stay in every chunk). Whether it
-    pays depends on the kernel's registers: docs/gpu/kperf_7 measured it on the Mamba2 checkpointing flush
-    (bf16 extra +15.7 -> +11.0 %) and against it on the bf16 per-step write (128 -> 156 registers, a warp per
-    scheduler lost); kperf_8 for it on the fp16 per-step write (+23.6 -> +18.2 %, occupancy unchanged).
+    pays depends on the kernel's registers: the callers hoist it where it measured faster
+    (docs/kernel_performance.md, "the key hoisted").
     Arguments as `round_to_state`'s; without SR, placeholders that are never read."""
     if SR:
         key = sr_key(seed_ptr, step_ptr, salt)

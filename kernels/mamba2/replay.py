@@ -495,11 +495,10 @@ def _replay_mma_unit(
     CS = tl.zeros([BLOCK_P, TP], tl.float32)  # C_t . S (the state after the pending tokens)
     if write:
         Aff = XoT * w[None, :]
-        # stochastic rounding's key read and hashed once per program, before the chunk loop, where it measured
-        # faster (docs/gpu/kperf_7, kperf_8; H100): the checkpointing path (bf16 flush extra +15.7 -> +11.0 %)
-        # and an fp16 state (per-step mma_st3 +23.6 -> +18.2 %: 149 -> 168 registers, the same 3 warps per
-        # scheduler). A bf16 per-step write reads it in each chunk: hoisted, its sm_90 compile keeps 28 more
-        # registers (128 -> 156) and loses a warp per scheduler (+7.8 -> +20.0 %)
+        # stochastic rounding's key is read and hashed once per program, before the chunk loop, on the
+        # checkpointing path and for an fp16 state, where that is faster; a bf16 per-step write reads it in
+        # each chunk, since hoisted it costs registers and a warp per scheduler (docs/kernel_performance.md,
+        # "the key hoisted")
         SR_HOIST: tl.constexpr = CHECKPOINT or state_ptr.dtype.element_ty == tl.float16
         sr_k, sr_kk = sr_tile_keys(sr_seed_ptr, sr_step_ptr, sr_salt, SR and SR_HOIST)
         for n0 in tl.range(0, BLOCK_N, CHUNK_N, num_stages=NUM_STAGES):
