@@ -138,9 +138,12 @@ def test_no_tokens_and_bad_arguments(fmt):
 
 @pytest.mark.parametrize("fmt", list(KERNELS))
 def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
-    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_quant_moe_gemv holds (forced here: on the CPU
-    it never does) and the grouped path otherwise, with the same result."""
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds (forced here:
+    on the CPU it never does) and the grouped path otherwise, with the same result."""
+    import importlib
+
     from runners.engine import quant
+    from runners.engine.formats import get_format
     from runners.engine.models import layers
     from runners.engine.models.config import HybridConfig
 
@@ -160,10 +163,11 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     h, weights, indices = _case(fmt, torch.float32, gated, seed=4)[:3]
     calls = []
     attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
-    kernel = getattr(quant, attr)
-    monkeypatch.setattr(quant, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
+    module = importlib.import_module(f"runners.engine.models.{fmt}")  # the format's modules
+    kernel = getattr(module, attr)
+    monkeypatch.setattr(module, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
     grouped = moe._experts(h, weights, indices)
     assert calls == []
-    monkeypatch.setattr(quant, "use_quant_moe_gemv", lambda *a: True)
+    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: True)
     _close(moe._experts(h, weights, indices), grouped, torch.float32)
     assert calls == [c.mlp_hidden_act]
