@@ -180,16 +180,18 @@ def _tensor_core(fn, *args, **kwargs):
 
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
-    every format = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the rule before
-    that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
-    from kernels.quant import _common
+    every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
+    rule before that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
+    from kernels.quant import block_fp8, nvfp4
 
-    keep = dict(_common.GROUPED_GEMV_MAX_ROWS)
-    _common.GROUPED_GEMV_MAX_ROWS.update({k: float("inf") for k in keep})
+    keep = {m: m.GROUPED_GEMV_MAX_ROWS for m in (block_fp8, nvfp4)}
+    for m in keep:
+        m.GROUPED_GEMV_MAX_ROWS = float("inf")
     try:
         return fn(*args, **kwargs)
     finally:
-        _common.GROUPED_GEMV_MAX_ROWS.update(keep)
+        for m, bound in keep.items():
+            m.GROUPED_GEMV_MAX_ROWS = bound
 
 
 def part_copy() -> dict:

@@ -312,16 +312,17 @@ def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "block_fp8"])
 def test_grouped_launches_above_the_rows_bound_take_the_tensor_core_kernel(fmt, monkeypatch):
-    """GROUPED_GEMV_MAX_ROWS: a grouped launch with more rows in all than its format's bound takes the
-    tensor-core kernel even at few rows per expert (and still matches the reference); at or below it, the
-    GEMV; dense launches follow GEMV_MAX_ROWS alone."""
+    """GROUPED_GEMV_MAX_ROWS (each format's kernel file): a grouped launch with more rows in all than its
+    format's bound takes the tensor-core kernel even at few rows per expert (and still matches the reference);
+    at or below it, the GEMV; dense launches follow GEMV_MAX_ROWS alone."""
     from kernels.quant import block_fp8 as fp8_mod
     from kernels.quant import nvfp4 as nvfp4_mod
 
-    assert quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt], fmt=fmt)
-    assert not quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt] + 1, fmt=fmt)
-    assert quant_common.use_gemv(2.0) and not quant_common.use_gemv(9.0)
     mod = nvfp4_mod if fmt == "nvfp4" else fp8_mod
+    bound = mod.GROUPED_GEMV_MAX_ROWS
+    assert quant_common.use_gemv(2.0, grouped_rows=bound, grouped_max_rows=bound)
+    assert not quant_common.use_gemv(2.0, grouped_rows=bound + 1, grouped_max_rows=bound)
+    assert quant_common.use_gemv(2.0) and not quant_common.use_gemv(9.0)
     gemv_calls = []
     real = mod._launch_gemv
     monkeypatch.setattr(mod, "_launch_gemv", lambda *a, **k: gemv_calls.append(1) or real(*a, **k))
@@ -330,7 +331,7 @@ def test_grouped_launches_above_the_rows_bound_take_the_tensor_core_kernel(fmt, 
     x, offs = _randn(sum(counts), K, seed=40, dtype=dtype), _offsets(counts)
     w = _randn(E, N, K, seed=41).cpu()
     for bound, want_gemv in ((17, True), (16, False)):
-        monkeypatch.setitem(quant_common.GROUPED_GEMV_MAX_ROWS, fmt, bound)
+        monkeypatch.setattr(mod, "GROUPED_GEMV_MAX_ROWS", bound)
         gemv_calls.clear()
         if fmt == "nvfp4":
             q, sc, s2 = (t.to(DEVICE) for t in nvfp4_quantize(w))

@@ -21,7 +21,7 @@ computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation row
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
 launch reading x, W and the scales (this tensor-core path now runs for 9..63 rows per weight matrix). At
-decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix (grouped: and <= GROUPED_GEMV_MAX_ROWS["block_fp8"]
+decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix (grouped: and <= GROUPED_GEMV_MAX_ROWS
 rows in all) x is quantized once by the quantization kernel
 (into fp32 e4m3 values) and a CUDA-core GEMV kernel runs (:func:`_block_fp8_gemv_kernel`: weight tiles
 converted to fp32 once, each row loaded straight into the tile's register layout, reduced over K per
@@ -77,6 +77,10 @@ from kernels.quant._common import (
 log = logging.getLogger(__name__)
 
 BLOCK = 128  # weight block edge (weight_block_size [128, 128]) and activation group width
+# A grouped (routed-experts) launch takes the GEMV up to this many (token, expert) rows in all, the
+# tensor-core kernel above: on the H200 at Qwen3-Next's expert shapes the GEMV leads up to 40 rows and is
+# level at 80 (docs/kernel_performance.md, "Quantized formats"). Read at call time (benchmarks lift it).
+GROUPED_GEMV_MAX_ROWS = 80
 AMAX_EPS = 1e-10  # floor of a group's amax (vLLM / SGLang per_token_group_quant_fp8's eps)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # From this row-tile size on (prefill), activations are quantized by their own kernel first: fused, every N
@@ -281,7 +285,7 @@ def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale
 
 
 @triton.jit
-def _group_scale_quant(xt, INTERP: tl.constexpr):
+def group_scale_quant(xt, INTERP: tl.constexpr):
     """fp32 [R, C] (one group per row; masked columns 0) -> (q [R, C] e4m3 (fp32 on the grid under the
     interpreter), scale [R] fp32) with the reference's rule; divisions rounded to nearest like torch's."""
     amax = tl.max(tl.abs(xt), 1)
@@ -302,7 +306,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     mask = (rows < M)[:, None] & ((c < GROUP) & (cols < K))[None, :]
     r64 = rows.to(tl.int64)[:, None]
     xt = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _group_scale_quant(xt, INTERP)
+    q, scale = group_scale_quant(xt, INTERP)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
 
@@ -371,7 +375,7 @@ def _block_fp8_mm_kernel(
                 xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // GROUP, mask=mask_m, other=0.0)
             else:  # quantize this 128-column group of the rows here (the reference's rule)
                 xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
-                qx, xs = _group_scale_quant(xt, INTERP)
+                qx, xs = group_scale_quant(xt, INTERP)
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk, other=0.0)
             ws = tl.load(ws_rows + (k0 // GROUP) * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
             part = mma(w, tl.trans(qx), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
@@ -554,7 +558,8 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    if use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="block_fp8") if grouped else use_gemv(rows):
+    if (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS) if grouped
+            else use_gemv(rows)):
         return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)

@@ -24,10 +24,10 @@ Launches (one program per (token, expert) pair and output tile; the expert id re
 sort, no pass over all E experts, no host synchronisation, every grid from N, k and the weight shapes, so
 CUDA-graph capturable): gate / up with the activation fused, down, combine: three (plus a torch sum and the
 activation where K is split, as kernels/moe_gemv.py). The NVFP4 codes are read as int32 words and decoded by
-kernels/quant/nvfp4.py's ``_e2m1_word`` (two elements per 32-bit operation, the 2^14 folded into the final
+kernels/quant/nvfp4.py's ``e2m1_word`` (two elements per 32-bit operation, the 2^14 folded into the final
 scale; the K step sized as kernels/quant/nvfp4.py's GEMV: 4 KB of codes per program and step); block FP8
 quantizes each 128-column group of its input row in the program that needs it
-(kernels/quant/block_fp8.py's ``_group_scale_quant``: 128 values, recomputed per output tile, instead of a
+(kernels/quant/block_fp8.py's ``group_scale_quant``: 128 values, recomputed per output tile, instead of a
 separate launch). Tile sizes and the K split: kernels/moe_gemv.py's ``pair_gemv_config``.
 
 Shapes: N tokens, k choices, P = N * k pairs (pair p = n * k + j), E experts, L the MoE width, I the expert
@@ -43,11 +43,11 @@ import triton
 import triton.language as tl
 
 from kernels._common import INPUT_DTYPES, check_dtype, check_launchable, interpreter_active, round_rne
-from kernels.moe_gemv import ACT_CODES, _act_ref, _activation, pair_gemv_config, run_pair_launches
+from kernels.moe_gemv import ACT_CODES, act_ref, apply_activation, pair_gemv_config, run_pair_launches
 from kernels.quant._common import FP8_DTYPE, use_kernel
-from kernels.quant.block_fp8 import BLOCK, _group_scale_quant, quantize_activation_per_token_group_ref
+from kernels.quant.block_fp8 import BLOCK, group_scale_quant, quantize_activation_per_token_group_ref
 from kernels.quant.nvfp4 import GEMV_BLOCK_K as NVFP4_GEMV_BLOCK_K
-from kernels.quant.nvfp4 import NVFP4_BLOCK, _e2m1_word, nvfp4_dequantize
+from kernels.quant.nvfp4 import NVFP4_BLOCK, e2m1_word, nvfp4_dequantize
 
 NVFP4Experts = tuple  # (weight, weight_scale, weight_scale_2)
 BlockFP8Experts = tuple  # (weight, weight_scale_inv)
@@ -140,9 +140,9 @@ def _pairs_ref(h, weights, indices, linear, gated: bool, activation: str) -> tor
     x = h.repeat_interleave(k, dim=0)  # [P, L]: pair p = n * k + j holds token n
     u = linear(x, "up", expert).to(h.dtype)
     if gated:
-        a = _act_ref(linear(x, "gate", expert).to(h.dtype), activation) * u
+        a = act_ref(linear(x, "gate", expert).to(h.dtype), activation) * u
     else:
-        a = _act_ref(u, activation)
+        a = act_ref(u, activation)
     y = linear(a, "down", expert).to(h.dtype).view(n, k, -1)
     return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
 
@@ -227,12 +227,12 @@ def moe_gemv_block_fp8_ref(h: torch.Tensor, weights: torch.Tensor, indices: torc
 @triton.jit
 def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW):
     """sum over one K tile of decoded weight (BLOCK_N rows, the words kw) times the input row x (fp32 sums,
-    times 2^-14 as ``_e2m1_word`` decodes): [BLOCK_N]. x is loaded in the weight tile's layout (element c of
+    times 2^-14 as ``e2m1_word`` decodes): [BLOCK_N]. x is loaded in the weight tile's layout (element c of
     word w at column 8 w + c; L1 hits)."""
     m2 = mask_n[:, None] & mkw[None, :]
     wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
     scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words per 16 columns
-    e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+    e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
     xc = x_row + 8 * kw[None, :] + offs_n[:, None] * 0
     t = e0 * tl.load(xc, mask=m2, other=0.0).to(tl.float32)
     t += e1 * tl.load(xc + 1, mask=m2, other=0.0).to(tl.float32)
@@ -295,7 +295,7 @@ def _pair_nvfp4_kernel(
         dt: tl.constexpr = out_ptr.dtype.element_ty
         v = round_rne(acc, dt)
         if ACT != 0:
-            v = _activation(v, ACT, dt)
+            v = apply_activation(v, ACT, dt)
         if GATED:
             v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
@@ -320,7 +320,7 @@ def _pair_block_fp8_kernel(
 ):
     """One (pair, output tile, K range) per program, block-FP8 weights: grid (NOUT tiles, pairs, K splits);
     BLOCK_K = 128 (one activation group and one weight block column per iteration). Each group of the input
-    row is quantized here with block_fp8's rule (``_group_scale_quant``), then dotted with the expert's fp8
+    row is quantized here with block_fp8's rule (``group_scale_quant``), then dotted with the expert's fp8
     weight tile; the rest as kernels/moe_gemv.py's ``_pair_gemv_kernel``. ws_ptr / ws2_ptr: weight_scale_inv
     [E, ceil(NOUT / 128), ceil(K / 128)] (stride_se, stride_sn; unit column stride)."""
     pid_n = tl.program_id(0)
@@ -345,7 +345,7 @@ def _pair_block_fp8_kernel(
     for g in range(g_lo, g_hi):
         cols = g * BLOCK_K + offs_k
         xt = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q, xs = _group_scale_quant(xt[None, :], INTERP)  # [1, BLOCK_K] e4m3 codes, [1] scale
+        q, xs = group_scale_quant(xt[None, :], INTERP)  # [1, BLOCK_K] e4m3 codes, [1] scale
         q = q.to(tl.float32)
         kk = cols[None, :] + offs_n[:, None] * 0
         mk = mask_n[:, None] & (kk < K)
@@ -361,7 +361,7 @@ def _pair_block_fp8_kernel(
         dt: tl.constexpr = out_ptr.dtype.element_ty
         v = round_rne(acc, dt)
         if ACT != 0:
-            v = _activation(v, ACT, dt)
+            v = apply_activation(v, ACT, dt)
         if GATED:
             v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)

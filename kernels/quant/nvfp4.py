@@ -30,7 +30,7 @@ activation's precision; fp32 activations are split into three bf16 pieces (as ke
 weight_scale_2 multiplies the fp32 accumulator once at the end.
 
 Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py, and for grouped launches
-<= GROUPED_GEMV_MAX_ROWS["nvfp4"] rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+<= GROUPED_GEMV_MAX_ROWS rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
 once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
 shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
 alone give too few programs (:func:`kernels.quant._common.gemv_config`).
@@ -74,6 +74,11 @@ from kernels.quant._common import (
 )
 
 NVFP4_BLOCK = 16  # input columns per weight_scale entry
+# A grouped (routed-experts) launch takes the GEMV up to this many (token, expert) rows in all, the
+# tensor-core kernel above, whatever the rows per expert: on the H200 at the released expert shapes the
+# tensor-core kernel leads from 44 rows on, the GEMV only at 22 (docs/kernel_performance.md, "Quantized
+# formats"). Read at call time (benchmarks lift it).
+GROUPED_GEMV_MAX_ROWS = 22
 E2M1_MAX = 6.0  # largest e2m1 magnitude
 # e2m1 magnitudes by code (bits 0-2); bit 3 is the sign
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -309,7 +314,7 @@ def _half_to_f32(h):
 
 
 @triton.jit
-def _e2m1_word(w):
+def e2m1_word(w):
     """int32 words w (4 packed bytes: the codes of 8 consecutive elements 0..7, byte j holding elements 2j in
     its low and 2j + 1 in its high nibble, little-endian) -> the 8 elements as fp32 values times 2^-14.
 
@@ -395,7 +400,7 @@ def _nvfp4_mm_kernel(
             if WORDS:
                 jw = k0 // 8 + offs_w
                 wd = tl.load(w_rows + jw[None, :], mask=mask_n[:, None] & (jw < K // 8)[None, :], other=0)
-                e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
                 # x's columns 8w + c for c = 4 b2 + 2 b1 + b0, split bit by bit (last axes: b2, b1, b0)
                 x_b0_0, x_b0_1 = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
                 x_c04, x_c26 = tl.split(x_b0_0)
@@ -465,7 +470,7 @@ def _nvfp4_gemv_kernel(
     """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
     column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
     packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1) * STEPS) once, decodes them in
-    registers (:func:`_e2m1_word`, no scaling per element), and for each of its rows multiplies by the
+    registers (:func:`e2m1_word`, no scaling per element), and for each of its rows multiplies by the
     activations and reduces over K on CUDA cores: the block scale multiplies once per word and row,
     weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to 16 rows and no
     register-to-shared layout conversion of the decoded weight. One accumulator per row (a0..a7, unrolled by
@@ -498,7 +503,7 @@ def _nvfp4_gemv_kernel(
             m2 = mask_n[:, None] & mkw[None, :]
             wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
             scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
-            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+            e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
             a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
                                   e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 1:
@@ -601,10 +606,11 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
-    gemv = (use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="nvfp4") if grouped else use_gemv(rows))
+    gemv = (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS)
+            if grouped else use_gemv(rows))
     if gemv and words_ok(weight) and force_bytes is False:
         return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
-    # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: _e2m1_word) where the rows
+    # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: e2m1_word) where the rows
     # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
     words = words_ok(weight) and bk == 128 and force_bytes is False
     w = weight.view(torch.int32) if words else weight
