@@ -160,7 +160,7 @@ def _dequant_then_bf16(x, w, s, s2, offs):
     """Every expert's NVFP4 weight dequantized to BF16 by the reference, then the BF16 grouped GEMM."""
     import torch
 
-    from kernels.quant import nvfp4_dequantize
+    from kernels.quant.nvfp4 import nvfp4_dequantize
 
     return _bf16_grouped(x, nvfp4_dequantize(w, s, s2, torch.bfloat16), offs)
 
@@ -211,7 +211,7 @@ def part_copy() -> dict:
 def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
     import torch
 
-    from kernels.quant import nvfp4_grouped_mm
+    from kernels.quant.nvfp4 import nvfp4_grouped_mm
 
     E, top_k = SUPER["E"], SUPER["top_k"]
     rows = []
@@ -246,7 +246,7 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.quant import (
+    from kernels.quant.block_fp8 import (
         block_fp8_grouped_mm,
         block_fp8_linear,
         block_fp8_quantize,
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                            "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
                                                                     "nvfp4_dequant_then_bf16_grouped")}
     if "fp8" in args.parts:
-        from kernels.quant import block_scaled_mm_supported
+        from kernels.quant.block_fp8 import block_scaled_mm_supported
 
         rows = part_fp8(args.batches, bw)
         report["fp8"] = {"rows": rows, "block_scaled_mm_supported": block_scaled_mm_supported("cuda"),

@@ -32,8 +32,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.quant import _common as quant_common  # noqa: E402
-from kernels.quant import (  # noqa: E402
-    block_fp8,
+from kernels.quant import block_fp8, nvfp4  # noqa: E402
+from kernels.quant.block_fp8 import (  # noqa: E402
     block_fp8_dequantize,
     block_fp8_grouped_mm,
     block_fp8_grouped_mm_ref,
@@ -41,17 +41,19 @@ from kernels.quant import (  # noqa: E402
     block_fp8_linear_ref,
     block_fp8_quantize,
     block_scaled_mm_supported,
-    nvfp4,
+    quantize_activation_per_token_group,
+    quantize_activation_per_token_group_ref,
+)
+from kernels.quant.nvfp4 import (  # noqa: E402
+    E2M1_GRID,
     nvfp4_dequantize,
     nvfp4_grouped_mm,
     nvfp4_grouped_mm_ref,
     nvfp4_linear,
     nvfp4_linear_ref,
     nvfp4_quantize,
-    quantize_activation_per_token_group,
-    quantize_activation_per_token_group_ref,
+    round_to_e2m1,
 )
-from kernels.quant.nvfp4 import E2M1_GRID, round_to_e2m1  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
