@@ -45,8 +45,8 @@ from kernels.moe_gemv import ACT_CODES, moe_gemv
 GATHER_CHUNK_BYTES = 256 * 2**20
 # (token, expert) pairs up to which moe_experts_fused takes the per-pair GEMV kernels (kernels/moe_gemv.py) on
 # CUDA: 8 decode tokens at Nemotron 3 Super's top-22 (the largest top-k of the released models; 17 tokens at
-# Qwen3-Next's top-10). Measured on the H200 (benchmarks/bench_moe_gemv.py, docs/gpu/decode_2): the GEMV is
-# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured.
+# Qwen3-Next's top-10): the GEMV is faster than the grouped GEMM at every point measured up to it
+# (docs/kernel_performance.md, "Quantized formats: where each path takes over").
 MOE_GEMV_MAX_PAIRS = 8 * 22
 # The routed experts' projections, in the order of the MoE block's experts_<kind> parameters (gate: gated
 # activations only).
