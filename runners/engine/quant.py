@@ -1,6 +1,6 @@
-"""Quantized checkpoints in the engine: the modules that hold quantized weights, and the swap that puts them
-into a model built on the meta device, before its weights are loaded (so quantized tensors go from the files
-straight to the device in their on-disk format; the model code never learns about quantization).
+"""Quantized checkpoints in the engine: the swap that puts each weight format's modules into a model built on
+the meta device, before its weights are loaded (so quantized tensors go from the files straight to the device
+in their on-disk format; the model code never learns about quantization).
 
 What is quantized, and how, is read from the checkpoint (``registry.hf_config.QuantConfig``: config.json's
 ``quantization_config`` or ModelOpt's ``hf_quant_config.json``), never guessed: each linear layer whose
