@@ -309,7 +309,7 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
 
 def run_pair_launches(h, weights, indices, up, gate, down, activation: str, launch, intermediate: int):
     """The three launches of the per-pair path, shared by every weight format (this module's 16-bit /
-    float32 experts, kernels/quant/moe_gemv.py's NVFP4 and block FP8): gate / up with the activation fused,
+    float32 experts, each quantized format's in kernels/quant/<format>.py): gate / up with the activation fused,
     down, the float32 combine. ``launch(x, indices, w, w2, out_dtype, topk, act_code) -> (out, out2, split)``
     runs one projection in the weights' format (``w`` / ``w2``: that format's weight objects, e.g. tensors or
     (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else [P, NOUT] in

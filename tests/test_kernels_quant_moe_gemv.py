@@ -1,5 +1,5 @@
-"""Quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py: NVFP4 W4A16 and block FP8) against their
-pair-by-pair PyTorch references and against the engine's grouped path (runners/engine/models/moe.py's
+"""Quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py's per-pair scheme, each format's launcher
+in its file: NVFP4 W4A16 and block FP8) against their
 moe_experts_grouped over kernels/quant's grouped-GEMM references), and the quantized MoE modules' choice of
 path.
 
@@ -28,7 +28,6 @@ import pytest  # noqa: E402
 
 from kernels.quant import _common as quant_common  # noqa: E402
 from kernels.quant import block_fp8 as bf8  # noqa: E402
-from kernels.quant import moe_gemv as qmg  # noqa: E402
 from kernels.quant import nvfp4 as nf4  # noqa: E402
 from runners.engine.models.layers import ACTIVATIONS  # noqa: E402
 from runners.engine.models.moe import moe_experts_grouped  # noqa: E402
@@ -68,8 +67,8 @@ def _close(got, want, dtype):
     assert err <= TOL[dtype] * scale, f"max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
 
 
-KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref),
-           "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref)}
+KERNELS = {"nvfp4": (nf4.moe_gemv_nvfp4, nf4.moe_gemv_nvfp4_ref),
+           "block_fp8": (bf8.moe_gemv_block_fp8, bf8.moe_gemv_block_fp8_ref)}
 
 
 def _case(fmt, dtype, gated, N=3, k=2, E=7, seed=0):

@@ -29,7 +29,8 @@ class WeightFormat:
         min_capability: the CUDA compute capability its GEMMs need, or None (every device runs them).
         tensor_suffixes: the checkpoint tensors a quantized module stores beside ``.weight``
             (``.weight_scale``, ...), for the loader's explanation of unexpected tensors.
-        moe_gemv: whether its routed experts take kernels/quant/moe_gemv.py's per-pair GEMVs at decode sizes.
+        moe_gemv: whether its routed experts take per-pair GEMVs at decode sizes (its kernel file's
+            ``moe_gemv_<format>``, kernels/quant/moe_gemv.py's scheme).
         moe_gemv_max_pairs: the (token, expert) pairs up to which they do (None: the unquantized experts'
             bound, runners.engine.models.moe.MOE_GEMV_MAX_PAIRS).
         report_always: the quantization report (runners.engine.quant.prepare_fp8) keeps its keys when no

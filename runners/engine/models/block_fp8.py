@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from kernels.moe_gemv import ACT_CODES
-from kernels.quant.block_fp8 import BLOCK
-from kernels.quant.moe_gemv import moe_gemv_block_fp8
+from kernels.quant.block_fp8 import BLOCK, moe_gemv_block_fp8
 from registry.hf_config import FORMAT_BLOCK_FP8
 from runners.engine.compile import eager_op
 from runners.engine.formats import get_format
@@ -114,7 +113,7 @@ class BlockFP8MoE(MoE):
     ``experts_<kind>_weight_scale_inv`` [E, ceil(out / 128), ceil(in / 128)] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
     expert-sorted rows (:func:`block_fp8_grouped_mm`, no host synchronisation), or at decode sizes on CUDA
-    (the format's ``use_moe_gemv``: runners.engine.formats.block_fp8) as kernels/quant/moe_gemv.py's per-pair
+    (the format's ``use_moe_gemv``: runners.engine.formats.block_fp8) as kernels/quant/block_fp8.py's per-pair
     GEMVs (three launches, same math); router, shared expert and latent projections are those of the MoE it
     was made from."""
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kernels.moe_gemv import ACT_CODES
-from kernels.quant.moe_gemv import moe_gemv_nvfp4, nvfp4_words_ok
+from kernels.quant.nvfp4 import moe_gemv_nvfp4, nvfp4_words_ok
 from registry.hf_config import FORMAT_NVFP4, NVFP4_GROUP_SIZE
 from runners.engine.compile import eager_op
 from runners.engine.formats import get_format
@@ -121,7 +121,7 @@ class NVFP4MoE(MoE):
     ``experts.{e}.<kind>_proj.{weight,weight_scale,weight_scale_2,input_scale}``; input scales unused). One
     grouped GEMM per projection over expert-sorted rows (:func:`nvfp4_grouped_mm`, no host synchronisation),
     or at decode sizes on CUDA (the format's ``use_moe_gemv``: runners.engine.formats.nvfp4; codes in whole
-    int32 words) as kernels/quant/moe_gemv.py's per-pair GEMVs (three launches, same math)."""
+    int32 words) as kernels/quant/nvfp4.py's per-pair GEMVs (three launches, same math)."""
 
     weight_format = FORMAT_NVFP4
 
