@@ -1,9 +1,9 @@
-"""The weight formats the engine runs, one module each (bf16.py, fp8.py, block_fp8.py and the NVFP4 one), and
-the registry of their format objects keyed by name (``registry.hf_config.FORMATS``: the names checkpoints'
-quantization configs resolve to, ``QuantConfig.module_format``). Generic code asks :func:`get_format` instead
-of naming a format: the swap of quantized modules (runners.engine.quant), dummy weights and the checkpoint
-tools (quantize a weight, its stored bytes), the quantization report, the hardware check
-(runners.app.support).
+"""The weight formats the engine runs, one module each named after the format (bf16.py, fp8.py, block_fp8.py,
+nvfp4.py), and the registry of their format objects keyed by name (``registry.hf_config.FORMATS``: the names
+checkpoints' quantization configs resolve to, ``QuantConfig.module_format``). Generic code asks
+:func:`get_format` instead of naming a format: the swap of quantized modules (runners.engine.quant), dummy
+weights and the checkpoint tools (quantize a weight, its stored bytes), the quantization report, the hardware
+check (runners.app.support).
 
 Torch-free at import, so the application checks a run against the formats before torch loads
 (runners.app.preflight); a format's torch modules and GEMMs live in runners/engine/models/<name>.py and are
