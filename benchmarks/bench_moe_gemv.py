@@ -83,7 +83,8 @@ def _quantized(fmt: str, w):
 def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta: dict, active: int,
                    copy_gbps: float) -> list[dict]:
     """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring)."""
-    from kernels.quant.moe_gemv import moe_gemv_block_fp8, moe_gemv_nvfp4
+    from kernels.quant.block_fp8 import moe_gemv_block_fp8
+    from kernels.quant.nvfp4 import moe_gemv_nvfp4
     from runners.engine.models.layers import ACTIVATIONS
     from runners.engine.models.moe import moe_experts_grouped
 

@@ -160,7 +160,7 @@ def _dequant_then_bf16(x, w, s, s2, offs):
     """Every expert's NVFP4 weight dequantized to BF16 by the reference, then the BF16 grouped GEMM."""
     import torch
 
-    from kernels.quant import nvfp4_dequantize
+    from kernels.quant.nvfp4 import nvfp4_dequantize
 
     return _bf16_grouped(x, nvfp4_dequantize(w, s, s2, torch.bfloat16), offs)
 
@@ -180,16 +180,18 @@ def _tensor_core(fn, *args, **kwargs):
 
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
-    every format = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the rule before
-    that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
-    from kernels.quant import _common
+    every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
+    rule before that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
+    from kernels.quant import block_fp8, nvfp4
 
-    keep = dict(_common.GROUPED_GEMV_MAX_ROWS)
-    _common.GROUPED_GEMV_MAX_ROWS.update({k: float("inf") for k in keep})
+    keep = {m: m.GROUPED_GEMV_MAX_ROWS for m in (block_fp8, nvfp4)}
+    for m in keep:
+        m.GROUPED_GEMV_MAX_ROWS = float("inf")
     try:
         return fn(*args, **kwargs)
     finally:
-        _common.GROUPED_GEMV_MAX_ROWS.update(keep)
+        for m, bound in keep.items():
+            m.GROUPED_GEMV_MAX_ROWS = bound
 
 
 def part_copy() -> dict:
@@ -209,7 +211,7 @@ def part_copy() -> dict:
 def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
     import torch
 
-    from kernels.quant import nvfp4_grouped_mm
+    from kernels.quant.nvfp4 import nvfp4_grouped_mm
 
     E, top_k = SUPER["E"], SUPER["top_k"]
     rows = []
@@ -244,7 +246,7 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.quant import (
+    from kernels.quant.block_fp8 import (
         block_fp8_grouped_mm,
         block_fp8_linear,
         block_fp8_quantize,
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                            "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
                                                                     "nvfp4_dequant_then_bf16_grouped")}
     if "fp8" in args.parts:
-        from kernels.quant import block_scaled_mm_supported
+        from kernels.quant.block_fp8 import block_scaled_mm_supported
 
         rows = part_fp8(args.batches, bw)
         report["fp8"] = {"rows": rows, "block_scaled_mm_supported": block_scaled_mm_supported("cuda"),

@@ -27,8 +27,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   helper launch the decode-size kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's
   activation quantization; a split-K sum launch, which depends on the real widths, is not counted); the
   quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
-  Where the quantized experts take a per-pair decode path on CUDA (``runners.engine.quant``'s
-  ``use_quant_moe_gemv`` gate), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
+  Where the quantized experts take a per-pair decode path on CUDA (their format's ``use_moe_gemv`` gate,
+  runners.engine.formats), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
   not its device test) and the path
   counts as the one op ``kernel:moe_experts``, as the bf16 experts. FP8 (per-tensor) MoE experts count the
   CPU reference's ops (not the device's);
@@ -67,7 +67,7 @@ QUANT_KERNELS = (("runners.engine.models.nvfp4", "nvfp4_linear", True),
                  ("runners.engine.models.nvfp4", "nvfp4_grouped_mm", True),
                  ("runners.engine.models.block_fp8", "block_fp8_linear", True),
                  ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", True),
-                 ("runners.engine.quant", "fp8_linear", False))
+                 ("runners.engine.models.fp8_modules", "fp8_linear", False))
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
 ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 STEP = "step"  # the kind of ops outside every block
@@ -160,11 +160,13 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     import importlib
 
     import runners.engine.cache as cache_mod
+    import runners.engine.models.block_fp8 as block_fp8_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
-    import runners.engine.quant as quant_mod
+    import runners.engine.models.nvfp4 as nvfp4_mod
+    from runners.engine.formats import get_format
 
     original = cache_mod.kernel_or_reference
 
@@ -205,12 +207,13 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
             saved.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, counter.opaque_kernel(attr, getattr(mod, attr), prep=prep))
         # the per-pair quantized experts: CUDA's decision (the pair bound, not the device), counted as one op
-        saved.append((quant_mod, "use_quant_moe_gemv", quant_mod.use_quant_moe_gemv))
-        bound = quant_moe_gemv_max_pairs
-        quant_mod.use_quant_moe_gemv = lambda h, indices, fmt: indices.numel() <= bound[fmt]
-        for attr in ("moe_gemv_nvfp4", "moe_gemv_block_fp8"):
-            saved.append((quant_mod, attr, getattr(quant_mod, attr)))
-            setattr(quant_mod, attr, counter.opaque_kernel("moe_experts", getattr(quant_mod, attr)))
+        for name, n in quant_moe_gemv_max_pairs.items():
+            fmt = get_format(name)
+            saved.append((fmt, "use_moe_gemv", fmt.use_moe_gemv))
+            fmt.use_moe_gemv = lambda h, indices, n=n: indices.numel() <= n
+        for mod, attr in ((nvfp4_mod, "moe_gemv_nvfp4"), (block_fp8_mod, "moe_gemv_block_fp8")):
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, counter.opaque_kernel("moe_experts", getattr(mod, attr)))
         yield
     finally:
         for m, name, value in saved:
@@ -244,7 +247,7 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
     """Op counts of ``steps`` decode steps of a synthetic ``family`` model in checkpoint format ``fmt``
     (:data:`FORMATS`; module docstring). ``quant_moe_gemv_max_pairs``: the pair bound up to which the quantized
     experts take their per-pair path, in every quantized format (None: the engine's per-format
-    ``QUANT_MOE_GEMV_MAX_PAIRS``).
+    ``WeightFormat.moe_gemv_bound``, runners.engine.formats).
 
     Returns ``{"config": ..., "steps": n, "phases": {phase: {"ops", "views", "host_syncs", "kinds": {kind:
     {"ops", "blocks", "ops_per_block", "top": [[op, count per step], ...]}}}}, "total_ops": per step}``; every
@@ -261,10 +264,11 @@ def count_step_ops(family: str, *, layers: int | None = None, draft_len: int = 0
 
     if replay and draft_len < 1:
         raise ValueError("ssm replay needs drafts (draft_len >= 1)")
-    from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS
+    from runners.engine.formats import all_formats
 
-    bound = (dict(QUANT_MOE_GEMV_MAX_PAIRS) if quant_moe_gemv_max_pairs is None
-             else dict.fromkeys(QUANT_MOE_GEMV_MAX_PAIRS, quant_moe_gemv_max_pairs))
+    engine_bound = {f.name: f.moe_gemv_bound() for f in all_formats() if f.moe_gemv}
+    bound = (engine_bound if quant_moe_gemv_max_pairs is None
+             else dict.fromkeys(engine_bound, quant_moe_gemv_max_pairs))
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     layers = QUARTER_LAYERS[family] if layers is None else layers
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the counts here")
     p.add_argument("--quant-moe-gemv-max-pairs", type=int, default=None, metavar="N",
                    help="pair bound of the quantized experts' per-pair path, every format (default: the "
-                        "engine's per-format QUANT_MOE_GEMV_MAX_PAIRS; 176 counts it as bf16's)")
+                        "engine's per-format bound; 176 counts it as bf16's)")
     args = p.parse_args(argv)
     if args.layers is not None:  # the synthetic model's limits, under this script's option name
         least, most = num_layers_range(args.family)

@@ -47,7 +47,7 @@ from pathlib import Path
 from registry.errors import UserError, exits_on_user_error
 
 # (category, regex) in match order; first match wins; "other" catches the rest. Sources of the names:
-# kernels/moe_gemv.py and kernels/quant/moe_gemv.py (_pair_*_kernel, _combine_kernel), torch._grouped_mm
+# kernels/moe_gemv.py and kernels/quant/<format>.py (_pair_*_kernel, _combine_kernel), torch._grouped_mm
 # (CUTLASS GroupProblemShape, prepare_grouped_gemm_data), kernels/router.py (_topk_route_kernel; ATen's
 # radix sort of the prefill's token-by-expert argsort), kernels/gdn, kernels/mamba2 and kernels/commit.py
 # (replay / ssd / ssu / rewind_commit kernels), fla-core's chunk_* / recompute_w_u kernels, cuDNN SDPA,

@@ -94,7 +94,7 @@ def _check(h, weights, indices, up, gate, down, activation, name) -> None:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _act_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
+def act_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
     """relu(x)^2 or silu(x) in x's dtype (torch's ops: fp32 internally for 16-bit x, one final rounding)."""
     return torch.square(F.relu(x)) if activation == "relu2" else F.silu(x)
 
@@ -128,9 +128,9 @@ def moe_gemv_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     x = h.repeat_interleave(k, dim=0)  # [P, L]: pair p = n * k + j holds token n
     u = _pair_linear_ref(x, up, expert)
     if gate is None:
-        a = _act_ref(u, activation)
+        a = act_ref(u, activation)
     else:
-        a = _act_ref(_pair_linear_ref(x, gate, expert), activation) * u
+        a = act_ref(_pair_linear_ref(x, gate, expert), activation) * u
     y = _pair_linear_ref(a, down, expert).view(n, k, -1)
     return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
 
@@ -141,7 +141,7 @@ def moe_gemv_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
 
 
 @triton.jit
-def _activation(v, ACT: tl.constexpr, dtype: tl.constexpr):
+def apply_activation(v, ACT: tl.constexpr, dtype: tl.constexpr):
     """relu2 (ACT 1) or silu (ACT 2) of fp32 v (already on ``dtype``'s grid), rounded to ``dtype``."""
     if ACT == 1:
         r = tl.maximum(v, 0.0)
@@ -202,7 +202,7 @@ def _pair_gemv_kernel(
         dt: tl.constexpr = out_ptr.dtype.element_ty
         v = round_rne(acc, dt)
         if ACT != 0:
-            v = _activation(v, ACT, dt)
+            v = apply_activation(v, ACT, dt)
         if GATED:
             v = round_rne(v * round_rne(acc2, dt), dt)
         tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)  # v: on dt's grid
@@ -309,7 +309,7 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
 
 def run_pair_launches(h, weights, indices, up, gate, down, activation: str, launch, intermediate: int):
     """The three launches of the per-pair path, shared by every weight format (this module's 16-bit /
-    float32 experts, kernels/quant/moe_gemv.py's NVFP4 and block FP8): gate / up with the activation fused,
+    float32 experts, each quantized format's in kernels/quant/<format>.py): gate / up with the activation fused,
     down, the float32 combine. ``launch(x, indices, w, w2, out_dtype, topk, act_code) -> (out, out2, split)``
     runs one projection in the weights' format (``w`` / ``w2``: that format's weight objects, e.g. tensors or
     (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else [P, NOUT] in
@@ -331,7 +331,7 @@ def run_pair_launches(h, weights, indices, up, gate, down, activation: str, laun
     first, second = (gate, up) if gate is not None else (up, None)
     a, a2, split = launch(h, idx, first, second, h.dtype, k, act)
     if split > 1:  # partials summed in fp32 and rounded to h's dtype, then the activation as the reference
-        a = _act_ref(a.sum(0).to(h.dtype), activation)
+        a = act_ref(a.sum(0).to(h.dtype), activation)
         if a2 is not None:
             a = a * a2.sum(0).to(h.dtype)
     y, _, split = launch(a, idx, down, None, h.dtype, 1, 0)

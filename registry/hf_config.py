@@ -46,10 +46,11 @@ BLOCK_KINDS = ("mamba2", "attention", "mlp", "moe", "gdn")
 _RESTORE = "restore the checkpoint's config.json (or point model.checkpoint at a complete checkpoint)"
 
 
-# Per-module weight formats (QuantConfig.module_format): per-tensor FP8 (ModelOpt / HF static fp8), block
-# FP8 (transformers' fine-grained FP8, weight_scale_inv per block), NVFP4 (ModelOpt: packed e2m1, fp8 block
-# scales).
-FORMAT_FP8, FORMAT_BLOCK_FP8, FORMAT_NVFP4 = "fp8", "block_fp8", "nvfp4"
+# Weight formats, as data (each is one module of runners/engine/formats/, which runs it): unquantized,
+# per-tensor FP8 (ModelOpt / HF static fp8), block FP8 (transformers' fine-grained FP8, weight_scale_inv per
+# block), NVFP4 (ModelOpt: packed e2m1, fp8 block scales). QuantConfig.module_format gives each module's.
+FORMAT_BF16, FORMAT_FP8, FORMAT_BLOCK_FP8, FORMAT_NVFP4 = "bf16", "fp8", "block_fp8", "nvfp4"
+FORMATS = (FORMAT_BF16, FORMAT_FP8, FORMAT_BLOCK_FP8, FORMAT_NVFP4)
 NVFP4_GROUP_SIZE = 16  # elements per NVFP4 block scale (ModelOpt's group_size)
 
 
@@ -132,7 +133,13 @@ class QuantConfig:
                 if fmt is not None:
                     return fmt
             return next((fmt for p, fmt in wildcards if fnmatch.fnmatchcase(module, p)), None)
-        if self.method == "nvfp4":
+        return self.default_format
+
+    @property
+    def default_format(self) -> str:
+        """The one format of a checkpoint that is not MIXED_PRECISION (its ``method``; per-tensor FP8 made
+        block FP8 by ``weight_block_size``)."""
+        if self.method == FORMAT_NVFP4:
             return FORMAT_NVFP4
         return FORMAT_BLOCK_FP8 if self.weight_block_size is not None else FORMAT_FP8
 

@@ -20,17 +20,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from registry.hf_config import FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, HybridConfig, QuantConfig
-from registry.schema import REPO_ROOT
+from registry.hf_config import (
+    FORMAT_BF16,
+    FORMAT_BLOCK_FP8,
+    FORMAT_FP8,
+    FORMAT_NVFP4,
+    NVFP4_GROUP_SIZE,
+    HybridConfig,
+    QuantConfig,
+)
+from registry.schema import REPO_ROOT, Quant
 
-FORMATS = ("bf16", "fp8", "nvfp4", "block_fp8")
+FORMATS = (FORMAT_BF16, FORMAT_FP8, FORMAT_NVFP4, FORMAT_BLOCK_FP8)  # the release formats, in --format order
 # the release format of each (family, entry quant): Qwen's FP8 release is block FP8, NVIDIA's per-tensor
 RELEASE_FORMATS: dict[tuple[str, str], str] = {
-    ("nemotron_h", "none"): "bf16",
-    ("nemotron_h", "fp8"): "fp8",
-    ("nemotron_h", "nvfp4"): "nvfp4",
-    ("qwen3_next", "none"): "bf16",
-    ("qwen3_next", "fp8"): "block_fp8",
+    ("nemotron_h", Quant.none.value): FORMAT_BF16,
+    ("nemotron_h", Quant.fp8.value): FORMAT_FP8,
+    ("nemotron_h", Quant.nvfp4.value): FORMAT_NVFP4,
+    ("qwen3_next", Quant.none.value): FORMAT_BF16,
+    ("qwen3_next", Quant.fp8.value): FORMAT_BLOCK_FP8,
 }
 
 BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
@@ -223,23 +231,24 @@ def release_rule(family: str, fmt: str, *, kv_cache: bool = True,
     ``runners.engine.quant.quantization_targets``); ``exclude`` adds modules kept unquantized.
 
     Raises:
-        FormatError: no release of that format for the family (nvfp4: nemotron_h; block_fp8: qwen3_next).
+        FormatError: no release of that format for the family (NVFP4: nemotron_h; block FP8: qwen3_next).
     """
     kv = "fp8" if kv_cache else None
-    if fmt == "fp8":
+    if fmt == FORMAT_FP8:
         return QuantConfig(method="fp8", format="modelopt", algo="FP8", kv_cache_quant=kv,
                            exclude_modules=RELEASE_EXCLUDES[family] + exclude, source=f"{fmt} release rule")
-    if fmt == "nvfp4" and family in NVFP4_LAYERS:
-        return QuantConfig(method="nvfp4", format="modelopt", algo="MIXED_PRECISION", kv_cache_quant=kv,
+    if fmt == FORMAT_NVFP4 and family in NVFP4_LAYERS:
+        return QuantConfig(method=Quant.nvfp4.value, format="modelopt", algo="MIXED_PRECISION",
+                           kv_cache_quant=kv,
                            exclude_modules=("lm_head", "mtp*") + exclude,
                            quantized_layers=NVFP4_LAYERS[family], group_size=NVFP4_GROUP_SIZE,
                            source=f"{fmt} release rule")
-    if fmt == "block_fp8" and family in BLOCK_FP8_NOT_CONVERTED:
+    if fmt == FORMAT_BLOCK_FP8 and family in BLOCK_FP8_NOT_CONVERTED:
         return QuantConfig(method="fp8", format="fp8", algo="FP8_BLOCK", activation_scheme="dynamic",
                            weight_block_size=(128, 128),
                            exclude_modules=BLOCK_FP8_NOT_CONVERTED[family] + exclude,
                            source=f"{fmt} release rule")
-    have = {"nvfp4": sorted(NVFP4_LAYERS), "block_fp8": sorted(BLOCK_FP8_NOT_CONVERTED)}.get(fmt)
+    have = {FORMAT_NVFP4: sorted(NVFP4_LAYERS), FORMAT_BLOCK_FP8: sorted(BLOCK_FP8_NOT_CONVERTED)}.get(fmt)
     raise FormatError(f"--format {fmt}: no {fmt} release rule for family {family}"
                       + (f" (the {fmt} release is {', '.join(have)}'s)" if have else "")
                       + f"; formats: {', '.join(FORMATS)}")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from benchmarks import bench_quant_gemm as bench
-from kernels.quant import block_fp8_quantize, nvfp4_quantize
+from kernels.quant.block_fp8 import block_fp8_quantize
+from kernels.quant.nvfp4 import nvfp4_quantize
 
 
 def test_byte_counts_are_the_stored_tensors():

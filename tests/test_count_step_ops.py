@@ -123,16 +123,16 @@ def test_cli_checks_come_before_any_model(monkeypatch, capsys):
 def test_quantized_format_counts_its_kernels(max_pairs):
     """--format nvfp4 builds the release's module classes: the quantized GEMMs count as kernel ops, and the
     NVFP4 experts count as the per-pair path (one op per MoE block) within the pair bound (the engine's
-    per-format QUANT_MOE_GEMV_MAX_PAIRS: 44 for NVFP4, above this step's pairs), else (a bound of 0) as the
-    grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
-    from runners.engine.models.moe import QUANT_MOE_GEMV_MAX_PAIRS
+    per-format bound, WeightFormat.moe_gemv_bound: 44 for NVFP4, above this step's pairs), else (a bound of 0)
+    as the grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
+    from runners.engine.formats import get_format
 
     shrink = {**TINY, "moe_latent_size": 32, "moe_intermediate_size": 48}
     report = count_step_ops("nemotron_h", layers=4, steps=1, experts=4, shrink=shrink, prompt_len=6,
                             fmt="nvfp4", quant_moe_gemv_max_pairs=max_pairs)
     assert report["config"]["format"] == "nvfp4"
     bound = report["config"]["quant_moe_gemv_max_pairs"]["nvfp4"]
-    assert bound == (QUANT_MOE_GEMV_MAX_PAIRS["nvfp4"] if max_pairs is None else max_pairs)
+    assert bound == (get_format("nvfp4").moe_gemv_bound() if max_pairs is None else max_pairs)
     pair_path = bound >= 8  # batch 1 x at most 4 experts chosen
     assert pair_path == (max_pairs != 0)
     p = report["phases"]["decode"]

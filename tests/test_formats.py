@@ -21,8 +21,11 @@ from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4
 from registry.schema import REPO_ROOT
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, plan_load
+from runners.engine.models.block_fp8 import BlockFP8Linear, BlockFP8MoE
+from runners.engine.models.fp8_modules import FP8Linear
+from runners.engine.models.nvfp4 import NVFP4MoE
 from runners.engine.options import EngineOptions
-from runners.engine.quant import BlockFP8Linear, BlockFP8MoE, FP8Linear, NVFP4MoE, kv_cache_scales
+from runners.engine.quant import kv_cache_scales
 from runners.tools.quantize import quantize_checkpoint
 from runners.tools.synth import release_layout, synth_config, tensor_specs, write_synthetic_checkpoint
 

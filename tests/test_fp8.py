@@ -32,9 +32,10 @@ from runners.engine.models.fp8 import (
     quantize_fp8,
     scaled_mm_supported,
 )
+from runners.engine.models.fp8_modules import FP8Linear, FP8MoE
 from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.options import EngineOptions
-from runners.engine.quant import FP8Linear, FP8MoE, kv_cache_scales
+from runners.engine.quant import kv_cache_scales
 from runners.tools.quantize import QuantizeError, main, quantize_fp8_checkpoint
 
 CKPTS = REPO_ROOT / "registry" / "checkpoints"

@@ -202,7 +202,7 @@ def test_moe_block_names_its_activation_to_the_fused_path(act, monkeypatch):
     from runners.engine.models.config import HybridConfig
 
     x = torch.randn(3, 5)
-    torch.testing.assert_close(mg._act_ref(x, act), layers.ACTIVATIONS[act](x), rtol=0, atol=0)
+    torch.testing.assert_close(mg.act_ref(x, act), layers.ACTIVATIONS[act](x), rtol=0, atol=0)
     seen = {}
     record = lambda *args, activation=None: seen.setdefault("a", activation)
     monkeypatch.setattr(layers, "moe_experts_fused", record)

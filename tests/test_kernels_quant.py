@@ -32,8 +32,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.quant import _common as quant_common  # noqa: E402
-from kernels.quant import (  # noqa: E402
-    block_fp8,
+from kernels.quant import block_fp8, nvfp4  # noqa: E402
+from kernels.quant.block_fp8 import (  # noqa: E402
     block_fp8_dequantize,
     block_fp8_grouped_mm,
     block_fp8_grouped_mm_ref,
@@ -41,17 +41,19 @@ from kernels.quant import (  # noqa: E402
     block_fp8_linear_ref,
     block_fp8_quantize,
     block_scaled_mm_supported,
-    nvfp4,
+    quantize_activation_per_token_group,
+    quantize_activation_per_token_group_ref,
+)
+from kernels.quant.nvfp4 import (  # noqa: E402
+    E2M1_GRID,
     nvfp4_dequantize,
     nvfp4_grouped_mm,
     nvfp4_grouped_mm_ref,
     nvfp4_linear,
     nvfp4_linear_ref,
     nvfp4_quantize,
-    quantize_activation_per_token_group,
-    quantize_activation_per_token_group_ref,
+    round_to_e2m1,
 )
-from kernels.quant.nvfp4 import E2M1_GRID, round_to_e2m1  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -312,16 +314,17 @@ def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "block_fp8"])
 def test_grouped_launches_above_the_rows_bound_take_the_tensor_core_kernel(fmt, monkeypatch):
-    """GROUPED_GEMV_MAX_ROWS: a grouped launch with more rows in all than its format's bound takes the
-    tensor-core kernel even at few rows per expert (and still matches the reference); at or below it, the
-    GEMV; dense launches follow GEMV_MAX_ROWS alone."""
+    """GROUPED_GEMV_MAX_ROWS (each format's kernel file): a grouped launch with more rows in all than its
+    format's bound takes the tensor-core kernel even at few rows per expert (and still matches the reference);
+    at or below it, the GEMV; dense launches follow GEMV_MAX_ROWS alone."""
     from kernels.quant import block_fp8 as fp8_mod
     from kernels.quant import nvfp4 as nvfp4_mod
 
-    assert quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt], fmt=fmt)
-    assert not quant_common.use_gemv(2.0, grouped_rows=quant_common.GROUPED_GEMV_MAX_ROWS[fmt] + 1, fmt=fmt)
-    assert quant_common.use_gemv(2.0) and not quant_common.use_gemv(9.0)
     mod = nvfp4_mod if fmt == "nvfp4" else fp8_mod
+    bound = mod.GROUPED_GEMV_MAX_ROWS
+    assert quant_common.use_gemv(2.0, grouped_rows=bound, grouped_max_rows=bound)
+    assert not quant_common.use_gemv(2.0, grouped_rows=bound + 1, grouped_max_rows=bound)
+    assert quant_common.use_gemv(2.0) and not quant_common.use_gemv(9.0)
     gemv_calls = []
     real = mod._launch_gemv
     monkeypatch.setattr(mod, "_launch_gemv", lambda *a, **k: gemv_calls.append(1) or real(*a, **k))
@@ -330,7 +333,7 @@ def test_grouped_launches_above_the_rows_bound_take_the_tensor_core_kernel(fmt, 
     x, offs = _randn(sum(counts), K, seed=40, dtype=dtype), _offsets(counts)
     w = _randn(E, N, K, seed=41).cpu()
     for bound, want_gemv in ((17, True), (16, False)):
-        monkeypatch.setitem(quant_common.GROUPED_GEMV_MAX_ROWS, fmt, bound)
+        monkeypatch.setattr(mod, "GROUPED_GEMV_MAX_ROWS", bound)
         gemv_calls.clear()
         if fmt == "nvfp4":
             q, sc, s2 = (t.to(DEVICE) for t in nvfp4_quantize(w))

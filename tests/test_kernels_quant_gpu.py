@@ -17,19 +17,21 @@ import pytest
 import torch
 from gpu_memory import random_quantized_experts
 
-from kernels.quant import (
+from kernels.quant.block_fp8 import (
     block_fp8_grouped_mm,
     block_fp8_grouped_mm_ref,
     block_fp8_linear,
     block_fp8_linear_ref,
     block_fp8_quantize,
     block_scaled_mm_supported,
+    quantize_activation_per_token_group,
+    quantize_activation_per_token_group_ref,
+)
+from kernels.quant.nvfp4 import (
     nvfp4_grouped_mm,
     nvfp4_grouped_mm_ref,
     nvfp4_linear,
     nvfp4_linear_ref,
-    quantize_activation_per_token_group,
-    quantize_activation_per_token_group_ref,
 )
 
 # Nemotron 3 Super's 512 NVFP4 experts and their dequantized reference take ~10 GB a test:

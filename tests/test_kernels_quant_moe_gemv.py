@@ -1,5 +1,5 @@
-"""Quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py: NVFP4 W4A16 and block FP8) against their
-pair-by-pair PyTorch references and against the engine's grouped path (runners/engine/models/moe.py's
+"""Quantized routed-experts GEMV kernels (kernels/quant/moe_gemv.py's per-pair scheme, each format's launcher
+in its file: NVFP4 W4A16 and block FP8) against their
 moe_experts_grouped over kernels/quant's grouped-GEMM references), and the quantized MoE modules' choice of
 path.
 
@@ -28,7 +28,6 @@ import pytest  # noqa: E402
 
 from kernels.quant import _common as quant_common  # noqa: E402
 from kernels.quant import block_fp8 as bf8  # noqa: E402
-from kernels.quant import moe_gemv as qmg  # noqa: E402
 from kernels.quant import nvfp4 as nf4  # noqa: E402
 from runners.engine.models.layers import ACTIVATIONS  # noqa: E402
 from runners.engine.models.moe import moe_experts_grouped  # noqa: E402
@@ -68,8 +67,8 @@ def _close(got, want, dtype):
     assert err <= TOL[dtype] * scale, f"max error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
 
 
-KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref),
-           "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref)}
+KERNELS = {"nvfp4": (nf4.moe_gemv_nvfp4, nf4.moe_gemv_nvfp4_ref),
+           "block_fp8": (bf8.moe_gemv_block_fp8, bf8.moe_gemv_block_fp8_ref)}
 
 
 def _case(fmt, dtype, gated, N=3, k=2, E=7, seed=0):
@@ -138,9 +137,12 @@ def test_no_tokens_and_bad_arguments(fmt):
 
 @pytest.mark.parametrize("fmt", list(KERNELS))
 def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
-    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where use_quant_moe_gemv holds (forced here: on the CPU
-    it never does) and the grouped path otherwise, with the same result."""
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds (forced here:
+    on the CPU it never does) and the grouped path otherwise, with the same result."""
+    import importlib
+
     from runners.engine import quant
+    from runners.engine.formats import get_format
     from runners.engine.models import layers
     from runners.engine.models.config import HybridConfig
 
@@ -160,10 +162,11 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     h, weights, indices = _case(fmt, torch.float32, gated, seed=4)[:3]
     calls = []
     attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
-    kernel = getattr(quant, attr)
-    monkeypatch.setattr(quant, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
+    module = importlib.import_module(f"runners.engine.models.{fmt}")  # the format's modules
+    kernel = getattr(module, attr)
+    monkeypatch.setattr(module, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
     grouped = moe._experts(h, weights, indices)
     assert calls == []
-    monkeypatch.setattr(quant, "use_quant_moe_gemv", lambda *a: True)
+    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: True)
     _close(moe._experts(h, weights, indices), grouped, torch.float32)
     assert calls == [c.mlp_hidden_act]

@@ -15,7 +15,8 @@ import pytest
 import torch
 from gpu_memory import random_quantized_experts
 
-from kernels.quant import moe_gemv as qmg
+from kernels.quant import block_fp8 as bf8
+from kernels.quant import nvfp4 as nf4
 from kernels.quant.block_fp8 import block_fp8_quantize
 from kernels.quant.nvfp4 import nvfp4_quantize
 from runners.engine.models.block_fp8 import block_fp8_grouped_mm
@@ -33,8 +34,8 @@ SHAPES = {  # model: (format, L, I, E, top_k, activation, gated)
     "super_v3": ("nvfp4", 1024, 2688, 512, 22, "relu2", False),
     "qwen3_next": ("block_fp8", 2048, 512, 512, 10, "silu", True),
 }
-KERNELS = {"nvfp4": (qmg.moe_gemv_nvfp4, qmg.moe_gemv_nvfp4_ref, nvfp4_grouped_mm),
-           "block_fp8": (qmg.moe_gemv_block_fp8, qmg.moe_gemv_block_fp8_ref, block_fp8_grouped_mm)}
+KERNELS = {"nvfp4": (nf4.moe_gemv_nvfp4, nf4.moe_gemv_nvfp4_ref, nvfp4_grouped_mm),
+           "block_fp8": (bf8.moe_gemv_block_fp8, bf8.moe_gemv_block_fp8_ref, block_fp8_grouped_mm)}
 
 
 def _close(got, want):

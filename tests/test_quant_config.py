@@ -18,7 +18,7 @@ from registry.hf_config import HybridConfig, QuantConfig, parse_quantization
 from registry.schema import REPO_ROOT
 from runners.app import main as app
 from runners.app.preflight import check_references
-from runners.engine.quant_formats import check_runnable
+from runners.engine.formats import check_runnable
 
 TINY = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 TINY_FP8 = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp_fp8"
@@ -267,3 +267,35 @@ def test_qwen3_next_fp8_entry_has_no_reference_to_be_judged_by(monkeypatch):
     with pytest.raises(UserError) as err:
         check_references(rr)
     assert "no `baseline` key" in err.value.problem and "verdict.require_reference=false" in err.value.fix
+
+
+def test_format_registry_holds_one_object_per_format_whose_rules_match_the_kernels():
+    """runners.engine.formats: every name of registry.hf_config.FORMATS has its module and format object (its
+    rules importable without torch); an unknown name is a KeyError naming the formats; the block and group
+    sizes the formats declare are the ones the kernels run."""
+    import subprocess
+    import sys
+
+    from kernels.quant.block_fp8 import BLOCK
+    from kernels.quant.nvfp4 import NVFP4_BLOCK
+    from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_NVFP4, FORMATS
+    from runners.engine.formats import all_formats, checkpoint_formats, get_format
+    from runners.engine.formats.block_fp8 import BLOCK as FORMAT_BLOCK
+    from runners.engine.formats.nvfp4 import GROUP_SIZE
+
+    assert tuple(f.name for f in all_formats()) == FORMATS
+    assert FORMAT_BLOCK == (BLOCK, BLOCK) and GROUP_SIZE == NVFP4_BLOCK
+    with pytest.raises(KeyError, match="formats: bf16, fp8"):
+        get_format("int4")
+    assert [f.runs_on((8, 0)) for f in all_formats()] == [True, True, False, False]
+    assert all(f.runs_on(None) and f.runs_on((9, 0)) for f in all_formats())
+    assert get_format(FORMAT_BLOCK_FP8).moe_gemv_bound() == 176
+    assert get_format(FORMAT_NVFP4).moe_gemv_bound() == 44
+    block = parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]})
+    assert checkpoint_formats(block) == (FORMAT_BLOCK_FP8,)
+    code = ("import sys, runners.app.support, runners.engine.formats as f; "
+            "[f.get_format(n) for n in f.FORMATS]; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO_ROOT).stdout
+    assert out.strip() == "False"

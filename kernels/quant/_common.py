@@ -143,24 +143,14 @@ GEMV_MAX_ROWS = 8
 GEMV_TARGET_PROGRAMS = 528
 
 
-# Grouped (MoE experts) launches take the GEMV only up to this many (token, expert) rows in all, per weight
-# format; above, the tensor-core kernel, whatever the rows per expert. H200, one MoE layer at the released
-# expert shapes (docs/gpu/quant_1, benchmarks/bench_quant_gemm.py: GEMV vs `_tc` rows): NVFP4 (Super V3 up /
-# down) the tensor-core kernel is ahead from 44 rows (59.3 / 63.0 us vs 65.0 / 70.8) to 176 (188.2 / 183.0 vs
-# 231.0 / 224.1), the GEMV only at 22 rows down (39.2 vs 44.6); block FP8 (Qwen3-Next up) the GEMV is ahead up
-# to 40 rows (40.6 vs 61.4) and even at 80 (72.8 vs 72.3). At full depth (docs/gpu/fulldepth_5) the GEMV at
-# 2.75-5 rows per expert (1,408 / 2,560 rows) made a step slower than one with 4x its tokens on the
-# tensor-core kernel. The engine's per-pair path (kernels/quant/moe_gemv.py) serves fewer rows than these.
-GROUPED_GEMV_MAX_ROWS = {"nvfp4": 22, "block_fp8": 80}
-
-
-def use_gemv(rows_per_matrix: float, *, grouped_rows: int | None = None, fmt: str | None = None) -> bool:
+def use_gemv(rows_per_matrix: float, *, grouped_rows: int | None = None,
+             grouped_max_rows: float | None = None) -> bool:
     """Whether a launch with about ``rows_per_matrix`` rows per weight matrix takes the GEMV kernel (<=
-    GEMV_MAX_ROWS) and, for a grouped launch (``grouped_rows``: its rows in all; ``fmt``: "nvfp4" /
-    "block_fp8"), has at most GROUPED_GEMV_MAX_ROWS[fmt] rows. Both are read at call time, so a benchmark can
-    set GEMV_MAX_ROWS = 0 to time the tensor-core kernel at decode sizes, or raise the grouped bound to time
-    the GEMV above it."""
-    if grouped_rows is not None and grouped_rows > GROUPED_GEMV_MAX_ROWS[fmt]:
+    GEMV_MAX_ROWS) and, for a grouped launch (``grouped_rows``: its rows in all), has at most
+    ``grouped_max_rows`` rows (the format's ``GROUPED_GEMV_MAX_ROWS``, which its launcher reads at call time,
+    as GEMV_MAX_ROWS here: a benchmark can set GEMV_MAX_ROWS = 0 to time the tensor-core kernel at decode
+    sizes, or raise a format's grouped bound to time the GEMV above it)."""
+    if grouped_rows is not None and grouped_rows > grouped_max_rows:
         return False
     return rows_per_matrix <= GEMV_MAX_ROWS
 

@@ -21,7 +21,7 @@ computes out^T = W qa^T (the weight is the MMA's wide operand; 16 activation row
 activation quantization is fused at decode sizes: per 128-column group the program loads its rows of x,
 takes the amax, quantizes in registers and runs one fp8 x fp8 tensor-core product, so decode is a single
 launch reading x, W and the scales (this tensor-core path now runs for 9..63 rows per weight matrix). At
-decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix (grouped: and <= GROUPED_GEMV_MAX_ROWS["block_fp8"]
+decode sizes of <= GEMV_MAX_ROWS = 8 rows per weight matrix (grouped: and <= GROUPED_GEMV_MAX_ROWS
 rows in all) x is quantized once by the quantization kernel
 (into fp32 e4m3 values) and a CUDA-core GEMV kernel runs (:func:`_block_fp8_gemv_kernel`: weight tiles
 converted to fp32 once, each row loaded straight into the tile's register layout, reduced over K per
@@ -37,6 +37,8 @@ scales.
   scales (1 x 128 activations, 128 x 128 weights; cuBLASLt 12.9+, PyTorch PR 158037) on a device, probed once
   per device against the reference; :func:`block_fp8_linear` uses it for prefill-sized inputs where it holds
   and the shapes are whole blocks, the Triton kernel otherwise.
+- :func:`moe_gemv_block_fp8` (routed experts at decode sizes, kernels/quant/moe_gemv.py's per-pair scheme):
+  one program per (token, expert) pair and output tile; reference :func:`moe_gemv_block_fp8_ref`.
 Triton on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the references.
 
 Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
@@ -51,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_launchable, interpreter_active
+from kernels._common import check_launchable, interpreter_active, round_rne
+from kernels.moe_gemv import apply_activation, pair_gemv_config, run_pair_launches
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -73,10 +76,21 @@ from kernels.quant._common import (
     use_gemv,
     use_kernel,
 )
+from kernels.quant.moe_gemv import (
+    check_expert_shapes,
+    check_pair_inputs,
+    contiguous_experts,
+    pair_outputs,
+    pairs_ref,
+)
 
 log = logging.getLogger(__name__)
 
 BLOCK = 128  # weight block edge (weight_block_size [128, 128]) and activation group width
+# A grouped (routed-experts) launch takes the GEMV up to this many (token, expert) rows in all, the
+# tensor-core kernel above: on the H200 at Qwen3-Next's expert shapes the GEMV leads up to 40 rows and is
+# level at 80 (docs/kernel_performance.md, "Quantized formats"). Read at call time (benchmarks lift it).
+GROUPED_GEMV_MAX_ROWS = 80
 AMAX_EPS = 1e-10  # floor of a group's amax (vLLM / SGLang per_token_group_quant_fp8's eps)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # From this row-tile size on (prefill), activations are quantized by their own kernel first: fused, every N
@@ -281,7 +295,7 @@ def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale
 
 
 @triton.jit
-def _group_scale_quant(xt, INTERP: tl.constexpr):
+def group_scale_quant(xt, INTERP: tl.constexpr):
     """fp32 [R, C] (one group per row; masked columns 0) -> (q [R, C] e4m3 (fp32 on the grid under the
     interpreter), scale [R] fp32) with the reference's rule; divisions rounded to nearest like torch's."""
     amax = tl.max(tl.abs(xt), 1)
@@ -302,7 +316,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     mask = (rows < M)[:, None] & ((c < GROUP) & (cols < K))[None, :]
     r64 = rows.to(tl.int64)[:, None]
     xt = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _group_scale_quant(xt, INTERP)
+    q, scale = group_scale_quant(xt, INTERP)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
 
@@ -371,7 +385,7 @@ def _block_fp8_mm_kernel(
                 xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // GROUP, mask=mask_m, other=0.0)
             else:  # quantize this 128-column group of the rows here (the reference's rule)
                 xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mk, other=0.0).to(tl.float32)
-                qx, xs = _group_scale_quant(xt, INTERP)
+                qx, xs = group_scale_quant(xt, INTERP)
             w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mk, other=0.0)
             ws = tl.load(ws_rows + (k0 // GROUP) * stride_sk, mask=mask_n, other=0.0).to(tl.float32)
             part = mma(w, tl.trans(qx), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
@@ -554,7 +568,8 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    if use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="block_fp8") if grouped else use_gemv(rows):
+    if (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS) if grouped
+            else use_gemv(rows)):
         return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
@@ -735,3 +750,190 @@ def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     if x.shape[0] == 0:
         return out
     return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routed experts at decode sizes: per-pair GEMVs (kernels/quant/moe_gemv.py's scheme)
+# ---------------------------------------------------------------------------------------------------------
+# Each projection quantizes its input row per 128-column group with this file's rule (scale = max(amax,
+# 1e-10) / 448, codes rounded to e4m3), multiplies each group's fp32 product by the row's group scale and the
+# weight's 128 x 128 block ``weight_scale_inv``, and sums the groups in float32. The kernel quantizes each
+# group in the program that needs it (:func:`group_scale_quant`: 128 values, recomputed per output tile,
+# instead of a separate launch). Experts: ``(weight float8_e4m3fn [E, out, in], weight_scale_inv float32
+# [E, ceil(out / 128), ceil(in / 128)])``.
+
+BlockFP8Experts = tuple  # (weight, weight_scale_inv)
+
+
+def _check_block_fp8(h, weights, indices, up, gate, down, activation, name) -> None:
+    """Raise ValueError unless the arguments fit :func:`moe_gemv_block_fp8_ref`'s contract."""
+    check_pair_inputs(h, weights, indices, activation, name)
+    logical = {}
+    for kind, t in (("up", up), ("gate", gate), ("down", down)):
+        if t is None:
+            if kind != "gate":
+                raise ValueError(f"{name}: {kind} is required")
+            logical[kind] = None
+            continue
+        w, ws = t
+        if w.dtype != FP8_DTYPE or w.dim() != 3:
+            raise ValueError(f"{name}: {kind} must be float8_e4m3fn [E, out, in], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        E, out, inp = w.shape
+        want = (E, triton.cdiv(out, BLOCK), triton.cdiv(inp, BLOCK))
+        if tuple(ws.shape) != want or ws.dtype != torch.float32:
+            raise ValueError(f"{name}: {kind} weight_scale_inv must be float32 {want}, got {ws.dtype} "
+                             f"{tuple(ws.shape)}")
+        logical[kind] = (E, out, inp)
+    check_expert_shapes(h.shape[1], logical, name)
+
+
+def moe_gemv_block_fp8_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
+                           gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str
+                           ) -> torch.Tensor:
+    """Reference routed experts with block-FP8 weights, pair by pair (the specification of
+    :func:`moe_gemv_block_fp8`): each projection's input rows are quantized per token and 128-column group
+    (:func:`quantize_activation_per_token_group_ref`), each group's product with the
+    pair's expert weight is summed in float32 and multiplied by the row's group scale and the weight block's
+    ``weight_scale_inv``, the groups summed in float32 (:func:`_block_product`'s rule per pair), the
+    result rounded to h's dtype; activation, gated product and combine as kernels/moe_gemv.py's
+    ``moe_gemv_ref``.
+
+    Args:
+        h: [N, L] float32 / bfloat16 / float16. weights: [N, k] float32. indices: [N, k] int64 in [0, E).
+        up, gate, down: (weight float8_e4m3fn [E, out, in], weight_scale_inv float32 [E, ceil(out / 128),
+            ceil(in / 128)]); up / gate [E, I, L], down [E, L, I]; gate None when not gated.
+        activation: "relu2" or "silu".
+
+    Returns:
+        [N, L] in h's dtype. Mutates nothing.
+
+    Raises:
+        ValueError: shapes, dtypes or an activation that do not fit.
+    """
+    _check_block_fp8(h, weights, indices, up, gate, down, activation, "moe_gemv_block_fp8_ref")
+    mats = {"up": up, "gate": gate, "down": down}
+
+    def linear(x, kind, expert):
+        w, ws = mats[kind]
+        qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)  # [P, K] e4m3, [P, G]
+        K = x.shape[1]
+        wsn = ws[expert].float().repeat_interleave(BLOCK, dim=1)[:, : w.shape[1]]  # [P, out, G]
+        y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+        for g in range(triton.cdiv(K, BLOCK)):
+            cols = slice(g * BLOCK, min(K, (g + 1) * BLOCK))
+            part = torch.einsum("poi,pi->po", w[expert][:, :, cols].float(), qx[:, cols].float())
+            y += part * xs[:, g, None] * wsn[:, :, g]
+        return y
+
+    return pairs_ref(h, weights, indices, linear, gate is not None, activation)
+
+
+@triton.jit
+def _fp8_tile_dot(w_rows, ws_rows, kk, mk, mask_n, q, xs, g):
+    """One 128-column group: sum_k w[n, k] * q[k] (fp32) times the row's group scale xs and the weight
+    block's scale of each output row: [BLOCK_N]."""
+    w = tl.load(w_rows + kk, mask=mk, other=0.0).to(tl.float32)
+    ws = tl.load(ws_rows + g, mask=mask_n, other=0.0)
+    return tl.sum(w * q, 1) * xs * ws
+
+
+@triton.jit
+def _pair_block_fp8_kernel(
+    x_ptr, idx_ptr, w_ptr, ws_ptr, w2_ptr, ws2_ptr, out_ptr, out2_ptr,
+    NOUT, K, TOPK, STEPS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    GATED: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
+):
+    """One (pair, output tile, K range) per program, block-FP8 weights: grid (NOUT tiles, pairs, K splits);
+    BLOCK_K = 128 (one activation group and one weight block column per iteration). Each group of the input
+    row is quantized here with this file's rule (:func:`group_scale_quant`), then dotted with the expert's fp8
+    weight tile; the rest as kernels/moe_gemv.py's ``_pair_gemv_kernel``. ws_ptr / ws2_ptr: weight_scale_inv
+    [E, ceil(NOUT / 128), ceil(K / 128)] (stride_se, stride_sn; unit column stride)."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(idx_ptr + p)
+    e64 = expert.to(tl.int64)
+    row = p // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NOUT
+    n64 = offs_n[:, None].to(tl.int64)
+    w_rows = w_ptr + e64 * stride_we + n64 * stride_wn
+    w2_rows = w2_ptr + e64 * stride_we + n64 * stride_wn
+    ws_rows = ws_ptr + e64 * stride_se + (offs_n // BLOCK_K).to(tl.int64) * stride_sn
+    ws2_rows = ws2_ptr + e64 * stride_se + (offs_n // BLOCK_K).to(tl.int64) * stride_sn
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    g_lo = pid_k * STEPS
+    g_hi = tl.minimum(g_lo + STEPS, tl.cdiv(K, BLOCK_K))
+    for g in range(g_lo, g_hi):
+        cols = g * BLOCK_K + offs_k
+        xt = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q, xs = group_scale_quant(xt[None, :], INTERP)  # [1, BLOCK_K] e4m3 codes, [1] scale
+        q = q.to(tl.float32)
+        kk = cols[None, :] + offs_n[:, None] * 0
+        mk = mask_n[:, None] & (kk < K)
+        acc += _fp8_tile_dot(w_rows, ws_rows, kk, mk, mask_n, q, xs, g)
+        if GATED:
+            acc2 += _fp8_tile_dot(w2_rows, ws2_rows, kk, mk, mask_n, q, xs, g)
+    if SPLIT:
+        o = pid_k.to(tl.int64) * stride_os + p.to(tl.int64) * stride_om + offs_n
+        tl.store(out_ptr + o, acc, mask=mask_n)
+        if GATED:
+            tl.store(out2_ptr + o, acc2, mask=mask_n)
+    else:
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        v = round_rne(acc, dt)
+        if ACT != 0:
+            v = apply_activation(v, ACT, dt)
+        if GATED:
+            v = round_rne(v * round_rne(acc2, dt), dt)
+        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
+
+
+def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
+    """One block-FP8 pair-GEMV launch: x [rows, K]; w, w2: (weight, weight_scale_inv) (w2 None unless
+    gated); K in 128-column steps (BLOCK_K = 128 always)."""
+    P = idx.numel()
+    weight, ws = w
+    NOUT, K = weight.shape[1], weight.shape[2]
+    bn, _, split, steps = pair_gemv_config(P, NOUT, K, 1 if w2 is None else 2)
+    if split == 1:
+        steps = triton.cdiv(K, BLOCK)
+    out, out2 = pair_outputs(P, NOUT, split, w2 is not None, out_dtype, x.device)
+    o2 = w2 if w2 is not None else w
+    _pair_block_fp8_kernel[(triton.cdiv(NOUT, bn), P, split)](
+        x, idx, weight, ws, o2[0], o2[1], out, out2,
+        NOUT, K, topk, steps,
+        x.stride(0), weight.stride(0), weight.stride(1), ws.stride(0), ws.stride(1),
+        out.stride(-2), out.stride(0) if split > 1 else 0,
+        GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
+        BLOCK_N=bn, BLOCK_K=BLOCK, INTERP=interpreter_active(), num_warps=4, num_stages=1,
+    )
+    return out, (out2 if w2 is not None else None), split
+
+
+def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
+                       gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str) -> torch.Tensor:
+    """Routed experts with block-FP8 weights as per-pair GEMVs over the chosen experts (kernels/quant/moe_gemv.py),
+    activations quantized per token and 128-column group inside the kernels with this file's rule: same
+    arguments, result and errors as :func:`moe_gemv_block_fp8_ref`, equal to it up to the fp32 summation
+    order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
+    CUDA and under TRITON_INTERPRET=1, the reference on a plain CPU run. Expert ids are not range-checked.
+
+    Raises:
+        ValueError: shapes, dtypes or an activation that do not fit.
+    """
+    name = "moe_gemv_block_fp8"
+    _check_block_fp8(h, weights, indices, up, gate, down, activation, name)
+    if not use_kernel(h):
+        return moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, activation)
+    up, gate, down = contiguous_experts(up), contiguous_experts(gate), contiguous_experts(down)
+    tensors = [t for e in (up, gate, down) if e is not None for t in e]
+    check_launchable(h, weights, indices, *tensors, name=name)
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair,
+                             up[0].shape[1])

@@ -30,7 +30,7 @@ activation's precision; fp32 activations are split into three bf16 pieces (as ke
 weight_scale_2 multiplies the fp32 accumulator once at the end.
 
 Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py, and for grouped launches
-<= GROUPED_GEMV_MAX_ROWS["nvfp4"] rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
+<= GROUPED_GEMV_MAX_ROWS rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
 once and multiplies it into each of its few rows, reducing over K in fp32; no MMA tile padded to 16 rows, no
 shared-memory layout conversion of the decoded weight; split over K with a partial-sum launch where N tiles
 alone give too few programs (:func:`kernels.quant._common.gemv_config`).
@@ -40,7 +40,9 @@ alone give too few programs (:func:`kernels.quant._common.gemv_config`).
   fixed by the shapes); each program finds its expert from the offsets on the device
   (kernels/quant/_common.py): no host synchronisation, CUDA-graph capturable, work proportional to the rows
   present.
-Both run the Triton kernel on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the reference.
+- :func:`moe_gemv_nvfp4` (routed experts at decode sizes, kernels/quant/moe_gemv.py's per-pair scheme): one
+  program per (token, expert) pair and output tile; reference :func:`moe_gemv_nvfp4_ref`.
+Each runs the Triton kernel on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the reference.
 
 Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
 features, K input features (even; weight_scale has ceil(K / 16) columns).
@@ -52,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_launchable, interpreter_active
+from kernels._common import check_launchable, interpreter_active, round_rne
+from kernels.moe_gemv import apply_activation, pair_gemv_config, run_pair_launches
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -72,8 +75,20 @@ from kernels.quant._common import (
     use_gemv,
     use_kernel,
 )
+from kernels.quant.moe_gemv import (
+    check_expert_shapes,
+    check_pair_inputs,
+    contiguous_experts,
+    pair_outputs,
+    pairs_ref,
+)
 
 NVFP4_BLOCK = 16  # input columns per weight_scale entry
+# A grouped (routed-experts) launch takes the GEMV up to this many (token, expert) rows in all, the
+# tensor-core kernel above, whatever the rows per expert: on the H200 at the released expert shapes the
+# tensor-core kernel leads from 44 rows on, the GEMV only at 22 (docs/kernel_performance.md, "Quantized
+# formats"). Read at call time (benchmarks lift it).
+GROUPED_GEMV_MAX_ROWS = 22
 E2M1_MAX = 6.0  # largest e2m1 magnitude
 # e2m1 magnitudes by code (bits 0-2); bit 3 is the sign
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -309,7 +324,7 @@ def _half_to_f32(h):
 
 
 @triton.jit
-def _e2m1_word(w):
+def e2m1_word(w):
     """int32 words w (4 packed bytes: the codes of 8 consecutive elements 0..7, byte j holding elements 2j in
     its low and 2j + 1 in its high nibble, little-endian) -> the 8 elements as fp32 values times 2^-14.
 
@@ -395,7 +410,7 @@ def _nvfp4_mm_kernel(
             if WORDS:
                 jw = k0 // 8 + offs_w
                 wd = tl.load(w_rows + jw[None, :], mask=mask_n[:, None] & (jw < K // 8)[None, :], other=0)
-                e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
                 # x's columns 8w + c for c = 4 b2 + 2 b1 + b0, split bit by bit (last axes: b2, b1, b0)
                 x_b0_0, x_b0_1 = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
                 x_c04, x_c26 = tl.split(x_b0_0)
@@ -465,7 +480,7 @@ def _nvfp4_gemv_kernel(
     """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
     column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
     packed words of its N tile over K tiles [pid_k * STEPS, (pid_k + 1) * STEPS) once, decodes them in
-    registers (:func:`_e2m1_word`, no scaling per element), and for each of its rows multiplies by the
+    registers (:func:`e2m1_word`, no scaling per element), and for each of its rows multiplies by the
     activations and reduces over K on CUDA cores: the block scale multiplies once per word and row,
     weight_scale_2 and the 2^14 of the decode once at the end. No tensor-core tile padded to 16 rows and no
     register-to-shared layout conversion of the decoded weight. One accumulator per row (a0..a7, unrolled by
@@ -498,7 +513,7 @@ def _nvfp4_gemv_kernel(
             m2 = mask_n[:, None] & mkw[None, :]
             wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
             scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
-            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_word(wd)
+            e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
             a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
                                   e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 1:
@@ -601,10 +616,11 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
-    gemv = (use_gemv(rows / min(E, rows), grouped_rows=rows, fmt="nvfp4") if grouped else use_gemv(rows))
+    gemv = (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS)
+            if grouped else use_gemv(rows))
     if gemv and words_ok(weight) and force_bytes is False:
         return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
-    # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: _e2m1_word) where the rows
+    # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: e2m1_word) where the rows
     # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
     words = words_ok(weight) and bk == 128 and force_bytes is False
     w = weight.view(torch.int32) if words else weight
@@ -693,3 +709,201 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         return out
     return _launch(x, weight, weight_scale, weight_scale_2, None, offsets, out, grouped=True,
                    force_bytes=force_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routed experts at decode sizes: per-pair GEMVs (kernels/quant/moe_gemv.py's scheme)
+# ---------------------------------------------------------------------------------------------------------
+# Each projection is ``W = e2m1 * weight_scale * weight_scale_2`` times the activation in its own dtype
+# (W4A16), summed in float32. The codes are read as int32 words and decoded by :func:`e2m1_word` (two
+# elements per 32-bit operation, the 2^14 folded into the final scale; the K step sized as this file's GEMV:
+# 4 KB of codes per program and step). Experts: ``(weight uint8 [E, out, in / 2], weight_scale
+# float8_e4m3fn [E, out, in / 16], weight_scale_2 float32 [E])`` with in % 8 == 0 (whole int32 words).
+
+NVFP4Experts = tuple  # (weight, weight_scale, weight_scale_2)
+
+
+def _check_nvfp4(h, weights, indices, up, gate, down, activation, name) -> None:
+    """Raise ValueError unless the arguments fit :func:`moe_gemv_nvfp4_ref`'s contract (values not read)."""
+    check_pair_inputs(h, weights, indices, activation, name)
+    logical = {}
+    for kind, t in (("up", up), ("gate", gate), ("down", down)):
+        if t is None:
+            if kind != "gate":
+                raise ValueError(f"{name}: {kind} is required")
+            logical[kind] = None
+            continue
+        w, s, s2 = t
+        if w.dtype != torch.uint8 or w.dim() != 3 or s.dtype != FP8_DTYPE or s2.dtype != torch.float32:
+            raise ValueError(f"{name}: {kind} must be (uint8 [E, out, in / 2], float8_e4m3fn scales, float32 "
+                             f"[E]), got {w.dtype} {tuple(w.shape)}, {s.dtype}, {s2.dtype}")
+        E, out, half = w.shape
+        if tuple(s.shape) != (E, out, triton.cdiv(2 * half, NVFP4_BLOCK)) or tuple(s2.shape) != (E,):
+            raise ValueError(f"{name}: {kind} scales must be [E, out, in / 16] and [E] = "
+                             f"{(E, out, triton.cdiv(2 * half, NVFP4_BLOCK))}, ({E},); got "
+                             f"{tuple(s.shape)}, {tuple(s2.shape)}")
+        logical[kind] = (E, out, 2 * half)
+    check_expert_shapes(h.shape[1], logical, name)
+
+
+def moe_gemv_nvfp4_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: NVFP4Experts,
+                       gate: NVFP4Experts | None, down: NVFP4Experts, activation: str) -> torch.Tensor:
+    """Reference routed experts with NVFP4 weights, pair by pair (the specification of
+    :func:`moe_gemv_nvfp4`): each pair's expert matrices are gathered and dequantized in float32
+    (:func:`nvfp4_dequantize`), each projection summed in float32 with the activation in
+    its own dtype (W4A16) and rounded to h's dtype; activation, gated product and combine as
+    kernels/moe_gemv.py's ``moe_gemv_ref``. Gathers P dequantized matrices: small inputs (or a GPU) only.
+
+    Args:
+        h: [N, L] float32 / bfloat16 / float16. weights: [N, k] float32. indices: [N, k] int64 in [0, E).
+        up, gate, down: (weight uint8 [E, out, in / 2], weight_scale float8_e4m3fn [E, out, in / 16],
+            weight_scale_2 float32 [E]); up / gate logical [E, I, L], down [E, L, I]; gate None when not
+            gated. activation: "relu2" or "silu".
+
+    Returns:
+        [N, L] in h's dtype. Mutates nothing.
+
+    Raises:
+        ValueError: shapes, dtypes or an activation that do not fit.
+    """
+    _check_nvfp4(h, weights, indices, up, gate, down, activation, "moe_gemv_nvfp4_ref")
+    mats = {"up": up, "gate": gate, "down": down}
+
+    def linear(x, kind, expert):
+        w, s, s2 = mats[kind]
+        wd = nvfp4_dequantize(w[expert], s[expert], s2[expert], torch.float32)  # [P, out, in]
+        return torch.einsum("poi,pi->po", wd, x.float())
+
+    return pairs_ref(h, weights, indices, linear, gate is not None, activation)
+
+
+@triton.jit
+def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW):
+    """sum over one K tile of decoded weight (BLOCK_N rows, the words kw) times the input row x (fp32 sums,
+    times 2^-14 as ``e2m1_word`` decodes): [BLOCK_N]. x is loaded in the weight tile's layout (element c of
+    word w at column 8 w + c; L1 hits)."""
+    m2 = mask_n[:, None] & mkw[None, :]
+    wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
+    scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words per 16 columns
+    e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+    xc = x_row + 8 * kw[None, :] + offs_n[:, None] * 0
+    t = e0 * tl.load(xc, mask=m2, other=0.0).to(tl.float32)
+    t += e1 * tl.load(xc + 1, mask=m2, other=0.0).to(tl.float32)
+    t += e2 * tl.load(xc + 2, mask=m2, other=0.0).to(tl.float32)
+    t += e3 * tl.load(xc + 3, mask=m2, other=0.0).to(tl.float32)
+    t += e4 * tl.load(xc + 4, mask=m2, other=0.0).to(tl.float32)
+    t += e5 * tl.load(xc + 5, mask=m2, other=0.0).to(tl.float32)
+    t += e6 * tl.load(xc + 6, mask=m2, other=0.0).to(tl.float32)
+    t += e7 * tl.load(xc + 7, mask=m2, other=0.0).to(tl.float32)
+    return tl.sum(t * scw, 1)
+
+
+@triton.jit
+def _pair_nvfp4_kernel(
+    x_ptr, idx_ptr, w_ptr, s_ptr, g_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, out2_ptr,
+    NOUT, KW, TOPK, STEPS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
+    GATED: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (pair, output tile, K range) per program, NVFP4 weights: grid (NOUT tiles, pairs, K splits). As
+    kernels/moe_gemv.py's ``_pair_gemv_kernel`` (input row p // TOPK, w = gate and w2 = up when GATED), with
+    the weights read as int32 words of codes (w_ptr / w2_ptr, KW = K / 8 words per row), their block scales
+    (s_ptr / s2_ptr) and global scales (g_ptr / g2_ptr, [E]); stride_we / stride_wn in words."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(idx_ptr + p)
+    e64 = expert.to(tl.int64)
+    row = p // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NOUT
+    n64 = offs_n[:, None].to(tl.int64)
+    w_rows = w_ptr + e64 * stride_we + n64 * stride_wn
+    s_rows = s_ptr + e64 * stride_se + n64 * stride_sn
+    w2_rows = w2_ptr + e64 * stride_we + n64 * stride_wn
+    s2_rows = s2_ptr + e64 * stride_se + n64 * stride_sn
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    offs_w = tl.arange(0, WORDS)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    w_lo = pid_k * STEPS * WORDS
+    w_hi = tl.minimum(w_lo + STEPS * WORDS, KW)
+    for w0 in range(w_lo, w_hi, WORDS):
+        kw = w0 + offs_w
+        mkw = kw < w_hi
+        acc += _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW)
+        if GATED:
+            acc2 += _nvfp4_tile_dot(x_row, w2_rows, s2_rows, kw, mkw, mask_n, offs_n, KW)
+    acc = acc * (tl.load(g_ptr + expert) * 16384.0)  # weight_scale_2, and the 2^14 of the decode
+    if GATED:
+        acc2 = acc2 * (tl.load(g2_ptr + expert) * 16384.0)
+    if SPLIT:
+        o = pid_k.to(tl.int64) * stride_os + p.to(tl.int64) * stride_om + offs_n
+        tl.store(out_ptr + o, acc, mask=mask_n)
+        if GATED:
+            tl.store(out2_ptr + o, acc2, mask=mask_n)
+    else:
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        v = round_rne(acc, dt)
+        if ACT != 0:
+            v = apply_activation(v, ACT, dt)
+        if GATED:
+            v = round_rne(v * round_rne(acc2, dt), dt)
+        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
+
+
+def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
+    """One NVFP4 pair-GEMV launch: x [rows, K]; w, w2: (weight, weight_scale, weight_scale_2) (w2 None
+    unless gated). Returns (out, out2, split) as kernels/moe_gemv.py's ``_launch_pair_gemv``."""
+    P = idx.numel()
+    weight, scale, s2 = w
+    NOUT, K = weight.shape[1], 2 * weight.shape[2]
+    matrices = 1 if w2 is None else 2
+    bn, bk, split, steps = pair_gemv_config(P, NOUT, K, matrices)
+    if split == 1:  # this file's GEMV budget: 4 KB of codes per program and step (over matrices)
+        bk = max(GEMV_BLOCK_K, min(GEMV_BLOCK_K * 64 // (bn * matrices), triton.next_power_of_2(K)))
+        steps = triton.cdiv(K, bk)
+    out, out2 = pair_outputs(P, NOUT, split, w2 is not None, out_dtype, x.device)
+    words = weight.view(torch.int32)
+    o2 = w2 if w2 is not None else w
+    _pair_nvfp4_kernel[(triton.cdiv(NOUT, bn), P, split)](
+        x, idx, words, scale, s2, o2[0].view(torch.int32), o2[1], o2[2], out, out2,
+        NOUT, K // 8, topk, steps,
+        x.stride(0), words.stride(0), words.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(-2), out.stride(0) if split > 1 else 0,
+        GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1,
+    )
+    return out, (out2 if w2 is not None else None), split
+
+
+def nvfp4_words_ok(*experts: NVFP4Experts | None) -> bool:
+    """Whether every NVFP4 expert stack's codes read as int32 words (in % 8 == 0, 4-byte aligned): the
+    condition of :func:`moe_gemv_nvfp4` (reads only shapes and pointers)."""
+    return all(e is None or (e[0].shape[-1] % 4 == 0 and e[0].data_ptr() % 4 == 0) for e in experts)
+
+
+def moe_gemv_nvfp4(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: NVFP4Experts,
+                   gate: NVFP4Experts | None, down: NVFP4Experts, activation: str) -> torch.Tensor:
+    """Routed experts with NVFP4 weights (W4A16) as per-pair GEMVs over the chosen experts (kernels/quant/moe_gemv.py):
+    same arguments, result and errors as :func:`moe_gemv_nvfp4_ref`, equal to it up to the fp32 summation
+    order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
+    CUDA and under TRITON_INTERPRET=1, the reference on a plain CPU run. Expert ids are not range-checked.
+
+    Raises:
+        ValueError: as the reference, and codes that are not whole int32 words (:func:`nvfp4_words_ok`).
+    """
+    name = "moe_gemv_nvfp4"
+    _check_nvfp4(h, weights, indices, up, gate, down, activation, name)
+    if not use_kernel(h):
+        return moe_gemv_nvfp4_ref(h, weights, indices, up, gate, down, activation)
+    up, gate, down = contiguous_experts(up), contiguous_experts(gate), contiguous_experts(down)
+    if not nvfp4_words_ok(up, gate, down):
+        raise ValueError(f"{name}: the experts' input widths must be multiples of 8 (codes read as int32 "
+                         "words); use runners.engine.models.moe.moe_experts_grouped for other widths")
+    tensors = [t for e in (up, gate, down) if e is not None for t in e]
+    check_launchable(h, weights, indices, *tensors, name=name)
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair,
+                             up[0].shape[1])

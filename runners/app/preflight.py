@@ -40,7 +40,7 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     shared padded tokenizer (:func:`tokenizer_file`).
     """
     # the weight quantization this machine can run, from the settings alone (before any checkpoint file is
-    # required: an nvfp4 entry is refused on the wrong hardware even where its weights are absent), then all
+    # required: an NVFP4 entry is refused on the wrong hardware even where its weights are absent), then all
     check_quant_hardware(resolve(cfg, check_checkpoint=False))
     rr = resolve(cfg)
     if rr.run.eval.limit is not None and rr.run.eval.limit > GSM8K_TEST_ROWS:  # noted, not silently clamped

@@ -3,7 +3,7 @@
 `python -m registry validate` checks entries against the schema on any machine; this module is the run-time
 counterpart, called by the application before anything heavy is loaded. Each field the engine does not
 implement yet is refused with a UserError naming the field, so an entry never runs silently as something
-else (an nvfp4 entry in bfloat16, judged against nvfp4 baseline rows). The checks that depend on this machine
+else (a 4-bit entry in bfloat16, judged against its baseline rows). The checks that depend on this machine
 (CUDA present, enough GPUs, FlashInfer on a GPU, a GPU for the quantized GEMMs) are here too. torch is
 imported only to ask a GPU machine about its GPUs (:func:`cuda_available`), so that on a CPU machine a refused
 run never loads it.
@@ -18,11 +18,7 @@ from registry.checkpoint import CheckpointError
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import Quant, SSMBackend
-from runners.engine.quant_formats import check_runnable, checkpoint_formats
-
-# First compute capability on which the engine's block-FP8 and NVFP4 (W4A16) Triton GEMMs run: they convert
-# float8_e4m3fn weights / scales in the kernel (Triton's fp8e4nv type: Ada sm_89, Hopper and newer).
-QUANT_GEMM_MIN_CAPABILITY = (8, 9)
+from runners.engine.formats import check_runnable, checkpoint_formats, get_format
 
 
 def cuda_available() -> bool:
@@ -50,25 +46,25 @@ def _hardware(device: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def check_quant_hardware(rr: ResolvedRun, formats: tuple[str, ...] | None = None) -> None:
-    """Raise UserError when the run's weight formats cannot run on this machine. Runnable: on the CPU every
-    format (the GEMMs' PyTorch references: correct, slow, as the FP8 path's dequantizing fallback); on CUDA
-    GPUs of sm_89 or newer every format (NVFP4 as weight-only W4A16 and block FP8 through
-    kernels.quant's Triton GEMMs, per-tensor FP8 through torch._scaled_mm); on older GPUs per-tensor FP8
-    (its dequantizing fallback) but not NVFP4 or block FP8, whose Triton kernels need sm_89's fp8 type.
+    """Raise UserError when the run's weight formats cannot run on this machine: each format says which
+    devices run its GEMMs (``runners.engine.formats.WeightFormat.runs_on``: the CPU runs every format's
+    PyTorch references, correct and slow; per-tensor FP8 every GPU, through torch._scaled_mm on sm_89+ and
+    its dequantizing fallback elsewhere; NVFP4 (weight-only W4A16) and block FP8 need sm_89's fp8 type for
+    their Triton kernels).
 
-    ``formats``: the checkpoint's weight formats (``registry.hf_config.FORMAT_*``); None reads them from the
-    entry's settings alone (``quant: nvfp4``), so an nvfp4 entry is refused naming the hardware before its
+    ``formats``: the checkpoint's weight formats (``registry.hf_config.FORMATS``); None reads them from the
+    entry's settings alone (its ``quant``), so a 4-bit entry is refused naming the hardware before its
     checkpoint is resolved."""
     e = rr.entry
     if formats is None:
-        formats = ("nvfp4",) if e.quant == Quant.nvfp4 else ()
-    needs = sorted(set(formats) & {"nvfp4", "block_fp8"})
-    if not needs:
+        formats = () if e.quant == Quant.none else (e.quant.value,)
+    if not any(get_format(f).min_capability for f in formats):
         return
     hw, cap = _hardware(rr.device)
-    if cap is None or cap >= QUANT_GEMM_MIN_CAPABILITY:
+    needs = sorted(f for f in set(formats) if not get_format(f).runs_on(cap))
+    if not needs:
         return
-    names = " and ".join({"nvfp4": "NVFP4 (W4A16)", "block_fp8": "block-FP8"}[f] for f in needs)
+    names = " and ".join(get_format(f).label for f in needs)
     raise UserError(
         f"entry {e.name}: the engine's {names} GEMMs are Triton kernels that need a GPU with FP8 support "
         f"(sm_89 or newer: Ada, Hopper, Blackwell), and this run is on {hw}",
@@ -98,14 +94,14 @@ def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
     Refused: a quantized checkpoint in a layout the engine does not run
-    (runners.engine.quant_formats.check_runnable: per-tensor FP8 with dynamic activation scales, blocks other
+    (runners.engine.formats.check_runnable: per-tensor FP8 with dynamic activation scales, blocks other
     than 128 x 128); NVFP4 or block-FP8 weights on a GPU older than sm_89 (:func:`check_quant_hardware`);
     world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only),
     on one
     named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
     CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints: FP8 GEMMs on GPUs of
-    sm_89+, a dequantizing fallback elsewhere; block FP8), `quant: nvfp4` (ModelOpt NVFP4 / MIXED_PRECISION,
-    run W4A16) and `kv_cache_quant: fp8` (runners.engine.quant,
+    sm_89+, a dequantizing fallback elsewhere; block FP8), the 4-bit `quant` (ModelOpt NVFP4 /
+    MIXED_PRECISION, run W4A16) and `kv_cache_quant: fp8` (runners.engine.quant,
     runners.engine.cache.KVCache). (the entry's graph batch sizes are honoured: the engine captures its decode
     step at
     those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1

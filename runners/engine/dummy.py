@@ -12,7 +12,7 @@ of the releases (tests/test_synth.py checks logits at depth).
 
 Quantized formats: each weight the format quantizes (``runners.engine.quant.quantization_targets`` of the
 format's QuantConfig) is generated in the model dtype, then quantized on the device (:func:`quantize_weight`:
-ModelOpt FP8 per-tensor, NVFP4 with ModelOpt's scale recipe, 128 x 128 block FP8) and copied into the
+the format's recipe, runners/engine/formats/<format>.py) and copied into the
 model's packed / FP8 storage, one tensor at a time: the device never holds a BF16 copy of the model, only one
 weight matrix at a time beside the final storage.
 """
@@ -28,19 +28,12 @@ from typing import Any
 
 import torch
 
-from registry.hf_config import (
-    FORMAT_BLOCK_FP8,
-    FORMAT_FP8,
-    FORMAT_NVFP4,
-    NVFP4_GROUP_SIZE,
-    HybridConfig,
-    QuantConfig,
-)
+from registry.hf_config import FORMATS, HybridConfig, QuantConfig
+from runners.engine.formats import get_format
 from runners.engine.models.config import family_module
-from runners.engine.models.fp8 import FP8_MAX, quantize_fp8
 from runners.engine.models.hybrid import HybridLM
+from runners.engine.models.moe import EXPERT_KINDS
 
-E2M1_MAX = 6.0  # largest e2m1 magnitude (NVFP4)
 # |activation| bound assumed for static input scales when no calibration ran (random weights)
 ASSUMED_INPUT_AMAX = 64.0
 DUMMY_SEED = 0  # the seed of model.load_format=dummy weights (runners.tools.synth's default --seed)
@@ -112,39 +105,18 @@ def init_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu")
 def quantize_weight(fmt: str, module: str, w: torch.Tensor, input_amax: torch.Tensor | float | None = None
                     ) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of module ``module`` whose weight ``w`` [N, K] (any float dtype) is stored in
-    ``fmt``, on ``w``'s device:
-
-    - fp8: ``weight`` float8_e4m3fn = clamp(w / s), ``weight_scale`` s = amax(|w|) / 448, ``input_scale`` =
-      input_amax / 448 (float32 0-dim);
-    - nvfp4: ``weight`` uint8 [N, K / 2], ``weight_scale`` float8_e4m3fn [N, K / 16], ``weight_scale_2``
-      (kernels.quant.nvfp4.nvfp4_quantize: ModelOpt's recipe), ``input_scale`` = input_amax / (448 * 6);
-    - block_fp8: ``weight`` float8_e4m3fn, ``weight_scale_inv`` [ceil(N / 128), ceil(K / 128)] in bfloat16 (as
-      Qwen's release stores it; kernels.quant.block_fp8.block_fp8_quantize).
-
-    ``input_amax`` None: :data:`ASSUMED_INPUT_AMAX`. Mutates nothing.
+    ``fmt``, on ``w``'s device: the format's ``quantize_weight`` (runners/engine/formats/<fmt>.py: the packed
+    or FP8 ``weight`` and its scale tensors, in the release's dtypes). ``input_amax`` None:
+    :data:`ASSUMED_INPUT_AMAX`. Mutates nothing.
 
     Raises:
-        ValueError: an unknown format.
+        ValueError: an unknown format (or bf16, which stores weights as they are).
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_weight: unknown format {fmt!r}")
     amax = torch.as_tensor(ASSUMED_INPUT_AMAX if input_amax is None else input_amax, dtype=torch.float32)
     amax = amax.to(w.device).clamp(min=1e-12)
-    if fmt == FORMAT_FP8:
-        s = (w.detach().abs().amax().float() / FP8_MAX).clamp(min=1e-12)
-        return {f"{module}.weight": quantize_fp8(w, s), f"{module}.weight_scale": s,
-                f"{module}.input_scale": amax / FP8_MAX}
-    if fmt == FORMAT_NVFP4:
-        from kernels.quant.nvfp4 import nvfp4_quantize
-
-        q, scale, scale_2 = nvfp4_quantize(w.detach())
-        return {f"{module}.weight": q, f"{module}.weight_scale": scale,
-                f"{module}.weight_scale_2": scale_2.float().reshape(()),
-                f"{module}.input_scale": amax / (FP8_MAX * E2M1_MAX)}
-    if fmt == FORMAT_BLOCK_FP8:
-        from kernels.quant.block_fp8 import block_fp8_quantize
-
-        q, scale_inv = block_fp8_quantize(w.detach())
-        return {f"{module}.weight": q, f"{module}.weight_scale_inv": scale_inv.to(torch.bfloat16)}
-    raise ValueError(f"quantize_weight: unknown format {fmt!r}")
+    return get_format(fmt).quantize_weight(module, w, amax)
 
 
 def stored_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
@@ -153,25 +125,16 @@ def stored_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
 
     Raises:
         ValueError: an unknown format."""
-    from kernels.quant.block_fp8 import BLOCK
-
-    n, k = shape[0], math.prod(shape[1:])
-    if fmt == "bf16":
-        return 2 * n * k
-    if fmt == FORMAT_FP8:
-        return n * k + 2 * 4
-    if fmt == FORMAT_NVFP4:  # two e2m1 values a byte, one e4m3 scale per 16 values, two float32 scales
-        return n * k // 2 + n * math.ceil(k / NVFP4_GROUP_SIZE) + 2 * 4
-    if fmt == FORMAT_BLOCK_FP8:  # bf16 scale_inv per 128 x 128 block
-        return n * k + 2 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
-    raise ValueError(f"stored_nbytes: unknown format {fmt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"stored_nbytes: unknown format {fmt!r}")
+    return get_format(fmt).stored_nbytes(shape[0], math.prod(shape[1:]))
 
 
 def quantized_weights(model: HybridLM, quant: QuantConfig) -> dict[str, tuple[str, str]]:
     """``{checkpoint weight name: (checkpoint module, format)}`` of every weight ``quant`` stores quantized in
     ``model`` (an unquantized model, any device; each routed expert projection by name), from the engine's
     own rule (``runners.engine.quant.quantization_targets``)."""
-    from runners.engine.quant import EXPERT_KINDS, quantization_targets
+    from runners.engine.quant import quantization_targets
 
     targets = quantization_targets(model, quant)
     out: dict[str, tuple[str, str]] = {}

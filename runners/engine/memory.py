@@ -91,11 +91,9 @@ def fit_headroom_bytes(budget_bytes: int, prefix_cache_bytes: int, prefill_bytes
 # Transient bytes per element of the tensors a routed-expert pair keeps alive at once in a prefill forward
 # (runners.engine.models.layers / fp8.py / quant.py): the gathered input (bf16 2 B, the float32 quantization's
 # three temporaries -- upcast, scaled, clamped -- 3 x 4 B, its FP8 copy 1 B) and the expert's hidden
-# activation (bf16 output 2 B, the activation's output 2 B, the same 3 x 4 B and 1 B). Checked against
-# Nemotron 3 Super FP8 at full depth on the H200 (docs/gpu/fulldepth_2): its first prefill, at 4806 tokens a
-# forward, ran out of memory with 7.6 GiB left after weights and caches (0.75 GiB of it CUDA-graph pools);
-# 8192 tokens ran with 13.5 GiB left. So its peak lies between about 1.47 and 1.61 MiB per token; these
-# constants give 1.58. Not yet run at the constants' chunk (3644 tokens at batch 64).
+# activation (bf16 output 2 B, the activation's output 2 B, the same 3 x 4 B and 1 B): 1.58 MiB per token
+# for Nemotron 3 Super FP8, inside the bounds its full-depth prefills on the H200 measured
+# (docs/performance.md, "Full depth on one H200").
 PREFILL_INPUT_BYTES_PER_ELEMENT = 15
 PREFILL_HIDDEN_BYTES_PER_ELEMENT = 17
 # What stays free beyond the prefill's estimate: CUDA-graph pools, the allocator's fragmentation, decode
@@ -192,8 +190,8 @@ def check_memory_fits(
         prefix_cache_bytes: the prefix cache's budget (0: off), reserved in a suggested batch.
         prefill_bytes_per_token: :func:`prefill_bytes_per_token` of the model (0: not counted): a suggested
             batch leaves room for the smallest prefill (:func:`min_prefill_bytes`).
-        quant: the weights' quantization method ("none", "fp8", "nvfp4"; None = "none"): a refusal suggests
-            a smaller format only where one exists.
+        quant: the weights' quantization method (registry.schema.Quant's values; None = "none"): a refusal
+            suggests a smaller format only where one exists.
         can_shard: whether the load could be spread over GPUs (False for dummy weights): a refusal on CUDA
             suggests world_size only then.
         ranks_per_device: how many tensor-parallel ranks load onto this device at once (each its own shard:

@@ -3,8 +3,9 @@ random weights in a release's layout, runners.tools.quantize converts a BF16 che
 release quantizes and how, the quantization config files it ships, and the tensors one quantized weight
 becomes.
 
-Formats (``--format``), from the releases' public config files and NVIDIA Model-Optimizer's HF export
-(``unified_export_hf``, ``convert_hf_config.py``), as vLLM's modelopt.py / fp8.py and SGLang read them:
+The releases (``--format``: registry.releases.FORMATS), from their public config files and NVIDIA
+Model-Optimizer's HF export (``unified_export_hf``, ``convert_hf_config.py``), as vLLM's modelopt.py / fp8.py
+and SGLang read them; the tensors of one quantized weight are its format's (runners/engine/formats/):
 
 - ``bf16``: unquantized (the BF16 releases).
 - ``fp8``: NVIDIA ModelOpt FP8 (Nemotron 3 Super FP8: nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8):
@@ -15,11 +16,10 @@ Formats (``--format``), from the releases' public config files and NVIDIA Model-
   ``kv_cache_quant_algo``). Kept in BF16 (:data:`RELEASE_EXCLUDES`): attention projections, MoE latent
   projections, routers, convolutions, embeddings, LM head and the whole MTP module (``mtp*``; ModelOpt copies
   it unquantized, without scales).
-- ``nvfp4``: NVIDIA ModelOpt MIXED_PRECISION (Nemotron 3 Super NVFP4): routed experts NVFP4 (uint8
-  ``weight`` [N, K / 2], float8_e4m3fn ``weight_scale`` [N, K / 16], float32 ``weight_scale_2`` and
-  ``input_scale``; group size 16), Mamba in / out projections, shared experts (and dense MLPs) FP8 as above,
-  everything else BF16; ``quantized_layers`` lists every quantized module in hf_quant_config.json, config.json
-  carries the same as ``config_groups`` targets (ModelOpt's converted form). NemotronH only.
+- Nemotron 3 Super NVFP4, NVIDIA ModelOpt MIXED_PRECISION: routed experts NVFP4 (group size 16), Mamba in /
+  out projections, shared experts (and dense MLPs) FP8 as above, everything else BF16; ``quantized_layers``
+  lists every quantized module in hf_quant_config.json, config.json carries the same as ``config_groups``
+  targets (ModelOpt's converted form). NemotronH only.
 - ``block_fp8``: Qwen's FP8 release (Qwen/Qwen3-Next-80B-A3B-Instruct-FP8; transformers' fine-grained FP8):
   float8_e4m3fn ``weight`` with ``weight_scale_inv`` per 128 x 128 block stored in bfloat16; config.json
   ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
@@ -48,7 +48,6 @@ from registry.releases import (  # noqa: F401  (the release rules, re-exported f
 )
 from runners.engine.dummy import (  # noqa: F401  (re-exported)
     ASSUMED_INPUT_AMAX,
-    E2M1_MAX,
     kv_scale_modules,  # noqa: F401  (re-exported)
     stored_nbytes,
 )

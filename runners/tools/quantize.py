@@ -1,16 +1,17 @@
 """Write a quantized checkpoint in a release's format from an unquantized one, calibrated on GSM8K train
 prompts where the format has static scales.
 
-    python -m runners.tools.quantize --format fp8|nvfp4|block_fp8 SRC DST [--calib-samples 32]
+    python -m runners.tools.quantize --format FORMAT SRC DST [--calib-samples 32]
         [--calib-tokens 32] [--device cuda] [--dtype bfloat16] [--data-dir DIR] [--exclude PATTERN ...]
         [--no-kv-cache] [--shard-size 5GB]
-    (--fp8 = --format fp8)
+    (--fp8 = --format fp8; FORMAT: a quantized release format of registry.releases.FORMATS)
 
-The formats and what each quantizes are runners.tools.formats' (one rule with runners.tools.synth): ``fp8``
-ModelOpt's FP8 (below), ``nvfp4`` ModelOpt's MIXED_PRECISION as Nemotron 3 Super NVFP4 (routed experts NVFP4
-with ModelOpt's recipe, kernels.quant.nvfp4.nvfp4_quantize, ``input_scale`` = calibrated amax / (448 * 6);
-Mamba in / out projections, shared experts and MLPs FP8 as below; NemotronH only), ``block_fp8`` Qwen's
-block FP8 (128 x 128 ``weight_scale_inv`` in bfloat16, dynamic activations: no calibration; Qwen3-Next only).
+The formats and what each quantizes are runners.tools.formats' (one rule with runners.tools.synth); each
+weight is quantized by its format's recipe (runners/engine/formats/), with the calibrated input amax where
+the format has static scales: ``fp8`` ModelOpt's FP8 (below); Nemotron 3 Super's NVFP4 release, ModelOpt's
+MIXED_PRECISION (routed experts NVFP4 with ModelOpt's recipe, ``input_scale`` = calibrated amax / (448 * 6);
+Mamba in / out projections, shared experts and MLPs FP8 as below; NemotronH only); ``block_fp8`` Qwen's block
+FP8 (128 x 128 ``weight_scale_inv`` in bfloat16, dynamic activations: no calibration; Qwen3-Next only).
 
 Post-training quantization as ModelOpt's FP8 recipe does it (max calibration; vLLM's modelopt.py reads the
 result): each quantized linear layer / expert projection gets
@@ -30,8 +31,9 @@ verify and the MTP module's attention are all seen; forward pre-hooks record the
 record per-expert inputs, and the KV caches record what is written.
 
 What stays in the source dtype is the exclude list written into the checkpoint (``hf_quant_config.json``
-``exclude_modules`` and config.json ``quantization_config.ignore``; for nvfp4 also ``quantized_layers``, for
-block_fp8 ``modules_to_not_convert``); the engine's loader reads that list, so what it runs quantized is what
+``exclude_modules`` and config.json ``quantization_config.ignore``; for MIXED_PRECISION also
+``quantized_layers``, for block_fp8 ``modules_to_not_convert``); the engine's loader reads that list, so what
+it runs quantized is what
 the list says (runners.engine.quant.quantization_targets, one rule for both). The FP8 default list
 (runners.tools.formats.RELEASE_EXCLUDES) follows the FP8 release of Nemotron 3 Super (NVIDIA's model
 card: MoE experts, shared experts and
@@ -75,14 +77,16 @@ from registry.checkpoint import (
     tensor_files,
 )
 from registry.errors import UserError
+from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4
 from runners.engine.cache import KVCache
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
 from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import MoE
+from runners.engine.models.moe import EXPERT_KINDS
 from runners.engine.options import EngineOptions
-from runners.engine.quant import EXPERT_KINDS, QuantTargets, quantization_targets
+from runners.engine.quant import QuantTargets, quantization_targets
 from runners.tools.formats import (
     FORMATS,
     FormatError,
@@ -384,8 +388,9 @@ def quantize_checkpoint(
     seed: int = 0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Quantize checkpoint ``src`` into ``dst`` in release format ``fmt`` ("fp8", "nvfp4", "block_fp8":
-    runners.tools.formats; see the module docstring); returns the recipe written to ``dst/quantize.json``.
+    """Quantize checkpoint ``src`` into ``dst`` in release format ``fmt`` (a quantized one of
+    registry.releases.FORMATS: runners.tools.formats; see the module docstring); returns the recipe written
+    to ``dst/quantize.json``.
     Block FP8 (dynamic activations) needs no calibration and runs none.
 
     Raises:
@@ -461,9 +466,10 @@ def quantize_checkpoint(
     recipe = {
         "command": "python -m runners.tools.quantize " + " ".join(sys.argv[1:]) if sys.argv else None,
         "source": str(src),
-        "format": {"fp8": "modelopt FP8 (per-tensor weight scales, static input scales)",
-                   "nvfp4": "modelopt MIXED_PRECISION (NVFP4 routed experts, FP8 per-tensor elsewhere)",
-                   "block_fp8": "fp8 128 x 128 blocks (bfloat16 weight_scale_inv), dynamic activations"}[fmt],
+        "format": {FORMAT_FP8: "modelopt FP8 (per-tensor weight scales, static input scales)",
+                   FORMAT_NVFP4: "modelopt MIXED_PRECISION (NVFP4 routed experts, FP8 per-tensor elsewhere)",
+                   FORMAT_BLOCK_FP8: "fp8 128 x 128 blocks (bfloat16 weight_scale_inv), dynamic activations"
+                   }[fmt],
         "kv_cache": "fp8" if kv else None,
         "exclude_modules": list(rule.exclude_modules),
         "calibration": None if not calibrated else {

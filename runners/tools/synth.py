@@ -2,7 +2,7 @@
 in the released HF layout, so the engine can be measured at real sizes without the weights.
 
     python -m runners.tools.synth --family nemotron_h --out DIR [--num-layers 22] [--num-experts 256]
-        [--format bf16|fp8|nvfp4|block_fp8] [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0]
+        [--format FORMAT] [--dtype bfloat16] [--device cuda] [--shard-size 5GB] [--seed 0]
         [--set KEY=VALUE ...]
 
 What is written (what the engine's loader, transformers and other engines read from a release):
@@ -20,12 +20,13 @@ What is written (what the engine's loader, transformers and other engines read f
   ``runners.engine.models.<family>.checkpoint_targets``, so every name the loader expects is written).
   Shards are
   generated and written one at a time: the host never holds more than one shard.
-- ``--format``: the release's weight format (runners.tools.formats: ``fp8`` Nemotron 3 Super FP8's ModelOpt
-  layout, ``nvfp4`` its NVFP4 (MIXED_PRECISION) layout, ``block_fp8`` Qwen3-Next FP8's 128 x 128 blocks;
-  default ``bf16``): every weight the release quantizes is generated as above in ``--dtype``, then quantized
-  on ``--device`` (its scale tensors written beside it, names and dtypes as the release's), KV-cache scales
-  where the release has them, and config.json's ``quantization_config`` (plus ``hf_quant_config.json`` for
-  ModelOpt's formats) written as the release writes them.
+- ``--format``: the release's weight format (registry.releases.FORMATS, described in runners.tools.formats:
+  ``fp8`` Nemotron 3 Super FP8's ModelOpt layout, its NVFP4 release's (MIXED_PRECISION) layout, ``block_fp8``
+  Qwen3-Next FP8's 128 x 128 blocks; default ``bf16``): every weight the release quantizes is generated as
+  above in ``--dtype``, then quantized on ``--device`` (its scale tensors written beside it, names and
+  dtypes as the release's), KV-cache scales where the release has them, and config.json's
+  ``quantization_config`` (plus ``hf_quant_config.json`` for ModelOpt's formats) written as the release
+  writes them.
 - ``tokenizer.json`` / ``tokenizer_config.json``: the shipped GSM8K byte-level BPE tokenizer
   (registry/checkpoints/tiny_nemotron_h_mtp) padded with added tokens ``<|synth_i|>`` up to the vocab size,
   so GSM8K prompts encode exactly as with the tiny checkpoints and every id the model can emit decodes;
@@ -64,6 +65,7 @@ from registry.releases import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     EXPERT_KEYS,
+    FORMATS,
     PAD_TOKEN_ID,
     RELEASE_CONFIGS,
     SUPER_V3_PATTERN,  # noqa: F401  (the tests' and benchmarks' name for it)
@@ -597,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="checkpoint folder to write (created)")
     p.add_argument("--num-layers", type=int, default=None, help="layers (default: the release's)")
     p.add_argument("--num-experts", type=int, default=None, help="routed experts (default: the release's)")
-    p.add_argument("--format", default="bf16", choices=["bf16", "fp8", "nvfp4", "block_fp8"],
+    p.add_argument("--format", default="bf16", choices=list(FORMATS),
                    help="the release's weight format (runners/tools/formats.py; default bf16)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="where tensors are generated (cuda: seconds)")

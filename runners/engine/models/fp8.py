@@ -25,6 +25,9 @@ function can be captured in a CUDA graph.
   every call and run through ``moe_experts_fused``'s grouped GEMM / gathered bmm (the documented fallback:
   correct, more memory traffic; a per-expert loop of ``torch._scaled_mm`` would need each expert's row count
   on the host). :func:`moe_experts_fp8_ref` is the per-expert loop the tests hold both to.
+- The modules runners.engine.quant swaps in (``FP8Linear`` / ``FP8MoE``) are
+  runners.engine.models.fp8_modules': these operators are also the FP8 KV cache's (runners.engine.cache),
+  which the layers import.
 
 Shapes: N tokens, k experts per token, P = N k pairs, E experts, L MoE width, I expert intermediate size.
 """
@@ -285,3 +288,4 @@ def _shape_probe(p: FP8Weights, dtype: torch.dtype) -> torch.Tensor:
     """A meta tensor with p's weight shape in ``dtype``: grouped_mm_supported decides from shapes and dtypes
     only, so no dequantized copy is needed to ask it."""
     return torch.empty(p.weight.shape, dtype=dtype, device="meta")
+

@@ -45,17 +45,12 @@ from kernels.moe_gemv import ACT_CODES, moe_gemv
 GATHER_CHUNK_BYTES = 256 * 2**20
 # (token, expert) pairs up to which moe_experts_fused takes the per-pair GEMV kernels (kernels/moe_gemv.py) on
 # CUDA: 8 decode tokens at Nemotron 3 Super's top-22 (the largest top-k of the released models; 17 tokens at
-# Qwen3-Next's top-10). Measured on the H200 (benchmarks/bench_moe_gemv.py, docs/gpu/decode_2): the GEMV is
-# 1.36-2.44x faster than the grouped GEMM at every point up to 176 pairs; beyond, unmeasured.
+# Qwen3-Next's top-10): the GEMV is faster than the grouped GEMM at every point measured up to it
+# (docs/kernel_performance.md, "Quantized formats: where each path takes over").
 MOE_GEMV_MAX_PAIRS = 8 * 22
-# The same bound per quantized expert format (runners.engine.quant's NVFP4MoE / BlockFP8MoE:
-# kernels/quant/moe_gemv.py's per-pair kernels), measured on the H200 (benchmarks/bench_moe_gemv.py --formats
-# nvfp4 block_fp8, docs/gpu/moe_2). Block FP8's per-pair path is 1.66-2.77x faster than its grouped GEMM at
-# every point from 10 to 176 pairs (both models, batch 1-8): it takes bf16's bound. NVFP4's is 1.23-2.45x
-# faster up to 40 pairs, level at 44 (Nemotron 3 Super, batch 2: 170.3 vs 170.3 us) and slower from 88
-# (0.84x / 0.81x at 88 / 176: the grouped GEMM decodes each chosen expert's codes once for its several tokens,
-# the per-pair kernels once per pair), so its bound is 44; Qwen3-Next's 80 pairs (1.51x) lie above it.
-QUANT_MOE_GEMV_MAX_PAIRS = {"nvfp4": 44, "block_fp8": MOE_GEMV_MAX_PAIRS}
+# The routed experts' projections, in the order of the MoE block's experts_<kind> parameters (gate: gated
+# activations only).
+EXPERT_KINDS = ("up", "gate", "down")
 
 
 def _dense_expert_linear(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
@@ -173,14 +168,9 @@ def use_moe_gemv(h: torch.Tensor, indices: torch.Tensor, *stacked: torch.Tensor)
             and all(w.dtype == h.dtype for w in stacked))
 
 
-def use_quant_moe_gemv(h: torch.Tensor, indices: torch.Tensor, fmt: str) -> bool:
-    """Whether a quantized MoE whose experts are in format ``fmt`` ("nvfp4" / "block_fp8") takes
-    kernels/quant/moe_gemv.py's per-pair kernels: :func:`use_moe_gemv`'s rule with the format's
-    :data:`QUANT_MOE_GEMV_MAX_PAIRS` as the bound. Shapes and dtypes only.
-
-    Raises:
-        KeyError: ``fmt`` is not a key of QUANT_MOE_GEMV_MAX_PAIRS."""
-    return indices.numel() <= QUANT_MOE_GEMV_MAX_PAIRS[fmt] and use_moe_gemv(h, indices)
+def expert_kinds(moe: Any) -> tuple[str, ...]:
+    """The :data:`EXPERT_KINDS` an MoE block holds (``experts_gate`` is None without a gated activation)."""
+    return tuple(k for k in EXPERT_KINDS if getattr(moe, f"experts_{k}") is not None)
 
 
 def moe_experts_fused(
@@ -243,7 +233,7 @@ def moe_experts_grouped(
     num_experts: int,
 ) -> torch.Tensor:
     """Routed experts over expert-sorted pairs with a caller's grouped GEMM (the quantized experts of
-    runners.engine.models.nvfp4 / block_fp8): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
+    runners/engine/models/<format>.py): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
     each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
     [P, out]``, the results return to pair order and are summed over the k choices in float32 (as
     :func:`moe_experts_fused`: no host synchronisation when ``grouped_mm`` has none).
