@@ -6,8 +6,9 @@
 what runs; the engine's loop (``runners.engine.engine.Engine.generate``) hands each decision to one of the
 runner's commands (:data:`ModelRunner.COMMANDS`):
 
-- :meth:`ModelRunner.prefill`: admit prompts into cache slots (prefix-cache restores, chunked prefill, MTP
-  over the prompt); returns their first tokens;
+- :meth:`ModelRunner.prefill`: admit prompts into cache slots (the prefix cache's restores and its split of
+  the admission, chunked prefill, MTP over the prompt); returns their first tokens
+  (``runners.engine.prefill.Prefilled``);
 - :meth:`ModelRunner.launch`: queue one decode step (plain decode, or draft / verify / commit / catch-up)
   over live slots without waiting for the device; the commit of the accepted drafts is a phase of the step,
   on the device (no host round trip);
@@ -218,7 +219,6 @@ class ModelRunner:
         mtp = self.model.mtp if self.options.draft_len > 0 else None
         mtp_blocks = mtp.blocks if mtp is not None else []
         self.prefix_cache.configure(b.cache_index for b in mtp_blocks if b.kind == "attention")
-
 
     # ------------------------------------------------------------------ the commands
 
