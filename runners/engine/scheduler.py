@@ -218,10 +218,6 @@ class SlotCounters:
         }
 
 
-class Generation:
-    """The host-side state and loop of one ``generate`` call (module docstring). Arguments as
-    ``Engine.generate``'s, already checked; ``report(finished)`` is the progress callback."""
-
 @dataclass
 class Plan:
     """What one iteration of ``Engine.generate`` runs, in this order (:meth:`Scheduler.schedule`).
