@@ -101,7 +101,7 @@ def run_engine(checkpoint: Path, prompts: list[list[int]], new_tokens: int, draf
                             max_seq_len=max(map(len, prompts)) + new_tokens + 8, prefix_cache=prefix_cache)
     engine = Engine.from_pretrained(checkpoint, options)
     load = time.perf_counter() - t0
-    prefill = engine._prefill  # the admissions' prefills, timed in CPU seconds too
+    prefill = engine.runner.prefill  # the admissions' prefills, timed in CPU seconds too
     prefill_cpu = [0.0]
 
     def timed_prefill(*a, **k):
@@ -111,7 +111,7 @@ def run_engine(checkpoint: Path, prompts: list[list[int]], new_tokens: int, draf
         finally:
             prefill_cpu[0] += time.process_time() - c
 
-    engine._prefill = timed_prefill
+    engine.runner.prefill = timed_prefill
     wall, cpu, out = _timed(lambda: engine.generate(prompts, new_tokens, stop_token_ids=[]))
     out.prefill_cpu_seconds = prefill_cpu[0]
     return wall, cpu, out, load

@@ -281,13 +281,13 @@ def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
         with ExpertChoiceCounter(engine.model) as counter:
             def counted(*a, **kw):
                 with counter.step():
-                    return type(engine)._launch(engine, *a, **kw)
+                    return type(engine.runner).launch(engine.runner, *a, **kw)
 
-            engine._launch = counted
+            engine.runner.launch = counted
             try:
                 engine.generate(prompts, new_tokens, stop_token_ids=[])
             finally:
-                del engine._launch
+                del engine.runner.launch
             distinct, steps = counter.mean_distinct(), counter.steps
         B = len(prompts)
         lookups = B if K == 0 else B * (3 * K + 1)  # verify K + 1, drafts K - 1, catch-up K + 1 tokens
@@ -313,14 +313,14 @@ def step_census(engine, prompts, new_tokens: int, K: int, args) -> dict:
                     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                     prof.__enter__()
                 n += 1
-                return type(engine)._launch(engine, *a, **kw)
+                return type(engine.runner).launch(engine.runner, *a, **kw)
 
-            engine._launch = profiled
+            engine.runner.launch = profiled
             try:
                 engine.generate(prompts, 1 + KERNEL_STEPS * (K + 1), stop_token_ids=[])
                 torch.cuda.synchronize(dev)
             finally:
-                del engine._launch
+                del engine.runner.launch
                 if prof is not None:
                     prof.__exit__(None, None, None)
             kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA

@@ -6,9 +6,10 @@ temporary folder, nothing of this checkout changed) at the same time, so that bo
 shared machine; then compares them:
 
 - CPU seconds of each process (user + system, from ``os.wait4``, as ``/usr/bin/time`` reports them) and the
-  share spent in prefills (``Generation.admit``), in decode steps (``Generation.step``) and elsewhere
-  (imports, lm-eval's request building and scoring, tokenizing, the report), measured inside the run by
-  ``time.process_time`` around those two methods;
+  share spent in prefills (``ModelRunner.prefill`` and ``Scheduler.admitted``; before the runner split,
+  ``Generation.admit``), in decode steps (``ModelRunner.launch`` / ``read`` and ``Scheduler.read``; before,
+  ``Generation.step``) and elsewhere (imports, lm-eval's request building and scoring, tokenizing, the
+  report), measured inside the run by ``time.process_time`` around those methods;
 - the README's figures of each run (GSM8K strict-match / flexible-extract, acceptance rate and length,
   verdict) and whether every request's generated token ids and per-request counters are the same in both
   (``generations.jsonl``, matched by request key).
@@ -45,18 +46,27 @@ try:
     import runners.engine.scheduler as scheduler
 except ImportError:
     scheduler = None
-def timed(name, key):
-    f = getattr(scheduler.Generation, name)
+try:
+    import runners.engine.runner as runner
+except ImportError:
+    runner = None
+def timed(cls, name, key):
+    f = getattr(cls, name)
     def g(self, *a, **k):
         c = time.process_time()
         try:
             return f(self, *a, **k)
         finally:
             acc[key] += time.process_time() - c
-    setattr(scheduler.Generation, name, g)
-if scheduler is not None and hasattr(scheduler, "Generation"):
-    timed("admit", "prefill_cpu_seconds")
-    timed("step", "decode_cpu_seconds")
+    setattr(cls, name, g)
+if scheduler is not None and hasattr(scheduler, "Generation"):  # a checkout before the runner split
+    timed(scheduler.Generation, "admit", "prefill_cpu_seconds")
+    timed(scheduler.Generation, "step", "decode_cpu_seconds")
+elif runner is not None and hasattr(runner, "ModelRunner"):
+    timed(runner.ModelRunner, "prefill", "prefill_cpu_seconds")
+    timed(scheduler.Scheduler, "admitted", "prefill_cpu_seconds")
+    for cls, name in ((runner.ModelRunner, "launch"), (runner.ModelRunner, "read"), (scheduler.Scheduler, "read")):
+        timed(cls, name, "decode_cpu_seconds")
 def dump():
     acc["process_cpu_seconds"] = time.process_time()
     with open(os.environ["BENCH_MAIN_JOB_SPLIT"], "w") as f:

@@ -4,9 +4,9 @@ Runs the engine on the first ``--prompts`` GSM8K prompts (as ``benchmarks.bench_
 warm up and fill the prefix cache (so the profiled call's prefill is a full cache hit and the profile is the
 decode), then ``--new-tokens`` greedy tokens per prompt under ``torch.profiler`` with one labelled range per
 engine phase (``runners.engine.graphs.StepGraphs``' phases: DECODE for a plain step; DRAFT, VERIFY, COMMIT, CATCHUP
-for a speculative one), plus STEP (``Engine._launch``: one whole step and its launch), TARGET_FWD (the target
+for a speculative one), plus STEP (``ModelRunner.launch``: one whole step and its launch), TARGET_FWD (the target
 model's forward), MTP_FWD (every MTP module forward: drafts, catch-up), LM_HEAD, CACHE_COMMIT
-(``HybridCache.commit``), PREFILL and READ (``Engine._step_tokens``: the host reading a step's tokens). Prints
+(``HybridCache.commit``), PREFILL and READ (``ModelRunner.read``: the host reading a step's tokens). Prints
 per label the calls and the profiler's CPU time (the thread's wall time inside the range: on a loaded machine
 it includes time the thread waited for a core, so compare the rows with each other, not with other runs),
 then the top operators by self time.
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         eng = Engine.from_pretrained(args.checkpoint, EngineOptions(draft_len=K, max_batch_size=args.prompts,
                                                                     max_seq_len=max_len))
         eng.generate(prompts, 4, stop_token_ids=[])  # warm-up; the prompts are now cached prefixes
-        for name, label in [("_prefill", "PREFILL"), ("_launch", "STEP"), ("_step_tokens", "READ")]:
-            _label(eng, name, label)
+        for name, label in [("prefill", "PREFILL"), ("launch", "STEP"), ("read", "READ")]:
+            _label(eng.runner, name, label)
         if eng.model.mtp is not None:  # the MTP module's forwards (drafts, catch-up, prefill)
             _label(eng.model.mtp, "forward", "MTP_FWD")
         for name in eng.graphs.phases:  # the step's phases (bound methods, held by StepGraphs)

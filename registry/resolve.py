@@ -9,6 +9,7 @@ entry. Everything here holds on any machine: what the engine of this machine can
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +25,17 @@ from registry.errors import UserError
 from registry.hf_config import HybridConfig
 from registry.releases import FormatError, release_hybrid_config
 from registry.schema import (
+    COMPARE_MODES,
     EMBEDDED_CHECKPOINTS_DIR,
     ArchConfig,
     LoadFormat,
     ModelEntry,
     RunConfig,
+    SpecAlgorithm,
     acceptance_length_in_range,
     check_run_values,
     entry_file,
     entry_names,
-    resolve_speculation,
     typed,
     unknown_entry_error,
     validate_entry,
@@ -83,6 +85,11 @@ class ResolvedRun:
         """The recurrent-kernel backend asked of the engine: the entry's on a GPU; "torch" (the kernels'
         PyTorch references) on the CPU, where the Triton interpreter would be orders of magnitude slower."""
         return self.entry.ssm.backend.value if self.device.startswith("cuda") else "torch"
+
+    def compare_arm(self, replay: bool) -> ResolvedRun:
+        """The run of one compare=replay arm: these settings with ``ssm_replay`` = ``replay``
+        (:func:`resolve_speculation` resolves a compare run to its first arm, replay off)."""
+        return dataclasses.replace(self, ssm_replay=replay)
 
     @property
     def ssm_replay_checkpointing(self) -> bool:
@@ -231,6 +238,61 @@ def checkpoint_path(entry: ModelEntry, models_root: str | None, *, required: boo
     return Path(os.path.expanduser(models_root)) / ckpt, "models_root / $LLM_MODELS_ROOT + model.checkpoint"
 
 
+def resolve_speculation(entry: ModelEntry, run: RunConfig) -> tuple[int, bool]:
+    """(draft_len K, ssm_replay) of a run: the entry's, or the top-level overrides, checked together.
+
+    The one statement of the rules that tie drafting, replay and compare together:
+    - draft_len: None keeps the entry's (0 when its algorithm is none); 0 turns speculation off (plain
+      greedy decoding); K >= 1 needs an entry with MTP weights (speculative.algorithm: mtp);
+    - SSM replay commits recurrent state after a verify step, so it needs speculative decoding (K >= 1);
+    - compare=replay runs ssm_replay=false and =true itself: it needs speculative decoding and takes no
+      ssm_replay override; the first arm (ssm_replay False) is returned.
+    Raises UserError with the setting to change.
+    """
+    spec = entry.speculative
+    spec_on = spec.algorithm != SpecAlgorithm.none and spec.draft_len > 0
+    if run.draft_len is None:
+        draft_len = spec.draft_len if spec_on else 0
+    elif run.draft_len < 0:
+        raise UserError(f"draft_len must be >= 0 or null, got {run.draft_len}",
+                        "set draft_len=0 (speculation off), draft_len=K (K MTP drafts per step) or null")
+    elif run.draft_len > 0 and spec.algorithm == SpecAlgorithm.none:
+        raise UserError(
+            f"draft_len={run.draft_len} needs MTP speculative decoding, but entry {entry.name} has "
+            "speculative.algorithm=none",
+            "use an entry with MTP weights (a *_mtp entry), or drop draft_len",
+        )
+    else:
+        draft_len = run.draft_len
+    if run.compare is not None:
+        if run.compare not in COMPARE_MODES:
+            raise UserError(f"compare={run.compare} is not a comparison this runner knows",
+                            "use compare=replay (SSM rewind vs replay on the same samples), or compare=null")
+        if draft_len == 0:
+            raise UserError(
+                f"compare=replay needs speculative decoding, but draft_len is 0 for entry {entry.name}",
+                "drop draft_len=0, or use an entry with speculative.algorithm: mtp",
+            )
+        if run.ssm_replay is not None:
+            raise UserError(f"compare=replay runs both ssm_replay=false and ssm_replay=true, so "
+                            f"ssm_replay={str(run.ssm_replay).lower()} has no meaning here",
+                            "drop the ssm_replay override (or drop compare=replay to run one arm)")
+        return draft_len, False
+    ssm_replay = entry.ssm.replay if run.ssm_replay is None else run.ssm_replay
+    if ssm_replay and draft_len == 0:
+        if not spec_on:
+            why = f"entry {entry.name} has speculative.algorithm={spec.algorithm.value}"
+            fix = "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1"
+        else:
+            why = "draft_len=0 turns speculation off"
+            if run.ssm_replay:
+                fix = "drop ssm_replay=true, or drop draft_len=0"
+            else:
+                fix = f"add ssm_replay=false (entry {entry.name} sets ssm.replay: true), or drop draft_len=0"
+        raise UserError(f"ssm_replay requires speculative decoding, but {why}", fix)
+    return draft_len, ssm_replay
+
+
 def check_forced_acceptance(length: float | None, *, dummy: bool, draft_len: int) -> None:
     """runtime.forced_acceptance_length's rules: dummy weights only (with real weights it would replace the
     greedy comparison of the drafts and so change the answers), speculative decoding on, and a length in
@@ -297,7 +359,7 @@ def resolve(cfg: DictConfig, *, entry_name: str | None = None, check_checkpoint:
     machines without the weights); a config.json that is there is still read and checked.
     Raises UserError for: an interpolation that does not resolve or a `???` value
     (registry.compose.check_composed), a bad registry entry or top-level value, the cross-setting rules of
-    registry.schema.resolve_speculation, a world_size that cannot shard the model's heads / intermediate
+    resolve_speculation, a world_size that cannot shard the model's heads / intermediate
     sizes, a missing / incomplete checkpoint, an entry arch: block, num_nextn_predict_layers or quant that
     disagrees with the checkpoint's config.json (check_quant_agrees); for model.load_format=dummy, a
     world_size > 1 and a named checkpoint folder (dummy_folder_given) without config.json.

@@ -3,8 +3,9 @@
 Everything `python run.py` composes is declared here once, as dataclasses that Hydra's ConfigStore holds as
 the structured config `run_schema` (configs/config.yaml extends it): OmegaConf type-checks every value and
 rejects unknown keys while Hydra composes, and registry entries fill the `model: ModelEntry` node. What types
-cannot say is written here too, once: range rules of one value (`check_entry_values`, `check_run_values`) and
-the rules that tie settings together (`resolve_speculation`: drafting, replay and compare).
+cannot say is written here too, once: range rules of one value (`check_entry_values`, `check_run_values`);
+the rules that tie settings together (drafting, replay and compare) resolve a run's speculation, in
+registry.resolve (`resolve_speculation`).
 
 A registry entry is untrusted pull-request input and is data only: `check_entry_file` reads the raw file of an
 entry (and of the entries its defaults list reuses) before Hydra loads it, and rejects what could reach
@@ -624,58 +625,3 @@ def check_run_values(run: RunConfig) -> None:
         raise UserError(f"runtime.prefix_cache_bytes={run.runtime.prefix_cache_bytes} must be >= 0 (or null)",
                         "set runtime.prefix_cache_bytes=N bytes, null for the default, or "
                         "runtime.prefix_cache=false to turn prefix caching off")
-
-
-def resolve_speculation(entry: ModelEntry, run: RunConfig) -> tuple[int, bool]:
-    """(draft_len K, ssm_replay) of a run: the entry's, or the top-level overrides, checked together.
-
-    The one statement of the rules that tie drafting, replay and compare together:
-    - draft_len: None keeps the entry's (0 when its algorithm is none); 0 turns speculation off (plain
-      greedy decoding); K >= 1 needs an entry with MTP weights (speculative.algorithm: mtp);
-    - SSM replay commits recurrent state after a verify step, so it needs speculative decoding (K >= 1);
-    - compare=replay runs ssm_replay=false and =true itself: it needs speculative decoding and takes no
-      ssm_replay override; the first arm (ssm_replay False) is returned.
-    Raises UserError with the setting to change.
-    """
-    spec = entry.speculative
-    spec_on = spec.algorithm != SpecAlgorithm.none and spec.draft_len > 0
-    if run.draft_len is None:
-        draft_len = spec.draft_len if spec_on else 0
-    elif run.draft_len < 0:
-        raise UserError(f"draft_len must be >= 0 or null, got {run.draft_len}",
-                        "set draft_len=0 (speculation off), draft_len=K (K MTP drafts per step) or null")
-    elif run.draft_len > 0 and spec.algorithm == SpecAlgorithm.none:
-        raise UserError(
-            f"draft_len={run.draft_len} needs MTP speculative decoding, but entry {entry.name} has "
-            "speculative.algorithm=none",
-            "use an entry with MTP weights (a *_mtp entry), or drop draft_len",
-        )
-    else:
-        draft_len = run.draft_len
-    if run.compare is not None:
-        if run.compare not in COMPARE_MODES:
-            raise UserError(f"compare={run.compare} is not a comparison this runner knows",
-                            "use compare=replay (SSM rewind vs replay on the same samples), or compare=null")
-        if draft_len == 0:
-            raise UserError(
-                f"compare=replay needs speculative decoding, but draft_len is 0 for entry {entry.name}",
-                "drop draft_len=0, or use an entry with speculative.algorithm: mtp",
-            )
-        if run.ssm_replay is not None:
-            raise UserError(f"compare=replay runs both ssm_replay=false and ssm_replay=true, so "
-                            f"ssm_replay={str(run.ssm_replay).lower()} has no meaning here",
-                            "drop the ssm_replay override (or drop compare=replay to run one arm)")
-        return draft_len, False
-    ssm_replay = entry.ssm.replay if run.ssm_replay is None else run.ssm_replay
-    if ssm_replay and draft_len == 0:
-        if not spec_on:
-            why = f"entry {entry.name} has speculative.algorithm={spec.algorithm.value}"
-            fix = "drop ssm_replay=true, or use an entry with speculative.algorithm: mtp and draft_len >= 1"
-        else:
-            why = "draft_len=0 turns speculation off"
-            if run.ssm_replay:
-                fix = "drop ssm_replay=true, or drop draft_len=0"
-            else:
-                fix = f"add ssm_replay=false (entry {entry.name} sets ssm.replay: true), or drop draft_len=0"
-        raise UserError(f"ssm_replay requires speculative decoding, but {why}", fix)
-    return draft_len, ssm_replay

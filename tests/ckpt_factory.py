@@ -174,14 +174,16 @@ class OracleDraftEngine(Engine):
         self.sequences = [p + g for p, g in zip(prompts, greedy)]
         self.slot_request, self.calls = {}, 0
         self.step.draft = self._oracle_draft  # the decode step drafts with the oracle
+        self.runner.prefill = self._prefill  # the runner's command, seen first here
 
     def _prefill(self, prompts, slots):
-        for p, s in zip(prompts, slots):
-            self.slot_request[s] = self.prompts.index(list(p))
-        return super()._prefill(prompts, slots)
+        out = type(self.runner).prefill(self.runner, prompts, slots)
+        for j, s in zip(out.taken, slots):
+            self.slot_request[s] = self.prompts.index(list(prompts[j]))
+        return out
 
     def _oracle_draft(self, slot_ids, start_pos, max_kv_len=None):
-        K, V = self.draft_len, self.config.vocab_size
+        K, V = self.options.draft_len, self.config.vocab_size
         wrong = self.calls % (K + 1)
         self.calls += 1
         rows = []

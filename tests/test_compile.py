@@ -70,7 +70,7 @@ def test_compiled_step_equals_eager(ckpt, K, replay):
     # batch 2 is a graph batch size (1, 2); its KV bucket is max_seq_len = 64 here
     assert list(engine.step.compile_times) == [(2, 64)]
     assert out.stats.compile_seconds == engine.step.compile_seconds > 0 == eager.stats.compile_seconds
-    S = engine.max_batch_size  # live rows: the scratch row S took the compile's PAD warm-up
+    S = engine.options.max_batch_size  # live rows: the scratch row S took the compile's PAD warm-up
     compared = 0
     for (name, a), (_, b) in zip(_state_tensors(engine), _state_tensors(eager_engine)):
         if a.dtype.is_floating_point and a.shape[0] == S + 1:
@@ -233,7 +233,7 @@ def test_gpu_compiled_graphs_equal_compiled_eager_bitwise(family, K, replay):
           f"{graph.step.compile_graphs} dynamo graphs; failed captures {failed}")
     assert not failed and graph.graphs.graphs, failed
     assert got == want
-    S = graph.max_batch_size
+    S = graph.options.max_batch_size
     for (name, a), (_, b) in zip(_state_tensors(graph), _state_tensors(eager)):
         if a.shape[:1] == (S + 1,):
             assert torch.equal(a[:S], b[:S]), name

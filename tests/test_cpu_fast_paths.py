@@ -21,9 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import runners.engine.onednn as onednn
 from kernels.mamba2 import ssd_chunked_scan
-from runners.engine.engine import Engine, _token_rows
+from runners.engine.engine import Engine
 from runners.engine.onednn import MIN_OUTPUTS, MIN_ROWS, OneDNNLinear, linear_plan, use_onednn_linears
 from runners.engine.options import EngineOptions
+from runners.engine.scheduler import token_rows
 
 TINY = Path(__file__).resolve().parents[1] / "registry/checkpoints/tiny_nemotron_h_mtp"
 # (out, in) of the tiny NemotronH's linear layers (in_proj, out_proj / eh_proj, q / o, k / v, MLP up, down,
@@ -208,17 +209,17 @@ def test_health_flags_use_no_vector_norm_and_still_flag():
 
 
 def test_plain_int_token_lists_are_checked_at_once(monkeypatch):
-    import runners.engine.engine as engine_mod
+    import runners.engine.scheduler as scheduler_mod
 
     def per_id(value, where):
         raise AssertionError("checked id by id")
 
     rows = [[1, 2, 3], list(range(2000))]
-    monkeypatch.setattr(engine_mod, "_token_id", per_id)
-    got = _token_rows(rows, "prompts")
+    monkeypatch.setattr(scheduler_mod, "token_id", per_id)
+    got = token_rows(rows, "prompts")
     assert got == rows and got[0] is not rows[0]  # copies: the caller's lists are not kept
     with pytest.raises(AssertionError):  # anything else still goes id by id (and is refused there)
-        _token_rows([[1, True]], "prompts")
+        token_rows([[1, True]], "prompts")
 
 
 def test_mtp_kept_positions_are_the_full_forwards_rows_bit_for_bit():

@@ -175,7 +175,7 @@ def test_draft_len_is_stored_and_mtp_cache_allocated(setup):
     plain = Engine.from_pretrained(path, EngineOptions(max_batch_size=2, max_seq_len=32))
     spec = Engine.from_pretrained(path, EngineOptions(draft_len=3, ssm_replay=True, max_batch_size=2,
                                                       max_seq_len=32))
-    assert spec.draft_len == 3 and spec.ssm_replay and spec.model.mtp is not None
+    assert spec.options.draft_len == 3 and spec.options.ssm_replay and spec.model.mtp is not None
     m0, m1 = plain.cache_memory(), spec.cache_memory()
     assert set(m0) == {"ssm_state_bytes", "conv_state_bytes", "kv_cache_bytes", "spec_buffers_bytes"}
     assert m1["kv_cache_bytes"] > m0["kv_cache_bytes"]  # the MTP attention block has its own KV cache
@@ -188,3 +188,42 @@ def test_generation_stats_to_dict_roundtrip():
     d = s.to_dict()
     assert d["acceptance_rate"] is None and d["acceptance_length"] is None  # nothing drafted
     assert GenerationStats.from_dict(d) == s
+
+
+def test_every_public_runner_method_is_a_lockstep_command():
+    """The tensor-parallel lockstep wraps ``ModelRunner.COMMANDS`` (runners.engine.launch.LockstepRunner): a
+    public runner method that runs the model left out of it would run on rank 0 only, and the ranks'
+    collectives would not pair. ``cache_memory`` is arithmetic on the architecture (no model run)."""
+    import inspect
+
+    from runners.engine.launch import LockstepRunner
+    from runners.engine.runner import ModelRunner
+
+    public = {name for name, f in vars(ModelRunner).items()
+              if not name.startswith("_") and inspect.isfunction(f)}
+    assert public == set(ModelRunner.COMMANDS) | {"cache_memory"}
+    assert all(name in vars(LockstepRunner) for name in ModelRunner.COMMANDS)
+
+
+def test_the_scheduler_plans_admission_after_reading_queued_steps():
+    """Scheduler.schedule: with waiting requests and a free slot every queued step is read first, one plan
+    each; then one plan admits into every free slot (slot 0 first); with nothing to admit it launches over
+    the active slots and, with overlap, reads the previous step while the new one runs."""
+    from runners.engine.prefill import Prefilled
+    from runners.engine.scheduler import Scheduler
+
+    options = EngineOptions(max_batch_size=2, max_seq_len=64, overlap_steps=True)
+    sched = Scheduler([[1, 2], [3], [4, 5, 6]], 4, set(), None, None, lambda done: None, options)
+    plan = sched.schedule()
+    assert (plan.admit, plan.slots, plan.launch, plan.read) == ([0, 1], [0, 1], [], False)
+    sched.admitted(plan, Prefilled(taken=[0, 1], tokens=[7, 8]))
+    assert sched.slot_request == [0, 1] and list(sched.waiting) == [2]
+    plan = sched.schedule()  # no free slot: a step over both, kv bound = longest prompt + T
+    assert (plan.admit, plan.launch, plan.kv_bound, plan.read) == ([], [0, 1], 3, False)
+    sched.launched(plan, "handle-1")
+    plan = sched.schedule()  # overlap: the next step is queued, the previous one read meanwhile
+    assert (plan.launch, plan.kv_bound, plan.read) == ([0, 1], 4, True)
+    sched.launched(plan, "handle-2")
+    assert sched.oldest == "handle-1"
+    sched.read([[9], [2]])
+    assert sched.out_tokens[:2] == [[7, 9], [8, 2]]

@@ -34,6 +34,7 @@ from test_realdim_engine import ENGINE_SIZES
 from runners.engine import Engine
 from runners.engine.graphs import POISON_INT, HostRing, StepGraphs, default_graph_batch_sizes, kv_bucket
 from runners.engine.options import EngineOptions
+from runners.engine.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW, SLOTS = 10, 4
@@ -88,14 +89,14 @@ def _state_tensors(engine):
 def _poison(engine):
     """Garbage in every static step buffer and in every scratch row (what a PAD row reads)."""
     engine.step.io.poison()
-    R = engine.max_batch_size + 1
+    R = engine.options.max_batch_size + 1
     for _, t in _state_tensors(engine):
         if t.dim() and t.shape[0] == R:
             t[R - 1] = float("nan") if t.is_floating_point() else POISON_INT
 
 
 def _live_rows_finite(engine):
-    S = engine.max_batch_size
+    S = engine.options.max_batch_size
     bad = [n for n, t in _state_tensors(engine) if t.is_floating_point() and not torch.isfinite(t[:S]).all()]
     assert not bad, f"non-finite values in live slot rows of {bad}: a PAD row leaked into a live slot"
 
@@ -137,17 +138,21 @@ def test_padded_step_over_garbage_equals_unpadded(setup, K, replay):
     _live_rows_finite(engine)
 
 
-class _Outstanding(Engine):
+class _OutstandingRunner(ModelRunner):
     """Counts how many launched steps were unread at once."""
 
-    def _launch(self, *a, **kw):
+    def launch(self, *a, **kw):
         self.outstanding = getattr(self, "outstanding", 0) + 1
         self.max_outstanding = max(getattr(self, "max_outstanding", 0), self.outstanding)
-        return super()._launch(*a, **kw)
+        return super().launch(*a, **kw)
 
-    def _step_tokens(self, step):
+    def read(self, step):
         self.outstanding -= 1
-        return super()._step_tokens(step)
+        return super().read(step)
+
+
+class _Outstanding(Engine):
+    runner_class = _OutstandingRunner
 
 
 @torch.inference_mode()
@@ -159,7 +164,7 @@ def test_running_the_next_step_ahead_changes_nothing(setup, K, replay):
                                                               max_batch_size=SLOTS, max_seq_len=64,
                                                               overlap_steps=True))
     got = _run(engine, prompts)
-    assert engine.max_outstanding == 2  # a step was queued before the previous one was read
+    assert engine.runner.max_outstanding == 2  # a step was queued before the previous one was read
     assert got == want, _diff(got, want, "overlap_steps=True vs False")
 
 
@@ -186,7 +191,7 @@ def test_graph_options_on_the_cpu(setup, caplog):
     with caplog.at_level(logging.WARNING):
         engine = _engine(path, 3, False, cuda_graphs=True)
     assert "cuda_graphs=True is ignored on cpu" in caplog.text
-    assert not engine.step.cuda_graphs and not engine.overlap_steps and engine.capture_graphs() == 0
+    assert not engine.step.cuda_graphs and not engine.options.overlap_steps and engine.capture_graphs() == 0
     with pytest.raises(ValueError, match=r"sizes \[2, 5\] must lie in \[1, max_batch_size=4\]"):
         _engine(path, 0, False, cuda_graph_batch_sizes=[2, 5])
     with pytest.raises(TypeError, match="unexpected keyword argument 'cuda_graph'"):
@@ -252,7 +257,7 @@ def test_gpu_graph_replay_equals_eager_bitwise(family, K, replay):
     assert not failed, f"captures failed at {failed} (see the warning log)"
     assert (4, 512) in captured and len(captured) >= 2, captured  # (4, 512): captured mid-generation
     msg = _diff(outs["graph"], outs["eager"], "graph replay vs eager padded steps")
-    S = graph.max_batch_size
+    S = graph.options.max_batch_size
     cache_diff = []
     for (name, a), (_, b) in zip(_state_tensors(graph), _state_tensors(eager)):
         if not torch.equal(a[:S], b[:S]):
@@ -274,15 +279,15 @@ def test_gpu_step_queues_without_host_sync(family, K, replay, graphs):
     engine = _gpu_engine(family, K, replay, cuda_graphs=graphs, max_batch_size=4, cuda_graph_batch_sizes=[4])
     prompts = _gpu_prompts(engine.config.vocab_size)[:3]
     slots = [0, 2, 3]  # a PAD row in the graph batch of 4
-    engine._prefill([p[:20] for p in prompts], slots)
-    engine._step_tokens(engine._launch(slots, 256))  # warm-up: Triton JIT, capture
+    engine.runner.prefill([p[:20] for p in prompts], slots)
+    engine.runner.read(engine.runner.launch(slots, 256))  # warm-up: Triton JIT, capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        steps = [engine._launch(slots, 256) for _ in range(2)]  # two queued, as overlap_steps does
+        steps = [engine.runner.launch(slots, 256) for _ in range(2)]  # two queued, as overlap_steps does
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    toks = [engine._step_tokens(s) for s in steps]
+    toks = [engine.runner.read(s) for s in steps]
     assert all(1 <= len(t) <= K + 1 for step in toks for t in step)
 
 
@@ -324,15 +329,15 @@ def test_gpu_release_shapes_bf16_graph_equals_eager(family, replay):
     msg = _diff(got, want, "bf16 graph replay vs eager padded steps")
     assert msg is None, msg
     slots = [0, 2, 3]  # and a step of the grouped-GEMM path queues without a host synchronisation
-    graph._prefill([p[:20] for p in prompts[:3]], slots)
-    graph._step_tokens(graph._launch(slots, 256))
+    graph.runner.prefill([p[:20] for p in prompts[:3]], slots)
+    graph.runner.read(graph.runner.launch(slots, 256))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step = graph._launch(slots, 256)
+        step = graph.runner.launch(slots, 256)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    graph._step_tokens(step)
+    graph.runner.read(step)
 
 
 @pytest.mark.gpu

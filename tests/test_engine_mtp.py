@@ -46,7 +46,7 @@ def test_drafts_match_cache_free_mtp_reference(ckpt):
     K = 3
     engine = Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=2, max_seq_len=64))
     model, prompt = engine.model, prompts[3]
-    first = engine._prefill([prompt], [1])[0]
+    first = engine.runner.prefill([prompt], [1]).tokens[0]
     drafts = engine.step.draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     # reference: MTP position i pairs the target hidden at i with token i + 1, then its own outputs
     hidden = model(torch.tensor([prompt]))[0]
@@ -113,17 +113,19 @@ class CheckedEngine(Engine):
         self.realized_by_request = [[] for _ in prompts]
         if schedules is not None:  # the drafter of the step: an oracle made right for the scheduled drafts
             self.step.draft = self._scheduled_draft
+        self.runner.prefill, self.runner.read = self._prefill, self._read  # the runner's commands, checked
 
     def _prefill(self, prompts, slots):
-        first = super()._prefill(prompts, slots)
-        self.ref._prefill(prompts, slots)  # the reference uses the same slot ids
-        for p, s, f in zip(prompts, slots, first):
+        out = type(self.runner).prefill(self.runner, prompts, slots)
+        taken = [prompts[j] for j in out.taken]
+        self.ref.runner.prefill(taken, slots[: len(taken)])  # the reference uses the same slot ids
+        for p, s, f in zip(taken, slots, out.tokens):
             self.slot_request[s] = self.prompts.index(list(p))
             self.history[s], self.ref_len[s] = list(p) + [f], len(p)
-        return first
+        return out
 
     def _scheduled_draft(self, slot_ids, start_pos, max_kv_len=None):
-        K, V = self.draft_len, self.config.vocab_size
+        K, V = self.options.draft_len, self.config.vocab_size
         rows = []
         for s, n in zip(slot_ids.tolist(), start_pos.tolist()):
             i = self.slot_request[s]
@@ -137,8 +139,8 @@ class CheckedEngine(Engine):
             rows.append(row)
         return torch.tensor(rows, device=self.device)
 
-    def _step_tokens(self, step):
-        new = super()._step_tokens(step)
+    def _read(self, step):
+        new = type(self.runner).read(self.runner, step)
         for s, toks in zip(step.slots, new):
             self.history[s] += toks
             self.realized_accepts.append(len(toks) - 1)
@@ -288,7 +290,7 @@ def test_pad_rows_of_verify_and_commit_never_touch_a_live_slot(ckpt):
     engines = [Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=3,
                                                           max_seq_len=64)) for _ in range(2)]
     for e in engines:
-        e._prefill([prompts[0], prompts[1], prompts[2]], [0, 1, 2])
+        e.runner.prefill([prompts[0], prompts[1], prompts[2]], [0, 1, 2])
     torch.manual_seed(3)
     tokens = torch.randint(0, 5, (3, T))
     lens = torch.tensor([len(prompts[0]), 7, len(prompts[2])])
@@ -351,7 +353,7 @@ def test_speculative_buffers_only_with_speculation(ckpt):
             k: m0[k] for k in ("ssm_state_bytes", "conv_state_bytes")
         }
         assert m["kv_cache_bytes"] == m0["kv_cache_bytes"] + kv_layer  # + the MTP attention's own KV cache
-        if e.ssm_replay:  # K extra conv columns; history x, B, dt', dA_cumsum (2 x T tokens); 3 per-slot ints
+        if e.options.ssm_replay:  # K extra conv columns; history x, B, dt', dA_cumsum (2 x T); 3 slot ints
             G = c.n_groups
             commit = n_mamba * R * (C * K + 2 * T * (H * P + G * N) + 2 * 2 * H * T) * 4 + 3 * R * 4
         else:  # rewind: the conv window and the state after each of the T tokens

@@ -286,7 +286,7 @@ def test_drafts_match_cache_free_mtp_reference(small_vocab):
     K = 3
     engine = Engine.from_pretrained(path, EngineOptions(draft_len=K, max_batch_size=2, max_seq_len=64))
     model, prompt = engine.model, prompts[3]
-    first = engine._prefill([prompt], [1])[0]
+    first = engine.runner.prefill([prompt], [1]).tokens[0]
     drafts = engine.step.draft(torch.tensor([1]), torch.tensor([len(prompt)]))[0].tolist()
     hidden = model(torch.tensor([prompt]))[0]  # MTP position i: target hidden i with token i + 1
     after, want = prompt[1:] + [first], []

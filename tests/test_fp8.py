@@ -222,7 +222,7 @@ def test_fp8_engine_replay_equals_rewind_and_greedy(which, kv_cache_quant, reque
 
 
 def test_fp8_kv_cache_without_checkpoint_scales_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="runners.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="runners.engine.runner"):
         e = Engine.from_pretrained(CKPTS / "tiny_nemotron_h_mtp",
                                    EngineOptions(kv_cache_quant="fp8", max_batch_size=2, max_seq_len=64))
     assert "no k / v scales" in caplog.text and "scale 1.0" in caplog.text

@@ -3,7 +3,8 @@ and no import cycle joins modules of runners, evals, registry, kernels and bench
 
 import-linter's `layers` contract forbids an import up a layer, but a circle inside one layer (two modules of
 evals importing each other, even lazily) passes it; the cycle check reads the same import graph (grimp,
-import-linter's graph library: every import statement, function-level ones included) and names each cycle.
+import-linter's graph library: every import statement, function-level ones and those under
+``if TYPE_CHECKING:`` included) and names each cycle.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ def cycle_through(component: list[str], edges: dict[str, set[str]]) -> list[str]
 
 def module_graph() -> dict[str, set[str]]:
     """{module: modules of PACKAGES it imports directly} for every module of PACKAGES (grimp). Imports under
-    ``if TYPE_CHECKING:`` are left out: they never run, so they cannot make an import cycle at run time (the
-    scheduler names ``Engine`` in its annotations while the engine imports the scheduler)."""
+    ``if TYPE_CHECKING:`` count too: they never run, but a module that names another in its annotations
+    depends on it by design, and a circle of such dependencies is the tangle this check is for (the
+    scheduler once drove the engine it was imported by, naming ``Engine`` only under TYPE_CHECKING)."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    graph = grimp.build_graph(*PACKAGES, cache_dir=None, exclude_type_checking_imports=True)
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None, exclude_type_checking_imports=False)
     return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
 
 
@@ -107,6 +109,20 @@ def test_import_cycles_finds_and_names_a_cycle():
     assert import_cycles(edges) == [["a", "b", "c"], ["e"]]
     assert [cycle_through(c, edges) for c in import_cycles(edges)] == [["a", "b", "c", "a"], ["e", "e"]]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_a_cycle_through_type_checking_imports_is_found(tmp_path, monkeypatch):
+    """A cycle whose one edge sits under ``if TYPE_CHECKING:`` (the engine / scheduler shape) is a cycle."""
+    pkg = tmp_path / "tcpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text("from tcpkg.scheduler import Scheduler\n")
+    (pkg / "scheduler.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from tcpkg.engine import Engine\nclass Scheduler: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("tcpkg", cache_dir=None, exclude_type_checking_imports=False)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert import_cycles(edges) == [["tcpkg.engine", "tcpkg.scheduler"]]
 
 
 def test_no_import_cycle_between_modules():

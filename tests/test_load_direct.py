@@ -229,11 +229,11 @@ def test_prefill_chunk_lowered_to_what_memory_leaves_or_refused(caplog):
     weights, caches = engine.load_report.weight_bytes, engine.load_report.cache_bytes
     per_token = prefill_bytes_per_token(engine.config)
     assert per_token > engine.config.hidden_size  # every token needs more than its residual
-    assert engine.prefill_chunk_tokens == options.prefill_chunk_tokens  # the machine's memory: untouched
+    assert engine.options.prefill_chunk_tokens == options.prefill_chunk_tokens  # memory: untouched
     room = weights + caches + PREFILL_MARGIN_BYTES
-    with caplog.at_level(logging.WARNING, logger="runners.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="runners.engine.build"):
         small = Engine.from_pretrained(path, options.replace(memory_budget_bytes=room + 1000 * per_token))
-    assert small.prefill_chunk_tokens == 1000
+    assert small.options.prefill_chunk_tokens == 1000
     assert "prefill_chunk_tokens lowered from 8192 to 1000 to fit the device" in caplog.text
     out = small.generate([[1, 2, 3, 4] * 300], 2, stop_token_ids=[])  # a 1200-token prompt: two forwards
     assert len(out.tokens[0]) == 2

@@ -123,7 +123,7 @@ def test_the_mtp_cache_of_the_prefix_is_restored(ckpt, name, hit):
     cached.generate([prompts["X"], prompts["Y"]], 2, stop_token_ids=[])  # X's end, the X / Y junction
     p, L = prompts[name], len(prompts[name])
     assert len(cached.prefix_cache.lookup(p).tokens) == hit
-    assert cached._prefill([p], [1]) == plain._prefill([p], [1])
+    assert cached.runner.prefill([p], [1]).tokens == plain.runner.prefill([p], [1]).tokens
     attn = [i for i, layer in cached.cache.layers.items() if hasattr(layer, "k")]
     mtp = {b.cache_index for b in cached.model.mtp.blocks if b.kind == "attention"}
     assert mtp and mtp < set(attn)
@@ -164,7 +164,7 @@ def test_fp8_kv_cache_with_the_prefix_cache(ckpt, caplog):
     kw = dict(draft_len=3, max_batch_size=SLOTS, max_seq_len=160, kv_cache_quant="fp8")
     cached = Engine.from_pretrained(ckpt, EngineOptions(**kw), prefix_store=PrefixCache(block_tokens=BLOCK))
     plain = Engine.from_pretrained(ckpt, EngineOptions(prefix_cache=False, **kw))
-    assert cached.kv_cache_quant == "fp8"
+    assert cached.options.kv_cache_quant == "fp8"
     for eng in (cached, plain):  # per-tensor scales as a calibrated checkpoint brings them
         for layer in eng.cache.layers.values():
             if hasattr(layer, "k_scale"):

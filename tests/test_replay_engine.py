@@ -110,12 +110,12 @@ def test_materialised_replay_state_equals_rewind_state_after_every_commit(
     # 12, 5 and 4 tokens (chunk_size 8: one prompt spans two chunks): short prefills for the interpreter
     batch = [prompts[11], prompts[8], prompts[12]]
     for e in engines:
-        e._prefill(batch, slots)  # the slots' lengths and first tokens now live on the device
+        e.runner.prefill(batch, slots)  # the slots' lengths and first tokens now live on the device
     live = torch.tensor(slots)
     flushed, max_pending, accepted = False, 0, 0
     for step in range(steps):  # checkpointing (L = 16, T = 4): the state is written once > 12 tokens pend
         pending = engines[1].cache.replay.prev_num_accepted[live].clone()
-        toks = [e._step_tokens(e._launch(slots, e.max_seq_len)) for e in engines]  # one step each
+        toks = [e.runner.read(e.runner.launch(slots, e.options.max_seq_len)) for e in engines]
         now = engines[1].cache.replay.prev_num_accepted[live]
         flushed |= bool((now < pending).any())  # checkpointing: a flush restarts the pending count
         max_pending = max(max_pending, int(now.max()))
@@ -273,7 +273,7 @@ def test_flashinfer_refused_for_unsupported_mamba_sizes(caplog):
     picks Triton and says why; Super V3's sizes pass the guard."""
     from types import SimpleNamespace
 
-    from runners.engine.engine import resolve_ssm_backend
+    from runners.engine.runner import resolve_ssm_backend
 
     for sizes, named in (((10, 12, 6, 2), "mamba_head_dim': 10"), ((64, 128, 6, 2), "n_groups': 3")):
         keys = ("mamba_head_dim", "ssm_state_size", "mamba_num_heads", "n_groups")
@@ -295,7 +295,7 @@ def test_flashinfer_backend_on_cpu_and_for_gdn(caplog):
     (Qwen3-Next) gets Triton with the reason: FlashInfer has no Gated DeltaNet kernels."""
     from types import SimpleNamespace
 
-    from runners.engine.engine import resolve_ssm_backend
+    from runners.engine.runner import resolve_ssm_backend
 
     cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128)
     with pytest.raises(ValueError, match="ssm_backend='flashinfer' runs FlashInfer's CUDA kernels.*'torch'"):

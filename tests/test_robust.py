@@ -191,12 +191,12 @@ def test_logits_refuses_bad_ids(ckpt, ids, exc):
 
 
 def test_16bit_mamba2_state_is_warned_about(ckpt, caplog):
-    with caplog.at_level("WARNING", logger="runners.engine.engine"):
+    with caplog.at_level("WARNING", logger="runners.engine.runner"):
         Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32,
                                                    ssm_state_dtype=torch.bfloat16))
     assert "16-bit recurrent state drifts" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="runners.engine.engine"):
+    with caplog.at_level("WARNING", logger="runners.engine.runner"):
         Engine.from_pretrained(ckpt, EngineOptions(max_batch_size=2, max_seq_len=32))
     assert "16-bit" not in caplog.text
 

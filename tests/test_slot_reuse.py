@@ -57,7 +57,7 @@ def _poison(engine: Engine, scratch: bool = True) -> int:
     poisoned."""
     tensors = _cache_tensors(engine)
     for t in tensors:
-        t = t if scratch else t[: engine.max_batch_size]
+        t = t if scratch else t[: engine.options.max_batch_size]
         if t.dtype.is_floating_point:
             bad = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(t.numel() // 3 + 1)
             t.view(-1).copy_(bad[: t.numel()].to(t.dtype))  # (an FP8 KV cache: e4m3fn's NaN)

@@ -20,7 +20,6 @@ Every problem the user can fix raises registry.errors.UserError before the engin
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -231,7 +230,7 @@ def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
         )
     if rr.run.compare:
         for arm, replay in zip(COMPARE_ARMS, (False, True)):
-            arm_rr = dataclasses.replace(rr, ssm_replay=replay)
+            arm_rr = rr.compare_arm(replay)
             check_resume(out_dir / arm, rr.run.resume, fingerprint(arm_rr))
     else:
         check_resume(out_dir, rr.run.resume, fingerprint(rr))
@@ -395,7 +394,7 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     """compare=replay: the rewind arm, the replay arm, their paired comparison (see run())."""
     arms: dict[str, tuple[ResolvedRun, dict[str, Any]]] = {}
     for arm, replay in zip(COMPARE_ARMS, (False, True)):
-        arm_rr = dataclasses.replace(rr, ssm_replay=replay)
+        arm_rr = rr.compare_arm(replay)
         print(f"== arm {arm}: ssm_replay={str(replay).lower()} -> {out_dir / arm}")
         torch.manual_seed(rr.run.seed)
         arms[arm] = (arm_rr, _evaluate_arm(cfg, arm_rr, out_dir / arm))

@@ -13,23 +13,22 @@ its return value is :func:`launch`'s; the other ranks serve rank 0's engines unt
   allocates only its shard, ``runners.engine.tp``); rank 0 gets a :class:`LockstepEngine`.
   :func:`rebuild_engine` makes a new engine (other draft length, replay, cache sizes) around the model every
   rank already holds.
-- Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (admission, stop
-  checks, ``on_finish`` callbacks, lm-eval around it); each engine method that runs the model
-  (:data:`LOCKSTEP_METHODS`: ``_split_admission`` and ``_prefill`` (admission), ``_launch`` (queue one decode
-  / speculative step),
-  ``_step_tokens`` (read a queued step's tokens), ``logits``, ``force_acceptance``, ``capture_graphs``)
-  first broadcasts its name and host-side arguments over the control group, and every other rank runs the
-  same method with the same arguments (outside ``generate``'s inference mode: each method that runs the model
-  enters inference mode itself, ``Engine._prefill`` / ``_launch``). A step handle
+- Rank 0 drives and broadcasts per step. Its engine's ``generate`` loop runs on rank 0 only (the scheduler:
+  admission, stop checks, ``on_finish`` callbacks, lm-eval around it); its model runner is a
+  :class:`LockstepRunner`, whose every command (``ModelRunner.COMMANDS``: ``prefill`` (admission, the prefix
+  cache's split of it included), ``launch`` (queue one decode / speculative step), ``read`` (read a queued
+  step's tokens), ``logits``, ``force_acceptance``, ``capture_graphs``) first broadcasts its name and
+  host-side arguments over the control group, and every other rank runs the same command on its runner with
+  the same arguments (outside ``generate``'s inference mode: each command that runs the model enters
+  inference mode itself, ``ModelRunner.prefill`` / ``launch``). A step handle
   (``runners.engine.step.LaunchedStep``: pinned host buffers) is not sent: each follower keeps the steps it
-  launched in launch order, and ``_step_tokens``
-  reads its oldest (the engine reads steps in launch order). So all ranks run the same
-  forwards in the same order and their all-reduces pair up; the device state the steps keep (caches, the next
-  drafts) evolves identically, since every rank computes the same all-reduced hidden states, logits and
-  tokens. The followers need neither tokenizer nor callbacks. Cost: one small broadcast per step. At the end
-  of every ``generate`` all ranks compare a digest of the tokens their steps produced and the CUDA graphs
-  they captured (:meth:`LockstepEngine.check_lockstep`): ranks that diverged raise instead of reporting wrong
-  numbers.
+  launched in launch order, and ``read`` reads its oldest (the scheduler reads steps in launch order). So
+  all ranks run the same forwards in the same order and their all-reduces pair up; the device state the
+  steps keep (caches, the next drafts) evolves identically, since every rank computes the same all-reduced
+  hidden states, logits and tokens. The followers need neither tokenizer nor callbacks. Cost: one small
+  broadcast per step. At the end of every ``generate`` all ranks compare a digest of the tokens their steps
+  produced and the CUDA graphs they captured (:meth:`LockstepEngine.check_lockstep`): ranks that diverged
+  raise instead of reporting wrong numbers.
   (The alternative, every rank running ``generate`` itself, would need the caller's ``stop_checker`` on every
   rank and deterministic there.)
 
@@ -55,15 +54,15 @@ One host only (the control messages and rendezvous use a file in a temporary fol
 The prefix cache (where ``runners.engine.prefix_cache.prefix_cache_off_reason`` keeps it on, as at world
 size 1) is kept in lockstep: every rank's cache gets the same byte budget (the smallest rank's memory cap,
 ``Engine.from_pretrained``), and each of its decisions follows from the token ids and the entry sizes, which
-are the same on every rank; the one decision rank 0's scheduler takes outside the model calls, which prompts
-to defer to the next admission (it is recorded for the save points), is the lockstep method
-``_split_admission``. So every rank hits, saves, evicts and cuts its prefill chunks alike, and the ranks'
-all-reduces pair up; the token digest and the stall limit catch a rank that would not.
+are the same on every rank; the one decision about which prompts to defer to the next admission (it is
+recorded for the save points) is taken inside the lockstep command ``prefill``. So every rank hits, saves,
+evicts and cuts its prefill chunks alike, and the ranks' all-reduces pair up; the token digest and the stall
+limit catch a rank that would not.
 
 CUDA graphs at ``world_size > 1`` (NCCL): every rank captures the decode / draft / verify / commit / catch-up
 phases with the model's all-reduces inside the graphs (NCCL's kernels are captured like any other; the
 process group was initialised eagerly with its device, and each capture's warm-up runs the collectives once
-outside the graph). The ranks stay in lockstep by construction: each ``_launch`` runs on every rank with the
+outside the graph). The ranks stay in lockstep by construction: each ``launch`` runs on every rank with the
 same slot ids and KV bound, so every rank plans the same padded batch size and KV bucket
 (``runners.engine.graphs.StepGraphs.plan``), captures the same (B, L) at the same step, in the same order,
 and replays the same graph for each step; ``capture_graphs`` ahead of time is mirrored too. A capture that
@@ -118,12 +117,13 @@ import torch.distributed as dist
 from registry.errors import UserError
 from runners.engine.engine import Engine
 from runners.engine.options import EngineOptions
+from runners.engine.runner import ModelRunner
 from runners.engine.tp import TensorParallel
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "LOCKSTEP_METHODS",
     "LockstepEngine",
+    "LockstepRunner",
     "RankContext",
     "RankFailure",
     "build_engine",
@@ -138,10 +138,7 @@ log = logging.getLogger(__name__)
 START_METHOD = "spawn"  # fresh interpreters: nothing of the caller's CUDA, threads or forks (see launch())
 DEFAULT_TIMEOUT_S = 600  # seconds a collective of the model's process group may wait for its peers
 CONTROL_TIMEOUT = timedelta(days=1)  # followers wait for rank 0's next command (it may run lm-eval for long)
-# Engine methods that run model compute: rank 0 broadcasts each call so that every rank runs it
-LOCKSTEP_METHODS = ("_split_admission", "_prefill", "_launch", "_step_tokens", "logits", "force_acceptance",
-                    "capture_graphs")
-_TOKEN_STEPS = ("_prefill", "_step_tokens")  # their results (token ids) enter the digest
+_TOKEN_STEPS = ("prefill", "read")  # runner commands whose results (token ids) enter the digest
 GLOO_GRAPHS_OFF_REASON = (
     "the model's all-reduces run over gloo (share_device: every rank on one GPU), which moves CUDA tensors "
     "through host memory; a CUDA graph cannot capture that, so the decode steps run eagerly (NCCL, one GPU "
@@ -271,14 +268,45 @@ def _compare_digests(digest: Any, engine: Engine | None) -> None:
         )
 
 
+class LockstepRunner(ModelRunner):
+    """Rank 0's model runner under :func:`launch`: each command (``ModelRunner.COMMANDS``: prefill, launch,
+    read, logits, force_acceptance, capture_graphs) first broadcasts its call to the other ranks, which run
+    it on their runner; ``digest`` hashes the token ids of its prefills and reads (:meth:`check_lockstep`
+    compares them across ranks). Otherwise a ``ModelRunner``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.digest = hashlib.sha256()
+
+
+def _lockstep(name: str) -> Callable:
+    command = getattr(ModelRunner, name)
+
+    @functools.wraps(command)
+    def method(self: LockstepRunner, *args: Any, **kwargs: Any) -> Any:
+        if name == "read":  # the followers read their own oldest launched step
+            _broadcast(("call", name, (), {}))
+        else:
+            _broadcast(("call", name, _to_host(args), _to_host(kwargs)))
+        result = command(self, *args, **kwargs)
+        _digest_update(self.digest, name, result)
+        return result
+
+    return method
+
+
+for _name in ModelRunner.COMMANDS:
+    setattr(LockstepRunner, _name, _lockstep(_name))
+
+
 class LockstepEngine(Engine):
-    """Rank 0's engine under :func:`launch` (built by :func:`build_engine`): each method of
-    :data:`LOCKSTEP_METHODS` first broadcasts its call to the other ranks, which run it on their engine;
-    ``generate`` ends with :meth:`check_lockstep`. Otherwise an :class:`runners.Engine` (the same API).
+    """Rank 0's engine under :func:`launch` (built by :func:`build_engine`): its runner is a
+    :class:`LockstepRunner`, so every command the generate loop gives it runs on every rank; ``generate``
+    ends with :meth:`check_lockstep`. Otherwise an :class:`runners.Engine` (the same API).
     ``cuda_graphs_off_reason``: why its steps run without the CUDA graphs asked for
     (:func:`graphs_off_reason`), None when nothing was dropped."""
 
-    _digest: Any = None
+    runner_class = LockstepRunner
     cuda_graphs_off_reason: str | None = None
 
     def generate(self, *args: Any, **kwargs: Any):
@@ -290,27 +318,7 @@ class LockstepEngine(Engine):
         """Compare the digest of every rank's step results (token ids) since the engine was built, and the
         CUDA graphs each captured; raises RuntimeError when a rank produced different tokens or graphs."""
         _broadcast(("digest",))
-        _compare_digests(self._digest, self)
-
-
-def _lockstep(name: str) -> Callable:
-    step = getattr(Engine, name)
-
-    @functools.wraps(step)
-    def method(self: LockstepEngine, *args: Any, **kwargs: Any) -> Any:
-        if name == "_step_tokens":  # the followers read their own oldest launched step
-            _broadcast(("call", name, (), {}))
-        else:
-            _broadcast(("call", name, _to_host(args), _to_host(kwargs)))
-        result = step(self, *args, **kwargs)
-        _digest_update(self._digest, name, result)
-        return result
-
-    return method
-
-
-for _name in LOCKSTEP_METHODS:
-    setattr(LockstepEngine, _name, _lockstep(_name))
+        _compare_digests(self.runner.digest, self)
 
 
 def graphs_off_reason(options: EngineOptions, *, world_size: int, backend: str, device: torch.device
@@ -366,7 +374,6 @@ def build_engine(path: str | Path, options: EngineOptions | None = None) -> Lock
     options, reason = _lockstep_options(options or EngineOptions(), ctx)
     _broadcast(("build", str(path), options))
     engine = LockstepEngine.from_pretrained(path, options, device=ctx.device, tensor_parallel=ctx.tp)
-    engine._digest = hashlib.sha256()
     engine.cuda_graphs_off_reason = reason
     return _lockstep_graphs(engine, ctx)
 
@@ -381,7 +388,6 @@ def rebuild_engine(engine: LockstepEngine, options: EngineOptions | None = None)
     _broadcast(("rebuild", options))
     new = LockstepEngine(engine.model, options, device=ctx.device, tensor_parallel=engine.tensor_parallel)
     new.load_report = engine.load_report
-    new._digest = hashlib.sha256()
     new.cuda_graphs_off_reason = reason
     return _lockstep_graphs(new, ctx)
 
@@ -398,7 +404,7 @@ def serve() -> None:
     it says exit."""
     ctx = _require()
     engine, digest = None, hashlib.sha256()
-    launched: deque = deque()  # this rank's queued steps (Engine._launch handles), oldest first
+    launched: deque = deque()  # this rank's queued steps (ModelRunner.launch handles), oldest first
     while True:
         message = _next_command()
         op = message[0]
@@ -419,10 +425,10 @@ def serve() -> None:
             digest = hashlib.sha256()
         elif op == "call":
             name, args, kwargs = message[1:]
-            if name == "_step_tokens":
+            if name == "read":
                 args = (launched.popleft(),)
-            result = getattr(engine, name)(*args, **kwargs)
-            if name == "_launch":
+            result = getattr(engine.runner, name)(*args, **kwargs)
+            if name == "launch":
                 launched.append(result)
             _digest_update(digest, name, result)
         elif op == "digest":

@@ -153,6 +153,19 @@ class EngineOptions:
             kv_cache_dtype=KV_CACHE_DTYPES[self.kv_cache_quant],
         )
 
+    def on_device(self, device: torch.device, scan_chunk_size: int) -> EngineOptions:
+        """A copy with the defaults that depend on the device filled in, validated: ``overlap_steps`` (on with
+        CUDA, where the host and the device run apart), ``scan_chunk_size`` (``scan_chunk_size``, the
+        config's chunk, on CUDA; at most 32 elsewhere: the intra-chunk term is quadratic, short chunks are
+        faster on CPUs) and ``prefill_max_rows`` (1 on the CPU, where a prompt's forward is GEMM-bound already
+        and rows together would only pad). The engine runs on what this returns (``engine.options``)."""
+        cuda = device.type == "cuda"
+        return self.replace(
+            overlap_steps=cuda if self.overlap_steps is None else self.overlap_steps,
+            scan_chunk_size=self.scan_chunk_size or (scan_chunk_size if cuda else min(scan_chunk_size, 32)),
+            prefill_max_rows=self.prefill_max_rows or (1 if device.type == "cpu" else None),
+        )
+
     def replace(self, **changes) -> EngineOptions:
         """A copy with ``changes`` applied (``dataclasses.replace``), validated."""
         return dataclasses.replace(self, **changes).validate()

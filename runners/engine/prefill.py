@@ -22,8 +22,8 @@ import torch
 
 from runners.engine.cache import BatchMeta, HybridCache
 from runners.engine.models.hybrid import HybridLM
+from runners.engine.options import EngineOptions
 from runners.engine.prefix_cache import PrefixCache
-from runners.engine.stats import GenerationStats
 from runners.engine.step import DecodeStep, mtp_forward
 
 
@@ -31,6 +31,24 @@ def drafts_rows_only(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a prefill runs the MTP blocks after its attention on the drafts' positions alone
     (``MTPModule.forward``'s ``keep``): on the CPU in float32, where that gives the same bits."""
     return device.type == "cpu" and dtype == torch.float32
+
+
+@dataclass
+class Prefilled:
+    """What the prefill of one admission did (host values; ``runners.engine.runner.ModelRunner.prefill``).
+
+    taken: indices of the prompts prefilled, in order; the others share an uncached prefix with one of
+        them and wait for the next admission (``PrefixCache.split_admission``); all without a prefix cache;
+    tokens: the first generated token of each taken prompt;
+    hit_tokens: each taken prompt's cached prefix length, tokens (None: no prefix cache);
+    stores, evictions: prefix-cache entries stored / evicted meanwhile.
+    """
+
+    taken: list[int]
+    tokens: list[int]
+    hit_tokens: list[int] | None = None
+    stores: int = 0
+    evictions: int = 0
 
 
 @dataclass
@@ -63,24 +81,20 @@ class Prefill:
     Args:
         model, cache: the engine's model and caches; step: its :class:`DecodeStep` (the slot state a prefill
             leaves: lengths, first tokens, first drafts); prefix_cache: the engine's (None: off);
-        draft_len: K; prefill_chunk_tokens: padded tokens per forward; device: the engine's;
-        prefill_max_rows: prompts per forward at most (None: as many as the token budget holds).
+        options: the engine's options, read here: draft_len (K), prefill_chunk_tokens (padded tokens per
+            forward), prefill_max_rows (prompts per forward at most; None: as many as the token budget
+            holds); device: the engine's.
     """
 
     def __init__(self, model: HybridLM, cache: HybridCache, step: DecodeStep,
-                 prefix_cache: PrefixCache | None, *, draft_len: int, prefill_chunk_tokens: int,
-                 device: torch.device, prefill_max_rows: int | None = None):
+                 prefix_cache: PrefixCache | None, options: EngineOptions, *, device: torch.device):
         self.model, self.cache, self.step, self.prefix_cache = model, cache, step, prefix_cache
-        self.draft_len, self.prefill_chunk_tokens, self.device = draft_len, prefill_chunk_tokens, device
-        self.prefill_max_rows = prefill_max_rows
+        self.options, self.device = options, device
 
-    def run(self, prompts: list[list[int]], slots: list[int], *, record_prefix=None,
-            stats: GenerationStats | None = None) -> list[int]:
-        """Prefill ``prompts`` into ``slots`` (reset first); returns each prompt's first token. Leaves the
-        slots' decode state (length, last token, first draft) in the step's slot state.
-
-        ``record_prefix(slot, hit_tokens)``: told each prompt's prefix-cache hit (the per-request counters);
-        ``stats``: the generate call's counters, to which the prefix-cache counters are added.
+    def run(self, prompts: list[list[int]], slots: list[int]) -> Prefilled:
+        """Prefill ``prompts`` into ``slots`` (reset first): every prompt is taken (``Prefilled.taken``),
+        ``Prefilled.tokens`` holds each one's first token. Leaves the slots' decode state (length, last
+        token, first draft) in the step's slot state; restores from and saves into the prefix cache.
         """
         slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.cache.reset(slot_ids)
@@ -88,26 +102,23 @@ class Prefill:
         pc = self.prefix_cache
         if pc is not None:
             stores, evictions = pc.stores, pc.evictions
-            self._restore(rows, prompts, record_prefix)
+            self._restore(rows, prompts)
         first: dict[int, int] = {}
         full = [r for r in rows if r.pos == len(r.prompt)]
         if full:
             first.update(self._cached(full))
         for group in self._groups([r for r in rows if r.pos < len(r.prompt)]):
             first.update(self._group(group))
-        if pc is not None and stats is not None:
-            stats.prefix_cache_queries += len(rows)
-            stats.prefix_cache_query_tokens += sum(len(r.prompt) for r in rows)
-            stats.prefix_cache_hits += sum(r.hit > 0 for r in rows)
-            stats.prefix_cache_hit_tokens += sum(r.hit for r in rows)
-            stats.prefix_cache_stores += pc.stores - stores
-            stats.prefix_cache_evictions += pc.evictions - evictions
         first_tokens = [first[j] for j in range(len(prompts))]
         # the decode state the steps start from: the prompt is in the cache, its first token is fed next
         self.step.start_slots(slot_ids, [len(p) for p in prompts], first_tokens)
-        return first_tokens
+        out = Prefilled(list(range(len(prompts))), first_tokens)
+        if pc is not None:
+            out.hit_tokens = [r.hit for r in rows]
+            out.stores, out.evictions = pc.stores - stores, pc.evictions - evictions
+        return out
 
-    def _restore(self, rows: list[PrefillRow], prompts: list[list[int]], record_prefix) -> None:
+    def _restore(self, rows: list[PrefillRow], prompts: list[list[int]]) -> None:
         """Restore each row's longest cached prefix into its slot and name its save points."""
         pc = self.prefix_cache
         for r in rows:
@@ -116,15 +127,13 @@ class Prefill:
                 pc.restore(self.cache, r.slot, entry)
                 r.pos = r.hit = len(entry.tokens)
                 r.carry = entry.hidden
-            if record_prefix is not None:
-                record_prefix(r.slot, r.pos)
         for r, points in zip(rows, pc.save_points(prompts, [r.pos for r in rows])):
             r.save_points = points
 
     def _groups(self, todo: list[PrefillRow]) -> list[list[PrefillRow]]:
         """Rows sorted by what remains, cut into groups whose padded size fits ``prefill_chunk_tokens`` and
         of at most ``prefill_max_rows`` rows."""
-        budget, most = self.prefill_chunk_tokens, self.prefill_max_rows or len(todo)
+        budget, most = self.options.prefill_chunk_tokens, self.options.prefill_max_rows or len(todo)
         groups: list[list[PrefillRow]] = []
         group: list[PrefillRow] = []
         for r in sorted(todo, key=lambda r: r.remaining) + [None]:
@@ -143,7 +152,7 @@ class Prefill:
         with the first token) gives the first draft."""
         hidden = torch.stack([r.carry for r in rows])  # [n, D]
         tokens = self.model.lm_logits(hidden).argmax(-1)
-        if self.draft_len > 0:
+        if self.options.draft_len > 0:
             slot_ids = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
             start = torch.tensor([r.pos - 1 for r in rows], dtype=torch.long, device=self.device)
             meta = BatchMeta.decode(slot_ids, start, max_kv_len=max(r.pos for r in rows))
@@ -162,7 +171,7 @@ class Prefill:
         their first token; with drafts the MTP module runs over the same positions (:meth:`_mtp`). A row that
         reaches a save point stores its slot's state in the prefix cache.
         """
-        chunk = max(1, min(max(r.remaining for r in rows), self.prefill_chunk_tokens // len(rows)))
+        chunk = max(1, min(max(r.remaining for r in rows), self.options.prefill_chunk_tokens // len(rows)))
         first: dict[int, int] = {}
         dev, pc = self.device, self.prefix_cache
         while True:
@@ -184,7 +193,7 @@ class Prefill:
                 cols_e = torch.tensor([n[b] - 1 for b in ending], dtype=torch.long, device=dev)
                 tokens = self.model.lm_logits(hidden[rows_e, cols_e]).argmax(-1)
                 first.update(zip([active[b].key for b in ending], tokens.tolist()))
-            if self.draft_len > 0:
+            if self.options.draft_len > 0:
                 self._mtp(active, n, hidden, slot_ids, ending, tokens, meta.row_start)
             for b, r in enumerate(active):
                 r.pos += n[b]

@@ -50,7 +50,7 @@ ranks' caches stay in lockstep, so every rank hits, saves, evicts and cuts its p
 and the ranks' all-reduces pair up: each decision here is a function of the token ids, the entry sizes (the
 same on every rank: the ranks' shards are equal) and ``max_bytes``; the engine makes ``max_bytes`` the same
 on every rank (the smallest rank's memory cap, ``Engine.from_pretrained``), and :meth:`split_admission`,
-which records the deferred prompts, runs on every rank (``Engine._split_admission``, a lockstep method).
+which records the deferred prompts, runs on every rank (inside ``ModelRunner.prefill``, a lockstep command).
 """
 
 from __future__ import annotations

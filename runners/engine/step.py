@@ -75,14 +75,13 @@ class ForcedAcceptance:
                 f"acceptance_length={acceptance_length} must lie in [1, K + 1 = {draft_len + 1}]"
             )
         self.mean_accepted = acceptance_length - 1.0
-        self.draft_len = draft_len
         self.step = torch.zeros((), dtype=torch.float64, device=device)
 
-    def next(self, live: torch.Tensor) -> torch.Tensor:
-        """Accepted drafts [B] int64 for this step (live [B] bool: a step of PAD rows only -- a graph's
-        warm-up -- does not advance the schedule)."""
+    def next(self, live: torch.Tensor, draft_len: int) -> torch.Tensor:
+        """Accepted drafts [B] int64 in [0, ``draft_len``] for this step (live [B] bool: a step of PAD rows
+        only -- a graph's warm-up -- does not advance the schedule)."""
         c, m = self.step, self.mean_accepted
-        a = (torch.floor((c + 1) * m) - torch.floor(c * m)).long().clamp(0, self.draft_len)
+        a = (torch.floor((c + 1) * m) - torch.floor(c * m)).long().clamp(0, draft_len)
         self.step += live.any()
         return a.expand(live.shape[0])
 
@@ -148,11 +147,10 @@ def mtp_forward(model: HybridLM, cache: HybridCache, next_ids: torch.Tensor, hid
 
 @dataclass
 class LaunchedStep:
-    """A launched decode step (:meth:`DecodeStep.launch`): its live slots and the request that held each at
-    launch, the pinned host block its tokens arrive in, and its phase timing marks (profiling only)."""
+    """A launched decode step (:meth:`DecodeStep.launch`): its live slots, the pinned host block its tokens
+    arrive in, and its phase timing marks (profiling only)."""
 
     slots: list[int]
-    requests: list[int]
     block: HostBlock
     marks: list = field(default_factory=list)
 
@@ -169,7 +167,8 @@ class DecodeStep:
         ssm_backend: the resolved recurrent backend ("torch" runs host-synchronising references: no graphs).
 
     Attributes:
-        slots: the :class:`SlotState`; io: the ``StepIO`` buffers; graphs: the ``StepGraphs``;
+        options: the engine's options (read where used, never copied); slots: the :class:`SlotState`;
+        io: the ``StepIO`` buffers; graphs: the ``StepGraphs``;
         cuda_graphs: whether steps replay CUDA graphs; phase_timer: a ``PhaseTimer`` (None: off);
         row_start: ``BatchMeta.row_start`` of the eager step running (set by :meth:`launch`).
         compile: whether the phases run the model's blocks through torch.compile (``EngineOptions.compile``,
@@ -184,9 +183,8 @@ class DecodeStep:
 
     def __init__(self, model: HybridLM, cache: HybridCache, options: EngineOptions, *, device: torch.device,
                  ssm_backend: str):
-        self.model, self.cache, self.device = model, cache, device
+        self.model, self.cache, self.device, self.options = model, cache, device, options
         draft_len, max_batch_size = options.draft_len, options.max_batch_size
-        self.draft_len, self.max_batch_size, self.max_seq_len = draft_len, max_batch_size, options.max_seq_len
         D, dtype = model.config.hidden_size, options.torch_dtype
         self.slots = SlotState.allocate(max_batch_size, D, dtype, draft_len, device)
         cuda_graphs, batch_sizes = options.cuda_graphs, options.cuda_graph_batch_sizes
@@ -223,24 +221,28 @@ class DecodeStep:
         if self.compile:  # graphs capture (and eager padded steps run) the compiled phases
             phases = {name: self._compiled_phase(fn) for name, fn in phases.items()}
         padded = self.cuda_graphs or self.compile
-        self.graphs = StepGraphs(phases, self.io, sizes if padded else (), self.max_seq_len, device)
+        self.graphs = StepGraphs(phases, self.io, sizes if padded else (), options.max_seq_len, device)
         if not self.cuda_graphs:  # compiled without graphs: the same padded steps, run eagerly
             self.graphs.mode = "eager_padded"
         self.forced: ForcedAcceptance | None = None
         self.phase_timer: PhaseTimer | None = None
         self.row_start: int | None = None
 
+    @property
+    def rows(self) -> int:
+        """R = S + 1 rows of the per-slot state and caches (the scratch row S takes the PAD rows' writes)."""
+        return self.options.max_batch_size + 1
+
     # ------------------------------------------------------------------ host side: launch, read
 
-    def launch(self, slots: list[int], kv_bound: int, requests: list[int] | None = None) -> LaunchedStep:
+    def launch(self, slots: list[int], kv_bound: int) -> LaunchedStep:
         """Queue one decode step over ``slots`` (live slot ids, sorted) on the device; nothing waits for it.
 
         The host writes only the batch's slot ids (through a pinned buffer); positions, input tokens and
         drafts come from :attr:`slots`, which the step advances itself. The step runs padded to a captured
         batch size as CUDA graphs, or eagerly (``StepGraphs``); its new tokens are copied to pinned host
         memory behind an event. ``kv_bound``: an upper bound of every row's cached length after the step (its
-        length before + T); ``requests``: who holds each slot, kept on the handle. Read the result with
-        :meth:`read`, in launch order.
+        length before + T). Read the result with :meth:`read`, in launch order.
         """
         t0 = time.perf_counter()
         n = len(slots)
@@ -269,15 +271,19 @@ class DecodeStep:
             block.event.record()
         if self.phase_timer is not None:
             self.phase_timer.add_host("launch", time.perf_counter() - t0)
-        return LaunchedStep(list(slots), list(requests or []), block, marks)
+        return LaunchedStep(list(slots), block, marks)
 
     def read(self, step: LaunchedStep) -> list[list[int]]:
         """Wait for a launched step and return each row's new tokens (1 .. K + 1: the accepted drafts and
-        the bonus token; 1 without drafts), in the order of ``step.slots``."""
+        the bonus token; 1 without drafts), in the order of ``step.slots``. The wait is the phase timer's
+        host "wait"."""
+        t0 = time.perf_counter()
         tokens, num_accepted = HostRing.read(step.block, len(step.slots))
         HostRing.release(step.block)
-        if self.phase_timer is not None and step.marks:
-            self.phase_timer.add_device(step.marks)
+        if self.phase_timer is not None:
+            if step.marks:
+                self.phase_timer.add_device(step.marks)
+            self.phase_timer.add_host("wait", time.perf_counter() - t0)
         return [t[:a] for t, a in zip(tokens, num_accepted)]
 
     def force_acceptance(self, acceptance_length: float | None) -> None:
@@ -290,7 +296,7 @@ class DecodeStep:
         if acceptance_length is None:
             self.forced = None
         else:
-            self.forced = ForcedAcceptance(acceptance_length, self.draft_len, self.device)
+            self.forced = ForcedAcceptance(acceptance_length, self.options.draft_len, self.device)
         self.graphs.reset()
 
     def capture_graphs(self, batch_sizes: Sequence[int] | None = None, max_kv_len: int | None = None) -> int:
@@ -308,10 +314,11 @@ class DecodeStep:
         if set(sizes) - set(graphs.batch_sizes):
             raise ValueError(f"batch sizes {sorted(set(sizes) - set(graphs.batch_sizes))} are not among "
                              f"cuda_graph_batch_sizes {graphs.batch_sizes}")
-        top = kv_bucket(max_kv_len or self.max_seq_len, self.max_seq_len)
-        buckets = [kv_bucket(1, self.max_seq_len)]
+        max_seq_len = self.options.max_seq_len
+        top = kv_bucket(max_kv_len or max_seq_len, max_seq_len)
+        buckets = [kv_bucket(1, max_seq_len)]
         while buckets[-1] < top:
-            buckets.append(kv_bucket(buckets[-1] + 1, self.max_seq_len))
+            buckets.append(kv_bucket(buckets[-1] + 1, max_seq_len))
         done = 0
         for B in sizes:
             for L in buckets:
@@ -377,7 +384,7 @@ class DecodeStep:
         rows, slot id -1, write the scratch row). ``rows``: the slots' cache rows when the caller has them
         (None: computed)."""
         if rows is None:
-            rows = slot_ids % (self.max_batch_size + 1)
+            rows = slot_ids % (self.rows)
         self.slots.mtp_hidden[rows] = mtp_hidden
         self.slots.draft1[rows] = self.model.lm_logits(mtp_hidden).argmax(-1)
 
@@ -387,7 +394,7 @@ class DecodeStep:
         """The step's slot ids [B] (PAD -1 past the live rows), live mask [B] and cache rows [B] (PAD -> the
         scratch row S)."""
         slot_ids = self.io.slot_ids[:B]
-        return slot_ids, slot_ids >= 0, slot_ids % (self.max_batch_size + 1)
+        return slot_ids, slot_ids >= 0, slot_ids % (self.rows)
 
     def _advance_slots(self, rows: torch.Tensor, live: torch.Tensor, length: torch.Tensor,
                        last: torch.Tensor) -> None:
@@ -405,7 +412,7 @@ class DecodeStep:
         n = torch.where(live, self.slots.length[rows], 0)
         last = torch.where(live, self.slots.last_token[rows], 0)
         meta = BatchMeta.decode(slot_ids, n, max_kv_len=L, row_start=self.row_start, cache_rows=rows,
-                                num_rows=self.max_batch_size + 1)
+                                num_rows=self.rows)
         hidden = self.model(last[:, None], self.cache, meta)
         self.cache.advance_rounding()  # in-place on the device: graph-safe
         nxt = self.model.lm_logits(hidden[:, -1]).argmax(-1)
@@ -426,14 +433,14 @@ class DecodeStep:
         (or the prefill); each further one applies the MTP module to its own last output and draft, at MTP
         position start_pos - 1 + j. Writes the MTP KV cache there (the catch-up overwrites it). PAD rows
         start from token 0 and a zero hidden. ``max_kv_len``: the step's KV bound (None: computed)."""
-        live, rows = slot_ids >= 0, slot_ids % (self.max_batch_size + 1)
+        live, rows = slot_ids >= 0, slot_ids % (self.rows)
         drafts = [torch.where(live, self.slots.draft1[rows], 0)]
         h = torch.where(live[:, None], self.slots.mtp_hidden[rows], 0.0)
-        for j in range(1, self.draft_len):
+        for j in range(1, self.options.draft_len):
             # start_pos + (j - 1): one add (the same int64 values as start_pos - 1 + j)
             meta = BatchMeta.decode(slot_ids, start_pos + (j - 1), max_kv_len=max_kv_len,
                                     row_start=self.row_start, cache_rows=rows,
-                                    num_rows=self.max_batch_size + 1)
+                                    num_rows=self.rows)
             h = mtp_forward(self.model, self.cache, drafts[-1][:, None], h[:, None], meta)[:, 0]
             drafts.append(self.model.lm_logits(h).argmax(-1))
         return torch.stack(drafts, dim=1)
@@ -443,8 +450,9 @@ class DecodeStep:
         slot_ids, live, rows = self._batch_rows(B)
         last = torch.where(live, self.slots.last_token[rows], 0)
         tokens = torch.cat([last[:, None], io.drafts[:B]], dim=1)  # [B, T]
-        meta = BatchMeta.decode(slot_ids, io.start_pos[:B], self.draft_len + 1, verify=True, max_kv_len=L,
-                                row_start=self.row_start, cache_rows=rows, num_rows=self.max_batch_size + 1)
+        T = self.options.draft_len + 1
+        meta = BatchMeta.decode(slot_ids, io.start_pos[:B], T, verify=True, max_kv_len=L,
+                                row_start=self.row_start, cache_rows=rows, num_rows=self.rows)
         hidden = self.model(tokens, self.cache, meta)  # [B, T, D]
         self.cache.advance_rounding()
         io.hidden[:B] = hidden
@@ -452,13 +460,14 @@ class DecodeStep:
 
     def phase_commit(self, B: int, L: int) -> None:
         io = self.io
-        K, T = self.draft_len, self.draft_len + 1
+        K = self.options.draft_len
+        T = K + 1
         slot_ids, live, rows = self._batch_rows(B)
         drafts, greedy = io.drafts[:B], io.greedy[:B]
         if self.forced is None:
             accepted = (drafts == greedy[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B] in [0, K]
         else:
-            accepted = self.forced.next(live)
+            accepted = self.forced.next(live, K)
         num_accepted = accepted + 1
         # no range checks on the host: num_accepted is in [1, T] by construction (the kernels clamp anyway)
         self.cache.commit(slot_ids, num_accepted, check=False)
@@ -474,7 +483,7 @@ class DecodeStep:
         io = self.io
         slot_ids, num_accepted = io.slot_ids[:B], io.num_accepted[:B]
         catch_up = BatchMeta(slot_ids, io.start_pos[:B], num_accepted, max_kv_len=L, row_start=self.row_start,
-                             num_rows=self.max_batch_size + 1)
+                             num_rows=self.rows)
         out = mtp_forward(self.model, self.cache, io.tokens[:B], io.hidden[:B], catch_up)
         self.store_first_draft(slot_ids, out[torch.arange(B, device=out.device), num_accepted - 1],
                                rows=catch_up.cache_rows)

@@ -12,7 +12,7 @@ tokens, intermediate states written per row, stored state left untouched, tie_hd
 dt_bias) and compares out, intermediate states and the stored state with
 ``kernels.mamba2.selective_state_update_ref`` on the same inputs. Prints one JSON document: per case
 "ok" with the max abs errors, "mismatch" with them, or "error" with the first line that names the failure.
-The engine's size guard (runners/engine/engine.py FLASHINFER_SIZES) admits the sizes found "ok" here.
+The engine's size guard (runners/engine/runner.py FLASHINFER_SIZES) admits the sizes found "ok" here.
 Needs CUDA and flashinfer (.gpu-bundle on the device machine).
 """
 
