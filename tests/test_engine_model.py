@@ -16,9 +16,11 @@ import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 
 from kernels.mamba2 import ssd_chunked_scan, ssm_recurrent_scan
-from runners.engine.cache import BatchMeta, HybridCache, Mamba2State
+from runners.engine.cache import HybridCache
 from runners.engine.loader import load_model
 from runners.engine.models.config import HybridConfig
+from runners.engine.models.mamba2 import Mamba2State
+from runners.engine.state import BatchMeta
 
 VARIANTS = {
     "latent_moe": dict(pattern="M*EM-E"),

@@ -22,7 +22,7 @@ the work lives beside it, one module per seam:
 With ``draft_len = K > 0`` each decode step is an MTP speculative step: K drafts from the checkpoint's MTP
 module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind commit of the recurrent state;
 the output equals plain greedy decoding. ``ssm_replay=True`` replaces the rewind commit by replay
-(TensorRT-LLM's "SSM replay"; ``runners.engine.cache.Mamba2ReplayState`` / ``GDNReplayState``).
+(TensorRT-LLM's "SSM replay"; ``runners.engine.state.RecurrentReplayState``).
 ``ssm_backend`` ("triton" default on CUDA, "flashinfer", "torch" default on CPU) picks who runs the recurrent
 decode / verify / commit operators: the Triton kernels of kernels/ or their PyTorch references.
 

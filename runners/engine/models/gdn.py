@@ -3,7 +3,9 @@
 Scope: `GatedDeltaNet`, the Qwen3-Next mixer (projections, causal conv, gates, the gated delta rule, gated
 RMSNorm), cache-agnostic: the caller passes the recurrent state and the conv window of each row and gets the
 new ones back; and `GDNMixer` (the hybrid decoder's ``gdn`` block), the engine's caller, which reads and
-writes the per-slot `runners.engine.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
+writes the per-slot `GDNState` / `GDNReplayState` (declared here: the kind's states, their shapes and dtypes
+from the config's GDN dims, ``registry.schema.GDNDims``; ``GDNMixer.state_class`` hands them to the cache).
+The rule itself lives in kernels/gdn/:
 `chunk_gated_delta_rule` (chunked form, prefill: fla-core's kernels on CUDA) and its reference
 `chunk_gated_delta_rule_ref`, `recurrent_gated_delta_rule` (token by token, the
 specification), `fused_recurrent_gated_delta_rule` (the Triton decode / rewind-verify kernel and its
@@ -28,12 +30,14 @@ Source of the algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from kernels.gdn import (
+    ReplayHistory,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
@@ -46,14 +50,69 @@ from kernels.gdn import (
 from kernels.gdn.prologue import MAX_T as PROLOGUE_MAX_T
 from kernels.gdn.prologue import gdn_prologue, gdn_prologue_ref
 from kernels.norm import gated_rms_norm, gated_rms_norm_ref
-from runners.engine.cache import GDNReplayState, kernel_or_reference
 from runners.engine.models.layers import use_inference_kernel
+from runners.engine.state import (
+    CacheSpec,
+    LayerState,
+    RecurrentReplayState,
+    RecurrentState,
+    kernel_or_reference,
+)
 
 if TYPE_CHECKING:  # type hints only
-    from runners.engine.cache import BatchMeta, GDNState
     from runners.engine.models.config import HybridConfig
+    from runners.engine.state import BatchMeta
 
-__all__ = ["GDNMixer", "GDNOutput", "GDNRuleInputs", "GatedDeltaNet", "GatedRMSNorm"]
+__all__ = ["GDNMixer", "GDNOutput", "GDNReplayState", "GDNRuleInputs", "GDNState", "GatedDeltaNet",
+           "GatedRMSNorm"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kind's per-slot states
+# ----------------------------------------------------------------------------------------------------------
+
+
+def gdn_state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+    """(conv channels C = 2 H K + HV V, the per-slot delta-rule state's shape [HV, V, K])."""
+    HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+    return 2 * c.gdn_num_key_heads * K + HV * V, (HV, V, K)
+
+
+@dataclass
+class GDNState(RecurrentState):
+    """Recurrent state of one Gated DeltaNet layer, committed by rewind (``runners.engine.state.
+    RecurrentState``), with GDN shapes (HV value heads, V / K value / key head dims, C = 2 H K + HV V conv
+    channels [Q | K | V], W = conv_kernel):
+
+    conv: [S + 1, C, W - 1], model dtype; the last W - 1 conv inputs, oldest first.
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; the delta-rule state S with K contiguous (o = S q;
+          transformers keeps [.., K, V], the transpose).
+    conv_steps: [S + 1, C, W - 1 + T] and ssm_steps: [S + 1, T, HV, V, K] (rewind buffers, only with
+          ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
+    """
+
+    state_shapes = staticmethod(gdn_state_shapes)
+
+
+@dataclass
+class GDNReplayState(RecurrentReplayState):
+    """Recurrent state of one Gated DeltaNet layer under SSM replay (``runners.engine.state.
+    RecurrentReplayState``: committed state lagging by PNAT tokens, conv window of W - 1 + K columns read at
+    offset PNAT - 1):
+
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.gdn.ReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T, HV, V)
+          solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative log
+          decay of the last verify. No checkpointing variant.
+    """
+
+    history_type: ClassVar[type] = ReplayHistory
+    state_shapes = staticmethod(gdn_state_shapes)
+
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return ReplayHistory.shapes(spec.rows, spec.spec_tokens, c.gdn_num_key_heads, c.gdn_num_value_heads,
+                                    c.gdn_key_head_dim, c.gdn_value_head_dim, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,15 +403,15 @@ class GatedDeltaNet(nn.Module):
 
 class GDNMixer(GatedDeltaNet):
     """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
-    cache (`runners.engine.cache.GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
+    cache (`GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
     `runners.engine.models.mamba2.Mamba2Mixer`.
 
     forward(hidden (B, T, D), state, meta) -> (B, T, D). Without a cache: a full causal forward from a zero
-    state. With ``state`` and ``meta`` (`runners.engine.cache.BatchMeta`) each row continues from its slot's
+    state. With ``state`` and ``meta`` (`runners.engine.state.BatchMeta`) each row continues from its slot's
     conv
     window and recurrent state; the state's ``ssm_backend`` picks the recurrent operators ("triton": the
     Triton kernels, "torch": their PyTorch references; FlashInfer has no GDN kernel, so "flashinfer" runs
-    Triton, ``runners.engine.cache.kernel_or_reference``):
+    Triton, ``runners.engine.state.kernel_or_reference``):
     - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (fla-core's
       Triton kernels on CUDA; the reference on the CPU, for "torch", and, with one log line, when fla-core is
       missing) from the slots' gathered states; the state after each row's last valid token is written back
@@ -368,6 +427,12 @@ class GDNMixer(GatedDeltaNet):
     Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states,
     RuntimeError for a non-verify forward on a replay row whose state lags by pending accepted tokens.
     """
+
+    @staticmethod
+    def state_class(replay: bool) -> type[LayerState]:
+        """The per-slot state this kind keeps in the cache: `GDNReplayState` under ssm_replay, else
+        `GDNState`."""
+        return GDNReplayState if replay else GDNState
 
     def __init__(self, config: HybridConfig) -> None:
         c = config
@@ -387,7 +452,7 @@ class GDNMixer(GatedDeltaNet):
     ) -> Tensor:
         if state is None:
             return self.prefill(x).y
-        replay = isinstance(state, GDNReplayState)
+        replay = state.replay
         if meta.verify:
             return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape

@@ -1,4 +1,5 @@
-"""Shared blocks of the hybrid decoders: norms, attention with a by-position KV cache, MLP, MoE.
+"""Shared blocks of the hybrid decoders: norms, attention with its by-position KV cache (:class:`KVCache`, the
+attention kind's per-slot state), MLP, MoE.
 
 One module per block kind; each family's variant is a config option of the same module, not a copy:
 - ``RMSNorm``: scale ``w`` (NemotronH) or ``1 + w`` (Qwen3-Next), ``HybridConfig.norm_weight_offset``;
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +32,11 @@ from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.norm import gated_group_rms_norm, gated_group_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rope import norm_rope, rope_rotate
 from kernels.router import topk_route, topk_route_ref
-from runners.engine.cache import BatchMeta, KVCache
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
+from runners.engine.models.fp8 import FP8_DTYPE, quantize_fp8
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
+from runners.engine.state import KV, BatchMeta, Buffer, CacheSpec, LayerState, zeros
 
 # The switch benchmarks flip to time the fused stages against their references in one run
 # (`benchmarks/bench_e2e.py --fused both`, through :func:`fused_stages`); True in every other use.
@@ -125,6 +130,93 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
 
 
+@dataclass
+class KVCache(LayerState):
+    """Keys and values of one attention layer, written by position.
+
+    k, v: [S + 1, max_seq_len, KVH, head_dim], the model dtype, or float8_e4m3fn for an FP8 KV cache
+    (``CacheSpec.kv_cache_dtype``; half the bytes of bf16). FP8 entries are ``clamp(k / k_scale, -448, 448)``
+    with the layer's per-tensor ``k_scale`` / ``v_scale`` (0-dim float32: the checkpoint's calibrated
+    ``k_proj.k_scale`` / ``v_proj.v_scale``, set by the engine; None reads as 1.0), as NVIDIA ModelOpt's FP8
+    KV cache; :meth:`read` dequantizes (``k_fp8 * k_scale``). :meth:`reset_rows` zeroes an admitted slot's
+    rows (positions past a request's length are read, masked: they must be finite); commit is a no-op: a
+    later write to a position overwrites a rejected token's entry.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    layout: dict[str, Buffer] = field(default_factory=dict, repr=False)
+    positional: ClassVar[bool] = True
+
+    @classmethod
+    def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
+        shape = (spec.rows, spec.max_seq_len, c.num_key_value_heads, c.head_dim)
+        return {name: Buffer(shape, spec.kv_cache_dtype or spec.dtype, KV) for name in ("k", "v")}
+
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> KVCache:
+        layout = cls.buffers(c, spec)
+        return cls(**zeros(layout, spec.device), layout=layout)
+
+    @property
+    def fp8(self) -> bool:
+        return self.k.dtype == FP8_DTYPE
+
+    def write(self, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys / values [B, T, KVH, head_dim] at (rows, pos) [B, T] (quantized in an FP8 cache; the
+        FP8 buffers are indexed through uint8 views, which every backend indexes)."""
+        if not self.fp8:
+            self.k[rows, pos] = k.to(self.k.dtype)
+            self.v[rows, pos] = v.to(self.v.dtype)
+            return
+        for buf, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
+            q = quantize_fp8(x, 1.0 if scale is None else scale)
+            buf.view(torch.uint8)[rows, pos] = q.view(torch.uint8)
+
+    def read(
+        self, rows: Callable[[torch.Tensor], torch.Tensor], kv_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [B, kv_len, KVH, head_dim] in ``dtype`` of the batch's cache rows (``rows``:
+        ``BatchMeta.rows``, or ``BatchMeta.view_rows``: then, unquantized, a view of the cache -- read it
+        only), dequantized in an FP8 cache. The first kv_len positions are sliced before the rows are
+        gathered, so the gather copies only those."""
+        if not self.fp8:
+            return rows(self.k[:, :kv_len]).to(dtype), rows(self.v[:, :kv_len]).to(dtype)
+        out = []
+        for buf, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            q = rows(buf.view(torch.uint8)[:, :kv_len]).view(FP8_DTYPE)
+            out.append(q.to(dtype) if scale is None else q.to(dtype) * scale.to(dtype))
+        return out[0], out[1]
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Zero keys and values at every position of cache rows ``rows`` [n] (int64; a request is admitted).
+
+        Attention reads each row up to the batch's KV bound (``BatchMeta.max_kv_len``: the longest row, a CUDA
+        graph's bucket) and masks the positions past the row's own: a masked weight is exactly 0, but NaN +
+        -inf in the scores and 0 x NaN in weights @ values are NaN, so a non-finite entry a previous occupant
+        left there (a float16 overflow, say) would reach the new request. Zeroed, masked positions add exact
+        zeros: bit for bit a fresh cache's result. (A request's own entries past its length, rejected drafts,
+        are rewritten by its next step before any read.) Zeroing once per request rather than masking every
+        read: on one CPU thread a select over the keys and values read takes ~3 ms per layer and step at 16
+        rows x 1,000 positions, this reset ~0.1 ms per slot of the tiny NemotronH (3 layers, 4,096
+        positions, 6 MiB); Super V3's 9 attention layers hold 36 MiB per slot at 4,096 positions, ~11 us at
+        an H100's 3.35 TB/s. (vLLM's and SGLang's paged attention read no position past a sequence's
+        length; this dense cache does.) On the CPU rows are zeroed as slices (``index_fill_`` over dim 0
+        measured ~7x slower there)."""
+        for buf in (self.k, self.v):
+            flat = buf.view(torch.uint8) if self.fp8 else buf  # FP8: zero bytes are e4m3fn's 0.0
+            if rows.device.type == "cpu":
+                for r in rows.tolist():
+                    flat[r].zero_()
+            else:
+                flat.index_fill_(0, rows, 0)
+
+    def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
+        pass
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention, scale head_dim^-0.5, with the options of ``HybridConfig``:
 
@@ -140,6 +232,12 @@ class Attention(nn.Module):
     slot (padding columns go to the scratch row) and every query attends to its request's cached positions
     ``<= start_pos + t``. Without a cache it is a plain causal forward over the T columns (positions 0..T-1).
     """
+
+    @staticmethod
+    def state_class(replay: bool) -> type[LayerState]:
+        """The per-slot state this kind keeps in the cache: :class:`KVCache` (written by position, so the
+        same under rewind and replay)."""
+        return KVCache
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -326,6 +424,11 @@ class MLP(nn.Module):
     """Feed-forward block (dense ``mlp`` blocks and shared experts): ``down(act(up(x)))`` (NemotronH, relu2)
     or, with ``gated``, ``down(act(gate(x)) * up(x))`` (Qwen3-Next, SiLU: SwiGLU). x [..., D] -> [..., D]."""
 
+    @staticmethod
+    def state_class(replay: bool) -> None:
+        """Keeps no per-slot state (the cache holds nothing for this kind)."""
+        return None
+
     def __init__(
         self,
         hidden_size: int,
@@ -417,6 +520,11 @@ class MoE(nn.Module):
     """
 
     experts_impl = "fused"
+
+    @staticmethod
+    def state_class(replay: bool) -> None:
+        """Keeps no per-slot state (the cache holds nothing for this kind)."""
+        return None
 
     def __init__(self, config: HybridConfig):
         super().__init__()

@@ -12,7 +12,7 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
 Which operator runs where (the cache state's ``ssm_backend``: "triton" the Triton kernel, "torch" its PyTorch
-reference, ``runners.engine.cache.kernel_or_reference``):
+reference, ``runners.engine.state.kernel_or_reference``):
 - prefill (T > 1 or right-padded rows): ``kernels.mamba2.mamba_chunk_scan_combined``, the chunked SSD scan
   from the slots' states, final states written back in place (its reference for "torch"); right-padded
   columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of different prompt
@@ -21,10 +21,14 @@ reference, ``runners.engine.cache.kernel_or_reference``):
 - decode (T = 1): ``kernels.mamba2.selective_state_update``, state updated in place;
 - rewind verify (T = K + 1): ``selective_state_update`` writing the per-token states to the cache's rewind
   buffer (or FlashInfer's ``selective_state_update`` for ssm_backend "flashinfer"); the commit is
-  ``runners.engine.cache.Mamba2State.commit``;
-- replay verify (a :class:`runners.engine.cache.Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which
-  fast-forwards the committed state by the tokens accepted last step and records the new tokens' inputs; the
-  conv window is read at the slot's offset instead of being copied at commit.
+  :class:`Mamba2State`'s (``runners.engine.state.RecurrentState.commit``);
+- replay verify (a :class:`Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which fast-forwards the
+  committed state by the tokens accepted last step and records the new tokens' inputs; the conv window is read
+  at the slot's offset instead of being copied at commit.
+
+The kind's declarations live here too: its per-slot states (:class:`Mamba2State`, :class:`Mamba2ReplayState`:
+shapes and dtypes from the config's Mamba2 dims, ``registry.schema.MambaDims``), which
+``Mamba2Mixer.state_class`` hands to the cache.
 
 Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, W conv_kernel, C conv channels.
 """
@@ -33,12 +37,15 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.mamba2 import (
+    ReplayHistory,
     mamba_chunk_scan_combined,
     mamba_chunk_scan_combined_ref,
     replay_verify,
@@ -49,12 +56,58 @@ from kernels.mamba2 import (
 )
 from kernels.mamba2.conv import MAX_T as CONV_STEP_MAX_T
 from kernels.mamba2.conv import causal_conv_step, causal_conv_step_ref
-from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
+from runners.engine.state import (
+    BatchMeta,
+    CacheSpec,
+    LayerState,
+    RecurrentReplayState,
+    RecurrentState,
+    kernel_or_reference,
+    replay_hist_len,
+)
 
 log = logging.getLogger(__name__)
+
+
+def mamba2_state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+    """(conv channels C = d_inner + 2 G N, the per-slot SSM state's shape [H, P, N])."""
+    return c.mamba_conv_dim, (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
+
+
+@dataclass
+class Mamba2State(RecurrentState):
+    """Recurrent state of one Mamba2 layer, committed by rewind (``runners.engine.state.RecurrentState``):
+
+    conv: [S + 1, C, W - 1], model dtype; ssm: [S + 1, H, P, N], ``ssm_state_dtype`` (float32 by default);
+    with ``spec_tokens = T > 0`` conv_steps [S + 1, C, W - 1 + T] and ssm_steps [S + 1, T, H, P, N].
+    """
+
+    state_shapes = staticmethod(mamba2_state_shapes)
+
+
+@dataclass
+class Mamba2ReplayState(RecurrentReplayState):
+    """Recurrent state of one Mamba2 layer under SSM replay (``runners.engine.state.RecurrentReplayState``):
+
+    ssm:  [S + 1, H, P, N], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.mamba2.ReplayHistory`` with S + 1 slots and L = T (or max(16, T) in the checkpointing
+          variant, ``CacheSpec.replay_checkpointing``): x (S + 1, 2, L, H, P) and B (S + 1, 2, L, G, N) in
+          the model dtype, dt' and dA_cumsum (S + 1, 2, H, L) float32.
+    """
+
+    history_type: ClassVar[type] = ReplayHistory
+    checkpointing: ClassVar[bool] = True
+    state_shapes = staticmethod(mamba2_state_shapes)
+
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        L = replay_hist_len(spec.spec_tokens, spec.replay_checkpointing)
+        return ReplayHistory.shapes(spec.rows, L, c.mamba_num_heads, c.mamba_head_dim, c.n_groups,
+                                    c.ssm_state_size, dtype=spec.dtype,
+                                    checkpointing=spec.replay_checkpointing)
 
 
 class Mamba2Mixer(nn.Module):
@@ -67,10 +120,16 @@ class Mamba2Mixer(nn.Module):
     writes the per-token states to the rewind buffers instead and leaves the committed state alone. Without
     a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
     chunk) may be changed after construction: the result is the same up to float rounding. With a
-    :class:`runners.engine.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
+    :class:`Mamba2ReplayState` a verify replays instead (see the module docstring); a
     non-verify forward then requires PNAT = 0 (prefill after admission). The state's ``ssm_backend`` picks
     the decode / verify operators (module docstring).
     """
+
+    @staticmethod
+    def state_class(replay: bool) -> type[LayerState]:
+        """The per-slot state this kind keeps in the cache: :class:`Mamba2ReplayState` under ssm_replay, else
+        :class:`Mamba2State`."""
+        return Mamba2ReplayState if replay else Mamba2State
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -116,12 +175,12 @@ class Mamba2Mixer(nn.Module):
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
         slots (or, in a rewind verify step, stores the whole window in ``state.conv_steps``; in a replay
         verify, reads the committed window at the slot's offset and stores the new one, see
-        :class:`runners.engine.cache.Mamba2ReplayState`)."""
+        :class:`Mamba2ReplayState`)."""
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
         bias = self.conv1d.bias
-        replay = isinstance(state, Mamba2ReplayState)
+        replay = state is not None and state.replay
         if state is not None and (meta.verify or meta.all_valid):
             # the windows read from the cache, the conv + SiLU, the new windows written back: one launch
             # (kernels/mamba2/conv.py) where use_inference_kernel holds, its reference elsewhere
@@ -163,7 +222,7 @@ class Mamba2Mixer(nn.Module):
         backend = state.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
         out = x.new_empty(x.shape, dtype=torch.float32)
-        if isinstance(state, Mamba2ReplayState):
+        if state.replay:
             slots = state.slots
             verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
             y = verify(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
@@ -184,7 +243,7 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
-        replay = isinstance(state, Mamba2ReplayState)
+        replay = state is not None and state.replay
         if replay:
             if meta.verify and T > state.history.x.shape[2]:
                 raise ValueError(
