@@ -11,7 +11,8 @@ world size), registers the all-reduces as forward hooks, and gives the loader on
 that reads only this rank's part of the memory-mapped file (safetensors ``get_slice``). So each rank allocates
 and reads only its shard; ``runners.engine.loader.materialize`` fills it.
 
-How each block kind is split (W world size, r this rank; full sizes of config.json):
+How each block kind is split (its mixer declares it, ``shard_rules``; runners/engine/models/kinds.py. W world
+size, r this rank; full sizes of config.json):
 
 - attention: query heads split (q_proj rows; gated attention's rows are per head [q_h, gate_h]); KV heads
   split, or when there are fewer KV heads than ranks each rank holds the one KV head its query heads read
@@ -63,9 +64,8 @@ from registry.arch import check_world_size
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
 from runners.engine.loader import LoadPlan, build_meta_model, load_targets, model_bytes
-from runners.engine.models.gdn import GatedDeltaNet
-from runners.engine.models.layers import MLP, Attention, MoE
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.shard import FirstRankOnly, Rule, Shard
 
 __all__ = [
     "TensorParallel",
@@ -179,159 +179,19 @@ def rank_config(config: HybridConfig, world_size: int) -> HybridConfig:
 # ------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shard:
-    """A rank's part of a checkpoint tensor: along ``dim``, the concatenation of the index ``ranges``
-    (half-open ``(start, stop)`` pairs, in order; several when the tensor stacks parts, e.g. mamba's
-    in_proj [z | x | B | C | dt])."""
-
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-
-    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        """The shard's shape, given the full tensor's."""
-        out = list(full)
-        out[self.dim] = sum(b - a for a, b in self.ranges)
-        return tuple(out)
-
-    def read(self, sl: Any) -> torch.Tensor:
-        """Read the shard from a safetensors slice (``safe_open(...).get_slice(name)``): only these ranges
-        are read from the memory-mapped file."""
-        lead = (slice(None),) * self.dim
-        parts = [sl[lead + (slice(a, b),)] for a, b in self.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
-
-
-@dataclass(frozen=True)
-class FirstRankOnly:
-    """A row-parallel bias: rank 0 reads it whole, every other rank holds zeros (the all-reduce adds it once).
-    """
-
-    rank: int
-
-    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(full)
-
-    def read(self, sl: Any) -> torch.Tensor:
-        return sl[:] if self.rank == 0 else torch.zeros(tuple(sl.get_shape()))
-
-
-Rule = Shard | FirstRankOnly | None  # None: replicated (read whole)
-
-
-def _part(total: int, W: int, r: int, offset: int = 0) -> tuple[int, int]:
-    """Rank r's contiguous share of ``total`` (divisible by W) starting at ``offset``."""
-    n = total // W
-    return (offset + r * n, offset + (r + 1) * n)
-
-
-def _attention_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    rows_per_head = hd * (2 if c.attn_output_gate else 1)  # gated: [q_h, gate_h] per head
-    q = Shard(0, (_part(H * rows_per_head, W, r),))
-    if KVH % W == 0:
-        kv = Shard(0, (_part(KVH * hd, W, r),))
-    else:  # fewer KV heads than ranks: the KV head of this rank's query heads, held by W / KVH ranks
-        j = r // (W // KVH)
-        kv = Shard(0, ((j * hd, (j + 1) * hd),))
-    return {
-        "q_proj.weight": q, "q_proj.bias": q,
-        "k_proj.weight": kv, "k_proj.bias": kv,
-        "v_proj.weight": kv, "v_proj.bias": kv,
-        "o_proj.weight": Shard(1, (_part(H * hd, W, r),)), "o_proj.bias": FirstRankOnly(r),
-    }
-
-
-def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
-    """(first group, number of groups) that rank r holds of a mamba layer: G / W groups split with the heads,
-    or, when G < W, the one group its heads read."""
-    G = c.n_groups
-    if G % W == 0:
-        return r * (G // W), G // W
-    return r // (W // G), 1
-
-
-def _mamba_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, P, G, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
-    di = H * P
-    g0, Gl = mamba_groups(c, W, r)
-    z = _part(di, W, r)
-    heads = _part(H, W, r)
-    b_part = (g0 * N, (g0 + Gl) * N)
-
-    def at(offset: int, rng: tuple[int, int]) -> tuple[int, int]:
-        return (offset + rng[0], offset + rng[1])
-
-    # in_proj rows: z (di) | x (di) | B (G N) | C (G N) | dt (H); conv channels: x | B | C
-    in_proj = Shard(0, (z, at(di, z), at(2 * di, b_part), at(2 * di + G * N, b_part),
-                        at(2 * di + 2 * G * N, heads)))
-    conv = Shard(0, (z, at(di, b_part), at(di + G * N, b_part)))
-    per_head = Shard(0, (heads,))
-    return {
-        "in_proj.weight": in_proj, "in_proj.bias": in_proj,
-        "conv1d.weight": conv, "conv1d.bias": conv,
-        "dt_bias": per_head, "A_log": per_head, "D": per_head,
-        "norm.weight": Shard(0, (z,)),
-        "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
-    }
-
-
-def _gdn_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, HV, K, V = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim
-    ratio = HV // H
-    per_key_head = 2 * K + 2 * ratio * V  # in_proj_qkvz rows of one key head: [q_h, k_h, v_h, z_h]
-    return {
-        "in_proj_qkvz.weight": Shard(0, (_part(H * per_key_head, W, r),)),
-        "in_proj_ba.weight": Shard(0, (_part(H * 2 * ratio, W, r),)),  # [b_h, a_h] per key head
-        # conv channels de-interleaved: Q (H K) | K (H K) | V (HV V)
-        "conv1d.weight": Shard(0, (_part(H * K, W, r), _part(H * K, W, r, H * K),
-                                   _part(HV * V, W, r, 2 * H * K))),
-        "dt_bias": Shard(0, (_part(HV, W, r),)),
-        "A_log": Shard(0, (_part(HV, W, r),)),
-        "out_proj.weight": Shard(1, (_part(HV * V, W, r),)),
-    }
-
-
-def _mlp_rules(m: MLP, W: int, r: int) -> dict[str, Rule]:
-    Il = m.up_proj.weight.shape[0]  # the rank's intermediate size (the module is the rank's)
-    col, row = Shard(0, ((r * Il, (r + 1) * Il),)), Shard(1, ((r * Il, (r + 1) * Il),))
-    return {
-        "gate_proj.weight": col, "gate_proj.bias": col, "up_proj.weight": col, "up_proj.bias": col,
-        "down_proj.weight": row, "down_proj.bias": FirstRankOnly(r),
-    }
-
-
-def _moe_rules(m: MoE, W: int, r: int) -> dict[str, Rule]:
-    Il = m.experts_up.shape[1]
-    rules: dict[str, Rule] = {
-        "experts_up": Shard(1, ((r * Il, (r + 1) * Il),)),
-        "experts_gate": Shard(1, ((r * Il, (r + 1) * Il),)),
-        "experts_down": Shard(2, ((r * Il, (r + 1) * Il),)),
-        "fc2_latent_proj.bias": FirstRankOnly(r),
-    }
-    rules.update({f"shared_experts.{k}": v for k, v in _mlp_rules(m.shared_experts, W, r).items()})
-    return rules
-
-
 def shard_rules(model: nn.Module, full: HybridConfig, tp: TensorParallel) -> dict[str, Rule]:
     """``{parameter / buffer name: what this rank reads}`` for a model built from the rank view of ``full``
-    (names as ``model.named_parameters()``); names absent from the result are replicated."""
+    (names as ``model.named_parameters()``); names absent from the result are replicated. Each block kind
+    declares its own rules (its mixer's ``shard_rules(full, W, r)``, ``runners/engine/models/kinds.py``); a
+    module inside one that declares them (the MoE's shared expert) is covered by its owner's rules."""
     W, r = tp.world_size, tp.rank
     rules: dict[str, Rule] = {}
+    owners: list[str] = []
     for prefix, module in model.named_modules():
-        if isinstance(module, Attention):
-            local = _attention_rules(full, W, r)
-        elif isinstance(module, Mamba2Mixer):
-            local = _mamba_rules(full, W, r)
-        elif isinstance(module, GatedDeltaNet):
-            local = _gdn_rules(full, W, r)
-        elif isinstance(module, MoE):
-            local = _moe_rules(module, W, r)
-        elif isinstance(module, MLP) and not prefix.endswith("shared_experts"):
-            local = _mlp_rules(module, W, r)
-        else:
+        if not hasattr(module, "shard_rules") or any(prefix.startswith(o + ".") for o in owners):
             continue
-        rules.update({f"{prefix}.{k}": v for k, v in local.items()})
+        owners.append(prefix)
+        rules.update({f"{prefix}.{k}": v for k, v in module.shard_rules(full, W, r).items()})
     return rules
 
 

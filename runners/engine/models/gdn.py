@@ -51,6 +51,7 @@ from kernels.gdn.prologue import MAX_T as PROLOGUE_MAX_T
 from kernels.gdn.prologue import gdn_prologue, gdn_prologue_ref
 from kernels.norm import gated_rms_norm, gated_rms_norm_ref
 from runners.engine.models.layers import use_inference_kernel
+from runners.engine.shard import Rule, Shard, part
 from runners.engine.state import (
     CacheSpec,
     LayerState,
@@ -195,6 +196,27 @@ class GatedDeltaNet(nn.Module):
         conv_state (B, C, W - 1), x's dtype, oldest column first, channels as conv1d.
     Inputs are never modified: the new states come back in `GDNOutput`.
     """
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: key heads split with their value heads. in_proj_qkvz ([q_h, k_h, v_h, z_h])
+        and in_proj_ba ([b_h, a_h]) are grouped per key head (one contiguous block per rank); the conv over
+        the de-interleaved [Q | K | V] by part; A_log / dt_bias by value head; out_proj by columns; the
+        output norm replicated.
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        H, HV, K, V = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim
+        ratio = HV // H
+        per_key_head = 2 * K + 2 * ratio * V  # in_proj_qkvz rows of one key head: [q_h, k_h, v_h, z_h]
+        return {
+            "in_proj_qkvz.weight": Shard(0, (part(H * per_key_head, W, r),)),
+            "in_proj_ba.weight": Shard(0, (part(H * 2 * ratio, W, r),)),  # [b_h, a_h] per key head
+            # conv channels de-interleaved: Q (H K) | K (H K) | V (HV V)
+            "conv1d.weight": Shard(0, (part(H * K, W, r), part(H * K, W, r, H * K),
+                                       part(HV * V, W, r, 2 * H * K))),
+            "dt_bias": Shard(0, (part(HV, W, r),)),
+            "A_log": Shard(0, (part(HV, W, r),)),
+            "out_proj.weight": Shard(1, (part(HV * V, W, r),)),
+        }
 
     def __init__(
         self,

@@ -36,6 +36,7 @@ from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.fp8 import FP8_DTYPE, quantize_fp8
 from runners.engine.models.moe import moe_experts_fused, moe_experts_ref
+from runners.engine.shard import FirstRankOnly, Rule, Shard, part
 from runners.engine.state import KV, BatchMeta, Buffer, CacheSpec, LayerState, zeros
 
 # The switch benchmarks flip to time the fused stages against their references in one run
@@ -239,6 +240,27 @@ class Attention(nn.Module):
         same under rewind and replay)."""
         return KVCache
 
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: query heads split (gated: [q_h, gate_h] rows per head); KV heads split or,
+        fewer than ranks, the one its query heads read (held by W / KVH ranks); o_proj by columns, its bias on
+        rank 0; q / k norms replicated.
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        rows_per_head = hd * (2 if c.attn_output_gate else 1)  # gated: [q_h, gate_h] per head
+        q = Shard(0, (part(H * rows_per_head, W, r),))
+        if KVH % W == 0:
+            kv = Shard(0, (part(KVH * hd, W, r),))
+        else:  # fewer KV heads than ranks: the KV head of this rank's query heads, held by W / KVH ranks
+            j = r // (W // KVH)
+            kv = Shard(0, ((j * hd, (j + 1) * hd),))
+        return {
+            "q_proj.weight": q, "q_proj.bias": q,
+            "k_proj.weight": kv, "k_proj.bias": kv,
+            "v_proj.weight": kv, "v_proj.bias": kv,
+            "o_proj.weight": Shard(1, (part(H * hd, W, r),)), "o_proj.bias": FirstRankOnly(r),
+        }
+
     def __init__(self, config: HybridConfig):
         super().__init__()
         c = config
@@ -429,6 +451,18 @@ class MLP(nn.Module):
         """Keeps no per-slot state (the cache holds nothing for this kind)."""
         return None
 
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: gate / up by rows (column parallel), down by columns (row parallel), its bias
+        on rank 0, sized from this module (built from the rank's config).
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        Il = self.up_proj.weight.shape[0]  # the rank's intermediate size (the module is the rank's)
+        col, row = Shard(0, ((r * Il, (r + 1) * Il),)), Shard(1, ((r * Il, (r + 1) * Il),))
+        return {
+            "gate_proj.weight": col, "gate_proj.bias": col, "up_proj.weight": col, "up_proj.bias": col,
+            "down_proj.weight": row, "down_proj.bias": FirstRankOnly(r),
+        }
+
     def __init__(
         self,
         hidden_size: int,
@@ -525,6 +559,22 @@ class MoE(nn.Module):
     def state_class(replay: bool) -> None:
         """Keeps no per-slot state (the cache holds nothing for this kind)."""
         return None
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: the router replicated; every routed expert split along its intermediate
+        size (up / gate rows, down columns); the shared expert as an MLP; NemotronH's latent projections
+        replicated (fc2_latent_proj's bias on rank 0).
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        Il = self.experts_up.shape[1]
+        rules: dict[str, Rule] = {
+            "experts_up": Shard(1, ((r * Il, (r + 1) * Il),)),
+            "experts_gate": Shard(1, ((r * Il, (r + 1) * Il),)),
+            "experts_down": Shard(2, ((r * Il, (r + 1) * Il),)),
+            "fc2_latent_proj.bias": FirstRankOnly(r),
+        }
+        rules.update({f"shared_experts.{k}": v for k, v in self.shared_experts.shard_rules(c, W, r).items()})
+        return rules
 
     def __init__(self, config: HybridConfig):
         super().__init__()

@@ -59,6 +59,7 @@ from kernels.mamba2.conv import causal_conv_step, causal_conv_step_ref
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
+from runners.engine.shard import FirstRankOnly, Rule, Shard, part
 from runners.engine.state import (
     BatchMeta,
     CacheSpec,
@@ -110,6 +111,15 @@ class Mamba2ReplayState(RecurrentReplayState):
                                     checkpointing=spec.replay_checkpointing)
 
 
+def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
+    """(first group, number of groups) that rank r holds of a mamba layer: G / W groups split with the heads,
+    or, when G < W, the one group its heads read."""
+    G = c.n_groups
+    if G % W == 0:
+        return r * (G // W), G // W
+    return r // (W // G), 1
+
+
 class Mamba2Mixer(nn.Module):
     """NemotronH Mamba2 mixer: in_proj -> causal conv + SiLU -> SSM (+ D skip) -> gated grouped RMSNorm
     -> out_proj. Parameter names and shapes equal the checkpoint's (``mixer.in_proj.weight`` etc.).
@@ -130,6 +140,35 @@ class Mamba2Mixer(nn.Module):
         """The per-slot state this kind keeps in the cache: :class:`Mamba2ReplayState` under ssm_replay, else
         :class:`Mamba2State`."""
         return Mamba2ReplayState if replay else Mamba2State
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: heads split. in_proj's [z | x | B | C | dt] and the conv over [x | B | C] by
+        this rank's heads and groups (:func:`mamba_groups`), A_log / D / dt_bias / norm weight by head,
+        out_proj by columns, its bias on rank 0.
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        H, P, G, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
+        di = H * P
+        g0, Gl = mamba_groups(c, W, r)
+        z = part(di, W, r)
+        heads = part(H, W, r)
+        b_part = (g0 * N, (g0 + Gl) * N)
+
+        def at(offset: int, rng: tuple[int, int]) -> tuple[int, int]:
+            return (offset + rng[0], offset + rng[1])
+
+        # in_proj rows: z (di) | x (di) | B (G N) | C (G N) | dt (H); conv channels: x | B | C
+        in_proj = Shard(0, (z, at(di, z), at(2 * di, b_part), at(2 * di + G * N, b_part),
+                            at(2 * di + 2 * G * N, heads)))
+        conv = Shard(0, (z, at(di, b_part), at(di + G * N, b_part)))
+        per_head = Shard(0, (heads,))
+        return {
+            "in_proj.weight": in_proj, "in_proj.bias": in_proj,
+            "conv1d.weight": conv, "conv1d.bias": conv,
+            "dt_bias": per_head, "A_log": per_head, "D": per_head,
+            "norm.weight": Shard(0, (z,)),
+            "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
+        }
 
     def __init__(self, config: HybridConfig):
         super().__init__()
