@@ -197,6 +197,10 @@ class GatedDeltaNet(nn.Module):
     Inputs are never modified: the new states come back in `GDNOutput`.
     """
 
+    # dummy / synthetic weights (runners.engine.dummy): A_log and dt_bias as Mamba2's; the output norm is a
+    # plain scale (not Qwen3-Next's 1 + w), so its identity is 1
+    dummy_init: ClassVar[dict[str, str]] = {"A_log": "A_log", "dt_bias": "dt_bias", "norm.weight": "ones"}
+
     def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
         """Tensor parallelism: key heads split with their value heads. in_proj_qkvz ([q_h, k_h, v_h, z_h])
         and in_proj_ba ([b_h, a_h]) are grouped per key head (one contiguous block per rank); the conv over

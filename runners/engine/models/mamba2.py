@@ -135,6 +135,11 @@ class Mamba2Mixer(nn.Module):
     the decode / verify operators (module docstring).
     """
 
+    # dummy / synthetic weights (runners.engine.dummy): A = -exp(A_log) in [-16, -1], softplus(dt_bias) a
+    # log-uniform dt in [1e-3, 1e-1] (Dao & Gu 2024's initialisation), D = 1, the gated norm at identity
+    dummy_init: ClassVar[dict[str, str]] = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "ones",
+                                            "norm.weight": "ones"}
+
     @staticmethod
     def state_class(replay: bool) -> type[LayerState]:
         """The per-slot state this kind keeps in the cache: :class:`Mamba2ReplayState` under ssm_replay, else
