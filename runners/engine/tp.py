@@ -21,7 +21,8 @@ size, r this rank; full sizes of config.json):
   dt and its groups' part of B and C; the conv over [x | B | C] likewise; A_log, D, dt_bias and the norm
   weight by head; out_proj by columns. With ngroups >= W the groups split with the heads; with ngroups < W
   (W a multiple of it) each rank holds the one group its heads read, and the gated grouped RMSNorm, whose
-  group then spans W / ngroups ranks, sums its statistics over those ranks (:class:`SpanningGroupRMSNorm`).
+  group then spans W / ngroups ranks, sums its statistics over those ranks
+  (``runners.engine.models.mamba2.SpanningGroupRMSNorm``).
 - gdn: key heads split together with their value heads. in_proj_qkvz and in_proj_ba are grouped per key head
   ([q_h, k_h, v_h, z_h] and [b_h, a_h]), so a rank's rows are one contiguous block; the conv over the
   de-interleaved [Q | K | V] reads its part of each; A_log / dt_bias by value head; the output norm (over the
@@ -57,21 +58,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from registry.arch import check_world_size
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
 from runners.engine.loader import LoadPlan, build_meta_model, load_targets, model_bytes
-from runners.engine.models.mamba2 import Mamba2Mixer
 from runners.engine.shard import FirstRankOnly, Rule, Shard
 
 __all__ = [
     "TensorParallel",
     "Shard",
     "FirstRankOnly",
-    "SpanningGroupRMSNorm",
     "rank_config",
     "shard_plan",
     "shard_rules",
@@ -221,26 +219,6 @@ class AllReduceOutput:
         return output
 
 
-class SpanningGroupRMSNorm(nn.Module):
-    """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
-    silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
-    rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
-    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim] (or cast to
-    ``out_dtype``, as GatedGroupRMSNorm's signature), equal to the unsharded norm's channels of this rank."""
-
-    def __init__(self, dim: int, group_size: int, eps: float, group: Any):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group_size, self.eps, self.group = group_size, eps, group
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        y = y.float() * F.silu(z.float())
-        sum_sq = y.pow(2).sum(-1, keepdim=True)
-        dist.all_reduce(sum_sq, group=self.group)
-        return (self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))).to(out_dtype)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The plan transformation
 # ------------------------------------------------------------------------------------------------------------
@@ -248,11 +226,10 @@ class SpanningGroupRMSNorm(nn.Module):
 
 def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     """This rank's load plan: the model rebuilt on the meta device from :func:`rank_config`, the all-reduce
-    hooks registered on every sharded block mixer, mamba norms whose group spans ranks swapped for
-    :class:`SpanningGroupRMSNorm`, and a reader per checkpoint tensor that is not read whole. ``plan`` must
-    come from ``runners.engine.loader.plan_load`` (its model unsharded); it is not modified. ``tp.world_size
-    == 1``
-    returns ``plan``.
+    hooks registered on every sharded block mixer, the kinds' own module swaps (a mixer's ``shard_modules``:
+    Mamba2's norm whose group spans ranks), and a reader per checkpoint tensor that is not read whole.
+    ``plan`` must come from ``runners.engine.loader.plan_load`` (its model unsharded); it is not modified.
+    ``tp.world_size == 1`` returns ``plan``.
 
     Raises:
         registry.errors.UserError: a head count or intermediate size the world size cannot shard; an FP8
@@ -268,17 +245,9 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     full = plan.config
     config = rank_config(full, tp.world_size)
     model = build_meta_model(config, dtype=plan.dtype, with_mtp=plan.model.mtp is not None)
-    if full.n_groups < tp.world_size and "mamba2" in set(full.layer_types):
-        span = tp.world_size // full.n_groups
-        group = tp.subgroup(span)
-        for module in model.modules():
-            if isinstance(module, Mamba2Mixer):
-                old = module.norm
-                with torch.device("meta"):  # the group's full size: d_inner / ngroups of config.json
-                    norm = SpanningGroupRMSNorm(old.weight.shape[0], full.mamba_d_inner // full.n_groups,
-                                                old.eps, group)
-                norm.weight.data = norm.weight.data.to(old.weight.dtype)
-                module.norm = norm
+    for module in list(model.modules()):  # a kind's own module swaps (Mamba2: a norm spanning ranks)
+        if hasattr(module, "shard_modules"):
+            module.shard_modules(full, tp.world_size, tp.subgroup)
     hook = AllReduceOutput(tp.group)
     blocks = list(model.layers) + (list(model.mtp.blocks) if model.mtp is not None else [])
     for block in blocks:

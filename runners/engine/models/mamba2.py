@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -120,6 +122,26 @@ def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
     return r // (W // G), 1
 
 
+class SpanningGroupRMSNorm(nn.Module):
+    """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
+    silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
+    rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
+    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim] (or cast to
+    ``out_dtype``, as GatedGroupRMSNorm's signature), equal to the unsharded norm's channels of this rank."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, group: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps, self.group = group_size, eps, group
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        y = y.float() * F.silu(z.float())
+        sum_sq = y.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(sum_sq, group=self.group)
+        return (self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))).to(out_dtype)
+
+
 class Mamba2Mixer(nn.Module):
     """NemotronH Mamba2 mixer: in_proj -> causal conv + SiLU -> SSM (+ D skip) -> gated grouped RMSNorm
     -> out_proj. Parameter names and shapes equal the checkpoint's (``mixer.in_proj.weight`` etc.).
@@ -174,6 +196,21 @@ class Mamba2Mixer(nn.Module):
             "norm.weight": Shard(0, (z,)),
             "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
         }
+
+    def shard_modules(self, c: HybridConfig, W: int, subgroup: Callable[[int], Any]) -> None:
+        """Tensor parallelism's module swap on this rank's mixer (built from the rank's config; ``c`` the
+        full one): with fewer groups G than ranks W each group spans W / G ranks, and the gated grouped norm
+        becomes a :class:`SpanningGroupRMSNorm` over them (``subgroup(span)``: the process group of this
+        rank's ``span`` consecutive ranks, a collective on first use). With G >= W nothing changes. Mutates
+        ``self.norm`` (on the meta device)."""
+        if c.n_groups >= W:
+            return
+        old = self.norm
+        with torch.device("meta"):  # the group's full size: d_inner / ngroups of config.json
+            norm = SpanningGroupRMSNorm(old.weight.shape[0], c.mamba_d_inner // c.n_groups, old.eps,
+                                        subgroup(W // c.n_groups))
+        norm.weight.data = norm.weight.data.to(old.weight.dtype)
+        self.norm = norm
 
     def __init__(self, config: HybridConfig):
         super().__init__()
