@@ -131,6 +131,11 @@ class LayerState:
     def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
         raise NotImplementedError
 
+    @classmethod
+    def allocate(cls, c: HybridConfig, spec: CacheSpec) -> LayerState:
+        """The state with exactly the tensors of :meth:`buffers`, zeroed, on ``spec.device``."""
+        raise NotImplementedError
+
     def reset_rows(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
 
