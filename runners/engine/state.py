@@ -225,6 +225,17 @@ class RecurrentState(LayerState):
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
 
+    def check_forward(self, meta: BatchMeta, T: int) -> None:
+        """Raise ValueError when a verify of T tokens (``meta.verify``) finds rewind buffers of another
+        number of per-token states (none: the cache was built with ``spec_tokens = 0``). Reads nothing on the
+        device."""
+        if meta.verify and (self.ssm_steps is None or self.ssm_steps.shape[1] != T):
+            have = 0 if self.ssm_steps is None else self.ssm_steps.shape[1]
+            raise ValueError(
+                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
+                "build the HybridCache with spec_tokens = T"
+            )
+
     def commit(self, slot_ids: torch.Tensor, num_accepted_tokens: torch.Tensor) -> None:
         n = num_accepted_tokens
         commit = kernel_or_reference(self.ssm_backend, rewind_commit, rewind_commit_ref)
@@ -412,6 +423,28 @@ class RecurrentReplayState(LayerState):
         history = cls.history_type(**{n.removeprefix("history."): v for n, v in t.items() if "." in n})
         return cls(conv=t["conv"], ssm=t["ssm"], history=history, slots=spec.replay,
                    ssm_backend=spec.ssm_backend, layout=layout)
+
+    @property
+    def history_len(self) -> int:
+        """L, the tokens of one verify the history keeps (the kind's ``ReplayHistory`` layout)."""
+        raise NotImplementedError
+
+    def check_forward(self, meta: BatchMeta, T: int) -> None:
+        """Raise ValueError for a verify of more tokens than the history keeps, RuntimeError for a non-verify
+        forward on a row whose committed state lags by pending accepted tokens (with ssm_replay every step
+        after prefill is a verify). A verify reads PNAT in its kernel: only a non-verify forward checks it,
+        on the host (a synchronisation)."""
+        if meta.verify:
+            if T > self.history_len:
+                raise ValueError(
+                    f"verify step of T={T} tokens but the replay history keeps {self.history_len}; "
+                    "build the HybridCache with spec_tokens = T"
+                )
+        elif bool(self.slots.prev_num_accepted[meta.row_index(self.ssm.shape[0])].any()):
+            raise RuntimeError(
+                "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
+                "with ssm_replay every step after prefill must be a verify (T = K + 1)"
+            )
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         # the history needs no clearing: PNAT = 0 (ReplaySlots.reset) means none of it is read

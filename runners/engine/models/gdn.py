@@ -110,6 +110,10 @@ class GDNReplayState(RecurrentReplayState):
     history_type: ClassVar[type] = ReplayHistory
     state_shapes = staticmethod(gdn_state_shapes)
 
+    @property
+    def history_len(self) -> int:
+        return self.history.u.shape[2]
+
     @staticmethod
     def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return ReplayHistory.shapes(spec.rows, spec.spec_tokens, c.gdn_num_key_heads, c.gdn_num_value_heads,
@@ -479,15 +483,11 @@ class GDNMixer(GatedDeltaNet):
         if state is None:
             return self.prefill(x).y
         replay = state.replay
+        state.check_forward(meta, x.shape[1])
         if meta.verify:
             return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
-        if replay and bool(state.slots.prev_num_accepted[rows].any()):
-            raise RuntimeError(
-                "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
-                "with ssm_replay every step after prefill must be a verify (T = K + 1)"
-            )
         # the committed conv window: replay keeps it in the first W - 1 of its columns at PNAT = 0
         conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
         lengths = None if meta.all_valid else meta.lengths
@@ -509,13 +509,6 @@ class GDNMixer(GatedDeltaNet):
         return self.output(o, z, lengths)
 
     def _verify_rewind(self, x: Tensor, state: GDNState, meta: BatchMeta) -> Tensor:
-        T = x.shape[1]
-        if state.ssm_steps is None or state.ssm_steps.shape[1] != T:
-            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
-            raise ValueError(
-                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
-                "build the HybridCache with spec_tokens = T"
-            )
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, state.conv, normalize_qk=False,
                                                         conv_rows=meta.row_index(state.conv.shape[0]))
         rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
@@ -529,11 +522,6 @@ class GDNMixer(GatedDeltaNet):
     def _verify_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
         B, T, _ = x.shape
         W1 = self.conv_kernel - 1
-        if T > state.history.u.shape[2]:
-            raise ValueError(
-                f"verify step of T={T} tokens but the replay history keeps {state.history.u.shape[2]}; "
-                "build the HybridCache with spec_tokens = T"
-            )
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
         conv0 = state.conv[slots.conv_window_index(meta, W1, state.conv.shape[1])]  # (B, C, W - 1)

@@ -105,6 +105,10 @@ class Mamba2ReplayState(RecurrentReplayState):
     checkpointing: ClassVar[bool] = True
     state_shapes = staticmethod(mamba2_state_shapes)
 
+    @property
+    def history_len(self) -> int:
+        return self.history.x.shape[2]
+
     @staticmethod
     def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         L = replay_hist_len(spec.spec_tokens, spec.replay_checkpointing)
@@ -324,26 +328,8 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
-        replay = state is not None and state.replay
-        if replay:
-            if meta.verify and T > state.history.x.shape[2]:
-                raise ValueError(
-                    f"verify step of T={T} tokens but the replay history keeps {state.history.x.shape[2]}; "
-                    "build the HybridCache with spec_tokens = T"
-                )
-            # (a verify reads PNAT in its kernel: only a non-verify forward checks it, on the host)
-            if not meta.verify and bool(state.slots.prev_num_accepted[meta.row_index(state.ssm.shape[0])]
-                                        .any()):
-                raise RuntimeError(
-                    "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
-                    "with ssm_replay every step after prefill must be a verify (T = K + 1)"
-                )
-        elif state is not None and meta.verify and (state.ssm_steps is None or state.ssm_steps.shape[1] != T):
-            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
-            raise ValueError(
-                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
-                "build the HybridCache with spec_tokens = T"
-            )
+        if state is not None:
+            state.check_forward(meta, T)
         xBC = self._conv(xBC, state, meta)
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         x, Bm, Cm = x.reshape(b, T, H, P), Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N)
