@@ -4,8 +4,9 @@
 A kind's module declares everything about it on its mixer class, so adding a kind is one module and one row
 here: ``state_class(replay)`` (the per-slot :class:`runners.engine.state.LayerState` it keeps: shapes and
 dtypes from the config's dims, its commit under rewind or replay; None: stateless), ``shard_rules`` (what a
-tensor-parallel rank reads of each tensor) and, where it is not the generic one, ``dummy_init`` (how
-``runners.engine.dummy`` initialises its parameters). A mixer is built by its ``from_config(config)`` when
+tensor-parallel rank reads of each tensor; ``shard_modules`` where a rank's model needs a module swapped)
+and, where it is not the generic one, ``dummy_init`` (how ``runners.engine.dummy`` initialises its
+parameters). docs/architecture.md, "Layer kinds". A mixer is built by its ``from_config(config)`` when
 it has one, else by ``cls(config)``.
 """
 
