@@ -225,6 +225,12 @@ class RecurrentState(LayerState):
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
 
+    @property
+    def committed_conv(self) -> torch.Tensor:
+        """[S + 1, C, W - 1], the committed conv windows (``conv`` itself: a non-verify forward reads and
+        writes it in place)."""
+        return self.conv
+
     def check_forward(self, meta: BatchMeta, T: int) -> None:
         """Raise ValueError when a verify of T tokens (``meta.verify``) finds rewind buffers of another
         number of per-token states (none: the cache was built with ``spec_tokens = 0``). Reads nothing on the
@@ -423,6 +429,12 @@ class RecurrentReplayState(LayerState):
         history = cls.history_type(**{n.removeprefix("history."): v for n, v in t.items() if "." in n})
         return cls(conv=t["conv"], ssm=t["ssm"], history=history, slots=spec.replay,
                    ssm_backend=spec.ssm_backend, layout=layout)
+
+    @property
+    def committed_conv(self) -> torch.Tensor:
+        """[S + 1, C, W - 1], a view of ``conv``'s first W - 1 columns: the committed windows of a
+        non-verify forward, which runs only at PNAT = 0 (prefill: offset 0, :meth:`check_forward`)."""
+        return self.conv[..., : self.conv.shape[-1] - self.slots.spec_tokens + 1]
 
     @property
     def history_len(self) -> int:

@@ -489,7 +489,7 @@ class GDNMixer(GatedDeltaNet):
         B, T, _ = x.shape
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         # the committed conv window: replay keeps it in the first W - 1 of its columns at PNAT = 0
-        conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
+        conv = state.committed_conv
         lengths = None if meta.all_valid else meta.lengths
         decode = T == 1 and lengths is None  # else the chunked rule, which takes q, k normalised
         conv_rows = meta.row_index(conv.shape[0])  # the prologue reads the windows in place: no gather

@@ -281,15 +281,15 @@ class Mamba2Mixer(nn.Module):
                 return step(xBC, state.conv, src_rows, weight, bias, state.conv, rows, 1, src_cols)
             if meta.verify:  # rewind: the whole window of every step, to the per-step buffer
                 return step(xBC, state.conv, rows, weight, bias, state.conv_steps, rows, 0)
-            conv = state.conv[..., :W1] if replay else state.conv
+            conv = state.committed_conv
             return step(xBC, conv, rows, weight, bias, conv, rows, T)  # the last W - 1 inputs kept
         # a cache-free forward, or a prefill batch of rows of different lengths
         prev = xBC.new_zeros(b, self.conv_dim, W1) if state is None else meta.rows(
-            state.conv[..., :W1] if replay else state.conv)
+            state.committed_conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
         out = F.conv1d(window, weight[:, None, :], bias, groups=self.conv_dim).transpose(1, 2)
         if state is not None:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2
-            conv = state.conv[..., :W1] if replay else state.conv
+            conv = state.committed_conv
             idx = meta.lengths[:, None] + torch.arange(W1, device=xBC.device)
             new = window.gather(2, idx[:, None, :].expand(b, self.conv_dim, W1))
             conv.index_copy_(0, meta.row_index(state.conv.shape[0]), new.to(conv.dtype))
