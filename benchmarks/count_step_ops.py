@@ -159,6 +159,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     counting."""
     import importlib
 
+    import runners.engine.models.attention as attention_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
@@ -178,7 +179,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, gdn_mod, mamba2_mod, hybrid_mod):
+        for m in (layers_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
@@ -186,7 +187,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         from kernels.mamba2 import conv
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
-                 (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
+                 (layers_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
                  (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),

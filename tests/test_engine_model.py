@@ -264,7 +264,7 @@ def _reference_attention(q, keys, values, pos):
 def test_cached_attention_equals_reference(T, Hq, KVH):
     """The decode / verify attention (GQA heads folded into the query axis for few queries) equals plain
     per-head attention, rows at different positions."""
-    from runners.engine.models.layers import _cached_attention
+    from runners.engine.models.attention import _cached_attention
 
     torch.manual_seed(T * 10 + Hq)
     B, S, hd = 3, 40, 8

@@ -23,7 +23,7 @@ import torch
 from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 
 from runners.engine import Engine, GenerationStats
-from runners.engine.models.layers import KVCache
+from runners.engine.models.attention import KVCache
 from runners.engine.models.mamba2 import Mamba2State
 from runners.engine.options import EngineOptions
 from runners.engine.state import BatchMeta

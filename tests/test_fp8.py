@@ -1,5 +1,5 @@
 """FP8 operators against their references (runners.engine.models.fp8), the FP8 KV cache
-(runners.engine.models.layers.KVCache), FP8
+(runners.engine.models.attention.KVCache), FP8
 checkpoints in the loader and engine (runners.engine.quant) and the quantizer (runners.tools.quantize). CPU
 tests run the
 references; `gpu` tests run torch._scaled_mm / torch._scaled_grouped_mm on the H200."""
@@ -21,6 +21,7 @@ from registry.schema import REPO_ROOT
 from runners.engine.cache import HybridCache, cache_memory_bytes
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, plan_load
+from runners.engine.models.attention import KVCache
 from runners.engine.models.fp8 import (
     FP8_DTYPE,
     FP8Weights,
@@ -32,7 +33,7 @@ from runners.engine.models.fp8 import (
     quantize_fp8,
     scaled_mm_supported,
 )
-from runners.engine.models.layers import ACTIVATIONS, KVCache
+from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.options import EngineOptions
 from runners.engine.quant import FP8Linear, FP8MoE, kv_cache_scales
 from runners.tools.quantize import QuantizeError, main, quantize_fp8_checkpoint

@@ -338,8 +338,8 @@ def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch)
     """Attention._inv_freq (Qwen3-Next's RoPE frequencies, float32): recomputed at every call off the eager
     inference step (here the CPU), one tensor per device reused where layers.cacheable_now holds; equal
     values either way."""
-    import runners.engine.models.layers as layers_mod
-    from runners.engine.models.layers import Attention, rope_inv_freq
+    import runners.engine.models.attention as attention_mod
+    from runners.engine.models.attention import Attention, rope_inv_freq
 
     config = HybridConfig.from_pretrained(REPO / "registry/checkpoints/tiny_qwen3_next_mtp")
     attn = Attention(config)
@@ -348,7 +348,7 @@ def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch)
     first = attn._inv_freq(x)
     assert torch.equal(first, rope_inv_freq(attn.rotary_dim, attn.rope_theta))
     assert attn._inv_freq(x) is not first
-    monkeypatch.setattr(layers_mod, "cacheable_now", lambda t: True)
+    monkeypatch.setattr(attention_mod, "cacheable_now", lambda t: True)
     cached = attn._inv_freq(x)
     assert attn._inv_freq(x) is cached and torch.equal(cached, first) and cached.dtype == torch.float32
 

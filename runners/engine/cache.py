@@ -8,7 +8,7 @@ never a live slot (slot 0 is a live slot). Callers never need to special-case pa
 This module is generic: it knows no kind. Each block kind's mixer declares the state it keeps
 (``state_class(replay)``, ``runners/engine/models/kinds.py``): Mamba2 and Gated DeltaNet their conv window
 and recurrent state (``runners/engine/models/mamba2.py``, ``gdn.py``), attention its KV cache
-(``runners/engine/models/layers.py``); the contract they implement and the machinery the recurrent kinds
+(``runners/engine/models/attention.py``); the contract they implement and the machinery the recurrent kinds
 share (rewind commit, replay bookkeeping, :class:`runners.engine.state.BatchMeta`) is
 ``runners/engine/state.py``.
 
@@ -164,7 +164,7 @@ class HybridCache:
             L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
             (``kernels/mamba2/replay.py``).
         kv_cache_dtype: storage dtype of the attention KV caches (None: ``dtype``; ``torch.float8_e4m3fn``
-            stores keys and values in FP8 with per-layer scales, ``runners.engine.models.layers.KVCache``).
+            stores keys and values in FP8 with per-layer scales, ``runners.engine.models.attention.KVCache``).
         stochastic_rounding: round every write of a 16-bit SSM state (decode, rewind verify, replay verify)
             stochastically (``kernels/rounding.py``) instead of to nearest; needs a bfloat16 / float16
             ``ssm_state_dtype``. ``self.rounding`` holds the Philox seed (``rounding_seed``) and step counter

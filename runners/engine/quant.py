@@ -53,6 +53,7 @@ from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4, NVFP4
 from runners.engine.compile import eager_op
 from runners.engine.models import block_fp8 as bf8
 from runners.engine.models import nvfp4 as nf4
+from runners.engine.models.attention import Attention
 from runners.engine.models.config import family_module
 from runners.engine.models.fp8 import (
     FP8_DTYPE,
@@ -64,7 +65,7 @@ from runners.engine.models.fp8 import (
     scaled_mm_supported,
 )
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import Attention, MoE
+from runners.engine.models.layers import MoE
 from runners.engine.models.moe import moe_experts_grouped, use_quant_moe_gemv
 from runners.engine.quant_formats import check_runnable
 

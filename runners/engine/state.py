@@ -1,6 +1,6 @@
 """The per-slot layer-state contract every stateful layer kind implements, and the machinery the recurrent
 kinds share; the kinds' own states live in their modules (``runners/engine/models/mamba2.py``, ``gdn.py``,
-``layers.py`` for attention) and :class:`runners.engine.cache.HybridCache` allocates them from what each kind
+``attention.py``) and :class:`runners.engine.cache.HybridCache` allocates them from what each kind
 declares (``runners/engine/models/kinds.py``).
 
 Rows: every buffer has ``S + 1`` rows, rows ``0 .. S-1`` the live slots and row ``S`` a scratch row; the PAD

@@ -77,9 +77,10 @@ from registry.checkpoint import (
 from registry.errors import UserError
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
+from runners.engine.models.attention import KVCache
 from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import KVCache, MoE
+from runners.engine.models.layers import MoE
 from runners.engine.options import EngineOptions
 from runners.engine.quant import EXPERT_KINDS, QuantTargets, quantization_targets
 from runners.tools.formats import (

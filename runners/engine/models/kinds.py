@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from runners.engine.models.attention import Attention
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
-from runners.engine.models.layers import MLP, Attention, MoE
+from runners.engine.models.layers import MLP, MoE
 from runners.engine.models.mamba2 import Mamba2Mixer
 from runners.engine.state import LayerState
 
