@@ -32,10 +32,10 @@ import triton
 
 from kernels.gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_ref
 from kernels.mamba2 import ChunkScanTiles, mamba_chunk_scan_combined, mamba_chunk_scan_combined_ref
-from runners.engine.cache import CacheSpec, GDNState, Mamba2State
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.state import CacheSpec, LayerState
 from runners.tools.synth import synth_config
 
 DEFAULT_CASES = "1x1024,8x1024,1x4096"
@@ -69,7 +69,9 @@ def _layer_config(family: str, tiny: bool) -> HybridConfig:
                                                num_experts=4, overrides=TINY[family] if tiny else None))
 
 
-def _state(cls, cfg: HybridConfig, rows: int, dev) -> Mamba2State | GDNState:
+def _state(mixer: type, cfg: HybridConfig, rows: int, dev) -> LayerState:
+    """The rewind-scheme state ``mixer``'s kind keeps (its ``state_class``), ``rows`` live slots, no drafts."""
+    cls = mixer.state_class(replay=False)
     spec = CacheSpec(rows=rows + 1, max_seq_len=1, dtype=torch.bfloat16, ssm_state_dtype=torch.float32,
                      device=dev, spec_tokens=0)
     return cls.allocate(cfg, spec)
@@ -84,7 +86,7 @@ def _row(ms_kernel: float, ms_ref: float, tokens: int) -> dict:
 @torch.no_grad()
 def bench_mamba2(B: int, T: int, *, dev, timer, tiny=False, tiles: ChunkScanTiles | None = None) -> dict:
     """One Super V3 Mamba2 layer: the chunked scan operator and the whole mixer, kernel vs reference."""
-    from runners.engine.cache import BatchMeta
+    from runners.engine.state import BatchMeta
 
     cfg = _layer_config("nemotron_h", tiny)
     torch.manual_seed(0)
@@ -111,7 +113,7 @@ def bench_mamba2(B: int, T: int, *, dev, timer, tiny=False, tiles: ChunkScanTile
            "op": _row(timer(lambda: mamba_chunk_scan_combined(s_k, *args, tiles=tiles, **kw)),
                       timer(lambda: mamba_chunk_scan_combined_ref(s_r, *args, **kw)), B * T)}
     hidden = torch.randn(B, T, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    state = _state(Mamba2State, cfg, B, dev)
+    state = _state(Mamba2Mixer, cfg, B, dev)
     meta = BatchMeta(slots, torch.zeros_like(slots), torch.full_like(slots, T), all_valid=True)
     ms = {}
     for backend in ("triton", "torch"):
@@ -127,7 +129,7 @@ def bench_gdn(B: int, T: int, *, dev, timer, tiny=False) -> dict:
     """One Qwen3-Next Gated DeltaNet layer: the chunked rule and the whole mixer, kernel vs reference."""
     from kernels.gdn._common import l2norm
     from kernels.gdn.fla import fla_chunk_rule
-    from runners.engine.cache import BatchMeta
+    from runners.engine.state import BatchMeta
 
     cfg = _layer_config("qwen3_next", tiny)
     H, HV, K, V = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
@@ -148,7 +150,7 @@ def bench_gdn(B: int, T: int, *, dev, timer, tiny=False) -> dict:
            "op": _row(timer(lambda: chunk_gated_delta_rule(q, k, v, g, beta, h0, C)),
                       timer(lambda: chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, C)), B * T)}
     hidden = torch.randn(B, T, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-    state = _state(GDNState, cfg, B, dev)
+    state = _state(GDNMixer, cfg, B, dev)
     slots = torch.arange(B, device=dev)
     meta = BatchMeta(slots, torch.zeros_like(slots), torch.full_like(slots, T), all_valid=True)
     ms = {}

@@ -16,7 +16,7 @@ Conventions, so the counts track device launches rather than CPU implementation 
   aliasing composites such as ``to`` / ``reshape`` when they did not copy) and allocations (``empty``,
   ``new_empty``, ...) are counted apart (``views``) from the operators that run a kernel (``ops``);
 - each operator that runs as one Triton kernel on CUDA but as its PyTorch reference on the CPU (the
-  recurrent-state operators of ``runners.engine.cache.kernel_or_reference``, the router's top-k
+  recurrent-state operators of ``runners.engine.state.kernel_or_reference``, the router's top-k
   ``kernels.router.topk_route_ref``, the norms of kernels/norm.py, GDN's prologue, the shared-expert
   combine) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
   launches on CUDA at decode sizes) count as one op named ``kernel:<name>``; the operators inside are not
@@ -159,16 +159,17 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     counting."""
     import importlib
 
-    import runners.engine.cache as cache_mod
+    import runners.engine.models.attention as attention_mod
     import runners.engine.models.block_fp8 as block_fp8_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
     import runners.engine.models.nvfp4 as nvfp4_mod
+    import runners.engine.state as state_mod
     from runners.engine.formats import get_format
 
-    original = cache_mod.kernel_or_reference
+    original = state_mod.kernel_or_reference
 
     def kernel_or_reference(ssm_backend, kernel, reference):
         fn = original(ssm_backend, kernel, reference)
@@ -176,11 +177,11 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
 
     saved = []
     try:  # the patching itself inside: what was replaced before an error is put back
-        saved += [(m, "kernel_or_reference", original) for m in (cache_mod, gdn_mod, mamba2_mod)]
+        saved += [(m, "kernel_or_reference", original) for m in (state_mod, gdn_mod, mamba2_mod)]
         saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, gdn_mod, mamba2_mod, hybrid_mod):
+        for m in (layers_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
@@ -188,7 +189,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         from kernels.mamba2 import conv
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
-                 (layers_mod, moe_combine, "shared_gate_combine"), (layers_mod, rope, "norm_rope"),
+                 (layers_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
                  (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
@@ -197,7 +198,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))
         saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
-        for m in (cache_mod, gdn_mod, mamba2_mod):
+        for m in (state_mod, gdn_mod, mamba2_mod):
             m.kernel_or_reference = kernel_or_reference
         layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
         experts = layers_mod.MoE._experts

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from runners.engine.cache import BatchMeta
 from runners.engine.engine import Engine
 from runners.engine.options import EngineOptions
+from runners.engine.state import BatchMeta
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("tiny_nemotron_h_mtp", "tiny_qwen3_next_mtp")

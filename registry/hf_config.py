@@ -773,7 +773,7 @@ def _qwen_rope(raw: dict[str, Any], source: str) -> tuple[float, float]:
         raise CheckpointError(
             f"{source}: RoPE type {rope_type!r} is not supported (only 'default')",
             "remove rope_scaling / set rope_parameters.rope_type to 'default', or extend "
-            "runners.engine.models.layers.apply_rope",
+            "runners.engine.models.attention.apply_rope",
         )
     theta = params.get("rope_theta", raw.get("rope_theta"))
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))

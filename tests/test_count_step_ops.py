@@ -159,18 +159,20 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
     an error while it is still patching (here a QUANT_KERNELS entry naming a missing attribute, after the
     fused-stage dispatch was already switched)."""
     import benchmarks.count_step_ops as cso
-    import runners.engine.cache as cache_mod
+    import runners.engine.models.attention as attention_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.state as state_mod
 
     watched = [(layers_mod, "use_inference_kernel"), (gdn_mod, "use_inference_kernel"),
                (hybrid_mod, "use_inference_kernel"), (hybrid_mod, "residual_add"),
                (hybrid_mod, "flag_nonfinite"), (layers_mod, "relu2"), (layers_mod, "silu_mul"),
                (mamba2_mod, "causal_conv_step"), (mamba2_mod, "use_inference_kernel"),
-               (layers_mod, "norm_rope"), (layers_mod, "rms_norm"), (gdn_mod, "gdn_prologue"),
-               (cache_mod, "kernel_or_reference"), (layers_mod.MoE, "_experts")]
+               (attention_mod, "norm_rope"), (attention_mod, "use_inference_kernel"),
+               (layers_mod, "rms_norm"), (gdn_mod, "gdn_prologue"),
+               (state_mod, "kernel_or_reference"), (layers_mod.MoE, "_experts")]
     before = [getattr(m, a) for m, a in watched]
     counter = cso.StepOpCounter()
     with cso._patched(counter, {}):

@@ -226,8 +226,9 @@ def test_mtp_kept_positions_are_the_full_forwards_rows_bit_for_bit():
     """MTPModule.forward(keep=...) runs the blocks after the MTP attention on the kept positions alone:
     on the CPU in float32 their outputs are the full forward's rows, bit for bit (and the KV it writes the
     same), for one position, several of one row, positions of several rows, and none."""
-    from runners.engine.cache import BatchMeta, HybridCache
+    from runners.engine.cache import HybridCache
     from runners.engine.loader import load_model
+    from runners.engine.state import BatchMeta
 
     model = load_model(TINY, load_mtp=True)
     use_onednn_linears(model)
@@ -281,8 +282,9 @@ def test_attention_forward_last_is_forwards_last_rows_bit_for_bit(T):
     bit for bit and the KV entries written are the same, at widths on every side of the CPU flash kernel's
     query-block sizes (32, 64, 256 rows); a width whose last 32-row block would hold fewer than 4 rows is
     declined (None, nothing written)."""
-    from runners.engine.cache import BatchMeta, HybridCache
+    from runners.engine.cache import HybridCache
     from runners.engine.loader import load_model
+    from runners.engine.state import BatchMeta
 
     model = load_model(TINY, load_mtp=True)
     block = model.mtp.blocks[0]

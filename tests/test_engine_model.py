@@ -16,9 +16,11 @@ import torch
 from ckpt_factory import make_hf_model, write_checkpoint
 
 from kernels.mamba2 import ssd_chunked_scan, ssm_recurrent_scan
-from runners.engine.cache import BatchMeta, HybridCache, Mamba2State
+from runners.engine.cache import HybridCache
 from runners.engine.loader import load_model
 from runners.engine.models.config import HybridConfig
+from runners.engine.models.mamba2 import Mamba2State
+from runners.engine.state import BatchMeta
 
 VARIANTS = {
     "latent_moe": dict(pattern="M*EM-E"),
@@ -262,7 +264,7 @@ def _reference_attention(q, keys, values, pos):
 def test_cached_attention_equals_reference(T, Hq, KVH):
     """The decode / verify attention (GQA heads folded into the query axis for few queries) equals plain
     per-head attention, rows at different positions."""
-    from runners.engine.models.layers import _cached_attention
+    from runners.engine.models.attention import _cached_attention
 
     torch.manual_seed(T * 10 + Hq)
     B, S, hd = 3, 40, 8

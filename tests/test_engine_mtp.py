@@ -23,8 +23,10 @@ import torch
 from ckpt_factory import OracleDraftEngine, make_hf_model, write_checkpoint
 
 from runners.engine import Engine, GenerationStats
-from runners.engine.cache import BatchMeta, KVCache, Mamba2State
+from runners.engine.models.attention import KVCache
+from runners.engine.models.mamba2 import Mamba2State
 from runners.engine.options import EngineOptions
+from runners.engine.state import BatchMeta
 from runners.engine.step import mtp_forward
 
 MAX_NEW = 16

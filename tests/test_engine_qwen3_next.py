@@ -25,11 +25,12 @@ from qwen_ckpt import QWEN_TINY, load_hf, write_qwen_checkpoint
 from safetensors.torch import load_file, save_file
 
 from runners.engine import Engine
-from runners.engine.cache import BatchMeta, GDNState, HybridCache
+from runners.engine.cache import HybridCache
 from runners.engine.loader import CheckpointError, load_model
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.gdn import GDNMixer
+from runners.engine.models.gdn import GDNMixer, GDNState
 from runners.engine.options import EngineOptions
+from runners.engine.state import BatchMeta
 
 MAX_NEW = 8
 PROMPT_LENS = (7, 1, 19, 12)

@@ -1,5 +1,5 @@
 """FP8 operators against their references (runners.engine.models.fp8), the FP8 KV cache
-(runners.engine.cache.KVCache), FP8
+(runners.engine.models.attention.KVCache), FP8
 checkpoints in the loader and engine (runners.engine.quant) and the quantizer (runners.tools.quantize). CPU
 tests run the
 references; `gpu` tests run torch._scaled_mm / torch._scaled_grouped_mm on the H200."""
@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from registry.checkpoint import CheckpointError
 from registry.schema import REPO_ROOT
-from runners.engine.cache import HybridCache, KVCache, cache_memory_bytes
+from runners.engine.cache import HybridCache, cache_memory_bytes
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, plan_load
+from runners.engine.models.attention import KVCache
 from runners.engine.models.fp8 import (
     FP8_DTYPE,
     FP8Weights,

@@ -255,10 +255,10 @@ def test_gpu_mixer_prefill_triton_matches_torch(family):
     """One mixer at the release's width with a cache: a right-padded first chunk then a second chunk (rows
     continue from their slots), bf16, under both backends from the same start: outputs at valid positions and
     the cached SSM / conv states agree."""
-    from runners.engine.cache import BatchMeta, CacheSpec, GDNState, Mamba2State
     from runners.engine.models.config import HybridConfig
-    from runners.engine.models.gdn import GDNMixer
-    from runners.engine.models.mamba2 import Mamba2Mixer
+    from runners.engine.models.gdn import GDNMixer, GDNState
+    from runners.engine.models.mamba2 import Mamba2Mixer, Mamba2State
+    from runners.engine.state import BatchMeta, CacheSpec
     from runners.tools.synth import synth_config
 
     cfg = HybridConfig.from_dict(synth_config(family, num_layers=2 if family == "qwen3_next" else 3,

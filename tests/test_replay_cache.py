@@ -24,16 +24,12 @@ from replay_oracles import gdn_replay_verify_oracle, mamba2_replay_verify_oracle
 
 from kernels import gdn, mamba2
 from registry.schema import validate_entry
-from runners.engine.cache import (
-    CACHE_LAYOUTS,
-    BatchMeta,
-    HybridCache,
-    Mamba2ReplayState,
-    cache_memory_bytes,
-)
+from runners.engine.cache import HybridCache, cache_memory_bytes
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.models.kinds import stateful
+from runners.engine.models.mamba2 import Mamba2Mixer, Mamba2ReplayState
+from runners.engine.state import BatchMeta
 
 REPO = Path(__file__).resolve().parents[1]
 allocate_history = mamba2.ReplayHistory.allocate
@@ -43,9 +39,9 @@ GARBAGE = 0x7BADBEEF
 def model_cache_kinds(config: HybridConfig, include_mtp: bool = True) -> dict[int, str]:
     """``{cache_index: kind}`` of the stateful blocks of ``config`` in the order ``HybridLM.cache_kinds``
     numbers them (backbone, then MTP), without building the model: sizes released shapes."""
-    kinds = [k for k in config.layer_types if k in CACHE_LAYOUTS]
+    kinds = [k for k in config.layer_types if stateful(k)]
     if include_mtp:
-        kinds += [k for k in config.mtp_layer_types if k in CACHE_LAYOUTS]
+        kinds += [k for k in config.mtp_layer_types if stateful(k)]
     return dict(enumerate(kinds))
 
 
@@ -342,8 +338,8 @@ def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch)
     """Attention._inv_freq (Qwen3-Next's RoPE frequencies, float32): recomputed at every call off the eager
     inference step (here the CPU), one tensor per device reused where layers.cacheable_now holds; equal
     values either way."""
-    import runners.engine.models.layers as layers_mod
-    from runners.engine.models.layers import Attention, rope_inv_freq
+    import runners.engine.models.attention as attention_mod
+    from runners.engine.models.attention import Attention, rope_inv_freq
 
     config = HybridConfig.from_pretrained(REPO / "registry/checkpoints/tiny_qwen3_next_mtp")
     attn = Attention(config)
@@ -352,7 +348,7 @@ def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch)
     first = attn._inv_freq(x)
     assert torch.equal(first, rope_inv_freq(attn.rotary_dim, attn.rope_theta))
     assert attn._inv_freq(x) is not first
-    monkeypatch.setattr(layers_mod, "cacheable_now", lambda t: True)
+    monkeypatch.setattr(attention_mod, "cacheable_now", lambda t: True)
     cached = attn._inv_freq(x)
     assert attn._inv_freq(x) is cached and torch.equal(cached, first) and cached.dtype == torch.float32
 

@@ -10,7 +10,7 @@ runners/engine/graphs.py), so inductor fuses that math into a few Triton kernels
 graph inputs), so the compile cost scales with block kinds x step shapes, not with depth.
 
 Kept out of the compiled region, called by the compiled code as they are (a graph break; :func:`eager_op`):
-the hand-written recurrent kernels (``runners.engine.cache.kernel_or_reference``: SSM decode / verify /
+the hand-written recurrent kernels (``runners.engine.state.kernel_or_reference``: SSM decode / verify /
 replay, GDN rule, and their references), FlashInfer's kernel, the routed experts (grouped GEMMs, quantized
 or not) and the quantized linears. Their outputs are bitwise those of the eager step; the compiled math
 around them agrees with eager to float rounding (inductor reorders reductions).

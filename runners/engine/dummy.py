@@ -7,8 +7,11 @@ loaded synthetic checkpoint of the same options): N(0, 1/fan_in) for projections
 product of all but the first dim), N(0, 1) embeddings, RMSNorm scales at their identity (1, or 0 for
 Qwen3-Next's ``1 + w`` norms), Mamba2 / GDN ``A_log`` = log U(1, 16) and ``dt_bias`` = softplus^-1 of a
 log-uniform dt in [1e-3, 1e-1] (the Mamba2 initialisation, Dao & Gu 2024, arXiv:2405.21060), ``D`` = 1,
-biases and the router's correction bias 0. With this scaling activations stay finite over all 88 / 48 layers
-of the releases (tests/test_synth.py checks logits at depth).
+biases and the router's correction bias 0. A layer kind whose parameters need another rule declares it on
+its mixer class (``dummy_init``: {parameter name below the mixer: rule}; Mamba2 and GDN declare ``A_log``,
+``dt_bias``, ``D`` and their output norm); :func:`init_rule` is the rule of every other tensor. With this
+scaling activations stay finite over all 88 / 48 layers of the releases (tests/test_synth.py checks logits
+at depth).
 
 Quantized formats: each weight the format quantizes (``runners.engine.quant.quantization_targets`` of the
 format's QuantConfig) is generated in the model dtype, then quantized on the device (:func:`quantize_weight`:
@@ -57,17 +60,15 @@ class TensorSpec:
 
 
 def init_rule(name: str, family: str, ndim: int) -> str:
+    """The generic initialisation rule of checkpoint tensor ``name`` (``ndim`` dims) of ``family``, for the
+    tensors whose kind declares none (``dummy_init`` on its mixer class, :func:`declared_init`)."""
     leaf = name.rsplit(".", 2)
-    module, param = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
-    if param in ("A_log", "dt_bias"):
-        return param
-    if param == "D":
-        return "ones"
+    module = leaf[-2] if len(leaf) >= 2 else ""
     if name.endswith(("embeddings.weight", "embed_tokens.weight")):
         return "embedding"
     if "norm" in module and ndim == 1:
-        # Qwen3-Next scales by (1 + w) except the GDN output norm (plain w); NemotronH by w
-        return "zeros" if family == "qwen3_next" and not name.endswith("linear_attn.norm.weight") else "ones"
+        # Qwen3-Next scales by (1 + w), NemotronH by w (a kind with a plain-w norm declares it)
+        return "zeros" if family == "qwen3_next" else "ones"
     if ndim >= 2:
         return "normal"
     return "zeros"  # biases, the router's correction bias
@@ -203,12 +204,23 @@ def plan_dummy(config: HybridConfig, *, dtype: torch.dtype, with_mtp: bool) -> D
     return DummyPlan(config, model, dtype, model_bytes(model), specs, rewrite)
 
 
+def declared_init(model: torch.nn.Module) -> dict[int, str]:
+    """``{id(tensor): rule}`` of every parameter whose module declares its rule (``dummy_init``: {parameter
+    name below the module: rule}, a layer kind's mixer class)."""
+    out: dict[int, str] = {}
+    for module in model.modules():
+        for name, rule in getattr(module, "dummy_init", {}).items():
+            out[id(module.get_parameter(name))] = rule
+    return out
+
+
 def _specs_of(model: HybridLM, dtype: torch.dtype) -> list[TensorSpec]:
     hc = model.config
     targets = family_module(hc.family).checkpoint_targets(model)
     fp32 = FP32_ON_DISK[hc.family]
+    declared = declared_init(model)
     return [TensorSpec(name, tuple(t.shape), torch.float32 if fp32 and name.endswith(fp32) else dtype,
-                       init_rule(name, hc.family, t.dim()))
+                       declared.get(id(t)) or init_rule(name, hc.family, t.dim()))
             for name, t in targets.items()]
 
 

@@ -13,8 +13,13 @@ is a short loop over two parts, one module each:
 
 Beside them: runners.engine.options (``EngineOptions``: every setting, passed and read where used) and
 runners.engine.build (the fit check and load of ``from_pretrained`` / ``from_dummy``). With ``draft_len =
-K > 0`` each decode step is an MTP speculative step (runners.engine.step); the output equals plain greedy
-decoding. Contract: docs/architecture.md ("Engine API").
+K > 0`` each decode step is an MTP speculative step (runners.engine.step): K drafts from the checkpoint's MTP
+module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind commit of the recurrent state;
+the output equals plain greedy decoding. ``ssm_replay=True`` replaces the rewind commit by replay
+(TensorRT-LLM's "SSM replay"; ``runners.engine.state.RecurrentReplayState``). ``ssm_backend`` ("triton"
+default on CUDA, "flashinfer", "torch" default on CPU) picks who runs the recurrent decode / verify / commit
+operators: the Triton kernels of kernels/ or their PyTorch references. Contract: docs/architecture.md
+("Engine API").
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runners.engine.cache import BatchMeta, HybridCache
+from runners.engine.cache import HybridCache
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.options import EngineOptions
 from runners.engine.prefix_cache import PrefixCache
+from runners.engine.state import BatchMeta
 from runners.engine.step import DecodeStep, mtp_forward
 
 

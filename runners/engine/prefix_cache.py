@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runners.engine.cache import HybridCache, KVCache
+from runners.engine.cache import HybridCache
 
 if TYPE_CHECKING:
     from runners.engine.options import EngineOptions
@@ -329,7 +329,7 @@ class PrefixCache:
             rows = {}
             for name in _row_fields(layer):
                 t = getattr(layer, name)
-                if isinstance(layer, KVCache):  # positional: only the prefix's positions
+                if layer.positional:  # a KV cache: only the prefix's positions
                     t = t[slot, : L - 1 if idx in self._mtp_kv else L]
                 else:
                     t = t[slot]
@@ -352,7 +352,7 @@ class PrefixCache:
             layer = cache.layers[idx]
             for name, saved in rows.items():
                 t = getattr(layer, name)
-                if isinstance(layer, KVCache):
+                if layer.positional:
                     t[slot, : saved.shape[0]] = saved
                 else:
                     t[slot] = saved

@@ -42,9 +42,10 @@ from torch import nn
 from registry.checkpoint import CheckpointError
 from registry.hf_config import QuantConfig
 from runners.engine.formats import all_formats, check_runnable, get_format
+from runners.engine.models.attention import Attention
 from runners.engine.models.config import family_module
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import Attention, MoE
+from runners.engine.models.layers import MoE
 from runners.engine.models.moe import expert_kinds
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ import torch
 
 from kernels._common import PAD_SLOT_ID
 from registry.schema import acceptance_length_in_range
-from runners.engine.cache import BatchMeta, HybridCache
+from runners.engine.cache import HybridCache
 from runners.engine.compile import COMPILE_WARN_SECONDS, compiled_graphs
 from runners.engine.graphs import (
     HostBlock,
@@ -53,6 +53,7 @@ from runners.engine.graphs import (
 )
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.options import EngineOptions
+from runners.engine.state import BatchMeta
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ world size), registers the all-reduces as forward hooks, and gives the loader on
 that reads only this rank's part of the memory-mapped file (safetensors ``get_slice``). So each rank allocates
 and reads only its shard; ``runners.engine.loader.materialize`` fills it.
 
-How each block kind is split (W world size, r this rank; full sizes of config.json):
+How each block kind is split (its mixer declares it, ``shard_rules``; runners/engine/models/kinds.py. W world
+size, r this rank; full sizes of config.json):
 
 - attention: query heads split (q_proj rows; gated attention's rows are per head [q_h, gate_h]); KV heads
   split, or when there are fewer KV heads than ranks each rank holds the one KV head its query heads read
@@ -20,7 +21,8 @@ How each block kind is split (W world size, r this rank; full sizes of config.js
   dt and its groups' part of B and C; the conv over [x | B | C] likewise; A_log, D, dt_bias and the norm
   weight by head; out_proj by columns. With ngroups >= W the groups split with the heads; with ngroups < W
   (W a multiple of it) each rank holds the one group its heads read, and the gated grouped RMSNorm, whose
-  group then spans W / ngroups ranks, sums its statistics over those ranks (:class:`SpanningGroupRMSNorm`).
+  group then spans W / ngroups ranks, sums its statistics over those ranks
+  (``runners.engine.models.mamba2.SpanningGroupRMSNorm``).
 - gdn: key heads split together with their value heads. in_proj_qkvz and in_proj_ba are grouped per key head
   ([q_h, k_h, v_h, z_h] and [b_h, a_h]), so a rank's rows are one contiguous block; the conv over the
   de-interleaved [Q | K | V] reads its part of each; A_log / dt_bias by value head; the output norm (over the
@@ -56,22 +58,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from registry.arch import check_world_size
 from registry.errors import UserError
 from registry.hf_config import HybridConfig
 from runners.engine.loader import LoadPlan, build_meta_model, load_targets, model_bytes
-from runners.engine.models.gdn import GatedDeltaNet
-from runners.engine.models.layers import MLP, Attention, MoE
-from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.shard import FirstRankOnly, Rule, Shard
 
 __all__ = [
     "TensorParallel",
     "Shard",
     "FirstRankOnly",
-    "SpanningGroupRMSNorm",
     "rank_config",
     "shard_plan",
     "shard_rules",
@@ -179,159 +177,19 @@ def rank_config(config: HybridConfig, world_size: int) -> HybridConfig:
 # ------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shard:
-    """A rank's part of a checkpoint tensor: along ``dim``, the concatenation of the index ``ranges``
-    (half-open ``(start, stop)`` pairs, in order; several when the tensor stacks parts, e.g. mamba's
-    in_proj [z | x | B | C | dt])."""
-
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-
-    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        """The shard's shape, given the full tensor's."""
-        out = list(full)
-        out[self.dim] = sum(b - a for a, b in self.ranges)
-        return tuple(out)
-
-    def read(self, sl: Any) -> torch.Tensor:
-        """Read the shard from a safetensors slice (``safe_open(...).get_slice(name)``): only these ranges
-        are read from the memory-mapped file."""
-        lead = (slice(None),) * self.dim
-        parts = [sl[lead + (slice(a, b),)] for a, b in self.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
-
-
-@dataclass(frozen=True)
-class FirstRankOnly:
-    """A row-parallel bias: rank 0 reads it whole, every other rank holds zeros (the all-reduce adds it once).
-    """
-
-    rank: int
-
-    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(full)
-
-    def read(self, sl: Any) -> torch.Tensor:
-        return sl[:] if self.rank == 0 else torch.zeros(tuple(sl.get_shape()))
-
-
-Rule = Shard | FirstRankOnly | None  # None: replicated (read whole)
-
-
-def _part(total: int, W: int, r: int, offset: int = 0) -> tuple[int, int]:
-    """Rank r's contiguous share of ``total`` (divisible by W) starting at ``offset``."""
-    n = total // W
-    return (offset + r * n, offset + (r + 1) * n)
-
-
-def _attention_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    rows_per_head = hd * (2 if c.attn_output_gate else 1)  # gated: [q_h, gate_h] per head
-    q = Shard(0, (_part(H * rows_per_head, W, r),))
-    if KVH % W == 0:
-        kv = Shard(0, (_part(KVH * hd, W, r),))
-    else:  # fewer KV heads than ranks: the KV head of this rank's query heads, held by W / KVH ranks
-        j = r // (W // KVH)
-        kv = Shard(0, ((j * hd, (j + 1) * hd),))
-    return {
-        "q_proj.weight": q, "q_proj.bias": q,
-        "k_proj.weight": kv, "k_proj.bias": kv,
-        "v_proj.weight": kv, "v_proj.bias": kv,
-        "o_proj.weight": Shard(1, (_part(H * hd, W, r),)), "o_proj.bias": FirstRankOnly(r),
-    }
-
-
-def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
-    """(first group, number of groups) that rank r holds of a mamba layer: G / W groups split with the heads,
-    or, when G < W, the one group its heads read."""
-    G = c.n_groups
-    if G % W == 0:
-        return r * (G // W), G // W
-    return r // (W // G), 1
-
-
-def _mamba_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, P, G, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
-    di = H * P
-    g0, Gl = mamba_groups(c, W, r)
-    z = _part(di, W, r)
-    heads = _part(H, W, r)
-    b_part = (g0 * N, (g0 + Gl) * N)
-
-    def at(offset: int, rng: tuple[int, int]) -> tuple[int, int]:
-        return (offset + rng[0], offset + rng[1])
-
-    # in_proj rows: z (di) | x (di) | B (G N) | C (G N) | dt (H); conv channels: x | B | C
-    in_proj = Shard(0, (z, at(di, z), at(2 * di, b_part), at(2 * di + G * N, b_part),
-                        at(2 * di + 2 * G * N, heads)))
-    conv = Shard(0, (z, at(di, b_part), at(di + G * N, b_part)))
-    per_head = Shard(0, (heads,))
-    return {
-        "in_proj.weight": in_proj, "in_proj.bias": in_proj,
-        "conv1d.weight": conv, "conv1d.bias": conv,
-        "dt_bias": per_head, "A_log": per_head, "D": per_head,
-        "norm.weight": Shard(0, (z,)),
-        "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
-    }
-
-
-def _gdn_rules(c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
-    H, HV, K, V = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim
-    ratio = HV // H
-    per_key_head = 2 * K + 2 * ratio * V  # in_proj_qkvz rows of one key head: [q_h, k_h, v_h, z_h]
-    return {
-        "in_proj_qkvz.weight": Shard(0, (_part(H * per_key_head, W, r),)),
-        "in_proj_ba.weight": Shard(0, (_part(H * 2 * ratio, W, r),)),  # [b_h, a_h] per key head
-        # conv channels de-interleaved: Q (H K) | K (H K) | V (HV V)
-        "conv1d.weight": Shard(0, (_part(H * K, W, r), _part(H * K, W, r, H * K),
-                                   _part(HV * V, W, r, 2 * H * K))),
-        "dt_bias": Shard(0, (_part(HV, W, r),)),
-        "A_log": Shard(0, (_part(HV, W, r),)),
-        "out_proj.weight": Shard(1, (_part(HV * V, W, r),)),
-    }
-
-
-def _mlp_rules(m: MLP, W: int, r: int) -> dict[str, Rule]:
-    Il = m.up_proj.weight.shape[0]  # the rank's intermediate size (the module is the rank's)
-    col, row = Shard(0, ((r * Il, (r + 1) * Il),)), Shard(1, ((r * Il, (r + 1) * Il),))
-    return {
-        "gate_proj.weight": col, "gate_proj.bias": col, "up_proj.weight": col, "up_proj.bias": col,
-        "down_proj.weight": row, "down_proj.bias": FirstRankOnly(r),
-    }
-
-
-def _moe_rules(m: MoE, W: int, r: int) -> dict[str, Rule]:
-    Il = m.experts_up.shape[1]
-    rules: dict[str, Rule] = {
-        "experts_up": Shard(1, ((r * Il, (r + 1) * Il),)),
-        "experts_gate": Shard(1, ((r * Il, (r + 1) * Il),)),
-        "experts_down": Shard(2, ((r * Il, (r + 1) * Il),)),
-        "fc2_latent_proj.bias": FirstRankOnly(r),
-    }
-    rules.update({f"shared_experts.{k}": v for k, v in _mlp_rules(m.shared_experts, W, r).items()})
-    return rules
-
-
 def shard_rules(model: nn.Module, full: HybridConfig, tp: TensorParallel) -> dict[str, Rule]:
     """``{parameter / buffer name: what this rank reads}`` for a model built from the rank view of ``full``
-    (names as ``model.named_parameters()``); names absent from the result are replicated."""
+    (names as ``model.named_parameters()``); names absent from the result are replicated. Each block kind
+    declares its own rules (its mixer's ``shard_rules(full, W, r)``, ``runners/engine/models/kinds.py``); a
+    module inside one that declares them (the MoE's shared expert) is covered by its owner's rules."""
     W, r = tp.world_size, tp.rank
     rules: dict[str, Rule] = {}
+    owners: list[str] = []
     for prefix, module in model.named_modules():
-        if isinstance(module, Attention):
-            local = _attention_rules(full, W, r)
-        elif isinstance(module, Mamba2Mixer):
-            local = _mamba_rules(full, W, r)
-        elif isinstance(module, GatedDeltaNet):
-            local = _gdn_rules(full, W, r)
-        elif isinstance(module, MoE):
-            local = _moe_rules(module, W, r)
-        elif isinstance(module, MLP) and not prefix.endswith("shared_experts"):
-            local = _mlp_rules(module, W, r)
-        else:
+        if not hasattr(module, "shard_rules") or any(prefix.startswith(o + ".") for o in owners):
             continue
-        rules.update({f"{prefix}.{k}": v for k, v in local.items()})
+        owners.append(prefix)
+        rules.update({f"{prefix}.{k}": v for k, v in module.shard_rules(full, W, r).items()})
     return rules
 
 
@@ -361,26 +219,6 @@ class AllReduceOutput:
         return output
 
 
-class SpanningGroupRMSNorm(nn.Module):
-    """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
-    silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
-    rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
-    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim] (or cast to
-    ``out_dtype``, as GatedGroupRMSNorm's signature), equal to the unsharded norm's channels of this rank."""
-
-    def __init__(self, dim: int, group_size: int, eps: float, group: Any):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group_size, self.eps, self.group = group_size, eps, group
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        y = y.float() * F.silu(z.float())
-        sum_sq = y.pow(2).sum(-1, keepdim=True)
-        dist.all_reduce(sum_sq, group=self.group)
-        return (self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))).to(out_dtype)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The plan transformation
 # ------------------------------------------------------------------------------------------------------------
@@ -388,11 +226,10 @@ class SpanningGroupRMSNorm(nn.Module):
 
 def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     """This rank's load plan: the model rebuilt on the meta device from :func:`rank_config`, the all-reduce
-    hooks registered on every sharded block mixer, mamba norms whose group spans ranks swapped for
-    :class:`SpanningGroupRMSNorm`, and a reader per checkpoint tensor that is not read whole. ``plan`` must
-    come from ``runners.engine.loader.plan_load`` (its model unsharded); it is not modified. ``tp.world_size
-    == 1``
-    returns ``plan``.
+    hooks registered on every sharded block mixer, the kinds' own module swaps (a mixer's ``shard_modules``:
+    Mamba2's norm whose group spans ranks), and a reader per checkpoint tensor that is not read whole.
+    ``plan`` must come from ``runners.engine.loader.plan_load`` (its model unsharded); it is not modified.
+    ``tp.world_size == 1`` returns ``plan``.
 
     Raises:
         registry.errors.UserError: a head count or intermediate size the world size cannot shard; an FP8
@@ -408,17 +245,9 @@ def shard_plan(plan: LoadPlan, tp: TensorParallel) -> LoadPlan:
     full = plan.config
     config = rank_config(full, tp.world_size)
     model = build_meta_model(config, dtype=plan.dtype, with_mtp=plan.model.mtp is not None)
-    if full.n_groups < tp.world_size and "mamba2" in set(full.layer_types):
-        span = tp.world_size // full.n_groups
-        group = tp.subgroup(span)
-        for module in model.modules():
-            if isinstance(module, Mamba2Mixer):
-                old = module.norm
-                with torch.device("meta"):  # the group's full size: d_inner / ngroups of config.json
-                    norm = SpanningGroupRMSNorm(old.weight.shape[0], full.mamba_d_inner // full.n_groups,
-                                                old.eps, group)
-                norm.weight.data = norm.weight.data.to(old.weight.dtype)
-                module.norm = norm
+    for module in list(model.modules()):  # a kind's own module swaps (Mamba2: a norm spanning ranks)
+        if hasattr(module, "shard_modules"):
+            module.shard_modules(full, tp.world_size, tp.subgroup)
     hook = AllReduceOutput(tp.group)
     blocks = list(model.layers) + (list(model.mtp.blocks) if model.mtp is not None else [])
     for block in blocks:

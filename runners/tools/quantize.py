@@ -78,9 +78,9 @@ from registry.checkpoint import (
 )
 from registry.errors import UserError
 from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4
-from runners.engine.cache import KVCache
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
+from runners.engine.models.attention import KVCache
 from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.layers import MoE

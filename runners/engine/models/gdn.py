@@ -3,7 +3,9 @@
 Scope: `GatedDeltaNet`, the Qwen3-Next mixer (projections, causal conv, gates, the gated delta rule, gated
 RMSNorm), cache-agnostic: the caller passes the recurrent state and the conv window of each row and gets the
 new ones back; and `GDNMixer` (the hybrid decoder's ``gdn`` block), the engine's caller, which reads and
-writes the per-slot `runners.engine.cache.GDNState` / `GDNReplayState`. The rule itself lives in kernels/gdn/:
+writes the per-slot `GDNState` / `GDNReplayState` (declared here: the kind's states, their shapes and dtypes
+from the config's GDN dims, ``registry.schema.GDNDims``; ``GDNMixer.state_class`` hands them to the cache).
+The rule itself lives in kernels/gdn/:
 `chunk_gated_delta_rule` (chunked form, prefill: fla-core's kernels on CUDA) and its reference
 `chunk_gated_delta_rule_ref`, `recurrent_gated_delta_rule` (token by token, the
 specification), `fused_recurrent_gated_delta_rule` (the Triton decode / rewind-verify kernel and its
@@ -28,12 +30,14 @@ Source of the algorithm: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from kernels.gdn import (
+    ReplayHistory,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
@@ -46,14 +50,74 @@ from kernels.gdn import (
 from kernels.gdn.prologue import MAX_T as PROLOGUE_MAX_T
 from kernels.gdn.prologue import gdn_prologue, gdn_prologue_ref
 from kernels.norm import gated_rms_norm, gated_rms_norm_ref
-from runners.engine.cache import GDNReplayState, kernel_or_reference
 from runners.engine.models.layers import use_inference_kernel
+from runners.engine.shard import Rule, Shard, part
+from runners.engine.state import (
+    CacheSpec,
+    LayerState,
+    RecurrentReplayState,
+    RecurrentState,
+    kernel_or_reference,
+)
 
 if TYPE_CHECKING:  # type hints only
-    from runners.engine.cache import BatchMeta, GDNState
     from runners.engine.models.config import HybridConfig
+    from runners.engine.state import BatchMeta
 
-__all__ = ["GDNMixer", "GDNOutput", "GDNRuleInputs", "GatedDeltaNet", "GatedRMSNorm"]
+__all__ = ["GDNMixer", "GDNOutput", "GDNReplayState", "GDNRuleInputs", "GDNState", "GatedDeltaNet",
+           "GatedRMSNorm"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kind's per-slot states
+# ----------------------------------------------------------------------------------------------------------
+
+
+def gdn_state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+    """(conv channels C = 2 H K + HV V, the per-slot delta-rule state's shape [HV, V, K])."""
+    HV, V, K = c.gdn_num_value_heads, c.gdn_value_head_dim, c.gdn_key_head_dim
+    return 2 * c.gdn_num_key_heads * K + HV * V, (HV, V, K)
+
+
+@dataclass
+class GDNState(RecurrentState):
+    """Recurrent state of one Gated DeltaNet layer, committed by rewind (``runners.engine.state.
+    RecurrentState``), with GDN shapes (HV value heads, V / K value / key head dims, C = 2 H K + HV V conv
+    channels [Q | K | V], W = conv_kernel):
+
+    conv: [S + 1, C, W - 1], model dtype; the last W - 1 conv inputs, oldest first.
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; the delta-rule state S with K contiguous (o = S q;
+          transformers keeps [.., K, V], the transpose).
+    conv_steps: [S + 1, C, W - 1 + T] and ssm_steps: [S + 1, T, HV, V, K] (rewind buffers, only with
+          ``spec_tokens = T > 0``): the conv window and the state after each token of the last verify.
+    """
+
+    state_shapes = staticmethod(gdn_state_shapes)
+
+
+@dataclass
+class GDNReplayState(RecurrentReplayState):
+    """Recurrent state of one Gated DeltaNet layer under SSM replay (``runners.engine.state.
+    RecurrentReplayState``: committed state lagging by PNAT tokens, conv window of W - 1 + K columns read at
+    offset PNAT - 1):
+
+    ssm:  [S + 1, HV, V, K], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.gdn.ReplayHistory`` with S + 1 slots and T tokens, float32: u (S + 1, 2, T, HV, V)
+          solved update vectors, k (S + 1, 2, T, H, K) normalised keys, g (S + 1, 2, T, HV) cumulative log
+          decay of the last verify. No checkpointing variant.
+    """
+
+    history_type: ClassVar[type] = ReplayHistory
+    state_shapes = staticmethod(gdn_state_shapes)
+
+    @property
+    def history_len(self) -> int:
+        return self.history.u.shape[2]
+
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return ReplayHistory.shapes(spec.rows, spec.spec_tokens, c.gdn_num_key_heads, c.gdn_num_value_heads,
+                                    c.gdn_key_head_dim, c.gdn_value_head_dim, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -136,6 +200,31 @@ class GatedDeltaNet(nn.Module):
         conv_state (B, C, W - 1), x's dtype, oldest column first, channels as conv1d.
     Inputs are never modified: the new states come back in `GDNOutput`.
     """
+
+    # dummy / synthetic weights (runners.engine.dummy): A_log and dt_bias as Mamba2's; the output norm is a
+    # plain scale (not Qwen3-Next's 1 + w), so its identity is 1
+    dummy_init: ClassVar[dict[str, str]] = {"A_log": "A_log", "dt_bias": "dt_bias", "norm.weight": "ones"}
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: key heads split with their value heads. in_proj_qkvz ([q_h, k_h, v_h, z_h])
+        and in_proj_ba ([b_h, a_h]) are grouped per key head (one contiguous block per rank); the conv over
+        the de-interleaved [Q | K | V] by part; A_log / dt_bias by value head; out_proj by columns; the
+        output norm replicated.
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        H, HV, K, V = c.gdn_num_key_heads, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim
+        ratio = HV // H
+        per_key_head = 2 * K + 2 * ratio * V  # in_proj_qkvz rows of one key head: [q_h, k_h, v_h, z_h]
+        return {
+            "in_proj_qkvz.weight": Shard(0, (part(H * per_key_head, W, r),)),
+            "in_proj_ba.weight": Shard(0, (part(H * 2 * ratio, W, r),)),  # [b_h, a_h] per key head
+            # conv channels de-interleaved: Q (H K) | K (H K) | V (HV V)
+            "conv1d.weight": Shard(0, (part(H * K, W, r), part(H * K, W, r, H * K),
+                                       part(HV * V, W, r, 2 * H * K))),
+            "dt_bias": Shard(0, (part(HV, W, r),)),
+            "A_log": Shard(0, (part(HV, W, r),)),
+            "out_proj.weight": Shard(1, (part(HV * V, W, r),)),
+        }
 
     def __init__(
         self,
@@ -344,15 +433,15 @@ class GatedDeltaNet(nn.Module):
 
 class GDNMixer(GatedDeltaNet):
     """The ``gdn`` block kind of the hybrid decoder: `GatedDeltaNet` reading and writing the engine's per-slot
-    cache (`runners.engine.cache.GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
+    cache (`GDNState`, or `GDNReplayState` under ssm_replay), the counterpart of
     `runners.engine.models.mamba2.Mamba2Mixer`.
 
     forward(hidden (B, T, D), state, meta) -> (B, T, D). Without a cache: a full causal forward from a zero
-    state. With ``state`` and ``meta`` (`runners.engine.cache.BatchMeta`) each row continues from its slot's
+    state. With ``state`` and ``meta`` (`runners.engine.state.BatchMeta`) each row continues from its slot's
     conv
     window and recurrent state; the state's ``ssm_backend`` picks the recurrent operators ("triton": the
     Triton kernels, "torch": their PyTorch references; FlashInfer has no GDN kernel, so "flashinfer" runs
-    Triton, ``runners.engine.cache.kernel_or_reference``):
+    Triton, ``runners.engine.state.kernel_or_reference``):
     - prefill (T > 1 or right-padded rows, lengths ``meta.lengths``): ``chunk_gated_delta_rule`` (fla-core's
       Triton kernels on CUDA; the reference on the CPU, for "torch", and, with one log line, when fla-core is
       missing) from the slots' gathered states; the state after each row's last valid token is written back
@@ -368,6 +457,12 @@ class GDNMixer(GatedDeltaNet):
     Raises ValueError for a verify of T tokens when the cache keeps a different number of per-token states,
     RuntimeError for a non-verify forward on a replay row whose state lags by pending accepted tokens.
     """
+
+    @staticmethod
+    def state_class(replay: bool) -> type[LayerState]:
+        """The per-slot state this kind keeps in the cache: `GDNReplayState` under ssm_replay, else
+        `GDNState`."""
+        return GDNReplayState if replay else GDNState
 
     def __init__(self, config: HybridConfig) -> None:
         c = config
@@ -387,18 +482,14 @@ class GDNMixer(GatedDeltaNet):
     ) -> Tensor:
         if state is None:
             return self.prefill(x).y
-        replay = isinstance(state, GDNReplayState)
+        replay = state.replay
+        state.check_forward(meta, x.shape[1])
         if meta.verify:
             return self._verify_replay(x, state, meta) if replay else self._verify_rewind(x, state, meta)
         B, T, _ = x.shape
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
-        if replay and bool(state.slots.prev_num_accepted[rows].any()):
-            raise RuntimeError(
-                "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
-                "with ssm_replay every step after prefill must be a verify (T = K + 1)"
-            )
         # the committed conv window: replay keeps it in the first W - 1 of its columns at PNAT = 0
-        conv = state.conv[..., : self.conv_kernel - 1] if replay else state.conv
+        conv = state.committed_conv
         lengths = None if meta.all_valid else meta.lengths
         decode = T == 1 and lengths is None  # else the chunked rule, which takes q, k normalised
         conv_rows = meta.row_index(conv.shape[0])  # the prologue reads the windows in place: no gather
@@ -418,13 +509,6 @@ class GDNMixer(GatedDeltaNet):
         return self.output(o, z, lengths)
 
     def _verify_rewind(self, x: Tensor, state: GDNState, meta: BatchMeta) -> Tensor:
-        T = x.shape[1]
-        if state.ssm_steps is None or state.ssm_steps.shape[1] != T:
-            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
-            raise ValueError(
-                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
-                "build the HybridCache with spec_tokens = T"
-            )
         q, k, v, g, beta, z, conv_in = self.rule_inputs(x, state.conv, normalize_qk=False,
                                                         conv_rows=meta.row_index(state.conv.shape[0]))
         rule = kernel_or_reference(state.ssm_backend, fused_recurrent_gated_delta_rule,
@@ -438,11 +522,6 @@ class GDNMixer(GatedDeltaNet):
     def _verify_replay(self, x: Tensor, state: GDNReplayState, meta: BatchMeta) -> Tensor:
         B, T, _ = x.shape
         W1 = self.conv_kernel - 1
-        if T > state.history.u.shape[2]:
-            raise ValueError(
-                f"verify step of T={T} tokens but the replay history keeps {state.history.u.shape[2]}; "
-                "build the HybridCache with spec_tokens = T"
-            )
         rows = meta.row_index(state.ssm.shape[0])  # PAD (-1) -> the scratch row
         slots = state.slots
         conv0 = state.conv[slots.conv_window_index(meta, W1, state.conv.shape[1])]  # (B, C, W - 1)

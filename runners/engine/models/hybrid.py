@@ -1,7 +1,8 @@
 """The family-agnostic hybrid decoder: embedding -> residual blocks -> final norm -> LM head (+ MTP module).
 
-Every block is ``x + mixer(norm(x))`` with a mixer chosen by kind from :data:`MIXERS` (a later family
-registers more kinds). Blocks that keep per-request state (``mamba2``, ``gdn``, ``attention``) get a
+Every block is ``x + mixer(norm(x))`` with a mixer chosen by kind from ``runners.engine.models.kinds.MIXERS``
+(a later family registers more kinds there). Blocks that keep per-request state (``mamba2``, ``gdn``,
+``attention``: their mixer declares a ``state_class``) get a
 ``cache_index`` that addresses their entry in :class:`runners.engine.cache.HybridCache`; the MTP module's
 blocks
 take indices after the backbone's, so one cache object serves target and draft. The model knows nothing of
@@ -16,29 +17,23 @@ call. A NaN propagates to every later layer, so the first flagged name is where 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kernels.health import flag_nonfinite, residual_add
-from runners.engine.cache import BatchMeta, HybridCache
 from runners.engine.compile import compiled_block_call, eager_block_call
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.gdn import GDNMixer
-from runners.engine.models.layers import MLP, Attention, MoE, RMSNorm, use_inference_kernel
-from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.models.kinds import build_mixer, stateful
+from runners.engine.models.layers import RMSNorm, use_inference_kernel
 from runners.engine.onednn import MIN_ROWS
+from runners.engine.state import BatchMeta
 
-# kind -> (constructor, keeps per-slot state)
-MIXERS: dict[str, tuple[Callable[[HybridConfig], nn.Module], bool]] = {
-    "mamba2": (Mamba2Mixer, True),
-    "attention": (Attention, True),
-    "gdn": (GDNMixer, True),
-    "mlp": (MLP.from_config, False),
-    "moe": (MoE, False),
-}
+if TYPE_CHECKING:  # type hints only (the cache allocates from the kinds this module builds)
+    from runners.engine.cache import HybridCache
 
 
 class Block(nn.Module):
@@ -46,11 +41,9 @@ class Block(nn.Module):
 
     def __init__(self, config: HybridConfig, kind: str, cache_index: int | None):
         super().__init__()
-        if kind not in MIXERS:
-            raise ValueError(f"block kind {kind!r} has no mixer; known kinds: {sorted(MIXERS)}")
         self.kind, self.cache_index = kind, cache_index
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_offset)
-        self.mixer = MIXERS[kind][0](config)
+        self.mixer = build_mixer(kind, config)
 
     def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None,
                 flag: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -73,9 +66,9 @@ class Block(nn.Module):
 def _build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_index: int) -> nn.ModuleList:
     blocks, idx = [], first_cache_index
     for kind in kinds:
-        stateful = MIXERS.get(kind, (None, False))[1]
-        blocks.append(Block(config, kind, idx if stateful else None))
-        idx += stateful
+        keeps = stateful(kind)
+        blocks.append(Block(config, kind, idx if keeps else None))
+        idx += keeps
     return nn.ModuleList(blocks)
 
 
@@ -257,7 +250,7 @@ class HybridLM(nn.Module):
         """input_ids [B, T] int64 -> hidden [B, T, D] in the model dtype (after ``norm_f``).
 
         With ``cache`` and ``meta`` this continues each row's request from its cached state and updates the
-        cache in place (see :class:`runners.engine.cache.BatchMeta`); without, it is a full causal forward.
+        cache in place (see :class:`runners.engine.state.BatchMeta`); without, it is a full causal forward.
         """
         if (cache is None) != (meta is None):
             raise ValueError("pass cache and meta together (or neither for a cache-free forward)")

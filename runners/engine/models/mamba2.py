@@ -12,7 +12,7 @@ default: [0, inf], a no-op). Note: transformers 5 itself clamps its chunked (pre
 softplus(dt + dt_bias) < time_step_min; we keep prefill and decode consistent (the test weights stay above).
 
 Which operator runs where (the cache state's ``ssm_backend``: "triton" the Triton kernel, "torch" its PyTorch
-reference, ``runners.engine.cache.kernel_or_reference``):
+reference, ``runners.engine.state.kernel_or_reference``):
 - prefill (T > 1 or right-padded rows): ``kernels.mamba2.mamba_chunk_scan_combined``, the chunked SSD scan
   from the slots' states, final states written back in place (its reference for "torch"); right-padded
   columns are made no-ops by setting their dt' to 0 (dA = 1 and no input), so a batch of different prompt
@@ -21,10 +21,14 @@ reference, ``runners.engine.cache.kernel_or_reference``):
 - decode (T = 1): ``kernels.mamba2.selective_state_update``, state updated in place;
 - rewind verify (T = K + 1): ``selective_state_update`` writing the per-token states to the cache's rewind
   buffer (or FlashInfer's ``selective_state_update`` for ssm_backend "flashinfer"); the commit is
-  ``runners.engine.cache.Mamba2State.commit``;
-- replay verify (a :class:`runners.engine.cache.Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which
-  fast-forwards the committed state by the tokens accepted last step and records the new tokens' inputs; the
-  conv window is read at the slot's offset instead of being copied at commit.
+  :class:`Mamba2State`'s (``runners.engine.state.RecurrentState.commit``);
+- replay verify (a :class:`Mamba2ReplayState`): ``kernels.mamba2.replay_verify``, which fast-forwards the
+  committed state by the tokens accepted last step and records the new tokens' inputs; the conv window is read
+  at the slot's offset instead of being copied at commit.
+
+The kind's declarations live here too: its per-slot states (:class:`Mamba2State`, :class:`Mamba2ReplayState`:
+shapes and dtypes from the config's Mamba2 dims, ``registry.schema.MambaDims``), which
+``Mamba2Mixer.state_class`` hands to the cache.
 
 Shapes: B batch, T tokens, H heads, P head_dim, N d_state, G ngroups, W conv_kernel, C conv channels.
 """
@@ -33,12 +37,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.mamba2 import (
+    ReplayHistory,
     mamba_chunk_scan_combined,
     mamba_chunk_scan_combined_ref,
     replay_verify,
@@ -49,12 +58,92 @@ from kernels.mamba2 import (
 )
 from kernels.mamba2.conv import MAX_T as CONV_STEP_MAX_T
 from kernels.mamba2.conv import causal_conv_step, causal_conv_step_ref
-from runners.engine.cache import BatchMeta, Mamba2ReplayState, Mamba2State, kernel_or_reference
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
+from runners.engine.shard import FirstRankOnly, Rule, Shard, part
+from runners.engine.state import (
+    BatchMeta,
+    CacheSpec,
+    LayerState,
+    RecurrentReplayState,
+    RecurrentState,
+    kernel_or_reference,
+    replay_hist_len,
+)
 
 log = logging.getLogger(__name__)
+
+
+def mamba2_state_shapes(c: HybridConfig) -> tuple[int, tuple[int, ...]]:
+    """(conv channels C = d_inner + 2 G N, the per-slot SSM state's shape [H, P, N])."""
+    return c.mamba_conv_dim, (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
+
+
+@dataclass
+class Mamba2State(RecurrentState):
+    """Recurrent state of one Mamba2 layer, committed by rewind (``runners.engine.state.RecurrentState``):
+
+    conv: [S + 1, C, W - 1], model dtype; ssm: [S + 1, H, P, N], ``ssm_state_dtype`` (float32 by default);
+    with ``spec_tokens = T > 0`` conv_steps [S + 1, C, W - 1 + T] and ssm_steps [S + 1, T, H, P, N].
+    """
+
+    state_shapes = staticmethod(mamba2_state_shapes)
+
+
+@dataclass
+class Mamba2ReplayState(RecurrentReplayState):
+    """Recurrent state of one Mamba2 layer under SSM replay (``runners.engine.state.RecurrentReplayState``):
+
+    ssm:  [S + 1, H, P, N], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
+    history: ``kernels.mamba2.ReplayHistory`` with S + 1 slots and L = T (or max(16, T) in the checkpointing
+          variant, ``CacheSpec.replay_checkpointing``): x (S + 1, 2, L, H, P) and B (S + 1, 2, L, G, N) in
+          the model dtype, dt' and dA_cumsum (S + 1, 2, H, L) float32.
+    """
+
+    history_type: ClassVar[type] = ReplayHistory
+    checkpointing: ClassVar[bool] = True
+    state_shapes = staticmethod(mamba2_state_shapes)
+
+    @property
+    def history_len(self) -> int:
+        return self.history.x.shape[2]
+
+    @staticmethod
+    def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        L = replay_hist_len(spec.spec_tokens, spec.replay_checkpointing)
+        return ReplayHistory.shapes(spec.rows, L, c.mamba_num_heads, c.mamba_head_dim, c.n_groups,
+                                    c.ssm_state_size, dtype=spec.dtype,
+                                    checkpointing=spec.replay_checkpointing)
+
+
+def mamba_groups(c: HybridConfig, W: int, r: int) -> tuple[int, int]:
+    """(first group, number of groups) that rank r holds of a mamba layer: G / W groups split with the heads,
+    or, when G < W, the one group its heads read."""
+    G = c.n_groups
+    if G % W == 0:
+        return r * (G // W), G // W
+    return r // (W // G), 1
+
+
+class SpanningGroupRMSNorm(nn.Module):
+    """Mamba2's gated grouped RMSNorm (``runners.engine.models.layers.GatedGroupRMSNorm``: ``w * rms_norm(y *
+    silu(z))`` over groups of ``group_size`` channels) when one group's channels lie on several ranks: each
+    rank holds ``dim`` channels of one group, and the group's sum of squares is summed over ``group`` (the
+    ranks that share it) before normalising. y, z: [..., dim]; returns float32 [..., dim] (or cast to
+    ``out_dtype``, as GatedGroupRMSNorm's signature), equal to the unsharded norm's channels of this rank."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, group: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps, self.group = group_size, eps, group
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        y = y.float() * F.silu(z.float())
+        sum_sq = y.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(sum_sq, group=self.group)
+        return (self.weight.float() * (y * torch.rsqrt(sum_sq / self.group_size + self.eps))).to(out_dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -67,10 +156,65 @@ class Mamba2Mixer(nn.Module):
     writes the per-token states to the rewind buffers instead and leaves the committed state alone. Without
     a cache it runs from a zero state and keeps nothing (a full forward). ``chunk_size`` (the prefill scan's
     chunk) may be changed after construction: the result is the same up to float rounding. With a
-    :class:`runners.engine.cache.Mamba2ReplayState` a verify replays instead (see the module docstring); a
+    :class:`Mamba2ReplayState` a verify replays instead (see the module docstring); a
     non-verify forward then requires PNAT = 0 (prefill after admission). The state's ``ssm_backend`` picks
     the decode / verify operators (module docstring).
     """
+
+    # dummy / synthetic weights (runners.engine.dummy): A = -exp(A_log) in [-16, -1], softplus(dt_bias) a
+    # log-uniform dt in [1e-3, 1e-1] (Dao & Gu 2024's initialisation), D = 1, the gated norm at identity
+    dummy_init: ClassVar[dict[str, str]] = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "ones",
+                                            "norm.weight": "ones"}
+
+    @staticmethod
+    def state_class(replay: bool) -> type[LayerState]:
+        """The per-slot state this kind keeps in the cache: :class:`Mamba2ReplayState` under ssm_replay, else
+        :class:`Mamba2State`."""
+        return Mamba2ReplayState if replay else Mamba2State
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: heads split. in_proj's [z | x | B | C | dt] and the conv over [x | B | C] by
+        this rank's heads and groups (:func:`mamba_groups`), A_log / D / dt_bias / norm weight by head,
+        out_proj by columns, its bias on rank 0.
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        H, P, G, N = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size
+        di = H * P
+        g0, Gl = mamba_groups(c, W, r)
+        z = part(di, W, r)
+        heads = part(H, W, r)
+        b_part = (g0 * N, (g0 + Gl) * N)
+
+        def at(offset: int, rng: tuple[int, int]) -> tuple[int, int]:
+            return (offset + rng[0], offset + rng[1])
+
+        # in_proj rows: z (di) | x (di) | B (G N) | C (G N) | dt (H); conv channels: x | B | C
+        in_proj = Shard(0, (z, at(di, z), at(2 * di, b_part), at(2 * di + G * N, b_part),
+                            at(2 * di + 2 * G * N, heads)))
+        conv = Shard(0, (z, at(di, b_part), at(di + G * N, b_part)))
+        per_head = Shard(0, (heads,))
+        return {
+            "in_proj.weight": in_proj, "in_proj.bias": in_proj,
+            "conv1d.weight": conv, "conv1d.bias": conv,
+            "dt_bias": per_head, "A_log": per_head, "D": per_head,
+            "norm.weight": Shard(0, (z,)),
+            "out_proj.weight": Shard(1, (z,)), "out_proj.bias": FirstRankOnly(r),
+        }
+
+    def shard_modules(self, c: HybridConfig, W: int, subgroup: Callable[[int], Any]) -> None:
+        """Tensor parallelism's module swap on this rank's mixer (built from the rank's config; ``c`` the
+        full one): with fewer groups G than ranks W each group spans W / G ranks, and the gated grouped norm
+        becomes a :class:`SpanningGroupRMSNorm` over them (``subgroup(span)``: the process group of this
+        rank's ``span`` consecutive ranks, a collective on first use). With G >= W nothing changes. Mutates
+        ``self.norm`` (on the meta device)."""
+        if c.n_groups >= W:
+            return
+        old = self.norm
+        with torch.device("meta"):  # the group's full size: d_inner / ngroups of config.json
+            norm = SpanningGroupRMSNorm(old.weight.shape[0], c.mamba_d_inner // c.n_groups, old.eps,
+                                        subgroup(W // c.n_groups))
+        norm.weight.data = norm.weight.data.to(old.weight.dtype)
+        self.norm = norm
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -116,12 +260,12 @@ class Mamba2Mixer(nn.Module):
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
         slots (or, in a rewind verify step, stores the whole window in ``state.conv_steps``; in a replay
         verify, reads the committed window at the slot's offset and stores the new one, see
-        :class:`runners.engine.cache.Mamba2ReplayState`)."""
+        :class:`Mamba2ReplayState`)."""
         b, T, _ = xBC.shape
         W1 = self.conv_kernel - 1
         weight = self.conv1d.weight[:, 0, :]  # (C, W)
         bias = self.conv1d.bias
-        replay = isinstance(state, Mamba2ReplayState)
+        replay = state is not None and state.replay
         if state is not None and (meta.verify or meta.all_valid):
             # the windows read from the cache, the conv + SiLU, the new windows written back: one launch
             # (kernels/mamba2/conv.py) where use_inference_kernel holds, its reference elsewhere
@@ -137,15 +281,15 @@ class Mamba2Mixer(nn.Module):
                 return step(xBC, state.conv, src_rows, weight, bias, state.conv, rows, 1, src_cols)
             if meta.verify:  # rewind: the whole window of every step, to the per-step buffer
                 return step(xBC, state.conv, rows, weight, bias, state.conv_steps, rows, 0)
-            conv = state.conv[..., :W1] if replay else state.conv
+            conv = state.committed_conv
             return step(xBC, conv, rows, weight, bias, conv, rows, T)  # the last W - 1 inputs kept
         # a cache-free forward, or a prefill batch of rows of different lengths
         prev = xBC.new_zeros(b, self.conv_dim, W1) if state is None else meta.rows(
-            state.conv[..., :W1] if replay else state.conv)
+            state.committed_conv)
         window = torch.cat([prev, xBC.transpose(1, 2).to(prev.dtype)], dim=-1)  # (B, C, W - 1 + T)
         out = F.conv1d(window, weight[:, None, :], bias, groups=self.conv_dim).transpose(1, 2)
         if state is not None:  # the W - 1 inputs before each row's length: columns lengths .. lengths + W - 2
-            conv = state.conv[..., :W1] if replay else state.conv
+            conv = state.committed_conv
             idx = meta.lengths[:, None] + torch.arange(W1, device=xBC.device)
             new = window.gather(2, idx[:, None, :].expand(b, self.conv_dim, W1))
             conv.index_copy_(0, meta.row_index(state.conv.shape[0]), new.to(conv.dtype))
@@ -163,7 +307,7 @@ class Mamba2Mixer(nn.Module):
         backend = state.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
         out = x.new_empty(x.shape, dtype=torch.float32)
-        if isinstance(state, Mamba2ReplayState):
+        if state.replay:
             slots = state.slots
             verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
             y = verify(state.ssm, *args, meta.slot_ids, state.history, slots.prev_num_accepted,
@@ -184,26 +328,8 @@ class Mamba2Mixer(nn.Module):
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
-        replay = isinstance(state, Mamba2ReplayState)
-        if replay:
-            if meta.verify and T > state.history.x.shape[2]:
-                raise ValueError(
-                    f"verify step of T={T} tokens but the replay history keeps {state.history.x.shape[2]}; "
-                    "build the HybridCache with spec_tokens = T"
-                )
-            # (a verify reads PNAT in its kernel: only a non-verify forward checks it, on the host)
-            if not meta.verify and bool(state.slots.prev_num_accepted[meta.row_index(state.ssm.shape[0])]
-                                        .any()):
-                raise RuntimeError(
-                    "a non-verify forward on a replay cache row whose state lags by pending accepted tokens; "
-                    "with ssm_replay every step after prefill must be a verify (T = K + 1)"
-                )
-        elif state is not None and meta.verify and (state.ssm_steps is None or state.ssm_steps.shape[1] != T):
-            have = 0 if state.ssm_steps is None else state.ssm_steps.shape[1]
-            raise ValueError(
-                f"verify step of T={T} tokens but the cache keeps {have} per-token states; "
-                "build the HybridCache with spec_tokens = T"
-            )
+        if state is not None:
+            state.check_forward(meta, T)
         xBC = self._conv(xBC, state, meta)
         x, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         x, Bm, Cm = x.reshape(b, T, H, P), Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N)
