@@ -11,15 +11,11 @@ is a short loop over two parts, one module each:
   cache, and the commands that run them (``prefill``, ``launch``, ``read``, ...); the tensor-parallel
   lockstep (runners.engine.launch) wraps exactly these commands.
 
-Beside them: runners.engine.options (``EngineOptions``: every setting, passed and read where used) and
-runners.engine.build (the fit check and load of ``from_pretrained`` / ``from_dummy``). With ``draft_len =
-K > 0`` each decode step is an MTP speculative step (runners.engine.step): K drafts from the checkpoint's MTP
-module, one verify forward over K + 1 tokens, greedy acceptance, and a rewind commit of the recurrent state;
-the output equals plain greedy decoding. ``ssm_replay=True`` replaces the rewind commit by replay
-(TensorRT-LLM's "SSM replay"; ``runners.engine.state.RecurrentReplayState``). ``ssm_backend`` ("triton"
-default on CUDA, "flashinfer", "torch" default on CPU) picks who runs the recurrent decode / verify / commit
-operators: the Triton kernels of kernels/ or their PyTorch references. Contract: docs/architecture.md
-("Engine API").
+Beside them: runners.engine.options (``EngineOptions``, passed and read where used) and runners.engine.build
+(the fit check and load). With ``draft_len = K > 0`` each decode step is an MTP speculative step (K drafts,
+one verify forward over K + 1 tokens, greedy acceptance, a rewind or, with ``ssm_replay``, TensorRT-LLM's
+replay commit of the recurrent state: runners.engine.step); the output equals plain greedy decoding.
+Contract: docs/architecture.md ("Engine API").
 """
 
 from __future__ import annotations
@@ -68,12 +64,10 @@ class Engine:
             :class:`PrefixCache` (tests: a small ``block_tokens``; None: one of ``prefix_cache_bytes``).
 
     Attributes:
-        options: the options in effect (every setting is read from here); runner: the
-            :class:`ModelRunner` (built as ``runner_class``); config, model, device, tensor_parallel;
-            the runner's parts, named here too: cache (:class:`runners.engine.cache.HybridCache`), step
-            (:class:`runners.engine.step.DecodeStep`), prefix_cache (None: off; prefix_cache_off_reason
-            says why), ssm_backend, ssm_state_dtype (as the runner resolved them);
-        load_report: :class:`runners.engine.memory.LoadReport` of :meth:`from_pretrained` (None otherwise).
+        options (every setting is read from here); runner (:class:`ModelRunner`, built as ``runner_class``);
+        config, model, device, tensor_parallel; the runner's parts: cache, step, prefix_cache (None: off,
+        prefix_cache_off_reason says why), ssm_backend, ssm_state_dtype; load_report
+        (:class:`runners.engine.memory.LoadReport` of :meth:`from_pretrained`, None otherwise).
 
     Raises:
         ValueError: a bad option (:meth:`EngineOptions.validate`), draft_len without MTP weights.
