@@ -404,8 +404,8 @@ def _run_compare_replay(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict
     # Replay and rewind commit the same recurrent state; in float32 any token difference is a bug. In 16-bit
     # the two orders of rounding may flip a few tokens, so only a significant accuracy difference fails. FP8
     # weights or KV cache count as 16-bit: activations and keys / values are rounded to 8 bits, so a last-bit
-    # difference of the float32 state can cross a rounding boundary (seen on the H200: 1 of 32 tiny fp8
-    # samples diverged at token 34, docs/gpu/fp8_1).
+    # difference of the float32 state can cross a rounding boundary (seen on the GPU: docs/performance.md,
+    # the FP8 replay comparison).
     exact = (rr.dtype == "float32" and rr.entry.ssm.state_dtype.value == "float32"
              and rr.entry.quant.value == "none" and rr.entry.kv_cache_quant.value == "none")
     try:
