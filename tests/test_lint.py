@@ -39,3 +39,23 @@ def test_the_suites_temporary_folders_are_removed_when_it_passes(tmp_path):
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
     left = sorted(p.name for p in temp.rglob("*") if p.is_file())
     assert left == ["kept"], left
+
+
+SOURCE_DIRS = ("runners", "evals", "registry", "kernels")
+
+
+def _source_files() -> list[Path]:
+    return [REPO_ROOT / "run.py", *(p for d in SOURCE_DIRS for p in sorted((REPO_ROOT / d).rglob("*.py")))]
+
+
+def test_source_does_not_cite_measurement_runs():
+    """Code says the decision; the history of measurements (docs/gpu/<run>/) lives in docs/. A run folder's
+    name (``kperf_7``, ``fulldepth_5`` ...) in a source file is a citation that belongs in docs/."""
+    import re
+
+    runs = sorted(p.name for p in (REPO_ROOT / "docs/gpu").iterdir() if p.is_dir())
+    assert "kperf_7" in runs  # the run folders this check knows
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, runs)) + r")\b")
+    found = [f"{p.relative_to(REPO_ROOT)}:{i}: {m.group(0)}" for p in _source_files()
+             for i, line in enumerate(p.read_text().splitlines(), 1) for m in [pattern.search(line)] if m]
+    assert not found, "\n".join(found)
