@@ -25,8 +25,7 @@ from typing import Any
 from scipy.stats import binomtest
 
 from evals.gsm8k import SAMPLES_FILE
-from evals.lm_adapter import GENERATIONS_FILE
-from evals.outdir import write_atomic
+from evals.outdir import GENERATIONS_FILE, write_atomic
 from evals.results import load_format, read_results
 from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
 from registry.errors import UserError

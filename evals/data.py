@@ -154,9 +154,9 @@ def gsm8k_prompts(data_dir: str | os.PathLike, num_fewshot: int, limit: int | No
 
 
 def _first_too_long(tokenizer, prompts: list[str], room: int) -> tuple[int, int] | None:
-    """(index, tokens) of the first prompt that encodes (as evals.lm_adapter.EngineLM encodes prompts) to
-    more than ``room`` tokens; None when all fit. Encoded in growing chunks, so a count far too large stops
-    after a prompt or two."""
+    """(index, tokens) of the first prompt that encodes (as runners.app.lm_adapter.EngineLM encodes
+    prompts) to more than ``room`` tokens; None when all fit. Encoded in growing chunks, so a count far too
+    large stops after a prompt or two."""
     start, size = 0, 1
     while start < len(prompts):
         for i, enc in enumerate(tokenizer.encode_batch(prompts[start:start + size]), start):

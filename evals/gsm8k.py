@@ -6,8 +6,8 @@ rows of evals.task.TASKS (`gsm8k` by default, `gsm8k_cot`).
 flexible-extract), found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the
 row's local group of evals/tasks/ (e.g. `gsm8k_local`: the same task on the JSONL files of a local folder,
 passed as task metadata) when a folder is known (evals.data.gsm8k_dir). Generation goes through
-`evals.lm_adapter.EngineLM`, which streams every finished request to `out_dir/generations.jsonl`; a resumed
-run reuses those and generates the rest.
+the lm-eval model the caller gives (the application's: runners.app.lm_adapter.EngineLM, which streams every
+finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the rest).
 """
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lm_eval
 import lm_eval.tasks
 from lm_eval.api.metrics import mean_stderr
 from lm_eval.api.task import Task
+from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
 from lm_eval.tasks import TaskManager
-from tokenizers import Tokenizer
 
 from evals.data import DATA_ENV, FEWSHOT_SEED, HUB_DATASET, GSM8KDataError, gsm8k_files
-from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore, progress_bar
 from evals.outdir import write_atomic
+from evals.progress import progress_bar
+from evals.stats import GenerationCounters
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
-from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +45,12 @@ STOCK_TASKS_DIR = Path(lm_eval.tasks.__file__).parent  # lm-eval's; a row's stoc
 STOCK_GSM8K_DIR = STOCK_TASKS_DIR / GSM8K.stock_dir
 SAMPLES_FILE = "samples.jsonl"
 
-# Fields only a whole `engine.generate` call has (batch steps, seconds, prefix-cache stores and evictions):
-# summed over the stats parts.
-_TIMING_STATS = GenerationStats.PER_CALL
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
 
 @dataclasses.dataclass
-class GSM8KResult:
-    """Outcome of `evaluate_gsm8k`.
+class EvalResult:
+    """Outcome of `evaluate_lm`.
 
     scores: {"strict_match": float, "flexible_extract": float, "n": int}; accuracies are fractions in [0, 1].
     stats: see `scored_stats`: the per-request counters (num_requests, prompt_tokens, generated_tokens,
@@ -64,8 +61,8 @@ class GSM8KResult:
         timing_largest_call the largest) summed over
         `timing_scope` = every generate call of out_dir that returned; "requests_without_stats" counts
         scored requests whose record has no per-request counters (0 with this engine).
-    samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
-    wall_seconds: wall time of this `evaluate_gsm8k` call (task building, generation, scoring).
+    samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_lm`).
+    wall_seconds: wall time of this `evaluate_lm` call (task building, generation, scoring).
     num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
     task: {"task", "version", "num_fewshot", "fewshot_seed", "limit", "max_gen_toks", "lm_eval_version",
         "data_source"} as actually run.
@@ -144,7 +141,7 @@ def _labelled_request_build(show: bool) -> Iterator[None]:
     seconds for 1,319 documents) under a bar without a label ("0/1319") from the tqdm its module
     lm_eval.api.task imports, which takes neither a label nor a switch (tqdm's TQDM_* variables are read
     once, when tqdm is first imported, and would reach every bar). For the call that name is this project's
-    progress instead (evals.lm_adapter.progress_bar, labelled BUILD_PROGRESS, like the generate progress
+    progress instead (evals.progress.progress_bar, labelled BUILD_PROGRESS, like the generate progress
     that follows: plain lines off a terminal, none with show=False); restored on exit. An lm-eval whose task
     module has no `tqdm` keeps its own bar."""
     import lm_eval.api.task
@@ -172,7 +169,7 @@ def _labelled_request_build(show: bool) -> Iterator[None]:
 def _without_env_report() -> Iterator[None]:
     """lm-eval's simple_evaluate ends by adding an environment report to its results
     (lm_eval.loggers.utils.add_env_info: torch.utils.collect_env, which runs `pip list` and other probes,
-    3-4 s per evaluation on a 2-core machine). evaluate_gsm8k reads none of it (the lm-eval version it
+    3-4 s per evaluation on a 2-core machine). evaluate_lm reads none of it (the lm-eval version it
     records is lm_eval.__version__), so the evaluator's reference to it is a no-op for the call; restored on
     exit."""
     import lm_eval.evaluator
@@ -215,14 +212,14 @@ def _compiled_templates_kept() -> Iterator[None]:
         lm_eval.utils.apply_template = apply_template
 
 
-def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]],
+                 counters: type[GenerationCounters]) -> dict[str, Any]:
     """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
 
     records: the generation records (`GenerationStore` lines) of the requests scored, one per distinct
-    request; their `request_stats` (the engine's per-request counters) are added up as
-    runners.engine.stats.GenerationStats (num_requests = records with counters), whose to_dict() gives the
-    sums
-    and the acceptance ratios derived from them. So the counters depend only on which requests were scored,
+    request; their `request_stats` (the engine's per-request counters) are added up as `counters`
+    (num_requests = records with counters), whose to_dict() gives the sums and the acceptance ratios derived
+    from them. So the counters depend only on which requests were scored,
     not on how the run was split into parts.
     parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
     out_dir; prefill_seconds, decode_seconds and steps are their sums, with their prompt / generated token
@@ -231,15 +228,17 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     timing_largest_call (the most requests one call sent); and timing_scope says they cover every call of
     out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
-    nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`,
-    runners.engine.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
+    nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`:
+    the generate output's flags), first appearance first; None when a part does not say.
+    counters: the engine's statistics type (evals.stats.GenerationCounters; its PER_CALL fields, e.g. batch
+    steps and seconds, are summed over the parts).
     """
     with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
-    counters = sum((GenerationStats.from_dict(s) for s in with_stats), GenerationStats())
-    counters.num_requests = len(with_stats)
-    timing = sum((GenerationStats.from_dict(p["engine_stats"]) for p in parts), GenerationStats())
-    out = counters.to_dict()
-    out.update({k: getattr(timing, k) for k in _TIMING_STATS})
+    summed = sum((counters.from_dict(s) for s in with_stats), counters())
+    summed.num_requests = len(with_stats)
+    timing = sum((counters.from_dict(p["engine_stats"]) for p in parts), counters())
+    out = summed.to_dict()
+    out.update({k: getattr(timing, k) for k in counters.PER_CALL})
     out["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
     out["num_parts"] = len(parts)
     out["timing_prompt_tokens"] = timing.prompt_tokens
@@ -299,31 +298,50 @@ def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
     write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
-                   limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-                   out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
-                   fingerprint: dict[str, Any] | None = None, task: EvalTask = GSM8K) -> GSM8KResult:
-    """Score `engine` on GSM8K with an lm-eval 0.4.13 stock task, by default gsm8k (greedy, both filters).
+class GeneratingLM(Protocol):
+    """What the evaluator reads of the lm-eval model it is given (the application's lm-eval model over the
+    engine, runners.app.lm_adapter.EngineLM, is one), besides lm-eval's `generate_until`.
+
+    records: request key -> generation record of the last `generate_until` call ({"key", "prompt_sha256",
+        "generated_ids", "num_generated_tokens", "finish_reason", "stop_string", "text", "request_stats"}).
+    request_key_for(context, gen_kwargs): the key of one lm-eval request.
+    stop_token_ids: the ids that end a generation.
+    num_resumed / num_generated: requests of the last call read from disk / generated.
+    all_stats_parts: {"wall_seconds", "num_requests", "engine_stats", "nonfinite"} of every generate call
+        of the out_dir that returned (earlier runs' parts included).
+    """
+
+    records: dict[str, dict[str, Any]]
+    stop_token_ids: tuple[int, ...]
+    num_resumed: int
+    num_generated: int
+
+    def request_key_for(self, context: str, gen_kwargs: dict[str, Any]) -> str: ...
+
+    @property
+    def all_stats_parts(self) -> list[dict[str, Any]]: ...
+
+
+def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters],
+                data_dir: str | os.PathLike | None, limit: int | None = None, num_fewshot: int = 5,
+                max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, out_dir: str | os.PathLike, progress: bool = True,
+                task: EvalTask = GSM8K) -> EvalResult:
+    """Score an lm-eval model on a task row with an lm-eval 0.4.13 stock task, by default gsm8k (greedy, both
+    filters).
 
     Args:
-        engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
-        tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
+        make_lm: called once, after the task's data loaded, with nothing; returns the lm-eval model (an
+            lm_eval.api.model.LM that also satisfies `GeneratingLM`). The application's builds
+            runners.app.lm_adapter.EngineLM over the engine with out_dir's resume file.
+        counters: the engine's statistics type (evals.stats.GenerationCounters), to add up its counters.
         data_dir: directory with train.jsonl / test.jsonl; None: $GSM8K_DIR, else hub dataset openai/gsm8k.
         limit: score only the first `limit` test documents (None: all 1319).
         num_fewshot: few-shot examples per prompt (gsm8k's own is 5, drawn from train with lm-eval's seed
             1234; gsm8k_cot's is 8, its fixed exemplars in order).
-        max_gen_toks: generated-token limit per request (lm-eval's default 256; the task does not set one).
-        out_dir: created if needed; receives generations.jsonl (+ generations.stats.jsonl), the resume
-            file appended as each request finishes, and samples.jsonl, written once scoring is done.
-        resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
-            requests not on disk are sent to the engine. False starts the generations files afresh.
-            Any samples.jsonl of an earlier run is removed at the start (it appears again when scored).
-        progress: show the progress of building the prompts and of generating them (tqdm bars on a
-            terminal, plain lines elsewhere; resumed requests counted as done).
-        fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
-            beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
-            "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
-            generations.meta.json; resume=True with a different one raises ValueError instead of mixing runs.
+        max_gen_toks: the generated-token limit the model was given (recorded in `task`).
+        out_dir: created if needed; receives samples.jsonl, written once scoring is done (the model writes
+            its own resume files there). Any samples.jsonl of an earlier run is removed at the start.
+        progress: show the progress of building the prompts (a tqdm bar on a terminal, plain lines elsewhere).
         task: the evals.task.TASKS row to run (its lm-eval task, version, filters).
 
     samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
@@ -333,7 +351,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string",
     "empty_output" (no text before the stop string), "repeats_one_token" (see `repeats_one_token`)}.
 
-    Returns GSM8KResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
+    Returns EvalResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
     (lm-eval's task is not the row's task and version as configured). Mutates nothing but out_dir.
     """
     t0 = time.perf_counter()
@@ -341,11 +359,6 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     if not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0:
         raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
-    tokenizer_path = Path(tokenizer_path)
-    if not tokenizer_path.is_file():
-        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found: "
-                                "pass the checkpoint's tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / SAMPLES_FILE
@@ -353,10 +366,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
 
     with _quiet_lm_eval():
         lm_task, manager, source = load_gsm8k_task(gsm8k_files(data_dir), task)
-        run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
-                    "fingerprint": fingerprint or {}}
-        store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
-        lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
+        lm = make_lm()
         with _without_env_report(), _labelled_request_build(progress), _compiled_templates_kept():
             results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                               num_fewshot=num_fewshot, limit=limit, log_samples=True,
@@ -386,8 +396,8 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
                          else None for ours in task.filters}
 
     # lm.records: one record per distinct request of this evaluation (exactly the current limit's requests)
-    stats = scored_stats(list(lm.records.values()), store.stats_parts)
-    return GSM8KResult(
+    stats = scored_stats(list(lm.records.values()), lm.all_stats_parts, counters)
+    return EvalResult(
         scores=scores,
         stats=stats,
         samples_path=samples_path,
@@ -401,7 +411,7 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
     )
 
 
-def _sample_records(logged: list[dict[str, Any]], lm: EngineLM, task: EvalTask) -> list[dict[str, Any]]:
+def _sample_records(logged: list[dict[str, Any]], lm: GeneratingLM, task: EvalTask) -> list[dict[str, Any]]:
     """Join lm-eval's per-(document, filter) logged samples with our generation records, one per document."""
     by_doc: dict[int, dict[str, Any]] = {}
     for s in logged:

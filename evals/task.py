@@ -4,7 +4,7 @@ A row says which lm-eval task runs (the stock task, and our group of evals/tasks
 GSM8K folder), how lm-eval's output is read (the filters whose exact_match is the score, the task version the
 references were measured with) and what judges it (the baseline file of accuracy references under
 registry/baselines/, and the acceptance floors where they apply). The app (runners.app.main) dispatches on
-`eval.name` (the `eval` config group: configs/eval/<name>.yaml); the evaluator (evals.gsm8k.evaluate_gsm8k)
+`eval.name` (the `eval` config group: configs/eval/<name>.yaml); the evaluator (evals.gsm8k.evaluate_lm)
 and the verdict (evals.verdict.evaluate_verdict) read the row. Adding a task: docs/adding_a_model.md,
 "Adding a task".
 

@@ -62,14 +62,14 @@ def baselines(tmp_path, monkeypatch):
 
 def _scores(monkeypatch, strict: float, flexible: float) -> None:
     """Make the fake evaluation of test_app report these fractions (n = 4)."""
-    inner = app.evaluate_gsm8k
+    inner = app.evaluate_engine
 
     def evaluate(*args, **kw):
         result = inner(*args, **kw)
         result.scores = {"strict_match": strict, "flexible_extract": flexible, "n": 4}
         return result
 
-    monkeypatch.setattr(app, "evaluate_gsm8k", evaluate)
+    monkeypatch.setattr(app, "evaluate_engine", evaluate)
 
 
 def _run(tmp_path, *overrides):

@@ -243,7 +243,7 @@ def evaluate(engine, tokenizer_path, **kw):
         raise RuntimeError("injected crash")
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
                                 kw["out_dir"] + "/samples.jsonl")
-app.evaluate_gsm8k = evaluate
+app.evaluate_engine = evaluate
 '''
 
 

@@ -9,8 +9,8 @@ out.
 - the task (`eval.name`, the `eval` config group): a row of evals.task.TASKS, which says what runs and what
   judges it;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
-- the output folder and its resume file: evals.lm_adapter.check_resume;
-- the evaluation: evals.gsm8k.evaluate_gsm8k of the task's row over runners.engine.Engine;
+- the output folder and its resume file: runners.app.lm_adapter.check_resume;
+- the evaluation: runners.app.lm_adapter.evaluate_engine of the task's row over runners.engine.Engine;
 - results.json: evals.results; the compare=replay arms: evals.compare; the console table, summary.md and
   plots: evals.report;
 - the run's row in the SQLite results history (history.db): evals.history.record_finished_run.
@@ -35,10 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.data import gsm8k_dir
-from evals.gsm8k import evaluate_gsm8k
 from evals.history import record_finished_run, resolve_db
-from evals.lm_adapter import GENERATIONS_FILE, check_resume
-from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.outdir import GENERATIONS_FILE, claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
 from evals.task import DEFAULT_TASK, get_task
@@ -47,11 +45,13 @@ from registry.checkpoint import CONFIG_FILE, checkpoint_fingerprint
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import REPO_ROOT
+from runners.app.lm_adapter import check_resume, evaluate_engine
 from runners.app.preflight import check_run, tokenizer_file
 from runners.engine.dummy import DUMMY_SEED
 from runners.engine.engine import Engine
 from runners.engine.options import engine_options
 from runners.engine.prefix_cache import prefix_cache_off_reason
+from runners.engine.stats import GenerationStats
 
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
@@ -306,7 +306,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     capture_seconds = _capture_graphs(engine, rr)
     t_loaded = time.perf_counter()
     try:
-        evaluation = evaluate_gsm8k(
+        evaluation = evaluate_engine(
             engine,
             str(tokenizer_file(rr)),
             data_dir=rr.run.eval.data_dir,
@@ -315,7 +315,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
             max_gen_toks=rr.run.eval.max_gen_toks,
             out_dir=str(out_dir),
             resume=rr.run.resume,
-            progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.lm_adapter)
+            progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.progress)
             fingerprint=fingerprint(rr),
             task=get_task(rr.run.eval.name),
         )
@@ -348,6 +348,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         load_seconds=t_loaded - t0,
         eval_seconds=time.perf_counter() - t_loaded,
         load=engine.load_report.to_dict() if engine.load_report else None,
+        counters=GenerationStats,
     )
     results["timings"]["capture_seconds"] = capture_seconds
     # torch.compile ran before the capture (inside capture_seconds) or in the generate calls: count both
