@@ -49,6 +49,7 @@ LOCK_FILE = ".run.lock"
 # files beside it, <stem>.stats.jsonl (a line per generate call that returned) and <stem>.meta.json (the run's
 # fingerprint, written before any request): named here, below the store, for the unused-folder rule.
 GENERATIONS_FILE = "generations.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # one scored record per document, written once scoring is done
 STATS_SUFFIX = ".stats.jsonl"
 META_SUFFIX = ".meta.json"
 # A sweep job's status file in its run folder (evals.sweep writes it; it names the sweep folder, which

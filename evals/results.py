@@ -1,10 +1,9 @@
 """results.json of one run: what it holds (docs/results_schema.md) and how it is computed from an evaluation.
 
-`build_results` puts the resolved settings, the GSM8K scores, the acceptance statistics (from the engine's
-raw sums: runners.engine.stats.GenerationStats, the one definition of rate, length and per-position
-acceptance),
-memory and timings into one dict; evals.verdict adds the verdict, evals.report renders it, evals.compare
-pairs two of them. `read_results` is how every command reads a saved one back.
+`build_results` puts the resolved settings, the task's scores, the acceptance statistics (from the engine's
+raw sums, read through evals.stats.GenerationCounters: the one definition of rate, length and
+per-position acceptance), memory and timings into one dict; evals.verdict adds the verdict, evals.report
+renders it, evals.compare pairs two of them. `read_results` is how every command reads a saved one back.
 """
 
 from __future__ import annotations
@@ -19,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from evals.stats import GenerationCounters, counters_of
+from evals.task import task_of_results
 from registry.errors import UserError
 from registry.schema import REPO_ROOT, LoadFormat
 
-# 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
-# verdict.headline, git_dirty counting untracked files under registry/ and configs/; acceptance counts only
-# what was committed to the output (runners.engine.stats.GenerationStats).
+# 2: environment, the scores' stderr, health (non-finite outputs, degenerate generations),
+# config.ssm_state_dtype, verdict.headline, git_dirty counting untracked files under registry/ and configs/;
+# acceptance counts only what was committed to the output (the engine's GenerationStats).
 RESULTS_SCHEMA_VERSION = 2  # readers (evals/report.py) refuse other versions
 RESULTS_FILE = "results.json"
 GSM8K_TEST_ROWS = 1319  # questions of GSM8K's test split: the full run a projection is for
@@ -106,7 +106,7 @@ def acceptance_section(stats: dict[str, Any], draft_len: int, counters: type[Gen
     the run's draft length K and `requests_without_stats` (scored requests of a killed and resumed part whose
     steps are missing from the sums); None when speculation is off (K = 0).
 
-    stats: the evaluation's `generation` dict (evals.gsm8k.scored_stats: GenerationStats fields and more).
+    stats: the evaluation's `generation` dict (evals.evaluate.scored_stats: the counters' fields and more).
     """
     if draft_len == 0:
         return None
@@ -144,13 +144,13 @@ def build_results(
     """The results dict of one evaluated arm, without its verdict (docs/results_schema.md).
 
     config: the resolved settings (registry.resolve.ResolvedRun.to_dict(), with the backend that ran).
-    evaluation: the evals.gsm8k.EvalResult. memory: engine.cache_memory(). Seconds: loading the engine and
-    evaluating. load: the engine's load report (runners.engine.memory.LoadReport.to_dict(): seconds, weight
-    / cache
-    bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide
-    the tokens of every generate call of the folder by the seconds of those same calls (timing_* of the
-    generation stats).
+    evaluation: the evals.evaluate.EvalResult (its `task` names the task row whose section holds the
+    scores). memory: engine.cache_memory(). Seconds: loading the engine and evaluating. load: the engine's
+    load report (runners.engine.memory.LoadReport.to_dict(): seconds, weight / cache bytes, host and device
+    peaks), None when the engine was not loaded from a checkpoint. Throughputs divide the tokens of every
+    generate call of the folder by the seconds of those same calls (timing_* of the generation stats).
     """
+    task = task_of_results({"task": dict(evaluation.task)})
     stats = dict(evaluation.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
     commit, dirty = git_commit()
@@ -165,8 +165,9 @@ def build_results(
         "git_commit": commit,
         "git_dirty": dirty,
         "environment": environment(str(config.get("device", "cpu"))),
-        "gsm8k": {**{k: evaluation.scores[k] for k in ("strict_match", "flexible_extract", "n")},
-                  "stderr": {k: stderr.get(k) for k in ("strict_match", "flexible_extract")}},
+        # the task's scores (its section: {<score key>: fraction, ..., n, stderr})
+        task.section: {**{k: evaluation.scores[k] for k in (*task.filters, "n")},
+                       "stderr": {k: stderr.get(k) for k in task.filters}},
         # what would make any score meaningless: non-finite model outputs, degenerate generations
         "health": {"nonfinite": stats.get("nonfinite"), "outputs": outputs or None},
         # lm-eval task version, few-shot settings, lm-eval version and the data source actually read

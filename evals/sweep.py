@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from evals.outdir import JOB_STATUS_FILE
+from evals.task import task_of_results
 
 SUMMARY_FILE = "sweep_summary.md"
 
@@ -87,7 +88,7 @@ class JobRow:
     folder: Path
     entry: str
     overrides: list[str]
-    gsm8k: str
+    scores: str
     acceptance: str
     verdict: str
     exit_code: int
@@ -161,8 +162,9 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         entry = job.get("entry") or (results or {}).get("entry") or next(
             (o.split("=", 1)[1] for o in overrides if o.startswith("model=")), "?")
         if results is not None:
-            g = results.get("gsm8k") or {}
-            gsm8k = f"{_pct(g.get('strict_match'))} / {_pct(g.get('flexible_extract'))} % (n={g.get('n')})"
+            task = task_of_results(results)
+            g = results.get(task.section) or {}
+            scores = f"{' / '.join(_pct(g.get(k)) for k in task.filters)} % (n={g.get('n')})"
             acc = results.get("acceptance") or {}
             rate, length = acc.get("rate"), acc.get("length")
             if isinstance(rate, float) and isinstance(length, float):
@@ -174,7 +176,7 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
             code = int(job.get("exit_code", 1 if passed is False else 0))
             no_reference = code == 0 and passed is None and not job.get("error")
         else:
-            gsm8k = acceptance = "-"
+            scores = acceptance = "-"
             no_reference = False
             code = int(job.get("exit_code", 1))
             verdict = ("no results.json in the job folder (out_dir= elsewhere?)" if job
@@ -182,7 +184,7 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         error = str(job["error"]).splitlines()[0] if job.get("error") else None
         if error:  # a refused or crashed job (also one that crashed after writing results.json)
             verdict = "CRASH" if error.startswith("crash:") else f"ERROR (exit {code})"
-        rows.append(JobRow(folder, str(entry), overrides, gsm8k, acceptance, verdict, code,
+        rows.append(JobRow(folder, str(entry), overrides, scores, acceptance, verdict, code,
                            job.get("job_num"), error, no_reference))
     rows.sort(key=lambda r: (r.job_num is None, r.job_num if r.job_num is not None else 0, str(r.folder)))
     return rows
@@ -212,7 +214,7 @@ def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:
             folder = str(j.folder.relative_to(sweep_dir)) or "."
         except ValueError:
             folder = str(j.folder)
-        table.append([str(j.job_num if j.job_num is not None else i), j.entry, own, j.gsm8k, j.acceptance,
+        table.append([str(j.job_num if j.job_num is not None else i), j.entry, own, j.scores, j.acceptance,
                       j.verdict, folder])
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from evals.gsm8k import EvalResult
+from evals.evaluate import EvalResult
 from evals.results import RESULTS_SCHEMA_VERSION
 from evals.task import TASKS
 from registry.checkpoint import checkpoint_fingerprint
@@ -132,8 +132,8 @@ def fakes(monkeypatch):
 
 
 def make_gsm8k_dir(path: Path, rows: int = 2) -> Path:
-    """A GSM8K folder whose files pass evals.data's checks (the fakes never read it further): `rows` test
-    questions, and train examples enough for the tasks' default few-shot counts."""
+    """A GSM8K folder whose files pass evals.tasks.gsm8k's checks (the fakes never read it further): `rows`
+    test questions, and train examples enough for the tasks' default few-shot counts."""
     path.mkdir(parents=True)
     for split, n in (("train", max(rows, 8)), ("test", rows)):
         (path / f"{split}.jsonl").write_text("".join(

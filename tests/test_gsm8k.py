@@ -1,4 +1,4 @@
-"""runners.app.lm_adapter.evaluate_engine (evals.gsm8k.evaluate_lm) on real GSM8K questions with a scripted
+"""runners.app.lm_adapter.evaluate_engine (evals.evaluate.evaluate_lm) on real GSM8K questions with a scripted
 fake engine: exact scores for known answers, both filters, lm-eval's stock task settings, data-directory
 errors, and kill-and-resume."""
 
@@ -23,10 +23,11 @@ from test_gsm8k_fakes import (
 )
 from tokenizers import Tokenizer
 
-import evals.data
-from evals.gsm8k import GSM8KDataError, scored_stats
+import evals.tasks.gsm8k
+from evals.evaluate import scored_stats
 from evals.report import _projection_note
 from evals.results import full_run_projection
+from evals.tasks.gsm8k import GSM8KDataError
 from runners.app.lm_adapter import evaluate_engine
 from runners.engine.stats import GenerationStats
 
@@ -137,7 +138,7 @@ def test_each_jinja_template_is_compiled_once_and_the_prompts_stay(tokenizer_pat
 
     import lm_eval.utils
 
-    import evals.gsm8k
+    import evals.evaluate
 
     stock = lm_eval.utils.apply_template
     compiles = []
@@ -149,7 +150,7 @@ def test_each_jinja_template_is_compiled_once_and_the_prompts_stay(tokenizer_pat
     # each template once inside the evaluation (the task's loading renders a document of its own before)
     assert 0 < len(compiles) <= 2 * len(set(compiles)) < 12 * LIMIT
     compiles.clear()
-    monkeypatch.setattr(evals.gsm8k, "_compiled_templates_kept", contextlib.nullcontext)
+    monkeypatch.setattr(evals.evaluate, "_compiled_templates_kept", contextlib.nullcontext)
     plain = _engine(tokenizer_path, gsm8k_dir, "right")
     _run(plain, tokenizer_path, gsm8k_dir, tmp_path / "plain")
     assert len(compiles) >= 12 * LIMIT  # the stock path: a compile per render
@@ -296,7 +297,7 @@ def test_no_data_dir_offline_names_the_env_var(tokenizer_path, gsm8k_dir, tmp_pa
     if not datasets.config.HF_DATASETS_OFFLINE:
         pytest.skip("HF_DATASETS_OFFLINE was not set before datasets was imported; the hub would be tried")
     monkeypatch.delenv("GSM8K_DIR", raising=False)
-    monkeypatch.setattr(evals.data, "SIBLING_DIR", tmp_path / "no_shared_here")  # no local copy at all
+    monkeypatch.setattr(evals.tasks.gsm8k, "SIBLING_DIR", tmp_path / "no_shared_here")  # no local copy at all
     with pytest.raises(GSM8KDataError, match=r"openai/gsm8k could not be loaded(.|\n)*fix: set GSM8K_DIR="):
         _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, None, tmp_path)
 

@@ -173,7 +173,7 @@ def test_simple_evaluate_builds_the_model_from_model_args(gsm8k_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from evals.gsm8k import STOCK_GSM8K_DIR, TASKS_DIR
+    from evals.evaluate import STOCK_GSM8K_DIR, TASKS_DIR
 
     manager = TaskManager(include_path=[str(STOCK_GSM8K_DIR), str(TASKS_DIR)], include_defaults=False,
                           metadata={"gsm8k_dir": str(gsm8k_dir)})
@@ -199,7 +199,7 @@ def test_model_args_cuda_device_without_cuda():
 
 @pytest.mark.slow
 def test_documented_lm_eval_cli_runs_the_tiny_checkpoint(gsm8k_dir, tmp_path):
-    """The invocation in evals/lm_eval_cli.py's docstring (with --limit 2 and a results file)."""
+    """The invocation in runners/app/lm_eval_cli.py's docstring (with --limit 2 and a results file)."""
     import os
     import subprocess
     import sys

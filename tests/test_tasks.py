@@ -16,7 +16,7 @@ from test_gsm8k_fakes import FakeEngine as ScriptedEngine
 from test_gsm8k_fakes import gold_final, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
-from evals.gsm8k import STOCK_TASKS_DIR, TASKS_DIR, load_gsm8k_task
+from evals.evaluate import STOCK_TASKS_DIR, TASKS_DIR, load_task
 from evals.task import DEFAULT_TASK, TASKS, get_task
 from registry.baselines import load_acceptance_baselines, load_gsm8k_baselines
 from registry.errors import UserError
@@ -99,7 +99,7 @@ def test_task_without_a_reference_row(fakes, tmp_path):
 
 
 def test_gsm8k_cot_prompts_share_the_exemplars_and_read_the_local_files(gsm8k_dir):
-    task, _, source = load_gsm8k_task(gsm8k_dir, COT)
+    task, _, source = load_task(gsm8k_dir, COT)
     assert source == str(gsm8k_dir) and task.VERSION == COT.version
     docs = list(task.test_docs())
     first = json.loads((gsm8k_dir / "test.jsonl").read_text().splitlines()[0])

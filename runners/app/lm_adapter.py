@@ -34,7 +34,7 @@ from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a
 from lm_eval.utils import simple_parse_args_string
 from tokenizers import Tokenizer
 
-from evals.gsm8k import EvalResult, evaluate_lm
+from evals.evaluate import EvalResult, evaluate_lm
 from evals.outdir import GENERATIONS_FILE, META_SUFFIX, STATS_SUFFIX, write_atomic
 from evals.progress import LineProgress, progress_bar
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
@@ -414,7 +414,7 @@ class EngineLM(LM):
     @property
     def all_stats_parts(self) -> list[dict[str, Any]]:
         """The stats parts of every generate call of the store's folder that returned (earlier runs' parts
-        included; evals.gsm8k.GeneratingLM); this model's own calls' without a store."""
+        included; evals.evaluate.GeneratingLM); this model's own calls' without a store."""
         return self.store.stats_parts if self.store is not None else self.stats_parts
 
     def request_key_for(self, context: str, gen_kwargs: dict[str, Any]) -> str:
@@ -532,13 +532,13 @@ def evaluate_engine(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir:
                     out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
                     fingerprint: dict[str, Any] | None = None, task: EvalTask = TASKS[DEFAULT_TASK]
                     ) -> EvalResult:
-    """Score `engine` on a task row (default gsm8k) through lm-eval: evals.gsm8k.evaluate_lm over an
+    """Score `engine` on a task row (default gsm8k) through lm-eval: evals.evaluate.evaluate_lm over an
     `EngineLM` whose resume file is out_dir/generations.jsonl.
 
     Args:
         engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
         tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
-        data_dir, limit, num_fewshot, max_gen_toks, out_dir, progress, task: evals.gsm8k.evaluate_lm's
+        data_dir, limit, num_fewshot, max_gen_toks, out_dir, progress, task: evals.evaluate.evaluate_lm's
             (max_gen_toks: the generated-token limit per request; the task sets none).
         resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
             requests not on disk are sent to the engine. False starts the generations files afresh.
@@ -547,7 +547,7 @@ def evaluate_engine(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir:
             type(engine) and repr(engine.config) in generations.meta.json; resume=True with a different one
             raises ValueError instead of mixing runs.
 
-    Returns evals.gsm8k.EvalResult (its stats summed as runners.engine.stats.GenerationStats). Raises
+    Returns evals.evaluate.EvalResult (its stats summed as runners.engine.stats.GenerationStats). Raises
     FileNotFoundError (no tokenizer file), GSM8KDataError, ValueError, RuntimeError (evaluate_lm's).
     Mutates nothing but out_dir.
     """

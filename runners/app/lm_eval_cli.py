@@ -23,7 +23,7 @@ import sys
 from lm_eval.__main__ import cli_evaluate
 
 import runners.app.lm_adapter  # noqa: F401  (registers the model "hybrid-engine" with lm-eval)
-from evals.gsm8k import TASKS_DIR
+from evals.evaluate import TASKS_DIR
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,12 +34,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
-from evals.data import gsm8k_dir
 from evals.history import record_finished_run, resolve_db
 from evals.outdir import GENERATIONS_FILE, claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
 from evals.task import DEFAULT_TASK, get_task
+from evals.tasks.gsm8k import gsm8k_dir
 from evals.verdict import Check, Verdict, evaluate_verdict
 from registry.checkpoint import CONFIG_FILE, checkpoint_fingerprint
 from registry.errors import UserError
@@ -170,7 +170,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     eval.max_gen_toks (they change the prompts and the generations, hence the acceptance counters) and the
     GSM8K data folder (absolute path; None = hub). Not included: the git commit (resuming across a code
     change is allowed; results.json records the commit of the finishing run), eval.limit (a resumed run may
-    score more or fewer samples: evals.gsm8k reports the counters of exactly the scored ones), paths of the
+    score more or fewer samples: evals.evaluate reports the counters of exactly the scored ones), paths of the
     outputs.
     """
     data_dir, _ = gsm8k_dir(rr.run.eval.data_dir)

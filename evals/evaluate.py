@@ -1,13 +1,12 @@
-"""GSM8K accuracy of our engine through lm-evaluation-harness's stock tasks, resumable: the evaluator of the
-rows of evals.task.TASKS (`gsm8k` by default, `gsm8k_cot`).
+"""The evaluator of the rows of evals.task.TASKS: an lm-eval model scored on a row's lm-eval stock task,
+resumable.
 
-`lm_eval.simple_evaluate` runs lm-eval's own task YAML (for gsm8k, gsm8k.yaml version 3.0: 5-shot from train,
-"Question: ...\\nAnswer:", greedy, stop at "Question:", "</s>", "<|im_end|>", filters strict-match and
-flexible-extract), found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the
-row's local group of evals/tasks/ (e.g. `gsm8k_local`: the same task on the JSONL files of a local folder,
-passed as task metadata) when a folder is known (evals.data.gsm8k_dir). Generation goes through
-the lm-eval model the caller gives (the application's: runners.app.lm_adapter.EngineLM, which streams every
-finished request to `out_dir/generations.jsonl`; a resumed run reuses those and generates the rest).
+`lm_eval.simple_evaluate` runs lm-eval's own task YAML of the row (its task, version, filters and metric),
+found by lm-eval's TaskManager: the stock task on its hub dataset, or the row's local group of evals/tasks/
+(the same task on the documents of a local folder, passed as task metadata) when the row's data
+(evals.task.TaskData) knows a folder. Generation goes through the lm-eval model the caller gives (the
+application's: runners.app.lm_adapter.EngineLM, which streams every finished request to
+`out_dir/generations.jsonl`; a resumed run reuses those and generates the rest).
 """
 
 from __future__ import annotations
@@ -30,20 +29,19 @@ from lm_eval.api.task import Task
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
 from lm_eval.tasks import TaskManager
 
-from evals.data import DATA_ENV, FEWSHOT_SEED, HUB_DATASET, GSM8KDataError, gsm8k_files
-from evals.outdir import write_atomic
+from evals.outdir import SAMPLES_FILE, write_atomic
 from evals.progress import progress_bar
 from evals.stats import GenerationCounters
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
 
 logger = logging.getLogger(__name__)
 
-GSM8K = TASKS[DEFAULT_TASK]  # the default row: lm-eval's stock gsm8k
+DEFAULT = TASKS[DEFAULT_TASK]  # the default row
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # our lm-eval tasks (each row's local_task)
 STOCK_TASKS_DIR = Path(lm_eval.tasks.__file__).parent  # lm-eval's; a row's stock_dir is a folder of it
-# The stock gsm8k task's folder: indexing only it (and ours) takes milliseconds, all of lm-eval's ~10 s.
-STOCK_GSM8K_DIR = STOCK_TASKS_DIR / GSM8K.stock_dir
-SAMPLES_FILE = "samples.jsonl"
+# The default row's stock task folder: indexing only a row's (and ours) takes milliseconds, all of lm-eval's
+# ~10 s.
+STOCK_GSM8K_DIR = STOCK_TASKS_DIR / DEFAULT.stock_dir
 
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
@@ -80,36 +78,32 @@ class EvalResult:
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def load_gsm8k_task(data_dir: Path | None, task_row: EvalTask = GSM8K) -> tuple[Task, TaskManager, str]:
-    """lm-eval's stock task of `task_row` (default gsm8k), reading `data_dir`/{train,test}.jsonl (the row's
-    local group of evals/tasks/, e.g. gsm8k_local), or the hub dataset when None; found by lm-eval's
-    TaskManager.
+def load_task(data_dir: Path | None, task_row: EvalTask = DEFAULT) -> tuple[Task, TaskManager, str]:
+    """lm-eval's stock task of `task_row` (default: the default row), reading the documents of `data_dir`
+    (the row's local group of evals/tasks/, `local_task`, handed the folder as task metadata
+    `task_row.data.metadata_key`), or its hub dataset when None; found by lm-eval's TaskManager.
 
-    Returns (task, its TaskManager, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded
-    (offline or unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be
-    parsed, and RuntimeError when the installed lm-eval's task is not the row's version.
+    Returns (task, its TaskManager, data_source: the folder, or "hub:<dataset>"). Raises the row's data error
+    (`task_row.data.load_error`, a UserError) when the hub dataset cannot be loaded (offline or unreachable;
+    HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be parsed, ValueError for a row
+    without data, and RuntimeError when the installed lm-eval's task is not the row's version.
     """
+    data = task_row.data
+    if data is None:
+        raise ValueError(f"task {task_row.name} declares no data (evals.task.TaskData): lm-eval cannot run "
+                         "it")
     name = task_row.lm_eval_task
-    metadata = {"gsm8k_dir": str(data_dir)} if data_dir is not None else None
+    metadata = {data.metadata_key: str(data_dir)} if data_dir is not None else None
     manager = TaskManager(include_path=[str(STOCK_TASKS_DIR / task_row.stock_dir), str(TASKS_DIR)],
                           include_defaults=False, metadata=metadata)
     try:
         task = manager.load(task_row.local_task if data_dir is not None else name)["tasks"][name]
     except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, DatasetGenerationError...
-        if data_dir is None:
-            raise GSM8KDataError(
-                f"no GSM8K directory given (data_dir unset, ${DATA_ENV} unset) and the hub dataset "
-                f"{HUB_DATASET} could not be loaded: {type(err).__name__}: {err}",
-                f"set {DATA_ENV}=/path/to/gsm8k (a directory with train.jsonl and test.jsonl, e.g. "
-                "../shared/data/gsm8k) or pass data_dir; or allow hub access (unset HF_DATASETS_OFFLINE / "
-                "HF_HUB_OFFLINE on a machine with network)") from err
-        raise GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
-                             "each line of train.jsonl / test.jsonl must be a JSON object with "
-                             "\"question\" and \"answer\"") from err
+        raise data.load_error(err, data_dir) from err
     if task.VERSION != task_row.version:
         raise RuntimeError(f"lm-eval {lm_eval.__version__}'s {name} task is version {task.VERSION}, expected "
                            f"{task_row.version}: scores would not be comparable; install lm-eval==0.4.13")
-    return task, manager, str(data_dir) if data_dir is not None else f"hub:{HUB_DATASET}"
+    return task, manager, str(data_dir) if data_dir is not None else f"hub:{data.hub}"
 
 
 @contextlib.contextmanager
@@ -256,7 +250,7 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]],
     return out
 
 
-INVALID_ANSWER = "[invalid]"  # what lm-eval's gsm8k filters extract when they find no answer
+INVALID_ANSWER = "[invalid]"  # what lm-eval's answer-extracting filters give when they find no answer
 # A generation "repeats one token" when it has at least this many ids (a stop token excluded), all the same.
 REPEAT_MIN_TOKENS = 4
 
@@ -267,17 +261,21 @@ def repeats_one_token(ids: list[int], stop_ids: set[int] | frozenset[int] = froz
     return len(body) >= REPEAT_MIN_TOKENS and len(set(body)) == 1
 
 
-def output_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
+def output_health(samples: list[dict[str, Any]], answer_filter: str | None = "flexible_extract"
+                  ) -> dict[str, Any]:
     """Counts of degenerate generations among scored samples (samples.jsonl records), for the verdict's
     health checks (evals.verdict.check_outputs): `n`; `empty` (no text before the first stop string, blanks
     aside); `repeated_token` (the generation is one token id repeated, see repeats_one_token); `no_answer`
-    (flexible-extract, the lenient filter, found no number); `ended` (generations that ended on their own,
+    (`answer_filter`, the task row's lenient filter, found no answer; none counted without one); `ended`
+    (generations that ended on their own,
     at a stop token or stop string, not cut by max_gen_toks) and `ended_no_answer` (those of them without a
     number). A model that generates nothing, one token forever, or never an answer is broken, whatever its
     GSM8K score at a small n says."""
 
     def no_answer(s: dict[str, Any]) -> bool:
-        return s["extracted"].get("flexible_extract", INVALID_ANSWER) == INVALID_ANSWER
+        if answer_filter is None:
+            return False
+        return s["extracted"].get(answer_filter, INVALID_ANSWER) == INVALID_ANSWER
 
     ended = [s for s in samples if s.get("finish_reason") != "length"]
     return {
@@ -325,19 +323,20 @@ class GeneratingLM(Protocol):
 def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters],
                 data_dir: str | os.PathLike | None, limit: int | None = None, num_fewshot: int = 5,
                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, out_dir: str | os.PathLike, progress: bool = True,
-                task: EvalTask = GSM8K) -> EvalResult:
-    """Score an lm-eval model on a task row with an lm-eval 0.4.13 stock task, by default gsm8k (greedy, both
-    filters).
+                task: EvalTask = DEFAULT) -> EvalResult:
+    """Score an lm-eval model on a task row with the row's lm-eval 0.4.13 stock task (greedy, every filter of
+    the row), by default the default row's.
 
     Args:
         make_lm: called once, after the task's data loaded, with nothing; returns the lm-eval model (an
             lm_eval.api.model.LM that also satisfies `GeneratingLM`). The application's builds
             runners.app.lm_adapter.EngineLM over the engine with out_dir's resume file.
         counters: the engine's statistics type (evals.stats.GenerationCounters), to add up its counters.
-        data_dir: directory with train.jsonl / test.jsonl; None: $GSM8K_DIR, else hub dataset openai/gsm8k.
+        data_dir: the documents' folder (the row's data lookup: for GSM8K train.jsonl / test.jsonl; None:
+            $GSM8K_DIR, else the hub dataset).
         limit: score only the first `limit` test documents (None: all 1319).
-        num_fewshot: few-shot examples per prompt (gsm8k's own is 5, drawn from train with lm-eval's seed
-            1234; gsm8k_cot's is 8, its fixed exemplars in order).
+        num_fewshot: few-shot examples per prompt (the default row's own is 5, drawn from train with
+            lm-eval's seed 1234; the chain-of-thought row's is 8, its fixed exemplars in order).
         max_gen_toks: the generated-token limit the model was given (recorded in `task`).
         out_dir: created if needed; receives samples.jsonl, written once scoring is done (the model writes
             its own resume files there). Any samples.jsonl of an earlier run is removed at the start.
@@ -351,8 +350,9 @@ def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters
     "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string",
     "empty_output" (no text before the stop string), "repeats_one_token" (see `repeats_one_token`)}.
 
-    Returns EvalResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
-    (lm-eval's task is not the row's task and version as configured). Mutates nothing but out_dir.
+    Returns EvalResult. Raises the row's data error (a UserError: no usable data), ValueError (bad
+    arguments, a row without data), RuntimeError (lm-eval's task is not the row's task and version as
+    configured). Mutates nothing but out_dir.
     """
     t0 = time.perf_counter()
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
@@ -365,12 +365,15 @@ def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters
     samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
-        lm_task, manager, source = load_gsm8k_task(gsm8k_files(data_dir), task)
+        if task.data is None:
+            raise ValueError(f"task {task.name} declares no data (evals.task.TaskData): lm-eval cannot "
+                             "run it")
+        lm_task, manager, source = load_task(task.data.files(data_dir), task)
         lm = make_lm()
         with _without_env_report(), _labelled_request_build(progress), _compiled_templates_kept():
             results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                               num_fewshot=num_fewshot, limit=limit, log_samples=True,
-                                              bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
+                                              bootstrap_iters=0, fewshot_random_seed=task.data.fewshot_seed)
 
     name = task.lm_eval_task
     run_config = results["configs"][name]
@@ -391,7 +394,7 @@ def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters
         if not math.isclose(mean, scores[ours], abs_tol=1e-12):
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
     _write_jsonl_atomic(samples_path, samples)
-    outputs = output_health(samples)
+    outputs = output_health(samples, task.answer_filter)
     outputs["stderr"] = {ours: float(mean_stderr([float(s["correct"][ours]) for s in samples])) if n > 1
                          else None for ours in task.filters}
 
@@ -405,7 +408,7 @@ def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters
         num_resumed=lm.num_resumed,
         num_generated=lm.num_generated,
         task={"task": name, "version": results["versions"][name], "num_fewshot": num_fewshot,
-              "fewshot_seed": FEWSHOT_SEED, "limit": limit, "max_gen_toks": max_gen_toks,
+              "fewshot_seed": task.data.fewshot_seed, "limit": limit, "max_gen_toks": max_gen_toks,
               "lm_eval_version": lm_eval.__version__, "data_source": source},
         outputs=outputs,
     )
@@ -420,7 +423,7 @@ def _sample_records(logged: list[dict[str, Any]], lm: GeneratingLM, task: EvalTa
             continue
         doc_id = int(s["doc_id"])
         if doc_id not in by_doc:
-            (context, gen_kwargs), = s["arguments"]  # gsm8k: one generate_until request per document
+            (context, gen_kwargs), = s["arguments"]  # one generate_until request per document
             gen = lm.records[lm.request_key_for(context, gen_kwargs)]
             by_doc[doc_id] = {
                 "doc_id": doc_id,
