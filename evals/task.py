@@ -193,6 +193,13 @@ def get_task(name: str) -> EvalTask:
                         "or add a row to evals/task.py (docs/adding_a_model.md, \"Adding a task\")") from None
 
 
+def task_of_setting(setting: str) -> EvalTask:
+    """The row of a results-history setting label (evals.history.setting_label: "... task=<name> ..." for a
+    task other than the default); the default row when the label names none or an unknown one."""
+    names = [part.partition("=")[2] for part in setting.split() if part.startswith("task=")]
+    return TASKS.get(names[0], TASKS[DEFAULT_TASK]) if names else TASKS[DEFAULT_TASK]
+
+
 def task_of_results(results: Mapping[str, object]) -> EvalTask:
     """The row a results dict (results.json) was scored by: the row whose lm-eval task its `task` section
     names; for results without one (older runs, hand-made dicts), the first row whose `section` the results

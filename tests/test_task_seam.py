@@ -1,5 +1,5 @@
 """The task seam: a task row (evals.task.EvalTask) declares its scores, checks and report sections, and the
-verdict, the report, the sweep table and the results history read what it declares.
+verdict, the report, the sweep table, the results history and its trend figures read what it declares.
 
 A test-only task, `echo`, scores chrF (a character n-gram F-score, not exact match) and is judged by a floor
 of its own instead of a reference row's hypothesis test; it runs no health check but `finite` and `empty` and
@@ -138,3 +138,18 @@ def test_the_sweep_table_and_the_history_read_the_tasks_section(echo_task, tmp_p
     assert n == 10 and value == pytest.approx(0.55) and "task=echo" in setting
     files = history.write_trend_report(db, tmp_path / "report")
     assert files.markdown.is_file()
+
+
+def test_the_trend_figure_names_the_series_task(echo_task):
+    """A history series of the echo task (its setting label names it) plots the echo score under the row's
+    title; a series of the default row keeps GSM8K's."""
+    from evals.trends import series_figure
+
+    runs = [{"finished_at": f"2026-11-30T13:{m:02d}:00+00:00", "n": 10, "gsm8k_value": v,
+             "gsm8k_threshold": 0.4, "verdict_passed": 1} for m, v in ((39, 0.55), (40, 0.6))]
+    fig = series_figure("tiny_nemotron_h_mtp", "rewind K=3 float32 ws=1 cpu task=echo", runs)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "Echo (n=10)" in legend and not any("GSM8K" in t for t in legend), legend
+    assert fig.axes[0].get_ylabel() == "fraction"
+    fig = series_figure("tiny_nemotron_h_mtp", "rewind K=3 float32 ws=1 cpu", runs)
+    assert fig.axes[0].get_ylabel() == "exact match (%)"
