@@ -53,8 +53,8 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     tokenizer = tokenizer_file(rr)
     check_tokenizer(tokenizer)
-    # every prompt of the run fits max_seq_len (exactly for lm-eval's stock gsm8k, whose prompts evals.data
-    # rebuilds; a bound for other tasks)
+    # every prompt of the run fits max_seq_len (exactly for lm-eval's stock gsm8k, whose prompts
+    # evals.tasks.gsm8k rebuilds; a bound for other tasks)
     check_prompt_room(tokenizer, gsm8k_dir(rr.run.eval.data_dir)[0], rr.run.eval.num_fewshot,
                       rr.run.eval.max_gen_toks, rr.entry.max_seq_len, draft_len=rr.draft_len,
                       limit=rr.run.eval.limit, exact=get_task(rr.run.eval.name).lm_eval_task == PROMPTS_TASK)
