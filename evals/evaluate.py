@@ -288,10 +288,6 @@ def output_health(samples: list[dict[str, Any]], answer_filter: str | None = "fl
     }
 
 
-def _target_answer(target: str) -> str:
-    return target.split("####")[-1].strip() if "####" in target else target.strip()
-
-
 def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
     write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
@@ -344,7 +340,8 @@ def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters
         task: the evals.task.TASKS row to run (its lm-eval task, version, filters).
 
     samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
-    "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
+    the task data's fields (`TaskData.sample_fields`; GSM8K's "question", "target": the reference answer text,
+    "target_answer": after "####"), "generated_text" (cut
     at the first stop string), "extracted": {"strict_match", "flexible_extract"} (each filter's answer,
     "[invalid]" when it finds none), "correct": {"strict_match": bool, "flexible_extract": bool},
     "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string",
@@ -429,9 +426,7 @@ def _sample_records(logged: list[dict[str, Any]], lm: GeneratingLM, task: EvalTa
                 "doc_id": doc_id,
                 "prompt_sha256": gen["prompt_sha256"],
                 "request_key": gen["key"],
-                "question": s["doc"]["question"],
-                "target": s["target"],
-                "target_answer": _target_answer(s["target"]),
+                **task.data.sample_fields(s["doc"], s["target"]),
                 "generated_text": gen["text"],
                 "extracted": {},
                 "correct": {},

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from evals.tasks import gsm8k
 from registry.errors import UserError
@@ -55,6 +56,8 @@ class TaskData:
     load_error(err, folder) -> UserError: the error of a failed lm-eval task load over `folder` (None: the
         hub), raised from `err`.
     fewshot_seed: lm-eval's fewshot_random_seed of the run (its default; the few-shot draw depends on it).
+    sample_fields(doc, target) -> dict: the task's fields of a scored sample (samples.jsonl) from lm-eval's
+        logged document and target text.
     """
 
     files: Callable[[str | os.PathLike | None], Path | None]
@@ -62,11 +65,13 @@ class TaskData:
     hub: str
     load_error: Callable[[Exception, Path | None], UserError]
     fewshot_seed: int
+    sample_fields: Callable[[Mapping[str, Any], str], dict[str, Any]]
 
 
 # GSM8K's data (evals/tasks/gsm8k.py): a local folder of train.jsonl / test.jsonl, else the hub dataset
 GSM8K_DATA = TaskData(files=gsm8k.gsm8k_files, metadata_key=gsm8k.DATA_KEY, hub=gsm8k.HUB_DATASET,
-                      load_error=gsm8k.load_error, fewshot_seed=gsm8k.FEWSHOT_SEED)
+                      load_error=gsm8k.load_error, fewshot_seed=gsm8k.FEWSHOT_SEED,
+                      sample_fields=gsm8k.sample_fields)
 
 
 @dataclass(frozen=True)

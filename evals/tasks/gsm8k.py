@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -296,3 +297,11 @@ def load_gsm8k(**metadata: Any) -> Any:
             "train.jsonl and test.jsonl (or use the task gsm8k, which reads the hub dataset)",
         )
     return datasets.load_dataset("json", data_files={s: str(path / f"{s}.jsonl") for s in SPLITS})
+
+
+def sample_fields(doc: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """GSM8K's fields of a scored sample (samples.jsonl), from lm-eval's logged document and target:
+    "question", "target" (the reference solution text) and "target_answer" (the text after its last
+    ANSWER_MARKER, the final answer lm-eval's filters are compared with; the whole text without one)."""
+    answer = target.split(ANSWER_MARKER)[-1].strip() if ANSWER_MARKER in target else target.strip()
+    return {"question": doc["question"], "target": target, "target_answer": answer}
