@@ -356,7 +356,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                                                     results["timings"]["compile_seconds"])
     results["timings"]["compile_graphs"] = getattr(engine, "compile_graphs",
                                                    results["timings"].get("compile_graphs", 0))
-    if rr.run.eval.limit is not None and results["gsm8k"]["n"] < GSM8K_TEST_ROWS:
+    scored = results[get_task(rr.run.eval.name).section]["n"]  # the task row's section holds the scores
+    if rr.run.eval.limit is not None and scored < GSM8K_TEST_ROWS:
         results["projection"] = full_run_projection(results["timings"], results["generation"],
                                                     max_gen_toks=rr.run.eval.max_gen_toks,
                                                     max_batch_size=rr.max_batch_size)
