@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from evals.outdir import JOB_STATUS_FILE
-from evals.task import task_of_results
+from evals.task import DEFAULT_TASK, TASKS, get_task, task_of_results
 
 SUMMARY_FILE = "sweep_summary.md"
 
@@ -96,6 +96,7 @@ class JobRow:
     error: str | None = None  # the error / crash line of a refused or crashed job
     # exit 0 without a judged check (verdict.passed None: no baseline row, or dummy weights): "no reference"
     no_reference: bool = False
+    task: str | None = None  # the task row whose scores `scores` shows (evals.task), None without results
 
 
 def _pct(x: Any) -> str:
@@ -185,7 +186,8 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         if error:  # a refused or crashed job (also one that crashed after writing results.json)
             verdict = "CRASH" if error.startswith("crash:") else f"ERROR (exit {code})"
         rows.append(JobRow(folder, str(entry), overrides, scores, acceptance, verdict, code,
-                           job.get("job_num"), error, no_reference))
+                           job.get("job_num"), error, no_reference,
+                           task_of_results(results).name if results is not None else None))
     rows.sort(key=lambda r: (r.job_num is None, r.job_num if r.job_num is not None else 0, str(r.folder)))
     return rows
 
@@ -200,12 +202,22 @@ class Summary:
     text: str
 
 
+def _scores_header(jobs: list[JobRow]) -> str:
+    """The scores column's header: the task row's title and short score labels when every job with results
+    ran one row (the default row's when none has results), else "scores"."""
+    names = {j.task for j in jobs if j.task is not None}
+    if len(names) > 1:
+        return "scores"
+    task = get_task(names.pop()) if names else TASKS[DEFAULT_TASK]
+    return f"{task.shown_title} {' / '.join(task.short_labels[k] for k in task.filters)}"
+
+
 def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:
     """The jobs as an aligned Markdown table, preceded by the overrides every job shares."""
     settings_of = [[o for o in j.overrides if not o.lstrip("+~").startswith(("model=", "experiment="))]
                    for j in jobs]
     common = [o for o in settings_of[0] if all(o in s for s in settings_of)] if jobs else []
-    header = ["job", "entry", "settings", "GSM8K strict / flex", "acceptance rate / length", "verdict",
+    header = ["job", "entry", "settings", _scores_header(jobs), "acceptance rate / length", "verdict",
               "folder"]
     table = [header]
     for i, (j, settings) in enumerate(zip(jobs, settings_of)):

@@ -99,6 +99,7 @@ class EvalTask:
     title: the task's name in reports and plots.
     score_labels: score key -> its label in reports (default: lm-eval's filter names, `filters`).
     score_unit: what a score is, in the report's tables (percent of samples).
+    score_short_labels: score key -> a short label for narrow tables (a sweep's summary; default: `labels`).
     mean_score: the report adds a row with the mean of the scores (the "bernoulli" check's default metric).
     score_check: one of SCORE_CHECKS: how the verdict judges the scores.
     score_floors: score key -> lowest passing fraction in [0, 1], for score_check "floor".
@@ -123,6 +124,7 @@ class EvalTask:
     title: str = ""
     score_labels: Mapping[str, str] | None = None
     score_unit: str = "exact match (%)"
+    score_short_labels: Mapping[str, str] | None = None
     mean_score: bool = False
     score_check: str = "bernoulli"
     score_floors: Mapping[str, float] = field(default_factory=dict)
@@ -152,6 +154,11 @@ class EvalTask:
         return self.score_labels if self.score_labels is not None else self.filters
 
     @property
+    def short_labels(self) -> Mapping[str, str]:
+        """Score key -> its short label (narrow tables)."""
+        return self.score_short_labels if self.score_short_labels is not None else self.labels
+
+    @property
     def shown_title(self) -> str:
         """The task's name in reports: `title`, else `name`."""
         return self.title or self.name
@@ -171,7 +178,8 @@ class EvalTask:
 # against the row's baseline file, every health check (answers: a number flexible-extract reads), the
 # scores' table and the accuracy plot.
 _GSM8K_DECLARATIONS: Mapping[str, object] = MappingProxyType(dict(
-    section="gsm8k", title="GSM8K", mean_score=True, score_check="bernoulli", health_checks=HEALTH_CHECKS,
+    section="gsm8k", title="GSM8K", score_short_labels={"strict_match": "strict", "flexible_extract": "flex"},
+    mean_score=True, score_check="bernoulli", health_checks=HEALTH_CHECKS,
     answer_filter="flexible_extract", report_sections=REPORT_SECTIONS, data=GSM8K_DATA))
 
 TASKS: Mapping[str, EvalTask] = MappingProxyType({t.name: t for t in (

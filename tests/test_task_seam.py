@@ -20,7 +20,7 @@ import evals.task
 from evals import history
 from evals.report import PLOT_ACCURACY, format_console, render_markdown, write_report
 from evals.results import RESULTS_SCHEMA_VERSION
-from evals.sweep import collect_jobs
+from evals.sweep import collect_jobs, format_table
 from evals.task import EvalTask, task_of_results
 from evals.verdict import FAIL, PASS, evaluate_verdict
 
@@ -127,7 +127,9 @@ def test_the_sweep_table_and_the_history_read_the_tasks_section(echo_task, tmp_p
     (job / "results.json").write_text(json.dumps(res))
     (job / "job.json").write_text(json.dumps({"exit_code": 0, "sweep_dir": str(tmp_path / "sweep")}))
     (row,) = collect_jobs(tmp_path / "sweep")
-    assert row.scores == "55.00 % (n=10)"
+    assert row.scores == "55.00 % (n=10)" and row.task == "echo"
+    table = format_table([row], tmp_path / "sweep")
+    assert "| Echo chrF " in table and "GSM8K" not in table
 
     db = tmp_path / "history.db"
     history.import_runs([job], db)
