@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from evals.outdir import JOB_STATUS_FILE
-from evals.task import DEFAULT_TASK, TASKS, get_task, task_of_results
+from evals.task import DEFAULT_TASK, TASKS, EvalTask, get_task, task_of_results
 
 SUMMARY_FILE = "sweep_summary.md"
 
@@ -203,13 +203,13 @@ class Summary:
 
 
 def _scores_header(jobs: list[JobRow]) -> str:
-    """The scores column's header: the task row's title and short score labels when every job with results
-    ran one row (the default row's when none has results), else "scores"."""
-    names = {j.task for j in jobs if j.task is not None}
-    if len(names) > 1:
-        return "scores"
-    task = get_task(names.pop()) if names else TASKS[DEFAULT_TASK]
-    return f"{task.shown_title} {' / '.join(task.short_labels[k] for k in task.filters)}"
+    """The scores column's header: the task rows' title and short score labels when every job with results
+    ran a row of the same header (the default row's when none has results), else "scores"."""
+    def header(task: EvalTask) -> str:
+        return f"{task.shown_title} {' / '.join(task.short_labels[k] for k in task.filters)}"
+
+    headers = {header(get_task(j.task)) for j in jobs if j.task is not None} or {header(TASKS[DEFAULT_TASK])}
+    return headers.pop() if len(headers) == 1 else "scores"
 
 
 def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:

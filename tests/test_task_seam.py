@@ -9,6 +9,7 @@ none of GSM8K's section, checks or plot appear.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from types import MappingProxyType
@@ -130,6 +131,9 @@ def test_the_sweep_table_and_the_history_read_the_tasks_section(echo_task, tmp_p
     assert row.scores == "55.00 % (n=10)" and row.task == "echo"
     table = format_table([row], tmp_path / "sweep")
     assert "| Echo chrF " in table and "GSM8K" not in table
+    gsm8k_row = dataclasses.replace(row, task="gsm8k_cot")
+    assert "| scores " in format_table([row, gsm8k_row], tmp_path / "sweep")  # two rows' scores: no title
+    assert "| GSM8K strict / flex " in format_table([gsm8k_row], tmp_path / "sweep")
 
     db = tmp_path / "history.db"
     history.import_runs([job], db)
