@@ -49,11 +49,11 @@ def gsm8k_prompts(checkpoint: Path, n: int, data_dir: str | None = None) -> list
     task (5-shot, few-shot seed 1234) on the local GSM8K files, encoded with the checkpoint's tokenizer."""
     from tokenizers import Tokenizer
 
-    from evals.data import gsm8k_dir
-    from evals.gsm8k import FEWSHOT_SEED, load_gsm8k_task
+    from evals.evaluate import load_task
+    from evals.tasks.gsm8k import FEWSHOT_SEED, gsm8k_dir
 
     folder, _ = gsm8k_dir(data_dir)
-    task, _, _ = load_gsm8k_task(folder)
+    task, _, _ = load_task(folder)
     task.set_config(key="num_fewshot", value=5)
     task.set_fewshot_seed(seed=FEWSHOT_SEED)
     task.build_all_requests(limit=n, rank=0, world_size=1)

@@ -128,7 +128,7 @@ def compare_generations(a: dict[str, dict], b: dict[str, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from evals.data import gsm8k_dir
+    from evals.tasks.gsm8k import gsm8k_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ref", default=None, help="a commit to run beside this checkout (e.g. HEAD~3, main)")

@@ -16,14 +16,14 @@ def gsm8k_prompt_ids(tokenizer_path: Path | str, n: int, length: int,
 
     Each prompt is BOS (id 1) then "Question: ...\\nAnswer: ...\\n\\n" runs of GSM8K test rows through the
     tokenizer at ``tokenizer_path``, prompt i starting at row i and taking every n-th row after it, cut at
-    ``length``. The data folder is the project's lookup (evals.data.gsm8k_dir: eval.data_dir / $GSM8K_DIR /
+    ``length``. The data folder is the project's lookup (evals.tasks.gsm8k.gsm8k_dir: eval.data_dir / $GSM8K_DIR /
     ../shared), then ``.device/gsm8k`` (the GPU machine's carried copy). Without a GSM8K copy: uniform random
     ids in [3, vocab_size) from a fixed seed.
     """
     import torch
     from tokenizers import Tokenizer
 
-    from evals.data import gsm8k_dir
+    from evals.tasks.gsm8k import gsm8k_dir
 
     for d in (gsm8k_dir()[0], REPO / ".device/gsm8k"):
         if d and (Path(d) / "test.jsonl").is_file():

@@ -24,9 +24,7 @@ from typing import Any
 
 from scipy.stats import binomtest
 
-from evals.gsm8k import SAMPLES_FILE
-from evals.lm_adapter import GENERATIONS_FILE
-from evals.outdir import write_atomic
+from evals.outdir import GENERATIONS_FILE, SAMPLES_FILE, write_atomic
 from evals.results import load_format, read_results
 from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
 from registry.errors import UserError
@@ -335,7 +333,7 @@ def compare_runs(
 def load_run_samples(run_dir: str | Path, *, id_key: str = "doc_id") -> dict[Any, dict[str, Any]]:
     """A run folder's per-sample records in compare_runs' form: {id: {id_key, <filter>: bool, "tokens"}}.
 
-    Reads run_dir/samples.jsonl as evals.gsm8k writes it (correctness under `correct: {filter: bool}`) or in
+    Reads run_dir/samples.jsonl as the evaluator writes it (correctness under `correct: {filter: bool}`) or in
     the flat form (`<filter>` at top level), and joins the generated token ids from run_dir/generations.jsonl
     (`generated_ids`, matched on the sample's `request_key`) when the record carries no `tokens` itself.
 

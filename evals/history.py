@@ -40,7 +40,7 @@ from typing import Any
 
 from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from evals.results import RESULTS_FILE, load_format, read_results
-from evals.task import DEFAULT_TASK
+from evals.task import DEFAULT_TASK, task_of_results
 from registry.errors import UserError
 from registry.schema import LoadFormat
 
@@ -291,7 +291,7 @@ def setting_label(config: Mapping[str, Any]) -> str:
 
     Mode: "compare" (compare=replay), "replay" / "rewind" (SSM replay on / off), "greedy" (draft_len 0);
     then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind,
-    the task when it is not the default gsm8k (evals.task: another task's scores are another trend line),
+    the task when it is not the default row (evals.task: another task's scores are another trend line),
     and "load=<format>" when the weights were not read from the checkpoint (model.load_format=dummy: random
     weights, whose speed and scores must not join the real runs' trend; a config without the field, from an
     older run, read the checkpoint).
@@ -449,9 +449,10 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
         machine = res.get("machine") if isinstance(res.get("machine"), dict) else (
             machine_info() if source == "run" else {})
     c = res["config"]
-    g = res.get("gsm8k") or {}
+    section = task_of_results(res).section  # the run's task row: where its scores and score check are
+    g = res.get(section) or {}
     acc = res.get("acceptance") or {}
-    gcheck, rate = _check(res, "gsm8k."), _check(res, "acceptance.rate")
+    gcheck, rate = _check(res, section + "."), _check(res, "acceptance.rate")
     length = _check(res, "acceptance.length")
     verdict = res.get("verdict") or {}
     memory = res.get("memory") or {}
@@ -533,7 +534,7 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
 def _sample_rows(folder: Path) -> dict[str, Any] | None:
     """Per-sample correctness and token hashes of a single run's folder; None without samples.jsonl."""
     from evals.compare import ComparisonError, load_run_samples
-    from evals.gsm8k import SAMPLES_FILE
+    from evals.outdir import SAMPLES_FILE
 
     if not (folder / SAMPLES_FILE).is_file():
         return None

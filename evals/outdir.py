@@ -23,7 +23,7 @@
   atomic): a run interrupted while writing, or a full disk, leaves the previous complete file, never a
   truncated one. Every result file (results.json, summary.md, the plots, samples.jsonl, comparison.json,
   generations.meta.json) goes through it; the append-only generations.jsonl is fsync'd line by line instead
-  (evals.lm_adapter.GenerationStore).
+  (runners.app.lm_adapter.GenerationStore).
 
 Problems the user can fix (a folder under a file, no permission, a read-only file system, a full disk, a
 folder in use) raise registry.errors.UserError.
@@ -45,10 +45,11 @@ from typing import Any
 from registry.errors import UserError
 
 LOCK_FILE = ".run.lock"
-# A run's resume file (evals.lm_adapter.GenerationStore appends a line per finished request) and the files
-# beside it, <stem>.stats.jsonl (a line per generate call that returned) and <stem>.meta.json (the run's
+# A run's resume file (runners.app.lm_adapter.GenerationStore appends a line per finished request) and the
+# files beside it, <stem>.stats.jsonl (a line per generate call that returned) and <stem>.meta.json (the run's
 # fingerprint, written before any request): named here, below the store, for the unused-folder rule.
 GENERATIONS_FILE = "generations.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # one scored record per document, written once scoring is done
 STATS_SUFFIX = ".stats.jsonl"
 META_SUFFIX = ".meta.json"
 # A sweep job's status file in its run folder (evals.sweep writes it; it names the sweep folder, which

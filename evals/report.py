@@ -20,6 +20,7 @@ from typing import Any
 from evals.mpl import Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION, read_results
+from evals.task import EvalTask, task_of_results
 from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds, headline
 from registry.errors import UserError
 
@@ -28,7 +29,6 @@ PLOT_ACCURACY = "gsm8k_accuracy.png"
 PLOT_PER_POSITION = "acceptance_per_position.png"
 PLOT_LENGTH_HIST = "accepted_length_hist.png"
 
-_FILTER_LABELS = {"strict_match": "strict-match", "flexible_extract": "flexible-extract"}
 
 
 @dataclass
@@ -48,10 +48,11 @@ def _check_schema(results: Mapping[str, Any]) -> None:
         )
 
 
-def _gsm8k_check(results: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def _score_check(results: Mapping[str, Any], task: EvalTask) -> Mapping[str, Any] | None:
+    """The verdict's first check of the task's scores (named "<section>.<...>"), None without one."""
     verdict = results.get("verdict") or {}
     for check in verdict.get("checks", []):
-        if str(check.get("name", "")).startswith("gsm8k."):
+        if str(check.get("name", "")).startswith(task.section + "."):
             return check
     return None
 
@@ -131,41 +132,38 @@ def _grouped_bars(ax, categories: list[str], arms: list[tuple[str, list[float]]]
 
 
 def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
-    """GSM8K accuracy per filter (percent), with the reference and pass threshold as lines and the band
-    between them shaded when the verdict has a GSM8K reference. With a comparison: both arms side by side.
+    """The task's accuracy per score (percent), with the reference and pass threshold as lines and the band
+    between them shaded when the verdict has a reference. With a comparison: both arms side by side.
     A threshold at or below 0 % (too few samples) is neither drawn nor written as a number: the legend says
     there is no lower bound at this n, and the y axis never goes below 0 %.
 
-    Returns the PNG path, or None when the results have no gsm8k section.
+    Returns the PNG path, or None when the run's task (evals.task.task_of_results) declares no
+    "accuracy_plot" report section or the results have no section of its scores.
     """
-    gsm8k = results.get("gsm8k")
-    if not gsm8k:
+    task = task_of_results(results)
+    scores = results.get(task.section)
+    if not scores or "accuracy_plot" not in task.report_sections:
         return None
     comparison = results.get("comparison") or {}
     filters = comparison.get("filters") or {}
-    categories = [_FILTER_LABELS.get(k, k) for k in ("strict_match", "flexible_extract")]
-    if filters and all(k in filters for k in ("strict_match", "flexible_extract")):
+    keys = list(task.filters)
+    categories = [task.labels.get(k, k) for k in keys]
+    if filters and all(k in filters for k in keys):
         arms = [
-            (
-                comparison.get("label_a", "a"),
-                [filters[k]["accuracy_a"] for k in ("strict_match", "flexible_extract")],
-            ),
-            (
-                comparison.get("label_b", "b"),
-                [filters[k]["accuracy_b"] for k in ("strict_match", "flexible_extract")],
-            ),
+            (comparison.get("label_a", "a"), [filters[k]["accuracy_a"] for k in keys]),
+            (comparison.get("label_b", "b"), [filters[k]["accuracy_b"] for k in keys]),
         ]
     else:
-        arms = [("this run", [100.0 * gsm8k["strict_match"], 100.0 * gsm8k["flexible_extract"]])]
+        arms = [("this run", [100.0 * scores[k] for k in keys])]
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     _grouped_bars(ax, categories, arms)
-    check = _gsm8k_check(results)
+    check = _score_check(results, task)
     shown = [v for _, values in arms for v in values]
     if check is not None and check.get("reference") is not None:
         ref, thr = check["reference"], check["threshold"]
         metric = check.get("details", {}).get("metric", "")
-        n = gsm8k.get("n")
+        n = scores.get("n")
         if gsm8k_threshold_binds(thr):
             ax.axhspan(
                 thr,
@@ -194,8 +192,9 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
     # the reference and a drawn threshold all lie in [0, 100], and so does the axis.
     lo, hi = min(shown), max(shown)
     ax.set_ylim(max(0.0, lo - 10.0), min(100.0, hi + 5.0))
-    ax.set_ylabel("exact match (%)")
-    ax.set_title(plot_title(results, f"GSM8K, n = {gsm8k.get('n')} (y axis zoomed)"), fontsize=9)
+    ax.set_ylabel(task.score_unit)
+    title = f"{task.shown_title}, n = {scores.get('n')} (y axis zoomed)"
+    ax.set_title(plot_title(results, title), fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     return _save(fig, Path(path))
 
@@ -291,7 +290,8 @@ def format_console(results: Mapping[str, Any]) -> str:
     def num(x: float | None, unit: str = "") -> str:
         return "-" if x is None else f"{x:,.2f}{unit}"
 
-    c, g, t = results["config"], results["gsm8k"], results["timings"]
+    task = task_of_results(results)
+    c, g, t = results["config"], results[task.section], results["timings"]
     acc = results.get("acceptance") or {}
     mem = sum(v for v in results["memory"].values() if isinstance(v, int | float))
     resumed = results.get("resumed") or {}
@@ -311,11 +311,11 @@ def format_console(results: Mapping[str, Any]) -> str:
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
     ]
     if comparison:  # one column per arm, labelled the same way for both
-        rows += _arm_rows(comparison, g["n"])
+        rows += _arm_rows(comparison, g["n"], task)
     else:
         rows += [
-            ("GSM8K strict-match", f"{pct(g['strict_match'])} (n={g['n']})"),
-            ("GSM8K flexible-extract", pct(g["flexible_extract"])),
+            *((f"{task.shown_title} {task.labels[k]}", pct(g[k]) + (f" (n={g['n']})" if i == 0 else ""))
+              for i, k in enumerate(task.filters)),
             ("acceptance rate", pct(acc.get("rate"))),
             ("acceptance length", num(acc.get("length"), " tokens/step")),
         ]
@@ -346,7 +346,7 @@ def format_console(results: Mapping[str, Any]) -> str:
         rows.append(("resumed", f"{done} samples from disk, {new} generated now"))
     proj = results.get("projection")
     if proj:
-        rows.append((f"full GSM8K projected{arm}", _projection_note(proj)))
+        rows.append((f"full {task.shown_title} projected{arm}", _projection_note(proj)))
     verdict = results.get("verdict")
     if verdict:
         rows.append(("verdict", _headline(verdict)))
@@ -383,7 +383,7 @@ def _state_dtype(config: Mapping[str, Any]) -> str:
     return str(dtype or "?")
 
 
-def _arm_rows(comparison: Mapping[str, Any], n: int) -> list[tuple[str, str]]:
+def _arm_rows(comparison: Mapping[str, Any], n: int, task: EvalTask) -> list[tuple[str, str]]:
     """Console rows of a comparison: each quantity once, with both arms' values under their labels."""
     a, b = comparison.get("label_a", "a"), comparison.get("label_b", "b")
     filters = comparison.get("filters") or {}
@@ -396,10 +396,7 @@ def _arm_rows(comparison: Mapping[str, Any], n: int) -> list[tuple[str, str]]:
         return f"{a} {x:>10}   {b} {y:>10}"
 
     rows = [("arms", f"{a} (A, ssm_replay=false) vs {b} (B, ssm_replay=true), n={n} each")]
-    for key, label in (
-        ("strict_match", "GSM8K strict-match"),
-        ("flexible_extract", "GSM8K flexible-extract"),
-    ):
+    for key, label in ((k, f"{task.shown_title} {task.labels[k]}") for k in task.filters):
         f = filters.get(key) or {}
         rows.append((label, pair(pct(f.get("accuracy_a")), pct(f.get("accuracy_b")))))
     rows.append(("acceptance rate", pair(pct(acc.get("rate_a"), 100), pct(acc.get("rate_b"), 100))))
@@ -528,7 +525,8 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     _check_schema(results)
     plots = plots or {}
     entry = results.get("entry", "?")
-    out = [f"# {entry}: GSM8K and MTP acceptance", ""]
+    task = task_of_results(results)
+    out = [f"# {entry}: {task.shown_title} and MTP acceptance", ""]
     if (results.get("config") or {}).get("load_format") == "dummy":
         out += ["**Dummy weights** (`model.load_format=dummy`): random weights at the model's configuration "
                 f"({results['config'].get('config_source')}); speed and memory are real, no accuracy can be "
@@ -574,23 +572,9 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     out += ["## Verdict", ""]
     out += _verdict_lines(verdict) if verdict else ["No verdict was computed for this run.", ""]
 
-    gsm8k = results.get("gsm8k")
-    if gsm8k:
-        out += ["## GSM8K", ""]
-        stderr = gsm8k.get("stderr") or {}
-        rows = [
-            [
-                _FILTER_LABELS[k],
-                f"{100.0 * gsm8k[k]:.2f}",
-                "-" if stderr.get(k) is None else f"{100.0 * stderr[k]:.2f}",
-            ]
-            for k in ("strict_match", "flexible_extract")
-        ]
-        rows.append(["mean of both", f"{50.0 * (gsm8k['strict_match'] + gsm8k['flexible_extract']):.2f}", ""])
-        out += _table(["filter", "exact match (%)", "standard error (%)"], rows)
-        out += [f"Samples scored: {gsm8k.get('n')}", ""]
-        if PLOT_ACCURACY in plots:
-            out += [f"![GSM8K accuracy]({Path(plots[PLOT_ACCURACY]).name})", ""]
+    scores = results.get(task.section)
+    if scores and "scores" in task.report_sections:
+        out += _score_lines(scores, task, plots)
 
     health = results.get("health")
     if health:
@@ -660,7 +644,7 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
         out += _table(["quantity", "value"], [[k, _fmt(v, 3)] for k, v in timings.items()])
     proj = results.get("projection")
     if proj:
-        out += [f"## Full GSM8K projection{arm}", "",
+        out += [f"## Full {task.shown_title} projection{arm}", "",
                 f"Measured wall time {_fmt(timings.get('wall_seconds') if timings else None, 1)} s over "
                 f"{proj['measured_questions']} questions; at the measured rates the full set would take "
                 f"{_projection_note(proj)}.", ""]
@@ -668,7 +652,7 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
 
     comparison = results.get("comparison")
     if comparison:
-        out += _comparison_lines(comparison)
+        out += _comparison_lines(comparison, task)
 
     config = results.get("config")
     if config:
@@ -678,14 +662,36 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
     return "\n".join(out)
 
 
-def _comparison_lines(c: Mapping[str, Any]) -> list[str]:
+def _score_lines(scores: Mapping[str, Any], task: EvalTask, plots: Mapping[str, str | Path]) -> list[str]:
+    """summary.md's section of the task's scores ("scores"): one row per score (percent, standard error),
+    the mean of the scores when the task reports it, the samples scored, and the accuracy plot when written
+    (the "accuracy_plot" section)."""
+    keys = list(task.filters)
+    stderr = scores.get("stderr") or {}
+    rows = [
+        [task.labels[k], f"{100.0 * scores[k]:.2f}",
+         "-" if stderr.get(k) is None else f"{100.0 * stderr[k]:.2f}"]
+        for k in keys
+    ]
+    if task.mean_score:
+        label = "mean of both" if len(keys) == 2 else "mean of all"
+        rows.append([label, f"{100.0 / len(keys) * sum(scores[k] for k in keys):.2f}", ""])
+    out = [f"## {task.shown_title}", ""]
+    out += _table(["filter", task.score_unit, "standard error (%)"], rows)
+    out += [f"Samples scored: {scores.get('n')}", ""]
+    if PLOT_ACCURACY in plots and "accuracy_plot" in task.report_sections:
+        out += [f"![{task.shown_title} accuracy]({Path(plots[PLOT_ACCURACY]).name})", ""]
+    return out
+
+
+def _comparison_lines(c: Mapping[str, Any], task: EvalTask) -> list[str]:
     a, b = c.get("label_a", "a"), c.get("label_b", "b")
     out = [f"## Comparison: {a} (A) vs {b} (B), {c.get('n')} paired samples", ""]
     rows = []
     for f in (c.get("filters") or {}).values():
         rows.append(
             [
-                _FILTER_LABELS.get(f["filter"], f["filter"]),
+                task.labels.get(f["filter"], f["filter"]),
                 f"{f['accuracy_a']:.2f}",
                 f"{f['accuracy_b']:.2f}",
                 f"{f['delta']:+.2f}",
@@ -784,8 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # missing, not JSON: as evals.compare and evals.history say it
         print(e.format(), file=sys.stderr)
         return 2
-    if not {"entry", "gsm8k"} <= results.keys():
-        parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and 'gsm8k'; "
+    section = task_of_results(results).section
+    if not {"entry", section} <= results.keys():
+        parser.error(f"{args.results} is not a run's results.json (it needs 'entry' and '{section}'; "
                      "docs/results_schema.md)")
     out = args.out or args.results.parent
     try:

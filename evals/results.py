@@ -1,10 +1,9 @@
 """results.json of one run: what it holds (docs/results_schema.md) and how it is computed from an evaluation.
 
-`build_results` puts the resolved settings, the GSM8K scores, the acceptance statistics (from the engine's
-raw sums: runners.engine.stats.GenerationStats, the one definition of rate, length and per-position
-acceptance),
-memory and timings into one dict; evals.verdict adds the verdict, evals.report renders it, evals.compare
-pairs two of them. `read_results` is how every command reads a saved one back.
+`build_results` puts the resolved settings, the task's scores, the acceptance statistics (from the engine's
+raw sums, read through evals.stats.GenerationCounters: the one definition of rate, length and
+per-position acceptance), memory and timings into one dict; evals.verdict adds the verdict, evals.report
+renders it, evals.compare pairs two of them. `read_results` is how every command reads a saved one back.
 """
 
 from __future__ import annotations
@@ -15,17 +14,17 @@ import json
 import platform
 import socket
 import subprocess
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from evals.stats import GenerationCounters, counters_of
+from evals.task import task_of_results
 from registry.errors import UserError
 from registry.schema import REPO_ROOT, LoadFormat
-from runners.engine.stats import GenerationStats
 
-# 2: environment, gsm8k.stderr, health (non-finite outputs, degenerate generations), config.ssm_state_dtype,
-# verdict.headline, git_dirty counting untracked files under registry/ and configs/; acceptance counts only
-# what was committed to the output (runners.engine.stats.GenerationStats).
+# 2: environment, the scores' stderr, health (non-finite outputs, degenerate generations),
+# config.ssm_state_dtype, verdict.headline, git_dirty counting untracked files under registry/ and configs/;
+# acceptance counts only what was committed to the output (the engine's GenerationStats).
 RESULTS_SCHEMA_VERSION = 2  # readers (evals/report.py) refuse other versions
 RESULTS_FILE = "results.json"
 GSM8K_TEST_ROWS = 1319  # questions of GSM8K's test split: the full run a projection is for
@@ -101,32 +100,31 @@ def _rate(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def acceptance_section(stats: dict[str, Any], draft_len: int) -> dict[str, Any] | None:
+def acceptance_section(stats: dict[str, Any], draft_len: int, counters: type[GenerationCounters]
+                       ) -> dict[str, Any] | None:
     """results.json `acceptance`: GenerationStats.acceptance() of the scored requests' summed counters, with
     the run's draft length K and `requests_without_stats` (scored requests of a killed and resumed part whose
     steps are missing from the sums); None when speculation is off (K = 0).
 
-    stats: the evaluation's `generation` dict (evals.gsm8k.scored_stats: GenerationStats fields and more).
+    stats: the evaluation's `generation` dict (evals.evaluate.scored_stats: the counters' fields and more).
     """
     if draft_len == 0:
         return None
-    names = {f.name for f in fields(GenerationStats)}
-    counters = GenerationStats.from_dict({k: v for k, v in stats.items() if k in names})
-    return {"draft_len": draft_len, **counters.acceptance(),
+    return {"draft_len": draft_len, **counters_of(stats, counters).acceptance(),
             "requests_without_stats": int(stats.get("requests_without_stats", 0))}
 
 
-def prefix_cache_section(stats: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+def prefix_cache_section(stats: dict[str, Any], config: dict[str, Any], counters: type[GenerationCounters]
+                         ) -> dict[str, Any]:
     """results.json `prefix_cache`: whether it was on (``enabled``) and its limit (``max_bytes``, from the
     config's runtime settings), with GenerationStats.prefix_cache() of the evaluation's sums (per-request
     lookups and hits of the scored requests; stores and evictions of every generate call of the folder).
 
     stats: the evaluation's `generation` dict; config: the resolved settings (``prefix_cache``,
     ``prefix_cache_bytes``, ``prefix_cache_off_reason``: why it was off, None when on)."""
-    names = {f.name for f in fields(GenerationStats)}
-    counters = GenerationStats.from_dict({k: v for k, v in stats.items() if k in names})
     return {"enabled": bool(config.get("prefix_cache", False)), "max_bytes": config.get("prefix_cache_bytes"),
-            "off_reason": config.get("prefix_cache_off_reason"), **counters.prefix_cache()}
+            "off_reason": config.get("prefix_cache_off_reason"),
+            **counters_of(stats, counters).prefix_cache()}
 
 
 def build_results(
@@ -141,17 +139,18 @@ def build_results(
     load_seconds: float,
     eval_seconds: float,
     load: dict[str, Any] | None = None,
+    counters: type[GenerationCounters],
 ) -> dict[str, Any]:
     """The results dict of one evaluated arm, without its verdict (docs/results_schema.md).
 
     config: the resolved settings (registry.resolve.ResolvedRun.to_dict(), with the backend that ran).
-    evaluation: the evals.gsm8k.GSM8KResult. memory: engine.cache_memory(). Seconds: loading the engine and
-    evaluating. load: the engine's load report (runners.engine.memory.LoadReport.to_dict(): seconds, weight
-    / cache
-    bytes, host and device peaks), None when the engine was not loaded from a checkpoint. Throughputs divide
-    the tokens of every generate call of the folder by the seconds of those same calls (timing_* of the
-    generation stats).
+    evaluation: the evals.evaluate.EvalResult (its `task` names the task row whose section holds the
+    scores). memory: engine.cache_memory(). Seconds: loading the engine and evaluating. load: the engine's
+    load report (runners.engine.memory.LoadReport.to_dict(): seconds, weight / cache bytes, host and device
+    peaks), None when the engine was not loaded from a checkpoint. Throughputs divide the tokens of every
+    generate call of the folder by the seconds of those same calls (timing_* of the generation stats).
     """
+    task = task_of_results({"task": dict(evaluation.task)})
     stats = dict(evaluation.stats)
     prefill_s, decode_s = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
     commit, dirty = git_commit()
@@ -166,14 +165,15 @@ def build_results(
         "git_commit": commit,
         "git_dirty": dirty,
         "environment": environment(str(config.get("device", "cpu"))),
-        "gsm8k": {**{k: evaluation.scores[k] for k in ("strict_match", "flexible_extract", "n")},
-                  "stderr": {k: stderr.get(k) for k in ("strict_match", "flexible_extract")}},
+        # the task's scores (its section: {<score key>: fraction, ..., n, stderr})
+        task.section: {**{k: evaluation.scores[k] for k in (*task.filters, "n")},
+                       "stderr": {k: stderr.get(k) for k in task.filters}},
         # what would make any score meaningless: non-finite model outputs, degenerate generations
         "health": {"nonfinite": stats.get("nonfinite"), "outputs": outputs or None},
         # lm-eval task version, few-shot settings, lm-eval version and the data source actually read
         "task": dict(evaluation.task),
-        "acceptance": acceptance_section(stats, draft_len),
-        "prefix_cache": prefix_cache_section(stats, config),
+        "acceptance": acceptance_section(stats, draft_len, counters),
+        "prefix_cache": prefix_cache_section(stats, config, counters),
         "memory": {k: int(v) for k, v in memory.items()},
         "load": load,
         "timings": {

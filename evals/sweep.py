@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from evals.outdir import JOB_STATUS_FILE
+from evals.task import DEFAULT_TASK, TASKS, EvalTask, get_task, task_of_results
 
 SUMMARY_FILE = "sweep_summary.md"
 
@@ -87,7 +88,7 @@ class JobRow:
     folder: Path
     entry: str
     overrides: list[str]
-    gsm8k: str
+    scores: str
     acceptance: str
     verdict: str
     exit_code: int
@@ -95,6 +96,7 @@ class JobRow:
     error: str | None = None  # the error / crash line of a refused or crashed job
     # exit 0 without a judged check (verdict.passed None: no baseline row, or dummy weights): "no reference"
     no_reference: bool = False
+    task: str | None = None  # the task row whose scores `scores` shows (evals.task), None without results
 
 
 def _pct(x: Any) -> str:
@@ -161,8 +163,9 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         entry = job.get("entry") or (results or {}).get("entry") or next(
             (o.split("=", 1)[1] for o in overrides if o.startswith("model=")), "?")
         if results is not None:
-            g = results.get("gsm8k") or {}
-            gsm8k = f"{_pct(g.get('strict_match'))} / {_pct(g.get('flexible_extract'))} % (n={g.get('n')})"
+            task = task_of_results(results)
+            g = results.get(task.section) or {}
+            scores = f"{' / '.join(_pct(g.get(k)) for k in task.filters)} % (n={g.get('n')})"
             acc = results.get("acceptance") or {}
             rate, length = acc.get("rate"), acc.get("length")
             if isinstance(rate, float) and isinstance(length, float):
@@ -174,7 +177,7 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
             code = int(job.get("exit_code", 1 if passed is False else 0))
             no_reference = code == 0 and passed is None and not job.get("error")
         else:
-            gsm8k = acceptance = "-"
+            scores = acceptance = "-"
             no_reference = False
             code = int(job.get("exit_code", 1))
             verdict = ("no results.json in the job folder (out_dir= elsewhere?)" if job
@@ -182,8 +185,9 @@ def collect_jobs(sweep_dir: str | os.PathLike) -> list[JobRow]:
         error = str(job["error"]).splitlines()[0] if job.get("error") else None
         if error:  # a refused or crashed job (also one that crashed after writing results.json)
             verdict = "CRASH" if error.startswith("crash:") else f"ERROR (exit {code})"
-        rows.append(JobRow(folder, str(entry), overrides, gsm8k, acceptance, verdict, code,
-                           job.get("job_num"), error, no_reference))
+        rows.append(JobRow(folder, str(entry), overrides, scores, acceptance, verdict, code,
+                           job.get("job_num"), error, no_reference,
+                           task_of_results(results).name if results is not None else None))
     rows.sort(key=lambda r: (r.job_num is None, r.job_num if r.job_num is not None else 0, str(r.folder)))
     return rows
 
@@ -198,12 +202,22 @@ class Summary:
     text: str
 
 
+def _scores_header(jobs: list[JobRow]) -> str:
+    """The scores column's header: the task rows' title and short score labels when every job with results
+    ran a row of the same header (the default row's when none has results), else "scores"."""
+    def header(task: EvalTask) -> str:
+        return f"{task.shown_title} {' / '.join(task.short_labels[k] for k in task.filters)}"
+
+    headers = {header(get_task(j.task)) for j in jobs if j.task is not None} or {header(TASKS[DEFAULT_TASK])}
+    return headers.pop() if len(headers) == 1 else "scores"
+
+
 def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:
     """The jobs as an aligned Markdown table, preceded by the overrides every job shares."""
     settings_of = [[o for o in j.overrides if not o.lstrip("+~").startswith(("model=", "experiment="))]
                    for j in jobs]
     common = [o for o in settings_of[0] if all(o in s for s in settings_of)] if jobs else []
-    header = ["job", "entry", "settings", "GSM8K strict / flex", "acceptance rate / length", "verdict",
+    header = ["job", "entry", "settings", _scores_header(jobs), "acceptance rate / length", "verdict",
               "folder"]
     table = [header]
     for i, (j, settings) in enumerate(zip(jobs, settings_of)):
@@ -212,7 +226,7 @@ def format_table(jobs: list[JobRow], sweep_dir: Path) -> str:
             folder = str(j.folder.relative_to(sweep_dir)) or "."
         except ValueError:
             folder = str(j.folder)
-        table.append([str(j.job_num if j.job_num is not None else i), j.entry, own, j.gsm8k, j.acceptance,
+        table.append([str(j.job_num if j.job_num is not None else i), j.entry, own, j.scores, j.acceptance,
                       j.verdict, folder])
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]
 

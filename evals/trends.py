@@ -32,6 +32,7 @@ from typing import Any
 
 from evals.mpl import AutoDateLocator, DateFormatter, Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir
+from evals.task import task_of_setting
 from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds
 
 HTML_NAME = "index.html"
@@ -225,13 +226,13 @@ def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], pat
 def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -> Figure:
     """The figure of :func:`plot_series`.
 
-    GSM8K: the judged score (percent), the reference (solid) and each run's pass threshold (dashed steps:
-    the threshold depends on the run's sample count n); a threshold at or below 0 % (a run of a few
-    questions, whose check cannot fail) is not drawn, so never stretches the axis below 0: the legend says
-    there is no lower bound at those n. Acceptance rate: the value and its floor; acceptance length: the
-    value, its floor and reference. Runs of different n are separate series (by_sample_count), each labelled
-    with its n, their markers larger with n; a run whose verdict failed is drawn as a red cross. The x axis
-    reads date and time of each tick (UTC).
+    The task's score (its row's title and unit: evals.task.task_of_setting): the judged score, the reference
+    (solid) and each run's pass threshold (dashed steps: the threshold depends on the run's sample count n); a
+    threshold at or below 0 % (a run of a few questions, whose check cannot fail) is not drawn, so never
+    stretches the axis below 0: the legend says there is no lower bound at those n. Acceptance rate: the value
+    and its floor; acceptance length: the value, its floor and reference. Runs of different n are separate
+    series (by_sample_count), each labelled with its n, their markers larger with n; a run whose verdict
+    failed is drawn as a red cross. The x axis reads date and time of each tick (UTC).
     """
     has_acc = any(r.get("acceptance_rate") is not None for r in runs)
     panels = 3 if has_acc else 1
@@ -279,7 +280,10 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
         "pass threshold (per run's n)"
     # where no threshold binds there is no line to label: a legend line alone says why
     note = [f"pass threshold: {NO_LOWER_BOUND} (n={unbound})"] if unbound and not any(thresholds) else []
-    draw(axes[0], gsm8k_value, "GSM8K (mean of the filters)", "exact match (%)",
+    task = task_of_setting(setting)  # the series' task row: its title and score unit
+    score = f"{task.shown_title} (mean of the filters)" if task.mean_score else task.shown_title
+    unit = task.score_unit if task.score_check == "bernoulli" else "fraction"  # a floor check's value
+    draw(axes[0], gsm8k_value, score, unit,
          [([r.get("gsm8k_reference") for r in runs], "reference", "-"),
           (thresholds, threshold_label, "--")], note)
     axes[0].set_title(f"{entry} | {setting}", fontsize=10)

@@ -1,6 +1,7 @@
-"""Pass/fail verdicts of one run against its baselines: GSM8K accuracy and MTP acceptance floors.
+"""Pass/fail verdicts of one run against its baselines: its task's score checks, health, acceptance floors.
 
-GSM8K uses the one-sided hypothesis test of TensorRT-LLM's accuracy suite
+The checks a run gets are what its task row declares (evals.task.EvalTask: score_check, health_checks). An
+accuracy ("bernoulli", GSM8K's) uses the one-sided hypothesis test of TensorRT-LLM's accuracy suite
 (tests/integration/defs/accuracy/README.md there): the run's accuracy is a mean of n Bernoulli scores whose
 standard deviation is at most sigma = 50 (percent points), so the difference of two such means has standard
 error scale = sqrt(2 sigma^2 / n). With false-failure rate alpha and missed-regression rate beta,
@@ -23,7 +24,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from evals.task import DEFAULT_TASK, TASKS, EvalTask
+from evals.task import DEFAULT_TASK, HEALTH_CHECKS, TASKS, EvalTask
 from registry.baselines import (
     AcceptanceReference,
     BaselineError,
@@ -39,8 +40,8 @@ DEFAULT_BETA = 0.2  # probability that a regression of theta passes
 PASS, FAIL, NO_REFERENCE = "pass", "fail", "no_reference"
 DUMMY_NOTE = "dummy weights (model.load_format=dummy): no accuracy can be judged"
 
-# Health thresholds (evals.gsm8k.output_health counts them). A trained model with a GSM8K prompt writes text,
-# varies its tokens and produces a number somewhere; a broken one (NaN weights decoding to token 0, a
+# Health thresholds (evals.evaluate.output_health counts them). A trained model with a GSM8K prompt writes
+# text, varies its tokens and produces a number somewhere; a broken one (NaN weights decoding to token 0, a
 # collapsed model) fails whatever its GSM8K score: the tiny models of this repository, at 2 % accuracy, have
 # no empty generation and an extractable number in most.
 MAX_EMPTY_FRACTION = 0.5  # fail when more than half the generations are empty (no text before the stop)
@@ -190,7 +191,8 @@ def is_health(name: str) -> bool:
 
 def headline(status: str, checks: list[tuple[str, str]]) -> str:
     """Verdict.headline from a status and (check name, check status) pairs (also for a saved verdict).
-    A check's kind is its name without the last part (`gsm8k`, `acceptance`, `rewind.acceptance`)."""
+    A check's kind is its name without the last part (the task's section, `acceptance`,
+    `rewind.acceptance`)."""
     word = {PASS: "PASS", FAIL: "FAIL", NO_REFERENCE: "NO REFERENCE"}.get(status, "?")
     failed = [name for name, st in checks if st == FAIL]
     if failed:
@@ -203,22 +205,25 @@ def headline(status: str, checks: list[tuple[str, str]]) -> str:
     return word
 
 
-def check_health(health: dict[str, Any] | None) -> list[Check]:
-    """Checks that need no reference and can fail at any n, from results.json `health`:
+def check_health(health: dict[str, Any] | None, kinds: tuple[str, ...] = HEALTH_CHECKS,
+                 answer_label: str = "flexible-extract") -> list[Check]:
+    """Checks that need no reference and can fail at any n, from results.json `health`, those of `kinds`
+    (evals.task.HEALTH_CHECKS; a task row's `health_checks`):
 
     - ``health.finite``: no model output held NaN / infinite values in any forward (the engine's per-layer
       flags); the note names where they first appeared;
     - ``health.empty``: at most MAX_EMPTY_FRACTION of the generations are empty;
     - ``health.repeated_token``: at most MAX_REPEATED_FRACTION of them repeat one token id;
     - ``health.answers``: at least MIN_ANSWERED of the generations that ended on their own (not cut by
-      max_gen_toks) has an answer flexible-extract can read; absent when every generation was cut.
+      max_gen_toks) has an answer the task's answer filter (`answer_label`) can read; absent when every
+      generation was cut.
     A results dict without a `health` section (or without `outputs`) gets the checks it has data for.
     """
     if not health:
         return []
     checks = []
     nonfinite = list(health.get("nonfinite") or [])
-    if health.get("nonfinite") is not None:
+    if health.get("nonfinite") is not None and "finite" in kinds:
         note = (
             f"NaN / infinite values first in {nonfinite[0]}"
             + (
@@ -248,6 +253,8 @@ def check_health(health: dict[str, Any] | None) -> list[Check]:
             ("health.empty", "empty", MAX_EMPTY_FRACTION, "empty"),
             ("health.repeated_token", "repeated_token", MAX_REPEATED_FRACTION, "one token id repeated"),
         ):
+            if key not in kinds:
+                continue
             frac = out[key] / n
             checks.append(
                 Check(
@@ -264,7 +271,7 @@ def check_health(health: dict[str, Any] | None) -> list[Check]:
         # judged on the generations that ended on their own: one cut by max_gen_toks may not have reached
         # its answer yet (a short eval.max_gen_toks cuts them all; then there is nothing to judge)
         ended = int(out.get("ended", n))
-        if ended:
+        if ended and "answers" in kinds:
             answered = ended - int(out.get("ended_no_answer", out["no_answer"]))
             checks.append(
                 Check(
@@ -275,7 +282,7 @@ def check_health(health: dict[str, Any] | None) -> list[Check]:
                     PASS if answered >= MIN_ANSWERED else FAIL,
                     "samples",
                     f"{answered} of {ended} generations that ended before max_gen_toks hold a number "
-                    f"flexible-extract reads; pass if at least {MIN_ANSWERED}",
+                    f"{answer_label} reads; pass if at least {MIN_ANSWERED}",
                     {"no_answer": out["no_answer"], "ended": ended, "n": n},
                 )
             )
@@ -294,7 +301,7 @@ def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -
     for name, v in (("strict_match", strict_match), ("flexible_extract", flexible_extract)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(
-                f"gsm8k {name} = {v} is not a fraction in [0, 1] (results.json stores fractions)"
+                f"score {name} = {v} is not a fraction in [0, 1] (results.json stores fractions)"
             )
     if metric == "mean":
         return 100.0 * (strict_match + flexible_extract) / 2.0
@@ -326,15 +333,18 @@ def check_gsm8k(
     reference: GSM8KReference | None,
     *,
     no_reference_note: str = "",
+    section: str = TASKS[DEFAULT_TASK].section,
 ) -> Check:
-    """GSM8K check of one run against `reference` (None or a placeholder row: status "no_reference").
+    """The accuracy check of one run ("bernoulli") against `reference` (None or a placeholder row: status
+    "no_reference"), named "<section>.<metric>".
 
     Args:
         strict_match, flexible_extract: the run's exact_match fractions in [0, 1].
         n: samples scored.
-        reference: the matched gsm8k.yaml row; its metric picks the score, its sigma / alpha / beta override
-            the defaults.
+        reference: the matched row of the task's accuracy references; its metric picks the score, its
+            sigma / alpha / beta override the defaults.
         no_reference_note: why there is no reference (shown in the report).
+        section: the task row's results.json section (the check's name prefix).
     """
     metric = reference.metric if reference is not None else "mean"
     value = gsm8k_score_pct(strict_match, flexible_extract, metric)
@@ -347,7 +357,7 @@ def check_gsm8k(
         )
         if reference is not None:
             base["reference_row"] = reference.to_dict()
-        return Check(f"gsm8k.{metric}", value, None, None, NO_REFERENCE, "percent", note, base)
+        return Check(f"{section}.{metric}", value, None, None, NO_REFERENCE, "percent", note, base)
     test = gsm8k_hypothesis_test(
         reference.accuracy,
         n,
@@ -373,7 +383,48 @@ def check_gsm8k(
     if not gsm8k_threshold_binds(test.threshold):
         note += (f"; {NO_LOWER_BOUND} (n={n}: the threshold is at or below 0 %), so this check cannot fail: "
                  "score more samples")
-    return Check(f"gsm8k.{metric}", value, test.reference, test.threshold, status, "percent", note, details)
+    return Check(f"{section}.{metric}", value, test.reference, test.threshold, status, "percent", note,
+                 details)
+
+
+def check_floors(scores: dict[str, Any], task: EvalTask, *, no_reference_note: str = "") -> list[Check]:
+    """The "floor" score checks of a task row: one per score, "<section>.<score key>", pass if the score (a
+    fraction in [0, 1]) >= the row's floor; "no_reference" with `no_reference_note` when it is set (e.g.
+    dummy weights). Raises ValueError on a score outside [0, 1]."""
+    checks = []
+    for key in task.filters:
+        value = float(scores[key])
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"score {key} = {value} is not a fraction in [0, 1] (results.json stores "
+                             "fractions)")
+        floor = float(task.score_floors[key])
+        details = {"n": int(scores["n"]), "score": key}
+        if no_reference_note:
+            checks.append(Check(f"{task.section}.{key}", value, None, None, NO_REFERENCE, "fraction",
+                                no_reference_note, details))
+            continue
+        checks.append(Check(f"{task.section}.{key}", value, None, floor, PASS if value >= floor else FAIL,
+                            "fraction", f"pass if {task.labels[key]} >= {floor:.4f}", details))
+    return checks
+
+
+def _score_checks(scores: dict[str, Any], task: EvalTask, reference: GSM8KReference | None,
+                  note: str) -> list[Check]:
+    """The score checks `task.score_check` declares, of the run's scores (results[task.section])."""
+    if task.score_check == "floor":
+        return check_floors(scores, task, no_reference_note=note)
+    if set(task.filters) != {"strict_match", "flexible_extract"}:
+        raise ValueError(f"task {task.name}: the bernoulli check compares the strict_match and "
+                         f"flexible_extract accuracies; the row scores {sorted(task.filters)}")
+    return [check_gsm8k(scores["strict_match"], scores["flexible_extract"], int(scores["n"]), reference,
+                        no_reference_note=note, section=task.section)]
+
+
+def _health(results: dict[str, Any], task: EvalTask) -> list[Check]:
+    """check_health of the results with the checks the task row declares."""
+    label = task.labels.get(task.answer_filter, "") if task.answer_filter else ""
+    kinds = tuple(k for k in task.health_checks if k != "answers" or task.answer_filter)
+    return check_health(results.get("health"), kinds, label)
 
 
 def check_acceptance(
@@ -450,9 +501,9 @@ def evaluate_verdict(
     """The verdict of a results dict (docs/results_schema.md) against the baseline files of its task.
 
     Args:
-        results: needs `gsm8k` {strict_match, flexible_extract, n}; `acceptance` {rate, length, ...} is
-            checked when present, not None, and spec_dec is not "none".
-        model_key: key in gsm8k.yaml and acceptance.yaml (e.g. "super_v3"); None: the entry has no
+        results: needs the task's section (`task.section`: {<score key>: fraction, ..., n}); `acceptance`
+            {rate, length, ...} is checked when present, not None, and spec_dec is not "none".
+        model_key: key in the task's baseline files (e.g. "super_v3"); None: the entry has no
             `baseline` (registry entry ``baseline: null``), so no row can judge it (a BaselineError saying so
             with require_reference=True, else "no_reference" checks that say so).
         entry: registry entry name (reported only).
@@ -462,7 +513,8 @@ def evaluate_verdict(
             "bfloat16"}); a row judges the run only if it holds for them. None: the defaults (float32 state).
         require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
         gsm8k_baselines, acceptance_baselines: file overrides (tests).
-        task: the evals.task.TASKS row that ran: its `baselines` file holds the accuracy references; without
+        task: the evals.task.TASKS row that ran: its score_check and health_checks are the checks; its
+            `baselines` file holds the accuracy references of a "bernoulli" check; without
             `acceptance_baselines` (no floor measured on its prompts) the acceptance checks are reported as
             "no_reference" (not judged), whatever require_reference says.
         dummy: the weights were random (model.load_format=dummy): no accuracy can be judged. No baseline is
@@ -473,11 +525,12 @@ def evaluate_verdict(
         BaselineError: a missing row with require_reference=True (message lists the rows and the fix).
         ValueError: malformed results (e.g. percent where a fraction belongs).
     """
-    gsm8k = results.get("gsm8k")
-    if not isinstance(gsm8k, dict) or not {"strict_match", "flexible_extract", "n"} <= set(gsm8k):
-        raise ValueError("results['gsm8k'] must hold strict_match, flexible_extract and n")
+    scores = results.get(task.section)
+    keys = [*task.filters, "n"]
+    if not isinstance(scores, dict) or not set(keys) <= set(scores):
+        raise ValueError(f"results[{task.section!r}] must hold {', '.join(keys[:-1])} and {keys[-1]}")
     if dummy:
-        return _dummy_verdict(results, spec_dec)
+        return _dummy_verdict(results, spec_dec, task)
     checks: list[Check] = []
     no_key = BaselineError(
         f"entry {entry} has no `baseline` key (baseline: null), so no reference row judges it",
@@ -485,24 +538,23 @@ def evaluate_verdict(
         "with verdict.require_reference=false",
     ) if not model_key else None
     try:
-        if no_key is not None:
-            raise no_key
-        ref = find_gsm8k_reference(
-            model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
-            path=gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path,
-        )
-        note = ""
+        if task.score_check != "bernoulli":  # judged by the row's own floors: no reference row to find
+            ref, note = None, ""
+        else:
+            if no_key is not None:
+                raise no_key
+            ref = find_gsm8k_reference(
+                model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
+                path=gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path,
+            )
+            note = ""
     except BaselineError as e:
         if require_reference:
             raise
         ref, note = None, e.problem
-    checks.append(
-        check_gsm8k(
-            gsm8k["strict_match"], gsm8k["flexible_extract"], int(gsm8k["n"]), ref, no_reference_note=note
-        )
-    )
+    checks.extend(_score_checks(scores, task, ref, note))
 
-    checks.extend(check_health(results.get("health")))
+    checks.extend(_health(results, task))
 
     acceptance = results.get("acceptance")
     spec_on = str(spec_dec).strip().lower() not in ("none", "", "false")
@@ -529,12 +581,10 @@ def evaluate_verdict(
     return Verdict(checks)
 
 
-def _dummy_verdict(results: dict[str, Any], spec_dec: Any) -> Verdict:
+def _dummy_verdict(results: dict[str, Any], spec_dec: Any, task: EvalTask) -> Verdict:
     """evaluate_verdict of a run over random weights: every check but ``health.finite`` is not judged."""
-    gsm8k = results["gsm8k"]
-    checks = [check_gsm8k(gsm8k["strict_match"], gsm8k["flexible_extract"], int(gsm8k["n"]), None,
-                          no_reference_note=DUMMY_NOTE)]
-    for c in check_health(results.get("health")):
+    checks = _score_checks(results[task.section], task, None, DUMMY_NOTE)
+    for c in _health(results, task):
         if c.name != "health.finite":
             c = Check(c.name, c.value, None, None, NO_REFERENCE, c.unit, DUMMY_NOTE, c.details)
         checks.append(c)

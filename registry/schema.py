@@ -203,7 +203,7 @@ class EvalConfig:
     limit: int | None = None  # first N test questions; None: all 1319
     num_fewshot: int = 5
     max_gen_toks: int = 256
-    data_dir: str | None = None  # folder with train.jsonl and test.jsonl; None: evals.data.gsm8k_dir's lookup
+    data_dir: str | None = None  # folder with train.jsonl and test.jsonl; None: the task data's lookup
     batch_size: int | None = None  # concurrent requests (engine max_batch_size); None: the entry's
 
 

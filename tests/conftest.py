@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.data import gsm8k_dir as _gsm8k_dir
+from evals.tasks.gsm8k import gsm8k_dir as _gsm8k_dir
 
 # GSM8K: $GSM8K_DIR, else ../shared/data/gsm8k beside the checkout (never copied into the repository).
 GSM8K_DIR, _GSM8K_ORIGIN = _gsm8k_dir()

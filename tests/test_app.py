@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from evals.gsm8k import GSM8KResult
+from evals.evaluate import EvalResult
 from evals.results import RESULTS_SCHEMA_VERSION
 from evals.task import TASKS
 from registry.checkpoint import checkpoint_fingerprint
@@ -98,21 +98,21 @@ class FakeEngine:
                 "spec_buffers_bytes": 0}
 
 
-def fake_result(scores: dict, samples_path, stats: dict | None = None) -> GSM8KResult:
-    """What evals.gsm8k.evaluate_gsm8k returns, with FakeStats' counters (every request generated now, so
-    the generate calls' token sums are the counters' own)."""
+def fake_result(scores: dict, samples_path, stats: dict | None = None) -> EvalResult:
+    """What runners.app.lm_adapter.evaluate_engine returns, with FakeStats' counters (every request generated
+    now, so the generate calls' token sums are the counters' own)."""
     if stats is None:
         fake = FakeStats()
         stats = {**fake.to_dict(), "timing_prompt_tokens": fake.prompt_tokens,
                  "timing_generated_tokens": fake.generated_tokens}
-    return GSM8KResult(scores=scores, stats=stats, samples_path=Path(samples_path),
+    return EvalResult(scores=scores, stats=stats, samples_path=Path(samples_path),
                        wall_seconds=1.0, num_resumed=0, num_generated=scores["n"],
                        task={"task": "gsm8k", "version": 3.0})
 
 
 @pytest.fixture
 def fakes(monkeypatch):
-    """Fake Engine and evaluate_gsm8k; returns the list of evaluate calls."""
+    """Fake Engine and evaluate_engine; returns the list of evaluate calls."""
     FakeEngine.built = []
     calls = []
 
@@ -126,14 +126,14 @@ def fakes(monkeypatch):
         return fake_result({"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}, samples)
 
     monkeypatch.setattr(app, "Engine", FakeEngine)
-    monkeypatch.setattr(app, "evaluate_gsm8k", fake_evaluate)
+    monkeypatch.setattr(app, "evaluate_engine", fake_evaluate)
     monkeypatch.delenv("LLM_MODELS_ROOT", raising=False)
     return calls
 
 
 def make_gsm8k_dir(path: Path, rows: int = 2) -> Path:
-    """A GSM8K folder whose files pass evals.data's checks (the fakes never read it further): `rows` test
-    questions, and train examples enough for the tasks' default few-shot counts."""
+    """A GSM8K folder whose files pass evals.tasks.gsm8k's checks (the fakes never read it further): `rows`
+    test questions, and train examples enough for the tasks' default few-shot counts."""
     path.mkdir(parents=True)
     for split, n in (("train", max(rows, 8)), ("test", rows)):
         (path / f"{split}.jsonl").write_text("".join(
@@ -499,7 +499,7 @@ app.Engine = test_app.FakeEngine
 def evaluate(engine, tokenizer_path, **kw):
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
                                 kw["out_dir"] + "/samples.jsonl")
-app.evaluate_gsm8k = evaluate
+app.evaluate_engine = evaluate
 '''
 
 
@@ -605,7 +605,7 @@ def test_out_of_device_memory_is_an_error_with_a_fix_not_a_traceback(fakes, monk
             "CUDA out of memory. Tried to allocate 1.73 GiB. GPU 0 has a total capacity of 139.80 GiB of "
             "which 1.42 GiB is free. This process has 138.37 GiB memory in use.")
 
-    monkeypatch.setattr(app, "evaluate_gsm8k", oom)
+    monkeypatch.setattr(app, "evaluate_engine", oom)
     cfg = _cfg("model=tiny_nemotron_h_mtp", f"model.checkpoint={ckpt}", f"out_dir={out}", "eval.limit=4",
                f"eval.data_dir={make_gsm8k_dir(tmp_path / 'gsm8k')}")
     with pytest.raises(UserError) as e:

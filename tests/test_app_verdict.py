@@ -62,14 +62,14 @@ def baselines(tmp_path, monkeypatch):
 
 def _scores(monkeypatch, strict: float, flexible: float) -> None:
     """Make the fake evaluation of test_app report these fractions (n = 4)."""
-    inner = app.evaluate_gsm8k
+    inner = app.evaluate_engine
 
     def evaluate(*args, **kw):
         result = inner(*args, **kw)
         result.scores = {"strict_match": strict, "flexible_extract": flexible, "n": 4}
         return result
 
-    monkeypatch.setattr(app, "evaluate_gsm8k", evaluate)
+    monkeypatch.setattr(app, "evaluate_engine", evaluate)
 
 
 def _run(tmp_path, *overrides):
@@ -210,7 +210,7 @@ def test_resume_with_other_settings_is_refused_before_loading(fakes, tmp_path):
     stored = dict(fakes[0]["fingerprint"])
     out = tmp_path / "out"
     (out / "generations.jsonl").write_text('{"key": "k", "text": "t"}\n')
-    (out / "generations.meta.json").write_text(json.dumps({"fingerprint": stored}))  # as evals.gsm8k writes
+    (out / "generations.meta.json").write_text(json.dumps({"fingerprint": stored}))  # as the store writes
     FakeEngine.built.clear()
     with pytest.raises(UserError) as e:
         _run(tmp_path, "resume=true", "draft_len=0")
@@ -267,7 +267,7 @@ def test_engine_value_error_becomes_a_user_error(gsm8k_dir, tmp_path):
     """A ValueError raised inside runners / evals (here the real engine on the shipped tiny checkpoint,
     refusing prompts longer than max_seq_len) is reported as error / fix, not as a traceback."""
     # zero-shot and 8 new tokens in 16 positions; the question itself is longer. The checks before loading
-    # refuse it (evals.data.check_prompt_room): passed over (`checked` given), the engine refuses it
+    # refuse it (evals.tasks.gsm8k.check_prompt_room): passed over (`checked` given), the engine refuses it
     cfg = _cfg("model.max_seq_len=16", "eval.max_gen_toks=8", "eval.num_fewshot=0", "eval.limit=1",
                f"eval.data_dir={gsm8k_dir}", f"out_dir={tmp_path}")
     with pytest.raises(UserError) as e:

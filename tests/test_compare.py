@@ -170,7 +170,7 @@ def test_compare_run_dirs(tmp_path):
 
 
 def _write_gsm8k_run(d, records, **results):
-    """A run folder as evals.gsm8k writes it: correctness under `correct`, token ids in generations.jsonl
+    """A run folder as evals.evaluate writes it: correctness under `correct`, token ids in generations.jsonl
     (keyed by request_key, with a stale earlier line for one key that the later line overrides); `results`
     adds top-level results.json sections (config, task)."""
     d.mkdir()

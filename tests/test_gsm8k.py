@@ -1,5 +1,6 @@
-"""evals.gsm8k.evaluate_gsm8k on real GSM8K questions with a scripted fake engine: exact scores for known
-answers, both filters, lm-eval's stock task settings, data-directory errors, and kill-and-resume."""
+"""runners.app.lm_adapter.evaluate_engine (evals.evaluate.evaluate_lm) on real GSM8K questions with a scripted
+fake engine: exact scores for known answers, both filters, lm-eval's stock task settings, data-directory
+errors, and kill-and-resume."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from test_gsm8k_fakes import (
 )
 from tokenizers import Tokenizer
 
-import evals.data
-from evals.gsm8k import GSM8KDataError, evaluate_gsm8k, scored_stats
+import evals.tasks.gsm8k
+from evals.evaluate import scored_stats
 from evals.report import _projection_note
 from evals.results import full_run_projection
+from evals.tasks.gsm8k import GSM8KDataError
+from runners.app.lm_adapter import evaluate_engine
+from runners.engine.stats import GenerationStats
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
@@ -59,7 +63,7 @@ def _engine(tokenizer_path: Path, gsm8k_dir: Path, policy: str, **kw) -> FakeEng
 def _run(engine, tokenizer_path, gsm8k_dir, out_dir, **kw):
     kw.setdefault("limit", LIMIT)
     kw.setdefault("progress", False)
-    return evaluate_gsm8k(engine, tokenizer_path, data_dir=gsm8k_dir, out_dir=out_dir, **kw)
+    return evaluate_engine(engine, tokenizer_path, data_dir=gsm8k_dir, out_dir=out_dir, **kw)
 
 
 def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch, capsys):
@@ -73,7 +77,7 @@ def test_all_right_scores_one_and_writes_samples(tokenizer_path, gsm8k_dir, tmp_
     monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: env_reports.append(1) or "")
     add_env_info = lm_eval.evaluator.add_env_info
     engine = _engine(tokenizer_path, gsm8k_dir, "right", tokens_per_step=3)
-    res = evaluate_gsm8k(engine, tokenizer_path, data_dir=None, limit=LIMIT, out_dir=tmp_path, progress=True)
+    res = evaluate_engine(engine, tokenizer_path, data_dir=None, limit=LIMIT, out_dir=tmp_path, progress=True)
     assert env_reports == [] and lm_eval.evaluator.add_env_info is add_env_info  # skipped, then restored
     assert res.scores == {"strict_match": 1.0, "flexible_extract": 1.0, "n": LIMIT}
     # lm-eval's prompt-building pass has a label, not a bare "0/8" bar, and comes before the generate
@@ -134,7 +138,7 @@ def test_each_jinja_template_is_compiled_once_and_the_prompts_stay(tokenizer_pat
 
     import lm_eval.utils
 
-    import evals.gsm8k
+    import evals.evaluate
 
     stock = lm_eval.utils.apply_template
     compiles = []
@@ -146,7 +150,7 @@ def test_each_jinja_template_is_compiled_once_and_the_prompts_stay(tokenizer_pat
     # each template once inside the evaluation (the task's loading renders a document of its own before)
     assert 0 < len(compiles) <= 2 * len(set(compiles)) < 12 * LIMIT
     compiles.clear()
-    monkeypatch.setattr(evals.gsm8k, "_compiled_templates_kept", contextlib.nullcontext)
+    monkeypatch.setattr(evals.evaluate, "_compiled_templates_kept", contextlib.nullcontext)
     plain = _engine(tokenizer_path, gsm8k_dir, "right")
     _run(plain, tokenizer_path, gsm8k_dir, tmp_path / "plain")
     assert len(compiles) >= 12 * LIMIT  # the stock path: a compile per render
@@ -222,12 +226,12 @@ import sys
 from pathlib import Path
 from tokenizers import Tokenizer
 from test_gsm8k_fakes import FakeEngine, answer_policy, last_question
-from evals.gsm8k import evaluate_gsm8k
+from runners.app.lm_adapter import evaluate_engine
 tok_path, data_dir, out_dir, limit = sys.argv[1:5]
 complete = answer_policy("alternate", Path(data_dir))
 engine = FakeEngine(Tokenizer.from_file(tok_path), lambda p: complete(last_question(p)), max_batch_size=2,
                     step_delay=0.01, hang_after=3)  # slow, then stuck: killed midway on every machine
-evaluate_gsm8k(engine, tok_path, data_dir=data_dir, limit=int(limit), out_dir=out_dir, progress=False)
+evaluate_engine(engine, tok_path, data_dir=data_dir, limit=int(limit), out_dir=out_dir, progress=False)
 """
 
 
@@ -293,7 +297,7 @@ def test_no_data_dir_offline_names_the_env_var(tokenizer_path, gsm8k_dir, tmp_pa
     if not datasets.config.HF_DATASETS_OFFLINE:
         pytest.skip("HF_DATASETS_OFFLINE was not set before datasets was imported; the hub would be tried")
     monkeypatch.delenv("GSM8K_DIR", raising=False)
-    monkeypatch.setattr(evals.data, "SIBLING_DIR", tmp_path / "no_shared_here")  # no local copy at all
+    monkeypatch.setattr(evals.tasks.gsm8k, "SIBLING_DIR", tmp_path / "no_shared_here")  # no local copy at all
     with pytest.raises(GSM8KDataError, match=r"openai/gsm8k could not be loaded(.|\n)*fix: set GSM8K_DIR="):
         _run(_engine(tokenizer_path, gsm8k_dir, "right"), tokenizer_path, None, tmp_path)
 
@@ -329,7 +333,7 @@ def test_scored_stats_sums_counts_and_lists_and_recomputes_rates():
              {"wall_seconds": 2.0, "num_requests": 1, "engine_stats": {
                   "generated_tokens": 5, "prompt_tokens": 3, "prefill_seconds": 0.25, "decode_seconds": 1.0,
                   "steps": 2}}]
-    m = scored_stats(records, parts)
+    m = scored_stats(records, parts, GenerationStats)
     assert m["num_requests"] == 2 and m["requests_without_stats"] == 1
     assert m["generated_tokens"] == 15 and m["drafted_tokens"] == 10 and m["accepted_drafts"] == 7
     assert m["accepted_per_position"] == [4, 3] and m["num_accepted_hist"] == [0, 1, 2, 3]
@@ -339,7 +343,7 @@ def test_scored_stats_sums_counts_and_lists_and_recomputes_rates():
     assert (m["timing_prompt_tokens"], m["timing_generated_tokens"]) == (12, 17)
     assert m["wall_seconds"] == 3.0 and m["num_parts"] == 2
     assert (m["timing_requests"], m["timing_largest_call"]) == (3, 2)
-    empty = scored_stats([], [])
+    empty = scored_stats([], [], GenerationStats)
     assert empty["num_requests"] == 0 and empty["acceptance_rate"] is None and empty["num_parts"] == 0
 
 
@@ -356,7 +360,7 @@ def test_projection_after_resume_divides_the_tokens_by_the_requests_they_cover()
     bound; a resume that generates nothing new still projects from the earlier calls."""
     records = [{"key": str(i), "request_stats": None} for i in range(4)]
     for parts in ([_part(2, 16), _part(2, 16)], [_part(2, 16), _part(2, 16), _part(0, 16)]):
-        stats = scored_stats(records, parts)
+        stats = scored_stats(records, parts, GenerationStats)
         timings = {"prefill_tokens_per_s": stats["timing_prompt_tokens"] / stats["prefill_seconds"],
                    "decode_tokens_per_s": stats["timing_generated_tokens"] / stats["decode_seconds"]}
         proj = full_run_projection(timings, stats, max_gen_toks=16, max_batch_size=16)
@@ -364,16 +368,19 @@ def test_projection_after_resume_divides_the_tokens_by_the_requests_they_cover()
         assert proj["generated_tokens_per_question"] == 16.0 and proj["prompt_tokens_per_question"] == 10.0
         assert proj["projected_seconds"] <= proj["upper_bound_seconds"]
         assert proj["projected_seconds"] == pytest.approx(1319 * (10 / 100 + 16 / 32))
-    assert full_run_projection(timings, scored_stats(records, []), max_gen_toks=16, max_batch_size=16) is None
+    assert full_run_projection(timings, scored_stats(records, [], GenerationStats), max_gen_toks=16,
+                               max_batch_size=16) is None
 
 
 def test_projection_names_the_measured_and_full_run_batch():
     """limit=2 measures at batch 2 while the full run batches max_batch_size: the projection records both
     and its printed note calls it a rough upper bound; equal batches print no such clause."""
     timings = {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 32.0}
-    small = full_run_projection(timings, scored_stats([], [_part(2, 16)]), max_gen_toks=16, max_batch_size=16)
+    small = full_run_projection(timings, scored_stats([], [_part(2, 16)], GenerationStats), max_gen_toks=16,
+                                max_batch_size=16)
     assert (small["measured_batch"], small["full_run_batch"], small["batch_differs"]) == (2, 16, True)
     assert "measured at batch 2, the full run batches 16: a rough upper bound" in _projection_note(small)
-    full = full_run_projection(timings, scored_stats([], [_part(40, 16)]), max_gen_toks=16, max_batch_size=16)
+    full = full_run_projection(timings, scored_stats([], [_part(40, 16)], GenerationStats), max_gen_toks=16,
+                               max_batch_size=16)
     assert (full["measured_batch"], full["full_run_batch"], full["batch_differs"]) == (16, 16, False)
     assert "rough upper bound" not in _projection_note(full)

@@ -1,4 +1,5 @@
-"""evals.lm_adapter.EngineLM: requests -> one engine.generate call; stop strings, EOS, limits, resume."""
+"""runners.app.lm_adapter.EngineLM: requests -> one engine.generate call; stop strings, EOS, limits,
+resume."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from lm_eval.api.instance import Instance
 from test_gsm8k_fakes import EOS_ID, FakeEngine, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
-from evals.lm_adapter import MODEL_NAME, EngineLM, GenerationStore, first_stop, request_key, sha256_text
 from registry.checkpoint import CheckpointError
+from runners.app.lm_adapter import MODEL_NAME, EngineLM, GenerationStore, first_stop, request_key, sha256_text
 
 GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>"]
 
@@ -133,15 +134,15 @@ def test_line_progress_for_logs():
     """Off a terminal the progress is plain lines (throttled; always one at the end), not tqdm redraws."""
     import io
 
-    from evals.lm_adapter import _LineProgress
+    from evals.progress import LineProgress
 
     buf = io.StringIO()
-    with _LineProgress(4, 1, desc="generate", interval=3600, file=buf) as bar:
+    with LineProgress(4, 1, desc="generate", interval=3600, file=buf) as bar:
         bar.update(1)
         bar.update(2)
     assert buf.getvalue().splitlines() == ["generate: 4/4 requests (100.0%), 0 s"]  # throttled: the end only
     buf = io.StringIO()
-    with _LineProgress(3, desc="generate", interval=0, file=buf) as bar:
+    with LineProgress(3, desc="generate", interval=0, file=buf) as bar:
         bar.update(1)
     assert buf.getvalue().splitlines()[0].startswith("generate: 1/3 requests (33.3%)")
     assert "\r" not in buf.getvalue()
@@ -172,7 +173,7 @@ def test_simple_evaluate_builds_the_model_from_model_args(gsm8k_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from evals.gsm8k import STOCK_GSM8K_DIR, TASKS_DIR
+    from evals.evaluate import STOCK_GSM8K_DIR, TASKS_DIR
 
     manager = TaskManager(include_path=[str(STOCK_GSM8K_DIR), str(TASKS_DIR)], include_defaults=False,
                           metadata={"gsm8k_dir": str(gsm8k_dir)})
@@ -198,7 +199,7 @@ def test_model_args_cuda_device_without_cuda():
 
 @pytest.mark.slow
 def test_documented_lm_eval_cli_runs_the_tiny_checkpoint(gsm8k_dir, tmp_path):
-    """The invocation in evals/lm_eval_cli.py's docstring (with --limit 2 and a results file)."""
+    """The invocation in runners/app/lm_eval_cli.py's docstring (with --limit 2 and a results file)."""
     import os
     import subprocess
     import sys
@@ -207,7 +208,7 @@ def test_documented_lm_eval_cli_runs_the_tiny_checkpoint(gsm8k_dir, tmp_path):
 
     env = {**os.environ, "GSM8K_DIR": str(gsm8k_dir), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "evals.lm_eval_cli", "--model", MODEL_NAME, "--model_args",
+        [sys.executable, "-m", "runners.app.lm_eval_cli", "--model", MODEL_NAME, "--model_args",
          f"pretrained={SHIPPED},draft_len=3,num_threads=1", "--tasks", "gsm8k_local", "--device", "cpu",
          "--batch_size", "16", "--limit", "2", "--output_path", str(tmp_path)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

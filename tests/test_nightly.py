@@ -165,7 +165,7 @@ def test_summary_of_refused_crashed_and_killed_jobs(tmp_path):
     assert summary.worst == 2
     by_folder = {j.folder.name: j for j in summary.jobs}
     assert by_folder[ok.name].verdict == "PASS (no reference: acceptance.rate)"
-    assert by_folder[ok.name].gsm8k == "25.00 / 50.00 % (n=4)"
+    assert by_folder[ok.name].scores == "25.00 / 50.00 % (n=4)"
     assert by_folder[ok.name].acceptance == "0.500 / 2.50"
     assert (by_folder[refused.name].verdict, by_folder[refused.name].exit_code) == ("ERROR (exit 2)", 2)
     assert (by_folder[crashed.name].verdict, by_folder[crashed.name].exit_code) == ("CRASH", 1)
@@ -243,7 +243,7 @@ def evaluate(engine, tokenizer_path, **kw):
         raise RuntimeError("injected crash")
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
                                 kw["out_dir"] + "/samples.jsonl")
-app.evaluate_gsm8k = evaluate
+app.evaluate_engine = evaluate
 '''
 
 

@@ -22,7 +22,7 @@ from registry.schema import REPO_ROOT
 
 HEAVY = ("torch", "lm_eval", "datasets", "transformers", "triton")
 # lm-eval's few-shot sampler (pure Python; lm-eval's package __init__ imports nothing heavy): the preflight
-# draws the prompts of lm-eval's gsm8k task with it (evals.data.gsm8k_prompts)
+# draws the prompts of lm-eval's gsm8k task with it (evals.tasks.gsm8k.gsm8k_prompts)
 LM_EVAL_SAMPLER = {"lm_eval", "lm_eval.api", "lm_eval.api.samplers"}
 
 # (overrides, the start of the error line): settings errors that need no model
@@ -147,14 +147,14 @@ def test_ctrl_c_before_anything_is_kept_leaves_nothing(tmp_path, module, functio
 
 
 def test_the_prompts_checked_before_loading_are_lm_evals(gsm8k_dir):
-    """evals.data.gsm8k_prompts rebuilds, without lm-eval's task machinery, exactly the contexts lm-eval's
-    gsm8k task builds for the run (its seeded few-shot draw, one per question in order), so the preflight's
-    token counts are the engine's."""
+    """evals.tasks.gsm8k.gsm8k_prompts rebuilds, without lm-eval's task machinery, exactly the contexts
+    lm-eval's gsm8k task builds for the run (its seeded few-shot draw, one per question in order), so the
+    preflight's token counts are the engine's."""
     import lm_eval
     from lm_eval.api.model import LM
 
-    from evals.data import gsm8k_prompts
-    from evals.gsm8k import FEWSHOT_SEED, load_gsm8k_task
+    from evals.evaluate import load_task
+    from evals.tasks.gsm8k import FEWSHOT_SEED, gsm8k_prompts
 
     class Contexts(LM):
         def __init__(self):
@@ -172,7 +172,7 @@ def test_the_prompts_checked_before_loading_are_lm_evals(gsm8k_dir):
             raise NotImplementedError
 
     for num_fewshot, limit in ((5, 3), (20, 2), (0, 2)):
-        task, manager, _ = load_gsm8k_task(gsm8k_dir)
+        task, manager, _ = load_task(gsm8k_dir)
         lm = Contexts()
         lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, num_fewshot=num_fewshot,
                                 limit=limit, bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
@@ -186,7 +186,7 @@ def test_the_largest_few_shot_count_named_fits(gsm8k_dir):
 
     from tokenizers import Tokenizer
 
-    from evals.data import check_prompt_room, gsm8k_prompts
+    from evals.tasks.gsm8k import check_prompt_room, gsm8k_prompts
     from registry.errors import UserError
 
     tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"
@@ -208,7 +208,7 @@ def test_the_largest_few_shot_count_named_fits(gsm8k_dir):
 def test_more_shots_than_train_examples_are_refused_before_loading(gsm8k_dir, tmp_path):
     """A train split shorter than eval.num_fewshot (a cut copy): lm-eval's draw would fail deep inside the
     evaluation; the check before loading names the file and the most it allows."""
-    from evals.data import check_prompt_room
+    from evals.tasks.gsm8k import check_prompt_room
     from registry.errors import UserError
 
     tokenizer = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp" / "tokenizer.json"

@@ -29,8 +29,7 @@ from evals.compare import (
     comparison_checks,
     divergence_line,
 )
-from evals.data import GSM8KDataError, check_gsm8k_file, gsm8k_files
-from evals.gsm8k import output_health, repeats_one_token
+from evals.evaluate import output_health, repeats_one_token
 from evals.outdir import (
     claim_dir,
     claim_fresh_dir,
@@ -43,6 +42,7 @@ from evals.outdir import (
 )
 from evals.report import format_console, plot_title
 from evals.results import environment, git_commit
+from evals.tasks.gsm8k import GSM8KDataError, check_gsm8k_file, gsm8k_files
 from evals.verdict import (
     FAIL,
     MAX_EMPTY_FRACTION,
@@ -332,8 +332,8 @@ def test_an_empty_gsm8k_file_is_our_error(tmp_path):
 def test_eval_settings_are_refused_before_the_model_loads_naming_key_and_range(tmp_path):
     """eval.num_fewshot outside [0, 7473] (the train split lm-eval draws from) and eval.max_gen_toks < 1 are
     refused by the config check; a count whose prompts cannot fit max_seq_len is refused before the model
-    loads (evals.data.check_prompt_room), with the largest count that can."""
-    from evals.data import check_prompt_room
+    loads (evals.tasks.gsm8k.check_prompt_room), with the largest count that can."""
+    from evals.tasks.gsm8k import check_prompt_room
 
     for override, problem in (("eval.num_fewshot=-1", "eval.num_fewshot=-1 is outside [0, 7473]"),
                               ("eval.num_fewshot=8000", "eval.num_fewshot=8000 is outside [0, 7473]"),
@@ -755,7 +755,7 @@ def test_an_uncreatable_hydra_run_dir_is_one_error_and_fix_line(tmp_path, where)
 
 def test_resume_on_a_folder_without_generations_says_so(tmp_path, capsys):
     """resume=true on an empty (e.g. mistyped) folder starts from the first question, and says so."""
-    from evals.lm_adapter import check_resume
+    from runners.app.lm_adapter import check_resume
 
     check_resume(tmp_path / "fresh", True, {"draft_len": 3})
     assert "resume=true, but" in capsys.readouterr().err

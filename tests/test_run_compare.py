@@ -18,8 +18,8 @@ N = 6
 
 
 def _scripted_evaluate(flip_doc: int | None, diverge_doc: int | None):
-    """A fake evaluate_gsm8k writing gsm8k-shaped samples.jsonl + generations.jsonl. The replay arm (read from
-    the engine FakeEngine built last) answers `flip_doc` wrongly and changes token 2 of `diverge_doc`."""
+    """A fake evaluate_engine writing gsm8k-shaped samples.jsonl + generations.jsonl. The replay arm (read
+    from the engine FakeEngine built last) answers `flip_doc` wrongly and changes token 2 of `diverge_doc`."""
 
     def evaluate(engine, tokenizer_path, *, out_dir, fingerprint=None, **kw):
         replay = FakeEngine.built[-1][1]["ssm_replay"]
@@ -43,7 +43,7 @@ def _scripted_evaluate(flip_doc: int | None, diverge_doc: int | None):
 
 
 def _compare(tmp_path, monkeypatch, flip_doc, diverge_doc, *overrides):
-    monkeypatch.setattr(app, "evaluate_gsm8k", _scripted_evaluate(flip_doc, diverge_doc))
+    monkeypatch.setattr(app, "evaluate_engine", _scripted_evaluate(flip_doc, diverge_doc))
     ckpt = tmp_path / "ckpt"
     if not ckpt.exists():
         make_checkpoint(ckpt)
@@ -107,7 +107,7 @@ def test_sixteen_bit_arms_are_judged_by_mcnemar(fakes, tmp_path, monkeypatch):
 
 def test_fp8_arms_are_judged_by_mcnemar_even_in_float32(fakes, tmp_path, monkeypatch):
     """FP8 weights / KV round to 8 bits, so a float32 fp8 entry's arms are compared like 16-bit ones."""
-    monkeypatch.setattr(app, "evaluate_gsm8k", _scripted_evaluate(2, 3))
+    monkeypatch.setattr(app, "evaluate_engine", _scripted_evaluate(2, 3))
     results = app.run(_cfg("model=tiny_nemotron_h_mtp_fp8", f"out_dir={tmp_path / 'out'}", "compare=replay",
                            "verdict.require_reference=false"))  # the shipped FP8 checkpoint
     assert results["config"]["dtype"] == "float32" and results["comparison"]["exact"] is False

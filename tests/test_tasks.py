@@ -16,12 +16,13 @@ from test_gsm8k_fakes import FakeEngine as ScriptedEngine
 from test_gsm8k_fakes import gold_final, read_jsonl, train_tiny_tokenizer
 from tokenizers import Tokenizer
 
-from evals.gsm8k import STOCK_TASKS_DIR, TASKS_DIR, evaluate_gsm8k, load_gsm8k_task
+from evals.evaluate import STOCK_TASKS_DIR, TASKS_DIR, load_task
 from evals.task import DEFAULT_TASK, TASKS, get_task
 from registry.baselines import load_acceptance_baselines, load_gsm8k_baselines
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners.app import main as app
+from runners.app.lm_adapter import evaluate_engine
 
 EVAL_GROUP = REPO_ROOT / "configs" / "eval"
 COT = TASKS["gsm8k_cot"]
@@ -98,7 +99,7 @@ def test_task_without_a_reference_row(fakes, tmp_path):
 
 
 def test_gsm8k_cot_prompts_share_the_exemplars_and_read_the_local_files(gsm8k_dir):
-    task, _, source = load_gsm8k_task(gsm8k_dir, COT)
+    task, _, source = load_task(gsm8k_dir, COT)
     assert source == str(gsm8k_dir) and task.VERSION == COT.version
     docs = list(task.test_docs())
     first = json.loads((gsm8k_dir / "test.jsonl").read_text().splitlines()[0])
@@ -127,8 +128,8 @@ def test_gsm8k_cot_scores_the_answer_after_the_answer_is(gsm8k_dir, tmp_path, of
 
     tok_path = train_tiny_tokenizer(gsm8k_dir, tmp_path / "tokenizer.json")
     engine = ScriptedEngine(Tokenizer.from_file(str(tok_path)), complete)
-    res = evaluate_gsm8k(engine, tok_path, data_dir=gsm8k_dir, out_dir=tmp_path / "out", limit=3,
-                         num_fewshot=8, progress=False, task=COT)
+    res = evaluate_engine(engine, tok_path, data_dir=gsm8k_dir, out_dir=tmp_path / "out", limit=3,
+                          num_fewshot=8, progress=False, task=COT)
     assert res.scores == {"strict_match": float(correct), "flexible_extract": float(correct), "n": 3}
     assert res.task["task"] == "gsm8k_cot" and res.task["num_fewshot"] == 8
     samples = read_jsonl(res.samples_path)

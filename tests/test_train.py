@@ -63,9 +63,10 @@ def train_rows(gsm8k_dir) -> list[dict]:
 
 def test_documents_match_lm_eval_fewshot_context(gsm8k_dir, train_rows, tokenizer):
     """lm-eval's own 5-shot gsm8k context is our formatted shots + the prompt, in text and in tokens."""
-    from evals.gsm8k import FEWSHOT_SEED, load_gsm8k_task
+    from evals.evaluate import load_task
+    from evals.tasks.gsm8k import FEWSHOT_SEED
 
-    task, _, _ = load_gsm8k_task(gsm8k_dir)
+    task, _, _ = load_task(gsm8k_dir)
     task.set_config(key="num_fewshot", value=5)
     task.set_fewshot_seed(seed=FEWSHOT_SEED)
     by_question = {r["question"]: r for r in train_rows}

@@ -9,8 +9,8 @@ out.
 - the task (`eval.name`, the `eval` config group): a row of evals.task.TASKS, which says what runs and what
   judges it;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
-- the output folder and its resume file: evals.lm_adapter.check_resume;
-- the evaluation: evals.gsm8k.evaluate_gsm8k of the task's row over runners.engine.Engine;
+- the output folder and its resume file: runners.app.lm_adapter.check_resume;
+- the evaluation: runners.app.lm_adapter.evaluate_engine of the task's row over runners.engine.Engine;
 - results.json: evals.results; the compare=replay arms: evals.compare; the console table, summary.md and
   plots: evals.report;
 - the run's row in the SQLite results history (history.db): evals.history.record_finished_run.
@@ -33,24 +33,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
-from evals.data import gsm8k_dir
-from evals.gsm8k import evaluate_gsm8k
 from evals.history import record_finished_run, resolve_db
-from evals.lm_adapter import GENERATIONS_FILE, check_resume
-from evals.outdir import claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.outdir import GENERATIONS_FILE, claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
 from evals.task import DEFAULT_TASK, get_task
+from evals.tasks.gsm8k import gsm8k_dir
 from evals.verdict import Check, Verdict, evaluate_verdict
 from registry.checkpoint import CONFIG_FILE, checkpoint_fingerprint
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
 from registry.schema import REPO_ROOT
+from runners.app.lm_adapter import check_resume, evaluate_engine
 from runners.app.preflight import check_run, tokenizer_file
 from runners.engine.dummy import DUMMY_SEED
 from runners.engine.engine import Engine
 from runners.engine.options import engine_options
 from runners.engine.prefix_cache import prefix_cache_off_reason
+from runners.engine.stats import GenerationStats
 
 __all__ = ["RunInterrupted", "exit_code", "fingerprint", "run"]
 
@@ -169,7 +169,7 @@ def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
     eval.max_gen_toks (they change the prompts and the generations, hence the acceptance counters) and the
     GSM8K data folder (absolute path; None = hub). Not included: the git commit (resuming across a code
     change is allowed; results.json records the commit of the finishing run), eval.limit (a resumed run may
-    score more or fewer samples: evals.gsm8k reports the counters of exactly the scored ones), paths of the
+    score more or fewer samples: evals.evaluate reports the counters of exactly the scored ones), paths of the
     outputs.
     """
     data_dir, _ = gsm8k_dir(rr.run.eval.data_dir)
@@ -305,7 +305,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
     capture_seconds = _capture_graphs(engine, rr)
     t_loaded = time.perf_counter()
     try:
-        evaluation = evaluate_gsm8k(
+        evaluation = evaluate_engine(
             engine,
             str(tokenizer_file(rr)),
             data_dir=rr.run.eval.data_dir,
@@ -314,7 +314,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
             max_gen_toks=rr.run.eval.max_gen_toks,
             out_dir=str(out_dir),
             resume=rr.run.resume,
-            progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.lm_adapter)
+            progress=True,  # a bar on a terminal, a line every 30 s in a log (evals.progress)
             fingerprint=fingerprint(rr),
             task=get_task(rr.run.eval.name),
         )
@@ -347,6 +347,7 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
         load_seconds=t_loaded - t0,
         eval_seconds=time.perf_counter() - t_loaded,
         load=engine.load_report.to_dict() if engine.load_report else None,
+        counters=GenerationStats,
     )
     results["timings"]["capture_seconds"] = capture_seconds
     # torch.compile ran before the capture (inside capture_seconds) or in the generate calls: count both
@@ -354,7 +355,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                                                     results["timings"]["compile_seconds"])
     results["timings"]["compile_graphs"] = getattr(engine, "compile_graphs",
                                                    results["timings"].get("compile_graphs", 0))
-    if rr.run.eval.limit is not None and results["gsm8k"]["n"] < GSM8K_TEST_ROWS:
+    scored = results[get_task(rr.run.eval.name).section]["n"]  # the task row's section holds the scores
+    if rr.run.eval.limit is not None and scored < GSM8K_TEST_ROWS:
         results["projection"] = full_run_projection(results["timings"], results["generation"],
                                                     max_gen_toks=rr.run.eval.max_gen_toks,
                                                     max_batch_size=rr.max_batch_size)

@@ -4,8 +4,9 @@ sampler) or the engine is imported.
 
 `check_run(cfg)` is the first step of runners.app.main.run, and run.py calls it before it imports that module
 (which loads torch, lm-eval and datasets: seconds), so a settings mistake is refused at once. Only registry/,
-the light evals modules (evals.task, evals.data, evals.results) and runners.app.support (torch-free on a CPU
-machine) are imported here; tests/test_preflight.py checks that a refusal loads none of the heavy libraries.
+the light evals modules (evals.task, evals.tasks.gsm8k, evals.results) and runners.app.support (torch-free on
+a CPU machine) are imported here; tests/test_preflight.py checks that a refusal loads none of the heavy
+libraries.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from evals.data import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
 from evals.results import GSM8K_TEST_ROWS
 from evals.task import get_task
+from evals.tasks.gsm8k import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
 from registry.baselines import find_acceptance_reference, find_gsm8k_reference
 from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
 from registry.errors import UserError
@@ -31,9 +32,9 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     """Resolve a composed run config (configs/config.yaml with a registry entry as `model`) and check all
     that holds without a model: registry.resolve.resolve (schema, cross-setting rules, checkpoint directory,
     model dimensions), what this engine and machine run (runners.app.support), the task (evals.task), the
-    baseline rows (:func:`check_references`), the GSM8K files (evals.data.gsm8k_files), the tokenizer and
-    whether the run's prompts fit model.max_seq_len (evals.data.check_prompt_room). An eval.limit above the
-    test split's size is noted on stdout.
+    baseline rows (:func:`check_references`), the GSM8K files (evals.tasks.gsm8k.gsm8k_files), the tokenizer
+    and whether the run's prompts fit model.max_seq_len (evals.tasks.gsm8k.check_prompt_room). An eval.limit
+    above the test split's size is noted on stdout.
 
     Returns the ResolvedRun. Raises UserError naming the first problem and its fix. Reads config.json,
     tokenizer.json and the GSM8K splits; writes nothing but, for dummy weights without a tokenizer, the
@@ -52,8 +53,8 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     tokenizer = tokenizer_file(rr)
     check_tokenizer(tokenizer)
-    # every prompt of the run fits max_seq_len (exactly for lm-eval's stock gsm8k, whose prompts evals.data
-    # rebuilds; a bound for other tasks)
+    # every prompt of the run fits max_seq_len (exactly for lm-eval's stock gsm8k, whose prompts
+    # evals.tasks.gsm8k rebuilds; a bound for other tasks)
     check_prompt_room(tokenizer, gsm8k_dir(rr.run.eval.data_dir)[0], rr.run.eval.num_fewshot,
                       rr.run.eval.max_gen_toks, rr.entry.max_seq_len, draft_len=rr.draft_len,
                       limit=rr.run.eval.limit, exact=get_task(rr.run.eval.name).lm_eval_task == PROMPTS_TASK)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from evals.data import gsm8k_dir
+from evals.tasks.gsm8k import gsm8k_dir
 from registry.checkpoint import CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 in this order
@@ -38,7 +38,7 @@ TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
 
 def default_gsm8k_train() -> Path:
-    """GSM8K train split of evals.data.gsm8k_dir's folder ($GSM8K_DIR, else ../shared/data/gsm8k)."""
+    """GSM8K train split of evals.tasks.gsm8k.gsm8k_dir's folder ($GSM8K_DIR, else ../shared/data/gsm8k)."""
     path, _ = gsm8k_dir(None)
     if path is None:
         raise FileNotFoundError("no GSM8K folder found; pass --train PATH or set GSM8K_DIR to the folder "

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from evals.data import gsm8k_dir
+from evals.tasks.gsm8k import gsm8k_dir
 from registry.checkpoint import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -158,8 +158,8 @@ def read_gsm8k(path: str | os.PathLike) -> list[dict]:
 
 
 def resolve_train_file(data_dir: str | os.PathLike | None) -> Path:
-    """train.jsonl of the GSM8K folder: ``data_dir``, else evals.data.gsm8k_dir's lookup ($GSM8K_DIR, else
-    ../shared/data/gsm8k by the checkout). Raises FileNotFoundError when no folder is known."""
+    """train.jsonl of the GSM8K folder: ``data_dir``, else evals.tasks.gsm8k.gsm8k_dir's lookup ($GSM8K_DIR,
+    else ../shared/data/gsm8k by the checkout). Raises FileNotFoundError when no folder is known."""
     path, _ = gsm8k_dir(data_dir, setting="--data-dir")
     if path is None:
         raise FileNotFoundError("no GSM8K folder found; pass --data-dir (a folder holding train.jsonl) "

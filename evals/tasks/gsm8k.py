@@ -1,19 +1,25 @@
-"""Where GSM8K is read from: the one lookup of the data folder, for evaluation, training and the tests.
+"""The GSM8K task's own module: where GSM8K is read from (the one lookup of the data folder, for evaluation,
+training and the tests), its documents for our lm-eval groups, and its prompts.
 
 A GSM8K folder holds `train.jsonl` and `test.jsonl` (rows {"question", "answer"}). The folder is, in order:
 the one the caller names (`eval.data_dir`, `--data-dir`), else `$GSM8K_DIR`, else `../shared/data/gsm8k`
 beside the checkout (the layout of the project's machines and CI) when it exists, else none: evaluation then
 reads the hub dataset `openai/gsm8k`. Also the prompts lm-eval's gsm8k task builds from such a folder
-(gsm8k_prompts) and the check that the run's prompts fit the model (check_prompt_room). Light on purpose (no
-torch, of lm-eval only its pure-Python few-shot sampler): the tiny-model tools, the task loader of
-evals/tasks/ and the application's checks before anything heavy loads (runners.app.preflight) import it.
+(gsm8k_prompts) and the check that the run's prompts fit the model (check_prompt_room). The task table
+(evals.task) declares its rows' data from here (`DATA_KEY`, `load_error`); lm-eval loads this file by its path
+for the groups of evals/tasks/ (their `custom_dataset: !function gsm8k.load_gsm8k`). Light on purpose (no
+torch, of lm-eval only its pure-Python few-shot sampler, `datasets` only when lm-eval asks for documents): the
+tiny-model tools, the task table and the application's checks before anything heavy loads
+(runners.app.preflight) import it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from registry.errors import UserError
 
@@ -22,7 +28,8 @@ FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed (simple_evaluate / 
 PROMPTS_TASK = "gsm8k"  # the lm-eval task whose prompts gsm8k_prompts builds (gsm8k.yaml, version 3.0)
 HUB_DATASET = "openai/gsm8k"
 SPLITS = ("train", "test")
-SIBLING_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+SIBLING_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+DATA_KEY = "gsm8k_dir"  # the lm-eval metadata key of the local folder (simple_evaluate / --metadata)
 
 
 def gsm8k_dir(configured: str | os.PathLike | None = None, *, setting: str = "eval.data_dir"
@@ -31,7 +38,7 @@ def gsm8k_dir(configured: str | os.PathLike | None = None, *, setting: str = "ev
 
     configured: the folder the caller was given (None or "" when not). setting: its name, for messages.
     The folder is returned as given, expanded (~) and absolute; whether it holds the splits is the reader's
-    check (evals.gsm8k names the origin in its error).
+    check (gsm8k_files names the origin in its error).
     """
     if configured is not None and str(configured) != "":
         return Path(configured).expanduser().resolve(), setting
@@ -154,9 +161,9 @@ def gsm8k_prompts(data_dir: str | os.PathLike, num_fewshot: int, limit: int | No
 
 
 def _first_too_long(tokenizer, prompts: list[str], room: int) -> tuple[int, int] | None:
-    """(index, tokens) of the first prompt that encodes (as evals.lm_adapter.EngineLM encodes prompts) to
-    more than ``room`` tokens; None when all fit. Encoded in growing chunks, so a count far too large stops
-    after a prompt or two."""
+    """(index, tokens) of the first prompt that encodes (as runners.app.lm_adapter.EngineLM encodes
+    prompts) to more than ``room`` tokens; None when all fit. Encoded in growing chunks, so a count far too
+    large stops after a prompt or two."""
     start, size = 0, 1
     while start < len(prompts):
         for i, enc in enumerate(tokenizer.encode_batch(prompts[start:start + size]), start):
@@ -253,3 +260,48 @@ def _check_fewshot_bound(tokenizer, train: list[dict], num_fewshot: int, room: i
             f"(allowed range [0, {fits}])",
             f"set eval.num_fewshot to at most {fits} (5 is the task's own), or raise model.max_seq_len / "
             "lower eval.max_gen_toks")
+
+
+def load_error(err: Exception, data_dir: Path | None) -> GSM8KDataError:
+    """The error of a failed lm-eval task load (evals.evaluate.load_task): the hub dataset could not be
+    loaded (data_dir None: offline or unreachable) or the files of data_dir could not be parsed."""
+    if data_dir is None:
+        return GSM8KDataError(
+            f"no GSM8K directory given (data_dir unset, ${DATA_ENV} unset) and the hub dataset "
+            f"{HUB_DATASET} could not be loaded: {type(err).__name__}: {err}",
+            f"set {DATA_ENV}=/path/to/gsm8k (a directory with train.jsonl and test.jsonl, e.g. "
+            "../shared/data/gsm8k) or pass data_dir; or allow hub access (unset HF_DATASETS_OFFLINE / "
+            "HF_HUB_OFFLINE on a machine with network)")
+    return GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
+                          "each line of train.jsonl / test.jsonl must be a JSON object with "
+                          "\"question\" and \"answer\"")
+
+
+def load_gsm8k(**metadata: Any) -> Any:
+    """The documents of our local lm-eval groups (evals/tasks/gsm8k_local.yaml, gsm8k_cot_local.yaml; lm-eval
+    calls it with the task's metadata instead of downloading the hub dataset): `{"train", "test"}` datasets
+    (datasets.DatasetDict) of `<folder>/{train,test}.jsonl` (rows {"question", "answer"}), read by the
+    datasets library's json builder, as lm-eval's stock gsm8k task reads the hub dataset's splits.
+
+    The folder: metadata[DATA_KEY] when lm-eval was given one, else gsm8k_dir's lookup ($GSM8K_DIR,
+    ../shared/data/gsm8k). Raises GSM8KDataError when no folder holds both splits.
+    """
+    import datasets
+
+    path = gsm8k_files(metadata.get(DATA_KEY), setting=f"lm-eval metadata {DATA_KEY}")
+    if path is None:
+        raise GSM8KDataError(
+            "the gsm8k_local task found no GSM8K folder (no metadata gsm8k_dir, $GSM8K_DIR unset, no "
+            "../shared/data/gsm8k beside the checkout)",
+            "pass --metadata '{\"gsm8k_dir\": \"/path/to/gsm8k\"}' or set GSM8K_DIR to a folder with "
+            "train.jsonl and test.jsonl (or use the task gsm8k, which reads the hub dataset)",
+        )
+    return datasets.load_dataset("json", data_files={s: str(path / f"{s}.jsonl") for s in SPLITS})
+
+
+def sample_fields(doc: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """GSM8K's fields of a scored sample (samples.jsonl), from lm-eval's logged document and target:
+    "question", "target" (the reference solution text) and "target_answer" (the text after its last
+    ANSWER_MARKER, the final answer lm-eval's filters are compared with; the whole text without one)."""
+    answer = target.split(ANSWER_MARKER)[-1].strip() if ANSWER_MARKER in target else target.strip()
+    return {"question": doc["question"], "target": target, "target_answer": answer}

@@ -1,4 +1,6 @@
-"""Our engine as an lm-eval model: `generate_until` over one `engine.generate` call, with resumable results.
+"""Our engine as an lm-eval model: `generate_until` over one `engine.generate` call, with resumable results;
+and `evaluate_engine`, the evaluation of an engine (the application's side of evals, which imports nothing of
+runners).
 
 lm-eval hands the model text requests `(context, gen_kwargs)`; this adapter tokenizes them with the
 checkpoint's `tokenizers.Tokenizer`, gives every request that is not already on disk to ONE
@@ -31,11 +33,14 @@ from lm_eval.api.registry import register_model
 from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
 from lm_eval.utils import simple_parse_args_string
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm
 
+from evals.evaluate import EvalResult, evaluate_lm
 from evals.outdir import GENERATIONS_FILE, META_SUFFIX, STATS_SUFFIX, write_atomic
+from evals.progress import LineProgress, progress_bar
+from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
 from registry.errors import UserError
+from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
 
@@ -406,6 +411,12 @@ class EngineLM(LM):
                 self._generate(pending, bar)
         return [self.records[k]["text"] for k in keys]
 
+    @property
+    def all_stats_parts(self) -> list[dict[str, Any]]:
+        """The stats parts of every generate call of the store's folder that returned (earlier runs' parts
+        included; evals.evaluate.GeneratingLM); this model's own calls' without a store."""
+        return self.store.stats_parts if self.store is not None else self.stats_parts
+
     def request_key_for(self, context: str, gen_kwargs: dict[str, Any]) -> str:
         """The resume key this model gives the request `(context, gen_kwargs)` (see `request_key`)."""
         return request_key(context, self._settings(gen_kwargs))
@@ -452,7 +463,7 @@ class EngineLM(LM):
             "request_stats": None if request_stats is None else dict(request_stats),
         }
 
-    def _generate(self, pending: list[_Pending], bar: tqdm | _LineProgress) -> None:
+    def _generate(self, pending: list[_Pending], bar: LineProgress | Any) -> None:
         prompts = []
         for p in pending:
             ids = self.tokenizer.encode(p.prompt).ids
@@ -516,38 +527,42 @@ class EngineLM(LM):
             self.store.add_stats(part)
 
 
-def progress_bar(total: int, initial: int = 0, *, desc: str, show: bool = True) -> tqdm | _LineProgress:
-    """The progress of a phase over `total` requests (`initial` already done), labelled `desc`: a tqdm bar
-    on a terminal, plain lines on stderr elsewhere (:class:`_LineProgress`: a log file gets no
-    carriage-return redraws), nothing when `show` is False. A context manager with ``update(n)``."""
-    if show and not sys.stderr.isatty():
-        return _LineProgress(total, initial, desc=desc)
-    return tqdm(total=total, initial=initial, disable=not show, desc=desc, unit="req", dynamic_ncols=True)
+def evaluate_engine(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
+                    limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+                    out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
+                    fingerprint: dict[str, Any] | None = None, task: EvalTask = TASKS[DEFAULT_TASK]
+                    ) -> EvalResult:
+    """Score `engine` on a task row (default gsm8k) through lm-eval: evals.evaluate.evaluate_lm over an
+    `EngineLM` whose resume file is out_dir/generations.jsonl.
 
+    Args:
+        engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
+        tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
+        data_dir, limit, num_fewshot, max_gen_toks, out_dir, progress, task: evals.evaluate.evaluate_lm's
+            (max_gen_toks: the generated-token limit per request; the task sets none).
+        resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
+            requests not on disk are sent to the engine. False starts the generations files afresh.
+        fingerprint: JSON-able settings that generations depend on beyond the prompt and the engine's
+            config, e.g. {"model": entry, "dtype": ..., "draft_len": K, "ssm_replay": ...}. Stored with
+            type(engine) and repr(engine.config) in generations.meta.json; resume=True with a different one
+            raises ValueError instead of mixing runs.
 
-class _LineProgress:
-    """Progress for a stream that is not a terminal (CI logs, nohup, a pipe): one plain line at most every
-    `interval` seconds and one at the end, e.g. ``generate: 400/1319 requests (30.3%), 85 s``. Same use as
-    the tqdm bar (context manager, update(n))."""
+    Returns evals.evaluate.EvalResult (its stats summed as runners.engine.stats.GenerationStats). Raises
+    FileNotFoundError (no tokenizer file), GSM8KDataError, ValueError, RuntimeError (evaluate_lm's).
+    Mutates nothing but out_dir.
+    """
+    tokenizer_path = Path(tokenizer_path)
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found: "
+                                "pass the checkpoint's tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
 
-    def __init__(self, total: int, initial: int = 0, *, desc: str, interval: float = 30.0, file=None):
-        self.total, self.n, self.desc, self.interval = total, initial, desc, interval
-        self.file = file if file is not None else sys.stderr
-        self.t0 = self.last = time.monotonic()
+    def make_lm() -> EngineLM:  # after the task's data loaded: a data error leaves the resume files alone
+        run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
+                    "fingerprint": fingerprint or {}}
+        store = GenerationStore(Path(out_dir) / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
+        return EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
 
-    def __enter__(self) -> _LineProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._line()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if time.monotonic() - self.last >= self.interval:
-            self._line()
-
-    def _line(self) -> None:
-        self.last = time.monotonic()
-        pct = 100.0 * self.n / self.total if self.total else 100.0
-        print(f"{self.desc}: {self.n}/{self.total} requests ({pct:.1f}%), {self.last - self.t0:.0f} s",
-              file=self.file, flush=True)
+    return evaluate_lm(make_lm, counters=GenerationStats, data_dir=data_dir, limit=limit,
+                       num_fewshot=num_fewshot, max_gen_toks=max_gen_toks, out_dir=out_dir, progress=progress,
+                       task=task)

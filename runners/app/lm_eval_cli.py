@@ -1,13 +1,14 @@
-"""lm-eval's own command line, with this project's model and tasks: `python -m evals.lm_eval_cli <arguments>`.
+"""lm-eval's own command line, with this project's model and tasks:
+`python -m runners.app.lm_eval_cli <arguments>`.
 
-It registers our engine as the lm-eval model `hybrid-engine` (evals.lm_adapter.EngineLM; `--model_args
+It registers our engine as the lm-eval model `hybrid-engine` (runners.app.lm_adapter.EngineLM; `--model_args
 pretrained=<checkpoint dir>,draft_len=K,...`, the options of EngineLM.from_checkpoint) and adds evals/tasks/
 to `--include_path` (tasks `gsm8k_local` / `gsm8k_cot_local`: lm-eval's stock gsm8k / gsm8k_cot on the local
 GSM8K JSONL files, the local groups of evals/task.py's rows), then hands the arguments to lm-eval's CLI
 (lm_eval.__main__.cli_evaluate), so every lm-eval option and generation task works. Run from the checkout
 (nothing is installed). The shipped tiny checkpoint on 10 GSM8K questions, on the CPU:
 
-    python -m evals.lm_eval_cli --model hybrid-engine \\
+    python -m runners.app.lm_eval_cli --model hybrid-engine \\
         --model_args pretrained=registry/checkpoints/tiny_nemotron_h_mtp,draft_len=3,num_threads=1 \\
         --tasks gsm8k_local --device cpu --batch_size 16 --limit 10
 
@@ -21,8 +22,8 @@ import sys
 
 from lm_eval.__main__ import cli_evaluate
 
-import evals.lm_adapter  # noqa: F401  (registers the model "hybrid-engine" with lm-eval)
-from evals.gsm8k import TASKS_DIR
+import runners.app.lm_adapter  # noqa: F401  (registers the model "hybrid-engine" with lm-eval)
+from evals.evaluate import TASKS_DIR
 
 
 def main(argv: list[str] | None = None) -> None:

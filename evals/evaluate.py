@@ -1,13 +1,12 @@
-"""GSM8K accuracy of our engine through lm-evaluation-harness's stock tasks, resumable: the evaluator of the
-rows of evals.task.TASKS (`gsm8k` by default, `gsm8k_cot`).
+"""The evaluator of the rows of evals.task.TASKS: an lm-eval model scored on a row's lm-eval stock task,
+resumable.
 
-`lm_eval.simple_evaluate` runs lm-eval's own task YAML (for gsm8k, gsm8k.yaml version 3.0: 5-shot from train,
-"Question: ...\\nAnswer:", greedy, stop at "Question:", "</s>", "<|im_end|>", filters strict-match and
-flexible-extract), found by lm-eval's TaskManager: the stock task for the hub dataset openai/gsm8k, or the
-row's local group of evals/tasks/ (e.g. `gsm8k_local`: the same task on the JSONL files of a local folder,
-passed as task metadata) when a folder is known (evals.data.gsm8k_dir). Generation goes through
-`evals.lm_adapter.EngineLM`, which streams every finished request to `out_dir/generations.jsonl`; a resumed
-run reuses those and generates the rest.
+`lm_eval.simple_evaluate` runs lm-eval's own task YAML of the row (its task, version, filters and metric),
+found by lm-eval's TaskManager: the stock task on its hub dataset, or the row's local group of evals/tasks/
+(the same task on the documents of a local folder, passed as task metadata) when the row's data
+(evals.task.TaskData) knows a folder. Generation goes through the lm-eval model the caller gives (the
+application's: runners.app.lm_adapter.EngineLM, which streams every finished request to
+`out_dir/generations.jsonl`; a resumed run reuses those and generates the rest).
 """
 
 from __future__ import annotations
@@ -19,41 +18,37 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lm_eval
 import lm_eval.tasks
 from lm_eval.api.metrics import mean_stderr
 from lm_eval.api.task import Task
+from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS  # 256: lm-eval's limit when a task sets no max_gen_toks
 from lm_eval.tasks import TaskManager
-from tokenizers import Tokenizer
 
-from evals.data import DATA_ENV, FEWSHOT_SEED, HUB_DATASET, GSM8KDataError, gsm8k_files
-from evals.lm_adapter import DEFAULT_MAX_GEN_TOKS, GENERATIONS_FILE, EngineLM, GenerationStore, progress_bar
-from evals.outdir import write_atomic
+from evals.outdir import SAMPLES_FILE, write_atomic
+from evals.progress import progress_bar
+from evals.stats import GenerationCounters
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
-from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
 
-GSM8K = TASKS[DEFAULT_TASK]  # the default row: lm-eval's stock gsm8k
+DEFAULT = TASKS[DEFAULT_TASK]  # the default row
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # our lm-eval tasks (each row's local_task)
 STOCK_TASKS_DIR = Path(lm_eval.tasks.__file__).parent  # lm-eval's; a row's stock_dir is a folder of it
-# The stock gsm8k task's folder: indexing only it (and ours) takes milliseconds, all of lm-eval's ~10 s.
-STOCK_GSM8K_DIR = STOCK_TASKS_DIR / GSM8K.stock_dir
-SAMPLES_FILE = "samples.jsonl"
+# The default row's stock task folder: indexing only a row's (and ours) takes milliseconds, all of lm-eval's
+# ~10 s.
+STOCK_GSM8K_DIR = STOCK_TASKS_DIR / DEFAULT.stock_dir
 
-# Fields only a whole `engine.generate` call has (batch steps, seconds, prefix-cache stores and evictions):
-# summed over the stats parts.
-_TIMING_STATS = GenerationStats.PER_CALL
 TIMING_SCOPE = "all engine.generate calls of this out_dir that returned (earlier parts included)"
 
 
 @dataclasses.dataclass
-class GSM8KResult:
-    """Outcome of `evaluate_gsm8k`.
+class EvalResult:
+    """Outcome of `evaluate_lm`.
 
     scores: {"strict_match": float, "flexible_extract": float, "n": int}; accuracies are fractions in [0, 1].
     stats: see `scored_stats`: the per-request counters (num_requests, prompt_tokens, generated_tokens,
@@ -64,8 +59,8 @@ class GSM8KResult:
         timing_largest_call the largest) summed over
         `timing_scope` = every generate call of out_dir that returned; "requests_without_stats" counts
         scored requests whose record has no per-request counters (0 with this engine).
-    samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_gsm8k`).
-    wall_seconds: wall time of this `evaluate_gsm8k` call (task building, generation, scoring).
+    samples_path: out_dir / "samples.jsonl", one scored record per document (see `evaluate_lm`).
+    wall_seconds: wall time of this `evaluate_lm` call (task building, generation, scoring).
     num_resumed / num_generated: requests of this call read from generations.jsonl / sent to the engine.
     task: {"task", "version", "num_fewshot", "fewshot_seed", "limit", "max_gen_toks", "lm_eval_version",
         "data_source"} as actually run.
@@ -83,36 +78,32 @@ class GSM8KResult:
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def load_gsm8k_task(data_dir: Path | None, task_row: EvalTask = GSM8K) -> tuple[Task, TaskManager, str]:
-    """lm-eval's stock task of `task_row` (default gsm8k), reading `data_dir`/{train,test}.jsonl (the row's
-    local group of evals/tasks/, e.g. gsm8k_local), or the hub dataset when None; found by lm-eval's
-    TaskManager.
+def load_task(data_dir: Path | None, task_row: EvalTask = DEFAULT) -> tuple[Task, TaskManager, str]:
+    """lm-eval's stock task of `task_row` (default: the default row), reading the documents of `data_dir`
+    (the row's local group of evals/tasks/, `local_task`, handed the folder as task metadata
+    `task_row.data.metadata_key`), or its hub dataset when None; found by lm-eval's TaskManager.
 
-    Returns (task, its TaskManager, data_source). Raises GSM8KDataError when the hub dataset cannot be loaded
-    (offline or unreachable; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be
-    parsed, and RuntimeError when the installed lm-eval's task is not the row's version.
+    Returns (task, its TaskManager, data_source: the folder, or "hub:<dataset>"). Raises the row's data error
+    (`task_row.data.load_error`, a UserError) when the hub dataset cannot be loaded (offline or unreachable;
+    HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are respected) or the files cannot be parsed, ValueError for a row
+    without data, and RuntimeError when the installed lm-eval's task is not the row's version.
     """
+    data = task_row.data
+    if data is None:
+        raise ValueError(f"task {task_row.name} declares no data (evals.task.TaskData): lm-eval cannot run "
+                         "it")
     name = task_row.lm_eval_task
-    metadata = {"gsm8k_dir": str(data_dir)} if data_dir is not None else None
+    metadata = {data.metadata_key: str(data_dir)} if data_dir is not None else None
     manager = TaskManager(include_path=[str(STOCK_TASKS_DIR / task_row.stock_dir), str(TASKS_DIR)],
                           include_defaults=False, metadata=metadata)
     try:
         task = manager.load(task_row.local_task if data_dir is not None else name)["tasks"][name]
     except Exception as err:  # datasets raises ConnectionError, FileNotFoundError, DatasetGenerationError...
-        if data_dir is None:
-            raise GSM8KDataError(
-                f"no GSM8K directory given (data_dir unset, ${DATA_ENV} unset) and the hub dataset "
-                f"{HUB_DATASET} could not be loaded: {type(err).__name__}: {err}",
-                f"set {DATA_ENV}=/path/to/gsm8k (a directory with train.jsonl and test.jsonl, e.g. "
-                "../shared/data/gsm8k) or pass data_dir; or allow hub access (unset HF_DATASETS_OFFLINE / "
-                "HF_HUB_OFFLINE on a machine with network)") from err
-        raise GSM8KDataError(f"GSM8K files in {data_dir} could not be read: {type(err).__name__}: {err}",
-                             "each line of train.jsonl / test.jsonl must be a JSON object with "
-                             "\"question\" and \"answer\"") from err
+        raise data.load_error(err, data_dir) from err
     if task.VERSION != task_row.version:
         raise RuntimeError(f"lm-eval {lm_eval.__version__}'s {name} task is version {task.VERSION}, expected "
                            f"{task_row.version}: scores would not be comparable; install lm-eval==0.4.13")
-    return task, manager, str(data_dir) if data_dir is not None else f"hub:{HUB_DATASET}"
+    return task, manager, str(data_dir) if data_dir is not None else f"hub:{data.hub}"
 
 
 @contextlib.contextmanager
@@ -144,7 +135,7 @@ def _labelled_request_build(show: bool) -> Iterator[None]:
     seconds for 1,319 documents) under a bar without a label ("0/1319") from the tqdm its module
     lm_eval.api.task imports, which takes neither a label nor a switch (tqdm's TQDM_* variables are read
     once, when tqdm is first imported, and would reach every bar). For the call that name is this project's
-    progress instead (evals.lm_adapter.progress_bar, labelled BUILD_PROGRESS, like the generate progress
+    progress instead (evals.progress.progress_bar, labelled BUILD_PROGRESS, like the generate progress
     that follows: plain lines off a terminal, none with show=False); restored on exit. An lm-eval whose task
     module has no `tqdm` keeps its own bar."""
     import lm_eval.api.task
@@ -172,7 +163,7 @@ def _labelled_request_build(show: bool) -> Iterator[None]:
 def _without_env_report() -> Iterator[None]:
     """lm-eval's simple_evaluate ends by adding an environment report to its results
     (lm_eval.loggers.utils.add_env_info: torch.utils.collect_env, which runs `pip list` and other probes,
-    3-4 s per evaluation on a 2-core machine). evaluate_gsm8k reads none of it (the lm-eval version it
+    3-4 s per evaluation on a 2-core machine). evaluate_lm reads none of it (the lm-eval version it
     records is lm_eval.__version__), so the evaluator's reference to it is a no-op for the call; restored on
     exit."""
     import lm_eval.evaluator
@@ -215,14 +206,14 @@ def _compiled_templates_kept() -> Iterator[None]:
         lm_eval.utils.apply_template = apply_template
 
 
-def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]],
+                 counters: type[GenerationCounters]) -> dict[str, Any]:
     """Generation stats of a scored run: counters from the scored requests, timing from the generate calls.
 
     records: the generation records (`GenerationStore` lines) of the requests scored, one per distinct
-    request; their `request_stats` (the engine's per-request counters) are added up as
-    runners.engine.stats.GenerationStats (num_requests = records with counters), whose to_dict() gives the
-    sums
-    and the acceptance ratios derived from them. So the counters depend only on which requests were scored,
+    request; their `request_stats` (the engine's per-request counters) are added up as `counters`
+    (num_requests = records with counters), whose to_dict() gives the sums and the acceptance ratios derived
+    from them. So the counters depend only on which requests were scored,
     not on how the run was split into parts.
     parts: `{"wall_seconds", "num_requests", "engine_stats"}` per returned `engine.generate` call of the
     out_dir; prefill_seconds, decode_seconds and steps are their sums, with their prompt / generated token
@@ -231,15 +222,17 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     timing_largest_call (the most requests one call sent); and timing_scope says they cover every call of
     out_dir, not only the scored requests.
     requests_without_stats: records lacking `request_stats` (their steps are missing from the counters).
-    nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`,
-    runners.engine.engine.GenerationOutput.nonfinite), first appearance first; None when a part does not say.
+    nonfinite: the model outputs flagged with NaN / infinite values by any of the parts (their `nonfinite`:
+    the generate output's flags), first appearance first; None when a part does not say.
+    counters: the engine's statistics type (evals.stats.GenerationCounters; its PER_CALL fields, e.g. batch
+    steps and seconds, are summed over the parts).
     """
     with_stats = [r["request_stats"] for r in records if isinstance(r.get("request_stats"), dict)]
-    counters = sum((GenerationStats.from_dict(s) for s in with_stats), GenerationStats())
-    counters.num_requests = len(with_stats)
-    timing = sum((GenerationStats.from_dict(p["engine_stats"]) for p in parts), GenerationStats())
-    out = counters.to_dict()
-    out.update({k: getattr(timing, k) for k in _TIMING_STATS})
+    summed = sum((counters.from_dict(s) for s in with_stats), counters())
+    summed.num_requests = len(with_stats)
+    timing = sum((counters.from_dict(p["engine_stats"]) for p in parts), counters())
+    out = summed.to_dict()
+    out.update({k: getattr(timing, k) for k in counters.PER_CALL})
     out["wall_seconds"] = sum(float(p.get("wall_seconds", 0.0)) for p in parts)
     out["num_parts"] = len(parts)
     out["timing_prompt_tokens"] = timing.prompt_tokens
@@ -257,7 +250,7 @@ def scored_stats(records: list[dict[str, Any]], parts: list[dict[str, Any]]) -> 
     return out
 
 
-INVALID_ANSWER = "[invalid]"  # what lm-eval's gsm8k filters extract when they find no answer
+INVALID_ANSWER = "[invalid]"  # what lm-eval's answer-extracting filters give when they find no answer
 # A generation "repeats one token" when it has at least this many ids (a stop token excluded), all the same.
 REPEAT_MIN_TOKENS = 4
 
@@ -268,17 +261,21 @@ def repeats_one_token(ids: list[int], stop_ids: set[int] | frozenset[int] = froz
     return len(body) >= REPEAT_MIN_TOKENS and len(set(body)) == 1
 
 
-def output_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
+def output_health(samples: list[dict[str, Any]], answer_filter: str | None = "flexible_extract"
+                  ) -> dict[str, Any]:
     """Counts of degenerate generations among scored samples (samples.jsonl records), for the verdict's
     health checks (evals.verdict.check_outputs): `n`; `empty` (no text before the first stop string, blanks
     aside); `repeated_token` (the generation is one token id repeated, see repeats_one_token); `no_answer`
-    (flexible-extract, the lenient filter, found no number); `ended` (generations that ended on their own,
+    (`answer_filter`, the task row's lenient filter, found no answer; none counted without one); `ended`
+    (generations that ended on their own,
     at a stop token or stop string, not cut by max_gen_toks) and `ended_no_answer` (those of them without a
     number). A model that generates nothing, one token forever, or never an answer is broken, whatever its
     GSM8K score at a small n says."""
 
     def no_answer(s: dict[str, Any]) -> bool:
-        return s["extracted"].get("flexible_extract", INVALID_ANSWER) == INVALID_ANSWER
+        if answer_filter is None:
+            return False
+        return s["extracted"].get(answer_filter, INVALID_ANSWER) == INVALID_ANSWER
 
     ended = [s for s in samples if s.get("finish_reason") != "length"]
     return {
@@ -291,76 +288,89 @@ def output_health(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _target_answer(target: str) -> str:
-    return target.split("####")[-1].strip() if "####" in target else target.strip()
-
-
 def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
     write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: str | os.PathLike | None,
-                   limit: int | None = None, num_fewshot: int = 5, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-                   out_dir: str | os.PathLike, resume: bool = False, progress: bool = True,
-                   fingerprint: dict[str, Any] | None = None, task: EvalTask = GSM8K) -> GSM8KResult:
-    """Score `engine` on GSM8K with an lm-eval 0.4.13 stock task, by default gsm8k (greedy, both filters).
+class GeneratingLM(Protocol):
+    """What the evaluator reads of the lm-eval model it is given (the application's lm-eval model over the
+    engine, runners.app.lm_adapter.EngineLM, is one), besides lm-eval's `generate_until`.
+
+    records: request key -> generation record of the last `generate_until` call ({"key", "prompt_sha256",
+        "generated_ids", "num_generated_tokens", "finish_reason", "stop_string", "text", "request_stats"}).
+    request_key_for(context, gen_kwargs): the key of one lm-eval request.
+    stop_token_ids: the ids that end a generation.
+    num_resumed / num_generated: requests of the last call read from disk / generated.
+    all_stats_parts: {"wall_seconds", "num_requests", "engine_stats", "nonfinite"} of every generate call
+        of the out_dir that returned (earlier runs' parts included).
+    """
+
+    records: dict[str, dict[str, Any]]
+    stop_token_ids: tuple[int, ...]
+    num_resumed: int
+    num_generated: int
+
+    def request_key_for(self, context: str, gen_kwargs: dict[str, Any]) -> str: ...
+
+    @property
+    def all_stats_parts(self) -> list[dict[str, Any]]: ...
+
+
+def evaluate_lm(make_lm: Callable[[], Any], *, counters: type[GenerationCounters],
+                data_dir: str | os.PathLike | None, limit: int | None = None, num_fewshot: int = 5,
+                max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, out_dir: str | os.PathLike, progress: bool = True,
+                task: EvalTask = DEFAULT) -> EvalResult:
+    """Score an lm-eval model on a task row with the row's lm-eval 0.4.13 stock task (greedy, every filter of
+    the row), by default the default row's.
 
     Args:
-        engine: `runners.Engine` or anything with its `generate` contract (docs/architecture.md).
-        tokenizer_path: the checkpoint's tokenizer.json (`tokenizers.Tokenizer.from_file`).
-        data_dir: directory with train.jsonl / test.jsonl; None: $GSM8K_DIR, else hub dataset openai/gsm8k.
+        make_lm: called once, after the task's data loaded, with nothing; returns the lm-eval model (an
+            lm_eval.api.model.LM that also satisfies `GeneratingLM`). The application's builds
+            runners.app.lm_adapter.EngineLM over the engine with out_dir's resume file.
+        counters: the engine's statistics type (evals.stats.GenerationCounters), to add up its counters.
+        data_dir: the documents' folder (the row's data lookup: for GSM8K train.jsonl / test.jsonl; None:
+            $GSM8K_DIR, else the hub dataset).
         limit: score only the first `limit` test documents (None: all 1319).
-        num_fewshot: few-shot examples per prompt (gsm8k's own is 5, drawn from train with lm-eval's seed
-            1234; gsm8k_cot's is 8, its fixed exemplars in order).
-        max_gen_toks: generated-token limit per request (lm-eval's default 256; the task does not set one).
-        out_dir: created if needed; receives generations.jsonl (+ generations.stats.jsonl), the resume
-            file appended as each request finishes, and samples.jsonl, written once scoring is done.
-        resume: reuse generations.jsonl from an earlier (possibly killed) run with the same settings; only
-            requests not on disk are sent to the engine. False starts the generations files afresh.
-            Any samples.jsonl of an earlier run is removed at the start (it appears again when scored).
-        progress: show the progress of building the prompts and of generating them (tqdm bars on a
-            terminal, plain lines elsewhere; resumed requests counted as done).
-        fingerprint: (an addition to the documented signature) JSON-able settings that generations depend on
-            beyond the prompt and the engine's config, e.g. {"model": entry, "dtype": ..., "draft_len": K,
-            "ssm_replay": ...}. Stored with type(engine) and repr(engine.config) in
-            generations.meta.json; resume=True with a different one raises ValueError instead of mixing runs.
+        num_fewshot: few-shot examples per prompt (the default row's own is 5, drawn from train with
+            lm-eval's seed 1234; the chain-of-thought row's is 8, its fixed exemplars in order).
+        max_gen_toks: the generated-token limit the model was given (recorded in `task`).
+        out_dir: created if needed; receives samples.jsonl, written once scoring is done (the model writes
+            its own resume files there). Any samples.jsonl of an earlier run is removed at the start.
+        progress: show the progress of building the prompts (a tqdm bar on a terminal, plain lines elsewhere).
         task: the evals.task.TASKS row to run (its lm-eval task, version, filters).
 
     samples.jsonl, one record per test document in doc_id order: {"doc_id", "prompt_sha256", "request_key",
-    "question", "target" (the reference answer text), "target_answer" (after "####"), "generated_text" (cut
+    the task data's fields (`TaskData.sample_fields`; GSM8K's "question", "target": the reference answer text,
+    "target_answer": after "####"), "generated_text" (cut
     at the first stop string), "extracted": {"strict_match", "flexible_extract"} (each filter's answer,
     "[invalid]" when it finds none), "correct": {"strict_match": bool, "flexible_extract": bool},
     "num_generated_tokens", "finish_reason" ("stop_token" | "stop_string" | "length"), "stop_string",
     "empty_output" (no text before the stop string), "repeats_one_token" (see `repeats_one_token`)}.
 
-    Returns GSM8KResult. Raises GSM8KDataError (no usable data), ValueError (bad arguments), RuntimeError
-    (lm-eval's task is not the row's task and version as configured). Mutates nothing but out_dir.
+    Returns EvalResult. Raises the row's data error (a UserError: no usable data), ValueError (bad
+    arguments, a row without data), RuntimeError (lm-eval's task is not the row's task and version as
+    configured). Mutates nothing but out_dir.
     """
     t0 = time.perf_counter()
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     if not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0:
         raise ValueError(f"num_fewshot must be an int >= 0, got {num_fewshot!r}")
-    tokenizer_path = Path(tokenizer_path)
-    if not tokenizer_path.is_file():
-        raise FileNotFoundError(f"tokenizer file {tokenizer_path} not found: "
-                                "pass the checkpoint's tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / SAMPLES_FILE
     samples_path.unlink(missing_ok=True)  # a samples.jsonl on disk always belongs to a finished run
 
     with _quiet_lm_eval():
-        lm_task, manager, source = load_gsm8k_task(gsm8k_files(data_dir), task)
-        run_meta = {"engine": type(engine).__qualname__, "engine_config": repr(engine.config),
-                    "fingerprint": fingerprint or {}}
-        store = GenerationStore(out_dir / GENERATIONS_FILE, resume=resume, run_meta=run_meta)
-        lm = EngineLM(engine, tokenizer, max_gen_toks=max_gen_toks, store=store, progress=progress)
+        if task.data is None:
+            raise ValueError(f"task {task.name} declares no data (evals.task.TaskData): lm-eval cannot "
+                             "run it")
+        lm_task, manager, source = load_task(task.data.files(data_dir), task)
+        lm = make_lm()
         with _without_env_report(), _labelled_request_build(progress), _compiled_templates_kept():
             results = lm_eval.simple_evaluate(model=lm, tasks=[lm_task], task_manager=manager,
                                               num_fewshot=num_fewshot, limit=limit, log_samples=True,
-                                              bootstrap_iters=0, fewshot_random_seed=FEWSHOT_SEED)
+                                              bootstrap_iters=0, fewshot_random_seed=task.data.fewshot_seed)
 
     name = task.lm_eval_task
     run_config = results["configs"][name]
@@ -381,13 +391,13 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         if not math.isclose(mean, scores[ours], abs_tol=1e-12):
             raise RuntimeError(f"{ours}: per-sample mean {mean} != lm-eval score {scores[ours]}")
     _write_jsonl_atomic(samples_path, samples)
-    outputs = output_health(samples)
+    outputs = output_health(samples, task.answer_filter)
     outputs["stderr"] = {ours: float(mean_stderr([float(s["correct"][ours]) for s in samples])) if n > 1
                          else None for ours in task.filters}
 
     # lm.records: one record per distinct request of this evaluation (exactly the current limit's requests)
-    stats = scored_stats(list(lm.records.values()), store.stats_parts)
-    return GSM8KResult(
+    stats = scored_stats(list(lm.records.values()), lm.all_stats_parts, counters)
+    return EvalResult(
         scores=scores,
         stats=stats,
         samples_path=samples_path,
@@ -395,13 +405,13 @@ def evaluate_gsm8k(engine: Any, tokenizer_path: str | os.PathLike, *, data_dir: 
         num_resumed=lm.num_resumed,
         num_generated=lm.num_generated,
         task={"task": name, "version": results["versions"][name], "num_fewshot": num_fewshot,
-              "fewshot_seed": FEWSHOT_SEED, "limit": limit, "max_gen_toks": max_gen_toks,
+              "fewshot_seed": task.data.fewshot_seed, "limit": limit, "max_gen_toks": max_gen_toks,
               "lm_eval_version": lm_eval.__version__, "data_source": source},
         outputs=outputs,
     )
 
 
-def _sample_records(logged: list[dict[str, Any]], lm: EngineLM, task: EvalTask) -> list[dict[str, Any]]:
+def _sample_records(logged: list[dict[str, Any]], lm: GeneratingLM, task: EvalTask) -> list[dict[str, Any]]:
     """Join lm-eval's per-(document, filter) logged samples with our generation records, one per document."""
     by_doc: dict[int, dict[str, Any]] = {}
     for s in logged:
@@ -410,15 +420,13 @@ def _sample_records(logged: list[dict[str, Any]], lm: EngineLM, task: EvalTask) 
             continue
         doc_id = int(s["doc_id"])
         if doc_id not in by_doc:
-            (context, gen_kwargs), = s["arguments"]  # gsm8k: one generate_until request per document
+            (context, gen_kwargs), = s["arguments"]  # one generate_until request per document
             gen = lm.records[lm.request_key_for(context, gen_kwargs)]
             by_doc[doc_id] = {
                 "doc_id": doc_id,
                 "prompt_sha256": gen["prompt_sha256"],
                 "request_key": gen["key"],
-                "question": s["doc"]["question"],
-                "target": s["target"],
-                "target_answer": _target_answer(s["target"]),
+                **task.data.sample_fields(s["doc"], s["target"]),
                 "generated_text": gen["text"],
                 "extracted": {},
                 "correct": {},
