@@ -94,21 +94,17 @@ def check_supported(rr: ResolvedRun) -> None:
     """Raise UserError for the first setting of `rr` this engine cannot honour on this machine.
 
     Refused: a quantized checkpoint in a layout the engine does not run
-    (runners.engine.formats.check_runnable: per-tensor FP8 with dynamic activation scales, blocks other
-    than 128 x 128); NVFP4 or block-FP8 weights on a GPU older than sm_89 (:func:`check_quant_hardware`);
-    world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only),
-    on one
-    named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
+    (runners.engine.formats.check_runnable: per-tensor FP8 with dynamic activation scales, blocks other than
+    128 x 128); NVFP4 or block-FP8 weights on a GPU older than sm_89 (:func:`check_quant_hardware`);
+    world_size > 1 with FP8 weights or an FP8 KV cache (runners.engine.tp shards unquantized models only), on
+    one named GPU (cuda:N) or on fewer GPUs than ranks; ssm.backend=flashinfer on the CPU; a CUDA device where
     CUDA is missing. Allowed: `quant: fp8` (ModelOpt / HF per-tensor FP8 checkpoints: FP8 GEMMs on GPUs of
     sm_89+, a dequantizing fallback elsewhere; block FP8), the 4-bit `quant` (ModelOpt NVFP4 /
     MIXED_PRECISION, run W4A16) and `kv_cache_quant: fp8` (runners.engine.quant,
-    runners.engine.cache.KVCache). (the entry's graph batch sizes are honoured: the engine captures its decode
-    step at
-    those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly. world_size > 1
-    runs one
-    process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no run-ahead steps, a warning
-    says
-    so; the head counts it shards are checked by registry.resolve.)
+    runners.engine.models.attention.KVCache). (the entry's graph batch sizes are honoured: the engine captures
+    its decode step at those sizes on a GPU, runners/engine/graphs.py; on the CPU the same step runs eagerly.
+    world_size > 1 runs one process per rank, runners.engine.launch, with eager steps: no CUDA graphs, no
+    run-ahead steps, a warning says so; the head counts it shards are checked by registry.resolve.)
     """
     e = rr.entry
     quant = rr.checkpoint_config.quantization if rr.checkpoint_config is not None else None
