@@ -310,6 +310,23 @@ def _is_file_of(fd: int, path: Path) -> bool:
     return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
+def folder_in_use(path: str | Path) -> str | None:
+    """Whether a live run holds folder `path` (its lock, as :func:`claim_out_dir` takes it): that run's
+    "pid N on host" line, or None (free, or no lock file). Creates and writes nothing: a probe before the
+    claim, which stays the authority (a run may take the folder in between)."""
+    try:
+        fd = os.open(Path(path) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(Path(path))
+    finally:
+        os.close(fd)
+    return None
+
+
 def claim_out_dir(path: str | Path) -> Claim:
     """Create `path` if needed, check it is writable, and hold it for this run (the lock of the module doc).
 

@@ -41,6 +41,8 @@ RELEASE_FORMATS: dict[tuple[str, str], str] = {
     ("qwen3_next", Quant.fp8.value): FORMAT_BLOCK_FP8,
 }
 
+DUMMY_SEED = 0  # the seed of model.load_format=dummy weights (runners.tools.synth's default --seed)
+
 BASE_TOKENIZER = REPO_ROOT / "registry" / "checkpoints" / "tiny_nemotron_h_mtp"
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2  # the base tokenizer's <pad>, <s>, </s>
 

@@ -137,7 +137,7 @@ class ResolvedRun:
 
     def engine_settings(self) -> dict[str, Any]:
         """The resolved settings the engine runs with, by the names results.json's `config` and a run's
-        resume fingerprint (runners.app.main.fingerprint) both record them under."""
+        resume fingerprint (runners.app.rundir.fingerprint) both record them under."""
         return {
             "ssm_replay": self.ssm_replay,
             "world_size": self.world_size,

@@ -54,6 +54,13 @@ def _imported(stderr: str) -> set[str]:
     return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
 
 
+def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
+    """The heavy modules a `-X importtime` run loaded (lm-eval's pure-Python sampler aside)."""
+    loaded = _imported(proc.stderr)
+    assert "runners.app.preflight" in loaded  # the log is read right: the check's own module is in it
+    return sorted(m for m in loaded - LM_EVAL_SAMPLER if m.split(".")[0] in HEAVY)
+
+
 def _cuda_here() -> bool:
     from runners.app.support import cuda_available
 
@@ -70,10 +77,7 @@ def test_settings_errors_are_refused_before_heavy_imports_and_leave_nothing(tmp_
     # error / fix (a missing baseline row lists the file's rows between them)
     assert lines[0].startswith(error) and lines[-1].startswith("  fix: "), lines
     assert not any("Traceback" in line or line.startswith("  fix: ") for line in lines[:-1]), lines
-    loaded = _imported(proc.stderr)
-    assert "runners.app.preflight" in loaded  # the log is read right: the check's own module is in it
-    heavy = sorted(m for m in loaded - LM_EVAL_SAMPLER if m.split(".")[0] in HEAVY)
-    assert not heavy, heavy
+    assert not _heavy(proc), _heavy(proc)
     assert list(tmp_path.iterdir()) == []  # no outputs/<entry>/<time>/, no empty outputs/<entry>/
 
 
@@ -97,9 +101,10 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
 
 def test_a_refused_run_changes_nothing_in_a_folder_that_existed(tmp_path):
     """A finished run's folder (Hydra's three files, generations and their fingerprint) stays byte for byte as
-    it was when a later command into it is refused: a settings error, resume=true with other settings, and
-    while a live run holds it ("in use"). Hydra writes no .hydra/ at job start (hydra.output_subdir: null);
-    run.py writes it once the run holds its folder and every check passed."""
+    it was when a later command into it is refused: a settings error, a new run into it without resume,
+    resume=true with other settings, and while a live run holds it ("in use"). Hydra writes no .hydra/ at
+    job start (hydra.output_subdir: null); run.py writes it once the run holds its folder and every check
+    passed. The folder's refusals, too, come before torch and lm-eval are imported (runners.app.rundir)."""
     folder = tmp_path / "run"
     (folder / ".hydra").mkdir(parents=True)
     for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
@@ -109,9 +114,11 @@ def test_a_refused_run_changes_nothing_in_a_folder_that_existed(tmp_path):
     (folder / "results.json").write_text("{}\n")
     before = _tree(folder)
     for args, error in ((["eval.limit=-1"], "error: eval.limit must be >= 1"),
+                        (["eval.limit=4"], f"error: {folder} already holds generations of an earlier run"),
                         (["resume=true", "eval.limit=4"], f"error: cannot resume the run in {folder}")):
         proc = _run_py(f"hydra.run.dir={folder}", "history.db=null", *args, cwd=tmp_path)
         assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-3000:]
+        assert not _heavy(proc), (args, _heavy(proc))
         assert _tree(folder) == before, args
     claim = claim_out_dir(folder)  # a live run holds it
     try:
@@ -120,6 +127,7 @@ def test_a_refused_run_changes_nothing_in_a_folder_that_existed(tmp_path):
         claim.release()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "is in use by a run that is still going" in proc.stderr, proc.stderr[-3000:]
+    assert not _heavy(proc), _heavy(proc)
     assert _tree(folder) == before
 
 

@@ -755,7 +755,7 @@ def test_an_uncreatable_hydra_run_dir_is_one_error_and_fix_line(tmp_path, where)
 
 def test_resume_on_a_folder_without_generations_says_so(tmp_path, capsys):
     """resume=true on an empty (e.g. mistyped) folder starts from the first question, and says so."""
-    from runners.app.lm_adapter import check_resume
+    from runners.app.rundir import check_resume
 
     check_resume(tmp_path / "fresh", True, {"draft_len": 3})
     assert "resume=true, but" in capsys.readouterr().err

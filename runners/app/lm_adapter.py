@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +38,6 @@ from evals.outdir import GENERATIONS_FILE, META_SUFFIX, STATS_SUFFIX, write_atom
 from evals.progress import LineProgress, progress_bar
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
-from registry.errors import UserError
 from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
@@ -86,59 +84,6 @@ def request_key(prompt: str, settings: GenerationSettings) -> str:
         "decoding": "greedy",
     }
     return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
-
-
-# fingerprint keys added after runs were written without them: absent from a stored fingerprint = not checked
-_FINGERPRINT_KEYS_ADDED = frozenset({
-    "ssm_backend", "ssm_replay_checkpointing", "weights_sha256", "config_sha256", "generation_config_sha256",
-    "tokenizer_sha256", "max_seq_len", "num_threads", "load_format",  # older auto runs lack load_format
-})
-
-
-def check_resume(out_dir: Path, resume: bool, fingerprint: dict[str, Any]) -> None:
-    """Refuse to overwrite or to mix runs in `out_dir`, before anything heavy is loaded.
-
-    Without resume, a folder holding an earlier run's generations is an error; with resume, the fingerprint
-    stored beside them (`<generations>.meta.json`, written by GenerationStore) must equal `fingerprint` (the
-    settings the generations depend on). Raises UserError naming the differing settings.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output folder {out_dir} exists and is not a folder",
-                        "choose another out_dir= / hydra.run.dir=")
-    gen = out_dir / GENERATIONS_FILE
-    if not resume and gen.is_file() and gen.stat().st_size > 0:
-        raise UserError(
-            f"{out_dir} already holds generations of an earlier run ({gen})",
-            "pass resume=true to continue that run (finished samples are kept), or choose another out_dir= "
-            "/ hydra.run.dir=",
-        )
-    meta = gen.with_name(gen.stem + META_SUFFIX)
-    if resume and not gen.is_file():  # a mistyped folder would otherwise start over without a word
-        print(f"note: resume=true, but {out_dir} holds no earlier generations: starting from the first "
-              "question", file=sys.stderr)
-    if resume and meta.is_file():
-        try:
-            stored = json.loads(meta.read_text()).get("fingerprint") or {}
-        except (json.JSONDecodeError, AttributeError):
-            raise UserError(f"{meta} is unreadable, so the run cannot be resumed safely",
-                            "choose another out_dir= / hydra.run.dir=, or delete that folder") from None
-        now = json.loads(json.dumps(fingerprint))
-        keys = (stored.keys() | now.keys()) - (_FINGERPRINT_KEYS_ADDED - stored.keys())
-        diff = sorted(k for k in keys if stored.get(k) != now.get(k))
-        if diff:
-            from registry.resolve import SETTING_OVERRIDES as names
-
-            label = {k: k if names.get(k, k) == k else f"{k} ({names[k]})" for k in diff}  # + its override
-            def shown(v):  # an absent key is a setting that was not set
-                return "not set" if v is None else repr(v)
-
-            what = "; ".join(f"{label[k]}: {shown(stored.get(k))} then, {shown(now.get(k))} now"
-                             for k in diff)
-            raise UserError(
-                f"cannot resume the run in {out_dir}: its generations were made with other settings ({what})",
-                "resume with the settings of that run, or choose another out_dir= / hydra.run.dir=",
-            )
 
 
 def _fsync_append(path: Path, line: str) -> None:

@@ -9,7 +9,7 @@ out.
 - the task (`eval.name`, the `eval` config group): a row of evals.task.TASKS, which says what runs and what
   judges it;
 - that a baseline row can judge the run, and the verdict: registry.baselines, evals.verdict;
-- the output folder and its resume file: runners.app.lm_adapter.check_resume;
+- the output folder and its resume file: runners.app.rundir (checked first by the preflight);
 - the evaluation: runners.app.lm_adapter.evaluate_engine of the task's row over runners.engine.Engine;
 - results.json: evals.results; the compare=replay arms: evals.compare; the console table, summary.md and
   plots: evals.report;
@@ -20,7 +20,6 @@ Every problem the user can fix raises registry.errors.UserError before the engin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import signal
@@ -34,19 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
 from evals.history import record_finished_run, resolve_db
-from evals.outdir import GENERATIONS_FILE, claim_fresh_dir, claim_out_dir, ensure_writable_dir, write_atomic
+from evals.outdir import GENERATIONS_FILE, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
-from evals.task import DEFAULT_TASK, get_task
-from evals.tasks.gsm8k import gsm8k_dir
+from evals.task import get_task
 from evals.verdict import Check, Verdict, evaluate_verdict
-from registry.checkpoint import CONFIG_FILE, checkpoint_fingerprint
 from registry.errors import UserError
 from registry.resolve import ResolvedRun
-from registry.schema import REPO_ROOT
-from runners.app.lm_adapter import check_resume, evaluate_engine
+from runners.app.lm_adapter import evaluate_engine
 from runners.app.preflight import check_run, tokenizer_file
-from runners.engine.dummy import DUMMY_SEED
+from runners.app.rundir import check_run_folder, fingerprint, run_folder
 from runners.engine.engine import Engine
 from runners.engine.options import engine_options
 from runners.engine.prefix_cache import prefix_cache_off_reason
@@ -80,10 +76,10 @@ def run(cfg: DictConfig, checked: ResolvedRun | None = None,
     baseline row when verdict.require_reference is true.
     """
     rr = checked if checked is not None else check_run(cfg)
-    out_dir = _out_dir(rr)
+    out_dir = run_folder(rr)
     claim = claim_out_dir(out_dir)  # this run's folder until it ends (another live run's: an error)
     try:
-        _check_out_dir(out_dir, rr)
+        check_run_folder(out_dir, rr)
         _check_history_db(rr)
         if on_accepted is not None:
             on_accepted()
@@ -158,82 +154,6 @@ def _run_job(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, Any]:
     # results.json is on disk: a history failure is reported as a warning and never loses it
     record_finished_run(results, out_dir, rr.run.history.db)
     return results
-
-
-def fingerprint(rr: ResolvedRun) -> dict[str, Any]:
-    """The settings stored generations depend on; resuming with different ones is refused (check_resume).
-
-    Included: the checkpoint's contents (registry.checkpoint.checkpoint_fingerprint: weight files' size,
-    mtime and safetensors headers, config.json, generation_config.json, tokenizer.json), every engine setting
-    (dtypes, draft length, replay, backend, batch size, max_seq_len, CPU threads), eval.num_fewshot and
-    eval.max_gen_toks (they change the prompts and the generations, hence the acceptance counters) and the
-    GSM8K data folder (absolute path; None = hub). Not included: the git commit (resuming across a code
-    change is allowed; results.json records the commit of the finishing run), eval.limit (a resumed run may
-    score more or fewer samples: evals.evaluate reports the counters of exactly the scored ones), paths of the
-    outputs.
-    """
-    data_dir, _ = gsm8k_dir(rr.run.eval.data_dir)
-    return {
-        "entry": rr.entry.name,
-        "checkpoint_dir": str(rr.checkpoint_dir),
-        # the effective load_format, so that a refused resume names it ('auto', never None)
-        "load_format": rr.entry.load_format.value,
-        **(_dummy_fingerprint(rr) if rr.dummy else checkpoint_fingerprint(rr.checkpoint_dir)),
-        **rr.engine_settings(),  # device, dtypes, draft_len, replay, backend, batch size, world size
-        "quant": rr.entry.quant.value,
-        "kv_cache_quant": rr.entry.kv_cache_quant.value,
-        "max_seq_len": rr.entry.max_seq_len,
-        "num_threads": rr.run.runtime.num_threads,
-        "num_fewshot": rr.run.eval.num_fewshot,
-        "max_gen_toks": rr.run.eval.max_gen_toks,
-        "data_dir": str(data_dir) if data_dir is not None else None,
-        # present only when on: fingerprints stored before the option equal today's with it off
-        **({"ssm_stochastic_rounding": True} if rr.entry.ssm.stochastic_rounding else {}),
-        # present only for another task than the default (fingerprints stored before the table equal today's)
-        **({"task": rr.run.eval.name} if rr.run.eval.name != DEFAULT_TASK else {}),
-    }
-
-
-def _dummy_fingerprint(rr: ResolvedRun) -> dict[str, Any]:
-    """What dummy weights depend on: their seed and the configuration they were built at."""
-    config = rr.checkpoint_dir / CONFIG_FILE
-    return {"dummy_seed": DUMMY_SEED, "config_source": rr.checkpoint_config.source,
-            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
-
-
-def _out_dir(rr: ResolvedRun) -> Path:
-    """out_dir=, else Hydra's run (or sweep job) folder, else -- outside Hydra -- a fresh folder
-    outputs/<entry>/<time>[-N] of the checkout (evals.outdir.claim_fresh_dir, as Hydra's default
-    folders)."""
-    if rr.run.out_dir:
-        return Path(rr.run.out_dir)
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    return Path(claim_fresh_dir(str(REPO_ROOT / "outputs" / rr.entry.name / stamp)))
-
-
-def _check_out_dir(out_dir: Path, rr: ResolvedRun) -> None:
-    """A folder holds one kind of run: a single run (generations.jsonl at the top) or a compare run (one
-    folder per arm); continuing or overwriting the other kind would mix or lose results. Then each folder
-    that will receive generations must be fresh or resumable with this run's settings."""
-    single = (out_dir / GENERATIONS_FILE).is_file()
-    arms = [arm for arm in COMPARE_ARMS if (out_dir / arm / GENERATIONS_FILE).is_file()]
-    if (rr.run.compare and single) or (not rr.run.compare and arms):
-        held = "a single run" if single else "a compare=replay run"
-        asked = "compare=replay" if single else "a single run"
-        raise UserError(
-            f"{out_dir} holds {held}; {asked} cannot be written or resumed there",
-            "choose another out_dir= / hydra.run.dir=, or rerun with the settings of the run it holds",
-        )
-    if rr.run.compare:
-        for arm, replay in zip(COMPARE_ARMS, (False, True)):
-            arm_rr = rr.compare_arm(replay)
-            check_resume(out_dir / arm, rr.run.resume, fingerprint(arm_rr))
-    else:
-        check_resume(out_dir, rr.run.resume, fingerprint(rr))
 
 
 def _check_history_db(rr: ResolvedRun) -> None:

@@ -23,6 +23,7 @@ from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
 from registry.errors import UserError
 from registry.releases import dummy_tokenizer_dir
 from registry.resolve import ResolvedRun, resolve
+from runners.app.rundir import check_existing_run_folder
 from runners.app.support import check_quant_hardware, check_supported
 
 __all__ = ["check_references", "check_run", "tokenizer_file"]
@@ -32,8 +33,9 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     """Resolve a composed run config (configs/config.yaml with a registry entry as `model`) and check all
     that holds without a model: registry.resolve.resolve (schema, cross-setting rules, checkpoint directory,
     model dimensions), what this engine and machine run (runners.app.support), the task (evals.task), the
-    baseline rows (:func:`check_references`), the GSM8K files (evals.tasks.gsm8k.gsm8k_files), the tokenizer
-    and whether the run's prompts fit model.max_seq_len (evals.tasks.gsm8k.check_prompt_room). An eval.limit
+    baseline rows (:func:`check_references`), the GSM8K files (evals.tasks.gsm8k.gsm8k_files), the tokenizer,
+    whether the run's prompts fit model.max_seq_len (evals.tasks.gsm8k.check_prompt_room) and, when the run's
+    folder exists, whether this run may write or resume it (runners.app.rundir). An eval.limit
     above the test split's size is noted on stdout.
 
     Returns the ResolvedRun. Raises UserError naming the first problem and its fix. Reads config.json,
@@ -58,6 +60,7 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
     check_prompt_room(tokenizer, gsm8k_dir(rr.run.eval.data_dir)[0], rr.run.eval.num_fewshot,
                       rr.run.eval.max_gen_toks, rr.entry.max_seq_len, draft_len=rr.draft_len,
                       limit=rr.run.eval.limit, exact=get_task(rr.run.eval.name).lm_eval_task == PROMPTS_TASK)
+    check_existing_run_folder(rr)  # another run's folder, a resume with other settings, a folder in use
     return rr
 
 

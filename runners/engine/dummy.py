@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from registry.hf_config import FORMATS, HybridConfig, QuantConfig
+from registry.releases import DUMMY_SEED
 from runners.engine.formats import get_format
 from runners.engine.models.config import family_module
 from runners.engine.models.hybrid import HybridLM
@@ -39,7 +40,6 @@ from runners.engine.models.moe import EXPERT_KINDS
 
 # |activation| bound assumed for static input scales when no calibration ran (random weights)
 ASSUMED_INPUT_AMAX = 64.0
-DUMMY_SEED = 0  # the seed of model.load_format=dummy weights (runners.tools.synth's default --seed)
 
 # on-disk float32 tensors: transformers keeps NemotronH's router in float32 (_keep_in_fp32_modules_strict);
 # Qwen3-Next releases store everything in the checkpoint dtype
