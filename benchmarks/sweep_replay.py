@@ -808,7 +808,8 @@ def plot(res: dict, path: str) -> None:
         ax.set_title(f"{op} (T = {T}, ws1)")
         ax.set_xlabel("batch")
         ax.axhline(0.85, color="grey", lw=0.8, ls="--")
-        ax.legend(fontsize=7)
+        if rows:  # an operator none of whose configurations ran has no line to name
+            ax.legend(fontsize=7)
     axes[0].set_ylabel("fraction of copy bandwidth")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
