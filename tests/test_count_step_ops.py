@@ -164,6 +164,7 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.models.moe as moe_mod
     import runners.engine.state as state_mod
 
     watched = [(layers_mod, "use_inference_kernel"), (gdn_mod, "use_inference_kernel"),
@@ -172,7 +173,9 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
                (mamba2_mod, "causal_conv_step"), (mamba2_mod, "use_inference_kernel"),
                (attention_mod, "norm_rope"), (attention_mod, "use_inference_kernel"),
                (layers_mod, "rms_norm"), (gdn_mod, "gdn_prologue"),
-               (state_mod, "kernel_or_reference"), (layers_mod.MoE, "_experts")]
+               (state_mod, "kernel_or_reference"), (moe_mod.MoE, "_experts"),
+               (moe_mod, "use_inference_kernel"), (moe_mod, "topk_route_ref"),
+               (moe_mod, "shared_gate_combine")]
     before = [getattr(m, a) for m, a in watched]
     counter = cso.StepOpCounter()
     with cso._patched(counter, {}):

@@ -17,8 +17,9 @@ from torch import nn
 from runners.engine.models.attention import Attention
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
-from runners.engine.models.layers import MLP, MoE
+from runners.engine.models.layers import MLP
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.models.moe import MoE
 from runners.engine.state import LayerState
 
 MIXERS: dict[str, type[nn.Module]] = {

@@ -32,7 +32,7 @@ import re
 import torch
 
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import unstack_expert_names
+from runners.engine.models.moe import unstack_expert_names
 
 # our MTPModule attribute -> the checkpoint's name below "mtp."
 _MTP_NAMES = {
