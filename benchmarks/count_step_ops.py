@@ -160,12 +160,14 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     import importlib
 
     import runners.engine.models.attention as attention_mod
+    import runners.engine.models.block as block_mod
     import runners.engine.models.block_fp8 as block_fp8_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
     import runners.engine.models.moe as moe_mod
+    import runners.engine.models.mtp as mtp_mod
     import runners.engine.models.nvfp4 as nvfp4_mod
     import runners.engine.state as state_mod
     from runners.engine.formats import get_format
@@ -182,7 +184,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         saved.append((moe_mod, "topk_route_ref", moe_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod):
+        for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod, mtp_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
@@ -192,7 +194,8 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
                  (moe_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
-                 (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
+                 (block_mod, health, "residual_add"), (block_mod, health, "flag_nonfinite"),
+                 (hybrid_mod, health, "flag_nonfinite"), (mtp_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
                  (mamba2_mod, conv, "causal_conv_step")]
         for m, owner, attr in fused:

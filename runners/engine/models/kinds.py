@@ -1,5 +1,5 @@
-"""The block kinds of the hybrid decoders: ``{kind: mixer class}``, the one table the model builder
-(``runners.engine.models.hybrid``) and the cache (``runners.engine.cache``) read.
+"""The block kinds of the hybrid decoders: ``{kind: mixer class}``, the one table the block builder
+(``runners.engine.models.block``) and the cache (``runners.engine.cache``) read.
 
 A kind's module declares everything about it on its mixer class, so adding a kind is one module and one row
 here: ``state_class(replay)`` (the per-slot :class:`runners.engine.state.LayerState` it keeps: shapes and
