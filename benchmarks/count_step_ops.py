@@ -160,11 +160,14 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     import importlib
 
     import runners.engine.models.attention as attention_mod
+    import runners.engine.models.block as block_mod
     import runners.engine.models.block_fp8 as block_fp8_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.models.moe as moe_mod
+    import runners.engine.models.mtp as mtp_mod
     import runners.engine.models.nvfp4 as nvfp4_mod
     import runners.engine.state as state_mod
     from runners.engine.formats import get_format
@@ -178,10 +181,10 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
     saved = []
     try:  # the patching itself inside: what was replaced before an error is put back
         saved += [(m, "kernel_or_reference", original) for m in (state_mod, gdn_mod, mamba2_mod)]
-        saved.append((layers_mod, "topk_route_ref", layers_mod.topk_route_ref))
+        saved.append((moe_mod, "topk_route_ref", moe_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod):
+        for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod, mtp_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
@@ -189,20 +192,21 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         from kernels.mamba2 import conv
 
         fused = [(layers_mod, norm, "rms_norm"), (layers_mod, norm, "gated_group_rms_norm"),
-                 (layers_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
+                 (moe_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
-                 (hybrid_mod, health, "residual_add"), (hybrid_mod, health, "flag_nonfinite"),
+                 (block_mod, health, "residual_add"), (block_mod, health, "flag_nonfinite"),
+                 (hybrid_mod, health, "flag_nonfinite"), (mtp_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
                  (mamba2_mod, conv, "causal_conv_step")]
         for m, owner, attr in fused:
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, counter.opaque_kernel(attr, getattr(owner, attr + "_ref")))
-        saved.append((layers_mod.MoE, "_experts", layers_mod.MoE._experts))
+        saved.append((moe_mod.MoE, "_experts", moe_mod.MoE._experts))
         for m in (state_mod, gdn_mod, mamba2_mod):
             m.kernel_or_reference = kernel_or_reference
-        layers_mod.topk_route_ref = counter.opaque_kernel("topk_route", layers_mod.topk_route_ref)
-        experts = layers_mod.MoE._experts
-        layers_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
+        moe_mod.topk_route_ref = counter.opaque_kernel("topk_route", moe_mod.topk_route_ref)
+        experts = moe_mod.MoE._experts
+        moe_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
         for mod_name, attr, prep in QUANT_KERNELS:
             mod = importlib.import_module(mod_name)
             saved.append((mod, attr, getattr(mod, attr)))

@@ -6,7 +6,7 @@ its sigmoid gate, added to the routed experts' output, in one Triton launch; and
 
 (transformers' ``Qwen3NextSparseMoeBlock.forward``: ``shared_expert_output = sigmoid(shared_expert_gate(h)) *
 shared_expert_output``, then ``final_hidden_states + shared_expert_output``; the gate is read in float32 as the
-router is, ``runners.engine.models.layers.MoE``.) In the eager decode step the reference is seven launches
+router is, ``runners.engine.models.moe.MoE``.) In the eager decode step the reference is seven launches
 (three casts, the one-column GEMM, sigmoid, the product, the sum); the kernel is one program per token that
 reduces x . w in registers and writes the row. It agrees with the reference to float32 rounding (the dot
 product is reduced in another order, Triton's exp is the hardware one), so a 16-bit element may differ in

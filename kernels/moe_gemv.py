@@ -2,7 +2,7 @@
 beside the plain-PyTorch reference they are tested against.
 
 For tokens ``h`` [N, L] each routed to k experts (``indices`` [N, k] int64, ``weights`` [N, k] float32, from
-runners.engine.models.layers.TopkRouter) and expert weights stacked in nn.Linear layout (``up`` / ``gate``
+runners.engine.models.moe.TopkRouter) and expert weights stacked in nn.Linear layout (``up`` / ``gate``
 [E, I, L], ``down`` [E, L, I])::
 
     out[n] = sum_j weights[n, j] * down_e(a),   e = indices[n, j],

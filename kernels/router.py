@@ -10,7 +10,7 @@ NemotronH (sigmoid scores, a selection-only ``e_score_correction_bias``) or Qwen
 
 (transformers' ``modeling_nemotron_h.py`` NemotronHTopkRouter and ``modeling_qwen3_next.py``
 Qwen3NextSparseMoeBlock). :func:`topk_route_ref` is that computation in PyTorch (``torch.topk``; also the
-group-limited selection, n_group > 1, of DeepSeek-V3) and is what ``runners.engine.models.layers.TopkRouter``
+group-limited selection, n_group > 1, of DeepSeek-V3) and is what ``runners.engine.models.moe.TopkRouter``
 runs; :func:`topk_route` is the Triton kernel for n_group = 1: one program per token holds its E scores in
 registers and takes the k largest by k rounds of max + lowest-index argmin, so the decode step's top-k costs
 one small kernel instead of the sort kernels torch.topk launches (gatherTopK, radix / bitonic sorts; issue

@@ -51,7 +51,7 @@ def test_norms_without_weight_cast_are_bitwise_equal(dtype):
 
 
 def _peak_agrees(device: str) -> None:
-    from runners.engine.models.hybrid import _abs_peak
+    from runners.engine.models.block import abs_peak as _abs_peak
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for bad in (float("nan"), float("inf"), float("-inf"), None):
@@ -160,19 +160,26 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
     fused-stage dispatch was already switched)."""
     import benchmarks.count_step_ops as cso
     import runners.engine.models.attention as attention_mod
+    import runners.engine.models.block as block_mod
     import runners.engine.models.gdn as gdn_mod
     import runners.engine.models.hybrid as hybrid_mod
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.models.moe as moe_mod
+    import runners.engine.models.mtp as mtp_mod
     import runners.engine.state as state_mod
 
     watched = [(layers_mod, "use_inference_kernel"), (gdn_mod, "use_inference_kernel"),
-               (hybrid_mod, "use_inference_kernel"), (hybrid_mod, "residual_add"),
-               (hybrid_mod, "flag_nonfinite"), (layers_mod, "relu2"), (layers_mod, "silu_mul"),
+               (hybrid_mod, "use_inference_kernel"), (block_mod, "residual_add"),
+               (hybrid_mod, "flag_nonfinite"), (block_mod, "flag_nonfinite"),
+               (mtp_mod, "use_inference_kernel"), (mtp_mod, "flag_nonfinite"),
+               (layers_mod, "relu2"), (layers_mod, "silu_mul"),
                (mamba2_mod, "causal_conv_step"), (mamba2_mod, "use_inference_kernel"),
                (attention_mod, "norm_rope"), (attention_mod, "use_inference_kernel"),
                (layers_mod, "rms_norm"), (gdn_mod, "gdn_prologue"),
-               (state_mod, "kernel_or_reference"), (layers_mod.MoE, "_experts")]
+               (state_mod, "kernel_or_reference"), (moe_mod.MoE, "_experts"),
+               (moe_mod, "use_inference_kernel"), (moe_mod, "topk_route_ref"),
+               (moe_mod, "shared_gate_combine")]
     before = [getattr(m, a) for m, a in watched]
     counter = cso.StepOpCounter()
     with cso._patched(counter, {}):

@@ -9,7 +9,7 @@ import torch
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.footprint import ExpertChoiceCounter, active_weight_bytes, expert_bytes
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import ROUTING_OBSERVERS
+from runners.engine.models.moe import ROUTING_OBSERVERS
 
 F32 = 4  # bytes
 

@@ -251,7 +251,7 @@ def test_nvfp4_experts_equal_their_dequantized_product():
     expert weights, to float32 rounding."""
     from kernels.quant.nvfp4 import nvfp4_dequantize, nvfp4_quantize
     from runners.engine.models.config import HybridConfig
-    from runners.engine.models.layers import MoE
+    from runners.engine.models.moe import MoE
     from runners.engine.quant import _to_quantized_moe
 
     cfg = HybridConfig.from_dict(synth_config("nemotron_h", num_layers=3, num_experts=8,

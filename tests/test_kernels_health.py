@@ -148,15 +148,17 @@ def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, mon
     being layers.1.attention."""
     from ckpt_factory import make_hf_model, write_checkpoint
 
+    import runners.engine.models.block as block_mod
     import runners.engine.models.hybrid as hybrid_mod
+    import runners.engine.models.mtp as mtp_mod
     from runners.engine import Engine
     from runners.engine.options import EngineOptions
 
     ckpt = write_checkpoint(tmp_path / "ck", make_hf_model(seed=3), with_mtp=True)
     launches = {"residual_add": 0, "flag_nonfinite": 0}
 
-    def counted(name):
-        fn = getattr(hybrid_mod, name)
+    def counted(name, mod):
+        fn = getattr(mod, name)
 
         def call(*a, **k):
             launches[name] += 1
@@ -166,9 +168,11 @@ def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, mon
     def run(fused: bool, poison: bool):
         with monkeypatch.context() as m:
             if fused:
-                m.setattr(hybrid_mod, "use_inference_kernel", lambda x: True)
-                for name in launches:
-                    m.setattr(hybrid_mod, name, counted(name))
+                for mod in (hybrid_mod, mtp_mod):
+                    m.setattr(mod, "use_inference_kernel", lambda x: True)
+                for mod, name in ((block_mod, "residual_add"), (block_mod, "flag_nonfinite"),
+                                  (hybrid_mod, "flag_nonfinite"), (mtp_mod, "flag_nonfinite")):
+                    m.setattr(mod, name, counted(name, mod))
             options = EngineOptions(draft_len=2, max_batch_size=2, max_seq_len=64)
             engine = Engine.from_pretrained(ckpt, options)
             if poison:

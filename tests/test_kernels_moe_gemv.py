@@ -205,11 +205,11 @@ def test_moe_block_names_its_activation_to_the_fused_path(act, monkeypatch):
     torch.testing.assert_close(mg.act_ref(x, act), layers.ACTIVATIONS[act](x), rtol=0, atol=0)
     seen = {}
     record = lambda *args, activation=None: seen.setdefault("a", activation)
-    monkeypatch.setattr(layers, "moe_experts_fused", record)
+    monkeypatch.setattr(engine_moe, "moe_experts_fused", record)
     c = HybridConfig(family="qwen3_next", vocab_size=32, hidden_size=16, layer_types=("moe",),
                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                      moe_shared_expert_intermediate_size=8, mlp_hidden_act=act, mlp_gated=act == "silu")
-    moe = layers.MoE(c)
+    moe = engine_moe.MoE(c)
     moe._experts(torch.zeros(2, 16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long))
     assert seen["a"] == act
 

@@ -143,7 +143,7 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
 
     from runners.engine import quant
     from runners.engine.formats import get_format
-    from runners.engine.models import layers
+    from runners.engine.models import moe as engine_moe
     from runners.engine.models.config import HybridConfig
 
     L, I = SIZES[fmt]
@@ -152,7 +152,7 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
                      n_routed_experts=7, num_experts_per_tok=2, moe_intermediate_size=I,
                      moe_shared_expert_intermediate_size=16, mlp_hidden_act="silu" if gated else "relu2",
                      mlp_gated=gated)
-    moe = layers.MoE(c)
+    moe = engine_moe.MoE(c)
     quant._to_quantized_moe(moe, fmt)
     up, gate, down = _experts(fmt, 7, gated, seed=4)
     names = ("", "_weight_scale", "_weight_scale_2") if fmt == "nvfp4" else ("", "_weight_scale_inv")

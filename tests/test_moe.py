@@ -9,8 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.layers import ACTIVATIONS, MoE
+from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.models.moe import (
+    MoE,
     grouped_mm_supported,
     moe_experts_fused,
     moe_experts_ref,

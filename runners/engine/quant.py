@@ -45,8 +45,7 @@ from runners.engine.formats import all_formats, check_runnable, get_format
 from runners.engine.models.attention import Attention
 from runners.engine.models.config import family_module
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import MoE
-from runners.engine.models.moe import expert_kinds
+from runners.engine.models.moe import MoE, expert_kinds
 
 log = logging.getLogger(__name__)
 

@@ -142,7 +142,7 @@ def mtp_forward(model: HybridLM, cache: HybridCache, next_ids: torch.Tensor, hid
     """The MTP module at MTP positions ``meta.start_pos + t``: next_ids [B, T] (the token after each
     position), hidden [B, T, D] (target hidden after the final norm, or the MTP's own output when drafting
     recursively) -> MTP hidden [B, T, D] (with ``keep``, the kept positions' [n, D]:
-    ``runners.engine.models.hybrid.MTPModule.forward``). Writes the MTP attention's KV cache."""
+    ``runners.engine.models.mtp.MTPModule.forward``). Writes the MTP attention's KV cache."""
     return model.mtp(model.embeddings(next_ids), hidden, cache, meta, keep=keep)
 
 

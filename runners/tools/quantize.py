@@ -83,8 +83,7 @@ from runners.engine.loader import load_model, read_config
 from runners.engine.models.attention import KVCache
 from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import MoE
-from runners.engine.models.moe import EXPERT_KINDS
+from runners.engine.models.moe import EXPERT_KINDS, MoE
 from runners.engine.options import EngineOptions
 from runners.engine.quant import QuantTargets, quantization_targets
 from runners.tools.formats import (

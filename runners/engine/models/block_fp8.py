@@ -19,8 +19,7 @@ from kernels.quant.block_fp8 import BLOCK, moe_gemv_block_fp8
 from registry.hf_config import FORMAT_BLOCK_FP8
 from runners.engine.compile import eager_op
 from runners.engine.formats import get_format
-from runners.engine.models.layers import MoE
-from runners.engine.models.moe import expert_kinds, moe_experts_grouped
+from runners.engine.models.moe import MoE, expert_kinds, moe_experts_grouped
 
 FP8_DTYPE = torch.float8_e4m3fn
 BLOCK_FP8_BLOCK = (BLOCK, BLOCK)  # the block the kernels run
@@ -109,7 +108,7 @@ class BlockFP8Linear(nn.Module):
 
 class BlockFP8MoE(MoE):
     """An MoE block whose routed experts hold block-FP8 weights: ``experts_{up,gate,down}`` float8_e4m3fn
-    with the shapes of :class:`runners.engine.models.layers.MoE` ([E, out, in]) and
+    with the shapes of :class:`runners.engine.models.moe.MoE` ([E, out, in]) and
     ``experts_<kind>_weight_scale_inv`` [E, ceil(out / 128), ceil(in / 128)] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.weight_scale_inv``). The experts run as one grouped GEMM per projection over
     expert-sorted rows (:func:`block_fp8_grouped_mm`, no host synchronisation), or at decode sizes on CUDA

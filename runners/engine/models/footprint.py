@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from runners.engine.models.layers import ROUTING_OBSERVERS, MoE
+from runners.engine.models.moe import ROUTING_OBSERVERS, MoE
 
 
 def _tensors(module: nn.Module):
@@ -113,7 +113,7 @@ def active_weight_bytes(model: nn.Module, distinct_experts: Mapping[str, float],
 class ExpertChoiceCounter:
     """Counts, per MoE block, the distinct routed experts each decode step's tokens choose.
 
-    An observer of every MoE block of ``model`` (``runners.engine.models.layers.ROUTING_OBSERVERS``: called
+    An observer of every MoE block of ``model`` (``runners.engine.models.moe.ROUTING_OBSERVERS``: called
     with the router's choices before the routed experts, outside torch.compile's code) marks the chosen
     expert ids in a per-block device mask while a :meth:`step` is open (forwards outside, e.g. prefills, are
     not counted); closing the step adds each mask's count to a device total and clears it (no host

@@ -20,8 +20,7 @@ from runners.engine.models.fp8 import (
     moe_experts_fp8_ref,
     scaled_mm_supported,
 )
-from runners.engine.models.layers import MoE
-from runners.engine.models.moe import EXPERT_KINDS
+from runners.engine.models.moe import EXPERT_KINDS, MoE
 
 
 class FP8Linear(nn.Module):
@@ -72,7 +71,7 @@ class FP8Linear(nn.Module):
 
 class FP8MoE(MoE):
     """An MoE block whose routed experts hold FP8 weights: ``experts_{up,gate,down}`` float8_e4m3fn with the
-    shapes of :class:`runners.engine.models.layers.MoE`, per-expert ``experts_<kind>_weight_scale`` [E] and
+    shapes of :class:`runners.engine.models.moe.MoE`, per-expert ``experts_<kind>_weight_scale`` [E] and
     ``experts_<kind>_input_scale`` [E] float32 buffers (checkpoint names
     ``experts.{e}.<kind>_proj.{weight_scale,input_scale}``). Router, shared expert and latent projections are
     those of the MoE it was made from (the shared expert's linears are FP8Linear where the config says so).

@@ -1,5 +1,5 @@
-"""The block kinds of the hybrid decoders: ``{kind: mixer class}``, the one table the model builder
-(``runners.engine.models.hybrid``) and the cache (``runners.engine.cache``) read.
+"""The block kinds of the hybrid decoders: ``{kind: mixer class}``, the one table the block builder
+(``runners.engine.models.block``) and the cache (``runners.engine.cache``) read.
 
 A kind's module declares everything about it on its mixer class, so adding a kind is one module and one row
 here: ``state_class(replay)`` (the per-slot :class:`runners.engine.state.LayerState` it keeps: shapes and
@@ -17,8 +17,9 @@ from torch import nn
 from runners.engine.models.attention import Attention
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.gdn import GDNMixer
-from runners.engine.models.layers import MLP, MoE
+from runners.engine.models.layers import MLP
 from runners.engine.models.mamba2 import Mamba2Mixer
+from runners.engine.models.moe import MoE
 from runners.engine.state import LayerState
 
 MIXERS: dict[str, type[nn.Module]] = {

@@ -1,7 +1,16 @@
-"""Routed experts of an MoE block: the fused path (grouped GEMMs, no host synchronisation) and its reference.
+"""The MoE block kind: its mixer (:class:`MoE`: router, routed experts, shared expert) with its declarations
+(no per-slot state, its sharding rule; the generic dummy initialisation), the router (:class:`TopkRouter`),
+the routing observers, the checkpoint names of its stacked experts (:func:`unstack_expert_names`), and the
+routed experts' dispatch: the fused path (grouped GEMMs, no host synchronisation) and its reference.
 
-Both functions compute, for tokens ``h`` [N, L] each routed to k experts (``indices`` [N, k] int64,
-``weights`` [N, k] float32, from :class:`runners.engine.models.layers.TopkRouter`)::
+Each family's variant is a config option of the same block: sigmoid router with a selection-only correction
+bias and latent experts (NemotronH), or softmax router and a sigmoid-gated shared expert (Qwen3-Next); the
+math is checked against transformers 5's ``modeling_nemotron_h.py`` and ``modeling_qwen3_next.py``.
+Shapes: N tokens (B x T flattened), D hidden, E routed experts, k top-k, L latent size (= D without a latent
+projection), I expert intermediate size.
+
+The dispatch functions compute, for tokens ``h`` [N, L] each routed to k experts (``indices`` [N, k] int64,
+``weights`` [N, k] float32, from :class:`TopkRouter`)::
 
     out[n] = sum_j weights[n, j] * expert_{indices[n, j]}(h[n])
 
@@ -34,12 +43,21 @@ host synchronisation, more memory traffic.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, moe_gemv
+from kernels.router import topk_route, topk_route_ref
+from runners.engine.compile import eager_op
+from runners.engine.models.config import HybridConfig
+from runners.engine.models.layers import ACTIVATIONS, MLP, use_inference_kernel
+from runners.engine.shard import FirstRankOnly, Rule, Shard
 
 # Bytes of gathered expert weights per chunk of the bmm path (each pair gathers an I x L matrix).
 GATHER_CHUNK_BYTES = 256 * 2**20
@@ -256,3 +274,166 @@ def moe_experts_grouped(
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     y = y.index_select(0, inverse).view(n, k, -1)
     return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+
+
+# Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
+# batch 64 x T = 4); larger batches (prefill) take torch.topk. Not yet measured against torch.topk.
+ROUTER_KERNEL_MAX_TOKENS = 256
+
+
+class TopkRouter(nn.Module):
+    """Top-k router, ``moe_scoring_func`` "sigmoid" (DeepSeek-V3 style, NemotronH) or "softmax" (Qwen3-Next).
+
+    forward(x [N, D]) -> (weights [N, k] float32, indices [N, k] int64). Scores are sigmoid(x W^T) or
+    softmax(x W^T) over experts, in float32. Sigmoid only: ``e_score_correction_bias`` is added for choosing
+    experts only, and with n_group > 1 only the ``topk_group`` groups with the best top-2 score sums are
+    eligible. The chosen raw scores are renormalised (``norm_topk_prob``) and multiplied by
+    ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
+    ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens,
+    n_group = 1 and logits that need no gradient (the kernel has no backward), its sort-free Triton kernel
+    ``topk_route``.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        c = config
+        self.top_k, self.num_experts = c.num_experts_per_tok, c.n_routed_experts
+        self.n_group, self.topk_group = c.n_group, c.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
+        self.softmax = c.moe_scoring_func == "softmax"
+        self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
+        if not self.softmax:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32)
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
+        kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
+                  norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
+        # the kernel has no backward: training (logits that need a gradient) takes the reference
+        if (logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS
+                and not logits.requires_grad):
+            return eager_op(topk_route)(logits, self.top_k, **kw)  # one kernel, no sort (kernels/router.py)
+        return topk_route_ref(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group, **kw)
+
+
+class MoE(nn.Module):
+    """Routed experts plus a shared expert, with the options of ``HybridConfig``:
+
+    - NemotronH: sigmoid router; relu2 experts run in the latent space between ``fc1_latent_proj`` (D -> L)
+      and ``fc2_latent_proj`` (L -> D); the shared expert acts on the un-projected input;
+    - Qwen3-Next: softmax router; gated SiLU experts (``mlp_gated``); the shared expert's output is scaled
+      by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``), computed in float32.
+
+    Expert weights are stacked: ``experts_up`` [E, I, L], ``experts_down`` [E, L, I] and, when gated,
+    ``experts_gate`` [E, I, L] (checkpoints hold them per expert as
+    ``experts.{e}.{up,down,gate}_proj.weight``; :func:`unstack_expert_names` maps one to the other).
+    forward(x [B, T, D]) -> [B, T, D]. ``experts_impl`` ("fused" default, or "ref") selects the routed-expert
+    implementation (:func:`moe_experts_fused` / :func:`moe_experts_ref`).
+
+    Declarations of the kind (``runners.engine.models.kinds``): no per-slot state (``state_class``), the
+    tensor-parallel rule (``shard_rules``); no ``dummy_init``: dummy and synthetic weights take the generic
+    rule of ``runners.engine.dummy.init_rule`` (experts and router N(0, 1/fan_in), biases and the router's
+    correction bias 0).
+    """
+
+    experts_impl = "fused"
+
+    @staticmethod
+    def state_class(replay: bool) -> None:
+        """Keeps no per-slot state (the cache holds nothing for this kind)."""
+        return None
+
+    def shard_rules(self, c: HybridConfig, W: int, r: int) -> dict[str, Rule]:
+        """Tensor parallelism: the router replicated; every routed expert split along its intermediate
+        size (up / gate rows, down columns); the shared expert as an MLP; NemotronH's latent projections
+        replicated (fc2_latent_proj's bias on rank 0).
+        ``{parameter name below this module: what rank r of W reads}`` (``runners.engine.shard``) from the
+        full (unsharded) config ``c``; names absent are replicated."""
+        Il = self.experts_up.shape[1]
+        rules: dict[str, Rule] = {
+            "experts_up": Shard(1, ((r * Il, (r + 1) * Il),)),
+            "experts_gate": Shard(1, ((r * Il, (r + 1) * Il),)),
+            "experts_down": Shard(2, ((r * Il, (r + 1) * Il),)),
+            "fc2_latent_proj.bias": FirstRankOnly(r),
+        }
+        rules.update({f"shared_experts.{k}": v for k, v in self.shared_experts.shard_rules(c, W, r).items()})
+        return rules
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        c = config
+        latent = c.moe_latent_size if c.moe_latent_size is not None else c.hidden_size
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        self.act = ACTIVATIONS[c.mlp_hidden_act]
+        self.act_name = c.mlp_hidden_act  # lets moe_experts_fused fuse it in its decode GEMV kernels
+        self.gate = TopkRouter(c)
+        self.experts_up = nn.Parameter(torch.zeros(E, I, latent))
+        self.experts_gate = nn.Parameter(torch.zeros(E, I, latent)) if c.mlp_gated else None
+        self.experts_down = nn.Parameter(torch.zeros(E, latent, I))
+        self.shared_experts = MLP.from_config(c, c.moe_shared_expert_intermediate_size)
+        gated_shared = c.moe_shared_expert_gate
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if gated_shared else None
+        if c.moe_latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(c.hidden_size, latent, bias=c.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, c.hidden_size, bias=c.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat)
+        h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
+        routed = eager_op(_routed_experts)(self, h, weights, indices)  # grouped GEMMs: outside torch.compile
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        shared = self.shared_experts(flat)
+        if self.shared_expert_gate is not None:  # routed + sigmoid(x . w) * shared: one kernel on CUDA
+            fused = use_inference_kernel(flat) and shared.dtype == routed.dtype == flat.dtype
+            combine = shared_gate_combine if fused else shared_gate_combine_ref
+            return combine(flat, self.shared_expert_gate.weight, shared, routed).view(shape)
+        return (routed + shared).view(shape)
+
+    def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's k experts of weight * expert(h); h [N, L] -> [N, L]. An expert is
+        down(act(up(h))) or, gated, down(act(gate(h)) * up(h)). ``experts_impl`` picks the implementation:
+        "fused" (grouped GEMMs, or on CUDA at decode sizes the per-pair GEMV kernels with the activation
+        fused; no host sync; :func:`moe_experts_fused`) or "ref" (the per-expert
+        loop it is tested against)."""
+        args = (h, weights, indices, self.experts_up, self.experts_gate, self.experts_down, self.act)
+        if self.experts_impl == "ref":
+            return moe_experts_ref(*args)
+        return moe_experts_fused(*args, activation=self.act_name)
+
+
+# observer(moe, indices [N, k] int64) callables run before every MoE block's routed experts, eagerly (outside
+# torch.compile's code, so registering one recompiles nothing); ExpertChoiceCounter
+# (runners/engine/models/footprint.py) registers one to count the experts a step chooses.
+ROUTING_OBSERVERS: list = []
+
+
+def _routed_experts(moe: MoE, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    for observe in ROUTING_OBSERVERS:
+        observe(moe, indices)
+    return moe._experts(h, weights, indices)
+
+
+_STACKED_EXPERTS = re.compile(
+    r"^(.*\.)experts_(up|gate|down)(?:_(weight_scale_inv|weight_scale_2|weight_scale|input_scale))?$"
+)
+
+
+def unstack_expert_names(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Checkpoint names of a stacked expert parameter: ``<p>.experts_{up,gate,down}`` [E, ...] ->
+    ``{"<p>.experts.{e}.{up,gate,down}_proj.weight": tensor[e]}`` (views, so ``copy_`` loads in place); the
+    per-expert scales ``<p>.experts_<kind>_<scale>`` [E, ...] of the quantized experts
+    (runners/engine/quant.py; scale: weight_scale, input_scale, weight_scale_2, weight_scale_inv) map to
+    ``<p>.experts.{e}.<kind>_proj.<scale>`` likewise. Any other name maps to itself."""
+    m = _STACKED_EXPERTS.match(name)
+    if not m:
+        return {name: tensor}
+    prefix, kind, suffix = m.groups()
+    part = suffix or "weight"
+    return {f"{prefix}experts.{e}.{kind}_proj.{part}": tensor.data[e] for e in range(tensor.shape[0])}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import unstack_expert_names
+from runners.engine.models.moe import unstack_expert_names
 
 
 def checkpoint_targets(model: HybridLM) -> dict[str, torch.Tensor]:

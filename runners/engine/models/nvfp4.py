@@ -26,8 +26,7 @@ from kernels.quant.nvfp4 import moe_gemv_nvfp4, nvfp4_words_ok
 from registry.hf_config import FORMAT_NVFP4, NVFP4_GROUP_SIZE
 from runners.engine.compile import eager_op
 from runners.engine.formats import get_format
-from runners.engine.models.layers import MoE
-from runners.engine.models.moe import expert_kinds, moe_experts_grouped
+from runners.engine.models.moe import MoE, expert_kinds, moe_experts_grouped
 
 NVFP4_PACKED_DTYPE = torch.uint8
 NVFP4_SCALE_DTYPE = torch.float8_e4m3fn

@@ -21,7 +21,7 @@ Checkpoint names (released checkpoints; transformers 5 writes the same, per-expe
 - MTP: ``mtp.fc.weight`` [D, 2D] over concat[pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(h)]
   (embedding first, as vLLM's and SGLang's qwen3_next_mtp), ``mtp.pre_fc_norm_{embedding,hidden}.weight``,
   ``mtp.layers.0.*`` (one full-attention decoder layer, named like a backbone layer), ``mtp.norm.weight``.
-  These are the shared :class:`runners.engine.models.hybrid.MTPModule`'s ``hnorm`` / ``enorm`` / ``eh_proj`` /
+  These are the shared :class:`runners.engine.models.mtp.MTPModule`'s ``hnorm`` / ``enorm`` / ``eh_proj`` /
   ``blocks`` / ``final_norm``.
 """
 
@@ -32,7 +32,7 @@ import re
 import torch
 
 from runners.engine.models.hybrid import HybridLM
-from runners.engine.models.layers import unstack_expert_names
+from runners.engine.models.moe import unstack_expert_names
 
 # our MTPModule attribute -> the checkpoint's name below "mtp."
 _MTP_NAMES = {
