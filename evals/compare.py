@@ -25,7 +25,7 @@ from typing import Any
 from scipy.stats import binomtest
 
 from evals.outdir import GENERATIONS_FILE, SAMPLES_FILE, write_atomic
-from evals.results import load_format, read_results
+from evals.results import RESULTS_FILE, load_format, read_results
 from evals.verdict import DUMMY_NOTE, FAIL, NO_REFERENCE, PASS, Check
 from registry.errors import UserError
 from registry.schema import LoadFormat
@@ -531,6 +531,20 @@ def combine_arms(replay: dict[str, Any], rewind: dict[str, Any], comparison: dic
     return results
 
 
+def check_out_file(path: Path) -> None:
+    """Refuse an --out the comparison cannot or must not be written to: a folder, a path whose folder does not
+    exist, or a file a run folder already holds (its results.json, samples, generations, comparison: writing
+    there would replace that run's own record). Raises UserError."""
+    fix = "pass --out a new file path, e.g. a comparison.json in a folder of its own"
+    if path.is_dir():
+        raise UserError(f"--out {path} is a folder", fix)
+    if not path.parent.is_dir():
+        raise UserError(f"--out {path}: folder {path.parent} does not exist", fix)
+    run_files = (GENERATIONS_FILE, SAMPLES_FILE, RESULTS_FILE)
+    if path.exists() and any((path.parent / name).is_file() for name in run_files):
+        raise UserError(f"--out {path} would replace a file of the run in {path.parent}", fix)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m evals.compare DIR_A DIR_B [--exact]`: compare two finished runs; 1 if a check fails."""
     import argparse
@@ -543,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
     args = parser.parse_args(argv)
     try:
+        if args.out is not None:
+            check_out_file(args.out)
         comparison = compare_run_dirs(args.dir_a, args.dir_b)
     except UserError as e:  # ComparisonError, or a results.json that cannot be read (evals.results)
         print(e.format(), file=sys.stderr)
@@ -552,7 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     checks = comparison_checks(comparison, exact=args.exact)
     data = {**comparison.to_dict(), "exact": args.exact, "checks": [c.to_dict() for c in checks]}
     if args.out is not None:
-        write_atomic(args.out, json.dumps(data, indent=2) + "\n")
+        try:
+            write_atomic(args.out, json.dumps(data, indent=2) + "\n")
+        except UserError as e:
+            refused = UserError(e.problem, "pass --out a file path in a writable folder")
+            print(refused.format(), file=sys.stderr)
+            return 2
     for f in comparison.filters.values():
         print(
             f"{f.filter}: {f.accuracy_a:.2f}% -> {f.accuracy_b:.2f}% ({f.delta:+.2f}), "

@@ -237,6 +237,26 @@ def test_cli_exit_status(tmp_path, capsys):
     assert "strict_match: 55.00% -> 75.00% (+20.00), flipped 1 / 5" in capsys.readouterr().out
 
 
+def test_cli_out_never_replaces_a_runs_files_and_refuses_a_folder(tmp_path, capsys):
+    """--out naming a run's own file (its results.json, samples, generations) is refused before anything is
+    written: the run stays byte for byte; a folder, or a path under a missing folder, is refused with
+    error / fix lines and status 2, not a traceback."""
+    a, b = _arms()
+    _write_gsm8k_run(tmp_path / "a", a)
+    _write_gsm8k_run(tmp_path / "b", b)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    for target in ("b/results.json", "b/samples.jsonl", "b/generations.jsonl", "b", "missing/c.json"):
+        capsys.readouterr()
+        assert compare_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / target)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].startswith("error: --out ") and err[1].startswith("  fix: pass --out"), (target, err)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before
+    assert not (tmp_path / "missing").exists()
+    new = tmp_path / "b" / "c.json"
+    assert compare_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(new)]) == 0
+    assert json.loads(new.read_text())["checks"]  # a new file beside them: written
+
+
 def test_dummy_against_real_weights_is_refused(tmp_path, capsys):
     """A dummy-weight run against a checkpoint's (older results without load_format read as "auto"): nothing
     to compare, so the CLI refuses with status 2 and says how to fix it."""
