@@ -121,6 +121,30 @@ def test_store_resume_skips_done_requests_and_tolerates_cut_last_line(tokenizer,
     assert lm.generate_until(reqs) == expected and again.calls == []
 
 
+def test_store_resume_sets_a_damaged_middle_line_aside(tokenizer, tmp_path, capsys):
+    """A record damaged in the middle of the file (not a cut last line): resume keeps the readable ones, runs
+    that request again, and rewrites the file without the damaged line (later readers, such as
+    evals.compare, need every line to parse); the file as it was is kept beside it, and a warning names the
+    line and the copy."""
+    prompts = {f"P{i}:": f" answer {i}\n\nQuestion: more" for i in range(4)}
+    reqs = [_req(p, i) for i, p in enumerate(prompts)]
+    path = tmp_path / "gen.jsonl"
+    expected = EngineLM(_engine(tokenizer, prompts), tokenizer, store=GenerationStore(path, resume=False),
+                        progress=False).generate_until(reqs)
+    lines = path.read_text().splitlines(keepends=True)
+    damaged_text = "".join(lines[:1]) + "garbage{\n" + "".join(lines[2:])
+    path.write_text(damaged_text)
+    engine = _engine(tokenizer, prompts)
+    lm = EngineLM(engine, tokenizer, store=GenerationStore(path, resume=True), progress=False)
+    err = capsys.readouterr().err
+    assert f"warning: {path}: 1 unreadable record(s) (line 2) set aside" in err, err
+    assert lm.generate_until(reqs) == expected
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == 1  # only the damaged one runs again
+    assert len(read_jsonl(path)) == 4  # every line parses again
+    copies = list(tmp_path.glob("gen.jsonl.damaged-*"))
+    assert len(copies) == 1 and copies[0].read_text() == damaged_text and str(copies[0]) in err
+
+
 def test_request_key_depends_on_prompt_and_settings(tokenizer):
     lm = EngineLM(_engine(tokenizer, {}), tokenizer, progress=False)
     base = lm.request_key_for("Q:", {"until": ["Question:"]})

@@ -19,6 +19,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,8 +112,10 @@ class GenerationStore:
 
     resume=False truncates the files and writes run_meta; resume=True loads them and raises ValueError if the
     stored run_meta differs from `run_meta`. A last line cut short by a kill (no trailing newline) is dropped
-    with a warning and removed from the file before anything is appended; an unreadable line elsewhere is
-    skipped with a warning. Later records of a key win.
+    with a warning and removed from the file before anything is appended; an unreadable line elsewhere is set
+    aside: the file is rewritten with the readable lines (every line parses for later readers), a copy of it
+    as it was is kept as `<name>.damaged-<time>`, and a warning on stderr names both. Later records of a key
+    win.
     """
 
     def __init__(self, path: str | Path, *, resume: bool, run_meta: dict[str, Any] | None = None):
@@ -152,7 +156,7 @@ class GenerationStore:
                 f.flush()
                 os.fsync(f.fileno())
             data = data[:cut]
-        out = []
+        out, kept, bad = [], [], []
         for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
             if not line.strip():
                 continue
@@ -161,9 +165,17 @@ class GenerationStore:
             except json.JSONDecodeError:
                 rec = None
             if not isinstance(rec, dict) or any(k not in rec for k in required):
-                logger.warning("%s:%d: skipping an unreadable record", path, lineno)
+                bad.append(lineno)
                 continue
             out.append(rec)
+            kept.append(line + "\n")
+        if bad:  # set aside, never lost: a copy keeps the damaged file whole, the live one the readable lines
+            damaged = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.copyfile(path, damaged)
+            write_atomic(path, "".join(kept))
+            print(f"warning: {path}: {len(bad)} unreadable record(s) (line {', '.join(map(str, bad[:5]))}"
+                  f"{', ...' if len(bad) > 5 else ''}) set aside; the file as it was is kept in {damaged}, "
+                  "and what those lines held runs again", file=sys.stderr)
         return out
 
     def add(self, record: dict[str, Any]) -> None:
