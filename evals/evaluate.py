@@ -264,7 +264,7 @@ def repeats_one_token(ids: list[int], stop_ids: set[int] | frozenset[int] = froz
 def output_health(samples: list[dict[str, Any]], answer_filter: str | None = "flexible_extract"
                   ) -> dict[str, Any]:
     """Counts of degenerate generations among scored samples (samples.jsonl records), for the verdict's
-    health checks (evals.verdict.check_outputs): `n`; `empty` (no text before the first stop string, blanks
+    health checks (evals.verdict.check_health): `n`; `empty` (no text before the first stop string, blanks
     aside); `repeated_token` (the generation is one token id repeated, see repeats_one_token); `no_answer`
     (`answer_filter`, the task row's lenient filter, found no answer; none counted without one); `ended`
     (generations that ended on their own,

@@ -102,7 +102,7 @@ class SSMConfig:
     backend: SSMBackend = SSMBackend.triton
     replay: bool = False  # SSM replay instead of rewind (needs speculative decoding)
     # the checkpointing variant of replay (Mamba2 only): a max(16, T)-token history, the state written on
-    # overflow; applies when replay is on (kernels/mamba2_replay.py)
+    # overflow; applies when replay is on (kernels/mamba2/replay.py)
     replay_checkpointing: bool = False
     state_dtype: DType = DType.float32  # 16-bit state loses accuracy on long outputs
     # round 16-bit state writes stochastically (unbiased) instead of to nearest: kernels/rounding.py,
