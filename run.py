@@ -186,6 +186,7 @@ def cli(argv: list[str]) -> int:
         err = config_error(e, overrides)
         if err is None:
             raise
+        remove_unused_run_dirs()  # a sweep refused while composing its jobs: its folder holds nothing yet
         print(err.format(), file=sys.stderr)
         return 2
     # a sweep's worst status also covers jobs that ran in other processes (evals/sweep.py)

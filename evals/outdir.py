@@ -110,7 +110,8 @@ HYDRA_SUBDIR = ".hydra"  # where Hydra writes a run's composed config (hydra.out
 _GENERATIONS = Path(GENERATIONS_FILE)
 # what a run that generated nothing leaves in its folder: Hydra's composed config, the lock, the fingerprint
 # of its generations, and (when empty) the generations and their stats
-_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE, _GENERATIONS.stem + META_SUFFIX})
+_UNUSED_RUN_FILES = frozenset({HYDRA_SUBDIR, LOCK_FILE, _GENERATIONS.stem + META_SUFFIX,
+                               "multirun.yaml"})  # (the last: Hydra's record of a sweep's settings)
 _UNUSED_WHEN_EMPTY = frozenset({GENERATIONS_FILE, _GENERATIONS.stem + STATS_SUFFIX})
 
 

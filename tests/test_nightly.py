@@ -287,6 +287,16 @@ def test_cfg_job_of_the_nightly_sweep_creates_nothing(tmp_path):
     assert OmegaConf.to_container(_compose().hydra.sweep)["dir"].startswith("${claim_dir:multirun/")
 
 
+@pytest.mark.parametrize("bad", ["draft_len=abc,3", "eval.limt=4,5", "eval=bogus,gsm8k", "runtime=tpu,cpu"])
+def test_a_sweep_refused_while_composing_its_jobs_leaves_nothing(tmp_path, bad):
+    """A bad value in a sweep is found when Hydra composes the first job, after it made the sweep folder and
+    wrote multirun.yaml there: the refusal (error / fix, status 2) removes that folder, which holds nothing
+    a run produced."""
+    proc = _run_py("-m", bad, "eval.limit=2", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unknown_experiment_is_a_user_error(tmp_path):
     proc = _run_py("+experiment=nightlyy", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
