@@ -378,7 +378,8 @@ def compare_run_dirs(
     Samples are read by load_run_samples (token ids from generations.jsonl when present). Labels default to
     the folder names. Acceptance is compared when both results.json have a non-null `acceptance` section.
     The Comparison's load_format is the runs' (config.load_format); its warnings name each EVAL_SETTINGS
-    entry of results.json `task` (e.g. max_gen_toks) whose values differ.
+    entry of results.json `task` (e.g. max_gen_toks) whose values differ, runs of two registry entries, and
+    one folder passed twice.
 
     Raises:
         ComparisonError: a missing samples.jsonl, runs of different load_format (random weights against
@@ -389,8 +390,10 @@ def compare_run_dirs(
     results = {k: read_results(d) for k, d in dirs.items()}  # missing or not JSON: its UserError
     for d in dirs.values():
         if not (d / SAMPLES_FILE).exists():
-            raise ComparisonError(f"{d / SAMPLES_FILE} does not exist",
-                                  f"pass the output folder of a finished run (it holds {SAMPLES_FILE})")
+            arms = [d / arm for arm in COMPARE_ARMS if (d / arm / SAMPLES_FILE).is_file()]
+            fix = (f"pass one of its arms, {' or '.join(map(str, arms))} (a compare=replay run)" if arms
+                   else f"pass the output folder of a finished run (it holds {SAMPLES_FILE})")
+            raise ComparisonError(f"{d / SAMPLES_FILE} does not exist", fix)
     formats = {k: load_format(r) for k, r in results.items()}
     if formats["a"] != formats["b"]:
         raise ComparisonError(
@@ -398,9 +401,15 @@ def compare_run_dirs(
             f"{formats['b']}: random (dummy) weights cannot be compared with a checkpoint's",
             "compare runs of the same model.load_format")
     tasks = {k: r.get("task") or {} for k, r in results.items()}
-    warnings = [f"{key} differs: {tasks['a'][key]!r} in {dirs['a']}, {tasks['b'][key]!r} in {dirs['b']}"
-                for key in EVAL_SETTINGS
+    warnings = [f"{key} differs: {tasks['a'][key]!r} in {dirs['a']}, {tasks['b'][key]!r} in {dirs['b']} "
+                "(differences may come from the settings)" for key in EVAL_SETTINGS
                 if key in tasks["a"] and key in tasks["b"] and tasks["a"][key] != tasks["b"][key]]
+    entries = {k: r.get("entry") for k, r in results.items()}
+    if None not in entries.values() and entries["a"] != entries["b"]:  # two models: a paired test of what?
+        warnings.insert(0, f"the runs are of different registry entries: {entries['a']!r} in {dirs['a']}, "
+                           f"{entries['b']!r} in {dirs['b']}")
+    if dirs["a"].resolve() == dirs["b"].resolve():
+        warnings.insert(0, f"both runs are the same folder, {dirs['a']}")
     acc_a, acc_b = results["a"].get("acceptance"), results["b"].get("acceptance")
     both = acc_a is not None and acc_b is not None
     comparison = compare_runs(
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.format(), file=sys.stderr)
         return 2
     for warning in comparison.warnings:
-        print(f"warning: {warning}: differences may come from the settings", file=sys.stderr)
+        print(f"warning: {warning}", file=sys.stderr)
     checks = comparison_checks(comparison, exact=args.exact)
     data = {**comparison.to_dict(), "exact": args.exact, "checks": [c.to_dict() for c in checks]}
     if args.out is not None:

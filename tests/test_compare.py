@@ -291,10 +291,34 @@ def test_differing_eval_settings_warn(tmp_path, capsys):
     _write_gsm8k_run(tmp_path / "a", a, task={"max_gen_toks": 256, "num_fewshot": 5})
     _write_gsm8k_run(tmp_path / "b", a, task={"max_gen_toks": 16, "num_fewshot": 5})
     assert compare_run_dirs(tmp_path / "a", tmp_path / "b").warnings == [
-        f"max_gen_toks differs: 256 in {tmp_path / 'a'}, 16 in {tmp_path / 'b'}"]
+        f"max_gen_toks differs: 256 in {tmp_path / 'a'}, 16 in {tmp_path / 'b'} (differences may come from "
+        "the settings)"]
     assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     err = capsys.readouterr().err
     assert "warning: max_gen_toks differs" in err and "num_fewshot" not in err
+
+
+def test_two_entries_or_one_folder_twice_warn_and_a_compare_run_names_its_arms(tmp_path, capsys):
+    a, _ = _arms()
+    _write_gsm8k_run(tmp_path / "a", a)
+    _write_gsm8k_run(tmp_path / "b", a)
+    for d, entry in (("a", "tiny_nemotron_h_mtp"), ("b", "tiny_qwen3_next_mtp")):
+        r = json.loads((tmp_path / d / "results.json").read_text())
+        (tmp_path / d / "results.json").write_text(json.dumps({**r, "entry": entry}))
+    assert compare_run_dirs(tmp_path / "a", tmp_path / "b").warnings == [
+        f"the runs are of different registry entries: 'tiny_nemotron_h_mtp' in {tmp_path / 'a'}, "
+        f"'tiny_qwen3_next_mtp' in {tmp_path / 'b'}"]
+    assert compare_run_dirs(tmp_path / "a", tmp_path / "a").warnings == [f"both runs are the same folder, "
+                                                                        f"{tmp_path / 'a'}"]
+    (tmp_path / "pair").mkdir()
+    for arm in ("rewind", "replay"):
+        _write_gsm8k_run(tmp_path / "pair" / arm, a)
+    (tmp_path / "pair" / "results.json").write_text((tmp_path / "a" / "results.json").read_text())
+    capsys.readouterr()
+    assert compare_main([str(tmp_path / "pair"), str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == f"  fix: pass one of its arms, {tmp_path / 'pair' / 'rewind'} or " \
+                     f"{tmp_path / 'pair' / 'replay'} (a compare=replay run)", err
 
 
 def test_compare_arms_on_dummy_weights_is_no_reference(tmp_path):
