@@ -156,7 +156,10 @@ def override_error(e: OmegaConfBaseException, overrides: list[str]) -> UserError
     override that set it (from `overrides`) and the closest keys of the schema class that refused it."""
     key = e.full_key or "?"
     parent, _, leaf = key.rpartition(".")
-    text = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)
+    of_key = [o for o in overrides if o.lstrip("+~").split("=")[0] == key]
+    # a key set twice: the override whose value the complaint quotes, else the last (the one that applies)
+    quoted = [o for o in of_key if f"'{o.partition('=')[2]}'" in str(e)]
+    text = (quoted or of_key or [key])[-1]
     if isinstance(e, ConfigKeyError | ConfigAttributeError):
         allowed = schema_fields(e.object_type)
         close = difflib.get_close_matches(leaf, allowed, n=1)

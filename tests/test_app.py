@@ -472,6 +472,8 @@ def _run_py(*args, cwd):
         (["model=super_v3"], ["error: unknown registry entry model='super_v3'",
                               "  fix: did you mean super_v3_mtp or super_v3_mtp_ws4 or super_v3_mtp_ws2?"]),
         (["foo=1"], ["error: unknown config key 'foo' in the override 'foo=1'", "  fix: known keys: model"]),
+        (["eval.limit=4", "eval.limit=abc"],  # a key set twice: the override holding the bad value is named
+         ["error: bad value for 'eval.limit' in the override 'eval.limit=abc'"]),
         (["model.checkpoint=/nonexistent/ckpt"],
          ["error: checkpoint directory /nonexistent/ckpt does not exist",
           "  fix: point model.checkpoint at"]),
