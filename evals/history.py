@@ -162,6 +162,25 @@ class HistoryError(UserError):
 # Connection, schema version, transactions
 
 
+def check_history_file(path: Path, fix: str) -> None:
+    """Refuse, before a run, a file at ``path`` that is not a history database (another SQLite file, or not
+    SQLite at all), reading it only: the run would otherwise finish and then fail to record itself. A
+    missing or empty file is fine (it is created). Raises HistoryError with ``fix`` as its fix line."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        header = f.read(16)
+    tables: set[str] = set()
+    if header == b"SQLite format 3\x00":
+        with contextlib.suppress(sqlite3.DatabaseError), contextlib.closing(
+                sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as conn:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "runs" not in tables:
+        raise HistoryError(f"{path} is not a history database"
+                           + (" (an SQLite file without its tables)" if header == b"SQLite format 3\x00"
+                              else " (not an SQLite file)"), fix)
+
+
 def default_db_path() -> Path:
     """$HYBRID_EVAL_HISTORY, else outputs/history.db under the current directory."""
     return Path(os.environ.get(ENV_VAR) or DEFAULT_DB)

@@ -64,8 +64,10 @@ def _fix_for(path: Path) -> str:
     return f"choose a writable folder with out_dir=... or hydra.run.dir=... (not {path})"
 
 
-def _os_error(e: OSError, path: Path, what: str, fix: str | None = None) -> UserError:
-    """UserError for an OSError met while creating / writing the output folder, naming the cause."""
+def _os_error(e: OSError, path: Path, what: str, fix: str | None = None, kind: str = "output folder"
+              ) -> UserError:
+    """UserError for an OSError met while creating / writing a folder (``kind``: what it is for), naming the
+    cause."""
     reason = {
         errno.EACCES: "permission denied",
         errno.EPERM: "operation not permitted",
@@ -76,29 +78,29 @@ def _os_error(e: OSError, path: Path, what: str, fix: str | None = None) -> User
         errno.EDQUOT: "disk quota exceeded",
     }.get(e.errno, e.strerror or type(e).__name__)
     return UserError(
-        f"output folder {path} cannot be {what}: {reason} ({e.filename or path})", fix or _fix_for(path)
+        f"{kind} {path} cannot be {what}: {reason} ({e.filename or path})", fix or _fix_for(path)
     )
 
 
-def ensure_writable_dir(path: Path, fix: str | None = None) -> None:
+def ensure_writable_dir(path: Path, fix: str | None = None, kind: str = "output folder") -> None:
     """Create `path` (and parents) if needed and check that a file can be created in it.
 
-    Raises UserError naming the folder and the reason (under a file, permission denied, read-only, full,
-    a path that cannot hold folders such as /proc/x); its fix line is ``fix`` (default: run.py's
-    out_dir= / hydra.run.dir= advice).
+    Raises UserError naming the folder (as ``kind``: what it is for) and the reason (under a file,
+    permission denied, read-only, full, a path that cannot hold folders such as /proc/x); its fix line is
+    ``fix`` (default: run.py's out_dir= / hydra.run.dir= advice).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise UserError(f"output folder {path} exists and is not a folder (a file)", fix or _fix_for(path))
+        raise UserError(f"{kind} {path} exists and is not a folder (a file)", fix or _fix_for(path))
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _os_error(e, path, "created", fix) from None
+        raise _os_error(e, path, "created", fix, kind) from None
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise _os_error(e, path, "written", fix) from None
+        raise _os_error(e, path, "written", fix, kind) from None
 
 
 _CLAIMED: dict[str, str] = {}  # requested folder -> folder claimed by this process (claim_dir is idempotent)

@@ -19,6 +19,7 @@ from history_factory import make_results, write_run
 from test_app import _cfg, fakes, make_checkpoint  # noqa: F401 - fakes is a fixture used below
 
 from evals import history
+from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners.app import main as app
 
@@ -194,7 +195,8 @@ def test_the_same_run_recorded_by_the_app_and_imported_is_one_row(fakes, tmp_pat
     assert not rec.inserted and rec.run_id == run["id"] and _count(db, "runs") == 1
 
 
-def test_history_disabled_and_broken_history_never_lose_the_run(fakes, tmp_path, capsys):  # noqa: F811
+def test_history_disabled_and_broken_history_never_lose_the_run(fakes, tmp_path, capsys,  # noqa: F811
+                                                                 monkeypatch):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "off"
     app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", "history.db=null"))
@@ -202,6 +204,12 @@ def test_history_disabled_and_broken_history_never_lose_the_run(fakes, tmp_path,
     broken = tmp_path / "broken.db"
     broken.write_bytes(b"not a database" * 200)
     out = tmp_path / "broken_run"
+    # a file that is no history database is refused before the run, read only
+    with pytest.raises(UserError, match=f"{broken} is not a history database \\(not an SQLite file\\)"):
+        app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", f"history.db={broken}"))
+    assert broken.read_bytes() == b"not a database" * 200
+    # one that breaks after that check (here: the check skipped) still never loses the run
+    monkeypatch.setattr(app, "check_history_file", lambda path, fix: None)
     results = app.run(_cfg(f"model.checkpoint={ckpt}", f"out_dir={out}", f"history.db={broken}"))
     err = capsys.readouterr().err
     assert results["entry"] == "tiny_nemotron_h_mtp" and (out / "results.json").is_file()

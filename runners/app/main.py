@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from evals.compare import COMPARE_ARMS, COMPARISON_FILE, ComparisonError, combine_arms, compare_arms
-from evals.history import record_finished_run, resolve_db
+from evals.history import check_history_file, record_finished_run, resolve_db
 from evals.outdir import GENERATIONS_FILE, claim_out_dir, ensure_writable_dir, write_atomic
 from evals.report import format_console, write_report
 from evals.results import GSM8K_TEST_ROWS, RESULTS_FILE, build_results, exit_code, full_run_projection
@@ -160,8 +160,9 @@ def _check_history_db(rr: ResolvedRun) -> None:
     """A history database the run could not write is refused now, not found after the run."""
     history_db = resolve_db(rr.run.history.db)
     if history_db is not None:
-        ensure_writable_dir(history_db.parent, fix=f"pass history.db= a path in a writable folder (not "
-                            f"{history_db}), or history.db=null to keep no history")
+        fix = f"pass history.db= another path (not {history_db}), or history.db=null to keep no history"
+        ensure_writable_dir(history_db.parent, fix=fix, kind="the history database's folder")
+        check_history_file(history_db, fix)
 
 
 def _build_engine(rr: ResolvedRun) -> Engine:
