@@ -4,6 +4,7 @@ resume."""
 from __future__ import annotations
 
 import json
+import sys
 
 import lm_eval.api.registry
 import pytest
@@ -13,6 +14,7 @@ from test_gsm8k_fakes import EOS_ID, FakeEngine, read_jsonl, train_tiny_tokenize
 from tokenizers import Tokenizer
 
 from registry.checkpoint import CheckpointError
+from registry.errors import UserError
 from runners.app.lm_adapter import MODEL_NAME, EngineLM, GenerationStore, first_stop, request_key, sha256_text
 
 GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>"]
@@ -217,8 +219,26 @@ def test_model_args_naming_a_missing_checkpoint():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_model_args_cuda_device_without_cuda():
-    with pytest.raises(ValueError, match="CUDA is not available here; pass device=cpu"):
+    with pytest.raises(UserError, match="CUDA is not available here; pass device=cpu"):
         EngineLM.create_from_arg_string(f"pretrained={SHIPPED}", {"device": "cuda:0"})
+
+
+def test_model_args_the_engine_does_not_take_or_refuses_are_error_and_fix_lines(capsys, monkeypatch):
+    """The lm-eval CLI with a --model_args key from_checkpoint does not take, or a value it refuses: error /
+    fix lines naming it (and the arguments it takes), status 2, no traceback."""
+    from runners.app.lm_eval_cli import main as lm_eval_main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main sets lm-eval's argv: put pytest's back after
+    for args, first, fix in (
+            (f"pretrained={SHIPPED},bogus=1", "error: --model_args bogus: not an argument of hybrid-engine",
+             "  fix: use pretrained, device, dtype, draft_len, "),
+            (f"pretrained={SHIPPED},draft_len=-1", "error: --model_args: draft_len=-1 must be",
+             "  fix: change that argument in --model_args")):
+        with pytest.raises(SystemExit) as stop:
+            lm_eval_main(["--model", "hybrid-engine", "--model_args", args, "--tasks", "gsm8k_local",
+                          "--device", "cpu", "--limit", "1"])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error:", "  fix:"))]
+        assert stop.value.code == 2 and err[0].startswith(first) and err[1].startswith(fix), err
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from evals.outdir import GENERATIONS_FILE, META_SUFFIX, STATS_SUFFIX, write_atom
 from evals.progress import LineProgress, progress_bar
 from evals.task import DEFAULT_TASK, TASKS, EvalTask
 from registry.checkpoint import TOKENIZER_FILE, check_checkpoint_dir
+from registry.errors import UserError
 from runners.engine.stats import GenerationStats
 
 logger = logging.getLogger(__name__)
@@ -315,9 +317,21 @@ class EngineLM(LM):
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
                             ) -> EngineLM:
         """lm-eval's constructor from a dict of model_args (plus its batch_size / max_batch_size / device
-        settings): from_checkpoint(**args)."""
+        settings): from_checkpoint(**args). Raises UserError for an argument from_checkpoint does not take
+        (listing those it takes) and for a value it refuses (its ValueError)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls.from_checkpoint(**{**arg_dict, **extra})
+        args = {**arg_dict, **extra}
+        known = [p for p in inspect.signature(cls.from_checkpoint).parameters if p != "progress"]
+        unknown = sorted(set(args) - set(known) - {"progress"})
+        if unknown:
+            raise UserError(f"--model_args {', '.join(unknown)}: not an argument of {MODEL_NAME}",
+                            f"use {', '.join(known)} (runners.app.lm_adapter.EngineLM.from_checkpoint)")
+        try:
+            return cls.from_checkpoint(**args)
+        except UserError:  # a checkpoint problem: its own problem / fix
+            raise
+        except ValueError as e:
+            raise UserError(f"--model_args: {e}", "change that argument in --model_args") from None
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None

@@ -24,6 +24,7 @@ from lm_eval.__main__ import cli_evaluate
 
 import runners.app.lm_adapter  # noqa: F401  (registers the model "hybrid-engine" with lm-eval)
 from evals.evaluate import TASKS_DIR
+from registry.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     if args and not {"-h", "--help", "--include_path"} & set(args):
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm-eval", *args]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except UserError as e:  # a bad --model_args or checkpoint: error / fix lines, status 2, no traceback
+        print(e.format(), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
