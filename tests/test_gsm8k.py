@@ -273,6 +273,9 @@ def test_data_dir_errors(tokenizer_path, gsm8k_dir, tmp_path, monkeypatch):
     engine = _engine(tokenizer_path, gsm8k_dir, "right")
     with pytest.raises(GSM8KDataError, match=r"does not exist.*\n  fix: point eval.data_dir"):
         _run(engine, tokenizer_path, tmp_path / "missing", tmp_path / "o1")
+    (tmp_path / "a_file").write_text("x\n")
+    with pytest.raises(GSM8KDataError, match=r"a_file \(from eval.data_dir\) is a file, not a directory"):
+        _run(engine, tokenizer_path, tmp_path / "a_file", tmp_path / "o1")
 
     only_test = tmp_path / "only_test"
     only_test.mkdir()

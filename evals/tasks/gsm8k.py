@@ -66,7 +66,8 @@ def gsm8k_files(configured: str | os.PathLike | None = None, *, setting: str = "
     if path is None:
         return None
     if not path.is_dir():
-        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) does not exist",
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise GSM8KDataError(f"GSM8K directory {path} (from {origin}) {what}",
                              f"point {origin} at a directory holding train.jsonl and test.jsonl, "
                              "e.g. ../shared/data/gsm8k beside the checkout")
     missing = [f"{split}.jsonl" for split in SPLITS if not (path / f"{split}.jsonl").is_file()]
