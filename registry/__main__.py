@@ -5,6 +5,7 @@ registry/pr_check.py)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from registry.schema import SpecAlgorithm, entry_names
@@ -41,8 +42,10 @@ def cmd_list() -> int:
 def cmd_validate(names: list[str]) -> int:
     unknown = [n for n in names if n not in entry_names()]
     if unknown:
+        close = [m for n in unknown for m in difflib.get_close_matches(n, entry_names(), n=2, cutoff=0.4)]
+        hint = f"did you mean {' or '.join(dict.fromkeys(close))}? " if close else ""
         print(f"error: unknown registry entries {unknown}", file=sys.stderr)
-        print(f"  fix: choose from {', '.join(entry_names())}", file=sys.stderr)
+        print(f"  fix: {hint}choose from {', '.join(entry_names())}", file=sys.stderr)
         return 2
     reports = validate_all(names or None)
     for r in reports:

@@ -225,6 +225,8 @@ def test_registry_validate_accepts_a_flashinfer_entry_on_the_cpu(monkeypatch, ca
 def test_registry_validate_unknown_name(capsys):
     assert registry_main(["validate", "nope"]) == 2
     assert "unknown registry entries" in capsys.readouterr().err
+    assert registry_main(["validate", "super_v3"]) == 2  # a close name: suggested, as run.py's model= does
+    assert "  fix: did you mean super_v3_mtp" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
