@@ -152,6 +152,29 @@ def apply_activation(v, ACT: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def store_pair_rows(out_ptr, out2_ptr, acc, acc2, p, pid_k, offs_n, mask_n, stride_om, stride_os,
+                    GATED: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr):
+    """The epilogue every per-pair GEMV shares (this file's bf16 one, kernels/quant/nvfp4.py's and
+    block_fp8.py's): split-K (SPLIT) stores the fp32 partials acc [BLOCK_N] (and the gate's acc2) of pair p
+    at split pid_k; otherwise acc is rounded to out's dtype, the activation (ACT: 0 none, 1 relu2, 2 silu)
+    applied, a gated pair multiplied by its rounded gate, and the row stored: the rounding order of
+    :func:`act_ref` on a bf16 / fp16 / fp32 product."""
+    if SPLIT:
+        o = pid_k.to(tl.int64) * stride_os + p.to(tl.int64) * stride_om + offs_n
+        tl.store(out_ptr + o, acc, mask=mask_n)
+        if GATED:
+            tl.store(out2_ptr + o, acc2, mask=mask_n)
+    else:
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        v = round_rne(acc, dt)
+        if ACT != 0:
+            v = apply_activation(v, ACT, dt)
+        if GATED:
+            v = round_rne(v * round_rne(acc2, dt), dt)
+        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)  # v: on dt's grid
+
+
+@triton.jit
 def _pair_gemv_kernel(
     x_ptr, idx_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr,
     NOUT, K, TOPK, STEPS,
@@ -193,19 +216,8 @@ def _pair_gemv_kernel(
         acc += tl.sum(w.to(tl.float32) * x, 1)
         if GATED:
             acc2 += tl.sum(w2.to(tl.float32) * x, 1)
-    if SPLIT:
-        o = pid_k.to(tl.int64) * stride_os + p.to(tl.int64) * stride_om + offs_n
-        tl.store(out_ptr + o, acc, mask=mask_n)
-        if GATED:
-            tl.store(out2_ptr + o, acc2, mask=mask_n)
-    else:
-        dt: tl.constexpr = out_ptr.dtype.element_ty
-        v = round_rne(acc, dt)
-        if ACT != 0:
-            v = apply_activation(v, ACT, dt)
-        if GATED:
-            v = round_rne(v * round_rne(acc2, dt), dt)
-        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)  # v: on dt's grid
+    store_pair_rows(out_ptr, out2_ptr, acc, acc2, p, pid_k, offs_n, mask_n, stride_om, stride_os, GATED, ACT,
+                    SPLIT)
 
 
 @triton.jit

@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_launchable, interpreter_active, round_rne
-from kernels.moe_gemv import apply_activation, pair_gemv_config, run_pair_launches
+from kernels._common import check_launchable, interpreter_active
+from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -880,19 +880,8 @@ def _pair_block_fp8_kernel(
         acc += _fp8_tile_dot(w_rows, ws_rows, kk, mk, mask_n, q, xs, g)
         if GATED:
             acc2 += _fp8_tile_dot(w2_rows, ws2_rows, kk, mk, mask_n, q, xs, g)
-    if SPLIT:
-        o = pid_k.to(tl.int64) * stride_os + p.to(tl.int64) * stride_om + offs_n
-        tl.store(out_ptr + o, acc, mask=mask_n)
-        if GATED:
-            tl.store(out2_ptr + o, acc2, mask=mask_n)
-    else:
-        dt: tl.constexpr = out_ptr.dtype.element_ty
-        v = round_rne(acc, dt)
-        if ACT != 0:
-            v = apply_activation(v, ACT, dt)
-        if GATED:
-            v = round_rne(v * round_rne(acc2, dt), dt)
-        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n, v.to(dt), mask=mask_n)
+    store_pair_rows(out_ptr, out2_ptr, acc, acc2, p, pid_k, offs_n, mask_n, stride_om, stride_os, GATED, ACT,
+                    SPLIT)
 
 
 def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
