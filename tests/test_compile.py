@@ -17,6 +17,7 @@ padded steps bitwise (tokens, counters, live cache rows); compiled tokens equal 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,16 +85,24 @@ def test_compiled_step_equals_eager(ckpt, K, replay):
     assert again.stats.compile_seconds == 0
 
 
-# Run in a fresh interpreter: dynamo's graph counter is process-wide, and a test worker that ran hundreds of
-# tests before this one once counted 2 graphs at batch 4 that the same code alone never compiles (CI, with
-# no recompile reason kept). Alone, the count is the step's; dynamo's recompile reasons come back with it.
+# Run in a fresh interpreter (dynamo's graph counter is process-wide) with inductor's on-disk caches off and
+# its own cache folder. CI counted 2 graphs at batch 4 twice, the second time in a fresh interpreter: the
+# resumed Mamba2 frame recompiled on a guard that AOTAutograd's cache adds when a cached entry is reused
+# (aot_autograd_result.py `_check_guards`), so the count depended on what earlier runs left in
+# /tmp/torchinductor_<user>. The count measured here is the compile's own; dynamo's recompile reasons come
+# back with it for the failure message.
 _GRAPH_COUNT = """
 import json, logging, sys
 import torch
 from runners.engine import Engine
 from runners.engine.options import EngineOptions
 
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+
 torch.set_num_threads(1)
+inductor_config.fx_graph_cache = False
+functorch_config.enable_autograd_cache = False
 reasons = []
 class Keep(logging.Handler):
     def emit(self, record):
@@ -112,22 +121,27 @@ for B in (1, 2, 3, 4):
 out = engine.generate(prompts, 6, stop_token_ids=[])
 print(json.dumps({"graphs": graphs, "why": why, "compile_times": [list(k) for k in step.compile_times],
                   "same_tokens": out.tokens == eager.tokens, "call_graphs": out.stats.compile_graphs,
-                  "call_seconds": out.stats.compile_seconds, "engine_graphs": engine.compile_graphs}))
+                  "call_seconds": out.stats.compile_seconds, "engine_graphs": engine.compile_graphs,
+                  "caches": [inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache]}))
 """
 
 
-def test_compile_graphs_do_not_grow_with_batch_sizes(ckpt):
+def test_compile_graphs_do_not_grow_with_batch_sizes(ckpt, tmp_path):
     prompts = [[1, 2, 3, 4, 1], [4, 3, 2, 2, 0], [2, 2, 1, 0, 3]]  # one length: padded batch 3 throughout
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     proc = subprocess.run([sys.executable, "-c", _GRAPH_COUNT, str(ckpt), json.dumps(prompts)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     graphs = {int(k): v for k, v in r["graphs"].items()}
     # batch 1 is specialised (dynamo's 0/1 specialisation), batch 2 compiles the symbolic-batch graphs, which
     # serve 3 and 4: nothing more compiles, however many sizes follow
     why = r["why"]
+    assert r["caches"] == [False, False]  # the compile's own graphs, none reused from disk
     assert why["2"], "dynamo's recompile reasons were not captured"  # batch 2 recompiles batch 1's frames
-    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == graphs[4] == 0, (graphs, why["3"], why["4"])
+    later = "\n".join(f"batch {b}: {reason}" for b in ("3", "4") for reason in why[b])
+    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == graphs[4] == 0, f"{graphs}\n{later}"
     assert r["compile_times"] == [[1, 64], [2, 64], [3, 64], [4, 64]]
     assert r["same_tokens"]  # the padded batch-3 step's tokens equal the uncompiled run's
     assert r["call_graphs"] == 0 == r["call_seconds"]  # compiled ahead: nothing more here

@@ -32,6 +32,9 @@ NemotronH: Mamba2, attention, MoE; batch sizes [1, 2, 4, 8], inductor caches off
 at batch 2, none after); MTP (K = 2) with replay 68 graphs in 312 s per size, 34 in 252 s dynamic (17 +
 17). Set :data:`DYNAMIC_BATCH` to False for one static compile per (batch size, KV bucket, phase)
 (``dynamic=False``), should the symbolic batch make the GPU's kernels slower (not yet measured there).
+With inductor's on-disk caches on (torch's default), a reused AOTAutograd cache entry checks guards of its own
+and adds them to the frame's, so a later batch size can still recompile a resumed frame (CI counted 2 graphs
+at batch 4 that a cold compile never pays); the step's values do not change, only its compile count.
 
 The step compiles before its graphs are captured (``DecodeStep.compile_for``, per (padded batch size, KV
 bound) it has not run: with a dynamic batch the later sizes find the graphs compiled and cost only the
