@@ -9,7 +9,10 @@ error scale = sqrt(2 sigma^2 / n). With false-failure rate alpha and missed-regr
     threshold = ref + Phi^-1(alpha) * scale           (pass if score >= threshold)
     theta     = -(Phi^-1(alpha) + Phi^-1(beta)) * scale  (smallest regression caught with prob. 1 - beta)
 
-n is the number of samples the run actually scored. Acceptance checks are plain floors (rate >= floor,
+n is the number of samples the run actually scored. A reference judges a run only when both were measured
+under one protocol (few-shot examples, generated-token limit: registry.baselines.Protocol, results.json's
+task section): another protocol is another benchmark, so its accuracy and acceptance checks are
+"no_reference", saying which setting differs. Acceptance checks are plain floors (rate >= floor,
 length >= floor). Health checks need no reference and can fail at any n (a run over 3 questions, whose GSM8K
 test cannot fail, still fails on them): no non-finite model output, and not a degenerate model (thresholds
 below: MAX_EMPTY_FRACTION, MAX_REPEATED_FRACTION, MIN_ANSWERED). The module is pure: it reads baselines
@@ -31,6 +34,8 @@ from registry.baselines import (
     GSM8KReference,
     find_acceptance_reference,
     find_gsm8k_reference,
+    protocol_mismatch,
+    run_protocol,
 )
 
 DEFAULT_SIGMA = 50.0  # percent points: the largest standard deviation of a 0/100 Bernoulli score
@@ -502,7 +507,10 @@ def evaluate_verdict(
 
     Args:
         results: needs the task's section (`task.section`: {<score key>: fraction, ..., n}); `acceptance`
-            {rate, length, ...} is checked when present, not None, and spec_dec is not "none".
+            {rate, length, ...} is checked when present, not None, and spec_dec is not "none"; `task`
+            {num_fewshot, max_gen_toks} (the run's protocol) when a reference row is looked up: a row
+            measured under another protocol does not judge the run (its checks are "no_reference", the
+            note names the settings).
         model_key: key in the task's baseline files (e.g. "super_v3"); None: the entry has no
             `baseline` (registry entry ``baseline: null``), so no row can judge it (a BaselineError saying so
             with require_reference=True, else "no_reference" checks that say so).
@@ -523,7 +531,8 @@ def evaluate_verdict(
             values through every layer).
     Raises:
         BaselineError: a missing row with require_reference=True (message lists the rows and the fix).
-        ValueError: malformed results (e.g. percent where a fraction belongs).
+        ValueError: malformed results (e.g. percent where a fraction belongs, no task protocol where a row
+            is looked up).
     """
     scores = results.get(task.section)
     keys = [*task.filters, "n"]
@@ -543,11 +552,12 @@ def evaluate_verdict(
         else:
             if no_key is not None:
                 raise no_key
-            ref = find_gsm8k_reference(
-                model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
-                path=gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path,
-            )
-            note = ""
+            path = gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path
+            ref = find_gsm8k_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
+                                       path=path)
+            note = protocol_mismatch(ref.protocol, _protocol_of(results), path)
+            if note:
+                ref = None
     except BaselineError as e:
         if require_reference:
             raise
@@ -570,7 +580,9 @@ def evaluate_verdict(
                     raise no_key
                 aref = find_acceptance_reference(model_key, quant, draft_len, state=state,
                                                  path=acceptance_path)
-                note = ""
+                note = protocol_mismatch(aref.protocol, _protocol_of(results), acceptance_path)
+                if note:
+                    aref = None
             except BaselineError as e:
                 if require_reference:
                     raise
@@ -579,6 +591,15 @@ def evaluate_verdict(
             check_acceptance(acceptance.get("rate"), acceptance.get("length"), aref, no_reference_note=note)
         )
     return Verdict(checks)
+
+
+def _protocol_of(results: dict[str, Any]):
+    """The run's registry.baselines.Protocol from results["task"]; ValueError when it is not recorded."""
+    task = results.get("task")
+    if not isinstance(task, dict):
+        raise ValueError("results['task'] must record num_fewshot and max_gen_toks (the protocol a reference "
+                         "row is compared under)")
+    return run_protocol(task.get("num_fewshot"), task.get("max_gen_toks"))
 
 
 def _dummy_verdict(results: dict[str, Any], spec_dec: Any, task: EvalTask) -> Verdict:

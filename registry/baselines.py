@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import UserError
-from registry.schema import BASELINES_DIR, DType, KVCacheQuant, Quant, SpecAlgorithm
+from registry.schema import BASELINES_DIR, REPO_ROOT, DType, KVCacheQuant, Quant, SpecAlgorithm
 from registry.yamlfile import RegistryYAMLError
 from registry.yamlfile import load as load_yaml
 
@@ -69,11 +69,11 @@ _GSM8K_ROW_KEYS = {
     "beta",
     "note",
 }
-_GSM8K_MODEL_KEYS = {"description", "source", "metric", "rows"}
+_GSM8K_MODEL_KEYS = {"description", "source", "metric", "protocol", "rows"}
 _ACC_ROW_KEYS = {"quant", "draft_len", "measured", "acceptance_rate_floor", "acceptance_length", "note",
                  *STATE_COLUMNS}
 _ACC_LENGTH_KEYS = {"reference", "floor", "rel_tolerance"}
-_ACC_ENTRY_KEYS = {"description", "rows"}
+_ACC_ENTRY_KEYS = {"description", "protocol", "rows"}
 
 
 class BaselineError(UserError):
@@ -137,6 +137,71 @@ def _state_matches(row_state: dict[str, tuple[str, ...]], run_state: dict[str, s
 
 
 @dataclass(frozen=True)
+class Protocol:
+    """How a file's references were measured: few-shot examples per prompt and the generated-token limit
+    per question (results.json's task.num_fewshot / task.max_gen_toks, the run's eval.num_fewshot /
+    eval.max_gen_toks). A score or an acceptance figure measured under another protocol is another
+    benchmark's: the verdict reports it without judging it (:func:`protocol_mismatch`)."""
+
+    num_fewshot: int
+    max_gen_toks: int
+
+    def describe(self) -> str:
+        return f"{self.num_fewshot}-shot with at most {self.max_gen_toks} generated tokens"
+
+
+PROTOCOL_KEYS = ("num_fewshot", "max_gen_toks")
+
+
+def _protocol(raw: Any, where: str) -> Protocol:
+    """A `protocol:` mapping of a baselines file or model block, checked."""
+    _check_keys(raw, set(PROTOCOL_KEYS), where, required=PROTOCOL_KEYS)
+    values = {}
+    for key, lo in (("num_fewshot", 0), ("max_gen_toks", 1)):
+        v = raw[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise BaselineError(f"{where}.{key} must be an integer >= {lo}, got {v!r}",
+                                f"write the eval.{key} the references were measured with")
+        values[key] = v
+    return Protocol(**values)
+
+
+def _file_protocol(data: dict, path: Path) -> Protocol:
+    if "protocol" not in data:
+        raise BaselineError(
+            f"{path}: missing key 'protocol' (how the references were measured)",
+            "add protocol: {num_fewshot: <N>, max_gen_toks: <N>} (the eval.num_fewshot and eval.max_gen_toks "
+            "the numbers were measured with; see registry/baselines/README.md)",
+        )
+    return _protocol(data["protocol"], f"{path}: protocol")
+
+
+def run_protocol(num_fewshot: Any, max_gen_toks: Any) -> Protocol:
+    """A run's protocol from its settings (eval.num_fewshot, eval.max_gen_toks, or results.json's task
+    section). Raises ValueError when either is not an integer (results.json without them)."""
+    if isinstance(num_fewshot, bool) or isinstance(max_gen_toks, bool) or \
+            not isinstance(num_fewshot, int) or not isinstance(max_gen_toks, int):
+        raise ValueError(f"a run's num_fewshot and max_gen_toks must be integers, got {num_fewshot!r} and "
+                         f"{max_gen_toks!r}")
+    return Protocol(num_fewshot, max_gen_toks)
+
+
+def protocol_mismatch(reference: Protocol, run: Protocol, path: str | Path) -> str:
+    """"" when a run measured under `run` can be judged against references measured under `reference`;
+    else the sentence that says why not (the verdict's "no_reference" note, the runner's warning), naming
+    the settings that differ and the file."""
+    if reference == run:
+        return ""
+    differ = [k for k in PROTOCOL_KEYS if getattr(run, k) != getattr(reference, k)]
+    path = Path(path)
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    ours = " ".join(f"eval.{k}={getattr(run, k)}" for k in differ)
+    theirs = " ".join(f"eval.{k}={getattr(reference, k)}" for k in differ)
+    return (f"{shown} holds references measured {reference.describe()}, and this run sets {ours}: another "
+            f"benchmark, so its figures are reported, not judged ({theirs} is judged)")
+
+
+@dataclass(frozen=True)
 class GSM8KReference:
     """One row of gsm8k.yaml.
 
@@ -161,6 +226,7 @@ class GSM8KReference:
     note: str = ""
     # STATE_COLUMNS: the values the row holds for (default: a float32 SSM state only)
     state: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"ssm_state_dtype": ("float32",)})
+    protocol: Protocol = Protocol(5, 256)  # how the row was measured: the loaders set the file's or block's
 
     @property
     def match_key(self) -> tuple[str, str, str, str]:
@@ -197,6 +263,7 @@ class AcceptanceReference:
     acceptance_length_floor: float | None = None
     note: str = ""
     state: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"ssm_state_dtype": ("float32",)})
+    protocol: Protocol = Protocol(5, 256)  # how the row was measured: the loaders set the file's or block's
 
     def describe(self) -> str:
         where = f"quant={self.quant} draft_len={self.draft_len}{_describe_state(self.state)}"
@@ -282,13 +349,14 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
         model key -> its rows, in file order.
     Raises:
         BaselineError: naming the file, model, row and key of the first problem found (unknown keys, values
-            outside the allowed sets, accuracy outside [0, 100], duplicate match keys, a measured row without
-            accuracy / num_samples, a placeholder row with numbers).
+            outside the allowed sets, accuracy outside [0, 100], no or a malformed `protocol`, duplicate match
+            keys, a measured row without accuracy / num_samples, a placeholder row with numbers).
     """
     path = Path(path) if path is not None else GSM8K_BASELINES
     data = _read_yaml(path)
-    _check_keys(data, {"schema_version", "metric", "models"}, str(path), required=("models",))
+    _check_keys(data, {"schema_version", "metric", "protocol", "models"}, str(path), required=("models",))
     default_metric = normalize(data.get("metric", "mean"), METRICS, f"{path}: metric")
+    file_protocol = _file_protocol(data, path)
     models = data["models"]
     if not isinstance(models, dict) or not models:
         raise BaselineError(
@@ -300,6 +368,7 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
         where = f"{path}: models.{model}"
         _check_keys(block, _GSM8K_MODEL_KEYS, where, required=("rows",))
         metric = normalize(block.get("metric", default_metric), METRICS, f"{where}.metric")
+        protocol = _protocol(block["protocol"], f"{where}.protocol") if "protocol" in block else file_protocol
         rows = block["rows"]
         if not isinstance(rows, list) or not rows:
             raise BaselineError(f"{where}.rows must be a non-empty list", "add at least one row")
@@ -351,6 +420,7 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
                 source=str(block.get("source", "")).strip(),
                 note=str(row.get("note", "")),
                 state=_state_columns(row, rw),
+                protocol=protocol,
             )
             for j, other in seen.get(ref.match_key, []):
                 if all(set(a) & set(b) for a, b in zip(ref.state.values(), other.state.values())):
@@ -376,11 +446,13 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
     Raises:
         BaselineError: naming the file, entry, row and key of the first problem (unknown keys, a rate floor
             outside [0, 1], a length outside [1, draft_len + 1], both or neither of floor / rel_tolerance,
-            duplicate (quant, draft_len), a placeholder row with numbers, a measured row with no floor).
+            duplicate (quant, draft_len), no or a malformed `protocol`, a placeholder row with numbers, a
+            measured row with no floor).
     """
     path = Path(path) if path is not None else ACCEPTANCE_BASELINES
     data = _read_yaml(path)
-    _check_keys(data, {"schema_version", "models"}, str(path), required=("models",))
+    _check_keys(data, {"schema_version", "protocol", "models"}, str(path), required=("models",))
+    file_protocol = _file_protocol(data, path)
     entries = data["models"]
     if not isinstance(entries, dict) or not entries:
         raise BaselineError(
@@ -391,6 +463,7 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
     for entry, block in entries.items():
         where = f"{path}: models.{entry}"
         _check_keys(block, _ACC_ENTRY_KEYS, where, required=("rows",))
+        protocol = _protocol(block["protocol"], f"{where}.protocol") if "protocol" in block else file_protocol
         rows = block["rows"]
         if not isinstance(rows, list) or not rows:
             raise BaselineError(f"{where}.rows must be a non-empty list", "add a row or remove the entry")
@@ -453,6 +526,7 @@ def load_acceptance_baselines(path: str | Path | None = None) -> dict[str, list[
                 acceptance_length_floor=length_floor,
                 note=str(row.get("note", "")),
                 state=_state_columns(row, rw),
+                protocol=protocol,
             )
             key = (quant, k)
             for j, other in seen.get(key, []):

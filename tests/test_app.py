@@ -98,16 +98,18 @@ class FakeEngine:
                 "spec_buffers_bytes": 0}
 
 
-def fake_result(scores: dict, samples_path, stats: dict | None = None) -> EvalResult:
+def fake_result(scores: dict, samples_path, stats: dict | None = None, *, num_fewshot: int = 5,
+                max_gen_toks: int = 256) -> EvalResult:
     """What runners.app.lm_adapter.evaluate_engine returns, with FakeStats' counters (every request generated
-    now, so the generate calls' token sums are the counters' own)."""
+    now, so the generate calls' token sums are the counters' own) and the protocol it ran (task section)."""
     if stats is None:
         fake = FakeStats()
         stats = {**fake.to_dict(), "timing_prompt_tokens": fake.prompt_tokens,
                  "timing_generated_tokens": fake.generated_tokens}
     return EvalResult(scores=scores, stats=stats, samples_path=Path(samples_path),
                        wall_seconds=1.0, num_resumed=0, num_generated=scores["n"],
-                       task={"task": "gsm8k", "version": 3.0})
+                       task={"task": "gsm8k", "version": 3.0, "num_fewshot": num_fewshot,
+                             "max_gen_toks": max_gen_toks})
 
 
 @pytest.fixture
@@ -123,7 +125,8 @@ def fakes(monkeypatch):
                           fingerprint=fingerprint, task=task))
         samples = Path(out_dir) / "samples.jsonl"
         samples.write_text('{"doc_id": 0}\n')
-        return fake_result({"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}, samples)
+        return fake_result({"strict_match": 0.25, "flexible_extract": 0.5, "n": 4}, samples,
+                           num_fewshot=num_fewshot, max_gen_toks=max_gen_toks)
 
     monkeypatch.setattr(app, "Engine", FakeEngine)
     monkeypatch.setattr(app, "evaluate_engine", fake_evaluate)
@@ -500,7 +503,8 @@ from runners.app import main as app
 app.Engine = test_app.FakeEngine
 def evaluate(engine, tokenizer_path, **kw):
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
-                                kw["out_dir"] + "/samples.jsonl")
+                                kw["out_dir"] + "/samples.jsonl", num_fewshot=kw["num_fewshot"],
+                                max_gen_toks=kw["max_gen_toks"])
 app.evaluate_engine = evaluate
 '''
 

@@ -27,6 +27,7 @@ from runners.app import main as app
 GSM8K_YAML = """
 schema_version: 1
 metric: mean
+protocol: {num_fewshot: 5, max_gen_toks: 256}
 models:
   tiny_nemotron_h_mtp:
     rows:
@@ -37,6 +38,7 @@ models:
 """
 ACCEPTANCE_YAML = """
 schema_version: 1
+protocol: {num_fewshot: 5, max_gen_toks: 256}
 models:
   tiny_nemotron_h_mtp:
     rows:
@@ -112,6 +114,22 @@ def test_matched_reference_passes_at_the_reference(fakes, baselines, tmp_path, m
     assert _checks(results)["gsm8k.mean"]["status"] == "pass"
     assert results["verdict"]["passed"] is True and results["verdict"]["complete"] is True
     assert app.exit_code(results) == 0
+
+
+def test_a_run_of_another_protocol_is_reported_not_judged(fakes, baselines, tmp_path, monkeypatch, capsys):
+    """The same failing scores and acceptance (below a 0.55 floor), 0-shot: the evaluation runs with
+    num_fewshot=0, the references (5-shot) judge nothing, the run exits 0 with NO REFERENCE, and the warning
+    before loading names the setting."""
+    _scores(monkeypatch, 0.25, 0.5)
+    baselines(rate_floor=0.55)
+    results = _run(tmp_path, "eval.num_fewshot=0")
+    assert fakes[-1]["num_fewshot"] == 0 and results["task"]["num_fewshot"] == 0
+    checks = _checks(results)
+    assert [checks[n]["status"] for n in ("gsm8k.mean", "acceptance.rate", "acceptance.length")] == \
+        ["no_reference"] * 3
+    assert "this run sets eval.num_fewshot=0" in checks["gsm8k.mean"]["note"]
+    assert results["verdict"]["status"] == "no_reference" and app.exit_code(results) == 0
+    assert capsys.readouterr().out.count("warning: ") == 2  # gsm8k.yaml's and acceptance.yaml's
 
 
 def test_acceptance_floor_failure(fakes, baselines, tmp_path, monkeypatch):

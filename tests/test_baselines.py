@@ -9,11 +9,19 @@ import yaml
 
 from registry.baselines import (
     BaselineError,
+    Protocol,
     find_acceptance_reference,
     find_gsm8k_reference,
     load_acceptance_baselines,
     load_gsm8k_baselines,
 )
+
+PROTOCOL = {"num_fewshot": 5, "max_gen_toks": 256}
+PROTOCOL_YAML = "{num_fewshot: 5, max_gen_toks: 256}"
+
+
+def _acceptance_file(row: str) -> str:
+    return f"schema_version: 1\nprotocol: {PROTOCOL_YAML}\nmodels:\n  e:\n    rows:\n      - {row}\n"
 
 
 def _write(tmp_path, name, text):
@@ -113,7 +121,7 @@ BASE_ROW = {
 
 
 def _gsm8k_file(tmp_path, *rows, version=1):
-    data = {"schema_version": version, "models": {"m": {"rows": list(rows)}}}
+    data = {"schema_version": version, "protocol": PROTOCOL, "models": {"m": {"rows": list(rows)}}}
     path = tmp_path / "g.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -153,6 +161,47 @@ def test_gsm8k_duplicate_rows_and_schema_version(tmp_path):
         load_gsm8k_baselines(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda d: d.pop("protocol"), r"g\.yaml: missing key 'protocol'"),
+    (lambda d: d["protocol"].pop("max_gen_toks"), r"protocol: missing key\(s\) \['max_gen_toks'\]"),
+    (lambda d: d["protocol"].update(num_fewshot=-1), r"protocol\.num_fewshot must be an integer >= 0, got -"),
+    (lambda d: d["protocol"].update(max_gen_toks="256"), r"protocol\.max_gen_toks must be an integer >= 1"),
+    (lambda d: d["protocol"].update(shots=5), r"protocol: unknown key\(s\) \['shots'\]"),
+    (lambda d: d["models"]["m"].update(protocol={"num_fewshot": 8}), r"models\.m\.protocol: missing key"),
+])
+def test_a_baselines_file_states_its_protocol(tmp_path, edit, pattern):
+    """Every baselines file says how its references were measured (few-shot count, generated-token limit),
+    checked like the rows; a model block may state its own, which its rows then carry."""
+    data = {"schema_version": 1, "protocol": dict(PROTOCOL), "models": {"m": {"rows": [BASE_ROW]}}}
+    edit(data)
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(BaselineError, match=pattern):
+        load_gsm8k_baselines(path)
+    data = {"schema_version": 1, "protocol": dict(PROTOCOL),
+            "models": {"m": {"rows": [dict(BASE_ROW)]},
+                       "n": {"protocol": {"num_fewshot": 8, "max_gen_toks": 512}, "rows": [dict(BASE_ROW)]}}}
+    path.write_text(yaml.safe_dump(data))
+    models = load_gsm8k_baselines(path)
+    assert models["m"][0].protocol == Protocol(5, 256) and models["n"][0].protocol == Protocol(8, 512)
+    text = _acceptance_file("{quant: none, draft_len: 3, acceptance_rate_floor: 0.5}")
+    block_protocol = "  e:\n    protocol: {num_fewshot: 0, max_gen_toks: 64}\n"
+    acc = _write(tmp_path, "a.yaml", text.replace("  e:\n", block_protocol))
+    assert load_acceptance_baselines(acc)["e"][0].protocol == Protocol(0, 64)
+
+
+def test_the_shipped_files_state_the_tasks_protocols():
+    """gsm8k.yaml and acceptance.yaml: lm-eval's 5-shot gsm8k with 256 tokens (TensorRT-LLM's references,
+    the project's tiny rows); gsm8k_cot.yaml: the task's 8 exemplars -- the defaults of configs/eval/."""
+    from registry.baselines import BASELINES_DIR
+    from registry.schema import REPO_ROOT
+    from registry.yamlfile import load
+    for name, eval_config in (("gsm8k", "gsm8k"), ("acceptance", "gsm8k"), ("gsm8k_cot", "gsm8k_cot")):
+        stated = load((BASELINES_DIR / f"{name}.yaml").read_text(), name)["protocol"]
+        config = load((REPO_ROOT / "configs" / "eval" / f"{eval_config}.yaml").read_text(), name)
+        assert stated == {k: config[k] for k in ("num_fewshot", "max_gen_toks")}, name
+
+
 def test_gsm8k_row_overrides_are_read(tmp_path):
     path = _gsm8k_file(tmp_path, BASE_ROW | {"sigma": 40, "beta": 0.1})
     ref = find_gsm8k_reference("m", "bf16", "none", "none", "none", path=path)
@@ -184,14 +233,14 @@ def test_gsm8k_row_overrides_are_read(tmp_path):
     ],
 )
 def test_acceptance_validation_errors(tmp_path, row, pattern):
-    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nmodels:\n  e:\n    rows:\n      - {row}\n")
+    path = _write(tmp_path, "a.yaml", _acceptance_file(row))
     with pytest.raises(BaselineError, match=pattern):
         load_acceptance_baselines(path)
 
 
 def test_acceptance_absolute_floor(tmp_path):
     row = "{quant: fp8, draft_len: 2, acceptance_length: {reference: 2.5, floor: 2.2}}"
-    path = _write(tmp_path, "a.yaml", f"schema_version: 1\nmodels:\n  e:\n    rows:\n      - {row}\n")
+    path = _write(tmp_path, "a.yaml", _acceptance_file(row))
     ref = find_acceptance_reference("e", "FP8", 2, path=path)
     assert (ref.acceptance_rate_floor, ref.acceptance_length_floor) == (None, 2.2)
 

@@ -242,7 +242,8 @@ def evaluate(engine, tokenizer_path, **kw):
     if kw["fingerprint"]["ssm_replay"]:
         raise RuntimeError("injected crash")
     return test_app.fake_result({{"strict_match": 1.0, "flexible_extract": 1.0, "n": 1}},
-                                kw["out_dir"] + "/samples.jsonl")
+                                kw["out_dir"] + "/samples.jsonl", num_fewshot=kw["num_fewshot"],
+                                max_gen_toks=kw["max_gen_toks"])
 app.evaluate_engine = evaluate
 '''
 

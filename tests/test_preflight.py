@@ -229,3 +229,21 @@ def test_more_shots_than_train_examples_are_refused_before_loading(gsm8k_dir, tm
     train = tmp_path / "train.jsonl"
     assert e.value.problem.startswith(f"eval.num_fewshot=5 is more than the 3 examples of {train}")
     assert e.value.fix.startswith("lower eval.num_fewshot to at most 3")
+
+
+def test_a_run_of_another_protocol_is_warned_before_loading(capsys):
+    """eval.num_fewshot / eval.max_gen_toks other than the baselines' protocol: the run goes on (its figures
+    are reported, not judged), and the check before loading says so once per baselines file, naming the
+    setting and what would be judged; the default protocol prints nothing."""
+    from registry.compose import compose_config
+    from registry.resolve import resolve
+    from runners.app.preflight import check_references
+
+    check_references(resolve(compose_config([])))
+    assert "warning" not in capsys.readouterr().out
+    check_references(resolve(compose_config(["eval.num_fewshot=0", "eval.max_gen_toks=64"])))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" holds ")[0] for line in lines] == [
+        "warning: registry/baselines/gsm8k.yaml", "warning: registry/baselines/acceptance.yaml"]
+    assert all("this run sets eval.num_fewshot=0 eval.max_gen_toks=64: another benchmark" in line
+               and "(eval.num_fewshot=5 eval.max_gen_toks=256 is judged)" in line for line in lines)

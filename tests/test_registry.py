@@ -177,13 +177,13 @@ def test_registry_validate_reports_missing_baseline(monkeypatch, tmp_path, capsy
 
     gsm8k = tmp_path / "gsm8k.yaml"
     gsm8k.write_text(
-        "schema_version: 1\nmodels:\n  super_v3:\n    rows:\n"
+        "schema_version: 1\nprotocol: {num_fewshot: 5, max_gen_toks: 256}\nmodels:\n  super_v3:\n    rows:\n"
         "      - {dtype: bfloat16, quant: none, kv_cache_quant: none, spec_dec: mtp, accuracy: 80.0,"
         " num_samples: 1319}\n"
     )
     acceptance = tmp_path / "acceptance.yaml"
     acceptance.write_text(
-        "schema_version: 1\nmodels:\n  super_v3:\n    rows:\n"
+        "schema_version: 1\nprotocol: {num_fewshot: 5, max_gen_toks: 256}\nmodels:\n  super_v3:\n    rows:\n"
         "      - {quant: none, draft_len: 5, acceptance_rate_floor: 0.4}\n"
     )
     monkeypatch.setattr(baselines, "GSM8K_BASELINES", gsm8k)

@@ -41,6 +41,7 @@ def _results(spec=True, reference=True):
         "config": {"model": {"name": "super_v3_mtp", "dtype": "bfloat16"}, "ssm_replay": True, "limit": None},
         "git_commit": "0123abcd",
         "gsm8k": {"strict_match": 0.7998, "flexible_extract": 0.8102, "n": 1319},
+        "task": {"task": "gsm8k", "version": 3.0, "num_fewshot": 5, "max_gen_toks": 256},
         "acceptance": _acceptance(0.82, 3.46, [0.93, 0.83, 0.70], [0, 70, 100, 200, 630]) if spec else None,
         "memory": {
             "ssm_state_bytes": 1048576,

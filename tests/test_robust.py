@@ -237,6 +237,7 @@ def _results(n, empty=0, repeated=0, no_answer=0, nonfinite=(), strict=0.0):
         "gsm8k": {"strict_match": strict, "flexible_extract": strict, "n": n},
         "health": {"nonfinite": list(nonfinite),
                    "outputs": {"n": n, "empty": empty, "repeated_token": repeated, "no_answer": no_answer}},
+        "task": {"num_fewshot": 5, "max_gen_toks": 256},
     }
 
 
@@ -548,7 +549,7 @@ def test_baseline_rows_hold_for_their_state_dtype(tmp_path):
          "num_samples": 1319, "sigma": 13.6},
         {"dtype": "float32", "quant": "none", "kv_cache_quant": "none", "spec_dec": "none", "accuracy": 9.0,
          "num_samples": 1319, "sigma": 13.6, "ssm_state_dtype": ["bfloat16"]}]
-    base = {"schema_version": 1, "metric": "mean",
+    base = {"schema_version": 1, "metric": "mean", "protocol": {"num_fewshot": 5, "max_gen_toks": 256},
             "models": {"tiny": {"description": "d", "source": "s", "rows": rows}}}
     import yaml
 

@@ -143,7 +143,8 @@ def test_acceptance_floors():
 
 
 def _results(strict, flexible, n, rate=None, length=None):
-    out = {"gsm8k": {"strict_match": strict, "flexible_extract": flexible, "n": n}}
+    out = {"gsm8k": {"strict_match": strict, "flexible_extract": flexible, "n": n},
+           "task": {"num_fewshot": 5, "max_gen_toks": 256}}  # the baselines' protocol
     if rate is not None:
         out["acceptance"] = {"rate": rate, "length": length}
     return out
@@ -176,6 +177,33 @@ def test_evaluate_verdict_matched():
         draft_len=3,
     )
     assert failing.passed is False and failing.status == FAIL
+
+
+@pytest.mark.parametrize("task, differ", [
+    ({"num_fewshot": 0, "max_gen_toks": 256}, "eval.num_fewshot=0"),
+    ({"num_fewshot": 5, "max_gen_toks": 64}, "eval.max_gen_toks=64"),
+])
+def test_a_reference_of_another_protocol_does_not_judge_the_run(task, differ):
+    """The rows were measured 5-shot with 256 tokens: a 0-shot or 64-token run of a score that would fail
+    (and acceptance below its floor) is reported, not judged, each check saying which setting differs and
+    what would be judged; the same run under the references' protocol fails."""
+    results = _results(0.10, 0.10, 1319, rate=0.10, length=1.3)
+    kwargs = {"model_key": "super_v3", "entry": "super_v3_mtp", "dtype": "bf16", "quant": "nvfp4",
+              "kv_cache_quant": "fp8", "spec_dec": "mtp", "draft_len": 3}
+    assert evaluate_verdict(results, **kwargs).status == FAIL
+    verdict = evaluate_verdict({**results, "task": task}, **kwargs)
+    assert verdict.status == NO_REFERENCE and verdict.passed is None
+    judged = {c.name: c for c in verdict.checks}
+    for name, file in (("gsm8k.mean", "gsm8k.yaml"), ("acceptance.rate", "acceptance.yaml"),
+                       ("acceptance.length", "acceptance.yaml")):
+        c = judged[name]
+        assert c.status == NO_REFERENCE and c.threshold is None, name
+        assert f"registry/baselines/{file} holds references measured 5-shot with at most 256 generated " \
+               f"tokens, and this run sets {differ}" in c.note, c.note
+        assert "reported, not judged" in c.note
+    # a run that records no protocol cannot be compared at all
+    with pytest.raises(ValueError, match="num_fewshot and max_gen_toks"):
+        evaluate_verdict({k: v for k, v in results.items() if k != "task"}, **kwargs)
 
 
 def test_evaluate_verdict_unmatched_reference():

@@ -18,7 +18,12 @@ from omegaconf import DictConfig
 from evals.results import GSM8K_TEST_ROWS
 from evals.task import get_task
 from evals.tasks.gsm8k import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
-from registry.baselines import find_acceptance_reference, find_gsm8k_reference
+from registry.baselines import (
+    find_acceptance_reference,
+    find_gsm8k_reference,
+    protocol_mismatch,
+    run_protocol,
+)
 from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
 from registry.errors import UserError
 from registry.releases import dummy_tokenizer_dir
@@ -71,7 +76,9 @@ def check_references(rr: ResolvedRun) -> None:
     file (evals.task.EvalTask.baselines, gsm8k.yaml for gsm8k) needs a row for (dtype, quant, kv_cache_quant,
     spec_dec) -- and its acceptance file, when the task has one, a row for (quant, draft_len) when
     speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
-    (measured: false) counts as found: the run then reports "no reference yet". Raises UserError
+    (measured: false) counts as found: the run then reports "no reference yet". A row measured under another
+    protocol (eval.num_fewshot, eval.max_gen_toks) is found, and a warning on stdout says the run will be
+    reported, not judged (registry.baselines.protocol_mismatch: the verdict's note). Raises UserError
     (registry.baselines.BaselineError) naming the missing row and the fix.
     """
     if not rr.run.verdict.require_reference or rr.dummy:  # dummy weights: no accuracy is judged
@@ -83,11 +90,16 @@ def check_references(rr: ResolvedRun) -> None:
             "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
             "verdict.require_reference=false to run without a pass/fail verdict",
         )
-    find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
-                         state=rr.baseline_state, path=task.baselines_path)
+    run = run_protocol(rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks)
+    ref = find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
+                               state=rr.baseline_state, path=task.baselines_path)
+    notes = [protocol_mismatch(ref.protocol, run, task.baselines_path)]
     if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
-        find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
-                                  path=task.acceptance_baselines_path)
+        aref = find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
+                                         path=task.acceptance_baselines_path)
+        notes.append(protocol_mismatch(aref.protocol, run, task.acceptance_baselines_path))
+    for note in dict.fromkeys(n for n in notes if n):  # each once
+        print(f"warning: {note}", flush=True)
 
 
 def tokenizer_file(rr: ResolvedRun) -> Path:
