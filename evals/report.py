@@ -21,7 +21,7 @@ from evals.mpl import Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir, write_atomic
 from evals.results import RESULTS_FILE, RESULTS_SCHEMA_VERSION, read_results
 from evals.task import EvalTask, task_of_results
-from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds, headline
+from evals.verdict import NO_LOWER_BOUND, format_threshold, headline, threshold_binds
 from registry.errors import UserError
 
 SUMMARY_NAME = "summary.md"
@@ -164,7 +164,7 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
         ref, thr = check["reference"], check["threshold"]
         metric = check.get("details", {}).get("metric", "")
         n = scores.get("n")
-        if gsm8k_threshold_binds(thr):
+        if threshold_binds(thr):
             ax.axhspan(
                 thr,
                 ref,
@@ -174,7 +174,7 @@ def plot_accuracy(results: Mapping[str, Any], path: str | Path) -> Path | None:
                 label=f"pass band: score >= threshold ({ref - thr:.2f} below the reference at n = {n})",
             )
         ax.axhline(ref, color="tab:green", linestyle="-", zorder=3, label=f"reference {ref:.2f} ({metric})")
-        if gsm8k_threshold_binds(thr):
+        if threshold_binds(thr):
             ax.axhline(thr, color="tab:red", linestyle="--", zorder=3, label=f"pass threshold {thr:.2f}")
             shown.append(thr)
         else:  # a legend line only: nothing to draw, every score passes
@@ -430,7 +430,7 @@ def _format_check(ch: Mapping[str, Any]) -> str:
     word = "pass" if ch["status"] == "pass" else "FAIL"
     ref = f", reference {f(ch['reference'])}" if ch.get("reference") is not None else ""
     threshold = ch.get("threshold")
-    if ch.get("unit") == "percent" and threshold is not None and not gsm8k_threshold_binds(threshold):
+    if ch.get("unit") == "percent" and threshold is not None and not threshold_binds(threshold):
         n = (ch.get("details") or {}).get("n")
         word += f" (cannot fail at n={n}: too few samples for this test)"
         return f"{f(ch['value'])} vs {NO_LOWER_BOUND}{ref}: {word}"
@@ -505,7 +505,7 @@ def _verdict_lines(verdict: Mapping[str, Any]) -> list[str]:
             c.get("status"), "?"
         )
         # a GSM8K threshold at or below 0 % reads "no lower bound at this n", never a negative score
-        fmt_threshold = format_gsm8k_threshold if c.get("unit") == "percent" else _fmt
+        fmt_threshold = format_threshold if c.get("unit") == "percent" else _fmt
         threshold = fmt_threshold(c.get("threshold"), digits)
         rows.append(
             [

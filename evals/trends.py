@@ -33,7 +33,7 @@ from typing import Any
 from evals.mpl import AutoDateLocator, DateFormatter, Figure, FigureCanvasAgg
 from evals.outdir import ensure_writable_dir
 from evals.task import task_of_setting
-from evals.verdict import NO_LOWER_BOUND, format_gsm8k_threshold, gsm8k_threshold_binds
+from evals.verdict import NO_LOWER_BOUND, format_threshold, threshold_binds
 
 HTML_NAME = "index.html"
 MARKDOWN_NAME = "report.md"
@@ -273,9 +273,9 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
 
-    thresholds = [t if gsm8k_threshold_binds(t) else None for t in (r.get("gsm8k_threshold") for r in runs)]
+    thresholds = [t if threshold_binds(t) else None for t in (r.get("gsm8k_threshold") for r in runs)]
     unbound = ", ".join(map(str, by_sample_count([r for r in runs if r.get("gsm8k_threshold") is not None
-                                                  and not gsm8k_threshold_binds(r["gsm8k_threshold"])])))
+                                                  and not threshold_binds(r["gsm8k_threshold"])])))
     threshold_label = f"pass threshold (per run's n; {NO_LOWER_BOUND} for n={unbound})" if unbound else \
         "pass threshold (per run's n)"
     # where no threshold binds there is no line to label: a legend line alone says why
@@ -361,7 +361,7 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
             since = "; ".join(parts)
         rows.append(Row([
             entry, setting, cur["finished_at"].replace("+00:00", ""), commit, str(cur.get("n") or "-"),
-            f"{_f(gsm8k_value(cur))} ({format_gsm8k_threshold(cur.get('gsm8k_threshold'))} / "
+            f"{_f(gsm8k_value(cur))} ({format_threshold(cur.get('gsm8k_threshold'))} / "
             f"{_f(cur.get('gsm8k_reference'))})",
             f"{_f(cur.get('acceptance_rate'), 3)} ({_f(cur.get('acceptance_rate_floor'), 3)})",
             f"{_f(cur.get('acceptance_length'))} ({_f(cur.get('acceptance_length_floor'))})",

@@ -30,10 +30,10 @@ from typing import Any
 from evals.task import DEFAULT_TASK, HEALTH_CHECKS, TASKS, EvalTask
 from registry.baselines import (
     AcceptanceReference,
+    AccuracyReference,
     BaselineError,
-    GSM8KReference,
     find_acceptance_reference,
-    find_gsm8k_reference,
+    find_accuracy_reference,
     protocol_mismatch,
     run_protocol,
 )
@@ -54,7 +54,7 @@ MAX_REPEATED_FRACTION = 0.5  # fail when more than half repeat one token id (>= 
 MIN_ANSWERED = 1  # fail when no generation that ended on its own has a number flexible-extract can read
 
 # A GSM8K threshold at or below 0 % (a run over too few samples) passes every score: reports say so in these
-# words instead of printing or drawing a negative accuracy (format_gsm8k_threshold).
+# words instead of printing or drawing a negative accuracy (format_threshold).
 NO_LOWER_BOUND = "no lower bound at this n"
 
 _PHI = NormalDist()
@@ -74,7 +74,7 @@ class HypothesisTest:
     theta: float
 
 
-def gsm8k_hypothesis_test(
+def accuracy_hypothesis_test(
     reference: float,
     n: int,
     sigma: float = DEFAULT_SIGMA,
@@ -294,7 +294,7 @@ def check_health(health: dict[str, Any] | None, kinds: tuple[str, ...] = HEALTH_
     return checks
 
 
-def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -> float:
+def accuracy_pct(strict_match: float, flexible_extract: float, metric: str) -> float:
     """The number a GSM8K reference is compared with, in percent.
 
     Args:
@@ -317,25 +317,25 @@ def gsm8k_score_pct(strict_match: float, flexible_extract: float, metric: str) -
     raise ValueError(f"unknown GSM8K metric {metric!r}; expected mean, strict_match or flexible_extract")
 
 
-def gsm8k_threshold_binds(threshold: float | None) -> bool:
+def threshold_binds(threshold: float | None) -> bool:
     """Whether a GSM8K pass threshold (percent) can fail a score: it is above 0 %. At or below 0 % (too few
     samples scored for the test to have power) every score passes: the threshold is no lower bound."""
     return threshold is not None and threshold > 0
 
 
-def format_gsm8k_threshold(threshold: float | None, digits: int = 2) -> str:
+def format_threshold(threshold: float | None, digits: int = 2) -> str:
     """A GSM8K pass threshold (percent) for a report: "-" (none), :data:`NO_LOWER_BOUND` when it is at or
     below 0 % (never a negative accuracy), else the number with `digits` decimals."""
     if threshold is None:
         return "-"
-    return f"{threshold:.{digits}f}" if gsm8k_threshold_binds(threshold) else NO_LOWER_BOUND
+    return f"{threshold:.{digits}f}" if threshold_binds(threshold) else NO_LOWER_BOUND
 
 
-def check_gsm8k(
+def check_accuracy(
     strict_match: float,
     flexible_extract: float,
     n: int,
-    reference: GSM8KReference | None,
+    reference: AccuracyReference | None,
     *,
     no_reference_note: str = "",
     section: str = TASKS[DEFAULT_TASK].section,
@@ -352,7 +352,7 @@ def check_gsm8k(
         section: the task row's results.json section (the check's name prefix).
     """
     metric = reference.metric if reference is not None else "mean"
-    value = gsm8k_score_pct(strict_match, flexible_extract, metric)
+    value = accuracy_pct(strict_match, flexible_extract, metric)
     base = {"metric": metric, "n": n, "strict_match": strict_match, "flexible_extract": flexible_extract}
     if reference is None or not reference.measured:
         note = no_reference_note or (
@@ -363,7 +363,7 @@ def check_gsm8k(
         if reference is not None:
             base["reference_row"] = reference.to_dict()
         return Check(f"{section}.{metric}", value, None, None, NO_REFERENCE, "percent", note, base)
-    test = gsm8k_hypothesis_test(
+    test = accuracy_hypothesis_test(
         reference.accuracy,
         n,
         sigma=reference.sigma if reference.sigma is not None else DEFAULT_SIGMA,
@@ -385,7 +385,7 @@ def check_gsm8k(
         f"one-sided test: pass if score >= ref {test.reference:.2f} - {test.reference - test.threshold:.2f} "
         f"(n={n}); detects a drop of {test.theta:.2f} points with probability {1 - test.beta:.0%}"
     )
-    if not gsm8k_threshold_binds(test.threshold):
+    if not threshold_binds(test.threshold):
         note += (f"; {NO_LOWER_BOUND} (n={n}: the threshold is at or below 0 %), so this check cannot fail: "
                  "score more samples")
     return Check(f"{section}.{metric}", value, test.reference, test.threshold, status, "percent", note,
@@ -413,7 +413,7 @@ def check_floors(scores: dict[str, Any], task: EvalTask, *, no_reference_note: s
     return checks
 
 
-def _score_checks(scores: dict[str, Any], task: EvalTask, reference: GSM8KReference | None,
+def _score_checks(scores: dict[str, Any], task: EvalTask, reference: AccuracyReference | None,
                   note: str) -> list[Check]:
     """The score checks `task.score_check` declares, of the run's scores (results[task.section])."""
     if task.score_check == "floor":
@@ -421,8 +421,8 @@ def _score_checks(scores: dict[str, Any], task: EvalTask, reference: GSM8KRefere
     if set(task.filters) != {"strict_match", "flexible_extract"}:
         raise ValueError(f"task {task.name}: the bernoulli check compares the strict_match and "
                          f"flexible_extract accuracies; the row scores {sorted(task.filters)}")
-    return [check_gsm8k(scores["strict_match"], scores["flexible_extract"], int(scores["n"]), reference,
-                        no_reference_note=note, section=task.section)]
+    return [check_accuracy(scores["strict_match"], scores["flexible_extract"], int(scores["n"]), reference,
+                           no_reference_note=note, section=task.section)]
 
 
 def _health(results: dict[str, Any], task: EvalTask) -> list[Check]:
@@ -498,7 +498,7 @@ def evaluate_verdict(
     draft_len: int = 0,
     state: dict[str, Any] | None = None,
     require_reference: bool = True,
-    gsm8k_baselines: str | Path | None = None,
+    accuracy_baselines: str | Path | None = None,
     acceptance_baselines: str | Path | None = None,
     task: EvalTask = TASKS[DEFAULT_TASK],
     dummy: bool = False,
@@ -520,7 +520,7 @@ def evaluate_verdict(
         state: the run's state columns (registry.baselines.STATE_COLUMNS, e.g. {"ssm_state_dtype":
             "bfloat16"}); a row judges the run only if it holds for them. None: the defaults (float32 state).
         require_reference: when False, a missing row becomes a "no_reference" check instead of an error.
-        gsm8k_baselines, acceptance_baselines: file overrides (tests).
+        accuracy_baselines, acceptance_baselines: file overrides (tests).
         task: the evals.task.TASKS row that ran: its score_check and health_checks are the checks; its
             `baselines` file holds the accuracy references of a "bernoulli" check; without
             `acceptance_baselines` (no floor measured on its prompts) the acceptance checks are reported as
@@ -552,9 +552,9 @@ def evaluate_verdict(
         else:
             if no_key is not None:
                 raise no_key
-            path = gsm8k_baselines if gsm8k_baselines is not None else task.baselines_path
-            ref = find_gsm8k_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
-                                       path=path)
+            path = accuracy_baselines if accuracy_baselines is not None else task.baselines_path
+            ref = find_accuracy_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
+                                          path=path)
             note = protocol_mismatch(ref.protocol, _protocol_of(results), path)
             if note:
                 ref = None

@@ -202,7 +202,7 @@ def protocol_mismatch(reference: Protocol, run: Protocol, path: str | Path) -> s
 
 
 @dataclass(frozen=True)
-class GSM8KReference:
+class AccuracyReference:
     """One row of gsm8k.yaml.
 
     accuracy is in percent (0-100) of `metric`; None when `measured` is False (a placeholder that a run
@@ -340,7 +340,7 @@ def _column(row: dict, key: str, allowed: tuple[str, ...], where: str) -> str:
         raise BaselineError(e.problem, f"allowed values of {key} are {list(allowed)}") from None
 
 
-def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8KReference]]:
+def load_accuracy_baselines(path: str | Path | None = None) -> dict[str, list[AccuracyReference]]:
     """Load and validate gsm8k.yaml.
 
     Args:
@@ -363,7 +363,7 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
             f"{path}: models must be a non-empty mapping of model key -> block",
             "see registry/baselines/README.md",
         )
-    out: dict[str, list[GSM8KReference]] = {}
+    out: dict[str, list[AccuracyReference]] = {}
     for model, block in models.items():
         where = f"{path}: models.{model}"
         _check_keys(block, _GSM8K_MODEL_KEYS, where, required=("rows",))
@@ -372,8 +372,8 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
         rows = block["rows"]
         if not isinstance(rows, list) or not rows:
             raise BaselineError(f"{where}.rows must be a non-empty list", "add at least one row")
-        refs: list[GSM8KReference] = []
-        seen: dict[tuple, list[tuple[int, GSM8KReference]]] = {}
+        refs: list[AccuracyReference] = []
+        seen: dict[tuple, list[tuple[int, AccuracyReference]]] = {}
         for i, row in enumerate(rows):
             rw = f"{where}.rows[{i}]"
             _check_keys(row, _GSM8K_ROW_KEYS, rw, required=("dtype", "quant", "kv_cache_quant", "spec_dec"))
@@ -398,7 +398,7 @@ def load_gsm8k_baselines(path: str | Path | None = None) -> dict[str, list[GSM8K
                         "set measured: true when the numbers are real, or remove them",
                     )
                 accuracy, num_samples = None, None
-            ref = GSM8KReference(
+            ref = AccuracyReference(
                 model=str(model),
                 dtype=_column(row, "dtype", DTYPES, rw),
                 quant=_column(row, "quant", QUANTS, rw),
@@ -548,7 +548,7 @@ _NO_REF_FIX = (
 )
 
 
-def find_gsm8k_reference(
+def find_accuracy_reference(
     key: str,
     dtype: Any,
     quant: Any,
@@ -557,7 +557,7 @@ def find_gsm8k_reference(
     *,
     state: dict[str, Any] | None = None,
     path: str | Path | None = None,
-) -> GSM8KReference:
+) -> AccuracyReference:
     """The gsm8k.yaml row of model `key` matching (dtype, quant, kv_cache_quant, spec_dec) exactly and
     holding for the run's `state` (STATE_COLUMNS, e.g. {"ssm_state_dtype": "bfloat16"}; None / omitted
     columns: their defaults, a float32 SSM state).
@@ -576,7 +576,7 @@ def find_gsm8k_reference(
         normalize(kv_cache_quant, KV_CACHE_QUANTS, "kv_cache_quant"),
         normalize(spec_dec, SPEC_DECS, "spec_dec"),
     )
-    models = load_gsm8k_baselines(path)
+    models = load_accuracy_baselines(path)
     if key not in models:
         raise BaselineError(
             f"no GSM8K baselines for model key {key!r} in {path}; known keys: {sorted(models)}",
@@ -604,7 +604,7 @@ def find_acceptance_reference(
     path: str | Path | None = None,
 ) -> AcceptanceReference:
     """The acceptance.yaml row of model key `key` (a registry entry's `baseline`) at (quant, draft_len),
-    holding for the run's `state` (as in find_gsm8k_reference).
+    holding for the run's `state` (as in find_accuracy_reference).
 
     Raises:
         BaselineError: unknown model key (lists the known ones) or no row at that quant / draft length

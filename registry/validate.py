@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+from registry.baselines import BaselineError, find_acceptance_reference, find_accuracy_reference
 from registry.checkpoint import check_checkpoint_dir, tensor_files
 from registry.compose import compose_config
 from registry.errors import UserError, UserErrors
@@ -132,7 +132,7 @@ def baseline_problems(rr: ResolvedRun) -> list[str]:
         return []
     problems = []
     try:
-        find_gsm8k_reference(
+        find_accuracy_reference(
             entry.baseline,
             entry.dtype.value,
             entry.quant.value,

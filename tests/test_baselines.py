@@ -11,9 +11,9 @@ from registry.baselines import (
     BaselineError,
     Protocol,
     find_acceptance_reference,
-    find_gsm8k_reference,
+    find_accuracy_reference,
     load_acceptance_baselines,
-    load_gsm8k_baselines,
+    load_accuracy_baselines,
 )
 
 PROTOCOL = {"num_fewshot": 5, "max_gen_toks": 256}
@@ -31,7 +31,7 @@ def _write(tmp_path, name, text):
 
 
 def test_shipped_gsm8k_file_has_the_published_numbers():
-    models = load_gsm8k_baselines()
+    models = load_accuracy_baselines()
     super_v3 = {(r.quant, r.kv_cache_quant, r.spec_dec): r.accuracy for r in models["super_v3"]}
     assert super_v3[("none", "none", "none")] == 83.74
     assert super_v3[("fp8", "fp8", "none")] == 82.25
@@ -54,7 +54,7 @@ def test_shipped_gsm8k_file_has_the_published_numbers():
                 assert r.num_samples == 1319 if r.quant == "none" else 100 <= r.num_samples <= 1319
             else:
                 assert not r.measured and r.accuracy is None
-    tiny = find_gsm8k_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
+    tiny = find_accuracy_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
     assert (tiny.accuracy, tiny.sigma) == (1.895, 13.6)
 
 
@@ -73,14 +73,14 @@ def test_shipped_acceptance_file():
 
 
 def test_lookup_normalises_aliases_and_case():
-    ref = find_gsm8k_reference("super_v3", "BF16", "nvfp4", "FP8", "MTP")
+    ref = find_accuracy_reference("super_v3", "BF16", "nvfp4", "FP8", "MTP")
     assert (ref.accuracy, ref.num_samples, ref.spec_dec, ref.metric) == (80.85, 1319, "mtp", "mean")
-    assert find_gsm8k_reference("super_v3", "bfloat16", None, None, None).accuracy == 83.74
+    assert find_accuracy_reference("super_v3", "bfloat16", None, None, None).accuracy == 83.74
 
 
 def test_unmatched_row_lists_rows_and_fix():
     with pytest.raises(BaselineError) as err:
-        find_gsm8k_reference("super_v3", "bfloat16", "nvfp4", "none", "mtp")
+        find_accuracy_reference("super_v3", "bfloat16", "nvfp4", "none", "mtp")
     msg = str(err.value)
     assert "kv_cache_quant=none" in msg and "spec_dec=mtp" in msg
     assert "quant=nvfp4 kv_cache_quant=fp8 spec_dec=mtp ssm_state_dtype=float32: 80.85" in msg  # the rows
@@ -90,7 +90,7 @@ def test_unmatched_row_lists_rows_and_fix():
 def test_unmeasured_fp8_qwen3_next_has_no_row():
     """No FP8 Qwen3-Next number exists (published or ours): its runs are refused up front, not judged."""
     with pytest.raises(BaselineError) as err:
-        find_gsm8k_reference("qwen3_next", "bfloat16", "fp8", "fp8", "mtp")
+        find_accuracy_reference("qwen3_next", "bfloat16", "fp8", "fp8", "mtp")
     assert "verdict.require_reference=false" in err.value.fix
     with pytest.raises(BaselineError, match="quant=fp8"):
         find_acceptance_reference("qwen3_next", "fp8", 3)
@@ -98,7 +98,7 @@ def test_unmeasured_fp8_qwen3_next_has_no_row():
 
 def test_unknown_model_and_entry():
     with pytest.raises(BaselineError, match="known keys: .*super_v3"):
-        find_gsm8k_reference("no_such_model", "bfloat16", "none", "none", "none")
+        find_accuracy_reference("no_such_model", "bfloat16", "none", "none", "none")
     with pytest.raises(BaselineError, match="known keys"):
         find_acceptance_reference("no_such_entry", "none", 3)
     with pytest.raises(BaselineError, match="draft_len=5"):
@@ -107,7 +107,7 @@ def test_unknown_model_and_entry():
 
 def test_bad_value_names_allowed_values():
     with pytest.raises(BaselineError, match=r"quant 'int4' is not one of \['none', 'fp8', 'nvfp4'\]"):
-        find_gsm8k_reference("super_v3", "bfloat16", "int4", "none", "none")
+        find_accuracy_reference("super_v3", "bfloat16", "int4", "none", "none")
 
 
 BASE_ROW = {
@@ -148,17 +148,17 @@ def _drop(row, key):
 def test_gsm8k_validation_errors(tmp_path, row, pattern):
     path = _gsm8k_file(tmp_path, row)
     with pytest.raises(BaselineError, match=pattern) as err:
-        load_gsm8k_baselines(path)
+        load_accuracy_baselines(path)
     assert str(path) in err.value.problem
 
 
 def test_gsm8k_duplicate_rows_and_schema_version(tmp_path):
     with pytest.raises(BaselineError, match=r"rows\[1\] repeats .* rows\[0\]"):
-        load_gsm8k_baselines(_gsm8k_file(tmp_path, BASE_ROW, BASE_ROW | {"dtype": "bf16", "accuracy": 1}))
+        load_accuracy_baselines(_gsm8k_file(tmp_path, BASE_ROW, BASE_ROW | {"dtype": "bf16", "accuracy": 1}))
     with pytest.raises(BaselineError, match="schema_version is 0"):
-        load_gsm8k_baselines(_gsm8k_file(tmp_path, BASE_ROW, version=0))
+        load_accuracy_baselines(_gsm8k_file(tmp_path, BASE_ROW, version=0))
     with pytest.raises(BaselineError, match="does not exist"):
-        load_gsm8k_baselines(tmp_path / "missing.yaml")
+        load_accuracy_baselines(tmp_path / "missing.yaml")
 
 
 @pytest.mark.parametrize("edit, pattern", [
@@ -177,12 +177,12 @@ def test_a_baselines_file_states_its_protocol(tmp_path, edit, pattern):
     path = tmp_path / "g.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(BaselineError, match=pattern):
-        load_gsm8k_baselines(path)
+        load_accuracy_baselines(path)
     data = {"schema_version": 1, "protocol": dict(PROTOCOL),
             "models": {"m": {"rows": [dict(BASE_ROW)]},
                        "n": {"protocol": {"num_fewshot": 8, "max_gen_toks": 512}, "rows": [dict(BASE_ROW)]}}}
     path.write_text(yaml.safe_dump(data))
-    models = load_gsm8k_baselines(path)
+    models = load_accuracy_baselines(path)
     assert models["m"][0].protocol == Protocol(5, 256) and models["n"][0].protocol == Protocol(8, 512)
     text = _acceptance_file("{quant: none, draft_len: 3, acceptance_rate_floor: 0.5}")
     block_protocol = "  e:\n    protocol: {num_fewshot: 0, max_gen_toks: 64}\n"
@@ -204,7 +204,7 @@ def test_the_shipped_files_state_the_tasks_protocols():
 
 def test_gsm8k_row_overrides_are_read(tmp_path):
     path = _gsm8k_file(tmp_path, BASE_ROW | {"sigma": 40, "beta": 0.1})
-    ref = find_gsm8k_reference("m", "bf16", "none", "none", "none", path=path)
+    ref = find_accuracy_reference("m", "bf16", "none", "none", "none", path=path)
     assert (ref.sigma, ref.alpha, ref.beta) == (40.0, None, 0.1)
 
 

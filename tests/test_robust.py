@@ -51,7 +51,7 @@ from evals.verdict import (
     evaluate_verdict,
     headline,
 )
-from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+from registry.baselines import BaselineError, find_acceptance_reference, find_accuracy_reference
 from registry.checkpoint import CheckpointError
 from registry.compose import compose_config
 from registry.errors import UserError
@@ -555,12 +555,12 @@ def test_baseline_rows_hold_for_their_state_dtype(tmp_path):
 
     path = tmp_path / "gsm8k.yaml"
     path.write_text(yaml.safe_dump(base))
-    assert find_gsm8k_reference("tiny", "float32", "none", "none", "none", path=path).accuracy == 10.0
-    assert find_gsm8k_reference("tiny", "float32", "none", "none", "none", state={"ssm_state_dtype": "bf16"},
-                                path=path).accuracy == 9.0
+    assert find_accuracy_reference("tiny", "float32", "none", "none", "none", path=path).accuracy == 10.0
+    assert find_accuracy_reference("tiny", "float32", "none", "none", "none",
+                                   state={"ssm_state_dtype": "bf16"}, path=path).accuracy == 9.0
     with pytest.raises(BaselineError, match="ssm_state_dtype=float16"):
-        find_gsm8k_reference("tiny", "float32", "none", "none", "none", state={"ssm_state_dtype": "float16"},
-                             path=path)
+        find_accuracy_reference("tiny", "float32", "none", "none", "none",
+                                state={"ssm_state_dtype": "float16"}, path=path)
     # the shipped acceptance rows are float32-state references: a bfloat16 state finds none
     with pytest.raises(BaselineError, match="ssm_state_dtype=bfloat16"):
         find_acceptance_reference("tiny_nemotron_h_mtp", "none", 3, state={"ssm_state_dtype": "bfloat16"})
@@ -786,7 +786,7 @@ def test_a_key_given_twice_is_refused_by_the_registry_reader_naming_file_and_lin
     entries and baseline files alike, with the line of the second."""
     import yaml
 
-    from registry.baselines import load_gsm8k_baselines
+    from registry.baselines import load_accuracy_baselines
     from registry.yamlfile import RegistryYAMLError, load
 
     assert yaml.safe_load("a: 1\na: 2\n") == {"a": 2}  # what the plain safe loader does
@@ -803,7 +803,7 @@ def test_a_key_given_twice_is_refused_by_the_registry_reader_naming_file_and_lin
     assert "\nmetric: mean\n" in baselines
     (tmp_path / "gsm8k.yaml").write_text(baselines.replace("\nmetric: mean\n", "\nmetric: mean\nmetric: x\n"))
     with pytest.raises(BaselineError, match="found the duplicate key 'metric'"):
-        load_gsm8k_baselines(tmp_path / "gsm8k.yaml")
+        load_accuracy_baselines(tmp_path / "gsm8k.yaml")
 
 
 def test_a_yaml_error_in_configs_is_one_error_naming_file_and_line(tmp_path):

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from evals.evaluate import STOCK_TASKS_DIR, TASKS_DIR, load_task
 from evals.task import DEFAULT_TASK, TASKS, get_task
-from registry.baselines import load_acceptance_baselines, load_gsm8k_baselines
+from registry.baselines import load_acceptance_baselines, load_accuracy_baselines
 from registry.errors import UserError
 from registry.schema import REPO_ROOT
 from runners.app import main as app
@@ -42,7 +42,7 @@ def test_each_row_has_its_config_task_files_and_baselines(name):
     assert row["metadata"]["version"] == task.version
     assert {f["name"] for f in row["filter_list"]} == set(task.filters.values())
     assert [m["metric"] for m in row["metric_list"]] == [task.metric]
-    assert load_gsm8k_baselines(task.baselines_path)  # loads and validates
+    assert load_accuracy_baselines(task.baselines_path)  # loads and validates
     if task.acceptance_baselines_path is not None:
         assert load_acceptance_baselines(task.acceptance_baselines_path)
 

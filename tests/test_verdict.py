@@ -14,14 +14,14 @@ from evals.verdict import (
     PASS,
     Check,
     Verdict,
+    accuracy_hypothesis_test,
+    accuracy_pct,
     check_acceptance,
-    check_gsm8k,
+    check_accuracy,
     evaluate_verdict,
-    format_gsm8k_threshold,
-    gsm8k_hypothesis_test,
-    gsm8k_score_pct,
+    format_threshold,
 )
-from registry.baselines import BaselineError, find_acceptance_reference, find_gsm8k_reference
+from registry.baselines import BaselineError, find_acceptance_reference, find_accuracy_reference
 
 # Phi^-1(0.05) = -1.6448536, Phi^-1(0.2) = -0.8416212 (standard normal quantiles).
 # n = 1319, sigma = 50: scale = sqrt(2 * 50^2 / 1319) = sqrt(5000 / 1319) = sqrt(3.7907506) = 1.9469850
@@ -33,7 +33,7 @@ from registry.baselines import BaselineError, find_acceptance_reference, find_gs
 
 
 def test_threshold_and_theta_for_full_gsm8k():
-    t = gsm8k_hypothesis_test(80.85, 1319)
+    t = accuracy_hypothesis_test(80.85, 1319)
     assert t.scale == pytest.approx(1.9469850, abs=1e-6)
     assert t.reference - t.threshold == pytest.approx(3.2025, abs=1e-4)
     assert round(t.reference - t.threshold, 2) == 3.20
@@ -42,13 +42,13 @@ def test_threshold_and_theta_for_full_gsm8k():
 
 
 def test_threshold_for_a_short_run_and_overrides():
-    t = gsm8k_hypothesis_test(50.0, 100)
+    t = accuracy_hypothesis_test(50.0, 100)
     assert t.threshold == pytest.approx(50.0 - 11.6309, abs=1e-4)
     assert t.theta == pytest.approx(17.5820, abs=1e-4)
-    t40 = gsm8k_hypothesis_test(50.0, 1319, sigma=40.0)
+    t40 = accuracy_hypothesis_test(50.0, 1319, sigma=40.0)
     assert t40.reference - t40.threshold == pytest.approx(2.5620, abs=1e-4)
     # alpha = 0.5 puts the threshold on the reference itself (Phi^-1(0.5) = 0).
-    assert gsm8k_hypothesis_test(70.0, 10, alpha=0.5).threshold == pytest.approx(70.0)
+    assert accuracy_hypothesis_test(70.0, 10, alpha=0.5).threshold == pytest.approx(70.0)
 
 
 @pytest.mark.parametrize(
@@ -64,25 +64,25 @@ def test_threshold_for_a_short_run_and_overrides():
 def test_hypothesis_test_rejects_bad_input(kwargs, pattern):
     args = {"reference": 80.0, "n": 1319} | kwargs
     with pytest.raises(ValueError, match=pattern):
-        gsm8k_hypothesis_test(**args)
+        accuracy_hypothesis_test(**args)
 
 
 def test_score_metric_and_fraction_guard():
-    assert gsm8k_score_pct(0.80, 0.82, "mean") == pytest.approx(81.0)
-    assert gsm8k_score_pct(0.80, 0.82, "strict_match") == pytest.approx(80.0)
-    assert gsm8k_score_pct(0.80, 0.82, "flexible_extract") == pytest.approx(82.0)
+    assert accuracy_pct(0.80, 0.82, "mean") == pytest.approx(81.0)
+    assert accuracy_pct(0.80, 0.82, "strict_match") == pytest.approx(80.0)
+    assert accuracy_pct(0.80, 0.82, "flexible_extract") == pytest.approx(82.0)
     with pytest.raises(ValueError, match="not a fraction"):
-        gsm8k_score_pct(80.0, 0.82, "mean")
+        accuracy_pct(80.0, 0.82, "mean")
     with pytest.raises(ValueError, match="unknown GSM8K metric"):
-        gsm8k_score_pct(0.8, 0.8, "exact")
+        accuracy_pct(0.8, 0.8, "exact")
 
 
 def test_gsm8k_check_pass_and_fail_at_the_threshold():
-    ref = find_gsm8k_reference("super_v3", "bfloat16", "nvfp4", "fp8", "mtp")  # 80.85, metric mean
+    ref = find_accuracy_reference("super_v3", "bfloat16", "nvfp4", "fp8", "mtp")  # 80.85, metric mean
     threshold = 80.85 - 3.2025
     # mean of the two filters just above / below the threshold (77.6475 %)
-    above = check_gsm8k(0.7765, 0.7765, 1319, ref)
-    below = check_gsm8k(0.7764, 0.7764, 1319, ref)
+    above = check_accuracy(0.7765, 0.7765, 1319, ref)
+    below = check_accuracy(0.7764, 0.7764, 1319, ref)
     assert above.status == PASS and above.passed is True
     assert below.status == FAIL and below.passed is False
     assert above.threshold == pytest.approx(threshold, abs=1e-4)
@@ -90,8 +90,8 @@ def test_gsm8k_check_pass_and_fail_at_the_threshold():
     assert above.details["theta"] == pytest.approx(4.8411, abs=1e-4)
     assert above.details["n"] == 1319
     # Same score with n = 100 passes: the threshold widens to ref - 11.63 = 69.22.
-    assert check_gsm8k(0.70, 0.70, 100, ref).status == PASS
-    assert check_gsm8k(0.69, 0.69, 100, ref).status == FAIL
+    assert check_accuracy(0.70, 0.70, 100, ref).status == PASS
+    assert check_accuracy(0.69, 0.69, 100, ref).status == FAIL
 
 
 def test_gsm8k_check_that_cannot_fail_says_so():
@@ -99,25 +99,25 @@ def test_gsm8k_check_that_cannot_fail_says_so():
     score of 0 passes; the note and the printed verdict line say the check has no power there."""
     from evals.report import _format_check
 
-    ref = find_gsm8k_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
-    small, full = check_gsm8k(0.0, 0.0, 20, ref), check_gsm8k(0.0, 0.0, 1319, ref)
+    ref = find_accuracy_reference("tiny_nemotron_h_mtp", "float32", "none", "none", "mtp")
+    small, full = check_accuracy(0.0, 0.0, 20, ref), check_accuracy(0.0, 0.0, 1319, ref)
     assert small.status == PASS and small.threshold < 0 and "cannot fail" in small.note
     assert "cannot fail at n=20" in _format_check(small.to_dict())
     assert full.threshold > 0 and "cannot fail" not in full.note + _format_check(full.to_dict())
     # the words every report uses for such a threshold, never the negative number
     assert NO_LOWER_BOUND in small.note and NO_LOWER_BOUND not in full.note
-    assert format_gsm8k_threshold(small.threshold) == NO_LOWER_BOUND == format_gsm8k_threshold(0.0)
-    assert format_gsm8k_threshold(full.threshold) == f"{full.threshold:.2f}"
-    assert format_gsm8k_threshold(None) == "-"
+    assert format_threshold(small.threshold) == NO_LOWER_BOUND == format_threshold(0.0)
+    assert format_threshold(full.threshold) == f"{full.threshold:.2f}"
+    assert format_threshold(None) == "-"
 
 
 def test_gsm8k_check_placeholder_and_missing_reference():
-    placeholder = find_gsm8k_reference("tiny_nemotron_h_mtp", "bfloat16", "none", "none", "mtp")
-    check = check_gsm8k(0.1, 0.2, 50, placeholder)
+    placeholder = find_accuracy_reference("tiny_nemotron_h_mtp", "bfloat16", "none", "none", "mtp")
+    check = check_accuracy(0.1, 0.2, 50, placeholder)
     assert check.status == NO_REFERENCE and check.passed is None
     assert check.threshold is None and "placeholder" in check.note
     assert check.value == pytest.approx(15.0)
-    assert check_gsm8k(0.1, 0.2, 50, None).status == NO_REFERENCE
+    assert check_accuracy(0.1, 0.2, 50, None).status == NO_REFERENCE
 
 
 def test_acceptance_floors():

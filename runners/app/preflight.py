@@ -20,7 +20,7 @@ from evals.task import get_task
 from evals.tasks.gsm8k import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
 from registry.baselines import (
     find_acceptance_reference,
-    find_gsm8k_reference,
+    find_accuracy_reference,
     protocol_mismatch,
     run_protocol,
 )
@@ -91,8 +91,8 @@ def check_references(rr: ResolvedRun) -> None:
             "verdict.require_reference=false to run without a pass/fail verdict",
         )
     run = run_protocol(rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks)
-    ref = find_gsm8k_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
-                               state=rr.baseline_state, path=task.baselines_path)
+    ref = find_accuracy_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
+                                  state=rr.baseline_state, path=task.baselines_path)
     notes = [protocol_mismatch(ref.protocol, run, task.baselines_path)]
     if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
         aref = find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
