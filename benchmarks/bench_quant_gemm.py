@@ -16,6 +16,10 @@ measured in the same run):
   torch._scaled_mm when ``block_scaled_mm_supported``) vs a BF16 ``F.linear``; the routed experts (hidden
   2048 -> moe_intermediate 512 and back, 512 experts, top-10) ``block_fp8_grouped_mm`` vs BF16
   ``torch._grouped_mm``.
+Rows named "..._w8a16" time ``scheme="w8a16"`` (the activation kept in bf16: the GEMV kernel alone, its K split
+summed inside the launch), "..._w8a16_2launch" the same with the split summed by the splitk_sum launch
+(kernels/quant/block_fp8.py SERIAL_SPLIT_SCHEMES emptied), so one run says what the activation quantization
+launch and the second launch cost at each shape.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
 GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths; grouped rows named
 "..._gemv" time it with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS = inf): the GEMV wherever the rows
@@ -178,6 +182,18 @@ def _tensor_core(fn, *args, **kwargs):
         _common.GEMV_MAX_ROWS = keep
 
 
+def _two_launch_split(fn, *args, **kwargs):
+    """fn with every scheme's K split summed by the splitk_sum launch (block_fp8.SERIAL_SPLIT_SCHEMES empty)."""
+    from kernels.quant import block_fp8
+
+    saved = block_fp8.SERIAL_SPLIT_SCHEMES
+    block_fp8.SERIAL_SPLIT_SCHEMES = ()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        block_fp8.SERIAL_SPLIT_SCHEMES = saved
+
+
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
     every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
@@ -268,6 +284,11 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("block_fp8_linear_tc",
                             _bench(partial(_tensor_core, block_fp8_linear, x, w, ws, impl="triton")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_w8a16", _bench(partial(block_fp8_linear, x, w, ws, scheme="w8a16")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_w8a16_2launch",
+                            _bench(partial(_two_launch_split, block_fp8_linear, x, w, ws, scheme="w8a16")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             if scaled_mm:
                 rows.append(row("block_fp8_linear_scaled_mm",
                                 _bench(partial(block_fp8_linear, x, w, ws, impl="scaled_mm")),
@@ -291,6 +312,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_grouped_gemv",
                             _bench(partial(_rows_rule, block_fp8_grouped_mm, x, w, ws, offs)),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_w8a16",
+                            _bench(partial(block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
@@ -354,7 +378,13 @@ def main(argv: list[str] | None = None) -> int:
                          "dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_triton", "bf16_linear"),
                          "grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped", "bf16_grouped"),
                          "tc_dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_tc", "bf16_linear"),
-                         "tc_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_tc", "bf16_grouped")}
+                         "tc_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_tc", "bf16_grouped"),
+                         "w8a16_dense_speedup_vs_bf16": speedups(rows, "block_fp8_linear_w8a16", "bf16_linear"),
+                         "w8a16_dense_speedup_vs_w8a8": speedups(rows, "block_fp8_linear_w8a16",
+                                                                 "block_fp8_linear_triton"),
+                         "w8a16_serial_vs_2launch": speedups(rows, "block_fp8_linear_w8a16",
+                                                             "block_fp8_linear_w8a16_2launch"),
+                         "w8a16_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_w8a16", "bf16_grouped")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for part in ("nvfp4", "fp8"):

@@ -38,3 +38,16 @@ def test_refuses_bad_arguments(argv, says, capsys):
 def test_needs_cuda(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path / "o.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "o.json").exists()
+
+
+def test_the_two_launch_rows_time_the_same_call_with_the_split_summed_apart():
+    """_two_launch_split runs the call with no scheme summing its K split in the launch, and puts the
+    setting back afterwards, also when the call raises."""
+    from kernels.quant import block_fp8
+
+    before = block_fp8.SERIAL_SPLIT_SCHEMES
+    assert "w8a16" in before
+    assert bench._two_launch_split(lambda: block_fp8.SERIAL_SPLIT_SCHEMES) == ()
+    with pytest.raises(ZeroDivisionError):
+        bench._two_launch_split(lambda: 1 / 0)
+    assert block_fp8.SERIAL_SPLIT_SCHEMES == before

@@ -292,6 +292,47 @@ def test_block_fp8_gemv_with_and_without_split_k(target, monkeypatch):
 
 
 @pytest.mark.parametrize("target", [1, 10**6])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_fp8_w8a16_matches_its_reference_and_splits_k_in_one_launch(target, dtype, monkeypatch):
+    """scheme="w8a16" (activations kept, the fp8 weight converted in registers): the GEMV kernel alone at 1,
+    3, 8 and 17 rows dense (17: three row tiles) and grouped (empty experts first, middle and last), each
+    program over all of K (target 1) or one 128-column group per program; the K split summed inside the
+    launch equals the splitk_sum launch bit for bit, and leaves every counter at 0 for the next launch. The
+    w8a16 reference is x times the dequantized weight, and differs from w8a8's (the quantized activations)."""
+    monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+    K, N, E = 300, 40, 5
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=31).cpu()))
+    bias = _randn(N, seed=32, dtype=dtype)
+    counters = block_fp8._split_counters(torch.device(DEVICE), 1)
+
+    def both(call):
+        """call() (each into its own NaN-filled output) with the in-launch split sum and with the
+        splitk_sum launch: equal bits."""
+        serial = call()
+        monkeypatch.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ())
+        two_launches = call()
+        monkeypatch.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ("w8a16",))
+        assert torch.equal(serial, two_launches)
+        assert not counters.any()
+        return serial
+
+    for M in (1, 3, 8, 17):
+        x = _randn(M, K, seed=M + 33, dtype=dtype)
+        want = block_fp8_linear_ref(x, q[0], s[0], bias, scheme="w8a16")
+        got = both(lambda x=x, M=M: block_fp8_linear(x, q[0], s[0], bias, out=_nan(M, N, dtype=dtype),
+                                                     scheme="w8a16"))
+        _close(got, want, dtype)
+        if M == 17:
+            assert (want.float() - block_fp8_linear_ref(x, q[0], s[0], bias).float()).abs().max() > 0
+    for counts in [(0, 3, 0, 13, 0), (20, 0, 0, 0, 30)]:
+        P = sum(counts)
+        x, offs = _randn(P, K, seed=P + 34, dtype=dtype), _offsets(counts)
+        got = both(lambda x=x, offs=offs, P=P: block_fp8_grouped_mm(
+            x, q, s, offs, out=_nan(P, N, dtype=dtype), scheme="w8a16"))
+        _close(got, block_fp8_grouped_mm_ref(x, q, s, offs, scheme="w8a16"), dtype)
+
+
+@pytest.mark.parametrize("target", [1, 10**6])
 def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
     """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column
     steps (64 / 32 / 16-wide N tiles), the last partial, and a partial last 16-column scale block; each
@@ -378,6 +419,8 @@ def test_plain_cpu_run_calls_the_references(monkeypatch):
     assert torch.equal(nvfp4_linear(x, q, s, s2), nvfp4_linear_ref(x, q, s, s2))
     qf, sf = block_fp8_quantize(torch.randn(16, 48))
     assert torch.equal(block_fp8_linear(x, qf, sf), block_fp8_linear_ref(x, qf, sf))
+    assert torch.equal(block_fp8_linear(x, qf, sf, scheme="w8a16"),
+                       block_fp8_linear_ref(x, qf, sf, scheme="w8a16"))
     qa, sa = quantize_activation_per_token_group(x)
     assert torch.equal(sa, quantize_activation_per_token_group_ref(x)[1])
 
@@ -385,6 +428,7 @@ def test_plain_cpu_run_calls_the_references(monkeypatch):
 def test_bad_inputs_are_refused_with_the_reason():
     q, s, s2 = nvfp4_quantize(torch.randn(16, 32))
     x = torch.randn(2, 32)
+    fp8 = block_fp8_quantize(torch.randn(16, 32))
     cases = [
         (lambda: nvfp4_linear(x, q.view(torch.int8), s, s2), "weight must be uint8"),
         (lambda: nvfp4_linear(x, q, s.float(), s2), "weight_scale must be float8_e4m3fn"),
@@ -401,6 +445,13 @@ def test_bad_inputs_are_refused_with_the_reason():
         (lambda: block_fp8_linear(x, torch.zeros(16, 32).to(FP8), torch.ones(2, 1)),
          r"weight_scale_inv must have shape \(1, 1\)"),
         (lambda: quantize_activation_per_token_group(x, group=0), "group must be a positive int"),
+        (lambda: block_fp8_linear(x, *fp8, scheme="w4a16"),
+         r"scheme must be one of \('w8a8', 'w8a16'\), got 'w4a16'"),
+        (lambda: block_fp8_linear(x, *fp8, impl="scaled_mm", scheme="w8a16"),
+         "scheme='w8a16' runs the Triton GEMV"),
+        (lambda: block_fp8_grouped_mm(x, fp8[0][None], fp8[1][None], torch.tensor([2]).int(), scheme="a16"),
+         "scheme must be one of"),
+        (lambda: block_fp8_linear_ref(x, *fp8, scheme="w8"), "scheme must be one of"),
     ]
     for call, says in cases:
         with pytest.raises(ValueError, match=says):

@@ -177,3 +177,56 @@ def test_grouped_kernels_capture_in_a_cuda_graph_without_host_sync():
         torch.cuda.synchronize()
         _close(y_nv, nvfp4_grouped_mm_ref(x, w, s, s2, offs))
         _close(y_fp8, block_fp8_grouped_mm_ref(x, fw, fws, offs))
+
+
+@pytest.mark.parametrize("M", (1, 4, 8, 64))
+@pytest.mark.parametrize("N, K", QWEN_DENSE)
+def test_block_fp8_w8a16_at_qwen3_next_dense_shapes(N, K, M, monkeypatch):
+    """w8a16 (the activation kept in bf16) at Qwen3-Next's dense shapes: within tolerance of its reference;
+    the K split summed inside the launch (k / v and o split K at decode sizes) equals the splitk_sum launch
+    bit for bit, and every split counter is back at 0 afterwards."""
+    from kernels.quant import block_fp8
+    w, ws = block_fp8_quantize(torch.randn(N, K, device="cuda"))
+    ws = ws.to(torch.bfloat16)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    got = block_fp8_linear(x, w, ws, scheme="w8a16")
+    _close(got, block_fp8_linear_ref(x, w, ws, scheme="w8a16"))
+    monkeypatch.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ())
+    assert torch.equal(got, block_fp8_linear(x, w, ws, scheme="w8a16"))
+    assert not block_fp8._split_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("tokens", (1, 4, 8))
+def test_block_fp8_w8a16_grouped_at_qwen3_next_expert_shapes(tokens):
+    N, K = QWEN["I"], QWEN["D"]
+    w, ws = block_fp8_quantize(torch.randn(QWEN["E"], N, K, device="cuda"))
+    P, offs = routed_offsets(tokens, QWEN["top_k"], QWEN["E"], seed=tokens)
+    x = torch.randn(P, K, device="cuda").to(torch.bfloat16)
+    out = torch.full((P, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _close(block_fp8_grouped_mm(x, w, ws, offs, out=out, scheme="w8a16"),
+           block_fp8_grouped_mm_ref(x, w, ws, offs, scheme="w8a16"))
+
+
+def test_block_fp8_w8a16_split_k_replays_in_a_cuda_graph():
+    """The k / v projection (2048 -> 512: K split at one row) captured once and replayed with new inputs:
+    each replay equals the eager call bit for bit (the last split's sum and the counters' reset are in the
+    graph), and the counters are 0 after every replay."""
+    from kernels.quant import block_fp8
+    w, ws = block_fp8_quantize(torch.randn(512, 2048, device="cuda"))
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            block_fp8_linear(x, w, ws, scheme="w8a16")
+        with torch.cuda.graph(graph):
+            y = block_fp8_linear(x, w, ws, scheme="w8a16")
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (1, 2, 3):
+        x.copy_(torch.randn(1, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, block_fp8_linear(x, w, ws, scheme="w8a16"))
+        assert not block_fp8._split_counters(x.device, 1).any()

@@ -37,6 +37,12 @@ scales.
   scales (1 x 128 activations, 128 x 128 weights; cuBLASLt 12.9+, PyTorch PR 158037) on a device, probed once
   per device against the reference; :func:`block_fp8_linear` uses it for prefill-sized inputs where it holds
   and the shapes are whole blocks, the Triton kernel otherwise.
+- ``scheme="w8a16"`` (:data:`SCHEMES`) of :func:`block_fp8_linear` / :func:`block_fp8_grouped_mm`: the
+  activation kept in its dtype against the fp8 weight (converted in registers, each 128-column group's sum
+  scaled by its block scale), the GEMV kernel alone at any row count; where K is split, the last program of
+  each output tile sums the splits' partials in order inside the launch (:func:`_serial_split_sum`; the
+  bits of the splitk_sum launch). One launch per product instead of three (quantization, GEMV, split sum).
+  Not yet the engine's choice: bench_quant_gemm's ``*_w8a16`` rows measure it beside w8a8 and BF16.
 - :func:`moe_gemv_block_fp8` (routed experts at decode sizes, kernels/quant/moe_gemv.py's per-pair scheme):
   one program per (token, expert) pair and output tile; reference :func:`moe_gemv_block_fp8_ref`.
 Triton on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the references.
@@ -98,6 +104,15 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # quantization costs less than a second launch.
 PREQUANT_BLOCK_M = 64
 IMPLS = ("triton", "scaled_mm")
+# What the activations are in the product: "w8a8" quantized per token and 128-column group (the format's
+# own rule, vLLM's and SGLang's), "w8a16" kept in their 16- or 32-bit dtype against the dequantized weight
+# (the fp8 weight converted in registers, its block scale applied per 128-column group: no quantization
+# launch; Marlin's recipe for low-bit weights at decode sizes, where a batch-1 w8a8 GEMM runs slower than
+# bf16, vLLM issue #23280). w8a16 runs the GEMV kernel at any row count (up to 8 rows per program).
+SCHEMES = ("w8a8", "w8a16")
+# Schemes whose K-split GEMV sums its partials inside the launch (:func:`_serial_split_sum`) instead of in a
+# second launch (splitk_sum); read at call time, so a benchmark times both.
+SERIAL_SPLIT_SCHEMES = ("w8a16",)
 SCALED_MM_MIN_ROWS = 64  # impl=None takes torch._scaled_mm (where supported) from this many rows on
 
 
@@ -221,6 +236,17 @@ def block_fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
     return (weight.float() * _expand_blocks(weight_scale_inv, N, K)).to(dtype)
 
 
+def _activations(x: torch.Tensor, scheme: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, group scales [M, G] float32) of x under ``scheme``: w8a8 the quantized codes and their
+    scales (:func:`quantize_activation_per_token_group_ref`), w8a16 x in float32 and scales of 1. Raises
+    ValueError for an unknown scheme."""
+    if scheme == "w8a8":
+        return quantize_activation_per_token_group_ref(x, BLOCK)
+    if scheme == "w8a16":
+        return x.float(), torch.ones(x.shape[0], triton.cdiv(x.shape[1], BLOCK), device=x.device)
+    raise ValueError(f"{name}: scheme must be one of {SCHEMES}, got {scheme!r}")
+
+
 def _block_product(qx: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """sum_g xs[:, g] ws[n // 128, g] (qx_g @ qw_g^T) in float32: [M, N]."""
     N, K = weight.shape
@@ -233,15 +259,18 @@ def _block_product(qx: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws:
 
 
 def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference w8a8 block-FP8 linear (the specification): x quantized per token and 128-column group
+                         bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                         scheme: str = "w8a8") -> torch.Tensor:
+    """Reference block-FP8 linear (the specification): w8a8, x quantized per token and 128-column group
     (:func:`quantize_activation_per_token_group_ref`), then the exact block-scaled product in float32 (module
-    docstring) plus bias, result in x's dtype.
+    docstring) plus bias, result in x's dtype; w8a16 (:data:`SCHEMES`), the same product with x's own values
+    in float32 and group scales of 1 (x times the dequantized weight, summed per 128-column group).
 
     Args:
         x: [M, K] float32 / bfloat16 / float16. weight: float8_e4m3fn [N, K]. weight_scale_inv: float32 /
             bfloat16 / float16 [ceil(N/128), ceil(K/128)]. bias: [N] or None.
         out: optional [M, N] tensor in x's dtype to write the result into.
+        scheme: one of :data:`SCHEMES`.
 
     Returns:
         [M, N] in x's dtype. Mutates only ``out``.
@@ -253,7 +282,7 @@ def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     _, N, K = _check_weights(weight, weight_scale_inv, stacked=False, name=name)
     check_activation(x, K, name)
     check_bias(bias, N, x.device, name)
-    qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)
+    qx, xs = _activations(x, scheme, name)
     y = _block_product(qx, xs, weight, weight_scale_inv)
     if bias is not None:
         y = y + bias.float()
@@ -261,9 +290,10 @@ def block_fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 
 def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                             offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                             offsets: torch.Tensor, *, out: torch.Tensor | None = None,
+                             scheme: str = "w8a8") -> torch.Tensor:
     """Reference grouped block-FP8 product: rows offsets[e-1] .. offsets[e] - 1 of x through
-    :func:`block_fp8_linear_ref` with expert e's weight. Reads the offsets on the host (a synchronisation:
+    :func:`block_fp8_linear_ref` with expert e's weight and the same ``scheme``. Reads the offsets on the host (a synchronisation:
     the specification, not a fast path); rows past offsets[-1] are zero.
 
     Args:
@@ -281,7 +311,7 @@ def block_fp8_grouped_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale
     (E,), N, K = _check_weights(weight, weight_scale_inv, stacked=True, name=name)
     check_activation(x, K, name)
     check_offsets(offsets, E, x.shape[0], x.device, name)
-    qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)
+    qx, xs = _activations(x, scheme, name)
     y = torch.zeros(x.shape[0], N, dtype=torch.float32, device=x.device)
     for e, (s, t) in enumerate(offsets_list(offsets)):
         if t > s:
@@ -397,34 +427,37 @@ def _block_fp8_mm_kernel(
 
 
 @triton.jit
-def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w):
-    """One activation row's quantized 128-column group (fp32 e4m3 values, by quantize_activation's kernel)
-    dotted with the weight tile, times the row's group scale: fp32 [BLOCK_N] (0 past row_end). kk: the
-    group's column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into
-    the weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
+def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16: tl.constexpr):
+    """One activation row's 128-column group dotted with the weight tile: fp32 [BLOCK_N] (0 past row_end).
+    w8a8: the row's quantized group (fp32 e4m3 values, by quantize_activation's kernel) times the row's group
+    scale; A16 (w8a16): the row's own 16- or 32-bit values, converted to fp32 (no scale). kk: the group's
+    column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into the
+    weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
     live = (kk * 0 + row) < row_end
     q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
+    if A16:
+        return tl.sum(w * q.to(tl.float32), 1)
     xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=tl.where(g < G, row, row_end) < row_end, other=0.0)
     return tl.sum(w * q, 1) * xs
 
 
 @triton.jit
 def _fp8_group(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, ws,
-               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr):
+               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr, A16: tl.constexpr):
     """Accumulators a0..a{BLOCK_M-1} (one per row) plus each row's product with weight group g (w: the
     loaded fp8 tile, 0 where masked; ws [BLOCK_N]: its block scales)."""
     w = w.to(tl.float32)
-    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
     if BLOCK_M > 1:
-        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
     if BLOCK_M > 2:
-        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
-        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
     if BLOCK_M > 4:
-        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
-        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
-        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
-        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w) * ws
+        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -436,21 +469,26 @@ def _store_row(ptr, row, row_end, stride, offs_n, mask_n, v):
 
 @triton.jit
 def _block_fp8_gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr,
-    M, N, K, E, STEPS,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr, part_ptr, counters_ptr,
+    M, N, K, E, STEPS, S,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_E: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, A16: tl.constexpr,
+    SERIAL: tl.constexpr,
 ):
     """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). x_ptr / xs_ptr: the rows
-    already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel).
+    already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel);
+    with A16 (w8a16) x_ptr is the activation itself ([rows, K] in its own dtype) and xs_ptr is unused.
     Each program streams its BLOCK_N x 128 weight tiles of K groups [pid_k * STEPS, (pid_k + 1) * STEPS)
     once, converts them to fp32 in registers (e4m3 x e4m3 products are exact in fp32), and for each of its
     rows loads the row's group straight into the weight tile's layout, multiplies and reduces over K on CUDA
     cores (no tensor-core tile padded to 16 rows, no layout conversion, no cross-warp reduction), scaling
     each group's sums once. UNROLL (1, 2, 4) groups' weight tiles are loaded before their arithmetic, so a
-    program keeps UNROLL x BLOCK_N x 128 bytes in flight (the loop has no software pipelining otherwise). One accumulator per row (a0..a7, unrolled by BLOCK_M). With K splits, out_ptr is the fp32 partial-sum buffer [S, rows, N]
-    (stride_os per split) and the bias is added by splitk_sum."""
+    program keeps UNROLL x BLOCK_N x 128 bytes in flight (the loop has no software pipelining otherwise). One
+    accumulator per row (a0..a7, unrolled by BLOCK_M). With S > 1 K splits: without SERIAL, out_ptr is the
+    fp32 partial-sum buffer [S, rows, N] (stride_os per split) and splitk_sum adds the bias; with SERIAL the
+    splits store into part_ptr (the same layout) and the last split of each output tile to arrive sums them
+    in split order into out_ptr (:func:`_serial_split_sum`): one launch, the same bits."""
     GROUP: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -498,19 +536,19 @@ def _block_fp8_gemv_kernel(
                 ws3 = tl.load(ws_ptrs + (g + 3) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 3) < g1),
                               other=0.0).to(tl.float32)
             a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, G, g,
-                                                        kk, mk2, w, ws, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+                                                        kk, mk2, w, ws, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
             if UNROLL > 1:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
                                                             G, g + 1, kk1, mk1, w1, ws1,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
             if UNROLL > 2:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
                                                             G, g + 2, kk2, mk2b, w2, ws2,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
                                                             G, g + 3, kk3, mk3, w3, ws3,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M)
-        if HAS_BIAS:
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
+        if HAS_BIAS and not SERIAL:  # (SERIAL: the last split adds it to the sum)
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             a0 += b
             a1 += b
@@ -520,7 +558,10 @@ def _block_fp8_gemv_kernel(
             a5 += b
             a6 += b
             a7 += b
-        o = out_ptr + pid_k.to(tl.int64) * stride_os
+        if SERIAL:
+            o = part_ptr + pid_k.to(tl.int64) * stride_os
+        else:
+            o = out_ptr + pid_k.to(tl.int64) * stride_os
         _store_row(o, row0, row_end, stride_om, offs_n, mask_n, a0)
         if BLOCK_M > 1:
             _store_row(o, row0 + 1, row_end, stride_om, offs_n, mask_n, a1)
@@ -532,45 +573,105 @@ def _block_fp8_gemv_kernel(
             _store_row(o, row0 + 5, row_end, stride_om, offs_n, mask_n, a5)
             _store_row(o, row0 + 6, row_end, stride_om, offs_n, mask_n, a6)
             _store_row(o, row0 + 7, row_end, stride_om, offs_n, mask_n, a7)
+        if SERIAL:
+            _serial_split_sum(part_ptr, out_ptr, b_ptr, counters_ptr + pid_m * tl.num_programs(0) + pid_n, S,
+                              row0, row_end, offs_n, mask_n, stride_os, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
-def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool):
-    """Decode sizes (<= GEMV_MAX_ROWS rows per weight matrix): x quantized once by the quantization kernel
-    (into fp32 e4m3 values: the GEMV loads them in the weight tile's layout without conversions), then the
-    GEMV kernel, split over K (plus the splitk_sum launch) where the N tiles alone give too few programs."""
+@triton.jit
+def _serial_split_sum(part_ptr, out_ptr, b_ptr, counter_ptr, S, row0, row_end, offs_n, mask_n, stride_ps,
+                      stride_m, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K's reduction inside the GEMV launch (CUTLASS's "serial" split-K, with a counter instead of its
+    turn-taking lock): each of the S programs of an output tile has stored its fp32 partial sums [BLOCK_M
+    rows, BLOCK_N] into part_ptr (split s at s * stride_ps, row stride stride_m, as splitk_sum's buffer) and
+    then counts itself in at ``counter_ptr`` (int32, 0 before the launch); the program that counts last
+    sums the S partials in split order 0..S-1 from fp32 zero (splitk_sum's order: the same bits, whichever
+    program arrives last), adds the bias, stores the rows into out_ptr (row stride stride_m) and sets the
+    counter back to 0 for the next launch or graph replay. The barrier before the count makes the program's
+    stores precede it; the count's acquire-release semantics at GPU scope make every earlier program's
+    stores visible to the last one, whose loads bypass L1 (.cg)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & mask_n[None, :]
+        offs = rows.to(tl.int64)[:, None] * stride_m + offs_n[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(S):
+            acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# Split-K counters of the serial reduction, per device: int32 zeros, each back at 0 when a launch ends.
+# Allocated once, outside any CUDA-graph capture where possible (the first launch is an eager warm-up); a
+# launch needing more tiles than this holds takes the two-launch split (splitk_sum) instead of allocating.
+SERIAL_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed split-K counters (``SERIAL_COUNTERS`` int32), or None when ``tiles`` exceed them."""
+    if tiles > SERIAL_COUNTERS:
+        return None
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(SERIAL_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool, a16: bool = False, serial: bool = False):
+    """The GEMV kernel, split over K where the N tiles alone give too few programs (gemv_config). w8a8
+    (``a16`` False): x quantized once by the quantization kernel (into fp32 e4m3 values: the GEMV loads them
+    in the weight tile's layout without conversions), then the GEMV. w8a16 (``a16``): the GEMV reads x as it
+    is, no quantization launch. A K split's partial sums are added by the splitk_sum launch, or with
+    ``serial`` inside the GEMV launch (:func:`_serial_split_sum`; where ``out`` is row-contiguous and the
+    device's counters cover the tiles, else the splitk_sum launch): the same bits either way."""
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
     matrices = min(E, rows) if grouped else 1
     bm, bn, split, steps = gemv_config(rows / matrices, N, matrices, triton.cdiv(K, BLOCK))
     row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
-    qx, xs = _quantize_rows(x, BLOCK, torch.float32)
+    if a16:
+        qx, xs = (x if x.stride(1) == 1 else x.contiguous()), ws
+    else:
+        qx, xs = _quantize_rows(x, BLOCK, torch.float32)
     weight = weight.contiguous()
-    dst = out if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, bn), row_tiles, split)
+    counters = _split_counters(x.device, grid[0] * grid[1]) if serial and split > 1 and out.stride(0) == N \
+        else None
+    part = None if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    dst = out if split == 1 or counters is not None else part
     unroll = min(4, 64 // bn, steps)  # 8 KB of weight requested per program and loop iteration
     unroll = 4 if unroll >= 4 else 2 if unroll >= 2 else 1
-    _block_fp8_gemv_kernel[(triton.cdiv(N, bn), row_tiles, split)](
+    _block_fp8_gemv_kernel[grid](
         qx, xs, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
-        rows, N, K, E, steps,
+        part if part is not None else dst, counters if counters is not None else ws,
+        rows, N, K, E, steps, split,
         qx.stride(0), xs.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
         ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
-        dst.stride(0) if split > 1 else 0,
-        GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
-        INTERP=interpreter_active(), num_warps=4, num_stages=1,
+        part.stride(0) if part is not None else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and (split == 1 or counters is not None), BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
+        INTERP=interpreter_active(), A16=a16, SERIAL=counters is not None, num_warps=4, num_stages=1,
     )
-    if split > 1:
-        splitk_sum(dst, bias, out, offsets)
+    if split > 1 and counters is None:
+        splitk_sum(part, bias, out, offsets)
     return out
 
 
-def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool):
+def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool, scheme: str = "w8a8"):
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
+    serial = scheme in SERIAL_SPLIT_SCHEMES
+    if scheme == "w8a16":  # the GEMV at any row count (the tensor-core kernel multiplies fp8 codes)
+        return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped, a16=True, serial=serial)
     if (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS) if grouped
             else use_gemv(rows)):
-        return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped)
+        return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped, serial=serial)
     if grouped:
         bm, bn, warps = tile_config(rows / E, N, min(E, rows), accumulators=2)
         row_tiles = grouped_row_tiles(rows, E, bm)
@@ -667,8 +768,10 @@ def block_scaled_mm_supported(device: torch.device | str) -> bool:
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                     impl: str | None = None) -> torch.Tensor:
-    """w8a8 block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref`.
+                     impl: str | None = None, scheme: str = "w8a8") -> torch.Tensor:
+    """Block-FP8 linear: same arguments, result and errors as :func:`block_fp8_linear_ref` (``scheme``:
+    w8a8 or w8a16, :data:`SCHEMES`). w8a16 runs the GEMV kernel alone (one launch: no quantization, the K
+    split summed inside it) at any row count, and takes impl None or "triton".
 
     ``impl``: "triton" (<= 8 rows: the quantization kernel and the GEMV kernel, plus a partial-sum launch
     where K is split; 9..63 rows: one launch with the quantization fused; more: quantization then GEMM),
@@ -700,13 +803,20 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     check_bias(bias, N, x.device, name)
     if impl not in (None, *IMPLS):
         raise ValueError(f"{name}: impl must be one of {IMPLS} or None, got {impl!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"{name}: scheme must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == "w8a16" and impl == "scaled_mm":
+        raise ValueError(f"{name}: impl='scaled_mm' multiplies quantized activations (w8a8); scheme='w8a16' "
+                         "runs the Triton GEMV: use impl=None or 'triton'")
     aligned = N % BLOCK == 0 and K % BLOCK == 0
     if impl == "scaled_mm" and not (aligned and block_scaled_mm_supported(x.device)):
         raise ValueError(f"{name}: impl='scaled_mm' needs N and K multiples of {BLOCK} (got N={N}, K={K}) and "
                          f"a device where block_scaled_mm_supported() holds ({x.device}); use impl='triton'")
     if not use_kernel(x):
-        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out)
+        return block_fp8_linear_ref(x, weight, weight_scale_inv, bias, out=out, scheme=scheme)
     check_launchable(x, weight, weight_scale_inv, name=name)
+    if scheme == "w8a16":
+        impl = "triton"
     if impl is None:
         prefill = x.shape[0] >= SCALED_MM_MIN_ROWS
         impl = "scaled_mm" if prefill and aligned and x.is_cuda and block_scaled_mm_supported(x.device) \
@@ -716,13 +826,15 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
-    return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False)
+    return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False, scheme=scheme)
 
 
 def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         offsets: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped w8a8 block-FP8 product for routed experts (torch._grouped_mm's convention), activations
-    quantized per token and 128-column group on the device; same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
+                         offsets: torch.Tensor, *, out: torch.Tensor | None = None,
+                         scheme: str = "w8a8") -> torch.Tensor:
+    """Grouped block-FP8 product for routed experts (torch._grouped_mm's convention), w8a8 with the
+    activations quantized per token and 128-column group on the device, or w8a16 (the GEMV kernel alone, at
+    any row count); same arguments and result as :func:`block_fp8_grouped_mm_ref` except that rows past
     offsets[-1] are left unwritten. No host synchronisation, shapes fixed by the inputs (CUDA-graph
     capturable); experts without rows cost only their entry in each program's offsets scan. Triton on CUDA
     and under TRITON_INTERPRET=1, the reference on a plain CPU run.
@@ -743,13 +855,15 @@ def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     (E,), N, K = _check_weights(weight, weight_scale_inv, stacked=True, name=name)
     check_activation(x, K, name)
     check_offsets(offsets, E, x.shape[0], x.device, name)
+    if scheme not in SCHEMES:
+        raise ValueError(f"{name}: scheme must be one of {SCHEMES}, got {scheme!r}")
     if not use_kernel(x):
-        return block_fp8_grouped_mm_ref(x, weight, weight_scale_inv, offsets, out=out)
+        return block_fp8_grouped_mm_ref(x, weight, weight_scale_inv, offsets, out=out, scheme=scheme)
     check_launchable(x, weight, weight_scale_inv, offsets, name=name)
     out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
-    return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True)
+    return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True, scheme=scheme)
 
 
 # ---------------------------------------------------------------------------------------------------------
