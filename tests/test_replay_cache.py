@@ -232,15 +232,18 @@ def test_replay_without_speculation_is_an_error():
 
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
 @pytest.mark.parametrize(
-    "spec_tokens, replay, checkpointing", [(0, False, False), (4, False, False), (4, True, False),
-                                           (8, True, False), (4, True, True)]
+    "spec_tokens, replay, checkpointing, ring", [(0, False, False, False), (4, False, False, False),
+                                                 (4, True, False, False), (8, True, False, False),
+                                                 (4, True, True, False), (4, True, False, True),
+                                                 (4, True, True, True)]
 )
-def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, checkpointing):
+def test_planned_memory_equals_allocated_bytes(family, spec_tokens, replay, checkpointing, ring):
+    """ring: FlashInfer ring histories and ring_start for Mamba2 (kernels.mamba2.flashinfer_replay)."""
     config = HybridConfig.from_pretrained(REPO / f"registry/checkpoints/tiny_{family}_mtp")
     kinds = model_cache_kinds(config, include_mtp=spec_tokens > 0)
     assert kinds == HybridLM(config, with_mtp=True).cache_kinds(include_mtp=spec_tokens > 0)
     args = dict(max_batch_size=3, max_seq_len=32, dtype=torch.bfloat16, spec_tokens=spec_tokens,
-                ssm_replay=replay, replay_checkpointing=checkpointing)
+                ssm_replay=replay, replay_checkpointing=checkpointing, replay_ring=ring)
     if checkpointing and family == "qwen3_next":
         with pytest.raises(ValueError, match="mamba2 layers only"):
             HybridCache(config, kinds, **args)

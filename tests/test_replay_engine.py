@@ -331,8 +331,9 @@ def test_gpu_flashinfer_rewind_equals_triton(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_gpu_replay_equals_rewind(setup, backend):
-    """On CUDA: replay (our Triton replay kernel, also under ssm_backend=flashinfer) against rewind (our
-    Triton selective_state_update, or FlashInfer's; falls back to Triton with a log line without it)."""
+    """On CUDA: replay (our Triton replay kernel, or FlashInfer's checkpointing_ssu under
+    ssm_backend=flashinfer) against rewind (our Triton selective_state_update, or FlashInfer's; falls back to
+    Triton with a log line without it)."""
     path, prompts, _ = setup
     outs = []
     for replay in (False, True):

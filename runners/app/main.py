@@ -247,6 +247,8 @@ def _evaluate_arm(cfg: DictConfig, rr: ResolvedRun, out_dir: Path) -> dict[str, 
                         "$GSM8K_DIR") from None
     config = rr.to_dict()
     config["ssm_backend"] = engine.ssm_backend  # what ran: the engine falls back from flashinfer to triton
+    # the recurrent layers' verify kernels per layer kind (runners.engine.runner.ssm_kernels)
+    config["ssm_kernels"] = getattr(getattr(engine, "runner", None), "ssm_kernels", None)
     # which FP8 GEMMs ran (runners.engine.quant.prepare_fp8): the device's FP8 kernels or the dequantizing
     # references
     config["fp8_gemms"] = getattr(getattr(engine, "model", None), "quant_report", None)

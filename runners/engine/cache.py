@@ -114,18 +114,23 @@ def cache_memory_bytes(
     ssm_replay: bool = False,
     replay_checkpointing: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
+    ssm_backend: str = "torch",
+    replay_ring: bool | None = None,
 ) -> dict[str, int]:
     """Bytes a :class:`HybridCache` with these arguments allocates, by kind, computed from the architecture
     alone (nothing is allocated; usable for released shapes without weights). Same arguments and keys as
     :class:`HybridCache` / :meth:`HybridCache.memory` (the S + 1 scratch row included; an FP8
-    ``kv_cache_dtype`` halves ``kv_cache_bytes`` against a 16-bit model dtype).
+    ``kv_cache_dtype`` halves ``kv_cache_bytes`` against a 16-bit model dtype; ``replay_ring``, by default
+    ``ssm_backend="flashinfer"``, plans FlashInfer's ring history for the Mamba2 layers).
 
     Raises:
         ValueError: ssm_replay without speculation, or a block kind without a cache layout.
     """
     _check_replay_args(ssm_replay, spec_tokens, replay_checkpointing, cache_kinds)
     rows = max_batch_size + 1
-    spec = CacheSpec(rows, max_seq_len, dtype, ssm_state_dtype, "meta", spec_tokens)
+    ring = ssm_backend == "flashinfer" if replay_ring is None else replay_ring
+    spec = CacheSpec(rows, max_seq_len, dtype, ssm_state_dtype, "meta", spec_tokens, ssm_backend=ssm_backend,
+                     replay_ring=ring)
     spec.replay_checkpointing = replay_checkpointing
     spec.kv_cache_dtype = kv_cache_dtype
     out = dict.fromkeys(MEMORY_KEYS, 0)
@@ -133,7 +138,7 @@ def cache_memory_bytes(
         for key, n in layer_state_class(kind, ssm_replay, idx).planned_memory(config, spec).items():
             out[key] += n
     if ssm_replay:
-        out["spec_buffers_bytes"] += ReplaySlots.planned_bytes(rows)
+        out["spec_buffers_bytes"] += ReplaySlots.planned_bytes(rows, ring)
     return out
 
 
@@ -163,6 +168,9 @@ class HybridCache:
         replay_checkpointing: the checkpointing replay variant (Mamba2 only): a history window of
             L = max(16, T) tokens, the state written only when the pending tokens and the new ones do not fit
             (``kernels/mamba2/replay.py``).
+        replay_ring: the Mamba2 replay histories in FlashInfer's ring layout, replayed by its
+            ``checkpointing_ssu`` under ``ssm_backend="flashinfer"`` and by that contract's PyTorch reference
+            otherwise (``kernels.mamba2.flashinfer_replay``); None: exactly with ``ssm_backend="flashinfer"``.
         kv_cache_dtype: storage dtype of the attention KV caches (None: ``dtype``; ``torch.float8_e4m3fn``
             stores keys and values in FP8 with per-layer scales, ``runners.engine.models.attention.KVCache``).
         stochastic_rounding: round every write of a 16-bit SSM state (decode, rewind verify, replay verify)
@@ -195,6 +203,7 @@ class HybridCache:
         kv_cache_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         rounding_seed: int = 0,
+        replay_ring: bool | None = None,
     ):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_seq_len={max_seq_len} must be >= 1")
@@ -207,11 +216,13 @@ class HybridCache:
         self.ssm_replay, self.ssm_backend = ssm_replay, ssm_backend
         R = max_batch_size + 1
         self.replay = None
+        ring = ssm_backend == "flashinfer" if replay_ring is None else replay_ring
         if ssm_replay:
-            self.replay = ReplaySlots.allocate(R, spec_tokens, ssm_backend, device, replay_checkpointing)
+            self.replay = ReplaySlots.allocate(R, spec_tokens, ssm_backend, device, replay_checkpointing,
+                                               ring)
         spec = CacheSpec(
             R, max_seq_len, dtype, ssm_state_dtype, device, spec_tokens, self.replay, replay_checkpointing,
-            ssm_backend, kv_cache_dtype,
+            ssm_backend, kv_cache_dtype, ring,
         )
         self.layers: dict[int, LayerState] = {}
         for idx, kind in sorted(cache_kinds.items()):

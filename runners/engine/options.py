@@ -55,9 +55,10 @@ class EngineOptions:
         ssm_replay_checkpointing: Mamba2's checkpointing replay variant: a history of max(16, K + 1) tokens,
             the state written only when it is full (needs ssm_replay).
         ssm_backend: who runs the recurrent decode / verify / commit operators: "triton" (kernels/),
-            "flashinfer" (FlashInfer's selective_state_update for the Mamba2 rewind verify, Triton for the
-            rest; falls back to "triton" with a log line where it cannot run) or "torch" (the PyTorch
-            references); None: "triton" on CUDA, "torch" elsewhere.
+            "flashinfer" (FlashInfer's kernels for the Mamba2 verify: selective_state_update for rewind,
+            checkpointing_ssu for replay, over its ring history; Triton for the rest; falls back to "triton"
+            with a log line where it cannot run) or "torch" (the PyTorch references); None: "triton" on CUDA,
+            "torch" elsewhere.
         ssm_state_dtype: dtype of the SSM state; None: the checkpoint's ``mamba_ssm_cache_dtype`` (float32).
         ssm_stochastic_rounding: round every write of a 16-bit SSM state stochastically (kernels/rounding.py)
             instead of to nearest; needs ssm_state_dtype bfloat16 / float16.

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.mamba2.flashinfer_replay import flashinfer_replay_unsupported, probe_flashinfer_replay
 from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.models.config import HybridConfig
@@ -38,6 +39,7 @@ from runners.engine.options import DTYPES, EngineOptions, dtype_name
 from runners.engine.prefill import Prefill, Prefilled
 from runners.engine.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, prefix_cache_off_reason
 from runners.engine.quant import kv_cache_scales
+from runners.engine.state import replay_hist_len
 from runners.engine.step import DecodeStep, LaunchedStep, SlotState
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,18 @@ FLASHINFER_HEADS_PER_GROUP = (1, 2, 4, 8, 16, 32, 64)
 
 
 def resolve_ssm_backend(
-    backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None
+    backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None, *,
+    spec_tokens: int = 0, replay_checkpointing: bool = False, dtype: torch.dtype | None = None,
+    ssm_state_dtype: torch.dtype | None = None,
 ) -> str:
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
-    where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason).
+    where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason). With
+    ``ssm_replay`` FlashInfer runs the replay verify (``checkpointing_ssu``, ``spec_tokens`` = T wide, over a
+    window of ``replay_hist_len(T, replay_checkpointing)`` tokens): where its version has none, or the window
+    or the model's dt clamp is beyond it (``kernels.mamba2.flashinfer_replay.flashinfer_replay_unsupported``),
+    or, given the model ``dtype`` and ``ssm_state_dtype``, one probe call at the model's sizes fails or
+    disagrees with the contract's reference (``probe_flashinfer_replay``: its JIT build, once per process and
+    configuration), Triton runs instead, with a warning.
 
     Raises:
         ValueError: an unknown backend; flashinfer off CUDA; a Triton backend on the CPU without the
@@ -94,7 +104,15 @@ def resolve_ssm_backend(
             backend = "triton"
         else:
             if ssm_replay:
-                log.info("ssm_backend=flashinfer with ssm_replay: the verify replays with our Triton kernel")
+                why = _flashinfer_replay_unsupported(config, spec_tokens, replay_checkpointing)
+                if not why and dtype is not None and ssm_state_dtype is not None:
+                    why, seconds = _probe_flashinfer_replay(config, spec_tokens, replay_checkpointing, dtype,
+                                                            ssm_state_dtype, device)
+                    log.info("ssm_backend=flashinfer: checkpointing_ssu probed in %.1f s (its JIT build "
+                             "included)", seconds)
+                if why:
+                    log.warning("ssm_backend=flashinfer with ssm_replay: %s; using triton", why)
+                    backend = "triton"
     if backend != "torch" and device.type != "cuda":
         from kernels._common import interpreter_active
 
@@ -107,13 +125,53 @@ def resolve_ssm_backend(
     return backend
 
 
+def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int, checkpointing: bool
+                                   ) -> str | None:
+    """Why FlashInfer cannot run this replay (its version, the window, the dt clamp), or None."""
+    import flashinfer.mamba as fim
+
+    if not hasattr(fim, "checkpointing_ssu"):
+        return "this FlashInfer has no checkpointing_ssu (0.7.2 has)"
+    limit = getattr(config, "time_step_limit", None)
+    return flashinfer_replay_unsupported(spec_tokens, replay_hist_len(spec_tokens, checkpointing), limit)
+
+
+def _probe_flashinfer_replay(config: HybridConfig, spec_tokens: int, checkpointing: bool, dtype: torch.dtype,
+                             ssm_state_dtype: torch.dtype, device: torch.device) -> tuple[str | None, float]:
+    """``probe_flashinfer_replay`` at the model's Mamba2 sizes: (why not, or None; seconds)."""
+    window = replay_hist_len(spec_tokens, checkpointing)
+    return probe_flashinfer_replay(config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
+                                   config.ssm_state_size, spec_tokens, window, dtype=dtype,
+                                   state_dtype=ssm_state_dtype, device=device)
+
+
+def ssm_kernels(backend: str, ssm_replay: bool, config: HybridConfig) -> dict[str, str]:
+    """{layer kind: "<implementation> <operator>"} of the recurrent layers' speculative verify, for
+    results.json: "flashinfer checkpointing_ssu" / "flashinfer selective_state_update" for Mamba2 under
+    FlashInfer, else "triton" / "torch" (the references) with "replay_verify" or "selective_state_update" /
+    "recurrent rule" (the rewind verify)."""
+    out = {}
+    if config.mamba_num_heads:
+        if backend == "flashinfer":
+            out["mamba2"] = "flashinfer " + ("checkpointing_ssu" if ssm_replay else "selective_state_update")
+        else:
+            out["mamba2"] = f"{backend} " + ("replay_verify" if ssm_replay else "selective_state_update")
+    if getattr(config, "gdn_num_value_heads", 0):
+        impl = "torch" if backend == "torch" else "triton"
+        out["gdn"] = f"{impl} " + ("replay_verify" if ssm_replay else "recurrent rule")
+    return out
+
+
 def planned_cache_memory(config: HybridConfig, cache_kinds: dict[int, str], options: EngineOptions,
-                         ssm_state_dtype: torch.dtype) -> dict[str, int]:
+                         ssm_state_dtype: torch.dtype, ssm_backend: str | None = None) -> dict[str, int]:
     """Bytes of the engine's per-slot state by kind (:meth:`Engine.cache_memory`), from the architecture
     alone: ``runners.engine.cache.cache_memory_bytes`` plus, with drafts, the decode step's per-slot first
     draft and MTP hidden (``runners.engine.step.SlotState``; the scratch row included, like every cache
-    buffer)."""
-    mem = cache_memory_bytes(config, cache_kinds, **options.cache_args(ssm_state_dtype))
+    buffer). The replay history is planned in the layout of ``ssm_backend`` (the resolved one; None:
+    ``options.ssm_backend``, which before the build may still fall back from FlashInfer's ring to Triton's
+    window: a few MB either way)."""
+    backend = ssm_backend or options.ssm_backend or "torch"
+    mem = cache_memory_bytes(config, cache_kinds, ssm_backend=backend, **options.cache_args(ssm_state_dtype))
     mem["spec_buffers_bytes"] += SlotState.spec_bytes(options.max_batch_size, config.hidden_size,
                                                       options.torch_dtype, options.draft_len)
     return mem
@@ -174,8 +232,13 @@ class ModelRunner:
                 and options.torch_dtype == torch.float32):  # (compiled blocks: inductor's own GEMMs)
             swapped = use_onednn_linears(model)  # bit for bit F.linear, about twice as fast
             log.debug("%d linear layers run through oneDNN", swapped)
-        self.ssm_backend = resolve_ssm_backend(options.ssm_backend, device, options.ssm_replay, config)
         self.ssm_state_dtype = state_dtype(options, config)
+        self.ssm_backend = resolve_ssm_backend(options.ssm_backend, device, options.ssm_replay, config,
+                                               spec_tokens=options.spec_tokens,
+                                               replay_checkpointing=options.ssm_replay_checkpointing,
+                                               dtype=options.torch_dtype,
+                                               ssm_state_dtype=self.ssm_state_dtype)
+        self.ssm_kernels = ssm_kernels(self.ssm_backend, options.ssm_replay, config)
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
             log.warning(
                 "ssm_state_dtype=%s for Mamba2 layers: a 16-bit recurrent state drifts from the float32 "
@@ -318,5 +381,6 @@ class ModelRunner:
         before allocating); each state class declares its buffers once, for the plan and the allocation
         (runners.engine.cache), and tests check the plan against the tensors.
         """
-        return planned_cache_memory(self.model.config, self.cache_kinds, self.options, self.ssm_state_dtype)
+        return planned_cache_memory(self.model.config, self.cache_kinds, self.options, self.ssm_state_dtype,
+                                    self.ssm_backend)
 

@@ -34,6 +34,7 @@ from kernels.commit import (
     rewind_commit,
     rewind_commit_ref,
 )
+from kernels.mamba2.flashinfer_replay import ring_advance
 from kernels.rounding import StochasticRounding
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
@@ -46,7 +47,7 @@ Op = TypeVar("Op", bound=Callable)
 
 def kernel_or_reference(ssm_backend: str, kernel: Op, reference: Op) -> Op:
     """The implementation of a recurrent-state operator under ``ssm_backend``: its Triton ``kernel`` for
-    "triton" and "flashinfer" (FlashInfer's own kernel replaces only the Mamba2 rewind verify, in the mixer),
+    "triton" and "flashinfer" (FlashInfer's own kernels replace only the Mamba2 verify, in the mixer),
     its PyTorch ``reference`` (same signature, the ``*_ref`` beside it in kernels/) for "torch". Under
     torch.compile (``EngineOptions.compile``) either runs outside the compiled region
     (``runners.engine.compile.eager_op``)."""
@@ -69,6 +70,7 @@ class CacheSpec:
     replay_checkpointing: bool = False
     ssm_backend: str = "torch"
     kv_cache_dtype: torch.dtype | None = None  # KV cache storage dtype (None: ``dtype``; float8_e4m3fn)
+    replay_ring: bool = False  # Mamba2 histories as FlashInfer rings (kernels.mamba2.flashinfer_replay)
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,9 @@ class ReplaySlots:
     last_accepted: [S + 1] int32, num_accepted_tokens of the slot's last verify (0 after prefill): the conv
         window offset. Equal to PNAT in per-step replay; in the checkpointing variant (``hist_len`` set,
         Mamba2 only) PNAT counts every accepted token not yet folded into the state, over several verifies.
+    ring_start: [S + 1] int32 or None; with ``ssm_backend="flashinfer"`` the oldest live row of each slot's
+        FlashInfer ring history (``kernels.mamba2.flashinfer_replay``), moved on a flush by the pending
+        tokens (``ring_advance``); ``window`` is that ring's replay window W (the history length L).
     All start zeroed (``kernels.commit.allocate_replay_slots``: a graph or kernel that reads them before the
     first fill sees "nothing to replay").
 
@@ -285,34 +290,42 @@ class ReplaySlots:
     spec_tokens: int
     ssm_backend: str = "torch"
     hist_len: int | None = None  # checkpointing variant: the history window L = max(16, T); None: per-step
+    ring_start: torch.Tensor | None = None
+    window: int | None = None
     verified: bool = False
 
     @staticmethod
-    def buffers(rows: int) -> dict[str, Buffer]:
-        """The three [rows] int32 tensors (speculative-only bytes), declared once for allocation and plan
-        (zeros: ``kernels.commit.allocate_replay_slots``' contract, "nothing to replay, buffer 0")."""
-        return {name: Buffer((rows,), torch.int32, SPEC)
-                for name in ("prev_num_accepted", "buffer_index", "last_accepted")}
+    def buffers(rows: int, ring: bool = False) -> dict[str, Buffer]:
+        """The [rows] int32 tensors (speculative-only bytes), declared once for allocation and plan (zeros:
+        ``kernels.commit.allocate_replay_slots``' contract, "nothing to replay, buffer 0"); ``ring``: also
+        FlashInfer's ring_start."""
+        names = ("prev_num_accepted", "buffer_index", "last_accepted") + (("ring_start",) if ring else ())
+        return {name: Buffer((rows,), torch.int32, SPEC) for name in names}
 
     @classmethod
     def allocate(
-        cls, rows: int, spec_tokens: int, ssm_backend: str, device, checkpointing: bool = False
+        cls, rows: int, spec_tokens: int, ssm_backend: str, device, checkpointing: bool = False,
+        ring: bool = False,
     ) -> ReplaySlots:
+        """Zeroed bookkeeping for ``rows`` cache rows; ``ring``: the histories are FlashInfer's rings (with
+        their ring_start and window)."""
         hist_len = replay_hist_len(spec_tokens, checkpointing) if checkpointing else None
-        return cls(**zeros(cls.buffers(rows), device), spec_tokens=spec_tokens, ssm_backend=ssm_backend,
-                   hist_len=hist_len)
+        return cls(**zeros(cls.buffers(rows, ring), device), spec_tokens=spec_tokens, ssm_backend=ssm_backend,
+                   hist_len=hist_len, window=replay_hist_len(spec_tokens, checkpointing) if ring else None)
 
     @classmethod
-    def planned_bytes(cls, rows: int) -> int:
-        return sum(b.nbytes for b in cls.buffers(rows).values())
+    def planned_bytes(cls, rows: int, ring: bool = False) -> int:
+        return sum(b.nbytes for b in cls.buffers(rows, ring).values())
 
     def nbytes(self) -> int:
-        return _nbytes(self.prev_num_accepted, self.buffer_index, self.last_accepted)
+        return _nbytes(self.prev_num_accepted, self.buffer_index, self.last_accepted, self.ring_start)
 
     def reset(self, rows: torch.Tensor) -> None:
-        """Cache rows ``rows`` [n] (int64, PAD already mapped to the scratch row) start over: PNAT = 0."""
-        for t in (self.prev_num_accepted, self.buffer_index, self.last_accepted):
-            t.index_fill_(0, rows, 0)
+        """Cache rows ``rows`` [n] (int64, PAD already mapped to the scratch row) start over: PNAT = 0 (and
+        the ring at row 0)."""
+        for t in (self.prev_num_accepted, self.buffer_index, self.last_accepted, self.ring_start):
+            if t is not None:
+                t.index_fill_(0, rows, 0)
 
     def conv_offset(self, rows: torch.Tensor) -> torch.Tensor:
         """[n] int64 column where the committed conv window of cache rows ``rows`` starts: a - 1 after a
@@ -365,6 +378,9 @@ class ReplaySlots:
             torch.where(live, slot_ids, R - 1),
             torch.where(live, num_accepted_tokens.to(torch.int32), self.last_accepted[R - 1]),
         )
+        if self.ring_start is not None:  # before PNAT moves: a flush folds the k pending tokens in
+            ring_advance(self.ring_start, self.prev_num_accepted, slot_ids, self.spec_tokens, self.window,
+                         self.window + self.spec_tokens)
         advance = kernel_or_reference(self.ssm_backend, replay_advance, replay_advance_ref)
         advance(self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, self.spec_tokens,
                 hist_len=self.hist_len)
@@ -412,6 +428,12 @@ class RecurrentReplayState(LayerState):
         raise NotImplementedError
 
     @classmethod
+    def history_class(cls, spec: CacheSpec) -> type:
+        """The history's class for this cache (``history_type``; a kind whose backend keeps another layout
+        overrides it, as Mamba2 under FlashInfer)."""
+        return cls.history_type
+
+    @classmethod
     def buffers(cls, c: HybridConfig, spec: CacheSpec) -> dict[str, Buffer]:
         (C, state), R, W1, T = cls.state_shapes(c), spec.rows, c.conv_kernel - 1, spec.spec_tokens
         out = {"conv": Buffer((R, C, W1 + T - 1), spec.dtype, CONV, spec_cols=T - 1),
@@ -426,7 +448,7 @@ class RecurrentReplayState(LayerState):
             raise ValueError(f"{cls.__name__} needs speculative decoding (T = K + 1 >= 2) and ReplaySlots")
         layout = cls.buffers(c, spec)
         t = zeros(layout, spec.device)
-        history = cls.history_type(**{n.removeprefix("history."): v for n, v in t.items() if "." in n})
+        history = cls.history_class(spec)(**{n.removeprefix("history."): v for n, v in t.items() if "." in n})
         return cls(conv=t["conv"], ssm=t["ssm"], history=history, slots=spec.replay,
                    ssm_backend=spec.ssm_backend, layout=layout)
 

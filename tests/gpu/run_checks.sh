@@ -151,7 +151,8 @@ os.environ["FLASHINFER_CKPT"].split(",")]' >"$out/flashinfer_warm.log" 2>&1 &
         warm=$!
       fi
       stage flashinfer_sizes python3 tests/gpu/flashinfer_sizes.py --out "$out/flashinfer_sizes.json"
-      stage engine_flashinfer python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_replay_engine.py
+      stage engine_flashinfer python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_replay_engine.py \
+        tests/test_flashinfer_replay_gpu.py
       [ -z "$warm" ] || wait $warm
       stage bench_mamba2_flashinfer python3 -m benchmarks.bench_mamba2 --flashinfer --flashinfer-checkpointing \
         "$ckpt" --out "$out/bench_mamba2_flashinfer.json" ;;

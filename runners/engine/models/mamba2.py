@@ -58,6 +58,11 @@ from kernels.mamba2 import (
 )
 from kernels.mamba2.conv import MAX_T as CONV_STEP_MAX_T
 from kernels.mamba2.conv import causal_conv_step, causal_conv_step_ref
+from kernels.mamba2.flashinfer_replay import (
+    RingHistory,
+    replay_verify_flashinfer,
+    replay_verify_flashinfer_ref,
+)
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
@@ -98,7 +103,10 @@ class Mamba2ReplayState(RecurrentReplayState):
     ssm:  [S + 1, H, P, N], ``ssm_state_dtype``; conv: [S + 1, C, W - 1 + K], model dtype.
     history: ``kernels.mamba2.ReplayHistory`` with S + 1 slots and L = T (or max(16, T) in the checkpointing
           variant, ``CacheSpec.replay_checkpointing``): x (S + 1, 2, L, H, P) and B (S + 1, 2, L, G, N) in
-          the model dtype, dt' and dA_cumsum (S + 1, 2, H, L) float32.
+          the model dtype, dt' and dA_cumsum (S + 1, 2, H, L) float32. With ``ssm_backend="flashinfer"``
+          FlashInfer's ring (``kernels.mamba2.flashinfer_replay.RingHistory``, window W = L, L + T rows per
+          slot; its ring_start lives in the shared ``ReplaySlots``): the same flush rule and committed
+          states in its layout.
     """
 
     history_type: ClassVar[type] = ReplayHistory
@@ -107,11 +115,20 @@ class Mamba2ReplayState(RecurrentReplayState):
 
     @property
     def history_len(self) -> int:
+        if isinstance(self.history, RingHistory):
+            return self.history.ring_len - self.slots.spec_tokens
         return self.history.x.shape[2]
+
+    @classmethod
+    def history_class(cls, spec: CacheSpec) -> type:
+        return RingHistory if spec.replay_ring else ReplayHistory
 
     @staticmethod
     def history_shapes(c: HybridConfig, spec: CacheSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         L = replay_hist_len(spec.spec_tokens, spec.replay_checkpointing)
+        if spec.replay_ring:
+            return RingHistory.shapes(spec.rows, L, spec.spec_tokens, c.mamba_num_heads, c.mamba_head_dim,
+                                      c.n_groups, c.ssm_state_size, dtype=spec.dtype)
         return ReplayHistory.shapes(spec.rows, L, c.mamba_num_heads, c.mamba_head_dim, c.n_groups,
                                     c.ssm_state_size, dtype=spec.dtype,
                                     checkpointing=spec.replay_checkpointing)
@@ -299,14 +316,18 @@ class Mamba2Mixer(nn.Module):
         """The SSM of a verify step (T = K + 1) with the state's ``ssm_backend``; returns y (B, T, H, P)
         float32 incl. D x.
 
-        Replay: ``replay_verify`` (fast-forward by PNAT, the new tokens, their history). Rewind:
-        ``selective_state_update`` writing the per-token states to ``state.ssm_steps`` by slot, the committed
-        state untouched (FlashInfer's kernel for "flashinfer", as TensorRT-LLM's FlashInfer backend; its
-        replay runs our Triton kernel).
+        Replay: ``replay_verify`` (fast-forward by PNAT, the new tokens, their history), or FlashInfer's
+        ``checkpointing_ssu`` for "flashinfer" (its ring history). Rewind: ``selective_state_update`` writing
+        the per-token states to ``state.ssm_steps`` by slot, the committed state untouched (FlashInfer's
+        kernel for "flashinfer", as TensorRT-LLM's FlashInfer backend).
         """
         backend = state.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
         out = x.new_empty(x.shape, dtype=torch.float32)
+        if state.replay and isinstance(state.history, RingHistory):
+            y = eager_op(_flashinfer_replay_verify)(state, meta, *args)
+            state.slots.verified = True
+            return y.float()
         if state.replay:
             slots = state.slots
             verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
@@ -361,6 +382,18 @@ class Mamba2Mixer(nn.Module):
 def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
     return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
+
+
+def _flashinfer_replay_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias) -> torch.Tensor:
+    """Replay verify over the layer's ring history: FlashInfer's ``checkpointing_ssu`` under
+    ``ssm_backend="flashinfer"``, that contract's PyTorch reference otherwise (a ring cache built with
+    ``replay_ring=True`` on another backend). PAD rows run on the scratch row (``BatchMeta.row_index``), as
+    the rewind path; ``ReplaySlots.advance`` moves ring_start and PNAT after the step. The dt clamp was
+    refused when the backend was resolved. Returns y (B, T, H, P) in x's dtype, incl. D x."""
+    slots = meta.row_index(state.ssm.shape[0])
+    verify = replay_verify_flashinfer if state.ssm_backend == "flashinfer" else replay_verify_flashinfer_ref
+    return verify(state.ssm, x, dt, A, Bm, Cm, D, dt_bias, slots, state.history, state.slots.ring_start,
+                  state.slots.prev_num_accepted)
 
 
 def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_step_limit) -> torch.Tensor:

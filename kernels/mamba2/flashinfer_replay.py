@@ -1,0 +1,278 @@
+"""Mamba2 SSM replay through FlashInfer's ``checkpointing_ssu`` (flashinfer.mamba, 0.7.2): its ring history,
+the per-slot bookkeeping it leaves to the caller, and a plain-PyTorch reference of its contract.
+
+FlashInfer's "ReplaySSM" contract (include/flashinfer/mamba/checkpointing_ssu.cuh in FlashInfer 0.7.2):
+
+    state     (S, H, P, N)          the checkpoint: the state before the slot's pending tokens
+    x_cache   (S, H, R, P)          input dtype   a ring of R = W + T rows per slot: the pending tokens' x,
+    B_cache   (S, G, R, N)          input dtype   B and processed dt' = softplus(dt + dt_bias), W the
+    dt_cache  (S, H, R)             fp32          replay window (<= 16), T the verify width
+    ring_start (S,) int32           the oldest live row: pending token j (< pnat) is row (ring_start + j) % R
+    pnat      (S,) int32            prev_num_accepted_tokens: the pending tokens
+
+A call, for each row b of slot s with k = pnat[s]: fast-forward the checkpoint by the k pending tokens
+(recomputing their decays from dt_cache), run the T new tokens from there (y_t = C_t . h_t + D x_t), append
+the new tokens' x, B, dt' at rows (ring_start + k + t) % R, and, when they do not fit behind the pending
+ones (k + T > W: a "flush"), store the fast-forwarded state as the new checkpoint. The kernel never moves
+ring_start or pnat: the caller does, after acceptance of a tokens (:func:`ring_advance` with
+``kernels.commit.replay_advance``): on a flush ring_start += k (the pending tokens are folded in) and
+pnat = a, else pnat = k + a.
+
+That is the project's own checkpointing replay (kernels/mamba2/replay.py, ``hist_len`` L = W) in another
+layout: the same flush rule (k + T > L), the same PNAT update, the state written at the same steps, so the
+two backends keep the same committed states and produce the same outputs to float rounding. With W = T
+(flush whenever k > 0) it is the per-step replay. Only the history differs (a ring instead of a window
+rewritten from position 0 on a flush, and no dA_cumsum).
+
+- :class:`RingHistory`: one layer's ring (allocation and the memory plan read its :meth:`RingHistory.shapes`).
+- :func:`replay_verify_flashinfer` runs ``flashinfer.mamba.checkpointing_ssu`` on CUDA;
+  :func:`replay_verify_flashinfer_ref` (same signature and effects) is the contract in PyTorch, what the
+  tests compare it with and what a CPU run calls.
+- :func:`ring_advance`: ring_start after a verify step (before PNAT moves), for the live rows.
+- :func:`flashinfer_replay_unsupported`: why FlashInfer cannot run a configuration (None when it can).
+
+Source: FlashInfer 0.7.2, flashinfer/mamba/checkpointing_ssu.py (the Python contract) and
+include/flashinfer/mamba/checkpointing_ssu.cuh (the ring's bookkeeping); the recurrence is Mamba2's SSD
+(Dao & Gu, "Transformers are SSMs", 2024).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# FlashInfer 0.7.2: checkpointing_ssu keeps at most 16 pending tokens (max_window), and the verify width must
+# not exceed the window (npredicted <= max_window)
+MAX_WINDOW = 16
+
+
+@dataclass
+class RingHistory:
+    """One Mamba2 layer's replay history in FlashInfer's ring layout (module docstring).
+
+    x_cache: (S, H, R, P) input dtype; B_cache: (S, G, R, N) input dtype; dt_cache: (S, H, R) float32
+    processed dt'. R = W + T: the window W (replay_hist_len) plus the verify width T.
+    """
+
+    x_cache: torch.Tensor
+    B_cache: torch.Tensor
+    dt_cache: torch.Tensor
+
+    @staticmethod
+    def shapes(num_slots: int, window: int, spec_tokens: int, nheads: int, head_dim: int, ngroups: int,
+               d_state: int, *, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{field: (shape, dtype)} of a layer's ring for ``num_slots`` slots, window W and verify width T."""
+        S, R, H, P, G, N = num_slots, window + spec_tokens, nheads, head_dim, ngroups, d_state
+        return {"x_cache": ((S, H, R, P), dtype), "B_cache": ((S, G, R, N), dtype),
+                "dt_cache": ((S, H, R), torch.float32)}
+
+    @property
+    def ring_len(self) -> int:
+        """R, the ring's rows per slot."""
+        return self.x_cache.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x_cache, self.B_cache, self.dt_cache))
+
+
+def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit: tuple[float, float] | None
+                                  ) -> str | None:
+    """Why FlashInfer's checkpointing_ssu cannot run this replay configuration, or None when it can: a window
+    above MAX_WINDOW, a verify wider than the window, or a dt clamp (it has none). (Stochastic rounding with
+    ssm_backend=flashinfer is refused where the cache is built: runners/engine/cache.py.)"""
+    if window > MAX_WINDOW:
+        return f"its replay window is at most {MAX_WINDOW} tokens (this run needs {window})"
+    if spec_tokens > window:
+        return f"the verify width T = {spec_tokens} exceeds its window {window}"
+    if time_step_limit is not None and tuple(time_step_limit) != (0.0, math.inf):
+        return f"it does not clamp dt (the model's time_step_limit is {tuple(time_step_limit)})"
+    return None
+
+
+def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
+    return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
+
+
+def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                             B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                             slot_ids: torch.Tensor, history: RingHistory, ring_start: torch.Tensor,
+                             prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One replay verify of a Mamba2 layer by ``flashinfer.mamba.checkpointing_ssu`` (monolithic kernel).
+
+    Args:
+        state: (S, H, P, N) the checkpoints (bfloat16 / float16 / float32); mutated on flush rows.
+        x: (B, T, H, P) input dtype; dt: (B, T, H) raw dt; A: (H,) negative decay rates; B, C: (B, T, G, N);
+            D, dt_bias: (H,).
+        slot_ids: (B,) int32 / int64 cache rows; every row is run (PAD rows must already point at a scratch
+            row, as ``BatchMeta.row_index`` maps them).
+        history: the layer's :class:`RingHistory`; mutated (the new tokens appended).
+        ring_start, prev_num_accepted: (S,) int32, read only (:func:`ring_advance` moves them).
+        out: optional (B, T, H, P) in x's dtype.
+
+    Returns:
+        (B, T, H, P) in x's dtype, D x included.
+
+    Raises:
+        ImportError: flashinfer.mamba is not importable; RuntimeError / AssertionError from FlashInfer for a
+            shape or dtype its JIT cannot build (the engine probes before use: runners/engine/runner.py).
+    """
+    import flashinfer.mamba as fim
+
+    b, T, H, P = x.shape
+    N = state.shape[-1]
+    x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
+    if out is None:
+        out = torch.empty_like(x)
+    # D and dt_bias share one dtype in its contract; fp32, as our kernels read them
+    fim.checkpointing_ssu(
+        state, history.x_cache, history.B_cache, history.dt_cache, ring_start, prev_num_accepted,
+        x, _tied(dt.float(), (b, T, H, P)), _tied(A.float(), (H, P, N)), B, C, out,
+        D=_tied(D.float(), (H, P)), dt_bias=_tied(dt_bias.float(), (H, P)), dt_softplus=True,
+        state_batch_indices=slot_ids.to(torch.int32), algorithm="monolith",
+    )
+    return out
+
+
+def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                                 slot_ids: torch.Tensor, history: RingHistory, ring_start: torch.Tensor,
+                                 prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
+    """FlashInfer's checkpointing_ssu contract in PyTorch: same arguments, effects and result as
+    :func:`replay_verify_flashinfer` (module docstring), token by token in float32, vectorised over the rows.
+
+    For each row b (slot s = slot_ids[b]; a negative id is FlashInfer's pad_slot_id: the row is skipped and
+    its output is zero), k = pnat[s] clamped to [0, W] (W = R - T):
+    1. h = state[s] fast-forwarded by ring rows (ring_start[s] + j) % R, j < k: h <- exp(A dt'_j) h +
+       dt'_j x_j (outer) B_j;
+    2. if k + T > W, state[s] = h (in its dtype; the new tokens continue from the stored value);
+    3. for t < T, dt'_t = softplus(dt_t + dt_bias), h <- exp(A dt'_t) h + dt'_t x_t (outer) B_t,
+       y_t = C_t . h + D x_t;
+    4. x_t, B_t, dt'_t are written to ring rows (ring_start[s] + k + t) % R.
+    Rows of one launch must name distinct slots (as the engine's batches do).
+    """
+    b, T, H, P = x.shape
+    G = B.shape[2]
+    R = history.ring_len
+    W = R - T
+    if out is None:
+        out = torch.empty_like(x)
+    out.zero_()
+    rows = (slot_ids >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    s = slot_ids[rows].long()
+    n = rows.numel()
+    heads_per_group = H // G
+    head_group = torch.arange(H, device=x.device) // heads_per_group
+    k = prev_num_accepted[s].long().clamp(0, W)
+    start = ring_start[s].long()
+    Af = A.float()
+    h = state[s].float()  # (n, H, P, N)
+    for j in range(W):  # the pending tokens, masked per row
+        live = (j < k)[:, None, None, None]
+        row = (start + j) % R
+        dtj = history.dt_cache[s, :, row]  # (n, H)
+        xj = history.x_cache[s, :, row].float()  # (n, H, P)
+        Bj = history.B_cache[s, :, row].float()[:, head_group]  # (n, H, N)
+        step = torch.exp(Af * dtj)[:, :, None, None] * h + (dtj[:, :, None] * xj)[..., None] * Bj[:, :, None, :]
+        h = torch.where(live, step, h)
+    flush = k + T > W
+    if bool(flush.any()):
+        stored = h[flush].to(state.dtype)
+        state[s[flush]] = stored
+        h[flush] = stored.float()
+    dtp = F.softplus(dt[rows].float() + dt_bias.float())  # (n, T, H)
+    xr, Br, Cr = x[rows].float(), B[rows].float(), C[rows].float()
+    y = torch.empty(n, T, H, P, dtype=torch.float32, device=x.device)
+    for t in range(T):
+        Bt, Ct = Br[:, t][:, head_group], Cr[:, t][:, head_group]  # (n, H, N)
+        h = torch.exp(Af * dtp[:, t])[:, :, None, None] * h + \
+            (dtp[:, t][:, :, None] * xr[:, t])[..., None] * Bt[:, :, None, :]
+        y[:, t] = (h * Ct[:, :, None, :]).sum(-1) + D.float()[None, :, None] * xr[:, t]
+        row = (start + k + t) % R
+        history.x_cache[s, :, row] = x[rows, t].to(history.x_cache.dtype)
+        history.B_cache[s, :, row] = B[rows, t].to(history.B_cache.dtype)
+        history.dt_cache[s, :, row] = dtp[:, t]
+    out[rows] = y.to(out.dtype)
+    return out
+
+
+def ring_advance(ring_start: torch.Tensor, prev_num_accepted: torch.Tensor, slot_ids: torch.Tensor,
+                 spec_tokens: int, window: int, ring_len: int) -> None:
+    """After a verify step, before PNAT moves (``kernels.commit.replay_advance``): ring_start[s] += k mod R
+    for the live rows (slot id >= 0) whose verify flushed (k + T > W, k = PNAT clamped to [0, W]): their
+    pending tokens are now in the checkpoint. PAD rows change nothing. Device ops only (no host sync:
+    CUDA-graph capturable). slot_ids: (B,) int64 on the cache device; mutates ``ring_start``."""
+    R = ring_start.shape[0]
+    live = slot_ids >= 0
+    rows = torch.where(live, slot_ids, R - 1).long()
+    k = prev_num_accepted[rows].long().clamp(0, window)
+    start = ring_start[rows].long()
+    moved = torch.where(live & (k + spec_tokens > window), (start + k) % ring_len, start)
+    ring_start.index_copy_(0, rows, torch.where(live, moved, ring_start[R - 1].long()).to(ring_start.dtype))
+
+
+_PROBED: dict[tuple, tuple[str | None, float]] = {}
+
+
+def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: int, spec_tokens: int,
+                            window: int, *, dtype: torch.dtype, state_dtype: torch.dtype,
+                            device: torch.device | str) -> tuple[str | None, float]:
+    """Whether FlashInfer's checkpointing_ssu runs this configuration on ``device``: one call over two rows
+    (one without a flush, one with) against :func:`replay_verify_flashinfer_ref`. The first call per
+    configuration JIT-builds FlashInfer's module (into its own cache folder, ``FLASHINFER_WORKSPACE_BASE``,
+    reused by later processes); the probe is remembered per process.
+
+    Returns:
+        (None, seconds) when it runs and matches the reference within 5e-2 of the largest output (a sanity
+        bound: the GPU tests hold the kernel to tighter ones), else (the reason, seconds): the exception
+        FlashInfer raised (a dtype or size its JIT cannot build) or the mismatch. ``seconds``: the probe's
+        wall time, the JIT build included.
+    """
+    import time
+
+    key = (nheads, head_dim, ngroups, d_state, spec_tokens, window, dtype, state_dtype, str(device))
+    if key in _PROBED:
+        return _PROBED[key]
+    start = time.perf_counter()
+    H, P, G, N, T, W = nheads, head_dim, ngroups, d_state, spec_tokens, window
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=gen) * scale).to(dt).to(device)
+
+    ring = RingHistory(*(rand(*shape, scale=0.5, dt=d) for shape, d in
+                         RingHistory.shapes(3, W, T, H, P, G, N, dtype=dtype).values()))
+    ring.dt_cache.abs_().mul_(0.1)
+    state = rand(3, H, P, N, scale=0.5, dt=state_dtype)
+    x, B, C = rand(2, T, H, P), rand(2, T, G, N, scale=N ** -0.5), rand(2, T, G, N, scale=N ** -0.5)
+    dt, A, D, dt_bias = rand(2, T, H, dt=torch.float32), -rand(H, dt=torch.float32).abs() - 0.5, \
+        rand(H, dt=torch.float32), rand(H, dt=torch.float32)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    ring_start = torch.tensor([0, W - 1, 0], dtype=torch.int32, device=device)
+    pnat = torch.tensor([1, W, 0], dtype=torch.int32, device=device)  # row 0 keeps its state, row 1 flushes
+    ref_state, ref_ring = state.clone(), RingHistory(*(t.clone() for t in (ring.x_cache, ring.B_cache,
+                                                                           ring.dt_cache)))
+    try:
+        got = replay_verify_flashinfer(state, x, dt, A, B, C, D, dt_bias, slots, ring, ring_start, pnat)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure means: not usable here, say which
+        result = (f"FlashInfer's checkpointing_ssu failed at this configuration: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}", time.perf_counter() - start)
+    else:
+        want = replay_verify_flashinfer_ref(ref_state, x, dt, A, B, C, D, dt_bias, slots, ref_ring, ring_start,
+                                            pnat)
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+        serr = float((state.float() - ref_state.float()).abs().max()
+                     / ref_state.float().abs().max().clamp(min=1e-6))
+        bad = err > 5e-2 or serr > 5e-2 or not torch.isfinite(got).all()
+        result = (f"FlashInfer's checkpointing_ssu differs from its contract's reference (outputs {err:.2g}, "
+                  f"state {serr:.2g} of the largest value)" if bad else None, time.perf_counter() - start)
+    _PROBED[key] = result
+    return result

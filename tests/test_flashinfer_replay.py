@@ -1,0 +1,215 @@
+"""FlashInfer's checkpointing_ssu contract (kernels/mamba2/flashinfer_replay.py) against the project's replay.
+
+CPU, the references only (FlashInfer's kernel is compared with its reference in
+tests/test_flashinfer_replay_gpu.py):
+- over a run of verify steps with random acceptance, the FlashInfer-layout reference (ring history, ring_start
+  moved by ``ring_advance``) gives the outputs of our replay reference (``kernels.mamba2.replay_verify_ref``,
+  double-buffered window) at every step and the same committed states, in the checkpointing window (W = 16,
+  flushes every few steps) and the per-step one (W = T), with a bfloat16 state too; PAD rows change nothing
+  and read zeros; slot 0 is live; slots are reused (reset) mid-run;
+- ring_advance moves only flushed live rows, by their pending count, modulo the ring;
+- the refusals: a window over 16, T over the window, a dt clamp.
+Tolerance: float32 state 1e-5 of the largest output (the two compute the same sums in another order: closed
+form vs token by token); bfloat16 state 2e-2 (a flushed state is rounded once in both).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.commit import allocate_replay_slots, replay_advance_ref
+from kernels.mamba2 import ReplayHistory, replay_verify_ref
+from kernels.mamba2.flashinfer_replay import (
+    MAX_WINDOW,
+    RingHistory,
+    flashinfer_replay_unsupported,
+    replay_verify_flashinfer_ref,
+    ring_advance,
+)
+
+
+def _ring(S, W, T, H, P, G, N, dtype):
+    return RingHistory(**{k: torch.zeros(shape, dtype=dt)
+                          for k, (shape, dt) in RingHistory.shapes(S, W, T, H, P, G, N, dtype=dtype).items()})
+
+
+@pytest.mark.parametrize("window, state_dtype", [(16, torch.float32), (4, torch.float32),
+                                                 (16, torch.bfloat16)])
+def test_the_ring_contract_tracks_our_replay_step_by_step(window, state_dtype):
+    torch.manual_seed(window)
+    S, H, P, G, N, T = 5, 4, 3, 2, 5, 4
+    checkpointing = window > T  # W = T is the per-step replay
+    A = -torch.rand(H) - 0.5
+    D, dt_bias = torch.randn(H), torch.rand(H) - 0.5
+    init = torch.randn(S, H, P, N).to(state_dtype)
+    ours_state, fi_state = init.clone(), init.clone()
+    hist = ReplayHistory.allocate(S, window, H, P, G, N, dtype=torch.float32, device="cpu",
+                                  checkpointing=checkpointing)
+    ring = _ring(S, window, T, H, P, G, N, torch.float32)
+    pnat_a, bufidx = allocate_replay_slots(S, device="cpu")
+    pnat_b, _ = allocate_replay_slots(S, device="cpu")
+    ring_start = torch.zeros(S, dtype=torch.int32)
+    hist_len = window if checkpointing else None
+    flushes = 0
+    for step in range(14):
+        slot_ids = torch.tensor([3, 0, -1, 1] if step % 3 else [0, -1, 4, 2])
+        if step == 7:  # slot 0 starts a new request: its prefill wrote the state, nothing pending
+            for t in (pnat_a, pnat_b, bufidx, ring_start):
+                t[0] = 0
+            ours_state[0] = fi_state[0] = torch.randn(H, P, N).to(state_dtype)
+        b = slot_ids.shape[0]
+        x, C, B = torch.randn(b, T, H, P), torch.randn(b, T, G, N), torch.randn(b, T, G, N)
+        dt = torch.randn(b, T, H)
+        k = pnat_b[slot_ids.clamp(min=0)].clamp(0, window)
+        flushes += int(((k + T > window) & (slot_ids >= 0)).sum())
+        want = replay_verify_ref(ours_state, x, dt, A, B, C, D, dt_bias, slot_ids, hist, pnat_a, bufidx)
+        got = replay_verify_flashinfer_ref(fi_state, x, dt, A, B, C, D, dt_bias, slot_ids, ring, ring_start,
+                                           pnat_b)
+        tol = (1e-5 if state_dtype == torch.float32 else 2e-2) * want.abs().max()
+        assert (got - want).abs().max() <= tol, step
+        assert not got[slot_ids < 0].any()  # PAD rows read zeros
+        accepted = torch.randint(1, T + 1, (b,))
+        ring_advance(ring_start, pnat_b, slot_ids, T, window, ring.ring_len)
+        replay_advance_ref(pnat_a, bufidx, slot_ids, accepted, T, hist_len=hist_len)
+        replay_advance_ref(pnat_b, torch.zeros_like(bufidx), slot_ids, accepted, T, hist_len=hist_len)
+        assert torch.equal(pnat_a, pnat_b)
+        torch.testing.assert_close(fi_state.float(), ours_state.float(), atol=float(tol), rtol=0)
+    assert flushes >= 4  # the run crossed the flush rule several times
+    assert ring_start.max() > 0 and (ring_start < ring.ring_len).all()
+
+
+def test_ring_advance_moves_flushed_live_rows_by_their_pending_tokens():
+    T, W, R = 4, 16, 20
+    ring_start = torch.tensor([18, 5, 7, 0, 9], dtype=torch.int32)
+    pnat = torch.tensor([13, 12, 3, 40, 14], dtype=torch.int32)  # 40: garbage, clamped to W
+    slot_ids = torch.tensor([0, 1, -1, 3])
+    ring_advance(ring_start, pnat, slot_ids, T, W, R)
+    # slot 0: 13 + 4 > 16 -> (18 + 13) % 20 = 11; slot 1: 12 + 4 = 16 fits -> 5; slot 2: not in the batch;
+    # slot 3: k = 16 -> (0 + 16) % 20; slot 4 (the scratch row the PAD row maps to) unchanged
+    assert ring_start.tolist() == [11, 5, 7, 16, 9]
+
+
+def test_what_flashinfer_cannot_run_is_named():
+    assert flashinfer_replay_unsupported(4, 16, (0.0, math.inf)) is None
+    assert flashinfer_replay_unsupported(4, 4, None) is None  # the per-step window
+    assert "at most 16" in flashinfer_replay_unsupported(4, MAX_WINDOW + 1, None)
+    assert "exceeds its window" in flashinfer_replay_unsupported(17, 16, None)
+    assert "does not clamp dt" in flashinfer_replay_unsupported(4, 16, (0.0, 0.1))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_engine_on_ring_histories_emits_the_rewind_tokens(tmp_path, monkeypatch, checkpointing):
+    """The engine with every Mamba2 replay history in FlashInfer's ring layout (``HybridCache(replay_ring=
+    True)``: the contract's reference runs each verify, ``ReplaySlots.advance`` moves ring_start), per-step
+    and checkpointing windows, prompts of many lengths over fewer slots than requests: the tokens and the
+    acceptance counters of rewind, so the ring's bookkeeping holds through admissions, PAD rows and slot
+    reuse. (On the GPU tests/test_flashinfer_replay_gpu.py runs FlashInfer's kernel in its place.)"""
+    import functools
+
+    from ckpt_factory import make_hf_model, write_checkpoint
+
+    import runners.engine.runner as runner
+    from runners.engine import Engine
+    from runners.engine.cache import HybridCache
+    from runners.engine.options import EngineOptions
+
+    path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM"), with_mtp=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (10,))]
+
+    def run(replay, ring):
+        if ring:
+            monkeypatch.setattr(runner, "HybridCache", functools.partial(HybridCache, replay_ring=True))
+        options = EngineOptions(draft_len=3, ssm_replay=replay, max_batch_size=4, max_seq_len=80,
+                                ssm_replay_checkpointing=checkpointing and replay)
+        engine = Engine.from_pretrained(path, options)
+        monkeypatch.setattr(runner, "HybridCache", HybridCache)
+        out = engine.generate(prompts, 30, stop_token_ids=[])  # enough steps for checkpointing flushes
+        slots = engine.runner.cache.replay
+        return out, slots
+
+    rewind, _ = run(False, False)
+    ring, slots = run(True, True)
+    assert slots.ring_start is not None and slots.window == (16 if checkpointing else 4)
+    assert int(slots.ring_start.max()) > 0  # the rings turned
+    assert ring.tokens == rewind.tokens
+    assert (ring.stats.accepted_drafts, ring.stats.num_accepted_hist) == \
+        (rewind.stats.accepted_drafts, rewind.stats.num_accepted_hist)
+
+
+def test_the_probe_says_whether_the_kernel_runs_and_agrees(monkeypatch):
+    """probe_flashinfer_replay: a kernel that matches its contract's reference passes (None); one that raises
+    (a JIT build failure) or disagrees is named with the reason; each configuration is probed once."""
+    from kernels.mamba2 import flashinfer_replay as fr
+
+    calls = []
+
+    def run(*args, **kw):
+        calls.append(1)
+        return fr.replay_verify_flashinfer_ref(*args, **kw)
+
+    monkeypatch.setattr(fr, "_PROBED", {})
+    monkeypatch.setattr(fr, "replay_verify_flashinfer", run)
+    args = dict(dtype=torch.float32, state_dtype=torch.float32, device="cpu")
+    assert fr.probe_flashinfer_replay(4, 8, 2, 16, 4, 16, **args)[0] is None
+    assert fr.probe_flashinfer_replay(4, 8, 2, 16, 4, 16, **args)[0] is None and len(calls) == 1  # remembered
+
+    def fails(*args, **kw):
+        raise RuntimeError("static assertion failed\nmore")
+
+    monkeypatch.setattr(fr, "replay_verify_flashinfer", fails)
+    why, seconds = fr.probe_flashinfer_replay(4, 8, 2, 16, 4, 8, **args)
+    assert why == "FlashInfer's checkpointing_ssu failed at this configuration: RuntimeError: static " \
+                  "assertion failed" and seconds >= 0
+
+    def off(*args, **kw):
+        return fr.replay_verify_flashinfer_ref(*args, **kw) * 1.5
+
+    monkeypatch.setattr(fr, "replay_verify_flashinfer", off)
+    assert "differs from its contract's reference" in fr.probe_flashinfer_replay(4, 8, 2, 16, 4, 4, **args)[0]
+
+
+def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, caplog):
+    """ssm_backend=flashinfer with replay on CUDA (a stand-in flashinfer.mamba here): FlashInfer when its
+    checkpointing_ssu exists, fits the window and passes the probe; else Triton and a warning naming why.
+    results.json's ssm_kernels say which verify ran per layer kind."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    import runners.engine.runner as runner
+
+    fim = ModuleType("flashinfer.mamba")
+    fim.checkpointing_ssu = object()
+    package = ModuleType("flashinfer")
+    package.mamba = fim
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mamba", fim)
+    cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
+                          time_step_limit=(0.0, math.inf), gdn_num_value_heads=0)
+    probe = {"result": (None, 1.0)}
+    monkeypatch.setattr(runner, "probe_flashinfer_replay", lambda *a, **k: probe["result"])
+    cuda = torch.device("cuda")
+    kw = dict(spec_tokens=4, replay_checkpointing=True, dtype=torch.bfloat16, ssm_state_dtype=torch.float32)
+    assert runner.resolve_ssm_backend("flashinfer", cuda, True, cfg, **kw) == "flashinfer"
+    assert runner.ssm_kernels("flashinfer", True, cfg) == {"mamba2": "flashinfer checkpointing_ssu"}
+    cases = [("probe", "failed at this configuration: RuntimeError: x"),
+             ("wide", "its replay window is at most 16 tokens (this run needs 17)"),
+             ("clamp", "does not clamp dt"), ("old", "has no checkpointing_ssu")]
+    for case, says in cases:
+        failed = "FlashInfer's checkpointing_ssu failed at this configuration: RuntimeError: x"
+        probe["result"] = (failed, 1.0) if case == "probe" else (None, 1.0)
+        limit = (0.0, 0.1) if case == "clamp" else (0.0, math.inf)
+        c = SimpleNamespace(**{**vars(cfg), "time_step_limit": limit})
+        if case == "old":
+            monkeypatch.delattr(fim, "checkpointing_ssu")
+        args = {**kw, "spec_tokens": 17, "replay_checkpointing": False} if case == "wide" else kw
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert runner.resolve_ssm_backend("flashinfer", cuda, True, c, **args) == "triton", case
+        assert "ssm_backend=flashinfer with ssm_replay" in caplog.text and says in caplog.text, case
+    qwen = SimpleNamespace(mamba_num_heads=0, gdn_num_value_heads=32)
+    assert runner.ssm_kernels("triton", True, qwen) == {"gdn": "triton replay_verify"}
+    assert runner.ssm_kernels("torch", False, cfg) == {"mamba2": "torch selective_state_update"}

@@ -1,0 +1,104 @@
+"""GPU checks of SSM replay through FlashInfer's checkpointing_ssu (kernels/mamba2/flashinfer_replay.py).
+
+Run on the device machine (``-m gpu``); skips without CUDA or without flashinfer.mamba.checkpointing_ssu.
+- the kernel against its contract's PyTorch reference over a run of verifies (random acceptance, flushes,
+  ring_start turning, a PAD row on the scratch slot), bf16 inputs, float32 and bfloat16 state, at Super V3's
+  Mamba2 head sizes (head_dim 64, d_state 128, 8 heads per group): outputs, committed states and rings;
+- the engine: ssm_backend=flashinfer with ssm_replay runs FlashInfer (engine.ssm_backend, ssm_kernels) and
+  gives the tokens and acceptance of our Triton replay and of rewind in float32, per-step and checkpointing,
+  with CUDA graphs and without (graph == eager), slots reused across 12 requests over 5 slots.
+Tolerances: bf16 inputs, fp32 accumulation in both; outputs within 2e-2 of the largest |reference| output
+(FlashInfer multiplies bf16 tensor-core fragments), states within 2e-2 (fp32) / 4e-2 (bf16: one rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_factory import make_hf_model, write_checkpoint
+
+from kernels.commit import replay_advance_ref
+from kernels.mamba2.flashinfer_replay import (
+    RingHistory,
+    replay_verify_flashinfer,
+    replay_verify_flashinfer_ref,
+    ring_advance,
+)
+from runners.engine import Engine
+from runners.engine.options import EngineOptions
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _need_flashinfer():
+    fim = pytest.importorskip("flashinfer.mamba")
+    if not hasattr(fim, "checkpointing_ssu"):
+        pytest.skip("this FlashInfer has no checkpointing_ssu")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [4, 16])
+def test_flashinfer_replay_kernel_equals_its_contract(state_dtype, window):
+    _need_flashinfer()
+    torch.manual_seed(0)
+    dev, S, H, P, G, N, T = "cuda", 6, 16, 64, 2, 128, 4
+    A = -torch.rand(H, device=dev) - 0.5
+    D, dt_bias = torch.randn(H, device=dev), torch.rand(H, device=dev) - 0.5
+    state = (torch.randn(S, H, P, N, device=dev) * 0.5).to(state_dtype)
+    ring = RingHistory(*(torch.zeros(shape, dtype=dt, device=dev) for shape, dt in
+                         RingHistory.shapes(S, window, T, H, P, G, N, dtype=torch.bfloat16).values()))
+    ref_state = state.clone()
+    ref_ring = RingHistory(*(t.clone() for t in (ring.x_cache, ring.B_cache, ring.dt_cache)))
+    pnat = torch.zeros(S, dtype=torch.int32, device=dev)
+    ring_start = torch.zeros(S, dtype=torch.int32, device=dev)
+    for step in range(12):
+        slots = torch.tensor([0, 3, 1, S - 1] if step % 2 else [2, 4, S - 1, 0], device=dev)  # S-1: PAD's row
+        b = slots.shape[0]
+        x = torch.randn(b, T, H, P, device=dev).to(torch.bfloat16)
+        B = (torch.randn(b, T, G, N, device=dev) / N ** 0.5).to(torch.bfloat16)
+        C = (torch.randn(b, T, G, N, device=dev) / N ** 0.5).to(torch.bfloat16)
+        dt = torch.randn(b, T, H, device=dev) * 0.5 - 1
+        args = (x, dt, A, B, C, D, dt_bias, slots)
+        got = replay_verify_flashinfer(state, *args, ring, ring_start, pnat)
+        want = replay_verify_flashinfer_ref(ref_state, *args, ref_ring, ring_start, pnat)
+        live = slots != S - 1
+        scale = want[live].float().abs().max()
+        assert (got[live].float() - want[live].float()).abs().max() <= 2e-2 * scale, step
+        stol = (2e-2 if state_dtype == torch.float32 else 4e-2) * ref_state.float().abs().max()
+        assert (state[:S - 1].float() - ref_state[:S - 1].float()).abs().max() <= stol, step
+        for a, r in zip((ring.x_cache, ring.B_cache, ring.dt_cache),
+                        (ref_ring.x_cache, ref_ring.B_cache, ref_ring.dt_cache)):
+            torch.testing.assert_close(a[:S - 1].float(), r[:S - 1].float(), rtol=1e-2, atol=1e-3)
+        ids = torch.where(live, slots, -1)
+        accepted = torch.randint(1, T + 1, (b,), device=dev)
+        ring_advance(ring_start, pnat, ids, T, window, ring.ring_len)
+        replay_advance_ref(pnat, torch.zeros_like(pnat), ids, accepted, T,
+                           hist_len=window if window > T else None)
+    assert int(ring_start.max()) > 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path, checkpointing):
+    _need_flashinfer()
+    # FlashInfer builds at head_dim 64 / d_state 128 with power-of-two heads per group (4 heads / 2 groups)
+    path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=64,
+                                                    ssm_state_size=128, mamba_num_heads=4), with_mtp=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (12,))]
+    outs = {}
+    for name, backend, replay, graphs in (("rewind", "triton", False, True), ("triton", "triton", True, True),
+                                          ("flashinfer", "flashinfer", True, True),
+                                          ("flashinfer_eager", "flashinfer", True, False)):
+        options = EngineOptions(draft_len=3, ssm_replay=replay, ssm_backend=backend, max_batch_size=5,
+                                max_seq_len=96, cuda_graphs=graphs,
+                                ssm_replay_checkpointing=checkpointing and replay)
+        engine = Engine.from_pretrained(path, options, device="cuda")
+        assert engine.ssm_backend == backend, name
+        if backend == "flashinfer":
+            assert engine.runner.ssm_kernels == {"mamba2": "flashinfer checkpointing_ssu"}
+        outs[name] = engine.generate(prompts, 30, stop_token_ids=[])
+    want = outs["rewind"]
+    for name, out in outs.items():
+        assert out.tokens == want.tokens, name
+        assert (out.stats.accepted_drafts, out.stats.num_accepted_hist) == \
+            (want.stats.accepted_drafts, want.stats.num_accepted_hist), name
