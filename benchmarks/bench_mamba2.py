@@ -55,6 +55,10 @@ def flashinfer_checkpointing_cases(T: int) -> list[tuple[int, str]]:
     return [(k, f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}") for k in (3, ring - 2 * T + 1)]
 
 
+# the name of bench_flashinfer's per-step replay call (window T): the sweep compares it with m2_write
+FLASHINFER_PER_STEP = "checkpointing_ssu_perstep"
+
+
 class _Skip(Exception):
     """bench_flashinfer's ``only`` names another call."""
 
@@ -212,6 +216,19 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
                                       D=D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
                                       algorithm="monolith")
             res[tag] = {"us": round(timer(call), 2)}
+        # the per-step replay in FlashInfer's layout: a window of T (a ring of 2T rows), so every verify with
+        # pending tokens flushes (T - 1 pending here), as the engine runs it for a per-step replay cache
+        tag = FLASHINFER_PER_STEP
+        if only in (None, tag):
+            x2, B2 = x_cache[:, :, : 2 * T].contiguous(), B_cache[:, :, : 2 * T].contiguous()
+            dt2, pnat = dt_cache[:, :, : 2 * T].contiguous(), torch.full((S,), T - 1, device=dev, dtype=torch.int32)
+
+            def per_step():
+                ring_start.zero_()
+                fim.checkpointing_ssu(state, x2, B2, dt2, ring_start, pnat, x, dt, A, B, C, out, D=D,
+                                      dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
+                                      algorithm="monolith")
+            res[tag] = {"us": round(timer(per_step), 2)}
     except Exception:  # noqa: BLE001
         res["checkpointing_ssu"] = {"error": traceback.format_exc(limit=2)}
     return res

@@ -352,7 +352,8 @@ def _flashinfer_rows(procs, dtypes, timer: Timer, nbytes_of: dict, deadline: flo
         for key, val in list(rows.items()):
             if not isinstance(val, dict):
                 continue
-            op = "m2_flush" if "flush" in key else "m2_ckpt" if key.startswith("checkpointing_ssu_pnat") else None
+            op = ("m2_write" if key == bench_mamba2.FLASHINFER_PER_STEP else "m2_flush" if "flush" in key
+                  else "m2_ckpt" if key.startswith("checkpointing_ssu_pnat") else None)
             if op and "us" in val:
                 rows[key] = {**val, **{k: v for k, v in _row(timer, val["us"], nbytes_of[(op, name)]).items()
                                         if k != "us"}, "compared_with": op}
@@ -532,8 +533,48 @@ def defaults_table(res: dict, *, source: str = "", date: str = "") -> dict:
                     "config": best, "kwargs": dict(configs[best]),
                     "evidence": {"sweep_ops": list(ops), "shape": shape, "T": ts, "cost_us": cost}}
     provenance = {"sweep_json": source, "date": date or res.get("date", ""), "device": res.get("device", ""),
-                  "torch": res.get("torch", ""), "triton": res.get("triton", ""), "rule": DEFAULTS_RULE}
-    return {"schema": replay_defaults.SCHEMA, "provenance": provenance, "rows": dict(sorted(rows.items()))}
+                  "torch": res.get("torch", ""), "triton": res.get("triton", ""), "rule": DEFAULTS_RULE,
+                  "backend_rule": BACKEND_RULE}
+    return {"schema": replay_defaults.SCHEMA, "provenance": provenance, "rows": dict(sorted(rows.items())),
+            "backends": _backends(res)}
+
+
+BACKEND_RULE = (
+    "per (operation, state dtype, headline shape): FlashInfer's checkpointing_ssu when the sum over the "
+    "operation's sweep operators of its headline time (each FlashInfer call names the operator it is "
+    "compared with) is below the least such sum of our configurations that matched the reference there; "
+    "else Triton. Only operations with a FlashInfer time for every operator get a row")
+
+
+def _backends(res: dict) -> dict:
+    """The table's "backends" section (kernels.replay_defaults.default_backend) from a sweep result: per
+    (operation, state dtype, shape class of the headline shape), "flashinfer" or "triton" by BACKEND_RULE,
+    with the evidence (both sums, our configuration, the headline batch and T)."""
+    out = {}
+    hl = res.get("headline", {})
+    if "shape" not in hl:
+        return out
+    for operation, ops in ENGINE_OPS.items():
+        if operation == "gdn":
+            continue  # FlashInfer's GDN kernels are not a backend of the engine (docs/kernel_performance.md)
+        for dt, calls in sorted((res.get("flashinfer") or {}).items()):
+            if not isinstance(calls, dict):
+                continue
+            theirs = {c["compared_with"]: c["us"] for c in calls.values()
+                      if isinstance(c, dict) and "us" in c and c.get("compared_with") in ops}
+            heads = [res.get("headline_rows", {}).get(f"{op}/{dt}", {}) for op in ops]
+            ours = {c: sum(h[c]["us"] for h in heads) for c in M2_CONFIGS
+                    if all(h.get(c, {}).get("ok") and "us" in h[c] for h in heads)}
+            if set(theirs) != set(ops) or not ours:
+                continue
+            best = min(sorted(ours), key=ours.get)
+            fi = round(sum(theirs.values()), 2)
+            shape = _shape_class("mamba2", res["shapes"]["mamba2"][hl["shape"]])
+            out[f"{operation}/{dt}/{shape}"] = {
+                "backend": "flashinfer" if fi < ours[best] else "triton",
+                "evidence": {"sweep_ops": list(ops), "flashinfer_us": fi, "triton_us": round(ours[best], 2),
+                             "triton_config": best, "batch": hl["batch"], "T": hl["T"]}}
+    return dict(sorted(out.items()))
 
 
 # What a sweep_replay.json document has for `defaults_table` (older sweeps lack "date" and "defaults").
@@ -723,8 +764,37 @@ def sweep(args) -> dict:
     res["copy_bandwidth_GBps"] = {str(k * 2): round(2 * k / (us * 1e-6) / 1e9, 1)
                                   for k, us in sorted(timer.copy_cache.items())}
     res["wall_s"] = round(time.time() - t_start, 1)
-    res["defaults"] = {k: v["config"] for k, v in defaults_table(res)["rows"].items()}
+    table = defaults_table(res)
+    res["defaults"] = {k: v["config"] for k, v in table["rows"].items()}
+    mark_headline_defaults(res, table)
     return res
+
+
+def mark_headline_defaults(res: dict, table: dict) -> None:
+    """Beside each headline row's configurations (res["headline_rows"]["<op>/<dtype>"]), the kernel the
+    engine would run there with ``table`` (a ``defaults_table``): ``default`` = {"backend", "config", "us"}
+    (FlashInfer's time where the table's backend is FlashInfer, else our default configuration's), and
+    ``flashinfer`` = {"us"} where FlashInfer timed that operator. Mutates ``res``."""
+    hl = res.get("headline", {})
+    if "shape" not in hl:
+        return
+    for key, row in res.get("headline_rows", {}).items():
+        op, dt = key.split("/")
+        operation = next((name for name, ops in ENGINE_OPS.items() if op in ops), None)
+        if operation is None:
+            continue
+        family = "gdn" if operation == "gdn" else "mamba2"
+        shape = _shape_class(family, res["shapes"][family][hl["shape"]])
+        fi = next((c["us"] for c in (res.get("flashinfer") or {}).get(dt, {}).values()
+                   if isinstance(c, dict) and c.get("compared_with") == op and "us" in c), None)
+        if fi is not None:
+            row["flashinfer"] = {"us": fi}
+        backend = (table.get("backends") or {}).get(f"{operation}/{dt}/{shape}", {}).get("backend", "triton")
+        cfg = (table["rows"].get(replay_defaults.key(operation, dt, shape, hl["batch"])) or {}).get("config")
+        if backend == "flashinfer" and fi is not None:
+            row["default"] = {"backend": "flashinfer", "config": "checkpointing_ssu", "us": fi}
+        elif cfg is not None and "us" in row.get(cfg, {}):
+            row["default"] = {"backend": "triton", "config": cfg, "us": row[cfg]["us"]}
 
 
 def grid_configs(res: dict, op: str, state_dtype: str) -> list[str]:

@@ -30,6 +30,11 @@ one as one). Timed side by side, the two dtypes came within a few percent of eac
 fastest configuration per operator (docs/kernel_performance.md, "the engine's configurations"). A sweep with
 float16 states would replace this with measured rows.
 
+Backends (``"backends"``, keyed "{operation}/{state dtype}/{shape class}"): which vendor's replay kernel the
+engine runs by default for that operation ("flashinfer": FlashInfer's checkpointing_ssu, "triton": ours), from
+the same sweep (`benchmarks.sweep_replay._backends`: the headline times of both, summed over the operation's
+operators). `default_backend` reads it; an operation without a row there runs ours.
+
 Fallback (documented default): no table file, no row for the (operation, dtype, shape class) (nor its sibling's),
 or a row naming a variant the module does not have -> {"variant": fallback} where fallback is the module's
 `FALLBACK_VARIANT` ("fma": the variant every test, shape and dtype covers).
@@ -119,6 +124,26 @@ def lookup(operation: str, state_dtype: torch.dtype, shape_class: str, batch: in
     bucket = next((b for b in buckets if batch <= b), buckets[-1])
     kwargs = dict(rows[prefix + str(bucket)]["kwargs"])
     return kwargs if kwargs["variant"] in variants else {"variant": fallback}
+
+
+def default_backend(operation: str, state_dtype: torch.dtype, shape_class: str, path: str | None = None
+                    ) -> str | None:
+    """The table's backend ("flashinfer" / "triton") for ``operation`` at this state dtype and shape class
+    (a float16 state takes its `ROW_SIBLING`'s), or None without a row (module docstring).
+
+    Raises:
+        ValueError: an unknown operation, or a broken table file (`load`).
+    """
+    if operation not in OPERATIONS:
+        raise ValueError(f"replay_defaults.default_backend: operation must be one of {OPERATIONS}, got "
+                         f"{operation!r}")
+    backends = load(path).get("backends") or {}
+    name = dtype_name(state_dtype)
+    for dt in (name, *filter(None, [ROW_SIBLING.get(name)])):
+        row = backends.get(f"{operation}/{dt}/{shape_class}")
+        if row is not None:
+            return row["backend"]
+    return None
 
 
 def resolve(explicit: dict, operation: str, state_dtype: torch.dtype, shape_class: str, batch: int, *,

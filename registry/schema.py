@@ -80,6 +80,9 @@ class SpecAlgorithm(str, Enum):
 
 
 class SSMBackend(str, Enum):
+    # on a GPU the measured faster replay kernel of the model's Mamba2 shape and state dtype
+    # (kernels/replay_defaults.json: FlashInfer's checkpointing_ssu or ours), our Triton kernels for the rest
+    auto = "auto"
     triton = "triton"  # our kernels (kernels/), also run by the Triton interpreter on the CPU
     flashinfer = "flashinfer"  # flashinfer.mamba (GPU only; Mamba2 only)
     torch = "torch"  # the plain-PyTorch reference path
@@ -99,7 +102,7 @@ class SpeculativeConfig:
 class SSMConfig:
     """Recurrent-state (Mamba2 / Gated DeltaNet) settings of the verify step."""
 
-    backend: SSMBackend = SSMBackend.triton
+    backend: SSMBackend = SSMBackend.auto
     replay: bool = False  # SSM replay instead of rewind (needs speculative decoding)
     # the checkpointing variant of replay (Mamba2 only): a max(16, T)-token history, the state written on
     # overflow; applies when replay is on (kernels/mamba2/replay.py)

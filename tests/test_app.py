@@ -184,8 +184,8 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results, default=str))
     assert results["schema_version"] == RESULTS_SCHEMA_VERSION and results["entry"] == "tiny_nemotron_h_mtp"
-    # the backend that ran, not the entry's GPU one (triton): on the CPU the PyTorch references run
-    assert results["config"]["model"]["ssm"]["backend"] == "triton"
+    # the backend that ran, not the entry's GPU one (auto): on the CPU the PyTorch references run
+    assert results["config"]["model"]["ssm"]["backend"] == "auto"
     assert results["config"]["ssm_backend"] == "torch"
     assert results["gsm8k"] == {"strict_match": 0.25, "flexible_extract": 0.5, "n": 4,
                                 "stderr": {"strict_match": None, "flexible_extract": None}}  # fakes give none
@@ -219,7 +219,7 @@ def test_run_builds_engine_evaluates_and_writes_results(fakes, tmp_path, capsys)
     assert "acceptance rate          50.00%" in printed and "acceptance length        2.50" in printed
     assert "verdict                  PASS" in printed
     assert "load                     1.5 s, weights 3.00 GiB at 3.22 GB/s, host RSS peak 2.00 GiB" in printed
-    assert ("ssm backend / state      torch (entry: triton; the CPU runs the PyTorch references) / float32 "
+    assert ("ssm backend / state      torch (entry: auto; the CPU runs the PyTorch references) / float32 "
             "state") in printed
     # at n = 4 the GSM8K threshold is below 0 %: the verdict line and summary.md say so, no negative number
     gsm8k_line = next(line for line in printed.splitlines() if line.startswith("  gsm8k.mean"))

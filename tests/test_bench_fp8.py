@@ -55,7 +55,9 @@ def test_cpu_super_stage_reports_bf16_and_fp8(tmp_path, gsm8k_dir):
     kv_bf16 = report["bf16"]["runs"][0]["cache_memory"]["kv_cache_bytes"]
     assert report["fp8"]["runs"][0]["cache_memory"]["kv_cache_bytes"] * 4 == kv_bf16  # fp32 on the CPU
     assert set(report["fp8_over_bf16_decode"]) == {"batch1_k0", "batch1_k3"}
-    # the run completes; random weights draft nothing, so super_v3's fp8 acceptance floor fails it (exit 1)
-    assert report["eval"]["exit_code"] == 1 and report["eval"]["results"]["gsm8k"]["n"] == 1
+    # the run completes; random weights draft nothing (acceptance 0), but an 8-token run is not the
+    # references' protocol (256 tokens), so super_v3's acceptance floor does not judge it: no reference, exit 0
+    assert report["eval"]["exit_code"] == 0 and report["eval"]["results"]["gsm8k"]["n"] == 1
     assert report["eval"]["results"]["acceptance_rate"] == 0.0
+    assert report["eval"]["results"]["verdict"] == "no_reference"
     assert not (tmp_path / "work" / "bf16").exists() and not (tmp_path / "work" / "fp8").exists()

@@ -213,3 +213,40 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
     qwen = SimpleNamespace(mamba_num_heads=0, gdn_num_value_heads=32)
     assert runner.ssm_kernels("triton", True, qwen) == {"gdn": "triton replay_verify"}
     assert runner.ssm_kernels("torch", False, cfg) == {"mamba2": "torch selective_state_update"}
+
+
+def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, caplog):
+    """ssm_backend unset (registry ``backend: auto``) on CUDA with replay: FlashInfer where the committed
+    table measured its checkpointing_ssu faster at the model's Mamba2 shape and state dtype (Super V3's, in
+    the checkpointing variant) and it probes fine; Triton where the table has no such row (the per-step
+    variant, another shape), with stochastic rounding, or when the probe fails (a warning names why)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    import runners.engine.runner as runner
+
+    fim = ModuleType("flashinfer.mamba")
+    fim.checkpointing_ssu = object()
+    package = ModuleType("flashinfer")
+    package.mamba = fim
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mamba", fim)
+    probe = {"result": (None, 1.0)}
+    monkeypatch.setattr(runner, "probe_flashinfer_replay", lambda *a, **k: probe["result"])
+    super_v3 = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
+                               time_step_limit=(0.0, math.inf), gdn_num_value_heads=0)
+    cuda = torch.device("cuda")
+
+    def resolve(cfg=super_v3, checkpointing=True, state=torch.float32, sr=False, replay=True):
+        return runner.resolve_ssm_backend(None, cuda, replay, cfg, spec_tokens=4,
+                                          replay_checkpointing=checkpointing, dtype=torch.bfloat16,
+                                          ssm_state_dtype=state, stochastic_rounding=sr)
+
+    assert resolve() == "flashinfer" and resolve(state=torch.bfloat16) == "flashinfer"
+    assert resolve(checkpointing=False) == "triton"  # no FlashInfer time for the per-step operation yet
+    assert resolve(cfg=SimpleNamespace(**{**vars(super_v3), "mamba_num_heads": 4})) == "triton"
+    assert resolve(sr=True) == "triton" and resolve(replay=False) == "triton"
+    probe["result"] = ("FlashInfer's checkpointing_ssu failed at this configuration: RuntimeError: x", 1.0)
+    with caplog.at_level("WARNING"):
+        assert resolve() == "triton"
+    assert "measured faster kernel at h128_p64_n128, but FlashInfer's checkpointing_ssu failed" in caplog.text

@@ -326,3 +326,32 @@ def test_gdn_launcher_without_variant_runs_the_tables_config(tmp_path, monkeypat
         gdn_replay.replay_verify(*(t.to(DEV) for t in ins), hist, *(t.to(DEV) for t in meta))
     assert [n for n, _ in log] == ["mma", "fma"]
     assert log[0][1]["CHUNK_K"] == 16 and log[0][1]["num_warps"] == 2 and log[0][1]["BV"] == 16  # V = 16 caps
+
+
+def test_the_backend_of_each_operation_is_the_faster_in_the_same_sweep():
+    """The committed table's backends come from its sweep: Mamba2's checkpointing replay runs FlashInfer's
+    checkpointing_ssu where its headline times (no-flush + flush operators) sum below our best
+    configuration's, at float32 and bfloat16 (float16 takes bfloat16's); the per-step and GDN operations,
+    which FlashInfer was not timed on, have no row (ours run). The sweep's headline rows name the engine's
+    kernel beside each operator's configurations."""
+    table = replay_defaults.load()
+    shape = replay_defaults.mamba2_shape_class(128, 64, 128)
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                        ("bfloat16", torch.float16)):
+        row = table["backends"][f"mamba2_checkpointing/{name}/{shape}"]
+        ev = row["evidence"]
+        assert row["backend"] == ("flashinfer" if ev["flashinfer_us"] < ev["triton_us"] else "triton")
+        assert replay_defaults.default_backend("mamba2_checkpointing", dtype, shape) == row["backend"]
+    assert replay_defaults.default_backend("mamba2_per_step", torch.float32, shape) is None
+    assert replay_defaults.default_backend("mamba2_checkpointing", torch.float32, "h4_p16_n32") is None
+    with open(os.path.join(ROOT, table["provenance"]["sweep_json"])) as f:
+        res = json.load(f)
+    sweep_replay.mark_headline_defaults(res, table)
+    for dt in ("float32", "bfloat16"):
+        for op in ("m2_ckpt", "m2_flush"):
+            rows = res["headline_rows"][f"{op}/{dt}"]
+            assert rows["default"] == {"backend": "flashinfer", "config": "checkpointing_ssu",
+                                       "us": rows["flashinfer"]["us"]}
+        rows = res["headline_rows"][f"m2_write/{dt}"]
+        assert rows["default"]["backend"] == "triton" and "flashinfer" not in rows
+        assert rows["default"]["us"] == rows[rows["default"]["config"]]["us"]

@@ -27,9 +27,12 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
     res = json.loads((tmp_path / "sweep_replay.json").read_text())
     assert (tmp_path / "sweep_replay.png").stat().st_size > 0
     for op in sweep_replay.OPS:
-        rows = res["headline_rows"][f"{op}/bfloat16"]
+        rows = dict(res["headline_rows"][f"{op}/bfloat16"])
+        default = rows.pop("default", None)  # the engine's kernel there, beside the configurations
         assert set(rows) == {"fma", "mma"}
         assert all(r["ok"] and r["us"] > 0 and r["bytes"] > 0 for r in rows.values()), rows
+        if any(op in ops for ops in sweep_replay.ENGINE_OPS.values()):  # (no FlashInfer in the dry run)
+            assert default["backend"] == "triton" and default["us"] == rows[default["config"]]["us"], default
         assert res["best"][f"{op}/bfloat16"] in rows
         # the grid times the current kernel and the confirmed best of every operator of the op's engine launch
         group = next((ops for ops in sweep_replay.ENGINE_OPS.values() if op in ops), (op,))

@@ -276,3 +276,13 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
                   f"state {serr:.2g} of the largest value)" if bad else None, time.perf_counter() - start)
     _PROBED[key] = result
     return result
+
+
+def jit_cache_dir() -> str | None:
+    """FlashInfer's folder of built JIT modules (``flashinfer.jit.env.FLASHINFER_JIT_DIR``), or None."""
+    try:
+        from flashinfer.jit import env
+    except Exception:  # noqa: BLE001 - not importable: nothing was built
+        return None
+    path = getattr(env, "FLASHINFER_JIT_DIR", None)
+    return None if path is None else str(path)

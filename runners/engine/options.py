@@ -225,7 +225,7 @@ def engine_options(rr: ResolvedRun) -> EngineOptions:
         draft_len=rr.draft_len,
         ssm_replay=rr.ssm_replay,
         ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
-        ssm_backend=rr.ssm_backend,
+        ssm_backend=None if rr.ssm_backend == "auto" else rr.ssm_backend,  # None: the measured default
         ssm_state_dtype=e.ssm.state_dtype.value,
         ssm_stochastic_rounding=e.ssm.stochastic_rounding,
         max_batch_size=rr.max_batch_size,

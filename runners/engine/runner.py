@@ -28,7 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.mamba2.flashinfer_replay import flashinfer_replay_unsupported, probe_flashinfer_replay
+from kernels import replay_defaults
+from kernels.mamba2.flashinfer_replay import (
+    flashinfer_replay_unsupported,
+    jit_cache_dir,
+    probe_flashinfer_replay,
+)
 from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
 from runners.engine.models.config import HybridConfig
@@ -56,7 +61,7 @@ FLASHINFER_HEADS_PER_GROUP = (1, 2, 4, 8, 16, 32, 64)
 def resolve_ssm_backend(
     backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None, *,
     spec_tokens: int = 0, replay_checkpointing: bool = False, dtype: torch.dtype | None = None,
-    ssm_state_dtype: torch.dtype | None = None,
+    ssm_state_dtype: torch.dtype | None = None, stochastic_rounding: bool = False,
 ) -> str:
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
     where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason). With
@@ -67,10 +72,17 @@ def resolve_ssm_backend(
     disagrees with the contract's reference (``probe_flashinfer_replay``: its JIT build, once per process and
     configuration), Triton runs instead, with a warning.
 
+    Default (``backend`` None) on CUDA with ``ssm_replay``: the measured faster replay kernel of the model's
+    Mamba2 shape and state dtype (``kernels.replay_defaults.default_backend``: FlashInfer's where the
+    committed sweep timed it faster), when FlashInfer can run it here (as above; and not with stochastic
+    rounding, which FlashInfer's path refuses); else Triton. The choice is logged.
+
     Raises:
         ValueError: an unknown backend; flashinfer off CUDA; a Triton backend on the CPU without the
             interpreter.
     """
+    if backend is None and device.type == "cuda" and ssm_replay and not stochastic_rounding:
+        backend = _measured_default(config, spec_tokens, replay_checkpointing, dtype, ssm_state_dtype, device)
     if backend == "flashinfer" and device.type != "cuda":
         raise ValueError(
             f"ssm_backend='flashinfer' runs FlashInfer's CUDA kernels, but the device is {device.type}; use "
@@ -134,6 +146,36 @@ def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int
         return "this FlashInfer has no checkpointing_ssu (0.7.2 has)"
     limit = getattr(config, "time_step_limit", None)
     return flashinfer_replay_unsupported(spec_tokens, replay_hist_len(spec_tokens, checkpointing), limit)
+
+
+def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
+                      dtype: torch.dtype | None, ssm_state_dtype: torch.dtype | None, device: torch.device
+                      ) -> str | None:
+    """"flashinfer" where the defaults table names it the faster replay kernel of this model's Mamba2 shape
+    and state dtype and it runs here (importable, supported, probed); else None (the device default)."""
+    if not getattr(config, "mamba_num_heads", 0) or ssm_state_dtype is None or dtype is None:
+        return None
+    operation = "mamba2_checkpointing" if checkpointing else "mamba2_per_step"
+    shape = replay_defaults.mamba2_shape_class(config.mamba_num_heads, config.mamba_head_dim,
+                                               config.ssm_state_size)
+    if replay_defaults.default_backend(operation, ssm_state_dtype, shape) != "flashinfer":
+        return None
+    try:
+        import flashinfer.mamba  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not usable here: ours runs
+        log.info("ssm_backend default: FlashInfer's replay is the measured faster kernel at %s, but "
+                 "flashinfer.mamba is not importable (%r); using triton", shape, e)
+        return None
+    why = _flashinfer_replay_unsupported(config, spec_tokens, checkpointing)
+    if not why:
+        why, _ = _probe_flashinfer_replay(config, spec_tokens, checkpointing, dtype, ssm_state_dtype, device)
+    if why:
+        log.warning("ssm_backend default: FlashInfer's replay is the measured faster kernel at %s, but %s; "
+                    "using triton", shape, why)
+        return None
+    log.info("ssm_backend default: flashinfer (its checkpointing_ssu is the measured faster replay kernel at "
+             "%s, %s state: kernels/replay_defaults.json)", shape, ssm_state_dtype)
+    return "flashinfer"
 
 
 def _probe_flashinfer_replay(config: HybridConfig, spec_tokens: int, checkpointing: bool, dtype: torch.dtype,
@@ -237,8 +279,15 @@ class ModelRunner:
                                                spec_tokens=options.spec_tokens,
                                                replay_checkpointing=options.ssm_replay_checkpointing,
                                                dtype=options.torch_dtype,
-                                               ssm_state_dtype=self.ssm_state_dtype)
+                                               ssm_state_dtype=self.ssm_state_dtype,
+                                               stochastic_rounding=options.ssm_stochastic_rounding)
         self.ssm_kernels = ssm_kernels(self.ssm_backend, options.ssm_replay, config)
+        if self.ssm_backend == "flashinfer" and options.ssm_replay:  # its probe: the JIT build, and where
+            _, seconds = _probe_flashinfer_replay(config, options.spec_tokens,
+                                                  options.ssm_replay_checkpointing, options.torch_dtype,
+                                                  self.ssm_state_dtype, device)
+            self.ssm_kernels["flashinfer_probe_s"] = round(seconds, 2)
+            self.ssm_kernels["flashinfer_jit_dir"] = jit_cache_dir()
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
             log.warning(
                 "ssm_state_dtype=%s for Mamba2 layers: a 16-bit recurrent state drifts from the float32 "
