@@ -56,7 +56,7 @@ def test_cpu_super_stage_reports_bf16_and_fp8(tmp_path, gsm8k_dir):
     assert report["fp8"]["runs"][0]["cache_memory"]["kv_cache_bytes"] * 4 == kv_bf16  # fp32 on the CPU
     assert set(report["fp8_over_bf16_decode"]) == {"batch1_k0", "batch1_k3"}
     # the run completes; random weights draft nothing (acceptance 0), but an 8-token run is not the
-    # references' protocol (256 tokens), so super_v3's acceptance floor does not judge it: no reference, exit 0
+    # references' protocol (256 tokens), so super_v3's acceptance floor does not judge it (no reference, 0)
     assert report["eval"]["exit_code"] == 0 and report["eval"]["results"]["gsm8k"]["n"] == 1
     assert report["eval"]["results"]["acceptance_rate"] == 0.0
     assert report["eval"]["results"]["verdict"] == "no_reference"
