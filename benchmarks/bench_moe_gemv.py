@@ -16,8 +16,9 @@ weights), one row each:
   ``block_fp8`` with activations quantized per token and 128-column group): ``moe_gemv_<fmt>``
   (kernels.quant.moe_gemv's per-pair GEMVs: three launches, what NVFP4MoE / BlockFP8MoE take at decode
   sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/moe.py's moe_experts_grouped over the
-  format's grouped GEMM: the quantized MoE's path before). Their floor counts the stored bytes of the format
-  (runners.engine.dummy.stored_nbytes: codes and scales).
+  format's grouped GEMM: the quantized MoE's path before); for ``block_fp8`` also ``moe_gemv_block_fp8_w8a16``
+  (the same per-pair GEMVs with the activations kept in bf16: no quantization in the kernels). Their floor
+  counts the stored bytes of the format (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -100,7 +101,10 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     gemv = partial(kernel, h, weights, indices, q["up"][0], q["gate"][0] if "gate" in q else None,
                    q["down"][0], act)
     grouped = partial(moe_experts_grouped, h, weights, indices, kinds, mm, ACTIVATIONS[act], up.shape[0])
-    for name, fn in ((f"moe_gemv_{fmt}", gemv), (f"grouped_mm_{fmt}", grouped)):
+    paths = [(f"moe_gemv_{fmt}", gemv), (f"grouped_mm_{fmt}", grouped)]
+    if fmt == "block_fp8":
+        paths.append((f"moe_gemv_{fmt}_w8a16", partial(gemv, scheme="w8a16")))
+    for name, fn in paths:
         out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
                   **{**meta, "floor_us": round(fl, 2), "format": fmt})
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None

@@ -105,6 +105,29 @@ def test_split_k_equals_reference(fmt, split):
     _close(kernel(*args), ref(*args), torch.float16)
 
 
+@pytest.mark.parametrize("splitting", ["unsplit", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_fp8_w8a16_pairs_equal_their_reference_and_the_grouped_path(dtype, splitting, request):
+    """scheme="w8a16" (activations kept): the per-pair kernels equal their reference, unsplit and with K
+    split, and the grouped path over block_fp8_grouped_mm_ref's w8a16; and differ from w8a8 (the
+    quantization of the activations is gone)."""
+    request.getfixturevalue(splitting)
+    h, weights, indices, up, gate, down, act = _case("block_fp8", dtype, True, seed=4)
+    got = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
+    want = bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, act, scheme="w8a16")
+    _close(got, want, dtype)
+    mats = {"up": up, "gate": gate, "down": down}
+    grouped = moe_experts_grouped(
+        h, weights, indices, ("up", "gate", "down"),
+        lambda x, kind, offsets: bf8.block_fp8_grouped_mm_ref(x, *mats[kind], offsets, scheme="w8a16"),
+        ACTIVATIONS[act], up[0].shape[0])
+    _close(got, grouped, dtype)
+    w8a8 = bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, act)
+    assert (w8a8.float() - want.float()).abs().max() > 0
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w4a16")
+
+
 @pytest.mark.parametrize("fmt", list(KERNELS))
 def test_kernel_equals_the_grouped_path(fmt, unsplit):
     """The per-pair kernels compute what the quantized MoE's grouped path (sorted pairs, the format's grouped

@@ -90,6 +90,21 @@ def test_released_expert_shapes(model, tokens):
     _close(got, moe_experts_grouped(h, weights, indices, kinds, mm, ACTIVATIONS[act], up[0].shape[0]))
 
 
+@pytest.mark.parametrize("tokens", (1, 8))
+def test_block_fp8_w8a16_at_qwen3_next_expert_shapes(tokens):
+    """scheme="w8a16" (activations kept in bf16) vs its reference and the grouped path over the w8a16
+    grouped GEMM, at Qwen3-Next's released expert shapes."""
+    _, *_, act, _ = SHAPES["qwen3_next"]
+    up, gate, down = _experts("qwen3_next")
+    h, weights, indices = _inputs("qwen3_next", tokens, seed=tokens + 10)
+    got = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
+    _close(got, bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, act, scheme="w8a16"))
+    mats = {"up": up, "gate": gate, "down": down}
+    mm = lambda x, kind, offsets: block_fp8_grouped_mm(x, *mats[kind], offsets, scheme="w8a16")
+    _close(got, moe_experts_grouped(h, weights, indices, ("up", "gate", "down"), mm, ACTIVATIONS[act],
+                                    up[0].shape[0]))
+
+
 @pytest.mark.parametrize("model", list(SHAPES))
 def test_capture_in_a_cuda_graph_without_host_sync(model):
     """No host synchronisation (sync debug mode "error"); captured once and replayed with new routing,

@@ -53,6 +53,7 @@ features, K input features, G = ceil(K / 128) groups.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -903,11 +904,12 @@ def _check_block_fp8(h, weights, indices, up, gate, down, activation, name) -> N
 
 
 def moe_gemv_block_fp8_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
-                           gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str
-                           ) -> torch.Tensor:
+                           gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str, *,
+                           scheme: str = "w8a8") -> torch.Tensor:
     """Reference routed experts with block-FP8 weights, pair by pair (the specification of
     :func:`moe_gemv_block_fp8`): each projection's input rows are quantized per token and 128-column group
-    (:func:`quantize_activation_per_token_group_ref`), each group's product with the
+    (:func:`quantize_activation_per_token_group_ref`; ``scheme="w8a16"``: kept, in float32, with group scales
+    of 1), each group's product with the
     pair's expert weight is summed in float32 and multiplied by the row's group scale and the weight block's
     ``weight_scale_inv``, the groups summed in float32 (:func:`_block_product`'s rule per pair), the
     result rounded to h's dtype; activation, gated product and combine as kernels/moe_gemv.py's
@@ -918,19 +920,22 @@ def moe_gemv_block_fp8_ref(h: torch.Tensor, weights: torch.Tensor, indices: torc
         up, gate, down: (weight float8_e4m3fn [E, out, in], weight_scale_inv float32 [E, ceil(out / 128),
             ceil(in / 128)]); up / gate [E, I, L], down [E, L, I]; gate None when not gated.
         activation: "relu2" or "silu".
+        scheme: one of :data:`SCHEMES`.
 
     Returns:
         [N, L] in h's dtype. Mutates nothing.
 
     Raises:
-        ValueError: shapes, dtypes or an activation that do not fit.
+        ValueError: shapes, dtypes, an activation or a scheme that do not fit.
     """
-    _check_block_fp8(h, weights, indices, up, gate, down, activation, "moe_gemv_block_fp8_ref")
+    name = "moe_gemv_block_fp8_ref"
+    _check_block_fp8(h, weights, indices, up, gate, down, activation, name)
+    _activations(h[:0], scheme, name)  # the scheme, checked before any work
     mats = {"up": up, "gate": gate, "down": down}
 
     def linear(x, kind, expert):
         w, ws = mats[kind]
-        qx, xs = quantize_activation_per_token_group_ref(x, BLOCK)  # [P, K] e4m3, [P, G]
+        qx, xs = _activations(x, scheme, name)  # [P, K] e4m3 codes (or x), [P, G]
         K = x.shape[1]
         wsn = ws[expert].float().repeat_interleave(BLOCK, dim=1)[:, : w.shape[1]]  # [P, out, G]
         y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
@@ -958,12 +963,12 @@ def _pair_block_fp8_kernel(
     NOUT, K, TOPK, STEPS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     GATED: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, A16: tl.constexpr,
 ):
     """One (pair, output tile, K range) per program, block-FP8 weights: grid (NOUT tiles, pairs, K splits);
     BLOCK_K = 128 (one activation group and one weight block column per iteration). Each group of the input
-    row is quantized here with this file's rule (:func:`group_scale_quant`), then dotted with the expert's fp8
-    weight tile; the rest as kernels/moe_gemv.py's ``_pair_gemv_kernel``. ws_ptr / ws2_ptr: weight_scale_inv
+    row is quantized here with this file's rule (:func:`group_scale_quant`; A16: kept as it is, w8a16), then
+    dotted with the expert's fp8 weight tile; the rest as kernels/moe_gemv.py's ``_pair_gemv_kernel``. ws_ptr / ws2_ptr: weight_scale_inv
     [E, ceil(NOUT / 128), ceil(K / 128)] (stride_se, stride_sn; unit column stride)."""
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -987,8 +992,11 @@ def _pair_block_fp8_kernel(
     for g in range(g_lo, g_hi):
         cols = g * BLOCK_K + offs_k
         xt = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q, xs = group_scale_quant(xt[None, :], INTERP)  # [1, BLOCK_K] e4m3 codes, [1] scale
-        q = q.to(tl.float32)
+        if A16:
+            q, xs = xt[None, :], 1.0
+        else:
+            q, xs = group_scale_quant(xt[None, :], INTERP)  # [1, BLOCK_K] e4m3 codes, [1] scale
+            q = q.to(tl.float32)
         kk = cols[None, :] + offs_n[:, None] * 0
         mk = mask_n[:, None] & (kk < K)
         acc += _fp8_tile_dot(w_rows, ws_rows, kk, mk, mask_n, q, xs, g)
@@ -998,9 +1006,9 @@ def _pair_block_fp8_kernel(
                     SPLIT)
 
 
-def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
+def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool = False):
     """One block-FP8 pair-GEMV launch: x [rows, K]; w, w2: (weight, weight_scale_inv) (w2 None unless
-    gated); K in 128-column steps (BLOCK_K = 128 always)."""
+    gated); K in 128-column steps (BLOCK_K = 128 always); ``a16``: w8a16 (x not quantized)."""
     P = idx.numel()
     weight, ws = w
     NOUT, K = weight.shape[1], weight.shape[2]
@@ -1015,17 +1023,18 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
         x.stride(0), weight.stride(0), weight.stride(1), ws.stride(0), ws.stride(1),
         out.stride(-2), out.stride(0) if split > 1 else 0,
         GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
-        BLOCK_N=bn, BLOCK_K=BLOCK, INTERP=interpreter_active(), num_warps=4, num_stages=1,
+        BLOCK_N=bn, BLOCK_K=BLOCK, INTERP=interpreter_active(), A16=a16, num_warps=4, num_stages=1,
     )
     return out, (out2 if w2 is not None else None), split
 
 
 def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
-                       gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str) -> torch.Tensor:
+                       gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str, *,
+                       scheme: str = "w8a8") -> torch.Tensor:
     """Routed experts with block-FP8 weights as per-pair GEMVs over the chosen experts (kernels/quant/moe_gemv.py),
-    activations quantized per token and 128-column group inside the kernels with this file's rule: same
-    arguments, result and errors as :func:`moe_gemv_block_fp8_ref`, equal to it up to the fp32 summation
-    order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
+    activations quantized per token and 128-column group inside the kernels with this file's rule (w8a16:
+    kept): same arguments, result and errors as :func:`moe_gemv_block_fp8_ref`, equal to it up to the fp32
+    summation order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
     CUDA and under TRITON_INTERPRET=1, the reference on a plain CPU run. Expert ids are not range-checked.
 
     Raises:
@@ -1033,10 +1042,11 @@ def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     """
     name = "moe_gemv_block_fp8"
     _check_block_fp8(h, weights, indices, up, gate, down, activation, name)
+    _activations(h[:0], scheme, name)  # the scheme, checked
     if not use_kernel(h):
-        return moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, activation)
+        return moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, activation, scheme=scheme)
     up, gate, down = contiguous_experts(up), contiguous_experts(gate), contiguous_experts(down)
     tensors = [t for e in (up, gate, down) if e is not None for t in e]
     check_launchable(h, weights, indices, *tensors, name=name)
-    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair,
-                             up[0].shape[1])
+    launch = functools.partial(_launch_pair, a16=scheme == "w8a16")
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, launch, up[0].shape[1])
