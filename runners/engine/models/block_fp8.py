@@ -53,7 +53,8 @@ def block_fp8_linear(
     kernel = block_fp8.block_fp8_linear if x.is_cuda else block_fp8.block_fp8_linear_ref
 
     x2 = x.reshape(-1, x.shape[-1])
-    return kernel(x2, weight, weight_scale_inv, bias).reshape(*x.shape[:-1], weight.shape[0])
+    scheme = get_format(FORMAT_BLOCK_FP8).scheme(x2.shape[0])  # the format's rule (w8a8 / w8a16)
+    return kernel(x2, weight, weight_scale_inv, bias, scheme=scheme).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def block_fp8_grouped_mm(
@@ -127,7 +128,7 @@ class BlockFP8MoE(MoE):
             mats = {k: (getattr(self, f"experts_{k}"), getattr(self, f"experts_{k}_weight_scale_inv"))
                     for k in expert_kinds(self)}
             return moe_gemv_block_fp8(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
-                                      self.act_name)
+                                      self.act_name, scheme=get_format(FORMAT_BLOCK_FP8).scheme(1))
 
         def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
             return block_fp8_grouped_mm(x, getattr(self, f"experts_{kind}"),
