@@ -636,9 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused", default="on", choices=["both", "on", "off"],
                    help="the blocks' fused elementwise kernels (norms, GDN prologue, shared-expert combine; "
                         "runners.engine.models.layers.use_inference_kernel) per point; off: their references")
-    p.add_argument("--block-fp8-scheme", default=None, choices=["w8a8", "w8a16"],
-                   help="activations of block-FP8 products at decode sizes for the whole run "
-                        "(runners.engine.formats.block_fp8.DECODE_SCHEME; default: the engine's)")
+    p.add_argument("--fp8-decode-scheme", default=None, choices=["w8a8", "w8a16"],
+                   help="activations of the FP8 formats' products at decode sizes for the whole run (their "
+                        "WeightFormat.decode_scheme: per-tensor fp8 and block fp8; default: the formats')")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per point (about)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--hf-steps", type=int, default=32, help="tokens HF generate times per point")
@@ -702,10 +702,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    if args.block_fp8_scheme is not None:  # recorded with the command line in the report
-        from runners.engine.formats import block_fp8 as block_fp8_format
+    if args.fp8_decode_scheme is not None:  # recorded with the command line in the report
+        from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8
+        from runners.engine.formats import get_format
 
-        block_fp8_format.DECODE_SCHEME = args.block_fp8_scheme
+        for name in (FORMAT_FP8, FORMAT_BLOCK_FP8):
+            get_format(name).decode_scheme = args.fp8_decode_scheme
     try:
         dev = torch.device(args.device)
     except RuntimeError:

@@ -11,6 +11,9 @@ measured in the same run):
   runners/engine/models/moe.py runs it) vs dequantize-then-BF16 (every expert's NVFP4 weight dequantized by
   the PyTorch reference, then the BF16 grouped GEMM: what a runtime without the fused kernel does, since it
   cannot learn which experts are active without synchronising).
+- ``fp8_tensor``: Nemotron 3 Super's dense projections in per-tensor FP8 (SUPER_DENSE) at M = batch:
+  ``fp8_linear`` (the activation cast with its static scale, then ``torch._scaled_mm``: what FP8Linear runs)
+  vs ``fp8_linear_w8a16`` (the activation kept, one GEMV launch) vs a BF16 ``F.linear``.
 - ``fp8``: Qwen3-Next in block FP8: the dense projections (q with its gate 2048 -> 8192, k / v 2048 -> 512,
   o 4096 -> 2048, GDN in_proj_qkvz 2048 -> 12288) at M = batch, ``block_fp8_linear`` (Triton, and
   torch._scaled_mm when ``block_scaled_mm_supported``) vs a BF16 ``F.linear``; the routed experts (hidden
@@ -49,7 +52,11 @@ sys.path.insert(0, str(REPO))
 SUPER = {"L": 1024, "I": 2688, "E": 512, "top_k": 22}
 QWEN = {"D": 2048, "I": 512, "E": 512, "top_k": 10}
 QWEN_DENSE = {"q_gate": (8192, 2048), "kv": (512, 2048), "o": (2048, 4096), "gdn_qkvz": (12288, 2048)}
-PARTS = ("copy", "nvfp4", "fp8")
+# Nemotron 3 Super's dense projections (N, K) in its per-tensor FP8 release: Mamba2 in_proj (z, xBC, dt:
+# 2 * 8192 + 2 * 8 * 128 + 128) and out_proj, attention q / k+v / o
+SUPER_DENSE = {"mamba_in": (18560, 4096), "mamba_out": (4096, 8192), "q": (4096, 4096), "kv": (512, 4096),
+               "o": (4096, 4096)}
+PARTS = ("copy", "nvfp4", "fp8", "fp8_tensor")
 COPY_BYTES = 1 << 30
 
 
@@ -321,6 +328,31 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
     return rows
 
 
+def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from runners.engine.models.fp8 import fp8_linear, fp8_linear_w8a16
+
+    rows = []
+    for proj, (N, K) in SUPER_DENSE.items():
+        w16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        scale = (w16.float().abs().max() / 448).reshape(())
+        w8 = (w16.float() / scale).to(torch.float8_e4m3fn)
+        input_scale = torch.tensor(0.05, device="cuda")
+        for B in batches:
+            x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16)
+            io = (B * K + B * N) * 2
+            meta = {"proj": proj, "N": N, "K": K, "batch": B}
+            rows.append(row("fp8_linear_scaled_mm", _bench(partial(fp8_linear, x, w8, scale, input_scale)),
+                            N * K + io, copy_gbps, **meta))
+            rows.append(row("fp8_linear_w8a16", _bench(partial(fp8_linear_w8a16, x, w8, scale)), N * K + io,
+                            copy_gbps, **meta))
+            rows.append(row("bf16_linear", _bench(partial(F.linear, x, w16)), N * K * 2 + io, copy_gbps,
+                            **meta))
+    return rows
+
+
 def speedups(rows: list[dict], fast: str, base: str) -> dict:
     """{"<proj>_b<batch>": base us / fast us} for rows of the same proj and batch."""
     key = lambda r: f"{r['proj']}_b{r['batch']}"
@@ -385,9 +417,17 @@ def main(argv: list[str] | None = None) -> int:
                          "w8a16_serial_vs_2launch": speedups(rows, "block_fp8_linear_w8a16",
                                                              "block_fp8_linear_w8a16_2launch"),
                          "w8a16_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_w8a16", "bf16_grouped")}
+    if "fp8_tensor" in args.parts:
+        rows = part_fp8_tensor(args.batches, bw)
+        report["fp8_tensor"] = {"rows": rows,
+                                "w8a16_speedup_vs_scaled_mm": speedups(rows, "fp8_linear_w8a16",
+                                                                       "fp8_linear_scaled_mm"),
+                                "w8a16_speedup_vs_bf16": speedups(rows, "fp8_linear_w8a16", "bf16_linear"),
+                                "scaled_mm_speedup_vs_bf16": speedups(rows, "fp8_linear_scaled_mm",
+                                                                      "bf16_linear")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    for part in ("nvfp4", "fp8"):
+    for part in ("nvfp4", "fp8", "fp8_tensor"):
         for k, v in report.get(part, {}).items():
             if k != "rows":
                 print(f"{part} {k}: {json.dumps(v)}")

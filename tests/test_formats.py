@@ -423,22 +423,23 @@ def test_stored_nbytes_is_what_quantize_weight_writes(fmt):
 
 
 def test_block_fp8_decode_scheme_is_the_formats_rule_and_reaches_the_gemm(monkeypatch):
-    """runners.engine.formats.block_fp8: decode-sized products (<= DECODE_ROWS rows) take DECODE_SCHEME,
-    larger ones w8a8; BlockFP8Linear passes the rule's scheme to the GEMM (on the CPU its reference): with
+    """The format's rule (WeightFormat.scheme): decode-sized products (<= decode_rows rows) take its
+    decode_scheme, larger ones w8a8; BlockFP8Linear passes it to the GEMM (on the CPU its reference): with
     w8a16 its output is the activation times the dequantized weight, not the w8a8 product."""
     from kernels.quant.block_fp8 import block_fp8_linear_ref, block_fp8_quantize
-    from runners.engine.formats import block_fp8 as fmt
+    from runners.engine.formats import get_format
 
-    assert fmt.DECODE_SCHEME == "w8a8"  # until the GPU measures w8a16 ahead (bench_quant_gemm, bench_e2e)
+    fmt = get_format(FORMAT_BLOCK_FP8)
+    assert fmt.decode_scheme == "w8a8"  # until the GPU measures w8a16 ahead (bench_quant_gemm, bench_e2e)
     layer = BlockFP8Linear(256, 128)
     q, s = block_fp8_quantize(torch.randn(128, 256))
     layer.weight.data, layer.weight_scale_inv = q, s.float()
     x = torch.randn(2, 3, 256)
-    monkeypatch.setattr(fmt, "DECODE_SCHEME", "w8a16")
-    assert fmt.FORMAT.scheme(fmt.DECODE_ROWS) == "w8a16" and fmt.FORMAT.scheme(fmt.DECODE_ROWS + 1) == "w8a8"
+    monkeypatch.setattr(fmt, "decode_scheme", "w8a16")
+    assert fmt.scheme(fmt.decode_rows) == "w8a16" and fmt.scheme(fmt.decode_rows + 1) == "w8a8"
     y = layer(x)
     w8a16 = block_fp8_linear_ref(x.reshape(6, 256), q, s.float(), scheme="w8a16").reshape(2, 3, 128)
     assert torch.equal(y, w8a16)
     assert not torch.equal(y, block_fp8_linear_ref(x.reshape(6, 256), q, s.float()).reshape(2, 3, 128))
-    x_prefill = torch.randn(fmt.DECODE_ROWS + 1, 256)
+    x_prefill = torch.randn(fmt.decode_rows + 1, 256)
     assert torch.equal(layer(x_prefill), block_fp8_linear_ref(x_prefill, q, s.float()))

@@ -406,3 +406,34 @@ def test_fp8_tiny_entry_passes_its_verdict_on_a_short_cpu_run(entry, gsm8k_dir, 
     report = results["config"]["fp8_gemms"]
     assert set(report["fp8_linears"]) == {"reference"} and set(report["fp8_moe"]) == {"dequant"}
     assert app.exit_code(results) == 0
+
+
+def test_fp8_linear_w8a16_at_decode_sizes_when_the_format_says_so(monkeypatch):
+    """FP8Linear takes the w8a16 product (the activation kept, the weight times its per-tensor scale; no
+    input quantization) for products of at most decode_rows rows when the fp8 format's decode_scheme is
+    "w8a16", the w8a8 one (static input scale) otherwise and for larger products. The w8a16 product is the
+    kernels' block GEMV with the scale as every block's: equal to x @ (W s)^T + b up to fp32 summation order."""
+    from registry.hf_config import FORMAT_FP8
+    from runners.engine.formats import get_format
+    from runners.engine.models.fp8 import fp8_linear_ref, fp8_linear_w8a16
+
+    torch.manual_seed(0)
+    layer = FP8Linear(300, 40, bias=True)
+    w = torch.randn(40, 300)
+    s = w.abs().max() / 448
+    layer.weight.data = (w / s).to(torch.float8_e4m3fn)
+    layer.weight_scale.fill_(float(s))
+    layer.input_scale.fill_(0.02)
+    layer.bias.data.normal_()
+    x = torch.randn(2, 3, 300)
+    plain = x @ (layer.weight.float() * s).T + layer.bias
+    w8a8 = fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+    assert torch.equal(layer(x), w8a8)  # the format's default: w8a8
+    monkeypatch.setattr(get_format(FORMAT_FP8), "decode_scheme", "w8a16")
+    y = layer(x)
+    assert torch.equal(y, fp8_linear_w8a16(x, layer.weight, layer.weight_scale, layer.bias))
+    torch.testing.assert_close(y, plain, rtol=1e-5, atol=1e-4)
+    assert (w8a8 - plain).abs().max() > 10 * (y - plain).abs().max()  # the activation's cast is gone
+    big = torch.randn(9, 300)
+    assert torch.equal(layer(big), fp8_linear_ref(big, layer.weight, layer.weight_scale, layer.input_scale,
+                                                  layer.bias))

@@ -230,3 +230,18 @@ def test_block_fp8_w8a16_split_k_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(y, block_fp8_linear(x, w, ws, scheme="w8a16"))
         assert not block_fp8._split_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("M", (1, 8))
+@pytest.mark.parametrize("N, K", [(18560, 4096), (4096, 8192), (512, 4096)])
+def test_per_tensor_fp8_w8a16_at_super_v3_dense_shapes(N, K, M):
+    """runners.engine.models.fp8.fp8_linear_w8a16 (per-tensor FP8 through the block GEMV, the scale as every
+    block's) against x @ (W s)^T at Nemotron 3 Super's dense shapes (Mamba2 in / out, k+v)."""
+    from runners.engine.models.fp8 import fp8_linear_w8a16
+
+    w = torch.randn(N, K, device="cuda")
+    s = (w.abs().max() / 448).reshape(())
+    w8 = (w / s).to(FP8)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    want = (x.float() @ (w8.float() * s).T).to(torch.bfloat16)
+    _close(fp8_linear_w8a16(x, w8, s), want)

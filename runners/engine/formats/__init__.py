@@ -35,6 +35,12 @@ class WeightFormat:
             bound, runners.engine.models.moe.MOE_GEMV_MAX_PAIRS).
         report_always: the quantization report (runners.engine.quant.prepare_fp8) keeps its keys when no
             module is in this format.
+        decode_scheme: for a format whose kernels take either, what the activations are in a product of at
+            most ``decode_rows`` rows per weight matrix (:meth:`scheme`): "w8a8" quantized (the format's own
+            rule) or "w8a16" kept in 16 bits against the weight converted in registers
+            (kernels.quant.block_fp8.SCHEMES: one launch, no quantization). Larger products stay "w8a8".
+            Set from measurements (benchmarks/bench_quant_gemm.py, bench_moe_gemv.py, bench_e2e.py
+            ``--fp8-decode-scheme``, which sets it on the format object for a whole run).
     """
 
     name: str = ""
@@ -45,6 +51,8 @@ class WeightFormat:
     moe_gemv: bool = False
     moe_gemv_max_pairs: int | None = None
     report_always: bool = False
+    decode_scheme: str = "w8a8"
+    decode_rows: int = 8
 
     def check(self, quant: QuantConfig) -> None:
         """Raise CheckpointError unless the engine runs ``quant``'s modules of this format (its parameters:
@@ -83,6 +91,11 @@ class WeightFormat:
         from runners.engine.models.moe import use_moe_gemv
 
         return self.moe_gemv and indices.numel() <= self.moe_gemv_bound() and use_moe_gemv(h, indices)
+
+    def scheme(self, rows_per_matrix: float) -> str:
+        """The activation scheme of a product with about ``rows_per_matrix`` rows per weight matrix:
+        :attr:`decode_scheme` up to :attr:`decode_rows`, "w8a8" above."""
+        return self.decode_scheme if rows_per_matrix <= self.decode_rows else "w8a8"
 
     def moe_gemv_bound(self) -> int:
         """:attr:`moe_gemv_max_pairs`, None resolved to the unquantized experts' bound."""

@@ -17,14 +17,6 @@ from runners.engine.formats import WeightFormat
 
 # the block the kernels run (kernels.quant.block_fp8.BLOCK; the releases' weight_block_size)
 BLOCK = (128, 128)
-# What the activations are in a decode-sized product (at most DECODE_ROWS rows per weight matrix): "w8a8"
-# quantized per token and 128-column group, the format's own rule (vLLM's, SGLang's), or "w8a16" kept in
-# 16 bits against the fp8 weight (kernels.quant.block_fp8.SCHEMES: one launch instead of three). Prefill
-# sizes stay w8a8 (block-scaled torch._scaled_mm). w8a8 until the GPU measures w8a16 ahead at the releases'
-# shapes (benchmarks/bench_quant_gemm.py and bench_moe_gemv.py time both); read at call time, so a
-# benchmark sets it for an engine-level comparison.
-DECODE_SCHEME = "w8a8"
-DECODE_ROWS = 8
 
 
 class BlockFP8Format(WeightFormat):
@@ -35,6 +27,7 @@ class BlockFP8Format(WeightFormat):
     tensor_suffixes = (".weight_scale_inv",)
     moe_gemv = True  # up to the unquantized experts' bound: faster than the grouped GEMM there
     # (docs/kernel_performance.md, "Quantized formats")
+    decode_scheme = "w8a8"  # w8a16 not yet measured ahead at the releases' shapes (WeightFormat)
 
     def check(self, quant: QuantConfig) -> None:
         """Refuses blocks other than :data:`BLOCK` and static activations."""
@@ -75,12 +68,6 @@ class BlockFP8Format(WeightFormat):
 
     def stored_nbytes(self, n: int, k: int) -> int:  # bf16 scale_inv per 128 x 128 block
         return n * k + 2 * math.ceil(n / BLOCK[0]) * math.ceil(k / BLOCK[1])
-
-    @staticmethod
-    def scheme(rows_per_matrix: float) -> str:
-        """The activation scheme of a product with about ``rows_per_matrix`` rows per weight matrix:
-        :data:`DECODE_SCHEME` up to :data:`DECODE_ROWS`, "w8a8" above."""
-        return DECODE_SCHEME if rows_per_matrix <= DECODE_ROWS else "w8a8"
 
 
 FORMAT = BlockFP8Format()

@@ -133,6 +133,22 @@ def fp8_linear(
     return y.reshape(*x.shape[:-1], n)
 
 
+def fp8_linear_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 linear with the activation kept in its dtype (w8a16): ``x`` [..., K] times ``weight`` [N, K]
+    float8_e4m3fn converted in registers and scaled by ``weight_scale`` (0-dim float32), plus ``bias``: no
+    activation cast, one launch. It runs kernels.quant.block_fp8's w8a16 GEMV with the per-tensor scale as
+    every 128 x 128 block's (a stride-0 view), on CUDA; its reference elsewhere. Returns [..., N] in x's
+    dtype. No host synchronisation."""
+    from kernels.quant import block_fp8
+
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    blocks = weight_scale.float().reshape(1, 1).expand(-(-n // block_fp8.BLOCK), -(-k // block_fp8.BLOCK))
+    gemm = block_fp8.block_fp8_linear if x.is_cuda else block_fp8.block_fp8_linear_ref
+    return gemm(x2, weight, blocks, bias, scheme="w8a16").reshape(*x.shape[:-1], n)
+
+
 class FP8Weights(NamedTuple):
     """One stacked expert projection in FP8: ``weight`` [E, out, in] float8_e4m3fn, ``weight_scale`` [E]
     float32, ``input_scale`` [E] float32 (static activation scale per expert)."""

@@ -11,10 +11,12 @@ from torch import nn
 
 from registry.hf_config import FORMAT_FP8
 from runners.engine.compile import eager_op
+from runners.engine.formats import get_format
 from runners.engine.models.fp8 import (
     FP8_DTYPE,
     FP8Weights,
     fp8_linear,
+    fp8_linear_w8a16,
     fp8_moe_impl,
     moe_experts_fp8,
     moe_experts_fp8_ref,
@@ -30,7 +32,8 @@ class FP8Linear(nn.Module):
     ``input_scale`` 0-dim float32 (persistent buffers, the checkpoint's per-tensor scales), ``bias`` [out] in
     the model dtype or None. forward(x [..., in]) -> [..., out] in x's dtype through
     :func:`runners.engine.models.fp8.fp8_linear` (``torch._scaled_mm`` on FP8-capable GPUs, else the
-    dequantizing reference). Mutates nothing.
+    dequantizing reference), or at decode sizes where the format's ``decode_scheme`` is "w8a16"
+    :func:`runners.engine.models.fp8.fp8_linear_w8a16` (``input_scale`` unused). Mutates nothing.
     """
 
     weight_format = FORMAT_FP8
@@ -57,6 +60,9 @@ class FP8Linear(nn.Module):
                    bias_dtype=bias.dtype if bias is not None else torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if get_format(FORMAT_FP8).scheme(rows) == "w8a16":  # the format's decode rule (WeightFormat.scheme)
+            return eager_op(fp8_linear_w8a16)(x, self.weight, self.weight_scale, self.bias)
         return eager_op(fp8_linear)(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
     def gemm_path(self, dtype: torch.dtype) -> str:
