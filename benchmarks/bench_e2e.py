@@ -6,6 +6,11 @@ and Qwen3-Next; HF transformers ``generate`` on the tiny checkpoints as the floo
         (full depth, issue 26: --parts super_v3_nvfp4 | super_v3_fp8 | qwen3_next_fp8 --accept-length 3.0)
         [--steps 64] [--accept-length 2.6] [--prompt-len 128] [--profile super_v3:replay:8:graphs]
 
+Arms (``--arms``, default plain rewind replay): plain decoding, MTP + rewind, MTP + replay with the engine's
+default backend (on CUDA the measured faster replay kernel, kernels/replay_defaults.json), and replay with a
+named backend (``replay_triton``, ``replay_flashinfer``; ``replay_ckpt_*``: the checkpointing variant); each
+row records the backend and verify kernels that ran (``ssm_backend``, ``ssm_kernels``).
+
 One row per point (model, arm, batch, graphs) in DIR/bench_e2e.json, rewritten after every point (a run cut
 short keeps what it measured), and the plot DIR/bench_e2e.png (decode tokens/s against batch size, one panel
 per model). A point builds an ``Engine`` on the already loaded model (``max_batch_size`` = the batch,
@@ -88,7 +93,12 @@ SYNTH = {"super_v3": ("nemotron_h", 22, 256), "qwen3_next": ("qwen3_next", 12, N
 FULL = {"super_v3_nvfp4": ("nemotron_h", "nvfp4"), "super_v3_fp8": ("nemotron_h", "fp8"),
         "qwen3_next_fp8": ("qwen3_next", "fp8")}
 PARTS = ("tiny", "hf", "super_v3", "qwen3_next", *FULL)
-ARMS = {"plain": (0, False), "rewind": (3, False), "replay": (3, True)}  # (draft_len K, ssm_replay)
+# (draft_len K, ssm_replay, ssm_backend, ssm_replay_checkpointing); the engine's default backend
+# ("replay": on CUDA the measured faster replay kernel, kernels/replay_defaults.json) and each vendor's
+ARMS = {"plain": (0, False, None, False), "rewind": (3, False, None, False), "replay": (3, True, None, False),
+        "replay_triton": (3, True, "triton", False), "replay_flashinfer": (3, True, "flashinfer", False),
+        "replay_ckpt_triton": (3, True, "triton", True), "replay_ckpt_flashinfer": (3, True, "flashinfer", True)}
+DEFAULT_ARMS = ("plain", "rewind", "replay")
 # The goals `evaluate_targets` checks. Quarter depth, bf16, CUDA graphs (issue 27 "decode near the weight-read
 # floor"): plain batch-1 step within 2x its floor, MTP (K = 3) + replay at least 2.0x plain at batch 1 and 1.6x
 # at 8 and 64 (forced acceptance length 2.6), replay at least as fast as rewind everywhere; full depth (issue 26)
@@ -153,7 +163,7 @@ def _engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompt
     from runners.engine.options import EngineOptions
 
     dev = torch.device(args.device)
-    K, replay = ARMS[arm]
+    K, replay, backend, checkpointing = ARMS[arm]
     new = new_tokens_for(args, K)
     max_seq = args.prompt_len + new + 2 * (K + 1) + 8
     dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("embeddings.weight"))
@@ -163,7 +173,10 @@ def _engine_point(model, model_name: str, arm: str, B: int, graphs: bool, prompt
     row["compile"] = compile_
     engine = Engine(model, EngineOptions(dtype=dtype, draft_len=K, ssm_replay=replay, max_batch_size=B,
                                          max_seq_len=max_seq, cuda_graphs=graphs, cuda_graph_batch_sizes=[B],
-                                         compile=compile_), device=dev)
+                                         compile=compile_, ssm_backend=backend,
+                                         ssm_replay_checkpointing=checkpointing), device=dev)
+    row["ssm_backend"] = engine.ssm_backend  # what ran (a named backend falls back with a warning)
+    row["ssm_kernels"] = getattr(engine.runner, "ssm_kernels", None)
     row["graphs"] = engine.step.cuda_graphs  # what runs: off on the CPU
     if forced and K:
         engine.force_acceptance(args.accept_length)
@@ -629,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for bench_e2e.json, bench_e2e.png, profiles")
     p.add_argument("--parts", default=",".join(p for p in PARTS if p not in FULL), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
+                   help="plain, rewind, replay (the engine's default backend) and replay with a named backend "
+                        "(replay_triton, replay_flashinfer) and the checkpointing variant (replay_ckpt_*)")
     p.add_argument("--graphs", default="both", choices=["both", "on", "off"])
     p.add_argument("--compile", default="off", choices=["both", "on", "off"],
                    help="EngineOptions.compile (torch.compile of the step's per-layer math) per point")
