@@ -107,6 +107,8 @@ class EvalTask:
     answer_filter: the score key whose extracted answers the "answers" health check reads (its samples'
         `extracted`), None without one.
     report_sections: the REPORT_SECTIONS of the task in summary.md, in order.
+    fewshot_pool: the fixed few-shot exemplars the task has (eval.num_fewshot takes the first N, at most
+        this many); None: the examples are drawn from its data's train split.
     data: where the documents come from (TaskData); None for a task evaluated without lm-eval's documents
         (a test task).
     """
@@ -132,6 +134,7 @@ class EvalTask:
     answer_filter: str | None = None
     report_sections: tuple[str, ...] = ("scores",)
     data: TaskData | None = None
+    fewshot_pool: int | None = None
 
     def __post_init__(self) -> None:
         if self.score_check not in SCORE_CHECKS:
@@ -191,7 +194,7 @@ TASKS: Mapping[str, EvalTask] = MappingProxyType({t.name: t for t in (
     # "Q: ...\nA:", answer after "The answer is"; every prompt starts with the same exemplars, so the prefix
     # cache restores them (results.json prefix_cache.hit_rate)
     EvalTask(name="gsm8k_cot", lm_eval_task="gsm8k_cot", local_task="gsm8k_cot_local",
-             baselines="gsm8k_cot.yaml", acceptance_baselines=None, **_GSM8K_DECLARATIONS),
+             baselines="gsm8k_cot.yaml", acceptance_baselines=None, fewshot_pool=8, **_GSM8K_DECLARATIONS),
 )})
 DEFAULT_TASK = "gsm8k"
 

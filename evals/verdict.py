@@ -35,6 +35,7 @@ from registry.baselines import (
     find_acceptance_reference,
     find_accuracy_reference,
     protocol_mismatch,
+    reference_protocol,
     run_protocol,
 )
 
@@ -553,11 +554,10 @@ def evaluate_verdict(
             if no_key is not None:
                 raise no_key
             path = accuracy_baselines if accuracy_baselines is not None else task.baselines_path
-            ref = find_accuracy_reference(model_key, dtype, quant, kv_cache_quant, spec_dec, state=state,
-                                          path=path)
-            note = protocol_mismatch(ref.protocol, _protocol_of(results), path)
-            if note:
-                ref = None
+            proto = reference_protocol(model_key, path)  # another protocol: no row is needed, none judges
+            note = protocol_mismatch(proto, _protocol_of(results), path, model_key) if proto else ""
+            ref = None if note else find_accuracy_reference(model_key, dtype, quant, kv_cache_quant, spec_dec,
+                                                            state=state, path=path)
     except BaselineError as e:
         if require_reference:
             raise
@@ -578,11 +578,11 @@ def evaluate_verdict(
             try:
                 if no_key is not None:
                     raise no_key
-                aref = find_acceptance_reference(model_key, quant, draft_len, state=state,
-                                                 path=acceptance_path)
-                note = protocol_mismatch(aref.protocol, _protocol_of(results), acceptance_path)
-                if note:
-                    aref = None
+                proto = reference_protocol(model_key, acceptance_path, acceptance=True)
+                note = protocol_mismatch(proto, _protocol_of(results), acceptance_path, model_key) if proto \
+                    else ""
+                aref = None if note else find_acceptance_reference(model_key, quant, draft_len, state=state,
+                                                                   path=acceptance_path)
             except BaselineError as e:
                 if require_reference:
                     raise

@@ -186,19 +186,36 @@ def run_protocol(num_fewshot: Any, max_gen_toks: Any) -> Protocol:
     return Protocol(num_fewshot, max_gen_toks)
 
 
-def protocol_mismatch(reference: Protocol, run: Protocol, path: str | Path) -> str:
+def protocol_mismatch(reference: Protocol, run: Protocol, path: str | Path | list, key: str | None = None
+                      ) -> str:
     """"" when a run measured under `run` can be judged against references measured under `reference`;
     else the sentence that says why not (the verdict's "no_reference" note, the runner's warning), naming
-    the settings that differ and the file."""
+    the settings that differ, the model key's references and the file (or files: a list)."""
     if reference == run:
         return ""
     differ = [k for k in PROTOCOL_KEYS if getattr(run, k) != getattr(reference, k)]
-    path = Path(path)
-    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    ours = " ".join(f"eval.{k}={getattr(run, k)}" for k in differ)
+    shown = " and ".join(str(_shown(Path(p))) for p in (path if isinstance(path, list) else [path]))
+    whose = f"the {key} references in {shown} were" if key else f"the references in {shown} were"
+    ours = ", ".join(f"eval.{k}={getattr(run, k)}" for k in differ)
     theirs = " ".join(f"eval.{k}={getattr(reference, k)}" for k in differ)
-    return (f"{shown} holds references measured {reference.describe()}, and this run sets {ours}: another "
-            f"benchmark, so its figures are reported, not judged ({theirs} is judged)")
+    return (f"{whose} measured {reference.describe()} and this run sets {ours}: another benchmark, so its "
+            f"figures are reported, not judged (set {theirs} to judge them)")
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the repository when it is inside it (what messages print)."""
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+
+
+def reference_protocol(key: str, path: str | Path | None = None, *, acceptance: bool = False
+                       ) -> Protocol | None:
+    """The protocol of model key ``key``'s block in a baselines file (every row of a block shares it): the
+    accuracy file at ``path`` (default gsm8k.yaml), or with ``acceptance`` the acceptance file (default
+    acceptance.yaml); None when the file has no block for ``key``. Raises BaselineError for a malformed
+    file."""
+    blocks = load_acceptance_baselines(path) if acceptance else load_accuracy_baselines(path)
+    rows = blocks.get(key)
+    return rows[0].protocol if rows else None
 
 
 @dataclass(frozen=True)

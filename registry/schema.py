@@ -605,9 +605,10 @@ def check_run_values(run: RunConfig) -> None:
     if not 0 <= run.eval.num_fewshot <= GSM8K_TRAIN_ROWS:
         raise UserError(
             f"eval.num_fewshot={run.eval.num_fewshot} is outside [0, {GSM8K_TRAIN_ROWS}]: the few-shot "
-            f"examples are drawn without repeats from GSM8K's train split ({GSM8K_TRAIN_ROWS} rows), and "
-            "every one lengthens each prompt (~100-200 tokens a shot; prompts must fit model.max_seq_len)",
-            "set eval.num_fewshot=5 (the task's own), or 0 for zero-shot")
+            f"examples come from GSM8K's train split ({GSM8K_TRAIN_ROWS} rows; a task with fixed exemplars "
+            "has fewer), and every one lengthens each prompt (~100-200 tokens a shot; prompts must fit "
+            "model.max_seq_len)",
+            f"set eval.num_fewshot to the task's own (configs/eval/{run.eval.name}.yaml), or 0 for zero-shot")
     if run.eval.max_gen_toks < 1:
         raise UserError(f"eval.max_gen_toks={run.eval.max_gen_toks} must be >= 1 (the most tokens generated "
                         "per question)", "set eval.max_gen_toks=256 (lm-eval's default)")

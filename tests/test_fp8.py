@@ -411,8 +411,8 @@ def test_fp8_tiny_entry_passes_its_verdict_on_a_short_cpu_run(entry, gsm8k_dir, 
 def test_fp8_linear_w8a16_at_decode_sizes_when_the_format_says_so(monkeypatch):
     """FP8Linear takes the w8a16 product (the activation kept, the weight times its per-tensor scale; no
     input quantization) for products of at most decode_rows rows when the fp8 format's decode_scheme is
-    "w8a16", the w8a8 one (static input scale) otherwise and for larger products. The w8a16 product is the
-    kernels' block GEMV with the scale as every block's: equal to x @ (W s)^T + b up to fp32 summation order."""
+    "w8a16", the w8a8 one (static input scale) otherwise and for larger products. The w8a16 product is
+    the kernels' block GEMV with the scale as every block's: x @ (W s)^T + b up to fp32 summation order."""
     from registry.hf_config import FORMAT_FP8
     from runners.engine.formats import get_format
     from runners.engine.models.fp8 import fp8_linear_ref, fp8_linear_w8a16

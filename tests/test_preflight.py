@@ -36,6 +36,8 @@ REFUSALS = [
     (["ssm_replay=true", "draft_len=0"], "error: ssm_replay requires speculative decoding"),
     (["eval.max_gen_toks=5000"], "error: eval.max_gen_toks=5000 leaves no room for a prompt"),
     (["draft_len=7"], "error: no acceptance reference for 'tiny_nemotron_h_mtp'"),
+    (["eval=gsm8k_cot", "eval.num_fewshot=9"],
+     "error: eval.num_fewshot=9 is more than the 8 exemplars gsm8k_cot has"),
     (["eval.num_fewshot=20", "eval.limit=2"], "error: eval.num_fewshot=20 makes a prompt too long: the "
      "prompt of test question 0 has 4296 tokens, and with eval.max_gen_toks=256 and draft_len=3 it needs "
      "4555 positions, more than model.max_seq_len=4096"),
@@ -236,14 +238,21 @@ def test_a_run_of_another_protocol_is_warned_before_loading(capsys):
     are reported, not judged), and the check before loading says so once per baselines file, naming the
     setting and what would be judged; the default protocol prints nothing."""
     from registry.compose import compose_config
+    from registry.errors import UserError
     from registry.resolve import resolve
     from runners.app.preflight import check_references
 
     check_references(resolve(compose_config([])))
     assert "warning" not in capsys.readouterr().out
-    check_references(resolve(compose_config(["eval.num_fewshot=0", "eval.max_gen_toks=64"])))
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" holds ")[0] for line in lines] == [
-        "warning: registry/baselines/gsm8k.yaml", "warning: registry/baselines/acceptance.yaml"]
-    assert all("this run sets eval.num_fewshot=0 eval.max_gen_toks=64: another benchmark" in line
-               and "(eval.num_fewshot=5 eval.max_gen_toks=256 is judged)" in line for line in lines)
+    for extra in ([], ["verdict.require_reference=false"]):  # the warning does not depend on the flag
+        check_references(resolve(compose_config(["eval.num_fewshot=0", "eval.max_gen_toks=64", *extra])))
+        assert capsys.readouterr().out.splitlines() == [
+            "warning: the tiny_nemotron_h_mtp references in registry/baselines/gsm8k.yaml and "
+            "registry/baselines/acceptance.yaml were measured 5-shot with at most 256 generated tokens and "
+            "this run sets eval.num_fewshot=0, eval.max_gen_toks=64: another benchmark, so its figures are "
+            "reported, not judged (set eval.num_fewshot=5 eval.max_gen_toks=256 to judge them)"]
+    # references of another protocol judge nothing: a draft length without an acceptance row is no refusal
+    with pytest.raises(UserError, match="no acceptance reference"):
+        check_references(resolve(compose_config(["draft_len=2"])))
+    check_references(resolve(compose_config(["draft_len=2", "eval.num_fewshot=0"])))
+    assert "acceptance.yaml were measured 5-shot" in capsys.readouterr().out

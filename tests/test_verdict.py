@@ -198,8 +198,8 @@ def test_a_reference_of_another_protocol_does_not_judge_the_run(task, differ):
                        ("acceptance.length", "acceptance.yaml")):
         c = judged[name]
         assert c.status == NO_REFERENCE and c.threshold is None, name
-        assert f"registry/baselines/{file} holds references measured 5-shot with at most 256 generated " \
-               f"tokens, and this run sets {differ}" in c.note, c.note
+        assert f"the super_v3 references in registry/baselines/{file} were measured 5-shot with at most " \
+               f"256 generated tokens and this run sets {differ}" in c.note, c.note
         assert "reported, not judged" in c.note
     # a run that records no protocol cannot be compared at all
     with pytest.raises(ValueError, match="num_fewshot and max_gen_toks"):

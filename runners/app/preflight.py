@@ -19,9 +19,12 @@ from evals.results import GSM8K_TEST_ROWS
 from evals.task import get_task
 from evals.tasks.gsm8k import PROMPTS_TASK, check_prompt_room, gsm8k_dir, gsm8k_files
 from registry.baselines import (
+    BaselineError,
+    Protocol,
     find_acceptance_reference,
     find_accuracy_reference,
     protocol_mismatch,
+    reference_protocol,
     run_protocol,
 )
 from registry.checkpoint import TOKENIZER_FILE, check_tokenizer
@@ -55,7 +58,13 @@ def check_run(cfg: DictConfig) -> ResolvedRun:
         print(f"note: eval.limit={rr.run.eval.limit} is more than GSM8K's {GSM8K_TEST_ROWS} test questions: "
               f"all {GSM8K_TEST_ROWS} run (eval.limit=null is the same)", flush=True)
     check_supported(rr)
-    get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
+    task = get_task(rr.run.eval.name)  # a task of the table (eval=<name> picks configs/eval/<name>.yaml)
+    if task.fewshot_pool is not None and rr.run.eval.num_fewshot > task.fewshot_pool:
+        raise UserError(
+            f"eval.num_fewshot={rr.run.eval.num_fewshot} is more than the {task.fewshot_pool} exemplars "
+            f"{task.name} has (its prompts take the first N of them)",
+            f"set eval.num_fewshot to at most {task.fewshot_pool} (configs/eval/{task.name}.yaml sets its "
+            "own), or 0 for zero-shot")
     check_references(rr)
     gsm8k_files(rr.run.eval.data_dir)  # the data folder and every line of its files, before anything loads
     tokenizer = tokenizer_file(rr)
@@ -76,30 +85,44 @@ def check_references(rr: ResolvedRun) -> None:
     file (evals.task.EvalTask.baselines, gsm8k.yaml for gsm8k) needs a row for (dtype, quant, kv_cache_quant,
     spec_dec) -- and its acceptance file, when the task has one, a row for (quant, draft_len) when
     speculation is on -- that holds for the run's SSM state dtype (rr.baseline_state). A placeholder row
-    (measured: false) counts as found: the run then reports "no reference yet". A row measured under another
-    protocol (eval.num_fewshot, eval.max_gen_toks) is found, and a warning on stdout says the run will be
-    reported, not judged (registry.baselines.protocol_mismatch: the verdict's note). Raises UserError
-    (registry.baselines.BaselineError) naming the missing row and the fix.
+    (measured: false) counts as found: the run then reports "no reference yet". References measured under
+    another protocol (eval.num_fewshot, eval.max_gen_toks; registry.baselines.protocol_mismatch) judge
+    nothing, so no row is needed there: a warning on stdout (also with verdict.require_reference=false) says
+    the run will be reported, not judged. Raises UserError (registry.baselines.BaselineError) naming the
+    missing row and the fix.
     """
-    if not rr.run.verdict.require_reference or rr.dummy:  # dummy weights: no accuracy is judged
+    if rr.dummy:  # dummy weights: no accuracy is judged
         return
-    e, task = rr.entry, get_task(rr.run.eval.name)
+    e, task, require = rr.entry, get_task(rr.run.eval.name), rr.run.verdict.require_reference
     if e.baseline is None:
-        raise UserError(
-            f"entry {e.name} has no `baseline` key, so no reference can judge this run",
-            "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
-            "verdict.require_reference=false to run without a pass/fail verdict",
-        )
+        if require:
+            raise UserError(
+                f"entry {e.name} has no `baseline` key, so no reference can judge this run",
+                "set baseline: <model key of registry/baselines/gsm8k.yaml> in the entry, or pass "
+                "verdict.require_reference=false to run without a pass/fail verdict",
+            )
+        return
     run = run_protocol(rr.run.eval.num_fewshot, rr.run.eval.max_gen_toks)
-    ref = find_accuracy_reference(e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec,
-                                  state=rr.baseline_state, path=task.baselines_path)
-    notes = [protocol_mismatch(ref.protocol, run, task.baselines_path)]
+    lookups = [(task.baselines_path, False, lambda: find_accuracy_reference(
+        e.baseline, rr.dtype, e.quant.value, e.kv_cache_quant.value, rr.spec_dec, state=rr.baseline_state,
+        path=task.baselines_path))]
     if rr.draft_len > 0 and task.acceptance_baselines_path is not None:
-        aref = find_acceptance_reference(e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
-                                         path=task.acceptance_baselines_path)
-        notes.append(protocol_mismatch(aref.protocol, run, task.acceptance_baselines_path))
-    for note in dict.fromkeys(n for n in notes if n):  # each once
-        print(f"warning: {note}", flush=True)
+        lookups.append((task.acceptance_baselines_path, True, lambda: find_acceptance_reference(
+            e.baseline, e.quant.value, rr.draft_len, state=rr.baseline_state,
+            path=task.acceptance_baselines_path)))
+    other: dict[Protocol, list] = {}  # files measured under another protocol, by that protocol
+    for path, acceptance, lookup in lookups:
+        try:
+            proto = reference_protocol(e.baseline, path, acceptance=acceptance)
+            if proto is not None and proto != run:
+                other.setdefault(proto, []).append(path)
+                continue
+            lookup()
+        except BaselineError:
+            if require:
+                raise
+    for proto, paths in other.items():  # one line per protocol, naming its files
+        print(f"warning: {protocol_mismatch(proto, run, paths, e.baseline)}", flush=True)
 
 
 def tokenizer_file(rr: ResolvedRun) -> Path:
