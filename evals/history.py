@@ -40,7 +40,8 @@ from typing import Any
 
 from evals.outdir import JOB_STATUS_FILE  # a sweep job's status file; it names the sweep folder
 from evals.results import RESULTS_FILE, load_format, read_results
-from evals.task import DEFAULT_TASK, task_of_results
+from evals.task import DEFAULT_TASK, TASKS, task_of_results
+from registry.baselines import file_protocol
 from registry.errors import UserError
 from registry.schema import LoadFormat
 
@@ -311,7 +312,9 @@ def setting_label(config: Mapping[str, Any]) -> str:
     Mode: "compare" (compare=replay), "replay" / "rewind" (SSM replay on / off), "greedy" (draft_len 0);
     then the draft length, compute dtype (and a non-float32 SSM state dtype), world size and device kind,
     the task when it is not the default row (evals.task: another task's scores are another trend line),
-    and "load=<format>" when the weights were not read from the checkpoint (model.load_format=dummy: random
+    "<n>-shot" / "gen=<n>" when eval.num_fewshot / eval.max_gen_toks differ from the protocol of the task's
+    references (registry.baselines.file_protocol: another protocol is another benchmark), and "load=<format>"
+    when the weights were not read from the checkpoint (model.load_format=dummy: random
     weights, whose speed and scores must not join the real runs' trend; a config without the field, from an
     older run, read the checkpoint).
     """
@@ -335,10 +338,26 @@ def setting_label(config: Mapping[str, Any]) -> str:
     task = (config.get("eval") or {}).get("name") or DEFAULT_TASK
     if task != DEFAULT_TASK:
         parts.append(f"task={task}")
+    parts += _protocol_parts(config.get("eval") or {}, task)
     fmt = load_format({"config": config})
     if fmt != LoadFormat.auto.value:
         parts.append(f"load={fmt}")
     return " ".join(parts)
+
+
+def _protocol_parts(eval_cfg: Mapping[str, Any], task: str) -> list[str]:
+    """["<n>-shot", "gen=<n>"]: the settings of a run's protocol that differ from its task's references
+    (none for a config without them, from an older run, or a task without a baselines file)."""
+    try:
+        ref = file_protocol(TASKS[task].baselines_path)
+    except (KeyError, UserError):
+        return []
+    out = []
+    if eval_cfg.get("num_fewshot") is not None and int(eval_cfg["num_fewshot"]) != ref.num_fewshot:
+        out.append(f"{int(eval_cfg['num_fewshot'])}-shot")
+    if eval_cfg.get("max_gen_toks") is not None and int(eval_cfg["max_gen_toks"]) != ref.max_gen_toks:
+        out.append(f"gen={int(eval_cfg['max_gen_toks'])}")
+    return out
 
 
 def machine_info() -> dict[str, Any]:

@@ -176,6 +176,13 @@ def _file_protocol(data: dict, path: Path) -> Protocol:
     return _protocol(data["protocol"], f"{path}: protocol")
 
 
+def file_protocol(path: str | Path) -> Protocol:
+    """The file-level ``protocol`` of a baselines file (its model blocks may override it). Raises
+    BaselineError for a missing file or a missing / malformed protocol."""
+    path = Path(path)
+    return _file_protocol(_read_yaml(path), path)
+
+
 def run_protocol(num_fewshot: Any, max_gen_toks: Any) -> Protocol:
     """A run's protocol from its settings (eval.num_fewshot, eval.max_gen_toks, or results.json's task
     section). Raises ValueError when either is not an integer (results.json without them)."""

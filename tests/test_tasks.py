@@ -169,3 +169,19 @@ def test_another_task_is_its_own_trend_line():
     assert setting_label(config) == "replay K=3 float32 ws=1 cpu"  # results.json written before the table
     cot = setting_label({**config, "eval": {"name": "gsm8k_cot"}})
     assert cot == "replay K=3 float32 ws=1 cpu task=gsm8k_cot"
+
+
+def test_another_protocol_is_its_own_trend_line():
+    """A run whose few-shot count or generation limit differs from its task's references' protocol is
+    another benchmark: its trend line says so ("0-shot", "gen=64"); the task's own protocol adds nothing
+    (gsm8k: 5-shot, 256 tokens; gsm8k_cot: 8 exemplars)."""
+    from evals.history import setting_label
+
+    config = {"draft_len": 3, "ssm_replay": True, "dtype": "float32", "world_size": 1, "device": "cpu"}
+    base = "replay K=3 float32 ws=1 cpu"
+    label = lambda **ev: setting_label({**config, "eval": ev})
+    assert label(name="gsm8k", num_fewshot=5, max_gen_toks=256) == base
+    assert label(name="gsm8k", num_fewshot=0, max_gen_toks=256) == f"{base} 0-shot"
+    assert label(name="gsm8k", num_fewshot=5, max_gen_toks=64) == f"{base} gen=64"
+    assert label(name="gsm8k_cot", num_fewshot=8, max_gen_toks=256) == f"{base} task=gsm8k_cot"
+    assert label(name="gsm8k_cot", num_fewshot=5, max_gen_toks=256) == f"{base} task=gsm8k_cot 5-shot"
