@@ -250,3 +250,19 @@ def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, c
     with caplog.at_level("WARNING"):
         assert resolve() == "triton"
     assert "measured faster kernel at h128_p64_n128, but FlashInfer's checkpointing_ssu failed" in caplog.text
+
+
+def test_a_ring_cache_refuses_a_model_that_clamps_dt():
+    """FlashInfer's contract (and so its reference) has no dt clamp: a ring cache for a model with a
+    time_step_limit (the shipped tiny NemotronH clamps dt below at 0.001) is refused, naming the setting."""
+    from registry.schema import REPO_ROOT
+    from runners.engine.cache import HybridCache
+    from runners.engine.models.config import HybridConfig
+
+    config = HybridConfig.from_pretrained(REPO_ROOT / "registry/checkpoints/tiny_nemotron_h_mtp")
+    assert tuple(config.time_step_limit) != (0.0, math.inf)
+    kinds = {0: "mamba2"}
+    args = dict(max_batch_size=2, max_seq_len=16, dtype=torch.float32, spec_tokens=4, ssm_replay=True)
+    with pytest.raises(ValueError, match=r"no dt clamp, and this model clamps dt \(time_step_limit=\(0.001"):
+        HybridCache(config, kinds, replay_ring=True, **args)
+    HybridCache(config, kinds, **args)  # our replay history takes the clamp

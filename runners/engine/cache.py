@@ -35,6 +35,8 @@ cache holds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels._common import PAD_SLOT_ID
@@ -171,6 +173,7 @@ class HybridCache:
         replay_ring: the Mamba2 replay histories in FlashInfer's ring layout, replayed by its
             ``checkpointing_ssu`` under ``ssm_backend="flashinfer"`` and by that contract's PyTorch reference
             otherwise (``kernels.mamba2.flashinfer_replay``); None: exactly with ``ssm_backend="flashinfer"``.
+            Refused for a model that clamps dt (``time_step_limit``): the contract has no clamp.
         kv_cache_dtype: storage dtype of the attention KV caches (None: ``dtype``; ``torch.float8_e4m3fn``
             stores keys and values in FP8 with per-layer scales, ``runners.engine.models.attention.KVCache``).
         stochastic_rounding: round every write of a 16-bit SSM state (decode, rewind verify, replay verify)
@@ -183,7 +186,8 @@ class HybridCache:
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
     Raises:
-        ValueError: bad sizes, an unknown block kind or backend, or ssm_replay without speculation.
+        ValueError: bad sizes, an unknown block kind or backend, ssm_replay without speculation, or
+            replay_ring for a model that clamps dt.
     """
 
     def __init__(
@@ -217,6 +221,11 @@ class HybridCache:
         R = max_batch_size + 1
         self.replay = None
         ring = ssm_backend == "flashinfer" if replay_ring is None else replay_ring
+        limit = tuple(getattr(config, "time_step_limit", (0.0, math.inf)))
+        if ssm_replay and ring and config.mamba_num_heads and limit != (0.0, math.inf):
+            raise ValueError(
+                "replay_ring: FlashInfer's checkpointing_ssu contract has no dt clamp, and this model "
+                f"clamps dt (time_step_limit={limit}); use replay_ring=False (our replay history) for it")
         if ssm_replay:
             self.replay = ReplaySlots.allocate(R, spec_tokens, ssm_backend, device, replay_checkpointing,
                                                ring)
