@@ -443,3 +443,23 @@ def test_block_fp8_decode_scheme_is_the_formats_rule_and_reaches_the_gemm(monkey
     assert not torch.equal(y, block_fp8_linear_ref(x.reshape(6, 256), q, s.float()).reshape(2, 3, 128))
     x_prefill = torch.randn(fmt.decode_rows + 1, 256)
     assert torch.equal(layer(x_prefill), block_fp8_linear_ref(x_prefill, q, s.float()))
+
+
+def test_block_fp8_grouped_experts_take_the_decode_scheme_too(monkeypatch):
+    """The grouped expert GEMM (above the per-pair bound: a batch-64 verify, ~5 rows per expert) runs the
+    format's decode scheme for its rows per expert, w8a8 above decode_rows (the review found it always
+    w8a8)."""
+    from kernels.quant.block_fp8 import block_fp8_grouped_mm_ref, block_fp8_quantize
+    from runners.engine.formats import get_format
+    from runners.engine.models.block_fp8 import block_fp8_grouped_mm
+
+    q, s = block_fp8_quantize(torch.randn(4, 64, 256))
+    s = s.float()
+    offs = torch.tensor([5, 10, 15, 20], dtype=torch.int32)
+    x = torch.randn(20, 256)
+    monkeypatch.setattr(get_format(FORMAT_BLOCK_FP8), "decode_scheme", "w8a16")
+    assert torch.equal(block_fp8_grouped_mm(x, q, s, offs),
+                       block_fp8_grouped_mm_ref(x, q, s, offs, scheme="w8a16"))
+    many = torch.randn(40, 256)  # 10 rows per expert: above decode_rows
+    offs2 = torch.tensor([10, 20, 30, 40], dtype=torch.int32)
+    assert torch.equal(block_fp8_grouped_mm(many, q, s, offs2), block_fp8_grouped_mm_ref(many, q, s, offs2))

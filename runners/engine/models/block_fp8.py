@@ -62,14 +62,15 @@ def block_fp8_grouped_mm(
 ) -> torch.Tensor:
     """Grouped block-FP8 GEMM of the routed experts: x [P, K] sorted by expert, weight fp8 [E, N, K],
     weight_scale_inv [E, ceil(N/128), ceil(K/128)] float32, offsets [E] int32 cumulative ends -> [P, N] in
-    x's dtype (kernels.quant.block_fp8; the reference off CUDA)."""
+    x's dtype (kernels.quant.block_fp8; the reference off CUDA), in the format's scheme for about
+    P / min(E, P) rows per expert (WeightFormat.scheme)."""
     from kernels.quant import block_fp8
 
     # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
     # for the kernel tests, far too slow for an engine)
     kernel = block_fp8.block_fp8_grouped_mm if x.is_cuda else block_fp8.block_fp8_grouped_mm_ref
-
-    return kernel(x, weight, weight_scale_inv, offsets)
+    rows = x.shape[0] / max(1, min(weight.shape[0], x.shape[0]))
+    return kernel(x, weight, weight_scale_inv, offsets, scheme=get_format(FORMAT_BLOCK_FP8).scheme(rows))
 
 
 class BlockFP8Linear(nn.Module):
