@@ -737,6 +737,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --device {args.device} but this machine has {torch.cuda.device_count()} CUDA device(s)\n"
               f"  fix: pass --device cuda:N with N < {torch.cuda.device_count()}", file=sys.stderr)
         return 2
+    gpu_arms = [a for a in args.arms if ARMS[a][2] is not None]  # a named backend: Triton / FlashInfer kernels
+    if dev.type == "cpu" and gpu_arms:
+        print(f"error: --arms {' '.join(gpu_arms)} name a GPU backend (Triton or FlashInfer kernels), but the "
+              f"device is the CPU\n  fix: run them on the GPU machine, or use --arms "
+              f"{' '.join(DEFAULT_ARMS)} on the CPU (the PyTorch references)", file=sys.stderr)
+        return 2
+    if args.fp8_decode_scheme is not None and not any(FULL.get(q, ("", ""))[1] == "fp8" for q in parts):
+        say("note: --fp8-decode-scheme changes only FP8 models (super_v3_fp8, qwen3_next_fp8); none of the parts "
+            "runs one")
     if dev.type == "cpu":  # one intra-op thread, as configs/runtime/cpu.yaml (docs/performance.md: "Threads")
         torch.set_num_threads(1)
         if True in args.graphs:
@@ -831,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = [r for r in run.report["rows"] if r.get("error")]
     say(f"done in {time.perf_counter() - run.t0:.0f} s: {len(run.report['rows'])} rows, {len(errors)} errors "
         f"-> {run.out / 'bench_e2e.json'}")
-    return 0
+    return 1 if errors and len(errors) == len(run.report["rows"]) else 0  # nothing measured: a failed run
 
 
 if __name__ == "__main__":

@@ -71,6 +71,12 @@ def test_refuses_a_bad_device_or_out_before_running(tmp_path, capsys, monkeypatc
         err = _refusal(["--out", str(bad), "--device", "cpu"], capsys)
         assert f"{plain} is a file, not a folder" in err, err
     assert plain.read_text() == "not a folder\n"
+    # an arm that names a GPU backend on the CPU (the review saw every such point fail, exit 0)
+    argv = ["--out", out, "--device", "cpu", "--arms", "plain", "replay_flashinfer", "replay_ckpt_triton"]
+    err = _refusal(argv, capsys)
+    assert "error: --arms replay_flashinfer replay_ckpt_triton name a GPU backend" in err
+    assert "fix: run them on the GPU machine, or use --arms plain rewind replay on the CPU" in err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("setting", ["nokey=3", "hidden_size=abc", "hidden_size=0", "mamba_num_heads=2.5",
@@ -264,3 +270,16 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
     assert first_divergence([1, 2], [1, 2, 3]) == 2  # one is a prefix of the other: they part at its end
     assert first_divergence([], []) is None
+
+
+def test_a_run_whose_every_point_failed_exits_one(tmp_path, monkeypatch, capsys):
+    """Nothing measured is a failed run (exit 1), not a success with error rows (the review saw exit 0)."""
+    from benchmarks import bench_e2e
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(bench_e2e, "_engine_point", broken)
+    code = bench_e2e.main(["--out", str(tmp_path / "o"), "--parts", "super_v3", "--arms", "plain", *FAST])
+    rows = json.loads((tmp_path / "o" / "bench_e2e.json").read_text())["rows"]
+    assert code == 1 and rows and all(r.get("error") for r in rows)

@@ -159,8 +159,10 @@ def test_ssm_backend_option(setup):
     engine = _engine(path, 1, True)
     assert engine.ssm_backend == "torch"  # the CPU default
     assert all(state.ssm_backend == "torch" for _, state in _recurrent_layers(engine))
-    with pytest.raises(ValueError, match="ssm_backend"):
+    with pytest.raises(ValueError, match=r"ssm_backend='cuda_graphs' is not one of \['auto', 'triton'"):
         _engine(path, 1, True, ssm_backend="cuda_graphs")
+    # "auto" (the registry's default) is the engine's default too: the references on the CPU
+    assert _engine(path, 1, True, ssm_backend="auto").ssm_backend == "torch"
 
 
 # The prefill kernels: our Mamba2 chunked scan (four kernels), and for Gated DeltaNet fla-core's chunked

@@ -307,7 +307,7 @@ class EngineLM(LM):
         check_checkpoint_dir(pretrained, "pretrained=")
         options = EngineOptions(dtype=dtype, draft_len=int(draft_len), ssm_replay=bool(ssm_replay),
                                 max_batch_size=int(batch_size), max_seq_len=int(max_seq_len),
-                                ssm_backend=None if ssm_backend == "auto" else ssm_backend)
+                                ssm_backend=ssm_backend)
         engine = Engine.from_pretrained(str(pretrained), options, device=device)
         store = GenerationStore(generations, resume=resume) if generations else None
         return cls(engine, Path(pretrained) / TOKENIZER_FILE, max_gen_toks=int(max_gen_toks), store=store,

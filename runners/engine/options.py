@@ -57,8 +57,9 @@ class EngineOptions:
         ssm_backend: who runs the recurrent decode / verify / commit operators: "triton" (kernels/),
             "flashinfer" (FlashInfer's kernels for the Mamba2 verify: selective_state_update for rewind,
             checkpointing_ssu for replay, over its ring history; Triton for the rest; falls back to "triton"
-            with a log line where it cannot run) or "torch" (the PyTorch references); None: "triton" on CUDA,
-            "torch" elsewhere.
+            with a log line where it cannot run) or "torch" (the PyTorch references); None (or "auto", the
+            registry's word, turned into None): "torch" off CUDA, on CUDA the measured faster replay kernel
+            (runners.engine.runner.resolve_ssm_backend), else "triton".
         ssm_state_dtype: dtype of the SSM state; None: the checkpoint's ``mamba_ssm_cache_dtype`` (float32).
         ssm_stochastic_rounding: round every write of a 16-bit SSM state stochastically (kernels/rounding.py)
             instead of to nearest; needs ssm_state_dtype bfloat16 / float16.
@@ -197,8 +198,11 @@ class EngineOptions:
         for name in ("compile", "onednn_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.ssm_backend == "auto":  # the registry's word for the default: None
+            self.ssm_backend = None
         if self.ssm_backend is not None and self.ssm_backend not in SSM_BACKENDS:
-            raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {list(SSM_BACKENDS)}")
+            raise ValueError(f"ssm_backend={self.ssm_backend!r} is not one of {['auto', *SSM_BACKENDS]} "
+                             "(auto: the device's default, on a GPU the measured faster replay kernel)")
         if self.kv_cache_quant not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_quant={self.kv_cache_quant!r} is not one of 'none', 'fp8'")
         sizes = self.cuda_graph_batch_sizes
@@ -225,7 +229,7 @@ def engine_options(rr: ResolvedRun) -> EngineOptions:
         draft_len=rr.draft_len,
         ssm_replay=rr.ssm_replay,
         ssm_replay_checkpointing=rr.ssm_replay_checkpointing,
-        ssm_backend=None if rr.ssm_backend == "auto" else rr.ssm_backend,  # None: the measured default
+        ssm_backend=rr.ssm_backend,  # "auto": the measured default (validate)
         ssm_state_dtype=e.ssm.state_dtype.value,
         ssm_stochastic_rounding=e.ssm.stochastic_rounding,
         max_batch_size=rr.max_batch_size,
