@@ -575,17 +575,18 @@ def test_out_dir_that_is_a_file_or_holds_the_other_kind_of_run(fakes, tmp_path):
 
 def test_sweep_runs_every_job_and_exits_with_the_worst_status(tmp_path, gsm8k_dir):
     """`python run.py -m ...` (a nightly sweep): a job's user error does not stop the others, and the
-    process exits with the worst job status (draft_len=2 has no acceptance row for the tiny entry: 2)."""
-    proc = _run_py("-m", "eval.limit=1", "eval.max_gen_toks=4", f"eval.data_dir={gsm8k_dir}", "draft_len=2,0",
-                   f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    process exits with the worst job status (20 shots make a prompt longer than the tiny entry's 4096
+    positions: 2)."""
+    proc = _run_py("-m", "eval.limit=1", "eval.max_gen_toks=4", f"eval.data_dir={gsm8k_dir}",
+                   "eval.num_fewshot=20,5", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no acceptance reference for 'tiny_nemotron_h_mtp' at quant=none draft_len=2" in proc.stderr
+    assert "eval.num_fewshot=20 makes a prompt too long" in proc.stderr
     # the job after the failing one still ran; job folders are named by their overrides (not 0..N), without
     # eval.data_dir (a path: excluded from the name)
-    job = tmp_path / "draft_len-0+eval.limit-1+eval.max_gen_toks-4"
+    job = tmp_path / "eval.limit-1+eval.max_gen_toks-4+eval.num_fewshot-5"
     assert (job / "results.json").is_file(), sorted(p.name for p in tmp_path.iterdir())
     assert "| ERROR (exit 2) |" in proc.stdout
-    assert "draft_len-2+eval.limit-1+eval.max_gen_toks-4" in proc.stdout
+    assert "eval.limit-1+eval.max_gen_toks-4+eval.num_fewshot-20" in proc.stdout
     proc = _run_py("-m", "model=tiny_nemotron_h_mtp,super_v3", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown registry entry model='super_v3'" in proc.stderr
 
