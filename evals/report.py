@@ -309,6 +309,7 @@ def format_console(results: Mapping[str, Any]) -> str:
         ("ssm backend / state", f"{_backend_note(c)} / {_state_dtype(c)} state"),
         *([("FP8 GEMMs", _fp8_note(c["fp8_gemms"]))] if c.get("fp8_gemms") else []),
         ("draft length K", str(c["draft_len"]) + ("" if c["draft_len"] else " (speculation off)")),
+        *([("prompts", _protocol_note(results))] if _protocol_note(results) else []),
     ]
     if comparison:  # one column per arm, labelled the same way for both
         rows += _arm_rows(comparison, g["n"], task)
@@ -437,6 +438,15 @@ def _format_check(ch: Mapping[str, Any]) -> str:
     return f"{f(ch['value'])} vs threshold {f(ch['threshold'])}{ref}: {word}"
 
 
+def _protocol_note(results: dict[str, Any]) -> str:
+    """"5-shot, at most 256 generated tokens": the protocol the run's prompts and generations had (its task
+    section), "" for results without it."""
+    t = results.get("task") or {}
+    if t.get("num_fewshot") is None or t.get("max_gen_toks") is None:
+        return ""
+    return f"{t['num_fewshot']}-shot, at most {t['max_gen_toks']} generated tokens"
+
+
 def _backend_note(config: Mapping[str, Any]) -> str:
     """The backend that ran, and the entry's when that differs (the CPU runs the PyTorch references; the
     engine falls back from flashinfer to triton where FlashInfer cannot run)."""
@@ -561,10 +571,11 @@ def render_markdown(results: Mapping[str, Any], plots: Mapping[str, str | Path] 
         ]
     c = results.get("config") or {}
     if c:
+        prompts = _protocol_note(results)
         out += [
             f"- settings: dtype {c.get('dtype')}, SSM state {_state_dtype(c)}, draft length K = "
             f"{c.get('draft_len')}, ssm_replay {str(c.get('ssm_replay')).lower()}, backend "
-            f"{c.get('ssm_backend')}"
+            f"{c.get('ssm_backend')}" + (f", prompts {prompts}" if prompts else "")
         ]
     out += [f"- results schema: {results['schema_version']}", ""]
 

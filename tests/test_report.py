@@ -12,6 +12,7 @@ from evals.report import (
     PLOT_ACCURACY,
     PLOT_LENGTH_HIST,
     PLOT_PER_POSITION,
+    format_console,
     render_markdown,
     write_report,
 )
@@ -308,3 +309,17 @@ def test_summary_settings_name_the_state_dtype_once():
     md = render_markdown(_tiny_results(50))
     assert "- settings: dtype float32, SSM state bfloat16, draft length K = 3," in md, md
     assert "state bfloat16 state" not in md
+
+
+def test_the_protocol_is_in_the_settings_and_the_console_table():
+    """summary.md's settings line and the console table say how the prompts and generations were made
+    (few-shot count, generation limit: the protocol the references are compared under)."""
+    results = _tiny_results(50)
+    results["task"] = {**results.get("task", {}), "num_fewshot": 0, "max_gen_toks": 256}
+    md = render_markdown(results)
+    assert ", prompts 0-shot, at most 256 generated tokens" in md, md
+    results["config"]["model"] |= {"family": "nemotron_h", "ssm": {"backend": "auto"}}
+    results["config"] |= {"device": "cpu", "world_size": 1, "ssm_backend": "torch"}
+    results |= {"timings": {"prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0, "wall_seconds": 1.0},
+                "memory": {"kv": 1}}
+    assert "prompts                  0-shot, at most 256 generated tokens" in format_console(results)
