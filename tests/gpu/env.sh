@@ -17,5 +17,11 @@ gpu_env() {
       || return 1  # a bundle without FlashInfer (smaller, for calls that carry more): its tests skip
     export PYTHONPATH=/tmp/site:$PWD
   fi
+  # FlashInfer carried apart from the bundle (.device/flashinfer-trimmed.tgz: the checkout, the bundle and
+  # FlashInfer together exceed what one call carries, so a FlashInfer call may carry it without the bundle)
+  if [ -f .device/flashinfer-trimmed.tgz ] && [ ! -d /tmp/site/flashinfer ]; then
+    mkdir -p /tmp/site && tar xzf .device/flashinfer-trimmed.tgz -C /tmp/site || return 1
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
   export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 }
