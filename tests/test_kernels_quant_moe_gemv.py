@@ -187,7 +187,7 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
     module = importlib.import_module(f"runners.engine.models.{fmt}")  # the format's modules
     kernel = getattr(module, attr)
-    monkeypatch.setattr(module, attr, lambda *a: calls.append(a[-1]) or kernel(*a))
+    monkeypatch.setattr(module, attr, lambda *a, **kw: calls.append(a[-1]) or kernel(*a, **kw))
     grouped = moe._experts(h, weights, indices)
     assert calls == []
     monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: True)
