@@ -44,7 +44,8 @@
 #             in bf16 at batch 1, 8, 64, CUDA graphs on and off)
 #   quant     issue 25: the NVFP4 / block-FP8 GEMM tests (kernels/quant, interpreter tests included: they run
 #             on CUDA here) and benchmarks/bench_quant_gemm.py against BF16 at Super V3's / Qwen3-Next's shapes
-#             (~2 min); the formats end to end: bash tests/gpu/formats_run.sh OUTDIR
+#             (w8a8 and w8a16 block FP8, per-tensor FP8 w8a16 vs scaled_mm: issue 43; ~2 min; QUANT_ARGS adds
+#             options, e.g. --batches 1 2 4 8 16 64); the formats end to end: bash tests/gpu/formats_run.sh OUTDIR
 #   moe       issue 27: the routed-experts GEMV kernels (kernels/moe_gemv.py, and kernels/quant/moe_gemv.py for
 #             NVFP4 / block-FP8 experts: GPU tests at the released expert shapes, CUDA-graph capture) and
 #             benchmarks/bench_moe_gemv.py (GEMV vs the grouped-GEMM path vs the weight-read floor at batch
@@ -120,7 +121,8 @@ for s in "$@"; do
            --batches 1 2 4 8 ;;
     quant) stage quant python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_gpu.py \
              tests/test_kernels_quant.py
-           stage bench_quant python3 -m benchmarks.bench_quant_gemm --out "$out/bench_quant_gemm.json" ;;
+           # shellcheck disable=SC2086  # QUANT_ARGS is a list of arguments (e.g. --batches 1 2 4 8 16 64)
+           stage bench_quant python3 -m benchmarks.bench_quant_gemm --out "$out/bench_quant_gemm.json" ${QUANT_ARGS-} ;;
     # pytest-xdist (in the device image) spreads the tests over ENGINE_WORKERS processes sharing the GPU; each
     # test reserves the memory it declares (@pytest.mark.gpu_memory, tests/gpu_memory.py) in a ledger sized
     # from the card, so the same 8 workers fit an 80 GB H100 (tests wait for room) and a 141 GB H200;
