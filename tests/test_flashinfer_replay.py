@@ -172,14 +172,12 @@ def test_the_probe_says_whether_the_kernel_runs_and_agrees(monkeypatch):
     assert "differs from its contract's reference" in fr.probe_flashinfer_replay(4, 8, 2, 16, 4, 4, **args)[0]
 
 
-def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, caplog):
-    """ssm_backend=flashinfer with replay on CUDA (a stand-in flashinfer.mamba here): FlashInfer when its
-    checkpointing_ssu exists, fits the window and passes the probe; else Triton and a warning naming why.
-    results.json's ssm_kernels say which verify ran per layer kind."""
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """A stand-in ``flashinfer.mamba`` module with a ``checkpointing_ssu`` attribute (CUDA-free: only the
+    backend's resolution is tested with it, never a call)."""
     import sys
-    from types import ModuleType, SimpleNamespace
-
-    import runners.engine.runner as runner
+    from types import ModuleType
 
     fim = ModuleType("flashinfer.mamba")
     fim.checkpointing_ssu = object()
@@ -187,6 +185,18 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
     package.mamba = fim
     monkeypatch.setitem(sys.modules, "flashinfer", package)
     monkeypatch.setitem(sys.modules, "flashinfer.mamba", fim)
+    return fim
+
+
+def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, caplog, fake_flashinfer):
+    """ssm_backend=flashinfer with replay on CUDA (a stand-in flashinfer.mamba here): FlashInfer when its
+    checkpointing_ssu exists, fits the window and passes the probe; else Triton and a warning naming why.
+    results.json's ssm_kernels say which verify ran per layer kind."""
+    from types import SimpleNamespace
+
+    import runners.engine.runner as runner
+
+    fim = fake_flashinfer
     cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
                           time_step_limit=(0.0, math.inf), gdn_num_value_heads=0)
     probe = {"result": (None, 1.0)}
@@ -215,22 +225,15 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
     assert runner.ssm_kernels("torch", False, cfg) == {"mamba2": "torch selective_state_update"}
 
 
-def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, caplog):
+def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, caplog, fake_flashinfer):
     """ssm_backend unset (registry ``backend: auto``) on CUDA with replay: FlashInfer where the committed
     table measured its checkpointing_ssu faster at the model's Mamba2 shape and state dtype (Super V3's, in
     the checkpointing variant) and it probes fine; Triton where the table has no such row (the per-step
     variant, another shape), with stochastic rounding, or when the probe fails (a warning names why)."""
-    import sys
-    from types import ModuleType, SimpleNamespace
+    from types import SimpleNamespace
 
     import runners.engine.runner as runner
 
-    fim = ModuleType("flashinfer.mamba")
-    fim.checkpointing_ssu = object()
-    package = ModuleType("flashinfer")
-    package.mamba = fim
-    monkeypatch.setitem(sys.modules, "flashinfer", package)
-    monkeypatch.setitem(sys.modules, "flashinfer.mamba", fim)
     probe = {"result": (None, 1.0)}
     monkeypatch.setattr(runner, "probe_flashinfer_replay", lambda *a, **k: probe["result"])
     super_v3 = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
