@@ -603,8 +603,8 @@ def find_accuracy_reference(
     models = load_accuracy_baselines(path)
     if key not in models:
         raise BaselineError(
-            f"no GSM8K baselines for model key {key!r} in {path}; known keys: {sorted(models)}",
-            _NO_REF_FIX.format(file=path),
+            f"no GSM8K baselines for model key {key!r} in {_shown(path)}; known keys: {sorted(models)}",
+            _NO_REF_FIX.format(file=_shown(path)),
         )
     run_state = normalize_state(state)
     for ref in models[key]:
@@ -614,8 +614,8 @@ def find_accuracy_reference(
     state_text = "".join(f" {c}={v}" for c, v in run_state.items())
     raise BaselineError(
         f"no GSM8K reference for {key!r} with dtype={wanted[0]} quant={wanted[1]} kv_cache_quant={wanted[2]} "
-        f"spec_dec={wanted[3]}{state_text} in {path}; its rows are:\n{rows}",
-        _NO_REF_FIX.format(file=path),
+        f"spec_dec={wanted[3]}{state_text} in {_shown(path)}; its rows are:\n{rows}",
+        _NO_REF_FIX.format(file=_shown(path)),
     )
 
 
@@ -640,9 +640,9 @@ def find_acceptance_reference(
     entry = key
     if entry not in entries:
         raise BaselineError(
-            f"no acceptance baselines for model key {entry!r} in {path}; "
+            f"no acceptance baselines for model key {entry!r} in {_shown(path)}; "
             f"known keys: {sorted(entries)}",
-            _NO_REF_FIX.format(file=path),
+            _NO_REF_FIX.format(file=_shown(path)),
         )
     run_state = normalize_state(state)
     for ref in entries[entry]:
@@ -651,7 +651,8 @@ def find_acceptance_reference(
     rows = "\n".join(f"    {r.describe()}" for r in entries[entry])
     state_text = "".join(f" {c}={v}" for c, v in run_state.items())
     raise BaselineError(
-        f"no acceptance reference for {entry!r} at quant={q} draft_len={draft_len}{state_text} in {path}; "
+        f"no acceptance reference for {entry!r} at quant={q} draft_len={draft_len}{state_text} in "
+        f"{_shown(path)}; "
         f"its rows are:\n{rows}",
-        _NO_REF_FIX.format(file=path),
+        _NO_REF_FIX.format(file=_shown(path)),
     )
