@@ -34,6 +34,7 @@ import triton.testing
 
 from kernels.commit import allocate_replay_slots, replay_advance, rewind_commit
 from kernels.mamba2 import ReplayHistory, replay_verify, selective_state_update
+from kernels.mamba2.flashinfer_replay import MAX_WINDOW, tied  # its ring: MAX_WINDOW + T rows per slot
 
 H, P, N, G = 128, 64, 128, 8  # Super V3 Mamba2: 128 heads x head_dim 64, d_state 128, 8 groups
 
@@ -44,14 +45,10 @@ def _bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # us
 
 
-# FlashInfer 0.7.2 checkpointing_ssu's ring per slot: its max window (16) + T rows
-FLASHINFER_MAX_WINDOW = 16
-
-
 def flashinfer_checkpointing_cases(T: int) -> list[tuple[int, str]]:
     """(pending tokens, result name) of the checkpointing_ssu calls :func:`bench_flashinfer` times at T tokens:
     3 pending (no flush) and ring - 2T + 1 pending (a flush: the state is written when pending + 2T > ring)."""
-    ring = FLASHINFER_MAX_WINDOW + T
+    ring = MAX_WINDOW + T
     return [(k, f"checkpointing_ssu_pnat{k}{'_flush' if k + 2 * T > ring else ''}") for k in (3, ring - 2 * T + 1)]
 
 
@@ -144,11 +141,6 @@ def bench_ours(batch, T, state_dtype, in_dtype=torch.bfloat16, *, dev="cuda", ti
     return res
 
 
-def _tied(t, shape):
-    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
-    return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
-
-
 def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpointing=False, timer=None,
                      only=None):
     """Time FlashInfer's rewind verify (and, with `checkpointing`, its checkpointing_ssu) at the Super V3
@@ -170,12 +162,12 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     x = torch.randn(batch, T, H, P, device=dev, dtype=in_dtype)
     # dt, D and dt_bias share one dtype in its contract: fp32, as the engine passes them (our kernels read
     # dt in the input dtype; the difference is B * T * H * 2 bytes)
-    dt = _tied(torch.randn(batch, T, H, device=dev) * 0.5 - 1, (batch, T, H, P))
-    A = _tied(-torch.rand(H, device=dev) - 0.5, (H, P, N))
+    dt = tied(torch.randn(batch, T, H, device=dev) * 0.5 - 1, (batch, T, H, P))
+    A = tied(-torch.rand(H, device=dev) - 0.5, (H, P, N))
     B = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
     C = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
-    D = _tied(torch.randn(H, device=dev), (H, P))
-    dt_bias = _tied(torch.rand(H, device=dev) - 0.5, (H, P))
+    D = tied(torch.randn(H, device=dev), (H, P))
+    dt_bias = tied(torch.rand(H, device=dev) - 0.5, (H, P))
     slot_ids = torch.arange(batch, device=dev, dtype=torch.int32)
     out = torch.empty_like(x)
     res = {}
@@ -200,7 +192,7 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     try:
         # FlashInfer 0.7.2's contract: rings of RING = max_window + T rows per slot, processed dt in fp32,
         # ring_start / prev_num_accepted_tokens owned by the caller; the state is written when pnat + 2T > RING.
-        ring = FLASHINFER_MAX_WINDOW + T
+        ring = MAX_WINDOW + T
         x_cache = torch.randn(S, H, ring, P, device=dev).to(in_dtype)
         B_cache = (torch.randn(S, G, ring, N, device=dev) / N**0.5).to(in_dtype)
         dt_cache = torch.rand(S, H, ring, device=dev) * 0.1

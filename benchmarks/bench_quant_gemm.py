@@ -329,6 +329,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
 
 
 def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
+    """The ``fp8_tensor`` rows (module docstring): per SUPER_DENSE shape and batch, ``fp8_linear`` (scaled_mm),
+    ``fp8_linear_w8a16`` and BF16 ``F.linear``, each with the bytes it must read and its share of the copy
+    bandwidth ``copy_gbps`` (GB/s) measured in the same run. Needs CUDA."""
     import torch
     import torch.nn.functional as F
 

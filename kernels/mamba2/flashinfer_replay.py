@@ -30,6 +30,7 @@ rewritten from position 0 on a flush, and no dA_cumsum).
   tests compare it with and what a CPU run calls.
 - :func:`ring_advance`: ring_start after a verify step (before PNAT moves), for the live rows.
 - :func:`flashinfer_replay_unsupported`: why FlashInfer cannot run a configuration (None when it can).
+- :func:`tied`: the stride-0 layout FlashInfer's Mamba2 kernels take per-head values in.
 
 Source: FlashInfer 0.7.2, flashinfer/mamba/checkpointing_ssu.py (the Python contract) and
 include/flashinfer/mamba/checkpointing_ssu.cuh (the ring's bookkeeping); the recurrence is Mamba2's SSD
@@ -75,6 +76,7 @@ class RingHistory:
         return self.x_cache.shape[2]
 
     def nbytes(self) -> int:
+        """Bytes of the three ring tensors."""
         return sum(t.numel() * t.element_size() for t in (self.x_cache, self.B_cache, self.dt_cache))
 
 
@@ -92,8 +94,9 @@ def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit
     return None
 
 
-def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
+def tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """FlashInfer's tie_hdim layout of a per-head value ``t`` [H] or [..., H]: a view of ``shape`` (its leading
+    dims ``t``'s, then head_dim and d_state) broadcast by stride 0. Copies nothing."""
     return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
 
 
@@ -130,8 +133,8 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
     # D and dt_bias share one dtype in its contract; fp32, as our kernels read them
     fim.checkpointing_ssu(
         state, history.x_cache, history.B_cache, history.dt_cache, ring_start, prev_num_accepted,
-        x, _tied(dt.float(), (b, T, H, P)), _tied(A.float(), (H, P, N)), B, C, out,
-        D=_tied(D.float(), (H, P)), dt_bias=_tied(dt_bias.float(), (H, P)), dt_softplus=True,
+        x, tied(dt.float(), (b, T, H, P)), tied(A.float(), (H, P, N)), B, C, out,
+        D=tied(D.float(), (H, P)), dt_bias=tied(dt_bias.float(), (H, P)), dt_softplus=True,
         state_batch_indices=slot_ids.to(torch.int32), algorithm="monolith",
     )
     return out

@@ -62,6 +62,7 @@ from kernels.mamba2.flashinfer_replay import (
     RingHistory,
     replay_verify_flashinfer,
     replay_verify_flashinfer_ref,
+    tied,
 )
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
@@ -379,11 +380,6 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y)
 
 
-def _tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """FlashInfer's tie_hdim layout: a per-head value broadcast over head_dim (and d_state) by stride 0."""
-    return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
-
-
 def _flashinfer_replay_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias) -> torch.Tensor:
     """Replay verify over the layer's ring history: FlashInfer's ``checkpointing_ssu`` under
     ``ssm_backend="flashinfer"``, that contract's PyTorch reference otherwise (a ring cache built with
@@ -411,8 +407,8 @@ def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_st
     x, Bm, Cm = x.contiguous(), Bm.contiguous(), Cm.contiguous()
     out = torch.empty_like(x)
     fim.selective_state_update(
-        state.ssm, x, _tied(dt.float(), (b, T, H, P)), _tied(A.float(), (H, P, N)), Bm, Cm,
-        _tied(D.float(), (H, P)), dt_bias=_tied(dt_bias.float(), (H, P)), dt_softplus=True,
+        state.ssm, x, tied(dt.float(), (b, T, H, P)), tied(A.float(), (H, P, N)), Bm, Cm,
+        tied(D.float(), (H, P)), dt_bias=tied(dt_bias.float(), (H, P)), dt_softplus=True,
         state_batch_indices=slots, out=out,
         disable_state_update=True, intermediate_states_buffer=state.ssm_steps,
         intermediate_state_indices=slots, cache_steps=T,
