@@ -65,18 +65,23 @@ def expert_bytes_in(fmt: str, L: int, I: int, gated: bool) -> int:
     return (2 if gated else 1) * stored_nbytes(fmt, (I, L)) + stored_nbytes(fmt, (L, I))
 
 
-def _quantized(fmt: str, w):
-    """(the format's expert tuple for kernels.quant.moe_gemv, the engine's grouped GEMM of it)."""
+def _quantized(fmt: str, w, chunk: int = 32):
+    """(the format's expert tuple for kernels.quant.moe_gemv, the engine's grouped GEMM of it); ``w`` [E, N, K]
+    quantized ``chunk`` experts at a time (the quantizer's temporaries of 512 released experts at once did not
+    fit an 80 GB H100)."""
+    from kernels.quant.moe_gemv import quantize_experts
+
+    chunks = (w[i:i + chunk] for i in range(0, w.shape[0], chunk))
     if fmt == "nvfp4":
         from kernels.quant.nvfp4 import nvfp4_quantize
         from runners.engine.models.nvfp4 import nvfp4_grouped_mm
 
-        mats = nvfp4_quantize(w)
+        mats = quantize_experts(nvfp4_quantize, chunks)
         return mats, lambda x, offsets: nvfp4_grouped_mm(x, *mats, offsets)
     from kernels.quant.block_fp8 import block_fp8_quantize
     from runners.engine.models.block_fp8 import block_fp8_grouped_mm
 
-    q, s = block_fp8_quantize(w)
+    q, s = quantize_experts(block_fp8_quantize, chunks)
     mats = (q, s.float())
     return mats, lambda x, offsets: block_fp8_grouped_mm(x, *mats, offsets)
 

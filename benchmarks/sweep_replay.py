@@ -49,7 +49,8 @@ operator must move (state read once, written once where it is written, inputs, o
 written once) and the fraction of copy bandwidth: the time of a torch copy of the same number of bytes
 (half read, half written), measured in the same run, over the kernel's time.
 Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
-a short table last. The JSON's "defaults" (beside "best") names the configuration the engine should run per
+a short table last; until then DIR/sweep_replay.partial.json holds what is measured so far (its "partial":
+the last stage done), so a run cut short keeps its headline and grid. The JSON's "defaults" (beside "best") names the configuration the engine should run per
 (operation, state dtype, shape class, batch bucket) by the rule `DEFAULTS_RULE`; --write-defaults PATH writes
 that table (`defaults_table`, with the launcher arguments and the evidence) for kernels.replay_defaults, and
 --from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
@@ -645,8 +646,12 @@ def write_defaults(table: dict, path: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def sweep(args) -> dict:
+def sweep(args, save=None) -> dict:
+    """The sweep (module docstring) as one JSON document. ``save(res, stage)``, when given, is called with the
+    document so far after the headline, after the confirmation and after each operator's grid, so that a run
+    cut short (the device call's limit, a crash) keeps what it measured."""
     dev = "cpu" if args.dry_run else "cuda"
+    save = save or (lambda res, stage: None)
     dry = args.dry_run
     timer = Timer(dev)
     t_start = time.time()
@@ -691,6 +696,7 @@ def sweep(args) -> dict:
                 del call, check
                 torch.cuda.empty_cache()
 
+    save(res, "headline")
     # 3-4. the peers at the headline (FlashInfer's checkpointing_ssu / selective_state_update, fla-core's and
     # FlashInfer's GDN kernels), timed once FlashInfer's JIT warm-ups are over (they ran beside the headline;
     # `time_peers`): here when the warm-ups end within FLASHINFER_EARLY_WAIT_S, else after the grid, so that a
@@ -703,6 +709,7 @@ def sweep(args) -> dict:
     # 4b. confirmation: the headline's leaders timed again now that nothing runs beside the sweep; the
     # stochastic-rounding rows and the grid use the confirmed choice
     res["confirm"] = confirm_headline(res, dtypes, hb, hT, timer, dev, dry)
+    save(res, "confirmation")
     # 5. stochastic rounding cost (16-bit states, the confirmed best configuration of each state-writing
     # operator as chosen with a bf16 state)
     if "bfloat16" in dtypes:
@@ -756,6 +763,7 @@ def sweep(args) -> dict:
                                                     "error": traceback.format_exc(limit=3)})
                         if dev == "cuda":
                             torch.cuda.empty_cache()
+        save(res, f"grid {op}")
 
     if "flashinfer" not in res:  # the warm-ups were still building after the headline
         res["flashinfer_timed"] = "after the grid"
@@ -1149,9 +1157,18 @@ def main(argv=None) -> int:
         ap.error("no CUDA GPU here: the sweep times the kernels on one; run it on the GPU machine, or smoke-test "
                  "it on the CPU with TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR")
     os.makedirs(args.out, exist_ok=True)
-    res = sweep(args)
+    partial = os.path.join(args.out, "sweep_replay.partial.json")
+
+    def save(res: dict, stage: str) -> None:  # what a cut-short run keeps (its "partial": the last stage done)
+        with open(partial + ".tmp", "w") as f:
+            json.dump({**res, "partial": stage}, f, indent=1)
+        os.replace(partial + ".tmp", partial)
+
+    res = sweep(args, save)
     with open(os.path.join(args.out, "sweep_replay.json"), "w") as f:
         json.dump(res, f, indent=1)
+    if os.path.exists(partial):
+        os.remove(partial)
     plot(res, os.path.join(args.out, "sweep_replay.png"))
     print(table(res))
     if args.write_defaults:

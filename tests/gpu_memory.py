@@ -199,10 +199,9 @@ def random_quantized_experts(quantize, E: int, N: int, K: int, generator, chunk:
     """
     import torch
 
-    parts = []
-    for start in range(0, E, chunk):
-        n = min(chunk, E - start)
-        w = torch.randn(n, N, K, device=generator.device, generator=generator) / K**0.5
-        parts.append(quantize(w))
-        del w
-    return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
+    from kernels.quant.moe_gemv import quantize_experts
+
+    def draw(start):
+        return torch.randn(min(chunk, E - start), N, K, device=generator.device, generator=generator) / K**0.5
+
+    return quantize_experts(quantize, (draw(start) for start in range(0, E, chunk)))

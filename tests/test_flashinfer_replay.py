@@ -98,6 +98,9 @@ def test_what_flashinfer_cannot_run_is_named():
     assert "at most 16" in flashinfer_replay_unsupported(4, MAX_WINDOW + 1, None)
     assert "exceeds its window" in flashinfer_replay_unsupported(17, 16, None)
     assert "does not clamp dt" in flashinfer_replay_unsupported(4, 16, (0.0, 0.1))
+    assert flashinfer_replay_unsupported(4, 16, None, torch.bfloat16) is None
+    assert flashinfer_replay_unsupported(4, 16, None, torch.float16) is None
+    assert "computes in float32" in flashinfer_replay_unsupported(4, 16, None, torch.float32)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -207,7 +210,8 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
     assert runner.ssm_kernels("flashinfer", True, cfg) == {"mamba2": "flashinfer checkpointing_ssu"}
     cases = [("probe", "failed at this configuration: RuntimeError: x"),
              ("wide", "its replay window is at most 16 tokens (this run needs 17)"),
-             ("clamp", "does not clamp dt"), ("old", "has no checkpointing_ssu")]
+             ("clamp", "does not clamp dt"), ("fp32", "takes bfloat16 / float16 activations"),
+             ("old", "has no checkpointing_ssu")]
     for case, says in cases:
         failed = "FlashInfer's checkpointing_ssu failed at this configuration: RuntimeError: x"
         probe["result"] = (failed, 1.0) if case == "probe" else (None, 1.0)
@@ -215,7 +219,8 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
         c = SimpleNamespace(**{**vars(cfg), "time_step_limit": limit})
         if case == "old":
             monkeypatch.delattr(fim, "checkpointing_ssu")
-        args = {**kw, "spec_tokens": 17, "replay_checkpointing": False} if case == "wide" else kw
+        args = {**kw, "spec_tokens": 17, "replay_checkpointing": False} if case == "wide" else \
+            {**kw, "dtype": torch.float32} if case == "fp32" else kw
         caplog.clear()
         with caplog.at_level("WARNING"):
             assert runner.resolve_ssm_backend("flashinfer", cuda, True, c, **args) == "triton", case

@@ -5,8 +5,9 @@ Run on the device machine (``-m gpu``); skips without CUDA or without flashinfer
   ring_start turning, a PAD row on the scratch slot), bf16 inputs, float32 and bfloat16 state, at Super V3's
   Mamba2 head sizes (head_dim 64, d_state 128, 8 heads per group): outputs, committed states and rings;
 - the engine: ssm_backend=flashinfer with ssm_replay runs FlashInfer (engine.ssm_backend, ssm_kernels) and
-  gives the tokens and acceptance of our Triton replay and of rewind in float32, per-step and checkpointing,
-  with CUDA graphs and without (graph == eager), slots reused across 12 requests over 5 slots.
+  gives the tokens and acceptance of our Triton replay and of rewind, bf16 activations (its kernel takes no
+  float32 ones) and a float32 state, per-step and checkpointing, with CUDA graphs and without (graph ==
+  eager), slots reused across 12 requests over 5 slots.
 Tolerances: bf16 inputs, fp32 accumulation in both; outputs within 2e-2 of the largest |reference| output
 (FlashInfer multiplies bf16 tensor-core fragments), states within 2e-2 (fp32) / 4e-2 (bf16: one rounding).
 """
@@ -79,6 +80,10 @@ def test_flashinfer_replay_kernel_equals_its_contract(state_dtype, window):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path, checkpointing):
+    """bf16 activations (FlashInfer's kernel takes 16-bit operands; a float32 run falls back to ours:
+    tests/test_replay_engine.py) with a float32 state: FlashInfer's replay gives the tokens and acceptance of
+    our Triton replay and of rewind, with CUDA graphs and eagerly (graph == eager), slots reused across 12
+    requests over 5 slots (PAD rows in every short batch)."""
     _need_flashinfer()
     # FlashInfer builds at head_dim 64 / d_state 128 with power-of-two heads per group (4 heads / 2 groups)
     path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=64,
@@ -90,15 +95,21 @@ def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path
                                           ("flashinfer", "flashinfer", True, True),
                                           ("flashinfer_eager", "flashinfer", True, False)):
         options = EngineOptions(draft_len=3, ssm_replay=replay, ssm_backend=backend, max_batch_size=5,
-                                max_seq_len=96, cuda_graphs=graphs,
+                                max_seq_len=96, cuda_graphs=graphs, dtype="bfloat16",
+                                ssm_state_dtype="float32",
                                 ssm_replay_checkpointing=checkpointing and replay)
         engine = Engine.from_pretrained(path, options, device="cuda")
         assert engine.ssm_backend == backend, name
         if backend == "flashinfer":
-            assert engine.runner.ssm_kernels == {"mamba2": "flashinfer checkpointing_ssu"}
+            kernels = engine.runner.ssm_kernels
+            assert kernels["mamba2"] == "flashinfer checkpointing_ssu" and kernels["flashinfer_probe_s"] >= 0
         outs[name] = engine.generate(prompts, 30, stop_token_ids=[])
+    # graph == eager: the same kernels on the same inputs
+    assert outs["flashinfer"].tokens == outs["flashinfer_eager"].tokens
     want = outs["rewind"]
     for name, out in outs.items():
-        assert out.tokens == want.tokens, name
+        diverged = [(i, next(j for j, (a, b) in enumerate(zip(x, y)) if a != b))
+                    for i, (x, y) in enumerate(zip(out.tokens, want.tokens)) if x != y]
+        assert not diverged, (name, "(request, first differing token)", diverged)
         assert (out.stats.accepted_drafts, out.stats.num_accepted_hist) == \
             (want.stats.accepted_drafts, want.stats.num_accepted_hist), name

@@ -160,8 +160,8 @@ def test_no_tokens_and_bad_arguments(fmt):
 
 @pytest.mark.parametrize("fmt", list(KERNELS))
 def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
-    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds (forced here:
-    on the CPU it never does) and the grouped path otherwise, with the same result."""
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds and the
+    grouped path otherwise (both forced here), with the same result."""
     import importlib
 
     from runners.engine import quant
@@ -188,6 +188,8 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     module = importlib.import_module(f"runners.engine.models.{fmt}")  # the format's modules
     kernel = getattr(module, attr)
     monkeypatch.setattr(module, attr, lambda *a, **kw: calls.append(a[-1]) or kernel(*a, **kw))
+    # the gate forced both ways (on CUDA it holds at these sizes, on the CPU it never does)
+    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: False)
     grouped = moe._experts(h, weights, indices)
     assert calls == []
     monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: True)

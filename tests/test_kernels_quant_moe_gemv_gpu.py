@@ -100,7 +100,8 @@ def test_block_fp8_w8a16_at_qwen3_next_expert_shapes(tokens):
     got = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
     _close(got, bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, act, scheme="w8a16"))
     mats = {"up": up, "gate": gate, "down": down}
-    mm = lambda x, kind, offsets: block_fp8_grouped_mm(x, *mats[kind], offsets, scheme="w8a16")
+    # the kernel's grouped GEMM in the scheme under test (the engine's wrapper picks the scheme by rows)
+    mm = lambda x, kind, offsets: bf8.block_fp8_grouped_mm(x, *mats[kind], offsets, scheme="w8a16")
     _close(got, moe_experts_grouped(h, weights, indices, ("up", "gate", "down"), mm, ACTIVATIONS[act],
                                     up[0].shape[0]))
 

@@ -26,6 +26,7 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
                               "--dtypes", "bfloat16"]) == 0
     res = json.loads((tmp_path / "sweep_replay.json").read_text())
     assert (tmp_path / "sweep_replay.png").stat().st_size > 0
+    assert not (tmp_path / "sweep_replay.partial.json").exists()  # the whole document replaced it
     for op in sweep_replay.OPS:
         rows = dict(res["headline_rows"][f"{op}/bfloat16"])
         default = rows.pop("default", None)  # the engine's kernel there, beside the configurations
@@ -64,6 +65,22 @@ def test_dry_run_writes_json_plot_and_table(tmp_path, capsys):
     assert res["defaults"] and set(res["defaults"].values()) <= {"fma", "mma"}
     assert {k.split("/")[0] for k in res["defaults"]} == {"mamba2_per_step", "mamba2_checkpointing", "gdn"}
     assert res["defaults"] == {k: v["config"] for k, v in sweep_replay.defaults_table(res)["rows"].items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep, not the dry run")
+def test_a_sweep_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """A sweep that dies after its headline (the device call's limit, a crash) leaves
+    sweep_replay.partial.json with the headline rows and the last stage done."""
+    def die(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_replay, "confirm_headline", die)
+    with pytest.raises(KeyboardInterrupt):
+        sweep_replay.main(["--dry-run", "--out", str(tmp_path), "--configs", "mma", "--dtypes", "bfloat16"])
+    kept = json.loads((tmp_path / "sweep_replay.partial.json").read_text())
+    assert kept["partial"] == "headline" and not (tmp_path / "sweep_replay.json").exists()
+    assert set(kept["headline_rows"]) == {f"{op}/bfloat16" for op in sweep_replay.OPS}
+    assert all(r["us"] > 0 for rows in kept["headline_rows"].values() for r in rows.values())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep, not the dry run")

@@ -48,6 +48,8 @@ import torch.nn.functional as F
 # FlashInfer 0.7.2: checkpointing_ssu keeps at most 16 pending tokens (max_window), and the verify width must
 # not exceed the window (npredicted <= max_window)
 MAX_WINDOW = 16
+# the activation dtypes its kernel is built for (x, B, C, z in 16-bit tensor-core operands)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -80,17 +82,24 @@ class RingHistory:
         return sum(t.numel() * t.element_size() for t in (self.x_cache, self.B_cache, self.dt_cache))
 
 
-def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit: tuple[float, float] | None
-                                  ) -> str | None:
+def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit: tuple[float, float] | None,
+                                  dtype: torch.dtype | None = None) -> str | None:
     """Why FlashInfer's checkpointing_ssu cannot run this replay configuration, or None when it can: a window
-    above MAX_WINDOW, a verify wider than the window, or a dt clamp (it has none). (Stochastic rounding with
-    ssm_backend=flashinfer is refused where the cache is built: runners/engine/cache.py.)"""
+    above MAX_WINDOW, a verify wider than the window, a dt clamp (it has none), or activations (``dtype``, the
+    model's compute dtype; None: not checked) other than bfloat16 / float16 (its kernel multiplies 16-bit
+    tensor-core fragments: FlashInfer 0.7.2 ``kernel_checkpointing_ssu_main.cuh``; a float32 build fails in
+    its JIT). (Stochastic rounding with ssm_backend=flashinfer is refused where the cache is built:
+    runners/engine/cache.py.)"""
     if window > MAX_WINDOW:
         return f"its replay window is at most {MAX_WINDOW} tokens (this run needs {window})"
     if spec_tokens > window:
         return f"the verify width T = {spec_tokens} exceeds its window {window}"
     if time_step_limit is not None and tuple(time_step_limit) != (0.0, math.inf):
         return f"it does not clamp dt (the model's time_step_limit is {tuple(time_step_limit)})"
+    if dtype is not None and dtype not in INPUT_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return (f"its kernel takes bfloat16 / float16 activations (16-bit tensor-core operands); this run "
+                f"computes in {name} (dtype=bfloat16 runs it)")
     return None
 
 

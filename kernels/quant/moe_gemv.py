@@ -91,3 +91,20 @@ def pair_outputs(P, NOUT, split, gated, dtype, device):
 def contiguous_experts(t):
     """An expert stack's tensors made contiguous (None stays None)."""
     return None if t is None else tuple(x.contiguous() for x in t)
+
+
+def quantize_experts(quantize, chunks) -> tuple[torch.Tensor, ...]:
+    """A format's quantizer over experts given a few at a time, so that a released expert stack (512 experts
+    of Nemotron 3 Super) and the quantizer's float32 temporaries never exist at once.
+
+    Args:
+        quantize: maps [e, N, K] float weights to a tuple of tensors whose leading dim is e, quantizing each
+            expert on its own (``nvfp4_quantize``, ``block_fp8_quantize``).
+        chunks: an iterable of [e_i, N, K] weight tensors (slices of a stack, or drawn chunk by chunk).
+
+    Returns:
+        the quantizer's tuple for all experts, each part concatenated along dim 0 (the same tensors as one call
+        over the whole stack). Mutates nothing.
+    """
+    parts = [quantize(w) for w in chunks]
+    return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))

@@ -116,7 +116,7 @@ def resolve_ssm_backend(
             backend = "triton"
         else:
             if ssm_replay:
-                why = _flashinfer_replay_unsupported(config, spec_tokens, replay_checkpointing)
+                why = _flashinfer_replay_unsupported(config, spec_tokens, replay_checkpointing, dtype)
                 if not why and dtype is not None and ssm_state_dtype is not None:
                     why, seconds = _probe_flashinfer_replay(config, spec_tokens, replay_checkpointing, dtype,
                                                             ssm_state_dtype, device)
@@ -137,15 +137,17 @@ def resolve_ssm_backend(
     return backend
 
 
-def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int, checkpointing: bool
-                                   ) -> str | None:
-    """Why FlashInfer cannot run this replay (its version, the window, the dt clamp), or None."""
+def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
+                                   dtype: torch.dtype | None = None) -> str | None:
+    """Why FlashInfer cannot run this replay (its version, the window, the dt clamp, the activations'
+    ``dtype``), or None."""
     import flashinfer.mamba as fim
 
     if not hasattr(fim, "checkpointing_ssu"):
         return "this FlashInfer has no checkpointing_ssu (0.7.2 has)"
     limit = getattr(config, "time_step_limit", None)
-    return flashinfer_replay_unsupported(spec_tokens, replay_hist_len(spec_tokens, checkpointing), limit)
+    window = replay_hist_len(spec_tokens, checkpointing)
+    return flashinfer_replay_unsupported(spec_tokens, window, limit, dtype)
 
 
 def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
@@ -166,7 +168,7 @@ def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointi
         log.info("ssm_backend default: FlashInfer's replay is the measured faster kernel at %s, but "
                  "flashinfer.mamba is not importable (%r); using triton", shape, e)
         return None
-    why = _flashinfer_replay_unsupported(config, spec_tokens, checkpointing)
+    why = _flashinfer_replay_unsupported(config, spec_tokens, checkpointing, dtype)
     if not why:
         why, _ = _probe_flashinfer_replay(config, spec_tokens, checkpointing, dtype, ssm_state_dtype, device)
     if why:

@@ -27,7 +27,9 @@ class BlockFP8Format(WeightFormat):
     tensor_suffixes = (".weight_scale_inv",)
     moe_gemv = True  # up to the unquantized experts' bound: faster than the grouped GEMM there
     # (docs/kernel_performance.md, "Quantized formats")
-    decode_scheme = "w8a8"  # w8a16 not yet measured ahead at the releases' shapes (WeightFormat)
+    # up to decode_rows (8) rows per matrix the activations stay 16-bit (WeightFormat.scheme): at the
+    # releases' shapes w8a16 measured faster than w8a8 there (docs/kernel_performance.md, "Quantized formats")
+    decode_scheme = "w8a16"
 
     def check(self, quant: QuantConfig) -> None:
         """Refuses blocks other than :data:`BLOCK` and static activations."""
