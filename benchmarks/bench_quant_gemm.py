@@ -22,7 +22,9 @@ measured in the same run):
 Rows named "..._w8a16" time ``scheme="w8a16"`` (the activation kept in bf16: the GEMV kernel alone, its K split
 summed inside the launch), "..._w8a16_2launch" the same with the split summed by the splitk_sum launch
 (kernels/quant/block_fp8.py SERIAL_SPLIT_SCHEMES emptied), so one run says what the activation quantization
-launch and the second launch cost at each shape.
+launch and the second launch cost at each shape; "..._w8a16_xvec" the GEMV loading each activation row's
+128-column group once, broadcast over the weight tile (block_fp8.GEMV_X_LOAD = "vector"), beside the default
+load in the tile's layout.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
 GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths; grouped rows named
 "..._gemv" time it with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS = inf): the GEMV wherever the rows
@@ -201,6 +203,19 @@ def _two_launch_split(fn, *args, **kwargs):
         block_fp8.SERIAL_SPLIT_SCHEMES = saved
 
 
+def _x_vector(fn, *args, **kwargs):
+    """fn with the GEMV kernel loading each activation row's 128-column group once, broadcast over the weight
+    tile (kernels/quant/block_fp8.py GEMV_X_LOAD = "vector"; the default loads it in the tile's layout)."""
+    from kernels.quant import block_fp8
+
+    saved = block_fp8.GEMV_X_LOAD
+    block_fp8.GEMV_X_LOAD = "vector"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        block_fp8.GEMV_X_LOAD = saved
+
+
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
     every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
@@ -293,6 +308,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_w8a16", _bench(partial(block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_w8a16_xvec",
+                            _bench(partial(_x_vector, block_fp8_linear, x, w, ws, scheme="w8a16")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_w8a16_2launch",
                             _bench(partial(_two_launch_split, block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
@@ -323,6 +341,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("block_fp8_grouped_w8a16",
                             _bench(partial(block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_w8a16_xvec",
+                            _bench(partial(_x_vector, block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
     return rows
@@ -351,6 +372,8 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
                             N * K + io, copy_gbps, **meta))
             rows.append(row("fp8_linear_w8a16", _bench(partial(fp8_linear_w8a16, x, w8, scale)), N * K + io,
                             copy_gbps, **meta))
+            rows.append(row("fp8_linear_w8a16_xvec", _bench(partial(_x_vector, fp8_linear_w8a16, x, w8, scale)),
+                            N * K + io, copy_gbps, **meta))
             rows.append(row("bf16_linear", _bench(partial(F.linear, x, w16)), N * K * 2 + io, copy_gbps,
                             **meta))
     return rows
@@ -419,13 +442,18 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "block_fp8_linear_triton"),
                          "w8a16_serial_vs_2launch": speedups(rows, "block_fp8_linear_w8a16",
                                                              "block_fp8_linear_w8a16_2launch"),
-                         "w8a16_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_w8a16", "bf16_grouped")}
+                         "w8a16_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_w8a16", "bf16_grouped"),
+                         "w8a16_xvec_vs_tile": speedups(rows, "block_fp8_linear_w8a16_xvec",
+                                                        "block_fp8_linear_w8a16"),
+                         "w8a16_grouped_xvec_vs_tile": speedups(rows, "block_fp8_grouped_w8a16_xvec",
+                                                                "block_fp8_grouped_w8a16")}
     if "fp8_tensor" in args.parts:
         rows = part_fp8_tensor(args.batches, bw)
         report["fp8_tensor"] = {"rows": rows,
                                 "w8a16_speedup_vs_scaled_mm": speedups(rows, "fp8_linear_w8a16",
                                                                        "fp8_linear_scaled_mm"),
                                 "w8a16_speedup_vs_bf16": speedups(rows, "fp8_linear_w8a16", "bf16_linear"),
+                                "w8a16_xvec_vs_tile": speedups(rows, "fp8_linear_w8a16_xvec", "fp8_linear_w8a16"),
                                 "scaled_mm_speedup_vs_bf16": speedups(rows, "fp8_linear_scaled_mm",
                                                                       "bf16_linear")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -51,3 +51,15 @@ def test_the_two_launch_rows_time_the_same_call_with_the_split_summed_apart():
     with pytest.raises(ZeroDivisionError):
         bench._two_launch_split(lambda: 1 / 0)
     assert block_fp8.SERIAL_SPLIT_SCHEMES == before
+
+
+def test_the_xvec_rows_time_the_same_call_with_the_vector_row_load():
+    """_x_vector runs the call with the GEMV's "vector" activation-row load and puts the default back
+    afterwards, also when the call raises."""
+    from kernels.quant import block_fp8
+
+    assert block_fp8.GEMV_X_LOAD == "tile"
+    assert bench._x_vector(lambda: block_fp8.GEMV_X_LOAD) == "vector"
+    with pytest.raises(ZeroDivisionError):
+        bench._x_vector(lambda: 1 / 0)
+    assert block_fp8.GEMV_X_LOAD == "tile"

@@ -332,6 +332,29 @@ def test_block_fp8_w8a16_matches_its_reference_and_splits_k_in_one_launch(target
         _close(got, block_fp8_grouped_mm_ref(x, q, s, offs, scheme="w8a16"), dtype)
 
 
+@pytest.mark.parametrize("x_load", block_fp8.GEMV_X_LOADS)
+def test_block_fp8_gemv_loads_its_rows_either_way(x_load, monkeypatch):
+    """The GEMV kernel with each activation-row load (block_fp8.GEMV_X_LOAD: in the weight tile's layout, or
+    the 128-column group once, broadcast) matches the references: w8a8 and w8a16, 1 / 3 / 8 rows, K = 300
+    (a part group last), dense with bias and grouped, each program over all of K and K split per group."""
+    monkeypatch.setattr(block_fp8, "GEMV_X_LOAD", x_load)
+    K, N, E, dtype = 300, 40, 5, torch.bfloat16
+    q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=41).cpu()))
+    bias = _randn(N, seed=42, dtype=dtype)
+    for target in (1, 10**6):
+        monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+        for scheme in block_fp8.SCHEMES:
+            for M in (1, 3, 8):
+                x = _randn(M, K, seed=M + 43, dtype=dtype)
+                _close(block_fp8_linear(x, q[0], s[0], bias, out=_nan(M, N, dtype=dtype), impl="triton",
+                                        scheme=scheme),
+                       block_fp8_linear_ref(x, q[0], s[0], bias, scheme=scheme), dtype)
+            counts = (0, 3, 0, 5, 1)
+            x, offs = _randn(sum(counts), K, seed=44, dtype=dtype), _offsets(counts)
+            _close(block_fp8_grouped_mm(x, q, s, offs, out=_nan(sum(counts), N, dtype=dtype), scheme=scheme),
+                   block_fp8_grouped_mm_ref(x, q, s, offs, scheme=scheme), dtype)
+
+
 @pytest.mark.parametrize("target", [1, 10**6])
 def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
     """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column

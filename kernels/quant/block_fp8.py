@@ -428,14 +428,23 @@ def _block_fp8_mm_kernel(
 
 
 @triton.jit
-def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16: tl.constexpr):
+def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16: tl.constexpr,
+                  X_VECTOR: tl.constexpr):
     """One activation row's 128-column group dotted with the weight tile: fp32 [BLOCK_N] (0 past row_end).
     w8a8: the row's quantized group (fp32 e4m3 values, by quantize_activation's kernel) times the row's group
     scale; A16 (w8a16): the row's own 16- or 32-bit values, converted to fp32 (no scale). kk: the group's
-    column index broadcast over the tile's N rows [BLOCK_N, 128], so the row is loaded straight into the
-    weight tile's register layout (each thread its own columns; L1 hits) with no layout conversion."""
-    live = (kk * 0 + row) < row_end
-    q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
+    column index broadcast over the tile's N rows [BLOCK_N, 128]. How the row is loaded (GEMV_X_LOADS):
+    "tile" (X_VECTOR False): through kk, straight into the weight tile's register layout, one load per tile
+    element (L1 hits, no layout conversion); "vector": the group's 128 values once, broadcast over the tile's
+    rows (Triton lays the load out in the tile's column slice: each thread loads its own columns once)."""
+    if X_VECTOR:
+        cols = g * 128 + tl.arange(0, 128)
+        v = tl.load(q_ptr + row.to(tl.int64) * stride_qm + cols, mask=(cols < K) & ((cols * 0 + row) < row_end),
+                    other=0.0)
+        q = v.to(tl.float32)[None, :]
+    else:
+        live = (kk * 0 + row) < row_end
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qm + kk, mask=mk2 & live, other=0.0)
     if A16:
         return tl.sum(w * q.to(tl.float32), 1)
     xs = tl.load(xs_ptr + row.to(tl.int64) * stride_sm + g, mask=tl.where(g < G, row, row_end) < row_end, other=0.0)
@@ -443,22 +452,30 @@ def _fp8_row_part(q_ptr, xs_ptr, row, row_end, stride_qm, stride_sm, G, g, kk, m
 
 
 @triton.jit
-def _fp8_group(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, ws,
-               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr, A16: tl.constexpr):
+def _fp8_group(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, ws, K,
+               a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M: tl.constexpr, A16: tl.constexpr, X_VECTOR: tl.constexpr):
     """Accumulators a0..a{BLOCK_M-1} (one per row) plus each row's product with weight group g (w: the
     loaded fp8 tile, 0 where masked; ws [BLOCK_N]: its block scales)."""
     w = w.to(tl.float32)
-    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+    a0 += _fp8_row_part(q_ptr, xs_ptr, row0, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
     if BLOCK_M > 1:
-        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a1 += _fp8_row_part(q_ptr, xs_ptr, row0 + 1, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
     if BLOCK_M > 2:
-        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
-        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a2 += _fp8_row_part(q_ptr, xs_ptr, row0 + 2, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
+        a3 += _fp8_row_part(q_ptr, xs_ptr, row0 + 3, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
     if BLOCK_M > 4:
-        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
-        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
-        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
-        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, A16) * ws
+        a4 += _fp8_row_part(q_ptr, xs_ptr, row0 + 4, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
+        a5 += _fp8_row_part(q_ptr, xs_ptr, row0 + 5, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
+        a6 += _fp8_row_part(q_ptr, xs_ptr, row0 + 6, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
+        a7 += _fp8_row_part(q_ptr, xs_ptr, row0 + 7, row_end, stride_qm, stride_sm, G, g, kk, mk2, w, K, A16,
+                         X_VECTOR) * ws
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -475,7 +492,7 @@ def _block_fp8_gemv_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, A16: tl.constexpr,
-    SERIAL: tl.constexpr,
+    SERIAL: tl.constexpr, X_VECTOR: tl.constexpr,
 ):
     """Decode GEMV (<= 8 rows per program): grid (N tiles, row tiles, K splits). x_ptr / xs_ptr: the rows
     already quantized (fp32 e4m3 values [rows, K] and their scales [rows, G], quantize_activation's kernel);
@@ -489,7 +506,8 @@ def _block_fp8_gemv_kernel(
     accumulator per row (a0..a7, unrolled by BLOCK_M). With S > 1 K splits: without SERIAL, out_ptr is the
     fp32 partial-sum buffer [S, rows, N] (stride_os per split) and splitk_sum adds the bias; with SERIAL the
     splits store into part_ptr (the same layout) and the last split of each output tile to arrive sums them
-    in split order into out_ptr (:func:`_serial_split_sum`): one launch, the same bits."""
+    in split order into out_ptr (:func:`_serial_split_sum`): one launch, the same bits. X_VECTOR: how each
+    row is loaded (:func:`_fp8_row_part`)."""
     GROUP: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -537,18 +555,19 @@ def _block_fp8_gemv_kernel(
                 ws3 = tl.load(ws_ptrs + (g + 3) * stride_sk, mask=mask_n & ((offs_n * 0 + g + 3) < g1),
                               other=0.0).to(tl.float32)
             a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm, G, g,
-                                                        kk, mk2, w, ws, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
+                                                        kk, mk2, w, ws, K, a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16,
+                                                        X_VECTOR)
             if UNROLL > 1:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
-                                                            G, g + 1, kk1, mk1, w1, ws1,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
+                                                            G, g + 1, kk1, mk1, w1, ws1, K,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16, X_VECTOR)
             if UNROLL > 2:
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
-                                                            G, g + 2, kk2, mk2b, w2, ws2,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
+                                                            G, g + 2, kk2, mk2b, w2, ws2, K,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16, X_VECTOR)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_group(x_ptr, xs_ptr, row0, row_end, stride_xm, stride_xsm,
-                                                            G, g + 3, kk3, mk3, w3, ws3,
-                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16)
+                                                            G, g + 3, kk3, mk3, w3, ws3, K,
+                                                            a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, A16, X_VECTOR)
         if HAS_BIAS and not SERIAL:  # (SERIAL: the last split adds it to the sum)
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             a0 += b
@@ -606,6 +625,13 @@ def _serial_split_sum(part_ptr, out_ptr, b_ptr, counter_ptr, S, row0, row_end, o
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
+# How the GEMV kernel loads an activation row's 128-column group (_fp8_row_part): "tile" (one load per weight
+# tile element, in the tile's layout: the measured kernel) or "vector" (the group once, broadcast over the
+# tile's rows: a thread's loads per row and group drop by the tile rows it holds, which the H100's w8a16 rows
+# growing linearly from 2 rows up point at; docs/kernel_performance.md). bench_quant_gemm times both.
+GEMV_X_LOADS = ("tile", "vector")
+GEMV_X_LOAD = "tile"
+
 # Split-K counters of the serial reduction, per device: int32 zeros, each back at 0 when a launch ends.
 # Allocated once, outside any CUDA-graph capture where possible (the first launch is an eager warm-up); a
 # launch needing more tiles than this holds takes the two-launch split (splitk_sum) instead of allocating.
@@ -656,7 +682,8 @@ def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool, a16: bool 
         part.stride(0) if part is not None else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and (split == 1 or counters is not None), BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
-        INTERP=interpreter_active(), A16=a16, SERIAL=counters is not None, num_warps=4, num_stages=1,
+        INTERP=interpreter_active(), A16=a16, SERIAL=counters is not None, X_VECTOR=GEMV_X_LOAD == "vector",
+        num_warps=4, num_stages=1,
     )
     if split > 1 and counters is None:
         splitk_sum(part, bias, out, offsets)
