@@ -15,7 +15,9 @@ form vs token by token); bfloat16 state 2e-2 (a flushed state is rounded once in
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,8 @@ from kernels.mamba2.flashinfer_replay import (
     replay_verify_flashinfer_ref,
     ring_advance,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _ring(S, W, T, H, P, G, N, dtype):
@@ -274,3 +278,110 @@ def test_a_ring_cache_refuses_a_model_that_clamps_dt():
     with pytest.raises(ValueError, match=r"no dt clamp, and this model clamps dt \(time_step_limit=\(0.001"):
         HybridCache(config, kinds, replay_ring=True, **args)
     HybridCache(config, kinds, **args)  # our replay history takes the clamp
+
+
+def _ring_case(S=4, H=4, P=8, G=2, N=16, T=4, W=4, state_dtype=torch.float16, seed=0):
+    """A small replay case on the CPU: state, ring history, inputs, slots and PNATs, every row flushing."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    ring = RingHistory(*(rand(*shape, scale=0.5).to(dt) for shape, dt in
+                         RingHistory.shapes(S, W, T, H, P, G, N, dtype=torch.float32).values()))
+    ring.dt_cache.abs_().mul_(0.1)
+    state = rand(S, H, P, N, scale=0.5).to(state_dtype)
+    args = (rand(2, T, H, P), rand(2, T, H), -rand(H).abs() - 0.5, rand(2, T, G, N, scale=N ** -0.5),
+            rand(2, T, G, N, scale=N ** -0.5), rand(H), rand(H))
+    slots = torch.tensor([0, 2])
+    ring_start = torch.zeros(S, dtype=torch.int32)
+    pnat = torch.full((S,), W, dtype=torch.int32)  # k + T > W: every row flushes its pending tokens
+    return state, ring, args, slots, ring_start, pnat
+
+
+def test_stochastic_rounding_of_the_flushed_checkpoints():
+    """With ``rounding`` the contract's reference stores the flushed checkpoint stochastically (the rule of
+    kernels.rounding): each value one of the two float16 neighbours of the round-to-nearest one's exact
+    value, some of them not the nearest; a bf16 state is refused, as FlashInfer rounds float16 only."""
+    from kernels.mamba2.flashinfer_replay import SR_STATE_DTYPES, replay_verify_flashinfer_ref
+    from kernels.rounding import StochasticRounding
+
+    assert SR_STATE_DTYPES == (torch.float16,)
+    state, ring, args, slots, ring_start, pnat = _ring_case()
+    nearest, exact = state.clone(), state.float().clone()
+    for target in (nearest, exact):
+        copy = RingHistory(*(t.clone() for t in vars(ring).values()))
+        replay_verify_flashinfer_ref(target, *args, slots, copy, ring_start, pnat)
+    rounded = state.clone()
+    replay_verify_flashinfer_ref(rounded, *args, slots, ring, ring_start, pnat,
+                                 rounding=StochasticRounding.create(7, device="cpu").for_layer(3))
+    rows = slots.long()
+    assert not torch.equal(rounded[rows], nearest[rows])  # rounded stochastically, not to nearest
+    # float16's grid spacing at each exact value (10 mantissa bits; 2^-24 below its smallest normal 2^-14)
+    ulp = torch.exp2(torch.floor(torch.log2(exact[rows].abs())).clamp(min=-14) - 10)
+    assert ((rounded[rows].float() - exact[rows]).abs() <= ulp).all()  # a neighbour of the exact value
+    assert torch.equal(rounded[[1, 3]], state[[1, 3]])  # rows not in the batch untouched
+    with pytest.raises(ValueError, match="float16 state only"):
+        replay_verify_flashinfer_ref(state.bfloat16(), *args, slots, ring, ring_start, pnat,
+                                     rounding=StochasticRounding.create(7, device="cpu"))
+
+
+def test_flashinfer_is_given_a_seed_per_layer_and_step(monkeypatch, fake_flashinfer):
+    """replay_verify_flashinfer passes FlashInfer rand_seed = the rounding key seed ^ (step << 16 | salt),
+    computed on the device (it follows the step counter), and the Philox rounds; none without rounding."""
+    from kernels.mamba2.flashinfer_replay import flashinfer_rand_seed, replay_verify_flashinfer
+    from kernels.rounding import StochasticRounding
+
+    calls = []
+    fake_flashinfer.checkpointing_ssu = lambda *a, **kw: calls.append(kw)
+    rounding = StochasticRounding.create(1234, device="cpu", philox_rounds=7).for_layer(5)
+    state, ring, args, slots, ring_start, pnat = _ring_case()
+    replay_verify_flashinfer(state, *args, slots, ring, ring_start, pnat)
+    assert "rand_seed" not in calls[-1]
+    rounding.advance()
+    rounding.advance()
+    replay_verify_flashinfer(state, *args, slots, ring, ring_start, pnat, rounding=rounding)
+    seed = calls[-1]["rand_seed"]
+    assert seed.dtype == torch.int64 and seed.shape == (1,)
+    assert int(seed) == rounding.key() == 1234 ^ (2 << 16 | 5)
+    assert calls[-1]["philox_rounds"] == 7 and int(flashinfer_rand_seed(rounding)) == rounding.key()
+    with pytest.raises(ValueError, match="float16 state only"):
+        replay_verify_flashinfer(state.bfloat16(), *args, slots, ring, ring_start, pnat, rounding=rounding)
+
+
+def test_stochastic_rounding_resolves_to_flashinfer_for_a_float16_state_only(monkeypatch, caplog,
+                                                                             fake_flashinfer):
+    """ssm_backend=flashinfer, replay, stochastic rounding: FlashInfer with a float16 state (probed with its
+    rounding on), Triton with the reason for bf16; the cache refuses FlashInfer's rounding elsewhere."""
+    from types import SimpleNamespace
+
+    import runners.engine.runner as runner
+    from runners.engine.cache import HybridCache
+    from runners.engine.models.config import HybridConfig
+    from runners.engine.models.hybrid import HybridLM
+
+    probed = []
+    monkeypatch.setattr(runner, "probe_flashinfer_replay", lambda *a, **k: probed.append(k) or (None, 1.0))
+    cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
+                          time_step_limit=(0.0, math.inf), gdn_num_value_heads=0)
+    kw = dict(spec_tokens=4, replay_checkpointing=True, dtype=torch.bfloat16, stochastic_rounding=True)
+    cuda = torch.device("cuda")
+    assert runner.resolve_ssm_backend("flashinfer", cuda, True, cfg, ssm_state_dtype=torch.float16, **kw) \
+        == "flashinfer"
+    assert probed[-1]["stochastic_rounding"] is True
+    with caplog.at_level("WARNING"):
+        resolved = runner.resolve_ssm_backend("flashinfer", cuda, True, cfg, ssm_state_dtype=torch.bfloat16,
+                                              **kw)
+    assert resolved == "triton"
+    assert "rounds stochastically into a float16 state only, not bfloat16" in caplog.text
+    # the cache: FlashInfer's rounding exists in its replay kernel into a float16 state only
+    config = HybridConfig.from_pretrained(REPO / "registry/checkpoints/tiny_nemotron_h_mtp")
+    config = dataclasses.replace(config, time_step_limit=(0.0, math.inf))
+    kinds = HybridLM(config, with_mtp=True).cache_kinds(include_mtp=True)
+    args = dict(max_batch_size=2, max_seq_len=16, dtype=torch.bfloat16, spec_tokens=4,
+                ssm_backend="flashinfer", stochastic_rounding=True)
+    cache = HybridCache(config, kinds, ssm_state_dtype=torch.float16, ssm_replay=True, **args)
+    assert cache.rounding is not None
+    for state_dtype, replay in ((torch.float16, False), (torch.bfloat16, True)):
+        with pytest.raises(ValueError, match="runs in its replay kernel into a float16 state only"):
+            HybridCache(config, kinds, ssm_state_dtype=state_dtype, ssm_replay=replay, **args)

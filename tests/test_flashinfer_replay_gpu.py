@@ -78,6 +78,54 @@ def test_flashinfer_replay_kernel_equals_its_contract(state_dtype, window):
     assert int(ring_start.max()) > 0
 
 
+def test_flashinfer_replay_stochastic_rounding_of_a_float16_state():
+    """FlashInfer's rand_seed path (kernels.mamba2.flashinfer_replay.flashinfer_rand_seed) at Super V3's head
+    sizes, every row flushing: each stored value is one of the two float16 neighbours of the float32
+    checkpoint (the reference in float32), some not the nearest; over 64 steps of the rounding counter the
+    mean of the stored values is closer to the exact value than round-to-nearest's error on average (SR is
+    unbiased), and a step replayed with the same counter gives the same bits."""
+    _need_flashinfer()
+    from kernels.rounding import StochasticRounding
+
+    torch.manual_seed(0)
+    dev, S, H, P, G, N, T, W = "cuda", 4, 16, 64, 2, 128, 4, 16
+    A = -torch.rand(H, device=dev) - 0.5
+    D, dt_bias = torch.randn(H, device=dev), torch.rand(H, device=dev) - 0.5
+    ring = RingHistory(*(torch.randn(shape, device=dev).mul(0.5).to(dt) for shape, dt in
+                         RingHistory.shapes(S, W, T, H, P, G, N, dtype=torch.bfloat16).values()))
+    ring.dt_cache.abs_().mul_(0.1)
+    state0 = (torch.randn(S, H, P, N, device=dev) * 0.5).to(torch.float16)
+    x = torch.randn(2, T, H, P, device=dev).to(torch.bfloat16)
+    B = (torch.randn(2, T, G, N, device=dev) / N ** 0.5).to(torch.bfloat16)
+    C = (torch.randn(2, T, G, N, device=dev) / N ** 0.5).to(torch.bfloat16)
+    dt = torch.randn(2, T, H, device=dev) * 0.5 - 1
+    slots = torch.tensor([0, 2], device=dev)
+    ring_start = torch.zeros(S, dtype=torch.int32, device=dev)
+    pnat = torch.full((S,), W, dtype=torch.int32, device=dev)  # k + T > W: both rows flush
+    args = (x, dt, A, B, C, D, dt_bias, slots)
+
+    def run(state, rounding=None, fn=replay_verify_flashinfer):
+        copy = RingHistory(*(t.clone() for t in (ring.x_cache, ring.B_cache, ring.dt_cache)))
+        fn(state, *args, copy, ring_start, pnat, rounding=rounding)
+        return state[slots]
+
+    exact = run(state0.float().clone(), fn=replay_verify_flashinfer_ref).float()
+    nearest = run(state0.clone()).float()
+    rounding = StochasticRounding.create(11, device=dev).for_layer(3)
+    draws = []
+    for _ in range(64):
+        draws.append(run(state0.clone(), rounding).float())
+        rounding.advance()
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs())).clamp(min=-14) - 10)
+    # within a neighbour of the float32 checkpoint (FlashInfer's own fp32 sums: a 1e-3 relative allowance)
+    assert all(((d - exact).abs() <= ulp + 1e-3 * exact.abs()).all() for d in draws)
+    assert any(not torch.equal(d, nearest) for d in draws)
+    mean = torch.stack(draws).mean(0)
+    assert (mean - exact).abs().mean() < (nearest - exact).abs().mean()
+    rounding.step.sub_(1)
+    assert torch.equal(run(state0.clone(), rounding).float(), draws[-1])  # the same counter, the same bits
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path, checkpointing):
     """bf16 activations (FlashInfer's kernel takes 16-bit operands; a float32 run falls back to ours:

@@ -31,6 +31,7 @@ rewritten from position 0 on a flush, and no dA_cumsum).
 - :func:`ring_advance`: ring_start after a verify step (before PNAT moves), for the live rows.
 - :func:`flashinfer_replay_unsupported`: why FlashInfer cannot run a configuration (None when it can).
 - :func:`tied`: the stride-0 layout FlashInfer's Mamba2 kernels take per-head values in.
+- :func:`flashinfer_rand_seed`: the per-layer, per-step seed of its stochastic rounding (float16 state).
 
 Source: FlashInfer 0.7.2, flashinfer/mamba/checkpointing_ssu.py (the Python contract) and
 include/flashinfer/mamba/checkpointing_ssu.cuh (the ring's bookkeeping); the recurrence is Mamba2's SSD
@@ -45,11 +46,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.rounding import StochasticRounding, stochastic_round_ref
+
 # FlashInfer 0.7.2: checkpointing_ssu keeps at most 16 pending tokens (max_window), and the verify width must
 # not exceed the window (npredicted <= max_window)
 MAX_WINDOW = 16
 # the activation dtypes its kernel is built for (x, B, C, z in 16-bit tensor-core operands)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+# the state dtypes it rounds stochastically (its rand_seed): float16 only (include/flashinfer/mamba/
+# conversion.cuh: the software fp16 rule before Blackwell, `cvt.rs.f16x2.f32` on it; no bf16 path)
+SR_STATE_DTYPES = (torch.float16,)
 
 
 @dataclass
@@ -83,13 +89,13 @@ class RingHistory:
 
 
 def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit: tuple[float, float] | None,
-                                  dtype: torch.dtype | None = None) -> str | None:
+                                  dtype: torch.dtype | None = None, *, stochastic_rounding: bool = False,
+                                  state_dtype: torch.dtype | None = None) -> str | None:
     """Why FlashInfer's checkpointing_ssu cannot run this replay configuration, or None when it can: a window
     above MAX_WINDOW, a verify wider than the window, a dt clamp (it has none), or activations (``dtype``, the
     model's compute dtype; None: not checked) other than bfloat16 / float16 (its kernel multiplies 16-bit
     tensor-core fragments: FlashInfer 0.7.2 ``kernel_checkpointing_ssu_main.cuh``; a float32 build fails in
-    its JIT). (Stochastic rounding with ssm_backend=flashinfer is refused where the cache is built:
-    runners/engine/cache.py.)"""
+    its JIT), or ``stochastic_rounding`` of a ``state_dtype`` other than float16 (:data:`SR_STATE_DTYPES`)."""
     if window > MAX_WINDOW:
         return f"its replay window is at most {MAX_WINDOW} tokens (this run needs {window})"
     if spec_tokens > window:
@@ -100,7 +106,20 @@ def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit
         name = str(dtype).removeprefix("torch.")
         return (f"its kernel takes bfloat16 / float16 activations (16-bit tensor-core operands); this run "
                 f"computes in {name} (dtype=bfloat16 runs it)")
+    if stochastic_rounding and state_dtype not in SR_STATE_DTYPES:
+        name = str(state_dtype).removeprefix("torch.")
+        return (f"it rounds stochastically into a float16 state only, not {name} (ssm_state_dtype=float16 "
+                "runs it)")
     return None
+
+
+def flashinfer_rand_seed(rounding: StochasticRounding) -> torch.Tensor:
+    """The (1,) int64 seed FlashInfer's checkpointing_ssu draws its Philox bits from, for this layer and step:
+    kernels.rounding's key, seed ^ (step << 16 | salt), computed on the device (no host sync; a CUDA-graph
+    replay after ``StochasticRounding.advance`` draws new bits). FlashInfer offsets each thread's stream
+    itself, so one seed per layer and step is what it takes."""
+    return torch.bitwise_xor(rounding.seed, torch.bitwise_or(torch.bitwise_left_shift(rounding.step, 16),
+                                                             rounding.salt))
 
 
 def tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -112,7 +131,8 @@ def tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                              B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                              slot_ids: torch.Tensor, history: RingHistory, ring_start: torch.Tensor,
-                             prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                             prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None,
+                             rounding: StochasticRounding | None = None) -> torch.Tensor:
     """One replay verify of a Mamba2 layer by ``flashinfer.mamba.checkpointing_ssu`` (monolithic kernel).
 
     Args:
@@ -124,14 +144,19 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
         history: the layer's :class:`RingHistory`; mutated (the new tokens appended).
         ring_start, prev_num_accepted: (S,) int32, read only (:func:`ring_advance` moves them).
         out: optional (B, T, H, P) in x's dtype.
+        rounding: stochastic rounding of the flushed checkpoints (float16 state only), its bits FlashInfer's
+            Philox stream from :func:`flashinfer_rand_seed` with ``rounding.philox_rounds`` rounds; None:
+            round to nearest.
 
     Returns:
         (B, T, H, P) in x's dtype, D x included.
 
     Raises:
+        ValueError: ``rounding`` with a state other than float16.
         ImportError: flashinfer.mamba is not importable; RuntimeError / AssertionError from FlashInfer for a
             shape or dtype its JIT cannot build (the engine probes before use: runners/engine/runner.py).
     """
+    _check_rounding(state, rounding)
     import flashinfer.mamba as fim
 
     b, T, H, P = x.shape
@@ -145,15 +170,24 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
         x, tied(dt.float(), (b, T, H, P)), tied(A.float(), (H, P, N)), B, C, out,
         D=tied(D.float(), (H, P)), dt_bias=tied(dt_bias.float(), (H, P)), dt_softplus=True,
         state_batch_indices=slot_ids.to(torch.int32), algorithm="monolith",
+        **({} if rounding is None else {"rand_seed": flashinfer_rand_seed(rounding),
+                                        "philox_rounds": rounding.philox_rounds}),
     )
     return out
+
+
+def _check_rounding(state: torch.Tensor, rounding: StochasticRounding | None) -> None:
+    """Raise ValueError for stochastic rounding of a state FlashInfer does not round (SR_STATE_DTYPES)."""
+    if rounding is not None and state.dtype not in SR_STATE_DTYPES:
+        raise ValueError(f"FlashInfer's checkpointing_ssu rounds stochastically into a float16 state only, got "
+                         f"{state.dtype}; use ssm_backend='triton' for stochastic rounding of a bf16 state")
 
 
 def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                                  B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                                  slot_ids: torch.Tensor, history: RingHistory, ring_start: torch.Tensor,
-                                 prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None
-                                 ) -> torch.Tensor:
+                                 prev_num_accepted: torch.Tensor, *, out: torch.Tensor | None = None,
+                                 rounding: StochasticRounding | None = None) -> torch.Tensor:
     """FlashInfer's checkpointing_ssu contract in PyTorch: same arguments, effects and result as
     :func:`replay_verify_flashinfer` (module docstring), token by token in float32, vectorised over the rows.
 
@@ -161,12 +195,15 @@ def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch
     its output is zero), k = pnat[s] clamped to [0, W] (W = R - T):
     1. h = state[s] fast-forwarded by ring rows (ring_start[s] + j) % R, j < k: h <- exp(A dt'_j) h +
        dt'_j x_j (outer) B_j;
-    2. if k + T > W, state[s] = h (in its dtype; the new tokens continue from the stored value);
+    2. if k + T > W, state[s] = h (in its dtype, stochastically rounded with ``rounding``: the rule of
+       kernels.rounding with torch's random bits, so the same distribution as FlashInfer's, not its bits;
+       the new tokens continue from the stored value);
     3. for t < T, dt'_t = softplus(dt_t + dt_bias), h <- exp(A dt'_t) h + dt'_t x_t (outer) B_t,
        y_t = C_t . h + D x_t;
     4. x_t, B_t, dt'_t are written to ring rows (ring_start[s] + k + t) % R.
     Rows of one launch must name distinct slots (as the engine's batches do).
     """
+    _check_rounding(state, rounding)
     b, T, H, P = x.shape
     G = B.shape[2]
     R = history.ring_len
@@ -195,7 +232,7 @@ def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch
         h = torch.where(live, step, h)
     flush = k + T > W
     if bool(flush.any()):
-        stored = h[flush].to(state.dtype)
+        stored = stochastic_round_ref(h[flush], state.dtype, rounding)
         state[s[flush]] = stored
         h[flush] = stored.float()
     dtp = F.softplus(dt[rows].float() + dt_bias.float())  # (n, T, H)
@@ -234,11 +271,13 @@ _PROBED: dict[tuple, tuple[str | None, float]] = {}
 
 def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: int, spec_tokens: int,
                             window: int, *, dtype: torch.dtype, state_dtype: torch.dtype,
-                            device: torch.device | str) -> tuple[str | None, float]:
+                            device: torch.device | str, stochastic_rounding: bool = False
+                            ) -> tuple[str | None, float]:
     """Whether FlashInfer's checkpointing_ssu runs this configuration on ``device``: one call over two rows
     (one without a flush, one with) against :func:`replay_verify_flashinfer_ref`. The first call per
     configuration JIT-builds FlashInfer's module (into its own cache folder, ``FLASHINFER_WORKSPACE_BASE``,
-    reused by later processes); the probe is remembered per process.
+    reused by later processes); the probe is remembered per process. ``stochastic_rounding``: the call
+    rounds its flush stochastically, as the run will (FlashInfer builds that variant as its own module).
 
     Returns:
         (None, seconds) when it runs and matches the reference within 5e-2 of the largest output (a sanity
@@ -248,7 +287,8 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
     """
     import time
 
-    key = (nheads, head_dim, ngroups, d_state, spec_tokens, window, dtype, state_dtype, str(device))
+    key = (nheads, head_dim, ngroups, d_state, spec_tokens, window, dtype, state_dtype, str(device),
+           stochastic_rounding)
     if key in _PROBED:
         return _PROBED[key]
     start = time.perf_counter()
@@ -270,8 +310,10 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
     pnat = torch.tensor([1, W, 0], dtype=torch.int32, device=device)  # row 0 keeps its state, row 1 flushes
     ref_state, ref_ring = state.clone(), RingHistory(*(t.clone() for t in (ring.x_cache, ring.B_cache,
                                                                            ring.dt_cache)))
+    rounding = StochasticRounding.create(0, device=device) if stochastic_rounding else None
     try:
-        got = replay_verify_flashinfer(state, x, dt, A, B, C, D, dt_bias, slots, ring, ring_start, pnat)
+        got = replay_verify_flashinfer(state, x, dt, A, B, C, D, dt_bias, slots, ring, ring_start, pnat,
+                                       rounding=rounding)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure means: not usable here, say which
@@ -279,7 +321,7 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
                   f"{str(e).splitlines()[0] if str(e) else ''}", time.perf_counter() - start)
     else:
         want = replay_verify_flashinfer_ref(ref_state, x, dt, A, B, C, D, dt_bias, slots, ref_ring, ring_start,
-                                            pnat)
+                                            pnat, rounding=rounding)
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
         serr = float((state.float() - ref_state.float()).abs().max()
                      / ref_state.float().abs().max().clamp(min=1e-6))

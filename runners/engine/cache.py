@@ -40,6 +40,7 @@ import math
 import torch
 
 from kernels._common import PAD_SLOT_ID
+from kernels.mamba2.flashinfer_replay import SR_STATE_DTYPES
 from kernels.rounding import SR_DTYPES, StochasticRounding
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.kinds import state_class
@@ -181,7 +182,9 @@ class HybridCache:
             ``ssm_state_dtype``. ``self.rounding`` holds the Philox seed (``rounding_seed``) and step counter
             on the device, each recurrent layer state its own salt (its cache index); call
             :meth:`advance_rounding` once after every cached forward so consecutive writes draw new bits.
-            Prefill (the chunked scans) stores its final state rounded to nearest.
+            Prefill (the chunked scans) stores its final state rounded to nearest. Under
+            ``ssm_backend="flashinfer"`` only its replay kernel takes it, into a float16 state, with its own
+            Philox bits (``kernels.mamba2.flashinfer_replay.SR_STATE_DTYPES``); else refused.
 
     All buffers start zeroed (never ``torch.empty``: a stale read must not see garbage).
 
@@ -243,9 +246,13 @@ class HybridCache:
                     f"stochastic rounding of the SSM state needs a 16-bit ssm_state_dtype (bfloat16 or "
                     f"float16), got {ssm_state_dtype}: a float32 state is never rounded"
                 )
-            if ssm_backend == "flashinfer":
-                raise ValueError("stochastic rounding runs in our kernels and references, not FlashInfer's; "
-                                 "use ssm_backend 'triton' (or 'torch')")
+            flashinfer_sr = ssm_replay and ring and ssm_state_dtype in SR_STATE_DTYPES
+            if ssm_backend == "flashinfer" and not flashinfer_sr:
+                raise ValueError(
+                    f"stochastic rounding with ssm_backend 'flashinfer' runs in its replay kernel into a "
+                    f"float16 state only (ssm_replay, ssm_state_dtype=float16; this cache: ssm_replay="
+                    f"{ssm_replay}, {ssm_state_dtype}); use ssm_backend 'triton' (or 'torch')"
+                )
             self.rounding = StochasticRounding.create(rounding_seed, device=device)
             for idx, layer in self.layers.items():
                 if hasattr(layer, "rounding"):

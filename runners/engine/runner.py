@@ -75,7 +75,9 @@ def resolve_ssm_backend(
     Default (``backend`` None) on CUDA with ``ssm_replay``: the measured faster replay kernel of the model's
     Mamba2 shape and state dtype (``kernels.replay_defaults.default_backend``: FlashInfer's where the
     committed sweep timed it faster), when FlashInfer can run it here (as above; and not with stochastic
-    rounding, which FlashInfer's path refuses); else Triton. The choice is logged.
+    rounding: the table timed rounding to nearest); else Triton. The choice is logged. With
+    ``stochastic_rounding`` FlashInfer's replay rounds a float16 state with its own Philox bits; another
+    state dtype falls back to Triton, with the reason.
 
     Raises:
         ValueError: an unknown backend; flashinfer off CUDA; a Triton backend on the CPU without the
@@ -116,10 +118,11 @@ def resolve_ssm_backend(
             backend = "triton"
         else:
             if ssm_replay:
-                why = _flashinfer_replay_unsupported(config, spec_tokens, replay_checkpointing, dtype)
+                why = _flashinfer_replay_unsupported(config, spec_tokens, replay_checkpointing, dtype,
+                                                     ssm_state_dtype, stochastic_rounding)
                 if not why and dtype is not None and ssm_state_dtype is not None:
                     why, seconds = _probe_flashinfer_replay(config, spec_tokens, replay_checkpointing, dtype,
-                                                            ssm_state_dtype, device)
+                                                            ssm_state_dtype, device, stochastic_rounding)
                     log.info("ssm_backend=flashinfer: checkpointing_ssu probed in %.1f s (its JIT build "
                              "included)", seconds)
                 if why:
@@ -138,16 +141,19 @@ def resolve_ssm_backend(
 
 
 def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
-                                   dtype: torch.dtype | None = None) -> str | None:
+                                   dtype: torch.dtype | None = None,
+                                   ssm_state_dtype: torch.dtype | None = None,
+                                   stochastic_rounding: bool = False) -> str | None:
     """Why FlashInfer cannot run this replay (its version, the window, the dt clamp, the activations'
-    ``dtype``), or None."""
+    ``dtype``, stochastic rounding of a state other than float16), or None."""
     import flashinfer.mamba as fim
 
     if not hasattr(fim, "checkpointing_ssu"):
         return "this FlashInfer has no checkpointing_ssu (0.7.2 has)"
     limit = getattr(config, "time_step_limit", None)
     window = replay_hist_len(spec_tokens, checkpointing)
-    return flashinfer_replay_unsupported(spec_tokens, window, limit, dtype)
+    return flashinfer_replay_unsupported(spec_tokens, window, limit, dtype,
+                                         stochastic_rounding=stochastic_rounding, state_dtype=ssm_state_dtype)
 
 
 def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
@@ -181,12 +187,14 @@ def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointi
 
 
 def _probe_flashinfer_replay(config: HybridConfig, spec_tokens: int, checkpointing: bool, dtype: torch.dtype,
-                             ssm_state_dtype: torch.dtype, device: torch.device) -> tuple[str | None, float]:
+                             ssm_state_dtype: torch.dtype, device: torch.device,
+                             stochastic_rounding: bool = False) -> tuple[str | None, float]:
     """``probe_flashinfer_replay`` at the model's Mamba2 sizes: (why not, or None; seconds)."""
     window = replay_hist_len(spec_tokens, checkpointing)
     return probe_flashinfer_replay(config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
                                    config.ssm_state_size, spec_tokens, window, dtype=dtype,
-                                   state_dtype=ssm_state_dtype, device=device)
+                                   state_dtype=ssm_state_dtype, device=device,
+                                   stochastic_rounding=stochastic_rounding)
 
 
 def ssm_kernels(backend: str, ssm_replay: bool, config: HybridConfig) -> dict[str, str]:
@@ -287,7 +295,8 @@ class ModelRunner:
         if self.ssm_backend == "flashinfer" and options.ssm_replay:  # its probe: the JIT build, and where
             _, seconds = _probe_flashinfer_replay(config, options.spec_tokens,
                                                   options.ssm_replay_checkpointing, options.torch_dtype,
-                                                  self.ssm_state_dtype, device)
+                                                  self.ssm_state_dtype, device,
+                                                  options.ssm_stochastic_rounding)
             self.ssm_kernels["flashinfer_probe_s"] = round(seconds, 2)
             self.ssm_kernels["flashinfer_jit_dir"] = jit_cache_dir()
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:

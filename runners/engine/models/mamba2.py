@@ -389,7 +389,7 @@ def _flashinfer_replay_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias) -> torc
     slots = meta.row_index(state.ssm.shape[0])
     verify = replay_verify_flashinfer if state.ssm_backend == "flashinfer" else replay_verify_flashinfer_ref
     return verify(state.ssm, x, dt, A, Bm, Cm, D, dt_bias, slots, state.history, state.slots.ring_start,
-                  state.slots.prev_num_accepted)
+                  state.slots.prev_num_accepted, rounding=state.rounding)
 
 
 def _flashinfer_rewind_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias, time_step_limit) -> torch.Tensor:
