@@ -12,7 +12,8 @@ measured in the same run):
   the PyTorch reference, then the BF16 grouped GEMM: what a runtime without the fused kernel does, since it
   cannot learn which experts are active without synchronising).
 - ``fp8_tensor``: Nemotron 3 Super's dense projections in per-tensor FP8 (SUPER_DENSE) at M = batch:
-  ``fp8_linear`` (the activation cast with its static scale, then ``torch._scaled_mm``: what FP8Linear runs)
+  ``fp8_linear`` (the activation cast with its static scale in one launch, kernels.quant.fp8, then
+  ``torch._scaled_mm``: what FP8Linear runs; "_torchcast" rows: the cast as three torch launches)
   vs ``fp8_linear_w8a16`` (the activation kept, one GEMV launch) vs a BF16 ``F.linear``.
 - ``fp8``: Qwen3-Next in block FP8: the dense projections (q with its gate 2048 -> 8192, k / v 2048 -> 512,
   o 4096 -> 2048, GDN in_proj_qkvz 2048 -> 12288) at M = batch, ``block_fp8_linear`` (Triton, and
@@ -216,6 +217,20 @@ def _x_vector(fn, *args, **kwargs):
         block_fp8.GEMV_X_LOAD = saved
 
 
+def _torch_cast(fn, *args, **kwargs):
+    """fn with FP8Linear's activation quantization as the reference's torch ops (a division, a clamp and a
+    cast: three launches) instead of kernels.quant.fp8's one launch."""
+    from kernels.quant.fp8 import quantize_fp8_ref
+    from runners.engine.models import fp8
+
+    saved = fp8.quantize_fp8
+    fp8.quantize_fp8 = quantize_fp8_ref
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        fp8.quantize_fp8 = saved
+
+
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
     every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
@@ -370,6 +385,9 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
             meta = {"proj": proj, "N": N, "K": K, "batch": B}
             rows.append(row("fp8_linear_scaled_mm", _bench(partial(fp8_linear, x, w8, scale, input_scale)),
                             N * K + io, copy_gbps, **meta))
+            rows.append(row("fp8_linear_scaled_mm_torchcast",
+                            _bench(partial(_torch_cast, fp8_linear, x, w8, scale, input_scale)),
+                            N * K + io, copy_gbps, **meta))
             rows.append(row("fp8_linear_w8a16", _bench(partial(fp8_linear_w8a16, x, w8, scale)), N * K + io,
                             copy_gbps, **meta))
             rows.append(row("fp8_linear_w8a16_xvec", _bench(partial(_x_vector, fp8_linear_w8a16, x, w8, scale)),
@@ -454,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                        "fp8_linear_scaled_mm"),
                                 "w8a16_speedup_vs_bf16": speedups(rows, "fp8_linear_w8a16", "bf16_linear"),
                                 "w8a16_xvec_vs_tile": speedups(rows, "fp8_linear_w8a16_xvec", "fp8_linear_w8a16"),
+                                "quant_kernel_vs_torch_cast": speedups(rows, "fp8_linear_scaled_mm",
+                                                                       "fp8_linear_scaled_mm_torchcast"),
                                 "scaled_mm_speedup_vs_bf16": speedups(rows, "fp8_linear_scaled_mm",
                                                                       "bf16_linear")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -63,3 +63,15 @@ def test_the_xvec_rows_time_the_same_call_with_the_vector_row_load():
     with pytest.raises(ZeroDivisionError):
         bench._x_vector(lambda: 1 / 0)
     assert block_fp8.GEMV_X_LOAD == "tile"
+
+
+def test_the_torchcast_rows_time_fp8_linear_with_the_reference_cast():
+    """_torch_cast runs the call with FP8Linear's quantization as the reference's torch ops and puts the
+    kernel back afterwards, also when the call raises."""
+    from kernels.quant.fp8 import quantize_fp8, quantize_fp8_ref
+    from runners.engine.models import fp8
+
+    assert bench._torch_cast(lambda: fp8.quantize_fp8) is quantize_fp8_ref
+    with pytest.raises(ZeroDivisionError):
+        bench._torch_cast(lambda: 1 / 0)
+    assert fp8.quantize_fp8 is quantize_fp8

@@ -510,3 +510,28 @@ def test_other_tile_configs_match_reference(config, monkeypatch):
            block_fp8_linear_ref(x, qf[0], sf[0]), dtype)
     _close(block_fp8_grouped_mm(xg, qf, sf, offs, out=_nan(len(xg), N, dtype=dtype)),
            block_fp8_grouped_mm_ref(xg, qf, sf, offs), dtype)
+
+
+def test_static_fp8_quantization_kernel_is_bit_identical_to_the_reference():
+    """kernels.quant.fp8.quantize_fp8 (one launch, the per-tensor static scale read from device memory) gives
+    the reference's codes bit for bit: every input dtype, magnitudes from 1e-6 to 1e3 times the scale, values
+    past +-448 (clamped), +0 and -0, a size that is not a multiple of the block, a non-contiguous input and an
+    ``out`` buffer; a per-row scale and a Python float take the reference; a wrong ``out`` is refused."""
+    from kernels.quant.fp8 import FP8_DTYPE, QUANT_BLOCK, quantize_fp8, quantize_fp8_ref
+
+    scale = torch.tensor(0.05, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (_randn(3, QUANT_BLOCK // 2 + 7, seed=51) * torch.logspace(-6, 3, QUANT_BLOCK // 2 + 7,
+                                                                         device=DEVICE)).to(dtype)
+        x[0, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0], device=DEVICE, dtype=dtype)
+        for inp in (x, x.t()):
+            want = quantize_fp8_ref(inp, scale)
+            assert torch.equal(quantize_fp8(inp, scale).view(torch.uint8), want.view(torch.uint8)), dtype
+        out = torch.full(x.shape, float("nan"), device=DEVICE).to(FP8_DTYPE)
+        assert quantize_fp8(x, scale, out=out) is out
+        assert torch.equal(out.view(torch.uint8), quantize_fp8_ref(x, scale).view(torch.uint8))
+    rows = torch.rand(3, 1, device=DEVICE) + 0.01
+    assert torch.equal(quantize_fp8(x, rows).view(torch.uint8), quantize_fp8_ref(x, rows).view(torch.uint8))
+    assert torch.equal(quantize_fp8(x, 0.5).view(torch.uint8), quantize_fp8_ref(x, 0.5).view(torch.uint8))
+    with pytest.raises(ValueError, match="out must be a contiguous float8_e4m3fn tensor"):
+        quantize_fp8(x, scale, out=torch.empty(x.shape, device=DEVICE))

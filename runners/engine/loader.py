@@ -23,10 +23,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kernels.quant.fp8 import FP8_DTYPE
 from registry.checkpoint import CONFIG_FILE, CheckpointError, short_list, tensor_files
 from registry.hf_config import HybridConfig
 from runners.engine.models.config import family_module
-from runners.engine.models.fp8 import FP8_DTYPE
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.quant import QUANT_TENSOR_SUFFIXES, apply_quantization, prepare_fp8
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.quant.fp8 import FP8_DTYPE
 from runners.engine.cache import SSM_BACKENDS
-from runners.engine.models.fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from registry.resolve import ResolvedRun

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kernels.quant.fp8 import FP8_MAX  # noqa: F401  (re-exported)
 from registry.hf_config import FORMAT_FP8, FORMAT_NVFP4, NVFP4_GROUP_SIZE, QuantConfig
 from registry.releases import (  # noqa: F401  (the release rules, re-exported for the tools)
     BLOCK_FP8_NOT_CONVERTED,
@@ -52,7 +53,6 @@ from runners.engine.dummy import (  # noqa: F401  (re-exported)
     stored_nbytes,
 )
 from runners.engine.dummy import quantize_weight as _quantize_on_device
-from runners.engine.models.fp8 import FP8_MAX  # noqa: F401  (re-exported)
 
 PRODUCER = {"name": "hybrid-mtp-eval runners.tools", "version": "1"}
 

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from kernels.quant.fp8 import FP8_MAX
 from registry.checkpoint import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -81,7 +82,6 @@ from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8, FORMAT_NVFP4
 from runners.engine.engine import Engine
 from runners.engine.loader import load_model, read_config
 from runners.engine.models.attention import KVCache
-from runners.engine.models.fp8 import FP8_MAX
 from runners.engine.models.hybrid import HybridLM
 from runners.engine.models.moe import EXPERT_KINDS, MoE
 from runners.engine.options import EngineOptions

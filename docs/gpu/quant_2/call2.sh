@@ -9,11 +9,11 @@ source tests/gpu/env.sh
 gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv >$OUT/machine.txt
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_moe_gemv_gpu.py tests/test_kernels_quant_moe_gemv.py \
-  tests/test_kernels_quant.py -k "w8a16 or loads_its_rows or pair_path" >$OUT/tests.log 2>&1
+  tests/test_kernels_quant.py tests/test_kernels_quant_gpu.py -k "w8a16 or loads_its_rows or pair_path or static" >$OUT/tests.log 2>&1
 echo "tests rc=$? at $((SECONDS-t0)) s"; tail -2 $OUT/tests.log
 timeout ${QUANT_TIMEOUT:-80} python3 -m benchmarks.bench_quant_gemm --parts copy fp8 fp8_tensor --batches 1 2 4 8 \
   --out $OUT/bench_quant_gemm.json >$OUT/bench_quant.log 2>&1
-echo "bench_quant rc=$? at $((SECONDS-t0)) s"; grep -E "xvec|w8a16_dense_speedup_vs_w8a8" $OUT/bench_quant.log | cut -c1-400
+echo "bench_quant rc=$? at $((SECONDS-t0)) s"; grep -E "xvec|w8a16_dense_speedup_vs_w8a8|quant_kernel" $OUT/bench_quant.log | cut -c1-400
 timeout ${MOE_TIMEOUT:-100} python3 -m benchmarks.bench_moe_gemv --out $OUT/bench_moe_gemv.json --batches 1 2 4 8 \
   >$OUT/bench_moe_gemv.log 2>&1
 echo "bench_moe_gemv rc=$? at $((SECONDS-t0)) s"; tail -3 $OUT/bench_moe_gemv.log | cut -c1-300

@@ -45,8 +45,8 @@ class NVFP4Format(WeightFormat):
         """``weight`` uint8 [N, K / 2], ``weight_scale`` float8_e4m3fn [N, K / 16], ``weight_scale_2`` float32
         0-dim (kernels.quant.nvfp4.nvfp4_quantize: ModelOpt's scale recipe), ``input_scale`` = input_amax /
         (448 * 6) (ModelOpt's convention)."""
+        from kernels.quant.fp8 import FP8_MAX
         from kernels.quant.nvfp4 import E2M1_MAX, nvfp4_quantize
-        from runners.engine.models.fp8 import FP8_MAX
 
         q, scale, scale_2 = nvfp4_quantize(w.detach())
         return {f"{module}.weight": q, f"{module}.weight_scale": scale,

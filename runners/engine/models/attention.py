@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.quant.fp8 import FP8_DTYPE, quantize_fp8
 from kernels.rope import norm_rope, rope_rotate
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.fp8 import FP8_DTYPE, quantize_fp8
 from runners.engine.models.layers import RMSNorm, cacheable_now, use_inference_kernel
 from runners.engine.shard import FirstRankOnly, Rule, Shard, part
 from runners.engine.state import KV, BatchMeta, Buffer, CacheSpec, LayerState, zeros

@@ -1,5 +1,7 @@
-"""FP8 (float8_e4m3fn) operators with per-tensor scales: quantization, the FP8 GEMM and the FP8 routed
-experts, each beside the plain-PyTorch reference it is tested against.
+"""FP8 (float8_e4m3fn) operators with per-tensor scales: the FP8 GEMM and the FP8 routed experts, each beside
+the plain-PyTorch reference it is tested against. The quantization rule and its one-launch kernel are
+kernels.quant.fp8's (``quantize_fp8``, ``quantize_fp8_ref``, ``FP8_DTYPE``, ``FP8_MAX``: import them from
+there).
 
 The numerics are those of NVIDIA ModelOpt's FP8 checkpoints as vLLM runs them (vllm/model_executor/layers/
 quantization/modelopt.py: ``ModelOptFp8LinearMethod``, ``ModelOptFp8MoEMethod``): a weight ``W`` is stored as
@@ -40,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.quant.fp8 import FP8_DTYPE, quantize_fp8, quantize_fp8_ref
 from runners.engine.models.moe import (
     _gathered_linear,
     _grouped_linear,
@@ -50,17 +53,8 @@ from runners.engine.models.moe import (
 
 log = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # GEMM dimensions of FP8 cuBLASLt / CUTLASS kernels must be multiples of 16 elements (16-byte rows).
 FP8_ALIGN = 16
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """``clamp(x / scale, -448, 448)`` rounded to float8_e4m3fn (computed in float32; the clamp keeps values
-    out of range finite, since e4m3fn has no infinity). ``scale``: float32, broadcastable to x (0-dim for
-    per-tensor, [rows, 1] for per-row). Returns float8_e4m3fn of x's shape."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
@@ -79,7 +73,7 @@ def fp8_linear_ref(
     ``weight`` [N, K] float8_e4m3fn (times ``weight_scale``, 0-dim float32), multiply in float32, add
     ``bias`` [N]. Returns [..., N] in x's dtype."""
     s = input_scale
-    xd = quantize_fp8(x, s).float() * s
+    xd = quantize_fp8_ref(x, s).float() * s
     y = xd @ (weight.float() * weight_scale).T
     if bias is not None:
         y = y + bias.float()
