@@ -13,12 +13,13 @@ weights), one row each:
 - ``grouped_mm``: runners/engine/models/moe.py's moe_experts_fused with the GEMV path off (no activation
   name, MOE_GEMV_MAX_PAIRS = 0): sort, offsets, torch._grouped_mm per projection, inverse gather, combine;
 - for each quantized ``--formats`` entry (experts quantized from the same bf16 weights; ``nvfp4`` run W4A16,
-  ``block_fp8`` with activations quantized per token and 128-column group): ``moe_gemv_<fmt>``
-  (kernels.quant.moe_gemv's per-pair GEMVs: three launches, what NVFP4MoE / BlockFP8MoE take at decode
-  sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/moe.py's moe_experts_grouped over the
-  format's grouped GEMM: the quantized MoE's path before); for ``block_fp8`` also ``moe_gemv_block_fp8_w8a16``
-  (the same per-pair GEMVs with the activations kept in bf16: no quantization in the kernels). Their floor
-  counts the stored bytes of the format (runners.engine.dummy.stored_nbytes: codes and scales).
+  ``block_fp8`` in the scheme the engine runs at each path, its rows' ``scheme``: the format's decode scheme,
+  w8a16, at decode sizes): ``moe_gemv_<fmt>`` (kernels.quant.moe_gemv's per-pair GEMVs: three launches, what
+  NVFP4MoE / BlockFP8MoE take at decode sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/
+  moe.py's moe_experts_grouped over the format's grouped GEMM: the quantized MoE's path before); for
+  ``block_fp8`` also the per-pair GEMVs in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
+  quantized per token and 128-column group). Their floor counts the stored bytes of the format
+  (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -106,12 +107,25 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     gemv = partial(kernel, h, weights, indices, q["up"][0], q["gate"][0] if "gate" in q else None,
                    q["down"][0], act)
     grouped = partial(moe_experts_grouped, h, weights, indices, kinds, mm, ACTIVATIONS[act], up.shape[0])
-    paths = [(f"moe_gemv_{fmt}", gemv), (f"grouped_mm_{fmt}", grouped)]
+    # block FP8: each row in the scheme the engine runs there (the per-pair path: the format's rule for one row;
+    # the grouped path: its rule per expert, runners.engine.models.block_fp8.grouped_scheme), the per-pair
+    # kernel in the other scheme beside it
+    pair_scheme = grouped_scheme = None
     if fmt == "block_fp8":
-        paths.append((f"moe_gemv_{fmt}_w8a16", partial(gemv, scheme="w8a16")))
-    for name, fn in paths:
+        from runners.engine.formats import get_format
+
+        rule = get_format(fmt)
+        pair_scheme = rule.scheme(1)
+        pairs = h.shape[0] * indices.shape[1]
+        grouped_scheme = rule.scheme(pairs / max(1, min(up.shape[0], pairs)))
+        gemv = partial(gemv, scheme=pair_scheme)
+    paths = [(f"moe_gemv_{fmt}", gemv, pair_scheme), (f"grouped_mm_{fmt}", grouped, grouped_scheme)]
+    if fmt == "block_fp8":
+        other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
+        paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
+    for name, fn, scheme in paths:
         out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
-                  **{**meta, "floor_us": round(fl, 2), "format": fmt})
+                  **{**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})})
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
         rows.append(out)
     return rows

@@ -24,8 +24,9 @@ Conventions, so the counts track device launches rather than CPU implementation 
 - in a quantized ``--format``, each call of a quantized GEMM (the functions of
   runners.engine.models.nvfp4 / block_fp8 and fp8's ``fp8_linear``: one Triton or cuBLAS kernel on CUDA, the
   dequantizing reference on the CPU) counts as ``kernel:<name>``, plus ``kernel:<name>.prep`` for the one
-  helper launch the decode-size kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's
-  activation quantization; a split-K sum launch, which depends on the real widths, is not counted); the
+  helper launch the kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's activation
+  quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8; a split-K sum launch, which depends on the real widths,
+  is not counted); the
   quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
   Where the quantized experts take a per-pair decode path on CUDA (their format's ``use_moe_gemv`` gate,
   runners.engine.formats), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
@@ -62,12 +63,26 @@ SHRINK = {"hidden_size": 128, "vocab_size": 4096, "mamba_num_heads": 8, "moe_lat
 FORMAT_SHRINK = {**SHRINK, "moe_latent_size": 128, "moe_intermediate_size": 128,
                  "moe_shared_expert_intermediate_size": 128}
 FORMATS = ("bf16", "nvfp4", "block_fp8", "fp8")
-# quantized GEMM wrappers counted as kernels: (module, attribute, whether a helper launch precedes it on CUDA)
+
+
+def _block_fp8_prep(scheme_of):
+    """Whether a block-FP8 call quantizes its activations in a launch of its own: w8a8 does, w8a16 (the
+    decode scheme up to the format's decode_rows) does not. ``scheme_of``: the name of the function of
+    runners.engine.models.block_fp8 that says the call's scheme from its arguments."""
+    def prep(*args, **kwargs) -> bool:
+        from runners.engine.models import block_fp8
+
+        return getattr(block_fp8, scheme_of)(*args[:1 if scheme_of == "dense_scheme" else 2]) == "w8a8"
+    return prep
+
+
+# quantized GEMM wrappers counted as kernels: (module, attribute, whether a helper launch precedes it on CUDA:
+# a bool, or a function of the call's arguments)
 QUANT_KERNELS = (("runners.engine.models.nvfp4", "nvfp4_linear", True),
                  ("runners.engine.models.nvfp4", "nvfp4_grouped_mm", True),
-                 ("runners.engine.models.block_fp8", "block_fp8_linear", True),
-                 ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", True),
-                 ("runners.engine.models.fp8_modules", "fp8_linear", False))
+                 ("runners.engine.models.block_fp8", "block_fp8_linear", _block_fp8_prep("dense_scheme")),
+                 ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", _block_fp8_prep("grouped_scheme")),
+                 ("runners.engine.models.fp8_modules", "fp8_linear", True))  # the activation's cast
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
 ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 STEP = "step"  # the kind of ops outside every block
@@ -138,11 +153,12 @@ class StepOpCounter:
         del torch
         return Mode()
 
-    def opaque_kernel(self, name: str, fn, *, prep: bool = False):
-        """``fn`` counted as the one op ``kernel:<name>`` (its own operators not counted); with ``prep`` also
-        ``kernel:<name>.prep`` (a helper launch before the kernel)."""
+    def opaque_kernel(self, name: str, fn, *, prep=False):
+        """``fn`` counted as the one op ``kernel:<name>`` (its own operators not counted); with ``prep`` (True,
+        or a function of the call's arguments that says so) also ``kernel:<name>.prep`` (a helper launch
+        before the kernel)."""
         def run(*args, **kwargs):
-            if prep:
+            if prep(*args, **kwargs) if callable(prep) else prep:
                 self.record(f"kernel:{name}.prep")
             self.record(f"kernel:{name}")
             self.opaque += 1

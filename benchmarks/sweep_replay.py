@@ -1158,6 +1158,8 @@ def main(argv=None) -> int:
                  "it on the CPU with TRITON_INTERPRET=1 python -m benchmarks.sweep_replay --dry-run --out DIR")
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "sweep_replay.partial.json")
+    if os.path.exists(partial):  # an earlier run's: this run's replaces it after its headline
+        os.remove(partial)
 
     def save(res: dict, stage: str) -> None:  # what a cut-short run keeps (its "partial": the last stage done)
         with open(partial + ".tmp", "w") as f:

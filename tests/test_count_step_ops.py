@@ -192,3 +192,22 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
     with pytest.raises(AttributeError), cso._patched(counter, {}):
         pass
     assert [getattr(m, a) for m, a in watched] == before
+
+
+def test_block_fp8_counts_its_quantization_launch_only_under_w8a8():
+    """A block-FP8 call's `.prep` (the activation-quantization launch) is counted where the format's scheme
+    for its rows is w8a8, not under the w8a16 decode scheme (no such launch); per-tensor FP8 always casts."""
+    from benchmarks import count_step_ops as cso
+    from runners.engine.formats import get_format
+
+    fmt = get_format("block_fp8")
+    assert fmt.decode_scheme == "w8a16"
+    rows = fmt.decode_rows
+    prep = {attr: p for _, attr, p in cso.QUANT_KERNELS}
+    w = torch.zeros(4, 8, 128)  # 4 experts
+    assert prep["block_fp8_linear"](torch.zeros(1, 128)) is False
+    assert prep["block_fp8_linear"](torch.zeros(1, rows, 128)) is False  # [B, T, K]: B * T rows
+    assert prep["block_fp8_linear"](torch.zeros(2, rows, 128)) is True  # 2 x decode_rows: w8a8
+    assert prep["block_fp8_grouped_mm"](torch.zeros(4 * rows, 128), w) is False  # decode_rows per expert
+    assert prep["block_fp8_grouped_mm"](torch.zeros(4 * rows + 4, 128), w) is True
+    assert prep["fp8_linear"] is True

@@ -321,6 +321,12 @@ def test_stochastic_rounding_of_the_flushed_checkpoints():
     ulp = torch.exp2(torch.floor(torch.log2(exact[rows].abs())).clamp(min=-14) - 10)
     assert ((rounded[rows].float() - exact[rows]).abs() <= ulp).all()  # a neighbour of the exact value
     assert torch.equal(rounded[[1, 3]], state[[1, 3]])  # rows not in the batch untouched
+    # the outputs continue from the checkpoint rounded to nearest (FlashInfer rounds only its store of it)
+    fresh = lambda: RingHistory(*(t.clone() for t in vars(ring).values()))  # noqa: E731
+    out_nearest = replay_verify_flashinfer_ref(state.clone(), *args, slots, fresh(), ring_start, pnat)
+    out_rounded = replay_verify_flashinfer_ref(state.clone(), *args, slots, fresh(), ring_start, pnat,
+                                               rounding=StochasticRounding.create(7, device="cpu"))
+    assert torch.equal(out_rounded, out_nearest)
     with pytest.raises(ValueError, match="float16 state only"):
         replay_verify_flashinfer_ref(state.bfloat16(), *args, slots, ring, ring_start, pnat,
                                      rounding=StochasticRounding.create(7, device="cpu"))
@@ -382,6 +388,10 @@ def test_stochastic_rounding_resolves_to_flashinfer_for_a_float16_state_only(mon
                 ssm_backend="flashinfer", stochastic_rounding=True)
     cache = HybridCache(config, kinds, ssm_state_dtype=torch.float16, ssm_replay=True, **args)
     assert cache.rounding is not None
-    for state_dtype, replay in ((torch.float16, False), (torch.bfloat16, True)):
-        with pytest.raises(ValueError, match="runs in its replay kernel into a float16 state only"):
-            HybridCache(config, kinds, ssm_state_dtype=state_dtype, ssm_replay=replay, **args)
+    with pytest.raises(ValueError, match="runs in its replay kernel into a float16 state only"):
+        HybridCache(config, kinds, ssm_state_dtype=torch.float16, ssm_replay=False, **args)
+    # a ring history on any backend rounds into a float16 state only (its reference is FlashInfer's contract)
+    for backend in ("flashinfer", "torch"):
+        with pytest.raises(ValueError, match="ring histories .* rounds into a float16 state only"):
+            HybridCache(config, kinds, ssm_state_dtype=torch.bfloat16, ssm_replay=True,
+                        **{**args, "ssm_backend": backend}, replay_ring=True)

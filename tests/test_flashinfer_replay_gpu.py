@@ -117,8 +117,10 @@ def test_flashinfer_replay_stochastic_rounding_of_a_float16_state():
         draws.append(run(state0.clone(), rounding).float())
         rounding.advance()
     ulp = torch.exp2(torch.floor(torch.log2(exact.abs())).clamp(min=-14) - 10)
-    # within a neighbour of the float32 checkpoint (FlashInfer's own fp32 sums: a 1e-3 relative allowance)
-    assert all(((d - exact).abs() <= ulp + 1e-3 * exact.abs()).all() for d in draws)
+    # within a neighbour of the float32 checkpoint, FlashInfer's own arithmetic allowed for: it multiplies
+    # 16-bit tensor-core operands (its decay-scaled B among them), an error of the largest value's size
+    allowance = 2e-3 * exact.abs().max()
+    assert all(((d - exact).abs() <= ulp + allowance).all() for d in draws)
     assert any(not torch.equal(d, nearest) for d in draws)
     mean = torch.stack(draws).mean(0)
     assert (mean - exact).abs().mean() < (nearest - exact).abs().mean()

@@ -437,7 +437,6 @@ def test_block_fp8_decode_scheme_is_the_formats_rule_and_reaches_the_gemm(monkey
     q, s = block_fp8_quantize(torch.randn(128, 256))
     layer.weight.data, layer.weight_scale_inv = q, s.float()
     x = torch.randn(2, 3, 256)
-    monkeypatch.setattr(fmt, "decode_scheme", "w8a16")
     assert fmt.scheme(fmt.decode_rows) == "w8a16" and fmt.scheme(fmt.decode_rows + 1) == "w8a8"
     y = layer(x)
     w8a16 = block_fp8_linear_ref(x.reshape(6, 256), q, s.float(), scheme="w8a16").reshape(2, 3, 128)
@@ -459,7 +458,7 @@ def test_block_fp8_grouped_experts_take_the_decode_scheme_too(monkeypatch):
     s = s.float()
     offs = torch.tensor([5, 10, 15, 20], dtype=torch.int32)
     x = torch.randn(20, 256)
-    monkeypatch.setattr(get_format(FORMAT_BLOCK_FP8), "decode_scheme", "w8a16")
+    assert get_format(FORMAT_BLOCK_FP8).decode_scheme == "w8a16"
     assert torch.equal(block_fp8_grouped_mm(x, q, s, offs),
                        block_fp8_grouped_mm_ref(x, q, s, offs, scheme="w8a16"))
     many = torch.randn(40, 256)  # 10 rows per expert: above decode_rows

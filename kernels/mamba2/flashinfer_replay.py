@@ -195,9 +195,10 @@ def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch
     its output is zero), k = pnat[s] clamped to [0, W] (W = R - T):
     1. h = state[s] fast-forwarded by ring rows (ring_start[s] + j) % R, j < k: h <- exp(A dt'_j) h +
        dt'_j x_j (outer) B_j;
-    2. if k + T > W, state[s] = h (in its dtype, stochastically rounded with ``rounding``: the rule of
-       kernels.rounding with torch's random bits, so the same distribution as FlashInfer's, not its bits;
-       the new tokens continue from the stored value);
+    2. if k + T > W, state[s] = h in its dtype (stochastically rounded with ``rounding``: the rule of
+       kernels.rounding with torch's random bits, so the same distribution as FlashInfer's, not its bits);
+       the new tokens continue from h rounded to nearest in that dtype (FlashInfer rounds only its store of
+       the state stochastically; the copy its outputs read is rounded to nearest);
     3. for t < T, dt'_t = softplus(dt_t + dt_bias), h <- exp(A dt'_t) h + dt'_t x_t (outer) B_t,
        y_t = C_t . h + D x_t;
     4. x_t, B_t, dt'_t are written to ring rows (ring_start[s] + k + t) % R.
@@ -232,9 +233,8 @@ def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch
         h = torch.where(live, step, h)
     flush = k + T > W
     if bool(flush.any()):
-        stored = stochastic_round_ref(h[flush], state.dtype, rounding)
-        state[s[flush]] = stored
-        h[flush] = stored.float()
+        state[s[flush]] = stochastic_round_ref(h[flush], state.dtype, rounding)
+        h[flush] = h[flush].to(state.dtype).float()
     dtp = F.softplus(dt[rows].float() + dt_bias.float())  # (n, T, H)
     xr, Br, Cr = x[rows].float(), B[rows].float(), C[rows].float()
     y = torch.empty(n, T, H, P, dtype=torch.float32, device=x.device)

@@ -246,8 +246,13 @@ class HybridCache:
                     f"stochastic rounding of the SSM state needs a 16-bit ssm_state_dtype (bfloat16 or "
                     f"float16), got {ssm_state_dtype}: a float32 state is never rounded"
                 )
-            flashinfer_sr = ssm_replay and ring and ssm_state_dtype in SR_STATE_DTYPES
-            if ssm_backend == "flashinfer" and not flashinfer_sr:
+            if ssm_replay and ring and config.mamba_num_heads and ssm_state_dtype not in SR_STATE_DTYPES:
+                raise ValueError(
+                    f"stochastic rounding over FlashInfer's ring histories (replay_ring) rounds into a "
+                    f"float16 state only, got {ssm_state_dtype}: use ssm_state_dtype=float16, or the "
+                    f"engine's own replay histories (replay_ring=False, ssm_backend 'triton' or 'torch')"
+                )
+            if ssm_backend == "flashinfer" and not (ssm_replay and ring):
                 raise ValueError(
                     f"stochastic rounding with ssm_backend 'flashinfer' runs in its replay kernel into a "
                     f"float16 state only (ssm_replay, ssm_state_dtype=float16; this cache: ssm_replay="

@@ -53,8 +53,20 @@ def block_fp8_linear(
     kernel = block_fp8.block_fp8_linear if x.is_cuda else block_fp8.block_fp8_linear_ref
 
     x2 = x.reshape(-1, x.shape[-1])
-    scheme = get_format(FORMAT_BLOCK_FP8).scheme(x2.shape[0])  # the format's rule (w8a8 / w8a16)
-    return kernel(x2, weight, weight_scale_inv, bias, scheme=scheme).reshape(*x.shape[:-1], weight.shape[0])
+    return kernel(x2, weight, weight_scale_inv, bias, scheme=dense_scheme(x)).reshape(*x.shape[:-1],
+                                                                                      weight.shape[0])
+
+
+def dense_scheme(x: torch.Tensor) -> str:
+    """The scheme (w8a8 / w8a16) of a dense block-FP8 product of ``x`` [..., K]: the format's rule
+    (WeightFormat.scheme) for its rows."""
+    return get_format(FORMAT_BLOCK_FP8).scheme(x.numel() // max(1, x.shape[-1]))
+
+
+def grouped_scheme(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The scheme of a grouped block-FP8 product of x [P, K] over experts weight [E, N, K]: the format's rule
+    for about P / min(E, P) rows per expert."""
+    return get_format(FORMAT_BLOCK_FP8).scheme(x.shape[0] / max(1, min(weight.shape[0], x.shape[0])))
 
 
 def block_fp8_grouped_mm(
@@ -69,8 +81,7 @@ def block_fp8_grouped_mm(
     # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
     # for the kernel tests, far too slow for an engine)
     kernel = block_fp8.block_fp8_grouped_mm if x.is_cuda else block_fp8.block_fp8_grouped_mm_ref
-    rows = x.shape[0] / max(1, min(weight.shape[0], x.shape[0]))
-    return kernel(x, weight, weight_scale_inv, offsets, scheme=get_format(FORMAT_BLOCK_FP8).scheme(rows))
+    return kernel(x, weight, weight_scale_inv, offsets, scheme=grouped_scheme(x, weight))
 
 
 class BlockFP8Linear(nn.Module):
