@@ -25,7 +25,9 @@ summed inside the launch), "..._w8a16_2launch" the same with the split summed by
 (kernels/quant/block_fp8.py SERIAL_SPLIT_SCHEMES emptied), so one run says what the activation quantization
 launch and the second launch cost at each shape; "..._w8a16_xvec" the GEMV loading each activation row's
 128-column group once, broadcast over the weight tile (block_fp8.GEMV_X_LOAD = "vector"), beside the default
-load in the tile's layout.
+load in the tile's layout. "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
+importable (gemlite's weight-only FP8 linear, one fp8 scale per output channel: the same weight bytes), or say
+why not.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
 GEMV_MAX_ROWS = 0): the tensor-core kernel at decode sizes, so one run compares both paths; grouped rows named
 "..._gemv" time it with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS = inf): the GEMV wherever the rows
@@ -231,6 +233,34 @@ def _torch_cast(fn, *args, **kwargs):
         fp8.quantize_fp8 = saved
 
 
+def gemlite_fp8_linear(w16):
+    """A peer from PyPI: gemlite's weight-only FP8 linear (``gemlite.helper.A16W8_FP8``: fp8 weights with one
+    scale per output channel against bf16 activations, its Triton GEMV / GEMM chosen and autotuned per batch
+    size by gemlite) built from the bf16 weight ``w16`` [N, K] on CUDA: the same weight bytes as ours, a
+    coarser scale. Returns the callable module, or the reason it is not there (gemlite not importable: it is
+    no dependency of this project; or its build failed) as a str."""
+    try:
+        from gemlite.helper import A16W8_FP8
+    except Exception as e:  # noqa: BLE001 - optional peer: a row that says why
+        return f"gemlite not importable ({type(e).__name__}: {e}); pip install gemlite to time it"
+    try:
+        return A16W8_FP8(device=str(w16.device), dtype=w16.dtype).from_weights(w16)
+    except Exception as e:  # noqa: BLE001
+        return f"gemlite A16W8_FP8 failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _peer_row(name: str, peer, x, nbytes: int, copy_gbps: float, **meta) -> dict:
+    """The row of a peer's call ``peer(x)`` (timed like ours), or {"name", "error", meta} where ``peer`` is the
+    reason it cannot run (a str) or its call raises."""
+    if isinstance(peer, str):
+        return {"name": name, "error": peer, **meta}
+    try:
+        return row(name, _bench(lambda: peer(x)), nbytes, copy_gbps, **meta)
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not a crash
+        return {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                **meta}
+
+
 def _rows_rule(fn, *args, **kwargs):
     """Call a grouped kernels/quant launcher with the grouped-rows bound lifted (GROUPED_GEMV_MAX_ROWS of
     every format's kernel file = inf): the GEMV wherever the rows per expert allow it (<= GEMV_MAX_ROWS), the
@@ -312,10 +342,12 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
         w, ws = block_fp8_quantize(torch.randn(N, K, device="cuda"))
         ws = ws.to(torch.bfloat16)
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        peer = gemlite_fp8_linear(w_bf16)
         for B in batches:
             x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16)
             io = (B * K + B * N) * 2
             meta = {"proj": proj, "N": N, "K": K, "batch": B}
+            rows.append(_peer_row("gemlite_a16w8_fp8", peer, x, N * K + N * 4 + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_triton", _bench(partial(block_fp8_linear, x, w, ws, impl="triton")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_tc",
@@ -379,12 +411,14 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
         scale = (w16.float().abs().max() / 448).reshape(())
         w8 = (w16.float() / scale).to(torch.float8_e4m3fn)
         input_scale = torch.tensor(0.05, device="cuda")
+        peer = gemlite_fp8_linear(w16)
         for B in batches:
             x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16)
             io = (B * K + B * N) * 2
             meta = {"proj": proj, "N": N, "K": K, "batch": B}
             rows.append(row("fp8_linear_scaled_mm", _bench(partial(fp8_linear, x, w8, scale, input_scale)),
                             N * K + io, copy_gbps, **meta))
+            rows.append(_peer_row("gemlite_a16w8_fp8", peer, x, N * K + N * 4 + io, copy_gbps, **meta))
             rows.append(row("fp8_linear_scaled_mm_torchcast",
                             _bench(partial(_torch_cast, fp8_linear, x, w8, scale, input_scale)),
                             N * K + io, copy_gbps, **meta))
@@ -398,10 +432,12 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
 
 
 def speedups(rows: list[dict], fast: str, base: str) -> dict:
-    """{"<proj>_b<batch>": base us / fast us} for rows of the same proj and batch."""
+    """{"<proj>_b<batch>": base us / fast us} for rows of the same proj and batch (rows that hold an error
+    instead of a time, as a peer's that is not installed, are left out)."""
     key = lambda r: f"{r['proj']}_b{r['batch']}"
-    b = {key(r): r["us"] for r in rows if r["name"] == base}
-    return {key(r): round(b[key(r)] / r["us"], 2) for r in rows if r["name"] == fast and key(r) in b}
+    b = {key(r): r["us"] for r in rows if r["name"] == base and "us" in r}
+    return {key(r): round(b[key(r)] / r["us"], 2) for r in rows
+            if r["name"] == fast and "us" in r and key(r) in b}
 
 
 def gpu_report(prog: str, argv: list[str] | None) -> dict | None:
@@ -464,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                          "w8a16_xvec_vs_tile": speedups(rows, "block_fp8_linear_w8a16_xvec",
                                                         "block_fp8_linear_w8a16"),
                          "w8a16_grouped_xvec_vs_tile": speedups(rows, "block_fp8_grouped_w8a16_xvec",
-                                                                "block_fp8_grouped_w8a16")}
+                                                                "block_fp8_grouped_w8a16"),
+                         "w8a16_vs_gemlite": speedups(rows, "block_fp8_linear_w8a16", "gemlite_a16w8_fp8")}
     if "fp8_tensor" in args.parts:
         rows = part_fp8_tensor(args.batches, bw)
         report["fp8_tensor"] = {"rows": rows,
@@ -474,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "w8a16_xvec_vs_tile": speedups(rows, "fp8_linear_w8a16_xvec", "fp8_linear_w8a16"),
                                 "quant_kernel_vs_torch_cast": speedups(rows, "fp8_linear_scaled_mm",
                                                                        "fp8_linear_scaled_mm_torchcast"),
+                                "scaled_mm_vs_gemlite": speedups(rows, "fp8_linear_scaled_mm",
+                                                                 "gemlite_a16w8_fp8"),
                                 "scaled_mm_speedup_vs_bf16": speedups(rows, "fp8_linear_scaled_mm",
                                                                       "bf16_linear")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -75,3 +75,18 @@ def test_the_torchcast_rows_time_fp8_linear_with_the_reference_cast():
     with pytest.raises(ZeroDivisionError):
         bench._torch_cast(lambda: 1 / 0)
     assert fp8.quantize_fp8 is quantize_fp8
+
+
+def test_a_peer_that_is_not_installed_is_a_row_with_the_reason():
+    """gemlite is no dependency: without it the peer is the reason (a str), its rows say why, and the
+    speed-up tables leave them out instead of failing."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemlite") is None:
+        peer = bench.gemlite_fp8_linear(None)
+        assert isinstance(peer, str) and "pip install gemlite" in peer
+    out = bench._peer_row("gemlite_a16w8_fp8", "not here", None, 1, 1.0, proj="q", batch=1)
+    assert out == {"name": "gemlite_a16w8_fp8", "error": "not here", "proj": "q", "batch": 1}
+    rows = [out, {"name": "ours", "proj": "q", "batch": 1, "us": 2.0}]
+    assert bench.speedups(rows, "ours", "gemlite_a16w8_fp8") == {}
+    assert bench.speedups(rows, "gemlite_a16w8_fp8", "ours") == {}

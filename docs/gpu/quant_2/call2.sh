@@ -1,7 +1,8 @@
 #!/bin/bash
 # After call 1 (this folder's logs): the fixed quantized-expert tests, bench_quant_gemm's FP8 parts with the
 # GEMV's "vector" row-load rows (*_xvec) beside the default, and bench_moe_gemv (quantizing 32 experts at a
-# time). Carry .gpu-bundle.
+# time). Carry .gpu-bundle, with gemlite's wheel added to time the PyPI peer (`python3 -m pip wheel --no-deps
+# gemlite -w .gpu-bundle`: pure Python + Triton; without it its rows say so).
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
@@ -13,7 +14,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_kernels_quant_moe_gemv_gpu.p
 echo "tests rc=$? at $((SECONDS-t0)) s"; tail -2 $OUT/tests.log
 timeout ${QUANT_TIMEOUT:-80} python3 -m benchmarks.bench_quant_gemm --parts copy fp8 fp8_tensor --batches 1 2 4 8 \
   --out $OUT/bench_quant_gemm.json >$OUT/bench_quant.log 2>&1
-echo "bench_quant rc=$? at $((SECONDS-t0)) s"; grep -E "xvec|w8a16_dense_speedup_vs_w8a8|quant_kernel" $OUT/bench_quant.log | cut -c1-400
+echo "bench_quant rc=$? at $((SECONDS-t0)) s"; grep -E "xvec|w8a16_dense_speedup_vs_w8a8|quant_kernel|gemlite" $OUT/bench_quant.log | cut -c1-400
 timeout ${MOE_TIMEOUT:-100} python3 -m benchmarks.bench_moe_gemv --out $OUT/bench_moe_gemv.json --batches 1 2 4 8 \
   >$OUT/bench_moe_gemv.log 2>&1
 echo "bench_moe_gemv rc=$? at $((SECONDS-t0)) s"; tail -3 $OUT/bench_moe_gemv.log | cut -c1-300
