@@ -198,7 +198,7 @@ def _probe_scaled_grouped_mm(device: torch.device) -> bool:
         s_a = torch.full((P,), 0.01, device=device)
         s_w = torch.tensor([0.02, 0.03], device=device)
         offsets = torch.tensor([10, P], dtype=torch.int32, device=device)
-        aq = quantize_fp8(a, s_a[:, None])
+        aq = quantize_fp8_ref(a, s_a[:, None])
         got = torch._scaled_grouped_mm(aq, w.transpose(1, 2), s_a, s_w[:, None].expand(E, N).contiguous(),
                                        offs=offsets, out_dtype=torch.bfloat16).float()
         expert = (torch.arange(P, device=device) >= 10).long()
@@ -262,7 +262,7 @@ def moe_experts_fp8(
 
         def linear(inp: torch.Tensor, p: FP8Weights) -> torch.Tensor:
             s_rows = p.input_scale.index_select(0, expert)  # [P] float32: each row's expert input scale
-            q = quantize_fp8(inp, s_rows[:, None])
+            q = quantize_fp8_ref(inp, s_rows[:, None])  # per-row scales: torch ops
             s_w = p.weight_scale[:, None].expand(E, p.weight.shape[1]).contiguous()  # [E, out]
             return torch._scaled_grouped_mm(q, p.weight.transpose(1, 2), s_rows, s_w, offs=offsets,
                                             out_dtype=torch.bfloat16).to(h.dtype)
@@ -275,7 +275,7 @@ def moe_experts_fp8(
 
         def linear(inp: torch.Tensor, p: FP8Weights) -> torch.Tensor:
             s_rows = p.input_scale.index_select(0, expert)[:, None]
-            xd = (quantize_fp8(inp, s_rows).float() * s_rows).to(dtype)
+            xd = (quantize_fp8_ref(inp, s_rows).float() * s_rows).to(dtype)
             w = (p.weight.float() * p.weight_scale[:, None, None]).to(dtype)
             if use_grouped:
                 return _grouped_linear(xd, w, offsets)
