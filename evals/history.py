@@ -45,7 +45,7 @@ from registry.baselines import file_protocol
 from registry.errors import UserError
 from registry.schema import LoadFormat
 
-SCHEMA_VERSION = 2  # PRAGMA user_version of a current database; docs/history_schema.md
+SCHEMA_VERSION = 3  # PRAGMA user_version of a current database; docs/history_schema.md
 ENV_VAR = "HYBRID_EVAL_HISTORY"
 DEFAULT_DB = "outputs/history.db"  # relative to the launch directory; configs/config.yaml says the same
 BUSY_TIMEOUT_S = 30.0  # how long one statement waits for another writer's lock before SQLITE_BUSY
@@ -150,6 +150,9 @@ MIGRATIONS: dict[int, list[str]] = {
         """UPDATE runs SET load_format = 'dummy', setting = setting || ' load=dummy'
             WHERE json_extract(config_json, '$.load_format') = 'dummy'""",
     ],
+    # the judged accuracy's columns name no task (the task's own scores stay in checks and results.json)
+    3: [f"ALTER TABLE runs RENAME COLUMN gsm8k_{c} TO accuracy_{c}"
+        for c in ("metric", "value", "reference", "threshold")],
 }
 assert sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
 
@@ -521,10 +524,10 @@ def run_rows(results: Mapping[str, Any], run_dir: str | os.PathLike | None, *, s
         "n": g.get("n"),
         "strict_match": _num(g.get("strict_match")),
         "flexible_extract": _num(g.get("flexible_extract")),
-        "gsm8k_metric": (gcheck.get("details") or {}).get("metric"),
-        "gsm8k_value": _num(gcheck.get("value")),
-        "gsm8k_reference": _num(gcheck.get("reference")),
-        "gsm8k_threshold": _num(gcheck.get("threshold")),
+        "accuracy_metric": (gcheck.get("details") or {}).get("metric"),
+        "accuracy_value": _num(gcheck.get("value")),
+        "accuracy_reference": _num(gcheck.get("reference")),
+        "accuracy_threshold": _num(gcheck.get("threshold")),
         "acceptance_rate": _num(acc.get("rate")),
         "acceptance_rate_floor": _num(rate.get("threshold")),
         "acceptance_length": _num(acc.get("length")),

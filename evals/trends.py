@@ -11,8 +11,9 @@ Markdown, and one PNG of trends per entry x setting, all in one folder.
 - replay-vs-rewind flips: from compare=replay runs' comparison sections, and from every pair of a replay and
   a rewind job of one sweep with the same entry and otherwise equal settings (paired per sample with
   evals.compare.compare_runs; "tokens differ" compares hashes of the generated token ids);
-- trend plots over time of GSM8K (with the reference and each run's pass threshold, which depends on the
-  number of samples) and of the acceptance rate and length (with their floors), failing runs marked.
+- trend plots over time of the task's accuracy (with the reference and each run's pass threshold, which
+  depends on the number of samples) and of the acceptance rate and length (with their floors), failing runs
+  marked.
 
 The page is plain HTML + CSS with relative image links: no JavaScript, nothing fetched from the network.
 Plots use matplotlib's object API on an Agg canvas, as evals/report.py does.
@@ -55,7 +56,7 @@ class Change:
 
     newly_failed: list[str]
     fixed: list[str]
-    gsm8k_delta: float | None  # percent points, latest - previous
+    accuracy_delta: float | None  # percent points, latest - previous
     rate_delta: float | None
     answers_changed: int | None  # samples whose strict-match correctness differs (same doc ids), else None
     tokens_changed: int | None
@@ -89,10 +90,10 @@ class Flip:
 # Analysis
 
 
-def gsm8k_value(run: Mapping[str, Any]) -> float | None:
-    """The judged GSM8K score in percent: the verdict's value, else the mean of the two filters."""
-    if run.get("gsm8k_value") is not None:
-        return float(run["gsm8k_value"])
+def accuracy_value(run: Mapping[str, Any]) -> float | None:
+    """The judged accuracy in percent: the verdict's value, else the mean of the two filters."""
+    if run.get("accuracy_value") is not None:
+        return float(run["accuracy_value"])
     s, f = run.get("strict_match"), run.get("flexible_extract")
     return 100.0 * (s + f) / 2 if s is not None and f is not None else None
 
@@ -107,7 +108,7 @@ def series(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapp
 
 def by_sample_count(runs: Sequence[Mapping[str, Any]]) -> dict[int | None, list[Mapping[str, Any]]]:
     """Runs of one series split by n, the number of samples each scored (None: not recorded), each list in
-    the order given, keys ascending (None last). A GSM8K score and its pass threshold depend on n, so runs
+    the order given, keys ascending (None last). An accuracy and its pass threshold depend on n, so runs
     of different n are separate series in the trend plots and a run is compared only with the previous run
     of its own n (:func:`previous_run`)."""
     out: dict[int | None, list[Mapping[str, Any]]] = {}
@@ -137,7 +138,7 @@ def change(prev: Mapping[str, Any] | None, cur: Mapping[str, Any],
     fixed = sorted(n for n, s in now.items() if s == "pass" and before.get(n) == "fail")
     if prev is None:
         return Change(newly, fixed, None, None, None, None)
-    g0, g1 = gsm8k_value(prev), gsm8k_value(cur)
+    g0, g1 = accuracy_value(prev), accuracy_value(cur)
     r0, r1 = prev.get("acceptance_rate"), cur.get("acceptance_rate")
     answers = tokens = None
     a, b = samples.get(prev["id"]), samples.get(cur["id"])
@@ -216,7 +217,7 @@ def _slug(text: str) -> str:
 
 
 def plot_series(entry: str, setting: str, runs: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """GSM8K and acceptance of one entry x setting over time (one panel each), as a PNG at path
+    """Accuracy and acceptance of one entry x setting over time (one panel each), as a PNG at path
     (:func:`series_figure`)."""
     fig = series_figure(entry, setting, runs)
     fig.savefig(path, format="png", dpi=100)
@@ -273,9 +274,9 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
 
-    thresholds = [t if threshold_binds(t) else None for t in (r.get("gsm8k_threshold") for r in runs)]
-    unbound = ", ".join(map(str, by_sample_count([r for r in runs if r.get("gsm8k_threshold") is not None
-                                                  and not threshold_binds(r["gsm8k_threshold"])])))
+    thresholds = [t if threshold_binds(t) else None for t in (r.get("accuracy_threshold") for r in runs)]
+    unbound = ", ".join(map(str, by_sample_count([r for r in runs if r.get("accuracy_threshold") is not None
+                                                  and not threshold_binds(r["accuracy_threshold"])])))
     threshold_label = f"pass threshold (per run's n; {NO_LOWER_BOUND} for n={unbound})" if unbound else \
         "pass threshold (per run's n)"
     # where no threshold binds there is no line to label: a legend line alone says why
@@ -283,8 +284,8 @@ def series_figure(entry: str, setting: str, runs: Sequence[Mapping[str, Any]]) -
     task = task_of_setting(setting)  # the series' task row: its title and score unit
     score = f"{task.shown_title} (mean of the filters)" if task.mean_score else task.shown_title
     unit = task.score_unit if task.score_check == "bernoulli" else "fraction"  # a floor check's value
-    draw(axes[0], gsm8k_value, score, unit,
-         [([r.get("gsm8k_reference") for r in runs], "reference", "-"),
+    draw(axes[0], accuracy_value, score, unit,
+         [([r.get("accuracy_reference") for r in runs], "reference", "-"),
           (thresholds, threshold_label, "--")], note)
     axes[0].set_title(f"{entry} | {setting}", fontsize=10)
     if has_acc:
@@ -329,7 +330,7 @@ class Row:
     regression: bool
 
 
-STATUS_HEADER = ["entry", "setting", "last run (UTC)", "commit", "n", "GSM8K % (threshold / reference)",
+STATUS_HEADER = ["entry", "setting", "last run (UTC)", "commit", "n", "accuracy % (threshold / reference)",
                  "acceptance rate (floor)", "length (floor)", "verdict", "since previous run at the same n",
                  "runs"]
 
@@ -351,7 +352,7 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
                 parts.append("REGRESSION: " + ", ".join(ch.newly_failed))
             if ch.fixed:
                 parts.append("fixed: " + ", ".join(ch.fixed))
-            parts.append(f"GSM8K {_signed(ch.gsm8k_delta, 2)}")
+            parts.append(f"accuracy {_signed(ch.accuracy_delta, 2)}")
             if ch.rate_delta is not None:
                 parts.append(f"rate {_signed(ch.rate_delta, 3)}")
             if ch.answers_changed is not None:
@@ -361,8 +362,8 @@ def _status_rows(groups: Mapping[tuple[str, str], list[Mapping[str, Any]]],
             since = "; ".join(parts)
         rows.append(Row([
             entry, setting, cur["finished_at"].replace("+00:00", ""), commit, str(cur.get("n") or "-"),
-            f"{_f(gsm8k_value(cur))} ({format_threshold(cur.get('gsm8k_threshold'))} / "
-            f"{_f(cur.get('gsm8k_reference'))})",
+            f"{_f(accuracy_value(cur))} ({format_threshold(cur.get('accuracy_threshold'))} / "
+            f"{_f(cur.get('accuracy_reference'))})",
             f"{_f(cur.get('acceptance_rate'), 3)} ({_f(cur.get('acceptance_rate_floor'), 3)})",
             f"{_f(cur.get('acceptance_length'))} ({_f(cur.get('acceptance_length_floor'))})",
             _verdict_word(cur), since, str(len(runs)),

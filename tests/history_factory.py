@@ -18,13 +18,13 @@ def check(name: str, value: float, threshold: float | None, reference: float | N
 def make_results(entry: str = "tiny_nemotron_h_mtp", *, ssm_replay: bool = False,
                  correct: list[int] | None = None,
                  rate: float = 0.55, length: float = 2.6, rate_floor: float | None = 0.43,
-                 gsm8k_threshold: float | None = -20.0, commit: str = "abc123", compare: str | None = None,
+                 accuracy_threshold: float | None = -20.0, commit: str = "abc123", compare: str | None = None,
                  comparison: dict | None = None, wall: float = 1.0) -> dict[str, Any]:
     """A results dict of one run over len(correct) questions (correct[i]: strict = flexible correctness)."""
     correct = [1, 0, 0, 1] if correct is None else correct
     n = len(correct)
     acc = sum(correct) / n
-    checks = [check("gsm8k.mean", 100 * acc, gsm8k_threshold, 1.9, "percent"),
+    checks = [check("gsm8k.mean", 100 * acc, accuracy_threshold, 1.9, "percent"),
               check("acceptance.rate", rate, rate_floor, None, "fraction"),
               check("acceptance.length", length, 2.09, 2.616, "tokens")]
     statuses = [c["status"] for c in checks]

@@ -38,7 +38,7 @@ def test_new_database_has_the_current_schema_in_wal_mode(tmp_path):
     db = tmp_path / "sub" / "h.db"
     conn = history.connect(db)
     try:
-        assert history.schema_version(conn) == history.SCHEMA_VERSION == 2
+        assert history.schema_version(conn) == history.SCHEMA_VERSION == 3
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -66,7 +66,8 @@ def test_newer_foreign_and_missing_databases_are_refused(tmp_path):
     conn = sqlite3.connect(newer)
     conn.execute(f"PRAGMA user_version = {history.SCHEMA_VERSION + 1}")
     conn.close()
-    with pytest.raises(history.HistoryError, match="schema version 3; this checkout reads up to 2"):
+    v = history.SCHEMA_VERSION
+    with pytest.raises(history.HistoryError, match=f"schema version {v + 1}; this checkout reads up to {v}"):
         history.connect(newer)
     foreign = tmp_path / "foreign.db"
     conn = sqlite3.connect(foreign)
@@ -100,6 +101,37 @@ def test_an_older_database_is_migrated_in_place(tmp_path, monkeypatch):
     history.connect(db).close()  # migrating again is a no-op
 
 
+def test_a_version_2_database_keeps_its_accuracy_under_the_new_names(tmp_path):
+    """Version 3 renamed the judged accuracy's columns (gsm8k_* -> accuracy_*): a database as version 2 left
+    it (a run recorded, then the columns under their old names) is migrated in place with its values."""
+    import sqlite3
+
+    db = tmp_path / "h.db"
+    folder = write_run(tmp_path / "run", make_results(), correct=[1, 0, 0, 1])
+    history.import_runs([folder], db)
+    cols = ("metric", "value", "reference", "threshold")
+    conn = history.connect(db)
+    try:
+        want = conn.execute(f"SELECT {', '.join('accuracy_' + c for c in cols)} FROM runs").fetchone()
+    finally:
+        conn.close()
+    assert want[1] == 50.0
+    raw = sqlite3.connect(db)  # back to version 2's layout
+    for c in cols:
+        raw.execute(f"ALTER TABLE runs RENAME COLUMN accuracy_{c} TO gsm8k_{c}")
+    raw.execute("PRAGMA user_version = 2")
+    raw.commit()
+    raw.close()
+    conn = history.connect(db)
+    try:
+        assert history.schema_version(conn) == 3
+        got = conn.execute(f"SELECT {', '.join('accuracy_' + c for c in cols)} FROM runs").fetchone()
+        assert tuple(got) == tuple(want)
+        assert [r["accuracy_value"] for r in history.fetch_runs(conn)] == [50.0]
+    finally:
+        conn.close()
+
+
 def test_rows_of_a_single_run(tmp_path):
     sweep = tmp_path / "sweep"
     folder = write_run(sweep / "job0", make_results(ssm_replay=True, correct=[1, 0, 0, 1]),
@@ -116,7 +148,7 @@ def test_rows_of_a_single_run(tmp_path):
     [run] = runs
     assert run["entry"] == "tiny_nemotron_h_mtp" and run["setting"] == "replay K=3 float32 ws=1 cpu"
     assert run["source"] == "import" and run["sweep_dir"] == str(sweep) and run["run_dir"] == str(folder)
-    assert run["n"] == 4 and run["gsm8k_value"] == 50.0 and run["gsm8k_threshold"] == -20.0
+    assert run["n"] == 4 and run["accuracy_value"] == 50.0 and run["accuracy_threshold"] == -20.0
     assert run["acceptance_rate"] == 0.55 and run["acceptance_rate_floor"] == 0.43
     assert run["verdict_status"] == "pass" and run["verdict_passed"] == 1 and run["memory_bytes"] == 3072
     assert run["git_commit"] == "abc123" and run["lm_eval_version"] == "0.4.13"
@@ -387,6 +419,8 @@ def test_version_1_rows_get_their_load_format(tmp_path):
     dummy = write_run(tmp_path / "dummy", _dummy_results(correct=[0, 0, 0, 0]), correct=[0, 0, 0, 0])
     history.import_runs([real, dummy], db)
     conn = sqlite3.connect(db)  # back to version 1: no column, settings without the load format
+    for c in ("metric", "value", "reference", "threshold"):  # and version 1's names (migration 3)
+        conn.execute(f"ALTER TABLE runs RENAME COLUMN accuracy_{c} TO gsm8k_{c}")
     conn.execute("ALTER TABLE runs DROP COLUMN load_format")
     conn.execute("UPDATE runs SET setting = 'rewind K=3 float32 ws=1 cpu'")
     conn.execute("PRAGMA user_version = 1")
@@ -394,7 +428,7 @@ def test_version_1_rows_get_their_load_format(tmp_path):
     conn.close()
     conn = history.connect(db)
     try:
-        assert history.schema_version(conn) == 2
+        assert history.schema_version(conn) == history.SCHEMA_VERSION
         rows = {r["run_dir"]: (r["setting"], r["load_format"]) for r in history.fetch_runs(conn)}
     finally:
         conn.close()

@@ -139,7 +139,7 @@ def test_the_sweep_table_and_the_history_read_the_tasks_section(echo_task, tmp_p
     history.import_runs([job], db)
     with sqlite3.connect(db) as con:
         names = {r[0] for r in con.execute("SELECT name FROM checks")}
-        n, value, setting = con.execute("SELECT n, gsm8k_value, setting FROM runs").fetchone()
+        n, value, setting = con.execute("SELECT n, accuracy_value, setting FROM runs").fetchone()
     assert "echo.chrf" in names and not any(name.startswith("gsm8k") for name in names)
     assert n == 10 and value == pytest.approx(0.55) and "task=echo" in setting
     files = history.write_trend_report(db, tmp_path / "report")
@@ -151,8 +151,8 @@ def test_the_trend_figure_names_the_series_task(echo_task):
     title; a series of the default row keeps GSM8K's."""
     from evals.trends import series_figure
 
-    runs = [{"finished_at": f"2026-11-30T13:{m:02d}:00+00:00", "n": 10, "gsm8k_value": v,
-             "gsm8k_threshold": 0.4, "verdict_passed": 1} for m, v in ((39, 0.55), (40, 0.6))]
+    runs = [{"finished_at": f"2026-11-30T13:{m:02d}:00+00:00", "n": 10, "accuracy_value": v,
+             "accuracy_threshold": 0.4, "verdict_passed": 1} for m, v in ((39, 0.55), (40, 0.6))]
     fig = series_figure("tiny_nemotron_h_mtp", "rewind K=3 float32 ws=1 cpu task=echo", runs)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "Echo (n=10)" in legend and not any("GSM8K" in t for t in legend), legend

@@ -151,8 +151,8 @@ def test_trend_figure_axis_dates_threshold_and_sample_counts():
     from evals.trends import series_figure
 
     def run(minute: int, n: int, value: float, threshold: float) -> dict:
-        return {"finished_at": f"2026-11-30T13:{minute:02d}:00+00:00", "n": n, "gsm8k_value": value,
-                "gsm8k_reference": 1.9, "gsm8k_threshold": threshold, "verdict_passed": 1,
+        return {"finished_at": f"2026-11-30T13:{minute:02d}:00+00:00", "n": n, "accuracy_value": value,
+                "accuracy_reference": 1.9, "accuracy_threshold": threshold, "verdict_passed": 1,
                 "acceptance_rate": 0.53, "acceptance_rate_floor": 0.42, "acceptance_length": 2.6,
                 "acceptance_length_reference": 2.587, "acceptance_length_floor": 2.07}
 
@@ -195,7 +195,7 @@ def test_since_previous_run_compares_runs_of_the_same_n(tmp_path):
     assert "| since previous run at the same n |" in md
     rewind = next(line for line in page.splitlines() if "rewind K=3 float32 ws=1 cpu</td>" in line)
     # against the first n = 50 run: 4.00 - 2.00 points, sample 1 changed (against the n = 8 run: +4.00)
-    assert "<td>GSM8K +2.00; rate +0.000; 1 answers changed</td>" in rewind, rewind
+    assert "<td>accuracy +2.00; rate +0.000; 1 answers changed</td>" in rewind, rewind
     assert f"<td>4.00 ({NO_LOWER_BOUND} / 1.90)</td>" in rewind and "-20.00" not in page
     replay = next(line for line in page.splitlines() if "replay K=3 float32 ws=1 cpu</td>" in line)
     assert "<td>first run at n = 8</td>" in replay, replay
