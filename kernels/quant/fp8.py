@@ -7,10 +7,10 @@ launch, beside its plain-PyTorch reference.
 - :func:`quantize_fp8_ref`: the rule in PyTorch (any scale broadcastable to x: 0-dim per tensor, [rows, 1] per
   row). The engine's CPU path, the tests' reference, and the GPU path for per-row scales.
 - :func:`quantize_fp8`: the same with a 0-dim (per-tensor) scale read from device memory, as one Triton launch
-  (the reference's three elementwise launches and its float32 temporary, before every ``torch._scaled_mm`` of
-  an FP8 linear: 241 of them per decode step at Nemotron 3 Super's depth); bit-identical to the reference on
-  finite inputs (the division rounded to nearest like torch's, e4m3 rounding ties to even). No host
-  synchronisation: CUDA-graph capturable.
+  instead of the reference's three elementwise launches and float32 temporary before every
+  ``torch._scaled_mm`` of an FP8 linear (docs/kernel_performance.md, "Quantized formats"); bit-identical to
+  the reference on finite inputs (the division rounded to nearest like torch's, e4m3 rounding ties to even).
+  No host synchronisation: CUDA-graph capturable.
 """
 
 from __future__ import annotations
