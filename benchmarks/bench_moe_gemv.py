@@ -110,16 +110,15 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     # block FP8: each row in the scheme the engine runs there (the per-pair path: the format's rule for one row;
     # the grouped path: its rule per expert, runners.engine.models.block_fp8.grouped_scheme), the per-pair
     # kernel in the other scheme beside it
-    pair_scheme = grouped_scheme = None
+    pair_scheme = grouped_rows_scheme = None
     if fmt == "block_fp8":
         from runners.engine.formats import get_format
+        from runners.engine.models.block_fp8 import grouped_scheme
 
-        rule = get_format(fmt)
-        pair_scheme = rule.scheme(1)
-        pairs = h.shape[0] * indices.shape[1]
-        grouped_scheme = rule.scheme(pairs / max(1, min(up.shape[0], pairs)))
+        pair_scheme = get_format(fmt).scheme(1)
+        grouped_rows_scheme = grouped_scheme(indices.numel(), up.shape[0])
         gemv = partial(gemv, scheme=pair_scheme)
-    paths = [(f"moe_gemv_{fmt}", gemv, pair_scheme), (f"grouped_mm_{fmt}", grouped, grouped_scheme)]
+    paths = [(f"moe_gemv_{fmt}", gemv, pair_scheme), (f"grouped_mm_{fmt}", grouped, grouped_rows_scheme)]
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))

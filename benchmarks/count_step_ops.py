@@ -25,9 +25,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   runners.engine.models.nvfp4 / block_fp8 and fp8's ``fp8_linear``: one Triton or cuBLAS kernel on CUDA, the
   dequantizing reference on the CPU) counts as ``kernel:<name>``, plus ``kernel:<name>.prep`` for the one
   helper launch the kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's activation
-  quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8; a split-K sum launch, which depends on the real widths,
-  is not counted); the
-  quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
+  quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8; a split-K sum
+  launch, which depends on the real widths, is not counted); the quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
   Where the quantized experts take a per-pair decode path on CUDA (their format's ``use_moe_gemv`` gate,
   runners.engine.formats), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
   not its device test) and the path
@@ -65,23 +64,27 @@ FORMAT_SHRINK = {**SHRINK, "moe_latent_size": 128, "moe_intermediate_size": 128,
 FORMATS = ("bf16", "nvfp4", "block_fp8", "fp8")
 
 
-def _block_fp8_prep(scheme_of):
-    """Whether a block-FP8 call quantizes its activations in a launch of its own: w8a8 does, w8a16 (the
-    decode scheme up to the format's decode_rows) does not. ``scheme_of``: the name of the function of
-    runners.engine.models.block_fp8 that says the call's scheme from its arguments."""
-    def prep(*args, **kwargs) -> bool:
-        from runners.engine.models import block_fp8
+def _dense_block_fp8_prep(x, *args, **kwargs) -> bool:
+    """Whether a dense block-FP8 call of activations ``x`` quantizes them in a launch of its own: w8a8 does,
+    w8a16 (the decode scheme up to the format's decode_rows) does not."""
+    from runners.engine.models.block_fp8 import dense_scheme
 
-        return getattr(block_fp8, scheme_of)(*args[:1 if scheme_of == "dense_scheme" else 2]) == "w8a8"
-    return prep
+    return dense_scheme(x) == "w8a8"
+
+
+def _grouped_block_fp8_prep(x, weight, *args, **kwargs) -> bool:
+    """The same for a grouped block-FP8 call of x [P, K] over experts ``weight`` [E, N, K]."""
+    from runners.engine.models.block_fp8 import grouped_scheme
+
+    return grouped_scheme(x.shape[0], weight.shape[0]) == "w8a8"
 
 
 # quantized GEMM wrappers counted as kernels: (module, attribute, whether a helper launch precedes it on CUDA:
 # a bool, or a function of the call's arguments)
 QUANT_KERNELS = (("runners.engine.models.nvfp4", "nvfp4_linear", True),
                  ("runners.engine.models.nvfp4", "nvfp4_grouped_mm", True),
-                 ("runners.engine.models.block_fp8", "block_fp8_linear", _block_fp8_prep("dense_scheme")),
-                 ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", _block_fp8_prep("grouped_scheme")),
+                 ("runners.engine.models.block_fp8", "block_fp8_linear", _dense_block_fp8_prep),
+                 ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", _grouped_block_fp8_prep),
                  ("runners.engine.models.fp8_modules", "fp8_linear", True))  # the activation's cast
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
 ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")

@@ -50,8 +50,8 @@ written once) and the fraction of copy bandwidth: the time of a torch copy of th
 (half read, half written), measured in the same run, over the kernel's time.
 Writes DIR/sweep_replay.json and DIR/sweep_replay.png (fraction of copy bandwidth against batch) and prints
 a short table last; until then DIR/sweep_replay.partial.json holds what is measured so far (its "partial":
-the last stage done), so a run cut short keeps its headline and grid. The JSON's "defaults" (beside "best") names the configuration the engine should run per
-(operation, state dtype, shape class, batch bucket) by the rule `DEFAULTS_RULE`; --write-defaults PATH writes
+the last stage done), so a run cut short keeps its headline and grid. The JSON's "defaults" (beside "best")
+names the configuration the engine should run per (operation, state dtype, shape class, batch bucket) by the rule `DEFAULTS_RULE`; --write-defaults PATH writes
 that table (`defaults_table`, with the launcher arguments and the evidence) for kernels.replay_defaults, and
 --from-json SWEEP.json --write-defaults PATH rewrites it from a committed sweep without a GPU.
 

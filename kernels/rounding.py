@@ -110,9 +110,15 @@ class StochasticRounding:
         """step += 1 on the device (graph-capturable; call once per engine step, after every layer)."""
         self.step.add_(1)
 
+    def device_key(self) -> torch.Tensor:
+        """The key seed ^ (step << 16 | salt) as a (1,) int64 tensor computed on the device (no host sync,
+        CUDA-graph capturable: a replay after :meth:`advance` gives the new key), for a kernel that takes its
+        seed as a tensor (FlashInfer's ``rand_seed``: kernels.mamba2.flashinfer_replay)."""
+        return torch.bitwise_xor(self.seed, torch.bitwise_or(torch.bitwise_left_shift(self.step, 16), self.salt))
+
     def key(self) -> int:
         """The Philox key the kernels compute on the device, read to the host (a sync; references only)."""
-        return int(self.seed.item()) ^ ((int(self.step.item()) << 16) | self.salt)
+        return int(self.device_key().item())
 
     def check(self, state: torch.Tensor, name: str) -> None:
         """Raise ValueError unless this can round writes of `state` (a 16-bit state on the same device)."""

@@ -335,7 +335,7 @@ def test_stochastic_rounding_of_the_flushed_checkpoints():
 def test_flashinfer_is_given_a_seed_per_layer_and_step(monkeypatch, fake_flashinfer):
     """replay_verify_flashinfer passes FlashInfer rand_seed = the rounding key seed ^ (step << 16 | salt),
     computed on the device (it follows the step counter), and the Philox rounds; none without rounding."""
-    from kernels.mamba2.flashinfer_replay import flashinfer_rand_seed, replay_verify_flashinfer
+    from kernels.mamba2.flashinfer_replay import replay_verify_flashinfer
     from kernels.rounding import StochasticRounding
 
     calls = []
@@ -350,7 +350,7 @@ def test_flashinfer_is_given_a_seed_per_layer_and_step(monkeypatch, fake_flashin
     seed = calls[-1]["rand_seed"]
     assert seed.dtype == torch.int64 and seed.shape == (1,)
     assert int(seed) == rounding.key() == 1234 ^ (2 << 16 | 5)
-    assert calls[-1]["philox_rounds"] == 7 and int(flashinfer_rand_seed(rounding)) == rounding.key()
+    assert calls[-1]["philox_rounds"] == 7
     with pytest.raises(ValueError, match="float16 state only"):
         replay_verify_flashinfer(state.bfloat16(), *args, slots, ring, ring_start, pnat, rounding=rounding)
 

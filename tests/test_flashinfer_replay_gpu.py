@@ -79,7 +79,7 @@ def test_flashinfer_replay_kernel_equals_its_contract(state_dtype, window):
 
 
 def test_flashinfer_replay_stochastic_rounding_of_a_float16_state():
-    """FlashInfer's rand_seed path (kernels.mamba2.flashinfer_replay.flashinfer_rand_seed) at Super V3's head
+    """FlashInfer's rand_seed path (StochasticRounding.device_key) at Super V3's head
     sizes, every row flushing: each stored value is one of the two float16 neighbours of the float32
     checkpoint (the reference in float32), some not the nearest; over 64 steps of the rounding counter the
     mean of the stored values is closer to the exact value than round-to-nearest's error on average (SR is

@@ -31,7 +31,6 @@ rewritten from position 0 on a flush, and no dA_cumsum).
 - :func:`ring_advance`: ring_start after a verify step (before PNAT moves), for the live rows.
 - :func:`flashinfer_replay_unsupported`: why FlashInfer cannot run a configuration (None when it can).
 - :func:`tied`: the stride-0 layout FlashInfer's Mamba2 kernels take per-head values in.
-- :func:`flashinfer_rand_seed`: the per-layer, per-step seed of its stochastic rounding (float16 state).
 
 Source: FlashInfer 0.7.2, flashinfer/mamba/checkpointing_ssu.py (the Python contract) and
 include/flashinfer/mamba/checkpointing_ssu.cuh (the ring's bookkeeping); the recurrence is Mamba2's SSD
@@ -113,15 +112,6 @@ def flashinfer_replay_unsupported(spec_tokens: int, window: int, time_step_limit
     return None
 
 
-def flashinfer_rand_seed(rounding: StochasticRounding) -> torch.Tensor:
-    """The (1,) int64 seed FlashInfer's checkpointing_ssu draws its Philox bits from, for this layer and step:
-    kernels.rounding's key, seed ^ (step << 16 | salt), computed on the device (no host sync; a CUDA-graph
-    replay after ``StochasticRounding.advance`` draws new bits). FlashInfer offsets each thread's stream
-    itself, so one seed per layer and step is what it takes."""
-    return torch.bitwise_xor(rounding.seed, torch.bitwise_or(torch.bitwise_left_shift(rounding.step, 16),
-                                                             rounding.salt))
-
-
 def tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """FlashInfer's tie_hdim layout of a per-head value ``t`` [H] or [..., H]: a view of ``shape`` (its leading
     dims ``t``'s, then head_dim and d_state) broadcast by stride 0. Copies nothing."""
@@ -145,8 +135,8 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
         ring_start, prev_num_accepted: (S,) int32, read only (:func:`ring_advance` moves them).
         out: optional (B, T, H, P) in x's dtype.
         rounding: stochastic rounding of the flushed checkpoints (float16 state only), its bits FlashInfer's
-            Philox stream from :func:`flashinfer_rand_seed` with ``rounding.philox_rounds`` rounds; None:
-            round to nearest.
+            Philox stream seeded per layer and step by ``rounding.device_key()`` (FlashInfer offsets each
+            thread's stream itself) with ``rounding.philox_rounds`` rounds; None: round to nearest.
 
     Returns:
         (B, T, H, P) in x's dtype, D x included.
@@ -170,7 +160,7 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
         x, tied(dt.float(), (b, T, H, P)), tied(A.float(), (H, P, N)), B, C, out,
         D=tied(D.float(), (H, P)), dt_bias=tied(dt_bias.float(), (H, P)), dt_softplus=True,
         state_batch_indices=slot_ids.to(torch.int32), algorithm="monolith",
-        **({} if rounding is None else {"rand_seed": flashinfer_rand_seed(rounding),
+        **({} if rounding is None else {"rand_seed": rounding.device_key(),
                                         "philox_rounds": rounding.philox_rounds}),
     )
     return out

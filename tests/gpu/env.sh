@@ -11,9 +11,14 @@ gpu_outdir() {
   mkdir -p "$1"
 }
 gpu_env() {
-  if [ -d .gpu-bundle ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl \
-      && { [ ! -f .gpu-bundle/flashinfer-trimmed.tgz ] || tar xzf .gpu-bundle/flashinfer-trimmed.tgz -C /tmp/site; } \
+  # the bundle, else .device/bundle_fi: the few wheels a FlashInfer call carries beside FlashInfer (hydra-core,
+  # omegaconf, antlr4, einops, apache-tvm-ffi, cuda-tile, copied out of .gpu-bundle), as the checkout, the
+  # bundle and FlashInfer together exceed what one call carries
+  local bundle=.gpu-bundle
+  [ -d "$bundle" ] || bundle=.device/bundle_fi
+  if [ -d "$bundle" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$bundle"/*.whl \
+      && { [ ! -f "$bundle"/flashinfer-trimmed.tgz ] || tar xzf "$bundle"/flashinfer-trimmed.tgz -C /tmp/site; } \
       || return 1  # a bundle without FlashInfer (smaller, for calls that carry more): its tests skip
     export PYTHONPATH=/tmp/site:$PWD
   fi

@@ -5,7 +5,6 @@
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
-[ -d .gpu-bundle ] || cp -r .device/bundle_fi .gpu-bundle
 source tests/gpu/env.sh
 gpu_env || exit 1
 timeout ${E2E_TIMEOUT:-500} python3 -u -m benchmarks.bench_e2e --out $OUT/e2e --parts super_v3 --graphs on \

@@ -9,7 +9,6 @@
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
-[ -d .gpu-bundle ] || cp -r .device/bundle_fi .gpu-bundle
 source tests/gpu/env.sh
 gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
 timeout ${FI_TIMEOUT:-330} python3 -m pytest -v -p no:cacheprovider -m gpu -n 4 --durations=8 \

@@ -44,11 +44,10 @@ class FP8Format(WeightFormat):
     def quantize_weight(self, module: str, w: Any, input_amax: Any) -> dict[str, Any]:
         """``weight`` = clamp(w / s) in float8_e4m3fn, ``weight_scale`` s = amax(|w|) / 448, ``input_scale`` =
         input_amax / 448 (float32 0-dim): ModelOpt's per-tensor recipe."""
-        from kernels.quant.fp8 import FP8_MAX
-        from kernels.quant.fp8 import quantize_fp8_ref as quantize_fp8
+        from kernels.quant.fp8 import FP8_MAX, quantize_fp8_ref
 
         s = (w.detach().abs().amax().float() / FP8_MAX).clamp(min=1e-12)
-        return {f"{module}.weight": quantize_fp8(w, s), f"{module}.weight_scale": s,
+        return {f"{module}.weight": quantize_fp8_ref(w, s), f"{module}.weight_scale": s,
                 f"{module}.input_scale": input_amax / FP8_MAX}
 
     def stored_nbytes(self, n: int, k: int) -> int:

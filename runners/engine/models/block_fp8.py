@@ -63,10 +63,10 @@ def dense_scheme(x: torch.Tensor) -> str:
     return get_format(FORMAT_BLOCK_FP8).scheme(x.numel() // max(1, x.shape[-1]))
 
 
-def grouped_scheme(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """The scheme of a grouped block-FP8 product of x [P, K] over experts weight [E, N, K]: the format's rule
-    for about P / min(E, P) rows per expert."""
-    return get_format(FORMAT_BLOCK_FP8).scheme(x.shape[0] / max(1, min(weight.shape[0], x.shape[0])))
+def grouped_scheme(rows: int, experts: int) -> str:
+    """The scheme of a grouped block-FP8 product of ``rows`` (P, the routed pairs) over ``experts`` (E): the
+    format's rule for about P / min(E, P) rows per expert."""
+    return get_format(FORMAT_BLOCK_FP8).scheme(rows / max(1, min(experts, rows)))
 
 
 def block_fp8_grouped_mm(
@@ -81,7 +81,7 @@ def block_fp8_grouped_mm(
     # the Triton kernel on CUDA; elsewhere its reference, also under TRITON_INTERPRET=1 (the interpreter is
     # for the kernel tests, far too slow for an engine)
     kernel = block_fp8.block_fp8_grouped_mm if x.is_cuda else block_fp8.block_fp8_grouped_mm_ref
-    return kernel(x, weight, weight_scale_inv, offsets, scheme=grouped_scheme(x, weight))
+    return kernel(x, weight, weight_scale_inv, offsets, scheme=grouped_scheme(x.shape[0], weight.shape[0]))
 
 
 class BlockFP8Linear(nn.Module):
