@@ -28,5 +28,8 @@ gpu_env() {
     mkdir -p /tmp/site && tar xzf .device/flashinfer-trimmed.tgz -C /tmp/site || return 1
     export PYTHONPATH=/tmp/site:$PWD
   fi
+  # FlashInfer's JIT cache in the checkout's ignored .device/ (kept between calls on a warm machine, as the
+  # checkout's ignored outputs are; its home folder may not be): a later call reuses the ~4-minute builds
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.device/fi_ws}
   export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 }
