@@ -23,9 +23,9 @@ measured in the same run):
 Rows named "..._w8a16" time ``scheme="w8a16"`` (the activation kept in bf16: the GEMV kernel alone, its K split
 summed inside the launch), "..._w8a16_2launch" the same with the split summed by the splitk_sum launch
 (kernels/quant/block_fp8.py SERIAL_SPLIT_SCHEMES emptied), so one run says what the activation quantization
-launch and the second launch cost at each shape; "..._w8a16_xvec" the GEMV loading each activation row's
-128-column group once, broadcast over the weight tile (block_fp8.GEMV_X_LOAD = "vector"), beside the default
-load in the tile's layout. "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
+launch and the second launch cost at each shape; dense "..._w8a16_xvec" the GEMV loading each activation row's
+128-column group once, broadcast over the weight tile ("vector"), beside the dense default load in the tile's
+layout, and grouped "..._w8a16_xtile" the reverse (block_fp8.GEMV_X_LOAD: each path's measured faster load). "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
 importable (gemlite's weight-only FP8 linear, one fp8 scale per output channel: the same weight bytes), or say
 why not.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
@@ -206,13 +206,14 @@ def _two_launch_split(fn, *args, **kwargs):
         block_fp8.SERIAL_SPLIT_SCHEMES = saved
 
 
-def _x_vector(fn, *args, **kwargs):
-    """fn with the GEMV kernel loading each activation row's 128-column group once, broadcast over the weight
-    tile (kernels/quant/block_fp8.py GEMV_X_LOAD = "vector"; the default loads it in the tile's layout)."""
+def _x_load(load, fn, *args, **kwargs):
+    """fn with the GEMV kernel loading each activation row's 128-column group as ``load`` ("tile" / "vector")
+    on both paths (kernels/quant/block_fp8.py GEMV_X_LOAD; the defaults: dense "tile", grouped "vector"), the
+    defaults put back afterwards."""
     from kernels.quant import block_fp8
 
     saved = block_fp8.GEMV_X_LOAD
-    block_fp8.GEMV_X_LOAD = "vector"
+    block_fp8.GEMV_X_LOAD = dict.fromkeys(saved, load)
     try:
         return fn(*args, **kwargs)
     finally:
@@ -356,7 +357,7 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("block_fp8_linear_w8a16", _bench(partial(block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_w8a16_xvec",
-                            _bench(partial(_x_vector, block_fp8_linear, x, w, ws, scheme="w8a16")),
+                            _bench(partial(_x_load, "vector", block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_w8a16_2launch",
                             _bench(partial(_two_launch_split, block_fp8_linear, x, w, ws, scheme="w8a16")),
@@ -388,8 +389,8 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("block_fp8_grouped_w8a16",
                             _bench(partial(block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
-            rows.append(row("block_fp8_grouped_w8a16_xvec",
-                            _bench(partial(_x_vector, block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
+            rows.append(row("block_fp8_grouped_w8a16_xtile",
+                            _bench(partial(_x_load, "tile", block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
@@ -424,7 +425,7 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
                             N * K + io, copy_gbps, **meta))
             rows.append(row("fp8_linear_w8a16", _bench(partial(fp8_linear_w8a16, x, w8, scale)), N * K + io,
                             copy_gbps, **meta))
-            rows.append(row("fp8_linear_w8a16_xvec", _bench(partial(_x_vector, fp8_linear_w8a16, x, w8, scale)),
+            rows.append(row("fp8_linear_w8a16_xvec", _bench(partial(_x_load, "vector", fp8_linear_w8a16, x, w8, scale)),
                             N * K + io, copy_gbps, **meta))
             rows.append(row("bf16_linear", _bench(partial(F.linear, x, w16)), N * K * 2 + io, copy_gbps,
                             **meta))
@@ -499,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                          "w8a16_grouped_speedup_vs_bf16": speedups(rows, "block_fp8_grouped_w8a16", "bf16_grouped"),
                          "w8a16_xvec_vs_tile": speedups(rows, "block_fp8_linear_w8a16_xvec",
                                                         "block_fp8_linear_w8a16"),
-                         "w8a16_grouped_xvec_vs_tile": speedups(rows, "block_fp8_grouped_w8a16_xvec",
-                                                                "block_fp8_grouped_w8a16"),
+                         "w8a16_grouped_xvec_vs_tile": speedups(rows, "block_fp8_grouped_w8a16",
+                                                                "block_fp8_grouped_w8a16_xtile"),
                          "w8a16_vs_gemlite": speedups(rows, "block_fp8_linear_w8a16", "gemlite_a16w8_fp8")}
     if "fp8_tensor" in args.parts:
         rows = part_fp8_tensor(args.batches, bw)

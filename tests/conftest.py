@@ -98,6 +98,16 @@ def pytest_runtest_teardown(item, nextitem):
         hold.__exit__(None, None, None)
 
 
+def pytest_runtest_logreport(report):
+    """$PYTEST_FAILURE_LOG (the device scripts set it): each failing phase's traceback appended to that file
+    as it happens, so a run cut at its time limit keeps the reasons pytest would only print at the end.
+    Under xdist the controller writes it (a worker's report reaches it too), once per failure."""
+    path = os.environ.get("PYTEST_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _transformers_qwen3_next_torch_path():
     """transformers' Qwen3-Next (the test oracle) calls fla-core's kernels whenever fla imports, also with CPU

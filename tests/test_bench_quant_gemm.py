@@ -53,16 +53,18 @@ def test_the_two_launch_rows_time_the_same_call_with_the_split_summed_apart():
     assert block_fp8.SERIAL_SPLIT_SCHEMES == before
 
 
-def test_the_xvec_rows_time_the_same_call_with_the_vector_row_load():
-    """_x_vector runs the call with the GEMV's "vector" activation-row load and puts the default back
-    afterwards, also when the call raises."""
+def test_the_row_load_rows_time_the_same_call_with_the_other_load():
+    """_x_load runs the call with the GEMV's activation-row load forced on both paths and puts each path's
+    default back afterwards, also when the call raises."""
     from kernels.quant import block_fp8
 
-    assert block_fp8.GEMV_X_LOAD == "tile"
-    assert bench._x_vector(lambda: block_fp8.GEMV_X_LOAD) == "vector"
+    defaults = dict(block_fp8.GEMV_X_LOAD)
+    assert defaults == {"dense": "tile", "grouped": "vector"}
+    for load in block_fp8.GEMV_X_LOADS:
+        assert bench._x_load(load, lambda: dict(block_fp8.GEMV_X_LOAD)) == {"dense": load, "grouped": load}
     with pytest.raises(ZeroDivisionError):
-        bench._x_vector(lambda: 1 / 0)
-    assert block_fp8.GEMV_X_LOAD == "tile"
+        bench._x_load("vector", lambda: 1 / 0)
+    assert block_fp8.GEMV_X_LOAD == defaults
 
 
 def test_the_torchcast_rows_time_fp8_linear_with_the_reference_cast():

@@ -334,10 +334,11 @@ def test_block_fp8_w8a16_matches_its_reference_and_splits_k_in_one_launch(target
 
 @pytest.mark.parametrize("x_load", block_fp8.GEMV_X_LOADS)
 def test_block_fp8_gemv_loads_its_rows_either_way(x_load, monkeypatch):
-    """The GEMV kernel with each activation-row load (block_fp8.GEMV_X_LOAD: in the weight tile's layout, or
-    the 128-column group once, broadcast) matches the references: w8a8 and w8a16, 1 / 3 / 8 rows, K = 300
-    (a part group last), dense with bias and grouped, each program over all of K and K split per group."""
-    monkeypatch.setattr(block_fp8, "GEMV_X_LOAD", x_load)
+    """The GEMV kernel with each activation-row load on both paths (block_fp8.GEMV_X_LOAD: in the weight
+    tile's layout, or the 128-column group once, broadcast) matches the references: w8a8 and w8a16, 1 / 3 /
+    8 rows, K = 300 (a part group last), dense with bias and grouped, each program over all of K and K split
+    per group."""
+    monkeypatch.setattr(block_fp8, "GEMV_X_LOAD", {"dense": x_load, "grouped": x_load})
     K, N, E, dtype = 300, 40, 5, torch.bfloat16
     q, s = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=41).cpu()))
     bias = _randn(N, seed=42, dtype=dtype)

@@ -11,6 +11,8 @@ each projection to bf16 at the same points and differs in the fp32 summation ord
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from gpu_memory import random_quantized_experts
@@ -19,7 +21,6 @@ from kernels.quant import block_fp8 as bf8
 from kernels.quant import nvfp4 as nf4
 from kernels.quant.block_fp8 import block_fp8_quantize
 from kernels.quant.nvfp4 import nvfp4_quantize
-from runners.engine.models.block_fp8 import block_fp8_grouped_mm
 from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.models.moe import moe_experts_grouped
 from runners.engine.models.nvfp4 import nvfp4_grouped_mm
@@ -34,8 +35,11 @@ SHAPES = {  # model: (format, L, I, E, top_k, activation, gated)
     "super_v3": ("nvfp4", 1024, 2688, 512, 22, "relu2", False),
     "qwen3_next": ("block_fp8", 2048, 512, 512, 10, "silu", True),
 }
+# the grouped GEMM in the per-pair kernel's default scheme (block FP8: w8a8; the engine's wrapper would pick
+# w8a16 at these rows, whose per-pair counterpart test_block_fp8_w8a16_at_qwen3_next_expert_shapes checks)
 KERNELS = {"nvfp4": (nf4.moe_gemv_nvfp4, nf4.moe_gemv_nvfp4_ref, nvfp4_grouped_mm),
-           "block_fp8": (bf8.moe_gemv_block_fp8, bf8.moe_gemv_block_fp8_ref, block_fp8_grouped_mm)}
+           "block_fp8": (bf8.moe_gemv_block_fp8, bf8.moe_gemv_block_fp8_ref,
+                         partial(bf8.block_fp8_grouped_mm, scheme="w8a8"))}
 
 
 def _close(got, want):

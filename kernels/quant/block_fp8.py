@@ -625,12 +625,13 @@ def _serial_split_sum(part_ptr, out_ptr, b_ptr, counter_ptr, S, row0, row_end, o
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
-# How the GEMV kernel loads an activation row's 128-column group (_fp8_row_part): "tile" (one load per weight
-# tile element, in the tile's layout: the measured kernel) or "vector" (the group once, broadcast over the
-# tile's rows: a thread's loads per row and group drop by the tile rows it holds, which the H100's w8a16 rows
-# growing linearly from 2 rows up point at; docs/kernel_performance.md). bench_quant_gemm times both.
+# How the GEMV kernel loads an activation row's 128-column group (_fp8_row_part), per path: "tile" (one load
+# per weight tile element, in the tile's layout) or "vector" (the group once, broadcast over the tile's rows).
+# Measured by bench_quant_gemm on an H100 (docs/gpu/quant_2/call2, w8a16, 1-8 rows): grouped, "vector" was
+# 1.15-1.46x faster at all 8 points (Qwen3-Next up / down); dense, "tile" was 1.1-1.4x faster at 2-8 rows of 3
+# of the 4 shapes and level at 1 row, so each path keeps its faster load.
 GEMV_X_LOADS = ("tile", "vector")
-GEMV_X_LOAD = "tile"
+GEMV_X_LOAD = {"dense": "tile", "grouped": "vector"}
 
 # Split-K counters of the serial reduction, per device: int32 zeros, each back at 0 when a launch ends.
 # Allocated once, outside any CUDA-graph capture where possible (the first launch is an eager warm-up); a
@@ -682,7 +683,7 @@ def _launch_gemv(x, weight, ws, bias, offsets, out, *, grouped: bool, a16: bool 
         part.stride(0) if part is not None else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and (split == 1 or counters is not None), BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, UNROLL=unroll,
-        INTERP=interpreter_active(), A16=a16, SERIAL=counters is not None, X_VECTOR=GEMV_X_LOAD == "vector",
+        INTERP=interpreter_active(), A16=a16, SERIAL=counters is not None, X_VECTOR=GEMV_X_LOAD["grouped" if grouped else "dense"] == "vector",
         num_warps=4, num_stages=1,
     )
     if split > 1 and counters is None:

@@ -68,6 +68,8 @@ source tests/gpu/env.sh
 gpu_outdir "$out" || exit 2
 gpu_env || exit 1
 rm -f "$out/failed_stages.txt"
+# every failing test's traceback as it fails (tests/conftest.py), kept when a stage is cut at its limit
+export PYTEST_FAILURE_LOG=${PYTEST_FAILURE_LOG:-$out/failures.log}
 stage() {  # stage NAME CMD...: run, tee to OUTDIR/NAME.log, remember failures
   local name=$1; shift
   echo "=== $name: $*" | tee "$out/$name.log"

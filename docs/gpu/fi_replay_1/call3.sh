@@ -13,6 +13,7 @@ OUT=${1:?OUT}
 t0=$SECONDS
 source tests/gpu/env.sh
 gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
+export PYTEST_FAILURE_LOG=$OUT/failures.log  # tracebacks as they fail (tests/conftest.py)
 timeout ${WARM_TIMEOUT:-420} python3 -c 'import torch; from benchmarks.bench_mamba2 import bench_flashinfer as b
 for d in (torch.float32, torch.bfloat16): print(d, b(64, 4, d, checkpointing=True), flush=True)' >$OUT/warm.log 2>&1 &
 warm=$!

@@ -8,6 +8,7 @@ OUT=${1:?OUT}
 t0=$SECONDS
 source tests/gpu/env.sh
 gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
+export PYTEST_FAILURE_LOG=$OUT/failures.log  # tracebacks as they fail (tests/conftest.py)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pytest -q -p no:cacheprovider -n ${TEST_WORKERS:-4} --dist loadgroup tests/test_kernels_moe_gemv_gpu.py \
   tests/test_kernels_moe_gemv.py tests/test_moe.py tests/test_kernels_quant_moe_gemv_gpu.py \
