@@ -395,3 +395,84 @@ def test_stochastic_rounding_resolves_to_flashinfer_for_a_float16_state_only(mon
         with pytest.raises(ValueError, match="ring histories .* rounds into a float16 state only"):
             HybridCache(config, kinds, ssm_state_dtype=torch.bfloat16, ssm_replay=True,
                         **{**args, "ssm_backend": backend}, replay_ring=True)
+
+
+@pytest.mark.parametrize("D_dtype, bias_dtype, slot_dtype", [(torch.bfloat16, torch.bfloat16, torch.int64),
+                                                             (torch.float32, torch.bfloat16, torch.int32)])
+def test_the_engine_call_hands_flashinfer_its_operands_without_copies_or_casts(
+        monkeypatch, fake_flashinfer, D_dtype, bias_dtype, slot_dtype):
+    """replay_verify_flashinfer is one launch: x, B, C go as the strided views of the conv output the engine
+    holds (same storage, no copy), raw dt in its own bf16 (FlashInfer converts it), the slot ids as they are
+    (int32 or int64), D and dt_bias in their shared dtype, else both float32 (weight_dtype: its contract
+    takes one dtype for both). The probe builds its module with those same dtypes and layouts."""
+    from kernels.mamba2 import flashinfer_replay as fr
+
+    seen = {}
+    fake_flashinfer.checkpointing_ssu = lambda *a, **kw: seen.update(args=a, kw=kw)
+    b, T, H, P, G, N, S, W = 2, 4, 4, 8, 2, 16, 3, 16
+    bf = torch.bfloat16
+    xBC = torch.randn(b, T, H * P + 2 * G * N).to(bf)
+    x, B, C = xBC.split([H * P, G * N, G * N], dim=-1)
+    x, B, C = x.reshape(b, T, H, P), B.reshape(b, T, G, N), C.reshape(b, T, G, N)
+    zdt = torch.randn(b, T, 64 + H).to(bf)
+    dt = zdt[..., 64:]  # a strided split of the in_proj output, as the layer's
+    slots = torch.tensor([2, 0], dtype=slot_dtype)
+    ring = _ring(S, W, T, H, P, G, N, bf)
+    zeros = torch.zeros(S, dtype=torch.int32)
+    fr.replay_verify_flashinfer(torch.zeros(S, H, P, N), x, dt, -torch.rand(H), B, C,
+                                torch.ones(H, dtype=D_dtype), torch.zeros(H, dtype=bias_dtype), slots, ring,
+                                zeros, zeros.clone())
+    a, kw = seen["args"], seen["kw"]
+    got_x, got_dt, got_B, got_C, out = a[6], a[7], a[9], a[10], a[11]
+    for got, view in ((got_x, x), (got_B, B), (got_C, C)):
+        assert got.data_ptr() == view.data_ptr() and got.stride() == view.stride() and not got.is_contiguous()
+    assert got_dt.dtype == bf and got_dt.shape == (b, T, H, P) and got_dt.stride()[-1] == 0
+    assert got_dt.untyped_storage().data_ptr() == zdt.untyped_storage().data_ptr()  # dt read in place
+    assert kw["state_batch_indices"] is slots
+    want_wd = D_dtype if D_dtype == bias_dtype else torch.float32
+    assert kw["D"].dtype == kw["dt_bias"].dtype == want_wd and fr.weight_dtype(D_dtype, bias_dtype) == want_wd
+    assert out.shape == x.shape and out.dtype == bf and out.is_contiguous()
+
+    # the probe: the same layouts and dtypes (D / dt_bias in the model's dtype, int64 slots)
+    calls = []
+    monkeypatch.setattr(fr, "replay_verify_flashinfer",
+                        lambda *a, **kw: calls.append(a) or fr.replay_verify_flashinfer_ref(*a, **kw))
+    monkeypatch.setattr(fr, "_PROBED", {})
+    why, _ = fr.probe_flashinfer_replay(H, P, G, N, T, W, dtype=bf, state_dtype=torch.float32, device="cpu",
+                                        param_dtype=D_dtype)
+    assert why is None
+    px, pdt, pB, pD, pslots = calls[0][1], calls[0][2], calls[0][4], calls[0][6], calls[0][8]
+    assert not px.is_contiguous() and not pB.is_contiguous() and px.untyped_storage().data_ptr() == \
+        pB.untyped_storage().data_ptr()
+    assert pdt.dtype == bf and pD.dtype == D_dtype and pslots.dtype == torch.int64
+
+
+def test_the_probe_is_built_for_the_models_D_and_dt_bias_dtype(tmp_path, monkeypatch, fake_flashinfer):
+    """The engine finds the dtype its Mamba2 D / dt_bias reach FlashInfer in (a bf16 model: bf16) and the
+    backend's resolution, named or default, probes with it, so the module the probe builds is the one the
+    run calls."""
+    from types import SimpleNamespace
+
+    from ckpt_factory import make_hf_model, write_checkpoint
+
+    import runners.engine.runner as runner
+    from runners.engine import Engine
+    from runners.engine.options import EngineOptions
+
+    path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM"), with_mtp=True)
+    engine = Engine.from_pretrained(path, EngineOptions(draft_len=3, ssm_replay=True, dtype="bfloat16",
+                                                        max_batch_size=2, max_seq_len=32))
+    assert runner.mamba2_param_dtype(engine.model) == torch.bfloat16
+    assert runner.mamba2_param_dtype(torch.nn.Linear(2, 2)) is None
+
+    seen = []
+    monkeypatch.setattr(runner, "probe_flashinfer_replay", lambda *a, **kw: seen.append(kw) or (None, 0.0))
+    monkeypatch.setattr(runner.replay_defaults, "default_backend", lambda *a, **kw: "flashinfer")
+    cfg = SimpleNamespace(mamba_num_heads=128, n_groups=8, mamba_head_dim=64, ssm_state_size=128,
+                          time_step_limit=(0.0, math.inf), gdn_num_value_heads=0)
+    kw = dict(spec_tokens=4, replay_checkpointing=True, dtype=torch.bfloat16, ssm_state_dtype=torch.float32,
+              param_dtype=torch.bfloat16)
+    for backend in ("flashinfer", None):
+        seen.clear()
+        assert runner.resolve_ssm_backend(backend, torch.device("cuda"), True, cfg, **kw) == "flashinfer"
+        assert seen and all(s["param_dtype"] == torch.bfloat16 for s in seen), backend

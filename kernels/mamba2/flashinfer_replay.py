@@ -118,6 +118,18 @@ def tied(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t.reshape(*t.shape, *([1] * (len(shape) - t.dim()))).expand(shape)
 
 
+def weight_dtype(D_dtype: torch.dtype, dt_bias_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``checkpointing_ssu`` is given D and dt_bias in (its contract: one dtype for both, part of its
+    JIT module's key): theirs where they share one, so the call casts nothing, else float32."""
+    return D_dtype if D_dtype == dt_bias_dtype else torch.float32
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, T, heads or groups, width) as FlashInfer's checks take it: its last two dims contiguous, the
+    batch and token strides free (x, B and C arrive as views of the conv output: no copy); else a copy."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
 def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                              B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                              slot_ids: torch.Tensor, history: RingHistory, ring_start: torch.Tensor,
@@ -127,10 +139,11 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
 
     Args:
         state: (S, H, P, N) the checkpoints (bfloat16 / float16 / float32); mutated on flush rows.
-        x: (B, T, H, P) input dtype; dt: (B, T, H) raw dt; A: (H,) negative decay rates; B, C: (B, T, G, N);
-            D, dt_bias: (H,).
-        slot_ids: (B,) int32 / int64 cache rows; every row is run (PAD rows must already point at a scratch
-            row, as ``BatchMeta.row_index`` maps them).
+        x: (B, T, H, P) input dtype; dt: (B, T, H) raw dt, any float dtype; A: (H,) negative decay rates;
+            B, C: (B, T, G, N); D, dt_bias: (H,). x, B, C may be strided views (their last two dims
+            contiguous, as the conv output's split gives them): they are read in place.
+        slot_ids: (B,) int32 / int64 cache rows (passed as they are); every row is run (PAD rows must
+            already point at a scratch row, as ``BatchMeta.row_index`` maps them).
         history: the layer's :class:`RingHistory`; mutated (the new tokens appended).
         ring_start, prev_num_accepted: (S,) int32, read only (:func:`ring_advance` moves them).
         out: optional (B, T, H, P) in x's dtype.
@@ -151,15 +164,20 @@ def replay_verify_flashinfer(state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
 
     b, T, H, P = x.shape
     N = state.shape[-1]
-    x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
     if out is None:
-        out = torch.empty_like(x)
-    # D and dt_bias share one dtype in its contract; fp32, as our kernels read them
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # Every operand in the layout and dtype the engine holds it in (FlashInfer takes strided batch / token
+    # dims, dt in its own dtype, converted to float32 inside, and int32 or int64 slot indices), so the call is
+    # one launch: no copies of x, B, C, no casts of dt, D, dt_bias or the slot ids. A is float32 already
+    # (Mamba2.decay_rate). D and dt_bias share a dtype in its contract (weight_dtype).
+    wd = weight_dtype(D.dtype, dt_bias.dtype)
     fim.checkpointing_ssu(
         state, history.x_cache, history.B_cache, history.dt_cache, ring_start, prev_num_accepted,
-        x, tied(dt.float(), (b, T, H, P)), tied(A.float(), (H, P, N)), B, C, out,
-        D=tied(D.float(), (H, P)), dt_bias=tied(dt_bias.float(), (H, P)), dt_softplus=True,
-        state_batch_indices=slot_ids.to(torch.int32), algorithm="monolith",
+        _inner_contiguous(x), tied(dt if dt.stride(-1) == 1 else dt.contiguous(), (b, T, H, P)),
+        tied(A.float(), (H, P, N)), _inner_contiguous(B), _inner_contiguous(C), out,
+        D=tied(D.to(wd), (H, P)), dt_bias=tied(dt_bias.to(wd), (H, P)), dt_softplus=True,
+        state_batch_indices=slot_ids if slot_ids.dtype in (torch.int32, torch.int64) else slot_ids.long(),
+        algorithm="monolith",
         **({} if rounding is None else {"rand_seed": rounding.device_key(),
                                         "philox_rounds": rounding.philox_rounds}),
     )
@@ -261,13 +279,16 @@ _PROBED: dict[tuple, tuple[str | None, float]] = {}
 
 def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: int, spec_tokens: int,
                             window: int, *, dtype: torch.dtype, state_dtype: torch.dtype,
-                            device: torch.device | str, stochastic_rounding: bool = False
-                            ) -> tuple[str | None, float]:
+                            device: torch.device | str, stochastic_rounding: bool = False,
+                            param_dtype: torch.dtype | None = None) -> tuple[str | None, float]:
     """Whether FlashInfer's checkpointing_ssu runs this configuration on ``device``: one call over two rows
     (one without a flush, one with) against :func:`replay_verify_flashinfer_ref`. The first call per
     configuration JIT-builds FlashInfer's module (into its own cache folder, ``FLASHINFER_WORKSPACE_BASE``,
     reused by later processes); the probe is remembered per process. ``stochastic_rounding``: the call
     rounds its flush stochastically, as the run will (FlashInfer builds that variant as its own module).
+    The call's operands are what the engine passes (FlashInfer builds one module per combination of their
+    dtypes): x, B, C strided views of one (rows, T, H P + 2 G N) tensor and raw dt in ``dtype``, D and
+    dt_bias in ``param_dtype`` (the model's; None: ``dtype``), int64 slot ids.
 
     Returns:
         (None, seconds) when it runs and matches the reference within 5e-2 of the largest output (a sanity
@@ -277,8 +298,9 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
     """
     import time
 
+    param_dtype = dtype if param_dtype is None else param_dtype
     key = (nheads, head_dim, ngroups, d_state, spec_tokens, window, dtype, state_dtype, str(device),
-           stochastic_rounding)
+           stochastic_rounding, param_dtype)
     if key in _PROBED:
         return _PROBED[key]
     start = time.perf_counter()
@@ -292,10 +314,13 @@ def probe_flashinfer_replay(nheads: int, head_dim: int, ngroups: int, d_state: i
                          RingHistory.shapes(3, W, T, H, P, G, N, dtype=dtype).values()))
     ring.dt_cache.abs_().mul_(0.1)
     state = rand(3, H, P, N, scale=0.5, dt=state_dtype)
-    x, B, C = rand(2, T, H, P), rand(2, T, G, N, scale=N ** -0.5), rand(2, T, G, N, scale=N ** -0.5)
-    dt, A, D, dt_bias = rand(2, T, H, dt=torch.float32), -rand(H, dt=torch.float32).abs() - 0.5, \
-        rand(H, dt=torch.float32), rand(H, dt=torch.float32)
-    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    # x, B, C as the engine's conv output gives them: views of one tensor, strided over rows and tokens
+    xBC = torch.cat([rand(2, T, H * P), rand(2, T, 2 * G * N, scale=N ** -0.5)], dim=-1)
+    x, B, C = xBC.split([H * P, G * N, G * N], dim=-1)
+    x, B, C = x.reshape(2, T, H, P), B.reshape(2, T, G, N), C.reshape(2, T, G, N)
+    dt, A, D, dt_bias = rand(2, T, H), -rand(H, dt=torch.float32).abs() - 0.5, \
+        rand(H, dt=param_dtype), rand(H, dt=param_dtype)
+    slots = torch.tensor([0, 1], dtype=torch.int64, device=device)
     ring_start = torch.tensor([0, W - 1, 0], dtype=torch.int32, device=device)
     pnat = torch.tensor([1, W, 0], dtype=torch.int32, device=device)  # row 0 keeps its state, row 1 flushes
     ref_state, ref_ring = state.clone(), RingHistory(*(t.clone() for t in (ring.x_cache, ring.B_cache,

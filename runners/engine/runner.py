@@ -33,6 +33,7 @@ from kernels.mamba2.flashinfer_replay import (
     flashinfer_replay_unsupported,
     jit_cache_dir,
     probe_flashinfer_replay,
+    weight_dtype,
 )
 from runners.engine.cache import SSM_BACKENDS, HybridCache, cache_memory_bytes
 from runners.engine.graphs import PhaseTimer, StepGraphs
@@ -62,6 +63,7 @@ def resolve_ssm_backend(
     backend: str | None, device: torch.device, ssm_replay: bool, config: HybridConfig | None = None, *,
     spec_tokens: int = 0, replay_checkpointing: bool = False, dtype: torch.dtype | None = None,
     ssm_state_dtype: torch.dtype | None = None, stochastic_rounding: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> str:
     """The recurrent-kernel backend to run: the default per device, FlashInfer only where importable and
     where the model's Mamba2 sizes suit its kernel (else Triton, with a warning naming the reason). With
@@ -77,14 +79,17 @@ def resolve_ssm_backend(
     committed sweep timed it faster), when FlashInfer can run it here (as above; and not with stochastic
     rounding: the table timed rounding to nearest); else Triton. The choice is logged. With
     ``stochastic_rounding`` FlashInfer's replay rounds a float16 state with its own Philox bits; another
-    state dtype falls back to Triton, with the reason.
+    state dtype falls back to Triton, with the reason. ``param_dtype``: the dtype the run gives FlashInfer
+    the model's D and dt_bias in (:func:`mamba2_param_dtype`), which the probe builds its module for; None:
+    ``dtype``.
 
     Raises:
         ValueError: an unknown backend; flashinfer off CUDA; a Triton backend on the CPU without the
             interpreter.
     """
     if backend is None and device.type == "cuda" and ssm_replay and not stochastic_rounding:
-        backend = _measured_default(config, spec_tokens, replay_checkpointing, dtype, ssm_state_dtype, device)
+        backend = _measured_default(config, spec_tokens, replay_checkpointing, dtype, ssm_state_dtype, device,
+                                    param_dtype)
     if backend == "flashinfer" and device.type != "cuda":
         raise ValueError(
             f"ssm_backend='flashinfer' runs FlashInfer's CUDA kernels, but the device is {device.type}; use "
@@ -122,7 +127,8 @@ def resolve_ssm_backend(
                                                      ssm_state_dtype, stochastic_rounding)
                 if not why and dtype is not None and ssm_state_dtype is not None:
                     why, seconds = _probe_flashinfer_replay(config, spec_tokens, replay_checkpointing, dtype,
-                                                            ssm_state_dtype, device, stochastic_rounding)
+                                                            ssm_state_dtype, device, stochastic_rounding,
+                                                            param_dtype)
                     log.info("ssm_backend=flashinfer: checkpointing_ssu probed in %.1f s (its JIT build "
                              "included)", seconds)
                 if why:
@@ -157,8 +163,8 @@ def _flashinfer_replay_unsupported(config: HybridConfig | None, spec_tokens: int
 
 
 def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointing: bool,
-                      dtype: torch.dtype | None, ssm_state_dtype: torch.dtype | None, device: torch.device
-                      ) -> str | None:
+                      dtype: torch.dtype | None, ssm_state_dtype: torch.dtype | None, device: torch.device,
+                      param_dtype: torch.dtype | None = None) -> str | None:
     """"flashinfer" where the defaults table names it the faster replay kernel of this model's Mamba2 shape
     and state dtype and it runs here (importable, supported, probed); else None (the device default)."""
     if not getattr(config, "mamba_num_heads", 0) or ssm_state_dtype is None or dtype is None:
@@ -176,7 +182,8 @@ def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointi
         return None
     why = _flashinfer_replay_unsupported(config, spec_tokens, checkpointing, dtype)
     if not why:
-        why, _ = _probe_flashinfer_replay(config, spec_tokens, checkpointing, dtype, ssm_state_dtype, device)
+        why, _ = _probe_flashinfer_replay(config, spec_tokens, checkpointing, dtype, ssm_state_dtype, device,
+                                          param_dtype=param_dtype)
     if why:
         log.warning("ssm_backend default: FlashInfer's replay is the measured faster kernel at %s, but %s; "
                     "using triton", shape, why)
@@ -188,13 +195,25 @@ def _measured_default(config: HybridConfig | None, spec_tokens: int, checkpointi
 
 def _probe_flashinfer_replay(config: HybridConfig, spec_tokens: int, checkpointing: bool, dtype: torch.dtype,
                              ssm_state_dtype: torch.dtype, device: torch.device,
-                             stochastic_rounding: bool = False) -> tuple[str | None, float]:
-    """``probe_flashinfer_replay`` at the model's Mamba2 sizes: (why not, or None; seconds)."""
+                             stochastic_rounding: bool = False, param_dtype: torch.dtype | None = None
+                             ) -> tuple[str | None, float]:
+    """``probe_flashinfer_replay`` at the model's Mamba2 sizes and its D / dt_bias dtype (``param_dtype``,
+    :func:`mamba2_param_dtype`; None: ``dtype``): (why not, or None; seconds)."""
     window = replay_hist_len(spec_tokens, checkpointing)
     return probe_flashinfer_replay(config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
                                    config.ssm_state_size, spec_tokens, window, dtype=dtype,
                                    state_dtype=ssm_state_dtype, device=device,
-                                   stochastic_rounding=stochastic_rounding)
+                                   stochastic_rounding=stochastic_rounding, param_dtype=param_dtype)
+
+
+def mamba2_param_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype FlashInfer's replay is given the model's Mamba2 D and dt_bias in
+    (``kernels.mamba2.flashinfer_replay.weight_dtype`` of the first layer that has both), or None without
+    one."""
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            return weight_dtype(module.D.dtype, module.dt_bias.dtype)
+    return None
 
 
 def ssm_kernels(backend: str, ssm_replay: bool, config: HybridConfig) -> dict[str, str]:
@@ -285,18 +304,20 @@ class ModelRunner:
             swapped = use_onednn_linears(model)  # bit for bit F.linear, about twice as fast
             log.debug("%d linear layers run through oneDNN", swapped)
         self.ssm_state_dtype = state_dtype(options, config)
+        param_dtype = mamba2_param_dtype(model)
         self.ssm_backend = resolve_ssm_backend(options.ssm_backend, device, options.ssm_replay, config,
                                                spec_tokens=options.spec_tokens,
                                                replay_checkpointing=options.ssm_replay_checkpointing,
                                                dtype=options.torch_dtype,
                                                ssm_state_dtype=self.ssm_state_dtype,
-                                               stochastic_rounding=options.ssm_stochastic_rounding)
+                                               stochastic_rounding=options.ssm_stochastic_rounding,
+                                               param_dtype=param_dtype)
         self.ssm_kernels = ssm_kernels(self.ssm_backend, options.ssm_replay, config)
         if self.ssm_backend == "flashinfer" and options.ssm_replay:  # its probe: the JIT build, and where
             _, seconds = _probe_flashinfer_replay(config, options.spec_tokens,
                                                   options.ssm_replay_checkpointing, options.torch_dtype,
                                                   self.ssm_state_dtype, device,
-                                                  options.ssm_stochastic_rounding)
+                                                  options.ssm_stochastic_rounding, param_dtype)
             self.ssm_kernels["flashinfer_probe_s"] = round(seconds, 2)
             self.ssm_kernels["flashinfer_jit_dir"] = jit_cache_dir()
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
