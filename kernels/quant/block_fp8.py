@@ -628,8 +628,8 @@ def _serial_split_sum(part_ptr, out_ptr, b_ptr, counter_ptr, S, row0, row_end, o
 # How the GEMV kernel loads an activation row's 128-column group (_fp8_row_part), per path: "tile" (one load
 # per weight tile element, in the tile's layout) or "vector" (the group once, broadcast over the tile's rows).
 # Measured by bench_quant_gemm on an H100 (docs/gpu/quant_2/call2, w8a16, 1-8 rows): grouped, "vector" was
-# 1.15-1.46x faster at all 8 points (Qwen3-Next up / down); dense, "tile" was 1.1-1.4x faster at 2-8 rows of 3
-# of the 4 shapes and level at 1 row, so each path keeps its faster load.
+# 1.15-1.46x faster at all 8 points (Qwen3-Next up / down); dense, "tile" was level at 1 row and 1.2-1.4x
+# faster at 2 and 4 rows in 3 of the 4 shapes (mixed at 8), so each path keeps its faster load.
 GEMV_X_LOADS = ("tile", "vector")
 GEMV_X_LOAD = {"dense": "tile", "grouped": "vector"}
 
