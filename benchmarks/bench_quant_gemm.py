@@ -25,7 +25,9 @@ summed inside the launch), "..._w8a16_2launch" the same with the split summed by
 (kernels/quant/block_fp8.py SERIAL_SPLIT_SCHEMES emptied), so one run says what the activation quantization
 launch and the second launch cost at each shape; dense "..._w8a16_xvec" the GEMV loading each activation row's
 128-column group once, broadcast over the weight tile ("vector"), beside the dense default load in the tile's
-layout, and grouped "..._w8a16_xtile" the reverse (block_fp8.GEMV_X_LOAD: each path's measured faster load). "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
+layout, and grouped "..._w8a16_xtile" the reverse (block_fp8.GEMV_X_LOAD: each path's measured faster load);
+"..._w8a16_dot" the w8a16 tensor-core kernel (16-row MMA tiles, K split; block_fp8.W8A16_DOT_MIN_ROWS, off by
+default until these rows say where it leads). "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
 importable (gemlite's weight-only FP8 linear, one fp8 scale per output channel: the same weight bytes), or say
 why not.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
@@ -220,6 +222,20 @@ def _x_load(load, fn, *args, **kwargs):
         block_fp8.GEMV_X_LOAD = saved
 
 
+def _w8a16_dot(fn, *args, **kwargs):
+    """fn with every w8a16 product on the tensor-core kernel (kernels/quant/block_fp8.py W8A16_DOT_MIN_ROWS
+    set to 1 row on both paths; by default the GEMV runs until this row's measurement says where the kernel
+    leads), the thresholds put back afterwards."""
+    from kernels.quant import block_fp8
+
+    saved = block_fp8.W8A16_DOT_MIN_ROWS
+    block_fp8.W8A16_DOT_MIN_ROWS = dict.fromkeys(saved, 1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        block_fp8.W8A16_DOT_MIN_ROWS = saved
+
+
 def _torch_cast(fn, *args, **kwargs):
     """fn with FP8Linear's activation quantization as the reference's torch ops (a division, a clamp and a
     cast: three launches) instead of kernels.quant.fp8's one launch."""
@@ -359,6 +375,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
             rows.append(row("block_fp8_linear_w8a16_xvec",
                             _bench(partial(_x_load, "vector", block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_linear_w8a16_dot",
+                            _bench(partial(_w8a16_dot, block_fp8_linear, x, w, ws, scheme="w8a16")),
+                            block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_linear_w8a16_2launch",
                             _bench(partial(_two_launch_split, block_fp8_linear, x, w, ws, scheme="w8a16")),
                             block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
@@ -388,6 +407,9 @@ def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_grouped_w8a16",
                             _bench(partial(block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
+                            active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("block_fp8_grouped_w8a16_dot",
+                            _bench(partial(_w8a16_dot, block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
                             active * block_fp8_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("block_fp8_grouped_w8a16_xtile",
                             _bench(partial(_x_load, "tile", block_fp8_grouped_mm, x, w, ws, offs, scheme="w8a16")),
@@ -425,7 +447,10 @@ def part_fp8_tensor(batches: list[int], copy_gbps: float) -> list[dict]:
                             N * K + io, copy_gbps, **meta))
             rows.append(row("fp8_linear_w8a16", _bench(partial(fp8_linear_w8a16, x, w8, scale)), N * K + io,
                             copy_gbps, **meta))
-            rows.append(row("fp8_linear_w8a16_xvec", _bench(partial(_x_load, "vector", fp8_linear_w8a16, x, w8, scale)),
+            rows.append(row("fp8_linear_w8a16_xvec",
+                            _bench(partial(_x_load, "vector", fp8_linear_w8a16, x, w8, scale)),
+                            N * K + io, copy_gbps, **meta))
+            rows.append(row("fp8_linear_w8a16_dot", _bench(partial(_w8a16_dot, fp8_linear_w8a16, x, w8, scale)),
                             N * K + io, copy_gbps, **meta))
             rows.append(row("bf16_linear", _bench(partial(F.linear, x, w16)), N * K * 2 + io, copy_gbps,
                             **meta))
@@ -502,7 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         "block_fp8_linear_w8a16"),
                          "w8a16_grouped_xvec_vs_tile": speedups(rows, "block_fp8_grouped_w8a16",
                                                                 "block_fp8_grouped_w8a16_xtile"),
-                         "w8a16_vs_gemlite": speedups(rows, "block_fp8_linear_w8a16", "gemlite_a16w8_fp8")}
+                         "w8a16_vs_gemlite": speedups(rows, "block_fp8_linear_w8a16", "gemlite_a16w8_fp8"),
+                         "w8a16_dot_vs_gemv": speedups(rows, "block_fp8_linear_w8a16_dot", "block_fp8_linear_w8a16"),
+                         "w8a16_grouped_dot_vs_gemv": speedups(rows, "block_fp8_grouped_w8a16_dot",
+                                                               "block_fp8_grouped_w8a16")}
     if "fp8_tensor" in args.parts:
         rows = part_fp8_tensor(args.batches, bw)
         report["fp8_tensor"] = {"rows": rows,
@@ -510,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                        "fp8_linear_scaled_mm"),
                                 "w8a16_speedup_vs_bf16": speedups(rows, "fp8_linear_w8a16", "bf16_linear"),
                                 "w8a16_xvec_vs_tile": speedups(rows, "fp8_linear_w8a16_xvec", "fp8_linear_w8a16"),
+                                "w8a16_dot_vs_gemv": speedups(rows, "fp8_linear_w8a16_dot", "fp8_linear_w8a16"),
+                                "w8a16_dot_vs_scaled_mm": speedups(rows, "fp8_linear_w8a16_dot",
+                                                                   "fp8_linear_scaled_mm"),
                                 "quant_kernel_vs_torch_cast": speedups(rows, "fp8_linear_scaled_mm",
                                                                        "fp8_linear_scaled_mm_torchcast"),
                                 "scaled_mm_vs_gemlite": speedups(rows, "fp8_linear_scaled_mm",

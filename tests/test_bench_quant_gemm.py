@@ -92,3 +92,15 @@ def test_a_peer_that_is_not_installed_is_a_row_with_the_reason():
     rows = [out, {"name": "ours", "proj": "q", "batch": 1, "us": 2.0}]
     assert bench.speedups(rows, "ours", "gemlite_a16w8_fp8") == {}
     assert bench.speedups(rows, "gemlite_a16w8_fp8", "ours") == {}
+
+
+def test_the_dot_rows_force_the_tensor_core_kernel_and_put_the_thresholds_back():
+    """_w8a16_dot runs the call with W8A16_DOT_MIN_ROWS at 1 row on both paths (the tensor-core kernel for
+    every w8a16 product) and restores the defaults afterwards, also when the call raises."""
+    from kernels.quant import block_fp8
+
+    defaults = dict(block_fp8.W8A16_DOT_MIN_ROWS)
+    assert bench._w8a16_dot(lambda: dict(block_fp8.W8A16_DOT_MIN_ROWS)) == {"dense": 1, "grouped": 1}
+    with pytest.raises(ZeroDivisionError):
+        bench._w8a16_dot(lambda: 1 / 0)
+    assert block_fp8.W8A16_DOT_MIN_ROWS == defaults

@@ -356,6 +356,61 @@ def test_block_fp8_gemv_loads_its_rows_either_way(x_load, monkeypatch):
                    block_fp8_grouped_mm_ref(x, q, s, offs, scheme=scheme), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("serial", [True, False])
+def test_block_fp8_w8a16_tensor_core_kernel_matches_the_references(dtype, serial, monkeypatch):
+    """The w8a16 tensor-core kernel (block_fp8.W8A16_DOT_MIN_ROWS forced to 1 row on both paths) matches the
+    w8a16 references: dense with bias at 1 / 3 / 16 / 20 rows (one and two 16-row tiles), N = 40 (a part
+    N tile) and 200 (tiles in two scale blocks), K = 300 (a part group last), each program over all of K
+    and K split per group, the split summed inside the launch or by splitk_sum; grouped over experts with
+    0 / 3 / 0 / 20 / 1 rows. A float32 activation keeps the GEMV (no 16-bit MMA operands)."""
+    monkeypatch.setattr(block_fp8, "W8A16_DOT_MIN_ROWS", {"dense": 1, "grouped": 1})
+    monkeypatch.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ("w8a16",) if serial else ())
+    launched = []
+    real = block_fp8._launch_w8a16_dot
+    monkeypatch.setattr(block_fp8, "_launch_w8a16_dot", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    K, E = 300, 5
+    for N in (40, 200):
+        q, sc = (t.to(DEVICE) for t in block_fp8_quantize(_randn(E, N, K, seed=N + 50).cpu()))
+        bias = _randn(N, seed=51, dtype=dtype)
+        for target in (1, 10**6):
+            monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
+            for M in (1, 3, 16, 20):
+                x = _randn(M, K, seed=M + 52, dtype=dtype)
+                _close(block_fp8_linear(x, q[0], sc[0], bias, out=_nan(M, N, dtype=dtype), impl="triton",
+                                        scheme="w8a16"),
+                       block_fp8_linear_ref(x, q[0], sc[0], bias, scheme="w8a16"), dtype)
+            counts = (0, 3, 0, 20, 1)
+            x, offs = _randn(sum(counts), K, seed=53, dtype=dtype), _offsets(counts)
+            got = block_fp8_grouped_mm(x, q, sc, offs, out=_nan(sum(counts), N, dtype=dtype), scheme="w8a16")
+            _close(got, block_fp8_grouped_mm_ref(x, q, sc, offs, scheme="w8a16"), dtype)
+    assert len(launched) == 2 * 2 * 5  # every product above took the tensor-core kernel
+    launched.clear()
+    x32 = _randn(3, K, seed=54)
+    _close(block_fp8_linear(x32, q[0], sc[0], None, impl="triton", scheme="w8a16"),
+           block_fp8_linear_ref(x32, q[0], sc[0], None, scheme="w8a16"), torch.float32)
+    assert not launched
+
+
+def test_the_w8a16_tensor_core_kernel_is_off_until_measured():
+    """W8A16_DOT_MIN_ROWS: None on both paths (the GEMV at every row count) until bench_quant_gemm's
+    `*_w8a16_dot` rows have measured where the tensor-core kernel leads; a threshold applies per path to
+    16-bit activations only."""
+    x = torch.zeros(8, 128, dtype=torch.bfloat16)
+    assert block_fp8.W8A16_DOT_MIN_ROWS == {"dense": None, "grouped": None}
+    assert not block_fp8.use_w8a16_dot(x, 64, grouped=False)
+    saved = dict(block_fp8.W8A16_DOT_MIN_ROWS)
+    try:
+        block_fp8.W8A16_DOT_MIN_ROWS.update(dense=4)
+        assert block_fp8.use_w8a16_dot(x, 4, grouped=False)
+        assert not block_fp8.use_w8a16_dot(x, 3, grouped=False)
+        assert not block_fp8.use_w8a16_dot(x, 64, grouped=True)
+        assert not block_fp8.use_w8a16_dot(x.float(), 64, grouped=False)
+    finally:
+        block_fp8.W8A16_DOT_MIN_ROWS.clear()
+        block_fp8.W8A16_DOT_MIN_ROWS.update(saved)
+
+
 @pytest.mark.parametrize("target", [1, 10**6])
 def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
     """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column

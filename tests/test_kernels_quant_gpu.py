@@ -270,3 +270,42 @@ def test_per_tensor_fp8_w8a16_at_super_v3_dense_shapes(N, K, M):
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     want = (x.float() @ (w8.float() * s).T).to(torch.bfloat16)
     _close(fp8_linear_w8a16(x, w8, s), want)
+
+
+@pytest.mark.parametrize("M", (1, 4, 16, 40))
+@pytest.mark.parametrize("N, K", QWEN_DENSE)
+def test_block_fp8_w8a16_tensor_core_kernel_at_qwen3_next_shapes(N, K, M, monkeypatch):
+    """The w8a16 tensor-core kernel (W8A16_DOT_MIN_ROWS forced to 1; compiled, bf16 MMA operands) at
+    Qwen3-Next's dense shapes and, grouped, its expert shapes at 1 / 8 tokens: within tolerance of the
+    reference, the in-launch split sum equal to the splitk_sum launch bit for bit, the counters back at 0,
+    and a CUDA-graph replay equal to the eager call."""
+    from kernels.quant import block_fp8
+    monkeypatch.setattr(block_fp8, "W8A16_DOT_MIN_ROWS", {"dense": 1, "grouped": 1})
+    w, ws = block_fp8_quantize(torch.randn(N, K, device="cuda"))
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    got = block_fp8_linear(x, w, ws, scheme="w8a16")
+    _close(got, block_fp8_linear_ref(x, w, ws, scheme="w8a16"))
+    with monkeypatch.context() as m:
+        m.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ())
+        assert torch.equal(got, block_fp8_linear(x, w, ws, scheme="w8a16"))
+    assert not block_fp8._split_counters(x.device, 1).any()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        block_fp8_linear(x, w, ws, scheme="w8a16")
+        with torch.cuda.graph(graph):
+            y = block_fp8_linear(x, w, ws, scheme="w8a16")
+    torch.cuda.current_stream().wait_stream(stream)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, got)
+    if (N, K) == QWEN_DENSE[0]:
+        ew, ews = block_fp8_quantize(torch.randn(QWEN["E"], QWEN["I"], QWEN["D"], device="cuda"))
+        for tokens in (1, 8):
+            P, offs = routed_offsets(tokens, QWEN["top_k"], QWEN["E"], seed=tokens)
+            xe = torch.randn(P, QWEN["D"], device="cuda").to(torch.bfloat16)
+            out = torch.full((P, QWEN["I"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+            _close(block_fp8_grouped_mm(xe, ew, ews, offs, out=out, scheme="w8a16"),
+                   block_fp8_grouped_mm_ref(xe, ew, ews, offs, scheme="w8a16"))

@@ -62,10 +62,12 @@ import triton.language as tl
 
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
+from kernels.quant import _common as quant_common
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
     X_DTYPES,
+    block_m_for,
     check_activation,
     check_bias,
     check_offsets,
@@ -696,7 +698,9 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool, scheme: str = "
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
     serial = scheme in SERIAL_SPLIT_SCHEMES
-    if scheme == "w8a16":  # the GEMV at any row count (the tensor-core kernel multiplies fp8 codes)
+    if scheme == "w8a16":  # the GEMV, or from W8A16_DOT_MIN_ROWS rows per matrix the w8a16 tensor-core kernel
+        if use_w8a16_dot(x, rows / min(E, rows) if grouped else rows, grouped=grouped):
+            return _launch_w8a16_dot(x, weight, ws, bias, offsets, out, grouped=grouped, serial=serial)
         return _launch_gemv(x, weight, ws, bias, offsets, out, grouped=grouped, a16=True, serial=serial)
     if (use_gemv(rows / min(E, rows), grouped_rows=rows, grouped_max_rows=GROUPED_GEMV_MAX_ROWS) if grouped
             else use_gemv(rows)):
@@ -724,6 +728,129 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool, scheme: str = "
         BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
         num_warps=warps, num_stages=3,
     )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# w8a16 on tensor cores: split-K over 128-column groups, rows padded to a 16-row MMA tile
+# ---------------------------------------------------------------------------------------------------------
+
+# From how many rows per weight matrix the w8a16 product runs the tensor-core kernel
+# (:func:`_block_fp8_w8a16_dot_kernel`) instead of the GEMV, per path; None: never (the GEMV at every row
+# count). The GEMV's time grows linearly in the rows (each row is its own pass over the weight tile in
+# registers: docs/gpu/quant_2/call2), a tensor-core tile pays for 16 rows at once. Off until
+# bench_quant_gemm's `*_w8a16_dot` rows have measured where it leads. Read at call time.
+W8A16_DOT_MIN_ROWS: dict[str, int | None] = {"dense": None, "grouped": None}
+W8A16_DOT_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit tensor-core operands (float32 x: the GEMV)
+
+
+@triton.jit
+def _block_fp8_w8a16_dot_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, offsets_ptr, part_ptr, counters_ptr,
+    M, N, K, E, STEPS, S,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, INTERP: tl.constexpr, SERIAL: tl.constexpr,
+):
+    """w8a16 block-FP8 product on tensor cores, grid (N tiles, row tiles, K splits): out^T = W x^T per tile,
+    the weight tile [BLOCK_N, 128] converted from e4m3 to x's 16-bit dtype in registers (exact: e4m3 values
+    are bf16 / fp16 values) against the activation tile x^T [128, BLOCK_M] as it is (rows past row_end
+    masked to 0, so BLOCK_M = 16 serves 1-16 rows), one MMA per 128-column group into an fp32 tile that is
+    scaled by the group's block scale (a scalar: BLOCK_N divides 128, so a tile lies in one scale block)
+    and summed in group order. Program k covers groups [k * STEPS, (k + 1) * STEPS). With S > 1: without
+    SERIAL out_ptr is the fp32 partial-sum buffer [S, rows, N] (splitk_sum adds the bias); with SERIAL the
+    splits store into part_ptr and the last to arrive sums them in split order (:func:`_serial_split_sum`,
+    the same bits). The products are exact in fp32 (16-bit x 16-bit): only the summation order differs from
+    the reference and from the GEMV."""
+    GROUP: tl.constexpr = 128
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
+    if expert < E:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < row_end
+        offs_k = tl.arange(0, GROUP)
+        e64 = expert.to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_xm
+        s_ptr = ws_ptr + e64 * stride_se + ((pid_n * BLOCK_N) // GROUP) * stride_sn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        g0 = pid_k * STEPS
+        g1 = tl.minimum(g0 + STEPS, tl.cdiv(K, GROUP))
+        for g in range(g0, g1):
+            kk = g * GROUP + offs_k
+            mk = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
+            xt = tl.load(x_cols + kk[:, None], mask=mk[:, None] & mask_m[None, :], other=0.0)
+            if INTERP:
+                part = mma(w.to(tl.float32), xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
+            else:
+                part = mma(w.to(xt.dtype), xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP)
+            acc += part * tl.load(s_ptr + g * stride_sk).to(tl.float32)
+        if HAS_BIAS and not SERIAL:  # (SERIAL: the last split adds it to the sum)
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        o = (part_ptr if SERIAL else out_ptr) + pid_k.to(tl.int64) * stride_os
+        tl.store(o + rows[None, :].to(tl.int64) * stride_om + offs_n[:, None], acc.to(o.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_m[None, :])
+        if SERIAL:
+            _serial_split_sum(part_ptr, out_ptr, b_ptr, counters_ptr + pid_m * tl.num_programs(0) + pid_n, S,
+                              row0, row_end, offs_n, mask_n, stride_os, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def w8a16_dot_config(rows_per_matrix: float, N: int, row_tiles: int, k_steps: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split, k_steps_per_split) of a w8a16 tensor-core launch: BLOCK_M the smallest MMA
+    tile (16) up to 64 rows per weight matrix, BLOCK_N 64 (it divides the 128-wide scale block), and K split
+    so that the launch has about ``GEMV_TARGET_PROGRAMS`` programs (every SM streams weights: at decode sizes
+    the N tiles alone are too few)."""
+    bm = min(64, block_m_for(rows_per_matrix))
+    bn = 64
+    programs = triton.cdiv(N, bn) * row_tiles
+    split = max(1, min(k_steps, triton.cdiv(quant_common.GEMV_TARGET_PROGRAMS, programs)))
+    per = triton.cdiv(k_steps, split)
+    return bm, bn, triton.cdiv(k_steps, per), per
+
+
+def use_w8a16_dot(x: torch.Tensor, rows_per_matrix: float, *, grouped: bool) -> bool:
+    """Whether a w8a16 product of ``x`` runs the tensor-core kernel: a 16-bit x and at least
+    ``W8A16_DOT_MIN_ROWS`` rows per weight matrix on its path (None there: never)."""
+    threshold = W8A16_DOT_MIN_ROWS["grouped" if grouped else "dense"]
+    return threshold is not None and x.dtype in W8A16_DOT_DTYPES and rows_per_matrix >= threshold
+
+
+def _launch_w8a16_dot(x, weight, ws, bias, offsets, out, *, grouped: bool, serial: bool = True):
+    """The w8a16 tensor-core kernel over x [rows, K] (16-bit), its K split summed inside the launch (where
+    ``serial``, ``out`` is row-contiguous and the device's counters cover the tiles) or by splitk_sum."""
+    N = weight.shape[-2]
+    rows, K = x.shape
+    E = weight.shape[0] if grouped else 1
+    matrices = min(E, rows) if grouped else 1
+    bm = min(64, block_m_for(rows / matrices))
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
+    bm, bn, split, steps = w8a16_dot_config(rows / matrices, N, row_tiles, triton.cdiv(K, BLOCK))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    grid = (triton.cdiv(N, bn), row_tiles, split)
+    counters = _split_counters(x.device, grid[0] * grid[1]) if serial and split > 1 and out.stride(0) == N \
+        else None
+    part = None if split == 1 else torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    dst = out if split == 1 or counters is not None else part
+    _block_fp8_w8a16_dot_kernel[grid](
+        x, weight, ws, bias if bias is not None else x, dst, offsets if offsets is not None else ws,
+        part if part is not None else dst, counters if counters is not None else ws,
+        rows, N, K, E, steps, split,
+        x.stride(0), weight.stride(0) if grouped else 0, weight.stride(-2),
+        ws.stride(0) if grouped else 0, ws.stride(-2), ws.stride(-1), dst.stride(-2),
+        part.stride(0) if part is not None else 0,
+        GROUPED=grouped, HAS_BIAS=bias is not None and (split == 1 or counters is not None), BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, INTERP=interpreter_active(),
+        SERIAL=counters is not None, num_warps=4, num_stages=3,
+    )
+    if split > 1 and counters is None:
+        splitk_sum(part, bias, out, offsets)
     return out
 
 
