@@ -800,17 +800,21 @@ def _block_fp8_w8a16_dot_kernel(
                               row0, row_end, offs_n, mask_n, stride_os, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
-def w8a16_dot_config(rows_per_matrix: float, N: int, row_tiles: int, k_steps: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, split, k_steps_per_split) of a w8a16 tensor-core launch: BLOCK_M the smallest MMA
-    tile (16) up to 64 rows per weight matrix, BLOCK_N 64 (it divides the 128-wide scale block), and K split
-    so that the launch has about ``GEMV_TARGET_PROGRAMS`` programs (every SM streams weights: at decode sizes
-    the N tiles alone are too few)."""
-    bm = min(64, block_m_for(rows_per_matrix))
+def w8a16_dot_config(rows: int, E: int, N: int, k_steps: int, *, grouped: bool
+                     ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, row tiles, split, k_steps_per_split) of a w8a16 tensor-core launch over ``rows``
+    rows (of E experts when ``grouped``), N output features and ``k_steps`` 128-column groups: BLOCK_M the
+    smallest MMA tile (16) up to 64 rows per weight matrix, BLOCK_N 64 (it divides the 128-wide scale
+    block), and K split so that the launch has about ``GEMV_TARGET_PROGRAMS`` programs (every SM streams
+    weights: at decode sizes the N tiles alone are too few)."""
+    matrices = min(E, rows) if grouped else 1
+    bm = min(64, block_m_for(rows / max(1, matrices)))
     bn = 64
+    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
     programs = triton.cdiv(N, bn) * row_tiles
     split = max(1, min(k_steps, triton.cdiv(quant_common.GEMV_TARGET_PROGRAMS, programs)))
     per = triton.cdiv(k_steps, split)
-    return bm, bn, triton.cdiv(k_steps, per), per
+    return bm, bn, row_tiles, triton.cdiv(k_steps, per), per
 
 
 def use_w8a16_dot(x: torch.Tensor, rows_per_matrix: float, *, grouped: bool) -> bool:
@@ -826,10 +830,7 @@ def _launch_w8a16_dot(x, weight, ws, bias, offsets, out, *, grouped: bool, seria
     N = weight.shape[-2]
     rows, K = x.shape
     E = weight.shape[0] if grouped else 1
-    matrices = min(E, rows) if grouped else 1
-    bm = min(64, block_m_for(rows / matrices))
-    row_tiles = grouped_row_tiles(rows, E, bm) if grouped else triton.cdiv(rows, bm)
-    bm, bn, split, steps = w8a16_dot_config(rows / matrices, N, row_tiles, triton.cdiv(K, BLOCK))
+    bm, bn, row_tiles, split, steps = w8a16_dot_config(rows, E, N, triton.cdiv(K, BLOCK), grouped=grouped)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
