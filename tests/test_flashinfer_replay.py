@@ -476,3 +476,41 @@ def test_the_probe_is_built_for_the_models_D_and_dt_bias_dtype(tmp_path, monkeyp
         seen.clear()
         assert runner.resolve_ssm_backend(backend, torch.device("cuda"), True, cfg, **kw) == "flashinfer"
         assert seen and all(s["param_dtype"] == torch.bfloat16 for s in seen), backend
+
+
+def test_at_bf16_the_ring_replay_parts_from_rewind_only_at_near_ties(tmp_path, monkeypatch):
+    """bf16 activations (FlashInfer's only ones) with a float32 state: the engine on ring histories (the
+    contract's reference in FlashInfer's place) may part from rewind only where the float32 model's top two
+    tokens are nearly tied (tests/near_ties.py), which is what the GPU test holds FlashInfer's kernel to;
+    with ring_start never moved (a broken ring bookkeeping) the same check fails."""
+    import functools
+
+    from ckpt_factory import make_hf_model, write_checkpoint
+    from near_ties import assert_parts_only_at_near_ties, divergence_gaps
+
+    import runners.engine.runner as runner
+    import runners.engine.state as state
+    from runners.engine import Engine
+    from runners.engine.cache import HybridCache
+    from runners.engine.options import EngineOptions
+
+    path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=64,
+                                                    ssm_state_size=128, mamba_num_heads=4), with_mtp=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (12,))]
+
+    def run(replay):
+        options = EngineOptions(draft_len=3, ssm_replay=replay, max_batch_size=5, max_seq_len=96,
+                                dtype="bfloat16", ssm_state_dtype="float32", ssm_replay_checkpointing=replay)
+        return Engine.from_pretrained(path, options).generate(prompts, 30, stop_token_ids=[]).tokens
+
+    want = run(False)
+    model = Engine.from_pretrained(path, EngineOptions(draft_len=0, max_batch_size=1, max_seq_len=96)).model
+    monkeypatch.setattr(runner, "HybridCache", functools.partial(HybridCache, replay_ring=True))
+    got = run(True)
+    assert_parts_only_at_near_ties(model, prompts, got, want, "ring replay")
+    monkeypatch.setattr(state, "ring_advance", lambda *a, **kw: None)
+    broken = run(True)
+    assert len(divergence_gaps(model, prompts, broken, want)) > 3
+    with pytest.raises(AssertionError, match="not tied"):
+        assert_parts_only_at_near_ties(model, prompts, broken, want, "broken ring replay")

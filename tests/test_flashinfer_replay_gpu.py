@@ -4,10 +4,10 @@ Run on the device machine (``-m gpu``); skips without CUDA or without flashinfer
 - the kernel against its contract's PyTorch reference over a run of verifies (random acceptance, flushes,
   ring_start turning, a PAD row on the scratch slot), bf16 inputs, float32 and bfloat16 state, at Super V3's
   Mamba2 head sizes (head_dim 64, d_state 128, 8 heads per group): outputs, committed states and rings;
-- the engine: ssm_backend=flashinfer with ssm_replay runs FlashInfer (engine.ssm_backend, ssm_kernels) and
-  gives the tokens and acceptance of our Triton replay and of rewind, bf16 activations (its kernel takes no
-  float32 ones) and a float32 state, per-step and checkpointing, with CUDA graphs and without (graph ==
-  eager), slots reused across 12 requests over 5 slots.
+- the engine: ssm_backend=flashinfer with ssm_replay runs FlashInfer (engine.ssm_backend, ssm_kernels), bf16
+  activations (its kernel takes no float32 ones) and a float32 state, per-step and checkpointing, with CUDA
+  graphs and without (graph == eager token for token), slots reused across 12 requests over 5 slots; it and
+  our Triton replay part from rewind only at near-ties of the float32 model (tests/near_ties.py).
 Tolerances: bf16 inputs, fp32 accumulation in both; outputs within 2e-2 of the largest |reference| output
 (FlashInfer multiplies bf16 tensor-core fragments), states within 2e-2 (fp32) / 4e-2 (bf16: one rounding).
 """
@@ -129,11 +129,16 @@ def test_flashinfer_replay_stochastic_rounding_of_a_float16_state():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path, checkpointing):
+def test_flashinfer_replay_engine_parts_from_rewind_only_at_near_ties(tmp_path, checkpointing):
     """bf16 activations (FlashInfer's kernel takes 16-bit operands; a float32 run falls back to ours:
-    tests/test_replay_engine.py) with a float32 state: FlashInfer's replay gives the tokens and acceptance of
-    our Triton replay and of rewind, with CUDA graphs and eagerly (graph == eager), slots reused across 12
-    requests over 5 slots (PAD rows in every short batch)."""
+    tests/test_replay_engine.py) with a float32 state, slots reused across 12 requests over 5 slots (PAD rows
+    in every short batch): FlashInfer's replay runs (ssm_kernels), graph == eager token for token (the same
+    kernels on the same inputs), and FlashInfer's replay and our Triton replay part from rewind only where
+    the float32 model's top two tokens are nearly tied (tests/near_ties.py: at bf16 the three sum in other
+    orders, so exact tokens are a float32 property; a bookkeeping error parts at any gap). Where a run's
+    tokens all equal rewind's, so do its acceptance counters."""
+    from near_ties import assert_parts_only_at_near_ties
+
     _need_flashinfer()
     # FlashInfer builds at head_dim 64 / d_state 128 with power-of-two heads per group (4 heads / 2 groups)
     path = write_checkpoint(tmp_path, make_hf_model(seed=2, vocab_size=5, pattern="M*MEM", mamba_head_dim=64,
@@ -157,9 +162,11 @@ def test_flashinfer_replay_engine_tokens_equal_triton_replay_and_rewind(tmp_path
     # graph == eager: the same kernels on the same inputs
     assert outs["flashinfer"].tokens == outs["flashinfer_eager"].tokens
     want = outs["rewind"]
-    for name, out in outs.items():
-        diverged = [(i, next(j for j, (a, b) in enumerate(zip(x, y)) if a != b))
-                    for i, (x, y) in enumerate(zip(out.tokens, want.tokens)) if x != y]
-        assert not diverged, (name, "(request, first differing token)", diverged)
-        assert (out.stats.accepted_drafts, out.stats.num_accepted_hist) == \
-            (want.stats.accepted_drafts, want.stats.num_accepted_hist), name
+    model = Engine.from_pretrained(path, EngineOptions(draft_len=0, max_batch_size=1, max_seq_len=96),
+                                   device="cuda").model  # the checkpoint's float32
+    for name in ("triton", "flashinfer"):
+        out = outs[name]
+        assert_parts_only_at_near_ties(model, prompts, out.tokens, want.tokens, name)
+        if out.tokens == want.tokens:
+            assert (out.stats.accepted_drafts, out.stats.num_accepted_hist) == \
+                (want.stats.accepted_drafts, want.stats.num_accepted_hist), name
