@@ -629,7 +629,7 @@ def _serial_split_sum(part_ptr, out_ptr, b_ptr, counter_ptr, S, row0, row_end, o
 
 # How the GEMV kernel loads an activation row's 128-column group (_fp8_row_part), per path: "tile" (one load
 # per weight tile element, in the tile's layout) or "vector" (the group once, broadcast over the tile's rows).
-# Measured by bench_quant_gemm on an H100 (docs/gpu/quant_2/call2, w8a16, 1-8 rows): grouped, "vector" was
+# Measured by bench_quant_gemm on an H100 (w8a16, 1-8 rows; docs/kernel_performance.md): grouped, "vector" was
 # 1.15-1.46x faster at all 8 points (Qwen3-Next up / down); dense, "tile" was level at 1 row and 1.2-1.4x
 # faster at 2 and 4 rows in 3 of the 4 shapes (mixed at 8), so each path keeps its faster load.
 GEMV_X_LOADS = ("tile", "vector")
@@ -738,7 +738,7 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool, scheme: str = "
 # From how many rows per weight matrix the w8a16 product runs the tensor-core kernel
 # (:func:`_block_fp8_w8a16_dot_kernel`) instead of the GEMV, per path; None: never (the GEMV at every row
 # count). The GEMV's time grows linearly in the rows (each row is its own pass over the weight tile in
-# registers: docs/gpu/quant_2/call2), a tensor-core tile pays for 16 rows at once. Off until
+# registers: docs/kernel_performance.md), a tensor-core tile pays for 16 rows at once. Off until
 # bench_quant_gemm's `*_w8a16_dot` rows have measured where it leads. Read at call time.
 W8A16_DOT_MIN_ROWS: dict[str, int | None] = {"dense": None, "grouped": None}
 W8A16_DOT_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit tensor-core operands (float32 x: the GEMV)
