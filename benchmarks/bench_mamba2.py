@@ -160,8 +160,8 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     S = batch
     state = torch.randn(S, H, P, N, device=dev).to(state_dtype)
     x = torch.randn(batch, T, H, P, device=dev, dtype=in_dtype)
-    # dt, D and dt_bias share one dtype in its contract: fp32, as the engine passes them (our kernels read
-    # dt in the input dtype; the difference is B * T * H * 2 bytes)
+    # the rewind verify: dt, D and dt_bias share one dtype in selective_state_update's contract; fp32, as the
+    # engine's FlashInfer rewind passes them
     dt = tied(torch.randn(batch, T, H, device=dev) * 0.5 - 1, (batch, T, H, P))
     A = tied(-torch.rand(H, device=dev) - 0.5, (H, P, N))
     B = (torch.randn(batch, T, G, N, device=dev) / N**0.5).to(in_dtype)
@@ -189,6 +189,17 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
     if not hasattr(fim, "checkpointing_ssu"):
         res["checkpointing_ssu"] = {"error": "flashinfer.mamba has no checkpointing_ssu"}
         return res
+    # checkpointing_ssu gets its operands as the engine's replay passes them (replay_verify_flashinfer): x, B,
+    # C as strided views of one conv output, raw dt, D and dt_bias in the activation dtype (the model's), int64
+    # slot ids; so the sweep times, and its warm-ups build, the JIT module the engine runs
+    xBC = torch.cat([torch.randn(batch, T, H * P, device=dev), torch.randn(batch, T, 2 * G * N, device=dev)
+                     / N**0.5], dim=-1).to(in_dtype)
+    xv, Bv, Cv = xBC.split([H * P, G * N, G * N], dim=-1)
+    xv, Bv, Cv = xv.reshape(batch, T, H, P), Bv.reshape(batch, T, G, N), Cv.reshape(batch, T, G, N)
+    dt_raw = tied((torch.randn(batch, T, H, device=dev) * 0.5 - 1).to(in_dtype), (batch, T, H, P))
+    D16, bias16 = tied(torch.randn(H, device=dev).to(in_dtype), (H, P)), \
+        tied((torch.rand(H, device=dev) - 0.5).to(in_dtype), (H, P))
+    slots64 = slot_ids.long()
     try:
         # FlashInfer 0.7.2's contract: rings of RING = max_window + T rows per slot, processed dt in fp32,
         # ring_start / prev_num_accepted_tokens owned by the caller; the state is written when pnat + 2T > RING.
@@ -204,8 +215,8 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
 
             def call(pnat=pnat):
                 ring_start.zero_()  # a flush advances it; keep every timed call the same
-                fim.checkpointing_ssu(state, x_cache, B_cache, dt_cache, ring_start, pnat, x, dt, A, B, C, out,
-                                      D=D, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
+                fim.checkpointing_ssu(state, x_cache, B_cache, dt_cache, ring_start, pnat, xv, dt_raw, A, Bv, Cv,
+                                      out, D=D16, dt_bias=bias16, dt_softplus=True, state_batch_indices=slots64,
                                       algorithm="monolith")
             res[tag] = {"us": round(timer(call), 2)}
         # the per-step replay in FlashInfer's layout: a window of T (a ring of 2T rows), so every verify with
@@ -217,8 +228,8 @@ def bench_flashinfer(batch, T, state_dtype, in_dtype=torch.bfloat16, *, checkpoi
 
             def per_step():
                 ring_start.zero_()
-                fim.checkpointing_ssu(state, x2, B2, dt2, ring_start, pnat, x, dt, A, B, C, out, D=D,
-                                      dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slot_ids,
+                fim.checkpointing_ssu(state, x2, B2, dt2, ring_start, pnat, xv, dt_raw, A, Bv, Cv, out, D=D16,
+                                      dt_bias=bias16, dt_softplus=True, state_batch_indices=slots64,
                                       algorithm="monolith")
             res[tag] = {"us": round(timer(per_step), 2)}
     except Exception:  # noqa: BLE001

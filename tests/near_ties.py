@@ -1,13 +1,15 @@
 """Token checks for runs whose arithmetic differs by rounding (16-bit activations): two greedy runs of one
 model may part ways where the model's top two tokens are nearly tied, and nowhere else.
 
-For each request whose tokens differ from the reference run's, the gap at the first differing position:
-|logit[a] - logit[b]| of the two tokens there, over the spread (max - min) of those logits, from a float32
-cache-free forward of the model over the common prefix. A correct 16-bit run parts from another only where
-that gap is within its rounding noise; a bookkeeping error (a state or history from the wrong step or slot)
-parts at any gap. Measured on the CPU (tests/test_flashinfer_replay.py, the tiny M*MEM model, bf16
-activations, float32 state, 12 requests x 30 tokens): the ring-layout replay parted from rewind once, at a gap
-of 0.009; with its ring bookkeeping broken, 9-12 requests parted, at gaps up to 0.63-0.77.
+For each request whose tokens differ from the reference run's, the gap at the first differing position: how
+far the lower of the two tokens there (a, b) stands below the top logit, max - min(logit[a], logit[b]), over
+the spread (max - min) of those logits, from a float32 cache-free forward of the model over the common
+prefix. Both tokens must be near the float32 model's top (which bounds |logit[a] - logit[b]| too). A correct
+16-bit run parts from another only where that gap is within its rounding noise; a bookkeeping error (a state
+or history from the wrong step or slot) parts at any gap. Measured on the CPU
+(tests/test_flashinfer_replay.py, the tiny M*MEM model, bf16 activations, float32 state, 12 requests x 30
+tokens): the ring-layout replay parted from rewind once, at a gap of 0.009; with its ring bookkeeping
+broken, 9 requests parted, at gaps up to 0.63.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def divergence_gaps(model, prompts: list[list[int]], got: list[list[int]], want:
         with torch.no_grad():
             row = model.lm_logits(model(ids)).float()[0, -1]
         spread = (row.max() - row.min()).clamp(min=1e-12)
-        out.append((i, j, round(float((row[x[j]] - row[y[j]]).abs() / spread), 4)))
+        out.append((i, j, round(float((row.max() - torch.minimum(row[x[j]], row[y[j]])) / spread), 4)))
     return out
 
 

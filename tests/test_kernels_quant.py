@@ -360,10 +360,11 @@ def test_block_fp8_gemv_loads_its_rows_either_way(x_load, monkeypatch):
 @pytest.mark.parametrize("serial", [True, False])
 def test_block_fp8_w8a16_tensor_core_kernel_matches_the_references(dtype, serial, monkeypatch):
     """The w8a16 tensor-core kernel (block_fp8.W8A16_DOT_MIN_ROWS forced to 1 row on both paths) matches the
-    w8a16 references: dense with bias at 1 / 3 / 16 / 20 rows (one and two 16-row tiles), N = 40 (a part
-    N tile) and 200 (tiles in two scale blocks), K = 300 (a part group last), each program over all of K
-    and K split per group, the split summed inside the launch or by splitk_sum; grouped over experts with
-    0 / 3 / 0 / 20 / 1 rows. A float32 activation keeps the GEMV (no 16-bit MMA operands)."""
+    w8a16 references: dense with bias at 1 / 3 / 16 / 20 / 100 rows (16-, 32- and 64-row tiles, part
+    tiles), N = 40 (a part N tile) and 200 (tiles in two scale blocks), K = 300 (a part group last), each
+    program over all of K and K split per group, the split summed inside the launch or by splitk_sum;
+    grouped over experts with 0 / 3 / 0 / 20 / 1 rows (16-row tiles) and 100 / 90 / 110 / 0 / 40 (64). A
+    float32 activation keeps the GEMV (no 16-bit MMA operands)."""
     monkeypatch.setattr(block_fp8, "W8A16_DOT_MIN_ROWS", {"dense": 1, "grouped": 1})
     monkeypatch.setattr(block_fp8, "SERIAL_SPLIT_SCHEMES", ("w8a16",) if serial else ())
     launched = []
@@ -375,16 +376,17 @@ def test_block_fp8_w8a16_tensor_core_kernel_matches_the_references(dtype, serial
         bias = _randn(N, seed=51, dtype=dtype)
         for target in (1, 10**6):
             monkeypatch.setattr(quant_common, "GEMV_TARGET_PROGRAMS", target)
-            for M in (1, 3, 16, 20):
+            for M in (1, 3, 16, 20, 100):  # 16-row tiles, then 32 and 64 (two tiles at 100)
                 x = _randn(M, K, seed=M + 52, dtype=dtype)
                 _close(block_fp8_linear(x, q[0], sc[0], bias, out=_nan(M, N, dtype=dtype), impl="triton",
                                         scheme="w8a16"),
                        block_fp8_linear_ref(x, q[0], sc[0], bias, scheme="w8a16"), dtype)
-            counts = (0, 3, 0, 20, 1)
-            x, offs = _randn(sum(counts), K, seed=53, dtype=dtype), _offsets(counts)
-            got = block_fp8_grouped_mm(x, q, sc, offs, out=_nan(sum(counts), N, dtype=dtype), scheme="w8a16")
-            _close(got, block_fp8_grouped_mm_ref(x, q, sc, offs, scheme="w8a16"), dtype)
-    assert len(launched) == 2 * 2 * 5  # every product above took the tensor-core kernel
+            for counts in ((0, 3, 0, 20, 1), (100, 90, 110, 0, 40)):  # 16- and 64-row tiles per expert
+                x, offs = _randn(sum(counts), K, seed=53, dtype=dtype), _offsets(counts)
+                out = _nan(sum(counts), N, dtype=dtype)
+                got = block_fp8_grouped_mm(x, q, sc, offs, out=out, scheme="w8a16")
+                _close(got, block_fp8_grouped_mm_ref(x, q, sc, offs, scheme="w8a16"), dtype)
+    assert len(launched) == 2 * 2 * 7  # every product above took the tensor-core kernel
     launched.clear()
     x32 = _randn(3, K, seed=54)
     _close(block_fp8_linear(x32, q[0], sc[0], None, impl="triton", scheme="w8a16"),
