@@ -103,6 +103,10 @@ DEFAULT_ARMS = ("plain", "rewind", "replay")
 # floor"): plain batch-1 step within 2x its floor, MTP (K = 3) + replay at least 2.0x plain at batch 1 and 1.6x
 # at 8 and 64 (forced acceptance length 2.6), replay at least as fast as rewind everywhere; full depth (issue 26)
 # decode tokens/s at batch 1; graphs at least halve the tiny entries' decode step at batch 1.
+# the per-step replay arms with a named backend, against which the default ("replay") is held (issue 45), and
+# the noise allowed: the same kernels timed twice in one bench_e2e run differed by up to 0.05 % (H100)
+NAMED_REPLAY_ARMS = ("replay_triton", "replay_flashinfer")
+DEFAULT_BACKEND_NOISE = 0.005
 TARGETS = {"plain_b1_step_over_floor": 2.0, "replay_vs_plain": {1: 2.0, 8: 1.6, 64: 1.6},
            "full_depth_b1_tokens_per_s": {("qwen3_next_fp8", "plain"): 180.0, ("qwen3_next_fp8", "replay"): 340.0,
                                           ("super_v3_nvfp4", "plain"): 130.0},
@@ -416,7 +420,9 @@ def evaluate_targets(rows: list[dict]) -> dict:
     row is missing): per quarter-depth model (super_v3, qwen3_next) and compile mode (``_compiled`` keys for
     ``--compile on`` rows), all with CUDA graphs: ``<m>_plain_b1_step_over_floor`` (step_ms / floor_ms),
     ``<m>_replay_vs_plain_b<B>`` (decode tokens/s ratio), ``<m>_replay_vs_rewind`` ({batch: ratio}, met when
-    >= 1 at every batch measured); per full-depth part ``<part>_<arm>_b1_tokens_per_s``; per tiny entry that
+    >= 1 at every batch measured), ``<m>_replay_default_vs_fastest_backend`` ({batch: the default backend's
+    replay tokens/s over the faster of :data:`NAMED_REPLAY_ARMS`}, and which that was; met when >= 1 less
+    :data:`DEFAULT_BACKEND_NOISE` at every batch); per full-depth part ``<part>_<arm>_b1_tokens_per_s``; per tiny entry that
     ran and arm the graph / eager step-time ratio at batch 1; and, where replay and rewind rows carry token
     digests, ``<model>[_compiled]_replay_tokens_equal_rewind`` (`_same_tokens`, informational)."""
     out: dict = {}
@@ -445,6 +451,19 @@ def evaluate_targets(rows: list[dict]) -> dict:
             by_batch = {B: v for B, v in by_batch.items() if v is not None}
             out[f"{tag}_replay_vs_rewind"] = {"value": by_batch, "goal": ">= 1 at every batch",
                                              "met": all(v >= 1 for v in by_batch.values()) if by_batch else None}
+            # issue 45: the default backend's replay at least as fast as the faster named backend's (per-step
+            # arms, the default "replay" arm's mode), within DEFAULT_BACKEND_NOISE
+            best = {}
+            for B in batches:  # the fastest named arm is the one the default's ratio is smallest against
+                pairs = [(ratio(find("replay", B), find(arm, B)), arm) for arm in NAMED_REPLAY_ARMS]
+                pairs = [p for p in pairs if p[0] is not None]
+                if pairs:
+                    best[B] = min(pairs)
+            out[f"{tag}_replay_default_vs_fastest_backend"] = {
+                "value": {B: v[0] for B, v in best.items()},
+                "against": {B: v[1] for B, v in best.items()},
+                "goal": f">= {1 - DEFAULT_BACKEND_NOISE} at every batch (1.0 less the step's run-to-run noise)",
+                "met": all(v[0] >= 1 - DEFAULT_BACKEND_NOISE for v in best.values()) if best else None}
     out.update(_same_tokens(rows))
     for (part, arm), goal in TARGETS["full_depth_b1_tokens_per_s"].items():
         if any(r.get("model") == part for r in rows):

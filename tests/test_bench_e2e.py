@@ -283,3 +283,27 @@ def test_a_run_whose_every_point_failed_exits_one(tmp_path, monkeypatch, capsys)
     code = bench_e2e.main(["--out", str(tmp_path / "o"), "--parts", "super_v3", "--arms", "plain", *FAST])
     rows = json.loads((tmp_path / "o" / "bench_e2e.json").read_text())["rows"]
     assert code == 1 and rows and all(r.get("error") for r in rows)
+
+
+def test_the_default_backend_is_held_to_the_fastest_named_one():
+    """Issue 45's goal: per batch, the default backend's replay tokens/s over the faster named backend's
+    (the one it is slowest against), met within DEFAULT_BACKEND_NOISE at every batch; batches without a
+    named arm are left out; no named arm at all: no verdict."""
+    from benchmarks.bench_e2e import DEFAULT_BACKEND_NOISE, evaluate_targets
+
+    def row(arm, batch, tps):
+        return {"model": "super_v3", "arm": arm, "batch": batch, "graphs": True, "compile": False,
+                "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
+
+    rows = [row("replay", 1, 300.0), row("replay_triton", 1, 310.0), row("replay_flashinfer", 1, 300.0),
+            row("replay", 8, 1200.0), row("replay_triton", 8, 1100.0), row("replay_flashinfer", 8, 1199.0),
+            row("replay", 64, 6000.0)]
+    t = evaluate_targets(rows)["super_v3_replay_default_vs_fastest_backend"]
+    assert t["value"] == {1: 300.0 / 310.0, 8: 1200.0 / 1199.0} and t["against"] == {1: "replay_triton",
+                                                                                      8: "replay_flashinfer"}
+    assert t["met"] is False  # 0.968 at batch 1
+    rows[1] = row("replay_triton", 1, 300.0 * (1 + DEFAULT_BACKEND_NOISE / 2))
+    assert evaluate_targets(rows)["super_v3_replay_default_vs_fastest_backend"]["met"] is True
+    bare = [row("replay", 1, 300.0)]
+    assert evaluate_targets(bare)["super_v3_replay_default_vs_fastest_backend"] == {
+        "value": {}, "against": {}, "goal": t["goal"], "met": None}
