@@ -166,8 +166,9 @@ def test_flashinfer_replay_engine_parts_from_rewind_only_at_near_ties(tmp_path, 
     # graph == eager: the same kernels on the same inputs
     assert outs["flashinfer"].tokens == outs["flashinfer_eager"].tokens
     want = outs["rewind"]
+    # the reference: the checkpoint's float32 on the CPU (the path tests/near_ties.py was measured on)
     model = Engine.from_pretrained(path, EngineOptions(draft_len=0, max_batch_size=1, max_seq_len=96),
-                                   device="cuda").model  # the checkpoint's float32
+                                   device="cpu").model
     for name in ("triton", "flashinfer"):
         out = outs[name]
         assert_parts_only_at_near_ties(model, prompts, out.tokens, want.tokens, name)
