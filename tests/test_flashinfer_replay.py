@@ -237,8 +237,9 @@ def test_resolving_flashinfer_replay_falls_back_with_the_reason(monkeypatch, cap
 def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, caplog, fake_flashinfer):
     """ssm_backend unset (registry ``backend: auto``) on CUDA with replay: FlashInfer where the committed
     table measured its checkpointing_ssu faster at the model's Mamba2 shape and state dtype (Super V3's, in
-    the checkpointing variant) and it probes fine; Triton where the table has no such row (the per-step
-    variant, another shape), with stochastic rounding, or when the probe fails (a warning names why)."""
+    the checkpointing variant, and the per-step variant where its row says so) and it probes fine; Triton
+    where the table has no such row (another shape), with stochastic rounding, or when the probe fails (a
+    warning names why)."""
     from types import SimpleNamespace
 
     import runners.engine.runner as runner
@@ -254,8 +255,18 @@ def test_the_default_backend_is_the_measured_faster_replay_kernel(monkeypatch, c
                                           replay_checkpointing=checkpointing, dtype=torch.bfloat16,
                                           ssm_state_dtype=state, stochastic_rounding=sr)
 
+    from kernels import replay_defaults
+
     assert resolve() == "flashinfer" and resolve(state=torch.bfloat16) == "flashinfer"
-    assert resolve(checkpointing=False) == "triton"  # no FlashInfer time for the per-step operation yet
+    # the per-step variant follows its own row of the table (where the sweep timed FlashInfer there too);
+    # no row: Triton
+    shape = replay_defaults.mamba2_shape_class(128, 64, 128)
+    for state in (torch.float32, torch.bfloat16):
+        want = replay_defaults.default_backend("mamba2_per_step", state, shape) or "triton"
+        assert resolve(checkpointing=False, state=state) == want
+    with monkeypatch.context() as m:
+        m.setattr(replay_defaults, "default_backend", lambda *a, **k: None)
+        assert resolve() == "triton" and resolve(checkpointing=False) == "triton"  # no row: ours
     assert resolve(cfg=SimpleNamespace(**{**vars(super_v3), "mamba_num_heads": 4})) == "triton"
     assert resolve(sr=True) == "triton" and resolve(replay=False) == "triton"
     probe["result"] = ("FlashInfer's checkpointing_ssu failed at this configuration: RuntimeError: x", 1.0)
