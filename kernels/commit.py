@@ -13,7 +13,10 @@ per-slot replay metadata:
   folded the previous step's accepted tokens into the state and recorded its own tokens' inputs; the commit only
   records, per slot, how many of them were accepted (prev_num_accepted, PNAT) and flips which of the two
   history buffers the next verify reads (buffer_index). The scheme of TensorRT-LLM's "SSM replay" and
-  FlashInfer's `checkpointing_ssu` (whose `prev_num_accepted_tokens` is our PNAT).
+  FlashInfer's `checkpointing_ssu` (whose `prev_num_accepted_tokens` is our PNAT). The same launch also moves
+  the other per-slot metadata a step changes where the caller holds it: the conv window offset
+  (`last_accepted` = num_accepted_tokens) and FlashInfer's ring start (`ring_advance`'s rule), so the whole
+  per-step bookkeeping is one launch instead of one plus about twenty small PyTorch ops.
 
 num_accepted_tokens (accepted drafts + the bonus token, in [1, T] for a real step) is clamped to [0, T] by
 both: 0, or a negative value from stale or garbage metadata, accepts nothing (rewind leaves the state as it
@@ -166,26 +169,52 @@ def rewind_commit_ref(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def ring_advance(ring_start: torch.Tensor, prev_num_accepted: torch.Tensor, slot_ids: torch.Tensor,
+                 spec_tokens: int, window: int, ring_len: int) -> None:
+    """FlashInfer's ring start after a verify step, before PNAT moves (the rule of
+    ``kernels.mamba2.flashinfer_replay``'s ring; the PyTorch reference of `replay_advance`'s ``ring_start=``):
+    ring_start[s] = (ring_start[s] + k) mod ring_len for the live rows (slot id >= 0) whose verify flushed
+    (k + T > W, k = PNAT clamped to [0, W]): their pending tokens are now in the checkpoint. PAD rows change
+    nothing. Device ops only (no host sync: CUDA-graph capturable). slot_ids: (B,) int32 / int64 on the
+    metadata's device; mutates ``ring_start`` ((S,) int32)."""
+    R = ring_start.shape[0]
+    live = slot_ids >= 0
+    rows = torch.where(live, slot_ids, R - 1).long()
+    k = prev_num_accepted[rows].long().clamp(0, window)
+    start = ring_start[rows].long()
+    moved = torch.where(live & (k + spec_tokens > window), (start + k) % ring_len, start)
+    ring_start.index_copy_(0, rows, torch.where(live, moved, ring_start[R - 1].long()).to(ring_start.dtype))
+
+
 @triton.jit
-def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, Bsz, T, L,
-                           CHECKPOINT: tl.constexpr, BLOCK: tl.constexpr):
+def _replay_advance_kernel(pnat_ptr, bufidx_ptr, slot_ptr, nat_ptr, last_ptr, ring_ptr, Bsz, T, L, W, RL,
+                           CHECKPOINT: tl.constexpr, LAST: tl.constexpr, RING: tl.constexpr,
+                           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_batch = offs < Bsz
     slot = tl.load(slot_ptr + offs, mask=in_batch, other=-1).to(tl.int64)
     live = in_batch & (slot >= 0)  # the same predicate as the verify kernels: PAD rows never advance
     s = tl.where(live, slot, 0)
-    nat = tl.load(nat_ptr + offs, mask=live, other=0)
-    nat = tl.minimum(tl.maximum(nat, 0), T)
+    raw = tl.load(nat_ptr + offs, mask=live, other=0)
+    nat = tl.minimum(tl.maximum(raw, 0), T)
     r = tl.load(bufidx_ptr + s, mask=live, other=0)
+    k_old = tl.load(pnat_ptr + s, mask=live, other=0)  # PNAT before this step's update
+    if RING:  # FlashInfer's ring: a flush (k + T > W) folds the k pending rows into the checkpoint
+        kr = tl.minimum(tl.maximum(k_old, 0), W).to(tl.int64)
+        start = tl.load(ring_ptr + s, mask=live, other=0).to(tl.int64)
+        start = tl.where(kr + T > W, (start + kr) % RL, start)
+        tl.store(ring_ptr + s, start.to(tl.int32), mask=live)
+    if LAST:  # the conv window offset: num_accepted_tokens as given
+        tl.store(last_ptr + s, raw.to(tl.int32), mask=live)
     if CHECKPOINT:  # the Mamba2 checkpointing verify's flush predicate: pending tokens stay unless k + T > L
-        k = tl.load(pnat_ptr + s, mask=live, other=0)
-        k = tl.minimum(tl.maximum(k, 0), L)
+        k = tl.minimum(tl.maximum(k_old, 0), L)
         nat = tl.where(k + T > L, nat, nat + k)
     tl.store(pnat_ptr + s, nat.to(tl.int32), mask=live)
     tl.store(bufidx_ptr + s, (1 - (r & 1)).to(tl.int32), mask=live)
 
 
-def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name):
+def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name,
+                   last_accepted=None, ring_start=None, ring_window=None, ring_len=None):
     if T < 1:
         raise ValueError(f"{name}: T (tokens per verify) must be >= 1, got {T}")
     if hist_len is not None and hist_len < T:
@@ -200,6 +229,14 @@ def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_token
     check_dtype(slot_ids, INDEX_DTYPES, "slot_ids", name)
     check_shape(num_accepted_tokens, tuple(slot_ids.shape), "num_accepted_tokens", name)
     check_dtype(num_accepted_tokens, INDEX_DTYPES, "num_accepted_tokens", name)
+    for label, t in (("last_accepted", last_accepted), ("ring_start", ring_start)):
+        if t is not None:
+            check_dtype(t, (torch.int32,), label, name)
+            check_shape(t, tuple(prev_num_accepted.shape), label, name)
+    if ring_start is not None:
+        if ring_window is None or ring_len is None or not T <= ring_window < ring_len:
+            raise ValueError(f"{name}: ring_start needs ring_window W and ring_len R with T <= W < R (FlashInfer's "
+                             f"ring of R = W + T rows), got T = {T}, W = {ring_window}, R = {ring_len}")
 
 
 def replay_advance(
@@ -210,8 +247,13 @@ def replay_advance(
     T: int,
     *,
     hist_len: int | None = None,
+    last_accepted: torch.Tensor | None = None,
+    ring_start: torch.Tensor | None = None,
+    ring_window: int | None = None,
+    ring_len: int | None = None,
 ) -> None:
-    """Per-slot replay bookkeeping after acceptance (Triton): PNAT[s] = num_accepted, flip buffer_index[s].
+    """Per-slot replay bookkeeping after acceptance (Triton): PNAT[s] = num_accepted, flip buffer_index[s],
+    and, in the same launch, the optional per-slot metadata the caller passes.
 
     Call exactly once per verify step, after every layer's replay verify (the metadata is shared by all
     layers; advancing twice makes the next verify replay the wrong buffer).
@@ -224,20 +266,32 @@ def replay_advance(
         hist_len: Mamba2 checkpointing histories only (`kernels.mamba2.ReplayHistory` with one x buffer):
             their L. PNAT then counts every pending token: it becomes num_accepted after a flush (old PNAT +
             T > L) and old PNAT + num_accepted otherwise.
+        last_accepted: optional (S,) int32, mutated for live rows: = num_accepted_tokens as given (the conv
+            window offset of the engine's ``ReplaySlots``).
+        ring_start: optional (S,) int32, FlashInfer's ring start (``kernels.mamba2.flashinfer_replay``),
+            mutated for live rows by :func:`ring_advance`'s rule from the PNAT before this update;
+            ring_window: its replay window W (T <= W), ring_len: its ring's rows R = W + T.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit, T < 1, or hist_len < T.
+        ValueError: shapes, dtypes or devices that do not fit, T < 1, hist_len < T, or ring_start without
+            T <= ring_window < ring_len.
     """
     name = "replay_advance"
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
-    check_launchable(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, name=name)
+    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name,
+                   last_accepted, ring_start, ring_window, ring_len)
+    extras = [t for t in (last_accepted, ring_start) if t is not None]
+    check_launchable(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, *extras, name=name)
     Bsz = slot_ids.shape[0]
     if Bsz == 0:
         return
     BLOCK = min(1024, triton.next_power_of_2(Bsz))
     _replay_advance_kernel[(triton.cdiv(Bsz, BLOCK),)](
-        prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, Bsz, T, hist_len or T,
-        CHECKPOINT=hist_len is not None, BLOCK=BLOCK)
+        prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens,
+        last_accepted if last_accepted is not None else prev_num_accepted,
+        ring_start if ring_start is not None else prev_num_accepted,
+        Bsz, T, hist_len or T, ring_window or T, ring_len or 1,
+        CHECKPOINT=hist_len is not None, LAST=last_accepted is not None, RING=ring_start is not None,
+        BLOCK=BLOCK)
 
 
 def replay_advance_ref(
@@ -248,11 +302,20 @@ def replay_advance_ref(
     T: int,
     *,
     hist_len: int | None = None,
+    last_accepted: torch.Tensor | None = None,
+    ring_start: torch.Tensor | None = None,
+    ring_window: int | None = None,
+    ring_len: int | None = None,
 ) -> None:
     """PyTorch reference of `replay_advance` (same arguments and effects), vectorised over the batch."""
     name = "replay_advance_ref"
-    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name)
+    _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_tokens, T, hist_len, name,
+                   last_accepted, ring_start, ring_window, ring_len)
+    if ring_start is not None:  # before PNAT moves
+        ring_advance(ring_start, prev_num_accepted, slot_ids, T, ring_window, ring_len)
     rows = (slot_ids >= 0).nonzero().squeeze(1)
+    if last_accepted is not None:
+        last_accepted[slot_ids[rows].long()] = num_accepted_tokens[rows].to(torch.int32)
     slots = slot_ids[rows].long()
     nat = num_accepted_tokens[rows].clamp(0, T).to(torch.int32)
     if hist_len is not None:

@@ -432,6 +432,40 @@ def test_replay_advance_matches_reference():
     assert bk.tolist() == [1, 1, 1, 1, 0, 1]
 
 
+@pytest.mark.parametrize("hist_len", [None, 16])
+def test_replay_advance_moves_conv_offset_and_ring_in_the_same_launch(hist_len):
+    """``last_accepted=`` and ``ring_start=`` (the engine's conv offset and FlashInfer's ring start) move in
+    the kernel's one launch exactly as the reference moves them: the ring by the PNAT before this update
+    (flushed live rows only, modulo the ring: slot 0 wraps), the offset to num_accepted_tokens as given; PAD
+    rows and slots outside the batch keep every value; garbage PNAT clamps to the window."""
+    T, W = 4, (16 if hist_len else 4)
+    R = W + T
+    pnat = torch.tensor([13, 2, 40, 0, 3, -5], dtype=torch.int32, device=DEV)
+    bufidx = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.int32, device=DEV)
+    last = torch.tensor([7, 7, 7, 7, 7, 7], dtype=torch.int32, device=DEV)
+    ring = torch.tensor([R - 2, 5, 1, 3, 0, 2], dtype=torch.int32, device=DEV)
+    slot_ids = torch.tensor([0, -1, 2, 4, 5, 3], dtype=torch.int64, device=DEV)
+    nat = torch.tensor([3, 2, 4, 9, 1, 0], dtype=torch.int32, device=DEV)
+    k, r = ([t.clone() for t in (pnat, bufidx, last, ring)] for _ in range(2))
+    kw = dict(hist_len=hist_len, ring_window=W, ring_len=R)
+    replay_advance(k[0], k[1], slot_ids, nat, T, last_accepted=k[2], ring_start=k[3], **kw)
+    replay_advance_ref(r[0], r[1], slot_ids, nat, T, last_accepted=r[2], ring_start=r[3], **kw)
+    for a, b, what in zip(k, r, ("pnat", "buffer_index", "last_accepted", "ring_start")):
+        assert torch.equal(a, b), (what, a.tolist(), b.tolist())
+    assert k[2].tolist() == [3, 7, 4, 0, 9, 1]  # slot 1 is in no live row: unchanged
+    # slot 0: k = 13 (or 4 in the per-step window) flushes, (R - 2 + k) % R; slot 2: k = 40 clamps to W
+    k0 = min(13, W)
+    assert k[3][0].item() == (R - 2 + k0) % R and k[3][2].item() == (1 + W) % R
+    assert k[3][1].item() == 5 and k[3][3].item() == 3  # not in the batch / PNAT 0: no flush
+    # slot 4: k = 3 flushes the per-step window (3 + T > 4) and fits the checkpointing one (3 + T <= 16)
+    assert k[3][4].item() == (3 if W == T else 0)
+    # ring_start without a window the ring can hold is refused
+    with pytest.raises(ValueError, match="ring_window"):
+        replay_advance(k[0], k[1], slot_ids, nat, T, ring_start=k[3], ring_window=T - 1, ring_len=R)
+    with pytest.raises(ValueError, match="ring_window"):
+        replay_advance_ref(r[0], r[1], slot_ids, nat, T, ring_start=r[3])
+
+
 def test_allocators_zero_initialise():
     hist = ReplayHistory.allocate(3, 4, 2, 8, 1, 16, dtype=torch.bfloat16, device=DEV)
     pnat, bufidx = allocate_replay_slots(3, device=DEV)

@@ -14,8 +14,8 @@ A call, for each row b of slot s with k = pnat[s]: fast-forward the checkpoint b
 (recomputing their decays from dt_cache), run the T new tokens from there (y_t = C_t . h_t + D x_t), append
 the new tokens' x, B, dt' at rows (ring_start + k + t) % R, and, when they do not fit behind the pending
 ones (k + T > W: a "flush"), store the fast-forwarded state as the new checkpoint. The kernel never moves
-ring_start or pnat: the caller does, after acceptance of a tokens (:func:`ring_advance` with
-``kernels.commit.replay_advance``): on a flush ring_start += k (the pending tokens are folded in) and
+ring_start or pnat: the caller does, after acceptance of a tokens (``kernels.commit.replay_advance`` with
+``ring_start=``, one launch; its reference ``kernels.commit.ring_advance``): on a flush ring_start += k (the pending tokens are folded in) and
 pnat = a, else pnat = k + a.
 
 That is the project's own checkpointing replay (kernels/mamba2/replay.py, ``hist_len`` L = W) in another
@@ -28,7 +28,8 @@ rewritten from position 0 on a flush, and no dA_cumsum).
 - :func:`replay_verify_flashinfer` runs ``flashinfer.mamba.checkpointing_ssu`` on CUDA;
   :func:`replay_verify_flashinfer_ref` (same signature and effects) is the contract in PyTorch, what the
   tests compare it with and what a CPU run calls.
-- :func:`ring_advance`: ring_start after a verify step (before PNAT moves), for the live rows.
+- ``ring_advance`` (imported from kernels/commit.py, which owns the per-slot bookkeeping): ring_start after a
+  verify step (before PNAT moves), for the live rows.
 - :func:`flashinfer_replay_unsupported`: why FlashInfer cannot run a configuration (None when it can).
 - :func:`tied`: the stride-0 layout FlashInfer's Mamba2 kernels take per-head values in.
 
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.commit import ring_advance  # noqa: F401  (the ring's rule, owned by kernels/commit.py)
 from kernels.rounding import StochasticRounding, stochastic_round_ref
 
 # FlashInfer 0.7.2: checkpointing_ssu keeps at most 16 pending tokens (max_window), and the verify width must
@@ -257,21 +259,6 @@ def replay_verify_flashinfer_ref(state: torch.Tensor, x: torch.Tensor, dt: torch
         history.dt_cache[s, :, row] = dtp[:, t]
     out[rows] = y.to(out.dtype)
     return out
-
-
-def ring_advance(ring_start: torch.Tensor, prev_num_accepted: torch.Tensor, slot_ids: torch.Tensor,
-                 spec_tokens: int, window: int, ring_len: int) -> None:
-    """After a verify step, before PNAT moves (``kernels.commit.replay_advance``): ring_start[s] += k mod R
-    for the live rows (slot id >= 0) whose verify flushed (k + T > W, k = PNAT clamped to [0, W]): their
-    pending tokens are now in the checkpoint. PAD rows change nothing. Device ops only (no host sync:
-    CUDA-graph capturable). slot_ids: (B,) int64 on the cache device; mutates ``ring_start``."""
-    R = ring_start.shape[0]
-    live = slot_ids >= 0
-    rows = torch.where(live, slot_ids, R - 1).long()
-    k = prev_num_accepted[rows].long().clamp(0, window)
-    start = ring_start[rows].long()
-    moved = torch.where(live & (k + spec_tokens > window), (start + k) % ring_len, start)
-    ring_start.index_copy_(0, rows, torch.where(live, moved, ring_start[R - 1].long()).to(ring_start.dtype))
 
 
 _PROBED: dict[tuple, tuple[str | None, float]] = {}

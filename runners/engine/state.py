@@ -34,7 +34,6 @@ from kernels.commit import (
     rewind_commit,
     rewind_commit_ref,
 )
-from kernels.mamba2.flashinfer_replay import ring_advance
 from kernels.rounding import StochasticRounding
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
@@ -273,7 +272,8 @@ class ReplaySlots:
         Mamba2 only) PNAT counts every accepted token not yet folded into the state, over several verifies.
     ring_start: [S + 1] int32 or None; with ``ssm_backend="flashinfer"`` the oldest live row of each slot's
         FlashInfer ring history (``kernels.mamba2.flashinfer_replay``), moved on a flush by the pending
-        tokens (``ring_advance``); ``window`` is that ring's replay window W (the history length L).
+        tokens (``kernels.commit.ring_advance``'s rule); ``window`` is that ring's replay window W (the
+        history length L).
     All start zeroed (``kernels.commit.allocate_replay_slots``: a graph or kernel that reads them before the
     first fill sees "nothing to replay").
 
@@ -370,20 +370,14 @@ class ReplaySlots:
                 "exactly once per verify step (after all layers' verifies)"
             )
         self.verified = False
-        # the conv offset: live rows only (PAD rows keep the scratch row's value; no host sync)
-        live = slot_ids >= 0
-        R = self.last_accepted.shape[0]
-        self.last_accepted.index_copy_(
-            0,
-            torch.where(live, slot_ids, R - 1),
-            torch.where(live, num_accepted_tokens.to(torch.int32), self.last_accepted[R - 1]),
-        )
-        if self.ring_start is not None:  # before PNAT moves: a flush folds the k pending tokens in
-            ring_advance(self.ring_start, self.prev_num_accepted, slot_ids, self.spec_tokens, self.window,
-                         self.window + self.spec_tokens)
+        # one launch for all of it (kernels.commit.replay_advance): PNAT and buffer_index, the conv offset
+        # (last_accepted) and, before PNAT moves, FlashInfer's ring start (a flush folds the k pending tokens
+        # in); live rows only (PAD rows keep the scratch row's values; no host sync)
         advance = kernel_or_reference(self.ssm_backend, replay_advance, replay_advance_ref)
+        ring = {} if self.ring_start is None else {"ring_start": self.ring_start, "ring_window": self.window,
+                                                   "ring_len": self.window + self.spec_tokens}
         advance(self.prev_num_accepted, self.buffer_index, slot_ids, num_accepted_tokens, self.spec_tokens,
-                hist_len=self.hist_len)
+                hist_len=self.hist_len, last_accepted=self.last_accepted, **ring)
 
 
 
