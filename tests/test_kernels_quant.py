@@ -394,13 +394,16 @@ def test_block_fp8_w8a16_tensor_core_kernel_matches_the_references(dtype, serial
     assert not launched
 
 
-def test_the_w8a16_tensor_core_kernel_is_off_until_measured():
-    """W8A16_DOT_MIN_ROWS: None on both paths (the GEMV at every row count) until bench_quant_gemm's
-    `*_w8a16_dot` rows have measured where the tensor-core kernel leads; a threshold applies per path to
-    16-bit activations only."""
+def test_the_w8a16_tensor_core_kernel_runs_where_measured_ahead():
+    """W8A16_DOT_MIN_ROWS as measured (kernels/quant/block_fp8.py): the dense path takes the tensor-core
+    kernel from 1 row, the grouped path never (its GEMV leads at decode's rows per expert); a threshold
+    applies per path and to 16-bit activations only (float32 x keeps the GEMV)."""
     x = torch.zeros(8, 128, dtype=torch.bfloat16)
-    assert block_fp8.W8A16_DOT_MIN_ROWS == {"dense": None, "grouped": None}
-    assert not block_fp8.use_w8a16_dot(x, 64, grouped=False)
+    assert block_fp8.W8A16_DOT_MIN_ROWS == {"dense": 1, "grouped": None}
+    assert block_fp8.use_w8a16_dot(x, 1, grouped=False)
+    assert block_fp8.use_w8a16_dot(x.half(), 8, grouped=False)
+    assert not block_fp8.use_w8a16_dot(x, 64, grouped=True)
+    assert not block_fp8.use_w8a16_dot(x.float(), 1, grouped=False)
     saved = dict(block_fp8.W8A16_DOT_MIN_ROWS)
     try:
         block_fp8.W8A16_DOT_MIN_ROWS.update(dense=4)

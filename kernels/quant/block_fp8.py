@@ -738,9 +738,14 @@ def _launch(x, weight, ws, bias, offsets, out, *, grouped: bool, scheme: str = "
 # From how many rows per weight matrix the w8a16 product runs the tensor-core kernel
 # (:func:`_block_fp8_w8a16_dot_kernel`) instead of the GEMV, per path; None: never (the GEMV at every row
 # count). The GEMV's time grows linearly in the rows (each row is its own pass over the weight tile in
-# registers: docs/kernel_performance.md), a tensor-core tile pays for 16 rows at once. Off until
-# bench_quant_gemm's `*_w8a16_dot` rows have measured where it leads. Read at call time.
-W8A16_DOT_MIN_ROWS: dict[str, int | None] = {"dense": None, "grouped": None}
+# registers: docs/kernel_performance.md), a tensor-core tile pays for 16 rows at once. Measured by
+# bench_quant_gemm's `*_w8a16_dot` rows at Qwen3-Next's block-FP8 shapes (H100; docs/kernel_performance.md,
+# "the w8a16 tensor-core kernel"): dense, the kernel is flat from 1 to 16 rows and leads at every shape from
+# 4 rows on; at 1-2 rows it leads at the wide outputs (q_gate, gdn_qkvz) and trails by up to 11 % at the
+# narrow ones (kv, o), ahead in the sum over the four, so dense takes it at every row count. Grouped (the
+# routed experts, about one row per expert at decode) it trails the GEMV from 2 to 16 tokens and leads only
+# at 64, where rows per expert barely move: it stays off there. Read at call time.
+W8A16_DOT_MIN_ROWS: dict[str, int | None] = {"dense": 1, "grouped": None}
 W8A16_DOT_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit tensor-core operands (float32 x: the GEMV)
 
 
