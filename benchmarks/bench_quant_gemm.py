@@ -27,7 +27,9 @@ launch and the second launch cost at each shape; dense "..._w8a16_xvec" the GEMV
 128-column group once, broadcast over the weight tile ("vector"), beside the dense default load in the tile's
 layout, and grouped "..._w8a16_xtile" the reverse (block_fp8.GEMV_X_LOAD: each path's measured faster load);
 "..._w8a16_dot" the w8a16 tensor-core kernel (16-row MMA tiles, K split; block_fp8.W8A16_DOT_MIN_ROWS, off by
-default until these rows say where it leads). "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
+default until these rows said where it leads: dense from 1 row, docs/kernel_performance.md). NVFP4 rows named
+"..._direct" time kernels/quant/nvfp4.py's "direct" decode (DECODE: fp32 bit patterns, no fp16 -> fp32
+convert per element) in that row's kernel. "gemlite_a16w8_fp8" rows (both FP8 parts) time a peer from PyPI where it is
 importable (gemlite's weight-only FP8 linear, one fp8 scale per output channel: the same weight bytes), or say
 why not.
 Rows named "..._tc" time the same launcher with the decode GEMV path off (kernels/quant/_common.py
@@ -236,6 +238,18 @@ def _w8a16_dot(fn, *args, **kwargs):
         block_fp8.W8A16_DOT_MIN_ROWS = saved
 
 
+def _nvfp4_direct(fn, *args, **kwargs):
+    """fn with kernels/quant/nvfp4.py's "direct" decode in both kernels (DECODE), put back afterwards."""
+    from kernels.quant import nvfp4
+
+    saved = nvfp4.DECODE
+    nvfp4.DECODE = dict.fromkeys(saved, "direct")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        nvfp4.DECODE = saved
+
+
 def _torch_cast(fn, *args, **kwargs):
     """fn with FP8Linear's activation quantization as the reference's torch ops (a division, a clamp and a
     cast: three launches) instead of kernels.quant.fp8's one launch."""
@@ -333,6 +347,12 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("nvfp4_grouped_gemv",
                             _bench(partial(_rows_rule, nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_grouped_tc_direct",
+                            _bench(partial(_nvfp4_direct, _tensor_core, nvfp4_grouped_mm, x, w, s, s2, offs)),
+                            active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
+            rows.append(row("nvfp4_grouped_gemv_direct",
+                            _bench(partial(_nvfp4_direct, _rows_rule, nvfp4_grouped_mm, x, w, s, s2, offs)),
                             active * nvfp4_weight_bytes(N, K) + io, copy_gbps, **meta))
             rows.append(row("bf16_grouped", _bench(partial(_bf16_grouped, x, w_bf16, offs)),
                             active * N * K * 2 + io, copy_gbps, **meta))
@@ -506,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         report["nvfp4"] = {"rows": rows,
                            "speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped", "bf16_grouped"),
                            "tc_speedup_vs_bf16_grouped": speedups(rows, "nvfp4_grouped_tc", "bf16_grouped"),
+                           "tc_direct_vs_convert": speedups(rows, "nvfp4_grouped_tc_direct", "nvfp4_grouped_tc"),
+                           "gemv_direct_vs_convert": speedups(rows, "nvfp4_grouped_gemv_direct",
+                                                              "nvfp4_grouped_gemv"),
                            "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
                                                                     "nvfp4_dequant_then_bf16_grouped")}
     if "fp8" in args.parts:

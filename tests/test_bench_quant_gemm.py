@@ -104,3 +104,15 @@ def test_the_dot_rows_force_the_tensor_core_kernel_and_put_the_thresholds_back()
     with pytest.raises(ZeroDivisionError):
         bench._w8a16_dot(lambda: 1 / 0)
     assert block_fp8.W8A16_DOT_MIN_ROWS == defaults
+
+
+def test_the_direct_rows_switch_the_nvfp4_decode_and_put_it_back():
+    """_nvfp4_direct runs the call with kernels/quant/nvfp4.py's DECODE "direct" in both kernels and restores
+    the defaults afterwards, also when the call raises."""
+    from kernels.quant import nvfp4
+
+    defaults = dict(nvfp4.DECODE)
+    assert bench._nvfp4_direct(lambda: dict(nvfp4.DECODE)) == {"gemv": "direct", "mma": "direct"}
+    with pytest.raises(ZeroDivisionError):
+        bench._nvfp4_direct(lambda: 1 / 0)
+    assert nvfp4.DECODE == defaults

@@ -416,6 +416,63 @@ def test_the_w8a16_tensor_core_kernel_runs_where_measured_ahead():
         block_fp8.W8A16_DOT_MIN_ROWS.update(saved)
 
 
+def test_nvfp4_direct_decode_reads_every_code_as_its_value():
+    """e2m1_word_f32 (the "direct" decode): each of the 16 codes, at each of a word's 8 positions, is its e2m1
+    value times 2^-126 exactly (code 0.5 an fp32 subnormal, kept), in the fp32 bits themselves."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(w_ptr, o_ptr, WORDS: tl.constexpr):
+        offs = tl.arange(0, WORDS)
+        e0, e1, e2, e3, e4, e5, e6, e7 = nvfp4.e2m1_word_f32(tl.load(w_ptr + offs))
+        tl.store(o_ptr + offs * 8 + 0, e0)
+        tl.store(o_ptr + offs * 8 + 1, e1)
+        tl.store(o_ptr + offs * 8 + 2, e2)
+        tl.store(o_ptr + offs * 8 + 3, e3)
+        tl.store(o_ptr + offs * 8 + 4, e4)
+        tl.store(o_ptr + offs * 8 + 5, e5)
+        tl.store(o_ptr + offs * 8 + 6, e6)
+        tl.store(o_ptr + offs * 8 + 7, e7)
+
+    codes = (torch.arange(16, dtype=torch.uint8)[:, None] + torch.arange(8, dtype=torch.uint8)) % 16
+    w = nvfp4.nvfp4_pack(codes).view(torch.int32).reshape(-1).to(DEVICE)
+    out = torch.full((16 * 8,), float("nan"), device=DEVICE)
+    decode[(1,)](w, out, WORDS=16)
+    want = nvfp4.e2m1_values(codes.long()).float() * 2.0 ** -126
+    assert torch.equal(out.cpu().reshape(16, 8), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_direct_decode_equals_the_convert_decode(dtype, monkeypatch):
+    """DECODE "direct" (fp32 bit patterns, scaled by powers of two folded out at the end) gives the same
+    bits as "convert" (fp16 patterns converted to fp32) in both kernels: the GEMV (dense 1 and 8 rows,
+    grouped) and the tensor-core kernel (dense 20 rows, grouped past GROUPED_GEMV_MAX_ROWS), since every
+    scaling is by a power of two and no value leaves fp32's normal range; and both match the reference.
+    An unknown DECODE is refused by name."""
+    E, N, K = 3, 40, 256
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=23).cpu()))
+    counts = (5, 0, 30)
+    cases = [(_randn(M, K, seed=M, dtype=dtype), None) for M in (1, 8, 20)]
+    cases.append((_randn(sum(counts), K, seed=9, dtype=dtype), _offsets(counts)))
+
+    def run(decode, x, offs):
+        monkeypatch.setattr(nvfp4, "DECODE", {"gemv": decode, "mma": decode})
+        if offs is None:
+            return nvfp4_linear(x, q[0], s[0], s2[0], out=_nan(x.shape[0], N, dtype=dtype))
+        return nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(x.shape[0], N, dtype=dtype))
+
+    for x, offs in cases:
+        direct = run("direct", x, offs)
+        assert torch.equal(direct, run("convert", x, offs)), (x.shape, offs)
+        ref = (nvfp4_linear_ref(x, q[0], s[0], s2[0]) if offs is None
+               else nvfp4_grouped_mm_ref(x, q, s, s2, offs))
+        _close(direct, ref, dtype)
+    monkeypatch.setattr(nvfp4, "DECODE", {"gemv": "lut", "mma": "convert"})
+    with pytest.raises(ValueError, match="nvfp4.DECODE"):
+        nvfp4_linear(cases[0][0], q[0], s[0], s2[0])
+
+
 @pytest.mark.parametrize("target", [1, 10**6])
 def test_nvfp4_gemv_with_and_without_split_k(target, monkeypatch):
     """The NVFP4 decode GEMV path (codes as words, <= 8 rows per matrix), K = 600 in 128 / 256 / 512-column

@@ -83,6 +83,27 @@ def test_nvfp4_grouped_at_super_expert_shapes(tokens, proj):
     _close(nvfp4_grouped_mm(x, w, s, s2, offs, out=out), nvfp4_grouped_mm_ref(x, w, s, s2, offs))
 
 
+@pytest.mark.parametrize("tokens", (1, 64))
+def test_nvfp4_direct_decode_equals_convert_at_super_expert_shapes(tokens, monkeypatch):
+    """The "direct" decode (fp32 bit patterns; code 0.5 an fp32 subnormal the compiled kernel must keep, no
+    flush-to-zero) gives the same bits as the "convert" decode on the GPU, grouped at Super V3's up shape
+    (the GEMV at 1 token, the tensor-core kernel at 64) and dense (GEMV at 1 row, tensor core at 300)."""
+    from kernels.quant import nvfp4
+
+    N, K = SUPER["I"], SUPER["L"]
+    w, s, s2 = random_nvfp4(SUPER["E"], N, K, seed=tokens)
+    P, offs = routed_offsets(tokens, SUPER["top_k"], SUPER["E"], seed=tokens)
+    x = torch.randn(P, K, device="cuda").to(torch.bfloat16)
+    xd = torch.randn(1 if tokens == 1 else 300, K, device="cuda").to(torch.bfloat16)
+    got = {}
+    for decode in nvfp4.DECODES:
+        monkeypatch.setattr(nvfp4, "DECODE", {"gemv": decode, "mma": decode})
+        got[decode] = (nvfp4_grouped_mm(x, w, s, s2, offs), nvfp4_linear(xd, w[0], s[0], s2[0]))
+    for a, b in zip(got["direct"], got["convert"]):
+        assert torch.equal(a, b)
+    _close(got["direct"][0], nvfp4_grouped_mm_ref(x, w, s, s2, offs))
+
+
 @pytest.mark.parametrize("force_bytes", (False, True))
 @pytest.mark.parametrize("M", (1, 8, 300))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))

@@ -27,7 +27,11 @@ high nibbles decoded apart, and x split into even and odd columns (2 products). 
 the decoded weight is needed. An e2m1 value times an e4m3 scale has at most 2 + 4 significant bits and lies
 in [2^-10, 2688]: exact in bfloat16 and float16, so the product on bf16 / fp16 tensor cores has the
 activation's precision; fp32 activations are split into three bf16 pieces (as kernels/_mma.py: fp32-accurate).
-weight_scale_2 multiplies the fp32 accumulator once at the end.
+weight_scale_2 multiplies the fp32 accumulator once at the end. A second decode, "direct" (``DECODE``, per
+kernel), puts each code's bits straight into an fp32's (:func:`e2m1_word_f32`: about three integer operations
+per element and no conversion instruction, the fp16 -> fp32 convert being a quarter-rate operation); its
+outputs are bit-equal to the convert decode's (every rescaling is by a power of two), and which one runs is
+the measurement's call.
 
 Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py, and for grouped launches
 <= GROUPED_GEMV_MAX_ROWS rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
@@ -342,6 +346,42 @@ def e2m1_word(w):
             _half_to_f32(a >> 16), _half_to_f32(b >> 16), _half_to_f32(c >> 16), _half_to_f32(d >> 16))
 
 
+# The "direct" decode: each code's bits moved into an fp32's own bit positions (magnitude to bits 22-24,
+# sign to bit 31), so the value, e2m1 * 2^-126, needs no conversion instruction (e2m1_word's fp16 -> fp32
+# convert runs on the quarter-rate unit, one per element). Code 0.5 becomes an fp32 subnormal, which Triton's
+# fp32 arithmetic keeps (fma.rn.f32, no flush-to-zero); one exact multiply by a power of two makes every value
+# normal before it meets an activation. DECODE picks per kernel (read at call time; "convert" until
+# bench_quant_gemm's `*_direct` rows say which leads).
+DECODES = ("convert", "direct")
+DECODE = {"gemv": "convert", "mma": "convert"}
+# GEMV: the decoded values times 2^64 (2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end).
+# MMA: the block scales times 2^118 (448 * 2^118 < 2^127); a decoded value times one is e2m1 * scale * 2^-8,
+# exact in bf16 and fp16 (at most 6 significant bits, in [2^-18, 10.5]); 2^8 folded in at the end.
+DIRECT_F32_SCALE = tl.constexpr(2.0 ** 64)
+DIRECT_F32_FOLD = tl.constexpr(2.0 ** 62)
+DIRECT_MMA_SCALE = tl.constexpr(2.0 ** 118)
+DIRECT_MMA_FOLD = tl.constexpr(2.0 ** 8)
+
+
+@triton.jit
+def _f32_code(w, MAG_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """One element of each int32 word w as fp32 = e2m1 * 2^-126: its magnitude bits moved to 22-24 and its
+    sign bit to 31 (a shift is left for a positive constexpr, right for a negative one)."""
+    if MAG_SHIFT >= 0:
+        mag = (w << MAG_SHIFT) & 0x01C00000
+    else:
+        mag = (w >> (-MAG_SHIFT)) & 0x01C00000
+    return (mag | ((w << SIGN_SHIFT) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_word_f32(w):
+    """int32 words w (as :func:`e2m1_word`) -> the 8 elements as fp32 values times 2^-126 (element c's nibble
+    at bits 4c..4c+3), no conversion instruction: about three integer operations per element."""
+    return (_f32_code(w, 22, 28), _f32_code(w, 18, 24), _f32_code(w, 14, 20), _f32_code(w, 10, 16),
+            _f32_code(w, 6, 12), _f32_code(w, 2, 8), _f32_code(w, -2, 4), _f32_code(w, -6, 0))
+
+
 @triton.jit
 def _scaled(v, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """v [BLOCK_N, BLOCK_K / 8] (one element per packed word) times the block scale of its word (two words per
@@ -378,10 +418,11 @@ def _nvfp4_mm_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_KIND: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     """WORDS: w_ptr is the packed weight viewed as int32 (K % 8 == 0; strides in words), 8 codes decoded per
-    load; else uint8 bytes, 2 codes per load (any even K)."""
+    load; else uint8 bytes, 2 codes per load (any even K). DIRECT (WORDS only): the words decoded by
+    :func:`e2m1_word_f32` (no fp16 -> fp32 convert), the block scales times 2^118 instead of 2^14."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     expert, row0, row_end = program_tile(offsets_ptr, E, M, pid_m, GROUPED, BLOCK_M, BLOCK_E)
@@ -404,13 +445,19 @@ def _nvfp4_mm_kernel(
         for k0 in range(0, K, BLOCK_K):
             g = k0 // 16 + offs_g
             sc = tl.load(s_rows + g[None, :], mask=mask_n[:, None] & (g < KG)[None, :], other=0.0)
-            sc = sc.to(tl.float32) * 16384.0  # 2^14: the decoded values are e2m1 * 2^-14
+            if DIRECT:  # scales times 2^118 against values times 2^-126 (module notes: exact products)
+                sc = sc.to(tl.float32) * DIRECT_MMA_SCALE
+            else:
+                sc = sc.to(tl.float32) * 16384.0  # 2^14: the decoded values are e2m1 * 2^-14
             k = k0 + offs_k
             xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
             if WORDS:
                 jw = k0 // 8 + offs_w
                 wd = tl.load(w_rows + jw[None, :], mask=mask_n[:, None] & (jw < K // 8)[None, :], other=0)
-                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+                if DIRECT:
+                    e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
+                else:
+                    e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
                 # x's columns 8w + c for c = 4 b2 + 2 b1 + b0, split bit by bit (last axes: b2, b1, b0)
                 x_b0_0, x_b0_1 = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
                 x_c04, x_c26 = tl.split(x_b0_0)
@@ -436,7 +483,10 @@ def _nvfp4_mm_kernel(
                 x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_K // 2, 2)))
                 acc = _w_dot_x(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), x_even, acc, X_KIND, INTERP)
                 acc = _w_dot_x(tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)), x_odd, acc, X_KIND, INTERP)
-        acc = acc * tl.load(s2_ptr + expert)
+        if DIRECT:
+            acc = acc * (tl.load(s2_ptr + expert) * DIRECT_MMA_FOLD)
+        else:
+            acc = acc * tl.load(s2_ptr + expert)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -475,7 +525,7 @@ def _nvfp4_gemv_kernel(
     M, N, K, KW, E, STEPS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     """Decode GEMV (<= 8 rows per program; codes read as int32 words, K % 8 == 0; x_ptr: the rows in fp32,
     column class major [rows, 8, KW = K / 8]): grid (N tiles, row tiles, K splits). Each program streams the
@@ -513,7 +563,14 @@ def _nvfp4_gemv_kernel(
             m2 = mask_n[:, None] & mkw[None, :]
             wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
             scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
-            e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+            if DIRECT:  # fp32 patterns (x 2^-126) made normal by one exact multiply each, no convert
+                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
+                e0, e1, e2, e3 = e0 * DIRECT_F32_SCALE, e1 * DIRECT_F32_SCALE, e2 * DIRECT_F32_SCALE, \
+                    e3 * DIRECT_F32_SCALE
+                e4, e5, e6, e7 = e4 * DIRECT_F32_SCALE, e5 * DIRECT_F32_SCALE, e6 * DIRECT_F32_SCALE, \
+                    e7 * DIRECT_F32_SCALE
+            else:
+                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
             a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
                                   e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 1:
@@ -533,7 +590,10 @@ def _nvfp4_gemv_kernel(
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
                 a7 += _nvfp4_row_part(x_ptr, row0 + 7, row_end, stride_xm, KW, kw, mkw,
                                       e0, e1, e2, e3, e4, e5, e6, e7, scw)
-        g = tl.load(s2_ptr + expert) * 16384.0  # weight_scale_2, and the 2^14 of the decode
+        if DIRECT:
+            g = tl.load(s2_ptr + expert) * DIRECT_F32_FOLD  # weight_scale_2, and 2^126 / 2^64 of the decode
+        else:
+            g = tl.load(s2_ptr + expert) * 16384.0  # weight_scale_2, and the 2^14 of the decode
         b = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -584,7 +644,8 @@ def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *,
         weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), dst.stride(-2),
         dst.stride(0) if split > 1 else 0,
         GROUPED=grouped, HAS_BIAS=bias is not None and split == 1, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, num_warps=4, num_stages=1,
+        BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1, DIRECT=_decode("gemv") == "direct",
+        num_warps=4, num_stages=1,
     )
     if split > 1:
         splitk_sum(dst, bias, out, offsets)
@@ -592,6 +653,14 @@ def _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *,
 
 
 X_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _decode(kernel: str) -> str:
+    """DECODE[kernel] ("gemv" / "mma"), checked: ValueError naming the choices for anything else."""
+    choice = DECODE[kernel]
+    if choice not in DECODES:
+        raise ValueError(f"nvfp4.DECODE[{kernel!r}] = {choice!r}: expected one of {DECODES}")
+    return choice
 
 
 def words_ok(weight: torch.Tensor) -> bool:
@@ -635,6 +704,7 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
         GROUPED=grouped, HAS_BIAS=bias is not None, X_KIND=X_KIND[x.dtype], WORDS=words,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1,
         INTERP=interpreter_active(), num_warps=warps, num_stages=3,
+        DIRECT=words and _decode("mma") == "direct",
     )
     return out
 
