@@ -18,7 +18,9 @@ weights), one row each:
   NVFP4MoE / BlockFP8MoE take at decode sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/
   moe.py's moe_experts_grouped over the format's grouped GEMM: the quantized MoE's path before); for
   ``block_fp8`` also the per-pair GEMVs in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
-  quantized per token and 128-column group). Their floor counts the stored bytes of the format
+  quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
+  other choices (``moe_gemv_nvfp4_direct``: DECODE["pair"] "direct", fp32 bit patterns with no convert;
+  ``_xvec``: PAIR_X_LOAD "vector"; ``_direct_xvec``: both). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -122,12 +124,29 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
+    if fmt == "nvfp4":
+        for suffix, decode, load in (("direct", "direct", "tile"), ("xvec", "convert", "vector"),
+                                     ("direct_xvec", "direct", "vector")):
+            paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
     for name, fn, scheme in paths:
         out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
                   **{**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})})
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
         rows.append(out)
     return rows
+
+
+def _nvfp4_pair(decode: str, load: str, fn):
+    """fn() with kernels/quant/nvfp4.py's per-pair choices DECODE["pair"] = decode and PAIR_X_LOAD = load,
+    both put back afterwards."""
+    from kernels.quant import nvfp4
+
+    saved = nvfp4.DECODE, nvfp4.PAIR_X_LOAD
+    nvfp4.DECODE, nvfp4.PAIR_X_LOAD = {**saved[0], "pair": decode}, load
+    try:
+        return fn()
+    finally:
+        nvfp4.DECODE, nvfp4.PAIR_X_LOAD = saved
 
 
 def _grouped_path(*args):

@@ -235,8 +235,9 @@ def _check_advance(prev_num_accepted, buffer_index, slot_ids, num_accepted_token
             check_shape(t, tuple(prev_num_accepted.shape), label, name)
     if ring_start is not None:
         if ring_window is None or ring_len is None or not T <= ring_window < ring_len:
-            raise ValueError(f"{name}: ring_start needs ring_window W and ring_len R with T <= W < R (FlashInfer's "
-                             f"ring of R = W + T rows), got T = {T}, W = {ring_window}, R = {ring_len}")
+            raise ValueError(f"{name}: ring_start needs ring_window W and ring_len R with T <= W < R "
+                             f"(FlashInfer's ring of R = W + T rows), got T = {T}, W = {ring_window}, "
+                             f"R = {ring_len}")
 
 
 def replay_advance(

@@ -63,3 +63,18 @@ def test_quantized_floor_counts_the_stored_bytes_and_summary_pairs_each_format()
     assert bench.summary(rows) == {"m_b1": {"floor_us_nvfp4": 2.0, "moe_gemv_nvfp4_us": 4.0,
                                             "moe_gemv_nvfp4_x_floor": 2.0, "grouped_mm_nvfp4_us": 12.0,
                                             "grouped_mm_nvfp4_x_floor": 6.0, "gemv_speedup_nvfp4": 3.0}}
+
+
+def test_nvfp4_variant_rows_set_the_pair_choices_and_put_them_back():
+    """_nvfp4_pair runs the call with nvfp4.DECODE["pair"] and PAIR_X_LOAD set as asked (the other DECODE
+    entries untouched) and restores both afterwards, also when the call raises."""
+    import pytest
+
+    from kernels.quant import nvfp4
+
+    decode, load = dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD
+    seen = bench._nvfp4_pair("direct", "vector", lambda: (dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD))
+    assert seen == ({**decode, "pair": "direct"}, "vector")
+    with pytest.raises(ZeroDivisionError):
+        bench._nvfp4_pair("direct", "vector", lambda: 1 / 0)
+    assert nvfp4.DECODE == decode and nvfp4.PAIR_X_LOAD == load

@@ -112,7 +112,8 @@ def test_the_direct_rows_switch_the_nvfp4_decode_and_put_it_back():
     from kernels.quant import nvfp4
 
     defaults = dict(nvfp4.DECODE)
-    assert bench._nvfp4_direct(lambda: dict(nvfp4.DECODE)) == {"gemv": "direct", "mma": "direct"}
+    assert bench._nvfp4_direct(lambda: dict(nvfp4.DECODE)) == dict.fromkeys(defaults, "direct")
+    assert set(defaults) == {"gemv", "mma", "pair"}
     with pytest.raises(ZeroDivisionError):
         bench._nvfp4_direct(lambda: 1 / 0)
     assert nvfp4.DECODE == defaults

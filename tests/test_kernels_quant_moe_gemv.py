@@ -106,6 +106,25 @@ def test_split_k_equals_reference(fmt, split):
 
 
 @pytest.mark.parametrize("splitting", ["unsplit", "split"])
+def test_nvfp4_pair_decode_and_x_load_variants_give_the_same_bits(splitting, request, monkeypatch):
+    """moe_gemv_nvfp4 with the "direct" decode (nvfp4.DECODE["pair"]) and the vector activation load
+    (nvfp4.PAIR_X_LOAD), each and both, gives exactly the default's output (the same products summed in the
+    same order; the direct decode's rescalings are powers of two), unsplit and with K split, gated, bf16; and
+    matches the reference. An unknown PAIR_X_LOAD is refused by name."""
+    request.getfixturevalue(splitting)
+    args = _case("nvfp4", torch.bfloat16, True, seed=5)
+    want = nf4.moe_gemv_nvfp4(*args)
+    _close(want, nf4.moe_gemv_nvfp4_ref(*args), torch.bfloat16)
+    for decode, load in (("direct", "tile"), ("convert", "vector"), ("direct", "vector")):
+        monkeypatch.setattr(nf4, "DECODE", {**nf4.DECODE, "pair": decode})
+        monkeypatch.setattr(nf4, "PAIR_X_LOAD", load)
+        assert torch.equal(nf4.moe_gemv_nvfp4(*args), want), (decode, load)
+    monkeypatch.setattr(nf4, "PAIR_X_LOAD", "rows")
+    with pytest.raises(ValueError, match="PAIR_X_LOAD"):
+        nf4.moe_gemv_nvfp4(*args)
+
+
+@pytest.mark.parametrize("splitting", ["unsplit", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_block_fp8_w8a16_pairs_equal_their_reference_and_the_grouped_path(dtype, splitting, request):
     """scheme="w8a16" (activations kept): the per-pair kernels equal their reference, unsplit and with K

@@ -95,6 +95,21 @@ def test_released_expert_shapes(model, tokens):
 
 
 @pytest.mark.parametrize("tokens", (1, 8))
+def test_nvfp4_pair_variants_give_the_same_bits_at_super_shapes(tokens, monkeypatch):
+    """The per-pair NVFP4 GEMVs with the "direct" decode (fp32 bit patterns: the compiled kernel must keep
+    code 0.5's fp32 subnormal) and with the vector activation load, each and both, equal the default bit for
+    bit at Super V3's released expert shapes."""
+    _, *_, act, _ = SHAPES["super_v3"]
+    up, gate, down = _experts("super_v3")
+    h, weights, indices = _inputs("super_v3", tokens, seed=tokens + 20)
+    want = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+    for decode, load in (("direct", "tile"), ("convert", "vector"), ("direct", "vector")):
+        monkeypatch.setattr(nf4, "DECODE", {**nf4.DECODE, "pair": decode})
+        monkeypatch.setattr(nf4, "PAIR_X_LOAD", load)
+        assert torch.equal(nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act), want), (decode, load)
+
+
+@pytest.mark.parametrize("tokens", (1, 8))
 def test_block_fp8_w8a16_at_qwen3_next_expert_shapes(tokens):
     """scheme="w8a16" (activations kept in bf16) vs its reference and the grouped path over the w8a16
     grouped GEMM, at Qwen3-Next's released expert shapes."""

@@ -353,7 +353,13 @@ def e2m1_word(w):
 # normal before it meets an activation. DECODE picks per kernel (read at call time; "convert" until
 # bench_quant_gemm's `*_direct` rows say which leads).
 DECODES = ("convert", "direct")
-DECODE = {"gemv": "convert", "mma": "convert"}
+DECODE = {"gemv": "convert", "mma": "convert", "pair": "convert"}
+# How the per-pair GEMV (moe_gemv_nvfp4, the engine's routed experts at decode) reads the activation row: "tile"
+# (one load per weight-tile element, in the tile's layout) or "vector" (each column class once per word,
+# broadcast over the tile's rows: block_fp8.GEMV_X_LOAD's "vector", 1.15-1.46x faster on its grouped GEMV).
+# Read at call time; "tile" until bench_moe_gemv's `moe_gemv_nvfp4_xvec` rows say which leads.
+PAIR_X_LOADS = ("tile", "vector")
+PAIR_X_LOAD = "tile"
 # GEMV: the decoded values times 2^64 (2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end).
 # MMA: the block scales times 2^118 (448 * 2^118 < 2^127); a decoded value times one is e2m1 * scale * 2^-8,
 # exact in bf16 and fp16 (at most 6 significant bits, in [2^-18, 10.5]); 2^8 folded in at the end.
@@ -656,11 +662,18 @@ X_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def _decode(kernel: str) -> str:
-    """DECODE[kernel] ("gemv" / "mma"), checked: ValueError naming the choices for anything else."""
+    """DECODE[kernel] ("gemv" / "mma" / "pair"), checked: ValueError naming the choices for anything else."""
     choice = DECODE[kernel]
     if choice not in DECODES:
         raise ValueError(f"nvfp4.DECODE[{kernel!r}] = {choice!r}: expected one of {DECODES}")
     return choice
+
+
+def _pair_x_load() -> str:
+    """PAIR_X_LOAD, checked: ValueError naming the choices for anything else."""
+    if PAIR_X_LOAD not in PAIR_X_LOADS:
+        raise ValueError(f"nvfp4.PAIR_X_LOAD = {PAIR_X_LOAD!r}: expected one of {PAIR_X_LOADS}")
+    return PAIR_X_LOAD
 
 
 def words_ok(weight: torch.Tensor) -> bool:
@@ -848,23 +861,44 @@ def moe_gemv_nvfp4_ref(h: torch.Tensor, weights: torch.Tensor, indices: torch.Te
 
 
 @triton.jit
-def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW):
+def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW, DIRECT: tl.constexpr,
+                    XVEC: tl.constexpr):
     """sum over one K tile of decoded weight (BLOCK_N rows, the words kw) times the input row x (fp32 sums,
-    times 2^-14 as ``e2m1_word`` decodes): [BLOCK_N]. x is loaded in the weight tile's layout (element c of
-    word w at column 8 w + c; L1 hits)."""
+    times 2^-14 as ``e2m1_word`` decodes, or 2^-62 with DIRECT as ``e2m1_word_f32`` then 2^64): [BLOCK_N].
+    XVEC False: x loaded in the weight tile's layout (element c of word w at column 8 w + c; one load per
+    tile element, L1 hits); True: each column class once as a vector over the tile's words, broadcast over
+    its rows (one load per word and class)."""
     m2 = mask_n[:, None] & mkw[None, :]
     wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
     scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words per 16 columns
-    e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
-    xc = x_row + 8 * kw[None, :] + offs_n[:, None] * 0
-    t = e0 * tl.load(xc, mask=m2, other=0.0).to(tl.float32)
-    t += e1 * tl.load(xc + 1, mask=m2, other=0.0).to(tl.float32)
-    t += e2 * tl.load(xc + 2, mask=m2, other=0.0).to(tl.float32)
-    t += e3 * tl.load(xc + 3, mask=m2, other=0.0).to(tl.float32)
-    t += e4 * tl.load(xc + 4, mask=m2, other=0.0).to(tl.float32)
-    t += e5 * tl.load(xc + 5, mask=m2, other=0.0).to(tl.float32)
-    t += e6 * tl.load(xc + 6, mask=m2, other=0.0).to(tl.float32)
-    t += e7 * tl.load(xc + 7, mask=m2, other=0.0).to(tl.float32)
+    if DIRECT:
+        e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
+        e0, e1, e2, e3 = e0 * DIRECT_F32_SCALE, e1 * DIRECT_F32_SCALE, e2 * DIRECT_F32_SCALE, \
+            e3 * DIRECT_F32_SCALE
+        e4, e5, e6, e7 = e4 * DIRECT_F32_SCALE, e5 * DIRECT_F32_SCALE, e6 * DIRECT_F32_SCALE, \
+            e7 * DIRECT_F32_SCALE
+    else:
+        e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+    if XVEC:
+        xv = x_row + 8 * kw
+        t = e0 * tl.load(xv, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e1 * tl.load(xv + 1, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e2 * tl.load(xv + 2, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e3 * tl.load(xv + 3, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e4 * tl.load(xv + 4, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e5 * tl.load(xv + 5, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e6 * tl.load(xv + 6, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t += e7 * tl.load(xv + 7, mask=mkw, other=0.0).to(tl.float32)[None, :]
+    else:
+        xc = x_row + 8 * kw[None, :] + offs_n[:, None] * 0
+        t = e0 * tl.load(xc, mask=m2, other=0.0).to(tl.float32)
+        t += e1 * tl.load(xc + 1, mask=m2, other=0.0).to(tl.float32)
+        t += e2 * tl.load(xc + 2, mask=m2, other=0.0).to(tl.float32)
+        t += e3 * tl.load(xc + 3, mask=m2, other=0.0).to(tl.float32)
+        t += e4 * tl.load(xc + 4, mask=m2, other=0.0).to(tl.float32)
+        t += e5 * tl.load(xc + 5, mask=m2, other=0.0).to(tl.float32)
+        t += e6 * tl.load(xc + 6, mask=m2, other=0.0).to(tl.float32)
+        t += e7 * tl.load(xc + 7, mask=m2, other=0.0).to(tl.float32)
     return tl.sum(t * scw, 1)
 
 
@@ -874,7 +908,7 @@ def _pair_nvfp4_kernel(
     NOUT, KW, TOPK, STEPS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_os,
     GATED: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr = False, XVEC: tl.constexpr = False,
 ):
     """One (pair, output tile, K range) per program, NVFP4 weights: grid (NOUT tiles, pairs, K splits). As
     kernels/moe_gemv.py's ``_pair_gemv_kernel`` (input row p // TOPK, w = gate and w2 = up when GATED), with
@@ -903,12 +937,16 @@ def _pair_nvfp4_kernel(
     for w0 in range(w_lo, w_hi, WORDS):
         kw = w0 + offs_w
         mkw = kw < w_hi
-        acc += _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW)
+        acc += _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW, DIRECT, XVEC)
         if GATED:
-            acc2 += _nvfp4_tile_dot(x_row, w2_rows, s2_rows, kw, mkw, mask_n, offs_n, KW)
-    acc = acc * (tl.load(g_ptr + expert) * 16384.0)  # weight_scale_2, and the 2^14 of the decode
+            acc2 += _nvfp4_tile_dot(x_row, w2_rows, s2_rows, kw, mkw, mask_n, offs_n, KW, DIRECT, XVEC)
+    if DIRECT:  # weight_scale_2, and the decode's 2^-126 times 2^64
+        fold = DIRECT_F32_FOLD
+    else:  # weight_scale_2, and the 2^14 of the decode
+        fold = 16384.0
+    acc = acc * (tl.load(g_ptr + expert) * fold)
     if GATED:
-        acc2 = acc2 * (tl.load(g2_ptr + expert) * 16384.0)
+        acc2 = acc2 * (tl.load(g2_ptr + expert) * fold)
     store_pair_rows(out_ptr, out2_ptr, acc, acc2, p, pid_k, offs_n, mask_n, stride_om, stride_os, GATED, ACT,
                     SPLIT)
 
@@ -933,7 +971,8 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
         x.stride(0), words.stride(0), words.stride(1), scale.stride(0), scale.stride(1),
         out.stride(-2), out.stride(0) if split > 1 else 0,
         GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1,
+        BLOCK_N=bn, BLOCK_K=bk, DIRECT=_decode("pair") == "direct", XVEC=_pair_x_load() == "vector",
+        num_warps=4, num_stages=1,
     )
     return out, (out2 if w2 is not None else None), split
 
