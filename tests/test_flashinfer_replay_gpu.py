@@ -7,7 +7,7 @@ Run on the device machine (``-m gpu``); skips without CUDA or without flashinfer
 - the engine: ssm_backend=flashinfer with ssm_replay runs FlashInfer (engine.ssm_backend, ssm_kernels), bf16
   activations (its kernel takes no float32 ones) and a float32 state, per-step and checkpointing, with CUDA
   graphs and without (graph == eager token for token), slots reused across 12 requests over 5 slots; it and
-  our Triton replay part from rewind only at near-ties of the float32 model (tests/near_ties.py).
+  our Triton replay part from rewind only with tokens near the float32 model's top (tests/near_ties.py).
 Tolerances: bf16 inputs, fp32 accumulation in both; outputs within 2e-2 of the largest |reference| output
 (FlashInfer multiplies bf16 tensor-core fragments), states within 2e-2 (fp32) / 4e-2 (bf16: one rounding).
 """
@@ -137,9 +137,9 @@ def test_flashinfer_replay_engine_parts_from_rewind_only_at_near_ties(tmp_path, 
     """bf16 activations (FlashInfer's kernel takes 16-bit operands; a float32 run falls back to ours:
     tests/test_replay_engine.py) with a float32 state, slots reused across 12 requests over 5 slots (PAD rows
     in every short batch): FlashInfer's replay runs (ssm_kernels), graph == eager token for token (the same
-    kernels on the same inputs), and FlashInfer's replay and our Triton replay part from rewind only where
-    the float32 model's top two tokens are nearly tied (tests/near_ties.py: at bf16 the three sum in other
-    orders, so exact tokens are a float32 property; a bookkeeping error parts at any gap). Where a run's
+    kernels on the same inputs), and FlashInfer's replay and our Triton replay part from rewind only with a
+    token near the float32 model's top (tests/near_ties.py: at bf16 the three round in other places, so
+    exact tokens are a float32 property; a bookkeeping error parts at any gap). Where a run's
     tokens all equal rewind's, so do its acceptance counters."""
     from near_ties import assert_parts_only_at_near_ties
 

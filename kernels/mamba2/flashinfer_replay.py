@@ -12,17 +12,20 @@ FlashInfer's "ReplaySSM" contract (include/flashinfer/mamba/checkpointing_ssu.cu
 
 A call, for each row b of slot s with k = pnat[s]: fast-forward the checkpoint by the k pending tokens
 (recomputing their decays from dt_cache), run the T new tokens from there (y_t = C_t . h_t + D x_t), append
-the new tokens' x, B, dt' at rows (ring_start + k + t) % R, and, when they do not fit behind the pending
-ones (k + T > W: a "flush"), store the fast-forwarded state as the new checkpoint. The kernel never moves
+the new tokens' x, B, dt' at rows (ring_start + k + t) % R, and, when they do not fit behind the pending ones
+(k + T > W: a "flush"), store the fast-forwarded state as the new checkpoint. The kernel never moves
 ring_start or pnat: the caller does, after acceptance of a tokens (``kernels.commit.replay_advance`` with
-``ring_start=``, one launch; its reference ``kernels.commit.ring_advance``): on a flush ring_start += k (the pending tokens are folded in) and
-pnat = a, else pnat = k + a.
+``ring_start=``, one launch; its reference ``kernels.commit.ring_advance``): on a flush ring_start += k (the
+pending tokens are folded in) and pnat = a, else pnat = k + a.
 
 That is the project's own checkpointing replay (kernels/mamba2/replay.py, ``hist_len`` L = W) in another
-layout: the same flush rule (k + T > L), the same PNAT update, the state written at the same steps, so the
-two backends keep the same committed states and produce the same outputs to float rounding. With W = T
-(flush whenever k > 0) it is the per-step replay. Only the history differs (a ring instead of a window
-rewritten from position 0 on a flush, and no dA_cumsum).
+layout: the same flush rule (k + T > L), the same PNAT update, the state written at the same steps, so the two
+backends keep the same committed states and produce the same outputs up to where each rounds. FlashInfer
+rounds more: its fast-forward multiplies the pending tokens' x by coeff_j * B_j rounded to x's dtype (bf16
+tensor-core operands, include/flashinfer/mamba/kernel_checkpointing_ssu_common.cuh in 0.7.2), and its outputs
+take the state as a bf16 operand; the reference below keeps float32 there, as our kernels do, so at bf16 the
+two part at near ties (tests/near_ties.py). With W = T (flush whenever k > 0) it is the per-step replay. Only
+the history differs (a ring instead of a window rewritten from position 0 on a flush, and no dA_cumsum).
 
 - :class:`RingHistory`: one layer's ring (allocation and the memory plan read its :meth:`RingHistory.shapes`).
 - :func:`replay_verify_flashinfer` runs ``flashinfer.mamba.checkpointing_ssu`` on CUDA;
