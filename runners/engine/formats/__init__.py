@@ -41,6 +41,8 @@ class WeightFormat:
             (kernels.quant.block_fp8.SCHEMES: one launch, no quantization). Larger products stay "w8a8".
             Set from measurements (benchmarks/bench_quant_gemm.py, bench_moe_gemv.py, bench_e2e.py
             ``--fp8-decode-scheme``, which sets it on the format object for a whole run).
+        dense_decode_rows: a wider bound for dense products whose caller says a kernel that stays flat in
+            the rows serves them (``scheme(..., dense=True)``); None: ``decode_rows`` for every product.
     """
 
     name: str = ""
@@ -53,6 +55,7 @@ class WeightFormat:
     report_always: bool = False
     decode_scheme: str = "w8a8"
     decode_rows: int = 8
+    dense_decode_rows: int | None = None
 
     def check(self, quant: QuantConfig) -> None:
         """Raise CheckpointError unless the engine runs ``quant``'s modules of this format (its parameters:
@@ -92,10 +95,12 @@ class WeightFormat:
 
         return self.moe_gemv and indices.numel() <= self.moe_gemv_bound() and use_moe_gemv(h, indices)
 
-    def scheme(self, rows_per_matrix: float) -> str:
+    def scheme(self, rows_per_matrix: float, *, dense: bool = False) -> str:
         """The activation scheme of a product with about ``rows_per_matrix`` rows per weight matrix:
-        :attr:`decode_scheme` up to :attr:`decode_rows`, "w8a8" above."""
-        return self.decode_scheme if rows_per_matrix <= self.decode_rows else "w8a8"
+        :attr:`decode_scheme` up to :attr:`decode_rows` (with ``dense``, a dense product its caller runs on
+        a kernel flat in the rows: up to :attr:`dense_decode_rows` where set), "w8a8" above."""
+        limit = self.dense_decode_rows if dense and self.dense_decode_rows is not None else self.decode_rows
+        return self.decode_scheme if rows_per_matrix <= limit else "w8a8"
 
     def moe_gemv_bound(self) -> int:
         """:attr:`moe_gemv_max_pairs`, None resolved to the unquantized experts' bound."""

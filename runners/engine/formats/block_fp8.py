@@ -30,6 +30,10 @@ class BlockFP8Format(WeightFormat):
     # up to decode_rows (8) rows per matrix the activations stay 16-bit (WeightFormat.scheme): at the
     # releases' shapes w8a16 measured faster than w8a8 there (docs/kernel_performance.md, "Quantized formats")
     decode_scheme = "w8a16"
+    # dense products on the w8a16 tensor-core kernel (flat in the rows) keep w8a16 up to 64 rows: on the H100
+    # it beat w8a8 at 16 rows at every Qwen3-Next shape (1.35-3.4x) and in the sum over them at 64
+    # (docs/kernel_performance.md, "the w8a16 tensor-core kernel"; the rule: models.block_fp8.dense_scheme)
+    dense_decode_rows = 64
 
     def check(self, quant: QuantConfig) -> None:
         """Refuses blocks other than :data:`BLOCK` and static activations."""

@@ -59,8 +59,14 @@ def block_fp8_linear(
 
 def dense_scheme(x: torch.Tensor) -> str:
     """The scheme (w8a8 / w8a16) of a dense block-FP8 product of ``x`` [..., K]: the format's rule
-    (WeightFormat.scheme) for its rows."""
-    return get_format(FORMAT_BLOCK_FP8).scheme(x.numel() // max(1, x.shape[-1]))
+    (WeightFormat.scheme) for its rows, with the format's wider dense bound where the w8a16 product runs the
+    tensor-core kernel (kernels.quant.block_fp8.use_w8a16_dot: 16-bit x, from W8A16_DOT_MIN_ROWS rows),
+    whose time stays flat in the rows; the GEMV's grows with them."""
+    from kernels.quant import block_fp8
+
+    rows = x.numel() // max(1, x.shape[-1])
+    flat = block_fp8.use_w8a16_dot(x, rows, grouped=False)
+    return get_format(FORMAT_BLOCK_FP8).scheme(rows, dense=flat)
 
 
 def grouped_scheme(rows: int, experts: int) -> str:
