@@ -112,10 +112,12 @@ def test_nvfp4_pair_decode_and_x_load_variants_give_the_same_bits(splitting, req
     same order; the direct decode's rescalings are powers of two), unsplit and with K split, gated, bf16; and
     matches the reference. An unknown PAIR_X_LOAD is refused by name."""
     request.getfixturevalue(splitting)
+    # the measured defaults (docs/kernel_performance.md, "NVFP4 decode variants")
+    assert nf4.DECODE["pair"] == "direct" and nf4.PAIR_X_LOAD == "vector"
     args = _case("nvfp4", torch.bfloat16, True, seed=5)
     want = nf4.moe_gemv_nvfp4(*args)
     _close(want, nf4.moe_gemv_nvfp4_ref(*args), torch.bfloat16)
-    for decode, load in (("direct", "tile"), ("convert", "vector"), ("direct", "vector")):
+    for decode, load in [(d, x) for d in nf4.DECODES for x in nf4.PAIR_X_LOADS]:
         monkeypatch.setattr(nf4, "DECODE", {**nf4.DECODE, "pair": decode})
         monkeypatch.setattr(nf4, "PAIR_X_LOAD", load)
         assert torch.equal(nf4.moe_gemv_nvfp4(*args), want), (decode, load)

@@ -103,7 +103,7 @@ def test_nvfp4_pair_variants_give_the_same_bits_at_super_shapes(tokens, monkeypa
     up, gate, down = _experts("super_v3")
     h, weights, indices = _inputs("super_v3", tokens, seed=tokens + 20)
     want = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
-    for decode, load in (("direct", "tile"), ("convert", "vector"), ("direct", "vector")):
+    for decode, load in [(d, x) for d in nf4.DECODES for x in nf4.PAIR_X_LOADS]:
         monkeypatch.setattr(nf4, "DECODE", {**nf4.DECODE, "pair": decode})
         monkeypatch.setattr(nf4, "PAIR_X_LOAD", load)
         assert torch.equal(nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act), want), (decode, load)

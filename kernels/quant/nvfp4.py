@@ -30,8 +30,9 @@ activation's precision; fp32 activations are split into three bf16 pieces (as ke
 weight_scale_2 multiplies the fp32 accumulator once at the end. A second decode, "direct" (``DECODE``, per
 kernel), puts each code's bits straight into an fp32's (:func:`e2m1_word_f32`: about three integer operations
 per element and no conversion instruction, the fp16 -> fp32 convert being a quarter-rate operation); its
-outputs are bit-equal to the convert decode's (every rescaling is by a power of two), and which one runs is
-the measurement's call.
+outputs are bit-equal to the convert decode's (every rescaling is by a power of two). Measured, it leads only
+in the per-pair GEMV, with that kernel's vector activation load (``PAIR_X_LOAD``); the other kernels keep
+the convert decode.
 
 Decode sizes (<= GEMV_MAX_ROWS = 8 rows per weight matrix, kernels/quant/_common.py, and for grouped launches
 <= GROUPED_GEMV_MAX_ROWS rows in all) where the codes are words take a CUDA-core GEMV kernel instead (:func:`_nvfp4_gemv_kernel`): each program decodes its weight tile
@@ -350,16 +351,19 @@ def e2m1_word(w):
 # sign to bit 31), so the value, e2m1 * 2^-126, needs no conversion instruction (e2m1_word's fp16 -> fp32
 # convert runs on the quarter-rate unit, one per element). Code 0.5 becomes an fp32 subnormal, which Triton's
 # fp32 arithmetic keeps (fma.rn.f32, no flush-to-zero); one exact multiply by a power of two makes every value
-# normal before it meets an activation. DECODE picks per kernel (read at call time; "convert" until
-# bench_quant_gemm's `*_direct` rows say which leads).
+# normal before it meets an activation. DECODE picks per kernel (read at call time).
+# Measured on an H200 (docs/kernel_performance.md, "NVFP4 decode variants"): in the grouped GEMV and the
+# tensor-core kernel the direct decode ran at 0.78-1.00x of the convert decode, so they keep it; in the
+# per-pair GEMV with the vector activation load (below) it ran fastest, 1.08-1.17x over the old default at
+# 1-16 tokens.
 DECODES = ("convert", "direct")
-DECODE = {"gemv": "convert", "mma": "convert", "pair": "convert"}
+DECODE = {"gemv": "convert", "mma": "convert", "pair": "direct"}
 # How the per-pair GEMV (moe_gemv_nvfp4, the engine's routed experts at decode) reads the activation row: "tile"
 # (one load per weight-tile element, in the tile's layout) or "vector" (each column class once per word,
-# broadcast over the tile's rows: block_fp8.GEMV_X_LOAD's "vector", 1.15-1.46x faster on its grouped GEMV).
-# Read at call time; "tile" until bench_moe_gemv's `moe_gemv_nvfp4_xvec` rows say which leads.
+# broadcast over the tile's rows). "vector": 1.07-1.11x faster alone on the H200, and what lets the direct
+# decode lead. Read at call time.
 PAIR_X_LOADS = ("tile", "vector")
-PAIR_X_LOAD = "tile"
+PAIR_X_LOAD = "vector"
 # GEMV: the decoded values times 2^64 (2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end).
 # MMA: the block scales times 2^118 (448 * 2^118 < 2^127); a decoded value times one is e2m1 * scale * 2^-8,
 # exact in bf16 and fp16 (at most 6 significant bits, in [2^-18, 10.5]); 2^8 folded in at the end.
