@@ -315,7 +315,7 @@ class Mamba2Mixer(nn.Module):
 
     def _verify_ssm(self, state, meta, x, dt, A, Bm, Cm) -> torch.Tensor:
         """The SSM of a verify step (T = K + 1) with the state's ``ssm_backend``; returns y (B, T, H, P)
-        float32 incl. D x.
+        incl. D x, float32 (FlashInfer's ring replay: in x's dtype, as its kernel writes it).
 
         Replay: ``replay_verify`` (fast-forward by PNAT, the new tokens, their history), or FlashInfer's
         ``checkpointing_ssu`` for "flashinfer" (its ring history). Rewind: ``selective_state_update`` writing
@@ -324,11 +324,13 @@ class Mamba2Mixer(nn.Module):
         """
         backend = state.ssm_backend
         args = (x, dt, A, Bm, Cm, self.D, self.dt_bias)
-        out = x.new_empty(x.shape, dtype=torch.float32)
         if state.replay and isinstance(state.history, RingHistory):
+            # FlashInfer writes y in x's dtype; the gated norm reads it as it is (it computes in float32
+            # either way, so a cast here would be one more launch per layer for the same result)
             y = eager_op(_flashinfer_replay_verify)(state, meta, *args)
             state.slots.verified = True
-            return y.float()
+            return y
+        out = x.new_empty(x.shape, dtype=torch.float32)
         if state.replay:
             slots = state.slots
             verify = kernel_or_reference(backend, replay_verify, replay_verify_ref)
