@@ -40,7 +40,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_quant_gemm import QWEN, SUPER, _bench, gpu_report, part_copy, routed_indices, row  # noqa: E402
+from benchmarks.bench_quant_gemm import (  # noqa: E402
+    QWEN,
+    SUPER,
+    _bench,
+    _with,
+    gpu_report,
+    part_copy,
+    routed_indices,
+    row,
+)
 
 MODELS = {  # model: (L, I, E, top_k, activation, gated)
     "super_v3": (SUPER["L"], SUPER["I"], SUPER["E"], SUPER["top_k"], "relu2", False),
@@ -138,15 +147,10 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
 
 def _nvfp4_pair(decode: str, load: str, fn):
     """fn() with kernels/quant/nvfp4.py's per-pair choices DECODE["pair"] = decode and PAIR_X_LOAD = load,
-    both put back afterwards."""
+    both put back afterwards (bench_quant_gemm's ``_with``)."""
     from kernels.quant import nvfp4
 
-    saved = nvfp4.DECODE, nvfp4.PAIR_X_LOAD
-    nvfp4.DECODE, nvfp4.PAIR_X_LOAD = {**saved[0], "pair": decode}, load
-    try:
-        return fn()
-    finally:
-        nvfp4.DECODE, nvfp4.PAIR_X_LOAD = saved
+    return _with(nvfp4, fn, (), {}, DECODE={**nvfp4.DECODE, "pair": decode}, PAIR_X_LOAD=load)
 
 
 def _grouped_path(*args):

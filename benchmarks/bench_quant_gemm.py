@@ -54,6 +54,7 @@ import platform
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -185,29 +186,26 @@ def _dequant_then_bf16(x, w, s, s2, offs):
     return _bf16_grouped(x, nvfp4_dequantize(w, s, s2, torch.bfloat16), offs)
 
 
+def _with(module, fn, args, kwargs, **settings):
+    """fn(*args, **kwargs) with ``module``'s attributes set to ``settings`` (unittest.mock.patch.multiple),
+    put back afterwards, also when fn raises: how the rows below time one kernel choice beside the default."""
+    with mock.patch.multiple(module, **settings):
+        return fn(*args, **kwargs)
+
+
 def _tensor_core(fn, *args, **kwargs):
     """Call a kernels/quant launcher with the decode GEMV path off (GEMV_MAX_ROWS = 0): its tensor-core
     kernel at decode sizes, the "_tc" rows beside the default path's (the GEMV), so one run shows both."""
     from kernels.quant import _common
 
-    keep = _common.GEMV_MAX_ROWS
-    _common.GEMV_MAX_ROWS = 0
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _common.GEMV_MAX_ROWS = keep
+    return _with(_common, fn, args, kwargs, GEMV_MAX_ROWS=0)
 
 
 def _two_launch_split(fn, *args, **kwargs):
     """fn with every scheme's K split summed by the splitk_sum launch (block_fp8.SERIAL_SPLIT_SCHEMES empty)."""
     from kernels.quant import block_fp8
 
-    saved = block_fp8.SERIAL_SPLIT_SCHEMES
-    block_fp8.SERIAL_SPLIT_SCHEMES = ()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        block_fp8.SERIAL_SPLIT_SCHEMES = saved
+    return _with(block_fp8, fn, args, kwargs, SERIAL_SPLIT_SCHEMES=())
 
 
 def _x_load(load, fn, *args, **kwargs):
@@ -216,38 +214,22 @@ def _x_load(load, fn, *args, **kwargs):
     defaults put back afterwards."""
     from kernels.quant import block_fp8
 
-    saved = block_fp8.GEMV_X_LOAD
-    block_fp8.GEMV_X_LOAD = dict.fromkeys(saved, load)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        block_fp8.GEMV_X_LOAD = saved
+    return _with(block_fp8, fn, args, kwargs, GEMV_X_LOAD=dict.fromkeys(block_fp8.GEMV_X_LOAD, load))
 
 
 def _w8a16_dot(fn, *args, **kwargs):
     """fn with every w8a16 product on the tensor-core kernel (kernels/quant/block_fp8.py W8A16_DOT_MIN_ROWS
-    set to 1 row on both paths; by default the GEMV runs until this row's measurement says where the kernel
-    leads), the thresholds put back afterwards."""
+    set to 1 row on both paths; the defaults, dense from 1 row and grouped never, put back afterwards)."""
     from kernels.quant import block_fp8
 
-    saved = block_fp8.W8A16_DOT_MIN_ROWS
-    block_fp8.W8A16_DOT_MIN_ROWS = dict.fromkeys(saved, 1)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        block_fp8.W8A16_DOT_MIN_ROWS = saved
+    return _with(block_fp8, fn, args, kwargs, W8A16_DOT_MIN_ROWS=dict.fromkeys(block_fp8.W8A16_DOT_MIN_ROWS, 1))
 
 
 def _nvfp4_direct(fn, *args, **kwargs):
-    """fn with kernels/quant/nvfp4.py's "direct" decode in both kernels (DECODE), put back afterwards."""
+    """fn with kernels/quant/nvfp4.py's "direct" decode in every kernel (DECODE), put back afterwards."""
     from kernels.quant import nvfp4
 
-    saved = nvfp4.DECODE
-    nvfp4.DECODE = dict.fromkeys(saved, "direct")
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        nvfp4.DECODE = saved
+    return _with(nvfp4, fn, args, kwargs, DECODE=dict.fromkeys(nvfp4.DECODE, "direct"))
 
 
 def _torch_cast(fn, *args, **kwargs):
@@ -256,12 +238,7 @@ def _torch_cast(fn, *args, **kwargs):
     from kernels.quant.fp8 import quantize_fp8_ref
     from runners.engine.models import fp8
 
-    saved = fp8.quantize_fp8
-    fp8.quantize_fp8 = quantize_fp8_ref
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        fp8.quantize_fp8 = saved
+    return _with(fp8, fn, args, kwargs, quantize_fp8=quantize_fp8_ref)
 
 
 def gemlite_fp8_linear(w16):
@@ -298,14 +275,8 @@ def _rows_rule(fn, *args, **kwargs):
     rule before that bound, the "_gemv" rows beside the default's and the "_tc" ones."""
     from kernels.quant import block_fp8, nvfp4
 
-    keep = {m: m.GROUPED_GEMV_MAX_ROWS for m in (block_fp8, nvfp4)}
-    for m in keep:
-        m.GROUPED_GEMV_MAX_ROWS = float("inf")
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        for m, bound in keep.items():
-            m.GROUPED_GEMV_MAX_ROWS = bound
+    with mock.patch.object(nvfp4, "GROUPED_GEMV_MAX_ROWS", float("inf")):
+        return _with(block_fp8, fn, args, kwargs, GROUPED_GEMV_MAX_ROWS=float("inf"))
 
 
 def part_copy() -> dict:

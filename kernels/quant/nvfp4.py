@@ -393,6 +393,19 @@ def e2m1_word_f32(w):
 
 
 @triton.jit
+def _gemv_word(w, DIRECT: tl.constexpr):
+    """The CUDA-core kernels' decode of int32 words w: the 8 elements as fp32, times 2^-14 (:func:`e2m1_word`)
+    or, DIRECT, times 2^-62 (:func:`e2m1_word_f32`'s 2^-126 made normal by one exact multiply by 2^64 each,
+    no convert); the caller folds the power of two back with weight_scale_2."""
+    if DIRECT:
+        e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(w)
+        return (e0 * DIRECT_F32_SCALE, e1 * DIRECT_F32_SCALE, e2 * DIRECT_F32_SCALE, e3 * DIRECT_F32_SCALE,
+                e4 * DIRECT_F32_SCALE, e5 * DIRECT_F32_SCALE, e6 * DIRECT_F32_SCALE, e7 * DIRECT_F32_SCALE)
+    else:
+        return e2m1_word(w)
+
+
+@triton.jit
 def _scaled(v, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """v [BLOCK_N, BLOCK_K / 8] (one element per packed word) times the block scale of its word (two words per
     16-column block): sc [BLOCK_N, BLOCK_K / 16]."""
@@ -573,14 +586,7 @@ def _nvfp4_gemv_kernel(
             m2 = mask_n[:, None] & mkw[None, :]
             wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
             scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words / block
-            if DIRECT:  # fp32 patterns (x 2^-126) made normal by one exact multiply each, no convert
-                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
-                e0, e1, e2, e3 = e0 * DIRECT_F32_SCALE, e1 * DIRECT_F32_SCALE, e2 * DIRECT_F32_SCALE, \
-                    e3 * DIRECT_F32_SCALE
-                e4, e5, e6, e7 = e4 * DIRECT_F32_SCALE, e5 * DIRECT_F32_SCALE, e6 * DIRECT_F32_SCALE, \
-                    e7 * DIRECT_F32_SCALE
-            else:
-                e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+            e0, e1, e2, e3, e4, e5, e6, e7 = _gemv_word(wd, DIRECT)
             a0 += _nvfp4_row_part(x_ptr, row0, row_end, stride_xm, KW, kw, mkw,
                                   e0, e1, e2, e3, e4, e5, e6, e7, scw)
             if BLOCK_M > 1:
@@ -875,14 +881,7 @@ def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW, DIRECT: 
     m2 = mask_n[:, None] & mkw[None, :]
     wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
     scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words per 16 columns
-    if DIRECT:
-        e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
-        e0, e1, e2, e3 = e0 * DIRECT_F32_SCALE, e1 * DIRECT_F32_SCALE, e2 * DIRECT_F32_SCALE, \
-            e3 * DIRECT_F32_SCALE
-        e4, e5, e6, e7 = e4 * DIRECT_F32_SCALE, e5 * DIRECT_F32_SCALE, e6 * DIRECT_F32_SCALE, \
-            e7 * DIRECT_F32_SCALE
-    else:
-        e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _gemv_word(wd, DIRECT)
     if XVEC:
         xv = x_row + 8 * kw
         t = e0 * tl.load(xv, mask=mkw, other=0.0).to(tl.float32)[None, :]
