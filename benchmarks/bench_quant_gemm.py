@@ -11,6 +11,11 @@ measured in the same run):
   runners/engine/models/moe.py runs it) vs dequantize-then-BF16 (every expert's NVFP4 weight dequantized by
   the PyTorch reference, then the BF16 grouped GEMM: what a runtime without the fused kernel does, since it
   cannot learn which experts are active without synchronising).
+- ``nvfp4_dense``: one of those experts' matrices as a dense layer at M = batch: ``nvfp4_linear`` vs
+  gemlite's weight-only NVFP4 linear (``gemlite_a16w4_nvfp4``: the same packed codes, block scales and global
+  scale, so the same bytes; each row carries ``peer_max_rel_err``, the peer's largest difference from
+  ``nvfp4_linear_ref`` over the output's largest magnitude, so a peer that computes something else shows) vs a
+  BF16 ``F.linear``.
 - ``fp8_tensor``: Nemotron 3 Super's dense projections in per-tensor FP8 (SUPER_DENSE) at M = batch:
   ``fp8_linear`` (the activation cast with its static scale in one launch, kernels.quant.fp8, then
   ``torch._scaled_mm``: what FP8Linear runs; "_torchcast" rows: the cast as three torch launches)
@@ -66,7 +71,7 @@ QWEN_DENSE = {"q_gate": (8192, 2048), "kv": (512, 2048), "o": (2048, 4096), "gdn
 # 2 * 8192 + 2 * 8 * 128 + 128) and out_proj, attention q / k+v / o
 SUPER_DENSE = {"mamba_in": (18560, 4096), "mamba_out": (4096, 8192), "q": (4096, 4096), "kv": (512, 4096),
                "o": (4096, 4096)}
-PARTS = ("copy", "nvfp4", "fp8", "fp8_tensor")
+PARTS = ("copy", "nvfp4", "nvfp4_dense", "fp8", "fp8_tensor")
 COPY_BYTES = 1 << 30
 
 
@@ -333,6 +338,69 @@ def part_nvfp4(batches: list[int], copy_gbps: float) -> list[dict]:
     return rows
 
 
+def gemlite_nvfp4_linear(w, s, s2):
+    """A peer from PyPI: gemlite's weight-only NVFP4 linear (``gemlite.helper.A16W4_NVFP``, bf16 activations)
+    built from one ModelOpt NVFP4 triple (w uint8 [N, K/2], s float8_e4m3fn [N, K/16], s2 float32 0-dim) on
+    CUDA, its packed codes taken as they are. gemlite multiplies its accumulator by 1 / ``meta_scale``, so
+    meta_scale = 1 / s2. Returns the callable module, or why it is not there (a str), as
+    :func:`gemlite_fp8_linear`."""
+    import torch
+
+    try:
+        from gemlite.helper import A16W4_NVFP
+    except Exception as e:  # noqa: BLE001 - optional peer: a row that says why
+        return f"gemlite not importable ({type(e).__name__}: {e}); pip install gemlite to time it"
+    try:
+        return A16W4_NVFP(device=str(w.device), dtype=torch.bfloat16).from_packed_weights(
+            w, scales=s, meta_scale=(1.0 / s2.float()).reshape(()))
+    except Exception as e:  # noqa: BLE001
+        return f"gemlite A16W4_NVFP failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def max_rel_err(y, ref) -> float:
+    """max |y - ref| / max |ref| in float32 (inf where y is not finite or has another shape)."""
+    if tuple(y.shape) != tuple(ref.shape):
+        return float("inf")
+    d = (y.float() - ref.float()).abs().max()
+    return float(d / ref.float().abs().max().clamp_min(1e-30))
+
+
+def part_nvfp4_dense(batches: list[int], copy_gbps: float) -> list[dict]:
+    """The ``nvfp4_dense`` rows (module docstring): Super V3's expert matrices (up, down) as dense NVFP4
+    linears at M = batch, ours vs gemlite's vs BF16, with the bytes each must read and its share of the copy
+    bandwidth ``copy_gbps`` (GB/s) measured in the same run. Needs CUDA."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.quant.nvfp4 import nvfp4_linear, nvfp4_linear_ref, nvfp4_quantize
+
+    rows = []
+    for proj, (N, K) in {"up": (SUPER["I"], SUPER["L"]), "down": (SUPER["L"], SUPER["I"])}.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w16 = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        w, s, s2 = nvfp4_quantize(w16.float())
+        peer = gemlite_nvfp4_linear(w, s, s2)
+        for B in batches:
+            x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16)
+            io = (B * K + B * N) * 2
+            meta = {"proj": proj, "N": N, "K": K, "batch": B}
+            ref = nvfp4_linear_ref(x, w, s, s2)
+            rows.append(row("nvfp4_linear", _bench(partial(nvfp4_linear, x, w, s, s2)),
+                            nvfp4_weight_bytes(N, K) + io, copy_gbps,
+                            max_rel_err=round(max_rel_err(nvfp4_linear(x, w, s, s2), ref), 5), **meta))
+            if not isinstance(peer, str):
+                try:
+                    meta["peer_max_rel_err"] = round(max_rel_err(peer(x), ref), 5)
+                except Exception as e:  # noqa: BLE001 - _peer_row reports the failure
+                    meta["peer_max_rel_err"] = f"{type(e).__name__}"
+            rows.append(_peer_row("gemlite_a16w4_nvfp4", peer, x, nvfp4_weight_bytes(N, K) + io, copy_gbps,
+                                  **meta))
+            meta.pop("peer_max_rel_err", None)
+            rows.append(row("bf16_linear", _bench(partial(F.linear, x, w16)), N * K * 2 + io, copy_gbps,
+                            **meta))
+    return rows
+
+
 def part_fp8(batches: list[int], copy_gbps: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -502,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                                                               "nvfp4_grouped_gemv"),
                            "speedup_vs_dequant_then_bf16": speedups(rows, "nvfp4_grouped",
                                                                     "nvfp4_dequant_then_bf16_grouped")}
+    if "nvfp4_dense" in args.parts:
+        rows = part_nvfp4_dense(args.batches, bw)
+        report["nvfp4_dense"] = {"rows": rows,
+                                 "speedup_vs_gemlite": speedups(rows, "nvfp4_linear", "gemlite_a16w4_nvfp4"),
+                                 "speedup_vs_bf16": speedups(rows, "nvfp4_linear", "bf16_linear")}
     if "fp8" in args.parts:
         from kernels.quant.block_fp8 import block_scaled_mm_supported
 
@@ -543,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       "bf16_linear")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    for part in ("nvfp4", "fp8", "fp8_tensor"):
+    for part in ("nvfp4", "nvfp4_dense", "fp8", "fp8_tensor"):
         for k, v in report.get(part, {}).items():
             if k != "rows":
                 print(f"{part} {k}: {json.dumps(v)}")

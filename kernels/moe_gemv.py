@@ -58,6 +58,10 @@ ACT_CODES = {"relu2": 1, "silu": 2}
 GEMV_BLOCK_K = 128
 GEMV_MAX_BLOCK_N = 32
 GEMV_TILE_WEIGHTS = 4096
+# Launch settings of every per-pair GEMV launcher (this file's, kernels/quant/nvfp4.py's and block_fp8.py's):
+# warps per program and Triton's software-pipelining depth of the K loop (num_stages 1: each tile's loads wait
+# for the previous tile's products). Read at call time (benchmarks/sweep_pair_gemv.py times the alternatives).
+PAIR_LAUNCH = {"num_warps": 4, "num_stages": 1}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,7 +286,7 @@ def _launch_pair_gemv(x, indices, w, w2, out_dtype, topk, act_code):
         NOUT, K, topk, steps,
         x.stride(0), w.stride(0), w.stride(1), out.stride(-2), out.stride(0) if split > 1 else 0,
         GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1,
+        BLOCK_N=bn, BLOCK_K=bk, **PAIR_LAUNCH,
     )
     return out, (out2 if w2 is not None else None), split
 

@@ -94,6 +94,22 @@ def test_a_peer_that_is_not_installed_is_a_row_with_the_reason():
     assert bench.speedups(rows, "gemlite_a16w8_fp8", "ours") == {}
 
 
+def test_the_nvfp4_peer_says_why_it_is_absent_and_errors_are_relative():
+    """The NVFP4 peer follows the FP8 peer's rule when gemlite is absent; max_rel_err is the largest
+    difference over the reference's largest magnitude, infinite for a result of another shape."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("gemlite") is None:
+        peer = bench.gemlite_nvfp4_linear(None, None, torch.tensor(0.5))
+        assert isinstance(peer, str) and "pip install gemlite" in peer
+    ref = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+    assert bench.max_rel_err(ref, ref) == 0.0
+    assert bench.max_rel_err(ref + torch.tensor([[0.0, 1.0], [0.0, 0.0]]), ref) == 0.25
+    assert bench.max_rel_err(ref[:1], ref) == float("inf")
+
+
 def test_the_dot_rows_force_the_tensor_core_kernel_and_put_the_thresholds_back():
     """_w8a16_dot runs the call with W8A16_DOT_MIN_ROWS at 1 row on both paths (the tensor-core kernel for
     every w8a16 product) and restores the defaults afterwards, also when the call raises."""

@@ -126,6 +126,23 @@ def test_nvfp4_pair_decode_and_x_load_variants_give_the_same_bits(splitting, req
         nf4.moe_gemv_nvfp4(*args)
 
 
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_pair_launch_settings_keep_the_result(fmt, unsplit, monkeypatch):
+    """The swept launch settings (benchmarks/sweep_pair_gemv.py: kernels/moe_gemv.py PAIR_LAUNCH and
+    GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS) reach the launch and keep the reference's result: wider output
+    tiles and more weights per K step change only the fp32 summation order (warps and pipelining depth are
+    compile settings the interpreter ignores; the GPU sweep compares each configuration's output)."""
+    from kernels import moe_gemv
+
+    kernel, ref = KERNELS[fmt]
+    args = _case(fmt, torch.bfloat16, True, seed=2)
+    want = ref(*args)
+    monkeypatch.setattr(moe_gemv, "PAIR_LAUNCH", {"num_warps": 8, "num_stages": 3})
+    monkeypatch.setattr(moe_gemv, "GEMV_MAX_BLOCK_N", 64)
+    monkeypatch.setattr(nf4, "PAIR_TILE_WEIGHTS", 16384)
+    _close(kernel(*args), want, torch.bfloat16)
+
+
 @pytest.mark.parametrize("splitting", ["unsplit", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_block_fp8_w8a16_pairs_equal_their_reference_and_the_grouped_path(dtype, splitting, request):

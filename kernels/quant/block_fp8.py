@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import moe_gemv as pair_gemv
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
 from kernels.quant import _common as quant_common
@@ -1184,7 +1185,7 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool = False)
         x.stride(0), weight.stride(0), weight.stride(1), ws.stride(0), ws.stride(1),
         out.stride(-2), out.stride(0) if split > 1 else 0,
         GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
-        BLOCK_N=bn, BLOCK_K=BLOCK, INTERP=interpreter_active(), A16=a16, num_warps=4, num_stages=1,
+        BLOCK_N=bn, BLOCK_K=BLOCK, INTERP=interpreter_active(), A16=a16, **pair_gemv.PAIR_LAUNCH,
     )
     return out, (out2 if w2 is not None else None), split
 

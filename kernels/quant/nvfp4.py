@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import moe_gemv as pair_gemv
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
 from kernels.quant._common import (
@@ -364,6 +365,9 @@ DECODE = {"gemv": "convert", "mma": "convert", "pair": "direct"}
 # decode lead. Read at call time.
 PAIR_X_LOADS = ("tile", "vector")
 PAIR_X_LOAD = "vector"
+# Weights the per-pair GEMV decodes per program and K step, over its matrices (unsplit launches; 8192: 4 KB of
+# codes), with kernels/moe_gemv.py's PAIR_LAUNCH. Read at call time.
+PAIR_TILE_WEIGHTS = 8192
 # GEMV: the decoded values times 2^64 (2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end).
 # MMA: the block scales times 2^118 (448 * 2^118 < 2^127); a decoded value times one is e2m1 * scale * 2^-8,
 # exact in bf16 and fp16 (at most 6 significant bits, in [2^-18, 10.5]); 2^8 folded in at the end.
@@ -962,8 +966,8 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
     NOUT, K = weight.shape[1], 2 * weight.shape[2]
     matrices = 1 if w2 is None else 2
     bn, bk, split, steps = pair_gemv_config(P, NOUT, K, matrices)
-    if split == 1:  # this file's GEMV budget: 4 KB of codes per program and step (over matrices)
-        bk = max(GEMV_BLOCK_K, min(GEMV_BLOCK_K * 64 // (bn * matrices), triton.next_power_of_2(K)))
+    if split == 1:  # PAIR_TILE_WEIGHTS per program and step (over matrices)
+        bk = max(GEMV_BLOCK_K, min(PAIR_TILE_WEIGHTS // (bn * matrices), triton.next_power_of_2(K)))
         steps = triton.cdiv(K, bk)
     out, out2 = pair_outputs(P, NOUT, split, w2 is not None, out_dtype, x.device)
     words = weight.view(torch.int32)
@@ -975,7 +979,7 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
         out.stride(-2), out.stride(0) if split > 1 else 0,
         GATED=w2 is not None, ACT=act_code if split == 1 else 0, SPLIT=split > 1,
         BLOCK_N=bn, BLOCK_K=bk, DIRECT=_decode("pair") == "direct", XVEC=_pair_x_load() == "vector",
-        num_warps=4, num_stages=1,
+        **pair_gemv.PAIR_LAUNCH,
     )
     return out, (out2 if w2 is not None else None), split
 

@@ -1,0 +1,191 @@
+"""Launch settings of the quantized per-pair GEMVs (the engine's routed experts at decode) swept on the GPU:
+warps, Triton's pipelining depth of the K loop, the tile's width and weights per step.
+
+    python -m benchmarks.sweep_pair_gemv --out OUT.json [--batches 1 8] [--formats nvfp4 block_fp8]
+        [--budget-s 300]
+
+Why: the per-pair GEMVs launch with 4 warps and num_stages 1 (kernels/moe_gemv.py PAIR_LAUNCH), so each
+program has one tile of loads in flight (about 4 KB) and waits for it before the next; on an H200 they read
+their experts at 4.8-5.7x the weight-read floor (docs/gpu/quant_4). By Little's law the copy bandwidth needs
+tens of KB in flight per SM. This sweep asks whether more bytes in flight (deeper pipelining, more warps,
+wider tiles) close part of that gap before a new kernel is written.
+
+Per format (``nvfp4``: Nemotron 3 Super's experts, ``moe_gemv_nvfp4``; ``block_fp8``: Qwen3-Next's,
+``moe_gemv_block_fp8`` in the scheme the engine runs at one row per expert) and batch (tokens routed to random
+distinct experts, benchmarks/bench_moe_gemv.py's set-up), one row per configuration of `configs`:
+num_warps x num_stages (kernels/moe_gemv.py PAIR_LAUNCH) x the widest output tile (GEMV_MAX_BLOCK_N) x, for
+NVFP4, the weights decoded per program and step (kernels/quant/nvfp4.py PAIR_TILE_WEIGHTS). Each row: the
+whole three-launch call's microseconds (bench_quant_gemm's ``_bench``: CUDA-graph replays, L2 flushed),
+``x_floor`` against the weight-read floor of the same run's copy bandwidth, and ``max_rel_err`` against the
+default configuration's output (the summation order may change with the tiles; the values must not).
+"best" per (format, batch) is the fastest configuration; "speedup_vs_default" its gain. The JSON is rewritten
+after every row (a run cut short keeps what it measured); --budget-s stops starting configurations and says
+so ("skipped").
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_moe_gemv import MODELS, _quantized, expert_bytes_in  # noqa: E402
+from benchmarks.bench_quant_gemm import _bench, _with, gpu_report, max_rel_err, part_copy, routed_indices, row  # noqa: E402
+
+FORMAT_MODEL = {"nvfp4": "super_v3", "block_fp8": "qwen3_next"}
+WARPS = (4, 8)
+STAGES = (1, 2, 3, 4)
+MAX_BLOCK_N = (32, 64)
+NVFP4_TILE_WEIGHTS = (8192, 16384)
+
+
+def configs(fmt: str) -> list[dict]:
+    """The swept settings of one format, the current defaults first: dicts of num_warps, num_stages,
+    max_block_n and (NVFP4) tile_weights."""
+    from kernels import moe_gemv
+    from kernels.quant import nvfp4
+
+    default = {**moe_gemv.PAIR_LAUNCH, "max_block_n": moe_gemv.GEMV_MAX_BLOCK_N}
+    if fmt == "nvfp4":
+        default["tile_weights"] = nvfp4.PAIR_TILE_WEIGHTS
+    tiles = NVFP4_TILE_WEIGHTS if fmt == "nvfp4" else (None,)
+    out = [default]
+    for w, s, bn, tw in itertools.product(WARPS, STAGES, MAX_BLOCK_N, tiles):
+        c = {"num_warps": w, "num_stages": s, "max_block_n": bn, **({"tile_weights": tw} if tw else {})}
+        if c != default:
+            out.append(c)
+    return out
+
+
+def run_with(config: dict, fn):
+    """fn() under ``config`` (kernels/moe_gemv.py PAIR_LAUNCH and GEMV_MAX_BLOCK_N, kernels/quant/nvfp4.py
+    PAIR_TILE_WEIGHTS), every setting put back afterwards."""
+    from kernels import moe_gemv
+    from kernels.quant import nvfp4
+
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    inner = partial(_with, moe_gemv, fn, (), {}, PAIR_LAUNCH=launch, GEMV_MAX_BLOCK_N=config["max_block_n"])
+    if "tile_weights" in config:
+        return _with(nvfp4, inner, (), {}, PAIR_TILE_WEIGHTS=config["tile_weights"])
+    return inner()
+
+
+def _setup(fmt: str, B: int):
+    """(call, meta, floor bytes) of one point: the format's per-pair MoE call on random experts."""
+    import math
+
+    import torch
+
+    from kernels.quant.block_fp8 import moe_gemv_block_fp8
+    from kernels.quant.nvfp4 import moe_gemv_nvfp4
+    from runners.engine.formats import get_format
+
+    model = FORMAT_MODEL[fmt]
+    L, I, E, k, act, gated = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16)
+    q = {name: _quantized(fmt, w)[0] for name, w in
+         (("up", r(E, I, L)), ("gate", r(E, I, L) if gated else None), ("down", r(E, L, I))) if w is not None}
+    indices = routed_indices(B, k, E, seed=B)
+    weights = torch.softmax(torch.rand(B, k, device="cuda", generator=gen), dim=1)
+    h = torch.randn(B, L, device="cuda", generator=gen).to(torch.bfloat16)
+    active = int(indices.unique().numel())
+    if fmt == "nvfp4":
+        call = partial(moe_gemv_nvfp4, h, weights, indices, q["up"], q.get("gate"), q["down"], act)
+        scheme = None
+    else:
+        scheme = get_format(fmt).scheme(1)
+        call = partial(moe_gemv_block_fp8, h, weights, indices, q["up"], q.get("gate"), q["down"], act,
+                       scheme=scheme)
+    meta = {"format": fmt, "model": model, "batch": B, "pairs": B * k, "active_experts": active,
+            **({"scheme": scheme} if scheme else {})}
+    return call, meta, active * expert_bytes_in(fmt, L, I, gated) + 4 * B * L
+
+
+def sweep(formats: list[str], batches: list[int], copy_gbps: float, budget_s: float, report: dict,
+          save) -> None:
+    """Fill report["rows"] / ["skipped"] / ["best"], calling ``save()`` after each row."""
+    t0 = time.monotonic()
+    for fmt in formats:
+        for B in batches:
+            call, meta, nbytes = _setup(fmt, B)
+            floor = nbytes / (copy_gbps * 1e9) * 1e6
+            ref = None
+            for c in configs(fmt):
+                if ref is not None and time.monotonic() - t0 > budget_s:
+                    report["skipped"].append({**meta, "config": c})
+                    continue
+                try:
+                    y = run_with(c, call)
+                    ref = y if ref is None else ref
+                    out = row("pair_gemv", _bench(partial(run_with, c, call)), nbytes, copy_gbps, **meta,
+                              config=c, floor_us=round(floor, 2), max_rel_err=round(max_rel_err(y, ref), 6))
+                    out["x_floor"] = round(out["us"] / floor, 2)
+                except Exception as e:  # noqa: BLE001 - a configuration that fails is a row, not a crash
+                    out = {"name": "pair_gemv", **meta, "config": c,
+                           "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                    print(json.dumps(out), flush=True)
+                report["rows"].append(out)
+                save()
+    report["best"] = best(report["rows"])
+
+
+def best(rows: list[dict]) -> dict:
+    """{"<format>_b<batch>": {"config", "us", "x_floor", "default_us", "speedup_vs_default"}}: the fastest
+    row per point whose result matches the default's (max_rel_err <= 1e-2), the first row being the default."""
+    out: dict = {}
+    for r in rows:
+        if "us" not in r or r.get("max_rel_err", 1.0) > 1e-2:
+            continue
+        key = f"{r['format']}_b{r['batch']}"
+        b = out.setdefault(key, {"default_us": r["us"], "config": r["config"], "us": r["us"],
+                                 "x_floor": r["x_floor"]})
+        if r["us"] < b["us"]:
+            b.update(config=r["config"], us=r["us"], x_floor=r["x_floor"])
+    for b in out.values():
+        b["speedup_vs_default"] = round(b["default_us"] / b["us"], 3)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_pair_gemv", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write (rewritten after every row)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode tokens per step")
+    p.add_argument("--formats", nargs="+", default=list(FORMAT_MODEL), choices=list(FORMAT_MODEL))
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="seconds after which no further configuration starts (the skipped ones are listed)")
+    args = p.parse_args(argv)
+    if min(args.batches) < 1:
+        p.error("--batches must be >= 1")
+    if args.budget_s <= 0:
+        p.error("--budget-s must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = gpu_report("python -m benchmarks.sweep_pair_gemv", argv)
+    if report is None:
+        return 2
+    report["copy"] = part_copy()
+    report.update(rows=[], skipped=[])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda: out.write_text(json.dumps(report, indent=2) + "\n")
+    sweep(args.formats, args.batches, report["copy"]["gb_per_s"], args.budget_s, report, save)
+    save()
+    for key, b in report["best"].items():
+        print(f"{key}: {json.dumps(b)}")
+    print(f"skipped {len(report['skipped'])}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""benchmarks/sweep_pair_gemv.py (the per-pair GEMVs' launch settings swept on the GPU): the configuration
+grid, that each configuration reaches the launchers' settings and is put back, the choice of the best, and its
+argument checks. The timings themselves run on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sweep_pair_gemv as sweep
+from kernels import moe_gemv
+from kernels.quant import nvfp4
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "block_fp8"])
+def test_the_grid_starts_at_the_defaults_and_has_no_repeats(fmt):
+    grid = sweep.configs(fmt)
+    default = {**moe_gemv.PAIR_LAUNCH, "max_block_n": moe_gemv.GEMV_MAX_BLOCK_N}
+    if fmt == "nvfp4":
+        default["tile_weights"] = nvfp4.PAIR_TILE_WEIGHTS
+    assert grid[0] == default
+    assert len({tuple(sorted(c.items())) for c in grid}) == len(grid)
+    per_tile = len(sweep.NVFP4_TILE_WEIGHTS) if fmt == "nvfp4" else 1
+    assert len(grid) == len(sweep.WARPS) * len(sweep.STAGES) * len(sweep.MAX_BLOCK_N) * per_tile
+
+
+def test_a_configuration_is_seen_by_the_call_and_put_back():
+    keep = (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS)
+    seen = lambda: (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS)
+    c = {"num_warps": 8, "num_stages": 3, "max_block_n": 64, "tile_weights": 16384}
+    assert sweep.run_with(c, seen) == ({"num_warps": 8, "num_stages": 3}, 64, 16384)
+    assert seen() == keep
+    assert sweep.run_with({"num_warps": 4, "num_stages": 2, "max_block_n": 32}, seen)[2] == keep[2]
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        sweep.run_with(c, boom)
+    assert seen() == keep
+
+
+def test_best_is_the_fastest_matching_row_against_the_first():
+    d = {"num_warps": 4}
+    rows = [{"format": "nvfp4", "batch": 1, "config": d, "us": 10.0, "x_floor": 5.0, "max_rel_err": 0.0},
+            {"format": "nvfp4", "batch": 1, "config": {"a": 1}, "us": 4.0, "x_floor": 2.0, "max_rel_err": 0.5},
+            {"format": "nvfp4", "batch": 1, "config": {"b": 1}, "us": 8.0, "x_floor": 4.0, "max_rel_err": 1e-4},
+            {"format": "nvfp4", "batch": 1, "config": {"c": 1}, "error": "boom"}]
+    assert sweep.best(rows) == {"nvfp4_b1": {"default_us": 10.0, "config": {"b": 1}, "us": 8.0,
+                                             "x_floor": 4.0, "speedup_vs_default": 1.25}}
+
+
+@pytest.mark.parametrize("argv, says", [(["--out", "x.json", "--batches", "0"], "--batches"),
+                                        (["--out", "x.json", "--budget-s", "0"], "--budget-s"),
+                                        (["--out", "x.json", "--formats", "int4"], "invalid choice")])
+def test_refuses_bad_arguments(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(argv)
+    assert says in capsys.readouterr().err
+
+
+def test_needs_cuda(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert sweep.main(["--out", str(tmp_path / "s.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
