@@ -12,6 +12,16 @@ and Qwen3-Next GDN (16 / 32 heads of 128 x 128), T = 4, bf16 inputs; `SR_CONFIGS
 (`_sr` rows) and with an fp16 state (`_f16`); and the stochastic-rounding rule alone
 (`rule_<bf16|f16>_<rn|sr>`: 8 elements per thread, so (sr - rn) / 8 is its instructions per element).
 
+--pair-gemv: instead, the quantized per-pair GEMVs (the engine's routed experts at decode: kernels/quant/
+nvfp4.py's and block_fp8.py's ``_launch_pair``) at Super V3's NVFP4 and Qwen3-Next's block-FP8 expert shapes,
+per launch setting (kernels/moe_gemv.py PAIR_LAUNCH: warps, num_stages; the NVFP4 decode and activation load
+variants), with each kernel's SASS opcodes; and the marginal cost of a weight: the same kernel compiled at two
+tile sizes (nvfp4.PAIR_TILE_WEIGHTS 8192 and 16384: one K step decodes twice the weights per thread, the rest
+of the kernel is the same), (instructions at 16384 - at 8192) / (the extra weights per thread), overall and
+per opcode class. Times that by the weights a step reads and divide by the SMs' issue rate (4 warp
+instructions per clock per SM) and it is the ALU time below which the kernel cannot go, beside the
+weight-read floor.
+
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
 version may compile somewhat differently.
 """
@@ -216,17 +226,101 @@ def report(sass_dir: str | None = None) -> dict:
     return res
 
 
+# opcode classes of the per-weight cost (SASS mnemonics, the part before the first ".")
+OPCODE_CLASSES = {"int": ("LOP3", "IMAD", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA"),
+                  "fp32": ("FMUL", "FFMA", "FADD", "FMNMX", "FSETP"),
+                  "convert": ("HADD2", "F2F", "F2FP", "I2F", "F2I"), "load": ("LDG", "LDS", "LDC", "LDGSTS"),
+                  "shuffle": ("SHFL",)}
+
+
+def _classes(ops: dict) -> dict:
+    """{class: count} of SASS opcode counts ``ops`` ({"LOP3.LUT": n, ...}) by OPCODE_CLASSES (others left out)."""
+    out = dict.fromkeys(OPCODE_CLASSES, 0)
+    for op, n in ops.items():
+        for cls, names in OPCODE_CLASSES.items():
+            if op.split(".")[0] in names:
+                out[cls] += n
+    return out
+
+
+def pair_gemv_report() -> dict:
+    """--pair-gemv (module docstring): {"kernels": {name: usage}, "per_weight": {name: marginal instructions
+    per weight, overall and per class}}."""
+    from kernels import moe_gemv
+    from kernels.quant import block_fp8, nvfp4
+
+    compiled = _install()
+    E, L, I, P = 8, 1024, 2688, 22  # Super V3's latent 1024 -> 2688, 22 pairs (one token)
+    x, idx = torch.zeros(1, L, dtype=torch.bfloat16), torch.zeros(P, dtype=torch.int64)
+    nv = lambda n, k: (torch.zeros(E, n, k // 2, dtype=torch.uint8),
+                       torch.zeros(E, n, k // 16, dtype=torch.float8_e4m3fn), torch.zeros(E))
+    QL, QI = 2048, 512  # Qwen3-Next 2048 -> 512, gated, 10 pairs
+    qx, qidx = torch.zeros(1, QL, dtype=torch.bfloat16), torch.zeros(10, dtype=torch.int64)
+    fp = lambda n, k: (torch.zeros(E, n, k, dtype=torch.float8_e4m3fn), torch.zeros(E, n // 128, k // 128))
+    launches = {
+        "nvfp4_up": lambda: nvfp4._launch_pair(x, idx, nv(I, L), None, torch.bfloat16, P, 1),
+        "nvfp4_down": lambda: nvfp4._launch_pair(torch.zeros(P, I, dtype=torch.bfloat16), idx, nv(L, I), None,
+                                                 torch.bfloat16, 1, 0),
+        "block_fp8_gate_up_w8a16": lambda: block_fp8._launch_pair(qx, qidx, fp(QI, QL), fp(QI, QL),
+                                                                 torch.bfloat16, 10, 2, a16=True),
+        "block_fp8_down_w8a16": lambda: block_fp8._launch_pair(torch.zeros(10, QI, dtype=torch.bfloat16), qidx,
+                                                              fp(QL, QI), None, torch.bfloat16, 1, 0, a16=True),
+    }
+    settings = {"warps4": {"num_warps": 4, "num_stages": 1}, "warps4_stages3": {"num_warps": 4, "num_stages": 3},
+                "warps8": {"num_warps": 8, "num_stages": 1}}
+    nv_variants = {"": {}, "_convert": {"DECODE": {**nvfp4.DECODE, "pair": "convert"}},
+                   "_xtile": {"PAIR_X_LOAD": "tile"}}
+    res: dict = {"kernels": {}, "per_weight": {}}
+    keep = (moe_gemv.PAIR_LAUNCH, nvfp4.PAIR_TILE_WEIGHTS, nvfp4.DECODE, nvfp4.PAIR_X_LOAD)
+    try:
+        for sname, launch in settings.items():
+            moe_gemv.PAIR_LAUNCH = launch
+            threads = 32 * launch["num_warps"]
+            for kname, fn in launches.items():
+                variants = nv_variants if kname.startswith("nvfp4") else {"": {}}
+                for vname, patch in variants.items():
+                    counts = {}
+                    for tile in ((8192, 16384) if kname.startswith("nvfp4") else (None,)):
+                        nvfp4.DECODE, nvfp4.PAIR_X_LOAD = patch.get("DECODE", keep[2]), patch.get("PAIR_X_LOAD",
+                                                                                               keep[3])
+                        if tile:
+                            nvfp4.PAIR_TILE_WEIGHTS = tile
+                        compiled.clear()
+                        name = f"{kname}{vname}_{sname}" + (f"_tile{tile}" if tile else "")
+                        try:
+                            fn()
+                            usage, _ = _usage(compiled[-1], top=200)
+                        except Exception as e:  # noqa: BLE001 - a row with its error
+                            res["kernels"][name] = {"error": repr(e)[:300]}
+                            continue
+                        usage["classes"] = _classes(usage["top_opcodes"])
+                        usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
+                        res["kernels"][name] = usage
+                        counts[tile] = usage
+                    if len(counts) == 2:  # the marginal cost of one weight (module docstring)
+                        extra = (16384 - 8192) / threads
+                        a, b = counts[8192], counts[16384]
+                        res["per_weight"][f"{kname}{vname}_{sname}"] = {
+                            "instructions": round((b["instructions"] - a["instructions"]) / extra, 2),
+                            **{c: round((b["classes"][c] - a["classes"][c]) / extra, 2) for c in OPCODE_CLASSES}}
+    finally:
+        moe_gemv.PAIR_LAUNCH, nvfp4.PAIR_TILE_WEIGHTS, nvfp4.DECODE, nvfp4.PAIR_X_LOAD = keep
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--sass", default=None, help="folder for each kernel's SASS listing")
+    ap.add_argument("--pair-gemv", action="store_true",
+                    help="the quantized per-pair GEMVs and their instructions per weight instead (docstring)")
     args = ap.parse_args(argv)
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("run on a machine without CUDA and without TRITON_INTERPRET=1 (it swaps in an sm_90 stand-in "
                  "driver)")
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
-    res = report(args.sass)
+    res = pair_gemv_report() if args.pair_gemv else report(args.sass)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -1,19 +1,21 @@
 """Launch settings of the quantized per-pair GEMVs (the engine's routed experts at decode) swept on the GPU:
-warps, Triton's pipelining depth of the K loop, the tile's width and weights per step.
+warps, the tile's width and weights per step.
 
     python -m benchmarks.sweep_pair_gemv --out OUT.json [--batches 1 8] [--formats nvfp4 block_fp8]
         [--budget-s 300]
 
-Why: the per-pair GEMVs launch with 4 warps and num_stages 1 (kernels/moe_gemv.py PAIR_LAUNCH), so each
-program has one tile of loads in flight (about 4 KB) and waits for it before the next; on an H200 they read
-their experts at 4.8-5.7x the weight-read floor (docs/gpu/quant_4). By Little's law the copy bandwidth needs
-tens of KB in flight per SM. This sweep asks whether more bytes in flight (deeper pipelining, more warps,
-wider tiles) close part of that gap before a new kernel is written.
+Why: the per-pair GEMVs launch with 4 warps (kernels/moe_gemv.py PAIR_LAUNCH), so each program has one tile of
+loads in flight (about 4 KB) and waits for it before the next; on an H200 they read their experts at
+4.8-5.7x the weight-read floor. By Little's law the copy bandwidth needs tens of KB in flight per SM; and
+the NVFP4 kernel spends about 8 SASS instructions per weight (``python -m benchmarks.compile_report
+--pair-gemv``), an ALU time of its own near twice the floor. This sweep asks what more warps and wider tiles
+buy before a new kernel is written. (num_stages is not swept: Triton does not pipeline this loop, the SASS is
+the same at 1 and 3.)
 
 Per format (``nvfp4``: Nemotron 3 Super's experts, ``moe_gemv_nvfp4``; ``block_fp8``: Qwen3-Next's,
 ``moe_gemv_block_fp8`` in the scheme the engine runs at one row per expert) and batch (tokens routed to random
 distinct experts, benchmarks/bench_moe_gemv.py's set-up), one row per configuration of `configs`:
-num_warps x num_stages (kernels/moe_gemv.py PAIR_LAUNCH) x the widest output tile (GEMV_MAX_BLOCK_N) x, for
+num_warps (kernels/moe_gemv.py PAIR_LAUNCH) x the widest output tile (GEMV_MAX_BLOCK_N) x, for
 NVFP4, the weights decoded per program and step (kernels/quant/nvfp4.py PAIR_TILE_WEIGHTS). Each row: the
 whole three-launch call's microseconds (bench_quant_gemm's ``_bench``: CUDA-graph replays, L2 flushed),
 ``x_floor`` against the weight-read floor of the same run's copy bandwidth, and ``max_rel_err`` against the
@@ -41,7 +43,6 @@ from benchmarks.bench_quant_gemm import _bench, _with, gpu_report, max_rel_err, 
 
 FORMAT_MODEL = {"nvfp4": "super_v3", "block_fp8": "qwen3_next"}
 WARPS = (4, 8)
-STAGES = (1, 2, 3, 4)
 MAX_BLOCK_N = (32, 64)
 NVFP4_TILE_WEIGHTS = (8192, 16384)
 
@@ -57,8 +58,9 @@ def configs(fmt: str) -> list[dict]:
         default["tile_weights"] = nvfp4.PAIR_TILE_WEIGHTS
     tiles = NVFP4_TILE_WEIGHTS if fmt == "nvfp4" else (None,)
     out = [default]
-    for w, s, bn, tw in itertools.product(WARPS, STAGES, MAX_BLOCK_N, tiles):
-        c = {"num_warps": w, "num_stages": s, "max_block_n": bn, **({"tile_weights": tw} if tw else {})}
+    for w, bn, tw in itertools.product(WARPS, MAX_BLOCK_N, tiles):
+        c = {"num_warps": w, "num_stages": default["num_stages"], "max_block_n": bn,
+             **({"tile_weights": tw} if tw else {})}
         if c != default:
             out.append(c)
     return out

@@ -20,7 +20,7 @@ def test_the_grid_starts_at_the_defaults_and_has_no_repeats(fmt):
     assert grid[0] == default
     assert len({tuple(sorted(c.items())) for c in grid}) == len(grid)
     per_tile = len(sweep.NVFP4_TILE_WEIGHTS) if fmt == "nvfp4" else 1
-    assert len(grid) == len(sweep.WARPS) * len(sweep.STAGES) * len(sweep.MAX_BLOCK_N) * per_tile
+    assert len(grid) == len(sweep.WARPS) * len(sweep.MAX_BLOCK_N) * per_tile
 
 
 def test_a_configuration_is_seen_by_the_call_and_put_back():
@@ -40,11 +40,11 @@ def test_a_configuration_is_seen_by_the_call_and_put_back():
 
 
 def test_best_is_the_fastest_matching_row_against_the_first():
-    d = {"num_warps": 4}
-    rows = [{"format": "nvfp4", "batch": 1, "config": d, "us": 10.0, "x_floor": 5.0, "max_rel_err": 0.0},
-            {"format": "nvfp4", "batch": 1, "config": {"a": 1}, "us": 4.0, "x_floor": 2.0, "max_rel_err": 0.5},
-            {"format": "nvfp4", "batch": 1, "config": {"b": 1}, "us": 8.0, "x_floor": 4.0, "max_rel_err": 1e-4},
-            {"format": "nvfp4", "batch": 1, "config": {"c": 1}, "error": "boom"}]
+    pt = {"format": "nvfp4", "batch": 1}
+    rows = [{**pt, "config": {"num_warps": 4}, "us": 10.0, "x_floor": 5.0, "max_rel_err": 0.0},
+            {**pt, "config": {"a": 1}, "us": 4.0, "x_floor": 2.0, "max_rel_err": 0.5},
+            {**pt, "config": {"b": 1}, "us": 8.0, "x_floor": 4.0, "max_rel_err": 1e-4},
+            {**pt, "config": {"c": 1}, "error": "boom"}]
     assert sweep.best(rows) == {"nvfp4_b1": {"default_us": 10.0, "config": {"b": 1}, "us": 8.0,
                                              "x_floor": 4.0, "speedup_vs_default": 1.25}}
 
@@ -65,3 +65,17 @@ def test_needs_cuda(tmp_path, capsys):
         pytest.skip("a GPU is present")
     assert sweep.main(["--out", str(tmp_path / "s.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_compile_report_classes_count_each_opcode_once():
+    """benchmarks/compile_report.py --pair-gemv's per-class counts (its instructions per weight are the
+    difference of two compiles' classes): by the mnemonic before the first ".", each in at most one class
+    (SHFL is no SHF, F2FP no F2F)."""
+    from benchmarks import compile_report
+
+    ops = {"LOP3.LUT": 5, "IMAD.SHL.U32": 2, "FFMA": 3, "HADD2.F32": 1, "LDG.E.128": 2, "SHFL.BFLY": 1,
+           "BRA": 4, "F2FP.BF16.F32.PACK_AB": 2}
+    got = compile_report._classes(ops)
+    assert got == {"int": 7, "fp32": 3, "convert": 3, "load": 2, "shuffle": 1}
+    names = [n for ns in compile_report.OPCODE_CLASSES.values() for n in ns]
+    assert len(names) == len(set(names))
