@@ -368,7 +368,8 @@ PAIR_X_LOAD = "vector"
 # Weights the per-pair GEMV decodes per program and K step, over its matrices (unsplit launches; 8192: 4 KB of
 # codes), with kernels/moe_gemv.py's PAIR_LAUNCH. Read at call time.
 PAIR_TILE_WEIGHTS = 8192
-# GEMV: the decoded values times 2^64 (2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end).
+# GEMV: the decoded values times 2^64 (the per-pair GEMV with the vector x load multiplies x instead: the same
+# exact products), 2^62 = 2^126 / 2^64 folded in with weight_scale_2 at the end.
 # MMA: the block scales times 2^118 (448 * 2^118 < 2^127); a decoded value times one is e2m1 * scale * 2^-8,
 # exact in bf16 and fp16 (at most 6 significant bits, in [2^-18, 10.5]); 2^8 folded in at the end.
 DIRECT_F32_SCALE = tl.constexpr(2.0 ** 64)
@@ -885,18 +886,28 @@ def _nvfp4_tile_dot(x_row, w_rows, s_rows, kw, mkw, mask_n, offs_n, KW, DIRECT: 
     m2 = mask_n[:, None] & mkw[None, :]
     wd = tl.load(w_rows + kw[None, :], mask=m2, other=0)
     scw = tl.load(s_rows + (kw // 2)[None, :], mask=m2, other=0.0).to(tl.float32)  # 2 words per 16 columns
-    e0, e1, e2, e3, e4, e5, e6, e7 = _gemv_word(wd, DIRECT)
     if XVEC:
+        # each column class of x once per word, broadcast over the tile's rows; with DIRECT the decode's 2^64
+        # is moved onto x (one multiply per x value instead of one per weight): e * 2^-126 times x * 2^64 is
+        # the same exact product as e * 2^-62 times x, so each fp32 product and sum rounds the same (x below
+        # 2^64 in magnitude, which no activation reaches)
+        if DIRECT:
+            e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word_f32(wd)
+            xs = DIRECT_F32_SCALE
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = e2m1_word(wd)
+            xs = 1.0
         xv = x_row + 8 * kw
-        t = e0 * tl.load(xv, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e1 * tl.load(xv + 1, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e2 * tl.load(xv + 2, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e3 * tl.load(xv + 3, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e4 * tl.load(xv + 4, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e5 * tl.load(xv + 5, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e6 * tl.load(xv + 6, mask=mkw, other=0.0).to(tl.float32)[None, :]
-        t += e7 * tl.load(xv + 7, mask=mkw, other=0.0).to(tl.float32)[None, :]
+        t = e0 * (tl.load(xv, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e1 * (tl.load(xv + 1, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e2 * (tl.load(xv + 2, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e3 * (tl.load(xv + 3, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e4 * (tl.load(xv + 4, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e5 * (tl.load(xv + 5, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e6 * (tl.load(xv + 6, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
+        t += e7 * (tl.load(xv + 7, mask=mkw, other=0.0).to(tl.float32) * xs)[None, :]
     else:
+        e0, e1, e2, e3, e4, e5, e6, e7 = _gemv_word(wd, DIRECT)
         xc = x_row + 8 * kw[None, :] + offs_n[:, None] * 0
         t = e0 * tl.load(xc, mask=m2, other=0.0).to(tl.float32)
         t += e1 * tl.load(xc + 1, mask=m2, other=0.0).to(tl.float32)
