@@ -243,6 +243,45 @@ def _classes(ops: dict) -> dict:
     return out
 
 
+# A probe of the decode issue 43 asks for (Marlin's): each code pair of a word, elements c and c + 4, moved into a
+# bf16x2 pattern (e2m1 * 2^-126) by two shifts and two logic operations, times its block scale pair (bf16x2,
+# scale * 2^118) in one multiply, fed to the tensor cores against 16 activation rows. Compiled only (never
+# run): it asks whether Triton keeps such a decode in the MMA operand's registers.
+PACKED_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 t, u;
+shl.b32 t, $8, 6; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x01C001C0, u, 0xEA;
+mul.rn.bf16x2 t, t, $9; mov.b32 {$0, $4}, t;
+shl.b32 t, $8, 2; shl.b32 u, $8, 8; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x01C001C0, u, 0xEA;
+mul.rn.bf16x2 t, t, $9; mov.b32 {$1, $5}, t;
+shr.b32 t, $8, 2; shl.b32 u, $8, 4; and.b32 u, u, 0x80008000; lop3.b32 t, t, 0x01C001C0, u, 0xEA;
+mul.rn.bf16x2 t, t, $9; mov.b32 {$2, $6}, t;
+shr.b32 t, $8, 6; and.b32 u, $8, 0x80008000; lop3.b32 t, t, 0x01C001C0, u, 0xEA;
+mul.rn.bf16x2 t, t, $9; mov.b32 {$3, $7}, t;
+}
+""")
+
+
+@triton.jit
+def _packed_decode_probe(x_ptr, w_ptr, s_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, 16] = W x^T for x [16, K] bf16, W as int32 words [N, K / 8] decoded by PACKED_DECODE_ASM with
+    the bf16x2 scale pairs s [N, K / 16] (int32): the probe above."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, WORDS)
+    offs_m = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for w0 in range(0, K // 8, WORDS):
+        wd = tl.load(w_ptr + offs_n[:, None] * (K // 8) + (w0 + offs_w)[None, :])
+        s2 = tl.load(s_ptr + offs_n[:, None] * (K // 16) + ((w0 + offs_w) // 2)[None, :])
+        e = tl.inline_asm_elementwise(PACKED_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wd, s2],
+                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        xc = x_ptr + offs_m[None, :] * K + 8 * (w0 + offs_w)[:, None]  # [WORDS, 16]: column class c at + c
+        for c in tl.static_range(8):
+            acc = tl.dot(e[c], tl.load(xc + c), acc)
+    tl.store(out_ptr + offs_n[:, None] * 16 + offs_m[None, :], acc)
+
+
 def pair_gemv_report() -> dict:
     """--pair-gemv (module docstring): {"kernels": {name: usage}, "per_weight": {name: marginal instructions
     per weight, overall and per class}}."""
@@ -305,6 +344,33 @@ def pair_gemv_report() -> dict:
                             **{c: round((b["classes"][c] - a["classes"][c]) / extra, 2) for c in OPCODE_CLASSES}}
     finally:
         moe_gemv.PAIR_LAUNCH, nvfp4.PAIR_TILE_WEIGHTS, nvfp4.DECODE, nvfp4.PAIR_X_LOAD = keep
+    # the packed-decode probe at Super V3's up shape, 32-row tiles, 4 warps, two K tiles (its per-weight cost
+    # as above: 32 x 256 more weights per program over 128 threads)
+    counts = {}
+    for bk in (256, 512):
+        compiled.clear()
+        name = f"packed_decode_probe_bk{bk}"
+        try:
+            _packed_decode_probe[(I // 32,)](torch.zeros(16, L, dtype=torch.bfloat16),
+                                             torch.zeros(I, L // 8, dtype=torch.int32),
+                                             torch.zeros(I, L // 16, dtype=torch.int32), torch.zeros(I, 16), L,
+                                             BLOCK_N=32, BLOCK_K=bk, num_warps=4)
+            usage, _ = _usage(compiled[-1], top=200)
+        except Exception as e:  # noqa: BLE001
+            res["kernels"][name] = {"error": repr(e)[:300]}
+            continue
+        usage["classes"] = _classes(usage["top_opcodes"])
+        counts[bk] = usage
+        res["kernels"][name] = {**usage, "top_opcodes": dict(list(usage["top_opcodes"].items())[:16])}
+    if len(counts) == 2:
+        a, b = counts[256], counts[512]
+        extra = 32 * 256 / 128
+        ops = set(a["top_opcodes"]) | set(b["top_opcodes"])
+        res["per_weight"]["packed_decode_probe_warps4"] = {
+            "instructions": round((b["instructions"] - a["instructions"]) / extra, 2),
+            **{c: round((b["classes"][c] - a["classes"][c]) / extra, 2) for c in OPCODE_CLASSES},
+            "by_opcode": {op: round(d, 2) for op in sorted(ops) if abs(d := (b["top_opcodes"].get(op, 0)
+                                                                             - a["top_opcodes"].get(op, 0)) / extra) >= 0.1}}
     return res
 
 
