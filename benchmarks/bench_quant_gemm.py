@@ -13,7 +13,7 @@ measured in the same run):
   cannot learn which experts are active without synchronising).
 - ``nvfp4_dense``: one of those experts' matrices as a dense layer at M = batch: ``nvfp4_linear`` vs
   gemlite's weight-only NVFP4 linear (``gemlite_a16w4_nvfp4``: the same packed codes, block scales and global
-  scale, so the same bytes; each row carries ``peer_max_rel_err``, the peer's largest difference from
+  scale, so the same bytes; each gemlite row carries ``peer_max_rel_err``, the peer's largest difference from
   ``nvfp4_linear_ref`` over the output's largest magnitude, so a peer that computes something else shows) vs a
   BF16 ``F.linear``.
 - ``fp8_tensor``: Nemotron 3 Super's dense projections in per-tensor FP8 (SUPER_DENSE) at M = batch:
@@ -266,12 +266,15 @@ def _peer_row(name: str, peer, x, nbytes: int, copy_gbps: float, **meta) -> dict
     """The row of a peer's call ``peer(x)`` (timed like ours), or {"name", "error", meta} where ``peer`` is the
     reason it cannot run (a str) or its call raises."""
     if isinstance(peer, str):
-        return {"name": name, "error": peer, **meta}
-    try:
-        return row(name, _bench(lambda: peer(x)), nbytes, copy_gbps, **meta)
-    except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not a crash
-        return {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                **meta}
+        out = {"name": name, "error": peer, **meta}
+    else:
+        try:
+            return row(name, _bench(lambda: peer(x)), nbytes, copy_gbps, **meta)
+        except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not a crash
+            out = {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                   **meta}
+    print(json.dumps(out), flush=True)  # as row() prints: the log says why the peer is missing
+    return out
 
 
 def _rows_rule(fn, *args, **kwargs):
@@ -358,8 +361,10 @@ def gemlite_nvfp4_linear(w, s, s2):
 
 
 def max_rel_err(y, ref) -> float:
-    """max |y - ref| / max |ref| in float32 (inf where y is not finite or has another shape)."""
-    if tuple(y.shape) != tuple(ref.shape):
+    """max |y - ref| / max |ref| in float32 (inf where y has a non-finite value or another shape)."""
+    import torch
+
+    if tuple(y.shape) != tuple(ref.shape) or not bool(torch.isfinite(y).all()):
         return float("inf")
     d = (y.float() - ref.float()).abs().max()
     return float(d / ref.float().abs().max().clamp_min(1e-30))

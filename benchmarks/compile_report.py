@@ -18,9 +18,9 @@ per launch setting (kernels/moe_gemv.py PAIR_LAUNCH: warps, num_stages; the NVFP
 variants), with each kernel's SASS opcodes; and the marginal cost of a weight: the same kernel compiled at two
 tile sizes (nvfp4.PAIR_TILE_WEIGHTS 8192 and 16384: one K step decodes twice the weights per thread, the rest
 of the kernel is the same), (instructions at 16384 - at 8192) / (the extra weights per thread), overall and
-per opcode class. Times that by the weights a step reads and divide by the SMs' issue rate (4 warp
-instructions per clock per SM) and it is the ALU time below which the kernel cannot go, beside the
-weight-read floor.
+per opcode class (`OPCODE_CLASSES`). These are thread instructions per weight: times the weights a step reads,
+divided by 32 threads per warp instruction and by the SMs' issue rate (4 warp instructions per clock per SM),
+it is the issue time below which the kernel cannot go, beside the weight-read floor.
 
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
 version may compile somewhat differently.
@@ -227,10 +227,12 @@ def report(sass_dir: str | None = None) -> dict:
 
 
 # opcode classes of the per-weight cost (SASS mnemonics, the part before the first ".")
-OPCODE_CLASSES = {"int": ("LOP3", "IMAD", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA"),
+OPCODE_CLASSES = {"int": ("LOP3", "PLOP3", "IMAD", "SHF", "PRMT", "IADD3", "VIADD", "ISETP", "SEL", "LEA"),
                   "fp32": ("FMUL", "FFMA", "FADD", "FMNMX", "FSETP"),
-                  "convert": ("HADD2", "F2F", "F2FP", "I2F", "F2I"), "load": ("LDG", "LDS", "LDC", "LDGSTS"),
-                  "shuffle": ("SHFL",)}
+                  "fp16x2": ("HMUL2", "HFMA2"),  # packed 16-bit arithmetic (HADD2.F32 is the f16 -> f32 convert)
+                  "convert": ("HADD2", "F2F", "F2FP", "I2F", "I2FP", "F2I"),
+                  "mma": ("HMMA",), "global_load": ("LDG", "LDGSTS", "LDC"),
+                  "shared": ("LDS", "LDSM", "STS"), "shuffle": ("SHFL",)}
 
 
 def _classes(ops: dict) -> dict:
@@ -386,6 +388,8 @@ def main(argv=None) -> int:
                  "driver)")
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
+    if args.pair_gemv and args.sass:
+        ap.error("--sass applies to the replay kernels' report, not to --pair-gemv")
     res = pair_gemv_report() if args.pair_gemv else report(args.sass)
     text = json.dumps(res, indent=1)
     print(text)

@@ -126,21 +126,49 @@ def test_nvfp4_pair_decode_and_x_load_variants_give_the_same_bits(splitting, req
         nf4.moe_gemv_nvfp4(*args)
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel object: records each launch's keyword arguments, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+PAIR_KERNEL = {"nvfp4": (nf4, "_pair_nvfp4_kernel"), "block_fp8": (bf8, "_pair_block_fp8_kernel")}
+
+
 @pytest.mark.parametrize("fmt", list(KERNELS))
-def test_pair_launch_settings_keep_the_result(fmt, unsplit, monkeypatch):
+def test_pair_launch_settings_reach_the_launch_and_keep_the_result(fmt, unsplit, monkeypatch):
     """The swept launch settings (benchmarks/sweep_pair_gemv.py: kernels/moe_gemv.py PAIR_LAUNCH and
-    GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS) reach the launch and keep the reference's result: wider output
-    tiles and more weights per K step change only the fp32 summation order (warps and pipelining depth are
-    compile settings the interpreter ignores; the GPU sweep compares each configuration's output)."""
+    GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS) are what each per-pair launch receives (warps and pipelining
+    depth are compile settings the interpreter ignores, so they are checked as passed), and the result stays
+    the reference's: other tiles change only the fp32 summation order."""
     from kernels import moe_gemv
 
     kernel, ref = KERNELS[fmt]
     args = _case(fmt, torch.bfloat16, True, seed=2)
     want = ref(*args)
+    module, name = PAIR_KERNEL[fmt]
+    spy = _LaunchSpy(getattr(module, name))
+    monkeypatch.setattr(module, name, spy)
+    _close(kernel(*args), want, torch.bfloat16)
+    defaults = spy.launches[:]
+    assert [k["num_warps"] for k in defaults] == [4, 4] and [k["num_stages"] for k in defaults] == [1, 1]
+    spy.launches.clear()
     monkeypatch.setattr(moe_gemv, "PAIR_LAUNCH", {"num_warps": 8, "num_stages": 3})
     monkeypatch.setattr(moe_gemv, "GEMV_MAX_BLOCK_N", 64)
-    monkeypatch.setattr(nf4, "PAIR_TILE_WEIGHTS", 16384)
+    monkeypatch.setattr(nf4, "PAIR_TILE_WEIGHTS", 2048)
     _close(kernel(*args), want, torch.bfloat16)
+    (gate_up, down), gate_up0 = spy.launches, defaults[0]
+    assert all(k["num_warps"] == 8 and k["num_stages"] == 3 for k in (gate_up, down))
+    assert gate_up["BLOCK_N"] == 2 * gate_up0["BLOCK_N"] == 32  # the cap, halved for two matrices: 16 -> 32
+    if fmt == "nvfp4":  # 2048 weights over 32 rows x 2 matrices: the 128-column minimum instead of 256
+        assert gate_up0["BLOCK_K"] == 256 and gate_up["BLOCK_K"] == 128
 
 
 @pytest.mark.parametrize("splitting", ["unsplit", "split"])

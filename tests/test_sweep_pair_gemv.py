@@ -39,14 +39,30 @@ def test_a_configuration_is_seen_by_the_call_and_put_back():
     assert seen() == keep
 
 
-def test_best_is_the_fastest_matching_row_against_the_first():
+def test_best_is_the_fastest_matching_row_against_the_default():
     pt = {"format": "nvfp4", "batch": 1}
-    rows = [{**pt, "config": {"num_warps": 4}, "us": 10.0, "x_floor": 5.0, "max_rel_err": 0.0},
-            {**pt, "config": {"a": 1}, "us": 4.0, "x_floor": 2.0, "max_rel_err": 0.5},
+    d = {**pt, "config": {"num_warps": 4}, "default": True}
+    rows = [{**d, "us": 10.0, "x_floor": 5.0, "max_rel_err": 0.0},
+            {**pt, "config": {"a": 1}, "us": 4.0, "x_floor": 2.0, "max_rel_err": 0.5},  # a wrong result
+            {**pt, "config": {"n": 1}, "us": 3.0, "x_floor": 1.5, "max_rel_err": float("nan")},
             {**pt, "config": {"b": 1}, "us": 8.0, "x_floor": 4.0, "max_rel_err": 1e-4},
             {**pt, "config": {"c": 1}, "error": "boom"}]
     assert sweep.best(rows) == {"nvfp4_b1": {"default_us": 10.0, "config": {"b": 1}, "us": 8.0,
                                              "x_floor": 4.0, "speedup_vs_default": 1.25}}
+    # a failed default: no other row stands in for it
+    failed = [{**pt, "config": {"num_warps": 4}, "default": True, "error": "boom"},
+              {**pt, "config": {"b": 1}, "us": 8.0, "x_floor": 4.0, "max_rel_err": None}]
+    assert sweep.best(failed) == {"nvfp4_b1": {"default_failed": True}}
+
+
+def test_max_rel_err_of_a_non_finite_result_is_infinite():
+    import torch
+
+    from benchmarks.bench_quant_gemm import max_rel_err
+
+    ref = torch.tensor([1.0, 2.0])
+    assert max_rel_err(torch.tensor([1.0, float("nan")]), ref) == float("inf")
+    assert max_rel_err(torch.tensor([float("inf"), 2.0]), ref) == float("inf")
 
 
 @pytest.mark.parametrize("argv, says", [(["--out", "x.json", "--batches", "0"], "--batches"),
@@ -74,8 +90,10 @@ def test_the_compile_report_classes_count_each_opcode_once():
     from benchmarks import compile_report
 
     ops = {"LOP3.LUT": 5, "IMAD.SHL.U32": 2, "FFMA": 3, "HADD2.F32": 1, "LDG.E.128": 2, "SHFL.BFLY": 1,
-           "BRA": 4, "F2FP.BF16.F32.PACK_AB": 2}
+           "BRA": 4, "F2FP.BF16.F32.PACK_AB": 2, "HMUL2.BF16_V2": 2, "HMMA.16816.F32.BF16": 1, "STS.U16": 3,
+           "LDSM.16.MT88.4": 1}
     got = compile_report._classes(ops)
-    assert got == {"int": 7, "fp32": 3, "convert": 3, "load": 2, "shuffle": 1}
+    assert got == {"int": 7, "fp32": 3, "fp16x2": 2, "convert": 3, "mma": 1, "global_load": 2, "shared": 4,
+                   "shuffle": 1}
     names = [n for ns in compile_report.OPCODE_CLASSES.values() for n in ns]
     assert len(names) == len(set(names))
