@@ -18,7 +18,9 @@ per launch setting (kernels/moe_gemv.py PAIR_LAUNCH: warps, num_stages; the NVFP
 variants), with each kernel's SASS opcodes; and the marginal cost of a weight: the same kernel compiled at two
 tile sizes (nvfp4.PAIR_TILE_WEIGHTS 8192 and 16384: one K step decodes twice the weights per thread, the rest
 of the kernel is the same), (instructions at 16384 - at 8192) / (the extra weights per thread), overall and
-per opcode class (`OPCODE_CLASSES`). These are thread instructions per weight: times the weights a step reads,
+per opcode class (`OPCODE_CLASSES`); and, per kernel, ``loop_per_weight``: the K loop's body (`loop_body`: run
+once per K step, never unrolled) over the weights a thread decodes per step, the dynamic cost at that tile,
+per-step overheads included. These are thread instructions per weight: times the weights a step reads,
 divided by 32 threads per warp instruction and by the SMs' issue rate (4 warp instructions per clock per SM),
 it is the issue time below which the kernel cannot go, beside the weight-read floor.
 
@@ -284,6 +286,27 @@ def _packed_decode_probe(x_ptr, w_ptr, s_ptr, out_ptr, K, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + offs_n[:, None] * 16 + offs_m[None, :], acc)
 
 
+def loop_body(sass: str) -> dict | None:
+    """The SASS opcodes of a kernel's main loop: the instructions from the target of its widest backward branch
+    (a BRA to a lower address) to that branch, {"instructions": n, "opcodes": {mnemonic: count}}; None without
+    a backward branch. The K loops here have runtime trip counts, so Triton does not unroll them and this body
+    runs once per K step: its count over the weights a thread decodes per step is the dynamic cost per weight."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*);", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(3) + (m.group(4) or ""), m.group(5)))
+    best = None
+    for addr, op, operands in lines:
+        t = re.match(r"\s*0x([0-9a-f]+)", operands or "")
+        if op == "BRA" and t and int(t.group(1), 16) < addr and (best is None or addr - int(t.group(1), 16) > best[1] - best[0]):
+            best = (int(t.group(1), 16), addr)
+    if best is None:
+        return None
+    body = collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
+    return {"instructions": sum(body.values()), "opcodes": dict(body.most_common())}
+
+
 def pair_gemv_report() -> dict:
     """--pair-gemv (module docstring): {"kernels": {name: usage}, "per_weight": {name: marginal instructions
     per weight, overall and per class}}."""
@@ -330,11 +353,16 @@ def pair_gemv_report() -> dict:
                         name = f"{kname}{vname}_{sname}" + (f"_tile{tile}" if tile else "")
                         try:
                             fn()
-                            usage, _ = _usage(compiled[-1], top=200)
+                            usage, sass = _usage(compiled[-1], top=200)
                         except Exception as e:  # noqa: BLE001 - a row with its error
                             res["kernels"][name] = {"error": repr(e)[:300]}
                             continue
                         usage["classes"] = _classes(usage["top_opcodes"])
+                        body = loop_body(sass)
+                        if body and tile:  # weights a thread decodes per K step: the tile over the threads
+                            usage["loop_per_weight"] = {
+                                "instructions": round(body["instructions"] / (tile / threads), 2),
+                                **{c: round(n / (tile / threads), 2) for c, n in _classes(body["opcodes"]).items()}}
                         usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
                         res["kernels"][name] = usage
                         counts[tile] = usage

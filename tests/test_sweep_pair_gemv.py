@@ -97,3 +97,21 @@ def test_the_compile_report_classes_count_each_opcode_once():
                    "shuffle": 1}
     names = [n for ns in compile_report.OPCODE_CLASSES.values() for n in ns]
     assert len(names) == len(set(names))
+
+
+def test_the_loop_body_is_the_span_of_the_widest_backward_branch():
+    from benchmarks import compile_report
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/               @P0 BRA 0x0060 ;
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   LOP3.LUT R5, R4, 0x7, RZ, 0xc0, !PT ;
+        /*0040*/                   FFMA R6, R5, R7, R6 ;
+        /*0050*/              @!P1 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
+"""
+    body = compile_report.loop_body(sass)
+    assert body == {"instructions": 4, "opcodes": {"LDG.E.128": 1, "LOP3.LUT": 1, "FFMA": 1, "BRA": 1}}
+    assert compile_report.loop_body(sass.replace("@!P1 BRA 0x20", "NOP")) is None
