@@ -98,11 +98,51 @@ def _quantized(fmt: str, w, chunk: int = 32):
     return mats, lambda x, offsets: block_fp8_grouped_mm(x, *mats, offsets)
 
 
+def random_experts(model: str):
+    """(gen, up, gate, down) of ``model`` (MODELS): up / gate [E, I, L] and down [E, L, I] bf16 on CUDA, normal
+    values over sqrt(fan-in), gate None unless gated; ``gen`` the CUDA generator (seed 0) they came from, which
+    :func:`decode_point` draws on next."""
+    import math
+
+    import torch
+
+    L, I, E, _, _, gated = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16)
+    return gen, r(E, I, L), (r(E, I, L) if gated else None), r(E, L, I)
+
+
+def decode_point(model: str, B: int, gen):
+    """(h, weights, indices, active) of ``B`` decode tokens of ``model``: h [B, L] bf16, router-like combine
+    weights [B, k] float32 (softmax of uniform), indices [B, k] int64 (random distinct experts per token,
+    seeded by B), and the number of distinct experts chosen."""
+    import torch
+
+    L, _, E, k, _, _ = MODELS[model]
+    indices = routed_indices(B, k, E, seed=B)
+    weights = torch.softmax(torch.rand(B, k, device="cuda", generator=gen), dim=1)
+    h = torch.randn(B, L, device="cuda", generator=gen).to(torch.bfloat16)
+    return h, weights, indices, int(indices.unique().numel())
+
+
+def pair_call(fmt: str, h, weights, indices, up, gate, down, act: str):
+    """(the per-pair call, its block-FP8 scheme or None): kernels.quant's ``moe_gemv_<fmt>`` on the format's
+    expert tuples (``_quantized``'s first item; gate None unless gated), block FP8 in the scheme the engine runs
+    at one row per expert (the format's rule, runners.engine.formats)."""
+    from kernels.quant.block_fp8 import moe_gemv_block_fp8
+    from kernels.quant.nvfp4 import moe_gemv_nvfp4
+
+    if fmt == "nvfp4":
+        return partial(moe_gemv_nvfp4, h, weights, indices, up, gate, down, act), None
+    from runners.engine.formats import get_format
+
+    scheme = get_format(fmt).scheme(1)
+    return partial(moe_gemv_block_fp8, h, weights, indices, up, gate, down, act, scheme=scheme), scheme
+
+
 def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta: dict, active: int,
                    copy_gbps: float) -> list[dict]:
     """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring)."""
-    from kernels.quant.block_fp8 import moe_gemv_block_fp8
-    from kernels.quant.nvfp4 import moe_gemv_nvfp4
     from runners.engine.models.layers import ACTIVATIONS
     from runners.engine.models.moe import moe_experts_grouped
 
@@ -110,25 +150,21 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     q = {k: _quantized(fmt, w) for k, w in (("up", up), ("gate", gate), ("down", down)) if w is not None}
     kinds = tuple(q)
     mm = lambda x, kind, offsets: q[kind][1](x, offsets)
-    kernel = moe_gemv_nvfp4 if fmt == "nvfp4" else moe_gemv_block_fp8
     weight_bytes = active * expert_bytes_in(fmt, L, I, gate is not None)
     fl = weight_bytes / (copy_gbps * 1e9) * 1e6
     io = 2 * h.shape[0] * L * BYTES_PER_WEIGHT
     rows = []
-    gemv = partial(kernel, h, weights, indices, q["up"][0], q["gate"][0] if "gate" in q else None,
-                   q["down"][0], act)
+    gemv, pair_scheme = pair_call(fmt, h, weights, indices, q["up"][0], q["gate"][0] if "gate" in q else None,
+                                  q["down"][0], act)
     grouped = partial(moe_experts_grouped, h, weights, indices, kinds, mm, ACTIVATIONS[act], up.shape[0])
     # block FP8: each row in the scheme the engine runs there (the per-pair path: the format's rule for one row;
     # the grouped path: its rule per expert, runners.engine.models.block_fp8.grouped_scheme), the per-pair
     # kernel in the other scheme beside it
-    pair_scheme = grouped_rows_scheme = None
+    grouped_rows_scheme = None
     if fmt == "block_fp8":
-        from runners.engine.formats import get_format
         from runners.engine.models.block_fp8 import grouped_scheme
 
-        pair_scheme = get_format(fmt).scheme(1)
         grouped_rows_scheme = grouped_scheme(indices.numel(), up.shape[0])
-        gemv = partial(gemv, scheme=pair_scheme)
     paths = [(f"moe_gemv_{fmt}", gemv, pair_scheme), (f"grouped_mm_{fmt}", grouped, grouped_rows_scheme)]
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
@@ -168,23 +204,14 @@ def _grouped_path(*args):
 
 def part_model(model: str, batches: list[int], copy_gbps: float, formats: tuple[str, ...] = ("bf16",)
                ) -> list[dict]:
-    import math
-
-    import torch
-
     from kernels.moe_gemv import moe_gemv
     from runners.engine.models.layers import ACTIVATIONS
 
     L, I, E, k, act, gated = MODELS[model]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16)
-    up, gate, down = r(E, I, L), (r(E, I, L) if gated else None), r(E, L, I)
+    gen, up, gate, down = random_experts(model)
     rows = []
     for B in batches:
-        indices = routed_indices(B, k, E, seed=B)
-        weights = torch.softmax(torch.rand(B, k, device="cuda", generator=gen), dim=1)
-        h = torch.randn(B, L, device="cuda", generator=gen).to(torch.bfloat16)
-        active = int(indices.unique().numel())
+        h, weights, indices, active = decode_point(model, B, gen)
         fl = floor_us(active, L, I, gated, copy_gbps)
         io = 2 * B * L * BYTES_PER_WEIGHT
         meta = {"model": model, "batch": B, "pairs": B * k, "active_experts": active, "floor_us": round(fl, 2)}

@@ -40,8 +40,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_moe_gemv import MODELS, _quantized, expert_bytes_in  # noqa: E402
-from benchmarks.bench_quant_gemm import _bench, _with, gpu_report, max_rel_err, part_copy, routed_indices, row  # noqa: E402
+from benchmarks.bench_moe_gemv import (  # noqa: E402
+    MODELS,
+    _quantized,
+    decode_point,
+    expert_bytes_in,
+    pair_call,
+    random_experts,
+)
+from benchmarks.bench_quant_gemm import _bench, _with, gpu_report, max_rel_err, part_copy, row  # noqa: E402
 
 FORMAT_MODEL = {"nvfp4": "super_v3", "block_fp8": "qwen3_next"}
 WARPS = (4, 8)
@@ -81,36 +88,19 @@ def run_with(config: dict, fn):
     return inner()
 
 
-def _setup(fmt: str, B: int):
-    """(call, meta, floor bytes) of one point: the format's per-pair MoE call on random experts."""
-    import math
-
-    import torch
-
-    from kernels.quant.block_fp8 import moe_gemv_block_fp8
-    from kernels.quant.nvfp4 import moe_gemv_nvfp4
-    from runners.engine.formats import get_format
-
+def _points(fmt: str, batches: list[int]):
+    """Yield (call, meta, bytes read) per batch: the format's per-pair MoE call on its model's random experts
+    (quantized once, bench_moe_gemv's set-up), bytes = the chosen experts' stored weights + h and the output."""
     model = FORMAT_MODEL[fmt]
-    L, I, E, k, act, gated = MODELS[model]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).to(torch.bfloat16)
-    q = {name: _quantized(fmt, w)[0] for name, w in
-         (("up", r(E, I, L)), ("gate", r(E, I, L) if gated else None), ("down", r(E, L, I))) if w is not None}
-    indices = routed_indices(B, k, E, seed=B)
-    weights = torch.softmax(torch.rand(B, k, device="cuda", generator=gen), dim=1)
-    h = torch.randn(B, L, device="cuda", generator=gen).to(torch.bfloat16)
-    active = int(indices.unique().numel())
-    if fmt == "nvfp4":
-        call = partial(moe_gemv_nvfp4, h, weights, indices, q["up"], q.get("gate"), q["down"], act)
-        scheme = None
-    else:
-        scheme = get_format(fmt).scheme(1)
-        call = partial(moe_gemv_block_fp8, h, weights, indices, q["up"], q.get("gate"), q["down"], act,
-                       scheme=scheme)
-    meta = {"format": fmt, "model": model, "batch": B, "pairs": B * k, "active_experts": active,
-            **({"scheme": scheme} if scheme else {})}
-    return call, meta, active * expert_bytes_in(fmt, L, I, gated) + 4 * B * L
+    L, I, _, k, act, gated = MODELS[model]
+    gen, *experts = random_experts(model)
+    q = [None if w is None else _quantized(fmt, w)[0] for w in experts]
+    for B in batches:
+        h, weights, indices, active = decode_point(model, B, gen)
+        call, scheme = pair_call(fmt, h, weights, indices, *q, act)
+        meta = {"format": fmt, "model": model, "batch": B, "pairs": B * k, "active_experts": active,
+                **({"scheme": scheme} if scheme else {})}
+        yield call, meta, active * expert_bytes_in(fmt, L, I, gated) + 4 * B * L
 
 
 def sweep(formats: list[str], batches: list[int], copy_gbps: float, budget_s: float, report: dict,
@@ -118,8 +108,7 @@ def sweep(formats: list[str], batches: list[int], copy_gbps: float, budget_s: fl
     """Fill report["rows"] / ["skipped"] / ["best"], calling ``save()`` after each row."""
     t0 = time.monotonic()
     for fmt in formats:
-        for B in batches:
-            call, meta, nbytes = _setup(fmt, B)
+        for call, meta, nbytes in _points(fmt, batches):
             floor = nbytes / (copy_gbps * 1e9) * 1e6
             ref = None  # the default configuration's output: every other row is compared with it
             for i, c in enumerate(configs(fmt)):
