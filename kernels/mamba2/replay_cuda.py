@@ -38,17 +38,13 @@ the closed form of the Mamba2 SSD recurrence (Dao & Gu, "Transformers are SSMs",
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("replay_ckpt.cu")
 # dtype codes of the .cu (M2R_STATE, M2R_IN, the runtime codes of dt, A, D, dt_bias)
@@ -87,19 +83,9 @@ def smem_bytes(T: int, L: int, d_state: int, state_dtype: torch.dtype) -> int:
     return 4 * (bp * row + 2 * T * np_ + T * bp + kc * np_ + kc * bp + T * T + 2 * T + L)  # C and B: 2 T NP
 
 
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/hybrid_mtp_eval/replay_cuda (default ~/.cache/...): where the built libraries live."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "hybrid_mtp_eval" / "replay_cuda"
-
-
-def find_nvcc() -> str | None:
-    """The nvcc to build with: $NVCC, nvcc on PATH, $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc; None."""
-    cands = [os.environ.get("NVCC"), shutil.which("nvcc")]
-    if os.environ.get("CUDA_HOME"):
-        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
-    cands.append("/usr/local/cuda/bin/nvcc")
-    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+cache_dir = _nvcc.cache_dir
+find_nvcc = _nvcc.find_nvcc
+arch_of = _nvcc.arch_of
 
 
 def build_flags(arch: str, state_dtype: torch.dtype, in_dtype: torch.dtype, d_state: int,
@@ -116,52 +102,18 @@ def build_flags(arch: str, state_dtype: torch.dtype, in_dtype: torch.dtype, d_st
 
 def library_path(flags: list[str]) -> Path:
     """cache_dir()/replay_ckpt_<hash>.so, the hash over the source text and the flags."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update("\0".join(flags).encode())
-    return cache_dir() / f"replay_ckpt_{h.hexdigest()[:20]}.so"
+    return _nvcc.library_path(SOURCE, flags)
 
 
 def build(flags: list[str], name: str = "replay_verify") -> Path:
-    """The library of `flags`, built with nvcc unless the cache already has it; returns its path.
-
-    Concurrent callers (processes) serialise on a lock file beside it; the library is written to a temporary
-    name and renamed into place, so a reader sees either nothing or the whole file.
+    """The library of `flags`, built with nvcc unless the cache already has it; returns its path
+    (kernels/_nvcc.py: one lock per library, written under a temporary name and renamed into place).
 
     Raises:
         ValueError: no nvcc, a cache folder that cannot be written, or the build failed (nvcc's output tail
             in the message).
     """
-    path = library_path(flags)
-    if path.exists():
-        return path
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise ValueError(f"{name}: variant 'cuda' compiles kernels/mamba2/replay_ckpt.cu with nvcc at first use, "
-                         f"and no nvcc was found ($NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin); install the "
-                         f"CUDA toolkit or set NVCC=/path/to/nvcc, or {FIX}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - closed by the with below
-    except OSError as e:
-        raise ValueError(f"{name}: variant 'cuda' builds its kernel into {path.parent}, which cannot be written "
-                         f"({e.strerror or e}); set XDG_CACHE_HOME to a writable folder, or {FIX}") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():  # another process built it while we waited
-            return path
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
-        os.close(fd)
-        try:
-            p = subprocess.run([nvcc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-            if p.returncode != 0:
-                raise ValueError(f"{name}: variant 'cuda': nvcc failed (exit {p.returncode}) building "
-                                 f"{SOURCE.name} with {' '.join(flags)}:\n{(p.stdout + p.stderr)[-3000:]}\n"
-                                 f"fix: check the CUDA toolkit (nvcc {nvcc}) supports this GPU, or {FIX}")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return path
+    return _nvcc.build(SOURCE, flags, find_nvcc(), name=name, what="variant 'cuda'", fix=FIX)
 
 
 @functools.cache
@@ -184,12 +136,6 @@ def load(path: str):
         raise ValueError(f"replay_verify: {path} has ABI {lib.m2r_abi()}, this module expects {ABI}; delete "
                          f"{cache_dir()} and rerun (it is rebuilt)")
     return lib
-
-
-def arch_of(device: torch.device) -> str:
-    """nvcc's -arch for `device`: "sm_<major><minor>" of torch.cuda.get_device_capability."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
 
 
 def check_supported(state, x, dt, A, B, C, D, dt_bias, history, out, stochastic_rounding, name: str) -> None:
