@@ -157,3 +157,68 @@ def test_capture_in_a_cuda_graph_without_host_sync(model):
         graph.replay()
         torch.cuda.synchronize()
         _close(y, ref(h, weights, indices, up, gate, down, act))
+
+
+def _nvfp4_cuda_case(gated, tokens, seed):
+    """Super V3's NVFP4 experts, or (gated) Qwen3-Next's widths in NVFP4 (64 experts, top-10, SiLU)."""
+    if not gated:
+        up, gate, down = _experts("super_v3")
+        return (up, gate, down, "relu2", *_inputs("super_v3", tokens, seed=seed))
+    if "qwen3_next_nvfp4" not in _EXPERTS:
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        q = lambda n, k: random_quantized_experts(nvfp4_quantize, 64, n, k, gen)
+        _EXPERTS["qwen3_next_nvfp4"] = (q(512, 2048), q(512, 2048), q(2048, 512))
+    up, gate, down = _EXPERTS["qwen3_next_nvfp4"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    top = torch.rand(tokens, 64, device="cuda", generator=gen).topk(10, dim=1)
+    h = torch.randn(tokens, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    return up, gate, down, "silu", h, torch.softmax(top.values, dim=1), top.indices
+
+
+@pytest.mark.parametrize("tokens", (1, 8))
+@pytest.mark.parametrize("gated", (False, True))
+def test_nvfp4_cuda_pair_kernel_vs_reference_and_triton(gated, tokens, monkeypatch):
+    """PAIR_KERNEL "cuda" (kernels/quant/nvfp4_pair.cu, built with nvcc here) takes both projections at Super
+    V3's released expert shapes (and gated at Qwen3-Next's widths): the reference and the Triton per-pair
+    kernel within two bf16 ulps, the same bits on a second call (the warps' sums meet in a fixed order)."""
+    up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(gated, tokens, seed=tokens + 30)
+    triton_out = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    first = gate if gated else up
+    assert nf4.pair_kernel_for(h, first, up if gated else None, indices.numel()) == "cuda"
+    a = torch.empty(indices.numel(), up[0].shape[1], dtype=torch.bfloat16, device="cuda")
+    assert nf4.pair_kernel_for(a, down, None, indices.numel()) == "cuda"
+    got = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+    _close(got, nf4.moe_gemv_nvfp4_ref(h, weights, indices, up, gate, down, act))
+    _close(got, triton_out)
+    assert torch.equal(nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act), got)
+
+
+def test_nvfp4_cuda_pair_kernel_in_a_cuda_graph_equals_eager(monkeypatch):
+    """The CUDA kernel's launches captured in a CUDA graph (current stream, no host sync) give eager's bits
+    for new inputs written into the static buffers."""
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(False, 4, seed=41)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+        with torch.cuda.graph(graph):
+            y = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (42, 43):
+        *_, new_h, new_w, new_idx = _nvfp4_cuda_case(False, 4, seed=seed)
+        h.copy_(new_h)
+        weights.copy_(new_w)
+        indices.copy_(new_idx)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act))

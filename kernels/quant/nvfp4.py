@@ -62,6 +62,7 @@ import triton.language as tl
 from kernels import moe_gemv as pair_gemv
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
+from kernels.quant import nvfp4_cuda
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -995,6 +996,37 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
     return out, (out2 if w2 is not None else None), split
 
 
+# Which kernel runs moe_gemv_nvfp4's projections on the GPU: "triton" (_pair_nvfp4_kernel above) or "cuda"
+# (kernels/quant/nvfp4_pair.cu through kernels/quant/nvfp4_cuda.py: the e2m1 decode in the registers of a bf16
+# mma.sync, about 3.6 SASS instructions per weight against this kernel's 8.6). "cuda" runs each projection it
+# takes (nvfp4_cuda.unsupported: bf16, K % 32 == 0, aligned rows) and leaves the others to Triton. The default
+# stays Triton until a GPU bench (benchmarks/bench_moe_gemv.py, arm nvfp4_cuda) has timed the CUDA kernel.
+# Read at call time.
+PAIR_KERNELS = ("triton", "cuda")
+PAIR_KERNEL = "triton"
+
+
+def pair_kernel_for(x: torch.Tensor, w: NVFP4Experts, w2: NVFP4Experts | None, P: int) -> str:
+    """The kernel PAIR_KERNEL gives one projection (x [rows, K], the experts w and, gated, w2, P pairs):
+    "cuda" where PAIR_KERNEL asks for it and nvfp4_cuda takes the call, else "triton".
+
+    Raises:
+        ValueError: PAIR_KERNEL is not one of PAIR_KERNELS.
+    """
+    if PAIR_KERNEL not in PAIR_KERNELS:
+        raise ValueError(f"kernels.quant.nvfp4.PAIR_KERNEL must be one of {PAIR_KERNELS}, got {PAIR_KERNEL!r}")
+    if PAIR_KERNEL == "cuda" and nvfp4_cuda.unsupported(x, w, w2, P) is None:
+        return "cuda"
+    return "triton"
+
+
+def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code):
+    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches)."""
+    if pair_kernel_for(x, w, w2, idx.numel()) == "cuda":
+        return nvfp4_cuda.launch_pair(x, idx, w, w2, out_dtype, topk, act_code)
+    return _launch_pair(x, idx, w, w2, out_dtype, topk, act_code)
+
+
 def nvfp4_words_ok(*experts: NVFP4Experts | None) -> bool:
     """Whether every NVFP4 expert stack's codes read as int32 words (in % 8 == 0, 4-byte aligned): the
     condition of :func:`moe_gemv_nvfp4` (reads only shapes and pointers)."""
@@ -1006,7 +1038,9 @@ def moe_gemv_nvfp4(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     """Routed experts with NVFP4 weights (W4A16) as per-pair GEMVs over the chosen experts (kernels/quant/moe_gemv.py):
     same arguments, result and errors as :func:`moe_gemv_nvfp4_ref`, equal to it up to the fp32 summation
     order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
-    CUDA and under TRITON_INTERPRET=1, the reference on a plain CPU run. Expert ids are not range-checked.
+    CUDA and under TRITON_INTERPRET=1 (or, with PAIR_KERNEL "cuda", the CUDA kernel of
+    kernels/quant/nvfp4_cuda.py for the projections it takes), the reference on a plain CPU run. Expert ids
+    are not range-checked.
 
     Raises:
         ValueError: as the reference, and codes that are not whole int32 words (:func:`nvfp4_words_ok`).
@@ -1021,5 +1055,5 @@ def moe_gemv_nvfp4(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
                          "words); use runners.engine.models.moe.moe_experts_grouped for other widths")
     tensors = [t for e in (up, gate, down) if e is not None for t in e]
     check_launchable(h, weights, indices, *tensors, name=name)
-    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair,
+    return run_pair_launches(h, weights, indices, up, gate, down, activation, _launch_pair_any,
                              up[0].shape[1])

@@ -1,0 +1,130 @@
+// Host emulation of kernels/quant/nvfp4_pair.cu for the CPU tests (tests/test_nvfp4_cuda.py): the kernel's own
+// source compiled by g++ with NVP_HOST_EMULATION, each CTA run as 128 std::threads that meet at __syncthreads
+// (a std::barrier of the CTA); each warp's mma.sync is emulated by gathering the 32 lanes' fragments through a
+// per-warp buffer (the PTX ISA's m16n8k16 fragment layout), multiplying in fp32 in column order, and handing
+// each lane its part of D. The CTAs run one after another. It checks the kernel's indexing, decode, fragment
+// mapping and epilogue against the PyTorch reference on the CPU; not its speed, nor the tensor core's own
+// summation order (the GPU tests run it for real).
+//
+// Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -I kernels/quant tests/nvfp4_pair_host.cc -o LIB.so
+// Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints), the argument arrays of nvp_launch.
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define NVP_HOST_EMULATION 1
+#define __global__
+#define __device__
+#define __host__
+
+struct HostDim3 {
+  unsigned x = 0, y = 0;
+};
+
+struct HostWarp {
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  float c[32][4];
+  float d[32][4];
+  std::barrier<> bar{32};
+};
+
+struct HostCta {
+  std::barrier<> bar{128};
+  HostWarp warps[4];
+  float smem[2 * 4 * 16];
+};
+
+thread_local HostDim3 threadIdx, blockIdx;
+thread_local HostCta* host_cta = nullptr;
+
+inline void __syncthreads() { host_cta->bar.arrive_and_wait(); }
+inline float* nvp_host_smem() { return host_cta->smem; }
+
+static inline float bf16_lo(uint32_t v) {
+  const uint32_t u = v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline float bf16_hi(uint32_t v) { return bf16_lo(v >> 16); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += A B, over one warp. Lane (g = lane / 4, t = lane % 4):
+// a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9] (low half first);
+// b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1].
+inline void nvp_host_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  HostWarp& w = host_cta->warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  for (int i = 0; i < 4; ++i) {
+    w.a[lane][i] = a[i];
+    w.c[lane][i] = d[i];
+  }
+  w.b[lane][0] = b0;
+  w.b[lane][1] = b1;
+  w.bar.arrive_and_wait();
+  if (lane == 0) {
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+      const int g = l / 4, t = l % 4;
+      const uint32_t* al = w.a[l];
+      A[g][2 * t] = bf16_lo(al[0]);
+      A[g][2 * t + 1] = bf16_hi(al[0]);
+      A[g + 8][2 * t] = bf16_lo(al[1]);
+      A[g + 8][2 * t + 1] = bf16_hi(al[1]);
+      A[g][2 * t + 8] = bf16_lo(al[2]);
+      A[g][2 * t + 9] = bf16_hi(al[2]);
+      A[g + 8][2 * t + 8] = bf16_lo(al[3]);
+      A[g + 8][2 * t + 9] = bf16_hi(al[3]);
+      B[2 * t][g] = bf16_lo(w.b[l][0]);
+      B[2 * t + 1][g] = bf16_hi(w.b[l][0]);
+      B[2 * t + 8][g] = bf16_lo(w.b[l][1]);
+      B[2 * t + 9][g] = bf16_hi(w.b[l][1]);
+    }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l / 4, t = l % 4;
+      const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+      for (int i = 0; i < 4; ++i) {
+        float s = w.c[l][i];
+        for (int k = 0; k < 16; ++k) s += A[rows[i]][k] * B[k][cols[i]];
+        w.d[l][i] = s;
+      }
+    }
+  }
+  w.bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = w.d[lane][i];
+  w.bar.arrive_and_wait();  // lane 0 may not overwrite d before every lane has read it
+}
+
+#include "nvfp4_pair.cu"
+
+extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
+  const nvp::Params p = nvp::params_of(ptrs, ints);
+  if (p.P <= 0 || p.NOUT <= 0) return 0;
+  const long long ntiles = (p.NOUT + nvp::kRows - 1) / nvp::kRows;
+  for (long long pair = 0; pair < p.P; ++pair) {
+    for (long long tile = 0; tile < ntiles; ++tile) {
+      auto cta = std::make_unique<HostCta>();
+      for (float& v : cta->smem) v = NAN;  // a read of a slot nobody wrote shows as NaN
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < nvp::kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          threadIdx.x = t;
+          blockIdx.x = static_cast<unsigned>(tile);
+          blockIdx.y = static_cast<unsigned>(pair);
+          host_cta = cta.get();
+          if (p.gated)
+            nvp::nvfp4_pair_kernel<true>(p);
+          else
+            nvp::nvfp4_pair_kernel<false>(p);
+        });
+      }
+      for (auto& th : threads) th.join();
+    }
+  }
+  return 0;
+}
