@@ -20,7 +20,8 @@ weights), one row each:
   ``block_fp8`` also the per-pair GEMVs in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
   other choices (``moe_gemv_nvfp4_direct``: DECODE["pair"] "direct", fp32 bit patterns with no convert;
-  ``_xvec``: PAIR_X_LOAD "vector"; ``_direct_xvec``: both). Their floor counts the stored bytes of the format
+  ``_xvec``: PAIR_X_LOAD "vector"; ``_direct_xvec``: both; ``_cuda``: PAIR_KERNEL "cuda", the CUDA kernel of
+  kernels/quant/nvfp4_pair.cu). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -173,6 +174,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         for suffix, decode, load in (("direct", "direct", "tile"), ("xvec", "convert", "vector"),
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
+        paths.append((f"moe_gemv_{fmt}_cuda", partial(_nvfp4_cuda, gemv), None))
     for name, fn, scheme in paths:
         out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
                   **{**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})})
@@ -187,6 +189,19 @@ def _nvfp4_pair(decode: str, load: str, fn):
     from kernels.quant import nvfp4
 
     return _with(nvfp4, fn, (), {}, DECODE={**nvfp4.DECODE, "pair": decode}, PAIR_X_LOAD=load)
+
+
+def _nvfp4_cuda(fn):
+    """fn() with kernels/quant/nvfp4.py's PAIR_KERNEL = "cuda" (kernels/quant/nvfp4_pair.cu), put back
+    afterwards. Raises RuntimeError where a projection would fall back to Triton, so the row times the CUDA
+    kernel or fails."""
+    from kernels.quant import nvfp4
+
+    return _with(nvfp4, fn, (), {}, PAIR_KERNEL="cuda", _launch_pair=_refuse_triton)
+
+
+def _refuse_triton(*args, **kwargs):
+    raise RuntimeError("PAIR_KERNEL 'cuda' fell back to the Triton kernel (kernels.quant.nvfp4_cuda.unsupported)")
 
 
 def _grouped_path(*args):
