@@ -22,7 +22,8 @@ per opcode class (`OPCODE_CLASSES`); and, per kernel, ``loop_per_weight``: the K
 once per K step, never unrolled) over the weights a thread decodes per step, the dynamic cost at that tile,
 per-step overheads included. These are thread instructions per weight: times the weights a step reads,
 divided by 32 threads per warp instruction and by the SMs' issue rate (4 warp instructions per clock per SM),
-it is the issue time below which the kernel cannot go, beside the weight-read floor.
+it is the issue time below which the kernel cannot go, beside the weight-read floor. Under "cuda", the same
+loop count for the CUDA per-pair kernel (kernels/quant/nvfp4_pair.cu, built by nvcc: `cuda_pair_report`).
 
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
 version may compile somewhat differently.
@@ -96,14 +97,20 @@ def _usage(kernel, top: int = 12) -> tuple[dict, str]:
                              text=True).stdout
         sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
                               text=True).stdout
+    return _sass_usage(res, sass, top), sass
+
+
+def _sass_usage(res: str, sass: str, top: int) -> dict:
+    """Registers, stack and shared bytes (cuobjdump -res-usage text ``res``) and the opcode counts of one
+    kernel's SASS listing ``sass``."""
     ops = collections.Counter()
     for line in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?", line)
         if m:
             ops[m.group(2) + (m.group(3) or "")] += 1
     get = lambda key: int(re.search(key + r":(\d+)", res).group(1))
-    return ({"REG": get("REG"), "STACK": get("STACK"), "SHARED": get("SHARED"),
-             "instructions": sum(ops.values()), "top_opcodes": dict(ops.most_common(top))}, sass)
+    return {"REG": get("REG"), "STACK": get("STACK"), "SHARED": get("SHARED"),
+            "instructions": sum(ops.values()), "top_opcodes": dict(ops.most_common(top))}
 
 
 @triton.jit
@@ -307,6 +314,41 @@ def loop_body(sass: str) -> dict | None:
     return {"instructions": sum(body.values()), "opcodes": dict(body.most_common())}
 
 
+def cuda_pair_report() -> dict:
+    """The CUDA per-pair NVFP4 kernel (kernels/quant/nvfp4_pair.cu) built by nvcc for sm_90 with the launcher's
+    flags: per instantiation (ungated, gated) its usage and ``loop_per_weight``, the main loop's body
+    (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x
+    64, twice that gated). {"error": ...} without nvcc."""
+    from kernels import _nvcc
+    from kernels.quant import nvfp4_cuda
+
+    nvcc = _nvcc.find_nvcc()
+    if nvcc is None:
+        return {"error": "no nvcc"}
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        flags = [f for f in nvfp4_cuda.build_flags("sm_90") if f not in ("-shared", "-Xcompiler", "-fPIC")]
+        subprocess.run([nvcc, *flags, "-cubin", "-o", cubin, str(nvfp4_cuda.SOURCE)], check=True,
+                       capture_output=True)
+        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", cubin], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True).stdout
+    out = {}
+    for gated in (False, True):
+        tag = "ILb1E" if gated else "ILb0E"
+        fn_res = next(b for b in res.split("Function ")[1:] if tag in b.split(":")[0])
+        fn_sass = next(b for b in sass.split("Function : ")[1:] if tag in b.splitlines()[0])
+        usage = _sass_usage(fn_res, fn_sass, 200)
+        body = loop_body(fn_sass)
+        weights = 2 * 64 * (2 if gated else 1)
+        usage["loop_per_weight"] = {"instructions": round(body["instructions"] / weights, 2),
+                                    **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
+        usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
+        out["nvfp4_cuda_gated" if gated else "nvfp4_cuda"] = usage
+    return out
+
+
 def pair_gemv_report() -> dict:
     """--pair-gemv (module docstring): {"kernels": {name: usage}, "per_weight": {name: marginal instructions
     per weight, overall and per class}}."""
@@ -334,7 +376,7 @@ def pair_gemv_report() -> dict:
                 "warps8": {"num_warps": 8, "num_stages": 1}}
     nv_variants = {"": {}, "_convert": {"DECODE": {**nvfp4.DECODE, "pair": "convert"}},
                    "_xtile": {"PAIR_X_LOAD": "tile"}}
-    res: dict = {"kernels": {}, "per_weight": {}}
+    res: dict = {"kernels": {}, "per_weight": {}, "cuda": cuda_pair_report()}
     keep = (moe_gemv.PAIR_LAUNCH, nvfp4.PAIR_TILE_WEIGHTS, nvfp4.DECODE, nvfp4.PAIR_X_LOAD)
     try:
         for sname, launch in settings.items():
