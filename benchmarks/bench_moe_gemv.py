@@ -19,9 +19,10 @@ weights), one row each:
   moe.py's moe_experts_grouped over the format's grouped GEMM: the quantized MoE's path before); for
   ``block_fp8`` also the per-pair GEMVs in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
-  other choices (``moe_gemv_nvfp4_direct``: DECODE["pair"] "direct", fp32 bit patterns with no convert;
-  ``_xvec``: PAIR_X_LOAD "vector"; ``_direct_xvec``: both; ``_cuda``: PAIR_KERNEL "cuda", the CUDA kernel of
-  kernels/quant/nvfp4_pair.cu). Their floor counts the stored bytes of the format
+  other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/nvfp4_pair.cu, the
+  default), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
+  (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
+  "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales).
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -171,7 +172,10 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
     if fmt == "nvfp4":
-        for suffix, decode, load in (("direct", "direct", "tile"), ("xvec", "convert", "vector"),
+        from kernels.quant import nvfp4
+
+        for suffix, decode, load in (("triton", nvfp4.DECODE["pair"], nvfp4.PAIR_X_LOAD),
+                                     ("direct", "direct", "tile"), ("xvec", "convert", "vector"),
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
         paths.append((f"moe_gemv_{fmt}_cuda", partial(_nvfp4_cuda, gemv), None))
@@ -184,11 +188,12 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
 
 
 def _nvfp4_pair(decode: str, load: str, fn):
-    """fn() with kernels/quant/nvfp4.py's per-pair choices DECODE["pair"] = decode and PAIR_X_LOAD = load,
-    both put back afterwards (bench_quant_gemm's ``_with``)."""
+    """fn() on the Triton per-pair kernel (PAIR_KERNEL "triton") with kernels/quant/nvfp4.py's choices
+    DECODE["pair"] = decode and PAIR_X_LOAD = load, all put back afterwards (bench_quant_gemm's ``_with``)."""
     from kernels.quant import nvfp4
 
-    return _with(nvfp4, fn, (), {}, DECODE={**nvfp4.DECODE, "pair": decode}, PAIR_X_LOAD=load)
+    return _with(nvfp4, fn, (), {}, DECODE={**nvfp4.DECODE, "pair": decode}, PAIR_X_LOAD=load,
+                 PAIR_KERNEL="triton")
 
 
 def _nvfp4_cuda(fn):

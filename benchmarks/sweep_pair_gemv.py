@@ -77,14 +77,15 @@ def configs(fmt: str) -> list[dict]:
 
 def run_with(config: dict, fn):
     """fn() under ``config`` (kernels/moe_gemv.py PAIR_LAUNCH and GEMV_MAX_BLOCK_N, kernels/quant/nvfp4.py
-    PAIR_TILE_WEIGHTS), every setting put back afterwards."""
+    PAIR_TILE_WEIGHTS, with nvfp4's PAIR_KERNEL "triton": these are the Triton kernel's settings, not the CUDA
+    kernel's), every setting put back afterwards."""
     from kernels import moe_gemv
     from kernels.quant import nvfp4
 
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     inner = partial(_with, moe_gemv, fn, (), {}, PAIR_LAUNCH=launch, GEMV_MAX_BLOCK_N=config["max_block_n"])
     if "tile_weights" in config:
-        return _with(nvfp4, inner, (), {}, PAIR_TILE_WEIGHTS=config["tile_weights"])
+        return _with(nvfp4, inner, (), {}, PAIR_TILE_WEIGHTS=config["tile_weights"], PAIR_KERNEL="triton")
     return inner()
 
 

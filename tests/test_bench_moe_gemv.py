@@ -72,12 +72,13 @@ def test_nvfp4_variant_rows_set_the_pair_choices_and_put_them_back():
 
     from kernels.quant import nvfp4
 
-    decode, load = dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD
-    seen = bench._nvfp4_pair("direct", "vector", lambda: (dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD))
-    assert seen == ({**decode, "pair": "direct"}, "vector")
+    decode, load, kernel = dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD, nvfp4.PAIR_KERNEL
+    seen = bench._nvfp4_pair("direct", "vector", lambda: (dict(nvfp4.DECODE), nvfp4.PAIR_X_LOAD,
+                                                          nvfp4.PAIR_KERNEL))
+    assert seen == ({**decode, "pair": "direct"}, "vector", "triton")
     with pytest.raises(ZeroDivisionError):
         bench._nvfp4_pair("direct", "vector", lambda: 1 / 0)
-    assert nvfp4.DECODE == decode and nvfp4.PAIR_X_LOAD == load
+    assert nvfp4.DECODE == decode and nvfp4.PAIR_X_LOAD == load and nvfp4.PAIR_KERNEL == kernel
 
 
 def test_nvfp4_cuda_row_sets_the_pair_kernel_refuses_triton_and_puts_both_back():

@@ -156,3 +156,17 @@ def test_kernel_source_compiles_for_sm90_and_loads(tmp_path, monkeypatch):
     assert path.parent == _nvcc.cache_dir() and path.stat().st_size > 0
     assert nvfp4_cuda.build(nvfp4_cuda.build_flags("sm_90")) == path
     assert nvfp4_cuda.load(str(path)).nvp_abi() == nvfp4_cuda.ABI
+
+
+def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
+    """A GPU machine without the CUDA toolkit keeps the Triton kernel instead of failing at the first launch:
+    unsupported names the missing nvcc (checked after everything else, so a CPU tensor still says so first)."""
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    monkeypatch.setattr(nvfp4_cuda, "_nvcc_path", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert nvfp4_cuda.unsupported(x, w, None, 2).startswith("no nvcc")
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    assert nf4.pair_kernel_for(x, w, None, 2) == "triton"

@@ -24,10 +24,12 @@ def test_the_grid_starts_at_the_defaults_and_has_no_repeats(fmt):
 
 
 def test_a_configuration_is_seen_by_the_call_and_put_back():
-    keep = (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS)
-    seen = lambda: (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS)
+    keep = (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS, nvfp4.PAIR_KERNEL)
+    seen = lambda: (dict(moe_gemv.PAIR_LAUNCH), moe_gemv.GEMV_MAX_BLOCK_N, nvfp4.PAIR_TILE_WEIGHTS,
+                    nvfp4.PAIR_KERNEL)
     c = {"num_warps": 8, "num_stages": 3, "max_block_n": 64, "tile_weights": 16384}
-    assert sweep.run_with(c, seen) == ({"num_warps": 8, "num_stages": 3}, 64, 16384)
+    # NVFP4 configurations are the Triton kernel's: the CUDA default is set aside while they run
+    assert sweep.run_with(c, seen) == ({"num_warps": 8, "num_stages": 3}, 64, 16384, "triton")
     assert seen() == keep
     assert sweep.run_with({"num_warps": 4, "num_stages": 2, "max_block_n": 32}, seen)[2] == keep[2]
 

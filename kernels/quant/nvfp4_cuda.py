@@ -14,7 +14,8 @@ rounding: the comment at the top of the .cu.
 
 Scope (:func:`unsupported` names what is missing): bf16 activations (the engine's), input width K a multiple of
 32, codes 16-byte aligned (row and expert strides included), scales 2-byte aligned, activation rows 16-byte
-aligned, at most 65535 pairs, CUDA tensors on an sm_80+ GPU, a working nvcc. Unsplit launches only: the
+aligned, at most 65535 pairs, CUDA tensors on an sm_80+ GPU, an nvcc to build it with (without one, the
+Triton kernel runs instead). Unsplit launches only: the
 kernel's 4 warps split K inside each CTA and add their sums in a fixed order (the same bits eager and in a
 CUDA graph).
 
@@ -110,7 +111,15 @@ def unsupported(x: torch.Tensor, w, w2, P: int) -> str | None:
     cap = torch.cuda.get_device_capability(x.device)
     if cap < MIN_CAPABILITY:
         return f"an sm_80+ GPU (bf16 mma.sync), got sm_{cap[0]}{cap[1]}"
+    if _nvcc_path() is None:
+        return "no nvcc to build it ($NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"
     return None
+
+
+@functools.cache
+def _nvcc_path() -> str | None:
+    """kernels._nvcc.find_nvcc(), looked up once per process (unsupported runs at every launch)."""
+    return _nvcc.find_nvcc()
 
 
 def launch_args(x, idx, w, w2, out, topk: int, act_code: int):
