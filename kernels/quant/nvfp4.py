@@ -46,7 +46,9 @@ alone give too few programs (:func:`kernels.quant._common.gemv_config`).
   (kernels/quant/_common.py): no host synchronisation, CUDA-graph capturable, work proportional to the rows
   present.
 - :func:`moe_gemv_nvfp4` (routed experts at decode sizes, kernels/quant/moe_gemv.py's per-pair scheme): one
-  program per (token, expert) pair and output tile; reference :func:`moe_gemv_nvfp4_ref`.
+  program per (token, expert) pair and output tile; reference :func:`moe_gemv_nvfp4_ref`. On the GPU its
+  projections run by default on the CUDA kernel of kernels/quant/nvfp4_cuda.py (``PAIR_KERNEL``), this
+  file's Triton kernel taking what that one does not.
 Each runs the Triton kernel on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the reference.
 
 Shapes: M activation rows (dense), P (token, expert) pairs sorted by expert (grouped), E experts, N output
