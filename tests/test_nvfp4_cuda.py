@@ -159,8 +159,9 @@ def test_kernel_source_compiles_for_sm90_and_loads(tmp_path, monkeypatch):
 
 
 def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
-    """A GPU machine without the CUDA toolkit keeps the Triton kernel instead of failing at the first launch:
-    unsupported names the missing nvcc (checked after everything else, so a CPU tensor still says so first)."""
+    """A GPU machine without the CUDA toolkit keeps the Triton kernel instead of failing at the first
+    launch: unsupported names the missing nvcc (checked after everything else, so a CPU tensor still says so
+    first)."""
     gen = torch.Generator().manual_seed(0)
     w = _experts(2, 16, 128, gen)
     x = torch.randn(2, 128).to(torch.bfloat16)

@@ -1001,9 +1001,10 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
 # Which kernel runs moe_gemv_nvfp4's projections on the GPU: "triton" (_pair_nvfp4_kernel above) or "cuda"
 # (kernels/quant/nvfp4_pair.cu through kernels/quant/nvfp4_cuda.py: the e2m1 decode in the registers of a bf16
 # mma.sync, about 3.6 SASS instructions per weight against this kernel's 8.6). "cuda" runs each projection it
-# takes (nvfp4_cuda.unsupported: bf16, K % 32 == 0, aligned rows) and leaves the others to Triton. Measured on
-# an H100 (docs/gpu/nvfp4_cuda_1, bench_moe_gemv at Super V3's experts): 1.61-1.97x faster than Triton at 1-8
-# tokens (49.0 against 78.9 us at one token). Read at call time.
+# takes (nvfp4_cuda.unsupported: bf16, K % 32 == 0, aligned rows, an nvcc) and leaves the others to Triton.
+# Measured on an H100 (docs/kernel_performance.md, "The CUDA per-pair NVFP4 kernel"; bench_moe_gemv at Super
+# V3's experts): 1.61-1.97x faster than Triton at 1-8 tokens (49.0 against 78.9 us at one token). Read at call
+# time.
 PAIR_KERNELS = ("triton", "cuda")
 PAIR_KERNEL = "cuda"
 
