@@ -17,9 +17,10 @@ weights), one row each:
   w8a16, at decode sizes): ``moe_gemv_<fmt>`` (kernels.quant.moe_gemv's per-pair GEMVs: three launches, what
   NVFP4MoE / BlockFP8MoE take at decode sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/
   moe.py's moe_experts_grouped over the format's grouped GEMM: the quantized MoE's path before); for
-  ``block_fp8`` also the per-pair GEMVs in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
+  ``block_fp8`` also the per-pair GEMVs on the CUDA kernel of kernels/quant/pair_gemv.cu (w8a16,
+  ``moe_gemv_block_fp8_cuda``) and in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
-  other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/nvfp4_pair.cu, the
+  other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/pair_gemv.cu, the
   default), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
   (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
   "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
@@ -171,6 +172,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
+        paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, partial(gemv, scheme="w8a16")), "w8a16"))
     if fmt == "nvfp4":
         from kernels.quant import nvfp4
 
@@ -178,7 +180,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
                                      ("direct", "direct", "tile"), ("xvec", "convert", "vector"),
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
-        paths.append((f"moe_gemv_{fmt}_cuda", partial(_nvfp4_cuda, gemv), None))
+        paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, gemv), None))
     for name, fn, scheme in paths:
         out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
                   **{**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})})
@@ -196,17 +198,18 @@ def _nvfp4_pair(decode: str, load: str, fn):
                  PAIR_KERNEL="triton")
 
 
-def _nvfp4_cuda(fn):
-    """fn() with kernels/quant/nvfp4.py's PAIR_KERNEL = "cuda" (kernels/quant/nvfp4_pair.cu), put back
+def _cuda(fmt: str, fn):
+    """fn() with kernels/quant/<fmt>.py's PAIR_KERNEL = "cuda" (kernels/quant/pair_gemv.cu), put back
     afterwards. Raises RuntimeError where a projection would fall back to Triton, so the row times the CUDA
     kernel or fails."""
-    from kernels.quant import nvfp4
+    import importlib
 
-    return _with(nvfp4, fn, (), {}, PAIR_KERNEL="cuda", _launch_pair=_refuse_triton)
+    module = importlib.import_module(f"kernels.quant.{fmt}")
+    return _with(module, fn, (), {}, PAIR_KERNEL="cuda", _launch_pair=_refuse_triton)
 
 
 def _refuse_triton(*args, **kwargs):
-    raise RuntimeError("PAIR_KERNEL 'cuda' fell back to the Triton kernel (kernels.quant.nvfp4_cuda.unsupported)")
+    raise RuntimeError("PAIR_KERNEL 'cuda' fell back to the Triton kernel (kernels.quant.pair_cuda.unsupported)")
 
 
 def _grouped_path(*args):

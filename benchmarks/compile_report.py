@@ -23,7 +23,7 @@ once per K step, never unrolled) over the weights a thread decodes per step, the
 per-step overheads included. These are thread instructions per weight: times the weights a step reads,
 divided by 32 threads per warp instruction and by the SMs' issue rate (4 warp instructions per clock per SM),
 it is the issue time below which the kernel cannot go, beside the weight-read floor. Under "cuda", the same
-loop count for the CUDA per-pair kernel (kernels/quant/nvfp4_pair.cu, built by nvcc: `cuda_pair_report`).
+loop count for the CUDA per-pair kernels (kernels/quant/pair_gemv.cu, built by nvcc: `cuda_pair_report`).
 
 Triton internals (the launch path, the driver object) are used best effort; the GPU machine's Triton
 version may compile somewhat differently.
@@ -315,37 +315,38 @@ def loop_body(sass: str) -> dict | None:
 
 
 def cuda_pair_report() -> dict:
-    """The CUDA per-pair NVFP4 kernel (kernels/quant/nvfp4_pair.cu) built by nvcc for sm_90 with the launcher's
-    flags: per instantiation (ungated, gated) its usage and ``loop_per_weight``, the main loop's body
-    (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x
-    64, twice that gated). {"error": ...} without nvcc."""
+    """The CUDA per-pair kernels (kernels/quant/pair_gemv.cu) built by nvcc for sm_90 with the launcher's
+    flags: per instantiation (NVFP4 / block FP8, ungated / gated) its usage and ``loop_per_weight``, the main
+    loop's body (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step
+    (2 chunks x 64, twice that gated). {"error": ...} without nvcc."""
     from kernels import _nvcc
-    from kernels.quant import nvfp4_cuda
+    from kernels.quant import pair_cuda
 
     nvcc = _nvcc.find_nvcc()
     if nvcc is None:
         return {"error": "no nvcc"}
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
-        flags = [f for f in nvfp4_cuda.build_flags("sm_90") if f not in ("-shared", "-Xcompiler", "-fPIC")]
-        subprocess.run([nvcc, *flags, "-cubin", "-o", cubin, str(nvfp4_cuda.SOURCE)], check=True,
+        flags = [f for f in pair_cuda.build_flags("sm_90") if f not in ("-shared", "-Xcompiler", "-fPIC")]
+        subprocess.run([nvcc, *flags, "-cubin", "-o", cubin, str(pair_cuda.SOURCE)], check=True,
                        capture_output=True)
         res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", cubin], capture_output=True,
                              text=True).stdout
         sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
     out = {}
-    for gated in (False, True):
-        tag = "ILb1E" if gated else "ILb0E"
-        fn_res = next(b for b in res.split("Function ")[1:] if tag in b.split(":")[0])
-        fn_sass = next(b for b in sass.split("Function : ")[1:] if tag in b.splitlines()[0])
-        usage = _sass_usage(fn_res, fn_sass, 200)
-        body = loop_body(fn_sass)
-        weights = 2 * 64 * (2 if gated else 1)
-        usage["loop_per_weight"] = {"instructions": round(body["instructions"] / weights, 2),
-                                    **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
-        usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
-        out["nvfp4_cuda_gated" if gated else "nvfp4_cuda"] = usage
+    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8")):
+        for gated in (False, True):
+            inst = f"{tag}ELb{int(gated)}E"
+            fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
+            fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
+            usage = _sass_usage(fn_res, fn_sass, 200)
+            body = loop_body(fn_sass)
+            weights = 2 * 64 * (2 if gated else 1)
+            usage["loop_per_weight"] = {"instructions": round(body["instructions"] / weights, 2),
+                                        **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
+            usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
+            out[f"{fmt}_cuda" + ("_gated" if gated else "")] = usage
     return out
 
 

@@ -1,5 +1,5 @@
 """The project's CUDA kernels built with nvcc at first use and loaded with ctypes: one build cache, one way of
-finding nvcc, one race-free build (kernels/mamba2/replay_cuda.py, kernels/quant/nvfp4_cuda.py use it).
+finding nvcc, one race-free build (kernels/mamba2/replay_cuda.py, kernels/quant/pair_cuda.py use it).
 
 A library is built per (source text, nvcc flags) into ``cache_dir()`` as ``<stem>_<sha256 of both>.so``; a file
 lock serialises builders of one library and the result is renamed into place, so concurrent processes never

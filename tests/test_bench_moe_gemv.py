@@ -81,16 +81,17 @@ def test_nvfp4_variant_rows_set_the_pair_choices_and_put_them_back():
     assert nvfp4.DECODE == decode and nvfp4.PAIR_X_LOAD == load and nvfp4.PAIR_KERNEL == kernel
 
 
-def test_nvfp4_cuda_row_sets_the_pair_kernel_refuses_triton_and_puts_both_back():
-    """_nvfp4_cuda runs the call with nvfp4.PAIR_KERNEL = "cuda" and the Triton launcher replaced by one that
+def test_cuda_rows_set_the_pair_kernel_refuse_triton_and_put_both_back():
+    """_cuda runs the call with the format's PAIR_KERNEL = "cuda" and its Triton launcher replaced by one that
     raises (a row that fell back would time Triton under the CUDA kernel's name), both restored afterwards."""
     import pytest
 
-    from kernels.quant import nvfp4
+    from kernels.quant import block_fp8, nvfp4
 
-    kernel, launch = nvfp4.PAIR_KERNEL, nvfp4._launch_pair
-    seen = bench._nvfp4_cuda(lambda: (nvfp4.PAIR_KERNEL, nvfp4._launch_pair))
-    assert seen[0] == "cuda" and seen[1] is bench._refuse_triton
-    with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
-        bench._nvfp4_cuda(lambda: nvfp4._launch_pair())
-    assert nvfp4.PAIR_KERNEL == kernel and nvfp4._launch_pair is launch
+    for fmt, module in (("nvfp4", nvfp4), ("block_fp8", block_fp8)):
+        kernel, launch = module.PAIR_KERNEL, module._launch_pair
+        seen = bench._cuda(fmt, lambda m=module: (m.PAIR_KERNEL, m._launch_pair))
+        assert seen[0] == "cuda" and seen[1] is bench._refuse_triton
+        with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
+            bench._cuda(fmt, lambda m=module: m._launch_pair())
+        assert module.PAIR_KERNEL == kernel and module._launch_pair is launch

@@ -178,7 +178,7 @@ def _nvfp4_cuda_case(gated, tokens, seed):
 @pytest.mark.parametrize("tokens", (1, 8))
 @pytest.mark.parametrize("gated", (False, True))
 def test_nvfp4_cuda_pair_kernel_vs_reference_and_triton(gated, tokens, monkeypatch):
-    """PAIR_KERNEL "cuda" (kernels/quant/nvfp4_pair.cu, built with nvcc here) takes both projections at Super
+    """PAIR_KERNEL "cuda" (kernels/quant/pair_gemv.cu, built with nvcc here) takes both projections at Super
     V3's released expert shapes (and gated at Qwen3-Next's widths): the reference and the Triton per-pair
     kernel within two bf16 ulps, the same bits on a second call (the warps' sums meet in a fixed order)."""
     up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(gated, tokens, seed=tokens + 30)
@@ -194,14 +194,45 @@ def test_nvfp4_cuda_pair_kernel_vs_reference_and_triton(gated, tokens, monkeypat
     assert torch.equal(nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act), got)
 
 
-def test_nvfp4_cuda_pair_kernel_in_a_cuda_graph_equals_eager(monkeypatch):
+@pytest.mark.parametrize("tokens", (1, 8))
+def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch):
+    """block_fp8's PAIR_KERNEL "cuda" (kernels/quant/pair_gemv.cu) takes the w8a16 projections at Qwen3-Next's
+    released expert shapes (gated SiLU): the w8a16 reference and the Triton per-pair kernel within two bf16
+    ulps, the same bits on a second call."""
+    _, *_, act, _ = SHAPES["qwen3_next"]
+    up, gate, down = _experts("qwen3_next")
+    h, weights, indices = _inputs("qwen3_next", tokens, seed=tokens + 50)
+    triton_out = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+    assert bf8.pair_kernel_for(h, gate, up, indices.numel(), a16=True) == "cuda"
+    a = torch.empty(indices.numel(), up[0].shape[1], dtype=torch.bfloat16, device="cuda")
+    assert bf8.pair_kernel_for(a, down, None, indices.numel(), a16=True) == "cuda"
+    got = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
+    _close(got, bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, gate, down, act, scheme="w8a16"))
+    _close(got, triton_out)
+    assert torch.equal(bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16"), got)
+
+
+@pytest.mark.parametrize("fmt", ("nvfp4", "block_fp8"))
+def test_cuda_pair_kernel_in_a_cuda_graph_equals_eager(fmt, monkeypatch):
     """The CUDA kernel's launches captured in a CUDA graph (current stream, no host sync) give eager's bits
-    for new inputs written into the static buffers."""
-    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
-    up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(False, 4, seed=41)
+    for new inputs written into the static buffers (NVFP4 at Super V3's shapes, block FP8 w8a16 at
+    Qwen3-Next's)."""
+    if fmt == "nvfp4":
+        monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+        up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(False, 4, seed=41)
+        fn = nf4.moe_gemv_nvfp4
+        new = lambda seed: _nvfp4_cuda_case(False, 4, seed=seed)[4:]
+    else:
+        monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+        up, gate, down = _experts("qwen3_next")
+        act = SHAPES["qwen3_next"][5]
+        h, weights, indices = _inputs("qwen3_next", 4, seed=41)
+        fn = partial(bf8.moe_gemv_block_fp8, scheme="w8a16")
+        new = lambda seed: _inputs("qwen3_next", 4, seed=seed)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+        fn(h, weights, indices, up, gate, down, act)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -209,16 +240,16 @@ def test_nvfp4_cuda_pair_kernel_in_a_cuda_graph_equals_eager(monkeypatch):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+        fn(h, weights, indices, up, gate, down, act)
         with torch.cuda.graph(graph):
-            y = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
+            y = fn(h, weights, indices, up, gate, down, act)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (42, 43):
-        *_, new_h, new_w, new_idx = _nvfp4_cuda_case(False, 4, seed=seed)
+        new_h, new_w, new_idx = new(seed)
         h.copy_(new_h)
         weights.copy_(new_w)
         indices.copy_(new_idx)
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act))
+        assert torch.equal(y, fn(h, weights, indices, up, gate, down, act))

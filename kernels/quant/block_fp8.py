@@ -64,6 +64,7 @@ from kernels import moe_gemv as pair_gemv
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
 from kernels.quant import _common as quant_common
+from kernels.quant import pair_cuda
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -1190,6 +1191,34 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool = False)
     return out, (out2 if w2 is not None else None), split
 
 
+# Which kernel runs moe_gemv_block_fp8's w8a16 projections on the GPU: "triton" (_pair_block_fp8_kernel above)
+# or "cuda" (kernels/quant/pair_gemv.cu through kernels/quant/pair_cuda.py: the e4m3 decode in the registers of
+# a bf16 mma.sync, the NVFP4 kernel's scheme). "cuda" runs each w8a16 projection it takes
+# (pair_cuda.unsupported) and leaves the others, and w8a8, to Triton. "triton" until a GPU bench
+# (benchmarks/bench_moe_gemv.py, row moe_gemv_block_fp8_cuda) has timed the CUDA kernel. Read at call time.
+PAIR_KERNEL = "triton"
+
+
+def pair_kernel_for(x: torch.Tensor, w: BlockFP8Experts, w2: BlockFP8Experts | None, P: int, a16: bool) -> str:
+    """The kernel PAIR_KERNEL gives one projection (x [rows, K], the experts w and, gated, w2, P pairs, the
+    w8a16 scheme when ``a16``): "cuda" where PAIR_KERNEL asks for it, the scheme is w8a16 and the CUDA kernel
+    takes the call, else "triton".
+
+    Raises:
+        ValueError: PAIR_KERNEL is not one of pair_cuda.KERNELS.
+    """
+    kernel = pair_cuda.kernel_for(PAIR_KERNEL, "block_fp8", x, w, w2, P)
+    return kernel if a16 else "triton"
+
+
+def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool):
+    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches)."""
+    if pair_kernel_for(x, w, w2, idx.numel(), a16) == "cuda":
+        return pair_cuda.launch_pair("block_fp8", x, idx, w, w2, out_dtype, topk, act_code,
+                                     name="moe_gemv_block_fp8")
+    return _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, a16=a16)
+
+
 def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: BlockFP8Experts,
                        gate: BlockFP8Experts | None, down: BlockFP8Experts, activation: str, *,
                        scheme: str = "w8a8") -> torch.Tensor:
@@ -1210,5 +1239,5 @@ def moe_gemv_block_fp8(h: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     up, gate, down = contiguous_experts(up), contiguous_experts(gate), contiguous_experts(down)
     tensors = [t for e in (up, gate, down) if e is not None for t in e]
     check_launchable(h, weights, indices, *tensors, name=name)
-    launch = functools.partial(_launch_pair, a16=scheme == "w8a16")
+    launch = functools.partial(_launch_pair_any, a16=scheme == "w8a16")
     return run_pair_launches(h, weights, indices, up, gate, down, activation, launch, up[0].shape[1])

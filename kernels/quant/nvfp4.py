@@ -47,7 +47,7 @@ alone give too few programs (:func:`kernels.quant._common.gemv_config`).
   present.
 - :func:`moe_gemv_nvfp4` (routed experts at decode sizes, kernels/quant/moe_gemv.py's per-pair scheme): one
   program per (token, expert) pair and output tile; reference :func:`moe_gemv_nvfp4_ref`. On the GPU its
-  projections run by default on the CUDA kernel of kernels/quant/nvfp4_cuda.py (``PAIR_KERNEL``), this
+  projections run by default on the CUDA kernel of kernels/quant/pair_cuda.py (``PAIR_KERNEL``), this
   file's Triton kernel taking what that one does not.
 Each runs the Triton kernel on CUDA and under TRITON_INTERPRET=1; a plain CPU run calls the reference.
 
@@ -64,7 +64,7 @@ import triton.language as tl
 from kernels import moe_gemv as pair_gemv
 from kernels._common import check_launchable, interpreter_active
 from kernels.moe_gemv import pair_gemv_config, run_pair_launches, store_pair_rows
-from kernels.quant import nvfp4_cuda
+from kernels.quant import pair_cuda
 from kernels.quant._common import (
     FP8_DTYPE,
     FP8_MAX,
@@ -999,34 +999,29 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code):
 
 
 # Which kernel runs moe_gemv_nvfp4's projections on the GPU: "triton" (_pair_nvfp4_kernel above) or "cuda"
-# (kernels/quant/nvfp4_pair.cu through kernels/quant/nvfp4_cuda.py: the e2m1 decode in the registers of a bf16
+# (kernels/quant/pair_gemv.cu through kernels/quant/pair_cuda.py: the e2m1 decode in the registers of a bf16
 # mma.sync, about 3.6 SASS instructions per weight against this kernel's 8.6). "cuda" runs each projection it
-# takes (nvfp4_cuda.unsupported: bf16, K % 32 == 0, aligned rows, an nvcc) and leaves the others to Triton.
+# takes (pair_cuda.unsupported: bf16, K % 32 == 0, aligned rows, an nvcc) and leaves the others to Triton.
 # Measured on an H100 (docs/kernel_performance.md, "The CUDA per-pair NVFP4 kernel"; bench_moe_gemv at Super
 # V3's experts): 1.61-1.97x faster than Triton at 1-8 tokens (49.0 against 78.9 us at one token). Read at call
 # time.
-PAIR_KERNELS = ("triton", "cuda")
 PAIR_KERNEL = "cuda"
 
 
 def pair_kernel_for(x: torch.Tensor, w: NVFP4Experts, w2: NVFP4Experts | None, P: int) -> str:
     """The kernel PAIR_KERNEL gives one projection (x [rows, K], the experts w and, gated, w2, P pairs):
-    "cuda" where PAIR_KERNEL asks for it and nvfp4_cuda takes the call, else "triton".
+    "cuda" where PAIR_KERNEL asks for it and the CUDA kernel takes the call, else "triton".
 
     Raises:
-        ValueError: PAIR_KERNEL is not one of PAIR_KERNELS.
+        ValueError: PAIR_KERNEL is not one of pair_cuda.KERNELS.
     """
-    if PAIR_KERNEL not in PAIR_KERNELS:
-        raise ValueError(f"kernels.quant.nvfp4.PAIR_KERNEL must be one of {PAIR_KERNELS}, got {PAIR_KERNEL!r}")
-    if PAIR_KERNEL == "cuda" and nvfp4_cuda.unsupported(x, w, w2, P) is None:
-        return "cuda"
-    return "triton"
+    return pair_cuda.kernel_for(PAIR_KERNEL, "nvfp4", x, w, w2, P)
 
 
 def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code):
     """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches)."""
     if pair_kernel_for(x, w, w2, idx.numel()) == "cuda":
-        return nvfp4_cuda.launch_pair(x, idx, w, w2, out_dtype, topk, act_code)
+        return pair_cuda.launch_pair("nvfp4", x, idx, w, w2, out_dtype, topk, act_code)
     return _launch_pair(x, idx, w, w2, out_dtype, topk, act_code)
 
 
@@ -1042,7 +1037,7 @@ def moe_gemv_nvfp4(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     same arguments, result and errors as :func:`moe_gemv_nvfp4_ref`, equal to it up to the fp32 summation
     order. Three launches, no host synchronisation, grids from shapes only (CUDA-graph capturable). Triton on
     CUDA and under TRITON_INTERPRET=1 (or, with PAIR_KERNEL "cuda", the CUDA kernel of
-    kernels/quant/nvfp4_cuda.py for the projections it takes), the reference on a plain CPU run. Expert ids
+    kernels/quant/pair_cuda.py for the projections it takes), the reference on a plain CPU run. Expert ids
     are not range-checked.
 
     Raises:

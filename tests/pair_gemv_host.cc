@@ -1,4 +1,4 @@
-// Host emulation of kernels/quant/nvfp4_pair.cu for the CPU tests (tests/test_nvfp4_cuda.py): the kernel's own
+// Host emulation of kernels/quant/pair_gemv.cu for the CPU tests (tests/test_pair_cuda.py): the kernel's own
 // source compiled by g++ with NVP_HOST_EMULATION, each CTA run as 128 std::threads that meet at __syncthreads
 // (a std::barrier of the CTA); each warp's mma.sync is emulated by gathering the 32 lanes' fragments through a
 // per-warp buffer (the PTX ISA's m16n8k16 fragment layout), multiplying in fp32 in column order, and handing
@@ -6,7 +6,7 @@
 // mapping and epilogue against the PyTorch reference on the CPU; not its speed, nor the tensor core's own
 // summation order (the GPU tests run it for real).
 //
-// Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -I kernels/quant tests/nvfp4_pair_host.cc -o LIB.so
+// Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -I kernels/quant tests/pair_gemv_host.cc -o LIB.so
 // Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints), the argument arrays of nvp_launch.
 
 #include <barrier>
@@ -100,7 +100,7 @@ inline void nvp_host_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
   w.bar.arrive_and_wait();  // lane 0 may not overwrite d before every lane has read it
 }
 
-#include "nvfp4_pair.cu"
+#include "pair_gemv.cu"
 
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
@@ -117,10 +117,14 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* cons
           blockIdx.x = static_cast<unsigned>(tile);
           blockIdx.y = static_cast<unsigned>(pair);
           host_cta = cta.get();
-          if (p.gated)
-            nvp::nvfp4_pair_kernel<true>(p);
+          if (p.fmt == 0 && p.gated)
+            nvp::pair_gemv_kernel<nvp::Nvfp4, true>(p);
+          else if (p.fmt == 0)
+            nvp::pair_gemv_kernel<nvp::Nvfp4, false>(p);
+          else if (p.gated)
+            nvp::pair_gemv_kernel<nvp::BlockFp8, true>(p);
           else
-            nvp::nvfp4_pair_kernel<false>(p);
+            nvp::pair_gemv_kernel<nvp::BlockFp8, false>(p);
         });
       }
       for (auto& th : threads) th.join();

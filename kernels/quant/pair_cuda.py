@@ -1,0 +1,199 @@
+"""The "cuda" per-pair kernels of the quantized routed experts: one projection of
+:func:`kernels.quant.nvfp4.moe_gemv_nvfp4` (NVFP4, W4A16) or of :func:`kernels.quant.block_fp8.moe_gemv_block_fp8`
+in its w8a16 scheme (block FP8) at decode sizes (kernels/quant/moe_gemv.py's per-pair scheme) as a CUDA kernel
+(kernels/quant/pair_gemv.cu) compiled with nvcc at first use on the GPU (kernels/_nvcc.py), loaded with ctypes.
+
+Why CUDA: Triton decodes each packed word twice and stages the decoded tile through shared memory before
+its tensor-core product, and its CUDA-core per-pair NVFP4 GEMV costs 8.6 SASS instructions per weight in the K
+loop (docs/kernel_performance.md, "Where the per-pair NVFP4 GEMV's time goes"): issue-bound at about twice the
+weight-read floor on the H200. This kernel decodes two weights per 32-bit operation straight into the bf16x2
+registers of ``mma.sync.m16n8k16`` (no shared memory, no weight re-layout: each lane's logical MMA columns are
+mapped onto the 32 physical columns it loaded, and x's registers permuted to match), about 3.6 instructions
+per NVFP4 weight in the loop for sm_90 (docs/compile_report_sm90_pair_gemv.json, ``cuda``). Layout, decode
+and rounding: the comment at the top of the .cu.
+
+Formats (``FORMATS``): "nvfp4", experts (codes uint8 [E, N, K / 2], weight_scale float8_e4m3fn [E, N, K / 16],
+weight_scale_2 float32 [E]); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
+[E, ceil(N / 128), ceil(K / 128)]).
+
+Scope (:func:`unsupported` names what is missing): bf16 activations (the engine's), input width K a multiple of
+32, codes 16-byte aligned (row and expert strides included), scales 2-byte (NVFP4) or 4-byte (block FP8,
+contiguous) aligned, activation rows 16-byte aligned, at most 65535 pairs, CUDA tensors on an sm_80+ GPU, an
+nvcc to build it with (without one, the Triton kernel runs instead). Unsplit launches only: the kernel's 4
+warps split K inside each CTA and add their sums in a fixed order (the same bits eager and in a CUDA graph).
+
+The CPU tests run the kernel's source in host emulation (tests/pair_gemv_host.cc); the GPU tests
+(tests/test_kernels_quant_moe_gemv_gpu.py) run it for real against the references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from kernels import _nvcc
+
+SOURCE = Path(__file__).with_name("pair_gemv.cu")
+ABI = 2  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 13
+FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
+K_MULTIPLE = 32  # input columns per lane load
+MAX_PAIRS = 65535  # the grid's y dimension
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 bf16
+KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
+
+
+def fix(fmt: str) -> str:
+    """The way out named in this module's errors for format `fmt`."""
+    return f"set kernels.quant.{fmt}.PAIR_KERNEL = 'triton' (the Triton per-pair kernel)"
+
+
+def build_flags(arch: str) -> list[str]:
+    """nvcc flags of the library for GPU architecture `arch` ("sm_90")."""
+    return ["-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-std=c++17"]
+
+
+def build(flags: list[str], name: str = "moe_gemv_nvfp4", fmt: str = "nvfp4") -> Path:
+    """The library of `flags`, built with nvcc unless the cache has it (kernels/_nvcc.py); returns its path.
+
+    Raises:
+        ValueError: no nvcc, an unwritable cache folder or a failed build, with the fix.
+    """
+    return _nvcc.build(SOURCE, flags, _nvcc.find_nvcc(), name=name, what="PAIR_KERNEL 'cuda'", fix=fix(fmt))
+
+
+@functools.cache
+def load(path: str):
+    """ctypes handle of a built library, argument types set, its ABI checked.
+
+    Raises:
+        ValueError: a library whose ABI is not `ABI` (a stale build: delete it from the cache folder).
+    """
+    lib = ctypes.CDLL(path)
+    lib.nvp_abi.restype = ctypes.c_int
+    lib.nvp_launch.restype = ctypes.c_int
+    lib.nvp_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong), ctypes.c_void_p]
+    lib.nvp_error_string.restype = ctypes.c_char_p
+    lib.nvp_error_string.argtypes = [ctypes.c_int]
+    if lib.nvp_abi() != ABI:
+        raise ValueError(f"pair_cuda: {path} has ABI {lib.nvp_abi()}, this module expects {ABI}; delete "
+                         f"{_nvcc.cache_dir()} and rerun (it is rebuilt)")
+    return lib
+
+
+@functools.cache
+def _library(device: torch.device, name: str, fmt: str):
+    """The loaded library for `device`'s architecture (built at first use)."""
+    return load(str(build(build_flags(_nvcc.arch_of(device)), name, fmt)))
+
+
+def _input_width(fmt: str, codes: torch.Tensor) -> int:
+    return 2 * codes.shape[-1] if fmt == "nvfp4" else codes.shape[-1]
+
+
+def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
+    """Why the CUDA kernel cannot run the projection x [rows, K] times the experts w of format `fmt` (the
+    module docstring's tuples; w2, the up projection of a gated pair, or None) for P pairs, or None when it
+    can. Reads shapes, strides, pointers and the device only; checked so that the device-independent reasons
+    show on a CPU machine too.
+
+    Raises:
+        ValueError: `fmt` is not one of FORMATS.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"pair_cuda: format must be one of {tuple(FORMATS)}, got {fmt!r}")
+    codes, scales = w[0], w[1]
+    K = _input_width(fmt, codes)
+    if x.dtype != torch.bfloat16:
+        return f"activations must be bfloat16, got {x.dtype}"
+    if K % K_MULTIPLE or K == 0:
+        return f"the input width K must be a positive multiple of {K_MULTIPLE}, got {K}"
+    if P > MAX_PAIRS:
+        return f"at most {MAX_PAIRS} (token, expert) pairs per launch, got {P}"
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return "activation rows must be contiguous and 16-byte aligned"
+    scale_align = 2 if fmt == "nvfp4" else 4
+    for mat in (w, w2):
+        if mat is None:
+            continue
+        c, s = mat[0], mat[1]
+        if c.stride(2) != 1 or c.stride(1) % 16 or c.stride(0) % 16 or c.data_ptr() % 16:
+            return "the experts' codes must be contiguous rows at 16-byte aligned strides and address"
+        if s.stride(2) != 1 or (fmt == "nvfp4" and (s.stride(1) % 2 or s.stride(0) % 2)) \
+                or s.data_ptr() % scale_align:
+            return "the experts' scales must be contiguous rows, aligned to their element"
+        if w2 is not None and (c.stride() != codes.stride() or s.stride() != scales.stride()):
+            return "gate and up must share their strides"
+    if x.device.type != "cuda":
+        return f"CUDA tensors only, got {x.device.type}"
+    cap = torch.cuda.get_device_capability(x.device)
+    if cap < MIN_CAPABILITY:
+        return f"an sm_80+ GPU (bf16 mma.sync), got sm_{cap[0]}{cap[1]}"
+    if _nvcc_path() is None:
+        return "no nvcc to build it ($NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"
+    return None
+
+
+@functools.cache
+def _nvcc_path() -> str | None:
+    """kernels._nvcc.find_nvcc(), looked up once per process (unsupported runs at every launch)."""
+    return _nvcc.find_nvcc()
+
+
+def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
+    """The kernel a format's PAIR_KERNEL `setting` gives one projection: "cuda" where the setting asks for it
+    and :func:`unsupported` finds nothing missing, else "triton".
+
+    Raises:
+        ValueError: `setting` is not one of KERNELS.
+    """
+    if setting not in KERNELS:
+        raise ValueError(f"kernels.quant.{fmt}.PAIR_KERNEL must be one of {KERNELS}, got {setting!r}")
+    if setting == "cuda" and unsupported(fmt, x, w, w2, P) is None:
+        return "cuda"
+    return "triton"
+
+
+def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int):
+    """The argument arrays of nvp_launch (pair_gemv.cu: pointers; sizes, codes, strides and the format):
+    (ctypes void* [9], long long [13]). The tensors must outlive the launch. Scale strides go in bytes."""
+    codes, scales = w[0], w[1]
+    gs = w[2] if fmt == "nvfp4" else scales  # the FP8 kernel reads no global scale
+    o2 = w2 if w2 is not None else w
+    gs2 = o2[2] if fmt == "nvfp4" else o2[1]
+    P, NOUT, K = idx.numel(), codes.shape[1], _input_width(fmt, codes)
+    ptrs = [x, idx, codes, scales, gs, o2[0], o2[1], gs2, out]
+    es = scales.element_size()
+    ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
+            scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt]]
+    assert len(ptrs) == N_PTRS and len(ints) == N_INTS
+    return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
+
+
+def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, name: str = "moe_gemv_nvfp4"):
+    """One projection of the per-pair path (the ``launch`` contract of kernels/moe_gemv.py's
+    ``run_pair_launches``): x [rows, K] bf16, idx [P] int64 expert per pair (pair p reads row p // topk of x),
+    w / w2 the experts in format `fmt` (w2: up of a gated pair, else None), act_code 0 / 1 relu2 / 2 silu.
+    Returns (out [P, N] bf16 with the activation applied, None, 1): never split. Launched on the current
+    stream, no allocation but out, no synchronisation (CUDA-graph capturable). `unsupported` must have
+    returned None.
+
+    Raises:
+        ValueError: nvcc missing or failing, a stale library.
+        RuntimeError: the launch failed (the CUDA error's name).
+    """
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"{name}: PAIR_KERNEL 'cuda' writes bfloat16, asked for {out_dtype}; {fix(fmt)}")
+    lib = _library(x.device, name, fmt)
+    P, NOUT = idx.numel(), w[0].shape[1]
+    out = torch.empty(P, NOUT, dtype=torch.bfloat16, device=x.device)
+    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code)
+    with torch.cuda.device(x.device):
+        rc = lib.nvp_launch(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if rc:
+        raise RuntimeError(f"{name}: PAIR_KERNEL 'cuda' launch failed: {lib.nvp_error_string(rc).decode()} "
+                           f"(CUDA error {rc})")
+    return out, None, 1

@@ -1,0 +1,497 @@
+// Routed experts at decode sizes with quantized weights, one projection of the per-pair scheme
+// (kernels/quant/moe_gemv.py) as a CUDA kernel: the "cuda" per-pair kernel of kernels.quant.nvfp4.moe_gemv_nvfp4
+// and of kernels.quant.block_fp8.moe_gemv_block_fp8's w8a16 scheme (launched by kernels/quant/pair_cuda.py,
+// compiled there with nvcc at first use). Weight-only (W4A16 / W8A16): the codes are decoded in the registers
+// that feed a bf16 tensor-core MMA; the dequantized weight never exists in memory.
+//
+// Per CTA: one (token, expert) pair p and 16 output rows n0..n0+15 (the MMA's M); its 4 warps split the input
+// columns in 128-column chunks, warp w taking chunks w, w + 4, ... (two chunks' loads in flight per step). Per
+// chunk, lane (g = lane / 4, t = lane % 4) loads its 32 columns (c0 = 128 chunk + 32 t .. c0 + 31) of codes of
+// rows n0 + g and n0 + g + 8 (NVFP4: 16 bytes a row; FP8: 32), their scales, and the same 32 columns of x; 8
+// mma.sync.m16n8k16 then consume them.
+//
+// Why no weight re-layout is needed: in m16n8k16 the lane (g, t) holds A's columns {2t, 2t+1, 2t+8, 2t+9} of
+// rows g and g + 8 and B's same four rows; a dot product does not care which physical column a logical one
+// stands for as long as A and B agree, and both sides of that agreement live in lanes with the same t. So
+// each lane maps its logical columns onto the 32 physical ones it loaded, and permutes x's registers to match
+// (byte permutes).
+// - NVFP4: the MMA pair (2q, 2q + 1) of word q (8 codes, elements e0..e7 at bits 4i..4i+3) takes the element
+//   pairs (e0, e4), (e1, e5) and (e2, e6), (e3, e7) as its bf16x2 registers. Decode of a pair (the same shifts
+//   for both halves): the magnitude bits to bf16 bits 6-8 (exponent 0-3 and mantissa MSB), the sign to bit 15,
+//   which reads as e2m1 * 2^-126 (code 0.5 a bf16 subnormal), about four integer operations per two weights;
+//   then one bf16x2 multiply by the block scale times 2^118, exact since e2m1 * e4m3 has at most 2 + 4
+//   significant bits and the product, e2m1 * scale * 2^-8, lies in [2^-18, 10.5]; weight_scale_2 times 2^8
+//   multiplies the sum.
+// - Block FP8: MMA j takes word j (4 codes, bytes b0..b3) as the pairs (b0, b2), (b1, b3), each decoded to
+//   e4m3 * 2^-120 by four integer operations (subnormals exact) and multiplied by 2^120 (exact); each chunk
+//   is one 128 x 128 scale block, so its MMAs go into zeroed accumulators scaled once by weight_scale_inv.
+// B = x (bf16) in every column of the MMA's N = 8 (the 7 extra columns cost no instruction), fp32
+// accumulators.
+//
+// The warps' sums meet in shared memory and are added in warp order (a fixed order: the same bits eager and
+// in a CUDA graph); the epilogue rounds as kernels/moe_gemv.py's store_pair_rows (sum rounded to bf16, the
+// activation rounded, a gated pair times its rounded up projection). A NaN block scale gives NaN rows, as the
+// references; an FP8 weight code that is NaN (0x7F / 0xFF, which no quantizer writes) reads as a finite value.
+//
+// Scope (kernels/quant/pair_cuda.py checks it): bf16 x and out, K % 32 == 0, codes 16-byte aligned (rows
+// and experts), scales 2-byte (NVFP4) / 4-byte (FP8, contiguous blocks) aligned, x rows 16-byte aligned,
+// P <= 65535 pairs, sm_80 or newer. Source of the decode idea: Marlin (Frantar et al., "MARLIN: Mixed-Precision
+// Auto-Regressive Parallel Inference on Large Language Models", PPoPP 2025; the FP4 / FP8 dequantization of
+// vLLM's csrc/quantization/marlin), written here from the bit layouts, without Marlin's weight repacking.
+//
+// Build: nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -std=c++17. Exports nvp_abi, nvp_launch,
+// nvp_error_string. NVP_HOST_EMULATION (tests/pair_gemv_host.cc only): the same kernel compiled by a host C++
+// compiler, one std::thread per CUDA thread, the MMA emulated over the warp.
+
+#ifndef NVP_HOST_EMULATION
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#endif
+#include <stdint.h>
+#include <string.h>
+
+// Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
+#define NVP_ABI 2
+
+#if defined(NVP_HOST_EMULATION)
+#define NVP_BOUNDS
+#else
+#define NVP_BOUNDS __launch_bounds__(128)
+#endif
+
+namespace nvp {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16;    // output rows per CTA: the MMA's M
+constexpr int kChunk = 128;  // input columns per warp step: 4 lanes x 32
+
+struct Params {
+  const uint16_t* x;    // [rows, K] bf16 bits
+  const int64_t* idx;   // [P] expert of each pair
+  const uint8_t* w;     // codes (gate when gated, else up / down): NVFP4 [E, NOUT, K / 2], FP8 [E, NOUT, K]
+  const uint8_t* s;     // scales: NVFP4 e4m3 [E, NOUT, K / 16], FP8 float32 [E, NOUT / 128, K / 128]
+  const float* g;       // NVFP4 [E] weight_scale_2 (FP8: unused)
+  const uint8_t* w2;    // up when gated (else unused)
+  const uint8_t* s2;
+  const float* g2;
+  uint16_t* out;        // [P, NOUT] bf16 bits
+  int64_t P, NOUT, K, TOPK, act, gated;
+  int64_t sxm, swe, swn, sse, ssn, som;  // strides: x rows, out rows (elements); codes, scales (bytes)
+  int64_t fmt;                           // 0 NVFP4, 1 block FP8
+};
+
+__device__ inline float as_f32(uint32_t u) {
+#ifdef NVP_HOST_EMULATION
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#else
+  return __uint_as_float(u);
+#endif
+}
+
+__device__ inline uint32_t as_u32(float f) {
+#ifdef NVP_HOST_EMULATION
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#else
+  return __float_as_uint(f);
+#endif
+}
+
+// fp32 -> bf16 bits, round to nearest even (torch's cast); a NaN stays a (quiet) NaN.
+__device__ inline uint32_t bf16_rn(float f) {
+  const uint32_t u = as_u32(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ inline float bf16_f32(uint32_t b) { return as_f32(b << 16); }
+
+// Elements i and i + 4 of a word of 8 codes (bits 4i..4i+3 and 4i+16..4i+19) as a bf16x2 of e2m1 * 2^-126:
+// magnitude bits to 6-8 / 22-24, sign to 15 / 31 (one shift each, the same for both halves).
+template <int I>
+__device__ inline uint32_t e2m1_pair(uint32_t v) {
+  constexpr int MS = 6 - 4 * I, SS = 12 - 4 * I;
+  const uint32_t mag = (MS >= 0 ? (v << (MS >= 0 ? MS : 0)) : (v >> (MS < 0 ? -MS : 0))) & 0x01C001C0u;
+  return mag | ((v << SS) & 0x80008000u);
+}
+
+// The two e4m3 block scales of a 16-bit word (bytes b0, b1) times 2^118, each as a bf16x2 holding it twice
+// (lo: b0, hi: b1): exact (448 * 2^118 < 2^127, the smallest subnormal 2^-9 times 2^118 normal), e4m3's NaN
+// (0x7F / 0xFF) stays NaN. On the GPU one cvt of both bytes to f16x2, two converts to fp32 and two multiplies;
+// a bf16 is then the fp32's high half (exact), put in both halves by one byte permute each.
+__device__ inline void scale_pairs(uint32_t b, uint32_t& lo, uint32_t& hi) {
+#ifdef NVP_HOST_EMULATION
+  float f[2];
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t c = (b >> (8 * i)) & 0xFFu;  // the byte's bits in an fp32 read as scale * 2^-120
+    f[i] = as_f32(((c & 0x80u) << 24) | ((c & 0x7Fu) << 20)) * 0x1p119f * 0x1p119f;
+    if ((c & 0x7Fu) == 0x7Fu) f[i] = as_f32(0x7FC00000u);
+  }
+  lo = (as_u32(f[0]) >> 16) * 0x10001u;
+  hi = (as_u32(f[1]) >> 16) * 0x10001u;
+#else
+  const __half2_raw h2r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(b), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2r));
+  lo = __byte_perm(__float_as_uint(f.x * 0x1p118f), 0u, 0x3232);
+  hi = __byte_perm(__float_as_uint(f.y * 0x1p118f), 0u, 0x3232);
+#endif
+}
+
+// bf16x2 product (each half rounded to nearest; exact here).
+__device__ inline uint32_t hmul2(uint32_t a, uint32_t b) {
+#ifdef NVP_HOST_EMULATION
+  const uint32_t lo = bf16_rn(bf16_f32(a & 0xFFFFu) * bf16_f32(b & 0xFFFFu));
+  const uint32_t hi = bf16_rn(bf16_f32(a >> 16) * bf16_f32(b >> 16));
+  return lo | (hi << 16);
+#else
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#endif
+}
+
+// Byte permute (PRMT): bytes of {hi:lo} picked by the selector's nibbles.
+__device__ inline uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
+#ifdef NVP_HOST_EMULATION
+  const uint64_t v = (static_cast<uint64_t>(hi) << 32) | lo;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#else
+  return __byte_perm(lo, hi, sel);
+#endif
+}
+
+// d += A (16 x 16 bf16, row) * B (16 x 8 bf16, col), fp32: mma.sync.aligned.m16n8k16 (sm_80+).
+__device__ inline void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef NVP_HOST_EMULATION
+  nvp_host_mma(d, a, b0, b1);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+struct U4 {
+  uint32_t v[4];
+};
+
+__device__ inline U4 ld16(const void* p) {
+  U4 r;
+#ifdef NVP_HOST_EMULATION
+  memcpy(r.v, p, 16);
+#else
+  const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+  r.v[0] = q.x;
+  r.v[1] = q.y;
+  r.v[2] = q.z;
+  r.v[3] = q.w;
+#endif
+  return r;
+}
+
+__device__ inline float ldf(const uint8_t* p) {
+#ifdef NVP_HOST_EMULATION
+  float v;
+  memcpy(&v, p, 4);
+  return v;
+#else
+  return __ldg(reinterpret_cast<const float*>(p));
+#endif
+}
+
+__device__ inline uint32_t ld2(const uint8_t* p) {
+#ifdef NVP_HOST_EMULATION
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+#else
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+#endif
+}
+
+// A lane's two rows of one matrix: codes and scales of rows n0 + g and n0 + g + 8, each clamped to the last
+// row (a row past NOUT is read but its sums, in MMA rows of their own, are never stored). The scale pointers
+// are the rows' (NVFP4) or their 128-row block's (block FP8).
+struct Rows {
+  const uint8_t* wa;
+  const uint8_t* wb;
+  const uint8_t* sa;
+  const uint8_t* sb;
+};
+
+template <int SCALE_ROWS>
+__device__ inline Rows rows_of(const uint8_t* w, const uint8_t* s, const Params& p, int64_t expert, int64_t ra,
+                               int64_t rb) {
+  ra = ra < p.NOUT ? ra : p.NOUT - 1;
+  rb = rb < p.NOUT ? rb : p.NOUT - 1;
+  return {w + expert * p.swe + ra * p.swn, w + expert * p.swe + rb * p.swn,
+          s + expert * p.sse + (ra / SCALE_ROWS) * p.ssn, s + expert * p.sse + (rb / SCALE_ROWS) * p.ssn};
+}
+
+__device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) x[q] = ld16(xr + c0 + 8 * q);
+}
+
+// NVFP4 (W4A16): codes [E, N, K / 2] (two e2m1 per byte, element 2j in the low nibble), e4m3 block scales
+// [E, N, K / 16], weight_scale_2 [E].
+struct Nvfp4 {
+  static constexpr int kScaleRows = 1;
+  // One lane's operands of one chunk: the codes of rows g and g + 8 (32 columns each), their two block scales
+  // each, and x's 32 columns.
+  struct C {
+    U4 qa, qb, x[4];
+    uint32_t sa, sb;
+  };
+
+  // The lane's operands at column c0 (a multiple of 32 below K: whole chunks need no predicate).
+  __device__ static void load(const Rows& r, const uint16_t* xr, int64_t c0, bool with_x, C& c) {
+    c.qa = ld16(r.wa + c0 / 2);
+    c.qb = ld16(r.wb + c0 / 2);
+    c.sa = ld2(r.sa + c0 / 16);
+    c.sb = ld2(r.sb + c0 / 16);
+    if (with_x) load_x(xr, c0, c.x);
+  }
+
+  __device__ static void zero(C& c) {
+    const U4 z = {{0u, 0u, 0u, 0u}};
+    c.qa = c.qb = c.x[0] = c.x[1] = c.x[2] = c.x[3] = z;
+    c.sa = c.sb = 0u;
+  }
+
+  // acc += this lane's share of the chunk's 16 x 128 block times x: 8 MMAs.
+  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
+    uint32_t Sa[2], Sb[2];
+    scale_pairs(w.sa, Sa[0], Sa[1]);
+    scale_pairs(w.sb, Sb[0], Sb[1]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t va = w.qa.v[q], vb = w.qb.v[q];
+      const uint32_t sA = Sa[q >> 1], sB = Sb[q >> 1];
+      // x's 8 columns of word q as the pairs (0, 4), (1, 5), (2, 6), (3, 7)
+      const uint32_t x04 = prmt(x[q].v[0], x[q].v[2], 0x5410), x15 = prmt(x[q].v[0], x[q].v[2], 0x7632);
+      const uint32_t x26 = prmt(x[q].v[1], x[q].v[3], 0x5410), x37 = prmt(x[q].v[1], x[q].v[3], 0x7632);
+      const uint32_t a0[4] = {hmul2(e2m1_pair<0>(va), sA), hmul2(e2m1_pair<0>(vb), sB),
+                              hmul2(e2m1_pair<1>(va), sA), hmul2(e2m1_pair<1>(vb), sB)};
+      mma16816(acc, a0, x04, x15);
+      const uint32_t a1[4] = {hmul2(e2m1_pair<2>(va), sA), hmul2(e2m1_pair<2>(vb), sB),
+                              hmul2(e2m1_pair<3>(va), sA), hmul2(e2m1_pair<3>(vb), sB)};
+      mma16816(acc, a1, x26, x37);
+    }
+  }
+
+  // weight_scale_2, and the decode's 2^-126 times the scales' 2^118
+  __device__ static float fold(const float* g, int64_t expert) { return g[expert] * 256.0f; }
+};
+
+// Bytes b0 and b2 (I = 0) or b1 and b3 (I = 1) of a word of 4 e4m3 codes as a bf16x2 of e4m3 * 2^-120: the
+// 7 magnitude bits to bf16 bits 4-10 (exponent 0-15, mantissa's top 3 bits; subnormals stay exact as bf16
+// subnormals), the sign to 15 / 31.
+template <int I>
+__device__ inline uint32_t e4m3_pair(uint32_t v) {
+  const uint32_t mag = (I == 0 ? (v << 4) : (v >> 4)) & 0x07F007F0u;
+  return mag | ((I == 0 ? (v << 8) : v) & 0x80008000u);
+}
+
+// Block FP8 (W8A16, DeepSeek-V3's format): codes [E, N, K] e4m3, float32 weight_scale_inv [E, N / 128, K / 128]
+// (one per 128 x 128 block). A chunk's 128 columns are one scale block and a CTA's 16 rows lie in one, so
+// each chunk's MMAs go into zeroed accumulators that are then scaled once and added.
+struct BlockFp8 {
+  static constexpr int kScaleRows = 128;
+  struct C {
+    U4 qa[2], qb[2], x[4];
+    float s;
+  };
+
+  __device__ static void load(const Rows& r, const uint16_t* xr, int64_t c0, bool with_x, C& c) {
+    c.qa[0] = ld16(r.wa + c0);
+    c.qa[1] = ld16(r.wa + c0 + 16);
+    c.qb[0] = ld16(r.wb + c0);
+    c.qb[1] = ld16(r.wb + c0 + 16);
+    c.s = ldf(r.sa + (c0 / kChunk) * 4);
+    if (with_x) load_x(xr, c0, c.x);
+  }
+
+  __device__ static void zero(C& c) {
+    const U4 z = {{0u, 0u, 0u, 0u}};
+    c.qa[0] = c.qa[1] = c.qb[0] = c.qb[1] = c.x[0] = c.x[1] = c.x[2] = c.x[3] = z;
+    c.s = 0.0f;
+  }
+
+  // acc += scale * (this lane's share of the chunk's 16 x 128 block times x): 8 MMAs, word j of each row
+  // (columns 4j..4j+3) with x's same columns as the pairs (0, 2), (1, 3).
+  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
+    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
+      const uint32_t u0 = x[j >> 1].v[2 * (j & 1)], u1 = x[j >> 1].v[2 * (j & 1) + 1];
+      const uint32_t a[4] = {hmul2(e4m3_pair<0>(va), kTwo120), hmul2(e4m3_pair<0>(vb), kTwo120),
+                             hmul2(e4m3_pair<1>(va), kTwo120), hmul2(e4m3_pair<1>(vb), kTwo120)};
+      mma16816(t, a, prmt(u0, u1, 0x5410), prmt(u0, u1, 0x7632));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += t[i] * w.s;
+  }
+
+  __device__ static float fold(const float*, int64_t) { return 1.0f; }
+};
+
+__device__ inline float activation(float v, int64_t act) {
+  if (act == 1) {
+    const float r = v > 0.0f ? v : 0.0f;
+    return r * r;
+  }
+  if (act == 2) return v / (1.0f + expf(-v));
+  return v;
+}
+
+template <class F, bool GATED>
+__global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
+#ifdef NVP_HOST_EMULATION
+  float* red = nvp_host_smem();
+#else
+  __shared__ float red[2 * kWarps * kRows];
+#endif
+  using C = typename F::C;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t pair = blockIdx.y;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t expert = p.idx[pair];
+  const uint16_t* xr = p.x + (pair / p.TOPK) * p.sxm;
+  const Rows r1 = rows_of<F::kScaleRows>(p.w, p.s, p, expert, n0 + g, n0 + g + 8);
+  Rows r2 = r1;
+  if (GATED) r2 = rows_of<F::kScaleRows>(p.w2, p.s2, p, expert, n0 + g, n0 + g + 8);
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // whole chunks, two per step (warp w: chunks w and w + 4, then w + 8 and w + 12, ...): both chunks' loads
+  // are issued before their MMAs
+  const int64_t nfull = p.K / kChunk;
+  const int64_t lane_col = 32 * t;
+  for (int64_t ch = warp; ch < nfull; ch += 2 * kWarps) {
+    const bool two = ch + kWarps < nfull;
+    C c1, c2, d1, d2;
+    F::load(r1, xr, ch * kChunk + lane_col, true, c1);
+    if (GATED) F::load(r2, xr, ch * kChunk + lane_col, false, d1);
+    if (two) {
+      F::load(r1, xr, (ch + kWarps) * kChunk + lane_col, true, c2);
+      if (GATED) F::load(r2, xr, (ch + kWarps) * kChunk + lane_col, false, d2);
+    }
+    F::mma(acc, c1, c1.x);
+    if (GATED) F::mma(acc2, d1, c1.x);
+    if (two) {
+      F::mma(acc, c2, c2.x);
+      if (GATED) F::mma(acc2, d2, c2.x);
+    }
+  }
+  // the partial chunk (K % 128 columns, a multiple of 32): the next warp in turn; lanes past K add zeros
+  if (p.K % kChunk != 0 && warp == nfull % kWarps) {
+    const int64_t c0 = nfull * kChunk + lane_col;
+    C c, d;
+    if (c0 < p.K) {
+      F::load(r1, xr, c0, true, c);
+      if (GATED) F::load(r2, xr, c0, false, d);
+    } else {
+      F::zero(c);
+      F::zero(d);
+    }
+    F::mma(acc, c, c.x);
+    if (GATED) F::mma(acc2, d, c.x);
+  }
+  // every column of the MMA's N holds the same sums: lane (g, 0) has rows g (acc[0]) and g + 8 (acc[2])
+  if (t == 0) {
+    red[warp * kRows + g] = acc[0];
+    red[warp * kRows + g + 8] = acc[2];
+    if (GATED) {
+      red[(kWarps + warp) * kRows + g] = acc2[0];
+      red[(kWarps + warp) * kRows + g + 8] = acc2[2];
+    }
+  }
+  __syncthreads();
+  if (tid < kRows && n0 + tid < p.NOUT) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += red[w * kRows + tid];
+    float v = bf16_f32(bf16_rn(s * F::fold(p.g, expert)));  // the sum on bf16's grid
+    if (p.act != 0) v = bf16_f32(bf16_rn(activation(v, p.act)));
+    if (GATED) {
+      float s2 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s2 += red[(kWarps + w) * kRows + tid];
+      v = bf16_f32(bf16_rn(v * bf16_f32(bf16_rn(s2 * F::fold(p.g2, expert)))));
+    }
+    p.out[pair * p.som + n0 + tid] = static_cast<uint16_t>(bf16_rn(v));
+  }
+}
+
+__host__ inline Params params_of(void* const* ptrs, const long long* ints) {
+  Params p;
+  p.x = static_cast<const uint16_t*>(ptrs[0]);
+  p.idx = static_cast<const int64_t*>(ptrs[1]);
+  p.w = static_cast<const uint8_t*>(ptrs[2]);
+  p.s = static_cast<const uint8_t*>(ptrs[3]);
+  p.g = static_cast<const float*>(ptrs[4]);
+  p.w2 = static_cast<const uint8_t*>(ptrs[5]);
+  p.s2 = static_cast<const uint8_t*>(ptrs[6]);
+  p.g2 = static_cast<const float*>(ptrs[7]);
+  p.out = static_cast<uint16_t*>(ptrs[8]);
+  p.P = ints[0];
+  p.NOUT = ints[1];
+  p.K = ints[2];
+  p.TOPK = ints[3];
+  p.act = ints[4];
+  p.gated = ints[5];
+  p.sxm = ints[6];
+  p.swe = ints[7];
+  p.swn = ints[8];
+  p.sse = ints[9];
+  p.ssn = ints[10];
+  p.som = ints[11];
+  p.fmt = ints[12];
+  return p;
+}
+
+}  // namespace nvp
+
+extern "C" {
+
+__attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
+
+#ifndef NVP_HOST_EMULATION
+// Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
+// ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
+// ints (13): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8).
+// Returns 0, or a cudaError_t code (nvp_error_string names it).
+__attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
+  const nvp::Params p = nvp::params_of(ptrs, ints);
+  if (p.P <= 0 || p.NOUT <= 0) return 0;
+  const dim3 grid(static_cast<unsigned>((p.NOUT + nvp::kRows - 1) / nvp::kRows), static_cast<unsigned>(p.P));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.fmt == 0 && p.gated)
+    nvp::pair_gemv_kernel<nvp::Nvfp4, true><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.fmt == 0)
+    nvp::pair_gemv_kernel<nvp::Nvfp4, false><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.gated)
+    nvp::pair_gemv_kernel<nvp::BlockFp8, true><<<grid, nvp::kThreads, 0, st>>>(p);
+  else
+    nvp::pair_gemv_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+__attribute__((visibility("default"))) const char* nvp_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+#endif  // NVP_HOST_EMULATION
+
+}  // extern "C"

@@ -1,0 +1,244 @@
+"""The "cuda" per-pair kernels (kernels/quant/pair_gemv.cu, launched by kernels/quant/pair_cuda.py) on the
+CPU: their own source in host emulation (tests/pair_gemv_host.cc: g++, one thread per CUDA thread, the MMA
+emulated over each warp) against the dequantizing references: NVFP4 with every e2m1 code and e4m3 scales
+across their range (subnormals and a NaN included), block FP8 with every finite e4m3 code (subnormals
+included) and several 128 x 128 scale blocks, partial row tiles and chunks and gated pairs; nvcc's build for
+sm_90; and the dispatch rule. The GPU tests (tests/test_kernels_quant_moe_gemv_gpu.py) run them for real."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import _nvcc
+from kernels.moe_gemv import ACT_CODES, act_ref
+from kernels.quant import block_fp8 as bf8
+from kernels.quant import nvfp4 as nf4
+from kernels.quant import pair_cuda
+from kernels.quant.block_fp8 import BLOCK
+from kernels.quant.nvfp4 import nvfp4_dequantize
+
+HOST_SOURCE = Path(__file__).with_name("pair_gemv_host.cc")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+
+@functools.cache
+def _host_lib(folder: str):
+    out = str(Path(folder) / "pair_gemv_host.so")
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{pair_cuda.SOURCE.parent}",
+           str(HOST_SOURCE), "-o", out]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lib = ctypes.CDLL(out)
+    lib.nvp_host_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong)]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    return _host_lib(str(tmp_path_factory.mktemp("pair_gemv_host")))
+
+
+def _experts(E, N, K, gen, nan_scale=False):
+    """Random NVFP4 experts: every code byte, every finite e4m3 scale byte (subnormals included), global
+    scales around ModelOpt's magnitude; optionally one NaN scale."""
+    codes = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
+    sbytes = torch.randint(0, 126, (E, N, K // 16), generator=gen, dtype=torch.uint8)  # 0x00-0x7D: +finite
+    sbytes |= (torch.randint(0, 2, sbytes.shape, generator=gen, dtype=torch.uint8) << 7)  # either sign
+    if nan_scale:
+        sbytes[0, 1, 0] = 0x7F
+    scales = sbytes.view(torch.float8_e4m3fn)
+    s2 = torch.rand(E, generator=gen) * 1e-3 + 1e-4
+    return codes, scales, s2
+
+
+def _fp8_experts(E, N, K, gen):
+    """Random block-FP8 experts: every finite e4m3 code of either sign (subnormals included), block scales
+    weight_scale_inv spread over a few decades."""
+    codes = torch.randint(0, 126, (E, N, K), generator=gen, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, codes.shape, generator=gen, dtype=torch.uint8) << 7
+    scales = torch.rand(E, -(-N // BLOCK), -(-K // BLOCK), generator=gen) * 10.0 ** torch.randint(
+        -4, 0, (E, -(-N // BLOCK), -(-K // BLOCK)), generator=gen).float()
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def _dequantize(fmt, m, idx):
+    """Expert idx[p]'s matrix for each pair, dequantized in float32: [P, N, K]."""
+    if fmt == "nvfp4":
+        return nvfp4_dequantize(m[0][idx], m[1][idx], m[2][idx], torch.float32)
+    w, ws = m[0][idx].float(), m[1][idx]
+    N, K = w.shape[1:]
+    return w * ws.repeat_interleave(BLOCK, 1)[:, :N].repeat_interleave(BLOCK, 2)[:, :, :K]
+
+
+def _projection_ref(x, idx, w, w2, topk, act, fmt="nvfp4"):
+    """One projection of the per-pair path: row p // topk of x times expert idx[p]'s dequantized matrix,
+    summed in fp32, rounded to bf16, the activation (and a gated pair's rounded up projection) in bf16."""
+    rows = x[torch.arange(idx.numel()) // topk].float()
+
+    def lin(m):
+        return torch.einsum("pnk,pk->pn", _dequantize(fmt, m, idx), rows).to(torch.bfloat16)
+
+    y = lin(w)
+    if act != "none":
+        y = act_ref(y, act)
+    if w2 is not None:
+        y = y * lin(w2)
+    return y
+
+
+def _host_launch(lib, x, idx, w, w2, topk, act, fmt="nvfp4"):
+    P, N = idx.numel(), w[0].shape[1]
+    out = torch.full((P, N), float("nan"), dtype=torch.bfloat16)
+    code = 0 if act == "none" else ACT_CODES[act]
+    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, idx, w, w2, out, topk, code)
+    assert lib.nvp_host_launch(c_ptrs, c_ints) == 0
+    return out
+
+
+# (E, N, K, pairs, topk, activation, gated, strided x): N 40 and 24 end in partial 16-row tiles; K 96 is
+# one partial chunk (the last lane past K), K 704 five whole chunks (warp 0 takes two in one step) and a
+# partial one (warp 1's), K 256 two whole chunks; topk > 1 makes pairs share their input row
+CASES = {
+    "down_partial_chunk": (5, 40, 96, 6, 1, "none", False, False),
+    "up_relu2_chunks_and_tail": (4, 32, 704, 4, 2, "relu2", False, True),
+    "gated_silu": (6, 24, 256, 6, 3, "silu", True, False),
+}
+# block FP8: N 272 spans three 128-row scale blocks (the last partial) in 17 row tiles; K 416 is three whole
+# chunks (three scale blocks) and a partial one (its own block); K 128 is one chunk, gated
+FP8_CASES = {
+    "fp8_down_blocks_and_tail": (3, 272, 416, 4, 1, "none", False, True),
+    "fp8_gated_silu": (4, 40, 128, 4, 2, "silu", True, False),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_emulated_kernel_matches_the_dequantizing_reference(host_lib, case):
+    E, N, K, P, topk, act, gated, strided = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    w = _experts(E, N, K, gen)
+    w2 = _experts(E, N, K, gen) if gated else None
+    rows = P // topk
+    x = (torch.randn(rows, K + (64 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
+    idx = torch.randint(0, E, (P,), generator=gen)
+    # everything but the device fits
+    assert pair_cuda.unsupported("nvfp4", x, w, w2, P) == "CUDA tensors only, got cpu"
+    got = _host_launch(host_lib, x, idx, w, w2, topk, act)
+    want = _projection_ref(x, idx, w, w2, topk, act)
+    assert not want.isnan().any()
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
+    # most outputs land on the same bf16 value: the sums differ in fp32 order only
+    assert (got == want).float().mean() > 0.9
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_host_emulated_block_fp8_kernel_matches_the_dequantizing_reference(host_lib, case):
+    E, N, K, P, topk, act, gated, strided = FP8_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 100)
+    w = _fp8_experts(E, N, K, gen)
+    w2 = _fp8_experts(E, N, K, gen) if gated else None
+    x = (torch.randn(P // topk, K + (32 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
+    idx = torch.randint(0, E, (P,), generator=gen)
+    assert pair_cuda.unsupported("block_fp8", x, w, w2, P) == "CUDA tensors only, got cpu"
+    got = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt="block_fp8")
+    want = _projection_ref(x, idx, w, w2, topk, act, fmt="block_fp8")
+    assert not want.isnan().any()
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
+    assert (got == want).float().mean() > 0.9
+
+
+def test_fp8_reference_here_is_the_module_reference():
+    """This file's block-FP8 projection reference equals kernels.quant.block_fp8's own (w8a16) on one
+    ungated projection, so the host test above checks against the format's specification."""
+    gen = torch.Generator().manual_seed(3)
+    E, L, I = 3, 256, 160
+    up, down = _fp8_experts(E, I, L, gen), _fp8_experts(E, L, I, gen)
+    h = torch.randn(2, L, generator=gen).to(torch.bfloat16)
+    indices = torch.tensor([[0, 2], [1, 0]])
+    weights = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    want = bf8.moe_gemv_block_fp8_ref(h, weights, indices, up, None, down, "relu2", scheme="w8a16")
+    idx = indices.flatten()
+    a = _projection_ref(h, idx, up, None, 2, "relu2", fmt="block_fp8")
+    y = _projection_ref(a, idx, down, None, 1, "none", fmt="block_fp8").view(2, 2, -1)
+    assert torch.equal((y.float() * weights[..., None]).sum(1).to(torch.bfloat16), want)
+
+
+@needs_gxx
+def test_host_emulated_kernel_keeps_a_nan_scale_in_its_row_only(host_lib):
+    gen = torch.Generator().manual_seed(7)
+    w = _experts(2, 16, 128, gen, nan_scale=True)
+    x = torch.randn(1, 128, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([0, 1])
+    got = _host_launch(host_lib, x, idx, w, None, 2, "none")
+    want = _projection_ref(x, idx, w, None, 2, "none")
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 1 and got[0, 1].isnan()
+
+
+def test_unsupported_names_each_missing_condition():
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    assert "bfloat16" in pair_cuda.unsupported("nvfp4", x.half(), w, None, 2)
+    w48 = _experts(2, 16, 48, gen)
+    assert "multiple of 32" in pair_cuda.unsupported("nvfp4", x[:, :48], w48, None, 2)
+    assert "65535" in pair_cuda.unsupported("nvfp4", x, w, None, 70000)
+    shifted = torch.randn(2, 129).to(torch.bfloat16)[:, 1:]
+    assert "16-byte aligned" in pair_cuda.unsupported("nvfp4", shifted, w, None, 2)
+    assert "CUDA tensors only" in pair_cuda.unsupported("nvfp4", x, w, None, 2)
+    f8 = _fp8_experts(2, 16, 48, gen)
+    assert "multiple of 32" in pair_cuda.unsupported("block_fp8", x[:, :48], f8, None, 2)
+    with pytest.raises(ValueError, match="format must be one of"):
+        pair_cuda.unsupported("mxfp4", x, w, None, 2)
+
+
+def test_pair_kernel_setting_is_checked_and_falls_back_to_triton(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    assert nf4.pair_kernel_for(x, w, None, 2) == "triton"  # CPU tensors: the CUDA kernel does not take them
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "marlin")
+    with pytest.raises(ValueError, match="PAIR_KERNEL must be one of"):
+        nf4.pair_kernel_for(x, w, None, 2)
+    f8 = _fp8_experts(2, 16, 128, gen)
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+    assert bf8.pair_kernel_for(x, f8, None, 2, a16=True) == "triton"  # CPU tensors
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "fast")
+    with pytest.raises(ValueError, match="block_fp8.PAIR_KERNEL must be one of"):
+        bf8.pair_kernel_for(x, f8, None, 2, a16=True)
+
+
+@pytest.mark.skipif(_nvcc.find_nvcc() is None, reason="nvcc is not installed here")
+def test_kernel_source_compiles_for_sm90_and_loads(tmp_path, monkeypatch):
+    """nvcc builds pair_gemv.cu for sm_90 into the cache (a second build is the cached file); the library
+    loads without a GPU and reports the ABI the launcher expects."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = pair_cuda.build(pair_cuda.build_flags("sm_90"))
+    assert path.parent == _nvcc.cache_dir() and path.stat().st_size > 0
+    assert pair_cuda.build(pair_cuda.build_flags("sm_90")) == path
+    assert pair_cuda.load(str(path)).nvp_abi() == pair_cuda.ABI
+
+
+def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
+    """A GPU machine without the CUDA toolkit keeps the Triton kernel instead of failing at the first
+    launch: unsupported names the missing nvcc (checked after everything else, so a CPU tensor still says so
+    first)."""
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    monkeypatch.setattr(pair_cuda, "_nvcc_path", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert pair_cuda.unsupported("nvfp4", x, w, None, 2).startswith("no nvcc")
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
