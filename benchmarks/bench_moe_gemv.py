@@ -24,7 +24,10 @@ weights), one row each:
   default), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
   (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
   "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
-  (runners.engine.dummy.stored_nbytes: codes and scales).
+  (runners.engine.dummy.stored_nbytes: codes and scales). ``grouped_mm_<fmt>_cuda``: the grouped path with
+  the format's GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu: each expert's rows as
+  the MMA's N, its weights read once for up to 32 rows). A row whose call raises carries "error" instead of a
+  time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -181,9 +184,16 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
         paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, gemv), None))
+    paths.append((f"grouped_mm_{fmt}_cuda", partial(_grouped_cuda, fmt, grouped), grouped_rows_scheme))
     for name, fn, scheme in paths:
-        out = row(name, _bench(fn), weight_bytes + io, copy_gbps,
-                  **{**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})})
+        extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
+        try:
+            timing = _bench(fn)
+        except Exception as e:  # noqa: BLE001 - a row that says why it has no time
+            print(json.dumps({"name": name, **extra, "error": f"{type(e).__name__}: {e}"[:300]}), flush=True)
+            rows.append({"name": name, **extra, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        out = row(name, timing, weight_bytes + io, copy_gbps, **extra)
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
         rows.append(out)
     return rows
@@ -206,6 +216,16 @@ def _cuda(fmt: str, fn):
 
     module = importlib.import_module(f"kernels.quant.{fmt}")
     return _with(module, fn, (), {}, PAIR_KERNEL="cuda", _launch_pair=_refuse_triton)
+
+
+def _grouped_cuda(fmt: str, fn):
+    """fn() with kernels/quant/<fmt>.py's GROUPED_KERNEL = "cuda" (the grouped form of pair_gemv.cu) and its
+    Triton launcher refusing, both put back afterwards: the row times the CUDA kernel or fails (block FP8 at a
+    row count whose scheme is w8a8, which the CUDA kernel does not run, fails)."""
+    import importlib
+
+    module = importlib.import_module(f"kernels.quant.{fmt}")
+    return _with(module, fn, (), {}, GROUPED_KERNEL="cuda", _launch=_refuse_triton)
 
 
 def _refuse_triton(*args, **kwargs):

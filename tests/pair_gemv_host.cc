@@ -7,7 +7,8 @@
 // summation order (the GPU tests run it for real).
 //
 // Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -I kernels/quant tests/pair_gemv_host.cc -o LIB.so
-// Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints), the argument arrays of nvp_launch.
+// Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints) and nvp_host_launch_grouped(ptrs, ints),
+// the argument arrays of nvp_launch and nvp_launch_grouped.
 
 #include <barrier>
 #include <cmath>
@@ -37,7 +38,7 @@ struct HostWarp {
 struct HostCta {
   std::barrier<> bar{128};
   HostWarp warps[4];
-  float smem[2 * 4 * 16];
+  float smem[4 * 8 * 4 * 16];  // the larger of the two kernels' plans (the grouped one's)
 };
 
 thread_local HostDim3 threadIdx, blockIdx;
@@ -125,6 +126,34 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* cons
             nvp::pair_gemv_kernel<nvp::BlockFp8, true>(p);
           else
             nvp::pair_gemv_kernel<nvp::BlockFp8, false>(p);
+        });
+      }
+      for (auto& th : threads) th.join();
+    }
+  }
+  return 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(void* const* ptrs,
+                                                                              const long long* ints) {
+  const nvp::Params p = nvp::params_of(ptrs, ints);
+  if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
+  const long long ntiles = (p.NOUT + nvp::kRows - 1) / nvp::kRows;
+  for (long long e = 0; e < p.E; ++e) {
+    for (long long tile = 0; tile < ntiles; ++tile) {
+      auto cta = std::make_unique<HostCta>();
+      for (float& v : cta->smem) v = NAN;
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < nvp::kThreads; ++t) {
+        threads.emplace_back([&, t] {
+          threadIdx.x = t;
+          blockIdx.x = static_cast<unsigned>(tile);
+          blockIdx.y = static_cast<unsigned>(e);
+          host_cta = cta.get();
+          if (p.fmt == 0)
+            nvp::grouped_gemv_kernel<nvp::Nvfp4>(p);
+          else
+            nvp::grouped_gemv_kernel<nvp::BlockFp8>(p);
         });
       }
       for (auto& th : threads) th.join();

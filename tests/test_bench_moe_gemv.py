@@ -95,3 +95,19 @@ def test_cuda_rows_set_the_pair_kernel_refuse_triton_and_put_both_back():
         with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
             bench._cuda(fmt, lambda m=module: m._launch_pair())
         assert module.PAIR_KERNEL == kernel and module._launch_pair is launch
+
+
+def test_grouped_cuda_rows_set_the_grouped_kernel_refuse_triton_and_put_both_back():
+    """_grouped_cuda runs the call with the format's GROUPED_KERNEL = "cuda" and its Triton launcher
+    refusing, both restored afterwards."""
+    import pytest
+
+    from kernels.quant import block_fp8, nvfp4
+
+    for fmt, module in (("nvfp4", nvfp4), ("block_fp8", block_fp8)):
+        kernel, launch = module.GROUPED_KERNEL, module._launch
+        seen = bench._grouped_cuda(fmt, lambda m=module: (m.GROUPED_KERNEL, m._launch))
+        assert seen[0] == "cuda" and seen[1] is bench._refuse_triton
+        with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
+            bench._grouped_cuda(fmt, lambda m=module: m._launch())
+        assert module.GROUPED_KERNEL == kernel and module._launch is launch

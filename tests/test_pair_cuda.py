@@ -242,3 +242,58 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert pair_cuda.unsupported("nvfp4", x, w, None, 2).startswith("no nvcc")
     monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
+
+
+def _host_grouped(lib, fmt, x, w, offsets):
+    out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
+    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel())
+    lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                            ctypes.POINTER(ctypes.c_longlong)]
+    assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == 0
+    return out
+
+
+# (format, E, N, K, rows per expert): experts without rows, with one row, with 9 (two token groups, the
+# second partial) and 37 (a second pass over the weights: more than 32 tokens); N 40 ends in a partial row
+# tile, K 288 in a partial chunk (and, block FP8, a partial scale block)
+GROUPED_CASES = {
+    "nvfp4": ("nvfp4", 4, 40, 288, (0, 1, 9, 37)),
+    "block_fp8": ("block_fp8", 4, 40, 288, (9, 0, 37, 1)),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, case):
+    """The grouped form (one CTA per 16 rows and expert, the expert's rows as the MMA's N) against the
+    format's grouped reference (block FP8: w8a16), with rows past offsets[-1] left unwritten."""
+    fmt, E, N, K, counts = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    got = _host_grouped(host_lib, fmt, x, w, offsets)
+    if fmt == "nvfp4":
+        want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)
+    else:
+        want = bf8.block_fp8_grouped_mm_ref(x, *w, offsets, scheme="w8a16")
+    assert got[P:].isnan().all()  # unwritten
+    got, want = got[:P], want[:P]
+    assert not want.isnan().any()
+    scale = want.float().abs().max()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
+    assert (got == want).float().mean() > 0.9
+    assert pair_cuda.grouped_unsupported(fmt, x, w, offsets) == "CUDA tensors only, got cpu"
+    assert pair_cuda.grouped_unsupported(fmt, x, w, offsets.long()) == "offsets must be contiguous int32"
+
+
+def test_grouped_kernel_setting_is_checked_and_falls_back_to_triton():
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    offsets = torch.tensor([1, 3], dtype=torch.int32)
+    assert pair_cuda.grouped_kernel_for("cuda", "nvfp4", x, w, offsets) == "triton"  # CPU tensors
+    assert pair_cuda.grouped_kernel_for("triton", "nvfp4", x, w, offsets) == "triton"
+    with pytest.raises(ValueError, match="nvfp4.GROUPED_KERNEL must be one of"):
+        pair_cuda.grouped_kernel_for("gemlite", "nvfp4", x, w, offsets)

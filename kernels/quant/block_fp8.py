@@ -993,6 +993,12 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False, scheme=scheme)
 
 
+# Which kernel runs block_fp8_grouped_mm's w8a16 scheme on the GPU: "triton" (this file's kernels) or "cuda"
+# (the grouped form of kernels/quant/pair_gemv.cu, as nvfp4.GROUPED_KERNEL). w8a8 stays Triton. "triton" until
+# a GPU bench (benchmarks/bench_moe_gemv.py, row grouped_mm_block_fp8_cuda) has timed it. Read at call time.
+GROUPED_KERNEL = "triton"
+
+
 def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                          offsets: torch.Tensor, *, out: torch.Tensor | None = None,
                          scheme: str = "w8a8") -> torch.Tensor:
@@ -1027,6 +1033,9 @@ def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
+    w = (weight, weight_scale_inv)
+    if scheme == "w8a16" and pair_cuda.grouped_kernel_for(GROUPED_KERNEL, "block_fp8", x, w, offsets) == "cuda":
+        return pair_cuda.grouped_mm("block_fp8", x, w, offsets, out=out, name=name)
     return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True, scheme=scheme)
 
 

@@ -775,6 +775,14 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                    force_bytes=force_bytes)
 
 
+# Which kernel runs nvfp4_grouped_mm on the GPU: "triton" (this file's kernels) or "cuda" (the grouped form of
+# kernels/quant/pair_gemv.cu through pair_cuda.grouped_mm: one CTA per 16 output rows and expert, the expert's
+# rows as the MMA's N, each weight chunk decoded once for up to 32 rows). "cuda" runs each call it takes
+# (pair_cuda.grouped_unsupported) and leaves the others to Triton. "triton" until a GPU bench
+# (benchmarks/bench_moe_gemv.py, row grouped_mm_nvfp4_cuda) has timed it. Read at call time.
+GROUPED_KERNEL = "triton"
+
+
 def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      weight_scale_2: torch.Tensor, offsets: torch.Tensor, *,
                      out: torch.Tensor | None = None, force_bytes: bool = False) -> torch.Tensor:
@@ -808,6 +816,9 @@ def nvfp4_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     out = output_buffer(out, x, N, name)
     if x.shape[0] == 0:
         return out
+    w = (weight, weight_scale, weight_scale_2)
+    if not force_bytes and pair_cuda.grouped_kernel_for(GROUPED_KERNEL, "nvfp4", x, w, offsets) == "cuda":
+        return pair_cuda.grouped_mm("nvfp4", x, w, offsets, out=out, name=name)
     return _launch(x, weight, weight_scale, weight_scale_2, None, offsets, out, grouped=True,
                    force_bytes=force_bytes)
 

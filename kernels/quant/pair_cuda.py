@@ -37,8 +37,8 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 2  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
-N_PTRS, N_INTS = 9, 13
+ABI = 3  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 14
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
@@ -76,6 +76,8 @@ def load(path: str):
     lib.nvp_abi.restype = ctypes.c_int
     lib.nvp_launch.restype = ctypes.c_int
     lib.nvp_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong), ctypes.c_void_p]
+    lib.nvp_launch_grouped.restype = ctypes.c_int
+    lib.nvp_launch_grouped.argtypes = lib.nvp_launch.argtypes
     lib.nvp_error_string.restype = ctypes.c_char_p
     lib.nvp_error_string.argtypes = [ctypes.c_int]
     if lib.nvp_abi() != ABI:
@@ -157,18 +159,19 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
     return "triton"
 
 
-def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int):
-    """The argument arrays of nvp_launch (pair_gemv.cu: pointers; sizes, codes, strides and the format):
-    (ctypes void* [9], long long [13]). The tensors must outlive the launch. Scale strides go in bytes."""
+def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0):
+    """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
+    the format and, grouped, the experts E with idx the offsets): (ctypes void* [9], long long [14]). The
+    tensors must outlive the launch. Scale strides go in bytes."""
     codes, scales = w[0], w[1]
     gs = w[2] if fmt == "nvfp4" else scales  # the FP8 kernel reads no global scale
     o2 = w2 if w2 is not None else w
     gs2 = o2[2] if fmt == "nvfp4" else o2[1]
-    P, NOUT, K = idx.numel(), codes.shape[1], _input_width(fmt, codes)
+    P, NOUT, K = (x.shape[0] if experts else idx.numel()), codes.shape[1], _input_width(fmt, codes)
     ptrs = [x, idx, codes, scales, gs, o2[0], o2[1], gs2, out]
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
-            scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt]]
+            scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
@@ -197,3 +200,55 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
         raise RuntimeError(f"{name}: PAIR_KERNEL 'cuda' launch failed: {lib.nvp_error_string(rc).decode()} "
                            f"(CUDA error {rc})")
     return out, None, 1
+
+
+def grouped_unsupported(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor) -> str | None:
+    """Why the grouped CUDA kernel cannot run x [P, K] (rows sorted by expert) times the experts w of format
+    `fmt` with int32 cumulative row ends `offsets` [E], or None: :func:`unsupported`'s conditions (P pairs
+    read as rows; no pair limit: the grid is over experts), offsets contiguous int32.
+
+    Raises:
+        ValueError: `fmt` is not one of FORMATS.
+    """
+    if offsets.dtype != torch.int32 or offsets.stride(0) != 1:
+        return "offsets must be contiguous int32"
+    return unsupported(fmt, x, w, None, 0)
+
+
+def grouped_kernel_for(setting: str, fmt: str, x: torch.Tensor, w, offsets: torch.Tensor) -> str:
+    """The kernel a format's GROUPED_KERNEL `setting` gives one grouped product: "cuda" where the setting
+    asks for it and :func:`grouped_unsupported` finds nothing missing, else "triton".
+
+    Raises:
+        ValueError: `setting` is not one of KERNELS.
+    """
+    if setting not in KERNELS:
+        raise ValueError(f"kernels.quant.{fmt}.GROUPED_KERNEL must be one of {KERNELS}, got {setting!r}")
+    if setting == "cuda" and grouped_unsupported(fmt, x, w, offsets) is None:
+        return "cuda"
+    return "triton"
+
+
+def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.Tensor | None = None,
+               name: str = "grouped_mm") -> torch.Tensor:
+    """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
+    format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
+    rows past offsets[-1] are left unwritten). One CTA per (16 output rows, expert); the expert's rows are the
+    MMA's N, up to 32 per pass over its weights. Current stream, no synchronisation (CUDA-graph capturable).
+    `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
+    (the callers' output_buffer) is written and returned.
+
+    Raises:
+        ValueError: nvcc missing or failing, a stale library.
+        RuntimeError: the launch failed (the CUDA error's name).
+    """
+    lib = _library(x.device, name, fmt)
+    if out is None:
+        out = torch.empty(x.shape[0], w[0].shape[1], dtype=torch.bfloat16, device=x.device)
+    c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel())
+    with torch.cuda.device(x.device):
+        rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if rc:
+        raise RuntimeError(f"{name}: GROUPED_KERNEL 'cuda' launch failed: {lib.nvp_error_string(rc).decode()} "
+                           f"(CUDA error {rc})")
+    return out

@@ -52,7 +52,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 2
+#define NVP_ABI 3
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -80,6 +80,7 @@ struct Params {
   int64_t P, NOUT, K, TOPK, act, gated;
   int64_t sxm, swe, swn, sse, ssn, som;  // strides: x rows, out rows (elements); codes, scales (bytes)
   int64_t fmt;                           // 0 NVFP4, 1 block FP8
+  int64_t E;                             // experts (the grouped form's grid)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -262,32 +263,67 @@ struct Nvfp4 {
     if (with_x) load_x(xr, c0, c.x);
   }
 
-  __device__ static void zero(C& c) {
-    const U4 z = {{0u, 0u, 0u, 0u}};
-    c.qa = c.qb = c.x[0] = c.x[1] = c.x[2] = c.x[3] = z;
-    c.sa = c.sb = 0u;
+  // A fragment 2q + h of the chunk (bf16x2, e2m1 * scale * 2^-8): word q's element pairs (e0, e4), (e1, e5)
+  // (h = 0) or (e2, e6), (e3, e7) (h = 1), rows g and g + 8; Sa / Sb the rows' scale pairs (scale_pairs).
+  template <int H>
+  __device__ static void frag(const C& w, const uint32_t (&Sa)[2], const uint32_t (&Sb)[2], int q,
+                              uint32_t (&a)[4]) {
+    const uint32_t va = w.qa.v[q], vb = w.qb.v[q], sA = Sa[q >> 1], sB = Sb[q >> 1];
+    a[0] = hmul2(e2m1_pair<2 * H>(va), sA);
+    a[1] = hmul2(e2m1_pair<2 * H>(vb), sB);
+    a[2] = hmul2(e2m1_pair<2 * H + 1>(va), sA);
+    a[3] = hmul2(e2m1_pair<2 * H + 1>(vb), sB);
   }
 
-  // acc += this lane's share of the chunk's 16 x 128 block times x: 8 MMAs.
+  // x's columns of MMA 2q + h as its B registers: word q's pairs (0, 4), (1, 5) (h = 0) or (2, 6), (3, 7).
+  template <int H>
+  __device__ static void xfrag(const U4 (&x)[4], int q, uint32_t& b0, uint32_t& b1) {
+    b0 = prmt(x[q].v[H], x[q].v[H + 2], 0x5410);
+    b1 = prmt(x[q].v[H], x[q].v[H + 2], 0x7632);
+  }
+
+  // acc += this lane's share of the chunk's 16 x 128 block times x: 8 MMAs, each fragment decoded just
+  // before its MMA.
   __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
+    uint32_t Sa[2], Sb[2], a[4], b0, b1;
+    scale_pairs(w.sa, Sa[0], Sa[1]);
+    scale_pairs(w.sb, Sb[0], Sb[1]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      frag<0>(w, Sa, Sb, q, a);
+      xfrag<0>(x, q, b0, b1);
+      mma16816(acc, a, b0, b1);
+      frag<1>(w, Sa, Sb, q, a);
+      xfrag<1>(x, q, b0, b1);
+      mma16816(acc, a, b0, b1);
+    }
+  }
+
+  // The chunk's 8 A fragments, decoded once (the grouped kernel multiplies them into several token groups).
+  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
     uint32_t Sa[2], Sb[2];
     scale_pairs(w.sa, Sa[0], Sa[1]);
     scale_pairs(w.sb, Sb[0], Sb[1]);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const uint32_t va = w.qa.v[q], vb = w.qb.v[q];
-      const uint32_t sA = Sa[q >> 1], sB = Sb[q >> 1];
-      // x's 8 columns of word q as the pairs (0, 4), (1, 5), (2, 6), (3, 7)
-      const uint32_t x04 = prmt(x[q].v[0], x[q].v[2], 0x5410), x15 = prmt(x[q].v[0], x[q].v[2], 0x7632);
-      const uint32_t x26 = prmt(x[q].v[1], x[q].v[3], 0x5410), x37 = prmt(x[q].v[1], x[q].v[3], 0x7632);
-      const uint32_t a0[4] = {hmul2(e2m1_pair<0>(va), sA), hmul2(e2m1_pair<0>(vb), sB),
-                              hmul2(e2m1_pair<1>(va), sA), hmul2(e2m1_pair<1>(vb), sB)};
-      mma16816(acc, a0, x04, x15);
-      const uint32_t a1[4] = {hmul2(e2m1_pair<2>(va), sA), hmul2(e2m1_pair<2>(vb), sB),
-                              hmul2(e2m1_pair<3>(va), sA), hmul2(e2m1_pair<3>(vb), sB)};
-      mma16816(acc, a1, x26, x37);
+      frag<0>(w, Sa, Sb, q, A[2 * q]);
+      frag<1>(w, Sa, Sb, q, A[2 * q + 1]);
     }
   }
+
+  // acc += the decoded chunk A times x's 32 columns of this lane: 8 MMAs (`s` unused: the scales are in A).
+  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float) {
+    uint32_t b0, b1;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      xfrag<0>(x, q, b0, b1);
+      mma16816(acc, A[2 * q], b0, b1);
+      xfrag<1>(x, q, b0, b1);
+      mma16816(acc, A[2 * q + 1], b0, b1);
+    }
+  }
+
+  __device__ static float chunk_scale(const C&) { return 0.0f; }  // the block scales are in the fragments
 
   // weight_scale_2, and the decode's 2^-126 times the scales' 2^118
   __device__ static float fold(const float* g, int64_t expert) { return g[expert] * 256.0f; }
@@ -321,28 +357,59 @@ struct BlockFp8 {
     if (with_x) load_x(xr, c0, c.x);
   }
 
-  __device__ static void zero(C& c) {
-    const U4 z = {{0u, 0u, 0u, 0u}};
-    c.qa[0] = c.qa[1] = c.qb[0] = c.qb[1] = c.x[0] = c.x[1] = c.x[2] = c.x[3] = z;
-    c.s = 0.0f;
+  // A fragment j of the chunk (bf16x2, the e4m3 values): word j (columns 4j..4j+3) of rows g and g + 8 as
+  // the pairs (b0, b2), (b1, b3).
+  __device__ static void frag(const C& w, int j, uint32_t (&a)[4]) {
+    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
+    const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
+    a[0] = hmul2(e4m3_pair<0>(va), kTwo120);
+    a[1] = hmul2(e4m3_pair<0>(vb), kTwo120);
+    a[2] = hmul2(e4m3_pair<1>(va), kTwo120);
+    a[3] = hmul2(e4m3_pair<1>(vb), kTwo120);
   }
 
-  // acc += scale * (this lane's share of the chunk's 16 x 128 block times x): 8 MMAs, word j of each row
-  // (columns 4j..4j+3) with x's same columns as the pairs (0, 2), (1, 3).
+  // x's columns 4j..4j+3 of this lane as MMA j's B registers: the pairs (0, 2), (1, 3).
+  __device__ static void xfrag(const U4 (&x)[4], int j, uint32_t& b0, uint32_t& b1) {
+    const uint32_t u0 = x[j >> 1].v[2 * (j & 1)], u1 = x[j >> 1].v[2 * (j & 1) + 1];
+    b0 = prmt(u0, u1, 0x5410);
+    b1 = prmt(u0, u1, 0x7632);
+  }
+
+  // acc += scale * (this lane's share of the chunk's 16 x 128 block times x): 8 MMAs into zeroed
+  // accumulators, each fragment decoded just before its MMA, then one scaling.
   __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
-    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
     float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint32_t a[4], b0, b1;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
-      const uint32_t u0 = x[j >> 1].v[2 * (j & 1)], u1 = x[j >> 1].v[2 * (j & 1) + 1];
-      const uint32_t a[4] = {hmul2(e4m3_pair<0>(va), kTwo120), hmul2(e4m3_pair<0>(vb), kTwo120),
-                             hmul2(e4m3_pair<1>(va), kTwo120), hmul2(e4m3_pair<1>(vb), kTwo120)};
-      mma16816(t, a, prmt(u0, u1, 0x5410), prmt(u0, u1, 0x7632));
+      frag(w, j, a);
+      xfrag(x, j, b0, b1);
+      mma16816(t, a, b0, b1);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += t[i] * w.s;
   }
+
+  // The chunk's 8 A fragments, decoded once (the grouped kernel multiplies them into several token groups).
+  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) frag(w, j, A[j]);
+  }
+
+  // acc += s * (the decoded chunk A times x's 32 columns of this lane).
+  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float s) {
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint32_t b0, b1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      xfrag(x, j, b0, b1);
+      mma16816(t, A[j], b0, b1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += t[i] * s;
+  }
+
+  __device__ static float chunk_scale(const C& c) { return c.s; }
 
   __device__ static float fold(const float*, int64_t) { return 1.0f; }
 };
@@ -394,16 +461,19 @@ __global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
       if (GATED) F::mma(acc2, d2, c2.x);
     }
   }
-  // the partial chunk (K % 128 columns, a multiple of 32): the next warp in turn; lanes past K add zeros
+  // the partial chunk (K % 128 columns, a multiple of 32): the next warp in turn. Lanes past K read the last
+  // valid 32 columns' weights (finite, and in the chunk's own FP8 scale block, which every lane of the warp
+  // must apply alike) against zeros for x, so they add nothing.
   if (p.K % kChunk != 0 && warp == nfull % kWarps) {
     const int64_t c0 = nfull * kChunk + lane_col;
+    const bool kok = c0 < p.K;
+    const int64_t cl = kok ? c0 : p.K - 32;
     C c, d;
-    if (c0 < p.K) {
-      F::load(r1, xr, c0, true, c);
-      if (GATED) F::load(r2, xr, c0, false, d);
-    } else {
-      F::zero(c);
-      F::zero(d);
+    F::load(r1, xr, cl, true, c);
+    if (GATED) F::load(r2, xr, cl, false, d);
+    if (!kok) {
+      const U4 zero = {{0u, 0u, 0u, 0u}};
+      c.x[0] = c.x[1] = c.x[2] = c.x[3] = zero;
     }
     F::mma(acc, c, c.x);
     if (GATED) F::mma(acc2, d, c.x);
@@ -434,6 +504,82 @@ __global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
   }
 }
 
+// Token groups of 8 (the MMA's N) one pass of the grouped kernel multiplies each decoded chunk into.
+constexpr int kGroups = 4;
+
+// The grouped form (torch._grouped_mm's convention, no activation): rows offsets[e - 1] .. offsets[e] - 1 of x
+// (sorted by expert) times expert e's matrix, out [P, NOUT] bf16. One CTA per (16 output rows, expert); an
+// expert without rows returns at once. The expert's tokens are the MMA's N: lane (g, t) loads x of token
+// 8 grp + g of each group grp, so one decoded chunk serves up to 8 kGroups tokens per pass (more tokens: more
+// passes, each reading the weights again). Rows past the expert's last are read clamped (their MMA columns are
+// never stored). The warps split K as the per-pair kernel's and meet in shared memory in warp order.
+template <class F>
+__global__ void NVP_BOUNDS grouped_gemv_kernel(const Params p) {
+#ifdef NVP_HOST_EMULATION
+  float* red = nvp_host_smem();
+#else
+  __shared__ float red[kWarps * 8 * kGroups * kRows];
+#endif
+  using C = typename F::C;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t e = blockIdx.y;
+  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+  const int64_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
+  if (end <= start) return;  // the whole CTA: before any barrier
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + g, n0 + g + 8);
+  const int64_t nchunks = (p.K + kChunk - 1) / kChunk;
+  const int64_t lane_col = 32 * t;
+  const U4 zero = {{0u, 0u, 0u, 0u}};
+  for (int64_t tok0 = start; tok0 < end; tok0 += 8 * kGroups) {
+    float acc[kGroups][4];
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+    for (int64_t ch = warp; ch < nchunks; ch += kWarps) {
+      const int64_t c0 = ch * kChunk + lane_col;
+      const bool kok = c0 < p.K;  // the partial chunk's lanes past K: as in the per-pair kernel
+      C c;
+      F::load(r, nullptr, kok ? c0 : p.K - 32, false, c);
+      uint32_t A[8][4];
+      F::decode(c, A);
+#pragma unroll
+      for (int grp = 0; grp < kGroups; ++grp) {
+        if (tok0 + 8 * grp < end) {  // the same for the whole warp
+          int64_t row = tok0 + 8 * grp + g;
+          row = row < end ? row : end - 1;
+          U4 x[4];
+          if (kok)
+            load_x(p.x + row * p.sxm, c0, x);
+          else
+            x[0] = x[1] = x[2] = x[3] = zero;
+          F::mma_decoded(acc[grp], A, x, F::chunk_scale(c));
+        }
+      }
+    }
+    // lane (g, t) holds rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t, 8 grp + 2t + 1
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) {
+      const int tk = 8 * grp + 2 * t;
+      red[(warp * 8 * kGroups + tk) * kRows + g] = acc[grp][0];
+      red[(warp * 8 * kGroups + tk + 1) * kRows + g] = acc[grp][1];
+      red[(warp * 8 * kGroups + tk) * kRows + g + 8] = acc[grp][2];
+      red[(warp * 8 * kGroups + tk + 1) * kRows + g + 8] = acc[grp][3];
+    }
+    __syncthreads();
+    const float fold = F::fold(p.g, e);
+    for (int o = tid; o < 8 * kGroups * kRows; o += kThreads) {
+      const int tk = o / kRows, row = o % kRows;
+      if (tok0 + tk < end && n0 + row < p.NOUT) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += red[(w * 8 * kGroups + tk) * kRows + row];
+        p.out[(tok0 + tk) * p.som + n0 + row] = static_cast<uint16_t>(bf16_rn(s * fold));
+      }
+    }
+    __syncthreads();  // red is rewritten by the next pass
+  }
+}
+
 __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   Params p;
   p.x = static_cast<const uint16_t*>(ptrs[0]);
@@ -458,6 +604,7 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.ssn = ints[10];
   p.som = ints[11];
   p.fmt = ints[12];
+  p.E = ints[13];
   return p;
 }
 
@@ -470,8 +617,8 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 #ifndef NVP_HOST_EMULATION
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
-// ints (13): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
-//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8).
+// ints (14): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E.
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
@@ -486,6 +633,21 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
     nvp::pair_gemv_kernel<nvp::BlockFp8, true><<<grid, nvp::kThreads, 0, st>>>(p);
   else
     nvp::pair_gemv_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
+// (TOPK, act and gated unused) with ints[13] = E. Grid (NOUT / 16, E).
+__attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
+                                                              void* stream) {
+  const nvp::Params p = nvp::params_of(ptrs, ints);
+  if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
+  const dim3 grid(static_cast<unsigned>((p.NOUT + nvp::kRows - 1) / nvp::kRows), static_cast<unsigned>(p.E));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.fmt == 0)
+    nvp::grouped_gemv_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
+  else
+    nvp::grouped_gemv_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
