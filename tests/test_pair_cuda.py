@@ -297,3 +297,28 @@ def test_grouped_kernel_setting_is_checked_and_falls_back_to_triton():
     assert pair_cuda.grouped_kernel_for("triton", "nvfp4", x, w, offsets) == "triton"
     with pytest.raises(ValueError, match="nvfp4.GROUPED_KERNEL must be one of"):
         pair_cuda.grouped_kernel_for("gemlite", "nvfp4", x, w, offsets)
+
+
+@needs_gxx
+def test_host_emulated_block_fp8_kernels_at_qwen3_next_widths(host_lib):
+    """Block FP8 at Qwen3-Next's released expert widths (gate / up 2048 -> 512, gated SiLU, per pair; down
+    512 -> 2048 grouped), which no GPU has run yet: the per-pair and grouped forms against the references."""
+    gen = torch.Generator().manual_seed(21)
+    gate, up = _fp8_experts(2, 512, 2048, gen), _fp8_experts(2, 512, 2048, gen)
+    x = torch.randn(1, 2048, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([1, 0])
+    got = _host_launch(host_lib, x, idx, gate, up, 2, "silu", fmt="block_fp8")
+    want = _projection_ref(x, idx, gate, up, 2, "silu", fmt="block_fp8")
+    _assert_close_bf16(got, want)
+    down = _fp8_experts(2, 2048, 512, gen)
+    a = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
+    offsets = torch.tensor([2, 5], dtype=torch.int32)
+    got = _host_grouped(host_lib, "block_fp8", a, down, offsets)
+    want = bf8.block_fp8_grouped_mm_ref(a, *down, offsets, scheme="w8a16")
+    _assert_close_bf16(got, want)
+
+
+def _assert_close_bf16(got, want):
+    """Within two bf16 ulps of the largest |reference| (the sums differ in fp32 order only)."""
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
