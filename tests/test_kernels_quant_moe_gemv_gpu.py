@@ -78,10 +78,15 @@ def _inputs(model, tokens, seed=0):
     return h, torch.softmax(top.values, dim=1), top.indices
 
 
+@pytest.mark.parametrize("pair_kernel", ("triton", "cuda"))
 @pytest.mark.parametrize("tokens", (1, 2, 8))
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_released_expert_shapes(model, tokens):
-    """The kernels vs their reference and vs the quantized MoE's grouped path (the Triton grouped GEMMs)."""
+def test_released_expert_shapes(model, tokens, pair_kernel, monkeypatch):
+    """The kernels (each per-pair kernel: PAIR_KERNEL "triton" and "cuda"; block FP8 runs its default w8a8
+    scheme here, which only Triton has) vs their reference and vs the quantized MoE's grouped path (the
+    Triton grouped GEMMs)."""
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", pair_kernel)
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", pair_kernel)
     fmt, *_, act, gated = SHAPES[model]
     kernel, ref, grouped_mm = KERNELS[fmt]
     up, gate, down = _experts(model)
@@ -102,6 +107,7 @@ def test_nvfp4_pair_variants_give_the_same_bits_at_super_shapes(tokens, monkeypa
     _, *_, act, _ = SHAPES["super_v3"]
     up, gate, down = _experts("super_v3")
     h, weights, indices = _inputs("super_v3", tokens, seed=tokens + 20)
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "triton")  # the variants are the Triton kernel's
     want = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
     for decode, load in [(d, x) for d in nf4.DECODES for x in nf4.PAIR_X_LOADS]:
         monkeypatch.setattr(nf4, "DECODE", {**nf4.DECODE, "pair": decode})
@@ -125,10 +131,14 @@ def test_block_fp8_w8a16_at_qwen3_next_expert_shapes(tokens):
                                     up[0].shape[0]))
 
 
+@pytest.mark.parametrize("pair_kernel", ("triton", "cuda"))
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_capture_in_a_cuda_graph_without_host_sync(model):
+def test_capture_in_a_cuda_graph_without_host_sync(model, pair_kernel, monkeypatch):
     """No host synchronisation (sync debug mode "error"); captured once and replayed with new routing,
-    weights and inputs written into the static buffers, the result follows the new values."""
+    weights and inputs written into the static buffers, the result follows the new values (each per-pair
+    kernel)."""
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", pair_kernel)
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", pair_kernel)
     fmt, *_, act, _ = SHAPES[model]
     kernel, ref, _ = KERNELS[fmt]
     up, gate, down = _experts(model)
@@ -182,6 +192,7 @@ def test_nvfp4_cuda_pair_kernel_vs_reference_and_triton(gated, tokens, monkeypat
     V3's released expert shapes (and gated at Qwen3-Next's widths): the reference and the Triton per-pair
     kernel within two bf16 ulps, the same bits on a second call (the warps' sums meet in a fixed order)."""
     up, gate, down, act, h, weights, indices = _nvfp4_cuda_case(gated, tokens, seed=tokens + 30)
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "triton")
     triton_out = nf4.moe_gemv_nvfp4(h, weights, indices, up, gate, down, act)
     monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
     first = gate if gated else up
@@ -202,6 +213,7 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
     _, *_, act, _ = SHAPES["qwen3_next"]
     up, gate, down = _experts("qwen3_next")
     h, weights, indices = _inputs("qwen3_next", tokens, seed=tokens + 50)
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "triton")
     triton_out = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
     assert bf8.pair_kernel_for(h, gate, up, indices.numel(), a16=True) == "cuda"
@@ -275,6 +287,7 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, mon
     kw = {} if fmt == "nvfp4" else {"scheme": "w8a16"}
     mm = nf4.nvfp4_grouped_mm if fmt == "nvfp4" else bf8.block_fp8_grouped_mm
     ref = nf4.nvfp4_grouped_mm_ref if fmt == "nvfp4" else bf8.block_fp8_grouped_mm_ref
+    monkeypatch.setattr(module, "GROUPED_KERNEL", "triton")
     triton_out = mm(x, *up, offsets, **kw)
     monkeypatch.setattr(module, "GROUPED_KERNEL", "cuda")
     got = mm(x, *up, offsets, **kw)

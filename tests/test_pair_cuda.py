@@ -49,7 +49,7 @@ def _experts(E, N, K, gen, nan_scale=False):
     """Random NVFP4 experts: every code byte, every finite e4m3 scale byte (subnormals included), global
     scales around ModelOpt's magnitude; optionally one NaN scale."""
     codes = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
-    sbytes = torch.randint(0, 126, (E, N, K // 16), generator=gen, dtype=torch.uint8)  # 0x00-0x7D: +finite
+    sbytes = torch.randint(0, 127, (E, N, K // 16), generator=gen, dtype=torch.uint8)  # 0x00-0x7E: +finite
     sbytes |= (torch.randint(0, 2, sbytes.shape, generator=gen, dtype=torch.uint8) << 7)  # either sign
     if nan_scale:
         sbytes[0, 1, 0] = 0x7F
@@ -61,7 +61,7 @@ def _experts(E, N, K, gen, nan_scale=False):
 def _fp8_experts(E, N, K, gen):
     """Random block-FP8 experts: every finite e4m3 code of either sign (subnormals included), block scales
     weight_scale_inv spread over a few decades."""
-    codes = torch.randint(0, 126, (E, N, K), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(0, 127, (E, N, K), generator=gen, dtype=torch.uint8)  # 0x00-0x7E, 448 included
     codes |= torch.randint(0, 2, codes.shape, generator=gen, dtype=torch.uint8) << 7
     scales = torch.rand(E, -(-N // BLOCK), -(-K // BLOCK), generator=gen) * 10.0 ** torch.randint(
         -4, 0, (E, -(-N // BLOCK), -(-K // BLOCK)), generator=gen).float()
@@ -197,6 +197,18 @@ def test_unsupported_names_each_missing_condition():
     assert "CUDA tensors only" in pair_cuda.unsupported("nvfp4", x, w, None, 2)
     f8 = _fp8_experts(2, 16, 48, gen)
     assert "multiple of 32" in pair_cuda.unsupported("block_fp8", x[:, :48], f8, None, 2)
+    f8 = _fp8_experts(2, 16, 128, gen)
+    assert "scales must be torch.float32" in pair_cuda.unsupported("block_fp8", x, (f8[0], f8[1].bfloat16()),
+                                                                   None, 2)
+    assert "global scales" in pair_cuda.unsupported("nvfp4", x, (w[0], w[1], w[2].double()), None, 2)
+    padded = torch.zeros(2, 16, 72, dtype=torch.uint8)[:, :, 4:68]  # rows start 4 bytes in: not 16-aligned
+    assert "codes must be contiguous rows" in pair_cuda.unsupported("nvfp4", x, (padded, w[1], w[2]), None, 2)
+    w2 = (torch.zeros(2, 16, 80, dtype=torch.uint8)[:, :, :64], w[1], w[2])  # row stride 80, not 64
+    assert "share their strides" in pair_cuda.unsupported("nvfp4", x, w, w2, 2)
+    offsets = torch.full((70000,), 2, dtype=torch.int32)
+    assert "at most 65535 experts" in pair_cuda.grouped_unsupported("nvfp4", x, w, offsets)
+    assert "rows per expert" in pair_cuda.grouped_unsupported("nvfp4", torch.randn(129, 128).bfloat16(), w,
+                                                              torch.tensor([0, 129], dtype=torch.int32))
     with pytest.raises(ValueError, match="format must be one of"):
         pair_cuda.unsupported("mxfp4", x, w, None, 2)
 
@@ -219,13 +231,15 @@ def test_pair_kernel_setting_is_checked_and_falls_back_to_triton(monkeypatch):
 
 
 @pytest.mark.skipif(_nvcc.find_nvcc() is None, reason="nvcc is not installed here")
-def test_kernel_source_compiles_for_sm90_and_loads(tmp_path, monkeypatch):
-    """nvcc builds pair_gemv.cu for sm_90 into the cache (a second build is the cached file); the library
-    loads without a GPU and reports the ABI the launcher expects."""
+@pytest.mark.parametrize("arch", ("sm_80", "sm_89", "sm_90"))
+def test_kernel_source_compiles_and_loads(arch, tmp_path, monkeypatch):
+    """nvcc builds pair_gemv.cu into the cache for every architecture unsupported() admits (sm_80 and sm_89
+    have no bf16x2 multiply: the fma form), a second build is the cached file; the library loads without a
+    GPU and reports the ABI the launcher expects."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = pair_cuda.build(pair_cuda.build_flags("sm_90"))
+    path = pair_cuda.build(pair_cuda.build_flags(arch))
     assert path.parent == _nvcc.cache_dir() and path.stat().st_size > 0
-    assert pair_cuda.build(pair_cuda.build_flags("sm_90")) == path
+    assert pair_cuda.build(pair_cuda.build_flags(arch)) == path
     assert pair_cuda.load(str(path)).nvp_abi() == pair_cuda.ABI
 
 
@@ -310,15 +324,40 @@ def test_host_emulated_block_fp8_kernels_at_qwen3_next_widths(host_lib):
     got = _host_launch(host_lib, x, idx, gate, up, 2, "silu", fmt="block_fp8")
     want = _projection_ref(x, idx, gate, up, 2, "silu", fmt="block_fp8")
     _assert_close_bf16(got, want)
+    assert (got == want).float().mean() > 0.9
     down = _fp8_experts(2, 2048, 512, gen)
     a = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
     offsets = torch.tensor([2, 5], dtype=torch.int32)
     got = _host_grouped(host_lib, "block_fp8", a, down, offsets)
     want = bf8.block_fp8_grouped_mm_ref(a, *down, offsets, scheme="w8a16")
     _assert_close_bf16(got, want)
+    assert (got == want).float().mean() > 0.9
 
 
 def _assert_close_bf16(got, want):
     """Within two bf16 ulps of the largest |reference| (the sums differ in fp32 order only)."""
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+def test_a_failed_build_leaves_the_calls_to_triton_with_one_warning(monkeypatch):
+    """A toolkit that cannot build the kernel for this GPU: unsupported says so (and warns once), so the
+    formats' dispatch picks Triton instead of failing the call."""
+    gen = torch.Generator().manual_seed(0)
+    w = _experts(2, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(pair_cuda, "_nvcc_path", lambda: "/usr/bin/nvcc")
+
+    def broken(*args):
+        raise ValueError("nvcc failed (exit 1): unsupported gpu architecture")
+
+    monkeypatch.setattr(pair_cuda, "_library", broken)
+    pair_cuda._build_failure.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built"):
+            assert pair_cuda.unsupported("nvfp4", x, w, None, 2).startswith("the CUDA build failed")
+        assert pair_cuda.kernel_for("cuda", "nvfp4", x, w, None, 2) == "triton"  # cached: no second warning
+    finally:
+        pair_cuda._build_failure.cache_clear()

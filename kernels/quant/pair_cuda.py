@@ -18,9 +18,10 @@ weight_scale_2 float32 [E]); "block_fp8", experts (weight float8_e4m3fn [E, N, K
 
 Scope (:func:`unsupported` names what is missing): bf16 activations (the engine's), input width K a multiple of
 32, codes 16-byte aligned (row and expert strides included), scales 2-byte (NVFP4) or 4-byte (block FP8,
-contiguous) aligned, activation rows 16-byte aligned, at most 65535 pairs, CUDA tensors on an sm_80+ GPU, an
-nvcc to build it with (without one, the Triton kernel runs instead). Unsplit launches only: the kernel's 4
-warps split K inside each CTA and add their sums in a fixed order (the same bits eager and in a CUDA graph).
+contiguous) aligned, activation rows 16-byte aligned, at most 65535 pairs, CUDA tensors on an sm_80+ NVIDIA GPU,
+an nvcc that builds it for that GPU (without one, or when the build fails, the Triton kernel runs instead,
+with one warning). Unsplit launches only: the kernel's 4 warps split K inside each CTA and add their sums in a
+fixed order (the same bits eager and in a CUDA graph).
 
 The CPU tests run the kernel's source in host emulation (tests/pair_gemv_host.cc); the GPU tests
 (tests/test_kernels_quant_moe_gemv_gpu.py) run it for real against the references.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +44,12 @@ N_PTRS, N_INTS = 9, 14
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
-MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 bf16
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 bf16 (sm_80 - sm_89: the bf16x2 multiply as an fma with -0.0)
+MAX_EXPERTS = 65535  # the grouped form's grid y dimension
+# The grouped form decodes each weight chunk once per 32 rows of an expert: past this many rows per expert on
+# average (prefill sizes) each pass re-reads the weights, and Triton's GEMM tiles take the call instead.
+GROUPED_MAX_ROWS_PER_EXPERT = 64
+SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32}
 KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
 
 
@@ -122,6 +129,10 @@ def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
         if mat is None:
             continue
         c, s = mat[0], mat[1]
+        if s.dtype != SCALE_DTYPES[fmt]:
+            return f"{fmt} scales must be {SCALE_DTYPES[fmt]}, got {s.dtype}"
+        if fmt == "nvfp4" and (mat[2].dtype != torch.float32 or mat[2].stride(0) != 1):
+            return "the NVFP4 global scales must be contiguous float32"
         if c.stride(2) != 1 or c.stride(1) % 16 or c.stride(0) % 16 or c.data_ptr() % 16:
             return "the experts' codes must be contiguous rows at 16-byte aligned strides and address"
         if s.stride(2) != 1 or (fmt == "nvfp4" and (s.stride(1) % 2 or s.stride(0) % 2)) \
@@ -131,11 +142,27 @@ def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
             return "gate and up must share their strides"
     if x.device.type != "cuda":
         return f"CUDA tensors only, got {x.device.type}"
+    if torch.version.hip is not None:
+        return "an NVIDIA GPU (this is a ROCm build of torch)"
     cap = torch.cuda.get_device_capability(x.device)
     if cap < MIN_CAPABILITY:
         return f"an sm_80+ GPU (bf16 mma.sync), got sm_{cap[0]}{cap[1]}"
     if _nvcc_path() is None:
         return "no nvcc to build it ($NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"
+    return _build_failure(x.device, fmt)
+
+
+@functools.cache
+def _build_failure(device: torch.device, fmt: str) -> str | None:
+    """None once the library for `device` is built and loaded (at the first call that could use it), else why
+    not, said once as a warning: a toolkit that cannot build for this GPU leaves the calls to Triton instead of
+    failing them."""
+    try:
+        _library(device, f"moe_gemv_{fmt}", fmt)
+    except (ValueError, OSError) as e:
+        warnings.warn(f"kernels.quant.pair_cuda: the CUDA kernel could not be built or loaded for {device}; the "
+                      f"Triton kernels run instead ({e})", stacklevel=3)
+        return f"the CUDA build failed: {str(e)[:300]}"
     return None
 
 
@@ -204,14 +231,20 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
 
 def grouped_unsupported(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor) -> str | None:
     """Why the grouped CUDA kernel cannot run x [P, K] (rows sorted by expert) times the experts w of format
-    `fmt` with int32 cumulative row ends `offsets` [E], or None: :func:`unsupported`'s conditions (P pairs
-    read as rows; no pair limit: the grid is over experts), offsets contiguous int32.
+    `fmt` with int32 cumulative row ends `offsets` [E], or None: :func:`unsupported`'s conditions (no pair
+    limit: the grid is over experts), offsets contiguous int32, at most MAX_EXPERTS experts and
+    GROUPED_MAX_ROWS_PER_EXPERT rows per expert on average.
 
     Raises:
         ValueError: `fmt` is not one of FORMATS.
     """
     if offsets.dtype != torch.int32 or offsets.stride(0) != 1:
         return "offsets must be contiguous int32"
+    if offsets.numel() > MAX_EXPERTS:
+        return f"at most {MAX_EXPERTS} experts, got {offsets.numel()}"
+    if x.shape[0] > GROUPED_MAX_ROWS_PER_EXPERT * offsets.numel():
+        return (f"at most {GROUPED_MAX_ROWS_PER_EXPERT} rows per expert on average, got {x.shape[0]} rows for "
+                f"{offsets.numel()} experts")
     return unsupported(fmt, x, w, None, 0)
 
 
@@ -239,12 +272,16 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     (the callers' output_buffer) is written and returned.
 
     Raises:
-        ValueError: nvcc missing or failing, a stale library.
+        ValueError: nvcc missing or failing, a stale library, an `out` that does not fit.
         RuntimeError: the launch failed (the CUDA error's name).
     """
     lib = _library(x.device, name, fmt)
+    shape = (x.shape[0], w[0].shape[1])
     if out is None:
-        out = torch.empty(x.shape[0], w[0].shape[1], dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel())
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))

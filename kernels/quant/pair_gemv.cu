@@ -149,9 +149,14 @@ __device__ inline uint32_t hmul2(uint32_t a, uint32_t b) {
   const uint32_t lo = bf16_rn(bf16_f32(a & 0xFFFFu) * bf16_f32(b & 0xFFFFu));
   const uint32_t hi = bf16_rn(bf16_f32(a >> 16) * bf16_f32(b >> 16));
   return lo | (hi << 16);
-#else
+#elif __CUDA_ARCH__ >= 900
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  // sm_80 - sm_89 have no bf16x2 multiply: a * b + (-0.0), the same rounding (and the same exact products)
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
   return d;
 #endif
 }
@@ -633,7 +638,7 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
     nvp::pair_gemv_kernel<nvp::BlockFp8, true><<<grid, nvp::kThreads, 0, st>>>(p);
   else
     nvp::pair_gemv_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(cudaGetLastError());  // also an earlier asynchronous error, as any launch check
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
