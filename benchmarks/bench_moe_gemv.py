@@ -184,7 +184,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
         paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, gemv), None))
-    paths.append((f"grouped_mm_{fmt}_cuda", partial(_grouped_cuda, fmt, grouped), grouped_rows_scheme))
+    paths.append((f"grouped_mm_{fmt}_cuda", partial(_cuda, fmt, grouped, "grouped"), grouped_rows_scheme))
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:
@@ -208,24 +208,20 @@ def _nvfp4_pair(decode: str, load: str, fn):
                  PAIR_KERNEL="triton")
 
 
-def _cuda(fmt: str, fn):
-    """fn() with kernels/quant/<fmt>.py's PAIR_KERNEL = "cuda" (kernels/quant/pair_gemv.cu), put back
-    afterwards. Raises RuntimeError where a projection would fall back to Triton, so the row times the CUDA
-    kernel or fails."""
+# the CUDA kernels' settings in kernels/quant/<fmt>.py and the Triton launcher each one replaces
+CUDA_SETTINGS = {"pair": ("PAIR_KERNEL", "_launch_pair"), "grouped": ("GROUPED_KERNEL", "_launch")}
+
+
+def _cuda(fmt: str, fn, form: str = "pair"):
+    """fn() with kernels/quant/<fmt>.py's setting for `form` (CUDA_SETTINGS: the per-pair or the grouped form
+    of kernels/quant/pair_gemv.cu) = "cuda" and its Triton launcher refusing, both put back afterwards: the
+    row times the CUDA kernel or fails with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is
+    w8a8, which the CUDA kernel does not run)."""
     import importlib
 
     module = importlib.import_module(f"kernels.quant.{fmt}")
-    return _with(module, fn, (), {}, PAIR_KERNEL="cuda", _launch_pair=_refuse_triton)
-
-
-def _grouped_cuda(fmt: str, fn):
-    """fn() with kernels/quant/<fmt>.py's GROUPED_KERNEL = "cuda" (the grouped form of pair_gemv.cu) and its
-    Triton launcher refusing, both put back afterwards: the row times the CUDA kernel or fails (block FP8 at a
-    row count whose scheme is w8a8, which the CUDA kernel does not run, fails)."""
-    import importlib
-
-    module = importlib.import_module(f"kernels.quant.{fmt}")
-    return _with(module, fn, (), {}, GROUPED_KERNEL="cuda", _launch=_refuse_triton)
+    setting, launcher = CUDA_SETTINGS[form]
+    return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton})
 
 
 def _refuse_triton(*args, **kwargs):

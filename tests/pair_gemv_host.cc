@@ -103,11 +103,11 @@ inline void nvp_host_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
 
 #include "pair_gemv.cu"
 
-extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
-  const nvp::Params p = nvp::params_of(ptrs, ints);
-  if (p.P <= 0 || p.NOUT <= 0) return 0;
+// Run `kernel` over a grid (x: NOUT tiles, y: ny), one CTA after another, each as kThreads std::threads.
+template <class Kernel>
+static void run_grid(const nvp::Params& p, long long ny, Kernel kernel) {
   const long long ntiles = (p.NOUT + nvp::kRows - 1) / nvp::kRows;
-  for (long long pair = 0; pair < p.P; ++pair) {
+  for (long long y = 0; y < ny; ++y) {
     for (long long tile = 0; tile < ntiles; ++tile) {
       auto cta = std::make_unique<HostCta>();
       for (float& v : cta->smem) v = NAN;  // a read of a slot nobody wrote shows as NaN
@@ -116,21 +116,27 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* cons
         threads.emplace_back([&, t] {
           threadIdx.x = t;
           blockIdx.x = static_cast<unsigned>(tile);
-          blockIdx.y = static_cast<unsigned>(pair);
+          blockIdx.y = static_cast<unsigned>(y);
           host_cta = cta.get();
-          if (p.fmt == 0 && p.gated)
-            nvp::pair_gemv_kernel<nvp::Nvfp4, true>(p);
-          else if (p.fmt == 0)
-            nvp::pair_gemv_kernel<nvp::Nvfp4, false>(p);
-          else if (p.gated)
-            nvp::pair_gemv_kernel<nvp::BlockFp8, true>(p);
-          else
-            nvp::pair_gemv_kernel<nvp::BlockFp8, false>(p);
+          kernel(p);
         });
       }
       for (auto& th : threads) th.join();
     }
   }
+}
+
+extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
+  const nvp::Params p = nvp::params_of(ptrs, ints);
+  if (p.P <= 0 || p.NOUT <= 0) return 0;
+  if (p.fmt == 0 && p.gated)
+    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::Nvfp4, true>);
+  else if (p.fmt == 0)
+    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::Nvfp4, false>);
+  else if (p.gated)
+    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::BlockFp8, true>);
+  else
+    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::BlockFp8, false>);
   return 0;
 }
 
@@ -138,26 +144,9 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(vo
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  const long long ntiles = (p.NOUT + nvp::kRows - 1) / nvp::kRows;
-  for (long long e = 0; e < p.E; ++e) {
-    for (long long tile = 0; tile < ntiles; ++tile) {
-      auto cta = std::make_unique<HostCta>();
-      for (float& v : cta->smem) v = NAN;
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < nvp::kThreads; ++t) {
-        threads.emplace_back([&, t] {
-          threadIdx.x = t;
-          blockIdx.x = static_cast<unsigned>(tile);
-          blockIdx.y = static_cast<unsigned>(e);
-          host_cta = cta.get();
-          if (p.fmt == 0)
-            nvp::grouped_gemv_kernel<nvp::Nvfp4>(p);
-          else
-            nvp::grouped_gemv_kernel<nvp::BlockFp8>(p);
-        });
-      }
-      for (auto& th : threads) th.join();
-    }
-  }
+  if (p.fmt == 0)
+    run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::Nvfp4>);
+  else
+    run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::BlockFp8>);
   return 0;
 }

@@ -81,33 +81,20 @@ def test_nvfp4_variant_rows_set_the_pair_choices_and_put_them_back():
     assert nvfp4.DECODE == decode and nvfp4.PAIR_X_LOAD == load and nvfp4.PAIR_KERNEL == kernel
 
 
-def test_cuda_rows_set_the_pair_kernel_refuse_triton_and_put_both_back():
-    """_cuda runs the call with the format's PAIR_KERNEL = "cuda" and its Triton launcher replaced by one that
-    raises (a row that fell back would time Triton under the CUDA kernel's name), both restored afterwards."""
+def test_cuda_rows_set_the_kernel_refuse_triton_and_put_both_back():
+    """_cuda runs the call with the format's setting for each form (PAIR_KERNEL, GROUPED_KERNEL) = "cuda" and
+    its Triton launcher replaced by one that raises (a row that fell back would time Triton under the CUDA
+    kernel's name), both restored afterwards."""
     import pytest
 
     from kernels.quant import block_fp8, nvfp4
 
-    for fmt, module in (("nvfp4", nvfp4), ("block_fp8", block_fp8)):
-        kernel, launch = module.PAIR_KERNEL, module._launch_pair
-        seen = bench._cuda(fmt, lambda m=module: (m.PAIR_KERNEL, m._launch_pair))
-        assert seen[0] == "cuda" and seen[1] is bench._refuse_triton
-        with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
-            bench._cuda(fmt, lambda m=module: m._launch_pair())
-        assert module.PAIR_KERNEL == kernel and module._launch_pair is launch
-
-
-def test_grouped_cuda_rows_set_the_grouped_kernel_refuse_triton_and_put_both_back():
-    """_grouped_cuda runs the call with the format's GROUPED_KERNEL = "cuda" and its Triton launcher
-    refusing, both restored afterwards."""
-    import pytest
-
-    from kernels.quant import block_fp8, nvfp4
-
-    for fmt, module in (("nvfp4", nvfp4), ("block_fp8", block_fp8)):
-        kernel, launch = module.GROUPED_KERNEL, module._launch
-        seen = bench._grouped_cuda(fmt, lambda m=module: (m.GROUPED_KERNEL, m._launch))
-        assert seen[0] == "cuda" and seen[1] is bench._refuse_triton
-        with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
-            bench._grouped_cuda(fmt, lambda m=module: m._launch())
-        assert module.GROUPED_KERNEL == kernel and module._launch is launch
+    for form, (setting, launcher) in bench.CUDA_SETTINGS.items():
+        for fmt, module in (("nvfp4", nvfp4), ("block_fp8", block_fp8)):
+            keep = getattr(module, setting), getattr(module, launcher)
+            look = lambda m=module, s=setting, f=launcher: (getattr(m, s), getattr(m, f))  # noqa: E731
+            seen = bench._cuda(fmt, look, form)
+            assert seen == ("cuda", bench._refuse_triton)
+            with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
+                bench._cuda(fmt, lambda m=module, f=launcher: getattr(m, f)(), form)
+            assert (getattr(module, setting), getattr(module, launcher)) == keep

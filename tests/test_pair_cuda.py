@@ -225,6 +225,7 @@ def test_pair_kernel_setting_is_checked_and_falls_back_to_triton(monkeypatch):
     f8 = _fp8_experts(2, 16, 128, gen)
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
     assert bf8.pair_kernel_for(x, f8, None, 2, a16=True) == "triton"  # CPU tensors
+    assert bf8.pair_kernel_for(x, f8, None, 2, a16=False) == "triton"  # w8a8: Triton only
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "fast")
     with pytest.raises(ValueError, match="block_fp8.PAIR_KERNEL must be one of"):
         bf8.pair_kernel_for(x, f8, None, 2, a16=True)

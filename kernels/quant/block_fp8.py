@@ -1216,8 +1216,10 @@ def pair_kernel_for(x: torch.Tensor, w: BlockFP8Experts, w2: BlockFP8Experts | N
     Raises:
         ValueError: PAIR_KERNEL is not one of pair_cuda.KERNELS.
     """
-    kernel = pair_cuda.kernel_for(PAIR_KERNEL, "block_fp8", x, w, w2, P)
-    return kernel if a16 else "triton"
+    if not a16:  # w8a8: only Triton has it
+        pair_cuda.check_setting(PAIR_KERNEL, "block_fp8")
+        return "triton"
+    return pair_cuda.kernel_for(PAIR_KERNEL, "block_fp8", x, w, w2, P)
 
 
 def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool):

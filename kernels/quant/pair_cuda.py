@@ -55,7 +55,7 @@ KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
 
 def fix(fmt: str) -> str:
     """The way out named in this module's errors for format `fmt`."""
-    return f"set kernels.quant.{fmt}.PAIR_KERNEL = 'triton' (the Triton per-pair kernel)"
+    return f"set kernels.quant.{fmt}.PAIR_KERNEL / GROUPED_KERNEL = 'triton' (the Triton kernels)"
 
 
 def build_flags(arch: str) -> list[str]:
@@ -106,8 +106,9 @@ def _input_width(fmt: str, codes: torch.Tensor) -> int:
 def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
     """Why the CUDA kernel cannot run the projection x [rows, K] times the experts w of format `fmt` (the
     module docstring's tuples; w2, the up projection of a gated pair, or None) for P pairs, or None when it
-    can. Reads shapes, strides, pointers and the device only; checked so that the device-independent reasons
-    show on a CPU machine too.
+    can. Reads shapes, strides, pointers and the device, checked so that the device-independent reasons show
+    on a CPU machine too; the first call that passes them on a GPU builds and loads the library
+    (`_build_failure`: a failed build is a reason, said once as a warning).
 
     Raises:
         ValueError: `fmt` is not one of FORMATS.
@@ -172,6 +173,13 @@ def _nvcc_path() -> str | None:
     return _nvcc.find_nvcc()
 
 
+def check_setting(setting: str, fmt: str, what: str = "PAIR_KERNEL") -> None:
+    """Raise ValueError unless `setting`, format `fmt`'s `what` setting (PAIR_KERNEL / GROUPED_KERNEL), is
+    one of KERNELS."""
+    if setting not in KERNELS:
+        raise ValueError(f"kernels.quant.{fmt}.{what} must be one of {KERNELS}, got {setting!r}")
+
+
 def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
     """The kernel a format's PAIR_KERNEL `setting` gives one projection: "cuda" where the setting asks for it
     and :func:`unsupported` finds nothing missing, else "triton".
@@ -179,8 +187,7 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
     Raises:
         ValueError: `setting` is not one of KERNELS.
     """
-    if setting not in KERNELS:
-        raise ValueError(f"kernels.quant.{fmt}.PAIR_KERNEL must be one of {KERNELS}, got {setting!r}")
+    check_setting(setting, fmt)
     if setting == "cuda" and unsupported(fmt, x, w, w2, P) is None:
         return "cuda"
     return "triton"
@@ -255,8 +262,7 @@ def grouped_kernel_for(setting: str, fmt: str, x: torch.Tensor, w, offsets: torc
     Raises:
         ValueError: `setting` is not one of KERNELS.
     """
-    if setting not in KERNELS:
-        raise ValueError(f"kernels.quant.{fmt}.GROUPED_KERNEL must be one of {KERNELS}, got {setting!r}")
+    check_setting(setting, fmt, "GROUPED_KERNEL")
     if setting == "cuda" and grouped_unsupported(fmt, x, w, offsets) is None:
         return "cuda"
     return "triton"

@@ -69,7 +69,7 @@ constexpr int kChunk = 128;  // input columns per warp step: 4 lanes x 32
 
 struct Params {
   const uint16_t* x;    // [rows, K] bf16 bits
-  const int64_t* idx;   // [P] expert of each pair
+  const int64_t* idx;   // [P] expert of each pair (grouped form: int32 [E] cumulative row ends, read as such)
   const uint8_t* w;     // codes (gate when gated, else up / down): NVFP4 [E, NOUT, K / 2], FP8 [E, NOUT, K]
   const uint8_t* s;     // scales: NVFP4 e4m3 [E, NOUT, K / 16], FP8 float32 [E, NOUT / 128, K / 128]
   const float* g;       // NVFP4 [E] weight_scale_2 (FP8: unused)
@@ -117,8 +117,12 @@ __device__ inline float bf16_f32(uint32_t b) { return as_f32(b << 16); }
 template <int I>
 __device__ inline uint32_t e2m1_pair(uint32_t v) {
   constexpr int MS = 6 - 4 * I, SS = 12 - 4 * I;
-  const uint32_t mag = (MS >= 0 ? (v << (MS >= 0 ? MS : 0)) : (v >> (MS < 0 ? -MS : 0))) & 0x01C001C0u;
-  return mag | ((v << SS) & 0x80008000u);
+  uint32_t mag;
+  if constexpr (MS >= 0)
+    mag = v << MS;
+  else
+    mag = v >> -MS;
+  return (mag & 0x01C001C0u) | ((v << SS) & 0x80008000u);
 }
 
 // The two e4m3 block scales of a 16-bit word (bytes b0, b1) times 2^118, each as a bf16x2 holding it twice
