@@ -3,7 +3,7 @@
 weight-read floor, released expert shapes, bf16 and the quantized release formats.
 
     python -m benchmarks.bench_moe_gemv --out OUT.json [--batches 1 8] [--models super_v3 qwen3_next]
-        [--formats bf16 nvfp4 block_fp8]
+        [--formats bf16 nvfp4 block_fp8] [--kernels]
 
 Models (benchmarks/bench_quant_gemm.py's SUPER / QWEN shapes): ``super_v3`` Nemotron 3 Super (latent
 L = 1024 -> I = 2688, relu2, top-22 of 512 experts), ``qwen3_next`` Qwen3-Next (hidden L = 2048 -> I = 512,
@@ -33,6 +33,8 @@ expert some token chose, read once) over the device copy bandwidth measured in t
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
 replays with L2 flushed before each call (weights from HBM, no launch cost: the engine's captured decode
 step), plus "us_eager" (launched from Python). The summary holds both paths' times and x_floor per point.
+``--kernels`` adds "kernels_us" to each quantized row: device microseconds per call of each kernel the path
+launches (bench_quant_gemm.kernel_us), which says whether the time is in the projections or around them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from benchmarks.bench_quant_gemm import (  # noqa: E402
     _bench,
     _with,
     gpu_report,
+    kernel_us,
     part_copy,
     routed_indices,
     row,
@@ -147,8 +150,9 @@ def pair_call(fmt: str, h, weights, indices, up, gate, down, act: str):
 
 
 def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta: dict, active: int,
-                   copy_gbps: float) -> list[dict]:
-    """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring)."""
+                   copy_gbps: float, kernels: bool = False) -> list[dict]:
+    """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring); with ``kernels``
+    each timed row also carries "kernels_us" (bench_quant_gemm.kernel_us)."""
     from runners.engine.models.layers import ACTIVATIONS
     from runners.engine.models.moe import moe_experts_grouped
 
@@ -195,6 +199,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
             continue
         out = row(name, timing, weight_bytes + io, copy_gbps, **extra)
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
+        if kernels:
+            out["kernels_us"] = kernel_us(fn)
         rows.append(out)
     return rows
 
@@ -241,8 +247,8 @@ def _grouped_path(*args):
         moe.MOE_GEMV_MAX_PAIRS = keep
 
 
-def part_model(model: str, batches: list[int], copy_gbps: float, formats: tuple[str, ...] = ("bf16",)
-               ) -> list[dict]:
+def part_model(model: str, batches: list[int], copy_gbps: float, formats: tuple[str, ...] = ("bf16",),
+               kernels: bool = False) -> list[dict]:
     from kernels.moe_gemv import moe_gemv
     from runners.engine.models.layers import ACTIVATIONS
 
@@ -262,7 +268,8 @@ def part_model(model: str, batches: list[int], copy_gbps: float, formats: tuple[
             out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
             rows.append(out)
         for fmt in (f for f in formats if f != "bf16"):
-            rows += quantized_rows(fmt, h, weights, indices, up, gate, down, act, meta, active, copy_gbps)
+            rows += quantized_rows(fmt, h, weights, indices, up, gate, down, act, meta, active, copy_gbps,
+                                   kernels)
     return rows
 
 
@@ -290,6 +297,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
                    help="expert weight formats timed (bf16: moe_gemv vs grouped_mm; quantized: kernels.quant."
                         "moe_gemv vs the format's grouped GEMM)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile each quantized row's CUDA graph: device microseconds per kernel "
+                        "(\"kernels_us\"), to see which launch of a path holds its time")
     args = p.parse_args(argv)
     if min(args.batches) < 1:
         p.error("--batches must be >= 1")
@@ -305,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     copy = part_copy()  # every row's floor and fraction refer to it
     report["copy"] = copy
     rows = [r for model in args.models
-            for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats))]
+            for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats), args.kernels)]
     report["rows"] = rows
     report["summary"] = summary(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

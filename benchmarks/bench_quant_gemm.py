@@ -138,6 +138,45 @@ def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_us(fn, reps: int = 20) -> dict[str, float]:
+    """{kernel name: device microseconds per call of fn()}: where a row's time goes, kernel by kernel. fn() is
+    captured ``reps`` times in one CUDA graph with the L2 flush before each call (as :func:`_graph_us`), the
+    graph replayed once under torch.profiler, and each kernel's summed device duration divided by ``reps``;
+    kernels whose name a flush-only graph also runs are left out. Device durations only: the gaps between
+    kernels (launch latency inside the graph, a kernel's tail waiting on the next) are not in the sum, so the
+    sum is at most the row's ``us``."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    sums = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        g.replay()  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        total: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
+        sums.append(total)
+    return {name: round(us / reps, 2) for name, us in sums[0].items() if name not in sums[1]}
+
+
 def _bench(fn, *, graph: bool = True) -> dict:
     """{"us": GPU microseconds per call, "us_eager": the same launched from Python, "timing": how "us" was
     taken}. "us" comes from CUDA-graph replays (:func:`_graph_us`: what a captured decode step pays); with

@@ -23,13 +23,15 @@ case $PART in
   nvfp4|block_fp8)
     model=super_v3; [ $PART = block_fp8 ] && model=qwen3_next
     timeout ${BENCH_TIMEOUT:-420} python3 -u -m benchmarks.bench_moe_gemv --out $OUT/bench_moe_gemv_$PART.json \
-      --models $model --formats $PART --batches 1 2 4 8 64 256 >$OUT/bench_$PART.log 2>&1
+      --models $model --formats $PART --batches 1 2 4 8 64 256 --kernels >$OUT/bench_$PART.log 2>&1
     echo "bench $PART rc=$? at $((SECONDS-t0)) s"
     python3 - $OUT/bench_moe_gemv_$PART.json <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(r.get("name"), r.get("batch"), r.get("us"), r.get("x_floor"), r.get("fraction_of_copy_bw"), r.get("scheme", ""),
           r.get("error", ""))
+    if r.get("name", "").endswith("_cuda") and r.get("batch") in (1, 64):
+        print("   kernels_us", json.dumps(r.get("kernels_us")))
 PY
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
