@@ -21,7 +21,8 @@ weights), one row each:
   ``moe_gemv_block_fp8_cuda``) and in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
   other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/pair_gemv.cu, the
-  default), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
+  default; ``_cuda_prefetch``, ``_cuda_pdl``, ``_cuda_prefetch_pdl``: with kernels/quant/pair_cuda.py's
+  PREFETCH / PDL, bench_moe_gemv.CUDA_LAUNCH), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
   (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
   "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales). ``grouped_mm_<fmt>_cuda``: the grouped path with
@@ -33,17 +34,20 @@ expert some token chose, read once) over the device copy bandwidth measured in t
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
 replays with L2 flushed before each call (weights from HBM, no launch cost: the engine's captured decode
 step), plus "us_eager" (launched from Python). The summary holds both paths' times and x_floor per point.
-``--kernels`` adds "kernels_us" to each quantized row: device microseconds per call of each kernel the path
-launches (bench_quant_gemm.kernel_us), which says whether the time is in the projections or around them.
+``--kernels`` adds "kernels_us" to each row of the CUDA kernels (names with ``_cuda``): device microseconds
+per call of each kernel the path launches (bench_quant_gemm.kernel_us), which says whether the time is in the
+projections or around them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -152,7 +156,7 @@ def pair_call(fmt: str, h, weights, indices, up, gate, down, act: str):
 def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta: dict, active: int,
                    copy_gbps: float, kernels: bool = False) -> list[dict]:
     """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring); with ``kernels``
-    each timed row also carries "kernels_us" (bench_quant_gemm.kernel_us)."""
+    each timed row of a CUDA kernel also carries "kernels_us" (bench_quant_gemm.kernel_us)."""
     from runners.engine.models.layers import ACTIVATIONS
     from runners.engine.models.moe import moe_experts_grouped
 
@@ -179,7 +183,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
-        paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, partial(gemv, scheme="w8a16")), "w8a16"))
+        paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, partial(gemv, scheme="w8a16"), **launch),
+                   "w8a16") for suffix, launch in CUDA_LAUNCH.items()]
     if fmt == "nvfp4":
         from kernels.quant import nvfp4
 
@@ -187,7 +192,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
                                      ("direct", "direct", "tile"), ("xvec", "convert", "vector"),
                                      ("direct_xvec", "direct", "vector")):
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
-        paths.append((f"moe_gemv_{fmt}_cuda", partial(_cuda, fmt, gemv), None))
+        paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, gemv, **launch), None)
+                  for suffix, launch in CUDA_LAUNCH.items()]
     paths.append((f"grouped_mm_{fmt}_cuda", partial(_cuda, fmt, grouped, "grouped"), grouped_rows_scheme))
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
@@ -199,7 +205,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
             continue
         out = row(name, timing, weight_bytes + io, copy_gbps, **extra)
         out["x_floor"] = round(out["us"] / fl, 2) if fl > 0 else None
-        if kernels:
+        if kernels and "_cuda" in name:
             out["kernels_us"] = kernel_us(fn)
         rows.append(out)
     return rows
@@ -216,18 +222,25 @@ def _nvfp4_pair(decode: str, load: str, fn):
 
 # the CUDA kernels' settings in kernels/quant/<fmt>.py and the Triton launcher each one replaces
 CUDA_SETTINGS = {"pair": ("PAIR_KERNEL", "_launch_pair"), "grouped": ("GROUPED_KERNEL", "_launch")}
+# the per-pair CUDA rows: row suffix -> kernels/quant/pair_cuda.py's launch settings (PREFETCH, PDL)
+CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False}, "_prefetch": {"PREFETCH": True, "PDL": False},
+               "_pdl": {"PREFETCH": False, "PDL": True}, "_prefetch_pdl": {"PREFETCH": True, "PDL": True}}
 
 
-def _cuda(fmt: str, fn, form: str = "pair"):
+def _cuda(fmt: str, fn, form: str = "pair", **launch):
     """fn() with kernels/quant/<fmt>.py's setting for `form` (CUDA_SETTINGS: the per-pair or the grouped form
-    of kernels/quant/pair_gemv.cu) = "cuda" and its Triton launcher refusing, both put back afterwards: the
-    row times the CUDA kernel or fails with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is
-    w8a8, which the CUDA kernel does not run)."""
+    of kernels/quant/pair_gemv.cu) = "cuda", its Triton launcher refusing, and kernels/quant/pair_cuda.py's
+    ``launch`` settings (CUDA_LAUNCH's values), all put back afterwards: the row times the CUDA kernel or fails
+    with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is w8a8, which the CUDA kernel does
+    not run)."""
     import importlib
+
+    from kernels.quant import pair_cuda
 
     module = importlib.import_module(f"kernels.quant.{fmt}")
     setting, launcher = CUDA_SETTINGS[form]
-    return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton})
+    with mock.patch.multiple(pair_cuda, **launch) if launch else contextlib.nullcontext():
+        return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton})
 
 
 def _refuse_triton(*args, **kwargs):
@@ -298,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="expert weight formats timed (bf16: moe_gemv vs grouped_mm; quantized: kernels.quant."
                         "moe_gemv vs the format's grouped GEMM)")
     p.add_argument("--kernels", action="store_true",
-                   help="also profile each quantized row's CUDA graph: device microseconds per kernel "
+                   help="also profile each CUDA-kernel row's graph: device microseconds per kernel "
                         "(\"kernels_us\"), to see which launch of a path holds its time")
     args = p.parse_args(argv)
     if min(args.batches) < 1:

@@ -268,10 +268,10 @@ def pair_gemv_config(pairs: int, n_out: int, K: int, matrices: int = 1) -> tuple
     return bn, bk, 1, triton.cdiv(K, bk)
 
 
-def _launch_pair_gemv(x, indices, w, w2, out_dtype, topk, act_code):
+def _launch_pair_gemv(x, indices, w, w2, out_dtype, topk, act_code, dependent: bool = False):
     """One pair-GEMV launch (see :func:`_pair_gemv_kernel`): x [rows, K], w (and w2) [E, NOUT, K], pair p's
     input row p // topk. Returns [P, NOUT] in ``out_dtype`` when unsplit, else the fp32 partial sums
-    [S, P, NOUT] (and w2's)."""
+    [S, P, NOUT] (and w2's). ``dependent`` is ignored (a plain Triton launch)."""
     P = indices.numel()
     NOUT, K = w.shape[1], w.shape[2]
     bn, bk, split, steps = pair_gemv_config(P, NOUT, K, 1 if w2 is None else 2)
@@ -326,10 +326,12 @@ def moe_gemv(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, up: 
 def run_pair_launches(h, weights, indices, up, gate, down, activation: str, launch, intermediate: int):
     """The three launches of the per-pair path, shared by every weight format (this module's 16-bit /
     float32 experts, each quantized format's in kernels/quant/<format>.py): gate / up with the activation fused,
-    down, the float32 combine. ``launch(x, indices, w, w2, out_dtype, topk, act_code) -> (out, out2, split)``
-    runs one projection in the weights' format (``w`` / ``w2``: that format's weight objects, e.g. tensors or
-    (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else [P, NOUT] in
-    out_dtype with the activation applied). ``intermediate``: the experts' I (0: nothing to compute).
+    down, the float32 combine. ``launch(x, indices, w, w2, out_dtype, topk, act_code, dependent=False) ->
+    (out, out2, split)`` runs one projection in the weights' format (``w`` / ``w2``: that format's weight
+    objects, e.g. tensors or (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else
+    [P, NOUT] in out_dtype with the activation applied); ``dependent`` True (the down projection) says the
+    previous kernel on the stream wrote x and nothing else the launch reads, which lets a launcher overlap
+    that kernel's end (kernels/quant/pair_cuda.py's PDL); a launcher may ignore it. ``intermediate``: the experts' I (0: nothing to compute).
     h [N, L] (any row stride), weights [N, k] float32, indices [N, k] int64 as :func:`moe_gemv`; returns
     [N, L] in h's dtype, mutates nothing. The split partials are summed in fp32 and rounded to h's dtype
     before the activation, as :func:`moe_gemv_ref` rounds."""
@@ -350,7 +352,7 @@ def run_pair_launches(h, weights, indices, up, gate, down, activation: str, laun
         a = act_ref(a.sum(0).to(h.dtype), activation)
         if a2 is not None:
             a = a * a2.sum(0).to(h.dtype)
-    y, _, split = launch(a, idx, down, None, h.dtype, 1, 0)
+    y, _, split = launch(a, idx, down, None, h.dtype, 1, 0, dependent=True)
     if split == 1:
         y = y[None]
     block_l = min(256, triton.next_power_of_2(L))

@@ -10,6 +10,7 @@
 // Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints) and nvp_host_launch_grouped(ptrs, ints),
 // the argument arrays of nvp_launch and nvp_launch_grouped.
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -101,6 +102,19 @@ inline void nvp_host_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
   w.bar.arrive_and_wait();  // lane 0 may not overwrite d before every lane has read it
 }
 
+// L2 prefetches (pair_gemv.cu's prefetch_l2): counted, and those outside every registered byte range
+// [lo, hi) (nvp_host_set_ranges: the tensors the kernel may read) counted apart.
+static std::vector<std::pair<uintptr_t, uintptr_t>> host_ranges;
+static std::atomic<long long> host_prefetches{0}, host_prefetches_outside{0};
+
+inline void nvp_host_prefetch(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (const auto& r : host_ranges) inside = inside || (a >= r.first && a < r.second);
+  ++host_prefetches;
+  if (!inside) ++host_prefetches_outside;
+}
+
 #include "pair_gemv.cu"
 
 // Run `kernel` over a grid (x: NOUT tiles, y: ny), one CTA after another, each as kThreads std::threads.
@@ -124,6 +138,21 @@ static void run_grid(const nvp::Params& p, long long ny, Kernel kernel) {
       for (auto& th : threads) th.join();
     }
   }
+}
+
+// Register n byte ranges (lohi: lo0, hi0, lo1, hi1, ...) and zero the prefetch counters.
+extern "C" __attribute__((visibility("default"))) void nvp_host_set_ranges(const long long* lohi, int n) {
+  host_ranges.clear();
+  for (int i = 0; i < n; ++i)
+    host_ranges.emplace_back(static_cast<uintptr_t>(lohi[2 * i]), static_cast<uintptr_t>(lohi[2 * i + 1]));
+  host_prefetches = 0;
+  host_prefetches_outside = 0;
+}
+
+// out[0]: prefetches since nvp_host_set_ranges, out[1]: those outside every range.
+extern "C" __attribute__((visibility("default"))) void nvp_host_prefetch_stats(long long* out) {
+  out[0] = host_prefetches;
+  out[1] = host_prefetches_outside;
 }
 
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {

@@ -172,6 +172,45 @@ def test_capture_in_a_cuda_graph_without_host_sync(model, pair_kernel, monkeypat
         assert torch.equal(y, kernel(h, weights, indices, up, gate, down, act))
 
 
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_cuda_pair_prefetch_and_pdl_change_no_bit(model, monkeypatch):
+    """kernels/quant/pair_cuda.py's PREFETCH (every weight chunk of a CTA into L2 first) and PDL (the down
+    projection launched as a programmatic dependent of gate / up, waiting for it before reading its output):
+    eager, each combination gives the plain CUDA kernel's bits; captured in a CUDA graph (a programmatic edge
+    there) and replayed on new routing and inputs, the same bits as eager on them. Both formats' CUDA kernels
+    (block FP8 in its w8a16 scheme)."""
+    from kernels.quant import pair_cuda
+
+    monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+    fmt, *_, act, _ = SHAPES[model]
+    kernel = KERNELS[fmt][0] if fmt == "nvfp4" else partial(KERNELS[fmt][0], scheme="w8a16")
+    up, gate, down = _experts(model)
+    h, weights, indices = _inputs(model, 2, seed=7)
+    plain = kernel(h, weights, indices, up, gate, down, act)
+    for prefetch, pdl in ((True, False), (False, True), (True, True)):
+        monkeypatch.setattr(pair_cuda, "PREFETCH", prefetch)
+        monkeypatch.setattr(pair_cuda, "PDL", pdl)
+        assert torch.equal(kernel(h, weights, indices, up, gate, down, act), plain), (prefetch, pdl)
+        g_h, g_w, g_idx = (t.clone() for t in (h, weights, indices))
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            kernel(g_h, g_w, g_idx, up, gate, down, act)
+            with torch.cuda.graph(graph):
+                y = kernel(g_h, g_w, g_idx, up, gate, down, act)
+        torch.cuda.current_stream().wait_stream(stream)
+        new_h, new_w, new_idx = _inputs(model, 2, seed=8)
+        g_h.copy_(new_h)
+        g_w.copy_(new_w)
+        g_idx.copy_(new_idx)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, kernel(new_h, new_w, new_idx, up, gate, down, act)), (prefetch, pdl)
+
+
 def _nvfp4_cuda_case(gated, tokens, seed):
     """Super V3's NVFP4 experts, or (gated) Qwen3-Next's widths in NVFP4 (64 experts, top-10, SiLU)."""
     if not gated:

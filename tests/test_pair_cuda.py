@@ -93,11 +93,11 @@ def _projection_ref(x, idx, w, w2, topk, act, fmt="nvfp4"):
     return y
 
 
-def _host_launch(lib, x, idx, w, w2, topk, act, fmt="nvfp4"):
+def _host_launch(lib, x, idx, w, w2, topk, act, fmt="nvfp4", prefetch=False):
     P, N = idx.numel(), w[0].shape[1]
     out = torch.full((P, N), float("nan"), dtype=torch.bfloat16)
     code = 0 if act == "none" else ACT_CODES[act]
-    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, idx, w, w2, out, topk, code)
+    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, idx, w, w2, out, topk, code, prefetch=prefetch)
     assert lib.nvp_host_launch(c_ptrs, c_ints) == 0
     return out
 
@@ -155,6 +155,43 @@ def test_host_emulated_block_fp8_kernel_matches_the_dequantizing_reference(host_
     scale = want.float().abs().max()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
     assert (got == want).float().mean() > 0.9
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] of t's elements (any strides)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", ["up_relu2_chunks_and_tail", "gated_silu", "fp8_down_blocks_and_tail"])
+def test_host_emulated_prefetch_reads_only_the_weights_and_changes_no_bit(host_lib, case):
+    """PREFETCH's L2 prefetch (pair_gemv.cu's prefetch_rows): the same output bits as without it; one
+    prefetch of each lane's codes per row, chunk and matrix, and of the scales from lane t = 0 (the count the
+    kernel's loop implies, partial chunks' lanes past K left out); every address inside the codes or scales
+    of the matrices it multiplies."""
+    fmt = "block_fp8" if case in FP8_CASES else "nvfp4"
+    E, N, K, P, topk, act, gated, strided = {**CASES, **FP8_CASES}[case]
+    gen = torch.Generator().manual_seed(5)
+    make = _experts if fmt == "nvfp4" else _fp8_experts
+    w = make(E, N, K, gen)
+    w2 = make(E, N, K, gen) if gated else None
+    x = (torch.randn(P // topk, K, generator=gen) * 2).to(torch.bfloat16)
+    idx = torch.randint(0, E, (P,), generator=gen)
+    plain = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt=fmt)
+    ranges = [r for m in (w, w2) if m is not None for r in map(_byte_range, m[:2])]
+    host_lib.nvp_host_set_ranges((ctypes.c_longlong * (2 * len(ranges)))(*[v for r in ranges for v in r]),
+                                 len(ranges))
+    fetched = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt=fmt, prefetch=True)
+    stats = (ctypes.c_longlong * 2)()
+    host_lib.nvp_host_prefetch_stats(stats)
+    assert torch.equal(fetched.view(torch.int16), plain.view(torch.int16))
+    lanes_in_k = sum(1 for c in range(0, -(-K // 128) * 128, 32) if c < K)  # (chunk, t) with columns < K
+    scale_lanes = -(-K // 128)  # t = 0 of every chunk
+    per_matrix = 8 * (2 * lanes_in_k + 2 * scale_lanes)  # 8 lanes (g) per t; rows g and g + 8
+    ctas = -(-N // 16) * P
+    assert stats[0] == ctas * per_matrix * (2 if gated else 1)
+    assert stats[1] == 0
 
 
 def test_fp8_reference_here_is_the_module_reference():

@@ -1222,11 +1222,12 @@ def pair_kernel_for(x: torch.Tensor, w: BlockFP8Experts, w2: BlockFP8Experts | N
     return pair_cuda.kernel_for(PAIR_KERNEL, "block_fp8", x, w, w2, P)
 
 
-def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool):
-    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches)."""
+def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code, dependent: bool = False, *, a16: bool):
+    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches;
+    ``dependent`` reaches the CUDA kernel only)."""
     if pair_kernel_for(x, w, w2, idx.numel(), a16) == "cuda":
         return pair_cuda.launch_pair("block_fp8", x, idx, w, w2, out_dtype, topk, act_code,
-                                     name="moe_gemv_block_fp8")
+                                     name="moe_gemv_block_fp8", dependent=dependent)
     return _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, a16=a16)
 
 

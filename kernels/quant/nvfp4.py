@@ -1029,10 +1029,11 @@ def pair_kernel_for(x: torch.Tensor, w: NVFP4Experts, w2: NVFP4Experts | None, P
     return pair_cuda.kernel_for(PAIR_KERNEL, "nvfp4", x, w, w2, P)
 
 
-def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code):
-    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches)."""
+def _launch_pair_any(x, idx, w, w2, out_dtype, topk, act_code, dependent: bool = False):
+    """One projection by the kernel :func:`pair_kernel_for` picks (the ``launch`` of run_pair_launches;
+    ``dependent`` reaches the CUDA kernel only)."""
     if pair_kernel_for(x, w, w2, idx.numel()) == "cuda":
-        return pair_cuda.launch_pair("nvfp4", x, idx, w, w2, out_dtype, topk, act_code)
+        return pair_cuda.launch_pair("nvfp4", x, idx, w, w2, out_dtype, topk, act_code, dependent=dependent)
     return _launch_pair(x, idx, w, w2, out_dtype, topk, act_code)
 
 

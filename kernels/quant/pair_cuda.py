@@ -39,8 +39,8 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 3  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
-N_PTRS, N_INTS = 9, 14
+ABI = 4  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 16
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
@@ -51,6 +51,16 @@ MAX_EXPERTS = 65535  # the grouped form's grid y dimension
 GROUPED_MAX_ROWS_PER_EXPERT = 64
 SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32}
 KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
+# Per-pair form, both formats (bench_moe_gemv's ``_cuda_prefetch`` / ``_cuda_pdl`` rows time them against the
+# plain kernel; neither changes a bit of the result):
+# PREFETCH: each CTA asks for all of its weight chunks into L2 (prefetch.global.L2) before its loop, so more
+#   bytes are in flight than its registers hold (the loop's later chunks then come from L2).
+PREFETCH = False
+# PDL: a launch that run_pair_launches marks ``dependent`` (the down projection, right after gate / up) goes out
+#   as a programmatic dependent launch on sm_90+: its CTAs start as gate / up's last CTAs run, prefetch their
+#   weights (with PREFETCH) and wait for gate / up to complete before reading its output.
+PDL = False
+PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 
 
 def fix(fmt: str) -> str:
@@ -193,10 +203,12 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
     return "triton"
 
 
-def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0):
+def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0, prefetch: bool = False,
+                pdl: bool = False):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
-    the format and, grouped, the experts E with idx the offsets): (ctypes void* [9], long long [14]). The
-    tensors must outlive the launch. Scale strides go in bytes."""
+    the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags):
+    (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
+    bytes."""
     codes, scales = w[0], w[1]
     gs = w[2] if fmt == "nvfp4" else scales  # the FP8 kernel reads no global scale
     o2 = w2 if w2 is not None else w
@@ -205,18 +217,22 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     ptrs = [x, idx, codes, scales, gs, o2[0], o2[1], gs2, out]
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
-            scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts]
+            scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts, int(prefetch),
+            int(pdl)]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
 
-def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, name: str = "moe_gemv_nvfp4"):
+def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, name: str = "moe_gemv_nvfp4",
+                dependent: bool = False):
     """One projection of the per-pair path (the ``launch`` contract of kernels/moe_gemv.py's
     ``run_pair_launches``): x [rows, K] bf16, idx [P] int64 expert per pair (pair p reads row p // topk of x),
     w / w2 the experts in format `fmt` (w2: up of a gated pair, else None), act_code 0 / 1 relu2 / 2 silu.
     Returns (out [P, N] bf16 with the activation applied, None, 1): never split. Launched on the current
     stream, no allocation but out, no synchronisation (CUDA-graph capturable). `unsupported` must have
-    returned None.
+    returned None. ``dependent``: the previous kernel on the stream wrote x and nothing else this launch reads
+    (run_pair_launches' down projection); with PDL on an sm_90+ GPU the launch then overlaps that kernel's
+    end (the module's PDL note). PREFETCH applies to every launch.
 
     Raises:
         ValueError: nvcc missing or failing, a stale library.
@@ -227,7 +243,8 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
     lib = _library(x.device, name, fmt)
     P, NOUT = idx.numel(), w[0].shape[1]
     out = torch.empty(P, NOUT, dtype=torch.bfloat16, device=x.device)
-    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code)
+    pdl = dependent and PDL and torch.cuda.get_device_capability(x.device) >= PDL_MIN_CAPABILITY
+    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code, prefetch=PREFETCH, pdl=pdl)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

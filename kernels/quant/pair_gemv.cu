@@ -52,7 +52,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 3
+#define NVP_ABI 4
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -81,6 +81,8 @@ struct Params {
   int64_t sxm, swe, swn, sse, ssn, som;  // strides: x rows, out rows (elements); codes, scales (bytes)
   int64_t fmt;                           // 0 NVFP4, 1 block FP8
   int64_t E;                             // experts (the grouped form's grid)
+  int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
+  int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -228,6 +230,32 @@ __device__ inline uint32_t ld2(const uint8_t* p) {
 #endif
 }
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90+; no-ops on older GPUs and in host emulation).
+// launch_dependents lets the next kernel on the stream, when it was launched with the programmatic-
+// serialization attribute, start once every CTA of this grid has executed it; wait blocks until the previous
+// kernel has completed and its writes are visible (at once when this launch did not ask for PDL). It may be
+// called more than once.
+__device__ inline void pdl_launch_dependents() {
+#if !defined(NVP_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ inline void pdl_wait() {
+#if !defined(NVP_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Ask the memory system to bring the line holding p into L2 (no register, no wait: PTX prefetch.global.L2).
+__device__ inline void prefetch_l2(const void* p) {
+#ifdef NVP_HOST_EMULATION
+  nvp_host_prefetch(p);  // the harness checks the address
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // A lane's two rows of one matrix: codes and scales of rows n0 + g and n0 + g + 8, each clamped to the last
 // row (a row past NOUT is read but its sums, in MMA rows of their own, are never stored). The scale pointers
 // are the rows' (NVFP4) or their 128-row block's (block FP8).
@@ -247,6 +275,24 @@ __device__ inline Rows rows_of(const uint8_t* w, const uint8_t* s, const Params&
           s + expert * p.sse + (ra / SCALE_ROWS) * p.ssn, s + expert * p.sse + (rb / SCALE_ROWS) * p.ssn};
 }
 
+// This lane's share of the L2 prefetch of rows r's chunks ch0, ch0 + step, ... below K: the codes at its own
+// column c (the 4 lanes of a row cover the chunk's bytes of that row) and, from lane t = 0, the chunk's
+// scales. Bytes per code column: NVFP4 1 / 2, FP8 1.
+template <class F>
+__device__ inline void prefetch_rows(const Rows& r, int64_t K, int64_t ch0, int64_t step, int64_t lane_col,
+                                     int t) {
+  for (int64_t ch = ch0; ch * kChunk < K; ch += step) {
+    const int64_t c = ch * kChunk + lane_col;
+    if (c >= K) continue;
+    prefetch_l2(r.wa + F::code_offset(c));
+    prefetch_l2(r.wb + F::code_offset(c));
+    if (t == 0) {
+      prefetch_l2(r.sa + F::scale_offset(c));
+      prefetch_l2(r.sb + F::scale_offset(c));
+    }
+  }
+}
+
 __device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) x[q] = ld16(xr + c0 + 8 * q);
@@ -256,6 +302,9 @@ __device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
 // [E, N, K / 16], weight_scale_2 [E].
 struct Nvfp4 {
   static constexpr int kScaleRows = 1;
+  // byte offsets of column c's codes and scale within a row
+  __device__ static int64_t code_offset(int64_t c) { return c / 2; }
+  __device__ static int64_t scale_offset(int64_t c) { return c / 16; }
   // One lane's operands of one chunk: the codes of rows g and g + 8 (32 columns each), their two block scales
   // each, and x's 32 columns.
   struct C {
@@ -352,6 +401,8 @@ __device__ inline uint32_t e4m3_pair(uint32_t v) {
 // each chunk's MMAs go into zeroed accumulators that are then scaled once and added.
 struct BlockFp8 {
   static constexpr int kScaleRows = 128;
+  __device__ static int64_t code_offset(int64_t c) { return c; }
+  __device__ static int64_t scale_offset(int64_t c) { return (c / kChunk) * 4; }
   struct C {
     U4 qa[2], qb[2], x[4];
     float s;
@@ -441,19 +492,29 @@ __global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
 #endif
   using C = typename F::C;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  // A kernel launched after this one with PDL (the down projection after gate / up, pair_cuda.launch_pair's
+  // `dependent`) may start its prologue once all of this grid's CTAs are running.
+  pdl_launch_dependents();
   const int64_t pair = blockIdx.y;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  // Before pdl_wait this reads only what the kernel before the previous one wrote at the latest (the pairs'
+  // experts and the weights): under PDL the previous kernel, which writes x, may still be running.
   const int64_t expert = p.idx[pair];
   const uint16_t* xr = p.x + (pair / p.TOPK) * p.sxm;
   const Rows r1 = rows_of<F::kScaleRows>(p.w, p.s, p, expert, n0 + g, n0 + g + 8);
   Rows r2 = r1;
   if (GATED) r2 = rows_of<F::kScaleRows>(p.w2, p.s2, p, expert, n0 + g, n0 + g + 8);
+  const int64_t lane_col = 32 * t;
+  if (p.prefetch) {  // every chunk this warp will read, into L2 now: memory-level parallelism beyond registers
+    prefetch_rows<F>(r1, p.K, warp, kWarps, lane_col, t);
+    if (GATED) prefetch_rows<F>(r2, p.K, warp, kWarps, lane_col, t);
+  }
+  pdl_wait();  // x (the previous kernel's output under PDL) is read and out written only after this
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // whole chunks, two per step (warp w: chunks w and w + 4, then w + 8 and w + 12, ...): both chunks' loads
   // are issued before their MMAs
   const int64_t nfull = p.K / kChunk;
-  const int64_t lane_col = 32 * t;
   for (int64_t ch = warp; ch < nfull; ch += 2 * kWarps) {
     const bool two = ch + kWarps < nfull;
     C c1, c2, d1, d2;
@@ -614,8 +675,35 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.som = ints[11];
   p.fmt = ints[12];
   p.E = ints[13];
+  p.prefetch = ints[14];
+  p.pdl = ints[15];
   return p;
 }
+
+#ifndef NVP_HOST_EMULATION
+// kernel<<<grid, kThreads, 0, st>>>(p), with the programmatic-stream-serialization attribute when p.pdl (the
+// kernel may begin while the previous kernel on `st` finishes; it waits for it in pdl_wait). Recorded as a
+// programmatic edge under CUDA-graph capture. Returns cudaLaunchKernelEx's error (cudaSuccess for <<<>>>,
+// whose errors cudaGetLastError reports).
+template <class K>
+inline cudaError_t launch(K kernel, dim3 grid, cudaStream_t st, const Params& p) {
+  if (!p.pdl) {
+    kernel<<<grid, kThreads, 0, st>>>(p);
+    return cudaSuccess;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+#endif
 
 }  // namespace nvp
 
@@ -626,27 +714,31 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 #ifndef NVP_HOST_EMULATION
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
-// ints (14): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
-//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E.
+// ints (16): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
+//   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
+//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
   const dim3 grid(static_cast<unsigned>((p.NOUT + nvp::kRows - 1) / nvp::kRows), static_cast<unsigned>(p.P));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaError_t e;
   if (p.fmt == 0 && p.gated)
-    nvp::pair_gemv_kernel<nvp::Nvfp4, true><<<grid, nvp::kThreads, 0, st>>>(p);
+    e = nvp::launch(nvp::pair_gemv_kernel<nvp::Nvfp4, true>, grid, st, p);
   else if (p.fmt == 0)
-    nvp::pair_gemv_kernel<nvp::Nvfp4, false><<<grid, nvp::kThreads, 0, st>>>(p);
+    e = nvp::launch(nvp::pair_gemv_kernel<nvp::Nvfp4, false>, grid, st, p);
   else if (p.gated)
-    nvp::pair_gemv_kernel<nvp::BlockFp8, true><<<grid, nvp::kThreads, 0, st>>>(p);
+    e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, true>, grid, st, p);
   else
-    nvp::pair_gemv_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
+    e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, false>, grid, st, p);
+  if (e != cudaSuccess) return static_cast<int>(e);
   return static_cast<int>(cudaGetLastError());  // also an earlier asynchronous error, as any launch check
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
-// (TOPK, act and gated unused) with ints[13] = E. Grid (NOUT / 16, E).
+// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E. Grid (NOUT / 16, E).
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);

@@ -2,9 +2,11 @@
 # Issue 43, the CUDA kernels of kernels/quant/pair_gemv.cu after they gained a block-FP8 form and a grouped form.
 #   bash docs/gpu/pair_cuda_2/call.sh OUT tests     every GPU test of tests/test_kernels_quant_moe_gemv_gpu.py (the
 #        per-pair kernels vs their references and Triton at the released expert shapes, in a CUDA graph == eager;
-#        the grouped form at 1, 11 and 40 rows per expert) and the CPU tests of the host emulation; ~150 s
+#        the grouped form at 1, 11 and 40 rows per expert; PREFETCH / PDL change no bit, eager and captured) and
+#        the CPU tests of the host emulation; ~150 s
 #   bash docs/gpu/pair_cuda_2/call.sh OUT nvfp4      bench_moe_gemv, Super V3 NVFP4, 1-8 tokens and 64 / 256 (the
-#        batch-64 verify: about 11 rows per expert), every per-pair and grouped row; ~200 s
+#        batch-64 verify: about 11 rows per expert), every per-pair and grouped row, the CUDA rows with and
+#        without PREFETCH / PDL and their time per kernel (--kernels); ~250 s
 #   bash docs/gpu/pair_cuda_2/call.sh OUT block_fp8  the same for Qwen3-Next block FP8; ~200 s
 # Either card; carry .gpu-bundle.
 set -u
@@ -30,7 +32,7 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(r.get("name"), r.get("batch"), r.get("us"), r.get("x_floor"), r.get("fraction_of_copy_bw"), r.get("scheme", ""),
           r.get("error", ""))
-    if r.get("name", "").endswith("_cuda") and r.get("batch") in (1, 64):
+    if "kernels_us" in r and r.get("batch") in (1, 8, 64):
         print("   kernels_us", json.dumps(r.get("kernels_us")))
 PY
     ;;
