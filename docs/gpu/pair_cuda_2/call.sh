@@ -18,14 +18,14 @@ gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $PART in
   tests)
-    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_kernels_quant_moe_gemv_gpu.py >$OUT/tests_gpu.log 2>&1
+    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_kernels_quant_moe_gemv_gpu.py ${TEST_K:+-k "$TEST_K"} >$OUT/tests_gpu.log 2>&1
     echo "gpu tests rc=$? at $((SECONDS-t0)) s"; grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/tests_gpu.log | cut -c1-220 | tail -40
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_pair_cuda.py >$OUT/tests_cpu.log 2>&1
     echo "cpu tests rc=$?"; tail -2 $OUT/tests_cpu.log ;;
   nvfp4|block_fp8)
     model=super_v3; [ $PART = block_fp8 ] && model=qwen3_next
     timeout ${BENCH_TIMEOUT:-420} python3 -u -m benchmarks.bench_moe_gemv --out $OUT/bench_moe_gemv_$PART.json \
-      --models $model --formats $PART --batches 1 2 4 8 64 256 --kernels >$OUT/bench_$PART.log 2>&1
+      --models $model --formats $PART --batches ${BATCHES:-1 2 4 8 64 256} --kernels >$OUT/bench_$PART.log 2>&1
     echo "bench $PART rc=$? at $((SECONDS-t0)) s"
     python3 - $OUT/bench_moe_gemv_$PART.json <<'PY'
 import json, sys
