@@ -139,12 +139,17 @@ def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
 
 
 def kernel_us(fn, reps: int = 20) -> dict[str, float]:
-    """{kernel name: device microseconds per call of fn()}: where a row's time goes, kernel by kernel. fn() is
-    captured ``reps`` times in one CUDA graph with the L2 flush before each call (as :func:`_graph_us`), the
-    graph replayed once under torch.profiler, and each kernel's summed device duration divided by ``reps``;
-    kernels whose name a flush-only graph also runs are left out. Device durations only: the gaps between
-    kernels (launch latency inside the graph, a kernel's tail waiting on the next) are not in the sum, so the
-    sum is at most the row's ``us``."""
+    """{"<i>:<kernel name>": device microseconds of the i-th kernel of one fn() call}: where a row's time goes,
+    launch by launch (two launches of one kernel, e.g. an ungated expert's up and down projections, stay
+    apart). fn() is captured ``reps`` times in one CUDA graph with the L2 flush before each call (as
+    :func:`_graph_us`) and the graph replayed once under torch.profiler; the device events, in start order,
+    minus the flush's kernels (the names a flush-only graph runs), are reps equal calls. Device durations only:
+    the gaps between kernels are not in them, and a kernel launched as a programmatic dependent (PDL) counts
+    the time it waits for its predecessor, so with PDL the sum may exceed the row's ``us``.
+
+    Raises:
+        RuntimeError: the kernels left after the flush's are not ``reps`` equal calls.
+    """
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -156,7 +161,7 @@ def kernel_us(fn, reps: int = 20) -> dict[str, float]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    sums = []
+    runs = []
     for with_fn in (True, False):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -169,12 +174,29 @@ def kernel_us(fn, reps: int = 20) -> dict[str, float]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        total: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
-        sums.append(total)
-    return {name: round(us / reps, 2) for name, us in sums[0].items() if name not in sums[1]}
+        runs.append(sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                           key=lambda e: e.time_range.start))
+    return per_call_us([(e.name, e.time_range.elapsed_us()) for e in runs[0]], {e.name for e in runs[1]}, reps)
+
+
+def per_call_us(events: list[tuple[str, float]], flush_names: set[str], reps: int) -> dict[str, float]:
+    """:func:`kernel_us`'s split: ``events`` (kernel name, device us) in start order of ``reps`` calls, each
+    after a flush whose kernels are named in ``flush_names``, -> {"<i>:<name>": mean us of the call's i-th
+    kernel}.
+
+    Raises:
+        RuntimeError: the events left after the flush's are not ``reps`` repeats of one sequence.
+    """
+    events = [(n, us) for n, us in events if n not in flush_names]
+    per_call = len(events) // reps
+    names = [n for n, _ in events[:per_call]]
+    if per_call == 0 or len(events) != per_call * reps or any(
+            n != names[i % per_call] for i, (n, _) in enumerate(events)):
+        raise RuntimeError(f"kernel_us: {len(events)} kernels in {reps} calls do not repeat one sequence")
+    total = [0.0] * per_call
+    for i, (_, us) in enumerate(events):
+        total[i % per_call] += us
+    return {f"{i}:{name}": round(us / reps, 2) for i, (name, us) in enumerate(zip(names, total))}
 
 
 def _bench(fn, *, graph: bool = True) -> dict:

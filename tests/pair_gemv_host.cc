@@ -10,7 +10,7 @@
 // Exports (beside the .cu's nvp_abi): nvp_host_launch(ptrs, ints) and nvp_host_launch_grouped(ptrs, ints),
 // the argument arrays of nvp_launch and nvp_launch_grouped.
 
-#include <atomic>
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -102,18 +102,20 @@ inline void nvp_host_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
   w.bar.arrive_and_wait();  // lane 0 may not overwrite d before every lane has read it
 }
 
-// L2 prefetches (pair_gemv.cu's prefetch_l2): counted, and those outside every registered byte range
-// [lo, hi) (nvp_host_set_ranges: the tensors the kernel may read) counted apart.
-static std::vector<std::pair<uintptr_t, uintptr_t>> host_ranges;
-static std::atomic<long long> host_prefetches{0}, host_prefetches_outside{0};
+// Memory accesses of the kernel while recording is on (nvp_host_record): the address of every global load
+// (pair_gemv.cu's ld16 / ld2 / ldf, kind 0) and every L2 prefetch (prefetch_l2, kind 1), for the tests to
+// compare.
+#include <mutex>
+static std::mutex host_records_mutex;
+static bool host_recording = false;
+static std::vector<long long> host_records[2];
 
-inline void nvp_host_prefetch(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  bool inside = false;
-  for (const auto& r : host_ranges) inside = inside || (a >= r.first && a < r.second);
-  ++host_prefetches;
-  if (!inside) ++host_prefetches_outside;
+inline void nvp_host_access(int kind, const void* p) {
+  std::lock_guard<std::mutex> lock(host_records_mutex);
+  if (host_recording) host_records[kind].push_back(static_cast<long long>(reinterpret_cast<uintptr_t>(p)));
 }
+inline void nvp_host_load(const void* p) { nvp_host_access(0, p); }
+inline void nvp_host_prefetch(const void* p) { nvp_host_access(1, p); }
 
 #include "pair_gemv.cu"
 
@@ -140,19 +142,18 @@ static void run_grid(const nvp::Params& p, long long ny, Kernel kernel) {
   }
 }
 
-// Register n byte ranges (lohi: lo0, hi0, lo1, hi1, ...) and zero the prefetch counters.
-extern "C" __attribute__((visibility("default"))) void nvp_host_set_ranges(const long long* lohi, int n) {
-  host_ranges.clear();
-  for (int i = 0; i < n; ++i)
-    host_ranges.emplace_back(static_cast<uintptr_t>(lohi[2 * i]), static_cast<uintptr_t>(lohi[2 * i + 1]));
-  host_prefetches = 0;
-  host_prefetches_outside = 0;
+// Recording on (and both lists cleared) or off.
+extern "C" __attribute__((visibility("default"))) void nvp_host_record(int on) {
+  std::lock_guard<std::mutex> lock(host_records_mutex);
+  host_recording = on != 0;
+  if (on) host_records[0].clear(), host_records[1].clear();
 }
 
-// out[0]: prefetches since nvp_host_set_ranges, out[1]: those outside every range.
-extern "C" __attribute__((visibility("default"))) void nvp_host_prefetch_stats(long long* out) {
-  out[0] = host_prefetches;
-  out[1] = host_prefetches_outside;
+// The number of recorded addresses of `kind` (0 loads, 1 prefetches); with out non-null, also copied there.
+extern "C" __attribute__((visibility("default"))) long long nvp_host_records(int kind, long long* out) {
+  std::lock_guard<std::mutex> lock(host_records_mutex);
+  if (out) std::copy(host_records[kind].begin(), host_records[kind].end(), out);
+  return static_cast<long long>(host_records[kind].size());
 }
 
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {

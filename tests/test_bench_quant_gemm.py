@@ -133,3 +133,16 @@ def test_the_direct_rows_switch_the_nvfp4_decode_and_put_it_back():
     with pytest.raises(ZeroDivisionError):
         bench._nvfp4_direct(lambda: 1 / 0)
     assert nvfp4.DECODE == defaults
+
+
+def test_per_call_us_keeps_two_launches_of_one_kernel_apart_and_drops_the_flush():
+    from benchmarks.bench_quant_gemm import per_call_us
+
+    call = [("fill", 9.0), ("pair<nvfp4>", 10.0), ("pair<nvfp4>", 20.0), ("combine", 2.0)]
+    events = call + [(n, us + 1.0) for n, us in call]  # two calls, the second 1 us slower per kernel
+    got = per_call_us(events, {"fill"}, 2)
+    assert got == {"0:pair<nvfp4>": 10.5, "1:pair<nvfp4>": 20.5, "2:combine": 2.5}
+    with pytest.raises(RuntimeError, match="do not repeat"):
+        per_call_us(events[:-1], {"fill"}, 2)
+    with pytest.raises(RuntimeError, match="do not repeat"):
+        per_call_us([("a", 1.0), ("b", 1.0), ("b", 1.0), ("a", 1.0)], set(), 2)

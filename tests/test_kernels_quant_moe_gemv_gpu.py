@@ -176,22 +176,41 @@ def test_capture_in_a_cuda_graph_without_host_sync(model, pair_kernel, monkeypat
 def test_cuda_pair_prefetch_and_pdl_change_no_bit(model, monkeypatch):
     """kernels/quant/pair_cuda.py's PREFETCH (every weight chunk of a CTA into L2 first) and PDL (the down
     projection launched as a programmatic dependent of gate / up, waiting for it before reading its output):
-    eager, each combination gives the plain CUDA kernel's bits; captured in a CUDA graph (a programmatic edge
-    there) and replayed on new routing and inputs, the same bits as eager on them. Both formats' CUDA kernels
-    (block FP8 in its w8a16 scheme)."""
+    eager, each combination gives the plain CUDA kernel's bits, and the down launch (only it) goes out with
+    PDL on an sm_90+ GPU; captured in a CUDA graph (a programmatic edge there) and replayed on new routing and
+    inputs, the same bits as eager on them. Also with gate / up on the Triton kernel (an input whose rows are
+    not 16-byte aligned, which the CUDA kernel leaves to Triton) before a PDL down. Both formats' CUDA
+    kernels (block FP8 in its w8a16 scheme)."""
     from kernels.quant import pair_cuda
 
     monkeypatch.setattr(nf4, "PAIR_KERNEL", "cuda")
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
-    fmt, *_, act, _ = SHAPES[model]
+    fmt, L, *_, act, _ = SHAPES[model]
     kernel = KERNELS[fmt][0] if fmt == "nvfp4" else partial(KERNELS[fmt][0], scheme="w8a16")
     up, gate, down = _experts(model)
     h, weights, indices = _inputs(model, 2, seed=7)
+    unaligned = torch.empty(h.shape[0], L + 3, dtype=h.dtype, device="cuda")[:, :L]  # rows 2 * (L + 3) apart
+    unaligned.copy_(h)
     plain = kernel(h, weights, indices, up, gate, down, act)
+    plain_triton_up = kernel(unaligned, weights, indices, up, gate, down, act)
+    pdl_launches: list[bool] = []
+    launch_args = pair_cuda.launch_args
+
+    def spy(*args, **kwargs):
+        pdl_launches.append(kwargs.get("pdl", False))
+        return launch_args(*args, **kwargs)
+
+    monkeypatch.setattr(pair_cuda, "launch_args", spy)
+    hopper = torch.cuda.get_device_capability() >= pair_cuda.PDL_MIN_CAPABILITY
     for prefetch, pdl in ((True, False), (False, True), (True, True)):
         monkeypatch.setattr(pair_cuda, "PREFETCH", prefetch)
         monkeypatch.setattr(pair_cuda, "PDL", pdl)
+        pdl_launches.clear()
         assert torch.equal(kernel(h, weights, indices, up, gate, down, act), plain), (prefetch, pdl)
+        assert pdl_launches == [False, pdl and hopper]  # gate / up, then down
+        pdl_launches.clear()
+        assert torch.equal(kernel(unaligned, weights, indices, up, gate, down, act), plain_triton_up)
+        assert pdl_launches == [pdl and hopper]  # gate / up ran on Triton
         g_h, g_w, g_idx = (t.clone() for t in (h, weights, indices))
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()

@@ -163,35 +163,60 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
+def _recorded(lib, kind: int) -> list[int]:
+    n = lib.nvp_host_records(kind, None)
+    out = (ctypes.c_longlong * n)()
+    lib.nvp_host_records(kind, out)
+    return list(out)
+
+
+# (format, E, N, K, idx, topk, activation, gated): partial 16-row tiles (N 40 / 24 / 272) with the last
+# expert routed, so the clamped rows sit at the very end of the tensors; whole and partial chunks (K 704 =
+# 5.5 x 128, 416 = 3.25 x 128; 256), several 128-row FP8 scale blocks
+PREFETCH_CASES = {
+    "nvfp4": ("nvfp4", 3, 40, 704, (2, 0, 2, 1), 2, "relu2", False),
+    "nvfp4_gated": ("nvfp4", 4, 24, 256, (3, 1, 0, 3), 2, "silu", True),
+    "block_fp8": ("block_fp8", 3, 272, 416, (2, 1, 0), 1, "none", False),
+}
+
+
 @needs_gxx
-@pytest.mark.parametrize("case", ["up_relu2_chunks_and_tail", "gated_silu", "fp8_down_blocks_and_tail"])
-def test_host_emulated_prefetch_reads_only_the_weights_and_changes_no_bit(host_lib, case):
-    """PREFETCH's L2 prefetch (pair_gemv.cu's prefetch_rows): the same output bits as without it; one
-    prefetch of each lane's codes per row, chunk and matrix, and of the scales from lane t = 0 (the count the
-    kernel's loop implies, partial chunks' lanes past K left out); every address inside the codes or scales
-    of the matrices it multiplies."""
-    fmt = "block_fp8" if case in FP8_CASES else "nvfp4"
-    E, N, K, P, topk, act, gated, strided = {**CASES, **FP8_CASES}[case]
+@pytest.mark.parametrize("case", list(PREFETCH_CASES))
+def test_host_emulated_prefetch_covers_exactly_what_the_loop_loads(host_lib, case):
+    """PREFETCH's L2 prefetch (pair_gemv.cu's prefetch_rows), recorded by the host harness: the same output
+    bits as without it; per weight tensor (each matrix's codes and scales apart), the 32-byte sectors it
+    prefetches are exactly the sectors the kernel's loop loads from that tensor; no prefetch outside them;
+    one prefetch per lane, row and chunk of codes, scales once per row (NVFP4) or once per CTA (block FP8: one
+    128-row scale block)."""
+    fmt, E, N, K, idx, topk, act, gated = PREFETCH_CASES[case]
     gen = torch.Generator().manual_seed(5)
     make = _experts if fmt == "nvfp4" else _fp8_experts
     w = make(E, N, K, gen)
     w2 = make(E, N, K, gen) if gated else None
-    x = (torch.randn(P // topk, K, generator=gen) * 2).to(torch.bfloat16)
-    idx = torch.randint(0, E, (P,), generator=gen)
+    idx = torch.tensor(idx)
+    x = (torch.randn(idx.numel() // topk, K, generator=gen) * 2).to(torch.bfloat16)
+    host_lib.nvp_host_record(1)
     plain = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt=fmt)
-    ranges = [r for m in (w, w2) if m is not None for r in map(_byte_range, m[:2])]
-    host_lib.nvp_host_set_ranges((ctypes.c_longlong * (2 * len(ranges)))(*[v for r in ranges for v in r]),
-                                 len(ranges))
+    loads = _recorded(host_lib, 0)
+    host_lib.nvp_host_record(1)
     fetched = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt=fmt, prefetch=True)
-    stats = (ctypes.c_longlong * 2)()
-    host_lib.nvp_host_prefetch_stats(stats)
+    prefetches = _recorded(host_lib, 1)
+    host_lib.nvp_host_record(0)
     assert torch.equal(fetched.view(torch.int16), plain.view(torch.int16))
-    lanes_in_k = sum(1 for c in range(0, -(-K // 128) * 128, 32) if c < K)  # (chunk, t) with columns < K
-    scale_lanes = -(-K // 128)  # t = 0 of every chunk
-    per_matrix = 8 * (2 * lanes_in_k + 2 * scale_lanes)  # 8 lanes (g) per t; rows g and g + 8
-    ctas = -(-N // 16) * P
-    assert stats[0] == ctas * per_matrix * (2 if gated else 1)
-    assert stats[1] == 0
+    tensors = [t for m in (w, w2) if m is not None for t in m[:2]]
+    inside = 0
+    for t in tensors:
+        lo, hi = _byte_range(t)
+        sectors = lambda addrs: {a // 32 for a in addrs if lo <= a < hi}
+        assert sectors(loads), "the loop loads from every weight tensor"
+        assert sectors(prefetches) == sectors(loads)
+        inside += sum(lo <= a < hi for a in prefetches)
+    assert inside == len(prefetches)
+    pieces = -(-K // 32)  # 32-column pieces below K: one lane each per chunk
+    chunks = -(-K // 128)
+    scale_prefetches = 16 * chunks if fmt == "nvfp4" else chunks  # rows g, g + 8 from t = 0; or lane 0 alone
+    ctas = -(-N // 16) * idx.numel()
+    assert len(prefetches) == ctas * (16 * pieces + scale_prefetches) * (2 if gated else 1)
 
 
 def test_fp8_reference_here_is_the_module_reference():

@@ -199,6 +199,7 @@ struct U4 {
 __device__ inline U4 ld16(const void* p) {
   U4 r;
 #ifdef NVP_HOST_EMULATION
+  nvp_host_load(p);
   memcpy(r.v, p, 16);
 #else
   const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
@@ -212,6 +213,7 @@ __device__ inline U4 ld16(const void* p) {
 
 __device__ inline float ldf(const uint8_t* p) {
 #ifdef NVP_HOST_EMULATION
+  nvp_host_load(p);
   float v;
   memcpy(&v, p, 4);
   return v;
@@ -222,6 +224,7 @@ __device__ inline float ldf(const uint8_t* p) {
 
 __device__ inline uint32_t ld2(const uint8_t* p) {
 #ifdef NVP_HOST_EMULATION
+  nvp_host_load(p);
   uint16_t v;
   memcpy(&v, p, 2);
   return v;
@@ -250,7 +253,7 @@ __device__ inline void pdl_wait() {
 // Ask the memory system to bring the line holding p into L2 (no register, no wait: PTX prefetch.global.L2).
 __device__ inline void prefetch_l2(const void* p) {
 #ifdef NVP_HOST_EMULATION
-  nvp_host_prefetch(p);  // the harness checks the address
+  nvp_host_prefetch(p);  // the harness records the address
 #else
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
@@ -276,19 +279,21 @@ __device__ inline Rows rows_of(const uint8_t* w, const uint8_t* s, const Params&
 }
 
 // This lane's share of the L2 prefetch of rows r's chunks ch0, ch0 + step, ... below K: the codes at its own
-// column c (the 4 lanes of a row cover the chunk's bytes of that row) and, from lane t = 0, the chunk's
-// scales. Bytes per code column: NVFP4 1 / 2, FP8 1.
+// column c (the 4 lanes of a row cover the chunk's bytes of that row) and the chunk's scales, from lane t = 0
+// of each row pair (NVFP4: one scale row per output row) or from lane 0 alone (block FP8: the 16 rows share one
+// 128-row scale block). Bytes per code column: NVFP4 1 / 2, FP8 1.
 template <class F>
 __device__ inline void prefetch_rows(const Rows& r, int64_t K, int64_t ch0, int64_t step, int64_t lane_col,
-                                     int t) {
+                                     int lane) {
+  const bool scales = F::kScaleRows == 1 ? (lane & 3) == 0 : lane == 0;
   for (int64_t ch = ch0; ch * kChunk < K; ch += step) {
     const int64_t c = ch * kChunk + lane_col;
     if (c >= K) continue;
     prefetch_l2(r.wa + F::code_offset(c));
     prefetch_l2(r.wb + F::code_offset(c));
-    if (t == 0) {
+    if (scales) {
       prefetch_l2(r.sa + F::scale_offset(c));
-      prefetch_l2(r.sb + F::scale_offset(c));
+      if (F::kScaleRows == 1) prefetch_l2(r.sb + F::scale_offset(c));
     }
   }
 }
@@ -492,9 +497,6 @@ __global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
 #endif
   using C = typename F::C;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  // A kernel launched after this one with PDL (the down projection after gate / up, pair_cuda.launch_pair's
-  // `dependent`) may start its prologue once all of this grid's CTAs are running.
-  pdl_launch_dependents();
   const int64_t pair = blockIdx.y;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
   // Before pdl_wait this reads only what the kernel before the previous one wrote at the latest (the pairs'
@@ -506,10 +508,15 @@ __global__ void NVP_BOUNDS pair_gemv_kernel(const Params p) {
   if (GATED) r2 = rows_of<F::kScaleRows>(p.w2, p.s2, p, expert, n0 + g, n0 + g + 8);
   const int64_t lane_col = 32 * t;
   if (p.prefetch) {  // every chunk this warp will read, into L2 now: memory-level parallelism beyond registers
-    prefetch_rows<F>(r1, p.K, warp, kWarps, lane_col, t);
-    if (GATED) prefetch_rows<F>(r2, p.K, warp, kWarps, lane_col, t);
+    prefetch_rows<F>(r1, p.K, warp, kWarps, lane_col, lane);
+    if (GATED) prefetch_rows<F>(r2, p.K, warp, kWarps, lane_col, lane);
   }
   pdl_wait();  // x (the previous kernel's output under PDL) is read and out written only after this
+  // A kernel launched after this one with PDL (the down projection after gate / up, pair_cuda.launch_pair's
+  // `dependent`) may start its prologue once every CTA of this grid is past this point. Only after the wait:
+  // a kernel launched with PDL after a PDL-launched one must not start before the first one's own producer is
+  // done (its pre-wait reads are safe only against kernels older than its predecessor).
+  pdl_launch_dependents();
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // whole chunks, two per step (warp w: chunks w and w + 4, then w + 8 and w + 12, ...): both chunks' loads
@@ -733,7 +740,10 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
     e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, true>, grid, st, p);
   else
     e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, false>, grid, st, p);
-  if (e != cudaSuccess) return static_cast<int>(e);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // not left behind for the next launch's check
+    return static_cast<int>(e);
+  }
   return static_cast<int>(cudaGetLastError());  // also an earlier asynchronous error, as any launch check
 }
 
