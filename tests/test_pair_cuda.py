@@ -163,6 +163,11 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
+def _sectors(addrs: list[int], lo: int, hi: int) -> set[int]:
+    """The 32-byte sectors (address // 32) of the addresses in [lo, hi)."""
+    return {a // 32 for a in addrs if lo <= a < hi}
+
+
 def _recorded(lib, kind: int) -> list[int]:
     n = lib.nvp_host_records(kind, None)
     out = (ctypes.c_longlong * n)()
@@ -207,9 +212,9 @@ def test_host_emulated_prefetch_covers_exactly_what_the_loop_loads(host_lib, cas
     inside = 0
     for t in tensors:
         lo, hi = _byte_range(t)
-        sectors = lambda addrs: {a // 32 for a in addrs if lo <= a < hi}
-        assert sectors(loads), "the loop loads from every weight tensor"
-        assert sectors(prefetches) == sectors(loads)
+        loaded, fetched_sectors = _sectors(loads, lo, hi), _sectors(prefetches, lo, hi)
+        assert loaded, "the loop loads from every weight tensor"
+        assert fetched_sectors == loaded
         inside += sum(lo <= a < hi for a in prefetches)
     assert inside == len(prefetches)
     pieces = -(-K // 32)  # 32-column pieces below K: one lane each per chunk
