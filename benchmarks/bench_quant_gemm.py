@@ -103,9 +103,11 @@ def row(name: str, timing: float | dict, bytes_read: int, copy_gbps: float | Non
 FLUSH_BYTES = 256 << 20  # written between runs so weights come from HBM, not the 50 MB L2
 
 
-def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
-    """Median GPU microseconds of fn() replayed from a CUDA graph (no launch overhead), L2 flushed before
-    each call: a graph of ``reps`` x (flush, fn) minus a graph of ``reps`` flushes, over ``trials``."""
+def _flushed_graphs(fn, reps: int):
+    """([graph of ``reps`` x (L2 flush, fn()), graph of ``reps`` flushes alone], the flush buffer), captured
+    after a warm-up call of fn() on the capture stream (what :func:`_graph_us` times and :func:`kernel_us`
+    profiles). The flush writes FLUSH_BYTES so that weights come from HBM; the caller keeps the buffer alive
+    while it replays the graphs (they write into it)."""
     import torch
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -124,6 +126,15 @@ def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
                 if with_fn:
                     fn()
         graphs.append(g)
+    return graphs, flush
+
+
+def _graph_us(fn, reps: int = 20, trials: int = 7) -> float:
+    """Median GPU microseconds of fn() replayed from a CUDA graph (no launch overhead), L2 flushed before
+    each call: a graph of ``reps`` x (flush, fn) minus a graph of ``reps`` flushes, over ``trials``."""
+    import torch
+
+    graphs, _flush = _flushed_graphs(fn, reps)  # _flush: alive while the graphs replay
     times = []
     for _ in range(trials):
         pair = []
@@ -154,21 +165,9 @@ def kernel_us(fn, reps: int = 20) -> dict[str, float]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
     runs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                flush.zero_()
-                if with_fn:
-                    fn()
+    graphs, _flush = _flushed_graphs(fn, reps)  # _flush: alive while the graphs replay
+    for g in graphs:
         g.replay()  # warm
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

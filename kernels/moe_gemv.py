@@ -331,7 +331,8 @@ def run_pair_launches(h, weights, indices, up, gate, down, activation: str, laun
     objects, e.g. tensors or (codes, scales) tuples; out [split, P, NOUT] float32 partials when split > 1, else
     [P, NOUT] in out_dtype with the activation applied); ``dependent`` True (the down projection) says the
     previous kernel on the stream wrote x and nothing else the launch reads, which lets a launcher overlap
-    that kernel's end (kernels/quant/pair_cuda.py's PDL); a launcher may ignore it. ``intermediate``: the experts' I (0: nothing to compute).
+    that kernel's end (kernels/quant/pair_cuda.py's PDL); a launcher may ignore it. ``intermediate``: the
+    experts' I (0: nothing to compute).
     h [N, L] (any row stride), weights [N, k] float32, indices [N, k] int64 as :func:`moe_gemv`; returns
     [N, L] in h's dtype, mutates nothing. The split partials are summed in fp32 and rounded to h's dtype
     before the activation, as :func:`moe_gemv_ref` rounds."""
