@@ -88,3 +88,15 @@ def build(source: Path, flags: list[str], nvcc: str | None, *, name: str, what: 
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return path
+
+
+def check_abi(got: int, expected: int, path: str, owner: str) -> None:
+    """Refuse a loaded library whose ABI number ``got`` (its ``*_abi()`` export) is not ``expected``: a stale
+    build (the cache key hashes the source, so this takes a file put there by hand or an older scheme).
+
+    Raises:
+        ValueError: naming the library, both numbers and the fix (delete the cache folder; it is rebuilt).
+    """
+    if got != expected:
+        raise ValueError(f"{owner}: {path} has ABI {got}, this module expects {expected}; delete {cache_dir()} "
+                         "and rerun (it is rebuilt)")

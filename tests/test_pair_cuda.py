@@ -429,3 +429,9 @@ def test_a_failed_build_leaves_the_calls_to_triton_with_one_warning(monkeypatch)
         assert pair_cuda.kernel_for("cuda", "nvfp4", x, w, None, 2) == "triton"  # cached: no second warning
     finally:
         pair_cuda._build_failure.cache_clear()
+
+
+def test_a_stale_library_abi_is_refused_with_the_fix():
+    _nvcc.check_abi(pair_cuda.ABI, pair_cuda.ABI, "x.so", "pair_cuda")  # the same number: accepted
+    with pytest.raises(ValueError, match=r"x\.so has ABI 3, this module expects 4; delete .* and rerun"):
+        _nvcc.check_abi(3, 4, "x.so", "pair_cuda")

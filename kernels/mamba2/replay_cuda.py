@@ -132,9 +132,7 @@ def load(path: str):
                                ctypes.POINTER(ctypes.c_float), ctypes.c_void_p]
     lib.m2r_error_string.restype = ctypes.c_char_p
     lib.m2r_error_string.argtypes = [ctypes.c_int]
-    if lib.m2r_abi() != ABI:
-        raise ValueError(f"replay_verify: {path} has ABI {lib.m2r_abi()}, this module expects {ABI}; delete "
-                         f"{cache_dir()} and rerun (it is rebuilt)")
+    _nvcc.check_abi(lib.m2r_abi(), ABI, path, "replay_verify")
     return lib
 
 

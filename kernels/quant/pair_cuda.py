@@ -97,9 +97,7 @@ def load(path: str):
     lib.nvp_launch_grouped.argtypes = lib.nvp_launch.argtypes
     lib.nvp_error_string.restype = ctypes.c_char_p
     lib.nvp_error_string.argtypes = [ctypes.c_int]
-    if lib.nvp_abi() != ABI:
-        raise ValueError(f"pair_cuda: {path} has ABI {lib.nvp_abi()}, this module expects {ABI}; delete "
-                         f"{_nvcc.cache_dir()} and rerun (it is rebuilt)")
+    _nvcc.check_abi(lib.nvp_abi(), ABI, path, "pair_cuda")
     return lib
 
 
