@@ -234,7 +234,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         for name, n in quant_moe_gemv_max_pairs.items():
             fmt = get_format(name)
             saved.append((fmt, "use_moe_gemv", fmt.use_moe_gemv))
-            fmt.use_moe_gemv = lambda h, indices, n=n: indices.numel() <= n
+            fmt.use_moe_gemv = lambda h, indices, pair_kernel=None, n=n: indices.numel() <= n
         for mod, attr in ((nvfp4_mod, "moe_gemv_nvfp4"), (block_fp8_mod, "moe_gemv_block_fp8")):
             saved.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, counter.opaque_kernel("moe_experts", getattr(mod, attr)))

@@ -123,8 +123,9 @@ def test_cli_checks_come_before_any_model(monkeypatch, capsys):
 def test_quantized_format_counts_its_kernels(max_pairs):
     """--format nvfp4 builds the release's module classes: the quantized GEMMs count as kernel ops, and the
     NVFP4 experts count as the per-pair path (one op per MoE block) within the pair bound (the engine's
-    per-format bound, WeightFormat.moe_gemv_bound: 44 for NVFP4, above this step's pairs), else (a bound of 0)
-    as the grouped path (a grouped GEMM per projection plus the routing glue, more ops per block)."""
+    per-format bound, WeightFormat.moe_gemv_bound of the format's PAIR_KERNEL setting, above this step's
+    pairs), else (a bound of 0) as the grouped path (a grouped GEMM per projection plus the routing glue,
+    more ops per block)."""
     from runners.engine.formats import get_format
 
     shrink = {**TINY, "moe_latent_size": 32, "moe_intermediate_size": 48}

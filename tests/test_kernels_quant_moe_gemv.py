@@ -224,19 +224,13 @@ def test_no_tokens_and_bad_arguments(fmt):
             fn(h, weights, indices, up, gate, up, act)
 
 
-@pytest.mark.parametrize("fmt", list(KERNELS))
-def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
-    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds and the
-    grouped path otherwise (both forced here), with the same result."""
-    import importlib
-
+def _quantized_moe(fmt, gated):
+    """(an NVFP4MoE / BlockFP8MoE over _experts(fmt, 7, gated, seed=4), its HybridConfig)."""
     from runners.engine import quant
-    from runners.engine.formats import get_format
     from runners.engine.models import moe as engine_moe
     from runners.engine.models.config import HybridConfig
 
     L, I = SIZES[fmt]
-    gated = fmt == "block_fp8"
     c = HybridConfig(family="qwen3_next", vocab_size=32, hidden_size=L, layer_types=("moe",),
                      n_routed_experts=7, num_experts_per_tok=2, moe_intermediate_size=I,
                      moe_shared_expert_intermediate_size=16, mlp_hidden_act="silu" if gated else "relu2",
@@ -248,6 +242,19 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     for kind, mats in (("up", up), ("gate", gate), ("down", down)):
         for suffix, t in zip(names, mats or ()):
             getattr(moe, f"experts_{kind}{suffix}").data = t.clone()
+    return moe, c
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch, unsplit):
+    """NVFP4MoE / BlockFP8MoE run the per-pair kernels where their format's use_moe_gemv holds and the
+    grouped path otherwise (both forced here), with the same result."""
+    import importlib
+
+    from runners.engine.formats import get_format
+
+    gated = fmt == "block_fp8"
+    moe, c = _quantized_moe(fmt, gated)
     h, weights, indices = _case(fmt, torch.float32, gated, seed=4)[:3]
     calls = []
     attr = "moe_gemv_nvfp4" if fmt == "nvfp4" else "moe_gemv_block_fp8"
@@ -255,9 +262,45 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
     kernel = getattr(module, attr)
     monkeypatch.setattr(module, attr, lambda *a, **kw: calls.append(a[-1]) or kernel(*a, **kw))
     # the gate forced both ways (on CUDA it holds at these sizes, on the CPU it never does)
-    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: False)
+    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a, **kw: False)
     grouped = moe._experts(h, weights, indices)
     assert calls == []
-    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a: True)
+    monkeypatch.setattr(get_format(fmt), "use_moe_gemv", lambda *a, **kw: True)
     _close(moe._experts(h, weights, indices), grouped, torch.float32)
     assert calls == [c.mlp_hidden_act]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
+def test_nvfp4_pair_bound_is_the_pair_kernels(gated, monkeypatch):
+    """NVFP4MoE asks the per-pair kernel its gate / up projection would run on (kernels.quant.nvfp4.
+    pair_kernel_for: gate and up when gated, else up; all the pairs) and takes that kernel's pair bound
+    (runners.engine.formats.nvfp4: 176 for the CUDA kernel, 44 for Triton's): 60 pairs take the per-pair
+    path on the CUDA kernel and the grouped path on Triton's. The device rule (CUDA) is forced to hold."""
+    from runners.engine.formats import get_format
+    from runners.engine.models import moe as engine_moe
+    from runners.engine.models import nvfp4 as nvfp4_modules
+
+    fmt = get_format("nvfp4")
+    assert (fmt.moe_gemv_bound("triton"), fmt.moe_gemv_bound("cuda")) == (44, 176)
+    assert fmt.moe_gemv_bound() == fmt.moe_gemv_bound(nf4.PAIR_KERNEL)
+    moe, _ = _quantized_moe("nvfp4", gated)
+    N, k = 30, 2
+    h = torch.randn(N, SIZES["nvfp4"][0], generator=torch.Generator().manual_seed(1))
+    weights, indices = _routing(N, k, 7, seed=1)
+    monkeypatch.setattr(engine_moe, "use_moe_gemv", lambda *a: True)
+    asked, pair_calls = [], []
+    monkeypatch.setattr(nvfp4_modules, "moe_gemv_nvfp4", lambda *a: pair_calls.append(a) or 0 * h)
+    for kernel, pair_path in (("cuda", True), ("triton", False)):
+        pair_calls.clear()
+        monkeypatch.setattr(nvfp4_modules, "pair_kernel_for",
+                            lambda *a, kernel=kernel: asked.append(a) or kernel)
+        out = moe._experts(h, weights, indices)
+        assert out.shape == h.shape and len(pair_calls) == int(pair_path), kernel
+        x, w, w2, P = asked[-1]
+        assert x is h and P == N * k
+        if gated:
+            assert w[0] is moe.experts_gate and w2[0] is moe.experts_up
+        else:
+            assert w[0] is moe.experts_up and w2 is None
+    assert fmt.use_moe_gemv(h, indices[:22], pair_kernel="triton")  # 44 pairs
+    assert not fmt.use_moe_gemv(h, indices, pair_kernel="triton") and fmt.use_moe_gemv(h, indices, "cuda")

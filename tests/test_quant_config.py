@@ -290,7 +290,8 @@ def test_format_registry_holds_one_object_per_format_whose_rules_match_the_kerne
     assert [f.runs_on((8, 0)) for f in all_formats()] == [True, True, False, False]
     assert all(f.runs_on(None) and f.runs_on((9, 0)) for f in all_formats())
     assert get_format(FORMAT_BLOCK_FP8).moe_gemv_bound() == 176
-    assert get_format(FORMAT_NVFP4).moe_gemv_bound() == 44
+    assert get_format(FORMAT_NVFP4).moe_gemv_bound("triton") == 44
+    assert get_format(FORMAT_NVFP4).moe_gemv_bound("cuda") == 176
     block = parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic",
                                 "weight_block_size": [128, 128]})
     assert checkpoint_formats(block) == (FORMAT_BLOCK_FP8,)

@@ -35,6 +35,11 @@ class BlockFP8Format(WeightFormat):
     # (docs/kernel_performance.md, "the w8a16 tensor-core kernel"; the rule: models.block_fp8.dense_scheme)
     dense_decode_rows = 64
 
+    def pair_kernel(self) -> str:
+        from kernels.quant import block_fp8
+
+        return block_fp8.PAIR_KERNEL
+
     def check(self, quant: QuantConfig) -> None:
         """Refuses blocks other than :data:`BLOCK` and static activations."""
         src = quant.source

@@ -27,9 +27,19 @@ class NVFP4Format(WeightFormat):
     tensor_suffixes = (".weight_scale", ".weight_scale_2", ".input_scale")
     moe_gemv = True
     # The per-pair GEMVs decode each pair's codes, the grouped GEMM each chosen expert's once for all its
-    # tokens: the GEMVs are faster up to 44 pairs and slower beyond (docs/kernel_performance.md, "Quantized
-    # formats").
+    # tokens: the Triton GEMVs are faster up to 44 pairs and slower beyond (docs/kernel_performance.md,
+    # "Quantized formats").
     moe_gemv_max_pairs = 44
+    # The CUDA per-pair kernel (kernels.quant.nvfp4.PAIR_KERNEL "cuda") is 1.6-2.0x faster than Triton's, and
+    # faster than the grouped path at every point measured, up to 176 pairs (8 tokens at top-22: 261.1 against
+    # 434.7 us on an H100, docs/gpu/nvfp4_cuda_1): it takes the unquantized experts' bound (176), so a
+    # 4-token verify step (88 pairs) stays on it.
+    moe_gemv_max_pairs_by_kernel = {"cuda": 176}
+
+    def pair_kernel(self) -> str:
+        from kernels.quant import nvfp4
+
+        return nvfp4.PAIR_KERNEL
 
     def linear(self, in_features: int, out_features: int, bias: bool, *, device: Any, bias_dtype: Any) -> Any:
         from runners.engine.models.nvfp4 import NVFP4Linear

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kernels.moe_gemv import ACT_CODES
-from kernels.quant.nvfp4 import moe_gemv_nvfp4, nvfp4_words_ok
+from kernels.quant.nvfp4 import moe_gemv_nvfp4, nvfp4_words_ok, pair_kernel_for
 from registry.hf_config import FORMAT_NVFP4, NVFP4_GROUP_SIZE
 from runners.engine.compile import eager_op
 from runners.engine.formats import get_format
@@ -131,10 +131,14 @@ class NVFP4MoE(MoE):
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         mats = {k: tuple(getattr(self, f"experts_{k}{s}") for s in ("", "_weight_scale", "_weight_scale_2"))
                 for k in expert_kinds(self)}
-        if (self.act_name in ACT_CODES and get_format(FORMAT_NVFP4).use_moe_gemv(h, indices)
-                and nvfp4_words_ok(*mats.values())):
-            return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
-                                  self.act_name)
+        if self.act_name in ACT_CODES and nvfp4_words_ok(*mats.values()):
+            # the pair bound is that of the kernel the gate / up projection would run on (the CUDA kernel's
+            # reaches further than Triton's: runners.engine.formats.nvfp4)
+            first, second = (mats["gate"], mats["up"]) if "gate" in mats else (mats["up"], None)
+            kernel = pair_kernel_for(h, first, second, indices.numel())
+            if get_format(FORMAT_NVFP4).use_moe_gemv(h, indices, pair_kernel=kernel):
+                return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
+                                      self.act_name)
 
         def mm(x: torch.Tensor, kind: str, offsets: torch.Tensor) -> torch.Tensor:
             return nvfp4_grouped_mm(x, getattr(self, f"experts_{kind}"),
