@@ -59,7 +59,8 @@ Models:
 
 ``targets`` in the JSON evaluates the goals of :data:`TARGETS` from the rows (`evaluate_targets`: quarter depth
 with graphs, plain batch-1 step within 2x its floor, MTP + replay >= 2.0x plain at batch 1 and >= 1.6x at 8 and
-64, replay >= rewind; the full-depth batch-1 rates; graphs at least halve the tiny entries' step; the fraction
+64, replay >= rewind; the release parts' step / floor at any depth (issue 43) and, at full depth, their batch-1
+rates; graphs at least halve the tiny entries' step; the fraction
 of requests whose tokens replay and rewind share, from each row's ``token_digests``; each row also lists the
 model outputs that held a NaN or an infinity, ``nonfinite``, empty for a healthy run). ``--profile
 MODEL:ARM:BATCH:graphs|eager`` runs that one point under torch.profiler instead (compiled with ``--compile on``)
@@ -105,7 +106,8 @@ DEFAULT_ARMS = ("plain", "rewind", "replay")
 # The goals `evaluate_targets` checks. Quarter depth, bf16, CUDA graphs (issue 27 "decode near the weight-read
 # floor"): plain batch-1 step within 2x its floor, MTP (K = 3) + replay at least 2.0x plain at batch 1 and 1.6x
 # at 8 and 64 (forced acceptance length 2.6), replay at least as fast as rewind everywhere; full depth (issue 26)
-# decode tokens/s at batch 1; graphs at least halve the tiny entries' decode step at batch 1.
+# decode tokens/s at batch 1; graphs at least halve the tiny entries' decode step at batch 1; the release parts'
+# step / floor (issue 43: the ratios its H200 rates imply, which it holds a half-depth H100 run to).
 # the per-step replay arms with a named backend, against which the default ("replay") is held (issue 45), and
 # the noise allowed: the same kernels timed twice in one bench_e2e run differed by up to 0.05 % (H100)
 NAMED_REPLAY_ARMS = ("replay_triton", "replay_flashinfer")
@@ -119,6 +121,23 @@ TARGETS = {"plain_b1_step_over_floor": 2.0, "replay_vs_plain": {1: 2.0, 8: 1.6, 
                                        ("super_v3_nvfp4", "replay", 64): 2.5, ("qwen3_next_fp8", "replay", 64): 2.5}}
 # config.json fields that set the depth of a release part cut by --full-layers (runners.tools.synth.synth_config)
 DEPTH_KEYS = ("hybrid_override_pattern", "num_hidden_layers", "full_attention_interval")
+
+
+def part_depth(family: str, fields: dict, overrides: dict) -> str:
+    """What a release part's model is against the release (the report's ``depth``), from the config.json
+    ``fields`` it was built with over the release's (the --full-layers cut and ``overrides``, the --synth-set
+    ones): "full" for all of the release's layers (NemotronH: its pattern's letters; Qwen3-Next:
+    ``num_hidden_layers``, each a mixer and its MoE) with no override; else "<n> of <N> layers", with
+    ", --synth-set overrides" where any was given. Only "full" counts towards the full-depth rate goals
+    (:func:`evaluate_targets`)."""
+    from registry.releases import RELEASE_CONFIGS
+
+    cfg = {**RELEASE_CONFIGS[family], **fields}
+    most = RELEASE_CONFIGS[family]["num_hidden_layers"]
+    num_layers = len(cfg["hybrid_override_pattern"]) if family == "nemotron_h" else cfg["num_hidden_layers"]
+    if num_layers == most and not overrides:
+        return "full"
+    return f"{num_layers} of {most} layers" + (", --synth-set overrides" if overrides else "")
 
 
 def say(msg: str) -> None:
@@ -430,9 +449,10 @@ def evaluate_targets(rows: list[dict], models: dict | None = None) -> dict:
     ``<m>_replay_vs_plain_b<B>`` (decode tokens/s ratio), ``<m>_replay_vs_rewind`` ({batch: ratio}, met when
     >= 1 at every batch measured), ``<m>_replay_default_vs_fastest_backend`` ({batch: the default backend's
     replay tokens/s over the faster of :data:`NAMED_REPLAY_ARMS`}, and which that was; met when >= 1 less
-    :data:`DEFAULT_BACKEND_NOISE` at every batch); per release part ``<part>_<arm>_b<B>_step_over_floor``
-    (issue 43's ratios, at any depth) and, only where ``models`` (the report's, by part) says it ran at full
-    depth (no ``depth`` other than "full"), ``<part>_<arm>_b1_tokens_per_s``; per tiny entry that ran and arm
+    :data:`DEFAULT_BACKEND_NOISE` at every batch); per release part ``<part>[_compiled]_<arm>_b<B>_step_over_floor``
+    (issue 43's ratios, at any depth) and ``<part>_<arm>_b1_tokens_per_s``, the latter only where ``models``
+    (the report's, by part; None: every part counts) holds the part with no ``depth`` other than "full"
+    (:func:`part_depth`); per tiny entry that ran and arm
     the graph / eager step-time ratio at batch 1; and, where replay and rewind rows carry token digests,
     ``<model>[_compiled]_replay_tokens_equal_rewind`` (`_same_tokens`, informational)."""
     out: dict = {}
@@ -476,13 +496,17 @@ def evaluate_targets(rows: list[dict], models: dict | None = None) -> dict:
                 "met": all(v[0] >= 1 - DEFAULT_BACKEND_NOISE for v in best.values()) if best else None}
     out.update(_same_tokens(rows))
     for (part, arm, B), goal in TARGETS["release_step_over_floor"].items():
-        r = _find(rows, model=part, arm=arm, batch=B, graphs=True)
-        if any(q.get("model") == part for q in rows):
+        for compiled in (False, True):  # graphs on; compiled rows under their own keys, as above
+            if not any(q.get("model") == part and bool(q.get("compile")) == compiled for q in rows):
+                continue
+            r = _find(rows, model=part, arm=arm, batch=B, graphs=True, compile=compiled)
             over = r["step_ms"] / r["floor_ms"] if r and r.get("floor_ms") and r.get("step_ms") else None
-            out[f"{part}_{arm}_b{B}_step_over_floor"] = goal_row(over, f"<= {goal}", over is not None and over <= goal)
+            key = f"{part}{'_compiled' if compiled else ''}_{arm}_b{B}_step_over_floor"
+            out[key] = goal_row(over, f"<= {goal}", over is not None and over <= goal)
     for (part, arm), goal in TARGETS["full_depth_b1_tokens_per_s"].items():
-        if (models or {}).get(part, {}).get("depth", "full") != "full":
-            continue  # a part cut by --full-layers: its rate says nothing of the full model's
+        info = None if models is None else models.get(part)
+        if models is not None and (info is None or info.get("depth", "full") != "full"):
+            continue  # not built, or cut by --full-layers / --synth-set: no rate of the full model
         if any(r.get("model") == part for r in rows):
             # the rows _find would take (fused, finite), in any graphs / compile mode
             best = [r["decode_tokens_per_s"] for r in rows if r.get("model") == part and r.get("arm") == arm
@@ -767,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         cuts[family] = {k: cfg[k] for k in DEPTH_KEYS if k in cfg}
+        clash = sorted(set(cuts[family]) & set(args.synth_overrides))
+        if clash:
+            p.error(f"--full-layers cuts {family} and --synth-set sets {', '.join(clash)}: give the depth one way "
+                    "(--full-layers, or --synth-set with --full-layers 0 for that family)")
 
     def depth_overrides(family: str) -> dict:
         return cuts[family]
@@ -848,8 +876,7 @@ def main(argv: list[str] | None = None) -> int:
 
             config = release_hybrid_config(family, quant, "fp8", overrides={**depth_overrides(family),
                                                                             **args.synth_overrides})
-            layers = len(release_hybrid_config(family, quant, "fp8").layer_types)
-            depth = "full" if len(config.layer_types) == layers else f"{len(config.layer_types)} of {layers} layers"
+            depth = part_depth(family, {**depth_overrides(family), **args.synth_overrides}, args.synth_overrides)
             plan = plan_dummy(config, dtype=dtype, with_mtp=True)
             model = materialize_dummy(plan, dev, log=say)
             return model, {"family": family, "format": config.quantization.algo, "dtype": args.dtype,

@@ -272,35 +272,44 @@ def test_quantized_moe_takes_the_pair_path_where_the_gate_holds(fmt, monkeypatch
 
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
 def test_nvfp4_pair_bound_is_the_pair_kernels(gated, monkeypatch):
-    """NVFP4MoE asks the per-pair kernel its gate / up projection would run on (kernels.quant.nvfp4.
-    pair_kernel_for: gate and up when gated, else up; all the pairs) and takes that kernel's pair bound
-    (runners.engine.formats.nvfp4: 176 for the CUDA kernel, 44 for Triton's): 60 pairs take the per-pair
-    path on the CUDA kernel and the grouped path on Triton's. The device rule (CUDA) is forced to hold."""
+    """NVFP4MoE takes the pair bound of the per-pair kernel its projections would run on
+    (runners.engine.formats.nvfp4: 176 for the CUDA kernel, 44 for Triton's): "cuda" only where gate / up
+    (gate and up when gated, else up; all the pairs) and down both take it (kernels.quant.nvfp4.
+    pair_kernel_for). 60 pairs take the per-pair path when both do and the grouped path when either runs on
+    Triton; 22 pairs (under both bounds) and 200 (over both) never ask. The device rule (CUDA) is forced."""
     from runners.engine.formats import get_format
     from runners.engine.models import moe as engine_moe
     from runners.engine.models import nvfp4 as nvfp4_modules
 
     fmt = get_format("nvfp4")
-    assert (fmt.moe_gemv_bound("triton"), fmt.moe_gemv_bound("cuda")) == (44, 176)
+    assert (fmt.moe_gemv_bound("triton"), fmt.moe_gemv_bound("cuda")) == (44, engine_moe.MOE_GEMV_MAX_PAIRS)
+    assert engine_moe.MOE_GEMV_MAX_PAIRS == 176
     assert fmt.moe_gemv_bound() == fmt.moe_gemv_bound(nf4.PAIR_KERNEL)
     moe, _ = _quantized_moe("nvfp4", gated)
-    N, k = 30, 2
-    h = torch.randn(N, SIZES["nvfp4"][0], generator=torch.Generator().manual_seed(1))
-    weights, indices = _routing(N, k, 7, seed=1)
     monkeypatch.setattr(engine_moe, "use_moe_gemv", lambda *a: True)
-    asked, pair_calls = [], []
-    monkeypatch.setattr(nvfp4_modules, "moe_gemv_nvfp4", lambda *a: pair_calls.append(a) or 0 * h)
-    for kernel, pair_path in (("cuda", True), ("triton", False)):
-        pair_calls.clear()
+    pair_calls = []
+    monkeypatch.setattr(nvfp4_modules, "moe_gemv_nvfp4", lambda h, *a: pair_calls.append(a) or 0 * h)
+    for N, kernels, pair_path in ((30, ("cuda", "cuda"), True), (30, ("triton", "triton"), False),
+                                  (30, ("cuda", "triton"), False), (30, ("triton", "cuda"), False),
+                                  (11, ("triton", "triton"), True), (100, ("cuda", "cuda"), False)):
+        asked = []
         monkeypatch.setattr(nvfp4_modules, "pair_kernel_for",
-                            lambda *a, kernel=kernel: asked.append(a) or kernel)
-        out = moe._experts(h, weights, indices)
-        assert out.shape == h.shape and len(pair_calls) == int(pair_path), kernel
-        x, w, w2, P = asked[-1]
-        assert x is h and P == N * k
+                            lambda *a, ks=kernels, seen=asked: seen.append(a) or ks[len(seen) - 1])
+        h = torch.randn(N, SIZES["nvfp4"][0], generator=torch.Generator().manual_seed(1))
+        weights, indices = _routing(N, 2, 7, seed=1)
+        pair_calls.clear()
+        assert moe._experts(h, weights, indices).shape == h.shape
+        assert len(pair_calls) == int(pair_path), (N, kernels)
+        if not 44 < 2 * N <= 176:
+            assert asked == []  # the kernel changes nothing there: not asked (no CUDA build in a prefill)
+            continue
+        (x, w, w2, P), (x_down, w_down, none, P_down) = asked
+        assert x is h and x_down is h and P == P_down == 2 * N and none is None
+        assert w_down[0] is moe.experts_down
         if gated:
             assert w[0] is moe.experts_gate and w2[0] is moe.experts_up
         else:
             assert w[0] is moe.experts_up and w2 is None
+    indices = _routing(30, 2, 7, seed=1)[1]
     assert fmt.use_moe_gemv(h, indices[:22], pair_kernel="triton")  # 44 pairs
     assert not fmt.use_moe_gemv(h, indices, pair_kernel="triton") and fmt.use_moe_gemv(h, indices, "cuda")

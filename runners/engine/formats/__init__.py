@@ -34,8 +34,9 @@ class WeightFormat:
         moe_gemv_max_pairs: the (token, expert) pairs up to which they do (None: the unquantized experts'
             bound, runners.engine.models.moe.MOE_GEMV_MAX_PAIRS).
         moe_gemv_max_pairs_by_kernel: a bound of its own for a per-pair kernel named here ("cuda": the CUDA
-            kernel of kernels/quant/pair_gemv.cu), measured against the grouped path with that kernel; a
-            kernel not named takes ``moe_gemv_max_pairs`` (:meth:`moe_gemv_bound`).
+            kernel of kernels/quant/pair_gemv.cu; None: the unquantized experts' bound), measured against the
+            grouped path with that kernel; a kernel not named takes ``moe_gemv_max_pairs``
+            (:meth:`moe_gemv_bound`).
         report_always: the quantization report (runners.engine.quant.prepare_fp8) keeps its keys when no
             module is in this format.
         decode_scheme: for a format whose kernels take either, what the activations are in a product of at
@@ -55,7 +56,7 @@ class WeightFormat:
     tensor_suffixes: tuple[str, ...] = ()
     moe_gemv: bool = False
     moe_gemv_max_pairs: int | None = None
-    moe_gemv_max_pairs_by_kernel: dict[str, int] = {}  # read only
+    moe_gemv_max_pairs_by_kernel: dict[str, int | None] = {}  # read only
     report_always: bool = False
     decode_scheme: str = "w8a8"
     decode_rows: int = 8
@@ -93,8 +94,10 @@ class WeightFormat:
     def use_moe_gemv(self, h: Any, indices: Any, pair_kernel: str | None = None) -> bool:
         """Whether routed experts of this format take the per-pair GEMVs for tokens ``h`` [N, L] routed by
         ``indices`` [N, k]: at most :meth:`moe_gemv_bound` pairs for ``pair_kernel`` (the per-pair kernel
-        that would run them; None: the one the format's setting names) and runners.engine.models.moe.
-        use_moe_gemv's rule (CUDA, int64 indices, a 16-bit or float32 h). Shapes and dtypes only."""
+        that would run them; None: the one the format's setting names, the best case: a call the CUDA kernel
+        does not take runs on Triton's, whose bound may be lower, so a caller that knows the kernel passes it)
+        and runners.engine.models.moe.use_moe_gemv's rule (CUDA, int64 indices, a 16-bit or float32 h).
+        Shapes and dtypes only."""
         from runners.engine.models.moe import use_moe_gemv
 
         return (self.moe_gemv and indices.numel() <= self.moe_gemv_bound(pair_kernel)
@@ -115,13 +118,12 @@ class WeightFormat:
 
     def moe_gemv_bound(self, pair_kernel: str | None = None) -> int:
         """The pair bound of the per-pair path when ``pair_kernel`` runs it (None: :meth:`pair_kernel`):
-        its entry in :attr:`moe_gemv_max_pairs_by_kernel`, else :attr:`moe_gemv_max_pairs`, None resolved
-        to the unquantized experts' bound."""
+        its entry in :attr:`moe_gemv_max_pairs_by_kernel`, else :attr:`moe_gemv_max_pairs`, None (in either)
+        resolved to the unquantized experts' bound."""
         kernel = self.pair_kernel() if pair_kernel is None else pair_kernel
-        if kernel in self.moe_gemv_max_pairs_by_kernel:
-            return self.moe_gemv_max_pairs_by_kernel[kernel]
-        if self.moe_gemv_max_pairs is not None:
-            return self.moe_gemv_max_pairs
+        bound = self.moe_gemv_max_pairs_by_kernel.get(kernel, self.moe_gemv_max_pairs)
+        if bound is not None:
+            return bound
         from runners.engine.models.moe import MOE_GEMV_MAX_PAIRS
 
         return MOE_GEMV_MAX_PAIRS

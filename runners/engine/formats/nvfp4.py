@@ -33,8 +33,8 @@ class NVFP4Format(WeightFormat):
     # The CUDA per-pair kernel (kernels.quant.nvfp4.PAIR_KERNEL "cuda") is 1.6-2.0x faster than Triton's, and
     # faster than the grouped path at every point measured, up to 176 pairs (8 tokens at top-22: 261.1 against
     # 434.7 us on an H100, docs/kernel_performance.md "Quantized formats"): it takes the unquantized experts'
-    # bound (176), so a 4-token verify step (88 pairs) stays on it.
-    moe_gemv_max_pairs_by_kernel = {"cuda": 176}
+    # bound (None: MOE_GEMV_MAX_PAIRS, 176), so a 4-token verify step (88 pairs) stays on it.
+    moe_gemv_max_pairs_by_kernel = {"cuda": None}
 
     def pair_kernel(self) -> str:
         from kernels.quant import nvfp4

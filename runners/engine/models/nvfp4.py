@@ -128,15 +128,30 @@ class NVFP4MoE(MoE):
         """:func:`nvfp4_path` of the experts' device."""
         return nvfp4_path(self.experts_up.device)
 
+    @staticmethod
+    def _pair_kernel(h: torch.Tensor, indices: torch.Tensor, mats: dict) -> str:
+        """The per-pair kernel whose pair bound decides the path of tokens ``h`` [N, L] routed by ``indices``
+        [N, k] (runners.engine.formats.nvfp4: the CUDA kernel's bound reaches further than Triton's): "cuda"
+        where both projections would run on it (kernels.quant.nvfp4.pair_kernel_for; for down, ``h`` stands
+        for the intermediate, a fresh contiguous tensor of its dtype, whose width K the down codes give), else
+        "triton". Asked only between the two bounds and where the per-pair path's device rule holds
+        (runners.engine.models.moe.use_moe_gemv): elsewhere the kernel does not change the decision, so a
+        prefill or a batch that takes the grouped path either way builds no CUDA library."""
+        from runners.engine.models.moe import use_moe_gemv  # at call time: tests force the device rule
+
+        fmt, P = get_format(FORMAT_NVFP4), indices.numel()
+        if not (fmt.moe_gemv_bound("triton") < P <= fmt.moe_gemv_bound("cuda") and use_moe_gemv(h, indices)):
+            return "triton"  # the same decision under either bound
+        first, second = (mats["gate"], mats["up"]) if "gate" in mats else (mats["up"], None)
+        kernels = {pair_kernel_for(h, first, second, P), pair_kernel_for(h, mats["down"], None, P)}
+        return "cuda" if kernels == {"cuda"} else "triton"
+
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         mats = {k: tuple(getattr(self, f"experts_{k}{s}") for s in ("", "_weight_scale", "_weight_scale_2"))
                 for k in expert_kinds(self)}
         if self.act_name in ACT_CODES and nvfp4_words_ok(*mats.values()):
-            # the pair bound is that of the kernel the gate / up projection would run on (the CUDA kernel's
-            # reaches further than Triton's: runners.engine.formats.nvfp4)
-            first, second = (mats["gate"], mats["up"]) if "gate" in mats else (mats["up"], None)
-            kernel = pair_kernel_for(h, first, second, indices.numel())
-            if get_format(FORMAT_NVFP4).use_moe_gemv(h, indices, pair_kernel=kernel):
+            fmt = get_format(FORMAT_NVFP4)
+            if fmt.use_moe_gemv(h, indices, pair_kernel=self._pair_kernel(h, indices, mats)):
                 return moe_gemv_nvfp4(h, weights, indices, mats["up"], mats.get("gate"), mats["down"],
                                       self.act_name)
 
