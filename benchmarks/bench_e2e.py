@@ -796,9 +796,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--full-layers cuts {family} and --synth-set sets {', '.join(clash)}: give the depth one way "
                     "(--full-layers, or --synth-set with --full-layers 0 for that family)")
 
-    def depth_overrides(family: str) -> dict:
-        return cuts[family]
-
     import torch
 
     if args.fp8_decode_scheme is not None:  # recorded with the command line in the report
@@ -874,9 +871,9 @@ def main(argv: list[str] | None = None) -> int:
             from registry.releases import release_hybrid_config
             from runners.engine.dummy import materialize_dummy, plan_dummy
 
-            config = release_hybrid_config(family, quant, "fp8", overrides={**depth_overrides(family),
-                                                                            **args.synth_overrides})
-            depth = part_depth(family, {**depth_overrides(family), **args.synth_overrides}, args.synth_overrides)
+            fields = {**cuts[family], **args.synth_overrides}  # the --full-layers cut, then --synth-set
+            config = release_hybrid_config(family, quant, "fp8", overrides=fields)
+            depth = part_depth(family, fields, args.synth_overrides)
             plan = plan_dummy(config, dtype=dtype, with_mtp=True)
             model = materialize_dummy(plan, dev, log=say)
             return model, {"family": family, "format": config.quantization.algo, "dtype": args.dtype,
