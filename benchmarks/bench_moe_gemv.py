@@ -18,7 +18,9 @@ weights), one row each:
   NVFP4MoE / BlockFP8MoE take at decode sizes on CUDA) and ``grouped_mm_<fmt>`` (runners/engine/models/
   moe.py's moe_experts_grouped over the format's grouped GEMM: the quantized MoE's path before); for
   ``block_fp8`` also the per-pair GEMVs on the CUDA kernel of kernels/quant/pair_gemv.cu (w8a16,
-  ``moe_gemv_block_fp8_cuda``) and in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
+  ``moe_gemv_block_fp8_cuda``), on the Triton kernel (``moe_gemv_block_fp8_triton``, and
+  ``grouped_mm_block_fp8_triton`` for the grouped form: the default rows take the CUDA kernels within the
+  format's size bounds, CUDA_BOUNDS) and in the other scheme (``moe_gemv_block_fp8_w8a8``: activations
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
   other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/pair_gemv.cu, the
   default; ``_cuda_prefetch``, ``_cuda_pdl``, ``_cuda_prefetch_pdl``: with kernels/quant/pair_cuda.py's
@@ -183,6 +185,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     if fmt == "block_fp8":
         other = "w8a8" if pair_scheme == "w8a16" else "w8a16"
         paths.append((f"moe_gemv_{fmt}_{other}", partial(gemv, scheme=other), other))
+        paths += [(f"moe_gemv_{fmt}_triton", partial(_triton, fmt, gemv), pair_scheme),
+                  (f"grouped_mm_{fmt}_triton", partial(_triton, fmt, grouped, "grouped"), grouped_rows_scheme)]
         paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, partial(gemv, scheme="w8a16"), **launch),
                    "w8a16") for suffix, launch in CUDA_LAUNCH.items()]
     if fmt == "nvfp4":
@@ -225,6 +229,10 @@ def _nvfp4_pair(decode: str, load: str, fn):
 
 # the CUDA kernels' settings in kernels/quant/<fmt>.py and the Triton launcher each one replaces
 CUDA_SETTINGS = {"pair": ("PAIR_KERNEL", "_launch_pair"), "grouped": ("GROUPED_KERNEL", "_launch")}
+# the size bounds a format puts on its CUDA kernels by default, per form, and the values that lift them (so a
+# ``_cuda`` row times the CUDA kernel at every point, a ``_triton`` row the Triton kernel)
+CUDA_BOUNDS = {"block_fp8": {"pair": {"PAIR_CUDA_MAX_PAIRS": None},
+                             "grouped": {"GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 0.0}}}
 # the per-pair CUDA rows: row suffix -> kernels/quant/pair_cuda.py's launch settings (PREFETCH, PDL)
 CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False}, "_prefetch": {"PREFETCH": True, "PDL": False},
                "_pdl": {"PREFETCH": False, "PDL": True}, "_prefetch_pdl": {"PREFETCH": True, "PDL": True}}
@@ -233,7 +241,8 @@ CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False}, "_prefetch": {"PREFETCH": 
 def _cuda(fmt: str, fn, form: str = "pair", **launch):
     """fn() with kernels/quant/<fmt>.py's setting for `form` (CUDA_SETTINGS: the per-pair or the grouped form
     of kernels/quant/pair_gemv.cu) = "cuda", its Triton launcher refusing, and kernels/quant/pair_cuda.py's
-    ``launch`` settings (CUDA_LAUNCH's values), all put back afterwards: the row times the CUDA kernel or fails
+    ``launch`` settings (CUDA_LAUNCH's values), the format's size bounds lifted (CUDA_BOUNDS), all put back
+    afterwards: the row times the CUDA kernel or fails
     with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is w8a8, which the CUDA kernel does
     not run)."""
     import importlib
@@ -242,8 +251,19 @@ def _cuda(fmt: str, fn, form: str = "pair", **launch):
 
     module = importlib.import_module(f"kernels.quant.{fmt}")
     setting, launcher = CUDA_SETTINGS[form]
+    bounds = CUDA_BOUNDS.get(fmt, {}).get(form, {})
     with mock.patch.multiple(pair_cuda, **launch) if launch else contextlib.nullcontext():
-        return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton})
+        return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton, **bounds})
+
+
+def _triton(fmt: str, fn, form: str = "pair"):
+    """fn() with kernels/quant/<fmt>.py's setting for `form` (CUDA_SETTINGS) = "triton", put back afterwards:
+    the Triton kernel at every point, beside the default row (which may take the CUDA kernel within the
+    format's CUDA_BOUNDS)."""
+    import importlib
+
+    module = importlib.import_module(f"kernels.quant.{fmt}")
+    return _with(module, fn, (), {}, **{CUDA_SETTINGS[form][0]: "triton"})
 
 
 def _refuse_triton(*args, **kwargs):

@@ -12,10 +12,13 @@ NemotronH (sigmoid scores, a selection-only ``e_score_correction_bias``) or Qwen
 Qwen3NextSparseMoeBlock). :func:`topk_route_ref` is that computation in PyTorch (``torch.topk``; also the
 group-limited selection, n_group > 1, of DeepSeek-V3) and is what ``runners.engine.models.moe.TopkRouter``
 runs; :func:`topk_route` is the Triton kernel for n_group = 1: one program per token holds its E scores in
-registers and takes the k largest by k rounds of max + lowest-index argmin, so the decode step's top-k costs
-one small kernel instead of the sort kernels torch.topk launches (gatherTopK, radix / bitonic sorts; issue
-27's profile). Ties between equal choices go to the lower expert index (torch.topk leaves their order
-unspecified).
+registers and takes the k largest by k rounds of one max over packed (choice, lane) keys, so the decode
+step's top-k costs one small kernel instead of the sort kernels torch.topk launches (gatherTopK, radix /
+bitonic sorts; issue 27's profile). Ties between equal choices go to the lower expert index (torch.topk
+leaves their order unspecified). The chosen weights are recomputed from their k logits. One warp per
+program up to 512 experts (:func:`warps_for`): the rounds' reductions stay in warp shuffles. At the half-depth
+release steps the earlier kernel (three reductions per round over four warps) took 9.5 us per call at Super
+V3's top-22 of 512 on an H100 (benchmarks/profile_breakdown of bench_e2e --profile; docs/kernel_performance.md).
 """
 
 from __future__ import annotations
@@ -84,24 +87,41 @@ def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scal
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     # NaN (a poisoned PAD row) counts as the largest choice, as torch.topk orders it: every round then finds
-    # an index in [0, E) (NaN == NaN is false, so a NaN left in place would match no lane)
+    # an index in [0, E) (NaN == NaN is false, so a NaN left in place would match no lane). No choice is -0.0
+    # (scores are >= +0.0 and s + (-s) rounds to +0.0), so equal floats have equal keys below.
     choice = tl.where(choice != choice, float("inf"), choice)
     choice = tl.where(valid, choice, float("-inf"))
+    # One max per round: each lane's key packs the choice's float32 bits mapped to an int32 of the same order
+    # (negative floats have their magnitude bits flipped) in the high word and the lane reversed in the low
+    # word, so the largest key is the largest choice and, among equal choices, the lowest index. Keys are
+    # distinct (one lane each); a chosen lane drops below every key.
+    bits = choice.to(tl.int32, bitcast=True)
+    key = (bits ^ tl.where(bits < 0, 0x7FFFFFFF, 0)).to(tl.int64)
+    packed = (key << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
     kofs = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     indices = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(K):  # k rounds of max + lowest-index argmax: no sort
-        best = tl.max(choice, axis=0)
-        i = tl.min(tl.where(choice == best, offs, BLOCK_E), axis=0)
-        s = tl.sum(tl.where(offs == i, scores, 0.0), axis=0)
-        weights = tl.where(kofs == j, s, weights)
-        indices = tl.where(kofs == j, i, indices)
-        choice = tl.where(offs == i, float("-inf"), choice)
+    for j in tl.static_range(K):  # k rounds of one max each: no sort
+        best = tl.max(packed, axis=0)
+        indices = tl.where(kofs == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), indices)
+        packed = tl.where(packed == best, -9223372036854775807, packed)
+    # the chosen scores, recomputed from their logits with the arithmetic above (the same bits)
+    xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        weights = tl.exp(xk - tl.max(x, axis=0)) / tl.sum(p, axis=0)
+    else:
+        weights = tl.sigmoid(xk)
+    weights = tl.where(kofs < K, weights, 0.0)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     weights = weights * scaling
     tl.store(w_ptr + row * K + kofs, weights, mask=kofs < K)
     tl.store(idx_ptr + row * K + kofs, indices.to(tl.int64), mask=kofs < K)
+
+
+def warps_for(block_e: int) -> int:
+    """Warps per program for BLOCK_E experts: one up to 512 (16 keys per lane; each round's max then stays in
+    warp shuffles, with no shared-memory round trip between warps), more above so a lane holds at most 16."""
+    return max(1, min(8, block_e // 512))
 
 
 def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.Tensor | None = None,
@@ -132,9 +152,10 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
     if N == 0:
         return weights, indices
     bias_arg = bias.float().contiguous() if bias is not None else logits
+    block_e = triton.next_power_of_2(E)
     _topk_route_kernel[(N,)](
         logits, bias_arg, weights, indices, E, logits.stride(0), float(scaling),
         SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, num_warps=warps_for(block_e),
     )
     return weights, indices

@@ -98,3 +98,20 @@ def test_cuda_rows_set_the_kernel_refuse_triton_and_put_both_back():
             with pytest.raises(RuntimeError, match="fell back to the Triton kernel"):
                 bench._cuda(fmt, lambda m=module, f=launcher: getattr(m, f)(), form)
             assert (getattr(module, setting), getattr(module, launcher)) == keep
+
+
+def test_cuda_rows_lift_the_formats_size_bounds_and_triton_rows_force_triton():
+    """A ``_cuda`` row lifts the format's CUDA_BOUNDS (block FP8 takes its CUDA kernels only within measured
+    sizes by default) and a ``_triton`` row sets the form's setting to "triton"; both put everything back."""
+    from kernels.quant import block_fp8
+
+    keep = (block_fp8.PAIR_KERNEL, block_fp8.GROUPED_KERNEL, block_fp8.PAIR_CUDA_MAX_PAIRS,
+            block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT)
+    assert bench._cuda("block_fp8", lambda: block_fp8.PAIR_CUDA_MAX_PAIRS, "pair") is None
+    assert bench._cuda("block_fp8", lambda: block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT, "grouped") == 0.0
+    assert bench._triton("block_fp8", lambda: block_fp8.PAIR_KERNEL, "pair") == "triton"
+    assert bench._triton("block_fp8", lambda: block_fp8.GROUPED_KERNEL, "grouped") == "triton"
+    assert (block_fp8.PAIR_KERNEL, block_fp8.GROUPED_KERNEL, block_fp8.PAIR_CUDA_MAX_PAIRS,
+            block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT) == keep
+    for form, bounds in bench.CUDA_BOUNDS["block_fp8"].items():  # every bound names a real setting
+        assert all(hasattr(block_fp8, name) for name in bounds), form

@@ -45,6 +45,20 @@ def test_kernel_equals_reference(N, E, k, mode, norm, scaling):
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["sigmoid+bias", "softmax"])
+def test_release_sizes_with_negative_choices(mode):
+    """Super V3's router size (top-22 of 512) with every choice negative (a bias of about -5 under sigmoid)
+    or mixed in sign: the kernel's integer keys must order negative floats as the floats order, so the
+    indices match the reference exactly and the weights to float32 rounding."""
+    logits, bias = _case(3, 512, seed=7)
+    bias = bias - 5.0 if mode == "sigmoid+bias" else None
+    kw = dict(softmax=mode == "softmax", bias=bias, norm_topk_prob=True, scaling=2.5)
+    w, i = topk_route(logits, 22, **kw)
+    w_ref, i_ref = topk_route_ref(logits, 22, **kw)
+    assert torch.equal(i, i_ref), (i, i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
 def test_bias_selects_but_does_not_weight():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]], device=DEV)
     bias = torch.tensor([10.0, 0.0, 0.0, 0.0], device=DEV)

@@ -381,6 +381,64 @@ def test_grouped_kernel_setting_is_checked_and_falls_back_to_triton():
         pair_cuda.grouped_kernel_for("gemlite", "nvfp4", x, w, offsets)
 
 
+def test_block_fp8_cuda_kernels_take_only_the_sizes_they_won(monkeypatch):
+    """block_fp8's per-pair CUDA kernel is asked only up to PAIR_CUDA_MAX_PAIRS pairs (None: always) and its
+    grouped form only from GROUPED_CUDA_MIN_ROWS_PER_EXPERT rows per expert on average; outside those sizes
+    the Triton kernel runs without pair_cuda being asked, and a bad setting is still refused there."""
+    gen = torch.Generator().manual_seed(0)
+    f8 = _fp8_experts(4, 16, 128, gen)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    asked = []
+
+    def pair_cuda_says_cuda(setting, fmt, *args):
+        asked.append((setting, fmt, args[-1] if isinstance(args[-1], int) else args[-1].numel()))
+        return "cuda"
+
+    monkeypatch.setattr(pair_cuda, "kernel_for", pair_cuda_says_cuda)
+    monkeypatch.setattr(pair_cuda, "grouped_kernel_for", pair_cuda_says_cuda)
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+    monkeypatch.setattr(bf8, "PAIR_CUDA_MAX_PAIRS", 20)
+    assert bf8.pair_kernel_for(x, f8, None, 20, a16=True) == "cuda"
+    assert bf8.pair_kernel_for(x, f8, None, 21, a16=True) == "triton"
+    assert asked == [("cuda", "block_fp8", 20)]
+    monkeypatch.setattr(bf8, "PAIR_CUDA_MAX_PAIRS", None)
+    assert bf8.pair_kernel_for(x, f8, None, 5000, a16=True) == "cuda"
+    monkeypatch.setattr(bf8, "PAIR_KERNEL", "fast")
+    monkeypatch.setattr(bf8, "PAIR_CUDA_MAX_PAIRS", 20)
+    with pytest.raises(ValueError, match="block_fp8.PAIR_KERNEL must be one of"):
+        bf8.pair_kernel_for(x, f8, None, 21, a16=True)
+
+    asked.clear()
+    monkeypatch.setattr(bf8, "GROUPED_KERNEL", "cuda")
+    monkeypatch.setattr(bf8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT", 5.0)
+    offsets = torch.zeros(4, dtype=torch.int32)  # E = 4: the CUDA form from 20 rows
+    assert bf8.grouped_kernel_for(torch.randn(19, 128).bfloat16(), f8, offsets) == "triton"
+    assert asked == []
+    assert bf8.grouped_kernel_for(torch.randn(20, 128).bfloat16(), f8, offsets) == "cuda"
+    assert asked == [("cuda", "block_fp8", 4)]
+    monkeypatch.setattr(bf8, "GROUPED_KERNEL", "gemlite")
+    with pytest.raises(ValueError, match="block_fp8.GROUPED_KERNEL must be one of"):
+        bf8.grouped_kernel_for(torch.randn(19, 128).bfloat16(), f8, offsets)
+
+
+def test_block_fp8_grouped_mm_asks_for_the_cuda_form_only_in_w8a16(monkeypatch):
+    """block_fp8_grouped_mm sends a w8a16 product to the grouped CUDA kernel where grouped_kernel_for says
+    "cuda" and never a w8a8 one (the CUDA kernel has no activation quantization)."""
+    gen = torch.Generator().manual_seed(1)
+    f8 = _fp8_experts(2, 16, 128, gen)
+    x = torch.randn(12, 128).to(torch.bfloat16)
+    offsets = torch.tensor([5, 12], dtype=torch.int32)
+    calls = []
+    monkeypatch.setattr(bf8, "use_kernel", lambda t: True)
+    monkeypatch.setattr(bf8, "check_launchable", lambda *a, **k: None)
+    monkeypatch.setattr(bf8, "grouped_kernel_for", lambda *a: "cuda")
+    monkeypatch.setattr(pair_cuda, "grouped_mm", lambda fmt, *a, **k: calls.append(fmt) or "cuda ran")
+    monkeypatch.setattr(bf8, "_launch", lambda *a, **k: "triton ran")
+    assert bf8.block_fp8_grouped_mm(x, *f8, offsets, scheme="w8a16") == "cuda ran"
+    assert bf8.block_fp8_grouped_mm(x, *f8, offsets, scheme="w8a8") == "triton ran"
+    assert calls == ["block_fp8"]
+
+
 @needs_gxx
 def test_host_emulated_block_fp8_kernels_at_qwen3_next_widths(host_lib):
     """Block FP8 at Qwen3-Next's released expert widths (gate / up 2048 -> 512, gated SiLU, per pair; down

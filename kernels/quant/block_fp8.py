@@ -993,10 +993,30 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     return _launch(x, weight, weight_scale_inv, bias, None, out, grouped=False, scheme=scheme)
 
 
-# Which kernel runs block_fp8_grouped_mm's w8a16 scheme on the GPU: "triton" (this file's kernels) or "cuda"
-# (the grouped form of kernels/quant/pair_gemv.cu, as nvfp4.GROUPED_KERNEL). w8a8 stays Triton. "triton" until
-# a GPU bench (benchmarks/bench_moe_gemv.py, row grouped_mm_block_fp8_cuda) has timed it. Read at call time.
-GROUPED_KERNEL = "triton"
+# Which kernel runs block_fp8_grouped_mm's w8a16 scheme on the GPU: "triton" (this file's GEMV, one pass over
+# the weight tile per row) or "cuda" (the grouped form of kernels/quant/pair_gemv.cu, as nvfp4.GROUPED_KERNEL:
+# each expert's rows as the MMA's N), the latter from GROUPED_CUDA_MIN_ROWS_PER_EXPERT rows per expert on
+# average (P / E). w8a8 stays Triton. Measured by bench_moe_gemv at Qwen3-Next's experts on an H100
+# (docs/kernel_performance.md, "The CUDA kernels at the release shapes"): at 256 tokens (5 rows per expert,
+# the batch-64 verify) the CUDA form took 973 us against the Triton GEMV's 3,228; at 64 tokens (1.25 rows per
+# expert) 677 against 566, and below that the Triton form led further. Read at call time.
+GROUPED_KERNEL = "cuda"
+GROUPED_CUDA_MIN_ROWS_PER_EXPERT = 5.0
+
+
+def grouped_kernel_for(x: torch.Tensor, w: BlockFP8Experts, offsets: torch.Tensor) -> str:
+    """The kernel GROUPED_KERNEL gives one w8a16 grouped product (x [P, K] rows sorted by expert, the experts w,
+    int32 offsets [E]): "cuda" where GROUPED_KERNEL asks for it, P >= GROUPED_CUDA_MIN_ROWS_PER_EXPERT * E and
+    the CUDA kernel takes the call (pair_cuda.grouped_unsupported), else "triton". Reads shapes only (no host
+    synchronisation).
+
+    Raises:
+        ValueError: GROUPED_KERNEL is not one of pair_cuda.KERNELS.
+    """
+    pair_cuda.check_setting(GROUPED_KERNEL, "block_fp8", "GROUPED_KERNEL")
+    if x.shape[0] < GROUPED_CUDA_MIN_ROWS_PER_EXPERT * offsets.numel():
+        return "triton"
+    return pair_cuda.grouped_kernel_for(GROUPED_KERNEL, "block_fp8", x, w, offsets)
 
 
 def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -1034,7 +1054,7 @@ def block_fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     if x.shape[0] == 0:
         return out
     w = (weight, weight_scale_inv)
-    if scheme == "w8a16" and pair_cuda.grouped_kernel_for(GROUPED_KERNEL, "block_fp8", x, w, offsets) == "cuda":
+    if scheme == "w8a16" and grouped_kernel_for(x, w, offsets) == "cuda":
         return pair_cuda.grouped_mm("block_fp8", x, w, offsets, out=out, name=name)
     return _launch(x, weight, weight_scale_inv, None, offsets, out, grouped=True, scheme=scheme)
 
@@ -1202,21 +1222,24 @@ def _launch_pair(x, idx, w, w2, out_dtype, topk, act_code, *, a16: bool = False)
 
 # Which kernel runs moe_gemv_block_fp8's w8a16 projections on the GPU: "triton" (_pair_block_fp8_kernel above)
 # or "cuda" (kernels/quant/pair_gemv.cu through kernels/quant/pair_cuda.py: the e4m3 decode in the registers of
-# a bf16 mma.sync, the NVFP4 kernel's scheme). "cuda" runs each w8a16 projection it takes
-# (pair_cuda.unsupported) and leaves the others, and w8a8, to Triton. "triton" until a GPU bench
-# (benchmarks/bench_moe_gemv.py, row moe_gemv_block_fp8_cuda) has timed the CUDA kernel. Read at call time.
-PAIR_KERNEL = "triton"
+# a bf16 mma.sync, the NVFP4 kernel's scheme), the latter up to PAIR_CUDA_MAX_PAIRS pairs (None: any). "cuda"
+# runs each w8a16 projection it takes (pair_cuda.unsupported) and leaves the others, and w8a8, to Triton.
+# Measured by bench_moe_gemv at Qwen3-Next's experts on an H100 (docs/kernel_performance.md, "The CUDA kernels
+# at the release shapes"): the CUDA kernel led at 10 and 20 pairs (24.3 / 38.9 us against 30.5 / 41.9) and
+# trailed from 40 (63.9 against 60.9; 108.0 against 102.9 at 80). Read at call time.
+PAIR_KERNEL = "cuda"
+PAIR_CUDA_MAX_PAIRS: int | None = 20
 
 
 def pair_kernel_for(x: torch.Tensor, w: BlockFP8Experts, w2: BlockFP8Experts | None, P: int, a16: bool) -> str:
     """The kernel PAIR_KERNEL gives one projection (x [rows, K], the experts w and, gated, w2, P pairs, the
-    w8a16 scheme when ``a16``): "cuda" where PAIR_KERNEL asks for it, the scheme is w8a16 and the CUDA kernel
-    takes the call, else "triton".
+    w8a16 scheme when ``a16``): "cuda" where PAIR_KERNEL asks for it, the scheme is w8a16, P is at most
+    PAIR_CUDA_MAX_PAIRS and the CUDA kernel takes the call, else "triton".
 
     Raises:
         ValueError: PAIR_KERNEL is not one of pair_cuda.KERNELS.
     """
-    if not a16:  # w8a8: only Triton has it
+    if not a16 or (PAIR_CUDA_MAX_PAIRS is not None and P > PAIR_CUDA_MAX_PAIRS):  # w8a8: only Triton has it
         pair_cuda.check_setting(PAIR_KERNEL, "block_fp8")
         return "triton"
     return pair_cuda.kernel_for(PAIR_KERNEL, "block_fp8", x, w, w2, P)
