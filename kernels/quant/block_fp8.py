@@ -996,12 +996,12 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 # Which kernel runs block_fp8_grouped_mm's w8a16 scheme on the GPU: "triton" (this file's GEMV, one pass over
 # the weight tile per row) or "cuda" (the grouped form of kernels/quant/pair_gemv.cu, as nvfp4.GROUPED_KERNEL:
 # each expert's rows as the MMA's N), the latter from GROUPED_CUDA_MIN_ROWS_PER_EXPERT rows per expert on
-# average (P / E). w8a8 stays Triton. Measured by bench_moe_gemv at Qwen3-Next's experts on an H100
-# (docs/kernel_performance.md, "The CUDA kernels at the release shapes"): at 256 tokens (5 rows per expert,
-# the batch-64 verify) the CUDA form took 973 us against the Triton GEMV's 3,228; at 64 tokens (1.25 rows per
-# expert) 677 against 566, and below that the Triton form led further. Read at call time.
+# average (P / E). w8a8 stays Triton. Measured by bench_moe_gemv at Qwen3-Next's experts (top-10 of 512) on
+# an H100 (docs/kernel_performance.md, "The CUDA kernels at the release shapes"): the Triton GEMV led up to
+# 96 tokens (1.875 rows per expert: 713 us against 792), the CUDA form from 128 (2.5 rows: 855 against
+# 1,229) on, 3.3x at 256 (5 rows, the batch-64 verify: 969 against 3,242). Read at call time.
 GROUPED_KERNEL = "cuda"
-GROUPED_CUDA_MIN_ROWS_PER_EXPERT = 5.0
+GROUPED_CUDA_MIN_ROWS_PER_EXPERT = 2.5
 
 
 def grouped_kernel_for(x: torch.Tensor, w: BlockFP8Experts, offsets: torch.Tensor) -> str:
