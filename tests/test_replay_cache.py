@@ -315,8 +315,9 @@ def test_replay_spec_buffers_10x_smaller_at_released_shapes(entry):
 
 def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
     """Mamba2Mixer.decay_rate: -exp(A_log) in float32; where the fused inference stages run
-    (layers.cacheable_now) one tensor reused until A_log changes in place (a load bumps its version),
-    elsewhere recomputed at every call (CPU, training)."""
+    (layers.use_inference_kernel) one tensor reused until A_log changes in place (a load bumps its version),
+    stored only where layers.cacheable_now holds (not in a CUDA-graph capture) but read in a capture too, a
+    new value written into the kept tensor in place; elsewhere recomputed at every call (CPU, training)."""
     import runners.engine.models.mamba2 as mamba2_mod
 
     torch.manual_seed(0)
@@ -325,13 +326,23 @@ def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
         mixer.A_log.uniform_(-1.0, 1.0)
     first = mixer.decay_rate()
     assert torch.equal(first, -torch.exp(mixer.A_log.float())) and mixer.decay_rate() is not first
-    monkeypatch.setattr(mamba2_mod, "cacheable_now", lambda x: True)
+    monkeypatch.setattr(mamba2_mod, "use_inference_kernel", lambda x: True)
+    capturing = [True]
+    monkeypatch.setattr(mamba2_mod, "cacheable_now", lambda x: not capturing[0])
+    # captured before any eager step: computed in the graph, nothing stored
+    assert mixer.decay_rate() is not mixer.decay_rate() and mixer._A_cache is None
+    capturing[0] = False  # the eager warm-up stores it ...
     cached = mixer.decay_rate()
     assert mixer.decay_rate() is cached and torch.equal(cached, first)
+    capturing[0] = True  # ... and the capture reads it: no launch in the graph
+    assert mixer.decay_rate() is cached
+    capturing[0] = False
     with torch.no_grad():
         mixer.A_log.add_(0.5)  # an in-place update (as a checkpoint load): a new value
     fresh = mixer.decay_rate()
-    assert fresh is not cached and torch.equal(fresh, -torch.exp(mixer.A_log.float()))
+    # written into the kept tensor: a graph captured on it reads the new value
+    assert fresh is cached and torch.equal(fresh, -torch.exp(mixer.A_log.float()))
+    assert not torch.equal(fresh, first)
     # a model built inside torch.inference_mode (as the engine tests build theirs): inference tensors carry
     # no version counter (reading it raised on the H200, gpu_suite_2), so nothing is cached for them
     with torch.inference_mode():
@@ -343,8 +354,8 @@ def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
 
 def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch):
     """Attention._inv_freq (Qwen3-Next's RoPE frequencies, float32): recomputed at every call off the eager
-    inference step (here the CPU), one tensor per device reused where layers.cacheable_now holds; equal
-    values either way."""
+    inference step (here the CPU), one tensor per device stored where layers.cacheable_now holds and read
+    where layers.use_inference_kernel does (a CUDA-graph capture included); equal values either way."""
     import runners.engine.models.attention as attention_mod
     from runners.engine.models.attention import Attention, rope_inv_freq
 
@@ -355,9 +366,15 @@ def test_attention_rope_frequencies_are_cached_only_where_cacheable(monkeypatch)
     first = attn._inv_freq(x)
     assert torch.equal(first, rope_inv_freq(attn.rotary_dim, attn.rope_theta))
     assert attn._inv_freq(x) is not first
-    monkeypatch.setattr(attention_mod, "cacheable_now", lambda t: True)
+    monkeypatch.setattr(attention_mod, "use_inference_kernel", lambda t: True)
+    capturing = [True]
+    monkeypatch.setattr(attention_mod, "cacheable_now", lambda t: not capturing[0])
+    assert attn._inv_freq(x) is not attn._inv_freq(x)  # captured first: nothing stored
+    capturing[0] = False
     cached = attn._inv_freq(x)
     assert attn._inv_freq(x) is cached and torch.equal(cached, first) and cached.dtype == torch.float32
+    capturing[0] = True  # a capture after the eager warm-up reads the stored value
+    assert attn._inv_freq(x) is cached
 
 
 @pytest.mark.gpu

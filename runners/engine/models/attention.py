@@ -208,15 +208,18 @@ class Attention(nn.Module):
             )
 
     def _inv_freq(self, x: torch.Tensor) -> torch.Tensor:
-        """:func:`rope_inv_freq` of this layer on x's device (float32 [rotary_dim / 2]); in the eager
-        inference step (:func:`cacheable_now` of x) computed once per device and reused (five launches
-        fewer per forward), elsewhere at each call (autograd; torch.compile folds it)."""
-        if not cacheable_now(x):
-            return rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
+        """:func:`rope_inv_freq` of this layer on x's device (float32 [rotary_dim / 2]); where the fused
+        inference stages run (:func:`use_inference_kernel` of x) computed once per device and reused (five
+        launches fewer per forward): stored in the eager step (:func:`cacheable_now`), read in a CUDA-graph
+        capture too (the captured step reads what its eager warm-up stored); elsewhere at each call
+        (autograd; torch.compile folds it)."""
         cache = self.__dict__.setdefault("_inv_freq_cache", {})
-        if x.device not in cache:
-            cache[x.device] = rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
-        return cache[x.device]
+        if use_inference_kernel(x) and x.device in cache:
+            return cache[x.device]
+        inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta, x.device)
+        if cacheable_now(x):
+            cache[x.device] = inv_freq
+        return inv_freq
 
     def forward(self, hidden: torch.Tensor, kv: KVCache | None = None, meta: BatchMeta | None = None,
                 last_rows: int | None = None):

@@ -261,18 +261,30 @@ class Mamba2Mixer(nn.Module):
         self._A_cache: tuple | None = None  # ((A_log's version, data_ptr), A), see decay_rate
 
     def decay_rate(self) -> torch.Tensor:
-        """A = -exp(A_log), float32 (H,). In the eager inference step (``layers.cacheable_now``) it is
-        computed once and reused while A_log is the same tensor at the same version (a load or an in-place
-        update bumps it): three launches fewer per block and step. Elsewhere (CPU, autograd, torch.compile)
-        computed at each call, and also when A_log is an inference tensor (a model built inside
+        """A = -exp(A_log), float32 (H,). Where the fused inference stages run
+        (``layers.use_inference_kernel``) it is computed once and reused while A_log is the same tensor at the
+        same version (a load or an in-place update bumps it): up to three launches fewer per block and step
+        (a cast of a 16-bit A_log, exp, neg). The value is stored only in the eager step
+        (``layers.cacheable_now``: a launch captured into a CUDA graph writes nothing until the graph
+        replays) and read in a capture too, so the captured step reads what its eager warm-up stored instead
+        of launching the three at every replay. A new value is written into the kept tensor in place, so a
+        graph captured on the old one reads the new one. Elsewhere (CPU, autograd, torch.compile) computed
+        at each call, and also when A_log is an inference tensor (a model built inside
         ``torch.inference_mode``): those carry no version counter, so an in-place load could not be seen and
         the cache could go stale. Mutates only the cache."""
-        if not cacheable_now(self.A_log) or self.A_log.is_inference():
+        if not use_inference_kernel(self.A_log) or self.A_log.is_inference():
             return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
-        if self._A_cache is None or self._A_cache[0] != key:
-            self._A_cache = (key, -torch.exp(self.A_log.float()))
-        return self._A_cache[1]
+        if self._A_cache is not None and self._A_cache[0] == key:
+            return self._A_cache[1]
+        A = -torch.exp(self.A_log.float())
+        if not cacheable_now(self.A_log):  # being captured: computed by the graph at each replay
+            return A
+        if self._A_cache is not None and self._A_cache[1].shape == A.shape \
+                and self._A_cache[1].device == A.device:
+            A = self._A_cache[1].copy_(A)
+        self._A_cache = (key, A)
+        return A
 
     def _conv(self, xBC: torch.Tensor, state: Mamba2State | None, meta: BatchMeta | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over xBC [B, T, C] -> [B, T, C]. Updates ``state.conv`` of the batch's
