@@ -69,13 +69,18 @@ def topk_route_ref(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: tor
 
 
 @triton.jit
-def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scaling,
-                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, row, E, stride_row, scaling,
+               SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """Scores, top-k and weights of logits row ``row`` (an integer; N * E fits int32 where it is not int64), stored at w_ptr / idx_ptr + row * K. With
+    BYPASS_L1 the logits are loaded past L1 (.cg): written by other programs of the same launch."""
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
-    x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0).to(tl.float32)
+    if BYPASS_L1:
+        x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0)
+    x = x.to(tl.float32)
     if SOFTMAX:
         x = tl.where(valid, x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=0))
@@ -105,7 +110,11 @@ def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scal
         indices = tl.where(kofs == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), indices)
         packed = tl.where(packed == best, -9223372036854775807, packed)
     # the chosen scores, recomputed from their logits with the arithmetic above (the same bits)
-    xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0).to(tl.float32)
+    if BYPASS_L1:
+        xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0, cache_modifier=".cg")
+    else:
+        xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0)
+    xk = xk.to(tl.float32)
     if SOFTMAX:
         weights = tl.exp(xk - tl.max(x, axis=0)) / tl.sum(p, axis=0)
     else:
@@ -116,6 +125,48 @@ def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scal
     weights = weights * scaling
     tl.store(w_ptr + row * K + kofs, weights, mask=kofs < K)
     tl.store(idx_ptr + row * K + kofs, indices.to(tl.int64), mask=kofs < K)
+
+
+@triton.jit
+def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scaling,
+                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0).to(tl.int64), E, stride_row, scaling,
+               SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, False)
+
+
+@triton.jit
+def _router_fused_kernel(x_ptr, wt_ptr, logits_ptr, bias_ptr, w_ptr, idx_ptr, counter_ptr, N, E, D, stride_x,
+                         scaling, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                         EXPERTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the logits of this program's EXPERTS experts for every token: the weight tile of each BLOCK_D columns
+    # loaded once and dotted with each token's columns, in float32
+    ex = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    emask = ex < E
+    tok = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, EXPERTS], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        w = tl.load(wt_ptr + ex.to(tl.int64)[:, None] * D + cols[None, :], mask=emask[:, None] & cmask[None, :],
+                    other=0.0)
+        for n in tl.static_range(BLOCK_N):
+            xn = tl.load(x_ptr + n * stride_x + cols, mask=cmask & (cols * 0 + n < N), other=0.0).to(tl.float32)
+            part = tl.sum(w * xn[None, :], axis=1)
+            acc = tl.where(tok[:, None] == n, acc + part[None, :], acc)
+    tl.store(logits_ptr + tok[:, None] * E + ex[None, :], acc, mask=(tok[:, None] < N) & emask[None, :])
+    # the last program to finish routes every token (CUTLASS's serial split-K with a counter, as
+    # kernels/quant/block_fp8.py's _serial_split_sum): the barrier orders this program's stores before its
+    # count; the count's acquire-release makes every program's stores visible to the last one, whose loads
+    # bypass L1; it sets the counter back to 0 for the next launch or graph replay
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        for n in range(N):
+            _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, n, E, E, scaling,
+                       SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, True)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def warps_for(block_e: int) -> int:
@@ -157,5 +208,74 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
         logits, bias_arg, weights, indices, E, logits.stride(0), float(scaling),
         SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, num_warps=warps_for(block_e),
+    )
+    return weights, indices
+
+
+# The fused router (:func:`router_fused`): at most this many tokens (the last program routes them one after
+# another, so its tail grows with the tokens; decode at batch 1, plain or an MTP verify of 4, fits), experts
+# per program and columns per weight tile. Whether the engine takes it: runners.engine.models.moe.ROUTER_FUSED.
+ROUTER_FUSED_MAX_TOKENS = 8
+ROUTER_FUSED_EXPERTS = 4
+ROUTER_FUSED_BLOCK_D = 512
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: bool,
+                 bias: torch.Tensor | None = None, norm_topk_prob: bool = True, scaling: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits ``x.float() @ weight.T`` and :func:`topk_route` on them in one launch: x is read in
+    its dtype and converted in registers (no float32 copy of x), each program computes the float32 logits of
+    ROUTER_FUSED_EXPERTS experts for every token, and the last program to finish (a device counter) scores and
+    routes each token as :func:`topk_route` does. Decode sizes: at most ROUTER_FUSED_MAX_TOKENS tokens.
+
+    The logits are summed in another order than cuBLAS's float32 GEMM, so they agree with ``F.linear`` to
+    float32 rounding, and the indices with :func:`topk_route_ref` on those logits except at near-ties.
+    CUDA-graph capturable (no host synchronisation; the counter is allocated at the first call on a device,
+    outside a capture where the caller warms up eagerly, and is back at 0 after every launch).
+
+    Args:
+        x: [N, D] activations (float32 / bfloat16 / float16), unit-stride rows, N <= ROUTER_FUSED_MAX_TOKENS.
+        weight: [E, D] float32 router weight, contiguous.
+        top_k, softmax, bias, norm_topk_prob, scaling: as :func:`topk_route`.
+
+    Returns:
+        (weights [N, k] float32, indices [N, k] int64), largest choice first.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit, N above ROUTER_FUSED_MAX_TOKENS, top_k
+            outside [1, E], a bias with softmax or of the wrong shape, or CPU tensors without the interpreter.
+    """
+    name = "router_fused"
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(-1) != 1:
+        raise ValueError(f"{name}: x must be [N, D] float32 / bfloat16 / float16 with unit-stride rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    N, D = x.shape
+    if weight.dim() != 2 or weight.shape[1] != D or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"{name}: weight must be a contiguous [E, D={D}] float32 tensor, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if N > ROUTER_FUSED_MAX_TOKENS:
+        raise ValueError(f"{name}: at most ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS} tokens, got {N} "
+                         "(larger batches: F.linear then topk_route)")
+    E = weight.shape[0]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"{name}: top_k={top_k} must lie in [1, E={E}]")
+    if bias is not None and (softmax or tuple(bias.shape) != (E,)):
+        raise ValueError(f"{name}: bias must be [E={E}] and is for sigmoid scoring only")
+    check_launchable(*((x, weight) if bias is None else (x, weight, bias)), name=name)
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    indices = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
+    if N == 0:
+        return weights, indices
+    if x.device not in _COUNTERS:
+        _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    bias_arg = bias.float().contiguous() if bias is not None else logits
+    _router_fused_kernel[(triton.cdiv(E, ROUTER_FUSED_EXPERTS),)](
+        x, weight, logits, bias_arg, weights, indices, _COUNTERS[x.device], N, E, D, x.stride(0), float(scaling),
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_N=triton.next_power_of_2(max(N, 1)), EXPERTS=ROUTER_FUSED_EXPERTS, BLOCK_D=ROUTER_FUSED_BLOCK_D,
+        num_warps=4,
     )
     return weights, indices

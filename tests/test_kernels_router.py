@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.router import topk_route, topk_route_ref  # noqa: E402
+import kernels.router as router  # noqa: E402
+from kernels.router import router_fused, topk_route, topk_route_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -92,6 +93,55 @@ def test_nan_rows_give_in_range_indices(mode):
     for r in (0, 3):
         assert i[r].tolist() == i_ref[r].tolist()
         torch.testing.assert_close(w[r], w_ref[r])
+
+
+def _fused_case(N, E, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, D, generator=g) * 2).to(torch.bfloat16)
+    weight = torch.randn(E, D, generator=g) / D ** 0.5
+    bias = torch.randn(E, generator=g) * 0.5
+    return x.to(DEV), weight.to(DEV), bias.to(DEV)
+
+
+@pytest.mark.parametrize("N, E, D, k", [(1, 5, 16, 1), (3, 12, 700, 4), (8, 64, 1030, 5), (4, 512, 2048, 22)])
+@pytest.mark.parametrize("mode", ["sigmoid+bias", "softmax"])
+def test_fused_router_equals_linear_then_reference(N, E, D, k, mode):
+    """router_fused (the logits GEMV and the routing in one launch, the last program routing) against
+    F.linear in float32 then topk_route_ref: indices exact (random data: no near-ties), weights to float32
+    rounding; D not a multiple of the weight tile, E not of the experts per program; the device counter is
+    back at 0 and a second call gives the same bits."""
+    x, weight, bias = _fused_case(N, E, D, seed=N * E + D)
+    kw = dict(softmax=mode == "softmax", bias=None if mode == "softmax" else bias, norm_topk_prob=True,
+              scaling=2.5)
+    w, i = router_fused(x, weight, k, **kw)
+    logits = torch.nn.functional.linear(x.float(), weight)
+    w_ref, i_ref = topk_route_ref(logits, k, **kw)
+    assert i.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == i.shape == (N, k)
+    assert torch.equal(i, i_ref), (i, i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    assert router._COUNTERS[x.device].item() == 0
+    w2, i2 = router_fused(x, weight, k, **kw)
+    assert torch.equal(w2, w) and torch.equal(i2, i)
+
+
+def test_fused_router_nan_rows_and_refusals():
+    """A poisoned PAD row (NaN activations) routes to in-range experts with NaN weights and leaves the other
+    rows as the reference routes them; more tokens than ROUTER_FUSED_MAX_TOKENS, a weight not float32 and a
+    bias with softmax are refused with the fix named."""
+    x, weight, bias = _fused_case(3, 24, 64, seed=3)
+    x[1] = float("nan")
+    w, i = router_fused(x, weight, 4, softmax=False, bias=bias)
+    assert ((i >= 0) & (i < 24)).all() and w[1].isnan().all()
+    w_ref, i_ref = topk_route_ref(torch.nn.functional.linear(x.float(), weight), 4, softmax=False, bias=bias)
+    for r in (0, 2):
+        assert torch.equal(i[r], i_ref[r])
+    big = torch.zeros(router.ROUTER_FUSED_MAX_TOKENS + 1, 64, device=DEV)
+    with pytest.raises(ValueError, match="ROUTER_FUSED_MAX_TOKENS"):
+        router_fused(big, weight, 4, softmax=True)
+    with pytest.raises(ValueError, match="float32"):
+        router_fused(x, weight.half(), 4, softmax=True)
+    with pytest.raises(ValueError, match="sigmoid scoring only"):
+        router_fused(x, weight, 4, softmax=True, bias=bias)
 
 
 @pytest.mark.parametrize("bad, says", [

@@ -135,6 +135,68 @@ def test_moe_block_fused_equals_ref(family):
     assert fused.abs().max() > 0.1  # the routed part is not vanishing
 
 
+def test_router_dispatches_to_the_fused_kernel_where_allowed(monkeypatch):
+    """TopkRouter.forward hands x (unit-stride rows), the float32 weight and its routing options to
+    kernels.router.router_fused where use_router_fused holds, and computes F.linear + the reference
+    otherwise; use_router_fused is False while ROUTER_FUSED is off and for CPU tensors."""
+    import runners.engine.models.moe as moe_mod
+    from kernels.router import topk_route_ref
+
+    torch.manual_seed(0)
+    moe = MoE(_moe_config("nemotron_h"))
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape))
+    x = torch.randn(2, 48)
+    assert not moe_mod.use_router_fused(x, 1)
+    monkeypatch.setattr(moe_mod, "ROUTER_FUSED", True)
+    assert not moe_mod.use_router_fused(x, 1)  # CPU
+    with torch.no_grad():
+        want = moe.gate(x)
+    calls = []
+
+    def fake_fused(xx, weight, top_k, **kw):
+        calls.append((xx.stride(-1), weight.dtype, top_k, sorted(kw)))
+        return topk_route_ref(torch.nn.functional.linear(xx.float(), weight), top_k, **kw)
+
+    monkeypatch.setattr(moe_mod, "use_router_fused", lambda xx, n_group: True)
+    monkeypatch.setattr(moe_mod, "router_fused", fake_fused)
+    with torch.no_grad():
+        got = moe.gate(x.t().contiguous().t())  # column-major x: handed over with unit-stride rows
+    assert calls == [(1, torch.float32, moe.gate.top_k, ["bias", "norm_topk_prob", "scaling", "softmax"])]
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_gpu_fused_router_routes_as_the_three_launches(family, monkeypatch):
+    """On CUDA, ROUTER_FUSED on gives the MoE block the routing of ROUTER_FUSED off (F.linear, topk_route) at
+    1 and 4 tokens, eager and replayed from a CUDA graph."""
+    import runners.engine.models.moe as moe_mod
+
+    torch.manual_seed(0)
+    moe = MoE(_moe_config(family)).cuda()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    for n in (1, 4):
+        x = torch.randn(n, 48, device="cuda").bfloat16()
+        with torch.no_grad():
+            want = moe.gate(x)
+            monkeypatch.setattr(moe_mod, "ROUTER_FUSED", True)
+            assert moe_mod.use_router_fused(x, moe.gate.n_group)
+            got = moe.gate(x)
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = moe.gate(static)
+            static.copy_(x)
+            graph.replay()
+            monkeypatch.setattr(moe_mod, "ROUTER_FUSED", False)
+        for w, i in (got, captured):
+            assert torch.equal(i, want[1])
+            torch.testing.assert_close(w, want[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True], ids=["relu2", "swiglu"])
 def test_fused_moe_cuda_graph_replay_equals_eager(gated):

@@ -53,7 +53,7 @@ from torch import nn
 
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, moe_gemv
-from kernels.router import topk_route, topk_route_ref
+from kernels.router import ROUTER_FUSED_MAX_TOKENS, router_fused, topk_route, topk_route_ref
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import ACTIVATIONS, MLP, use_inference_kernel
@@ -279,6 +279,18 @@ def moe_experts_grouped(
 # Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
 # batch 64 x T = 4); larger batches (prefill) take torch.topk. Not yet measured against torch.topk.
 ROUTER_KERNEL_MAX_TOKENS = 256
+# Whether decode-sized routers (at most kernels.router.ROUTER_FUSED_MAX_TOKENS tokens, n_group = 1, on CUDA,
+# no gradient) run kernels.router.router_fused: the logits GEMV and the routing in one launch, reading x in
+# its dtype, instead of a float32 copy of x, F.linear and topk_route (three launches; 15 us a layer at one
+# token in the half-depth Super V3 profile, docs/kernel_performance.md). Off until benchmarks/bench_router.py
+# has timed it on a GPU. Read at call time.
+ROUTER_FUSED = False
+
+
+def use_router_fused(x: torch.Tensor, n_group: int) -> bool:
+    """Whether :class:`TopkRouter` runs ``router_fused`` on x [N, D] (ROUTER_FUSED and the sizes it takes)."""
+    return (ROUTER_FUSED and x.is_cuda and n_group == 1 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
 
 
 class TopkRouter(nn.Module):
@@ -291,7 +303,8 @@ class TopkRouter(nn.Module):
     ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
     ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens,
     n_group = 1 and logits that need no gradient (the kernel has no backward), its sort-free Triton kernel
-    ``topk_route``.
+    ``topk_route``; where :func:`use_router_fused` holds, the logits and the routing in one launch
+    (``kernels.router.router_fused``).
     """
 
     def __init__(self, config: HybridConfig):
@@ -308,9 +321,12 @@ class TopkRouter(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
         kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
                   norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
+        if use_router_fused(x, self.n_group):  # the logits and the routing in one launch (kernels/router.py)
+            return eager_op(router_fused)(x if x.stride(-1) == 1 else x.contiguous(), self.weight.float(),
+                                          self.top_k, **kw)
+        logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
         # the kernel has no backward: training (logits that need a gradient) takes the reference
         if (logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS
                 and not logits.requires_grad):
