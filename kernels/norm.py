@@ -30,7 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import check_launchable, round_rne, row_layout
+from kernels._common import check_launchable, interpreter_active, round_rne, row_layout
+from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, static_fp8
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The largest group one program holds in registers (Super V3's hidden size is 4096, Qwen3-Next's 2048).
@@ -89,8 +90,9 @@ def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
-def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, sz1, eps, offset,
-                 MODE: tl.constexpr, ROUND_WX: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, sz1, eps, offset,
+                 MODE: tl.constexpr, ROUND_WX: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                 INTERP: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NG
     grp = pid % NG
@@ -119,11 +121,14 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, G, NG, R1x, sx0, sx1, R1z, sz0, s
         y = w * x_hat
     out_row = pid * G  # the output: contiguous, rows x groups x G
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + out_row + cols, round_rne(y, out_dtype).to(out_dtype), mask=valid)
+    y = round_rne(y, out_dtype)
+    tl.store(out_ptr + out_row + cols, y.to(out_dtype), mask=valid)
+    if QUANT:  # the stored value's static FP8 codes: kernels.quant.fp8's rule on it, bit for bit
+        tl.store(q_ptr + out_row + cols, static_fp8(y, s_ptr, INTERP).to(q_ptr.dtype.element_ty), mask=valid)
 
 
 def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int | None, eps: float,
-            offset: float, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+            offset: float, out_dtype: torch.dtype, name: str, quant_scale: torch.Tensor | None = None):
     tensors = (x, weight) if z is None else (x, z, weight)
     check_launchable(*tensors, name=name)
     for what, t in zip(("x", "z", "weight") if z is not None else ("x", "weight"), tensors):
@@ -137,9 +142,11 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
     group = N if group is None else group  # None: the whole row
     if weight.dim() != 1 or weight.shape[0] != N:
         raise ValueError(f"{name}: weight must be ({N},), got {tuple(weight.shape)}")
+    check_quant_scale(quant_scale, x.device, name)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    q = None if quant_scale is None else torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if out.numel() == 0:  # no rows, or empty rows (as the references: an empty result)
-        return out
+        return out if q is None else (out, q)
     if group < 1 or N % group:
         raise ValueError(f"{name}: the last dim {N} must be a multiple of the group size {group} (>= 1)")
     if group > MAX_GROUP:
@@ -152,9 +159,11 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
     round_wx = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     block = triton.next_power_of_2(group)
     _norm_kernel[(rows * (N // group),)](
-        xv, zv, weight, out, group, N // group, R1x, sx0, sx1, R1z, sz0, sz1, float(eps), float(offset),
-        MODE=mode, ROUND_WX=round_wx, BLOCK=block, num_warps=4 if block <= 2048 else 8)
-    return out
+        xv, zv, weight, out, out if q is None else q, weight if q is None else quant_scale, group, N // group,
+        R1x, sx0, sx1, R1z, sz0, sz1, float(eps), float(offset),
+        MODE=mode, ROUND_WX=round_wx, BLOCK=block, QUANT=q is not None, INTERP=interpreter_active(),
+        num_warps=4 if block <= 2048 else 8)
+    return out if q is None else (out, q)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -179,16 +188,22 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                         eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         eps: float, out_dtype: torch.dtype = torch.float32,
+                         quant_scale: torch.Tensor | None = None):
     """:func:`gated_group_rms_norm_ref` in one Triton launch (one program per (row, group)). y, z: [..., N];
     weight: [N]; N a multiple of group_size <= MAX_GROUP. Returns [..., N] contiguous, float32 (the
     reference's dtype) or ``out_dtype`` (a NORM_DTYPES member: the float32 result rounded to nearest even, as
     ``.to(out_dtype)`` of the reference's, without a separate cast launch).
 
+    ``quant_scale`` (a one-element float32 tensor on y's device: the static activation scale of the FP8
+    linear that reads the result, Mamba2's out_proj) also returns the result's float8_e4m3fn codes from the
+    same launch: (out, q), q bitwise ``kernels.quant.fp8.quantize_fp8(out, quant_scale)``.
+
     Raises:
         ValueError: as :func:`gated_rms_norm` (group_size > MAX_GROUP), or N not a multiple of group_size,
-            group_size < 1, out_dtype outside NORM_DTYPES.
+            group_size < 1, out_dtype outside NORM_DTYPES, a quant_scale that is not one float32 element on
+            y's device.
     """
     if out_dtype not in NORM_DTYPES:
         raise ValueError(f"gated_group_rms_norm: out_dtype must be one of {NORM_DTYPES}, got {out_dtype}")
-    return _launch(2, y, z, weight, group_size, eps, 0.0, out_dtype, "gated_group_rms_norm")
+    return _launch(2, y, z, weight, group_size, eps, 0.0, out_dtype, "gated_group_rms_norm", quant_scale)

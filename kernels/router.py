@@ -171,7 +171,8 @@ def _router_fused_kernel(x_ptr, wt_ptr, logits_ptr, bias_ptr, w_ptr, idx_ptr, co
 
 def warps_for(block_e: int) -> int:
     """Warps per program for BLOCK_E experts: one up to 512 (16 keys per lane; each round's max then stays in
-    warp shuffles, with no shared-memory round trip between warps), more above so a lane holds at most 16."""
+    warp shuffles, with no shared-memory round trip between warps), one more per 512 above, at most 8 (so a
+    lane holds 16 keys up to 4096 experts)."""
     return max(1, min(8, block_e // 512))
 
 
@@ -232,7 +233,8 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
     The logits are summed in another order than cuBLAS's float32 GEMM, so they agree with ``F.linear`` to
     float32 rounding, and the indices with :func:`topk_route_ref` on those logits except at near-ties.
     CUDA-graph capturable (no host synchronisation; the counter is allocated at the first call on a device,
-    outside a capture where the caller warms up eagerly, and is back at 0 after every launch).
+    which must be eager, and is back at 0 after every launch). One launch at a time per device: the counter
+    is shared, so two launches running at once on different streams would count into each other.
 
     Args:
         x: [N, D] activations (float32 / bfloat16 / float16), unit-stride rows, N <= ROUTER_FUSED_MAX_TOKENS.
@@ -244,7 +246,8 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
 
     Raises:
         ValueError: shapes, dtypes or strides that do not fit, N above ROUTER_FUSED_MAX_TOKENS, top_k
-            outside [1, E], a bias with softmax or of the wrong shape, or CPU tensors without the interpreter.
+            outside [1, E], a bias with softmax or of the wrong shape, CPU tensors without the interpreter, or
+            a first call on a device inside a CUDA-graph capture.
     """
     name = "router_fused"
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(-1) != 1:
@@ -268,6 +271,10 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
     if N == 0:
         return weights, indices
     if x.device not in _COUNTERS:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{name}: the first call on {x.device} is inside a CUDA-graph capture, where the "
+                             "device counter would be allocated but not zeroed; call it once eagerly before "
+                             "capturing (the engine's warm-up step does)")
         _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
     bias_arg = bias.float().contiguous() if bias is not None else logits

@@ -77,6 +77,30 @@ def test_fp8_linear_reference_is_the_dequantized_product():
     torch.testing.assert_close(fp8_linear(x, w, ws, xs, bias), y)
 
 
+def test_fp8_linear_takes_the_producers_codes_and_asks_only_on_its_scaled_mm_path():
+    """fp8_linear's ``xq`` (the producer's codes of x) must be float8_e4m3fn of x's shape; the reference path
+    quantizes x itself (same result with or without xq). FP8Linear.prequant_scale names input_scale only
+    where forward runs torch._scaled_mm: never on the CPU, never for the w8a16 decode scheme."""
+    from runners.engine.models.fp8_modules import FP8Linear
+
+    w, ws = _fp8_weight(32, 48)
+    x = torch.randn(2, 48)
+    xs = torch.tensor(0.02)
+    xq = quantize_fp8(x, xs)
+    torch.testing.assert_close(fp8_linear(x, w, ws, xs, None, xq), fp8_linear(x, w, ws, xs))
+    with pytest.raises(ValueError, match="xq must be float8_e4m3fn of x's shape"):
+        fp8_linear(x, w, ws, xs, None, xq[:1])
+    with pytest.raises(ValueError, match="xq must be float8_e4m3fn"):
+        fp8_linear(x, w, ws, xs, None, x)
+    lin = FP8Linear(48, 32)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.weight_scale.copy_(ws)
+        lin.input_scale.copy_(xs)
+    assert lin.prequant_scale(x) is None  # CPU: the reference runs
+    torch.testing.assert_close(lin(x, xq=xq), lin(x))
+
+
 def _fp8_experts(E, I, L, gated, seed=0, device="cpu"):
     in_scale = lambda lo: torch.rand(E, device=device) * lo + lo  # per-expert static input scales
     up = FP8Weights(*_fp8_weight(E, I, L, seed=seed, device=device), in_scale(0.01))

@@ -108,3 +108,68 @@ def test_gpu_release_widths_and_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(a, relu2(h)) and torch.equal(b, silu_mul(g, u))
+
+
+
+@pytest.mark.parametrize("fn", ["relu2", "silu_mul"])
+def test_activation_quantizes_its_output_for_an_fp8_down_projection(fn):
+    """With quant_scale the launch also returns float8_e4m3fn codes bitwise kernels.quant.fp8's rule on the
+    output it returns (the FP8 down projection's input quantized in the activation's launch), the output
+    unchanged, codes clamped at +-448 where the scale is small; a bad scale is refused."""
+    from kernels.quant.fp8 import quantize_fp8_ref
+
+    x, u = _r(3, BLOCK + 9, dtype=torch.bfloat16, seed=5), _r(3, BLOCK + 9, dtype=torch.bfloat16, seed=6)
+    call = (lambda **kw: relu2(x, **kw)) if fn == "relu2" else (lambda **kw: silu_mul(x, u, **kw))
+    for scale in (0.05, 1e-3):
+        s = torch.tensor(scale, device=DEV)
+        out, q = call(quant_scale=s)
+        assert torch.equal(out, call())
+        assert q.dtype == torch.float8_e4m3fn and q.shape == out.shape
+        assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(out, s).view(torch.uint8))
+    assert (q.float().abs() == 448).any()
+    with pytest.raises(ValueError, match="quant_scale must be a one-element float32 tensor"):
+        call(quant_scale=torch.tensor(0.1, dtype=torch.float64, device=DEV))
+
+
+class _FakeFP8Down(torch.nn.Linear):
+    """A down projection that asks for its input's FP8 codes, as FP8Linear does on its scaled_mm path, and
+    records what it was given."""
+
+    def __init__(self, *a, scale=0.05, **kw):
+        super().__init__(*a, **kw)
+        self.scale, self.seen = torch.tensor(scale, device=DEV), []
+
+    def prequant_scale(self, x):
+        return self.scale
+
+    def forward(self, x, xq=None):
+        self.seen.append(xq)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_mlp_hands_an_fp8_down_projection_the_codes_of_the_activations_launch(gated, monkeypatch):
+    """MLP.forward, kernel path, before a down projection that asks for its input codes
+    (layers.consumer_quant_scale): the activation's launch writes them and the projection receives them,
+    bitwise kernels.quant.fp8's rule on the activation it receives; the output is the plain path's."""
+    import runners.engine.models.layers as layers_mod
+    from kernels.quant.fp8 import quantize_fp8_ref
+    from runners.engine.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(16, 24, act="silu" if gated else "relu2", gated=gated).to(DEV)
+    x = torch.randn(2, 3, 16, device=DEV).bfloat16()
+    mlp = mlp.bfloat16()
+    monkeypatch.setattr(layers_mod, "use_inference_kernel", lambda t: True)
+    with torch.no_grad():
+        plain = mlp(x)
+        down = _FakeFP8Down(24, 16, bias=False).to(DEV).bfloat16()
+        down.weight.copy_(mlp.down_proj.weight)
+        mlp.down_proj = down
+        got = mlp(x)
+        h = mlp.up_proj(x)
+        a = silu_mul(mlp.gate_proj(x), h) if gated else relu2(h)
+    assert torch.equal(got, plain)
+    (q,) = down.seen
+    assert q is not None and q.dtype == torch.float8_e4m3fn and q.shape == a.shape
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(a, down.scale).view(torch.uint8))

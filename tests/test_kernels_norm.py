@@ -93,6 +93,78 @@ def test_gated_group_rms_norm_matches_reference(dtype, group):
     assert torch.equal(got, gated_group_rms_norm(y, z, w, group, 1e-5).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_group_rms_norm_quantizes_its_output_for_an_fp8_linear(dtype):
+    """With quant_scale the launch also returns float8_e4m3fn codes that are bitwise
+    kernels.quant.fp8.quantize_fp8 of the very output it returns (the FP8 out_proj's input quantized in the
+    norm's launch), the output unchanged; values beyond +-448 scales clamp, as the rule does."""
+    from kernels.quant.fp8 import quantize_fp8_ref
+
+    g = torch.Generator().manual_seed(4)
+    y = (torch.randn(3, 96, generator=g) * 4).to(DEV, dtype)
+    z = torch.randn(3, 96, generator=g).to(DEV, dtype)
+    w = (torch.rand(96, generator=g) * 40).to(DEV, dtype)
+    for scale in (0.02, 1e-3):  # the second drives many codes into the clamp
+        s = torch.tensor(scale, device=DEV)
+        out, q = gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=torch.bfloat16, quant_scale=s)
+        assert torch.equal(out, gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=torch.bfloat16))
+        assert q.dtype == torch.float8_e4m3fn and q.shape == out.shape
+        want = quantize_fp8_ref(out, s)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert (q.float().abs() == 448).any()
+    with pytest.raises(ValueError, match="quant_scale must be a one-element float32 tensor"):
+        gated_group_rms_norm(y, z, w, 48, 1e-5, quant_scale=torch.tensor([0.1, 0.2], device=DEV))
+
+
+def test_mamba2_output_hands_an_fp8_out_proj_the_codes_of_the_norms_launch(monkeypatch):
+    """Mamba2Mixer.output, kernel path, before an out_proj that asks for its input codes
+    (layers.consumer_quant_scale, as FP8Linear on its scaled_mm path): the norm's launch writes them, the
+    projection receives them (bitwise kernels.quant.fp8's rule on the norm output it receives) and the output
+    is the plain path's; off the kernel path nothing is asked (a quant_scale there is refused)."""
+    import runners.engine.models.layers as layers_mod
+    import runners.engine.models.mamba2 as mamba2_mod
+    from kernels.quant.fp8 import quantize_fp8_ref
+    from runners.engine.models.config import HybridConfig
+    from runners.engine.models.mamba2 import Mamba2Mixer
+
+    c = HybridConfig(family="nemotron_h", vocab_size=7, hidden_size=32, layer_types=("mamba2",),
+                     mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                     chunk_size=8)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(c).to(DEV).bfloat16()
+    y = torch.randn(1, 2, mixer.d_inner, device=DEV)
+    z = torch.randn(1, 2, mixer.d_inner, device=DEV).bfloat16()
+    seen = []
+
+    class Down(torch.nn.Linear):
+        def prequant_scale(self, x):
+            return torch.tensor(0.01, device=DEV)
+
+        def forward(self, x, xq=None):
+            seen.append((x, xq))
+            return super().forward(x)
+
+    for mod in (layers_mod, mamba2_mod):
+        monkeypatch.setattr(mod, "use_inference_kernel", lambda t: True)
+    with torch.no_grad():
+        plain = mixer.output(y, z, torch.bfloat16)
+        down = Down(mixer.d_inner, 32, bias=False).to(DEV).bfloat16()
+        down.weight.copy_(mixer.out_proj.weight)
+        mixer.out_proj = down
+        got = mixer.output(y, z, torch.bfloat16)
+    assert torch.equal(got, plain)
+    ((h, q),) = seen
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(h, torch.tensor(0.01)).view(torch.uint8))
+    for mod in (layers_mod, mamba2_mod):
+        monkeypatch.setattr(mod, "use_inference_kernel", lambda t: False)
+    seen.clear()
+    with torch.no_grad():
+        mixer.output(y, z, torch.bfloat16)
+        with pytest.raises(ValueError, match="quant_scale is for the kernel path"):
+            mixer.norm(y, z, torch.bfloat16, quant_scale=torch.tensor(0.01))
+    assert seen[0][1] is None
+
+
 def test_bad_inputs_are_refused_with_the_problem_named():
     x = _r(2, 32, dtype=torch.float32, seed=11)
     cases = [

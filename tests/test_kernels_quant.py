@@ -653,3 +653,17 @@ def test_static_fp8_quantization_kernel_is_bit_identical_to_the_reference():
     assert torch.equal(quantize_fp8(x, 0.5).view(torch.uint8), quantize_fp8_ref(x, 0.5).view(torch.uint8))
     with pytest.raises(ValueError, match="out must be a contiguous float8_e4m3fn tensor"):
         quantize_fp8(x, scale, out=torch.empty(x.shape, device=DEVICE))
+
+
+def test_block_fp8_split_counters_are_not_first_allocated_inside_a_capture(monkeypatch):
+    """The serial split-K counters are allocated zeroed at the first eager launch on a device; asked for the
+    first time while a CUDA graph is captured (where the zero fill would run only at replay) they are None,
+    and the launch takes the two-launch split."""
+    monkeypatch.setattr(block_fp8, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert block_fp8._split_counters(torch.device("cuda"), 1) is None
+    assert block_fp8._COUNTERS == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cpu = block_fp8._split_counters(torch.device("cpu"), 1)
+    assert cpu is not None and not cpu.any() and block_fp8._split_counters(torch.device("cpu"), 1) is cpu
+    assert block_fp8._split_counters(torch.device("cpu"), block_fp8.SERIAL_COUNTERS + 1) is None

@@ -46,14 +46,18 @@ def test_kernel_equals_reference(N, E, k, mode, norm, scaling):
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("mode", ["sigmoid+bias", "softmax"])
-def test_release_sizes_with_negative_choices(mode):
-    """Super V3's router size (top-22 of 512) with every choice negative (a bias of about -5 under sigmoid)
-    or mixed in sign: the kernel's integer keys must order negative floats as the floats order, so the
-    indices match the reference exactly and the weights to float32 rounding."""
+@pytest.mark.parametrize("shift", [-5.0, -0.5, None])
+def test_release_sizes_with_negative_choices(shift):
+    """Super V3's router size (top-22 of 512) with every choice negative (sigmoid scores plus a bias shifted
+    by -5), mixed in sign (shifted by -0.5) and softmax's positive ones: the kernel's integer keys must order
+    negative floats as the floats order, so the indices match the reference exactly and the weights to
+    float32 rounding."""
     logits, bias = _case(3, 512, seed=7)
-    bias = bias - 5.0 if mode == "sigmoid+bias" else None
-    kw = dict(softmax=mode == "softmax", bias=bias, norm_topk_prob=True, scaling=2.5)
+    if shift is not None:
+        choices = torch.sigmoid(logits) + bias + shift
+        assert (choices < 0).all() if shift == -5.0 else ((choices < 0).any() and (choices > 0).any())
+    kw = dict(softmax=shift is None, bias=None if shift is None else bias + shift, norm_topk_prob=True,
+              scaling=2.5)
     w, i = topk_route(logits, 22, **kw)
     w_ref, i_ref = topk_route_ref(logits, 22, **kw)
     assert torch.equal(i, i_ref), (i, i_ref)
@@ -122,6 +126,34 @@ def test_fused_router_equals_linear_then_reference(N, E, D, k, mode):
     assert router._COUNTERS[x.device].item() == 0
     w2, i2 = router_fused(x, weight, k, **kw)
     assert torch.equal(w2, w) and torch.equal(i2, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, D, k, softmax", [(512, 4096, 22, False), (512, 2048, 10, True)])
+def test_gpu_fused_router_release_shapes_replayed(E, D, k, softmax):
+    """router_fused at the releases' router shapes (128 programs counting into the device counter) against
+    F.linear + topk_route, eager and over repeated CUDA-graph replays with new inputs each time."""
+    kw = dict(softmax=softmax, norm_topk_prob=True, scaling=1.0 if softmax else 5.0)
+    x, weight, bias = _fused_case(4, E, D, seed=11)
+    kw["bias"] = None if softmax else bias
+
+    def want(xx):
+        return topk_route(torch.nn.functional.linear(xx.float(), weight), k, **kw)
+
+    w, i = router_fused(x, weight, k, **kw)
+    assert torch.equal(i, want(x)[1])
+    static = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        wg, ig = router_fused(static, weight, k, **kw)
+    for seed in range(5):
+        new = _fused_case(4, E, D, seed=100 + seed)[0]
+        static.copy_(new)
+        g.replay()
+        w_ref, i_ref = want(new)
+        assert torch.equal(ig, i_ref), seed
+        torch.testing.assert_close(wg, w_ref, rtol=1e-5, atol=1e-6)
+    assert router._COUNTERS[x.device].item() == 0
 
 
 def test_fused_router_nan_rows_and_refusals():

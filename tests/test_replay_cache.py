@@ -343,6 +343,14 @@ def test_mamba2_decay_rate_is_cached_only_in_the_inference_step(monkeypatch):
     # written into the kept tensor: a graph captured on it reads the new value
     assert fresh is cached and torch.equal(fresh, -torch.exp(mixer.A_log.float()))
     assert not torch.equal(fresh, first)
+    # kept from an engine step (inference mode: an inference tensor), refreshed after a load outside it
+    mixer._A_cache = None
+    with torch.inference_mode():
+        kept = mixer.decay_rate()
+    assert kept.is_inference()
+    with torch.no_grad():
+        mixer.A_log.add_(0.25)
+        assert mixer.decay_rate() is kept and torch.equal(kept, -torch.exp(mixer.A_log.float()))
     # a model built inside torch.inference_mode (as the engine tests build theirs): inference tensors carry
     # no version counter (reading it raised on the H200, gpu_suite_2), so nothing is cached for them
     with torch.inference_mode():

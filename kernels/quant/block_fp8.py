@@ -645,8 +645,12 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed split-K counters (``SERIAL_COUNTERS`` int32), or None when ``tiles`` exceed them."""
+    """The device's zeroed split-K counters (``SERIAL_COUNTERS`` int32), or None when ``tiles`` exceed them or
+    they do not exist yet and a CUDA graph is being captured (allocated there, their zero fill would run only
+    at the first replay): the caller then takes the two-launch split."""
     if tiles > SERIAL_COUNTERS:
+        return None
+    if device not in _COUNTERS and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(SERIAL_COUNTERS, dtype=torch.int32, device=device)

@@ -35,14 +35,33 @@ def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tens
 
 
 @triton.jit
+def static_fp8(x, s_ptr, INTERP: tl.constexpr):
+    """The rule on float32 values x with the one-element float32 scale at s_ptr: float8_e4m3fn codes (kept as
+    fp32 values under the interpreter; store them with ``.to`` the output's element type). For the kernels
+    that produce an FP8 linear's input (kernels/norm.py, kernels/activation.py) and quantize it in the same
+    launch."""
+    s = tl.load(s_ptr)
+    q = tl.div_rn(x, tl.zeros_like(x) + s)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return to_e4m3(q, INTERP)
+
+
+@triton.jit
 def _quant_static_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr)
-    q = tl.div_rn(x, tl.zeros_like(x) + s)
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    tl.store(q_ptr + offs, to_e4m3(q, INTERP).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + offs, static_fp8(x, s_ptr, INTERP).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def check_quant_scale(scale: torch.Tensor | None, device: torch.device, name: str) -> None:
+    """Raise ValueError unless ``scale`` is None or a one-element float32 tensor on ``device`` (the static scale a
+    producing kernel quantizes its output with)."""
+    if scale is not None and not (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                                  and scale.dtype == torch.float32 and scale.device == device):
+        got = f"{scale.dtype} {tuple(scale.shape)} on {scale.device}" if isinstance(scale, torch.Tensor) \
+            else type(scale).__name__
+        raise ValueError(f"{name}: quant_scale must be a one-element float32 tensor on {device}, got {got}")
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, *, out: torch.Tensor | None = None

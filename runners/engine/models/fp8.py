@@ -98,6 +98,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    xq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 linear ``x W^T + b`` with per-tensor scales: one ``torch._scaled_mm`` where
     :func:`scaled_mm_supported`, else :func:`fp8_linear_ref` (same arguments and result up to the GEMM's
@@ -107,10 +108,19 @@ def fp8_linear(
         x: [..., K] activations (bfloat16 / float16 / float32). weight: [N, K] float8_e4m3fn.
         weight_scale: 0-dim float32. input_scale: 0-dim float32 (the static activation scale).
         bias: [N] or None.
+        xq: x's float8_e4m3fn codes under input_scale (``quantize_fp8(x, input_scale)``, x's shape), computed
+            by the kernel that produced x (kernels/norm.py, kernels/activation.py ``quant_scale``): the
+            quantization launch is skipped. Ignored by the reference path, which quantizes x itself.
 
     Returns:
         [..., N] in x's dtype. No host synchronisation.
+
+    Raises:
+        ValueError: xq not float8_e4m3fn of x's shape.
     """
+    if xq is not None and (xq.dtype != FP8_DTYPE or xq.shape != x.shape):
+        raise ValueError(f"fp8_linear: xq must be float8_e4m3fn of x's shape {tuple(x.shape)}, got "
+                         f"{xq.dtype} {tuple(xq.shape)}")
     if not scaled_mm_supported(x, weight):
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
     n, k = weight.shape
@@ -118,7 +128,7 @@ def fp8_linear(
     if x2.shape[0] == 0:
         return x.new_zeros(*x.shape[:-1], n)
     s = input_scale
-    xq = quantize_fp8(x2, s)
+    xq = quantize_fp8(x2, s) if xq is None else xq.reshape(-1, k)
     # cuBLASLt takes a bias only with a 16-bit output; a float32 output adds it afterwards
     fused_bias = bias if bias is not None and x.dtype in (torch.bfloat16, torch.float16) else None
     y = torch._scaled_mm(xq, weight.t(), scale_a=s, scale_b=weight_scale, bias=fused_bias, out_dtype=x.dtype)

@@ -59,11 +59,23 @@ class FP8Linear(nn.Module):
         return cls(linear.in_features, linear.out_features, bias is not None, device=linear.weight.device,
                    bias_dtype=bias.dtype if bias is not None else torch.float32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]. ``xq``: x's codes under ``input_scale``, given by a producer that asked
+        :meth:`prequant_scale` (used only on the path that quantizes x; ignored elsewhere)."""
         rows = x.numel() // max(1, x.shape[-1])
         if get_format(FORMAT_FP8).scheme(rows) == "w8a16":  # the format's decode rule (WeightFormat.scheme)
             return eager_op(fp8_linear_w8a16)(x, self.weight, self.weight_scale, self.bias)
-        return eager_op(fp8_linear)(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        return eager_op(fp8_linear)(x, self.weight, self.weight_scale, self.input_scale, self.bias, xq)
+
+    def prequant_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The static scale (``input_scale``) the kernel producing x [..., in] should quantize it with in its
+        own launch (kernels/norm.py, kernels/activation.py ``quant_scale``), so that :meth:`forward` skips
+        its quantization launch: where forward would run ``torch._scaled_mm`` on x (the w8a8 scheme at x's
+        rows and :func:`scaled_mm_supported`); None elsewhere (the w8a16 GEMV and the reference read x)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        if get_format(FORMAT_FP8).scheme(rows) == "w8a16" or not scaled_mm_supported(x, self.weight):
+            return None
+        return self.input_scale
 
     def gemm_path(self, dtype: torch.dtype) -> str:
         """The GEMM this layer runs for activations of ``dtype`` on its device: "scaled_mm" or "reference"."""

@@ -59,6 +59,15 @@ def use_inference_kernel(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def consumer_quant_scale(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The static FP8 scale with which ``linear`` wants its input quantized by the kernel that produces it
+    (x: a tensor of that input's shape and device), so that the linear skips its own quantization launch:
+    its ``prequant_scale(x)`` (runners.engine.models.fp8_modules.FP8Linear on its ``torch._scaled_mm``
+    path), else None (any other linear). The producer then passes the codes as ``linear(out, xq=q)``."""
+    ask = getattr(linear, "prequant_scale", None)
+    return None if ask is None else ask(x)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32, returned in the input dtype:
     ``(offset + w) * x / rms(x)``; ``offset`` is 0 for NemotronH and 1 for Qwen3-Next's ``(1 + w)`` norms.
@@ -86,11 +95,20 @@ class GatedGroupRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """float32 [..., d_inner], or cast to ``out_dtype`` (by the kernel itself where it runs)."""
-        norm = gated_group_rms_norm if use_inference_kernel(y) else gated_group_rms_norm_ref
-        return norm(y, z, self.weight, self.group_size, self.eps, out_dtype)
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                quant_scale: torch.Tensor | None = None):
+        """float32 [..., d_inner], or cast to ``out_dtype`` (by the kernel itself where it runs). With
+        ``quant_scale`` (kernel path only: where :func:`use_inference_kernel` holds) also the result's FP8
+        codes from the same launch, (out, q) (kernels.norm.gated_group_rms_norm).
+
+        Raises:
+            ValueError: quant_scale given where the kernel does not run."""
+        if not use_inference_kernel(y):
+            if quant_scale is not None:
+                raise ValueError("GatedGroupRMSNorm: quant_scale is for the kernel path "
+                                 "(use_inference_kernel)")
+            return gated_group_rms_norm_ref(y, z, self.weight, self.group_size, self.eps, out_dtype)
+        return gated_group_rms_norm(y, z, self.weight, self.group_size, self.eps, out_dtype, quant_scale)
 
 
 ACTIVATIONS = {"relu2": relu2_ref, "silu": F.silu}
@@ -139,12 +157,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The activation (and the gate's product) is one launch where :func:`use_inference_kernel` holds
-        (kernels/activation.py: relu2, silu_mul), its reference elsewhere."""
+        (kernels/activation.py: relu2, silu_mul), its reference elsewhere; before an FP8 down projection
+        that launch also writes the projection's input codes (:func:`consumer_quant_scale`)."""
         if self.gate_proj is None:
             h = self.up_proj(x)
-            fused = self.act_name == "relu2" and use_inference_kernel(h)
-            return self.down_proj(relu2(h) if fused else self.act(h))
+            if not (self.act_name == "relu2" and use_inference_kernel(h)):
+                return self.down_proj(self.act(h))
+            scale = consumer_quant_scale(self.down_proj, h)  # an FP8 down projection: codes from this launch
+            if scale is None:
+                return self.down_proj(relu2(h))
+            a, q = relu2(h, quant_scale=scale)
+            return self.down_proj(a, xq=q)
         g, u = self.gate_proj(x), self.up_proj(x)
-        fused = (self.act_name == "silu" and use_inference_kernel(g) and g.shape == u.shape
-                 and g.dtype == u.dtype)
-        return self.down_proj(silu_mul(g, u) if fused else self.act(g) * u)
+        if not (self.act_name == "silu" and use_inference_kernel(g) and g.shape == u.shape
+                and g.dtype == u.dtype):
+            return self.down_proj(self.act(g) * u)
+        scale = consumer_quant_scale(self.down_proj, g)
+        if scale is None:
+            return self.down_proj(silu_mul(g, u))
+        a, q = silu_mul(g, u, quant_scale=scale)
+        return self.down_proj(a, xq=q)

@@ -66,7 +66,12 @@ from kernels.mamba2.flashinfer_replay import (
 )
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
-from runners.engine.models.layers import GatedGroupRMSNorm, cacheable_now, use_inference_kernel
+from runners.engine.models.layers import (
+    GatedGroupRMSNorm,
+    cacheable_now,
+    consumer_quant_scale,
+    use_inference_kernel,
+)
 from runners.engine.shard import FirstRankOnly, Rule, Shard, part
 from runners.engine.state import (
     BatchMeta,
@@ -267,11 +272,12 @@ class Mamba2Mixer(nn.Module):
         (a cast of a 16-bit A_log, exp, neg). The value is stored only in the eager step
         (``layers.cacheable_now``: a launch captured into a CUDA graph writes nothing until the graph
         replays) and read in a capture too, so the captured step reads what its eager warm-up stored instead
-        of launching the three at every replay. A new value is written into the kept tensor in place, so a
-        graph captured on the old one reads the new one. Elsewhere (CPU, autograd, torch.compile) computed
-        at each call, and also when A_log is an inference tensor (a model built inside
-        ``torch.inference_mode``): those carry no version counter, so an in-place load could not be seen and
-        the cache could go stale. Mutates only the cache."""
+        of launching the three at every replay. A captured graph therefore sees an in-place change of A_log
+        only once an eager call has refreshed the kept tensor (the engine loads weights before it captures);
+        the refresh writes into the kept tensor in place, so the graph then reads the new value. Elsewhere
+        (CPU, autograd, torch.compile) computed at each call, and also when A_log is an inference tensor (a
+        model built inside ``torch.inference_mode``): those carry no version counter, so an in-place load
+        could not be seen and the cache could go stale. Mutates only the cache."""
         if not use_inference_kernel(self.A_log) or self.A_log.is_inference():
             return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
@@ -282,7 +288,8 @@ class Mamba2Mixer(nn.Module):
             return A
         if self._A_cache is not None and self._A_cache[1].shape == A.shape \
                 and self._A_cache[1].device == A.device:
-            A = self._A_cache[1].copy_(A)
+            with torch.inference_mode():  # the kept tensor may be an inference tensor (an engine step's)
+                A = self._A_cache[1].copy_(A)
         self._A_cache = (key, A)
         return A
 
@@ -390,8 +397,17 @@ class Mamba2Mixer(nn.Module):
                 dt = dt.clamp(min=lo, max=hi)
             y, _ = ssd_chunked_scan(x, dt, A, Bm, Cm, self.chunk_size)
             y = y + x.float() * self.D.float()[:, None]
-        y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=hidden.dtype)
-        return self.out_proj(y)
+        return self.output(y.reshape(b, T, self.d_inner), z, hidden.dtype)
+
+    def output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj(norm(y, z)) in ``dtype``: y, z [b, T, d_inner] -> [b, T, hidden]. Before an FP8
+        out_proj on its scaled_mm path the norm's launch also writes out_proj's input codes
+        (layers.consumer_quant_scale), so out_proj runs no quantization launch."""
+        scale = consumer_quant_scale(self.out_proj, y) if use_inference_kernel(y) else None
+        if scale is None:
+            return self.out_proj(self.norm(y, z, out_dtype=dtype))
+        h, q = self.norm(y, z, out_dtype=dtype, quant_scale=scale)
+        return self.out_proj(h, xq=q)
 
 
 def _flashinfer_replay_verify(state, meta, x, dt, A, Bm, Cm, D, dt_bias) -> torch.Tensor:
