@@ -78,9 +78,10 @@ def test_fp8_linear_reference_is_the_dequantized_product():
 
 
 def test_fp8_linear_takes_the_producers_codes_and_asks_only_on_its_scaled_mm_path():
-    """fp8_linear's ``xq`` (the producer's codes of x) must be float8_e4m3fn of x's shape; the reference path
-    quantizes x itself (same result with or without xq). FP8Linear.prequant_scale names input_scale only
-    where forward runs torch._scaled_mm: never on the CPU, never for the w8a16 decode scheme."""
+    """fp8_linear's ``xq`` (the producer's codes of x) must be float8_e4m3fn of x's shape (both refusals
+    checked here); the reference path quantizes x itself, and FP8Linear.prequant_scale is None where forward
+    does not run torch._scaled_mm (the CPU). That the scaled_mm path takes xq and gives the same output is
+    test_gpu_fp8_linear_runs_scaled_mm_on_the_producers_codes."""
     from runners.engine.models.fp8_modules import FP8Linear
 
     w, ws = _fp8_weight(32, 48)
@@ -99,6 +100,29 @@ def test_fp8_linear_takes_the_producers_codes_and_asks_only_on_its_scaled_mm_pat
         lin.input_scale.copy_(xs)
     assert lin.prequant_scale(x) is None  # CPU: the reference runs
     torch.testing.assert_close(lin(x, xq=xq), lin(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16, 4096), (2, 8, 4096)])
+def test_gpu_fp8_linear_runs_scaled_mm_on_the_producers_codes(shape):
+    """On an FP8 GPU, FP8Linear.prequant_scale asks for its input_scale (the w8a8 scaled_mm path) and forward
+    with the producer's codes (xq = quantize_fp8(h, input_scale), 2-D and 3-D h) gives forward's output."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs an FP8 GPU (sm_89+)")
+    from runners.engine.models.fp8_modules import FP8Linear
+
+    w, ws = _fp8_weight(1024, 4096, device="cuda")
+    lin = FP8Linear(4096, 1024, device="cuda")
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.weight_scale.copy_(ws)
+        lin.input_scale.fill_(0.02)
+    h = torch.randn(*shape, device="cuda").bfloat16()
+    assert lin.prequant_scale(h) is lin.input_scale
+    with torch.no_grad():
+        want = lin(h)
+        got = lin(h, xq=quantize_fp8(h, lin.input_scale))
+    assert torch.equal(got, want)
 
 
 def _fp8_experts(E, I, L, gated, seed=0, device="cpu"):

@@ -93,8 +93,10 @@ def test_gated_group_rms_norm_matches_reference(dtype, group):
     assert torch.equal(got, gated_group_rms_norm(y, z, w, group, 1e-5).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gated_group_rms_norm_quantizes_its_output_for_an_fp8_linear(dtype):
+@pytest.mark.parametrize("dtype, out_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+    (torch.float16, torch.float16)])
+def test_gated_group_rms_norm_quantizes_its_output_for_an_fp8_linear(dtype, out_dtype):
     """With quant_scale the launch also returns float8_e4m3fn codes that are bitwise
     kernels.quant.fp8.quantize_fp8 of the very output it returns (the FP8 out_proj's input quantized in the
     norm's launch), the output unchanged; values beyond +-448 scales clamp, as the rule does."""
@@ -106,8 +108,8 @@ def test_gated_group_rms_norm_quantizes_its_output_for_an_fp8_linear(dtype):
     w = (torch.rand(96, generator=g) * 40).to(DEV, dtype)
     for scale in (0.02, 1e-3):  # the second drives many codes into the clamp
         s = torch.tensor(scale, device=DEV)
-        out, q = gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=torch.bfloat16, quant_scale=s)
-        assert torch.equal(out, gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=torch.bfloat16))
+        out, q = gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=out_dtype, quant_scale=s)
+        assert torch.equal(out, gated_group_rms_norm(y, z, w, 48, 1e-5, out_dtype=out_dtype))
         assert q.dtype == torch.float8_e4m3fn and q.shape == out.shape
         want = quantize_fp8_ref(out, s)
         assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
@@ -155,6 +157,20 @@ def test_mamba2_output_hands_an_fp8_out_proj_the_codes_of_the_norms_launch(monke
     assert torch.equal(got, plain)
     ((h, q),) = seen
     assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(h, torch.tensor(0.01)).view(torch.uint8))
+    # another norm (the tensor-parallel SpanningGroupRMSNorm of a group spread over ranks, which has no codes
+    # output): nothing is asked of it
+    norm = mixer.norm
+
+    class OtherNorm(torch.nn.Module):
+        def forward(self, yy, zz, out_dtype=torch.float32):
+            return gated_group_rms_norm_ref(yy, zz, norm.weight, norm.group_size, norm.eps, out_dtype)
+
+    mixer.norm = OtherNorm()
+    seen.clear()
+    with torch.no_grad():
+        mixer.output(y, z, torch.bfloat16)
+    assert seen[0][1] is None
+    mixer.norm = norm
     for mod in (layers_mod, mamba2_mod):
         monkeypatch.setattr(mod, "use_inference_kernel", lambda t: False)
     seen.clear()

@@ -402,8 +402,10 @@ class Mamba2Mixer(nn.Module):
     def output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """out_proj(norm(y, z)) in ``dtype``: y, z [b, T, d_inner] -> [b, T, hidden]. Before an FP8
         out_proj on its scaled_mm path the norm's launch also writes out_proj's input codes
-        (layers.consumer_quant_scale), so out_proj runs no quantization launch."""
-        scale = consumer_quant_scale(self.out_proj, y) if use_inference_kernel(y) else None
+        (layers.consumer_quant_scale), so out_proj runs no quantization launch; not with the tensor-parallel
+        :class:`SpanningGroupRMSNorm` (a group over several ranks), which has no such output."""
+        fused = use_inference_kernel(y) and isinstance(self.norm, GatedGroupRMSNorm)
+        scale = consumer_quant_scale(self.out_proj, y) if fused else None
         if scale is None:
             return self.out_proj(self.norm(y, z, out_dtype=dtype))
         h, q = self.norm(y, z, out_dtype=dtype, quant_scale=scale)
