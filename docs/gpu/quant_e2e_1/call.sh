@@ -4,7 +4,9 @@
 # replay at batch 1 and 64 (rewind too with REWIND=1), with floors and kernel counts: issue 43's step / floor
 # goals (bench_e2e TARGETS "release_step_over_floor") at the depth an 80 GB card holds. Either card; carry
 # .gpu-bundle (or run after a call that did, on the same warm machine).
-#   bash docs/gpu/quant_e2e_1/call.sh OUT            about 450 s
+#   bash docs/gpu/quant_e2e_1/call.sh OUT            about 170 s on an H100 (run1, run2)
+#   FULL_LAYERS="0 0" bash docs/gpu/quant_e2e_1/call.sh OUT      full depth (an H200: needs_h200), where issue
+#        43's tokens/s goals are evaluated too
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
@@ -13,7 +15,7 @@ gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 arms="plain replay"; [ "${REWIND:-0}" = 1 ] && arms="plain rewind replay"
 timeout ${E2E_TIMEOUT:-540} python3 -u -m benchmarks.bench_e2e --out $OUT/e2e --parts ${PARTS:-super_v3_nvfp4,qwen3_next_fp8} \
-  --full-layers 44 24 --graphs on --compile off --batch-sizes ${BATCHES:-1 64} --arms $arms --accept-length 3.0 \
+  --full-layers ${FULL_LAYERS:-44 24} --graphs on --compile off --batch-sizes ${BATCHES:-1 64} --arms $arms --accept-length 3.0 \
   --steps 16 --time-budget-s ${E2E_BUDGET_S:-480} >$OUT/e2e.log 2>&1
 echo "bench_e2e rc=$? at $((SECONDS-t0)) s"
 grep -E "^== |error|Error" $OUT/e2e.log | cut -c1-240 | tail -20

@@ -14,7 +14,7 @@ for point in ${POINTS:-super_v3_nvfp4:plain:1 qwen3_next_fp8:plain:1 super_v3_nv
   name=$(echo $point | tr ':' '_')
   model=${point%%:*}
   timeout ${PROFILE_TIMEOUT:-150} python3 -u -m benchmarks.bench_e2e --out $OUT/$name --parts $model \
-    --full-layers 44 24 --graphs on --compile off --batch-sizes ${point##*:} --accept-length 3.0 --steps 8 \
+    --full-layers ${FULL_LAYERS:-44 24} --graphs on --compile off --batch-sizes ${point##*:} --accept-length 3.0 --steps 8 \
     --profile $point:graphs >$OUT/$name.log 2>&1
   echo "$point rc=$? at $((SECONDS-t0)) s"
   for trace in $OUT/$name/profile_*.json; do
