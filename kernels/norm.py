@@ -166,15 +166,19 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
     return out if q is None else (out, q)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             quant_scale: torch.Tensor | None = None):
     """:func:`rms_norm_ref` in one Triton launch (one program per row). x: [..., N], N <= MAX_GROUP, any
-    strides; weight: [N]. Returns a new contiguous tensor in x's dtype; mutates nothing.
+    strides; weight: [N]. Returns a new contiguous tensor in x's dtype; mutates nothing. ``quant_scale``: as
+    :func:`gated_group_rms_norm`'s (the static scale of the FP8 linear that reads the result first, a
+    block's in_proj or up projection): (out, q).
 
     Raises:
         ValueError: CPU tensors without the Triton interpreter, a dtype outside NORM_DTYPES, a 0-dim x, a
-            weight of another length, N > MAX_GROUP.
+            weight of another length, N > MAX_GROUP, a quant_scale that is not one float32 element on x's
+            device.
     """
-    return _launch(0, x, None, weight, None, eps, offset, x.dtype, "rms_norm")
+    return _launch(0, x, None, weight, None, eps, offset, x.dtype, "rms_norm", quant_scale)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -291,3 +291,91 @@ def test_gpu_release_shapes_and_cuda_graph_capture():
     torch.cuda.synchronize()
     for got, want in zip(captured, run()):
         assert torch.equal(got, want)
+
+
+class _AskingLinear(torch.nn.Linear):
+    """A linear that asks for its input's FP8 codes (as FP8Linear on its scaled_mm path) and records what it
+    was given."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.scale, self.seen = torch.tensor(0.02, device=DEV), []
+
+    def prequant_scale(self, x):
+        return self.scale
+
+    def forward(self, x, xq=None):
+        self.seen.append((x, xq))
+        return super().forward(x)
+
+
+def test_block_norm_writes_the_codes_of_its_mixers_input_linear(monkeypatch):
+    """Block.forward, kernel path, with an MLP mixer whose up projection asks for its input codes: the block's
+    RMSNorm launch writes them (bitwise kernels.quant.fp8's rule on the norm output the projection receives)
+    and the output is the plain path's; a gated MLP (two readers) and the reference path ask nothing."""
+    import runners.engine.models.block as block_mod
+    import runners.engine.models.layers as layers_mod
+    from kernels.quant.fp8 import quantize_fp8_ref
+    from runners.engine.models.block import Block
+    from runners.engine.models.config import HybridConfig
+
+    c = HybridConfig(family="nemotron_h", vocab_size=7, hidden_size=32, layer_types=("mlp",),
+                     intermediate_size=48)
+    torch.manual_seed(0)
+    block = Block(c, "mlp", None).to(DEV).bfloat16()
+    x = torch.randn(2, 3, 32, device=DEV).bfloat16()
+    for mod in (block_mod, layers_mod):
+        monkeypatch.setattr(mod, "use_inference_kernel", lambda t: True)
+    with torch.no_grad():
+        plain = block(x, None, None)
+        up = _AskingLinear(32, 48, bias=False).to(DEV).bfloat16()
+        up.weight.copy_(block.mixer.up_proj.weight)
+        block.mixer.up_proj = up
+        got = block(x, None, None)
+    assert torch.equal(got, plain)
+    ((h, q),) = up.seen
+    assert q is not None and torch.equal(q.view(torch.uint8), quantize_fp8_ref(h, up.scale).view(torch.uint8))
+    with pytest.raises(ValueError, match="quant_scale is for the kernel path"):
+        monkeypatch.setattr(layers_mod, "use_inference_kernel", lambda t: False)
+        block.norm(x, quant_scale=up.scale)
+    monkeypatch.setattr(block_mod, "use_inference_kernel", lambda t: False)
+    up.seen.clear()
+    with torch.no_grad():
+        block(x, None, None)
+    assert up.seen[0][1] is None
+    block.mixer.gate_proj = torch.nn.Linear(32, 48, bias=False).to(DEV).bfloat16()
+    assert block.mixer.input_linear() is None
+
+
+def test_mamba2_and_moe_hand_the_codes_to_their_input_linear():
+    """Mamba2Mixer passes ``xq`` to in_proj and MoE (reshaped to its flattened rows) to the shared expert's
+    up projection, their ``input_linear``s; MoE with a gated shared expert names none."""
+    from runners.engine.models.config import HybridConfig
+    from runners.engine.models.mamba2 import Mamba2Mixer
+    from runners.engine.models.moe import MoE
+
+    c = HybridConfig(family="nemotron_h", vocab_size=7, hidden_size=32, layer_types=("mamba2",),
+                     mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                     chunk_size=8)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(c)
+    ask = _AskingLinear(32, mixer.in_proj.out_features, bias=False)
+    mixer.in_proj = ask
+    assert mixer.input_linear() is ask
+    x = torch.randn(1, 3, 32)
+    codes = torch.zeros(1, 3, 32).to(torch.float8_e4m3fn)
+    with torch.no_grad():
+        mixer(x, xq=codes)
+    assert ask.seen[0][1] is codes
+    mc = HybridConfig(family="nemotron_h", vocab_size=7, hidden_size=32, layer_types=("moe",),
+                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      moe_shared_expert_intermediate_size=24)
+    moe = MoE(mc)
+    up = _AskingLinear(32, 24, bias=False)
+    moe.shared_experts.up_proj = up
+    assert moe.input_linear() is up
+    with torch.no_grad():
+        moe(x, xq=codes)
+    assert up.seen[0][1].shape == (3, 32) and up.seen[0][1].data_ptr() == codes.data_ptr()
+    moe.shared_experts.gate_proj = torch.nn.Linear(32, 24, bias=False)
+    assert moe.input_linear() is None

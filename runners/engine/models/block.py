@@ -14,7 +14,7 @@ from torch import nn
 from kernels.health import flag_nonfinite, residual_add
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.kinds import build_mixer, stateful
-from runners.engine.models.layers import RMSNorm
+from runners.engine.models.layers import RMSNorm, consumer_quant_scale, use_inference_kernel
 from runners.engine.state import BatchMeta
 
 if TYPE_CHECKING:  # type hints only (the cache allocates from the kinds the blocks are built of)
@@ -36,17 +36,30 @@ class Block(nn.Module):
         ``flags[index]`` where its output holds a NaN or an infinity (``kernels.health.residual_add``, one
         launch for both; the eager inference step's health path,
         ``runners.engine.models.hybrid.HybridLM.forward``)."""
-        h = self.norm(x)
+        h, kw = self._normed(x)
         if self.cache_index is None:
-            y = self.mixer(h)
+            y = self.mixer(h, **kw)
         else:
-            y = self.mixer(h, None if cache is None else cache[self.cache_index], meta)
+            y = self.mixer(h, None if cache is None else cache[self.cache_index], meta, **kw)
         if flag is None or y.shape != x.shape or y.dtype != x.dtype:
             out = x + y
             if flag is not None:
                 flag_nonfinite(out, *flag)
             return out
         return residual_add(x, y, *flag)
+
+    def _normed(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(norm(x), the mixer's extra arguments): where the kernels run and the mixer's
+        ``input_linear()`` is an FP8 linear that asks for its input's codes (layers.consumer_quant_scale),
+        the norm's launch writes them and the mixer gets them as ``xq`` (no quantization launch of its
+        own)."""
+        ask = getattr(self.mixer, "input_linear", None)
+        lin = ask() if ask is not None and use_inference_kernel(x) else None
+        scale = None if lin is None else consumer_quant_scale(lin, x)
+        if scale is None:
+            return self.norm(x), {}
+        h, q = self.norm(x, quant_scale=scale)
+        return h, {"xq": q}
 
 
 def build_blocks(config: HybridConfig, kinds: tuple[str, ...], first_cache_index: int) -> nn.ModuleList:

@@ -78,9 +78,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
         self.eps, self.offset = eps, offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quant_scale: torch.Tensor | None = None):
+        """x [..., dim] -> x's dtype. With ``quant_scale`` (kernel path only) also the result's FP8 codes
+        from the same launch, (out, q) (kernels.norm.rms_norm).
+
+        Raises:
+            ValueError: quant_scale given where the kernel does not run."""
         if use_inference_kernel(x):
-            return rms_norm(x, self.weight, self.eps, self.offset)
+            return rms_norm(x, self.weight, self.eps, self.offset, quant_scale)
+        if quant_scale is not None:
+            raise ValueError("RMSNorm: quant_scale is for the kernel path (use_inference_kernel)")
         return rms_norm_ref(x, self.weight, self.eps, self.offset)
 
 
@@ -155,12 +162,18 @@ class MLP(nn.Module):
         size = c.intermediate_size if intermediate_size is None else intermediate_size
         return cls(c.hidden_size, size, c.mlp_bias, c.mlp_hidden_act, c.mlp_gated)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_linear(self) -> nn.Module | None:
+        """The linear that alone reads this mixer's input first (runners.engine.models.block.Block asks it
+        for the codes its norm may write): up_proj, or None when gated (gate and up both read it)."""
+        return self.up_proj if self.gate_proj is None else None
+
+    def forward(self, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
         """The activation (and the gate's product) is one launch where :func:`use_inference_kernel` holds
         (kernels/activation.py: relu2, silu_mul), its reference elsewhere; before an FP8 down projection
-        that launch also writes the projection's input codes (:func:`consumer_quant_scale`)."""
+        that launch also writes the projection's input codes (:func:`consumer_quant_scale`). ``xq``: x's
+        codes for :meth:`input_linear` (given only where it asked for them)."""
         if self.gate_proj is None:
-            h = self.up_proj(x)
+            h = self.up_proj(x) if xq is None else self.up_proj(x, xq=xq)
             if not (self.act_name == "relu2" and use_inference_kernel(h)):
                 return self.down_proj(self.act(h))
             scale = consumer_quant_scale(self.down_proj, h)  # an FP8 down projection: codes from this launch

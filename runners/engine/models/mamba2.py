@@ -365,12 +365,21 @@ class Mamba2Mixer(nn.Module):
                    intermediate_state_indices=meta.slot_ids, update_state=False,
                    time_step_limit=self.time_step_limit, out=out, stochastic_rounding=state.rounding)
 
+    def input_linear(self) -> nn.Module:
+        """The linear that alone reads the mixer's input first: in_proj (runners.engine.models.block.Block
+        asks it for the codes its norm may write)."""
+        return self.in_proj
+
     def forward(
-        self, hidden: torch.Tensor, state: Mamba2State | None = None, meta: BatchMeta | None = None
+        self, hidden: torch.Tensor, state: Mamba2State | None = None, meta: BatchMeta | None = None,
+        xq: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """hidden [b, T, hidden] -> [b, T, hidden]; ``xq``: hidden's codes for in_proj (given only where
+        :meth:`input_linear` asked for them)."""
         b, T, _ = hidden.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
-        z, xBC, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, H], dim=-1)
+        proj = self.in_proj(hidden) if xq is None else self.in_proj(hidden, xq=xq)
+        z, xBC, dt = proj.split([self.d_inner, self.conv_dim, H], dim=-1)
         if state is not None:
             state.check_forward(meta, T)
         xBC = self._conv(xBC, state, meta)

@@ -397,7 +397,14 @@ class MoE(nn.Module):
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_linear(self) -> nn.Module | None:
+        """The linear that alone among FP8-capable ones reads the block's input first: the shared expert's
+        (:meth:`MLP.input_linear`); the router (float32) and the latent projection read it unquantized."""
+        return self.shared_experts.input_linear()
+
+    def forward(self, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., D] -> [..., D]; ``xq``: x's codes for the shared expert's input linear (given only where
+        :meth:`input_linear` asked for them)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
@@ -405,7 +412,7 @@ class MoE(nn.Module):
         routed = eager_op(_routed_experts)(self, h, weights, indices)  # grouped GEMMs: outside torch.compile
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        shared = self.shared_experts(flat)
+        shared = self.shared_experts(flat, None if xq is None else xq.reshape(flat.shape))
         if self.shared_expert_gate is not None:  # routed + sigmoid(x . w) * shared: one kernel on CUDA
             fused = use_inference_kernel(flat) and shared.dtype == routed.dtype == flat.dtype
             combine = shared_gate_combine if fused else shared_gate_combine_ref
