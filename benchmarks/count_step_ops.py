@@ -25,7 +25,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   runners.engine.models.nvfp4 / block_fp8 and fp8's ``fp8_linear``: one Triton or cuBLAS kernel on CUDA, the
   dequantizing reference on the CPU) counts as ``kernel:<name>``, plus ``kernel:<name>.prep`` for the one
   helper launch the kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's activation
-  quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8; a split-K sum
+  quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8, except where the
+  kernel producing its input wrote the codes, as it does on an FP8 GPU: FP8Linear.prequant_scale; a split-K sum
   launch, which depends on the real widths, is not counted); the quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
   Where the quantized experts take a per-pair decode path on CUDA (their format's ``use_moe_gemv`` gate,
   runners.engine.formats), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
@@ -79,13 +80,29 @@ def _grouped_block_fp8_prep(x, weight, *args, **kwargs) -> bool:
     return grouped_scheme(x.shape[0], weight.shape[0]) == "w8a8"
 
 
+def _fp8_linear_prep(x, weight, weight_scale, input_scale, bias=None, xq=None) -> bool:
+    """Whether a per-tensor FP8 linear quantizes x in a launch of its own: not where the kernel producing x
+    wrote its codes (``xq``: kernels/norm.py, kernels/activation.py ``quant_scale``)."""
+    return xq is None
+
+
+def _fp8_prequant_scale_on_cuda(self, x):
+    """FP8Linear.prequant_scale as on an FP8 GPU (the scaled_mm path wherever the format's scheme is w8a8), so
+    that the count follows the producers' codes as CUDA does."""
+    from registry.hf_config import FORMAT_FP8
+    from runners.engine.formats import get_format
+
+    rows = x.numel() // max(1, x.shape[-1])
+    return None if get_format(FORMAT_FP8).scheme(rows) == "w8a16" else self.input_scale
+
+
 # quantized GEMM wrappers counted as kernels: (module, attribute, whether a helper launch precedes it on CUDA:
 # a bool, or a function of the call's arguments)
 QUANT_KERNELS = (("runners.engine.models.nvfp4", "nvfp4_linear", True),
                  ("runners.engine.models.nvfp4", "nvfp4_grouped_mm", True),
                  ("runners.engine.models.block_fp8", "block_fp8_linear", _dense_block_fp8_prep),
                  ("runners.engine.models.block_fp8", "block_fp8_grouped_mm", _grouped_block_fp8_prep),
-                 ("runners.engine.models.fp8_modules", "fp8_linear", True))  # the activation's cast
+                 ("runners.engine.models.fp8_modules", "fp8_linear", _fp8_linear_prep))  # the static cast
 HOST_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero")
 ALLOC_OPS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
 STEP = "step"  # the kind of ops outside every block
@@ -203,7 +220,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         saved.append((moe_mod, "topk_route_ref", moe_mod.topk_route_ref))
         # the blocks' fused stages: the dispatch CUDA takes (layers.use_inference_kernel true), each kernel
         # run as its reference (same signature) and counted as the one launch it is on CUDA
-        for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod, mtp_mod):
+        for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod, mtp_mod, block_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
         from kernels import activation, health, moe_combine, norm, rope
@@ -235,6 +252,12 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
             fmt = get_format(name)
             saved.append((fmt, "use_moe_gemv", fmt.use_moe_gemv))
             fmt.use_moe_gemv = lambda h, indices, pair_kernel=None, n=n: indices.numel() <= n
+        # FP8 linears ask their producers for the input codes as on an FP8 GPU (the count's references give
+        # them: kernels/norm.py's and kernels/activation.py's quant_scale contract)
+        from runners.engine.models.fp8_modules import FP8Linear
+
+        saved.append((FP8Linear, "prequant_scale", FP8Linear.prequant_scale))
+        FP8Linear.prequant_scale = _fp8_prequant_scale_on_cuda
         for mod, attr in ((nvfp4_mod, "moe_gemv_nvfp4"), (block_fp8_mod, "moe_gemv_block_fp8")):
             saved.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, counter.opaque_kernel("moe_experts", getattr(mod, attr)))

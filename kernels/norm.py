@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_launchable, interpreter_active, round_rne, row_layout
-from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, static_fp8
+from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, quantize_fp8_ref, static_fp8
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The largest group one program holds in registers (Super V3's hidden size is 4096, Qwen3-Next's 2048).
@@ -43,8 +43,17 @@ MAX_GROUP = 16384
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """``(offset + weight) * x * rsqrt(mean(x^2) + eps)`` over the last dim, in float32, returned in x's dtype.
+def with_codes(out: torch.Tensor, quant_scale: torch.Tensor | None):
+    """``out``, or (out, its float8_e4m3fn codes under the static scale: kernels.quant.fp8.quantize_fp8_ref)
+    when ``quant_scale`` is given: the ``quant_scale`` contract of the references below, which the kernels
+    meet in the same launch."""
+    return out if quant_scale is None else (out, quantize_fp8_ref(out, quant_scale))
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                 quant_scale: torch.Tensor | None = None):
+    """``(offset + weight) * x * rsqrt(mean(x^2) + eps)`` over the last dim, in float32, returned in x's dtype
+    (with ``quant_scale``: and its FP8 codes, :func:`with_codes`).
 
     x: [..., N] float32 / bf16 / fp16; weight: [N] (any float dtype; promoted to float32 by the product).
     Pure function.
@@ -54,7 +63,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     # without an offset the weight multiplies as it is: float32 * a 16-bit weight promotes to float32, the
     # same products as an explicit float() cast, one kernel fewer (w + 1 must be float32 first)
     scale = weight.float() + offset if offset else weight
-    return (scale * xf).to(x.dtype)
+    return with_codes((scale * xf).to(x.dtype), quant_scale)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,16 +79,18 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 
 
 def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                             eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                             eps: float, out_dtype: torch.dtype = torch.float32,
+                             quant_scale: torch.Tensor | None = None):
     """Gate then norm per group: ``weight * groupnorm_rms(y * silu(z))``, float32 [..., N], then cast to
-    ``out_dtype`` (float32 by default: no cast).
+    ``out_dtype`` (float32 by default: no cast); with ``quant_scale`` also its FP8 codes (:func:`with_codes`).
 
     y, z: [..., N] (same shape), N a multiple of group_size; weight: [N]. Pure function.
     """
     y = y.float() * F.silu(z.float())
     g = y.unflatten(-1, (-1, group_size))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * g.flatten(-2)).to(out_dtype)  # float32 g promotes the weight: as weight.float()
+    # float32 g promotes the weight: as weight.float()
+    return with_codes((weight * g.flatten(-2)).to(out_dtype), quant_scale)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -147,6 +147,13 @@ def test_quantized_format_counts_its_kernels(max_pairs):
         assert moe_ops["argsort"] == blocks  # the expert sort of the grouped path
     assert any(op.startswith("kernel:nvfp4_linear") or op.startswith("kernel:fp8_linear")
                for kind in p["kinds"].values() for op, _ in kind["top"])
+    # the release's per-tensor FP8 linears (Mamba2's in / out projections, the shared experts' up / down)
+    # read the codes their producer's launch wrote (the block norm, Mamba2's gated norm, relu2): no
+    # quantization launch of their own in the decode step
+    for kind in ("mamba2", "moe"):
+        ops = dict(p["kinds"][kind]["top"])
+        assert ops["kernel:fp8_linear"] == 2 * p["kinds"][kind]["blocks"], kind
+        assert "kernel:fp8_linear.prep" not in ops, kind
 
 
 def test_unknown_format_is_refused(capsys):
@@ -197,7 +204,8 @@ def test_patches_are_restored_on_exit_and_when_patching_fails(monkeypatch):
 
 def test_block_fp8_counts_its_quantization_launch_only_under_w8a8():
     """A block-FP8 call's `.prep` (the activation-quantization launch) is counted where the format's scheme
-    for its rows is w8a8, not under the w8a16 decode scheme (no such launch); per-tensor FP8 always casts."""
+    for its rows is w8a8, not under the w8a16 decode scheme (no such launch); per-tensor FP8 casts where no
+    producer wrote its input's codes."""
     from benchmarks import count_step_ops as cso
     from runners.engine.formats import get_format
 
@@ -211,4 +219,6 @@ def test_block_fp8_counts_its_quantization_launch_only_under_w8a8():
     assert prep["block_fp8_linear"](torch.zeros(2, rows, 128)) is True  # 2 x decode_rows: w8a8
     assert prep["block_fp8_grouped_mm"](torch.zeros(4 * rows, 128), w) is False  # decode_rows per expert
     assert prep["block_fp8_grouped_mm"](torch.zeros(4 * rows + 4, 128), w) is True
-    assert prep["fp8_linear"] is True
+    x, w8 = torch.zeros(1, 128), torch.zeros(8, 128)
+    assert prep["fp8_linear"](x, w8, 1.0, 1.0) is True  # per-tensor FP8 casts x itself ...
+    assert prep["fp8_linear"](x, w8, 1.0, 1.0, None, x) is False  # ... unless its producer wrote the codes

@@ -129,6 +129,8 @@ def test_activation_quantizes_its_output_for_an_fp8_down_projection(fn):
     assert (q.float().abs() == 448).any()
     with pytest.raises(ValueError, match="quant_scale must be a one-element float32 tensor"):
         call(quant_scale=torch.tensor(0.1, dtype=torch.float64, device=DEV))
+    ref = relu2_ref(x, s) if fn == "relu2" else silu_mul_ref(x, u, s)  # the references meet the same contract
+    assert torch.equal(ref[1].view(torch.uint8), quantize_fp8_ref(ref[0], s).view(torch.uint8))
 
 
 class _FakeFP8Down(torch.nn.Linear):

@@ -122,7 +122,7 @@ def test_mamba2_output_hands_an_fp8_out_proj_the_codes_of_the_norms_launch(monke
     """Mamba2Mixer.output, kernel path, before an out_proj that asks for its input codes
     (layers.consumer_quant_scale, as FP8Linear on its scaled_mm path): the norm's launch writes them, the
     projection receives them (bitwise kernels.quant.fp8's rule on the norm output it receives) and the output
-    is the plain path's; off the kernel path nothing is asked (a quant_scale there is refused)."""
+    is the plain path's; off the kernel path nothing is asked (the reference norm gives codes when asked)."""
     import runners.engine.models.layers as layers_mod
     import runners.engine.models.mamba2 as mamba2_mod
     from kernels.quant.fp8 import quantize_fp8_ref
@@ -176,8 +176,8 @@ def test_mamba2_output_hands_an_fp8_out_proj_the_codes_of_the_norms_launch(monke
     seen.clear()
     with torch.no_grad():
         mixer.output(y, z, torch.bfloat16)
-        with pytest.raises(ValueError, match="quant_scale is for the kernel path"):
-            mixer.norm(y, z, torch.bfloat16, quant_scale=torch.tensor(0.01))
+        out, q = mixer.norm(y, z, torch.bfloat16, quant_scale=torch.tensor(0.01))  # the reference's codes
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(out, torch.tensor(0.01)).view(torch.uint8))
     assert seen[0][1] is None
 
 
@@ -312,7 +312,8 @@ class _AskingLinear(torch.nn.Linear):
 def test_block_norm_writes_the_codes_of_its_mixers_input_linear(monkeypatch):
     """Block.forward, kernel path, with an MLP mixer whose up projection asks for its input codes: the block's
     RMSNorm launch writes them (bitwise kernels.quant.fp8's rule on the norm output the projection receives)
-    and the output is the plain path's; a gated MLP (two readers) and the reference path ask nothing."""
+    and the output is the plain path's; a gated MLP (two readers) and the reference path ask nothing (the
+    reference norm gives the same rule's codes when asked)."""
     import runners.engine.models.block as block_mod
     import runners.engine.models.layers as layers_mod
     from kernels.quant.fp8 import quantize_fp8_ref
@@ -335,9 +336,9 @@ def test_block_norm_writes_the_codes_of_its_mixers_input_linear(monkeypatch):
     assert torch.equal(got, plain)
     ((h, q),) = up.seen
     assert q is not None and torch.equal(q.view(torch.uint8), quantize_fp8_ref(h, up.scale).view(torch.uint8))
-    with pytest.raises(ValueError, match="quant_scale is for the kernel path"):
-        monkeypatch.setattr(layers_mod, "use_inference_kernel", lambda t: False)
-        block.norm(x, quant_scale=up.scale)
+    monkeypatch.setattr(layers_mod, "use_inference_kernel", lambda t: False)
+    h_ref, q_ref = block.norm(x, quant_scale=up.scale)  # the reference path's codes: the same rule
+    assert torch.equal(q_ref.view(torch.uint8), quantize_fp8_ref(h_ref, up.scale).view(torch.uint8))
     monkeypatch.setattr(block_mod, "use_inference_kernel", lambda t: False)
     up.seen.clear()
     with torch.no_grad():

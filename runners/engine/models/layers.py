@@ -79,16 +79,10 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, quant_scale: torch.Tensor | None = None):
-        """x [..., dim] -> x's dtype. With ``quant_scale`` (kernel path only) also the result's FP8 codes
-        from the same launch, (out, q) (kernels.norm.rms_norm).
-
-        Raises:
-            ValueError: quant_scale given where the kernel does not run."""
-        if use_inference_kernel(x):
-            return rms_norm(x, self.weight, self.eps, self.offset, quant_scale)
-        if quant_scale is not None:
-            raise ValueError("RMSNorm: quant_scale is for the kernel path (use_inference_kernel)")
-        return rms_norm_ref(x, self.weight, self.eps, self.offset)
+        """x [..., dim] -> x's dtype. With ``quant_scale`` also the result's FP8 codes, (out, q): from the
+        kernel's launch (kernels.norm.rms_norm), or the reference's quantization."""
+        norm = rms_norm if use_inference_kernel(x) else rms_norm_ref
+        return norm(x, self.weight, self.eps, self.offset, quant_scale)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -105,17 +99,10 @@ class GatedGroupRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                 quant_scale: torch.Tensor | None = None):
         """float32 [..., d_inner], or cast to ``out_dtype`` (by the kernel itself where it runs). With
-        ``quant_scale`` (kernel path only: where :func:`use_inference_kernel` holds) also the result's FP8
-        codes from the same launch, (out, q) (kernels.norm.gated_group_rms_norm).
-
-        Raises:
-            ValueError: quant_scale given where the kernel does not run."""
-        if not use_inference_kernel(y):
-            if quant_scale is not None:
-                raise ValueError("GatedGroupRMSNorm: quant_scale is for the kernel path "
-                                 "(use_inference_kernel)")
-            return gated_group_rms_norm_ref(y, z, self.weight, self.group_size, self.eps, out_dtype)
-        return gated_group_rms_norm(y, z, self.weight, self.group_size, self.eps, out_dtype, quant_scale)
+        ``quant_scale`` also the result's FP8 codes, (out, q): from the kernel's launch
+        (kernels.norm.gated_group_rms_norm), or the reference's quantization."""
+        norm = gated_group_rms_norm if use_inference_kernel(y) else gated_group_rms_norm_ref
+        return norm(y, z, self.weight, self.group_size, self.eps, out_dtype, quant_scale)
 
 
 ACTIVATIONS = {"relu2": relu2_ref, "silu": F.silu}
