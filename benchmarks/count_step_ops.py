@@ -231,6 +231,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
                  (moe_mod, moe_combine, "shared_gate_combine"), (attention_mod, rope, "norm_rope"),
                  (gdn_mod, norm, "gated_rms_norm"), (gdn_mod, prologue, "gdn_prologue"),
                  (block_mod, health, "residual_add"), (block_mod, health, "flag_nonfinite"),
+                 (block_mod, norm, "add_rms_norm"),
                  (hybrid_mod, health, "flag_nonfinite"), (mtp_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
                  (mamba2_mod, conv, "causal_conv_step")]

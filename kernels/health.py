@@ -30,7 +30,12 @@ HEALTH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 2048  # elements per program (four warps, 16 per thread)
 
 
-def _flag_index(flags: torch.Tensor, index: int, name: str) -> int:
+def flag_index(flags: torch.Tensor, index: int, name: str) -> int:
+    """``index`` as a non-negative position in ``flags`` (Python-style negative index allowed).
+
+    Raises:
+        ValueError: flags not a contiguous 1-D bool tensor, or index outside them (the message starts with
+            ``name``)."""
     if flags.dtype != torch.bool or flags.dim() != 1 or not flags.is_contiguous():
         raise ValueError(f"{name}: flags must be a contiguous 1-D bool tensor, got {flags.dtype} "
                          f"{tuple(flags.shape)}")
@@ -56,7 +61,7 @@ def residual_add_ref(x: torch.Tensor, delta: torch.Tensor, flags: torch.Tensor |
     """
     y = x + delta
     if flags is not None:
-        flags[_flag_index(flags, index, "residual_add_ref")] |= ~torch.isfinite(y).all()
+        flags[flag_index(flags, index, "residual_add_ref")] |= ~torch.isfinite(y).all()
     return y
 
 
@@ -67,7 +72,7 @@ def flag_nonfinite_ref(x: torch.Tensor, flags: torch.Tensor, index: int) -> None
     Raises:
         ValueError: flags not a contiguous 1-D bool tensor, or ``index`` outside them.
     """
-    flags[_flag_index(flags, index, "flag_nonfinite_ref")] |= ~torch.isfinite(x).all()
+    flags[flag_index(flags, index, "flag_nonfinite_ref")] |= ~torch.isfinite(x).all()
 
 
 @triton.jit
@@ -79,8 +84,16 @@ def _check_kernel(x_ptr, d_ptr, y_ptr, flag_ptr, n, ADD: tl.constexpr, BLOCK_SIZ
         dt = y_ptr.dtype.element_ty
         v = round_rne(v + tl.load(d_ptr + offs, mask=m, other=0.0).to(tl.float32), dt)
         tl.store(y_ptr + offs, v.to(dt), mask=m)
+    flag_if_nonfinite(v, m, flag_ptr)
+
+
+@triton.jit
+def flag_if_nonfinite(v, mask, flag_ptr):
+    """Store True at flag_ptr where a masked-in element of v is NaN or an infinity (nothing otherwise: flags
+    accumulate, and every program that stores stores True, so no atomic is needed). For the kernels that
+    produce a flagged output themselves (this file's, kernels/norm.py's add_rms_norm)."""
     # NaN fails every comparison and an infinity exceeds the largest float: both are "not <= max"
-    bad = tl.max(tl.where(m & ~(tl.abs(v) <= 3.4028234663852886e38), 1, 0), axis=0)
+    bad = tl.max(tl.where(mask & ~(tl.abs(v) <= 3.4028234663852886e38), 1, 0), axis=0)
     tl.store(flag_ptr, bad > 0, mask=bad > 0)
 
 
@@ -104,7 +117,7 @@ def residual_add(x: torch.Tensor, delta: torch.Tensor, flags: torch.Tensor, inde
     if x.shape != delta.shape or x.dtype != delta.dtype or x.dtype not in HEALTH_DTYPES:
         raise ValueError(f"{name}: x and delta must share a shape and a dtype in {HEALTH_DTYPES}; got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(delta.shape)} {delta.dtype}")
-    i = _flag_index(flags, index, name)
+    i = flag_index(flags, index, name)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     n = x.numel()
     if n:
@@ -126,7 +139,7 @@ def flag_nonfinite(x: torch.Tensor, flags: torch.Tensor, index: int) -> None:
     check_launchable(x, flags, name=name)
     if x.dtype not in HEALTH_DTYPES:
         raise ValueError(f"{name}: x must be one of {HEALTH_DTYPES}, got {x.dtype}")
-    i = _flag_index(flags, index, name)
+    i = flag_index(flags, index, name)
     n = x.numel()
     if n:
         flat = _flat(x)

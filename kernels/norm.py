@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_launchable, interpreter_active, round_rne, row_layout
+from kernels.health import HEALTH_DTYPES, flag_if_nonfinite, flag_index, residual_add_ref
 from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, quantize_fp8_ref, static_fp8
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -222,3 +223,87 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if out_dtype not in NORM_DTYPES:
         raise ValueError(f"gated_group_rms_norm: out_dtype must be one of {NORM_DTYPES}, got {out_dtype}")
     return _launch(2, y, z, weight, group_size, eps, 0.0, out_dtype, "gated_group_rms_norm", quant_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the residual add of one block fused with the next block's input norm
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                     flags: torch.Tensor, index: int, quant_scale: torch.Tensor | None = None):
+    """(``y = x + delta`` with ``flags[index]`` set where y holds a NaN or an infinity
+    (kernels.health.residual_add_ref), :func:`rms_norm_ref` of y (with ``quant_scale``: and its FP8 codes)):
+    (y, norm) or (y, norm, q). Mutates only ``flags[index]``."""
+    y = residual_add_ref(x, delta, flags, index)
+    out = rms_norm_ref(y, weight, eps, offset, quant_scale)
+    return (y, out) if quant_scale is None else (y, *out)
+
+
+@triton.jit
+def _add_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, out_ptr, q_ptr, s_ptr, flag_ptr, N, eps, offset,
+                     BLOCK: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < N
+    dt = y_ptr.dtype.element_ty
+    # the residual add, rounded to the stream's dtype as torch's 16-bit add (kernels.health._check_kernel)
+    v = tl.load(x_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32)
+    v = round_rne(v + tl.load(d_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32), dt)
+    tl.store(y_ptr + row * N + cols, v.to(dt), mask=valid)
+    flag_if_nonfinite(v, valid, flag_ptr)
+    # the norm of the stored value: _norm_kernel's MODE 0 arithmetic on it
+    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    x_hat = v * tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
+    o = round_rne((w + offset) * x_hat, dt)
+    tl.store(out_ptr + row * N + cols, o.to(dt), mask=valid)
+    if QUANT:
+        tl.store(q_ptr + row * N + cols, static_fp8(o, s_ptr, INTERP).to(q_ptr.dtype.element_ty), mask=valid)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                 flags: torch.Tensor, index: int, quant_scale: torch.Tensor | None = None):
+    """:func:`add_rms_norm_ref` in one Triton launch (one program per row): a residual block's add with its
+    health flag (kernels.health.residual_add) and the next block's input norm (:func:`rms_norm`, with its
+    ``quant_scale`` codes), reading the residual stream once. y is bitwise residual_add's; the norm is
+    rms_norm's arithmetic on y (the same launch shape: one program per row, the row in registers), so it
+    equals rms_norm(y) to the last bit of its dtype as rms_norm equals its reference.
+
+    Args:
+        x, delta: [..., N] of one shape and dtype (HEALTH_DTYPES), N <= MAX_GROUP (non-contiguous: copied).
+        weight: [N]. eps, offset: as rms_norm's. flags: bool [n]; index: the flag of y.
+        quant_scale: a one-element float32 tensor on x's device, or None.
+
+    Returns:
+        (y, norm) or, with quant_scale, (y, norm, q): new contiguous tensors in x's dtype (q float8_e4m3fn).
+        Mutates only ``flags[index]`` (sets it).
+
+    Raises:
+        ValueError: CPU tensors without the Triton interpreter, x and delta of different shapes or dtypes,
+            a dtype outside HEALTH_DTYPES, a weight of another length, N > MAX_GROUP, bad flags or index, a bad
+            quant_scale.
+    """
+    name = "add_rms_norm"
+    check_launchable(x, delta, weight, flags, name=name)
+    if x.shape != delta.shape or x.dtype != delta.dtype or x.dtype not in HEALTH_DTYPES or x.dim() == 0:
+        raise ValueError(f"{name}: x and delta must share a shape (at least 1-D) and a dtype in {HEALTH_DTYPES};"
+                         f" got {tuple(x.shape)} {x.dtype} and {tuple(delta.shape)} {delta.dtype}")
+    N = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != N:
+        raise ValueError(f"{name}: weight must be ({N},), got {tuple(weight.shape)}")
+    if N > MAX_GROUP:
+        raise ValueError(f"{name}: a row of {N} elements is more than one program holds (MAX_GROUP = "
+                         f"{MAX_GROUP}); call add_rms_norm_ref")
+    i = flag_index(flags, index, name)
+    check_quant_scale(quant_scale, x.device, name)
+    x, delta, weight = x.contiguous(), delta.contiguous(), weight.contiguous()
+    y, out = torch.empty_like(x), torch.empty_like(x)
+    q = None if quant_scale is None else torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    rows = x.numel() // max(1, N)
+    if rows and N:
+        block = triton.next_power_of_2(N)
+        _add_norm_kernel[(rows,)](x, delta, weight, y, out, out if q is None else q,
+                                  weight if q is None else quant_scale, flags[i:], N, float(eps), float(offset),
+                                  BLOCK=block, QUANT=q is not None, INTERP=interpreter_active(),
+                                  num_warps=4 if block <= 2048 else 8)
+    return (y, out) if q is None else (y, out, q)

@@ -142,7 +142,8 @@ def test_gpu_release_width_and_cuda_graph_capture():
 
 
 def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, monkeypatch):
-    """HybridLM.forward's eager inference path (each block's residual add sets its flag; the Triton kernels
+    """HybridLM.forward's eager inference path (each block's residual add sets its flag, fused with the next
+    norm in the backbone; the Triton kernels
     in the interpreter here, as hybrid's use_inference_kernel says on CUDA) against the reference path (max
     |x| peaks, one isfinite): same tokens; with NaN weights in layer 1 the same flagged names, the first
     being layers.1.attention."""
@@ -155,7 +156,7 @@ def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, mon
     from runners.engine.options import EngineOptions
 
     ckpt = write_checkpoint(tmp_path / "ck", make_hf_model(seed=3), with_mtp=True)
-    launches = {"residual_add": 0, "flag_nonfinite": 0}
+    launches = {"residual_add": 0, "flag_nonfinite": 0, "add_rms_norm": 0}
 
     def counted(name, mod):
         fn = getattr(mod, name)
@@ -171,7 +172,8 @@ def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, mon
                 for mod in (hybrid_mod, mtp_mod):
                     m.setattr(mod, "use_inference_kernel", lambda x: True)
                 for mod, name in ((block_mod, "residual_add"), (block_mod, "flag_nonfinite"),
-                                  (hybrid_mod, "flag_nonfinite"), (mtp_mod, "flag_nonfinite")):
+                                  (hybrid_mod, "flag_nonfinite"), (mtp_mod, "flag_nonfinite"),
+                                  (block_mod, "add_rms_norm")):
                     m.setattr(mod, name, counted(name, mod))
             options = EngineOptions(draft_len=2, max_batch_size=2, max_seq_len=64)
             engine = Engine.from_pretrained(ckpt, options)
@@ -182,7 +184,8 @@ def test_engine_health_path_same_tokens_and_names_as_the_reference(tmp_path, mon
 
     ref, fused = run(False, False), run(True, False)
     assert fused.tokens == ref.tokens and fused.nonfinite == ref.nonfinite == []
-    assert launches["residual_add"] > 0 and launches["flag_nonfinite"] > 0  # the kernels' path did run
+    # the kernels' path did run: the backbone's adds fused with the next norms (block.forward_blocks_fused)
+    assert launches["add_rms_norm"] > 0 and launches["flag_nonfinite"] > 0
     ref, fused = run(False, True), run(True, True)
     assert fused.nonfinite == ref.nonfinite and fused.nonfinite[0] == "layers.1.attention", fused.nonfinite
     assert "lm_head" in fused.nonfinite and "embeddings" not in fused.nonfinite

@@ -380,3 +380,125 @@ def test_mamba2_and_moe_hand_the_codes_to_their_input_linear():
     assert up.seen[0][1].shape == (3, 32) and up.seen[0][1].data_ptr() == codes.data_ptr()
     moe.shared_experts.gate_proj = torch.nn.Linear(32, 24, bias=False)
     assert moe.input_linear() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, offset):
+    """add_rms_norm (a block's residual add fused with the next norm) gives residual_add's sum bitwise, the
+    rms_norm kernel's output on that sum bitwise (the same arithmetic), the reference's to 2 ulps, and the
+    codes bitwise the quantize rule on it; a non-finite sum sets exactly its flag."""
+    from kernels.health import residual_add_ref
+    from kernels.norm import add_rms_norm, add_rms_norm_ref
+    from kernels.quant.fp8 import quantize_fp8_ref
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, 3, 80, generator=g) * 3).to(DEV, dtype)
+    d = torch.randn(2, 3, 80, generator=g).to(DEV, dtype)
+    w = torch.rand(80, generator=g).to(DEV, dtype)
+    flags = torch.zeros(4, dtype=torch.bool, device=DEV)
+    s = torch.tensor(0.01, device=DEV)
+    y, out, q = add_rms_norm(x, d, w, 1e-5, offset, flags, 2, s)
+    assert not flags.any()
+    assert torch.equal(y, residual_add_ref(x, d))
+    assert torch.equal(out, rms_norm(y, w, 1e-5, offset))
+    _close(out, rms_norm_ref(y, w, 1e-5, offset))
+    assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(out, s).view(torch.uint8))
+    ref_flags = torch.zeros(4, dtype=torch.bool, device=DEV)
+    y_ref, out_ref = add_rms_norm_ref(x, d, w, 1e-5, offset, ref_flags, 2)
+    assert torch.equal(y_ref, y) and not ref_flags.any()
+    d[1, 2, 5] = float("nan")
+    add_rms_norm(x, d, w, 1e-5, offset, flags, -2)
+    assert flags.tolist() == [False, False, True, False]
+    with pytest.raises(ValueError, match="share a shape"):
+        add_rms_norm(x, d[:1], w, 1e-5, offset, flags, 0)
+    with pytest.raises(ValueError, match="flag index 4"):
+        add_rms_norm(x, d, w, 1e-5, offset, flags, 4)
+
+
+def test_hybrid_eager_step_fuses_each_add_with_the_next_norm(monkeypatch):
+    """HybridLM's eager inference step (kernel path, flags on) over forward_blocks_fused gives the hidden
+    state and the flags of the block-by-block loop (Block.forward with its flag, then norm_f) bitwise, in
+    one add_rms_norm launch per block boundary and for norm_f; a NaN put in one block's output flags that
+    block's output and what follows it, as the loop does."""
+    import runners.engine.models.block as block_mod
+    import runners.engine.models.hybrid as hybrid_mod
+    import runners.engine.models.layers as layers_mod
+    from kernels.health import flag_nonfinite
+    from runners.engine.models.config import HybridConfig
+    from runners.engine.models.hybrid import HybridLM
+
+    c = HybridConfig(family="nemotron_h", vocab_size=11, hidden_size=32, layer_types=("mlp", "mlp", "mlp"),
+                     intermediate_size=48)
+    torch.manual_seed(0)
+    model = HybridLM(c).to(DEV).bfloat16()
+    for mod in (block_mod, layers_mod, hybrid_mod):
+        monkeypatch.setattr(mod, "use_inference_kernel", lambda t: True)
+    calls = []
+    fused = block_mod.add_rms_norm
+    monkeypatch.setattr(block_mod, "add_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    ids = torch.tensor([[1, 4, 7, 2]], device=DEV)
+
+    def loop(model):
+        flags = model.nonfinite
+        x = model.embeddings(ids)
+        flag_nonfinite(x, flags, 0)
+        for i, block in enumerate(model.layers):
+            x = block(x, None, None, flag=(flags, i + 1))
+        x = model.norm_f(x)
+        flag_nonfinite(x, flags, len(model.layers) + 1)
+        return x
+
+    with torch.no_grad():
+        model.track_nonfinite(DEV)
+        got = model(ids)
+        got_flags = model.nonfinite.clone()
+        assert len(calls) == 3  # two block boundaries and norm_f
+        model.track_nonfinite(DEV)
+        want = loop(model)
+        assert torch.equal(got, want) and torch.equal(got_flags, model.nonfinite) and not got_flags.any()
+        model.layers[1].mixer.down_proj.bias = torch.nn.Parameter(
+            torch.full((32,), float("nan"), device=DEV, dtype=torch.bfloat16))
+        model.track_nonfinite(DEV)
+        model(ids)
+        got_flags = model.nonfinite.clone()
+        model.track_nonfinite(DEV)
+        loop(model)
+    assert torch.equal(got_flags, model.nonfinite)
+    assert got_flags.tolist() == [False, False, True, True, True, False]  # embeddings .. norm_f, lm_head
+
+
+@pytest.mark.gpu
+def test_gpu_add_rms_norm_is_residual_add_then_rms_norm_bitwise():
+    """On the GPU at Super V3's hidden size (batch 64 x T 4, bf16, with FP8 codes), add_rms_norm equals
+    residual_add then rms_norm bit for bit (the same arithmetic in one launch), eager and replayed from a CUDA
+    graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels.health import residual_add
+    from kernels.norm import add_rms_norm
+    from kernels.quant.fp8 import quantize_fp8
+
+    bf = torch.bfloat16
+    x, d = _r(64, 4, 4096, dtype=bf, seed=21, scale=4.0), _r(64, 4, 4096, dtype=bf, seed=22)
+    w = _r(4096, dtype=bf, seed=23)
+    s = torch.tensor(0.05, device="cuda")
+    flags = torch.zeros(3, dtype=torch.bool, device="cuda")
+
+    def split():
+        y = residual_add(x, d, flags, 1)
+        out = rms_norm(y, w, 1e-5)
+        return y, out, quantize_fp8(out, s)
+
+    want = split()
+    got = add_rms_norm(x, d, w, 1e-5, 0.0, flags, 1, s)
+    for g, t in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = add_rms_norm(x, d, w, 1e-5, 0.0, flags, 1, s)
+    x.normal_()
+    graph.replay()
+    for g, t in zip(captured, split()):
+        assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
+    assert not flags.any()

@@ -25,7 +25,7 @@ from torch import nn
 
 from kernels.health import flag_nonfinite
 from runners.engine.compile import compiled_block_call, eager_block_call
-from runners.engine.models.block import abs_peak, build_blocks
+from runners.engine.models.block import abs_peak, build_blocks, forward_blocks_fused
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import RMSNorm, use_inference_kernel
 from runners.engine.models.mtp import MTPModule
@@ -136,10 +136,9 @@ class HybridLM(nn.Module):
         if track and self.block_call is eager_block_call and use_inference_kernel(x):
             # the eager inference step: each block's residual add tests its own output (kernels/health.py),
             # no peak reductions; the same flags and names as below
+            # (each residual add fused with the next norm: block.forward_blocks_fused)
             flag_nonfinite(x, self.nonfinite, 0)
-            for i, block in enumerate(self.layers):
-                x = block(x, cache, meta, flag=(self.nonfinite, i + 1))
-            x = self.norm_f(x)
+            x = forward_blocks_fused(self.layers, x, cache, meta, self.nonfinite, 1, self.norm_f)
             flag_nonfinite(x, self.nonfinite, len(self.layers) + 1)
             return x
         peaks = [abs_peak(x)] if track else []
