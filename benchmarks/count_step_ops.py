@@ -8,7 +8,9 @@ decode step (``runners.engine.graphs.StepGraphs`` mode "eager_padded", the phase
 dispatches on the CPU, per phase (``decode``, or ``draft`` / ``verify`` / ``commit`` / ``catchup``) and per
 block kind (``mamba2``, ``moe``, ``attention``, ``gdn``, ``mlp``; ``mtp.<kind>`` for the MTP module's blocks;
 ``step`` for everything outside the blocks: embedding, final norm, LM head, health flags, the step's own
-bookkeeping). The device's kernel count per step is ``benchmarks/bench_e2e.py``'s ``kernels_per_step``
+bookkeeping; in the eager inference step each block's residual add runs in the next block's norm launch,
+``add_rms_norm``, so it counts under the next block's kind, and the last block's under ``step`` with the
+final norm: block.forward_blocks_fused). The device's kernel count per step is ``benchmarks/bench_e2e.py``'s ``kernels_per_step``
 (torch.profiler on the H200); this script is its CPU proxy for finding repeated per-layer work.
 
 Conventions, so the counts track device launches rather than CPU implementation detail:

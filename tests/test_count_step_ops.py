@@ -222,3 +222,43 @@ def test_block_fp8_counts_its_quantization_launch_only_under_w8a8():
     x, w8 = torch.zeros(1, 128), torch.zeros(8, 128)
     assert prep["fp8_linear"](x, w8, 1.0, 1.0) is True  # per-tensor FP8 casts x itself ...
     assert prep["fp8_linear"](x, w8, 1.0, 1.0, None, x) is False  # ... unless its producer wrote the codes
+
+
+def test_fused_eager_step_hands_every_fp8_linear_its_producers_codes(monkeypatch):
+    """A synthetic Super V3 NVFP4 model (FP8 Mamba2 projections and shared experts) through HybridLM's eager
+    inference step with CUDA's decisions (the kernels' path, FP8Linear asking as on an FP8 GPU,
+    count_step_ops' stand-in): every fp8_linear call receives codes, bitwise the quantize rule on the input
+    it receives, and the hidden state equals the forward without health flags (the block-by-block path)."""
+    import runners.engine.models.attention as attention_mod
+    import runners.engine.models.block as block_mod
+    import runners.engine.models.fp8_modules as fp8_modules
+    import runners.engine.models.hybrid as hybrid_mod
+    import runners.engine.models.layers as layers_mod
+    import runners.engine.models.mamba2 as mamba2_mod
+    import runners.engine.models.moe as moe_mod
+    from benchmarks import count_step_ops as cso
+    from kernels.quant.fp8 import quantize_fp8_ref
+
+    for mod in (block_mod, hybrid_mod, layers_mod, moe_mod, mamba2_mod, attention_mod):
+        monkeypatch.setattr(mod, "use_inference_kernel", lambda t: True)
+    monkeypatch.setattr(fp8_modules.FP8Linear, "prequant_scale", cso._fp8_prequant_scale_on_cuda)
+    seen = []
+    linear = fp8_modules.fp8_linear
+
+    def recorded(x, w, ws, s, b=None, xq=None):
+        want = quantize_fp8_ref(x, s).view(torch.uint8)
+        seen.append(xq is not None and torch.equal(xq.view(torch.uint8), want))
+        return linear(x, w, ws, s, b, xq)
+
+    monkeypatch.setattr(fp8_modules, "fp8_linear", recorded)
+    torch.manual_seed(0)
+    model = cso._synthetic_model("nemotron_h", "nvfp4", 6, 8, dict(cso.FORMAT_SHRINK), torch.bfloat16)
+    ids = torch.randint(1, 500, (1, 12))
+    with torch.no_grad():
+        model.track_nonfinite("cpu")
+        fused = model(ids)
+        assert len(seen) >= 6 and all(seen), seen
+        assert not model.nonfinite.any()
+        model.nonfinite = None
+        plain = model(ids)
+    assert torch.equal(fused, plain)

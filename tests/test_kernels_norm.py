@@ -405,8 +405,11 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype, offset):
     _close(out, rms_norm_ref(y, w, 1e-5, offset))
     assert torch.equal(q.view(torch.uint8), quantize_fp8_ref(out, s).view(torch.uint8))
     ref_flags = torch.zeros(4, dtype=torch.bool, device=DEV)
-    y_ref, out_ref = add_rms_norm_ref(x, d, w, 1e-5, offset, ref_flags, 2)
+    y_ref, out_ref, q_ref = add_rms_norm_ref(x, d, w, 1e-5, offset, ref_flags, 2, s)
     assert torch.equal(y_ref, y) and not ref_flags.any()
+    _close(out, out_ref)
+    assert torch.equal(q_ref.view(torch.uint8), quantize_fp8_ref(out_ref, s).view(torch.uint8))
+    assert len(add_rms_norm_ref(x, d, w, 1e-5, offset, ref_flags, 2)) == 2  # (y, norm) without a scale
     d[1, 2, 5] = float("nan")
     add_rms_norm(x, d, w, 1e-5, offset, flags, -2)
     assert flags.tolist() == [False, False, True, False]
@@ -469,34 +472,37 @@ def test_hybrid_eager_step_fuses_each_add_with_the_next_norm(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_add_rms_norm_is_residual_add_then_rms_norm_bitwise():
-    """On the GPU at Super V3's hidden size (batch 64 x T 4, bf16, with FP8 codes), add_rms_norm equals
-    residual_add then rms_norm bit for bit (the same arithmetic in one launch), eager and replayed from a CUDA
-    graph."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("N, offset", [(4096, 0.0), (2048, 1.0), (4480, 0.0), (7168, 1.0)])
+@pytest.mark.parametrize("codes", [False, True])
+def test_gpu_add_rms_norm_is_residual_add_then_rms_norm_bitwise(dtype, N, offset, codes):
+    """On the GPU at the releases' hidden sizes (Super V3 4096, Qwen3-Next 2048 with its (1 + w) offset) and
+    widths that are not powers of two (masked lanes; 8 warps from 4096 up), batch 64 x T 4, with and without
+    FP8 codes: add_rms_norm equals residual_add then rms_norm (and quantize_fp8) bit for bit, eager and
+    replayed from a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kernels.health import residual_add
     from kernels.norm import add_rms_norm
     from kernels.quant.fp8 import quantize_fp8
 
-    bf = torch.bfloat16
-    x, d = _r(64, 4, 4096, dtype=bf, seed=21, scale=4.0), _r(64, 4, 4096, dtype=bf, seed=22)
-    w = _r(4096, dtype=bf, seed=23)
-    s = torch.tensor(0.05, device="cuda")
+    x, d = _r(64, 4, N, dtype=dtype, seed=21, scale=4.0), _r(64, 4, N, dtype=dtype, seed=22)
+    w = _r(N, dtype=dtype, seed=23)
+    s = torch.tensor(0.05, device="cuda") if codes else None
     flags = torch.zeros(3, dtype=torch.bool, device="cuda")
 
     def split():
         y = residual_add(x, d, flags, 1)
-        out = rms_norm(y, w, 1e-5)
-        return y, out, quantize_fp8(out, s)
+        out = rms_norm(y, w, 1e-5, offset)
+        return (y, out) if s is None else (y, out, quantize_fp8(out, s))
 
     want = split()
-    got = add_rms_norm(x, d, w, 1e-5, 0.0, flags, 1, s)
+    got = add_rms_norm(x, d, w, 1e-5, offset, flags, 1, s)
     for g, t in zip(got, want):
         assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = add_rms_norm(x, d, w, 1e-5, 0.0, flags, 1, s)
+        captured = add_rms_norm(x, d, w, 1e-5, offset, flags, 1, s)
     x.normal_()
     graph.replay()
     for g, t in zip(captured, split()):

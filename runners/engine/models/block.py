@@ -32,19 +32,19 @@ class Block(nn.Module):
         self.mixer = build_mixer(kind, config)
 
     def forward(self, x: torch.Tensor, cache: HybridCache | None, meta: BatchMeta | None,
-                flag: tuple[torch.Tensor, int] | None = None, pending: torch.Tensor | None = None,
-                defer: bool = False):
+                flag: tuple[torch.Tensor, int] | None = None, defer: bool = False):
         """x [B, T, D] -> x + mixer(norm(x)). ``flag`` (flags, index): the residual add also sets
         ``flags[index]`` where its output holds a NaN or an infinity (``kernels.health.residual_add``, one
         launch for both; the eager inference step's health path,
         ``runners.engine.models.hybrid.HybridLM.forward``).
 
-        With ``defer`` (the eager step's fused pass, :func:`forward_blocks_fused`): x is the residual stream
-        before the previous block's output ``pending`` is added (None for the first block); that add, with
-        ``flag`` as its flag, and this block's norm run as one launch (kernels.norm.add_rms_norm), and the
-        block returns (x + pending, its mixer's output), its own add left to the next block."""
+        With ``defer`` (the eager step's fused pass, :func:`forward_blocks_fused`): x is a two-item list,
+        [the residual stream before the previous block's output is added, that output or None for the first
+        block], which the block empties (so both are freed once added, not held while its mixer runs); the
+        add, with ``flag`` as its flag, and this block's norm run as one launch (kernels.norm.add_rms_norm),
+        and the block returns (the sum, its mixer's output), its own add left to the next block."""
         if defer:
-            return self._deferred(x, pending, cache, meta, flag)
+            return self._deferred(x, cache, meta, flag)
         scale = self.input_quant_scale(x)
         if scale is None:
             y = self.mix(self.norm(x), cache, meta)
@@ -58,17 +58,20 @@ class Block(nn.Module):
             return out
         return residual_add(x, y, *flag)
 
-    def _deferred(self, x, pending, cache, meta, flag):
-        """Block.forward with ``defer``: (x + pending, mixer output)."""
-        scale = self.input_quant_scale(x)
+    def _deferred(self, holder: list, cache, meta, flag):
+        """Block.forward with ``defer``: holder [x, pending] (emptied) -> (x + pending, mixer output)."""
+        x, pending = holder
+        holder.clear()
         if pending is not None and isinstance(self.norm, RMSNorm) and pending.shape == x.shape \
                 and pending.dtype == x.dtype and flag is not None:
-            norm = self.norm
+            norm, scale = self.norm, self.input_quant_scale(x)
             x, h, *q = add_rms_norm(x, pending, norm.weight, norm.eps, norm.offset, *flag, scale)
         else:
             if pending is not None:
                 x = _add_flagged(x, pending, flag)
+            scale = self.input_quant_scale(x)
             h, *q = (self.norm(x),) if scale is None else self.norm(x, quant_scale=scale)
+        pending = None
         return x, self.mix(h, cache, meta, q[0] if q else None)
 
     def input_quant_scale(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -101,7 +104,8 @@ def forward_blocks_fused(blocks, x: torch.Tensor, cache: HybridCache | None, met
     in place as the blocks do; mutates ``flags``."""
     pending = None
     for i, block in enumerate(blocks):
-        x, pending = block(x, cache, meta, flag=(flags, first_flag + i - 1), pending=pending, defer=True)
+        holder, x, pending = [x, pending], None, None  # the block empties the holder: nothing else holds them
+        x, pending = block(holder, cache, meta, flag=(flags, first_flag + i - 1), defer=True)
     if pending is None:
         return final_norm(x)
     flag = (flags, first_flag + len(blocks) - 1)
