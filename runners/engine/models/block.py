@@ -51,12 +51,7 @@ class Block(nn.Module):
         else:
             h, q = self.norm(x, quant_scale=scale)
             y = self.mix(h, cache, meta, q)
-        if flag is None or y.shape != x.shape or y.dtype != x.dtype:
-            out = x + y
-            if flag is not None:
-                flag_nonfinite(out, *flag)
-            return out
-        return residual_add(x, y, *flag)
+        return _add_flagged(x, y, flag)
 
     def _deferred(self, holder: list, cache, meta, flag):
         """Block.forward with ``defer``: holder [x, pending] (emptied) -> (x + pending, mixer output)."""
@@ -116,7 +111,9 @@ def forward_blocks_fused(blocks, x: torch.Tensor, cache: HybridCache | None, met
 
 
 def _add_flagged(x: torch.Tensor, y: torch.Tensor, flag: tuple[torch.Tensor, int] | None) -> torch.Tensor:
-    """x + y with flags[index] set where the sum holds a NaN or an infinity (Block.forward's add)."""
+    """x + y; with ``flag`` (flags, index), flags[index] set where the sum holds a NaN or an infinity: one
+    launch for both (kernels.health.residual_add) where x and y share a shape and dtype, else the add and
+    flag_nonfinite."""
     if flag is None or y.shape != x.shape or y.dtype != x.dtype:
         out = x + y
         if flag is not None:
