@@ -68,9 +68,11 @@ def router_calls(x, weight, k: int, kw: dict) -> dict:
 
 
 def part_model(model: str, tokens: list[int], copy_gbps: float) -> list[dict]:
+    """The rows of ``model`` at each token count (module docstring), each printed as it is timed; floors from
+    ``copy_gbps`` (GB/s, the run's device copy)."""
     rows = []
     for n in tokens:
-        x, weight, bias, k, kw = router_inputs(model, n)
+        x, weight, _, k, kw = router_inputs(model, n)
         floor = weight.numel() * 4 / (copy_gbps * 1e3)  # us
         calls = router_calls(x, weight, k, kw)
         three, fused = calls["three_launches"], calls["fused"]

@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_launchable, interpreter_active, round_rne
-from kernels.norm import with_codes
-from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, static_fp8
+from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, static_fp8, with_codes
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 2048  # elements per program (four warps)
@@ -32,7 +31,7 @@ BLOCK = 2048  # elements per program (four warps)
 
 def relu2_ref(x: torch.Tensor, quant_scale: torch.Tensor | None = None):
     """``square(relu(x))`` in x's dtype (a new tensor); with ``quant_scale`` also its FP8 codes
-    (kernels.norm.with_codes)."""
+    (kernels.quant.fp8.with_codes)."""
     return with_codes(torch.square(F.relu(x)), quant_scale)
 
 

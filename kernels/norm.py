@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels._common import check_launchable, interpreter_active, round_rne, row_layout
 from kernels.health import HEALTH_DTYPES, flag_if_nonfinite, flag_index, residual_add_ref
-from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, quantize_fp8_ref, static_fp8
+from kernels.quant.fp8 import FP8_DTYPE, check_quant_scale, static_fp8, with_codes
 
 NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The largest group one program holds in registers (Super V3's hidden size is 4096, Qwen3-Next's 2048).
@@ -44,17 +44,10 @@ MAX_GROUP = 16384
 # ---------------------------------------------------------------------------------------------------------
 
 
-def with_codes(out: torch.Tensor, quant_scale: torch.Tensor | None):
-    """``out``, or (out, its float8_e4m3fn codes under the static scale: kernels.quant.fp8.quantize_fp8_ref)
-    when ``quant_scale`` is given: the ``quant_scale`` contract of the references below, which the kernels
-    meet in the same launch."""
-    return out if quant_scale is None else (out, quantize_fp8_ref(out, quant_scale))
-
-
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                  quant_scale: torch.Tensor | None = None):
     """``(offset + weight) * x * rsqrt(mean(x^2) + eps)`` over the last dim, in float32, returned in x's dtype
-    (with ``quant_scale``: and its FP8 codes, :func:`with_codes`).
+    (with ``quant_scale``: and its FP8 codes, kernels.quant.fp8.with_codes).
 
     x: [..., N] float32 / bf16 / fp16; weight: [N] (any float dtype; promoted to float32 by the product).
     Pure function.
@@ -83,7 +76,8 @@ def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Ten
                              eps: float, out_dtype: torch.dtype = torch.float32,
                              quant_scale: torch.Tensor | None = None):
     """Gate then norm per group: ``weight * groupnorm_rms(y * silu(z))``, float32 [..., N], then cast to
-    ``out_dtype`` (float32 by default: no cast); with ``quant_scale`` also its FP8 codes (:func:`with_codes`).
+    ``out_dtype`` (float32 by default: no cast); with ``quant_scale`` also its FP8 codes
+    (kernels.quant.fp8.with_codes).
 
     y, z: [..., N] (same shape), N a multiple of group_size; weight: [N]. Pure function.
     """
@@ -139,6 +133,12 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, G, NG, R1x, sx0, sx
         tl.store(q_ptr + out_row + cols, static_fp8(y, s_ptr, INTERP).to(q_ptr.dtype.element_ty), mask=valid)
 
 
+def _row_warps(block: int) -> int:
+    """Warps of a program that holds a row (or group) of ``block`` elements: 4 up to 2048, else 8. One rule for
+    _norm_kernel and _add_norm_kernel, whose norms agree bit for bit because they reduce the same layout."""
+    return 4 if block <= 2048 else 8
+
+
 def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, group: int | None, eps: float,
             offset: float, out_dtype: torch.dtype, name: str, quant_scale: torch.Tensor | None = None):
     tensors = (x, weight) if z is None else (x, z, weight)
@@ -174,7 +174,7 @@ def _launch(mode: int, x: torch.Tensor, z: torch.Tensor | None, weight: torch.Te
         xv, zv, weight, out, out if q is None else q, weight if q is None else quant_scale, group, N // group,
         R1x, sx0, sx1, R1z, sz0, sz1, float(eps), float(offset),
         MODE=mode, ROUND_WX=round_wx, BLOCK=block, QUANT=q is not None, INTERP=interpreter_active(),
-        num_warps=4 if block <= 2048 else 8)
+        num_warps=_row_warps(block))
     return out if q is None else (out, q)
 
 
@@ -305,5 +305,5 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         _add_norm_kernel[(rows,)](x, delta, weight, y, out, out if q is None else q,
                                   weight if q is None else quant_scale, flags[i:], N, float(eps), float(offset),
                                   BLOCK=block, QUANT=q is not None, INTERP=interpreter_active(),
-                                  num_warps=4 if block <= 2048 else 8)
+                                  num_warps=_row_warps(block))
     return (y, out) if q is None else (y, out, q)

@@ -72,8 +72,9 @@ def topk_route_ref(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: tor
 def _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, row, E, stride_row, scaling,
                SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BYPASS_L1: tl.constexpr):
-    """Scores, top-k and weights of logits row ``row`` (an integer; N * E fits int32 where it is not int64), stored at w_ptr / idx_ptr + row * K. With
-    BYPASS_L1 the logits are loaded past L1 (.cg): written by other programs of the same launch."""
+    """Scores, top-k and weights of logits row ``row`` (an integer; int32 where N * E fits it), stored at
+    w_ptr / idx_ptr + row * K. With BYPASS_L1 the logits are loaded past L1 (.cg): written by other programs
+    of the same launch."""
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
     if BYPASS_L1:
@@ -176,6 +177,14 @@ def warps_for(block_e: int) -> int:
     return max(1, min(8, block_e // 512))
 
 
+def _check_routing(name: str, E: int, top_k: int, softmax: bool, bias: torch.Tensor | None) -> None:
+    """Raise ValueError unless top_k lies in [1, E] and a bias is [E] with sigmoid scoring."""
+    if not 1 <= top_k <= E:
+        raise ValueError(f"{name}: top_k={top_k} must lie in [1, E={E}]")
+    if bias is not None and (softmax or tuple(bias.shape) != (E,)):
+        raise ValueError(f"{name}: bias must be [E={E}] and is for sigmoid scoring only")
+
+
 def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.Tensor | None = None,
                norm_topk_prob: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`topk_route_ref` with n_group = 1 as one Triton launch (one program per token, no sort, no host
@@ -193,10 +202,7 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
         raise ValueError(f"{name}: logits must be [N, E] float32 with unit-stride rows, got "
                          f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")
     N, E = logits.shape
-    if not 1 <= top_k <= E:
-        raise ValueError(f"{name}: top_k={top_k} must lie in [1, E={E}]")
-    if bias is not None and (softmax or tuple(bias.shape) != (E,)):
-        raise ValueError(f"{name}: bias must be [E={E}] and is for sigmoid scoring only")
+    _check_routing(name, E, top_k, softmax, bias)
     tensors = (logits,) if bias is None else (logits, bias)
     check_launchable(*tensors, name=name)
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
@@ -217,6 +223,7 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
 # another, so its tail grows with the tokens; decode at batch 1, plain or an MTP verify of 4, fits), experts
 # per program and columns per weight tile. Whether the engine takes it: runners.engine.models.moe.ROUTER_FUSED.
 ROUTER_FUSED_MAX_TOKENS = 8
+ROUTER_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations it reads in place
 ROUTER_FUSED_EXPERTS = 4
 ROUTER_FUSED_BLOCK_D = 512
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -250,7 +257,7 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
             a first call on a device inside a CUDA-graph capture.
     """
     name = "router_fused"
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(-1) != 1:
+    if x.dim() != 2 or x.dtype not in ROUTER_FUSED_DTYPES or x.stride(-1) != 1:
         raise ValueError(f"{name}: x must be [N, D] float32 / bfloat16 / float16 with unit-stride rows, got "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
     N, D = x.shape
@@ -261,10 +268,7 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
         raise ValueError(f"{name}: at most ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS} tokens, got {N} "
                          "(larger batches: F.linear then topk_route)")
     E = weight.shape[0]
-    if not 1 <= top_k <= E:
-        raise ValueError(f"{name}: top_k={top_k} must lie in [1, E={E}]")
-    if bias is not None and (softmax or tuple(bias.shape) != (E,)):
-        raise ValueError(f"{name}: bias must be [E={E}] and is for sigmoid scoring only")
+    _check_routing(name, E, top_k, softmax, bias)
     check_launchable(*((x, weight) if bias is None else (x, weight, bias)), name=name)
     weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
     indices = torch.empty(N, top_k, dtype=torch.int64, device=x.device)

@@ -54,6 +54,13 @@ def _quant_static_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr, INTERP: tl
     tl.store(q_ptr + offs, static_fp8(x, s_ptr, INTERP).to(q_ptr.dtype.element_ty), mask=mask)
 
 
+def with_codes(out: torch.Tensor, quant_scale: torch.Tensor | None):
+    """``out``, or (out, :func:`quantize_fp8_ref` of it under the static scale) when ``quant_scale`` is given:
+    the ``quant_scale`` contract of the references of the kernels that produce an FP8 linear's input
+    (kernels/norm.py, kernels/activation.py), which the kernels meet in the same launch (:func:`static_fp8`)."""
+    return out if quant_scale is None else (out, quantize_fp8_ref(out, quant_scale))
+
+
 def check_quant_scale(scale: torch.Tensor | None, device: torch.device, name: str) -> None:
     """Raise ValueError unless ``scale`` is None or a one-element float32 tensor on ``device`` (the static scale a
     producing kernel quantizes its output with)."""

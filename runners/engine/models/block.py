@@ -66,7 +66,7 @@ class Block(nn.Module):
                 x = _add_flagged(x, pending, flag)
             scale = self.input_quant_scale(x)
             h, *q = (self.norm(x),) if scale is None else self.norm(x, quant_scale=scale)
-        pending = None
+        pending = None  # the previous output, added: not held while the mixer runs
         return x, self.mix(h, cache, meta, q[0] if q else None)
 
     def input_quant_scale(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -53,7 +53,13 @@ from torch import nn
 
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, moe_gemv
-from kernels.router import ROUTER_FUSED_MAX_TOKENS, router_fused, topk_route, topk_route_ref
+from kernels.router import (
+    ROUTER_FUSED_DTYPES,
+    ROUTER_FUSED_MAX_TOKENS,
+    router_fused,
+    topk_route,
+    topk_route_ref,
+)
 from runners.engine.compile import eager_op
 from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import ACTIVATIONS, MLP, use_inference_kernel
@@ -290,7 +296,7 @@ ROUTER_FUSED = False
 def use_router_fused(x: torch.Tensor, n_group: int) -> bool:
     """Whether :class:`TopkRouter` runs ``router_fused`` on x [N, D] (ROUTER_FUSED and the sizes it takes)."""
     return (ROUTER_FUSED and x.is_cuda and n_group == 1 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
+            and x.dtype in ROUTER_FUSED_DTYPES and not torch.is_grad_enabled())
 
 
 class TopkRouter(nn.Module):
