@@ -135,7 +135,13 @@ def _norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr, G, NG, R1x, sx0, sx
 
 def _row_warps(block: int) -> int:
     """Warps of a program that holds a row (or group) of ``block`` elements: 4 up to 2048, else 8. One rule for
-    _norm_kernel and _add_norm_kernel, whose norms agree bit for bit because they reduce the same layout."""
+    _norm_kernel and _add_norm_kernel, whose norms agree bit for bit because they reduce the same layout.
+
+    The layout also follows the widest store: with QUANT the 16-byte store of the FP8 codes gives a thread 16
+    elements of the row instead of the 8 of a 16-bit load, so a launch that writes codes sums the squares in
+    another order than one that does not, and its norm may differ from the codes-free launch's in the last
+    bit (the Triton 3.6 GPU test saw it at widths 2048 to 7168). Codes or no codes, _norm_kernel and
+    _add_norm_kernel agree: an engine path gets the same bits fused or not."""
     return 4 if block <= 2048 else 8
 
 
@@ -183,7 +189,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     """:func:`rms_norm_ref` in one Triton launch (one program per row). x: [..., N], N <= MAX_GROUP, any
     strides; weight: [N]. Returns a new contiguous tensor in x's dtype; mutates nothing. ``quant_scale``: as
     :func:`gated_group_rms_norm`'s (the static scale of the FP8 linear that reads the result first, a
-    block's in_proj or up projection): (out, q).
+    block's in_proj or up projection): (out, q), q bitwise the quantize rule on out; out may differ from the
+    codes-free launch's in the last bit (another summation order: :func:`_row_warps`).
 
     Raises:
         ValueError: CPU tensors without the Triton interpreter, a dtype outside NORM_DTYPES, a 0-dim x, a
@@ -213,7 +220,8 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 
     ``quant_scale`` (a one-element float32 tensor on y's device: the static activation scale of the FP8
     linear that reads the result, Mamba2's out_proj) also returns the result's float8_e4m3fn codes from the
-    same launch: (out, q), q bitwise ``kernels.quant.fp8.quantize_fp8(out, quant_scale)``.
+    same launch: (out, q), q bitwise ``kernels.quant.fp8.quantize_fp8(out, quant_scale)``; out may differ
+    from the codes-free launch's in the last bit (another summation order: :func:`_row_warps`).
 
     Raises:
         ValueError: as :func:`gated_rms_norm` (group_size > MAX_GROUP), or N not a multiple of group_size,
@@ -267,7 +275,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     health flag (kernels.health.residual_add) and the next block's input norm (:func:`rms_norm`, with its
     ``quant_scale`` codes), reading the residual stream once. y is bitwise residual_add's; the norm is
     rms_norm's arithmetic on y (the same launch shape: one program per row, the row in registers), so it
-    equals rms_norm(y) to the last bit of its dtype as rms_norm equals its reference.
+    is bitwise ``rms_norm(y, weight, eps, offset, quant_scale)``'s, codes included: the two launches the
+    fusion replaces.
 
     Args:
         x, delta: [..., N] of one shape and dtype (HEALTH_DTYPES), N <= MAX_GROUP (non-contiguous: copied).

@@ -293,6 +293,24 @@ def test_gpu_release_shapes_and_cuda_graph_capture():
         assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, offset", [(4096, 0.0), (2048, 1.0), (7168, 1.0)])
+def test_gpu_rms_norm_with_codes_is_the_rule_on_its_own_output(N, offset):
+    """At the releases' hidden sizes in bf16, rms_norm with quant_scale returns codes bitwise quantize_fp8 of
+    the norm it returns, and that norm is within _close of the codes-free launch's (the codes' wider store
+    reorders the sum of squares: kernels.norm._row_warps), the output the reference matches."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels.quant.fp8 import quantize_fp8
+
+    x, w = _r(64, 4, N, dtype=torch.bfloat16, seed=31, scale=4.0), _r(N, dtype=torch.bfloat16, seed=32)
+    s = torch.tensor(0.02, device="cuda")
+    out, q = rms_norm(x, w, 1e-5, offset, s)
+    assert torch.equal(q.view(torch.uint8), quantize_fp8(out, s).view(torch.uint8))
+    _close(out, rms_norm(x, w, 1e-5, offset))
+    _close(out, rms_norm_ref(x, w, 1e-5, offset))
+
+
 class _AskingLinear(torch.nn.Linear):
     """A linear that asks for its input's FP8 codes (as FP8Linear on its scaled_mm path) and records what it
     was given."""
@@ -478,8 +496,9 @@ def test_hybrid_eager_step_fuses_each_add_with_the_next_norm(monkeypatch):
 def test_gpu_add_rms_norm_is_residual_add_then_rms_norm_bitwise(dtype, N, offset, codes):
     """On the GPU at the releases' hidden sizes (Super V3 4096, Qwen3-Next 2048 with its (1 + w) offset) and
     widths that are not powers of two (masked lanes; 8 warps from 4096 up), batch 64 x T 4, with and without
-    FP8 codes: add_rms_norm equals residual_add then rms_norm (and quantize_fp8) bit for bit, eager and
-    replayed from a CUDA graph."""
+    FP8 codes: add_rms_norm equals residual_add then rms_norm (with the same quant_scale: the launches the
+    fusion replaces) bit for bit, eager and replayed from a CUDA graph; the codes are bitwise quantize_fp8
+    of the norm returned."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kernels.health import residual_add
@@ -493,13 +512,16 @@ def test_gpu_add_rms_norm_is_residual_add_then_rms_norm_bitwise(dtype, N, offset
 
     def split():
         y = residual_add(x, d, flags, 1)
-        out = rms_norm(y, w, 1e-5, offset)
-        return (y, out) if s is None else (y, out, quantize_fp8(out, s))
+        out = rms_norm(y, w, 1e-5, offset, s)
+        return (y, out) if s is None else (y, *out)
 
     want = split()
     got = add_rms_norm(x, d, w, 1e-5, offset, flags, 1, s)
+    assert len(got) == len(want) == (3 if codes else 2)
     for g, t in zip(got, want):
         assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
+    if codes:
+        assert torch.equal(got[2].view(torch.uint8), quantize_fp8(got[1], s).view(torch.uint8))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = add_rms_norm(x, d, w, 1e-5, offset, flags, 1, s)
