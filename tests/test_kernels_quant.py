@@ -191,6 +191,50 @@ def test_nvfp4_grouped_mm_matches_reference(counts, dtype):
         start += c
 
 
+def test_nvfp4_mma_config_defaults_are_tile_config_and_the_block_k_rule():
+    """nvfp4.MMA_TILE / MMA_BLOCK_K / MMA_NUM_STAGES unset give the launches the kernel always had."""
+    assert (nvfp4.MMA_TILE, nvfp4.MMA_BLOCK_K, nvfp4.MMA_NUM_STAGES) == (None, None, 3)
+    for rows, N, tiles in ((11.0, 2688, 512), (11.0, 1024, 512), (3.0, 40, 5), (200.0, 4096, 2),
+                           (64.0, 16, 1)):
+        bm, bn, warps = quant_common.tile_config(rows, N, tiles)
+        assert nvfp4.mma_config(rows, N, tiles) == (bm, bn, warps, 64 if bm >= 64 else 128, 3)
+
+
+@pytest.mark.parametrize("setting, value", [("MMA_TILE", (16, 24, 4)), ("MMA_TILE", (8, 64, 4)),
+                                            ("MMA_TILE", (16, 64, 3)), ("MMA_BLOCK_K", 16),
+                                            ("MMA_BLOCK_K", 96), ("MMA_NUM_STAGES", 0)])
+def test_nvfp4_mma_config_refuses_settings_the_kernel_cannot_take(setting, value, monkeypatch):
+    monkeypatch.setattr(nvfp4, setting, value)
+    with pytest.raises(ValueError, match=setting):
+        nvfp4.mma_config(11.0, 64, 4)
+
+
+# (BLOCK_M, BLOCK_N, num_warps), BLOCK_K, num_stages: the codes as bytes (BLOCK_K 64), as words over two
+# 256-column tiles with a 32-row tile, and the default launch set explicitly
+MMA_OVERRIDES = [((16, 32, 4), 64, 1), ((32, 16, 8), 256, 4), ((16, 16, 4), 128, 3)]
+
+
+@pytest.mark.parametrize("tile, block_k, stages", MMA_OVERRIDES)
+def test_nvfp4_grouped_mm_under_overridden_launch_settings(tile, block_k, stages, monkeypatch):
+    """The tensor-core kernel under other launch settings (benchmarks/sweep_nvfp4_grouped.py's grid) keeps the
+    product: bf16 within one step of the reference, and the default launch set explicitly is bit-equal to
+    the rule's."""
+    E, K, N, counts = 5, 272, 40, (3, 0, 13, 0, 1)
+    monkeypatch.setattr(quant_common, "GEMV_MAX_ROWS", 0)  # the tensor-core kernel at these row counts
+    q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=7).cpu()))
+    P = sum(counts)
+    x, offs = _randn(P, K, seed=P, dtype=torch.bfloat16), _offsets(counts)
+    default = nvfp4_grouped_mm(x, q, s, s2, offs)
+    monkeypatch.setattr(nvfp4, "MMA_TILE", tile)
+    monkeypatch.setattr(nvfp4, "MMA_BLOCK_K", block_k)
+    monkeypatch.setattr(nvfp4, "MMA_NUM_STAGES", stages)
+    y = nvfp4_grouped_mm(x, q, s, s2, offs, out=_nan(P, N, dtype=x.dtype))
+    _close(y, nvfp4_grouped_mm_ref(x, q, s, s2, offs), torch.bfloat16)
+    if (tile, block_k, stages) == ((16, 16, 4), 128, 3):
+        assert quant_common.tile_config(P / E, N, min(E, P)) == tile  # the rule's own launch
+        assert torch.equal(y, default)
+
+
 def test_grouped_rows_past_the_last_offset_are_not_written():
     E, K, N = 5, 32, 16
     q, s, s2 = (t.to(DEVICE) for t in nvfp4_quantize(_randn(E, N, K, seed=5).cpu()))

@@ -700,19 +700,66 @@ def words_ok(weight: torch.Tensor) -> bool:
     return weight.shape[-1] % 4 == 0 and weight.data_ptr() % 4 == 0
 
 
+# The tensor-core kernel's launch settings (_nvfp4_mm_kernel, dense and grouped; read at call time, so a sweep,
+# benchmarks/sweep_nvfp4_grouped.py, can time other values at the real shapes): MMA_TILE None takes
+# tile_config's (BLOCK_M, BLOCK_N, num_warps), else that triple for every launch; MMA_BLOCK_K None takes 64 K
+# columns per tile at prefill tiles (BLOCK_M >= 64) and 128 below, else that power of two (>= 32); the codes
+# are read as int32 words only from 128 (a word's 8 column classes make 8 products of BLOCK_K / 8 columns,
+# which must reach the MMA's 16); MMA_NUM_STAGES: Triton's software-pipelining depth. The defaults are the
+# launches the kernel always had.
+MMA_TILE: tuple[int, int, int] | None = None
+MMA_BLOCK_K: int | None = None
+MMA_NUM_STAGES = 3
+
+
+def _pow2_at_least(v, low: int) -> bool:
+    """Whether v is an int power of two >= low."""
+    return isinstance(v, int) and v >= low and v & (v - 1) == 0
+
+
+def mma_config(rows_per_matrix: float, N: int, row_tiles: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, BLOCK_K, num_stages) of a tensor-core launch with about
+    ``rows_per_matrix`` rows per weight matrix, N output features and ``row_tiles`` row tiles sharing each N
+    tile: :func:`kernels.quant._common.tile_config` and the BLOCK_K rule, or the module's MMA_TILE /
+    MMA_BLOCK_K / MMA_NUM_STAGES where set.
+
+    Raises:
+        ValueError: an MMA_TILE that is not (power of two >= 16, power of two >= 16, 1 / 2 / 4 / 8 warps), an
+            MMA_BLOCK_K that is not a power of two >= 32, or an MMA_NUM_STAGES below 1.
+    """
+    if MMA_TILE is None:
+        bm, bn, warps = tile_config(rows_per_matrix, N, row_tiles)
+    else:
+        bm, bn, warps = MMA_TILE
+        if not (_pow2_at_least(bm, 16) and _pow2_at_least(bn, 16) and warps in (1, 2, 4, 8)):
+            raise ValueError(f"nvfp4.MMA_TILE = {MMA_TILE!r}: expected (BLOCK_M, BLOCK_N, num_warps) with powers "
+                             "of two >= 16 and 1, 2, 4 or 8 warps")
+    if MMA_BLOCK_K is None:
+        bk = 64 if bm >= 64 else 128  # K columns per tile (BLOCK_K / 2 packed bytes per weight row)
+    elif _pow2_at_least(MMA_BLOCK_K, 32):
+        bk = MMA_BLOCK_K
+    else:
+        raise ValueError(f"nvfp4.MMA_BLOCK_K = {MMA_BLOCK_K!r}: expected None or a power of two >= 32")
+    if not (isinstance(MMA_NUM_STAGES, int) and MMA_NUM_STAGES >= 1):
+        raise ValueError(f"nvfp4.MMA_NUM_STAGES = {MMA_NUM_STAGES!r}: expected an int >= 1")
+    return bm, bn, warps, bk, MMA_NUM_STAGES
+
+
 def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grouped: bool,
             force_bytes: bool = False):
+    """One product on the GPU (or the interpreter): the GEMV kernel at decode sizes where the codes are words
+    (:func:`_launch_gemv`), else the tensor-core kernel with :func:`mma_config`'s launch settings. x [rows, K];
+    offsets: the grouped launch's int32 [E] row ends (None dense). Mutates and returns ``out``."""
     N = weight.shape[-2]
     K = x.shape[1]
     rows = x.shape[0]
     E = weight.shape[0] if grouped else 1
     if grouped:
-        bm, bn, warps = tile_config(rows / E, N, min(E, rows))
+        bm, bn, warps, bk, stages = mma_config(rows / E, N, min(E, rows))
         row_tiles = grouped_row_tiles(rows, E, bm)
     else:
-        bm, bn, warps = tile_config(rows, N, triton.cdiv(rows, 16))
+        bm, bn, warps, bk, stages = mma_config(rows, N, triton.cdiv(rows, 16))
         row_tiles = triton.cdiv(rows, bm)
-    bk = 64 if bm >= 64 else 128  # K columns per tile (BLOCK_K / 2 packed bytes per weight row)
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
@@ -722,7 +769,7 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
         return _launch_gemv(x, weight, weight_scale, weight_scale_2, bias, offsets, out, grouped=grouped)
     # Decode sizes read the codes as int32 words (8 per load, cheaper to decode: e2m1_word) where the rows
     # are whole words; prefill sizes (BLOCK_K 64: 8-column products would be too small) read bytes.
-    words = words_ok(weight) and bk == 128 and force_bytes is False
+    words = words_ok(weight) and bk >= 128 and force_bytes is False
     w = weight.view(torch.int32) if words else weight
     unit = 4 if words else 1
     grid = (triton.cdiv(N, bn), row_tiles)
@@ -734,7 +781,7 @@ def _launch(x, weight, weight_scale, weight_scale_2, bias, offsets, out, *, grou
         weight_scale.stride(0) if grouped else 0, weight_scale.stride(-2), out.stride(0),
         GROUPED=grouped, HAS_BIAS=bias is not None, X_KIND=X_KIND[x.dtype], WORDS=words,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E) if grouped else 1,
-        INTERP=interpreter_active(), num_warps=warps, num_stages=3,
+        INTERP=interpreter_active(), num_warps=warps, num_stages=stages,
         DIRECT=words and _decode("mma") == "direct",
     )
     return out
