@@ -1,20 +1,25 @@
 """The MoE router of one layer at decode sizes on the GPU: the engine's three launches (a float32 copy of x,
-``F.linear`` against the float32 router weight, ``kernels.router.topk_route``) against
-``kernels.router.router_fused`` (the logits GEMV and the routing in one launch), at the releases' router
+``F.linear`` against the float32 router weight, ``kernels.router.topk_route``) against the fused forms of
+kernels/router.py at each launch shape of ``kernels.router.FUSED_CANDIDATES``, at the releases' router
 shapes, beside the weight-read floor.
 
     python -m benchmarks.bench_router --out OUT.json [--tokens 1 2 4 8] [--models super_v3 qwen3_next]
 
 Models: ``super_v3`` Nemotron 3 Super (D = 4096, 512 experts, top-22, sigmoid with the correction bias,
 scaling 5), ``qwen3_next`` Qwen3-Next (D = 2048, 512 experts, top-10, softmax). Per model and token count
-(bf16 activations, random weights), one row each: ``three_launches`` (what runners.engine.models.moe.TopkRouter
-runs with ROUTER_FUSED off), ``linear`` (the copy and F.linear alone: the logits' part of it) and ``fused``
-(router_fused; ``match``: its indices equal the three launches'). Times from bench_quant_gemm's ``_bench``:
-CUDA-graph replays with L2 flushed before each call (the captured decode step), plus "us_eager". ``floor_us``:
-the float32 router weight's bytes over the device copy bandwidth measured in the same run; ``x_floor`` = us /
-floor_us. What decides runners.engine.models.moe.ROUTER_FUSED: the fused row faster at every token count of
-both models.
+(bf16 activations, random weights), one row each: ``three_launches`` (the "linear" form of
+runners.engine.models.moe.ROUTER_FORMS), ``linear`` (the copy and F.linear alone: the logits' part of it),
+and per candidate launch shape C: ``fused:C`` (router_fused, the "fused" form) and ``logits:C``
+(router_logits then topk_route, the "logits" form); ``match``: their indices equal the three launches'.
+Times from bench_quant_gemm's ``_bench``: CUDA-graph replays with L2 flushed before each call (the captured
+decode step), plus "us_eager". ``floor_us``: the float32 router weight's bytes over the device copy bandwidth
+measured in the same run; ``x_floor`` = us / floor_us.
+
+``summary`` (printed last): per token count, the fastest matching row summed over the models, and its time
+against the three launches'. What sets moe.ROUTER_FORMS and kernels.router.ROUTER_FUSED_CONFIGS: a form and
+launch shape where it is faster than the three launches for both models.
 """
+
 
 from __future__ import annotations
 
@@ -60,31 +65,63 @@ def router_calls(x, weight, k: int, kw: dict) -> dict:
     """{row name: the call it times} for one point (the module docstring's rows)."""
     import torch.nn.functional as F
 
-    from kernels.router import router_fused, topk_route
+    from kernels.router import FUSED_CANDIDATES, router_fused, router_logits, topk_route
 
-    return {"three_launches": lambda: topk_route(F.linear(x.float(), weight), k, **kw),
-            "linear": lambda: F.linear(x.float(), weight),
-            "fused": lambda: router_fused(x, weight, k, **kw)}
+    calls = {"three_launches": lambda: topk_route(F.linear(x.float(), weight), k, **kw),
+             "linear": lambda: F.linear(x.float(), weight)}
+    for c in FUSED_CANDIDATES:
+        calls[f"fused:{c.name}"] = lambda c=c: router_fused(x, weight, k, config=c, **kw)
+        calls[f"logits:{c.name}"] = lambda c=c: topk_route(router_logits(x, weight, c), k, **kw)
+    return calls
 
 
 def part_model(model: str, tokens: list[int], copy_gbps: float) -> list[dict]:
     """The rows of ``model`` at each token count (module docstring), each printed as it is timed; floors from
-    ``copy_gbps`` (GB/s, the run's device copy)."""
+    ``copy_gbps`` (GB/s, the run's device copy). A launch shape that fails gives a row with ``error``."""
     rows = []
     for n in tokens:
         x, weight, _, k, kw = router_inputs(model, n)
         floor = weight.numel() * 4 / (copy_gbps * 1e3)  # us
         calls = router_calls(x, weight, k, kw)
-        three, fused = calls["three_launches"], calls["fused"]
+        want = calls["three_launches"]()[1]
         meta = {"model": model, "tokens": n, "floor_us": round(floor, 2)}
         for name, fn in calls.items():
-            out = row(name, _bench(fn), weight.numel() * 4 + x.numel() * 2, copy_gbps, **meta)
+            try:
+                out = row(name, _bench(fn), weight.numel() * 4 + x.numel() * 2, copy_gbps, **meta)
+            except Exception as e:  # noqa: BLE001  (a launch shape the compiler or the card refuses: say so)
+                out = {"name": name, **meta, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(json.dumps(out), flush=True)
+                rows.append(out)
+                continue
             out["x_floor"] = round(out["us"] / floor, 2)
-            if name == "fused":
-                out["match"] = bool((fused()[1] == three()[1]).all())
-            print(json.dumps(out), flush=True)
+            if ":" in name:
+                out["match"] = bool((fn()[1] == want).all())
             rows.append(out)
     return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """{tokens: {"best": row name, "us": its time summed over the models, "three_launches_us": theirs, "speedup":
+    the ratio, "per_model": {model: [best us, three launches us]}}}: the fastest row that matched on every
+    model and timed on all of them (module docstring)."""
+    models = sorted({r["model"] for r in rows})
+    out = {}
+    for n in sorted({r["tokens"] for r in rows}):
+        at = [r for r in rows if r["tokens"] == n and "us" in r]
+        names = {r["name"] for r in at if r["name"] != "linear"}
+        totals = {}
+        for name in names:
+            mine = [r for r in at if r["name"] == name]
+            if len(mine) == len(models) and all(r.get("match", True) for r in mine):
+                totals[name] = sum(r["us"] for r in mine)
+        if "three_launches" not in totals:
+            continue
+        best = min(totals, key=totals.get)
+        out[n] = {"best": best, "us": round(totals[best], 2), "three_launches_us": round(totals["three_launches"], 2),
+                  "speedup": round(totals["three_launches"] / totals[best], 3),
+                  "per_model": {m: [next(r["us"] for r in at if r["model"] == m and r["name"] == nm)
+                                    for nm in (best, "three_launches")] for m in models}}
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     copy = part_copy()
     report["copy"] = copy
     report["rows"] = [r for m in args.models for r in part_model(m, args.tokens, copy["gb_per_s"])]
+    report["summary"] = summary(report["rows"])
+    for n, s in report["summary"].items():
+        print(f"{n} tokens: best {s['best']} {s['us']} us vs three launches {s['three_launches_us']} us "
+              f"({s['speedup']}x); per model [best, three]: {s['per_model']}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

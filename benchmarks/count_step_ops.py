@@ -19,7 +19,8 @@ Conventions, so the counts track device launches rather than CPU implementation 
   ``new_empty``, ...) are counted apart (``views``) from the operators that run a kernel (``ops``);
 - each operator that runs as one Triton kernel on CUDA but as its PyTorch reference on the CPU (the
   recurrent-state operators of ``runners.engine.state.kernel_or_reference``, the router's top-k
-  ``kernels.router.topk_route_ref``, the norms of kernels/norm.py, GDN's prologue, the shared-expert
+  ``kernels.router.topk_route_ref`` and, where moe.ROUTER_FORMS gives a decode size a form as on CUDA,
+  ``router_fused`` / ``router_logits`` + ``topk_route``, the norms of kernels/norm.py, GDN's prologue, the shared-expert
   combine) and the routed experts (``MoE._experts``: kernels/moe_gemv.py's three
   launches on CUDA at decode sizes) count as one op named ``kernel:<name>``; the operators inside are not
   counted;
@@ -244,6 +245,15 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         for m in (state_mod, gdn_mod, mamba2_mod):
             m.kernel_or_reference = kernel_or_reference
         moe_mod.topk_route_ref = counter.opaque_kernel("topk_route", moe_mod.topk_route_ref)
+        # the router's decode form as on CUDA (moe.ROUTER_FORMS), each kernel its reference counted as one op
+        from kernels import router
+
+        form = moe_mod.router_form
+        saved.append((moe_mod, "router_form", form))
+        moe_mod.router_form = lambda x, n_group: form(x, n_group, on_cuda=True)
+        for attr in ("router_fused", "router_logits", "topk_route"):
+            saved.append((moe_mod, attr, getattr(moe_mod, attr)))
+            setattr(moe_mod, attr, counter.opaque_kernel(attr, getattr(router, attr + "_ref")))
         experts = moe_mod.MoE._experts
         moe_mod.MoE._experts = lambda self, *a: counter.opaque_kernel("moe_experts", experts)(self, *a)
         for mod_name, attr, prep in QUANT_KERNELS:

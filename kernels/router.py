@@ -23,6 +23,8 @@ V3's top-22 of 512 on an H100 (benchmarks/profile_breakdown of bench_e2e --profi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -69,78 +71,87 @@ def topk_route_ref(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: tor
 
 
 @triton.jit
-def _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, row, E, stride_row, scaling,
-               SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BYPASS_L1: tl.constexpr):
-    """Scores, top-k and weights of logits row ``row`` (an integer; int32 where N * E fits it), stored at
-    w_ptr / idx_ptr + row * K. With BYPASS_L1 the logits are loaded past L1 (.cg): written by other programs
-    of the same launch."""
+def _route_rows(logits_ptr, bias_ptr, w_ptr, idx_ptr, row0, N, E, stride_row, scaling,
+                SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """Scores, top-k and weights of the ROWS logits rows from ``row0`` (those below N), stored at
+    w_ptr / idx_ptr + row * K: one [ROWS, BLOCK_E] tile, each round's max taken along the experts of every row
+    at once. With BYPASS_L1 the logits are loaded past L1 (.cg): written by other programs of the same
+    launch."""
+    rows = row0 + tl.arange(0, ROWS).to(tl.int64)
+    rmask = rows < N
     offs = tl.arange(0, BLOCK_E)
-    valid = offs < E
+    valid = (offs < E)[None, :]
+    lptr = logits_ptr + rows[:, None] * stride_row + offs[None, :]
     if BYPASS_L1:
-        x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0, cache_modifier=".cg")
+        x = tl.load(lptr, mask=valid & rmask[:, None], other=0.0, cache_modifier=".cg")
     else:
-        x = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0)
+        x = tl.load(lptr, mask=valid & rmask[:, None], other=0.0)
     x = x.to(tl.float32)
     if SOFTMAX:
         x = tl.where(valid, x, float("-inf"))
-        p = tl.exp(x - tl.max(x, axis=0))
+        xmax = tl.max(x, axis=1)
+        p = tl.exp(x - xmax[:, None])
         p = tl.where(valid, p, 0.0)
-        scores = p / tl.sum(p, axis=0)
+        psum = tl.sum(p, axis=1)
+        scores = p / psum[:, None]
     else:
         scores = tl.sigmoid(x)
     choice = scores
     if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        choice = choice + tl.load(bias_ptr + offs, mask=offs < E, other=0.0).to(tl.float32)[None, :]
     # NaN (a poisoned PAD row) counts as the largest choice, as torch.topk orders it: every round then finds
     # an index in [0, E) (NaN == NaN is false, so a NaN left in place would match no lane). No choice is -0.0
     # (scores are >= +0.0 and s + (-s) rounds to +0.0), so equal floats have equal keys below.
     choice = tl.where(choice != choice, float("inf"), choice)
     choice = tl.where(valid, choice, float("-inf"))
-    # One max per round: each lane's key packs the choice's float32 bits mapped to an int32 of the same order
-    # (negative floats have their magnitude bits flipped) in the high word and the lane reversed in the low
-    # word, so the largest key is the largest choice and, among equal choices, the lowest index. Keys are
-    # distinct (one lane each); a chosen lane drops below every key.
+    # One max per round and row: each lane's key packs the choice's float32 bits mapped to an int32 of the
+    # same order (negative floats have their magnitude bits flipped) in the high word and the lane reversed in
+    # the low word, so the largest key is the largest choice and, among equal choices, the lowest index. Keys
+    # are distinct within a row (one lane each); a chosen lane drops below every key.
     bits = choice.to(tl.int32, bitcast=True)
     key = (bits ^ tl.where(bits < 0, 0x7FFFFFFF, 0)).to(tl.int64)
-    packed = (key << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
-    kofs = tl.arange(0, BLOCK_K)
-    indices = tl.zeros([BLOCK_K], dtype=tl.int32)
+    packed = (key << 32) | (BLOCK_E - 1 - offs).to(tl.int64)[None, :]
+    kofs = tl.arange(0, BLOCK_K)[None, :]
+    indices = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):  # k rounds of one max each: no sort
-        best = tl.max(packed, axis=0)
-        indices = tl.where(kofs == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), indices)
-        packed = tl.where(packed == best, -9223372036854775807, packed)
+        best = tl.max(packed, axis=1)
+        indices = tl.where(kofs == j, (BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32))[:, None], indices)
+        packed = tl.where(packed == best[:, None], -9223372036854775807, packed)
     # the chosen scores, recomputed from their logits with the arithmetic above (the same bits)
+    kmask = (kofs < K) & rmask[:, None]
+    kptr = logits_ptr + rows[:, None] * stride_row + indices
     if BYPASS_L1:
-        xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0, cache_modifier=".cg")
+        xk = tl.load(kptr, mask=kmask, other=0.0, cache_modifier=".cg")
     else:
-        xk = tl.load(logits_ptr + row * stride_row + indices, mask=kofs < K, other=0.0)
+        xk = tl.load(kptr, mask=kmask, other=0.0)
     xk = xk.to(tl.float32)
     if SOFTMAX:
-        weights = tl.exp(xk - tl.max(x, axis=0)) / tl.sum(p, axis=0)
+        weights = tl.exp(xk - xmax[:, None]) / psum[:, None]
     else:
         weights = tl.sigmoid(xk)
     weights = tl.where(kofs < K, weights, 0.0)
     if NORM:
-        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scaling
-    tl.store(w_ptr + row * K + kofs, weights, mask=kofs < K)
-    tl.store(idx_ptr + row * K + kofs, indices.to(tl.int64), mask=kofs < K)
+    tl.store(w_ptr + rows[:, None] * K + kofs, weights, mask=kmask)
+    tl.store(idx_ptr + rows[:, None] * K + kofs, indices.to(tl.int64), mask=kmask)
 
 
 @triton.jit
-def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_row, scaling,
+def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, N, E, stride_row, scaling,
                        SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0).to(tl.int64), E, stride_row, scaling,
-               SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, False)
+    _route_rows(logits_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0).to(tl.int64), N, E, stride_row, scaling,
+                SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, 1, False)
 
 
 @triton.jit
 def _router_fused_kernel(x_ptr, wt_ptr, logits_ptr, bias_ptr, w_ptr, idx_ptr, counter_ptr, N, E, D, stride_x,
                          scaling, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                         EXPERTS: tl.constexpr, BLOCK_D: tl.constexpr):
+                         EXPERTS: tl.constexpr, BLOCK_D: tl.constexpr, ROUTE: tl.constexpr,
+                         ROUTE_ROWS: tl.constexpr):
     # the logits of this program's EXPERTS experts for every token: the weight tile of each BLOCK_D columns
     # loaded once and dotted with each token's columns, in float32
     ex = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
@@ -157,17 +168,18 @@ def _router_fused_kernel(x_ptr, wt_ptr, logits_ptr, bias_ptr, w_ptr, idx_ptr, co
             part = tl.sum(w * xn[None, :], axis=1)
             acc = tl.where(tok[:, None] == n, acc + part[None, :], acc)
     tl.store(logits_ptr + tok[:, None] * E + ex[None, :], acc, mask=(tok[:, None] < N) & emask[None, :])
-    # the last program to finish routes every token (CUTLASS's serial split-K with a counter, as
-    # kernels/quant/block_fp8.py's _serial_split_sum): the barrier orders this program's stores before its
-    # count; the count's acquire-release makes every program's stores visible to the last one, whose loads
-    # bypass L1; it sets the counter back to 0 for the next launch or graph replay
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        for n in range(N):
-            _route_row(logits_ptr, bias_ptr, w_ptr, idx_ptr, n, E, E, scaling,
-                       SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, True)
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    if ROUTE:
+        # the last program to finish routes every token, ROUTE_ROWS at a time (CUTLASS's serial split-K with a
+        # counter, as kernels/quant/block_fp8.py's _serial_split_sum): the barrier orders this program's
+        # stores before its count; the count's acquire-release makes every program's stores visible to the
+        # last one, whose loads bypass L1; it sets the counter back to 0 for the next launch or graph replay
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            for r0 in range(0, N, ROUTE_ROWS):
+                _route_rows(logits_ptr, bias_ptr, w_ptr, idx_ptr, r0, N, E, E, scaling,
+                            SOFTMAX, HAS_BIAS, NORM, K, BLOCK_K, BLOCK_E, ROUTE_ROWS, True)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def warps_for(block_e: int) -> int:
@@ -212,30 +224,146 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
     bias_arg = bias.float().contiguous() if bias is not None else logits
     block_e = triton.next_power_of_2(E)
     _topk_route_kernel[(N,)](
-        logits, bias_arg, weights, indices, E, logits.stride(0), float(scaling),
+        logits, bias_arg, weights, indices, N, E, logits.stride(0), float(scaling),
         SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, num_warps=warps_for(block_e),
     )
     return weights, indices
 
 
-# The fused router (:func:`router_fused`): at most this many tokens (the last program routes them one after
-# another, so its tail grows with the tokens; decode at batch 1, plain or an MTP verify of 4, fits), experts
-# per program and columns per weight tile. Whether the engine takes it: runners.engine.models.moe.ROUTER_FUSED.
+# The fused router (:func:`router_fused`): at most this many tokens (the last program routes them
+# ROUTE_ROWS at a time, so its tail grows with the tokens; decode at batch 1, plain or an MTP verify of 4,
+# fits). Whether the engine takes it: runners.engine.models.moe.ROUTER_FUSED.
 ROUTER_FUSED_MAX_TOKENS = 8
 ROUTER_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations it reads in place
-ROUTER_FUSED_EXPERTS = 4
-ROUTER_FUSED_BLOCK_D = 512
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+@dataclass(frozen=True)
+class FusedConfig:
+    """The launch shape of the fused router's GEMV: ``experts`` per program (a power of two), ``block_d``
+    columns per weight tile (a power of two; 0: the whole row, next_power_of_2(D), in one tile) and
+    ``num_warps`` per program, which also route (one warp holds a 512-expert row's keys in shuffles, more
+    warps route more rows at once through shared memory: :func:`route_rows_per_pass`)."""
+
+    experts: int
+    block_d: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("experts", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"FusedConfig: {name} must be a power of two >= 1, got {v}")
+        if self.block_d < 0 or self.block_d & (self.block_d - 1):
+            raise ValueError(f"FusedConfig: block_d must be 0 or a power of two, got {self.block_d}")
+
+    @property
+    def name(self) -> str:
+        return f"e{self.experts}_d{self.block_d or 'row'}_w{self.num_warps}"
+
+
+# The config per token count: the first entry whose bound is >= N (benchmarks/bench_router.py times the
+# candidates; the first, 4 experts x 512 columns x 4 warps, is the kernel's first form).
+ROUTER_FUSED_CONFIGS: tuple[tuple[int, FusedConfig], ...] = ((ROUTER_FUSED_MAX_TOKENS, FusedConfig(4, 512, 4)),)
+
+
+# The launch shapes benchmarks/bench_router.py times for the table (and the GPU tests run at the release
+# shapes): the first form, one or two experts per program with the whole row or 1024 columns per tile, on one
+# to four warps.
+FUSED_CANDIDATES = (FusedConfig(4, 512, 4), FusedConfig(1, 0, 1), FusedConfig(1, 1024, 1), FusedConfig(1, 0, 2),
+                    FusedConfig(1, 0, 4), FusedConfig(2, 0, 4), FusedConfig(2, 1024, 2), FusedConfig(4, 1024, 4))
+
+
+def fused_config(n_tokens: int) -> FusedConfig:
+    """The :data:`ROUTER_FUSED_CONFIGS` entry for ``n_tokens`` (<= ROUTER_FUSED_MAX_TOKENS)."""
+    for bound, config in ROUTER_FUSED_CONFIGS:
+        if n_tokens <= bound:
+            return config
+    raise ValueError(f"fused_config: no entry for {n_tokens} tokens (ROUTER_FUSED_MAX_TOKENS="
+                     f"{ROUTER_FUSED_MAX_TOKENS})")
+
+
+def route_rows_per_pass(block_n: int, block_e: int, num_warps: int) -> int:
+    """Rows the fused router's last program routes per pass: the most (a power of two, at most block_n) whose
+    [rows, block_e] int64 keys leave each lane at most 16, as :func:`warps_for` gives topk_route's one row."""
+    rows = 1
+    while rows * 2 <= block_n and rows * 2 * block_e <= 16 * 32 * num_warps:
+        rows *= 2
+    return rows
+
+
+def _check_fused(name: str, x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(N, D, E) of a fused router launch, or ValueError naming what does not fit."""
+    if x.dim() != 2 or x.dtype not in ROUTER_FUSED_DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"{name}: x must be [N, D] float32 / bfloat16 / float16 with unit-stride rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    N, D = x.shape
+    if weight.dim() != 2 or weight.shape[1] != D or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"{name}: weight must be a contiguous [E, D={D}] float32 tensor, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if N > ROUTER_FUSED_MAX_TOKENS:
+        raise ValueError(f"{name}: at most ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS} tokens, got {N} "
+                         "(larger batches: F.linear then topk_route)")
+    return N, D, weight.shape[0]
+
+
+def _launch_fused(x, weight, logits, bias, weights, indices, counter, top_k, softmax, norm_topk_prob, scaling,
+                  config: FusedConfig, route: bool) -> None:
+    N, D = x.shape
+    E = weight.shape[0]
+    block_n, block_e = triton.next_power_of_2(max(N, 1)), triton.next_power_of_2(E)
+    dummy = logits
+    _router_fused_kernel[(triton.cdiv(E, config.experts),)](
+        x, weight, logits, bias if bias is not None else dummy, weights if route else dummy,
+        indices if route else dummy, counter if route else dummy, N, E, D, x.stride(0), float(scaling),
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_N=block_n, EXPERTS=config.experts,
+        BLOCK_D=config.block_d or triton.next_power_of_2(D), ROUTE=route,
+        ROUTE_ROWS=route_rows_per_pass(block_n, block_e, config.num_warps), num_warps=config.num_warps,
+    )
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`router_logits`' reference: ``F.linear(x.float(), weight)``, x [N, D], weight [E, D] float32 ->
+    [N, E] float32 (a float32 copy of x, then the GEMM)."""
+    return torch.nn.functional.linear(x.float(), weight)
+
+
+def router_fused_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: bool,
+                     bias: torch.Tensor | None = None, norm_topk_prob: bool = True, scaling: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_fused`'s reference: :func:`router_logits_ref` then :func:`topk_route_ref` (n_group = 1);
+    same arguments (no launch shape) and result."""
+    return topk_route_ref(router_logits_ref(x, weight), top_k, softmax=softmax, bias=bias,
+                          norm_topk_prob=norm_topk_prob, scaling=scaling)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, config: FusedConfig | None = None) -> torch.Tensor:
+    """The fused router's GEMV alone: ``x.float() @ weight.T`` [N, E] float32, x read in its dtype (no float32
+    copy), ``config`` (default :func:`fused_config`) its launch shape. For :func:`topk_route` after it (two
+    launches instead of the fused one's counter and serial routing tail).
+
+    Raises:
+        ValueError: as :func:`router_fused`'s shape, dtype and token checks.
+    """
+    N, _, E = _check_fused("router_logits", x, weight)
+    check_launchable(x, weight, name="router_logits")
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    if N:
+        _launch_fused(x, weight, logits, None, None, None, None, 1, False, False, 1.0,
+                      config or fused_config(N), route=False)
+    return logits
+
+
 def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: bool,
-                 bias: torch.Tensor | None = None, norm_topk_prob: bool = True, scaling: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 bias: torch.Tensor | None = None, norm_topk_prob: bool = True, scaling: float = 1.0,
+                 config: FusedConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's logits ``x.float() @ weight.T`` and :func:`topk_route` on them in one launch: x is read in
     its dtype and converted in registers (no float32 copy of x), each program computes the float32 logits of
-    ROUTER_FUSED_EXPERTS experts for every token, and the last program to finish (a device counter) scores and
-    routes each token as :func:`topk_route` does. Decode sizes: at most ROUTER_FUSED_MAX_TOKENS tokens.
+    ``config.experts`` experts for every token (``config``: default :func:`fused_config` of N), and the last
+    program to finish (a device counter) scores and routes the tokens as :func:`topk_route` does,
+    :func:`route_rows_per_pass` rows at a time. Decode sizes: at most ROUTER_FUSED_MAX_TOKENS tokens.
 
     The logits are summed in another order than cuBLAS's float32 GEMM, so they agree with ``F.linear`` to
     float32 rounding, and the indices with :func:`topk_route_ref` on those logits except at near-ties.
@@ -247,6 +375,7 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
         x: [N, D] activations (float32 / bfloat16 / float16), unit-stride rows, N <= ROUTER_FUSED_MAX_TOKENS.
         weight: [E, D] float32 router weight, contiguous.
         top_k, softmax, bias, norm_topk_prob, scaling: as :func:`topk_route`.
+        config: the launch shape (:class:`FusedConfig`), None for the table's.
 
     Returns:
         (weights [N, k] float32, indices [N, k] int64), largest choice first.
@@ -257,17 +386,7 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
             a first call on a device inside a CUDA-graph capture.
     """
     name = "router_fused"
-    if x.dim() != 2 or x.dtype not in ROUTER_FUSED_DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"{name}: x must be [N, D] float32 / bfloat16 / float16 with unit-stride rows, got "
-                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
-    N, D = x.shape
-    if weight.dim() != 2 or weight.shape[1] != D or weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError(f"{name}: weight must be a contiguous [E, D={D}] float32 tensor, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    if N > ROUTER_FUSED_MAX_TOKENS:
-        raise ValueError(f"{name}: at most ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS} tokens, got {N} "
-                         "(larger batches: F.linear then topk_route)")
-    E = weight.shape[0]
+    N, D, E = _check_fused(name, x, weight)
     _check_routing(name, E, top_k, softmax, bias)
     check_launchable(*((x, weight) if bias is None else (x, weight, bias)), name=name)
     weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
@@ -281,12 +400,7 @@ def router_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, softmax: 
                              "capturing (the engine's warm-up step does)")
         _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
     logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    bias_arg = bias.float().contiguous() if bias is not None else logits
-    _router_fused_kernel[(triton.cdiv(E, ROUTER_FUSED_EXPERTS),)](
-        x, weight, logits, bias_arg, weights, indices, _COUNTERS[x.device], N, E, D, x.stride(0), float(scaling),
-        SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_N=triton.next_power_of_2(max(N, 1)), EXPERTS=ROUTER_FUSED_EXPERTS, BLOCK_D=ROUTER_FUSED_BLOCK_D,
-        num_warps=4,
-    )
+    bias_arg = bias.float().contiguous() if bias is not None else None
+    _launch_fused(x, weight, logits, bias_arg, weights, indices, _COUNTERS[x.device], top_k, softmax,
+                  norm_topk_prob, scaling, config or fused_config(N), route=True)
     return weights, indices

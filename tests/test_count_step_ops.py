@@ -262,3 +262,26 @@ def test_fused_eager_step_hands_every_fp8_linear_its_producers_codes(monkeypatch
         model.nonfinite = None
         plain = model(ids)
     assert torch.equal(fused, plain)
+
+
+@pytest.mark.parametrize("form", ["fused", "logits"])
+def test_router_forms_are_counted_as_on_cuda(form, monkeypatch):
+    """With moe.ROUTER_FORMS giving batch 1 a decode form, the count follows CUDA's dispatch: the router is
+    router_fused (one op per MoE block) or router_logits + topk_route (two), with no float32 copy or GEMM of
+    its own; with the table empty, the three launches' top-k (topk_route) and no fused op."""
+    import runners.engine.models.moe as moe_mod
+
+    def moe_ops(forms):
+        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", forms)
+        report = count_step_ops("nemotron_h", layers=4, steps=1, experts=4, shrink=TINY, prompt_len=6)
+        kind = report["phases"]["decode"]["kinds"]["moe"]
+        return dict(kind["top"]), kind["blocks"]
+
+    ops, blocks = moe_ops(((8, form),))
+    names = ["kernel:router_fused"] if form == "fused" else ["kernel:router_logits", "kernel:topk_route"]
+    for name in names:
+        assert ops.get(name) == blocks, (name, ops)
+    assert "kernel:topk_route" not in ops or form == "logits"
+    plain, _ = moe_ops(())
+    assert plain.get("kernel:topk_route") == blocks and "kernel:router_fused" not in plain
+    assert sum(plain.values()) - sum(ops.values()) >= (2 if form == "fused" else 1) * blocks

@@ -107,32 +107,69 @@ def _fused_case(N, E, D, seed):
     return x.to(DEV), weight.to(DEV), bias.to(DEV)
 
 
-@pytest.mark.parametrize("N, E, D, k", [(1, 5, 16, 1), (3, 12, 700, 4), (8, 64, 1030, 5), (4, 512, 2048, 22)])
+# launch shapes of the fused router: the table's, one expert per program with the whole row in one tile
+# (one warp: one row routed per pass at 512 experts), and two narrower tiles routing several rows per pass
+_CONFIGS = [None, router.FusedConfig(1, 0, 1), router.FusedConfig(2, 256, 2), router.FusedConfig(1, 64, 4)]
+
+
+# (the interpreter runs programs one after another: the release-sized case keeps the table's shape; 300
+# experts route one row per pass on one warp, two per pass on two)
+@pytest.mark.parametrize("N, E, D, k, configs", [
+    (1, 5, 16, 1, _CONFIGS), (3, 12, 700, 4, _CONFIGS[:2]), (8, 64, 1030, 5, _CONFIGS[:1]),
+    (4, 512, 2048, 22, _CONFIGS[:1]), (3, 300, 64, 4, _CONFIGS[1:3])])
 @pytest.mark.parametrize("mode", ["sigmoid+bias", "softmax"])
-def test_fused_router_equals_linear_then_reference(N, E, D, k, mode):
-    """router_fused (the logits GEMV and the routing in one launch, the last program routing) against
-    F.linear in float32 then topk_route_ref: indices exact (random data: no near-ties), weights to float32
-    rounding; D not a multiple of the weight tile, E not of the experts per program; the device counter is
-    back at 0 and a second call gives the same bits."""
+def test_fused_router_equals_linear_then_reference(N, E, D, k, configs, mode):
+    """router_fused (the logits GEMV and the routing in one launch, the last program routing, one row or
+    several per pass) against F.linear in float32 then topk_route_ref, at each launch shape: indices exact
+    (random data: no near-ties), weights to float32 rounding; D not a multiple of the weight tile, E not of
+    the experts per program, N not of the rows per pass; the device counter is back at 0 and a second call
+    gives the same bits. router_logits (the GEMV alone) gives F.linear's logits to float32 rounding."""
     x, weight, bias = _fused_case(N, E, D, seed=N * E + D)
     kw = dict(softmax=mode == "softmax", bias=None if mode == "softmax" else bias, norm_topk_prob=True,
               scaling=2.5)
-    w, i = router_fused(x, weight, k, **kw)
     logits = torch.nn.functional.linear(x.float(), weight)
     w_ref, i_ref = topk_route_ref(logits, k, **kw)
+    for config in configs:
+        _check_fused(x, weight, k, kw, config, logits, w_ref, i_ref)
+
+
+def _check_fused(x, weight, k, kw, config, logits, w_ref, i_ref):
+    N = x.shape[0]
+    torch.testing.assert_close(router.router_logits(x, weight, config), logits, rtol=1e-5, atol=1e-5)
+    w, i = router_fused(x, weight, k, config=config, **kw)
     assert i.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == i.shape == (N, k)
     assert torch.equal(i, i_ref), (i, i_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
     assert router._COUNTERS[x.device].item() == 0
-    w2, i2 = router_fused(x, weight, k, **kw)
+    w2, i2 = router_fused(x, weight, k, config=config, **kw)
     assert torch.equal(w2, w) and torch.equal(i2, i)
+
+
+def test_fused_configs_and_rows_per_pass():
+    """FusedConfig refuses what the kernel cannot take (experts and warps powers of two, block_d 0 or a
+    power of two); rows per pass keep at most 16 keys per lane and stay within the padded tokens; the table
+    has an entry for every token count the fused router takes."""
+    for bad in (dict(experts=3, block_d=0, num_warps=1), dict(experts=1, block_d=100, num_warps=1),
+                dict(experts=1, block_d=0, num_warps=0)):
+        with pytest.raises(ValueError, match="power of two"):
+            router.FusedConfig(**bad)
+    assert router.FusedConfig(2, 0, 4).name == "e2_drow_w4"
+    assert router.route_rows_per_pass(8, 512, 1) == 1
+    assert router.route_rows_per_pass(8, 512, 4) == 4
+    assert router.route_rows_per_pass(2, 64, 4) == 2
+    assert router.route_rows_per_pass(1, 4096, 1) == 1
+    for n in range(1, router.ROUTER_FUSED_MAX_TOKENS + 1):
+        assert isinstance(router.fused_config(n), router.FusedConfig)
+    with pytest.raises(ValueError, match="no entry"):
+        router.fused_config(router.ROUTER_FUSED_MAX_TOKENS + 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("E, D, k, softmax", [(512, 4096, 22, False), (512, 2048, 10, True)])
 def test_gpu_fused_router_release_shapes_replayed(E, D, k, softmax):
-    """router_fused at the releases' router shapes (128 programs counting into the device counter) against
-    F.linear + topk_route, eager and over repeated CUDA-graph replays with new inputs each time."""
+    """router_fused at the releases' router shapes against F.linear + topk_route: every launch shape of
+    FUSED_CANDIDATES eager at 1, 3 and 8 tokens (router_logits too), and the table's over repeated CUDA-graph
+    replays with new inputs each time."""
     kw = dict(softmax=softmax, norm_topk_prob=True, scaling=1.0 if softmax else 5.0)
     x, weight, bias = _fused_case(4, E, D, seed=11)
     kw["bias"] = None if softmax else bias
@@ -140,6 +177,15 @@ def test_gpu_fused_router_release_shapes_replayed(E, D, k, softmax):
     def want(xx):
         return topk_route(torch.nn.functional.linear(xx.float(), weight), k, **kw)
 
+    for config in router.FUSED_CANDIDATES:  # every launch shape bench_router times, eager
+        for n in (1, 3, 8):
+            xn = _fused_case(n, E, D, seed=20 + n)[0]
+            w_ref, i_ref = want(xn)
+            w, i = router_fused(xn, weight, k, config=config, **kw)
+            assert torch.equal(i, i_ref), config
+            torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(router.router_logits(xn, weight, config),
+                                       torch.nn.functional.linear(xn.float(), weight), rtol=1e-5, atol=1e-5)
     w, i = router_fused(x, weight, k, **kw)
     assert torch.equal(i, want(x)[1])
     static = x.clone()

@@ -135,10 +135,11 @@ def test_moe_block_fused_equals_ref(family):
     assert fused.abs().max() > 0.1  # the routed part is not vanishing
 
 
-def test_router_dispatches_to_the_fused_kernel_where_allowed(monkeypatch):
+def test_router_dispatches_to_the_decode_forms_where_allowed(monkeypatch):
     """TopkRouter.forward hands x (unit-stride rows), the float32 weight and its routing options to
-    kernels.router.router_fused where use_router_fused holds, and computes F.linear + the reference
-    otherwise; use_router_fused is False while ROUTER_FUSED is off and for CPU tensors."""
+    kernels.router.router_fused where router_form says "fused", to router_logits then topk_route where it says
+    "logits", and computes F.linear + the reference otherwise; router_form is "linear" while ROUTER_FORMS is
+    empty, for CPU tensors and past the table's last bound, and refuses an entry it cannot honour."""
     import runners.engine.models.moe as moe_mod
     from kernels.router import topk_route_ref
 
@@ -147,30 +148,57 @@ def test_router_dispatches_to_the_fused_kernel_where_allowed(monkeypatch):
     with torch.no_grad():
         moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape))
     x = torch.randn(2, 48)
-    assert not moe_mod.use_router_fused(x, 1)
-    monkeypatch.setattr(moe_mod, "ROUTER_FUSED", True)
-    assert not moe_mod.use_router_fused(x, 1)  # CPU
+    assert moe_mod.router_form(x, 1) == "linear"
+    monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((1, "fused"), (8, "logits")))
+    assert moe_mod.router_form(x, 1) == "linear"  # CPU
     with torch.no_grad():
         want = moe.gate(x)
     calls = []
 
     def fake_fused(xx, weight, top_k, **kw):
-        calls.append((xx.stride(-1), weight.dtype, top_k, sorted(kw)))
+        calls.append(("fused", xx.stride(-1), weight.dtype, top_k, sorted(kw)))
         return topk_route_ref(torch.nn.functional.linear(xx.float(), weight), top_k, **kw)
 
-    monkeypatch.setattr(moe_mod, "use_router_fused", lambda xx, n_group: True)
+    def fake_logits(xx, weight):
+        calls.append(("logits", xx.stride(-1), weight.dtype))
+        return torch.nn.functional.linear(xx.float(), weight)
+
+    def fake_topk(logits, top_k, **kw):
+        calls.append(("topk", logits.dtype, top_k, sorted(kw)))
+        return topk_route_ref(logits, top_k, **kw)
+
     monkeypatch.setattr(moe_mod, "router_fused", fake_fused)
-    with torch.no_grad():
-        got = moe.gate(x.t().contiguous().t())  # column-major x: handed over with unit-stride rows
-    assert calls == [(1, torch.float32, moe.gate.top_k, ["bias", "norm_topk_prob", "scaling", "softmax"])]
-    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
+    monkeypatch.setattr(moe_mod, "router_logits", fake_logits)
+    monkeypatch.setattr(moe_mod, "topk_route", fake_topk)
+    opts = ["bias", "norm_topk_prob", "scaling", "softmax"]
+    k = moe.gate.top_k
+    for form, expect in (("fused", [("fused", 1, torch.float32, k, opts)]),
+                         ("logits", [("logits", 1, torch.float32), ("topk", torch.float32, k, opts)])):
+        calls.clear()
+        monkeypatch.setattr(moe_mod, "router_form", lambda xx, n_group, f=form: f)
+        with torch.no_grad():
+            got = moe.gate(x.t().contiguous().t())  # column-major x: handed over with unit-stride rows
+        assert calls == expect
+        assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        xc = x.cuda()
+        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((1, "fused"), (2, "logits")))
+        with torch.no_grad():
+            assert [moe_mod.router_form(xc[:n], 1) for n in (1, 2)] == ["fused", "logits"]
+            assert moe_mod.router_form(torch.cat([xc, xc]), 1) == "linear"  # past the last bound
+            assert moe_mod.router_form(xc, 2) == "linear"  # group-limited routing
+        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((16, "fused"),))
+        with pytest.raises(ValueError, match="ROUTER_FUSED_MAX_TOKENS"), torch.no_grad():
+            moe_mod.router_form(xc, 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
-def test_gpu_fused_router_routes_as_the_three_launches(family, monkeypatch):
-    """On CUDA, ROUTER_FUSED on gives the MoE block the routing of ROUTER_FUSED off (F.linear, topk_route) at
-    1 and 4 tokens, eager and replayed from a CUDA graph."""
+@pytest.mark.parametrize("form", ["fused", "logits"])
+def test_gpu_decode_router_forms_route_as_the_three_launches(family, form, monkeypatch):
+    """On CUDA, each decode form of ROUTER_FORMS gives the MoE block the routing of the three launches
+    (F.linear, topk_route) at 1 and 4 tokens, eager and replayed from a CUDA graph."""
     import runners.engine.models.moe as moe_mod
 
     torch.manual_seed(0)
@@ -182,8 +210,8 @@ def test_gpu_fused_router_routes_as_the_three_launches(family, monkeypatch):
         x = torch.randn(n, 48, device="cuda").bfloat16()
         with torch.no_grad():
             want = moe.gate(x)
-            monkeypatch.setattr(moe_mod, "ROUTER_FUSED", True)
-            assert moe_mod.use_router_fused(x, moe.gate.n_group)
+            monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((8, form),))
+            assert moe_mod.router_form(x, moe.gate.n_group) == form
             got = moe.gate(x)
             static = x.clone()
             graph = torch.cuda.CUDAGraph()
@@ -191,7 +219,7 @@ def test_gpu_fused_router_routes_as_the_three_launches(family, monkeypatch):
                 captured = moe.gate(static)
             static.copy_(x)
             graph.replay()
-            monkeypatch.setattr(moe_mod, "ROUTER_FUSED", False)
+            monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ())
         for w, i in (got, captured):
             assert torch.equal(i, want[1])
             torch.testing.assert_close(w, want[0], rtol=1e-5, atol=1e-6)

@@ -57,6 +57,7 @@ from kernels.router import (
     ROUTER_FUSED_DTYPES,
     ROUTER_FUSED_MAX_TOKENS,
     router_fused,
+    router_logits,
     topk_route,
     topk_route_ref,
 )
@@ -285,18 +286,35 @@ def moe_experts_grouped(
 # Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
 # batch 64 x T = 4); larger batches (prefill) take torch.topk. Not yet measured against torch.topk.
 ROUTER_KERNEL_MAX_TOKENS = 256
-# Whether decode-sized routers (at most kernels.router.ROUTER_FUSED_MAX_TOKENS tokens, n_group = 1, on CUDA,
-# no gradient) run kernels.router.router_fused: the logits GEMV and the routing in one launch, reading x in
-# its dtype, instead of a float32 copy of x, F.linear and topk_route (three launches; 15 us a layer at one
-# token in the half-depth Super V3 profile, docs/kernel_performance.md). Off until benchmarks/bench_router.py
-# has timed it on a GPU. Read at call time.
-ROUTER_FUSED = False
+# The router's form at decode sizes: (max tokens, form) pairs in increasing bounds of at most
+# kernels.router.ROUTER_FUSED_MAX_TOKENS, the first bound >= N applying. "fused": kernels.router.router_fused
+# (the logits GEMV and the routing in one launch, reading x in its dtype); "logits": router_logits then
+# topk_route (two launches). Past the last bound, while the table is empty, and off CUDA: "linear", a float32
+# copy of x, F.linear and topk_route (three launches; 15 us a layer at one token in the half-depth Super V3
+# profile, docs/kernel_performance.md). Set from benchmarks/bench_router.py's timings; read at call time.
+ROUTER_FORMS: tuple[tuple[int, str], ...] = ()
+ROUTER_FORM_NAMES = ("linear", "fused", "logits")
 
 
-def use_router_fused(x: torch.Tensor, n_group: int) -> bool:
-    """Whether :class:`TopkRouter` runs ``router_fused`` on x [N, D] (ROUTER_FUSED and the sizes it takes)."""
-    return (ROUTER_FUSED and x.is_cuda and n_group == 1 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS
-            and x.dtype in ROUTER_FUSED_DTYPES and not torch.is_grad_enabled())
+def router_form(x: torch.Tensor, n_group: int, on_cuda: bool | None = None) -> str:
+    """The form :class:`TopkRouter` runs on x [N, D] (:data:`ROUTER_FORMS`): "fused" or "logits" only on CUDA
+    (``on_cuda``, default x.is_cuda: benchmarks/count_step_ops.py asks as CUDA would) with n_group = 1, no
+    gradient and x in kernels.router.ROUTER_FUSED_DTYPES; else "linear".
+
+    Raises:
+        ValueError: a ROUTER_FORMS entry with an unknown form or a bound above ROUTER_FUSED_MAX_TOKENS.
+    """
+    cuda = x.is_cuda if on_cuda is None else on_cuda
+    if not (cuda and n_group == 1 and x.dtype in ROUTER_FUSED_DTYPES and not torch.is_grad_enabled()):
+        return "linear"
+    for bound, form in ROUTER_FORMS:
+        if form not in ROUTER_FORM_NAMES or bound > ROUTER_FUSED_MAX_TOKENS:
+            raise ValueError(f"ROUTER_FORMS entry ({bound}, {form!r}): the form must be one of "
+                             f"{ROUTER_FORM_NAMES} and the bound at most ROUTER_FUSED_MAX_TOKENS="
+                             f"{ROUTER_FUSED_MAX_TOKENS}")
+        if x.shape[0] <= bound:
+            return form
+    return "linear"
 
 
 class TopkRouter(nn.Module):
@@ -309,8 +327,8 @@ class TopkRouter(nn.Module):
     ``routed_scaling_factor``. ``weight`` and the bias stay float32. The scoring and top-k are
     ``kernels.router.topk_route_ref``; on CUDA, for at most :data:`ROUTER_KERNEL_MAX_TOKENS` tokens,
     n_group = 1 and logits that need no gradient (the kernel has no backward), its sort-free Triton kernel
-    ``topk_route``; where :func:`use_router_fused` holds, the logits and the routing in one launch
-    (``kernels.router.router_fused``).
+    ``topk_route``; at decode sizes the logits as :func:`router_form` says (``kernels.router.router_fused``:
+    with the routing in one launch; ``router_logits``: x read in its dtype, then ``topk_route``).
     """
 
     def __init__(self, config: HybridConfig):
@@ -329,9 +347,13 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kw = dict(softmax=self.softmax, bias=None if self.softmax else self.e_score_correction_bias,
                   norm_topk_prob=self.norm_topk_prob, scaling=self.routed_scaling_factor)
-        if use_router_fused(x, self.n_group):  # the logits and the routing in one launch (kernels/router.py)
+        form = router_form(x, self.n_group)
+        if form == "fused":  # the logits and the routing in one launch (kernels/router.py)
             return eager_op(router_fused)(x if x.stride(-1) == 1 else x.contiguous(), self.weight.float(),
                                           self.top_k, **kw)
+        if form == "logits":  # the logits from x in its dtype, then the routing kernel
+            logits = eager_op(router_logits)(x if x.stride(-1) == 1 else x.contiguous(), self.weight.float())
+            return eager_op(topk_route)(logits, self.top_k, **kw)
         logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
         # the kernel has no backward: training (logits that need a gradient) takes the reference
         if (logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS
