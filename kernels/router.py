@@ -263,9 +263,10 @@ class FusedConfig:
         return f"e{self.experts}_d{self.block_d or 'row'}_w{self.num_warps}"
 
 
-# The config per token count: the first entry whose bound is >= N (benchmarks/bench_router.py times the
-# candidates; the first, 4 experts x 512 columns x 4 warps, is the kernel's first form).
-ROUTER_FUSED_CONFIGS: tuple[tuple[int, FusedConfig], ...] = ((ROUTER_FUSED_MAX_TOKENS, FusedConfig(4, 512, 4)),)
+# The config per token count: the first entry whose bound is >= N. benchmarks/bench_router.py timed the
+# candidates on an H100 (docs/kernel_performance.md, "The fused router"): 2 experts per program, the whole
+# row in one tile, 4 warps was the fastest fused and logits-only form at 1-8 tokens on both release routers.
+ROUTER_FUSED_CONFIGS: tuple[tuple[int, FusedConfig], ...] = ((ROUTER_FUSED_MAX_TOKENS, FusedConfig(2, 0, 4)),)
 
 
 # The launch shapes benchmarks/bench_router.py times for the table (and the GPU tests run at the release

@@ -292,7 +292,7 @@ ROUTER_KERNEL_MAX_TOKENS = 256
 # topk_route (two launches). Past the last bound, while the table is empty, and off CUDA: "linear", a float32
 # copy of x, F.linear and topk_route (three launches; 15 us a layer at one token in the half-depth Super V3
 # profile, docs/kernel_performance.md). Set from benchmarks/bench_router.py's timings; read at call time.
-ROUTER_FORMS: tuple[tuple[int, str], ...] = ()
+ROUTER_FORMS: tuple[tuple[int, str], ...] = ((1, "fused"), (ROUTER_FUSED_MAX_TOKENS, "logits"))
 ROUTER_FORM_NAMES = ("linear", "fused", "logits")
 
 
