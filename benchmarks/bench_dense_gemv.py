@@ -65,6 +65,7 @@ def part_shapes(rows_list: list[int], copy_gbps: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time every form (module docstring) into ``--out``; 2 without CUDA, SystemExit 2 on bad arguments."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_dense_gemv", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])

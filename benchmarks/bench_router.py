@@ -96,6 +96,7 @@ def part_model(model: str, tokens: list[int], copy_gbps: float) -> list[dict]:
             out["x_floor"] = round(out["us"] / floor, 2)
             if ":" in name:
                 out["match"] = bool((fn()[1] == want).all())
+            print(json.dumps(out), flush=True)  # again, with the floor ratio and the match
             rows.append(out)
     return rows
 
@@ -125,6 +126,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (module docstring), or SystemExit 2 naming a bad argument."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_router", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -140,6 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time every row (module docstring) into ``--out`` and print the summary; 2 without CUDA."""
     args = parse_args(argv)
     report = gpu_report("python -m benchmarks.bench_router", argv)
     if report is None:

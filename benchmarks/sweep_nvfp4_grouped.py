@@ -432,6 +432,7 @@ def confirm(points: list[dict], report: dict, refs: dict, gbps: float, save) -> 
 
 
 def print_table(report: dict) -> None:
+    """Print the best-per-point table of ``report`` (default, CUDA grouped and best ok config per projection)."""
     cfg = lambda c: "-" if not c else "m{block_m} n{block_n} w{num_warps} s{num_stages} k{block_k}".format(**c)
     num = lambda v, f="{:.1f}": "-" if v is None else f.format(v)
     print(f"{'point':<12} {'default us':>10} {'x_floor':>7} {'cuda us':>9} {'best us':>9} {'x_floor':>7} "
@@ -447,6 +448,7 @@ def print_table(report: dict) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (module docstring), or SystemExit 2 naming a bad argument."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_nvfp4_grouped",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write (rewritten after every row)")
@@ -473,6 +475,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the sweep (module docstring); 0 when the JSON was written, 2 without a GPU (--smoke: without the
+    Triton interpreter)."""
     args = parse_args(argv)
     t0 = time.monotonic()
     import torch

@@ -138,7 +138,7 @@ def _route_rows(logits_ptr, bias_ptr, w_ptr, idx_ptr, row0, N, E, stride_row, sc
     tl.store(idx_ptr + rows[:, None] * K + kofs, indices.to(tl.int64), mask=kmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, N, E, stride_row, scaling,
                        SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -182,11 +182,15 @@ def _router_fused_kernel(x_ptr, wt_ptr, logits_ptr, bias_ptr, w_ptr, idx_ptr, co
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
+# Routing keys one lane holds: a warp takes 512 experts' int64 keys (each round's max then stays in warp
+# shuffles, with no shared-memory round trip between warps). warps_for and route_rows_per_pass keep to it.
+KEYS_PER_LANE = 16
+
+
 def warps_for(block_e: int) -> int:
-    """Warps per program for BLOCK_E experts: one up to 512 (16 keys per lane; each round's max then stays in
-    warp shuffles, with no shared-memory round trip between warps), one more per 512 above, at most 8 (so a
-    lane holds 16 keys up to 4096 experts)."""
-    return max(1, min(8, block_e // 512))
+    """Warps per program for BLOCK_E experts: one up to 32 x KEYS_PER_LANE = 512, one more per 512 above, at
+    most 8 (so a lane holds KEYS_PER_LANE keys up to 4096 experts)."""
+    return max(1, min(8, block_e // (32 * KEYS_PER_LANE)))
 
 
 def _check_routing(name: str, E: int, top_k: int, softmax: bool, bias: torch.Tensor | None) -> None:
@@ -233,7 +237,7 @@ def topk_route(logits: torch.Tensor, top_k: int, *, softmax: bool, bias: torch.T
 
 # The fused router (:func:`router_fused`): at most this many tokens (the last program routes them
 # ROUTE_ROWS at a time, so its tail grows with the tokens; decode at batch 1, plain or an MTP verify of 4,
-# fits). Whether the engine takes it: runners.engine.models.moe.ROUTER_FUSED.
+# fits). Where the engine takes it (or router_logits): runners.engine.models.moe.ROUTER_FORMS.
 ROUTER_FUSED_MAX_TOKENS = 8
 ROUTER_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the activations it reads in place
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -260,12 +264,15 @@ class FusedConfig:
 
     @property
     def name(self) -> str:
+        """A short label, e.g. "e2_drow_w4" (2 experts, the whole row, 4 warps): bench_router's row names."""
         return f"e{self.experts}_d{self.block_d or 'row'}_w{self.num_warps}"
 
 
-# The config per token count: the first entry whose bound is >= N. benchmarks/bench_router.py timed the
-# candidates on an H100 (docs/kernel_performance.md, "The fused router"): 2 experts per program, the whole
-# row in one tile, 4 warps was the fastest fused and logits-only form at 1-8 tokens on both release routers.
+# The config per token count: the first entry whose bound is >= N (bounds increasing, the last
+# ROUTER_FUSED_MAX_TOKENS). benchmarks/bench_router.py timed the candidates on an H100 at 1, 2, 4 and 8 tokens
+# (docs/kernel_performance.md, "The fused router"): 2 experts per program, the whole row in one tile, 4 warps
+# was the fastest summed over both release routers in both forms at every count, and within 2 % of each
+# router's fastest shape.
 ROUTER_FUSED_CONFIGS: tuple[tuple[int, FusedConfig], ...] = ((ROUTER_FUSED_MAX_TOKENS, FusedConfig(2, 0, 4)),)
 
 
@@ -276,8 +283,26 @@ FUSED_CANDIDATES = (FusedConfig(4, 512, 4), FusedConfig(1, 0, 1), FusedConfig(1,
                     FusedConfig(1, 0, 4), FusedConfig(2, 0, 4), FusedConfig(2, 1024, 2), FusedConfig(4, 1024, 4))
 
 
+def check_bounds_table(name: str, table, allowed) -> None:
+    """Raise ValueError unless ``table`` is (bound, value) pairs with bounds strictly increasing in [1,
+    ROUTER_FUSED_MAX_TOKENS] and every value ``allowed(value)``: the rule of the token-count tables
+    (:data:`ROUTER_FUSED_CONFIGS`, runners.engine.models.moe.ROUTER_FORMS), checked whole before a lookup."""
+    last = 0
+    for entry in table:
+        ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
+        if not ok or not last < entry[0] <= ROUTER_FUSED_MAX_TOKENS or not allowed(entry[1]):
+            raise ValueError(f"{name} entry {entry!r}: expected (bound, value) with bounds strictly increasing "
+                             f"in [1, ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS}] and a valid value")
+        last = entry[0]
+
+
 def fused_config(n_tokens: int) -> FusedConfig:
-    """The :data:`ROUTER_FUSED_CONFIGS` entry for ``n_tokens`` (<= ROUTER_FUSED_MAX_TOKENS)."""
+    """The :data:`ROUTER_FUSED_CONFIGS` entry for ``n_tokens`` (<= ROUTER_FUSED_MAX_TOKENS).
+
+    Raises:
+        ValueError: a table :func:`check_bounds_table` refuses, or no entry for ``n_tokens``.
+    """
+    check_bounds_table("ROUTER_FUSED_CONFIGS", ROUTER_FUSED_CONFIGS, lambda c: isinstance(c, FusedConfig))
     for bound, config in ROUTER_FUSED_CONFIGS:
         if n_tokens <= bound:
             return config
@@ -287,9 +312,10 @@ def fused_config(n_tokens: int) -> FusedConfig:
 
 def route_rows_per_pass(block_n: int, block_e: int, num_warps: int) -> int:
     """Rows the fused router's last program routes per pass: the most (a power of two, at most block_n) whose
-    [rows, block_e] int64 keys leave each lane at most 16, as :func:`warps_for` gives topk_route's one row."""
+    [rows, block_e] int64 keys leave each lane at most KEYS_PER_LANE, as :func:`warps_for` gives topk_route's
+    one row."""
     rows = 1
-    while rows * 2 <= block_n and rows * 2 * block_e <= 16 * 32 * num_warps:
+    while rows * 2 <= block_n and rows * 2 * block_e <= KEYS_PER_LANE * 32 * num_warps:
         rows *= 2
     return rows
 
@@ -313,15 +339,18 @@ def _launch_fused(x, weight, logits, bias, weights, indices, counter, top_k, sof
                   config: FusedConfig, route: bool) -> None:
     N, D = x.shape
     E = weight.shape[0]
-    block_n, block_e = triton.next_power_of_2(max(N, 1)), triton.next_power_of_2(E)
+    block_n = triton.next_power_of_2(max(N, 1))
+    # the routing's constexprs only where it is compiled in (ROUTE): router_logits' launches share one variant
+    block_e = triton.next_power_of_2(E) if route else 1
+    rows = route_rows_per_pass(block_n, block_e, config.num_warps) if route else 1
     dummy = logits
     _router_fused_kernel[(triton.cdiv(E, config.experts),)](
         x, weight, logits, bias if bias is not None else dummy, weights if route else dummy,
         indices if route else dummy, counter if route else dummy, N, E, D, x.stride(0), float(scaling),
         SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm_topk_prob, K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_N=block_n, EXPERTS=config.experts,
-        BLOCK_D=config.block_d or triton.next_power_of_2(D), ROUTE=route,
-        ROUTE_ROWS=route_rows_per_pass(block_n, block_e, config.num_warps), num_warps=config.num_warps,
+        BLOCK_D=config.block_d or triton.next_power_of_2(D), ROUTE=route, ROUTE_ROWS=rows,
+        num_warps=config.num_warps,
     )
 
 

@@ -164,6 +164,16 @@ def test_fused_configs_and_rows_per_pass():
         router.fused_config(router.ROUTER_FUSED_MAX_TOKENS + 1)
 
 
+def test_a_config_table_that_cannot_be_honoured_is_refused_whole(monkeypatch):
+    """ROUTER_FUSED_CONFIGS is checked whole before a lookup: bounds out of order, above
+    ROUTER_FUSED_MAX_TOKENS or not configs are refused even for a token count an earlier entry covers."""
+    c = router.FusedConfig(1, 0, 1)
+    for bad in (((8, c), (1, c)), ((1, c), (16, c)), ((8, "e1"),)):
+        monkeypatch.setattr(router, "ROUTER_FUSED_CONFIGS", bad)
+        with pytest.raises(ValueError, match="ROUTER_FUSED_CONFIGS entry"):
+            router.fused_config(1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("E, D, k, softmax", [(512, 4096, 22, False), (512, 2048, 10, True)])
 def test_gpu_fused_router_release_shapes_replayed(E, D, k, softmax):

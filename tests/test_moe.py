@@ -138,8 +138,10 @@ def test_moe_block_fused_equals_ref(family):
 def test_router_dispatches_to_the_decode_forms_where_allowed(monkeypatch):
     """TopkRouter.forward hands x (unit-stride rows), the float32 weight and its routing options to
     kernels.router.router_fused where router_form says "fused", to router_logits then topk_route where it says
-    "logits", and computes F.linear + the reference otherwise; router_form is "linear" while ROUTER_FORMS is
-    empty, for CPU tensors and past the table's last bound, and refuses an entry it cannot honour."""
+    "logits", and computes F.linear + the reference otherwise; router_form is "linear" for CPU tensors, past
+    the table's last bound, for group-limited routing, other dtypes, under autograd and with an empty table,
+    and refuses a table it cannot honour (bounds out of order or above ROUTER_FUSED_MAX_TOKENS, unknown
+    forms) at any token count."""
     import runners.engine.models.moe as moe_mod
     from kernels.router import topk_route_ref
 
@@ -181,16 +183,24 @@ def test_router_dispatches_to_the_decode_forms_where_allowed(monkeypatch):
         assert calls == expect
         assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
     monkeypatch.undo()
-    if torch.cuda.is_available():
-        xc = x.cuda()
-        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((1, "fused"), (2, "logits")))
-        with torch.no_grad():
-            assert [moe_mod.router_form(xc[:n], 1) for n in (1, 2)] == ["fused", "logits"]
-            assert moe_mod.router_form(torch.cat([xc, xc]), 1) == "linear"  # past the last bound
-            assert moe_mod.router_form(xc, 2) == "linear"  # group-limited routing
-        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((16, "fused"),))
-        with pytest.raises(ValueError, match="ROUTER_FUSED_MAX_TOKENS"), torch.no_grad():
-            moe_mod.router_form(xc, 1)
+    # the dispatch as CUDA sees it (on_cuda: what count_step_ops asks on the CPU)
+    form = moe_mod.router_form
+    monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((1, "fused"), (2, "logits")))
+    with torch.no_grad():
+        assert [form(x[:n], 1, on_cuda=True) for n in (1, 2)] == ["fused", "logits"]
+        assert form(torch.cat([x, x]), 1, on_cuda=True) == "linear"  # past the last bound
+        assert form(x, 2, on_cuda=True) == "linear"  # group-limited routing
+        assert form(x.to(torch.int32), 1, on_cuda=True) == "linear"  # a dtype the kernels do not read
+    assert form(x[:1], 1, on_cuda=True) == "linear"  # autograd on: the kernels have no backward
+    monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ())
+    with torch.no_grad():
+        assert form(x[:1], 1, on_cuda=True) == "linear"  # an empty table
+    # a table that cannot be honoured is refused whole, whatever the token count asked
+    for bad in (((1, "fused"), (16, "logits")), ((8, "logits"), (1, "fused")), ((1, "sorted"),),
+                ((0, "fused"),)):
+        monkeypatch.setattr(moe_mod, "ROUTER_FORMS", bad)
+        with pytest.raises(ValueError, match="ROUTER_FORMS entry"), torch.no_grad():
+            form(x[:1], 1, on_cuda=True)
 
 
 @pytest.mark.gpu
@@ -209,6 +219,7 @@ def test_gpu_decode_router_forms_route_as_the_three_launches(family, form, monke
     for n in (1, 4):
         x = torch.randn(n, 48, device="cuda").bfloat16()
         with torch.no_grad():
+            monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ())  # the three launches: the reference routing
             want = moe.gate(x)
             monkeypatch.setattr(moe_mod, "ROUTER_FORMS", ((8, form),))
             assert moe_mod.router_form(x, moe.gate.n_group) == form

@@ -1,7 +1,7 @@
 """benchmarks/sweep_nvfp4_grouped.py (the grouped NVFP4 tensor-core GEMM's launch settings swept on the GPU):
 its --smoke run on the CPU under the interpreter (rows written, outputs checked against the default's), the
 grid's order, that a config reaches the launcher and is put back, the output check, the choice of the best
-and the argument checks. The timings themselves run on the GPU machine (docs/gpu/nvfp4_grouped_1/call.sh)."""
+and the argument checks. The timings themselves run on the GPU machine."""
 
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ from kernels.moe_gemv import ACT_CODES, moe_gemv
 from kernels.router import (
     ROUTER_FUSED_DTYPES,
     ROUTER_FUSED_MAX_TOKENS,
+    check_bounds_table,
     router_fused,
     router_logits,
     topk_route,
@@ -291,7 +292,9 @@ ROUTER_KERNEL_MAX_TOKENS = 256
 # (the logits GEMV and the routing in one launch, reading x in its dtype); "logits": router_logits then
 # topk_route (two launches). Past the last bound, while the table is empty, and off CUDA: "linear", a float32
 # copy of x, F.linear and topk_route (three launches; 15 us a layer at one token in the half-depth Super V3
-# profile, docs/kernel_performance.md). Set from benchmarks/bench_router.py's timings; read at call time.
+# profile, docs/kernel_performance.md). Set from benchmarks/bench_router.py's timings on an H100 at 1, 2, 4
+# and 8 tokens (fused fastest at 1, the two launches at 2-8; 3 and 5-7 tokens take the form of the counts
+# around them, untimed); read at call time.
 ROUTER_FORMS: tuple[tuple[int, str], ...] = ((1, "fused"), (ROUTER_FUSED_MAX_TOKENS, "logits"))
 ROUTER_FORM_NAMES = ("linear", "fused", "logits")
 
@@ -302,16 +305,14 @@ def router_form(x: torch.Tensor, n_group: int, on_cuda: bool | None = None) -> s
     gradient and x in kernels.router.ROUTER_FUSED_DTYPES; else "linear".
 
     Raises:
-        ValueError: a ROUTER_FORMS entry with an unknown form or a bound above ROUTER_FUSED_MAX_TOKENS.
+        ValueError: a ROUTER_FORMS table kernels.router.check_bounds_table refuses (bounds not strictly
+            increasing in [1, ROUTER_FUSED_MAX_TOKENS], a form outside ROUTER_FORM_NAMES), whatever x is.
     """
+    check_bounds_table("ROUTER_FORMS", ROUTER_FORMS, lambda form: form in ROUTER_FORM_NAMES)
     cuda = x.is_cuda if on_cuda is None else on_cuda
     if not (cuda and n_group == 1 and x.dtype in ROUTER_FUSED_DTYPES and not torch.is_grad_enabled()):
         return "linear"
     for bound, form in ROUTER_FORMS:
-        if form not in ROUTER_FORM_NAMES or bound > ROUTER_FUSED_MAX_TOKENS:
-            raise ValueError(f"ROUTER_FORMS entry ({bound}, {form!r}): the form must be one of "
-                             f"{ROUTER_FORM_NAMES} and the bound at most ROUTER_FUSED_MAX_TOKENS="
-                             f"{ROUTER_FUSED_MAX_TOKENS}")
         if x.shape[0] <= bound:
             return form
     return "linear"
@@ -354,7 +355,8 @@ class TopkRouter(nn.Module):
         if form == "logits":  # the logits from x in its dtype, then the routing kernel
             logits = eager_op(router_logits)(x if x.stride(-1) == 1 else x.contiguous(), self.weight.float())
             return eager_op(topk_route)(logits, self.top_k, **kw)
-        logits = F.linear(x.float(), self.weight.float()).float()  # float32 under autocast too
+        with torch.autocast(x.device.type, enabled=False):  # float32 logits under autocast too
+            logits = F.linear(x.float(), self.weight.float())
         # the kernel has no backward: training (logits that need a gradient) takes the reference
         if (logits.is_cuda and self.n_group == 1 and logits.shape[0] <= ROUTER_KERNEL_MAX_TOKENS
                 and not logits.requires_grad):
