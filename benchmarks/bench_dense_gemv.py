@@ -18,14 +18,13 @@ faster than ``linear`` at every shape of a row count.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_quant_gemm import _bench, gpu_report, part_copy, row  # noqa: E402
+from benchmarks.bench_quant_gemm import _bench, gpu_report, part_copy, row, write_report  # noqa: E402
 
 SHAPES = {"fc1_latent": (4096, 1024), "fc2_latent": (1024, 4096), "attn_qo": (4096, 4096), "attn_kv": (4096, 256)}
 
@@ -78,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     copy = part_copy()
     report["copy"] = copy
     report["rows"] = part_shapes(args.rows, copy["gb_per_s"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

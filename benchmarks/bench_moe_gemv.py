@@ -64,6 +64,7 @@ from benchmarks.bench_quant_gemm import (  # noqa: E402
     part_copy,
     routed_indices,
     row,
+    write_report,
 )
 
 MODELS = {  # model: (L, I, E, top_k, activation, gated)
@@ -354,11 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats), args.kernels)]
     report["rows"] = rows
     report["summary"] = summary(rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for key, s in report["summary"].items():
         print(f"{key}: {json.dumps(s)}")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

@@ -590,6 +590,14 @@ def speedups(rows: list[dict], fast: str, base: str) -> dict:
             if r["name"] == fast and "us" in r and key(r) in b}
 
 
+def write_report(report: dict, out: str | Path) -> None:
+    """Write a benchmark's JSON ``report`` to ``out`` (its folder created; indent 2, a final newline) and say
+    where: the last step of every GPU benchmark's main."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def gpu_report(prog: str, argv: list[str] | None) -> dict | None:
     """The head of a GPU benchmark's JSON (the command and the machine), or None after printing an error /
     fix pair when no CUDA device is present (the caller exits 2)."""
@@ -679,13 +687,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "gemlite_a16w8_fp8"),
                                 "scaled_mm_speedup_vs_bf16": speedups(rows, "fp8_linear_scaled_mm",
                                                                       "bf16_linear")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for part in ("nvfp4", "nvfp4_dense", "fp8", "fp8_tensor"):
         for k, v in report.get(part, {}).items():
             if k != "rows":
                 print(f"{part} {k}: {json.dumps(v)}")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

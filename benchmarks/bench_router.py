@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_quant_gemm import _bench, gpu_report, part_copy, row  # noqa: E402
+from benchmarks.bench_quant_gemm import _bench, gpu_report, part_copy, row, write_report  # noqa: E402
 
 FAMILIES = {"super_v3": "nemotron_h", "qwen3_next": "qwen3_next"}
 
@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, s in report["summary"].items():
         print(f"{n} tokens: best {s['best']} {s['us']} us vs three launches {s['three_launches_us']} us "
               f"({s['speedup']}x); per model [best, three]: {s['per_model']}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

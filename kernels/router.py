@@ -248,7 +248,11 @@ class FusedConfig:
     """The launch shape of the fused router's GEMV: ``experts`` per program (a power of two), ``block_d``
     columns per weight tile (a power of two; 0: the whole row, next_power_of_2(D), in one tile) and
     ``num_warps`` per program, which also route (one warp holds a 512-expert row's keys in shuffles, more
-    warps route more rows at once through shared memory: :func:`route_rows_per_pass`)."""
+    warps route more rows at once through shared memory: :func:`route_rows_per_pass`).
+
+    Raises:
+        ValueError: experts or num_warps not a power of two >= 1, block_d neither 0 nor a power of two.
+    """
 
     experts: int
     block_d: int
@@ -283,10 +287,20 @@ FUSED_CANDIDATES = (FusedConfig(4, 512, 4), FusedConfig(1, 0, 1), FusedConfig(1,
                     FusedConfig(1, 0, 4), FusedConfig(2, 0, 4), FusedConfig(2, 1024, 2), FusedConfig(4, 1024, 4))
 
 
+_CHECKED_TABLES: set = set()  # (name, table) pairs check_bounds_table has passed: checked once, not per call
+
+
 def check_bounds_table(name: str, table, allowed) -> None:
     """Raise ValueError unless ``table`` is (bound, value) pairs with bounds strictly increasing in [1,
     ROUTER_FUSED_MAX_TOKENS] and every value ``allowed(value)``: the rule of the token-count tables
-    (:data:`ROUTER_FUSED_CONFIGS`, runners.engine.models.moe.ROUTER_FORMS), checked whole before a lookup."""
+    (:data:`ROUTER_FUSED_CONFIGS`, runners.engine.models.moe.ROUTER_FORMS), checked whole before a lookup.
+    A table that passed is remembered (tables are tuples: hashable, immutable), so the router's eager calls
+    pay the check once per table."""
+    try:
+        if (name, table) in _CHECKED_TABLES:
+            return
+    except TypeError:  # an unhashable table (a list): checked every time, and refused below if malformed
+        pass
     last = 0
     for entry in table:
         ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
@@ -294,6 +308,10 @@ def check_bounds_table(name: str, table, allowed) -> None:
             raise ValueError(f"{name} entry {entry!r}: expected (bound, value) with bounds strictly increasing "
                              f"in [1, ROUTER_FUSED_MAX_TOKENS={ROUTER_FUSED_MAX_TOKENS}] and a valid value")
         last = entry[0]
+    try:
+        _CHECKED_TABLES.add((name, table))
+    except TypeError:
+        pass
 
 
 def fused_config(n_tokens: int) -> FusedConfig:

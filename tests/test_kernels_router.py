@@ -265,3 +265,24 @@ def test_gpu_release_shapes_and_graph_capture(E, k, softmax, scaling, N):
     w2, i2 = topk_route_ref(logits.flip(0), k, **kw)
     assert torch.equal(ig, i2)
     torch.testing.assert_close(wg, w2, rtol=1e-6, atol=1e-6)
+
+
+def test_a_table_that_passed_is_checked_once():
+    """check_bounds_table remembers a table that passed (the router's eager calls pay the check once) and
+    still refuses a malformed one every time; a list (unhashable) is checked on each call."""
+    seen = []
+
+    def allowed(v):
+        seen.append(v)
+        return v in ("a", "b")
+
+    table = ((1, "a"), (router.ROUTER_FUSED_MAX_TOKENS, "b"))
+    for _ in range(3):
+        router.check_bounds_table("T_once", table, allowed)
+    assert seen == ["a", "b"]
+    for _ in range(2):
+        router.check_bounds_table("T_list", [(1, "a")], allowed)
+    assert seen == ["a", "b", "a", "a"]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="T_bad entry"):
+            router.check_bounds_table("T_bad", ((2, "a"), (1, "b")), allowed)

@@ -33,3 +33,8 @@ gpu_env() {
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.device/fi_ws}
   export GSM8K_DIR=${GSM8K_DIR:-$PWD/.device/gsm8k} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 }
+gpu_start() {
+  # a device script's start: gpu_env (its output hidden) and the card's name and memory, or a message and 1
+  gpu_env >/dev/null 2>&1 || { echo "gpu_env failed (run it in a shell on the machine to see why)"; return 1; }
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+}

@@ -6,8 +6,7 @@ set -u
 OUT=${1:?OUT}
 t0=$SECONDS
 source tests/gpu/env.sh
-gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+gpu_start || exit 1
 timeout 120 python3 -u -m benchmarks.bench_dense_gemv --out $OUT/bench_dense_gemv.json >$OUT/bench_dense_gemv.log 2>&1
 echo "bench rc=$? at $((SECONDS-t0)) s"
 python3 - $OUT/bench_dense_gemv.json <<'PY'

@@ -17,8 +17,7 @@ else
   echo "no .device/replay_defaults.sweep.json: the committed table stays (run call3.sh first on this machine)"
 fi
 source tests/gpu/env.sh
-gpu_env >/dev/null 2>&1 || { echo "gpu_env failed"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+gpu_start || exit 1
 python3 -c "import json; print(json.load(open('kernels/replay_defaults.json'))['backends'])"
 timeout ${E2E_TIMEOUT:-520} python3 -u -m benchmarks.bench_e2e --out $OUT/e2e --parts super_v3,super_v3_nvfp4 \
   --full-layers 0 0 --graphs on --compile off --batch-sizes 1 8 64 --steps 16 \
