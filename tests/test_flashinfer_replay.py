@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -525,3 +526,24 @@ def test_at_bf16_the_ring_replay_parts_from_rewind_only_at_near_ties(tmp_path, m
     assert len(divergence_gaps(model, prompts, broken, want)) > 3
     with pytest.raises(AssertionError, match="not near"):
         assert_parts_only_at_near_ties(model, prompts, broken, want, "broken ring replay")
+
+
+def test_aot_module_dir_names_flashinfers_prebuilt_folder_only_when_it_holds_a_module(tmp_path, monkeypatch):
+    """results.json's "flashinfer_aot_dir" (runners/engine/runner.py): FlashInfer's data/aot folder, which it
+    loads from before building (tests/gpu/flashinfer_aot.py fills it), only once a module is there."""
+    import types
+
+    from kernels.mamba2.flashinfer_replay import aot_module_dir
+
+    env = types.ModuleType("flashinfer.jit.env")
+    env.FLASHINFER_AOT_DIR = tmp_path / "aot"
+    jit = types.ModuleType("flashinfer.jit")
+    jit.env = env
+    for name, mod in (("flashinfer", types.ModuleType("flashinfer")), ("flashinfer.jit", jit),
+                      ("flashinfer.jit.env", env)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert aot_module_dir() is None  # no folder
+    (tmp_path / "aot" / "m").mkdir(parents=True)
+    assert aot_module_dir() is None  # a folder without a module
+    (tmp_path / "aot" / "m" / "m.so").write_bytes(b"")
+    assert aot_module_dir() == str(tmp_path / "aot")

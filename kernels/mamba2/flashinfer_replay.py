@@ -345,3 +345,14 @@ def jit_cache_dir() -> str | None:
         return None
     path = getattr(env, "FLASHINFER_JIT_DIR", None)
     return None if path is None else str(path)
+
+
+def aot_module_dir() -> str | None:
+    """FlashInfer's folder of prebuilt modules (``flashinfer.jit.env.FLASHINFER_AOT_DIR``, which it tries before
+    building: tests/gpu/flashinfer_aot.py fills it for the device) when it holds any module, else None."""
+    try:
+        from flashinfer.jit import env
+    except Exception:  # noqa: BLE001 - not importable: nothing prebuilt
+        return None
+    path = getattr(env, "FLASHINFER_AOT_DIR", None)
+    return str(path) if path is not None and any(path.glob("*/*.so")) else None

@@ -30,6 +30,7 @@ import torch
 
 from kernels import replay_defaults
 from kernels.mamba2.flashinfer_replay import (
+    aot_module_dir,
     flashinfer_replay_unsupported,
     jit_cache_dir,
     probe_flashinfer_replay,
@@ -129,8 +130,8 @@ def resolve_ssm_backend(
                     why, seconds = _probe_flashinfer_replay(config, spec_tokens, replay_checkpointing, dtype,
                                                             ssm_state_dtype, device, stochastic_rounding,
                                                             param_dtype)
-                    log.info("ssm_backend=flashinfer: checkpointing_ssu probed in %.1f s (its JIT build "
-                             "included)", seconds)
+                    log.info("ssm_backend=flashinfer: checkpointing_ssu probed in %.1f s (its JIT build or "
+                             "the load of a prebuilt module included)", seconds)
                 if why:
                     log.warning("ssm_backend=flashinfer with ssm_replay: %s; using triton", why)
                     backend = "triton"
@@ -320,6 +321,8 @@ class ModelRunner:
                                                   options.ssm_stochastic_rounding, param_dtype)
             self.ssm_kernels["flashinfer_probe_s"] = round(seconds, 2)
             self.ssm_kernels["flashinfer_jit_dir"] = jit_cache_dir()
+            if aot_dir := aot_module_dir():  # modules built ahead, loaded before any JIT build
+                self.ssm_kernels["flashinfer_aot_dir"] = aot_dir
         if config.mamba_num_heads and self.ssm_state_dtype.itemsize < 4:
             log.warning(
                 "ssm_state_dtype=%s for Mamba2 layers: a 16-bit recurrent state drifts from the float32 "

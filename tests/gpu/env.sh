@@ -28,6 +28,12 @@ gpu_env() {
     mkdir -p /tmp/site && tar xzf .device/flashinfer-trimmed.tgz -C /tmp/site || return 1
     export PYTHONPATH=/tmp/site:$PWD
   fi
+  # FlashInfer's modules built ahead on a CPU machine (tests/gpu/flashinfer_aot.py, .device/flashinfer-aot.tgz:
+  # <uri>/<uri>.so) into its data/aot folder, where it looks before building: those modules load, not build
+  if [ -f .device/flashinfer-aot.tgz ] && [ -d /tmp/site/flashinfer ] && [ ! -f /tmp/site/flashinfer/data/aot/.unpacked ]; then
+    mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .device/flashinfer-aot.tgz -C /tmp/site/flashinfer/data/aot \
+      && touch /tmp/site/flashinfer/data/aot/.unpacked || return 1
+  fi
   # FlashInfer's JIT cache in the checkout's ignored .device/ (kept between calls on a warm machine, as the
   # checkout's ignored outputs are; its home folder may not be): a later call reuses the ~4-minute builds
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.device/fi_ws}
