@@ -29,8 +29,9 @@ weights), one row each:
   "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales). ``grouped_mm_<fmt>_cuda``: the grouped path with
   the format's GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu: each expert's rows as
-  the MMA's N, its weights read once for up to 32 rows). A row whose call raises carries "error" instead of a
-  time.
+  the MMA's N, its weights read once for up to 32 rows), ``grouped_mm_<fmt>_cuda_wide`` the same with
+  kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per CTA, a warp per 16 over all of K).
+  A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
 ``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
@@ -200,6 +201,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, gemv, **launch), None)
                   for suffix, launch in CUDA_LAUNCH.items()]
     paths.append((f"grouped_mm_{fmt}_cuda", partial(_cuda, fmt, grouped, "grouped"), grouped_rows_scheme))
+    paths.append((f"grouped_mm_{fmt}_cuda_wide", partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="wide"),
+                  grouped_rows_scheme))
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:
@@ -242,9 +245,8 @@ CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False}, "_prefetch": {"PREFETCH": 
 def _cuda(fmt: str, fn, form: str = "pair", **launch):
     """fn() with kernels/quant/<fmt>.py's setting for `form` (CUDA_SETTINGS: the per-pair or the grouped form
     of kernels/quant/pair_gemv.cu) = "cuda", its Triton launcher refusing, and kernels/quant/pair_cuda.py's
-    ``launch`` settings (CUDA_LAUNCH's values), the format's size bounds lifted (CUDA_BOUNDS), all put back
-    afterwards: the row times the CUDA kernel or fails
-    with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is w8a8, which the CUDA kernel does
+    ``launch`` settings (CUDA_LAUNCH's values, or GROUPED_FORM), the format's size bounds lifted (CUDA_BOUNDS),
+    all put back afterwards: the row times the CUDA kernel or fails with RuntimeError (e.g. block FP8 grouped at a row count whose scheme is w8a8, which the CUDA kernel does
     not run)."""
     import importlib
 

@@ -119,10 +119,11 @@ inline void nvp_host_prefetch(const void* p) { nvp_host_access(1, p); }
 
 #include "pair_gemv.cu"
 
-// Run `kernel` over a grid (x: NOUT tiles, y: ny), one CTA after another, each as kThreads std::threads.
+// Run `kernel` over a grid (x: NOUT tiles of `rows`, y: ny), one CTA after another, each as kThreads
+// std::threads.
 template <class Kernel>
-static void run_grid(const nvp::Params& p, long long ny, Kernel kernel) {
-  const long long ntiles = (p.NOUT + nvp::kRows - 1) / nvp::kRows;
+static void run_grid(const nvp::Params& p, long long ny, Kernel kernel, long long rows = nvp::kRows) {
+  const long long ntiles = (p.NOUT + rows - 1) / rows;
   for (long long y = 0; y < ny; ++y) {
     for (long long tile = 0; tile < ntiles; ++tile) {
       auto cta = std::make_unique<HostCta>();
@@ -174,7 +175,11 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(vo
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.fmt == 0)
+  if (p.wide && p.fmt == 0)
+    run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::Nvfp4>, nvp::kWideRows);
+  else if (p.wide)
+    run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::BlockFp8>, nvp::kWideRows);
+  else if (p.fmt == 0)
     run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::Nvfp4>);
   else
     run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::BlockFp8>);

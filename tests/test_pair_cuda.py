@@ -326,9 +326,10 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
-def _host_grouped(lib, fmt, x, w, offsets):
+def _host_grouped(lib, fmt, x, w, offsets, wide=False):
     out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
-    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel())
+    c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
+                                           wide=wide)
     lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                             ctypes.POINTER(ctypes.c_longlong)]
     assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == 0
@@ -337,25 +338,31 @@ def _host_grouped(lib, fmt, x, w, offsets):
 
 # (format, E, N, K, rows per expert): experts without rows, with one row, with 9 (two token groups, the
 # second partial) and 37 (a second pass over the weights: more than 32 tokens); N 40 ends in a partial row
-# tile, K 288 in a partial chunk (and, block FP8, a partial scale block)
+# tile (the wide form: a warp whose rows all lie past N), K 288 in a partial chunk after two whole ones (and,
+# block FP8, a partial scale block); "_k416": three whole chunks (the wide form's step of one chunk) and N 72
+# (a second 64-row tile, partial)
 GROUPED_CASES = {
     "nvfp4": ("nvfp4", 4, 40, 288, (0, 1, 9, 37)),
     "block_fp8": ("block_fp8", 4, 40, 288, (9, 0, 37, 1)),
+    "nvfp4_k416": ("nvfp4", 3, 72, 416, (5, 0, 33)),
+    "block_fp8_k416": ("block_fp8", 3, 72, 416, (33, 5, 0)),
 }
 
 
 @needs_gxx
+@pytest.mark.parametrize("form", pair_cuda.GROUPED_FORMS)
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
-def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, case):
-    """The grouped form (one CTA per 16 rows and expert, the expert's rows as the MMA's N) against the
-    format's grouped reference (block FP8: w8a16), with rows past offsets[-1] left unwritten."""
+def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, case, form):
+    """The grouped form against the format's grouped reference (block FP8: w8a16), with rows past
+    offsets[-1] left unwritten: "split" (one CTA per 16 rows and expert, its warps splitting K) and "wide"
+    (one CTA per 64 rows and expert, a warp per 16 rows over all of K); the expert's rows are the MMA's N."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(11)
     w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
     P = sum(counts)
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    got = _host_grouped(host_lib, fmt, x, w, offsets)
+    got = _host_grouped(host_lib, fmt, x, w, offsets, wide=form == "wide")
     if fmt == "nvfp4":
         want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)
     else:
@@ -368,6 +375,16 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     assert (got == want).float().mean() > 0.9
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets) == "CUDA tensors only, got cpu"
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets.long()) == "offsets must be contiguous int32"
+
+
+def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
+    """pair_cuda.GROUPED_FORM (read at call time) outside GROUPED_FORMS is refused by name."""
+    gen = torch.Generator().manual_seed(3)
+    w = _experts(2, 16, 64, gen)
+    monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "tall")
+    with pytest.raises(ValueError, match=r"GROUPED_FORM = 'tall': expected one of \('split', 'wide'\)"):
+        pair_cuda.grouped_mm("nvfp4", torch.zeros(3, 64, dtype=torch.bfloat16), w,
+                             torch.tensor([1, 3], dtype=torch.int32))
 
 
 def test_grouped_kernel_setting_is_checked_and_falls_back_to_triton():

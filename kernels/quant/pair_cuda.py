@@ -39,8 +39,8 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 4  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
-N_PTRS, N_INTS = 9, 16
+ABI = 5  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 17
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
@@ -61,6 +61,13 @@ PREFETCH = False
 #   weights (with PREFETCH) and wait for gate / up to complete before reading its output.
 PDL = False
 PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
+# The grouped form's kernel (read at call time; both give each output its sum in a fixed order):
+# "split": grouped_gemv_kernel, one CTA per 16 output rows and expert, its 4 warps splitting K (each warp loads
+#   x for its own chunks: at 8 tokens per group, 2 bytes of x per byte of NVFP4 codes);
+# "wide": grouped_wide_kernel, one CTA per 64 output rows and expert, each warp its own 16 rows over all of K,
+#   the 4 warps reading the same x columns in the same step (a quarter of the x traffic from L2).
+GROUPED_FORMS = ("split", "wide")
+GROUPED_FORM = "split"
 
 
 def fix(fmt: str) -> str:
@@ -202,9 +209,10 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
 
 
 def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0, prefetch: bool = False,
-                pdl: bool = False):
+                pdl: bool = False, wide: bool = False):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
-    the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags):
+    the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags, the
+    grouped form's kernel):
     (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
     bytes."""
     codes, scales = w[0], w[1]
@@ -216,7 +224,7 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
             scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts, int(prefetch),
-            int(pdl)]
+            int(pdl), int(wide)]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
@@ -287,15 +295,18 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
-    rows past offsets[-1] are left unwritten). One CTA per (16 output rows, expert); the expert's rows are the
-    MMA's N, up to 32 per pass over its weights. Current stream, no synchronisation (CUDA-graph capturable).
+    rows past offsets[-1] are left unwritten). One CTA per (16 output rows, expert), or per 64 with
+    GROUPED_FORM "wide"; the expert's rows are the MMA's N, up to 32 per pass over its weights. Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
     Raises:
-        ValueError: nvcc missing or failing, a stale library, an `out` that does not fit.
+        ValueError: nvcc missing or failing, a stale library, an `out` that does not fit, a GROUPED_FORM not
+            in GROUPED_FORMS.
         RuntimeError: the launch failed (the CUDA error's name).
     """
+    if GROUPED_FORM not in GROUPED_FORMS:
+        raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of {GROUPED_FORMS}")
     lib = _library(x.device, name, fmt)
     shape = (x.shape[0], w[0].shape[1])
     if out is None:
@@ -303,7 +314,8 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel())
+    c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
+                                 wide=GROUPED_FORM == "wide")
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

@@ -52,7 +52,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 4
+#define NVP_ABI 5
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -83,6 +83,7 @@ struct Params {
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
+  int64_t wide;                          // grouped form: 1 = grouped_wide_kernel (64 rows per CTA), 0 = split K
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -657,6 +658,108 @@ __global__ void NVP_BOUNDS grouped_gemv_kernel(const Params p) {
   }
 }
 
+// Output rows per CTA of the wide grouped form: one MMA tile of 16 rows per warp.
+constexpr int kWideRows = kRows * kWarps;
+
+// The grouped form, wide (GROUPED_FORM "wide" in kernels/quant/pair_cuda.py): one CTA per (64 output rows,
+// expert), warp w owning rows n0 + 16 w .. n0 + 16 w + 15 and walking every K chunk itself, two chunks' codes
+// in flight per step. Why: in grouped_gemv_kernel each CTA has 16 rows and its warps split K, so every warp
+// loads x for its own chunks: at 8 tokens per group that is 2 KB of x per 1 KB of NVFP4 codes, and with the
+// ~11 rows per expert of a batch-64 verify the x traffic from L2 is 4x the weight bytes. Here the 4 warps of a
+// CTA read the same x columns in the same step (the L1 cache serves the warps after the first) and the x bytes
+// per weight byte are a quarter. Each lane's sums are final: no shared memory, no barrier (a warp whose rows
+// all lie past NOUT leaves at once), each sum added in column order over K (a fixed order: the same bits
+// eager and in a CUDA graph). Rows past the expert's last are read clamped and never stored, as in
+// grouped_gemv_kernel; more than 32 rows take another pass over the weights.
+template <class F>
+__global__ void NVP_BOUNDS grouped_wide_kernel(const Params p) {
+  using C = typename F::C;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t e = blockIdx.y;
+  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+  const int64_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kWideRows + kRows * warp;
+  if (end <= start || n0 >= p.NOUT) return;
+  const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + g, n0 + g + 8);
+  const int64_t nfull = p.K / kChunk;
+  const int64_t lane_col = 32 * t;
+  const float fold = F::fold(p.g, e);
+  for (int64_t tok0 = start; tok0 < end; tok0 += 8 * kGroups) {
+    float acc[kGroups][4];
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+    // the rows of x this lane reads: token 8 grp + g of each group (clamped to the expert's last)
+    const uint16_t* xr[kGroups];
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) {
+      const int64_t row = tok0 + 8 * grp + g;
+      xr[grp] = p.x + (row < end ? row : end - 1) * p.sxm;
+    }
+    // whole chunks, two per step: both chunks' codes are loaded before either is decoded
+    for (int64_t ch = 0; ch < nfull; ch += 2) {
+      const bool two = ch + 1 < nfull;
+      C c1, c2;
+      F::load(r, nullptr, ch * kChunk + lane_col, false, c1);
+      if (two) F::load(r, nullptr, (ch + 1) * kChunk + lane_col, false, c2);
+      uint32_t A[8][4];
+      F::decode(c1, A);
+#pragma unroll
+      for (int grp = 0; grp < kGroups; ++grp) {
+        if (tok0 + 8 * grp < end) {  // the same for the whole warp
+          U4 x[4];
+          load_x(xr[grp], ch * kChunk + lane_col, x);
+          F::mma_decoded(acc[grp], A, x, F::chunk_scale(c1));
+        }
+      }
+      if (two) {
+        F::decode(c2, A);
+#pragma unroll
+        for (int grp = 0; grp < kGroups; ++grp) {
+          if (tok0 + 8 * grp < end) {
+            U4 x[4];
+            load_x(xr[grp], (ch + 1) * kChunk + lane_col, x);
+            F::mma_decoded(acc[grp], A, x, F::chunk_scale(c2));
+          }
+        }
+      }
+    }
+    // the partial chunk (K % 128 columns, a multiple of 32): lanes past K read the last valid 32 columns'
+    // weights against zeros for x (grouped_gemv_kernel's rule: every lane applies the chunk's FP8 scale)
+    if (p.K % kChunk != 0) {
+      const int64_t c0 = nfull * kChunk + lane_col;
+      const bool kok = c0 < p.K;
+      C c;
+      F::load(r, nullptr, kok ? c0 : p.K - 32, false, c);
+      uint32_t A[8][4];
+      F::decode(c, A);
+      const U4 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+      for (int grp = 0; grp < kGroups; ++grp) {
+        if (tok0 + 8 * grp < end) {
+          U4 x[4];
+          if (kok)
+            load_x(xr[grp], c0, x);
+          else
+            x[0] = x[1] = x[2] = x[3] = zero;
+          F::mma_decoded(acc[grp], A, x, F::chunk_scale(c));
+        }
+      }
+    }
+    // lane (g, t) holds rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t, 8 grp + 2t + 1
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t tk = tok0 + 8 * grp + 2 * t + i;
+        if (tk >= end) continue;
+        if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
+        if (n0 + g + 8 < p.NOUT)
+          p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
+      }
+    }
+  }
+}
+
 __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   Params p;
   p.x = static_cast<const uint16_t*>(ptrs[0]);
@@ -684,6 +787,7 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.E = ints[13];
   p.prefetch = ints[14];
   p.pdl = ints[15];
+  p.wide = ints[16];
   return p;
 }
 
@@ -721,10 +825,11 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 #ifndef NVP_HOST_EMULATION
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
-// ints (16): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+// ints (17): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
-//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes).
+//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), wide (0/1: the
+//   grouped form's kernel; unused here).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
@@ -748,14 +853,20 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
-// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E. Grid (NOUT / 16, E).
+// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = wide: grouped_wide_kernel on a
+// grid (NOUT / 64, E), else grouped_gemv_kernel on (NOUT / 16, E).
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  const dim3 grid(static_cast<unsigned>((p.NOUT + nvp::kRows - 1) / nvp::kRows), static_cast<unsigned>(p.E));
+  const int64_t rows = p.wide ? nvp::kWideRows : nvp::kRows;
+  const dim3 grid(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.fmt == 0)
+  if (p.wide && p.fmt == 0)
+    nvp::grouped_wide_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.wide)
+    nvp::grouped_wide_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.fmt == 0)
     nvp::grouped_gemv_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
   else
     nvp::grouped_gemv_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
