@@ -340,12 +340,14 @@ def _host_grouped(lib, fmt, x, w, offsets, wide=False):
 # second partial) and 37 (a second pass over the weights: more than 32 tokens); N 40 ends in a partial row
 # tile (the wide form: a warp whose rows all lie past N), K 288 in a partial chunk after two whole ones (and,
 # block FP8, a partial scale block); "_k416": three whole chunks (the wide form's step of one chunk) and N 72
-# (a second 64-row tile, partial)
+# (a second 64-row tile, partial); "_k256" / "_k96": whole chunks only, a partial chunk only
 GROUPED_CASES = {
     "nvfp4": ("nvfp4", 4, 40, 288, (0, 1, 9, 37)),
     "block_fp8": ("block_fp8", 4, 40, 288, (9, 0, 37, 1)),
     "nvfp4_k416": ("nvfp4", 3, 72, 416, (5, 0, 33)),
     "block_fp8_k416": ("block_fp8", 3, 72, 416, (33, 5, 0)),
+    "nvfp4_k256": ("nvfp4", 2, 24, 256, (3, 10)),  # whole chunks only
+    "block_fp8_k96": ("block_fp8", 2, 24, 96, (10, 3)),  # a partial chunk only
 }
 
 

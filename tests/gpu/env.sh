@@ -30,9 +30,13 @@ gpu_env() {
   fi
   # FlashInfer's modules built ahead on a CPU machine (tests/gpu/flashinfer_aot.py, .device/flashinfer-aot.tgz:
   # <uri>/<uri>.so) into its data/aot folder, where it looks before building: those modules load, not build
-  if [ -f .device/flashinfer-aot.tgz ] && [ -d /tmp/site/flashinfer ] && [ ! -f /tmp/site/flashinfer/data/aot/.unpacked ]; then
-    mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .device/flashinfer-aot.tgz -C /tmp/site/flashinfer/data/aot \
-      && touch /tmp/site/flashinfer/data/aot/.unpacked || return 1
+  # (again whenever the tarball changes: its checksum is the marker, as /tmp/site outlives a call)
+  if [ -f .device/flashinfer-aot.tgz ] && [ -d /tmp/site/flashinfer ]; then
+    local aot=/tmp/site/flashinfer/data/aot sum
+    sum=$(sha256sum .device/flashinfer-aot.tgz | cut -d' ' -f1)
+    if [ "$(cat $aot/.unpacked 2>/dev/null)" != "$sum" ]; then
+      mkdir -p $aot && tar xzf .device/flashinfer-aot.tgz -C $aot && echo "$sum" >$aot/.unpacked || return 1
+    fi
   fi
   # FlashInfer's JIT cache in the checkout's ignored .device/ (kept between calls on a warm machine, as the
   # checkout's ignored outputs are; its home folder may not be): a later call reuses the ~4-minute builds

@@ -15,7 +15,8 @@ apache-tvm-ffi of the same version as .gpu-bundle's (any CPython ABI: only its h
 13 (the device's torch is cu130). Linking asks for libcudart and libcuda: the CUDA toolkit here has no
 driver, so a CUDA_HOME shim with an empty ``libcuda.so`` (soname libcuda.so.1) is made in the work folder;
 the modules resolve the real driver on the device. A module whose URI the installed FlashInfer names
-differently is refused (the URI is rebuilt from its parsed fields and compared).
+differently is refused (the URI is rebuilt from its parsed fields and compared). The modules hold sm_90a code
+only (H100 / H200, the device's cards): FlashInfer would load them on another GPU without checking.
 """
 
 from __future__ import annotations
@@ -66,16 +67,24 @@ def jit_spec(uri: str):
     from flashinfer.jit.mamba.checkpointing_ssu import gen_checkpointing_ssu_module
     from flashinfer.jit.mamba.selective_state_update import gen_selective_state_update_sm90_module
 
-    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
-          "i64": torch.int64, None: None}
+    names = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
+             "i64": torch.int64, None: None}
+
+    def dt(name):
+        if name not in names:
+            known = sorted(filter(None, names))
+            raise ValueError(f"{uri}: dtype {name!r} is not one this script maps ({known}); "
+                             "add it to jit_spec")
+        return names[name]
+
     if m := _CKPT.fullmatch(uri):
         g = m.groups()
-        spec = gen_checkpointing_ssu_module(*(dt[x] for x in g[:6]), dt[g[12]], *map(int, g[6:12]),
+        spec = gen_checkpointing_ssu_module(*(dt(x) for x in g[:6]), dt(g[12]), *map(int, g[6:12]),
                                             int(g[13] or 0), bool(g[14]))
     elif m := _SSU.fullmatch(uri):
         g = m.groups()
-        spec = gen_selective_state_update_sm90_module(*(dt[x] for x in g[:5]), dt[g[10]], *map(int, g[5:8]),
-                                                      dt[g[8]], dt[g[9]], int(g[11] or 0))
+        spec = gen_selective_state_update_sm90_module(*(dt(x) for x in g[:5]), dt(g[10]), *map(int, g[5:8]),
+                                                      dt(g[8]), dt(g[9]), int(g[11] or 0))
     else:
         raise ValueError(f"{uri}: not a checkpointing_ssu or sm90 selective_state_update URI")
     if spec.name != uri:
