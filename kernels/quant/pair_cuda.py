@@ -66,8 +66,9 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 #   x for its own chunks: at 8 tokens per group, 2 bytes of x per byte of NVFP4 codes);
 # "wide": grouped_wide_kernel, one CTA per 64 output rows and expert, each warp its own 16 rows over all of K,
 #   the 4 warps reading the same x columns in the same step (a quarter of the x traffic from L2).
+# "wide" is faster at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x over "split").
 GROUPED_FORMS = ("split", "wide")
-GROUPED_FORM = "split"
+GROUPED_FORM = "wide"
 
 
 def fix(fmt: str) -> str:

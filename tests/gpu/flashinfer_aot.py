@@ -47,8 +47,9 @@ MODULES = (
     + [_REWIND.format(s=s) for s in ("f32", "bf16")]
     # ... with float32 activations (tests/test_replay_engine.py test_gpu_flashinfer_rewind_equals_triton)
     + [_REWIND.replace("_i_bf16_", "_i_f32_").format(s="f32")]
-    # stochastic rounding of a float16 state (tests/test_flashinfer_replay_gpu.py)
-    + ["checkpointing_ssu_s_f16_i_bf16_dt_f32_w_f32_a_f32_si_i64_d_64_ds_128_np_4_mw_16_hpg_8_ng_2_pr_10"]
+    # a float16 state, stochastic rounding and round to nearest (tests/test_flashinfer_replay_gpu.py)
+    + ["checkpointing_ssu_s_f16_i_bf16_dt_f32_w_f32_a_f32_si_i64_d_64_ds_128_np_4_mw_16_hpg_8_ng_2" + pr
+       for pr in ("_pr_10", "")]
 )
 
 _CKPT = re.compile(r"checkpointing_ssu_s_(\w+?)_i_(\w+?)_dt_(\w+?)_w_(\w+?)_a_(\w+?)_si_(\w+?)"
