@@ -350,7 +350,8 @@ def cuda_pair_report() -> dict:
             out[f"{fmt}_cuda" + ("_gated" if gated else "")] = usage
         # the grouped forms (split and wide): their usage (registers, shared memory, opcodes); their loops
         # decode a chunk once for up to 4 token groups, so no single per-weight count
-        for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"), ("grouped_wide_kernel", "_cuda_grouped_wide")):
+        for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"),
+                               ("grouped_wide_kernel", "_cuda_grouped_wide")):
             inst = f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])

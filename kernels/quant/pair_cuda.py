@@ -296,8 +296,9 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
-    rows past offsets[-1] are left unwritten). One CTA per (16 output rows, expert), or per 64 with
-    GROUPED_FORM "wide"; the expert's rows are the MMA's N, up to 32 per pass over its weights. Current stream, no synchronisation (CUDA-graph capturable).
+    rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide",
+    per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its weights. Current
+    stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -307,7 +308,8 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
         RuntimeError: the launch failed (the CUDA error's name).
     """
     if GROUPED_FORM not in GROUPED_FORMS:
-        raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of {GROUPED_FORMS}")
+        raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of "
+                         f"{GROUPED_FORMS}")
     lib = _library(x.device, name, fmt)
     shape = (x.shape[0], w[0].shape[1])
     if out is None:

@@ -53,7 +53,8 @@ MODULES = (
 )
 
 _CKPT = re.compile(r"checkpointing_ssu_s_(\w+?)_i_(\w+?)_dt_(\w+?)_w_(\w+?)_a_(\w+?)_si_(\w+?)"
-                   r"_d_(\d+)_ds_(\d+)_np_(\d+)_mw_(\d+)_hpg_(\d+)_ng_(\d+)(?:_sc_(\w+?))?(?:_pr_(\d+))?(_pdl)?")
+                   r"_d_(\d+)_ds_(\d+)_np_(\d+)_mw_(\d+)_hpg_(\d+)_ng_(\d+)"
+                   r"(?:_sc_(\w+?))?(?:_pr_(\d+))?(_pdl)?")
 _SSU = re.compile(r"selective_state_update_s_(\w+?)_i_(\w+?)_w_(\w+?)_a_(\w+?)_si_(\w+?)_d_(\d+)"
                   r"_ds_(\d+)_nt_(\d+)_cs_(\w+?)_na_(\w+?)(?:_sc_(\w+?))?(?:_pr_(\d+))?_sm90")
 
@@ -140,6 +141,8 @@ def _build_one(uri: str) -> tuple[str, Path | None, float, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Build MODULES (or --only) and pack them into --out; 0, 1 when a module failed (listed, not packed), 2
+    without FLASHINFER_SITE. Raises ValueError for a URI FlashInfer names differently (before any build)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the tarball to write (.device/flashinfer-aot.tgz)")
     ap.add_argument("--work", default="/tmp/flashinfer_aot", help="FlashInfer's workspace and the shim")
