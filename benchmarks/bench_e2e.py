@@ -697,6 +697,47 @@ def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
     cleanup(args.device)
 
 
+def apply_kernel_settings(items: list[str]) -> dict[str, object]:
+    """Set each ``MODULE.NAME=VALUE`` of `items` (MODULE under kernels/, NAME an existing module-level str /
+    int / float / bool setting such as kernels.quant.nvfp4.GROUPED_KERNEL, VALUE parsed as that setting's
+    type), in order, for the rest of the process: how one run times a kernel choice that is not the default
+    (the modules read these at call time). Returns {MODULE.NAME: value}.
+
+    Raises:
+        ValueError: an item without "=", a module outside kernels/ or not importable, a name it lacks or whose
+            value is not a str / int / float / bool, a VALUE that does not parse as that type.
+    """
+    import importlib
+
+    done: dict[str, object] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        module_name, _, name = key.strip().rpartition(".")
+        if not eq or not module_name or not name:
+            raise ValueError(f"{item!r}: give MODULE.NAME=VALUE, e.g. kernels.quant.nvfp4.GROUPED_KERNEL=cuda")
+        if module_name.split(".")[0] != "kernels":
+            raise ValueError(f"{item!r}: only settings of kernels/ modules (kernels.<...>.NAME) can be set")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"{item!r}: cannot import {module_name} ({e})") from None
+        old = getattr(module, name, None)
+        if isinstance(old, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{item!r}: {key} is a bool; give true or false")
+            value: object = raw.lower() in ("true", "1")
+        elif isinstance(old, (str, int, float)):
+            try:
+                value = type(old)(raw)
+            except ValueError:
+                raise ValueError(f"{item!r}: {key} is a {type(old).__name__}; {raw!r} is not one") from None
+        else:
+            raise ValueError(f"{item!r}: {module_name} has no str / int / float / bool setting {name!r}")
+        setattr(module, name, value)
+        done[key] = value
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for bench_e2e.json, bench_e2e.png, profiles")
@@ -735,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="dtype of the synthetic models (the tiny ones run in float32)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--time-budget-s", type=float, default=None, help="skip the points left after this")
+    p.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module-level kernel choice of kernels/ before any point runs, e.g. "
+                        "kernels.quant.nvfp4.GROUPED_KERNEL=cuda (repeatable; recorded in the JSON's args)")
     p.add_argument("--profile", default=None, metavar="MODEL:ARM:BATCH:graphs|eager",
                    help="run only this point under torch.profiler and write its table and trace")
     args = p.parse_args(argv)
@@ -798,6 +842,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    try:
+        apply_kernel_settings(args.kernel_setting)
+    except ValueError as e:
+        p.error(f"--kernel-setting: {e}")
     if args.fp8_decode_scheme is not None:  # recorded with the command line in the report
         from registry.hf_config import FORMAT_BLOCK_FP8, FORMAT_FP8
         from runners.engine.formats import get_format

@@ -29,8 +29,10 @@ weights), one row each:
   "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales). ``grouped_mm_<fmt>_cuda``: the grouped path with
   the format's GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu: each expert's rows as
-  the MMA's N, its weights read once for up to 32 rows), ``grouped_mm_<fmt>_cuda_wide`` the same with
-  kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per CTA, a warp per 16 over all of K).
+  the MMA's N, its weights read once for up to 32 rows) and kernels/quant/pair_cuda.py's GROUPED_FORM
+  "split" (16 output rows per CTA, its warps splitting K), ``grouped_mm_<fmt>_cuda_wide`` and
+  ``_cuda_pipelined`` the same with kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per
+  CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight).
   A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -200,9 +202,9 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
         paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, gemv, **launch), None)
                   for suffix, launch in CUDA_LAUNCH.items()]
-    paths.append((f"grouped_mm_{fmt}_cuda", partial(_cuda, fmt, grouped, "grouped"), grouped_rows_scheme))
-    paths.append((f"grouped_mm_{fmt}_cuda_wide", partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="wide"),
-                  grouped_rows_scheme))
+    for form in ("split", "wide", "pipelined"):  # the split form's row keeps its first name
+        paths.append((f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}"),
+                      partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form), grouped_rows_scheme))
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:

@@ -319,7 +319,7 @@ def cuda_pair_report() -> dict:
     flags: per instantiation (NVFP4 / block FP8, ungated / gated) its usage and ``loop_per_weight``, the main
     loop's body (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step
     (2 chunks x 64, twice that gated); and the grouped forms' usage (``<fmt>_cuda_grouped``,
-    ``<fmt>_cuda_grouped_wide``). {"error": ...} without nvcc."""
+    ``<fmt>_cuda_grouped_wide``, ``<fmt>_cuda_grouped_pipelined``). {"error": ...} without nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 
@@ -348,10 +348,11 @@ def cuda_pair_report() -> dict:
                                         **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
             usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
             out[f"{fmt}_cuda" + ("_gated" if gated else "")] = usage
-        # the grouped forms (split and wide): their usage (registers, shared memory, opcodes); their loops
+        # the grouped forms (split, wide, pipelined): their usage (registers, shared memory, opcodes); their loops
         # decode a chunk once for up to 4 token groups, so no single per-weight count
         for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"),
-                               ("grouped_wide_kernel", "_cuda_grouped_wide")):
+                               ("grouped_wide_kernel", "_cuda_grouped_wide"),
+                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined")):
             inst = f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])

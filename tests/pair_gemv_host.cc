@@ -175,9 +175,14 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(vo
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.wide && p.fmt == 0)
+  if (p.form < 0 || p.form > 2) return 1;  // nvp_launch_grouped's cudaErrorInvalidValue
+  if (p.form == 2 && p.fmt == 0)
+    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4>, nvp::kWideRows);
+  else if (p.form == 2)
+    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::BlockFp8>, nvp::kWideRows);
+  else if (p.form == 1 && p.fmt == 0)
     run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::Nvfp4>, nvp::kWideRows);
-  else if (p.wide)
+  else if (p.form == 1)
     run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::BlockFp8>, nvp::kWideRows);
   else if (p.fmt == 0)
     run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::Nvfp4>);

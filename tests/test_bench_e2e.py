@@ -367,3 +367,31 @@ def test_part_depth_counts_the_releases_layers():
     assert part_depth("nemotron_h", {}, {}) == "full" and part_depth("qwen3_next", {}, {}) == "full"
     assert part_depth("nemotron_h", {"hidden_size": 128}, {"hidden_size": 128}) == (
         "88 of 88 layers, --synth-set overrides")
+
+
+def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys, monkeypatch):
+    """--kernel-setting MODULE.NAME=VALUE sets a kernels/ module's setting as its own type (str, bool, float)
+    before any point runs; a module outside kernels/, a missing name, a value of the wrong type and an item
+    without "=" are refused by name (exit 2, nothing written)."""
+    from benchmarks.bench_e2e import apply_kernel_settings
+    from kernels.quant import block_fp8, nvfp4, pair_cuda
+
+    for module, name in ((nvfp4, "GROUPED_KERNEL"), (pair_cuda, "PDL"), (pair_cuda, "GROUPED_FORM"),
+                         (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
+    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=cuda", "kernels.quant.pair_cuda.PDL=true",
+                                 "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4"])
+    assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "cuda", "kernels.quant.pair_cuda.PDL": True,
+                   "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0}
+    assert nvfp4.GROUPED_KERNEL == "cuda" and pair_cuda.PDL is True
+    assert block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT == 4.0
+    out = str(tmp_path / "o")
+    for item, says in (("torch.cuda.FOO=1", "only settings of kernels/ modules"),
+                       ("kernels.quant.nvfp4.NO_SUCH=1", "has no str / int / float / bool setting 'NO_SUCH'"),
+                       ("kernels.quant.pair_cuda.PDL=maybe", "is a bool; give true or false"),
+                       ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=lots", "is a float"),
+                       ("kernels.quant.nvfp4.GROUPED_KERNEL", "give MODULE.NAME=VALUE"),
+                       ("kernels.nope.X=1", "cannot import kernels.nope")):
+        err = _refusal(["--out", out, "--device", "cpu", "--kernel-setting", item], capsys)
+        assert says in err, (item, err)
+    assert not (tmp_path / "o").exists()

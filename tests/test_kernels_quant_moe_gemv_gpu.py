@@ -287,14 +287,15 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
     assert torch.equal(bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16"), got)
 
 
-@pytest.mark.parametrize("form", ("split", "wide"))
+@pytest.mark.parametrize("form", pair_cuda.GROUPED_FORMS)
 @pytest.mark.parametrize("rows_per_expert", (1, 11, 40))
 @pytest.mark.parametrize("model", list(SHAPES))
 def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, form, monkeypatch):
     """GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu, each of pair_cuda's
     GROUPED_FORMS) at the released expert shapes (Super V3 NVFP4 up, Qwen3-Next block FP8 w8a16 gate) with
     about 1, 11 (the batch-64 verify) and 40 rows per expert (two passes over the weights): the grouped
-    reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second call."""
+    reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second call; the
+    pipelined form the wide form's bits (each sum in the same order)."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
     up = _experts(model)[0]
@@ -316,3 +317,6 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     _close(got, ref(x, *up, offsets, **kw))
     _close(got, triton_out)
     assert torch.equal(mm(x, *up, offsets, **kw), got)
+    if form == "pipelined":
+        monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
+        assert torch.equal(mm(x, *up, offsets, **kw), got)

@@ -326,10 +326,10 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
-def _host_grouped(lib, fmt, x, w, offsets, wide=False):
+def _host_grouped(lib, fmt, x, w, offsets, form="split"):
     out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
     c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                           wide=wide)
+                                           form=form)
     lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                             ctypes.POINTER(ctypes.c_longlong)]
     assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == 0
@@ -340,7 +340,9 @@ def _host_grouped(lib, fmt, x, w, offsets, wide=False):
 # second partial) and 37 (a second pass over the weights: more than 32 tokens); N 40 ends in a partial row
 # tile (the wide form: a warp whose rows all lie past N), K 288 in a partial chunk after two whole ones (and,
 # block FP8, a partial scale block); "_k416": three whole chunks (the wide form's step of one chunk) and N 72
-# (a second 64-row tile, partial); "_k256" / "_k96": whole chunks only, a partial chunk only
+# (a second 64-row tile, partial); "_k256" / "_k96": whole chunks only, a partial chunk only; "_k640" /
+# "_k544": five / four whole chunks (the pipelined form's codes of the next two in flight, an odd and an even
+# count) and 20 rows (three token groups: every group count 1-4 is a pass of its own there)
 GROUPED_CASES = {
     "nvfp4": ("nvfp4", 4, 40, 288, (0, 1, 9, 37)),
     "block_fp8": ("block_fp8", 4, 40, 288, (9, 0, 37, 1)),
@@ -348,6 +350,8 @@ GROUPED_CASES = {
     "block_fp8_k416": ("block_fp8", 3, 72, 416, (33, 5, 0)),
     "nvfp4_k256": ("nvfp4", 2, 24, 256, (3, 10)),  # whole chunks only
     "block_fp8_k96": ("block_fp8", 2, 24, 96, (10, 3)),  # a partial chunk only
+    "nvfp4_k640": ("nvfp4", 3, 40, 640, (20, 0, 11)),
+    "block_fp8_k544": ("block_fp8", 2, 72, 544, (7, 20)),
 }
 
 
@@ -356,15 +360,19 @@ GROUPED_CASES = {
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
 def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, case, form):
     """The grouped form against the format's grouped reference (block FP8: w8a16), with rows past
-    offsets[-1] left unwritten: "split" (one CTA per 16 rows and expert, its warps splitting K) and "wide"
-    (one CTA per 64 rows and expert, a warp per 16 rows over all of K); the expert's rows are the MMA's N."""
+    offsets[-1] left unwritten: "split" (one CTA per 16 rows and expert, its warps splitting K), "wide"
+    (one CTA per 64 rows and expert, a warp per 16 rows over all of K) and "pipelined" (the wide form with the
+    next chunks' codes in flight); the expert's rows are the MMA's N. The pipelined form adds each sum in the
+    wide form's order: the same bits."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(11)
     w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
     P = sum(counts)
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    got = _host_grouped(host_lib, fmt, x, w, offsets, wide=form == "wide")
+    got = _host_grouped(host_lib, fmt, x, w, offsets, form=form)
+    if form == "pipelined":  # NaN rows past offsets[-1] in both
+        assert torch.equal(got[:P], _host_grouped(host_lib, fmt, x, w, offsets, form="wide")[:P])
     if fmt == "nvfp4":
         want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)
     else:
@@ -384,7 +392,8 @@ def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     w = _experts(2, 16, 64, gen)
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "tall")
-    with pytest.raises(ValueError, match=r"GROUPED_FORM = 'tall': expected one of \('split', 'wide'\)"):
+    with pytest.raises(ValueError,
+                       match=r"GROUPED_FORM = 'tall': expected one of \('split', 'wide', 'pipelined'\)"):
         pair_cuda.grouped_mm("nvfp4", torch.zeros(3, 64, dtype=torch.bfloat16), w,
                              torch.tensor([1, 3], dtype=torch.int32))
 

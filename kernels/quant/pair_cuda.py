@@ -39,7 +39,7 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 5  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+ABI = 6  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
 N_PTRS, N_INTS = 9, 17
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
@@ -65,9 +65,12 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # "split": grouped_gemv_kernel, one CTA per 16 output rows and expert, its 4 warps splitting K (each warp loads
 #   x for its own chunks: at 8 tokens per group, 2 bytes of x per byte of NVFP4 codes);
 # "wide": grouped_wide_kernel, one CTA per 64 output rows and expert, each warp its own 16 rows over all of K,
-#   the 4 warps reading the same x columns in the same step (a quarter of the x traffic from L2).
-# "wide" is faster at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x over "split").
-GROUPED_FORMS = ("split", "wide")
+#   the 4 warps reading the same x columns in the same step (a quarter of the x traffic from L2);
+# "pipelined": grouped_pipelined_kernel, the wide form's grid with the next two chunks' codes in flight while
+#   the current two are multiplied, and a pass's token-group count a template argument (every group's x loaded
+#   before the chunk's MMAs). The same sums in the same order as "wide": the same bits.
+# "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x).
+GROUPED_FORMS = ("split", "wide", "pipelined")
 GROUPED_FORM = "wide"
 
 
@@ -210,10 +213,10 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
 
 
 def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0, prefetch: bool = False,
-                pdl: bool = False, wide: bool = False):
+                pdl: bool = False, form: str = "split"):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
     the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags, the
-    grouped form's kernel):
+    grouped form's kernel, one of GROUPED_FORMS, by its index):
     (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
     bytes."""
     codes, scales = w[0], w[1]
@@ -225,7 +228,7 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
             scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts, int(prefetch),
-            int(pdl), int(wide)]
+            int(pdl), GROUPED_FORMS.index(form)]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
@@ -296,9 +299,9 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
-    rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide",
-    per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its weights. Current
-    stream, no synchronisation (CUDA-graph capturable).
+    rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
+    or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
+    weights. Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -318,7 +321,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                 wide=GROUPED_FORM == "wide")
+                                 form=GROUPED_FORM)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

@@ -52,12 +52,14 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 5
+#define NVP_ABI 6
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
+#define NVP_BOUNDS_OCC(n)
 #else
 #define NVP_BOUNDS __launch_bounds__(128)
+#define NVP_BOUNDS_OCC(n) __launch_bounds__(128, n)
 #endif
 
 namespace nvp {
@@ -83,7 +85,7 @@ struct Params {
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
-  int64_t wide;                          // grouped form: 1 = grouped_wide_kernel (64 rows per CTA), 0 = split K
+  int64_t form;                          // grouped form: 0 split K, 1 wide, 2 pipelined (pair_cuda.GROUPED_FORMS)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -760,6 +762,108 @@ __global__ void NVP_BOUNDS grouped_wide_kernel(const Params p) {
   }
 }
 
+// One pass of grouped_pipelined_kernel over a warp's 16 rows for NG = 1 or 2 token groups (8 NG tokens from
+// tok0, clamped to the expert's last row `end`; every group holds at least one row): acc [NG][4] as
+// grouped_wide_kernel's. The codes of whole chunks ch + 2 and ch + 3 are loaded before chunks ch and ch + 1
+// are decoded and multiplied (two pairs of chunks in flight per warp, where the wide form waits for each pair),
+// and every group's x of a chunk is loaded before the chunk's decode (NG fixed: no per-group branch for the
+// loads to wait behind). Each sum is added in the wide form's order: the same bits.
+template <class F, int NG>
+__device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t tok0, int64_t end, float fold,
+                                      int64_t n0, int g, int t) {
+  using C = typename F::C;
+  const int64_t nfull = p.K / kChunk;
+  const int64_t lane_col = 32 * t;
+  float acc[NG][4];
+  const uint16_t* xr[NG];
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+    const int64_t row = tok0 + 8 * grp + g;
+    xr[grp] = p.x + (row < end ? row : end - 1) * p.sxm;
+  }
+  C cur[2] = {}, nxt[2] = {};
+  if (nfull > 0) F::load(r, nullptr, lane_col, false, cur[0]);
+  if (nfull > 1) F::load(r, nullptr, kChunk + lane_col, false, cur[1]);
+  for (int64_t ch = 0; ch < nfull; ch += 2) {
+    if (ch + 2 < nfull) F::load(r, nullptr, (ch + 2) * kChunk + lane_col, false, nxt[0]);
+    if (ch + 3 < nfull) F::load(r, nullptr, (ch + 3) * kChunk + lane_col, false, nxt[1]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j == 1 && ch + 1 >= nfull) break;
+      const int64_t c0 = (ch + j) * kChunk + lane_col;
+      U4 x[NG][4];
+#pragma unroll
+      for (int grp = 0; grp < NG; ++grp) load_x(xr[grp], c0, x[grp]);
+      uint32_t A[8][4];
+      F::decode(cur[j], A);
+#pragma unroll
+      for (int grp = 0; grp < NG; ++grp) F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
+    }
+    cur[0] = nxt[0];
+    cur[1] = nxt[1];
+  }
+  // the partial chunk, as in grouped_wide_kernel
+  if (p.K % kChunk != 0) {
+    const int64_t c0 = nfull * kChunk + lane_col;
+    const bool kok = c0 < p.K;
+    C c;
+    F::load(r, nullptr, kok ? c0 : p.K - 32, false, c);
+    const U4 zero = {{0u, 0u, 0u, 0u}};
+    U4 x[NG][4];
+#pragma unroll
+    for (int grp = 0; grp < NG; ++grp) {
+      if (kok)
+        load_x(xr[grp], c0, x[grp]);
+      else
+        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
+    }
+    uint32_t A[8][4];
+    F::decode(c, A);
+#pragma unroll
+    for (int grp = 0; grp < NG; ++grp) F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(c));
+  }
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t tk = tok0 + 8 * grp + 2 * t + i;
+      if (tk >= end) continue;
+      if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
+      if (n0 + g + 8 < p.NOUT)
+        p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
+    }
+  }
+}
+
+// The grouped form, pipelined (GROUPED_FORM "pipelined"): grouped_wide_kernel's grid and rows (one CTA per 64
+// output rows and expert, a warp per 16 rows over all of K, no shared memory or barrier), the expert's rows
+// in passes of up to 16 (two token groups), each run by pipelined_pass for its group count. Why: in the wide
+// form a warp waits for each pair of chunks' codes before it decodes them, and each token group's x loads wait
+// behind the previous group's MMAs (the group count is known only at run time), so at ~11 rows per expert (a
+// batch-64 verify, two groups) NVFP4 ran at 34 % of the copy bandwidth (docs/gpu/grouped_wide_1/run1). Passes
+// of up to 32 rows (the wide form's) would need ~175 registers a thread (two CTAs per SM instead of four); past
+// 16 rows an expert's weights are read again, mostly from L2. The occupancy bound (4 CTAs of 128 threads per
+// SM) holds NVFP4 at 127 registers, no spill (benchmarks/compile_report.py).
+template <class F>
+__global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t e = blockIdx.y;
+  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+  const int64_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kWideRows + kRows * warp;
+  if (end <= start || n0 >= p.NOUT) return;
+  const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + g, n0 + g + 8);
+  const float fold = F::fold(p.g, e);
+  for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
+    const int64_t ng = (end - tok0 + 7) / 8;
+    if (ng >= 2)
+      pipelined_pass<F, 2>(p, r, tok0, end, fold, n0, g, t);
+    else
+      pipelined_pass<F, 1>(p, r, tok0, end, fold, n0, g, t);
+  }
+}
+
 __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   Params p;
   p.x = static_cast<const uint16_t*>(ptrs[0]);
@@ -787,7 +891,7 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.E = ints[13];
   p.prefetch = ints[14];
   p.pdl = ints[15];
-  p.wide = ints[16];
+  p.form = ints[16];
   return p;
 }
 
@@ -828,7 +932,7 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 // ints (17): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
-//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), wide (0/1: the
+//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
 //   grouped form's kernel; unused here).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
@@ -853,18 +957,24 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
-// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = wide: grouped_wide_kernel on a
-// grid (NOUT / 64, E), else grouped_gemv_kernel on (NOUT / 16, E).
+// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 2
+// grouped_pipelined_kernel and 1 grouped_wide_kernel on a grid (NOUT / 64, E), 0 grouped_gemv_kernel on
+// (NOUT / 16, E); another value is cudaErrorInvalidValue.
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  const int64_t rows = p.wide ? nvp::kWideRows : nvp::kRows;
+  if (p.form < 0 || p.form > 2) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t rows = p.form ? nvp::kWideRows : nvp::kRows;
   const dim3 grid(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.wide && p.fmt == 0)
+  if (p.form == 2 && p.fmt == 0)
+    nvp::grouped_pipelined_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.form == 2)
+    nvp::grouped_pipelined_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.form == 1 && p.fmt == 0)
     nvp::grouped_wide_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.wide)
+  else if (p.form == 1)
     nvp::grouped_wide_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
   else if (p.fmt == 0)
     nvp::grouped_gemv_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
