@@ -26,7 +26,8 @@ weights), one row each:
   default; ``_cuda_prefetch``, ``_cuda_pdl``, ``_cuda_prefetch_pdl``: with kernels/quant/pair_cuda.py's
   PREFETCH / PDL, bench_moe_gemv.CUDA_LAUNCH), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
   (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
-  "vector" (``_xvec``), both (``_direct_xvec``). Their floor counts the stored bytes of the format
+  "vector" (``_xvec``), both (``_direct_xvec``), and its grouped path on the Triton kernel
+  (``grouped_mm_nvfp4_triton``). Their floor counts the stored bytes of the format
   (runners.engine.dummy.stored_nbytes: codes and scales). ``grouped_mm_<fmt>_cuda``: the grouped path with
   the format's GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu: each expert's rows as
   the MMA's N, its weights read once for up to 32 rows) and kernels/quant/pair_cuda.py's GROUPED_FORM
@@ -202,6 +203,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
             paths.append((f"moe_gemv_{fmt}_{suffix}", partial(_nvfp4_pair, decode, load, gemv), None))
         paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, gemv, **launch), None)
                   for suffix, launch in CUDA_LAUNCH.items()]
+        paths.append((f"grouped_mm_{fmt}_triton", partial(_triton, fmt, grouped, "grouped"), None))
     for form in ("split", "wide", "pipelined"):  # the split form's row keeps its first name
         paths.append((f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}"),
                       partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form), grouped_rows_scheme))

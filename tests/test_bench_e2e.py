@@ -379,11 +379,11 @@ def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys
     for module, name in ((nvfp4, "GROUPED_KERNEL"), (pair_cuda, "PDL"), (pair_cuda, "GROUPED_FORM"),
                          (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT")):
         monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
-    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=cuda", "kernels.quant.pair_cuda.PDL=true",
+    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=triton", "kernels.quant.pair_cuda.PDL=true",
                                  "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4"])
-    assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "cuda", "kernels.quant.pair_cuda.PDL": True,
+    assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "triton", "kernels.quant.pair_cuda.PDL": True,
                    "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0}
-    assert nvfp4.GROUPED_KERNEL == "cuda" and pair_cuda.PDL is True
+    assert nvfp4.GROUPED_KERNEL == "triton" and pair_cuda.PDL is True
     assert block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT == 4.0
     out = str(tmp_path / "o")
     for item, says in (("torch.cuda.FOO=1", "only settings of kernels/ modules"),

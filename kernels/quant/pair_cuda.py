@@ -69,9 +69,11 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # "pipelined": grouped_pipelined_kernel, the wide form's grid with the next two chunks' codes in flight while
 #   the current two are multiplied, and a pass's token-group count a template argument (every group's x loaded
 #   before the chunk's MMAs). The same sums in the same order as "wide": the same bits.
-# "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x).
+# "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x), and
+# "pipelined" than "wide" for NVFP4 (1.21-1.32x at 32-256 tokens of Super V3's experts), within 3 % of it
+# for block FP8 (docs/gpu/grouped_pipe_1/run1).
 GROUPED_FORMS = ("split", "wide", "pipelined")
-GROUPED_FORM = "wide"
+GROUPED_FORM = "pipelined"
 
 
 def fix(fmt: str) -> str:

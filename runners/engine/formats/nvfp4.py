@@ -31,9 +31,11 @@ class NVFP4Format(WeightFormat):
     # "Quantized formats").
     moe_gemv_max_pairs = 44
     # The CUDA per-pair kernel (kernels.quant.nvfp4.PAIR_KERNEL "cuda") is 1.6-2.0x faster than Triton's, and
-    # faster than the grouped path at every point measured, up to 176 pairs (8 tokens at top-22: 261.1 against
-    # 434.7 us on an H100, docs/kernel_performance.md "Quantized formats"): it takes the unquantized experts'
-    # bound (None: MOE_GEMV_MAX_PAIRS, 176), so a 4-token verify step (88 pairs) stays on it.
+    # faster than the grouped path (then on Triton) at every point measured, up to 176 pairs (8 tokens at
+    # top-22: 261.1 against 434.7 us on an H100, docs/kernel_performance.md "Quantized formats"): it takes the
+    # unquantized experts' bound (None: MOE_GEMV_MAX_PAIRS, 176), so a 4-token verify step (88 pairs) stays on
+    # it. The grouped path's CUDA kernel (GROUPED_KERNEL "cuda", since docs/gpu/grouped_pipe_1) is not yet
+    # timed against it below 32 tokens.
     moe_gemv_max_pairs_by_kernel = {"cuda": None}
 
     def pair_kernel(self) -> str:
