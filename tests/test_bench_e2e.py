@@ -379,7 +379,8 @@ def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys
     for module, name in ((nvfp4, "GROUPED_KERNEL"), (pair_cuda, "PDL"), (pair_cuda, "GROUPED_FORM"),
                          (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT")):
         monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
-    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=triton", "kernels.quant.pair_cuda.PDL=true",
+    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=triton",
+                                 "kernels.quant.pair_cuda.PDL=true",
                                  "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4"])
     assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "triton", "kernels.quant.pair_cuda.PDL": True,
                    "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0}
