@@ -826,9 +826,9 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 # kernels/quant/pair_gemv.cu through pair_cuda.grouped_mm, in pair_cuda.GROUPED_FORM: the expert's rows as the
 # MMA's N, each weight chunk decoded once for all the rows of a pass). "cuda" runs each call it takes
 # (pair_cuda.grouped_unsupported) and leaves the others to Triton. Measured by bench_moe_gemv at Super V3's
-# experts (top-22 of 512) on an H100 (docs/gpu/grouped_pipe_1/run1): the pipelined form ahead of Triton at
-# every point, 32 to 256 tokens (1.4 to 11 rows per expert), 1.26-1.47x (256 tokens, the batch-64 verify:
-# 1,165.5 against 1,464.8 us). Read at call time.
+# experts (top-22 of 512) on an H100 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined
+# form"): the pipelined form ahead of Triton at every point, 4 to 256 tokens (1.26-1.47x;
+# 256 tokens, the batch-64 verify: 1,165.5 against 1,464.8 us). Read at call time.
 GROUPED_KERNEL = "cuda"
 
 

@@ -71,7 +71,7 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 #   before the chunk's MMAs). The same sums in the same order as "wide": the same bits.
 # "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x), and
 # "pipelined" than "wide" for NVFP4 (1.21-1.32x at 32-256 tokens of Super V3's experts), within 3 % of it
-# for block FP8 (docs/gpu/grouped_pipe_1/run1).
+# for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form").
 GROUPED_FORMS = ("split", "wide", "pipelined")
 GROUPED_FORM = "pipelined"
 

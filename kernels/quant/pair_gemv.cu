@@ -841,7 +841,7 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
 // in passes of up to 16 (two token groups), each run by pipelined_pass for its group count. Why: in the wide
 // form a warp waits for each pair of chunks' codes before it decodes them, and each token group's x loads wait
 // behind the previous group's MMAs (the group count is known only at run time), so at ~11 rows per expert (a
-// batch-64 verify, two groups) NVFP4 ran at 34 % of the copy bandwidth (docs/gpu/grouped_wide_1/run1). Passes
+// batch-64 verify, two groups) NVFP4 ran at 34 % of the copy bandwidth (docs/kernel_performance.md). Passes
 // of up to 32 rows (the wide form's) would need ~175 registers a thread (two CTAs per SM instead of four); past
 // 16 rows an expert's weights are read again, mostly from L2. The occupancy bound (4 CTAs of 128 threads per
 // SM) holds NVFP4 at 127 registers, no spill (benchmarks/compile_report.py).

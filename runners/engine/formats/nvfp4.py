@@ -34,8 +34,9 @@ class NVFP4Format(WeightFormat):
     # faster than the grouped path (then on Triton) at every point measured, up to 176 pairs (8 tokens at
     # top-22: 261.1 against 434.7 us on an H100, docs/kernel_performance.md "Quantized formats"): it takes the
     # unquantized experts' bound (None: MOE_GEMV_MAX_PAIRS, 176), so a 4-token verify step (88 pairs) stays on
-    # it. The grouped path's CUDA kernel (GROUPED_KERNEL "cuda", since docs/gpu/grouped_pipe_1) is not yet
-    # timed against it below 32 tokens.
+    # it. Against the grouped path's CUDA kernel (GROUPED_KERNEL "cuda", the pipelined form) the bound still
+    # holds: per pair 139.3 / 258.4 us at 4 / 8 tokens against 189.9 / 310.9 grouped, and grouped ahead at 16
+    # tokens, 453.2 against 498.5 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form").
     moe_gemv_max_pairs_by_kernel = {"cuda": None}
 
     def pair_kernel(self) -> str:
