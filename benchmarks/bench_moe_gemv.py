@@ -33,7 +33,9 @@ weights), one row each:
   the MMA's N, its weights read once for up to 32 rows) and kernels/quant/pair_cuda.py's GROUPED_FORM
   "split" (16 output rows per CTA, its warps splitting K), ``grouped_mm_<fmt>_cuda_wide`` and
   ``_cuda_pipelined`` the same with kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per
-  CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight).
+  CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight);
+  ``grouped_mm_nvfp4_cuda_pipelined_xperm`` the pipelined form with pair_cuda.X_PERM (x copied with its
+  columns permuted before each grouped product, the copy timed with it).
   A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -207,6 +209,9 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     for form in ("split", "wide", "pipelined"):  # the split form's row keeps its first name
         paths.append((f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}"),
                       partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form), grouped_rows_scheme))
+    if fmt == "nvfp4":
+        paths.append((f"grouped_mm_{fmt}_cuda_pipelined_xperm",
+                      partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="pipelined", X_PERM=True), None))
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:

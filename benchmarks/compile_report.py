@@ -319,7 +319,7 @@ def cuda_pair_report() -> dict:
     flags: per instantiation (NVFP4 / block FP8, ungated / gated) its usage and ``loop_per_weight``, the main
     loop's body (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step
     (2 chunks x 64, twice that gated); and the grouped forms' usage (``<fmt>_cuda_grouped``,
-    ``<fmt>_cuda_grouped_wide``, ``<fmt>_cuda_grouped_pipelined``). {"error": ...} without nvcc."""
+    ``<fmt>_cuda_grouped_wide``, ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``). {"error": ...} without nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 
@@ -352,8 +352,12 @@ def cuda_pair_report() -> dict:
         # decode a chunk once for up to 4 token groups, so no single per-weight count
         for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"),
                                ("grouped_wide_kernel", "_cuda_grouped_wide"),
-                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined")):
-            inst = f"{kernel}INS_{tag}EEEv"
+                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined"),
+                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm")):
+            if suffix.endswith("_xperm") and fmt != "nvfp4":
+                continue  # X_PERM is NVFP4's only
+            xp = {"_cuda_grouped_pipelined": "ELb0E", "_cuda_grouped_pipelined_xperm": "ELb1E"}.get(suffix, "")
+            inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
             out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)

@@ -175,11 +175,14 @@ extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(vo
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.form < 0 || p.form > 2) return 1;  // nvp_launch_grouped's cudaErrorInvalidValue
-  if (p.form == 2 && p.fmt == 0)
-    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4>, nvp::kWideRows);
+  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != 0)))
+    return 1;  // nvp_launch_grouped's cudaErrorInvalidValue
+  if (p.form == 2 && p.fmt == 0 && p.xperm)
+    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4, true>, nvp::kWideRows);
+  else if (p.form == 2 && p.fmt == 0)
+    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4, false>, nvp::kWideRows);
   else if (p.form == 2)
-    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::BlockFp8>, nvp::kWideRows);
+    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::BlockFp8, false>, nvp::kWideRows);
   else if (p.form == 1 && p.fmt == 0)
     run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::Nvfp4>, nvp::kWideRows);
   else if (p.form == 1)

@@ -326,13 +326,13 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
-def _host_grouped(lib, fmt, x, w, offsets, form="split"):
+def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0):
     out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
     c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                           form=form)
+                                           form=form, x_permuted=x_permuted)
     lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                             ctypes.POINTER(ctypes.c_longlong)]
-    assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == 0
+    assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == rc
     return out
 
 
@@ -385,6 +385,43 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     assert (got == want).float().mean() > 0.9
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets) == "CUDA tensors only, got cpu"
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets.long()) == "offsets must be contiguous int32"
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
+def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host_lib, case):
+    """X_PERM: the NVFP4 pipelined kernel fed x with each 8 columns in X_PERM_ORDER (permute_x_columns) takes
+    its words as the MMA's B registers unpermuted, and gives the natural layout's result bit for bit; the
+    flag on another form or format is refused (cudaErrorInvalidValue's place in the harness: 1)."""
+    _, E, N, K, counts = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    w = _experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    want = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined")
+    got = _host_grouped(host_lib, "nvfp4", pair_cuda.permute_x_columns(x), w, offsets, form="pipelined",
+                        x_permuted=True)
+    assert torch.equal(got, want)
+    assert not torch.equal(_host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined", x_permuted=True),
+                           want)  # the flag does change how x is read
+    _host_grouped(host_lib, "nvfp4", x, w, offsets, form="wide", x_permuted=True, rc=1)
+    f8 = _fp8_experts(E, N, K, gen)
+    _host_grouped(host_lib, "block_fp8", x, f8, offsets, form="pipelined", x_permuted=True, rc=1)
+
+
+def test_permute_x_columns_moves_each_group_of_8_columns():
+    """Column 8j + m of permute_x_columns(x) is x's column 8j + X_PERM_ORDER[m]; K not a multiple of 8 or a
+    1-D x is refused."""
+    x = torch.arange(3 * 16, dtype=torch.float32).reshape(3, 16)
+    got = pair_cuda.permute_x_columns(x)
+    for j in range(2):
+        for m, src in enumerate(pair_cuda.X_PERM_ORDER):
+            assert torch.equal(got[:, 8 * j + m], x[:, 8 * j + src])
+    assert sorted(pair_cuda.X_PERM_ORDER) == list(range(8))
+    for bad in (torch.zeros(2, 12), torch.zeros(16)):
+        with pytest.raises(ValueError, match="K % 8 == 0"):
+            pair_cuda.permute_x_columns(bad)
 
 
 def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):

@@ -39,8 +39,8 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 6  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
-N_PTRS, N_INTS = 9, 17
+ABI = 7  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 18
 FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
@@ -74,6 +74,12 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form").
 GROUPED_FORMS = ("split", "wide", "pipelined")
 GROUPED_FORM = "pipelined"
+# X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
+#   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
+#   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
+#   codes' order). The same products in the same order: the same bits. Not yet measured: off.
+X_PERM = False
+X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def fix(fmt: str) -> str:
@@ -215,10 +221,10 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
 
 
 def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0, prefetch: bool = False,
-                pdl: bool = False, form: str = "split"):
+                pdl: bool = False, form: str = "split", x_permuted: bool = False):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
     the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags, the
-    grouped form's kernel, one of GROUPED_FORMS, by its index):
+    grouped form's kernel, one of GROUPED_FORMS, by its index, and whether x's columns are stored permuted):
     (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
     bytes."""
     codes, scales = w[0], w[1]
@@ -230,7 +236,7 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
             scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts, int(prefetch),
-            int(pdl), GROUPED_FORMS.index(form)]
+            int(pdl), GROUPED_FORMS.index(form), int(x_permuted)]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
@@ -297,13 +303,28 @@ def grouped_kernel_for(setting: str, fmt: str, x: torch.Tensor, w, offsets: torc
     return "triton"
 
 
+def permute_x_columns(x: torch.Tensor) -> torch.Tensor:
+    """x [P, K] (K % 8 == 0) with each 8 columns 8j .. 8j + 7 in the order X_PERM_ORDER: a new contiguous
+    tensor whose column 8j + m is x's column 8j + X_PERM_ORDER[m] (the layout grouped_mm's X_PERM hands the
+    NVFP4 pipelined kernel).
+
+    Raises:
+        ValueError: x is not 2-D or K is not a multiple of 8.
+    """
+    if x.dim() != 2 or x.shape[1] % 8:
+        raise ValueError(f"permute_x_columns: x must be [P, K] with K % 8 == 0, got {tuple(x.shape)}")
+    order = torch.tensor(X_PERM_ORDER, device=x.device)
+    return x.view(x.shape[0], -1, 8).index_select(2, order).reshape(x.shape[0], -1)
+
+
 def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.Tensor | None = None,
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
-    weights. Current stream, no synchronisation (CUDA-graph capturable).
+    weights. With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
+    (permute_x_columns). Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -322,8 +343,11 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    x_permuted = X_PERM and fmt == "nvfp4" and GROUPED_FORM == "pipelined"
+    if x_permuted:
+        x = permute_x_columns(x)
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                 form=GROUPED_FORM)
+                                 form=GROUPED_FORM, x_permuted=x_permuted)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

@@ -52,7 +52,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 6
+#define NVP_ABI 7
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -86,6 +86,7 @@ struct Params {
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
   int64_t form;                          // grouped form: 0 split K, 1 wide, 2 pipelined (pair_cuda.GROUPED_FORMS)
+  int64_t xperm;                         // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -386,6 +387,18 @@ struct Nvfp4 {
       mma16816(acc, A[2 * q], b0, b1);
       xfrag<1>(x, q, b0, b1);
       mma16816(acc, A[2 * q + 1], b0, b1);
+    }
+  }
+
+  // mma_decoded with x's columns stored permuted (pair_cuda.X_PERM: each 8 columns in the order 0, 4, 1, 5, 2,
+  // 6, 3, 7): the words of x[q] are the B registers as loaded, (e0, e4), (e1, e5), (e2, e6), (e3, e7), with
+  // no byte permute.
+  __device__ static void mma_decoded_xperm(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4],
+                                           float) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      mma16816(acc, A[2 * q], x[q].v[0], x[q].v[1]);
+      mma16816(acc, A[2 * q + 1], x[q].v[2], x[q].v[3]);
     }
   }
 
@@ -768,7 +781,7 @@ __global__ void NVP_BOUNDS grouped_wide_kernel(const Params p) {
 // are decoded and multiplied (two pairs of chunks in flight per warp, where the wide form waits for each pair),
 // and every group's x of a chunk is loaded before the chunk's decode (NG fixed: no per-group branch for the
 // loads to wait behind). Each sum is added in the wide form's order: the same bits.
-template <class F, int NG>
+template <class F, int NG, bool XP>
 __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t tok0, int64_t end, float fold,
                                       int64_t n0, int g, int t) {
   using C = typename F::C;
@@ -798,7 +811,12 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
       uint32_t A[8][4];
       F::decode(cur[j], A);
 #pragma unroll
-      for (int grp = 0; grp < NG; ++grp) F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
+      for (int grp = 0; grp < NG; ++grp) {
+        if constexpr (XP)
+          F::mma_decoded_xperm(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
+        else
+          F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
+      }
     }
     cur[0] = nxt[0];
     cur[1] = nxt[1];
@@ -821,7 +839,12 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
     uint32_t A[8][4];
     F::decode(c, A);
 #pragma unroll
-    for (int grp = 0; grp < NG; ++grp) F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(c));
+    for (int grp = 0; grp < NG; ++grp) {
+      if constexpr (XP)
+        F::mma_decoded_xperm(acc[grp], A, x[grp], F::chunk_scale(c));
+      else
+        F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(c));
+    }
   }
 #pragma unroll
   for (int grp = 0; grp < NG; ++grp) {
@@ -845,7 +868,7 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
 // of up to 32 rows (the wide form's) would need ~175 registers a thread (two CTAs per SM instead of four); past
 // 16 rows an expert's weights are read again, mostly from L2. The occupancy bound (4 CTAs of 128 threads per
 // SM) holds NVFP4 at 127 registers, no spill (benchmarks/compile_report.py).
-template <class F>
+template <class F, bool XP>
 __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t e = blockIdx.y;
@@ -858,9 +881,9 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
   for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
     const int64_t ng = (end - tok0 + 7) / 8;
     if (ng >= 2)
-      pipelined_pass<F, 2>(p, r, tok0, end, fold, n0, g, t);
+      pipelined_pass<F, 2, XP>(p, r, tok0, end, fold, n0, g, t);
     else
-      pipelined_pass<F, 1>(p, r, tok0, end, fold, n0, g, t);
+      pipelined_pass<F, 1, XP>(p, r, tok0, end, fold, n0, g, t);
   }
 }
 
@@ -892,6 +915,7 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.prefetch = ints[14];
   p.pdl = ints[15];
   p.form = ints[16];
+  p.xperm = ints[17];
   return p;
 }
 
@@ -933,7 +957,7 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
-//   grouped form's kernel; unused here).
+//   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
@@ -959,19 +983,23 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
 // (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 2
 // grouped_pipelined_kernel and 1 grouped_wide_kernel on a grid (NOUT / 64, E), 0 grouped_gemv_kernel on
-// (NOUT / 16, E); another value is cudaErrorInvalidValue.
+// (NOUT / 16, E); another value is cudaErrorInvalidValue; ints[17] = xperm (x's columns stored permuted,
+// pair_cuda.X_PERM: the pipelined NVFP4 form only, else cudaErrorInvalidValue).
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.form < 0 || p.form > 2) return static_cast<int>(cudaErrorInvalidValue);
+  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != 0)))
+    return static_cast<int>(cudaErrorInvalidValue);
   const int64_t rows = p.form ? nvp::kWideRows : nvp::kRows;
   const dim3 grid(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.form == 2 && p.fmt == 0)
-    nvp::grouped_pipelined_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
+  if (p.form == 2 && p.fmt == 0 && p.xperm)
+    nvp::grouped_pipelined_kernel<nvp::Nvfp4, true><<<grid, nvp::kThreads, 0, st>>>(p);
+  else if (p.form == 2 && p.fmt == 0)
+    nvp::grouped_pipelined_kernel<nvp::Nvfp4, false><<<grid, nvp::kThreads, 0, st>>>(p);
   else if (p.form == 2)
-    nvp::grouped_pipelined_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
+    nvp::grouped_pipelined_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
   else if (p.form == 1 && p.fmt == 0)
     nvp::grouped_wide_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
   else if (p.form == 1)
