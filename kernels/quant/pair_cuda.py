@@ -77,7 +77,11 @@ GROUPED_FORM = "pipelined"
 # X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
 #   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
-#   codes' order). The same products in the same order: the same bits. Not yet measured: off.
+#   codes' order). The same products in the same order: the same bits. Off: measured on an H100 the copy
+#   costs far more than the permutes save (Super V3's experts at 64 / 256 tokens: 1,325.0 / 1,583.5 us
+#   against 828.0 / 1,165.1, docs/kernel_performance.md), as x has a row per (token, expert) pair. The copy
+#   belongs before the row gather (one row per token, 22x fewer bytes at top-22) and in the up projection's
+#   store for the down projection's x; the kernel's own gain is not yet measured apart from it.
 X_PERM = False
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
