@@ -225,11 +225,12 @@ def _pair_gemv_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, S, stride_ys, stride_ym, stride_wn, stride_om,
-                    BLOCK_L: tl.constexpr):
-    """out[n, c] = sum_j w[n, j] * y[n * TOPK + j, c] in fp32, choice order, cast to out's dtype; y's S split
-    partials (fp32, S > 1) are summed first and rounded to out's dtype (the down projection's result as the
-    reference rounds it); with S == 1, y holds that result. Grid (N, L tiles)."""
+def _combine_kernel(y_ptr, w_ptr, out_ptr, rows_ptr, L, TOPK, S, stride_ys, stride_ym, stride_wn, stride_om,
+                    BLOCK_L: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """out[n, c] = sum_j w[n, j] * y[row(n * TOPK + j), c] in fp32, choice order, cast to out's dtype, with
+    row(p) = rows[p] (HAS_ROWS: y sorted by expert, the grouped path) or p; y's S split partials (fp32, S > 1)
+    are summed first and rounded to out's dtype (the down projection's result as the reference rounds it);
+    with S == 1, y holds that result. Grid (N, L tiles)."""
     n = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     mask = cols < L
@@ -237,6 +238,8 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, S, stride_ys, stride_ym, str
     acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
     for j in range(TOPK):
         pair = (n * TOPK + j).to(tl.int64)
+        if HAS_ROWS:
+            pair = tl.load(rows_ptr + pair).to(tl.int64)
         y = tl.zeros((BLOCK_L,), dtype=tl.float32)
         for s in range(S):
             y += tl.load(y_ptr + s * stride_ys + pair * stride_ym + cols, mask=mask, other=0.0).to(tl.float32)
@@ -356,8 +359,70 @@ def run_pair_launches(h, weights, indices, up, gate, down, activation: str, laun
     y, _, split = launch(a, idx, down, None, h.dtype, 1, 0, dependent=True)
     if split == 1:
         y = y[None]
+    _launch_combine(y, weights, out, None)
+    return out
+
+
+def _launch_combine(y: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """_combine_kernel over y [S, P, L] (rows contiguous), weights [N, k] float32 (rows contiguous), out [N, L]
+    (columns contiguous), rows int64 [P] or None."""
+    N, k = weights.shape
+    L = out.shape[1]
     block_l = min(256, triton.next_power_of_2(L))
     _combine_kernel[(N, triton.cdiv(L, block_l))](
-        y, weights, out, L, k, y.shape[0], y.stride(0), y.stride(1), weights.stride(0), out.stride(0),
-        BLOCK_L=block_l, num_warps=4)
+        y, weights, out, rows if rows is not None else y, L, k, y.shape[0], y.stride(0), y.stride(1),
+        weights.stride(0), out.stride(0), BLOCK_L=block_l, HAS_ROWS=rows is not None, num_warps=4)
+
+
+def combine_sorted_ref(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output from the grouped path's expert-sorted rows: out[n] = sum_j weights[n, j] *
+    y[rows[n * k + j]] in float32, cast to y's dtype (runners/engine/models/moe.py's moe_experts_grouped).
+
+    Args:
+        y: [P, L] (P = N * k), the down projection's rows sorted by expert. rows: int64 [P], the row of y
+            holding pair p = n * k + j. weights: [N, k] float32.
+
+    Returns:
+        [N, L] in y's dtype. Pure function.
+    """
+    N, k = weights.shape
+    return (y.index_select(0, rows).view(N, k, -1).float() * weights[..., None]).sum(dim=1).to(y.dtype)
+
+
+def combine_sorted(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """:func:`combine_sorted_ref` in one Triton launch (this module's combine kernel, reading y's rows through
+    ``rows``): the weighted sum in float32 in choice order (the reference's torch.sum may add in another order,
+    so an element may differ in its last bit), cast to y's dtype. Replaces the reference's gather, float32 copy,
+    product and sum (four passes over [P, L]) with one read of y. No host synchronisation.
+
+    Args:
+        y: [P, L] float32 / bfloat16 / float16 on CUDA (or under TRITON_INTERPRET=1), columns contiguous.
+        rows: int64 [P] with values in [0, P) (not checked: reading them would synchronise).
+        weights: [N, k] float32 with N * k = P.
+
+    Returns:
+        [N, L] in y's dtype, a new tensor. Mutates nothing.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit.
+    """
+    if y.dim() != 2 or rows.dim() != 1 or weights.dim() != 2 or rows.numel() != y.shape[0] \
+            or weights.numel() != y.shape[0]:
+        raise ValueError(f"combine_sorted: y [P, L], rows [P], weights [N, k] with N * k = P; got y "
+                         f"{tuple(y.shape)}, rows {tuple(rows.shape)}, weights {tuple(weights.shape)}")
+    if rows.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise ValueError(f"combine_sorted: rows must be int64 and weights float32, got {rows.dtype} and "
+                         f"{weights.dtype}")
+    if y.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"combine_sorted: y must be float32, bfloat16 or float16, got {y.dtype}")
+    if not (y.device == rows.device == weights.device):
+        raise ValueError(f"combine_sorted: y, rows and weights must share a device, got {y.device}, "
+                         f"{rows.device}, {weights.device}")
+    N = weights.shape[0]
+    out = torch.empty(N, y.shape[1], dtype=y.dtype, device=y.device)
+    if N == 0 or y.shape[1] == 0:
+        return out.zero_()
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    _launch_combine(y[None], weights.contiguous(), out, rows.contiguous())
     return out

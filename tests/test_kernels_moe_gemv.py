@@ -231,3 +231,40 @@ def test_fused_path_dispatches_to_the_kernels_when_chosen(monkeypatch, unsplit):
     _close(got, want, torch.float32)
     engine_moe.moe_experts_fused(h, weights, indices, up, gate, down, act)
     assert calls == ["silu"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, k", [(5, 3), (1, 1), (4, 22)])
+def test_combine_sorted_equals_its_reference(N, k, dtype):
+    """combine_sorted (the grouped path's last step: y's expert-sorted rows read through ``rows``, weighted
+    and summed over the k choices in float32) against combine_sorted_ref, L = 300 (not a multiple of the
+    256-column tile), y a column slice of a wider tensor; and against the sum in choice order in float64
+    (the kernel's order), which a wrong row, weight or order would miss."""
+    g = torch.Generator().manual_seed(N * 100 + k)
+    L = 300
+    wide = torch.randn(N * k, L + 7, generator=g).to(dtype)
+    y = wide[:, 7:]
+    rows = torch.randperm(N * k, generator=g)
+    weights = torch.rand(N, k, generator=g)
+    y, rows, weights = y.to(DEVICE), rows.to(DEVICE), weights.to(DEVICE)
+    got = mg.combine_sorted(y, rows, weights)
+    _close(got, mg.combine_sorted_ref(y, rows, weights), dtype)
+    ordered = y.double()[rows].view(N, k, L)
+    want = torch.zeros(N, L, dtype=torch.float64, device=DEVICE)
+    for j in range(k):
+        want += ordered[:, j] * weights[:, j, None].double()
+    _close(got, want.to(dtype), dtype)
+
+
+def test_combine_sorted_refuses_bad_arguments():
+    y, rows, w = torch.zeros(6, 4), torch.arange(6), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"N \* k = P"):
+        mg.combine_sorted(y, rows[:5], w)
+    with pytest.raises(ValueError, match="rows must be int64 and weights float32"):
+        mg.combine_sorted(y, rows.int(), w)
+    with pytest.raises(ValueError, match="rows must be int64 and weights float32"):
+        mg.combine_sorted(y, rows, w.double())
+    with pytest.raises(ValueError, match="y must be float32, bfloat16 or float16"):
+        mg.combine_sorted(y.double(), rows, w)
+    assert mg.combine_sorted(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, 3)).shape == (0, 4)

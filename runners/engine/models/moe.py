@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
-from kernels.moe_gemv import ACT_CODES, moe_gemv
+from kernels.moe_gemv import ACT_CODES, combine_sorted, combine_sorted_ref, moe_gemv
 from kernels.router import (
     ROUTER_FUSED_DTYPES,
     ROUTER_FUSED_MAX_TOKENS,
@@ -261,8 +261,9 @@ def moe_experts_grouped(
     """Routed experts over expert-sorted pairs with a caller's grouped GEMM (the quantized experts of
     runners/engine/models/<format>.py): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
     each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
-    [P, out]``, the results return to pair order and are summed over the k choices in float32 (as
-    :func:`moe_experts_fused`: no host synchronisation when ``grouped_mm`` has none).
+    [P, out]``, the results are summed over the k choices in float32 in one pass over the sorted rows
+    (kernels.moe_gemv.combine_sorted on CUDA, its reference elsewhere; as :func:`moe_experts_fused`: no host
+    synchronisation when ``grouped_mm`` has none).
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. kinds: ("up", "down") or ("up", "gate",
@@ -278,10 +279,11 @@ def moe_experts_grouped(
         a = act(grouped_mm(x, "gate", offsets)) * grouped_mm(x, "up", offsets)
     else:
         a = act(grouped_mm(x, "up", offsets))
-    y = grouped_mm(a.to(h.dtype), "down", offsets)
+    y = grouped_mm(a.to(h.dtype), "down", offsets).to(h.dtype)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y = y.index_select(0, inverse).view(n, k, -1)
-    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+    # the row of y holding each pair, weighted and summed over the k choices: one launch on CUDA
+    combine = combine_sorted if y.is_cuda else combine_sorted_ref
+    return combine(y, inverse, weights.float())
 
 
 # Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
