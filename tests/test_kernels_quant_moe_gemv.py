@@ -313,3 +313,35 @@ def test_nvfp4_pair_bound_is_the_pair_kernels(gated, monkeypatch):
     indices = _routing(30, 2, 7, seed=1)[1]
     assert fmt.use_moe_gemv(h, indices[:22], pair_kernel="triton")  # 44 pairs
     assert not fmt.use_moe_gemv(h, indices, pair_kernel="triton") and fmt.use_moe_gemv(h, indices, "cuda")
+
+
+@pytest.mark.parametrize("fmt", list(KERNELS))
+def test_grouped_path_with_its_kernels_equals_the_references(fmt, monkeypatch):
+    """Where use_inference_kernel holds (forced here; the Triton kernels run in the interpreter),
+    moe_experts_grouped runs the activation named ``activation`` as one launch (relu2, or silu_mul gated) and
+    the sum over the choices as combine_sorted: the references' result within the dtype's rounding (bf16), and
+    the kernels are the ones called."""
+    from runners.engine.models import moe as engine_moe
+
+    gated = fmt == "block_fp8"
+    h, weights, indices, up, gate, down, act = _case(fmt, torch.bfloat16, gated, N=4, k=3, seed=6)
+    mats = {"up": up, "gate": gate, "down": down}
+    if fmt == "nvfp4":
+        mm = lambda x, kind, offsets: nf4.nvfp4_grouped_mm_ref(x, *mats[kind], offsets)
+    else:
+        mm = lambda x, kind, offsets: bf8.block_fp8_grouped_mm_ref(x, *mats[kind], offsets, scheme="w8a16")
+    kinds = ("up", "gate", "down") if gated else ("up", "down")
+    args = (h, weights, indices, kinds, mm, ACTIVATIONS[act], up[0].shape[0])
+    want = moe_experts_grouped(*args, activation=act)  # CPU tensors: the references
+    calls = []
+    for name in ("relu2", "silu_mul", "combine_sorted"):
+        real = getattr(engine_moe, name)
+        monkeypatch.setattr(engine_moe, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name)
+                            or _real(*a, **kw))
+    monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: True)
+    got = moe_experts_grouped(*args, activation=act)
+    assert calls == (["silu_mul", "combine_sorted"] if gated else ["relu2", "combine_sorted"])
+    _close(got, want, torch.bfloat16)
+    calls.clear()
+    _close(moe_experts_grouped(*args), want, torch.bfloat16)  # no name: act itself, the combine kernel
+    assert calls == ["combine_sorted"]

@@ -153,7 +153,7 @@ class BlockFP8MoE(MoE):
                                         getattr(self, f"experts_{kind}_weight_scale_inv"), offsets)
 
         return moe_experts_grouped(h, weights, indices, expert_kinds(self), mm, self.act,
-                                   self.experts_up.shape[0])
+                                   self.experts_up.shape[0], activation=self.act_name)
 
 
 def to_block_fp8_moe(moe: MoE) -> None:

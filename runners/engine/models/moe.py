@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import relu2, silu_mul
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, combine_sorted, combine_sorted_ref, moe_gemv
 from kernels.router import (
@@ -257,17 +258,21 @@ def moe_experts_grouped(
     grouped_mm: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
     act: Callable[[torch.Tensor], torch.Tensor],
     num_experts: int,
+    *,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Routed experts over expert-sorted pairs with a caller's grouped GEMM (the quantized experts of
     runners/engine/models/<format>.py): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
     each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
     [P, out]``, the results are summed over the k choices in float32 in one pass over the sorted rows
-    (kernels.moe_gemv.combine_sorted on CUDA, its reference elsewhere; as :func:`moe_experts_fused`: no host
-    synchronisation when ``grouped_mm`` has none).
+    (kernels.moe_gemv.combine_sorted); as :func:`moe_experts_fused`: no host synchronisation when
+    ``grouped_mm`` has none. Where :func:`use_inference_kernel` holds, the activation named ``activation``
+    ("relu2", or "silu" gated) is one launch (kernels/activation.py's relu2 / silu_mul, as :class:`MLP`) and
+    the sum is the combine kernel; elsewhere ``act`` and the references run.
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. kinds: ("up", "down") or ("up", "gate",
-            "down"). act: the activation. num_experts: E.
+            "down"). act: the activation. num_experts: E. activation: act's name, or None (act alone).
 
     Returns:
         [N, L] in h's dtype.
@@ -275,14 +280,18 @@ def moe_experts_grouped(
     n, k = indices.shape
     order, offsets = sort_pairs_by_expert(indices, num_experts)
     x = h.index_select(0, order // k)  # [P, L]
+    kernel = use_inference_kernel(x)
     if "gate" in kinds:
-        a = act(grouped_mm(x, "gate", offsets)) * grouped_mm(x, "up", offsets)
+        g, u = grouped_mm(x, "gate", offsets), grouped_mm(x, "up", offsets)
+        fused = kernel and activation == "silu" and g.shape == u.shape and g.dtype == u.dtype
+        a = silu_mul(g, u) if fused else act(g) * u
     else:
-        a = act(grouped_mm(x, "up", offsets))
+        u = grouped_mm(x, "up", offsets)
+        a = relu2(u) if kernel and activation == "relu2" else act(u)
     y = grouped_mm(a.to(h.dtype), "down", offsets).to(h.dtype)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # the row of y holding each pair, weighted and summed over the k choices: one launch on CUDA
-    combine = combine_sorted if y.is_cuda else combine_sorted_ref
+    # the row of y holding each pair, weighted and summed over the k choices
+    combine = combine_sorted if kernel else combine_sorted_ref
     return combine(y, inverse, weights.float())
 
 

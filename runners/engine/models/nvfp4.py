@@ -161,7 +161,7 @@ class NVFP4MoE(MoE):
                                     getattr(self, f"experts_{kind}_weight_scale_2"), offsets)
 
         return moe_experts_grouped(h, weights, indices, expert_kinds(self), mm, self.act,
-                                   self.experts_up.shape[0])
+                                   self.experts_up.shape[0], activation=self.act_name)
 
 
 def to_nvfp4_moe(moe: MoE) -> None:
