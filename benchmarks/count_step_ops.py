@@ -30,7 +30,9 @@ Conventions, so the counts track device launches rather than CPU implementation 
   helper launch the kernels make before it on CUDA (NVFP4's column-class copy of x, block FP8's activation
   quantization where its scheme is w8a8, per-tensor FP8's static cast, kernels.quant.fp8, except where the
   kernel producing its input wrote the codes, as it does on an FP8 GPU: FP8Linear.prequant_scale; a split-K sum
-  launch, which depends on the real widths, is not counted); the quantized MoE's routing glue around its grouped GEMMs (sort, gathers, activation, combine) counts op by op.
+  launch, which depends on the real widths, is not counted); the quantized MoE's routing glue around its
+  grouped GEMMs counts op by op, except its kernels on CUDA (the expert grouping ``sort_pairs``, the
+  activation, the combine ``combine_sorted``: one op each).
   Where the quantized experts take a per-pair decode path on CUDA (their format's ``use_moe_gemv`` gate,
   runners.engine.formats), the count takes it too (the gate's pair bound, ``--quant-moe-gemv-max-pairs``,
   not its device test) and the path
@@ -226,7 +228,7 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
         for m in (layers_mod, moe_mod, attention_mod, gdn_mod, mamba2_mod, hybrid_mod, mtp_mod, block_mod):
             saved.append((m, "use_inference_kernel", m.use_inference_kernel))
             m.use_inference_kernel = lambda x: True
-        from kernels import activation, health, moe_combine, norm, rope
+        from kernels import activation, health, moe_combine, moe_gemv, moe_sort, norm, rope
         from kernels.gdn import prologue
         from kernels.mamba2 import conv
 
@@ -237,6 +239,8 @@ def _patched(counter: StepOpCounter, quant_moe_gemv_max_pairs: dict):
                  (block_mod, norm, "add_rms_norm"),
                  (hybrid_mod, health, "flag_nonfinite"), (mtp_mod, health, "flag_nonfinite"),
                  (layers_mod, activation, "relu2"), (layers_mod, activation, "silu_mul"),
+                 (moe_mod, activation, "relu2"), (moe_mod, activation, "silu_mul"),
+                 (moe_mod, moe_sort, "sort_pairs"), (moe_mod, moe_gemv, "combine_sorted"),
                  (mamba2_mod, conv, "causal_conv_step")]
         for m, owner, attr in fused:
             saved.append((m, attr, getattr(m, attr)))

@@ -144,7 +144,10 @@ def test_quantized_format_counts_its_kernels(max_pairs):
         assert moe_ops["kernel:moe_experts"] == blocks and "kernel:nvfp4_grouped_mm" not in moe_ops
     else:
         assert moe_ops["kernel:nvfp4_grouped_mm"] == 2 * blocks and "kernel:moe_experts" not in moe_ops
-        assert moe_ops["argsort"] == blocks  # the expert sort of the grouped path
+        # the grouped path's expert grouping, activation and combine: one launch each on CUDA
+        assert moe_ops["kernel:sort_pairs"] == moe_ops["kernel:combine_sorted"] == blocks
+        assert moe_ops["kernel:relu2"] == 2 * blocks  # the shared expert's and the routed experts'
+        assert "argsort" not in moe_ops
     assert any(op.startswith("kernel:nvfp4_linear") or op.startswith("kernel:fp8_linear")
                for kind in p["kinds"].values() for op, _ in kind["top"])
     # the release's per-tensor FP8 linears (Mamba2's in / out projections, the shared experts' up / down)

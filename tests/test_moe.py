@@ -12,10 +12,10 @@ from runners.engine.models.config import HybridConfig
 from runners.engine.models.layers import ACTIVATIONS
 from runners.engine.models.moe import (
     MoE,
+    group_pairs,
     grouped_mm_supported,
     moe_experts_fused,
     moe_experts_ref,
-    sort_pairs_by_expert,
 )
 
 
@@ -62,10 +62,11 @@ def test_fused_equals_reference_fp32(case, gated):
 
 def test_sort_pairs_offsets():
     indices = torch.tensor([[3, 0], [3, 1], [0, 3]])
-    order, offsets = sort_pairs_by_expert(indices, 5)
+    order, inverse, offsets = group_pairs(indices, 5)
     assert offsets.dtype == torch.int32 and offsets.tolist() == [2, 3, 3, 6, 6]
     assert indices.flatten()[order].tolist() == [0, 0, 1, 3, 3, 3]
     assert order.tolist() == [1, 4, 3, 0, 2, 5]  # stable: pairs of one expert in token order
+    assert inverse[order].tolist() == list(range(6))
 
 
 def test_fused_bf16_matches_reference_within_bf16_rounding():

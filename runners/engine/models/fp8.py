@@ -46,9 +46,10 @@ from kernels.quant.fp8 import FP8_DTYPE, quantize_fp8, quantize_fp8_ref
 from runners.engine.models.moe import (
     _gathered_linear,
     _grouped_linear,
+    combine_pairs,
+    group_pairs,
     grouped_mm_supported,
     moe_experts_ref,
-    sort_pairs_by_expert,
 )
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ def moe_experts_fp8(
     E = up.weight.shape[0]
     projections = (up, down) if gate is None else (up, gate, down)
     impl = impl or fp8_moe_impl(h, *projections)
-    order, offsets = sort_pairs_by_expert(indices, E)
+    order, inverse, offsets = group_pairs(indices, E)
     expert = indices.flatten().index_select(0, order)  # [P] expert of each sorted pair
     x = h.index_select(0, order // k)  # [P, L]
 
@@ -299,9 +300,7 @@ def moe_experts_fp8(
     else:
         a = act(linear(x, gate)) * linear(x, up)
     y = linear(a, down)  # [P, L] in expert order
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y = y.index_select(0, inverse).view(n, k, -1)
-    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+    return combine_pairs(y.to(h.dtype), inverse, weights)
 
 
 def _shape_probe(p: FP8Weights, dtype: torch.dtype) -> torch.Tensor:

@@ -54,6 +54,7 @@ from torch import nn
 from kernels.activation import relu2, silu_mul
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, combine_sorted, combine_sorted_ref, moe_gemv
+from kernels.moe_sort import SORT_KERNEL_MAX_PAIRS, sort_pairs, sort_pairs_ref
 from kernels.router import (
     ROUTER_FUSED_DTYPES,
     ROUTER_FUSED_MAX_TOKENS,
@@ -134,22 +135,31 @@ def moe_experts_ref(
     return out.to(h.dtype)
 
 
-def sort_pairs_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the (token, choice) pairs by expert, on the device.
+def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, choice) pairs by expert, on the device: kernels.moe_sort.sort_pairs (one launch)
+    where :func:`use_inference_kernel` holds and there are at most SORT_KERNEL_MAX_PAIRS pairs (decode and
+    verify steps), else its reference (a radix sort; prefill). Both give the same tensors.
 
     Args:
         indices: [N, k] int64 expert ids in [0, num_experts).
 
     Returns:
         ``order`` [N * k] int64: pair ids (``n * k + j``) sorted by expert (stable: pairs of one expert keep
-        token order); ``offsets`` [E] int32: ``offsets[e]`` = number of pairs routed to experts <= e (the end
-        of expert e's group in ``order``; ``torch._grouped_mm``'s ``offs``). No host synchronisation.
+        token order); ``inverse`` [N * k] int64: each pair's position in ``order``; ``offsets`` [E] int32:
+        ``offsets[e]`` = number of pairs routed to experts <= e (the end of expert e's group in ``order``;
+        ``torch._grouped_mm``'s ``offs``). No host synchronisation.
     """
-    expert = indices.flatten()
-    order = torch.argsort(expert, stable=True)
-    bounds = torch.arange(num_experts, device=indices.device, dtype=expert.dtype)
-    offsets = torch.searchsorted(expert[order], bounds, right=True).to(torch.int32)
-    return order, offsets
+    if use_inference_kernel(indices) and indices.numel() <= SORT_KERNEL_MAX_PAIRS:
+        return sort_pairs(indices, num_experts)
+    return sort_pairs_ref(indices, num_experts)
+
+
+def combine_pairs(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[n] = sum_j weights[n, j] * y[inverse[n * k + j]] in float32, in y's dtype: the routed experts' rows
+    (expert-sorted, [P, L]) back to their tokens. kernels.moe_gemv.combine_sorted (one launch) where
+    :func:`use_inference_kernel` holds, else its reference."""
+    combine = combine_sorted if use_inference_kernel(y) else combine_sorted_ref
+    return combine(y, inverse, weights.float())
 
 
 def grouped_mm_supported(x: torch.Tensor, *stacked: torch.Tensor) -> bool:
@@ -233,7 +243,7 @@ def moe_experts_fused(
         return moe_gemv(h, weights, indices, up, gate, down, activation)
     n, k = indices.shape
     E = up.shape[0]
-    order, offsets = sort_pairs_by_expert(indices, E)
+    order, inverse, offsets = group_pairs(indices, E)
     x = h.index_select(0, order // k)  # [P, L]: each pair's token, in expert order
     if grouped_mm_supported(x, *stacked):
         linear = lambda inp, w: _grouped_linear(inp, w, offsets)
@@ -245,9 +255,7 @@ def moe_experts_fused(
     else:
         a = act(linear(x, gate)) * linear(x, up)
     y = linear(a, down)  # [P, L] in expert order
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y = y.index_select(0, inverse).view(n, k, -1)  # back to pair order n * k + j
-    return (y.float() * weights[..., None]).sum(dim=1).to(h.dtype)
+    return combine_pairs(y.to(h.dtype), inverse, weights)  # back to pair order n * k + j, summed
 
 
 def moe_experts_grouped(
@@ -262,13 +270,12 @@ def moe_experts_grouped(
     activation: str | None = None,
 ) -> torch.Tensor:
     """Routed experts over expert-sorted pairs with a caller's grouped GEMM (the quantized experts of
-    runners/engine/models/<format>.py): the pairs are sorted by expert (:func:`sort_pairs_by_expert`),
+    runners/engine/models/<format>.py): the pairs are grouped by expert (:func:`group_pairs`),
     each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
     [P, out]``, the results are summed over the k choices in float32 in one pass over the sorted rows
-    (kernels.moe_gemv.combine_sorted); as :func:`moe_experts_fused`: no host synchronisation when
-    ``grouped_mm`` has none. Where :func:`use_inference_kernel` holds, the activation named ``activation``
-    ("relu2", or "silu" gated) is one launch (kernels/activation.py's relu2 / silu_mul, as :class:`MLP`) and
-    the sum is the combine kernel; elsewhere ``act`` and the references run.
+    (:func:`combine_pairs`); as :func:`moe_experts_fused`: no host synchronisation when ``grouped_mm`` has
+    none. Where :func:`use_inference_kernel` holds, the activation named ``activation`` ("relu2", or "silu"
+    gated) is one launch (kernels/activation.py's relu2 / silu_mul, as :class:`MLP`); elsewhere ``act``.
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. kinds: ("up", "down") or ("up", "gate",
@@ -278,7 +285,7 @@ def moe_experts_grouped(
         [N, L] in h's dtype.
     """
     n, k = indices.shape
-    order, offsets = sort_pairs_by_expert(indices, num_experts)
+    order, inverse, offsets = group_pairs(indices, num_experts)
     x = h.index_select(0, order // k)  # [P, L]
     kernel = use_inference_kernel(x)
     if "gate" in kinds:
@@ -289,10 +296,7 @@ def moe_experts_grouped(
         u = grouped_mm(x, "up", offsets)
         a = relu2(u) if kernel and activation == "relu2" else act(u)
     y = grouped_mm(a.to(h.dtype), "down", offsets).to(h.dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # the row of y holding each pair, weighted and summed over the k choices
-    combine = combine_sorted if kernel else combine_sorted_ref
-    return combine(y, inverse, weights.float())
+    return combine_pairs(y, inverse, weights)  # each pair's row of y, weighted and summed over the choices
 
 
 # Tokens up to which the router's top-k runs as the sort-free Triton kernel on CUDA (decode and verify steps:
