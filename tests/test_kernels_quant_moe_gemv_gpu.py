@@ -293,9 +293,10 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
 def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, form, monkeypatch):
     """GROUPED_KERNEL "cuda" (the grouped form of kernels/quant/pair_gemv.cu, each of pair_cuda's
     GROUPED_FORMS) at the released expert shapes (Super V3 NVFP4 up, Qwen3-Next block FP8 w8a16 gate) with
-    about 1, 11 (the batch-64 verify) and 40 rows per expert (two passes over the weights): the grouped
-    reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second call; the
-    pipelined form the wide form's bits (each sum in the same order), NVFP4's also with X_PERM."""
+    about 1, 11 (the batch-64 verify) and 40 rows per expert (up to 80: several passes over the weights):
+    the grouped reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second
+    call; the pipelined form the wide form's bits (each sum in the same order), NVFP4's also with X_PERM,
+    eager and replayed from a CUDA graph."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
     up = _experts(model)[0]
@@ -318,9 +319,19 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     _close(got, triton_out)
     assert torch.equal(mm(x, *up, offsets, **kw), got)
     if form == "pipelined":
-        if fmt == "nvfp4":  # X_PERM: x copied with its columns permuted, the same bits
+        if fmt == "nvfp4":  # X_PERM: x copied with its columns permuted, the same bits, also captured
             monkeypatch.setattr(pair_cuda, "X_PERM", True)
             assert torch.equal(mm(x, *up, offsets, **kw), got)
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                mm(x, *up, offsets, **kw)  # warm-up off the capture
+                with torch.cuda.graph(graph, stream=stream):
+                    captured = mm(x, *up, offsets, **kw)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, got)
             monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)

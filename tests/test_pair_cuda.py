@@ -342,7 +342,7 @@ def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0)
 # block FP8, a partial scale block); "_k416": three whole chunks (the wide form's step of one chunk) and N 72
 # (a second 64-row tile, partial); "_k256" / "_k96": whole chunks only, a partial chunk only; "_k640" /
 # "_k544": five / four whole chunks (the pipelined form's codes of the next two in flight, an odd and an even
-# count) and 20 rows (three token groups: every group count 1-4 is a pass of its own there)
+# count) and 20 rows (three token groups: the pipelined form's passes of 16 and 4 rows)
 GROUPED_CASES = {
     "nvfp4": ("nvfp4", 4, 40, 288, (0, 1, 9, 37)),
     "block_fp8": ("block_fp8", 4, 40, 288, (9, 0, 37, 1)),
@@ -385,6 +385,41 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     assert (got == want).float().mean() > 0.9
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets) == "CUDA tensors only, got cpu"
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets.long()) == "offsets must be contiguous int32"
+
+
+# Rows of one expert per pass over its weights, per grouped form (pair_gemv.cu: 4 token groups of 8, or 2 for
+# the pipelined form)
+ROWS_PER_PASS = {"split": 32, "wide": 32, "pipelined": 16}
+
+
+@needs_gxx
+@pytest.mark.parametrize("form", pair_cuda.GROUPED_FORMS)
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_host_emulated_grouped_loads_stay_inside_and_read_the_codes_once_per_pass(host_lib, case, form):
+    """Every load of each grouped form, recorded by the host harness, lies inside an argument tensor (x, the
+    offsets, the codes, the scales, the global scales), and each 16-row tile of an expert with rows loads its
+    codes exactly once per pass: 32 lanes x (2 x 16 bytes NVFP4, 4 x 16 block FP8) per 128-column chunk,
+    ceil(rows / ROWS_PER_PASS) passes. A lookahead past the last chunk, or more passes than the form's, would
+    change the count (or leave the tensors)."""
+    fmt, E, N, K, counts = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    host_lib.nvp_host_record(1)
+    _host_grouped(host_lib, fmt, x, w, offsets, form=form)
+    loads = _recorded(host_lib, 0)
+    host_lib.nvp_host_record(0)
+    ranges = [_byte_range(t) for t in (x, offsets, *w)]
+    outside = [a for a in loads if not any(lo <= a < hi for lo, hi in ranges)]
+    assert not outside, f"{len(outside)} loads outside the argument tensors"
+    lo, hi = _byte_range(w[0])
+    code_loads = sum(lo <= a < hi for a in loads)
+    per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
+    tiles = -(-N // 16)
+    passes = sum(-(-c // ROWS_PER_PASS[form]) for c in counts)
+    assert code_loads == passes * tiles * -(-K // 128) * per_chunk
 
 
 @needs_gxx

@@ -46,8 +46,9 @@ K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 bf16 (sm_80 - sm_89: the bf16x2 multiply as an fma with -0.0)
 MAX_EXPERTS = 65535  # the grouped form's grid y dimension
-# The grouped form decodes each weight chunk once per 32 rows of an expert: past this many rows per expert on
-# average (prefill sizes) each pass re-reads the weights, and Triton's GEMM tiles take the call instead.
+# The grouped form decodes each weight chunk once per 32 rows of an expert (16 in the pipelined form): past
+# this many rows per expert on average (prefill sizes) each pass re-reads the weights, and Triton's GEMM
+# tiles take the call instead.
 GROUPED_MAX_ROWS_PER_EXPERT = 64
 SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32}
 KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
@@ -77,11 +78,10 @@ GROUPED_FORM = "pipelined"
 # X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
 #   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
-#   codes' order). The same products in the same order: the same bits. Off: measured on an H100 the copy
-#   costs far more than the permutes save (Super V3's experts at 64 / 256 tokens: 1,325.0 / 1,583.5 us
-#   against 828.0 / 1,165.1, docs/kernel_performance.md), as x has a row per (token, expert) pair. The copy
-#   belongs before the row gather (one row per token, 22x fewer bytes at top-22) and in the up projection's
-#   store for the down projection's x; the kernel's own gain is not yet measured apart from it.
+#   codes' order). The same products in the same order: the same bits. Off: not yet measured (its first
+#   bench could not capture it in a CUDA graph: the copy then built an index tensor on the host, fixed since;
+#   docs/kernel_performance.md). Where it pays, the copy belongs before the row gather (one row per token,
+#   22x fewer bytes at top-22) and in the up projection's store for the down projection's x.
 X_PERM = False
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -317,8 +317,9 @@ def permute_x_columns(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 2 or x.shape[1] % 8:
         raise ValueError(f"permute_x_columns: x must be [P, K] with K % 8 == 0, got {tuple(x.shape)}")
-    order = torch.tensor(X_PERM_ORDER, device=x.device)
-    return x.view(x.shape[0], -1, 8).index_select(2, order).reshape(x.shape[0], -1)
+    # (0, 4, 1, 5, 2, 6, 3, 7) is each 8 columns as 2 x 4 read transposed: a strided copy, no index tensor
+    # (a host-to-device copy of one would synchronise, which CUDA-graph capture refuses)
+    return x.reshape(x.shape[0], -1, 2, 4).transpose(2, 3).reshape(x.shape[0], -1)
 
 
 def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.Tensor | None = None,
@@ -327,7 +328,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
-    weights. With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
+    weights (16 with "pipelined"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
     (permute_x_columns). Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.

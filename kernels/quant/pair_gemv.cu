@@ -953,7 +953,7 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 #ifndef NVP_HOST_EMULATION
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
-// ints (17): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+// ints (18): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
