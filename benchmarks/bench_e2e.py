@@ -697,44 +697,67 @@ def bench_model(run: Run, name: str, build, forced: bool, prompts) -> None:
     cleanup(args.device)
 
 
+def kernel_settings() -> dict[str, object]:
+    """The kernel choices ``--kernel-setting`` may set, each with what it takes: a tuple of choices (the owning
+    module's own list), ``bool``, or ``float`` (a non-negative number). Settings the modules read at call
+    time; constants, the layouts other modules import by value and dunders are not among them."""
+    from kernels.quant import pair_cuda
+
+    return {
+        "kernels.quant.nvfp4.PAIR_KERNEL": pair_cuda.KERNELS,
+        "kernels.quant.nvfp4.GROUPED_KERNEL": pair_cuda.KERNELS,
+        "kernels.quant.block_fp8.PAIR_KERNEL": pair_cuda.KERNELS,
+        "kernels.quant.block_fp8.GROUPED_KERNEL": pair_cuda.KERNELS,
+        "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": float,
+        "kernels.quant.pair_cuda.GROUPED_FORM": pair_cuda.GROUPED_FORMS,
+        "kernels.quant.pair_cuda.X_PERM": bool,
+        "kernels.quant.pair_cuda.PREFETCH": bool,
+        "kernels.quant.pair_cuda.PDL": bool,
+    }
+
+
 def apply_kernel_settings(items: list[str]) -> dict[str, object]:
-    """Set each ``MODULE.NAME=VALUE`` of `items` (MODULE under kernels/, NAME an existing module-level str /
-    int / float / bool setting such as kernels.quant.nvfp4.GROUPED_KERNEL, VALUE parsed as that setting's
-    type), in order, for the rest of the process: how one run times a kernel choice that is not the default
-    (the modules read these at call time). Returns {MODULE.NAME: value}.
+    """Set each ``MODULE.NAME=VALUE`` of `items` (one of :func:`kernel_settings`, VALUE one of its choices, a
+    bool as true / false, a float >= 0) for the rest of the process: how one run times a kernel choice that
+    is not the default (the modules read these at call time). Every item is checked before any is set.
+    Returns {MODULE.NAME: value}.
 
     Raises:
-        ValueError: an item without "=", a module outside kernels/ or not importable, a name it lacks or whose
-            value is not a str / int / float / bool, a VALUE that does not parse as that type.
+        ValueError: an item without "=", a name outside kernel_settings() (the message lists them), a value
+            it does not take.
     """
     import importlib
+    import math
 
+    allowed = kernel_settings()
     done: dict[str, object] = {}
     for item in items:
-        key, eq, raw = item.partition("=")
-        module_name, _, name = key.strip().rpartition(".")
-        if not eq or not module_name or not name:
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq or not key:
             raise ValueError(f"{item!r}: give MODULE.NAME=VALUE, e.g. kernels.quant.nvfp4.GROUPED_KERNEL=cuda")
-        if module_name.split(".")[0] != "kernels":
-            raise ValueError(f"{item!r}: only settings of kernels/ modules (kernels.<...>.NAME) can be set")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"{item!r}: cannot import {module_name} ({e})") from None
-        old = getattr(module, name, None)
-        if isinstance(old, bool):
+        if key not in allowed:
+            raise ValueError(f"{item!r}: {key} is not a kernel setting this benchmark sets; choose from "
+                             f"{', '.join(allowed)}")
+        kind = allowed[key]
+        if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{item!r}: {key} is a bool; give true or false")
             value: object = raw.lower() in ("true", "1")
-        elif isinstance(old, (str, int, float)):
+        elif kind is float:
             try:
-                value = type(old)(raw)
+                value = float(raw)
             except ValueError:
-                raise ValueError(f"{item!r}: {key} is a {type(old).__name__}; {raw!r} is not one") from None
+                value = math.nan
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{item!r}: {key} is a number >= 0; {raw!r} is not one")
+        elif raw not in kind:
+            raise ValueError(f"{item!r}: {key} must be one of {kind}, got {raw!r}")
         else:
-            raise ValueError(f"{item!r}: {module_name} has no str / int / float / bool setting {name!r}")
-        setattr(module, name, value)
+            value = raw
         done[key] = value
+    for key, value in done.items():
+        module_name, _, name = key.rpartition(".")
+        setattr(importlib.import_module(module_name), name, value)
     return done
 
 
@@ -777,8 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--time-budget-s", type=float, default=None, help="skip the points left after this")
     p.add_argument("--kernel-setting", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="set a module-level kernel choice of kernels/ before any point runs, e.g. "
-                        "kernels.quant.nvfp4.GROUPED_KERNEL=cuda (repeatable; recorded in the JSON's args)")
+                   help="set a kernel choice before any point runs, e.g. kernels.quant.nvfp4.GROUPED_KERNEL=cuda "
+                        "(repeatable; bench_e2e.kernel_settings lists them; recorded in the JSON's args)")
     p.add_argument("--profile", default=None, metavar="MODEL:ARM:BATCH:graphs|eager",
                    help="run only this point under torch.profiler and write its table and trace")
     args = p.parse_args(argv)

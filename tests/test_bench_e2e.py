@@ -370,29 +370,40 @@ def test_part_depth_counts_the_releases_layers():
 
 
 def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys, monkeypatch):
-    """--kernel-setting MODULE.NAME=VALUE sets a kernels/ module's setting as its own type (str, bool, float)
-    before any point runs; a module outside kernels/, a missing name, a value of the wrong type and an item
-    without "=" are refused by name (exit 2, nothing written)."""
+    """--kernel-setting MODULE.NAME=VALUE sets one of bench_e2e.kernel_settings() (a choice of its module's
+    own list, a bool, a float >= 0; spaces around the parts ignored) before any point runs; a name outside
+    the list (another module, a constant, a dunder), a choice the setting does not take, a bad bool or number
+    and an item without "=" are refused by name (exit 2, nothing written), and nothing is set when any item
+    is refused."""
     from benchmarks.bench_e2e import apply_kernel_settings
     from kernels.quant import block_fp8, nvfp4, pair_cuda
 
     for module, name in ((nvfp4, "GROUPED_KERNEL"), (pair_cuda, "PDL"), (pair_cuda, "GROUPED_FORM"),
                          (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT")):
         monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
-    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL=triton",
+    got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL = triton",
                                  "kernels.quant.pair_cuda.PDL=true",
                                  "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4"])
     assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "triton", "kernels.quant.pair_cuda.PDL": True,
                    "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0}
     assert nvfp4.GROUPED_KERNEL == "triton" and pair_cuda.PDL is True
     assert block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT == 4.0
+    form = pair_cuda.GROUPED_FORM
+    with pytest.raises(ValueError, match="GROUPED_KERNEL must be one of"):
+        apply_kernel_settings(["kernels.quant.pair_cuda.GROUPED_FORM=wide",
+                               "kernels.quant.nvfp4.GROUPED_KERNEL=x"])
+    assert pair_cuda.GROUPED_FORM == form  # the first item was not applied either
     out = str(tmp_path / "o")
-    for item, says in (("torch.cuda.FOO=1", "only settings of kernels/ modules"),
-                       ("kernels.quant.nvfp4.NO_SUCH=1", "has no str / int / float / bool setting 'NO_SUCH'"),
+    for item, says in (("torch.cuda.FOO=1", "is not a kernel setting this benchmark sets"),
+                       ("kernels.quant.pair_cuda.ABI=99", "is not a kernel setting"),
+                       ("kernels.quant.nvfp4.__doc__=x", "is not a kernel setting"),
+                       ("kernels.quant.nvfp4.GROUPED_KERNEL=bogus", "must be one of ('triton', 'cuda')"),
+                       ("kernels.quant.nvfp4.GROUPED_KERNEL=", "must be one of"),
+                       ("kernels.quant.pair_cuda.GROUPED_FORM=tall", "must be one of ('split', 'wide'"),
                        ("kernels.quant.pair_cuda.PDL=maybe", "is a bool; give true or false"),
-                       ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=lots", "is a float"),
-                       ("kernels.quant.nvfp4.GROUPED_KERNEL", "give MODULE.NAME=VALUE"),
-                       ("kernels.nope.X=1", "cannot import kernels.nope")):
+                       ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=nan", "is a number >= 0"),
+                       ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=-5", "is a number >= 0"),
+                       ("kernels.quant.nvfp4.GROUPED_KERNEL", "give MODULE.NAME=VALUE")):
         err = _refusal(["--out", out, "--device", "cpu", "--kernel-setting", item], capsys)
         assert says in err, (item, err)
     assert not (tmp_path / "o").exists()
