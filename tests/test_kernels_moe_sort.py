@@ -74,3 +74,36 @@ def test_engine_takes_the_kernel_at_decode_sizes_only(monkeypatch):
     monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: False)
     engine_moe.group_pairs(small, 9)
     assert calls == [12]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, k", [(256, 22), (256, 10), (4, 22), (64, 22)])
+def test_gpu_grouping_and_combine_at_release_sizes_replay_from_a_graph(tokens, k):
+    """On the GPU at the release routings (top-22 / top-10 of 512 experts, the batch-64 verify's 256 tokens
+    and smaller steps): sort_pairs equals its reference bit for bit, and group_pairs + combine_pairs captured
+    in a CUDA graph (no host synchronisation, no host-built tensor) replay to the eager result."""
+    from kernels.moe_gemv import combine_sorted_ref
+
+    E, L = 512, 1024
+    g = torch.Generator(device="cuda").manual_seed(tokens * k)
+    indices = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(tokens)])
+    got = moe_sort.sort_pairs(indices, E)
+    for a, b in zip(got, moe_sort.sort_pairs_ref(indices, E)):
+        assert torch.equal(a, b)
+    y = torch.randn(tokens * k, L, device="cuda", generator=g).bfloat16()
+    weights = torch.rand(tokens, k, device="cuda", generator=g)
+    with torch.no_grad():  # the engine's kernels run outside autograd (use_inference_kernel)
+        assert engine_moe.use_inference_kernel(y)
+        eager = engine_moe.combine_pairs(y, engine_moe.group_pairs(indices, E)[1], weights)
+        want = combine_sorted_ref(y, got[1], weights).float()
+        torch.testing.assert_close(eager.float(), want, rtol=1.6e-2, atol=1.6e-2 * want.abs().max().item())
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            engine_moe.combine_pairs(y, engine_moe.group_pairs(indices, E)[1], weights)  # warm-up, uncaptured
+            with torch.cuda.graph(graph, stream=stream):
+                captured = engine_moe.combine_pairs(y, engine_moe.group_pairs(indices, E)[1], weights)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
