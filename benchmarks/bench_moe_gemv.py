@@ -39,7 +39,9 @@ weights), one row each:
   A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
-``copy`` part), and ``x_floor`` = us / floor_us. Times come from bench_quant_gemm's ``_bench``: CUDA-graph
+``copy`` part), and ``x_floor`` = us / floor_us. Every row runs under torch.inference_mode, as the engine's
+step does (the grouped path's glue then takes its kernels: runners.engine.models.layers.use_inference_kernel).
+Times come from bench_quant_gemm's ``_bench``: CUDA-graph
 replays with L2 flushed before each call (weights from HBM, no launch cost: the engine's captured decode
 step), plus "us_eager" (launched from Python). The summary holds both paths' times and x_floor per point.
 ``--kernels`` adds "kernels_us" to each row of the CUDA kernels (names with ``_cuda``): device microseconds
@@ -362,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     copy = part_copy()  # every row's floor and fraction refer to it
     report["copy"] = copy
-    rows = [r for model in args.models
-            for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats), args.kernels)]
+    import torch
+
+    with torch.inference_mode():  # as the engine's step: the MoE path's glue kernels (use_inference_kernel)
+        rows = [r for model in args.models
+                for r in part_model(model, args.batches, copy["gb_per_s"], tuple(args.formats), args.kernels)]
     report["rows"] = rows
     report["summary"] = summary(rows)
     for key, s in report["summary"].items():
