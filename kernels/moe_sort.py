@@ -5,17 +5,17 @@ The grouped MoE path (runners/engine/models/moe.py's ``moe_experts_grouped``) so
 expert (stable), takes each expert's cumulative row end (the grouped GEMM's ``offsets``) and, after the down
 projection, each pair's row in the sorted order (the combine's ``inverse``). In torch that is a stable
 argsort (a radix sort: about eight launches on CUDA), a gather and a searchsorted, then an arange and a
-scatter: a dozen launches a layer, each on a few thousand integers. Here one launch computes all three by
-counting, with no sort and no atomics:
+scatter: a dozen launches a layer, each on a few thousand integers. Here one program does all three:
 
-    inverse[p] = #{q : expert[q] < expert[p]} + #{q < p : expert[q] = expert[p]}    (stable rank)
-    order[inverse[p]] = p
-    offsets[e] = #{q : expert[q] <= e}
+    key[p] = expert[p] * BLOCK + p       (unique; padding pairs get expert E, after every real pair)
+    sorted = tl.sort(key)                (a bitonic sort in registers and shared memory)
+    order[i] = sorted[i] % BLOCK,  inverse[order[i]] = i
+    offsets = cumsum(histogram(expert))  (tl.histogram over E + 1 bins and more)
 
-Programs below ``pair_blocks`` each rank BLOCK pairs against all P (P^2 comparisons in all: 32 M at the
-batch-64 verify of a top-22 model, P = 5,632), the others each count BLOCK_E experts' row ends. The results
-are integers, exact and independent of the order of the work: the same as the reference, bit for bit. The
-cost grows as P^2, so the engine runs it up to SORT_KERNEL_MAX_PAIRS pairs and the reference above (prefill).
+Sorting the unique keys is a stable sort by expert, so the three tensors are the reference's, bit for bit.
+One program of up to 32 warps holds BLOCK = next_power_of_2(P) keys, so the engine runs it up to
+SORT_KERNEL_MAX_PAIRS pairs (decode and verify steps: 5,632 at the batch-64 verify of a top-22 model) and
+the reference above (prefill).
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ import triton.language as tl
 
 from kernels._common import check_launchable
 
-# Pairs up to which the engine groups by this kernel (runners/engine/models/moe.py): the batch-64 verify of a
-# top-22 model is 5,632 pairs; past the bound (prefill) the reference's radix sort, whose cost grows as P.
+# Pairs up to which the engine groups by this kernel (runners/engine/models/moe.py): one program sorts
+# next_power_of_2(P) keys; past the bound (prefill) the reference's radix sort over all SMs.
 SORT_KERNEL_MAX_PAIRS = 8192
-BLOCK = 128  # pairs per program, and per step of every program's loop over all pairs
-BLOCK_E = 64  # experts per offsets program
+
+
+def sort_pairs_supported(pairs: int, num_experts: int) -> bool:
+    """Whether :func:`sort_pairs` takes ``pairs`` pairs over ``num_experts`` experts: at most
+    SORT_KERNEL_MAX_PAIRS pairs, and every key (expert * BLOCK + pair) an int32."""
+    block = max(16, triton.next_power_of_2(pairs))
+    return pairs <= SORT_KERNEL_MAX_PAIRS and num_experts >= 1 and (num_experts + 1) * block < 2**31
 
 
 def sort_pairs_ref(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,29 +55,18 @@ def sort_pairs_ref(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 @triton.jit
-def _sort_pairs_kernel(expert_ptr, order_ptr, inverse_ptr, offsets_ptr, P, E, pair_blocks,
-                       BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid < pair_blocks:
-        p = pid * BLOCK + tl.arange(0, BLOCK)
-        pmask = p < P
-        e = tl.load(expert_ptr + p, mask=pmask, other=0)
-        rank = tl.zeros((BLOCK,), dtype=tl.int32)
-        for q0 in range(0, P, BLOCK):
-            q = q0 + tl.arange(0, BLOCK)
-            eq = tl.load(expert_ptr + q, mask=q < P, other=0)
-            before = (eq[None, :] < e[:, None]) | ((eq[None, :] == e[:, None]) & (q[None, :] < p[:, None]))
-            rank += tl.sum((before & (q < P)[None, :]).to(tl.int32), axis=1)
-        tl.store(inverse_ptr + p, rank.to(tl.int64), mask=pmask)
-        tl.store(order_ptr + rank, p.to(tl.int64), mask=pmask)
-    else:
-        ex = (pid - pair_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
-        count = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for q0 in range(0, P, BLOCK):
-            q = q0 + tl.arange(0, BLOCK)
-            eq = tl.load(expert_ptr + q, mask=q < P, other=0)
-            count += tl.sum(((eq[None, :] <= ex[:, None]) & (q < P)[None, :]).to(tl.int32), axis=1)
-        tl.store(offsets_ptr + ex, count, mask=ex < E)
+def _sort_pairs_kernel(expert_ptr, order_ptr, inverse_ptr, offsets_ptr, P, E, BLOCK: tl.constexpr,
+                       SHIFT: tl.constexpr, BINS: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    real = i < P
+    expert = tl.load(expert_ptr + i, mask=real, other=E).to(tl.int32)
+    ordered = tl.sort((expert << SHIFT) | i)
+    pair = ordered & (BLOCK - 1)
+    tl.store(order_ptr + i, pair.to(tl.int64), mask=real)  # the P real pairs sort before the padding
+    tl.store(inverse_ptr + pair, i.to(tl.int64), mask=real)
+    ends = tl.cumsum(tl.histogram(expert, BINS), 0)  # padding in bin E, past every stored end
+    bins = tl.arange(0, BINS)
+    tl.store(offsets_ptr + bins, ends.to(tl.int32), mask=bins < E)
 
 
 def sort_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,15 +74,15 @@ def sort_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
     Args:
         indices: [N, k] int64 expert ids in [0, num_experts) (not checked: reading them would synchronise),
-            on CUDA (or on the CPU under TRITON_INTERPRET=1), N * k < 2^31.
+            on CUDA (or on the CPU under TRITON_INTERPRET=1).
         num_experts: E >= 1.
 
     Returns:
         (order int64 [N * k], inverse int64 [N * k], offsets int32 [E]), new tensors. Mutates nothing.
 
     Raises:
-        ValueError: indices not 2-D int64, num_experts < 1, too many pairs, CPU tensors without the
-            interpreter.
+        ValueError: indices not 2-D int64, num_experts < 1, more pairs or experts than
+            :func:`sort_pairs_supported` takes, CPU tensors without the interpreter.
     """
     name = "sort_pairs"
     if indices.dim() != 2 or indices.dtype != torch.int64:
@@ -96,15 +90,18 @@ def sort_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     if num_experts < 1:
         raise ValueError(f"{name}: num_experts must be >= 1, got {num_experts}")
     P = indices.numel()
-    if P >= 2**31:
-        raise ValueError(f"{name}: {P} pairs exceed int32 ranks; use sort_pairs_ref")
+    if not sort_pairs_supported(P, num_experts):
+        raise ValueError(f"{name}: {P} pairs over {num_experts} experts is past what one program sorts (at most "
+                         f"{SORT_KERNEL_MAX_PAIRS} pairs, int32 keys); use sort_pairs_ref")
     check_launchable(indices, name=name)
     expert = indices.contiguous().view(-1)
     order = torch.empty(P, dtype=torch.int64, device=indices.device)
     inverse = torch.empty_like(order)
-    offsets = torch.empty(num_experts, dtype=torch.int32, device=indices.device)
-    pair_blocks = triton.cdiv(P, BLOCK)
-    grid = (pair_blocks + triton.cdiv(num_experts, BLOCK_E),)
-    _sort_pairs_kernel[grid](expert, order, inverse, offsets, P, num_experts, pair_blocks, BLOCK=BLOCK,
-                             BLOCK_E=BLOCK_E, num_warps=4)
+    offsets = torch.zeros(num_experts, dtype=torch.int32, device=indices.device)
+    if P == 0:
+        return order, inverse, offsets
+    block = max(16, triton.next_power_of_2(P))
+    _sort_pairs_kernel[(1,)](expert, order, inverse, offsets, P, num_experts, BLOCK=block,
+                             SHIFT=block.bit_length() - 1, BINS=max(16, triton.next_power_of_2(num_experts + 1)),
+                             num_warps=min(32, max(4, block // 256)))
     return order, inverse, offsets

@@ -1,6 +1,7 @@
 """kernels/moe_sort.py: the pairs grouped by expert in one launch against the torch reference (bit for bit:
 the results are integers), and the engine's choice between them (runners/engine/models/moe.py group_pairs).
-Without CUDA the kernel runs in the Triton interpreter."""
+Without CUDA the kernel runs in the Triton interpreter (its bitonic sort is slow there: the cases stay at up
+to 2,048 keys)."""
 
 from __future__ import annotations
 
@@ -56,16 +57,23 @@ def test_no_pairs_and_bad_arguments():
         moe_sort.sort_pairs(torch.zeros(6, dtype=torch.long, device=DEVICE), 4)
     with pytest.raises(ValueError, match="num_experts must be >= 1"):
         moe_sort.sort_pairs(torch.zeros(2, 3, dtype=torch.long, device=DEVICE), 0)
+    too_many = moe_sort.SORT_KERNEL_MAX_PAIRS + 1
+    assert moe_sort.sort_pairs_supported(too_many - 1, 512)
+    assert not moe_sort.sort_pairs_supported(too_many, 512)
+    assert not moe_sort.sort_pairs_supported(16, 2**27)  # keys past int32
+    with pytest.raises(ValueError, match="past what one program sorts"):
+        moe_sort.sort_pairs(torch.zeros(too_many, 1, dtype=torch.long, device=DEVICE), 4)
 
 
 def test_engine_takes_the_kernel_at_decode_sizes_only(monkeypatch):
-    """group_pairs runs the kernel where use_inference_kernel holds and P <= SORT_KERNEL_MAX_PAIRS, the
-    reference past the bound (prefill) and where the kernels are off; the same tensors either way."""
+    """group_pairs runs the kernel where use_inference_kernel holds and sort_pairs_supported takes the size
+    (P <= SORT_KERNEL_MAX_PAIRS), the reference past the bound (prefill) and where the kernels are off; the
+    same tensors either way."""
     calls = []
     real = moe_sort.sort_pairs
     monkeypatch.setattr(engine_moe, "sort_pairs", lambda *a: calls.append(a[0].numel()) or real(*a))
     monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: True)
-    monkeypatch.setattr(engine_moe, "SORT_KERNEL_MAX_PAIRS", 12)
+    monkeypatch.setattr(moe_sort, "SORT_KERNEL_MAX_PAIRS", 12)
     small, large = _indices(4, 3, 9, seed=1), _indices(5, 3, 9, seed=2)
     for indices in (small, large):
         got = engine_moe.group_pairs(indices, 9)

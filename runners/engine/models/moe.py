@@ -54,7 +54,7 @@ from torch import nn
 from kernels.activation import relu2, silu_mul
 from kernels.moe_combine import shared_gate_combine, shared_gate_combine_ref
 from kernels.moe_gemv import ACT_CODES, combine_sorted, combine_sorted_ref, moe_gemv
-from kernels.moe_sort import SORT_KERNEL_MAX_PAIRS, sort_pairs, sort_pairs_ref
+from kernels.moe_sort import sort_pairs, sort_pairs_ref, sort_pairs_supported
 from kernels.router import (
     ROUTER_FUSED_DTYPES,
     ROUTER_FUSED_MAX_TOKENS,
@@ -137,8 +137,9 @@ def moe_experts_ref(
 
 def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert, on the device: kernels.moe_sort.sort_pairs (one launch)
-    where :func:`use_inference_kernel` holds and there are at most SORT_KERNEL_MAX_PAIRS pairs (decode and
-    verify steps), else its reference (a radix sort; prefill). Both give the same tensors.
+    where :func:`use_inference_kernel` holds and kernels.moe_sort.sort_pairs_supported takes the size (up to
+    SORT_KERNEL_MAX_PAIRS pairs: decode and verify steps), else its reference (a radix sort; prefill). Both
+    give the same tensors.
 
     Args:
         indices: [N, k] int64 expert ids in [0, num_experts).
@@ -149,7 +150,7 @@ def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
         ``offsets[e]`` = number of pairs routed to experts <= e (the end of expert e's group in ``order``;
         ``torch._grouped_mm``'s ``offs``). No host synchronisation.
     """
-    if use_inference_kernel(indices) and indices.numel() <= SORT_KERNEL_MAX_PAIRS:
+    if use_inference_kernel(indices) and sort_pairs_supported(indices.numel(), num_experts):
         return sort_pairs(indices, num_experts)
     return sort_pairs_ref(indices, num_experts)
 
