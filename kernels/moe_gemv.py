@@ -386,7 +386,7 @@ def combine_sorted_ref(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tenso
         [N, L] in y's dtype. Pure function.
     """
     N, k = weights.shape
-    return (y.index_select(0, rows).view(N, k, -1).float() * weights[..., None]).sum(dim=1).to(y.dtype)
+    return (y.index_select(0, rows).view(N, k, y.shape[1]).float() * weights[..., None]).sum(dim=1).to(y.dtype)
 
 
 def combine_sorted(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

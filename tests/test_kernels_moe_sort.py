@@ -79,6 +79,8 @@ def test_engine_takes_the_kernel_at_decode_sizes_only(monkeypatch):
         got = engine_moe.group_pairs(indices, 9)
         assert all(torch.equal(g, w) for g, w in zip(got, moe_sort.sort_pairs_ref(indices, 9)))
     assert calls == [12]
+    engine_moe.group_pairs(small.int(), 9)  # int32 ids: the reference (the kernel takes int64)
+    assert calls == [12]
     monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: False)
     engine_moe.group_pairs(small, 9)
     assert calls == [12]

@@ -345,3 +345,7 @@ def test_grouped_path_with_its_kernels_equals_the_references(fmt, monkeypatch):
     calls.clear()
     _close(moe_experts_grouped(*args), want, torch.bfloat16)  # no name: act itself, the combine kernel
     assert calls == ["combine_sorted"]
+    calls.clear()
+    monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: False)  # autograd, torch.compile
+    assert torch.equal(moe_experts_grouped(*args, activation=act), want)
+    assert calls == []

@@ -20,13 +20,14 @@ width (the latent size for NemotronH's latent MoE, the hidden size otherwise), I
 
 - :func:`moe_experts_ref`: a Python loop over experts with the per-expert token counts read on the host
   (``.tolist()``); the specification the tests hold the fused path to.
-- :func:`moe_experts_fused`: the N * k (token, expert) pairs are sorted by expert on the device (a stable
-  ``torch.argsort``), each expert's group end is found with ``torch.searchsorted`` over the sorted ids (int32
-  offsets; ``torch.bincount`` would size its output from the data), and each projection is one
-  ``torch._grouped_mm`` over the sorted rows, the layout torchtitan's MoE uses (tokens sorted by expert,
-  offsets on the device; torchtitan/models/moe). The results return to pair order through a gather with the
-  inverse permutation and are summed over the k choices in float32. Nothing reads a device value on the host
-  and every shape follows from N, k and the weights, so the step can be captured in a CUDA graph.
+- :func:`moe_experts_fused`: the N * k (token, expert) pairs are grouped by expert on the device
+  (:func:`group_pairs`: a stable sort, each expert's group end as int32 offsets, each pair's position; one
+  Triton launch at decode sizes, else ``torch.argsort`` and ``torch.searchsorted``: ``torch.bincount`` would
+  size its output from the data), and each projection is one ``torch._grouped_mm`` over the sorted rows, the
+  layout torchtitan's MoE uses (tokens sorted by expert, offsets on the device; torchtitan/models/moe). The
+  rows return to their tokens weighted and summed over the k choices in float32 (:func:`combine_pairs`).
+  Nothing reads a device value on the host and every shape follows from N, k and the weights, so the step can
+  be captured in a CUDA graph.
 
 At decode sizes (N * k <= :data:`MOE_GEMV_MAX_PAIRS` pairs, CUDA, an activation kernels/moe_gemv.py fuses,
 named by the caller)
@@ -137,9 +138,9 @@ def moe_experts_ref(
 
 def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert, on the device: kernels.moe_sort.sort_pairs (one launch)
-    where :func:`use_inference_kernel` holds and kernels.moe_sort.sort_pairs_supported takes the size (up to
-    SORT_KERNEL_MAX_PAIRS pairs: decode and verify steps), else its reference (a radix sort; prefill). Both
-    give the same tensors.
+    where :func:`use_inference_kernel` holds, the ids are int64 and kernels.moe_sort.sort_pairs_supported
+    takes the size (up to SORT_KERNEL_MAX_PAIRS pairs: decode and verify steps), else its reference (a radix
+    sort; prefill). Both give the same tensors.
 
     Args:
         indices: [N, k] int64 expert ids in [0, num_experts).
@@ -150,7 +151,8 @@ def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
         ``offsets[e]`` = number of pairs routed to experts <= e (the end of expert e's group in ``order``;
         ``torch._grouped_mm``'s ``offs``). No host synchronisation.
     """
-    if use_inference_kernel(indices) and sort_pairs_supported(indices.numel(), num_experts):
+    if (use_inference_kernel(indices) and indices.dtype == torch.int64
+            and sort_pairs_supported(indices.numel(), num_experts)):
         return sort_pairs(indices, num_experts)
     return sort_pairs_ref(indices, num_experts)
 
@@ -158,9 +160,9 @@ def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 def combine_pairs(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[n] = sum_j weights[n, j] * y[inverse[n * k + j]] in float32, in y's dtype: the routed experts' rows
     (expert-sorted, [P, L]) back to their tokens. kernels.moe_gemv.combine_sorted (one launch) where
-    :func:`use_inference_kernel` holds, else its reference."""
-    combine = combine_sorted if use_inference_kernel(y) else combine_sorted_ref
-    return combine(y, inverse, weights.float())
+    :func:`use_inference_kernel` holds and y is float32 / bfloat16 / float16, else its reference."""
+    kernel = use_inference_kernel(y) and y.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (combine_sorted if kernel else combine_sorted_ref)(y, inverse, weights.float())
 
 
 def grouped_mm_supported(x: torch.Tensor, *stacked: torch.Tensor) -> bool:
