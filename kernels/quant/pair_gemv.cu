@@ -673,6 +673,25 @@ __global__ void NVP_BOUNDS grouped_gemv_kernel(const Params p) {
   }
 }
 
+// The wide and pipelined forms' store of one warp's 16 rows for NG token groups from tok0: lane (g, t) holds
+// rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t and 8 grp + 2t + 1; each sum times
+// `fold` rounded to bf16 once; tokens from `end` on and rows from NOUT on are not stored.
+template <int NG>
+__device__ inline void store_warp_tile(const Params& p, const float (&acc)[NG][4], int64_t tok0, int64_t end,
+                                       float fold, int64_t n0, int g, int t) {
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t tk = tok0 + 8 * grp + 2 * t + i;
+      if (tk >= end) continue;
+      if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
+      if (n0 + g + 8 < p.NOUT)
+        p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
+    }
+  }
+}
+
 // Output rows per CTA of the wide grouped form: one MMA tile of 16 rows per warp.
 constexpr int kWideRows = kRows * kWarps;
 
@@ -760,18 +779,20 @@ __global__ void NVP_BOUNDS grouped_wide_kernel(const Params p) {
         }
       }
     }
-    // lane (g, t) holds rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t, 8 grp + 2t + 1
+    store_warp_tile<kGroups>(p, acc, tok0, end, fold, n0, g, t);
+  }
+}
+
+// acc[grp] += the decoded chunk A times group grp's x, for NG groups: F::mma_decoded, or with XP (x's columns
+// stored permuted, pair_cuda.X_PERM) F::mma_decoded_xperm.
+template <class F, int NG, bool XP>
+__device__ inline void mma_groups(float (&acc)[NG][4], const uint32_t (&A)[8][4], const U4 (&x)[NG][4], float s) {
 #pragma unroll
-    for (int grp = 0; grp < kGroups; ++grp) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t tk = tok0 + 8 * grp + 2 * t + i;
-        if (tk >= end) continue;
-        if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
-        if (n0 + g + 8 < p.NOUT)
-          p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
-      }
-    }
+  for (int grp = 0; grp < NG; ++grp) {
+    if constexpr (XP)
+      F::mma_decoded_xperm(acc[grp], A, x[grp], s);
+    else
+      F::mma_decoded(acc[grp], A, x[grp], s);
   }
 }
 
@@ -810,13 +831,7 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
       for (int grp = 0; grp < NG; ++grp) load_x(xr[grp], c0, x[grp]);
       uint32_t A[8][4];
       F::decode(cur[j], A);
-#pragma unroll
-      for (int grp = 0; grp < NG; ++grp) {
-        if constexpr (XP)
-          F::mma_decoded_xperm(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
-        else
-          F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(cur[j]));
-      }
+      mma_groups<F, NG, XP>(acc, A, x, F::chunk_scale(cur[j]));
     }
     cur[0] = nxt[0];
     cur[1] = nxt[1];
@@ -838,25 +853,9 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
     }
     uint32_t A[8][4];
     F::decode(c, A);
-#pragma unroll
-    for (int grp = 0; grp < NG; ++grp) {
-      if constexpr (XP)
-        F::mma_decoded_xperm(acc[grp], A, x[grp], F::chunk_scale(c));
-      else
-        F::mma_decoded(acc[grp], A, x[grp], F::chunk_scale(c));
-    }
+    mma_groups<F, NG, XP>(acc, A, x, F::chunk_scale(c));
   }
-#pragma unroll
-  for (int grp = 0; grp < NG; ++grp) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t tk = tok0 + 8 * grp + 2 * t + i;
-      if (tk >= end) continue;
-      if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
-      if (n0 + g + 8 < p.NOUT)
-        p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
-    }
-  }
+  store_warp_tile<NG>(p, acc, tok0, end, fold, n0, g, t);
 }
 
 // The grouped form, pipelined (GROUPED_FORM "pipelined"): grouped_wide_kernel's grid and rows (one CTA per 64
