@@ -713,6 +713,7 @@ def kernel_settings() -> dict[str, object]:
         "kernels.quant.pair_cuda.X_PERM": bool,
         "kernels.quant.pair_cuda.PREFETCH": bool,
         "kernels.quant.pair_cuda.PDL": bool,
+        "runners.engine.models.moe.GLUE_KERNELS": bool,
     }
 
 

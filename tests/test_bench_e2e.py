@@ -377,16 +377,19 @@ def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys
     is refused."""
     from benchmarks.bench_e2e import apply_kernel_settings
     from kernels.quant import block_fp8, nvfp4, pair_cuda
+    from runners.engine.models import moe
 
     for module, name in ((nvfp4, "GROUPED_KERNEL"), (pair_cuda, "PDL"), (pair_cuda, "GROUPED_FORM"),
-                         (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT")):
+                         (block_fp8, "GROUPED_CUDA_MIN_ROWS_PER_EXPERT"), (moe, "GLUE_KERNELS")):
         monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
     got = apply_kernel_settings(["kernels.quant.nvfp4.GROUPED_KERNEL = triton",
                                  "kernels.quant.pair_cuda.PDL=true",
-                                 "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4"])
+                                 "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=4",
+                                 "runners.engine.models.moe.GLUE_KERNELS=false"])
     assert got == {"kernels.quant.nvfp4.GROUPED_KERNEL": "triton", "kernels.quant.pair_cuda.PDL": True,
-                   "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0}
-    assert nvfp4.GROUPED_KERNEL == "triton" and pair_cuda.PDL is True
+                   "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 4.0,
+                   "runners.engine.models.moe.GLUE_KERNELS": False}
+    assert nvfp4.GROUPED_KERNEL == "triton" and pair_cuda.PDL is True and moe.GLUE_KERNELS is False
     assert block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT == 4.0
     form = pair_cuda.GROUPED_FORM
     with pytest.raises(ValueError, match="GROUPED_KERNEL must be one of"):

@@ -67,8 +67,8 @@ def test_no_pairs_and_bad_arguments():
 
 def test_engine_takes_the_kernel_at_decode_sizes_only(monkeypatch):
     """group_pairs runs the kernel where use_inference_kernel holds and sort_pairs_supported takes the size
-    (P <= SORT_KERNEL_MAX_PAIRS), the reference past the bound (prefill) and where the kernels are off; the
-    same tensors either way."""
+    (P <= SORT_KERNEL_MAX_PAIRS), the reference past the bound (prefill), where the kernels are off and where
+    GLUE_KERNELS is off; the same tensors either way."""
     calls = []
     real = moe_sort.sort_pairs
     monkeypatch.setattr(engine_moe, "sort_pairs", lambda *a: calls.append(a[0].numel()) or real(*a))
@@ -81,6 +81,10 @@ def test_engine_takes_the_kernel_at_decode_sizes_only(monkeypatch):
     assert calls == [12]
     engine_moe.group_pairs(small.int(), 9)  # int32 ids: the reference (the kernel takes int64)
     assert calls == [12]
+    monkeypatch.setattr(engine_moe, "GLUE_KERNELS", False)  # bench_e2e --kernel-setting's switch
+    engine_moe.group_pairs(small, 9)
+    assert calls == [12]
+    monkeypatch.setattr(engine_moe, "GLUE_KERNELS", True)
     monkeypatch.setattr(engine_moe, "use_inference_kernel", lambda x: False)
     engine_moe.group_pairs(small, 9)
     assert calls == [12]

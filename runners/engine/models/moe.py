@@ -77,6 +77,11 @@ GATHER_CHUNK_BYTES = 256 * 2**20
 # Qwen3-Next's top-10): the GEMV is faster than the grouped GEMM at every point measured up to it
 # (docs/kernel_performance.md, "Quantized formats: where each path takes over").
 MOE_GEMV_MAX_PAIRS = 8 * 22
+# Whether the grouped MoE path's glue runs as kernels where use_inference_kernel holds: the expert grouping
+# (kernels/moe_sort.py), the activation (kernels/activation.py) and the combine (kernels/moe_gemv.py), one
+# launch each; False keeps their references (several launches each; the same values). Read at call time, so
+# that benchmarks/bench_e2e.py --kernel-setting times both in one run.
+GLUE_KERNELS = True
 # The routed experts' projections, in the order of the MoE block's experts_<kind> parameters (gate: gated
 # activations only).
 EXPERT_KINDS = ("up", "gate", "down")
@@ -138,9 +143,9 @@ def moe_experts_ref(
 
 def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, choice) pairs by expert, on the device: kernels.moe_sort.sort_pairs (one launch)
-    where :func:`use_inference_kernel` holds, the ids are int64 and kernels.moe_sort.sort_pairs_supported
-    takes the size (up to SORT_KERNEL_MAX_PAIRS pairs: decode and verify steps), else its reference (a radix
-    sort; prefill). Both give the same tensors.
+    where :data:`GLUE_KERNELS` is on, :func:`use_inference_kernel` holds, the ids are int64 and
+    kernels.moe_sort.sort_pairs_supported takes the size (up to SORT_KERNEL_MAX_PAIRS pairs: decode and verify
+    steps), else its reference (a radix sort; prefill). Both give the same tensors.
 
     Args:
         indices: [N, k] int64 expert ids in [0, num_experts).
@@ -151,7 +156,7 @@ def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
         ``offsets[e]`` = number of pairs routed to experts <= e (the end of expert e's group in ``order``;
         ``torch._grouped_mm``'s ``offs``). No host synchronisation.
     """
-    if (use_inference_kernel(indices) and indices.dtype == torch.int64
+    if (GLUE_KERNELS and use_inference_kernel(indices) and indices.dtype == torch.int64
             and sort_pairs_supported(indices.numel(), num_experts)):
         return sort_pairs(indices, num_experts)
     return sort_pairs_ref(indices, num_experts)
@@ -160,8 +165,10 @@ def group_pairs(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 def combine_pairs(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[n] = sum_j weights[n, j] * y[inverse[n * k + j]] in float32, in y's dtype: the routed experts' rows
     (expert-sorted, [P, L]) back to their tokens. kernels.moe_gemv.combine_sorted (one launch) where
-    :func:`use_inference_kernel` holds and y is float32 / bfloat16 / float16, else its reference."""
-    kernel = use_inference_kernel(y) and y.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    :data:`GLUE_KERNELS` is on, :func:`use_inference_kernel` holds and y is float32 / bfloat16 / float16, else
+    its reference."""
+    kernel = (GLUE_KERNELS and use_inference_kernel(y)
+              and y.dtype in (torch.float32, torch.bfloat16, torch.float16))
     return (combine_sorted if kernel else combine_sorted_ref)(y, inverse, weights.float())
 
 
@@ -277,8 +284,9 @@ def moe_experts_grouped(
     each projection is ``grouped_mm(x [P, in] sorted by expert, kind, offsets [E] int32 cumulative ends) ->
     [P, out]``, the results are summed over the k choices in float32 in one pass over the sorted rows
     (:func:`combine_pairs`); as :func:`moe_experts_fused`: no host synchronisation when ``grouped_mm`` has
-    none. Where :func:`use_inference_kernel` holds, the activation named ``activation`` ("relu2", or "silu"
-    gated) is one launch (kernels/activation.py's relu2 / silu_mul, as :class:`MLP`); elsewhere ``act``.
+    none. Where :data:`GLUE_KERNELS` is on and :func:`use_inference_kernel` holds, the activation named
+    ``activation`` ("relu2", or "silu" gated) is one launch (kernels/activation.py's relu2 / silu_mul, as
+    :class:`MLP`); elsewhere ``act``.
 
     Args:
         h: [N, L]. weights: [N, k] float32. indices: [N, k] int64. kinds: ("up", "down") or ("up", "gate",
@@ -290,7 +298,7 @@ def moe_experts_grouped(
     n, k = indices.shape
     order, inverse, offsets = group_pairs(indices, num_experts)
     x = h.index_select(0, order // k)  # [P, L]
-    kernel = use_inference_kernel(x)
+    kernel = GLUE_KERNELS and use_inference_kernel(x)
     if "gate" in kinds:
         g, u = grouped_mm(x, "gate", offsets), grouped_mm(x, "up", offsets)
         fused = kernel and activation == "silu" and g.shape == u.shape and g.dtype == u.dtype
