@@ -157,39 +157,17 @@ extern "C" __attribute__((visibility("default"))) long long nvp_host_records(int
   return static_cast<long long>(host_records[kind].size());
 }
 
+// nvp_launch / nvp_launch_grouped on the host: the same nvp::dispatch; 1 (cudaErrorInvalidValue's place) where
+// it has no kernel.
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
-  if (p.fmt == 0 && p.gated)
-    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::Nvfp4, true>);
-  else if (p.fmt == 0)
-    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::Nvfp4, false>);
-  else if (p.gated)
-    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::BlockFp8, true>);
-  else
-    run_grid(p, p.P, nvp::pair_gemv_kernel<nvp::BlockFp8, false>);
-  return 0;
+  return nvp::dispatch(p, false, [&](auto kernel, long long rows) { run_grid(p, p.P, kernel, rows); }) ? 0 : 1;
 }
 
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(void* const* ptrs,
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != 0)))
-    return 1;  // nvp_launch_grouped's cudaErrorInvalidValue
-  if (p.form == 2 && p.fmt == 0 && p.xperm)
-    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4, true>, nvp::kWideRows);
-  else if (p.form == 2 && p.fmt == 0)
-    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::Nvfp4, false>, nvp::kWideRows);
-  else if (p.form == 2)
-    run_grid(p, p.E, nvp::grouped_pipelined_kernel<nvp::BlockFp8, false>, nvp::kWideRows);
-  else if (p.form == 1 && p.fmt == 0)
-    run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::Nvfp4>, nvp::kWideRows);
-  else if (p.form == 1)
-    run_grid(p, p.E, nvp::grouped_wide_kernel<nvp::BlockFp8>, nvp::kWideRows);
-  else if (p.fmt == 0)
-    run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::Nvfp4>);
-  else
-    run_grid(p, p.E, nvp::grouped_gemv_kernel<nvp::BlockFp8>);
-  return 0;
+  return nvp::dispatch(p, true, [&](auto kernel, long long rows) { run_grid(p, p.E, kernel, rows); }) ? 0 : 1;
 }

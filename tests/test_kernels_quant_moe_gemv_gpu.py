@@ -17,6 +17,7 @@ import pytest
 import torch
 from gpu_memory import random_quantized_experts
 
+from kernels.moe_gemv import ACT_CODES, act_ref
 from kernels.quant import block_fp8 as bf8
 from kernels.quant import nvfp4 as nf4
 from kernels.quant import pair_cuda
@@ -335,3 +336,44 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
             monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
+
+
+@pytest.mark.parametrize("rows_per_expert", (1, 11))
+def test_nvfp4_repacked_kernels_vs_reference_and_the_natural_kernels(rows_per_expert):
+    """Format "nvfp4_repacked" (kernels.quant.nvfp4.repack_codes: the codes' bits moved inside each word for a
+    cheaper decode) at Super V3's released expert shapes: the grouped pipelined kernel (about 1 and 11 rows
+    per expert) and the per-pair kernel (relu2 up projection, 8 tokens at top-22) on repacked codes against
+    the reference of the natural codes and the natural kernels, within two bf16 ulps; the same bits on a
+    second call and replayed from a CUDA graph."""
+    up = _experts("super_v3")[0]
+    packed = (nf4.repack_codes(up[0]), *up[1:])
+    E, K = up[0].shape[0], 2 * up[0].shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(rows_per_expert + 70)
+    counts = torch.randint(0, 2 * rows_per_expert + 1, (E,), device="cuda", generator=gen)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(offsets[-1]), K, device="cuda", generator=gen).to(torch.bfloat16)
+    assert pair_cuda.grouped_unsupported("nvfp4_repacked", x, packed, offsets) is None
+    got = pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)
+    _close(got, nf4.nvfp4_grouped_mm_ref(x, *up, offsets))
+    _close(got, pair_cuda.grouped_mm("nvfp4", x, up, offsets))
+    assert torch.equal(pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets), got)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)  # warm-up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got)
+    h, _, indices = _inputs("super_v3", 8, seed=rows_per_expert + 71)
+    idx = indices.flatten()
+    act = ACT_CODES["relu2"]
+    launch = lambda fmt, w: pair_cuda.launch_pair(fmt, h, idx, w, None, torch.bfloat16, 22, act)[0]
+    pair, natural = launch("nvfp4_repacked", packed), launch("nvfp4", up)
+    _close(pair, natural)
+    want = act_ref(torch.stack([nf4.nvfp4_linear_ref(h[p // 22:p // 22 + 1], up[0][e], up[1][e], up[2][e])[0]
+                                for p, e in enumerate(idx.tolist())]), "relu2")
+    _close(pair, want)
+    assert torch.equal(launch("nvfp4_repacked", packed), pair)

@@ -139,6 +139,69 @@ def test_host_emulated_kernel_matches_the_dequantizing_reference(host_lib, case)
     assert (got == want).float().mean() > 0.9
 
 
+def _repacked(w):
+    return (nf4.repack_codes(w[0]), *w[1:])
+
+
+def test_repacked_codes_decode_to_each_column_pair():
+    """kernels.quant.nvfp4.repack_codes is a bit permutation of each 32-bit word (REPACK_BITS covers the 32
+    bits once; unrepack_codes undoes it), and the .cu's four decodes of a repacked word (Nvfp4Repacked::pair,
+    written out here in Python) give column pair (2j, 2j + 1) as bf16x2 halves with the code's magnitude at
+    bits 6-8 and its sign at bit 15, nothing else set, for every code in every column; a K that is not whole
+    words is refused."""
+    assert sorted(b for bits in nf4.REPACK_BITS for b in bits) == list(range(32))
+    i = torch.arange(256)
+    # every byte value at every byte of a word (every code in every column): 2 experts x 16 rows x 8 words
+    codes = torch.stack([(i + 37 * j) % 256 for j in range(4)], dim=-1).to(torch.uint8).reshape(2, 16, 32)
+    packed = nf4.repack_codes(codes)
+    assert packed.shape == codes.shape and packed.dtype == torch.uint8 and not torch.equal(packed, codes)
+    assert torch.equal(nf4.unrepack_codes(packed), codes)
+    mask = 0x81C081C0
+
+    def rotl(v, r):
+        return ((v << r) | (v >> (32 - r))) & 0xFFFFFFFF
+
+    def word(b):
+        return int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
+
+    natural = nf4.nvfp4_unpack(codes).reshape(-1, 8)  # codes of 8 columns per word
+    for v, cols in zip((word(b) for b in packed.reshape(-1, 4)), natural.tolist()):
+        pairs = (v & mask, (v << 4) & mask, rotl(v, 10) & mask,
+                 ((v << 6) & 0x80C080C0) | ((v >> 2) & 0x01000100))
+        for j, out in enumerate(pairs):
+            for h in range(2):
+                half, code = (out >> (16 * h)) & 0xFFFF, cols[2 * j + h]
+                assert half & ~0x81C0 == 0
+                assert (half >> 6) & 7 == code & 7 and half >> 15 == code >> 3
+    with pytest.raises(ValueError, match="K % 8 == 0"):
+        nf4.repack_codes(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", list(CASES))
+def test_host_emulated_repacked_kernel_matches_the_natural_one(host_lib, case):
+    """Format "nvfp4_repacked" (the codes repacked at load time, the cheaper decode, x's words unpermuted):
+    the per-pair kernel on repacked codes against the dequantizing reference of the natural codes, as the
+    natural kernel is held to, and against the natural kernel (the MMAs pair other columns: fp32 order
+    only)."""
+    E, N, K, P, topk, act, gated, strided = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    w = _experts(E, N, K, gen)
+    w2 = _experts(E, N, K, gen) if gated else None
+    x = (torch.randn(P // topk, K + (64 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
+    idx = torch.randint(0, E, (P,), generator=gen)
+    assert pair_cuda.unsupported("nvfp4_repacked", x, w, w2, P) == "CUDA tensors only, got cpu"
+    got = _host_launch(host_lib, x, idx, _repacked(w), w2 and _repacked(w2), topk, act, fmt="nvfp4_repacked")
+    want = _projection_ref(x, idx, w, w2, topk, act)
+    natural = _host_launch(host_lib, x, idx, w, w2, topk, act)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
+    assert (got == want).float().mean() > 0.9
+    assert (got == natural).float().mean() > 0.9
+    # the natural codes read as repacked are other weights: the format code does change the decode
+    assert not torch.equal(_host_launch(host_lib, x, idx, w, w2, topk, act, fmt="nvfp4_repacked"), natural)
+
+
 @needs_gxx
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_host_emulated_block_fp8_kernel_matches_the_dequantizing_reference(host_lib, case):
@@ -443,6 +506,42 @@ def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host
     _host_grouped(host_lib, "nvfp4", x, w, offsets, form="wide", x_permuted=True, rc=1)
     f8 = _fp8_experts(E, N, K, gen)
     _host_grouped(host_lib, "block_fp8", x, f8, offsets, form="pipelined", x_permuted=True, rc=1)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
+def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(host_lib, case):
+    """Format "nvfp4_repacked" in the grouped kernel: the pipelined form on repacked codes against the
+    grouped reference of the natural codes (rows past offsets[-1] unwritten), and the natural pipelined kernel
+    (fp32 order only); its code loads stay one per lane, row tile, chunk and pass of 16 rows; the other forms
+    and X_PERM are refused for it (cudaErrorInvalidValue's place in the harness: 1)."""
+    _, E, N, K, counts = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(13)
+    w = _experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    wr = _repacked(w)
+    host_lib.nvp_host_record(1)
+    got = _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="pipelined")
+    loads = _recorded(host_lib, 0)
+    host_lib.nvp_host_record(0)
+    assert got[P:].isnan().all()
+    got = got[:P]
+    want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)[:P]
+    natural = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined")[:P]
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
+    assert (got == want).float().mean() > 0.9
+    assert (got == natural).float().mean() > 0.9
+    ranges = [_byte_range(t) for t in (x, offsets, *wr)]
+    assert all(any(lo <= a < hi for lo, hi in ranges) for a in loads)
+    lo, hi = _byte_range(wr[0])
+    passes = sum(-(-c // ROWS_PER_PASS["pipelined"]) for c in counts)
+    assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * 32 * 2
+    for form in ("split", "wide"):
+        _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form=form, rc=1)
+    _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="pipelined", x_permuted=True, rc=1)
 
 
 def test_permute_x_columns_moves_each_group_of_8_columns():

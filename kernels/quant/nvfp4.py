@@ -157,6 +157,66 @@ def nvfp4_pack(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
+# The repacked code word (format "nvfp4_repacked" of kernels/quant/pair_cuda.py, read by pair_gemv.cu's
+# Nvfp4Repacked): the same 8 columns of one row per 32-bit little-endian word as the natural layout (byte j
+# holds columns 2j, 2j + 1), with bit b of column c's code (b 0-2 the magnitude, 3 the sign) moved to bit
+# REPACK_BITS[c][b]. Each column pair (2j, 2j + 1) then decodes to a bf16x2 (magnitudes at bits 6-8 / 22-24,
+# signs at 15 / 31) in one to four integer operations: v & M, (v << 4) & M, rotl(v, 10) & M and
+# ((v << 6) & 0x80C080C0) | ((v >> 2) & 0x01000100), M = 0x81C081C0 (the .cu's Nvfp4Repacked::pair).
+REPACK_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
+               (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25))
+
+
+def _code_words(weight: torch.Tensor, name: str) -> torch.Tensor:
+    if weight.dtype != torch.uint8 or weight.shape[-1] % 4:
+        raise ValueError(f"{name}: codes must be uint8 [..., K/2] with K % 8 == 0 (whole 32-bit words), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    b = weight.reshape(*weight.shape[:-1], -1, 4).long()
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # int64 [..., K/8]
+
+
+def _word_bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8).reshape(like.shape)
+
+
+def _move_bits(words: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
+    out = torch.zeros_like(words)
+    for a, b in zip(src, dst):
+        out |= ((words >> a) & 1) << b
+    return out
+
+
+def repack_codes(weight: torch.Tensor) -> torch.Tensor:
+    """NVFP4 codes in the natural layout -> the repacked layout the CUDA kernels' "nvfp4_repacked" format reads
+    (REPACK_BITS: a bit permutation inside each 32-bit word; shapes, word addresses and the scales unchanged).
+    Load-time work (a few elementwise passes over the codes). Source of the idea: Marlin's load-time weight
+    repacking (Frantar et al., PPoPP 2025); the bit map is this project's.
+
+    Args:
+        weight: uint8 [..., K/2] (element 2j in the low nibble), K % 8 == 0.
+
+    Returns:
+        a new uint8 tensor of weight's shape, on its device. Mutates nothing.
+
+    Raises:
+        ValueError: not uint8, or K not a multiple of 8.
+    """
+    words = _code_words(weight, "repack_codes")
+    src = [4 * c + b for c in range(8) for b in range(4)]
+    return _word_bytes(_move_bits(words, src, [d for bits in REPACK_BITS for d in bits]), weight)
+
+
+def unrepack_codes(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`repack_codes`: repacked codes -> the natural layout (uint8, weight's shape).
+
+    Raises:
+        ValueError: not uint8, or K not a multiple of 8.
+    """
+    words = _code_words(weight, "unrepack_codes")
+    dst = [4 * c + b for c in range(8) for b in range(4)]
+    return _word_bytes(_move_bits(words, [d for bits in REPACK_BITS for d in bits], dst), weight)
+
+
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of e2m1 codes (any integer tensor, 0..15): sign bit 3, magnitude E2M1_GRID[bits 0-2]."""
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)

@@ -13,7 +13,9 @@ per NVFP4 weight in the loop for sm_90 (docs/compile_report_sm90_pair_gemv.json,
 and rounding: the comment at the top of the .cu.
 
 Formats (``FORMATS``): "nvfp4", experts (codes uint8 [E, N, K / 2], weight_scale float8_e4m3fn [E, N, K / 16],
-weight_scale_2 float32 [E]); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
+weight_scale_2 float32 [E]); "nvfp4_repacked", the same with the codes repacked at load time
+(kernels.quant.nvfp4.repack_codes: a bit permutation inside each 32-bit word that makes the decode about a
+third cheaper; per-pair and the "pipelined" grouped form only); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
 [E, ceil(N / 128), ceil(K / 128)]).
 
 Scope (:func:`unsupported` names what is missing): bf16 activations (the engine's), input width K a multiple of
@@ -39,9 +41,10 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 7  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+ABI = 8  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
 N_PTRS, N_INTS = 9, 18
-FORMATS = {"nvfp4": 0, "block_fp8": 1}  # the .cu's format codes
+FORMATS = {"nvfp4": 0, "block_fp8": 1, "nvfp4_repacked": 2}  # the .cu's format codes (nvp::kFmt*)
+NVFP4_FORMATS = ("nvfp4", "nvfp4_repacked")  # codes uint8 [E, N, K / 2], e4m3 block scales, weight_scale_2
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
 MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 bf16 (sm_80 - sm_89: the bf16x2 multiply as an fma with -0.0)
@@ -50,7 +53,7 @@ MAX_EXPERTS = 65535  # the grouped form's grid y dimension
 # this many rows per expert on average (prefill sizes) each pass re-reads the weights, and Triton's GEMM
 # tiles take the call instead.
 GROUPED_MAX_ROWS_PER_EXPERT = 64
-SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32}
+SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32, "nvfp4_repacked": torch.float8_e4m3fn}
 KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
 # Per-pair form, both formats (bench_moe_gemv's ``_cuda_prefetch`` / ``_cuda_pdl`` rows time them against the
 # plain kernel; neither changes a bit of the result):
@@ -88,7 +91,8 @@ X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 def fix(fmt: str) -> str:
     """The way out named in this module's errors for format `fmt`."""
-    return f"set kernels.quant.{fmt}.PAIR_KERNEL / GROUPED_KERNEL = 'triton' (the Triton kernels)"
+    module = "nvfp4" if fmt in NVFP4_FORMATS else fmt
+    return f"set kernels.quant.{module}.PAIR_KERNEL / GROUPED_KERNEL = 'triton' (the Triton kernels)"
 
 
 def build_flags(arch: str) -> list[str]:
@@ -131,7 +135,7 @@ def _library(device: torch.device, name: str, fmt: str):
 
 
 def _input_width(fmt: str, codes: torch.Tensor) -> int:
-    return 2 * codes.shape[-1] if fmt == "nvfp4" else codes.shape[-1]
+    return 2 * codes.shape[-1] if fmt in NVFP4_FORMATS else codes.shape[-1]
 
 
 def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
@@ -156,18 +160,19 @@ def unsupported(fmt: str, x: torch.Tensor, w, w2, P: int) -> str | None:
         return f"at most {MAX_PAIRS} (token, expert) pairs per launch, got {P}"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "activation rows must be contiguous and 16-byte aligned"
-    scale_align = 2 if fmt == "nvfp4" else 4
+    nvfp4 = fmt in NVFP4_FORMATS
+    scale_align = 2 if nvfp4 else 4
     for mat in (w, w2):
         if mat is None:
             continue
         c, s = mat[0], mat[1]
         if s.dtype != SCALE_DTYPES[fmt]:
             return f"{fmt} scales must be {SCALE_DTYPES[fmt]}, got {s.dtype}"
-        if fmt == "nvfp4" and (mat[2].dtype != torch.float32 or mat[2].stride(0) != 1):
+        if nvfp4 and (mat[2].dtype != torch.float32 or mat[2].stride(0) != 1):
             return "the NVFP4 global scales must be contiguous float32"
         if c.stride(2) != 1 or c.stride(1) % 16 or c.stride(0) % 16 or c.data_ptr() % 16:
             return "the experts' codes must be contiguous rows at 16-byte aligned strides and address"
-        if s.stride(2) != 1 or (fmt == "nvfp4" and (s.stride(1) % 2 or s.stride(0) % 2)) \
+        if s.stride(2) != 1 or (nvfp4 and (s.stride(1) % 2 or s.stride(0) % 2)) \
                 or s.data_ptr() % scale_align:
             return "the experts' scales must be contiguous rows, aligned to their element"
         if w2 is not None and (c.stride() != codes.stride() or s.stride() != scales.stride()):
@@ -232,9 +237,9 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
     bytes."""
     codes, scales = w[0], w[1]
-    gs = w[2] if fmt == "nvfp4" else scales  # the FP8 kernel reads no global scale
+    gs = w[2] if fmt in NVFP4_FORMATS else scales  # the FP8 kernel reads no global scale
     o2 = w2 if w2 is not None else w
-    gs2 = o2[2] if fmt == "nvfp4" else o2[1]
+    gs2 = o2[2] if fmt in NVFP4_FORMATS else o2[1]
     P, NOUT, K = (x.shape[0] if experts else idx.numel()), codes.shape[1], _input_width(fmt, codes)
     ptrs = [x, idx, codes, scales, gs, o2[0], o2[1], gs2, out]
     es = scales.element_size()
@@ -329,7 +334,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
     weights (16 with "pipelined"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
-    (permute_x_columns). Current stream, no synchronisation (CUDA-graph capturable).
+    (permute_x_columns). "nvfp4_repacked" always runs the pipelined form (GROUPED_FORM is not read). Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -348,11 +353,12 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    x_permuted = X_PERM and fmt == "nvfp4" and GROUPED_FORM == "pipelined"
+    form = "pipelined" if fmt == "nvfp4_repacked" else GROUPED_FORM  # the repacked format's only form
+    x_permuted = X_PERM and fmt == "nvfp4" and form == "pipelined"
     if x_permuted:
         x = permute_x_columns(x)
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                 form=GROUPED_FORM, x_permuted=x_permuted)
+                                 form=form, x_permuted=x_permuted)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

@@ -52,7 +52,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 7
+#define NVP_ABI 8
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -406,6 +406,87 @@ struct Nvfp4 {
 
   // weight_scale_2, and the decode's 2^-126 times the scales' 2^118
   __device__ static float fold(const float* g, int64_t expert) { return g[expert] * 256.0f; }
+};
+
+// Word v rotated left by R bits (one funnel shift on the GPU).
+template <int R>
+__device__ inline uint32_t rotl(uint32_t v) {
+#ifdef NVP_HOST_EMULATION
+  return (v << R) | (v >> (32 - R));
+#else
+  return __funnelshift_l(v, v, R);
+#endif
+}
+
+// NVFP4 with its code words repacked at load time (format "nvfp4_repacked": kernels.quant.nvfp4.repack_codes,
+// the bit map REPACK_BITS there): each 32-bit word still holds the same 8 columns of one row, with its bits
+// moved so that column pair (2j, 2j + 1) decodes to a bf16x2 (the same e2m1 * 2^-126 as e2m1_pair) in one or
+// two integer operations for j = 0, 1, 2 and four for j = 3, against about four each from the natural
+// nibble order, and so that the pair is (2j, 2j + 1): x's words are the MMA's B registers as loaded, with no
+// byte permute. MMA 2q + h of word q takes column pairs (4h, 4h + 1) and (4h + 2, 4h + 3). Everything else
+// (loads, scales, fold) is Nvfp4's: the repacking moves bits inside words only. Why: the pipelined grouped
+// kernel's NVFP4 loop issues about 280 instructions per 1 KB of codes, 55 % of them the decode, so it runs
+// near the SM's issue rate well below the copy bandwidth (docs/kernel_performance.md, "The NVFP4 decode's
+// instruction count"). Source of the idea: Marlin's load-time repacking (Frantar et al., PPoPP 2025); the bit
+// map here is this file's own, found by search over the rotations of the target bit set.
+struct Nvfp4Repacked : Nvfp4 {
+  // Column pair J of a repacked word as a bf16x2 of e2m1 * 2^-126 (magnitude at bits 6-8 / 22-24, sign at
+  // 15 / 31).
+  template <int J>
+  __device__ static uint32_t pair(uint32_t v) {
+    constexpr uint32_t kMask = 0x81C081C0u;
+    if constexpr (J == 0)
+      return v & kMask;
+    else if constexpr (J == 1)
+      return (v << 4) & kMask;
+    else if constexpr (J == 2)
+      return rotl<10>(v) & kMask;
+    else
+      return ((v << 6) & 0x80C080C0u) | ((v >> 2) & 0x01000100u);
+  }
+
+  // A fragment 2q + h: column pairs (4h, 4h + 1) and (4h + 2, 4h + 3) of word q, rows g and g + 8.
+  template <int H>
+  __device__ static void frag(const C& w, const uint32_t (&Sa)[2], const uint32_t (&Sb)[2], int q,
+                              uint32_t (&a)[4]) {
+    const uint32_t va = w.qa.v[q], vb = w.qb.v[q], sA = Sa[q >> 1], sB = Sb[q >> 1];
+    a[0] = hmul2(pair<2 * H>(va), sA);
+    a[1] = hmul2(pair<2 * H>(vb), sB);
+    a[2] = hmul2(pair<2 * H + 1>(va), sA);
+    a[3] = hmul2(pair<2 * H + 1>(vb), sB);
+  }
+
+  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
+    uint32_t Sa[2], Sb[2], a[4];
+    scale_pairs(w.sa, Sa[0], Sa[1]);
+    scale_pairs(w.sb, Sb[0], Sb[1]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      frag<0>(w, Sa, Sb, q, a);
+      mma16816(acc, a, x[q].v[0], x[q].v[1]);
+      frag<1>(w, Sa, Sb, q, a);
+      mma16816(acc, a, x[q].v[2], x[q].v[3]);
+    }
+  }
+
+  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
+    uint32_t Sa[2], Sb[2];
+    scale_pairs(w.sa, Sa[0], Sa[1]);
+    scale_pairs(w.sb, Sb[0], Sb[1]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      frag<0>(w, Sa, Sb, q, A[2 * q]);
+      frag<1>(w, Sa, Sb, q, A[2 * q + 1]);
+    }
+  }
+
+  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      mma16816(acc, A[2 * q], x[q].v[0], x[q].v[1]);
+      mma16816(acc, A[2 * q + 1], x[q].v[2], x[q].v[3]);
+    }
+  }
 };
 
 // Bytes b0 and b2 (I = 0) or b1 and b3 (I = 1) of a word of 4 e4m3 codes as a bf16x2 of e4m3 * 2^-120: the
@@ -918,6 +999,45 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   return p;
 }
 
+// Format codes of Params.fmt (kernels/quant/pair_cuda.py's FORMATS).
+constexpr int64_t kFmtNvfp4 = 0, kFmtBlockFp8 = 1, kFmtNvfp4Repacked = 2;
+
+// The kernel of one launch, handed to run(kernel, output rows per CTA); the one place that maps (format,
+// gating, grouped form, x layout) to an instantiation, for the device launchers below and the host harness.
+// Per pair (grouped false): pair_gemv_kernel of each format, gated or not. Grouped: form 2
+// grouped_pipelined_kernel (every format; X_PERM NVFP4 only), 1 grouped_wide_kernel and 0 grouped_gemv_kernel
+// (NVFP4 and block FP8). Returns false, having run nothing, for a combination without a kernel (an unknown
+// format or form, X_PERM elsewhere, the repacked format in a form other than 2).
+template <class Run>
+inline bool dispatch(const Params& p, bool grouped, Run&& run) {
+  if (p.fmt < kFmtNvfp4 || p.fmt > kFmtNvfp4Repacked) return false;
+  if (!grouped) {
+    if (p.fmt == kFmtNvfp4)
+      run(p.gated ? pair_gemv_kernel<Nvfp4, true> : pair_gemv_kernel<Nvfp4, false>, kRows);
+    else if (p.fmt == kFmtBlockFp8)
+      run(p.gated ? pair_gemv_kernel<BlockFp8, true> : pair_gemv_kernel<BlockFp8, false>, kRows);
+    else
+      run(p.gated ? pair_gemv_kernel<Nvfp4Repacked, true> : pair_gemv_kernel<Nvfp4Repacked, false>, kRows);
+    return true;
+  }
+  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
+      (p.fmt == kFmtNvfp4Repacked && p.form != 2))
+    return false;
+  if (p.form == 2) {
+    if (p.fmt == kFmtNvfp4)
+      run(p.xperm ? grouped_pipelined_kernel<Nvfp4, true> : grouped_pipelined_kernel<Nvfp4, false>, kWideRows);
+    else if (p.fmt == kFmtBlockFp8)
+      run(grouped_pipelined_kernel<BlockFp8, false>, kWideRows);
+    else
+      run(grouped_pipelined_kernel<Nvfp4Repacked, false>, kWideRows);
+  } else if (p.form == 1) {
+    run(p.fmt == kFmtNvfp4 ? grouped_wide_kernel<Nvfp4> : grouped_wide_kernel<BlockFp8>, kWideRows);
+  } else {
+    run(p.fmt == kFmtNvfp4 ? grouped_gemv_kernel<Nvfp4> : grouped_gemv_kernel<BlockFp8>, kRows);
+  }
+  return true;
+}
+
 #ifndef NVP_HOST_EMULATION
 // kernel<<<grid, kThreads, 0, st>>>(p), with the programmatic-stream-serialization attribute when p.pdl (the
 // kernel may begin while the previous kernel on `st` finishes; it waits for it in pdl_wait). Recorded as a
@@ -953,7 +1073,8 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
 // ints (18): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
-//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8), E,
+//   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8, 2 NVFP4
+//   repacked), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
 //   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here).
@@ -961,17 +1082,13 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
-  const dim3 grid(static_cast<unsigned>((p.NOUT + nvp::kRows - 1) / nvp::kRows), static_cast<unsigned>(p.P));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t e;
-  if (p.fmt == 0 && p.gated)
-    e = nvp::launch(nvp::pair_gemv_kernel<nvp::Nvfp4, true>, grid, st, p);
-  else if (p.fmt == 0)
-    e = nvp::launch(nvp::pair_gemv_kernel<nvp::Nvfp4, false>, grid, st, p);
-  else if (p.gated)
-    e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, true>, grid, st, p);
-  else
-    e = nvp::launch(nvp::pair_gemv_kernel<nvp::BlockFp8, false>, grid, st, p);
+  cudaError_t e = cudaSuccess;
+  const bool known = nvp::dispatch(p, false, [&](auto kernel, int64_t rows) {
+    e = nvp::launch(kernel, dim3(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.P)),
+                    st, p);
+  });
+  if (!known) return static_cast<int>(cudaErrorInvalidValue);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // not left behind for the next launch's check
     return static_cast<int>(e);
@@ -982,31 +1099,18 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
 // (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 2
 // grouped_pipelined_kernel and 1 grouped_wide_kernel on a grid (NOUT / 64, E), 0 grouped_gemv_kernel on
-// (NOUT / 16, E); another value is cudaErrorInvalidValue; ints[17] = xperm (x's columns stored permuted,
-// pair_cuda.X_PERM: the pipelined NVFP4 form only, else cudaErrorInvalidValue).
+// (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted, pair_cuda.X_PERM). A combination without a
+// kernel (nvp::dispatch) is cudaErrorInvalidValue.
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != 0)))
-    return static_cast<int>(cudaErrorInvalidValue);
-  const int64_t rows = p.form ? nvp::kWideRows : nvp::kRows;
-  const dim3 grid(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.form == 2 && p.fmt == 0 && p.xperm)
-    nvp::grouped_pipelined_kernel<nvp::Nvfp4, true><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.form == 2 && p.fmt == 0)
-    nvp::grouped_pipelined_kernel<nvp::Nvfp4, false><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.form == 2)
-    nvp::grouped_pipelined_kernel<nvp::BlockFp8, false><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.form == 1 && p.fmt == 0)
-    nvp::grouped_wide_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.form == 1)
-    nvp::grouped_wide_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
-  else if (p.fmt == 0)
-    nvp::grouped_gemv_kernel<nvp::Nvfp4><<<grid, nvp::kThreads, 0, st>>>(p);
-  else
-    nvp::grouped_gemv_kernel<nvp::BlockFp8><<<grid, nvp::kThreads, 0, st>>>(p);
+  const bool known = nvp::dispatch(p, true, [&](auto kernel, int64_t rows) {
+    kernel<<<dim3(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E)), nvp::kThreads,
+             0, st>>>(p);
+  });
+  if (!known) return static_cast<int>(cudaErrorInvalidValue);
   return static_cast<int>(cudaGetLastError());
 }
 

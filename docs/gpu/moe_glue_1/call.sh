@@ -1,8 +1,10 @@
 #!/bin/bash
 # Issue 43, the MoE glue cuts of session 30 on their first GPU: the GPU tests of the grouped MoE path (the
 # expert grouping, the activation and the combine as one launch each) and the quantized expert kernels, then
-# docs/gpu/grouped_pipe_1/call3.sh's bench of pair_cuda.X_PERM (bench_moe_gemv now under inference_mode, so its
-# grouped rows include the glue kernels). Either card; carry .gpu-bundle.
+# bench_moe_gemv for Super V3 NVFP4 at 8 / 64 / 256 tokens: pair_cuda.X_PERM (docs/gpu/grouped_pipe_1/call3.sh's
+# bench, now captured in a CUDA graph) and the repacked codes ("nvfp4_repacked": the per-pair kernel and the
+# grouped pipelined form); bench_moe_gemv runs under inference_mode, so its grouped rows include the glue
+# kernels. Either card; carry .gpu-bundle.
 #   bash docs/gpu/moe_glue_1/call.sh OUT       about 300 s on an H100
 set -u
 OUT=${1:?OUT}
@@ -13,7 +15,7 @@ timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_m
   tests/test_kernels_moe_gemv_gpu.py tests/test_kernels_quant_moe_gemv_gpu.py >$OUT/tests_glue.log 2>&1
 echo "glue GPU tests rc=$? at $((SECONDS-t0)) s"; grep -E "FAILED|ERROR|passed|failed" $OUT/tests_glue.log | cut -c1-220 | tail -12
 timeout 150 python3 -u -m benchmarks.bench_moe_gemv --out $OUT/bench_moe_gemv_nvfp4.json --models super_v3 \
-  --formats nvfp4 --batches ${BATCHES:-64 256} >$OUT/bench_nvfp4.log 2>&1
+  --formats nvfp4 --batches ${BATCHES:-8 64 256} >$OUT/bench_nvfp4.log 2>&1
 echo "bench rc=$? at $((SECONDS-t0)) s"; tail -3 $OUT/bench_nvfp4.log
 python3 - $OUT/bench_moe_gemv_nvfp4.json <<'PY'
 import json, sys
