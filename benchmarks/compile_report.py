@@ -314,6 +314,28 @@ def loop_body(sass: str) -> dict | None:
     return {"instructions": sum(body.values()), "opcodes": dict(body.most_common())}
 
 
+def inner_loops(sass: str) -> list[dict]:
+    """Every loop of a kernel but its widest (`loop_body`'s): the bodies from each backward branch's target to
+    the branch, widest first, each {"instructions": n, "opcodes": the 10 most frequent}; an empty list with
+    fewer than two loops."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*);", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(3) + (m.group(4) or "")))
+    spans = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line)
+        if m and int(m.group(3), 16) < int(m.group(1), 16):
+            spans.append((int(m.group(3), 16), int(m.group(1), 16)))
+    spans.sort(key=lambda sp: sp[0] - sp[1])
+    out = []
+    for lo, hi in spans[1:]:
+        body = collections.Counter(op for addr, op in lines if lo <= addr <= hi)
+        out.append({"instructions": sum(body.values()), "opcodes": dict(body.most_common(10))})
+    return out
+
+
 def cuda_pair_report() -> dict:
     """The CUDA per-pair kernels (kernels/quant/pair_gemv.cu) built by nvcc for sm_90 with the launcher's
     flags: per instantiation (NVFP4 / block FP8, ungated / gated) its usage and ``loop_per_weight``, the main
@@ -336,9 +358,9 @@ def cuda_pair_report() -> dict:
         sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
     out = {}
-    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8")):
+    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8"), ("nvfp4_repacked", "13Nvfp4Repacked")):
         for gated in (False, True):
-            inst = f"{tag}ELb{int(gated)}E"
+            inst = f"pair_gemv_kernelINS_{tag}ELb{int(gated)}E"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
             usage = _sass_usage(fn_res, fn_sass, 200)
@@ -356,11 +378,18 @@ def cuda_pair_report() -> dict:
                                ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
+            if fmt == "nvfp4_repacked" and not suffix.endswith("_pipelined"):
+                continue  # the repacked format runs the pipelined grouped form only
             xp = {"_cuda_grouped_pipelined": "ELb0E", "_cuda_grouped_pipelined_xperm": "ELb1E"}.get(suffix, "")
             inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
             out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)
+            if "_pipelined" in suffix:
+                # its K loops, one per token-group count (a step of two 128-column chunks per warp: 2 KB of
+                # NVFP4 codes, 4 KB of FP8), the most instructions first (two groups)
+                loops = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]
+                out[f"{fmt}{suffix}"]["k_loops"] = loops
     return out
 
 
