@@ -2,9 +2,10 @@
 # Issue 43, the MoE glue cuts of session 30 and the repacked NVFP4 codes on their first GPU: bench_moe_gemv
 # for Super V3 NVFP4 at 8 / 64 / 256 tokens: pair_cuda.X_PERM (docs/gpu/grouped_pipe_1/call3.sh's bench, now
 # captured in a CUDA graph) and the repacked codes ("nvfp4_repacked": the per-pair kernel and the grouped
-# pipelined form); bench_moe_gemv runs under inference_mode, so its grouped rows include the glue kernels; then the GPU tests of the grouped MoE path (the expert grouping, the activation and the combine
-# as one launch each) and of the quantized expert kernels (the repacked format's included). Either card;
-# carry .gpu-bundle.
+# pipelined form); bench_moe_gemv runs under inference_mode, so its grouped rows include the glue kernels.
+# Then the GPU tests of the grouped MoE path (the expert grouping, the activation and the combine as one
+# launch each) and of the quantized expert kernels (the repacked format's included). Either card; carry
+# .gpu-bundle.
 #   bash docs/gpu/moe_glue_1/call.sh OUT       about 300 s on an H100
 set -u
 OUT=${1:?OUT}
