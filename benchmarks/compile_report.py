@@ -358,7 +358,8 @@ def cuda_pair_report() -> dict:
         sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
     out = {}
-    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8"), ("nvfp4_repacked", "13Nvfp4Repacked")):
+    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8"), ("nvfp4_repacked", "13Nvfp4Repacked"),
+                     ("block_fp8_repacked", "16BlockFp8Repacked")):
         for gated in (False, True):
             inst = f"pair_gemv_kernelINS_{tag}ELb{int(gated)}E"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
@@ -378,8 +379,8 @@ def cuda_pair_report() -> dict:
                                ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
-            if fmt == "nvfp4_repacked" and not suffix.endswith("_pipelined"):
-                continue  # the repacked format runs the pipelined grouped form only
+            if fmt.endswith("_repacked") and not suffix.endswith("_pipelined"):
+                continue  # the repacked formats run the pipelined grouped form only
             xp = {"_cuda_grouped_pipelined": "ELb0E", "_cuda_grouped_pipelined_xperm": "ELb1E"}.get(suffix, "")
             inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])

@@ -202,6 +202,52 @@ def test_host_emulated_repacked_kernel_matches_the_natural_one(host_lib, case):
     assert not torch.equal(_host_launch(host_lib, x, idx, w, w2, topk, act, fmt="nvfp4_repacked"), natural)
 
 
+def test_repacked_fp8_codes_decode_to_each_column_pair():
+    """kernels.quant.block_fp8.repack_codes is a bit permutation of each 32-bit word (unrepack_codes undoes
+    it) and the .cu's two decodes of a repacked word (BlockFp8Repacked::pair, written out here) give column pairs
+    (0, 1) and (2, 3) as bf16x2 halves with the code's 7 magnitude bits at bits 4-10 and its sign at 15,
+    nothing else set, for every byte value in every column; other dtypes are refused."""
+    assert sorted(b for bits in bf8.REPACK_BITS for b in bits) == list(range(32))
+    i = torch.arange(256)
+    codes = torch.stack([(i + 37 * j) % 256 for j in range(4)], dim=-1).to(torch.uint8).reshape(4, 8, 32)
+    packed = bf8.repack_codes(codes.view(torch.float8_e4m3fn))
+    assert packed.dtype == torch.float8_e4m3fn and packed.shape == codes.shape
+    assert torch.equal(bf8.unrepack_codes(packed).view(torch.uint8), codes)
+
+    def rotl(v, r):
+        return ((v << r) | (v >> (32 - r))) & 0xFFFFFFFF
+
+    for word, cols in zip(packed.view(torch.uint8).reshape(-1, 4).tolist(), codes.reshape(-1, 4).tolist()):
+        v = word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24
+        pairs = (v & 0x87F087F0, ((v << 4) & 0x00700070) | (rotl(v, 12) & 0x87808780))
+        for j, out in enumerate(pairs):
+            for h in range(2):
+                half, code = (out >> (16 * h)) & 0xFFFF, cols[2 * j + h]
+                assert half & ~0x87F0 == 0 and (half >> 4) & 0x7F == code & 0x7F and half >> 15 == code >> 7
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        bf8.repack_codes(codes)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_host_emulated_repacked_fp8_kernel_matches_the_natural_one(host_lib, case):
+    """Format "block_fp8_repacked": the per-pair kernel on repacked codes against the w8a16 reference of the
+    natural codes and the natural kernel, with the tolerance the natural kernel's own test holds it to."""
+    E, N, K, P, topk, act, gated, strided = FP8_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 100)
+    w = _fp8_experts(E, N, K, gen)
+    w2 = _fp8_experts(E, N, K, gen) if gated else None
+    x = (torch.randn(P // topk, K + (32 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
+    idx = torch.randint(0, E, (P,), generator=gen)
+    rp = lambda m: m and (bf8.repack_codes(m[0]), *m[1:])
+    got = _host_launch(host_lib, x, idx, rp(w), rp(w2), topk, act, fmt="block_fp8_repacked")
+    want = _projection_ref(x, idx, w, w2, topk, act, fmt="block_fp8")
+    natural = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt="block_fp8")
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
+    assert (got == want).float().mean() > 0.9 and (got == natural).float().mean() > 0.9
+
+
 @needs_gxx
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_host_emulated_block_fp8_kernel_matches_the_dequantizing_reference(host_lib, case):
@@ -509,27 +555,33 @@ def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host
 
 
 @needs_gxx
-@pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
 def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(host_lib, case):
-    """Format "nvfp4_repacked" in the grouped kernel: the pipelined form on repacked codes against the
-    grouped reference of the natural codes (rows past offsets[-1] unwritten), and the natural pipelined kernel
-    (fp32 order only); its code loads stay one per lane, row tile, chunk and pass of 16 rows; the other forms
-    and X_PERM are refused for it (cudaErrorInvalidValue's place in the harness: 1)."""
-    _, E, N, K, counts = GROUPED_CASES[case]
+    """The repacked formats ("nvfp4_repacked", "block_fp8_repacked") in the grouped kernel: the pipelined form
+    on repacked codes against the grouped reference of the natural codes (block FP8: w8a16; rows past
+    offsets[-1] unwritten), and the natural pipelined kernel (fp32 order only); its code loads stay one per
+    lane, row tile, chunk and pass of 16 rows; the other forms and X_PERM are refused for it
+    (cudaErrorInvalidValue's place in the harness: 1)."""
+    fmt, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(13)
-    w = _experts(E, N, K, gen)
+    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
     P = sum(counts)
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    wr = _repacked(w)
+    module = nf4 if fmt == "nvfp4" else bf8
+    wr = (module.repack_codes(w[0]), *w[1:])
+    repacked = f"{fmt}_repacked"
     host_lib.nvp_host_record(1)
-    got = _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="pipelined")
+    got = _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined")
     loads = _recorded(host_lib, 0)
     host_lib.nvp_host_record(0)
     assert got[P:].isnan().all()
     got = got[:P]
-    want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)[:P]
-    natural = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined")[:P]
+    if fmt == "nvfp4":
+        want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)[:P]
+    else:
+        want = bf8.block_fp8_grouped_mm_ref(x, *w, offsets, scheme="w8a16")[:P]
+    natural = _host_grouped(host_lib, fmt, x, w, offsets, form="pipelined")[:P]
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
     assert (got == want).float().mean() > 0.9
@@ -538,10 +590,11 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
     assert all(any(lo <= a < hi for lo, hi in ranges) for a in loads)
     lo, hi = _byte_range(wr[0])
     passes = sum(-(-c // ROWS_PER_PASS["pipelined"]) for c in counts)
-    assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * 32 * 2
+    per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
+    assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * per_chunk
     for form in ("split", "wide"):
-        _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form=form, rc=1)
-    _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="pipelined", x_permuted=True, rc=1)
+        _host_grouped(host_lib, repacked, x, wr, offsets, form=form, rc=1)
+    _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined", x_permuted=True, rc=1)
 
 
 def test_permute_x_columns_moves_each_group_of_8_columns():

@@ -30,6 +30,38 @@ X_DTYPES = INPUT_DTYPES
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def repack_words(codes: torch.Tensor, bits: tuple[tuple[int, ...], ...], name: str, *,
+                 inverse: bool = False) -> torch.Tensor:
+    """A bit permutation inside each little-endian 32-bit word of ``codes`` (uint8 [..., n], n % 4 == 0): the
+    word's len(bits) codes of 32 / len(bits) bits each (code c at bits c * w .. c * w + w - 1, w its width), bit
+    b of code c moved to bit ``bits[c][b]`` (``inverse``: moved back). How kernels/quant's formats lay their codes
+    out for the CUDA kernels (nvfp4.repack_codes, block_fp8.repack_codes; the tables beside them). Load-time
+    work: one elementwise pass per bit.
+
+    Returns:
+        a new uint8 tensor of codes' shape, on its device. Mutates nothing.
+
+    Raises:
+        ValueError: codes not uint8, n not whole words, or ``bits`` not a permutation of 0..31.
+    """
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+        raise ValueError(f"{name}: codes must be uint8 [..., n] with whole 32-bit words (n % 4 == 0; NVFP4: "
+                         f"K % 8 == 0, FP8: K % 4 == 0), got {codes.dtype} {tuple(codes.shape)}")
+    dst = [d for code in bits for d in code]
+    if sorted(dst) != list(range(32)):
+        raise ValueError(f"{name}: the bit table must move each of a word's 32 bits once, got {bits}")
+    width = 32 // len(bits)
+    src = [width * c + b for c, code in enumerate(bits) for b in range(len(code))]
+    if inverse:
+        src, dst = dst, src
+    b = codes.reshape(*codes.shape[:-1], -1, 4).long()
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    out = torch.zeros_like(words)
+    for a, d in zip(src, dst):
+        out |= ((words >> a) & 1) << d
+    return torch.stack([(out >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8).reshape(codes.shape)
+
+
 def true_divide(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """``t / divisor`` rounded to nearest (IEEE division) on every device. torch's CUDA kernel for a tensor
     divided by a Python (CPU) scalar multiplies by the rounded reciprocal instead (aten's

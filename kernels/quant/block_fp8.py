@@ -80,6 +80,7 @@ from kernels.quant._common import (
     offsets_list,
     output_buffer,
     program_tile,
+    repack_words,
     splitk_sum,
     tile_config,
     to_e4m3,
@@ -220,6 +221,43 @@ def block_fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, true_divide(amax, FP8_MAX), torch.ones_like(amax))
     q = (w.float() / _expand_blocks(scale, N, K)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+# The repacked code word (format "block_fp8_repacked" of kernels/quant/pair_cuda.py, read by pair_gemv.cu's
+# BlockFp8Repacked): the same 4 columns of one row per 32-bit little-endian word as the natural layout (byte c
+# holds column c), with bit b of column c's e4m3 code (b 0-6 the magnitude, 7 the sign) moved to bit
+# REPACK_BITS[c][b]. Column pairs (0, 1) and (2, 3) then decode to bf16x2 of e4m3 * 2^-120 (magnitudes at bits
+# 4-10 / 20-26, signs at 15 / 31) as v & 0x87F087F0 and ((v << 4) & 0x00700070) | (rotl(v, 12) & 0x87808780)
+# (the .cu's BlockFp8Repacked::pair).
+REPACK_BITS = ((4, 5, 6, 7, 8, 9, 10, 15), (20, 21, 22, 23, 24, 25, 26, 31),
+               (0, 1, 2, 27, 28, 29, 30, 3), (16, 17, 18, 11, 12, 13, 14, 19))
+
+
+def repack_codes(weight: torch.Tensor) -> torch.Tensor:
+    """Block-FP8 codes (float8_e4m3fn [..., K], K % 4 == 0) -> the repacked layout the CUDA kernels'
+    "block_fp8_repacked" format reads (REPACK_BITS: a bit permutation inside each 32-bit word; shapes, word
+    addresses and the block scales unchanged): a new float8_e4m3fn tensor whose bytes are no longer e4m3
+    values (only that format reads them). Load-time work. Source of the idea: Marlin's load-time weight
+    repacking (Frantar et al., PPoPP 2025); the bit map is this project's.
+
+    Raises:
+        ValueError: not float8_e4m3fn, or K not a multiple of 4.
+    """
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"repack_codes: block-FP8 codes must be float8_e4m3fn, got {weight.dtype}")
+    return repack_words(weight.view(torch.uint8), REPACK_BITS, "repack_codes").view(torch.float8_e4m3fn)
+
+
+def unrepack_codes(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`repack_codes` (float8_e4m3fn in, float8_e4m3fn e4m3 codes out).
+
+    Raises:
+        ValueError: not float8_e4m3fn, or K not a multiple of 4.
+    """
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"unrepack_codes: block-FP8 codes must be float8_e4m3fn, got {weight.dtype}")
+    return repack_words(weight.view(torch.uint8), REPACK_BITS, "unrepack_codes",
+                        inverse=True).view(torch.float8_e4m3fn)
 
 
 def block_fp8_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor,

@@ -78,6 +78,7 @@ from kernels.quant._common import (
     offsets_list,
     output_buffer,
     program_tile,
+    repack_words,
     splitk_sum,
     tile_config,
     true_divide,
@@ -167,25 +168,6 @@ REPACK_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
                (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25))
 
 
-def _code_words(weight: torch.Tensor, name: str) -> torch.Tensor:
-    if weight.dtype != torch.uint8 or weight.shape[-1] % 4:
-        raise ValueError(f"{name}: codes must be uint8 [..., K/2] with K % 8 == 0 (whole 32-bit words), got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    b = weight.reshape(*weight.shape[:-1], -1, 4).long()
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # int64 [..., K/8]
-
-
-def _word_bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8).reshape(like.shape)
-
-
-def _move_bits(words: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
-    out = torch.zeros_like(words)
-    for a, b in zip(src, dst):
-        out |= ((words >> a) & 1) << b
-    return out
-
-
 def repack_codes(weight: torch.Tensor) -> torch.Tensor:
     """NVFP4 codes in the natural layout -> the repacked layout the CUDA kernels' "nvfp4_repacked" format reads
     (REPACK_BITS: a bit permutation inside each 32-bit word; shapes, word addresses and the scales unchanged).
@@ -201,9 +183,7 @@ def repack_codes(weight: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not uint8, or K not a multiple of 8.
     """
-    words = _code_words(weight, "repack_codes")
-    src = [4 * c + b for c in range(8) for b in range(4)]
-    return _word_bytes(_move_bits(words, src, [d for bits in REPACK_BITS for d in bits]), weight)
+    return repack_words(weight, REPACK_BITS, "repack_codes")
 
 
 def unrepack_codes(weight: torch.Tensor) -> torch.Tensor:
@@ -212,9 +192,7 @@ def unrepack_codes(weight: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not uint8, or K not a multiple of 8.
     """
-    words = _code_words(weight, "unrepack_codes")
-    dst = [4 * c + b for c in range(8) for b in range(4)]
-    return _word_bytes(_move_bits(words, [d for bits in REPACK_BITS for d in bits], dst), weight)
+    return repack_words(weight, REPACK_BITS, "unrepack_codes", inverse=True)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ and rounding: the comment at the top of the .cu.
 Formats (``FORMATS``): "nvfp4", experts (codes uint8 [E, N, K / 2], weight_scale float8_e4m3fn [E, N, K / 16],
 weight_scale_2 float32 [E]); "nvfp4_repacked", the same with the codes repacked at load time
 (kernels.quant.nvfp4.repack_codes: a bit permutation inside each 32-bit word that makes the decode about a
-third cheaper; per-pair and the "pipelined" grouped form only); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
+third cheaper; per-pair and the "pipelined" grouped form only; "block_fp8_repacked" likewise with
+kernels.quant.block_fp8.repack_codes); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
 [E, ceil(N / 128), ceil(K / 128)]).
 
 Scope (:func:`unsupported` names what is missing): bf16 activations (the engine's), input width K a multiple of
@@ -43,7 +44,7 @@ from kernels import _nvcc
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
 ABI = 8  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
 N_PTRS, N_INTS = 9, 18
-FORMATS = {"nvfp4": 0, "block_fp8": 1, "nvfp4_repacked": 2}  # the .cu's format codes (nvp::kFmt*)
+FORMATS = {"nvfp4": 0, "block_fp8": 1, "nvfp4_repacked": 2, "block_fp8_repacked": 3}  # the .cu's format codes (nvp::kFmt*)
 NVFP4_FORMATS = ("nvfp4", "nvfp4_repacked")  # codes uint8 [E, N, K / 2], e4m3 block scales, weight_scale_2
 K_MULTIPLE = 32  # input columns per lane load
 MAX_PAIRS = 65535  # the grid's y dimension
@@ -53,7 +54,9 @@ MAX_EXPERTS = 65535  # the grouped form's grid y dimension
 # this many rows per expert on average (prefill sizes) each pass re-reads the weights, and Triton's GEMM
 # tiles take the call instead.
 GROUPED_MAX_ROWS_PER_EXPERT = 64
-SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32, "nvfp4_repacked": torch.float8_e4m3fn}
+SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "block_fp8": torch.float32, "nvfp4_repacked": torch.float8_e4m3fn,
+                "block_fp8_repacked": torch.float32}
+REPACKED = {"nvfp4_repacked": "nvfp4", "block_fp8_repacked": "block_fp8"}  # repacked format -> its module
 KERNELS = ("triton", "cuda")  # the values of each format's PAIR_KERNEL setting
 # Per-pair form, both formats (bench_moe_gemv's ``_cuda_prefetch`` / ``_cuda_pdl`` rows time them against the
 # plain kernel; neither changes a bit of the result):
@@ -91,7 +94,7 @@ X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 def fix(fmt: str) -> str:
     """The way out named in this module's errors for format `fmt`."""
-    module = "nvfp4" if fmt in NVFP4_FORMATS else fmt
+    module = REPACKED.get(fmt, fmt)
     return f"set kernels.quant.{module}.PAIR_KERNEL / GROUPED_KERNEL = 'triton' (the Triton kernels)"
 
 
@@ -334,7 +337,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
     weights (16 with "pipelined"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
-    (permute_x_columns). "nvfp4_repacked" always runs the pipelined form (GROUPED_FORM is not read). Current stream, no synchronisation (CUDA-graph capturable).
+    (permute_x_columns). The repacked formats always run the pipelined form (GROUPED_FORM is not read). Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -353,7 +356,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    form = "pipelined" if fmt == "nvfp4_repacked" else GROUPED_FORM  # the repacked format's only form
+    form = "pipelined" if fmt in REPACKED else GROUPED_FORM  # the repacked formats' only form
     x_permuted = X_PERM and fmt == "nvfp4" and form == "pipelined"
     if x_permuted:
         x = permute_x_columns(x)

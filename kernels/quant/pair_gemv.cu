@@ -576,6 +576,68 @@ struct BlockFp8 {
   __device__ static float fold(const float*, int64_t) { return 1.0f; }
 };
 
+// Block FP8 with its code words repacked at load time (format "block_fp8_repacked":
+// kernels.quant.block_fp8.repack_codes, the bit map REPACK_BITS there): each 32-bit word still holds the same
+// 4 columns of one row, with its bits moved so that column pairs (0, 1) and (2, 3) decode to bf16x2 of
+// e4m3 * 2^-120 (as e4m3_pair) in 1 and 4 integer operations, against about 7 for both from the natural
+// byte order, and so that x's words are the MMA's B registers as loaded (no byte permute). Everything else
+// (loads, block scales) is BlockFp8's. Why and the idea's source: Nvfp4Repacked.
+struct BlockFp8Repacked : BlockFp8 {
+  template <int J>
+  __device__ static uint32_t pair(uint32_t v) {
+    if constexpr (J == 0)
+      return v & 0x87F087F0u;
+    else
+      return ((v << 4) & 0x00700070u) | (rotl<12>(v) & 0x87808780u);
+  }
+
+  // A fragment j: column pairs (0, 1) and (2, 3) of word j (columns 4j..4j+3), rows g and g + 8.
+  __device__ static void frag(const C& w, int j, uint32_t (&a)[4]) {
+    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
+    const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
+    a[0] = hmul2(pair<0>(va), kTwo120);
+    a[1] = hmul2(pair<0>(vb), kTwo120);
+    a[2] = hmul2(pair<1>(va), kTwo120);
+    a[3] = hmul2(pair<1>(vb), kTwo120);
+  }
+
+  // x's columns 4j..4j+3 of this lane as MMA j's B registers: the natural words.
+  __device__ static void xfrag(const U4 (&x)[4], int j, uint32_t& b0, uint32_t& b1) {
+    b0 = x[j >> 1].v[2 * (j & 1)];
+    b1 = x[j >> 1].v[2 * (j & 1) + 1];
+  }
+
+  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint32_t a[4], b0, b1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      frag(w, j, a);
+      xfrag(x, j, b0, b1);
+      mma16816(t, a, b0, b1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += t[i] * w.s;
+  }
+
+  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) frag(w, j, A[j]);
+  }
+
+  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float s) {
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint32_t b0, b1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      xfrag(x, j, b0, b1);
+      mma16816(t, A[j], b0, b1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += t[i] * s;
+  }
+};
+
 __device__ inline float activation(float v, int64_t act) {
   if (act == 1) {
     const float r = v > 0.0f ? v : 0.0f;
@@ -1000,36 +1062,41 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
 }
 
 // Format codes of Params.fmt (kernels/quant/pair_cuda.py's FORMATS).
-constexpr int64_t kFmtNvfp4 = 0, kFmtBlockFp8 = 1, kFmtNvfp4Repacked = 2;
+constexpr int64_t kFmtNvfp4 = 0, kFmtBlockFp8 = 1, kFmtNvfp4Repacked = 2, kFmtBlockFp8Repacked = 3;
 
 // The kernel of one launch, handed to run(kernel, output rows per CTA); the one place that maps (format,
 // gating, grouped form, x layout) to an instantiation, for the device launchers below and the host harness.
 // Per pair (grouped false): pair_gemv_kernel of each format, gated or not. Grouped: form 2
 // grouped_pipelined_kernel (every format; X_PERM NVFP4 only), 1 grouped_wide_kernel and 0 grouped_gemv_kernel
 // (NVFP4 and block FP8). Returns false, having run nothing, for a combination without a kernel (an unknown
-// format or form, X_PERM elsewhere, the repacked format in a form other than 2).
+// format or form, X_PERM elsewhere, a repacked format in a form other than 2).
 template <class Run>
 inline bool dispatch(const Params& p, bool grouped, Run&& run) {
-  if (p.fmt < kFmtNvfp4 || p.fmt > kFmtNvfp4Repacked) return false;
+  if (p.fmt < kFmtNvfp4 || p.fmt > kFmtBlockFp8Repacked) return false;
+  const bool repacked = p.fmt == kFmtNvfp4Repacked || p.fmt == kFmtBlockFp8Repacked;
   if (!grouped) {
     if (p.fmt == kFmtNvfp4)
       run(p.gated ? pair_gemv_kernel<Nvfp4, true> : pair_gemv_kernel<Nvfp4, false>, kRows);
     else if (p.fmt == kFmtBlockFp8)
       run(p.gated ? pair_gemv_kernel<BlockFp8, true> : pair_gemv_kernel<BlockFp8, false>, kRows);
-    else
+    else if (p.fmt == kFmtNvfp4Repacked)
       run(p.gated ? pair_gemv_kernel<Nvfp4Repacked, true> : pair_gemv_kernel<Nvfp4Repacked, false>, kRows);
+    else
+      run(p.gated ? pair_gemv_kernel<BlockFp8Repacked, true> : pair_gemv_kernel<BlockFp8Repacked, false>, kRows);
     return true;
   }
   if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
-      (p.fmt == kFmtNvfp4Repacked && p.form != 2))
+      (repacked && p.form != 2))
     return false;
   if (p.form == 2) {
     if (p.fmt == kFmtNvfp4)
       run(p.xperm ? grouped_pipelined_kernel<Nvfp4, true> : grouped_pipelined_kernel<Nvfp4, false>, kWideRows);
     else if (p.fmt == kFmtBlockFp8)
       run(grouped_pipelined_kernel<BlockFp8, false>, kWideRows);
-    else
+    else if (p.fmt == kFmtNvfp4Repacked)
       run(grouped_pipelined_kernel<Nvfp4Repacked, false>, kWideRows);
+    else
+      run(grouped_pipelined_kernel<BlockFp8Repacked, false>, kWideRows);
   } else if (p.form == 1) {
     run(p.fmt == kFmtNvfp4 ? grouped_wide_kernel<Nvfp4> : grouped_wide_kernel<BlockFp8>, kWideRows);
   } else {
@@ -1074,7 +1141,7 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
 // ints (18): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8, 2 NVFP4
-//   repacked), E,
+//   repacked, 3 block FP8 repacked), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
 //   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here).
