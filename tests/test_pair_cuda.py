@@ -204,8 +204,8 @@ def test_host_emulated_repacked_kernel_matches_the_natural_one(host_lib, case):
 
 def test_repacked_fp8_codes_decode_to_each_column_pair():
     """kernels.quant.block_fp8.repack_codes is a bit permutation of each 32-bit word (unrepack_codes undoes
-    it) and the .cu's two decodes of a repacked word (BlockFp8Repacked::pair, written out here) give column pairs
-    (0, 1) and (2, 3) as bf16x2 halves with the code's 7 magnitude bits at bits 4-10 and its sign at 15,
+    it) and the .cu's two decodes of a repacked word (BlockFp8Repacked::pair, written out here) give column
+    pairs (0, 1) and (2, 3) as bf16x2 halves with the code's 7 magnitude bits at bits 4-10 and its sign at 15,
     nothing else set, for every byte value in every column; other dtypes are refused."""
     assert sorted(b for bits in bf8.REPACK_BITS for b in bits) == list(range(32))
     i = torch.arange(256)
