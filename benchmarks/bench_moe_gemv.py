@@ -35,9 +35,10 @@ weights), one row each:
   ``_cuda_pipelined`` the same with kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per
   CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight);
   ``grouped_mm_nvfp4_cuda_pipelined_xperm`` the pipelined form with pair_cuda.X_PERM (x copied with its
-  columns permuted before each grouped product, the copy timed with it); ``moe_gemv_nvfp4_cuda_repacked`` and
-  ``grouped_mm_nvfp4_cuda_repacked`` the per-pair kernel and the grouped pipelined form on the same experts
-  with their codes repacked (kernels.quant.nvfp4.repack_codes; pair_cuda's "nvfp4_repacked" format).
+  columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
+  ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16)
+  on the same experts with their codes repacked (kernels.quant.<fmt>.repack_codes; pair_cuda's
+  "<fmt>_repacked" formats).
   A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
 expert some token chose, read once) over the device copy bandwidth measured in the same run (bench_quant_gemm's
@@ -216,20 +217,26 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     if fmt == "nvfp4":
         paths.append((f"grouped_mm_{fmt}_cuda_pipelined_xperm",
                       partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="pipelined", X_PERM=True), None))
-        # the same experts with their codes repacked (kernels.quant.nvfp4.repack_codes), run as pair_cuda's
-        # "nvfp4_repacked" format: the per-pair kernel and the grouped pipelined form
-        from kernels.quant.nvfp4 import repack_codes
-        from runners.engine.models.nvfp4 import nvfp4_grouped_mm
+    # the same experts with their codes repacked (kernels.quant.<fmt>.repack_codes), run as pair_cuda's
+    # "<fmt>_repacked" format: the per-pair kernel (block FP8: w8a16) and the grouped pipelined form
+    import importlib
 
-        rq = {kind: (repack_codes(m[0][0]), *m[0][1:]) for kind, m in q.items()}
-        gemv_r, _ = pair_call(fmt, h, weights, indices, rq["up"], rq.get("gate"), rq["down"], act)
-        grouped_r = partial(moe_experts_grouped, h, weights, indices, kinds,
-                            lambda x, kind, offsets: nvfp4_grouped_mm(x, *rq[kind], offsets), ACTIVATIONS[act],
-                            up.shape[0])
-        paths += [(f"moe_gemv_{fmt}_cuda_repacked", partial(_repacked, partial(_cuda, fmt, gemv_r,
-                                                                                **CUDA_LAUNCH[""])), None),
-                  (f"grouped_mm_{fmt}_cuda_repacked", partial(_repacked, partial(_cuda, fmt, grouped_r, "grouped")),
-                   None)]
+    from kernels.quant.block_fp8 import block_fp8_grouped_mm
+    from runners.engine.models.nvfp4 import nvfp4_grouped_mm
+
+    module = importlib.import_module(f"kernels.quant.{fmt}")
+    rq = {kind: (module.repack_codes(m[0][0]), *m[0][1:]) for kind, m in q.items()}
+    gemv_r, _ = pair_call(fmt, h, weights, indices, rq["up"], rq.get("gate"), rq["down"], act)
+    if fmt == "block_fp8":
+        gemv_r = partial(gemv_r, scheme="w8a16")
+        rmm = lambda x, kind, offsets: block_fp8_grouped_mm(x, *rq[kind], offsets, scheme="w8a16")
+    else:
+        rmm = lambda x, kind, offsets: nvfp4_grouped_mm(x, *rq[kind], offsets)
+    grouped_r = partial(moe_experts_grouped, h, weights, indices, kinds, rmm, ACTIVATIONS[act], up.shape[0])
+    paths += [(f"moe_gemv_{fmt}_cuda_repacked",
+               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), None),
+              (f"grouped_mm_{fmt}_cuda_repacked", partial(_repacked, fmt, partial(_cuda, fmt, grouped_r, "grouped")),
+               None)]
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:
@@ -286,13 +293,13 @@ def _cuda(fmt: str, fn, form: str = "pair", **launch):
         return _with(module, fn, (), {}, **{setting: "cuda", launcher: _refuse_triton, **bounds})
 
 
-def _repacked(fn):
-    """fn() with kernels/quant/pair_cuda.py's launches of format "nvfp4" sent as "nvfp4_repacked" (fn's experts
+def _repacked(fmt: str, fn):
+    """fn() with kernels/quant/pair_cuda.py's launches of format `fmt` sent as "<fmt>_repacked" (fn's experts
     hold repacked codes): the per-pair kernel and the grouped pipelined form on the repacked layout."""
     from kernels.quant import pair_cuda
 
     def swap(real):
-        return lambda fmt, *a, **k: real("nvfp4_repacked" if fmt == "nvfp4" else fmt, *a, **k)
+        return lambda f, *a, **k: real(f"{f}_repacked" if f == fmt else f, *a, **k)
 
     with mock.patch.multiple(pair_cuda, launch_pair=swap(pair_cuda.launch_pair),
                              grouped_mm=swap(pair_cuda.grouped_mm)):

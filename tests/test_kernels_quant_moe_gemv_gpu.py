@@ -377,3 +377,40 @@ def test_nvfp4_repacked_kernels_vs_reference_and_the_natural_kernels(rows_per_ex
                                 for p, e in enumerate(idx.tolist())]), "relu2")
     _close(pair, want)
     assert torch.equal(launch("nvfp4_repacked", packed), pair)
+
+
+@pytest.mark.parametrize("rows_per_expert", (1, 11))
+def test_block_fp8_repacked_kernels_vs_the_natural_kernels(rows_per_expert):
+    """Format "block_fp8_repacked" (kernels.quant.block_fp8.repack_codes) at Qwen3-Next's released expert
+    shapes (gate projection, w8a16): the grouped pipelined kernel (about 1 and 11 rows per expert) and the
+    per-pair kernel (8 tokens at top-10) on repacked codes against the natural kernels (themselves checked
+    against the w8a16 references above) and the grouped w8a16 reference, within two bf16 ulps; the same bits
+    on a second call and replayed from a CUDA graph."""
+    gate = _experts("qwen3_next")[1]
+    packed = (bf8.repack_codes(gate[0]), *gate[1:])
+    E, K = gate[0].shape[0], gate[0].shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(rows_per_expert + 80)
+    counts = torch.randint(0, 2 * rows_per_expert + 1, (E,), device="cuda", generator=gen)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(offsets[-1]), K, device="cuda", generator=gen).to(torch.bfloat16)
+    got = pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)
+    _close(got, pair_cuda.grouped_mm("block_fp8", x, gate, offsets))
+    _close(got, bf8.block_fp8_grouped_mm_ref(x, *gate, offsets, scheme="w8a16"))
+    assert torch.equal(pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets), got)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)  # warm-up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got)
+    h, _, indices = _inputs("qwen3_next", 8, seed=rows_per_expert + 81)
+    idx = indices.flatten()
+    silu = ACT_CODES["silu"]
+    launch = lambda fmt, w: pair_cuda.launch_pair(fmt, h, idx, w, None, torch.bfloat16, 10, silu)[0]
+    pair = launch("block_fp8_repacked", packed)
+    _close(pair, launch("block_fp8", gate))
+    assert torch.equal(launch("block_fp8_repacked", packed), pair)
