@@ -233,10 +233,11 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     else:
         rmm = lambda x, kind, offsets: nvfp4_grouped_mm(x, *rq[kind], offsets)
     grouped_r = partial(moe_experts_grouped, h, weights, indices, kinds, rmm, ACTIVATIONS[act], up.shape[0])
+    a16 = "w8a16" if fmt == "block_fp8" else None
     paths += [(f"moe_gemv_{fmt}_cuda_repacked",
-               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), None),
+               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), a16),
               (f"grouped_mm_{fmt}_cuda_repacked", partial(_repacked, fmt, partial(_cuda, fmt, grouped_r, "grouped")),
-               None)]
+               a16)]
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:

@@ -279,6 +279,7 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "triton")
     triton_out = bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16")
     monkeypatch.setattr(bf8, "PAIR_KERNEL", "cuda")
+    monkeypatch.setattr(bf8, "PAIR_CUDA_MAX_PAIRS", None)  # 8 tokens x top-10 is past the default bound
     assert bf8.pair_kernel_for(h, gate, up, indices.numel(), a16=True) == "cuda"
     a = torch.empty(indices.numel(), up[0].shape[1], dtype=torch.bfloat16, device="cuda")
     assert bf8.pair_kernel_for(a, down, None, indices.numel(), a16=True) == "cuda"

@@ -84,10 +84,9 @@ GROUPED_FORM = "pipelined"
 # X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
 #   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
-#   codes' order). The same products in the same order: the same bits. Off: not yet measured (its first
-#   bench could not capture it in a CUDA graph: the copy then built an index tensor on the host, fixed since;
-#   docs/kernel_performance.md). Where it pays, the copy belongs before the row gather (one row per token,
-#   22x fewer bytes at top-22) and in the up projection's store for the down projection's x.
+#   codes' order). The same products in the same order: the same bits. Off: on an H100 it gained 2-4 % of
+#   Super V3's routed experts at 8 and 64 tokens and lost 2 % at 256 (docs/kernel_performance.md, "The NVFP4
+#   decode's instruction count"); the repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
