@@ -338,10 +338,13 @@ def inner_loops(sass: str) -> list[dict]:
 
 def cuda_pair_report() -> dict:
     """The CUDA per-pair kernels (kernels/quant/pair_gemv.cu) built by nvcc for sm_90 with the launcher's
-    flags: per instantiation (NVFP4 / block FP8, ungated / gated) its usage and ``loop_per_weight``, the main
-    loop's body (`loop_body`: two 128-column chunks per warp step) over the weights a lane decodes per step
-    (2 chunks x 64, twice that gated); and the grouped forms' usage (``<fmt>_cuda_grouped``,
-    ``<fmt>_cuda_grouped_wide``, ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``). {"error": ...} without nvcc."""
+    flags: per format (NVFP4, block FP8 and their repacked forms, pair_cuda.FORMATS) and gating, the
+    pair_gemv_kernel instance's usage and ``loop_per_weight``, the main loop's body (`loop_body`: two
+    128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x 64, twice that
+    gated); and the grouped forms' usage (``<fmt>_cuda_grouped``, ``<fmt>_cuda_grouped_wide``,
+    ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``; the repacked formats the
+    pipelined form only), the pipelined ones with ``k_loops`` (`inner_loops` over 100 instructions: one K loop
+    per token-group count). {"error": ...} without nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 

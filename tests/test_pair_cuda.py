@@ -202,6 +202,25 @@ def test_host_emulated_repacked_kernel_matches_the_natural_one(host_lib, case):
     assert not torch.equal(_host_launch(host_lib, x, idx, w, w2, topk, act, fmt="nvfp4_repacked"), natural)
 
 
+def test_repack_words_in_chunks_and_its_table_checks(monkeypatch):
+    """kernels/quant/_common.repack_words gives the same words whatever its chunk size (REPACK_CHUNK_BYTES,
+    a chunk boundary inside a row), reads strided codes, and refuses a table that is not a permutation of the
+    32 bits in codes of equal width."""
+    from kernels.quant import _common
+
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (5, 9, 24), generator=gen, dtype=torch.uint8)
+    whole = _common.repack_words(codes, nf4.REPACK_BITS, "t")
+    monkeypatch.setattr(_common, "REPACK_CHUNK_BYTES", 12)  # 3 words a step
+    assert torch.equal(_common.repack_words(codes, nf4.REPACK_BITS, "t"), whole)
+    assert torch.equal(_common.repack_words(codes[:, :, 8:], nf4.REPACK_BITS, "t"), whole[:, :, 8:])
+    uneven = ((0, 1, 2), (3, 4, 5, 6, 7)) + tuple(tuple(range(8 + 4 * i, 12 + 4 * i)) for i in range(6))
+    assert sorted(b for code in uneven for b in code) == list(range(32))  # a permutation, widths 3 and 5
+    for bad in (((0,) * 4,) * 8, uneven):
+        with pytest.raises(ValueError, match="each of a word's 32 bits once"):
+            _common.repack_words(codes, bad, "t")
+
+
 def test_repacked_fp8_codes_decode_to_each_column_pair():
     """kernels.quant.block_fp8.repack_codes is a bit permutation of each 32-bit word (unrepack_codes undoes
     it) and the .cu's two decodes of a repacked word (BlockFp8Repacked::pair, written out here) give column

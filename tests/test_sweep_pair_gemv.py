@@ -117,3 +117,50 @@ def test_the_loop_body_is_the_span_of_the_widest_backward_branch():
     body = compile_report.loop_body(sass)
     assert body == {"instructions": 4, "opcodes": {"LDG.E.128": 1, "LOP3.LUT": 1, "FFMA": 1, "BRA": 1}}
     assert compile_report.loop_body(sass.replace("@!P1 BRA 0x20", "NOP")) is None
+
+
+def test_inner_loops_lists_every_loop_but_the_widest():
+    """compile_report.inner_loops: the bodies of every backward branch but the widest, widest first (the
+    grouped kernels' K loops inside their pass loop)."""
+    from benchmarks import compile_report
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   LOP3.LUT R5, R4, 0x7, RZ, 0xc0, !PT ;
+        /*0030*/              @!P1 BRA 0x20 ;
+        /*0040*/                   FFMA R6, R5, R7, R6 ;
+        /*0050*/                   IADD3 R6, R5, R7, R6 ;
+        /*0060*/                   HMUL2 R6, R5, R7 ;
+        /*0070*/              @!P2 BRA 0x40 ;
+        /*0080*/              @!P0 BRA 0x10 ;
+        /*0090*/                   EXIT ;
+"""
+    loops = compile_report.inner_loops(sass)
+    assert [lp["instructions"] for lp in loops] == [4, 2]
+    assert loops[0]["opcodes"] == {"FFMA": 1, "IADD3": 1, "HMUL2": 1, "BRA": 1}
+    one_loop = sass.replace("@!P2 BRA 0x40", "NOP").replace("@!P1 BRA 0x20", "NOP")
+    assert compile_report.inner_loops(one_loop) == []
+
+
+def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
+    """compile_report.cuda_pair_report (nvcc's sm_90 build of kernels/quant/pair_gemv.cu): each per-pair
+    entry is pair_gemv_kernel's (its loop a few instructions per weight: an entry that matched the grouped
+    kernel's symbol read 17.34), the repacked formats' loops are shorter than the natural ones', and the
+    pipelined grouped entries carry their two K loops, the two-group one the longer."""
+    from benchmarks import compile_report
+    from kernels import _nvcc
+
+    if _nvcc.find_nvcc() is None:
+        pytest.skip("nvcc is not installed here")
+    report = compile_report.cuda_pair_report()
+    for fmt in ("nvfp4", "block_fp8", "nvfp4_repacked", "block_fp8_repacked"):
+        for gated in ("", "_gated"):
+            assert 1.5 < report[f"{fmt}_cuda{gated}"]["loop_per_weight"]["instructions"] < 5
+        loops = [lp["instructions"] for lp in report[f"{fmt}_cuda_grouped_pipelined"]["k_loops"]]
+        assert len(loops) == 2 and loops[0] > loops[1]
+    for fmt in ("nvfp4", "block_fp8"):
+        assert (report[f"{fmt}_repacked_cuda"]["loop_per_weight"]["instructions"]
+                < report[f"{fmt}_cuda"]["loop_per_weight"]["instructions"])
+        assert (report[f"{fmt}_repacked_cuda_grouped_pipelined"]["k_loops"][0]["instructions"]
+                < report[f"{fmt}_cuda_grouped_pipelined"]["k_loops"][0]["instructions"])

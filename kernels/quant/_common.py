@@ -33,33 +33,44 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def repack_words(codes: torch.Tensor, bits: tuple[tuple[int, ...], ...], name: str, *,
                  inverse: bool = False) -> torch.Tensor:
     """A bit permutation inside each little-endian 32-bit word of ``codes`` (uint8 [..., n], n % 4 == 0): the
-    word's len(bits) codes of 32 / len(bits) bits each (code c at bits c * w .. c * w + w - 1, w its width), bit
-    b of code c moved to bit ``bits[c][b]`` (``inverse``: moved back). How kernels/quant's formats lay their codes
+    word's len(bits) codes of w = 32 / len(bits) bits each (code c at bits c * w .. c * w + w - 1), bit b of
+    code c moved to bit ``bits[c][b]`` (``inverse``: moved back). How kernels/quant's formats lay their codes
     out for the CUDA kernels (nvfp4.repack_codes, block_fp8.repack_codes; the tables beside them). Load-time
-    work: one elementwise pass per bit.
+    work: one elementwise pass per bit over int32 words, REPACK_CHUNK_BYTES of codes at a time (peak extra
+    memory about three times a chunk).
 
     Returns:
         a new uint8 tensor of codes' shape, on its device. Mutates nothing.
 
     Raises:
-        ValueError: codes not uint8, n not whole words, or ``bits`` not a permutation of 0..31.
+        ValueError: codes not uint8, n not whole words, or ``bits`` not a permutation of 0..31 in codes of equal
+            width.
     """
     if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
         raise ValueError(f"{name}: codes must be uint8 [..., n] with whole 32-bit words (n % 4 == 0; NVFP4: "
                          f"K % 8 == 0, FP8: K % 4 == 0), got {codes.dtype} {tuple(codes.shape)}")
-    dst = [d for code in bits for d in code]
-    if sorted(dst) != list(range(32)):
-        raise ValueError(f"{name}: the bit table must move each of a word's 32 bits once, got {bits}")
     width = 32 // len(bits)
-    src = [width * c + b for c, code in enumerate(bits) for b in range(len(code))]
+    dst = [d for code in bits for d in code]
+    if sorted(dst) != list(range(32)) or any(len(code) != width for code in bits):
+        raise ValueError(f"{name}: the bit table must move each of a word's 32 bits once, {width} per code, got "
+                         f"{bits}")
+    src = [width * c + b for c in range(len(bits)) for b in range(width)]
     if inverse:
         src, dst = dst, src
-    b = codes.reshape(*codes.shape[:-1], -1, 4).long()
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    out = torch.zeros_like(words)
-    for a, d in zip(src, dst):
-        out |= ((words >> a) & 1) << d
-    return torch.stack([(out >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8).reshape(codes.shape)
+    words = codes.contiguous().view(torch.int32).reshape(-1)  # little-endian: byte j is bits 8j .. 8j + 7
+    out = torch.empty_like(words)
+    step = max(1, REPACK_CHUNK_BYTES // 4)
+    for i in range(0, words.numel(), step):
+        w = words[i:i + step]
+        acc = torch.zeros_like(w)
+        for a, d in zip(src, dst):
+            acc |= ((w >> a) & 1) << d  # int32: >> is arithmetic, & 1 keeps bit a; << 31 sets the sign bit
+        out[i:i + step] = acc
+    return out.view(torch.uint8).reshape(codes.shape)
+
+
+# Codes per repack_words step (bounds its temporaries at load time).
+REPACK_CHUNK_BYTES = 64 * 2**20
 
 
 def true_divide(t: torch.Tensor, divisor: float) -> torch.Tensor:

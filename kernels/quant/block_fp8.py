@@ -237,7 +237,7 @@ def repack_codes(weight: torch.Tensor) -> torch.Tensor:
     """Block-FP8 codes (float8_e4m3fn [..., K], K % 4 == 0) -> the repacked layout the CUDA kernels'
     "block_fp8_repacked" format reads (REPACK_BITS: a bit permutation inside each 32-bit word; shapes, word
     addresses and the block scales unchanged): a new float8_e4m3fn tensor whose bytes are no longer e4m3
-    values (only that format reads them). Load-time work. Source of the idea: Marlin's load-time weight
+    values (only that format reads them). Load-time work (kernels/quant/_common.py repack_words). Source of the idea: Marlin's load-time weight
     repacking (Frantar et al., PPoPP 2025); the bit map is this project's.
 
     Raises:

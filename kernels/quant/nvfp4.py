@@ -171,7 +171,7 @@ REPACK_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
 def repack_codes(weight: torch.Tensor) -> torch.Tensor:
     """NVFP4 codes in the natural layout -> the repacked layout the CUDA kernels' "nvfp4_repacked" format reads
     (REPACK_BITS: a bit permutation inside each 32-bit word; shapes, word addresses and the scales unchanged).
-    Load-time work (a few elementwise passes over the codes). Source of the idea: Marlin's load-time weight
+    Load-time work (kernels/quant/_common.py repack_words: one pass per bit, in chunks). Source of the idea: Marlin's load-time weight
     repacking (Frantar et al., PPoPP 2025); the bit map is this project's.
 
     Args:

@@ -215,7 +215,8 @@ def check_setting(setting: str, fmt: str, what: str = "PAIR_KERNEL") -> None:
     """Raise ValueError unless `setting`, format `fmt`'s `what` setting (PAIR_KERNEL / GROUPED_KERNEL), is
     one of KERNELS."""
     if setting not in KERNELS:
-        raise ValueError(f"kernels.quant.{fmt}.{what} must be one of {KERNELS}, got {setting!r}")
+        raise ValueError(f"kernels.quant.{REPACKED.get(fmt, fmt)}.{what} must be one of {KERNELS}, got "
+                         f"{setting!r}")
 
 
 def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
@@ -336,7 +337,8 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
     weights (16 with "pipelined"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
-    (permute_x_columns). The repacked formats always run the pipelined form (GROUPED_FORM is not read). Current stream, no synchronisation (CUDA-graph capturable).
+    (permute_x_columns). The repacked formats always run the pipelined form (GROUPED_FORM is still checked,
+    not used). Current stream, no synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 

@@ -10,7 +10,7 @@
 // rows n0 + g and n0 + g + 8 (NVFP4: 16 bytes a row; FP8: 32), their scales, and the same 32 columns of x; 8
 // mma.sync.m16n8k16 then consume them.
 //
-// Why no weight re-layout is needed: in m16n8k16 the lane (g, t) holds A's columns {2t, 2t+1, 2t+8, 2t+9} of
+// Why the natural layout needs no weight re-layout: in m16n8k16 the lane (g, t) holds A's columns {2t, 2t+1, 2t+8, 2t+9} of
 // rows g and g + 8 and B's same four rows; a dot product does not care which physical column a logical one
 // stands for as long as A and B agree, and both sides of that agreement live in lanes with the same t. So
 // each lane maps its logical columns onto the 32 physical ones it loaded, and permutes x's registers to match
@@ -37,7 +37,9 @@
 // and experts), scales 2-byte (NVFP4) / 4-byte (FP8, contiguous blocks) aligned, x rows 16-byte aligned,
 // P <= 65535 pairs, sm_80 or newer. Source of the decode idea: Marlin (Frantar et al., "MARLIN: Mixed-Precision
 // Auto-Regressive Parallel Inference on Large Language Models", PPoPP 2025; the FP4 / FP8 dequantization of
-// vLLM's csrc/quantization/marlin), written here from the bit layouts, without Marlin's weight repacking.
+// vLLM's csrc/quantization/marlin), written here from the bit layouts, without Marlin's weight repacking; the
+// repacked formats (Nvfp4Repacked, BlockFp8Repacked below) move bits inside each word at load time for a
+// cheaper decode.
 //
 // Build: nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -std=c++17. Exports nvp_abi, nvp_launch,
 // nvp_error_string. NVP_HOST_EMULATION (tests/pair_gemv_host.cc only): the same kernel compiled by a host C++
@@ -81,7 +83,7 @@ struct Params {
   uint16_t* out;        // [P, NOUT] bf16 bits
   int64_t P, NOUT, K, TOPK, act, gated;
   int64_t sxm, swe, swn, sse, ssn, som;  // strides: x rows, out rows (elements); codes, scales (bytes)
-  int64_t fmt;                           // 0 NVFP4, 1 block FP8
+  int64_t fmt;                           // kFmt*: 0 NVFP4, 1 block FP8, 2 / 3 their repacked forms
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
@@ -425,9 +427,9 @@ __device__ inline uint32_t rotl(uint32_t v) {
 // nibble order, and so that the pair is (2j, 2j + 1): x's words are the MMA's B registers as loaded, with no
 // byte permute. MMA 2q + h of word q takes column pairs (4h, 4h + 1) and (4h + 2, 4h + 3). Everything else
 // (loads, scales, fold) is Nvfp4's: the repacking moves bits inside words only. Why: the pipelined grouped
-// kernel's NVFP4 loop issues about 280 instructions per 1 KB of codes, 55 % of them the decode, so it runs
-// near the SM's issue rate well below the copy bandwidth (docs/kernel_performance.md, "The NVFP4 decode's
-// instruction count"). Source of the idea: Marlin's load-time repacking (Frantar et al., PPoPP 2025); the bit
+// kernel's NVFP4 loop issues about 280 instructions per 1 KB of codes, 55 % of them the decode, about the
+// SM's whole issue rate at the copy bandwidth. Measured, 29 % fewer loop instructions gave 4-8 %: issue is
+// only part of the limit (docs/kernel_performance.md, "The NVFP4 decode's instruction count"). Source of the idea: Marlin's load-time repacking (Frantar et al., PPoPP 2025); the bit
 // map here is this file's own, found by search over the rotations of the target bit set.
 struct Nvfp4Repacked : Nvfp4 {
   // Column pair J of a repacked word as a bf16x2 of e2m1 * 2^-126 (magnitude at bits 6-8 / 22-24, sign at
