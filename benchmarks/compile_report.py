@@ -361,8 +361,9 @@ def cuda_pair_report() -> dict:
         sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
     out = {}
-    for fmt, tag in (("nvfp4", "5Nvfp4"), ("block_fp8", "8BlockFp8"), ("nvfp4_repacked", "13Nvfp4Repacked"),
-                     ("block_fp8_repacked", "16BlockFp8Repacked")):
+    # each format's struct as the symbols spell it (pair_gemv.cu: Nvfp4Codes / BlockFp8Codes<REPACKED>)
+    for fmt, tag in (("nvfp4", "10Nvfp4CodesILb0EE"), ("block_fp8", "13BlockFp8CodesILb0EE"),
+                     ("nvfp4_repacked", "10Nvfp4CodesILb1EE"), ("block_fp8_repacked", "13BlockFp8CodesILb1EE")):
         for gated in (False, True):
             inst = f"pair_gemv_kernelINS_{tag}ELb{int(gated)}E"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])

@@ -324,94 +324,63 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
         if fmt == "nvfp4":  # X_PERM: x copied with its columns permuted, the same bits, also captured
             monkeypatch.setattr(pair_cuda, "X_PERM", True)
             assert torch.equal(mm(x, *up, offsets, **kw), got)
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                mm(x, *up, offsets, **kw)  # warm-up off the capture
-                with torch.cuda.graph(graph, stream=stream):
-                    captured = mm(x, *up, offsets, **kw)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, got)
+            assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
             monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
 
 
+def _graph_replay(fn):
+    """fn()'s output captured in a CUDA graph (after one warm-up call off the capture, on a side stream) and
+    replayed: what a captured step computes, for comparison with the eager result."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured
+
+
 @pytest.mark.parametrize("rows_per_expert", (1, 11))
-def test_nvfp4_repacked_kernels_vs_reference_and_the_natural_kernels(rows_per_expert):
-    """Format "nvfp4_repacked" (kernels.quant.nvfp4.repack_codes: the codes' bits moved inside each word for a
-    cheaper decode) at Super V3's released expert shapes: the grouped pipelined kernel (about 1 and 11 rows
-    per expert) and the per-pair kernel (relu2 up projection, 8 tokens at top-22) on repacked codes against
-    the reference of the natural codes and the natural kernels, within two bf16 ulps; the same bits on a
-    second call and replayed from a CUDA graph."""
-    up = _experts("super_v3")[0]
-    packed = (nf4.repack_codes(up[0]), *up[1:])
-    E, K = up[0].shape[0], 2 * up[0].shape[2]
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_repacked_kernels_vs_reference_and_the_natural_kernels(model, rows_per_expert):
+    """The repacked formats ("<fmt>_repacked": kernels.quant.<fmt>.repack_codes, the codes' bits moved inside
+    each word for a cheaper decode) at the released expert shapes (Super V3 NVFP4 up, relu2; Qwen3-Next block
+    FP8 gate, w8a16): the grouped pipelined kernel (about 1 and 11 rows per expert) and the per-pair kernel (8
+    tokens) on repacked codes against the grouped reference of the natural codes and the natural kernels
+    (themselves held to their references above), within two bf16 ulps; NVFP4's per-pair output also against
+    its dequantizing reference; the same bits on a second call and replayed from a CUDA graph."""
+    fmt, _, _, E, k, act, gated = SHAPES[model]
+    module = nf4 if fmt == "nvfp4" else bf8
+    w = _experts(model)[1 if gated else 0]
+    packed = (module.repack_codes(w[0]), *w[1:])
+    repacked = f"{fmt}_repacked"
+    K = w[0].shape[2] * (2 if fmt == "nvfp4" else 1)
     gen = torch.Generator(device="cuda").manual_seed(rows_per_expert + 70)
     counts = torch.randint(0, 2 * rows_per_expert + 1, (E,), device="cuda", generator=gen)
     offsets = counts.cumsum(0).to(torch.int32)
     x = torch.randn(int(offsets[-1]), K, device="cuda", generator=gen).to(torch.bfloat16)
-    assert pair_cuda.grouped_unsupported("nvfp4_repacked", x, packed, offsets) is None
-    got = pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)
-    _close(got, nf4.nvfp4_grouped_mm_ref(x, *up, offsets))
-    _close(got, pair_cuda.grouped_mm("nvfp4", x, up, offsets))
-    assert torch.equal(pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets), got)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)  # warm-up off the capture
-        with torch.cuda.graph(graph, stream=stream):
-            captured = pair_cuda.grouped_mm("nvfp4_repacked", x, packed, offsets)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, got)
-    h, _, indices = _inputs("super_v3", 8, seed=rows_per_expert + 71)
+    assert pair_cuda.grouped_unsupported(repacked, x, packed, offsets) is None
+    grouped = lambda: pair_cuda.grouped_mm(repacked, x, packed, offsets)
+    got = grouped()
+    if fmt == "nvfp4":
+        _close(got, nf4.nvfp4_grouped_mm_ref(x, *w, offsets))
+    else:
+        _close(got, bf8.block_fp8_grouped_mm_ref(x, *w, offsets, scheme="w8a16"))
+    _close(got, pair_cuda.grouped_mm(fmt, x, w, offsets))
+    assert torch.equal(grouped(), got)
+    assert torch.equal(_graph_replay(grouped), got)
+    h, _, indices = _inputs(model, 8, seed=rows_per_expert + 71)
     idx = indices.flatten()
-    act = ACT_CODES["relu2"]
-    launch = lambda fmt, w: pair_cuda.launch_pair(fmt, h, idx, w, None, torch.bfloat16, 22, act)[0]
-    pair, natural = launch("nvfp4_repacked", packed), launch("nvfp4", up)
-    _close(pair, natural)
-    want = act_ref(torch.stack([nf4.nvfp4_linear_ref(h[p // 22:p // 22 + 1], up[0][e], up[1][e], up[2][e])[0]
-                                for p, e in enumerate(idx.tolist())]), "relu2")
-    _close(pair, want)
-    assert torch.equal(launch("nvfp4_repacked", packed), pair)
-
-
-@pytest.mark.parametrize("rows_per_expert", (1, 11))
-def test_block_fp8_repacked_kernels_vs_the_natural_kernels(rows_per_expert):
-    """Format "block_fp8_repacked" (kernels.quant.block_fp8.repack_codes) at Qwen3-Next's released expert
-    shapes (gate projection, w8a16): the grouped pipelined kernel (about 1 and 11 rows per expert) and the
-    per-pair kernel (8 tokens at top-10) on repacked codes against the natural kernels (themselves checked
-    against the w8a16 references above) and the grouped w8a16 reference, within two bf16 ulps; the same bits
-    on a second call and replayed from a CUDA graph."""
-    gate = _experts("qwen3_next")[1]
-    packed = (bf8.repack_codes(gate[0]), *gate[1:])
-    E, K = gate[0].shape[0], gate[0].shape[2]
-    gen = torch.Generator(device="cuda").manual_seed(rows_per_expert + 80)
-    counts = torch.randint(0, 2 * rows_per_expert + 1, (E,), device="cuda", generator=gen)
-    offsets = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(int(offsets[-1]), K, device="cuda", generator=gen).to(torch.bfloat16)
-    got = pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)
-    _close(got, pair_cuda.grouped_mm("block_fp8", x, gate, offsets))
-    _close(got, bf8.block_fp8_grouped_mm_ref(x, *gate, offsets, scheme="w8a16"))
-    assert torch.equal(pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets), got)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)  # warm-up off the capture
-        with torch.cuda.graph(graph, stream=stream):
-            captured = pair_cuda.grouped_mm("block_fp8_repacked", x, packed, offsets)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, got)
-    h, _, indices = _inputs("qwen3_next", 8, seed=rows_per_expert + 81)
-    idx = indices.flatten()
-    silu = ACT_CODES["silu"]
-    launch = lambda fmt, w: pair_cuda.launch_pair(fmt, h, idx, w, None, torch.bfloat16, 10, silu)[0]
-    pair = launch("block_fp8_repacked", packed)
-    _close(pair, launch("block_fp8", gate))
-    assert torch.equal(launch("block_fp8_repacked", packed), pair)
+    launch = lambda f, m: pair_cuda.launch_pair(f, h, idx, m, None, torch.bfloat16, k, ACT_CODES[act])[0]
+    pair = launch(repacked, packed)
+    _close(pair, launch(fmt, w))
+    assert torch.equal(launch(repacked, packed), pair)
+    if fmt == "nvfp4":  # ungated: the activation applies to this projection alone
+        want = torch.stack([nf4.nvfp4_linear_ref(h[p // k:p // k + 1], w[0][e], w[1][e], w[2][e])[0]
+                            for p, e in enumerate(idx.tolist())])
+        _close(pair, act_ref(want, act))

@@ -118,31 +118,6 @@ FP8_CASES = {
 }
 
 
-@needs_gxx
-@pytest.mark.parametrize("case", list(CASES))
-def test_host_emulated_kernel_matches_the_dequantizing_reference(host_lib, case):
-    E, N, K, P, topk, act, gated, strided = CASES[case]
-    gen = torch.Generator().manual_seed(len(case))
-    w = _experts(E, N, K, gen)
-    w2 = _experts(E, N, K, gen) if gated else None
-    rows = P // topk
-    x = (torch.randn(rows, K + (64 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
-    idx = torch.randint(0, E, (P,), generator=gen)
-    # everything but the device fits
-    assert pair_cuda.unsupported("nvfp4", x, w, w2, P) == "CUDA tensors only, got cpu"
-    got = _host_launch(host_lib, x, idx, w, w2, topk, act)
-    want = _projection_ref(x, idx, w, w2, topk, act)
-    assert not want.isnan().any()
-    scale = want.float().abs().max()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
-    # most outputs land on the same bf16 value: the sums differ in fp32 order only
-    assert (got == want).float().mean() > 0.9
-
-
-def _repacked(w):
-    return (nf4.repack_codes(w[0]), *w[1:])
-
-
 def test_repacked_codes_decode_to_each_column_pair():
     """kernels.quant.nvfp4.repack_codes is a bit permutation of each 32-bit word (REPACK_BITS covers the 32
     bits once; unrepack_codes undoes it), and the .cu's four decodes of a repacked word (Nvfp4Repacked::pair,
@@ -175,31 +150,6 @@ def test_repacked_codes_decode_to_each_column_pair():
                 assert (half >> 6) & 7 == code & 7 and half >> 15 == code >> 3
     with pytest.raises(ValueError, match="K % 8 == 0"):
         nf4.repack_codes(torch.zeros(2, 6, dtype=torch.uint8))
-
-
-@needs_gxx
-@pytest.mark.parametrize("case", list(CASES))
-def test_host_emulated_repacked_kernel_matches_the_natural_one(host_lib, case):
-    """Format "nvfp4_repacked" (the codes repacked at load time, the cheaper decode, x's words unpermuted):
-    the per-pair kernel on repacked codes against the dequantizing reference of the natural codes, as the
-    natural kernel is held to, and against the natural kernel (the MMAs pair other columns: fp32 order
-    only)."""
-    E, N, K, P, topk, act, gated, strided = CASES[case]
-    gen = torch.Generator().manual_seed(len(case))
-    w = _experts(E, N, K, gen)
-    w2 = _experts(E, N, K, gen) if gated else None
-    x = (torch.randn(P // topk, K + (64 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
-    idx = torch.randint(0, E, (P,), generator=gen)
-    assert pair_cuda.unsupported("nvfp4_repacked", x, w, w2, P) == "CUDA tensors only, got cpu"
-    got = _host_launch(host_lib, x, idx, _repacked(w), w2 and _repacked(w2), topk, act, fmt="nvfp4_repacked")
-    want = _projection_ref(x, idx, w, w2, topk, act)
-    natural = _host_launch(host_lib, x, idx, w, w2, topk, act)
-    scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
-    assert (got == want).float().mean() > 0.9
-    assert (got == natural).float().mean() > 0.9
-    # the natural codes read as repacked are other weights: the format code does change the decode
-    assert not torch.equal(_host_launch(host_lib, x, idx, w, w2, topk, act, fmt="nvfp4_repacked"), natural)
 
 
 def test_repack_words_in_chunks_and_its_table_checks(monkeypatch):
@@ -247,42 +197,45 @@ def test_repacked_fp8_codes_decode_to_each_column_pair():
         bf8.repack_codes(codes)
 
 
-@needs_gxx
-@pytest.mark.parametrize("case", list(FP8_CASES))
-def test_host_emulated_repacked_fp8_kernel_matches_the_natural_one(host_lib, case):
-    """Format "block_fp8_repacked": the per-pair kernel on repacked codes against the w8a16 reference of the
-    natural codes and the natural kernel, with the tolerance the natural kernel's own test holds it to."""
-    E, N, K, P, topk, act, gated, strided = FP8_CASES[case]
-    gen = torch.Generator().manual_seed(len(case) + 100)
-    w = _fp8_experts(E, N, K, gen)
-    w2 = _fp8_experts(E, N, K, gen) if gated else None
-    x = (torch.randn(P // topk, K + (32 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
-    idx = torch.randint(0, E, (P,), generator=gen)
-    rp = lambda m: m and (bf8.repack_codes(m[0]), *m[1:])
-    got = _host_launch(host_lib, x, idx, rp(w), rp(w2), topk, act, fmt="block_fp8_repacked")
-    want = _projection_ref(x, idx, w, w2, topk, act, fmt="block_fp8")
-    natural = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt="block_fp8")
-    scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
-    assert (got == want).float().mean() > 0.9 and (got == natural).float().mean() > 0.9
+def _repack(fmt, m):
+    """Experts tuple ``m`` of format `fmt` with its codes repacked (kernels.quant.<fmt>.repack_codes); None
+    stays None."""
+    return m and ((nf4 if fmt == "nvfp4" else bf8).repack_codes(m[0]), *m[1:])
 
 
 @needs_gxx
-@pytest.mark.parametrize("case", list(FP8_CASES))
-def test_host_emulated_block_fp8_kernel_matches_the_dequantizing_reference(host_lib, case):
-    E, N, K, P, topk, act, gated, strided = FP8_CASES[case]
-    gen = torch.Generator().manual_seed(len(case) + 100)
-    w = _fp8_experts(E, N, K, gen)
-    w2 = _fp8_experts(E, N, K, gen) if gated else None
-    x = (torch.randn(P // topk, K + (32 if strided else 0), generator=gen) * 2).to(torch.bfloat16)[:, :K]
+@pytest.mark.parametrize("repacked", (False, True))
+@pytest.mark.parametrize("case", list(CASES) + list(FP8_CASES))
+def test_host_emulated_kernel_matches_the_dequantizing_reference(host_lib, case, repacked):
+    """The per-pair kernel of each format against its dequantizing reference (block FP8: w8a16).
+    Repacked ("<fmt>_repacked": the codes repacked at load time, the cheaper decode, x's words unpermuted):
+    the kernel on repacked codes against the reference of the natural codes with the same tolerance, and
+    against the natural kernel (the MMAs pair other columns: fp32 order only); natural codes read as repacked
+    give other results, so the format code does change the decode."""
+    fmt = "nvfp4" if case in CASES else "block_fp8"
+    E, N, K, P, topk, act, gated, strided = {**CASES, **FP8_CASES}[case]
+    gen = torch.Generator().manual_seed(len(case) + (0 if fmt == "nvfp4" else 100))
+    make = _experts if fmt == "nvfp4" else _fp8_experts
+    w = make(E, N, K, gen)
+    w2 = make(E, N, K, gen) if gated else None
+    pad = (64 if fmt == "nvfp4" else 32) if strided else 0
+    x = (torch.randn(P // topk, K + pad, generator=gen) * 2).to(torch.bfloat16)[:, :K]
     idx = torch.randint(0, E, (P,), generator=gen)
-    assert pair_cuda.unsupported("block_fp8", x, w, w2, P) == "CUDA tensors only, got cpu"
-    got = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt="block_fp8")
-    want = _projection_ref(x, idx, w, w2, topk, act, fmt="block_fp8")
+    kernel_fmt = f"{fmt}_repacked" if repacked else fmt
+    # everything but the device fits
+    assert pair_cuda.unsupported(kernel_fmt, x, w, w2, P) == "CUDA tensors only, got cpu"
+    codes = (_repack(fmt, w), _repack(fmt, w2)) if repacked else (w, w2)
+    got = _host_launch(host_lib, x, idx, *codes, topk, act, fmt=kernel_fmt)
+    want = _projection_ref(x, idx, w, w2, topk, act, fmt=fmt)
     assert not want.isnan().any()
     scale = want.float().abs().max()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
+    # most outputs land on the same bf16 value: the sums differ in fp32 order only
     assert (got == want).float().mean() > 0.9
+    if repacked:
+        natural = _host_launch(host_lib, x, idx, w, w2, topk, act, fmt=fmt)
+        assert (got == natural).float().mean() > 0.9
+        assert not torch.equal(_host_launch(host_lib, x, idx, w, w2, topk, act, fmt=kernel_fmt), natural)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -587,8 +540,7 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
     P = sum(counts)
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    module = nf4 if fmt == "nvfp4" else bf8
-    wr = (module.repack_codes(w[0]), *w[1:])
+    wr = _repack(fmt, w)
     repacked = f"{fmt}_repacked"
     host_lib.nvp_host_record(1)
     got = _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined")

@@ -309,9 +309,20 @@ __device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
   for (int q = 0; q < 4; ++q) x[q] = ld16(xr + c0 + 8 * q);
 }
 
+// Word v rotated left by R bits (one funnel shift on the GPU).
+template <int R>
+__device__ inline uint32_t rotl(uint32_t v) {
+#ifdef NVP_HOST_EMULATION
+  return (v << R) | (v >> (32 - R));
+#else
+  return __funnelshift_l(v, v, R);
+#endif
+}
+
 // NVFP4 (W4A16): codes [E, N, K / 2] (two e2m1 per byte, element 2j in the low nibble), e4m3 block scales
-// [E, N, K / 16], weight_scale_2 [E].
-struct Nvfp4 {
+// [E, N, K / 16], weight_scale_2 [E]. REPACKED: the codes repacked at load time (Nvfp4Repacked below).
+template <bool REPACKED>
+struct Nvfp4Codes {
   static constexpr int kScaleRows = 1;
   // byte offsets of column c's codes and scale within a row
   __device__ static int64_t code_offset(int64_t c) { return c / 2; }
@@ -332,23 +343,48 @@ struct Nvfp4 {
     if (with_x) load_x(xr, c0, c.x);
   }
 
-  // A fragment 2q + h of the chunk (bf16x2, e2m1 * scale * 2^-8): word q's element pairs (e0, e4), (e1, e5)
-  // (h = 0) or (e2, e6), (e3, e7) (h = 1), rows g and g + 8; Sa / Sb the rows' scale pairs (scale_pairs).
+  // Element pair J of a code word as a bf16x2 of e2m1 * 2^-126: elements (J, J + 4) of the natural word
+  // (e2m1_pair), or column pair (2J, 2J + 1) of a repacked one (magnitude at bits 6-8 / 22-24, sign at 15 /
+  // 31: one to four integer operations).
+  template <int J>
+  __device__ static uint32_t pair(uint32_t v) {
+    constexpr uint32_t kMask = 0x81C081C0u;
+    if constexpr (!REPACKED)
+      return e2m1_pair<J>(v);
+    else if constexpr (J == 0)
+      return v & kMask;
+    else if constexpr (J == 1)
+      return (v << 4) & kMask;
+    else if constexpr (J == 2)
+      return rotl<10>(v) & kMask;
+    else
+      return ((v << 6) & 0x80C080C0u) | ((v >> 2) & 0x01000100u);
+  }
+
+  // A fragment 2q + h of the chunk (bf16x2, e2m1 * scale * 2^-8): word q's element pairs 2h and 2h + 1 (pair:
+  // natural (e0, e4), (e1, e5) or (e2, e6), (e3, e7); repacked columns (4h, 4h + 1), (4h + 2, 4h + 3)), rows g
+  // and g + 8; Sa / Sb the rows' scale pairs (scale_pairs).
   template <int H>
   __device__ static void frag(const C& w, const uint32_t (&Sa)[2], const uint32_t (&Sb)[2], int q,
                               uint32_t (&a)[4]) {
     const uint32_t va = w.qa.v[q], vb = w.qb.v[q], sA = Sa[q >> 1], sB = Sb[q >> 1];
-    a[0] = hmul2(e2m1_pair<2 * H>(va), sA);
-    a[1] = hmul2(e2m1_pair<2 * H>(vb), sB);
-    a[2] = hmul2(e2m1_pair<2 * H + 1>(va), sA);
-    a[3] = hmul2(e2m1_pair<2 * H + 1>(vb), sB);
+    a[0] = hmul2(pair<2 * H>(va), sA);
+    a[1] = hmul2(pair<2 * H>(vb), sB);
+    a[2] = hmul2(pair<2 * H + 1>(va), sA);
+    a[3] = hmul2(pair<2 * H + 1>(vb), sB);
   }
 
-  // x's columns of MMA 2q + h as its B registers: word q's pairs (0, 4), (1, 5) (h = 0) or (2, 6), (3, 7).
+  // x's columns of MMA 2q + h as its B registers, in frag's column order: natural, word q's pairs (0, 4),
+  // (1, 5) (h = 0) or (2, 6), (3, 7) by byte permutes; repacked, x's words 2h and 2h + 1 as loaded.
   template <int H>
   __device__ static void xfrag(const U4 (&x)[4], int q, uint32_t& b0, uint32_t& b1) {
-    b0 = prmt(x[q].v[H], x[q].v[H + 2], 0x5410);
-    b1 = prmt(x[q].v[H], x[q].v[H + 2], 0x7632);
+    if constexpr (REPACKED) {
+      b0 = x[q].v[2 * H];
+      b1 = x[q].v[2 * H + 1];
+    } else {
+      b0 = prmt(x[q].v[H], x[q].v[H + 2], 0x5410);
+      b1 = prmt(x[q].v[H], x[q].v[H + 2], 0x7632);
+    }
   }
 
   // acc += this lane's share of the chunk's 16 x 128 block times x: 8 MMAs, each fragment decoded just
@@ -410,86 +446,21 @@ struct Nvfp4 {
   __device__ static float fold(const float* g, int64_t expert) { return g[expert] * 256.0f; }
 };
 
-// Word v rotated left by R bits (one funnel shift on the GPU).
-template <int R>
-__device__ inline uint32_t rotl(uint32_t v) {
-#ifdef NVP_HOST_EMULATION
-  return (v << R) | (v >> (32 - R));
-#else
-  return __funnelshift_l(v, v, R);
-#endif
-}
+using Nvfp4 = Nvfp4Codes<false>;
 
 // NVFP4 with its code words repacked at load time (format "nvfp4_repacked": kernels.quant.nvfp4.repack_codes,
 // the bit map REPACK_BITS there): each 32-bit word still holds the same 8 columns of one row, with its bits
 // moved so that column pair (2j, 2j + 1) decodes to a bf16x2 (the same e2m1 * 2^-126 as e2m1_pair) in one or
 // two integer operations for j = 0, 1, 2 and four for j = 3, against about four each from the natural
-// nibble order, and so that the pair is (2j, 2j + 1): x's words are the MMA's B registers as loaded, with no
-// byte permute. MMA 2q + h of word q takes column pairs (4h, 4h + 1) and (4h + 2, 4h + 3). Everything else
-// (loads, scales, fold) is Nvfp4's: the repacking moves bits inside words only. Why: the pipelined grouped
-// kernel's NVFP4 loop issues about 280 instructions per 1 KB of codes, 55 % of them the decode, about the
-// SM's whole issue rate at the copy bandwidth. Measured, 29 % fewer loop instructions gave 4-8 %: issue is
-// only part of the limit (docs/kernel_performance.md, "The NVFP4 decode's instruction count"). Source of the idea: Marlin's load-time repacking (Frantar et al., PPoPP 2025); the bit
-// map here is this file's own, found by search over the rotations of the target bit set.
-struct Nvfp4Repacked : Nvfp4 {
-  // Column pair J of a repacked word as a bf16x2 of e2m1 * 2^-126 (magnitude at bits 6-8 / 22-24, sign at
-  // 15 / 31).
-  template <int J>
-  __device__ static uint32_t pair(uint32_t v) {
-    constexpr uint32_t kMask = 0x81C081C0u;
-    if constexpr (J == 0)
-      return v & kMask;
-    else if constexpr (J == 1)
-      return (v << 4) & kMask;
-    else if constexpr (J == 2)
-      return rotl<10>(v) & kMask;
-    else
-      return ((v << 6) & 0x80C080C0u) | ((v >> 2) & 0x01000100u);
-  }
-
-  // A fragment 2q + h: column pairs (4h, 4h + 1) and (4h + 2, 4h + 3) of word q, rows g and g + 8.
-  template <int H>
-  __device__ static void frag(const C& w, const uint32_t (&Sa)[2], const uint32_t (&Sb)[2], int q,
-                              uint32_t (&a)[4]) {
-    const uint32_t va = w.qa.v[q], vb = w.qb.v[q], sA = Sa[q >> 1], sB = Sb[q >> 1];
-    a[0] = hmul2(pair<2 * H>(va), sA);
-    a[1] = hmul2(pair<2 * H>(vb), sB);
-    a[2] = hmul2(pair<2 * H + 1>(va), sA);
-    a[3] = hmul2(pair<2 * H + 1>(vb), sB);
-  }
-
-  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
-    uint32_t Sa[2], Sb[2], a[4];
-    scale_pairs(w.sa, Sa[0], Sa[1]);
-    scale_pairs(w.sb, Sb[0], Sb[1]);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      frag<0>(w, Sa, Sb, q, a);
-      mma16816(acc, a, x[q].v[0], x[q].v[1]);
-      frag<1>(w, Sa, Sb, q, a);
-      mma16816(acc, a, x[q].v[2], x[q].v[3]);
-    }
-  }
-
-  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
-    uint32_t Sa[2], Sb[2];
-    scale_pairs(w.sa, Sa[0], Sa[1]);
-    scale_pairs(w.sb, Sb[0], Sb[1]);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      frag<0>(w, Sa, Sb, q, A[2 * q]);
-      frag<1>(w, Sa, Sb, q, A[2 * q + 1]);
-    }
-  }
-
-  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      mma16816(acc, A[2 * q], x[q].v[0], x[q].v[1]);
-      mma16816(acc, A[2 * q + 1], x[q].v[2], x[q].v[3]);
-    }
-  }
-};
+// nibble order, and so that x's words are the MMA's B registers as loaded, with no byte permute
+// (Nvfp4Codes::pair and xfrag). Everything else (loads, scales, fold) is the natural format's: the repacking
+// moves bits inside words only. Why: the pipelined grouped kernel's NVFP4 loop issues about 280 instructions
+// per 1 KB of codes, 55 % of them the decode, about the SM's whole issue rate at the copy bandwidth.
+// Measured, 29 % fewer loop instructions gave 4-8 %: issue is only part of the limit
+// (docs/kernel_performance.md, "The NVFP4 decode's instruction count"). Source of the idea: Marlin's
+// load-time repacking (Frantar et al., PPoPP 2025); the bit map here is this file's own, found by search over
+// the rotations of the target bit set.
+using Nvfp4Repacked = Nvfp4Codes<true>;
 
 // Bytes b0 and b2 (I = 0) or b1 and b3 (I = 1) of a word of 4 e4m3 codes as a bf16x2 of e4m3 * 2^-120: the
 // 7 magnitude bits to bf16 bits 4-10 (exponent 0-15, mantissa's top 3 bits; subnormals stay exact as bf16
@@ -502,8 +473,10 @@ __device__ inline uint32_t e4m3_pair(uint32_t v) {
 
 // Block FP8 (W8A16, DeepSeek-V3's format): codes [E, N, K] e4m3, float32 weight_scale_inv [E, N / 128, K / 128]
 // (one per 128 x 128 block). A chunk's 128 columns are one scale block and a CTA's 16 rows lie in one, so
-// each chunk's MMAs go into zeroed accumulators that are then scaled once and added.
-struct BlockFp8 {
+// each chunk's MMAs go into zeroed accumulators that are then scaled once and added. REPACKED: the codes
+// repacked at load time (BlockFp8Repacked below).
+template <bool REPACKED>
+struct BlockFp8Codes {
   static constexpr int kScaleRows = 128;
   __device__ static int64_t code_offset(int64_t c) { return c; }
   __device__ static int64_t scale_offset(int64_t c) { return (c / kChunk) * 4; }
@@ -521,22 +494,40 @@ struct BlockFp8 {
     if (with_x) load_x(xr, c0, c.x);
   }
 
+  // Code pair I of a word as a bf16x2 of e4m3 * 2^-120: bytes (I, I + 2) of the natural word (e4m3_pair), or
+  // column pair (2I, 2I + 1) of a repacked one (1 and 4 integer operations).
+  template <int I>
+  __device__ static uint32_t pair(uint32_t v) {
+    if constexpr (!REPACKED)
+      return e4m3_pair<I>(v);
+    else if constexpr (I == 0)
+      return v & 0x87F087F0u;
+    else
+      return ((v << 4) & 0x00700070u) | (rotl<12>(v) & 0x87808780u);
+  }
+
   // A fragment j of the chunk (bf16x2, the e4m3 values): word j (columns 4j..4j+3) of rows g and g + 8 as
-  // the pairs (b0, b2), (b1, b3).
+  // its pairs 0 and 1 (natural: (b0, b2), (b1, b3); repacked: columns (0, 1), (2, 3)).
   __device__ static void frag(const C& w, int j, uint32_t (&a)[4]) {
     constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
     const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
-    a[0] = hmul2(e4m3_pair<0>(va), kTwo120);
-    a[1] = hmul2(e4m3_pair<0>(vb), kTwo120);
-    a[2] = hmul2(e4m3_pair<1>(va), kTwo120);
-    a[3] = hmul2(e4m3_pair<1>(vb), kTwo120);
+    a[0] = hmul2(pair<0>(va), kTwo120);
+    a[1] = hmul2(pair<0>(vb), kTwo120);
+    a[2] = hmul2(pair<1>(va), kTwo120);
+    a[3] = hmul2(pair<1>(vb), kTwo120);
   }
 
-  // x's columns 4j..4j+3 of this lane as MMA j's B registers: the pairs (0, 2), (1, 3).
+  // x's columns 4j..4j+3 of this lane as MMA j's B registers, in frag's column order: natural, the pairs
+  // (0, 2), (1, 3) by byte permutes; repacked, x's words as loaded.
   __device__ static void xfrag(const U4 (&x)[4], int j, uint32_t& b0, uint32_t& b1) {
     const uint32_t u0 = x[j >> 1].v[2 * (j & 1)], u1 = x[j >> 1].v[2 * (j & 1) + 1];
-    b0 = prmt(u0, u1, 0x5410);
-    b1 = prmt(u0, u1, 0x7632);
+    if constexpr (REPACKED) {
+      b0 = u0;
+      b1 = u1;
+    } else {
+      b0 = prmt(u0, u1, 0x5410);
+      b1 = prmt(u0, u1, 0x7632);
+    }
   }
 
   // acc += scale * (this lane's share of the chunk's 16 x 128 block times x): 8 MMAs into zeroed
@@ -578,67 +569,16 @@ struct BlockFp8 {
   __device__ static float fold(const float*, int64_t) { return 1.0f; }
 };
 
+using BlockFp8 = BlockFp8Codes<false>;
+
 // Block FP8 with its code words repacked at load time (format "block_fp8_repacked":
 // kernels.quant.block_fp8.repack_codes, the bit map REPACK_BITS there): each 32-bit word still holds the same
 // 4 columns of one row, with its bits moved so that column pairs (0, 1) and (2, 3) decode to bf16x2 of
 // e4m3 * 2^-120 (as e4m3_pair) in 1 and 4 integer operations, against about 7 for both from the natural
-// byte order, and so that x's words are the MMA's B registers as loaded (no byte permute). Everything else
-// (loads, block scales) is BlockFp8's. Why and the idea's source: Nvfp4Repacked.
-struct BlockFp8Repacked : BlockFp8 {
-  template <int J>
-  __device__ static uint32_t pair(uint32_t v) {
-    if constexpr (J == 0)
-      return v & 0x87F087F0u;
-    else
-      return ((v << 4) & 0x00700070u) | (rotl<12>(v) & 0x87808780u);
-  }
-
-  // A fragment j: column pairs (0, 1) and (2, 3) of word j (columns 4j..4j+3), rows g and g + 8.
-  __device__ static void frag(const C& w, int j, uint32_t (&a)[4]) {
-    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16x2 of 2^120: the decode's 2^-120 undone, exactly
-    const uint32_t va = w.qa[j >> 2].v[j & 3], vb = w.qb[j >> 2].v[j & 3];
-    a[0] = hmul2(pair<0>(va), kTwo120);
-    a[1] = hmul2(pair<0>(vb), kTwo120);
-    a[2] = hmul2(pair<1>(va), kTwo120);
-    a[3] = hmul2(pair<1>(vb), kTwo120);
-  }
-
-  // x's columns 4j..4j+3 of this lane as MMA j's B registers: the natural words.
-  __device__ static void xfrag(const U4 (&x)[4], int j, uint32_t& b0, uint32_t& b1) {
-    b0 = x[j >> 1].v[2 * (j & 1)];
-    b1 = x[j >> 1].v[2 * (j & 1) + 1];
-  }
-
-  __device__ static void mma(float (&acc)[4], const C& w, const U4 (&x)[4]) {
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    uint32_t a[4], b0, b1;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      frag(w, j, a);
-      xfrag(x, j, b0, b1);
-      mma16816(t, a, b0, b1);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += t[i] * w.s;
-  }
-
-  __device__ static void decode(const C& w, uint32_t (&A)[8][4]) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) frag(w, j, A[j]);
-  }
-
-  __device__ static void mma_decoded(float (&acc)[4], const uint32_t (&A)[8][4], const U4 (&x)[4], float s) {
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    uint32_t b0, b1;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      xfrag(x, j, b0, b1);
-      mma16816(t, A[j], b0, b1);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += t[i] * s;
-  }
-};
+// byte order, and so that x's words are the MMA's B registers as loaded (no byte permute; BlockFp8Codes::pair
+// and xfrag). Everything else (loads, block scales) is the natural format's. Why and the idea's source:
+// Nvfp4Repacked.
+using BlockFp8Repacked = BlockFp8Codes<true>;
 
 __device__ inline float activation(float v, int64_t act) {
   if (act == 1) {
