@@ -33,11 +33,14 @@ weights), one row each:
   the MMA's N, its weights read once for up to 32 rows) and kernels/quant/pair_cuda.py's GROUPED_FORM
   "split" (16 output rows per CTA, its warps splitting K), ``grouped_mm_<fmt>_cuda_wide`` and
   ``_cuda_pipelined`` the same with kernels/quant/pair_cuda.py's GROUPED_FORM "wide" (64 output rows per
-  CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight);
+  CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight),
+  ``_cuda_persistent`` with "persistent" (3 CTAs per SM walking the pipelined form's tiles, the next pass's
+  codes in flight across tiles);
   ``grouped_mm_nvfp4_cuda_pipelined_xperm`` the pipelined form with pair_cuda.X_PERM (x copied with its
   columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
-  ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16)
-  on the same experts with their codes repacked (kernels.quant.<fmt>.repack_codes; pair_cuda's
+  ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16;
+  ``grouped_mm_<fmt>_cuda_repacked_persistent`` the persistent form) on the same experts with their codes
+  repacked (kernels.quant.<fmt>.repack_codes; pair_cuda's
   "<fmt>_repacked" formats).
   A row whose call raises carries "error" instead of a time.
 Each row carries ``floor_us``: the bytes of the distinct chosen experts' weights (every projection of every
@@ -171,6 +174,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
                    copy_gbps: float, kernels: bool = False) -> list[dict]:
     """The ``moe_gemv_<fmt>`` and ``grouped_mm_<fmt>`` rows of one point (module docstring); with ``kernels``
     each timed row of a CUDA kernel also carries "kernels_us" (bench_quant_gemm.kernel_us)."""
+    from kernels.quant import pair_cuda
     from runners.engine.models.layers import ACTIVATIONS
     from runners.engine.models.moe import moe_experts_grouped
 
@@ -211,7 +215,7 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         paths += [(f"moe_gemv_{fmt}_cuda{suffix}", partial(_cuda, fmt, gemv, **launch), None)
                   for suffix, launch in CUDA_LAUNCH.items()]
         paths.append((f"grouped_mm_{fmt}_triton", partial(_triton, fmt, grouped, "grouped"), None))
-    for form in ("split", "wide", "pipelined"):  # the split form's row keeps its first name
+    for form in pair_cuda.GROUPED_FORMS:  # the split form's row keeps its first name
         paths.append((f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}"),
                       partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form), grouped_rows_scheme))
     if fmt == "nvfp4":
@@ -235,9 +239,10 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
     grouped_r = partial(moe_experts_grouped, h, weights, indices, kinds, rmm, ACTIVATIONS[act], up.shape[0])
     a16 = "w8a16" if fmt == "block_fp8" else None
     paths += [(f"moe_gemv_{fmt}_cuda_repacked",
-               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), a16),
-              (f"grouped_mm_{fmt}_cuda_repacked", partial(_repacked, fmt, partial(_cuda, fmt, grouped_r, "grouped")),
-               a16)]
+               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), a16)]
+    paths += [(f"grouped_mm_{fmt}_cuda_repacked" + ("" if form == "pipelined" else f"_{form}"),
+               partial(_repacked, fmt, partial(_cuda, fmt, grouped_r, "grouped", GROUPED_FORM=form)), a16)
+              for form in pair_cuda.REPACKED_FORMS]
     for name, fn, scheme in paths:
         extra = {**meta, "floor_us": round(fl, 2), "format": fmt, **({"scheme": scheme} if scheme else {})}
         try:

@@ -342,9 +342,10 @@ def cuda_pair_report() -> dict:
     pair_gemv_kernel instance's usage and ``loop_per_weight``, the main loop's body (`loop_body`: two
     128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x 64, twice that
     gated); and the grouped forms' usage (``<fmt>_cuda_grouped``, ``<fmt>_cuda_grouped_wide``,
-    ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``; the repacked formats the
-    pipelined form only), the pipelined ones with ``k_loops`` (`inner_loops` over 100 instructions: one K loop
-    per token-group count). {"error": ...} without nvcc."""
+    ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``, ``<fmt>_cuda_grouped_persistent``;
+    the repacked formats the pipelined and persistent forms only), the pipelined and persistent ones with
+    ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count). {"error": ...} without
+    nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 
@@ -375,22 +376,23 @@ def cuda_pair_report() -> dict:
                                         **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
             usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
             out[f"{fmt}_cuda" + ("_gated" if gated else "")] = usage
-        # the grouped forms (split, wide, pipelined): their usage (registers, shared memory, opcodes); their loops
+        # the grouped forms (split, wide, pipelined, persistent): their usage (registers, shared memory, opcodes); their loops
         # decode a chunk once for up to 4 token groups, so no single per-weight count
         for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"),
                                ("grouped_wide_kernel", "_cuda_grouped_wide"),
                                ("grouped_pipelined_kernel", "_cuda_grouped_pipelined"),
-                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm")):
+                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm"),
+                               ("grouped_persistent_kernel", "_cuda_grouped_persistent")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
-            if fmt.endswith("_repacked") and not suffix.endswith("_pipelined"):
-                continue  # the repacked formats run the pipelined grouped form only
+            if fmt.endswith("_repacked") and suffix.split("_")[-1] not in pair_cuda.REPACKED_FORMS:
+                continue  # the repacked formats run the pipelined and persistent grouped forms only
             xp = {"_cuda_grouped_pipelined": "ELb0E", "_cuda_grouped_pipelined_xperm": "ELb1E"}.get(suffix, "")
             inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
             out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)
-            if "_pipelined" in suffix:
+            if "_pipelined" in suffix or "_persistent" in suffix:
                 # its K loops, one per token-group count (a step of two 128-column chunks per warp: 2 KB of
                 # NVFP4 codes, 4 KB of FP8), the most instructions first (two groups)
                 loops = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]

@@ -42,7 +42,7 @@ struct HostCta {
   float smem[4 * 8 * 4 * 16];  // the larger of the two kernels' plans (the grouped one's)
 };
 
-thread_local HostDim3 threadIdx, blockIdx;
+thread_local HostDim3 threadIdx, blockIdx, gridDim;
 thread_local HostCta* host_cta = nullptr;
 
 inline void __syncthreads() { host_cta->bar.arrive_and_wait(); }
@@ -119,21 +119,21 @@ inline void nvp_host_prefetch(const void* p) { nvp_host_access(1, p); }
 
 #include "pair_gemv.cu"
 
-// Run `kernel` over a grid (x: NOUT tiles of `rows`, y: ny), one CTA after another, each as kThreads
-// std::threads.
+// Run `kernel` over `grid` (nvp::dispatch's), one CTA after another, each as kThreads std::threads.
 template <class Kernel>
-static void run_grid(const nvp::Params& p, long long ny, Kernel kernel, long long rows = nvp::kRows) {
-  const long long ntiles = (p.NOUT + rows - 1) / rows;
-  for (long long y = 0; y < ny; ++y) {
-    for (long long tile = 0; tile < ntiles; ++tile) {
+static void run_grid(const nvp::Params& p, nvp::Grid grid, Kernel kernel) {
+  for (long long y = 0; y < grid.y; ++y) {
+    for (long long bx = 0; bx < grid.x; ++bx) {
       auto cta = std::make_unique<HostCta>();
       for (float& v : cta->smem) v = NAN;  // a read of a slot nobody wrote shows as NaN
       std::vector<std::thread> threads;
       for (unsigned t = 0; t < nvp::kThreads; ++t) {
         threads.emplace_back([&, t] {
           threadIdx.x = t;
-          blockIdx.x = static_cast<unsigned>(tile);
+          blockIdx.x = static_cast<unsigned>(bx);
           blockIdx.y = static_cast<unsigned>(y);
+          gridDim.x = static_cast<unsigned>(grid.x);
+          gridDim.y = static_cast<unsigned>(grid.y);
           host_cta = cta.get();
           kernel(p);
         });
@@ -162,12 +162,12 @@ extern "C" __attribute__((visibility("default"))) long long nvp_host_records(int
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch(void* const* ptrs, const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
-  return nvp::dispatch(p, false, [&](auto kernel, long long rows) { run_grid(p, p.P, kernel, rows); }) ? 0 : 1;
+  return nvp::dispatch(p, false, [&](auto kernel, nvp::Grid grid) { run_grid(p, grid, kernel); }) ? 0 : 1;
 }
 
 extern "C" __attribute__((visibility("default"))) int nvp_host_launch_grouped(void* const* ptrs,
                                                                               const long long* ints) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  return nvp::dispatch(p, true, [&](auto kernel, long long rows) { run_grid(p, p.E, kernel, rows); }) ? 0 : 1;
+  return nvp::dispatch(p, true, [&](auto kernel, nvp::Grid grid) { run_grid(p, grid, kernel); }) ? 0 : 1;
 }

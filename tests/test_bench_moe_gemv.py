@@ -115,3 +115,32 @@ def test_cuda_rows_lift_the_formats_size_bounds_and_triton_rows_force_triton():
             block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT) == keep
     for form, bounds in bench.CUDA_BOUNDS["block_fp8"].items():  # every bound names a real setting
         assert all(hasattr(block_fp8, name) for name in bounds), form
+
+
+def test_quantized_rows_name_every_cuda_form_and_the_repacked_ones(monkeypatch):
+    """quantized_rows (tiny experts on the CPU, the timing replaced by one that raises, so every row is an
+    error row with its name) carries a grouped row per pair_cuda.GROUPED_FORMS and per REPACKED_FORMS on the
+    repacked codes, the split and the repacked pipelined forms under their first names."""
+    import torch
+
+    from kernels.quant import pair_cuda
+
+    def refuse(fn):
+        raise RuntimeError("no timing here")
+
+    monkeypatch.setattr(bench, "_bench", refuse)
+    E, L, I = 4, 64, 64
+    gen = torch.Generator().manual_seed(0)
+    w = lambda *s: (torch.randn(*s, generator=gen) / 8).to(torch.bfloat16)  # noqa: E731
+    h = torch.randn(2, L, generator=gen).to(torch.bfloat16)
+    weights = torch.full((2, 2), 0.5)
+    indices = torch.tensor([[0, 1], [2, 3]])
+    for fmt in ("nvfp4", "block_fp8"):
+        rows = bench.quantized_rows(fmt, h, weights, indices, w(E, I, L), None, w(E, L, I), "relu2", {}, E,
+                                    1.0)
+        names = {r["name"] for r in rows}
+        assert all("error" in r for r in rows)
+        for form in pair_cuda.GROUPED_FORMS:
+            assert f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}") in names
+        assert {f"grouped_mm_{fmt}_cuda_repacked", f"grouped_mm_{fmt}_cuda_repacked_persistent",
+                f"moe_gemv_{fmt}_cuda_repacked"} <= names

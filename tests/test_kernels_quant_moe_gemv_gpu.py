@@ -298,7 +298,8 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     about 1, 11 (the batch-64 verify) and 40 rows per expert (up to 80: several passes over the weights):
     the grouped reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second
     call; the pipelined form the wide form's bits (each sum in the same order), NVFP4's also with X_PERM,
-    eager and replayed from a CUDA graph."""
+    eager and replayed from a CUDA graph; the persistent form (its default grid of 3 CTAs per SM) the
+    pipelined form's bits, also replayed from a CUDA graph."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
     up = _experts(model)[0]
@@ -328,6 +329,10 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
             monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
+    if form == "persistent":
+        assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
+        monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "pipelined")
+        assert torch.equal(mm(x, *up, offsets, **kw), got)
 
 
 def _graph_replay(fn):
@@ -345,15 +350,18 @@ def _graph_replay(fn):
     return captured
 
 
+@pytest.mark.parametrize("form", pair_cuda.REPACKED_FORMS)
 @pytest.mark.parametrize("rows_per_expert", (1, 11))
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_repacked_kernels_vs_reference_and_the_natural_kernels(model, rows_per_expert):
+def test_repacked_kernels_vs_reference_and_the_natural_kernels(model, rows_per_expert, form, monkeypatch):
     """The repacked formats ("<fmt>_repacked": kernels.quant.<fmt>.repack_codes, the codes' bits moved inside
     each word for a cheaper decode) at the released expert shapes (Super V3 NVFP4 up, relu2; Qwen3-Next block
-    FP8 gate, w8a16): the grouped pipelined kernel (about 1 and 11 rows per expert) and the per-pair kernel (8
-    tokens) on repacked codes against the grouped reference of the natural codes and the natural kernels
-    (themselves held to their references above), within two bf16 ulps; NVFP4's per-pair output also against
-    its dequantizing reference; the same bits on a second call and replayed from a CUDA graph."""
+    FP8 gate, w8a16): the grouped kernel in each of its forms (REPACKED_FORMS; about 1 and 11 rows per
+    expert) and the per-pair kernel (8 tokens) on repacked codes against the grouped reference of the natural
+    codes and the natural kernels (themselves held to their references above), within two bf16 ulps;
+    NVFP4's per-pair output also against its dequantizing reference; the same bits on a second call and
+    replayed from a CUDA graph."""
+    monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt, _, _, E, k, act, gated = SHAPES[model]
     module = nf4 if fmt == "nvfp4" else bf8
     w = _experts(model)[1 if gated else 0]

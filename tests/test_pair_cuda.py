@@ -407,10 +407,14 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
-def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0):
+def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0, ctas=None):
+    """The grouped launch in the host harness; the persistent form on 3 CTAs unless `ctas` says (fewer than
+    most cases' tiles: each CTA walks several)."""
     out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
+    if ctas is None:
+        ctas = 3 if form == "persistent" else 0
     c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                           form=form, x_permuted=x_permuted)
+                                           form=form, x_permuted=x_permuted, ctas=ctas)
     lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                             ctypes.POINTER(ctypes.c_longlong)]
     assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == rc
@@ -442,9 +446,10 @@ GROUPED_CASES = {
 def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, case, form):
     """The grouped form against the format's grouped reference (block FP8: w8a16), with rows past
     offsets[-1] left unwritten: "split" (one CTA per 16 rows and expert, its warps splitting K), "wide"
-    (one CTA per 64 rows and expert, a warp per 16 rows over all of K) and "pipelined" (the wide form with the
-    next chunks' codes in flight); the expert's rows are the MMA's N. The pipelined form adds each sum in the
-    wide form's order: the same bits."""
+    (one CTA per 64 rows and expert, a warp per 16 rows over all of K), "pipelined" (the wide form with the
+    next chunks' codes in flight) and "persistent" (3 CTAs walking the pipelined form's tiles, the next pass's
+    codes in flight across tiles); the expert's rows are the MMA's N. The pipelined and persistent forms add
+    each sum in the wide form's order: the same bits."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(11)
     w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
@@ -452,7 +457,7 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     got = _host_grouped(host_lib, fmt, x, w, offsets, form=form)
-    if form == "pipelined":  # NaN rows past offsets[-1] in both
+    if form in ("pipelined", "persistent"):  # NaN rows past offsets[-1] in both
         assert torch.equal(got[:P], _host_grouped(host_lib, fmt, x, w, offsets, form="wide")[:P])
     if fmt == "nvfp4":
         want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)
@@ -469,8 +474,8 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
 
 
 # Rows of one expert per pass over its weights, per grouped form (pair_gemv.cu: 4 token groups of 8, or 2 for
-# the pipelined form)
-ROWS_PER_PASS = {"split": 32, "wide": 32, "pipelined": 16}
+# the pipelined and persistent forms)
+ROWS_PER_PASS = {"split": 32, "wide": 32, "pipelined": 16, "persistent": 16}
 
 
 @needs_gxx
@@ -529,11 +534,12 @@ def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host
 @needs_gxx
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
 def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(host_lib, case):
-    """The repacked formats ("nvfp4_repacked", "block_fp8_repacked") in the grouped kernel: the pipelined form
-    on repacked codes against the grouped reference of the natural codes (block FP8: w8a16; rows past
-    offsets[-1] unwritten), and the natural pipelined kernel (fp32 order only); its code loads stay one per
-    lane, row tile, chunk and pass of 16 rows; the other forms and X_PERM are refused for it
-    (cudaErrorInvalidValue's place in the harness: 1)."""
+    """The repacked formats ("nvfp4_repacked", "block_fp8_repacked") in the grouped kernel: its forms
+    (REPACKED_FORMS: pipelined, persistent) on repacked codes against the grouped reference of the natural
+    codes (block FP8: w8a16; rows past offsets[-1] unwritten), and the natural pipelined kernel (fp32 order
+    only), the persistent form bit for bit the pipelined one; its code loads stay one per lane, row tile,
+    chunk and pass of 16 rows; the other forms and X_PERM are refused for it (cudaErrorInvalidValue's place in
+    the harness: 1)."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(13)
     w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
@@ -542,30 +548,59 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     wr = _repack(fmt, w)
     repacked = f"{fmt}_repacked"
-    host_lib.nvp_host_record(1)
-    got = _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined")
-    loads = _recorded(host_lib, 0)
-    host_lib.nvp_host_record(0)
-    assert got[P:].isnan().all()
-    got = got[:P]
     if fmt == "nvfp4":
         want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)[:P]
     else:
         want = bf8.block_fp8_grouped_mm_ref(x, *w, offsets, scheme="w8a16")[:P]
     natural = _host_grouped(host_lib, fmt, x, w, offsets, form="pipelined")[:P]
     scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
-    assert (got == want).float().mean() > 0.9
-    assert (got == natural).float().mean() > 0.9
-    ranges = [_byte_range(t) for t in (x, offsets, *wr)]
-    assert all(any(lo <= a < hi for lo, hi in ranges) for a in loads)
-    lo, hi = _byte_range(wr[0])
-    passes = sum(-(-c // ROWS_PER_PASS["pipelined"]) for c in counts)
-    per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
-    assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * per_chunk
+    per_form = {}
+    for form in pair_cuda.REPACKED_FORMS:
+        host_lib.nvp_host_record(1)
+        got = _host_grouped(host_lib, repacked, x, wr, offsets, form=form)
+        loads = _recorded(host_lib, 0)
+        host_lib.nvp_host_record(0)
+        assert got[P:].isnan().all()
+        got = per_form[form] = got[:P]
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
+        assert (got == want).float().mean() > 0.9
+        assert (got == natural).float().mean() > 0.9
+        ranges = [_byte_range(t) for t in (x, offsets, *wr)]
+        assert all(any(lo <= a < hi for lo, hi in ranges) for a in loads)
+        lo, hi = _byte_range(wr[0])
+        passes = sum(-(-c // ROWS_PER_PASS[form]) for c in counts)
+        per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
+        assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * per_chunk
+    assert torch.equal(per_form["persistent"], per_form["pipelined"])
     for form in ("split", "wide"):
         _host_grouped(host_lib, repacked, x, wr, offsets, form=form, rc=1)
     _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined", x_permuted=True, rc=1)
+
+
+@needs_gxx
+@pytest.mark.parametrize("fmt", ["nvfp4", "block_fp8"])
+def test_host_emulated_persistent_kernel_gives_the_same_bits_on_any_grid(host_lib, fmt):
+    """The persistent form walks the (expert, 64-row) tiles from any number of CTAs: one CTA (every tile in
+    turn, the next pass's codes loaded across every boundary), 2 and 5 (a stride that splits an expert's row
+    tiles across CTAs), as many as the tiles and more (CTAs with no work): the pipelined form's bits each
+    time.
+    Experts with no rows between ones with rows, a second pass of 16 rows and N 72 (a second, partial row
+    tile: warps past N skip it). A grid of 0 CTAs is the device launcher's "pick the default" (it fills in 3
+    per SM before the dispatch); the dispatch itself refuses it (cudaErrorInvalidValue's place in the harness:
+    1)."""
+    E, N, K, counts = 5, 72, 640, (0, 20, 0, 3, 9)
+    gen = torch.Generator().manual_seed(17)
+    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    want = _host_grouped(host_lib, fmt, x, w, offsets, form="pipelined")
+    assert not want.isnan().any()
+    tiles = -(-N // 64) * E
+    for ctas in (1, 2, 5, tiles, tiles + 3):
+        got = _host_grouped(host_lib, fmt, x, w, offsets, form="persistent", ctas=ctas)
+        assert torch.equal(got, want), ctas
+    _host_grouped(host_lib, fmt, x, w, offsets, form="persistent", ctas=0, rc=1)
 
 
 def test_permute_x_columns_moves_each_group_of_8_columns():
@@ -587,8 +622,8 @@ def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     w = _experts(2, 16, 64, gen)
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "tall")
-    with pytest.raises(ValueError,
-                       match=r"GROUPED_FORM = 'tall': expected one of \('split', 'wide', 'pipelined'\)"):
+    forms = r"\('split', 'wide', 'pipelined', 'persistent'\)"
+    with pytest.raises(ValueError, match=r"GROUPED_FORM = 'tall': expected one of " + forms):
         pair_cuda.grouped_mm("nvfp4", torch.zeros(3, 64, dtype=torch.bfloat16), w,
                              torch.tensor([1, 3], dtype=torch.int32))
 

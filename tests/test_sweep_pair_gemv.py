@@ -146,8 +146,10 @@ def test_inner_loops_lists_every_loop_but_the_widest():
 def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
     """compile_report.cuda_pair_report (nvcc's sm_90 build of kernels/quant/pair_gemv.cu): each per-pair
     entry is pair_gemv_kernel's (its loop a few instructions per weight: an entry that matched the grouped
-    kernel's symbol read 17.34), the repacked formats' loops are shorter than the natural ones', and the
-    pipelined grouped entries carry their two K loops, the two-group one the longer."""
+    kernel's symbol read 17.34), the repacked formats' loops are shorter than the natural ones', the
+    pipelined grouped entries carry their two K loops, the two-group one the longer, and the persistent form's
+    walk across tiles spills nothing and adds nothing to its K loops (each within 5 % of the pipelined
+    form's)."""
     from benchmarks import compile_report
     from kernels import _nvcc
 
@@ -159,6 +161,10 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
             assert 1.5 < report[f"{fmt}_cuda{gated}"]["loop_per_weight"]["instructions"] < 5
         loops = [lp["instructions"] for lp in report[f"{fmt}_cuda_grouped_pipelined"]["k_loops"]]
         assert len(loops) == 2 and loops[0] > loops[1]
+        persistent = report[f"{fmt}_cuda_grouped_persistent"]
+        assert persistent["STACK"] == 0
+        walk = [lp["instructions"] for lp in persistent["k_loops"]]
+        assert len(walk) == 2 and all(w <= 1.05 * n for w, n in zip(walk, loops))
     for fmt in ("nvfp4", "block_fp8"):
         assert (report[f"{fmt}_repacked_cuda"]["loop_per_weight"]["instructions"]
                 < report[f"{fmt}_cuda"]["loop_per_weight"]["instructions"])

@@ -15,7 +15,7 @@ and rounding: the comment at the top of the .cu.
 Formats (``FORMATS``): "nvfp4", experts (codes uint8 [E, N, K / 2], weight_scale float8_e4m3fn [E, N, K / 16],
 weight_scale_2 float32 [E]); "nvfp4_repacked", the same with the codes repacked at load time
 (kernels.quant.nvfp4.repack_codes: a bit permutation inside each 32-bit word that makes the decode about a
-third cheaper; per-pair and the "pipelined" grouped form only; "block_fp8_repacked" likewise with
+third cheaper; per-pair and the grouped REPACKED_FORMS only; "block_fp8_repacked" likewise with
 kernels.quant.block_fp8.repack_codes); "block_fp8", experts (weight float8_e4m3fn [E, N, K], weight_scale_inv float32
 [E, ceil(N / 128), ceil(K / 128)]).
 
@@ -42,8 +42,8 @@ import torch
 from kernels import _nvcc
 
 SOURCE = Path(__file__).with_name("pair_gemv.cu")
-ABI = 8  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
-N_PTRS, N_INTS = 9, 18
+ABI = 9  # NVP_ABI of pair_gemv.cu: the layout of nvp_launch's argument arrays
+N_PTRS, N_INTS = 9, 19
 FORMATS = {"nvfp4": 0, "block_fp8": 1, "nvfp4_repacked": 2, "block_fp8_repacked": 3}  # the .cu's format codes (nvp::kFmt*)
 NVFP4_FORMATS = ("nvfp4", "nvfp4_repacked")  # codes uint8 [E, N, K / 2], e4m3 block scales, weight_scale_2
 K_MULTIPLE = 32  # input columns per lane load
@@ -76,10 +76,16 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # "pipelined": grouped_pipelined_kernel, the wide form's grid with the next two chunks' codes in flight while
 #   the current two are multiplied, and a pass's token-group count a template argument (every group's x loaded
 #   before the chunk's MMAs). The same sums in the same order as "wide": the same bits.
+# "persistent": grouped_persistent_kernel, a grid of 3 CTAs per SM (the .cu's kPersistentCtasPerSm) walking the
+#   (expert, 64 rows) tiles, each warp loading its next pass's first chunks (the next tile's included) in the last step of
+#   the current one, so that its loads do not stop at tile boundaries. The pipelined form's sums in the same
+#   order: the same bits.
 # "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x), and
 # "pipelined" than "wide" for NVFP4 (1.21-1.32x at 32-256 tokens of Super V3's experts), within 3 % of it
-# for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form").
-GROUPED_FORMS = ("split", "wide", "pipelined")
+# for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form"). "persistent" has
+# not run on a GPU yet (docs/kernel_performance.md, "The grouped kernel's persistent form").
+GROUPED_FORMS = ("split", "wide", "pipelined", "persistent")
+REPACKED_FORMS = ("pipelined", "persistent")  # the grouped forms built for the repacked formats
 GROUPED_FORM = "pipelined"
 # X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
@@ -233,12 +239,12 @@ def kernel_for(setting: str, fmt: str, x: torch.Tensor, w, w2, P: int) -> str:
 
 
 def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts: int = 0, prefetch: bool = False,
-                pdl: bool = False, form: str = "split", x_permuted: bool = False):
+                pdl: bool = False, form: str = "split", x_permuted: bool = False, ctas: int = 0):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
     the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags, the
-    grouped form's kernel, one of GROUPED_FORMS, by its index, and whether x's columns are stored permuted):
-    (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch. Scale strides go in
-    bytes."""
+    grouped form's kernel, one of GROUPED_FORMS, by its index, whether x's columns are stored permuted, and the
+    persistent form's CTAs, 0 for the launcher's default): (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch.
+    Scale strides go in bytes."""
     codes, scales = w[0], w[1]
     gs = w[2] if fmt in NVFP4_FORMATS else scales  # the FP8 kernel reads no global scale
     o2 = w2 if w2 is not None else w
@@ -248,7 +254,7 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
     es = scales.element_size()
     ints = [P, NOUT, K, topk, act_code, int(w2 is not None), x.stride(0), codes.stride(0), codes.stride(1),
             scales.stride(0) * es, scales.stride(1) * es, out.stride(0), FORMATS[fmt], experts, int(prefetch),
-            int(pdl), GROUPED_FORMS.index(form), int(x_permuted)]
+            int(pdl), GROUPED_FORMS.index(form), int(x_permuted), ctas]
     assert len(ptrs) == N_PTRS and len(ints) == N_INTS
     return (ctypes.c_void_p * N_PTRS)(*[t.data_ptr() for t in ptrs]), (ctypes.c_longlong * N_INTS)(*ints)
 
@@ -330,15 +336,31 @@ def permute_x_columns(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, 2, 4).transpose(2, 3).reshape(x.shape[0], -1)
 
 
+def grouped_form(fmt: str) -> str:
+    """The grouped form that runs format `fmt`: GROUPED_FORM, except that a repacked format runs "pipelined"
+    where GROUPED_FORM is not one of REPACKED_FORMS.
+
+    Raises:
+        ValueError: GROUPED_FORM is not one of GROUPED_FORMS.
+    """
+    if GROUPED_FORM not in GROUPED_FORMS:
+        raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of "
+                         f"{GROUPED_FORMS}")
+    if fmt in REPACKED and GROUPED_FORM not in REPACKED_FORMS:
+        return "pipelined"
+    return GROUPED_FORM
+
+
 def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.Tensor | None = None,
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
-    or "pipelined", per 16 with "split"; the expert's rows are the MMA's N, up to 32 per pass over its
-    weights (16 with "pipelined"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
-    (permute_x_columns). The repacked formats always run the pipelined form (GROUPED_FORM is still checked,
-    not used). Current stream, no synchronisation (CUDA-graph capturable).
+    or "pipelined", per 16 with "split", 3 per SM walking those 64-row tiles with "persistent";
+    the expert's rows are the MMA's N, up to 32 per pass over its weights (16 with "pipelined" and
+    "persistent"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
+    (permute_x_columns). A repacked format runs grouped_form's form. Current stream, no synchronisation
+    (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
@@ -347,9 +369,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
             in GROUPED_FORMS.
         RuntimeError: the launch failed (the CUDA error's name).
     """
-    if GROUPED_FORM not in GROUPED_FORMS:
-        raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of "
-                         f"{GROUPED_FORMS}")
+    form = grouped_form(fmt)
     lib = _library(x.device, name, fmt)
     shape = (x.shape[0], w[0].shape[1])
     if out is None:
@@ -357,7 +377,6 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    form = "pipelined" if fmt in REPACKED else GROUPED_FORM  # the repacked formats' only form
     x_permuted = X_PERM and fmt == "nvfp4" and form == "pipelined"
     if x_permuted:
         x = permute_x_columns(x)

@@ -54,7 +54,7 @@
 #include <string.h>
 
 // Bumped whenever the launcher's argument arrays change (pair_cuda.py checks it after loading).
-#define NVP_ABI 8
+#define NVP_ABI 9
 
 #if defined(NVP_HOST_EMULATION)
 #define NVP_BOUNDS
@@ -87,8 +87,9 @@ struct Params {
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
-  int64_t form;                          // grouped form: 0 split K, 1 wide, 2 pipelined (pair_cuda.GROUPED_FORMS)
-  int64_t xperm;                         // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
+  int64_t form;     // grouped form: 0 split K, 1 wide, 2 pipelined, 3 persistent (pair_cuda.GROUPED_FORMS)
+  int64_t xperm;    // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
+  int64_t ctas;     // persistent form only: the grid's CTAs (> 0; 0 to nvp_launch_grouped: its default)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -881,15 +882,34 @@ __device__ inline void mma_groups(float (&acc)[NG][4], const uint32_t (&A)[8][4]
   }
 }
 
-// One pass of grouped_pipelined_kernel over a warp's 16 rows for NG = 1 or 2 token groups (8 NG tokens from
-// tok0, clamped to the expert's last row `end`; every group holds at least one row): acc [NG][4] as
-// grouped_wide_kernel's. The codes of whole chunks ch + 2 and ch + 3 are loaded before chunks ch and ch + 1
-// are decoded and multiplied (two pairs of chunks in flight per warp, where the wide form waits for each pair),
-// and every group's x of a chunk is loaded before the chunk's decode (NG fixed: no per-group branch for the
-// loads to wait behind). Each sum is added in the wide form's order: the same bits.
-template <class F, int NG, bool XP>
+// A warp's unit of work in the grouped persistent form: rows tok0 .. min(tok0 + 16, end) - 1 of the tokens
+// sorted to expert e, against output rows n0 .. n0 + 15 (int32, as the offsets; NOUT < 2^31). ok false: the
+// warp has no work left.
+struct Work {
+  int32_t e, n0, tok0, end;
+  bool ok;
+};
+
+// The codes of whole chunks 0 and 1 of rows r (those of the nfull whole chunks that exist) into c: a pass's
+// first step, loaded before the pass (by the caller, or by the previous pass of the persistent form).
+template <class F>
+__device__ inline void load_first_chunks(const Rows& r, int64_t nfull, int64_t lane_col, typename F::C (&c)[2]) {
+  if (nfull > 0) F::load(r, nullptr, lane_col, false, c[0]);
+  if (nfull > 1) F::load(r, nullptr, kChunk + lane_col, false, c[1]);
+}
+
+// One pass of the pipelined and persistent grouped forms over a warp's 16 rows for NG = 1 or 2 token groups
+// (8 NG tokens from tok0, clamped to the expert's last row `end`; every group holds at least one row): acc
+// [NG][4] as grouped_wide_kernel's. On entry cur holds the codes of whole chunks 0 and 1 (load_first_chunks).
+// The codes of chunks ch + 2 and ch + 3 are loaded before chunks ch and ch + 1 are decoded and multiplied (two
+// pairs of chunks in flight per warp, where the wide form waits for each pair), and every group's x of a chunk
+// is loaded before the chunk's decode (NG fixed: no per-group branch for the loads to wait behind). NEXT (the
+// persistent form): the pass's last step loads the first two chunks of the warp's next pass `nx` (when nx.ok)
+// into cur, where the pipelined form loads nothing, so that the warp's loads do not stop between passes and
+// tiles. Each sum is added in the wide form's order: the same bits.
+template <class F, int NG, bool XP, bool NEXT>
 __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t tok0, int64_t end, float fold,
-                                      int64_t n0, int g, int t) {
+                                      int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
   using C = typename F::C;
   const int64_t nfull = p.K / kChunk;
   const int64_t lane_col = 32 * t;
@@ -901,12 +921,8 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
     const int64_t row = tok0 + 8 * grp + g;
     xr[grp] = p.x + (row < end ? row : end - 1) * p.sxm;
   }
-  C cur[2] = {}, nxt[2] = {};
-  if (nfull > 0) F::load(r, nullptr, lane_col, false, cur[0]);
-  if (nfull > 1) F::load(r, nullptr, kChunk + lane_col, false, cur[1]);
-  for (int64_t ch = 0; ch < nfull; ch += 2) {
-    if (ch + 2 < nfull) F::load(r, nullptr, (ch + 2) * kChunk + lane_col, false, nxt[0]);
-    if (ch + 3 < nfull) F::load(r, nullptr, (ch + 3) * kChunk + lane_col, false, nxt[1]);
+  // chunks ch and ch + 1 (when below nfull) of cur into acc
+  const auto step = [&](int64_t ch) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (j == 1 && ch + 1 >= nfull) break;
@@ -918,8 +934,29 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
       F::decode(cur[j], A);
       mma_groups<F, NG, XP>(acc, A, x, F::chunk_scale(cur[j]));
     }
+  };
+  C nxt[2] = {};
+  int64_t ch = 0;
+  for (; ch + 2 < nfull; ch += 2) {
+    F::load(r, nullptr, (ch + 2) * kChunk + lane_col, false, nxt[0]);
+    if (ch + 3 < nfull) F::load(r, nullptr, (ch + 3) * kChunk + lane_col, false, nxt[1]);
+    step(ch);
     cur[0] = nxt[0];
     cur[1] = nxt[1];
+  }
+  // the last step (one or two chunks), peeled: the persistent form's loads of the next pass go here, outside
+  // the K loop
+  if (ch < nfull) {
+    if constexpr (NEXT) {
+      if (nx.ok)
+        load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8), nfull, lane_col,
+                             nxt);
+    }
+    step(ch);
+    if constexpr (NEXT) {
+      cur[0] = nxt[0];
+      cur[1] = nxt[1];
+    }
   }
   // the partial chunk, as in grouped_wide_kernel
   if (p.K % kChunk != 0) {
@@ -954,6 +991,7 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
 // SM) holds NVFP4 at 127 registers, no spill (benchmarks/compile_report.py).
 template <class F, bool XP>
 __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
+  using C = typename F::C;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t e = blockIdx.y;
   const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
@@ -962,12 +1000,81 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
   if (end <= start || n0 >= p.NOUT) return;
   const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + g, n0 + g + 8);
   const float fold = F::fold(p.g, e);
+  const int64_t nfull = p.K / kChunk;
+  const Work none = {0, 0, 0, 0, false};
   for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
+    C cur[2] = {};
+    load_first_chunks<F>(r, nfull, 32 * t, cur);
     const int64_t ng = (end - tok0 + 7) / 8;
     if (ng >= 2)
-      pipelined_pass<F, 2, XP>(p, r, tok0, end, fold, n0, g, t);
+      pipelined_pass<F, 2, XP, false>(p, r, tok0, end, fold, n0, g, t, cur, none);
     else
-      pipelined_pass<F, 1, XP>(p, r, tok0, end, fold, n0, g, t);
+      pipelined_pass<F, 1, XP, false>(p, r, tok0, end, fold, n0, g, t, cur, none);
+  }
+}
+
+// The persistent form's tiles: tile i is expert i / nblk's row block i % nblk (64 output rows), nblk =
+// ceil(NOUT / 64); the number of tiles is nblk * E.
+__device__ inline int64_t row_blocks(const Params& p) { return (p.NOUT + kWideRows - 1) / kWideRows; }
+
+// Warp `warp`'s first work at or after tile `tile` in steps of `stride` (the grid's CTAs): the first tile
+// whose expert has rows and whose 16 rows of this warp start below NOUT, its first pass; `tile` is left at
+// that tile (past the last when none is left, ok false).
+__device__ inline Work find_work(const Params& p, int64_t& tile, int64_t stride, int warp) {
+  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+  const int64_t nblk = row_blocks(p), ntiles = nblk * p.E;
+  for (; tile < ntiles; tile += stride) {
+    const int64_t e = tile / nblk;
+    const int64_t n0 = (tile - e * nblk) * kWideRows + kRows * warp;
+    if (n0 >= p.NOUT) continue;
+    const int32_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
+    if (end > start)
+      return {static_cast<int32_t>(e), static_cast<int32_t>(n0), start, end, true};
+  }
+  return {0, 0, 0, 0, false};
+}
+
+// CTAs per SM of the persistent form: its occupancy bound, and its grid's size per SM (nvp_launch_grouped).
+// Why 3 and not the pipelined form's 4: the walk's state (the next pass, the tile) on top of the pipelined
+// pass's 124-128 registers spilled at 128 (block FP8 inside its K loop); at 3 CTAs (168 registers) nothing
+// spills (benchmarks/compile_report.py), and each warp keeps its loads going across passes instead.
+constexpr int kPersistentCtasPerSm = 3;
+
+// The grouped form, persistent (GROUPED_FORM "persistent"): a grid of p.ctas CTAs (nvp_launch_grouped: by
+// default kPersistentCtasPerSm per SM, at most one per tile), CTA b taking tiles b, b + ctas, ... (row_blocks), each warp its 16
+// rows of each tile over all of K in passes of up to 16 of the expert's rows, as the pipelined form's. Each warp
+// walks its own tiles (no shared memory, no barrier) and, in each pass's last step, loads the next pass's
+// first two chunks (pipelined_pass with NEXT), next tile's included. Why: in the pipelined form each CTA
+// starts with its first two chunks' loads exposed and ends with nothing in flight; at Super V3's up projection
+// (K = 1024: 8 chunks, 4 steps a warp) that is a large share of each CTA's life, and the form's 29 % fewer
+// decode instructions on repacked codes bought only 4-8 % (docs/kernel_performance.md, "The NVFP4 decode's
+// instruction count"). Here the loads run on from pass to pass. Every output gets the pipelined form's sums in
+// the same order: the same bits, whatever the grid.
+template <class F>
+__global__ void NVP_BOUNDS_OCC(kPersistentCtasPerSm) grouped_persistent_kernel(const Params p) {
+  using C = typename F::C;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t stride = gridDim.x, nfull = p.K / kChunk;
+  int64_t tile = blockIdx.x;
+  Work w = find_work(p, tile, stride, warp);
+  if (!w.ok) return;
+  C cur[2] = {};
+  load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
+  while (w.ok) {
+    Work nx = w;
+    if (w.tok0 + 16 < w.end) {
+      nx.tok0 += 16;
+    } else {
+      tile += stride;
+      nx = find_work(p, tile, stride, warp);
+    }
+    const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8);
+    const float fold = F::fold(p.g, w.e);
+    if (w.end - w.tok0 > 8)
+      pipelined_pass<F, 2, false, true>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
+    else
+      pipelined_pass<F, 1, false, true>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
+    w = nx;
   }
 }
 
@@ -1000,49 +1107,70 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.pdl = ints[15];
   p.form = ints[16];
   p.xperm = ints[17];
+  p.ctas = ints[18];
   return p;
 }
 
 // Format codes of Params.fmt (kernels/quant/pair_cuda.py's FORMATS).
 constexpr int64_t kFmtNvfp4 = 0, kFmtBlockFp8 = 1, kFmtNvfp4Repacked = 2, kFmtBlockFp8Repacked = 3;
 
-// The kernel of one launch, handed to run(kernel, output rows per CTA); the one place that maps (format,
-// gating, grouped form, x layout) to an instantiation, for the device launchers below and the host harness.
-// Per pair (grouped false): pair_gemv_kernel of each format, gated or not. Grouped: form 2
-// grouped_pipelined_kernel (every format; X_PERM NVFP4 only), 1 grouped_wide_kernel and 0 grouped_gemv_kernel
-// (NVFP4 and block FP8). Returns false, having run nothing, for a combination without a kernel (an unknown
-// format or form, X_PERM elsewhere, a repacked format in a form other than 2).
+// A launch's grid: x CTAs by y.
+struct Grid {
+  int64_t x, y;
+};
+
+// The kernel of one launch and its grid, handed to run(kernel, grid); the one place that maps (format,
+// gating, grouped form, x layout) to an instantiation and a grid, for the device launchers below and the host
+// harness. Per pair (grouped false): pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P).
+// Grouped: form 3 grouped_persistent_kernel (every format) on (ctas, 1); form 2 grouped_pipelined_kernel
+// (every format; X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0
+// grouped_gemv_kernel (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a
+// combination without a kernel (an unknown format or form, X_PERM elsewhere, a repacked format in forms 0 and
+// 1, the persistent form without CTAs).
 template <class Run>
 inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   if (p.fmt < kFmtNvfp4 || p.fmt > kFmtBlockFp8Repacked) return false;
   const bool repacked = p.fmt == kFmtNvfp4Repacked || p.fmt == kFmtBlockFp8Repacked;
+  const int64_t tiles16 = (p.NOUT + kRows - 1) / kRows, tiles64 = (p.NOUT + kWideRows - 1) / kWideRows;
   if (!grouped) {
+    const Grid grid = {tiles16, p.P};
     if (p.fmt == kFmtNvfp4)
-      run(p.gated ? pair_gemv_kernel<Nvfp4, true> : pair_gemv_kernel<Nvfp4, false>, kRows);
+      run(p.gated ? pair_gemv_kernel<Nvfp4, true> : pair_gemv_kernel<Nvfp4, false>, grid);
     else if (p.fmt == kFmtBlockFp8)
-      run(p.gated ? pair_gemv_kernel<BlockFp8, true> : pair_gemv_kernel<BlockFp8, false>, kRows);
+      run(p.gated ? pair_gemv_kernel<BlockFp8, true> : pair_gemv_kernel<BlockFp8, false>, grid);
     else if (p.fmt == kFmtNvfp4Repacked)
-      run(p.gated ? pair_gemv_kernel<Nvfp4Repacked, true> : pair_gemv_kernel<Nvfp4Repacked, false>, kRows);
+      run(p.gated ? pair_gemv_kernel<Nvfp4Repacked, true> : pair_gemv_kernel<Nvfp4Repacked, false>, grid);
     else
-      run(p.gated ? pair_gemv_kernel<BlockFp8Repacked, true> : pair_gemv_kernel<BlockFp8Repacked, false>, kRows);
+      run(p.gated ? pair_gemv_kernel<BlockFp8Repacked, true> : pair_gemv_kernel<BlockFp8Repacked, false>, grid);
     return true;
   }
-  if (p.form < 0 || p.form > 2 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
-      (repacked && p.form != 2))
+  if (p.form < 0 || p.form > 3 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
+      (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0))
     return false;
-  if (p.form == 2) {
+  if (p.form == 3) {
+    const Grid grid = {p.ctas, 1};
     if (p.fmt == kFmtNvfp4)
-      run(p.xperm ? grouped_pipelined_kernel<Nvfp4, true> : grouped_pipelined_kernel<Nvfp4, false>, kWideRows);
+      run(grouped_persistent_kernel<Nvfp4>, grid);
     else if (p.fmt == kFmtBlockFp8)
-      run(grouped_pipelined_kernel<BlockFp8, false>, kWideRows);
+      run(grouped_persistent_kernel<BlockFp8>, grid);
     else if (p.fmt == kFmtNvfp4Repacked)
-      run(grouped_pipelined_kernel<Nvfp4Repacked, false>, kWideRows);
+      run(grouped_persistent_kernel<Nvfp4Repacked>, grid);
     else
-      run(grouped_pipelined_kernel<BlockFp8Repacked, false>, kWideRows);
+      run(grouped_persistent_kernel<BlockFp8Repacked>, grid);
+  } else if (p.form == 2) {
+    const Grid grid = {tiles64, p.E};
+    if (p.fmt == kFmtNvfp4)
+      run(p.xperm ? grouped_pipelined_kernel<Nvfp4, true> : grouped_pipelined_kernel<Nvfp4, false>, grid);
+    else if (p.fmt == kFmtBlockFp8)
+      run(grouped_pipelined_kernel<BlockFp8, false>, grid);
+    else if (p.fmt == kFmtNvfp4Repacked)
+      run(grouped_pipelined_kernel<Nvfp4Repacked, false>, grid);
+    else
+      run(grouped_pipelined_kernel<BlockFp8Repacked, false>, grid);
   } else if (p.form == 1) {
-    run(p.fmt == kFmtNvfp4 ? grouped_wide_kernel<Nvfp4> : grouped_wide_kernel<BlockFp8>, kWideRows);
+    run(p.fmt == kFmtNvfp4 ? grouped_wide_kernel<Nvfp4> : grouped_wide_kernel<BlockFp8>, Grid{tiles64, p.E});
   } else {
-    run(p.fmt == kFmtNvfp4 ? grouped_gemv_kernel<Nvfp4> : grouped_gemv_kernel<BlockFp8>, kRows);
+    run(p.fmt == kFmtNvfp4 ? grouped_gemv_kernel<Nvfp4> : grouped_gemv_kernel<BlockFp8>, Grid{tiles16, p.E});
   }
   return true;
 }
@@ -1081,21 +1209,21 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 #ifndef NVP_HOST_EMULATION
 // Launch on `stream` (the caller's current stream, so CUDA-graph capture records it); no allocation, no sync.
 // ptrs (9): x, idx, w, s, g, w2, s2, g2 (the last three unused unless gated), out.
-// ints (18): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
+// ints (19): P, NOUT, K, TOPK, act (0 none, 1 relu2, 2 silu), gated (0/1), the strides in the order of
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8, 2 NVFP4
 //   repacked, 3 block FP8 repacked), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
-//   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here).
+//   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here), ctas (the
+//   persistent form's grid; unused here).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
   const nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
-  const bool known = nvp::dispatch(p, false, [&](auto kernel, int64_t rows) {
-    e = nvp::launch(kernel, dim3(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.P)),
-                    st, p);
+  const bool known = nvp::dispatch(p, false, [&](auto kernel, nvp::Grid grid) {
+    e = nvp::launch(kernel, dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y)), st, p);
   });
   if (!known) return static_cast<int>(cudaErrorInvalidValue);
   if (e != cudaSuccess) {
@@ -1106,18 +1234,28 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
-// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 2
-// grouped_pipelined_kernel and 1 grouped_wide_kernel on a grid (NOUT / 64, E), 0 grouped_gemv_kernel on
-// (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted, pair_cuda.X_PERM). A combination without a
-// kernel (nvp::dispatch) is cudaErrorInvalidValue.
+// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 3
+// grouped_persistent_kernel on a grid of ints[18] CTAs, 2 grouped_pipelined_kernel and 1 grouped_wide_kernel on
+// (NOUT / 64, E), 0 grouped_gemv_kernel on (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted,
+// pair_cuda.X_PERM). ints[18] = 0 (the persistent form's default grid): nvp::kPersistentCtasPerSm CTAs per
+// SM of the current device, at most one per tile. A combination without a kernel (nvp::dispatch) is
+// cudaErrorInvalidValue.
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
-  const nvp::Params p = nvp::params_of(ptrs, ints);
+  nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
+  if (p.form == 3 && p.ctas == 0) {
+    int device = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    const int64_t tiles = (p.NOUT + nvp::kWideRows - 1) / nvp::kWideRows * p.E;
+    p.ctas = nvp::kPersistentCtasPerSm * static_cast<int64_t>(sms);
+    if (p.ctas > tiles) p.ctas = tiles;
+  }
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool known = nvp::dispatch(p, true, [&](auto kernel, int64_t rows) {
-    kernel<<<dim3(static_cast<unsigned>((p.NOUT + rows - 1) / rows), static_cast<unsigned>(p.E)), nvp::kThreads,
-             0, st>>>(p);
+  const bool known = nvp::dispatch(p, true, [&](auto kernel, nvp::Grid grid) {
+    kernel<<<dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y)), nvp::kThreads, 0, st>>>(p);
   });
   if (!known) return static_cast<int>(cudaErrorInvalidValue);
   return static_cast<int>(cudaGetLastError());
