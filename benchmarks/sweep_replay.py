@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ import torch
 import triton
 import triton.testing
 
+from benchmarks.ncu import NCU_METRICS, find_ncu, parse_ncu
 from benchmarks.replay_configs import GDN_CONFIGS, M2_CKPT_ONLY_CONFIGS, M2_CONFIGS, M2_ISSUE28_CONFIGS
 from kernels import gdn, mamba2, replay_defaults
 from kernels.commit import allocate_replay_slots, replay_advance
@@ -977,42 +977,8 @@ def ncu_worker(spec: str) -> None:
     torch.cuda.profiler.stop()
 
 
-NCU_METRICS = {  # summary key -> the metric's name in ncu's text report (sections SpeedOfLight, Occupancy,
-    "duration": "Duration",  # LaunchStats), whose unit is kept beside the value
-    "memory_throughput_pct": "Memory Throughput",
-    "dram_throughput_pct": "DRAM Throughput",
-    "compute_throughput_pct": "Compute (SM) Throughput",
-    "registers_per_thread": "Registers Per Thread",
-    "theoretical_occupancy_pct": "Theoretical Occupancy",
-    "achieved_occupancy_pct": "Achieved Occupancy",
-    "block_limit_registers": "Block Limit Registers",
-}
-
-
-def parse_ncu(text: str) -> dict:
-    """The NCU_METRICS of one `ncu` text report (its first profiled kernel): {key: {"value": float, "unit": str}};
-    a metric the report lacks is absent. Lines look like `    Memory Throughput        %        91.42`."""
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        for key, name in NCU_METRICS.items():
-            n = len(name.split())
-            if key in out or parts[:n] != name.split() or len(parts) < n + 1:
-                continue
-            rest = parts[n:]
-            try:
-                value = float(rest[-1].replace(",", ""))
-            except ValueError:
-                continue
-            out[key] = {"value": value, "unit": rest[0] if len(rest) > 1 else ""}
-    return out
-
-
 def ncu(args) -> int:
-    exe = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    if not os.path.exists(exe):
-        raise UserError(f"sweep_replay --ncu: Nsight Compute (ncu) is neither on PATH nor at {exe}",
-                        "install the CUDA toolkit's Nsight Compute, or put its ncu on PATH")
+    exe = find_ncu("sweep_replay --ncu")
     if args.sweep and not os.path.exists(args.sweep):
         print(f"sweep_replay --ncu: no sweep JSON at {args.sweep}; profiling the current kernel and 'mma' "
               "instead of the sweep's best configurations", file=sys.stderr)

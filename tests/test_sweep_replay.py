@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from benchmarks import sweep_replay  # noqa: E402
+from benchmarks import ncu, sweep_replay  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real sweep, not the dry run")
@@ -239,7 +239,7 @@ def test_ncu_profiles_flashinfer_beside_ours_and_its_failure_is_not_the_runs(tmp
         fi = cmd[-1].startswith("fi:")
         return types.SimpleNamespace(returncode=1 if fi else 0, stdout="" if fi else NCU_TEXT, stderr="")
 
-    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: sys.executable)
     monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "run", fake_run)
     out = tmp_path / "ncu"
@@ -266,7 +266,7 @@ def test_ncu_configs_adds_those_configurations_where_an_operator_has_them(tmp_pa
     import types
 
     cmds = []
-    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: sys.executable)
     monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "run", lambda cmd, capture_output, text: cmds.append(cmd) or
                         types.SimpleNamespace(returncode=0, stdout=NCU_TEXT, stderr=""))
@@ -295,7 +295,7 @@ def test_ncu_sr_profiles_the_stochastic_rounding_rows_rn_and_sr(tmp_path, monkey
     import types
 
     cmds = []
-    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: sys.executable)
     monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "run", lambda cmd, capture_output, text: cmds.append(cmd) or
                         types.SimpleNamespace(returncode=0, stdout=NCU_TEXT, stderr=""))
@@ -345,7 +345,7 @@ def test_ncu_without_a_gpu_or_nsight_compute_is_refused_with_a_fix(tmp_path, mon
         sweep_replay.main(["--ncu", "--out", str(tmp_path / "a")])
     assert e.value.code == 2 and "--ncu: no CUDA GPU here" in capsys.readouterr().err
     monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: None)
     monkeypatch.setattr(sweep_replay.os.path, "exists", lambda path: False)
     assert sweep_replay.main(["--ncu", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
@@ -359,7 +359,7 @@ def test_ncu_with_a_sweep_without_best_and_from_json_with_ncu_are_refused(tmp_pa
     """--ncu --sweep FILE whose JSON lacks "best" (or is not a sweep) is an error / fix pair, not a
     KeyError traceback; --from-json with --ncu / --ncu-configs (which it would ignore) is refused in
     argparse's form."""
-    monkeypatch.setattr(sweep_replay.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: sys.executable)
     monkeypatch.setattr(sweep_replay.torch.cuda, "is_available", lambda: True)
     bad = tmp_path / "sweep.json"
     bad.write_text(json.dumps({"shapes": {}, "headline": {}, "headline_rows": {}, "grid": []}))
