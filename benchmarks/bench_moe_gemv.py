@@ -24,7 +24,8 @@ weights), one row each:
   quantized per token and 128-column group), for ``nvfp4`` the per-pair GEMVs with kernels/quant/nvfp4.py's
   other choices: ``_cuda``, PAIR_KERNEL "cuda" (the CUDA kernel of kernels/quant/pair_gemv.cu, the
   default; ``_cuda_prefetch``, ``_cuda_pdl``, ``_cuda_prefetch_pdl``: with kernels/quant/pair_cuda.py's
-  PREFETCH / PDL, bench_moe_gemv.CUDA_LAUNCH), and the Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
+  PREFETCH / PDL, ``_cuda_persistent`` with its PAIR_FORM "persistent", bench_moe_gemv.CUDA_LAUNCH), and the
+  Triton per-pair kernel (PAIR_KERNEL "triton") with its default decode and load
   (``_triton``), DECODE["pair"] "direct" (fp32 bit patterns with no convert, ``_direct``), PAIR_X_LOAD
   "vector" (``_xvec``), both (``_direct_xvec``), and its grouped path on the Triton kernel
   (``grouped_mm_nvfp4_triton``). Their floor counts the stored bytes of the format
@@ -39,7 +40,8 @@ weights), one row each:
   ``grouped_mm_nvfp4_cuda_pipelined_xperm`` the pipelined form with pair_cuda.X_PERM (x copied with its
   columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
   ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16;
-  ``grouped_mm_<fmt>_cuda_repacked_persistent`` the persistent form) on the same experts with their codes
+  ``moe_gemv_<fmt>_cuda_repacked_persistent`` and ``grouped_mm_<fmt>_cuda_repacked_persistent`` the
+  persistent forms) on the same experts with their codes
   repacked (kernels.quant.<fmt>.repack_codes; pair_cuda's
   "<fmt>_repacked" formats).
   A row whose call raises carries "error" instead of a time.
@@ -238,8 +240,9 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         rmm = lambda x, kind, offsets: nvfp4_grouped_mm(x, *rq[kind], offsets)
     grouped_r = partial(moe_experts_grouped, h, weights, indices, kinds, rmm, ACTIVATIONS[act], up.shape[0])
     a16 = "w8a16" if fmt == "block_fp8" else None
-    paths += [(f"moe_gemv_{fmt}_cuda_repacked",
-               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[""])), a16)]
+    paths += [(f"moe_gemv_{fmt}_cuda_repacked" + ("" if suffix == "" else suffix),
+               partial(_repacked, fmt, partial(_cuda, fmt, gemv_r, **CUDA_LAUNCH[suffix])), a16)
+              for suffix in ("", "_persistent")]
     paths += [(f"grouped_mm_{fmt}_cuda_repacked" + ("" if form == "pipelined" else f"_{form}"),
                partial(_repacked, fmt, partial(_cuda, fmt, grouped_r, "grouped", GROUPED_FORM=form)), a16)
               for form in pair_cuda.REPACKED_FORMS]
@@ -277,9 +280,12 @@ CUDA_SETTINGS = {"pair": ("PAIR_KERNEL", "_launch_pair"), "grouped": ("GROUPED_K
 # ``_cuda`` row times the CUDA kernel at every point, a ``_triton`` row the Triton kernel)
 CUDA_BOUNDS = {"block_fp8": {"pair": {"PAIR_CUDA_MAX_PAIRS": None},
                              "grouped": {"GROUPED_CUDA_MIN_ROWS_PER_EXPERT": 0.0}}}
-# the per-pair CUDA rows: row suffix -> kernels/quant/pair_cuda.py's launch settings (PREFETCH, PDL)
-CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False}, "_prefetch": {"PREFETCH": True, "PDL": False},
-               "_pdl": {"PREFETCH": False, "PDL": True}, "_prefetch_pdl": {"PREFETCH": True, "PDL": True}}
+# the per-pair CUDA rows: row suffix -> kernels/quant/pair_cuda.py's launch settings (PREFETCH, PDL, PAIR_FORM)
+CUDA_LAUNCH = {"": {"PREFETCH": False, "PDL": False, "PAIR_FORM": "split"},
+               "_prefetch": {"PREFETCH": True, "PDL": False, "PAIR_FORM": "split"},
+               "_pdl": {"PREFETCH": False, "PDL": True, "PAIR_FORM": "split"},
+               "_prefetch_pdl": {"PREFETCH": True, "PDL": True, "PAIR_FORM": "split"},
+               "_persistent": {"PREFETCH": False, "PDL": False, "PAIR_FORM": "persistent"}}
 
 
 def _cuda(fmt: str, fn, form: str = "pair", **launch):

@@ -344,8 +344,9 @@ def cuda_pair_report() -> dict:
     gated); and the grouped forms' usage (``<fmt>_cuda_grouped``, ``<fmt>_cuda_grouped_wide``,
     ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``, ``<fmt>_cuda_grouped_persistent``;
     the repacked formats the pipelined and persistent forms only), the pipelined and persistent ones with
-    ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count). {"error": ...} without
-    nvcc."""
+    ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count); and the per-pair
+    persistent form (``<fmt>_cuda_persistent``, every format) with its one K loop and ``loop_per_weight`` (its
+    step's 2 chunks x 64 weights a lane). {"error": ...} without nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 
@@ -376,27 +377,33 @@ def cuda_pair_report() -> dict:
                                         **{c: round(n / weights, 2) for c, n in _classes(body["opcodes"]).items()}}
             usage["top_opcodes"] = dict(list(usage["top_opcodes"].items())[:16])
             out[f"{fmt}_cuda" + ("_gated" if gated else "")] = usage
-        # the grouped forms (split, wide, pipelined, persistent): their usage (registers, shared memory, opcodes); their loops
-        # decode a chunk once for up to 4 token groups, so no single per-weight count
-        for kernel, suffix in (("grouped_gemv_kernel", "_cuda_grouped"),
-                               ("grouped_wide_kernel", "_cuda_grouped_wide"),
-                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined"),
-                               ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm"),
-                               ("grouped_persistent_kernel", "_cuda_grouped_persistent")):
+        # the grouped forms (split, wide, pipelined, persistent) and the per-pair persistent form: their usage
+        # (registers, shared memory, opcodes); the pipelined and persistent forms also their K loops (the
+        # grouped loops decode a chunk once for up to 2 token groups, so no single per-weight count; the
+        # per-pair persistent loop's one group: per weight, as the per-pair kernel's)
+        for kernel, suffix, xp in (("grouped_gemv_kernel", "_cuda_grouped", ""),
+                                   ("grouped_wide_kernel", "_cuda_grouped_wide", ""),
+                                   ("grouped_pipelined_kernel", "_cuda_grouped_pipelined", "ELb0E"),
+                                   ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm", "ELb1E"),
+                                   ("persistent_kernel", "_cuda_grouped_persistent", "ELb0E"),
+                                   ("persistent_kernel", "_cuda_persistent", "ELb1E")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
-            if fmt.endswith("_repacked") and suffix.split("_")[-1] not in pair_cuda.REPACKED_FORMS:
+            if fmt.endswith("_repacked") and suffix.startswith("_cuda_grouped") \
+                    and suffix.split("_")[-1] not in pair_cuda.REPACKED_FORMS:
                 continue  # the repacked formats run the pipelined and persistent grouped forms only
-            xp = {"_cuda_grouped_pipelined": "ELb0E", "_cuda_grouped_pipelined_xperm": "ELb1E"}.get(suffix, "")
             inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
-            out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)
+            usage = out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)
             if "_pipelined" in suffix or "_persistent" in suffix:
                 # its K loops, one per token-group count (a step of two 128-column chunks per warp: 2 KB of
                 # NVFP4 codes, 4 KB of FP8), the most instructions first (two groups)
-                loops = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]
-                out[f"{fmt}{suffix}"]["k_loops"] = loops
+                usage["k_loops"] = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]
+            if suffix == "_cuda_persistent" and usage["k_loops"]:  # 2 chunks x 64 weights a lane per step
+                loop = usage["k_loops"][0]
+                usage["loop_per_weight"] = {"instructions": round(loop["instructions"] / 128, 2),
+                                            **{c: round(n / 128, 2) for c, n in _classes(loop["opcodes"]).items()}}
     return out
 
 

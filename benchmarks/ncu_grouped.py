@@ -48,7 +48,8 @@ PROJS = ("up", "down")  # up (and gate): L -> I; down: I -> L
 LAYOUTS = ("natural", "repacked")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "Occupancy",
             "LaunchStats")
-KERNEL_REGEX = "regex:grouped_"  # pair_gemv.cu's grouped kernels (the only launch in the profiled range)
+# pair_gemv.cu's grouped kernels (grouped_*_kernel, persistent_kernel): the only launch in the profiled range
+KERNEL_REGEX = "regex:grouped_|persistent_kernel"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
 

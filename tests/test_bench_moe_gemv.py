@@ -120,7 +120,8 @@ def test_cuda_rows_lift_the_formats_size_bounds_and_triton_rows_force_triton():
 def test_quantized_rows_name_every_cuda_form_and_the_repacked_ones(monkeypatch):
     """quantized_rows (tiny experts on the CPU, the timing replaced by one that raises, so every row is an
     error row with its name) carries a grouped row per pair_cuda.GROUPED_FORMS and per REPACKED_FORMS on the
-    repacked codes, the split and the repacked pipelined forms under their first names."""
+    repacked codes, the split and the repacked pipelined forms under their first names, and the per-pair
+    CUDA kernel in both PAIR_FORMS on natural and repacked codes."""
     import torch
 
     from kernels.quant import pair_cuda
@@ -143,4 +144,5 @@ def test_quantized_rows_name_every_cuda_form_and_the_repacked_ones(monkeypatch):
         for form in pair_cuda.GROUPED_FORMS:
             assert f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}") in names
         assert {f"grouped_mm_{fmt}_cuda_repacked", f"grouped_mm_{fmt}_cuda_repacked_persistent",
-                f"moe_gemv_{fmt}_cuda_repacked"} <= names
+                f"moe_gemv_{fmt}_cuda_repacked", f"moe_gemv_{fmt}_cuda_repacked_persistent",
+                f"moe_gemv_{fmt}_cuda", f"moe_gemv_{fmt}_cuda_persistent"} <= names

@@ -289,6 +289,36 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
     assert torch.equal(bf8.moe_gemv_block_fp8(h, weights, indices, up, gate, down, act, scheme="w8a16"), got)
 
 
+@pytest.mark.parametrize("pdl", (False, True))
+@pytest.mark.parametrize("tokens", (1, 8))
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_pair_persistent_form_vs_reference_and_the_split_kernel(model, tokens, pdl, monkeypatch):
+    """PAIR_FORM "persistent" (the per-pair persistent_kernel of kernels/quant/pair_gemv.cu) at the released
+    expert shapes, both formats' CUDA per-pair kernels (block FP8 w8a16; its gated gate / up stays on the
+    split kernel, its down goes persistent): the whole routed-experts call within two bf16 ulps of the
+    reference and of the split kernel, the same bits on a second call and replayed from a CUDA graph; with PDL
+    (the down projection a programmatic dependent of gate / up on sm_90+) the same bits as without."""
+    fmt, *_, act, _ = SHAPES[model]
+    module = nf4 if fmt == "nvfp4" else bf8
+    monkeypatch.setattr(module, "PAIR_KERNEL", "cuda")
+    if fmt == "block_fp8":
+        monkeypatch.setattr(bf8, "PAIR_CUDA_MAX_PAIRS", None)  # 8 tokens x top-10 is past the default bound
+    kw = {} if fmt == "nvfp4" else {"scheme": "w8a16"}
+    kernel, ref = KERNELS[fmt][0], KERNELS[fmt][1]
+    up, gate, down = _experts(model)
+    h, weights, indices = _inputs(model, tokens, seed=tokens + 90)
+    call = lambda: kernel(h, weights, indices, up, gate, down, act, **kw)  # noqa: E731
+    split = call()
+    monkeypatch.setattr(pair_cuda, "PAIR_FORM", "persistent")
+    got = call()
+    _close(got, ref(h, weights, indices, up, gate, down, act, **kw))
+    _close(got, split)
+    assert torch.equal(call(), got)
+    assert torch.equal(_graph_replay(call), got)
+    monkeypatch.setattr(pair_cuda, "PDL", pdl)
+    assert torch.equal(call(), got)
+
+
 @pytest.mark.parametrize("form", pair_cuda.GROUPED_FORMS)
 @pytest.mark.parametrize("rows_per_expert", (1, 11, 40))
 @pytest.mark.parametrize("model", list(SHAPES))

@@ -76,14 +76,15 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # "pipelined": grouped_pipelined_kernel, the wide form's grid with the next two chunks' codes in flight while
 #   the current two are multiplied, and a pass's token-group count a template argument (every group's x loaded
 #   before the chunk's MMAs). The same sums in the same order as "wide": the same bits.
-# "persistent": grouped_persistent_kernel, a grid of 3 CTAs per SM (the .cu's kPersistentCtasPerSm) walking the
-#   (expert, 64 rows) tiles, each warp loading its next pass's first chunks (the next tile's included) in the last step of
-#   the current one, so that its loads do not stop at tile boundaries. The pipelined form's sums in the same
-#   order: the same bits.
+# "persistent": persistent_kernel (grouped), a grid of 3 CTAs per SM (the .cu's kPersistentCtasPerSm) walking
+#   the (expert, 64 rows) tiles, each warp loading its next pass's first chunks (the next tile's included) in
+#   the last step of the current one, so that its loads do not stop at tile boundaries. The pipelined form's
+#   sums in the same order: the same bits.
 # "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x), and
 # "pipelined" than "wide" for NVFP4 (1.21-1.32x at 32-256 tokens of Super V3's experts), within 3 % of it
 # for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form"). "persistent" has
-# not run on a GPU yet (docs/kernel_performance.md, "The grouped kernel's persistent form").
+# not run on a GPU yet (docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA
+# kernels").
 GROUPED_FORMS = ("split", "wide", "pipelined", "persistent")
 REPACKED_FORMS = ("pipelined", "persistent")  # the grouped forms built for the repacked formats
 GROUPED_FORM = "pipelined"
@@ -95,6 +96,17 @@ GROUPED_FORM = "pipelined"
 #   decode's instruction count"); the repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+# The per-pair form's kernel (read at call time):
+# "split": pair_gemv_kernel, one CTA per (16 output rows, pair), its 4 warps splitting K and adding their sums
+#   through shared memory;
+# "persistent": the per-pair persistent_kernel (ungated launches; a gated pair, Qwen3-Next's gate / up, keeps
+#   "split"), 4 CTAs per SM for NVFP4 and 3 for block FP8 walking the (pair, 64 rows) tiles, each warp one
+#   pair's 16 rows over all of K with the next tile's codes loaded in the last step of the current one; PREFETCH
+#   does not apply to it. Each sum in another order than "split" (one warp over K in column order), so other
+#   bits; the same bits eager and in a CUDA graph. Not yet timed (docs/kernel_performance.md, "The
+#   persistent forms of the routed experts' CUDA kernels").
+PAIR_FORMS = ("split", "persistent")
+PAIR_FORM = "split"
 
 
 def fix(fmt: str) -> str:
@@ -242,8 +254,9 @@ def launch_args(fmt: str, x, idx, w, w2, out, topk: int, act_code: int, experts:
                 pdl: bool = False, form: str = "split", x_permuted: bool = False, ctas: int = 0):
     """The argument arrays of nvp_launch / nvp_launch_grouped (pair_gemv.cu: pointers; sizes, codes, strides,
     the format, grouped the experts E with idx the offsets, the per-pair form's prefetch and pdl flags, the
-    grouped form's kernel, one of GROUPED_FORMS, by its index, whether x's columns are stored permuted, and the
-    persistent form's CTAs, 0 for the launcher's default): (ctypes void* [N_PTRS], long long [N_INTS]). The tensors must outlive the launch.
+    form's kernel, one of GROUPED_FORMS (per pair: of PAIR_FORMS) by its index in GROUPED_FORMS, whether x's
+    columns are stored permuted, and the persistent forms' CTAs, 0 for the launcher's default): (ctypes void*
+    [N_PTRS], long long [N_INTS]). The tensors must outlive the launch.
     Scale strides go in bytes."""
     codes, scales = w[0], w[1]
     gs = w[2] if fmt in NVFP4_FORMATS else scales  # the FP8 kernel reads no global scale
@@ -268,19 +281,23 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
     stream, no allocation but out, no synchronisation (CUDA-graph capturable). `unsupported` must have
     returned None. ``dependent``: the previous kernel on the stream wrote x and nothing else this launch reads
     (run_pair_launches' down projection); with PDL on an sm_90+ GPU the launch then overlaps that kernel's
-    end (the module's PDL note). PREFETCH applies to every launch.
+    end (the module's PDL note). PREFETCH applies to every launch of the split form. PAIR_FORM picks the kernel
+    (a gated pair always runs "split").
 
     Raises:
-        ValueError: nvcc missing or failing, a stale library.
+        ValueError: nvcc missing or failing, a stale library, a PAIR_FORM not in PAIR_FORMS.
         RuntimeError: the launch failed (the CUDA error's name).
     """
+    if PAIR_FORM not in PAIR_FORMS:
+        raise ValueError(f"kernels.quant.pair_cuda.PAIR_FORM = {PAIR_FORM!r}: expected one of {PAIR_FORMS}")
     if out_dtype != torch.bfloat16:
         raise ValueError(f"{name}: PAIR_KERNEL 'cuda' writes bfloat16, asked for {out_dtype}; {fix(fmt)}")
     lib = _library(x.device, name, fmt)
     P, NOUT = idx.numel(), w[0].shape[1]
     out = torch.empty(P, NOUT, dtype=torch.bfloat16, device=x.device)
     pdl = dependent and PDL and torch.cuda.get_device_capability(x.device) >= PDL_MIN_CAPABILITY
-    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code, prefetch=PREFETCH, pdl=pdl)
+    form = PAIR_FORM if w2 is None else "split"
+    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code, prefetch=PREFETCH, pdl=pdl, form=form)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

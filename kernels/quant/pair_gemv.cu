@@ -41,6 +41,12 @@
 // repacked formats (Nvfp4Repacked, BlockFp8Repacked below) move bits inside each word at load time for a
 // cheaper decode.
 //
+// The other kernels here (each with its comment below): the grouped forms, which take the rows sorted by
+// expert and each expert's rows as the MMA's N (grouped_gemv_kernel, grouped_wide_kernel,
+// grouped_pipelined_kernel), and the persistent forms (persistent_kernel), a grid sized to the GPU whose warps
+// walk the tiles with the next tile's codes in flight, grouped or per pair. nvp::dispatch maps each launch to
+// one of them.
+//
 // Build: nvcc -O3 -arch=sm_XX -shared -Xcompiler -fPIC -std=c++17. Exports nvp_abi, nvp_launch,
 // nvp_error_string. NVP_HOST_EMULATION (tests/pair_gemv_host.cc only): the same kernel compiled by a host C++
 // compiler, one std::thread per CUDA thread, the MMA emulated over the warp.
@@ -89,7 +95,8 @@ struct Params {
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
   int64_t form;     // grouped form: 0 split K, 1 wide, 2 pipelined, 3 persistent (pair_cuda.GROUPED_FORMS)
   int64_t xperm;    // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
-  int64_t ctas;     // persistent form only: the grid's CTAs (> 0; 0 to nvp_launch_grouped: its default)
+  int64_t ctas;     // persistent forms only: the grid's CTAs (0: persistent_grid's default)
+  int64_t sms;      // the device's SMs (not an argument: the device launchers fill it; 0 in the host harness)
 };
 
 __device__ inline float as_f32(uint32_t u) {
@@ -325,6 +332,9 @@ __device__ inline uint32_t rotl(uint32_t v) {
 template <bool REPACKED>
 struct Nvfp4Codes {
   static constexpr int kScaleRows = 1;
+  // CTAs per SM of the per-pair persistent form (persistent_ctas_per_sm): its one-group pass fits 128
+  // registers with no spill
+  static constexpr int kPairCtasPerSm = 4;
   // byte offsets of column c's codes and scale within a row
   __device__ static int64_t code_offset(int64_t c) { return c / 2; }
   __device__ static int64_t scale_offset(int64_t c) { return c / 16; }
@@ -479,6 +489,8 @@ __device__ inline uint32_t e4m3_pair(uint32_t v) {
 template <bool REPACKED>
 struct BlockFp8Codes {
   static constexpr int kScaleRows = 128;
+  // CTAs per SM of the per-pair persistent form (persistent_ctas_per_sm): at 4 (128 registers) its walk spills
+  static constexpr int kPairCtasPerSm = 3;
   __device__ static int64_t code_offset(int64_t c) { return c; }
   __device__ static int64_t scale_offset(int64_t c) { return (c / kChunk) * 4; }
   struct C {
@@ -759,21 +771,28 @@ __global__ void NVP_BOUNDS grouped_gemv_kernel(const Params p) {
   }
 }
 
-// The wide and pipelined forms' store of one warp's 16 rows for NG token groups from tok0: lane (g, t) holds
-// rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t and 8 grp + 2t + 1; each sum times
-// `fold` rounded to bf16 once; tokens from `end` on and rows from NOUT on are not stored.
+// One output of the wide, pipelined and persistent forms: the sum times `fold` rounded to bf16 once; with an
+// activation (act != 0: the per-pair persistent form) that value, activated, rounded again (pair_gemv_kernel's
+// epilogue, ungated).
+__device__ inline uint16_t tile_out(float sum, float fold, int64_t act) {
+  if (act == 0) return static_cast<uint16_t>(bf16_rn(sum * fold));
+  return static_cast<uint16_t>(bf16_rn(activation(bf16_f32(bf16_rn(sum * fold)), act)));
+}
+
+// The wide, pipelined and persistent forms' store of one warp's 16 rows for NG token groups from tok0: lane (g,
+// t) holds rows g (acc[.][0..1]) and g + 8 (acc[.][2..3]) of tokens 8 grp + 2t and 8 grp + 2t + 1; each value
+// tile_out's; tokens from `end` on and rows from NOUT on are not stored.
 template <int NG>
 __device__ inline void store_warp_tile(const Params& p, const float (&acc)[NG][4], int64_t tok0, int64_t end,
-                                       float fold, int64_t n0, int g, int t) {
+                                       float fold, int64_t n0, int g, int t, int64_t act = 0) {
 #pragma unroll
   for (int grp = 0; grp < NG; ++grp) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int64_t tk = tok0 + 8 * grp + 2 * t + i;
       if (tk >= end) continue;
-      if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = static_cast<uint16_t>(bf16_rn(acc[grp][i] * fold));
-      if (n0 + g + 8 < p.NOUT)
-        p.out[tk * p.som + n0 + g + 8] = static_cast<uint16_t>(bf16_rn(acc[grp][2 + i] * fold));
+      if (n0 + g < p.NOUT) p.out[tk * p.som + n0 + g] = tile_out(acc[grp][i], fold, act);
+      if (n0 + g + 8 < p.NOUT) p.out[tk * p.som + n0 + g + 8] = tile_out(acc[grp][2 + i], fold, act);
     }
   }
 }
@@ -906,8 +925,9 @@ __device__ inline void load_first_chunks(const Rows& r, int64_t nfull, int64_t l
 // is loaded before the chunk's decode (NG fixed: no per-group branch for the loads to wait behind). NEXT (the
 // persistent form): the pass's last step loads the first two chunks of the warp's next pass `nx` (when nx.ok)
 // into cur, where the pipelined form loads nothing, so that the warp's loads do not stop between passes and
-// tiles. Each sum is added in the wide form's order: the same bits.
-template <class F, int NG, bool XP, bool NEXT>
+// tiles. Each sum is added in the wide form's order: the same bits. PER_PAIR (the per-pair persistent form):
+// the rows tok0 .. end - 1 are pairs, pair q reading x's row q / TOPK, and the store applies p.act.
+template <class F, int NG, bool XP, bool NEXT, bool PER_PAIR = false>
 __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t tok0, int64_t end, float fold,
                                       int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
   using C = typename F::C;
@@ -919,7 +939,8 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
   for (int grp = 0; grp < NG; ++grp) {
     acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
     const int64_t row = tok0 + 8 * grp + g;
-    xr[grp] = p.x + (row < end ? row : end - 1) * p.sxm;
+    const int64_t xrow = row < end ? row : end - 1;
+    xr[grp] = p.x + (PER_PAIR ? xrow / p.TOPK : xrow) * p.sxm;
   }
   // chunks ch and ch + 1 (when below nfull) of cur into acc
   const auto step = [&](int64_t ch) {
@@ -977,7 +998,7 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
     F::decode(c, A);
     mma_groups<F, NG, XP>(acc, A, x, F::chunk_scale(c));
   }
-  store_warp_tile<NG>(p, acc, tok0, end, fold, n0, g, t);
+  store_warp_tile<NG>(p, acc, tok0, end, fold, n0, g, t, PER_PAIR ? p.act : 0);
 }
 
 // The grouped form, pipelined (GROUPED_FORM "pipelined"): grouped_wide_kernel's grid and rows (one CTA per 64
@@ -1013,50 +1034,75 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
   }
 }
 
-// The persistent form's tiles: tile i is expert i / nblk's row block i % nblk (64 output rows), nblk =
-// ceil(NOUT / 64); the number of tiles is nblk * E.
+// The persistent forms' tiles: tile i is row block i % nblk (64 output rows, nblk = ceil(NOUT / 64)) of expert
+// i / nblk (grouped) or of pair i / nblk (per pair); nblk * E or nblk * P tiles.
 __device__ inline int64_t row_blocks(const Params& p) { return (p.NOUT + kWideRows - 1) / kWideRows; }
 
-// Warp `warp`'s first work at or after tile `tile` in steps of `stride` (the grid's CTAs): the first tile
-// whose expert has rows and whose 16 rows of this warp start below NOUT, its first pass; `tile` is left at
-// that tile (past the last when none is left, ok false).
+// Warp `warp`'s first work at or after tile `tile` in steps of `stride` (the grid's CTAs): the first tile whose
+// 16 rows of this warp start below NOUT and, grouped, whose expert has rows, its first pass (per pair: the
+// pair's expert, its one row); `tile` is left at that tile (past the last when none is left, ok false).
+template <bool PER_PAIR>
 __device__ inline Work find_work(const Params& p, int64_t& tile, int64_t stride, int warp) {
-  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
-  const int64_t nblk = row_blocks(p), ntiles = nblk * p.E;
+  const int64_t nblk = row_blocks(p), ntiles = nblk * (PER_PAIR ? p.P : p.E);
   for (; tile < ntiles; tile += stride) {
-    const int64_t e = tile / nblk;
-    const int64_t n0 = (tile - e * nblk) * kWideRows + kRows * warp;
+    const int64_t q = tile / nblk;
+    const int64_t n0 = (tile - q * nblk) * kWideRows + kRows * warp;
     if (n0 >= p.NOUT) continue;
-    const int32_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
-    if (end > start)
-      return {static_cast<int32_t>(e), static_cast<int32_t>(n0), start, end, true};
+    if constexpr (PER_PAIR) {
+      return {static_cast<int32_t>(p.idx[q]), static_cast<int32_t>(n0), static_cast<int32_t>(q),
+              static_cast<int32_t>(q + 1), true};
+    } else {
+      const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+      const int32_t start = q > 0 ? offs[q - 1] : 0, end = offs[q];
+      if (end > start) return {static_cast<int32_t>(q), static_cast<int32_t>(n0), start, end, true};
+    }
   }
   return {0, 0, 0, 0, false};
 }
 
-// CTAs per SM of the persistent form: its occupancy bound, and its grid's size per SM (nvp_launch_grouped).
-// Why 3 and not the pipelined form's 4: the walk's state (the next pass, the tile) on top of the pipelined
-// pass's 124-128 registers spilled at 128 (block FP8 inside its K loop); at 3 CTAs (168 registers) nothing
-// spills (benchmarks/compile_report.py), and each warp keeps its loads going across passes instead.
+// CTAs per SM of the grouped persistent form. Why 3 and not the pipelined form's 4: the walk's state (the next
+// pass, the tile) on top of the pipelined pass's 124-128 registers spilled at 128 (block FP8 inside its K
+// loop); at 3 CTAs (168 registers) nothing spills (benchmarks/compile_report.py), and each warp keeps its loads
+// going across passes instead.
 constexpr int kPersistentCtasPerSm = 3;
 
-// The grouped form, persistent (GROUPED_FORM "persistent"): a grid of p.ctas CTAs (nvp_launch_grouped: by
-// default kPersistentCtasPerSm per SM, at most one per tile), CTA b taking tiles b, b + ctas, ... (row_blocks), each warp its 16
-// rows of each tile over all of K in passes of up to 16 of the expert's rows, as the pipelined form's. Each warp
-// walks its own tiles (no shared memory, no barrier) and, in each pass's last step, loads the next pass's
-// first two chunks (pipelined_pass with NEXT), next tile's included. Why: in the pipelined form each CTA
-// starts with its first two chunks' loads exposed and ends with nothing in flight; at Super V3's up projection
-// (K = 1024: 8 chunks, 4 steps a warp) that is a large share of each CTA's life, and the form's 29 % fewer
-// decode instructions on repacked codes bought only 4-8 % (docs/kernel_performance.md, "The NVFP4 decode's
-// instruction count"). Here the loads run on from pass to pass. Every output gets the pipelined form's sums in
-// the same order: the same bits, whatever the grid.
-template <class F>
-__global__ void NVP_BOUNDS_OCC(kPersistentCtasPerSm) grouped_persistent_kernel(const Params p) {
+// CTAs per SM of persistent_kernel<F, PER_PAIR>: its occupancy bound, and its default grid's CTAs per SM
+// (persistent_grid).
+template <class F, bool PER_PAIR>
+constexpr int persistent_ctas_per_sm() {
+  return PER_PAIR ? F::kPairCtasPerSm : kPersistentCtasPerSm;
+}
+
+// The persistent forms: a grid of p.ctas CTAs (persistent_grid: by default persistent_ctas_per_sm per SM, at
+// most one per tile), CTA b taking tiles b, b + ctas, ... (row_blocks), each warp its 16 rows of each tile over all of K
+// in passes of up to 16 rows, as the pipelined form's. Each warp walks its own tiles (no shared memory, no
+// barrier) and, in each pass's last step, loads the next pass's first two chunks (pipelined_pass with NEXT),
+// the next tile's included.
+// - Grouped (GROUPED_FORM "persistent", PER_PAIR false): the grouped kernels' arguments, the expert's rows in
+//   passes of up to 16. Why: in the pipelined form each CTA starts with its first two chunks' loads exposed and
+//   ends with nothing in flight; at Super V3's up projection (K = 1024: 8 chunks, 4 steps a warp) that is a
+//   large share of each CTA's life, and the form's 29 % fewer decode instructions on repacked codes bought
+//   only 4-8 % (docs/kernel_performance.md, "The NVFP4 decode's instruction count"). Every output gets the
+//   pipelined form's sums in the same order: the same bits, whatever the grid.
+// - Per pair (PAIR_FORM "persistent", PER_PAIR true; ungated launches): pair_gemv_kernel's arguments, each
+//   tile one pair's 64 rows (x's row pair / TOPK, its expert idx[pair]), the activation applied as
+//   pair_gemv_kernel applies it. Why: pair_gemv_kernel's CTAs split K over their warps, so at Super V3's up
+//   projection each warp loads two chunks and is done, and each wave of CTAs waits for one DRAM round trip
+//   (1.35 TB/s at one token, docs/kernel_performance.md, "The CUDA kernels at the release shapes"). Each sum
+//   here is added over K in column order by one warp: not pair_gemv_kernel's order (its warps' partial sums),
+//   so not its bits; the same bits eager and in a CUDA graph. Under PDL it waits for the previous kernel
+//   before its first load of anything.
+template <class F, bool PER_PAIR>
+__global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR>())) persistent_kernel(const Params p) {
   using C = typename F::C;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t stride = gridDim.x, nfull = p.K / kChunk;
+  if constexpr (PER_PAIR) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   int64_t tile = blockIdx.x;
-  Work w = find_work(p, tile, stride, warp);
+  Work w = find_work<PER_PAIR>(p, tile, stride, warp);
   if (!w.ok) return;
   C cur[2] = {};
   load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
@@ -1066,14 +1112,14 @@ __global__ void NVP_BOUNDS_OCC(kPersistentCtasPerSm) grouped_persistent_kernel(c
       nx.tok0 += 16;
     } else {
       tile += stride;
-      nx = find_work(p, tile, stride, warp);
+      nx = find_work<PER_PAIR>(p, tile, stride, warp);
     }
     const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8);
     const float fold = F::fold(p.g, w.e);
-    if (w.end - w.tok0 > 8)
-      pipelined_pass<F, 2, false, true>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
+    if (!PER_PAIR && w.end - w.tok0 > 8)  // a pair is one row: its instance has no two-group pass
+      pipelined_pass<F, 2, false, true, PER_PAIR>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
     else
-      pipelined_pass<F, 1, false, true>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
+      pipelined_pass<F, 1, false, true, PER_PAIR>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
     w = nx;
   }
 }
@@ -1108,6 +1154,7 @@ __host__ inline Params params_of(void* const* ptrs, const long long* ints) {
   p.form = ints[16];
   p.xperm = ints[17];
   p.ctas = ints[18];
+  p.sms = 0;
   return p;
 }
 
@@ -1119,20 +1166,44 @@ struct Grid {
   int64_t x, y;
 };
 
+// The grid of persistent_kernel<F, PER_PAIR>: (p.ctas, 1), or by default (p.ctas 0) persistent_ctas_per_sm
+// CTAs per SM (p.sms), at most one per tile (row_blocks of E experts or P pairs); x 0 when neither is known.
+template <class F, bool PER_PAIR>
+inline Grid persistent_grid(const Params& p) {
+  if (p.ctas > 0) return {p.ctas, 1};
+  const int64_t tiles = (p.NOUT + kWideRows - 1) / kWideRows * (PER_PAIR ? p.P : p.E);
+  const int64_t ctas = persistent_ctas_per_sm<F, PER_PAIR>() * p.sms;
+  return {ctas < tiles ? ctas : tiles, 1};
+}
+
 // The kernel of one launch and its grid, handed to run(kernel, grid); the one place that maps (format,
 // gating, grouped form, x layout) to an instantiation and a grid, for the device launchers below and the host
-// harness. Per pair (grouped false): pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P).
-// Grouped: form 3 grouped_persistent_kernel (every format) on (ctas, 1); form 2 grouped_pipelined_kernel
-// (every format; X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0
-// grouped_gemv_kernel (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a
-// combination without a kernel (an unknown format or form, X_PERM elsewhere, a repacked format in forms 0 and
-// 1, the persistent form without CTAs).
+// harness. Per pair (grouped false): form 0 pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P);
+// form 3 persistent_kernel<F, true> (every format, ungated) on persistent_grid. Grouped: form 3
+// persistent_kernel<F, false> (every format) on persistent_grid; form 2 grouped_pipelined_kernel (every format;
+// X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0 grouped_gemv_kernel
+// (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a combination without a
+// kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a gated
+// persistent launch, a persistent form with neither p.ctas nor p.sms).
 template <class Run>
 inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   if (p.fmt < kFmtNvfp4 || p.fmt > kFmtBlockFp8Repacked) return false;
   const bool repacked = p.fmt == kFmtNvfp4Repacked || p.fmt == kFmtBlockFp8Repacked;
   const int64_t tiles16 = (p.NOUT + kRows - 1) / kRows, tiles64 = (p.NOUT + kWideRows - 1) / kWideRows;
   if (!grouped) {
+    if (p.form != 0 && p.form != 3) return false;
+    if (p.form == 3) {
+      if (p.gated || (p.ctas <= 0 && p.sms <= 0)) return false;
+      if (p.fmt == kFmtNvfp4)
+        run(persistent_kernel<Nvfp4, true>, persistent_grid<Nvfp4, true>(p));
+      else if (p.fmt == kFmtBlockFp8)
+        run(persistent_kernel<BlockFp8, true>, persistent_grid<BlockFp8, true>(p));
+      else if (p.fmt == kFmtNvfp4Repacked)
+        run(persistent_kernel<Nvfp4Repacked, true>, persistent_grid<Nvfp4Repacked, true>(p));
+      else
+        run(persistent_kernel<BlockFp8Repacked, true>, persistent_grid<BlockFp8Repacked, true>(p));
+      return true;
+    }
     const Grid grid = {tiles16, p.P};
     if (p.fmt == kFmtNvfp4)
       run(p.gated ? pair_gemv_kernel<Nvfp4, true> : pair_gemv_kernel<Nvfp4, false>, grid);
@@ -1145,18 +1216,17 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
     return true;
   }
   if (p.form < 0 || p.form > 3 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
-      (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0))
+      (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0 && p.sms <= 0))
     return false;
   if (p.form == 3) {
-    const Grid grid = {p.ctas, 1};
     if (p.fmt == kFmtNvfp4)
-      run(grouped_persistent_kernel<Nvfp4>, grid);
+      run(persistent_kernel<Nvfp4, false>, persistent_grid<Nvfp4, false>(p));
     else if (p.fmt == kFmtBlockFp8)
-      run(grouped_persistent_kernel<BlockFp8>, grid);
+      run(persistent_kernel<BlockFp8, false>, persistent_grid<BlockFp8, false>(p));
     else if (p.fmt == kFmtNvfp4Repacked)
-      run(grouped_persistent_kernel<Nvfp4Repacked>, grid);
+      run(persistent_kernel<Nvfp4Repacked, false>, persistent_grid<Nvfp4Repacked, false>(p));
     else
-      run(grouped_persistent_kernel<BlockFp8Repacked>, grid);
+      run(persistent_kernel<BlockFp8Repacked, false>, persistent_grid<BlockFp8Repacked, false>(p));
   } else if (p.form == 2) {
     const Grid grid = {tiles64, p.E};
     if (p.fmt == kFmtNvfp4)
@@ -1176,6 +1246,17 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
 }
 
 #ifndef NVP_HOST_EMULATION
+// p.sms for a persistent launch of the default grid (form 3, p.ctas 0): the current device's SMs. Returns
+// cudaSuccess or the device query's error.
+inline cudaError_t fill_sms(Params& p) {
+  if (p.form != 3 || p.ctas != 0) return cudaSuccess;
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  p.sms = sms;
+  return e;
+}
+
 // kernel<<<grid, kThreads, 0, st>>>(p), with the programmatic-stream-serialization attribute when p.pdl (the
 // kernel may begin while the previous kernel on `st` finishes; it waits for it in pdl_wait). Recorded as a
 // programmatic edge under CUDA-graph capture. Returns cudaLaunchKernelEx's error (cudaSuccess for <<<>>>,
@@ -1213,13 +1294,16 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 //   Params (x / out rows in elements, codes / scales in bytes), the format (0 NVFP4, 1 block FP8, 2 NVFP4
 //   repacked, 3 block FP8 repacked), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
-//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (the
-//   grouped form's kernel; unused here), xperm (the grouped form's x layout; unused here), ctas (the
-//   persistent form's grid; unused here).
+//   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (0
+//   pair_gemv_kernel, 3 the per-pair persistent_kernel: ungated only, prefetch ignored), xperm (the grouped
+//   form's x layout; unused here), ctas (the persistent form's grid, 0 for its default:
+//   nvp::persistent_grid).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
 __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const long long* ints, void* stream) {
-  const nvp::Params p = nvp::params_of(ptrs, ints);
+  nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0) return 0;
+  const cudaError_t qe = nvp::fill_sms(p);
+  if (qe != cudaSuccess) return static_cast<int>(qe);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaSuccess;
   const bool known = nvp::dispatch(p, false, [&](auto kernel, nvp::Grid grid) {
@@ -1235,24 +1319,16 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
 // (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 3
-// grouped_persistent_kernel on a grid of ints[18] CTAs, 2 grouped_pipelined_kernel and 1 grouped_wide_kernel on
+// persistent_kernel on a grid of ints[18] CTAs, 2 grouped_pipelined_kernel and 1 grouped_wide_kernel on
 // (NOUT / 64, E), 0 grouped_gemv_kernel on (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted,
-// pair_cuda.X_PERM). ints[18] = 0 (the persistent form's default grid): nvp::kPersistentCtasPerSm CTAs per
-// SM of the current device, at most one per tile. A combination without a kernel (nvp::dispatch) is
-// cudaErrorInvalidValue.
+// pair_cuda.X_PERM). ints[18] = 0 (the persistent form's default grid): nvp::persistent_grid. A
+// combination without a kernel (nvp::dispatch) is cudaErrorInvalidValue.
 __attribute__((visibility("default"))) int nvp_launch_grouped(void* const* ptrs, const long long* ints,
                                                               void* stream) {
   nvp::Params p = nvp::params_of(ptrs, ints);
   if (p.P <= 0 || p.NOUT <= 0 || p.E <= 0) return 0;
-  if (p.form == 3 && p.ctas == 0) {
-    int device = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    const int64_t tiles = (p.NOUT + nvp::kWideRows - 1) / nvp::kWideRows * p.E;
-    p.ctas = nvp::kPersistentCtasPerSm * static_cast<int64_t>(sms);
-    if (p.ctas > tiles) p.ctas = tiles;
-  }
+  const cudaError_t qe = nvp::fill_sms(p);
+  if (qe != cudaSuccess) return static_cast<int>(qe);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool known = nvp::dispatch(p, true, [&](auto kernel, nvp::Grid grid) {
     kernel<<<dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y)), nvp::kThreads, 0, st>>>(p);
