@@ -1246,15 +1246,23 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
 }
 
 #ifndef NVP_HOST_EMULATION
-// p.sms for a persistent launch of the default grid (form 3, p.ctas 0): the current device's SMs. Returns
-// cudaSuccess or the device query's error.
+// p.sms for a persistent launch of the default grid (form 3, p.ctas 0): the current device's SMs, asked of
+// the driver once per device (the first launch, eager in every caller, before any CUDA-graph capture) and
+// cached. Returns cudaSuccess or the device query's error.
 inline cudaError_t fill_sms(Params& p) {
   if (p.form != 3 || p.ctas != 0) return cudaSuccess;
-  int device = 0, sms = 0;
+  static int cached[64] = {};  // SMs per device ordinal, 0 until asked (a race writes the same value)
+  int device = 0;
   cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  int sms = device >= 0 && device < 64 ? cached[device] : 0;
+  if (sms == 0) {
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+    if (device >= 0 && device < 64) cached[device] = sms;
+  }
   p.sms = sms;
-  return e;
+  return cudaSuccess;
 }
 
 // kernel<<<grid, kThreads, 0, st>>>(p), with the programmatic-stream-serialization attribute when p.pdl (the
