@@ -345,8 +345,8 @@ def cuda_pair_report() -> dict:
     ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``, ``<fmt>_cuda_grouped_persistent``;
     the repacked formats the pipelined and persistent forms only), the pipelined and persistent ones with
     ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count); and the per-pair
-    persistent form (``<fmt>_cuda_persistent``, every format) with its one K loop and ``loop_per_weight`` (its
-    step's 2 chunks x 64 weights a lane). {"error": ...} without nvcc."""
+    persistent form (``<fmt>_cuda_persistent`` and ``_gated``, every format) with its one K loop and
+    ``loop_per_weight`` (its step's 2 chunks x 64 weights a lane). {"error": ...} without nvcc."""
     from kernels import _nvcc
     from kernels.quant import pair_cuda
 
@@ -385,8 +385,9 @@ def cuda_pair_report() -> dict:
                                    ("grouped_wide_kernel", "_cuda_grouped_wide", ""),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined", "ELb0E"),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm", "ELb1E"),
-                                   ("persistent_kernel", "_cuda_grouped_persistent", "ELb0E"),
-                                   ("persistent_kernel", "_cuda_persistent", "ELb1E")):
+                                   ("persistent_kernel", "_cuda_grouped_persistent", "ELb0ELb0E"),
+                                   ("persistent_kernel", "_cuda_persistent", "ELb1ELb0E"),
+                                   ("persistent_kernel", "_cuda_persistent_gated", "ELb1ELb1E")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
             if fmt.endswith("_repacked") and suffix.startswith("_cuda_grouped") \
@@ -400,8 +401,8 @@ def cuda_pair_report() -> dict:
                 # its K loops, one per token-group count (a step of two 128-column chunks per warp: 2 KB of
                 # NVFP4 codes, 4 KB of FP8), the most instructions first (two groups)
                 usage["k_loops"] = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]
-            if suffix == "_cuda_persistent" and usage["k_loops"]:  # 2 chunks x 64 weights a lane per step
-                loop = usage["k_loops"][0]
+            if suffix.startswith("_cuda_persistent") and usage["k_loops"]:
+                loop = usage["k_loops"][0]  # 2 chunks (gated: gate's and up's) x 64 weights a lane per step
                 usage["loop_per_weight"] = {"instructions": round(loop["instructions"] / 128, 2),
                                             **{c: round(n / 128, 2) for c, n in _classes(loop["opcodes"]).items()}}
     return out

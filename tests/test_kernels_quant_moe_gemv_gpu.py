@@ -294,10 +294,10 @@ def test_block_fp8_cuda_pair_kernel_vs_reference_and_triton(tokens, monkeypatch)
 @pytest.mark.parametrize("model", list(SHAPES))
 def test_pair_persistent_form_vs_reference_and_the_split_kernel(model, tokens, pdl, monkeypatch):
     """PAIR_FORM "persistent" (the per-pair persistent_kernel of kernels/quant/pair_gemv.cu) at the released
-    expert shapes, both formats' CUDA per-pair kernels (block FP8 w8a16; its gated gate / up stays on the
-    split kernel, its down goes persistent): the whole routed-experts call within two bf16 ulps of the
-    reference and of the split kernel, the same bits on a second call and replayed from a CUDA graph; with PDL
-    (the down projection a programmatic dependent of gate / up on sm_90+) the same bits as without."""
+    expert shapes, both formats' CUDA per-pair kernels (block FP8 w8a16, its gate / up gated): the whole
+    routed-experts call within two bf16 ulps of the reference and of the split kernel, the same bits on a
+    second call and replayed from a CUDA graph; with PDL (the down projection a programmatic dependent of gate
+    / up on sm_90+) the same bits as without."""
     fmt, *_, act, _ = SHAPES[model]
     module = nf4 if fmt == "nvfp4" else bf8
     monkeypatch.setattr(module, "PAIR_KERNEL", "cuda")

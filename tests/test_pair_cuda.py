@@ -241,38 +241,40 @@ def test_host_emulated_kernel_matches_the_dequantizing_reference(host_lib, case,
 
 @needs_gxx
 @pytest.mark.parametrize("repacked", (False, True))
-@pytest.mark.parametrize("case", [c for c, v in {**CASES, **FP8_CASES}.items() if not v[6]])
+@pytest.mark.parametrize("case", list(CASES) + list(FP8_CASES))
 def test_host_emulated_pair_persistent_kernel_matches_the_reference_on_any_grid(host_lib, case, repacked):
     """The per-pair persistent form (PAIR_FORM "persistent": each warp one pair's 16 rows over all of K,
-    CTAs walking the (pair, 64-row) tiles, the next tile's codes loaded in the last step of the current one)
-    on the ungated cases, natural and repacked codes: its dequantizing reference within the per-pair
-    kernel's tolerance (the activation applied as the per-pair kernel applies it), mostly the per-pair
-    kernel's values (each sum in another fp32 order), the same bits on 1, 2, 3 and more CTAs than tiles; a
-    gated launch is refused (cudaErrorInvalidValue's place in the harness: 1), as is a grid of no CTAs with no
-    SM count (the device launcher fills in its default)."""
+    CTAs walking the (pair, 64-row) tiles, the next tile's codes loaded in the last step of the current one;
+    a gated pair's gate and up together) on every case, natural and repacked codes: its dequantizing reference
+    within the per-pair kernel's tolerance (the activation, and a gated pair's product, applied as the
+    per-pair kernel applies them), mostly the per-pair kernel's values (each sum in another fp32 order), the
+    same bits on 1, 3 and more CTAs than tiles; a grid of no CTAs with no SM count is refused
+    (cudaErrorInvalidValue's place in the harness: 1; the device launcher fills in its default)."""
     fmt = "nvfp4" if case in CASES else "block_fp8"
-    E, N, K, P, topk, act, _, strided = {**CASES, **FP8_CASES}[case]
+    E, N, K, P, topk, act, gated, strided = {**CASES, **FP8_CASES}[case]
     gen = torch.Generator().manual_seed(len(case) + 7)
-    w = (_experts if fmt == "nvfp4" else _fp8_experts)(E, N, K, gen)
+    make = _experts if fmt == "nvfp4" else _fp8_experts
+    w = make(E, N, K, gen)
+    w2 = make(E, N, K, gen) if gated else None
     pad = (64 if fmt == "nvfp4" else 32) if strided else 0
     x = (torch.randn(P // topk, K + pad, generator=gen) * 2).to(torch.bfloat16)[:, :K]
     idx = torch.randint(0, E, (P,), generator=gen)
     kernel_fmt = f"{fmt}_repacked" if repacked else fmt
-    codes = _repack(fmt, w) if repacked else w
-    got = _host_launch(host_lib, x, idx, codes, None, topk, act, fmt=kernel_fmt, form="persistent", ctas=2)
-    want = _projection_ref(x, idx, w, None, topk, act, fmt=fmt)
+    codes = (_repack(fmt, w), _repack(fmt, w2)) if repacked else (w, w2)
+    got = _host_launch(host_lib, x, idx, *codes, topk, act, fmt=kernel_fmt, form="persistent", ctas=2)
+    want = _projection_ref(x, idx, w, w2, topk, act, fmt=fmt)
+    assert not want.isnan().any()
     scale = want.float().abs().max()
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * scale.item())
     assert (got == want).float().mean() > 0.9
-    split = _host_launch(host_lib, x, idx, codes, None, topk, act, fmt=kernel_fmt)
+    split = _host_launch(host_lib, x, idx, *codes, topk, act, fmt=kernel_fmt)
     assert (got == split).float().mean() > 0.9
     tiles = -(-N // 64) * P
     for ctas in (1, 3, tiles + 2):
-        again = _host_launch(host_lib, x, idx, codes, None, topk, act, fmt=kernel_fmt, form="persistent",
+        again = _host_launch(host_lib, x, idx, *codes, topk, act, fmt=kernel_fmt, form="persistent",
                              ctas=ctas)
         assert torch.equal(again, got), ctas
-    _host_launch(host_lib, x, idx, codes, codes, topk, act, fmt=kernel_fmt, form="persistent", ctas=2, rc=1)
-    _host_launch(host_lib, x, idx, codes, None, topk, act, fmt=kernel_fmt, form="persistent", ctas=0, rc=1)
+    _host_launch(host_lib, x, idx, *codes, topk, act, fmt=kernel_fmt, form="persistent", ctas=0, rc=1)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

@@ -149,7 +149,8 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
     kernel's symbol read 17.34), the repacked formats' loops are shorter than the natural ones', the
     pipelined grouped entries carry their two K loops, the two-group one the longer, and the persistent form's
     walk across tiles spills nothing and adds nothing to its K loops (each within 5 % of the pipelined
-    form's); the per-pair persistent form spills nothing, its loop a few instructions per weight."""
+    form's); the per-pair persistent form, gated or not, spills nothing, its loop a few instructions per
+    weight."""
     from benchmarks import compile_report
     from kernels import _nvcc
 
@@ -157,9 +158,10 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
         pytest.skip("nvcc is not installed here")
     report = compile_report.cuda_pair_report()
     for fmt in ("nvfp4", "block_fp8", "nvfp4_repacked", "block_fp8_repacked"):
-        for gated in ("", "_gated", "_persistent"):
+        for gated in ("", "_gated", "_persistent", "_persistent_gated"):
             assert 1.5 < report[f"{fmt}_cuda{gated}"]["loop_per_weight"]["instructions"] < 5
         assert report[f"{fmt}_cuda_persistent"]["STACK"] == 0
+        assert report[f"{fmt}_cuda_persistent_gated"]["STACK"] == 0
         loops = [lp["instructions"] for lp in report[f"{fmt}_cuda_grouped_pipelined"]["k_loops"]]
         assert len(loops) == 2 and loops[0] > loops[1]
         persistent = report[f"{fmt}_cuda_grouped_persistent"]

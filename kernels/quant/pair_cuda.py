@@ -99,10 +99,10 @@ X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # The per-pair form's kernel (read at call time):
 # "split": pair_gemv_kernel, one CTA per (16 output rows, pair), its 4 warps splitting K and adding their sums
 #   through shared memory;
-# "persistent": the per-pair persistent_kernel (ungated launches; a gated pair, Qwen3-Next's gate / up, keeps
-#   "split"), 4 CTAs per SM for NVFP4 and 3 for block FP8 walking the (pair, 64 rows) tiles, each warp one
-#   pair's 16 rows over all of K with the next tile's codes loaded in the last step of the current one; PREFETCH
-#   does not apply to it. Each sum in another order than "split" (one warp over K in column order), so other
+# "persistent": the per-pair persistent_kernel, 4 CTAs per SM (NVFP4 ungated) or 3 (block FP8, gated pairs)
+#   walking the (pair, 64 rows) tiles, each warp one pair's 16 rows over all of K (a gated pair's gate and up
+#   together, one chunk of each per step) with the next tile's codes loaded in the last step of the current
+#   one; PREFETCH does not apply to it. Each sum in another order than "split" (one warp over K in column order), so other
 #   bits; the same bits eager and in a CUDA graph. Not yet timed (docs/kernel_performance.md, "The
 #   persistent forms of the routed experts' CUDA kernels").
 PAIR_FORMS = ("split", "persistent")
@@ -281,8 +281,8 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
     stream, no allocation but out, no synchronisation (CUDA-graph capturable). `unsupported` must have
     returned None. ``dependent``: the previous kernel on the stream wrote x and nothing else this launch reads
     (run_pair_launches' down projection); with PDL on an sm_90+ GPU the launch then overlaps that kernel's
-    end (the module's PDL note). PREFETCH applies to every launch of the split form. PAIR_FORM picks the kernel
-    (a gated pair always runs "split").
+    end (the module's PDL note). PREFETCH applies to every launch of the split form. PAIR_FORM picks the
+    kernel.
 
     Raises:
         ValueError: nvcc missing or failing, a stale library, a PAIR_FORM not in PAIR_FORMS.
@@ -296,8 +296,8 @@ def launch_pair(fmt: str, x, idx, w, w2, out_dtype, topk: int, act_code: int, na
     P, NOUT = idx.numel(), w[0].shape[1]
     out = torch.empty(P, NOUT, dtype=torch.bfloat16, device=x.device)
     pdl = dependent and PDL and torch.cuda.get_device_capability(x.device) >= PDL_MIN_CAPABILITY
-    form = PAIR_FORM if w2 is None else "split"
-    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code, prefetch=PREFETCH, pdl=pdl, form=form)
+    c_ptrs, c_ints = launch_args(fmt, x, idx, w, w2, out, topk, act_code, prefetch=PREFETCH, pdl=pdl,
+                                 form=PAIR_FORM)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

@@ -93,7 +93,7 @@ struct Params {
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
-  int64_t form;     // grouped form: 0 split K, 1 wide, 2 pipelined, 3 persistent (pair_cuda.GROUPED_FORMS)
+  int64_t form;     // 0 split K, 1 wide, 2 pipelined, 3 persistent (pair_cuda.GROUPED_FORMS; per pair 0 or 3)
   int64_t xperm;    // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
   int64_t ctas;     // persistent forms only: the grid's CTAs (0: persistent_grid's default)
   int64_t sms;      // the device's SMs (not an argument: the device launchers fill it; 0 in the host harness)
@@ -1001,6 +1001,96 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
   store_warp_tile<NG>(p, acc, tok0, end, fold, n0, g, t, PER_PAIR ? p.act : 0);
 }
 
+// Chunk 0 of a gated pair's gate (rows r1) and up (rows r2) into c[0] and c[1]: a gated pass's first step,
+// loaded before the pass (by the caller, or by the previous pass).
+template <class F>
+__device__ inline void load_first_gated(const Rows& r1, const Rows& r2, int64_t nfull, int64_t lane_col,
+                                        typename F::C (&c)[2]) {
+  if (nfull == 0) return;
+  F::load(r1, nullptr, lane_col, false, c[0]);
+  F::load(r2, nullptr, lane_col, false, c[1]);
+}
+
+// One gated pair's 16 rows n0 .. n0 + 15 in the per-pair persistent form: gate (p.w, rows r1) and up (p.w2,
+// rows r2) of expert `expert` times x's row pair / TOPK. On entry cur holds chunk 0 of both
+// (load_first_gated); each step multiplies chunk ch of both while chunk ch + 1 of both is in flight (the same
+// bytes in flight as pipelined_pass's two chunks of one matrix), and the last step, peeled, loads the first
+// chunks of the warp's next pass `nx` instead (when nx.ok). Each sum is added over K in column order. The
+// store is pair_gemv_kernel's gated epilogue: the gate's sum times its fold on bf16's grid, activated and
+// rounded, times the up sum's rounded value, rounded.
+template <class F, bool NEXT>
+__device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r2, int64_t pair, int64_t expert,
+                                  int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
+  using C = typename F::C;
+  const int64_t nfull = p.K / kChunk;
+  const int64_t lane_col = 32 * t;
+  const uint16_t* xr = p.x + (pair / p.TOPK) * p.sxm;
+  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, acc2[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  // chunk ch of gate (cur[0]) and up (cur[1]) into acc and acc2
+  const auto step = [&](int64_t ch) {
+    U4 x[1][4];
+    load_x(xr, ch * kChunk + lane_col, x[0]);
+    uint32_t A[8][4];
+    F::decode(cur[0], A);
+    mma_groups<F, 1, false>(acc, A, x, F::chunk_scale(cur[0]));
+    F::decode(cur[1], A);
+    mma_groups<F, 1, false>(acc2, A, x, F::chunk_scale(cur[1]));
+  };
+  C nxt[2] = {};
+  int64_t ch = 0;
+  for (; ch + 1 < nfull; ++ch) {
+    F::load(r1, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
+    F::load(r2, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
+    step(ch);
+    cur[0] = nxt[0];
+    cur[1] = nxt[1];
+  }
+  if (ch < nfull) {  // the last step, peeled: the next pass's first chunks go out here
+    if constexpr (NEXT) {
+      if (nx.ok)
+        load_first_gated<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8),
+                            rows_of<F::kScaleRows>(p.w2, p.s2, p, nx.e, nx.n0 + g, nx.n0 + g + 8), nfull,
+                            lane_col, nxt);
+    }
+    step(ch);
+    if constexpr (NEXT) {
+      cur[0] = nxt[0];
+      cur[1] = nxt[1];
+    }
+  }
+  // the partial chunk, as in grouped_wide_kernel (lanes past K: the last valid columns against zeros)
+  if (p.K % kChunk != 0) {
+    const int64_t c0 = nfull * kChunk + lane_col;
+    const bool kok = c0 < p.K;
+    C c, d;
+    F::load(r1, nullptr, kok ? c0 : p.K - 32, false, c);
+    F::load(r2, nullptr, kok ? c0 : p.K - 32, false, d);
+    const U4 zero = {{0u, 0u, 0u, 0u}};
+    U4 x[1][4];
+    if (kok)
+      load_x(xr, c0, x[0]);
+    else
+      x[0][0] = x[0][1] = x[0][2] = x[0][3] = zero;
+    uint32_t A[8][4];
+    F::decode(c, A);
+    mma_groups<F, 1, false>(acc, A, x, F::chunk_scale(c));
+    F::decode(d, A);
+    mma_groups<F, 1, false>(acc2, A, x, F::chunk_scale(d));
+  }
+  // every column of the MMA's N holds the pair's sums: lane (g, 0) has rows g ([0]) and g + 8 ([2])
+  if (t != 0) return;
+  const float fold1 = F::fold(p.g, expert), fold2 = F::fold(p.g2, expert);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n0 + g + 8 * h;
+    if (n >= p.NOUT) continue;
+    float v = bf16_f32(bf16_rn(acc[0][2 * h] * fold1));
+    if (p.act != 0) v = bf16_f32(bf16_rn(activation(v, p.act)));
+    v = bf16_f32(bf16_rn(v * bf16_f32(bf16_rn(acc2[0][2 * h] * fold2))));
+    p.out[pair * p.som + n] = static_cast<uint16_t>(bf16_rn(v));
+  }
+}
+
 // The grouped form, pipelined (GROUPED_FORM "pipelined"): grouped_wide_kernel's grid and rows (one CTA per 64
 // output rows and expert, a warp per 16 rows over all of K, no shared memory or barrier), the expert's rows
 // in passes of up to 16 (two token groups), each run by pipelined_pass for its group count. Why: in the wide
@@ -1068,32 +1158,32 @@ constexpr int kPersistentCtasPerSm = 3;
 
 // CTAs per SM of persistent_kernel<F, PER_PAIR>: its occupancy bound, and its default grid's CTAs per SM
 // (persistent_grid).
-template <class F, bool PER_PAIR>
+template <class F, bool PER_PAIR, bool GATED = false>
 constexpr int persistent_ctas_per_sm() {
-  return PER_PAIR ? F::kPairCtasPerSm : kPersistentCtasPerSm;
+  return PER_PAIR && !GATED ? F::kPairCtasPerSm : kPersistentCtasPerSm;
 }
 
 // The persistent forms: a grid of p.ctas CTAs (persistent_grid: by default persistent_ctas_per_sm per SM, at
-// most one per tile), CTA b taking tiles b, b + ctas, ... (row_blocks), each warp its 16 rows of each tile over all of K
-// in passes of up to 16 rows, as the pipelined form's. Each warp walks its own tiles (no shared memory, no
-// barrier) and, in each pass's last step, loads the next pass's first two chunks (pipelined_pass with NEXT),
-// the next tile's included.
+// most one per tile), CTA b taking tiles b, b + ctas, ... (row_blocks), each warp its 16 rows of each tile
+// over all of K in passes of up to 16 rows, as the pipelined form's. Each warp walks its own tiles (no shared
+// memory, no barrier) and, in each pass's last step, loads the next pass's first two chunks (pipelined_pass
+// or gated_pass with NEXT), the next tile's included.
 // - Grouped (GROUPED_FORM "persistent", PER_PAIR false): the grouped kernels' arguments, the expert's rows in
 //   passes of up to 16. Why: in the pipelined form each CTA starts with its first two chunks' loads exposed and
 //   ends with nothing in flight; at Super V3's up projection (K = 1024: 8 chunks, 4 steps a warp) that is a
 //   large share of each CTA's life, and the form's 29 % fewer decode instructions on repacked codes bought
 //   only 4-8 % (docs/kernel_performance.md, "The NVFP4 decode's instruction count"). Every output gets the
 //   pipelined form's sums in the same order: the same bits, whatever the grid.
-// - Per pair (PAIR_FORM "persistent", PER_PAIR true; ungated launches): pair_gemv_kernel's arguments, each
-//   tile one pair's 64 rows (x's row pair / TOPK, its expert idx[pair]), the activation applied as
-//   pair_gemv_kernel applies it. Why: pair_gemv_kernel's CTAs split K over their warps, so at Super V3's up
+// - Per pair (PAIR_FORM "persistent", PER_PAIR true): pair_gemv_kernel's arguments, each tile one pair's 64
+//   rows (x's row pair / TOPK, its expert idx[pair]), the activation applied as pair_gemv_kernel applies it;
+//   GATED (a gated pair, p.gated): gate and up together (gated_pass), pair_gemv_kernel's gated epilogue. Why: pair_gemv_kernel's CTAs split K over their warps, so at Super V3's up
 //   projection each warp loads two chunks and is done, and each wave of CTAs waits for one DRAM round trip
 //   (1.35 TB/s at one token, docs/kernel_performance.md, "The CUDA kernels at the release shapes"). Each sum
 //   here is added over K in column order by one warp: not pair_gemv_kernel's order (its warps' partial sums),
 //   so not its bits; the same bits eager and in a CUDA graph. Under PDL it waits for the previous kernel
 //   before its first load of anything.
-template <class F, bool PER_PAIR>
-__global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR>())) persistent_kernel(const Params p) {
+template <class F, bool PER_PAIR, bool GATED = false>
+__global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR, GATED>())) persistent_kernel(const Params p) {
   using C = typename F::C;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t stride = gridDim.x, nfull = p.K / kChunk;
@@ -1105,7 +1195,11 @@ __global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR>())) persiste
   Work w = find_work<PER_PAIR>(p, tile, stride, warp);
   if (!w.ok) return;
   C cur[2] = {};
-  load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
+  if constexpr (GATED)
+    load_first_gated<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8),
+                        rows_of<F::kScaleRows>(p.w2, p.s2, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
+  else
+    load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
   while (w.ok) {
     Work nx = w;
     if (w.tok0 + 16 < w.end) {
@@ -1115,6 +1209,12 @@ __global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR>())) persiste
       nx = find_work<PER_PAIR>(p, tile, stride, warp);
     }
     const Rows r = rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8);
+    if constexpr (GATED) {
+      const Rows r2 = rows_of<F::kScaleRows>(p.w2, p.s2, p, w.e, w.n0 + g, w.n0 + g + 8);
+      gated_pass<F, true>(p, r, r2, w.tok0, w.e, w.n0, g, t, cur, nx);
+      w = nx;
+      continue;
+    }
     const float fold = F::fold(p.g, w.e);
     if (!PER_PAIR && w.end - w.tok0 > 8)  // a pair is one row: its instance has no two-group pass
       pipelined_pass<F, 2, false, true, PER_PAIR>(p, r, w.tok0, w.end, fold, w.n0, g, t, cur, nx);
@@ -1166,25 +1266,35 @@ struct Grid {
   int64_t x, y;
 };
 
-// The grid of persistent_kernel<F, PER_PAIR>: (p.ctas, 1), or by default (p.ctas 0) persistent_ctas_per_sm
-// CTAs per SM (p.sms), at most one per tile (row_blocks of E experts or P pairs); x 0 when neither is known.
-template <class F, bool PER_PAIR>
+// The grid of persistent_kernel<F, PER_PAIR, GATED>: (p.ctas, 1), or by default (p.ctas 0)
+// persistent_ctas_per_sm CTAs per SM (p.sms), at most one per tile (row_blocks of E experts or P pairs); x 0
+// when neither is known.
+template <class F, bool PER_PAIR, bool GATED = false>
 inline Grid persistent_grid(const Params& p) {
   if (p.ctas > 0) return {p.ctas, 1};
   const int64_t tiles = (p.NOUT + kWideRows - 1) / kWideRows * (PER_PAIR ? p.P : p.E);
-  const int64_t ctas = persistent_ctas_per_sm<F, PER_PAIR>() * p.sms;
+  const int64_t ctas = persistent_ctas_per_sm<F, PER_PAIR, GATED>() * p.sms;
   return {ctas < tiles ? ctas : tiles, 1};
+}
+
+// run(the per-pair persistent kernel of format F, gated or not, its grid).
+template <class F, class Run>
+inline void run_pair_persistent(const Params& p, Run&& run) {
+  if (p.gated)
+    run(persistent_kernel<F, true, true>, persistent_grid<F, true, true>(p));
+  else
+    run(persistent_kernel<F, true, false>, persistent_grid<F, true, false>(p));
 }
 
 // The kernel of one launch and its grid, handed to run(kernel, grid); the one place that maps (format,
 // gating, grouped form, x layout) to an instantiation and a grid, for the device launchers below and the host
 // harness. Per pair (grouped false): form 0 pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P);
-// form 3 persistent_kernel<F, true> (every format, ungated) on persistent_grid. Grouped: form 3
+// form 3 persistent_kernel<F, true, gated> (every format) on persistent_grid. Grouped: form 3
 // persistent_kernel<F, false> (every format) on persistent_grid; form 2 grouped_pipelined_kernel (every format;
 // X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0 grouped_gemv_kernel
 // (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a combination without a
-// kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a gated
-// persistent launch, a persistent form with neither p.ctas nor p.sms).
+// kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a
+// persistent form with neither p.ctas nor p.sms).
 template <class Run>
 inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   if (p.fmt < kFmtNvfp4 || p.fmt > kFmtBlockFp8Repacked) return false;
@@ -1193,15 +1303,15 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   if (!grouped) {
     if (p.form != 0 && p.form != 3) return false;
     if (p.form == 3) {
-      if (p.gated || (p.ctas <= 0 && p.sms <= 0)) return false;
+      if (p.ctas <= 0 && p.sms <= 0) return false;
       if (p.fmt == kFmtNvfp4)
-        run(persistent_kernel<Nvfp4, true>, persistent_grid<Nvfp4, true>(p));
+        run_pair_persistent<Nvfp4>(p, run);
       else if (p.fmt == kFmtBlockFp8)
-        run(persistent_kernel<BlockFp8, true>, persistent_grid<BlockFp8, true>(p));
+        run_pair_persistent<BlockFp8>(p, run);
       else if (p.fmt == kFmtNvfp4Repacked)
-        run(persistent_kernel<Nvfp4Repacked, true>, persistent_grid<Nvfp4Repacked, true>(p));
+        run_pair_persistent<Nvfp4Repacked>(p, run);
       else
-        run(persistent_kernel<BlockFp8Repacked, true>, persistent_grid<BlockFp8Repacked, true>(p));
+        run_pair_persistent<BlockFp8Repacked>(p, run);
       return true;
     }
     const Grid grid = {tiles16, p.P};
@@ -1303,7 +1413,7 @@ __attribute__((visibility("default"))) int nvp_abi() { return NVP_ABI; }
 //   repacked, 3 block FP8 repacked), E,
 //   prefetch (0/1: the CTA's weights into L2 before its loop), pdl (0/1: a programmatic dependent launch,
 //   sm_90+ only; the kernel reads x and writes out only after the previous kernel completes), form (0
-//   pair_gemv_kernel, 3 the per-pair persistent_kernel: ungated only, prefetch ignored), xperm (the grouped
+//   pair_gemv_kernel, 3 the per-pair persistent_kernel: prefetch ignored), xperm (the grouped
 //   form's x layout; unused here), ctas (the persistent form's grid, 0 for its default:
 //   nvp::persistent_grid).
 // Returns 0, or a cudaError_t code (nvp_error_string names it).
