@@ -7,6 +7,8 @@
 #   bash docs/gpu/quant_e2e_1/call.sh OUT            about 170 s on an H100 (run1, run2)
 #   FULL_LAYERS="0 0" bash docs/gpu/quant_e2e_1/call.sh OUT      full depth (an H200: needs_h200), where issue
 #        43's tokens/s goals are evaluated too
+#   E2E_EXTRA="--kernel-setting kernels.quant.pair_cuda.PAIR_FORM=persistent ..." adds bench_e2e options (session
+#        32's persistent forms: docs/gpu/persistent_1)
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
@@ -16,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 arms="plain replay"; [ "${REWIND:-0}" = 1 ] && arms="plain rewind replay"
 timeout ${E2E_TIMEOUT:-540} python3 -u -m benchmarks.bench_e2e --out $OUT/e2e --parts ${PARTS:-super_v3_nvfp4,qwen3_next_fp8} \
   --full-layers ${FULL_LAYERS:-44 24} --graphs on --compile off --batch-sizes ${BATCHES:-1 64} --arms $arms --accept-length 3.0 \
-  --steps 16 --time-budget-s ${E2E_BUDGET_S:-480} >$OUT/e2e.log 2>&1
+  --steps 16 --time-budget-s ${E2E_BUDGET_S:-480} ${E2E_EXTRA:-} >$OUT/e2e.log 2>&1
 echo "bench_e2e rc=$? at $((SECONDS-t0)) s"
 grep -E "^== |error|Error" $OUT/e2e.log | cut -c1-240 | tail -20
 python3 - $OUT/e2e/bench_e2e.json <<'PY'
