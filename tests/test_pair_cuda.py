@@ -248,8 +248,9 @@ def test_host_emulated_pair_persistent_kernel_matches_the_reference_on_any_grid(
     a gated pair's gate and up together) on every case, natural and repacked codes: its dequantizing reference
     within the per-pair kernel's tolerance (the activation, and a gated pair's product, applied as the
     per-pair kernel applies them), mostly the per-pair kernel's values (each sum in another fp32 order), the
-    same bits on 1, 3 and more CTAs than tiles; a grid of no CTAs with no SM count is refused
-    (cudaErrorInvalidValue's place in the harness: 1; the device launcher fills in its default)."""
+    same bits on 1, 3 and more CTAs than tiles (the grid capped at the tiles); a grid of no CTAs with no SM
+    count is refused (cudaErrorInvalidValue's place in the harness: 1; the device launcher fills in its
+    default)."""
     fmt = "nvfp4" if case in CASES else "block_fp8"
     E, N, K, P, topk, act, gated, strided = {**CASES, **FP8_CASES}[case]
     gen = torch.Generator().manual_seed(len(case) + 7)
@@ -621,8 +622,8 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
 def test_host_emulated_persistent_kernel_gives_the_same_bits_on_any_grid(host_lib, fmt):
     """The persistent form walks the (expert, 64-row) tiles from any number of CTAs: one CTA (every tile in
     turn, the next pass's codes loaded across every boundary), 2 and 5 (a stride that splits an expert's row
-    tiles across CTAs), as many as the tiles and more (CTAs with no work): the pipelined form's bits each
-    time.
+    tiles across CTAs), as many as the tiles and more (the grid capped at the tiles): the pipelined form's
+    bits each time.
     Experts with no rows between ones with rows, a second pass of 16 rows and N 72 (a second, partial row
     tile: warps past N skip it). A grid of 0 CTAs is the device launcher's "pick the default" (it fills in 3
     per SM before the dispatch); the dispatch itself refuses it (cudaErrorInvalidValue's place in the harness:

@@ -52,6 +52,7 @@
 // compiler, one std::thread per CUDA thread, the MMA emulated over the warp.
 
 #ifndef NVP_HOST_EMULATION
+#include <atomic>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -1266,14 +1267,12 @@ struct Grid {
   int64_t x, y;
 };
 
-// The grid of persistent_kernel<F, PER_PAIR, GATED>: (p.ctas, 1), or by default (p.ctas 0)
-// persistent_ctas_per_sm CTAs per SM (p.sms), at most one per tile (row_blocks of E experts or P pairs); x 0
-// when neither is known.
+// The grid of persistent_kernel<F, PER_PAIR, GATED>: p.ctas CTAs, or by default (p.ctas 0)
+// persistent_ctas_per_sm per SM (p.sms), either at most one per tile (row_blocks of E experts or P pairs).
 template <class F, bool PER_PAIR, bool GATED = false>
 inline Grid persistent_grid(const Params& p) {
-  if (p.ctas > 0) return {p.ctas, 1};
   const int64_t tiles = (p.NOUT + kWideRows - 1) / kWideRows * (PER_PAIR ? p.P : p.E);
-  const int64_t ctas = persistent_ctas_per_sm<F, PER_PAIR, GATED>() * p.sms;
+  const int64_t ctas = p.ctas > 0 ? p.ctas : persistent_ctas_per_sm<F, PER_PAIR, GATED>() * p.sms;
   return {ctas < tiles ? ctas : tiles, 1};
 }
 
@@ -1361,15 +1360,16 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
 // cached. Returns cudaSuccess or the device query's error.
 inline cudaError_t fill_sms(Params& p) {
   if (p.form != 3 || p.ctas != 0) return cudaSuccess;
-  static int cached[64] = {};  // SMs per device ordinal, 0 until asked (a race writes the same value)
+  static std::atomic<int> cached[64];  // SMs per device ordinal, 0 until asked
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
-  int sms = device >= 0 && device < 64 ? cached[device] : 0;
+  const bool cacheable = device >= 0 && device < 64;
+  int sms = cacheable ? cached[device].load(std::memory_order_relaxed) : 0;
   if (sms == 0) {
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) return e;
-    if (device >= 0 && device < 64) cached[device] = sms;
+    if (cacheable) cached[device].store(sms, std::memory_order_relaxed);
   }
   p.sms = sms;
   return cudaSuccess;
