@@ -82,9 +82,9 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 #   sums in the same order: the same bits.
 # "wide" is faster than "split" at every point measured (H100, docs/kernel_performance.md: 1.18-1.29x), and
 # "pipelined" than "wide" for NVFP4 (1.21-1.32x at 32-256 tokens of Super V3's experts), within 3 % of it
-# for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form"). "persistent" has
-# not run on a GPU yet (docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA
-# kernels").
+# for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form"). "persistent" is
+# 4-16 % slower than "pipelined" at 64-256 tokens on an H100 (fewer warps per SM hide less of the x loads'
+# latency: docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA kernels").
 GROUPED_FORMS = ("split", "wide", "pipelined", "persistent")
 REPACKED_FORMS = ("pipelined", "persistent")  # the grouped forms built for the repacked formats
 GROUPED_FORM = "pipelined"
@@ -102,9 +102,10 @@ X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # "persistent": the per-pair persistent_kernel, 4 CTAs per SM (NVFP4 ungated) or 3 (block FP8, gated pairs)
 #   walking the (pair, 64 rows) tiles, each warp one pair's 16 rows over all of K (a gated pair's gate and up
 #   together, one chunk of each per step) with the next tile's codes loaded in the last step of the current
-#   one; PREFETCH does not apply to it. Each sum in another order than "split" (one warp over K in column order), so other
-#   bits; the same bits eager and in a CUDA graph. Not yet timed (docs/kernel_performance.md, "The
-#   persistent forms of the routed experts' CUDA kernels").
+#   one; PREFETCH does not apply to it. Each sum in another order than "split" (one warp over K in column
+#   order), so other bits; the same bits eager and in a CUDA graph. On an H100 it is 7 % (NVFP4) and 32 %
+#   (block FP8) slower than "split" at one token (docs/kernel_performance.md, "The persistent forms of the
+#   routed experts' CUDA kernels"): "split" stays the default.
 PAIR_FORMS = ("split", "persistent")
 PAIR_FORM = "split"
 

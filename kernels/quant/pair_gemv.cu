@@ -1183,6 +1183,11 @@ constexpr int persistent_ctas_per_sm() {
 //   here is added over K in column order by one warp: not pair_gemv_kernel's order (its warps' partial sums),
 //   so not its bits; the same bits eager and in a CUDA graph. Under PDL it waits for the previous kernel
 //   before its first load of anything.
+// Measured on an H100, both are slower than the kernels they were to replace (the grouped form by 4-16 % at
+// 64-256 tokens, the per-pair form by 7-32 % at one token): a drained load queue at CTA ends was not the
+// limit; the profile points at the x loads through L1 and at the fewer warps per SM of these forms
+// (docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA kernels"). They stay as
+// options (pair_cuda.GROUPED_FORM / PAIR_FORM), not defaults.
 template <class F, bool PER_PAIR, bool GATED = false>
 __global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR, GATED>())) persistent_kernel(const Params p) {
   using C = typename F::C;
