@@ -497,7 +497,7 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     got = _host_grouped(host_lib, fmt, x, w, offsets, form=form)
-    if form in ("pipelined", "persistent"):  # NaN rows past offsets[-1] in both
+    if form in ("pipelined", "persistent", "m32"):  # NaN rows past offsets[-1] in both
         assert torch.equal(got[:P], _host_grouped(host_lib, fmt, x, w, offsets, form="wide")[:P])
     if fmt == "nvfp4":
         want = nf4.nvfp4_grouped_mm_ref(x, *w, offsets)
@@ -513,9 +513,16 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     assert pair_cuda.grouped_unsupported(fmt, x, w, offsets.long()) == "offsets must be contiguous int32"
 
 
+def _code_tiles(form: str, N: int) -> int:
+    """16-row tiles whose codes a grouped form reads per pass over N output rows: each tile that starts below
+    N; the m32 form's warps take 32 rows, so past a multiple of 32 they also read a second, clamped tile (its
+    outputs never stored; every release shape is a multiple of 128)."""
+    return 2 * -(-N // 32) if form == "m32" else -(-N // 16)
+
+
 # Rows of one expert per pass over its weights, per grouped form (pair_gemv.cu: 4 token groups of 8, or 2 for
 # the pipelined and persistent forms)
-ROWS_PER_PASS = {"split": 32, "wide": 32, "pipelined": 16, "persistent": 16}
+ROWS_PER_PASS = {"split": 32, "wide": 32, "pipelined": 16, "persistent": 16, "m32": 16}
 
 
 @needs_gxx
@@ -543,7 +550,7 @@ def test_host_emulated_grouped_loads_stay_inside_and_read_the_codes_once_per_pas
     lo, hi = _byte_range(w[0])
     code_loads = sum(lo <= a < hi for a in loads)
     per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
-    tiles = -(-N // 16)
+    tiles = _code_tiles(form, N)
     passes = sum(-(-c // ROWS_PER_PASS[form]) for c in counts)
     assert code_loads == passes * tiles * -(-K // 128) * per_chunk
 
@@ -610,8 +617,9 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
         lo, hi = _byte_range(wr[0])
         passes = sum(-(-c // ROWS_PER_PASS[form]) for c in counts)
         per_chunk = 32 * (2 if fmt == "nvfp4" else 4)
-        assert sum(lo <= a < hi for a in loads) == passes * -(-N // 16) * -(-K // 128) * per_chunk
-    assert torch.equal(per_form["persistent"], per_form["pipelined"])
+        assert sum(lo <= a < hi for a in loads) == passes * _code_tiles(form, N) * -(-K // 128) * per_chunk
+    for form in pair_cuda.REPACKED_FORMS:
+        assert torch.equal(per_form[form], per_form["pipelined"]), form
     for form in ("split", "wide"):
         _host_grouped(host_lib, repacked, x, wr, offsets, form=form, rc=1)
     _host_grouped(host_lib, repacked, x, wr, offsets, form="pipelined", x_permuted=True, rc=1)
@@ -662,7 +670,7 @@ def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     w = _experts(2, 16, 64, gen)
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "tall")
-    forms = r"\('split', 'wide', 'pipelined', 'persistent'\)"
+    forms = r"\('split', 'wide', 'pipelined', 'persistent', 'm32'\)"
     with pytest.raises(ValueError, match=r"GROUPED_FORM = 'tall': expected one of " + forms):
         pair_cuda.grouped_mm("nvfp4", torch.zeros(3, 64, dtype=torch.bfloat16), w,
                              torch.tensor([1, 3], dtype=torch.int32))

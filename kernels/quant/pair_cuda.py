@@ -85,8 +85,11 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # for block FP8 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined form"). "persistent" is
 # 4-16 % slower than "pipelined" at 64-256 tokens on an H100 (fewer warps per SM hide less of the x loads'
 # latency: docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA kernels").
-GROUPED_FORMS = ("split", "wide", "pipelined", "persistent")
-REPACKED_FORMS = ("pipelined", "persistent")  # the grouped forms built for the repacked formats
+# "m32": grouped_m32_kernel, one CTA per 128 output rows and expert, each warp 32 rows (two MMA tiles) over all
+#   of K, each x fragment feeding both tiles: half the pipelined form's x loads per weight byte. The pipelined
+#   form's sums in the same order: the same bits. Not yet timed.
+GROUPED_FORMS = ("split", "wide", "pipelined", "persistent", "m32")
+REPACKED_FORMS = ("pipelined", "persistent", "m32")  # the grouped forms built for the repacked formats
 GROUPED_FORM = "pipelined"
 # X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B

@@ -94,7 +94,7 @@ struct Params {
   int64_t E;                             // experts (the grouped form's grid)
   int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
-  int64_t form;     // 0 split K, 1 wide, 2 pipelined, 3 persistent (pair_cuda.GROUPED_FORMS; per pair 0 or 3)
+  int64_t form;     // 0 split K, 1 wide, 2 pipelined, 3 persistent, 4 m32 (pair_cuda.GROUPED_FORMS; per pair 0, 3)
   int64_t xperm;    // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
   int64_t ctas;     // persistent forms only: the grid's CTAs (0: persistent_grid's default)
   int64_t sms;      // the device's SMs (not an argument: the device launchers fill it; 0 in the host harness)
@@ -1125,6 +1125,102 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
   }
 }
 
+// One pass of grouped_m32_kernel over a warp's 32 rows, two MMA tiles (rows ra: n0 + g, n0 + g + 8; rb: n0 + 16
+// + g, n0 + 24 + g), for NG token groups as pipelined_pass's: each step loads x once for both tiles, decodes
+// and multiplies chunk ch of each while chunk ch + 1 of both is in flight (the same code bytes in flight per
+// warp as pipelined_pass's two chunks of one tile). Each sum is added over K in the pipelined form's order:
+// the same bits.
+template <class F, int NG>
+__device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb, int64_t tok0, int64_t end,
+                                float fold, int64_t n0, int g, int t) {
+  using C = typename F::C;
+  const int64_t nfull = p.K / kChunk;
+  const int64_t lane_col = 32 * t;
+  float acc[2][NG][4];
+  const uint16_t* xr[NG];
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    const int64_t row = tok0 + 8 * grp + g;
+    xr[grp] = p.x + (row < end ? row : end - 1) * p.sxm;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) acc[m][grp][0] = acc[m][grp][1] = acc[m][grp][2] = acc[m][grp][3] = 0.0f;
+  }
+  // chunk c0 of both tiles (codes a, b) into acc, x loaded once
+  const auto step = [&](int64_t c0, const C& a, const C& b, bool kok) {
+    U4 x[NG][4];
+    const U4 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+    for (int grp = 0; grp < NG; ++grp) {
+      if (kok)
+        load_x(xr[grp], c0, x[grp]);
+      else
+        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
+    }
+    uint32_t A[8][4];
+    F::decode(a, A);
+    mma_groups<F, NG, false>(acc[0], A, x, F::chunk_scale(a));
+    F::decode(b, A);
+    mma_groups<F, NG, false>(acc[1], A, x, F::chunk_scale(b));
+  };
+  C cur[2] = {}, nxt[2] = {};
+  if (nfull > 0) {
+    F::load(ra, nullptr, lane_col, false, cur[0]);
+    F::load(rb, nullptr, lane_col, false, cur[1]);
+  }
+  for (int64_t ch = 0; ch < nfull; ++ch) {
+    if (ch + 1 < nfull) {
+      F::load(ra, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
+      F::load(rb, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
+    }
+    step(ch * kChunk + lane_col, cur[0], cur[1], true);
+    cur[0] = nxt[0];
+    cur[1] = nxt[1];
+  }
+  // the partial chunk, as in grouped_wide_kernel
+  if (p.K % kChunk != 0) {
+    const int64_t c0 = nfull * kChunk + lane_col;
+    const bool kok = c0 < p.K;
+    C a, b;
+    F::load(ra, nullptr, kok ? c0 : p.K - 32, false, a);
+    F::load(rb, nullptr, kok ? c0 : p.K - 32, false, b);
+    step(c0, a, b, kok);
+  }
+  store_warp_tile<NG>(p, acc[0], tok0, end, fold, n0, g, t);
+  store_warp_tile<NG>(p, acc[1], tok0, end, fold, n0 + kRows, g, t);
+}
+
+// Output rows per CTA of the m32 grouped form: two MMA tiles per warp.
+constexpr int kM32Rows = 2 * kRows * kWarps;
+
+// The grouped form with 32 output rows per warp (GROUPED_FORM "m32"): one CTA per 128 output rows and expert,
+// warp w owning rows n0 + 32 w .. n0 + 32 w + 31 as two MMA tiles over all of K (m32_pass), the expert's rows in
+// passes of up to 16. Why: in the pipelined form each warp loads x for every chunk and token group, and at two
+// token groups NVFP4 moves 4x block FP8's x bytes through L1 per weight byte; Nsight Compute finds NVFP4's
+// kernel at about half of DRAM's peak with the L1 data path 70-75 % busy (docs/kernel_performance.md, "The
+// persistent forms of the routed experts' CUDA kernels"). Here each x fragment feeds both tiles: half the x
+// bytes per weight byte, with the same code bytes in flight per warp. The same bits as the pipelined form.
+// sm_90 build at 4 CTAs per SM: NVFP4 128 / 124 registers (natural / repacked), its K loops without spills;
+// block FP8 spills inside its two-group loop, and this form is meant for NVFP4 (block FP8's pipelined form
+// reads near DRAM's peak already). N not a multiple of 32 makes a warp read a second, clamped tile's codes.
+template <class F>
+__global__ void NVP_BOUNDS_OCC(4) grouped_m32_kernel(const Params p) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t e = blockIdx.y;
+  const int32_t* offs = reinterpret_cast<const int32_t*>(p.idx);
+  const int64_t start = e > 0 ? offs[e - 1] : 0, end = offs[e];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kM32Rows + 2 * kRows * warp;
+  if (end <= start || n0 >= p.NOUT) return;
+  const Rows ra = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + g, n0 + g + 8);
+  const Rows rb = rows_of<F::kScaleRows>(p.w, p.s, p, e, n0 + kRows + g, n0 + kRows + g + 8);
+  const float fold = F::fold(p.g, e);
+  for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
+    if (end - tok0 > 8)
+      m32_pass<F, 2>(p, ra, rb, tok0, end, fold, n0, g, t);
+    else
+      m32_pass<F, 1>(p, ra, rb, tok0, end, fold, n0, g, t);
+  }
+}
+
 // The persistent forms' tiles: tile i is row block i % nblk (64 output rows, nblk = ceil(NOUT / 64)) of expert
 // i / nblk (grouped) or of pair i / nblk (per pair); nblk * E or nblk * P tiles.
 __device__ inline int64_t row_blocks(const Params& p) { return (p.NOUT + kWideRows - 1) / kWideRows; }
@@ -1294,7 +1390,8 @@ inline void run_pair_persistent(const Params& p, Run&& run) {
 // gating, grouped form, x layout) to an instantiation and a grid, for the device launchers below and the host
 // harness. Per pair (grouped false): form 0 pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P);
 // form 3 persistent_kernel<F, true, gated> (every format) on persistent_grid. Grouped: form 3
-// persistent_kernel<F, false> (every format) on persistent_grid; form 2 grouped_pipelined_kernel (every format;
+// persistent_kernel<F, false> (every format) on persistent_grid; form 4 grouped_m32_kernel (every format) on
+// (NOUT / 128, E); form 2 grouped_pipelined_kernel (every format;
 // X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0 grouped_gemv_kernel
 // (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a combination without a
 // kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a
@@ -1329,7 +1426,7 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
       run(p.gated ? pair_gemv_kernel<BlockFp8Repacked, true> : pair_gemv_kernel<BlockFp8Repacked, false>, grid);
     return true;
   }
-  if (p.form < 0 || p.form > 3 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
+  if (p.form < 0 || p.form > 4 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
       (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0 && p.sms <= 0))
     return false;
   if (p.form == 3) {
@@ -1341,6 +1438,16 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
       run(persistent_kernel<Nvfp4Repacked, false>, persistent_grid<Nvfp4Repacked, false>(p));
     else
       run(persistent_kernel<BlockFp8Repacked, false>, persistent_grid<BlockFp8Repacked, false>(p));
+  } else if (p.form == 4) {
+    const Grid grid = {(p.NOUT + kM32Rows - 1) / kM32Rows, p.E};
+    if (p.fmt == kFmtNvfp4)
+      run(grouped_m32_kernel<Nvfp4>, grid);
+    else if (p.fmt == kFmtBlockFp8)
+      run(grouped_m32_kernel<BlockFp8>, grid);
+    else if (p.fmt == kFmtNvfp4Repacked)
+      run(grouped_m32_kernel<Nvfp4Repacked>, grid);
+    else
+      run(grouped_m32_kernel<BlockFp8Repacked>, grid);
   } else if (p.form == 2) {
     const Grid grid = {tiles64, p.E};
     if (p.fmt == kFmtNvfp4)
@@ -1442,7 +1549,8 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
 // (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 3
-// persistent_kernel on a grid of ints[18] CTAs, 2 grouped_pipelined_kernel and 1 grouped_wide_kernel on
+// persistent_kernel on a grid of ints[18] CTAs, 4 grouped_m32_kernel on (NOUT / 128, E), 2
+// grouped_pipelined_kernel and 1 grouped_wide_kernel on
 // (NOUT / 64, E), 0 grouped_gemv_kernel on (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted,
 // pair_cuda.X_PERM). ints[18] = 0 (the persistent form's default grid): nvp::persistent_grid. A
 // combination without a kernel (nvp::dispatch) is cudaErrorInvalidValue.
