@@ -385,6 +385,7 @@ def cuda_pair_report() -> dict:
                                    ("grouped_wide_kernel", "_cuda_grouped_wide", ""),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined", "ELb0E"),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm", "ELb1E"),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32", ""),
                                    ("persistent_kernel", "_cuda_grouped_persistent", "ELb0ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent", "ELb1ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent_gated", "ELb1ELb1E")):
@@ -397,7 +398,7 @@ def cuda_pair_report() -> dict:
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])
             fn_sass = next(b for b in sass.split("Function : ")[1:] if inst in b.splitlines()[0])
             usage = out[f"{fmt}{suffix}"] = _sass_usage(fn_res, fn_sass, 16)
-            if "_pipelined" in suffix or "_persistent" in suffix:
+            if "_pipelined" in suffix or "_persistent" in suffix or "_m32" in suffix:
                 # its K loops, one per token-group count (a step of two 128-column chunks per warp: 2 KB of
                 # NVFP4 codes, 4 KB of FP8), the most instructions first (two groups)
                 usage["k_loops"] = [lp for lp in inner_loops(fn_sass) if lp["instructions"] > 100]
