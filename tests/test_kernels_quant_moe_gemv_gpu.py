@@ -328,8 +328,8 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     about 1, 11 (the batch-64 verify) and 40 rows per expert (up to 80: several passes over the weights):
     the grouped reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second
     call; the pipelined form the wide form's bits (each sum in the same order), NVFP4's also with X_PERM,
-    eager and replayed from a CUDA graph; the persistent form (its default grid of 3 CTAs per SM) the
-    pipelined form's bits, also replayed from a CUDA graph."""
+    eager and replayed from a CUDA graph; the persistent form (its default grid of 3 CTAs per SM) and the m32
+    form the pipelined form's bits, also replayed from a CUDA graph."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
     up = _experts(model)[0]
@@ -359,7 +359,7 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
             monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
-    if form == "persistent":
+    if form in ("persistent", "m32"):
         assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "pipelined")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
