@@ -1002,59 +1002,69 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
   store_warp_tile<NG>(p, acc, tok0, end, fold, n0, g, t, PER_PAIR ? p.act : 0);
 }
 
-// Chunk 0 of a gated pair's gate (rows r1) and up (rows r2) into c[0] and c[1]: a gated pass's first step,
-// loaded before the pass (by the caller, or by the previous pass).
+// Chunk 0 of two row sets (rows ra, rb: a gated pair's gate and up, or the m32 form's two tiles) into c[0] and
+// c[1]: a two-set pass's first step, loaded before the pass (by the caller, or by the previous pass).
 template <class F>
-__device__ inline void load_first_gated(const Rows& r1, const Rows& r2, int64_t nfull, int64_t lane_col,
-                                        typename F::C (&c)[2]) {
+__device__ inline void load_first_two(const Rows& ra, const Rows& rb, int64_t nfull, int64_t lane_col,
+                                      typename F::C (&c)[2]) {
   if (nfull == 0) return;
-  F::load(r1, nullptr, lane_col, false, c[0]);
-  F::load(r2, nullptr, lane_col, false, c[1]);
+  F::load(ra, nullptr, lane_col, false, c[0]);
+  F::load(rb, nullptr, lane_col, false, c[1]);
 }
 
-// One gated pair's 16 rows n0 .. n0 + 15 in the per-pair persistent form: gate (p.w, rows r1) and up (p.w2,
-// rows r2) of expert `expert` times x's row pair / TOPK. On entry cur holds chunk 0 of both
-// (load_first_gated); each step multiplies chunk ch of both while chunk ch + 1 of both is in flight (the same
-// bytes in flight as pipelined_pass's two chunks of one matrix), and the last step, peeled, loads the first
-// chunks of the warp's next pass `nx` instead (when nx.ok). Each sum is added over K in column order. The
-// store is pair_gemv_kernel's gated epilogue: the gate's sum times its fold on bf16's grid, activated and
-// rounded, times the up sum's rounded value, rounded.
-template <class F, bool NEXT>
-__device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r2, int64_t pair, int64_t expert,
-                                  int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
+// acc_a += rows ra's codes times x and acc_b += rows rb's, over all of K, for NG token groups (x's rows xr):
+// one chunk of each set per step, x loaded once for both, chunk ch + 1 of both in flight (the same code bytes
+// in flight per warp as pipelined_pass's two chunks of one set). On entry cur holds chunk 0 of both
+// (load_first_two). With NEXT the last step is peeled and load_next(nxt) loads the next pass's first chunks
+// there, which cur holds on return; without it the loop is not peeled (at 128 registers the peeled form
+// spilled inside the m32 form's K loop). Each sum is added over K in column order (pipelined_pass's order).
+template <class F, int NG, bool NEXT, class LoadNext>
+__device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Rows& rb,
+                                      const uint16_t* const (&xr)[NG], int t, float (&acc_a)[NG][4],
+                                      float (&acc_b)[NG][4], typename F::C (&cur)[2], LoadNext&& load_next) {
   using C = typename F::C;
   const int64_t nfull = p.K / kChunk;
   const int64_t lane_col = 32 * t;
-  const uint16_t* xr = p.x + (pair / p.TOPK) * p.sxm;
-  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, acc2[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  // chunk ch of gate (cur[0]) and up (cur[1]) into acc and acc2
-  const auto step = [&](int64_t ch) {
-    U4 x[1][4];
-    load_x(xr, ch * kChunk + lane_col, x[0]);
+  // the chunk at column c0 of both sets (codes a, b) into acc_a, acc_b; x zero past K (kok false)
+  const auto step = [&](int64_t c0, const C& a, const C& b, bool kok) {
+    U4 x[NG][4];
+    const U4 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+    for (int grp = 0; grp < NG; ++grp) {
+      if (kok)
+        load_x(xr[grp], c0, x[grp]);
+      else
+        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
+    }
     uint32_t A[8][4];
-    F::decode(cur[0], A);
-    mma_groups<F, 1, false>(acc, A, x, F::chunk_scale(cur[0]));
-    F::decode(cur[1], A);
-    mma_groups<F, 1, false>(acc2, A, x, F::chunk_scale(cur[1]));
+    F::decode(a, A);
+    mma_groups<F, NG, false>(acc_a, A, x, F::chunk_scale(a));
+    F::decode(b, A);
+    mma_groups<F, NG, false>(acc_b, A, x, F::chunk_scale(b));
   };
   C nxt[2] = {};
-  int64_t ch = 0;
-  for (; ch + 1 < nfull; ++ch) {
-    F::load(r1, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
-    F::load(r2, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
-    step(ch);
-    cur[0] = nxt[0];
-    cur[1] = nxt[1];
-  }
-  if (ch < nfull) {  // the last step, peeled: the next pass's first chunks go out here
-    if constexpr (NEXT) {
-      if (nx.ok)
-        load_first_gated<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8),
-                            rows_of<F::kScaleRows>(p.w2, p.s2, p, nx.e, nx.n0 + g, nx.n0 + g + 8), nfull,
-                            lane_col, nxt);
+  if constexpr (!NEXT) {  // nothing to load after the last chunk: no peeled step (fewer registers live)
+    for (int64_t ch = 0; ch < nfull; ++ch) {
+      if (ch + 1 < nfull) {
+        F::load(ra, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
+        F::load(rb, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
+      }
+      step(ch * kChunk + lane_col, cur[0], cur[1], true);
+      cur[0] = nxt[0];
+      cur[1] = nxt[1];
     }
-    step(ch);
-    if constexpr (NEXT) {
+  } else {
+    int64_t ch = 0;
+    for (; ch + 1 < nfull; ++ch) {
+      F::load(ra, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
+      F::load(rb, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
+      step(ch * kChunk + lane_col, cur[0], cur[1], true);
+      cur[0] = nxt[0];
+      cur[1] = nxt[1];
+    }
+    if (ch < nfull) {  // the last step, peeled: the next pass's first chunks go out here
+      load_next(nxt);
+      step(ch * kChunk + lane_col, cur[0], cur[1], true);
       cur[0] = nxt[0];
       cur[1] = nxt[1];
     }
@@ -1063,21 +1073,29 @@ __device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r
   if (p.K % kChunk != 0) {
     const int64_t c0 = nfull * kChunk + lane_col;
     const bool kok = c0 < p.K;
-    C c, d;
-    F::load(r1, nullptr, kok ? c0 : p.K - 32, false, c);
-    F::load(r2, nullptr, kok ? c0 : p.K - 32, false, d);
-    const U4 zero = {{0u, 0u, 0u, 0u}};
-    U4 x[1][4];
-    if (kok)
-      load_x(xr, c0, x[0]);
-    else
-      x[0][0] = x[0][1] = x[0][2] = x[0][3] = zero;
-    uint32_t A[8][4];
-    F::decode(c, A);
-    mma_groups<F, 1, false>(acc, A, x, F::chunk_scale(c));
-    F::decode(d, A);
-    mma_groups<F, 1, false>(acc2, A, x, F::chunk_scale(d));
+    C a, b;
+    F::load(ra, nullptr, kok ? c0 : p.K - 32, false, a);
+    F::load(rb, nullptr, kok ? c0 : p.K - 32, false, b);
+    step(c0, a, b, kok);
   }
+}
+
+// One gated pair's 16 rows n0 .. n0 + 15 in the per-pair persistent form: gate (p.w, rows r1) and up (p.w2,
+// rows r2) of expert `expert` times x's row pair / TOPK, by two_set_chunks (on entry cur holds chunk 0 of
+// both: load_first_two), whose last step loads the first chunks of the warp's next pass `nx` (when nx.ok).
+// The store is pair_gemv_kernel's gated epilogue: the gate's sum times its fold on bf16's grid, activated and
+// rounded, times the up sum's rounded value, rounded.
+template <class F, bool NEXT>
+__device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r2, int64_t pair, int64_t expert,
+                                  int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
+  const uint16_t* const xr[1] = {p.x + (pair / p.TOPK) * p.sxm};
+  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, acc2[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  two_set_chunks<F, 1, NEXT>(p, r1, r2, xr, t, acc, acc2, cur, [&](typename F::C (&nxt)[2]) {
+    if (nx.ok)
+      load_first_two<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8),
+                        rows_of<F::kScaleRows>(p.w2, p.s2, p, nx.e, nx.n0 + g, nx.n0 + g + 8), p.K / kChunk,
+                        32 * t, nxt);
+  });
   // every column of the MMA's N holds the pair's sums: lane (g, 0) has rows g ([0]) and g + 8 ([2])
   if (t != 0) return;
   const float fold1 = F::fold(p.g, expert), fold2 = F::fold(p.g2, expert);
@@ -1126,16 +1144,11 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
 }
 
 // One pass of grouped_m32_kernel over a warp's 32 rows, two MMA tiles (rows ra: n0 + g, n0 + g + 8; rb: n0 + 16
-// + g, n0 + 24 + g), for NG token groups as pipelined_pass's: each step loads x once for both tiles, decodes
-// and multiplies chunk ch of each while chunk ch + 1 of both is in flight (the same code bytes in flight per
-// warp as pipelined_pass's two chunks of one tile). Each sum is added over K in the pipelined form's order:
-// the same bits.
+// + g, n0 + 24 + g), for NG token groups as pipelined_pass's, by two_set_chunks: each step loads x once for
+// both tiles. Each sum is added over K in the pipelined form's order: the same bits.
 template <class F, int NG>
 __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb, int64_t tok0, int64_t end,
                                 float fold, int64_t n0, int g, int t) {
-  using C = typename F::C;
-  const int64_t nfull = p.K / kChunk;
-  const int64_t lane_col = 32 * t;
   float acc[2][NG][4];
   const uint16_t* xr[NG];
 #pragma unroll
@@ -1145,46 +1158,9 @@ __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb,
 #pragma unroll
     for (int m = 0; m < 2; ++m) acc[m][grp][0] = acc[m][grp][1] = acc[m][grp][2] = acc[m][grp][3] = 0.0f;
   }
-  // chunk c0 of both tiles (codes a, b) into acc, x loaded once
-  const auto step = [&](int64_t c0, const C& a, const C& b, bool kok) {
-    U4 x[NG][4];
-    const U4 zero = {{0u, 0u, 0u, 0u}};
-#pragma unroll
-    for (int grp = 0; grp < NG; ++grp) {
-      if (kok)
-        load_x(xr[grp], c0, x[grp]);
-      else
-        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
-    }
-    uint32_t A[8][4];
-    F::decode(a, A);
-    mma_groups<F, NG, false>(acc[0], A, x, F::chunk_scale(a));
-    F::decode(b, A);
-    mma_groups<F, NG, false>(acc[1], A, x, F::chunk_scale(b));
-  };
-  C cur[2] = {}, nxt[2] = {};
-  if (nfull > 0) {
-    F::load(ra, nullptr, lane_col, false, cur[0]);
-    F::load(rb, nullptr, lane_col, false, cur[1]);
-  }
-  for (int64_t ch = 0; ch < nfull; ++ch) {
-    if (ch + 1 < nfull) {
-      F::load(ra, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
-      F::load(rb, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
-    }
-    step(ch * kChunk + lane_col, cur[0], cur[1], true);
-    cur[0] = nxt[0];
-    cur[1] = nxt[1];
-  }
-  // the partial chunk, as in grouped_wide_kernel
-  if (p.K % kChunk != 0) {
-    const int64_t c0 = nfull * kChunk + lane_col;
-    const bool kok = c0 < p.K;
-    C a, b;
-    F::load(ra, nullptr, kok ? c0 : p.K - 32, false, a);
-    F::load(rb, nullptr, kok ? c0 : p.K - 32, false, b);
-    step(c0, a, b, kok);
-  }
+  typename F::C cur[2] = {};
+  load_first_two<F>(ra, rb, p.K / kChunk, 32 * t, cur);
+  two_set_chunks<F, NG, false>(p, ra, rb, xr, t, acc[0], acc[1], cur, [](typename F::C (&)[2]) {});
   store_warp_tile<NG>(p, acc[0], tok0, end, fold, n0, g, t);
   store_warp_tile<NG>(p, acc[1], tok0, end, fold, n0 + kRows, g, t);
 }
@@ -1298,8 +1274,8 @@ __global__ void NVP_BOUNDS_OCC((persistent_ctas_per_sm<F, PER_PAIR, GATED>())) p
   if (!w.ok) return;
   C cur[2] = {};
   if constexpr (GATED)
-    load_first_gated<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8),
-                        rows_of<F::kScaleRows>(p.w2, p.s2, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
+    load_first_two<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8),
+                      rows_of<F::kScaleRows>(p.w2, p.s2, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
   else
     load_first_chunks<F>(rows_of<F::kScaleRows>(p.w, p.s, p, w.e, w.n0 + g, w.n0 + g + 8), nfull, 32 * t, cur);
   while (w.ok) {
