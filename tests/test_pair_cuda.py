@@ -676,6 +676,18 @@ def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
                              torch.tensor([1, 3], dtype=torch.int32))
 
 
+def test_pair_form_setting_is_checked_before_any_build(monkeypatch):
+    """pair_cuda.PAIR_FORM (read at call time) outside PAIR_FORMS is refused by name, before the library is
+    built or loaded."""
+    gen = torch.Generator().manual_seed(3)
+    w = _experts(2, 16, 64, gen)
+    monkeypatch.setattr(pair_cuda, "PAIR_FORM", "tall")
+    monkeypatch.setattr(pair_cuda, "_library", lambda *a: pytest.fail("built before the setting was checked"))
+    with pytest.raises(ValueError, match=r"PAIR_FORM = 'tall': expected one of \('split', 'persistent'\)"):
+        pair_cuda.launch_pair("nvfp4", torch.zeros(1, 64, dtype=torch.bfloat16),
+                              torch.zeros(2, dtype=torch.int64), w, None, torch.bfloat16, 2, 0)
+
+
 def test_grouped_kernel_setting_is_checked_and_falls_back_to_triton():
     gen = torch.Generator().manual_seed(0)
     w = _experts(2, 16, 128, gen)
