@@ -318,6 +318,19 @@ __device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
   for (int q = 0; q < 4; ++q) x[q] = ld16(xr + c0 + 8 * q);
 }
 
+// load_x for NG token groups (x's rows xr), or zeros where kok is false (a lane's columns past K).
+template <int NG>
+__device__ inline void load_x_groups(const uint16_t* const (&xr)[NG], int64_t c0, bool kok, U4 (&x)[NG][4]) {
+  const U4 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+  for (int grp = 0; grp < NG; ++grp) {
+    if (kok)
+      load_x(xr[grp], c0, x[grp]);
+    else
+      x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
+  }
+}
+
 // Word v rotated left by R bits (one funnel shift on the GPU).
 template <int R>
 __device__ inline uint32_t rotl(uint32_t v) {
@@ -986,15 +999,8 @@ __device__ inline void pipelined_pass(const Params& p, const Rows& r, int64_t to
     const bool kok = c0 < p.K;
     C c;
     F::load(r, nullptr, kok ? c0 : p.K - 32, false, c);
-    const U4 zero = {{0u, 0u, 0u, 0u}};
     U4 x[NG][4];
-#pragma unroll
-    for (int grp = 0; grp < NG; ++grp) {
-      if (kok)
-        load_x(xr[grp], c0, x[grp]);
-      else
-        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
-    }
+    load_x_groups<NG>(xr, c0, kok, x);
     uint32_t A[8][4];
     F::decode(c, A);
     mma_groups<F, NG, XP>(acc, A, x, F::chunk_scale(c));
@@ -1028,14 +1034,7 @@ __device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Row
   // the chunk at column c0 of both sets (codes a, b) into acc_a, acc_b; x zero past K (kok false)
   const auto step = [&](int64_t c0, const C& a, const C& b, bool kok) {
     U4 x[NG][4];
-    const U4 zero = {{0u, 0u, 0u, 0u}};
-#pragma unroll
-    for (int grp = 0; grp < NG; ++grp) {
-      if (kok)
-        load_x(xr[grp], c0, x[grp]);
-      else
-        x[grp][0] = x[grp][1] = x[grp][2] = x[grp][3] = zero;
-    }
+    load_x_groups<NG>(xr, c0, kok, x);
     uint32_t A[8][4];
     F::decode(a, A);
     mma_groups<F, NG, false>(acc_a, A, x, F::chunk_scale(a));
