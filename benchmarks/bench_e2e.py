@@ -709,7 +709,7 @@ def kernel_settings() -> dict[str, object]:
         "kernels.quant.block_fp8.PAIR_KERNEL": pair_cuda.KERNELS,
         "kernels.quant.block_fp8.GROUPED_KERNEL": pair_cuda.KERNELS,
         "kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT": float,
-        "kernels.quant.pair_cuda.GROUPED_FORM": pair_cuda.GROUPED_FORMS,
+        "kernels.quant.pair_cuda.GROUPED_FORM": pair_cuda.GROUPED_FORM_SETTINGS,
         "kernels.quant.pair_cuda.PAIR_FORM": pair_cuda.PAIR_FORMS,
         "kernels.quant.pair_cuda.X_PERM": bool,
         "kernels.quant.pair_cuda.PREFETCH": bool,

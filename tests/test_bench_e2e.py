@@ -402,7 +402,7 @@ def test_kernel_settings_are_parsed_by_type_and_refused_by_name(tmp_path, capsys
                        ("kernels.quant.nvfp4.__doc__=x", "is not a kernel setting"),
                        ("kernels.quant.nvfp4.GROUPED_KERNEL=bogus", "must be one of ('triton', 'cuda')"),
                        ("kernels.quant.nvfp4.GROUPED_KERNEL=", "must be one of"),
-                       ("kernels.quant.pair_cuda.GROUPED_FORM=tall", "must be one of ('split', 'wide'"),
+                       ("kernels.quant.pair_cuda.GROUPED_FORM=tall", "must be one of ('auto', 'split'"),
                        ("kernels.quant.pair_cuda.PDL=maybe", "is a bool; give true or false"),
                        ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=nan", "is a number >= 0"),
                        ("kernels.quant.block_fp8.GROUPED_CUDA_MIN_ROWS_PER_EXPERT=-5", "is a number >= 0"),

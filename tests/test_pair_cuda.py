@@ -558,9 +558,10 @@ def test_host_emulated_grouped_loads_stay_inside_and_read_the_codes_once_per_pas
 @needs_gxx
 @pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
 def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host_lib, case):
-    """X_PERM: the NVFP4 pipelined kernel fed x with each 8 columns in X_PERM_ORDER (permute_x_columns) takes
-    its words as the MMA's B registers unpermuted, and gives the natural layout's result bit for bit; the
-    flag on another form or format is refused (cudaErrorInvalidValue's place in the harness: 1)."""
+    """X_PERM: the NVFP4 pipelined and m32 kernels fed x with each 8 columns in X_PERM_ORDER
+    (permute_x_columns) take its words as the MMA's B registers unpermuted, and give the natural layout's
+    pipelined result bit for bit; the flag on another form or format is refused (cudaErrorInvalidValue's
+    place in the harness: 1)."""
     _, E, N, K, counts = GROUPED_CASES[case]
     gen = torch.Generator().manual_seed(5)
     w = _experts(E, N, K, gen)
@@ -568,14 +569,17 @@ def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host
     x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     want = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined")
-    got = _host_grouped(host_lib, "nvfp4", pair_cuda.permute_x_columns(x), w, offsets, form="pipelined",
-                        x_permuted=True)
-    assert torch.equal(got, want)
-    assert not torch.equal(_host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined", x_permuted=True),
-                           want)  # the flag does change how x is read
-    _host_grouped(host_lib, "nvfp4", x, w, offsets, form="wide", x_permuted=True, rc=1)
+    for form in ("pipelined", "m32"):
+        got = _host_grouped(host_lib, "nvfp4", pair_cuda.permute_x_columns(x), w, offsets, form=form,
+                            x_permuted=True)
+        assert torch.equal(got, want), form
+        assert not torch.equal(_host_grouped(host_lib, "nvfp4", x, w, offsets, form=form, x_permuted=True),
+                               want), form  # the flag does change how x is read
+    for form in ("wide", "split", "persistent"):
+        _host_grouped(host_lib, "nvfp4", x, w, offsets, form=form, x_permuted=True, rc=1, ctas=2)
     f8 = _fp8_experts(E, N, K, gen)
-    _host_grouped(host_lib, "block_fp8", x, f8, offsets, form="pipelined", x_permuted=True, rc=1)
+    for form in ("pipelined", "m32"):
+        _host_grouped(host_lib, "block_fp8", x, f8, offsets, form=form, x_permuted=True, rc=1)
 
 
 @needs_gxx
@@ -666,14 +670,35 @@ def test_permute_x_columns_moves_each_group_of_8_columns():
 
 
 def test_grouped_form_setting_is_checked_before_any_build(monkeypatch):
-    """pair_cuda.GROUPED_FORM (read at call time) outside GROUPED_FORMS is refused by name."""
+    """pair_cuda.GROUPED_FORM (read at call time) outside GROUPED_FORM_SETTINGS is refused by name."""
     gen = torch.Generator().manual_seed(3)
     w = _experts(2, 16, 64, gen)
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "tall")
-    forms = r"\('split', 'wide', 'pipelined', 'persistent', 'm32'\)"
+    forms = r"\('auto', 'split', 'wide', 'pipelined', 'persistent', 'm32'\)"
     with pytest.raises(ValueError, match=r"GROUPED_FORM = 'tall': expected one of " + forms):
         pair_cuda.grouped_mm("nvfp4", torch.zeros(3, 64, dtype=torch.bfloat16), w,
                              torch.tensor([1, 3], dtype=torch.int32))
+
+
+def test_grouped_form_auto_runs_m32_for_nvfp4_from_its_measured_rows_per_expert(monkeypatch):
+    """GROUPED_FORM "auto" (the default) picks the m32 form for the stored NVFP4 codes from
+    M32_MIN_ROWS_PER_EXPERT rows per expert and the pipelined form below it and for every other format; a
+    named form is run as named (a repacked format falling back to "pipelined" where the form has no repacked
+    build)."""
+    assert pair_cuda.GROUPED_FORM == "auto" and "auto" not in pair_cuda.GROUPED_FORMS
+    lo = pair_cuda.M32_MIN_ROWS_PER_EXPERT
+    assert pair_cuda.grouped_form("nvfp4", lo) == "m32"
+    assert pair_cuda.grouped_form("nvfp4", 11.0) == "m32"
+    assert pair_cuda.grouped_form("nvfp4", lo - 0.01) == "pipelined"
+    for fmt in ("block_fp8", "nvfp4_repacked", "block_fp8_repacked"):
+        assert pair_cuda.grouped_form(fmt, 11.0) == "pipelined"
+    monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "pipelined")
+    assert pair_cuda.grouped_form("nvfp4", 11.0) == "pipelined"
+    monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
+    assert pair_cuda.grouped_form("nvfp4", 0.1) == "wide"
+    assert pair_cuda.grouped_form("nvfp4_repacked", 0.1) == "pipelined"
+    monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "m32")
+    assert pair_cuda.grouped_form("block_fp8", 0.1) == "m32"
 
 
 def test_pair_form_setting_is_checked_before_any_build(monkeypatch):

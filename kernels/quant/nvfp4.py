@@ -861,7 +861,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 # Which kernel runs nvfp4_grouped_mm on the GPU: "triton" (this file's kernels) or "cuda" (the grouped form of
-# kernels/quant/pair_gemv.cu through pair_cuda.grouped_mm, in pair_cuda.GROUPED_FORM: the expert's rows as the
+# kernels/quant/pair_gemv.cu through pair_cuda.grouped_mm, in pair_cuda.grouped_form's form: the expert's rows as the
 # MMA's N, each weight chunk decoded once for all the rows of a pass). "cuda" runs each call it takes
 # (pair_cuda.grouped_unsupported) and leaves the others to Triton. Measured by bench_moe_gemv at Super V3's
 # experts (top-22 of 512) on an H100 (docs/kernel_performance.md, "The grouped CUDA kernel's pipelined

@@ -87,17 +87,27 @@ PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol and the launch attribute (Hopper)
 # latency: docs/kernel_performance.md, "The persistent forms of the routed experts' CUDA kernels").
 # "m32": grouped_m32_kernel, one CTA per 128 output rows and expert, each warp 32 rows (two MMA tiles) over all
 #   of K, each x fragment feeding both tiles: half the pipelined form's x loads per weight byte. The pipelined
-#   form's sums in the same order: the same bits. Not yet timed.
+#   form's sums in the same order: the same bits. On an H100 (Super V3's routed experts, the whole call) it is
+#   9 % faster than "pipelined" at 256 tokens (11 rows per expert), 2 % at 64 (2.75), 4 % slower at 8 (0.34);
+#   the batch-64 replay step at half depth 3.5 % faster (docs/kernel_performance.md, "The m32 grouped form").
+# "auto" (the default, not a kernel): grouped_form's measured rule, "m32" for the stored NVFP4 codes from
+#   M32_MIN_ROWS_PER_EXPERT rows per expert, "pipelined" elsewhere.
 GROUPED_FORMS = ("split", "wide", "pipelined", "persistent", "m32")
 REPACKED_FORMS = ("pipelined", "persistent", "m32")  # the grouped forms built for the repacked formats
-GROUPED_FORM = "pipelined"
-# X_PERM (read at call time; NVFP4 with GROUPED_FORM "pipelined" only, else ignored): grouped_mm copies x with
+GROUPED_FORM_SETTINGS = ("auto",) + GROUPED_FORMS  # what GROUPED_FORM takes
+GROUPED_FORM = "auto"
+# The fewest rows per expert (a launch's rows / experts) at which "auto" runs "m32" for "nvfp4": the lowest point
+# measured where m32 was the faster form (64 tokens of Super V3's top-22 of 512 experts); below it the nearest
+# measured point (8 tokens) had "pipelined" ahead.
+M32_MIN_ROWS_PER_EXPERT = 2.75
+# X_PERM (read at call time; NVFP4 in the grouped forms X_PERM_FORMS only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
 #   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
 #   codes' order). The same products in the same order: the same bits. Off: on an H100 it gained 2-4 % of
 #   Super V3's routed experts at 8 and 64 tokens and lost 2 % at 256 (docs/kernel_performance.md, "The NVFP4
 #   decode's instruction count"); the repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
+X_PERM_FORMS = ("pipelined", "m32")  # the grouped forms built to take x permuted (NVFP4)
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # The per-pair form's kernel (read at call time):
 # "split": pair_gemv_kernel, one CTA per (16 output rows, pair), its 4 warps splitting K and adding their sums
@@ -357,16 +367,20 @@ def permute_x_columns(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, 2, 4).transpose(2, 3).reshape(x.shape[0], -1)
 
 
-def grouped_form(fmt: str) -> str:
-    """The grouped form that runs format `fmt`: GROUPED_FORM, except that a repacked format runs "pipelined"
-    where GROUPED_FORM is not one of REPACKED_FORMS.
+def grouped_form(fmt: str, rows_per_expert: float) -> str:
+    """The grouped form (one of GROUPED_FORMS) that runs format `fmt` for a launch of `rows_per_expert` rows
+    per expert on average (its rows / its experts): GROUPED_FORM, except that "auto" is "m32" for "nvfp4" from
+    M32_MIN_ROWS_PER_EXPERT and "pipelined" elsewhere, and that a repacked format runs "pipelined" where the
+    form is not one of REPACKED_FORMS.
 
     Raises:
-        ValueError: GROUPED_FORM is not one of GROUPED_FORMS.
+        ValueError: GROUPED_FORM is not one of GROUPED_FORM_SETTINGS.
     """
-    if GROUPED_FORM not in GROUPED_FORMS:
+    if GROUPED_FORM not in GROUPED_FORM_SETTINGS:
         raise ValueError(f"kernels.quant.pair_cuda.GROUPED_FORM = {GROUPED_FORM!r}: expected one of "
-                         f"{GROUPED_FORMS}")
+                         f"{GROUPED_FORM_SETTINGS}")
+    if GROUPED_FORM == "auto":
+        return "m32" if fmt == "nvfp4" and rows_per_expert >= M32_MIN_ROWS_PER_EXPERT else "pipelined"
     if fmt in REPACKED and GROUPED_FORM not in REPACKED_FORMS:
         return "pipelined"
     return GROUPED_FORM
@@ -379,18 +393,19 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
     or "pipelined", per 16 with "split", 3 per SM walking those 64-row tiles with "persistent";
     the expert's rows are the MMA's N, up to 32 per pass over its weights (16 with "pipelined" and
-    "persistent"). With X_PERM (NVFP4, "pipelined") x is first copied with its columns permuted
-    (permute_x_columns). A repacked format runs grouped_form's form. Current stream, no synchronisation
+    "persistent", two 16-row tiles per warp with "m32"). With X_PERM (NVFP4, X_PERM_FORMS) x is first copied
+    with its columns permuted (permute_x_columns). The form is grouped_form's for x's rows per expert (the
+    default "auto": "m32" for NVFP4 from M32_MIN_ROWS_PER_EXPERT, else "pipelined"). Current stream, no synchronisation
     (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 
     Raises:
         ValueError: nvcc missing or failing, a stale library, an `out` that does not fit, a GROUPED_FORM not
-            in GROUPED_FORMS.
+            in GROUPED_FORM_SETTINGS.
         RuntimeError: the launch failed (the CUDA error's name).
     """
-    form = grouped_form(fmt)
+    form = grouped_form(fmt, x.shape[0] / max(offsets.numel(), 1))
     lib = _library(x.device, name, fmt)
     shape = (x.shape[0], w[0].shape[1])
     if out is None:
@@ -398,7 +413,7 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.device != x.device:
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    x_permuted = X_PERM and fmt == "nvfp4" and form == "pipelined"
+    x_permuted = X_PERM and fmt == "nvfp4" and form in X_PERM_FORMS
     if x_permuted:
         x = permute_x_columns(x)
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
