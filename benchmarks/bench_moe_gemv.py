@@ -37,8 +37,8 @@ weights), one row each:
   CTA, a warp per 16 over all of K) and "pipelined" (the wide grid, the next chunks' codes in flight),
   ``_cuda_persistent`` with "persistent" (3 CTAs per SM walking the pipelined form's tiles, the next pass's
   codes in flight across tiles);
-  ``grouped_mm_nvfp4_cuda_pipelined_xperm`` the pipelined form with pair_cuda.X_PERM (x copied with its
-  columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
+  ``grouped_mm_nvfp4_cuda_pipelined_xperm`` and ``_cuda_m32_xperm`` the pipelined and m32 forms with
+  pair_cuda.X_PERM (x copied with its columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
   ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16;
   ``moe_gemv_<fmt>_cuda_repacked_persistent`` and ``grouped_mm_<fmt>_cuda_repacked_persistent`` the
   persistent forms) on the same experts with their codes
@@ -221,8 +221,9 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         paths.append((f"grouped_mm_{fmt}_cuda" + ("" if form == "split" else f"_{form}"),
                       partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form), grouped_rows_scheme))
     if fmt == "nvfp4":
-        paths.append((f"grouped_mm_{fmt}_cuda_pipelined_xperm",
-                      partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="pipelined", X_PERM=True), None))
+        paths += [(f"grouped_mm_{fmt}_cuda_{form}_xperm",
+                   partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form, X_PERM=True), None)
+                  for form in pair_cuda.X_PERM_FORMS]
     # the same experts with their codes repacked (kernels.quant.<fmt>.repack_codes), run as pair_cuda's
     # "<fmt>_repacked" format: the per-pair kernel (block FP8: w8a16) and the grouped pipelined form
     import importlib

@@ -342,7 +342,8 @@ def cuda_pair_report() -> dict:
     pair_gemv_kernel instance's usage and ``loop_per_weight``, the main loop's body (`loop_body`: two
     128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x 64, twice that
     gated); and the grouped forms' usage (``<fmt>_cuda_grouped``, ``<fmt>_cuda_grouped_wide``,
-    ``<fmt>_cuda_grouped_pipelined``, ``nvfp4_cuda_grouped_pipelined_xperm``, ``<fmt>_cuda_grouped_persistent``;
+    ``<fmt>_cuda_grouped_pipelined``, ``<fmt>_cuda_grouped_m32``, ``nvfp4_cuda_grouped_pipelined_xperm``,
+    ``nvfp4_cuda_grouped_m32_xperm``, ``<fmt>_cuda_grouped_persistent``;
     the repacked formats the pipelined and persistent forms only), the pipelined and persistent ones with
     ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count); and the per-pair
     persistent form (``<fmt>_cuda_persistent`` and ``_gated``, every format) with its one K loop and
@@ -385,7 +386,8 @@ def cuda_pair_report() -> dict:
                                    ("grouped_wide_kernel", "_cuda_grouped_wide", ""),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined", "ELb0E"),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm", "ELb1E"),
-                                   ("grouped_m32_kernel", "_cuda_grouped_m32", ""),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32", "ELb0E"),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32_xperm", "ELb1E"),
                                    ("persistent_kernel", "_cuda_grouped_persistent", "ELb0ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent", "ELb1ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent_gated", "ELb1ELb1E")):

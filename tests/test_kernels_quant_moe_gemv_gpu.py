@@ -327,9 +327,9 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     GROUPED_FORMS) at the released expert shapes (Super V3 NVFP4 up, Qwen3-Next block FP8 w8a16 gate) with
     about 1, 11 (the batch-64 verify) and 40 rows per expert (up to 80: several passes over the weights):
     the grouped reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second
-    call; the pipelined form the wide form's bits (each sum in the same order), NVFP4's also with X_PERM,
-    eager and replayed from a CUDA graph; the persistent form (its default grid of 3 CTAs per SM) and the m32
-    form the pipelined form's bits, also replayed from a CUDA graph."""
+    call; the pipelined form the wide form's bits (each sum in the same order); NVFP4's pipelined and m32
+    forms the same bits with X_PERM, eager and replayed from a CUDA graph; the persistent form (its default
+    grid of 3 CTAs per SM) and the m32 form the pipelined form's bits, also replayed from a CUDA graph."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
     up = _experts(model)[0]
@@ -351,12 +351,12 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     _close(got, ref(x, *up, offsets, **kw))
     _close(got, triton_out)
     assert torch.equal(mm(x, *up, offsets, **kw), got)
+    if form in pair_cuda.X_PERM_FORMS and fmt == "nvfp4":  # X_PERM: x permuted, the same bits, also captured
+        monkeypatch.setattr(pair_cuda, "X_PERM", True)
+        assert torch.equal(mm(x, *up, offsets, **kw), got)
+        assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
+        monkeypatch.setattr(pair_cuda, "X_PERM", False)
     if form == "pipelined":
-        if fmt == "nvfp4":  # X_PERM: x copied with its columns permuted, the same bits, also captured
-            monkeypatch.setattr(pair_cuda, "X_PERM", True)
-            assert torch.equal(mm(x, *up, offsets, **kw), got)
-            assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
-            monkeypatch.setattr(pair_cuda, "X_PERM", False)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
     if form in ("persistent", "m32"):

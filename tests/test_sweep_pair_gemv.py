@@ -150,7 +150,8 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
     pipelined grouped entries carry their two K loops, the two-group one the longer, and the persistent form's
     walk across tiles spills nothing and adds nothing to its K loops (each within 5 % of the pipelined
     form's); the per-pair persistent form, gated or not, spills nothing, its loop a few instructions per
-    weight."""
+    weight; NVFP4's m32 forms (natural, X_PERM, repacked) spill nothing inside their two K loops, and X_PERM
+    drops the byte permutes from its two-group loop."""
     from benchmarks import compile_report
     from kernels import _nvcc
 
@@ -168,6 +169,11 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
         assert persistent["STACK"] == 0
         walk = [lp["instructions"] for lp in persistent["k_loops"]]
         assert len(walk) == 2 and all(w <= 1.05 * n for w, n in zip(walk, loops))
+    for name in ("nvfp4_cuda_grouped_m32", "nvfp4_cuda_grouped_m32_xperm", "nvfp4_repacked_cuda_grouped_m32"):
+        m32 = report[name]["k_loops"]  # the form built for NVFP4: no spill inside its K loops
+        assert len(m32) == 2 and not any(op.startswith(("LDL", "STL")) for lp in m32 for op in lp["opcodes"])
+    assert "PRMT" in report["nvfp4_cuda_grouped_m32"]["k_loops"][0]["opcodes"]
+    assert "PRMT" not in report["nvfp4_cuda_grouped_m32_xperm"]["k_loops"][0]["opcodes"]  # X_PERM's point
     for fmt in ("nvfp4", "block_fp8"):
         assert (report[f"{fmt}_repacked_cuda"]["loop_per_weight"]["instructions"]
                 < report[f"{fmt}_cuda"]["loop_per_weight"]["instructions"])

@@ -1024,7 +1024,7 @@ __device__ inline void load_first_two(const Rows& ra, const Rows& rb, int64_t nf
 // (load_first_two). With NEXT the last step is peeled and load_next(nxt) loads the next pass's first chunks
 // there, which cur holds on return; without it the loop is not peeled (at 128 registers the peeled form
 // spilled inside the m32 form's K loop). Each sum is added over K in column order (pipelined_pass's order).
-template <class F, int NG, bool NEXT, class LoadNext>
+template <class F, int NG, bool XP, bool NEXT, class LoadNext>
 __device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Rows& rb,
                                       const uint16_t* const (&xr)[NG], int t, float (&acc_a)[NG][4],
                                       float (&acc_b)[NG][4], typename F::C (&cur)[2], LoadNext&& load_next) {
@@ -1037,9 +1037,9 @@ __device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Row
     load_x_groups<NG>(xr, c0, kok, x);
     uint32_t A[8][4];
     F::decode(a, A);
-    mma_groups<F, NG, false>(acc_a, A, x, F::chunk_scale(a));
+    mma_groups<F, NG, XP>(acc_a, A, x, F::chunk_scale(a));
     F::decode(b, A);
-    mma_groups<F, NG, false>(acc_b, A, x, F::chunk_scale(b));
+    mma_groups<F, NG, XP>(acc_b, A, x, F::chunk_scale(b));
   };
   C nxt[2] = {};
   if constexpr (!NEXT) {  // nothing to load after the last chunk: no peeled step (fewer registers live)
@@ -1089,7 +1089,7 @@ __device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r
                                   int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
   const uint16_t* const xr[1] = {p.x + (pair / p.TOPK) * p.sxm};
   float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, acc2[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  two_set_chunks<F, 1, NEXT>(p, r1, r2, xr, t, acc, acc2, cur, [&](typename F::C (&nxt)[2]) {
+  two_set_chunks<F, 1, false, NEXT>(p, r1, r2, xr, t, acc, acc2, cur, [&](typename F::C (&nxt)[2]) {
     if (nx.ok)
       load_first_two<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8),
                         rows_of<F::kScaleRows>(p.w2, p.s2, p, nx.e, nx.n0 + g, nx.n0 + g + 8), p.K / kChunk,
@@ -1145,7 +1145,7 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
 // One pass of grouped_m32_kernel over a warp's 32 rows, two MMA tiles (rows ra: n0 + g, n0 + g + 8; rb: n0 + 16
 // + g, n0 + 24 + g), for NG token groups as pipelined_pass's, by two_set_chunks: each step loads x once for
 // both tiles. Each sum is added over K in the pipelined form's order: the same bits.
-template <class F, int NG>
+template <class F, int NG, bool XP>
 __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb, int64_t tok0, int64_t end,
                                 float fold, int64_t n0, int g, int t) {
   float acc[2][NG][4];
@@ -1159,7 +1159,7 @@ __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb,
   }
   typename F::C cur[2] = {};
   load_first_two<F>(ra, rb, p.K / kChunk, 32 * t, cur);
-  two_set_chunks<F, NG, false>(p, ra, rb, xr, t, acc[0], acc[1], cur, [](typename F::C (&)[2]) {});
+  two_set_chunks<F, NG, XP, false>(p, ra, rb, xr, t, acc[0], acc[1], cur, [](typename F::C (&)[2]) {});
   store_warp_tile<NG>(p, acc[0], tok0, end, fold, n0, g, t);
   store_warp_tile<NG>(p, acc[1], tok0, end, fold, n0 + kRows, g, t);
 }
@@ -1177,7 +1177,9 @@ constexpr int kM32Rows = 2 * kRows * kWarps;
 // sm_90 build at 4 CTAs per SM: NVFP4 128 / 124 registers (natural / repacked), its K loops without spills;
 // block FP8 spills inside its two-group loop, and this form is meant for NVFP4 (block FP8's pipelined form
 // reads near DRAM's peak already). N not a multiple of 32 makes a warp read a second, clamped tile's codes.
-template <class F>
+// With XP (NVFP4, pair_cuda.X_PERM) x's columns come permuted and each x word is an MMA B register as
+// loaded, as in grouped_pipelined_kernel<Nvfp4, true>: the same products in the same order, the same bits.
+template <class F, bool XP>
 __global__ void NVP_BOUNDS_OCC(4) grouped_m32_kernel(const Params p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t e = blockIdx.y;
@@ -1190,9 +1192,9 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_m32_kernel(const Params p) {
   const float fold = F::fold(p.g, e);
   for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
     if (end - tok0 > 8)
-      m32_pass<F, 2>(p, ra, rb, tok0, end, fold, n0, g, t);
+      m32_pass<F, 2, XP>(p, ra, rb, tok0, end, fold, n0, g, t);
     else
-      m32_pass<F, 1>(p, ra, rb, tok0, end, fold, n0, g, t);
+      m32_pass<F, 1, XP>(p, ra, rb, tok0, end, fold, n0, g, t);
   }
 }
 
@@ -1365,8 +1367,8 @@ inline void run_pair_persistent(const Params& p, Run&& run) {
 // gating, grouped form, x layout) to an instantiation and a grid, for the device launchers below and the host
 // harness. Per pair (grouped false): form 0 pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P);
 // form 3 persistent_kernel<F, true, gated> (every format) on persistent_grid. Grouped: form 3
-// persistent_kernel<F, false> (every format) on persistent_grid; form 4 grouped_m32_kernel (every format) on
-// (NOUT / 128, E); form 2 grouped_pipelined_kernel (every format;
+// persistent_kernel<F, false> (every format) on persistent_grid; form 4 grouped_m32_kernel (every format;
+// X_PERM NVFP4 only) on (NOUT / 128, E); form 2 grouped_pipelined_kernel (every format;
 // X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0 grouped_gemv_kernel
 // (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a combination without a
 // kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a
@@ -1401,7 +1403,7 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
       run(p.gated ? pair_gemv_kernel<BlockFp8Repacked, true> : pair_gemv_kernel<BlockFp8Repacked, false>, grid);
     return true;
   }
-  if (p.form < 0 || p.form > 4 || (p.xperm && (p.form != 2 || p.fmt != kFmtNvfp4)) ||
+  if (p.form < 0 || p.form > 4 || (p.xperm && ((p.form != 2 && p.form != 4) || p.fmt != kFmtNvfp4)) ||
       (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0 && p.sms <= 0))
     return false;
   if (p.form == 3) {
@@ -1416,13 +1418,13 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   } else if (p.form == 4) {
     const Grid grid = {(p.NOUT + kM32Rows - 1) / kM32Rows, p.E};
     if (p.fmt == kFmtNvfp4)
-      run(grouped_m32_kernel<Nvfp4>, grid);
+      run(p.xperm ? grouped_m32_kernel<Nvfp4, true> : grouped_m32_kernel<Nvfp4, false>, grid);
     else if (p.fmt == kFmtBlockFp8)
-      run(grouped_m32_kernel<BlockFp8>, grid);
+      run(grouped_m32_kernel<BlockFp8, false>, grid);
     else if (p.fmt == kFmtNvfp4Repacked)
-      run(grouped_m32_kernel<Nvfp4Repacked>, grid);
+      run(grouped_m32_kernel<Nvfp4Repacked, false>, grid);
     else
-      run(grouped_m32_kernel<BlockFp8Repacked>, grid);
+      run(grouped_m32_kernel<BlockFp8Repacked, false>, grid);
   } else if (p.form == 2) {
     const Grid grid = {tiles64, p.E};
     if (p.fmt == kFmtNvfp4)
