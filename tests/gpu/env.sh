@@ -23,7 +23,14 @@ gpu_env() {
     export PYTHONPATH=/tmp/site:$PWD
   fi
   # FlashInfer carried apart from the bundle (.device/flashinfer-trimmed.tgz: the checkout, the bundle and
-  # FlashInfer together exceed what one call carries, so a FlashInfer call may carry it without the bundle)
+  # FlashInfer together exceed what one call carries, so a FlashInfer call may carry it without the bundle).
+  # Since the checkout passed 40 MiB even the checkout and FlashInfer exceed one call: tests/gpu/split_fi.sh
+  # cuts it into .device/fi_part1 and .device/fi_part2, carried by two calls on one warm machine and joined here.
+  if [ ! -f .device/flashinfer-trimmed.tgz ] && [ -f .device/fi_part1/flashinfer-trimmed.tgz.part ] \
+      && [ -f .device/fi_part2/flashinfer-trimmed.tgz.part ]; then
+    cat .device/fi_part1/flashinfer-trimmed.tgz.part .device/fi_part2/flashinfer-trimmed.tgz.part \
+      >.device/flashinfer-trimmed.tgz || return 1
+  fi
   if [ -f .device/flashinfer-trimmed.tgz ] && [ ! -d /tmp/site/flashinfer ]; then
     mkdir -p /tmp/site && tar xzf .device/flashinfer-trimmed.tgz -C /tmp/site || return 1
     export PYTHONPATH=/tmp/site:$PWD
