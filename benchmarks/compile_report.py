@@ -314,10 +314,15 @@ def loop_body(sass: str) -> dict | None:
     return {"instructions": sum(body.values()), "opcodes": dict(body.most_common())}
 
 
+# Opcodes inner_loops counts in full in every loop (by the opcode before its first dot): the spills (LDL / STL)
+# and the byte permutes (PRMT) a loop's claims rest on, which the 10 most frequent opcodes may leave out.
+TRACKED_OPS = ("PRMT", "LDL", "STL")
+
+
 def inner_loops(sass: str) -> list[dict]:
     """Every loop of a kernel but its widest (`loop_body`'s): the bodies from each backward branch's target to
-    the branch, widest first, each {"instructions": n, "opcodes": the 10 most frequent}; an empty list with
-    fewer than two loops."""
+    the branch, widest first, each {"instructions": n, "opcodes": the 10 most frequent, "tracked": the full
+    count of each of TRACKED_OPS (0 included)}; an empty list with fewer than two loops."""
     lines = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*);", line)
@@ -332,7 +337,8 @@ def inner_loops(sass: str) -> list[dict]:
     out = []
     for lo, hi in spans[1:]:
         body = collections.Counter(op for addr, op in lines if lo <= addr <= hi)
-        out.append({"instructions": sum(body.values()), "opcodes": dict(body.most_common(10))})
+        tracked = {name: sum(n for op, n in body.items() if op.split(".")[0] == name) for name in TRACKED_OPS}
+        out.append({"instructions": sum(body.values()), "opcodes": dict(body.most_common(10)), "tracked": tracked})
     return out
 
 

@@ -557,7 +557,7 @@ def test_host_emulated_grouped_loads_stay_inside_and_read_the_codes_once_per_pas
 
 @needs_gxx
 @pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
-def test_host_emulated_pipelined_kernel_with_permuted_x_gives_the_same_bits(host_lib, case):
+def test_host_emulated_xperm_forms_with_permuted_x_give_the_same_bits(host_lib, case):
     """X_PERM: the NVFP4 pipelined and m32 kernels fed x with each 8 columns in X_PERM_ORDER
     (permute_x_columns) take its words as the MMA's B registers unpermuted, and give the natural layout's
     pipelined result bit for bit; the flag on another form or format is refused (cudaErrorInvalidValue's
@@ -699,6 +699,29 @@ def test_grouped_form_auto_runs_m32_for_nvfp4_from_its_measured_rows_per_expert(
     assert pair_cuda.grouped_form("nvfp4_repacked", 0.1) == "pipelined"
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "m32")
     assert pair_cuda.grouped_form("block_fp8", 0.1) == "m32"
+
+
+def test_grouped_mm_runs_the_form_of_its_rows_per_expert(monkeypatch):
+    """grouped_mm hands grouped_form x's rows over all of offsets' experts (empty ones included): Super V3's
+    64 tokens (64 x 22 pairs over 512 experts, 2.75 rows per expert) launch the m32 form, 63 tokens the
+    pipelined one; block FP8 the pipelined one. The launch is stopped at launch_args (no GPU here)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def launch_args(*args, form, **kwargs):
+        seen.append(form)
+        raise Stop
+
+    monkeypatch.setattr(pair_cuda, "_library", lambda *a: None)
+    monkeypatch.setattr(pair_cuda, "launch_args", launch_args)
+    w = (torch.zeros(512, 64, 32, dtype=torch.uint8),)
+    offsets = torch.zeros(512, dtype=torch.int32)
+    for fmt, tokens in (("nvfp4", 64), ("nvfp4", 63), ("block_fp8", 64)):
+        with pytest.raises(Stop):
+            pair_cuda.grouped_mm(fmt, torch.zeros(tokens * 22, 64, dtype=torch.bfloat16), w, offsets)
+    assert seen == ["m32", "pipelined", "pipelined"]
 
 
 def test_pair_form_setting_is_checked_before_any_build(monkeypatch):

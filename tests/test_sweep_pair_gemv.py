@@ -121,7 +121,8 @@ def test_the_loop_body_is_the_span_of_the_widest_backward_branch():
 
 def test_inner_loops_lists_every_loop_but_the_widest():
     """compile_report.inner_loops: the bodies of every backward branch but the widest, widest first (the
-    grouped kernels' K loops inside their pass loop)."""
+    grouped kernels' K loops inside their pass loop), with the full counts of the tracked opcodes (a spill's
+    STL.64 counted as STL)."""
     from benchmarks import compile_report
 
     sass = """
@@ -139,6 +140,10 @@ def test_inner_loops_lists_every_loop_but_the_widest():
     loops = compile_report.inner_loops(sass)
     assert [lp["instructions"] for lp in loops] == [4, 2]
     assert loops[0]["opcodes"] == {"FFMA": 1, "IADD3": 1, "HMUL2": 1, "BRA": 1}
+    assert loops[0]["tracked"] == {"PRMT": 0, "LDL": 0, "STL": 0}
+    spilled = sass.replace("FFMA R6, R5, R7, R6", "STL.64 [R1+0x8], R6").replace("HMUL2 R6, R5, R7",
+                                                                                "PRMT R6, R5, 0x5410, R7")
+    assert compile_report.inner_loops(spilled)[0]["tracked"] == {"PRMT": 1, "LDL": 0, "STL": 1}
     one_loop = sass.replace("@!P2 BRA 0x40", "NOP").replace("@!P1 BRA 0x20", "NOP")
     assert compile_report.inner_loops(one_loop) == []
 
@@ -150,8 +155,8 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
     pipelined grouped entries carry their two K loops, the two-group one the longer, and the persistent form's
     walk across tiles spills nothing and adds nothing to its K loops (each within 5 % of the pipelined
     form's); the per-pair persistent form, gated or not, spills nothing, its loop a few instructions per
-    weight; NVFP4's m32 forms (natural, X_PERM, repacked) spill nothing inside their two K loops, and X_PERM
-    drops the byte permutes from its two-group loop."""
+    weight; NVFP4's m32 forms (natural, X_PERM, repacked) spill nothing inside their two K loops (full LDL /
+    STL counts), and X_PERM drops x's byte permutes from its two-group loop (full PRMT counts)."""
     from benchmarks import compile_report
     from kernels import _nvcc
 
@@ -171,9 +176,13 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
         assert len(walk) == 2 and all(w <= 1.05 * n for w, n in zip(walk, loops))
     for name in ("nvfp4_cuda_grouped_m32", "nvfp4_cuda_grouped_m32_xperm", "nvfp4_repacked_cuda_grouped_m32"):
         m32 = report[name]["k_loops"]  # the form built for NVFP4: no spill inside its K loops
-        assert len(m32) == 2 and not any(op.startswith(("LDL", "STL")) for lp in m32 for op in lp["opcodes"])
-    assert "PRMT" in report["nvfp4_cuda_grouped_m32"]["k_loops"][0]["opcodes"]
-    assert "PRMT" not in report["nvfp4_cuda_grouped_m32_xperm"]["k_loops"][0]["opcodes"]  # X_PERM's point
+        assert len(m32) == 2 and all(lp["tracked"]["LDL"] == lp["tracked"]["STL"] == 0 for lp in m32)
+    # X_PERM's point: x's byte permutes leave the loop (two per MMA: 32 in the two-group loop); the PRMTs left
+    # are the decode's, as many as the repacked codes' loop has
+    natural, xperm, repacked = (report[f"{name}_cuda_grouped_m32"]["k_loops"][0]["tracked"]["PRMT"]
+                                for name in ("nvfp4", "nvfp4", "nvfp4_repacked"))
+    xperm = report["nvfp4_cuda_grouped_m32_xperm"]["k_loops"][0]["tracked"]["PRMT"]
+    assert xperm <= natural - 32 and xperm == repacked
     for fmt in ("nvfp4", "block_fp8"):
         assert (report[f"{fmt}_repacked_cuda"]["loop_per_weight"]["instructions"]
                 < report[f"{fmt}_cuda"]["loop_per_weight"]["instructions"])

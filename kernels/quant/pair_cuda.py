@@ -103,9 +103,12 @@ M32_MIN_ROWS_PER_EXPERT = 2.75
 # X_PERM (read at call time; NVFP4 in the grouped forms X_PERM_FORMS only, else ignored): grouped_mm copies x with
 #   each 8 columns in the order X_PERM_ORDER (permute_x_columns) and the kernel takes each x word as an MMA B
 #   register as loaded, where it otherwise spends two byte permutes per MMA pairing element i with i + 4 (the
-#   codes' order). The same products in the same order: the same bits. Off: on an H100 it gained 2-4 % of
-#   Super V3's routed experts at 8 and 64 tokens and lost 2 % at 256 (docs/kernel_performance.md, "The NVFP4
-#   decode's instruction count"); the repacked format "nvfp4_repacked" drops the same permutes with no copy.
+#   codes' order). The same products in the same order: the same bits. Off: on an H100 the pipelined form with
+#   it gained 2-4 % of Super V3's routed experts at 8 and 64 tokens and lost 2 % at 256 in one run
+#   (docs/kernel_performance.md, "The NVFP4 decode's instruction count"), and gained 4 / 6 / 1.6 % at 8 / 64 /
+#   256 in another (docs/gpu/m32_1/run1), where at 64 tokens it was ahead of m32 too. M32_MIN_ROWS_PER_EXPERT
+#   holds with X_PERM off; m32 with X_PERM is not yet timed (docs/gpu/m32_1/README.md's next call decides both).
+#   The repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
 X_PERM_FORMS = ("pipelined", "m32")  # the grouped forms built to take x permuted (NVFP4)
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -390,13 +393,13 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
                name: str = "grouped_mm") -> torch.Tensor:
     """Rows offsets[e - 1] .. offsets[e] - 1 of x [P, K] bf16 (sorted by expert) times expert e's matrix of
     format `fmt`, transposed: [P, N] bf16, each sum in fp32 rounded once (kernels/quant's grouped references;
-    rows past offsets[-1] are left unwritten). One CTA per (64 output rows, expert) with GROUPED_FORM "wide"
-    or "pipelined", per 16 with "split", 3 per SM walking those 64-row tiles with "persistent";
-    the expert's rows are the MMA's N, up to 32 per pass over its weights (16 with "pipelined" and
-    "persistent", two 16-row tiles per warp with "m32"). With X_PERM (NVFP4, X_PERM_FORMS) x is first copied
-    with its columns permuted (permute_x_columns). The form is grouped_form's for x's rows per expert (the
-    default "auto": "m32" for NVFP4 from M32_MIN_ROWS_PER_EXPERT, else "pipelined"). Current stream, no synchronisation
-    (CUDA-graph capturable).
+    rows past offsets[-1] are left unwritten). The form is grouped_form's for x's rows over offsets' experts
+    (the default "auto": "m32" for NVFP4 from M32_MIN_ROWS_PER_EXPERT, else "pipelined"). One CTA per (64
+    output rows, expert) with "wide" or "pipelined", per 128 with "m32" (each warp two 16-row tiles), per 16
+    with "split", 3 per SM walking the 64-row tiles with "persistent"; the expert's rows are the MMA's N, up
+    to 32 per pass over its weights (16 with "pipelined", "persistent" and "m32"). With X_PERM (NVFP4,
+    X_PERM_FORMS) x is first copied with its columns permuted (permute_x_columns). Current stream, no
+    synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
 

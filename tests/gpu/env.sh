@@ -29,7 +29,9 @@ gpu_env() {
   if [ ! -f .device/flashinfer-trimmed.tgz ] && [ -f .device/fi_part1/flashinfer-trimmed.tgz.part ] \
       && [ -f .device/fi_part2/flashinfer-trimmed.tgz.part ]; then
     cat .device/fi_part1/flashinfer-trimmed.tgz.part .device/fi_part2/flashinfer-trimmed.tgz.part \
-      >.device/flashinfer-trimmed.tgz || return 1
+      >.device/flashinfer-trimmed.tgz.tmp && gzip -t .device/flashinfer-trimmed.tgz.tmp \
+      && mv .device/flashinfer-trimmed.tgz.tmp .device/flashinfer-trimmed.tgz \
+      || { rm -f .device/flashinfer-trimmed.tgz.tmp; return 1; }  # never a truncated tarball left in place
   fi
   if [ -f .device/flashinfer-trimmed.tgz ] && [ ! -d /tmp/site/flashinfer ]; then
     mkdir -p /tmp/site && tar xzf .device/flashinfer-trimmed.tgz -C /tmp/site || return 1
