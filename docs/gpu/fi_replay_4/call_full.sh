@@ -6,6 +6,7 @@
 # batch 1 / 8 / 64, rewind and replay with each backend, per-step and checkpointing, with the sweep's table as
 # the engine's defaults. Carry as call 1.
 #   bash docs/gpu/fi_replay_4/call_full.sh OUT        about 450 s (E2E_BUDGET_S bounds the timed points)
+#   FULL_LAYERS="44 24" bash docs/gpu/fi_replay_4/call_full.sh OUT     on an H100: the release at half depth
 set -u
 OUT=${1:?OUT}
 t0=$SECONDS
@@ -20,7 +21,7 @@ source tests/gpu/env.sh
 gpu_start || exit 1
 python3 -c "import json; print(json.load(open('kernels/replay_defaults.json'))['backends'])"
 timeout ${E2E_TIMEOUT:-520} python3 -u -m benchmarks.bench_e2e --out $OUT/e2e --parts super_v3,super_v3_nvfp4 \
-  --full-layers 0 0 --graphs on --compile off --batch-sizes 1 8 64 --steps 16 \
+  --full-layers ${FULL_LAYERS:-0 0} --graphs on --compile off --batch-sizes 1 8 64 --steps 16 \
   --time-budget-s ${E2E_BUDGET_S:-440} \
   --arms rewind replay replay_triton replay_flashinfer replay_ckpt_triton replay_ckpt_flashinfer >$OUT/e2e.log 2>&1
 echo "bench_e2e rc=$? at $((SECONDS-t0)) s"
