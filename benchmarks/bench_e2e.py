@@ -712,6 +712,7 @@ def kernel_settings() -> dict[str, object]:
         "kernels.quant.pair_cuda.GROUPED_FORM": pair_cuda.GROUPED_FORM_SETTINGS,
         "kernels.quant.pair_cuda.PAIR_FORM": pair_cuda.PAIR_FORMS,
         "kernels.quant.pair_cuda.X_PERM": bool,
+        "kernels.quant.pair_cuda.GROUPED_PREFETCH": bool,
         "kernels.quant.pair_cuda.PREFETCH": bool,
         "kernels.quant.pair_cuda.PDL": bool,
         "runners.engine.models.moe.GLUE_KERNELS": bool,

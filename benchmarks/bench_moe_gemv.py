@@ -38,7 +38,8 @@ weights), one row each:
   ``_cuda_persistent`` with "persistent" (3 CTAs per SM walking the pipelined form's tiles, the next pass's
   codes in flight across tiles);
   ``grouped_mm_nvfp4_cuda_pipelined_xperm`` and ``_cuda_m32_xperm`` the pipelined and m32 forms with
-  pair_cuda.X_PERM (x copied with its columns permuted before each grouped product, the copy timed with it); ``moe_gemv_<fmt>_cuda_repacked`` and
+  pair_cuda.X_PERM (x copied with its columns permuted before each grouped product, the copy timed with it);
+  ``grouped_mm_nvfp4_cuda_m32_prefetch`` the m32 form with pair_cuda.GROUPED_PREFETCH (a rolling L2 prefetch); ``moe_gemv_<fmt>_cuda_repacked`` and
   ``grouped_mm_<fmt>_cuda_repacked`` the per-pair kernel and the grouped pipelined form (block FP8: w8a16;
   ``moe_gemv_<fmt>_cuda_repacked_persistent`` and ``grouped_mm_<fmt>_cuda_repacked_persistent`` the
   persistent forms) on the same experts with their codes
@@ -224,6 +225,8 @@ def quantized_rows(fmt: str, h, weights, indices, up, gate, down, act: str, meta
         paths += [(f"grouped_mm_{fmt}_cuda_{form}_xperm",
                    partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM=form, X_PERM=True), None)
                   for form in pair_cuda.X_PERM_FORMS]
+        paths.append((f"grouped_mm_{fmt}_cuda_m32_prefetch",
+                      partial(_cuda, fmt, grouped, "grouped", GROUPED_FORM="m32", GROUPED_PREFETCH=True), None))
     # the same experts with their codes repacked (kernels.quant.<fmt>.repack_codes), run as pair_cuda's
     # "<fmt>_repacked" format: the per-pair kernel (block FP8: w8a16) and the grouped pipelined form
     import importlib

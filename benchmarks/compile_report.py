@@ -349,7 +349,8 @@ def cuda_pair_report() -> dict:
     128-column chunks per warp step) over the weights a lane decodes per step (2 chunks x 64, twice that
     gated); and the grouped forms' usage (``<fmt>_cuda_grouped``, ``<fmt>_cuda_grouped_wide``,
     ``<fmt>_cuda_grouped_pipelined``, ``<fmt>_cuda_grouped_m32``, ``nvfp4_cuda_grouped_pipelined_xperm``,
-    ``nvfp4_cuda_grouped_m32_xperm``, ``<fmt>_cuda_grouped_persistent``;
+    ``nvfp4_cuda_grouped_m32_xperm``, ``nvfp4[_repacked]_cuda_grouped_m32_prefetch``,
+    ``<fmt>_cuda_grouped_persistent``;
     the repacked formats the pipelined and persistent forms only), the pipelined and persistent ones with
     ``k_loops`` (`inner_loops` over 100 instructions: one K loop per token-group count); and the per-pair
     persistent form (``<fmt>_cuda_persistent`` and ``_gated``, every format) with its one K loop and
@@ -392,15 +393,18 @@ def cuda_pair_report() -> dict:
                                    ("grouped_wide_kernel", "_cuda_grouped_wide", ""),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined", "ELb0E"),
                                    ("grouped_pipelined_kernel", "_cuda_grouped_pipelined_xperm", "ELb1E"),
-                                   ("grouped_m32_kernel", "_cuda_grouped_m32", "ELb0E"),
-                                   ("grouped_m32_kernel", "_cuda_grouped_m32_xperm", "ELb1E"),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32", "ELb0ELb0E"),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32_xperm", "ELb1ELb0E"),
+                                   ("grouped_m32_kernel", "_cuda_grouped_m32_prefetch", "ELb0ELb1E"),
                                    ("persistent_kernel", "_cuda_grouped_persistent", "ELb0ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent", "ELb1ELb0E"),
                                    ("persistent_kernel", "_cuda_persistent_gated", "ELb1ELb1E")):
             if suffix.endswith("_xperm") and fmt != "nvfp4":
                 continue  # X_PERM is NVFP4's only
+            if suffix.endswith("_prefetch") and fmt not in pair_cuda.GROUPED_PREFETCH_FORMATS:
+                continue  # the m32 form's rolling prefetch: NVFP4's (natural and repacked) only
             if fmt.endswith("_repacked") and suffix.startswith("_cuda_grouped") \
-                    and suffix.split("_")[-1] not in pair_cuda.REPACKED_FORMS:
+                    and (suffix.split("_") + [""])[3] not in pair_cuda.REPACKED_FORMS:  # "_cuda_grouped_<form>..."
                 continue  # the repacked formats run the pipelined and persistent grouped forms only
             inst = f"{kernel}INS_{tag}{xp}EEv" if xp else f"{kernel}INS_{tag}EEEv"
             fn_res = next(b for b in res.split("Function ")[1:] if inst in b.split(":")[0])

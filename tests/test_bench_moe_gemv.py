@@ -121,7 +121,8 @@ def test_quantized_rows_name_every_cuda_form_and_the_repacked_ones(monkeypatch):
     """quantized_rows (tiny experts on the CPU, the timing replaced by one that raises, so every row is an
     error row with its name) carries a grouped row per pair_cuda.GROUPED_FORMS and per REPACKED_FORMS on the
     repacked codes, the split and the repacked pipelined forms under their first names, and the per-pair
-    CUDA kernel in both PAIR_FORMS on natural and repacked codes; NVFP4 adds X_PERM's row per X_PERM_FORMS."""
+    CUDA kernel in both PAIR_FORMS on natural and repacked codes; NVFP4 adds X_PERM's row per X_PERM_FORMS
+    and GROUPED_PREFETCH's m32 row."""
     import torch
 
     from kernels.quant import pair_cuda
@@ -148,3 +149,4 @@ def test_quantized_rows_name_every_cuda_form_and_the_repacked_ones(monkeypatch):
                 f"moe_gemv_{fmt}_cuda", f"moe_gemv_{fmt}_cuda_persistent"} <= names
         xperm = {f"grouped_mm_{fmt}_cuda_{form}_xperm" for form in pair_cuda.X_PERM_FORMS}
         assert (xperm <= names) if fmt == "nvfp4" else not (xperm & names)  # X_PERM is NVFP4's alone
+        assert (f"grouped_mm_{fmt}_cuda_m32_prefetch" in names) == (fmt == "nvfp4")  # GROUPED_PREFETCH's row

@@ -328,7 +328,8 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     about 1, 11 (the batch-64 verify) and 40 rows per expert (up to 80: several passes over the weights):
     the grouped reference and the Triton grouped kernel within two bf16 ulps, the same bits on a second
     call; the pipelined form the wide form's bits (each sum in the same order); NVFP4's pipelined and m32
-    forms the same bits with X_PERM, eager and replayed from a CUDA graph; the persistent form (its default
+    forms the same bits with X_PERM, and its m32 form with GROUPED_PREFETCH, eager and replayed from a CUDA
+    graph; the persistent form (its default
     grid of 3 CTAs per SM) and the m32 form the pipelined form's bits, also replayed from a CUDA graph."""
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", form)
     fmt = SHAPES[model][0]
@@ -359,6 +360,11 @@ def test_cuda_grouped_kernel_vs_reference_and_triton(model, rows_per_expert, for
     if form == "pipelined":
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "wide")
         assert torch.equal(mm(x, *up, offsets, **kw), got)
+    if form == "m32" and fmt == "nvfp4":  # GROUPED_PREFETCH: the same loads asked ahead, the same bits
+        monkeypatch.setattr(pair_cuda, "GROUPED_PREFETCH", True)
+        assert torch.equal(mm(x, *up, offsets, **kw), got)
+        assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
+        monkeypatch.setattr(pair_cuda, "GROUPED_PREFETCH", False)
     if form in ("persistent", "m32"):
         assert torch.equal(_graph_replay(lambda: mm(x, *up, offsets, **kw)), got)
         monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "pipelined")

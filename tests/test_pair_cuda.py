@@ -447,14 +447,14 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
-def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0, ctas=None):
+def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0, ctas=None, prefetch=False):
     """The grouped launch in the host harness; the persistent form on 3 CTAs unless `ctas` says (fewer than
-    most cases' tiles: each CTA walks several)."""
+    most cases' tiles: each CTA walks several); `prefetch` the m32 form's rolling L2 prefetch."""
     out = torch.full((x.shape[0], w[0].shape[1]), float("nan"), dtype=torch.bfloat16)
     if ctas is None:
         ctas = 3 if form == "persistent" else 0
     c_ptrs, c_ints = pair_cuda.launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                           form=form, x_permuted=x_permuted, ctas=ctas)
+                                           form=form, x_permuted=x_permuted, ctas=ctas, prefetch=prefetch)
     lib.nvp_host_launch_grouped.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                             ctypes.POINTER(ctypes.c_longlong)]
     assert lib.nvp_host_launch_grouped(c_ptrs, c_ints) == rc
@@ -699,6 +699,45 @@ def test_grouped_form_auto_runs_m32_for_nvfp4_from_its_measured_rows_per_expert(
     assert pair_cuda.grouped_form("nvfp4_repacked", 0.1) == "pipelined"
     monkeypatch.setattr(pair_cuda, "GROUPED_FORM", "m32")
     assert pair_cuda.grouped_form("block_fp8", 0.1) == "m32"
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", [c for c in GROUPED_CASES if GROUPED_CASES[c][0] == "nvfp4"])
+def test_host_emulated_m32_prefetch_asks_ahead_for_exactly_what_the_loop_loads(host_lib, case):
+    """GROUPED_PREFETCH's rolling L2 prefetch in the m32 form (pair_gemv.cu two_set_chunks with PF), recorded
+    by the host harness: the same bits as without it (natural codes, and repacked against repacked); every
+    code address it asks for is one the loop loads, and every code load of a whole chunk past the first two
+    (which are loaded at once) was asked for; nothing else (the scales and the partial chunk are left to the
+    loop's loads). Other forms and formats refuse the flag (cudaErrorInvalidValue's place in the harness:
+    1)."""
+    _, E, N, K, counts = GROUPED_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    w = _experts(E, N, K, gen)
+    P = sum(counts)
+    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    host_lib.nvp_host_record(1)
+    plain = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="m32")
+    loads = _recorded(host_lib, 0)
+    host_lib.nvp_host_record(1)
+    fetched = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="m32", prefetch=True)
+    prefetches = _recorded(host_lib, 1)
+    host_lib.nvp_host_record(0)
+    assert torch.equal(fetched.view(torch.int16), plain.view(torch.int16))
+    lo, hi = _byte_range(w[0])
+    row_bytes = w[0].stride(1)  # K / 2 bytes of codes per output row; a 128-column chunk is 64 of them
+    code_loads = {a for a in loads if lo <= a < hi}
+    code_prefetches = {a for a in prefetches if lo <= a < hi}
+    assert code_prefetches <= code_loads
+    ahead = {a for a in code_loads if 2 <= (a - lo) % row_bytes // 64 < K // 128}  # whole chunks past two
+    assert ahead <= code_prefetches and (ahead or K < 384)
+    assert all(lo <= a < hi for a in prefetches)  # codes only
+    wr = (nf4.repack_codes(w[0]), *w[1:])
+    assert torch.equal(_host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="m32", prefetch=True),
+                       _host_grouped(host_lib, "nvfp4_repacked", x, wr, offsets, form="m32"))
+    _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined", prefetch=True, rc=1)
+    f8 = _fp8_experts(E, N, K, gen)
+    _host_grouped(host_lib, "block_fp8", x, f8, offsets, form="m32", prefetch=True, rc=1)
 
 
 def test_grouped_mm_runs_the_form_of_its_rows_per_expert(monkeypatch):

@@ -155,8 +155,9 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
     pipelined grouped entries carry their two K loops, the two-group one the longer, and the persistent form's
     walk across tiles spills nothing and adds nothing to its K loops (each within 5 % of the pipelined
     form's); the per-pair persistent form, gated or not, spills nothing, its loop a few instructions per
-    weight; NVFP4's m32 forms (natural, X_PERM, repacked) spill nothing inside their two K loops (full LDL /
-    STL counts), and X_PERM drops x's byte permutes from its two-group loop (full PRMT counts)."""
+    weight; NVFP4's m32 forms (natural, X_PERM, repacked, and both layouts prefetching) spill nothing inside
+    their two K loops (full LDL / STL counts), and X_PERM drops x's byte permutes from its two-group loop
+    (full PRMT counts)."""
     from benchmarks import compile_report
     from kernels import _nvcc
 
@@ -174,7 +175,8 @@ def test_the_cuda_report_reads_each_kernel_by_its_own_symbol():
         assert persistent["STACK"] == 0
         walk = [lp["instructions"] for lp in persistent["k_loops"]]
         assert len(walk) == 2 and all(w <= 1.05 * n for w, n in zip(walk, loops))
-    for name in ("nvfp4_cuda_grouped_m32", "nvfp4_cuda_grouped_m32_xperm", "nvfp4_repacked_cuda_grouped_m32"):
+    for name in ("nvfp4_cuda_grouped_m32", "nvfp4_cuda_grouped_m32_xperm", "nvfp4_repacked_cuda_grouped_m32",
+                 "nvfp4_cuda_grouped_m32_prefetch", "nvfp4_repacked_cuda_grouped_m32_prefetch"):
         m32 = report[name]["k_loops"]  # the form built for NVFP4: no spill inside its K loops
         assert len(m32) == 2 and all(lp["tracked"]["LDL"] == lp["tracked"]["STL"] == 0 for lp in m32)
     # X_PERM's point: x's byte permutes leave the loop (two per MMA: 32 in the two-group loop); the PRMTs left

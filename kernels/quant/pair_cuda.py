@@ -111,6 +111,14 @@ M32_MIN_ROWS_PER_EXPERT = 2.75
 #   The repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
 X_PERM_FORMS = ("pipelined", "m32")  # the grouped forms built to take x permuted (NVFP4)
+# GROUPED_PREFETCH (read at call time; the "m32" form of "nvfp4" / "nvfp4_repacked" only, else ignored): each
+#   warp asks for its codes and scales 4 chunks ahead into L2 (prefetch.global.L2, no registers), so more bytes
+#   are in flight than its registers hold; the m32 kernel still waited on global loads at 58-62 % of DRAM's
+#   peak (docs/kernel_performance.md, "The m32 grouped form"). The same loads: the same bits. Off: not yet
+#   timed (docs/gpu/m32_1/README.md's next call). Unlike PREFETCH (the per-pair form's up-front prefetch of a
+#   CTA's every chunk, slower at every point measured) it keeps a fixed distance ahead of the loads.
+GROUPED_PREFETCH = False
+GROUPED_PREFETCH_FORMATS = ("nvfp4", "nvfp4_repacked")
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # The per-pair form's kernel (read at call time):
 # "split": pair_gemv_kernel, one CTA per (16 output rows, pair), its 4 warps splitting K and adding their sums
@@ -398,7 +406,8 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
     output rows, expert) with "wide" or "pipelined", per 128 with "m32" (each warp two 16-row tiles), per 16
     with "split", 3 per SM walking the 64-row tiles with "persistent"; the expert's rows are the MMA's N, up
     to 32 per pass over its weights (16 with "pipelined", "persistent" and "m32"). With X_PERM (NVFP4,
-    X_PERM_FORMS) x is first copied with its columns permuted (permute_x_columns). Current stream, no
+    X_PERM_FORMS) x is first copied with its columns permuted (permute_x_columns); with GROUPED_PREFETCH
+    ("m32", NVFP4) each warp's codes are asked into L2 a few chunks ahead. Current stream, no
     synchronisation (CUDA-graph capturable).
     `grouped_unsupported` must have returned None; ``out``, when given, a row-contiguous [P, N] bf16 tensor
     (the callers' output_buffer) is written and returned.
@@ -417,10 +426,11 @@ def grouped_mm(fmt: str, x: torch.Tensor, w, offsets: torch.Tensor, out: torch.T
         raise ValueError(f"{name}: out must be a row-contiguous {shape} bfloat16 tensor on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     x_permuted = X_PERM and fmt == "nvfp4" and form in X_PERM_FORMS
+    prefetch = GROUPED_PREFETCH and form == "m32" and fmt in GROUPED_PREFETCH_FORMATS
     if x_permuted:
         x = permute_x_columns(x)
     c_ptrs, c_ints = launch_args(fmt, x, offsets, w, None, out, 1, 0, experts=offsets.numel(),
-                                 form=form, x_permuted=x_permuted)
+                                 form=form, x_permuted=x_permuted, prefetch=prefetch)
     with torch.cuda.device(x.device):
         rc = lib.nvp_launch_grouped(c_ptrs, c_ints, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if rc:

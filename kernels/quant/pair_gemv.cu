@@ -92,7 +92,7 @@ struct Params {
   int64_t sxm, swe, swn, sse, ssn, som;  // strides: x rows, out rows (elements); codes, scales (bytes)
   int64_t fmt;                           // kFmt*: 0 NVFP4, 1 block FP8, 2 / 3 their repacked forms
   int64_t E;                             // experts (the grouped form's grid)
-  int64_t prefetch;                      // per-pair form: 1 = the CTA's weights prefetched into L2 up front
+  int64_t prefetch;                      // per pair: 1 = the CTA's weights into L2 up front; m32: rolling
   int64_t pdl;                           // launch as a programmatic dependent of the previous kernel (host only)
   int64_t form;     // 0 split K, 1 wide, 2 pipelined, 3 persistent, 4 m32 (pair_cuda.GROUPED_FORMS; per pair 0, 3)
   int64_t xperm;    // pipelined NVFP4 only: x's columns stored permuted (pair_cuda.X_PERM)
@@ -293,25 +293,32 @@ __device__ inline Rows rows_of(const uint8_t* w, const uint8_t* s, const Params&
           s + expert * p.sse + (ra / SCALE_ROWS) * p.ssn, s + expert * p.sse + (rb / SCALE_ROWS) * p.ssn};
 }
 
-// This lane's share of the L2 prefetch of rows r's chunks ch0, ch0 + step, ... below K: the codes at its own
+// This lane's share of the L2 prefetch of rows r's chunk ch (prefetch_chunk; nothing past K) or of its chunks
+// ch0, ch0 + step, ... below K (prefetch_rows): the codes at its own
 // column c (the 4 lanes of a row cover the chunk's bytes of that row) and the chunk's scales, from lane t = 0
 // of each row pair (NVFP4: one scale row per output row) or from lane 0 alone (block FP8: the 16 rows share one
 // 128-row scale block). Bytes per code column: NVFP4 1 / 2, FP8 1.
 template <class F>
-__device__ inline void prefetch_rows(const Rows& r, int64_t K, int64_t ch0, int64_t step, int64_t lane_col,
-                                     int lane) {
-  const bool scales = F::kScaleRows == 1 ? (lane & 3) == 0 : lane == 0;
-  for (int64_t ch = ch0; ch * kChunk < K; ch += step) {
-    const int64_t c = ch * kChunk + lane_col;
-    if (c >= K) continue;
-    prefetch_l2(r.wa + F::code_offset(c));
-    prefetch_l2(r.wb + F::code_offset(c));
-    if (scales) {
-      prefetch_l2(r.sa + F::scale_offset(c));
-      if (F::kScaleRows == 1) prefetch_l2(r.sb + F::scale_offset(c));
-    }
+__device__ inline void prefetch_chunk(const Rows& r, int64_t K, int64_t ch, int64_t lane_col, int lane) {
+  const int64_t c = ch * kChunk + lane_col;
+  if (c >= K) return;
+  prefetch_l2(r.wa + F::code_offset(c));
+  prefetch_l2(r.wb + F::code_offset(c));
+  if (F::kScaleRows == 1 ? (lane & 3) == 0 : lane == 0) {
+    prefetch_l2(r.sa + F::scale_offset(c));
+    if (F::kScaleRows == 1) prefetch_l2(r.sb + F::scale_offset(c));
   }
 }
+
+template <class F>
+__device__ inline void prefetch_rows(const Rows& r, int64_t K, int64_t ch0, int64_t step, int64_t lane_col,
+                                     int lane) {
+  for (int64_t ch = ch0; ch * kChunk < K; ch += step) prefetch_chunk<F>(r, K, ch, lane_col, lane);
+}
+
+// How far ahead (in chunks, one chunk of each row set per step) the m32 form's rolling L2 prefetch asks:
+// 4 chunks of two 16-row tiles, 4 KB of NVFP4 codes per warp (64 KB per SM at 16 warps) beyond the registers'.
+constexpr int kPrefetchChunks = 4;
 
 __device__ inline void load_x(const uint16_t* xr, int64_t c0, U4 (&x)[4]) {
 #pragma unroll
@@ -1024,13 +1031,33 @@ __device__ inline void load_first_two(const Rows& ra, const Rows& rb, int64_t nf
 // (load_first_two). With NEXT the last step is peeled and load_next(nxt) loads the next pass's first chunks
 // there, which cur holds on return; without it the loop is not peeled (at 128 registers the peeled form
 // spilled inside the m32 form's K loop). Each sum is added over K in column order (pipelined_pass's order).
-template <class F, int NG, bool XP, bool NEXT, class LoadNext>
+template <class F, int NG, bool XP, bool NEXT, bool PF, class LoadNext>
 __device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Rows& rb,
                                       const uint16_t* const (&xr)[NG], int t, float (&acc_a)[NG][4],
                                       float (&acc_b)[NG][4], typename F::C (&cur)[2], LoadNext&& load_next) {
   using C = typename F::C;
   const int64_t nfull = p.K / kChunk;
   const int64_t lane_col = 32 * t;
+  // PF: the codes of whole chunk ch + kPrefetchChunks of both sets asked into L2 at step ch (chunks 2 ..
+  // kPrefetchChunks - 1 before the loop; chunks 0 and 1 are loaded at once), so the register loads of the
+  // chunks ahead find them there: bytes in flight beyond what the registers hold. Codes only (the scales are
+  // an eighth of NVFP4's bytes), whole chunks only (a uniform branch, no per-lane bound): four prefetch
+  // instructions a step.
+  const auto prefetch = [&](int64_t ch) {
+    if constexpr (PF) {
+      if (ch < nfull) {
+        const int64_t off = F::code_offset(ch * kChunk + lane_col);
+        prefetch_l2(ra.wa + off);
+        prefetch_l2(ra.wb + off);
+        prefetch_l2(rb.wa + off);
+        prefetch_l2(rb.wb + off);
+      }
+    }
+  };
+  if constexpr (PF) {
+#pragma unroll
+    for (int ch = 2; ch < kPrefetchChunks; ++ch) prefetch(ch);
+  }
   // the chunk at column c0 of both sets (codes a, b) into acc_a, acc_b; x zero past K (kok false)
   const auto step = [&](int64_t c0, const C& a, const C& b, bool kok) {
     U4 x[NG][4];
@@ -1044,6 +1071,7 @@ __device__ inline void two_set_chunks(const Params& p, const Rows& ra, const Row
   C nxt[2] = {};
   if constexpr (!NEXT) {  // nothing to load after the last chunk: no peeled step (fewer registers live)
     for (int64_t ch = 0; ch < nfull; ++ch) {
+      prefetch(ch + kPrefetchChunks);  // a no-op without PF, and past the whole chunks
       if (ch + 1 < nfull) {
         F::load(ra, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[0]);
         F::load(rb, nullptr, (ch + 1) * kChunk + lane_col, false, nxt[1]);
@@ -1089,7 +1117,7 @@ __device__ inline void gated_pass(const Params& p, const Rows& r1, const Rows& r
                                   int64_t n0, int g, int t, typename F::C (&cur)[2], const Work& nx) {
   const uint16_t* const xr[1] = {p.x + (pair / p.TOPK) * p.sxm};
   float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, acc2[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  two_set_chunks<F, 1, false, NEXT>(p, r1, r2, xr, t, acc, acc2, cur, [&](typename F::C (&nxt)[2]) {
+  two_set_chunks<F, 1, false, NEXT, false>(p, r1, r2, xr, t, acc, acc2, cur, [&](typename F::C (&nxt)[2]) {
     if (nx.ok)
       load_first_two<F>(rows_of<F::kScaleRows>(p.w, p.s, p, nx.e, nx.n0 + g, nx.n0 + g + 8),
                         rows_of<F::kScaleRows>(p.w2, p.s2, p, nx.e, nx.n0 + g, nx.n0 + g + 8), p.K / kChunk,
@@ -1145,7 +1173,7 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_pipelined_kernel(const Params p) {
 // One pass of grouped_m32_kernel over a warp's 32 rows, two MMA tiles (rows ra: n0 + g, n0 + g + 8; rb: n0 + 16
 // + g, n0 + 24 + g), for NG token groups as pipelined_pass's, by two_set_chunks: each step loads x once for
 // both tiles. Each sum is added over K in the pipelined form's order: the same bits.
-template <class F, int NG, bool XP>
+template <class F, int NG, bool XP, bool PF>
 __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb, int64_t tok0, int64_t end,
                                 float fold, int64_t n0, int g, int t) {
   float acc[2][NG][4];
@@ -1159,7 +1187,7 @@ __device__ inline void m32_pass(const Params& p, const Rows& ra, const Rows& rb,
   }
   typename F::C cur[2] = {};
   load_first_two<F>(ra, rb, p.K / kChunk, 32 * t, cur);
-  two_set_chunks<F, NG, XP, false>(p, ra, rb, xr, t, acc[0], acc[1], cur, [](typename F::C (&)[2]) {});
+  two_set_chunks<F, NG, XP, false, PF>(p, ra, rb, xr, t, acc[0], acc[1], cur, [](typename F::C (&)[2]) {});
   store_warp_tile<NG>(p, acc[0], tok0, end, fold, n0, g, t);
   store_warp_tile<NG>(p, acc[1], tok0, end, fold, n0 + kRows, g, t);
 }
@@ -1179,7 +1207,11 @@ constexpr int kM32Rows = 2 * kRows * kWarps;
 // reads near DRAM's peak already). N not a multiple of 32 makes a warp read a second, clamped tile's codes.
 // With XP (NVFP4, pair_cuda.X_PERM) x's columns come permuted and each x word is an MMA B register as
 // loaded, as in grouped_pipelined_kernel<Nvfp4, true>: the same products in the same order, the same bits.
-template <class F, bool XP>
+// With PF (NVFP4, natural or repacked; pair_cuda.GROUPED_PREFETCH, p.prefetch) each warp asks for its codes
+// and scales kPrefetchChunks chunks ahead into L2 (two_set_chunks): Nsight Compute found the m32 kernel's
+// warps still waiting on global loads with DRAM at 58-62 % of its peak (docs/kernel_performance.md, "The m32
+// grouped form"), each warp holding one step ahead in registers. The same loads: the same bits.
+template <class F, bool XP, bool PF = false>
 __global__ void NVP_BOUNDS_OCC(4) grouped_m32_kernel(const Params p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t e = blockIdx.y;
@@ -1192,9 +1224,9 @@ __global__ void NVP_BOUNDS_OCC(4) grouped_m32_kernel(const Params p) {
   const float fold = F::fold(p.g, e);
   for (int64_t tok0 = start; tok0 < end; tok0 += 16) {
     if (end - tok0 > 8)
-      m32_pass<F, 2, XP>(p, ra, rb, tok0, end, fold, n0, g, t);
+      m32_pass<F, 2, XP, PF>(p, ra, rb, tok0, end, fold, n0, g, t);
     else
-      m32_pass<F, 1, XP>(p, ra, rb, tok0, end, fold, n0, g, t);
+      m32_pass<F, 1, XP, PF>(p, ra, rb, tok0, end, fold, n0, g, t);
   }
 }
 
@@ -1368,11 +1400,11 @@ inline void run_pair_persistent(const Params& p, Run&& run) {
 // harness. Per pair (grouped false): form 0 pair_gemv_kernel of each format, gated or not, on (NOUT / 16, P);
 // form 3 persistent_kernel<F, true, gated> (every format) on persistent_grid. Grouped: form 3
 // persistent_kernel<F, false> (every format) on persistent_grid; form 4 grouped_m32_kernel (every format;
-// X_PERM NVFP4 only) on (NOUT / 128, E); form 2 grouped_pipelined_kernel (every format;
+// X_PERM NVFP4 only; prefetch NVFP4 natural and repacked only) on (NOUT / 128, E); form 2 grouped_pipelined_kernel (every format;
 // X_PERM NVFP4 only) and 1 grouped_wide_kernel (NVFP4 and block FP8) on (NOUT / 64, E); 0 grouped_gemv_kernel
 // (NVFP4 and block FP8) on (NOUT / 16, E). Returns false, having run nothing, for a combination without a
-// kernel (an unknown format or form, X_PERM elsewhere, a repacked format in grouped forms 0 and 1, a
-// persistent form with neither p.ctas nor p.sms).
+// kernel (an unknown format or form, X_PERM or a grouped prefetch elsewhere, a repacked format in grouped forms
+// 0 and 1, a persistent form with neither p.ctas nor p.sms).
 template <class Run>
 inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   if (p.fmt < kFmtNvfp4 || p.fmt > kFmtBlockFp8Repacked) return false;
@@ -1404,6 +1436,7 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
     return true;
   }
   if (p.form < 0 || p.form > 4 || (p.xperm && ((p.form != 2 && p.form != 4) || p.fmt != kFmtNvfp4)) ||
+      (p.prefetch && (p.form != 4 || (p.fmt != kFmtNvfp4 && p.fmt != kFmtNvfp4Repacked))) ||
       (repacked && p.form < 2) || (p.form == 3 && p.ctas <= 0 && p.sms <= 0))
     return false;
   if (p.form == 3) {
@@ -1418,11 +1451,14 @@ inline bool dispatch(const Params& p, bool grouped, Run&& run) {
   } else if (p.form == 4) {
     const Grid grid = {(p.NOUT + kM32Rows - 1) / kM32Rows, p.E};
     if (p.fmt == kFmtNvfp4)
-      run(p.xperm ? grouped_m32_kernel<Nvfp4, true> : grouped_m32_kernel<Nvfp4, false>, grid);
+      run(p.prefetch ? (p.xperm ? grouped_m32_kernel<Nvfp4, true, true> : grouped_m32_kernel<Nvfp4, false, true>)
+                     : (p.xperm ? grouped_m32_kernel<Nvfp4, true> : grouped_m32_kernel<Nvfp4, false>),
+          grid);
     else if (p.fmt == kFmtBlockFp8)
       run(grouped_m32_kernel<BlockFp8, false>, grid);
     else if (p.fmt == kFmtNvfp4Repacked)
-      run(grouped_m32_kernel<Nvfp4Repacked, false>, grid);
+      run(p.prefetch ? grouped_m32_kernel<Nvfp4Repacked, false, true> : grouped_m32_kernel<Nvfp4Repacked, false>,
+          grid);
     else
       run(grouped_m32_kernel<BlockFp8Repacked, false>, grid);
   } else if (p.form == 2) {
@@ -1525,7 +1561,8 @@ __attribute__((visibility("default"))) int nvp_launch(void* const* ptrs, const l
 }
 
 // The grouped form: ptrs as nvp_launch with idx = offsets (int32 [E], cumulative row ends); ints as nvp_launch
-// (TOPK, act, gated, prefetch and pdl unused) with ints[13] = E and ints[16] = the form: 3
+// (TOPK, act, gated and pdl unused; prefetch: the m32 form's rolling L2 prefetch, NVFP4 natural and repacked
+// only) with ints[13] = E and ints[16] = the form: 3
 // persistent_kernel on a grid of ints[18] CTAs, 4 grouped_m32_kernel on (NOUT / 128, E), 2
 // grouped_pipelined_kernel and 1 grouped_wide_kernel on
 // (NOUT / 64, E), 0 grouped_gemv_kernel on (NOUT / 16, E); ints[17] = xperm (x's columns stored permuted,

@@ -2,7 +2,8 @@
 # Issue 43, session 33: the m32 grouped form (kernels/quant/pair_gemv.cu grouped_m32_kernel: 32 output rows per
 # warp, each x fragment feeding two MMA tiles) on its first GPU. Its GPU tests (the m32 form against the
 # pipelined form's bits, eager and from a CUDA graph), bench_moe_gemv for Super V3 NVFP4 at 8 / 64 / 256 tokens
-# (rows grouped_mm_nvfp4_cuda_m32 and _cuda_repacked_m32 beside _cuda_pipelined, all in the same process) and
+# (rows grouped_mm_nvfp4_cuda_m32, _cuda_m32_xperm, _cuda_m32_prefetch and _cuda_repacked_m32 beside
+# _cuda_pipelined, all in the same process) and
 # Nsight Compute of the pipelined and m32 forms at 256 tokens. Either card; carry .gpu-bundle.
 #   bash docs/gpu/m32_1/call.sh OUT       about 250 s on an H100 (SKIP_NCU=1: about 120 s; BATCHES: the token counts)
 set -u
