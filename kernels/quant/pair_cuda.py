@@ -106,17 +106,17 @@ M32_MIN_ROWS_PER_EXPERT = 2.75
 #   codes' order). The same products in the same order: the same bits. Off: on an H100 the pipelined form with
 #   it gained 2-4 % of Super V3's routed experts at 8 and 64 tokens and lost 2 % at 256 in one run
 #   (docs/kernel_performance.md, "The NVFP4 decode's instruction count"), and gained 4 / 6 / 1.6 % at 8 / 64 /
-#   256 in another (docs/gpu/m32_1/run1), where at 64 tokens it was ahead of m32 too. M32_MIN_ROWS_PER_EXPERT
-#   holds with X_PERM off; m32 with X_PERM is not yet timed (docs/gpu/m32_1/README.md's next call decides both).
+#   256 in another (docs/kernel_performance.md, "The m32 grouped form"), where at 64 tokens it was ahead of m32
+#   too. M32_MIN_ROWS_PER_EXPERT holds with X_PERM off; m32 with X_PERM is not yet timed.
 #   The repacked format "nvfp4_repacked" drops the same permutes with no copy.
 X_PERM = False
 X_PERM_FORMS = ("pipelined", "m32")  # the grouped forms built to take x permuted (NVFP4)
 # GROUPED_PREFETCH (read at call time; the "m32" form of "nvfp4" / "nvfp4_repacked" only, else ignored): each
-#   warp asks for its codes and scales 4 chunks ahead into L2 (prefetch.global.L2, no registers), so more bytes
-#   are in flight than its registers hold; the m32 kernel still waited on global loads at 58-62 % of DRAM's
-#   peak (docs/kernel_performance.md, "The m32 grouped form"). The same loads: the same bits. Off: not yet
-#   timed (docs/gpu/m32_1/README.md's next call). Unlike PREFETCH (the per-pair form's up-front prefetch of a
-#   CTA's every chunk, slower at every point measured) it keeps a fixed distance ahead of the loads.
+#   warp asks for its codes 4 whole chunks ahead into L2 (prefetch.global.L2, no registers), so more bytes are
+#   in flight than its registers hold; the m32 kernel still waited on global loads at 58-62 % of DRAM's peak
+#   (docs/kernel_performance.md, "The m32 grouped form"). The same loads: the same bits. Off: not yet timed.
+#   Unlike PREFETCH (the per-pair form's up-front prefetch of a CTA's every chunk, slower at every point
+#   measured) it keeps a fixed distance ahead of the loads.
 GROUPED_PREFETCH = False
 GROUPED_PREFETCH_FORMATS = ("nvfp4", "nvfp4_repacked")
 X_PERM_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
