@@ -447,6 +447,16 @@ def test_no_nvcc_leaves_the_projection_to_triton(monkeypatch):
     assert nf4.pair_kernel_for(x, w, None, 2) == "triton"
 
 
+def _grouped_inputs(fmt, E, N, K, counts, seed, extra_rows=0):
+    """A grouped launch's inputs: E random experts [N, K] of `fmt` ("nvfp4" or "block_fp8"), x [sum(counts) +
+    extra_rows, K] bf16 (the extra rows past offsets[-1]) and the int32 offsets of `counts` rows per expert,
+    drawn in that order from a generator seeded `seed`, which is returned for what a test draws next."""
+    gen = torch.Generator().manual_seed(seed)
+    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    x = (torch.randn(sum(counts) + extra_rows, K, generator=gen) * 2).to(torch.bfloat16)
+    return w, x, torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32), gen
+
+
 def _host_grouped(lib, fmt, x, w, offsets, form="split", x_permuted=False, rc=0, ctas=None, prefetch=False):
     """The grouped launch in the host harness; the persistent form on 3 CTAs unless `ctas` says (fewer than
     most cases' tiles: each CTA walks several); `prefetch` the m32 form's rolling L2 prefetch."""
@@ -491,11 +501,8 @@ def test_host_emulated_grouped_kernel_matches_the_grouped_reference(host_lib, ca
     codes in flight across tiles); the expert's rows are the MMA's N. The pipelined and persistent forms add
     each sum in the wide form's order: the same bits."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
-    gen = torch.Generator().manual_seed(11)
-    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    w, x, offsets, _ = _grouped_inputs(fmt, E, N, K, counts, 11, extra_rows=3)  # 3 rows past offsets[-1]
     P = sum(counts)
-    x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)  # 3 rows past offsets[-1]
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     got = _host_grouped(host_lib, fmt, x, w, offsets, form=form)
     if form in ("pipelined", "persistent", "m32"):  # NaN rows past offsets[-1] in both
         assert torch.equal(got[:P], _host_grouped(host_lib, fmt, x, w, offsets, form="wide")[:P])
@@ -535,11 +542,7 @@ def test_host_emulated_grouped_loads_stay_inside_and_read_the_codes_once_per_pas
     ceil(rows / ROWS_PER_PASS) passes. A lookahead past the last chunk, or more passes than the form's, would
     change the count (or leave the tensors)."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
-    gen = torch.Generator().manual_seed(7)
-    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
-    P = sum(counts)
-    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    w, x, offsets, _ = _grouped_inputs(fmt, E, N, K, counts, 7)
     host_lib.nvp_host_record(1)
     _host_grouped(host_lib, fmt, x, w, offsets, form=form)
     loads = _recorded(host_lib, 0)
@@ -563,11 +566,7 @@ def test_host_emulated_xperm_forms_with_permuted_x_give_the_same_bits(host_lib, 
     pipelined result bit for bit; the flag on another form or format is refused (cudaErrorInvalidValue's
     place in the harness: 1)."""
     _, E, N, K, counts = GROUPED_CASES[case]
-    gen = torch.Generator().manual_seed(5)
-    w = _experts(E, N, K, gen)
-    P = sum(counts)
-    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    w, x, offsets, gen = _grouped_inputs("nvfp4", E, N, K, counts, 5)
     want = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="pipelined")
     for form in ("pipelined", "m32"):
         got = _host_grouped(host_lib, "nvfp4", pair_cuda.permute_x_columns(x), w, offsets, form=form,
@@ -592,11 +591,8 @@ def test_host_emulated_grouped_repacked_kernel_matches_the_grouped_reference(hos
     chunk and pass of 16 rows; the other forms and X_PERM are refused for it (cudaErrorInvalidValue's place in
     the harness: 1)."""
     fmt, E, N, K, counts = GROUPED_CASES[case]
-    gen = torch.Generator().manual_seed(13)
-    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
+    w, x, offsets, _ = _grouped_inputs(fmt, E, N, K, counts, 13, extra_rows=3)  # 3 rows past offsets[-1]
     P = sum(counts)
-    x = (torch.randn(P + 3, K, generator=gen) * 2).to(torch.bfloat16)
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     wr = _repack(fmt, w)
     repacked = f"{fmt}_repacked"
     if fmt == "nvfp4":
@@ -641,11 +637,7 @@ def test_host_emulated_persistent_kernel_gives_the_same_bits_on_any_grid(host_li
     per SM before the dispatch); the dispatch itself refuses it (cudaErrorInvalidValue's place in the harness:
     1)."""
     E, N, K, counts = 5, 72, 640, (0, 20, 0, 3, 9)
-    gen = torch.Generator().manual_seed(17)
-    w = _experts(E, N, K, gen) if fmt == "nvfp4" else _fp8_experts(E, N, K, gen)
-    P = sum(counts)
-    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    w, x, offsets, _ = _grouped_inputs(fmt, E, N, K, counts, 17)
     want = _host_grouped(host_lib, fmt, x, w, offsets, form="pipelined")
     assert not want.isnan().any()
     tiles = -(-N // 64) * E
@@ -711,11 +703,7 @@ def test_host_emulated_m32_prefetch_asks_ahead_for_exactly_what_the_loop_loads(h
     loop's loads). Other forms and formats refuse the flag (cudaErrorInvalidValue's place in the harness:
     1)."""
     _, E, N, K, counts = GROUPED_CASES[case]
-    gen = torch.Generator().manual_seed(7)
-    w = _experts(E, N, K, gen)
-    P = sum(counts)
-    x = (torch.randn(P, K, generator=gen) * 2).to(torch.bfloat16)
-    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    w, x, offsets, gen = _grouped_inputs("nvfp4", E, N, K, counts, 7)
     host_lib.nvp_host_record(1)
     plain = _host_grouped(host_lib, "nvfp4", x, w, offsets, form="m32")
     loads = _recorded(host_lib, 0)

@@ -293,27 +293,24 @@ __device__ inline Rows rows_of(const uint8_t* w, const uint8_t* s, const Params&
           s + expert * p.sse + (ra / SCALE_ROWS) * p.ssn, s + expert * p.sse + (rb / SCALE_ROWS) * p.ssn};
 }
 
-// This lane's share of the L2 prefetch of rows r's chunk ch (prefetch_chunk; nothing past K) or of its chunks
-// ch0, ch0 + step, ... below K (prefetch_rows): the codes at its own
+// This lane's share of the L2 prefetch of rows r's chunks ch0, ch0 + step, ... below K: the codes at its own
 // column c (the 4 lanes of a row cover the chunk's bytes of that row) and the chunk's scales, from lane t = 0
 // of each row pair (NVFP4: one scale row per output row) or from lane 0 alone (block FP8: the 16 rows share one
 // 128-row scale block). Bytes per code column: NVFP4 1 / 2, FP8 1.
 template <class F>
-__device__ inline void prefetch_chunk(const Rows& r, int64_t K, int64_t ch, int64_t lane_col, int lane) {
-  const int64_t c = ch * kChunk + lane_col;
-  if (c >= K) return;
-  prefetch_l2(r.wa + F::code_offset(c));
-  prefetch_l2(r.wb + F::code_offset(c));
-  if (F::kScaleRows == 1 ? (lane & 3) == 0 : lane == 0) {
-    prefetch_l2(r.sa + F::scale_offset(c));
-    if (F::kScaleRows == 1) prefetch_l2(r.sb + F::scale_offset(c));
-  }
-}
-
-template <class F>
 __device__ inline void prefetch_rows(const Rows& r, int64_t K, int64_t ch0, int64_t step, int64_t lane_col,
                                      int lane) {
-  for (int64_t ch = ch0; ch * kChunk < K; ch += step) prefetch_chunk<F>(r, K, ch, lane_col, lane);
+  const bool scales = F::kScaleRows == 1 ? (lane & 3) == 0 : lane == 0;
+  for (int64_t ch = ch0; ch * kChunk < K; ch += step) {
+    const int64_t c = ch * kChunk + lane_col;
+    if (c >= K) continue;
+    prefetch_l2(r.wa + F::code_offset(c));
+    prefetch_l2(r.wb + F::code_offset(c));
+    if (scales) {
+      prefetch_l2(r.sa + F::scale_offset(c));
+      if (F::kScaleRows == 1) prefetch_l2(r.sb + F::scale_offset(c));
+    }
+  }
 }
 
 // How far ahead (in chunks, one chunk of each row set per step) the m32 form's rolling L2 prefetch asks:
